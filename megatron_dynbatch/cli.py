@@ -1,0 +1,178 @@
+"""The ``megatron-dynbatch`` command: ``plan`` a schedule, ``verify`` it on real Megatron-Core.
+
+``plan`` imports only the pure planner, so it answers in milliseconds without torch. User errors
+(``ValueError``) print one line to stderr and exit 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from typing import List, Optional
+
+__all__ = ["main", "build_parser"]
+
+
+def _add_layout_args(parser: argparse.ArgumentParser, *, require_cap: bool) -> None:
+    parser.add_argument("--dp-size", type=int, default=1, help="data-parallel size (default 1)")
+    parser.add_argument("--pp-size", type=int, default=1, help="pipeline-parallel size (default 1)")
+    parser.add_argument(
+        "--vpp-size", type=int, default=1, help="virtual pipeline chunks per stage (default 1)"
+    )
+    parser.add_argument(
+        "--microbatch-group-size-per-vp-stage",
+        type=int,
+        default=None,
+        help="Megatron's interleaving group (default: pp-size)",
+    )
+    parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size (default 1)")
+    parser.add_argument("--cp-size", type=int, default=1, help="context-parallel size (default 1)")
+    parser.add_argument(
+        "--max-tokens-per-gpu",
+        type=int,
+        required=require_cap,
+        default=None,
+        help="hard token cap of one micro-batch on one GPU",
+    )
+    parser.add_argument(
+        "--layout", choices=("packed", "padded"), default="packed", help="micro-batch layout"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatron-dynbatch",
+        description="Dynamic token-budget micro-batching for Megatron-Core.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    plan = sub.add_parser("plan", help="plan the micro-batch schedule of a list of samples")
+    plan.add_argument("samples", help="SAMPLES.json: array of lengths or {length, rollout, prompt_length}")
+    _add_layout_args(plan, require_cap=True)
+    plan.add_argument(
+        "--rollouts-per-step",
+        type=int,
+        default=None,
+        help="rollouts (prompt groups) per optimizer step (default: all in one step)",
+    )
+    plan.add_argument("--cost-attention-weight", type=float, default=0.0, help="b in a*L + b*L^2")
+    plan.add_argument("--cost-response-weight", type=float, default=0.0, help="weight of response tokens")
+    plan.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    plan.add_argument("--plot", default=None, metavar="FILE.png", help="draw the first step to a PNG")
+
+    verify = sub.add_parser("verify", help="check dynamic batching against a reference on Megatron-Core")
+    _add_layout_args(verify, require_cap=False)
+    verify.add_argument(
+        "--loss",
+        choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "sum"),
+        default="token-mean",
+    )
+    verify.add_argument("--samples", default=None, help="SAMPLES.json (default: a bundled set)")
+    verify.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    return parser
+
+
+def _load_samples(path: str):
+    from .planning import parse_samples_json
+
+    try:
+        if path == "-":
+            data = json.load(sys.stdin)
+        else:
+            with open(path, encoding="utf-8") as handle:
+                data = json.load(handle)
+    except OSError as exc:
+        raise ValueError(f"cannot read SAMPLES.json {path!r}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path!r} is not valid JSON: {exc}") from None
+    return parse_samples_json(data)
+
+
+def _planner_config(args, rollouts_per_step=None):
+    from .planning import CostModel, ParallelLayout, PlannerConfig
+
+    return PlannerConfig(
+        max_tokens_per_gpu=args.max_tokens_per_gpu,
+        parallel=ParallelLayout(
+            dp_size=args.dp_size,
+            pp_size=args.pp_size,
+            vpp_size=args.vpp_size,
+            microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
+            tp_size=args.tp_size,
+            cp_size=args.cp_size,
+        ),
+        rollouts_per_step=rollouts_per_step,
+        layout=args.layout,
+        cost=CostModel(
+            attention_weight=getattr(args, "cost_attention_weight", 0.0),
+            response_weight=getattr(args, "cost_response_weight", 0.0),
+        ),
+    )
+
+
+def _format_table(plan) -> str:
+    header = (
+        f"{'step':>4} {'rollouts':>8} {'samples':>7} {'M/rank':>6} {'S':>7} {'B':>3} "
+        f"{'fill':>6} {'dp_imb':>7} {'placeh':>6} {'oversize':>8}"
+    )
+    lines = [f"layout={plan.layout} dp_size={plan.dp_size} token_cap={plan.token_cap}", header]
+    for s, step in enumerate(plan.steps):
+        num_samples = sum(len(mb) for rank in step.ranks for mb in rank)
+        lines.append(
+            f"{s:>4} {step.num_rollouts:>8} {num_samples:>7} {step.num_microbatches:>6} "
+            f"{step.seq_length:>7} {step.micro_batch_size:>3} {step.fill:>6.3f} "
+            f"{step.dp_imbalance:>7.4f} {step.num_placeholders:>6} {len(step.oversize_samples):>8}"
+        )
+    st = plan.stats
+    lines.append(
+        f"total: {st.num_samples} samples, {st.num_microbatches} micro-batches "
+        f"({st.num_placeholders} placeholders; lower bound {st.lower_bound_microbatches} real), "
+        f"fill {st.fill:.3f}, worst DP imbalance {st.dp_imbalance:.4f}"
+    )
+    if st.oversize_samples:
+        lines.append(f"oversize samples (alone, over the cap): {list(st.oversize_samples)}")
+    return "\n".join(lines)
+
+
+def _cmd_plan(args) -> int:
+    from .planning import plan_samples
+
+    samples = _load_samples(args.samples)
+    config = _planner_config(args, args.rollouts_per_step)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = plan_samples(samples, config)
+    for warning in caught:
+        print(f"warning: {warning.message}", file=sys.stderr)
+    if args.plot:
+        from .plotting import plot_step
+
+        plot_step(plan, 0, samples, config, args.plot)
+    if args.json:
+        print(json.dumps(plan.to_dict()))
+    else:
+        print(_format_table(plan))
+    return 0
+
+
+def _cmd_verify(args) -> int:
+    from .megatron.verify import run_verify_cli
+
+    return run_verify_cli(args)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "plan":
+            return _cmd_plan(args)
+        return _cmd_verify(args)
+    except ValueError as exc:
+        print(f"megatron-dynbatch {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""The pure planning core: standard library only (no torch, no megatron, no I/O).
+
+Lengths in, index lists out: :func:`plan_schedule` turns per-sample token lengths (and rollout ids)
+into one schedule that every rank derives identically.
+"""
+
+from .invariants import PlanInvariantError, check_plan
+from .plan import Plan, PlanStats, StepPlan
+from .planner import OversizeSampleWarning, plan_samples, plan_schedule
+from .samples import SampleSet, parse_samples_json
+from .spec import CostModel, ParallelLayout, PlannerConfig, round_up, sample_multiple
+
+__all__ = [
+    "CostModel",
+    "OversizeSampleWarning",
+    "ParallelLayout",
+    "Plan",
+    "PlanInvariantError",
+    "PlanStats",
+    "PlannerConfig",
+    "SampleSet",
+    "StepPlan",
+    "check_plan",
+    "parse_samples_json",
+    "plan_samples",
+    "plan_schedule",
+    "round_up",
+    "sample_multiple",
+]

@@ -1,0 +1,147 @@
+"""The planner's output: per optimizer step, per DP rank, an ordered list of micro-batches.
+
+A micro-batch is a tuple of global sample indices; an empty tuple is a placeholder micro-batch (a
+full-shape, loss-masked row the runtime fabricates so every rank runs the same schedule).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Dict, List, Tuple
+
+__all__ = ["StepPlan", "PlanStats", "Plan"]
+
+MicroBatch = Tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The schedule of one optimizer step."""
+
+    num_microbatches: int
+    """Micro-batches per DP rank (what Megatron's ``get_forward_backward_func()`` is given)."""
+    seq_length: int
+    """Uniform row length S of every micro-batch of the step, placeholders included."""
+    micro_batch_size: int
+    """Rows per micro-batch: 1 for ``packed``, B for ``padded``."""
+    ranks: Tuple[Tuple[MicroBatch, ...], ...]
+    """``ranks[r][m]``: global sample indices of micro-batch ``m`` on DP rank ``r``; ``()`` = placeholder."""
+    num_rollouts: int
+    """Rollouts (prompt groups / trajectories) trained in this step."""
+    num_placeholders: int
+    """Placeholder micro-batches in this step, over all ranks."""
+    real_tokens: int
+    """Sum of the (unpadded) lengths of the step's samples."""
+    fill: float
+    """real_tokens / (dp * M * B * S): the share of computed tokens that are real."""
+    dp_imbalance: float
+    """max / mean over ranks of real tokens."""
+    dp_imbalance_cost: float
+    """max / mean over ranks of the cost model."""
+    oversize_samples: Tuple[int, ...]
+    """Samples longer than the cap, each alone in its micro-batch."""
+    lower_bound_microbatches: int
+    """A lower bound on the real (non-placeholder) micro-batches of the step, all ranks."""
+
+    def rank_microbatches(self, dp_rank: int) -> Tuple[MicroBatch, ...]:
+        """The ordered micro-batches of one DP rank."""
+        if not 0 <= dp_rank < len(self.ranks):
+            raise ValueError(f"dp_rank={dp_rank} is outside [0, {len(self.ranks)}) for this plan.")
+        return self.ranks[dp_rank]
+
+    def sample_indices(self) -> Tuple[int, ...]:
+        """Every sample of the step, sorted."""
+        return tuple(sorted(i for rank in self.ranks for mb in rank for i in mb))
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "num_microbatches": self.num_microbatches,
+            "seq_length": self.seq_length,
+            "micro_batch_size": self.micro_batch_size,
+            "ranks": [[list(mb) for mb in rank] for rank in self.ranks],
+            "num_rollouts": self.num_rollouts,
+            "num_placeholders": self.num_placeholders,
+            "real_tokens": self.real_tokens,
+            "fill": self.fill,
+            "dp_imbalance": self.dp_imbalance,
+            "dp_imbalance_cost": self.dp_imbalance_cost,
+            "oversize_samples": list(self.oversize_samples),
+            "lower_bound_microbatches": self.lower_bound_microbatches,
+        }
+
+
+@dataclass(frozen=True)
+class PlanStats:
+    """Whole-plan statistics (the ``stats`` object of ``plan --json``)."""
+
+    num_samples: int
+    num_steps: int
+    num_placeholders: int
+    num_microbatches: int
+    """All micro-batches the plan runs: sum over steps of dp_size * num_microbatches."""
+    num_real_microbatches: int
+    """Micro-batches holding at least one sample."""
+    lower_bound_microbatches: int
+    """Sum over steps of: oversize samples + ceil(padded tokens of the others / cap)."""
+    fill: float
+    """Real tokens / computed tokens (dp * M * B * S summed over steps)."""
+    dp_imbalance: float
+    """Worst step's max/mean real tokens over DP ranks."""
+    dp_imbalance_cost: float
+    """Worst step's max/mean cost over DP ranks."""
+    oversize_samples: Tuple[int, ...]
+    max_microbatch_tokens: int
+    """Largest padded footprint of any micro-batch (B*S for padded, S for packed)."""
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "num_samples": self.num_samples,
+            "num_steps": self.num_steps,
+            "num_placeholders": self.num_placeholders,
+            "num_microbatches": self.num_microbatches,
+            "num_real_microbatches": self.num_real_microbatches,
+            "lower_bound_microbatches": self.lower_bound_microbatches,
+            "fill": self.fill,
+            "dp_imbalance": self.dp_imbalance,
+            "dp_imbalance_cost": self.dp_imbalance_cost,
+            "oversize_samples": list(self.oversize_samples),
+            "max_microbatch_tokens": self.max_microbatch_tokens,
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A whole schedule: every step, every DP rank. Identical on every rank for the same input."""
+
+    steps: Tuple[StepPlan, ...]
+    stats: PlanStats
+    layout: str
+    """``packed`` or ``padded``."""
+    sample_multiple: int
+    """Each sample of a packed row is padded to a multiple of this (TP/CP needs)."""
+    token_cap: int
+    """max_tokens_per_gpu * cp_size."""
+    dp_size: int
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The public ``plan --json`` object (see README, "plan --json")."""
+        return {
+            "layout": self.layout,
+            "sample_multiple": self.sample_multiple,
+            "token_cap": self.token_cap,
+            "dp_size": self.dp_size,
+            "steps": [step.to_dict() for step in self.steps],
+            "stats": self.stats.to_dict(),
+        }
+
+    def fingerprint(self) -> str:
+        """A short hash of the schedule; ranks compare it before running a step."""
+        canon: List[Any] = [
+            self.layout,
+            self.sample_multiple,
+            [[s.num_microbatches, s.seq_length, s.micro_batch_size, s.ranks] for s in self.steps],
+        ]
+        text = json.dumps(canon, separators=(",", ":"), default=list)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]

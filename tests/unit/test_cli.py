@@ -1,0 +1,122 @@
+"""`megatron-dynbatch plan`: the public JSON interface, the table, errors, and planner purity."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megatron_dynbatch.cli import main
+from megatron_dynbatch.planning import (
+    ParallelLayout,
+    PlannerConfig,
+    check_plan,
+    parse_samples_json,
+    plan_samples,
+)
+
+SAMPLES = [
+    120,
+    {"length": 300, "rollout": "g1", "prompt_length": 100},
+    {"length": 280, "rollout": "g1", "prompt_length": 100},
+    {"length": 900, "rollout": 7},
+    {"length": 40},
+    2000,
+    64,
+]
+
+
+def _write(tmp_path, data):
+    path = tmp_path / "samples.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_plan_json_round_trip(tmp_path, capsys):
+    path = _write(tmp_path, SAMPLES)
+    args = ["plan", path, "--dp-size", "2", "--pp-size", "2", "--vpp-size", "2"]
+    args += ["--max-tokens-per-gpu", "1024", "--rollouts-per-step", "3", "--json"]
+    assert main(args) == 0
+    out = capsys.readouterr()
+    data = json.loads(out.out)  # exactly one JSON object on stdout
+    assert "warning" in out.err and "[5]" in out.err  # the 2000-token sample is over the cap
+    config = PlannerConfig(
+        max_tokens_per_gpu=1024,
+        parallel=ParallelLayout(dp_size=2, pp_size=2, vpp_size=2),
+        rollouts_per_step=3,
+    )
+    samples = parse_samples_json(SAMPLES)
+    expected = plan_samples(samples, config)
+    check_plan(expected, samples, config)
+    assert data == json.loads(json.dumps(expected.to_dict()))
+    assert set(data) >= {"steps", "stats"}
+    for step in data["steps"]:
+        assert set(step) >= {"num_microbatches", "seq_length", "ranks"}
+        assert len(step["ranks"]) == 2
+        assert all(len(rank) == step["num_microbatches"] for rank in step["ranks"])
+    indices = sorted(i for s in data["steps"] for r in s["ranks"] for mb in r for i in mb)
+    assert indices == list(range(len(SAMPLES)))
+    stats = data["stats"]
+    for key in ("num_samples", "num_placeholders", "num_microbatches", "lower_bound_microbatches"):
+        assert isinstance(stats[key], int)
+    assert stats["oversize_samples"] == [5]
+    assert 0 < stats["fill"] <= 1 and stats["dp_imbalance"] >= 1
+
+
+def test_plan_table_is_readable(tmp_path, capsys):
+    assert main(["plan", _write(tmp_path, SAMPLES), "--max-tokens-per-gpu", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "M/rank" in out and "fill" in out and "7 samples" in out
+
+
+@pytest.mark.parametrize(
+    "data, extra, message",
+    [
+        ([], [], "no samples"),
+        ([10, -1], [], "sample 1: -1"),
+        ([{"length": 10, "rollout": [1]}], [], "rollout id [1]"),
+        ([{"length": 10, "prompt_length": 11}], [], "prompt_length=11"),
+        ([{"len": 10}], [], "unknown key"),
+        ({"lengths": [1]}, [], "JSON array"),
+        ([10], ["--dp-size", "0"], "dp_size=0"),
+    ],
+)
+def test_plan_errors_exit_nonzero_with_one_line_and_no_traceback(tmp_path, data, extra, message):
+    path = _write(tmp_path, data)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_dynbatch.cli", "plan", path, "--max-tokens-per-gpu", "64"]
+        + extra,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_plan_missing_file_and_bad_json(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2")
+    for path in (str(tmp_path / "missing.json"), str(bad)):
+        proc = subprocess.run(
+            [sys.executable, "-m", "megatron_dynbatch.cli", "plan", path, "--max-tokens-per-gpu", "8"],
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+
+
+def test_planner_and_plan_command_do_not_import_torch(tmp_path):
+    """The planning core is pure: importing it (and running `plan`) must not pull in torch."""
+    path = _write(tmp_path, SAMPLES)
+    code = (
+        "import sys\n"
+        "import megatron_dynbatch.planning\n"
+        "from megatron_dynbatch.cli import main\n"
+        f"main(['plan', {path!r}, '--max-tokens-per-gpu', '4096', '--json'])\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'numpy'))\n"
+        "assert not bad, bad\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
