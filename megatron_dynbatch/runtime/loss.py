@@ -1,0 +1,215 @@
+"""Exact loss normalisation over uneven micro-batches and DP ranks, in Megatron's 3-tuple form.
+
+Every aggregation is written as one global ratio ``sum(numerators) / sum(denominators)`` whose
+parts are additive over micro-batches and DP ranks:
+
+====================  ==========================================  ===========================
+aggregation           numerator of one micro-batch                denominator
+====================  ==========================================  ===========================
+token-mean            sum of masked token losses                  masked tokens
+seq-mean-token-mean   sum over its sequences of their token-mean  real sequences
+seq-mean-token-sum    sum over its sequences of their token-sum   real sequences
+sum                   sum of masked token losses                  0 (no normalisation)
+====================  ==========================================  ===========================
+
+Megatron (``TransformerConfig.calculate_per_token_loss=True``) back-propagates the first element
+of the loss function's ``(loss, num_tokens, log)`` tuple unscaled, sums the second over the
+step's micro-batches and hands it to ``finalize_model_grads(model, num_tokens)``, which sums it
+over DP (x CP) ranks and multiplies the gradients by ``1 / num_tokens`` when it is > 0. Returning
+:func:`microbatch_loss`'s tuple therefore yields exactly the gradient of :func:`reference_loss`,
+however samples are spread over micro-batches and ranks, placeholders included (they add 0 to
+both parts). For ``sum`` the trainer passes ``num_tokens=None`` to ``finalize_model_grads`` (a
+wrapper set as ``config.finalize_model_grads_func``); the 0 denominator also makes stock
+Megatron skip the division, but the wrapper states the intent.
+
+Conventions:
+
+* A sequence is the set of tokens with one ``sample_index >= 0`` in the micro-batch; the
+  materializer never splits a sample over micro-batches.
+* A sequence with no loss token (e.g. one-token samples, fully masked responses) contributes 0 to
+  the numerator and still counts 1 in the denominator of the ``seq-mean-*`` aggregations, as in
+  ``torch.mean`` over per-sequence values. :func:`reference_loss` applies the same rule.
+* A global denominator of 0 (nothing to learn from) gives loss 0 and zero gradients.
+* ``seq-mean-*`` need whole sequences in one loss call; with context parallelism (each CP rank
+  sees a slice of every sequence) only ``token-mean`` and ``sum`` are exact as written.
+
+Why not weight each micro-batch's mean by its share of the samples (as some dynamic-batching
+trainers do)? For a sequence mean it is exact: a micro-batch's mean over its ``n_m`` sequences
+times ``n_m / N`` is its sequences' sum over ``N``. For a token mean it is wrong, because the
+micro-batch's token mean must be weighted by its share of *tokens*, not of samples. Example, one
+sample per micro-batch: A has 2 loss tokens of loss 1.0, B has 8 loss tokens of loss 0.0.
+Sample-share: 0.5 * 1.0 + 0.5 * 0.0 = 0.5; token-mean: (1 + 1) / (2 + 8) = 0.2.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Mapping, Sequence, Tuple
+
+import torch
+
+__all__ = ["AGGREGATIONS", "microbatch_loss", "finalize_loss", "reference_loss"]
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "sum")
+
+# Megatron accumulates num_tokens in a torch.int tensor; returning the same dtype keeps its
+# in-place ``total_num_tokens += num_tokens`` free of casts.
+_DENOMINATOR_DTYPE = torch.int32
+
+
+def _check_aggregation(aggregation: str) -> None:
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(
+            f"aggregation={aggregation!r} is not one of {AGGREGATIONS}; pick one of them "
+            "(token-mean is Megatron's per-token loss)."
+        )
+
+
+def microbatch_loss(
+    aggregation: str,
+    per_token_loss: torch.Tensor,
+    batch: Mapping[str, torch.Tensor],
+    *,
+    log_key: str = "loss",
+) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
+    """One micro-batch's additive share of the step loss, as Megatron's loss-function 3-tuple.
+
+    Args:
+        aggregation: One of :data:`AGGREGATIONS`.
+        per_token_loss: ``[B, S]`` loss of predicting ``batch["labels"]`` at each position
+            (differentiable); values on masked positions are ignored, even if not finite.
+        batch: A dict from :func:`~megatron_dynbatch.runtime.materialize.materialize_microbatches`
+            (``loss_mask`` and ``sample_index`` are used).
+        log_key: Key of the reporting entry in the returned dict.
+
+    Returns:
+        ``(numerator, denominator, log)``: a differentiable 0-d numerator (connected to
+        ``per_token_loss`` even when it is 0, so placeholder micro-batches still back-propagate
+        through every pipeline stage), an int32 0-d denominator, and ``{log_key: [numerator,
+        denominator]}`` as float32, which Megatron's training loop sums over micro-batches and DP
+        and reports as their ratio (for ``sum`` the pair is ``[numerator, 1]``, so the report is
+        the mean over micro-batches of all DP ranks, not the sum).
+
+    Raises:
+        ValueError: On an unknown aggregation, a shape mismatch, or a loss-mask entry outside any
+            sample (a batch that did not come from the materializer).
+    """
+    _check_aggregation(aggregation)
+    loss_mask = batch["loss_mask"]
+    if tuple(per_token_loss.shape) != tuple(loss_mask.shape):
+        raise ValueError(
+            f"per_token_loss has shape {tuple(per_token_loss.shape)} but the micro-batch's "
+            f"loss_mask is {tuple(loss_mask.shape)}; compute one loss per [B, S] position."
+        )
+    mask = loss_mask > 0
+    # where(), not loss * mask: a non-finite loss on a masked position (padding) must not turn the
+    # sum into NaN.
+    masked = torch.where(mask, per_token_loss, torch.zeros_like(per_token_loss))
+    device = per_token_loss.device
+
+    if aggregation in ("token-mean", "sum"):
+        numerator = masked.sum()
+        if aggregation == "token-mean":
+            denominator = mask.sum().to(_DENOMINATOR_DTYPE)
+        else:
+            denominator = torch.zeros((), dtype=_DENOMINATOR_DTYPE, device=device)
+    else:
+        sample_index = batch["sample_index"].reshape(-1).to(device)
+        flat_mask = mask.reshape(-1)
+        real = sample_index >= 0
+        if bool((flat_mask & ~real).any()):
+            raise ValueError(
+                "loss_mask is non-zero on a position with sample_index -1 (padding); per-sequence "
+                "aggregation needs micro-batches built by materialize_microbatches."
+            )
+        # The sequences of this micro-batch, and for each real token which of them it belongs to.
+        sequences, inverse = torch.unique(sample_index[real], return_inverse=True)
+        num_sequences = sequences.numel()
+        token_sums = torch.zeros(
+            num_sequences, dtype=per_token_loss.dtype, device=device
+        ).index_add(0, inverse, masked.reshape(-1)[real])
+        if aggregation == "seq-mean-token-sum":
+            per_sequence = token_sums
+        else:
+            token_counts = torch.zeros(num_sequences, dtype=per_token_loss.dtype, device=device)
+            token_counts = token_counts.index_add(
+                0, inverse, flat_mask[real].to(per_token_loss.dtype)
+            )
+            # clamp: a sequence without loss tokens has token_sums 0 and contributes 0.
+            per_sequence = token_sums / token_counts.clamp(min=1)
+        # Adding masked.sum() * 0 keeps the numerator attached to per_token_loss when the
+        # micro-batch has no sequence (a placeholder), so backward still reaches every stage.
+        numerator = per_sequence.sum() + masked.sum() * 0
+        denominator = torch.tensor(num_sequences, dtype=_DENOMINATOR_DTYPE, device=device)
+
+    report_denominator = (
+        torch.ones((), dtype=torch.float32, device=device)
+        if aggregation == "sum"
+        else denominator.to(torch.float32)
+    )
+    log = {log_key: torch.stack([numerator.detach().to(torch.float32), report_denominator])}
+    return numerator, denominator, log
+
+
+def finalize_loss(
+    aggregation: str, numerator: torch.Tensor, denominator: torch.Tensor
+) -> torch.Tensor:
+    """The global loss from numerators and denominators summed over micro-batches and ranks.
+
+    Mirrors what Megatron does to the gradients: divide by the denominator when it is > 0, and
+    never divide for ``sum``.
+    """
+    _check_aggregation(aggregation)
+    if aggregation == "sum" or int(denominator) == 0:
+        return numerator
+    return numerator / denominator.to(numerator.dtype)
+
+
+def reference_loss(
+    aggregation: str,
+    per_sample_token_losses: Sequence[torch.Tensor],
+    per_sample_masks: Sequence[torch.Tensor],
+) -> torch.Tensor:
+    """The global loss computed directly from per-sample tensors, without micro-batching.
+
+    Args:
+        aggregation: One of :data:`AGGREGATIONS`.
+        per_sample_token_losses: One ``[L_i]`` tensor per sample of the step (all DP ranks).
+        per_sample_masks: One ``[L_i]`` 0/1 tensor per sample, aligned with the losses (for
+            next-token losses: the materializer's label-aligned ``loss_mask`` of the sample).
+
+    Returns:
+        A 0-d tensor, differentiable with respect to the losses.
+
+    Raises:
+        ValueError: On an unknown aggregation or mismatched counts/shapes.
+    """
+    _check_aggregation(aggregation)
+    if len(per_sample_token_losses) != len(per_sample_masks):
+        raise ValueError(
+            f"got {len(per_sample_token_losses)} loss tensors and {len(per_sample_masks)} masks; "
+            "pass one mask per sample."
+        )
+    if not per_sample_token_losses:
+        return torch.zeros(())
+    token_sums = []
+    token_counts = []
+    for i, (loss, mask) in enumerate(zip(per_sample_token_losses, per_sample_masks, strict=True)):
+        if tuple(loss.shape) != tuple(mask.shape) or loss.dim() != 1:
+            raise ValueError(
+                f"sample {i}: loss shape {tuple(loss.shape)} and mask shape {tuple(mask.shape)} "
+                "must be the same [L_i]."
+            )
+        keep = mask > 0
+        token_sums.append(torch.where(keep, loss, torch.zeros_like(loss)).sum())
+        token_counts.append(int(keep.sum()))
+    sums = torch.stack(token_sums)
+    num_sequences = len(token_sums)
+    if aggregation == "sum":
+        return sums.sum()
+    if aggregation == "token-mean":
+        total = sum(token_counts)
+        return sums.sum() / total if total > 0 else sums.sum()
+    if aggregation == "seq-mean-token-sum":
+        return sums.sum() / num_sequences
+    counts = torch.tensor([max(c, 1) for c in token_counts], dtype=sums.dtype, device=sums.device)
+    return (sums / counts).sum() / num_sequences

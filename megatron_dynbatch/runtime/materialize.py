@@ -1,0 +1,289 @@
+"""Turn one DP rank's share of a :class:`StepPlan` into full-shape micro-batch tensors.
+
+Layouts (``B`` = ``step_plan.micro_batch_size``, ``S`` = ``step_plan.seq_length``):
+
+* ``packed``: ``B == 1``; the micro-batch's samples are concatenated in one row, each padded to a
+  multiple of ``sample_multiple`` (TP/CP split every THD segment evenly), and the row is padded to
+  ``S`` with a trailing padding segment.
+* ``padded``: one sample per row, padded the same way and then to ``S``; rows beyond the
+  micro-batch's samples are placeholder rows.
+
+A placeholder micro-batch (an empty tuple in the plan) is a full ``[B, S]`` micro-batch of padding:
+every key has the same dtype and shape as in a real micro-batch of the step, the loss mask is zero
+everywhere. It is never a 1- or 2-token stub, so it flows through every pipeline stage, every
+attention kernel and every reduction exactly like real data and contributes nothing to the loss.
+
+Worked example, packed, ``S = 16``, ``sample_multiple = 4``, samples 7 (``L = 3``) and 2
+(``L = 6``)::
+
+    column         0  1  2  3 | 4  5  6  7  8  9 10 11 | 12 13 14 15
+    segment_ids    0  0  0  0 | 1  1  1  1  1  1  1  1 |  2  2  2  2
+    position_ids   0  1  2  3 | 0  1  2  3  4  5  6  7 |  0  1  2  3
+    sample_index   7  7  7 -1 | 2  2  2  2  2  2 -1 -1 | -1 -1 -1 -1
+    cu_seqlens     [0, 4, 12, 16]
+
+Sample 7 keeps its 3 real tokens plus one rounding pad inside its own segment; the last real token
+of each sample (columns 2 and 9) has label 0 and loss mask 0, so no label ever comes from the next
+sample.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+
+from megatron_dynbatch.runtime.schema import BatchSchema, CheckedSample
+
+__all__ = ["LAYOUTS", "BUILTIN_KEYS", "materialize_microbatches", "microbatch_shapes"]
+
+LAYOUTS = ("packed", "padded")
+
+#: Keys every micro-batch has besides the schema's fields, with their dtypes.
+BUILTIN_KEYS: Dict[str, torch.dtype] = {
+    "tokens": torch.int64,
+    "labels": torch.int64,
+    "loss_mask": torch.float32,
+    "position_ids": torch.int64,
+    "segment_ids": torch.int64,
+    "sample_index": torch.int64,
+    "cu_seqlens": torch.int32,
+}
+
+# Label written where no next token exists (last token of a sample, padding). Any valid id works
+# because the loss mask is zero there; 0 keeps cross-entropy gathers in range.
+_IGNORED_LABEL = 0
+# sample_index value on padding, so it can never collide with a real (>= 0) global index.
+_PADDING_INDEX = -1
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def microbatch_shapes(
+    schema: BatchSchema, *, micro_batch_size: int, seq_length: int
+) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of every ``[B, S, ...]`` key of a step's micro-batches.
+
+    ``cu_seqlens`` is left out: its length is the number of THD segments plus one, which depends on
+    the micro-batch's samples. It is consumed by the attention kernel of the local stage and never
+    crosses a pipeline boundary, so its variable length does not affect the schedule.
+    """
+    b, s = micro_batch_size, seq_length
+    shapes = {key: ((b, s), dtype) for key, dtype in BUILTIN_KEYS.items() if key != "cu_seqlens"}
+    for spec in schema.fields:
+        shapes[spec.name] = ((b, s, *spec.trailing_shape), spec.dtype)
+    return shapes
+
+
+def _check_arguments(step_plan: Any, dp_rank: int, layout: str, sample_multiple: int) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}; pass the Plan's layout.")
+    if (
+        isinstance(sample_multiple, bool)
+        or not isinstance(sample_multiple, int)
+        or sample_multiple < 1
+    ):
+        raise ValueError(
+            f"sample_multiple={sample_multiple!r} must be an integer >= 1; pass the Plan's "
+            "sample_multiple."
+        )
+    b, s = step_plan.micro_batch_size, step_plan.seq_length
+    if b < 1 or s < 1:
+        raise ValueError(
+            f"step plan has micro_batch_size={b}, seq_length={s}; both must be >= 1 (an empty "
+            "micro-batch shape cannot run through the pipeline)."
+        )
+    if layout == "packed" and b != 1:
+        raise ValueError(
+            "layout='packed' needs micro_batch_size=1 (samples share one row), the step plan has "
+            f"micro_batch_size={b}; use layout='padded' or re-plan."
+        )
+    if s % sample_multiple != 0:
+        raise ValueError(
+            f"seq_length={s} is not a multiple of sample_multiple={sample_multiple}: the row's "
+            "padding segment would not split evenly over TP/CP ranks; plan with seq_length "
+            f"rounded up to {_round_up(s, sample_multiple)}."
+        )
+    if len(step_plan.rank_microbatches(dp_rank)) != step_plan.num_microbatches:
+        raise ValueError(
+            f"dp_rank={dp_rank} has {len(step_plan.rank_microbatches(dp_rank))} micro-batches but "
+            f"the step plan says num_microbatches={step_plan.num_microbatches}; the plan is "
+            "corrupt."
+        )
+
+
+def _check_rank_samples(
+    step_plan: Any, dp_rank: int, samples: Mapping[int, Mapping[str, Any]], schema: BatchSchema
+) -> Dict[int, CheckedSample]:
+    """Validate every sample the rank's micro-batches name, once, before building anything."""
+    seen: Dict[int, int] = {}
+    checked: Dict[int, CheckedSample] = {}
+    for m, mb in enumerate(step_plan.rank_microbatches(dp_rank)):
+        for index in mb:
+            if index in seen:
+                # Training a sample twice would silently double its loss weight.
+                raise ValueError(
+                    f"dp_rank={dp_rank}: sample {index} appears in micro-batch {seen[index]} and "
+                    f"again in micro-batch {m}; the plan is corrupt."
+                )
+            seen[index] = m
+            if index not in samples:
+                raise ValueError(
+                    f"dp_rank={dp_rank}, micro-batch {m}: the plan names sample {index}, which "
+                    f"this rank was not given ({len(samples)} samples given); pass every sample of "
+                    f"step_plan.rank_microbatches({dp_rank})."
+                )
+            checked[index] = schema.check_sample(index, samples[index])
+    return checked
+
+
+def _empty_microbatch(
+    schema: BatchSchema, b: int, s: int, device: torch.device
+) -> Dict[str, torch.Tensor]:
+    """A full-shape micro-batch of padding, the starting point of every micro-batch."""
+    batch = {
+        "tokens": torch.full((b, s), schema.pad_token_id, dtype=torch.int64, device=device),
+        "labels": torch.full((b, s), _IGNORED_LABEL, dtype=torch.int64, device=device),
+        "loss_mask": torch.zeros((b, s), dtype=torch.float32, device=device),
+        "position_ids": torch.zeros((b, s), dtype=torch.int64, device=device),
+        "segment_ids": torch.zeros((b, s), dtype=torch.int64, device=device),
+        "sample_index": torch.full((b, s), _PADDING_INDEX, dtype=torch.int64, device=device),
+    }
+    for spec in schema.fields:
+        batch[spec.name] = torch.full(
+            (b, s, *spec.trailing_shape), spec.pad_value, dtype=spec.dtype, device=device
+        )
+    return batch
+
+
+def _fill_row(
+    batch: Dict[str, torch.Tensor],
+    row: int,
+    row_samples: Sequence[CheckedSample],
+    schema: BatchSchema,
+    sample_multiple: int,
+    boundaries: List[int],
+    where: str,
+) -> None:
+    """Lay ``row_samples`` out in ``batch[...][row]`` and append the row's THD segment ends.
+
+    ``boundaries`` holds cu_seqlens over the row-major flattening of ``[B, S]``, so row ``r``'s
+    segments start at ``r * S``.
+    """
+    s = batch["tokens"].shape[1]
+    padded_lengths = [_round_up(cs.length, sample_multiple) for cs in row_samples]
+    if sum(padded_lengths) > s:
+        detail = ", ".join(
+            f"sample {cs.index}: L={cs.length} -> {p}" for cs, p in zip(row_samples, padded_lengths)
+        )
+        raise ValueError(
+            f"{where}: the samples need {sum(padded_lengths)} tokens after padding each to a "
+            f"multiple of sample_multiple={sample_multiple} ({detail}), more than seq_length={s}; "
+            "re-plan with the same sample_multiple or pass the plan's layout and sample_multiple."
+        )
+    base = row * s
+    offset = 0
+    for segment, (cs, padded) in enumerate(zip(row_samples, padded_lengths, strict=True)):
+        length = cs.length
+        end = offset + length
+        batch["tokens"][row, offset:end] = cs.tokens
+        # Label j is token j + 1 of the same sample; the sample's last token has no successor here
+        # (the next column belongs to padding or to another sample), so it keeps label 0, mask 0.
+        batch["labels"][row, offset : end - 1] = cs.tokens[1:]
+        batch["loss_mask"][row, offset : end - 1] = cs.loss_mask[1:]
+        # Positions count within the THD segment, rounding pad included, so position_ids[t] is
+        # always t - cu_seqlens[segment of t].
+        batch["position_ids"][row, offset : offset + padded] = torch.arange(padded)
+        batch["segment_ids"][row, offset : offset + padded] = segment
+        batch["sample_index"][row, offset:end] = cs.index
+        for spec in schema.fields:
+            value = cs.fields[spec.name]
+            if spec.shift_to_labels:
+                batch[spec.name][row, offset : end - 1] = value[1:]
+            else:
+                # A sample field [*trailing] broadcasts over the sample's L tokens.
+                batch[spec.name][row, offset:end] = value
+        offset += padded
+        boundaries.append(base + offset)
+    if offset < s:
+        # The padding tail is its own segment (id k) so attention never mixes it into a sample.
+        batch["position_ids"][row, offset:s] = torch.arange(s - offset)
+        batch["segment_ids"][row, offset:s] = len(row_samples)
+        boundaries.append(base + s)
+
+
+def materialize_microbatches(
+    step_plan: Any,
+    dp_rank: int,
+    samples: Mapping[int, Mapping[str, Any]],
+    schema: BatchSchema,
+    *,
+    layout: str,
+    sample_multiple: int,
+    device: Optional[Union[str, torch.device]] = None,
+) -> List[Dict[str, torch.Tensor]]:
+    """Build the micro-batch dicts of one DP rank for one step, in plan order.
+
+    Args:
+        step_plan: The step's :class:`~megatron_dynbatch.planning.plan.StepPlan`.
+        dp_rank: This rank's data-parallel index.
+        samples: Global sample index -> sample mapping (see ``schema.py``). It must hold every
+            sample ``step_plan.rank_microbatches(dp_rank)`` names; other ranks' samples may be
+            absent.
+        schema: Declared fields; it fixes the dtypes and trailing shapes, placeholders included.
+        layout: ``packed`` or ``padded`` (the ``Plan``'s ``layout``).
+        sample_multiple: Every sample's THD segment is padded to a multiple of this (the ``Plan``'s
+            ``sample_multiple``).
+        device: Where the tensors are built; ``None`` means CPU (the trainer moves them, as
+            Megatron's ``get_batch`` does).
+
+    Returns:
+        ``step_plan.num_microbatches`` dicts. Every ``[B, S, ...]`` key has the same shape and dtype
+        in all of them (see :func:`microbatch_shapes`); ``cu_seqlens`` is int32
+        ``[num_segments + 1]``.
+
+    Raises:
+        ValueError: On a bad layout or sample_multiple, a sample the rank was not given, a sample
+            failing the schema, or samples whose padded lengths do not fit ``seq_length``.
+    """
+    _check_arguments(step_plan, dp_rank, layout, sample_multiple)
+    checked = _check_rank_samples(step_plan, dp_rank, samples, schema)
+    b, s = step_plan.micro_batch_size, step_plan.seq_length
+    target = torch.device("cpu") if device is None else torch.device(device)
+
+    microbatches: List[Dict[str, torch.Tensor]] = []
+    for m, mb in enumerate(step_plan.rank_microbatches(dp_rank)):
+        where = f"dp_rank={dp_rank}, micro-batch {m} (samples {tuple(mb)})"
+        if layout == "padded" and len(mb) > b:
+            raise ValueError(
+                f"{where}: {len(mb)} samples do not fit micro_batch_size={b} rows of the padded "
+                "layout; the plan was made for another layout or micro-batch size."
+            )
+        batch = _empty_microbatch(schema, b, s, target)
+        boundaries = [0]
+        rows = [list(mb)] if layout == "packed" else [[i] for i in mb]
+        rows += [[] for _ in range(b - len(rows))]  # placeholder rows of a padded micro-batch
+        for row, indices in enumerate(rows):
+            _fill_row(
+                batch,
+                row,
+                [checked[i] for i in indices],
+                schema,
+                sample_multiple,
+                boundaries,
+                f"{where}, row {row}",
+            )
+        batch["cu_seqlens"] = torch.tensor(boundaries, dtype=torch.int32, device=target)
+        microbatches.append(batch)
+
+    expected = microbatch_shapes(schema, micro_batch_size=b, seq_length=s)
+    for batch in microbatches:
+        # Placeholders and real micro-batches come from the same constructor; this guards that a
+        # future change cannot give a lagging rank tensors of another shape than its peers.
+        assert set(batch) == set(expected) | {"cu_seqlens"}, sorted(batch)
+        for key, (shape, dtype) in expected.items():
+            assert tuple(batch[key].shape) == shape and batch[key].dtype == dtype, (key, shape)
+        assert int(batch["cu_seqlens"][-1]) == b * s, batch["cu_seqlens"]
+    return microbatches

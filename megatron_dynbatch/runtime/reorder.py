@@ -1,0 +1,133 @@
+"""Forward-only outputs back to samples: cut them out of micro-batch rows, restore sample order.
+
+Both steps are strict. Placeholders and padding are dropped by ``sample_index`` (never by
+position or count), and :func:`restore_order` fails on any missing, duplicated or unexpected
+sample instead of pairing outputs with indices by ``zip``, which silently drops whatever is left
+over when the two lists differ in length.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Dict, List, Mapping, Sequence, Union
+
+import torch
+
+__all__ = ["split_outputs", "restore_order"]
+
+# How many indices an error message lists before eliding the rest.
+_MAX_LISTED = 10
+
+
+def _listed(indices: Sequence[int]) -> str:
+    shown = ", ".join(str(i) for i in indices[:_MAX_LISTED])
+    return f"[{shown}{', ...' if len(indices) > _MAX_LISTED else ''}] ({len(indices)} in all)"
+
+
+def split_outputs(
+    batch: Mapping[str, torch.Tensor], output: torch.Tensor
+) -> Dict[int, torch.Tensor]:
+    """Cut each real sample's per-token outputs out of a micro-batch.
+
+    Args:
+        batch: The micro-batch dict the output was computed from (its ``sample_index`` is used).
+        output: ``[B, S, ...]`` per-token model output (log-probs, values, hidden states...).
+
+    Returns:
+        Global sample index -> ``[L_i, ...]`` view of the sample's real tokens in token order
+        (position ``j`` is the output computed at token ``j``, so for next-token log-probs the last
+        entry has no target). Padding, rounding pad and placeholder rows are dropped; a placeholder
+        micro-batch gives ``{}``.
+
+    Raises:
+        ValueError: If ``output`` does not start with ``[B, S]`` or a sample is not one contiguous
+            run of tokens (a batch that did not come from the materializer).
+    """
+    sample_index = batch["sample_index"]
+    b, s = sample_index.shape
+    if tuple(output.shape[:2]) != (b, s):
+        raise ValueError(
+            f"output has shape {tuple(output.shape)}; it must start with the micro-batch's [B, S] "
+            f"= [{b}, {s}]. Transpose Megatron's [S, B, ...] outputs first."
+        )
+    flat_index = sample_index.reshape(-1).to("cpu")
+    flat_output = output.reshape(b * s, *output.shape[2:])
+    # Start of every run of equal sample_index values over the row-major flattening.
+    changes = torch.nonzero(flat_index[1:] != flat_index[:-1]).reshape(-1) + 1
+    starts = [0] + changes.tolist()
+    ends = starts[1:] + [b * s]
+    result: Dict[int, torch.Tensor] = {}
+    for start, end in zip(starts, ends, strict=True):
+        index = int(flat_index[start])
+        if index < 0:
+            continue
+        if index in result:
+            raise ValueError(
+                f"sample {index} occupies two separate runs of this micro-batch; its tokens must "
+                "be contiguous in one row (build batches with materialize_microbatches)."
+            )
+        if start // s != (end - 1) // s:
+            raise ValueError(
+                f"sample {index} spans rows {start // s} and {(end - 1) // s}; a sample must lie "
+                "in one row."
+            )
+        result[index] = flat_output[start:end]
+    return result
+
+
+def restore_order(
+    per_sample: Union[Mapping[int, torch.Tensor], Sequence[Mapping[int, torch.Tensor]]],
+    expected: Union[int, Sequence[int]],
+) -> List[torch.Tensor]:
+    """Merge per-sample outputs (from one or many ranks) and return them in sample order.
+
+    Args:
+        per_sample: One mapping of global sample index -> output, or a sequence of them (for
+            instance one per micro-batch, or one per DP rank after an all-gather).
+        expected: ``num_samples`` (the indices are ``0 .. num_samples - 1``) or the expected global
+            indices in the order to return them.
+
+    Returns:
+        ``[per_sample[i] for i in expected]``.
+
+    Raises:
+        ValueError: If an expected sample is missing, a sample is given more than once, a sample is
+            not expected, or ``expected`` itself repeats an index.
+    """
+    if isinstance(expected, int) and not isinstance(expected, bool):
+        if expected < 0:
+            raise ValueError(f"num_samples={expected} must be >= 0.")
+        order = list(range(expected))
+    else:
+        order = [int(i) for i in expected]
+        repeated = sorted(i for i, count in Counter(order).items() if count > 1)
+        if repeated:
+            raise ValueError(f"expected indices repeat {_listed(repeated)}; list each sample once.")
+    parts = [per_sample] if isinstance(per_sample, Mapping) else list(per_sample)
+    merged: Dict[int, torch.Tensor] = {}
+    duplicated: List[int] = []
+    for part in parts:
+        if not isinstance(part, Mapping):
+            raise ValueError(
+                "per_sample must be a mapping or a sequence of mappings of sample index -> "
+                f"tensor, got an element of type {type(part).__name__}."
+            )
+        for index, value in part.items():
+            if index in merged:
+                duplicated.append(index)
+            merged[index] = value
+    if duplicated:
+        raise ValueError(
+            f"samples {_listed(sorted(set(duplicated)))} were returned more than once; each sample "
+            "must be computed by exactly one micro-batch on one rank."
+        )
+    wanted = set(order)
+    missing = [i for i in order if i not in merged]
+    unexpected = sorted(i for i in merged if i not in wanted)
+    if missing or unexpected:
+        raise ValueError(
+            f"got outputs for {len(merged)} samples, expected {len(order)}: missing "
+            f"{_listed(missing)}, unexpected {_listed(unexpected)}; every planned sample must be "
+            "gathered from every rank exactly once."
+        )
+    return [merged[i] for i in order]

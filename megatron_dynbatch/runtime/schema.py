@@ -1,0 +1,327 @@
+"""The declared per-sample data a micro-batch carries, and validation of samples against it.
+
+Every sample is a mapping of tensors. Two entries are built in:
+
+* ``tokens``: int64 ``[L]``, ``L >= 1``.
+* ``loss_mask`` (optional): ``[L]`` of 0/1 values (bool, integer or floating dtype) marking the
+  tokens that are loss *targets*. When absent it is all ones, or zeros on the first
+  ``prompt_length`` tokens when the sample has a ``prompt_length`` entry (an int or a 0-d integer
+  tensor). Giving both is ambiguous and rejected.
+
+Everything else a sample carries (advantages, old log-probs, rewards, ...) must be declared as a
+:class:`FieldSpec` in the :class:`BatchSchema`: ``token`` fields are ``[L, *trailing_shape]`` and
+are laid out token by token; ``sample`` fields are ``[*trailing_shape]`` and are broadcast over the
+sample's tokens. The schema, not the first sample seen, fixes every dtype and trailing shape, so a
+rank whose micro-batches are all placeholders still builds tensors identical in shape and dtype to
+the other ranks' (see ``materialize.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import torch
+
+__all__ = [
+    "FIELD_KINDS",
+    "RESERVED_KEYS",
+    "SAMPLE_INPUT_KEYS",
+    "FieldSpec",
+    "BatchSchema",
+    "CheckedSample",
+]
+
+#: ``token``: one value per token ``[L, *trailing]``; ``sample``: one value per sample
+#: ``[*trailing]``.
+FIELD_KINDS = ("token", "sample")
+
+#: Keys the materializer produces itself; a schema field may not reuse them.
+RESERVED_KEYS = (
+    "tokens",
+    "labels",
+    "loss_mask",
+    "position_ids",
+    "segment_ids",
+    "sample_index",
+    "cu_seqlens",
+    "prompt_length",
+)
+
+#: Built-in keys a sample may carry besides its declared fields.
+SAMPLE_INPUT_KEYS = ("tokens", "loss_mask", "prompt_length")
+
+# Loss-mask dtypes we accept from users; values must still be exactly 0 or 1.
+_MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def _pad_value_fits(value: Any, dtype: torch.dtype) -> bool:
+    """Whether ``value`` is stored exactly by ``dtype`` (so padding is what the user asked for)."""
+    if isinstance(value, bool):
+        return True
+    if dtype == torch.bool:
+        return value in (0, 1)
+    if not isinstance(value, (int, float)):
+        return False
+    if not dtype.is_floating_point and not dtype.is_complex and not float(value).is_integer():
+        return False
+    try:
+        stored = torch.tensor(value, dtype=dtype).item()
+    except (OverflowError, RuntimeError):
+        return False
+    return stored == value or (value != value and stored != stored)  # NaN pads are allowed
+
+
+@dataclass(frozen=True, kw_only=True)
+class FieldSpec:
+    """One declared per-sample field of the micro-batch dict."""
+
+    name: str
+    """Key in each sample and in each micro-batch dict."""
+    kind: str
+    """``token`` (``[L, *trailing_shape]`` per sample) or ``sample`` (``[*trailing_shape]``)."""
+    dtype: torch.dtype
+    """Exact dtype every sample must use; the micro-batch tensor has the same dtype."""
+    pad_value: Any = 0
+    """Value on padding tokens and placeholder rows (must be exactly representable in ``dtype``)."""
+    trailing_shape: Tuple[int, ...] = ()
+    """Per-token (``token``) or per-sample (``sample``) shape after the token axis; ``()`` = "
+    "scalar."""
+    shift_to_labels: bool = False
+    """``token`` fields only: lay the field out aligned with ``labels`` instead of ``tokens``.
+
+    Position ``j`` of the row then holds the sample's value at ``j + 1`` and the sample's last token
+    gets ``pad_value``, exactly like ``loss_mask``. Use it for per-target data (old log-probs of the
+    generated tokens, per-token advantages) given in token order.
+    """
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"FieldSpec name={self.name!r} must be a non-empty string.")
+        if self.name in RESERVED_KEYS:
+            raise ValueError(
+                f"FieldSpec name={self.name!r} is a key the runtime produces itself "
+                f"{RESERVED_KEYS}; rename the field."
+            )
+        if self.kind not in FIELD_KINDS:
+            raise ValueError(
+                f"FieldSpec {self.name!r}: kind={self.kind!r} is not one of {FIELD_KINDS}; use "
+                "'token' for [L, ...] data and 'sample' for one value per sample."
+            )
+        if not isinstance(self.dtype, torch.dtype):
+            raise ValueError(
+                f"FieldSpec {self.name!r}: dtype={self.dtype!r} must be a torch.dtype such as "
+                "torch.float32."
+            )
+        try:
+            shape = tuple(self.trailing_shape)
+        except TypeError:
+            shape = None
+        if shape is None or any(
+            isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape
+        ):
+            raise ValueError(
+                f"FieldSpec {self.name!r}: trailing_shape={self.trailing_shape!r} must be a tuple "
+                "of integers >= 1 (use () for one scalar per token or per sample)."
+            )
+        # Normalise a list to a tuple so the spec stays hashable and comparable.
+        object.__setattr__(self, "trailing_shape", shape)
+        if not _pad_value_fits(self.pad_value, self.dtype):
+            raise ValueError(
+                f"FieldSpec {self.name!r}: pad_value={self.pad_value!r} is not exactly "
+                f"representable in dtype={self.dtype}; pick a pad value of that dtype."
+            )
+        if not isinstance(self.shift_to_labels, bool):
+            raise ValueError(
+                f"FieldSpec {self.name!r}: shift_to_labels={self.shift_to_labels!r} must be a bool."
+            )
+        if self.shift_to_labels and self.kind != "token":
+            raise ValueError(
+                f"FieldSpec {self.name!r}: shift_to_labels=True needs kind='token' (a per-sample "
+                "value has no token order to shift); drop shift_to_labels."
+            )
+
+    def sample_shape(self, length: int) -> Tuple[int, ...]:
+        """The shape this field must have in a sample of ``length`` tokens."""
+        if self.kind == "token":
+            return (length, *self.trailing_shape)
+        return self.trailing_shape
+
+
+@dataclass(frozen=True)
+class CheckedSample:
+    """A sample that passed :meth:`BatchSchema.check_sample`, with its loss mask resolved."""
+
+    index: int
+    """Global sample index."""
+    tokens: torch.Tensor
+    """int64 ``[L]``."""
+    loss_mask: torch.Tensor
+    """float32 ``[L]`` of 0/1, in token order (not yet shifted to labels)."""
+    fields: Dict[str, torch.Tensor]
+    """Declared fields, exactly as the sample gave them."""
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchSchema:
+    """All declared fields of a step's micro-batches, plus the token used for padding."""
+
+    fields: Tuple[FieldSpec, ...] = ()
+    """Declared fields besides the built-in ``tokens`` / ``loss_mask``."""
+    pad_token_id: int = 0
+    """Token id on padding and placeholder rows (never a loss target, so any valid id works)."""
+
+    def __post_init__(self) -> None:
+        try:
+            fields = tuple(self.fields)
+        except TypeError:
+            fields = None
+        if fields is None or not all(isinstance(f, FieldSpec) for f in fields):
+            raise ValueError(f"BatchSchema fields={self.fields!r} must be a sequence of FieldSpec.")
+        object.__setattr__(self, "fields", fields)
+        names = [f.name for f in fields]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"BatchSchema declares the field(s) {duplicates} more than once.")
+        if isinstance(self.pad_token_id, bool) or not isinstance(self.pad_token_id, int):
+            raise ValueError(f"pad_token_id={self.pad_token_id!r} must be an integer token id.")
+        if self.pad_token_id < 0:
+            raise ValueError(f"pad_token_id={self.pad_token_id} must be >= 0 (an embedding row).")
+
+    def field(self, name: str) -> Optional[FieldSpec]:
+        """The declared field called ``name``, or ``None``."""
+        for spec in self.fields:
+            if spec.name == name:
+                return spec
+        return None
+
+    def check_sample(self, index: int, sample: Mapping[str, Any]) -> CheckedSample:
+        """Validate one sample against the schema and resolve its loss mask.
+
+        Args:
+            index: The sample's global index (only used in error messages and the result).
+            sample: Mapping of key to tensor (``prompt_length`` may be an int).
+
+        Returns:
+            The validated sample with a float32 0/1 loss mask of length ``L``.
+
+        Raises:
+            ValueError: Naming the sample index, key, and the expected and actual shape/dtype.
+        """
+        if not isinstance(sample, Mapping):
+            raise ValueError(
+                f"sample {index}: expected a mapping of key -> tensor, got {type(sample)}."
+            )
+        declared = {f.name for f in self.fields}
+        unknown = sorted(set(sample) - declared - set(SAMPLE_INPUT_KEYS))
+        if unknown:
+            raise ValueError(
+                f"sample {index}: keys {unknown} are not declared in the schema (declared: "
+                f"{sorted(declared)}); add a FieldSpec for each or drop them from the sample."
+            )
+        tokens = self._check_tokens(index, sample)
+        length = int(tokens.shape[0])
+        loss_mask = self._resolve_loss_mask(index, sample, length)
+        fields: Dict[str, torch.Tensor] = {}
+        for spec in self.fields:
+            if spec.name not in sample:
+                raise ValueError(
+                    f"sample {index}: missing key {spec.name!r} declared by the schema as a "
+                    f"{spec.kind} field of shape {spec.sample_shape(length)} and dtype "
+                    f"{spec.dtype}."
+                )
+            value = sample[spec.name]
+            expected = spec.sample_shape(length)
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(
+                    f"sample {index}: key {spec.name!r} must be a tensor of shape {expected}, got "
+                    f"{type(value).__name__}."
+                )
+            if tuple(value.shape) != expected:
+                raise ValueError(
+                    f"sample {index}: key {spec.name!r} has shape {tuple(value.shape)}, expected "
+                    f"{expected} (a {spec.kind} field; the sample has L={length} tokens)."
+                )
+            if value.dtype != spec.dtype:
+                raise ValueError(
+                    f"sample {index}: key {spec.name!r} has dtype {value.dtype}, the schema "
+                    f"declares {spec.dtype}; convert it with .to({spec.dtype})."
+                )
+            fields[spec.name] = value
+        return CheckedSample(index=index, tokens=tokens, loss_mask=loss_mask, fields=fields)
+
+    @staticmethod
+    def _check_tokens(index: int, sample: Mapping[str, Any]) -> torch.Tensor:
+        if "tokens" not in sample:
+            raise ValueError(f"sample {index}: missing key 'tokens' (int64 [L]).")
+        tokens = sample["tokens"]
+        if not isinstance(tokens, torch.Tensor):
+            raise ValueError(
+                f"sample {index}: 'tokens' must be an int64 tensor [L], got {type(tokens)}."
+            )
+        if tokens.dim() != 1:
+            raise ValueError(
+                f"sample {index}: 'tokens' has shape {tuple(tokens.shape)}, expected one axis [L]."
+            )
+        if tokens.dtype != torch.int64:
+            raise ValueError(
+                f"sample {index}: 'tokens' has dtype {tokens.dtype}, expected torch.int64; convert "
+                "it with .long()."
+            )
+        if tokens.shape[0] == 0:
+            # An empty sample would become an empty segment, the crash class this package exists to
+            # prevent; the planner never schedules one, so it is a data error.
+            raise ValueError(f"sample {index}: 'tokens' is empty; every sample needs >= 1 token.")
+        return tokens
+
+    @staticmethod
+    def _resolve_loss_mask(index: int, sample: Mapping[str, Any], length: int) -> torch.Tensor:
+        has_mask = "loss_mask" in sample
+        has_prompt = "prompt_length" in sample
+        if has_mask and has_prompt:
+            raise ValueError(
+                f"sample {index}: both 'loss_mask' and 'prompt_length' are given; pass only one (a "
+                "prompt length is turned into a loss mask of zeros on the prompt)."
+            )
+        if has_mask:
+            mask = sample["loss_mask"]
+            if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (length,):
+                shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+                raise ValueError(
+                    f"sample {index}: 'loss_mask' has shape {shape}, expected ({length},) like "
+                    "'tokens'."
+                )
+            if not (mask.dtype in _MASK_DTYPES or mask.dtype.is_floating_point):
+                raise ValueError(
+                    f"sample {index}: 'loss_mask' has dtype {mask.dtype}; use bool, an integer or "
+                    "a floating dtype holding 0/1."
+                )
+            mask = mask.to(torch.float32)
+            # Token-count denominators are integers, so fractional weights would silently break the
+            # exact normalisation in loss.py; reject them here.
+            if bool(((mask != 0) & (mask != 1)).any()):
+                raise ValueError(
+                    f"sample {index}: 'loss_mask' holds values other than 0 and 1; per-token "
+                    "weights belong in a declared token field, not in the mask."
+                )
+            return mask
+        mask = torch.ones(length, dtype=torch.float32)
+        if has_prompt:
+            prompt = sample["prompt_length"]
+            if (
+                isinstance(prompt, torch.Tensor)
+                and prompt.dim() == 0
+                and not prompt.is_floating_point()
+            ):
+                prompt = int(prompt.item())
+            if isinstance(prompt, bool) or not isinstance(prompt, int) or not 0 <= prompt <= length:
+                raise ValueError(
+                    f"sample {index}: prompt_length={prompt!r} must be an integer in [0, "
+                    f"L={length}]."
+                )
+            mask[:prompt] = 0.0
+        return mask
