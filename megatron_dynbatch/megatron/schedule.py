@@ -1,0 +1,107 @@
+"""Run one Megatron forward(-backward) pass over an explicit list of micro-batch dicts."""
+
+from typing import Callable, Optional
+
+import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_dynbatch.megatron.tiny_gpt import check_schedule_config
+
+__all__ = ["VARIABLE_SHAPE_KEYS", "check_uniform_shapes", "run_forward_backward"]
+
+# Keys whose length legitimately differs between micro-batches: ``cu_seqlens`` has one entry per
+# packed segment plus one. It never crosses a pipeline boundary, so it cannot break p2p shapes.
+VARIABLE_SHAPE_KEYS = ("cu_seqlens",)
+
+
+def check_uniform_shapes(
+    microbatches: list[dict], *, variable_keys: tuple[str, ...] = VARIABLE_SHAPE_KEYS
+) -> None:
+    """Assert every micro-batch has the same keys and the same shape per key.
+
+    With ``variable_seq_lengths=False`` the pipeline receive buffers have one fixed shape for the
+    whole step; a smaller message fills a gloo buffer partly without an error.
+
+    Args:
+        microbatches: The step's micro-batch dicts.
+        variable_keys: Keys exempt from the shape comparison (they must still be present).
+    """
+    assert microbatches, "no micro-batches"
+
+    def shapes_of(microbatch: dict) -> dict:
+        return {
+            key: None if key in variable_keys else tuple(value.shape)
+            for key, value in microbatch.items()
+        }
+
+    reference = shapes_of(microbatches[0])
+    for index, microbatch in enumerate(microbatches):
+        shapes = shapes_of(microbatch)
+        assert shapes == reference, f"micro-batch {index} has shapes {shapes}, expected {reference}"
+
+
+def run_forward_backward(
+    model_chunks: list[torch.nn.Module],
+    microbatches: list[dict],
+    *,
+    forward_step: Callable,
+    seq_length: int,
+    micro_batch_size: int,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    pg_collection=None,
+) -> list:
+    """Run Megatron's schedule for this rank's model chunks over ``microbatches``.
+
+    Every rank of a pipeline passes the same micro-batch list (later stages read labels, masks and
+    loss masks from it). The schedule is the one ``parallel_state`` selects: no pipelining, 1F1B,
+    or interleaved 1F1B with one data iterator per model chunk.
+
+    Args:
+        model_chunks: This rank's chunks (DDP-wrapped for training with finalize_model_grads).
+        microbatches: Dicts of ``[micro_batch_size, seq_length]`` tensors, all of equal shapes.
+        forward_step: From :func:`megatron_dynbatch.megatron.forward.make_forward_step`.
+        seq_length: Sequence length of every micro-batch (sizes the p2p buffers).
+        micro_batch_size: Rows per micro-batch.
+        forward_only: Skip the backward pass (and finalize_model_grads).
+        collect_non_loss_data: Let the loss function return arbitrary data (log-probs).
+        pg_collection: Megatron ``ProcessGroupCollection`` for the schedule; None uses Megatron's
+            default groups.
+
+    Returns:
+        What the schedule returns: on the last pipeline stage one entry per micro-batch (the loss
+        function's logging dict, or its data when ``collect_non_loss_data``), elsewhere ``[]``.
+    """
+    check_uniform_shapes(microbatches)
+    first = microbatches[0]
+    if "tokens" in first:
+        assert tuple(first["tokens"].shape) == (micro_batch_size, seq_length), (
+            tuple(first["tokens"].shape),
+            (micro_batch_size, seq_length),
+        )
+    for chunk in model_chunks:
+        check_schedule_config(chunk.config)
+    # One iterator per chunk over the same list: the interleaved schedule calls forward_step once
+    # per (micro-batch, chunk), and each chunk consumes micro-batches in order.
+    if len(model_chunks) == 1:
+        data_iterator = iter(microbatches)
+        model = model_chunks[0]
+    else:
+        data_iterator = [iter(microbatches) for _ in model_chunks]
+        model = model_chunks
+    kwargs = {}
+    if pg_collection is not None:
+        kwargs["pg_collection"] = pg_collection
+    forward_backward_func = get_forward_backward_func()
+    return forward_backward_func(
+        forward_step_func=forward_step,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=len(microbatches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        decoder_seq_length=None,
+        forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data,
+        **kwargs,
+    )
