@@ -1,0 +1,379 @@
+"""Step-time simulation of Megatron-Core's pipeline schedules from per-micro-batch costs.
+
+A discrete-event model of ``forward_backward_pipelining_without_interleaving`` (1F1B) and
+``forward_backward_pipelining_with_interleaving`` (virtual pipeline) in
+``megatron/core/pipeline_parallel/schedules.py``: every pipeline stage runs its forward (F) and
+backward (B) steps in exactly the order Megatron issues them, and a step starts when both its stage is
+free and its data dependency is done:
+
+* F of micro-batch ``m`` on virtual stage ``v`` needs F of ``m`` on virtual stage ``v - 1``;
+* B of ``m`` on ``v`` needs B of ``m`` on ``v + 1`` (the last virtual stage needs its own F).
+
+Communication is free and sends never block (Megatron's combined send/recv calls can add small extra
+waits that this model omits), so the makespan is a lower bound on what the hardware does with these
+costs. Costs are per micro-batch for the whole model: a stage runs ``cost / pp`` of it and one
+interleaved model chunk ``cost / (pp * vpp)``.
+
+Used by ``megatron-dynbatch plan --plot`` and the benchmarks to turn a schedule into a step time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+__all__ = [
+    "BACKWARD_TO_FORWARD_RATIO",
+    "SimEvent",
+    "SimResult",
+    "StepSimResult",
+    "ideal_time",
+    "interleaved_order",
+    "one_f_one_b_order",
+    "simulate_1f1b",
+    "simulate_interleaved",
+    "simulate_step",
+]
+
+#: Backward cost relative to forward when only forward costs are given: the backward pass computes the
+#: gradients with respect to both the activations and the weights, each about one forward's FLOPs.
+BACKWARD_TO_FORWARD_RATIO = 2.0
+
+#: An operation in a stage's program: (kind 'F' or 'B', model chunk, micro-batch).
+Op = Tuple[str, int, int]
+
+
+@dataclass(frozen=True)
+class SimEvent:
+    """One forward or backward step of one model chunk on one pipeline stage."""
+
+    stage: int
+    """Pipeline rank, 0 = first stage."""
+    chunk: int
+    """Model chunk (virtual pipeline index) on this stage; always 0 without interleaving."""
+    microbatch: int
+    """Micro-batch index within the step."""
+    kind: str
+    """``'F'`` (forward) or ``'B'`` (backward)."""
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """The simulated timeline of one pipeline (one DP rank) for one optimizer step."""
+
+    makespan: float
+    """Time from the first forward to the last backward over all stages."""
+    stage_busy: Tuple[float, ...]
+    """Compute time of each stage (sum of its step durations)."""
+    bubble_fraction: float
+    """Idle share of the pipeline: ``1 - sum(stage_busy) / (pp * makespan)``."""
+    bubble_overhead: float
+    """Megatron's "bubble" ratio: ``makespan / (sum(stage_busy) / pp) - 1``, i.e. the bubble time
+    relative to a perfectly balanced pipeline's compute time. ``(pp-1)/M`` for 1F1B with equal costs,
+    ``(pp-1)/(vpp*M)`` interleaved."""
+    events: Tuple[SimEvent, ...]
+    """Every step, sorted by stage then start time (for plotting)."""
+
+
+@dataclass(frozen=True)
+class StepSimResult:
+    """A data-parallel step: each DP rank is its own pipeline and the step waits for the slowest."""
+
+    step_time: float
+    """Max over DP ranks of the pipeline makespan (the gradient all-reduce waits for all of them)."""
+    ideal_time: float
+    """Total work / (dp * pp): no pipeline bubble and perfect balance over all GPUs."""
+    efficiency: float
+    """``ideal_time / step_time`` (1.0 = no bubble, no imbalance)."""
+    ranks: Tuple[SimResult, ...]
+    """The per-DP-rank pipeline simulations."""
+
+
+def _check_costs(fwd_costs: Sequence[float], bwd_costs: Sequence[float]) -> int:
+    if len(fwd_costs) != len(bwd_costs):
+        raise ValueError(
+            f"fwd_costs has {len(fwd_costs)} micro-batches but bwd_costs has {len(bwd_costs)}; pass "
+            f"one forward and one backward cost per micro-batch."
+        )
+    if not fwd_costs:
+        raise ValueError(
+            "no micro-batches to simulate; Megatron's schedules need num_microbatches >= 1 (pad the "
+            "rank with a placeholder micro-batch)."
+        )
+    for name, costs in (("fwd_costs", fwd_costs), ("bwd_costs", bwd_costs)):
+        for m, cost in enumerate(costs):
+            if (
+                isinstance(cost, bool)
+                or not isinstance(cost, (int, float))
+                or not math.isfinite(cost)
+            ):
+                raise ValueError(f"{name}[{m}]={cost!r} must be a finite number >= 0.")
+            if cost < 0:
+                raise ValueError(f"{name}[{m}]={cost} is negative; costs are durations >= 0.")
+    return len(fwd_costs)
+
+
+def _check_pp(pp_size: int) -> None:
+    if isinstance(pp_size, bool) or not isinstance(pp_size, int) or pp_size < 1:
+        raise ValueError(f"pp_size={pp_size!r} must be an integer >= 1.")
+
+
+def one_f_one_b_order(num_microbatches: int, pp_size: int, stage: int) -> List[Op]:
+    """The order in which one stage of Megatron's non-interleaved 1F1B schedule runs its steps.
+
+    Warm-up: ``min(pp - stage - 1, M)`` forwards; steady state: alternately one forward and one
+    backward; cool-down: the remaining backwards. Example, pp=4, M=6, stage 1 (2 warm-up forwards):
+    F0 F1 | F2 B0 F3 B1 F4 B2 F5 B3 | B4 B5.
+    """
+    num_warmup = min(pp_size - stage - 1, num_microbatches)
+    order: List[Op] = [("F", 0, m) for m in range(num_warmup)]
+    for i in range(num_microbatches - num_warmup):
+        order.append(("F", 0, num_warmup + i))
+        order.append(("B", 0, i))
+    order.extend(("B", 0, m) for m in range(num_microbatches - num_warmup, num_microbatches))
+    return order
+
+
+def _schedule_table(num_microbatches: int, vpp_size: int, group: int) -> List[Tuple[int, int]]:
+    """Megatron's ``get_schedule_table``: the (micro-batch, chunk) of each virtual micro-batch.
+
+    Micro-batches are walked in groups of ``group``; inside a group every chunk runs all of the group's
+    micro-batches before the next chunk starts. The last group takes whatever is left (its size is
+    ``M % group`` when that is not 0). Example, M=5, group=3, vpp=2:
+    (0,0) (1,0) (2,0) (0,1) (1,1) (2,1) (3,0) (4,0) (3,1) (4,1).
+    """
+    table: List[Tuple[int, int]] = []
+    for first in range(0, num_microbatches, group):
+        last = min(first + group, num_microbatches)
+        table.extend((m, chunk) for chunk in range(vpp_size) for m in range(first, last))
+    return table
+
+
+def interleaved_order(
+    num_microbatches: int, pp_size: int, vpp_size: int, group: int, stage: int
+) -> List[Op]:
+    """The order in which one stage of Megatron's interleaved schedule runs its steps.
+
+    With ``T = M * vpp`` virtual micro-batches, the warm-up runs
+    ``min(2 * (pp - stage - 1) + (vpp - 1) * group, T)`` forwards; the steady state alternates the
+    forward of virtual micro-batch ``k + warmup`` and the backward of virtual micro-batch ``k``; the
+    cool-down runs the remaining backwards. Forward ``k`` is ``table[k]``; backward ``k`` is the same
+    micro-batch on the mirrored chunk ``vpp - 1 - chunk`` (backward walks the chunks last to first).
+    """
+    table = _schedule_table(num_microbatches, vpp_size, group)
+    total = len(table)
+    num_warmup = min(2 * (pp_size - stage - 1) + (vpp_size - 1) * group, total)
+
+    def forward(k: int) -> Op:
+        m, chunk = table[k]
+        return ("F", chunk, m)
+
+    def backward(k: int) -> Op:
+        m, chunk = table[k]
+        return ("B", vpp_size - 1 - chunk, m)
+
+    order = [forward(k) for k in range(num_warmup)]
+    for k in range(total - num_warmup):
+        order.append(forward(k + num_warmup))
+        order.append(backward(k))
+    order.extend(backward(k) for k in range(total - num_warmup, total))
+    return order
+
+
+def _run(
+    orders: Sequence[Sequence[Op]],
+    fwd_costs: Sequence[float],
+    bwd_costs: Sequence[float],
+    pp_size: int,
+    vpp_size: int,
+) -> SimResult:
+    """Replays each stage's program in order, starting each step when its dependency is done."""
+    # Virtual stage v = chunk * pp + stage: the model's layers in order (Megatron assigns chunk c of
+    # stage s the (c*pp + s)-th slice of layers).
+    num_virtual = pp_size * vpp_size
+    share = float(num_virtual)
+    done: Dict[Tuple[str, int, int], float] = {}  # (kind, virtual stage, micro-batch) -> end time
+    position = [0] * pp_size
+    free_at = [0.0] * pp_size
+    busy = [0.0] * pp_size
+    events: List[SimEvent] = []
+    remaining = sum(len(order) for order in orders)
+    while remaining:
+        progressed = False
+        for stage in range(pp_size):
+            order = orders[stage]
+            while position[stage] < len(order):
+                kind, chunk, m = order[position[stage]]
+                virtual = chunk * pp_size + stage
+                if kind == "F":
+                    dep = ("F", virtual - 1, m) if virtual > 0 else None
+                    duration = fwd_costs[m] / share
+                elif virtual < num_virtual - 1:
+                    dep = ("B", virtual + 1, m)
+                    duration = bwd_costs[m] / share
+                else:
+                    dep = ("F", virtual, m)
+                    duration = bwd_costs[m] / share
+                if dep is not None and dep not in done:
+                    break
+                start = max(free_at[stage], done[dep] if dep is not None else 0.0)
+                end = start + duration
+                done[(kind, virtual, m)] = end
+                free_at[stage] = end
+                busy[stage] += duration
+                events.append(SimEvent(stage, chunk, m, kind, start, end))
+                position[stage] += 1
+                remaining -= 1
+                progressed = True
+        # Megatron's orders never deadlock; a stall means an order builder is wrong.
+        assert progressed, f"pipeline simulation deadlocked at positions {position}"
+    makespan = max(free_at)
+    total_busy = sum(busy)
+    if makespan > 0:
+        bubble_fraction = 1.0 - total_busy / (pp_size * makespan)
+        bubble_overhead = makespan / (total_busy / pp_size) - 1.0
+    else:
+        bubble_fraction = bubble_overhead = 0.0
+    events.sort(key=lambda e: (e.stage, e.start, e.end))
+    return SimResult(makespan, tuple(busy), bubble_fraction, bubble_overhead, tuple(events))
+
+
+def simulate_1f1b(
+    fwd_costs: Sequence[float], bwd_costs: Sequence[float], pp_size: int
+) -> SimResult:
+    """Simulates Megatron's non-interleaved 1F1B schedule for one pipeline.
+
+    Args:
+        fwd_costs: Forward time of each micro-batch through the whole model, in schedule order.
+        bwd_costs: Backward time of each micro-batch through the whole model.
+        pp_size: Pipeline stages; each runs ``1/pp`` of every micro-batch.
+
+    Returns:
+        The timeline. With equal costs ``f``, ``b`` and ``M`` micro-batches the makespan is
+        ``(M + pp - 1) * (f + b) / pp``.
+    """
+    num_microbatches = _check_costs(fwd_costs, bwd_costs)
+    _check_pp(pp_size)
+    orders = [one_f_one_b_order(num_microbatches, pp_size, s) for s in range(pp_size)]
+    return _run(orders, fwd_costs, bwd_costs, pp_size, 1)
+
+
+def simulate_interleaved(
+    fwd_costs: Sequence[float],
+    bwd_costs: Sequence[float],
+    pp_size: int,
+    vpp_size: int,
+    microbatch_group_size_per_vp_stage: Optional[int] = None,
+) -> SimResult:
+    """Simulates Megatron's interleaved (virtual pipeline) schedule for one pipeline.
+
+    Args:
+        fwd_costs: Forward time of each micro-batch through the whole model, in schedule order.
+        bwd_costs: Backward time of each micro-batch through the whole model.
+        pp_size: Pipeline stages.
+        vpp_size: Model chunks per stage; each chunk runs ``1/(pp*vpp)`` of every micro-batch.
+            ``vpp_size=1`` runs the 1F1B simulation (Megatron uses the non-interleaved schedule).
+        microbatch_group_size_per_vp_stage: Megatron's interleaving group; ``None`` = ``pp_size``.
+
+    Returns:
+        The timeline. With equal costs, ``group = pp`` and ``M`` a multiple of ``pp`` the makespan is
+        ``(M + (pp - 1) / vpp) * (f + b) / pp`` (bubble ``(pp-1)/(vpp*M)`` of the compute).
+
+    Raises:
+        ValueError: for a layout Megatron's schedule itself rejects (group < pp, group > M, or a last
+            group of fewer than pp micro-batches).
+    """
+    num_microbatches = _check_costs(fwd_costs, bwd_costs)
+    _check_pp(pp_size)
+    if isinstance(vpp_size, bool) or not isinstance(vpp_size, int) or vpp_size < 1:
+        raise ValueError(f"vpp_size={vpp_size!r} must be an integer >= 1.")
+    if vpp_size == 1:
+        return simulate_1f1b(fwd_costs, bwd_costs, pp_size)
+    group = (
+        pp_size
+        if microbatch_group_size_per_vp_stage is None
+        else microbatch_group_size_per_vp_stage
+    )
+    if not pp_size <= group <= num_microbatches:
+        raise ValueError(
+            f"microbatch_group_size_per_vp_stage={group} must lie in [pp_size={pp_size}, "
+            f"num_microbatches={num_microbatches}] (Megatron's interleaved schedule raises otherwise); "
+            f"use more micro-batches or a group size in that range."
+        )
+    last_group = num_microbatches % group
+    if 0 < last_group < pp_size:
+        raise ValueError(
+            f"num_microbatches={num_microbatches} leaves a last group of {last_group} < pp_size="
+            f"{pp_size} micro-batches with microbatch_group_size_per_vp_stage={group}; Megatron raises "
+            f"here. Pad to a multiple of {group} micro-batches."
+        )
+    orders = [
+        interleaved_order(num_microbatches, pp_size, vpp_size, group, s) for s in range(pp_size)
+    ]
+    return _run(orders, fwd_costs, bwd_costs, pp_size, vpp_size)
+
+
+RankCosts = Union[Sequence[float], Tuple[Sequence[float], Sequence[float]]]
+
+
+def _split_rank_costs(rank_costs: RankCosts, rank: int) -> Tuple[Sequence[float], Sequence[float]]:
+    """Accepts ``(fwd_costs, bwd_costs)`` or forward costs alone (backward = ratio * forward)."""
+    if len(rank_costs) == 2 and all(isinstance(c, (list, tuple)) for c in rank_costs):
+        fwd, bwd = rank_costs
+        return fwd, bwd
+    if all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in rank_costs):
+        return rank_costs, [BACKWARD_TO_FORWARD_RATIO * c for c in rank_costs]
+    raise ValueError(
+        f"ranks_costs[{rank}] must be a (fwd_costs, bwd_costs) pair of lists or a list of forward "
+        f"costs, got {rank_costs!r}."
+    )
+
+
+def ideal_time(ranks_costs: Sequence[RankCosts], pp_size: int) -> float:
+    """Total forward + backward work over all DP ranks divided by ``dp * pp`` GPUs.
+
+    The step time of a schedule with no pipeline bubble and a perfectly even split of the work over
+    every GPU: the bound that schedule quality is measured against.
+    """
+    _check_pp(pp_size)
+    if not ranks_costs:
+        raise ValueError("ranks_costs is empty; pass one entry per DP rank.")
+    total = 0.0
+    for r, rank_costs in enumerate(ranks_costs):
+        fwd, bwd = _split_rank_costs(rank_costs, r)
+        total += sum(fwd) + sum(bwd)
+    return total / (len(ranks_costs) * pp_size)
+
+
+def simulate_step(
+    ranks_costs: Sequence[RankCosts],
+    pp_size: int,
+    vpp_size: int = 1,
+    group: Optional[int] = None,
+) -> StepSimResult:
+    """Simulates one optimizer step over several DP ranks, each its own pipeline.
+
+    Args:
+        ranks_costs: One entry per DP rank: ``(fwd_costs, bwd_costs)`` per micro-batch, or the forward
+            costs alone (backward = ``BACKWARD_TO_FORWARD_RATIO`` x forward). A placeholder
+            micro-batch should carry the cost of the padding it computes, not 0.
+        pp_size: Pipeline stages.
+        vpp_size: Model chunks per stage (> 1 = interleaved schedule).
+        group: ``microbatch_group_size_per_vp_stage``; ``None`` = ``pp_size``.
+
+    Returns:
+        The step time (slowest DP rank), the ideal time and each rank's timeline.
+    """
+    if not ranks_costs:
+        raise ValueError("ranks_costs is empty; pass one entry per DP rank.")
+    results = []
+    for r, rank_costs in enumerate(ranks_costs):
+        fwd, bwd = _split_rank_costs(rank_costs, r)
+        results.append(simulate_interleaved(fwd, bwd, pp_size, vpp_size, group))
+    step_time = max(result.makespan for result in results)
+    ideal = ideal_time(ranks_costs, pp_size)
+    efficiency = ideal / step_time if step_time > 0 else 1.0
+    return StepSimResult(step_time, ideal, efficiency, tuple(results))

@@ -1,0 +1,211 @@
+"""Tests of the pipeline step-time simulator against Megatron's orders and the closed forms.
+
+Closed forms (equal costs: forward ``f`` and backward ``b`` per micro-batch for the whole model, so
+``f/pp``, ``b/pp`` per stage and ``f/(pp*vpp)``, ``b/(pp*vpp)`` per model chunk):
+
+* 1F1B: the last stage starts after the first micro-batch's forward crossed the ``pp - 1`` stages
+  before it, then is never idle for ``M`` forwards and backwards, and the step ends when the last
+  backward has crossed back ``pp - 1`` stages: ``(pp-1)*f/pp + M*(f+b)/pp + (pp-1)*b/pp``
+  = ``(M + pp - 1) * (f + b) / pp``.
+* Interleaved: the same ramp-up and drain now cross ``pp - 1`` *chunks* of ``1/(pp*vpp)`` of the
+  model, while each stage still has ``M*vpp`` chunk steps of work: ``(M*vpp + pp - 1) * (f+b) /
+  (pp*vpp)`` = ``(M + (pp-1)/vpp) * (f + b) / pp``, i.e. Megatron's bubble ``(pp-1)/(vpp*M)`` of the
+  compute time ``M*(f+b)/pp``. It holds whenever Megatron accepts the layout (group in [pp, M] and a
+  last group of 0 or >= pp micro-batches), for any f, b; the tests sweep that space.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import subprocess
+import sys
+
+import pytest
+
+from megatron_dynbatch.planning.simulate import (
+    BACKWARD_TO_FORWARD_RATIO,
+    _schedule_table,
+    ideal_time,
+    interleaved_order,
+    one_f_one_b_order,
+    simulate_1f1b,
+    simulate_interleaved,
+    simulate_step,
+)
+
+TOL = 1e-9
+
+
+@pytest.mark.parametrize(
+    "pp, num_mb, f, b",
+    list(itertools.product([1, 2, 3, 4, 8], [1, 2, 3, 7, 16], [1.0, 2.5], [1.0, 2.0, 3.5])),
+)
+def test_1f1b_closed_form(pp, num_mb, f, b):
+    result = simulate_1f1b([f] * num_mb, [b] * num_mb, pp)
+    assert result.makespan == pytest.approx((num_mb + pp - 1) * (f + b) / pp, abs=TOL)
+    assert result.bubble_overhead == pytest.approx((pp - 1) / num_mb, abs=TOL)
+    for busy in result.stage_busy:
+        assert busy == pytest.approx(num_mb * (f + b) / pp, abs=TOL)
+
+
+def _valid_interleaved_layouts():
+    for pp, vpp in itertools.product([2, 3, 4], [2, 3, 4]):
+        for group in (pp, pp + 1, 2 * pp):
+            for num_mb in range(group, 4 * group + 1):
+                last = num_mb % group
+                if 0 < last < pp:
+                    continue  # Megatron rejects a short last group
+                yield pp, vpp, group, num_mb
+
+
+@pytest.mark.parametrize("pp, vpp, group, num_mb", list(_valid_interleaved_layouts()))
+def test_interleaved_closed_form(pp, vpp, group, num_mb):
+    for f, b in ((1.0, 1.0), (1.0, 2.0), (3.0, 1.0)):
+        result = simulate_interleaved([f] * num_mb, [b] * num_mb, pp, vpp, group)
+        assert result.makespan == pytest.approx((num_mb + (pp - 1) / vpp) * (f + b) / pp, abs=TOL)
+        assert result.bubble_overhead == pytest.approx((pp - 1) / (vpp * num_mb), abs=TOL)
+        # Idle share of pp * makespan: bubble / (compute + bubble).
+        expected_fraction = (pp - 1) / (vpp * num_mb + pp - 1)
+        assert result.bubble_fraction == pytest.approx(expected_fraction, abs=TOL)
+
+
+def test_interleaved_default_group_is_pp():
+    costs = [1.0] * 8
+    assert (
+        simulate_interleaved(costs, costs, 4, 2).makespan
+        == simulate_interleaved(costs, costs, 4, 2, 4).makespan
+    )
+
+
+def test_vpp_one_is_1f1b():
+    fwd, bwd = [1.0, 3.0, 2.0, 5.0], [2.0, 6.0, 4.0, 9.0]
+    assert simulate_interleaved(fwd, bwd, 3, 1).makespan == simulate_1f1b(fwd, bwd, 3).makespan
+
+
+def test_pp1_is_serial():
+    fwd, bwd = [1.0, 3.0, 2.0], [2.0, 6.0, 4.0]
+    result = simulate_1f1b(fwd, bwd, 1)
+    assert result.makespan == pytest.approx(sum(fwd) + sum(bwd))
+    assert result.bubble_fraction == pytest.approx(0.0)
+
+
+def test_1f1b_order_matches_megatron():
+    order = one_f_one_b_order(6, 4, 1)
+    names = [f"{kind}{m}" for kind, _, m in order]
+    assert names == "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 B4 B5".split()
+    # Fewer micro-batches than warm-up slots: all forwards first.
+    assert [k for k, _, _ in one_f_one_b_order(2, 8, 0)] == ["F", "F", "B", "B"]
+
+
+def test_schedule_table_matches_megatron_example():
+    # The example in Megatron's schedules.py: PP2, group 3, M5, VP2.
+    table = _schedule_table(5, 2, 3)
+    assert [m for m, _ in table] == [0, 1, 2, 0, 1, 2, 3, 4, 3, 4]
+    assert [c for _, c in table] == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
+
+
+def test_interleaved_order_warmup_and_backward_chunks():
+    pp, vpp, group, num_mb = 2, 2, 2, 4
+    order = interleaved_order(num_mb, pp, vpp, group, stage=0)
+    warmup = 2 * (pp - 0 - 1) + (vpp - 1) * group
+    assert all(kind == "F" for kind, _, _ in order[:warmup])
+    assert order[warmup + 1] == ("B", vpp - 1, 0)  # backward starts on the last chunk
+    assert len(order) == 2 * num_mb * vpp
+
+
+def _check_timeline(result, pp, vpp, num_mb):
+    seen = {}
+    for e in result.events:
+        key = (e.kind, e.chunk * pp + e.stage, e.microbatch)
+        assert key not in seen
+        seen[key] = e
+    assert len(seen) == 2 * pp * vpp * num_mb
+    last = pp * vpp - 1
+    for (kind, v, m), e in seen.items():
+        if kind == "F" and v > 0:
+            assert e.start >= seen[("F", v - 1, m)].end - TOL
+        if kind == "B":
+            dep = seen[("B", v + 1, m)] if v < last else seen[("F", v, m)]
+            assert e.start >= dep.end - TOL
+    for stage in range(pp):
+        events = [e for e in result.events if e.stage == stage]
+        for a, b in zip(events, events[1:]):
+            assert b.start >= a.end - TOL  # one step at a time on a stage
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_costs_respect_dependencies_and_bounds(seed):
+    rng = random.Random(seed)
+    pp = rng.choice([2, 3, 4])
+    vpp = rng.choice([1, 2, 3])
+    num_mb = pp * rng.randint(1, 4)
+    fwd = [rng.uniform(0.1, 5.0) for _ in range(num_mb)]
+    bwd = [2 * c for c in fwd]
+    result = simulate_interleaved(fwd, bwd, pp, vpp)
+    _check_timeline(result, pp, vpp, num_mb)
+    assert result.makespan >= max(result.stage_busy) - TOL
+    # One micro-batch alone must cross the whole model forward and back.
+    assert result.makespan >= max(f + b for f, b in zip(fwd, bwd)) - TOL
+    assert 0.0 <= result.bubble_fraction < 1.0
+
+
+def test_heavy_microbatch_costs_more_at_the_edges_than_in_the_middle():
+    # A known effect the planner exploits: a heavy micro-batch in warm-up/cool-down is exposed.
+    base = [1.0] * 8
+    heavy_first = [4.0] + base[1:]
+    heavy_middle = base[:4] + [4.0] + base[5:]
+    first = simulate_1f1b(heavy_first, [2 * c for c in heavy_first], 4).makespan
+    middle = simulate_1f1b(heavy_middle, [2 * c for c in heavy_middle], 4).makespan
+    assert first > middle
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(fwd=[1.0] * 4, bwd=[1.0] * 4, pp=4, vpp=2, group=3), "microbatch_group_size"),
+        (dict(fwd=[1.0] * 4, bwd=[1.0] * 4, pp=2, vpp=2, group=5), "microbatch_group_size"),
+        (dict(fwd=[1.0] * 7, bwd=[1.0] * 7, pp=4, vpp=2, group=4), "last group"),
+        (dict(fwd=[1.0] * 3, bwd=[1.0] * 2, pp=2, vpp=1, group=None), "bwd_costs"),
+        (dict(fwd=[], bwd=[], pp=2, vpp=1, group=None), "at least|>= 1"),
+        (dict(fwd=[1.0, -1.0], bwd=[1.0, 1.0], pp=2, vpp=1, group=None), "negative"),
+        (dict(fwd=[1.0], bwd=[1.0], pp=0, vpp=1, group=None), "pp_size"),
+    ],
+)
+def test_rejects_what_megatron_rejects(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        simulate_interleaved(
+            kwargs["fwd"], kwargs["bwd"], kwargs["pp"], kwargs["vpp"], kwargs["group"]
+        )
+
+
+def test_simulate_step_takes_the_slowest_rank_and_ideal_time():
+    fast = ([1.0] * 4, [2.0] * 4)
+    slow = ([2.0] * 4, [4.0] * 4)
+    step = simulate_step([fast, slow], pp_size=2)
+    assert step.step_time == pytest.approx(simulate_1f1b(*slow, 2).makespan)
+    assert step.ideal_time == pytest.approx((12 + 24) / (2 * 2))
+    assert step.efficiency == pytest.approx(step.ideal_time / step.step_time)
+    assert len(step.ranks) == 2
+
+
+def test_simulate_step_forward_costs_only():
+    step = simulate_step([[1.0, 1.0], [1.0, 1.0]], pp_size=2)
+    expected = simulate_1f1b([1.0, 1.0], [BACKWARD_TO_FORWARD_RATIO] * 2, 2).makespan
+    assert step.step_time == pytest.approx(expected)
+    assert ideal_time([[1.0, 1.0]], 2) == pytest.approx(2 * (1 + BACKWARD_TO_FORWARD_RATIO) / 2)
+
+
+def test_simulate_step_interleaved():
+    costs = ([1.0] * 8, [2.0] * 8)
+    step = simulate_step([costs], pp_size=4, vpp_size=2, group=4)
+    assert step.step_time == pytest.approx((8 + 3 / 2) * 3.0 / 4)
+
+
+def test_simulator_imports_only_the_standard_library():
+    code = (
+        "import sys; import megatron_dynbatch.planning.simulate; "
+        "bad = [m for m in ('torch', 'numpy', 'megatron') if m in sys.modules]; "
+        "sys.exit(1 if bad else 0)"
+    )
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
