@@ -13,13 +13,16 @@ Everything here is deterministic: ties are broken by sample index and bin index.
 
 from __future__ import annotations
 
-import bisect
 import heapq
 from typing import List, Optional, Sequence, Tuple
 
-__all__ = ["lpt_pack", "best_fit_pack", "pack_min_max_load", "pack_count_limited"]
+__all__ = ["lpt_pack", "best_fit_pack", "count_best_fit_bins", "pack_min_max_load", "pack_count_limited"]
 
 Bins = List[List[int]]
+
+#: The fallback's search for the smallest row length stops within 1/100 of the lower bound: each
+#: probe repacks the whole step, and 1% of padding is below the noise of a step's cost.
+_ROW_SLACK_DIVISOR = 100
 
 
 def _order_desc(sizes: Sequence[int], items: Sequence[int]) -> List[int]:
@@ -45,6 +48,60 @@ def lpt_pack(sizes: Sequence[int], items: Sequence[int], num_bins: int) -> Tuple
     return bins, loads
 
 
+class _LoadIndex:
+    """Bins keyed by load in a Fenwick tree over load values ``0..cap``.
+
+    "Fullest bin whose load is <= x" is two O(log cap) walks, whatever the number of bins, so best
+    fit costs O(n log cap) even with tens of thousands of bins (a sorted list of bins costs O(K)
+    per insertion).
+    """
+
+    def __init__(self, cap: int, num_bins: int):
+        self.size = cap + 1
+        self.tree = [0] * (self.size + 1)
+        self.buckets: dict = {0: list(range(num_bins - 1, -1, -1))}  # pop() yields bin 0 first
+        self._add(0, num_bins)
+        self.top = 1 << self.size.bit_length()
+
+    def _add(self, load: int, delta: int) -> None:
+        i = load + 1
+        while i <= self.size:
+            self.tree[i] += delta
+            i += i & -i
+
+    def _prefix(self, load: int) -> int:
+        i, total = min(load, self.size - 1) + 1, 0
+        while i > 0:
+            total += self.tree[i]
+            i -= i & -i
+        return total
+
+    def pop_fullest_at_most(self, limit: int):
+        """Remove and return ``(load, bin)`` of a fullest bin with load <= limit, or None."""
+        if limit < 0:
+            return None
+        rank = self._prefix(limit)
+        if rank == 0:
+            return None
+        # Binary lifting: the smallest position whose prefix count reaches ``rank``.
+        pos, step = 0, self.top
+        while step:
+            nxt = pos + step
+            if nxt <= self.size and self.tree[nxt] < rank:
+                pos = nxt
+                rank -= self.tree[nxt]
+            step >>= 1
+        load = pos  # Fenwick position pos + 1 holds load value pos
+        bucket = self.buckets[load]
+        b = bucket.pop()
+        self._add(load, -1)
+        return load, b
+
+    def push(self, load: int, b: int) -> None:
+        self.buckets.setdefault(load, []).append(b)
+        self._add(load, 1)
+
+
 def best_fit_pack(
     sizes: Sequence[int], items: Sequence[int], num_bins: int, cap: int
 ) -> Optional[Tuple[Bins, List[int]]]:
@@ -52,26 +109,28 @@ def best_fit_pack(
 
     Each item, largest first, goes to the fullest bin that still has room. Used where LPT overshoots
     the cap (few large items, e.g. 5,5,4,3,3 into two bins of 10: LPT gives 5+4+3 | 5+3 -> 12 > 10
-    after the last 3, best fit gives 5+5 | 4+3+3). The sorted (load, bin) list makes the fullest-fitting
-    bin a bisect away.
+    after the last 3, best fit gives 5+5 | 4+3+3).
     """
     bins: Bins = [[] for _ in range(num_bins)]
     loads = [0] * num_bins
-    order = [(0, b) for b in range(num_bins)]  # sorted by (load, bin)
+    index = _LoadIndex(cap, num_bins)
     for i in _order_desc(sizes, items):
         size = sizes[i]
-        if size > cap:
+        found = index.pop_fullest_at_most(cap - size)
+        if found is None:
             return None
-        # Fullest bin with load <= cap - size: the last entry below (cap - size, +inf).
-        pos = bisect.bisect_right(order, (cap - size, num_bins)) - 1
-        if pos < 0:
-            return None
-        load, b = order.pop(pos)
-        load += size
+        load, b = found
         bins[b].append(i)
-        loads[b] = load
-        bisect.insort(order, (load, b))
+        loads[b] = load + size
+        index.push(load + size, b)
     return bins, loads
+
+
+def count_best_fit_bins(sizes: Sequence[int], items: Sequence[int], cap: int) -> int:
+    """Bins best-fit decreasing needs for ``items`` under ``cap`` (every item must fit alone)."""
+    packed = best_fit_pack(sizes, items, len(items), cap)
+    assert packed is not None, "an item exceeds the cap"
+    return sum(1 for members in packed[0] if members)
 
 
 def pack_min_max_load(
@@ -95,7 +154,8 @@ def pack_min_max_load(
     total = sum(sizes[i] for i in items)
     lo = max(-(-total // num_bins), max(sizes[i] for i in items))
     hi = max(packed[1])
-    while lo < hi:
+    # Each probe is a full best-fit pass: stop once the row length is within 1% of the best bound.
+    while lo < hi and (hi - lo) * _ROW_SLACK_DIVISOR > hi:
         mid = (lo + hi) // 2
         trial = best_fit_pack(sizes, items, num_bins, mid)
         if trial is None:
