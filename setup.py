@@ -7,6 +7,7 @@ setup(
     version="0.1.0",
     description="Dynamic, token-budget micro-batching for Megatron-Core (pipeline-parallel RL/LLM)",
     packages=find_packages(include=["megatron_dynbatch", "megatron_dynbatch.*"]),
+    package_data={"megatron_dynbatch": ["data/*.json"]},
     python_requires=">=3.10",
     # The planner is pure Python. torch and megatron-core are deliberately not listed: pip must never
     # resolve a torch on its own (on CPU machines only the pinned 2.13.0 wheel is local; on GPU

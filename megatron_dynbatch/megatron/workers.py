@@ -1,4 +1,4 @@
-"""Run a test body on N gloo ranks, in worker processes reused across test cases.
+"""Run a function on N gloo ranks, in worker processes reused across calls (tests and `verify`).
 
 Starting a process that imports torch and megatron costs seconds, so workers are started once per
 world size and kept for the whole session (a persistent pool keyed by world size). A test body is a
@@ -21,6 +21,7 @@ and the pool of that world size is torn down, since its ranks may be stuck in a 
 import atexit
 import dataclasses
 import importlib
+import logging
 import os
 import pickle
 import queue
@@ -28,6 +29,7 @@ import socket
 import sys
 import time
 import traceback
+import warnings
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
@@ -101,6 +103,10 @@ def _set_layout(layout: Layout, current: Optional[Layout]) -> Layout:
 def _worker_main(rank: int, world_size: int, port: int, task_queue, result_queue) -> None:
     # Two cores serve up to four ranks: more intra-op threads per rank only oversubscribe.
     torch.set_num_threads(1)
+    # Megatron's notices (no apex, deprecated GPTModel, ...) repeat once per rank and per model
+    # build; in a pool reused for many cases they drown the output that matters.
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    logging.getLogger("megatron").setLevel(logging.ERROR)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"] = str(rank)
