@@ -20,7 +20,7 @@ import types
 
 import torch
 
-__all__ = ["apply_cpu_shim", "is_cpu_shim_applied"]
+__all__ = ["apply_cpu_shim", "apply_training_cpu_shim", "is_cpu_shim_applied"]
 
 # Megatron modules whose module-level ``torch`` gets the CPU proxy, each with the reason.
 _PATCHED_MODULES = (
@@ -39,6 +39,17 @@ _PATCHED_MODULES = (
     "megatron.core.tensor_parallel.random",
     # DDP grad buffers are allocated on ``torch.cuda.current_device()``.
     "megatron.core.distributed.param_and_grad_buffer",
+)
+
+# What Megatron-LM's own training loop (``megatron.training``) adds on top, for
+# :func:`apply_training_cpu_shim` only.
+_TRAINING_MODULES = (
+    # Loss / grad-norm statistics are reduced in cuda tensors.
+    "megatron.training.utils.common_utils",
+    # The fp32 optimizer wrapper keeps its found-inf flag and grad scaler on the current GPU.
+    "megatron.core.optimizer.optimizer",
+    # Gradient-norm clipping accumulates the norm in a cuda tensor.
+    "megatron.core.optimizer.clip_grads",
 )
 
 # The one module that imports triton unconditionally (it holds Triton kernels for the MoE paged
@@ -168,3 +179,23 @@ def apply_cpu_shim() -> None:
     random_module = sys.modules["megatron.core.tensor_parallel.random"]
     random_module._set_cuda_rng_state = _set_cpu_rng_state
     _applied = True
+
+
+def apply_training_cpu_shim() -> None:
+    """Also run Megatron-LM's ``megatron.training`` loop on CPU (patch tests); explicit, opt-in.
+
+    ``megatron.training`` (shipped in megatron-core 0.19.2) uses ``typing.override``, new in Python
+    3.12; on 3.11 the identical ``typing_extensions.override`` stands in. A no-op with CUDA.
+    """
+    import typing
+
+    if torch.cuda.is_available():
+        return
+    apply_cpu_shim()
+    if not hasattr(typing, "override"):
+        import typing_extensions
+
+        typing.override = typing_extensions.override
+    proxy = sys.modules["megatron.core.utils"].torch
+    for module_name in _TRAINING_MODULES:
+        importlib.import_module(module_name).torch = proxy

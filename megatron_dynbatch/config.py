@@ -1,0 +1,197 @@
+"""The dynamic-batching configuration: a frozen dataclass, its command-line flags and a YAML loader.
+
+Standard library (plus PyYAML, imported only by the loader) and the pure planner; no torch, no
+megatron. :mod:`megatron_dynbatch.megatron.arguments` turns Megatron's parsed arguments into a
+:class:`DynBatchConfig`; ``configs/dynbatch.yaml`` lists every key with its default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Union
+
+from megatron_dynbatch.planning.spec import LAYOUTS, CostModel, ParallelLayout, PlannerConfig
+
+__all__ = [
+    "FLAGS",
+    "DynBatchConfig",
+    "config_from_mapping",
+    "load_yaml_config",
+]
+
+#: The Megatron command-line flag of every :class:`DynBatchConfig` field (error messages name them).
+FLAGS: Dict[str, str] = {
+    "max_tokens_per_gpu": "--max-tokens-per-gpu",
+    "log_probs_max_tokens_per_gpu": "--log-probs-max-tokens-per-gpu",
+    "layout": "--dynamic-batch-layout",
+    "rollouts_per_step": "--rollouts-per-step",
+    "cost_token_weight": "--dynamic-batch-cost-token-weight",
+    "cost_attention_weight": "--dynamic-batch-cost-attention-weight",
+    "cost_response_weight": "--dynamic-batch-cost-response-weight",
+}
+
+
+def _check_positive_int(name: str, value: Any, *, optional: bool) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an integer >= 1; fix {FLAGS[name]}.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DynBatchConfig:
+    """What ``--use-dynamic-batch-size`` training plans with (one field per flag in ``FLAGS``)."""
+
+    max_tokens_per_gpu: int
+    """Token budget of one training micro-batch on one GPU (padding included; with context
+    parallelism a micro-batch holds ``cp_size`` times this, split over the CP ranks). Required."""
+    log_probs_max_tokens_per_gpu: Optional[int] = None
+    """Budget of one forward-only (log-prob) micro-batch. No activations are kept for a backward
+    pass, so it is usually larger than ``max_tokens_per_gpu``; ``None`` uses
+    ``max_tokens_per_gpu``."""
+    layout: str = "packed"
+    """``packed``: one row of concatenated samples per micro-batch (needs a segment-aware attention
+    mask or THD ``cu_seqlens``); ``padded``: ``[B, S]`` rows, one sample per row."""
+    rollouts_per_step: Optional[int] = None
+    """Rollouts (prompt groups / trajectories) per optimizer step. The training data iterator may
+    yield several steps' worth at once; ``None``: every yielded batch is one step."""
+    cost_token_weight: float = 1.0
+    """Cost-model weight of a sample's length ``L`` (MLP and projection work)."""
+    cost_attention_weight: float = 0.0
+    """Cost-model weight of ``L**2`` (self-attention); long-context runs set it > 0."""
+    cost_response_weight: float = 0.0
+    """Cost-model weight of the response length (work done on generated tokens only)."""
+
+    def __post_init__(self) -> None:
+        if self.max_tokens_per_gpu is None:
+            raise ValueError(
+                "max_tokens_per_gpu is not set; pass --max-tokens-per-gpu (or set "
+                "max_tokens_per_gpu in the --dynamic-batch-config YAML) with the token budget of "
+                "one micro-batch on one GPU."
+            )
+        _check_positive_int("max_tokens_per_gpu", self.max_tokens_per_gpu, optional=False)
+        _check_positive_int(
+            "log_probs_max_tokens_per_gpu", self.log_probs_max_tokens_per_gpu, optional=True
+        )
+        _check_positive_int("rollouts_per_step", self.rollouts_per_step, optional=True)
+        if self.layout not in LAYOUTS:
+            raise ValueError(
+                f"layout={self.layout!r} is not one of {LAYOUTS}; pass --dynamic-batch-layout "
+                "packed or padded."
+            )
+        for name in ("cost_token_weight", "cost_attention_weight", "cost_response_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name}={value!r} must be a number; fix {FLAGS[name]}.")
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name}={value!r} must be finite and >= 0; fix {FLAGS[name]}.")
+            # Normalise YAML integers (``cost_token_weight: 1``) so equal configs compare equal.
+            object.__setattr__(self, name, float(value))
+        if self.cost_token_weight == self.cost_attention_weight == self.cost_response_weight == 0:
+            raise ValueError(
+                "every cost-model weight is 0, so the planner cannot balance ranks; set "
+                "--dynamic-batch-cost-token-weight (default 1.0) above 0."
+            )
+
+    @property
+    def forward_only_max_tokens_per_gpu(self) -> int:
+        """Budget of forward-only passes: ``log_probs_max_tokens_per_gpu`` or the training one."""
+        return self.log_probs_max_tokens_per_gpu or self.max_tokens_per_gpu
+
+    def cost_model(self) -> CostModel:
+        return CostModel(
+            token_weight=self.cost_token_weight,
+            attention_weight=self.cost_attention_weight,
+            response_weight=self.cost_response_weight,
+        )
+
+    def planner_config(
+        self, parallel: ParallelLayout, *, forward_only: bool = False
+    ) -> PlannerConfig:
+        """The pure planner's config for a parallel layout.
+
+        Forward-only passes use the log-prob budget and plan the whole batch as one pass
+        (``rollouts_per_step`` only splits optimizer steps).
+
+        Raises:
+            ValueError: When the budget cannot hold one padded sample of the layout, naming the
+                flag to raise.
+        """
+        if forward_only:
+            budget_flag = FLAGS["log_probs_max_tokens_per_gpu"]
+            budget = self.forward_only_max_tokens_per_gpu
+        else:
+            budget_flag, budget = FLAGS["max_tokens_per_gpu"], self.max_tokens_per_gpu
+        try:
+            return PlannerConfig(
+                max_tokens_per_gpu=budget,
+                parallel=parallel,
+                rollouts_per_step=None if forward_only else self.rollouts_per_step,
+                layout=self.layout,
+                cost=self.cost_model(),
+            )
+        except ValueError as error:
+            raise ValueError(f"{budget_flag}: {error}") from error
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(DynBatchConfig))
+assert set(_FIELDS) == set(FLAGS), "every config field needs a flag"
+
+
+def config_from_mapping(values: Mapping[str, Any]) -> DynBatchConfig:
+    """Build a :class:`DynBatchConfig` from a mapping of field names; unknown keys are errors."""
+    unknown = sorted(set(values) - set(_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"unknown dynamic-batch config key(s) {unknown}; valid keys are {list(_FIELDS)}."
+        )
+    kwargs = {key: value for key, value in values.items() if value is not None}
+    # A missing budget is reported by __post_init__ (naming the flag), not as a TypeError.
+    kwargs.setdefault("max_tokens_per_gpu", None)
+    return DynBatchConfig(**kwargs)
+
+
+def load_yaml_config(path: Union[str, os.PathLike]) -> Dict[str, Any]:
+    """Read a ``--dynamic-batch-config`` YAML file into a dict of field values.
+
+    Keys are :class:`DynBatchConfig` field names; a ``null`` value means "not set here" (the flag or
+    the dataclass default applies). Every value is checked here, so a bad value fails before any
+    flag is merged in.
+
+    Raises:
+        ValueError: On a missing file, YAML that is not a mapping, or an unknown key (with the list
+            of valid keys), so a typo never silently falls back to a default.
+    """
+    import yaml  # Only the loader needs PyYAML.
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"--dynamic-batch-config {path!r} does not exist or is not a file.")
+    with open(path, encoding="utf-8") as handle:
+        try:
+            data = yaml.safe_load(handle)
+        except yaml.YAMLError as error:
+            raise ValueError(
+                f"--dynamic-batch-config {path!r} is not valid YAML: {error}"
+            ) from error
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"--dynamic-batch-config {path!r} must hold a mapping of key: value, got "
+            f"{type(data).__name__}."
+        )
+    unknown = sorted(str(key) for key in set(data) - set(_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"--dynamic-batch-config {path!r}: unknown key(s) {unknown}; valid keys are "
+            f"{list(_FIELDS)}."
+        )
+    # The budget may come from --max-tokens-per-gpu instead; 1 stands in for it while the other
+    # values are checked.
+    budget = data.get("max_tokens_per_gpu")
+    config_from_mapping({**data, "max_tokens_per_gpu": 1 if budget is None else budget})
+    return dict(data)

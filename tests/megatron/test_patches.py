@@ -1,0 +1,494 @@
+"""Patches to megatron/training 0.19.2: they apply, keep the flag-off path stock, drive real steps.
+
+What runs, on real Megatron code (no mocked schedule, model, optimizer or argument parser):
+
+* ``launch/apply_patches.sh`` on a copy of the installed ``megatron`` package: applies all patches,
+  is idempotent, and changes nothing when one patch does not apply.
+* In a subprocess with the patched copy first on ``sys.path``: the patched
+  ``parse_and_validate_args`` (patch 0001) with our ``extra_args_provider``, then the patched
+  ``train_step`` (patch 0002) with a tiny GPTModel, Megatron DDP, Megatron's SGD optimizer and LR
+  scheduler and ``get_forward_backward_func()``: flag off it must give bit-identical loss,
+  parameters and scheduler state to the stock ``train_step`` (run in a second subprocess on the
+  installed tree); flag on it takes one rollout batch, serves several planned steps from it with
+  per-step micro-batch counts and row lengths, reports the token-mean loss of exactly the step's
+  samples, and advances the LR schedule by the step's sample count.
+* On 2 gloo ranks: ``prepare_train_step`` splits one global batch over the DP ranks, and ranks whose
+  iterators disagree all raise ``PlanMismatchError`` instead of hanging.
+
+Not exercised here: patches 0003 (``training_log``) and 0004 (the ``train`` loop) are only checked
+to apply and to import; driving them needs Megatron's full ``pretrain`` setup. Pipeline and
+interleaved layouts through the patched ``train_step`` are not run (one process); the schedules
+themselves are covered by ``test_schedules_cpu.py``.
+"""
+
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+PATCHES = sorted((REPO / "patches").glob("*.patch"))
+APPLY = REPO / "launch" / "apply_patches.sh"
+_SUBPROCESS_TIMEOUT_S = 300
+
+
+def _installed_megatron_root() -> pathlib.Path:
+    """The site-packages directory holding the installed ``megatron`` package (not imported)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("megatron")
+    assert spec is not None and spec.submodule_search_locations, "megatron-core is not installed"
+    return pathlib.Path(list(spec.submodule_search_locations)[0]).parent
+
+
+STOCK_ROOT = _installed_megatron_root()
+
+
+def _copy_megatron(destination: pathlib.Path) -> pathlib.Path:
+    shutil.copytree(
+        STOCK_ROOT / "megatron",
+        destination / "megatron",
+        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
+    )
+    return destination
+
+
+def _apply(tree: pathlib.Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(APPLY), str(tree)], capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def patched_tree(tmp_path_factory) -> pathlib.Path:
+    tree = _copy_megatron(tmp_path_factory.mktemp("patched"))
+    result = _apply(tree)
+    assert result.returncode == 0, result.stderr
+    assert [line.split()[1] for line in result.stdout.splitlines()] == [p.name for p in PATCHES]
+    return tree
+
+
+# --- the patch files and the apply script -----------------------------------------------------
+
+
+def test_every_patch_has_a_readme_line_naming_the_version():
+    readme = (REPO / "patches" / "README.md").read_text()
+    assert PATCHES, "no patches"
+    for patch in PATCHES:
+        line = next((l for l in readme.splitlines() if patch.name in l), None)
+        assert line is not None, f"{patch.name} has no README line"
+    assert "0.19.2" in readme
+
+
+def test_patches_call_our_code_only_behind_the_flag():
+    """Every hunk that imports megatron_dynbatch guards it with ``use_dynamic_batch_size``."""
+    for patch in PATCHES:
+        hunks = re.split(r"^@@.*@@.*$", patch.read_text(), flags=re.M)[1:]
+        for hunk in hunks:
+            added = [l[1:] for l in hunk.splitlines() if l.startswith("+")]
+            if any("megatron_dynbatch" in l and "import" in l for l in added):
+                assert any('getattr(args, "use_dynamic_batch_size", False)' in l for l in added), (
+                    patch.name,
+                    hunk,
+                )
+
+
+def test_apply_is_idempotent(patched_tree):
+    result = _apply(patched_tree)
+    assert result.returncode == 0 and "already applied" in result.stdout
+
+
+def test_apply_changes_nothing_when_a_patch_does_not_apply(tmp_path):
+    for name in ("training.py", "arguments.py"):
+        (tmp_path / "megatron" / "training").mkdir(parents=True, exist_ok=True)
+        shutil.copy(STOCK_ROOT / "megatron" / "training" / name, tmp_path / "megatron" / "training")
+    training = tmp_path / "megatron" / "training" / "training.py"
+    # A user tree where train_step's call differs from 0.19.2: patch 0002 cannot apply.
+    call = "            num_microbatches=get_num_microbatches(),\n"
+    assert call in training.read_text()
+    text = training.read_text().replace(call, call.rstrip("\n") + "  # local change\n")
+    training.write_text(text)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "megatron" / "training").iterdir()}
+    result = _apply(tmp_path)
+    assert result.returncode == 1
+    assert "0002-train-step-dynamic-microbatches.patch does not apply" in result.stderr
+    assert "nothing was changed" in result.stderr
+    after = {p.name: p.read_bytes() for p in (tmp_path / "megatron" / "training").iterdir()}
+    assert after == before  # patch 0001 was not applied either; no .orig / .rej left behind
+
+
+def test_apply_rejects_a_directory_without_megatron(tmp_path):
+    result = _apply(tmp_path)
+    assert result.returncode == 1 and "megatron/training does not exist" in result.stderr
+
+
+# --- the patched train_step, in subprocesses ---------------------------------------------------
+
+
+def _run_workers(jobs: dict) -> dict:
+    """Run ``python this_file TREE MODE OUT`` per mode, concurrently; return the parsed outputs."""
+    processes = {}
+    for mode, (tree, out) in jobs.items():
+        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+        processes[mode] = subprocess.Popen(
+            [sys.executable, __file__, str(tree), mode, str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    results = {}
+    for mode, process in processes.items():
+        log, _ = process.communicate(timeout=_SUBPROCESS_TIMEOUT_S)
+        assert process.returncode == 0, f"{mode} worker failed:\n{log[-6000:]}"
+        results[mode] = json.loads(pathlib.Path(jobs[mode][1]).read_text())
+    return results
+
+
+@pytest.fixture(scope="module")
+def train_step_results(patched_tree, tmp_path_factory):
+    out = tmp_path_factory.mktemp("results")
+    return _run_workers(
+        {"stock": (STOCK_ROOT, out / "stock.json"), "patched": (patched_tree, out / "patched.json")}
+    )
+
+
+def test_patched_tree_is_the_one_imported(train_step_results, patched_tree):
+    assert train_step_results["patched"]["training_file"].startswith(str(patched_tree))
+    assert train_step_results["stock"]["training_file"].startswith(str(STOCK_ROOT))
+
+
+def test_flag_off_train_step_is_bitwise_stock(train_step_results):
+    stock = train_step_results["stock"]["off"]
+    patched = train_step_results["patched"]["off"]
+    assert patched == stock
+    # And it is a real step: the loss is the token mean over the three micro-batches.
+    assert stock["loss"] == pytest.approx(stock["reference_loss"], rel=1e-5)
+    assert stock["scheduler_steps"] == 3  # 3 micro-batches x mbs 1 x dp 1
+
+
+def test_flag_on_validation_runs_after_megatrons(train_step_results):
+    on = train_step_results["patched"]["on"]
+    assert "--calculate-per-token-loss" in on["missing_per_token_loss_error"]
+    assert on["resolved"] == [24, "packed", 2]
+
+
+def test_flag_on_train_step_serves_planned_steps(train_step_results):
+    on = train_step_results["patched"]["on"]
+    steps = on["steps"]
+    # 8 samples in 5 rollouts, 2 rollouts per step: steps of rollouts {a,b}, {c,d}, {e}, all from
+    # one pull of the iterator.
+    assert on["pulls"] == 1
+    assert [s["indices"] for s in steps] == [[0, 1, 2, 3], [4, 5, 6], [7]]
+    assert [s["step_index"] for s in steps] == [0, 1, 2]
+    for step in steps:
+        # The loss Megatron's train_step reports is the token mean over exactly the step's samples,
+        # computed from the pre-step weights by running each sample alone.
+        assert step["loss"] == pytest.approx(step["reference_loss"], rel=1e-5)
+        assert step["scheduler_increment"] == step["num_samples"] == len(step["indices"])
+        assert step["seq_length"] <= 24 and step["params_changed"]
+    assert len({(s["num_microbatches"], s["seq_length"]) for s in steps}) > 1
+
+
+# --- the hook on 2 DP ranks ---------------------------------------------------------------------
+
+
+def _two_rank_body(mismatch: bool):
+    import argparse
+
+    import torch
+
+    from megatron_dynbatch.megatron import training_hooks
+    from megatron_dynbatch.megatron.arguments import add_dynamic_batch_args
+
+    args = add_dynamic_batch_args(argparse.ArgumentParser()).parse_args(
+        ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "16"]
+    )
+    args.data_parallel_size = torch.distributed.get_world_size()
+    args.calculate_per_token_loss = True
+    lengths = [3, 9, 5, 12, 7, 2]
+    if mismatch and torch.distributed.get_rank() == 1:
+        lengths = lengths + [4]  # this rank's iterator yields another batch
+    batch = training_hooks.RolloutBatch(
+        samples=[{"tokens": torch.arange(1, n + 1)} for n in lengths]
+    )
+    training_hooks.reset_dynamic_batch_state()
+    try:
+        step = training_hooks.prepare_train_step(args, iter([batch]), [torch.nn.Linear(1, 1)])
+    except training_hooks.PlanMismatchError as error:
+        return str(error)
+    finally:
+        training_hooks.reset_dynamic_batch_state()
+    shapes = {tuple(mb["tokens"].shape) for mb in step.microbatches}
+    return step.sample_indices, step.num_microbatches, shapes, step.num_samples
+
+
+def test_hook_splits_one_global_batch_over_dp_ranks():
+    from tests.distributed.harness import Layout, run_on_ranks
+
+    results = run_on_ranks(2, _two_rank_body, False, layout=Layout())
+    (indices0, m0, shapes0, n0), (indices1, m1, shapes1, n1) = results
+    assert sorted(indices0 + indices1) == list(range(6)) and not set(indices0) & set(indices1)
+    assert m0 == m1 and shapes0 == shapes1 and len(shapes0) == 1 and n0 == n1 == 6
+
+
+def test_hook_raises_on_every_rank_when_plans_differ():
+    from tests.distributed.harness import Layout, run_on_ranks
+
+    messages = run_on_ranks(2, _two_rank_body, True, layout=Layout())
+    for message in messages:
+        assert "derived a different plan than rank 0" in message
+        assert "ranks [1]" in message and "same global rollout batch" in message
+
+
+# --- worker: runs in a subprocess with TREE first on sys.path ------------------------------------
+
+_ARGV = [
+    "pretrain",
+    "--num-layers", "2",
+    "--hidden-size", "32",
+    "--num-attention-heads", "4",
+    "--seq-length", "16",
+    "--max-position-embeddings", "256",
+    "--micro-batch-size", "1",
+    "--global-batch-size", "3",
+    "--train-iters", "3",
+    "--lr", "0.1",
+    "--lr-decay-style", "constant",
+    "--optimizer", "sgd",
+    "--clip-grad", "0",
+    "--vocab-size", "128",
+    "--tokenizer-type", "NullTokenizer",
+    "--transformer-impl", "local",
+    "--no-gradient-accumulation-fusion",
+    "--calculate-per-token-loss",
+]  # fmt: skip
+_DYNAMIC_ARGV = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "24"] + [
+    "--rollouts-per-step",
+    "2",
+]
+
+
+def _worker_setup(tree: str):
+    sys.path.insert(0, tree)
+    from megatron_dynbatch.megatron.cpu_shim import apply_training_cpu_shim
+
+    apply_training_cpu_shim()
+    import megatron.training.training as training
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    assert os.path.realpath(training.__file__).startswith(os.path.realpath(tree)), training.__file__
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(1234)
+    return training.__file__
+
+
+def _worker_parse(argv, provider):
+    from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
+    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training.global_vars import destroy_global_vars
+
+    destroy_global_vars()
+    destroy_num_microbatches_calculator()
+    sys.argv = list(argv)
+    return parse_and_validate_args(extra_args_provider=provider)
+
+
+def _worker_build():
+    import torch
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.training.training import get_optimizer_param_scheduler
+
+    from megatron_dynbatch.megatron.tiny_gpt import (
+        build_tiny_gpt,
+        tiny_transformer_config,
+        wrap_in_ddp,
+    )
+
+    config = tiny_transformer_config(num_layers=2)
+    config.finalize_model_grads_func = finalize_model_grads
+    model = wrap_in_ddp(build_tiny_gpt(config, seed=3))
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="sgd", lr=0.1, clip_grad=0.0, params_dtype=torch.float32), model
+    )
+    return config, model, optimizer, get_optimizer_param_scheduler(optimizer)
+
+
+def _worker_samples(lengths, seed):
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        {"tokens": torch.randint(1, 128, (n,), generator=generator), "prompt_length": n // 3}
+        for n in lengths
+    ]
+
+
+def _worker_params(model):
+    from megatron_dynbatch.megatron.tiny_gpt import named_global_params
+
+    return {name: p.detach().clone() for name, p in named_global_params(model).items()}
+
+
+def _worker_reference_loss(model, samples):
+    """Token-mean next-token loss of ``samples``, each run alone through the unwrapped model."""
+    import torch
+
+    from megatron_dynbatch.megatron.forward import build_attention_mask
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for sample in samples:
+            n = sample["tokens"].shape[0]
+            labels = torch.cat([sample["tokens"][1:], torch.zeros(1, dtype=torch.int64)])
+            mask = torch.zeros(n)
+            # Position j predicts token j + 1: a target when token j + 1 is a response token.
+            mask[max(sample["prompt_length"] - 1, 0) : n - 1] = 1
+            per_token = model[0].module(
+                sample["tokens"][None],
+                torch.arange(n)[None],
+                build_attention_mask(torch.zeros(1, n, dtype=torch.int64)),
+                labels=labels[None],
+            )[0]
+            total += float((per_token * mask).sum())
+            count += int(mask.sum())
+    return total / count
+
+
+def _worker_train_step(model, optimizer, scheduler, config, data_iterator):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.training.training import train_step
+
+    from megatron_dynbatch.megatron.forward import make_forward_step
+    from megatron_dynbatch.runtime import microbatch_loss
+
+    forward_step = make_forward_step(lambda batch, loss: microbatch_loss("token-mean", loss, batch))
+    loss_dict, skipped = train_step(
+        forward_step, data_iterator, model, optimizer, scheduler, config,
+        get_forward_backward_func(), iteration=0,
+    )[:2]  # fmt: skip
+    assert skipped == 0
+    return float(loss_dict["loss"])
+
+
+def _worker_flag_off(provider):
+    """One stock-shaped step: 3 fixed micro-batches of [1, 16], Megatron's own data path."""
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    from megatron_dynbatch.planning import PlannerConfig, plan_schedule
+    from megatron_dynbatch.runtime import BatchSchema, materialize_microbatches
+
+    _worker_parse(_ARGV, provider)
+    config, model, optimizer, scheduler = _worker_build()
+    samples = _worker_samples([16, 16, 16], seed=1)
+    step = plan_schedule([16] * 3, config=PlannerConfig(max_tokens_per_gpu=16)).steps[0]
+    assert (step.num_microbatches, step.seq_length) == (3, 16)
+    microbatches = materialize_microbatches(
+        step, 0, dict(enumerate(samples)), BatchSchema(), layout="packed", sample_multiple=1
+    )
+    reference = _worker_reference_loss(model, samples)
+    data_iterator = RerunDataIterator(iter(microbatches))
+    loss = _worker_train_step(model, optimizer, scheduler, config, data_iterator)
+    return {
+        "loss": loss,
+        "reference_loss": reference,
+        "scheduler_steps": scheduler.num_steps,
+        "params": {k: v.double().sum().item() for k, v in _worker_params(model).items()},
+    }
+
+
+def _worker_flag_on():
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    from megatron_dynbatch.megatron import training_hooks
+    from megatron_dynbatch.megatron.arguments import add_dynamic_batch_args
+    from megatron_dynbatch.megatron.tiny_gpt import named_global_params
+
+    result = {}
+    no_per_token = [a for a in _ARGV if a != "--calculate-per-token-loss"]
+    try:
+        _worker_parse(no_per_token + _DYNAMIC_ARGV, add_dynamic_batch_args)
+    except ValueError as error:
+        result["missing_per_token_loss_error"] = str(error)
+    args = _worker_parse(_ARGV + _DYNAMIC_ARGV, add_dynamic_batch_args)
+    result["resolved"] = [
+        args.max_tokens_per_gpu,
+        args.dynamic_batch_layout,
+        args.rollouts_per_step,
+    ]
+
+    config, model, optimizer, scheduler = _worker_build()
+    samples = _worker_samples([5, 9, 12, 3, 7, 16, 4, 11], seed=2)
+    batch = training_hooks.RolloutBatch(
+        samples=samples, rollout_ids=["a", "a", "b", "b", "c", "d", "d", "e"]
+    )
+    pulls = []
+
+    def rollout_batches():
+        while True:
+            pulls.append(1)
+            yield batch
+
+    data_iterator = RerunDataIterator(rollout_batches())
+    training_hooks.reset_dynamic_batch_state()
+    steps = []
+    for _ in range(3):
+        before_params = _worker_params(model)
+        before_scheduler = scheduler.num_steps
+        loss = _worker_train_step(model, optimizer, scheduler, config, data_iterator)
+        step = training_hooks.last_train_step()
+        after_params = _worker_params(model)
+        # Reference from the pre-step weights: put them back, measure, restore.
+        named = named_global_params(model)
+        for name, param in named.items():
+            param.data.copy_(before_params[name])
+        reference = _worker_reference_loss(model, [samples[i] for i in step.sample_indices])
+        for name, param in named.items():
+            param.data.copy_(after_params[name])
+        steps.append(
+            {
+                "loss": loss,
+                "reference_loss": reference,
+                "indices": sorted(step.sample_indices),
+                "step_index": step.step_index,
+                "num_microbatches": step.num_microbatches,
+                "seq_length": step.seq_length,
+                "num_samples": step.num_samples,
+                "scheduler_increment": scheduler.num_steps - before_scheduler,
+                "params_changed": any(
+                    not before_params[k].equal(after_params[k]) for k in before_params
+                ),
+            }
+        )
+    result["steps"] = steps
+    result["pulls"] = len(pulls)
+    return result
+
+
+def _worker_main(tree: str, mode: str, out: str) -> None:
+    result = {"training_file": _worker_setup(tree)}
+    if mode == "stock":
+        result["off"] = _worker_flag_off(None)
+    else:
+        from megatron_dynbatch.megatron.arguments import add_dynamic_batch_args
+
+        result["off"] = _worker_flag_off(add_dynamic_batch_args)
+        result["on"] = _worker_flag_on()
+    pathlib.Path(out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    _worker_main(*sys.argv[1:4])
