@@ -1,0 +1,1 @@
+"""Adapters for RL trainers that run Megatron (slime-style rollout batches)."""

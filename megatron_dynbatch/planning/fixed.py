@@ -1,0 +1,102 @@
+"""Megatron's stock batching expressed as a plan: fixed ``micro_batch_size`` rows of ``seq_length``.
+
+Without dynamic batching Megatron pads every sample to ``--seq-length`` and gives each DP rank
+``global_batch / (dp * micro_batch_size)`` micro-batches, taking samples in arrival order (each
+rank its slice of every ``dp * micro_batch_size`` consecutive samples). Expressing that as a
+:class:`Plan` lets the same runtime and schedule code run both, so comparisons measure batching
+and nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+from .plan import Plan, PlanStats, StepPlan
+from .samples import SampleSet
+from .spec import ceil_div
+
+__all__ = ["plan_fixed_microbatches"]
+
+
+def plan_fixed_microbatches(
+    lengths: Sequence[int],
+    rollout_ids: Optional[Sequence[Any]] = None,
+    *,
+    dp_size: int,
+    micro_batch_size: int,
+    seq_length: int,
+    rollouts_per_step: Optional[int] = None,
+    microbatch_multiple: int = 1,
+) -> Plan:
+    """Fixed-shape plan: ``[micro_batch_size, seq_length]`` rows in arrival order.
+
+    A step whose sample count does not fill the last micro-batches gets placeholder rows (Megatron
+    itself would require the global batch to divide evenly). Raises ValueError if a sample is
+    longer than ``seq_length`` (Megatron would truncate it; we refuse to lose tokens).
+    """
+    samples = SampleSet.build(lengths, rollout_ids)
+    for name, value in (("dp_size", dp_size), ("micro_batch_size", micro_batch_size),
+                        ("seq_length", seq_length), ("microbatch_multiple", microbatch_multiple)):
+        if value < 1:
+            raise ValueError(f"{name}={value} must be >= 1.")
+    longest = max(samples.lengths)
+    if longest > seq_length:
+        raise ValueError(
+            f"a sample of {longest} tokens does not fit seq_length={seq_length}; raise --seq-length "
+            f"(fixed batching pads every sample to it)."
+        )
+    rollouts = samples.rollouts()
+    per_step = rollouts_per_step or len(rollouts)
+    steps: List[StepPlan] = []
+    for start in range(0, len(rollouts), per_step):
+        chunk = rollouts[start : start + per_step]
+        items = sorted(i for _, members in chunk for i in members)
+        per_rank = ceil_div(ceil_div(len(items), dp_size * micro_batch_size), microbatch_multiple)
+        per_rank *= microbatch_multiple
+        ranks: List[List[tuple]] = [[] for _ in range(dp_size)]
+        block = dp_size * micro_batch_size
+        for m in range(per_rank):
+            window = items[m * block : (m + 1) * block]
+            for r in range(dp_size):
+                ranks[r].append(tuple(window[r * micro_batch_size : (r + 1) * micro_batch_size]))
+        real = sum(samples.lengths[i] for i in items)
+        rank_tokens = [sum(samples.lengths[i] for mb in rank for i in mb) for rank in ranks]
+        imbalance = max(rank_tokens) * dp_size / real
+        steps.append(
+            StepPlan(
+                num_microbatches=per_rank,
+                seq_length=seq_length,
+                micro_batch_size=micro_batch_size,
+                ranks=tuple(tuple(rank) for rank in ranks),
+                num_rollouts=len(chunk),
+                num_placeholders=sum(1 for rank in ranks for mb in rank if not mb),
+                real_tokens=real,
+                fill=real / (dp_size * per_rank * micro_batch_size * seq_length),
+                dp_imbalance=imbalance,
+                dp_imbalance_cost=imbalance,
+                oversize_samples=(),
+                lower_bound_microbatches=ceil_div(len(items), micro_batch_size),
+            )
+        )
+    computed = sum(dp_size * s.num_microbatches * micro_batch_size * seq_length for s in steps)
+    stats = PlanStats(
+        num_samples=len(samples),
+        num_steps=len(steps),
+        num_placeholders=sum(s.num_placeholders for s in steps),
+        num_microbatches=sum(dp_size * s.num_microbatches for s in steps),
+        num_real_microbatches=sum(dp_size * s.num_microbatches - s.num_placeholders for s in steps),
+        lower_bound_microbatches=sum(s.lower_bound_microbatches for s in steps),
+        fill=sum(s.real_tokens for s in steps) / computed,
+        dp_imbalance=max(s.dp_imbalance for s in steps),
+        dp_imbalance_cost=max(s.dp_imbalance_cost for s in steps),
+        oversize_samples=(),
+        max_microbatch_tokens=micro_batch_size * seq_length,
+    )
+    return Plan(
+        steps=tuple(steps),
+        stats=stats,
+        layout="padded",
+        sample_multiple=1,
+        token_cap=micro_batch_size * seq_length,
+        dp_size=dp_size,
+    )
