@@ -74,20 +74,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load_samples(path: str):
-    from .planning import parse_samples_json
-
+def _read_json(path: str):
+    """Decoded JSON of ``path`` (``-``: stdin); unreadable or invalid files are ValueErrors."""
     try:
         if path == "-":
-            data = json.load(sys.stdin)
-        else:
-            with open(path, encoding="utf-8") as handle:
-                data = json.load(handle)
+            return json.load(sys.stdin)
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
     except OSError as exc:
         raise ValueError(f"cannot read SAMPLES.json {path!r}: {exc.strerror or exc}") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path!r} is not valid JSON: {exc}") from None
-    return parse_samples_json(data)
+
+
+def _load_samples(path: str):
+    from .planning import parse_samples_json
+
+    return parse_samples_json(_read_json(path))
 
 
 def _planner_config(args, rollouts_per_step=None):
@@ -160,7 +163,8 @@ def _cmd_plan(args) -> int:
 def _cmd_verify(args) -> int:
     from .megatron.verify import run_verify_cli
 
-    return run_verify_cli(args)
+    samples = None if args.samples is None else _read_json(args.samples)
+    return run_verify_cli(args, samples)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

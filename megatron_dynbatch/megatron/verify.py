@@ -398,15 +398,11 @@ def _format(report: Dict[str, Any]) -> str:
     )
 
 
-def run_verify_cli(args) -> int:
-    """Entry point of ``megatron-dynbatch verify``: exit 0 on PASS, 1 on FAIL."""
-    samples = None
-    if args.samples is not None:
-        with open(args.samples, encoding="utf-8") as handle:
-            try:
-                samples = json.load(handle)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{args.samples!r} is not valid JSON: {exc}") from None
+def run_verify_cli(args, samples=None) -> int:
+    """Entry point of ``megatron-dynbatch verify``: exit 0 on PASS, 1 on FAIL.
+
+    ``samples`` is the decoded SAMPLES.json array (``None``: the bundled set).
+    """
     spec = build_spec(
         dp_size=args.dp_size,
         pp_size=args.pp_size,

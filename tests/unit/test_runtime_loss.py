@@ -1,12 +1,11 @@
 """Loss normalisation: micro-batched, DP-split gradients equal the direct reference exactly."""
 
-import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_dynbatch.planning.plan import StepPlan
+from tests.unit.step_plans import make_step_plan
 from megatron_dynbatch.runtime import (
     AGGREGATIONS,
     BatchSchema,
@@ -19,21 +18,6 @@ from megatron_dynbatch.runtime import (
 VOCAB = 13
 HIDDEN = 8
 MAX_POSITIONS = 16
-
-
-def make_step_plan(ranks, *, seq_length, micro_batch_size):
-    """A StepPlan with the given schedule; statistics fields get neutral values."""
-    values = dict(
-        num_microbatches=len(ranks[0]),
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        ranks=tuple(tuple(tuple(mb) for mb in rank) for rank in ranks),
-    )
-    for f in dataclasses.fields(StepPlan):
-        if f.name not in values:
-            kind = str(f.type)
-            values[f.name] = 0.0 if "float" in kind else (() if "uple" in kind else 0)
-    return StepPlan(**values)
 
 
 class TinyCausalLM(torch.nn.Module):
