@@ -16,6 +16,7 @@ import torch
 __all__ = [
     "MICROBATCH_KEYS",
     "build_attention_mask",
+    "packed_seq_params_from_batch",
     "logprobs_from_logits",
     "make_forward_step",
 ]
@@ -47,6 +48,36 @@ def build_attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     same_segment = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)
     causal = torch.ones(seq_length, seq_length, dtype=torch.bool, device=segment_ids.device).tril()
     return (~(same_segment & causal)).unsqueeze(1)
+
+
+def packed_seq_params_from_batch(batch: dict):
+    """THD ``PackedSeqParams`` of a packed micro-batch (``micro_batch_size`` 1), for TE attention.
+
+    Segments are the materializer's ``cu_seqlens``: each sample rounded up to the TP/CP multiple,
+    then the row's padding tail as its own segment, so ``cu_seqlens[-1]`` equals the row length S
+    on every micro-batch, placeholders included (one segment of S). The rounded boundaries serve
+    as both the real and the padded ones: the rounding pad sits after a sample's last token, so
+    causal attention never lets a real token see it, and its loss mask is zero.
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    tokens = batch["tokens"]
+    if tokens.shape[0] != 1:
+        raise ValueError(
+            f"THD packing needs micro_batch_size 1, got a [{tokens.shape[0]}, {tokens.shape[1]}] "
+            "micro-batch; use --dynamic-batch-layout packed, or the attention mask for padded rows."
+        )
+    cu_seqlens = batch["cu_seqlens"].to(device=tokens.device, dtype=torch.int32)
+    max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        cu_seqlens_q_padded=cu_seqlens,
+        cu_seqlens_kv_padded=cu_seqlens,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen,
+    )
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -82,7 +113,7 @@ def _collect_logprobs(batch: dict, per_token_loss: torch.Tensor, non_loss_data: 
 
 
 def make_forward_step(
-    loss_fn: LossFn | None = None, *, collect_logprobs: bool = False
+    loss_fn: LossFn | None = None, *, collect_logprobs: bool = False, thd: bool = False
 ) -> Callable[[Iterator[dict], torch.nn.Module], tuple]:
     """Build a Megatron ``forward_step_func`` for packed micro-batch dicts.
 
@@ -93,6 +124,9 @@ def make_forward_step(
         collect_logprobs: Forward-only mode: the schedule returns ``{"logprobs": [B, S]}`` per
             micro-batch (log-prob of each label), on the last pipeline stage only. Run it with
             ``forward_only=True`` (``collect_non_loss_data`` either way).
+        thd: Pass ``PackedSeqParams`` (THD, ``cu_seqlens``) instead of a dense block-diagonal mask:
+            for transformer-engine attention specs, which support it; Megatron's local
+            ``DotProductAttention`` (the CPU path) refuses it.
 
     Returns:
         ``forward_step(data_iterator, model) -> (output_tensor, loss_func)``. On the first stage
@@ -110,7 +144,12 @@ def make_forward_step(
                 f"micro-batch is missing {missing} (has {sorted(batch)}); every micro-batch needs "
                 f"{list(MICROBATCH_KEYS)}, with segment_ids marking the samples of packed rows."
             )
-        attention_mask = build_attention_mask(batch["segment_ids"])
+        extra = {}
+        if thd:
+            attention_mask = None
+            extra["packed_seq_params"] = packed_seq_params_from_batch(batch)
+        else:
+            attention_mask = build_attention_mask(batch["segment_ids"])
         # With labels, GPTModel returns per-token cross entropy [B, S] on the last stage and the
         # hidden states [S, B, H] elsewhere.
         output = model(
@@ -118,6 +157,7 @@ def make_forward_step(
             batch["position_ids"],
             attention_mask,
             labels=batch["labels"],
+            **extra,
         )
         if collect_logprobs:
             return output, partial(_collect_logprobs, batch)

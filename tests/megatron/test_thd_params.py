@@ -1,0 +1,59 @@
+"""THD PackedSeqParams built from materialized micro-batches (the transformer-engine path).
+
+Attention with THD needs transformer-engine, which cannot run here; these tests check what we
+hand to it: segment boundaries that tile the row, placeholders included.
+"""
+
+import pytest
+import torch
+
+from megatron_dynbatch.megatron.cpu_shim import apply_cpu_shim
+
+apply_cpu_shim()
+
+from megatron_dynbatch.megatron.forward import packed_seq_params_from_batch  # noqa: E402
+from megatron_dynbatch.planning import ParallelLayout, PlannerConfig, plan_schedule  # noqa: E402
+from megatron_dynbatch.runtime import BatchSchema, materialize_microbatches  # noqa: E402
+
+
+def _microbatches(layout, tp, cp):
+    lengths = [5, 9, 3, 12, 7]
+    plan = plan_schedule(
+        lengths,
+        config=PlannerConfig(
+            max_tokens_per_gpu=24, layout=layout,
+            parallel=ParallelLayout(dp_size=2, tp_size=tp, cp_size=cp),
+        ),
+    )
+    step = plan.steps[0]
+    batches = []
+    for rank in range(2):
+        samples = {i: {"tokens": torch.arange(1, lengths[i] + 1)} for mb in step.ranks[rank] for i in mb}
+        batches += materialize_microbatches(
+            step, rank, samples, BatchSchema(), layout=plan.layout, sample_multiple=plan.sample_multiple
+        )
+    return plan, batches, lengths
+
+
+@pytest.mark.parametrize("tp, cp", [(1, 1), (2, 1), (2, 2)])
+def test_thd_segments_tile_the_row_and_respect_the_multiple(tp, cp):
+    plan, batches, lengths = _microbatches("packed", tp, cp)
+    for batch in batches:
+        params = packed_seq_params_from_batch(batch)
+        cu = params.cu_seqlens_q
+        assert params.qkv_format == "thd" and cu.dtype == torch.int32
+        assert int(cu[0]) == 0 and int(cu[-1]) == plan.steps[0].seq_length
+        widths = (cu[1:] - cu[:-1]).tolist()
+        assert all(w > 0 for w in widths) and params.max_seqlen_q == max(widths)
+        samples = [int(i) for i in batch["sample_index"][0].unique() if i >= 0]
+        # Every sample's segment is its length rounded up to the TP/CP multiple.
+        for i, width in zip(sorted(samples, key=lambda i: int((batch["sample_index"][0] == i).nonzero()[0])), widths):
+            assert width == -(-lengths[i] // plan.sample_multiple) * plan.sample_multiple
+
+
+def test_thd_refuses_padded_rows():
+    _, batches, _ = _microbatches("padded", 1, 1)
+    wide = [b for b in batches if b["tokens"].shape[0] > 1]
+    assert wide, "the padded plan should have B > 1"
+    with pytest.raises(ValueError, match="micro_batch_size 1"):
+        packed_seq_params_from_batch(wide[0])
