@@ -77,6 +77,28 @@ def _resolve(module_name: str, qualname: str) -> Callable:
     return obj
 
 
+def _megatron_process_groups(parallel_state) -> list:
+    """Every process group ``parallel_state`` holds (this rank's), except the default group."""
+    default = dist.distributed_c10d._get_default_group()
+    found: list = []
+    for value in vars(parallel_state).values():
+        candidates = value if isinstance(value, (list, tuple)) else (value,)
+        for group in candidates:
+            if isinstance(group, dist.ProcessGroup) and group is not default:
+                if all(group is not seen for seen in found):
+                    found.append(group)
+    return found
+
+
+def os_thread_count() -> int:
+    """OS threads of this process (Linux), to catch leaked communication threads in tests."""
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    raise RuntimeError("no Threads: line in /proc/self/status")
+
+
 def _set_layout(layout: Layout, current: Optional[Layout]) -> Layout:
     # Lazy: plain gloo tests never pay for importing megatron.
     from megatron_dynbatch.megatron.cpu_shim import apply_cpu_shim
@@ -87,7 +109,13 @@ def _set_layout(layout: Layout, current: Optional[Layout]) -> Layout:
 
     if layout != current:
         if parallel_state.model_parallel_is_initialized():
+            stale = _megatron_process_groups(parallel_state)
             parallel_state.destroy_model_parallel()
+            # destroy_model_parallel only forgets its groups; each gloo group keeps its threads
+            # and sockets, so a pool switching layouts hundreds of times ends with thousands of
+            # threads per process (seen: load average > 1000 on two cores). Free them.
+            for group in stale:
+                dist.destroy_process_group(group)
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=layout.tp,
             pipeline_model_parallel_size=layout.pp,
