@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from typing import List, Sequence
+from typing import Callable, List, Optional, Sequence
 
-__all__ = ["assign_bins_to_ranks", "refine_ranks", "pipeline_order"]
+__all__ = ["assign_bins_to_ranks", "refine_ranks", "pipeline_order", "pipeline_order_simulated"]
 
 Bins = List[List[int]]
 
@@ -42,19 +42,27 @@ def refine_ranks(
     costs: Sequence[float],
     sizes: Sequence[int],
     capacity: int,
+    bin_extra: Optional[Callable[[int], float]] = None,
 ) -> None:
     """Move or swap single samples from the costliest rank to the cheapest, in place.
 
     A bin's load is the sum of ``sizes`` of its samples and must stay <= ``capacity`` (padded
-    tokens for packed rows; 1 per sample and the row count for padded micro-batches). Each round
-    picks the transfer that brings the two extreme ranks closest to their mean: a single move of a
-    sample of cost ``d`` or a swap whose cost difference is ``d``, with ``d`` nearest to half the gap.
+    tokens for packed rows; 1 per sample and the row count for padded micro-batches). A rank's cost
+    is the sum of its samples' costs plus ``bin_extra(load)`` of each of its bins (the attention
+    work of a packed row's padding tail, which shrinks as the row fills). Each round shortlists
+    transfers whose sample cost is near half the gap between the extreme ranks (a move, or a swap
+    with that cost difference), evaluates them exactly, and applies the one that lowers the larger
+    of the two ranks' new costs the most.
     """
     dp_size = len(rank_bins)
     if dp_size < 2:
         return
+    extra = bin_extra or (lambda load: 0.0)
     loads = [sum(sizes[i] for i in members) for members in bins]
-    rank_cost = [sum(costs[i] for b in rb for i in bins[b]) for rb in rank_bins]
+    rank_cost = [
+        sum(costs[i] for b in rb for i in bins[b]) + sum(extra(loads[b]) for b in rb)
+        for rb in rank_bins
+    ]
     mean = sum(rank_cost) / dp_size
     if mean <= 0:
         return
@@ -64,55 +72,63 @@ def refine_ranks(
         gap = rank_cost[hi] - rank_cost[lo]
         if gap <= _BALANCE_TOLERANCE * mean:
             return
-        best = _best_transfer(bins, loads, rank_bins[hi], rank_bins[lo], costs, sizes, capacity, gap)
+        best = _best_transfer(
+            bins, loads, rank_bins[hi], rank_bins[lo], costs, sizes, capacity, extra,
+            rank_cost[hi], rank_cost[lo],
+        )
         if best is None:
             return
-        a, x, b, y = best  # sample a leaves bin x (on hi) for bin y (on lo); b goes the other way
+        (a, x, b, y), new_hi, new_lo = best  # a: bin x (hi) -> bin y (lo); b the other way
         bins[x].remove(a)
         bins[y].append(a)
         loads[x] -= sizes[a]
         loads[y] += sizes[a]
-        moved = costs[a]
         if b is not None:
             bins[y].remove(b)
             bins[x].append(b)
             loads[y] -= sizes[b]
             loads[x] += sizes[b]
-            moved -= costs[b]
-        rank_cost[hi] -= moved
-        rank_cost[lo] += moved
+        rank_cost[hi], rank_cost[lo] = new_hi, new_lo
 
 
-def _best_transfer(bins, loads, hi_bins, lo_bins, costs, sizes, capacity, gap):
-    """The move or swap with transferred cost closest to gap/2 (strictly inside (0, gap))."""
-    target = gap / 2.0
+#: Candidates taken on each side of the ideal cost in the sorted list of the costly rank's samples.
+_SHORTLIST = 2
+
+
+def _best_transfer(bins, loads, hi_bins, lo_bins, costs, sizes, capacity, extra, hi_cost, lo_cost):
+    """The shortlisted move or swap that most lowers max(new hi cost, new lo cost), or None."""
+    target = (hi_cost - lo_cost) / 2.0
     hi_items = sorted((costs[a], a, x) for x in hi_bins for a in bins[x])
     hi_costs = [c for c, _, _ in hi_items]
     best = None
-    best_err = target  # a transfer must beat doing nothing: |d - gap/2| < gap/2
-    lo_room = max(lo_bins, key=lambda y: (capacity - loads[y], -y))
-    room = capacity - loads[lo_room]
-    # Moves: one sample from hi into the roomiest bin of lo.
-    pos = bisect.bisect_left(hi_costs, target)
-    for k in range(max(0, pos - 2), min(len(hi_items), pos + 2)):
-        c, a, x = hi_items[k]
-        err = abs(c - target)
-        if 0 < c < gap and sizes[a] <= room and err < best_err:
-            best, best_err = (a, x, None, lo_room), err
-    # Swaps: for each sample b of lo, the hi sample whose cost exceeds b's by about gap/2.
+    best_peak = hi_cost  # a transfer must lower the current maximum
+
+    def consider(a, x, b, y):
+        nonlocal best, best_peak
+        moved_size = sizes[a] - (sizes[b] if b is not None else 0)
+        new_x, new_y = loads[x] - moved_size, loads[y] + moved_size
+        if new_y > capacity or new_x > capacity:
+            return
+        moved_cost = costs[a] - (costs[b] if b is not None else 0.0)
+        new_hi = hi_cost - moved_cost + extra(new_x) - extra(loads[x])
+        new_lo = lo_cost + moved_cost + extra(new_y) - extra(loads[y])
+        peak = max(new_hi, new_lo)
+        if peak < best_peak - 1e-12 * abs(best_peak):
+            best, best_peak = ((a, x, b, y), new_hi, new_lo), peak
+
+    def shortlist(want):
+        pos = bisect.bisect_left(hi_costs, want)
+        return hi_items[max(0, pos - _SHORTLIST) : pos + _SHORTLIST]
+
+    # Moves: a sample of about half the gap into any bin of the cheap rank.
+    for _, a, x in shortlist(target):
+        for y in lo_bins:
+            consider(a, x, None, y)
+    # Swaps: for each sample b of the cheap rank, the costly rank's sample about gap/2 dearer.
     for y in lo_bins:
         for b in bins[y]:
-            want = costs[b] + target
-            pos = bisect.bisect_left(hi_costs, want)
-            for k in range(max(0, pos - 2), min(len(hi_items), pos + 2)):
-                c, a, x = hi_items[k]
-                d = c - costs[b]
-                err = abs(d - target)
-                if not (0 < d < gap) or err >= best_err:
-                    continue
-                if loads[x] - sizes[a] + sizes[b] > capacity or loads[y] - sizes[b] + sizes[a] > capacity:
-                    continue
-                best, best_err = (a, x, b, y), err
+            for _, a, x in shortlist(costs[b] + target):
+                consider(a, x, b, y)
     return best
 
 
@@ -128,3 +144,60 @@ def pipeline_order(bin_ids: Sequence[int], bin_costs: Sequence[float]) -> List[i
     front = ranked[0::2]
     back = ranked[1::2]
     return front + back[::-1]
+
+
+#: Slots tried for the heaviest micro-batch when simulating a pipeline (spread over the rank).
+_MAX_HEAVY_SLOTS = 16
+
+
+def pipeline_order_simulated(
+    rank_bins: List[List[int]],
+    bin_costs: Sequence[float],
+    *,
+    pp_size: int,
+    vpp_size: int,
+    group: int,
+    sim_costs: Optional[Sequence[float]] = None,
+) -> List[List[int]]:
+    """Order every rank's micro-batches for its pipeline, choosing where the heaviest one goes.
+
+    Light-heavy-light (:func:`pipeline_order`) is right for the bulk, but one dominant micro-batch
+    (a single long sample's attention) stalls the pipeline differently in each slot, and the best
+    slot depends on pp, vpp and the interleaving group. So the costliest rank's order is simulated
+    (Megatron's 1F1B or interleaved order, :mod:`.simulate`) with its heaviest micro-batch in each
+    candidate slot, and the best slot is used on every rank. Without pipelining order is moot.
+    ``bin_costs`` rank micro-batches light to heavy (real work, so placeholders are the lightest
+    and go to the ends); ``sim_costs`` (default ``bin_costs``) is what each micro-batch computes,
+    padding included, for the simulation.
+    """
+    from .simulate import simulate_1f1b, simulate_interleaved
+
+    base = [pipeline_order(rb, bin_costs) for rb in rank_bins]
+    sim_costs = bin_costs if sim_costs is None else sim_costs
+    num_microbatches = len(base[0])
+    if pp_size < 2 or num_microbatches < 2:
+        return base
+
+    def with_heavy_at(order: List[int], slot: int) -> List[int]:
+        heavy = max(order, key=lambda b: (sim_costs[b], -b))
+        rest = [b for b in order if b != heavy]
+        return rest[:slot] + [heavy] + rest[slot:]
+
+    def makespan(order: List[int]) -> float:
+        fwd = [sim_costs[b] for b in order]
+        bwd = [2.0 * c for c in fwd]
+        if vpp_size > 1:
+            return simulate_interleaved(fwd, bwd, pp_size, vpp_size, group).makespan
+        return simulate_1f1b(fwd, bwd, pp_size).makespan
+
+    costliest = max(range(len(base)), key=lambda r: (sum(sim_costs[b] for b in base[r]), -r))
+    step = max(1, -(-num_microbatches // _MAX_HEAVY_SLOTS))
+    slots = sorted(set(range(0, num_microbatches, step)) | {num_microbatches - 1})
+    best_slot, best_time = None, makespan(base[costliest])
+    for slot in slots:
+        time = makespan(with_heavy_at(base[costliest], slot))
+        if time < best_time * (1 - 1e-9):
+            best_slot, best_time = slot, time
+    if best_slot is None:
+        return base
+    return [with_heavy_at(order, best_slot) for order in base]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, List, Optional, Sequence
 
-from .balance import assign_bins_to_ranks, pipeline_order, refine_ranks
+from .balance import assign_bins_to_ranks, pipeline_order_simulated, refine_ranks
 from .packing import count_best_fit_bins, pack_count_limited, pack_min_max_load
 from .plan import Plan, PlanStats, StepPlan
 from .samples import SampleSet
@@ -166,9 +166,29 @@ def _plan_step(
         bins = pack_count_limited(costs, items, dp * per_rank, capacity)
         unit_sizes = [1] * len(sizes)
 
-    bin_costs = [sum(costs[i] for i in members) for members in bins]
+    # What a rank computes besides its samples' own work: a packed row's padding tail is one
+    # attention segment whose quadratic cost shrinks as the row fills; a padded row pads each
+    # sample to S. The linear part of padding is the same M x S for every rank and cancels.
+    attention = config.cost.attention_weight
+    if config.layout == "packed":
+        pad_row = row_length
+
+        def bin_extra(load: int) -> float:
+            return attention * float(pad_row - load) ** 2
+
+        balance_costs: Sequence[float] = costs
+    else:
+        bin_extra = None
+        balance_costs = [c + attention * float(row_length - sizes[i]) ** 2 for i, c in enumerate(costs)]
+    bin_costs = [
+        sum(balance_costs[i] for i in members)
+        + (bin_extra(sum(sizes[i] for i in members)) if bin_extra else 0.0)
+        for members in bins
+    ]
     rank_bins = assign_bins_to_ranks(bin_costs, dp, per_rank)
-    refine_ranks(bins, rank_bins, costs, unit_sizes, capacity)
+    refine_ranks(
+        bins, rank_bins, balance_costs, unit_sizes, capacity, bin_extra if attention else None
+    )
 
     if config.layout == "packed":
         seq_length = max(sum(sizes[i] for i in members) for members in bins)
@@ -176,10 +196,29 @@ def _plan_step(
     else:
         seq_length = row_length
         micro_batch_size = max(len(members) for members in bins)
-    bin_costs = [sum(costs[i] for i in members) for members in bins]
-    ranks = tuple(
-        tuple(tuple(sorted(bins[b])) for b in pipeline_order(rb, bin_costs)) for rb in rank_bins
+    # Rank micro-batches by real work plus their padding tail's attention (placeholders lightest);
+    # simulate with what they compute: a full row of linear work each, placeholders included.
+    loads = [sum(sizes[i] for i in members) for members in bins]
+    bin_costs = [
+        sum(balance_costs[i] for i in members) + (bin_extra(load) if bin_extra else 0.0)
+        for members, load in zip(bins, loads)
+    ]
+    if config.layout == "packed":
+        row = max(loads)
+        sim_costs = [
+            cost + config.cost.token_weight * (row - load) for cost, load in zip(bin_costs, loads)
+        ]
+    else:
+        sim_costs = bin_costs
+    orders = pipeline_order_simulated(
+        rank_bins,
+        bin_costs,
+        pp_size=parallel.pp_size,
+        vpp_size=parallel.vpp_size,
+        group=parallel.group_size,
+        sim_costs=sim_costs,
     )
+    ranks = tuple(tuple(tuple(sorted(bins[b])) for b in order) for order in orders)
     rank_tokens = [sum(lengths[i] for mb in rank for i in mb) for rank in ranks]
     rank_costs = [sum(costs[i] for mb in rank for i in mb) for rank in ranks]
     real_tokens = sum(rank_tokens)
