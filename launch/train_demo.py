@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
+import warnings
 from importlib import resources
 
 import torch
@@ -27,6 +29,10 @@ import torch.distributed as dist
 
 from megatron_dynbatch.megatron.cpu_shim import apply_cpu_shim
 
+# Megatron's notices (no apex / transformer-engine, deprecated GPTModel) repeat per rank and per
+# model build and would bury the step lines; errors still show.
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+logging.getLogger("megatron").setLevel(logging.ERROR)
 apply_cpu_shim()  # no-op where CUDA exists; must precede the first megatron import
 
 from megatron.core import parallel_state  # noqa: E402
