@@ -253,7 +253,7 @@ def reference_body(spec) -> Dict[str, Any] | None:
     loss.backward()
     return {
         "grads": {name: g.detach().clone() for name, g in named_global_grads([model]).items()},
-        "loss": float(loss),
+        "loss": float(loss.detach()),
         "logprobs": logprobs,
     }
 
