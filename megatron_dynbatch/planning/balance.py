@@ -66,9 +66,21 @@ def refine_ranks(
     mean = sum(rank_cost) / dp_size
     if mean <= 0:
         return
+    # Costliest and cheapest rank in O(log dp) per round: heaps with lazy invalidation (an entry
+    # is stale once its rank's cost changed). Ties resolve as max/min over (cost, -r) / (cost, r).
+    top = [(-c, r) for r, c in enumerate(rank_cost)]
+    bottom = [(c, r) for r, c in enumerate(rank_cost)]
+    heapq.heapify(top)
+    heapq.heapify(bottom)
+
+    def peek(heap, sign):
+        while sign * heap[0][0] != rank_cost[heap[0][1]]:
+            heapq.heappop(heap)
+        return heap[0][1]
+
     for _ in range(_ROUNDS_PER_RANK * dp_size):
-        hi = max(range(dp_size), key=lambda r: (rank_cost[r], -r))
-        lo = min(range(dp_size), key=lambda r: (rank_cost[r], r))
+        hi = peek(top, -1)
+        lo = peek(bottom, 1)
         gap = rank_cost[hi] - rank_cost[lo]
         if gap <= _BALANCE_TOLERANCE * mean:
             return
@@ -89,6 +101,9 @@ def refine_ranks(
             loads[y] -= sizes[b]
             loads[x] += sizes[b]
         rank_cost[hi], rank_cost[lo] = new_hi, new_lo
+        for r in (hi, lo):
+            heapq.heappush(top, (-rank_cost[r], r))
+            heapq.heappush(bottom, (rank_cost[r], r))
 
 
 #: Candidates taken on each side of the ideal cost in the sorted list of the costly rank's samples.
