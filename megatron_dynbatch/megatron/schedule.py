@@ -1,6 +1,6 @@
 """Run one Megatron forward(-backward) pass over an explicit list of micro-batch dicts."""
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
