@@ -33,11 +33,22 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp) / "e2e.json"
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(args.nproc), str(ROOT / "launch" / "train_demo.py"),
-            "--use-dynamic-batch-size", "--steps", str(args.steps + 1),
-            "--max-tokens-per-gpu", str(args.max_tokens_per_gpu),
-            "--micro-batch-size", str(args.micro_batch_size), "--json-out", str(out),
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(args.nproc),
+            str(ROOT / "launch" / "train_demo.py"),
+            "--use-dynamic-batch-size",
+            "--steps",
+            str(args.steps + 1),
+            "--max-tokens-per-gpu",
+            str(args.max_tokens_per_gpu),
+            "--micro-batch-size",
+            str(args.micro_batch_size),
+            "--json-out",
+            str(out),
         ]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ))
         if proc.returncode != 0:
@@ -66,10 +77,17 @@ def main(argv=None) -> int:
         return 0
     print(f"{'':22}{'dynamic':>12}{'fixed':>12}")
     for key, fmt in (
-        ("step_wall_s", "{:.3f}"), ("tokens_per_s", "{:.0f}"), ("computed_tokens", "{}"),
-        ("padded_tokens", "{}"), ("fill", "{:.3f}"), ("final_loss", "{:.5f}"),
+        ("step_wall_s", "{:.3f}"),
+        ("tokens_per_s", "{:.0f}"),
+        ("computed_tokens", "{}"),
+        ("padded_tokens", "{}"),
+        ("fill", "{:.3f}"),
+        ("final_loss", "{:.5f}"),
     ):
-        print(f"{key:22}" + "".join(f"{fmt.format(figures[m][key]):>12}" for m in ("dynamic", "fixed")))
+        print(
+            f"{key:22}"
+            + "".join(f"{fmt.format(figures[m][key]):>12}" for m in ("dynamic", "fixed"))
+        )
     verdict = "meets" if ratio <= TARGET_RATIO else "misses"
     print(f"dynamic / fixed step time: {ratio:.2f}x ({verdict} the <= {TARGET_RATIO} target)")
     return 0

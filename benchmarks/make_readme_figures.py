@@ -136,9 +136,10 @@ def write_markdown(path: pathlib.Path, cases, planner_cell) -> None:
         c for c in cases if c["mix"] == HEADLINE_MIX and c["layout"] == HEADLINE_LAYOUT.name
     )
     # The same sentence bench_planner.py prints: both KK figures, judged on the partitioner.
-    speed = headline_line(
-        [planner_cell], planner_cell.get("kk_partitioner_ms")
-    ) or f"{planner_cell['ours_ms']:.0f} ms CPU for ours (verl's Karmarkar-Karp not run)."
+    speed = (
+        headline_line([planner_cell], planner_cell.get("kk_partitioner_ms"))
+        or f"{planner_cell['ours_ms']:.0f} ms CPU for ours (verl's Karmarkar-Karp not run)."
+    )
     lines = [
         "# Benchmarks",
         "",

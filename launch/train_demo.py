@@ -55,7 +55,11 @@ from megatron_dynbatch.megatron.tiny_gpt import (  # noqa: E402
 )
 from megatron_dynbatch.planning import ParallelLayout, plan_schedule  # noqa: E402
 from megatron_dynbatch.planning.fixed import plan_fixed_microbatches  # noqa: E402
-from megatron_dynbatch.runtime import BatchSchema, finalize_loss, materialize_microbatches  # noqa: E402
+from megatron_dynbatch.runtime import (  # noqa: E402
+    BatchSchema,
+    finalize_loss,
+    materialize_microbatches,
+)
 
 VOCAB = 128
 
@@ -71,8 +75,12 @@ def parse_args(argv=None):
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--data", default=None, help="rollouts JSON (default: bundled set)")
-    parser.add_argument("--compare", choices=("fixed", "none"), default="fixed",
-                        help="also run fixed batching for comparison (default) or not")
+    parser.add_argument(
+        "--compare",
+        choices=("fixed", "none"),
+        default="fixed",
+        help="also run fixed batching for comparison (default) or not",
+    )
     parser.add_argument("--json-out", default=None, help="write the summary as JSON here")
     add_dynamic_batch_args(parser)
     args = parser.parse_args(argv)
@@ -119,17 +127,25 @@ def run(mode, args, data, layout, rank0):
         plan = plan_schedule(lengths, rollouts, prompts, config=dyn.planner_config(layout))
     else:
         plan = plan_fixed_microbatches(
-            lengths, rollouts, dp_size=layout.dp_size, micro_batch_size=args.micro_batch_size,
-            seq_length=args.seq_length, rollouts_per_step=dyn.rollouts_per_step,
+            lengths,
+            rollouts,
+            dp_size=layout.dp_size,
+            micro_batch_size=args.micro_batch_size,
+            seq_length=args.seq_length,
+            rollouts_per_step=dyn.rollouts_per_step,
             microbatch_multiple=layout.microbatch_multiple,
         )
     check_plan_agreement(plan)
     config = tiny_transformer_config(
-        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
-        hidden_size=64, num_attention_heads=4,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        hidden_size=64,
+        num_attention_heads=4,
     )
     model_parallel_cuda_manual_seed(args.seed)
-    chunks = wrap_in_ddp(build_tiny_gpt(config, max_sequence_length=args.seq_length, seed=args.seed))
+    chunks = wrap_in_ddp(
+        build_tiny_gpt(config, max_sequence_length=args.seq_length, seed=args.seed)
+    )
     configure_loss(chunks, "token-mean")
     params = [p for chunk in chunks for p in chunk.parameters()]
     optimizer = (
@@ -144,7 +160,8 @@ def run(mode, args, data, layout, rank0):
         step = plan.steps[s]
         mine = {
             i: make_sample(i, lengths[i], prompts[i], args.seed)
-            for mb in step.rank_microbatches(dp_rank) for i in mb
+            for mb in step.rank_microbatches(dp_rank)
+            for i in mb
         }
         microbatches = materialize_microbatches(
             step, dp_rank, mine, schema, layout=plan.layout, sample_multiple=plan.sample_multiple
@@ -172,10 +189,17 @@ def run(mode, args, data, layout, rank0):
         loss = float(finalize_loss("token-mean", sums[0], sums[1]))
         computed = layout.dp_size * step.num_microbatches * step.micro_batch_size * step.seq_length
         record = {
-            "step": s + 1, "loss": loss, "seconds": seconds, "real_tokens": step.real_tokens,
-            "computed_tokens": computed, "tokens_per_s": step.real_tokens / seconds,
-            "num_microbatches": step.num_microbatches, "shape": [step.micro_batch_size, step.seq_length],
-            "fill": step.fill, "placeholders": step.num_placeholders, "dp_imbalance": step.dp_imbalance,
+            "step": s + 1,
+            "loss": loss,
+            "seconds": seconds,
+            "real_tokens": step.real_tokens,
+            "computed_tokens": computed,
+            "tokens_per_s": step.real_tokens / seconds,
+            "num_microbatches": step.num_microbatches,
+            "shape": [step.micro_batch_size, step.seq_length],
+            "fill": step.fill,
+            "placeholders": step.num_placeholders,
+            "dp_imbalance": step.dp_imbalance,
         }
         history.append(record)
         if rank0:

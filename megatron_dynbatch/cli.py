@@ -49,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     plan = sub.add_parser("plan", help="plan the micro-batch schedule of a list of samples")
-    plan.add_argument("samples", help="SAMPLES.json: array of lengths or {length, rollout, prompt_length}")
+    plan.add_argument(
+        "samples", help="SAMPLES.json: array of lengths or {length, rollout, prompt_length}"
+    )
     _add_layout_args(plan, require_cap=True)
     plan.add_argument(
         "--rollouts-per-step",
@@ -58,11 +60,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="rollouts (prompt groups) per optimizer step (default: all in one step)",
     )
     plan.add_argument("--cost-attention-weight", type=float, default=0.0, help="b in a*L + b*L^2")
-    plan.add_argument("--cost-response-weight", type=float, default=0.0, help="weight of response tokens")
+    plan.add_argument(
+        "--cost-response-weight", type=float, default=0.0, help="weight of response tokens"
+    )
     plan.add_argument("--json", action="store_true", help="print exactly one JSON object")
-    plan.add_argument("--plot", default=None, metavar="FILE.png", help="draw the first step to a PNG")
+    plan.add_argument(
+        "--plot", default=None, metavar="FILE.png", help="draw the first step to a PNG"
+    )
 
-    verify = sub.add_parser("verify", help="check dynamic batching against a reference on Megatron-Core")
+    verify = sub.add_parser(
+        "verify", help="check dynamic batching against a reference on Megatron-Core"
+    )
     _add_layout_args(verify, require_cap=False)
     verify.add_argument(
         "--loss",

@@ -107,9 +107,13 @@ class DynamicBatching:
                 f"rollout_data has {n} token lists, {len(totals)} total_lengths and "
                 f"{len(responses)} response_lengths; they must be one per sample."
             )
-        for i, (tokens, total, response) in enumerate(zip(rollout_data["tokens"], totals, responses)):
+        for i, (tokens, total, response) in enumerate(
+            zip(rollout_data["tokens"], totals, responses, strict=True)
+        ):
             if len(tokens) != total:
-                raise ValueError(f"sample {i}: {len(tokens)} tokens but total_lengths[{i}]={total}.")
+                raise ValueError(
+                    f"sample {i}: {len(tokens)} tokens but total_lengths[{i}]={total}."
+                )
             if not 0 <= response <= total:
                 raise ValueError(
                     f"sample {i}: response_lengths[{i}]={response} outside [0, total={total}]."
@@ -188,7 +192,11 @@ class DynamicBatching:
         micro-batches, as Megatron's interleaved schedule expects.
         """
         step_plan = plan.steps[step]
-        mine = {i: self.sample(rollout_data, i) for mb in step_plan.rank_microbatches(dp_rank) for i in mb}
+        mine = {
+            i: self.sample(rollout_data, i)
+            for mb in step_plan.rank_microbatches(dp_rank)
+            for i in mb
+        }
         microbatches = materialize_microbatches(
             step_plan,
             dp_rank,
@@ -228,10 +236,14 @@ class DynamicBatching:
         out = []
         for i, (values, total, response) in enumerate(zip(ordered, totals, responses, strict=True)):
             if values.shape[0] != total:
-                raise ValueError(f"sample {i}: output has {values.shape[0]} entries for length {total}.")
+                raise ValueError(
+                    f"sample {i}: output has {values.shape[0]} entries for length {total}."
+                )
             start = total - response - 1
             if start < 0:  # a sample that is all response: its first token has no score
-                out.append(torch.cat([values.new_zeros((1,) + values.shape[1:]), values[: total - 1]]))
+                out.append(
+                    torch.cat([values.new_zeros((1,) + values.shape[1:]), values[: total - 1]])
+                )
             else:
                 out.append(values[start : total - 1])
         return out

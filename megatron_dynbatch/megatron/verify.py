@@ -178,10 +178,17 @@ def dynamic_body(spec) -> Dict[str, Any]:
     dp_rank = parallel_state.get_data_parallel_rank()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    )
     mine = {i: _sample(spec, i) for mb in step.rank_microbatches(dp_rank) for i in mb}
     microbatches = materialize_microbatches(
-        step, dp_rank, mine, _schema(), layout=plan.layout, sample_multiple=plan.sample_multiple,
+        step,
+        dp_rank,
+        mine,
+        _schema(),
+        layout=plan.layout,
+        sample_multiple=plan.sample_multiple,
         device=device,
     )
     config = tiny_transformer_config(
@@ -189,7 +196,9 @@ def dynamic_body(spec) -> Dict[str, Any]:
         virtual_pipeline_model_parallel_size=vpp,
         calculate_per_token_loss=True,
     )
-    chunks = build_tiny_gpt(config, max_sequence_length=_max_sequence_length(spec), seed=spec["seed"])
+    chunks = build_tiny_gpt(
+        config, max_sequence_length=_max_sequence_length(spec), seed=spec["seed"]
+    )
     if device is not None:
         chunks = [chunk.to(device) for chunk in chunks]
     chunks = wrap_in_ddp(chunks)
@@ -286,7 +295,9 @@ def compare(spec, dynamic: List[Dict[str, Any]], reference: Dict[str, Any]) -> D
     max_lp = 0.0
     for index, (got, want) in enumerate(zip(logprobs, reference["logprobs"], strict=True)):
         if got.shape != want.shape:
-            raise AssertionError(f"sample {index}: log-probs {tuple(got.shape)} vs {tuple(want.shape)}")
+            raise AssertionError(
+                f"sample {index}: log-probs {tuple(got.shape)} vs {tuple(want.shape)}"
+            )
         if lengths[index] > 1:  # the last position has no target
             max_lp = max(max_lp, float((got[:-1] - want[:-1]).abs().max()))
     numerator = sum(r["log_sums"][0] for r in dynamic if r["log_sums"] is not None)

@@ -221,7 +221,7 @@ class _Pool:
                     codes = {p.name: p.exitcode for p in dead}
                     raise DistributedTestError(
                         self._report(qualname, results, f"worker process(es) died: {codes}")
-                    )
+                    ) from None
                 if time.monotonic() > deadline:
                     if any(not ok for ok, _ in results.values()):
                         what = (
@@ -229,7 +229,7 @@ class _Pool:
                         )
                     else:
                         what = f"timed out after {timeout_s:.0f} s"
-                    raise DistributedTestError(self._report(qualname, results, what))
+                    raise DistributedTestError(self._report(qualname, results, what)) from None
                 continue
             assert got_id == task_id, (got_id, task_id)
             results[rank] = (ok, payload)

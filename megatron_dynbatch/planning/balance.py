@@ -23,7 +23,9 @@ _BALANCE_TOLERANCE = 1e-4
 _ROUNDS_PER_RANK = 4
 
 
-def assign_bins_to_ranks(bin_costs: Sequence[float], dp_size: int, per_rank: int) -> List[List[int]]:
+def assign_bins_to_ranks(
+    bin_costs: Sequence[float], dp_size: int, per_rank: int
+) -> List[List[int]]:
     """Give each rank exactly ``per_rank`` bins, costliest bins first to the cheapest open rank."""
     assert len(bin_costs) == dp_size * per_rank
     ranks: List[List[int]] = [[] for _ in range(dp_size)]
@@ -85,8 +87,16 @@ def refine_ranks(
         if gap <= _BALANCE_TOLERANCE * mean:
             return
         best = _best_transfer(
-            bins, loads, rank_bins[hi], rank_bins[lo], costs, sizes, capacity, extra,
-            rank_cost[hi], rank_cost[lo],
+            bins,
+            loads,
+            rank_bins[hi],
+            rank_bins[lo],
+            costs,
+            sizes,
+            capacity,
+            extra,
+            rank_cost[hi],
+            rank_cost[lo],
         )
         if best is None:
             return

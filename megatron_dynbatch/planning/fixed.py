@@ -35,8 +35,12 @@ def plan_fixed_microbatches(
     longer than ``seq_length`` (Megatron would truncate it; we refuse to lose tokens).
     """
     samples = SampleSet.build(lengths, rollout_ids)
-    for name, value in (("dp_size", dp_size), ("micro_batch_size", micro_batch_size),
-                        ("seq_length", seq_length), ("microbatch_multiple", microbatch_multiple)):
+    for name, value in (
+        ("dp_size", dp_size),
+        ("micro_batch_size", micro_batch_size),
+        ("seq_length", seq_length),
+        ("microbatch_multiple", microbatch_multiple),
+    ):
         if value < 1:
             raise ValueError(f"{name}={value} must be >= 1.")
     longest = max(samples.lengths)

@@ -62,7 +62,9 @@ def check_plan(plan: Plan, samples: SampleSet, config: PlannerConfig) -> None:
         want = r // per_step
         got = {step_of.get(i) for i in members}
         if got != {want}:
-            problems.append(f"rollout #{r} (samples {members[:8]}) is in steps {sorted(map(str, got))}, expected {want}")
+            problems.append(
+                f"rollout #{r} (samples {members[:8]}) is in steps {sorted(map(str, got))}, expected {want}"
+            )
 
     for s, step in enumerate(plan.steps):
         where = f"step {s}"
@@ -82,12 +84,16 @@ def check_plan(plan: Plan, samples: SampleSet, config: PlannerConfig) -> None:
         step_items = [i for rank in step.ranks for mb in rank for i in mb if 0 <= i < n]
         step_oversize = sorted(i for i in step_items if sizes[i] > cap)
         if sorted(step.oversize_samples) != step_oversize:
-            problems.append(f"{where}: reported oversize {list(step.oversize_samples)}, actual {step_oversize}")
+            problems.append(
+                f"{where}: reported oversize {list(step.oversize_samples)}, actual {step_oversize}"
+            )
         if plan.layout == "packed":
             if B != 1:
                 problems.append(f"{where}: packed layout with micro_batch_size={B}")
             if S > cap and not step_oversize:
-                problems.append(f"{where}: seq_length={S} exceeds the cap {cap} with no oversize sample")
+                problems.append(
+                    f"{where}: seq_length={S} exceeds the cap {cap} with no oversize sample"
+                )
         else:
             if B * S > cap and not (step_oversize and B == 1):
                 problems.append(f"{where}: padded footprint {B}x{S}={B * S} exceeds the cap {cap}")
@@ -110,7 +116,9 @@ def check_plan(plan: Plan, samples: SampleSet, config: PlannerConfig) -> None:
                         problems.append(f"{label}: a sample longer than seq_length={S}")
         placeholders = sum(1 for rank in step.ranks for mb in rank if not mb)
         if placeholders != step.num_placeholders:
-            problems.append(f"{where}: num_placeholders={step.num_placeholders}, counted {placeholders}")
+            problems.append(
+                f"{where}: num_placeholders={step.num_placeholders}, counted {placeholders}"
+            )
         real_mbs = dp * m - placeholders
         if real_mbs < step.lower_bound_microbatches:
             problems.append(

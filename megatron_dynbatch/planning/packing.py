@@ -16,7 +16,13 @@ from __future__ import annotations
 import heapq
 from typing import List, Optional, Sequence, Tuple
 
-__all__ = ["lpt_pack", "best_fit_pack", "count_best_fit_bins", "pack_min_max_load", "pack_count_limited"]
+__all__ = [
+    "lpt_pack",
+    "best_fit_pack",
+    "count_best_fit_bins",
+    "pack_min_max_load",
+    "pack_count_limited",
+]
 
 Bins = List[List[int]]
 

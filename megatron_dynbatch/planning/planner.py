@@ -69,7 +69,7 @@ def plan_samples(samples: SampleSet, config: PlannerConfig) -> Plan:
     sizes = [round_up(length, multiple) for length in samples.lengths]
     costs = [
         config.cost.cost(length, length - prompt)
-        for length, prompt in zip(samples.lengths, samples.prompt_lengths)
+        for length, prompt in zip(samples.lengths, samples.prompt_lengths, strict=True)
     ]
     rollouts = samples.rollouts()
     per_step = config.rollouts_per_step or len(rollouts)
@@ -179,7 +179,9 @@ def _plan_step(
         balance_costs: Sequence[float] = costs
     else:
         bin_extra = None
-        balance_costs = [c + attention * float(row_length - sizes[i]) ** 2 for i, c in enumerate(costs)]
+        balance_costs = [
+            c + attention * float(row_length - sizes[i]) ** 2 for i, c in enumerate(costs)
+        ]
     bin_costs = [
         sum(balance_costs[i] for i in members)
         + (bin_extra(sum(sizes[i] for i in members)) if bin_extra else 0.0)
@@ -201,12 +203,13 @@ def _plan_step(
     loads = [sum(sizes[i] for i in members) for members in bins]
     bin_costs = [
         sum(balance_costs[i] for i in members) + (bin_extra(load) if bin_extra else 0.0)
-        for members, load in zip(bins, loads)
+        for members, load in zip(bins, loads, strict=True)
     ]
     if config.layout == "packed":
         row = max(loads)
         sim_costs = [
-            cost + config.cost.token_weight * (row - load) for cost, load in zip(bin_costs, loads)
+            cost + config.cost.token_weight * (row - load)
+            for cost, load in zip(bin_costs, loads, strict=True)
         ]
     else:
         sim_costs = bin_costs
@@ -222,7 +225,9 @@ def _plan_step(
     rank_tokens = [sum(lengths[i] for mb in rank for i in mb) for rank in ranks]
     rank_costs = [sum(costs[i] for mb in rank for i in mb) for rank in ranks]
     real_tokens = sum(rank_tokens)
-    assert sorted(i for rank in ranks for mb in rank for i in mb) == items, "lost or duplicated sample"
+    assert (
+        sorted(i for rank in ranks for mb in rank for i in mb) == items
+    ), "lost or duplicated sample"
     return StepPlan(
         num_microbatches=per_rank,
         seq_length=seq_length,
@@ -243,4 +248,3 @@ def _imbalance(per_rank: Sequence[float]) -> float:
     """max / mean; 1.0 when nothing is there to balance."""
     total = sum(per_rank)
     return max(per_rank) * len(per_rank) / total if total > 0 else 1.0
-

@@ -59,7 +59,9 @@ class SampleSet:
         prompt_lengths: Optional[Sequence[Optional[int]]] = None,
     ) -> "SampleSet":
         if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__len__"):
-            raise ValueError(f"lengths must be a sequence of positive integers, got {type(lengths).__name__}.")
+            raise ValueError(
+                f"lengths must be a sequence of positive integers, got {type(lengths).__name__}."
+            )
         lengths = list(lengths)
         if not lengths:
             raise ValueError("no samples: lengths is empty; pass at least one sample length.")
@@ -90,7 +92,7 @@ class SampleSet:
                 raise ValueError(
                     f"got {len(prompts)} prompt lengths for {n} sample lengths; pass one per sample."
                 )
-            for i, (p, total) in enumerate(zip(prompts, lengths)):
+            for i, (p, total) in enumerate(zip(prompts, lengths, strict=True)):
                 if p is None:
                     prompts[i] = 0
                     continue

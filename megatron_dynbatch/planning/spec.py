@@ -10,7 +10,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-__all__ = ["CostModel", "ParallelLayout", "PlannerConfig", "LAYOUTS", "sample_multiple", "round_up", "ceil_div"]
+__all__ = [
+    "CostModel",
+    "ParallelLayout",
+    "PlannerConfig",
+    "LAYOUTS",
+    "sample_multiple",
+    "round_up",
+    "ceil_div",
+]
 
 #: Micro-batch layouts. ``packed``: micro_batch_size 1, samples concatenated in one row of the step's
 #: uniform length. ``padded``: ``micro_batch_size`` rows of the step's uniform ``seq_length``.
@@ -124,7 +132,11 @@ class CostModel:
     def __post_init__(self) -> None:
         for name in ("token_weight", "attention_weight", "response_weight"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+            ):
                 raise ValueError(f"cost model {name}={value!r} must be a finite number >= 0.")
             if value < 0:
                 raise ValueError(f"cost model {name}={value} must be >= 0.")
@@ -169,7 +181,9 @@ class PlannerConfig:
                 "omit --rollouts-per-step to train every rollout in one step.",
             )
         if self.layout not in LAYOUTS:
-            raise ValueError(f"layout={self.layout!r} is not one of {LAYOUTS}; use --layout packed or padded.")
+            raise ValueError(
+                f"layout={self.layout!r} is not one of {LAYOUTS}; use --layout packed or padded."
+            )
         if not isinstance(self.parallel, ParallelLayout):
             raise ValueError(f"parallel={self.parallel!r} must be a ParallelLayout.")
         if not isinstance(self.cost, CostModel):

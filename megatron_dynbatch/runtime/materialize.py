@@ -176,7 +176,8 @@ def _fill_row(
     padded_lengths = [_round_up(cs.length, sample_multiple) for cs in row_samples]
     if sum(padded_lengths) > s:
         detail = ", ".join(
-            f"sample {cs.index}: L={cs.length} -> {p}" for cs, p in zip(row_samples, padded_lengths)
+            f"sample {cs.index}: L={cs.length} -> {p}"
+            for cs, p in zip(row_samples, padded_lengths, strict=True)
         )
         raise ValueError(
             f"{where}: the samples need {sum(padded_lengths)} tokens after padding each to a "

@@ -78,7 +78,7 @@ def test_every_patch_has_a_readme_line_naming_the_version():
     readme = (REPO / "patches" / "README.md").read_text()
     assert PATCHES, "no patches"
     for patch in PATCHES:
-        line = next((l for l in readme.splitlines() if patch.name in l), None)
+        line = next((text for text in readme.splitlines() if patch.name in text), None)
         assert line is not None, f"{patch.name} has no README line"
     assert "0.19.2" in readme
 
@@ -88,9 +88,11 @@ def test_patches_call_our_code_only_behind_the_flag():
     for patch in PATCHES:
         hunks = re.split(r"^@@.*@@.*$", patch.read_text(), flags=re.M)[1:]
         for hunk in hunks:
-            added = [l[1:] for l in hunk.splitlines() if l.startswith("+")]
-            if any("megatron_dynbatch" in l and "import" in l for l in added):
-                assert any('getattr(args, "use_dynamic_batch_size", False)' in l for l in added), (
+            added = [line[1:] for line in hunk.splitlines() if line.startswith("+")]
+            if any("megatron_dynbatch" in line and "import" in line for line in added):
+                assert any(
+                    'getattr(args, "use_dynamic_batch_size", False)' in line for line in added
+                ), (
                     patch.name,
                     hunk,
                 )

@@ -277,7 +277,7 @@ def test_forward_only_logprobs_match_log_softmax(layout: Layout, collect_non_los
     assert results[0] == [], "log-probs are collected on the last stage only"
     actual = results[-1]
     assert len(actual) == len(expected)
-    for got, want in zip(actual, expected):
+    for got, want in zip(actual, expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

@@ -23,8 +23,17 @@ REL_TOL = 1e-5
 
 def _rollout_data():
     gen = torch.Generator().manual_seed(SEED)
-    data = {k: [] for k in ("tokens", "total_lengths", "response_lengths", "loss_masks",
-                            "advantages", "rollout_ids")}
+    data = {
+        k: []
+        for k in (
+            "tokens",
+            "total_lengths",
+            "response_lengths",
+            "loss_masks",
+            "advantages",
+            "rollout_ids",
+        )
+    }
     for group in range(5):
         prompt = int(torch.randint(2, 12, (1,), generator=gen))
         for _ in range(3):
@@ -67,9 +76,9 @@ def _adapter_body():
         ParallelLayout(dp_size=dp, pp_size=pp),
         response_keys=("advantages",),
     )
-    chunks = wrap_in_ddp(build_tiny_gpt(
-        tiny_transformer_config(pipeline_model_parallel_size=pp), seed=SEED
-    ))
+    chunks = wrap_in_ddp(
+        build_tiny_gpt(tiny_transformer_config(pipeline_model_parallel_size=pp), seed=SEED)
+    )
     configure_loss(chunks, "token-mean")
 
     plan = batching.plan(data)
@@ -79,7 +88,10 @@ def _adapter_body():
     microbatches = list(iterator)
     assert len(microbatches) == num_microbatches
     train_microbatches(
-        chunks, step, microbatches, aggregation="token-mean",
+        chunks,
+        step,
+        microbatches,
+        aggregation="token-mean",
         token_loss=lambda batch, ce: ce * batch["advantages"],
     )
     grads = {k: v.detach().clone() for k, v in named_global_grads(chunks).items()}
@@ -106,7 +118,10 @@ def _reference_body():
     [model] = build_tiny_gpt(tiny_transformer_config(), seed=SEED)
     total_loss, total_tokens, log_probs = 0.0, 0.0, []
     for tokens, response, mask, adv in zip(
-        data["tokens"], data["response_lengths"], data["loss_masks"], data["advantages"],
+        data["tokens"],
+        data["response_lengths"],
+        data["loss_masks"],
+        data["advantages"],
         strict=True,
     ):
         length = tokens.numel()
@@ -114,8 +129,10 @@ def _reference_body():
         labels = torch.zeros(1, length, dtype=torch.int64)
         labels[0, :-1] = tokens[1:]
         ce = model(
-            tokens.unsqueeze(0), torch.arange(length).unsqueeze(0),
-            build_attention_mask(torch.zeros(1, length, dtype=torch.int64)), labels=labels,
+            tokens.unsqueeze(0),
+            torch.arange(length).unsqueeze(0),
+            build_attention_mask(torch.zeros(1, length, dtype=torch.int64)),
+            labels=labels,
         )[0]
         # Response token t (t >= prompt) is predicted at position t - 1.
         scored = ce[prompt - 1 : length - 1] if prompt > 0 else ce[: length - 1]
@@ -141,7 +158,9 @@ def test_adapter_on_megatron_matches_per_sample_reference(world, layout):
         assert err <= REL_TOL, (name, err)
     data = _rollout_data()
     for result in results:
-        for i, (got, want) in enumerate(zip(result["log_probs"], reference["log_probs"], strict=True)):
+        for i, (got, want) in enumerate(
+            zip(result["log_probs"], reference["log_probs"], strict=True)
+        ):
             assert got.shape == (data["response_lengths"][i],)
             # An all-response sample has no score for its first token; the adapter pads a zero.
             offset = 1 if got.shape[0] != want.shape[0] else 0

@@ -21,16 +21,24 @@ def _microbatches(layout, tp, cp):
     plan = plan_schedule(
         lengths,
         config=PlannerConfig(
-            max_tokens_per_gpu=24, layout=layout,
+            max_tokens_per_gpu=24,
+            layout=layout,
             parallel=ParallelLayout(dp_size=2, tp_size=tp, cp_size=cp),
         ),
     )
     step = plan.steps[0]
     batches = []
     for rank in range(2):
-        samples = {i: {"tokens": torch.arange(1, lengths[i] + 1)} for mb in step.ranks[rank] for i in mb}
+        samples = {
+            i: {"tokens": torch.arange(1, lengths[i] + 1)} for mb in step.ranks[rank] for i in mb
+        }
         batches += materialize_microbatches(
-            step, rank, samples, BatchSchema(), layout=plan.layout, sample_multiple=plan.sample_multiple
+            step,
+            rank,
+            samples,
+            BatchSchema(),
+            layout=plan.layout,
+            sample_multiple=plan.sample_multiple,
         )
     return plan, batches, lengths
 
@@ -47,7 +55,11 @@ def test_thd_segments_tile_the_row_and_respect_the_multiple(tp, cp):
         assert all(w > 0 for w in widths) and params.max_seqlen_q == max(widths)
         samples = [int(i) for i in batch["sample_index"][0].unique() if i >= 0]
         # Every sample's segment is its length rounded up to the TP/CP multiple.
-        for i, width in zip(sorted(samples, key=lambda i: int((batch["sample_index"][0] == i).nonzero()[0])), widths):
+        for i, width in zip(
+            sorted(samples, key=lambda i: int((batch["sample_index"][0] == i).nonzero()[0])),
+            widths,
+            strict=True,
+        ):
             assert width == -(-lengths[i] // plan.sample_multiple) * plan.sample_multiple
 
 

@@ -53,7 +53,9 @@ def test_bundled_set_matches_reference(schedule, dp, loss):
 def test_padded_layout_matches_reference(schedule):
     pp, vpp = SCHEDULES[schedule]
     report = _check(
-        run_verify(build_spec(dp_size=2, pp_size=pp, vpp_size=vpp, layout="padded", loss="token-mean"))
+        run_verify(
+            build_spec(dp_size=2, pp_size=pp, vpp_size=vpp, layout="padded", loss="token-mean")
+        )
     )
     assert report["micro_batch_size"] >= 1
 
@@ -66,7 +68,11 @@ def test_ragged_samples_with_placeholders(schedule, loss):
         report = _check(
             run_verify(
                 build_spec(
-                    dp_size=2, pp_size=pp, vpp_size=vpp, loss=loss, samples=samples,
+                    dp_size=2,
+                    pp_size=pp,
+                    vpp_size=vpp,
+                    loss=loss,
+                    samples=samples,
                     max_tokens_per_gpu=128,
                 )
             )
@@ -79,7 +85,9 @@ def test_rank_with_only_placeholders_still_trains(schedule):
     pp, vpp = SCHEDULES[schedule]
     samples = [{"length": 40, "prompt_length": 8}]
     report = _check(
-        run_verify(build_spec(dp_size=2, pp_size=pp, vpp_size=vpp, samples=samples, max_tokens_per_gpu=128))
+        run_verify(
+            build_spec(dp_size=2, pp_size=pp, vpp_size=vpp, samples=samples, max_tokens_per_gpu=128)
+        )
     )
     # One sample on two DP ranks: rank 1 runs only placeholders.
     assert report["num_placeholders"] >= report["num_microbatches"]
@@ -96,8 +104,12 @@ def test_compare_catches_wrong_order_and_wrong_gradients():
 
     swapped = copy.deepcopy(dynamic)
     logprobs = swapped[0]["logprobs"]
-    i, j = next((i, j) for i in range(len(logprobs)) for j in range(i + 1, len(logprobs))
-                if logprobs[i].shape == logprobs[j].shape)
+    i, j = next(
+        (i, j)
+        for i in range(len(logprobs))
+        for j in range(i + 1, len(logprobs))
+        if logprobs[i].shape == logprobs[j].shape
+    )
     logprobs[i], logprobs[j] = logprobs[j], logprobs[i]
     assert not compare(spec, swapped, reference)["passed"]
 

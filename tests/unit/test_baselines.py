@@ -342,7 +342,9 @@ def test_generators_are_deterministic_and_in_range():
     assert all(10 <= x <= 20 for x in uniform_lengths(100, low=10, high=20))
     grpo = grpo_lengths(5, 4, max_len=4096, seed=2)
     assert grpo.rollout_ids == [p for p in range(5) for _ in range(4)]
-    assert all(p < length <= 4096 for p, length in zip(grpo.prompt_lengths, grpo.lengths))
+    assert all(
+        p < length <= 4096 for p, length in zip(grpo.prompt_lengths, grpo.lengths, strict=True)
+    )
     turns = multi_turn_lengths(20, seed=3)
     assert turns == multi_turn_lengths(20, seed=3)
     assert len(turns.lengths) >= 20 and len(set(turns.rollout_ids)) == 20

@@ -100,7 +100,15 @@ def test_plan_missing_file_and_bad_json(tmp_path):
     bad.write_text("[1, 2")
     for path in (str(tmp_path / "missing.json"), str(bad)):
         proc = subprocess.run(
-            [sys.executable, "-m", "megatron_dynbatch.cli", "plan", path, "--max-tokens-per-gpu", "8"],
+            [
+                sys.executable,
+                "-m",
+                "megatron_dynbatch.cli",
+                "plan",
+                path,
+                "--max-tokens-per-gpu",
+                "8",
+            ],
             capture_output=True,
             text=True,
         )

@@ -74,8 +74,11 @@ def planning_cases(draw):
         tp_size=tp,
         cp_size=cp,
     )
-    return lengths, rollouts, prompts, dict(
-        max_tokens_per_gpu=cap, parallel=parallel, rollouts_per_step=per_step, layout=layout
+    return (
+        lengths,
+        rollouts,
+        prompts,
+        dict(max_tokens_per_gpu=cap, parallel=parallel, rollouts_per_step=per_step, layout=layout),
     )
 
 
@@ -116,7 +119,9 @@ def test_seed_dp4_514_single_sample_microbatches_keeps_every_rollout():
     """
     lengths = [20000] * 514
     rollouts = list(range(510)) + [510, 510, 511, 511]
-    plan = _plan_and_check(lengths, rollouts, max_tokens_per_gpu=32768, parallel=ParallelLayout(dp_size=4))
+    plan = _plan_and_check(
+        lengths, rollouts, max_tokens_per_gpu=32768, parallel=ParallelLayout(dp_size=4)
+    )
     step = plan.steps[0]
     assert step.num_microbatches == 129
     assert plan.stats.num_placeholders == 2
@@ -162,7 +167,11 @@ def test_last_partial_step_is_trained_and_rollouts_stay_whole():
     rollouts = ["a", "a", "b", "c", "c", "c", "d", "e", "e"]
     lengths = [10, 20, 30, 40, 50, 60, 70, 80, 90]
     plan = _plan_and_check(
-        lengths, rollouts, max_tokens_per_gpu=64, rollouts_per_step=2, parallel=ParallelLayout(dp_size=2)
+        lengths,
+        rollouts,
+        max_tokens_per_gpu=64,
+        rollouts_per_step=2,
+        parallel=ParallelLayout(dp_size=2),
     )
     assert [s.num_rollouts for s in plan.steps] == [2, 2, 1]
     assert plan.steps[2].sample_indices() == (7, 8)
@@ -171,9 +180,7 @@ def test_last_partial_step_is_trained_and_rollouts_stay_whole():
 
 def test_noncontiguous_rollout_ids_are_grouped_in_order_of_first_appearance():
     rollouts = [1, 2, 1, 3, 2]
-    plan = _plan_and_check(
-        [5, 6, 7, 8, 9], rollouts, max_tokens_per_gpu=100, rollouts_per_step=2
-    )
+    plan = _plan_and_check([5, 6, 7, 8, 9], rollouts, max_tokens_per_gpu=100, rollouts_per_step=2)
     assert plan.steps[0].sample_indices() == (0, 1, 2, 4)
     assert plan.steps[1].sample_indices() == (3,)
 
@@ -242,7 +249,11 @@ def test_long_tailed_dp64_balance_is_tight():
 
 def test_pipeline_order_puts_placeholders_at_the_ends():
     plan = _plan_and_check(
-        [1000, 1000, 1000], max_tokens_per_gpu=1000, parallel=ParallelLayout(dp_size=1, pp_size=2, vpp_size=2, microbatch_group_size_per_vp_stage=4)
+        [1000, 1000, 1000],
+        max_tokens_per_gpu=1000,
+        parallel=ParallelLayout(
+            dp_size=1, pp_size=2, vpp_size=2, microbatch_group_size_per_vp_stage=4
+        ),
     )
     rank = plan.steps[0].ranks[0]
     assert len(rank) == 4 and rank[0] == ()
@@ -275,22 +286,45 @@ def test_invariant_checker_catches_unequal_microbatch_counts():
     [
         (lambda: plan_schedule([], config=PlannerConfig(max_tokens_per_gpu=10)), "no samples"),
         (lambda: plan_schedule([5, 0], config=PlannerConfig(max_tokens_per_gpu=10)), "sample 1: 0"),
-        (lambda: plan_schedule([5, -3], config=PlannerConfig(max_tokens_per_gpu=10)), "sample 1: -3"),
+        (
+            lambda: plan_schedule([5, -3], config=PlannerConfig(max_tokens_per_gpu=10)),
+            "sample 1: -3",
+        ),
         (lambda: plan_schedule([5, 2.5], config=PlannerConfig(max_tokens_per_gpu=10)), "2.5"),
         (lambda: plan_schedule([5, True], config=PlannerConfig(max_tokens_per_gpu=10)), "True"),
-        (lambda: plan_schedule([5, 6], [1], config=PlannerConfig(max_tokens_per_gpu=10)), "1 rollout ids for 2"),
-        (lambda: plan_schedule([5], [1.5], config=PlannerConfig(max_tokens_per_gpu=10)), "rollout id 1.5"),
-        (lambda: plan_schedule([5], None, [6], config=PlannerConfig(max_tokens_per_gpu=10)), "prompt_length=6"),
-        (lambda: plan_schedule([5], None, [1, 2], config=PlannerConfig(max_tokens_per_gpu=10)), "2 prompt lengths"),
+        (
+            lambda: plan_schedule([5, 6], [1], config=PlannerConfig(max_tokens_per_gpu=10)),
+            "1 rollout ids for 2",
+        ),
+        (
+            lambda: plan_schedule([5], [1.5], config=PlannerConfig(max_tokens_per_gpu=10)),
+            "rollout id 1.5",
+        ),
+        (
+            lambda: plan_schedule([5], None, [6], config=PlannerConfig(max_tokens_per_gpu=10)),
+            "prompt_length=6",
+        ),
+        (
+            lambda: plan_schedule([5], None, [1, 2], config=PlannerConfig(max_tokens_per_gpu=10)),
+            "2 prompt lengths",
+        ),
         (lambda: PlannerConfig(max_tokens_per_gpu=0), "max_tokens_per_gpu=0"),
-        (lambda: PlannerConfig(max_tokens_per_gpu=3, parallel=ParallelLayout(tp_size=2, cp_size=4)), "smaller than one padded sample"),
+        (
+            lambda: PlannerConfig(
+                max_tokens_per_gpu=3, parallel=ParallelLayout(tp_size=2, cp_size=4)
+            ),
+            "smaller than one padded sample",
+        ),
         (lambda: PlannerConfig(max_tokens_per_gpu=10, rollouts_per_step=0), "rollouts_per_step=0"),
         (lambda: PlannerConfig(max_tokens_per_gpu=10, layout="thd"), "layout='thd'"),
         (lambda: ParallelLayout(dp_size=0), "dp_size=0"),
         (lambda: ParallelLayout(pp_size=0), "pp_size=0"),
         (lambda: ParallelLayout(vpp_size=0), "vpp_size=0"),
         (lambda: ParallelLayout(pp_size=1, vpp_size=2), "needs pp_size >= 2"),
-        (lambda: ParallelLayout(pp_size=4, vpp_size=2, microbatch_group_size_per_vp_stage=2), "smaller than pp_size=4"),
+        (
+            lambda: ParallelLayout(pp_size=4, vpp_size=2, microbatch_group_size_per_vp_stage=2),
+            "smaller than pp_size=4",
+        ),
         (lambda: CostModel(attention_weight=-1.0), "attention_weight=-1.0"),
     ],
 )

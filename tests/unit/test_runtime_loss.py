@@ -1,11 +1,9 @@
 """Loss normalisation: micro-batched, DP-split gradients equal the direct reference exactly."""
 
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.unit.step_plans import make_step_plan
 from megatron_dynbatch.runtime import (
     AGGREGATIONS,
     BatchSchema,
@@ -14,6 +12,7 @@ from megatron_dynbatch.runtime import (
     microbatch_loss,
     reference_loss,
 )
+from tests.unit.step_plans import make_step_plan
 
 VOCAB = 13
 HIDDEN = 8

@@ -1,6 +1,7 @@
 """materialize_microbatches: round trips, placeholders, label boundaries, THD metadata, errors."""
 
 import dataclasses
+import itertools
 import random
 
 import pytest
@@ -8,13 +9,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.unit.step_plans import make_step_plan
 from megatron_dynbatch.runtime import (
     BatchSchema,
     FieldSpec,
     materialize_microbatches,
     microbatch_shapes,
 )
+from tests.unit.step_plans import make_step_plan
 
 PAD_TOKEN = 99
 
@@ -104,12 +105,12 @@ def check_rank(microbatches, plan, dp_rank, samples, *, layout, sample_multiple)
         # THD segments: row boundaries are segment boundaries, every segment a multiple long.
         cu = batch["cu_seqlens"].tolist()
         assert cu[0] == 0 and cu[-1] == b * s
-        assert all(hi > lo for lo, hi in zip(cu, cu[1:]))
+        assert all(hi > lo for lo, hi in itertools.pairwise(cu))
         assert {r * s for r in range(b + 1)} <= set(cu)
         flat = {key: batch[key].reshape(b * s, *batch[key].shape[2:]) for key in shapes}
         segment_in_row = 0
         row_samples = {r: [] for r in range(b)}
-        for lo, hi in zip(cu, cu[1:]):
+        for lo, hi in itertools.pairwise(cu):
             row = lo // s
             if lo % s == 0:
                 segment_in_row = 0

@@ -1,17 +1,15 @@
 """split_outputs / restore_order: exact round trips and strict failures (never zip-and-drop)."""
 
-
 import pytest
 import torch
 
-from tests.unit.step_plans import make_step_plan
 from megatron_dynbatch.runtime import (
     BatchSchema,
     materialize_microbatches,
     restore_order,
     split_outputs,
 )
-
+from tests.unit.step_plans import make_step_plan
 
 LENGTHS = [5, 1, 9, 3, 7, 2, 4, 6]
 PLANS = {

@@ -130,7 +130,7 @@ def _check_timeline(result, pp, vpp, num_mb):
             assert e.start >= dep.end - TOL
     for stage in range(pp):
         events = [e for e in result.events if e.stage == stage]
-        for a, b in zip(events, events[1:]):
+        for a, b in itertools.pairwise(events):
             assert b.start >= a.end - TOL  # one step at a time on a stage
 
 
@@ -146,7 +146,7 @@ def test_random_costs_respect_dependencies_and_bounds(seed):
     _check_timeline(result, pp, vpp, num_mb)
     assert result.makespan >= max(result.stage_busy) - TOL
     # One micro-batch alone must cross the whole model forward and back.
-    assert result.makespan >= max(f + b for f, b in zip(fwd, bwd)) - TOL
+    assert result.makespan >= max(f + b for f, b in zip(fwd, bwd, strict=True)) - TOL
     assert 0.0 <= result.bubble_fraction < 1.0
 
 

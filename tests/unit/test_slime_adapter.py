@@ -11,8 +11,18 @@ from megatron_dynbatch.runtime import split_outputs
 
 def _rollout_data(seed=0, groups=6, per_group=4):
     gen = torch.Generator().manual_seed(seed)
-    data = {k: [] for k in ("tokens", "total_lengths", "response_lengths", "loss_masks",
-                            "advantages", "rewards", "rollout_ids")}
+    data = {
+        k: []
+        for k in (
+            "tokens",
+            "total_lengths",
+            "response_lengths",
+            "loss_masks",
+            "advantages",
+            "rewards",
+            "rollout_ids",
+        )
+    }
     for g in range(groups):
         prompt = int(torch.randint(3, 10, (1,), generator=gen))
         for _ in range(per_group):
@@ -32,7 +42,9 @@ def _rollout_data(seed=0, groups=6, per_group=4):
 def _batching(dp=2, vpp=1, **kwargs):
     parallel = ParallelLayout(dp_size=dp, pp_size=2 if vpp > 1 else 1, vpp_size=vpp)
     return DynamicBatching(
-        DynBatchConfig(max_tokens_per_gpu=96, log_probs_max_tokens_per_gpu=192, rollouts_per_step=2),
+        DynBatchConfig(
+            max_tokens_per_gpu=96, log_probs_max_tokens_per_gpu=192, rollouts_per_step=2
+        ),
         parallel,
         response_keys=("advantages",),
         sample_keys=("rewards",),
