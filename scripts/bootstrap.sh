@@ -13,7 +13,7 @@ if [ ! -f "$stamp" ]; then
   echo "[bootstrap] installing into .venv (about a minute on a fresh machine)" >&2
   .venv/bin/pip install -q --disable-pip-version-check -r requirements.txt
   # megatron-core 0.19.2 declares Requires-Python >=3.12 but its cp311 wheel works on 3.11;
-  # --no-deps stops pip from trying to build numpy from source (see shared/MEGATRON_ON_CPU.md).
+  # --no-deps stops pip from trying to build numpy from source (see docs/cpu.md).
   .venv/bin/pip install -q --disable-pip-version-check --no-deps --ignore-requires-python \
     megatron-core==0.19.2
   .venv/bin/pip install -q --disable-pip-version-check --no-deps -e .
