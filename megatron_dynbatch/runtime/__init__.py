@@ -12,7 +12,6 @@ from megatron_dynbatch.runtime.loss import (
 )
 from megatron_dynbatch.runtime.materialize import (
     BUILTIN_KEYS,
-    LAYOUTS,
     materialize_microbatches,
     microbatch_shapes,
 )
@@ -30,7 +29,6 @@ __all__ = [
     "AGGREGATIONS",
     "BUILTIN_KEYS",
     "FIELD_KINDS",
-    "LAYOUTS",
     "RESERVED_KEYS",
     "SAMPLE_INPUT_KEYS",
     "BatchSchema",

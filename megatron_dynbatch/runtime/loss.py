@@ -47,21 +47,14 @@ from typing import Dict, Mapping, Sequence, Tuple
 
 import torch
 
+from megatron_dynbatch.aggregation import AGGREGATIONS, check_aggregation
+
 __all__ = ["AGGREGATIONS", "microbatch_loss", "finalize_loss", "reference_loss"]
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "sum")
 
 # Megatron accumulates num_tokens in a torch.int tensor; returning the same dtype keeps its
 # in-place ``total_num_tokens += num_tokens`` free of casts.
 _DENOMINATOR_DTYPE = torch.int32
-
-
-def _check_aggregation(aggregation: str) -> None:
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(
-            f"aggregation={aggregation!r} is not one of {AGGREGATIONS}; pick one of them "
-            "(token-mean is Megatron's per-token loss)."
-        )
 
 
 def microbatch_loss(
@@ -93,7 +86,7 @@ def microbatch_loss(
         ValueError: On an unknown aggregation, a shape mismatch, or a loss-mask entry outside any
             sample (a batch that did not come from the materializer).
     """
-    _check_aggregation(aggregation)
+    check_aggregation(aggregation)
     loss_mask = batch["loss_mask"]
     if tuple(per_token_loss.shape) != tuple(loss_mask.shape):
         raise ValueError(
@@ -158,7 +151,7 @@ def finalize_loss(
     Mirrors what Megatron does to the gradients: divide by the denominator when it is > 0, and
     never divide for ``sum``.
     """
-    _check_aggregation(aggregation)
+    check_aggregation(aggregation)
     if aggregation == "sum" or int(denominator) == 0:
         return numerator
     return numerator / denominator.to(numerator.dtype)
@@ -183,7 +176,7 @@ def reference_loss(
     Raises:
         ValueError: On an unknown aggregation or mismatched counts/shapes.
     """
-    _check_aggregation(aggregation)
+    check_aggregation(aggregation)
     if len(per_sample_token_losses) != len(per_sample_masks):
         raise ValueError(
             f"got {len(per_sample_token_losses)} loss tensors and {len(per_sample_masks)} masks; "

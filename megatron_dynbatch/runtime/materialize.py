@@ -33,11 +33,11 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
+from megatron_dynbatch.planning import StepPlan
+from megatron_dynbatch.planning.spec import LAYOUTS, round_up
 from megatron_dynbatch.runtime.schema import BatchSchema, CheckedSample
 
-__all__ = ["LAYOUTS", "BUILTIN_KEYS", "materialize_microbatches", "microbatch_shapes"]
-
-LAYOUTS = ("packed", "padded")
+__all__ = ["BUILTIN_KEYS", "materialize_microbatches", "microbatch_shapes"]
 
 #: Keys every micro-batch has besides the schema's fields, with their dtypes.
 BUILTIN_KEYS: Dict[str, torch.dtype] = {
@@ -57,10 +57,6 @@ _IGNORED_LABEL = 0
 _PADDING_INDEX = -1
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 def microbatch_shapes(
     schema: BatchSchema, *, micro_batch_size: int, seq_length: int
 ) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
@@ -77,7 +73,7 @@ def microbatch_shapes(
     return shapes
 
 
-def _check_arguments(step_plan: Any, dp_rank: int, layout: str, sample_multiple: int) -> None:
+def _check_arguments(step_plan: StepPlan, dp_rank: int, layout: str, sample_multiple: int) -> None:
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}; pass the Plan's layout.")
     if (
@@ -104,7 +100,7 @@ def _check_arguments(step_plan: Any, dp_rank: int, layout: str, sample_multiple:
         raise ValueError(
             f"seq_length={s} is not a multiple of sample_multiple={sample_multiple}: the row's "
             "padding segment would not split evenly over TP/CP ranks; plan with seq_length "
-            f"rounded up to {_round_up(s, sample_multiple)}."
+            f"rounded up to {round_up(s, sample_multiple)}."
         )
     if len(step_plan.rank_microbatches(dp_rank)) != step_plan.num_microbatches:
         raise ValueError(
@@ -115,7 +111,7 @@ def _check_arguments(step_plan: Any, dp_rank: int, layout: str, sample_multiple:
 
 
 def _check_rank_samples(
-    step_plan: Any, dp_rank: int, samples: Mapping[int, Mapping[str, Any]], schema: BatchSchema
+    step_plan: StepPlan, dp_rank: int, samples: Mapping[int, Mapping[str, Any]], schema: BatchSchema
 ) -> Dict[int, CheckedSample]:
     """Validate every sample the rank's micro-batches name, once, before building anything."""
     seen: Dict[int, int] = {}
@@ -173,7 +169,7 @@ def _fill_row(
     segments start at ``r * S``.
     """
     s = batch["tokens"].shape[1]
-    padded_lengths = [_round_up(cs.length, sample_multiple) for cs in row_samples]
+    padded_lengths = [round_up(cs.length, sample_multiple) for cs in row_samples]
     if sum(padded_lengths) > s:
         detail = ", ".join(
             f"sample {cs.index}: L={cs.length} -> {p}"
@@ -216,7 +212,7 @@ def _fill_row(
 
 
 def materialize_microbatches(
-    step_plan: Any,
+    step_plan: StepPlan,
     dp_rank: int,
     samples: Mapping[int, Mapping[str, Any]],
     schema: BatchSchema,

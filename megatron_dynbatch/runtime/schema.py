@@ -85,8 +85,8 @@ class FieldSpec:
     pad_value: Any = 0
     """Value on padding tokens and placeholder rows (must be exactly representable in ``dtype``)."""
     trailing_shape: Tuple[int, ...] = ()
-    """Per-token (``token``) or per-sample (``sample``) shape after the token axis; ``()`` = "
-    "scalar."""
+    """Per-token (``token``) or per-sample (``sample``) shape after the token axis; ``()`` means a
+    scalar."""
     shift_to_labels: bool = False
     """``token`` fields only: lay the field out aligned with ``labels`` instead of ``tokens``.
 
