@@ -38,20 +38,14 @@ apply_cpu_shim()  # no-op where CUDA exists; must precede the first megatron imp
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
 
-from megatron_dynbatch.config import config_from_mapping  # noqa: E402
 from megatron_dynbatch.megatron.arguments import (  # noqa: E402
-    _DESTS,
     add_dynamic_batch_args,
+    dynbatch_config_from_args,
 )
 from megatron_dynbatch.megatron.step import (  # noqa: E402
     check_plan_agreement,
     configure_loss,
     train_microbatches,
-)
-from megatron_dynbatch.megatron.tiny_gpt import (  # noqa: E402
-    build_tiny_gpt,
-    tiny_transformer_config,
-    wrap_in_ddp,
 )
 from megatron_dynbatch.planning import ParallelLayout, plan_schedule  # noqa: E402
 from megatron_dynbatch.planning.fixed import plan_fixed_microbatches  # noqa: E402
@@ -60,8 +54,14 @@ from megatron_dynbatch.runtime import (  # noqa: E402
     finalize_loss,
     materialize_microbatches,
 )
+from megatron_dynbatch.testing.tiny_gpt import (  # noqa: E402
+    TINY_VOCAB_SIZE,
+    build_tiny_gpt,
+    tiny_transformer_config,
+    wrap_in_ddp,
+)
 
-VOCAB = 128
+VOCAB = TINY_VOCAB_SIZE
 
 
 def parse_args(argv=None):
@@ -88,9 +88,9 @@ def parse_args(argv=None):
     if not args.use_dynamic_batch_size and args.compare == "none":
         parser.error("nothing to run: pass --use-dynamic-batch-size or --compare fixed")
     defaults = {"max_tokens_per_gpu": 512, "rollouts_per_step": 8}
-    for field, value in defaults.items():
-        if getattr(args, _DESTS[field]) is None:
-            setattr(args, _DESTS[field], value)
+    for dest, value in defaults.items():  # these two flags store under their field names
+        if getattr(args, dest) is None:
+            setattr(args, dest, value)
     return args
 
 
@@ -121,8 +121,7 @@ def run(mode, args, data, layout, rank0):
     dp_rank = parallel_state.get_data_parallel_rank()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    config_fields = {f: getattr(args, d) for f, d in _DESTS.items()}
-    dyn = config_from_mapping(config_fields)
+    dyn = dynbatch_config_from_args(args)
     if mode == "dynamic":
         plan = plan_schedule(lengths, rollouts, prompts, config=dyn.planner_config(layout))
     else:

@@ -20,7 +20,7 @@ import types
 
 import torch
 
-__all__ = ["apply_cpu_shim", "apply_training_cpu_shim", "is_cpu_shim_applied"]
+__all__ = ["apply_cpu_shim", "apply_training_cpu_shim"]
 
 # Megatron modules whose module-level ``torch`` gets the CPU proxy, each with the reason.
 _PATCHED_MODULES = (
@@ -151,11 +151,6 @@ def _register_triton_stand_in():
     stand_in.paged_stash_copy_kernel = _kernel_unavailable
     stand_in.paged_stash_pop_kernel = _kernel_unavailable
     sys.modules[_TRITON_MODULE] = stand_in
-
-
-def is_cpu_shim_applied() -> bool:
-    """Return True once :func:`apply_cpu_shim` has patched Megatron in this process."""
-    return _applied
 
 
 def apply_cpu_shim() -> None:

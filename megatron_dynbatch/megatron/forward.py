@@ -4,7 +4,7 @@ A micro-batch is a dict of ``[B, S]`` tensors: ``tokens`` and ``labels`` (int64)
 (int64, restarting at 0 for every sample), ``segment_ids`` (int64, ``0..k-1`` for the k samples of
 a row, ``k`` for the padding tail) and ``loss_mask`` (float32). Attention stays inside a sample
 through a block-diagonal causal mask. Megatron's local ``DotProductAttention`` applies a passed
-mask as is when its ``attn_mask_type`` is ``arbitrary`` (see ``tiny_gpt.tiny_layer_spec``); with
+mask as is when its ``attn_mask_type`` is ``arbitrary`` (see ``megatron_dynbatch.testing.tiny_gpt.tiny_layer_spec``); with
 ``causal`` only its unfused fp32 softmax does, the fused fp16/bf16 kernel silently ignores it.
 """
 
@@ -17,7 +17,6 @@ __all__ = [
     "MICROBATCH_KEYS",
     "build_attention_mask",
     "packed_seq_params_from_batch",
-    "logprobs_from_logits",
     "make_forward_step",
 ]
 
@@ -80,26 +79,12 @@ def packed_seq_params_from_batch(batch: dict):
     )
 
 
-def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Log-probability of every label under ``logits`` (full vocabulary, i.e. tp = 1 or gathered).
-
-    Args:
-        logits: ``[B, S, V]``.
-        labels: ``[B, S]`` int64.
-
-    Returns:
-        ``[B, S]`` float32 log-probs.
-    """
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    return logprobs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-
-
 def _collect_logprobs(batch: dict, per_token_loss: torch.Tensor, non_loss_data: bool = False):
     """Loss function of forward-only log-prob passes.
 
     The cross entropy GPTModel returns for given labels is ``-log p(label)`` (Megatron's
-    vocab-parallel cross entropy: equal to :func:`logprobs_from_logits`, and right under tensor
-    parallelism too), so no logits need to leave the model.
+    vocab-parallel cross entropy: equal to a log-softmax over the full vocabulary, and right
+    under tensor parallelism too), so no logits need to leave the model.
 
     With ``collect_non_loss_data=True`` the schedule stores the returned dict as is; otherwise it
     expects the 3-tuple form and stores its third element, the same dict (the zero loss and token

@@ -4,14 +4,46 @@ from typing import Callable
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer import TransformerConfig
 
-from megatron_dynbatch.megatron.tiny_gpt import check_schedule_config
+from megatron_dynbatch.runtime.iterators import chunk_data_iterators
 
-__all__ = ["VARIABLE_SHAPE_KEYS", "check_uniform_shapes", "run_forward_backward"]
+__all__ = [
+    "VARIABLE_SHAPE_KEYS",
+    "check_schedule_config",
+    "check_uniform_shapes",
+    "run_forward_backward",
+]
 
 # Keys whose length legitimately differs between micro-batches: ``cu_seqlens`` has one entry per
 # packed segment plus one. It never crosses a pipeline boundary, so it cannot break p2p shapes.
 VARIABLE_SHAPE_KEYS = ("cu_seqlens",)
+
+
+def check_schedule_config(config: TransformerConfig) -> None:
+    """Refuse schedule settings known to give silently wrong results in megatron.core 0.19.2.
+
+    Interleaved 1F1B with two pipeline stages and ``batch_p2p_comm=True`` pairs batched sends with
+    the wrong receives (both neighbours are the same rank), so gradients come out wrong without an
+    error (on the tiny GPT with gloo: relative gradient error about 4, no exception). Megatron-LM's
+    argument validation forbids it; megatron.core alone does not.
+
+    Args:
+        config: The model config the schedule will read.
+
+    Raises:
+        ValueError: If the config combines interleaving, pp = 2 and batched p2p.
+    """
+    vpp = config.virtual_pipeline_model_parallel_size
+    pp = config.pipeline_model_parallel_size
+    if vpp is not None and pp == 2 and config.batch_p2p_comm:
+        raise ValueError(
+            f"batch_p2p_comm=True with the interleaved schedule (virtual_pipeline_model_parallel_"
+            f"size={vpp}) and pipeline_model_parallel_size=2 gives silently wrong gradients in "
+            "megatron.core: both pipeline neighbours are the same rank, so batched sends pair with "
+            "the wrong receives. Set batch_p2p_comm=False (Megatron-LM's argument validation forbids the "
+            "combination for the same reason)."
+        )
 
 
 def check_uniform_shapes(
@@ -54,8 +86,8 @@ def run_forward_backward(
     """Run Megatron's schedule for this rank's model chunks over ``microbatches``.
 
     Every rank of a pipeline passes the same micro-batch list (later stages read labels, masks and
-    loss masks from it). The schedule is the one ``parallel_state`` selects: no pipelining, 1F1B,
-    or interleaved 1F1B with one data iterator per model chunk.
+    loss masks from it). The schedule follows the model chunks' config (and ``pg_collection``'s
+    pipeline group): no pipelining, 1F1B, or interleaved 1F1B with one data iterator per chunk.
 
     Args:
         model_chunks: This rank's chunks (DDP-wrapped for training with finalize_model_grads).
@@ -79,24 +111,27 @@ def run_forward_backward(
             tuple(first["tokens"].shape),
             (micro_batch_size, seq_length),
         )
+    config = model_chunks[0].config
     for chunk in model_chunks:
         check_schedule_config(chunk.config)
-    # One iterator per chunk over the same list: the interleaved schedule calls forward_step once
-    # per (micro-batch, chunk), and each chunk consumes micro-batches in order.
-    if len(model_chunks) == 1:
-        data_iterator = iter(microbatches)
-        model = model_chunks[0]
-    else:
-        data_iterator = [iter(microbatches) for _ in model_chunks]
-        model = model_chunks
+    pp_size = config.pipeline_model_parallel_size
+    if pg_collection is not None and getattr(pg_collection, "pp", None) is not None:
+        pp_size = pg_collection.pp.size()
+    vp_size = config.virtual_pipeline_model_parallel_size
+    if len(model_chunks) != (vp_size or 1):
+        raise ValueError(
+            f"{len(model_chunks)} model chunks for virtual_pipeline_model_parallel_size={vp_size}; "
+            "pass every model chunk of this rank (one per virtual stage)."
+        )
     kwargs = {}
     if pg_collection is not None:
         kwargs["pg_collection"] = pg_collection
-    forward_backward_func = get_forward_backward_func()
+    # The sizes of the model we were given, never Megatron's global parallel state.
+    forward_backward_func = get_forward_backward_func(pp_size=pp_size, vp_size=vp_size)
     return forward_backward_func(
         forward_step_func=forward_step,
-        data_iterator=data_iterator,
-        model=model,
+        data_iterator=chunk_data_iterators(microbatches, len(model_chunks)),
+        model=model_chunks[0] if len(model_chunks) == 1 else list(model_chunks),
         num_microbatches=len(microbatches),
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,

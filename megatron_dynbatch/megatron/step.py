@@ -2,8 +2,9 @@
 
 The pieces a trainer needs between the pure plan and ``get_forward_backward_func()``:
 
-* :func:`check_plan_agreement`: every rank hashes its plan and compares it with the others' before
-  the schedule runs, so a rank that planned differently fails loudly instead of deadlocking in a
+* :func:`check_plan_agreement` (from :mod:`.agreement`, which also has ``step_agreement`` for a
+  step's whole local part): every rank hashes its plan and compares it with the others' before the
+  schedule runs, so a rank that planned differently fails loudly instead of deadlocking in a
   pipeline send that never gets its receive;
 * :func:`configure_loss`: Megatron's own exact-normalisation mechanism
   (``calculate_per_token_loss=True`` and a ``finalize_model_grads_func``) for an aggregation;
@@ -21,10 +22,12 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_dynbatch.aggregation import check_aggregation
+from megatron_dynbatch.megatron.agreement import PlanMismatchError, check_plan_agreement
 from megatron_dynbatch.megatron.forward import make_forward_step
 from megatron_dynbatch.megatron.schedule import run_forward_backward
-from megatron_dynbatch.planning import Plan, StepPlan
-from megatron_dynbatch.runtime import AGGREGATIONS, microbatch_loss, restore_order, split_outputs
+from megatron_dynbatch.planning import StepPlan
+from megatron_dynbatch.runtime import microbatch_loss, restore_order, split_outputs
 
 __all__ = [
     "PlanMismatchError",
@@ -38,62 +41,16 @@ __all__ = [
 
 TokenLoss = Callable[[Mapping[str, torch.Tensor], torch.Tensor], torch.Tensor]
 
-# The fingerprint is 64 hex bits; an int64 holds 63 of them without sign trouble.
-_FINGERPRINT_MASK = (1 << 63) - 1
-
-
-class PlanMismatchError(ValueError):
-    """Ranks derived different plans: their data iterators yielded different rollout batches."""
-
-
-def _collective_device(group) -> torch.device:
-    # NCCL only moves CUDA tensors; gloo only CPU ones.
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def check_plan_agreement(plan: Plan, group=None) -> None:
-    """Fail on every rank, with the culprits named, unless all ranks of ``group`` hold ``plan``.
-
-    One all-gather of an int64 per rank: cheap next to a step. Every rank of the group must call it.
-
-    Raises:
-        PlanMismatchError: naming the ranks whose plan differs from rank 0's.
-    """
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "torch.distributed is not initialized; dynamic batching checks that all ranks planned "
-            "the same schedule, so initialise the process group first (Megatron does)."
-        )
-    fingerprint = int(plan.fingerprint(), 16) & _FINGERPRINT_MASK
-    device = _collective_device(group)
-    mine = torch.tensor([fingerprint], dtype=torch.int64, device=device)
-    world = dist.get_world_size(group)
-    gathered = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=group)
-    values = [int(t.item()) for t in gathered]
-    if len(set(values)) > 1:
-        differing = [r for r, v in enumerate(values) if v != values[0]]
-        raise PlanMismatchError(
-            f"ranks {differing} derived a different plan than rank 0 (fingerprints "
-            f"{[format(v, 'x') for v in values]}). Every rank must plan the same global sample "
-            f"lengths, rollout ids and settings: every rank's data iterator must yield the same "
-            f"global rollout batch (same samples and order), and every rank needs the same "
-            f"--max-tokens-per-gpu, --dynamic-batch-layout, --rollouts-per-step and cost weights."
-        )
-
 
 def make_loss_func(aggregation: str, token_loss: Optional[TokenLoss] = None) -> Callable:
     """Loss function for :func:`make_forward_step`: ``(batch, per-token CE) -> 3-tuple``.
 
     Args:
-        aggregation: One of :data:`megatron_dynbatch.runtime.AGGREGATIONS`.
+        aggregation: One of :data:`megatron_dynbatch.aggregation.AGGREGATIONS`.
         token_loss: Optional ``(batch, ce [B, S]) -> loss [B, S]`` (e.g. a policy-gradient loss
             weighted by ``batch["advantages"]``); plain cross entropy when None.
     """
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation={aggregation!r} is not one of {AGGREGATIONS}.")
+    check_aggregation(aggregation)
 
     def loss_func(batch, per_token_ce):
         per_token = per_token_ce if token_loss is None else token_loss(batch, per_token_ce)
@@ -120,8 +77,7 @@ def configure_loss(model_chunks: Sequence[torch.nn.Module], aggregation: str) ->
     """
     from megatron.core.distributed import finalize_model_grads
 
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation={aggregation!r} is not one of {AGGREGATIONS}.")
+    check_aggregation(aggregation)
     for chunk in model_chunks:
         config = chunk.config
         if not config.calculate_per_token_loss:

@@ -229,7 +229,7 @@ def _two_rank_body(mismatch: bool):
 
 
 def test_hook_splits_one_global_batch_over_dp_ranks():
-    from tests.distributed.harness import Layout, run_on_ranks
+    from megatron_dynbatch.testing.workers import Layout, run_on_ranks
 
     results = run_on_ranks(2, _two_rank_body, False, layout=Layout())
     (indices0, m0, shapes0, n0), (indices1, m1, shapes1, n1) = results
@@ -238,7 +238,7 @@ def test_hook_splits_one_global_batch_over_dp_ranks():
 
 
 def test_hook_raises_on_every_rank_when_plans_differ():
-    from tests.distributed.harness import Layout, run_on_ranks
+    from megatron_dynbatch.testing.workers import Layout, run_on_ranks
 
     messages = run_on_ranks(2, _two_rank_body, True, layout=Layout())
     for message in messages:
@@ -314,7 +314,7 @@ def _worker_build():
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.training.training import get_optimizer_param_scheduler
 
-    from megatron_dynbatch.megatron.tiny_gpt import (
+    from megatron_dynbatch.testing.tiny_gpt import (
         build_tiny_gpt,
         tiny_transformer_config,
         wrap_in_ddp,
@@ -340,7 +340,7 @@ def _worker_samples(lengths, seed):
 
 
 def _worker_params(model):
-    from megatron_dynbatch.megatron.tiny_gpt import named_global_params
+    from megatron_dynbatch.testing.tiny_gpt import named_global_params
 
     return {name: p.detach().clone() for name, p in named_global_params(model).items()}
 
@@ -417,7 +417,7 @@ def _worker_flag_on():
 
     from megatron_dynbatch.megatron import training_hooks
     from megatron_dynbatch.megatron.arguments import add_dynamic_batch_args
-    from megatron_dynbatch.megatron.tiny_gpt import named_global_params
+    from megatron_dynbatch.testing.tiny_gpt import named_global_params
 
     result = {}
     no_per_token = [a for a in _ARGV if a != "--calculate-per-token-loss"]

@@ -9,7 +9,7 @@ interleaved 1F1B; dp = 1 and 2) must reproduce the gradient of
 import pytest
 import torch
 
-from megatron_dynbatch.megatron.cpu_shim import apply_cpu_shim, is_cpu_shim_applied
+from megatron_dynbatch.megatron.cpu_shim import apply_cpu_shim
 
 # Explicit, before the first megatron import (this module is also imported by the test workers).
 apply_cpu_shim()
@@ -19,20 +19,22 @@ from megatron.core.distributed import finalize_model_grads  # noqa: E402
 
 from megatron_dynbatch.megatron.forward import (  # noqa: E402
     build_attention_mask,
-    logprobs_from_logits,
     make_forward_step,
 )
-from megatron_dynbatch.megatron.schedule import run_forward_backward  # noqa: E402
-from megatron_dynbatch.megatron.tiny_gpt import (  # noqa: E402
+from megatron_dynbatch.megatron.schedule import (  # noqa: E402
+    check_schedule_config,
+    run_forward_backward,
+)
+from megatron_dynbatch.testing.tiny_gpt import (  # noqa: E402
     TINY_VOCAB_SIZE,
     build_tiny_gpt,
-    check_schedule_config,
+    logprobs_from_logits,
     make_schedule_config_safe,
     named_global_grads,
     tiny_transformer_config,
     wrap_in_ddp,
 )
-from tests.distributed.harness import Layout, run_on_ranks  # noqa: E402
+from megatron_dynbatch.testing.workers import Layout, run_on_ranks  # noqa: E402
 
 SEQ_LENGTH = 16
 MICRO_BATCH_SIZE = 2
@@ -343,7 +345,7 @@ def test_cpu_shim_is_idempotent_and_local_to_megatron_modules():
     from megatron.core.pipeline_parallel import schedules
 
     apply_cpu_shim()
-    assert is_cpu_shim_applied()
+    apply_cpu_shim()
     assert schedules.torch is not torch, "schedules should see the CPU proxy"
     assert schedules.torch.zeros([], device="cuda").device.type == "cpu"
     # Everyone else keeps the real torch: a cuda request outside Megatron still fails.

@@ -14,7 +14,7 @@ from megatron_dynbatch.megatron.cpu_shim import apply_cpu_shim
 # Results unpickled here may reference megatron modules, which import only with the shim on CPU.
 apply_cpu_shim()
 
-from megatron_dynbatch.megatron.workers import Layout, run_on_ranks  # noqa: E402
+from megatron_dynbatch.testing.workers import Layout, run_on_ranks  # noqa: E402
 
 VOCAB = 128
 SEED = 11
@@ -59,13 +59,13 @@ def _adapter_body():
         forward_only_outputs,
         train_microbatches,
     )
-    from megatron_dynbatch.megatron.tiny_gpt import (
+    from megatron_dynbatch.planning import ParallelLayout
+    from megatron_dynbatch.testing.tiny_gpt import (
         build_tiny_gpt,
         named_global_grads,
         tiny_transformer_config,
         wrap_in_ddp,
     )
-    from megatron_dynbatch.planning import ParallelLayout
 
     data = _rollout_data()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -108,7 +108,7 @@ def _adapter_body():
 
 def _reference_body():
     from megatron_dynbatch.megatron.forward import build_attention_mask
-    from megatron_dynbatch.megatron.tiny_gpt import (
+    from megatron_dynbatch.testing.tiny_gpt import (
         build_tiny_gpt,
         named_global_grads,
         tiny_transformer_config,

@@ -13,6 +13,7 @@ apply_cpu_shim()
 
 from megatron_dynbatch.megatron.forward import packed_seq_params_from_batch  # noqa: E402
 from megatron_dynbatch.planning import ParallelLayout, PlannerConfig, plan_schedule  # noqa: E402
+from megatron_dynbatch.planning.spec import round_up  # noqa: E402
 from megatron_dynbatch.runtime import BatchSchema, materialize_microbatches  # noqa: E402
 
 
@@ -54,13 +55,12 @@ def test_thd_segments_tile_the_row_and_respect_the_multiple(tp, cp):
         widths = (cu[1:] - cu[:-1]).tolist()
         assert all(w > 0 for w in widths) and params.max_seqlen_q == max(widths)
         samples = [int(i) for i in batch["sample_index"][0].unique() if i >= 0]
-        # Every sample's segment is its length rounded up to the TP/CP multiple.
-        for i, width in zip(
-            sorted(samples, key=lambda i: int((batch["sample_index"][0] == i).nonzero()[0])),
-            widths,
-            strict=True,
-        ):
-            assert width == -(-lengths[i] // plan.sample_multiple) * plan.sample_multiple
+        # Every sample's segment is its length rounded up to the TP/CP multiple, in row order;
+        # what is left of the row is one padding segment (none when the row is full).
+        in_order = sorted(samples, key=lambda i: int((batch["sample_index"][0] == i).nonzero()[0]))
+        expected = [round_up(lengths[i], plan.sample_multiple) for i in in_order]
+        tail = plan.steps[0].seq_length - sum(expected)
+        assert widths == expected + ([tail] if tail else [])
 
 
 def test_thd_refuses_padded_rows():

@@ -5,6 +5,7 @@ Its weights depend only on a seed and each parameter's *global* name, so a singl
 and any pipeline layout (pp, vpp) hold identical numbers, and gradients can be compared by name.
 
 Call :func:`megatron_dynbatch.megatron.cpu_shim.apply_cpu_shim` before using this module on CPU.
+Test and self-check support (``verify``, the benchmarks), not library surface.
 """
 
 import dataclasses
@@ -21,10 +22,12 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron_dynbatch.megatron.schedule import check_schedule_config
+
 __all__ = [
     "TINY_VOCAB_SIZE",
     "tiny_transformer_config",
-    "check_schedule_config",
+    "logprobs_from_logits",
     "make_schedule_config_safe",
     "tiny_layer_spec",
     "build_tiny_gpt",
@@ -104,31 +107,6 @@ def tiny_transformer_config(
     )
     check_schedule_config(config)
     return config
-
-
-def check_schedule_config(config: TransformerConfig) -> None:
-    """Refuse schedule settings known to give silently wrong results in megatron.core 0.19.2.
-
-    Interleaved 1F1B with two pipeline stages and ``batch_p2p_comm=True`` pairs batched sends with
-    the wrong receives (both neighbours are the same rank), so gradients come out wrong without an
-    error (on the tiny GPT with gloo: relative gradient error about 4, no exception). Megatron-LM's
-    argument validation forbids it; megatron.core alone does not.
-
-    Args:
-        config: The model config the schedule will read.
-
-    Raises:
-        ValueError: If the config combines interleaving, pp = 2 and batched p2p.
-    """
-    vpp = config.virtual_pipeline_model_parallel_size
-    pp = config.pipeline_model_parallel_size
-    if vpp is not None and pp == 2 and config.batch_p2p_comm:
-        raise ValueError(
-            f"batch_p2p_comm=True with the interleaved schedule (virtual_pipeline_model_parallel_"
-            f"size={vpp}) and pipeline_model_parallel_size=2 gives silently wrong gradients in "
-            "megatron.core: both pipeline neighbours are the same rank, so batched sends pair with "
-            "the wrong receives. Set batch_p2p_comm=False (or call make_schedule_config_safe)."
-        )
 
 
 def make_schedule_config_safe(config: TransformerConfig) -> TransformerConfig:
@@ -327,3 +305,17 @@ def named_global_grads(model_chunks: list[torch.nn.Module]) -> dict[str, torch.T
             grad = param.grad
         grads[name] = torch.zeros_like(param) if grad is None else grad.detach().clone()
     return grads
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Log-probability of every label under ``logits`` (full vocabulary, i.e. tp = 1 or gathered).
+
+    Args:
+        logits: ``[B, S, V]``.
+        labels: ``[B, S]`` int64.
+
+    Returns:
+        ``[B, S]`` float32 log-probs.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return logprobs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,33 @@
+"""Megatron's ``data_iterator`` argument for a list of micro-batches: one iterator per model chunk.
+
+The interleaved schedule calls ``forward_step_func`` once per (micro-batch, model chunk) and reads
+each chunk's next micro-batch from that chunk's own iterator, so with ``vpp`` chunks it needs a list
+of ``vpp`` iterators walking the same micro-batches in order; the other schedules take one iterator.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, List, Sequence, Union
+
+__all__ = ["chunk_data_iterators"]
+
+
+def chunk_data_iterators(
+    microbatches: Sequence[Any],
+    num_model_chunks: int,
+    wrap: Callable[[Iterator[Any]], Any] = lambda iterator: iterator,
+) -> Union[Any, List[Any]]:
+    """One iterator over ``microbatches`` per model chunk (a bare iterator for a single chunk).
+
+    Args:
+        microbatches: This rank's micro-batches of the step, in schedule order.
+        num_model_chunks: Model chunks on this rank (``vpp``, or 1 without interleaving).
+        wrap: Applied to every iterator, e.g. Megatron's ``RerunDataIterator``.
+    """
+    if isinstance(num_model_chunks, bool) or not isinstance(num_model_chunks, int):
+        raise ValueError(f"num_model_chunks={num_model_chunks!r} must be an integer >= 1.")
+    if num_model_chunks < 1:
+        raise ValueError(f"num_model_chunks={num_model_chunks} must be >= 1 (one per model chunk).")
+    if num_model_chunks == 1:
+        return wrap(iter(microbatches))
+    return [wrap(iter(microbatches)) for _ in range(num_model_chunks)]
