@@ -12,10 +12,15 @@ import sys
 import warnings
 from typing import List, Optional
 
+from .aggregation import AGGREGATIONS
+from .megatron.verify.spec import DEFAULT_MAX_TOKENS_PER_GPU
+from .planning.spec import LAYOUTS
+
 __all__ = ["main", "build_parser"]
 
 
-def _add_layout_args(parser: argparse.ArgumentParser, *, require_cap: bool) -> None:
+def _add_layout_args(parser: argparse.ArgumentParser, *, cap_default: Optional[int]) -> None:
+    """The planner settings both subcommands take (``plan`` requires the cap; ``verify`` has one)."""
     parser.add_argument("--dp-size", type=int, default=1, help="data-parallel size (default 1)")
     parser.add_argument("--pp-size", type=int, default=1, help="pipeline-parallel size (default 1)")
     parser.add_argument(
@@ -32,12 +37,15 @@ def _add_layout_args(parser: argparse.ArgumentParser, *, require_cap: bool) -> N
     parser.add_argument(
         "--max-tokens-per-gpu",
         type=int,
-        required=require_cap,
-        default=None,
-        help="hard token cap of one micro-batch on one GPU",
+        required=cap_default is None,
+        default=cap_default,
+        help="hard token cap of one micro-batch on one GPU"
+        + ("" if cap_default is None else f" (default {cap_default})"),
     )
+    parser.add_argument("--layout", choices=LAYOUTS, default="packed", help="micro-batch layout")
+    parser.add_argument("--cost-attention-weight", type=float, default=0.0, help="b in a*L + b*L^2")
     parser.add_argument(
-        "--layout", choices=("packed", "padded"), default="packed", help="micro-batch layout"
+        "--cost-response-weight", type=float, default=0.0, help="weight of response tokens"
     )
 
 
@@ -52,16 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "samples", help="SAMPLES.json: array of lengths or {length, rollout, prompt_length}"
     )
-    _add_layout_args(plan, require_cap=True)
+    _add_layout_args(plan, cap_default=None)
     plan.add_argument(
         "--rollouts-per-step",
         type=int,
         default=None,
         help="rollouts (prompt groups) per optimizer step (default: all in one step)",
-    )
-    plan.add_argument("--cost-attention-weight", type=float, default=0.0, help="b in a*L + b*L^2")
-    plan.add_argument(
-        "--cost-response-weight", type=float, default=0.0, help="weight of response tokens"
     )
     plan.add_argument("--json", action="store_true", help="print exactly one JSON object")
     plan.add_argument(
@@ -71,10 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     verify = sub.add_parser(
         "verify", help="check dynamic batching against a reference on Megatron-Core"
     )
-    _add_layout_args(verify, require_cap=False)
+    _add_layout_args(verify, cap_default=DEFAULT_MAX_TOKENS_PER_GPU)
     verify.add_argument(
         "--loss",
-        choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "sum"),
+        choices=AGGREGATIONS,
         default="token-mean",
     )
     verify.add_argument("--samples", default=None, help="SAMPLES.json (default: a bundled set)")
@@ -117,8 +121,8 @@ def _planner_config(args, rollouts_per_step=None):
         rollouts_per_step=rollouts_per_step,
         layout=args.layout,
         cost=CostModel(
-            attention_weight=getattr(args, "cost_attention_weight", 0.0),
-            response_weight=getattr(args, "cost_response_weight", 0.0),
+            attention_weight=args.cost_attention_weight,
+            response_weight=args.cost_response_weight,
         ),
     )
 
@@ -169,10 +173,10 @@ def _cmd_plan(args) -> int:
 
 
 def _cmd_verify(args) -> int:
-    from .megatron.verify import run_verify_cli
+    from .megatron.verify.cli import run_verify_cli
 
     samples = None if args.samples is None else _read_json(args.samples)
-    return run_verify_cli(args, samples)
+    return run_verify_cli(_planner_config(args), loss=args.loss, samples=samples, as_json=args.json)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
