@@ -226,6 +226,16 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
             "so that it is 1."
         )
 
+    gbs = getattr(args, "global_batch_size", None)
+    if config.rollouts_per_step is not None and gbs is not None and config.rollouts_per_step != gbs:
+        raise ValueError(
+            f"--rollouts-per-step {config.rollouts_per_step} differs from --global-batch-size "
+            f"{gbs}: in Megatron-LM's training loop --global-batch-size is the size of one "
+            "optimizer step, and --rollouts-per-step says that it counts rollouts (samples "
+            f"sharing a rollout id) instead of samples; set both to the rollouts per step, or "
+            "drop --rollouts-per-step to count samples."
+        )
+
     parallel = parallel_layout_from_args(args)
     # Fail now, not at the first step, when a budget cannot hold one padded sample of the layout.
     config.planner_config(parallel)
