@@ -65,6 +65,7 @@ from megatron_dynbatch.megatron.arguments import (
     dynbatch_config_from_args,
     parallel_layout_from_args,
 )
+from megatron_dynbatch.megatron.schedule import check_schedule_config
 from megatron_dynbatch.planning import ParallelLayout, Plan, plan_schedule
 from megatron_dynbatch.runtime import BatchSchema, materialize_microbatches
 from megatron_dynbatch.runtime.iterators import chunk_data_iterators
@@ -412,6 +413,8 @@ def _materialize(
 
 
 def _parallel_layout(args: Any, model_chunks: List[torch.nn.Module], dp_group) -> ParallelLayout:
+    if len(model_chunks) > 1 or hasattr(model_chunks[0], "config"):
+        check_schedule_config(get_model_config(model_chunks[0]))
     layout = parallel_layout_from_args(
         args, dp_size=dist.get_world_size(dp_group), vpp_size=len(model_chunks)
     )
