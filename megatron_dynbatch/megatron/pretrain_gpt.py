@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from functools import partial
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 from megatron.core.enums import ModelType
@@ -224,8 +224,23 @@ def _embedding_ranks(pp_ranks: Sequence[int]) -> List[int]:
     return sorted(ranks)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    """Parse Megatron-LM's arguments (plus ours) and run ``pretrain()``."""
+def main(
+    argv: Optional[Sequence[str]] = None,
+    *,
+    datasets_provider: Optional[Callable] = None,
+    forward_step_func: Optional[Callable] = None,
+) -> None:
+    """Parse Megatron-LM's arguments (plus ours) and run ``pretrain()``.
+
+    Args:
+        argv: Arguments instead of ``sys.argv[1:]``.
+        datasets_provider: Your own ``train_valid_test_datasets_provider`` (with
+            ``--use-dynamic-batch-size`` its objects are iterators yielding ``RolloutBatch`` /
+            ``LazyRolloutBatch``, see ``training_hooks``; mark it ``is_distributed = True``).
+            Default: the launch script's (stock, or document samples).
+        forward_step_func: Your own ``forward_step_func``. Default: the stock GPT step, or the
+            document step (token mean over ``loss_mask``) in the document modes.
+    """
     import sys
 
     if argv is not None:
@@ -239,8 +254,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         # Megatron-LM's pretrain_gpt.py stops with a TypeError here; validate at the end instead.
         args.eval_interval = args.train_iters
     model_config = gpt_config_from_args(args)
-    if _uses_documents(args):
-        _check_document_args(args)
+    if _uses_documents(args) or datasets_provider is not None:
+        if datasets_provider is None:
+            _check_document_args(args)
         if args.use_dynamic_batch_size:
             # The planner, not a torch DataLoader, batches the samples (training_hooks).
             args.dataloader_type = "external"
@@ -254,8 +270,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     config = pretrain_cfg_container_from_args(args, model_config)
     pretrain(
         config,
-        provider,
+        datasets_provider or provider,
         ModelType.encoder_or_decoder,
-        forward_step,
+        forward_step_func or forward_step,
         get_embedding_ranks=_embedding_ranks,
     )

@@ -60,7 +60,11 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.rerun_state_machine import RerunDataIterator
 from megatron.core.utils import get_model_config
 
-from megatron_dynbatch.megatron.agreement import PlanMismatchError, step_agreement
+from megatron_dynbatch.megatron.agreement import (
+    PlanMismatchError,
+    StepAgreementError,
+    step_agreement,
+)
 from megatron_dynbatch.megatron.arguments import (
     dynbatch_config_from_args,
     parallel_layout_from_args,
@@ -75,6 +79,8 @@ __all__ = [
     "LazyRolloutBatch",
     "PlanMismatchError",
     "RolloutBatch",
+    "StepAgreementError",
+    "coerce_batch",
     "dynamic_log_string",
     "last_train_step",
     "prepare_eval_step",
