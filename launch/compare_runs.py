@@ -27,31 +27,40 @@ _FIELDS = {
     "loss": re.compile(r"lm loss: ([\d.E+-]+)"),
     "real": re.compile(r"real tokens: (\d+)"),
     "computed": re.compile(r"computed tokens: (\d+)"),
+    "consumed": re.compile(r"consumed samples:\s+(\d+)"),
+    "grad_norm": re.compile(r"grad norm: ([\d.]+)"),
+    "params_norm": re.compile(r"params norm: ([\d.]+)"),
 }
 _VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([\d.E+-]+)")
 
 
-def parse(path: str) -> Dict[str, object]:
-    """Iteration records and validation losses of one Megatron log."""
+def parse_text(text: str) -> Dict[str, object]:
+    """Iteration records (``{iteration: {field: value}}``) and validation losses of a Megatron log."""
     iterations: Dict[int, Dict[str, float]] = {}
     validation: List[tuple] = []
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        for line in handle:
-            match = _ITERATION.search(line)
-            if match:
-                record = {}
-                for name, pattern in _FIELDS.items():
-                    found = pattern.search(match.group(2))
-                    if found:
-                        record[name] = float(found.group(1))
-                iterations[int(match.group(1))] = record
-                continue
-            match = _VALIDATION.search(line)
-            if match:
-                validation.append((int(match.group(1)), float(match.group(2))))
-    if not iterations:
-        raise SystemExit(f"error: no Megatron iteration lines in {path}; did the run fail?")
+    for line in text.splitlines():
+        match = _ITERATION.search(line)
+        if match:
+            record = {}
+            for name, pattern in _FIELDS.items():
+                found = pattern.search(match.group(2))
+                if found:
+                    record[name] = float(found.group(1))
+            iterations[int(match.group(1))] = record
+            continue
+        match = _VALIDATION.search(line)
+        if match:
+            validation.append((int(match.group(1)), float(match.group(2))))
     return {"iterations": iterations, "validation": validation}
+
+
+def parse(path: str) -> Dict[str, object]:
+    """:func:`parse_text` of a log file; exits with an error if it has no iteration line."""
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        parsed = parse_text(handle.read())
+    if not parsed["iterations"]:
+        raise SystemExit(f"error: no Megatron iteration lines in {path}; did the run fail?")
+    return parsed
 
 
 def main(argv=None) -> int:
