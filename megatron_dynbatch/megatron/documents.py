@@ -176,7 +176,8 @@ class SplitSamples:
         max_length: Longest sample (``--seq-length``); longer documents become several samples.
         seed: ``--seed``.
         split_index: 0 train, 1 valid, 2 test (each split has its own order).
-        eod_id: Token whose prediction is not a loss target with ``--eod-mask-loss``, or ``None``.
+        eod_id: With ``--eod-mask-loss``, the end-of-document token (no loss on predicting the token
+            after it), or ``None``.
     """
 
     def __init__(
@@ -240,7 +241,11 @@ class SplitSamples:
         )
         sample = {"tokens": torch.as_tensor(numpy.array(tokens, dtype=numpy.int64))}
         if self.eod_id is not None:
-            sample["loss_mask"] = (sample["tokens"] != self.eod_id).to(torch.float32)
+            # As --eod-mask-loss in Megatron's GPTDataset: no loss where the *input* token is the
+            # end of a document, i.e. target k is masked when token k - 1 is EOD.
+            after_eod = torch.zeros_like(sample["tokens"], dtype=torch.bool)
+            after_eod[1:] = sample["tokens"][:-1] == self.eod_id
+            sample["loss_mask"] = (~after_eod).to(torch.float32)
         return sample
 
 

@@ -127,6 +127,59 @@ def test_apply_rejects_a_directory_without_megatron(tmp_path):
     assert result.returncode == 1 and "megatron/training does not exist" in result.stderr
 
 
+# --- how the launch script gets a patched tree (megatron_dynbatch.megatron.patched_tree) ----------
+
+_USE_PATCHED = (
+    "import pathlib, sys\n"
+    "from megatron_dynbatch.megatron.patched_tree import use_patched_training\n"
+    "print(use_patched_training(pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]),\n"
+    "                           cache_dir=pathlib.Path(sys.argv[3])))\n"
+)
+
+
+def _use_patched(cache: pathlib.Path, first_on_path: pathlib.Path = None):
+    path = [str(first_on_path)] if first_on_path else []
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path + [str(REPO)]))
+    return subprocess.run(
+        [sys.executable, "-c", _USE_PATCHED, str(REPO / "patches"), str(APPLY), str(cache)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+
+
+def test_launch_script_imports_a_patched_copy_and_leaves_the_installed_tree_alone(tmp_path):
+    from megatron_dynbatch.megatron.patched_tree import is_patched
+
+    installed = STOCK_ROOT / "megatron" / "training" / "training.py"
+    before = installed.read_bytes()
+    first, second = _use_patched(tmp_path), _use_patched(tmp_path)
+    assert first.returncode == 0, first.stderr
+    copy = pathlib.Path(first.stdout.strip())
+    assert copy.parent.parent.parent == tmp_path and is_patched(copy)
+    assert second.stdout == first.stdout  # the cached copy is reused
+    assert installed.read_bytes() == before and not is_patched(installed.parent)
+
+
+def test_an_already_patched_checkout_is_used_as_is(patched_tree, tmp_path):
+    result = _use_patched(tmp_path, first_on_path=patched_tree)
+    assert result.returncode == 0, result.stderr
+    assert pathlib.Path(result.stdout.strip()) == patched_tree / "megatron" / "training"
+    assert not list(tmp_path.iterdir())
+
+
+def test_another_megatron_version_is_refused_with_the_patch_that_fails(tmp_path):
+    checkout = tmp_path / "checkout"
+    shutil.copytree(STOCK_ROOT / "megatron" / "training", checkout / "megatron" / "training")
+    training = checkout / "megatron" / "training" / "training.py"
+    call = "            num_microbatches=get_num_microbatches(),\n"
+    training.write_text(training.read_text().replace(call, call.rstrip("\n") + "  # changed\n"))
+    result = _use_patched(tmp_path / "cache", first_on_path=checkout)
+    assert result.returncode != 0
+    assert "PatchError: megatron_dynbatch's patches do not apply" in result.stderr
+    assert "0002-train-step-dynamic-microbatches.patch does not apply" in result.stderr
+
+
 # --- the patched train_step, in subprocesses ---------------------------------------------------
 
 
