@@ -102,6 +102,13 @@ def _check_document_args(args: Any) -> None:
             "step of launch/pretrain_gpt_dynbatch.py does not split rows over context-parallel "
             "ranks yet; use --context-parallel-size 1."
         )
+    budget = getattr(args, "max_tokens_per_gpu", None)
+    if args.use_dynamic_batch_size and budget is not None and budget < args.seq_length:
+        raise ValueError(
+            f"--max-tokens-per-gpu {budget} is smaller than --seq-length {args.seq_length}, the "
+            "longest document sample (longer documents are cut at --seq-length); raise "
+            "--max-tokens-per-gpu or lower --seq-length."
+        )
     if args.dataloader_type not in (None, "single", "external"):
         raise ValueError(
             f"--dataloader-type {args.dataloader_type}: document samples are read in Megatron's "

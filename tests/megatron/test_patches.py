@@ -216,7 +216,7 @@ def test_patched_tree_is_the_one_imported(train_step_results, patched_tree):
     assert train_step_results["stock"]["training_file"].startswith(str(STOCK_ROOT))
 
 
-def test_flag_off_train_step_is_bitwise_stock(train_step_results):
+def test_flag_off_train_step_and_evaluate_are_bitwise_stock(train_step_results):
     stock = train_step_results["stock"]["off"]
     patched = train_step_results["patched"]["off"]
     assert patched == stock
@@ -457,6 +457,23 @@ def _worker_train_step(model, optimizer, scheduler, config, data_iterator):
     return float(loss_dict["loss"])
 
 
+def _worker_evaluate(model, config, microbatches):
+    """Megatron's (patched) evaluate(): one validation iteration of the 3 micro-batches."""
+    from megatron.core.rerun_state_machine import RerunDataIterator
+    from megatron.training.training import evaluate
+
+    from megatron_dynbatch.megatron.forward import make_forward_step
+    from megatron_dynbatch.runtime import microbatch_loss
+
+    forward_step = make_forward_step(
+        lambda batch, loss: microbatch_loss("token-mean", loss, batch, log_key="lm loss")
+    )
+    totals, _, _ = evaluate(
+        forward_step, RerunDataIterator(iter(microbatches)), model, None, config, eval_iters=1
+    )
+    return float(totals["lm loss"])
+
+
 def _worker_flag_off(provider):
     """One stock-shaped step: 3 fixed micro-batches of [1, 16], Megatron's own data path."""
     from megatron.core.rerun_state_machine import RerunDataIterator
@@ -477,6 +494,7 @@ def _worker_flag_off(provider):
     loss = _worker_train_step(model, optimizer, scheduler, config, data_iterator)
     return {
         "loss": loss,
+        "eval_loss": _worker_evaluate(model, config, microbatches),
         "reference_loss": reference,
         "scheduler_steps": scheduler.num_steps,
         "params": {k: v.double().sum().item() for k, v in _worker_params(model).items()},

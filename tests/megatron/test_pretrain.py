@@ -105,7 +105,7 @@ def layouts(tmp_path_factory):
     out = tmp_path_factory.mktemp("layouts")
     runs = {}
     cases = {
-        "dp2": (4, ["--pipeline-model-parallel-size", 2, "--train-iters", 3]),
+        "dp2": (4, ["--pipeline-model-parallel-size", 2, "--train-iters", 2, "--eval-iters", 0]),
         "vpp2": (
             2,
             [
@@ -148,7 +148,7 @@ def test_validation_runs_through_the_planner(layouts):
 
 
 def test_without_the_flag_it_trains_like_pretrain_gpt(tmp_path):
-    args = _TINY + ["--pipeline-model-parallel-size", 2, "--train-iters", 2]
+    args = _TINY + ["--pipeline-model-parallel-size", 2, "--train-iters", 2, "--eval-iters", 0]
     rc, log, _ = _torchrun(2, LAUNCH, args, log_path=tmp_path / "stock.log")
     parsed = _ok(rc, log)
     assert sorted(parsed["iterations"]) == [1, 2]
