@@ -259,7 +259,9 @@ def main(
     check_stock_args(args)
     if args.eval_interval is None:
         # Megatron-LM's pretrain_gpt.py stops with a TypeError here; validate at the end instead.
-        args.eval_interval = args.train_iters
+        args.eval_interval = args.train_iters or max(
+            1, (args.train_samples or 0) // args.global_batch_size
+        )
     model_config = gpt_config_from_args(args)
     if _uses_documents(args) or datasets_provider is not None:
         if datasets_provider is None:

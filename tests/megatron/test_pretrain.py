@@ -162,7 +162,7 @@ def test_without_the_flag_it_trains_like_pretrain_gpt(tmp_path):
 _USER = [
     "--num-layers", 2, "--hidden-size", 32, "--num-attention-heads", 4,
     "--seq-length", 128, "--max-position-embeddings", 128,
-    "--micro-batch-size", 1, "--global-batch-size", 4, "--train-iters", 5,
+    "--micro-batch-size", 1, "--global-batch-size", 4, "--train-samples", 20,
     "--lr", "1e-3", "--tokenizer-type", "NullTokenizer", "--vocab-size", 128,
     "--log-interval", 1, "--log-params-norm", "--hidden-dropout", 0, "--attention-dropout", 0,
     "--calculate-per-token-loss", "--eval-iters", 0, "--pipeline-model-parallel-size", 2,
@@ -225,7 +225,9 @@ def test_resuming_mid_batch_continues_the_straight_run_exactly(resumed):
 
 
 def test_rollouts_count_as_the_global_batch(resumed):
+    """--train-samples 20 with 4 rollouts per step: 5 steps, the LR decays over 20 rollouts."""
     straight = resumed["straight"]["iterations"]
+    assert sorted(straight) == [1, 2, 3, 4, 5] and straight[5]["lr"] == 0.0
     assert [straight[i]["consumed"] for i in sorted(straight)] == [4, 8, 12, 16, 20]
     assert all(record["batch"] == 4 for record in straight.values())
 
