@@ -306,7 +306,7 @@ class DocumentBatchStream(Iterator[LazyRolloutBatch]):
         samples = self.samples
         first = positions[0]
         return LazyRolloutBatch(
-            lengths_=samples.lengths_at(positions),
+            sample_lengths=samples.lengths_at(positions),
             load_sample=lambda i: samples.sample_at(first + i),
         )
 

@@ -146,26 +146,28 @@ class LazyRolloutBatch:
     every rank.
     """
 
-    lengths_: Sequence[int]
+    sample_lengths: Sequence[int]
     """Token count of every sample (what the plan needs)."""
     load_sample: Callable[[int], Mapping[str, Any]]
     """``load_sample(i)`` returns sample ``i`` as a :class:`RolloutBatch` sample dict; its
-    ``tokens`` must have ``lengths_[i]`` entries."""
+    ``tokens`` must have ``sample_lengths[i]`` entries."""
     rollout_ids: Optional[Sequence[Hashable]] = None
     """As in :class:`RolloutBatch`."""
-    prompt_lengths_: Optional[Sequence[Optional[int]]] = None
+    sample_prompt_lengths: Optional[Sequence[Optional[int]]] = None
     """Per-sample prompt lengths (cost model only), or ``None``."""
     schema: BatchSchema = field(default_factory=BatchSchema)
     """As in :class:`RolloutBatch`."""
 
     def __post_init__(self) -> None:
-        if not self.lengths_:
-            raise ValueError("LazyRolloutBatch.lengths_ is empty; yield at least one sample.")
-        _check_rollout_ids(self.rollout_ids, len(self.lengths_))
-        if self.prompt_lengths_ is not None and len(self.prompt_lengths_) != len(self.lengths_):
+        if not self.sample_lengths:
+            raise ValueError("LazyRolloutBatch.sample_lengths is empty; yield at least one sample.")
+        _check_rollout_ids(self.rollout_ids, len(self.sample_lengths))
+        if self.sample_prompt_lengths is not None and len(self.sample_prompt_lengths) != len(
+            self.sample_lengths
+        ):
             raise ValueError(
-                f"LazyRolloutBatch has {len(self.lengths_)} lengths but "
-                f"{len(self.prompt_lengths_)} prompt lengths; give one per sample or none."
+                f"LazyRolloutBatch has {len(self.sample_lengths)} lengths but "
+                f"{len(self.sample_prompt_lengths)} prompt lengths; give one per sample or none."
             )
         if not callable(self.load_sample):
             raise ValueError("LazyRolloutBatch.load_sample must be callable: index -> sample.")
@@ -173,25 +175,25 @@ class LazyRolloutBatch:
             raise ValueError(f"LazyRolloutBatch.schema must be a BatchSchema, got {self.schema!r}.")
 
     def __len__(self) -> int:
-        return len(self.lengths_)
+        return len(self.sample_lengths)
 
     def lengths(self) -> List[int]:
-        return [int(length) for length in self.lengths_]
+        return [int(length) for length in self.sample_lengths]
 
     def prompt_lengths(self) -> List[Optional[int]]:
-        if self.prompt_lengths_ is None:
-            return [None] * len(self.lengths_)
-        return list(self.prompt_lengths_)
+        if self.sample_prompt_lengths is None:
+            return [None] * len(self.sample_lengths)
+        return list(self.sample_prompt_lengths)
 
     def load(self, indices: Sequence[int]) -> Dict[int, Mapping[str, Any]]:
         samples = {}
         for i in indices:
             sample = self.load_sample(i)
             got = int(sample["tokens"].shape[0])
-            if got != int(self.lengths_[i]):
+            if got != int(self.sample_lengths[i]):
                 raise ValueError(
-                    f"LazyRolloutBatch sample {i}: load_sample returned {got} tokens but lengths_ "
-                    f"says {int(self.lengths_[i])}; the plan was made from lengths_."
+                    f"LazyRolloutBatch sample {i}: load_sample returned {got} tokens but sample_lengths "
+                    f"says {int(self.sample_lengths[i])}; the plan was made from sample_lengths."
                 )
             samples[i] = sample
         return samples

@@ -35,7 +35,7 @@ def _lazy_batch(loaded):
         loaded.append(index)
         return {"tokens": torch.arange(1, LENGTHS[index] + 1)}
 
-    return LazyRolloutBatch(lengths_=LENGTHS, load_sample=load)
+    return LazyRolloutBatch(sample_lengths=LENGTHS, load_sample=load)
 
 
 def _reads_body(pp_size):
