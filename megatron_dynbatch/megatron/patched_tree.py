@@ -111,10 +111,18 @@ def use_patched_training(
     source = _training_dir()
     if is_patched(source):
         return source
-    root = (cache_dir or default_cache_dir()) / f"training-{_digest(source, patch_dir)}"
+    cache = cache_dir or default_cache_dir()
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        if cache_dir is not None:
+            raise
+        # A read-only home (some clusters): fall back to the temporary directory.
+        cache = pathlib.Path(tempfile.gettempdir()) / f"megatron_dynbatch-{os.getuid()}"
+        cache.mkdir(parents=True, exist_ok=True)
+    root = cache / f"training-{_digest(source, patch_dir)}"
     target = root / "megatron" / "training"
     if not (target / "__init__.py").is_file():
-        root.parent.mkdir(parents=True, exist_ok=True)
         # Build in a private directory and rename it into place: ranks on one node race here.
         scratch = pathlib.Path(tempfile.mkdtemp(prefix=f"{root.name}.tmp-", dir=root.parent))
         try:
