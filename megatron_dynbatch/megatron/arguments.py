@@ -109,7 +109,8 @@ def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.Argument
         type=int,
         default=None,
         help="Rollouts (prompt groups) per optimizer step; default: one step per batch the "
-        "iterator yields.",
+        "iterator yields. In Megatron-LM's training loop it must equal --global-batch-size, "
+        "which then counts rollouts instead of samples.",
     )
     for field, what in (
         ("cost_token_weight", "the sample length L (default 1.0)"),

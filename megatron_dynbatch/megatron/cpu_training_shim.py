@@ -36,6 +36,7 @@ import argparse
 import contextlib
 import functools
 import importlib
+import importlib.resources
 import sys
 import types
 from typing import Any
