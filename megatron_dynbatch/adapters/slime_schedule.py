@@ -111,8 +111,8 @@ class DPSchedule(tuple):
       ``[1, seq_lengths[s]]``.
     * ``micro_batch_size``: rows per micro-batch (1: slime packs samples into one THD row).
     * ``rollout_counts[r][m]``: rollouts whose first sample (lowest global index) is in micro-batch
-      ``m`` of rank ``r``; over a step they add up to ``global_batch_sizes[s]``, so a loss
-      normalised per rollout can report its denominator exactly once.
+      ``m`` of rank ``r``; over a step they add up to ``global_batch_sizes[s]``, so a trainer that
+      normalises per rollout through Megatron's per-token path can count each rollout once.
     * ``plan``: the planner's :class:`~megatron_dynbatch.planning.Plan` (``None`` on the static
       path).
     """
@@ -166,10 +166,8 @@ class DPSchedule(tuple):
 
     def rank_fields(self, dp_rank: int) -> Dict[str, List[int]]:
         """What the patched slime ships to DP rank ``dp_rank`` besides slime's own keys."""
-        return {
-            "dynbatch_seq_lengths": list(self.seq_lengths),
-            "dynbatch_rollout_counts": list(self.rollout_counts[dp_rank]),
-        }
+        check_index("dp_rank", dp_rank, 0, "pass a data-parallel rank of the schedule.")
+        return {"dynbatch_seq_lengths": list(self.seq_lengths)}
 
 
 def _rebuild_schedule(items, seq_lengths, rollout_counts, plan) -> DPSchedule:
