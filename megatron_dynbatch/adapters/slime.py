@@ -30,6 +30,12 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_dynbatch.adapters.slime_schedule import (
+    DPSchedule,
+    DPScheduleError,
+    build_dp_schedule,
+    check_index,
+)
 from megatron_dynbatch.config import DynBatchConfig
 from megatron_dynbatch.planning import ParallelLayout, Plan, plan_schedule
 from megatron_dynbatch.runtime import (
@@ -39,8 +45,9 @@ from megatron_dynbatch.runtime import (
     materialize_microbatches,
     restore_order,
 )
+from megatron_dynbatch.runtime.iterators import chunk_data_iterators
 
-__all__ = ["DynamicBatching"]
+__all__ = ["DPSchedule", "DPScheduleError", "DynamicBatching", "build_dp_schedule"]
 
 RolloutData = Mapping[str, Sequence[Any]]
 
@@ -78,8 +85,18 @@ class DynamicBatching:
     ) -> None:
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation={aggregation!r} is not one of {AGGREGATIONS}.")
-        if samples_per_rollout is not None and samples_per_rollout < 1:
-            raise ValueError(f"samples_per_rollout={samples_per_rollout} must be >= 1 or None.")
+        if samples_per_rollout is not None:
+            samples_per_rollout = check_index(
+                "samples_per_rollout",
+                samples_per_rollout,
+                1,
+                "pass GRPO's n_samples_per_prompt as an integer >= 1, or None.",
+            )
+        for name, keys in (("response_keys", response_keys), ("sample_keys", sample_keys)):
+            if isinstance(keys, str) or not all(isinstance(k, str) and k for k in keys):
+                raise ValueError(
+                    f"{name}={keys!r} must be a sequence of key names, e.g. ('advantages',)."
+                )
         self.config = config
         self.parallel = parallel
         self.aggregation = aggregation
@@ -96,11 +113,22 @@ class DynamicBatching:
     # -- planning ------------------------------------------------------------------------------
 
     def _lengths(self, rollout_data: RolloutData) -> Tuple[List[int], List[int]]:
+        if not isinstance(rollout_data, Mapping):
+            raise ValueError(
+                f"rollout_data must be a dict of per-sample lists, got {type(rollout_data).__name__}."
+            )
         for key in ("tokens", "total_lengths", "response_lengths"):
             if key not in rollout_data:
                 raise ValueError(f"rollout_data has no {key!r} (keys: {sorted(rollout_data)}).")
-        totals = [int(x) for x in rollout_data["total_lengths"]]
-        responses = [int(x) for x in rollout_data["response_lengths"]]
+        fix = "store every sample's token count as an integer."
+        totals = [
+            check_index(f"total_lengths[{i}]", x, 1, fix)
+            for i, x in enumerate(rollout_data["total_lengths"])
+        ]
+        responses = [
+            check_index(f"response_lengths[{i}]", x, 0, fix)
+            for i, x in enumerate(rollout_data["response_lengths"])
+        ]
         n = len(rollout_data["tokens"])
         if len(totals) != n or len(responses) != n:
             raise ValueError(
@@ -110,11 +138,15 @@ class DynamicBatching:
         for i, (tokens, total, response) in enumerate(
             zip(rollout_data["tokens"], totals, responses, strict=True)
         ):
+            if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
+                raise ValueError(
+                    f"sample {i}: tokens={tokens!r} must be a list or 1-d tensor of token ids."
+                )
             if len(tokens) != total:
                 raise ValueError(
                     f"sample {i}: {len(tokens)} tokens but total_lengths[{i}]={total}."
                 )
-            if not 0 <= response <= total:
+            if response > total:
                 raise ValueError(
                     f"sample {i}: response_lengths[{i}]={response} outside [0, total={total}]."
                 )
@@ -122,7 +154,23 @@ class DynamicBatching:
 
     def _rollout_ids(self, rollout_data: RolloutData, n: int):
         if self.rollout_id_key in rollout_data:
-            return list(rollout_data[self.rollout_id_key])
+            ids = rollout_data[self.rollout_id_key]
+            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
+                raise ValueError(
+                    f"rollout_data[{self.rollout_id_key!r}] must be a list of one id per sample, "
+                    f"got {type(ids).__name__}."
+                )
+            # numpy / torch integer ids become ints; strings stay strings (the planner checks).
+            return [
+                (
+                    i
+                    if isinstance(i, str) or i is None
+                    else check_index(
+                        f"{self.rollout_id_key}[{n_}]", i, -(2**63), "store int or str rollout ids."
+                    )
+                )
+                for n_, i in enumerate(ids)
+            ]
         if self.samples_per_rollout is not None:
             if n % self.samples_per_rollout:
                 raise ValueError(
@@ -144,37 +192,88 @@ class DynamicBatching:
 
     # -- materialising -------------------------------------------------------------------------
 
+    def _values(self, rollout_data: RolloutData, key: str, index: int) -> Any:
+        if key not in rollout_data:
+            raise ValueError(
+                f"rollout_data has no {key!r}, which this DynamicBatching declares (keys: "
+                f"{sorted(rollout_data)}); store it per sample or drop it from response_keys / "
+                "sample_keys."
+            )
+        values = rollout_data[key]
+        if len(values) <= index:
+            raise ValueError(
+                f"rollout_data[{key!r}] has {len(values)} entries, no entry for sample {index}; "
+                "store one per sample."
+            )
+        return values[index]
+
     def sample(self, rollout_data: RolloutData, index: int) -> Dict[str, Any]:
         """One sample in the runtime's form: response-only keys spread over the full length."""
-        total = int(rollout_data["total_lengths"][index])
-        response = int(rollout_data["response_lengths"][index])
+        totals, responses = self._lengths(rollout_data)
+        index = check_index("index", index, 0, "pass a sample index of rollout_data.")
+        if index >= len(totals):
+            raise ValueError(
+                f"sample index {index} is out of range: rollout_data has {len(totals)} samples."
+            )
+        total, response = totals[index], responses[index]
+        return self._sample(rollout_data, index, total, response)
+
+    def _sample(
+        self, rollout_data: RolloutData, index: int, total: int, response: int
+    ) -> Dict[str, Any]:
         prompt = total - response
-        sample: Dict[str, Any] = {"tokens": _as_tensor(rollout_data["tokens"][index], torch.int64)}
+        tokens = _as_tensor(rollout_data["tokens"][index])
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise ValueError(
+                f"sample {index}: tokens have dtype {tokens.dtype}; token ids must be integers "
+                "(a float id would be truncated silently)."
+            )
+        if tokens.numel() and int(tokens.min()) < 0:
+            raise ValueError(
+                f"sample {index}: token id {int(tokens.min())} is negative; token ids must be >= 0."
+            )
+        sample: Dict[str, Any] = {"tokens": tokens.to(torch.int64).reshape(-1)}
         full_mask = torch.zeros(total)
         if "loss_masks" in rollout_data:
-            mask = _as_tensor(rollout_data["loss_masks"][index], torch.float32)
+            mask = _as_tensor(self._values(rollout_data, "loss_masks", index), torch.float32)
             if mask.numel() != response:
                 raise ValueError(
                     f"sample {index}: loss_masks has {mask.numel()} values for response_length="
                     f"{response}."
                 )
-            full_mask[prompt:] = mask
+            full_mask[prompt:] = mask.reshape(-1)
         else:
             full_mask[prompt:] = 1.0
         sample["loss_mask"] = full_mask
         for key in self.response_keys:
-            values = _as_tensor(rollout_data[key][index], torch.float32)
+            values = _as_tensor(self._values(rollout_data, key, index), torch.float32)
             if values.numel() != response:
                 raise ValueError(
                     f"sample {index}: {key} has {values.numel()} values for response_length="
                     f"{response}; response keys hold one value per response token."
                 )
             full = torch.zeros(total)
-            full[prompt:] = values
+            full[prompt:] = values.reshape(-1)
             sample[key] = full
         for key in self.sample_keys:
-            sample[key] = _as_tensor(rollout_data[key][index], torch.float32).reshape(())
+            value = _as_tensor(self._values(rollout_data, key, index), torch.float32)
+            if value.numel() != 1:
+                raise ValueError(
+                    f"sample {index}: {key} has {value.numel()} values; sample keys hold one "
+                    "value per sample."
+                )
+            sample[key] = value.reshape(())
         return sample
+
+    @staticmethod
+    def _step(plan: Plan, step: int):
+        step = check_index("step", step, 0, "pass a step index of the plan.")
+        if step >= len(plan.steps):
+            raise ValueError(
+                f"step={step} is out of range: the plan has {len(plan.steps)} step(s), "
+                f"0 .. {len(plan.steps) - 1}."
+            )
+        return plan.steps[step]
 
     def data_iterators(
         self,
@@ -191,9 +290,11 @@ class DynamicBatching:
         With interleaving (``num_model_chunks > 1``) one iterator per model chunk walks the same
         micro-batches, as Megatron's interleaved schedule expects.
         """
-        step_plan = plan.steps[step]
+        step_plan = self._step(plan, step)
+        dp_rank = check_index("dp_rank", dp_rank, 0, "pass this rank's data-parallel index.")
+        totals, responses = self._lengths(rollout_data)
         mine = {
-            i: self.sample(rollout_data, i)
+            i: self._sample(rollout_data, i, totals[i], responses[i])
             for mb in step_plan.rank_microbatches(dp_rank)
             for i in mb
         }
@@ -206,14 +307,12 @@ class DynamicBatching:
             sample_multiple=plan.sample_multiple,
             device=device,
         )
-        if num_model_chunks == 1:
-            return iter(microbatches), step_plan.num_microbatches
-        return [iter(microbatches) for _ in range(num_model_chunks)], step_plan.num_microbatches
+        return chunk_data_iterators(microbatches, num_model_chunks), step_plan.num_microbatches
 
     @staticmethod
     def schedule_shape(plan: Plan, step: int) -> Dict[str, int]:
         """``seq_length`` and ``micro_batch_size`` for ``forward_backward_func`` of a step."""
-        step_plan = plan.steps[step]
+        step_plan = DynamicBatching._step(plan, step)
         return {"seq_length": step_plan.seq_length, "micro_batch_size": step_plan.micro_batch_size}
 
     # -- outputs -------------------------------------------------------------------------------

@@ -133,3 +133,109 @@ def test_bad_rollout_data_names_the_problem():
     del data["rollout_ids"]
     with pytest.raises(ValueError, match="samples_per_rollout=2"):
         _batching(dp=1, samples_per_rollout=2).plan(data)
+
+
+# -- bad input (issue 10 item 7): one ValueError naming the value and the fix ----------------
+
+
+def _one_group():
+    return _rollout_data(groups=1, per_group=2)
+
+
+def _set(key, index, value):
+    def change(data):
+        data[key][index] = value
+
+    return change
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (_set("total_lengths", 0, None), r"total_lengths\[0\]=None"),
+        (_set("total_lengths", 0, 6.9), r"total_lengths\[0\]=6.9 \(float\) is not an integer"),
+        (_set("total_lengths", 0, "6"), r"total_lengths\[0\]='6'"),
+        (_set("total_lengths", 0, True), "bool"),
+        (_set("response_lengths", 1, 2.5), r"response_lengths\[1\]=2.5"),
+        (_set("response_lengths", 1, -1), r"response_lengths\[1\]=-1 must be >= 0"),
+        (lambda d: d.pop("tokens"), "rollout_data has no 'tokens'"),
+        (lambda d: d.__setitem__("rollout_ids", "ab"), "must be a list of one id per sample"),
+        (_set("rollout_ids", 0, 1.5), r"rollout_ids\[0\]=1.5"),
+    ],
+)
+def test_bad_rollout_data_is_a_value_error_at_planning(change, match):
+    data = _one_group()
+    change(data)
+    with pytest.raises(ValueError, match=match):
+        _batching(dp=1).plan(data)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda d: d.pop("advantages"), "rollout_data has no 'advantages'"),
+        (lambda d: d.pop("rewards"), "rollout_data has no 'rewards'"),
+        (lambda d: d["advantages"].pop(), r"rollout_data\['advantages'\] has 1 entries"),
+        (_set("tokens", 0, None), "tokens"),
+    ],
+)
+def test_missing_keys_are_value_errors_when_materializing(change, match):
+    data = _one_group()
+    batching = _batching(dp=1)
+    plan = batching.plan(data)
+    change(data)
+    with pytest.raises((ValueError, TypeError), match=match) as info:
+        batching.data_iterators(data, plan, 0, 0)
+    assert info.type is ValueError
+
+
+def test_float_and_negative_token_ids_are_rejected():
+    batching = _batching(dp=1)
+    data = _one_group()
+    data["tokens"][0] = [float(t) + 0.5 for t in data["tokens"][0]]
+    plan = batching.plan(data)
+    with pytest.raises(ValueError, match="token ids must be integers"):
+        batching.data_iterators(data, plan, 0, 0)
+    data = _one_group()
+    data["tokens"][1][0] = -3
+    with pytest.raises(ValueError, match="token id -3 is negative"):
+        batching.data_iterators(data, batching.plan(data), 0, 0)
+
+
+def test_step_and_rank_out_of_range_are_value_errors():
+    data = _one_group()
+    batching = _batching(dp=1)
+    plan = batching.plan(data)
+    with pytest.raises(ValueError, match=r"step=5 is out of range: the plan has 1 step"):
+        batching.data_iterators(data, plan, 5, 0)
+    with pytest.raises(ValueError, match=r"step=-1 must be >= 0"):
+        batching.schedule_shape(plan, -1)
+    with pytest.raises(ValueError, match="dp_rank=3"):
+        batching.data_iterators(data, plan, 0, 3)
+
+
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        ("3", r"samples_per_rollout='3' \(str\) is not an integer"),
+        (True, "samples_per_rollout=True is a bool"),
+        (2.0, r"samples_per_rollout=2.0 \(float\)"),
+        (0, "samples_per_rollout=0 must be >= 1"),
+    ],
+)
+def test_samples_per_rollout_must_be_an_integer(value, match):
+    with pytest.raises(ValueError, match=match):
+        _batching(dp=1, samples_per_rollout=value)
+
+
+def test_numpy_and_torch_integers_are_accepted():
+    import numpy as np
+
+    data = _one_group()
+    data["total_lengths"] = [np.int64(x) for x in data["total_lengths"]]
+    data["response_lengths"] = [torch.tensor(x) for x in data["response_lengths"]]
+    del data["rollout_ids"]
+    batching = _batching(dp=1, samples_per_rollout=np.int32(2))
+    plan = batching.plan(data)
+    iterator, num_microbatches = batching.data_iterators(data, plan, np.int64(0), torch.tensor(0))
+    assert len(list(iterator)) == num_microbatches

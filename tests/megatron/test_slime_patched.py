@@ -1,0 +1,611 @@
+"""slime's own Megatron backend, patched by ``patches/slime``, against a per-sample reference.
+
+With ``SLIME_DIR`` (a slime checkout at the commit named in ``patches/slime/README.md``) the
+patches are applied to a copy with ``launch/apply_slime_patches.sh``, and on gloo CPU ranks
+(tiny GPT, pp 2, dp 1 and 2) slime's real ``get_data_iterator``, ``get_batch``, ``forward_only``
+(with ``get_log_probs_and_entropy``) and ``train_one_step`` (with ``policy_loss_function``) run
+on rollout data scheduled by our ``build_dp_schedule``. Checked: every step's gradients equal a
+single process running each sample alone (relative 1e-5), in both of slime's loss modes (per
+token, per rollout), on a layout where one DP rank holds only placeholders too; log-probs come
+back in rollout order; a bad sample on one rank stops every rank with the same error.
+
+What is not slime's in these runs, and why:
+
+* modules slime imports for rollout serving and logging, when not installed, are stubbed:
+  ``ray``, ``sglang``, ``torch_memory_saver``, ``wandb``, ``httpx``, ``tensorboard``
+  (:data:`STUBBED`; the test reports which were);
+* the model is the tiny GPT of ``megatron_dynbatch.testing`` (slime's model provider needs a
+  Hugging Face checkpoint), behind a wrapper that turns slime's THD ``packed_seq_params`` into a
+  block-diagonal attention mask, because THD attention needs transformer-engine (GPU only);
+* slime's accelerator is a CPU backend installed through its public ``set_accelerator``;
+* the optimizer and LR scheduler are recorders: ``train_one_step`` zeroes the gradients after the
+  optimizer step, so the recorder keeps them; the rollout side's packaging (``rollout.py``,
+  behind Ray) is reproduced in :func:`_rank_rollout_data` with the same keys (patch 0001 is checked
+  to apply, not run).
+
+Without ``SLIME_DIR`` the slime-backed tests are skipped; the backend's own pieces
+(placeholders, iterators, ordering) are tested here without slime.
+"""
+
+import os
+import pathlib
+import shutil
+import subprocess
+import time
+
+import pytest
+import torch
+
+from megatron_dynbatch.megatron.cpu_shim import apply_cpu_shim
+
+apply_cpu_shim()
+
+from megatron_dynbatch.adapters.slime_backend import (  # noqa: E402
+    SlimeDataIterator,
+    placeholder_sample,
+    restore_rollout_order,
+)
+from megatron_dynbatch.testing.workers import Layout, run_on_ranks  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+APPLY = REPO / "launch" / "apply_slime_patches.sh"
+SLIME_DIR = os.environ.get("SLIME_DIR")
+REL_TOL = 1e-5
+SEED = 5
+VOCAB = 128
+#: Modules slime imports for rollout serving and logging, stubbed when they are not installed.
+STUBBED = ("ray", "sglang", "torch_memory_saver", "wandb", "httpx", "tensorboard")
+
+needs_slime = pytest.mark.skipif(
+    not SLIME_DIR,
+    reason="SLIME_DIR is not set: point it at a slime checkout (commit in patches/slime/README.md) "
+    "to run slime's own train_one_step and forward_only with the patches applied",
+)
+
+
+# -- the backend without slime ----------------------------------------------------------------
+
+
+def _local_data():
+    return {
+        "tokens": [torch.arange(6), torch.arange(4)],
+        "total_lengths": [6, 4],
+        "response_lengths": [3, 2],
+        "loss_masks": [torch.ones(3, dtype=torch.int), torch.tensor([1, 0], dtype=torch.int)],
+        "advantages": [torch.ones(3), torch.ones(2)],
+        "rollout_mask_sums": torch.tensor([3.0, 1.0]),
+        "multimodal_train_inputs": None,
+    }
+
+
+def test_placeholder_is_a_full_length_loss_masked_sample_with_every_key():
+    data = _local_data()
+    keys = ["tokens", "total_lengths", "response_lengths", "loss_masks", "advantages"]
+    keys += ["rollout_mask_sums", "multimodal_train_inputs", "log_probs"]
+    sample = placeholder_sample(data, keys, 16)
+    assert sample["tokens"].shape == (16,) and sample["tokens"].dtype == torch.long
+    assert sample["total_lengths"] == 16 and sample["response_lengths"] == 15
+    assert sample["loss_masks"].shape == (15,) and int(sample["loss_masks"].sum()) == 0
+    assert sample["advantages"].shape == (15,) and sample["rollout_mask_sums"] == 0
+    assert sample["multimodal_train_inputs"] is None and sample["log_probs"] is None
+    with pytest.raises(ValueError, match="'new_key'"):
+        placeholder_sample({**data, "new_key": [1, 2]}, ["new_key"], 16)
+
+
+def test_iterator_yields_placeholders_and_row_lengths_and_checks_samples():
+    data = _local_data()
+    iterator = SlimeDataIterator(data, [[0, 1], []], [128, 128])
+    iterator.check_microbatches(2)
+    first = iterator.get_next(["tokens", "total_lengths"])
+    assert first["total_lengths"] == [6, 4] and iterator.row_length == 128
+    second = iterator.get_next(["tokens", "total_lengths", "multimodal_train_inputs"])
+    assert second["total_lengths"] == [128] and second["multimodal_train_inputs"] is None
+    with pytest.raises(ValueError, match="micro-batch 2 requested"):
+        iterator.get_next(["tokens"])
+    bad = _local_data()
+    bad["advantages"][1] = torch.tensor([1.0, float("nan")])  # masked: fine
+    SlimeDataIterator(bad, [[0, 1]], [128]).check_microbatches(1)
+    bad["advantages"][1] = torch.tensor([float("nan"), 1.0])  # on a loss token: an error
+    with pytest.raises(ValueError, match=r"advantages\[0\]=nan is not finite"):
+        SlimeDataIterator(bad, [[0, 1]], [128]).check_microbatches(1)
+    with pytest.raises(ValueError, match="more than the step's row length 8"):
+        SlimeDataIterator(data, [[0, 1]], [8]).check_microbatches(1)
+
+
+def test_forward_outputs_return_in_rollout_order_without_placeholders():
+    data = _local_data()
+    iterator = SlimeDataIterator(data, [[1], [], [0]], [16, 16, 16])
+    assert restore_rollout_order([["b"], ["ph"], ["a"]], iterator) == ["a", "b"]
+    with pytest.raises(ValueError, match="2 outputs for 1 sample"):
+        restore_rollout_order([["b", "x"], ["ph"], ["a"]], iterator)
+    with pytest.raises(ValueError, match="2 forward-only outputs for 3"):
+        restore_rollout_order([["b"], ["a"]], iterator)
+
+
+# -- the patches on slime ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def patched_slime(tmp_path_factory):
+    root = tmp_path_factory.mktemp("slime_patched")
+    shutil.copytree(
+        pathlib.Path(SLIME_DIR) / "slime",
+        root / "slime",
+        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
+    )
+    result = subprocess.run(["bash", str(APPLY), str(root)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("applied") == len(list((REPO / "patches" / "slime").glob("*.patch")))
+    return str(root)
+
+
+@needs_slime
+def test_apply_is_idempotent_and_refuses_other_trees(tmp_path, patched_slime):
+    again = subprocess.run(["bash", str(APPLY), patched_slime], capture_output=True, text=True)
+    assert again.returncode == 0 and "already applied" in again.stdout
+    shutil.copytree(pathlib.Path(SLIME_DIR) / "slime", tmp_path / "slime")
+    model = tmp_path / "slime" / "backends" / "megatron_utils" / "model.py"
+    # Another slime: a context line of patch 0003 differs.
+    model.write_text(
+        model.read_text().replace("    # reset data iterator\n", "    # reset iterators\n")
+    )
+    before = {p: p.read_bytes() for p in (tmp_path / "slime").rglob("*.py")}
+    refused = subprocess.run(["bash", str(APPLY), str(tmp_path)], capture_output=True, text=True)
+    assert refused.returncode == 1 and "nothing was changed" in refused.stderr
+    assert before == {p: p.read_bytes() for p in (tmp_path / "slime").rglob("*.py")}
+
+
+def _install_stubs():
+    """Register empty stand-ins for the STUBBED modules that are not installed; return them."""
+    import importlib.abc
+    import importlib.machinery
+    import sys
+    import types
+
+    # PathFinder: what is really installed (our finder below would answer for the stubs).
+    missing = [m for m in STUBBED if importlib.machinery.PathFinder.find_spec(m) is None]
+
+    class _Anything(type):
+        def __getattr__(cls, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return _Anything(name, (), {})
+
+    class _StubModule(types.ModuleType):
+        __stub__ = True
+
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            value = _Anything(name, (), {})
+            setattr(self, name, value)
+            return value
+
+    class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path, target=None):
+            if name.split(".")[0] in missing:
+                return importlib.machinery.ModuleSpec(name, self, is_package=True)
+            return None
+
+        def create_module(self, spec):
+            module = _StubModule(spec.name)
+            module.__path__ = []
+            return module
+
+        def exec_module(self, module):
+            pass
+
+    if not any(type(f).__name__ == "_Finder" for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+    return missing
+
+
+def _rollout_batch(num_rollouts, sizes_seed=SEED):
+    gen = torch.Generator().manual_seed(sizes_seed)
+    data = {k: [] for k in ("tokens", "response_lengths", "loss_masks", "rollout_ids", "adv")}
+    for rollout in range(num_rollouts):
+        prompt = int(torch.randint(2, 8, (1,), generator=gen))
+        for _ in range(int(torch.randint(1, 4, (1,), generator=gen))):
+            response = int(torch.randint(2, 36, (1,), generator=gen))
+            data["tokens"].append(torch.randint(0, VOCAB, (prompt + response,), generator=gen))
+            data["response_lengths"].append(response)
+            mask = (torch.rand(response, generator=gen) > 0.2).int()
+            if rollout == 1:
+                mask[:] = 0  # a fully masked sample: slime's per-token count would say 1
+            data["loss_masks"].append(mask)
+            data["rollout_ids"].append(rollout)
+            data["adv"].append(torch.randn(response, generator=gen))
+    totals = {}
+    for rid, mask in zip(data["rollout_ids"], data["loss_masks"], strict=True):
+        totals[rid] = totals.get(rid, 0) + int(mask.sum())
+    data["rollout_mask_sums"] = [totals[rid] for rid in data["rollout_ids"]]
+    return data
+
+
+def _slime_args(per_token, max_tokens, pp):
+    import types
+
+    return types.SimpleNamespace(
+        use_dynamic_batch_size=True,
+        max_tokens_per_gpu=max_tokens,
+        log_probs_max_tokens_per_gpu=2 * max_tokens,
+        micro_batch_size=1,
+        balance_data=False,
+        balance_by_flops=False,
+        data_pad_size_multiplier=16,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=pp,
+        microbatch_group_size_per_vp_stage=None,
+        calculate_per_token_loss=per_token,
+        loss_type="policy_loss",
+        advantage_estimator="grpo",
+        eps_clip=0.2,
+        eps_clip_high=0.28,
+        eps_clip_c=None,
+        entropy_coef=0.0,
+        use_kl_loss=False,
+        kl_coef=0.0,
+        use_tis=False,
+        use_opsm=False,
+        get_mismatch_metrics=False,
+        use_rollout_logprobs=False,
+        use_rollout_entropy=False,
+        custom_pg_loss_reducer_function_path=None,
+        recompute_loss_function=False,
+        allgather_cp=False,
+        log_probs_chunk_size=-1,
+        rollout_temperature=1.0,
+        rollout_top_p=1.0,
+        seq_length=256,
+        decoder_seq_length=None,
+        enable_mtp_training=False,
+        save_debug_train_data=None,
+        custom_megatron_before_train_step_hook_path=None,
+        custom_megatron_before_log_prob_hook_path=None,
+        check_for_nan_in_loss_and_grad=True,
+        ci_test=False,
+        global_batch_size=None,
+    )
+
+
+def _constant(value):
+    return lambda self, *args, **kwargs: value
+
+
+def _use_cpu_accelerator():
+    """Install a CPU backend through slime's public ``set_accelerator`` (slime ships cuda, musa)."""
+    from slime.utils import accelerator
+    from slime.utils.accelerator.base import Accelerator
+
+    answers = {
+        "is_available": True,
+        "device_name": "cpu",
+        "current_device": "cpu",
+        "device_count": 1,
+        "mem_get_info": (0, 0),
+        "memory_allocated": 0,
+        "memory_reserved": 0,
+    }
+    methods = {}
+    for name in Accelerator.__abstractmethods__:
+        if name == "device":
+            methods[name] = lambda self, index=None: torch.device("cpu")
+        else:
+            methods[name] = _constant(answers.get(name))
+    cpu = type("CpuAccelerator", (Accelerator,), methods)()
+    for attr, value in (
+        ("name", "cpu"),
+        ("device_type", "cpu"),
+        ("communication_backend_name", "gloo"),
+    ):
+        setattr(cpu, attr, value)
+    accelerator.set_accelerator(cpu)
+
+
+def _rank_rollout_data(schedule, data, dp_rank, device):
+    """What slime's rollout.py (patched) and process_rollout_data hand to one DP rank."""
+    partitions, micro_batch_indices, num_microbatches, global_batch_sizes = schedule
+    partition = partitions[dp_rank]
+    local = {"partition": partition}
+    for key in ("tokens", "response_lengths", "loss_masks", "rollout_ids"):
+        local[key] = [data[key][j] for j in partition]
+    local["tokens"] = [t.to(device=device, dtype=torch.long) for t in local["tokens"]]
+    local["loss_masks"] = [m.to(device=device, dtype=torch.int) for m in local["loss_masks"]]
+    local["rollout_mask_sums"] = torch.tensor(
+        [float(data["rollout_mask_sums"][j]) for j in partition], dtype=torch.float32
+    )
+    local["total_lengths"] = [len(data["tokens"][j]) for j in partition]
+    local["advantages"] = [data["adv"][j] for j in partition]
+    local["global_batch_sizes"] = global_batch_sizes
+    local["num_microbatches"] = num_microbatches
+    local["micro_batch_indices"] = micro_batch_indices[dp_rank]
+    local.update(schedule.rank_fields(dp_rank))
+    return local
+
+
+class _Recorder:
+    """Optimizer / LR-scheduler stand-in: keeps each step's gradients before slime zeroes them."""
+
+    def __init__(self, chunks):
+        self.chunks = chunks
+        self.steps = []
+        self.increments = []
+        self.param_groups = []
+
+    def zero_grad(self):
+        pass
+
+    def step(self, increment=None):
+        from megatron_dynbatch.testing.tiny_gpt import named_global_grads
+
+        if increment is not None:  # the LR scheduler's step
+            self.increments.append(increment)
+            return None
+        self.steps.append({k: v.clone() for k, v in named_global_grads(self.chunks).items()})
+        return True, 0.0, 0
+
+
+def _thd_chunk(ddp_chunk):
+    """A model chunk taking slime's forward kwargs; THD cu_seqlens become a block mask (CPU)."""
+    from megatron_dynbatch.megatron.forward import build_attention_mask
+
+    class ThdAsMask(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self._modules["module"], name)
+
+        def forward(self, input_ids, position_ids, attention_mask, labels, packed_seq_params, **kw):
+            length = input_ids.shape[1]
+            bounds = packed_seq_params.cu_seqlens_q.to(torch.long)
+            assert int(bounds[-1]) == length, (bounds, length)
+            positions = torch.arange(length)
+            segment = torch.searchsorted(bounds[1:], positions, right=True)
+            position_ids = (positions - bounds[segment]).unsqueeze(0)
+            mask = build_attention_mask(segment.unsqueeze(0))
+            return self.module(input_ids, position_ids, mask)
+
+    return ThdAsMask(ddp_chunk)
+
+
+def _slime_body(slime_root, num_rollouts, gbs, max_tokens, per_token, bad_rank=None):
+    import dataclasses
+    import sys
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+
+    from megatron_dynbatch.megatron.cpu_shim import apply_training_cpu_shim
+
+    apply_training_cpu_shim()
+    stubbed = _install_stubs()
+    if slime_root not in sys.path:
+        sys.path.insert(0, slime_root)
+    from megatron.training.global_vars import set_args
+    from slime.backends.megatron_utils import data as slime_data
+    from slime.backends.megatron_utils import model as slime_model
+    from slime.backends.megatron_utils.loss import get_log_probs_and_entropy
+
+    from megatron_dynbatch.adapters.slime import build_dp_schedule
+    from megatron_dynbatch.testing.tiny_gpt import (
+        build_tiny_gpt,
+        tiny_transformer_config,
+        wrap_in_ddp,
+    )
+
+    assert slime_model.__file__.startswith(slime_root), slime_model.__file__
+    _use_cpu_accelerator()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    dp = ps.get_data_parallel_world_size()
+    dp_rank = ps.get_data_parallel_rank()
+    args = _slime_args(per_token, max_tokens, pp)
+    set_args(args)
+    data = _rollout_batch(num_rollouts)
+    if bad_rank is not None and dp_rank == bad_rank:
+        data["adv"] = [a.clone() for a in data["adv"]]
+        for a, m in zip(data["adv"], data["loss_masks"], strict=True):
+            if int(m.sum()):
+                a[int(m.nonzero()[0])] = float("nan")
+    config = tiny_transformer_config(
+        pipeline_model_parallel_size=pp, calculate_per_token_loss=per_token
+    )
+    # slime always runs Megatron with variable_seq_lengths (its arguments.py forces it).
+    config = dataclasses.replace(
+        config, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall"
+    )
+    config.finalize_model_grads_func = finalize_model_grads
+    ddp_chunks = wrap_in_ddp(build_tiny_gpt(config, seed=SEED))
+    model = [_thd_chunk(c) for c in ddp_chunks]
+
+    tp_config = {
+        "dp_size": dp,
+        "cp_size": 1,
+        "vpp_size": 1,
+        "microbatch_group_size_per_vp_stage": 1,
+    }
+    lengths = [len(t) for t in data["tokens"]]
+    schedule = build_dp_schedule(
+        args, tp_config, lengths, global_batch_size=gbs, rollout_indices=data["rollout_ids"]
+    )
+    rollout_data = _rank_rollout_data(schedule, data, dp_rank, torch.device("cpu"))
+    iterators = slime_data.get_data_iterator(rollout_data)
+    started = time.monotonic()
+    try:
+        outputs = slime_model.forward_only(
+            get_log_probs_and_entropy, args, model, iterators, rollout_data["num_microbatches"]
+        )
+        log_probs = outputs.get("log_probs")  # None off the last stage
+        holder = [None] * dist.get_world_size()
+        dist.all_gather_object(holder, log_probs)
+        last = [h for h in holder if h is not None]
+        # Old log-probs of the policy loss: this rank's pipeline's last stage.
+        group_lp = holder[ps.get_pipeline_model_parallel_last_rank()]
+        rollout_data["log_probs"] = [lp.detach() for lp in group_lp]
+        recorder = _Recorder(ddp_chunks)
+        for it in iterators:
+            it.reset()
+        for step_id, (m, step_gbs) in enumerate(
+            zip(rollout_data["num_microbatches"], rollout_data["global_batch_sizes"], strict=True)
+        ):
+            for chunk in ddp_chunks:
+                chunk.zero_grad_buffer()
+            slime_model.train_one_step(
+                args, 0, step_id, iterators, model, recorder, recorder, m, step_gbs
+            )
+    except Exception as error:  # the fault case: every rank must fail the same way, quickly
+        if bad_rank is None:
+            raise
+        return {"error": f"{type(error).__name__}: {error}", "seconds": time.monotonic() - started}
+    return {
+        "stubbed": stubbed,
+        "grads": recorder.steps,
+        "increments": recorder.increments,
+        "partition": rollout_data["partition"],
+        "log_probs": [lp.clone() for lp in group_lp],
+        "num_microbatches": list(schedule.num_microbatches),
+        "global_batch_sizes": list(schedule.global_batch_sizes),
+        "placeholders_only": dp > 1 and not rollout_data["partition"],
+        "num_placeholders": sum(1 for mb in rollout_data["micro_batch_indices"] if not mb),
+        "last_stage_outputs": len(last),
+    }
+
+
+def _reference_body(num_rollouts, gbs, max_tokens, per_token):
+    """Each sample alone through a single-process tiny GPT: per-step gradients, log-probs."""
+    from megatron_dynbatch.adapters.slime import build_dp_schedule
+    from megatron_dynbatch.megatron.forward import build_attention_mask
+    from megatron_dynbatch.testing.tiny_gpt import (
+        build_tiny_gpt,
+        named_global_grads,
+        tiny_transformer_config,
+    )
+
+    data = _rollout_batch(num_rollouts)
+    [model] = build_tiny_gpt(tiny_transformer_config(calculate_per_token_loss=per_token), seed=SEED)
+    args = _slime_args(per_token, max_tokens, 1)
+    lengths = [len(t) for t in data["tokens"]]
+    plan = build_dp_schedule(
+        args,
+        {"dp_size": 1, "cp_size": 1, "vpp_size": 1, "microbatch_group_size_per_vp_stage": 1},
+        lengths,
+        global_batch_size=gbs,
+        rollout_indices=data["rollout_ids"],
+    ).plan
+
+    def response_log_probs(i):
+        tokens = data["tokens"][i]
+        length = tokens.numel()
+        response = data["response_lengths"][i]
+        logits = model(
+            tokens.unsqueeze(0),
+            torch.arange(length).unsqueeze(0),
+            build_attention_mask(torch.zeros(1, length, dtype=torch.int64)),
+        )[0]
+        log_probs = torch.log_softmax(logits.float(), dim=-1)
+        scored = log_probs[length - response - 1 : length - 1]
+        return scored.gather(1, tokens[length - response :].unsqueeze(1)).squeeze(1)
+
+    all_log_probs = []
+    with torch.no_grad():
+        for i in range(len(lengths)):
+            all_log_probs.append(response_log_probs(i))
+    step_grads = []
+    for step in plan.steps:
+        model.zero_grad()
+        samples = step.sample_indices()
+        total = 0.0
+        for i in samples:
+            mask = data["loss_masks"][i].float()
+            lp = response_log_probs(i)
+            # PPO at ratio 1: d/dθ of -A * exp(lp - lp_old) is -A * dlp.
+            per_token_loss = -data["adv"][i] * torch.exp(lp - lp.detach())
+            summed = (per_token_loss * mask).sum()
+            if per_token:
+                total = total + summed
+            else:
+                total = total + summed / max(data["rollout_mask_sums"][i], 1)
+        if per_token:
+            denominator = sum(float(data["loss_masks"][i].sum()) for i in samples)
+        else:
+            denominator = step.num_rollouts
+        (total / denominator).backward()
+        step_grads.append(named_global_grads([model]))
+    return {"grads": step_grads, "log_probs": all_log_probs, "num_samples": len(lengths)}
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+CASES = [
+    # (world, layout, rollouts, gbs, max_tokens, per_token)
+    pytest.param(2, Layout(pp=2), 7, 3, 64, True, id="pp2-dp1-token-mean-3-steps"),
+    pytest.param(4, Layout(pp=2), 7, 3, 64, True, id="pp2-dp2-token-mean-3-steps"),
+    pytest.param(4, Layout(pp=2), 7, 7, 64, False, id="pp2-dp2-rollout-mean"),
+    pytest.param(4, Layout(pp=2), 1, 1, 64, True, id="pp2-dp2-one-rank-only-placeholders"),
+]
+
+
+@needs_slime
+@pytest.mark.parametrize("world, layout, rollouts, gbs, max_tokens, per_token", CASES)
+def test_slime_train_one_step_and_forward_only_match_reference(
+    patched_slime, world, layout, rollouts, gbs, max_tokens, per_token
+):
+    started = time.monotonic()
+    results = run_on_ranks(
+        world, _slime_body, patched_slime, rollouts, gbs, max_tokens, per_token, layout=layout
+    )
+    wall = time.monotonic() - started
+    [reference] = run_on_ranks(
+        1, _reference_body, rollouts, gbs, max_tokens, per_token, layout=Layout()
+    )
+    pp = layout.pp
+    dp = world // pp
+    num_steps = len(reference["grads"])
+    assert all(len(r["grads"]) == num_steps for r in results)
+    worst = 0.0
+    for s in range(num_steps):
+        merged = {}
+        for r in results:
+            merged.update(r["grads"][s])  # DP ranks hold the same reduced gradients
+        assert set(merged) == set(reference["grads"][s])
+        for name, ref in reference["grads"][s].items():
+            err = _rel(merged[name], ref)
+            worst = max(worst, err)
+            assert err <= REL_TOL, (s, name, err)
+    # Log-probs in rollout order: each DP rank's local order is its partition.
+    worst_lp = 0.0
+    for r in results:
+        for position, lp in zip(r["partition"], r["log_probs"], strict=True):
+            want = reference["log_probs"][position]
+            assert lp.shape == want.shape
+            worst_lp = max(worst_lp, float((lp - want).abs().max()))
+    assert worst_lp <= 1e-5
+    # Scheduler increments: the rollouts each step really trained.
+    assert results[0]["increments"] == results[0]["global_batch_sizes"]
+    # Every sample trained: the DP ranks' partitions (each held by its pp stages) cover them all.
+    partitions = {tuple(r["partition"]) for r in results}
+    assert sorted(p for part in partitions for p in part) == list(range(reference["num_samples"]))
+    if rollouts == 1:
+        assert any(r["placeholders_only"] for r in results)
+    print(
+        f"\n[slime {layout} dp={dp}] steps={num_steps} counts={results[0]['num_microbatches']} "
+        f"gbs={results[0]['global_batch_sizes']} grad rel diff max={worst:.2e} log-prob abs diff "
+        f"max={worst_lp:.2e} wall={wall:.1f}s stubbed={results[0]['stubbed']}"
+    )
+
+
+@needs_slime
+def test_bad_sample_on_one_rank_stops_every_rank_quickly(patched_slime):
+    results = run_on_ranks(4, _slime_body, patched_slime, 7, 7, 64, True, 1, layout=Layout(pp=2))
+    messages = {r["error"] for r in results}
+    assert len(messages) == 1, messages
+    [message] = messages
+    assert "StepAgreementError" in message and "is not finite" in message
+    assert max(r["seconds"] for r in results) < 10

@@ -1,0 +1,500 @@
+"""``adapters.slime.build_dp_schedule``: slime's signature and return shape, our guarantees.
+
+slime's own invariants (``tests/test_dp_schedule.py`` at the pinned commit): equal micro-batch
+counts per rank, every sample once, per-rank index lists tiling the partition, the token cap kept
+except by a lone oversize sample, vpp counts a multiple of the group. Ours on top: nothing dropped
+(trailing and short steps train), placeholders are empty index lists, every step has one row length.
+
+With ``SLIME_DIR`` set (a slime checkout at the pinned commit) the static path is compared with
+slime's real function, and slime's own test module runs against ours.
+"""
+
+import os
+import pathlib
+import pickle
+import sys
+import types
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from megatron_dynbatch.adapters.slime import DPSchedule, DPScheduleError, build_dp_schedule
+from megatron_dynbatch.planning import (
+    OversizeSampleWarning,
+    ParallelLayout,
+    PlannerConfig,
+    SampleSet,
+    check_plan,
+)
+
+
+def make_args(**overrides):
+    values = dict(
+        micro_batch_size=1,
+        use_dynamic_batch_size=True,
+        max_tokens_per_gpu=32768,
+        balance_data=False,
+        balance_by_flops=False,
+        hidden_size=16,
+        num_attention_heads=2,
+        num_query_groups=2,
+        vocab_size=32,
+        ffn_hidden_size=64,
+        num_experts=None,
+        num_layers=2,
+        kv_channels=8,
+    )
+    values.update(overrides)
+    return types.SimpleNamespace(**values)
+
+
+def make_tp(dp_size=1, cp_size=1, vpp_size=1, microbatch_group_size_per_vp_stage=1):
+    return {
+        "dp_size": dp_size,
+        "cp_size": cp_size,
+        "vpp_size": vpp_size,
+        "microbatch_group_size_per_vp_stage": microbatch_group_size_per_vp_stage,
+    }
+
+
+def check_slime_invariants(schedule, *, dp_size, expected, total_lengths, cap=None, group=1):
+    """slime's ``assert_invariants`` plus the per-step checks slime leaves implicit."""
+    partitions, mbi, nmb, gbs = schedule
+    assert len(partitions) == len(mbi) == dp_size
+    assert len(nmb) == len(gbs)
+    seen = []
+    for r in range(dp_size):
+        # Same number of micro-batches on every rank, every step (pipeline sync).
+        assert len(mbi[r]) == sum(nmb), r
+        flat = [i for mb in mbi[r] for i in mb]
+        assert flat == list(range(len(partitions[r]))), r
+        seen.extend(partitions[r])
+        for mb in mbi[r]:
+            tokens = sum(total_lengths[partitions[r][i]] for i in mb)
+            if cap is not None and tokens > cap:
+                assert len(mb) == 1, (r, mb, tokens)
+    assert sorted(seen) == sorted(expected), "a sample is missing or scheduled twice"
+    for n in nmb:
+        assert n >= 1 and n % group == 0, nmb
+
+
+def step_members(schedule, dp_size):
+    """Global sample indices of every step (all ranks)."""
+    partitions, mbi, nmb, _ = schedule
+    steps = [[] for _ in nmb]
+    for r in range(dp_size):
+        cursor = 0
+        for s, n in enumerate(nmb):
+            for mb in mbi[r][cursor : cursor + n]:
+                steps[s].extend(partitions[r][i] for i in mb)
+            cursor += n
+    return steps
+
+
+# -- the seed cases ---------------------------------------------------------------------------
+
+
+def test_514_samples_at_dp4_with_vpp_all_train_with_equal_counts():
+    """slime #2065: 512 rollouts, 2 fan out to 2 samples, each sample about fills a micro-batch.
+
+    slime asserts (cannot split singletons to reach 516) or, with the PR, drops 2 rollouts.
+    """
+    rollout_ids = []
+    for rollout in range(512):
+        rollout_ids += [rollout] * (2 if rollout in (100, 300) else 1)
+    lengths = [20000] * len(rollout_ids)
+    assert len(lengths) == 514
+    args = make_args(max_tokens_per_gpu=32768, pipeline_model_parallel_size=2)
+    tp = make_tp(dp_size=4, vpp_size=2, microbatch_group_size_per_vp_stage=2)
+    schedule = build_dp_schedule(
+        args, tp, lengths, global_batch_size=512, rollout_indices=rollout_ids
+    )
+    check_slime_invariants(
+        schedule, dp_size=4, expected=range(514), total_lengths=lengths, cap=32768, group=2
+    )
+    partitions, mbi, nmb, gbs = schedule
+    assert gbs == [512]
+    assert nmb == [130]  # ceil(514 / 4) = 129 -> 130 for the group of 2
+    placeholders = sum(1 for r in range(4) for mb in mbi[r] if not mb)
+    assert placeholders == 4 * 130 - 514
+    assert schedule.seq_lengths == [20096]  # 20000 padded to a multiple of 128
+
+
+@pytest.mark.parametrize(
+    "sizes", [[3, 2, 3, 1, 2], [1, 1, 4, 1, 3, 1]], ids=["3-2-3-1-2", "1-1-4-1-3-1"]
+)
+def test_ragged_rollouts_at_dp4_every_sample_trains(sizes):
+    """slime #2065's ragged cases: the PR drops rollouts for the first and raises for the second."""
+    rollout_ids = [r for r, n in enumerate(sizes) for _ in range(n)]
+    lengths = [20000] * len(rollout_ids)
+    args = make_args(max_tokens_per_gpu=32768)
+    schedule = build_dp_schedule(
+        args, make_tp(dp_size=4), lengths, global_batch_size=len(sizes), rollout_indices=rollout_ids
+    )
+    check_slime_invariants(
+        schedule, dp_size=4, expected=range(len(lengths)), total_lengths=lengths, cap=32768
+    )
+    assert schedule.global_batch_sizes == [len(sizes)]
+    assert schedule.num_microbatches == [3]  # 11 samples -> 12 micro-batches, 1 placeholder
+    assert sum(1 for r in range(4) for mb in schedule.micro_batch_indices[r] if not mb) == 1
+
+
+def test_fewer_samples_than_ranks_gives_a_rank_only_placeholders():
+    """slime #1860: a rank without samples runs placeholders (empty lists), never nothing."""
+    schedule = build_dp_schedule(
+        make_args(max_tokens_per_gpu=100),
+        make_tp(dp_size=4),
+        [30, 40],
+        global_batch_size=2,
+        rollout_indices=[0, 1],
+    )
+    partitions, mbi, nmb, gbs = schedule
+    assert nmb == [1] and gbs == [2]
+    assert sorted(len(p) for p in partitions) == [0, 0, 1, 1]
+    for r in range(4):
+        assert len(mbi[r]) == 1
+        if not partitions[r]:
+            assert mbi[r] == [[]]
+    assert schedule.rollout_counts == [[len(p)] for p in partitions]
+
+
+def test_trailing_rollouts_train_in_a_short_last_step():
+    """slime trims rollout 4 (samples 6, 7); we train it in a third step of one rollout."""
+    rollout_ids = [0, 0, 1, 2, 2, 3, 4, 4]
+    lengths = [3] * 8
+    schedule = build_dp_schedule(
+        make_args(max_tokens_per_gpu=12),
+        make_tp(dp_size=1),
+        lengths,
+        global_batch_size=2,
+        rollout_indices=rollout_ids,
+    )
+    check_slime_invariants(schedule, dp_size=1, expected=range(8), total_lengths=lengths, cap=12)
+    assert schedule.global_batch_sizes == [2, 2, 1]
+    assert [sorted(s) for s in step_members(schedule, 1)] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+
+
+def test_fewer_rollouts_than_global_batch_size_train_as_one_step():
+    schedule = build_dp_schedule(
+        make_args(max_tokens_per_gpu=12),
+        make_tp(dp_size=1),
+        [3] * 6,
+        global_batch_size=4,
+        rollout_indices=[0, 0, 1, 1, 2, 2],
+    )
+    assert schedule.global_batch_sizes == [3]
+    check_slime_invariants(schedule, dp_size=1, expected=range(6), total_lengths=[3] * 6, cap=12)
+
+
+def test_oversize_sample_runs_alone():
+    lengths = [15, 3, 3, 3, 3, 3, 3, 3]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OversizeSampleWarning)
+        schedule = build_dp_schedule(
+            make_args(max_tokens_per_gpu=10),
+            make_tp(dp_size=2),
+            lengths,
+            global_batch_size=8,
+            rollout_indices=list(range(8)),
+        )
+    check_slime_invariants(schedule, dp_size=2, expected=range(8), total_lengths=lengths, cap=10)
+    partitions, mbi, _, _ = schedule
+    [(rank, local)] = [(r, p.index(0)) for r, p in enumerate(partitions) if 0 in p]
+    assert [local] in mbi[rank]
+
+
+# -- the return value -------------------------------------------------------------------------
+
+
+def test_return_value_unpacks_as_slimes_and_carries_row_shapes():
+    lengths = [100, 200, 300, 50, 60, 70, 80, 90]
+    schedule = build_dp_schedule(
+        make_args(max_tokens_per_gpu=300, tensor_model_parallel_size=2),
+        make_tp(dp_size=2),
+        lengths,
+        global_batch_size=4,
+        rollout_indices=list(range(8)),
+    )
+    assert isinstance(schedule, tuple) and isinstance(schedule, DPSchedule) and len(schedule) == 4
+    partitions, mbi, nmb, gbs = schedule
+    assert schedule.partitions is partitions and schedule.num_microbatches is nmb
+    assert len(schedule.seq_lengths) == len(nmb) == 2
+    assert schedule.row_shapes == [(1, s) for s in schedule.seq_lengths]
+    assert all(s % 256 == 0 for s in schedule.seq_lengths)  # tp 2 x data_pad_size_multiplier 128
+    for s, step in enumerate(schedule.plan.steps):
+        assert schedule.seq_lengths[s] >= step.seq_length
+    for r in range(2):
+        cursor = 0
+        for s, n in enumerate(nmb):
+            # Every micro-batch of the step fits the step's row.
+            for mb in mbi[r][cursor : cursor + n]:
+                assert sum(lengths[partitions[r][i]] for i in mb) <= schedule.seq_lengths[s]
+            cursor += n
+    # Rollout counts add up to each step's rollouts.
+    counts = [0] * len(nmb)
+    for r in range(2):
+        cursor = 0
+        for s, n in enumerate(nmb):
+            counts[s] += sum(schedule.rollout_counts[r][cursor : cursor + n])
+            cursor += n
+    assert counts == gbs
+    clone = pickle.loads(pickle.dumps(schedule))
+    assert clone == schedule and clone.seq_lengths == schedule.seq_lengths
+    assert clone.rollout_counts == schedule.rollout_counts
+    assert schedule.rank_fields(1) == {"dynbatch_seq_lengths": schedule.seq_lengths}
+
+
+def test_numpy_integers_are_accepted():
+    schedule = build_dp_schedule(
+        make_args(max_tokens_per_gpu=np.int64(64)),
+        {k: np.int32(v) for k, v in make_tp(dp_size=2).items()},
+        np.array([10, 20, 30, 40], dtype=np.int64),
+        global_batch_size=np.int64(4),
+        rollout_indices=np.arange(4),
+    )
+    check_slime_invariants(schedule, dp_size=2, expected=range(4), total_lengths=[10, 20, 30, 40])
+
+
+def test_samples_of_a_rollout_stay_in_one_step_non_contiguous_ids():
+    rollout_ids = ["a", "b", "a", "c", "b", "c", "d"]
+    lengths = [5, 6, 7, 8, 9, 10, 11]
+    schedule = build_dp_schedule(
+        make_args(max_tokens_per_gpu=20),
+        make_tp(dp_size=2),
+        lengths,
+        global_batch_size=2,
+        rollout_indices=rollout_ids,
+    )
+    steps = [sorted(s) for s in step_members(schedule, 2)]
+    assert steps == [[0, 1, 2, 4], [3, 5, 6]]
+    assert schedule.global_batch_sizes == [2, 2]
+
+
+# -- properties over random inputs ------------------------------------------------------------
+
+
+@st.composite
+def _cases(draw):
+    dp = draw(st.sampled_from([1, 2, 3, 4]))
+    vpp = draw(st.sampled_from([1, 2]))
+    group = draw(st.sampled_from([2, 3])) if vpp > 1 else 1
+    cp = draw(st.sampled_from([1, 2]))
+    cap = draw(st.integers(8, 64))
+    num_rollouts = draw(st.integers(1, 12))
+    ids, lengths = [], []
+    for r in range(num_rollouts):
+        for _ in range(draw(st.integers(1, 3))):
+            ids.append(r)
+            lengths.append(draw(st.integers(1, 80)))
+    order = draw(st.permutations(range(len(ids))))
+    ids = [ids[i] for i in order]
+    lengths = [lengths[i] for i in order]
+    gbs = draw(st.integers(1, num_rollouts + 2))
+    return dp, vpp, group, cp, cap, ids, lengths, gbs
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_cases())
+def test_dynamic_path_keeps_every_guarantee(case):
+    dp, vpp, group, cp, cap, ids, lengths, gbs = case
+    args = make_args(max_tokens_per_gpu=cap, pipeline_model_parallel_size=2 if vpp > 1 else 1)
+    tp = make_tp(dp_size=dp, cp_size=cp, vpp_size=vpp, microbatch_group_size_per_vp_stage=group)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OversizeSampleWarning)
+        schedule = build_dp_schedule(args, tp, lengths, global_batch_size=gbs, rollout_indices=ids)
+    check_slime_invariants(
+        schedule,
+        dp_size=dp,
+        expected=range(len(lengths)),
+        total_lengths=lengths,
+        cap=cap * cp,
+        group=group,
+    )
+    # The plan behind it passes the planner's own checker.
+    config = PlannerConfig(
+        max_tokens_per_gpu=cap,
+        parallel=ParallelLayout(
+            dp_size=dp,
+            pp_size=2 if vpp > 1 else 1,
+            vpp_size=vpp,
+            microbatch_group_size_per_vp_stage=group if vpp > 1 else None,
+            cp_size=cp,
+        ),
+        rollouts_per_step=gbs,
+    )
+    check_plan(schedule.plan, SampleSet.build(lengths, ids), config)
+    num_rollouts = len(set(ids))
+    assert sum(schedule.global_batch_sizes) == num_rollouts
+    assert schedule.global_batch_sizes == [gbs] * (num_rollouts // gbs) + (
+        [num_rollouts % gbs] if num_rollouts % gbs else []
+    )
+    # Rollouts stay whole inside one step.
+    step_of = {i: s for s, members in enumerate(step_members(schedule, dp)) for i in members}
+    for rid in set(ids):
+        assert len({step_of[i] for i, x in enumerate(ids) if x == rid}) == 1
+
+
+# -- the static path is slime's ---------------------------------------------------------------
+
+
+def test_static_stride_matches_slime_expectations():
+    schedule = build_dp_schedule(
+        make_args(use_dynamic_batch_size=False, micro_batch_size=2),
+        make_tp(dp_size=4),
+        [10] * 16,
+        global_batch_size=16,
+        rollout_indices=list(range(16)),
+    )
+    partitions, mbi, nmb, gbs = schedule
+    assert nmb == [2] and gbs == [16]
+    # Strided: rank r takes micro-batches r, r + 4 of [0,1], [2,3], ...
+    assert partitions[0] == [0, 1, 8, 9] and partitions[3] == [6, 7, 14, 15]
+    assert mbi[0] == [[0, 1], [2, 3]]
+
+
+def test_static_balance_data_matches_slime_expectations():
+    """slime's test_balance_data_distributes_by_flops: the same Karmarkar-Karp assignment."""
+    schedule = build_dp_schedule(
+        make_args(use_dynamic_batch_size=False, micro_batch_size=1, balance_data=True),
+        make_tp(dp_size=2),
+        [1, 2, 3, 4, 5, 7, 9, 10],
+        global_batch_size=8,
+        rollout_indices=list(range(8)),
+    )
+    assert schedule.partitions == [[1, 2, 5, 6], [0, 3, 4, 7]]
+    assert schedule.num_microbatches == [4]
+
+
+def test_static_path_trims_and_asserts_as_slime_does():
+    args = make_args(use_dynamic_batch_size=False, micro_batch_size=1)
+    schedule = build_dp_schedule(
+        args, make_tp(dp_size=1), [3] * 5, global_batch_size=2, rollout_indices=list(range(5))
+    )
+    assert schedule.global_batch_sizes == [2, 2]  # rollout 4 is trimmed, as in slime
+    with pytest.raises(AssertionError, match="num_rollouts"):
+        build_dp_schedule(
+            args, make_tp(dp_size=1), [3] * 3, global_batch_size=4, rollout_indices=[0, 1, 2]
+        )
+    with pytest.raises(DPScheduleError, match="not a multiple of dp_size"):
+        build_dp_schedule(
+            args, make_tp(dp_size=4), [3] * 5, global_batch_size=5, rollout_indices=list(range(5))
+        )
+
+
+# -- bad input: one ValueError naming the value and the fix -----------------------------------
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(total_lengths=[None]), r"total_lengths\[0\]=None"),
+        (dict(total_lengths=[6.9]), r"total_lengths\[0\]=6.9 \(float\) is not an integer"),
+        (dict(total_lengths=["6"]), r"total_lengths\[0\]='6'"),
+        (dict(total_lengths=[True]), "bool"),
+        (dict(total_lengths=[0]), r"total_lengths\[0\]=0 must be >= 1"),
+        (dict(total_lengths={"a": 1}), "must be a list"),
+        (dict(global_batch_size=2.0), "global_batch_size=2.0"),
+        (dict(global_batch_size=0), "global_batch_size=0 must be >= 1"),
+        (dict(rollout_indices=[0, 1]), "2 rollout_indices for 1 total_lengths"),
+        (dict(rollout_indices=[0.5]), r"rollout_indices\[0\]=0.5"),
+        (dict(tp={"dp_size": 1}), "no 'cp_size'"),
+        (dict(tp=dict(make_tp(), dp_size="2")), "dp_size"),
+        (dict(args=make_args(max_tokens_per_gpu=None)), "--max-tokens-per-gpu"),
+        (dict(args=make_args(max_tokens_per_gpu=1.5)), "max_tokens_per_gpu=1.5"),
+        (dict(args=make_args(use_dynamic_batch_size="yes")), "use_dynamic_batch_size='yes'"),
+    ],
+)
+def test_bad_arguments_raise_value_errors(change, match):
+    kwargs = dict(
+        args=make_args(max_tokens_per_gpu=64),
+        tp=make_tp(dp_size=1),
+        total_lengths=[5],
+        global_batch_size=1,
+        rollout_indices=[0],
+    )
+    kwargs.update(change)
+    if "total_lengths" in change and "rollout_indices" not in change:
+        try:
+            kwargs["rollout_indices"] = list(range(len(change["total_lengths"])))
+        except TypeError:
+            pass
+    with pytest.raises(ValueError, match=match):
+        build_dp_schedule(
+            kwargs["args"],
+            kwargs["tp"],
+            kwargs["total_lengths"],
+            global_batch_size=kwargs["global_batch_size"],
+            rollout_indices=kwargs["rollout_indices"],
+        )
+
+
+# -- against slime's real function (SLIME_DIR) ------------------------------------------------
+
+SLIME_DIR = os.environ.get("SLIME_DIR")
+needs_slime = pytest.mark.skipif(
+    not SLIME_DIR,
+    reason="set SLIME_DIR to a slime checkout (see patches/slime/README.md for the commit) to "
+    "compare with slime's own build_dp_schedule",
+)
+
+
+def _slime_module(name):
+    if SLIME_DIR not in sys.path:
+        sys.path.insert(0, SLIME_DIR)
+    import importlib
+
+    return importlib.import_module(name)
+
+
+@needs_slime
+@pytest.mark.parametrize("balance", [False, True])
+@pytest.mark.parametrize("seed", range(12))
+def test_static_path_equals_slimes_function(seed, balance):
+    slime_schedule = _slime_module("slime.utils.dp_schedule").build_dp_schedule
+    rng = np.random.default_rng(seed)
+    dp = int(rng.choice([1, 2, 4]))
+    vpp = int(rng.choice([1, 2]))
+    group = 2 if vpp > 1 else 1
+    mbs = int(rng.choice([1, 2, 3]))
+    per_step = dp * group * mbs * int(rng.integers(1, 4))
+    num_steps = int(rng.integers(1, 4))
+    n = per_step * num_steps + int(rng.integers(0, 3))
+    lengths = [int(x) for x in rng.integers(1, 4000, size=n)]
+    args = make_args(use_dynamic_batch_size=False, micro_batch_size=mbs, balance_data=balance)
+    tp = make_tp(dp_size=dp, vpp_size=vpp, microbatch_group_size_per_vp_stage=group)
+    kwargs = dict(global_batch_size=per_step, rollout_indices=list(range(n)))
+    theirs = slime_schedule(args, tp, lengths, **kwargs)
+    ours = build_dp_schedule(args, tp, lengths, **kwargs)
+    assert tuple(ours) == tuple(theirs)
+
+
+@needs_slime
+def test_slimes_own_tests_pass_except_the_documented_differences():
+    source = (pathlib.Path(SLIME_DIR) / "tests" / "test_dp_schedule.py").read_text()
+    source = source.replace(
+        "from slime.utils.dp_schedule import build_dp_schedule",
+        "from megatron_dynbatch.adapters.slime import build_dp_schedule",
+    )
+    namespace = {"__name__": "slime_test_dp_schedule_on_ours"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)  # slime's "unit" mark
+        exec(compile(source, "slime/tests/test_dp_schedule.py", "exec"), namespace)
+    deliberate = {
+        # We train trailing rollouts and short steps instead of trimming or asserting.
+        "test_trims_trailing_rollouts_that_dont_fill_a_step",
+        "test_rejects_when_fewer_rollouts_than_gbs",
+    }
+    tests = sorted(k for k in namespace if k.startswith("test_"))
+    assert len(tests) >= 9
+    failed = []
+    for name in tests:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", OversizeSampleWarning)
+                namespace[name]()
+        except (AssertionError, pytest.fail.Exception):
+            failed.append(name)
+    assert set(failed) == deliberate
