@@ -1,7 +1,9 @@
-"""The main job: train a tiny Megatron GPT on RL-like rollouts with and without dynamic batching.
+"""Benchmark job: a tiny Megatron GPT on RL-like rollouts with and without dynamic batching.
 
-Run under torchrun (``launch/demo.sh`` does): every process is one rank of a gloo world on CPU (NCCL
-on GPUs). The same steps run twice from the same initial weights on the same rollouts:
+``benchmarks/bench_e2e.py`` runs it under torchrun to time the schedule alone, in one process
+group, with a hand-written training loop around megatron.core (no Megatron-LM ``pretrain()``; the
+main job, ``launch/demo.sh``, is the ``pretrain()`` path). Every process is one rank of a gloo world
+on CPU (NCCL on GPUs). The same steps run twice from the same initial weights on the same rollouts:
 
 1. ``--use-dynamic-batch-size``: the global planner packs each step's GRPO groups into
    micro-batches under ``--max-tokens-per-gpu``, balanced over DP ranks, aligned for the schedule;

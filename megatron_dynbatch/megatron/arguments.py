@@ -109,7 +109,8 @@ def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.Argument
         type=int,
         default=None,
         help="Rollouts (prompt groups) per optimizer step; default: one step per batch the "
-        "iterator yields.",
+        "iterator yields. In Megatron-LM's training loop it must equal --global-batch-size, "
+        "which then counts rollouts instead of samples.",
     )
     for field, what in (
         ("cost_token_weight", "the sample length L (default 1.0)"),
@@ -224,6 +225,16 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
             f"--use-dynamic-batch-size does not support gtp_weight_remat_size={remat} (each remat "
             "peer would need its own share of the plan); set --tensor-parallel-num-weight-shards "
             "so that it is 1."
+        )
+
+    gbs = getattr(args, "global_batch_size", None)
+    if config.rollouts_per_step is not None and gbs is not None and config.rollouts_per_step != gbs:
+        raise ValueError(
+            f"--rollouts-per-step {config.rollouts_per_step} differs from --global-batch-size "
+            f"{gbs}: in Megatron-LM's training loop --global-batch-size is the size of one "
+            "optimizer step, and --rollouts-per-step says that it counts rollouts (samples "
+            f"sharing a rollout id) instead of samples; set both to the rollouts per step, or "
+            "drop --rollouts-per-step to count samples."
         )
 
     parallel = parallel_layout_from_args(args)

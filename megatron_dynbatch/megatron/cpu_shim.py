@@ -20,7 +20,7 @@ import types
 
 import torch
 
-__all__ = ["apply_cpu_shim", "apply_training_cpu_shim"]
+__all__ = ["apply_cpu_shim", "cpu_torch_proxy"]
 
 # Megatron modules whose module-level ``torch`` gets the CPU proxy, each with the reason.
 _PATCHED_MODULES = (
@@ -39,17 +39,6 @@ _PATCHED_MODULES = (
     "megatron.core.tensor_parallel.random",
     # DDP grad buffers are allocated on ``torch.cuda.current_device()``.
     "megatron.core.distributed.param_and_grad_buffer",
-)
-
-# What Megatron-LM's own training loop (``megatron.training``) adds on top, for
-# :func:`apply_training_cpu_shim` only.
-_TRAINING_MODULES = (
-    # Loss / grad-norm statistics are reduced in cuda tensors.
-    "megatron.training.utils.common_utils",
-    # The fp32 optimizer wrapper keeps its found-inf flag and grad scaler on the current GPU.
-    "megatron.core.optimizer.optimizer",
-    # Gradient-norm clipping accumulates the norm in a cuda tensor.
-    "megatron.core.optimizer.clip_grads",
 )
 
 # The one module that imports triton unconditionally (it holds Triton kernels for the MoE paged
@@ -118,9 +107,9 @@ _CPU_CUDA = _CpuCudaNamespace(
 class _CpuTorchProxy(types.ModuleType):
     """``torch`` as seen by one patched Megatron module: cuda requests resolve to the CPU."""
 
-    def __init__(self):
+    def __init__(self, cuda=_CPU_CUDA):
         super().__init__("torch")
-        self.cuda = _CPU_CUDA
+        self.cuda = cuda
         for name in _FACTORIES:
             setattr(self, name, _cpu_factory(getattr(torch, name)))
 
@@ -176,21 +165,12 @@ def apply_cpu_shim() -> None:
     _applied = True
 
 
-def apply_training_cpu_shim() -> None:
-    """Also run Megatron-LM's ``megatron.training`` loop on CPU (patch tests); explicit, opt-in.
+def cpu_torch_proxy(**cuda_overrides) -> types.ModuleType:
+    """A ``torch`` stand-in for one more Megatron module (see ``cpu_training_shim``).
 
-    ``megatron.training`` (shipped in megatron-core 0.19.2) uses ``typing.override``, new in Python
-    3.12; on 3.11 the identical ``typing_extensions.override`` stands in. A no-op with CUDA.
+    Args:
+        cuda_overrides: ``torch.cuda`` attributes to replace on top of the shim's CPU mapping
+            (device, synchronisation and RNG calls), e.g. ``empty_cache=...``.
     """
-    import typing
-
-    if torch.cuda.is_available():
-        return
-    apply_cpu_shim()
-    if not hasattr(typing, "override"):
-        import typing_extensions
-
-        typing.override = typing_extensions.override
-    proxy = sys.modules["megatron.core.utils"].torch
-    for module_name in _TRAINING_MODULES:
-        importlib.import_module(module_name).torch = proxy
+    cuda = _CpuCudaNamespace(**{**vars(_CPU_CUDA), **cuda_overrides})
+    return _CpuTorchProxy(cuda)

@@ -9,16 +9,16 @@ What runs, on real Megatron code (no mocked schedule, model, optimizer or argume
   ``train_step`` (patch 0002) with a tiny GPTModel, Megatron DDP, Megatron's SGD optimizer and LR
   scheduler and ``get_forward_backward_func()``: flag off it must give bit-identical loss,
   parameters and scheduler state to the stock ``train_step`` (run in a second subprocess on the
-  installed tree); flag on it takes one rollout batch, serves several planned steps from it with
-  per-step micro-batch counts and row lengths, reports the token-mean loss of exactly the step's
-  samples, and advances the LR schedule by the step's sample count.
-* On 2 gloo ranks: ``prepare_train_step`` splits one global batch over the DP ranks, and ranks whose
-  iterators disagree all raise ``PlanMismatchError`` instead of hanging.
+  installed tree); flag on it takes one rollout batch of three steps (``--rollouts-per-step`` =
+  ``--global-batch-size`` = 2 rollouts), serves the planned steps from it with per-step micro-batch
+  counts and row lengths, reports the token-mean loss of exactly the step's samples, and advances
+  the LR schedule by ``--global-batch-size`` per step, as stock Megatron does.
+* On 2 gloo ranks: ``prepare_train_step`` splits one global batch over the DP ranks; ranks whose
+  iterators disagree all raise ``PlanMismatchError``, and a batch of the wrong size on one rank
+  stops every rank with the same error, instead of hanging.
 
-Not exercised here: patches 0003 (``training_log``) and 0004 (the ``train`` loop) are only checked
-to apply and to import; driving them needs Megatron's full ``pretrain`` setup. Pipeline and
-interleaved layouts through the patched ``train_step`` are not run (one process); the schedules
-themselves are covered by ``test_schedules_cpu.py``.
+Patches 0003 (``training_log``) and 0004 (``evaluate``) run inside Megatron's full ``pretrain()``
+in ``test_pretrain.py``, as do pipeline and interleaved layouts.
 """
 
 import json
@@ -127,6 +127,59 @@ def test_apply_rejects_a_directory_without_megatron(tmp_path):
     assert result.returncode == 1 and "megatron/training does not exist" in result.stderr
 
 
+# --- how the launch script gets a patched tree (megatron_dynbatch.megatron.patched_tree) ----------
+
+_USE_PATCHED = (
+    "import pathlib, sys\n"
+    "from megatron_dynbatch.megatron.patched_tree import use_patched_training\n"
+    "print(use_patched_training(pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]),\n"
+    "                           cache_dir=pathlib.Path(sys.argv[3])))\n"
+)
+
+
+def _use_patched(cache: pathlib.Path, first_on_path: pathlib.Path = None):
+    path = [str(first_on_path)] if first_on_path else []
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path + [str(REPO)]))
+    return subprocess.run(
+        [sys.executable, "-c", _USE_PATCHED, str(REPO / "patches"), str(APPLY), str(cache)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+
+
+def test_launch_script_imports_a_patched_copy_and_leaves_the_installed_tree_alone(tmp_path):
+    from megatron_dynbatch.megatron.patched_tree import is_patched
+
+    installed = STOCK_ROOT / "megatron" / "training" / "training.py"
+    before = installed.read_bytes()
+    first, second = _use_patched(tmp_path), _use_patched(tmp_path)
+    assert first.returncode == 0, first.stderr
+    copy = pathlib.Path(first.stdout.strip())
+    assert copy.parent.parent.parent == tmp_path and is_patched(copy)
+    assert second.stdout == first.stdout  # the cached copy is reused
+    assert installed.read_bytes() == before and not is_patched(installed.parent)
+
+
+def test_an_already_patched_checkout_is_used_as_is(patched_tree, tmp_path):
+    result = _use_patched(tmp_path, first_on_path=patched_tree)
+    assert result.returncode == 0, result.stderr
+    assert pathlib.Path(result.stdout.strip()) == patched_tree / "megatron" / "training"
+    assert not list(tmp_path.iterdir())
+
+
+def test_another_megatron_version_is_refused_with_the_patch_that_fails(tmp_path):
+    checkout = tmp_path / "checkout"
+    shutil.copytree(STOCK_ROOT / "megatron" / "training", checkout / "megatron" / "training")
+    training = checkout / "megatron" / "training" / "training.py"
+    call = "            num_microbatches=get_num_microbatches(),\n"
+    training.write_text(training.read_text().replace(call, call.rstrip("\n") + "  # changed\n"))
+    result = _use_patched(tmp_path / "cache", first_on_path=checkout)
+    assert result.returncode != 0
+    assert "PatchError: megatron_dynbatch's patches do not apply" in result.stderr
+    assert "0002-train-step-dynamic-microbatches.patch does not apply" in result.stderr
+
+
 # --- the patched train_step, in subprocesses ---------------------------------------------------
 
 
@@ -163,7 +216,7 @@ def test_patched_tree_is_the_one_imported(train_step_results, patched_tree):
     assert train_step_results["stock"]["training_file"].startswith(str(STOCK_ROOT))
 
 
-def test_flag_off_train_step_is_bitwise_stock(train_step_results):
+def test_flag_off_train_step_and_evaluate_are_bitwise_stock(train_step_results):
     stock = train_step_results["stock"]["off"]
     patched = train_step_results["patched"]["off"]
     assert patched == stock
@@ -176,21 +229,23 @@ def test_flag_on_validation_runs_after_megatrons(train_step_results):
     on = train_step_results["patched"]["on"]
     assert "--calculate-per-token-loss" in on["missing_per_token_loss_error"]
     assert on["resolved"] == [24, "packed", 2]
+    assert "--rollouts-per-step 2 differs from --global-batch-size 3" in on["rollouts_error"]
 
 
 def test_flag_on_train_step_serves_planned_steps(train_step_results):
     on = train_step_results["patched"]["on"]
     steps = on["steps"]
-    # 8 samples in 5 rollouts, 2 rollouts per step: steps of rollouts {a,b}, {c,d}, {e}, all from
-    # one pull of the iterator.
+    # 8 samples in 6 rollouts, 2 rollouts per step: steps of rollouts {a,b}, {c,d}, {e,f}, all
+    # from one pull of the iterator.
     assert on["pulls"] == 1
-    assert [s["indices"] for s in steps] == [[0, 1, 2, 3], [4, 5, 6], [7]]
+    assert [s["indices"] for s in steps] == [[0, 1, 2, 3], [4, 5], [6, 7]]
     assert [s["step_index"] for s in steps] == [0, 1, 2]
     for step in steps:
         # The loss Megatron's train_step reports is the token mean over exactly the step's samples,
         # computed from the pre-step weights by running each sample alone.
         assert step["loss"] == pytest.approx(step["reference_loss"], rel=1e-5)
-        assert step["scheduler_increment"] == step["num_samples"] == len(step["indices"])
+        # The LR schedule advances by --global-batch-size (2 rollouts), which the step trained.
+        assert step["scheduler_increment"] == step["num_rollouts"] == 2
         assert step["seq_length"] <= 24 and step["params_changed"]
     assert len({(s["num_microbatches"], s["seq_length"]) for s in steps}) > 1
 
@@ -198,7 +253,7 @@ def test_flag_on_train_step_serves_planned_steps(train_step_results):
 # --- the hook on 2 DP ranks ---------------------------------------------------------------------
 
 
-def _two_rank_body(mismatch: bool):
+def _two_rank_body(mismatch: str):
     import argparse
 
     import torch
@@ -211,17 +266,20 @@ def _two_rank_body(mismatch: bool):
     )
     args.data_parallel_size = torch.distributed.get_world_size()
     args.calculate_per_token_loss = True
+    args.global_batch_size = 6
     lengths = [3, 9, 5, 12, 7, 2]
-    if mismatch and torch.distributed.get_rank() == 1:
-        lengths = lengths + [4]  # this rank's iterator yields another batch
+    if mismatch == "lengths" and torch.distributed.get_rank() == 1:
+        lengths[0] = 14  # this rank's iterator yields another batch of the same size
+    if mismatch == "size" and torch.distributed.get_rank() == 1:
+        lengths = lengths + [4]  # this rank's iterator yields one sample too many
     batch = training_hooks.RolloutBatch(
         samples=[{"tokens": torch.arange(1, n + 1)} for n in lengths]
     )
     training_hooks.reset_dynamic_batch_state()
     try:
         step = training_hooks.prepare_train_step(args, iter([batch]), [torch.nn.Linear(1, 1)])
-    except training_hooks.PlanMismatchError as error:
-        return str(error)
+    except training_hooks.StepAgreementError as error:
+        return type(error).__name__, str(error)
     finally:
         training_hooks.reset_dynamic_batch_state()
     shapes = {tuple(mb["tokens"].shape) for mb in step.microbatches}
@@ -231,7 +289,7 @@ def _two_rank_body(mismatch: bool):
 def test_hook_splits_one_global_batch_over_dp_ranks():
     from megatron_dynbatch.testing.workers import Layout, run_on_ranks
 
-    results = run_on_ranks(2, _two_rank_body, False, layout=Layout())
+    results = run_on_ranks(2, _two_rank_body, "", layout=Layout())
     (indices0, m0, shapes0, n0), (indices1, m1, shapes1, n1) = results
     assert sorted(indices0 + indices1) == list(range(6)) and not set(indices0) & set(indices1)
     assert m0 == m1 and shapes0 == shapes1 and len(shapes0) == 1 and n0 == n1 == 6
@@ -240,10 +298,21 @@ def test_hook_splits_one_global_batch_over_dp_ranks():
 def test_hook_raises_on_every_rank_when_plans_differ():
     from megatron_dynbatch.testing.workers import Layout, run_on_ranks
 
-    messages = run_on_ranks(2, _two_rank_body, True, layout=Layout())
-    for message in messages:
+    messages = run_on_ranks(2, _two_rank_body, "lengths", layout=Layout())
+    for kind, message in messages:
+        assert kind == "PlanMismatchError"
         assert "derived a different plan than rank 0" in message
         assert "ranks [1]" in message and "same global rollout batch" in message
+
+
+def test_a_batch_of_the_wrong_size_stops_every_rank_with_the_same_error():
+    from megatron_dynbatch.testing.workers import Layout, run_on_ranks
+
+    messages = run_on_ranks(2, _two_rank_body, "size", layout=Layout())
+    assert messages[0] == messages[1]
+    kind, message = messages[0]
+    assert kind == "StepAgreementError" and "rank 1:" in message and "rank 0:" not in message
+    assert "batch of 7 samples, but --global-batch-size is 6" in message
 
 
 # --- worker: runs in a subprocess with TREE first on sys.path ------------------------------------
@@ -271,12 +340,14 @@ _ARGV = [
 _DYNAMIC_ARGV = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "24"] + [
     "--rollouts-per-step",
     "2",
+    "--global-batch-size",
+    "2",
 ]
 
 
 def _worker_setup(tree: str):
     sys.path.insert(0, tree)
-    from megatron_dynbatch.megatron.cpu_shim import apply_training_cpu_shim
+    from megatron_dynbatch.megatron.cpu_training_shim import apply_training_cpu_shim
 
     apply_training_cpu_shim()
     import megatron.training.training as training
@@ -386,6 +457,23 @@ def _worker_train_step(model, optimizer, scheduler, config, data_iterator):
     return float(loss_dict["loss"])
 
 
+def _worker_evaluate(model, config, microbatches):
+    """Megatron's (patched) evaluate(): one validation iteration of the 3 micro-batches."""
+    from megatron.core.rerun_state_machine import RerunDataIterator
+    from megatron.training.training import evaluate
+
+    from megatron_dynbatch.megatron.forward import make_forward_step
+    from megatron_dynbatch.runtime import microbatch_loss
+
+    forward_step = make_forward_step(
+        lambda batch, loss: microbatch_loss("token-mean", loss, batch, log_key="lm loss")
+    )
+    totals, _, _ = evaluate(
+        forward_step, RerunDataIterator(iter(microbatches)), model, None, config, eval_iters=1
+    )
+    return float(totals["lm loss"])
+
+
 def _worker_flag_off(provider):
     """One stock-shaped step: 3 fixed micro-batches of [1, 16], Megatron's own data path."""
     from megatron.core.rerun_state_machine import RerunDataIterator
@@ -406,6 +494,7 @@ def _worker_flag_off(provider):
     loss = _worker_train_step(model, optimizer, scheduler, config, data_iterator)
     return {
         "loss": loss,
+        "eval_loss": _worker_evaluate(model, config, microbatches),
         "reference_loss": reference,
         "scheduler_steps": scheduler.num_steps,
         "params": {k: v.double().sum().item() for k, v in _worker_params(model).items()},
@@ -425,6 +514,10 @@ def _worker_flag_on():
         _worker_parse(no_per_token + _DYNAMIC_ARGV, add_dynamic_batch_args)
     except ValueError as error:
         result["missing_per_token_loss_error"] = str(error)
+    try:
+        _worker_parse(_ARGV + _DYNAMIC_ARGV[:-2], add_dynamic_batch_args)  # gbs 3, 2 per step
+    except ValueError as error:
+        result["rollouts_error"] = str(error)
     args = _worker_parse(_ARGV + _DYNAMIC_ARGV, add_dynamic_batch_args)
     result["resolved"] = [
         args.max_tokens_per_gpu,
@@ -435,7 +528,7 @@ def _worker_flag_on():
     config, model, optimizer, scheduler = _worker_build()
     samples = _worker_samples([5, 9, 12, 3, 7, 16, 4, 11], seed=2)
     batch = training_hooks.RolloutBatch(
-        samples=samples, rollout_ids=["a", "a", "b", "b", "c", "d", "d", "e"]
+        samples=samples, rollout_ids=["a", "a", "b", "b", "c", "d", "e", "f"]
     )
     pulls = []
 
@@ -469,6 +562,7 @@ def _worker_flag_on():
                 "num_microbatches": step.num_microbatches,
                 "seq_length": step.seq_length,
                 "num_samples": step.num_samples,
+                "num_rollouts": step.num_rollouts,
                 "scheduler_increment": scheduler.num_steps - before_scheduler,
                 "params_changed": any(
                     not before_params[k].equal(after_params[k]) for k in before_params

@@ -1,0 +1,130 @@
+"""Compare a dynamic-batching run with its fixed-micro-batch baseline from Megatron's own logs.
+
+    python launch/compare_runs.py --dynamic out/demo/dynamic.log --fixed out/demo/fixed.log \\
+        --seq-length 256
+
+Reads Megatron's iteration lines (``iteration N/ T | ... elapsed time per iteration (ms): ... |
+learning rate: ... | global batch size: ... | lm loss: ...``) and validation lines of both logs.
+The dynamic run's lines also carry ``real tokens`` and ``computed tokens`` (patch 0003); the
+baseline trains the same samples (``--document-samples``), so its real tokens are the same and it
+computes ``global batch size x --seq-length`` tokens per iteration. Throughput leaves out the first
+iteration (start-up). Exit status 1 if the learning rates differ or the losses differ by more than
+``--tolerance`` (relative).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from typing import Dict, List
+
+_ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
+_FIELDS = {
+    "ms": re.compile(r"elapsed time per iteration \(ms\): ([\d.]+)"),
+    "lr": re.compile(r"learning rate: ([\d.E+-]+)"),
+    "batch": re.compile(r"global batch size:\s+(\d+)"),
+    "loss": re.compile(r"lm loss: ([\d.E+-]+)"),
+    "real": re.compile(r"real tokens: (\d+)"),
+    "computed": re.compile(r"computed tokens: (\d+)"),
+    "consumed": re.compile(r"consumed samples:\s+(\d+)"),
+    "grad_norm": re.compile(r"grad norm: ([\d.]+)"),
+    "params_norm": re.compile(r"params norm: ([\d.]+)"),
+}
+_VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([\d.E+-]+)")
+
+
+def parse_text(text: str) -> Dict[str, object]:
+    """Iteration records (``{iteration: {field: value}}``) and validation losses of a Megatron log."""
+    iterations: Dict[int, Dict[str, float]] = {}
+    validation: List[tuple] = []
+    for line in text.splitlines():
+        match = _ITERATION.search(line)
+        if match:
+            record = {}
+            for name, pattern in _FIELDS.items():
+                found = pattern.search(match.group(2))
+                if found:
+                    record[name] = float(found.group(1))
+            iterations[int(match.group(1))] = record
+            continue
+        match = _VALIDATION.search(line)
+        if match:
+            validation.append((int(match.group(1)), float(match.group(2))))
+    return {"iterations": iterations, "validation": validation}
+
+
+def parse(path: str) -> Dict[str, object]:
+    """:func:`parse_text` of a log file; exits with an error if it has no iteration line."""
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        parsed = parse_text(handle.read())
+    if not parsed["iterations"]:
+        raise SystemExit(f"error: no Megatron iteration lines in {path}; did the run fail?")
+    return parsed
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dynamic", required=True, help="log of the --use-dynamic-batch-size run")
+    parser.add_argument("--fixed", required=True, help="log of the --document-samples run")
+    parser.add_argument("--seq-length", type=int, required=True, help="the runs' --seq-length")
+    parser.add_argument("--tolerance", type=float, default=1e-5, help="relative loss tolerance")
+    args = parser.parse_args(argv)
+    dynamic, fixed = parse(args.dynamic), parse(args.fixed)
+    dyn_it, fix_it = dynamic["iterations"], fixed["iterations"]
+    common = sorted(set(dyn_it) & set(fix_it))
+    timed = [i for i in common if i > 1] or common
+    if any("real" not in dyn_it[i] for i in common):
+        raise SystemExit("error: the dynamic log has no 'real tokens' fields (patch 0003).")
+
+    real = sum(dyn_it[i]["real"] for i in timed)
+    totals = {
+        "dynamic": {
+            "ms": sum(dyn_it[i]["ms"] for i in timed),
+            "computed": sum(dyn_it[i]["computed"] for i in common),
+        },
+        "fixed": {
+            "ms": sum(fix_it[i]["ms"] for i in timed),
+            "computed": sum(fix_it[i]["batch"] * args.seq_length for i in common),
+        },
+    }
+    real_all = sum(dyn_it[i]["real"] for i in common)
+    rows = [
+        ("iterations", lambda m: f"{len(common)}"),
+        ("time per iteration (ms)", lambda m: f"{totals[m]['ms'] / len(timed):.1f}"),
+        ("tokens/s (real)", lambda m: f"{real / (totals[m]['ms'] / 1000.0):.0f}"),
+        ("computed tokens", lambda m: f"{totals[m]['computed']:.0f}"),
+        ("padded tokens", lambda m: f"{totals[m]['computed'] - real_all:.0f}"),
+        ("fill", lambda m: f"{real_all / totals[m]['computed']:.3f}"),
+    ]
+    print(f"{'':26}{'dynamic':>12}{'fixed':>12}")
+    for name, value in rows:
+        print(f"{name:26}{value('dynamic'):>12}{value('fixed'):>12}")
+    ratio = totals["dynamic"]["ms"] / totals["fixed"]["ms"]
+    print(f"dynamic / fixed time per iteration (iterations 2+): {ratio:.2f}x\n")
+
+    print(f"{'iteration':>9}{'lr':>14}{'dynamic loss':>16}{'fixed loss':>16}{'rel. diff':>12}")
+    worst, lr_equal = 0.0, True
+    for i in common:
+        d, f = dyn_it[i], fix_it[i]
+        diff = abs(d["loss"] - f["loss"]) / max(abs(f["loss"]), 1e-12)
+        worst = max(worst, diff)
+        lr_equal &= d["lr"] == f["lr"]
+        print(f"{i:>9}{d['lr']:>14.6E}{d['loss']:>16.6f}{f['loss']:>16.6f}{diff:>12.1e}")
+    if [i for i, _ in dynamic["validation"]] != [i for i, _ in fixed["validation"]]:
+        raise SystemExit("error: the two logs validated at different iterations.")
+    for (at, v_d), (_, v_f) in zip(dynamic["validation"], fixed["validation"], strict=True):
+        diff = abs(v_d - v_f) / max(abs(v_f), 1e-12)
+        worst = max(worst, diff)
+        print(f"validation at {at:>3}{'':>11}{v_d:>16.6f}{v_f:>16.6f}{diff:>12.1e}")
+    ok = lr_equal and worst <= args.tolerance
+    print(
+        f"\nlearning rates identical: {'yes' if lr_equal else 'NO'}; largest relative loss "
+        f"difference: {worst:.1e} ({'within' if worst <= args.tolerance else 'OVER'} "
+        f"{args.tolerance:g})"
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

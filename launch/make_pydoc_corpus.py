@@ -1,0 +1,41 @@
+"""Write the demo corpus: Python's own documentation, one paragraph per JSON line.
+
+    python launch/make_pydoc_corpus.py data/pydoc.jsonl
+
+The text is ``pydoc_data.topics`` (the help topics shipped with every CPython, about 460 KB): its
+paragraphs (separated by blank lines), in topic order, as ``{"text": ...}`` lines, the input
+format of Megatron-LM's ``tools/preprocess_data.py`` and of ``python -m
+megatron_dynbatch.megatron.preprocess``. Paragraph lengths are long-tailed (median about 110
+bytes, a few over 5,000), which is what dynamic batching is for.
+"""
+
+import argparse
+import json
+import pathlib
+import re
+from pydoc_data.topics import topics
+
+
+def paragraphs():
+    for name in sorted(topics):
+        for paragraph in re.split(r"\n\s*\n", topics[name]):
+            paragraph = paragraph.strip()
+            if paragraph:
+                yield paragraph
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("output", type=pathlib.Path, help="JSONL file to write")
+    args = parser.parse_args()
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    count = 0
+    with open(args.output, "w", encoding="utf-8") as handle:
+        for paragraph in paragraphs():
+            handle.write(json.dumps({"text": paragraph}) + "\n")
+            count += 1
+    print(f"wrote {count} documents to {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""The CPU support of Megatron-LM's pretrain(): flag defaults, refusals, gradient clipping.
+
+(That pretrain() itself runs with it is test_pretrain.py's business.)
+"""
+
+import argparse
+
+import pytest
+import torch
+
+from megatron_dynbatch.megatron import cpu_training_shim
+from megatron_dynbatch.megatron.cpu_shim import apply_cpu_shim
+
+apply_cpu_shim()
+
+
+def _megatron_parser():
+    import typing
+
+    import typing_extensions
+
+    if not hasattr(typing, "override"):  # megatron.training uses Python 3.12's typing.override
+        typing.override = typing_extensions.override
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    return cpu_training_shim.add_cpu_defaults(add_megatron_arguments(parser))
+
+
+def test_without_cuda_a_stock_command_line_gets_the_cpu_values():
+    assert not torch.cuda.is_available()
+    args = _megatron_parser().parse_args([])
+    for dest, (value, _, _) in cpu_training_shim.CPU_DEFAULTS.items():
+        assert getattr(args, dest) == value, dest
+    cpu_training_shim.check_cpu_args(args)  # the defaults pass the check
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--transformer-impl", "transformer_engine"], "--transformer-impl local"),
+        (["--distributed-backend", "nccl"], "--distributed-backend gloo"),
+        (["--bf16"], "remove --bf16"),
+    ],
+)
+def test_values_that_need_cuda_are_refused_with_the_flag_to_change(argv, flag):
+    args = _megatron_parser().parse_args(argv)
+    with pytest.raises(ValueError, match="no CUDA|not supported on CPU") as error:
+        cpu_training_shim.check_cpu_args(args)
+    assert flag in str(error.value)
+
+
+def test_gradient_clipping_scales_like_megatron():
+    clip = cpu_training_shim._clip_grad_by_total_norm_fp32
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    for param, grad in zip(params, ([3.0, 0.0, 4.0], [0.0, 0.0]), strict=True):
+        param.grad = torch.tensor(grad)
+    clip(params, max_norm=1.0, total_norm=5.0)
+    assert params[0].grad.tolist() == pytest.approx([0.6, 0.0, 0.8], rel=1e-5)
+    clip(params, max_norm=10.0, total_norm=1.0)  # below the threshold: unchanged
+    assert params[0].grad.tolist() == pytest.approx([0.6, 0.0, 0.8], rel=1e-5)
+    half = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+    half.grad = torch.zeros(2, dtype=torch.float16)
+    with pytest.raises(AssertionError, match="fp32"):
+        clip([half], max_norm=1.0, total_norm=5.0)

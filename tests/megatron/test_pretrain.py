@@ -1,0 +1,299 @@
+"""Megatron-LM's ``pretrain()`` as a user runs it: the launch script under torchrun, stock arguments.
+
+Every case starts ``launch/pretrain_gpt_dynbatch.py`` (or ``pretrain_user_iterator.py``, a user's own
+data iterator through the same set-up) with ``torchrun`` on gloo, and reads Megatron's own iteration
+lines. Dynamic batching is compared with Megatron's fixed micro-batches on the same samples
+(``--document-samples``): loss within 1e-5 (relative) and the learning rate identical at every
+iteration, validation loss equal. Layouts: pp 2 (README command, indexed dataset built by the
+documented command), pp 2 x dp 2 (4 processes), pp 2 x vpp 2; plus the stock path (no flag), a
+batch of the wrong size from a user iterator, and save / resume in the middle of a multi-step batch.
+Launches are few and tiny (hidden 32-64, 2-4 layers, seq <= 256): each costs ~10 s of start-up.
+"""
+
+import importlib.util
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+LAUNCH = REPO / "launch" / "pretrain_gpt_dynbatch.py"
+USER_SCRIPT = REPO / "tests" / "megatron" / "pretrain_user_iterator.py"
+BIN = pathlib.Path(sys.executable).parent
+_TIMEOUT_S = 400
+
+
+def _load_compare():
+    spec = importlib.util.spec_from_file_location(
+        "compare_runs", REPO / "launch" / "compare_runs.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+compare_runs = _load_compare()
+
+
+def _env(extra=None):
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    env.update(extra or {})
+    return env
+
+
+def _torchrun(nproc, script, args, *, env=None, log_path):
+    """Run ``torchrun --standalone --nproc-per-node nproc script args``; return (rc, log, seconds)."""
+    command = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(nproc), str(script)]
+    started = time.monotonic()
+    result = subprocess.run(
+        command + [str(a) for a in args],
+        cwd=REPO,
+        env=_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=_TIMEOUT_S,
+    )
+    log_path.write_text(result.stdout)
+    return result.returncode, result.stdout, time.monotonic() - started
+
+
+def _ok(rc, log):
+    assert rc == 0, log[-6000:]
+    return compare_runs.parse_text(log)
+
+
+# Tiny GPT on mock documents (seq 128: long-tailed lengths, some documents cut into pieces).
+_TINY = [
+    "--num-layers", 4, "--hidden-size", 32, "--num-attention-heads", 4,
+    "--seq-length", 128, "--max-position-embeddings", 128,
+    "--micro-batch-size", 2, "--global-batch-size", 8,
+    "--lr", "2e-3", "--min-lr", "2e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", 1,
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", 128,
+    "--log-interval", 1, "--calculate-per-token-loss", "--hidden-dropout", 0,
+    "--attention-dropout", 0, "--seed", 7,
+]  # fmt: skip
+_DYNAMIC = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", 256]
+_FIXED = ["--document-samples"]
+
+
+def _assert_same_training(dynamic, fixed, *, tolerance=1e-5):
+    """Loss within ``tolerance`` (relative) and identical learning rate at every iteration."""
+    iterations = sorted(fixed["iterations"])
+    assert sorted(dynamic["iterations"]) == iterations and iterations
+    for i in iterations:
+        d, f = dynamic["iterations"][i], fixed["iterations"][i]
+        assert d["lr"] == f["lr"], (i, d, f)
+        assert d["loss"] == pytest.approx(f["loss"], rel=tolerance), (i, d, f)
+        assert d["batch"] == f["batch"]
+        assert "real" in d and "real" not in f  # the dynamic line carries the plan (patch 0003)
+    assert [i for i, _ in dynamic["validation"]] == [i for i, _ in fixed["validation"]]
+    for (_, d), (_, f) in zip(dynamic["validation"], fixed["validation"], strict=True):
+        assert d == pytest.approx(f, rel=tolerance)
+
+
+# --- layouts: pp 2 x dp 2 (4 processes) and interleaved pp 2 x vpp 2 ------------------------------
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    out = tmp_path_factory.mktemp("layouts")
+    runs = {}
+    cases = {
+        "dp2": (4, ["--pipeline-model-parallel-size", 2, "--train-iters", 2, "--eval-iters", 0]),
+        "vpp2": (
+            2,
+            [
+                "--pipeline-model-parallel-size", 2, "--num-layers-per-virtual-pipeline-stage", 1,
+                "--train-iters", 3, "--eval-interval", 3, "--eval-iters", 1,
+            ],
+        ),
+    }  # fmt: skip
+    for name, (nproc, extra) in cases.items():
+        for mode, flags in (("dynamic", _DYNAMIC), ("fixed", _FIXED)):
+            rc, log, _ = _torchrun(
+                nproc, LAUNCH, _TINY + extra + flags, log_path=out / f"{name}-{mode}.log"
+            )
+            runs[name, mode] = _ok(rc, log)
+            runs[name, mode, "log"] = log
+    return runs
+
+
+@pytest.mark.parametrize("layout", ["dp2", "vpp2"])
+def test_dynamic_batching_trains_like_fixed_micro_batches(layouts, layout):
+    _assert_same_training(layouts[layout, "dynamic"], layouts[layout, "fixed"])
+
+
+def test_layouts_are_the_ones_asked_for(layouts):
+    dp2 = layouts["dp2", "dynamic", "log"]
+    assert "data-parallel size: 2" in dp2 and "pipeline-model-parallel size: 2" in dp2
+    vpp = layouts["vpp2", "dynamic", "log"]
+    assert re.search(r"Number of virtual stages per pipeline stage: 2", vpp), vpp[-3000:]
+    # Interleaving at pp 2 needs an even micro-batch count per rank: the planner's, not Megatron's.
+    shapes = re.findall(r"micro-batches/rank: (\d+) ", vpp)
+    assert shapes and all(int(m) % 2 == 0 for m in shapes)
+
+
+def test_validation_runs_through_the_planner(layouts):
+    vpp = layouts["vpp2", "dynamic"]
+    assert [i for i, _ in vpp["validation"]] == [3]
+
+
+# --- the stock path: no flag ---------------------------------------------------------------------
+
+
+def test_without_the_flag_it_trains_like_pretrain_gpt(tmp_path):
+    args = _TINY + ["--pipeline-model-parallel-size", 2, "--train-iters", 2, "--eval-iters", 0]
+    rc, log, _ = _torchrun(2, LAUNCH, args, log_path=tmp_path / "stock.log")
+    parsed = _ok(rc, log)
+    assert sorted(parsed["iterations"]) == [1, 2]
+    assert all("real" not in record for record in parsed["iterations"].values())
+    # Stock GPTDataset windows: Megatron's mock dataset and its cache messages, not ours.
+    assert "mock documents" not in log
+
+
+# --- a user's own iterator: the batch-size check and resuming mid-batch --------------------------
+
+_USER = [
+    "--num-layers", 2, "--hidden-size", 32, "--num-attention-heads", 4,
+    "--seq-length", 128, "--max-position-embeddings", 128,
+    "--micro-batch-size", 1, "--global-batch-size", 4, "--train-samples", 20,
+    "--lr", "1e-3", "--tokenizer-type", "NullTokenizer", "--vocab-size", 128,
+    "--log-interval", 1, "--log-params-norm", "--hidden-dropout", 0, "--attention-dropout", 0,
+    "--calculate-per-token-loss", "--eval-iters", 0, "--pipeline-model-parallel-size", 2,
+    "--ckpt-format", "torch", "--use-dynamic-batch-size", "--max-tokens-per-gpu", 256,
+]  # fmt: skip
+
+
+def test_a_user_iterator_of_the_wrong_batch_size_stops_every_rank(tmp_path):
+    rc, log, seconds = _torchrun(
+        2, USER_SCRIPT, _USER, env={"USER_ROLLOUTS_PER_BATCH": "16"}, log_path=tmp_path / "x.log"
+    )
+    assert rc != 0
+    expected = "the data iterator yielded a batch of 16 samples, but --global-batch-size is 4"
+    for rank in (0, 1):
+        lines = [line for line in log.splitlines() if line.startswith(f"[rank{rank}]:")]
+        assert any("StepAgreementError" in line and expected in line for line in lines), log[-4000:]
+    assert " iteration        1/" not in log  # nothing trained
+    assert seconds < 120  # start-up and one failed step, not a process-group timeout
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """Straight 5 steps; and 2 steps, save, exit, resume: batches of 3 steps (12 rollouts of 2)."""
+    out = tmp_path_factory.mktemp("resume")
+    env = {"USER_ROLLOUTS_PER_BATCH": "12", "USER_GROUP_SIZE": "2"}
+    args = _USER + ["--rollouts-per-step", 4]
+    checkpoint = out / "checkpoint"
+    logs = {}
+    for name, extra in (
+        ("straight", []),
+        ("first", ["--save", checkpoint, "--save-interval", 2, "--exit-interval", 2]),
+        ("resumed", ["--load", checkpoint]),
+    ):
+        rc, log, _ = _torchrun(2, USER_SCRIPT, args + extra, env=env, log_path=out / f"{name}.log")
+        logs[name] = _ok(rc, log)
+        logs[name, "log"] = log
+    return logs
+
+
+def test_resuming_mid_batch_continues_the_straight_run_exactly(resumed):
+    straight = resumed["straight"]["iterations"]
+    first = resumed["first"]["iterations"]
+    after = resumed["resumed"]["iterations"]
+    assert sorted(first) == [1, 2] and sorted(after) == [3, 4, 5]
+    for i in (1, 2):
+        assert {k: v for k, v in first[i].items() if k != "ms"} == {
+            k: v for k, v in straight[i].items() if k != "ms"
+        }
+    for i in (3, 4, 5):
+        # Same weights at every later iteration: identical gradient and parameter norms, LR and
+        # consumed rollouts (4 per step; the checkpoint was written inside a 3-step batch).
+        for key in ("lr", "grad_norm", "params_norm", "consumed", "real", "computed"):
+            assert after[i][key] == straight[i][key], (i, key, after[i], straight[i])
+    for i in (3, 5):
+        assert after[i]["loss"] == pytest.approx(straight[i]["loss"], rel=1e-6, abs=1e-6)
+    # Megatron's first line of a run keeps accumulating the loss, so its second line (iteration 4
+    # here, iteration 2 of a fresh run) is the mean of two iterations: of 3 and 4.
+    mean = (straight[3]["loss"] + straight[4]["loss"]) / 2
+    assert after[4]["loss"] == pytest.approx(mean, rel=1e-6, abs=1e-6)
+
+
+def test_rollouts_count_as_the_global_batch(resumed):
+    """--train-samples 20 with 4 rollouts per step: 5 steps, the LR decays over 20 rollouts."""
+    straight = resumed["straight"]["iterations"]
+    assert sorted(straight) == [1, 2, 3, 4, 5] and straight[5]["lr"] == 0.0
+    assert [straight[i]["consumed"] for i in sorted(straight)] == [4, 8, 12, 16, 20]
+    assert all(record["batch"] == 4 for record in straight.values())
+
+
+# --- the README's Megatron-LM commands, literally (indexed dataset built by the documented command)
+
+
+def _readme_block(name):
+    text = (REPO / "README.md").read_text()
+    match = re.search(rf"<!-- tested: {name} .*?-->\n```bash\n(.*?)```", text, flags=re.S)
+    assert match, f"README block {name!r} not found"
+    return match.group(1)
+
+
+def _run_shell(command, log_path):
+    result = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", command],
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=_TIMEOUT_S,
+    )
+    log_path.write_text(result.stdout)
+    assert result.returncode == 0, result.stdout[-6000:]
+    return result.stdout
+
+
+def test_readme_megatron_lm_commands(tmp_path):
+    data = _readme_block("data").replace("python ", f"{shlex.quote(sys.executable)} ")
+    _run_shell(data, tmp_path / "data.log")
+    assert (REPO / "data" / "pydoc_text_document.idx").is_file()
+    train = _readme_block("train")
+    _run_shell(train, tmp_path / "dynamic.log")
+    last = train.rstrip().splitlines()[-1]
+    assert last.strip().startswith("--use-dynamic-batch-size")
+    fixed = train.replace(last, "    --document-samples 2>&1 | tee out/fixed.log")
+    _run_shell(fixed, tmp_path / "fixed.log")
+    compare = _readme_block("compare").replace("python ", f"{shlex.quote(sys.executable)} ")
+    report = _run_shell(compare, tmp_path / "compare.log")
+    assert "learning rates identical: yes" in report
+    dynamic = compare_runs.parse(str(REPO / "out" / "dynamic.log"))
+    baseline = compare_runs.parse(str(REPO / "out" / "fixed.log"))
+    _assert_same_training(dynamic, baseline)
+    assert sorted(dynamic["iterations"]) == list(range(1, 7))
+    assert [i for i, _ in dynamic["validation"]] == [3, 6]
+    # Dynamic batching computed far fewer tokens than 16 documents x 256 per step.
+    computed = sum(r["computed"] for r in dynamic["iterations"].values())
+    assert computed < 0.75 * 6 * 16 * 256
+
+
+def test_main_command_runs_the_demo(tmp_path):
+    """``bash scripts/demo.sh`` (shortened): both runs through pretrain() and the comparison."""
+    result = subprocess.run(
+        ["bash", "scripts/demo.sh", "--train-iters", "3", "--eval-interval", "3"],
+        cwd=REPO,
+        env=_env({"OUT": str(tmp_path / "demo"), "DATA_DIR": str(tmp_path / "data")}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=_TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stdout[-6000:]
+    out = result.stdout
+    assert "=== dynamic micro-batches" in out and "=== fixed micro-batches" in out
+    assert re.search(r"iteration +3/ +3 .*micro-batches/rank: \d+ \[1x\d+\]", out)
+    assert "learning rates identical: yes" in out and "(within 1e-05)" in out
+    assert (tmp_path / "data" / "pydoc_text_document.bin").is_file()

@@ -1,0 +1,104 @@
+"""What each rank reads through the Megatron-LM hook, on 4 gloo ranks with Megatron's groups.
+
+Every rank plans from the batch's lengths; only the first and last pipeline stages load samples,
+and only their own DP rank's share; validation batches are planned forward-only under the
+log-prob budget.
+"""
+
+from megatron_dynbatch.testing.workers import Layout, run_on_ranks
+
+LENGTHS = [30, 7, 51, 12, 19, 44, 3, 26, 9, 60, 15, 33]
+
+
+def _args(**overrides):
+    import argparse
+
+    from megatron_dynbatch.megatron.arguments import add_dynamic_batch_args
+
+    args = add_dynamic_batch_args(argparse.ArgumentParser()).parse_args(
+        ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "64"]
+    )
+    args.calculate_per_token_loss = True
+    args.global_batch_size = len(LENGTHS)
+    args.eval_global_batch_size = len(LENGTHS)
+    for name, value in overrides.items():
+        setattr(args, name, value)
+    return args
+
+
+def _lazy_batch(loaded):
+    import torch
+
+    from megatron_dynbatch.megatron.training_hooks import LazyRolloutBatch
+
+    def load(index):
+        loaded.append(index)
+        return {"tokens": torch.arange(1, LENGTHS[index] + 1)}
+
+    return LazyRolloutBatch(sample_lengths=LENGTHS, load_sample=load)
+
+
+def _reads_body(pp_size):
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_dynbatch.megatron import training_hooks
+
+    args = _args(
+        data_parallel_size=parallel_state.get_data_parallel_world_size(),
+        pipeline_model_parallel_size=pp_size,
+        log_probs_max_tokens_per_gpu=128,
+    )
+    model = [torch.nn.Linear(1, 1)]
+    training_hooks.reset_dynamic_batch_state()
+    loaded = []
+    step = training_hooks.prepare_train_step(args, iter([_lazy_batch(loaded)]), model)
+    eval_loaded = []
+    evaluation = training_hooks.prepare_eval_step(args, iter([_lazy_batch(eval_loaded)]), model)
+    training_hooks.reset_dynamic_batch_state()
+    tokens_ok = all(
+        int(mb["tokens"][mb["sample_index"] == i][0]) == 1
+        for mb in step.microbatches
+        for i in set(mb["sample_index"].flatten().tolist()) - {-1}
+    )
+    return {
+        "dp_rank": parallel_state.get_data_parallel_rank(),
+        "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+        "own": sorted(step.sample_indices),
+        "loaded": sorted(loaded),
+        "eval_own": sorted(evaluation.sample_indices),
+        "eval_loaded": sorted(eval_loaded),
+        "shape": (step.num_microbatches, step.micro_batch_size, step.seq_length),
+        "eval_seq_length": evaluation.seq_length,
+        "train_seq_length": step.seq_length,
+        "tokens_ok": tokens_ok,
+    }
+
+
+def test_each_dp_rank_loads_only_its_own_samples_on_first_and_last_stages():
+    results = run_on_ranks(4, _reads_body, 2, layout=Layout(pp=2))  # dp 2 x pp 2
+    by_dp = {}
+    for result in results:
+        # pp 2: every stage is first or last, so every rank loads its DP rank's samples, once.
+        assert result["loaded"] == result["own"] and result["tokens_ok"]
+        assert result["eval_loaded"] == result["eval_own"]
+        by_dp.setdefault(result["dp_rank"], []).append(result)
+    assert sorted(by_dp) == [0, 1]
+    for peers in by_dp.values():  # pipeline peers of one DP rank read the same samples
+        assert peers[0]["own"] == peers[1]["own"] and peers[0]["shape"] == peers[1]["shape"]
+    own = [set(by_dp[r][0]["own"]) for r in (0, 1)]
+    assert not own[0] & own[1] and own[0] | own[1] == set(range(len(LENGTHS)))
+
+
+def test_middle_pipeline_stages_read_no_sample():
+    results = run_on_ranks(4, _reads_body, 4, layout=Layout(pp=4))  # dp 1 x pp 4
+    shapes = {result["shape"] for result in results}
+    assert len(shapes) == 1  # every stage plans the same step from the lengths
+    for result in results:
+        assert result["own"] == list(range(len(LENGTHS)))
+        if result["pp_rank"] in (1, 2):
+            assert result["loaded"] == [] and result["eval_loaded"] == []
+        else:
+            assert result["loaded"] == result["own"] and result["tokens_ok"]
+        # Validation is planned forward-only under --log-probs-max-tokens-per-gpu (128, not 64).
+        assert result["train_seq_length"] <= 64 < result["eval_seq_length"] <= 128
