@@ -19,6 +19,8 @@ __all__ = ["RankBalancer", "assign_bins_to_ranks", "pipeline_order", "pipeline_o
 
 Bins = List[List[int]]
 
+#: Above this many bins per rank, dealing greedily is as good as differencing (and cheaper).
+_DIFFERENCING_MAX_PER_RANK = 16
 #: Stop refining once the costliest rank is within this fraction of a rank's whole step work of
 #: the mean: below it the gain is under the noise of a real step (0.02%).
 _BALANCE_TOLERANCE = 2e-4
@@ -49,14 +51,18 @@ def assign_bins_to_ranks(
       with the largest spread are merged, costliest rank of one with the cheapest of the other,
       until one is left. Only ``per_rank - 1`` merges of ``dp_size`` ranks: O(K log dp) for K
       bins; the ranks end far closer than dealt greedily when bin costs are alike;
-    * LPT with a count limit (:func:`_greedy`), better when a few bins are much costlier.
+    * LPT with a count limit (:func:`_greedy`), better when a few bins are much costlier, and
+      alone from ``_DIFFERENCING_MAX_PER_RANK`` bins per rank on (its granularity, one cheap bin,
+      is then a small part of a rank).
 
     Deterministic: ties by bin index, then by merge order.
     """
     assert len(bin_costs) == dp_size * per_rank
-    order = sorted(range(len(bin_costs)), key=lambda b: (bin_costs[b], b))
-    differenced = _differenced(bin_costs, order, dp_size)
+    order = sorted(range(len(bin_costs)), key=bin_costs.__getitem__)  # stable: ties by index
     greedy = _greedy(bin_costs, order, dp_size, per_rank)
+    if per_rank > _DIFFERENCING_MAX_PER_RANK:
+        return greedy
+    differenced = _differenced(bin_costs, order, dp_size)
 
     def peak(ranks: List[List[int]]) -> float:
         return max(sum(map(bin_costs.__getitem__, rank)) for rank in ranks)
@@ -96,9 +102,12 @@ def _differenced(bin_costs: Sequence[float], order: Sequence[int], dp_size: int)
     while len(heap) > 1:
         _, _, first = heapq.heappop(heap)
         _, _, second = heapq.heappop(heap)
-        merged = [[a[0] + b[0], a[1] + b[1]] for a, b in zip(first, reversed(second), strict=True)]
-        merged.sort(key=lambda rank: -rank[0])
-        heapq.heappush(heap, (merged[-1][0] - merged[0][0], counter, merged))
+        # Costliest of one with cheapest of the other, extended in place (no copies).
+        for a, b in zip(first, reversed(second), strict=True):
+            a[0] += b[0]
+            a[1].extend(b[1])
+        first.sort(key=lambda rank: -rank[0])
+        heapq.heappush(heap, (first[-1][0] - first[0][0], counter, first))
         counter += 1
     return [sorted(bins) for _, bins in heap[0][2]]
 

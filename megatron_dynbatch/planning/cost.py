@@ -170,8 +170,8 @@ def check_cost_is_finite(model: CostModel, longest_row: int) -> None:
     total = sum(worst.values()) * 1e9
     if not math.isfinite(total):
         raise ValueError(
-            f"the cost model overflows for rows of {longest_row} tokens ("
+            f"the cost model overflows a float for rows of {longest_row} tokens ("
             + ", ".join(f"{name}={getattr(model, name)!r}" for name in worst)
-            + "); use weights below about 1e290 / tokens**2 (e.g. --cost-attention-weight "
-            "1/(6*hidden_size))."
+            + "); the weights are relative: keep the token weight near 1 and the attention "
+            "weight near 1/(6*hidden_size), e.g. --cost-attention-weight 4e-5."
         )

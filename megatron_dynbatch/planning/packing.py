@@ -39,13 +39,17 @@ Bins = List[List[int]]
 Packing = Tuple[Bins, List[int]]
 
 
-def lpt_pack(sizes: Sequence[int], order: Sequence[int], num_bins: int) -> Packing:
+def lpt_pack(
+    sizes: Sequence[int], order: Sequence[int], num_bins: int, cap: Optional[int] = None
+) -> Optional[Packing]:
     """Longest-processing-time first: each sample, largest first, into the least-loaded bin.
 
     O(n log K), one heap operation per sample (ties: the lower bin index). With many samples small
     against the average load it is within one sample of optimal, which is the regime of dynamic
     batching (tens of samples per micro-batch). Example, sizes 5, 5, 4, 3, 3 into 2 bins:
     5 | 5, then 4 to bin 0 (tie, lower index) -> 9 | 5, 3 to bin 1 -> 9 | 8, 3 to bin 1 -> 9 | 11.
+    With ``cap``, returns None as soon as a sample does not fit the least-loaded bin (then it fits
+    no bin: LPT cannot pack under the cap).
     """
     bins: Bins = [[] for _ in range(num_bins)]
     # Heap keys are ``load * num_bins + bin``: one int compares faster than a (load, bin) tuple
@@ -57,10 +61,14 @@ def lpt_pack(sizes: Sequence[int], order: Sequence[int], num_bins: int) -> Packi
     heap += range(len(first), num_bins)
     heapq.heapify(heap)
     replace = heapq.heapreplace
+    limit = None if cap is None else (cap + 1) * num_bins
     for i in order[num_bins:]:
         key = heap[0]
+        new = key + sizes[i] * num_bins
+        if limit is not None and new >= limit:
+            return None
         bins[key % num_bins].append(i)
-        replace(heap, key + sizes[i] * num_bins)
+        replace(heap, new)
     loads = [0] * num_bins
     for key in heap:
         loads[key % num_bins] = key // num_bins
@@ -235,9 +243,11 @@ def kk_pack(sizes: Sequence[int], order: Sequence[int], num_bins: int) -> Packin
     while len(heap) > 1:
         _, _, first = heapq.heappop(heap)
         _, _, second = heapq.heappop(heap)
-        merged = [[a[0] + b[0], a[1] + b[1]] for a, b in zip(first, reversed(second), strict=True)]
-        merged.sort(key=lambda entry: -entry[0])
-        heapq.heappush(heap, (merged[-1][0] - merged[0][0], counter, merged))
+        for a, b in zip(first, reversed(second), strict=True):
+            a[0] += b[0]
+            a[1].extend(b[1])
+        first.sort(key=lambda entry: -entry[0])
+        heapq.heappush(heap, (first[-1][0] - first[0][0], counter, first))
         counter += 1
     sets = heap[0][2] if heap else [[0, []] for _ in range(num_bins)]
     return [entry[1] for entry in sets], [entry[0] for entry in sets]
@@ -292,6 +302,8 @@ def lower_max_load(sizes: Sequence[int], packing: Packing, cap: int) -> Packing:
     return packing
 
 
+#: Average fill of the rows above which LPT is not tried (see :func:`feasible_pack`).
+_LPT_MAX_FILL = 0.995
 #: When LPT breaks the cap, the search for the smallest row length best fit still packs stops
 #: within 1/500 of it: each probe repacks the step, and 0.2% of a row is below a step's noise.
 _ROW_SLACK_DIVISOR = 500
@@ -303,13 +315,15 @@ def feasible_pack(
     arrival: Sequence[int],
     num_bins: int,
     cap: int,
+    next_fit: bool = True,
 ) -> Optional[Packing]:
     """``order`` into ``num_bins`` bins, every load <= ``cap``, with a small largest load.
 
     LPT first (balanced, fast). Where LPT breaks the cap (samples that pair badly), best fit at the
     cap, or else next fit in arrival order; then binary search of the smallest capacity at which
     best fit still packs (MULTIFIT), and single samples spread into the bins left empty. ``None``
-    when nothing fits: more bins are needed.
+    when nothing fits: more bins are needed (``next_fit=False`` skips next fit, which only helps
+    to reach the fewest bins).
     """
     if not order:
         return [[] for _ in range(num_bins)], [0] * num_bins
@@ -317,25 +331,32 @@ def feasible_pack(
         # One sample per bin: nothing can pack tighter than its own row.
         bins: Bins = [[i] for i in order] + [[] for _ in range(num_bins - len(order))]
         return bins, [sizes[i] for i in order] + [0] * (num_bins - len(order))
-    packing = lpt_pack(sizes, order, num_bins)
-    small = len(order) * num_bins <= KK_LIMIT
-    if small:
+    if len(order) * num_bins <= KK_LIMIT:
         # Few samples per bin: differencing often balances better; keep the lower largest load,
         # then try single moves and swaps on the fullest bin.
+        packing = lpt_pack(sizes, order, num_bins)
         differenced = kk_pack(sizes, order, num_bins)
         if max(differenced[1]) < max(packing[1]):
             packing = differenced
         packing = lower_max_load(sizes, packing, cap)
-    if max(packing[1]) <= cap:
-        return packing
+        if max(packing[1]) <= cap:
+            return packing
+    elif sum(map(sizes.__getitem__, order)) <= _LPT_MAX_FILL * num_bins * cap:
+        # Rows fuller than that on average leave LPT's last, smallest samples no room: it would
+        # fail late (a whole pass) where best fit packs.
+        packing = lpt_pack(sizes, order, num_bins, cap)
+        if packing is not None:
+            return packing
     best = best_fit_pack(sizes, order, num_bins, cap)
     if best is None:
+        if not next_fit:
+            return None
         bins, loads = next_fit_count(sizes, arrival, cap)
         if len(bins) > num_bins:
             return None
         extra = num_bins - len(bins)
         return spread_into_empty(sizes, (bins + [[] for _ in range(extra)], loads + [0] * extra))
-    total = sum(sizes[i] for i in order)
+    total = sum(map(sizes.__getitem__, order))
     low = max(-(-total // num_bins), sizes[order[0]])
     high = max(best[1])
     while low < high and (high - low) * _ROW_SLACK_DIVISOR > high:

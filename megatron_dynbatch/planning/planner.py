@@ -120,9 +120,11 @@ def _apply_oversize_policy(samples: SampleSet, config: PlannerConfig) -> Dict[in
     """
     multiple = config.parallel.sample_multiple
     cap = config.token_cap
-    oversize = [i for i, length in enumerate(samples.lengths) if round_up(length, multiple) > cap]
-    if not oversize or config.oversize_samples == "allow":
+    # round_up(L, multiple) > cap exactly when L > the cap rounded down to the multiple.
+    keep = (cap // multiple) * multiple
+    if config.oversize_samples == "allow" or max(samples.lengths) <= keep:
         return {}
+    oversize = [i for i, length in enumerate(samples.lengths) if length > keep]
     if config.oversize_samples == "error":
         shown = ", ".join(f"sample {i}: {samples.lengths[i]} tokens" for i in oversize[:_LISTED])
         more = f" (and {len(oversize) - _LISTED} more)" if len(oversize) > _LISTED else ""
@@ -132,7 +134,6 @@ def _apply_oversize_policy(samples: SampleSet, config: PlannerConfig) -> Dict[in
             "Raise --max-tokens-per-gpu, drop or shorten them, or pass --oversize-samples "
             "truncate (cut to the cap) or allow (run alone, over the cap)."
         )
-    keep = (cap // multiple) * multiple
     return {i: keep for i in oversize}
 
 
@@ -180,14 +181,15 @@ def _plan_step(
     )
     shape, fewest = choose_shape(problem)
     bins = shape.bins
-    ranks = tuple(tuple(tuple(sorted(bins[b])) for b in order) for order in shape.rank_orders)
+    rows = [tuple(sorted(members)) if len(members) > 1 else tuple(members) for members in bins]
+    ranks = tuple(tuple(rows[b] for b in order) for order in shape.rank_orders)
     bin_tokens = [sum(map(lengths.__getitem__, members)) for members in bins]
     rank_tokens = [sum(map(bin_tokens.__getitem__, order)) for order in shape.rank_orders]
     rank_costs = [sum(map(shape.bin_costs.__getitem__, order)) for order in shape.rank_orders]
     real_tokens = sum(rank_tokens)
     # Internal invariant (check_plan re-derives it from the inputs): every sample exactly once.
     assert sum(map(len, bins)) == len(items), "lost or duplicated sample"
-    oversize = tuple(i for b in bins if len(b) == 1 for i in b if sizes[i] > cap)
+    oversize = tuple(shape.oversize)
     truncated = tuple(i for i in items if i in kept) if kept else ()
     regular_tokens = sum(map(sizes.__getitem__, items)) - sum(map(sizes.__getitem__, oversize))
     return StepPlan(

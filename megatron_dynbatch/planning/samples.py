@@ -52,7 +52,7 @@ def _sequence(name: str, values: Any, what: str) -> List[Any]:
 
 def _lengths(values: Sequence[Any]) -> List[int]:
     """Checked lengths as plain ints (numpy / torch integers accepted)."""
-    if all(type(v) is int for v in values):
+    if set(map(type, values)) == {int}:
         if min(values) >= 1 and max(values) <= MAX_TOKENS:
             return list(values)
         numbers: List[Optional[int]] = list(values)
@@ -108,7 +108,8 @@ class SampleSet:
         n = len(checked)
         if rollout_ids is None:
             ids: List[Any] = [None] * n
-            keys: Tuple[Hashable, ...] = tuple(("implicit", i) for i in range(n))
+            # No user ids to collide with: each sample's index is its own rollout's key.
+            keys: Tuple[Hashable, ...] = tuple(range(n))
         else:
             ids = _sequence("rollout_ids", rollout_ids, "str or int ids, one per sample")
             if len(ids) != n:
@@ -116,7 +117,7 @@ class SampleSet:
                     f"got {len(ids)} rollout ids for {n} sample lengths; pass exactly one rollout "
                     f"id per sample (or none at all)."
                 )
-            if all(type(r) is int for r in ids) or all(type(r) is str for r in ids):
+            if set(map(type, ids)) in ({int}, {str}):
                 # One type of id: the ids themselves are distinct keys (1M samples in ~10 ms).
                 keys = tuple(ids)
             else:
@@ -171,10 +172,11 @@ class SampleSet:
         Every step takes the next ``rollouts_per_step`` rollouts (all of them when ``None``); a
         short last step is kept, never dropped.
         """
+        if rollouts_per_step is None:
+            # One step of everything: only the rollout count is needed, not the grouping.
+            return [(len(set(self.rollout_keys)), list(range(len(self.lengths))))]
         rollouts = self.rollouts()
-        per_step = rollouts_per_step or len(rollouts)
-        if per_step >= len(rollouts):
-            return [(len(rollouts), list(range(len(self.lengths))))]
+        per_step = rollouts_per_step
         result = []
         for start in range(0, len(rollouts), per_step):
             chunk = rollouts[start : start + per_step]

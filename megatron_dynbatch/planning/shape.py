@@ -36,6 +36,9 @@ __all__ = ["StepProblem", "StepShape", "choose_shape"]
 
 #: Candidate counts scored per step at most (a bound on packings and simulations per plan).
 _MAX_CANDIDATES = 24
+#: Candidate counts packed and scored per step besides the fewest, at most: with the row-length
+#: bound each needs at most an LPT and a best-fit pass, so a step costs a few packings.
+_MAX_EVALUATIONS = 6
 #: Ranks whose pipeline is replayed to score a candidate: the costliest by total work.
 _SIMULATED_RANKS = 4
 #: Largest step (samples) that also gets the ranks-first construction (~50 ms of CPU at the limit).
@@ -78,6 +81,8 @@ class StepShape:
     """Forward cost of every bin as computed (:mod:`.cost`)."""
     step_time: float
     """Simulated step time (cost units, forward + backward): the slowest scored rank."""
+    oversize: Sequence[int] = ()
+    """Samples over the cap, each alone in its micro-batch."""
 
 
 def choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
@@ -97,10 +102,11 @@ def choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
     best = search.evaluate(first)
     assert best is not None, "the fewest micro-batches always pack"
     ranked = sorted((search.lower_bound(m), m) for m in candidates if m != first)
-    for bound, m in ranked:
+    for bound, m in ranked[:_MAX_EVALUATIONS]:
         if bound >= best.step_time * (1.0 - _TIE):
             break
-        shape = search.evaluate(m)
+        # Only rows shorter than this can beat the best so far: pack under it or not at all.
+        shape = search.evaluate(m, search.row_limit(m, best.step_time))
         if shape is not None and shape.step_time < best.step_time * (1.0 - _TIE):
             best = shape
     # The second construction is dearer: only for the winning count (and the fewest).
@@ -131,12 +137,17 @@ def _check_placeholders(problem: StepProblem) -> None:
     forced = parallel.dp_size * parallel.microbatch_multiple
     n = len(problem.items)
     if forced - n > MAX_FORCED_PLACEHOLDERS and forced > 2 * n:
+        if parallel.microbatch_multiple > 1:
+            why = (
+                f"dp_size={parallel.dp_size} x microbatch_group_size_per_vp_stage="
+                f"{parallel.microbatch_multiple} (interleaving, vpp_size={parallel.vpp_size})"
+            )
+        else:
+            why = f"dp_size={parallel.dp_size} (one micro-batch per rank at least)"
         raise ValueError(
-            f"dp_size={parallel.dp_size} x microbatch multiple {parallel.microbatch_multiple} "
-            f"(microbatch_group_size_per_vp_stage with vpp_size={parallel.vpp_size}) needs at least "
-            f"{forced} micro-batches per step, but the step has {n} samples: {forced - n} would be "
-            f"placeholders (limit {MAX_FORCED_PLACEHOLDERS}). Check --dp-size and "
-            "--microbatch-group-size-per-vp-stage, or put more rollouts in a step."
+            f"{why} needs {forced} micro-batches per step, but the step has {n} samples: "
+            f"{forced - n} would be placeholders (limit {MAX_FORCED_PLACEHOLDERS}). Check "
+            "--dp-size and --microbatch-group-size-per-vp-stage, or put more rollouts in a step."
         )
 
 
@@ -185,6 +196,17 @@ class _Search:
     def min_row_cost(self, per_rank: int) -> float:
         raise NotImplementedError
 
+    def row_limit(self, per_rank: int, step_time: float) -> int:
+        """The longest row a candidate of ``per_rank`` micro-batches may have and still beat a
+        step of ``step_time``: :meth:`lower_bound` with that row's cost, solved for S."""
+        ratio = 1.0 + BACKWARD_TO_FORWARD_RATIO
+        slope = ratio * per_rank / self.pp + (self.pp - 1) / (self.pp * self.vpp)
+        row = (step_time - ratio * self.work / (self.dp * self.pp)) / slope
+        model = self.model
+        if model.token_weight <= 0:
+            return self.problem.cap
+        return max(0, int((row - model.microbatch_overhead) / model.token_weight))
+
     def score(
         self,
         bins: List[List[int]],
@@ -216,11 +238,15 @@ class _Search:
             rank_bins = assign_bins_to_ranks(bin_costs if varies else loads, self.dp, per_rank)
         if layout == "packed" and varies:
             bin_costs = self._balance(bins, loads, own, rank_bins, seq_length, per_rank, bin_costs)
-        # Light-heavy-light by computed cost; among equals, less real work (placeholders) first.
-        keys = [(c, len(members)) for c, members in zip(bin_costs, bins, strict=True)]
-        orders = pipeline_orders(
-            rank_bins, keys, bin_costs, pp_size=self.pp, vpp_size=self.vpp, group=self.group
-        )
+        if self.pp == 1:
+            orders = rank_bins  # no pipeline: the order of a rank's micro-batches is moot
+        else:
+            # Light-heavy-light by computed cost; among equals, less real work (placeholders)
+            # first.
+            keys = [(c, len(members)) for c, members in zip(bin_costs, bins, strict=True)]
+            orders = pipeline_orders(
+                rank_bins, keys, bin_costs, pp_size=self.pp, vpp_size=self.vpp, group=self.group
+            )
         return StepShape(
             per_rank=per_rank,
             seq_length=seq_length,
@@ -311,10 +337,17 @@ class _PackedSearch(_Search):
             assert packing is not None, "best fit / next fit pack into the bins they counted"
         return per_rank
 
-    def _pack(self, per_rank: int):
+    def _pack(self, per_rank: int, limit: Optional[int] = None):
+        """The packing of ``per_rank`` micro-batches per rank (cached); with ``limit``, only one
+        whose rows stay under it (no next fit, which exists to find the fewest rows)."""
+        cap = self.problem.cap
+        if limit is not None and limit < cap:
+            return feasible_pack(
+                self.problem.sizes, self.order, self.arrival, self._bins(per_rank), limit, False
+            )
         if per_rank not in self._packings:
             self._packings[per_rank] = feasible_pack(
-                self.problem.sizes, self.order, self.arrival, self._bins(per_rank), self.problem.cap
+                self.problem.sizes, self.order, self.arrival, self._bins(per_rank), cap
             )
         return self._packings[per_rank]
 
@@ -339,13 +372,15 @@ class _PackedSearch(_Search):
         s = max(self.longest, ceil_div(self.total, bins))
         return row_cost(self.model, "packed", s, 1, s)
 
-    def evaluate(self, per_rank: int) -> Optional[StepShape]:
-        packing = self._pack(per_rank)
+    def evaluate(self, per_rank: int, limit: Optional[int] = None) -> Optional[StepShape]:
+        packing = self._pack(per_rank, limit)
         if packing is None:
             return None
         bins = [[i] for i in self.oversize] + [list(members) for members in packing[0]]
         loads = [self.problem.sizes[i] for i in self.oversize] + list(packing[1])
-        return self.score(bins, loads, per_rank, max(loads), 1)
+        shape = self.score(bins, loads, per_rank, max(loads), 1)
+        shape.oversize = self.oversize
+        return shape
 
     def alternative(self, per_rank: int) -> Optional[StepShape]:
         """Ranks-first packing where attention or response work makes ranks differ, on steps
@@ -421,7 +456,7 @@ class _PaddedSearch(_Search):
     def min_row_cost(self, per_rank: int) -> float:
         return row_cost(self.model, "padded", self.seq_length, self._rows(per_rank), 0)
 
-    def evaluate(self, per_rank: int) -> Optional[StepShape]:
+    def evaluate(self, per_rank: int, limit: Optional[int] = None) -> Optional[StepShape]:
         rows = self._rows(per_rank)
         num_bins = self.dp * per_rank
         bins: List[List[int]] = [[] for _ in range(num_bins)]
@@ -430,4 +465,7 @@ class _PaddedSearch(_Search):
         for k, i in enumerate(self.order):
             bins[k % num_bins].append(i)
         loads = [len(members) for members in bins]
-        return self.score(bins, loads, per_rank, self.seq_length, rows)
+        shape = self.score(bins, loads, per_rank, self.seq_length, rows)
+        # An oversize sample makes S exceed the cap, so B is 1 and it is alone in its row.
+        shape.oversize = [i for i in self.problem.items if self.problem.sizes[i] > self.problem.cap]
+        return shape
