@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from typing import Callable, List, Optional, Sequence, Tuple
+from operator import itemgetter
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .simulate import pipeline_makespan
 
@@ -21,6 +22,8 @@ Bins = List[List[int]]
 
 #: Above this many bins per rank, dealing greedily is as good as differencing (and cheaper).
 _DIFFERENCING_MAX_PER_RANK = 16
+#: Key of sorted ``(key, sample, bin)`` lists for bisection.
+_first = itemgetter(0)
 #: Stop refining once the costliest rank is within this fraction of a rank's whole step work of
 #: the mean: below it the gain is under the noise of a real step (0.02%).
 _BALANCE_TOLERANCE = 2e-4
@@ -159,9 +162,13 @@ class RankBalancer:
         self.own = list(own)
         self.changed: set = set()  # bins whose samples changed
         self.costs = [sum(own[b] + tail(loads[b]) for b in rb) for rb in rank_bins]
-        self._sorted: dict = (
-            {}
-        )  # rank -> its samples as sorted (cost, sample, bin); reset on change
+        self.rank_of_bin = [0] * len(bins)
+        for r, rank in enumerate(rank_bins):
+            for b in rank:
+                self.rank_of_bin[b] = r
+        # rank -> its movable samples as sorted (cost, sample, bin) and (size, sample, bin),
+        # built when first needed and kept sorted as samples move.
+        self._sorted: Dict[int, Tuple[list, list]] = {}
 
     def refine(self, base: float, max_rounds: Optional[int] = None) -> int:
         """Lower the costliest rank until it is within tolerance or nothing helps.
@@ -225,11 +232,22 @@ class RankBalancer:
         if b is not None:
             self._move(b, y, x)
         self.costs[hi], self.costs[lo] = new_hi, new_lo
-        self._sorted.pop(hi, None)
-        self._sorted.pop(lo, None)
         return True
 
     def _move(self, sample: int, source: int, target: int) -> None:
+        cost, size = self.sample_costs[sample], self.sizes[sample]
+        for rank, old, new in (
+            (self.rank_of_bin[source], (sample, source), None),
+            (self.rank_of_bin[target], None, (sample, target)),
+        ):
+            cached = self._sorted.get(rank)
+            if cached is None:
+                continue
+            for items, key in zip(cached, (cost, size), strict=True):
+                if old is not None:
+                    del items[bisect.bisect_left(items, (key, *old))]
+                if new is not None:
+                    bisect.insort(items, (key, *new))
         self.bins[source].remove(sample)
         self.bins[target].append(sample)
         self.loads[source] -= self.sizes[sample]
@@ -238,20 +256,15 @@ class RankBalancer:
         self.own[target] += self.sample_costs[sample]
         self.changed.update((source, target))
 
-    def _items(self, rank: int) -> Tuple[list, list, list, list]:
-        """The rank's movable samples as ``(key, sample, bin)`` sorted by cost and by size, and
-        the keys of each (for bisection)."""
+    def _items(self, rank: int) -> Tuple[list, list]:
+        """The rank's movable samples as ``(key, sample, bin)`` sorted by cost and by size."""
         cached = self._sorted.get(rank)
         if cached is None:
             costs, sizes, bins, frozen = self.sample_costs, self.sizes, self.bins, self.frozen
             rank_bins = [b for b in self.rank_bins[rank] if b not in frozen]
-            by_cost = sorted([(costs[i], i, b) for b in rank_bins for i in bins[b]])
-            by_size = sorted([(sizes[i], i, b) for b in rank_bins for i in bins[b]])
             cached = self._sorted[rank] = (
-                by_cost,
-                [c for c, _, _ in by_cost],
-                by_size,
-                [c for c, _, _ in by_size],
+                sorted([(costs[i], i, b) for b in rank_bins for i in bins[b]]),
+                sorted([(sizes[i], i, b) for b in rank_bins for i in bins[b]]),
             )
         return cached
 
@@ -283,27 +296,27 @@ class RankBalancer:
         """
         hi_cost, lo_cost = self.costs[hi], self.costs[lo]
         target = (hi_cost - lo_cost) / 2.0
-        hi_items, hi_keys, _, _ = self._items(hi)
-        lo_items, lo_keys, lo_by_size, lo_sizes = self._items(lo)
+        hi_items, _ = self._items(hi)
+        lo_items, lo_by_size = self._items(lo)
 
-        def near(items, keys, want):
-            pos = bisect.bisect_left(keys, want)
+        def near(items, want):
+            pos = bisect.bisect_left(items, want, key=_first)
             return items[max(0, pos - _SHORTLIST) : pos + _SHORTLIST]
 
         candidates = []
         lo_room = self._roomiest(lo)
         hi_room = self._roomiest(hi)
-        for _, a, x in near(hi_items, hi_keys, target):
+        for _, a, x in near(hi_items, target):
             candidates += [(a, x, None, y) for y in lo_room]  # hi -> lo
         for x in hi_room:
             # lo -> hi: a sample of half the room of a costly rank's row cuts its tail the most
             # ((t - s)**2 + s**2 is smallest at s = t / 2).
             room = self.capacity - self.loads[x]
-            candidates += [(None, x, b, y) for _, b, y in near(lo_by_size, lo_sizes, room // 2)]
+            candidates += [(None, x, b, y) for _, b, y in near(lo_by_size, room // 2)]
         # Swaps: lo's samples spread over its cost range, each with hi's sample about gap/2 dearer.
         stride = max(1, len(lo_items) // _SWAP_PARTNERS)
         for cost_b, b, y in lo_items[::stride]:
-            candidates += [(a, x, b, y) for _, a, x in near(hi_items, hi_keys, cost_b + target)]
+            candidates += [(a, x, b, y) for _, a, x in near(hi_items, cost_b + target)]
         best = None
         best_peak = hi_cost * (1.0 - 1e-12)  # a transfer must lower the current maximum
         for a, x, b, y in candidates:

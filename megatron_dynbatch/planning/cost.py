@@ -67,10 +67,8 @@ def sample_costs(
     aw, rw = model.attention_weight, model.response_weight
     if layout == "packed":
         if rw == 0.0:
-            return [aw * float(s) * float(s) for s in sizes]
-        return [
-            aw * float(s) * float(s) + rw * r for s, r in zip(sizes, response_lengths, strict=True)
-        ]
+            return [aw * (s * s) for s in sizes]
+        return [aw * (s * s) + rw * r for s, r in zip(sizes, response_lengths, strict=True)]
     return [rw * r for r in response_lengths]
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 from typing import List, Optional, Sequence, Tuple
 
 __all__ = [
@@ -138,27 +139,29 @@ def best_fit_pack(
     loads = [0] * num_bins
     # Bins by load; each list holds bin indices in decreasing order so pop() yields the lowest.
     by_load = {0: list(range(num_bins - 1, -1, -1))}
+    get_group = by_load.get
     distinct = _SortedLoads([0])
-    start, n = 0, len(order)
-    while start < n:
-        size = sizes[order[start]]
-        end = start
-        while end < n and sizes[order[end]] == size:
-            end += 1
+    start = 0
+    for size, run in itertools.groupby(map(sizes.__getitem__, order)):
+        end = start + len(list(run))
         while start < end:
             load = distinct.floor(cap - size)
             if load is None:
                 return None
             group = by_load[load]
+            pop = group.pop
             per_bin = (cap - load) // size
             while group and start < end:
-                b = group.pop()
-                take = min(per_bin, end - start)
-                bins[b].extend(order[start : start + take])
-                start += take
+                b = pop()
+                take = end - start
+                if take > per_bin:
+                    take = per_bin
+                stop = start + take
+                bins[b] += order[start:stop]
+                start = stop
                 new_load = load + take * size
                 loads[b] = new_load
-                target = by_load.get(new_load)
+                target = get_group(new_load)
                 if target is None:
                     by_load[new_load] = [b]
                     distinct.add(new_load)
@@ -169,7 +172,6 @@ def best_fit_pack(
             if not group:
                 del by_load[load]
                 distinct.remove(load)
-        start = end
     return bins, loads
 
 
@@ -209,7 +211,10 @@ def spread_into_empty(sizes: Sequence[int], packing: Packing) -> Packing:
     if not empty:
         return packing
     empty.reverse()  # pop() yields the lowest empty bin
-    heap = [(-loads[b], b) for b, members in enumerate(bins) if len(members) > 1]
+    # Only as many donors as empty bins can ever be needed: the fullest multi-sample bins.
+    heap = heapq.nsmallest(
+        len(empty), ((-loads[b], b) for b, members in enumerate(bins) if len(members) > 1)
+    )
     heapq.heapify(heap)
     while empty and heap:
         _, b = heapq.heappop(heap)
@@ -327,6 +332,7 @@ def feasible_pack(
     """
     if not order:
         return [[] for _ in range(num_bins)], [0] * num_bins
+    total = sum(map(sizes.__getitem__, order))
     if num_bins >= len(order):
         # One sample per bin: nothing can pack tighter than its own row.
         bins: Bins = [[i] for i in order] + [[] for _ in range(num_bins - len(order))]
@@ -341,7 +347,7 @@ def feasible_pack(
         packing = lower_max_load(sizes, packing, cap)
         if max(packing[1]) <= cap:
             return packing
-    elif sum(map(sizes.__getitem__, order)) <= _LPT_MAX_FILL * num_bins * cap:
+    elif total <= _LPT_MAX_FILL * num_bins * cap:
         # Rows fuller than that on average leave LPT's last, smallest samples no room: it would
         # fail late (a whole pass) where best fit packs.
         packing = lpt_pack(sizes, order, num_bins, cap)
@@ -356,7 +362,6 @@ def feasible_pack(
             return None
         extra = num_bins - len(bins)
         return spread_into_empty(sizes, (bins + [[] for _ in range(extra)], loads + [0] * extra))
-    total = sum(map(sizes.__getitem__, order))
     low = max(-(-total // num_bins), sizes[order[0]])
     high = max(best[1])
     while low < high and (high - low) * _ROW_SLACK_DIVISOR > high:

@@ -7,6 +7,7 @@ elements are either an integer (a sample's total length, its own rollout) or an 
 
 from __future__ import annotations
 
+import operator
 import reprlib
 from dataclasses import dataclass
 from typing import Any, Hashable, List, Mapping, Optional, Sequence, Tuple
@@ -78,6 +79,23 @@ def _lengths(values: Sequence[Any]) -> List[int]:
     return numbers  # type: ignore[return-value]
 
 
+def _check_prompts(prompts: List[Any], lengths: Sequence[int]) -> None:
+    """Check prompt lengths in place: ``None`` -> 0, integers of any type -> int, <= length."""
+    for i, (p, total) in enumerate(zip(prompts, lengths, strict=True)):
+        if p is None:
+            prompts[i] = 0
+            continue
+        number = as_int(p)
+        if number is None or number < 0:
+            raise ValueError(f"sample {i}: prompt_length={_short.repr(p)} must be an integer >= 0.")
+        if number > total:
+            raise ValueError(
+                f"sample {i}: prompt_length={number} is greater than its total length={total}; "
+                "the length must count prompt and response tokens together."
+            )
+        prompts[i] = number
+
+
 @dataclass(frozen=True)
 class SampleSet:
     """Per-sample inputs after validation.
@@ -130,21 +148,14 @@ class SampleSet:
                 raise ValueError(
                     f"got {len(prompts)} prompt lengths for {n} sample lengths; pass one per sample."
                 )
-            for i, (p, total) in enumerate(zip(prompts, checked, strict=True)):
-                if p is None:
-                    prompts[i] = 0
-                    continue
-                number = as_int(p)
-                if number is None or number < 0:
-                    raise ValueError(
-                        f"sample {i}: prompt_length={_short.repr(p)} must be an integer >= 0."
-                    )
-                if number > total:
-                    raise ValueError(
-                        f"sample {i}: prompt_length={number} is greater than its total length="
-                        f"{total}; the length must count prompt and response tokens together."
-                    )
-                prompts[i] = number
+            if (
+                set(map(type, prompts)) == {int}
+                and min(prompts) >= 0
+                and not any(map(operator.gt, prompts, checked))
+            ):
+                prompts = list(prompts)  # plain ints within their samples: nothing to convert
+            else:
+                _check_prompts(prompts, checked)
         return cls(
             lengths=tuple(checked),
             rollout_keys=keys,
