@@ -24,7 +24,7 @@ import bisect
 import heapq
 from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
-from megatron_dynbatch.planning.spec import ceil_div
+from megatron_dynbatch.planning.spec import ceil_div, round_up
 
 __all__ = [
     "BASELINES",
@@ -133,7 +133,7 @@ def _equalize(ranks: Ranks, multiple: int) -> int:
     Returns the number of placeholders added (the harness's, not the framework's).
     """
     target = max(len(rank) for rank in ranks)
-    target = max(multiple, -(-target // multiple) * multiple)
+    target = max(multiple, round_up(target, multiple))
     added = 0
     for rank in ranks:
         added += target - len(rank)
@@ -317,7 +317,7 @@ def next_fit(
             count = per_rank + (1 if r < extra else 0)
             ranks.append([list(b) for b in bins[start : start + count]])
             start += count
-        max_bins = -(-num_bins // dp_size)
+        max_bins = ceil_div(num_bins, dp_size)
         upstream = 0
         for rank in ranks:
             upstream += max_bins - len(rank)
@@ -434,7 +434,7 @@ def slime_first_fit(
             bin_tokens.append(lengths[i])
 
     align = dp_size * microbatch_multiple
-    target = max(-(-len(bins) // align) * align, align)
+    target = max(round_up(len(bins), align), align)
     while len(bins) < target:
         candidates = [(sum(lengths[i] for i in b), j) for j, b in enumerate(bins) if len(b) > 1]
         if not candidates:
@@ -528,10 +528,10 @@ def verl_kk(
         rank_samples[r] = part[::2] + part[1::2][::-1]
 
     counts = [
-        min(len(part), -(-sum(lengths[i] for i in part) // token_cap)) for part in rank_samples
+        min(len(part), ceil_div(sum(lengths[i] for i in part), token_cap)) for part in rank_samples
     ]
     num_microbatches = max(counts)  # the all-reduce MAX over the DP group
-    num_microbatches = -(-num_microbatches // microbatch_multiple) * microbatch_multiple
+    num_microbatches = round_up(num_microbatches, microbatch_multiple)
     ranks: Ranks = []
     for part in rank_samples:
         if num_microbatches > len(part):
@@ -828,7 +828,7 @@ def fixed_mbs(
         )
     n = len(lengths)
     per_round = micro_batch_size * dp_size
-    num_microbatches = -(-n // per_round)
+    num_microbatches = ceil_div(n, per_round)
     ranks: Ranks = [[] for _ in range(dp_size)]
     for m in range(num_microbatches):
         for r in range(dp_size):

@@ -40,6 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from benchmarks import baselines
 from benchmarks.baselines import BaselineFailure
+from megatron_dynbatch.planning.spec import round_up
 
 __all__ = ["PEERS", "available", "run_peer"]
 
@@ -347,7 +348,7 @@ def real_skyrl(
         )
         ranks.append([[base + i for i in b] for b in bins])
     target = max(len(rank) for rank in ranks)
-    target = -(-target // microbatch_multiple) * microbatch_multiple
+    target = round_up(target, microbatch_multiple)
     for rank in ranks:
         rank.extend([] for _ in range(target - len(rank)))
     return ranks

@@ -15,6 +15,7 @@ from operator import itemgetter
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .simulate import pipeline_makespan
+from .spec import ceil_div
 
 __all__ = ["RankBalancer", "assign_bins_to_ranks", "pipeline_order", "pipeline_orders"]
 
@@ -383,7 +384,7 @@ def pipeline_orders(
         return pipeline_makespan([sim_costs[b] for b in order], pp_size, vpp_size, group)
 
     costliest = max(range(len(base)), key=lambda r: (sum(map(sim_costs.__getitem__, base[r])), -r))
-    step = max(1, -(-num_microbatches // _MAX_HEAVY_SLOTS))
+    step = max(1, ceil_div(num_microbatches, _MAX_HEAVY_SLOTS))
     slots = sorted(set(range(0, num_microbatches, step)) | {num_microbatches - 1})
     best_slot, best_time = None, makespan(base[costliest])
     for slot in slots:

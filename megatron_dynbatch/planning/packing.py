@@ -23,6 +23,8 @@ import heapq
 import itertools
 from typing import List, Optional, Sequence, Tuple
 
+from .spec import ceil_div
+
 __all__ = [
     "Packing",
     "best_fit_pack",
@@ -362,7 +364,7 @@ def feasible_pack(
             return None
         extra = num_bins - len(bins)
         return spread_into_empty(sizes, (bins + [[] for _ in range(extra)], loads + [0] * extra))
-    low = max(-(-total // num_bins), sizes[order[0]])
+    low = max(ceil_div(total, num_bins), sizes[order[0]])
     high = max(best[1])
     while low < high and (high - low) * _ROW_SLACK_DIVISOR > high:
         middle = (low + high) // 2
