@@ -121,7 +121,7 @@ class RankBalancer:
 
     A rank's variable cost is the sum over its bins of their samples' costs plus ``tail(load)``,
     the attention of the row's padding tail (which shrinks as the row fills, see :mod:`.cost`).
-    Bins may not exceed ``capacity`` (the step's row length). Moving a sample *into* a costly
+    Bins may not exceed ``row_length`` (the step's S, in padded tokens). Moving a sample *into* a costly
     rank's row can lower that rank's cost (a fuller row has a smaller tail), so transfers go both
     ways; swaps exchange a sample of each. Each round looks at a bounded shortlist (a handful of
     samples near the cost that would halve the gap, the bins with the most room), so a round costs
@@ -142,7 +142,7 @@ class RankBalancer:
         rank_bins: List[List[int]],
         sample_costs: Sequence[float],
         sizes: Sequence[int],
-        capacity: int,
+        row_length: int,
         tail: Callable[[int], float],
         frozen: Sequence[int] = (),
         loads: Optional[Sequence[int]] = None,
@@ -152,7 +152,7 @@ class RankBalancer:
         self.rank_bins = rank_bins
         self.sample_costs = sample_costs
         self.sizes = sizes
-        self.capacity = capacity
+        self.row_length = row_length
         self.tail = tail
         self.frozen = set(frozen)  # bins that keep their samples (a lone oversize sample)
         if loads is None:
@@ -276,11 +276,11 @@ class RankBalancer:
 
     def _delta(self, x: int, out: Optional[int], into: Optional[int]) -> Optional[float]:
         """Cost change of bin ``x`` when sample ``out`` leaves it and ``into`` joins; None if the
-        bin would exceed the capacity."""
+        bin would exceed the row length."""
         sizes, costs = self.sizes, self.sample_costs
         change = (sizes[into] if into is not None else 0) - (sizes[out] if out is not None else 0)
         load = self.loads[x] + change
-        if load > self.capacity:
+        if load > self.row_length:
             return None
         delta = self.tail(load) - self.tail(self.loads[x])
         if into is not None:
@@ -312,7 +312,7 @@ class RankBalancer:
         for x in hi_room:
             # lo -> hi: a sample of half the room of a costly rank's row cuts its tail the most
             # ((t - s)**2 + s**2 is smallest at s = t / 2).
-            room = self.capacity - self.loads[x]
+            room = self.row_length - self.loads[x]
             candidates += [(None, x, b, y) for _, b, y in near(lo_by_size, room // 2)]
         # Swaps: lo's samples spread over its cost range, each with hi's sample about gap/2 dearer.
         stride = max(1, len(lo_items) // _SWAP_PARTNERS)

@@ -33,7 +33,7 @@ overhead: ``16 + 0.1 * (16 + 64 + 16) = 25.6``; a placeholder of the step costs
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from .spec import CostModel, round_up
 
@@ -41,9 +41,11 @@ __all__ = [
     "check_cost_is_finite",
     "microbatch_cost",
     "row_cost",
+    "row_costs",
     "sample_cost",
     "sample_costs",
     "step_microbatch_costs",
+    "tail_cost",
 ]
 
 
@@ -92,6 +94,38 @@ def row_cost(
     return model.microbatch_overhead + micro_batch_size * (
         model.token_weight * s + model.attention_weight * s * s
     )
+
+
+def row_costs(
+    model: CostModel,
+    layout: str,
+    seq_length: int,
+    micro_batch_size: int,
+    loads: Sequence[int],
+    own: Sequence[float],
+) -> List[float]:
+    """``row_cost(..., load) + own`` of many micro-batches at once (the planner's hot path).
+
+    ``own[b]`` is the sum of micro-batch ``b``'s :func:`sample_cost`; ``loads[b]`` its padded
+    tokens (packed layout).
+    """
+    if layout != "packed":
+        row = row_cost(model, layout, seq_length, micro_batch_size, 0)
+        return [row + o for o in own]
+    s = float(seq_length)
+    fixed = model.microbatch_overhead + model.token_weight * s
+    aw = model.attention_weight
+    return [fixed + aw * (s - load) * (s - load) + o for o, load in zip(own, loads, strict=True)]
+
+
+def tail_cost(model: CostModel, seq_length: int) -> Callable[[int], float]:
+    """The attention of a packed row's padding tail as a function of the row's padded load."""
+    s, aw = float(seq_length), model.attention_weight
+
+    def tail(load: int) -> float:
+        return aw * (s - load) * (s - load)
+
+    return tail
 
 
 def microbatch_cost(

@@ -71,7 +71,7 @@ def plan_schedule(
 def plan_samples(samples: SampleSet, config: PlannerConfig) -> Plan:
     """:func:`plan_schedule` on an already validated :class:`SampleSet`."""
     parallel = config.parallel
-    multiple = parallel.sample_multiple
+    sample_multiple = parallel.sample_multiple
     cap = config.token_cap
     check_cost_is_finite(config.cost, max(cap, max(samples.lengths)))
     kept = _apply_oversize_policy(samples, config)
@@ -82,7 +82,11 @@ def plan_samples(samples: SampleSet, config: PlannerConfig) -> Plan:
             effective[i] = k
     else:
         effective = lengths
-    sizes = effective if multiple == 1 else [round_up(length, multiple) for length in effective]
+    sizes = (
+        effective
+        if sample_multiple == 1
+        else [round_up(length, sample_multiple) for length in effective]
+    )
     if config.cost.response_weight:
         responses: Sequence[int] = [
             max(0, length - prompt)
@@ -105,7 +109,7 @@ def plan_samples(samples: SampleSet, config: PlannerConfig) -> Plan:
         steps=tuple(steps),
         stats=PlanStats.from_steps(steps, num_samples=len(samples), dp_size=parallel.dp_size),
         layout=config.layout,
-        sample_multiple=multiple,
+        sample_multiple=sample_multiple,
         token_cap=cap,
         dp_size=parallel.dp_size,
     )
@@ -118,10 +122,10 @@ def _apply_oversize_policy(samples: SampleSet, config: PlannerConfig) -> Dict[in
     cap. ``truncate`` keeps the longest prefix whose padded length fits: the cap rounded down to
     the sample multiple.
     """
-    multiple = config.parallel.sample_multiple
+    sample_multiple = config.parallel.sample_multiple
     cap = config.token_cap
-    # round_up(L, multiple) > cap exactly when L > the cap rounded down to the multiple.
-    keep = (cap // multiple) * multiple
+    # round_up(L, sample_multiple) > cap exactly when L > the cap rounded down to the multiple.
+    keep = (cap // sample_multiple) * sample_multiple
     if config.oversize_samples == "allow" or max(samples.lengths) <= keep:
         return {}
     oversize = [i for i, length in enumerate(samples.lengths) if length > keep]

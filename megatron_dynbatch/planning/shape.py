@@ -8,8 +8,12 @@ balanced over the DP ranks, ordered for the pipeline and scored by :mod:`.simula
 micro-batch cost (:mod:`.cost`, per-micro-batch overhead included); the fastest wins, ties to the
 smaller M. Candidates are visited in order of a lower bound on their step time and the search stops
 when no unvisited candidate can beat the best one (branch and bound), so a step whose fewest rows
-are clearly fastest (no pipeline, or S already at the longest sample) packs once. The candidate
-counts are at most ``_MAX_CANDIDATES``, spread geometrically over a long range.
+are clearly fastest (no pipeline, or S already at the longest sample) packs once; a candidate is
+packed only under the longest row that could still win. Work per step is bounded: at most
+``_MAX_CANDIDATES`` counts (spread geometrically over a long range), at most ``_MAX_EVALUATIONS``
+of them packed besides the fewest, and per packing at most ``_SIMULATED_RANKS`` pipeline replays
+plus the heavy-slot search of :func:`.balance.pipeline_orders` (17 replays). On small steps a
+second construction, ranks first (:meth:`_PackedSearch._ranks_first`), is scored too.
 
 Layouts:
 
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from .balance import RankBalancer, assign_bins_to_ranks, pipeline_orders
-from .cost import row_cost
+from .cost import row_cost, row_costs, tail_cost
 from .packing import feasible_pack, min_bins
 from .simulate import BACKWARD_TO_FORWARD_RATIO, pipeline_makespan
 from .spec import CostModel, ParallelLayout, ceil_div, round_up
@@ -112,10 +116,7 @@ def choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
     # The second construction is dearer: only for the winning count (and the fewest).
     for m in sorted({best.per_rank, first}):
         shape = search.alternative(m)
-        if shape is not None and (shape.step_time, m) < (
-            best.step_time * (1.0 - _TIE),
-            best.per_rank,
-        ):
+        if shape is not None and shape.step_time < best.step_time * (1.0 - _TIE):
             best = shape
     return best, first
 
@@ -129,7 +130,7 @@ def _check_placeholders(problem: StepProblem) -> None:
 
     Every DP rank runs at least ``microbatch_multiple`` micro-batches (one without interleaving), so
     a step of n samples has at least ``dp * multiple - n`` placeholders. A placeholder is a full
-    row of padding; more than 65,536 of them, and more than real samples, is a mistyped
+    row of padding; more than 65,536 of them and more of them than samples is a mistyped
     ``--dp-size`` or interleaving group (dp 10,000,000 for 10 samples; a group of 100,000 at dp 8
     planned 800,000 placeholders), so it fails here instead of planning for minutes.
     """
@@ -176,7 +177,7 @@ class _Search:
         self.pp = parallel.pp_size
         self.vpp = parallel.vpp_size
         self.group = parallel.group_size
-        self.multiple = parallel.microbatch_multiple
+        self.microbatch_multiple = parallel.microbatch_multiple
         self.model = problem.model
         self.work = sum(map(problem.sample_costs.__getitem__, problem.items))
         self.min_per_rank = 1
@@ -221,16 +222,7 @@ class _Search:
         costs = problem.sample_costs
         layout = problem.layout
         own = [sum(map(costs.__getitem__, members)) for members in bins]
-        if layout == "packed":
-            model, s = self.model, float(seq_length)
-            fixed = model.microbatch_overhead + model.token_weight * s
-            aw = model.attention_weight
-            bin_costs = [
-                fixed + aw * (s - load) * (s - load) + o for o, load in zip(own, loads, strict=True)
-            ]
-        else:
-            row = row_cost(self.model, layout, seq_length, rows, 0)
-            bin_costs = [row + o for o in own]
+        bin_costs = row_costs(self.model, layout, seq_length, rows, loads, own)
         varies = self.model.attention_weight or self.model.response_weight
         # Rows of one shape cost the same unless attention or response work varies with what they
         # hold; then balance the cost, else balance real tokens (free, and what logs show).
@@ -269,22 +261,18 @@ class _Search:
     ) -> List[float]:
         """Sample moves between ranks (:class:`.balance.RankBalancer`); returns new bin costs."""
         problem = self.problem
-        aw = self.model.attention_weight
-        s = float(seq_length)
-
-        def tail(load: int) -> float:
-            return aw * (s - load) * (s - load)
-
+        tail = tail_cost(self.model, seq_length)
         cap, sizes = problem.cap, problem.sizes
         frozen = [b for b, m in enumerate(bins) if len(m) == 1 and sizes[m[0]] > cap]
         balancer = RankBalancer(
             bins, rank_bins, problem.sample_costs, sizes, seq_length, tail, frozen, loads, own
         )
-        fixed = self.model.microbatch_overhead + self.model.token_weight * s
-        balancer.refine(base=per_rank * fixed)
+        # Every rank runs per_rank full rows of linear work and overhead besides the variable part.
+        full_row = row_cost(self.model, "packed", seq_length, 1, seq_length)
+        balancer.refine(base=per_rank * full_row)
         bin_costs = list(bin_costs)
         for b in balancer.changed:
-            bin_costs[b] = fixed + tail(balancer.loads[b]) + balancer.own[b]
+            bin_costs[b] = full_row + tail(balancer.loads[b]) + balancer.own[b]
         return bin_costs
 
     def _step_time(self, orders: List[List[int]], bin_costs: Sequence[float]) -> float:
@@ -328,11 +316,11 @@ class _PackedSearch(_Search):
         sizes = self.problem.sizes
         halves = bisect.bisect_left(self.order, True, key=lambda i: sizes[i] <= half)
         bound = len(self.oversize) + max(ceil_div(self.total, cap), halves)
-        per_rank = round_up(max(1, ceil_div(bound, self.dp)), self.multiple)
+        per_rank = round_up(max(1, ceil_div(bound, self.dp)), self.microbatch_multiple)
         packing = self._pack(per_rank)
         if packing is None:
             need = len(self.oversize) + min_bins(self.problem.sizes, self.order, self.arrival, cap)
-            per_rank = round_up(max(1, ceil_div(need, self.dp)), self.multiple)
+            per_rank = round_up(max(1, ceil_div(need, self.dp)), self.microbatch_multiple)
             packing = self._pack(per_rank)
             assert packing is not None, "best fit / next fit pack into the bins they counted"
         return per_rank
@@ -358,14 +346,14 @@ class _PackedSearch(_Search):
         last = first
         # Up to where S could reach the longest sample, and no more bins than samples.
         while True:
-            nxt = last + self.multiple
+            nxt = last + self.microbatch_multiple
             bins = self._bins(nxt)
             if bins > len(self.arrival) or ceil_div(self.total, self._bins(last)) <= (
                 self.longest_regular
             ):
                 break
             last = nxt
-        return _candidate_counts(first, last, self.multiple)
+        return _candidate_counts(first, last, self.microbatch_multiple)
 
     def min_row_cost(self, per_rank: int) -> float:
         bins = max(1, self._bins(per_rank))
@@ -437,7 +425,7 @@ class _PaddedSearch(_Search):
         self.order = sorted(problem.items, key=lambda i: (-key[i], i))
 
     def _per_rank_for_rows(self, rows: int) -> int:
-        return round_up(max(1, ceil_div(ceil_div(self.n, rows), self.dp)), self.multiple)
+        return round_up(max(1, ceil_div(ceil_div(self.n, rows), self.dp)), self.microbatch_multiple)
 
     def _rows(self, per_rank: int) -> int:
         return max(1, ceil_div(self.n, self.dp * per_rank))
