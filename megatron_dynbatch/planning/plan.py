@@ -39,7 +39,7 @@ class StepPlan:
     dp_imbalance: float
     """max / mean over ranks of real tokens."""
     dp_imbalance_cost: float
-    """max / mean over ranks of the cost model."""
+    """max / mean over ranks of their samples' own cost (:meth:`.spec.CostModel.cost`)."""
     oversize_samples: Tuple[int, ...]
     """Samples longer than the cap, each alone in its micro-batch."""
     lower_bound_microbatches: int
@@ -54,6 +54,9 @@ class StepPlan:
     kept_lengths: Tuple[Tuple[int, int], ...] = ()
     """``(sample, kept length)`` of every truncated sample: the materializer keeps that many of its
     first tokens."""
+    dp_imbalance_computed: float = 1.0
+    """max / mean over ranks of what they compute: the cost of their micro-batches, padding,
+    placeholders and overhead included (:mod:`.cost`), which sets the step time."""
 
     def rank_microbatches(self, dp_rank: int) -> Tuple[MicroBatch, ...]:
         """The ordered micro-batches of one DP rank."""
@@ -83,6 +86,7 @@ class StepPlan:
             "truncated_samples": list(self.truncated_samples),
             "truncated_tokens": self.truncated_tokens,
             "kept_lengths": [list(pair) for pair in self.kept_lengths],
+            "dp_imbalance_computed": self.dp_imbalance_computed,
         }
 
 
@@ -112,6 +116,8 @@ class PlanStats:
     """Samples cut to the cap (``truncate`` oversize policy)."""
     truncated_tokens: int = 0
     """Tokens cut from them, all steps."""
+    dp_imbalance_computed: float = 1.0
+    """Worst step's max/mean computed cost over DP ranks (padding and placeholders included)."""
 
     @classmethod
     def from_steps(
@@ -137,6 +143,7 @@ class PlanStats:
             max_microbatch_tokens=max(s.micro_batch_size * s.seq_length for s in steps),
             truncated_samples=tuple(i for s in steps for i in s.truncated_samples),
             truncated_tokens=sum(s.truncated_tokens for s in steps),
+            dp_imbalance_computed=max(s.dp_imbalance_computed for s in steps),
         )
 
     def to_dict(self) -> Dict[str, Any]:
@@ -154,6 +161,7 @@ class PlanStats:
             "max_microbatch_tokens": self.max_microbatch_tokens,
             "truncated_samples": list(self.truncated_samples),
             "truncated_tokens": self.truncated_tokens,
+            "dp_imbalance_computed": self.dp_imbalance_computed,
         }
 
 

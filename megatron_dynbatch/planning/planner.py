@@ -21,6 +21,7 @@ Per step the planner
 from __future__ import annotations
 
 import gc
+import itertools
 import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -110,8 +111,15 @@ def _plan_samples(samples: SampleSet, config: PlannerConfig) -> Plan:
         responses = sizes  # unused: no response term
 
     costs = sample_costs(config.cost, config.layout, sizes, responses)
+    own_costs = list(
+        map(
+            config.cost.cost,
+            effective,
+            responses if config.cost.response_weight else itertools.repeat(0),
+        )
+    )
     steps = [
-        _plan_step(items, num_rollouts, effective, sizes, costs, kept, samples, config)
+        _plan_step(items, num_rollouts, effective, sizes, costs, own_costs, kept, samples, config)
         for num_rollouts, items in samples.steps(config.rollouts_per_step)
     ]
     oversize = [i for step in steps for i in step.oversize_samples]
@@ -180,6 +188,7 @@ def _plan_step(
     lengths: Sequence[int],
     sizes: Sequence[int],
     costs: Sequence[float],
+    own_costs: Sequence[float],
     kept: Dict[int, int],
     samples: SampleSet,
     config: PlannerConfig,
@@ -203,7 +212,10 @@ def _plan_step(
     ranks = tuple(tuple(rows[b] for b in order) for order in shape.rank_orders)
     bin_tokens = [sum(map(lengths.__getitem__, members)) for members in bins]
     rank_tokens = [sum(map(bin_tokens.__getitem__, order)) for order in shape.rank_orders]
-    rank_costs = [sum(map(shape.bin_costs.__getitem__, order)) for order in shape.rank_orders]
+    computed = [sum(map(shape.bin_costs.__getitem__, order)) for order in shape.rank_orders]
+    # The samples' own cost per rank (CostModel.cost), what dp_imbalance_cost always reported.
+    bin_own = [sum(map(own_costs.__getitem__, members)) for members in bins]
+    own = [sum(map(bin_own.__getitem__, order)) for order in shape.rank_orders]
     real_tokens = sum(rank_tokens)
     # Internal invariant (check_plan re-derives it from the inputs): every sample exactly once.
     assert sum(map(len, bins)) == len(items), "lost or duplicated sample"
@@ -220,13 +232,14 @@ def _plan_step(
         real_tokens=real_tokens,
         fill=real_tokens / (dp * shape.per_rank * shape.micro_batch_size * shape.seq_length),
         dp_imbalance=_imbalance(rank_tokens),
-        dp_imbalance_cost=_imbalance(rank_costs),
+        dp_imbalance_cost=_imbalance(own),
         oversize_samples=oversize,
         lower_bound_microbatches=len(oversize) + ceil_div(regular_tokens, cap),
         min_microbatches=fewest,
         truncated_samples=truncated,
         truncated_tokens=sum(samples.lengths[i] - kept[i] for i in truncated),
         kept_lengths=tuple((i, kept[i]) for i in truncated),
+        dp_imbalance_computed=_imbalance(computed),
     )
 
 
