@@ -141,6 +141,13 @@ def test_bools_are_still_not_integers():
         ParallelLayout(dp_size=True)
 
 
+def test_deeply_nested_yaml_is_a_clean_error(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("max_tokens_per_gpu: " + "[" * 50_000 + "]" * 50_000 + "\n")
+    with pytest.raises(ValueError, match="nested too deeply"):
+        load_yaml_config(path)
+
+
 def test_yaml_exponent_floats_are_floats(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("max_tokens_per_gpu: 4096\ncost_attention_weight: 4e-5\n")
