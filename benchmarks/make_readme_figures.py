@@ -129,7 +129,7 @@ def verdict_lines(result: Dict[str, Any]) -> List[str]:
 
 def speed_lines(table: Sequence[Dict[str, Any]], caps: Dict[str, float], verl) -> List[str]:
     lines = [
-        "| workload | CPU ms (min of 3) | goal ms | peak MB | M/rank (LB) | S | fill |",
+        "| workload | CPU ms (min of 5) | goal ms | peak MB | M/rank (LB) | S | fill |",
         "|---|---|---|---|---|---|---|",
     ]
     for row in table:
