@@ -20,9 +20,11 @@ Pure standard library; the workload formula is verl's and is used only by the ba
 
 from __future__ import annotations
 
+import bisect
 import heapq
-import itertools
 from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+
+from megatron_dynbatch.planning.spec import ceil_div, round_up
 
 __all__ = [
     "BASELINES",
@@ -33,6 +35,7 @@ __all__ = [
     "karmarkar_karp",
     "next_fit",
     "nemo_rl_ffd",
+    "nemo_rl_mffd",
     "skyrl_balanced",
     "slime_first_fit",
     "verl_kk",
@@ -78,6 +81,7 @@ class BaselineSchedule(list):
         harness_placeholders: int = 0,
         micro_batch_size: int = 1,
         notes: Sequence[str] = (),
+        dummy_lengths: Sequence[int] = (),
     ) -> None:
         super().__init__(ranks)
         self.baseline = baseline
@@ -91,6 +95,9 @@ class BaselineSchedule(list):
         """Rows per micro-batch: the fixed B of :func:`fixed_mbs`, 1 (one packed row) otherwise."""
         self.notes = tuple(notes)
         """Upstream quirks this input triggered (human-readable)."""
+        self.dummy_lengths = tuple(dummy_lengths)
+        """Lengths of loss-masked filler samples the framework computes (index ``n + k`` in the
+        ranks is filler ``k``; SkyRL pads a mini-batch with copies of sample 0)."""
 
 
 def _validate(
@@ -126,7 +133,7 @@ def _equalize(ranks: Ranks, multiple: int) -> int:
     Returns the number of placeholders added (the harness's, not the framework's).
     """
     target = max(len(rank) for rank in ranks)
-    target = max(multiple, -(-target // multiple) * multiple)
+    target = max(multiple, round_up(target, multiple))
     added = 0
     for rank in ranks:
         added += target - len(rank)
@@ -144,16 +151,54 @@ def verl_workload(length: int) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
+class _KKSet:
+    """One set of a partial partition, ordered as verl's ``Set``: (sum, item count, items)."""
+
+    __slots__ = ("total", "items")
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.items: List[Tuple[int, int]] = []  # (index, value), in insertion order
+
+    def key(self) -> Tuple[int, int, List[Tuple[int, int]]]:
+        return (self.total, len(self.items), self.items)
+
+    def __lt__(self, other: "_KKSet") -> bool:
+        return self.key() < other.key()
+
+
+class _KKState:
+    """A partial partition of ``k`` sets, heaviest first; the heap pops the largest spread first,
+    then the one whose heaviest set orders highest (verl's ``State.__lt__``)."""
+
+    __slots__ = ("sets",)
+
+    def __init__(self, sets: List[_KKSet]) -> None:
+        self.sets = sorted(sets, reverse=True)
+
+    @property
+    def spread(self) -> int:
+        return self.sets[0].total - self.sets[-1].total
+
+    def __lt__(self, other: "_KKState") -> bool:
+        if self.spread != other.spread:
+            return self.spread > other.spread
+        return other.sets[0] < self.sets[0]
+
+
 def karmarkar_karp(values: Sequence[int], k: int, equal_size: bool) -> List[List[int]]:
     """k-way largest differencing method (Karmarkar-Karp): indices of ``values`` in ``k`` sets.
 
-    Every item starts as a partial partition of ``k`` sets (the item in one set, the others empty);
-    with ``equal_size`` the items are instead taken ``k`` at a time in ascending order, one per set,
-    so every set ends with ``len(values) / k`` items. The partial partition with the largest spread
-    (max set sum - min set sum) is repeatedly merged with the next-largest-spread one, pairing the
-    heaviest set of the one with the lightest of the other, until one partition remains. A heap keeps
-    the partial partitions ordered by spread, so the cost is ``O(n log n * k log k)``, which is what
-    makes the timing of this baseline representative of verl's.
+    Behaves exactly as verl's ``karmarkar_karp`` (``verl/utils/seqlen_balancing.py``; slime ships
+    a copy), ties included, so the baselines reproduce verl's and slime's partitions item for item
+    (``benchmarks/peers.py`` checks this against the real function when a checkout is given).
+    Items are taken in ascending ``(value, index)`` order. Every item starts as a partial partition
+    of ``k`` sets (the item in one set, the others empty); with ``equal_size`` the items are instead
+    taken ``k`` at a time, one per set, so every set ends with ``len(values) / k`` items. The
+    partial partition with the largest spread (max set sum - min set sum) is repeatedly merged with
+    the next one, heaviest set of the first with the lightest of the second, until one remains.
+    Sets compare by (sum, item count, items), as upstream; that makes each merge ``O(k log k)``
+    comparisons of growing lists, which is what makes the timing representative of verl's.
 
     Args:
         values: Non-negative weights.
@@ -167,35 +212,35 @@ def karmarkar_karp(values: Sequence[int], k: int, equal_size: bool) -> List[List
         raise ValueError(f"k={k} must be >= 1.")
     if equal_size and len(values) % k:
         raise ValueError(f"equal_size needs len(values)={len(values)} to be a multiple of k={k}.")
-    # A partial partition is a list of k (sum, items) sets kept heaviest first.
-    counter = itertools.count()  # heap tie-break: first pushed pops first (deterministic)
-    heap: List[Tuple[int, int, int, List[Tuple[int, List[int]]]]] = []
+    ordered = sorted((value, i) for i, value in enumerate(values))
+    heap: List[_KKState] = []
 
-    def push(sets: List[Tuple[int, List[int]]]) -> None:
-        sets.sort(key=lambda s: s[0], reverse=True)
-        spread = sets[0][0] - sets[-1][0]
-        # Largest spread first; on equal spread the one with the heavier top set.
-        heapq.heappush(heap, (-spread, -sets[0][0], next(counter), sets))
+    def state(items: Sequence[Tuple[int, int]]) -> _KKState:
+        sets = [_KKSet() for _ in range(k)]
+        for target, (value, i) in zip(sets, items, strict=False):
+            target.items.append((i, value))
+            target.total += value
+        return _KKState(sets)
 
-    order = sorted(range(len(values)), key=lambda i: (values[i], i))
     if equal_size:
-        for start in range(0, len(order), k):
-            push([(values[i], [i]) for i in order[start : start + k]])
+        for start in range(0, len(ordered), k):
+            heapq.heappush(heap, state(ordered[start : start + k]))
     else:
-        for i in order:
-            push([(values[i], [i])] + [(0, []) for _ in range(k - 1)])
+        for item in ordered:
+            heapq.heappush(heap, state([item]))
     if not heap:
         return [[] for _ in range(k)]
     while len(heap) > 1:
-        first = heapq.heappop(heap)[3]
-        second = heapq.heappop(heap)[3]
+        first = heapq.heappop(heap)
+        second = heapq.heappop(heap)
         # Heaviest of one with lightest of the other: the differencing step.
-        merged = [
-            (first[j][0] + second[k - 1 - j][0], first[j][1] + second[k - 1 - j][1])
-            for j in range(k)
-        ]
-        push(merged)
-    return [items for _, items in heap[0][3]]
+        for j in range(k):
+            absorbed = second.sets[k - 1 - j]
+            first.sets[j].items.extend(absorbed.items)
+            first.sets[j].total += absorbed.total
+        first.sets = sorted(first.sets, reverse=True)
+        heapq.heappush(heap, first)
+    return [[i for i, _ in s.items] for s in heap[0].sets]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -272,7 +317,7 @@ def next_fit(
             count = per_rank + (1 if r < extra else 0)
             ranks.append([list(b) for b in bins[start : start + count]])
             start += count
-        max_bins = -(-num_bins // dp_size)
+        max_bins = ceil_div(num_bins, dp_size)
         upstream = 0
         for rank in ranks:
             upstream += max_bins - len(rank)
@@ -389,7 +434,7 @@ def slime_first_fit(
             bin_tokens.append(lengths[i])
 
     align = dp_size * microbatch_multiple
-    target = max(-(-len(bins) // align) * align, align)
+    target = max(round_up(len(bins), align), align)
     while len(bins) < target:
         candidates = [(sum(lengths[i] for i in b), j) for j, b in enumerate(bins) if len(b) > 1]
         if not candidates:
@@ -483,10 +528,10 @@ def verl_kk(
         rank_samples[r] = part[::2] + part[1::2][::-1]
 
     counts = [
-        min(len(part), -(-sum(lengths[i] for i in part) // token_cap)) for part in rank_samples
+        min(len(part), ceil_div(sum(lengths[i] for i in part), token_cap)) for part in rank_samples
     ]
     num_microbatches = max(counts)  # the all-reduce MAX over the DP group
-    num_microbatches = -(-num_microbatches // microbatch_multiple) * microbatch_multiple
+    num_microbatches = round_up(num_microbatches, microbatch_multiple)
     ranks: Ranks = []
     for part in rank_samples:
         if num_microbatches > len(part):
@@ -519,36 +564,40 @@ def skyrl_balanced(
     """SkyRL's token-based micro-batching (``max_tokens_per_microbatch``).
 
     Follows NovaSky-AI/SkyRL ``skyrl/backends/skyrl_train/distributed/dispatch.py``
-    (``MeshDispatch``: the batch is cut into ``dp`` contiguous chunks of equal sample count) and
+    (``MeshDispatch.stage_chunks``: a mini-batch whose size does not divide by dp is padded with
+    ``(-n) % dp`` loss-masked copies of its sample 0, ``pad_training_input_batch`` in
+    ``training_batch.py``, then cut into ``dp`` contiguous chunks of equal sample count) and
     ``skyrl/backends/skyrl_train/workers/worker_utils.py`` ``TokenBasedBatchIterator`` with the
     ``Balanced`` packer of ``skyrl/train/dataset/bin_packing.py``: per rank, samples sorted longest
     first (stable) each go to the least-loaded open bin if they fit there, else open a new bin (a
     sample over the cap gets its own bin: the cap is soft). The ranks' bin counts are all-reduced
     with MAX and shorter ranks append padding micro-batches (counted as upstream placeholders).
 
-    When the sample count does not divide by dp, upstream pads the mini-batch with loss-masked dummy
-    samples; here the last rank simply gets fewer samples (the dummies' compute is not modelled).
-    SkyRL does not align the count to the interleaving group: the harness pads to
-    ``microbatch_multiple``. ``rollout_ids`` are ignored.
+    The copies of sample 0 are computed like real samples; they appear in the ranks as indices
+    ``n, n+1, ...`` with :attr:`BaselineSchedule.dummy_lengths`. SkyRL does not align the count to
+    the interleaving group: the harness pads to ``microbatch_multiple``. ``rollout_ids`` are ignored.
     """
     name = "skyrl_balanced"
     _validate(name, lengths, dp_size, token_cap, microbatch_multiple, rollout_ids)
-    chunk = -(-len(lengths) // dp_size)
+    n = len(lengths)
+    dummies = [lengths[0]] * ((-n) % dp_size)
+    every_length = list(lengths) + dummies
+    chunk = len(every_length) // dp_size
     ranks: Ranks = []
     for r in range(dp_size):
-        members = list(range(r * chunk, min((r + 1) * chunk, len(lengths))))
-        members.sort(key=lambda i: -lengths[i])  # stable: equal lengths keep arrival order
+        members = list(range(r * chunk, (r + 1) * chunk))
+        members.sort(key=lambda i: -every_length[i])  # stable: equal lengths keep arrival order
         bins: List[List[int]] = []
         heap: List[Tuple[int, int]] = []  # (tokens, bin index); the root is the least loaded bin
         for i in members:
             # Only the least-loaded bin can be the one a sample fits in, if any bin fits it.
-            if heap and heap[0][0] + lengths[i] <= token_cap:
+            if heap and heap[0][0] + every_length[i] <= token_cap:
                 tokens, j = heap[0]
                 bins[j].append(i)
-                heapq.heapreplace(heap, (tokens + lengths[i], j))
+                heapq.heapreplace(heap, (tokens + every_length[i], j))
             else:
                 bins.append([i])
-                heapq.heappush(heap, (lengths[i], len(bins) - 1))
+                heapq.heappush(heap, (every_length[i], len(bins) - 1))
         ranks.append(bins)
     target = max(len(rank) for rank in ranks)
     upstream = 0
@@ -556,14 +605,58 @@ def skyrl_balanced(
         upstream += target - len(rank)
         rank.extend([] for _ in range(target - len(rank)))
     harness = _equalize(ranks, microbatch_multiple)
+    notes = (
+        [f"{len(dummies)} copies of sample 0 pad the batch to a multiple of dp"] if dummies else []
+    )
     return BaselineSchedule(
-        ranks, baseline=name, upstream_placeholders=upstream, harness_placeholders=harness
+        ranks,
+        baseline=name,
+        upstream_placeholders=upstream,
+        harness_placeholders=harness,
+        notes=notes,
+        dummy_lengths=dummies,
     )
 
 
 # --------------------------------------------------------------------------------------------------
 # (e) NeMo-RL: first fit decreasing, bin count a multiple of dp, round robin.
 # --------------------------------------------------------------------------------------------------
+
+
+def _nemo_shard_check(name: str, n: int, dp_size: int, token_cap: int, longest: int) -> None:
+    """The checks NeMo-RL makes before packing (``shard_by_batch_size`` and the packers)."""
+    if n % dp_size:
+        raise BaselineFailure(
+            name,
+            f"batch size {n} is not a multiple of shards={dp_size} (shard_by_batch_size asserts).",
+        )
+    if longest > token_cap:
+        raise BaselineFailure(name, f"sequence length {longest} exceeds bin capacity {token_cap}.")
+
+
+def _nemo_adjust_and_shard(
+    name: str, bins: List[List[int]], n: int, dp_size: int, microbatch_multiple: int
+) -> BaselineSchedule:
+    """``SequencePacker._adjust_bin_count`` (min_bin_count=dp, bin_count_multiple=dp), then the
+    round-robin shard ``bins[r::dp]`` of ``shard_by_batch_size``, in packer order."""
+    multiple = dp_size * microbatch_multiple
+    target = max(len(bins), dp_size)
+    target = ceil_div(target, multiple) * multiple
+    if target > n:
+        raise BaselineFailure(
+            name,
+            f"cannot create {target} bins with only {n} sequences (min_bin_count={dp_size}, "
+            f"bin_count_multiple={multiple}).",
+        )
+    original = len(bins)
+    sources = sorted(((len(b), j) for j, b in enumerate(bins)), reverse=True)
+    source = 0
+    for _ in range(target - original):
+        while len(bins[sources[source][1]]) <= 1:
+            source += 1  # the earlier check guarantees a bin with two or more samples remains
+        bins.append([bins[sources[source][1]].pop()])
+    ranks = [[bins[j] for j in range(r, len(bins), dp_size)] for r in range(dp_size)]
+    return BaselineSchedule(ranks, baseline=name)
 
 
 def nemo_rl_ffd(
@@ -578,26 +671,25 @@ def nemo_rl_ffd(
 
     Follows NVIDIA-NeMo/RL ``nemo_rl/data/packing/algorithms.py`` (``FirstFitDecreasingPacker``,
     ``SequencePacker._adjust_bin_count``) as driven by ``BatchedDataDict.shard_by_batch_size`` in
-    ``nemo_rl/distributed/batched_data_dict.py``: the whole batch is sorted by (length, index)
+    ``nemo_rl/distributed/batched_data_dict.py``: the batch size must divide by dp (an assert:
+    multi-turn mixes of any sample count cannot run); the whole batch is sorted by (length, index)
     descending and packed first fit; the bin count is raised to at least ``dp`` and to a multiple of
     ``dp`` by moving the last sample of the bins holding the most samples into new bins; bin ``b``
-    goes to rank ``b % dp`` (round robin), in packer order.
+    goes to rank ``b % dp`` (round robin), in packer order. NeMo-RL's shipped configs use the MFFD
+    packer instead (:func:`nemo_rl_mffd`).
 
     Upstream sets ``bin_count_multiple = dp``; with ``microbatch_multiple > 1`` this baseline passes
     ``dp * microbatch_multiple`` to the same knob (how one would configure it for VPP).
     ``rollout_ids`` are ignored.
 
     Raises:
-        BaselineFailure: a sample longer than the cap (upstream ``ValueError``), or fewer samples
-            than the required bin count.
+        BaselineFailure: a batch size that is not a multiple of dp, a sample longer than the cap
+            (upstream ``ValueError``), or fewer samples than the required bin count.
     """
     name = "nemo_rl_ffd"
     _validate(name, lengths, dp_size, token_cap, microbatch_multiple, rollout_ids)
+    _nemo_shard_check(name, len(lengths), dp_size, token_cap, max(lengths))
     items = sorted(((length, i) for i, length in enumerate(lengths)), reverse=True)
-    if items[0][0] > token_cap:
-        raise BaselineFailure(
-            name, f"sequence length {items[0][0]} exceeds bin capacity {token_cap}."
-        )
     bins: List[List[int]] = []
     room: List[int] = []
     for length, i in items:
@@ -609,25 +701,95 @@ def nemo_rl_ffd(
         else:
             bins.append([i])
             room.append(token_cap - length)
+    return _nemo_adjust_and_shard(name, bins, len(lengths), dp_size, microbatch_multiple)
 
-    multiple = dp_size * microbatch_multiple
-    target = max(len(bins), dp_size)
-    target = -(-target // multiple) * multiple
-    if target > len(lengths):
-        raise BaselineFailure(
-            name,
-            f"cannot create {target} bins with only {len(lengths)} sequences (min_bin_count="
-            f"{dp_size}, bin_count_multiple={multiple}).",
+
+def _mffd_bins(lengths: Sequence[int], capacity: int) -> List[List[int]]:
+    """``ModifiedFirstFitDecreasingPacker._pack_implementation`` (Johnson & Garey's MFFD).
+
+    Items are classed large (> C/2), medium (> C/3), small (> C/6) and tiny. One bin per large item
+    (largest first); a forward pass adds to each the first medium item that fits; a backward pass
+    adds to bins without a medium item the smallest small item plus the largest small item that fits
+    with it; a forward pass then fills each bin with the largest remaining items that fit; leftovers
+    go, largest first, to the least-loaded extra bin if they fit there, else to a new one.
+    """
+    half, third, sixth = capacity / 2, capacity / 3, capacity / 6
+    large = [(i, s) for i, s in enumerate(lengths) if s > half]
+    medium = [(i, s) for i, s in enumerate(lengths) if third < s <= half]
+    small = [(i, s) for i, s in enumerate(lengths) if sixth < s <= third]
+    tiny = [(i, s) for i, s in enumerate(lengths) if s <= sixth]
+    large.sort(key=lambda item: item[1], reverse=True)
+    medium.sort(key=lambda item: item[1], reverse=True)
+    small.sort(key=lambda item: item[1])
+    tiny.sort(key=lambda item: item[1])
+
+    bins: List[List[Tuple[int, int]]] = [[item] for item in large]
+    for b in bins:
+        room = capacity - sum(s for _, s in b)
+        for k, (_, s) in enumerate(medium):
+            if s <= room:
+                b.append(medium.pop(k))
+                break
+    for b in reversed(bins):
+        if any(third < s <= half for _, s in b) or len(small) < 2:
+            continue
+        room = capacity - sum(s for _, s in b)
+        if small[0][1] + small[1][1] > room:
+            continue
+        first = small.pop(0)
+        second = next(
+            (k for k in range(len(small) - 1, -1, -1) if small[k][1] <= room - first[1]), None
         )
-    original = len(bins)
-    sources = sorted(((len(b), j) for j, b in enumerate(bins)), reverse=True)
-    source = 0
-    for _ in range(target - original):
-        while len(bins[sources[source][1]]) <= 1:
-            source += 1  # the earlier check guarantees a bin with two or more samples remains
-        bins.append([bins[sources[source][1]].pop()])
-    ranks = [[bins[j] for j in range(r, len(bins), dp_size)] for r in range(dp_size)]
-    return BaselineSchedule(ranks, baseline=name)
+        if second is not None:
+            b.extend([first, small.pop(second)])
+    remaining = sorted(medium + small + tiny, key=lambda item: item[1], reverse=True)
+    for b in bins:
+        while remaining:
+            room = capacity - sum(s for _, s in b)
+            if room < remaining[-1][1]:
+                break
+            chosen = next((k for k, (_, s) in enumerate(remaining) if s <= room), None)
+            if chosen is None:
+                break
+            b.append(remaining.pop(chosen))
+    extra: List[List[Tuple[int, int]]] = [[]]
+    loads: List[int] = [0]  # ascending; extra[0] is the least loaded bin
+    for i, s in sorted(remaining, key=lambda item: item[1], reverse=True):
+        if s <= capacity - loads[0]:
+            target, load = extra.pop(0), loads.pop(0)
+        else:
+            target, load = [], 0
+        target.append((i, s))
+        load += s
+        position = bisect.bisect(loads, load)
+        extra.insert(position, target)
+        loads.insert(position, load)
+    bins.extend(extra)
+    return [[i for i, _ in b] for b in bins if b]
+
+
+def nemo_rl_mffd(
+    lengths: Sequence[int],
+    *,
+    dp_size: int,
+    token_cap: int,
+    microbatch_multiple: int = 1,
+    rollout_ids: Optional[Sequence[Hashable]] = None,
+) -> BaselineSchedule:
+    """NeMo-RL's sequence packing with the packer its shipped configs select: MFFD.
+
+    ``modified_first_fit_decreasing`` in every ``examples/configs`` recipe that packs sequences:
+    :func:`_mffd_bins` (``ModifiedFirstFitDecreasingPacker``), then the same bin-count adjustment
+    and round-robin shard as :func:`nemo_rl_ffd`, with the same checks.
+
+    Raises:
+        BaselineFailure: as :func:`nemo_rl_ffd`.
+    """
+    name = "nemo_rl_mffd"
+    _validate(name, lengths, dp_size, token_cap, microbatch_multiple, rollout_ids)
+    _nemo_shard_check(name, len(lengths), dp_size, token_cap, max(lengths))
+    bins = _mffd_bins(lengths, token_cap)
+    return _nemo_adjust_and_shard(name, bins, len(lengths), dp_size, microbatch_multiple)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -666,7 +828,7 @@ def fixed_mbs(
         )
     n = len(lengths)
     per_round = micro_batch_size * dp_size
-    num_microbatches = -(-n // per_round)
+    num_microbatches = ceil_div(n, per_round)
     ranks: Ranks = [[] for _ in range(dp_size)]
     for m in range(num_microbatches):
         for r in range(dp_size):
@@ -698,5 +860,6 @@ BASELINES: Dict[str, Callable[..., BaselineSchedule]] = {
     "verl_kk": verl_kk,
     "skyrl_balanced": skyrl_balanced,
     "nemo_rl_ffd": nemo_rl_ffd,
+    "nemo_rl_mffd": nemo_rl_mffd,
     "fixed_mbs": fixed_mbs,
 }

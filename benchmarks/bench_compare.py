@@ -12,43 +12,29 @@ that makes them).
 ``ours`` is the planner with the cost model the figures use (``L + L^2/24576``); ``ours/tok``
 (shown, not judged) is the planner with its default plain-token cost.
 
-Run: ``.venv/bin/python benchmarks/bench_compare.py [--quick] [--json]``.
+Run: ``.venv/bin/python -m benchmarks.bench_compare [--quick] [--json]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import statistics
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-_REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[1])
-if _REPO_ROOT not in sys.path:
-    sys.path.insert(0, _REPO_ROOT)
-
-from benchmarks.baselines import BASELINES, BaselineFailure  # noqa: E402
-from benchmarks.lengths import (  # noqa: E402
+from benchmarks.baselines import BASELINES, BaselineFailure, BaselineSchedule
+from benchmarks.lengths import (
     LengthSet,
     bimodal_lengths,
     grpo_lengths,
     multi_turn_lengths,
     uniform_lengths,
 )
-from benchmarks.metrics import DEFAULT_ATTENTION_CROSSOVER, default_cost, evaluate  # noqa: E402
-from megatron_dynbatch.planning import (  # noqa: E402
-    CostModel,
-    ParallelLayout,
-    PlannerConfig,
-    plan_schedule,
-)
-from megatron_dynbatch.planning.simulate import (  # noqa: E402
-    BACKWARD_TO_FORWARD_RATIO,
-    simulate_step,
-)
+from benchmarks.metrics import EVAL_COST, evaluate, ideal_step_time, step_time
+from megatron_dynbatch.planning import CostModel, ParallelLayout, PlannerConfig, plan_schedule
 
 __all__ = [
     "CASE_LAYOUTS",
@@ -58,7 +44,6 @@ __all__ = [
     "MIXES",
     "TOKEN_CAP",
     "Layout",
-    "ideal_step_time",
     "make_mix",
     "run_case",
     "run_scheduler",
@@ -70,9 +55,6 @@ __all__ = [
 TOKEN_CAP = 16384
 #: Samples per GRPO prompt group.
 GROUP_SIZE = 8
-#: The cost model of the figures and of the simulator: ``L + L^2 / 24576`` (metrics.default_cost),
-#: given to the planner so that it balances what is measured.
-EVAL_COST = CostModel(token_weight=1.0, attention_weight=1.0 / DEFAULT_ATTENTION_CROSSOVER)
 OURS = "ours"
 OURS_TOKENS = "ours/tok"
 #: Rows the verdict does not judge (informational variants of the planner).
@@ -126,12 +108,6 @@ def make_mix(mix: str, num_prompts: int, seed: int = 0) -> LengthSet:
     return MIXES[mix](num_prompts, seed)
 
 
-def ideal_step_time(lengths: Sequence[int], dp: int, pp: int) -> float:
-    """All real forward+backward work over ``dp * pp`` GPUs: no padding, no bubble, no imbalance."""
-    work = sum(default_cost(length) for length in lengths) * (1.0 + BACKWARD_TO_FORWARD_RATIO)
-    return work / (dp * pp)
-
-
 def _timed(fn: Callable[[], Any], repeats: int) -> tuple:
     """(result of the last call, median CPU time in ms); one call when the first is slow (> 1 s).
 
@@ -159,7 +135,11 @@ def schedule(name: str, ls: LengthSet, parallel: ParallelLayout, token_cap: int)
         )
         plan = plan_schedule(ls.lengths, ls.rollout_ids, ls.prompt_lengths, config=config)
         assert len(plan.steps) == 1
-        return [[list(mb) for mb in rank] for rank in plan.steps[0].ranks]
+        ranks = BaselineSchedule(
+            [[list(mb) for mb in rank] for rank in plan.steps[0].ranks], baseline=name
+        )
+        ranks.min_microbatches = plan.steps[0].min_microbatches
+        return ranks
     return BASELINES[name](
         ls.lengths,
         dp_size=parallel.dp_size,
@@ -190,7 +170,13 @@ def run_scheduler(
         row["status"] = f"FAIL: {exc.reason}"
         return row
     layout = "padded" if name == "fixed_mbs" else "packed"
-    m = evaluate(ranks, ls.lengths, token_cap=token_cap, layout=layout)
+    m = evaluate(
+        ranks,
+        ls.lengths,
+        token_cap=token_cap,
+        layout=layout,
+        dummy_lengths=getattr(ranks, "dummy_lengths", ()),
+    )
     if not m["coverage_ok"]:
         row["status"] = (
             f"FAIL: coverage (missing {m['missing'][:5]}, duplicated {m['duplicated'][:5]})"
@@ -201,6 +187,9 @@ def run_scheduler(
         status="ok",
         plan_ms=plan_ms,
         num_microbatches=m["num_microbatches"],
+        # The fewest micro-batches the scheduler packs the step into: ours may run more when more,
+        # shorter rows make a faster pipeline step.
+        min_microbatches=getattr(ranks, "min_microbatches", m["num_microbatches"]),
         lower_bound_per_rank=m["lower_bound_per_rank"],
         seq_length=m["seq_length"],
         micro_batch_size=m["micro_batch_size"],
@@ -216,10 +205,8 @@ def run_scheduler(
     if max_sim_events is not None and events > max_sim_events:
         row["sim_note"] = f"not simulated: {events:.2e} events > {max_sim_events:.0e}"
     else:
-        sim = simulate_step(m["microbatch_costs"], parallel.pp_size, parallel.vpp_size)
-        ideal = ideal_step_time(ls.lengths, parallel.dp_size, parallel.pp_size)
-        row["step_time"] = sim.step_time
-        row["step_over_ideal"] = sim.step_time / ideal
+        row["step_time"] = step_time(m["microbatch_costs"], parallel)
+        row["step_over_ideal"] = row["step_time"] / ideal_step_time(ls.lengths, parallel)
     return row
 
 
@@ -252,7 +239,7 @@ def run_case(
 
 #: (label, row key, True if higher is better, relative tolerance for "matches").
 FIGURES = (
-    ("M/rank", "num_microbatches", False, 0.0),
+    ("M/rank needed", "min_microbatches", False, 0.0),
     ("fill", "fill", True, 1e-3),
     ("over-cap", "over_cap_microbatches", False, 0.0),
     ("imb tok", "dp_imbalance", False, 1e-3),
@@ -269,7 +256,7 @@ def format_case(case: Dict[str, Any]) -> str:
         f"cap={case['token_cap']} =="
     )
     cols = (
-        f"{'scheduler':<16} {'M/rank':>6} {'LB':>4} {'fill':>6} {'overcap':>7} {'imb tok':>8} "
+        f"{'scheduler':<16} {'M/rank':>6} {'min':>4} {'LB':>4} {'fill':>6} {'overcap':>7} {'imb tok':>8} "
         f"{'imb cost':>8} {'placeh':>6} {'plan ms':>9} {'step/ideal':>10}"
     )
     lines = [head, cols]
@@ -279,7 +266,8 @@ def format_case(case: Dict[str, Any]) -> str:
             continue
         step = f"{row['step_over_ideal']:>10.4f}" if "step_over_ideal" in row else f"{'-':>10}"
         lines.append(
-            f"{row['scheduler']:<16} {row['num_microbatches']:>6} {row['lower_bound_per_rank']:>4} "
+            f"{row['scheduler']:<16} {row['num_microbatches']:>6} {row['min_microbatches']:>4} "
+            f"{row['lower_bound_per_rank']:>4} "
             f"{row['fill']:>6.3f} {row['over_cap_microbatches']:>7} {row['dp_imbalance']:>8.4f} "
             f"{row['dp_imbalance_cost']:>8.4f} {row['placeholders']:>6} {row['plan_ms']:>9.1f} "
             f"{step}"

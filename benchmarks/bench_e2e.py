@@ -5,7 +5,7 @@ rollouts (``launch/train_demo.py``), so the ratio is measured under one machine 
 wall time, real tokens/s, computed and padded tokens, and the dynamic / fixed wall-time ratio
 (target: <= 0.6). The first step of each mode is excluded from the timing (warm-up).
 
-    .venv/bin/python benchmarks/bench_e2e.py [--steps 8] [--nproc 2] [--json]
+    .venv/bin/python -m benchmarks.bench_e2e [--steps 8] [--nproc 2] [--json]
 """
 
 from __future__ import annotations

@@ -12,23 +12,18 @@ Two limits keep the default run to a few minutes of CPU, and are printed when th
 baselines (slime, NeMo-RL) scan every open bin per sample, O(samples x bins), and are skipped above
 ``FIRST_FIT_LIMIT``; a simulation above ``MAX_SIM_EVENTS`` forward/backward steps is skipped.
 
-Run: ``.venv/bin/python benchmarks/bench_pipeline.py [--quick] [--json]``.
+Run: ``.venv/bin/python -m benchmarks.bench_pipeline [--quick] [--json]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import sys
 from typing import Any, Dict, List, Optional
 
-_REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[1])
-if _REPO_ROOT not in sys.path:
-    sys.path.insert(0, _REPO_ROOT)
-
-from benchmarks.baselines import BASELINES  # noqa: E402
-from benchmarks.bench_compare import (  # noqa: E402
+from benchmarks.baselines import BASELINES
+from benchmarks.bench_compare import (
     GROUP_SIZE,
     OURS,
     TOKEN_CAP,
@@ -54,10 +49,10 @@ QUICK_LAYOUTS = (
     Layout("dp128 pp8 vpp2", 128, 8, 2, 128 * PROMPTS_PER_RANK_FOR_16),
 )
 #: Baselines whose packer is first fit over all open bins (O(samples x bins), as upstream).
-FIRST_FIT = ("slime_first_fit", "nemo_rl_ffd")
+FIRST_FIT = ("slime_first_fit", "nemo_rl_ffd", "nemo_rl_mffd")
 #: Skip a first-fit baseline above this many bin probes (~samples x bins / 2; 1e8 is ~10 s of CPU).
 FIRST_FIT_LIMIT = 1e8
-#: Skip a simulation above this many forward/backward steps (~4 us of CPU each).
+#: Skip a simulation above this many forward/backward steps (~0.5 us of CPU each).
 MAX_SIM_EVENTS = 5_000_000
 
 
@@ -159,7 +154,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(format_layout(results[-1]), flush=True)
             print()
     if args.json:
-        print(json.dumps({"layouts": results, "summary": summary(results)}))
+        print(json.dumps({"layouts": results, "summary": summary(results)}, allow_nan=False))
     else:
         print("\n".join(summary(results)))
     return 0

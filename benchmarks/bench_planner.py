@@ -1,19 +1,24 @@
-"""Planning time and schedule quality of the planner from 256 to 65,536 samples, dp_size 1 to 1,024.
+"""Planning speed and memory at scale: the speed table of the README, and how time grows.
 
-For every (samples, dp_size) cell on the long-tailed GRPO mix (log-normal responses, groups of 8):
-the median planning time of a few runs, micro-batches per rank against the lower bound, fill and DP
-imbalance (tokens and cost), and the time verl's Karmarkar-Karp baseline takes on the same input
-(skipped where its per-rank differencing, O(samples per rank x micro-batches per rank) set copies,
-would take minutes). Cells with fewer than 4 samples per DP rank are skipped as meaningless.
+Every figure is CPU time (``time.process_time``) of the single-threaded planner, the minimum of
+five runs (other load on the machine only ever adds time: on a shared 2-core machine it can double
+a figure), and peak memory from ``tracemalloc`` in
+a separate run (tracing slows Python down). Workloads, all with the benchmark cost model
+(``L + L^2/24576``, :data:`benchmarks.metrics.EVAL_COST`):
 
-Headline: 16,384 samples at dp_size 512 (target: >= 20x faster than Karmarkar-Karp). Two KK
-figures are printed, both honest: verl's KK *partitioner* (``equal_size=False``, the variant verl
-uses to split a batch into micro-batches) dividing those samples into ``dp_size`` balanced parts,
-about 11-13 s here, which is what the target names; and verl's whole pipeline (an equal-size KK
-over DP, which starts from only samples/dp partial partitions and is therefore fast at large dp,
-then a small KK per rank), which is cheaper than our planner at dp 512.
+* ``16k/dp512``: 16,384 long-tailed GRPO samples (groups of 8), dp 512, cap 16,384;
+* ``1M/dp512``: 1,048,576 of them (131,072 groups), dp 512;
+* ``131k over half/dp8``: 131,072 samples all just over half the cap (8,193..8,704 of 16,384), dp 8:
+  no two share a row;
+* ``131k 5-5-4-3-3/dp512``: 131,072 samples repeating 8000, 8000, 6400, 4800, 4800 under a cap of
+  16,000, dp 512: LPT breaks the cap, best fit pairs the 6400s, next fit packs them perfectly;
+* ``cap 1e10``: peak memory of planning a few samples under a cap of 1e10 tokens against 1e4.
 
-Run: ``.venv/bin/python benchmarks/bench_planner.py [--quick] [--json]``.
+Then the growth of planning time with the sample count (4k..262k at dp 64) and with dp (8..1,024
+at 65,536 samples), and our planner against verl on the 16k/dp512 step: our re-implementation of
+verl's pipeline, and verl's real code when ``VERL_SRC`` names a checkout (``benchmarks/peers.py``).
+
+Run: ``.venv/bin/python -m benchmarks.bench_planner [--quick] [--json] [--repeats 5]``.
 """
 
 from __future__ import annotations
@@ -21,184 +26,208 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import pathlib
-import statistics
 import sys
 import time
-from typing import Any, Dict, List, Optional
+import tracemalloc
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-_REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[1])
-if _REPO_ROOT not in sys.path:
-    sys.path.insert(0, _REPO_ROOT)
+from benchmarks import peers
+from benchmarks.baselines import verl_kk
+from benchmarks.lengths import LengthSet, grpo_lengths
+from benchmarks.metrics import EVAL_COST
+from megatron_dynbatch.planning import ParallelLayout, PlannerConfig, plan_schedule
 
-from benchmarks.baselines import (  # noqa: E402
-    BaselineFailure,
-    karmarkar_karp,
-    verl_kk,
-    verl_workload,
-)
-from benchmarks.bench_compare import EVAL_COST, GROUP_SIZE, TOKEN_CAP  # noqa: E402
-from benchmarks.lengths import grpo_lengths  # noqa: E402
-from megatron_dynbatch.planning import ParallelLayout, PlannerConfig, plan_schedule  # noqa: E402
+__all__ = ["WORKLOADS", "measure", "speed_table"]
 
-__all__ = ["DP_SIZES", "HEADLINE", "SAMPLE_COUNTS", "format_cell", "headline", "measure_cell"]
-
-SAMPLE_COUNTS = (256, 1024, 4096, 16384, 65536)
-DP_SIZES = (1, 8, 64, 512, 1024)
-#: (samples, dp_size) of the headline figure and the speed-up it must reach over verl's KK.
-HEADLINE = (16384, 512)
-HEADLINE_TARGET = 20.0
-#: Fewer samples per rank than this make a cell meaningless (most ranks would run placeholders).
-MIN_SAMPLES_PER_RANK = 4
-#: Skip the KK baseline above this much work: its DP-level differencing copies the growing sets on
-#: every merge (about n^2/dp item copies) and its per-rank differencing starts every sample as an
-#: M-set partial partition (n*M sets); 4e7 is about 10 s of CPU.
-KK_WORK_LIMIT = 4e7
+TOKEN_CAP = 16384
+GROUP_SIZE = 8
+#: Goals of the speed table (issue 12): CPU seconds, or None where memory is the figure.
+GOALS = {
+    "16k/dp512": 0.050,
+    "1M/dp512": 5.0,
+    "131k over half/dp8": 2.0,
+    "131k 5-5-4-3-3/dp512": 1.0,
+}
 
 
-def _median_ms(fn, repeats: int) -> float:
-    """Median CPU time of ``fn`` in ms (process time: other load on the machine does not count)."""
-    times = []
-    for _ in range(repeats):
-        start = time.process_time()
-        fn()
-        times.append((time.process_time() - start) * 1e3)
-        if times[0] > 2000.0:  # one run of a slow cell is enough
-            break
-    return statistics.median(times)
+def _grpo(num_samples: int) -> LengthSet:
+    return grpo_lengths(num_samples // GROUP_SIZE, GROUP_SIZE, max_len=TOKEN_CAP, seed=0)
 
 
-def measure_cell(
-    num_samples: int, dp_size: int, *, seed: int = 0, repeats: int = 3
-) -> Dict[str, Any]:
-    """Planner time and quality, and verl-KK time, on one long-tailed GRPO step."""
-    ls = grpo_lengths(num_samples // GROUP_SIZE, GROUP_SIZE, max_len=TOKEN_CAP, seed=seed)
-    config = PlannerConfig(
-        max_tokens_per_gpu=TOKEN_CAP, parallel=ParallelLayout(dp_size=dp_size), cost=EVAL_COST
+def _over_half(num_samples: int) -> LengthSet:
+    # A fixed spread over (cap/2, cap/2 + 512]: 7919 is prime to 512, so every offset occurs.
+    lengths = [TOKEN_CAP // 2 + 1 + (i * 7919) % 512 for i in range(num_samples)]
+    return LengthSet(lengths, None, None)
+
+
+def _pattern(num_samples: int) -> LengthSet:
+    pattern = (8000, 8000, 6400, 4800, 4800)
+    return LengthSet([pattern[i % 5] for i in range(num_samples)], None, None)
+
+
+#: name -> (samples, dp, cap, generator).
+WORKLOADS: Dict[str, Tuple[int, int, int, Callable[[int], LengthSet]]] = {
+    "16k/dp512": (16384, 512, TOKEN_CAP, _grpo),
+    "1M/dp512": (1 << 20, 512, TOKEN_CAP, _grpo),
+    "131k over half/dp8": (1 << 17, 8, TOKEN_CAP, _over_half),
+    "131k 5-5-4-3-3/dp512": (1 << 17, 512, 16000, _pattern),
+}
+
+
+def _config(dp: int, cap: int) -> PlannerConfig:
+    return PlannerConfig(
+        max_tokens_per_gpu=cap, parallel=ParallelLayout(dp_size=dp), cost=EVAL_COST
     )
+
+
+def measure(
+    ls: LengthSet, dp: int, cap: int, *, repeats: int = 3, memory: bool = True
+) -> Dict[str, Any]:
+    """CPU time (min and median of ``repeats``) and peak traced memory of planning one step."""
+    config = _config(dp, cap)
 
     def plan():
         return plan_schedule(ls.lengths, ls.rollout_ids, ls.prompt_lengths, config=config)
 
-    ours_ms = _median_ms(plan, repeats)
-    result = plan()
+    times = []
+    for _ in range(repeats):
+        start = time.process_time()
+        result = plan()
+        times.append(time.process_time() - start)
+        if sum(times) > 20.0:  # enough CPU spent on one workload
+            break
     step = result.steps[0]
-    lower_per_rank = -(-step.lower_bound_microbatches // dp_size)
-    cell: Dict[str, Any] = {
-        "num_samples": len(ls.lengths),
-        "dp_size": dp_size,
-        "ours_ms": ours_ms,
-        "num_microbatches": step.num_microbatches,
-        "lower_bound_per_rank": lower_per_rank,
+    row: Dict[str, Any] = {
+        "samples": len(ls.lengths),
+        "dp": dp,
+        "cap": cap,
+        "cpu_s_min": min(times),
+        "cpu_s_median": sorted(times)[len(times) // 2],
+        "M": step.num_microbatches,
+        "min_M": step.min_microbatches,
+        "lower_bound_per_rank": math.ceil(step.lower_bound_microbatches / dp),
+        "S": step.seq_length,
         "fill": step.fill,
-        "dp_imbalance": step.dp_imbalance,
-        "dp_imbalance_cost": step.dp_imbalance_cost,
-        "placeholders": step.num_placeholders,
     }
-    kk_work = num_samples * num_samples / dp_size + num_samples * step.num_microbatches
-    if kk_work > KK_WORK_LIMIT:
-        cell["kk_ms"] = None
-        cell["kk_note"] = f"skipped: ~{kk_work:.1e} item copies, minutes of CPU"
-    else:
-        try:
-            cell["kk_ms"] = _median_ms(
-                lambda: verl_kk(ls.lengths, dp_size=dp_size, token_cap=TOKEN_CAP), repeats
-            )
-        except BaselineFailure as exc:
-            cell["kk_ms"] = None
-            cell["kk_note"] = f"FAIL: {exc.reason}"
-    return cell
+    if memory:
+        tracemalloc.start()
+        plan()
+        row["peak_MB"] = tracemalloc.get_traced_memory()[1] / 2**20
+        tracemalloc.stop()
+    return row
 
 
-HEADER = (
-    f"{'samples':>7} {'dp':>5} {'ours ms':>9} {'M/rank':>6} {'LB':>5} {'fill':>6} "
-    f"{'imb tok':>8} {'imb cost':>8} {'placeh':>6} {'verl-KK ms':>10} {'KK/ours':>8}"
-)
+def cap_memory() -> Dict[str, float]:
+    """Peak traced memory of planning a few samples under caps of 1e4 and 1e10 tokens."""
+    peaks = {}
+    for cap in (10**4, 10**10):
+        tracemalloc.start()
+        plan_schedule([100, 5000, 9000, 3, 7000], config=_config(2, cap))
+        peaks[f"{cap:.0e}"] = tracemalloc.get_traced_memory()[1] / 2**20
+        tracemalloc.stop()
+    return peaks
 
 
-def format_cell(c: Dict[str, Any]) -> str:
-    kk = f"{c['kk_ms']:>10.1f}" if c.get("kk_ms") is not None else f"{'-':>10}"
-    ratio = f"{c['kk_ms'] / c['ours_ms']:>8.2f}" if c.get("kk_ms") is not None else f"{'-':>8}"
-    note = f"  ({c['kk_note']})" if c.get("kk_note") else ""
+def speed_table(repeats: int = 5, names: Optional[List[str]] = None) -> List[Dict[str, Any]]:
+    rows = []
+    for name in names or list(WORKLOADS):
+        n, dp, cap, make = WORKLOADS[name]
+        row = measure(make(n), dp, cap, repeats=repeats)
+        row["workload"] = name
+        row["goal_s"] = GOALS.get(name)
+        rows.append(row)
+    return rows
+
+
+def growth(repeats: int = 3) -> List[Dict[str, Any]]:
+    """Planning time against the sample count (dp 64) and against dp (65,536 samples)."""
+    rows = []
+    for n in (4096, 16384, 65536, 262144):
+        rows.append({**measure(_grpo(n), 64, TOKEN_CAP, repeats=repeats, memory=False)})
+    for dp in (8, 128, 1024):
+        rows.append({**measure(_grpo(65536), dp, TOKEN_CAP, repeats=repeats, memory=False)})
+    return rows
+
+
+def versus_verl(repeats: int = 3) -> Dict[str, Any]:
+    """16k/dp512: ours against verl's pipeline (our re-implementation, and the real code)."""
+    ls = _grpo(16384)
+    ours = measure(ls, 512, TOKEN_CAP, repeats=repeats, memory=False)
+    start = time.process_time()
+    verl_kk(ls.lengths, dp_size=512, token_cap=TOKEN_CAP)
+    result = {
+        "ours_ms": ours["cpu_s_min"] * 1e3,
+        "verl_reimplementation_ms": (time.process_time() - start) * 1e3,
+    }
+    if peers.available("verl_kk"):
+        _, times = peers.real_verl(ls.lengths, dp_size=512, token_cap=TOKEN_CAP)
+        result["verl_real_driver_ms"] = times["driver_s"] * 1e3
+        result["verl_real_slowest_rank_ms"] = times["slowest_rank_s"] * 1e3
+    return result
+
+
+def _format_row(row: Dict[str, Any]) -> str:
+    name = row.get("workload", f"{row['samples']}/dp{row['dp']}")
+    goal = row.get("goal_s")
+    verdict = "" if goal is None else ("  PASS" if row["cpu_s_min"] <= goal else "  FAIL")
+    goal_text = f"{goal * 1e3:>8.0f}" if goal is not None else f"{'-':>8}"
+    memory = f"{row['peak_MB']:>8.0f}" if "peak_MB" in row else f"{'-':>8}"
     return (
-        f"{c['num_samples']:>7} {c['dp_size']:>5} {c['ours_ms']:>9.1f} {c['num_microbatches']:>6} "
-        f"{c['lower_bound_per_rank']:>5} {c['fill']:>6.3f} {c['dp_imbalance']:>8.4f} "
-        f"{c['dp_imbalance_cost']:>8.4f} {c['placeholders']:>6} {kk} {ratio}{note}"
+        f"{name:<22} {row['cpu_s_min'] * 1e3:>9.1f} {row['cpu_s_median'] * 1e3:>9.1f} "
+        f"{goal_text} {memory} {row['M']:>5} {row['min_M']:>5} {row['lower_bound_per_rank']:>4} "
+        f"{row['S']:>6} {row['fill']:>6.3f}{verdict}"
     )
 
 
-def growth(cells: List[Dict[str, Any]]) -> List[str]:
-    """How planning time grows: the exponent of time ~ samples^a at fixed dp (largest two sizes)."""
-    lines = []
-    for dp in sorted({c["dp_size"] for c in cells}):
-        row = sorted((c["num_samples"], c["ours_ms"]) for c in cells if c["dp_size"] == dp)
-        if len(row) >= 2:
-            (n0, t0), (n1, t1) = row[-2], row[-1]
-            a = math.log(t1 / t0) / math.log(n1 / n0)
-            lines.append(f"dp {dp:>4}: {n0} -> {n1} samples, time x{t1 / t0:.1f} (~ n^{a:.2f})")
-    return lines
-
-
-def kk_partitioner_ms(num_samples: int, dp_size: int, *, seed: int = 0) -> float:
-    """One run of verl's general KK (``equal_size=False``) splitting the step into dp_size parts."""
-    ls = grpo_lengths(num_samples // GROUP_SIZE, GROUP_SIZE, max_len=TOKEN_CAP, seed=seed)
-    workloads = [verl_workload(length) for length in ls.lengths]
-    return _median_ms(lambda: karmarkar_karp(workloads, dp_size, equal_size=False), 1)
-
-
-def headline(cells: List[Dict[str, Any]], partitioner_ms: Optional[float] = None) -> Optional[str]:
-    for c in cells:
-        if (c["num_samples"], c["dp_size"]) == HEADLINE and c.get("kk_ms") is not None:
-            pipeline_ratio = c["kk_ms"] / c["ours_ms"]
-            if partitioner_ms is None:
-                partitioner_ms = kk_partitioner_ms(*HEADLINE)
-            ratio = partitioner_ms / c["ours_ms"]
-            ok = "PASS" if ratio >= HEADLINE_TARGET else "FAIL"
-            return (
-                f"HEADLINE {c['num_samples']} samples, dp_size {c['dp_size']}: "
-                f"ours {c['ours_ms']:.1f} ms; verl KK partitioner (equal_size=False, "
-                f"{HEADLINE[1]} parts) {partitioner_ms:.0f} ms -> {ratio:.1f}x (target >= "
-                f"{HEADLINE_TARGET:g}x: {ok}); verl's whole pipeline (equal-size DP split + "
-                f"per-rank KK) {c['kk_ms']:.1f} ms -> {pipeline_ratio:.2f}x; "
-                f"M/rank {c['num_microbatches']} "
-                f"(LB {c['lower_bound_per_rank']}), fill {c['fill']:.3f}, DP imbalance "
-                f"{c['dp_imbalance']:.4f} tokens / {c['dp_imbalance_cost']:.4f} cost"
-            )
-    return None
+HEADER = (
+    f"{'workload':<22} {'min ms':>9} {'med ms':>9} {'goal ms':>8} {'peak MB':>8} {'M':>5} "
+    f"{'minM':>5} {'LB':>4} {'S':>6} {'fill':>6}"
+)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--quick", action="store_true", help="1,024 and 16,384 samples, dp 8 and 512"
-    )
-    parser.add_argument(
-        "--json", action="store_true", help="print one JSON object instead of tables"
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=3, help="runs per cell, median taken")
+    parser.add_argument("--quick", action="store_true", help="the 16k/dp512 row only")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--repeats", type=int, default=5, help="runs per figure (min reported)")
     args = parser.parse_args(argv)
-    counts = (1024, 16384) if args.quick else SAMPLE_COUNTS
-    dps = (8, 512) if args.quick else DP_SIZES
-    cells = []
-    if not args.json:
-        print(HEADER, flush=True)
-    for n in counts:
-        for dp in dps:
-            if n < MIN_SAMPLES_PER_RANK * dp:
-                continue
-            cells.append(measure_cell(n, dp, seed=args.seed, repeats=args.repeats))
-            if not args.json:
-                print(format_cell(cells[-1]), flush=True)
-    line = headline(cells)
+    names = ["16k/dp512"] if args.quick else None
+    table = speed_table(args.repeats, names)
+    result: Dict[str, Any] = {"speed": table, "cap_memory_MB": cap_memory()}
+    if not args.quick:
+        result["growth"] = growth(args.repeats)
+        result["versus_verl"] = versus_verl(args.repeats)
     if args.json:
-        print(json.dumps({"cells": cells, "growth": growth(cells), "headline": line}))
-    else:
-        print("planning time growth (long-tailed GRPO mix):")
-        for g in growth(cells):
-            print("  " + g)
-        if line:
-            print(line)
+        print(json.dumps(result, allow_nan=False))
+        return 0
+    print(HEADER)
+    for row in table:
+        print(_format_row(row))
+    caps = result["cap_memory_MB"]
+    print(
+        "peak memory planning 5 samples: "
+        + ", ".join(f"cap {k}: {v:.2f} MB" for k, v in caps.items())
+    )
+    if "growth" in result:
+        print("growth (time per sample should stay about flat):")
+        for row in result["growth"]:
+            per = row["cpu_s_min"] / row["samples"] * 1e6
+            print(
+                f"  {row['samples']:>7} samples dp {row['dp']:>4}: {row['cpu_s_min'] * 1e3:>8.1f} ms, {per:.2f} us/sample"
+            )
+        verl = result["versus_verl"]
+        line = (
+            f"16k/dp512: ours {verl['ours_ms']:.0f} ms; verl re-implementation "
+            f"{verl['verl_reimplementation_ms']:.0f} ms"
+        )
+        if "verl_real_driver_ms" in verl:
+            line += (
+                f"; verl real: driver {verl['verl_real_driver_ms']:.0f} ms + slowest rank "
+                f"{verl['verl_real_slowest_rank_ms']:.1f} ms"
+            )
+        else:
+            line += " (set VERL_SRC to a verl checkout to time the real code)"
+        print(line)
     return 0
 
 

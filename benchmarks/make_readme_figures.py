@@ -1,9 +1,11 @@
 """Regenerate the benchmark figures the README shows: ``docs/benchmarks.md`` and ``docs/step.png``.
 
-Deterministic inputs (fixed seeds): every figure except the planning times (CPU milliseconds of the
+Deterministic inputs (fixed seeds): every figure except the planning times (CPU time of the
 machine that ran it) is identical from run to run.
 
-Run: ``.venv/bin/python benchmarks/make_readme_figures.py [--out-dir docs]``.
+Run: ``.venv/bin/python -m benchmarks.make_readme_figures [--out-dir docs] [--cases 300]``
+(set ``VERL_SRC`` to a verl checkout to add the real verl pipeline's time, see
+``benchmarks/peers.py``).
 """
 
 from __future__ import annotations
@@ -14,14 +16,9 @@ import platform
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
-_REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(_REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(_REPO_ROOT))
-
-from benchmarks.baselines import BASELINES  # noqa: E402
-from benchmarks.bench_compare import (  # noqa: E402
+from benchmarks.baselines import BASELINES
+from benchmarks.bench_compare import (
     CASE_LAYOUTS,
-    EVAL_COST,
     FIGURES,
     MIXES,
     OURS,
@@ -30,15 +27,11 @@ from benchmarks.bench_compare import (  # noqa: E402
     run_case,
     verdict,
 )
-from benchmarks.bench_planner import HEADLINE, kk_partitioner_ms, measure_cell  # noqa: E402
-from benchmarks.bench_planner import headline as headline_line  # noqa: E402
-from megatron_dynbatch.planning import (  # noqa: E402
-    ParallelLayout,
-    PlannerConfig,
-    SampleSet,
-    plan_samples,
-)
-from megatron_dynbatch.plotting import plot_step  # noqa: E402
+from benchmarks.bench_planner import GOALS, cap_memory, speed_table, versus_verl
+from benchmarks.metrics import EVAL_COST
+from benchmarks.search import search
+from megatron_dynbatch.planning import ParallelLayout, PlannerConfig, SampleSet, plan_samples
+from megatron_dynbatch.plotting import plot_step
 
 SEED = 0
 #: The layout and mix of the detailed table and of the picture.
@@ -47,7 +40,9 @@ HEADLINE_LAYOUT = CASE_LAYOUTS[-1]  # dp 64, pp 4, vpp 2
 #: The pictured step: small enough that every micro-batch and pipeline box stays legible.
 PICTURE_PARALLEL = ParallelLayout(dp_size=8, pp_size=4, vpp_size=2)
 PICTURE_PROMPTS = 56
-COMMAND = ".venv/bin/python benchmarks/make_readme_figures.py"
+COMMAND = ".venv/bin/python -m benchmarks.make_readme_figures"
+#: The docs folder of the repository (the default output).
+DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
 
 
 def _fmt(row: Dict[str, Any], key: str) -> str:
@@ -65,9 +60,9 @@ def _fmt(row: Dict[str, Any], key: str) -> str:
 
 def detail_table(case: Dict[str, Any]) -> List[str]:
     lines = [
-        "| scheduler | M/rank (LB) | fill | over cap | DP imb. tokens | DP imb. cost | "
+        "| scheduler | M/rank (fewest, LB) | S | fill | over cap | DP imb. tokens | DP imb. cost | "
         "placeholders | plan CPU ms | step / ideal |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in case["rows"]:
         if row["status"] != "ok":
@@ -75,7 +70,8 @@ def detail_table(case: Dict[str, Any]) -> List[str]:
             continue
         lines.append(
             f"| {'**ours**' if row['scheduler'] == OURS else row['scheduler']} "
-            f"| {row['num_microbatches']} ({row['lower_bound_per_rank']}) | {_fmt(row, 'fill')} "
+            f"| {row['num_microbatches']} ({row['min_microbatches']}, "
+            f"{row['lower_bound_per_rank']}) | {row['seq_length']} | {_fmt(row, 'fill')} "
             f"| {row['over_cap_microbatches']} | {_fmt(row, 'dp_imbalance')} "
             f"| {_fmt(row, 'dp_imbalance_cost')} | {row['placeholders']} | {_fmt(row, 'plan_ms')} "
             f"| {_fmt(row, 'step_over_ideal')} |"
@@ -131,14 +127,65 @@ def verdict_lines(result: Dict[str, Any]) -> List[str]:
     return lines
 
 
-def write_markdown(path: pathlib.Path, cases, planner_cell) -> None:
+def speed_lines(table: Sequence[Dict[str, Any]], caps: Dict[str, float], verl) -> List[str]:
+    lines = [
+        "| workload | CPU ms (min of 5) | goal ms | peak MB | M/rank (LB) | S | fill |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in table:
+        goal = GOALS.get(row["workload"])
+        lines.append(
+            f"| {row['workload']} | {row['cpu_s_min'] * 1e3:.0f} | "
+            f"{goal * 1e3:.0f} | {row['peak_MB']:.0f} | {row['M']} ({row['lower_bound_per_rank']}) "
+            f"| {row['S']} | {row['fill']:.3f} |"
+        )
+    lines += [
+        "",
+        "Peak memory of planning five samples: "
+        + ", ".join(f"cap {cap}: {mb:.2f} MB" for cap, mb in caps.items())
+        + " (independent of the cap).",
+        "",
+        f"16,384 samples at dp 512: ours {verl['ours_ms']:.0f} ms; verl's pipeline "
+        f"re-implemented here {verl['verl_reimplementation_ms']:.0f} ms"
+        + (
+            f"; verl's real code (`VERL_SRC`, KK on tensor elements in the driver) "
+            f"{verl['verl_real_driver_ms']:.0f} ms in the driver + "
+            f"{verl['verl_real_slowest_rank_ms']:.1f} ms on the slowest rank."
+            if "verl_real_driver_ms" in verl
+            else " (verl's real code not timed: set `VERL_SRC`)."
+        ),
+    ]
+    return lines
+
+
+def search_lines(result: Dict[str, Any]) -> List[str]:
+    worst = result["worst_step_loss"]
+    lines = [
+        f"{result['num_cases']} random steps (seed {result['seed']}: GRPO groups, bimodal, uniform, "
+        "short, multi-turn; dp 2-128, pp 1/2/4, vpp 1/2, caps 8k/16k), every baseline of "
+        "`benchmarks/baselines.py` that keeps the cap in the case against ours:",
+        "",
+        f"- cases where a baseline's simulated step is more than 0.5% faster than ours: "
+        f"{result['cases_beaten'].get('step', 0)}"
+        + (
+            f" (worst: {worst[0]}, {worst[1]} {worst[3]:.4f} vs ours {worst[2]:.4f})"
+            if worst
+            else ""
+        ),
+        f"- cases where a baseline needs fewer micro-batches per rank than ours can pack into: "
+        f"{result['cases_beaten'].get('M', 0)}",
+        f"- cases where a baseline has a higher fill / a lower DP cost imbalance than ours (not "
+        f"judged: ours trades them for step time): {result['cases_beaten'].get('fill', 0)} / "
+        f"{result['cases_beaten'].get('imbalance', 0)}",
+        f"- ours' micro-batches over the cap: {result['ours_over_cap']}; slowest plan "
+        f"{result['max_plan_ms']:.0f} ms CPU",
+    ]
+    return lines
+
+
+def write_markdown(path: pathlib.Path, cases, speed, searched) -> None:
     headline = next(
         c for c in cases if c["mix"] == HEADLINE_MIX and c["layout"] == HEADLINE_LAYOUT.name
-    )
-    # The same sentence bench_planner.py prints: both KK figures, judged on the partitioner.
-    speed = (
-        headline_line([planner_cell], planner_cell.get("kk_partitioner_ms"))
-        or f"{planner_cell['ours_ms']:.0f} ms CPU for ours (verl's Karmarkar-Karp not run)."
     )
     lines = [
         "# Benchmarks",
@@ -147,34 +194,41 @@ def write_markdown(path: pathlib.Path, cases, planner_cell) -> None:
         f"{platform.machine()} with Python {platform.python_version()}, everything else is exact). "
         "The scripts and what they measure: `benchmarks/README.md`.",
         "",
-        "One optimizer step per case, all samples <= the token cap of "
-        f"{TOKEN_CAP}; cost of a sample `L + L^2/24576` (the planner is given that cost model). "
-        "*step / ideal*: the simulated step time (slowest DP rank's pipeline, Megatron's 1F1B or "
-        "interleaved order, padding and placeholders computed) over all real work spread over "
-        "every "
-        "GPU with no bubble; the same denominator for every scheduler. `ours/tok` is the planner "
-        "with its default plain-token cost model (shown, not judged).",
+        "Every schedule is scored the same way: each micro-batch's cost from the planner's cost "
+        "model (`megatron_dynbatch/planning/cost.py`: linear work on every position of the row, "
+        "padding included; attention per segment, the packed row's padding tail its own segment; "
+        "here `token_weight` 1, `attention_weight` 1/24576, no overhead), backward = 2 x forward, "
+        "replayed through Megatron's 1F1B or interleaved order. *step / ideal*: the slowest DP "
+        "rank's simulated step over all real work spread over every GPU with no bubble (the same "
+        "denominator for every scheduler). Baselines behave exactly as the peers' code "
+        "(`benchmarks/peers.py` diffs them against the real functions).",
         "",
         f"## {HEADLINE_MIX} GRPO mix, {HEADLINE_LAYOUT.name} ({headline['num_samples']} samples)",
+        "",
+        "*M/rank*: micro-batches per rank run (the fewest ours packs into, the token lower "
+        "bound); ours runs more where the pipeline makes more, shorter rows faster.",
         "",
         *detail_table(headline),
         "",
         "## Simulated step time / ideal, every mix and layout",
         "",
         "Best per row in bold; † = the schedule has micro-batches over the token cap; "
-        "*fails* = the "
-        "upstream algorithm rejects the input (verl: samples not a multiple of dp).",
+        "*fails* = the upstream code rejects the input (verl and NeMo-RL: a sample count that "
+        "is not a multiple of dp).",
         "",
         *step_table(cases),
         "",
-        f"## Planning time: {HEADLINE[0]:,} samples, dp_size {HEADLINE[1]}",
+        "## Random-workload search (`python -m benchmarks.search`)",
         "",
-        speed,
+        *search_lines(searched),
         "",
-        "## Ours against the best baseline, per figure (all cases above)",
+        "## Planning speed and memory (`python -m benchmarks.bench_planner`)",
         "",
-        "Matching allows 0.1% on ratios and 10% on planning time; single-pass baselines (next fit, "
-        "SkyRL) plan faster than ours in every case.",
+        *speed_lines(*speed),
+        "",
+        "## Ours against the best baseline, per figure (the mix and layout cases above)",
+        "",
+        "Matching allows 0.1% on ratios and 10% on planning time.",
         "",
         *verdict_lines(verdict(cases)),
         "",
@@ -200,14 +254,15 @@ def write_picture(path: pathlib.Path) -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out-dir", default=str(_REPO_ROOT / "docs"), help="default: docs/")
+    parser.add_argument("--out-dir", default=str(DOCS), help="default: docs/")
+    parser.add_argument("--cases", type=int, default=300, help="random-search cases")
     args = parser.parse_args(argv)
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cases = [run_case(mix, layout, seed=SEED) for mix in MIXES for layout in CASE_LAYOUTS]
-    planner_cell = measure_cell(*HEADLINE, seed=SEED)
-    planner_cell["kk_partitioner_ms"] = kk_partitioner_ms(*HEADLINE, seed=SEED)
-    write_markdown(out / "benchmarks.md", cases, planner_cell)
+    searched = search(args.cases, SEED)
+    speed = (speed_table(), cap_memory(), versus_verl())
+    write_markdown(out / "benchmarks.md", cases, speed, searched)
     write_picture(out / "step.png")
     print(f"wrote {out / 'benchmarks.md'} and {out / 'step.png'}")
     return 0

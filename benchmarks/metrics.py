@@ -3,29 +3,36 @@
 :func:`evaluate` takes ``ranks[r][m]`` (sample indices per micro-batch per DP rank; an empty list is a
 placeholder) and reports how many micro-batches it runs against a lower bound, how much of the
 computed tokens are real, the DP balance, cap violations and whether every sample is trained exactly
-once. It also gives each micro-batch's cost for :func:`megatron_dynbatch.planning.simulate.simulate_step`.
+once. Each micro-batch's compute cost comes from the planner's own cost model
+(:mod:`megatron_dynbatch.planning.cost`), and :func:`step_time` replays the ranks through Megatron's
+pipeline order (:mod:`megatron_dynbatch.planning.simulate`), so every scheduler is scored by the
+formula the planner optimises.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
-__all__ = ["DEFAULT_ATTENTION_CROSSOVER", "LAYOUTS", "default_cost", "evaluate"]
+from megatron_dynbatch.planning.cost import microbatch_cost
+from megatron_dynbatch.planning.simulate import BACKWARD_TO_FORWARD_RATIO, pipeline_makespan
+from megatron_dynbatch.planning.spec import LAYOUTS, CostModel, ParallelLayout, ceil_div, round_up
 
-#: Micro-batch layouts: ``packed`` = one row of concatenated samples; ``padded`` = ``B`` rows each
-#: padded to the step's longest sample.
-LAYOUTS = ("packed", "padded")
+__all__ = [
+    "DEFAULT_ATTENTION_CROSSOVER",
+    "EVAL_COST",
+    "evaluate",
+    "ideal_step_time",
+    "step_time",
+]
 
 #: Sequence length at which self-attention's quadratic work equals the linear (MLP, projection) work
 #: of a dense transformer: ``2*h*L^2 = 12*h^2*L`` at ``L = 6*h``, i.e. 24576 for ``h = 4096`` (a 7B
 #: model; the same ratio verl's workload estimate uses).
 DEFAULT_ATTENTION_CROSSOVER = 24576
 
-
-def default_cost(length: int) -> float:
-    """Relative compute of one sample: ``L + L^2 / DEFAULT_ATTENTION_CROSSOVER``."""
-    return length + length * length / DEFAULT_ATTENTION_CROSSOVER
+#: The cost model of every benchmark figure: ``L + L^2 / 24576`` per sample, padding included.
+EVAL_COST = CostModel(token_weight=1.0, attention_weight=1.0 / DEFAULT_ATTENTION_CROSSOVER)
 
 
 def _ratio_max_mean(values: Sequence[float]) -> float:
@@ -39,21 +46,29 @@ def evaluate(
     *,
     token_cap: int,
     layout: str = "packed",
-    cost_fn: Optional[Callable[[int], float]] = None,
+    cost: CostModel = EVAL_COST,
+    sample_multiple: int = 1,
+    prompt_lengths: Optional[Sequence[int]] = None,
+    dummy_lengths: Sequence[int] = (),
 ) -> Dict[str, Any]:
     """Measures one step's schedule.
 
-    The step is assumed to run with one uniform micro-batch shape, as Megatron's pipeline
-    communication needs: ``packed`` rows of length ``S`` = the largest micro-batch's tokens, or
-    ``padded`` ``[B, S]`` with ``B`` = the most samples in any micro-batch and ``S`` = the longest
-    sample. Placeholders run that same shape.
+    The step runs with one uniform micro-batch shape, as Megatron's pipeline communication needs:
+    ``packed`` rows of length ``S`` = the largest micro-batch's padded tokens, or ``padded``
+    ``[B, S]`` with ``B`` = the most samples in any micro-batch and ``S`` = the longest sample.
+    Placeholders run that same shape.
 
     Args:
         ranks: ``ranks[r][m]`` = global sample indices; ``[]`` = placeholder micro-batch.
         lengths: Token length of every sample of the step (indices refer to this list).
         token_cap: The per-micro-batch token budget the schedule was made for.
         layout: ``packed`` or ``padded``.
-        cost_fn: Per-sample cost of a length; defaults to :func:`default_cost`.
+        cost: The cost model of every micro-batch (default :data:`EVAL_COST`).
+        sample_multiple: Every sample's segment is padded to a multiple of this (TP/CP).
+        prompt_lengths: Prompt tokens per sample (0 where ``None``), for the response term.
+        dummy_lengths: Loss-masked filler samples a framework computes besides the real ones
+            (SkyRL pads a mini-batch with copies of sample 0); index ``len(lengths) + k`` in
+            ``ranks`` is filler ``k``. They count as computed, never as real tokens.
 
     Returns:
         A dict with:
@@ -68,10 +83,9 @@ def evaluate(
         * ``max_microbatch_tokens`` (largest footprint: tokens packed, rows x longest padded),
           ``over_cap_microbatches`` (footprint > cap with two or more samples), ``oversize_samples``;
         * ``rank_tokens``, ``dp_imbalance`` (max / mean real tokens over ranks), ``rank_costs``,
-          ``dp_imbalance_cost`` (the same by ``cost_fn``);
-        * ``microbatch_costs[r][m]``: compute cost of the micro-batch in the uniform shape (packed:
-          its samples plus one padding segment up to S; padded: B rows of S), for the simulator;
-          ``microbatch_real_costs[r][m]``: its samples only;
+          ``dp_imbalance_cost`` (the same by the computed cost, padding included);
+        * ``microbatch_costs[r][m]``: forward cost of the micro-batch in the uniform shape
+          (:func:`megatron_dynbatch.planning.cost.microbatch_cost`), for the simulator;
         * ``coverage_ok``, ``missing``, ``duplicated``, ``out_of_range``: every sample exactly once.
     """
     if layout not in LAYOUTS:
@@ -80,14 +94,18 @@ def evaluate(
         raise ValueError(f"token_cap={token_cap!r} must be an integer >= 1.")
     if not ranks:
         raise ValueError("ranks is empty; pass one list of micro-batches per DP rank.")
-    cost = cost_fn if cost_fn is not None else default_cost
     n = len(lengths)
+    every_length = list(lengths) + list(dummy_lengths)
+    prompts = list(prompt_lengths) if prompt_lengths is not None else [0] * n
+    prompts += [0] * len(dummy_lengths)
+    sizes = [round_up(length, sample_multiple) for length in every_length]
     dp_size = len(ranks)
 
     seen = Counter(i for rank in ranks for mb in rank for i in mb)
-    out_of_range = sorted(i for i in seen if not (isinstance(i, int) and 0 <= i < n))
+    total = len(every_length)
+    out_of_range = sorted(i for i in seen if not (isinstance(i, int) and 0 <= i < total))
     duplicated = sorted(i for i, count in seen.items() if count > 1 and i not in out_of_range)
-    missing = [i for i in range(n) if i not in seen]
+    missing = [i for i in range(total) if i not in seen]
     valid = [[[i for i in mb if i not in out_of_range] for mb in rank] for rank in ranks]
 
     counts = [len(rank) for rank in valid]
@@ -95,37 +113,40 @@ def evaluate(
     all_mbs = [mb for rank in valid for mb in rank]
     num_placeholders = sum(1 for mb in all_mbs if not mb)
 
-    oversize = sorted(i for i in range(n) if lengths[i] > token_cap)
-    other_tokens = sum(length for length in lengths if length <= token_cap)
-    lower_bound = len(oversize) + -(-other_tokens // token_cap)
+    oversize = sorted(i for i in range(n) if sizes[i] > token_cap)
+    other_tokens = sum(size for size in sizes[:n] if size <= token_cap)
+    lower_bound = len(oversize) + ceil_div(other_tokens, token_cap)
 
     def footprint(mb: Sequence[int]) -> int:
         if not mb:
             return 0
         if layout == "packed":
-            return sum(lengths[i] for i in mb)
-        return len(mb) * max(lengths[i] for i in mb)
+            return sum(sizes[i] for i in mb)
+        return len(mb) * max(sizes[i] for i in mb)
 
-    real_tokens = sum(lengths[i] for mb in all_mbs for i in mb)
+    real_tokens = sum(lengths[i] for mb in all_mbs for i in mb if i < n)
     if layout == "packed":
         micro_batch_size = 1
         seq_length = max((footprint(mb) for mb in all_mbs), default=0)
     else:
         micro_batch_size = max((len(mb) for mb in all_mbs), default=1) or 1
-        seq_length = max((lengths[i] for mb in all_mbs for i in mb), default=0)
+        seq_length = max((sizes[i] for mb in all_mbs for i in mb), default=0)
     computed = dp_size * num_microbatches * micro_batch_size * seq_length
     over_cap = sum(1 for mb in all_mbs if len(mb) > 1 and footprint(mb) > token_cap)
 
     def computed_cost(mb: Sequence[int]) -> float:
-        if layout == "padded":
-            return micro_batch_size * cost(seq_length) if seq_length else 0.0
-        used = sum(lengths[i] for i in mb)
-        padding = seq_length - used
-        return sum(cost(lengths[i]) for i in mb) + (cost(padding) if padding > 0 else 0.0)
+        return microbatch_cost(
+            cost,
+            layout,
+            seq_length,
+            micro_batch_size,
+            [sizes[i] for i in mb],
+            [every_length[i] - prompts[i] for i in mb],
+        )
 
-    rank_tokens = [sum(lengths[i] for mb in rank for i in mb) for rank in valid]
-    real_costs = [[sum(cost(lengths[i]) for i in mb) for mb in rank] for rank in valid]
-    rank_costs = [sum(rank) for rank in real_costs]
+    microbatch_costs = [[computed_cost(mb) for mb in rank] for rank in valid]
+    rank_tokens = [sum(lengths[i] for mb in rank for i in mb if i < n) for rank in valid]
+    rank_costs = [sum(rank) for rank in microbatch_costs]
     return {
         "dp_size": dp_size,
         "microbatches_per_rank": counts,
@@ -134,7 +155,7 @@ def evaluate(
         "num_placeholders": num_placeholders,
         "num_real_microbatches": len(all_mbs) - num_placeholders,
         "lower_bound_microbatches": lower_bound,
-        "lower_bound_per_rank": -(-lower_bound // dp_size),
+        "lower_bound_per_rank": ceil_div(lower_bound, dp_size),
         "real_tokens": real_tokens,
         "seq_length": seq_length,
         "micro_batch_size": micro_batch_size,
@@ -147,10 +168,38 @@ def evaluate(
         "dp_imbalance": _ratio_max_mean(rank_tokens),
         "rank_costs": rank_costs,
         "dp_imbalance_cost": _ratio_max_mean(rank_costs),
-        "microbatch_costs": [[computed_cost(mb) for mb in rank] for rank in valid],
-        "microbatch_real_costs": real_costs,
+        "microbatch_costs": microbatch_costs,
         "coverage_ok": not (missing or duplicated or out_of_range),
         "missing": missing,
         "duplicated": duplicated,
         "out_of_range": out_of_range,
     }
+
+
+def step_time(microbatch_costs: Sequence[Sequence[float]], parallel: ParallelLayout) -> float:
+    """Simulated step time: the slowest DP rank's pipeline makespan (Megatron's order)."""
+    return max(
+        pipeline_makespan(
+            costs,
+            parallel.pp_size,
+            parallel.vpp_size,
+            parallel.microbatch_group_size_per_vp_stage,
+        )
+        for costs in microbatch_costs
+    )
+
+
+def ideal_step_time(
+    lengths: Sequence[int],
+    parallel: ParallelLayout,
+    cost: CostModel = EVAL_COST,
+    prompt_lengths: Optional[Sequence[int]] = None,
+) -> float:
+    """All real forward+backward work over ``dp * pp`` GPUs: no padding, no bubble, no imbalance.
+
+    The same for every scheduler of a step, so *step / ideal* charges padding, placeholders,
+    per-micro-batch overhead, imbalance and bubbles to the schedule that causes them.
+    """
+    prompts = prompt_lengths if prompt_lengths is not None else [0] * len(lengths)
+    work = sum(cost.cost(length, length - p) for length, p in zip(lengths, prompts, strict=True))
+    return work * (1.0 + BACKWARD_TO_FORWARD_RATIO) / (parallel.dp_size * parallel.pp_size)

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from typing import List, Optional
 
 from .aggregation import AGGREGATIONS
 from .megatron.verify.spec import DEFAULT_MAX_TOKENS_PER_GPU
-from .planning.spec import LAYOUTS
+from .planning.spec import LAYOUTS, OVERSIZE_POLICIES
 
 __all__ = ["main", "build_parser"]
 
@@ -43,9 +44,27 @@ def _add_layout_args(parser: argparse.ArgumentParser, *, cap_default: Optional[i
         + ("" if cap_default is None else f" (default {cap_default})"),
     )
     parser.add_argument("--layout", choices=LAYOUTS, default="packed", help="micro-batch layout")
-    parser.add_argument("--cost-attention-weight", type=float, default=0.0, help="b in a*L + b*L^2")
+    parser.add_argument(
+        "--cost-attention-weight",
+        type=float,
+        default=0.0,
+        help="weight of a segment's squared length (attention), per unit of a token's linear work",
+    )
     parser.add_argument(
         "--cost-response-weight", type=float, default=0.0, help="weight of response tokens"
+    )
+    parser.add_argument(
+        "--cost-microbatch-overhead",
+        type=float,
+        default=0.0,
+        help="fixed cost of one micro-batch, in tokens of linear work (default 0)",
+    )
+    parser.add_argument(
+        "--oversize-samples",
+        choices=OVERSIZE_POLICIES,
+        default="allow",
+        help="a sample longer than the cap: allow (default: alone, over the cap, warned), "
+        "truncate (cut to the cap), error",
     )
 
 
@@ -86,17 +105,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _unique_keys(pairs):
+    """``object_pairs_hook`` that refuses duplicate keys (``json`` silently keeps the last)."""
+    keys = [key for key, _ in pairs]
+    duplicated = sorted({key for key in keys if keys.count(key) > 1})
+    if duplicated:
+        raise ValueError(f"duplicate key(s) {duplicated} in an object; give every key once")
+    return dict(pairs)
+
+
 def _read_json(path: str):
     """Decoded JSON of ``path`` (``-``: stdin); unreadable or invalid files are ValueErrors."""
     try:
         if path == "-":
-            return json.load(sys.stdin)
+            return json.load(sys.stdin, object_pairs_hook=_unique_keys)
         with open(path, encoding="utf-8") as handle:
-            return json.load(handle)
+            return json.load(handle, object_pairs_hook=_unique_keys)
     except OSError as exc:
         raise ValueError(f"cannot read SAMPLES.json {path!r}: {exc.strerror or exc}") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path!r} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError(
+            f"{path!r} is nested too deeply; SAMPLES.json is a flat array of lengths or "
+            "{length, rollout, prompt_length} objects."
+        ) from None
+    except ValueError as exc:
+        raise ValueError(f"{path!r}: {exc}") from None
 
 
 def _load_samples(path: str):
@@ -105,7 +140,8 @@ def _load_samples(path: str):
     return parse_samples_json(_read_json(path))
 
 
-def _planner_config(args, rollouts_per_step=None):
+def _planner_config(args):
+    """The planner's config from the ``plan`` flags."""
     from .planning import CostModel, ParallelLayout, PlannerConfig
 
     return PlannerConfig(
@@ -118,12 +154,14 @@ def _planner_config(args, rollouts_per_step=None):
             tp_size=args.tp_size,
             cp_size=args.cp_size,
         ),
-        rollouts_per_step=rollouts_per_step,
+        rollouts_per_step=args.rollouts_per_step,
         layout=args.layout,
         cost=CostModel(
             attention_weight=args.cost_attention_weight,
             response_weight=args.cost_response_weight,
+            microbatch_overhead=args.cost_microbatch_overhead,
         ),
+        oversize_samples=args.oversize_samples,
     )
 
 
@@ -148,14 +186,30 @@ def _format_table(plan) -> str:
     )
     if st.oversize_samples:
         lines.append(f"oversize samples (alone, over the cap): {list(st.oversize_samples)}")
+    if st.truncated_samples:
+        lines.append(
+            f"truncated to the cap: {list(st.truncated_samples)} ({st.truncated_tokens} tokens cut)"
+        )
     return "\n".join(lines)
+
+
+def _check_plot_path(path: str) -> None:
+    """Fail before planning if the picture cannot be written where asked."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(
+            f"--plot {path!r}: the folder {folder!r} does not exist; create it or pick another "
+            "path."
+        )
 
 
 def _cmd_plan(args) -> int:
     from .planning import plan_samples
 
+    if args.plot:
+        _check_plot_path(args.plot)
     samples = _load_samples(args.samples)
-    config = _planner_config(args, args.rollouts_per_step)
+    config = _planner_config(args)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plan = plan_samples(samples, config)
@@ -164,9 +218,16 @@ def _cmd_plan(args) -> int:
     if args.plot:
         from .plotting import plot_step
 
-        plot_step(plan, 0, samples, config, args.plot)
+        try:
+            plot_step(plan, 0, samples, config, args.plot)
+        except OSError as exc:
+            raise ValueError(
+                f"--plot {args.plot!r}: cannot write it: {exc.strerror or exc}"
+            ) from None
     if args.json:
-        print(json.dumps(plan.to_dict()))
+        # Never NaN or Infinity in the public JSON (not JSON at all); the cost model's finite
+        # check makes this unreachable, allow_nan=False makes sure.
+        print(json.dumps(plan.to_dict(), allow_nan=False))
     else:
         print(_format_table(plan))
     return 0

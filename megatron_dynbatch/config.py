@@ -9,11 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Union
 
-from megatron_dynbatch.planning.spec import LAYOUTS, CostModel, ParallelLayout, PlannerConfig
+from megatron_dynbatch.planning.spec import (
+    LAYOUTS,
+    OVERSIZE_POLICIES,
+    CostModel,
+    ParallelLayout,
+    PlannerConfig,
+    as_int,
+)
 
 __all__ = [
     "FLAGS",
@@ -31,14 +40,28 @@ FLAGS: Dict[str, str] = {
     "cost_token_weight": "--dynamic-batch-cost-token-weight",
     "cost_attention_weight": "--dynamic-batch-cost-attention-weight",
     "cost_response_weight": "--dynamic-batch-cost-response-weight",
+    "cost_microbatch_overhead": "--dynamic-batch-cost-microbatch-overhead",
+    "oversize_samples": "--oversize-samples",
 }
 
+#: The cost-model fields of :class:`DynBatchConfig` (floats >= 0).
+_COST_FIELDS = (
+    "cost_token_weight",
+    "cost_attention_weight",
+    "cost_response_weight",
+    "cost_microbatch_overhead",
+)
 
-def _check_positive_int(name: str, value: Any, *, optional: bool) -> None:
+
+def _positive_int(config: Any, name: str, *, optional: bool) -> None:
+    """Check an integer field and store it as a plain int (numpy / torch integers accepted)."""
+    value = getattr(config, name)
     if optional and value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    number = as_int(value)
+    if number is None or number < 1:
         raise ValueError(f"{name}={value!r} must be an integer >= 1; fix {FLAGS[name]}.")
+    object.__setattr__(config, name, number)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +87,14 @@ class DynBatchConfig:
     """Cost-model weight of ``L**2`` (self-attention); long-context runs set it > 0."""
     cost_response_weight: float = 0.0
     """Cost-model weight of the response length (work done on generated tokens only)."""
+    cost_microbatch_overhead: float = 0.0
+    """Cost-model fixed cost of one micro-batch (launches, pipeline send/receive), in the units of
+    the token weight; above 0 it keeps the planner from splitting a step into many short rows."""
+    oversize_samples: str = "error"
+    """A sample longer than the budget: ``error`` refuses the batch before any model work (naming
+    the samples), ``truncate`` cuts it to the budget (the cut tokens are not trained, and counted),
+    ``allow`` runs it alone in a micro-batch over the budget (every micro-batch of its step then
+    gets its length)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens_per_gpu is None:
@@ -72,19 +103,22 @@ class DynBatchConfig:
                 "max_tokens_per_gpu in the --dynamic-batch-config YAML) with the token budget of "
                 "one micro-batch on one GPU."
             )
-        _check_positive_int("max_tokens_per_gpu", self.max_tokens_per_gpu, optional=False)
-        _check_positive_int(
-            "log_probs_max_tokens_per_gpu", self.log_probs_max_tokens_per_gpu, optional=True
-        )
-        _check_positive_int("rollouts_per_step", self.rollouts_per_step, optional=True)
+        _positive_int(self, "max_tokens_per_gpu", optional=False)
+        _positive_int(self, "log_probs_max_tokens_per_gpu", optional=True)
+        _positive_int(self, "rollouts_per_step", optional=True)
         if self.layout not in LAYOUTS:
             raise ValueError(
                 f"layout={self.layout!r} is not one of {LAYOUTS}; pass --dynamic-batch-layout "
                 "packed or padded."
             )
-        for name in ("cost_token_weight", "cost_attention_weight", "cost_response_weight"):
+        if self.oversize_samples not in OVERSIZE_POLICIES:
+            raise ValueError(
+                f"oversize_samples={self.oversize_samples!r} is not one of {OVERSIZE_POLICIES}; "
+                f"fix {FLAGS['oversize_samples']}."
+            )
+        for name in _COST_FIELDS:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise ValueError(f"{name}={value!r} must be a number; fix {FLAGS[name]}.")
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name}={value!r} must be finite and >= 0; fix {FLAGS[name]}.")
@@ -106,6 +140,7 @@ class DynBatchConfig:
             token_weight=self.cost_token_weight,
             attention_weight=self.cost_attention_weight,
             response_weight=self.cost_response_weight,
+            microbatch_overhead=self.cost_microbatch_overhead,
         )
 
     def planner_config(
@@ -132,6 +167,7 @@ class DynBatchConfig:
                 rollouts_per_step=None if forward_only else self.rollouts_per_step,
                 layout=self.layout,
                 cost=self.cost_model(),
+                oversize_samples=self.oversize_samples,
             )
         except ValueError as error:
             raise ValueError(f"{budget_flag}: {error}") from error
@@ -154,6 +190,39 @@ def config_from_mapping(values: Mapping[str, Any]) -> DynBatchConfig:
     return DynBatchConfig(**kwargs)
 
 
+#: YAML 1.2 floats without a dot (``4e-5``), which PyYAML's YAML 1.1 resolver reads as strings.
+_EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+
+
+def _strict_loader():
+    """A ``yaml.SafeLoader`` that reads ``4e-5`` as a float and refuses duplicate keys.
+
+    A duplicate key in a config is a mistake whichever value wins (PyYAML keeps the last one
+    silently).
+    """
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping",
+                        node.start_mark,
+                        f"found duplicate key {key!r}; give every key once",
+                        key_node.start_mark,
+                    )
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    StrictLoader.add_implicit_resolver(
+        "tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789")
+    )
+    return StrictLoader
+
+
 def load_yaml_config(path: Union[str, os.PathLike]) -> Dict[str, Any]:
     """Read a ``--dynamic-batch-config`` YAML file into a dict of field values.
 
@@ -162,8 +231,9 @@ def load_yaml_config(path: Union[str, os.PathLike]) -> Dict[str, Any]:
     flag is merged in.
 
     Raises:
-        ValueError: On a missing file, YAML that is not a mapping, or an unknown key (with the list
-            of valid keys), so a typo never silently falls back to a default.
+        ValueError: On a missing file, invalid or too deeply nested YAML, YAML that is not a
+            mapping, a duplicate key, or an unknown key (with the list of valid keys), so a typo
+            never silently falls back to a default.
     """
     import yaml  # Only the loader needs PyYAML.
 
@@ -172,11 +242,16 @@ def load_yaml_config(path: Union[str, os.PathLike]) -> Dict[str, Any]:
         raise ValueError(f"--dynamic-batch-config {path!r} does not exist or is not a file.")
     with open(path, encoding="utf-8") as handle:
         try:
-            data = yaml.safe_load(handle)
+            data = yaml.load(handle, Loader=_strict_loader())  # noqa: S506 - a SafeLoader
         except yaml.YAMLError as error:
             raise ValueError(
                 f"--dynamic-batch-config {path!r} is not valid YAML: {error}"
             ) from error
+        except RecursionError:
+            raise ValueError(
+                f"--dynamic-batch-config {path!r} is nested too deeply to be a config; it must be "
+                "a flat mapping of key: value."
+            ) from None
     if data is None:
         return {}
     if not isinstance(data, dict):

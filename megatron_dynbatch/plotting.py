@@ -7,13 +7,14 @@ it in.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
 from .planning import Plan, PlannerConfig, SampleSet
+from .planning.cost import step_microbatch_costs
 from .planning.simulate import BACKWARD_TO_FORWARD_RATIO, SimResult, simulate_interleaved
-from .planning.spec import round_up
 
-__all__ = ["DEFAULT_MAX_RANKS", "microbatch_costs", "plot_step"]
+__all__ = ["DEFAULT_MAX_RANKS", "StepPicture", "microbatch_costs", "plot_step"]
 
 #: DP ranks drawn in the top panel; beyond it the bars get thinner than a pixel at figure width.
 DEFAULT_MAX_RANKS = 16
@@ -25,31 +26,37 @@ _FORWARD_COLOR = "#4c8cc4"
 _BACKWARD_COLOR = "#e07b39"
 
 
+@dataclass(frozen=True)
+class StepPicture:
+    """What :func:`plot_step` drew, so that tests (and callers) can check the picture's data."""
+
+    ranks: Tuple[int, ...]
+    """The DP ranks drawn in the top panel."""
+    bars: Tuple[Tuple[int, int, int, int, int], ...]
+    """One per drawn micro-batch: ``(rank, m, real tokens, padding, placeholder)`` in tokens."""
+    token_cap: int
+    """The cap line."""
+    timeline: SimResult
+    """DP rank 0's simulated pipeline (bottom panel)."""
+
+
 def microbatch_costs(
     plan: Plan, step_index: int, samples: SampleSet, config: PlannerConfig, dp_rank: int
 ) -> List[float]:
-    """Forward cost (by ``config.cost``) of each micro-batch of one DP rank in the step's shape.
+    """Forward cost of each micro-batch of one DP rank, as the planner scores it.
 
-    Packed: the samples' costs plus the trailing padding segment up to ``seq_length`` (its own
-    attention segment, see ``runtime/materialize.py``); a placeholder is one padding segment of
-    ``seq_length``. Padded: each of the ``micro_batch_size`` rows computes ``seq_length`` tokens.
+    The one cost model of :mod:`megatron_dynbatch.planning.cost` (linear work on every position of
+    the ``[B, S]`` row, attention per segment with the packed padding tail as its own segment,
+    response work, per-micro-batch overhead).
     """
-    step = plan.steps[step_index]
-    cost = config.cost
-    multiple = plan.sample_multiple
-    costs = []
-    for mb in step.rank_microbatches(dp_rank):
-        if plan.layout == "padded":
-            costs.append(step.micro_batch_size * cost.cost(step.seq_length, 0))
-            continue
-        used = sum(round_up(samples.lengths[i], multiple) for i in mb)
-        real = sum(
-            cost.cost(samples.lengths[i], samples.lengths[i] - samples.prompt_lengths[i])
-            for i in mb
-        )
-        padding = step.seq_length - used
-        costs.append(real + (cost.cost(padding, 0) if padding > 0 else 0.0))
-    return costs
+    return step_microbatch_costs(
+        plan.steps[step_index],
+        layout=plan.layout,
+        lengths=samples.lengths,
+        prompt_lengths=samples.prompt_lengths,
+        sample_multiple=plan.sample_multiple,
+        model=config.cost,
+    )[dp_rank]
 
 
 def _bar_parts(
@@ -57,6 +64,7 @@ def _bar_parts(
 ) -> Tuple[List[float], List[int], List[int], List[int], List[Tuple[float, str]]]:
     """x positions and (real, padding, placeholder) heights of every drawn micro-batch bar."""
     step = plan.steps[step_index]
+    kept = dict(step.kept_lengths)  # samples the truncate policy cut: only their kept tokens run
     footprint = step.micro_batch_size * step.seq_length
     gap = max(1, step.num_microbatches // 4)  # blank slots between two ranks' groups
     xs: List[float] = []
@@ -68,7 +76,7 @@ def _bar_parts(
         base = k * (step.num_microbatches + gap)
         for m, mb in enumerate(step.ranks[r]):
             xs.append(base + m)
-            tokens = sum(samples.lengths[i] for i in mb)
+            tokens = sum(kept.get(i, samples.lengths[i]) for i in mb)
             real.append(tokens)
             padding.append(footprint - tokens if mb else 0)
             placeholder.append(0 if mb else footprint)
@@ -122,14 +130,17 @@ def plot_step(
     path: str,
     *,
     max_ranks: int = DEFAULT_MAX_RANKS,
-) -> None:
-    """Draw one step of ``plan`` to a PNG at ``path``.
+) -> StepPicture:
+    """Draw one step of ``plan`` to a PNG at ``path``, and return what it drew.
 
     Top: one bar per micro-batch, grouped by DP rank (the first ``max_ranks`` ranks), stacked as
     real tokens, padding up to the step's ``micro_batch_size * seq_length`` and placeholder rows; a
     line marks the token cap. Bottom: DP rank 0's pipeline simulated with Megatron's 1F1B or
     interleaved order (``planning/simulate.py``) from the cost model, one row per stage, F/B boxes
     per micro-batch.
+
+    Returns:
+        The drawn data (:class:`StepPicture`).
 
     Raises:
         ValueError: ``step_index`` outside the plan, or ``max_ranks`` < 1.
@@ -205,3 +216,12 @@ def plot_step(
     )
     fig.tight_layout()
     fig.savefig(path, format="png")
+    bars = []
+    k = 0
+    for r in drawn:
+        for m in range(step.num_microbatches):
+            bars.append((r, m, real[k], padding[k], placeholder[k]))
+            k += 1
+    return StepPicture(
+        ranks=tuple(drawn), bars=tuple(bars), token_cap=plan.token_cap, timeline=result
+    )

@@ -17,7 +17,7 @@ import argparse
 from typing import Any, Dict, Optional
 
 from megatron_dynbatch.config import FLAGS, DynBatchConfig, config_from_mapping, load_yaml_config
-from megatron_dynbatch.planning.spec import LAYOUTS, ParallelLayout
+from megatron_dynbatch.planning.spec import LAYOUTS, OVERSIZE_POLICIES, ParallelLayout
 
 __all__ = [
     "add_dynamic_batch_args",
@@ -116,10 +116,18 @@ def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.Argument
         ("cost_token_weight", "the sample length L (default 1.0)"),
         ("cost_attention_weight", "L**2, the attention term (default 0.0)"),
         ("cost_response_weight", "the response length (default 0.0)"),
+        ("cost_microbatch_overhead", "one micro-batch, its fixed cost (default 0.0)"),
     ):
         group.add_argument(
             FLAGS[field], type=float, default=None, help=f"Planner cost-model weight of {what}."
         )
+    group.add_argument(
+        FLAGS["oversize_samples"],
+        choices=OVERSIZE_POLICIES,
+        default=None,
+        help="A sample longer than the budget: error (default) refuses the batch, truncate cuts "
+        "it to the budget, allow runs it alone over the budget.",
+    )
     group.add_argument(
         "--dynamic-batch-config",
         type=str,

@@ -13,7 +13,7 @@ from typing import Any, List, Optional, Sequence
 
 from .plan import Plan, PlanStats, StepPlan
 from .samples import SampleSet
-from .spec import ceil_div
+from .spec import ceil_div, round_up
 
 __all__ = ["plan_fixed_microbatches"]
 
@@ -49,14 +49,9 @@ def plan_fixed_microbatches(
             f"a sample of {longest} tokens does not fit seq_length={seq_length}; raise --seq-length "
             f"(fixed batching pads every sample to it)."
         )
-    rollouts = samples.rollouts()
-    per_step = rollouts_per_step or len(rollouts)
     steps: List[StepPlan] = []
-    for start in range(0, len(rollouts), per_step):
-        chunk = rollouts[start : start + per_step]
-        items = sorted(i for _, members in chunk for i in members)
-        per_rank = ceil_div(ceil_div(len(items), dp_size * micro_batch_size), microbatch_multiple)
-        per_rank *= microbatch_multiple
+    for num_rollouts, items in samples.steps(rollouts_per_step):
+        per_rank = round_up(ceil_div(len(items), dp_size * micro_batch_size), microbatch_multiple)
         ranks: List[List[tuple]] = [[] for _ in range(dp_size)]
         block = dp_size * micro_batch_size
         for m in range(per_rank):
@@ -72,7 +67,7 @@ def plan_fixed_microbatches(
                 seq_length=seq_length,
                 micro_batch_size=micro_batch_size,
                 ranks=tuple(tuple(rank) for rank in ranks),
-                num_rollouts=len(chunk),
+                num_rollouts=num_rollouts,
                 num_placeholders=sum(1 for rank in ranks for mb in rank if not mb),
                 real_tokens=real,
                 fill=real / (dp_size * per_rank * micro_batch_size * seq_length),
@@ -80,25 +75,12 @@ def plan_fixed_microbatches(
                 dp_imbalance_cost=imbalance,
                 oversize_samples=(),
                 lower_bound_microbatches=ceil_div(len(items), micro_batch_size),
+                min_microbatches=per_rank,
             )
         )
-    computed = sum(dp_size * s.num_microbatches * micro_batch_size * seq_length for s in steps)
-    stats = PlanStats(
-        num_samples=len(samples),
-        num_steps=len(steps),
-        num_placeholders=sum(s.num_placeholders for s in steps),
-        num_microbatches=sum(dp_size * s.num_microbatches for s in steps),
-        num_real_microbatches=sum(dp_size * s.num_microbatches - s.num_placeholders for s in steps),
-        lower_bound_microbatches=sum(s.lower_bound_microbatches for s in steps),
-        fill=sum(s.real_tokens for s in steps) / computed,
-        dp_imbalance=max(s.dp_imbalance for s in steps),
-        dp_imbalance_cost=max(s.dp_imbalance_cost for s in steps),
-        oversize_samples=(),
-        max_microbatch_tokens=micro_batch_size * seq_length,
-    )
     return Plan(
         steps=tuple(steps),
-        stats=stats,
+        stats=PlanStats.from_steps(steps, num_samples=len(samples), dp_size=dp_size),
         layout="padded",
         sample_multiple=1,
         token_cap=micro_batch_size * seq_length,

@@ -1,18 +1,23 @@
 """One checker for every guarantee a plan makes; tests run it over every input family.
 
 It re-derives everything from the inputs, trusting nothing the planner reports, so it also guards a
-plan read back from JSON or produced by another scheduler.
+plan read back from JSON or produced by another scheduler. Each guarantee is one helper that returns
+the problems it finds, every message with the values involved.
 """
 
 from __future__ import annotations
 
-from typing import List
+from collections import Counter
+from typing import Dict, List, Sequence
 
-from .plan import Plan
+from .plan import Plan, StepPlan
 from .samples import SampleSet
-from .spec import PlannerConfig, round_up
+from .spec import PlannerConfig, ceil_div, round_up
 
 __all__ = ["PlanInvariantError", "check_plan"]
+
+#: Indices listed in a message before the rest are elided.
+_LISTED = 20
 
 
 class PlanInvariantError(AssertionError):
@@ -21,121 +26,195 @@ class PlanInvariantError(AssertionError):
 
 def check_plan(plan: Plan, samples: SampleSet, config: PlannerConfig) -> None:
     """Raise :class:`PlanInvariantError` listing every broken guarantee of ``plan``."""
+    kept = plan.kept_lengths()
+    multiple = config.parallel.sample_multiple
+    lengths = [kept.get(i, length) for i, length in enumerate(samples.lengths)]
+    sizes = [round_up(length, multiple) for length in lengths]
     problems: List[str] = []
-    parallel = config.parallel
-    dp = parallel.dp_size
-    cap = config.token_cap
-    multiple = parallel.sample_multiple
-    sizes = [round_up(length, multiple) for length in samples.lengths]
-    n = len(samples)
-
-    # Nothing lost, nothing duplicated.
-    seen = [0] * n
-    for s, step in enumerate(plan.steps):
-        for rank in step.ranks:
-            for mb in rank:
-                for i in mb:
-                    if not 0 <= i < n:
-                        problems.append(f"step {s}: sample index {i} out of range [0, {n})")
-                    else:
-                        seen[i] += 1
-    missing = [i for i, c in enumerate(seen) if c == 0]
-    duplicated = [i for i, c in enumerate(seen) if c > 1]
-    if missing:
-        problems.append(f"samples never scheduled: {missing[:20]}")
-    if duplicated:
-        problems.append(f"samples scheduled more than once: {duplicated[:20]}")
-
-    # Whole rollouts, in order of first appearance, rollouts_per_step per step.
-    rollouts = samples.rollouts()
-    per_step = config.rollouts_per_step or len(rollouts)
-    expected_steps = -(-len(rollouts) // per_step)
-    if len(plan.steps) != expected_steps:
-        problems.append(f"{len(plan.steps)} steps, expected {expected_steps}")
-    step_of = {}
-    for s, step in enumerate(plan.steps):
-        for rank in step.ranks:
-            for mb in rank:
-                for i in mb:
-                    step_of[i] = s
-    for r, (_, members) in enumerate(rollouts):
-        want = r // per_step
-        got = {step_of.get(i) for i in members}
-        if got != {want}:
-            problems.append(
-                f"rollout #{r} (samples {members[:8]}) is in steps {sorted(map(str, got))}, expected {want}"
-            )
-
+    problems += _every_sample_once(plan, len(samples))
+    problems += _whole_rollouts_in_order(plan, samples, config)
+    problems += _truncation(plan, samples, config)
     for s, step in enumerate(plan.steps):
         where = f"step {s}"
-        m = step.num_microbatches
-        if len(step.ranks) != dp:
-            problems.append(f"{where}: {len(step.ranks)} ranks, expected dp_size={dp}")
-        if m < 1:
-            problems.append(f"{where}: num_microbatches={m} < 1")
-        if m % parallel.microbatch_multiple:
-            problems.append(
-                f"{where}: num_microbatches={m} is not a multiple of {parallel.microbatch_multiple}"
-            )
-        for r, rank in enumerate(step.ranks):
-            if len(rank) != m:
-                problems.append(f"{where}: rank {r} has {len(rank)} micro-batches, expected {m}")
-        S, B = step.seq_length, step.micro_batch_size
-        step_items = [i for rank in step.ranks for mb in rank for i in mb if 0 <= i < n]
-        step_oversize = sorted(i for i in step_items if sizes[i] > cap)
-        if sorted(step.oversize_samples) != step_oversize:
-            problems.append(
-                f"{where}: reported oversize {list(step.oversize_samples)}, actual {step_oversize}"
-            )
-        if plan.layout == "packed":
-            if B != 1:
-                problems.append(f"{where}: packed layout with micro_batch_size={B}")
-            if S > cap and not step_oversize:
-                problems.append(
-                    f"{where}: seq_length={S} exceeds the cap {cap} with no oversize sample"
-                )
-        else:
-            if B * S > cap and not (step_oversize and B == 1):
-                problems.append(f"{where}: padded footprint {B}x{S}={B * S} exceeds the cap {cap}")
-        if S % multiple:
-            problems.append(f"{where}: seq_length={S} is not a multiple of {multiple}")
-        for r, rank in enumerate(step.ranks):
-            for k, mb in enumerate(rank):
-                mb_sizes = [sizes[i] for i in mb if 0 <= i < n]
-                footprint = sum(mb_sizes)
-                label = f"{where} rank {r} micro-batch {k}"
-                if plan.layout == "packed":
-                    if footprint > S:
-                        problems.append(f"{label}: {footprint} padded tokens exceed seq_length={S}")
-                    if footprint > cap and len(mb) != 1:
-                        problems.append(f"{label}: {footprint} padded tokens exceed the cap {cap}")
-                else:
-                    if len(mb) > B:
-                        problems.append(f"{label}: {len(mb)} samples exceed micro_batch_size={B}")
-                    if mb_sizes and max(mb_sizes) > S:
-                        problems.append(f"{label}: a sample longer than seq_length={S}")
-        placeholders = sum(1 for rank in step.ranks for mb in rank if not mb)
-        if placeholders != step.num_placeholders:
-            problems.append(
-                f"{where}: num_placeholders={step.num_placeholders}, counted {placeholders}"
-            )
-        real_mbs = dp * m - placeholders
-        if real_mbs < step.lower_bound_microbatches:
-            problems.append(
-                f"{where}: {real_mbs} real micro-batches, below the lower bound "
-                f"{step.lower_bound_microbatches}"
-            )
-
-    stats = plan.stats
-    if stats.num_samples != n:
-        problems.append(f"stats.num_samples={stats.num_samples}, expected {n}")
-    if stats.num_placeholders != sum(s.num_placeholders for s in plan.steps):
-        problems.append("stats.num_placeholders does not add up")
-    if stats.num_microbatches != sum(dp * s.num_microbatches for s in plan.steps):
-        problems.append("stats.num_microbatches does not add up")
-    if sorted(stats.oversize_samples) != sorted(i for i in range(n) if sizes[i] > cap):
-        problems.append("stats.oversize_samples is not exactly the samples over the cap")
-    if not 0 < stats.fill <= 1:
-        problems.append(f"stats.fill={stats.fill} outside (0, 1]")
+        problems += _equal_valid_counts(where, step, config)
+        problems += _shape_and_cap(where, step, plan.layout, sizes, config)
+        problems += _step_counts(where, step, sizes, config)
+    problems += _stats_add_up(plan, sizes, config)
     if problems:
         raise PlanInvariantError("plan breaks its guarantees:\n  " + "\n  ".join(problems))
+
+
+def _indices(step: StepPlan) -> List[int]:
+    return [i for rank in step.ranks for mb in rank for i in mb]
+
+
+def _every_sample_once(plan: Plan, n: int) -> List[str]:
+    """Nothing lost, nothing duplicated, no index outside the samples."""
+    seen = Counter(i for step in plan.steps for i in _indices(step))
+    outside = sorted(i for i in seen if not (isinstance(i, int) and 0 <= i < n))
+    missing = [i for i in range(n) if i not in seen]
+    duplicated = sorted(i for i, count in seen.items() if count > 1 and i not in outside)
+    problems = []
+    if outside:
+        problems.append(f"sample indices outside [0, {n}): {outside[:_LISTED]}")
+    if missing:
+        problems.append(f"samples never scheduled: {missing[:_LISTED]} ({len(missing)} in all)")
+    if duplicated:
+        problems.append(f"samples scheduled more than once: {duplicated[:_LISTED]}")
+    return problems
+
+
+def _whole_rollouts_in_order(plan: Plan, samples: SampleSet, config: PlannerConfig) -> List[str]:
+    """Whole rollouts, in order of first appearance, ``rollouts_per_step`` per step."""
+    rollouts = samples.rollouts()
+    per_step = config.rollouts_per_step or len(rollouts)
+    expected = ceil_div(len(rollouts), per_step)
+    problems = []
+    if len(plan.steps) != expected:
+        problems.append(
+            f"{len(plan.steps)} steps, expected {expected} ({len(rollouts)} rollouts, "
+            f"{per_step} per step)"
+        )
+    step_of: Dict[int, int] = {}
+    for s, step in enumerate(plan.steps):
+        for i in _indices(step):
+            step_of[i] = s
+    for r, (rollout, members) in enumerate(rollouts):
+        got = sorted({str(step_of.get(i)) for i in members})
+        if got != [str(r // per_step)]:
+            problems.append(
+                f"rollout #{r} (id {rollout!r}, samples {members[:8]}) is in steps {got}, "
+                f"expected {r // per_step}"
+            )
+    return problems
+
+
+def _truncation(plan: Plan, samples: SampleSet, config: PlannerConfig) -> List[str]:
+    """Only the ``truncate`` policy cuts, only oversize samples, to the cap rounded down."""
+    kept = plan.kept_lengths()
+    if not kept:
+        return []
+    if config.oversize_samples != "truncate":
+        return [
+            f"samples {sorted(kept)[:_LISTED]} cut under oversize_samples="
+            f"{config.oversize_samples!r}"
+        ]
+    multiple = config.parallel.sample_multiple
+    keep = (config.token_cap // multiple) * multiple
+    return [
+        f"sample {i}: kept {k} of {samples.lengths[i]} tokens, expected {keep} (the cap "
+        f"{config.token_cap} rounded down to {multiple}) and only for a sample over it"
+        for i, k in sorted(kept.items())
+        if k != keep or round_up(samples.lengths[i], multiple) <= config.token_cap
+    ]
+
+
+def _equal_valid_counts(where: str, step: StepPlan, config: PlannerConfig) -> List[str]:
+    """Every rank the same count, >= 1 and a multiple of the interleaving group."""
+    parallel = config.parallel
+    m = step.num_microbatches
+    problems = []
+    if len(step.ranks) != parallel.dp_size:
+        problems.append(f"{where}: {len(step.ranks)} ranks, expected dp_size={parallel.dp_size}")
+    if m < 1:
+        problems.append(f"{where}: num_microbatches={m} < 1")
+    if m % parallel.microbatch_multiple:
+        problems.append(
+            f"{where}: num_microbatches={m} is not a multiple of {parallel.microbatch_multiple} "
+            f"(microbatch_group_size_per_vp_stage with vpp_size={parallel.vpp_size})"
+        )
+    for r, rank in enumerate(step.ranks):
+        if len(rank) != m:
+            problems.append(f"{where}: rank {r} has {len(rank)} micro-batches, expected {m}")
+    return problems
+
+
+def _shape_and_cap(
+    where: str, step: StepPlan, layout: str, sizes: Sequence[int], config: PlannerConfig
+) -> List[str]:
+    """Every micro-batch fits the step's shape and the cap; only a lone oversize sample exceeds it."""
+    cap, multiple = config.token_cap, config.parallel.sample_multiple
+    s, b = step.seq_length, step.micro_batch_size
+    n = len(sizes)
+    problems = []
+    oversize = sorted(i for i in _indices(step) if 0 <= i < n and sizes[i] > cap)
+    if sorted(step.oversize_samples) != oversize:
+        problems.append(
+            f"{where}: reported oversize {list(step.oversize_samples)}, actual {oversize}"
+        )
+    if s % multiple:
+        problems.append(f"{where}: seq_length={s} is not a multiple of {multiple}")
+    if layout == "packed":
+        if b != 1:
+            problems.append(f"{where}: packed layout with micro_batch_size={b}")
+        if s > cap and not oversize:
+            problems.append(
+                f"{where}: seq_length={s} exceeds the cap {cap} with no oversize sample"
+            )
+    elif b * s > cap and not (oversize and b == 1):
+        problems.append(f"{where}: padded footprint {b}x{s}={b * s} exceeds the cap {cap}")
+    for r, rank in enumerate(step.ranks):
+        for k, mb in enumerate(rank):
+            mb_sizes = [sizes[i] for i in mb if 0 <= i < n]
+            label = f"{where} rank {r} micro-batch {k} {list(mb)[:8]}"
+            if layout == "packed":
+                footprint = sum(mb_sizes)
+                if footprint > s:
+                    problems.append(f"{label}: {footprint} padded tokens exceed seq_length={s}")
+                if footprint > cap and len(mb) != 1:
+                    problems.append(f"{label}: {footprint} padded tokens exceed the cap {cap}")
+            else:
+                if len(mb) > b:
+                    problems.append(f"{label}: {len(mb)} samples exceed micro_batch_size={b}")
+                if mb_sizes and max(mb_sizes) > s:
+                    problems.append(f"{label}: a sample of {max(mb_sizes)} > seq_length={s}")
+    return problems
+
+
+def _step_counts(
+    where: str, step: StepPlan, sizes: Sequence[int], config: PlannerConfig
+) -> List[str]:
+    """Placeholders counted right; real micro-batches not below the lower bound."""
+    problems = []
+    placeholders = sum(1 for rank in step.ranks for mb in rank if not mb)
+    if placeholders != step.num_placeholders:
+        problems.append(
+            f"{where}: num_placeholders={step.num_placeholders}, counted {placeholders}"
+        )
+    real = config.parallel.dp_size * step.num_microbatches - placeholders
+    if real < step.lower_bound_microbatches:
+        problems.append(
+            f"{where}: {real} real micro-batches, below the lower bound "
+            f"{step.lower_bound_microbatches}"
+        )
+    if step.min_microbatches > step.num_microbatches:
+        problems.append(
+            f"{where}: min_microbatches={step.min_microbatches} > num_microbatches="
+            f"{step.num_microbatches}"
+        )
+    return problems
+
+
+def _stats_add_up(plan: Plan, sizes: Sequence[int], config: PlannerConfig) -> List[str]:
+    stats, steps = plan.stats, plan.steps
+    dp, cap, n = config.parallel.dp_size, config.token_cap, len(sizes)
+    problems = []
+    if stats.num_samples != n:
+        problems.append(f"stats.num_samples={stats.num_samples}, expected {n}")
+    placeholders = sum(s.num_placeholders for s in steps)
+    if stats.num_placeholders != placeholders:
+        problems.append(
+            f"stats.num_placeholders={stats.num_placeholders}, steps add to {placeholders}"
+        )
+    microbatches = sum(dp * s.num_microbatches for s in steps)
+    if stats.num_microbatches != microbatches:
+        problems.append(f"stats.num_microbatches={stats.num_microbatches}, expected {microbatches}")
+    oversize = [i for i in range(n) if sizes[i] > cap]
+    if sorted(stats.oversize_samples) != oversize:
+        problems.append(
+            f"stats.oversize_samples={list(stats.oversize_samples)[:_LISTED]} is not exactly the "
+            f"samples over the cap {oversize[:_LISTED]}"
+        )
+    if not 0 < stats.fill <= 1:
+        problems.append(f"stats.fill={stats.fill} outside (0, 1]")
+    return problems

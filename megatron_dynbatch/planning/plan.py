@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 __all__ = ["StepPlan", "PlanStats", "Plan"]
 
@@ -39,11 +39,24 @@ class StepPlan:
     dp_imbalance: float
     """max / mean over ranks of real tokens."""
     dp_imbalance_cost: float
-    """max / mean over ranks of the cost model."""
+    """max / mean over ranks of their samples' own cost (:meth:`.spec.CostModel.cost`)."""
     oversize_samples: Tuple[int, ...]
     """Samples longer than the cap, each alone in its micro-batch."""
     lower_bound_microbatches: int
     """A lower bound on the real (non-placeholder) micro-batches of the step, all ranks."""
+    min_microbatches: int = 0
+    """The fewest micro-batches per rank the planner packs the step into; ``num_microbatches`` is
+    larger when more, shorter rows make a faster pipeline step (0: not reported)."""
+    truncated_samples: Tuple[int, ...] = ()
+    """Samples cut to the cap by the ``truncate`` oversize policy."""
+    truncated_tokens: int = 0
+    """Tokens cut from them (not trained)."""
+    kept_lengths: Tuple[Tuple[int, int], ...] = ()
+    """``(sample, kept length)`` of every truncated sample: the materializer keeps that many of its
+    first tokens."""
+    dp_imbalance_computed: float = 1.0
+    """max / mean over ranks of what they compute: the cost of their micro-batches, padding,
+    placeholders and overhead included (:mod:`.cost`), which sets the step time."""
 
     def rank_microbatches(self, dp_rank: int) -> Tuple[MicroBatch, ...]:
         """The ordered micro-batches of one DP rank."""
@@ -69,6 +82,11 @@ class StepPlan:
             "dp_imbalance_cost": self.dp_imbalance_cost,
             "oversize_samples": list(self.oversize_samples),
             "lower_bound_microbatches": self.lower_bound_microbatches,
+            "min_microbatches": self.min_microbatches,
+            "truncated_samples": list(self.truncated_samples),
+            "truncated_tokens": self.truncated_tokens,
+            "kept_lengths": [list(pair) for pair in self.kept_lengths],
+            "dp_imbalance_computed": self.dp_imbalance_computed,
         }
 
 
@@ -94,6 +112,39 @@ class PlanStats:
     oversize_samples: Tuple[int, ...]
     max_microbatch_tokens: int
     """Largest padded footprint of any micro-batch (B*S for padded, S for packed)."""
+    truncated_samples: Tuple[int, ...] = ()
+    """Samples cut to the cap (``truncate`` oversize policy)."""
+    truncated_tokens: int = 0
+    """Tokens cut from them, all steps."""
+    dp_imbalance_computed: float = 1.0
+    """Worst step's max/mean computed cost over DP ranks (padding and placeholders included)."""
+
+    @classmethod
+    def from_steps(
+        cls, steps: Sequence[StepPlan], *, num_samples: int, dp_size: int
+    ) -> "PlanStats":
+        """Whole-plan statistics of the steps (one home for the planner and fixed batching)."""
+        computed = sum(
+            dp_size * s.num_microbatches * s.micro_batch_size * s.seq_length for s in steps
+        )
+        return cls(
+            num_samples=num_samples,
+            num_steps=len(steps),
+            num_placeholders=sum(s.num_placeholders for s in steps),
+            num_microbatches=sum(dp_size * s.num_microbatches for s in steps),
+            num_real_microbatches=sum(
+                dp_size * s.num_microbatches - s.num_placeholders for s in steps
+            ),
+            lower_bound_microbatches=sum(s.lower_bound_microbatches for s in steps),
+            fill=sum(s.real_tokens for s in steps) / computed,
+            dp_imbalance=max(s.dp_imbalance for s in steps),
+            dp_imbalance_cost=max(s.dp_imbalance_cost for s in steps),
+            oversize_samples=tuple(i for s in steps for i in s.oversize_samples),
+            max_microbatch_tokens=max(s.micro_batch_size * s.seq_length for s in steps),
+            truncated_samples=tuple(i for s in steps for i in s.truncated_samples),
+            truncated_tokens=sum(s.truncated_tokens for s in steps),
+            dp_imbalance_computed=max(s.dp_imbalance_computed for s in steps),
+        )
 
     def to_dict(self) -> Dict[str, Any]:
         return {
@@ -108,6 +159,9 @@ class PlanStats:
             "dp_imbalance_cost": self.dp_imbalance_cost,
             "oversize_samples": list(self.oversize_samples),
             "max_microbatch_tokens": self.max_microbatch_tokens,
+            "truncated_samples": list(self.truncated_samples),
+            "truncated_tokens": self.truncated_tokens,
+            "dp_imbalance_computed": self.dp_imbalance_computed,
         }
 
 
@@ -124,6 +178,10 @@ class Plan:
     token_cap: int
     """max_tokens_per_gpu * cp_size."""
     dp_size: int
+
+    def kept_lengths(self) -> Dict[int, int]:
+        """Sample -> kept length of every sample the ``truncate`` policy cut, all steps."""
+        return {i: k for step in self.steps for i, k in step.kept_lengths}
 
     def to_dict(self) -> Dict[str, Any]:
         """The public ``plan --json`` object (see README, "plan --json")."""
@@ -143,5 +201,9 @@ class Plan:
             self.sample_multiple,
             [[s.num_microbatches, s.seq_length, s.micro_batch_size, s.ranks] for s in self.steps],
         ]
+        kept = [s.kept_lengths for s in self.steps if s.kept_lengths]
+        if kept:
+            # Only when something was cut, so untruncated plans keep their fingerprints.
+            canon.append(kept)
         text = json.dumps(canon, separators=(",", ":"), default=list)
         return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -7,27 +7,34 @@ Per step the planner
 
 1. takes the next ``rollouts_per_step`` rollouts (whole rollouts only, in order of first appearance;
    a short last step is trained, not dropped);
-2. picks the smallest per-rank micro-batch count M that Megatron accepts (a multiple of
-   ``microbatch_group_size_per_vp_stage`` when interleaving) for which the samples fit into
-   ``dp_size * M`` micro-batches under the token cap, then minimises the step's row length S at that
-   count (every rank computes about M x S tokens, placeholders included);
-3. spreads the micro-batches over the ranks and balances the ranks sample by sample by the cost
-   model; micro-batches that find no samples become placeholders (never dropped, never absent);
-4. orders each rank's micro-batches light-heavy-light for the pipeline's warm-up and cool-down.
+2. applies the oversize policy to samples longer than the cap (run alone, cut, or refuse);
+3. chooses the micro-batch count M per rank (a count Megatron accepts: a multiple of
+   ``microbatch_group_size_per_vp_stage`` when interleaving) and the row length S together, by the
+   simulated pipeline step time of each candidate (:mod:`.shape`): the fewest micro-batches the
+   samples fit under the cap, or more and shorter rows where the pipeline bubble makes them faster;
+4. spreads the micro-batches over the ranks and balances the ranks sample by sample on the full
+   micro-batch cost (:mod:`.cost`); micro-batches that find no samples become placeholders (never
+   dropped, never absent);
+5. orders each rank's micro-batches light-heavy-light for the pipeline's warm-up and cool-down.
 """
 
 from __future__ import annotations
 
+import gc
+import itertools
 import warnings
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
-from .balance import assign_bins_to_ranks, pipeline_order_simulated, refine_ranks
-from .packing import count_best_fit_bins, pack_count_limited, pack_min_max_load
+from .cost import check_cost_is_finite, sample_costs
 from .plan import Plan, PlanStats, StepPlan
 from .samples import SampleSet
+from .shape import StepProblem, choose_shape
 from .spec import PlannerConfig, ceil_div, round_up
 
 __all__ = ["plan_schedule", "plan_samples", "OversizeSampleWarning"]
+
+#: Oversize samples named in a message before the rest are counted.
+_LISTED = 10
 
 
 class OversizeSampleWarning(UserWarning):
@@ -48,14 +55,15 @@ def plan_schedule(
         rollout_ids: One id (str or int) per sample; samples sharing an id (a multi-turn trajectory,
             a GRPO prompt group) always land in the same step. ``None``: each sample its own rollout.
         prompt_lengths: Prompt tokens per sample, for the cost model's response term.
-        config: The parallel layout, token cap, layout and cost model.
+        config: The parallel layout, token cap, layout, cost model and oversize policy.
 
     Returns:
         The :class:`Plan`; ``plan.steps[s].ranks[r][m]`` lists the global sample indices of
         micro-batch ``m`` on DP rank ``r`` in step ``s`` (``()`` is a placeholder).
 
     Raises:
-        ValueError: on bad lengths, mismatched ids or prompt lengths (see :class:`SampleSet`).
+        ValueError: on bad lengths, mismatched ids or prompt lengths (see :class:`SampleSet`), an
+            oversize sample under ``oversize_samples="error"``, or cost weights that overflow.
     """
     if not isinstance(config, PlannerConfig):
         raise ValueError(f"config must be a PlannerConfig, got {type(config).__name__}.")
@@ -64,57 +72,113 @@ def plan_schedule(
 
 def plan_samples(samples: SampleSet, config: PlannerConfig) -> Plan:
     """:func:`plan_schedule` on an already validated :class:`SampleSet`."""
-    parallel = config.parallel
-    multiple = parallel.sample_multiple
-    sizes = [round_up(length, multiple) for length in samples.lengths]
-    costs = [
-        config.cost.cost(length, length - prompt)
-        for length, prompt in zip(samples.lengths, samples.prompt_lengths, strict=True)
-    ]
-    rollouts = samples.rollouts()
-    per_step = config.rollouts_per_step or len(rollouts)
-    steps: List[StepPlan] = []
-    for start in range(0, len(rollouts), per_step):
-        chunk = rollouts[start : start + per_step]
-        items = sorted(i for _, members in chunk for i in members)
-        steps.append(_plan_step(items, len(chunk), samples.lengths, sizes, costs, config))
+    # Planning builds hundreds of thousands of small lists and tuples and no reference cycles;
+    # the cyclic garbage collector would re-scan them all at every threshold (a fifth of the time
+    # at 1M samples), so it is paused for the call and restored as it was.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _plan_samples(samples, config)
+    finally:
+        if collecting:
+            gc.enable()
 
-    oversize = tuple(i for step in steps for i in step.oversize_samples)
+
+def _plan_samples(samples: SampleSet, config: PlannerConfig) -> Plan:
+    parallel = config.parallel
+    sample_multiple = parallel.sample_multiple
+    cap = config.token_cap
+    check_cost_is_finite(config.cost, max(cap, max(samples.lengths)))
+    kept = _apply_oversize_policy(samples, config)
+    lengths = samples.lengths
+    if kept:
+        effective = list(lengths)
+        for i, k in kept.items():
+            effective[i] = k
+    else:
+        effective = lengths
+    sizes = (
+        effective
+        if sample_multiple == 1
+        else [round_up(length, sample_multiple) for length in effective]
+    )
+    if config.cost.response_weight:
+        responses: Sequence[int] = [
+            max(0, length - prompt)
+            for length, prompt in zip(effective, samples.prompt_lengths, strict=True)
+        ]
+    else:
+        responses = sizes  # unused: no response term
+
+    costs = sample_costs(config.cost, config.layout, sizes, responses)
+    own_costs = list(
+        map(
+            config.cost.cost,
+            effective,
+            responses if config.cost.response_weight else itertools.repeat(0),
+        )
+    )
+    steps = [
+        _plan_step(items, num_rollouts, effective, sizes, costs, own_costs, kept, samples, config)
+        for num_rollouts, items in samples.steps(config.rollouts_per_step)
+    ]
+    oversize = [i for step in steps for i in step.oversize_samples]
     if oversize:
         warnings.warn(
-            f"{len(oversize)} sample(s) exceed the token cap {config.token_cap} "
-            f"(max_tokens_per_gpu={config.max_tokens_per_gpu} x cp_size={parallel.cp_size}) and run "
-            f"alone in their micro-batch, over the cap: indices {list(oversize[:10])}"
-            f"{' ...' if len(oversize) > 10 else ''}. Raise --max-tokens-per-gpu or truncate them.",
-            OversizeSampleWarning,
-            stacklevel=3,
+            _oversize_warning(oversize, lengths, steps, config), OversizeSampleWarning, stacklevel=3
         )
-    computed = sum(
-        parallel.dp_size * s.num_microbatches * s.micro_batch_size * s.seq_length for s in steps
-    )
-    real = sum(s.real_tokens for s in steps)
-    stats = PlanStats(
-        num_samples=len(samples),
-        num_steps=len(steps),
-        num_placeholders=sum(s.num_placeholders for s in steps),
-        num_microbatches=sum(parallel.dp_size * s.num_microbatches for s in steps),
-        num_real_microbatches=sum(
-            parallel.dp_size * s.num_microbatches - s.num_placeholders for s in steps
-        ),
-        lower_bound_microbatches=sum(s.lower_bound_microbatches for s in steps),
-        fill=real / computed,
-        dp_imbalance=max(s.dp_imbalance for s in steps),
-        dp_imbalance_cost=max(s.dp_imbalance_cost for s in steps),
-        oversize_samples=oversize,
-        max_microbatch_tokens=max(s.micro_batch_size * s.seq_length for s in steps),
-    )
     return Plan(
         steps=tuple(steps),
-        stats=stats,
+        stats=PlanStats.from_steps(steps, num_samples=len(samples), dp_size=parallel.dp_size),
         layout=config.layout,
-        sample_multiple=multiple,
-        token_cap=config.token_cap,
+        sample_multiple=sample_multiple,
+        token_cap=cap,
         dp_size=parallel.dp_size,
+    )
+
+
+def _apply_oversize_policy(samples: SampleSet, config: PlannerConfig) -> Dict[int, int]:
+    """Sample -> kept length under ``truncate``; raises under ``error``; ``{}`` otherwise.
+
+    A sample is oversize when its padded length (rounded up to the sample multiple) exceeds the
+    cap. ``truncate`` keeps the longest prefix whose padded length fits: the cap rounded down to
+    the sample multiple.
+    """
+    sample_multiple = config.parallel.sample_multiple
+    cap = config.token_cap
+    # round_up(L, sample_multiple) > cap exactly when L > the cap rounded down to the multiple.
+    keep = (cap // sample_multiple) * sample_multiple
+    if config.oversize_samples == "allow" or max(samples.lengths) <= keep:
+        return {}
+    oversize = [i for i, length in enumerate(samples.lengths) if length > keep]
+    if config.oversize_samples == "error":
+        shown = ", ".join(f"sample {i}: {samples.lengths[i]} tokens" for i in oversize[:_LISTED])
+        more = f" (and {len(oversize) - _LISTED} more)" if len(oversize) > _LISTED else ""
+        raise ValueError(
+            f"{len(oversize)} sample(s) exceed the token cap {cap} (max_tokens_per_gpu="
+            f"{config.max_tokens_per_gpu} x cp_size={config.parallel.cp_size}): {shown}{more}. "
+            "Raise --max-tokens-per-gpu, drop or shorten them, or pass --oversize-samples "
+            "truncate (cut to the cap) or allow (run alone, over the cap)."
+        )
+    return {i: keep for i in oversize}
+
+
+def _oversize_warning(
+    oversize: List[int], lengths: Sequence[int], steps: Sequence[StepPlan], config: PlannerConfig
+) -> str:
+    cap = config.token_cap
+    shown = ", ".join(f"{i} ({lengths[i]} tokens)" for i in oversize[:_LISTED])
+    more = f" and {len(oversize) - _LISTED} more" if len(oversize) > _LISTED else ""
+    worst = max((s for s in steps if s.oversize_samples), key=lambda s: s.seq_length)
+    footprint = worst.micro_batch_size * worst.seq_length
+    return (
+        f"{len(oversize)} sample(s) exceed the token cap {cap} (max_tokens_per_gpu="
+        f"{config.max_tokens_per_gpu} x cp_size={config.parallel.cp_size}): {shown}{more}. Each "
+        "runs alone in its micro-batch, over the cap, and every micro-batch of its step, "
+        f"placeholders included, gets that row length: Megatron needs one [B, S] per step for its "
+        f"pipeline buffers. The longest such step runs {footprint} tokens per micro-batch, "
+        f"{footprint / cap:.2f}x the budget, on every GPU. Pass --oversize-samples truncate to cut "
+        "them to the cap, error to refuse them, or raise --max-tokens-per-gpu."
     )
 
 
@@ -124,123 +188,58 @@ def _plan_step(
     lengths: Sequence[int],
     sizes: Sequence[int],
     costs: Sequence[float],
+    own_costs: Sequence[float],
+    kept: Dict[int, int],
+    samples: SampleSet,
     config: PlannerConfig,
 ) -> StepPlan:
+    """Choose the step's shape (:mod:`.shape`) and describe it as a :class:`StepPlan`."""
     parallel = config.parallel
     dp = parallel.dp_size
-    multiple = parallel.microbatch_multiple
     cap = config.token_cap
-    oversize = [i for i in items if sizes[i] > cap]
-    regular = [i for i in items if sizes[i] <= cap]
-    # Oversize samples need a micro-batch each; the rest at least their padded tokens / cap.
-    lower_bound = len(oversize) + ceil_div(sum(sizes[i] for i in regular), cap)
-
-    if config.layout == "packed":
-        # Samples over half the cap cannot share a micro-batch: a second, often tighter bound.
-        num_halves = sum(1 for i in regular if 2 * sizes[i] > cap)
-        bound = max(lower_bound, len(oversize) + num_halves)
-        per_rank = round_up(max(1, ceil_div(bound, dp)), multiple)
-        packed = pack_min_max_load(sizes, regular, dp * per_rank - len(oversize), cap)
-        if packed is None:
-            # Large samples that pair badly: one best-fit pass into unlimited bins gives a bin count
-            # within a few percent of optimal, and that count always packs again.
-            per_rank = round_up(
-                max(1, ceil_div(len(oversize) + count_best_fit_bins(sizes, regular, cap), dp)),
-                multiple,
-            )
-            packed = pack_min_max_load(sizes, regular, dp * per_rank - len(oversize), cap)
-            assert packed is not None, "best fit packs into the bins it counted"
-        bins = [[i] for i in oversize] + packed[0]
-        loads = [sizes[i] for i in oversize] + packed[1]
-        row_length = max(loads)
-        # Samples may move between bins while balancing ranks, up to the row the step pays for
-        # anyway, but never above the cap (an oversize sample alone is the only exception).
-        capacity = min(cap, row_length)
-        unit_sizes: Sequence[int] = sizes
-    else:
-        row_length = max(sizes[i] for i in items)
-        rows_per_bin = max(1, cap // row_length)
-        num_bins = ceil_div(len(items), rows_per_bin)
-        per_rank = round_up(max(1, ceil_div(num_bins, dp)), multiple)
-        capacity = ceil_div(len(items), dp * per_rank)  # rows per micro-batch, spread evenly
-        bins = pack_count_limited(costs, items, dp * per_rank, capacity)
-        unit_sizes = [1] * len(sizes)
-
-    # What a rank computes besides its samples' own work: a packed row's padding tail is one
-    # attention segment whose quadratic cost shrinks as the row fills; a padded row pads each
-    # sample to S. The linear part of padding is the same M x S for every rank and cancels.
-    attention = config.cost.attention_weight
-    if config.layout == "packed":
-        pad_row = row_length
-
-        def bin_extra(load: int) -> float:
-            return attention * float(pad_row - load) ** 2
-
-        balance_costs: Sequence[float] = costs
-    else:
-        bin_extra = None
-        balance_costs = [
-            c + attention * float(row_length - sizes[i]) ** 2 for i, c in enumerate(costs)
-        ]
-    bin_costs = [
-        sum(balance_costs[i] for i in members)
-        + (bin_extra(sum(sizes[i] for i in members)) if bin_extra else 0.0)
-        for members in bins
-    ]
-    rank_bins = assign_bins_to_ranks(bin_costs, dp, per_rank)
-    refine_ranks(
-        bins, rank_bins, balance_costs, unit_sizes, capacity, bin_extra if attention else None
+    problem = StepProblem(
+        items=items,
+        sizes=sizes,
+        sample_costs=costs,
+        model=config.cost,
+        layout=config.layout,
+        cap=cap,
+        parallel=parallel,
     )
-
-    if config.layout == "packed":
-        seq_length = max(sum(sizes[i] for i in members) for members in bins)
-        micro_batch_size = 1
-    else:
-        seq_length = row_length
-        micro_batch_size = max(len(members) for members in bins)
-    # Rank micro-batches by real work plus their padding tail's attention (placeholders lightest);
-    # simulate with what they compute: a full row of linear work each, placeholders included.
-    loads = [sum(sizes[i] for i in members) for members in bins]
-    bin_costs = [
-        sum(balance_costs[i] for i in members) + (bin_extra(load) if bin_extra else 0.0)
-        for members, load in zip(bins, loads, strict=True)
-    ]
-    if config.layout == "packed":
-        row = max(loads)
-        sim_costs = [
-            cost + config.cost.token_weight * (row - load)
-            for cost, load in zip(bin_costs, loads, strict=True)
-        ]
-    else:
-        sim_costs = bin_costs
-    orders = pipeline_order_simulated(
-        rank_bins,
-        bin_costs,
-        pp_size=parallel.pp_size,
-        vpp_size=parallel.vpp_size,
-        group=parallel.group_size,
-        sim_costs=sim_costs,
-    )
-    ranks = tuple(tuple(tuple(sorted(bins[b])) for b in order) for order in orders)
-    rank_tokens = [sum(lengths[i] for mb in rank for i in mb) for rank in ranks]
-    rank_costs = [sum(costs[i] for mb in rank for i in mb) for rank in ranks]
+    shape, fewest = choose_shape(problem)
+    bins = shape.bins
+    rows = [tuple(sorted(members)) if len(members) > 1 else tuple(members) for members in bins]
+    ranks = tuple(tuple(rows[b] for b in order) for order in shape.rank_orders)
+    bin_tokens = [sum(map(lengths.__getitem__, members)) for members in bins]
+    rank_tokens = [sum(map(bin_tokens.__getitem__, order)) for order in shape.rank_orders]
+    computed = [sum(map(shape.bin_costs.__getitem__, order)) for order in shape.rank_orders]
+    # The samples' own cost per rank (CostModel.cost), what dp_imbalance_cost always reported.
+    bin_own = [sum(map(own_costs.__getitem__, members)) for members in bins]
+    own = [sum(map(bin_own.__getitem__, order)) for order in shape.rank_orders]
     real_tokens = sum(rank_tokens)
-    assert (
-        sorted(i for rank in ranks for mb in rank for i in mb) == items
-    ), "lost or duplicated sample"
+    # Internal invariant (check_plan re-derives it from the inputs): every sample exactly once.
+    assert sum(map(len, bins)) == len(items), "lost or duplicated sample"
+    oversize = tuple(shape.oversize)
+    truncated = tuple(i for i in items if i in kept) if kept else ()
+    regular_tokens = sum(map(sizes.__getitem__, items)) - sum(map(sizes.__getitem__, oversize))
     return StepPlan(
-        num_microbatches=per_rank,
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
+        num_microbatches=shape.per_rank,
+        seq_length=shape.seq_length,
+        micro_batch_size=shape.micro_batch_size,
         ranks=ranks,
         num_rollouts=num_rollouts,
-        num_placeholders=sum(1 for rank in ranks for mb in rank if not mb),
+        num_placeholders=sum(1 for members in bins if not members),
         real_tokens=real_tokens,
-        fill=real_tokens / (dp * per_rank * micro_batch_size * seq_length),
+        fill=real_tokens / (dp * shape.per_rank * shape.micro_batch_size * shape.seq_length),
         dp_imbalance=_imbalance(rank_tokens),
-        dp_imbalance_cost=_imbalance(rank_costs),
-        oversize_samples=tuple(oversize),
-        lower_bound_microbatches=lower_bound,
+        dp_imbalance_cost=_imbalance(own),
+        oversize_samples=oversize,
+        lower_bound_microbatches=len(oversize) + ceil_div(regular_tokens, cap),
+        min_microbatches=fewest,
+        truncated_samples=truncated,
+        truncated_tokens=sum(samples.lengths[i] - kept[i] for i in truncated),
+        kept_lengths=tuple((i, kept[i]) for i in truncated),
+        dp_imbalance_computed=_imbalance(computed),
     )
 
 

@@ -7,14 +7,18 @@ elements are either an integer (a sample's total length, its own rollout) or an 
 
 from __future__ import annotations
 
+import operator
+import reprlib
 from dataclasses import dataclass
-from typing import Any, Hashable, List, Optional, Sequence, Tuple
+from typing import Any, Hashable, List, Mapping, Optional, Sequence, Tuple
+
+from .spec import MAX_TOKENS, as_int
 
 __all__ = ["SampleSet", "parse_samples_json", "rollout_key"]
 
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+# Values in error messages: a deeply nested or huge input must not explode the message.
+_short = reprlib.Repr()
+_short.maxlevel, _short.maxlist, _short.maxstring, _short.maxother = 2, 4, 40, 40
 
 
 def rollout_key(value: Any, index: int) -> Hashable:
@@ -22,17 +26,74 @@ def rollout_key(value: Any, index: int) -> Hashable:
 
     Keys carry the id's type so that the string ``"1"`` and the integer ``1`` stay different
     rollouts, as they are different JSON values; implicit rollouts can never collide with user ids.
+    Integers of any integer type (numpy, torch) are the same id as the plain int.
     """
     if value is None:
         return ("implicit", index)
-    if _is_int(value):
-        return ("int", value)
     if isinstance(value, str):
         return ("str", value)
+    number = as_int(value)
+    if number is not None:
+        return ("int", number)
     raise ValueError(
-        f"sample {index}: rollout id {value!r} has type {type(value).__name__}; rollout ids must be "
-        f"str or int (or omitted, giving the sample a rollout of its own)."
+        f"sample {index}: rollout id {_short.repr(value)} has type {type(value).__name__}; "
+        "rollout ids must be str or int (or omitted, giving the sample a rollout of its own)."
     )
+
+
+def _sequence(name: str, values: Any, what: str) -> List[Any]:
+    """``values`` as a list, refusing what only looks like a sequence (a str, a dict)."""
+    if isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__len__"):
+        raise ValueError(
+            f"{name} must be a sequence of {what} (a list or tuple), got "
+            f"{type(values).__name__} {_short.repr(values)}."
+        )
+    return list(values)
+
+
+def _lengths(values: Sequence[Any]) -> List[int]:
+    """Checked lengths as plain ints (numpy / torch integers accepted)."""
+    if set(map(type, values)) == {int}:
+        if min(values) >= 1 and max(values) <= MAX_TOKENS:
+            return list(values)
+        numbers: List[Optional[int]] = list(values)
+    else:
+        numbers = [as_int(v) for v in values]
+    bad = [
+        (i, v) for i, (v, n) in enumerate(zip(values, numbers, strict=True)) if n is None or n < 1
+    ]
+    if bad:
+        shown = ", ".join(f"sample {i}: {_short.repr(v)}" for i, v in bad[:5])
+        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+        raise ValueError(
+            f"sample lengths must be integers >= 1; got {shown}{more}. Drop empty samples before "
+            f"planning, and pass token counts, not fractions."
+        )
+    huge = [(i, n) for i, n in enumerate(numbers) if n > MAX_TOKENS]
+    if huge:
+        i, n = huge[0]
+        raise ValueError(
+            f"sample {i}: length {n} is above the supported maximum of {MAX_TOKENS} tokens (2**40); "
+            "pass token counts (a corrupt length?)."
+        )
+    return numbers  # type: ignore[return-value]
+
+
+def _check_prompts(prompts: List[Any], lengths: Sequence[int]) -> None:
+    """Check prompt lengths in place: ``None`` -> 0, integers of any type -> int, <= length."""
+    for i, (p, total) in enumerate(zip(prompts, lengths, strict=True)):
+        if p is None:
+            prompts[i] = 0
+            continue
+        number = as_int(p)
+        if number is None or number < 0:
+            raise ValueError(f"sample {i}: prompt_length={_short.repr(p)} must be an integer >= 0.")
+        if number > total:
+            raise ValueError(
+                f"sample {i}: prompt_length={number} is greater than its total length={total}; "
+                "the length must count prompt and response tokens together."
+            )
+        prompts[i] = number
 
 
 @dataclass(frozen=True)
@@ -58,55 +119,47 @@ class SampleSet:
         rollout_ids: Optional[Sequence[Any]] = None,
         prompt_lengths: Optional[Sequence[Optional[int]]] = None,
     ) -> "SampleSet":
-        if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__len__"):
-            raise ValueError(
-                f"lengths must be a sequence of positive integers, got {type(lengths).__name__}."
-            )
-        lengths = list(lengths)
-        if not lengths:
+        values = _sequence("lengths", lengths, "positive integers")
+        if not values:
             raise ValueError("no samples: lengths is empty; pass at least one sample length.")
-        bad = [(i, v) for i, v in enumerate(lengths) if not _is_int(v) or v <= 0]
-        if bad:
-            shown = ", ".join(f"sample {i}: {v!r}" for i, v in bad[:5])
-            more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
-            raise ValueError(
-                f"sample lengths must be integers >= 1; got {shown}{more}. Drop empty samples before "
-                f"planning, and pass token counts, not fractions."
-            )
-        n = len(lengths)
+        checked = _lengths(values)
+        n = len(checked)
         if rollout_ids is None:
-            rollout_ids = [None] * n
+            ids: List[Any] = [None] * n
+            # No user ids to collide with: each sample's index is its own rollout's key.
+            keys: Tuple[Hashable, ...] = tuple(range(n))
         else:
-            rollout_ids = list(rollout_ids)
-            if len(rollout_ids) != n:
+            ids = _sequence("rollout_ids", rollout_ids, "str or int ids, one per sample")
+            if len(ids) != n:
                 raise ValueError(
-                    f"got {len(rollout_ids)} rollout ids for {n} sample lengths; pass exactly one rollout "
+                    f"got {len(ids)} rollout ids for {n} sample lengths; pass exactly one rollout "
                     f"id per sample (or none at all)."
                 )
-        keys = tuple(rollout_key(r, i) for i, r in enumerate(rollout_ids))
+            if set(map(type, ids)) in ({int}, {str}):
+                # One type of id: the ids themselves are distinct keys (1M samples in ~10 ms).
+                keys = tuple(ids)
+            else:
+                keys = tuple(rollout_key(r, i) for i, r in enumerate(ids))
         if prompt_lengths is None:
             prompts = [0] * n
         else:
-            prompts = list(prompt_lengths)
+            prompts = _sequence("prompt_lengths", prompt_lengths, "integers >= 0")
             if len(prompts) != n:
                 raise ValueError(
                     f"got {len(prompts)} prompt lengths for {n} sample lengths; pass one per sample."
                 )
-            for i, (p, total) in enumerate(zip(prompts, lengths, strict=True)):
-                if p is None:
-                    prompts[i] = 0
-                    continue
-                if not _is_int(p) or p < 0:
-                    raise ValueError(f"sample {i}: prompt_length={p!r} must be an integer >= 0.")
-                if p > total:
-                    raise ValueError(
-                        f"sample {i}: prompt_length={p} is greater than its total length={total}; the "
-                        f"length must count prompt and response tokens together."
-                    )
+            if (
+                set(map(type, prompts)) == {int}
+                and min(prompts) >= 0
+                and not any(map(operator.gt, prompts, checked))
+            ):
+                prompts = list(prompts)  # plain ints within their samples: nothing to convert
+            else:
+                _check_prompts(prompts, checked)
         return cls(
-            lengths=tuple(lengths),
+            lengths=tuple(checked),
             rollout_keys=keys,
-            rollout_ids=tuple(rollout_ids),
+            rollout_ids=tuple(ids),
             prompt_lengths=tuple(prompts),
         )
 
@@ -116,14 +169,30 @@ class SampleSet:
     def rollouts(self) -> List[Tuple[Any, List[int]]]:
         """``[(rollout id, [sample indices])]`` in order of each rollout's first appearance."""
         groups: dict = {}
-        order: List[Hashable] = []
         for index, key in enumerate(self.rollout_keys):
             members = groups.get(key)
             if members is None:
-                groups[key] = members = []
-                order.append(key)
-            members.append(index)
-        return [(self.rollout_ids[groups[key][0]], groups[key]) for key in order]
+                groups[key] = [index]
+            else:
+                members.append(index)
+        return [(self.rollout_ids[members[0]], members) for members in groups.values()]
+
+    def steps(self, rollouts_per_step: Optional[int]) -> List[Tuple[int, List[int]]]:
+        """``[(rollouts in the step, sorted sample indices)]``: whole rollouts, in order.
+
+        Every step takes the next ``rollouts_per_step`` rollouts (all of them when ``None``); a
+        short last step is kept, never dropped.
+        """
+        if rollouts_per_step is None:
+            # One step of everything: only the rollout count is needed, not the grouping.
+            return [(len(set(self.rollout_keys)), list(range(len(self.lengths))))]
+        rollouts = self.rollouts()
+        per_step = rollouts_per_step
+        result = []
+        for start in range(0, len(rollouts), per_step):
+            chunk = rollouts[start : start + per_step]
+            result.append((len(chunk), sorted(i for _, members in chunk for i in members)))
+        return result
 
 
 def parse_samples_json(data: Any) -> SampleSet:
@@ -144,7 +213,7 @@ def parse_samples_json(data: Any) -> SampleSet:
                     f"prompt_length."
                 )
             if "length" not in item:
-                raise ValueError(f"sample {index}: object {item!r} has no 'length'.")
+                raise ValueError(f"sample {index}: object {_short.repr(item)} has no 'length'.")
             lengths.append(item["length"])
             rollouts.append(item.get("rollout"))
             prompts.append(item.get("prompt_length"))

@@ -19,6 +19,7 @@ Used by ``megatron-dynbatch plan --plot`` and the benchmarks to turn a schedule 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -31,6 +32,7 @@ __all__ = [
     "ideal_time",
     "interleaved_order",
     "one_f_one_b_order",
+    "pipeline_makespan",
     "simulate_1f1b",
     "simulate_interleaved",
     "simulate_step",
@@ -314,6 +316,98 @@ def simulate_interleaved(
         interleaved_order(num_microbatches, pp_size, vpp_size, group, s) for s in range(pp_size)
     ]
     return _run(orders, fwd_costs, bwd_costs, pp_size, vpp_size)
+
+
+@functools.lru_cache(maxsize=256)
+def _programs(
+    num_microbatches: int, pp_size: int, vpp_size: int, group: int
+) -> Tuple[Tuple[Tuple[int, int, int, bool], ...], ...]:
+    """Every stage's program as ``(slot, dependency slot or -1, micro-batch, is_backward)``.
+
+    A slot numbers one (kind, virtual stage, micro-batch) step: ``kind * V * M + v * M + m`` with
+    ``V = pp * vpp`` virtual stages, so :func:`pipeline_makespan` keeps finish times in one flat
+    list. Cached: a planner scores many ranks and candidates of the same shape.
+    """
+    num_virtual = pp_size * vpp_size
+    span = num_virtual * num_microbatches
+    programs = []
+    for stage in range(pp_size):
+        if vpp_size > 1:
+            order = interleaved_order(num_microbatches, pp_size, vpp_size, group, stage)
+        else:
+            order = one_f_one_b_order(num_microbatches, pp_size, stage)
+        program = []
+        for kind, chunk, m in order:
+            v = chunk * pp_size + stage
+            if kind == "F":
+                slot = v * num_microbatches + m
+                dep = (v - 1) * num_microbatches + m if v > 0 else -1
+            else:
+                slot = span + v * num_microbatches + m
+                if v < num_virtual - 1:
+                    dep = span + (v + 1) * num_microbatches + m
+                else:
+                    dep = v * num_microbatches + m
+            program.append((slot, dep, m, kind == "B"))
+        programs.append(tuple(program))
+    return tuple(programs)
+
+
+def pipeline_makespan(
+    fwd_costs: Sequence[float],
+    pp_size: int,
+    vpp_size: int = 1,
+    group: Optional[int] = None,
+    bwd_costs: Optional[Sequence[float]] = None,
+) -> float:
+    """The makespan of :func:`simulate_interleaved` (or 1F1B) without building the timeline.
+
+    The planner scores candidate schedules with it: the same replay of Megatron's order, on flat
+    lists, several times faster than the event-recording simulation. Arguments are trusted (the
+    planner only builds valid shapes); ``bwd_costs`` defaults to ``BACKWARD_TO_FORWARD_RATIO`` x
+    forward. Without pipelining the makespan is the sum of the work.
+    """
+    num_microbatches = len(fwd_costs)
+    if bwd_costs is None:
+        bwd_costs = [BACKWARD_TO_FORWARD_RATIO * c for c in fwd_costs]
+    if pp_size == 1:
+        return float(sum(fwd_costs) + sum(bwd_costs))
+    if vpp_size == 1:
+        group = 1
+    elif group is None:
+        group = pp_size
+    share = float(pp_size * vpp_size)
+    fwd = [c / share for c in fwd_costs]
+    bwd = [c / share for c in bwd_costs]
+    programs = _programs(num_microbatches, pp_size, vpp_size, group)
+    done: List[Optional[float]] = [None] * (2 * pp_size * vpp_size * num_microbatches)
+    position = [0] * pp_size
+    free_at = [0.0] * pp_size
+    remaining = sum(len(p) for p in programs)
+    while remaining:
+        progressed = remaining
+        for stage in range(pp_size):
+            program = programs[stage]
+            p = position[stage]
+            t = free_at[stage]
+            end = len(program)
+            while p < end:
+                slot, dep, m, backward = program[p]
+                if dep >= 0:
+                    ready = done[dep]
+                    if ready is None:
+                        break
+                    if ready > t:
+                        t = ready
+                t += bwd[m] if backward else fwd[m]
+                done[slot] = t
+                p += 1
+            remaining -= p - position[stage]
+            position[stage] = p
+            free_at[stage] = t
+        # Megatron's orders never deadlock; a stall means an order builder is wrong.
+        assert remaining < progressed, f"pipeline replay deadlocked at positions {position}"
+    return max(free_at)
 
 
 RankCosts = Union[Sequence[float], Tuple[Sequence[float], Sequence[float]]]

@@ -7,14 +7,19 @@ so a bad configuration fails before any rank starts planning.
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 __all__ = [
     "CostModel",
     "ParallelLayout",
     "PlannerConfig",
     "LAYOUTS",
+    "MAX_TOKENS",
+    "OVERSIZE_POLICIES",
+    "as_int",
     "sample_multiple",
     "round_up",
     "ceil_div",
@@ -24,12 +29,48 @@ __all__ = [
 #: uniform length. ``padded``: ``micro_batch_size`` rows of the step's uniform ``seq_length``.
 LAYOUTS = ("packed", "padded")
 
+#: What happens to a sample longer than the token cap: ``error`` refuses the batch, ``truncate``
+#: cuts it to the cap, ``allow`` runs it alone in its micro-batch, over the cap.
+OVERSIZE_POLICIES = ("error", "truncate", "allow")
 
-def _check_int(name: str, value, minimum: int, fix: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+#: Largest sample length and token cap accepted (2**40, about 1.1e12 tokens): far beyond any
+#: context window, and small enough that a cost of ``L**2`` stays exact in a float's range.
+MAX_TOKENS = 1 << 40
+
+
+def as_int(value: Any) -> Optional[int]:
+    """``value`` as a plain int if it is an integer (numpy / torch integers included), else None.
+
+    Anything with ``__index__`` counts (``operator.index``), except ``bool``: ``True`` is an int to
+    Python but never a token count.
+    """
+    if isinstance(value, bool):
+        return None
+    if type(value) is int:
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _check_int(name: str, value, minimum: int, fix: str, maximum: Optional[int] = None) -> int:
+    """The integer value of a field, checked; numpy / torch integers become plain ints."""
+    number = as_int(value)
+    if number is None:
         raise ValueError(f"{name}={value!r} must be an integer >= {minimum}; {fix}")
-    if value < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}; {fix}")
+    if number < minimum:
+        raise ValueError(f"{name}={number} must be >= {minimum}; {fix}")
+    if maximum is not None and number > maximum:
+        raise ValueError(f"{name}={number} is above the supported maximum {maximum}; {fix}")
+    return number
+
+
+def _set_int(obj: Any, name: str, minimum: int, fix: str, maximum: Optional[int] = None) -> None:
+    """Check an integer field of a frozen dataclass and store it as a plain int."""
+    object.__setattr__(
+        obj, name, _check_int(name, getattr(obj, name), minimum, fix, maximum=maximum)
+    )
 
 
 def ceil_div(numerator: int, denominator: int) -> int:
@@ -72,7 +113,7 @@ class ParallelLayout:
 
     def __post_init__(self) -> None:
         for name in ("dp_size", "pp_size", "vpp_size", "tp_size", "cp_size"):
-            _check_int(name, getattr(self, name), 1, f"pass --{name.replace('_', '-')} 1 or more.")
+            _set_int(self, name, 1, f"pass --{name.replace('_', '-')} 1 or more.")
         if self.vpp_size > 1 and self.pp_size < 2:
             raise ValueError(
                 f"vpp_size={self.vpp_size} needs pp_size >= 2 (interleaving splits pipeline stages), "
@@ -80,12 +121,13 @@ class ParallelLayout:
             )
         group = self.microbatch_group_size_per_vp_stage
         if group is not None:
-            _check_int(
+            group = _check_int(
                 "microbatch_group_size_per_vp_stage",
                 group,
                 1,
                 "omit it to use Megatron's default (pp_size).",
             )
+            object.__setattr__(self, "microbatch_group_size_per_vp_stage", group)
             if group < self.pp_size:
                 raise ValueError(
                     f"microbatch_group_size_per_vp_stage={group} is smaller than pp_size={self.pp_size}; "
@@ -114,36 +156,45 @@ class ParallelLayout:
 
 @dataclass(frozen=True, kw_only=True)
 class CostModel:
-    """Per-sample compute cost ``token_weight*L + attention_weight*L**2 + response_weight*R``.
+    """Weights of the compute cost of a micro-batch (the formula: :mod:`.cost`).
 
-    ``L`` is the sample's total length and ``R`` its response length (``L - prompt_length``; ``L``
-    when no prompt length is known). The default is plain tokens. Attention-heavy long-context steps
-    set ``attention_weight`` to about ``1 / (6 * hidden_size)``-ish relative to the token term; the
-    response term models work done only on response tokens (log-prob gather, value head, loss).
+    One forward of a micro-batch of shape ``[B, S]`` costs ``token_weight * B * S`` (linear work
+    on every position, padding included) + ``attention_weight`` x the squared length of every
+    attention segment + ``response_weight`` x its samples' response tokens + ``microbatch_overhead``.
+    The default is plain tokens. Attention-heavy long-context steps set ``attention_weight`` to about
+    ``1 / (6 * hidden_size)`` of the token weight (attention's ``2*h*L**2`` FLOPs against the
+    linear layers' ``12*h**2*L``).
     """
 
     token_weight: float = 1.0
-    """Weight of the linear (MLP, projections) term."""
+    """Weight of the linear (MLP, projections) work of one position of a row."""
     attention_weight: float = 0.0
-    """Weight of the quadratic (self-attention) term."""
+    """Weight of the quadratic (self-attention) term of one attention segment."""
     response_weight: float = 0.0
-    """Weight of the response-token term."""
+    """Weight of one response token (log-prob gather, value head, loss)."""
+    microbatch_overhead: float = 0.0
+    """Fixed cost of running one micro-batch (launches, pipeline send/receive), in the units of
+    the other terms, placeholders included. Above 0 it keeps the planner from trading a pipeline
+    bubble for many short rows whose fixed costs the rest of the model does not show."""
 
     def __post_init__(self) -> None:
-        for name in ("token_weight", "attention_weight", "response_weight"):
+        for name in ("token_weight", "attention_weight", "response_weight", "microbatch_overhead"):
             value = getattr(self, name)
             if (
                 isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not math.isfinite(value)
+                or not isinstance(value, numbers.Real)
+                or not math.isfinite(float(value))
             ):
                 raise ValueError(f"cost model {name}={value!r} must be a finite number >= 0.")
             if value < 0:
                 raise ValueError(f"cost model {name}={value} must be >= 0.")
+            object.__setattr__(self, name, float(value))
         if self.token_weight == 0 and self.attention_weight == 0 and self.response_weight == 0:
             raise ValueError("cost model weights are all 0; set at least token_weight > 0.")
 
     def cost(self, length: int, response_length: int) -> float:
+        """Work of one sample's own tokens: ``token_weight*L + attention_weight*L**2 +
+        response_weight*R`` (a micro-batch's cost adds its row's padding: :mod:`.cost`)."""
         return (
             self.token_weight * length
             + self.attention_weight * float(length) * float(length)
@@ -164,21 +215,30 @@ class PlannerConfig:
     layout: str = "packed"
     """``packed`` (one row of concatenated samples) or ``padded`` ([B, S] rows)."""
     cost: CostModel = field(default_factory=CostModel)
-    """Cost model used to balance DP ranks and order micro-batches."""
+    """Cost model the planner minimises the simulated step time of."""
+    oversize_samples: str = "allow"
+    """A sample longer than the cap: ``allow`` runs it alone over the cap (warned, and every
+    micro-batch of its step gets its length), ``truncate`` cuts it to the cap, ``error`` refuses."""
 
     def __post_init__(self) -> None:
-        _check_int(
+        _set_int(
+            self,
             "max_tokens_per_gpu",
-            self.max_tokens_per_gpu,
             1,
             "pass --max-tokens-per-gpu with the token budget of one micro-batch.",
+            maximum=MAX_TOKENS,
         )
         if self.rollouts_per_step is not None:
-            _check_int(
+            _set_int(
+                self,
                 "rollouts_per_step",
-                self.rollouts_per_step,
                 1,
                 "omit --rollouts-per-step to train every rollout in one step.",
+            )
+        if self.oversize_samples not in OVERSIZE_POLICIES:
+            raise ValueError(
+                f"oversize_samples={self.oversize_samples!r} is not one of {OVERSIZE_POLICIES}; "
+                "pass --oversize-samples error, truncate or allow."
             )
         if self.layout not in LAYOUTS:
             raise ValueError(
@@ -194,7 +254,7 @@ class PlannerConfig:
                 f"max_tokens_per_gpu={self.max_tokens_per_gpu} (x cp_size={self.parallel.cp_size}) is "
                 f"smaller than one padded sample: every sample is padded to a multiple of {multiple} "
                 f"(tp_size={self.parallel.tp_size}, cp_size={self.parallel.cp_size}); raise "
-                f"--max-tokens-per-gpu to at least {-(-multiple // self.parallel.cp_size)}."
+                f"--max-tokens-per-gpu to at least {ceil_div(multiple, self.parallel.cp_size)}."
             )
 
     @property

@@ -135,6 +135,30 @@ def _check_rank_samples(
     return checked
 
 
+def _truncate(
+    checked: Dict[int, CheckedSample], step_plan: Any, schema: BatchSchema
+) -> Dict[int, CheckedSample]:
+    """Cut the samples the plan truncated (``oversize_samples="truncate"``) to their kept length.
+
+    The plan's ``kept_lengths`` says how many leading tokens of each cut sample it planned for; the
+    rest is dropped from the row (never trained), token fields with it. The last kept token has
+    no successor in the row, so it keeps label 0 and loss mask 0, like any sample's last token.
+    """
+    kept = dict(getattr(step_plan, "kept_lengths", ()) or ())
+    for index, keep in kept.items():
+        cs = checked.get(index)
+        if cs is None or cs.length <= keep:
+            continue
+        fields = {
+            spec.name: cs.fields[spec.name][:keep] if spec.kind == "token" else cs.fields[spec.name]
+            for spec in schema.fields
+        }
+        checked[index] = CheckedSample(
+            index=index, tokens=cs.tokens[:keep], loss_mask=cs.loss_mask[:keep], fields=fields
+        )
+    return checked
+
+
 def _empty_microbatch(
     schema: BatchSchema, b: int, s: int, device: torch.device
 ) -> Dict[str, torch.Tensor]:
@@ -241,12 +265,15 @@ def materialize_microbatches(
         in all of them (see :func:`microbatch_shapes`); ``cu_seqlens`` is int32
         ``[num_segments + 1]``.
 
+    Samples the plan cut to the cap (its ``kept_lengths``, ``oversize_samples="truncate"``) are
+    cut here to the same length: their remaining tokens are not trained.
+
     Raises:
         ValueError: On a bad layout or sample_multiple, a sample the rank was not given, a sample
             failing the schema, or samples whose padded lengths do not fit ``seq_length``.
     """
     _check_arguments(step_plan, dp_rank, layout, sample_multiple)
-    checked = _check_rank_samples(step_plan, dp_rank, samples, schema)
+    checked = _truncate(_check_rank_samples(step_plan, dp_rank, samples, schema), step_plan, schema)
     b, s = step_plan.micro_batch_size, step_plan.seq_length
     target = torch.device("cpu") if device is None else torch.device(device)
 

@@ -9,43 +9,44 @@ behaviour the docstrings describe.
 from __future__ import annotations
 
 import itertools
-import pathlib
 import random
-import sys
 
 import pytest
 
-# benchmarks/ sits beside the package and is not installed; the plain `pytest` entry point puts only
-# this test's folder on sys.path, so add the repository root (what `python -m pytest` does).
-_REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
-if _REPO_ROOT not in sys.path:
-    sys.path.insert(0, _REPO_ROOT)
-
-from benchmarks.baselines import (  # noqa: E402
+from benchmarks.baselines import (
     BASELINES,
     BaselineFailure,
     BaselineSchedule,
     fixed_mbs,
     karmarkar_karp,
     nemo_rl_ffd,
+    nemo_rl_mffd,
     next_fit,
     skyrl_balanced,
     slime_first_fit,
     verl_kk,
     verl_workload,
 )
-from benchmarks.lengths import (  # noqa: E402
+from benchmarks.lengths import (
     bimodal_lengths,
     grpo_lengths,
     lognormal_lengths,
     multi_turn_lengths,
     uniform_lengths,
 )
-from benchmarks.metrics import evaluate  # noqa: E402
+from benchmarks.metrics import evaluate
+from megatron_dynbatch.planning import CostModel
 
 # Baselines whose packers never put two samples over the cap together (verl's KK balances workload
 # and only uses the cap to choose the count, so it is exempt).
-CAP_RESPECTING = {"next_fit", "slime_first_fit", "skyrl_balanced", "nemo_rl_ffd", "fixed_mbs"}
+CAP_RESPECTING = {
+    "next_fit",
+    "slime_first_fit",
+    "skyrl_balanced",
+    "nemo_rl_ffd",
+    "nemo_rl_mffd",
+    "fixed_mbs",
+}
 
 
 def _families(seed):
@@ -67,11 +68,16 @@ def _check_schedule(name, schedule, lengths, dp_size, multiple, cap):
     assert len(counts) == 1, f"{name}: unequal micro-batch counts {counts}"
     assert counts.pop() % multiple == 0
     flat = sorted(i for rank in schedule for mb in rank for i in mb)
-    assert flat == list(range(len(lengths))), f"{name}: not every sample exactly once"
+    everything = len(lengths) + len(schedule.dummy_lengths)
+    assert flat == list(range(everything)), f"{name}: not every sample exactly once"
     empties = sum(1 for rank in schedule for mb in rank if not mb)
     assert empties == schedule.upstream_placeholders + schedule.harness_placeholders
     metrics = evaluate(
-        schedule, lengths, token_cap=cap, layout="padded" if name == "fixed_mbs" else "packed"
+        schedule,
+        lengths,
+        token_cap=cap,
+        layout="padded" if name == "fixed_mbs" else "packed",
+        dummy_lengths=schedule.dummy_lengths,
     )
     assert metrics["coverage_ok"] and metrics["equal_counts"]
     if name in CAP_RESPECTING:
@@ -257,6 +263,15 @@ def test_skyrl_balanced_packing(lengths, cap, num_bins):
     assert len(schedule[0]) == num_bins
 
 
+def test_skyrl_pads_the_batch_with_copies_of_sample_0():
+    schedule = skyrl_balanced([40, 10, 10], dp_size=2, token_cap=50)
+    # (-3) % 2 = 1 copy of sample 0 (40 tokens) as index 3, on the last rank.
+    assert schedule.dummy_lengths == (40,)
+    assert sorted(i for mb in schedule[1] for i in mb) == [2, 3]
+    metrics = evaluate(schedule, [40, 10, 10], token_cap=50, dummy_lengths=schedule.dummy_lengths)
+    assert metrics["real_tokens"] == 60 and metrics["coverage_ok"]
+
+
 def test_skyrl_oversize_sample_alone_and_ranks_padded():
     schedule = skyrl_balanced([100, 10, 10, 5], dp_size=2, token_cap=50)
     assert [0] in schedule[0]
@@ -268,15 +283,25 @@ def test_skyrl_oversize_sample_alone_and_ranks_padded():
 
 
 def test_nemo_ffd_sorts_decreasing_and_meets_min_bins():
-    schedule = nemo_rl_ffd([3, 3, 3], dp_size=2, token_cap=10)
-    assert sorted(len(mb) for rank in schedule for mb in rank) == [1, 2]
+    schedule = nemo_rl_ffd([3, 3, 3, 3], dp_size=2, token_cap=10)
+    assert sorted(len(mb) for rank in schedule for mb in rank) == [1, 3]
 
 
-def test_nemo_ffd_rejects_oversize_and_too_few_samples():
+@pytest.mark.parametrize("fn", [nemo_rl_ffd, nemo_rl_mffd])
+def test_nemo_rejects_oversize_uneven_batches_and_too_few_samples(fn):
     with pytest.raises(BaselineFailure, match="exceeds bin capacity"):
-        nemo_rl_ffd([3, 30], dp_size=1, token_cap=10)
+        fn([3, 30], dp_size=1, token_cap=10)
+    # shard_by_batch_size asserts batch % dp == 0: a multi-turn mix of 3 samples at dp 2.
+    with pytest.raises(BaselineFailure, match="not a multiple of shards"):
+        fn([3, 3, 3], dp_size=2, token_cap=10)
     with pytest.raises(BaselineFailure, match="cannot create"):
-        nemo_rl_ffd([3, 3], dp_size=4, token_cap=10)
+        fn([3, 3], dp_size=2, token_cap=10, microbatch_multiple=2)
+
+
+def test_nemo_mffd_pairs_large_with_medium_items():
+    # C=12: 7 is large, 5 medium, 3 small; MFFD opens a bin per large item and adds a medium one.
+    schedule = nemo_rl_mffd([7, 5, 3, 3], dp_size=1, token_cap=12)
+    assert sorted(sorted(mb) for mb in schedule[0]) == [[0, 1], [2, 3]]
 
 
 # ------------------------------------------------------------------ fixed micro-batch size
@@ -311,15 +336,15 @@ def test_baselines_validate_their_arguments():
 def test_evaluate_packed_numbers():
     lengths = [6, 4, 3, 3, 20]
     ranks = [[[0, 1], [4]], [[2, 3], []]]
-    m = evaluate(ranks, lengths, token_cap=10, cost_fn=lambda length: float(length))
+    m = evaluate(ranks, lengths, token_cap=10, cost=CostModel(token_weight=1.0))
     assert m["num_microbatches"] == 2 and m["num_placeholders"] == 1
     assert m["lower_bound_microbatches"] == 1 + 2  # one oversize + ceil(16 / 10)
     assert m["seq_length"] == 20 and m["fill"] == pytest.approx(36 / (2 * 2 * 20))
     assert m["over_cap_microbatches"] == 0 and m["oversize_samples"] == [4]
     assert m["rank_tokens"] == [30, 6] and m["dp_imbalance"] == pytest.approx(30 / 18)
-    # Packed: samples plus one padding segment up to S=20; the placeholder is a full row.
+    # Packed: linear work on all S=20 positions of every row, placeholders included.
     assert m["microbatch_costs"] == [[20.0, 20.0], [20.0, 20.0]]
-    assert m["microbatch_real_costs"][1] == [6.0, 0.0]
+    assert m["rank_costs"] == [40.0, 40.0] and m["dp_imbalance_cost"] == 1.0
     assert m["coverage_ok"]
 
 

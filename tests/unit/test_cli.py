@@ -39,7 +39,7 @@ def test_plan_json_round_trip(tmp_path, capsys):
     assert main(args) == 0
     out = capsys.readouterr()
     data = json.loads(out.out)  # exactly one JSON object on stdout
-    assert "warning" in out.err and "[5]" in out.err  # the 2000-token sample is over the cap
+    assert "warning" in out.err and "5 (2000 tokens)" in out.err  # over the cap
     config = PlannerConfig(
         max_tokens_per_gpu=1024,
         parallel=ParallelLayout(dp_size=2, pp_size=2, vpp_size=2),

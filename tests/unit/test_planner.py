@@ -17,6 +17,7 @@ from megatron_dynbatch.planning import (
     check_plan,
     plan_schedule,
 )
+from megatron_dynbatch.planning.spec import ceil_div, round_up
 
 
 def _plan_and_check(lengths, rollout_ids=None, prompt_lengths=None, **config_kwargs):
@@ -42,7 +43,7 @@ class _no_warning:
 
 def _any_oversize(samples, config):
     m = config.parallel.sample_multiple
-    return any(-(-length // m) * m > config.token_cap for length in samples.lengths)
+    return any(round_up(length, m) > config.token_cap for length in samples.lengths)
 
 
 @st.composite
@@ -99,17 +100,18 @@ def test_every_guarantee_holds_on_random_inputs(case):
     st.sampled_from([1, 2, 4]),
 )
 def test_packing_stays_close_to_the_lower_bound(lengths, dp, mult_pp):
-    """Micro-batches per rank within one (aligned) step of the token lower bound."""
+    """The fewest micro-batches per rank within one (aligned) step of the token lower bound."""
     cap = 4096
     parallel = ParallelLayout(dp_size=dp, pp_size=mult_pp, vpp_size=2 if mult_pp > 1 else 1)
     plan = _plan_and_check(lengths, max_tokens_per_gpu=cap, parallel=parallel)
     step = plan.steps[0]
     multiple = parallel.microbatch_multiple
-    bound_per_rank = -(-max(1, -(-step.lower_bound_microbatches // dp)) // multiple) * multiple
+    bound_per_rank = round_up(max(1, ceil_div(step.lower_bound_microbatches, dp)), multiple)
     # Samples <= cap/2 pack near-perfectly; allow the bin-packing slack of large items.
     big = sum(1 for x in lengths if x > cap // 2)
-    slack = -(-big // dp) + multiple
-    assert step.num_microbatches <= bound_per_rank + slack
+    slack = ceil_div(big, dp) + multiple
+    assert step.min_microbatches <= bound_per_rank + slack
+    assert step.min_microbatches <= step.num_microbatches
 
 
 def test_seed_dp4_514_single_sample_microbatches_keeps_every_rollout():

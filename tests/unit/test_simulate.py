@@ -209,3 +209,23 @@ def test_simulator_imports_only_the_standard_library():
         "sys.exit(1 if bad else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_pipeline_makespan_replays_the_same_schedule(seed):
+    """The planner's flat replay gives exactly the event simulation's makespan."""
+    from megatron_dynbatch.planning.simulate import pipeline_makespan
+
+    rng = random.Random(seed)
+    pp = rng.choice([1, 2, 3, 4, 8])
+    vpp = rng.choice([1, 2, 3]) if pp > 1 else 1
+    group = pp + rng.randint(0, 2) if vpp > 1 else None
+    m = rng.randint(1, 12)
+    if vpp > 1:
+        m = max(group, m - m % group)  # Megatron needs whole groups of at least pp
+    fwd = [rng.random() * 10 for _ in range(m)]
+    bwd = [rng.random() * 20 for _ in range(m)]
+    expected = simulate_interleaved(fwd, bwd, pp, vpp, group).makespan
+    assert pipeline_makespan(fwd, pp, vpp, group, bwd) == pytest.approx(expected)
+    default = simulate_interleaved(fwd, [2.0 * c for c in fwd], pp, vpp, group).makespan
+    assert pipeline_makespan(fwd, pp, vpp, group) == pytest.approx(default)

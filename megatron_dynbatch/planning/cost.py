@@ -1,0 +1,209 @@
+"""What one micro-batch costs to compute, as the runtime executes it: the one formula the planner,
+the pipeline simulator, the plot and the benchmarks all use.
+
+A micro-batch is a ``[B, S]`` tensor (``B = 1`` for ``packed``). Its forward costs
+
+* **linear work** (embeddings, projections, MLP) on every one of its ``B * S`` positions, padding
+  and placeholder rows included, since the GEMMs run over the whole tensor:
+  ``token_weight * B * S``;
+* **attention**, by layout, as ``runtime/materialize.py`` and ``megatron/forward.py`` run it:
+
+  - ``packed``: THD segments (``cu_seqlens``). Each sample is one segment of its padded length
+    ``round_up(L, sample_multiple)`` (the rounding pad sits inside the sample's segment, after its
+    last token), and the row's padding tail ``S - used`` is a segment of its own, so the tail
+    costs ``attention_weight * (S - used)**2``: small when the row is full, a whole ``S**2`` for a
+    placeholder row;
+  - ``padded``: rows of one sample each, run with the dense block-diagonal mask (THD needs
+    ``B = 1``); a dense kernel computes all ``S * S`` scores of a row whatever the mask says, so
+    every row, placeholder rows included, costs ``attention_weight * S**2``;
+
+* **response work** (log-prob gather, value head, loss) on the response tokens of its real samples:
+  ``response_weight * R``;
+* a fixed **per-micro-batch overhead** (kernel launches, pipeline send/receive, bookkeeping),
+  placeholders included: ``microbatch_overhead``.
+
+Backward costs ``BACKWARD_TO_FORWARD_RATIO`` times the forward (see :mod:`.simulate`).
+
+Worked example, ``packed``, ``S = 16``, samples of 3 and 6 tokens with ``sample_multiple = 4``
+(segments 4 and 8, tail 4), ``token_weight = 1``, ``attention_weight = 0.1``, no response weight or
+overhead: ``16 + 0.1 * (16 + 64 + 16) = 25.6``; a placeholder of the step costs
+``16 + 0.1 * 256 = 41.6``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
+
+from .spec import CostModel, round_up
+
+__all__ = [
+    "check_cost_is_finite",
+    "microbatch_cost",
+    "row_cost",
+    "row_costs",
+    "sample_cost",
+    "sample_costs",
+    "step_microbatch_costs",
+    "tail_cost",
+]
+
+
+def sample_cost(model: CostModel, layout: str, size: int, response_length: int) -> float:
+    """The part of a micro-batch's forward cost that one sample brings, besides the row itself.
+
+    ``size`` is the sample's padded segment (``round_up(L, sample_multiple)``). In the ``packed``
+    layout that is its attention segment and its response work; in the ``padded`` layout only its
+    response work (the row's attention is ``S**2`` whatever it holds, see :func:`row_cost`).
+    """
+    response = model.response_weight * response_length
+    if layout == "packed":
+        return model.attention_weight * float(size) * float(size) + response
+    return response
+
+
+def sample_costs(
+    model: CostModel, layout: str, sizes: Sequence[int], response_lengths: Sequence[int]
+) -> List[float]:
+    """:func:`sample_cost` of every sample (the planner's hot path: one list comprehension)."""
+    aw, rw = model.attention_weight, model.response_weight
+    if layout == "packed":
+        if rw == 0.0:
+            return [aw * (s * s) for s in sizes]
+        return [aw * (s * s) + rw * r for s, r in zip(sizes, response_lengths, strict=True)]
+    return [rw * r for r in response_lengths]
+
+
+def row_cost(
+    model: CostModel, layout: str, seq_length: int, micro_batch_size: int, load: int
+) -> float:
+    """Forward cost of a micro-batch's shape and padding, without its samples' :func:`sample_cost`.
+
+    ``load`` is the padded tokens its samples fill (packed: the sum of their segments). Packed:
+    ``overhead + token_weight * S + attention_weight * (S - load)**2`` (the tail segment; 0 when the
+    row is full). Padded: ``overhead + B * (token_weight * S + attention_weight * S**2)``.
+    """
+    s = float(seq_length)
+    if layout == "packed":
+        tail = s - load
+        return (
+            model.microbatch_overhead
+            + model.token_weight * s
+            + model.attention_weight * tail * tail
+        )
+    return model.microbatch_overhead + micro_batch_size * (
+        model.token_weight * s + model.attention_weight * s * s
+    )
+
+
+def row_costs(
+    model: CostModel,
+    layout: str,
+    seq_length: int,
+    micro_batch_size: int,
+    loads: Sequence[int],
+    own: Sequence[float],
+) -> List[float]:
+    """``row_cost(..., load) + own`` of many micro-batches at once (the planner's hot path).
+
+    ``own[b]`` is the sum of micro-batch ``b``'s :func:`sample_cost`; ``loads[b]`` its padded
+    tokens (packed layout).
+    """
+    if layout != "packed":
+        row = row_cost(model, layout, seq_length, micro_batch_size, 0)
+        return [row + o for o in own]
+    s = float(seq_length)
+    fixed = model.microbatch_overhead + model.token_weight * s
+    aw = model.attention_weight
+    return [fixed + aw * (s - load) * (s - load) + o for o, load in zip(own, loads, strict=True)]
+
+
+def tail_cost(model: CostModel, seq_length: int) -> Callable[[int], float]:
+    """The attention of a packed row's padding tail as a function of the row's padded load."""
+    s, aw = float(seq_length), model.attention_weight
+
+    def tail(load: int) -> float:
+        return aw * (s - load) * (s - load)
+
+    return tail
+
+
+def microbatch_cost(
+    model: CostModel,
+    layout: str,
+    seq_length: int,
+    micro_batch_size: int,
+    sizes: Sequence[int],
+    response_lengths: Sequence[int],
+) -> float:
+    """Forward cost of one micro-batch holding samples of padded ``sizes`` (``[]``: placeholder)."""
+    return row_cost(model, layout, seq_length, micro_batch_size, sum(sizes)) + sum(
+        sample_costs(model, layout, sizes, response_lengths)
+    )
+
+
+def step_microbatch_costs(
+    step,
+    *,
+    layout: str,
+    lengths: Sequence[int],
+    prompt_lengths: Sequence[int],
+    sample_multiple: int,
+    model: CostModel,
+    kept_lengths: Optional[Mapping[int, int]] = None,
+) -> List[List[float]]:
+    """Forward cost of every micro-batch of a step, ``[rank][m]``, in schedule order.
+
+    Args:
+        step: A :class:`~.plan.StepPlan` (or anything with ``ranks``, ``seq_length`` and
+            ``micro_batch_size``).
+        layout: ``packed`` or ``padded``.
+        lengths: Every sample's total length (indices refer to it).
+        prompt_lengths: Every sample's prompt length (0 where unknown).
+        sample_multiple: Each sample's segment is padded to a multiple of this.
+        model: The cost model.
+        kept_lengths: Samples cut by the ``truncate`` oversize policy -> their kept length
+            (default: the step's own ``kept_lengths``).
+    """
+    if kept_lengths is None:
+        kept_lengths = dict(getattr(step, "kept_lengths", ()) or ())
+    s, b = step.seq_length, step.micro_batch_size
+    result = []
+    for rank in step.ranks:
+        costs = []
+        for mb in rank:
+            kept = [kept_lengths.get(i, lengths[i]) for i in mb]
+            sizes = [round_up(k, sample_multiple) for k in kept]
+            responses = [max(0, k - prompt_lengths[i]) for k, i in zip(kept, mb, strict=True)]
+            costs.append(microbatch_cost(model, layout, s, b, sizes, responses))
+        result.append(costs)
+    return result
+
+
+def check_cost_is_finite(model: CostModel, longest_row: int) -> None:
+    """Refuse weights whose cost of one micro-batch overflows a float (inf, then NaN in sums).
+
+    Args:
+        model: The cost model.
+        longest_row: The most padded tokens a micro-batch row can hold (the longer of the cap and
+            the longest sample).
+
+    Raises:
+        ValueError: naming the weights and the row length, with the fix.
+    """
+    s = float(longest_row)
+    worst: Dict[str, float] = {
+        "token_weight": model.token_weight * s,
+        "attention_weight": model.attention_weight * s * s,
+        "response_weight": model.response_weight * s,
+        "microbatch_overhead": model.microbatch_overhead,
+    }
+    # A step sums thousands of micro-batches and simulates their backward passes: keep headroom.
+    total = sum(worst.values()) * 1e9
+    if not math.isfinite(total):
+        raise ValueError(
+            f"the cost model overflows a float for rows of {longest_row} tokens ("
+            + ", ".join(f"{name}={getattr(model, name)!r}" for name in worst)
+            + "); the weights are relative: keep the token weight near 1 and the attention "
+            "weight near 1/(6*hidden_size), e.g. --cost-attention-weight 4e-5."
+        )

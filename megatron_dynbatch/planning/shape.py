@@ -1,0 +1,459 @@
+"""Choosing a step's micro-batch count M and row length S by its simulated step time.
+
+With pipelining a step costs about ``(M + pp - 1)`` rows of S (``M + (pp - 1) / vpp`` interleaved),
+so when M is small next to pp, more and shorter rows can be faster than the fewest rows; without
+pipelining the fewest rows usually win. So every candidate count M, from the fewest the samples
+pack into (``min_microbatches``) up to where S reaches the step's longest sample, is packed,
+balanced over the DP ranks, ordered for the pipeline and scored by :mod:`.simulate` with the full
+micro-batch cost (:mod:`.cost`, per-micro-batch overhead included); the fastest wins, ties to the
+smaller M. Candidates are visited in order of a lower bound on their step time and the search stops
+when no unvisited candidate can beat the best one (branch and bound), so a step whose fewest rows
+are clearly fastest (no pipeline, or S already at the longest sample) packs once; a candidate is
+packed only under the longest row that could still win. Work per step is bounded: at most
+``_MAX_CANDIDATES`` counts (spread geometrically over a long range), at most ``_MAX_EVALUATIONS``
+of them packed besides the fewest, and per packing at most ``_SIMULATED_RANKS`` pipeline replays
+plus the heavy-slot search of :func:`.balance.pipeline_orders` (17 replays). On small steps a
+second construction, ranks first (:meth:`_PackedSearch._ranks_first`), is scored too.
+
+Layouts:
+
+* ``packed``: ``K = dp * M`` bins (a lone oversize sample keeps its own); LPT for the candidates,
+  best fit / next fit where LPT breaks the cap; S is the fullest bin;
+* ``padded``: S is the step's longest sample; a micro-batch holds ``B = ceil(n / (dp * M))`` rows,
+  at most ``cap // S``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+from .balance import RankBalancer, assign_bins_to_ranks, pipeline_orders
+from .cost import row_cost, row_costs, tail_cost
+from .packing import feasible_pack, min_bins
+from .simulate import BACKWARD_TO_FORWARD_RATIO, pipeline_makespan
+from .spec import CostModel, ParallelLayout, ceil_div, round_up
+
+__all__ = ["StepProblem", "StepShape", "choose_shape"]
+
+#: Candidate counts scored per step at most (a bound on packings and simulations per plan).
+_MAX_CANDIDATES = 24
+#: Candidate counts packed and scored per step besides the fewest, at most: with the row-length
+#: bound each needs at most an LPT and a best-fit pass, so a step costs a few packings.
+_MAX_EVALUATIONS = 6
+#: Ranks whose pipeline is replayed to score a candidate: the costliest by total work.
+_SIMULATED_RANKS = 4
+#: Largest step (samples) that also gets the ranks-first construction (~50 ms of CPU at the limit).
+_ALTERNATIVE_LIMIT = 8192
+#: A larger M must be faster by more than this (relative) to replace a smaller one.
+_TIE = 1e-9
+
+
+@dataclass(frozen=True)
+class StepProblem:
+    """One step's samples and everything the shape search needs."""
+
+    items: Sequence[int]
+    """The step's sample indices, ascending."""
+    sizes: Sequence[int]
+    """Every sample's padded segment (its kept length rounded up to the sample multiple)."""
+    sample_costs: Sequence[float]
+    """Every sample's share of a micro-batch's cost (:func:`.cost.sample_costs`)."""
+    model: CostModel
+    layout: str
+    cap: int
+    parallel: ParallelLayout
+
+
+@dataclass
+class StepShape:
+    """A scored candidate schedule of one step."""
+
+    per_rank: int
+    """M: micro-batches per DP rank."""
+    seq_length: int
+    """S: the row length of every micro-batch of the step."""
+    micro_batch_size: int
+    """B: rows per micro-batch (1 packed)."""
+    bins: List[List[int]]
+    """Sample indices per micro-batch (``[]`` = placeholder)."""
+    rank_orders: List[List[int]]
+    """Per DP rank, its bins in schedule order."""
+    bin_costs: List[float]
+    """Forward cost of every bin as computed (:mod:`.cost`)."""
+    step_time: float
+    """Simulated step time (cost units, forward + backward): the slowest scored rank."""
+    oversize: Sequence[int] = ()
+    """Samples over the cap, each alone in its micro-batch."""
+
+
+def choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
+    """The fastest candidate shape of the step, and the fewest micro-batches per rank it packs into.
+
+    Raises:
+        ValueError: when the layout forces more placeholder micro-batches than is sane (see
+            :func:`_check_placeholders`).
+    """
+    _check_placeholders(problem)
+    if problem.layout == "packed":
+        search = _PackedSearch(problem)
+    else:
+        search = _PaddedSearch(problem)
+    first = search.min_per_rank
+    candidates = search.candidates()
+    best = search.evaluate(first)
+    assert best is not None, "the fewest micro-batches always pack"
+    ranked = sorted((search.lower_bound(m), m) for m in candidates if m != first)
+    for bound, m in ranked[:_MAX_EVALUATIONS]:
+        if bound >= best.step_time * (1.0 - _TIE):
+            break
+        # Only rows shorter than this can beat the best so far: pack under it or not at all.
+        shape = search.evaluate(m, search.row_limit(m, best.step_time))
+        if shape is not None and shape.step_time < best.step_time * (1.0 - _TIE):
+            best = shape
+    # The second construction is dearer: only for the winning count (and the fewest).
+    for m in sorted({best.per_rank, first}):
+        shape = search.alternative(m)
+        if shape is not None and shape.step_time < best.step_time * (1.0 - _TIE):
+            best = shape
+    return best, first
+
+
+#: Placeholder micro-batches a step may need before the layout is deemed a misconfiguration.
+MAX_FORCED_PLACEHOLDERS = 1 << 16
+
+
+def _check_placeholders(problem: StepProblem) -> None:
+    """Refuse layouts that force an absurd number of placeholder micro-batches.
+
+    Every DP rank runs at least ``microbatch_multiple`` micro-batches (one without interleaving), so
+    a step of n samples has at least ``dp * multiple - n`` placeholders. A placeholder is a full
+    row of padding; more than 65,536 of them and more of them than samples is a mistyped
+    ``--dp-size`` or interleaving group (dp 10,000,000 for 10 samples; a group of 100,000 at dp 8
+    planned 800,000 placeholders), so it fails here instead of planning for minutes.
+    """
+    parallel = problem.parallel
+    forced = parallel.dp_size * parallel.microbatch_multiple
+    n = len(problem.items)
+    if forced - n > MAX_FORCED_PLACEHOLDERS and forced > 2 * n:
+        if parallel.microbatch_multiple > 1:
+            why = (
+                f"dp_size={parallel.dp_size} x microbatch_group_size_per_vp_stage="
+                f"{parallel.microbatch_multiple} (interleaving, vpp_size={parallel.vpp_size})"
+            )
+        else:
+            why = f"dp_size={parallel.dp_size} (one micro-batch per rank at least)"
+        raise ValueError(
+            f"{why} needs {forced} micro-batches per step, but the step has {n} samples: "
+            f"{forced - n} would be placeholders (limit {MAX_FORCED_PLACEHOLDERS}). Check "
+            "--dp-size and --microbatch-group-size-per-vp-stage, or put more rollouts in a step."
+        )
+
+
+def _candidate_counts(first: int, last: int, multiple: int) -> List[int]:
+    """Counts from ``first`` to ``last`` in steps of ``multiple``; geometric when too many."""
+    if last <= first:
+        return [first]
+    every = list(range(first, last + 1, multiple))
+    if len(every) <= _MAX_CANDIDATES:
+        return every
+    counts = {first, every[-1]}
+    m = first
+    while m < last and len(counts) < _MAX_CANDIDATES:
+        m = round_up(max(m + multiple, int(m * 1.2)), multiple)
+        counts.add(min(m, every[-1]))
+    return sorted(counts)
+
+
+class _Search:
+    """What both layouts share: scoring a packing by its simulated step."""
+
+    def __init__(self, problem: StepProblem) -> None:
+        self.problem = problem
+        parallel = problem.parallel
+        self.dp = parallel.dp_size
+        self.pp = parallel.pp_size
+        self.vpp = parallel.vpp_size
+        self.group = parallel.group_size
+        self.microbatch_multiple = parallel.microbatch_multiple
+        self.model = problem.model
+        self.work = sum(map(problem.sample_costs.__getitem__, problem.items))
+        self.min_per_rank = 1
+
+    def lower_bound(self, per_rank: int) -> float:
+        """No candidate of ``per_rank`` micro-batches can run faster than this.
+
+        The costliest rank does at least the average work: ``per_rank`` rows of at least the
+        shortest possible S plus its share of the samples' own cost; the last stage waits for the
+        first forward to cross ``pp - 1`` stages before any of it.
+        """
+        row = self.min_row_cost(per_rank)
+        ratio = 1.0 + BACKWARD_TO_FORWARD_RATIO
+        rank = ratio * (per_rank * row + self.work / self.dp)
+        return rank / self.pp + row * (self.pp - 1) / (self.pp * self.vpp)
+
+    def min_row_cost(self, per_rank: int) -> float:
+        raise NotImplementedError
+
+    def row_limit(self, per_rank: int, step_time: float) -> int:
+        """The longest row a candidate of ``per_rank`` micro-batches may have and still beat a
+        step of ``step_time``: :meth:`lower_bound` with that row's cost, solved for S."""
+        ratio = 1.0 + BACKWARD_TO_FORWARD_RATIO
+        slope = ratio * per_rank / self.pp + (self.pp - 1) / (self.pp * self.vpp)
+        row = (step_time - ratio * self.work / (self.dp * self.pp)) / slope
+        model = self.model
+        if model.token_weight <= 0:
+            return self.problem.cap
+        return max(0, int((row - model.microbatch_overhead) / model.token_weight))
+
+    def score(
+        self,
+        bins: List[List[int]],
+        loads: Sequence[int],
+        per_rank: int,
+        seq_length: int,
+        rows: int,
+        rank_bins: Optional[List[List[int]]] = None,
+    ) -> StepShape:
+        """Assign bins to ranks (unless given), balance, order for the pipeline, and simulate."""
+        problem = self.problem
+        costs = problem.sample_costs
+        layout = problem.layout
+        own = [sum(map(costs.__getitem__, members)) for members in bins]
+        bin_costs = row_costs(self.model, layout, seq_length, rows, loads, own)
+        varies = self.model.attention_weight or self.model.response_weight
+        # Rows of one shape cost the same unless attention or response work varies with what they
+        # hold; then balance the cost, else balance real tokens (free, and what logs show).
+        if rank_bins is None:
+            rank_bins = assign_bins_to_ranks(bin_costs if varies else loads, self.dp, per_rank)
+        if layout == "packed" and varies:
+            bin_costs = self._balance(bins, loads, own, rank_bins, seq_length, per_rank, bin_costs)
+        if self.pp == 1:
+            orders = rank_bins  # no pipeline: the order of a rank's micro-batches is moot
+        else:
+            # Light-heavy-light by computed cost; among equals, less real work (placeholders)
+            # first.
+            keys = [(c, len(members)) for c, members in zip(bin_costs, bins, strict=True)]
+            orders = pipeline_orders(
+                rank_bins, keys, bin_costs, pp_size=self.pp, vpp_size=self.vpp, group=self.group
+            )
+        return StepShape(
+            per_rank=per_rank,
+            seq_length=seq_length,
+            micro_batch_size=rows,
+            bins=bins,
+            rank_orders=orders,
+            bin_costs=bin_costs,
+            step_time=self._step_time(orders, bin_costs),
+        )
+
+    def _balance(
+        self,
+        bins: List[List[int]],
+        loads: Sequence[int],
+        own: Sequence[float],
+        rank_bins: List[List[int]],
+        seq_length: int,
+        per_rank: int,
+        bin_costs: List[float],
+    ) -> List[float]:
+        """Sample moves between ranks (:class:`.balance.RankBalancer`); returns new bin costs."""
+        problem = self.problem
+        tail = tail_cost(self.model, seq_length)
+        cap, sizes = problem.cap, problem.sizes
+        frozen = [b for b, m in enumerate(bins) if len(m) == 1 and sizes[m[0]] > cap]
+        balancer = RankBalancer(
+            bins, rank_bins, problem.sample_costs, sizes, seq_length, tail, frozen, loads, own
+        )
+        # Every rank runs per_rank full rows of linear work and overhead besides the variable part.
+        full_row = row_cost(self.model, "packed", seq_length, 1, seq_length)
+        balancer.refine(base=per_rank * full_row)
+        bin_costs = list(bin_costs)
+        for b in balancer.changed:
+            bin_costs[b] = full_row + tail(balancer.loads[b]) + balancer.own[b]
+        return bin_costs
+
+    def _step_time(self, orders: List[List[int]], bin_costs: Sequence[float]) -> float:
+        totals = [sum(map(bin_costs.__getitem__, order)) for order in orders]
+        if self.pp == 1:
+            return (1.0 + BACKWARD_TO_FORWARD_RATIO) * max(totals)
+        costliest = sorted(range(len(orders)), key=lambda r: (-totals[r], r))[:_SIMULATED_RANKS]
+        return max(
+            pipeline_makespan([bin_costs[b] for b in orders[r]], self.pp, self.vpp, self.group)
+            for r in costliest
+        )
+
+
+class _PackedSearch(_Search):
+    def __init__(self, problem: StepProblem) -> None:
+        super().__init__(problem)
+        sizes, cap = problem.sizes, problem.cap
+        items = problem.items
+        if max(map(sizes.__getitem__, items)) <= cap:
+            self.oversize, self.arrival = [], list(items)
+        else:
+            self.oversize = [i for i in items if sizes[i] > cap]
+            self.arrival = [i for i in items if sizes[i] <= cap]
+        # Decreasing size, ties by index (the sort is stable on ascending items).
+        self.order = sorted(self.arrival, key=sizes.__getitem__, reverse=True)
+        self.total = sum(map(sizes.__getitem__, self.arrival))
+        self.longest = max(map(sizes.__getitem__, items))
+        self.longest_regular = sizes[self.order[0]] if self.order else 0
+        self._packings = {}
+        self.min_per_rank = self._fewest()
+
+    def _bins(self, per_rank: int) -> int:
+        return self.dp * per_rank - len(self.oversize)
+
+    def _fewest(self) -> int:
+        """The fewest micro-batches per rank the samples fit, and their packing (cached)."""
+        cap = self.problem.cap
+        # Samples over half the cap cannot share a row: a second, often tighter bound. The order
+        # is by decreasing size, so they are its first ``halves`` entries.
+        half = cap // 2
+        sizes = self.problem.sizes
+        halves = bisect.bisect_left(self.order, True, key=lambda i: sizes[i] <= half)
+        bound = len(self.oversize) + max(ceil_div(self.total, cap), halves)
+        per_rank = round_up(max(1, ceil_div(bound, self.dp)), self.microbatch_multiple)
+        packing = self._pack(per_rank)
+        if packing is None:
+            need = len(self.oversize) + min_bins(self.problem.sizes, self.order, self.arrival, cap)
+            per_rank = round_up(max(1, ceil_div(need, self.dp)), self.microbatch_multiple)
+            packing = self._pack(per_rank)
+            assert packing is not None, "best fit / next fit pack into the bins they counted"
+        return per_rank
+
+    def _pack(self, per_rank: int, limit: Optional[int] = None):
+        """The packing of ``per_rank`` micro-batches per rank (cached); with ``limit``, only one
+        whose rows stay under it (no next fit, which exists to find the fewest rows)."""
+        cap = self.problem.cap
+        if limit is not None and limit < cap:
+            return feasible_pack(
+                self.problem.sizes, self.order, self.arrival, self._bins(per_rank), limit, False
+            )
+        if per_rank not in self._packings:
+            self._packings[per_rank] = feasible_pack(
+                self.problem.sizes, self.order, self.arrival, self._bins(per_rank), cap
+            )
+        return self._packings[per_rank]
+
+    def candidates(self) -> List[int]:
+        first = self.min_per_rank
+        if self.oversize or not self.arrival:
+            return [first]  # S is the oversize sample's length whatever M is
+        last = first
+        # Up to where S could reach the longest sample, and no more bins than samples.
+        while True:
+            nxt = last + self.microbatch_multiple
+            bins = self._bins(nxt)
+            if bins > len(self.arrival) or ceil_div(self.total, self._bins(last)) <= (
+                self.longest_regular
+            ):
+                break
+            last = nxt
+        return _candidate_counts(first, last, self.microbatch_multiple)
+
+    def min_row_cost(self, per_rank: int) -> float:
+        bins = max(1, self._bins(per_rank))
+        s = max(self.longest, ceil_div(self.total, bins))
+        return row_cost(self.model, "packed", s, 1, s)
+
+    def evaluate(self, per_rank: int, limit: Optional[int] = None) -> Optional[StepShape]:
+        packing = self._pack(per_rank, limit)
+        if packing is None:
+            return None
+        bins = [[i] for i in self.oversize] + [list(members) for members in packing[0]]
+        loads = [self.problem.sizes[i] for i in self.oversize] + list(packing[1])
+        shape = self.score(bins, loads, per_rank, max(loads), 1)
+        shape.oversize = self.oversize
+        return shape
+
+    def alternative(self, per_rank: int) -> Optional[StepShape]:
+        """Ranks-first packing where attention or response work makes ranks differ, on steps
+        small enough that a second construction is cheap (where sample moves have few samples per
+        rank to work with, it matters most)."""
+        varies = self.model.attention_weight or self.model.response_weight
+        if varies and len(self.problem.items) <= _ALTERNATIVE_LIMIT:
+            return self._ranks_first(per_rank)
+        return None
+
+    def _ranks_first(self, per_rank: int) -> Optional[StepShape]:
+        """The other way round: samples to ranks by their own cost, then each rank into rows.
+
+        Global packing fixes S first and leaves the ranks' attention to sample moves, which cannot
+        trade one long sample for several short ones; splitting the samples over the ranks by
+        their whole cost (LPT) and packing each rank's into ``per_rank`` rows (LPT, or
+        differencing when small) balances attention by construction, at the price of a slightly
+        longer S. Scored like the global packing; ``None`` if a rank breaks the cap.
+        """
+        problem = self.problem
+        if self.oversize or not self.arrival:
+            return None
+        sizes, model = problem.sizes, self.model
+        own = [model.token_weight * sizes[i] + problem.sample_costs[i] for i in self.order]
+        heap = [(0.0, r) for r in range(self.dp)]
+        members: List[List[int]] = [[] for _ in range(self.dp)]
+        for i, weight in sorted(zip(self.order, own, strict=True), key=lambda pair: -pair[1]):
+            total, r = heap[0]
+            members[r].append(i)
+            heapq.heapreplace(heap, (total + weight, r))
+        bins: List[List[int]] = []
+        loads: List[int] = []
+        rank_bins: List[List[int]] = []
+        for rank in members:
+            rank.sort(key=lambda i: (-sizes[i], i))
+            packing = feasible_pack(sizes, rank, sorted(rank), per_rank, problem.cap)
+            if packing is None:
+                return None
+            rank_bins.append(list(range(len(bins), len(bins) + per_rank)))
+            bins += packing[0]
+            loads += packing[1]
+        return self.score(bins, loads, per_rank, max(loads), 1, rank_bins)
+
+
+class _PaddedSearch(_Search):
+    def __init__(self, problem: StepProblem) -> None:
+        super().__init__(problem)
+        sizes = problem.sizes
+        self.n = len(problem.items)
+        self.seq_length = max(sizes[i] for i in problem.items)
+        self.rows_max = max(1, problem.cap // self.seq_length)
+        self.min_per_rank = self._per_rank_for_rows(self.rows_max)
+        key = problem.sample_costs if problem.model.response_weight else sizes
+        self.order = sorted(problem.items, key=lambda i: (-key[i], i))
+
+    def _per_rank_for_rows(self, rows: int) -> int:
+        return round_up(max(1, ceil_div(ceil_div(self.n, rows), self.dp)), self.microbatch_multiple)
+
+    def _rows(self, per_rank: int) -> int:
+        return max(1, ceil_div(self.n, self.dp * per_rank))
+
+    def alternative(self, per_rank: int) -> Optional[StepShape]:
+        return None
+
+    def candidates(self) -> List[int]:
+        counts = sorted({self._per_rank_for_rows(rows) for rows in range(1, self.rows_max + 1)})
+        counts = [m for m in counts if m >= self.min_per_rank]
+        if len(counts) > _MAX_CANDIDATES:
+            step = len(counts) / _MAX_CANDIDATES
+            counts = sorted({counts[int(k * step)] for k in range(_MAX_CANDIDATES)} | {counts[-1]})
+        return counts
+
+    def min_row_cost(self, per_rank: int) -> float:
+        return row_cost(self.model, "padded", self.seq_length, self._rows(per_rank), 0)
+
+    def evaluate(self, per_rank: int, limit: Optional[int] = None) -> Optional[StepShape]:
+        rows = self._rows(per_rank)
+        num_bins = self.dp * per_rank
+        bins: List[List[int]] = [[] for _ in range(num_bins)]
+        # Rows dealt in rounds, the costliest samples first, so every bin holds at most `rows`
+        # and the response work spreads evenly.
+        for k, i in enumerate(self.order):
+            bins[k % num_bins].append(i)
+        loads = [len(members) for members in bins]
+        shape = self.score(bins, loads, per_rank, self.seq_length, rows)
+        # An oversize sample makes S exceed the cap, so B is 1 and it is alone in its row.
+        shape.oversize = [i for i in self.problem.items if self.problem.sizes[i] > self.problem.cap]
+        return shape

@@ -1,0 +1,153 @@
+"""The oversize policy: error / truncate / allow, in the planner, the config, the CLI and the
+materializer (issue 10, item 5)."""
+
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from megatron_dynbatch.config import DynBatchConfig, load_yaml_config
+from megatron_dynbatch.planning import (
+    OversizeSampleWarning,
+    ParallelLayout,
+    PlannerConfig,
+    SampleSet,
+    check_plan,
+    plan_schedule,
+)
+from megatron_dynbatch.runtime import BatchSchema, FieldSpec, materialize_microbatches
+
+LENGTHS = [100, 5000, 200, 300, 4100]  # samples 1 and 4 exceed a cap of 1000
+
+
+def _config(policy, **kwargs):
+    return PlannerConfig(
+        max_tokens_per_gpu=1000,
+        parallel=ParallelLayout(dp_size=2, **kwargs),
+        oversize_samples=policy,
+    )
+
+
+def test_error_names_the_samples_lengths_and_cap_before_planning():
+    with pytest.raises(ValueError) as info:
+        plan_schedule(LENGTHS, config=_config("error"))
+    message = str(info.value)
+    assert "sample 1: 5000 tokens" in message and "sample 4: 4100 tokens" in message
+    assert "token cap 1000" in message and "--oversize-samples truncate" in message
+
+
+def test_the_megatron_and_slime_paths_default_to_error():
+    config = DynBatchConfig(max_tokens_per_gpu=1000)
+    assert config.oversize_samples == "error"
+    planner = config.planner_config(ParallelLayout(dp_size=2))
+    with pytest.raises(ValueError, match="exceed the token cap"):
+        plan_schedule(LENGTHS, config=planner)
+    assert PlannerConfig(max_tokens_per_gpu=1000).oversize_samples == "allow"  # pure planner
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+@pytest.mark.parametrize("tp", [1, 4])
+def test_truncate_cuts_to_the_cap_rounded_down_and_counts_the_cut(layout, tp):
+    config = PlannerConfig(
+        max_tokens_per_gpu=1002,
+        parallel=ParallelLayout(dp_size=2, tp_size=tp),
+        layout=layout,
+        oversize_samples="truncate",
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OversizeSampleWarning)  # nothing runs over the cap
+        plan = plan_schedule(LENGTHS, config=config)
+    keep = 1002 // tp * tp
+    check_plan(plan, SampleSet.build(LENGTHS), config)
+    step = plan.steps[0]
+    assert dict(step.kept_lengths) == {1: keep, 4: keep}
+    assert step.truncated_samples == (1, 4) == plan.stats.truncated_samples
+    assert step.truncated_tokens == plan.stats.truncated_tokens == (5000 - keep) + (4100 - keep)
+    assert step.oversize_samples == () and step.micro_batch_size * step.seq_length <= 1002
+    assert step.real_tokens == 100 + 200 + 300 + 2 * keep
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert data["stats"]["truncated_tokens"] == step.truncated_tokens
+    assert data["steps"][0]["kept_lengths"] == [[1, keep], [4, keep]]
+
+
+def test_allow_runs_alone_and_warns_with_the_memory_consequence():
+    with pytest.warns(OversizeSampleWarning) as caught:
+        plan = plan_schedule(LENGTHS, config=_config("allow"))
+    message = str(caught[0].message)
+    assert "5.00x the budget" in message  # every micro-batch of the step is 5000 long
+    assert "placeholders included" in message and "one [B, S] per step" in message
+    assert plan.steps[0].seq_length == 5000
+    assert (1,) in [mb for rank in plan.steps[0].ranks for mb in rank]
+
+
+def test_materialize_cuts_a_truncated_sample_to_its_kept_length():
+    config = PlannerConfig(
+        max_tokens_per_gpu=64, parallel=ParallelLayout(dp_size=1), oversize_samples="truncate"
+    )
+    lengths = [10, 100]
+    plan = plan_schedule(lengths, config=config)
+    step = plan.steps[0]
+    schema = BatchSchema(
+        fields=(
+            FieldSpec(name="adv", kind="token", dtype=torch.float32),
+            FieldSpec(name="group", kind="sample", dtype=torch.int64),
+        )
+    )
+    samples = {
+        i: {
+            "tokens": torch.arange(1, length + 1, dtype=torch.int64),
+            "adv": torch.full((length,), float(i + 1)),
+            "group": torch.tensor(i),
+        }
+        for i, length in enumerate(lengths)
+    }
+    batches = materialize_microbatches(step, 0, samples, schema, layout="packed", sample_multiple=1)
+    # 100 tokens cut to the cap of 64; the other sample whole.
+    assert sum(int((b["sample_index"] == 1).sum()) for b in batches) == 64
+    assert sum(int((b["sample_index"] == 0).sum()) for b in batches) == 10
+    batch = next(b for b in batches if bool((b["sample_index"] == 1).any()))
+    tokens = batch["tokens"][batch["sample_index"] == 1]
+    assert tokens.tolist() == list(range(1, 65))  # the first 64 tokens, in order
+    assert batch["adv"][batch["sample_index"] == 1].eq(2.0).all()
+    # The last kept token has no successor in the row: no label, no loss.
+    assert int(batch["loss_mask"][batch["sample_index"] == 1].sum()) == 63
+
+
+def _plan_cli(tmp_path, *extra):
+    path = tmp_path / "samples.json"
+    path.write_text(json.dumps(LENGTHS))
+    cmd = [sys.executable, "-m", "megatron_dynbatch.cli", "plan", str(path)]
+    cmd += ["--max-tokens-per-gpu", "1000", "--dp-size", "2", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def test_cli_policy_flag(tmp_path):
+    proc = _plan_cli(tmp_path, "--oversize-samples", "error")
+    assert proc.returncode == 2 and "sample 1: 5000 tokens" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = _plan_cli(tmp_path, "--oversize-samples", "truncate", "--json")
+    assert proc.returncode == 0 and proc.stderr == ""
+    assert json.loads(proc.stdout)["stats"]["truncated_samples"] == [1, 4]
+    proc = _plan_cli(tmp_path, "--json")  # default: allow, warned
+    assert proc.returncode == 0 and "x the budget" in proc.stderr
+    assert json.loads(proc.stdout)["stats"]["oversize_samples"] == [1, 4]
+
+
+def test_yaml_key_and_megatron_flag(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("max_tokens_per_gpu: 1000\noversize_samples: truncate\n")
+    assert load_yaml_config(path)["oversize_samples"] == "truncate"
+    path.write_text("oversize_samples: cut\n")
+    with pytest.raises(ValueError, match="--oversize-samples"):
+        load_yaml_config(path)
+    import argparse
+
+    from megatron_dynbatch.megatron.arguments import add_dynamic_batch_args
+
+    parser = add_dynamic_batch_args(argparse.ArgumentParser())
+    assert parser.parse_args(["--oversize-samples", "allow"]).oversize_samples == "allow"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--oversize-samples", "cut"])
