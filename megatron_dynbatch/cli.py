@@ -140,8 +140,8 @@ def _load_samples(path: str):
     return parse_samples_json(_read_json(path))
 
 
-def _planner_config(args):
-    """The planner's config from the ``plan`` flags."""
+def _planner_config(args, *, rollouts_per_step=None):
+    """The planner's config from the flags both subcommands share (verify plans one step)."""
     from .planning import CostModel, ParallelLayout, PlannerConfig
 
     return PlannerConfig(
@@ -154,7 +154,7 @@ def _planner_config(args):
             tp_size=args.tp_size,
             cp_size=args.cp_size,
         ),
-        rollouts_per_step=args.rollouts_per_step,
+        rollouts_per_step=rollouts_per_step,
         layout=args.layout,
         cost=CostModel(
             attention_weight=args.cost_attention_weight,
@@ -209,7 +209,7 @@ def _cmd_plan(args) -> int:
     if args.plot:
         _check_plot_path(args.plot)
     samples = _load_samples(args.samples)
-    config = _planner_config(args)
+    config = _planner_config(args, rollouts_per_step=args.rollouts_per_step)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plan = plan_samples(samples, config)

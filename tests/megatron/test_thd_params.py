@@ -18,11 +18,13 @@ from megatron_dynbatch.runtime import BatchSchema, materialize_microbatches  # n
 
 
 def _microbatches(layout, tp, cp):
-    lengths = [5, 9, 3, 12, 7]
+    # Four rows of 12 fit the padded cap of 48 on each of two ranks: one micro-batch of B = 4 per
+    # rank holds the eight samples with no placeholder row (B = 1 would need four micro-batches).
+    lengths = [5, 9, 3, 12, 7, 11, 4, 6] if layout == "padded" else [5, 9, 3, 12, 7]
     plan = plan_schedule(
         lengths,
         config=PlannerConfig(
-            max_tokens_per_gpu=24,
+            max_tokens_per_gpu=48 if layout == "padded" else 24,
             layout=layout,
             parallel=ParallelLayout(dp_size=2, tp_size=tp, cp_size=cp),
         ),

@@ -38,6 +38,25 @@ def _lazy_batch(loaded):
     return LazyRolloutBatch(sample_lengths=LENGTHS, load_sample=load)
 
 
+def _expected_shapes(args):
+    """(M, B, S) of the training step (64-token budget) and of validation (128, forward-only)."""
+    from megatron_dynbatch.megatron.arguments import (
+        dynbatch_config_from_args,
+        parallel_layout_from_args,
+    )
+    from megatron_dynbatch.planning import plan_schedule
+
+    config = dynbatch_config_from_args(args)
+    layout = parallel_layout_from_args(args, vpp_size=1)
+    shapes = []
+    for forward_only in (False, True):
+        planner = config.planner_config(layout, forward_only=forward_only)
+        assert planner.max_tokens_per_gpu == (128 if forward_only else 64)
+        [step] = plan_schedule(LENGTHS, config=planner).steps
+        shapes.append((step.num_microbatches, step.micro_batch_size, step.seq_length))
+    return shapes
+
+
 def _reads_body(pp_size):
     import torch
     from megatron.core import parallel_state
@@ -69,8 +88,12 @@ def _reads_body(pp_size):
         "eval_own": sorted(evaluation.sample_indices),
         "eval_loaded": sorted(eval_loaded),
         "shape": (step.num_microbatches, step.micro_batch_size, step.seq_length),
-        "eval_seq_length": evaluation.seq_length,
-        "train_seq_length": step.seq_length,
+        "eval_shape": (
+            evaluation.num_microbatches,
+            evaluation.micro_batch_size,
+            evaluation.seq_length,
+        ),
+        "expected_shapes": _expected_shapes(args),
         "tokens_ok": tokens_ok,
     }
 
@@ -101,4 +124,5 @@ def test_middle_pipeline_stages_read_no_sample():
         else:
             assert result["loaded"] == result["own"] and result["tokens_ok"]
         # Validation is planned forward-only under --log-probs-max-tokens-per-gpu (128, not 64).
-        assert result["train_seq_length"] <= 64 < result["eval_seq_length"] <= 128
+        assert [result["shape"], result["eval_shape"]] == result["expected_shapes"]
+        assert result["shape"][2] <= 64 and result["eval_shape"][2] <= 128
