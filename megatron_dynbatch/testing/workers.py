@@ -491,16 +491,22 @@ def run_on_ranks(
         raise
 
 
-def shutdown_pools(graceful: bool = True) -> None:
+def shutdown_pools(graceful: bool = True) -> int:
     """Stop every worker pool (registered with atexit; callable from a session fixture).
 
     Args:
         graceful: Ask idle workers to leave their gloo world first (workers still inside a case
             are killed after a few seconds); ``False`` kills them at once (signal handlers).
+
+    Returns:
+        How many worker processes were stopped.
     """
+    stopped = 0
     while _POOLS:
         _, pool = _POOLS.popitem()
+        stopped += len(pool.processes)
         pool.shutdown(graceful=graceful)
+    return stopped
 
 
 atexit.register(shutdown_pools)
