@@ -9,7 +9,9 @@ The pieces a trainer needs between the pure plan and ``get_forward_backward_func
 * :func:`configure_loss`: Megatron's own exact-normalisation mechanism
   (``calculate_per_token_loss=True`` and a ``finalize_model_grads_func``) for an aggregation;
 * :func:`train_microbatches` and :func:`forward_only_outputs`: run this rank's materialized
-  micro-batches, and return forward-only outputs per sample;
+  micro-batches, and return forward-only outputs per sample. Plan and materialize inside
+  ``step_agreement`` first (see ``megatron_dynbatch.megatron.verify.bodies.dynamic_body``): their
+  own checks raise on the calling rank only, while its peers would wait in the schedule;
 * :func:`gather_in_order`: outputs of all ranks back in the original sample order, strictly.
 
 On CPU call :func:`megatron_dynbatch.megatron.cpu_shim.apply_cpu_shim` before importing this module.

@@ -88,6 +88,23 @@ def test_every_setting_is_echoed_in_the_json_report(tmp_path, capsys):
     assert {key: report[key] for key in expected} == expected, report
 
 
+def test_a_torchrun_world_of_the_wrong_size_is_bad_input(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert main(["verify", "--dp-size", "2"]) == EXIT_BAD_INPUT
+    assert "torchrun started 3 processes but --dp-size 2" in capsys.readouterr().err
+
+
+def _crashing_compare(spec, dynamic, reference):
+    raise RuntimeError("a bug in the comparison")
+
+
+def test_a_crash_of_verify_itself_is_no_verdict_not_a_fail(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(launch, "compare", _crashing_compare)
+    assert main(["verify", "--samples", _samples_file(tmp_path)]) == EXIT_RANK_FAILED
+    err = capsys.readouterr().err
+    assert "no verdict" in err and "RuntimeError: a bug in the comparison" in err, err
+
+
 def _wrong_reference(spec):
     """The real reference with one gradient scaled by 1.01: a numerical FAIL."""
     result = reference_body(spec)

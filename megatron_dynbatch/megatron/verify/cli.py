@@ -1,8 +1,8 @@
 """The ``megatron-dynbatch verify`` command: run the check, print the report, set the exit code.
 
 Exit statuses (``EXIT_*``): 0 PASS; 1 numerical FAIL; 2 bad input (a one-line error, from
-``megatron_dynbatch.cli``); 3 no verdict because a rank failed, crashed or hung (one line naming
-the ranks and what they raised, or the full per-rank report for a crash); killed by signal N on
+``megatron_dynbatch.cli``); 3 no verdict because a rank failed, crashed or hung, or verify itself
+crashed (one line naming the ranks and what they raised, or the per-rank report and tracebacks); killed by signal N on
 SIGTERM/SIGINT after the worker processes are killed (a shell shows 128 + N).
 """
 
@@ -14,10 +14,16 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from typing import Any, Dict, Iterator, Optional, Sequence
 
 from megatron_dynbatch.megatron.verify.compare import GRAD_REL_TOL, LOGPROB_ABS_TOL
-from megatron_dynbatch.megatron.verify.launch import run_under_torchrun, run_verify, under_torchrun
+from megatron_dynbatch.megatron.verify.launch import (
+    check_torchrun_world_size,
+    run_under_torchrun,
+    run_verify,
+    under_torchrun,
+)
 from megatron_dynbatch.megatron.verify.spec import build_spec
 from megatron_dynbatch.planning import PlannerConfig
 
@@ -125,6 +131,8 @@ def run_verify_cli(
     from megatron_dynbatch.testing.workers import DistributedTestError
 
     spec = build_spec(config, loss=loss, samples=samples)
+    if under_torchrun():
+        check_torchrun_world_size(spec)
     try:
         if under_torchrun():
             # torchrun owns these processes and their signals.
@@ -136,6 +144,12 @@ def run_verify_cli(
                 report = run_verify(spec)
     except (StepAgreementError, DistributedTestError) as error:
         print(f"megatron-dynbatch verify: error: {_rank_failure_message(error)}", file=sys.stderr)
+        return EXIT_RANK_FAILED
+    except Exception:  # noqa: BLE001 - any other crash is no verdict either, never a FAIL (1)
+        print(
+            f"megatron-dynbatch verify: error: no verdict:\n{traceback.format_exc()}",
+            file=sys.stderr,
+        )
         return EXIT_RANK_FAILED
     print(json.dumps(report) if as_json else format_report(report))
     sys.stdout.flush()

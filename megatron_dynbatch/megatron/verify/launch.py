@@ -10,12 +10,24 @@ from megatron_dynbatch.megatron.verify.bodies import dynamic_body, reference_bod
 from megatron_dynbatch.megatron.verify.compare import compare
 from megatron_dynbatch.megatron.verify.spec import VerifySpec
 
-__all__ = ["run_verify", "run_under_torchrun", "under_torchrun"]
+__all__ = ["check_torchrun_world_size", "run_verify", "run_under_torchrun", "under_torchrun"]
 
 
 def under_torchrun() -> bool:
     """Whether this process is one rank of a torchrun (torch.distributed.run) world."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 or "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def check_torchrun_world_size(spec: VerifySpec) -> None:
+    """Refuse a torchrun world of another size than the layout asks (before any collective)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size != spec.world_size:
+        parallel = spec.config.parallel
+        raise ValueError(
+            f"torchrun started {world_size} processes but --dp-size {parallel.dp_size} x "
+            f"--pp-size {parallel.pp_size} x --tp-size {parallel.tp_size} = {spec.world_size}; "
+            "make them equal."
+        )
 
 
 def run_verify(spec: VerifySpec) -> Dict[str, Any]:
@@ -55,12 +67,8 @@ def run_under_torchrun(spec: VerifySpec) -> Optional[Dict[str, Any]]:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    if dist.get_world_size() != spec.world_size:
-        raise ValueError(
-            f"torchrun started {dist.get_world_size()} processes but --dp-size "
-            f"{parallel.dp_size} x --pp-size {parallel.pp_size} x --tp-size {parallel.tp_size} = "
-            f"{spec.world_size}; make them equal."
-        )
+    # check_torchrun_world_size read WORLD_SIZE; the initialised world must agree with it.
+    assert dist.get_world_size() == spec.world_size, (dist.get_world_size(), spec.world_size)
     started = time.perf_counter()
     results = []
     layouts = (
