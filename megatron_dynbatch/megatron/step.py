@@ -9,7 +9,9 @@ The pieces a trainer needs between the pure plan and ``get_forward_backward_func
 * :func:`configure_loss`: Megatron's own exact-normalisation mechanism
   (``calculate_per_token_loss=True`` and a ``finalize_model_grads_func``) for an aggregation;
 * :func:`train_microbatches` and :func:`forward_only_outputs`: run this rank's materialized
-  micro-batches, and return forward-only outputs per sample;
+  micro-batches, and return forward-only outputs per sample. Plan and materialize inside
+  ``step_agreement`` first (see ``megatron_dynbatch.megatron.verify.bodies.dynamic_body``): their
+  own checks raise on the calling rank only, while its peers would wait in the schedule;
 * :func:`gather_in_order`: outputs of all ranks back in the original sample order, strictly.
 
 On CPU call :func:`megatron_dynbatch.megatron.cpu_shim.apply_cpu_shim` before importing this module.
@@ -27,7 +29,12 @@ from megatron_dynbatch.megatron.agreement import PlanMismatchError, check_plan_a
 from megatron_dynbatch.megatron.forward import make_forward_step
 from megatron_dynbatch.megatron.schedule import run_forward_backward
 from megatron_dynbatch.planning import StepPlan
-from megatron_dynbatch.runtime import microbatch_loss, restore_order, split_outputs
+from megatron_dynbatch.runtime import (
+    detach_masked_positions,
+    microbatch_loss,
+    restore_order,
+    split_outputs,
+)
 
 __all__ = [
     "PlanMismatchError",
@@ -48,12 +55,17 @@ def make_loss_func(aggregation: str, token_loss: Optional[TokenLoss] = None) -> 
     Args:
         aggregation: One of :data:`megatron_dynbatch.aggregation.AGGREGATIONS`.
         token_loss: Optional ``(batch, ce [B, S]) -> loss [B, S]`` (e.g. a policy-gradient loss
-            weighted by ``batch["advantages"]``); plain cross entropy when None.
+            weighted by ``batch["advantages"]``); plain cross entropy when None. It gets the
+            cross entropy through :func:`~megatron_dynbatch.runtime.detach_masked_positions`, so
+            whatever it computes on masked positions (NaN included) gives them zero gradient.
     """
     check_aggregation(aggregation)
 
     def loss_func(batch, per_token_ce):
-        per_token = per_token_ce if token_loss is None else token_loss(batch, per_token_ce)
+        if token_loss is None:
+            per_token = per_token_ce
+        else:
+            per_token = token_loss(batch, detach_masked_positions(per_token_ce, batch))
         return microbatch_loss(aggregation, per_token, batch)
 
     return loss_func

@@ -6,6 +6,7 @@ on it.
 
 from megatron_dynbatch.runtime.loss import (
     AGGREGATIONS,
+    detach_masked_positions,
     finalize_loss,
     microbatch_loss,
     reference_loss,
@@ -34,6 +35,7 @@ __all__ = [
     "BatchSchema",
     "CheckedSample",
     "FieldSpec",
+    "detach_masked_positions",
     "finalize_loss",
     "materialize_microbatches",
     "microbatch_loss",

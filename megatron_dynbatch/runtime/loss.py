@@ -30,6 +30,13 @@ Conventions:
   the numerator and still counts 1 in the denominator of the ``seq-mean-*`` aggregations, as in
   ``torch.mean`` over per-sequence values. :func:`reference_loss` applies the same rule.
 * A global denominator of 0 (nothing to learn from) gives loss 0 and zero gradients.
+* Masked positions are inert: their values never reach the loss (``torch.where`` selects, it does
+  not multiply by the mask), and their gradients are exactly 0 as long as the inputs of the token
+  loss are finite there. ``where`` alone cannot promise that: for ``ce * advantage`` with a NaN
+  advantage on a masked token, backward still computes ``0 * NaN`` for d(loss)/d(ce). The
+  materializer therefore gives finite declared fields everywhere (``schema.py``), and
+  :func:`detach_masked_positions` cuts the gradient of masked positions before the token loss,
+  whatever it computes there (``megatron_dynbatch.megatron.step.make_loss_func`` applies it).
 * ``seq-mean-*`` need whole sequences in one loss call; with context parallelism (each CP rank
   sees a slice of every sequence) only ``token-mean`` and ``sum`` are exact as written.
 
@@ -49,12 +56,46 @@ import torch
 
 from megatron_dynbatch.aggregation import AGGREGATIONS, check_aggregation
 
-__all__ = ["AGGREGATIONS", "microbatch_loss", "finalize_loss", "reference_loss"]
+__all__ = [
+    "AGGREGATIONS",
+    "detach_masked_positions",
+    "microbatch_loss",
+    "finalize_loss",
+    "reference_loss",
+]
 
 
 # Megatron accumulates num_tokens in a torch.int tensor; returning the same dtype keeps its
 # in-place ``total_num_tokens += num_tokens`` free of casts.
 _DENOMINATOR_DTYPE = torch.int32
+
+
+def detach_masked_positions(
+    per_token: torch.Tensor, batch: Mapping[str, torch.Tensor]
+) -> torch.Tensor:
+    """``per_token`` with the same values, but no gradient through loss-masked positions.
+
+    Apply it to the model output (e.g. the per-token cross entropy) *before* a token loss combines
+    it with batch fields. On a masked position, whatever the token loss computes there (``ce *
+    NaN``, ``x / 0``), backward then delivers exactly 0 to the model: ``where``'s backward selects
+    the gradient, where the multiplication's would compute ``0 * NaN``.
+
+    Args:
+        per_token: ``[B, S]`` (or ``[B, S, ...]``) differentiable tensor.
+        batch: A micro-batch dict with ``loss_mask`` ``[B, S]``.
+
+    Returns:
+        A tensor equal to ``per_token`` whose gradient is zero wherever ``loss_mask`` is 0.
+    """
+    loss_mask = batch["loss_mask"]
+    if tuple(per_token.shape[:2]) != tuple(loss_mask.shape):
+        raise ValueError(
+            f"per_token has shape {tuple(per_token.shape)} but the micro-batch's loss_mask is "
+            f"{tuple(loss_mask.shape)}; pass the model's per-position output [B, S, ...]."
+        )
+    mask = (loss_mask > 0).to(per_token.device)
+    mask = mask.reshape(*mask.shape, *([1] * (per_token.dim() - 2)))
+    return torch.where(mask, per_token, per_token.detach())
 
 
 def microbatch_loss(
@@ -69,7 +110,9 @@ def microbatch_loss(
     Args:
         aggregation: One of :data:`AGGREGATIONS`.
         per_token_loss: ``[B, S]`` loss of predicting ``batch["labels"]`` at each position
-            (differentiable); values on masked positions are ignored, even if not finite.
+            (differentiable). Values on masked positions are ignored, even if not finite; their
+            gradient is 0 when what produced them is finite there (always true for declared
+            fields of materialized batches; see :func:`detach_masked_positions` otherwise).
         batch: A dict from :func:`~megatron_dynbatch.runtime.materialize.materialize_microbatches`
             (``loss_mask`` and ``sample_index`` are used).
         log_key: Key of the reporting entry in the returned dict.

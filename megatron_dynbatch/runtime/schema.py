@@ -14,10 +14,17 @@ are laid out token by token; ``sample`` fields are ``[*trailing_shape]`` and are
 sample's tokens. The schema, not the first sample seen, fixes every dtype and trailing shape, so a
 rank whose micro-batches are all placeholders still builds tensors identical in shape and dtype to
 the other ranks' (see ``materialize.py``).
+
+Floating fields must be finite wherever they reach the loss. A token loss such as ``ce * advantage``
+multiplies before the loss mask selects, so a NaN advantage on a masked token gives a finite loss
+but a NaN gradient (backward computes ``0 * NaN`` for d(loss)/d(ce)). So a NaN or Inf on a
+loss-bearing token is an error naming the sample and field, and one on a loss-free token (a prompt,
+a fully masked sample) is replaced by the field's ``pad_value``, which must itself be finite.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
@@ -69,7 +76,7 @@ def _pad_value_fits(value: Any, dtype: torch.dtype) -> bool:
         stored = torch.tensor(value, dtype=dtype).item()
     except (OverflowError, RuntimeError):
         return False
-    return stored == value or (value != value and stored != stored)  # NaN pads are allowed
+    return stored == value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,6 +133,13 @@ class FieldSpec:
             )
         # Normalise a list to a tuple so the spec stays hashable and comparable.
         object.__setattr__(self, "trailing_shape", shape)
+        if isinstance(self.pad_value, float) and not math.isfinite(self.pad_value):
+            raise ValueError(
+                f"FieldSpec {self.name!r}: pad_value={self.pad_value!r} is not finite; padding and "
+                "placeholder rows pass through the token loss (ce * field) before the mask "
+                "selects, so a non-finite pad makes every gradient NaN. Use a finite pad such as "
+                "0.0."
+            )
         if not _pad_value_fits(self.pad_value, self.dtype):
             raise ValueError(
                 f"FieldSpec {self.name!r}: pad_value={self.pad_value!r} is not exactly "
@@ -147,6 +161,29 @@ class FieldSpec:
             return (length, *self.trailing_shape)
         return self.trailing_shape
 
+    def loss_bearing(self, loss_mask: torch.Tensor) -> torch.Tensor:
+        """Which of this field's values reach a loss-bearing position of the micro-batch.
+
+        Args:
+            loss_mask: The sample's ``[L]`` 0/1 mask in token order (token ``t`` is a target).
+
+        Returns:
+            bool ``[L]`` for a token field (entry ``t`` of the sample's value), 0-d for a sample
+            field. Row position ``j`` of a sample predicts its token ``j + 1`` and bears loss when
+            ``loss_mask[j + 1]`` is 1; it holds value ``j`` of an unshifted field and value
+            ``j + 1`` of a ``shift_to_labels`` one, so value ``t`` bears loss when
+            ``loss_mask[t + 1]`` (unshifted) or ``loss_mask[t]`` with ``t >= 1`` (shifted) is 1.
+        """
+        targets = loss_mask[1:] > 0
+        if self.kind == "sample":
+            return targets.any()
+        bearing = torch.zeros(loss_mask.shape[0], dtype=torch.bool, device=loss_mask.device)
+        if self.shift_to_labels:
+            bearing[1:] = targets
+        else:
+            bearing[:-1] = targets
+        return bearing
+
 
 @dataclass(frozen=True)
 class CheckedSample:
@@ -159,7 +196,8 @@ class CheckedSample:
     loss_mask: torch.Tensor
     """float32 ``[L]`` of 0/1, in token order (not yet shifted to labels)."""
     fields: Dict[str, torch.Tensor]
-    """Declared fields, exactly as the sample gave them."""
+    """Declared fields as the sample gave them, except non-finite values on loss-free tokens,
+    which are replaced by the field's ``pad_value`` (see :meth:`BatchSchema.check_sample`)."""
 
     @property
     def length(self) -> int:
@@ -207,10 +245,13 @@ class BatchSchema:
             sample: Mapping of key to tensor (``prompt_length`` may be an int).
 
         Returns:
-            The validated sample with a float32 0/1 loss mask of length ``L``.
+            The validated sample with a float32 0/1 loss mask of length ``L``; a floating field's
+            NaN/Inf values on tokens that bear no loss are replaced by its ``pad_value``, so they
+            cannot reach a gradient.
 
         Raises:
-            ValueError: Naming the sample index, key, and the expected and actual shape/dtype.
+            ValueError: Naming the sample index, key, and the expected and actual shape/dtype, or
+                a floating field that is not finite on a loss-bearing token.
         """
         if not isinstance(sample, Mapping):
             raise ValueError(
@@ -251,7 +292,7 @@ class BatchSchema:
                     f"sample {index}: key {spec.name!r} has dtype {value.dtype}, the schema "
                     f"declares {spec.dtype}; convert it with .to({spec.dtype})."
                 )
-            fields[spec.name] = value
+            fields[spec.name] = _finite_where_it_counts(index, spec, value, loss_mask)
         return CheckedSample(index=index, tokens=tokens, loss_mask=loss_mask, fields=fields)
 
     @staticmethod
@@ -325,3 +366,37 @@ class BatchSchema:
                 )
             mask[:prompt] = 0.0
         return mask
+
+
+def _finite_where_it_counts(
+    index: int, spec: FieldSpec, value: torch.Tensor, loss_mask: torch.Tensor
+) -> torch.Tensor:
+    """``value`` with non-finite entries on loss-free tokens set to the pad value.
+
+    Raises:
+        ValueError: If a non-finite entry reaches a loss-bearing position.
+    """
+    if not (spec.dtype.is_floating_point or spec.dtype.is_complex):
+        return value
+    finite = torch.isfinite(value)
+    if bool(finite.all()):
+        return value  # the common case: no copy
+    bearing = spec.loss_bearing(loss_mask).to(finite.device)
+    if spec.kind == "token":
+        bad = ~finite.reshape(finite.shape[0], -1).all(dim=1)
+        hit = (bad & bearing).nonzero().flatten().tolist()
+        if hit:
+            raise ValueError(
+                f"sample {index}: field {spec.name!r} is NaN or Inf on {len(hit)} loss-bearing "
+                f"token(s) (first: token {hit[0]}, value {value[hit[0]].tolist()}); it would make "
+                "the loss and every gradient NaN. Fix the data, or mask those tokens out "
+                "(loss_mask / prompt_length) if they must not count."
+            )
+    elif bool(bearing):
+        raise ValueError(
+            f"sample {index}: field {spec.name!r} = {value.tolist()} is NaN or Inf and the sample "
+            f"has {int((loss_mask[1:] > 0).sum())} loss-bearing token(s); it would make the loss "
+            "and every gradient NaN. Fix the data, or mask the whole sample out if it must not "
+            "count."
+        )
+    return torch.where(finite, value, torch.full_like(value, spec.pad_value))

@@ -2,7 +2,8 @@
 
 The model is a real Megatron-Core ``GPTModel`` (local layer spec, fp32, RoPE, untied embeddings).
 Its weights depend only on a seed and each parameter's *global* name, so a single-process reference
-and any pipeline layout (pp, vpp) hold identical numbers, and gradients can be compared by name.
+and any layout (pp, vpp, tp: a tensor-parallel rank holds its slice of the full tensor) hold
+identical numbers, and gradients can be compared by name.
 
 Call :func:`megatron_dynbatch.megatron.cpu_shim.apply_cpu_shim` before using this module on CPU.
 Test and self-check support (``verify``, the benchmarks), not library surface.
@@ -49,6 +50,7 @@ _LAYER_PREFIX = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 def tiny_transformer_config(
     *,
+    tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: Optional[int] = None,
     num_layers: int = 4,
@@ -57,9 +59,11 @@ def tiny_transformer_config(
     calculate_per_token_loss: bool = True,
     batch_p2p_comm: Optional[bool] = None,
 ) -> TransformerConfig:
-    """Return the ``TransformerConfig`` of the tiny GPT for a pipeline layout (tp = 1).
+    """Return the ``TransformerConfig`` of the tiny GPT for a model-parallel layout.
 
     Args:
+        tensor_model_parallel_size: Tensor-parallel ranks (no sequence parallelism); must divide
+            the attention heads.
         pipeline_model_parallel_size: Pipeline stages (must match the pipeline process group).
         virtual_pipeline_model_parallel_size: Model chunks per stage, or None for no interleaving.
         num_layers: Global number of transformer layers; must split evenly over pp * vpp.
@@ -82,7 +86,7 @@ def tiny_transformer_config(
         hidden_size=hidden_size,
         num_attention_heads=num_attention_heads,
         ffn_hidden_size=4 * hidden_size,
-        tensor_model_parallel_size=1,
+        tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         # fp32 end to end: p2p buffers are allocated with pipeline_dtype.
@@ -194,7 +198,7 @@ def build_tiny_gpt(
                 pg_collection=pg_collection,
             )
         )
-    reinit_params_deterministically(chunks, seed)
+    reinit_params_deterministically(chunks, seed, tp_group=pg_collection.tp)
     return chunks
 
 
@@ -273,37 +277,65 @@ def _seed_for(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def _tp_split(param: torch.nn.Parameter, tp_group) -> bool:
+    """Whether ``param`` is this rank's slice of a tensor split over ``tp_group``."""
+    return (
+        tp_group is not None
+        and tp_group.size() > 1
+        and bool(getattr(param, "tensor_model_parallel", False))
+    )
+
+
 @torch.no_grad()
-def reinit_params_deterministically(model_chunks: list[torch.nn.Module], seed: int) -> None:
+def reinit_params_deterministically(
+    model_chunks: list[torch.nn.Module], seed: int, *, tp_group=None
+) -> None:
     """Overwrite every parameter with values drawn from (seed, its global name).
 
     Args:
         model_chunks: This rank's chunks (DDP-wrapped or not; do it before a distributed optimizer
             takes copies).
         seed: Base seed; the same seed gives the same weights in every layout.
+        tp_group: The tensor-parallel group; a split parameter gets its contiguous slice along
+            ``partition_dim`` of the full tensor (Megatron's own split), so tp = 1 and tp > 1 hold
+            the same model.
     """
     for name, param in named_global_params(model_chunks).items():
+        shape = list(param.shape)
+        split = _tp_split(param, tp_group)
+        if split:
+            shape[param.partition_dim] *= tp_group.size()
         generator = torch.Generator().manual_seed(_seed_for(seed, name))
-        values = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+        values = torch.randn(shape, generator=generator, dtype=torch.float32)
         if param.dim() == 1 and "norm" in name and name.endswith("weight"):
             values = 1.0 + _NORM_INIT_STD * values
         else:
             values = _INIT_STD * values
+        if split:
+            values = values.chunk(tp_group.size(), dim=param.partition_dim)[tp_group.rank()]
         param.copy_(values)
 
 
-def named_global_grads(model_chunks: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+def named_global_grads(
+    model_chunks: list[torch.nn.Module], *, tp_group=None
+) -> dict[str, torch.Tensor]:
     """Map global parameter names to gradients (``main_grad`` under Megatron DDP, else ``grad``).
 
     Only this rank's parameters are included; gather across pipeline ranks to see the full model.
-    Parameters that received no gradient map to zeros.
+    Parameters that received no gradient map to zeros. With a ``tp_group`` of more than one rank
+    (every rank of it must call this: it all-gathers), split parameters get their full gradient.
     """
     grads = {}
     for name, param in named_global_params(model_chunks).items():
         grad = getattr(param, "main_grad", None)
         if grad is None:
             grad = param.grad
-        grads[name] = torch.zeros_like(param) if grad is None else grad.detach().clone()
+        grad = torch.zeros_like(param) if grad is None else grad.detach().clone()
+        if _tp_split(param, tp_group):
+            parts = [torch.empty_like(grad) for _ in range(tp_group.size())]
+            torch.distributed.all_gather(parts, grad.contiguous(), group=tp_group)
+            grad = torch.cat(parts, dim=param.partition_dim)
+        grads[name] = grad
     return grads
 
 

@@ -101,10 +101,13 @@ def test_invalid_field_specs(kwargs, message):
         FieldSpec(**kwargs)
 
 
-def test_field_spec_normalises_trailing_shape_and_allows_nan_pad():
+def test_field_spec_normalises_trailing_shape_and_rejects_non_finite_pad():
     spec = FieldSpec(name="x", kind="token", dtype=torch.float32, trailing_shape=[2, 3])
     assert spec.trailing_shape == (2, 3)
-    FieldSpec(name="y", kind="token", dtype=torch.float32, pad_value=float("nan"))
+    # A NaN pad reaches ce * pad on every padding position: NaN gradients (issue 10, item 3).
+    for pad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError, match="is not finite"):
+            FieldSpec(name="y", kind="token", dtype=torch.float32, pad_value=pad)
 
 
 def test_schema_rejects_duplicates_and_bad_pad_token():

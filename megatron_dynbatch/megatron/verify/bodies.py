@@ -47,6 +47,10 @@ def dynamic_body(spec: VerifySpec) -> Dict[str, Any]:
     )
 
     dp_rank = parallel_state.get_data_parallel_rank()
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    # Tensor-parallel ranks hold the same samples and compute the same losses and outputs: only
+    # the first of them reports them, or the verdict would count them tp times.
+    reports = parallel_state.get_tensor_model_parallel_rank() == 0
     device = (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     )
@@ -66,6 +70,7 @@ def dynamic_body(spec: VerifySpec) -> Dict[str, Any]:
             device=device,
         )
     config = tiny_transformer_config(
+        tensor_model_parallel_size=tp_group.size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         virtual_pipeline_model_parallel_size=(
             parallel_state.get_virtual_pipeline_model_parallel_world_size()
@@ -83,15 +88,27 @@ def dynamic_body(spec: VerifySpec) -> Dict[str, Any]:
         chunks, step, microbatches, aggregation=spec.loss, token_loss=_advantage_loss
     )
     train_seconds = time.perf_counter() - started
-    grads = {name: g.detach().cpu() for name, g in named_global_grads(chunks).items()}
+    grads = {
+        name: g.detach().cpu() for name, g in named_global_grads(chunks, tp_group=tp_group).items()
+    }
     log_sums = [float(sum(float(entry["loss"][k]) for entry in logs)) for k in (0, 1)]
-    logprobs = gather_in_order(
-        forward_only_outputs(chunks, step, microbatches), list(range(spec.num_samples))
-    )
+    outputs = forward_only_outputs(chunks, step, microbatches)
+    logprobs = gather_in_order(outputs if reports else {}, list(range(spec.num_samples)))
     return {
         "grads": grads,
-        "log_sums": log_sums if logs else None,
+        "log_sums": log_sums if logs and reports else None,
         "logprobs": logprobs if torch.distributed.get_rank() == 0 else None,
+        # What this rank actually ran, so the report cannot claim a setting that was not used.
+        "ran": {
+            "dp_size": parallel_state.get_data_parallel_world_size(),
+            "pp_size": parallel_state.get_pipeline_model_parallel_world_size(),
+            "vpp_size": parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
+            "tp_size": tp_group.size(),
+            "cp_size": parallel_state.get_context_parallel_world_size(),
+            "world_size": torch.distributed.get_world_size(),
+            "backend": torch.distributed.get_backend(),
+            "num_model_chunks": len(chunks),
+        },
         "train_seconds": train_seconds,
         "num_placeholders": plan.stats.num_placeholders,
         "num_microbatches": step.num_microbatches,

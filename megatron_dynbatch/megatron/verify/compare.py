@@ -56,6 +56,12 @@ def compare(
 
     from megatron_dynbatch.runtime import finalize_loss
 
+    settings = spec.settings()
+    # Internal invariant: the launcher initialised exactly the requested layout on every rank.
+    ran = dynamic[0]["ran"]
+    assert all(r["ran"] == ran for r in dynamic), [r["ran"] for r in dynamic]
+    for key in ("dp_size", "pp_size", "vpp_size", "tp_size", "cp_size", "world_size"):
+        assert ran[key] == settings[key], f"asked {key}={settings[key]}, ran {ran[key]}"
     max_rel, max_abs = _grad_diffs(dynamic, reference["grads"])
     max_lp = _logprob_diff(spec, dynamic, reference["logprobs"])
     # Every DP rank's last stage logs its own share; pipeline stages other than the last log none.
@@ -80,6 +86,7 @@ def compare(
         "num_microbatches": first["num_microbatches"],
         "seq_length": first["seq_length"],
         "micro_batch_size": first["micro_batch_size"],
-        **spec.settings(),
+        **settings,
+        "backend": ran["backend"],
         "train_seconds_max_rank": max(r["train_seconds"] for r in dynamic),
     }

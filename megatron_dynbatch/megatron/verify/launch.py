@@ -10,7 +10,7 @@ from megatron_dynbatch.megatron.verify.bodies import dynamic_body, reference_bod
 from megatron_dynbatch.megatron.verify.compare import compare
 from megatron_dynbatch.megatron.verify.spec import VerifySpec
 
-__all__ = ["run_verify", "run_under_torchrun", "under_torchrun"]
+__all__ = ["check_torchrun_world_size", "run_verify", "run_under_torchrun", "under_torchrun"]
 
 
 def under_torchrun() -> bool:
@@ -18,15 +18,31 @@ def under_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 or "TORCHELASTIC_RUN_ID" in os.environ
 
 
+def check_torchrun_world_size(spec: VerifySpec) -> None:
+    """Refuse a torchrun world of another size than the layout asks (before any collective)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size != spec.world_size:
+        parallel = spec.config.parallel
+        raise ValueError(
+            f"torchrun started {world_size} processes but --dp-size {parallel.dp_size} x "
+            f"--pp-size {parallel.pp_size} x --tp-size {parallel.tp_size} = {spec.world_size}; "
+            "make them equal."
+        )
+
+
 def run_verify(spec: VerifySpec) -> Dict[str, Any]:
-    """Launch ``dp*pp`` gloo worker processes (reused across calls) and run the check."""
+    """Launch ``dp*pp*tp`` gloo worker processes (reused across calls) and run the check."""
     from megatron_dynbatch.megatron.cpu_shim import apply_cpu_shim
     from megatron_dynbatch.testing.workers import Layout, run_on_ranks
 
     # Results unpickled here may reference megatron modules, which import only with the shim on CPU.
     apply_cpu_shim()
     parallel = spec.config.parallel
-    layout = Layout(pp=parallel.pp_size, vpp=parallel.vpp_size if parallel.vpp_size > 1 else None)
+    layout = Layout(
+        tp=parallel.tp_size,
+        pp=parallel.pp_size,
+        vpp=parallel.vpp_size if parallel.vpp_size > 1 else None,
+    )
     started = time.perf_counter()
     dynamic = run_on_ranks(spec.world_size, dynamic_body, spec, layout=layout)
     [reference, *_] = run_on_ranks(spec.world_size, reference_body, spec, layout=Layout())
@@ -51,19 +67,19 @@ def run_under_torchrun(spec: VerifySpec) -> Optional[Dict[str, Any]]:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    if dist.get_world_size() != spec.world_size:
-        raise ValueError(
-            f"torchrun started {dist.get_world_size()} processes but --dp-size "
-            f"{parallel.dp_size} x --pp-size {parallel.pp_size} = {spec.world_size}; make them "
-            "equal."
-        )
+    # check_torchrun_world_size read WORLD_SIZE; the initialised world must agree with it.
+    assert dist.get_world_size() == spec.world_size, (dist.get_world_size(), spec.world_size)
     started = time.perf_counter()
     results = []
-    layouts = ((dynamic_body, parallel.pp_size, parallel.vpp_size), (reference_body, 1, 1))
-    for body, pp, vpp in layouts:
+    layouts = (
+        (dynamic_body, parallel.tp_size, parallel.pp_size, parallel.vpp_size),
+        (reference_body, 1, 1, 1),
+    )
+    for body, tp, pp, vpp in layouts:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         )

@@ -27,6 +27,9 @@ DEFAULT_MAX_TOKENS_PER_GPU = 128
 SEED = 1234
 #: Transformer layers of the verify model; pp * vpp must divide it.
 NUM_LAYERS = 4
+#: Attention heads of the verify model (the tiny GPT's); tp must divide it (and then also divides
+#: its hidden size 32, MLP width 128 and vocabulary 128).
+NUM_ATTENTION_HEADS = 4
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ class VerifySpec:
     @property
     def world_size(self) -> int:
         parallel = self.config.parallel
-        return parallel.dp_size * parallel.pp_size
+        return parallel.dp_size * parallel.pp_size * parallel.tp_size
 
     @property
     def max_sequence_length(self) -> int:
@@ -78,8 +81,9 @@ class VerifySpec:
         }
 
     def settings(self) -> Dict[str, Any]:
-        """Every setting the run used, echoed in the report."""
+        """Every setting the run used, echoed in the report (each one is also what ran)."""
         parallel = self.config.parallel
+        cost = self.config.cost
         return {
             "dp_size": parallel.dp_size,
             "pp_size": parallel.pp_size,
@@ -87,10 +91,18 @@ class VerifySpec:
             "microbatch_group_size_per_vp_stage": parallel.group_size,
             "tp_size": parallel.tp_size,
             "cp_size": parallel.cp_size,
+            "sequence_parallel": False,
+            "world_size": self.world_size,
             "layout": self.config.layout,
+            "sample_multiple": parallel.sample_multiple,
             "loss_mode": self.loss,
             "max_tokens_per_gpu": self.config.max_tokens_per_gpu,
+            "rollouts_per_step": self.config.rollouts_per_step,
+            "cost_token_weight": cost.token_weight,
+            "cost_attention_weight": cost.attention_weight,
+            "cost_response_weight": cost.response_weight,
             "num_samples": self.num_samples,
+            "seed": self.seed,
         }
 
 
@@ -111,7 +123,8 @@ def build_spec(
         samples: The decoded ``SAMPLES.json`` array; ``None`` uses the bundled set.
 
     Raises:
-        ValueError: On an unknown loss, bad samples, or a layout the verify model cannot split.
+        ValueError: On an unknown loss, bad samples, or a layout verify cannot run as asked
+            (never silently another one: a report must state what ran).
     """
     if not isinstance(config, PlannerConfig):
         raise ValueError(f"config must be a PlannerConfig, got {type(config).__name__}.")
@@ -122,6 +135,19 @@ def build_spec(
         raise ValueError(
             f"the verify model has {NUM_LAYERS} layers, which do not split over pp_size="
             f"{parallel.pp_size} x vpp_size={parallel.vpp_size}; use pp*vpp in (1, 2, 4)."
+        )
+    if NUM_ATTENTION_HEADS % parallel.tp_size:
+        raise ValueError(
+            f"the verify model has {NUM_ATTENTION_HEADS} attention heads, which do not split over "
+            f"tp_size={parallel.tp_size}; use --tp-size 1, 2 or 4."
+        )
+    if parallel.cp_size > 1:
+        # Megatron's context parallelism lives in transformer-engine's attention; the verify model
+        # uses Megatron's local attention (no TE on CPU), which has none.
+        raise ValueError(
+            f"verify cannot run cp_size={parallel.cp_size}: its model uses Megatron's local "
+            "attention, which has no context parallelism (that needs transformer-engine). Drop "
+            "--cp-size (megatron-dynbatch plan --cp-size shows the planned padding)."
         )
     return VerifySpec(
         config=config,
