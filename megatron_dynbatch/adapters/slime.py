@@ -26,6 +26,7 @@ The loss is exact for every aggregation through Megatron's own mechanism: call
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -183,11 +184,16 @@ class DynamicBatching:
     def plan(self, rollout_data: RolloutData, *, forward_only: bool = False) -> Plan:
         """The global schedule of a rollout batch (training steps, or one forward-only pass)."""
         totals, responses = self._lengths(rollout_data)
+        config = self.config.planner_config(self.parallel, forward_only=forward_only)
+        if forward_only and config.oversize_samples == "truncate":
+            # Outputs are per token (log-probs of every response token): a forward-only pass
+            # keeps whole samples; only training cuts them.
+            config = dataclasses.replace(config, oversize_samples="allow")
         return plan_schedule(
             totals,
             self._rollout_ids(rollout_data, len(totals)),
             [t - r for t, r in zip(totals, responses, strict=True)],
-            config=self.config.planner_config(self.parallel, forward_only=forward_only),
+            config=config,
         )
 
     # -- materialising -------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_dynbatch.adapters.slime_schedule import check_index
+from megatron_dynbatch.adapters.slime_schedule import check_index, oversize_policy
 from megatron_dynbatch.megatron.agreement import step_agreement
 from megatron_dynbatch.planning import ParallelLayout, PlannerConfig, plan_schedule, round_up
 from megatron_dynbatch.runtime import microbatch_loss, restore_order
@@ -334,6 +334,7 @@ def forward_only_iterators(
                         tp_size=tp,
                         cp_size=cp,
                     ),
+                    oversize_samples=oversize_policy(args),
                 ),
             )
             [step] = plan.steps

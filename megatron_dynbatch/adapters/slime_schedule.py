@@ -52,7 +52,7 @@ from megatron_dynbatch.planning import (
     round_up,
 )
 
-__all__ = ["DPSchedule", "DPScheduleError", "build_dp_schedule", "check_index"]
+__all__ = ["DPSchedule", "DPScheduleError", "build_dp_schedule", "check_index", "oversize_policy"]
 
 #: slime's ``--data-pad-size-multiplier`` default: ``get_batch`` pads every packed row to a
 #: multiple of ``tp_size`` times this.
@@ -98,6 +98,27 @@ def _flag(args: Any, name: str, default: bool = False) -> bool:
 
 def _dash(name: str) -> str:
     return name.replace("_", "-")
+
+
+def oversize_policy(args: Any) -> str:
+    """The planner's oversize policy for slime: ``args.oversize_samples``, else slime's own rule.
+
+    The patched slime registers ``--oversize-samples`` (default ``error``: a sample longer than
+    ``--max-tokens-per-gpu`` stops the step before any model work, naming it). Without that
+    attribute (slime's own tests build a bare namespace) the drop-in keeps slime's behaviour: the
+    sample runs alone in its micro-batch, over the budget. ``truncate`` is refused: slime's
+    ``get_batch`` builds rows from whole samples. Training and log-prob passes use the same rule.
+    """
+    policy = getattr(args, "oversize_samples", None)
+    if policy is None:
+        return "allow"
+    if policy not in ("error", "allow"):
+        raise ValueError(
+            f"args.oversize_samples={policy!r}: slime's data path trains whole samples, so use "
+            "--oversize-samples error (default) or allow; cut long responses at rollout time "
+            "(--rollout-max-response-len) instead of truncating them here."
+        )
+    return policy
 
 
 class DPSchedule(tuple):
@@ -533,6 +554,7 @@ def _dynamic_schedule(
         rollouts_per_step=global_batch_size,
         layout="packed",
         cost=_cost_model(args, balance),
+        oversize_samples=oversize_policy(args),
     )
     plan = plan_schedule(lengths, keys, None, config=config)
 

@@ -381,7 +381,7 @@ def _slime_body(slime_root, num_rollouts, gbs, max_tokens, per_token, bad_rank=N
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
 
-    from megatron_dynbatch.megatron.cpu_shim import apply_training_cpu_shim
+    from megatron_dynbatch.megatron.cpu_training_shim import apply_training_cpu_shim
 
     apply_training_cpu_shim()
     stubbed = _install_stubs()

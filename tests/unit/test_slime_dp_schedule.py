@@ -206,6 +206,28 @@ def test_oversize_sample_runs_alone():
     assert [local] in mbi[rank]
 
 
+def test_patched_slimes_default_oversize_policy_stops_before_any_model_work():
+    """With the patched slime's --oversize-samples (default error) an oversize sample is refused."""
+    lengths = [15, 3, 3, 3]
+    with pytest.raises(ValueError, match=r"15") as caught:
+        build_dp_schedule(
+            make_args(max_tokens_per_gpu=10, oversize_samples="error"),
+            make_tp(dp_size=2),
+            lengths,
+            global_batch_size=4,
+            rollout_indices=list(range(4)),
+        )
+    assert "10" in str(caught.value)  # the budget is named too
+    with pytest.raises(ValueError, match="--oversize-samples error"):
+        build_dp_schedule(
+            make_args(max_tokens_per_gpu=10, oversize_samples="truncate"),
+            make_tp(dp_size=2),
+            lengths,
+            global_batch_size=4,
+            rollout_indices=list(range(4)),
+        )
+
+
 # -- the return value -------------------------------------------------------------------------
 
 
