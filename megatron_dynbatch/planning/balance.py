@@ -14,6 +14,7 @@ import heapq
 from operator import itemgetter
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from .packing import merge_by_differencing
 from .simulate import pipeline_makespan
 from .spec import ceil_div
 
@@ -96,24 +97,13 @@ def _greedy(
 
 def _differenced(bin_costs: Sequence[float], order: Sequence[int], dp_size: int) -> List[List[int]]:
     """Karmarkar-Karp with equal counts (see :func:`assign_bins_to_ranks`)."""
-    heap = []
-    for k, start in enumerate(range(0, len(order), dp_size)):
-        # A partial assignment: dp_size ranks as [cost sum, bins], costliest first.
-        ranks = [[bin_costs[b], [b]] for b in reversed(order[start : start + dp_size])]
-        heap.append((ranks[-1][0] - ranks[0][0], k, ranks))
-    heapq.heapify(heap)
-    counter = len(heap)
-    while len(heap) > 1:
-        _, _, first = heapq.heappop(heap)
-        _, _, second = heapq.heappop(heap)
-        # Costliest of one with cheapest of the other, extended in place (no copies).
-        for a, b in zip(first, reversed(second), strict=True):
-            a[0] += b[0]
-            a[1].extend(b[1])
-        first.sort(key=lambda rank: -rank[0])
-        heapq.heappush(heap, (first[-1][0] - first[0][0], counter, first))
-        counter += 1
-    return [sorted(bins) for _, bins in heap[0][2]]
+    # One partial assignment per dp_size consecutive bins: dp_size ranks as [cost sum, bins],
+    # costliest first.
+    partials = [
+        [[bin_costs[b], [b]] for b in reversed(order[start : start + dp_size])]
+        for start in range(0, len(order), dp_size)
+    ]
+    return [sorted(bins) for _, bins in merge_by_differencing(partials)]
 
 
 class RankBalancer:

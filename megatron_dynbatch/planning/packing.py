@@ -241,10 +241,21 @@ def kk_pack(sizes: Sequence[int], order: Sequence[int], num_bins: int) -> Packin
     step of 160 uniform samples), but each merge sorts the bins: O(n * K log K), so the planner
     uses it only on small steps (:data:`KK_LIMIT`).
     """
-    heap = []
-    for rank, i in enumerate(reversed(order)):  # ascending sizes: ties as LDM's reference order
-        sets = [[sizes[i], [i]]] + [[0, []] for _ in range(num_bins - 1)]
-        heap.append((-sizes[i], rank, sets))
+    # Ascending sizes: ties merge as in LDM's reference order.
+    partials = [[[sizes[i], [i]]] + [[0, []] for _ in range(num_bins - 1)] for i in reversed(order)]
+    sets = merge_by_differencing(partials) or [[0, []] for _ in range(num_bins)]
+    return [entry[1] for entry in sets], [entry[0] for entry in sets]
+
+
+def merge_by_differencing(partials: List[List[list]]) -> Optional[List[list]]:
+    """Merge partial partitions by largest differencing (the core of Karmarkar-Karp).
+
+    Each partial partition is a list of ``k`` sets ``[total, items]``, fullest first; the two with
+    the largest spread (fullest - emptiest total) merge, the fullest set of one with the emptiest
+    of the other (extended in place, no copies), until one is left. Ties go to the earlier partial.
+    Returns the final partition, fullest first, or ``None`` when ``partials`` is empty.
+    """
+    heap = [(p[-1][0] - p[0][0], k, p) for k, p in enumerate(partials)]
     heapq.heapify(heap)
     counter = len(heap)
     while len(heap) > 1:
@@ -256,8 +267,7 @@ def kk_pack(sizes: Sequence[int], order: Sequence[int], num_bins: int) -> Packin
         first.sort(key=lambda entry: -entry[0])
         heapq.heappush(heap, (first[-1][0] - first[0][0], counter, first))
         counter += 1
-    sets = heap[0][2] if heap else [[0, []] for _ in range(num_bins)]
-    return [entry[1] for entry in sets], [entry[0] for entry in sets]
+    return heap[0][2] if heap else None
 
 
 #: Largest ``samples x bins`` for which :func:`kk_pack` is tried (about 10 ms of CPU).
