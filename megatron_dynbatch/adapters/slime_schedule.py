@@ -379,7 +379,9 @@ class _State:
 
     def __init__(self, items: Sequence[Tuple[int, Any]], k: int) -> None:
         self.parts = [_Part() for _ in range(k)]
-        for part, (index, weight) in zip(self.parts, items, strict=False):
+        assert len(items) <= k, (len(items), k)
+        # Fewer items than parts leaves the last parts empty.
+        for part, (index, weight) in zip(self.parts[: len(items)], items, strict=True):
             part.add(index, weight)
         self._order()
 
