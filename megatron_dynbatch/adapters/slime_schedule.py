@@ -198,25 +198,40 @@ def _rebuild_schedule(items, seq_lengths, rollout_counts, plan) -> DPSchedule:
 # -- inputs ---------------------------------------------------------------------------------------
 
 
-def _parallel_sizes(args: Any, train_parallel_config: Mapping[str, Any]) -> Dict[str, int]:
-    if not isinstance(train_parallel_config, Mapping):
+def _parallel_sizes(args: Any, train_parallel_config: Any) -> Dict[str, int]:
+    """The layout sizes, from slime's dict (or an object with the same attributes).
+
+    ``dp_size`` is required; ``cp_size`` and ``vpp_size`` default to 1 and the interleaving group
+    to 1 (slime's actor always reports all four; a partial config from another caller means the
+    feature is off).
+    """
+    if isinstance(train_parallel_config, Mapping):
+        lookup = train_parallel_config.get
+    elif hasattr(train_parallel_config, "dp_size"):
+        lookup = lambda key: getattr(train_parallel_config, key, None)  # noqa: E731
+    else:
         raise ValueError(
-            f"train_parallel_config={train_parallel_config!r} must be a dict with dp_size, cp_size, "
-            "vpp_size and microbatch_group_size_per_vp_stage (what slime's actor reports)."
+            f"train_parallel_config={train_parallel_config!r} must be a dict with dp_size (and "
+            "cp_size, vpp_size, microbatch_group_size_per_vp_stage: what slime's actor reports)."
+        )
+    if lookup("dp_size") is None:
+        raise ValueError(
+            "train_parallel_config has no 'dp_size'; pass the data-parallel size (and cp_size, "
+            "vpp_size, microbatch_group_size_per_vp_stage when used)."
         )
     sizes = {}
     for key in ("dp_size", "cp_size", "vpp_size", "microbatch_group_size_per_vp_stage"):
-        if key not in train_parallel_config:
-            raise ValueError(
-                f"train_parallel_config has no {key!r} (keys: {sorted(train_parallel_config)}); "
-                "pass dp_size, cp_size, vpp_size and microbatch_group_size_per_vp_stage."
-            )
+        value = lookup(key)
+        if value is None:
+            continue  # filled below
         sizes[key] = check_index(
             f"train_parallel_config[{key!r}]",
-            train_parallel_config[key],
+            value,
             1,
             "pass the Megatron layout's size (1 when unused).",
         )
+    sizes.setdefault("cp_size", 1)
+    sizes.setdefault("vpp_size", 1)
     # Megatron's own argument names; slime's args carry them, test doubles may not.
     for key, arg in (
         ("tp_size", "tensor_model_parallel_size"),
@@ -228,6 +243,10 @@ def _parallel_sizes(args: Any, train_parallel_config: Mapping[str, Any]) -> Dict
             if value is None
             else check_index(f"args.{arg}", value, 1, f"pass --{_dash(arg)} 1 or more.")
         )
+    if "microbatch_group_size_per_vp_stage" not in sizes:
+        # Megatron's default group is pp_size (it only matters when interleaving).
+        pp = max(sizes["pp_size"], 2) if sizes["vpp_size"] > 1 else 1
+        sizes["microbatch_group_size_per_vp_stage"] = pp
     if getattr(args, "pipeline_model_parallel_size", None) is None and sizes["vpp_size"] > 1:
         # Interleaving needs pp >= 2; the group size is what constrains the counts.
         sizes["pp_size"] = min(2, sizes["microbatch_group_size_per_vp_stage"])
@@ -587,7 +606,7 @@ def _dynamic_schedule(
 
 def build_dp_schedule(
     args: Any,
-    train_parallel_config: Mapping[str, Any],
+    train_parallel_config: Any,
     total_lengths: Sequence[int],
     global_batch_size: int = None,  # type: ignore[assignment]
     rollout_indices: Sequence[Any] = None,  # type: ignore[assignment]

@@ -422,7 +422,7 @@ def test_static_path_trims_and_asserts_as_slime_does():
         (dict(global_batch_size=0), "global_batch_size=0 must be >= 1"),
         (dict(rollout_indices=[0, 1]), "2 rollout_indices for 1 total_lengths"),
         (dict(rollout_indices=[0.5]), r"rollout_indices\[0\]=0.5"),
-        (dict(tp={"dp_size": 1}), "no 'cp_size'"),
+        (dict(tp={"cp_size": 1}), "no 'dp_size'"),
         (dict(tp=dict(make_tp(), dp_size="2")), "dp_size"),
         (dict(args=make_args(max_tokens_per_gpu=None)), "--max-tokens-per-gpu"),
         (dict(args=make_args(max_tokens_per_gpu=1.5)), "max_tokens_per_gpu=1.5"),
@@ -520,3 +520,16 @@ def test_slimes_own_tests_pass_except_the_documented_differences():
         except (AssertionError, pytest.fail.Exception):
             failed.append(name)
     assert set(failed) == deliberate
+
+
+def test_a_partial_or_attribute_parallel_config_means_the_features_are_off():
+    """Only dp_size is required; cp / vpp default to 1, the group to Megatron's default."""
+    lengths = [50, 60, 70, 20, 30]
+    args = make_args(max_tokens_per_gpu=100)
+    full = build_dp_schedule(args, make_tp(dp_size=2), lengths, 5, list(range(5)))
+    assert tuple(build_dp_schedule(args, {"dp_size": 2}, lengths, 5, list(range(5)))) == tuple(full)
+    as_object = types.SimpleNamespace(dp_size=2, vpp_size=2)
+    interleaved = build_dp_schedule(args, as_object, lengths, 5, list(range(5)))
+    assert all(count % 2 == 0 for count in interleaved[2])  # a multiple of the default group 2
+    with pytest.raises(ValueError, match="dp_size"):
+        build_dp_schedule(args, {"cp_size": 1}, lengths, 5, list(range(5)))
