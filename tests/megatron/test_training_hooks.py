@@ -74,6 +74,11 @@ def _reads_body(pp_size):
     step = training_hooks.prepare_train_step(args, iter([_lazy_batch(loaded)]), model)
     eval_loaded = []
     evaluation = training_hooks.prepare_eval_step(args, iter([_lazy_batch(eval_loaded)]), model)
+    # A forward-only pass (log-probs of a rollout batch) takes the batch itself, not an iterator,
+    # and leaves the training state alone.
+    logprob_loaded = []
+    logprobs = training_hooks.prepare_forward_only_step(args, _lazy_batch(logprob_loaded), model)
+    train_state_kept = training_hooks.last_train_step() is step
     training_hooks.reset_dynamic_batch_state()
     tokens_ok = all(
         int(mb["tokens"][mb["sample_index"] == i][0]) == 1
@@ -93,6 +98,14 @@ def _reads_body(pp_size):
             evaluation.micro_batch_size,
             evaluation.seq_length,
         ),
+        "logprob_own": sorted(logprobs.sample_indices),
+        "logprob_loaded": sorted(logprob_loaded),
+        "logprob_shape": (
+            logprobs.num_microbatches,
+            logprobs.micro_batch_size,
+            logprobs.seq_length,
+        ),
+        "train_state_kept": train_state_kept,
         "expected_shapes": _expected_shapes(args),
         "tokens_ok": tokens_ok,
     }
@@ -105,6 +118,8 @@ def test_each_dp_rank_loads_only_its_own_samples_on_first_and_last_stages():
         # pp 2: every stage is first or last, so every rank loads its DP rank's samples, once.
         assert result["loaded"] == result["own"] and result["tokens_ok"]
         assert result["eval_loaded"] == result["eval_own"]
+        assert result["logprob_loaded"] == result["logprob_own"] == result["eval_own"]
+        assert result["logprob_shape"] == result["eval_shape"] and result["train_state_kept"]
         by_dp.setdefault(result["dp_rank"], []).append(result)
     assert sorted(by_dp) == [0, 1]
     for peers in by_dp.values():  # pipeline peers of one DP rank read the same samples
@@ -120,7 +135,7 @@ def test_middle_pipeline_stages_read_no_sample():
     for result in results:
         assert result["own"] == list(range(len(LENGTHS)))
         if result["pp_rank"] in (1, 2):
-            assert result["loaded"] == [] and result["eval_loaded"] == []
+            assert result["loaded"] == result["eval_loaded"] == result["logprob_loaded"] == []
         else:
             assert result["loaded"] == result["own"] and result["tokens_ok"]
         # Validation is planned forward-only under --log-probs-max-tokens-per-gpu (128, not 64).
