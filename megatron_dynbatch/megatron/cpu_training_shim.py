@@ -16,6 +16,10 @@ handles each one explicitly, only when CUDA is absent (with CUDA it does nothing
 * gradient clipping (``--clip-grad``) works: Megatron's ``clip_grad_by_total_norm_fp32`` asserts
   that every gradient is a ``torch.cuda.FloatTensor``; the optimizer module gets the same scaling
   by ``min(1, max_norm / (total_norm + 1e-6))`` with an fp32 check that holds on the CPU;
+* Megatron's argument checks ask for the GPU architecture with tensor or context parallelism
+  (``get_device_arch_version``, to require ``CUDA_DEVICE_MAX_CONNECTIONS=1`` before Blackwell, a
+  CUDA stream-scheduling rule): without a GPU no such rule applies, so the architecture reported
+  is one without it (10);
 * ``set_jit_fusion_options`` is skipped: it warms up CUDA fusion kernels with ``torch.rand`` on the
   GPU (on CPU it would only consume random numbers);
 * the dataset index helpers are not recompiled when the prebuilt extension is importable: the
@@ -144,6 +148,19 @@ def check_cpu_args(args: Any) -> None:
                 f"{flag} is not supported on CPU (Megatron's mixed-precision optimizer and loss "
                 f"scaler are CUDA-only); remove {flag} to train in fp32."
             )
+    if getattr(args, "use_distributed_optimizer", False):
+        raise ValueError(
+            "--use-distributed-optimizer is not supported on CPU (megatron-core's "
+            "DistributedOptimizer accepts only torch.cuda tensors); remove it, and "
+            "--overlap-param-gather with it, for the CPU run. On GPUs keep it: dynamic batching "
+            "does not change the optimizer."
+        )
+    if getattr(args, "sequence_parallel", False):
+        raise ValueError(
+            "--sequence-parallel is not supported on CPU (it needs transformer-engine's or apex's "
+            "layer norm; Megatron's torch LayerNorm, the one without CUDA, refuses it); remove it "
+            "for the CPU run, tensor parallelism itself runs."
+        )
 
 
 def skip_helper_compilation_if_prebuilt() -> None:
@@ -263,6 +280,8 @@ def apply_training_cpu_shim() -> None:
     initialize.torch = cpu_torch_proxy(
         is_available=lambda: True, device_count=lambda: 1, set_device=lambda device: None
     )
+    # Imported by name into the argument checks; no GPU, no CUDA stream-scheduling requirement.
+    importlib.import_module("megatron.training.arguments").get_device_arch_version = lambda: 10
     training = sys.modules["megatron.training.training"]
     training.set_jit_fusion_options = lambda *a, **k: None
     _keep_tied_embeddings_on_cpu()

@@ -41,6 +41,8 @@ def test_without_cuda_a_stock_command_line_gets_the_cpu_values():
         (["--transformer-impl", "transformer_engine"], "--transformer-impl local"),
         (["--distributed-backend", "nccl"], "--distributed-backend gloo"),
         (["--bf16"], "remove --bf16"),
+        (["--use-distributed-optimizer"], "remove it"),
+        (["--tensor-model-parallel-size", "2", "--sequence-parallel"], "remove it"),
     ],
 )
 def test_values_that_need_cuda_are_refused_with_the_flag_to_change(argv, flag):

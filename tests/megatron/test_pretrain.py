@@ -106,6 +106,13 @@ def layouts(tmp_path_factory):
     runs = {}
     cases = {
         "dp2": (4, ["--pipeline-model-parallel-size", 2, "--train-iters", 2, "--eval-iters", 0]),
+        "tp2": (
+            4,
+            [
+                "--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2,
+                "--train-iters", 2, "--eval-iters", 0,
+            ],
+        ),
         "vpp2": (
             2,
             [
@@ -124,7 +131,7 @@ def layouts(tmp_path_factory):
     return runs
 
 
-@pytest.mark.parametrize("layout", ["dp2", "vpp2"])
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "vpp2"])
 def test_dynamic_batching_trains_like_fixed_micro_batches(layouts, layout):
     _assert_same_training(layouts[layout, "dynamic"], layouts[layout, "fixed"])
 
@@ -132,6 +139,8 @@ def test_dynamic_batching_trains_like_fixed_micro_batches(layouts, layout):
 def test_layouts_are_the_ones_asked_for(layouts):
     dp2 = layouts["dp2", "dynamic", "log"]
     assert "data-parallel size: 2" in dp2 and "pipeline-model-parallel size: 2" in dp2
+    tp2 = layouts["tp2", "dynamic", "log"]
+    assert "tensor-model-parallel size: 2" in tp2 and "data-parallel size: 1" in tp2
     vpp = layouts["vpp2", "dynamic", "log"]
     assert re.search(r"Number of virtual stages per pipeline stage: 2", vpp), vpp[-3000:]
     # Interleaving at pp 2 needs an even micro-batch count per rank: the planner's, not Megatron's.
