@@ -75,6 +75,14 @@ _TRAINING_MODULES = (
     "megatron.core.optimizer.clip_grads",
     # The rerun state machine's NaN / spiky-loss checks reduce flags in cuda tensors.
     "megatron.core.rerun_state_machine",
+    # Distributed checkpoints (--ckpt-format torch_dist, Megatron's default): the writers
+    # synchronise the GPU before copying tensors, the exchange of shards stages them on "cuda".
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.torch",
 )
 
 # Values of Megatron-LM's arguments that a CPU/gloo run needs, made the parser's defaults when CUDA

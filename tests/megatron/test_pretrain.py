@@ -175,7 +175,7 @@ _USER = [
     "--lr", "1e-3", "--tokenizer-type", "NullTokenizer", "--vocab-size", 128,
     "--log-interval", 1, "--log-params-norm", "--hidden-dropout", 0, "--attention-dropout", 0,
     "--calculate-per-token-loss", "--eval-iters", 0, "--pipeline-model-parallel-size", 2,
-    "--ckpt-format", "torch", "--use-dynamic-batch-size", "--max-tokens-per-gpu", 256,
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", 256,
 ]  # fmt: skip
 
 
@@ -192,12 +192,15 @@ def test_a_user_iterator_of_the_wrong_batch_size_stops_every_rank(tmp_path):
     assert seconds < 120  # start-up and one failed step, not a process-group timeout
 
 
-@pytest.fixture(scope="module")
-def resumed(tmp_path_factory):
-    """Straight 5 steps; and 2 steps, save, exit, resume: batches of 3 steps (12 rollouts of 2)."""
+@pytest.fixture(scope="module", params=["torch_dist", "torch"])
+def resumed(tmp_path_factory, request):
+    """Straight 5 steps; and 2 steps, save, exit, resume: batches of 3 steps (12 rollouts of 2).
+
+    Both checkpoint formats: Megatron's default (distributed) and ``torch``.
+    """
     out = tmp_path_factory.mktemp("resume")
     env = {"USER_ROLLOUTS_PER_BATCH": "12", "USER_GROUP_SIZE": "2"}
-    args = _USER + ["--rollouts-per-step", 4]
+    args = _USER + ["--rollouts-per-step", 4, "--ckpt-format", request.param]
     checkpoint = out / "checkpoint"
     logs = {}
     for name, extra in (
