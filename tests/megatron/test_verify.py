@@ -48,11 +48,24 @@ SHORT = [{"length": n, "rollout": n % 5, "prompt_length": n // 4} for n in range
 
 
 def _spec(
-    dp=1, pp=1, vpp=1, layout="packed", cap=DEFAULT_MAX_TOKENS_PER_GPU, overhead=0.0, **kwargs
+    dp=1,
+    pp=1,
+    vpp=1,
+    layout="packed",
+    cap=DEFAULT_MAX_TOKENS_PER_GPU,
+    overhead=0.0,
+    oversize="allow",
+    **kwargs,
 ):
     parallel = ParallelLayout(dp_size=dp, pp_size=pp, vpp_size=vpp)
     cost = CostModel(microbatch_overhead=overhead)
-    config = PlannerConfig(max_tokens_per_gpu=cap, parallel=parallel, layout=layout, cost=cost)
+    config = PlannerConfig(
+        max_tokens_per_gpu=cap,
+        parallel=parallel,
+        layout=layout,
+        cost=cost,
+        oversize_samples=oversize,
+    )
     return build_spec(config, **kwargs)
 
 
@@ -88,6 +101,27 @@ def test_ragged_samples_with_placeholders(schedule, loss):
     assert ragged["num_samples"] == len(RAGGED)
     forced = _check(run_verify(_spec(2, pp, vpp, loss=loss, samples=RAGGED_PLACEHOLDER)))
     assert forced["num_placeholders"] > 0, forced
+
+
+# Two samples over the 128-token cap (a GRPO pair and a loner).
+OVERSIZE = RAGGED + [
+    {"length": 200, "rollout": "b", "prompt_length": 30},
+    {"length": 150, "prompt_length": 100},
+]
+
+
+@pytest.mark.parametrize("policy", ["allow", "truncate"])
+def test_oversize_samples_match_the_reference_of_their_policy(policy):
+    # allow: the two run alone at their full length, every row of the step that long; truncate:
+    # both are cut to the cap, and the reference trains the same first 128 tokens.
+    report = _check(run_verify(_spec(2, 2, 1, oversize=policy, samples=OVERSIZE, loss="sum")))
+    assert report["oversize_samples"] == policy
+    if policy == "allow":
+        assert report["seq_length"] == 200 and report["truncated_tokens"] == 0
+    else:
+        assert report["seq_length"] <= 128 and report["truncated_tokens"] == (200 - 128) + (
+            150 - 128
+        )
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))

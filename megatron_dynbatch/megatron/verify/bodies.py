@@ -111,6 +111,7 @@ def dynamic_body(spec: VerifySpec) -> Dict[str, Any]:
         },
         "train_seconds": train_seconds,
         "num_placeholders": plan.stats.num_placeholders,
+        "truncated_tokens": plan.stats.truncated_tokens,
         "num_microbatches": step.num_microbatches,
         "seq_length": step.seq_length,
         "micro_batch_size": step.micro_batch_size,
@@ -119,7 +120,8 @@ def dynamic_body(spec: VerifySpec) -> Dict[str, Any]:
 
 
 def reference_body(spec: VerifySpec) -> Optional[Dict[str, Any]]:
-    """On rank 0 only: every sample alone in a row, one process, plain autograd."""
+    """On rank 0 only: every sample alone in a row, one process, plain autograd (a sample the plan
+    truncates, cut to the same kept length)."""
     import torch
 
     from megatron_dynbatch.megatron.forward import build_attention_mask
@@ -137,10 +139,14 @@ def reference_body(spec: VerifySpec) -> Optional[Dict[str, Any]]:
         max_sequence_length=spec.max_sequence_length,
         seed=spec.seed,
     )
+    # With --oversize-samples truncate the plan keeps only the first tokens of a sample over the
+    # cap: the fixed-batch run it must equal trains those same tokens.
+    kept = {index: keep for step in spec.plan().steps for index, keep in step.kept_lengths}
     losses, masks, logprobs = [], [], []
     for index, length in enumerate(spec.lengths):
         sample = spec.sample(index)
-        tokens = sample["tokens"].unsqueeze(0)
+        length = kept.get(index, length)
+        tokens = sample["tokens"][:length].unsqueeze(0)
         # Next-token targets of this sample only; the last token has none.
         labels = torch.zeros_like(tokens)
         labels[0, :-1] = tokens[0, 1:]

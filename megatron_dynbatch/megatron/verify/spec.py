@@ -101,6 +101,8 @@ class VerifySpec:
             "cost_token_weight": cost.token_weight,
             "cost_attention_weight": cost.attention_weight,
             "cost_response_weight": cost.response_weight,
+            "cost_microbatch_overhead": cost.microbatch_overhead,
+            "oversize_samples": self.config.oversize_samples,
             "num_samples": self.num_samples,
             "seed": self.seed,
         }
