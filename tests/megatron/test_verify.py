@@ -7,6 +7,9 @@ order, and the loss, against one process running each sample alone with plain au
 """
 
 import copy
+import json
+import subprocess
+import sys
 
 import pytest
 
@@ -122,6 +125,22 @@ def test_oversize_samples_match_the_reference_of_their_policy(policy):
         assert report["seq_length"] <= 128 and report["truncated_tokens"] == (200 - 128) + (
             150 - 128
         )
+
+
+def test_oversize_error_is_bad_input_before_any_process(tmp_path):
+    with pytest.raises(ValueError, match=r"2 sample\(s\) exceed the token cap 128"):
+        _spec(2, 2, 1, oversize="error", samples=OVERSIZE)
+    path = tmp_path / "samples.json"
+    path.write_text(json.dumps(OVERSIZE))
+    argv = ["verify", "--samples", str(path), "--oversize-samples", "error", "--json"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_dynbatch.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "sample 7: 200 tokens" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))

@@ -151,10 +151,14 @@ def build_spec(
             "attention, which has no context parallelism (that needs transformer-engine). Drop "
             "--cp-size (megatron-dynbatch plan --cp-size shows the planned padding)."
         )
-    return VerifySpec(
+    spec = VerifySpec(
         config=config,
         lengths=tuple(sample_set.lengths),
         rollouts=tuple(sample_set.rollout_ids),
         prompts=tuple(sample_set.prompt_lengths),
         loss=loss,
     )
+    # Plan once here (pure, fast): a plan error (e.g. --oversize-samples error with a sample over
+    # the cap) is bad input, reported before any process starts, not a rank failure.
+    spec.plan()
+    return spec
