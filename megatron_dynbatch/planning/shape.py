@@ -264,8 +264,17 @@ class _Search:
         tail = tail_cost(self.model, seq_length)
         cap, sizes = problem.cap, problem.sizes
         frozen = [b for b, m in enumerate(bins) if len(m) == 1 and sizes[m[0]] > cap]
+        # A lone oversize sample makes S exceed the cap; the other rows still hold at most the cap.
         balancer = RankBalancer(
-            bins, rank_bins, problem.sample_costs, sizes, seq_length, tail, frozen, loads, own
+            bins,
+            rank_bins,
+            problem.sample_costs,
+            sizes,
+            min(seq_length, cap),
+            tail,
+            frozen,
+            loads,
+            own,
         )
         # Every rank runs per_rank full rows of linear work and overhead besides the variable part.
         full_row = row_cost(self.model, "packed", seq_length, 1, seq_length)

@@ -11,6 +11,7 @@ import torch
 
 from megatron_dynbatch.config import DynBatchConfig, load_yaml_config
 from megatron_dynbatch.planning import (
+    CostModel,
     OversizeSampleWarning,
     ParallelLayout,
     PlannerConfig,
@@ -151,3 +152,54 @@ def test_yaml_key_and_megatron_flag(tmp_path):
     assert parser.parse_args(["--oversize-samples", "allow"]).oversize_samples == "allow"
     with pytest.raises(SystemExit):
         parser.parse_args(["--oversize-samples", "cut"])
+
+
+def _check_rows_under_cap(lengths, rollouts, config):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OversizeSampleWarning)
+        plan = plan_schedule(lengths, rollouts, config=config)
+    check_plan(plan, SampleSet.build(lengths, rollouts), config)
+    cap = config.token_cap
+    multiple = config.parallel.sample_multiple
+    for step in plan.steps:
+        for rank in step.ranks:
+            for mb in rank:
+                padded = sum(-(-lengths[i] // multiple) * multiple for i in mb)
+                assert len(mb) == 1 or padded <= cap, (mb, padded, cap)
+
+
+def test_allow_keeps_every_other_row_under_the_cap():
+    """A step with an oversize sample has S over the cap, but its other rows may not use that room:
+    only a lone oversize sample exceeds the cap. Rank balancing with an attention cost once moved
+    samples into rows up to S (here 1,808 + 206 padded tokens in one row under a cap of 2,000)."""
+    lengths = [939, 2566, 347, 2963, 2564, 1214, 2768, 206, 1808, 405, 1975, 410, 236]
+    config = PlannerConfig(
+        max_tokens_per_gpu=1000,
+        parallel=ParallelLayout(dp_size=4, tp_size=2, cp_size=2),
+        cost=CostModel(attention_weight=1e-3, microbatch_overhead=4096.0),
+        oversize_samples="allow",
+    )
+    _check_rows_under_cap(lengths, list(range(len(lengths))), config)
+
+
+def test_allow_keeps_rows_under_the_cap_on_random_steps():
+    import random
+
+    rng = random.Random(1)
+    for _ in range(200):
+        cap = rng.choice([16, 64, 256, 1000])
+        n = rng.randint(10, 120)
+        lengths = [rng.randint(1, cap * 3 // 2) for _ in range(n)]
+        group = rng.choice([1, 4, 8])
+        rollouts = [i // group for i in range(n)]
+        config = PlannerConfig(
+            max_tokens_per_gpu=cap,
+            parallel=ParallelLayout(dp_size=rng.choice([2, 3, 4, 8]), pp_size=rng.choice([1, 2])),
+            rollouts_per_step=rng.choice([None, max(1, n // group // 3)]),
+            cost=CostModel(
+                attention_weight=rng.choice([1e-3, 1e-2]),
+                microbatch_overhead=rng.choice([0.0, 64.0]),
+            ),
+            oversize_samples="allow",
+        )
+        _check_rows_under_cap(lengths, rollouts, config)
