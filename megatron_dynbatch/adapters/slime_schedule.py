@@ -128,7 +128,7 @@ class DPSchedule(tuple):
 
     * ``seq_lengths[s]``: the uniform length of every packed row of step ``s`` on one GPU
       (per context-parallel rank, padded to ``tp_size * data_pad_size_multiplier`` as slime's
-      ``get_batch`` pads); every micro-batch of the step, placeholders included, is built
+      ``get_batch`` pads, unless that would exceed ``max_tokens_per_gpu``); every micro-batch of the step, placeholders included, is built
       ``[1, seq_lengths[s]]``.
     * ``micro_batch_size``: rows per micro-batch (1: slime packs samples into one THD row).
     * ``rollout_counts[r][m]``: rollouts whose first sample (lowest global index) is in micro-batch
@@ -540,6 +540,21 @@ def _cost_model(args: Any, balance: bool) -> CostModel:
     return CostModel(token_weight=1.0, attention_weight=quadratic / linear)
 
 
+def _row_length(seq_length: int, cp: int, pad_size: int, max_tokens: int) -> int:
+    """One GPU's packed row of a step whose planned row is ``seq_length`` tokens.
+
+    A row of S tokens is S / cp per CP rank (every sample is padded to 2 * cp chunks, and to a
+    multiple of tp, which sequence parallelism needs). slime aligns it further to ``pad_size``
+    (``tp * data_pad_size_multiplier``); that alignment is kept only while the row stays within
+    ``--max-tokens-per-gpu``: the budget is a hard cap on the padded row (a cap of 1,000 with the
+    default multiple of 128 would otherwise give rows of 1,024). A step holding an oversize sample
+    is over the budget anyway and keeps slime's alignment.
+    """
+    per_rank = -(-seq_length // cp)
+    aligned = round_up(per_rank, pad_size)
+    return aligned if aligned <= max_tokens or per_rank > max_tokens else per_rank
+
+
 def _dynamic_schedule(
     args: Any,
     sizes: Dict[str, int],
@@ -597,8 +612,7 @@ def _dynamic_schedule(
         micro_batch_indices,
         [step.num_microbatches for step in plan.steps],
         [step.num_rollouts for step in plan.steps],
-        # A packed row of S tokens is S / cp per CP rank (every sample is padded to 2 * cp chunks).
-        seq_lengths=[round_up(-(-step.seq_length // cp), pad_size) for step in plan.steps],
+        seq_lengths=[_row_length(step.seq_length, cp, pad_size, max_tokens) for step in plan.steps],
         rollout_counts=rollout_counts,
         plan=plan,
     )

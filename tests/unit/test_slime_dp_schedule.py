@@ -231,6 +231,30 @@ def test_patched_slimes_default_oversize_policy_stops_before_any_model_work():
 # -- the return value -------------------------------------------------------------------------
 
 
+def test_row_alignment_never_breaks_the_token_budget():
+    """slime pads a packed row to a multiple of tp * data_pad_size_multiplier (128); under a budget
+    that is not such a multiple the padded row must still fit it (1,024 > 1,000 before)."""
+    lengths = [990, 400, 500, 300, 999, 20]
+    schedule = build_dp_schedule(
+        make_args(max_tokens_per_gpu=1000),
+        make_tp(dp_size=2),
+        lengths,
+        global_batch_size=6,
+        rollout_indices=list(range(6)),
+    )
+    assert schedule.seq_lengths == [999]
+    short = build_dp_schedule(
+        make_args(max_tokens_per_gpu=1000),
+        make_tp(dp_size=2),
+        [n // 10 for n in lengths],
+        global_batch_size=6,
+        rollout_indices=list(range(6)),
+    )
+    # slime's alignment where it fits the budget.
+    [step] = short.plan.steps
+    assert short.seq_lengths == [-(-step.seq_length // 128) * 128] and short.seq_lengths[0] < 1000
+
+
 def test_return_value_unpacks_as_slimes_and_carries_row_shapes():
     lengths = [100, 200, 300, 50, 60, 70, 80, 90]
     schedule = build_dp_schedule(
@@ -245,7 +269,11 @@ def test_return_value_unpacks_as_slimes_and_carries_row_shapes():
     assert schedule.partitions is partitions and schedule.num_microbatches is nmb
     assert len(schedule.seq_lengths) == len(nmb) == 2
     assert schedule.row_shapes == [(1, s) for s in schedule.seq_lengths]
-    assert all(s % 256 == 0 for s in schedule.seq_lengths)  # tp 2 x data_pad_size_multiplier 128
+    # slime aligns rows to tp 2 x data_pad_size_multiplier 128 = 256; a 300-token budget caps the
+    # padded row, so a row over 256 tokens keeps its planned length (a multiple of tp) instead.
+    for row, step in zip(schedule.seq_lengths, schedule.plan.steps, strict=True):
+        expected = 256 if step.seq_length <= 256 else step.seq_length
+        assert row == expected and row % 2 == 0 and row <= 300, (row, step.seq_length)
     for s, step in enumerate(schedule.plan.steps):
         assert schedule.seq_lengths[s] >= step.seq_length
     for r in range(2):
