@@ -31,9 +31,15 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_dynbatch.adapters.slime_schedule import check_index, oversize_policy
+from megatron_dynbatch.adapters.slime_schedule import check_index, oversize_policy, row_length
 from megatron_dynbatch.megatron.agreement import step_agreement
-from megatron_dynbatch.planning import ParallelLayout, PlannerConfig, plan_schedule, round_up
+from megatron_dynbatch.planning import (
+    ParallelLayout,
+    PlannerConfig,
+    plan_schedule,
+    round_up,
+    sample_multiple,
+)
 from megatron_dynbatch.runtime import microbatch_loss, restore_order
 
 __all__ = [
@@ -339,12 +345,12 @@ def forward_only_iterators(
             )
             [step] = plan.steps
             microbatches = [list(mb) for mb in step.ranks[0]]
-            row = round_up(-(-step.seq_length // cp), pad)
+            row = row_length(step.seq_length, cp, pad, budget)
         else:
             # A rank without samples still runs the pipeline with its peers' stages: placeholders.
             group_size = (group or pp) if vpp > 1 else 1
             microbatches = [[] for _ in range(group_size)]
-            row = pad
+            row = row_length(sample_multiple(tp, cp), cp, pad, budget)
         iterators = [
             SlimeDataIterator(rollout_data, microbatches, [row] * len(microbatches), cp)
             for _ in range(vpp)

@@ -540,7 +540,7 @@ def _cost_model(args: Any, balance: bool) -> CostModel:
     return CostModel(token_weight=1.0, attention_weight=quadratic / linear)
 
 
-def _row_length(seq_length: int, cp: int, pad_size: int, max_tokens: int) -> int:
+def row_length(seq_length: int, cp: int, pad_size: int, max_tokens: int) -> int:
     """One GPU's packed row of a step whose planned row is ``seq_length`` tokens.
 
     A row of S tokens is S / cp per CP rank (every sample is padded to 2 * cp chunks, and to a
@@ -612,7 +612,7 @@ def _dynamic_schedule(
         micro_batch_indices,
         [step.num_microbatches for step in plan.steps],
         [step.num_rollouts for step in plan.steps],
-        seq_lengths=[_row_length(step.seq_length, cp, pad_size, max_tokens) for step in plan.steps],
+        seq_lengths=[row_length(step.seq_length, cp, pad_size, max_tokens) for step in plan.steps],
         rollout_counts=rollout_counts,
         plan=plan,
     )
