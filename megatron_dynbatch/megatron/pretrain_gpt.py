@@ -103,11 +103,20 @@ def _check_document_args(args: Any) -> None:
             "ranks yet; use --context-parallel-size 1."
         )
     budget = getattr(args, "max_tokens_per_gpu", None)
+    policy = getattr(args, "oversize_samples", None) or "error"
     if args.use_dynamic_batch_size and budget is not None and budget < args.seq_length:
-        raise ValueError(
-            f"--max-tokens-per-gpu {budget} is smaller than --seq-length {args.seq_length}, the "
-            "longest document sample (longer documents are cut at --seq-length); raise "
-            "--max-tokens-per-gpu or lower --seq-length."
+        if policy == "error":
+            # Refused here, before the model is built, rather than at the first such document.
+            raise ValueError(
+                f"--max-tokens-per-gpu {budget} is smaller than --seq-length {args.seq_length}, "
+                "the longest document sample (longer documents are cut at --seq-length), and "
+                "--oversize-samples is error; raise --max-tokens-per-gpu, lower --seq-length, or "
+                "pass --oversize-samples truncate (cut such samples to the budget) or allow (run "
+                "them alone, over it)."
+            )
+        print_rank_0(
+            f"--max-tokens-per-gpu {budget} < --seq-length {args.seq_length}: document samples "
+            f"over the budget are handled by --oversize-samples {policy}."
         )
     if args.dataloader_type not in (None, "single", "external"):
         raise ValueError(

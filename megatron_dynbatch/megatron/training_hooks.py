@@ -259,6 +259,8 @@ class DynamicStep:
     """The plan's fingerprint, equal on every rank."""
     loaded_samples: int
     """Samples this rank read from the batch (0 on middle pipeline stages)."""
+    truncated_tokens: int = 0
+    """Tokens cut from oversize samples (``--oversize-samples truncate``), never trained."""
 
 
 @dataclass
@@ -278,6 +280,7 @@ class _Totals:
     samples: int = 0
     real_tokens: int = 0
     computed_tokens: int = 0
+    truncated_tokens: int = 0
 
 
 _train_cursor: Optional[_Cursor] = None
@@ -307,7 +310,8 @@ def dynamic_log_string() -> str:
     """The dynamic-batching part of Megatron's iteration line, over the steps since the last call.
 
     ``micro-batches`` is the last step's per-rank count and row shape ``[B x S]``; ``real`` and
-    ``computed tokens`` and ``fill`` (their ratio) sum all steps since the previous line.
+    ``computed tokens`` and ``fill`` (their ratio) sum all steps since the previous line, and so
+    does ``truncated tokens`` (shown when ``--oversize-samples truncate`` cut any).
     """
     global _totals
     totals, _totals = _totals, _Totals()
@@ -315,11 +319,14 @@ def dynamic_log_string() -> str:
         return ""
     step = _last_train_step
     fill = totals.real_tokens / totals.computed_tokens if totals.computed_tokens else 0.0
-    return (
+    line = (
         f" micro-batches/rank: {step.num_microbatches} [{step.micro_batch_size}x"
         f"{step.seq_length}] | real tokens: {totals.real_tokens} | computed tokens: "
         f"{totals.computed_tokens} | fill: {fill:.3f} |"
     )
+    if totals.truncated_tokens:
+        line += f" truncated tokens: {totals.truncated_tokens} |"
+    return line
 
 
 def _as_chunks(model: Any) -> List[torch.nn.Module]:
@@ -417,6 +424,7 @@ def _materialize(
         step_index=step_index,
         plan_fingerprint=plan.fingerprint(),
         loaded_samples=loaded,
+        truncated_tokens=step.truncated_tokens,
     )
 
 
@@ -538,6 +546,7 @@ def prepare_train_step(
     _totals.samples += step.num_samples
     _totals.real_tokens += step.real_tokens
     _totals.computed_tokens += step.computed_tokens
+    _totals.truncated_tokens += step.truncated_tokens
     return step
 
 

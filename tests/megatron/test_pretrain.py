@@ -166,6 +166,30 @@ def test_without_the_flag_it_trains_like_pretrain_gpt(tmp_path):
     assert "mock documents" not in log
 
 
+# --- a budget below --seq-length: the oversize policy ---------------------------------------------
+
+
+def test_a_budget_below_seq_length_follows_the_oversize_policy(tmp_path):
+    # Mock documents reach --seq-length 128; the budget is 64 tokens.
+    args = _TINY + ["--train-iters", 2, "--eval-iters", 0, "--max-tokens-per-gpu", 64]
+    rc, log, _ = _torchrun(
+        2, LAUNCH, args + ["--use-dynamic-batch-size"], log_path=tmp_path / "error.log"
+    )
+    assert rc != 0 and " iteration        1/" not in log
+    assert "--max-tokens-per-gpu 64 is smaller than --seq-length 128" in log, log[-3000:]
+    rc, log, _ = _torchrun(
+        2,
+        LAUNCH,
+        args + ["--use-dynamic-batch-size", "--oversize-samples", "truncate"],
+        log_path=tmp_path / "truncate.log",
+    )
+    parsed = _ok(rc, log)
+    assert sorted(parsed["iterations"]) == [1, 2]
+    rows = [int(s) for s in re.findall(r"micro-batches/rank: \d+ \[1x(\d+)\]", log)]
+    assert rows and max(rows) <= 64  # every row within the budget
+    assert re.search(r"truncated tokens: [1-9]\d* \|", log), log[-3000:]
+
+
 # --- a user's own iterator: the batch-size check and resuming mid-batch --------------------------
 
 _USER = [
