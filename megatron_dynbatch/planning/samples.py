@@ -195,6 +195,47 @@ class SampleSet:
         return result
 
 
+def _length_and_prompt(index: int, item: dict) -> Tuple[Any, Any]:
+    """``length`` and ``prompt_length`` of one sample object; ``response_length`` may stand in
+    for either (``length = prompt_length + response_length``), and must agree when all three are
+    given."""
+    length, prompt = item.get("length"), item.get("prompt_length")
+    response = item.get("response_length")
+    if response is None:
+        if length is None:
+            raise ValueError(f"sample {index}: object {_short.repr(item)} has no 'length'.")
+        return length, prompt
+    if isinstance(response, bool) or not isinstance(response, int) or response < 0:
+        raise ValueError(
+            f"sample {index}: response_length={_short.repr(response)} must be an integer >= 0 "
+            "(the sample's response tokens)."
+        )
+    if length is None:
+        if prompt is None:
+            raise ValueError(
+                f"sample {index}: object {_short.repr(item)} has no 'length'; give length, or "
+                "prompt_length and response_length."
+            )
+        if isinstance(prompt, bool) or not isinstance(prompt, int):
+            return prompt, prompt  # SampleSet.build names the bad prompt_length
+        return prompt + response, prompt
+    if isinstance(length, bool) or not isinstance(length, int):
+        return length, prompt  # SampleSet.build names the bad length
+    if prompt is None:
+        if response > length:
+            raise ValueError(
+                f"sample {index}: response_length={response} is greater than its total "
+                f"length={length}; the length must count prompt and response tokens together."
+            )
+        return length, length - response
+    if not isinstance(prompt, bool) and isinstance(prompt, int) and prompt + response != length:
+        raise ValueError(
+            f"sample {index}: prompt_length={prompt} + response_length={response} != "
+            f"length={length}; give them consistently, or only two of the three."
+        )
+    return length, prompt
+
+
 def parse_samples_json(data: Any) -> SampleSet:
     """Validate the decoded ``SAMPLES.json`` array and build a :class:`SampleSet`."""
     if not isinstance(data, list):
@@ -206,17 +247,16 @@ def parse_samples_json(data: Any) -> SampleSet:
     prompts: List[Optional[int]] = []
     for index, item in enumerate(data):
         if isinstance(item, dict):
-            unknown = set(item) - {"length", "rollout", "prompt_length"}
+            unknown = set(item) - {"length", "rollout", "prompt_length", "response_length"}
             if unknown:
                 raise ValueError(
                     f"sample {index}: unknown key(s) {sorted(unknown)}; allowed: length, rollout, "
-                    f"prompt_length."
+                    f"prompt_length, response_length."
                 )
-            if "length" not in item:
-                raise ValueError(f"sample {index}: object {_short.repr(item)} has no 'length'.")
-            lengths.append(item["length"])
+            length, prompt = _length_and_prompt(index, item)
+            lengths.append(length)
             rollouts.append(item.get("rollout"))
-            prompts.append(item.get("prompt_length"))
+            prompts.append(prompt)
         else:
             lengths.append(item)
             rollouts.append(None)

@@ -128,3 +128,33 @@ def test_planner_and_plan_command_do_not_import_torch(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_samples_json_accepts_a_response_length_for_either_other_length():
+    samples = parse_samples_json(
+        [
+            {"length": 10, "response_length": 4},  # prompt 6
+            {"prompt_length": 3, "response_length": 5},  # length 8
+            {"length": 7, "prompt_length": 2, "response_length": 5},  # consistent
+            {"length": 9, "prompt_length": 4},
+        ]
+    )
+    assert list(samples.lengths) == [10, 8, 7, 9]
+    assert list(samples.prompt_lengths) == [6, 3, 2, 4]
+
+
+@pytest.mark.parametrize(
+    "item, message",
+    [
+        ({"length": 7, "prompt_length": 3, "response_length": 5}, "!= length=7"),
+        ({"length": 4, "response_length": 5}, "response_length=5 is greater than"),
+        ({"response_length": 5}, "has no 'length'"),
+        ({"length": 9, "response_length": -1}, "response_length=-1 must be an integer"),
+        ({"length": 9, "response_length": 2.5}, "response_length=2.5 must be an integer"),
+        ({"length": 9, "response": 2}, "unknown key(s) ['response']"),
+    ],
+)
+def test_samples_json_response_length_errors_name_the_values(item, message):
+    with pytest.raises(ValueError) as error:
+        parse_samples_json([item])
+    assert message in str(error.value)
