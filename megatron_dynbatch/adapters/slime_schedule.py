@@ -128,8 +128,8 @@ class DPSchedule(tuple):
 
     * ``seq_lengths[s]``: the uniform length of every packed row of step ``s`` on one GPU
       (per context-parallel rank, padded to ``tp_size * data_pad_size_multiplier`` as slime's
-      ``get_batch`` pads, unless that would exceed ``max_tokens_per_gpu``); every micro-batch of the step, placeholders included, is built
-      ``[1, seq_lengths[s]]``.
+      ``get_batch`` pads, where that stays within ``max_tokens_per_gpu``: :func:`row_length`);
+      every micro-batch of the step, placeholders included, is built ``[1, seq_lengths[s]]``.
     * ``micro_batch_size``: rows per micro-batch (1: slime packs samples into one THD row).
     * ``rollout_counts[r][m]``: rollouts whose first sample (lowest global index) is in micro-batch
       ``m`` of rank ``r``; over a step they add up to ``global_batch_sizes[s]``, so a trainer that

@@ -204,23 +204,27 @@ def _length_and_prompt(index: int, item: dict) -> Tuple[Any, Any]:
     if response is None:
         if length is None:
             raise ValueError(f"sample {index}: object {_short.repr(item)} has no 'length'.")
-        return length, prompt
-    if isinstance(response, bool) or not isinstance(response, int) or response < 0:
-        raise ValueError(
-            f"sample {index}: response_length={_short.repr(response)} must be an integer >= 0 "
-            "(the sample's response tokens)."
-        )
+        return length, prompt  # SampleSet.build checks both
+    # Arithmetic on the three needs integers first.
+    for name, value in (
+        ("response_length", response),
+        ("length", length),
+        ("prompt_length", prompt),
+    ):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 0
+        ):
+            raise ValueError(
+                f"sample {index}: {name}={_short.repr(value)} must be an integer >= 0 (a token "
+                "count)."
+            )
     if length is None:
         if prompt is None:
             raise ValueError(
                 f"sample {index}: object {_short.repr(item)} has no 'length'; give length, or "
                 "prompt_length and response_length."
             )
-        if isinstance(prompt, bool) or not isinstance(prompt, int):
-            return prompt, prompt  # SampleSet.build names the bad prompt_length
         return prompt + response, prompt
-    if isinstance(length, bool) or not isinstance(length, int):
-        return length, prompt  # SampleSet.build names the bad length
     if prompt is None:
         if response > length:
             raise ValueError(
@@ -228,7 +232,7 @@ def _length_and_prompt(index: int, item: dict) -> Tuple[Any, Any]:
                 f"length={length}; the length must count prompt and response tokens together."
             )
         return length, length - response
-    if not isinstance(prompt, bool) and isinstance(prompt, int) and prompt + response != length:
+    if prompt + response != length:
         raise ValueError(
             f"sample {index}: prompt_length={prompt} + response_length={response} != "
             f"length={length}; give them consistently, or only two of the three."
