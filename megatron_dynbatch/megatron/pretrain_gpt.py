@@ -261,11 +261,18 @@ def main(
 
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    args = parse_and_validate_args(
-        extra_args_provider=extra_args_provider, args_defaults=_ARGS_DEFAULTS
-    )
-    check_cpu_args(args)
-    check_stock_args(args)
+    try:
+        args = parse_and_validate_args(
+            extra_args_provider=extra_args_provider, args_defaults=_ARGS_DEFAULTS
+        )
+        check_cpu_args(args)
+        check_stock_args(args)
+        if datasets_provider is None and _uses_documents(args):
+            _check_document_args(args)
+    except ValueError as error:
+        # A bad flag (ours or Megatron's ValueErrors): one line naming it, as argparse does.
+        print(f"{sys.argv[0]}: error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     if args.eval_interval is None:
         # Megatron-LM's pretrain_gpt.py stops with a TypeError here; validate at the end instead.
         args.eval_interval = args.train_iters or max(
@@ -273,8 +280,6 @@ def main(
         )
     model_config = gpt_config_from_args(args)
     if _uses_documents(args) or datasets_provider is not None:
-        if datasets_provider is None:
-            _check_document_args(args)
         if args.use_dynamic_batch_size:
             # The planner, not a torch DataLoader, batches the samples (training_hooks).
             args.dataloader_type = "external"
