@@ -7,7 +7,8 @@ patches are applied to a copy with ``launch/apply_slime_patches.sh``, and on glo
 on rollout data scheduled by our ``build_dp_schedule``. Checked: every step's gradients equal a
 single process running each sample alone (relative 1e-5), in both of slime's loss modes (per
 token, per rollout), on a layout where one DP rank holds only placeholders too; log-probs come
-back in rollout order; a bad sample on one rank stops every rank with the same error.
+back in rollout order; a bad sample on one rank stops every rank with the same error; with the
+flag off, the patched tree trains bitwise like the stock checkout.
 
 What is not slime's in these runs, and why:
 
@@ -319,8 +320,25 @@ def _rank_rollout_data(schedule, data, dp_rank, device):
     local["global_batch_sizes"] = global_batch_sizes
     local["num_microbatches"] = num_microbatches
     local["micro_batch_indices"] = micro_batch_indices[dp_rank]
-    local.update(schedule.rank_fields(dp_rank))
+    if hasattr(schedule, "rank_fields"):  # ours; slime's own schedule is a plain tuple
+        local.update(schedule.rank_fields(dp_rank))
     return local
+
+
+def _import_slime(slime_root):
+    """Put ``slime_root`` first on ``sys.path`` and forget any slime imported from another root
+    (workers are reused across cases: one case may run the patched copy, the next the stock tree).
+    """
+    import sys
+
+    for name in [n for n in sys.modules if n == "slime" or n.startswith("slime.")]:
+        del sys.modules[name]
+    sys.path[:] = [p for p in sys.path if p not in _SLIME_ROOTS]
+    _SLIME_ROOTS.add(slime_root)
+    sys.path.insert(0, slime_root)
+
+
+_SLIME_ROOTS = set()
 
 
 class _Recorder:
@@ -373,9 +391,10 @@ def _thd_chunk(ddp_chunk):
     return ThdAsMask(ddp_chunk)
 
 
-def _slime_body(slime_root, num_rollouts, gbs, max_tokens, per_token, bad_rank=None):
+def _slime_body(slime_root, num_rollouts, gbs, max_tokens, per_token, bad_rank=None, dynamic=True):
+    """slime's forward_only and train_one_step on this rank; ``dynamic=False``: with the flag off
+    and slime's own schedule (to compare a patched tree with the stock one)."""
     import dataclasses
-    import sys
 
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -385,8 +404,7 @@ def _slime_body(slime_root, num_rollouts, gbs, max_tokens, per_token, bad_rank=N
 
     apply_training_cpu_shim()
     stubbed = _install_stubs()
-    if slime_root not in sys.path:
-        sys.path.insert(0, slime_root)
+    _import_slime(slime_root)
     from megatron.training.global_vars import set_args
     from slime.backends.megatron_utils import data as slime_data
     from slime.backends.megatron_utils import model as slime_model
@@ -405,6 +423,7 @@ def _slime_body(slime_root, num_rollouts, gbs, max_tokens, per_token, bad_rank=N
     dp = ps.get_data_parallel_world_size()
     dp_rank = ps.get_data_parallel_rank()
     args = _slime_args(per_token, max_tokens, pp)
+    args.use_dynamic_batch_size = dynamic
     set_args(args)
     data = _rollout_batch(num_rollouts)
     if bad_rank is not None and dp_rank == bad_rank:
@@ -430,6 +449,8 @@ def _slime_body(slime_root, num_rollouts, gbs, max_tokens, per_token, bad_rank=N
         "microbatch_group_size_per_vp_stage": 1,
     }
     lengths = [len(t) for t in data["tokens"]]
+    if not dynamic:
+        from slime.utils.dp_schedule import build_dp_schedule
     schedule = build_dp_schedule(
         args, tp_config, lengths, global_batch_size=gbs, rollout_indices=data["rollout_ids"]
     )
@@ -468,8 +489,8 @@ def _slime_body(slime_root, num_rollouts, gbs, max_tokens, per_token, bad_rank=N
         "increments": recorder.increments,
         "partition": rollout_data["partition"],
         "log_probs": [lp.clone() for lp in group_lp],
-        "num_microbatches": list(schedule.num_microbatches),
-        "global_batch_sizes": list(schedule.global_batch_sizes),
+        "num_microbatches": list(schedule[2]),
+        "global_batch_sizes": list(schedule[3]),
         "placeholders_only": dp > 1 and not rollout_data["partition"],
         "num_placeholders": sum(1 for mb in rollout_data["micro_batch_indices"] if not mb),
         "last_stage_outputs": len(last),
@@ -609,3 +630,23 @@ def test_bad_sample_on_one_rank_stops_every_rank_quickly(patched_slime):
     [message] = messages
     assert "StepAgreementError" in message and "is not finite" in message
     assert max(r["seconds"] for r in results) < 10
+
+
+@needs_slime
+def test_with_the_flag_off_patched_slime_trains_exactly_like_stock_slime(patched_slime):
+    """Every patched line runs only with --use-dynamic-batch-size: with it off, the patched tree
+    and the stock checkout give bitwise the same log-probs and gradients (slime's own schedule)."""
+    runs = {
+        name: run_on_ranks(2, _slime_body, root, 7, 3, 64, True, dynamic=False, layout=Layout(pp=2))
+        for name, root in (("patched", patched_slime), ("stock", str(pathlib.Path(SLIME_DIR))))
+    }
+    patched, stock = runs["patched"], runs["stock"]
+    assert patched[0]["num_microbatches"] == stock[0]["num_microbatches"]
+    for mine, theirs in zip(patched, stock, strict=True):
+        assert len(mine["grads"]) == len(theirs["grads"]) >= 2
+        for step_mine, step_theirs in zip(mine["grads"], theirs["grads"], strict=True):
+            assert step_mine.keys() == step_theirs.keys()
+            for name, grad in step_mine.items():
+                assert torch.equal(grad, step_theirs[name]), name
+        for lp_mine, lp_theirs in zip(mine["log_probs"], theirs["log_probs"], strict=True):
+            assert torch.equal(lp_mine, lp_theirs)
