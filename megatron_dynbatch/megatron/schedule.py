@@ -28,11 +28,18 @@ def check_schedule_config(config: TransformerConfig) -> None:
     error (on the tiny GPT with gloo: relative gradient error about 4, no exception). Megatron-LM's
     argument validation forbids it; megatron.core alone does not.
 
+    The same pairing hangs the step with ``variable_seq_lengths=True`` (slime's setting) unless
+    ``overlap_p2p_comm`` is on: megatron.core then exchanges shapes before every transfer with
+    ``batch_isend_irecv``, whatever ``batch_p2p_comm`` says, and at pp = 2 a stage in warm-up and
+    its neighbour in steady state post different numbers of batched ops to the same rank, so both
+    wait forever (seen on gloo: the first training step never returns).
+
     Args:
         config: The model config the schedule will read.
 
     Raises:
-        ValueError: If the config combines interleaving, pp = 2 and batched p2p.
+        ValueError: If the config combines interleaving, pp = 2 and batched p2p, or interleaving,
+            pp = 2 and variable sequence lengths without overlapped p2p.
     """
     vpp = config.virtual_pipeline_model_parallel_size
     pp = config.pipeline_model_parallel_size
@@ -43,6 +50,14 @@ def check_schedule_config(config: TransformerConfig) -> None:
             "megatron.core: both pipeline neighbours are the same rank, so batched sends pair with "
             "the wrong receives. Set batch_p2p_comm=False (Megatron-LM's argument validation forbids the "
             "combination for the same reason)."
+        )
+    if vpp is not None and pp == 2 and config.variable_seq_lengths and not config.overlap_p2p_comm:
+        raise ValueError(
+            f"variable_seq_lengths=True with the interleaved schedule (virtual_pipeline_model_"
+            f"parallel_size={vpp}), pipeline_model_parallel_size=2 and overlap_p2p_comm=False "
+            "hangs in megatron.core: shapes are exchanged with batched sends and receives, and "
+            "with the same rank on both sides the two stages' batches do not pair up. Set overlap_p2p_comm=True (Megatron-LM's default for interleaving, which it "
+            "requires at pp = 2), use pp > 2, or give every micro-batch the same length."
         )
 
 

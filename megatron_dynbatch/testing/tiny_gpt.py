@@ -114,7 +114,8 @@ def tiny_transformer_config(
 
 
 def make_schedule_config_safe(config: TransformerConfig) -> TransformerConfig:
-    """Turn off ``batch_p2p_comm`` where :func:`check_schedule_config` would refuse it.
+    """Turn off ``batch_p2p_comm`` (and, with variable lengths, turn on ``overlap_p2p_comm``) where
+    :func:`check_schedule_config` would refuse the config.
 
     Args:
         config: Modified in place (Megatron configs are shared by every model chunk).
@@ -125,6 +126,8 @@ def make_schedule_config_safe(config: TransformerConfig) -> TransformerConfig:
     vpp = config.virtual_pipeline_model_parallel_size
     if vpp is not None and config.pipeline_model_parallel_size == 2:
         config.batch_p2p_comm = False
+        if config.variable_seq_lengths:
+            config.overlap_p2p_comm = True
     check_schedule_config(config)
     return config
 

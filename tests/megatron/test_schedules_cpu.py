@@ -341,6 +341,26 @@ def test_interleaved_pp2_with_batched_p2p_is_refused():
     )
 
 
+def test_interleaved_pp2_with_variable_lengths_needs_overlapped_p2p():
+    # slime's setting (variable_seq_lengths) hangs at pp = 2 with interleaving unless p2p overlaps.
+    config = tiny_transformer_config(
+        pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2
+    )
+    config.variable_seq_lengths = True
+    with pytest.raises(ValueError, match="overlap_p2p_comm=False") as raised:
+        check_schedule_config(config)
+    assert "virtual_pipeline_model_parallel_size=2" in str(raised.value)
+    assert make_schedule_config_safe(config).overlap_p2p_comm is True
+    check_schedule_config(config)
+    # Fixed shapes, or no interleaving, need no overlap.
+    config.variable_seq_lengths = False
+    config.overlap_p2p_comm = False
+    check_schedule_config(config)
+    plain = tiny_transformer_config(pipeline_model_parallel_size=2)
+    plain.variable_seq_lengths = True
+    check_schedule_config(plain)
+
+
 def test_cpu_shim_is_idempotent_and_local_to_megatron_modules():
     from megatron.core.pipeline_parallel import schedules
 

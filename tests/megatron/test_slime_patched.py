@@ -431,12 +431,20 @@ def _slime_body(slime_root, num_rollouts, gbs, max_tokens, per_token, bad_rank=N
         for a, m in zip(data["adv"], data["loss_masks"], strict=True):
             if int(m.sum()):
                 a[int(m.nonzero()[0])] = float("nan")
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     config = tiny_transformer_config(
-        pipeline_model_parallel_size=pp, calculate_per_token_loss=per_token
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        calculate_per_token_loss=per_token,
     )
     # slime always runs Megatron with variable_seq_lengths (its arguments.py forces it).
+    # Megatron-LM's arguments turn on overlap_p2p_comm for the interleaved schedule (and require it
+    # at pp = 2, where a batched exchange of per-micro-batch shapes pairs the wrong receives).
     config = dataclasses.replace(
-        config, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall"
+        config,
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",
+        overlap_p2p_comm=vpp > 1,
     )
     config.finalize_model_grads_func = finalize_model_grads
     ddp_chunks = wrap_in_ddp(build_tiny_gpt(config, seed=SEED))
@@ -445,8 +453,9 @@ def _slime_body(slime_root, num_rollouts, gbs, max_tokens, per_token, bad_rank=N
     tp_config = {
         "dp_size": dp,
         "cp_size": 1,
-        "vpp_size": 1,
-        "microbatch_group_size_per_vp_stage": 1,
+        "vpp_size": vpp,
+        # Megatron's default interleaving group: the pipeline size.
+        "microbatch_group_size_per_vp_stage": pp if vpp > 1 else 1,
     }
     lengths = [len(t) for t in data["tokens"]]
     if not dynamic:
@@ -570,6 +579,7 @@ CASES = [
     pytest.param(4, Layout(pp=2), 7, 3, 64, True, id="pp2-dp2-token-mean-3-steps"),
     pytest.param(4, Layout(pp=2), 7, 7, 64, False, id="pp2-dp2-rollout-mean"),
     pytest.param(4, Layout(pp=2), 1, 1, 64, True, id="pp2-dp2-one-rank-only-placeholders"),
+    pytest.param(2, Layout(pp=2, vpp=2), 7, 3, 64, True, id="pp2-vpp2-token-mean-3-steps"),
 ]
 
 
