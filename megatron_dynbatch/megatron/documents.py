@@ -8,6 +8,8 @@ from the same sources:
   ``.idx`` written by ``tools/preprocess_data.py`` or ``python -m
   megatron_dynbatch.megatron.preprocess``). A document is one sequence of the ``.idx`` (as for
   ``GPTDataset``); its length comes from the ``.idx`` without reading the ``.bin``.
+* ``--sft`` with ``--data-path FILE.jsonl``: Megatron's SFT conversations, one document per
+  conversation, loss on the responses only (:mod:`megatron_dynbatch.megatron.conversations`).
 * ``--mock-data``: seeded mock documents with a long-tailed (log-normal) length distribution whose
   tokens follow a learnable rule, so demos and tests need no files.
 
@@ -49,6 +51,7 @@ __all__ = [
     "DocumentCollection",
     "DocumentSampleDataset",
     "SplitSamples",
+    "conversation_documents",
     "indexed_documents",
     "mock_documents",
     "split_bookends",
@@ -80,6 +83,8 @@ class DocumentCollection:
     """``read(document, offset, count)`` returns ``count`` tokens starting at ``offset``."""
     name: str
     """What the documents are (for messages)."""
+    read_loss_mask: Optional[Callable[[int, int, int], numpy.ndarray]] = None
+    """Like ``read`` for the loss mask of those tokens (SFT: responses only), or None (all 1)."""
 
     def __len__(self) -> int:
         return int(self.lengths.shape[0])
@@ -240,12 +245,23 @@ class SplitSamples:
             int(self.document[piece]), int(self.offset[piece]), int(self.length[piece])
         )
         sample = {"tokens": torch.as_tensor(numpy.array(tokens, dtype=numpy.int64))}
+        read_mask = self.documents.read_loss_mask
+        if read_mask is not None:
+            sample["loss_mask"] = torch.as_tensor(
+                numpy.array(
+                    read_mask(
+                        int(self.document[piece]), int(self.offset[piece]), int(self.length[piece])
+                    ),
+                    dtype=numpy.float32,
+                )
+            )
         if self.eod_id is not None:
             # As --eod-mask-loss in Megatron's GPTDataset: no loss where the *input* token is the
             # end of a document, i.e. target k is masked when token k - 1 is EOD.
             after_eod = torch.zeros_like(sample["tokens"], dtype=torch.bool)
             after_eod[1:] = sample["tokens"][:-1] == self.eod_id
-            sample["loss_mask"] = (~after_eod).to(torch.float32)
+            keep = (~after_eod).to(torch.float32)
+            sample["loss_mask"] = sample["loss_mask"] * keep if "loss_mask" in sample else keep
         return sample
 
 
@@ -311,13 +327,45 @@ class DocumentBatchStream(Iterator[LazyRolloutBatch]):
         )
 
 
+def conversation_documents(paths: Sequence[str], tokenize: Callable) -> DocumentCollection:
+    """SFT conversations of JSONL files as documents (see ``conversations``)."""
+    from megatron_dynbatch.megatron.conversations import read_conversations
+
+    lengths, load, name = read_conversations(paths, tokenize)
+
+    def read(document: int, offset: int, count: int) -> numpy.ndarray:
+        return load(document)[0][offset : offset + count]
+
+    def read_loss_mask(document: int, offset: int, count: int) -> numpy.ndarray:
+        return load(document)[1][offset : offset + count]
+
+    return DocumentCollection(lengths=lengths, read=read, name=name, read_loss_mask=read_loss_mask)
+
+
 def document_splits(
-    args: Any, tokenizer_vocab_size: int, eod_id: Optional[int]
+    args: Any,
+    tokenizer_vocab_size: int,
+    eod_id: Optional[int],
+    conversation_tokenizer: Optional[Callable] = None,
 ) -> List[Optional[SplitSamples]]:
-    """Train / valid / test :class:`SplitSamples` from Megatron's data arguments."""
+    """Train / valid / test :class:`SplitSamples` from Megatron's data arguments.
+
+    ``conversation_tokenizer`` (with ``--sft``): the data paths are JSONL conversations.
+    """
     from megatron.training.utils import get_blend_and_blend_per_split
 
     common = dict(max_length=args.seq_length, seed=args.seed, eod_id=eod_id)
+    if conversation_tokenizer is not None:
+
+        def collection(blend: Tuple[List[str], Optional[List[float]]]) -> DocumentCollection:
+            _check_weights(blend)
+            return conversation_documents(blend[0], conversation_tokenizer)
+
+    else:
+
+        def collection(blend: Tuple[List[str], Optional[List[float]]]) -> DocumentCollection:
+            return _collection(blend, args)
+
     if args.mock_data:
         documents = mock_documents(
             seed=args.seed, seq_length=args.seq_length, vocab_size=tokenizer_vocab_size
@@ -325,7 +373,7 @@ def document_splits(
         return _split(documents, args.split or DEFAULT_SPLIT, common)
     blend, blend_per_split = get_blend_and_blend_per_split(args)
     if blend is not None:
-        return _split(_collection(blend, args), args.split or DEFAULT_SPLIT, common)
+        return _split(collection(blend), args.split or DEFAULT_SPLIT, common)
     if blend_per_split is None or all(entry is None for entry in blend_per_split):
         raise ValueError(
             "no data: pass --mock-data, --data-path PREFIX or --train-data-path / "
@@ -336,20 +384,24 @@ def document_splits(
         if entry is None:
             splits.append(None)
             continue
-        documents = _collection(entry, args)
+        documents = collection(entry)
         splits.append(SplitSamples(documents, 0, len(documents), split_index=index, **common))
     return splits
 
 
-def _collection(blend: Tuple[List[str], Optional[List[float]]], args: Any) -> DocumentCollection:
-    prefixes, weights = blend
+def _check_weights(blend: Tuple[List[str], Optional[List[float]]]) -> None:
+    weights = blend[1]
     if weights is not None and len(set(weights)) > 1:
         raise ValueError(
             f"--data-path with weights {weights}: weighted blends are not supported with "
             "--use-dynamic-batch-size / --document-samples; list the prefixes without weights "
             "(their documents are concatenated)."
         )
-    return indexed_documents(prefixes, mmap=args.mmap_bin_files)
+
+
+def _collection(blend: Tuple[List[str], Optional[List[float]]], args: Any) -> DocumentCollection:
+    _check_weights(blend)
+    return indexed_documents(blend[0], mmap=args.mmap_bin_files)
 
 
 def _split(

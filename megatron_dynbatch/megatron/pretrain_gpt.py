@@ -12,6 +12,9 @@ flags:
 * ``--use-dynamic-batch-size``: the same document samples, planned into token-budget micro-batches
   by the patched training loop (``training_hooks``).
 
+With ``--sft`` the documents of both modes are the JSONL conversations of ``--data-path``, with loss
+on the responses only (``conversations``).
+
 In both document modes the loss is the token mean over ``loss_mask`` (reported as ``lm loss``, as
 ``pretrain_gpt.py`` does), attention stays inside each sample (block-diagonal mask with the local
 transformer implementation, THD ``cu_seqlens`` with transformer-engine), and ``--seq-length`` is the
@@ -33,6 +36,7 @@ from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_
 from megatron.training.arguments import parse_and_validate_args
 
 from megatron_dynbatch.megatron.arguments import add_dynamic_batch_args
+from megatron_dynbatch.megatron.conversations import conversation_tokenizer
 from megatron_dynbatch.megatron.cpu_training_shim import add_cpu_defaults, check_cpu_args
 from megatron_dynbatch.megatron.documents import (
     DocumentBatchStream,
@@ -85,7 +89,6 @@ def _uses_documents(args: Any) -> bool:
 
 def _check_document_args(args: Any) -> None:
     for name, flag in (
-        ("sft", "--sft"),
         ("fim_data", "--fim-data"),
         ("full_validation", "--full-validation"),
         ("multiple_validation_sets", "--multiple-validation-sets"),
@@ -96,6 +99,17 @@ def _check_document_args(args: Any) -> None:
                 f"{flag} cannot be combined with --use-dynamic-batch-size / --document-samples, "
                 f"which read one sample per document themselves; remove {flag}."
             )
+    if args.sft:
+        if args.mock_data:
+            raise ValueError(
+                "--sft with --mock-data: SFT reads conversations from JSONL; pass --data-path "
+                'FILE.jsonl (one {"messages": [...]} object per line) instead of --mock-data.'
+            )
+        # Megatron reads args.sft only in evaluate(), to average the validation loss per
+        # micro-batch: with planned micro-batches that would depend on the grouping and count
+        # placeholders, so validation keeps the token mean over the whole batch instead.
+        args.sft = False
+        args.sft_conversations = True
     if args.context_parallel_size > 1:
         raise ValueError(
             f"--context-parallel-size {args.context_parallel_size}: the document-sample forward "
@@ -185,7 +199,10 @@ def document_datasets_provider(num_samples: List[Optional[int]], vp_stage: Optio
     args = get_args()
     tokenizer = get_tokenizer()
     eod = tokenizer.eod if args.eod_mask_loss else None
-    splits = document_splits(args, tokenizer.vocab_size, eod)
+    tokenize = None
+    if getattr(args, "sft_conversations", False):
+        tokenize = conversation_tokenizer(tokenizer, args.tokenizer_type)
+    splits = document_splits(args, tokenizer.vocab_size, eod, tokenize)
     for split in splits:
         if split is not None:
             print_rank_0(

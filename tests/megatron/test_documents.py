@@ -147,3 +147,141 @@ def test_preprocess_reports_bad_input_in_one_line(tmp_path, capsys):
 def test_indexed_documents_name_a_missing_prefix(tmp_path):
     with pytest.raises(ValueError, match="not found; pass the prefix"):
         indexed_documents([str(tmp_path / "nothing")])
+
+
+# --- SFT conversations (--sft): one sample per conversation, loss on the responses only ----------
+
+
+def _conversation_file(tmp_path):
+    lines = [
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "What is pp?"},
+                {"role": "assistant", "content": "Pipeline parallelism."},
+                {"role": "user", "content": "And dp?"},
+                {"role": "assistant", "content": "Data parallelism."},
+            ]
+        },
+        {
+            "messages": [
+                {"role": "system", "content": "One."},
+                {"role": "user", "content": "a"},
+                {"role": "assistant", "content": "b"},
+                {"role": "system", "content": "Two."},
+                {"role": "user", "content": "unanswered"},
+            ]
+        },
+    ]
+    path = tmp_path / "conversations.jsonl"
+    path.write_text(json.dumps(lines[0]) + "\n\n" + json.dumps(lines[1]) + "\n")
+    return path
+
+
+def test_byte_template_trains_the_assistant_tokens_only():
+    from megatron_dynbatch.megatron.conversations import byte_conversation_tokenizer
+
+    tokenize = byte_conversation_tokenizer()
+    conversation = [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "question"},
+        {"role": "assistant", "content": "answer é"},
+    ]
+    tokens, mask = tokenize(conversation)
+    assert tokens.dtype == numpy.int64 and mask.dtype == numpy.float32
+    assert tokens.shape == mask.shape and int(tokens[-1]) == preprocess.BYTE_EOD
+    text = bytes(int(t) for t in tokens[:-1]).decode("utf-8")
+    assert text == "<|system|>\nsys\n<|user|>\nquestion\n<|assistant|>\nanswer é\n"
+    trained = bytes(int(t) for t, m in zip(tokens[:-1], mask[:-1], strict=True) if m)
+    assert trained.decode("utf-8") == "answer é\n" and mask[-1] == 1.0
+    # Without a final answer nothing of the conversation, the end token included, is trained.
+    _, mask = tokenize(conversation[:2])
+    assert not mask.any()
+
+
+def test_conversations_split_at_system_messages_and_load_lazily(tmp_path):
+    from megatron_dynbatch.megatron.conversations import byte_conversation_tokenizer
+    from megatron_dynbatch.megatron.documents import conversation_documents
+
+    tokenize = byte_conversation_tokenizer()
+    path = _conversation_file(tmp_path)
+    documents = conversation_documents([str(path)], tokenize)
+    records = [json.loads(line) for line in path.read_text().splitlines() if line]
+    expected = [
+        records[0]["messages"],
+        records[1]["messages"][:3],
+        records[1]["messages"][3:],
+    ]
+    assert len(documents) == 3
+    for index, conversation in enumerate(expected):
+        tokens, mask = tokenize(conversation)
+        assert int(documents.lengths[index]) == tokens.shape[0]
+        assert numpy.array_equal(documents.read(index, 0, tokens.shape[0]), tokens)
+        assert numpy.array_equal(documents.read_loss_mask(index, 3, 9), mask[3:12])
+    # As samples: a conversation longer than max_length is cut, its loss mask cut with it.
+    samples = SplitSamples(documents, 0, 3, max_length=40, seed=0, split_index=0)
+    tokens = {}
+    masks = {}
+    for position in range(len(samples)):
+        piece = samples._piece(position)
+        sample = samples.sample_at(position)
+        assert sample["loss_mask"].shape == sample["tokens"].shape
+        key = (int(samples.document[piece]), int(samples.offset[piece]))
+        tokens[key], masks[key] = sample["tokens"], sample["loss_mask"]
+    for index, conversation in enumerate(expected):
+        want_tokens, want_mask = tokenize(conversation)
+        pieces = sorted(k for k in tokens if k[0] == index)
+        assert torch.equal(torch.cat([tokens[k] for k in pieces]), torch.as_tensor(want_tokens))
+        assert torch.equal(torch.cat([masks[k] for k in pieces]), torch.as_tensor(want_mask))
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("not json", "conversations.jsonl:2: not a JSON object"),
+        ('{"text": "hi"}', 'needs a non-empty "messages" list'),
+        ('{"messages": [{"role": "bot", "content": "x"}]}', "message 0 is"),
+        ('{"messages": [{"role": "user", "content": 3}]}', "a string content"),
+    ],
+)
+def test_bad_conversation_lines_name_the_file_and_line(tmp_path, line, message):
+    from megatron_dynbatch.megatron.conversations import (
+        byte_conversation_tokenizer,
+        read_conversations,
+    )
+
+    path = tmp_path / "conversations.jsonl"
+    good = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    path.write_text(json.dumps(good) + "\n" + line + "\n")
+    with pytest.raises(ValueError, match=message) as raised:
+        read_conversations([str(path)], byte_conversation_tokenizer())
+    assert f"{path}:2" in str(raised.value)
+    with pytest.raises(ValueError, match="no such file"):
+        read_conversations([str(tmp_path / "missing.jsonl")], byte_conversation_tokenizer())
+
+
+def test_conversation_tokenizer_needs_byte_vocabulary_or_a_conversation_tokenizer():
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    from megatron_dynbatch.megatron.conversations import conversation_tokenizer
+
+    tokenize = conversation_tokenizer(NullTokenizer(257), "NullTokenizer")
+    assert tokenize([{"role": "assistant", "content": "x"}])[1].any()
+    with pytest.raises(ValueError, match="--vocab-size 257"):
+        conversation_tokenizer(NullTokenizer(128), "NullTokenizer")
+
+    class Words:
+        def tokenize_conversation(self, conversation, return_target, add_generation_prompt):
+            raise NotImplementedError("This method is supported only for SFTTokenizer.")
+
+    with pytest.raises(ValueError, match="SFTTokenizer"):
+        conversation_tokenizer(Words(), "HuggingFaceTokenizer")
+
+    class Sft:  # Megatron's SFTTokenizer contract: targets are IGNORE_INDEX where not trained
+        def tokenize_conversation(self, conversation, return_target, add_generation_prompt):
+            assert return_target and not add_generation_prompt
+            tokens = numpy.arange(5)
+            return tokens, numpy.where(tokens >= 3, tokens, -100)
+
+    tokens, mask = conversation_tokenizer(Sft(), "SFTTokenizer")([{"role": "user", "content": ""}])
+    assert tokens.tolist() == [0, 1, 2, 3, 4] and mask.tolist() == [0, 0, 0, 1, 1]
