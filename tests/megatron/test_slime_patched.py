@@ -20,9 +20,11 @@ What is not slime's in these runs, and why:
   block-diagonal attention mask, because THD attention needs transformer-engine (GPU only);
 * slime's accelerator is a CPU backend installed through its public ``set_accelerator``;
 * the optimizer and LR scheduler are recorders: ``train_one_step`` zeroes the gradients after the
-  optimizer step, so the recorder keeps them; the rollout side's packaging (``rollout.py``,
-  behind Ray) is reproduced in :func:`_rank_rollout_data` with the same keys (patch 0001 is checked
-  to apply, not run).
+  optimizer step, so the recorder keeps them;
+* the rollout side's ``RolloutManager._split_train_data_by_dp`` (``rollout.py``, patch 0001) is a
+  method of a Ray actor: :func:`_rank_rollout_data` runs its source lifted out of the class, with
+  ``ray.put`` / ``ray.get`` as identities, then slime's own ``process_rollout_data``; advantages,
+  which slime's trainer computes from rewards, are given.
 
 Without ``SLIME_DIR`` the slime-backed tests are skipped; the backend's own pieces
 (placeholders, iterators, ordering) are tested here without slime.
@@ -303,25 +305,41 @@ def _use_cpu_accelerator():
     accelerator.set_accelerator(cpu)
 
 
-def _rank_rollout_data(schedule, data, dp_rank, device):
-    """What slime's rollout.py (patched) and process_rollout_data hand to one DP rank."""
-    partitions, micro_batch_indices, num_microbatches, global_batch_sizes = schedule
-    partition = partitions[dp_rank]
-    local = {"partition": partition}
-    for key in ("tokens", "response_lengths", "loss_masks", "rollout_ids"):
-        local[key] = [data[key][j] for j in partition]
-    local["tokens"] = [t.to(device=device, dtype=torch.long) for t in local["tokens"]]
-    local["loss_masks"] = [m.to(device=device, dtype=torch.int) for m in local["loss_masks"]]
-    local["rollout_mask_sums"] = torch.tensor(
-        [float(data["rollout_mask_sums"][j]) for j in partition], dtype=torch.float32
-    )
-    local["total_lengths"] = [len(data["tokens"][j]) for j in partition]
-    local["advantages"] = [data["adv"][j] for j in partition]
-    local["global_batch_sizes"] = global_batch_sizes
-    local["num_microbatches"] = num_microbatches
-    local["micro_batch_indices"] = micro_batch_indices[dp_rank]
-    if hasattr(schedule, "rank_fields"):  # ours; slime's own schedule is a plain tuple
-        local.update(schedule.rank_fields(dp_rank))
+def _rank_rollout_data(slime_root, args, tp_config, data, dp_rank):
+    """What slime's rollout side (``rollout.py``, patched) and ``process_rollout_data`` hand to
+    one DP rank: the real code of both, with Ray's object store as identities."""
+    import ast
+    import types
+
+    from slime.observability.rollout_data_utils import tensorize_rollout_data_for_training
+    from slime.utils import data as slime_utils_data
+    from slime.utils.dp_schedule import build_dp_schedule as slimes_schedule
+    from slime.utils.misc import Box
+
+    path = pathlib.Path(slime_root) / "slime" / "ray" / "rollout.py"
+    tree = ast.parse(path.read_text())
+    [manager] = [n for n in tree.body if getattr(n, "name", None) == "RolloutManager"]
+    [split] = [n for n in manager.body if getattr(n, "name", None) == "_split_train_data_by_dp"]
+    store = types.SimpleNamespace(put=lambda value, **_: value, get=lambda value: value)
+    namespace = {
+        "build_dp_schedule": slimes_schedule,
+        "tensorize_rollout_data_for_training": tensorize_rollout_data_for_training,
+        "Box": Box,
+        "ray": store,
+    }
+    exec(compile(ast.Module(body=[split], type_ignores=[]), str(path), "exec"), namespace)
+    rollout_side = {
+        "tokens": [t.tolist() for t in data["tokens"]],
+        "response_lengths": list(data["response_lengths"]),
+        "loss_masks": [m.tolist() for m in data["loss_masks"]],
+        "rollout_ids": list(data["rollout_ids"]),
+        "rollout_mask_sums": [float(x) for x in data["rollout_mask_sums"]],
+    }
+    this = types.SimpleNamespace(args=args, train_parallel_config=tp_config)
+    refs = namespace["_split_train_data_by_dp"](this, rollout_side)
+    slime_utils_data.ray = store
+    local = slime_utils_data.process_rollout_data(args, refs, dp_rank, tp_config["dp_size"])
+    local["advantages"] = [data["adv"][j] for j in local["partition"]]
     return local
 
 
@@ -410,7 +428,6 @@ def _slime_body(slime_root, num_rollouts, gbs, max_tokens, per_token, bad_rank=N
     from slime.backends.megatron_utils import model as slime_model
     from slime.backends.megatron_utils.loss import get_log_probs_and_entropy
 
-    from megatron_dynbatch.adapters.slime import build_dp_schedule
     from megatron_dynbatch.testing.tiny_gpt import (
         build_tiny_gpt,
         tiny_transformer_config,
@@ -457,13 +474,8 @@ def _slime_body(slime_root, num_rollouts, gbs, max_tokens, per_token, bad_rank=N
         # Megatron's default interleaving group: the pipeline size.
         "microbatch_group_size_per_vp_stage": pp if vpp > 1 else 1,
     }
-    lengths = [len(t) for t in data["tokens"]]
-    if not dynamic:
-        from slime.utils.dp_schedule import build_dp_schedule
-    schedule = build_dp_schedule(
-        args, tp_config, lengths, global_batch_size=gbs, rollout_indices=data["rollout_ids"]
-    )
-    rollout_data = _rank_rollout_data(schedule, data, dp_rank, torch.device("cpu"))
+    args.global_batch_size = gbs
+    rollout_data = _rank_rollout_data(slime_root, args, tp_config, data, dp_rank)
     iterators = slime_data.get_data_iterator(rollout_data)
     started = time.monotonic()
     try:
@@ -498,8 +510,8 @@ def _slime_body(slime_root, num_rollouts, gbs, max_tokens, per_token, bad_rank=N
         "increments": recorder.increments,
         "partition": rollout_data["partition"],
         "log_probs": [lp.clone() for lp in group_lp],
-        "num_microbatches": list(schedule[2]),
-        "global_batch_sizes": list(schedule[3]),
+        "num_microbatches": list(rollout_data["num_microbatches"]),
+        "global_batch_sizes": list(rollout_data["global_batch_sizes"]),
         "placeholders_only": dp > 1 and not rollout_data["partition"],
         "num_placeholders": sum(1 for mb in rollout_data["micro_batch_indices"] if not mb),
         "last_stage_outputs": len(last),
