@@ -5,9 +5,9 @@ data iterator through the same set-up) with ``torchrun`` on gloo, and reads Mega
 lines. Dynamic batching is compared with Megatron's fixed micro-batches on the same samples
 (``--document-samples``): loss within 1e-5 (relative) and the learning rate identical at every
 iteration, validation loss equal. Layouts: pp 2 (README command, indexed dataset built by the
-documented command), pp 2 x dp 2 (4 processes), pp 2 x vpp 2; plus the stock path (no flag), a
-batch of the wrong size from a user iterator, `--sft` JSONL conversations, and save / resume in the
-middle of a multi-step batch.
+documented command), pp 2 x dp 2 (4 processes), tp 2 x pp 2, pp 2 x vpp 2 (on ``--sft`` JSONL
+conversations); plus the stock path (no flag), a batch of the wrong size from a user iterator, and
+save / resume in the middle of a multi-step batch.
 Launches are few and tiny (hidden 32-64, 2-4 layers, seq <= 256): each costs ~10 s of start-up.
 """
 
@@ -98,35 +98,64 @@ def _assert_same_training(dynamic, fixed, *, tolerance=1e-5):
         assert d == pytest.approx(f, rel=tolerance)
 
 
-# --- layouts: pp 2 x dp 2 (4 processes) and interleaved pp 2 x vpp 2 ------------------------------
+# --- layouts: pp 2 x dp 2 (4 processes), tp 2 x pp 2, and interleaved pp 2 x vpp 2 on --sft data --
+
+
+def _sft_file(path, count=60):
+    import json
+    import random
+
+    rng = random.Random(5)
+    words = "pipeline stage token budget rank loss gradient sample".split()
+    with open(path, "w") as handle:
+        for _ in range(count):
+            messages = [{"role": "system", "content": "Answer."}]
+            for _ in range(rng.randint(1, 2)):
+                question = " ".join(rng.choice(words) for _ in range(rng.randint(1, 6)))
+                answer = " ".join(rng.choice(words) for _ in range(rng.randint(1, 12)))
+                messages += [
+                    {"role": "user", "content": question},
+                    {"role": "assistant", "content": answer},
+                ]
+            handle.write(json.dumps({"messages": messages}) + "\n")
+
+
+def _sft_args(data):
+    """_TINY on the JSONL conversations of ``data`` (byte tokens) instead of mock documents."""
+    args = [a for a in _TINY if a != "--mock-data"]
+    args[args.index("--vocab-size") + 1] = 257
+    return args + ["--sft", "--data-path", data, "--split", "90,10,0"]
 
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
     out = tmp_path_factory.mktemp("layouts")
+    _sft_file(out / "conversations.jsonl")
     runs = {}
+    # The interleaved case also trains on --sft conversations (loss on the answers only).
     cases = {
-        "dp2": (4, ["--pipeline-model-parallel-size", 2, "--train-iters", 2, "--eval-iters", 0]),
+        "dp2": (
+            4,
+            _TINY + ["--pipeline-model-parallel-size", 2, "--train-iters", 2, "--eval-iters", 0],
+        ),
         "tp2": (
             4,
-            [
+            _TINY + [
                 "--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2,
                 "--train-iters", 2, "--eval-iters", 0,
             ],
         ),
         "vpp2": (
             2,
-            [
+            _sft_args(out / "conversations.jsonl") + [
                 "--pipeline-model-parallel-size", 2, "--num-layers-per-virtual-pipeline-stage", 1,
                 "--train-iters", 3, "--eval-interval", 3, "--eval-iters", 1,
             ],
         ),
     }  # fmt: skip
-    for name, (nproc, extra) in cases.items():
+    for name, (nproc, args) in cases.items():
         for mode, flags in (("dynamic", _DYNAMIC), ("fixed", _FIXED)):
-            rc, log, _ = _torchrun(
-                nproc, LAUNCH, _TINY + extra + flags, log_path=out / f"{name}-{mode}.log"
-            )
+            rc, log, _ = _torchrun(nproc, LAUNCH, args + flags, log_path=out / f"{name}-{mode}.log")
             runs[name, mode] = _ok(rc, log)
             runs[name, mode, "log"] = log
     return runs
@@ -154,6 +183,18 @@ def test_validation_runs_through_the_planner(layouts):
     assert [i for i, _ in vpp["validation"]] == [3]
 
 
+def test_sft_conversations_are_read_as_samples(layouts, tmp_path):
+    # The interleaved layout above trained on --sft conversations (dynamic equals fixed there).
+    for mode in ("dynamic", "fixed"):
+        log = layouts["vpp2", mode, "log"]
+        assert "> SFT conversations" in log and "mock documents" not in log
+    # --sft reads conversations: with --mock-data it is one line naming the fix.
+    rc, log, _ = _torchrun(
+        2, LAUNCH, _TINY + ["--sft", "--train-iters", 1] + _DYNAMIC, log_path=tmp_path / "mock.log"
+    )
+    assert rc != 0 and "pretrain_gpt_dynbatch.py: error: --sft with --mock-data" in log
+
+
 # --- the stock path: no flag ---------------------------------------------------------------------
 
 
@@ -165,49 +206,6 @@ def test_without_the_flag_it_trains_like_pretrain_gpt(tmp_path):
     assert all("real" not in record for record in parsed["iterations"].values())
     # Stock GPTDataset windows: Megatron's mock dataset and its cache messages, not ours.
     assert "mock documents" not in log
-
-
-# --- --sft: JSONL conversations, loss on the responses only --------------------------------------
-
-
-def _sft_file(path, count=60):
-    import json
-    import random
-
-    rng = random.Random(5)
-    words = "pipeline stage token budget rank loss gradient sample".split()
-    with open(path, "w") as handle:
-        for _ in range(count):
-            messages = [{"role": "system", "content": "Answer."}]
-            for _ in range(rng.randint(1, 2)):
-                question = " ".join(rng.choice(words) for _ in range(rng.randint(1, 6)))
-                answer = " ".join(rng.choice(words) for _ in range(rng.randint(1, 12)))
-                messages += [
-                    {"role": "user", "content": question},
-                    {"role": "assistant", "content": answer},
-                ]
-            handle.write(json.dumps({"messages": messages}) + "\n")
-
-
-def test_sft_conversations_train_like_fixed_micro_batches(tmp_path):
-    data = tmp_path / "conversations.jsonl"
-    _sft_file(data)
-    sft = [a for a in _TINY if a != "--mock-data"]
-    sft[sft.index("--vocab-size") + 1] = 257  # byte tokens
-    sft += ["--sft", "--data-path", data, "--split", "90,10,0", "--train-iters", 2]
-    sft += ["--eval-interval", 2, "--eval-iters", 1, "--pipeline-model-parallel-size", 2]
-    runs = {}
-    for mode, flags in (("dynamic", _DYNAMIC), ("fixed", _FIXED)):
-        rc, log, _ = _torchrun(2, LAUNCH, sft + flags, log_path=tmp_path / f"{mode}.log")
-        runs[mode] = _ok(rc, log)
-        assert "> SFT conversations" in log and "mock documents" not in log
-    _assert_same_training(runs["dynamic"], runs["fixed"])
-    assert runs["dynamic"]["validation"]
-    # --sft reads conversations: with --mock-data it is one line naming the fix.
-    rc, log, _ = _torchrun(
-        2, LAUNCH, _TINY + ["--sft", "--train-iters", 1] + _DYNAMIC, log_path=tmp_path / "mock.log"
-    )
-    assert rc != 0 and "pretrain_gpt_dynbatch.py: error: --sft with --mock-data" in log
 
 
 # --- a budget below --seq-length: the oversize policy ---------------------------------------------
