@@ -277,6 +277,19 @@ def _fingerprint(*parts: Any) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 
 
+def _check_interleaving(args: Any, vpp: int) -> None:
+    """slime runs Megatron with ``variable_seq_lengths``: at pp = 2 the interleaved schedule then
+    hangs without ``overlap_p2p_comm`` (see ``megatron.schedule.check_schedule_config``)."""
+    pp = getattr(args, "pipeline_model_parallel_size", None) or 1
+    if vpp > 1 and pp == 2 and not getattr(args, "overlap_p2p_comm", True):
+        raise ValueError(
+            f"interleaving (virtual pipeline size {vpp}) at --pipeline-model-parallel-size 2 "
+            "with --no-overlap-p2p-communication hangs megatron.core's batched exchange of the "
+            "variable row shapes slime uses; drop --no-overlap-p2p-communication (Megatron-LM "
+            "requires the overlap there) or use pp > 2."
+        )
+
+
 def agree_on_step(
     args: Any, data_iterator: Sequence[SlimeDataIterator], num_microbatches: int, step_id: int
 ) -> None:
@@ -286,9 +299,9 @@ def agree_on_step(
         StepAgreementError: on every rank when any rank's data is bad (naming rank and sample),
             or PlanMismatchError when ranks hold different schedules.
     """
-    del args
     first = data_iterator[0]
     with step_agreement(what=f"slime training step {step_id}") as agreement:
+        _check_interleaving(args, len(data_iterator))
         if not isinstance(first, SlimeDataIterator):
             raise ValueError(
                 "--use-dynamic-batch-size training got slime's stock DataIterator; the rollout "

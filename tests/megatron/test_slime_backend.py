@@ -1,7 +1,8 @@
 """slime's patched Megatron backend pieces that run without a slime checkout (one gloo process).
 
 The whole patched slime runs in test_slime_patched.py (given SLIME_DIR); this covers the log-prob
-pass's planning in CI: its packed rows stay within --log-probs-max-tokens-per-gpu.
+pass's planning in CI: its packed rows stay within --log-probs-max-tokens-per-gpu; a training step
+refuses interleaving at pp 2 without overlapped p2p (it would hang) before any p2p.
 """
 
 import types
@@ -10,7 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_dynbatch.adapters.slime_backend import forward_only_iterators
+from megatron_dynbatch.adapters.slime_backend import agree_on_step, forward_only_iterators
+from megatron_dynbatch.megatron.agreement import StepAgreementError
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +71,22 @@ def test_a_rank_without_samples_gets_placeholders_within_the_budget():
     iterator, count = _first_iterator([], 64)
     assert count >= 1 and iterator.micro_batch_indices == [[]] * count
     assert all(1 <= row <= 64 for row in iterator.row_lengths)
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_interleaving_at_pp2_without_overlapped_p2p_is_refused_before_the_step():
+    from megatron_dynbatch.adapters.slime_backend import SlimeDataIterator
+
+    data = _rollout_data([30, 20])
+    iterators = [SlimeDataIterator(data, [[0], [1]], [64, 64]) for _ in range(2)]
+    args = _args(64)
+    args.pipeline_model_parallel_size = 2
+    args.overlap_p2p_comm = False
+    with pytest.raises(StepAgreementError, match="no-overlap-p2p-communication"):
+        agree_on_step(args, iterators, 2, 0)
+    # Megatron-LM's default (overlap on) passes the check and reaches the data checks.
+    args.overlap_p2p_comm = True
+    try:
+        agree_on_step(args, iterators, 2, 0)
+    except StepAgreementError as error:
+        assert "overlap" not in str(error)
