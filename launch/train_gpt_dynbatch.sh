@@ -11,7 +11,8 @@
 # Environment (all optional): GPUS_PER_NODE (default: the GPUs nvidia-smi lists, else 2 CPU
 # processes), NUM_NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT (multi-node rendezvous), DATA_PATH (an
 # indexed-dataset prefix, or a JSONL of conversations with --sft; mock data when empty), BATCHING
-# (dynamic | fixed | stock), MAX_TOKENS_PER_GPU, TORCHRUN. Without CUDA the same command runs on CPU with gloo (see docs/cpu.md).
+# (dynamic | fixed | stock), MAX_TOKENS_PER_GPU, TORCHRUN. Without CUDA the same command runs on
+# CPU with gloo (see docs/cpu.md).
 
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)

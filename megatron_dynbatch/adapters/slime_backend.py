@@ -280,8 +280,11 @@ def _fingerprint(*parts: Any) -> str:
 def _check_interleaving(args: Any, vpp: int) -> None:
     """slime runs Megatron with ``variable_seq_lengths``: at pp = 2 the interleaved schedule then
     hangs without ``overlap_p2p_comm`` (see ``megatron.schedule.check_schedule_config``)."""
+    from megatron_dynbatch.megatron.schedule import interleaved_shape_exchange_hangs
+
     pp = getattr(args, "pipeline_model_parallel_size", None) or 1
-    if vpp > 1 and pp == 2 and not getattr(args, "overlap_p2p_comm", True):
+    overlap = getattr(args, "overlap_p2p_comm", True)
+    if interleaved_shape_exchange_hangs(pp, vpp > 1, True, bool(overlap)):
         raise ValueError(
             f"interleaving (virtual pipeline size {vpp}) at --pipeline-model-parallel-size 2 "
             "with --no-overlap-p2p-communication hangs megatron.core's batched exchange of the "

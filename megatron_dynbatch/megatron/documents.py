@@ -241,20 +241,13 @@ class SplitSamples:
     def sample_at(self, position: int) -> Dict[str, torch.Tensor]:
         """The sample at ``position``: ``tokens`` int64 ``[L]`` (and ``loss_mask`` with EOD)."""
         piece = self._piece(position)
-        tokens = self.documents.read(
-            int(self.document[piece]), int(self.offset[piece]), int(self.length[piece])
-        )
+        where = int(self.document[piece]), int(self.offset[piece]), int(self.length[piece])
+        tokens = self.documents.read(*where)
         sample = {"tokens": torch.as_tensor(numpy.array(tokens, dtype=numpy.int64))}
         read_mask = self.documents.read_loss_mask
         if read_mask is not None:
-            sample["loss_mask"] = torch.as_tensor(
-                numpy.array(
-                    read_mask(
-                        int(self.document[piece]), int(self.offset[piece]), int(self.length[piece])
-                    ),
-                    dtype=numpy.float32,
-                )
-            )
+            mask = numpy.array(read_mask(*where), dtype=numpy.float32)
+            sample["loss_mask"] = torch.as_tensor(mask)
         if self.eod_id is not None:
             # As --eod-mask-loss in Megatron's GPTDataset: no loss where the *input* token is the
             # end of a document, i.e. target k is masked when token k - 1 is EOD.
@@ -355,16 +348,9 @@ def document_splits(
     from megatron.training.utils import get_blend_and_blend_per_split
 
     common = dict(max_length=args.seq_length, seed=args.seed, eod_id=eod_id)
-    if conversation_tokenizer is not None:
 
-        def collection(blend: Tuple[List[str], Optional[List[float]]]) -> DocumentCollection:
-            _check_weights(blend)
-            return conversation_documents(blend[0], conversation_tokenizer)
-
-    else:
-
-        def collection(blend: Tuple[List[str], Optional[List[float]]]) -> DocumentCollection:
-            return _collection(blend, args)
+    def collection(blend: Tuple[List[str], Optional[List[float]]]) -> DocumentCollection:
+        return _collection(blend, args, conversation_tokenizer)
 
     if args.mock_data:
         documents = mock_documents(
@@ -389,19 +375,21 @@ def document_splits(
     return splits
 
 
-def _check_weights(blend: Tuple[List[str], Optional[List[float]]]) -> None:
-    weights = blend[1]
+def _collection(
+    blend: Tuple[List[str], Optional[List[float]]],
+    args: Any,
+    conversation_tokenizer: Optional[Callable] = None,
+) -> DocumentCollection:
+    paths, weights = blend
     if weights is not None and len(set(weights)) > 1:
         raise ValueError(
             f"--data-path with weights {weights}: weighted blends are not supported with "
             "--use-dynamic-batch-size / --document-samples; list the prefixes without weights "
             "(their documents are concatenated)."
         )
-
-
-def _collection(blend: Tuple[List[str], Optional[List[float]]], args: Any) -> DocumentCollection:
-    _check_weights(blend)
-    return indexed_documents(blend[0], mmap=args.mmap_bin_files)
+    if conversation_tokenizer is not None:
+        return conversation_documents(paths, conversation_tokenizer)
+    return indexed_documents(paths, mmap=args.mmap_bin_files)
 
 
 def _split(

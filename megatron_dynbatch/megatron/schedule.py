@@ -12,12 +12,22 @@ __all__ = [
     "VARIABLE_SHAPE_KEYS",
     "check_schedule_config",
     "check_uniform_shapes",
+    "interleaved_shape_exchange_hangs",
     "run_forward_backward",
 ]
 
 # Keys whose length legitimately differs between micro-batches: ``cu_seqlens`` has one entry per
 # packed segment plus one. It never crosses a pipeline boundary, so it cannot break p2p shapes.
 VARIABLE_SHAPE_KEYS = ("cu_seqlens",)
+
+
+def interleaved_shape_exchange_hangs(
+    pp: int, interleaved: bool, variable_seq_lengths: bool, overlap_p2p_comm: bool
+) -> bool:
+    """Whether megatron.core's interleaved schedule hangs on its shape exchange (see
+    :func:`check_schedule_config`): interleaving at pp = 2 with variable sequence lengths and
+    without overlapped p2p."""
+    return interleaved and pp == 2 and variable_seq_lengths and not overlap_p2p_comm
 
 
 def check_schedule_config(config: TransformerConfig) -> None:
@@ -51,13 +61,16 @@ def check_schedule_config(config: TransformerConfig) -> None:
             "the wrong receives. Set batch_p2p_comm=False (Megatron-LM's argument validation forbids the "
             "combination for the same reason)."
         )
-    if vpp is not None and pp == 2 and config.variable_seq_lengths and not config.overlap_p2p_comm:
+    if interleaved_shape_exchange_hangs(
+        pp, vpp is not None, config.variable_seq_lengths, config.overlap_p2p_comm
+    ):
         raise ValueError(
             f"variable_seq_lengths=True with the interleaved schedule (virtual_pipeline_model_"
             f"parallel_size={vpp}), pipeline_model_parallel_size=2 and overlap_p2p_comm=False "
             "hangs in megatron.core: shapes are exchanged with batched sends and receives, and "
-            "with the same rank on both sides the two stages' batches do not pair up. Set overlap_p2p_comm=True (Megatron-LM's default for interleaving, which it "
-            "requires at pp = 2), use pp > 2, or give every micro-batch the same length."
+            "with the same rank on both sides the two stages' batches do not pair up. Set "
+            "overlap_p2p_comm=True (Megatron-LM's default for interleaving, which it requires at "
+            "pp = 2), use pp > 2, or give every micro-batch the same length."
         )
 
 
