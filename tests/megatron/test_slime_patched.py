@@ -2,9 +2,9 @@
 
 With ``SLIME_DIR`` (a slime checkout at the commit named in ``patches/slime/README.md``) the
 patches are applied to a copy with ``launch/apply_slime_patches.sh``, and on gloo CPU ranks
-(tiny GPT, pp 2, dp 1 and 2) slime's real ``get_data_iterator``, ``get_batch``, ``forward_only``
-(with ``get_log_probs_and_entropy``) and ``train_one_step`` (with ``policy_loss_function``) run
-on rollout data scheduled by our ``build_dp_schedule``. Checked: every step's gradients equal a
+(tiny GPT, pp 2 at dp 1 and 2, pp 2 x vpp 2) slime's real ``get_data_iterator``, ``get_batch``,
+``forward_only`` (with ``get_log_probs_and_entropy``) and ``train_one_step`` (with
+``policy_loss_function``) run on rollout data scheduled by our ``build_dp_schedule``. Checked: every step's gradients equal a
 single process running each sample alone (relative 1e-5), in both of slime's loss modes (per
 token, per rollout), on a layout where one DP rank holds only placeholders too; log-probs come
 back in rollout order; a bad sample on one rank stops every rank with the same error; with the
@@ -430,6 +430,7 @@ def _slime_body(slime_root, num_rollouts, gbs, max_tokens, per_token, bad_rank=N
 
     from megatron_dynbatch.testing.tiny_gpt import (
         build_tiny_gpt,
+        make_schedule_config_safe,
         tiny_transformer_config,
         wrap_in_ddp,
     )
@@ -454,15 +455,12 @@ def _slime_body(slime_root, num_rollouts, gbs, max_tokens, per_token, bad_rank=N
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         calculate_per_token_loss=per_token,
     )
-    # slime always runs Megatron with variable_seq_lengths (its arguments.py forces it).
-    # Megatron-LM's arguments turn on overlap_p2p_comm for the interleaved schedule (and require it
-    # at pp = 2, where a batched exchange of per-micro-batch shapes pairs the wrong receives).
+    # slime always runs Megatron with variable_seq_lengths (its arguments.py forces it); with
+    # interleaving at pp = 2 that needs overlap_p2p_comm, Megatron-LM's default there.
     config = dataclasses.replace(
-        config,
-        variable_seq_lengths=True,
-        moe_token_dispatcher_type="alltoall",
-        overlap_p2p_comm=vpp > 1,
+        config, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall"
     )
+    make_schedule_config_safe(config)
     config.finalize_model_grads_func = finalize_model_grads
     ddp_chunks = wrap_in_ddp(build_tiny_gpt(config, seed=SEED))
     model = [_thd_chunk(c) for c in ddp_chunks]
