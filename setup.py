@@ -14,5 +14,5 @@ setup(
     # clusters the user's CUDA torch must stay). scripts/bootstrap.sh installs the pinned set.
     install_requires=["pyyaml"],
     extras_require={"cpu": ["torch==2.13.0", "numpy", "packaging>=24.2"]},
-    entry_points={"console_scripts": ["megatron-dynbatch=megatron_dynbatch.cli:main"]},
+    entry_points={"console_scripts": ["megatron-dynbatch=megatron_dynbatch.tools.cli:main"]},
 )

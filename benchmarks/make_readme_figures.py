@@ -31,7 +31,7 @@ from benchmarks.bench_planner import GOALS, cap_memory, speed_table, versus_verl
 from benchmarks.metrics import EVAL_COST
 from benchmarks.search import search
 from megatron_dynbatch.planning import ParallelLayout, PlannerConfig, SampleSet, plan_samples
-from megatron_dynbatch.plotting import plot_step
+from megatron_dynbatch.tools.plotting import plot_step
 
 SEED = 0
 #: The layout and mix of the detailed table and of the picture.

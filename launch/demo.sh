@@ -18,7 +18,7 @@ mkdir -p "$OUT"
 
 if [[ ! -f $DATA_PREFIX.idx || ! -f $DATA_PREFIX.bin ]]; then
   "$PY" launch/make_pydoc_corpus.py "$DATA_DIR/pydoc.jsonl"
-  "$PY" -m megatron_dynbatch.megatron.preprocess --input "$DATA_DIR/pydoc.jsonl" \
+  "$PY" -m megatron_dynbatch.integrations.megatron_lm.data.preprocess --input "$DATA_DIR/pydoc.jsonl" \
     --output-prefix "$DATA_DIR/pydoc" --append-eod
 fi
 

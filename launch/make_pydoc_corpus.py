@@ -5,7 +5,7 @@
 The text is ``pydoc_data.topics`` (the help topics shipped with every CPython, about 460 KB): its
 paragraphs (separated by blank lines), in topic order, as ``{"text": ...}`` lines, the input
 format of Megatron-LM's ``tools/preprocess_data.py`` and of ``python -m
-megatron_dynbatch.megatron.preprocess``. Paragraph lengths are long-tailed (median about 110
+megatron_dynbatch.integrations.megatron_lm.data.preprocess``. Paragraph lengths are long-tailed (median about 110
 bytes, a few over 5,000), which is what dynamic batching is for.
 """
 

@@ -9,7 +9,7 @@ imported tree has ``patches/`` applied: a Megatron-LM checkout already patched w
 ``launch/apply_patches.sh`` is used as is; otherwise a patched copy of the ``megatron/training``
 Python would import is kept under ``~/.cache/megatron_dynbatch`` (``$MEGATRON_DYNBATCH_CACHE``)
 and put first on ``sys.path``, and nothing installed is modified. On a machine without CUDA the
-CPU support (``megatron_dynbatch/megatron/cpu_training_shim.py``) is applied; with CUDA it is not.
+CPU support (``megatron_dynbatch/cpu/training_shim.py``) is applied; with CUDA it is not.
 See README.md, section "Megatron-LM".
 """
 
@@ -20,11 +20,13 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from megatron_dynbatch.megatron.patched_tree import use_patched_training  # noqa: E402
+from megatron_dynbatch.integrations.megatron_lm.patched_tree import (  # noqa: E402
+    use_patched_training,
+)
 
 use_patched_training(REPO / "patches", REPO / "launch" / "apply_patches.sh")
 
-from megatron_dynbatch.megatron.cpu_training_shim import (  # noqa: E402
+from megatron_dynbatch.cpu.training_shim import (  # noqa: E402
     apply_training_cpu_shim,
     skip_helper_compilation_if_prebuilt,
 )
@@ -32,7 +34,7 @@ from megatron_dynbatch.megatron.cpu_training_shim import (  # noqa: E402
 apply_training_cpu_shim()  # a no-op where CUDA exists
 skip_helper_compilation_if_prebuilt()  # the megatron-core wheel ships the helpers, not a Makefile
 
-from megatron_dynbatch.megatron.pretrain_gpt import main  # noqa: E402
+from megatron_dynbatch.integrations.megatron_lm.pretrain_gpt import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

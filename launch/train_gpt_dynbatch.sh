@@ -73,7 +73,7 @@ if [[ -n $DATA_PATH ]]; then
 else
     DATA_ARGS=(--mock-data)
 fi
-# Byte-level tokens (python -m megatron_dynbatch.megatron.preprocess): 256 bytes + end of document.
+# Byte-level tokens (python -m megatron_dynbatch.integrations.megatron_lm.data.preprocess): 256 bytes + end of document.
 DATA_ARGS+=(--tokenizer-type NullTokenizer --vocab-size 257)
 
 EVAL_AND_LOGGING_ARGS=(

@@ -1,7 +1,7 @@
 """The dynamic-batching configuration: a frozen dataclass, its command-line flags and a YAML loader.
 
 Standard library (plus PyYAML, imported only by the loader) and the pure planner; no torch, no
-megatron. :mod:`megatron_dynbatch.megatron.arguments` turns Megatron's parsed arguments into a
+megatron. :mod:`megatron_dynbatch.integrations.megatron_lm.arguments` turns Megatron's parsed arguments into a
 :class:`DynBatchConfig`; ``configs/dynbatch.yaml`` lists every key with its default.
 """
 

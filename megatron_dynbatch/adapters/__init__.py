@@ -1,1 +1,1 @@
-"""Adapters for RL trainers that run Megatron (slime-style rollout batches)."""
+"""Kept import paths for tools outside this package (slime's patches): thin re-exports."""

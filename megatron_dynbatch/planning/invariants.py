@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Dict, List, Sequence
 
+from megatron_dynbatch.errors import DynBatchError
+
 from .plan import Plan, StepPlan
 from .samples import SampleSet
 from .spec import PlannerConfig, ceil_div, round_up
@@ -20,7 +22,7 @@ __all__ = ["PlanInvariantError", "check_plan"]
 _LISTED = 20
 
 
-class PlanInvariantError(AssertionError):
+class PlanInvariantError(DynBatchError, AssertionError):
     """A plan breaks one of its guarantees (a planner bug, never a user error)."""
 
 

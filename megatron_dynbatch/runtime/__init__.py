@@ -1,46 +1,43 @@
-"""Torch runtime: materialize planned micro-batches, normalise their loss, restore output order.
+"""Torch runtime: the input batch types, materialize planned micro-batches, the exact loss, reorder.
 
-Imports torch, never megatron; the Megatron integration (``megatron_dynbatch.megatron``) builds
-on it.
+Imports torch, never megatron; ``megatron_dynbatch.mcore`` builds on it. The names below load their
+module on first use, so ``runtime.aggregation`` (standard library only) can be imported by the CLI
+without torch.
 """
 
-from megatron_dynbatch.runtime.loss import (
-    AGGREGATIONS,
-    detach_masked_positions,
-    finalize_loss,
-    microbatch_loss,
-    reference_loss,
-)
-from megatron_dynbatch.runtime.materialize import (
-    BUILTIN_KEYS,
-    materialize_microbatches,
-    microbatch_shapes,
-)
-from megatron_dynbatch.runtime.reorder import restore_order, split_outputs
-from megatron_dynbatch.runtime.schema import (
-    FIELD_KINDS,
-    RESERVED_KEYS,
-    SAMPLE_INPUT_KEYS,
-    BatchSchema,
-    CheckedSample,
-    FieldSpec,
-)
+import importlib
 
-__all__ = [
-    "AGGREGATIONS",
-    "BUILTIN_KEYS",
-    "FIELD_KINDS",
-    "RESERVED_KEYS",
-    "SAMPLE_INPUT_KEYS",
-    "BatchSchema",
-    "CheckedSample",
-    "FieldSpec",
-    "detach_masked_positions",
-    "finalize_loss",
-    "materialize_microbatches",
-    "microbatch_loss",
-    "microbatch_shapes",
-    "reference_loss",
-    "restore_order",
-    "split_outputs",
-]
+_HOMES = {
+    "AGGREGATIONS": "aggregation",
+    "check_aggregation": "aggregation",
+    "detach_masked_positions": "loss",
+    "finalize_loss": "loss",
+    "microbatch_loss": "loss",
+    "reference_loss": "loss",
+    "BUILTIN_KEYS": "materialize",
+    "materialize_microbatches": "materialize",
+    "microbatch_shapes": "materialize",
+    "restore_order": "reorder",
+    "split_outputs": "reorder",
+    "FIELD_KINDS": "schema",
+    "RESERVED_KEYS": "schema",
+    "SAMPLE_INPUT_KEYS": "schema",
+    "BatchSchema": "schema",
+    "CheckedSample": "schema",
+    "FieldSpec": "schema",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_HOMES))

@@ -36,7 +36,7 @@ Conventions:
   advantage on a masked token, backward still computes ``0 * NaN`` for d(loss)/d(ce). The
   materializer therefore gives finite declared fields everywhere (``schema.py``), and
   :func:`detach_masked_positions` cuts the gradient of masked positions before the token loss,
-  whatever it computes there (``megatron_dynbatch.megatron.step.make_loss_func`` applies it).
+  whatever it computes there (``megatron_dynbatch.mcore.step.make_loss_func`` applies it).
 * ``seq-mean-*`` need whole sequences in one loss call; with context parallelism (each CP rank
   sees a slice of every sequence) only ``token-mean`` and ``sum`` are exact as written.
 
@@ -54,7 +54,7 @@ from typing import Dict, Mapping, Sequence, Tuple
 
 import torch
 
-from megatron_dynbatch.aggregation import AGGREGATIONS, check_aggregation
+from megatron_dynbatch.runtime.aggregation import AGGREGATIONS, check_aggregation
 
 __all__ = [
     "AGGREGATIONS",

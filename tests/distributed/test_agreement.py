@@ -2,13 +2,13 @@
 
 import time
 
-from megatron_dynbatch.testing.workers import Layout, run_on_ranks
+from megatron_dynbatch.tools.testing.workers import Layout, run_on_ranks
 
 
 def _failing_rank_body(failing_rank):
     import torch.distributed as dist
 
-    from megatron_dynbatch.megatron.agreement import StepAgreementError, step_agreement
+    from megatron_dynbatch.mcore.agreement import StepAgreementError, step_agreement
     from megatron_dynbatch.planning import PlannerConfig, plan_schedule
 
     started = time.monotonic()

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from megatron_dynbatch.testing.workers import (
+from megatron_dynbatch.tools.testing.workers import (
     WORKER_NAME_PREFIX,
     DistributedTestError,
     run_on_ranks,

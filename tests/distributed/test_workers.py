@@ -1,6 +1,6 @@
 """The reusable worker pool: layout switches must not leak process-group threads."""
 
-from megatron_dynbatch.testing.workers import Layout, os_thread_count, run_on_ranks
+from megatron_dynbatch.tools.testing.workers import Layout, os_thread_count, run_on_ranks
 
 
 def _threads() -> int:

@@ -8,8 +8,8 @@ import argparse
 import pytest
 import torch
 
-from megatron_dynbatch.megatron import cpu_training_shim
-from megatron_dynbatch.megatron.cpu_shim import apply_cpu_shim
+from megatron_dynbatch.cpu import training_shim as cpu_training_shim
+from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
 
 apply_cpu_shim()
 

@@ -6,14 +6,14 @@ import numpy
 import pytest
 import torch
 
-from megatron_dynbatch.megatron.cpu_shim import apply_cpu_shim
+from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
 
 apply_cpu_shim()  # importing megatron.core needs the triton stand-in on this machine
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset  # noqa: E402
 
-from megatron_dynbatch.megatron import preprocess  # noqa: E402
-from megatron_dynbatch.megatron.documents import (  # noqa: E402
+from megatron_dynbatch.integrations.megatron_lm.data import preprocess  # noqa: E402
+from megatron_dynbatch.integrations.megatron_lm.data.documents import (  # noqa: E402
     DocumentBatchStream,
     DocumentCollection,
     DocumentSampleDataset,
@@ -179,7 +179,9 @@ def _conversation_file(tmp_path):
 
 
 def test_byte_template_trains_the_assistant_tokens_only():
-    from megatron_dynbatch.megatron.conversations import byte_conversation_tokenizer
+    from megatron_dynbatch.integrations.megatron_lm.data.conversations import (
+        byte_conversation_tokenizer,
+    )
 
     tokenize = byte_conversation_tokenizer()
     conversation = [
@@ -200,8 +202,10 @@ def test_byte_template_trains_the_assistant_tokens_only():
 
 
 def test_conversations_split_at_system_messages_and_load_lazily(tmp_path):
-    from megatron_dynbatch.megatron.conversations import byte_conversation_tokenizer
-    from megatron_dynbatch.megatron.documents import conversation_documents
+    from megatron_dynbatch.integrations.megatron_lm.data.conversations import (
+        byte_conversation_tokenizer,
+    )
+    from megatron_dynbatch.integrations.megatron_lm.data.documents import conversation_documents
 
     tokenize = byte_conversation_tokenizer()
     path = _conversation_file(tmp_path)
@@ -245,7 +249,7 @@ def test_conversations_split_at_system_messages_and_load_lazily(tmp_path):
     ],
 )
 def test_bad_conversation_lines_name_the_file_and_line(tmp_path, line, message):
-    from megatron_dynbatch.megatron.conversations import (
+    from megatron_dynbatch.integrations.megatron_lm.data.conversations import (
         byte_conversation_tokenizer,
         read_conversations,
     )
@@ -263,7 +267,7 @@ def test_bad_conversation_lines_name_the_file_and_line(tmp_path, line, message):
 def test_conversation_tokenizer_needs_byte_vocabulary_or_a_conversation_tokenizer():
     from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
-    from megatron_dynbatch.megatron.conversations import conversation_tokenizer
+    from megatron_dynbatch.integrations.megatron_lm.data.conversations import conversation_tokenizer
 
     tokenize = conversation_tokenizer(NullTokenizer(257), "NullTokenizer")
     assert tokenize([{"role": "assistant", "content": "x"}])[1].any()

@@ -127,11 +127,11 @@ def test_apply_rejects_a_directory_without_megatron(tmp_path):
     assert result.returncode == 1 and "megatron/training does not exist" in result.stderr
 
 
-# --- how the launch script gets a patched tree (megatron_dynbatch.megatron.patched_tree) ----------
+# --- how the launch script gets a patched tree (megatron_dynbatch.integrations.megatron_lm.patched_tree) ----------
 
 _USE_PATCHED = (
     "import pathlib, sys\n"
-    "from megatron_dynbatch.megatron.patched_tree import use_patched_training\n"
+    "from megatron_dynbatch.integrations.megatron_lm.patched_tree import use_patched_training\n"
     "print(use_patched_training(pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]),\n"
     "                           cache_dir=pathlib.Path(sys.argv[3])))\n"
 )
@@ -149,7 +149,7 @@ def _use_patched(cache: pathlib.Path, first_on_path: pathlib.Path = None):
 
 
 def test_launch_script_imports_a_patched_copy_and_leaves_the_installed_tree_alone(tmp_path):
-    from megatron_dynbatch.megatron.patched_tree import is_patched
+    from megatron_dynbatch.integrations.megatron_lm.patched_tree import is_patched
 
     installed = STOCK_ROOT / "megatron" / "training" / "training.py"
     before = installed.read_bytes()
@@ -258,8 +258,8 @@ def _two_rank_body(mismatch: str):
 
     import torch
 
-    from megatron_dynbatch.megatron import training_hooks
-    from megatron_dynbatch.megatron.arguments import add_dynamic_batch_args
+    from megatron_dynbatch.integrations.megatron_lm import hooks as training_hooks
+    from megatron_dynbatch.integrations.megatron_lm.arguments import add_dynamic_batch_args
 
     args = add_dynamic_batch_args(argparse.ArgumentParser()).parse_args(
         ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "16"]
@@ -287,7 +287,7 @@ def _two_rank_body(mismatch: str):
 
 
 def test_hook_splits_one_global_batch_over_dp_ranks():
-    from megatron_dynbatch.testing.workers import Layout, run_on_ranks
+    from megatron_dynbatch.tools.testing.workers import Layout, run_on_ranks
 
     results = run_on_ranks(2, _two_rank_body, "", layout=Layout())
     (indices0, m0, shapes0, n0), (indices1, m1, shapes1, n1) = results
@@ -296,7 +296,7 @@ def test_hook_splits_one_global_batch_over_dp_ranks():
 
 
 def test_hook_raises_on_every_rank_when_plans_differ():
-    from megatron_dynbatch.testing.workers import Layout, run_on_ranks
+    from megatron_dynbatch.tools.testing.workers import Layout, run_on_ranks
 
     messages = run_on_ranks(2, _two_rank_body, "lengths", layout=Layout())
     for kind, message in messages:
@@ -306,7 +306,7 @@ def test_hook_raises_on_every_rank_when_plans_differ():
 
 
 def test_a_batch_of_the_wrong_size_stops_every_rank_with_the_same_error():
-    from megatron_dynbatch.testing.workers import Layout, run_on_ranks
+    from megatron_dynbatch.tools.testing.workers import Layout, run_on_ranks
 
     messages = run_on_ranks(2, _two_rank_body, "size", layout=Layout())
     assert messages[0] == messages[1]
@@ -347,7 +347,7 @@ _DYNAMIC_ARGV = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "24"] + [
 
 def _worker_setup(tree: str):
     sys.path.insert(0, tree)
-    from megatron_dynbatch.megatron.cpu_training_shim import apply_training_cpu_shim
+    from megatron_dynbatch.cpu.training_shim import apply_training_cpu_shim
 
     apply_training_cpu_shim()
     import megatron.training.training as training
@@ -385,7 +385,7 @@ def _worker_build():
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.training.training import get_optimizer_param_scheduler
 
-    from megatron_dynbatch.testing.tiny_gpt import (
+    from megatron_dynbatch.tools.testing.tiny_gpt import (
         build_tiny_gpt,
         tiny_transformer_config,
         wrap_in_ddp,
@@ -411,7 +411,7 @@ def _worker_samples(lengths, seed):
 
 
 def _worker_params(model):
-    from megatron_dynbatch.testing.tiny_gpt import named_global_params
+    from megatron_dynbatch.tools.testing.tiny_gpt import named_global_params
 
     return {name: p.detach().clone() for name, p in named_global_params(model).items()}
 
@@ -420,7 +420,7 @@ def _worker_reference_loss(model, samples):
     """Token-mean next-token loss of ``samples``, each run alone through the unwrapped model."""
     import torch
 
-    from megatron_dynbatch.megatron.forward import build_attention_mask
+    from megatron_dynbatch.mcore.forward import build_attention_mask
 
     total, count = 0.0, 0
     with torch.no_grad():
@@ -445,7 +445,7 @@ def _worker_train_step(model, optimizer, scheduler, config, data_iterator):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.training.training import train_step
 
-    from megatron_dynbatch.megatron.forward import make_forward_step
+    from megatron_dynbatch.mcore.forward import make_forward_step
     from megatron_dynbatch.runtime import microbatch_loss
 
     forward_step = make_forward_step(lambda batch, loss: microbatch_loss("token-mean", loss, batch))
@@ -462,7 +462,7 @@ def _worker_evaluate(model, config, microbatches):
     from megatron.core.rerun_state_machine import RerunDataIterator
     from megatron.training.training import evaluate
 
-    from megatron_dynbatch.megatron.forward import make_forward_step
+    from megatron_dynbatch.mcore.forward import make_forward_step
     from megatron_dynbatch.runtime import microbatch_loss
 
     forward_step = make_forward_step(
@@ -504,9 +504,9 @@ def _worker_flag_off(provider):
 def _worker_flag_on():
     from megatron.core.rerun_state_machine import RerunDataIterator
 
-    from megatron_dynbatch.megatron import training_hooks
-    from megatron_dynbatch.megatron.arguments import add_dynamic_batch_args
-    from megatron_dynbatch.testing.tiny_gpt import named_global_params
+    from megatron_dynbatch.integrations.megatron_lm import hooks as training_hooks
+    from megatron_dynbatch.integrations.megatron_lm.arguments import add_dynamic_batch_args
+    from megatron_dynbatch.tools.testing.tiny_gpt import named_global_params
 
     result = {}
     no_per_token = [a for a in _ARGV if a != "--calculate-per-token-loss"]
@@ -579,7 +579,7 @@ def _worker_main(tree: str, mode: str, out: str) -> None:
     if mode == "stock":
         result["off"] = _worker_flag_off(None)
     else:
-        from megatron_dynbatch.megatron.arguments import add_dynamic_batch_args
+        from megatron_dynbatch.integrations.megatron_lm.arguments import add_dynamic_batch_args
 
         result["off"] = _worker_flag_off(add_dynamic_batch_args)
         result["on"] = _worker_flag_on()

@@ -13,12 +13,12 @@ import time
 import pytest
 import torch
 
-from megatron_dynbatch.megatron.cpu_shim import apply_cpu_shim
+from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
 
 # Results unpickled here may reference megatron modules, which import only with the shim on CPU.
 apply_cpu_shim()
 
-from megatron_dynbatch.testing.workers import (  # noqa: E402
+from megatron_dynbatch.tools.testing.workers import (  # noqa: E402
     DistributedTestError,
     Layout,
     run_on_ranks,
@@ -36,7 +36,7 @@ SEED = 7
 
 
 def _sample(index, advantages):
-    from megatron_dynbatch.testing.tiny_gpt import TINY_VOCAB_SIZE
+    from megatron_dynbatch.tools.testing.tiny_gpt import TINY_VOCAB_SIZE
 
     generator = torch.Generator().manual_seed(1000 + index)
     return {
@@ -70,11 +70,11 @@ def _step_body(fault=None, advantages=None, kill_rank=None):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_dynbatch.megatron.agreement import StepAgreementError, step_agreement
-    from megatron_dynbatch.megatron.step import configure_loss, train_microbatches
+    from megatron_dynbatch.mcore.agreement import StepAgreementError, step_agreement
+    from megatron_dynbatch.mcore.step import configure_loss, train_microbatches
     from megatron_dynbatch.planning import ParallelLayout, PlannerConfig, plan_schedule
     from megatron_dynbatch.runtime import BatchSchema, FieldSpec, materialize_microbatches
-    from megatron_dynbatch.testing.tiny_gpt import (
+    from megatron_dynbatch.tools.testing.tiny_gpt import (
         build_tiny_gpt,
         named_global_grads,
         tiny_transformer_config,

@@ -16,15 +16,15 @@ import time
 
 import pytest
 
-from megatron_dynbatch.cli import main
-from megatron_dynbatch.megatron.verify import build_spec, launch, reference_body, run_verify
-from megatron_dynbatch.megatron.verify.cli import (
+from megatron_dynbatch.planning import ParallelLayout, PlannerConfig
+from megatron_dynbatch.tools.cli import main
+from megatron_dynbatch.tools.verify import build_spec, launch, reference_body, run_verify
+from megatron_dynbatch.tools.verify.cli import (
     EXIT_BAD_INPUT,
     EXIT_FAIL,
     EXIT_PASS,
     EXIT_RANK_FAILED,
 )
-from megatron_dynbatch.planning import ParallelLayout, PlannerConfig
 from tests.distributed.test_worker_lifecycle import _worker_pids, alive, seconds_until_gone
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -123,7 +123,7 @@ def test_numerical_fail_exits_1(tmp_path, capsys, monkeypatch):
 def _rank1_fails_before_the_schedule(spec):
     import torch.distributed as dist
 
-    from megatron_dynbatch.megatron.agreement import step_agreement
+    from megatron_dynbatch.mcore.agreement import step_agreement
 
     with step_agreement(what="verify step"):
         if dist.get_rank() == 1:
@@ -142,7 +142,7 @@ def test_a_rank_error_exits_3_with_the_agreed_one_line_message(capsys, monkeypat
 def _rank1_killed_inside_the_schedule(spec):
     import torch.distributed as dist
 
-    from megatron_dynbatch.megatron.verify import bodies
+    from megatron_dynbatch.tools.verify import bodies
 
     real_loss = bodies._advantage_loss
 
@@ -177,7 +177,7 @@ def test_a_rank_killed_inside_the_schedule_exits_3_fast(capsys, monkeypatch):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_sigterm_kills_the_workers_and_exits_by_the_signal(tmp_path):
     stderr_path = tmp_path / "stderr.txt"
-    command = [sys.executable, "-m", "megatron_dynbatch.cli", "verify", "--dp-size", "2"]
+    command = [sys.executable, "-m", "megatron_dynbatch.tools.cli", "verify", "--dp-size", "2"]
     with open(stderr_path, "w") as stderr:
         verify = subprocess.Popen(
             [*command, "--samples", _samples_file(tmp_path)],

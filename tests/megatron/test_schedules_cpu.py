@@ -9,7 +9,7 @@ interleaved 1F1B; dp = 1 and 2) must reproduce the gradient of
 import pytest
 import torch
 
-from megatron_dynbatch.megatron.cpu_shim import apply_cpu_shim
+from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
 
 # Explicit, before the first megatron import (this module is also imported by the test workers).
 apply_cpu_shim()
@@ -17,15 +17,15 @@ apply_cpu_shim()
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.distributed import finalize_model_grads  # noqa: E402
 
-from megatron_dynbatch.megatron.forward import (  # noqa: E402
+from megatron_dynbatch.mcore.forward import (  # noqa: E402
     build_attention_mask,
     make_forward_step,
 )
-from megatron_dynbatch.megatron.schedule import (  # noqa: E402
+from megatron_dynbatch.mcore.schedule import (  # noqa: E402
     check_schedule_config,
     run_forward_backward,
 )
-from megatron_dynbatch.testing.tiny_gpt import (  # noqa: E402
+from megatron_dynbatch.tools.testing.tiny_gpt import (  # noqa: E402
     TINY_VOCAB_SIZE,
     build_tiny_gpt,
     logprobs_from_logits,
@@ -34,7 +34,7 @@ from megatron_dynbatch.testing.tiny_gpt import (  # noqa: E402
     tiny_transformer_config,
     wrap_in_ddp,
 )
-from megatron_dynbatch.testing.workers import Layout, run_on_ranks  # noqa: E402
+from megatron_dynbatch.tools.testing.workers import Layout, run_on_ranks  # noqa: E402
 
 SEQ_LENGTH = 16
 MICRO_BATCH_SIZE = 2

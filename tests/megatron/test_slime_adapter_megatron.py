@@ -9,12 +9,12 @@ running every sample alone.
 import pytest
 import torch
 
-from megatron_dynbatch.megatron.cpu_shim import apply_cpu_shim
+from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
 
 # Results unpickled here may reference megatron modules, which import only with the shim on CPU.
 apply_cpu_shim()
 
-from megatron_dynbatch.testing.workers import Layout, run_on_ranks  # noqa: E402
+from megatron_dynbatch.tools.testing.workers import Layout, run_on_ranks  # noqa: E402
 
 VOCAB = 128
 SEED = 11
@@ -53,14 +53,14 @@ def _adapter_body():
 
     from megatron_dynbatch.adapters.slime import DynamicBatching
     from megatron_dynbatch.config import DynBatchConfig
-    from megatron_dynbatch.megatron.step import (
+    from megatron_dynbatch.mcore.step import (
         check_plan_agreement,
         configure_loss,
         forward_only_outputs,
         train_microbatches,
     )
     from megatron_dynbatch.planning import ParallelLayout
-    from megatron_dynbatch.testing.tiny_gpt import (
+    from megatron_dynbatch.tools.testing.tiny_gpt import (
         build_tiny_gpt,
         named_global_grads,
         tiny_transformer_config,
@@ -107,8 +107,8 @@ def _adapter_body():
 
 
 def _reference_body():
-    from megatron_dynbatch.megatron.forward import build_attention_mask
-    from megatron_dynbatch.testing.tiny_gpt import (
+    from megatron_dynbatch.mcore.forward import build_attention_mask
+    from megatron_dynbatch.tools.testing.tiny_gpt import (
         build_tiny_gpt,
         named_global_grads,
         tiny_transformer_config,

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_dynbatch.adapters.slime_backend import agree_on_step, forward_only_iterators
-from megatron_dynbatch.megatron.agreement import StepAgreementError
+from megatron_dynbatch.integrations.slime.backend import agree_on_step, forward_only_iterators
+from megatron_dynbatch.mcore.agreement import StepAgreementError
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def _args(budget):
 
 
 def _first_iterator(lengths, budget):
-    from megatron_dynbatch.adapters.slime_backend import SlimeDataIterator
+    from megatron_dynbatch.integrations.slime.backend import SlimeDataIterator
 
     data = _rollout_data(lengths)
     stock = SlimeDataIterator(data, [list(range(len(lengths)))], [10**6])
@@ -75,7 +75,7 @@ def test_a_rank_without_samples_gets_placeholders_within_the_budget():
 
 @pytest.mark.usefixtures("one_process_group")
 def test_interleaving_at_pp2_without_overlapped_p2p_is_refused_before_the_step():
-    from megatron_dynbatch.adapters.slime_backend import SlimeDataIterator
+    from megatron_dynbatch.integrations.slime.backend import SlimeDataIterator
 
     data = _rollout_data([30, 20])
     iterators = [SlimeDataIterator(data, [[0], [1]], [64, 64]) for _ in range(2)]

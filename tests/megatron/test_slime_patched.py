@@ -15,7 +15,7 @@ What is not slime's in these runs, and why:
 * modules slime imports for rollout serving and logging, when not installed, are stubbed:
   ``ray``, ``sglang``, ``torch_memory_saver``, ``wandb``, ``httpx``, ``tensorboard``
   (:data:`STUBBED`; the test reports which were);
-* the model is the tiny GPT of ``megatron_dynbatch.testing`` (slime's model provider needs a
+* the model is the tiny GPT of ``megatron_dynbatch.tools.testing`` (slime's model provider needs a
   Hugging Face checkpoint), behind a wrapper that turns slime's THD ``packed_seq_params`` into a
   block-diagonal attention mask, because THD attention needs transformer-engine (GPU only);
 * slime's accelerator is a CPU backend installed through its public ``set_accelerator``;
@@ -39,16 +39,16 @@ import time
 import pytest
 import torch
 
-from megatron_dynbatch.megatron.cpu_shim import apply_cpu_shim
+from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
 
 apply_cpu_shim()
 
-from megatron_dynbatch.adapters.slime_backend import (  # noqa: E402
+from megatron_dynbatch.integrations.slime.backend import (  # noqa: E402
     SlimeDataIterator,
     placeholder_sample,
     restore_rollout_order,
 )
-from megatron_dynbatch.testing.workers import Layout, run_on_ranks  # noqa: E402
+from megatron_dynbatch.tools.testing.workers import Layout, run_on_ranks  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 APPLY = REPO / "launch" / "apply_slime_patches.sh"
@@ -372,7 +372,7 @@ class _Recorder:
         pass
 
     def step(self, increment=None):
-        from megatron_dynbatch.testing.tiny_gpt import named_global_grads
+        from megatron_dynbatch.tools.testing.tiny_gpt import named_global_grads
 
         if increment is not None:  # the LR scheduler's step
             self.increments.append(increment)
@@ -383,7 +383,7 @@ class _Recorder:
 
 def _thd_chunk(ddp_chunk):
     """A model chunk taking slime's forward kwargs; THD cu_seqlens become a block mask (CPU)."""
-    from megatron_dynbatch.megatron.forward import build_attention_mask
+    from megatron_dynbatch.mcore.forward import build_attention_mask
 
     class ThdAsMask(torch.nn.Module):
         def __init__(self, module):
@@ -418,7 +418,7 @@ def _slime_body(slime_root, num_rollouts, gbs, max_tokens, per_token, bad_rank=N
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
 
-    from megatron_dynbatch.megatron.cpu_training_shim import apply_training_cpu_shim
+    from megatron_dynbatch.cpu.training_shim import apply_training_cpu_shim
 
     apply_training_cpu_shim()
     stubbed = _install_stubs()
@@ -428,7 +428,7 @@ def _slime_body(slime_root, num_rollouts, gbs, max_tokens, per_token, bad_rank=N
     from slime.backends.megatron_utils import model as slime_model
     from slime.backends.megatron_utils.loss import get_log_probs_and_entropy
 
-    from megatron_dynbatch.testing.tiny_gpt import (
+    from megatron_dynbatch.tools.testing.tiny_gpt import (
         build_tiny_gpt,
         make_schedule_config_safe,
         tiny_transformer_config,
@@ -519,8 +519,8 @@ def _slime_body(slime_root, num_rollouts, gbs, max_tokens, per_token, bad_rank=N
 def _reference_body(num_rollouts, gbs, max_tokens, per_token):
     """Each sample alone through a single-process tiny GPT: per-step gradients, log-probs."""
     from megatron_dynbatch.adapters.slime import build_dp_schedule
-    from megatron_dynbatch.megatron.forward import build_attention_mask
-    from megatron_dynbatch.testing.tiny_gpt import (
+    from megatron_dynbatch.mcore.forward import build_attention_mask
+    from megatron_dynbatch.tools.testing.tiny_gpt import (
         build_tiny_gpt,
         named_global_grads,
         tiny_transformer_config,

@@ -7,11 +7,11 @@ hand to it: segment boundaries that tile the row, placeholders included.
 import pytest
 import torch
 
-from megatron_dynbatch.megatron.cpu_shim import apply_cpu_shim
+from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
 
 apply_cpu_shim()
 
-from megatron_dynbatch.megatron.forward import packed_seq_params_from_batch  # noqa: E402
+from megatron_dynbatch.mcore.forward import packed_seq_params_from_batch  # noqa: E402
 from megatron_dynbatch.planning import ParallelLayout, PlannerConfig, plan_schedule  # noqa: E402
 from megatron_dynbatch.planning.spec import round_up  # noqa: E402
 from megatron_dynbatch.runtime import BatchSchema, materialize_microbatches  # noqa: E402

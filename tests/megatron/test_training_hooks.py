@@ -5,7 +5,7 @@ and only their own DP rank's share; validation batches are planned forward-only 
 log-prob budget.
 """
 
-from megatron_dynbatch.testing.workers import Layout, run_on_ranks
+from megatron_dynbatch.tools.testing.workers import Layout, run_on_ranks
 
 LENGTHS = [30, 7, 51, 12, 19, 44, 3, 26, 9, 60, 15, 33]
 
@@ -13,7 +13,7 @@ LENGTHS = [30, 7, 51, 12, 19, 44, 3, 26, 9, 60, 15, 33]
 def _args(**overrides):
     import argparse
 
-    from megatron_dynbatch.megatron.arguments import add_dynamic_batch_args
+    from megatron_dynbatch.integrations.megatron_lm.arguments import add_dynamic_batch_args
 
     args = add_dynamic_batch_args(argparse.ArgumentParser()).parse_args(
         ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "64"]
@@ -29,7 +29,7 @@ def _args(**overrides):
 def _lazy_batch(loaded):
     import torch
 
-    from megatron_dynbatch.megatron.training_hooks import LazyRolloutBatch
+    from megatron_dynbatch.integrations.megatron_lm.hooks import LazyRolloutBatch
 
     def load(index):
         loaded.append(index)
@@ -40,7 +40,7 @@ def _lazy_batch(loaded):
 
 def _expected_shapes(args):
     """(M, B, S) of the training step (64-token budget) and of validation (128, forward-only)."""
-    from megatron_dynbatch.megatron.arguments import (
+    from megatron_dynbatch.integrations.megatron_lm.arguments import (
         dynbatch_config_from_args,
         parallel_layout_from_args,
     )
@@ -61,7 +61,7 @@ def _reads_body(pp_size):
     import torch
     from megatron.core import parallel_state
 
-    from megatron_dynbatch.megatron import training_hooks
+    from megatron_dynbatch.integrations.megatron_lm import hooks as training_hooks
 
     args = _args(
         data_parallel_size=parallel_state.get_data_parallel_world_size(),

@@ -13,15 +13,15 @@ import sys
 
 import pytest
 
-from megatron_dynbatch.megatron.verify import (
+from megatron_dynbatch.planning import CostModel, ParallelLayout, PlannerConfig
+from megatron_dynbatch.tools.testing.workers import Layout, run_on_ranks
+from megatron_dynbatch.tools.verify import (
     DEFAULT_MAX_TOKENS_PER_GPU,
     GRAD_REL_TOL,
     build_spec,
     compare,
     run_verify,
 )
-from megatron_dynbatch.planning import CostModel, ParallelLayout, PlannerConfig
-from megatron_dynbatch.testing.workers import Layout, run_on_ranks
 
 SCHEDULES = {"no_pipelining": (1, 1), "1f1b": (2, 1), "interleaved": (2, 2)}
 LOSSES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "sum"]
@@ -134,7 +134,7 @@ def test_oversize_error_is_bad_input_before_any_process(tmp_path):
     path.write_text(json.dumps(OVERSIZE))
     argv = ["verify", "--samples", str(path), "--oversize-samples", "error", "--json"]
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_dynbatch.cli", *argv],
+        [sys.executable, "-m", "megatron_dynbatch.tools.cli", *argv],
         capture_output=True,
         text=True,
         timeout=120,
@@ -155,7 +155,7 @@ def test_rank_with_only_placeholders_still_trains(schedule):
 def test_compare_catches_wrong_order_and_wrong_gradients():
     """The verify verdict can fail: swapped outputs or a scaled gradient are caught."""
     spec = _spec(loss="token-mean")
-    from megatron_dynbatch.megatron.verify import dynamic_body, reference_body
+    from megatron_dynbatch.tools.verify import dynamic_body, reference_body
 
     dynamic = run_on_ranks(1, dynamic_body, spec, layout=Layout())
     [reference] = run_on_ranks(1, reference_body, spec, layout=Layout())
@@ -183,7 +183,7 @@ def _mismatched_plan_body():
     """Rank 1 plans one extra sample: every rank must fail, none may hang."""
     import torch.distributed as dist
 
-    from megatron_dynbatch.megatron.agreement import PlanMismatchError, check_plan_agreement
+    from megatron_dynbatch.mcore.agreement import PlanMismatchError, check_plan_agreement
     from megatron_dynbatch.planning import ParallelLayout, PlannerConfig, plan_schedule
 
     lengths = [10, 20, 30] + ([40] if dist.get_rank() == 1 else [])
@@ -203,7 +203,7 @@ def test_ranks_with_different_plans_fail_loudly():
 
 
 def test_verify_cli_json(capsys):
-    from megatron_dynbatch.cli import main
+    from megatron_dynbatch.tools.cli import main
 
     code = main(["verify", "--dp-size", "2", "--loss", "sum", "--json"])
     import json

@@ -25,7 +25,7 @@ from megatron_dynbatch.planning import (
 def _cli(tmp_path, text, *extra):
     path = tmp_path / "samples.json"
     path.write_text(text)
-    cmd = [sys.executable, "-m", "megatron_dynbatch.cli", "plan", str(path), *extra]
+    cmd = [sys.executable, "-m", "megatron_dynbatch.tools.cli", "plan", str(path), *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 

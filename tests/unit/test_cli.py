@@ -6,7 +6,6 @@ import sys
 
 import pytest
 
-from megatron_dynbatch.cli import main
 from megatron_dynbatch.planning import (
     ParallelLayout,
     PlannerConfig,
@@ -14,6 +13,7 @@ from megatron_dynbatch.planning import (
     parse_samples_json,
     plan_samples,
 )
+from megatron_dynbatch.tools.cli import main
 
 SAMPLES = [
     120,
@@ -84,7 +84,15 @@ def test_plan_table_is_readable(tmp_path, capsys):
 def test_plan_errors_exit_nonzero_with_one_line_and_no_traceback(tmp_path, data, extra, message):
     path = _write(tmp_path, data)
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_dynbatch.cli", "plan", path, "--max-tokens-per-gpu", "64"]
+        [
+            sys.executable,
+            "-m",
+            "megatron_dynbatch.tools.cli",
+            "plan",
+            path,
+            "--max-tokens-per-gpu",
+            "64",
+        ]
         + extra,
         capture_output=True,
         text=True,
@@ -103,7 +111,7 @@ def test_plan_missing_file_and_bad_json(tmp_path):
             [
                 sys.executable,
                 "-m",
-                "megatron_dynbatch.cli",
+                "megatron_dynbatch.tools.cli",
                 "plan",
                 path,
                 "--max-tokens-per-gpu",
@@ -121,7 +129,7 @@ def test_planner_and_plan_command_do_not_import_torch(tmp_path):
     code = (
         "import sys\n"
         "import megatron_dynbatch.planning\n"
-        "from megatron_dynbatch.cli import main\n"
+        "from megatron_dynbatch.tools.cli import main\n"
         f"main(['plan', {path!r}, '--max-tokens-per-gpu', '4096', '--json'])\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'numpy'))\n"
         "assert not bad, bad\n"

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from megatron_dynbatch.config import FLAGS, DynBatchConfig, config_from_mapping, load_yaml_config
-from megatron_dynbatch.megatron.arguments import (
+from megatron_dynbatch.integrations.megatron_lm.arguments import (
     add_dynamic_batch_args,
     dynbatch_config_from_args,
     validate_dynamic_batch_args,

@@ -1,7 +1,9 @@
-"""Imports flow one way: planning -> runtime -> megatron integration -> adapters / CLI.
+"""Imports flow one way, in data-flow order: planning -> runtime -> mcore -> integrations -> tools.
 
 Every ``import`` statement of the package (module level and inside functions, relative ones
-resolved) is read from the source, so a lazy import that breaks the layering is caught too.
+resolved) is read from the source, so a lazy import that breaks the layering is caught too. Test
+support (``tools.testing``) is imported only from ``tools``, and no two modules import each other,
+directly or through others.
 """
 
 import ast
@@ -9,25 +11,41 @@ import pathlib
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "megatron_dynbatch"
 
-# What each part of the package may import from the package itself (besides its own part).
+# What each part of the package may import from the package itself (besides its own part). A part
+# is the first folder below the package, or a top-level module; ``tools.testing`` is its own part.
 ALLOWED = {
-    "planning": set(),
-    "aggregation": set(),
-    "config": {"planning"},
-    "plotting": {"planning"},
-    "runtime": {"planning", "aggregation"},
-    "megatron": {"planning", "aggregation", "config", "runtime"},
-    "megatron.verify": {"planning", "aggregation", "config", "runtime", "megatron", "testing"},
-    "testing": {"planning", "aggregation", "runtime", "megatron"},
-    "adapters": {"planning", "aggregation", "config", "runtime", "megatron"},
-    "cli": {"planning", "aggregation", "config", "plotting", "megatron.verify"},
+    "errors": set(),
+    "planning": {"errors"},
+    "config": {"errors", "planning", "runtime.aggregation"},
+    "runtime": {"errors", "planning"},
+    "mcore": {"errors", "planning", "runtime"},
+    "cpu": {"errors"},
+    "integrations.megatron_lm": {"errors", "planning", "config", "runtime", "mcore", "cpu"},
+    "integrations.slime": {"errors", "planning", "config", "runtime", "mcore"},
+    "integrations": set(),  # the sub-package's __init__
+    "adapters": {"integrations.slime"},
+    "tools": {
+        "errors",
+        "planning",
+        "config",
+        "runtime",
+        "mcore",
+        "cpu",
+        "integrations.megatron_lm",
+        "integrations.slime",
+        "tools.testing",
+    },
+    "tools.testing": {"errors", "planning", "runtime", "mcore", "cpu"},
+    "": {"errors", "planning", "runtime"},  # the package's __init__
 }
 # Third-party packages a part must never import, even lazily.
 FORBIDDEN_EXTERNAL = {
+    "errors": {"torch", "megatron", "numpy"},
     "planning": {"torch", "megatron", "numpy"},
-    "aggregation": {"torch", "megatron", "numpy"},
     "config": {"torch", "megatron"},
     "runtime": {"megatron"},
 }
@@ -36,9 +54,26 @@ FORBIDDEN_EXTERNAL = {
 def _part(module: str) -> str:
     """The layer of a dotted module name below ``megatron_dynbatch``."""
     parts = module.split(".")[1:]
-    if parts[:2] == ["megatron", "verify"]:
-        return "megatron.verify"
-    return parts[0] if parts else ""
+    if not parts:
+        return ""
+    if parts[0] == "runtime" and parts[1:2] == ["aggregation"]:
+        return "runtime.aggregation"
+    if parts[0] in ("integrations", "tools") and len(parts) > 1:
+        if parts[0] == "tools" and parts[1] != "testing":
+            return "tools"
+        return ".".join(parts[:2])
+    return parts[0]
+
+
+def _allowed(part: str) -> set:
+    allowed = set(ALLOWED[part]) | {part}
+    if part.startswith("runtime"):
+        allowed |= {"runtime", "runtime.aggregation"}
+    if "runtime" in allowed:
+        allowed.add("runtime.aggregation")
+    if part == "tools":
+        allowed.add("integrations")
+    return allowed
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -49,50 +84,137 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts)
 
 
-def _imports(path: pathlib.Path):
+def _imports(path: pathlib.Path, with_names: bool = False):
     module = _module_name(path)
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                yield node.lineno, alias.name
+                yield node.lineno, alias.name, node.col_offset == 0
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module
-            yield node.lineno, target
+            yield node.lineno, target, node.col_offset == 0
+            if with_names:  # ``from pkg import mod`` imports the module ``pkg.mod``
+                for alias in node.names:
+                    yield node.lineno, f"{target}.{alias.name}", node.col_offset == 0
 
 
 SOURCES = sorted(PACKAGE.rglob("*.py"))
 
 
-@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_imports_follow_the_layers(path):
+def _problems(path: pathlib.Path):
     part = _part(_module_name(path))
-    if part not in ALLOWED:
-        return  # the package's __init__
-    allowed = ALLOWED[part] | {part}
+    part = "runtime" if part == "runtime.aggregation" else part
+    assert part in ALLOWED, f"{path}: part {part!r} has no layering rule; add it to ALLOWED"
+    allowed = _allowed(part)
     forbidden = FORBIDDEN_EXTERNAL.get(part, set())
+    if _module_name(path).endswith("runtime.aggregation"):
+        forbidden = FORBIDDEN_EXTERNAL["planning"]
     problems = []
-    for line, target in _imports(path):
+    for line, target, _ in _imports(path):
         top = target.split(".")[0]
         if top == "megatron_dynbatch":
             used = _part(target)
             if used and used not in allowed:
-                problems.append(f"line {line}: {part} imports {target}")
+                problems.append(f"line {line}: {part or 'megatron_dynbatch'} imports {target}")
         elif top in forbidden:
             problems.append(f"line {line}: {part} imports {target}")
+    return problems
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_follow_the_layers(path):
+    problems = _problems(path)
     assert not problems, problems
 
 
+def _module_graph(sources):
+    """Module -> package modules it imports at module level (what runs at import time)."""
+    names = {_module_name(p) for p in sources}
+    graph = {}
+    for path in sources:
+        edges = set()
+        for _, target, top_level in _imports(path, with_names=True):
+            if not top_level or not target.startswith("megatron_dynbatch"):
+                continue
+            # ``from pkg import mod`` names a module too; take the longest known prefix.
+            while target and target not in names:
+                target = target.rpartition(".")[0]
+            if target and target != _module_name(path):
+                edges.add(target)
+        graph[_module_name(path)] = edges
+    return graph
+
+
+def _cycle(graph):
+    """One import cycle as a list of modules, or None."""
+    state = {}
+
+    def visit(node, stack):
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state:
+                found = visit(nxt, stack)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node, [])
+            if found:
+                return found
+    return None
+
+
+def test_no_import_cycles():
+    graph = _module_graph(SOURCES)
+    # A package's __init__ importing its own modules is how packages work, not a cycle.
+    for module in graph:
+        graph[module] = {m for m in graph[module] if not module.startswith(m + ".")}
+    assert _cycle(graph) is None, _cycle(graph)
+
+
 def test_the_checker_sees_a_violation(tmp_path):
-    """The rule can fail: a runtime module importing the Megatron layer is reported."""
-    bad = PACKAGE / "runtime" / "_layering_probe.py"
+    """The rules can fail: a runtime module importing mcore, and a two-module cycle, are reported."""
+    fake = tmp_path / "megatron_dynbatch"
+    (fake / "runtime").mkdir(parents=True)
+    probe = fake / "runtime" / "probe.py"
+    probe.write_text("def f():\n    from megatron_dynbatch.mcore import step\n")
+    global PACKAGE
+    saved = PACKAGE
+    PACKAGE = fake
     try:
-        bad.write_text("def f():\n    from megatron_dynbatch.megatron import step\n")
-        with pytest.raises(AssertionError, match="runtime imports megatron_dynbatch.megatron"):
-            test_imports_follow_the_layers(bad)
+        assert _problems(probe) == ["line 2: runtime imports megatron_dynbatch.mcore"]
+        (fake / "runtime" / "a.py").write_text("import megatron_dynbatch.runtime.b\n")
+        (fake / "runtime" / "b.py").write_text("from megatron_dynbatch.runtime import a\n")
+        graph = _module_graph(sorted(fake.rglob("*.py")))
+        assert _cycle(graph) in (
+            [
+                "megatron_dynbatch.runtime.a",
+                "megatron_dynbatch.runtime.b",
+                "megatron_dynbatch.runtime.a",
+            ],
+        )
     finally:
-        bad.unlink()
+        PACKAGE = saved
+
+
+def test_only_tools_imports_test_support():
+    offenders = [
+        f"{path.relative_to(PACKAGE)}:{line}"
+        for path in SOURCES
+        if _part(_module_name(path)) not in ("tools", "tools.testing")
+        for line, target, _ in _imports(path)
+        if target.startswith("megatron_dynbatch.tools.testing")
+    ]
+    assert not offenders, offenders

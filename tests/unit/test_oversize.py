@@ -120,7 +120,7 @@ def test_materialize_cuts_a_truncated_sample_to_its_kept_length():
 def _plan_cli(tmp_path, *extra):
     path = tmp_path / "samples.json"
     path.write_text(json.dumps(LENGTHS))
-    cmd = [sys.executable, "-m", "megatron_dynbatch.cli", "plan", str(path)]
+    cmd = [sys.executable, "-m", "megatron_dynbatch.tools.cli", "plan", str(path)]
     cmd += ["--max-tokens-per-gpu", "1000", "--dp-size", "2", *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
@@ -146,7 +146,7 @@ def test_yaml_key_and_megatron_flag(tmp_path):
         load_yaml_config(path)
     import argparse
 
-    from megatron_dynbatch.megatron.arguments import add_dynamic_batch_args
+    from megatron_dynbatch.integrations.megatron_lm.arguments import add_dynamic_batch_args
 
     parser = add_dynamic_batch_args(argparse.ArgumentParser())
     assert parser.parse_args(["--oversize-samples", "allow"]).oversize_samples == "allow"

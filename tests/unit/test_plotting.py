@@ -15,7 +15,7 @@ from megatron_dynbatch.planning import (
     plan_samples,
 )
 from megatron_dynbatch.planning.simulate import pipeline_makespan
-from megatron_dynbatch.plotting import microbatch_costs, plot_step
+from megatron_dynbatch.tools.plotting import microbatch_costs, plot_step
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -42,7 +42,7 @@ def test_plan_plot_writes_png(tmp_path, layout_args):
     path = tmp_path / "samples.json"
     path.write_text(json.dumps(_data()))
     out = tmp_path / "step.png"
-    cmd = [sys.executable, "-m", "megatron_dynbatch.cli", "plan", str(path)]
+    cmd = [sys.executable, "-m", "megatron_dynbatch.tools.cli", "plan", str(path)]
     cmd += layout_args + ["--max-tokens-per-gpu", "4096", "--plot", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -103,7 +103,7 @@ def test_plot_step_caps_drawn_ranks_and_checks_step(tmp_path):
 def test_cli_and_planner_import_without_matplotlib():
     code = (
         "import sys\n"
-        "import megatron_dynbatch.cli, megatron_dynbatch.planning\n"
+        "import megatron_dynbatch.tools.cli, megatron_dynbatch.planning\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib')\n"
         "assert not bad, bad\n"
     )

@@ -152,7 +152,7 @@ def test_cost_terms_by_layout():
 def test_every_cost_user_agrees_with_the_cost_model():
     """metrics.evaluate (benchmarks) and plotting.microbatch_costs call the one cost function."""
     from benchmarks.metrics import evaluate
-    from megatron_dynbatch.plotting import microbatch_costs
+    from megatron_dynbatch.tools.plotting import microbatch_costs
 
     lengths = [300, 1200, 50, 700, 2100, 90]
     config = PlannerConfig(

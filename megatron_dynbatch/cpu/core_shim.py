@@ -1,0 +1,176 @@
+"""Run stock megatron.core (0.19.2) on a CPU-only machine with gloo, for tests and the demo.
+
+Megatron-Core asks for ``cuda`` devices in a handful of places that CPU runs reach (receive
+buffers, token counters, the attention scratch buffer, RoPE frequencies, the causal mask, the RNG
+tracker, DDP grad buffers). Instead of monkeypatching ``torch`` globally, :func:`apply_cpu_shim`
+replaces the ``torch`` name *inside those Megatron modules only* with a thin proxy whose ``cuda``
+device requests resolve to the CPU. Everything else in the process (our code, user code, torch
+itself) sees the real torch. On a machine with CUDA the shim does nothing, so a patched script
+behaves like a stock one.
+
+The shim is opt-in: nothing happens at import time. Call it before the first
+``import megatron.core`` (that import needs the triton stand-in registered below when triton is
+missing).
+"""
+
+import importlib
+import importlib.util
+import sys
+import types
+
+import torch
+
+__all__ = ["apply_cpu_shim", "cpu_torch_proxy"]
+
+# Megatron modules whose module-level ``torch`` gets the CPU proxy, each with the reason.
+_PATCHED_MODULES = (
+    # Token counter ``torch.zeros([], device="cuda")`` in every schedule.
+    "megatron.core.pipeline_parallel.schedules",
+    # Receive buffers on ``torch.cuda.current_device()`` and ``torch.cuda.synchronize()``.
+    "megatron.core.pipeline_parallel.p2p_communication",
+    # ``inv_freq`` is moved to ``torch.cuda.current_device()`` on the first forward.
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    # ``GlobalMemoryBuffer.get_tensor`` (attention scores scratch) allocates on the current GPU.
+    "megatron.core.utils",
+    # ``get_default_causal_mask`` builds the mask with ``device="cuda"``.
+    "megatron.core.transformer.utils",
+    # The RNG tracker seeds / saves / restores ``torch.cuda`` generator states; on CPU the
+    # tracked states live on the CPU default generator instead.
+    "megatron.core.tensor_parallel.random",
+    # DDP grad buffers are allocated on ``torch.cuda.current_device()``.
+    "megatron.core.distributed.param_and_grad_buffer",
+)
+
+# The one module that imports triton unconditionally (it holds Triton kernels for the MoE paged
+# stash). It is reached from ``pipeline_parallel.schedules``, so ``import megatron.core`` fails
+# without triton even though dense models never launch those kernels.
+_TRITON_MODULE = "megatron.core.transformer.moe.ops.paged_stash"
+
+# Tensor factories whose ``device=`` argument the proxy rewrites from cuda to cpu.
+_FACTORIES = ("empty", "zeros", "ones", "full", "arange", "tensor", "as_tensor")
+
+_CPU = torch.device("cpu")
+_applied = False
+
+
+def _to_cpu_device(device):
+    """Map a cuda device spec (``"cuda"``, ``"cuda:0"``, ``torch.device("cuda")``) to the CPU."""
+    if device is None:
+        return None
+    if isinstance(device, int) or torch.device(device).type == "cuda":
+        return _CPU
+    return device
+
+
+def _cpu_factory(factory):
+    def wrapped(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        return factory(*args, **kwargs)
+
+    wrapped.__name__ = factory.__name__
+    wrapped.__doc__ = factory.__doc__
+    return wrapped
+
+
+class _CpuCudaNamespace(types.SimpleNamespace):
+    """Stand-in for ``torch.cuda`` inside patched modules: devices and RNG map to the CPU.
+
+    Attributes not defined here fall through to the real ``torch.cuda`` (for example
+    ``is_available``), so code paths that only run with CUDA still fail loudly if they are reached.
+    """
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+def _noop(*args, **kwargs):
+    del args, kwargs
+
+
+# CPU work runs in program order: waiting on a stream or an event has nothing to wait for.
+_CPU_STREAM = types.SimpleNamespace(wait_event=_noop, wait_stream=_noop, synchronize=_noop)
+
+_CPU_CUDA = _CpuCudaNamespace(
+    current_device=lambda: _CPU,
+    # CPU collectives and kernels are synchronous already.
+    synchronize=_noop,
+    # DDP's grad sync fences the "current stream" against CUDA-graph events before reducing.
+    current_stream=lambda device=None: _CPU_STREAM,
+    # The RNG tracker's "cuda" generator is the CPU default generator.
+    manual_seed=torch.manual_seed,
+    get_rng_state=lambda device=None: torch.get_rng_state(),
+    random=types.SimpleNamespace(get_rng_state=lambda device=None: torch.get_rng_state()),
+)
+
+
+class _CpuTorchProxy(types.ModuleType):
+    """``torch`` as seen by one patched Megatron module: cuda requests resolve to the CPU."""
+
+    def __init__(self, cuda=_CPU_CUDA):
+        super().__init__("torch")
+        self.cuda = cuda
+        for name in _FACTORIES:
+            setattr(self, name, _cpu_factory(getattr(torch, name)))
+
+    def __getattr__(self, name):
+        # Only reached for names not set in __init__: everything else is the real torch.
+        return getattr(torch, name)
+
+
+def _set_cpu_rng_state(new_state, device=-1, graph_safe=False):
+    """CPU replacement for ``tensor_parallel.random._set_cuda_rng_state`` (uses torch._C/cuda)."""
+    del device, graph_safe
+    torch.set_rng_state(new_state)
+
+
+def _register_triton_stand_in():
+    if _TRITON_MODULE in sys.modules or importlib.util.find_spec("triton") is not None:
+        return
+    stand_in = types.ModuleType(_TRITON_MODULE)
+    stand_in.__doc__ = "CPU stand-in registered by megatron_dynbatch.cpu.core_shim (no triton)."
+
+    def _kernel_unavailable(*args, **kwargs):
+        raise RuntimeError(
+            "MoE paged-stash Triton kernels are unavailable: triton is not installed and "
+            "megatron_dynbatch's CPU shim is active. Disable moe_paged_stash on CPU."
+        )
+
+    stand_in.GLOBAL_BLOCK_SIZE = 1024
+    stand_in.paged_stash_copy_kernel = _kernel_unavailable
+    stand_in.paged_stash_pop_kernel = _kernel_unavailable
+    sys.modules[_TRITON_MODULE] = stand_in
+
+
+def apply_cpu_shim() -> None:
+    """Make megatron.core run on CPU with gloo; idempotent; a no-op when CUDA is available.
+
+    Must run before ``megatron.core`` is first imported when triton is missing (the stand-in for
+    the triton kernel module has to be in ``sys.modules`` first). Afterwards GPTModel with the
+    local layer spec and ``use_cpu_initialization=True``, Megatron DDP with
+    ``overlap_grad_reduce=False``, ``finalize_model_grads`` and all three pipeline schedules run on
+    CPU tensors.
+    """
+    global _applied
+    if _applied or torch.cuda.is_available():
+        return
+    _register_triton_stand_in()
+    proxy = _CpuTorchProxy()
+    for module_name in _PATCHED_MODULES:
+        module = importlib.import_module(module_name)
+        assert module.torch is torch or module.torch is proxy, module_name
+        module.torch = proxy
+    random_module = sys.modules["megatron.core.tensor_parallel.random"]
+    random_module._set_cuda_rng_state = _set_cpu_rng_state
+    _applied = True
+
+
+def cpu_torch_proxy(**cuda_overrides) -> types.ModuleType:
+    """A ``torch`` stand-in for one more Megatron module (see ``cpu_training_shim``).
+
+    Args:
+        cuda_overrides: ``torch.cuda`` attributes to replace on top of the shim's CPU mapping
+            (device, synchronisation and RNG calls), e.g. ``empty_cache=...``.
+    """
+    cuda = _CpuCudaNamespace(**{**vars(_CPU_CUDA), **cuda_overrides})
+    return _CpuTorchProxy(cuda)

@@ -1,0 +1,1 @@
+"""One sub-package per host trainer: Megatron-LM's ``pretrain()`` and slime."""

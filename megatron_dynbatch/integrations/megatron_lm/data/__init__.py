@@ -1,0 +1,1 @@
+"""Samples for the Megatron-LM entry: indexed documents, SFT conversations, byte-level preprocessing."""

@@ -1,0 +1,404 @@
+"""Variable-length samples from Megatron's data formats: one sample per document.
+
+Megatron-LM's ``GPTDataset`` concatenates documents and cuts the token stream into fixed
+``--seq-length`` windows; dynamic batching needs the documents themselves. This module reads them
+from the same sources:
+
+* ``--data-path`` / ``--{train,valid,test}-data-path``: Megatron indexed datasets (``.bin`` /
+  ``.idx`` written by ``tools/preprocess_data.py`` or ``python -m
+  megatron_dynbatch.integrations.megatron_lm.data.preprocess``). A document is one sequence of the ``.idx`` (as for
+  ``GPTDataset``); its length comes from the ``.idx`` without reading the ``.bin``.
+* ``--sft`` with ``--data-path FILE.jsonl``: Megatron's SFT conversations, one document per
+  conversation, loss on the responses only (:mod:`megatron_dynbatch.integrations.megatron_lm.data.conversations`).
+* ``--mock-data``: seeded mock documents with a long-tailed (log-normal) length distribution whose
+  tokens follow a learnable rule, so demos and tests need no files.
+
+A document longer than ``--seq-length`` tokens becomes consecutive samples of at most
+``--seq-length`` tokens (no token is dropped); ``--seq-length`` is therefore the longest sample.
+Documents are split into train / valid / test by ``--split`` exactly as Megatron splits the
+sequences of an indexed dataset (``round(fraction * count)`` bookends), or taken whole from per-split
+paths. Each split's samples are visited in a seeded order (``--seed``), reshuffled every epoch;
+position ``p`` of a split is a pure function of ``(seed, split, p)``, equal on every rank.
+
+Two consumers:
+
+* :class:`DocumentSampleDataset` (fixed micro-batches, ``--document-samples`` without
+  ``--use-dynamic-batch-size``): a map-style dataset, sample ``p`` padded to ``--seq-length``, read
+  through Megatron's own data loader and sampler. The baseline for the same samples.
+* :class:`DocumentBatchStream` (``--use-dynamic-batch-size``): an iterator of
+  :class:`~megatron_dynbatch.integrations.megatron_lm.hooks.LazyRolloutBatch`, one per optimizer step
+  (``--global-batch-size`` consecutive positions), starting at the consumed-samples counter. It
+  hands the planner the lengths and loads a sample's tokens only when the hook asks for one of
+  this rank's samples.
+
+Both read positions ``[k * B, (k + 1) * B)`` for step ``k``, so the two train on the same samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy
+import torch
+
+from megatron_dynbatch.integrations.megatron_lm.hooks import LazyRolloutBatch
+from megatron_dynbatch.planning.fixed import plan_fixed_microbatches
+from megatron_dynbatch.runtime import BatchSchema, materialize_microbatches
+
+__all__ = [
+    "DocumentBatchStream",
+    "DocumentCollection",
+    "DocumentSampleDataset",
+    "SplitSamples",
+    "conversation_documents",
+    "indexed_documents",
+    "mock_documents",
+    "split_bookends",
+]
+
+# Megatron's default --split (arguments.py uses it for --data-path without --split).
+DEFAULT_SPLIT = "969, 30, 1"
+
+# Mock documents: how many, and the log-normal length law relative to --seq-length (median a
+# fifth of it, a long tail past it so some documents are cut into several samples).
+MOCK_NUM_DOCUMENTS = 100_000
+_MOCK_MEDIAN_FRACTION = 0.2
+_MOCK_SIGMA = 0.9
+_MOCK_MIN_LENGTH = 2
+_MOCK_MAX_FACTOR = 3
+# The mock tokens' rule: token k = (a * token k-1 + b) mod (vocab - 2) + 1, with ``a`` one of a few
+# multipliers chosen per document (so it must be inferred from the context) and ``b`` fixed.
+_MOCK_MULTIPLIERS = (3, 5, 7, 11)
+_MOCK_OFFSET = 17
+
+
+@dataclasses.dataclass(frozen=True)
+class DocumentCollection:
+    """Documents as lengths plus a reader of token ranges."""
+
+    lengths: numpy.ndarray
+    """Token count of every document (int64)."""
+    read: Callable[[int, int, int], numpy.ndarray]
+    """``read(document, offset, count)`` returns ``count`` tokens starting at ``offset``."""
+    name: str
+    """What the documents are (for messages)."""
+    read_loss_mask: Optional[Callable[[int, int, int], numpy.ndarray]] = None
+    """Like ``read`` for the loss mask of those tokens (SFT: responses only), or None (all 1)."""
+
+    def __len__(self) -> int:
+        return int(self.lengths.shape[0])
+
+
+def indexed_documents(prefixes: Sequence[str], *, mmap: bool = True) -> DocumentCollection:
+    """The sequences of one or more Megatron indexed datasets (``PREFIX.bin`` / ``PREFIX.idx``).
+
+    Several prefixes are concatenated in order. Only the ``.idx`` files are read here; tokens are
+    read on demand.
+    """
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    datasets = []
+    for prefix in prefixes:
+        if not IndexedDataset.exists(prefix):
+            raise ValueError(
+                f"--data-path {prefix!r}: {prefix}.bin / {prefix}.idx not found; pass the prefix "
+                "that tools/preprocess_data.py or `python -m megatron_dynbatch.integrations.megatron_lm.data.preprocess` "
+                "wrote (e.g. data/corpus_text_document, without the extension)."
+            )
+        datasets.append(IndexedDataset(prefix, mmap=mmap))
+    lengths = numpy.concatenate(
+        [numpy.asarray(d.sequence_lengths, dtype=numpy.int64) for d in datasets]
+    )
+    starts = numpy.cumsum([0] + [len(d) for d in datasets])
+
+    def read(document: int, offset: int, count: int) -> numpy.ndarray:
+        which = int(numpy.searchsorted(starts, document, side="right")) - 1
+        local = document - int(starts[which])
+        return numpy.asarray(datasets[which].get(local, offset=offset, length=count))
+
+    return DocumentCollection(lengths=lengths, read=read, name=f"indexed dataset {list(prefixes)}")
+
+
+def _mock_tokens(seed: int, document: int, length: int, vocab_size: int) -> numpy.ndarray:
+    rng = numpy.random.default_rng((seed, document))
+    modulus = max(vocab_size - 2, 2)
+    multiplier = _MOCK_MULTIPLIERS[int(rng.integers(len(_MOCK_MULTIPLIERS)))]
+    tokens = numpy.empty(length, dtype=numpy.int64)
+    tokens[0] = int(rng.integers(modulus)) + 1
+    for k in range(1, length):
+        tokens[k] = (multiplier * tokens[k - 1] + _MOCK_OFFSET) % modulus + 1
+    return tokens
+
+
+def mock_documents(
+    *, seed: int, seq_length: int, vocab_size: int, num_documents: int = MOCK_NUM_DOCUMENTS
+) -> DocumentCollection:
+    """Seeded mock documents: log-normal lengths (median ``seq_length / 5``, tail to 3x).
+
+    Token ids lie in ``[1, vocab_size - 2]`` (never 0 nor the NullTokenizer's EOD,
+    ``vocab_size - 1``).
+    """
+    rng = numpy.random.default_rng(seed)
+    median = max(_MOCK_MIN_LENGTH, _MOCK_MEDIAN_FRACTION * seq_length)
+    raw = rng.lognormal(mean=numpy.log(median), sigma=_MOCK_SIGMA, size=num_documents)
+    lengths = numpy.clip(numpy.rint(raw), _MOCK_MIN_LENGTH, _MOCK_MAX_FACTOR * seq_length).astype(
+        numpy.int64
+    )
+
+    def read(document: int, offset: int, count: int) -> numpy.ndarray:
+        tokens = _mock_tokens(seed, document, int(lengths[document]), vocab_size)
+        return tokens[offset : offset + count]
+
+    return DocumentCollection(lengths=lengths, read=read, name="mock documents")
+
+
+def split_bookends(split: str, num_documents: int) -> List[Optional[Tuple[int, int]]]:
+    """``[begin, end)`` document ranges of train / valid / test, as Megatron splits ``--split``."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    ranges: List[Optional[Tuple[int, int]]] = []
+    for bookend in matrix:
+        if bookend is None:
+            ranges.append(None)
+            continue
+        begin = int(round(bookend[0] * float(num_documents)))
+        end = int(round(bookend[1] * float(num_documents)))
+        ranges.append((begin, end) if end > begin else None)
+    return ranges
+
+
+class SplitSamples:
+    """The samples of one split: its documents cut at ``max_length``, in a seeded order per epoch.
+
+    Args:
+        documents: The collection.
+        begin, end: The split's documents ``[begin, end)``.
+        max_length: Longest sample (``--seq-length``); longer documents become several samples.
+        seed: ``--seed``.
+        split_index: 0 train, 1 valid, 2 test (each split has its own order).
+        eod_id: With ``--eod-mask-loss``, the end-of-document token (no loss on predicting the token
+            after it), or ``None``.
+    """
+
+    def __init__(
+        self,
+        documents: DocumentCollection,
+        begin: int,
+        end: int,
+        *,
+        max_length: int,
+        seed: int,
+        split_index: int,
+        eod_id: Optional[int] = None,
+    ) -> None:
+        if max_length < 2:
+            raise ValueError(f"--seq-length {max_length} must be >= 2 (a sample needs a target).")
+        self.documents = documents
+        self.max_length = max_length
+        self.seed = seed
+        self.split_index = split_index
+        self.eod_id = eod_id
+        lengths = documents.lengths[begin:end]
+        pieces = -(-lengths // max_length)  # ceil
+        self.document = numpy.repeat(numpy.arange(begin, end, dtype=numpy.int64), pieces)
+        first = numpy.repeat(numpy.cumsum(pieces) - pieces, pieces)
+        piece = numpy.arange(self.document.shape[0], dtype=numpy.int64) - first
+        self.offset = piece * max_length
+        self.length = numpy.minimum(numpy.repeat(lengths, pieces) - self.offset, max_length).astype(
+            numpy.int64
+        )
+        if self.document.shape[0] == 0:
+            raise ValueError(
+                f"split {split_index} of {documents.name} has no documents (documents "
+                f"[{begin}, {end})); change --split or give more data."
+            )
+        self._orders: Dict[int, numpy.ndarray] = {}
+
+    def __len__(self) -> int:
+        return int(self.document.shape[0])
+
+    def _order(self, epoch: int) -> numpy.ndarray:
+        order = self._orders.get(epoch)
+        if order is None:
+            rng = numpy.random.default_rng((self.seed, self.split_index, epoch))
+            order = rng.permutation(len(self))
+            self._orders = {epoch: order}  # keep one epoch: positions are read in order
+        return order
+
+    def _piece(self, position: int) -> int:
+        epoch, within = divmod(int(position), len(self))
+        return int(self._order(epoch)[within])
+
+    def lengths_at(self, positions: Sequence[int]) -> List[int]:
+        """Sample lengths at ``positions`` (no token is read)."""
+        return [int(self.length[self._piece(p)]) for p in positions]
+
+    def sample_at(self, position: int) -> Dict[str, torch.Tensor]:
+        """The sample at ``position``: ``tokens`` int64 ``[L]`` (and ``loss_mask`` with EOD)."""
+        piece = self._piece(position)
+        where = int(self.document[piece]), int(self.offset[piece]), int(self.length[piece])
+        tokens = self.documents.read(*where)
+        sample = {"tokens": torch.as_tensor(numpy.array(tokens, dtype=numpy.int64))}
+        read_mask = self.documents.read_loss_mask
+        if read_mask is not None:
+            mask = numpy.array(read_mask(*where), dtype=numpy.float32)
+            sample["loss_mask"] = torch.as_tensor(mask)
+        if self.eod_id is not None:
+            # As --eod-mask-loss in Megatron's GPTDataset: no loss where the *input* token is the
+            # end of a document, i.e. target k is masked when token k - 1 is EOD.
+            after_eod = torch.zeros_like(sample["tokens"], dtype=torch.bool)
+            after_eod[1:] = sample["tokens"][:-1] == self.eod_id
+            keep = (~after_eod).to(torch.float32)
+            sample["loss_mask"] = sample["loss_mask"] * keep if "loss_mask" in sample else keep
+        return sample
+
+
+class DocumentSampleDataset(torch.utils.data.Dataset):
+    """Fixed micro-batches over document samples: sample ``p`` padded to ``seq_length``.
+
+    Items are the micro-batch dict of one row (``tokens``, ``labels``, ``loss_mask``,
+    ``position_ids``, ``segment_ids``, ``sample_index``; ``[seq_length]`` each), laid out exactly as
+    the dynamic path's padded rows, so Megatron's data loader stacks them into ``[mbs, S]``.
+    """
+
+    def __init__(self, samples: SplitSamples, num_samples: int, seq_length: int) -> None:
+        self.samples = samples
+        self.num_samples = int(num_samples)
+        self.seq_length = seq_length
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, position: int) -> Dict[str, torch.Tensor]:
+        sample = self.samples.sample_at(position)
+        length = int(sample["tokens"].shape[0])
+        step = plan_fixed_microbatches(
+            [length], dp_size=1, micro_batch_size=1, seq_length=self.seq_length
+        ).steps[0]
+        (row,) = materialize_microbatches(
+            step, 0, {0: sample}, BatchSchema(), layout="padded", sample_multiple=1
+        )
+        return {key: value[0] for key, value in row.items() if key != "cu_seqlens"}
+
+
+class DocumentBatchStream(Iterator[LazyRolloutBatch]):
+    """One :class:`LazyRolloutBatch` per step: positions ``[start + k*B, start + (k+1)*B)``.
+
+    Args:
+        samples: The split's samples.
+        batch_size: ``--global-batch-size`` (or ``--eval-global-batch-size``).
+        start: First position (the consumed-samples counter after ``--load``).
+        num_samples: Positions available (Megatron's requested size); the stream stops there.
+    """
+
+    def __init__(
+        self, samples: SplitSamples, batch_size: int, start: int, num_samples: int
+    ) -> None:
+        self.samples = samples
+        self.batch_size = int(batch_size)
+        self.position = int(start)
+        self.num_samples = int(num_samples)
+
+    def __iter__(self) -> "DocumentBatchStream":
+        return self
+
+    def __next__(self) -> LazyRolloutBatch:
+        if self.position + self.batch_size > self.num_samples:
+            raise StopIteration
+        positions = range(self.position, self.position + self.batch_size)
+        self.position += self.batch_size
+        samples = self.samples
+        first = positions[0]
+        return LazyRolloutBatch(
+            sample_lengths=samples.lengths_at(positions),
+            load_sample=lambda i: samples.sample_at(first + i),
+        )
+
+
+def conversation_documents(paths: Sequence[str], tokenize: Callable) -> DocumentCollection:
+    """SFT conversations of JSONL files as documents (see ``conversations``)."""
+    from megatron_dynbatch.integrations.megatron_lm.data.conversations import read_conversations
+
+    lengths, load, name = read_conversations(paths, tokenize)
+
+    def read(document: int, offset: int, count: int) -> numpy.ndarray:
+        return load(document)[0][offset : offset + count]
+
+    def read_loss_mask(document: int, offset: int, count: int) -> numpy.ndarray:
+        return load(document)[1][offset : offset + count]
+
+    return DocumentCollection(lengths=lengths, read=read, name=name, read_loss_mask=read_loss_mask)
+
+
+def document_splits(
+    args: Any,
+    tokenizer_vocab_size: int,
+    eod_id: Optional[int],
+    conversation_tokenizer: Optional[Callable] = None,
+) -> List[Optional[SplitSamples]]:
+    """Train / valid / test :class:`SplitSamples` from Megatron's data arguments.
+
+    ``conversation_tokenizer`` (with ``--sft``): the data paths are JSONL conversations.
+    """
+    from megatron.training.utils import get_blend_and_blend_per_split
+
+    common = dict(max_length=args.seq_length, seed=args.seed, eod_id=eod_id)
+
+    def collection(blend: Tuple[List[str], Optional[List[float]]]) -> DocumentCollection:
+        return _collection(blend, args, conversation_tokenizer)
+
+    if args.mock_data:
+        documents = mock_documents(
+            seed=args.seed, seq_length=args.seq_length, vocab_size=tokenizer_vocab_size
+        )
+        return _split(documents, args.split or DEFAULT_SPLIT, common)
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    if blend is not None:
+        return _split(collection(blend), args.split or DEFAULT_SPLIT, common)
+    if blend_per_split is None or all(entry is None for entry in blend_per_split):
+        raise ValueError(
+            "no data: pass --mock-data, --data-path PREFIX or --train-data-path / "
+            "--valid-data-path / --test-data-path."
+        )
+    splits: List[Optional[SplitSamples]] = []
+    for index, entry in enumerate(blend_per_split):
+        if entry is None:
+            splits.append(None)
+            continue
+        documents = collection(entry)
+        splits.append(SplitSamples(documents, 0, len(documents), split_index=index, **common))
+    return splits
+
+
+def _collection(
+    blend: Tuple[List[str], Optional[List[float]]],
+    args: Any,
+    conversation_tokenizer: Optional[Callable] = None,
+) -> DocumentCollection:
+    paths, weights = blend
+    if weights is not None and len(set(weights)) > 1:
+        raise ValueError(
+            f"--data-path with weights {weights}: weighted blends are not supported with "
+            "--use-dynamic-batch-size / --document-samples; list the prefixes without weights "
+            "(their documents are concatenated)."
+        )
+    if conversation_tokenizer is not None:
+        return conversation_documents(paths, conversation_tokenizer)
+    return indexed_documents(paths, mmap=args.mmap_bin_files)
+
+
+def _split(
+    documents: DocumentCollection, split: str, common: Dict[str, Any]
+) -> List[Optional[SplitSamples]]:
+    splits: List[Optional[SplitSamples]] = []
+    for index, bookend in enumerate(split_bookends(split, len(documents))):
+        if bookend is None:
+            splits.append(None)
+        else:
+            splits.append(SplitSamples(documents, *bookend, split_index=index, **common))
+    return splits

@@ -1,0 +1,317 @@
+"""GPT training through Megatron-LM's ``pretrain()``, with or without dynamic batching.
+
+The body of ``launch/pretrain_gpt_dynbatch.py`` (which first makes ``megatron.training`` the
+patched tree and, without CUDA, applies the CPU shim; see that script). Three modes, chosen by
+flags:
+
+* neither flag: Megatron-LM's ``pretrain_gpt.py`` (``gpt_stock``): ``GPTDataset`` windows of
+  ``--seq-length`` tokens, fixed micro-batches.
+* ``--document-samples``: one sample per document (``documents``), each padded to
+  ``--seq-length``, through Megatron's own data loader and fixed micro-batches: the baseline that
+  trains on the same samples as dynamic batching.
+* ``--use-dynamic-batch-size``: the same document samples, planned into token-budget micro-batches
+  by the patched training loop (``training_hooks``).
+
+With ``--sft`` the documents of both modes are the JSONL conversations of ``--data-path``, with loss
+on the responses only (``conversations``).
+
+In both document modes the loss is the token mean over ``loss_mask`` (reported as ``lm loss``, as
+``pretrain_gpt.py`` does), attention stays inside each sample (block-diagonal mask with the local
+transformer implementation, THD ``cu_seqlens`` with transformer-engine), and ``--seq-length`` is the
+longest sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from functools import partial
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+from megatron.core.enums import ModelType
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0
+from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+from megatron.training.arguments import parse_and_validate_args
+
+from megatron_dynbatch.cpu.training_shim import add_cpu_defaults, check_cpu_args
+from megatron_dynbatch.integrations.megatron_lm.arguments import add_dynamic_batch_args
+from megatron_dynbatch.integrations.megatron_lm.data.conversations import conversation_tokenizer
+from megatron_dynbatch.integrations.megatron_lm.data.documents import (
+    DocumentBatchStream,
+    DocumentSampleDataset,
+    document_splits,
+)
+from megatron_dynbatch.integrations.megatron_lm.gpt_stock import (
+    check_stock_args,
+    checked_loss,
+    stock_datasets_provider,
+    stock_forward_step,
+)
+from megatron_dynbatch.mcore.forward import build_attention_mask, packed_seq_params_from_batch
+from megatron_dynbatch.runtime import microbatch_loss
+
+__all__ = [
+    "add_launch_args",
+    "document_datasets_provider",
+    "document_forward_step",
+    "extra_args_provider",
+    "main",
+]
+
+# What pretrain_gpt.py passes to parse_and_validate_args.
+_ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
+
+
+def add_launch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The launch script's own flag (besides Megatron-LM's and the plugin's)."""
+    group = parser.add_argument_group(title="document samples (launch/pretrain_gpt_dynbatch.py)")
+    group.add_argument(
+        "--document-samples",
+        action="store_true",
+        help="Train on one sample per document (cut at --seq-length) instead of --seq-length "
+        "windows of the concatenated documents. Implied by --use-dynamic-batch-size; without it "
+        "every sample is padded to --seq-length and Megatron's fixed micro-batches run unchanged "
+        "(the baseline for the same samples).",
+    )
+    return parser
+
+
+def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron's ``extra_args_provider``: launch, dynamic-batching and CPU-default flags."""
+    return add_dynamic_batch_args(add_launch_args(add_cpu_defaults(parser)))
+
+
+def _uses_documents(args: Any) -> bool:
+    return bool(args.use_dynamic_batch_size or args.document_samples)
+
+
+def _check_document_args(args: Any) -> None:
+    for name, flag in (
+        ("fim_data", "--fim-data"),
+        ("full_validation", "--full-validation"),
+        ("multiple_validation_sets", "--multiple-validation-sets"),
+        ("dataloader_inter_document_masking", "--dataloader-inter-document-masking"),
+    ):
+        if getattr(args, name, False):
+            raise ValueError(
+                f"{flag} cannot be combined with --use-dynamic-batch-size / --document-samples, "
+                f"which read one sample per document themselves; remove {flag}."
+            )
+    if args.sft:
+        if args.mock_data:
+            raise ValueError(
+                "--sft with --mock-data: SFT reads conversations from JSONL; pass --data-path "
+                'FILE.jsonl (one {"messages": [...]} object per line) instead of --mock-data.'
+            )
+        # Megatron reads args.sft only in evaluate(), to average the validation loss per
+        # micro-batch: with planned micro-batches that would depend on the grouping and count
+        # placeholders, so validation keeps the token mean over the whole batch instead.
+        args.sft = False
+        args.sft_conversations = True
+    if args.context_parallel_size > 1:
+        raise ValueError(
+            f"--context-parallel-size {args.context_parallel_size}: the document-sample forward "
+            "step of launch/pretrain_gpt_dynbatch.py does not split rows over context-parallel "
+            "ranks yet; use --context-parallel-size 1."
+        )
+    budget = getattr(args, "max_tokens_per_gpu", None)
+    policy = getattr(args, "oversize_samples", None) or "error"
+    if args.use_dynamic_batch_size and budget is not None and budget < args.seq_length:
+        if policy == "error":
+            # Refused here, before the model is built, rather than at the first such document.
+            raise ValueError(
+                f"--max-tokens-per-gpu {budget} is smaller than --seq-length {args.seq_length}, "
+                "the longest document sample (longer documents are cut at --seq-length), and "
+                "--oversize-samples is error; raise --max-tokens-per-gpu, lower --seq-length, or "
+                "pass --oversize-samples truncate (cut such samples to the budget) or allow (run "
+                "them alone, over it)."
+            )
+        print_rank_0(
+            f"--max-tokens-per-gpu {budget} < --seq-length {args.seq_length}: document samples "
+            f"over the budget are handled by --oversize-samples {policy}."
+        )
+    if args.dataloader_type not in (None, "single", "external"):
+        raise ValueError(
+            f"--dataloader-type {args.dataloader_type}: document samples are read in Megatron's "
+            "'single' order (fixed micro-batches) or by the planner (dynamic); remove the flag."
+        )
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _document_loss(batch, per_token_loss: torch.Tensor):
+    """Token mean over ``loss_mask`` as Megatron's 3-tuple, reported as ``lm loss``."""
+    numerator, denominator, report = microbatch_loss(
+        "token-mean", per_token_loss, batch, log_key="lm loss"
+    )
+    checked_loss(numerator)
+    return numerator, denominator, report
+
+
+def document_forward_step(data_iterator, model):
+    """``forward_step_func`` for document samples, fixed or planned micro-batches alike.
+
+    Every stage reads the micro-batch dict: the first stage uses ``tokens`` / ``position_ids``,
+    the last ``labels`` / ``loss_mask``, every stage the attention layout. With the local
+    transformer implementation attention is restricted to each sample by the block-diagonal mask
+    of ``segment_ids`` (the layer spec takes it as an arbitrary mask); with transformer-engine a
+    packed row passes THD ``cu_seqlens`` and a padded row uses the causal mask (one sample per
+    row).
+    """
+    args = get_args()
+    timers = get_timers()
+    timers("batch-generator", log_level=2).start()
+    device = _device()
+    batch = {key: value.to(device, non_blocking=True) for key, value in next(data_iterator).items()}
+    timers("batch-generator").stop()
+    packed_seq_params = None
+    attention_mask = None
+    if args.transformer_impl == "transformer_engine":
+        if batch["tokens"].shape[0] == 1 and "cu_seqlens" in batch:
+            packed_seq_params = packed_seq_params_from_batch(batch)
+    else:
+        attention_mask = build_attention_mask(batch["segment_ids"])
+    output = model(
+        batch["tokens"],
+        batch["position_ids"],
+        attention_mask,
+        labels=batch["labels"],
+        loss_mask=batch["loss_mask"],
+        packed_seq_params=packed_seq_params,
+    )
+    return output, partial(_document_loss, batch)
+
+
+def document_datasets_provider(num_samples: List[Optional[int]], vp_stage: Optional[int] = None):
+    """Train / valid / test document samples: datasets (fixed) or batch streams (dynamic).
+
+    Built on every rank (``is_distributed``): with fixed micro-batches each rank's data loader
+    reads its own rows; with dynamic batching each rank plans from the lengths and loads its own
+    DP rank's samples (see ``training_hooks``).
+    """
+    del vp_stage
+    args = get_args()
+    tokenizer = get_tokenizer()
+    eod = tokenizer.eod if args.eod_mask_loss else None
+    tokenize = None
+    if getattr(args, "sft_conversations", False):
+        tokenize = conversation_tokenizer(tokenizer, args.tokenizer_type)
+    splits = document_splits(args, tokenizer.vocab_size, eod, tokenize)
+    for split in splits:
+        if split is not None:
+            print_rank_0(
+                f"> {split.documents.name}: split {split.split_index} has {len(split)} samples"
+            )
+    # Megatron's sizes are minimums (None with --full-validation): at least one epoch of a split.
+    sizes = [
+        None if split is None else max(int(count or 0), len(split))
+        for split, count in zip(splits, num_samples, strict=True)
+    ]
+    if not args.use_dynamic_batch_size:
+        return tuple(
+            None if split is None else DocumentSampleDataset(split, size, args.seq_length)
+            for split, size in zip(splits, sizes, strict=True)
+        )
+    eval_batch = args.eval_global_batch_size or args.global_batch_size
+    starts = (args.consumed_train_samples, args.consumed_valid_samples, 0)
+    batch_sizes = (args.global_batch_size, eval_batch, eval_batch)
+    return tuple(
+        None if split is None else DocumentBatchStream(split, batch, start, size)
+        for split, batch, start, size in zip(splits, batch_sizes, starts, sizes, strict=True)
+    )
+
+
+document_datasets_provider.is_distributed = True
+
+
+def _arbitrary_mask_spec(base_spec_fn):
+    """A layer-spec function whose self-attention takes the mask it is given (local impl)."""
+
+    def _set(layer_spec):
+        attention = getattr(getattr(layer_spec, "submodules", None), "self_attention", None)
+        if attention is not None and "attn_mask_type" in getattr(attention, "params", {}):
+            layer_spec.submodules.self_attention = dataclasses.replace(
+                attention, params={**attention.params, "attn_mask_type": AttnMaskType.arbitrary}
+            )
+
+    def spec(config, vp_stage=None):
+        layer_spec = base_spec_fn(config, vp_stage)
+        for one in getattr(layer_spec, "layer_specs", None) or [layer_spec]:
+            _set(one)
+        return layer_spec
+
+    return spec
+
+
+def _embedding_ranks(pp_ranks: Sequence[int]) -> List[int]:
+    """Ranks holding the word embeddings: first stage, and the last one when they are tied."""
+    ranks = {pp_ranks[0]}
+    if len(pp_ranks) > 1 and not get_args().untie_embeddings_and_output_weights:
+        ranks.add(pp_ranks[-1])
+    return sorted(ranks)
+
+
+def main(
+    argv: Optional[Sequence[str]] = None,
+    *,
+    datasets_provider: Optional[Callable] = None,
+    forward_step_func: Optional[Callable] = None,
+) -> None:
+    """Parse Megatron-LM's arguments (plus ours) and run ``pretrain()``.
+
+    Args:
+        argv: Arguments instead of ``sys.argv[1:]``.
+        datasets_provider: Your own ``train_valid_test_datasets_provider`` (with
+            ``--use-dynamic-batch-size`` its objects are iterators yielding ``RolloutBatch`` /
+            ``LazyRolloutBatch``, see ``training_hooks``; mark it ``is_distributed = True``).
+            Default: the launch script's (stock, or document samples).
+        forward_step_func: Your own ``forward_step_func``. Default: the stock GPT step, or the
+            document step (token mean over ``loss_mask``) in the document modes.
+    """
+    import sys
+
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    try:
+        args = parse_and_validate_args(
+            extra_args_provider=extra_args_provider, args_defaults=_ARGS_DEFAULTS
+        )
+        check_cpu_args(args)
+        check_stock_args(args)
+        if datasets_provider is None and _uses_documents(args):
+            _check_document_args(args)
+    except ValueError as error:
+        # A bad flag (ours or Megatron's ValueErrors): one line naming it, as argparse does.
+        print(f"{sys.argv[0]}: error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    if args.eval_interval is None:
+        # Megatron-LM's pretrain_gpt.py stops with a TypeError here; validate at the end instead.
+        args.eval_interval = args.train_iters or max(
+            1, (args.train_samples or 0) // args.global_batch_size
+        )
+    model_config = gpt_config_from_args(args)
+    if _uses_documents(args) or datasets_provider is not None:
+        if args.use_dynamic_batch_size:
+            # The planner, not a torch DataLoader, batches the samples (training_hooks).
+            args.dataloader_type = "external"
+        if args.transformer_impl == "local":
+            from megatron.training.models.gpt import default_layer_spec
+
+            model_config.transformer_layer_spec = _arbitrary_mask_spec(default_layer_spec)
+        provider, forward_step = document_datasets_provider, document_forward_step
+    else:
+        provider, forward_step = stock_datasets_provider, stock_forward_step
+    config = pretrain_cfg_container_from_args(args, model_config)
+    pretrain(
+        config,
+        datasets_provider or provider,
+        ModelType.encoder_or_decoder,
+        forward_step_func or forward_step,
+        get_embedding_ranks=_embedding_ranks,
+    )

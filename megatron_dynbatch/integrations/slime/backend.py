@@ -1,0 +1,515 @@
+"""What slime's patched Megatron backend calls when ``--use-dynamic-batch-size`` is on.
+
+``patches/slime/`` changes a few lines of slime (see its README for the pinned commit); the work is
+here. With the patches, slime's own ``get_batch``, ``train_one_step`` and ``forward_only`` run:
+
+* :func:`data_iterators` (from ``get_data_iterator``): :class:`SlimeDataIterator`, slime's
+  ``DataIterator`` interface plus the step's uniform row length. A placeholder micro-batch (an
+  empty index list from :func:`~megatron_dynbatch.adapters.slime.build_dp_schedule`) yields one
+  full-length, fully loss-masked placeholder sample with every key the real samples carry, so
+  ``get_batch`` never sees an empty micro-batch (slime #1860) and pads every packed row of the
+  step to the same length.
+* :func:`agree_on_step` (in ``train_one_step``) and :func:`forward_only_iterators` (in
+  ``forward_only``): this rank's micro-batches are checked before any pipeline communication,
+  inside :func:`~megatron_dynbatch.mcore.agreement.step_agreement`, so a bad sample on one rank
+  stops every rank with the same error instead of hanging the others in a send.
+* :func:`loss_function` (in ``train_one_step``): slime's loss functions with an exact reducer
+  built on :func:`megatron_dynbatch.runtime.microbatch_loss` (masked positions are selected out,
+  not multiplied by 0), returned as Megatron's 3-tuple.
+* :func:`forward_only_iterators` and :func:`restore_rollout_order` (in ``forward_only``): log-prob
+  passes planned under ``--log-probs-max-tokens-per-gpu`` on this rank's samples, outputs back in
+  the rank's rollout order, strictly (a missing or duplicated sample is an error).
+
+Imports slime only inside the functions that need its loss code, so everything else is testable
+without slime.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_dynbatch.integrations.slime.schedule import check_index, oversize_policy, row_length
+from megatron_dynbatch.mcore.agreement import step_agreement
+from megatron_dynbatch.planning import (
+    ParallelLayout,
+    PlannerConfig,
+    plan_schedule,
+    round_up,
+    sample_multiple,
+)
+from megatron_dynbatch.runtime import microbatch_loss, restore_order
+
+__all__ = [
+    "SlimeDataIterator",
+    "agree_on_step",
+    "data_iterators",
+    "forward_only_iterators",
+    "loss_function",
+    "placeholder_sample",
+    "restore_rollout_order",
+]
+
+#: Keys with one value per *response* token (slime's convention), as float32.
+RESPONSE_FLOAT_KEYS = (
+    "log_probs",
+    "ref_log_probs",
+    "values",
+    "advantages",
+    "returns",
+    "rollout_log_probs",
+    "teacher_log_probs",
+)
+#: Keys that are cut to this rank's context-parallel chunks before training (``actor.py``).
+CP_SLICED_KEYS = ("rollout_log_probs", "teacher_log_probs")
+#: Keys whose placeholder value is ``None`` (nothing to carry).
+NONE_KEYS = ("multimodal_train_inputs", "packed_seq_params")
+# A placeholder's prompt is one token: slime's get_batch pads the loss mask by prompt_length - 1.
+_PLACEHOLDER_PROMPT = 1
+_PLACEHOLDER_TOKEN = 0
+
+
+def _device(rollout_data: Mapping[str, Any]) -> torch.device:
+    for tokens in rollout_data.get("tokens") or ():
+        if isinstance(tokens, torch.Tensor):
+            return tokens.device
+    return torch.device("cpu")
+
+
+def placeholder_sample(
+    rollout_data: Mapping[str, Any], keys: Sequence[str], total_length: int
+) -> Dict[str, Any]:
+    """One loss-masked sample of ``total_length`` tokens carrying every requested key.
+
+    Its tokens are padding, its loss mask is zero on every response token, every per-token value is
+    0 and ``rollout_mask_sums`` is 0, so slime's forward and loss code run on it like on real data
+    and it contributes exactly 0 to the loss and to every reported metric.
+
+    Raises:
+        ValueError: for a requested key whose placeholder value is not known (a new slime key).
+    """
+    device = _device(rollout_data)
+    response = total_length - _PLACEHOLDER_PROMPT
+    sample: Dict[str, Any] = {}
+    for key in keys:
+        if rollout_data.get(key) is None or key in NONE_KEYS:
+            sample[key] = None
+        elif key == "tokens":
+            sample[key] = torch.full(
+                (total_length,), _PLACEHOLDER_TOKEN, dtype=torch.long, device=device
+            )
+        elif key == "total_lengths":
+            sample[key] = total_length
+        elif key == "response_lengths":
+            sample[key] = response
+        elif key == "loss_masks":
+            sample[key] = torch.zeros(response, dtype=torch.int, device=device)
+        elif key in RESPONSE_FLOAT_KEYS:
+            values = torch.zeros(response, dtype=torch.float32, device=device)
+            if key in CP_SLICED_KEYS:
+                from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
+
+                values = slice_log_prob_with_cp(values, total_length, response)
+            sample[key] = values
+        elif key == "rollout_mask_sums":
+            sample[key] = torch.zeros((), dtype=torch.float32, device=device)
+        elif key == "partition":
+            sample[key] = -1
+        elif key == "rollout_top_p_token_offsets":
+            sample[key] = torch.zeros(response + 1, dtype=torch.long, device=device)
+        elif key == "rollout_top_p_token_ids":
+            sample[key] = torch.zeros(0, dtype=torch.long, device=device)
+        else:
+            raise ValueError(
+                f"slime requested key {key!r} for a placeholder micro-batch, and megatron_dynbatch "
+                "does not know its placeholder value; add it to "
+                "megatron_dynbatch/integrations/slime/backend.py:placeholder_sample."
+            )
+    return sample
+
+
+class SlimeDataIterator:
+    """slime's ``DataIterator`` (``get_next``, ``reset``, ``micro_batch_indices``, ``offset``),
+    plus the uniform row length of every micro-batch and placeholders for empty index lists.
+
+    Args:
+        rollout_data: This rank's per-sample lists (slime's ``rollout_data``).
+        micro_batch_indices: Local sample indices per micro-batch; ``[]`` is a placeholder.
+        row_lengths: Per micro-batch, the packed row length on one GPU (per CP rank).
+        cp_size: Context-parallel size: a placeholder sample holds ``row_length * cp_size`` tokens,
+            which slime's CP slicing turns into exactly one row per CP rank.
+    """
+
+    def __init__(
+        self,
+        rollout_data: Dict[str, Any],
+        micro_batch_indices: Sequence[Sequence[int]],
+        row_lengths: Sequence[int],
+        cp_size: int = 1,
+    ) -> None:
+        if len(row_lengths) != len(micro_batch_indices):
+            raise ValueError(
+                f"{len(row_lengths)} row lengths for {len(micro_batch_indices)} micro-batches; "
+                "the dynamic-batch schedule shipped with the rollout data is inconsistent."
+            )
+        self.rollout_data = rollout_data
+        self.micro_batch_indices = [list(mb) for mb in micro_batch_indices]
+        self.row_lengths = [int(s) for s in row_lengths]
+        self.cp_size = check_index("cp_size", cp_size, 1, "pass the context-parallel size.")
+        self.offset = 0
+        #: Row length of the micro-batch last returned by :meth:`get_next` (read by get_batch).
+        self.row_length: Optional[int] = None
+
+    def get_next(self, keys: Sequence[str]) -> Dict[str, Any]:
+        if self.offset >= len(self.micro_batch_indices):
+            raise ValueError(
+                f"micro-batch {self.offset} requested but this rank's schedule has "
+                f"{len(self.micro_batch_indices)}; num_microbatches and the schedule disagree."
+            )
+        indices = self.micro_batch_indices[self.offset]
+        self.row_length = self.row_lengths[self.offset]
+        self.offset += 1
+        if not indices:
+            sample = placeholder_sample(self.rollout_data, keys, self.row_length * self.cp_size)
+            return {key: None if value is None else [value] for key, value in sample.items()}
+        batch: Dict[str, Any] = {}
+        for key in keys:
+            values = self.rollout_data.get(key, None)
+            batch[key] = None if values is None else [values[i] for i in indices]
+        return batch
+
+    def reset(self) -> "SlimeDataIterator":
+        self.offset = 0
+        self.row_length = None
+        return self
+
+    # -- checks before the schedule --------------------------------------------------------------
+
+    def check_microbatches(self, count: int) -> None:
+        """Validate the next ``count`` micro-batches' samples (raises ``ValueError``)."""
+        end = self.offset + count
+        if end > len(self.micro_batch_indices):
+            raise ValueError(
+                f"the step needs micro-batches {self.offset}..{end - 1} but this rank's schedule "
+                f"has {len(self.micro_batch_indices)}."
+            )
+        data = self.rollout_data
+        for m in range(self.offset, end):
+            packed = 0
+            for i in self.micro_batch_indices[m]:
+                packed += _check_sample(data, i, self.cp_size)
+            if packed > self.row_lengths[m]:
+                raise ValueError(
+                    f"micro-batch {m}: its samples need {packed} tokens per GPU, more than the "
+                    f"step's row length {self.row_lengths[m]}; the schedule and the data differ."
+                )
+
+
+def _check_sample(data: Mapping[str, Any], i: int, cp_size: int) -> int:
+    """Check local sample ``i``; return its packed token count on one CP rank."""
+    tokens = torch.as_tensor(data["tokens"][i])
+    total = int(data["total_lengths"][i])
+    response = int(data["response_lengths"][i])
+    where = f"local sample {i}"
+    if "partition" in data and i < len(data["partition"]):
+        where += f" (rollout position {int(data['partition'][i])})"
+    if tokens.dim() != 1 or tokens.numel() != total:
+        raise ValueError(
+            f"{where}: tokens has shape {tuple(tokens.shape)} but total_lengths={total}."
+        )
+    if tokens.dtype.is_floating_point:
+        raise ValueError(f"{where}: tokens have dtype {tokens.dtype}; token ids must be integers.")
+    if not 1 <= response <= total - 1:
+        raise ValueError(
+            f"{where}: response_lengths={response} must be in [1, total_lengths - 1 = "
+            f"{total - 1}]: slime needs at least one prompt token and one response token."
+        )
+    mask = torch.as_tensor(data["loss_masks"][i])
+    if mask.numel() != response:
+        raise ValueError(
+            f"{where}: loss_masks has {mask.numel()} values for response_lengths={response}."
+        )
+    keep = mask.reshape(-1) > 0
+    for key in RESPONSE_FLOAT_KEYS:
+        values = data.get(key)
+        if values is None or len(values) <= i or key in CP_SLICED_KEYS and cp_size > 1:
+            continue
+        value = values[i]
+        if not isinstance(value, torch.Tensor):
+            continue
+        if value.numel() != response:
+            raise ValueError(
+                f"{where}: {key} has {value.numel()} values for response_lengths={response}; "
+                "response keys hold one value per response token."
+            )
+        bad = keep & ~torch.isfinite(value.reshape(-1).float())
+        if bool(bad.any()):
+            j = int(bad.nonzero()[0])
+            raise ValueError(
+                f"{where}: {key}[{j}]={float(value.reshape(-1)[j])} is not finite on a "
+                "loss-bearing token; it would turn every gradient into NaN."
+            )
+    multiple = 2 * cp_size if cp_size > 1 else 1
+    return round_up(total, multiple) // cp_size
+
+
+def data_iterators(
+    rollout_data: Dict[str, Any], vpp_size: int, cp_size: int
+) -> List[SlimeDataIterator]:
+    """One :class:`SlimeDataIterator` per model chunk over the training schedule of this rank."""
+    nums = [int(n) for n in rollout_data["num_microbatches"]]
+    seq_lengths = [int(s) for s in rollout_data["dynbatch_seq_lengths"]]
+    if len(nums) != len(seq_lengths):
+        raise ValueError(
+            f"{len(nums)} steps in num_microbatches but {len(seq_lengths)} row lengths; the "
+            "rollout side and the trainer run different megatron_dynbatch versions."
+        )
+    row_lengths = [s for s, n in zip(seq_lengths, nums, strict=True) for _ in range(n)]
+    return [
+        SlimeDataIterator(rollout_data, rollout_data["micro_batch_indices"], row_lengths, cp_size)
+        for _ in range(vpp_size)
+    ]
+
+
+def _fingerprint(*parts: Any) -> str:
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+
+
+def _check_interleaving(args: Any, vpp: int) -> None:
+    """slime runs Megatron with ``variable_seq_lengths``: at pp = 2 the interleaved schedule then
+    hangs without ``overlap_p2p_comm`` (see ``megatron.schedule.check_schedule_config``)."""
+    from megatron_dynbatch.mcore.schedule import interleaved_shape_exchange_hangs
+
+    pp = getattr(args, "pipeline_model_parallel_size", None) or 1
+    overlap = getattr(args, "overlap_p2p_comm", True)
+    if interleaved_shape_exchange_hangs(pp, vpp > 1, True, bool(overlap)):
+        raise ValueError(
+            f"interleaving (virtual pipeline size {vpp}) at --pipeline-model-parallel-size 2 "
+            "with --no-overlap-p2p-communication hangs megatron.core's batched exchange of the "
+            "variable row shapes slime uses; drop --no-overlap-p2p-communication (Megatron-LM "
+            "requires the overlap there) or use pp > 2."
+        )
+
+
+def agree_on_step(
+    args: Any, data_iterator: Sequence[SlimeDataIterator], num_microbatches: int, step_id: int
+) -> None:
+    """Check this rank's micro-batches of the step, then agree with every rank before the schedule.
+
+    Raises:
+        StepAgreementError: on every rank when any rank's data is bad (naming rank and sample),
+            or PlanMismatchError when ranks hold different schedules.
+    """
+    first = data_iterator[0]
+    with step_agreement(what=f"slime training step {step_id}") as agreement:
+        _check_interleaving(args, len(data_iterator))
+        if not isinstance(first, SlimeDataIterator):
+            raise ValueError(
+                "--use-dynamic-batch-size training got slime's stock DataIterator; the rollout "
+                "side did not ship megatron_dynbatch's schedule (apply every patch in "
+                "patches/slime to both sides)."
+            )
+        first.check_microbatches(num_microbatches)
+        rows = first.row_lengths[first.offset : first.offset + num_microbatches]
+        agreement.fingerprint = _fingerprint(step_id, num_microbatches, sorted(set(rows)))
+
+
+def forward_only_iterators(
+    args: Any, data_iterator: Sequence[SlimeDataIterator]
+) -> Tuple[List[SlimeDataIterator], List[int]]:
+    """Iterators and micro-batch count of one log-prob pass over this rank's samples.
+
+    Forward-only passes keep no activations for a backward pass, so they are planned anew under
+    ``--log-probs-max-tokens-per-gpu`` (default ``--max-tokens-per-gpu``) over this rank's samples
+    alone: no gradient is reduced over DP, only the pipeline stages of this rank must agree, and
+    they hold the same samples. Every rank checks its samples, then all agree before any p2p.
+    """
+    first = data_iterator[0]
+    with step_agreement(what="slime forward-only pass"):
+        if not isinstance(first, SlimeDataIterator):
+            raise ValueError(
+                "--use-dynamic-batch-size forward_only got slime's stock DataIterator; apply every "
+                "patch in patches/slime (the rollout side ships the schedule)."
+            )
+        rollout_data = first.rollout_data
+        lengths = [int(x) for x in rollout_data["total_lengths"]]
+        cp = first.cp_size
+        budget = getattr(args, "log_probs_max_tokens_per_gpu", None) or args.max_tokens_per_gpu
+        vpp = len(data_iterator)
+        pp = getattr(args, "pipeline_model_parallel_size", None) or (2 if vpp > 1 else 1)
+        group = getattr(args, "microbatch_group_size_per_vp_stage", None)
+        tp = getattr(args, "tensor_model_parallel_size", None) or 1
+        pad = tp * (getattr(args, "data_pad_size_multiplier", None) or 128)
+        if lengths:
+            plan = plan_schedule(
+                lengths,
+                None,
+                None,
+                config=PlannerConfig(
+                    max_tokens_per_gpu=budget,
+                    parallel=ParallelLayout(
+                        pp_size=pp,
+                        vpp_size=vpp,
+                        microbatch_group_size_per_vp_stage=group if vpp > 1 else None,
+                        tp_size=tp,
+                        cp_size=cp,
+                    ),
+                    oversize_samples=oversize_policy(args),
+                ),
+            )
+            [step] = plan.steps
+            microbatches = [list(mb) for mb in step.ranks[0]]
+            row = row_length(step.seq_length, cp, pad, budget)
+        else:
+            # A rank without samples still runs the pipeline with its peers' stages: placeholders.
+            group_size = (group or pp) if vpp > 1 else 1
+            microbatches = [[] for _ in range(group_size)]
+            row = row_length(sample_multiple(tp, cp), cp, pad, budget)
+        iterators = [
+            SlimeDataIterator(rollout_data, microbatches, [row] * len(microbatches), cp)
+            for _ in range(vpp)
+        ]
+        iterators[0].check_microbatches(len(microbatches))
+    return iterators, [len(microbatches)]
+
+
+def restore_rollout_order(
+    values_per_microbatch: Sequence[Sequence[Any]], iterator: SlimeDataIterator
+) -> List[Any]:
+    """Forward-only outputs (one list per micro-batch, in schedule order) in local sample order.
+
+    A placeholder micro-batch's single output is dropped; a count that does not match the schedule
+    is an error instead of a silently shifted pairing.
+    """
+    schedule = iterator.micro_batch_indices
+    if len(values_per_microbatch) != len(schedule):
+        raise ValueError(
+            f"{len(values_per_microbatch)} forward-only outputs for {len(schedule)} scheduled "
+            "micro-batches on this rank."
+        )
+    per_sample: Dict[int, Any] = {}
+    for m, (values, indices) in enumerate(zip(values_per_microbatch, schedule, strict=True)):
+        expected = len(indices) if indices else 1
+        if len(values) != expected:
+            raise ValueError(
+                f"micro-batch {m}: {len(values)} outputs for {expected} sample(s) "
+                f"({'placeholder' if not indices else indices})."
+            )
+        if indices:
+            per_sample.update(zip(indices, values, strict=True))
+    return restore_order(per_sample, len(iterator.rollout_data["total_lengths"]))
+
+
+# -- the loss -------------------------------------------------------------------------------------
+
+
+def _exact_reducer(batch: Mapping[str, Any], per_token: bool):
+    """slime's ``sum_of_sample_mean`` / ``sum_of_token`` as :func:`microbatch_loss` numerators.
+
+    ``x`` holds the micro-batch's response tokens, sample after sample. Per token: the masked sum.
+    Per rollout (slime's default): each sample's masked sum over its rollout's mask total
+    (``rollout_mask_sums``), summed. Masked positions are selected out, so a non-finite value there
+    (padding, a placeholder) cannot reach the loss or the gradient.
+    """
+    masks = [m.reshape(-1) for m in batch["loss_masks"]]
+    mask_row = torch.cat(masks).to(torch.float32).reshape(1, -1)
+    row_batch = {"loss_mask": mask_row}
+    divisor = None
+    if not per_token:
+        lengths = torch.tensor([m.numel() for m in masks], device=mask_row.device)
+        denominators = batch.get("rollout_mask_sums")
+        if denominators is None:
+            denominators = [m.sum() for m in masks]
+        denominators = torch.stack(
+            [torch.as_tensor(d, dtype=torch.float32, device=mask_row.device) for d in denominators]
+        )
+        divisor = torch.repeat_interleave(denominators.clamp_min(1), lengths).reshape(1, -1)
+
+    def reduce(x: torch.Tensor) -> torch.Tensor:
+        row = x.reshape(1, -1)
+        if divisor is not None:
+            row = row / divisor.to(row.dtype)
+        return microbatch_loss("sum", row, row_batch)[0]
+
+    num_tokens = microbatch_loss("token-mean", torch.zeros_like(mask_row), row_batch)[1]
+    return reduce, num_tokens
+
+
+def loss_function(
+    args: Any,
+    batch: Dict[str, Any],
+    num_microbatches: int,
+    step_global_batch_size: int,
+    logits: torch.Tensor,
+) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, Any]]:
+    """slime's ``loss_function`` with exact normalisation, placeholders included.
+
+    Same dispatch over ``args.loss_type`` and the same ``(loss, normaliser, {"keys", "values"})``
+    return as slime; the differences:
+
+    * the reducer is :func:`microbatch_loss` (``torch.where``, not ``x * mask``);
+    * with ``--calculate-per-token-loss`` the normaliser is the exact count of loss tokens (slime
+      counts a fully masked sample as 1 token), Megatron sums it over micro-batches and DP and
+      divides the gradients once;
+    * otherwise (slime's per-rollout mean) every micro-batch's share is scaled by
+      ``num_microbatches / step_global_batch_size * dp``, which Megatron's division by
+      ``num_microbatches`` and DDP's DP average cancel exactly, whatever the micro-batches hold;
+      ``step_global_batch_size`` is the number of rollouts the step really trains.
+    """
+    from megatron.core import mpu
+    from slime.backends.megatron_utils import loss as slime_loss
+    from slime.backends.megatron_utils.cp_utils import get_sum_of_sample_mean
+    from torch.utils.checkpoint import checkpoint
+
+    per_token = bool(args.calculate_per_token_loss)
+    cp_size = mpu.get_context_parallel_world_size()
+    if cp_size == 1 and not getattr(args, "allgather_cp", False):
+        reducer, num_tokens = _exact_reducer(batch, per_token)
+    else:
+        # Context parallelism: every CP rank holds chunks of each sample; slime's reducer knows
+        # the chunk layout. Tokens are counted on the full masks, as slime counts them.
+        reducer = get_sum_of_sample_mean(
+            batch["total_lengths"],
+            batch["response_lengths"],
+            batch["loss_masks"],
+            batch["rollout_mask_sums"],
+            per_token,
+        )
+        num_tokens = sum(int((m > 0).sum()) for m in batch["loss_masks"])
+        num_tokens = torch.tensor(num_tokens, dtype=torch.int, device=logits.device)
+
+    functions = {
+        "policy_loss": getattr(slime_loss, "policy_loss_function", None),
+        "value_loss": getattr(slime_loss, "value_loss_function", None),
+        "sft_loss": getattr(slime_loss, "sft_loss_function", None),
+    }
+    if args.loss_type == "custom_loss":
+        func = slime_loss.load_function(args.custom_loss_function_path)
+    elif functions.get(args.loss_type) is not None:
+        func = functions[args.loss_type]
+    else:
+        raise ValueError(f"Unknown loss type: {args.loss_type}")
+    if getattr(args, "recompute_loss_function", False):
+        loss, log = checkpoint(func, args, batch, logits, reducer, use_reentrant=False)
+    else:
+        loss, log = func(args, batch, logits, reducer)
+    # Keep the graph connected to every logit (a placeholder's loss is 0 but must back-propagate
+    # through every pipeline stage, as must an all-padding CP chunk).
+    loss = loss + 0 * logits.sum()
+
+    if per_token:
+        loss = loss * cp_size
+        normaliser = num_tokens.to(torch.int)
+    else:
+        dp_cp = mpu.get_data_parallel_world_size(with_context_parallel=True)
+        loss = loss * num_microbatches / step_global_batch_size * dp_cp
+        normaliser = torch.tensor(1, device=logits.device)
+    # values[0] is what slime's reduce_train_step_metrics divides by in per-token mode.
+    values = [num_tokens if per_token else 0] + list(log.values())
+    return (
+        loss,
+        normaliser,
+        {"keys": list(log.keys()), "values": torch.tensor(values, device=logits.device)},
+    )

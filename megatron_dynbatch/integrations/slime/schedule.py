@@ -1,0 +1,679 @@
+"""A drop-in for slime's ``slime.utils.dp_schedule.build_dp_schedule``, backed by the global planner.
+
+slime (github THUDM/slime, checked against commit 624b824a8) computes, on its rollout side, which
+DP rank trains which sample in which micro-batch of which optimizer step::
+
+    partitions, micro_batch_indices, num_microbatches, global_batch_sizes = build_dp_schedule(
+        args, train_parallel_config, total_lengths,
+        global_batch_size=args.global_batch_size, rollout_indices=data["rollout_ids"])
+
+``partitions[r]`` are the global sample indices rank ``r`` holds (all steps, in training order),
+``micro_batch_indices[r]`` its micro-batches as lists of local indices into ``partitions[r]``
+(flattened, they are ``range(len(partitions[r]))``), ``num_microbatches[s]`` the per-rank count of
+step ``s`` and ``global_batch_sizes[s]`` the rollouts trained in step ``s`` (slime's loss
+normaliser and LR-scheduler increment). :func:`build_dp_schedule` takes the same arguments and
+returns the same four items, as a :class:`DPSchedule` (a tuple, so slime's unpacking is
+unchanged) that also carries each step's uniform row length and a per-micro-batch rollout count.
+
+With ``use_dynamic_batch_size`` the steps come from :func:`megatron_dynbatch.planning.plan_schedule`
+(``rollouts_per_step=global_batch_size``). Deliberate differences from slime, one line each:
+
+* Trailing rollouts that do not fill a step are trained in a last, shorter step, never trimmed.
+* Fewer rollouts than ``global_batch_size`` train as one step instead of failing an assert.
+* A count no packing can align to ``dp_size * group`` is padded with placeholder micro-batches
+  (empty index lists), never by dropping rollouts and never by an assert (slime #2065).
+* A step with fewer samples than ``dp_size`` trains too; ranks without samples get placeholders.
+* ``global_batch_sizes[s]`` is the number of rollouts step ``s`` really trains.
+* DP ranks are always balanced (by tokens, plus attention FLOPs when ``balance_data`` or
+  ``balance_by_flops`` is set), and never above ``max_tokens_per_gpu * cp_size`` per micro-batch,
+  which ``balance_by_flops`` in slime may exceed.
+* A rank's micro-batches are ordered for the pipeline (light ones at warm-up and cool-down), and
+  samples within a micro-batch by global index, not in first-fit order.
+
+Without ``use_dynamic_batch_size`` the static path is slime's: fixed ``micro_batch_size`` chunks,
+trailing rollouts trimmed, an error when the count does not align, and a strided or (with
+``balance_data``) Karmarkar-Karp assignment by the same FLOPs estimate.
+
+Standard library and the pure planner only: slime's rollout manager imports it without torch work.
+"""
+
+from __future__ import annotations
+
+import heapq
+import operator
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.planning import (
+    CostModel,
+    ParallelLayout,
+    Plan,
+    PlannerConfig,
+    plan_schedule,
+    round_up,
+)
+
+__all__ = ["DPSchedule", "DPScheduleError", "build_dp_schedule", "check_index", "oversize_policy"]
+
+#: slime's ``--data-pad-size-multiplier`` default: ``get_batch`` pads every packed row to a
+#: multiple of ``tp_size`` times this.
+DEFAULT_DATA_PAD_SIZE_MULTIPLIER = 128
+
+
+class DPScheduleError(DynBatchValueError, AssertionError):
+    """A schedule cannot be built from these arguments.
+
+    A ``ValueError`` (a user error, with the value and the fix in the message) that is also an
+    ``AssertionError``, because slime's own ``build_dp_schedule`` asserts in the same cases and
+    code written against it catches ``AssertionError``.
+    """
+
+
+def check_index(name: str, value: Any, minimum: int, fix: str) -> int:
+    """``value`` as a Python int if it is an integer >= ``minimum``, else a ``ValueError``.
+
+    Accepts anything with ``__index__`` (Python, numpy and torch integers) except ``bool``;
+    rejects floats and strings instead of truncating or parsing them (``int(6.9) == 6``).
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} is a bool, not an integer; {fix}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise ValueError(
+            f"{name}={value!r} ({type(value).__name__}) is not an integer; {fix}"
+        ) from None
+    if number < minimum:
+        raise ValueError(f"{name}={number} must be >= {minimum}; {fix}")
+    return number
+
+
+def _flag(args: Any, name: str, default: bool = False) -> bool:
+    value = getattr(args, name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"args.{name}={value!r} must be True or False (slime's --{_dash(name)}).")
+    return value
+
+
+def _dash(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def oversize_policy(args: Any) -> str:
+    """The planner's oversize policy for slime: ``args.oversize_samples``, else slime's own rule.
+
+    The patched slime registers ``--oversize-samples`` (default ``error``: a sample longer than
+    ``--max-tokens-per-gpu`` stops the step before any model work, naming it). Without that
+    attribute (slime's own tests build a bare namespace) the drop-in keeps slime's behaviour: the
+    sample runs alone in its micro-batch, over the budget. ``truncate`` is refused: slime's
+    ``get_batch`` builds rows from whole samples. Training and log-prob passes use the same rule.
+    """
+    policy = getattr(args, "oversize_samples", None)
+    if policy is None:
+        return "allow"
+    if policy not in ("error", "allow"):
+        raise ValueError(
+            f"args.oversize_samples={policy!r}: slime's data path trains whole samples, so use "
+            "--oversize-samples error (default) or allow; cut long responses at rollout time "
+            "(--rollout-max-response-len) instead of truncating them here."
+        )
+    return policy
+
+
+class DPSchedule(tuple):
+    """``(partitions, micro_batch_indices, num_microbatches, global_batch_sizes)`` plus row shapes.
+
+    Unpacks into slime's four items. The extra attributes:
+
+    * ``seq_lengths[s]``: the uniform length of every packed row of step ``s`` on one GPU
+      (per context-parallel rank, padded to ``tp_size * data_pad_size_multiplier`` as slime's
+      ``get_batch`` pads, where that stays within ``max_tokens_per_gpu``: :func:`row_length`);
+      every micro-batch of the step, placeholders included, is built ``[1, seq_lengths[s]]``.
+    * ``micro_batch_size``: rows per micro-batch (1: slime packs samples into one THD row).
+    * ``rollout_counts[r][m]``: rollouts whose first sample (lowest global index) is in micro-batch
+      ``m`` of rank ``r``; over a step they add up to ``global_batch_sizes[s]``, so a trainer that
+      normalises per rollout through Megatron's per-token path can count each rollout once.
+    * ``plan``: the planner's :class:`~megatron_dynbatch.planning.Plan` (``None`` on the static
+      path).
+    """
+
+    def __new__(
+        cls,
+        partitions: List[List[int]],
+        micro_batch_indices: List[List[List[int]]],
+        num_microbatches: List[int],
+        global_batch_sizes: List[int],
+        *,
+        seq_lengths: Sequence[int],
+        rollout_counts: Sequence[Sequence[int]],
+        plan: Optional[Plan] = None,
+    ) -> "DPSchedule":
+        self = super().__new__(
+            cls, (partitions, micro_batch_indices, num_microbatches, global_batch_sizes)
+        )
+        self.seq_lengths = [int(s) for s in seq_lengths]
+        self.micro_batch_size = 1
+        self.rollout_counts = [list(counts) for counts in rollout_counts]
+        self.plan = plan
+        return self
+
+    def __reduce__(self):
+        return (
+            _rebuild_schedule,
+            (tuple(self), self.seq_lengths, self.rollout_counts, self.plan),
+        )
+
+    @property
+    def partitions(self) -> List[List[int]]:
+        return self[0]
+
+    @property
+    def micro_batch_indices(self) -> List[List[List[int]]]:
+        return self[1]
+
+    @property
+    def num_microbatches(self) -> List[int]:
+        return self[2]
+
+    @property
+    def global_batch_sizes(self) -> List[int]:
+        return self[3]
+
+    @property
+    def row_shapes(self) -> List[Tuple[int, int]]:
+        """``[micro_batch_size, seq_length]`` of every step's micro-batches."""
+        return [(self.micro_batch_size, s) for s in self.seq_lengths]
+
+    def rank_fields(self, dp_rank: int) -> Dict[str, List[int]]:
+        """What the patched slime ships to DP rank ``dp_rank`` besides slime's own keys."""
+        check_index("dp_rank", dp_rank, 0, "pass a data-parallel rank of the schedule.")
+        return {"dynbatch_seq_lengths": list(self.seq_lengths)}
+
+
+def _rebuild_schedule(items, seq_lengths, rollout_counts, plan) -> DPSchedule:
+    return DPSchedule(*items, seq_lengths=seq_lengths, rollout_counts=rollout_counts, plan=plan)
+
+
+# -- inputs ---------------------------------------------------------------------------------------
+
+
+def _parallel_sizes(args: Any, train_parallel_config: Any) -> Dict[str, int]:
+    """The layout sizes, from slime's dict (or an object with the same attributes).
+
+    ``dp_size`` is required; ``cp_size`` and ``vpp_size`` default to 1 and the interleaving group
+    to 1 (slime's actor always reports all four; a partial config from another caller means the
+    feature is off).
+    """
+    if isinstance(train_parallel_config, Mapping):
+        lookup = train_parallel_config.get
+    elif hasattr(train_parallel_config, "dp_size"):
+        lookup = lambda key: getattr(train_parallel_config, key, None)  # noqa: E731
+    else:
+        raise ValueError(
+            f"train_parallel_config={train_parallel_config!r} must be a dict with dp_size (and "
+            "cp_size, vpp_size, microbatch_group_size_per_vp_stage: what slime's actor reports)."
+        )
+    if lookup("dp_size") is None:
+        raise ValueError(
+            "train_parallel_config has no 'dp_size'; pass the data-parallel size (and cp_size, "
+            "vpp_size, microbatch_group_size_per_vp_stage when used)."
+        )
+    sizes = {}
+    for key in ("dp_size", "cp_size", "vpp_size", "microbatch_group_size_per_vp_stage"):
+        value = lookup(key)
+        if value is None:
+            continue  # filled below
+        sizes[key] = check_index(
+            f"train_parallel_config[{key!r}]",
+            value,
+            1,
+            "pass the Megatron layout's size (1 when unused).",
+        )
+    sizes.setdefault("cp_size", 1)
+    sizes.setdefault("vpp_size", 1)
+    # Megatron's own argument names; slime's args carry them, test doubles may not.
+    for key, arg in (
+        ("tp_size", "tensor_model_parallel_size"),
+        ("pp_size", "pipeline_model_parallel_size"),
+    ):
+        value = getattr(args, arg, None)
+        sizes[key] = (
+            1
+            if value is None
+            else check_index(f"args.{arg}", value, 1, f"pass --{_dash(arg)} 1 or more.")
+        )
+    if "microbatch_group_size_per_vp_stage" not in sizes:
+        # Megatron's default group is pp_size (it only matters when interleaving).
+        pp = max(sizes["pp_size"], 2) if sizes["vpp_size"] > 1 else 1
+        sizes["microbatch_group_size_per_vp_stage"] = pp
+    if getattr(args, "pipeline_model_parallel_size", None) is None and sizes["vpp_size"] > 1:
+        # Interleaving needs pp >= 2; the group size is what constrains the counts.
+        sizes["pp_size"] = min(2, sizes["microbatch_group_size_per_vp_stage"])
+    return sizes
+
+
+def _lengths(total_lengths: Any) -> List[int]:
+    if isinstance(total_lengths, (str, bytes, Mapping)) or not hasattr(total_lengths, "__len__"):
+        raise ValueError(
+            f"total_lengths must be a list of per-sample token counts, got "
+            f"{type(total_lengths).__name__}."
+        )
+    lengths = []
+    for i, value in enumerate(total_lengths):
+        lengths.append(
+            check_index(
+                f"total_lengths[{i}]",
+                value,
+                1,
+                "pass every sample's token count (prompt + response) as an integer >= 1.",
+            )
+        )
+    if not lengths:
+        raise DPScheduleError("total_lengths is empty; there is no sample to schedule.")
+    return lengths
+
+
+def _rollout_keys(rollout_indices: Any, num_samples: int) -> List[Any]:
+    if isinstance(rollout_indices, (str, bytes, Mapping)) or not hasattr(
+        rollout_indices, "__len__"
+    ):
+        raise ValueError(
+            f"rollout_indices must be a list with one rollout id per sample, got "
+            f"{type(rollout_indices).__name__}."
+        )
+    ids = list(rollout_indices)
+    if len(ids) != num_samples:
+        raise ValueError(
+            f"got {len(ids)} rollout_indices for {num_samples} total_lengths; pass one rollout id "
+            "per sample (samples[i].index)."
+        )
+    keys = []
+    for i, rid in enumerate(ids):
+        if isinstance(rid, str):
+            keys.append(rid)
+        else:
+            keys.append(
+                check_index(
+                    f"rollout_indices[{i}]",
+                    rid,
+                    -(2**63),
+                    "pass integer (or string) rollout ids, one per sample.",
+                )
+            )
+    return keys
+
+
+def _group_rollouts(keys: Sequence[Any]) -> List[List[int]]:
+    """Samples of each rollout, rollouts in order of first appearance (as slime groups them)."""
+    members: Dict[Any, List[int]] = {}
+    for position, key in enumerate(keys):
+        members.setdefault(key, []).append(position)
+    return list(members.values())
+
+
+# -- FLOPs and Karmarkar-Karp (slime's static balance_data) ---------------------------------------
+
+
+def _layer_flops(args: Any, s: int, ffn: int) -> float:
+    """Forward FLOPs of one transformer layer on a sequence of ``s`` tokens (slime's estimate).
+
+    The expressions keep slime's operation order so the floating-point sums, and with them the
+    balancing decisions, are identical.
+    """
+    h = args.hidden_size
+    heads = args.num_attention_heads
+    mla = bool(getattr(args, "multi_latent_attention", False))
+    if mla and args.q_lora_rank is not None:
+        q = 2 * s * args.q_lora_rank * (h + heads * (args.qk_head_dim + args.qk_pos_emb_head_dim))
+    else:
+        q_head_dim = args.qk_head_dim + args.qk_pos_emb_head_dim if mla else args.kv_channels
+        q = 2 * s * h * heads * q_head_dim
+    if mla and args.kv_lora_rank is not None:
+        kv = (
+            2
+            * s
+            * (
+                args.kv_lora_rank * (h + heads * (args.qk_head_dim + args.v_head_dim))
+                + h * args.qk_pos_emb_head_dim
+            )
+        )
+    else:
+        kv = 2 * 2 * s * h * args.num_query_groups * args.kv_channels
+    if mla:
+        attention = 2 * heads * s * s * (args.qk_head_dim + args.qk_pos_emb_head_dim) / 2
+        attention += heads * s * s * args.v_head_dim
+    else:
+        attention = 2 * heads * s * s * args.kv_channels / 2
+        attention += heads * s * s * args.kv_channels
+    return (q + kv) + attention + 2 * s * h * h + 2 * s * h * ffn * 3
+
+
+def _forward_flops(args: Any, s: int) -> float:
+    """slime's ``calculate_fwd_flops([s], args)``: every layer plus the output projection."""
+    if args.num_experts is None:
+        num_dense, num_moe, moe_ffn = args.num_layers, 0, 0
+    else:
+        shared = getattr(args, "moe_shared_expert_intermediate_size", None) or 0
+        moe_ffn = args.moe_ffn_hidden_size * args.moe_router_topk + shared
+        if hasattr(args, "moe_layer_freq"):
+            freq = args.moe_layer_freq
+            if isinstance(freq, list):
+                num_dense = sum(1 for f in freq if f == 0)
+                num_moe = sum(1 for f in freq if f > 0)
+            else:
+                num_dense = sum(1 for i in range(args.num_layers) if i % freq != 0)
+                num_moe = sum(1 for i in range(args.num_layers) if i % freq == 0)
+        else:
+            num_dense, num_moe = 0, args.num_layers
+    total = 0
+    if num_dense > 0:
+        total += _layer_flops(args, s, args.ffn_hidden_size) * num_dense
+    if num_moe > 0:
+        total += _layer_flops(args, s, moe_ffn) * num_moe
+    return total + 2 * s * args.hidden_size * args.vocab_size
+
+
+class _Part:
+    """One side of a Karmarkar-Karp state: a running sum and its (index, weight) items."""
+
+    __slots__ = ("total", "items")
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.items: List[Tuple[int, Any]] = []
+
+    def add(self, index: int, weight: Any) -> None:
+        self.items.append((index, weight))
+        self.total += weight
+
+    def key(self):
+        return (self.total, len(self.items), self.items)
+
+
+class _State:
+    """``k`` parts kept in decreasing order; the heap pops the widest spread first."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, items: Sequence[Tuple[int, Any]], k: int) -> None:
+        self.parts = [_Part() for _ in range(k)]
+        assert len(items) <= k, (len(items), k)
+        # Fewer items than parts leaves the last parts empty.
+        for part, (index, weight) in zip(self.parts[: len(items)], items, strict=True):
+            part.add(index, weight)
+        self._order()
+
+    def _order(self) -> None:
+        self.parts.sort(key=_Part.key, reverse=True)
+
+    def absorb(self, other: "_State") -> None:
+        # The largest part takes the other state's smallest, and so on (differencing).
+        for part, theirs in zip(self.parts, reversed(other.parts), strict=True):
+            for index, weight in theirs.items:
+                part.add(index, weight)
+        self._order()
+
+    def spread(self):
+        return self.parts[0].total - self.parts[-1].total
+
+    def __lt__(self, other: "_State") -> bool:
+        if self.spread() != other.spread():
+            return self.spread() > other.spread()
+        return other.parts[0].key() < self.parts[0].key()
+
+
+def _balanced_partitions(weights: Sequence[Any], k: int) -> List[List[int]]:
+    """Largest differencing (Karmarkar-Karp) into ``k`` parts of equal item counts, each sorted.
+
+    The same tie-breaking as slime's ``get_seqlen_balanced_partitions(..., equal_size=True)``, so
+    the static ``balance_data`` path assigns exactly the ranks slime assigns.
+    """
+    ascending = sorted((weight, index) for index, weight in enumerate(weights))
+    heap: List[_State] = []
+    for offset in range(0, len(ascending), k):
+        items = [(index, weight) for weight, index in ascending[offset : offset + k]]
+        heapq.heappush(heap, _State(items, k))
+    while len(heap) > 1:
+        first = heapq.heappop(heap)
+        second = heapq.heappop(heap)
+        first.absorb(second)
+        heapq.heappush(heap, first)
+    return [sorted(index for index, _ in part.items) for part in heap[0].parts]
+
+
+# -- the two paths --------------------------------------------------------------------------------
+
+
+def _static_schedule(
+    args: Any,
+    sizes: Dict[str, int],
+    lengths: List[int],
+    rollouts: List[List[int]],
+    global_batch_size: int,
+    pad_size: int,
+) -> DPSchedule:
+    """slime's static path: ``micro_batch_size`` chunks, trailing rollouts trimmed, strict."""
+    dp = sizes["dp_size"]
+    group = sizes["microbatch_group_size_per_vp_stage"] if sizes["vpp_size"] > 1 else 1
+    align_to = dp * group
+    micro_batch_size = check_index(
+        "args.micro_batch_size",
+        getattr(args, "micro_batch_size", None),
+        1,
+        "pass --micro-batch-size (or --use-dynamic-batch-size with --max-tokens-per-gpu).",
+    )
+    num_steps = len(rollouts) // global_batch_size
+    if num_steps < 1:
+        raise DPScheduleError(
+            f"num_rollouts ({len(rollouts)}) < global_batch_size ({global_batch_size}); the "
+            "static path needs at least one full step: lower --global-batch-size or use "
+            "--use-dynamic-batch-size (which trains a short step)."
+        )
+    balance = _flag(args, "balance_data")
+    partitions: List[List[int]] = [[] for _ in range(dp)]
+    micro_batch_indices: List[List[List[int]]] = [[] for _ in range(dp)]
+    rollout_counts: List[List[int]] = [[] for _ in range(dp)]
+    num_microbatches: List[int] = []
+    seq_lengths: List[int] = []
+    for step in range(num_steps):
+        step_rollouts = rollouts[step * global_batch_size : (step + 1) * global_batch_size]
+        samples = [i for members in step_rollouts for i in members]
+        heads = {members[0] for members in step_rollouts}
+        if len(samples) < dp:
+            raise DPScheduleError(
+                f"step {step}: {len(samples)} samples < dp_size {dp}; each step needs at least one "
+                "sample per rank on the static path (use --use-dynamic-batch-size, which fills "
+                "ranks with placeholders)."
+            )
+        chunks = [
+            list(range(i, min(i + micro_batch_size, len(samples))))
+            for i in range(0, len(samples), micro_batch_size)
+        ]
+        if len(chunks) % align_to:
+            raise DPScheduleError(
+                f"static path: num_mbs ({len(chunks)}) is not a multiple of dp_size * mb_group "
+                f"({align_to}); got step_size={len(samples)}, micro_batch_size={micro_batch_size}, "
+                f"dp_size={dp}, mb_group={group}. Adjust the config so step_size % (dp_size * "
+                "micro_batch_size * mb_group) == 0, or use --use-dynamic-batch-size."
+            )
+        per_rank = len(chunks) // dp
+        num_microbatches.append(per_rank)
+        if balance:
+            flops = [_forward_flops(args, lengths[i]) for i in samples]
+            weights = [sum(flops[i] for i in chunk) for chunk in chunks]
+            rank_chunks = _balanced_partitions(weights, dp)
+        else:
+            rank_chunks = [list(range(r, len(chunks), dp)) for r in range(dp)]
+        for r in range(dp):
+            for c in rank_chunks[r]:
+                start = len(partitions[r])
+                members = [samples[i] for i in chunks[c]]
+                partitions[r].extend(members)
+                micro_batch_indices[r].append(list(range(start, start + len(members))))
+                rollout_counts[r].append(sum(1 for i in members if i in heads))
+        longest = max(sum(lengths[samples[i]] for i in chunk) for chunk in chunks)
+        seq_lengths.append(round_up(longest, pad_size))
+    return DPSchedule(
+        partitions,
+        micro_batch_indices,
+        num_microbatches,
+        [global_batch_size] * num_steps,
+        seq_lengths=seq_lengths,
+        rollout_counts=rollout_counts,
+    )
+
+
+def _cost_model(args: Any, balance: bool) -> CostModel:
+    """Tokens, plus slime's attention-to-linear FLOPs ratio when balancing by FLOPs is asked for."""
+    if not balance:
+        return CostModel()
+    try:
+        # FLOPs(L) = a * L + b * L**2: b from the second difference, a from FLOPs(1).
+        quadratic = (_forward_flops(args, 2) - 2 * _forward_flops(args, 1)) / 2
+        linear = _forward_flops(args, 1) - quadratic
+    except (AttributeError, TypeError):
+        # No model dimensions on args (a test double): balance by tokens.
+        return CostModel()
+    if linear <= 0 or quadratic < 0:
+        return CostModel()
+    return CostModel(token_weight=1.0, attention_weight=quadratic / linear)
+
+
+def row_length(seq_length: int, cp: int, pad_size: int, max_tokens: int) -> int:
+    """One GPU's packed row of a step whose planned row is ``seq_length`` tokens.
+
+    A row of S tokens is S / cp per CP rank (every sample is padded to 2 * cp chunks, and to a
+    multiple of tp, which sequence parallelism needs). slime aligns it further to ``pad_size``
+    (``tp * data_pad_size_multiplier``); that alignment is kept only while the row stays within
+    ``--max-tokens-per-gpu``: the budget is a hard cap on the padded row (a cap of 1,000 with the
+    default multiple of 128 would otherwise give rows of 1,024). A step holding an oversize sample
+    is over the budget anyway and keeps slime's alignment.
+    """
+    per_rank = -(-seq_length // cp)
+    aligned = round_up(per_rank, pad_size)
+    return aligned if aligned <= max_tokens or per_rank > max_tokens else per_rank
+
+
+def _dynamic_schedule(
+    args: Any,
+    sizes: Dict[str, int],
+    lengths: List[int],
+    keys: List[Any],
+    global_batch_size: int,
+    pad_size: int,
+) -> DPSchedule:
+    max_tokens = getattr(args, "max_tokens_per_gpu", None)
+    if max_tokens is None:
+        raise DPScheduleError(
+            "use_dynamic_batch_size is set but max_tokens_per_gpu is None; pass "
+            "--max-tokens-per-gpu with the token budget of one micro-batch on one GPU."
+        )
+    max_tokens = check_index(
+        "args.max_tokens_per_gpu", max_tokens, 1, "pass --max-tokens-per-gpu as a token count."
+    )
+    vpp = sizes["vpp_size"]
+    parallel = ParallelLayout(
+        dp_size=sizes["dp_size"],
+        pp_size=sizes["pp_size"],
+        vpp_size=vpp,
+        microbatch_group_size_per_vp_stage=(
+            sizes["microbatch_group_size_per_vp_stage"] if vpp > 1 else None
+        ),
+        tp_size=sizes["tp_size"],
+        cp_size=sizes["cp_size"],
+    )
+    balance = _flag(args, "balance_data") or _flag(args, "balance_by_flops")
+    config = PlannerConfig(
+        max_tokens_per_gpu=max_tokens,
+        parallel=parallel,
+        rollouts_per_step=global_batch_size,
+        layout="packed",
+        cost=_cost_model(args, balance),
+        oversize_samples=oversize_policy(args),
+    )
+    plan = plan_schedule(lengths, keys, None, config=config)
+
+    heads = {members[0] for members in _group_rollouts(keys)}
+    dp = sizes["dp_size"]
+    cp = sizes["cp_size"]
+    partitions: List[List[int]] = [[] for _ in range(dp)]
+    micro_batch_indices: List[List[List[int]]] = [[] for _ in range(dp)]
+    rollout_counts: List[List[int]] = [[] for _ in range(dp)]
+    for step in plan.steps:
+        for r, rank in enumerate(step.ranks):
+            for mb in rank:
+                start = len(partitions[r])
+                partitions[r].extend(mb)
+                micro_batch_indices[r].append(list(range(start, start + len(mb))))
+                rollout_counts[r].append(sum(1 for i in mb if i in heads))
+    return DPSchedule(
+        partitions,
+        micro_batch_indices,
+        [step.num_microbatches for step in plan.steps],
+        [step.num_rollouts for step in plan.steps],
+        seq_lengths=[row_length(step.seq_length, cp, pad_size, max_tokens) for step in plan.steps],
+        rollout_counts=rollout_counts,
+        plan=plan,
+    )
+
+
+def build_dp_schedule(
+    args: Any,
+    train_parallel_config: Any,
+    total_lengths: Sequence[int],
+    global_batch_size: int = None,  # type: ignore[assignment]
+    rollout_indices: Sequence[Any] = None,  # type: ignore[assignment]
+) -> DPSchedule:
+    """slime's ``build_dp_schedule``, same arguments and return value (see the module docstring).
+
+    Args:
+        args: slime's namespace. Read: ``use_dynamic_batch_size``, ``max_tokens_per_gpu``,
+            ``micro_batch_size`` (static path), ``balance_data``, ``balance_by_flops``, the model
+            dimensions for the FLOPs estimate (``balance_data``), and when present
+            ``tensor_model_parallel_size``, ``pipeline_model_parallel_size`` and
+            ``data_pad_size_multiplier``.
+        train_parallel_config: ``{"dp_size", "cp_size", "vpp_size",
+            "microbatch_group_size_per_vp_stage"}`` as slime's actor reports it.
+        total_lengths: Token count of every sample (global index order).
+        global_batch_size: Rollouts per optimizer step (slime passes it by keyword).
+        rollout_indices: One rollout id per sample; a rollout's samples stay in one step.
+
+    Returns:
+        A :class:`DPSchedule`: ``(partitions, micro_batch_indices, num_microbatches,
+        global_batch_sizes)``; a placeholder micro-batch is an empty index list.
+
+    Raises:
+        ValueError: a bad argument, naming the value and the fix (``DPScheduleError``, also an
+            ``AssertionError``, where slime asserts).
+    """
+    if global_batch_size is None or rollout_indices is None:
+        raise ValueError(
+            "build_dp_schedule needs global_batch_size= and rollout_indices= (slime passes both "
+            "by keyword)."
+        )
+    use_dynamic = _flag(args, "use_dynamic_batch_size")
+    sizes = _parallel_sizes(args, train_parallel_config)
+    lengths = _lengths(total_lengths)
+    keys = _rollout_keys(rollout_indices, len(lengths))
+    global_batch_size = check_index(
+        "global_batch_size",
+        global_batch_size,
+        1,
+        "pass --global-batch-size as the number of rollouts per optimizer step.",
+    )
+    multiplier = getattr(args, "data_pad_size_multiplier", None)
+    multiplier = (
+        DEFAULT_DATA_PAD_SIZE_MULTIPLIER
+        if multiplier is None
+        else check_index(
+            "args.data_pad_size_multiplier", multiplier, 1, "pass --data-pad-size-multiplier >= 1."
+        )
+    )
+    pad_size = sizes["tp_size"] * multiplier
+    if use_dynamic:
+        return _dynamic_schedule(args, sizes, lengths, keys, global_batch_size, pad_size)
+    return _static_schedule(
+        args, sizes, lengths, _group_rollouts(keys), global_batch_size, pad_size
+    )

@@ -1,0 +1,151 @@
+"""The Megatron ``forward_step_func`` for packed micro-batches, and their attention mask.
+
+A micro-batch is a dict of ``[B, S]`` tensors: ``tokens`` and ``labels`` (int64), ``position_ids``
+(int64, restarting at 0 for every sample), ``segment_ids`` (int64, ``0..k-1`` for the k samples of
+a row, ``k`` for the padding tail) and ``loss_mask`` (float32). Attention stays inside a sample
+through a block-diagonal causal mask. Megatron's local ``DotProductAttention`` applies a passed
+mask as is when its ``attn_mask_type`` is ``arbitrary`` (see ``megatron_dynbatch.tools.testing.tiny_gpt.tiny_layer_spec``); with
+``causal`` only its unfused fp32 softmax does, the fused fp16/bf16 kernel silently ignores it.
+"""
+
+from functools import partial
+from typing import Callable, Iterator
+
+import torch
+
+__all__ = [
+    "MICROBATCH_KEYS",
+    "build_attention_mask",
+    "packed_seq_params_from_batch",
+    "make_forward_step",
+]
+
+MICROBATCH_KEYS = ("tokens", "position_ids", "segment_ids", "labels", "loss_mask")
+
+LossFn = Callable[[dict, torch.Tensor], tuple]
+
+
+def build_attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal causal mask for packed rows, in Megatron's convention (True = masked).
+
+    Example: ``segment_ids = [[0, 0, 1, 1, 2]]`` (two samples and one padding token) lets token 3
+    see tokens 2 and 3 only; the padding token sees only itself, so no row is fully masked.
+
+    Args:
+        segment_ids: ``[B, S]`` int64 sample index of every token within its row.
+
+    Returns:
+        ``[B, 1, S, S]`` bool tensor; entry ``[b, 0, q, k]`` is True when query q must not attend
+        to key k.
+    """
+    if segment_ids.dim() != 2:
+        raise ValueError(
+            f"segment_ids must be [batch, seq], got shape {tuple(segment_ids.shape)}; "
+            "pass one row of segment ids per packed sequence."
+        )
+    seq_length = segment_ids.shape[1]
+    same_segment = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)
+    causal = torch.ones(seq_length, seq_length, dtype=torch.bool, device=segment_ids.device).tril()
+    return (~(same_segment & causal)).unsqueeze(1)
+
+
+def packed_seq_params_from_batch(batch: dict):
+    """THD ``PackedSeqParams`` of a packed micro-batch (``micro_batch_size`` 1), for TE attention.
+
+    Segments are the materializer's ``cu_seqlens``: each sample rounded up to the TP/CP multiple,
+    then the row's padding tail as its own segment, so ``cu_seqlens[-1]`` equals the row length S
+    on every micro-batch, placeholders included (one segment of S). The rounded boundaries serve
+    as both the real and the padded ones: the rounding pad sits after a sample's last token, so
+    causal attention never lets a real token see it, and its loss mask is zero.
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    tokens = batch["tokens"]
+    if tokens.shape[0] != 1:
+        raise ValueError(
+            f"THD packing needs micro_batch_size 1, got a [{tokens.shape[0]}, {tokens.shape[1]}] "
+            "micro-batch; use --dynamic-batch-layout packed, or the attention mask for padded rows."
+        )
+    cu_seqlens = batch["cu_seqlens"].to(device=tokens.device, dtype=torch.int32)
+    max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        cu_seqlens_q_padded=cu_seqlens,
+        cu_seqlens_kv_padded=cu_seqlens,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen,
+    )
+
+
+def _collect_logprobs(batch: dict, per_token_loss: torch.Tensor, non_loss_data: bool = False):
+    """Loss function of forward-only log-prob passes.
+
+    The cross entropy GPTModel returns for given labels is ``-log p(label)`` (Megatron's
+    vocab-parallel cross entropy: equal to a log-softmax over the full vocabulary, and right
+    under tensor parallelism too), so no logits need to leave the model.
+
+    With ``collect_non_loss_data=True`` the schedule stores the returned dict as is; otherwise it
+    expects the 3-tuple form and stores its third element, the same dict (the zero loss and token
+    count are never back-propagated in a forward-only pass).
+    """
+    logprobs = {"logprobs": (-per_token_loss).detach()}
+    if non_loss_data:
+        return logprobs
+    zero = per_token_loss.new_zeros(())
+    return zero, torch.zeros((), dtype=torch.int, device=batch["tokens"].device), logprobs
+
+
+def make_forward_step(
+    loss_fn: LossFn | None = None, *, collect_logprobs: bool = False, thd: bool = False
+) -> Callable[[Iterator[dict], torch.nn.Module], tuple]:
+    """Build a Megatron ``forward_step_func`` for packed micro-batch dicts.
+
+    Args:
+        loss_fn: ``loss_fn(batch, per_token_loss [B, S]) -> (loss_sum, num_tokens, logging_dict)``,
+            the 3-tuple form Megatron expects with ``calculate_per_token_loss=True``. Required
+            unless ``collect_logprobs``.
+        collect_logprobs: Forward-only mode: the schedule returns ``{"logprobs": [B, S]}`` per
+            micro-batch (log-prob of each label), on the last pipeline stage only. Run it with
+            ``forward_only=True`` (``collect_non_loss_data`` either way).
+        thd: Pass ``PackedSeqParams`` (THD, ``cu_seqlens``) instead of a dense block-diagonal mask:
+            for transformer-engine attention specs, which support it; Megatron's local
+            ``DotProductAttention`` (the CPU path) refuses it.
+
+    Returns:
+        ``forward_step(data_iterator, model) -> (output_tensor, loss_func)``. On the first stage
+        it reads the next dict from ``data_iterator``; later stages read it too, since they need
+        ``labels``, ``loss_mask`` and the attention mask of the same micro-batch.
+    """
+    if loss_fn is None and not collect_logprobs:
+        raise ValueError("make_forward_step needs a loss_fn unless collect_logprobs=True.")
+
+    def forward_step(data_iterator: Iterator[dict], model: torch.nn.Module):
+        batch = next(data_iterator)
+        missing = [key for key in MICROBATCH_KEYS if key not in batch]
+        if missing:
+            raise ValueError(
+                f"micro-batch is missing {missing} (has {sorted(batch)}); every micro-batch needs "
+                f"{list(MICROBATCH_KEYS)}, with segment_ids marking the samples of packed rows."
+            )
+        extra = {}
+        if thd:
+            attention_mask = None
+            extra["packed_seq_params"] = packed_seq_params_from_batch(batch)
+        else:
+            attention_mask = build_attention_mask(batch["segment_ids"])
+        # With labels, GPTModel returns per-token cross entropy [B, S] on the last stage and the
+        # hidden states [S, B, H] elsewhere.
+        output = model(
+            batch["tokens"],
+            batch["position_ids"],
+            attention_mask,
+            labels=batch["labels"],
+            **extra,
+        )
+        if collect_logprobs:
+            return output, partial(_collect_logprobs, batch)
+        return output, partial(loss_fn, batch)
+
+    return forward_step

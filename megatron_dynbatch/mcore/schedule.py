@@ -1,0 +1,170 @@
+"""Run one Megatron forward(-backward) pass over an explicit list of micro-batch dicts."""
+
+from typing import Callable
+
+import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer import TransformerConfig
+
+from megatron_dynbatch.runtime.iterators import chunk_data_iterators
+
+__all__ = [
+    "VARIABLE_SHAPE_KEYS",
+    "check_schedule_config",
+    "check_uniform_shapes",
+    "interleaved_shape_exchange_hangs",
+    "run_forward_backward",
+]
+
+# Keys whose length legitimately differs between micro-batches: ``cu_seqlens`` has one entry per
+# packed segment plus one. It never crosses a pipeline boundary, so it cannot break p2p shapes.
+VARIABLE_SHAPE_KEYS = ("cu_seqlens",)
+
+
+def interleaved_shape_exchange_hangs(
+    pp: int, interleaved: bool, variable_seq_lengths: bool, overlap_p2p_comm: bool
+) -> bool:
+    """Whether megatron.core's interleaved schedule hangs on its shape exchange (see
+    :func:`check_schedule_config`): interleaving at pp = 2 with variable sequence lengths and
+    without overlapped p2p."""
+    return interleaved and pp == 2 and variable_seq_lengths and not overlap_p2p_comm
+
+
+def check_schedule_config(config: TransformerConfig) -> None:
+    """Refuse schedule settings known to give silently wrong results in megatron.core 0.19.2.
+
+    Interleaved 1F1B with two pipeline stages and ``batch_p2p_comm=True`` pairs batched sends with
+    the wrong receives (both neighbours are the same rank), so gradients come out wrong without an
+    error (on the tiny GPT with gloo: relative gradient error about 4, no exception). Megatron-LM's
+    argument validation forbids it; megatron.core alone does not.
+
+    The same pairing hangs the step with ``variable_seq_lengths=True`` (slime's setting) unless
+    ``overlap_p2p_comm`` is on: megatron.core then exchanges shapes before every transfer with
+    ``batch_isend_irecv``, whatever ``batch_p2p_comm`` says, and at pp = 2 a stage in warm-up and
+    its neighbour in steady state post different numbers of batched ops to the same rank, so both
+    wait forever (seen on gloo: the first training step never returns).
+
+    Args:
+        config: The model config the schedule will read.
+
+    Raises:
+        ValueError: If the config combines interleaving, pp = 2 and batched p2p, or interleaving,
+            pp = 2 and variable sequence lengths without overlapped p2p.
+    """
+    vpp = config.virtual_pipeline_model_parallel_size
+    pp = config.pipeline_model_parallel_size
+    if vpp is not None and pp == 2 and config.batch_p2p_comm:
+        raise ValueError(
+            f"batch_p2p_comm=True with the interleaved schedule (virtual_pipeline_model_parallel_"
+            f"size={vpp}) and pipeline_model_parallel_size=2 gives silently wrong gradients in "
+            "megatron.core: both pipeline neighbours are the same rank, so batched sends pair with "
+            "the wrong receives. Set batch_p2p_comm=False (Megatron-LM's argument validation forbids the "
+            "combination for the same reason)."
+        )
+    if interleaved_shape_exchange_hangs(
+        pp, vpp is not None, config.variable_seq_lengths, config.overlap_p2p_comm
+    ):
+        raise ValueError(
+            f"variable_seq_lengths=True with the interleaved schedule (virtual_pipeline_model_"
+            f"parallel_size={vpp}), pipeline_model_parallel_size=2 and overlap_p2p_comm=False "
+            "hangs in megatron.core: shapes are exchanged with batched sends and receives, and "
+            "with the same rank on both sides the two stages' batches do not pair up. Set "
+            "overlap_p2p_comm=True (Megatron-LM's default for interleaving, which it requires at "
+            "pp = 2), use pp > 2, or give every micro-batch the same length."
+        )
+
+
+def check_uniform_shapes(
+    microbatches: list[dict], *, variable_keys: tuple[str, ...] = VARIABLE_SHAPE_KEYS
+) -> None:
+    """Assert every micro-batch has the same keys and the same shape per key.
+
+    With ``variable_seq_lengths=False`` the pipeline receive buffers have one fixed shape for the
+    whole step; a smaller message fills a gloo buffer partly without an error.
+
+    Args:
+        microbatches: The step's micro-batch dicts.
+        variable_keys: Keys exempt from the shape comparison (they must still be present).
+    """
+    assert microbatches, "no micro-batches"
+
+    def shapes_of(microbatch: dict) -> dict:
+        return {
+            key: None if key in variable_keys else tuple(value.shape)
+            for key, value in microbatch.items()
+        }
+
+    reference = shapes_of(microbatches[0])
+    for index, microbatch in enumerate(microbatches):
+        shapes = shapes_of(microbatch)
+        assert shapes == reference, f"micro-batch {index} has shapes {shapes}, expected {reference}"
+
+
+def run_forward_backward(
+    model_chunks: list[torch.nn.Module],
+    microbatches: list[dict],
+    *,
+    forward_step: Callable,
+    seq_length: int,
+    micro_batch_size: int,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    pg_collection=None,
+) -> list:
+    """Run Megatron's schedule for this rank's model chunks over ``microbatches``.
+
+    Every rank of a pipeline passes the same micro-batch list (later stages read labels, masks and
+    loss masks from it). The schedule follows the model chunks' config (and ``pg_collection``'s
+    pipeline group): no pipelining, 1F1B, or interleaved 1F1B with one data iterator per chunk.
+
+    Args:
+        model_chunks: This rank's chunks (DDP-wrapped for training with finalize_model_grads).
+        microbatches: Dicts of ``[micro_batch_size, seq_length]`` tensors, all of equal shapes.
+        forward_step: From :func:`megatron_dynbatch.mcore.forward.make_forward_step`.
+        seq_length: Sequence length of every micro-batch (sizes the p2p buffers).
+        micro_batch_size: Rows per micro-batch.
+        forward_only: Skip the backward pass (and finalize_model_grads).
+        collect_non_loss_data: Let the loss function return arbitrary data (log-probs).
+        pg_collection: Megatron ``ProcessGroupCollection`` for the schedule; None uses Megatron's
+            default groups.
+
+    Returns:
+        What the schedule returns: on the last pipeline stage one entry per micro-batch (the loss
+        function's logging dict, or its data when ``collect_non_loss_data``), elsewhere ``[]``.
+    """
+    check_uniform_shapes(microbatches)
+    first = microbatches[0]
+    if "tokens" in first:
+        assert tuple(first["tokens"].shape) == (micro_batch_size, seq_length), (
+            tuple(first["tokens"].shape),
+            (micro_batch_size, seq_length),
+        )
+    config = model_chunks[0].config
+    for chunk in model_chunks:
+        check_schedule_config(chunk.config)
+    pp_size = config.pipeline_model_parallel_size
+    if pg_collection is not None and getattr(pg_collection, "pp", None) is not None:
+        pp_size = pg_collection.pp.size()
+    vp_size = config.virtual_pipeline_model_parallel_size
+    if len(model_chunks) != (vp_size or 1):
+        raise ValueError(
+            f"{len(model_chunks)} model chunks for virtual_pipeline_model_parallel_size={vp_size}; "
+            "pass every model chunk of this rank (one per virtual stage)."
+        )
+    kwargs = {}
+    if pg_collection is not None:
+        kwargs["pg_collection"] = pg_collection
+    # The sizes of the model we were given, never Megatron's global parallel state.
+    forward_backward_func = get_forward_backward_func(pp_size=pp_size, vp_size=vp_size)
+    return forward_backward_func(
+        forward_step_func=forward_step,
+        data_iterator=chunk_data_iterators(microbatches, len(model_chunks)),
+        model=model_chunks[0] if len(model_chunks) == 1 else list(model_chunks),
+        num_microbatches=len(microbatches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        decoder_seq_length=None,
+        forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data,
+        **kwargs,
+    )

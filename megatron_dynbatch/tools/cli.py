@@ -1,0 +1,255 @@
+"""The ``megatron-dynbatch`` command: ``plan`` a schedule, ``verify`` it on real Megatron-Core.
+
+``plan`` imports only the pure planner, so it answers in milliseconds without torch. User errors
+(``ValueError``) print one line to stderr and exit 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from typing import List, Optional
+
+from megatron_dynbatch.planning.spec import LAYOUTS, OVERSIZE_POLICIES
+from megatron_dynbatch.runtime.aggregation import AGGREGATIONS
+from megatron_dynbatch.tools.verify.spec import DEFAULT_MAX_TOKENS_PER_GPU
+
+__all__ = ["main", "build_parser"]
+
+
+def _add_layout_args(parser: argparse.ArgumentParser, *, cap_default: Optional[int]) -> None:
+    """The planner settings both subcommands take (``plan`` requires the cap; ``verify`` has one)."""
+    parser.add_argument("--dp-size", type=int, default=1, help="data-parallel size (default 1)")
+    parser.add_argument("--pp-size", type=int, default=1, help="pipeline-parallel size (default 1)")
+    parser.add_argument(
+        "--vpp-size", type=int, default=1, help="virtual pipeline chunks per stage (default 1)"
+    )
+    parser.add_argument(
+        "--microbatch-group-size-per-vp-stage",
+        type=int,
+        default=None,
+        help="Megatron's interleaving group (default: pp-size)",
+    )
+    parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size (default 1)")
+    parser.add_argument("--cp-size", type=int, default=1, help="context-parallel size (default 1)")
+    parser.add_argument(
+        "--max-tokens-per-gpu",
+        type=int,
+        required=cap_default is None,
+        default=cap_default,
+        help="hard token cap of one micro-batch on one GPU"
+        + ("" if cap_default is None else f" (default {cap_default})"),
+    )
+    parser.add_argument("--layout", choices=LAYOUTS, default="packed", help="micro-batch layout")
+    parser.add_argument(
+        "--cost-attention-weight",
+        type=float,
+        default=0.0,
+        help="weight of a segment's squared length (attention), per unit of a token's linear work",
+    )
+    parser.add_argument(
+        "--cost-response-weight", type=float, default=0.0, help="weight of response tokens"
+    )
+    parser.add_argument(
+        "--cost-microbatch-overhead",
+        type=float,
+        default=0.0,
+        help="fixed cost of one micro-batch, in tokens of linear work (default 0)",
+    )
+    parser.add_argument(
+        "--oversize-samples",
+        choices=OVERSIZE_POLICIES,
+        default="allow",
+        help="a sample longer than the cap: allow (default: alone, over the cap, warned), "
+        "truncate (cut to the cap), error",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatron-dynbatch",
+        description="Dynamic token-budget micro-batching for Megatron-Core.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    plan = sub.add_parser("plan", help="plan the micro-batch schedule of a list of samples")
+    plan.add_argument(
+        "samples", help="SAMPLES.json: array of lengths or {length, rollout, prompt_length}"
+    )
+    _add_layout_args(plan, cap_default=None)
+    plan.add_argument(
+        "--rollouts-per-step",
+        type=int,
+        default=None,
+        help="rollouts (prompt groups) per optimizer step (default: all in one step)",
+    )
+    plan.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    plan.add_argument(
+        "--plot", default=None, metavar="FILE.png", help="draw the first step to a PNG"
+    )
+
+    verify = sub.add_parser(
+        "verify", help="check dynamic batching against a reference on Megatron-Core"
+    )
+    _add_layout_args(verify, cap_default=DEFAULT_MAX_TOKENS_PER_GPU)
+    verify.add_argument(
+        "--loss",
+        choices=AGGREGATIONS,
+        default="token-mean",
+    )
+    verify.add_argument("--samples", default=None, help="SAMPLES.json (default: a bundled set)")
+    verify.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    return parser
+
+
+def _unique_keys(pairs):
+    """``object_pairs_hook`` that refuses duplicate keys (``json`` silently keeps the last)."""
+    keys = [key for key, _ in pairs]
+    duplicated = sorted({key for key in keys if keys.count(key) > 1})
+    if duplicated:
+        raise ValueError(f"duplicate key(s) {duplicated} in an object; give every key once")
+    return dict(pairs)
+
+
+def _read_json(path: str):
+    """Decoded JSON of ``path`` (``-``: stdin); unreadable or invalid files are ValueErrors."""
+    try:
+        if path == "-":
+            return json.load(sys.stdin, object_pairs_hook=_unique_keys)
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle, object_pairs_hook=_unique_keys)
+    except OSError as exc:
+        raise ValueError(f"cannot read SAMPLES.json {path!r}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path!r} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError(
+            f"{path!r} is nested too deeply; SAMPLES.json is a flat array of lengths or "
+            "{length, rollout, prompt_length} objects."
+        ) from None
+    except ValueError as exc:
+        raise ValueError(f"{path!r}: {exc}") from None
+
+
+def _load_samples(path: str):
+    from megatron_dynbatch.planning import parse_samples_json
+
+    return parse_samples_json(_read_json(path))
+
+
+def _planner_config(args, *, rollouts_per_step=None):
+    """The planner's config from the flags both subcommands share (verify plans one step)."""
+    from megatron_dynbatch.planning import CostModel, ParallelLayout, PlannerConfig
+
+    return PlannerConfig(
+        max_tokens_per_gpu=args.max_tokens_per_gpu,
+        parallel=ParallelLayout(
+            dp_size=args.dp_size,
+            pp_size=args.pp_size,
+            vpp_size=args.vpp_size,
+            microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
+            tp_size=args.tp_size,
+            cp_size=args.cp_size,
+        ),
+        rollouts_per_step=rollouts_per_step,
+        layout=args.layout,
+        cost=CostModel(
+            attention_weight=args.cost_attention_weight,
+            response_weight=args.cost_response_weight,
+            microbatch_overhead=args.cost_microbatch_overhead,
+        ),
+        oversize_samples=args.oversize_samples,
+    )
+
+
+def _format_table(plan) -> str:
+    header = (
+        f"{'step':>4} {'rollouts':>8} {'samples':>7} {'M/rank':>6} {'S':>7} {'B':>3} "
+        f"{'fill':>6} {'dp_imb':>7} {'placeh':>6} {'oversize':>8}"
+    )
+    lines = [f"layout={plan.layout} dp_size={plan.dp_size} token_cap={plan.token_cap}", header]
+    for s, step in enumerate(plan.steps):
+        num_samples = sum(len(mb) for rank in step.ranks for mb in rank)
+        lines.append(
+            f"{s:>4} {step.num_rollouts:>8} {num_samples:>7} {step.num_microbatches:>6} "
+            f"{step.seq_length:>7} {step.micro_batch_size:>3} {step.fill:>6.3f} "
+            f"{step.dp_imbalance:>7.4f} {step.num_placeholders:>6} {len(step.oversize_samples):>8}"
+        )
+    st = plan.stats
+    lines.append(
+        f"total: {st.num_samples} samples, {st.num_microbatches} micro-batches "
+        f"({st.num_placeholders} placeholders; lower bound {st.lower_bound_microbatches} real), "
+        f"fill {st.fill:.3f}, worst DP imbalance {st.dp_imbalance:.4f}"
+    )
+    if st.oversize_samples:
+        lines.append(f"oversize samples (alone, over the cap): {list(st.oversize_samples)}")
+    if st.truncated_samples:
+        lines.append(
+            f"truncated to the cap: {list(st.truncated_samples)} ({st.truncated_tokens} tokens cut)"
+        )
+    return "\n".join(lines)
+
+
+def _check_plot_path(path: str) -> None:
+    """Fail before planning if the picture cannot be written where asked."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(
+            f"--plot {path!r}: the folder {folder!r} does not exist; create it or pick another "
+            "path."
+        )
+
+
+def _cmd_plan(args) -> int:
+    from megatron_dynbatch.planning import plan_samples
+
+    if args.plot:
+        _check_plot_path(args.plot)
+    samples = _load_samples(args.samples)
+    config = _planner_config(args, rollouts_per_step=args.rollouts_per_step)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = plan_samples(samples, config)
+    for warning in caught:
+        print(f"warning: {warning.message}", file=sys.stderr)
+    if args.plot:
+        from megatron_dynbatch.tools.plotting import plot_step
+
+        try:
+            plot_step(plan, 0, samples, config, args.plot)
+        except OSError as exc:
+            raise ValueError(
+                f"--plot {args.plot!r}: cannot write it: {exc.strerror or exc}"
+            ) from None
+    if args.json:
+        # Never NaN or Infinity in the public JSON (not JSON at all); the cost model's finite
+        # check makes this unreachable, allow_nan=False makes sure.
+        print(json.dumps(plan.to_dict(), allow_nan=False))
+    else:
+        print(_format_table(plan))
+    return 0
+
+
+def _cmd_verify(args) -> int:
+    from megatron_dynbatch.tools.verify.cli import run_verify_cli
+
+    samples = None if args.samples is None else _read_json(args.samples)
+    return run_verify_cli(_planner_config(args), loss=args.loss, samples=samples, as_json=args.json)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "plan":
+            return _cmd_plan(args)
+        return _cmd_verify(args)
+    except ValueError as exc:
+        print(f"megatron-dynbatch {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

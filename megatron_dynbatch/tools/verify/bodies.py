@@ -1,0 +1,167 @@
+"""What verify runs: the dynamic step on every rank of the layout, and the per-sample reference.
+
+Both are module-level functions so the gloo worker pool can call them by name; megatron is imported
+inside them, after the worker applied the CPU shim.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, Optional
+
+from megatron_dynbatch.tools.verify.spec import NUM_LAYERS, VerifySpec
+
+__all__ = ["dynamic_body", "reference_body"]
+
+
+def _schema():
+    import torch
+
+    from megatron_dynbatch.runtime import BatchSchema, FieldSpec
+
+    return BatchSchema(fields=(FieldSpec(name="advantages", kind="sample", dtype=torch.float32),))
+
+
+def _advantage_loss(batch, per_token_ce):
+    return per_token_ce * batch["advantages"]
+
+
+def dynamic_body(spec: VerifySpec) -> Dict[str, Any]:
+    """On every rank of the layout: plan, agree, train one step, then a forward-only pass."""
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_dynbatch.mcore.agreement import step_agreement
+    from megatron_dynbatch.mcore.step import (
+        configure_loss,
+        forward_only_outputs,
+        gather_in_order,
+        train_microbatches,
+    )
+    from megatron_dynbatch.runtime import materialize_microbatches
+    from megatron_dynbatch.tools.testing.tiny_gpt import (
+        build_tiny_gpt,
+        named_global_grads,
+        tiny_transformer_config,
+        wrap_in_ddp,
+    )
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    # Tensor-parallel ranks hold the same samples and compute the same losses and outputs: only
+    # the first of them reports them, or the verdict would count them tp times.
+    reports = parallel_state.get_tensor_model_parallel_rank() == 0
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    )
+    # Planning and materializing are local; an error on one rank stops every rank here.
+    with step_agreement(what="verify step") as agreement:
+        plan = spec.plan()
+        agreement.fingerprint = plan.fingerprint()
+        [step] = plan.steps
+        mine = {i: spec.sample(i) for mb in step.rank_microbatches(dp_rank) for i in mb}
+        microbatches = materialize_microbatches(
+            step,
+            dp_rank,
+            mine,
+            _schema(),
+            layout=plan.layout,
+            sample_multiple=plan.sample_multiple,
+            device=device,
+        )
+    config = tiny_transformer_config(
+        tensor_model_parallel_size=tp_group.size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=(
+            parallel_state.get_virtual_pipeline_model_parallel_world_size()
+        ),
+        num_layers=NUM_LAYERS,
+        calculate_per_token_loss=True,
+    )
+    chunks = build_tiny_gpt(config, max_sequence_length=spec.max_sequence_length, seed=spec.seed)
+    if device is not None:
+        chunks = [chunk.to(device) for chunk in chunks]
+    chunks = wrap_in_ddp(chunks)
+    configure_loss(chunks, spec.loss)
+    started = time.perf_counter()
+    logs = train_microbatches(
+        chunks, step, microbatches, aggregation=spec.loss, token_loss=_advantage_loss
+    )
+    train_seconds = time.perf_counter() - started
+    grads = {
+        name: g.detach().cpu() for name, g in named_global_grads(chunks, tp_group=tp_group).items()
+    }
+    log_sums = [float(sum(float(entry["loss"][k]) for entry in logs)) for k in (0, 1)]
+    outputs = forward_only_outputs(chunks, step, microbatches)
+    logprobs = gather_in_order(outputs if reports else {}, list(range(spec.num_samples)))
+    return {
+        "grads": grads,
+        "log_sums": log_sums if logs and reports else None,
+        "logprobs": logprobs if torch.distributed.get_rank() == 0 else None,
+        # What this rank actually ran, so the report cannot claim a setting that was not used.
+        "ran": {
+            "dp_size": parallel_state.get_data_parallel_world_size(),
+            "pp_size": parallel_state.get_pipeline_model_parallel_world_size(),
+            "vpp_size": parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
+            "tp_size": tp_group.size(),
+            "cp_size": parallel_state.get_context_parallel_world_size(),
+            "world_size": torch.distributed.get_world_size(),
+            "backend": torch.distributed.get_backend(),
+            "num_model_chunks": len(chunks),
+        },
+        "train_seconds": train_seconds,
+        "num_placeholders": plan.stats.num_placeholders,
+        "truncated_tokens": plan.stats.truncated_tokens,
+        "num_microbatches": step.num_microbatches,
+        "seq_length": step.seq_length,
+        "micro_batch_size": step.micro_batch_size,
+        "fingerprint": plan.fingerprint(),
+    }
+
+
+def reference_body(spec: VerifySpec) -> Optional[Dict[str, Any]]:
+    """On rank 0 only: every sample alone in a row, one process, plain autograd (a sample the plan
+    truncates, cut to the same kept length)."""
+    import torch
+
+    from megatron_dynbatch.mcore.forward import build_attention_mask
+    from megatron_dynbatch.runtime import reference_loss
+    from megatron_dynbatch.tools.testing.tiny_gpt import (
+        build_tiny_gpt,
+        named_global_grads,
+        tiny_transformer_config,
+    )
+
+    if torch.distributed.get_rank() != 0:
+        return None
+    [model] = build_tiny_gpt(
+        tiny_transformer_config(num_layers=NUM_LAYERS),
+        max_sequence_length=spec.max_sequence_length,
+        seed=spec.seed,
+    )
+    # With --oversize-samples truncate the plan keeps only the first tokens of a sample over the
+    # cap: the fixed-batch run it must equal trains those same tokens.
+    kept = {index: keep for step in spec.plan().steps for index, keep in step.kept_lengths}
+    losses, masks, logprobs = [], [], []
+    for index, length in enumerate(spec.lengths):
+        sample = spec.sample(index)
+        length = kept.get(index, length)
+        tokens = sample["tokens"][:length].unsqueeze(0)
+        # Next-token targets of this sample only; the last token has none.
+        labels = torch.zeros_like(tokens)
+        labels[0, :-1] = tokens[0, 1:]
+        target_mask = torch.zeros(length)
+        target_mask[: length - 1] = (torch.arange(1, length) >= sample["prompt_length"]).float()
+        positions = torch.arange(length).unsqueeze(0)
+        mask = build_attention_mask(torch.zeros_like(tokens))
+        ce = model(tokens, positions, mask, labels=labels)[0]
+        losses.append(ce * sample["advantages"])
+        masks.append(target_mask)
+        logprobs.append((-ce).detach())
+    loss = reference_loss(spec.loss, losses, masks)
+    loss.backward()
+    return {
+        "grads": {name: g.detach().clone() for name, g in named_global_grads([model]).items()},
+        "loss": float(loss.detach()),
+        "logprobs": logprobs,
+    }

@@ -1,0 +1,164 @@
+"""A validated verify request and the deterministic data every rank derives from it."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+from megatron_dynbatch.planning import (
+    OversizeSampleWarning,
+    Plan,
+    PlannerConfig,
+    SampleSet,
+    parse_samples_json,
+    plan_samples,
+)
+from megatron_dynbatch.runtime.aggregation import check_aggregation
+
+__all__ = ["DEFAULT_MAX_TOKENS_PER_GPU", "SEED", "VerifySpec", "build_spec"]
+
+#: Token cap of the bundled set when none is given: small enough that it packs into several
+#: micro-batches of the tiny model.
+DEFAULT_MAX_TOKENS_PER_GPU = 128
+#: Seed of the model weights and of every sample's tokens and advantage.
+SEED = 1234
+#: Transformer layers of the verify model; pp * vpp must divide it.
+NUM_LAYERS = 4
+#: Attention heads of the verify model (the tiny GPT's); tp must divide it (and then also divides
+#: its hidden size 32, MLP width 128 and vocabulary 128).
+NUM_ATTENTION_HEADS = 4
+
+
+@dataclass(frozen=True)
+class VerifySpec:
+    """Everything a verify run needs; picklable, so it travels to every worker rank."""
+
+    config: PlannerConfig
+    """The planner configuration (layout, cap, parallel sizes): built once, never re-derived."""
+    lengths: Tuple[int, ...]
+    rollouts: Tuple[Any, ...]
+    prompts: Tuple[int, ...]
+    loss: str
+    """One of :data:`megatron_dynbatch.runtime.aggregation.AGGREGATIONS`."""
+    seed: int = SEED
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def world_size(self) -> int:
+        parallel = self.config.parallel
+        return parallel.dp_size * parallel.pp_size * parallel.tp_size
+
+    @property
+    def max_sequence_length(self) -> int:
+        """Position-embedding bound of the model: covers the longest sample and every row."""
+        return max(256, max(self.lengths), self.config.token_cap)
+
+    def plan(self) -> Plan:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", OversizeSampleWarning)  # the CLI reports them
+            samples = SampleSet.build(self.lengths, self.rollouts, self.prompts)
+            return plan_samples(samples, self.config)
+
+    def sample(self, index: int) -> Dict[str, Any]:
+        """Deterministic tokens and advantage of one sample (every rank can build any sample)."""
+        import torch
+
+        from megatron_dynbatch.tools.testing.tiny_gpt import TINY_VOCAB_SIZE
+
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + index)
+        return {
+            "tokens": torch.randint(
+                0, TINY_VOCAB_SIZE, (self.lengths[index],), generator=generator
+            ),
+            "prompt_length": self.prompts[index],
+            "advantages": torch.randn((), generator=generator),
+        }
+
+    def settings(self) -> Dict[str, Any]:
+        """Every setting the run used, echoed in the report (each one is also what ran)."""
+        parallel = self.config.parallel
+        cost = self.config.cost
+        return {
+            "dp_size": parallel.dp_size,
+            "pp_size": parallel.pp_size,
+            "vpp_size": parallel.vpp_size,
+            "microbatch_group_size_per_vp_stage": parallel.group_size,
+            "tp_size": parallel.tp_size,
+            "cp_size": parallel.cp_size,
+            "sequence_parallel": False,
+            "world_size": self.world_size,
+            "layout": self.config.layout,
+            "sample_multiple": parallel.sample_multiple,
+            "loss_mode": self.loss,
+            "max_tokens_per_gpu": self.config.max_tokens_per_gpu,
+            "rollouts_per_step": self.config.rollouts_per_step,
+            "cost_token_weight": cost.token_weight,
+            "cost_attention_weight": cost.attention_weight,
+            "cost_response_weight": cost.response_weight,
+            "cost_microbatch_overhead": cost.microbatch_overhead,
+            "oversize_samples": self.config.oversize_samples,
+            "num_samples": self.num_samples,
+            "seed": self.seed,
+        }
+
+
+def bundled_samples() -> list:
+    """The bundled long-tailed set (36 samples: 8 GRPO groups and 3 multi-turn rollouts)."""
+    text = resources.files("megatron_dynbatch").joinpath("data/verify_samples.json").read_text()
+    return json.loads(text)
+
+
+def build_spec(
+    config: PlannerConfig, *, loss: str = "token-mean", samples: Optional[Sequence[Any]] = None
+) -> VerifySpec:
+    """Validate a verify request (before any process starts) and return its description.
+
+    Args:
+        config: The planner configuration to verify (its parallel layout is the one launched).
+        loss: The loss aggregation.
+        samples: The decoded ``SAMPLES.json`` array; ``None`` uses the bundled set.
+
+    Raises:
+        ValueError: On an unknown loss, bad samples, or a layout verify cannot run as asked
+            (never silently another one: a report must state what ran).
+    """
+    if not isinstance(config, PlannerConfig):
+        raise ValueError(f"config must be a PlannerConfig, got {type(config).__name__}.")
+    check_aggregation(loss)
+    sample_set = parse_samples_json(bundled_samples() if samples is None else list(samples))
+    parallel = config.parallel
+    if NUM_LAYERS % (parallel.pp_size * parallel.vpp_size):
+        raise ValueError(
+            f"the verify model has {NUM_LAYERS} layers, which do not split over pp_size="
+            f"{parallel.pp_size} x vpp_size={parallel.vpp_size}; use pp*vpp in (1, 2, 4)."
+        )
+    if NUM_ATTENTION_HEADS % parallel.tp_size:
+        raise ValueError(
+            f"the verify model has {NUM_ATTENTION_HEADS} attention heads, which do not split over "
+            f"tp_size={parallel.tp_size}; use --tp-size 1, 2 or 4."
+        )
+    if parallel.cp_size > 1:
+        # Megatron's context parallelism lives in transformer-engine's attention; the verify model
+        # uses Megatron's local attention (no TE on CPU), which has none.
+        raise ValueError(
+            f"verify cannot run cp_size={parallel.cp_size}: its model uses Megatron's local "
+            "attention, which has no context parallelism (that needs transformer-engine). Drop "
+            "--cp-size (megatron-dynbatch plan --cp-size shows the planned padding)."
+        )
+    spec = VerifySpec(
+        config=config,
+        lengths=tuple(sample_set.lengths),
+        rollouts=tuple(sample_set.rollout_ids),
+        prompts=tuple(sample_set.prompt_lengths),
+        loss=loss,
+    )
+    # Plan once here (pure, fast): a plan error (e.g. --oversize-samples error with a sample over
+    # the cap) is bad input, reported before any process starts, not a rank failure.
+    spec.plan()
+    return spec
