@@ -21,7 +21,7 @@ from megatron_dynbatch.planning.spec import (
     CostModel,
     ParallelLayout,
     PlannerConfig,
-    as_int,
+    check_int,
 )
 
 __all__ = [
@@ -58,10 +58,7 @@ def _positive_int(config: Any, name: str, *, optional: bool) -> None:
     value = getattr(config, name)
     if optional and value is None:
         return
-    number = as_int(value)
-    if number is None or number < 1:
-        raise ValueError(f"{name}={value!r} must be an integer >= 1; fix {FLAGS[name]}.")
-    object.__setattr__(config, name, number)
+    object.__setattr__(config, name, check_int(name, value, 1, f"fix {FLAGS[name]}."))
 
 
 @dataclass(frozen=True, kw_only=True)

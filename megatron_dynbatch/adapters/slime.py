@@ -11,7 +11,12 @@ from megatron_dynbatch.integrations.slime.schedule import (
     build_dp_schedule,
 )
 
-__all__ = ["DPSchedule", "DPScheduleError", "DynamicBatching", "build_dp_schedule"]  # noqa: F822 (lazy)
+__all__ = [
+    "DPSchedule",
+    "DPScheduleError",
+    "DynamicBatching",  # noqa: F822 (loaded lazily by __getattr__)
+    "build_dp_schedule",
+]
 
 
 def __getattr__(name):

@@ -6,6 +6,7 @@ import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.runtime.iterators import chunk_data_iterators
 
 __all__ = [
@@ -77,7 +78,7 @@ def check_schedule_config(config: TransformerConfig) -> None:
 def check_uniform_shapes(
     microbatches: list[dict], *, variable_keys: tuple[str, ...] = VARIABLE_SHAPE_KEYS
 ) -> None:
-    """Assert every micro-batch has the same keys and the same shape per key.
+    """Check that every micro-batch has the same keys and the same shape per key.
 
     With ``variable_seq_lengths=False`` the pipeline receive buffers have one fixed shape for the
     whole step; a smaller message fills a gloo buffer partly without an error.
@@ -85,8 +86,15 @@ def check_uniform_shapes(
     Args:
         microbatches: The step's micro-batch dicts.
         variable_keys: Keys exempt from the shape comparison (they must still be present).
+
+    Raises:
+        DynBatchValueError: On an empty list or a micro-batch whose keys or shapes differ.
     """
-    assert microbatches, "no micro-batches"
+    if not microbatches:
+        raise DynBatchValueError(
+            "no micro-batches to run; a step needs at least one (placeholders for a rank without "
+            "samples: materialize_microbatches fabricates them from the plan)."
+        )
 
     def shapes_of(microbatch: dict) -> dict:
         return {
@@ -97,7 +105,12 @@ def check_uniform_shapes(
     reference = shapes_of(microbatches[0])
     for index, microbatch in enumerate(microbatches):
         shapes = shapes_of(microbatch)
-        assert shapes == reference, f"micro-batch {index} has shapes {shapes}, expected {reference}"
+        if shapes != reference:
+            raise DynBatchValueError(
+                f"micro-batch {index} has shapes {shapes}, micro-batch 0 has {reference}; every "
+                "micro-batch of a step needs the same keys and shapes (Megatron sizes its pipeline "
+                "buffers once per step): materialize them from one StepPlan."
+            )
 
 
 def run_forward_backward(
@@ -135,10 +148,12 @@ def run_forward_backward(
     check_uniform_shapes(microbatches)
     first = microbatches[0]
     if "tokens" in first:
-        assert tuple(first["tokens"].shape) == (micro_batch_size, seq_length), (
-            tuple(first["tokens"].shape),
-            (micro_batch_size, seq_length),
-        )
+        if tuple(first["tokens"].shape) != (micro_batch_size, seq_length):
+            raise DynBatchValueError(
+                f"tokens have shape {tuple(first['tokens'].shape)} but the schedule was given "
+                f"micro_batch_size={micro_batch_size}, seq_length={seq_length}; pass the step's "
+                "StepPlan.micro_batch_size and seq_length."
+            )
     config = model_chunks[0].config
     for chunk in model_chunks:
         check_schedule_config(chunk.config)

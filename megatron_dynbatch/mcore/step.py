@@ -24,7 +24,6 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_dynbatch.mcore.agreement import PlanMismatchError, check_plan_agreement
 from megatron_dynbatch.mcore.forward import make_forward_step
 from megatron_dynbatch.mcore.schedule import run_forward_backward
 from megatron_dynbatch.planning import StepPlan
@@ -37,8 +36,6 @@ from megatron_dynbatch.runtime import (
 from megatron_dynbatch.runtime.aggregation import check_aggregation
 
 __all__ = [
-    "PlanMismatchError",
-    "check_plan_agreement",
     "configure_loss",
     "gather_in_order",
     "make_loss_func",

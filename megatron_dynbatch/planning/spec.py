@@ -12,6 +12,8 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from megatron_dynbatch.errors import DynBatchValueError
+
 __all__ = [
     "CostModel",
     "ParallelLayout",
@@ -20,6 +22,7 @@ __all__ = [
     "MAX_TOKENS",
     "OVERSIZE_POLICIES",
     "as_int",
+    "check_int",
     "sample_multiple",
     "round_up",
     "ceil_div",
@@ -54,22 +57,29 @@ def as_int(value: Any) -> Optional[int]:
         return None
 
 
-def _check_int(name: str, value, minimum: int, fix: str, maximum: Optional[int] = None) -> int:
-    """The integer value of a field, checked; numpy / torch integers become plain ints."""
+def check_int(name: str, value, minimum: int, fix: str, maximum: Optional[int] = None) -> int:
+    """The one integer check of the package: ``value`` as a plain int, or a ``ValueError``.
+
+    Accepts Python, numpy and torch integers (:func:`as_int`); rejects bools, floats and strings
+    instead of truncating or parsing them (``int(6.9) == 6``). ``fix`` tells the user what to
+    change and ends the message.
+    """
     number = as_int(value)
     if number is None:
-        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}; {fix}")
+        raise DynBatchValueError(
+            f"{name}={value!r} ({type(value).__name__}) must be an integer >= {minimum}; {fix}"
+        )
     if number < minimum:
-        raise ValueError(f"{name}={number} must be >= {minimum}; {fix}")
+        raise DynBatchValueError(f"{name}={number} must be >= {minimum}; {fix}")
     if maximum is not None and number > maximum:
-        raise ValueError(f"{name}={number} is above the supported maximum {maximum}; {fix}")
+        raise DynBatchValueError(f"{name}={number} is above the supported maximum {maximum}; {fix}")
     return number
 
 
 def _set_int(obj: Any, name: str, minimum: int, fix: str, maximum: Optional[int] = None) -> None:
     """Check an integer field of a frozen dataclass and store it as a plain int."""
     object.__setattr__(
-        obj, name, _check_int(name, getattr(obj, name), minimum, fix, maximum=maximum)
+        obj, name, check_int(name, getattr(obj, name), minimum, fix, maximum=maximum)
     )
 
 
@@ -121,7 +131,7 @@ class ParallelLayout:
             )
         group = self.microbatch_group_size_per_vp_stage
         if group is not None:
-            group = _check_int(
+            group = check_int(
                 "microbatch_group_size_per_vp_stage",
                 group,
                 1,
