@@ -1,7 +1,7 @@
 """End-to-end on real Megatron-Core (tiny GPT, CPU, gloo): dynamic vs fixed micro-batches.
 
 Both modes run in one torchrun job from the same initial weights on the same long-tailed GRPO
-rollouts (``launch/train_demo.py``), so the ratio is measured under one machine state. Prints step
+rollouts (``benchmarks/train_demo.py``), so the ratio is measured under one machine state. Prints step
 wall time, real tokens/s, computed and padded tokens, and the dynamic / fixed wall-time ratio
 (target: <= 0.6). The first step of each mode is excluded from the timing (warm-up).
 
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
             "--standalone",
             "--nproc-per-node",
             str(args.nproc),
-            str(ROOT / "launch" / "train_demo.py"),
+            str(ROOT / "benchmarks" / "train_demo.py"),
             "--use-dynamic-batch-size",
             "--steps",
             str(args.steps + 1),
