@@ -53,8 +53,8 @@ def _adapter_body():
 
     from megatron_dynbatch.adapters.slime import DynamicBatching
     from megatron_dynbatch.config import DynBatchConfig
+    from megatron_dynbatch.mcore.agreement import check_plan_agreement
     from megatron_dynbatch.mcore.step import (
-        check_plan_agreement,
         configure_loss,
         forward_only_outputs,
         train_microbatches,
