@@ -22,6 +22,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.torchrun
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 LAUNCH = REPO / "launch" / "pretrain_gpt_dynbatch.py"
 USER_SCRIPT = REPO / "tests" / "megatron" / "pretrain_user_iterator.py"

@@ -23,6 +23,8 @@ from megatron_dynbatch.tools.verify import (
     run_verify,
 )
 
+pytestmark = pytest.mark.gloo
+
 SCHEDULES = {"no_pipelining": (1, 1), "1f1b": (2, 1), "interleaved": (2, 2)}
 LOSSES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "sum"]
 

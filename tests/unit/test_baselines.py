@@ -37,6 +37,8 @@ from benchmarks.lengths import (
 from benchmarks.metrics import evaluate
 from megatron_dynbatch.planning import CostModel
 
+pytestmark = pytest.mark.unit
+
 # Baselines whose packers never put two samples over the cap together (verl's KK balances workload
 # and only uses the cap to choose the count, so it is exempt).
 CAP_RESPECTING = {

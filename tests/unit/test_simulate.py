@@ -34,6 +34,8 @@ from megatron_dynbatch.planning.simulate import (
     simulate_step,
 )
 
+pytestmark = pytest.mark.unit
+
 TOL = 1e-9
 
 
