@@ -266,23 +266,37 @@ def test_a_user_iterator_of_the_wrong_batch_size_stops_every_rank(tmp_path):
     assert seconds < 300
 
 
+_RESUME_ENV = {"USER_ROLLOUTS_PER_BATCH": "12", "USER_GROUP_SIZE": "2"}
+_RESUME_ARGS = _USER + ["--rollouts-per-step", 4]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """Straight 5 steps in batches of 3 steps (12 rollouts of 2): the run both resumes follow."""
+    out = tmp_path_factory.mktemp("straight")
+    rc, log, _ = _torchrun(
+        2, USER_SCRIPT, _RESUME_ARGS, env=_RESUME_ENV, log_path=out / "straight.log"
+    )
+    return _ok(rc, log)
+
+
 @pytest.fixture(scope="module", params=["torch_dist", "torch"])
-def resumed(tmp_path_factory, request):
-    """Straight 5 steps; and 2 steps, save, exit, resume: batches of 3 steps (12 rollouts of 2).
+def resumed(tmp_path_factory, request, straight):
+    """2 steps, save, exit, resume (inside a 3-step batch), beside the straight run.
 
     Both checkpoint formats: Megatron's default (distributed) and ``torch``.
     """
     out = tmp_path_factory.mktemp("resume")
-    env = {"USER_ROLLOUTS_PER_BATCH": "12", "USER_GROUP_SIZE": "2"}
-    args = _USER + ["--rollouts-per-step", 4, "--ckpt-format", request.param]
+    args = _RESUME_ARGS + ["--ckpt-format", request.param]
     checkpoint = out / "checkpoint"
-    logs = {}
+    logs = {"straight": straight}
     for name, extra in (
-        ("straight", []),
         ("first", ["--save", checkpoint, "--save-interval", 2, "--exit-interval", 2]),
         ("resumed", ["--load", checkpoint]),
     ):
-        rc, log, _ = _torchrun(2, USER_SCRIPT, args + extra, env=env, log_path=out / f"{name}.log")
+        rc, log, _ = _torchrun(
+            2, USER_SCRIPT, args + extra, env=_RESUME_ENV, log_path=out / f"{name}.log"
+        )
         logs[name] = _ok(rc, log)
         logs[name, "log"] = log
     return logs
@@ -310,9 +324,9 @@ def test_resuming_mid_batch_continues_the_straight_run_exactly(resumed):
     assert after[4]["loss"] == pytest.approx(mean, rel=1e-6, abs=1e-6)
 
 
-def test_rollouts_count_as_the_global_batch(resumed):
+def test_rollouts_count_as_the_global_batch(straight):
     """--train-samples 20 with 4 rollouts per step: 5 steps, the LR decays over 20 rollouts."""
-    straight = resumed["straight"]["iterations"]
+    straight = straight["iterations"]
     assert sorted(straight) == [1, 2, 3, 4, 5] and straight[5]["lr"] == 0.0
     assert [straight[i]["consumed"] for i in sorted(straight)] == [4, 8, 12, 16, 20]
     assert all(record["batch"] == 4 for record in straight.values())

@@ -154,6 +154,7 @@ def test_oversize_samples_match_the_reference_of_their_policy(policy):
         )
 
 
+@pytest.mark.torchrun  # starts ``megatron-dynbatch verify`` as a user does
 def test_oversize_error_is_bad_input_before_any_process(tmp_path):
     with pytest.raises(ValueError, match=r"2 sample\(s\) exceed the token cap 128"):
         _spec(2, 2, 1, oversize="error", samples=OVERSIZE)
