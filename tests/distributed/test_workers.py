@@ -1,6 +1,10 @@
 """The reusable worker pool: layout switches must not leak process-group threads."""
 
+import pytest
+
 from megatron_dynbatch.tools.testing.workers import Layout, os_thread_count, run_on_ranks
+
+pytestmark = pytest.mark.gloo
 
 
 def _threads() -> int:

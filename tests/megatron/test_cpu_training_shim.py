@@ -11,6 +11,8 @@ import torch
 from megatron_dynbatch.cpu import training_shim as cpu_training_shim
 from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
 
+pytestmark = pytest.mark.unit
+
 apply_cpu_shim()
 
 

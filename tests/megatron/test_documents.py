@@ -25,6 +25,8 @@ from megatron_dynbatch.integrations.megatron_lm.data.documents import (  # noqa:
 from megatron_dynbatch.planning.fixed import plan_fixed_microbatches  # noqa: E402
 from megatron_dynbatch.runtime import BatchSchema, materialize_microbatches  # noqa: E402
 
+pytestmark = pytest.mark.unit
+
 
 def _collection(lengths):
     lengths = numpy.asarray(lengths, dtype=numpy.int64)

@@ -31,6 +31,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.gloo
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 PATCHES = sorted((REPO / "patches").glob("*.patch"))
 APPLY = REPO / "launch" / "apply_patches.sh"

@@ -22,7 +22,10 @@ import time
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+from tests._support import REPO, readme_block, run_shell
+
+pytestmark = pytest.mark.torchrun
+
 LAUNCH = REPO / "launch" / "pretrain_gpt_dynbatch.py"
 USER_SCRIPT = REPO / "tests" / "megatron" / "pretrain_user_iterator.py"
 BIN = pathlib.Path(sys.executable).parent
@@ -259,26 +262,41 @@ def test_a_user_iterator_of_the_wrong_batch_size_stops_every_rank(tmp_path):
         lines = [line for line in log.splitlines() if line.startswith(f"[rank{rank}]:")]
         assert any("StepAgreementError" in line and expected in line for line in lines), log[-4000:]
     assert " iteration        1/" not in log  # nothing trained
-    assert seconds < 120  # start-up and one failed step, not a process-group timeout
+    # Start-up and one failed step, not Megatron's process-group timeout (10 minutes).
+    assert seconds < 300
+
+
+_RESUME_ENV = {"USER_ROLLOUTS_PER_BATCH": "12", "USER_GROUP_SIZE": "2"}
+_RESUME_ARGS = _USER + ["--rollouts-per-step", 4]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """Straight 5 steps in batches of 3 steps (12 rollouts of 2): the run both resumes follow."""
+    out = tmp_path_factory.mktemp("straight")
+    rc, log, _ = _torchrun(
+        2, USER_SCRIPT, _RESUME_ARGS, env=_RESUME_ENV, log_path=out / "straight.log"
+    )
+    return _ok(rc, log)
 
 
 @pytest.fixture(scope="module", params=["torch_dist", "torch"])
-def resumed(tmp_path_factory, request):
-    """Straight 5 steps; and 2 steps, save, exit, resume: batches of 3 steps (12 rollouts of 2).
+def resumed(tmp_path_factory, request, straight):
+    """2 steps, save, exit, resume (inside a 3-step batch), beside the straight run.
 
     Both checkpoint formats: Megatron's default (distributed) and ``torch``.
     """
     out = tmp_path_factory.mktemp("resume")
-    env = {"USER_ROLLOUTS_PER_BATCH": "12", "USER_GROUP_SIZE": "2"}
-    args = _USER + ["--rollouts-per-step", 4, "--ckpt-format", request.param]
+    args = _RESUME_ARGS + ["--ckpt-format", request.param]
     checkpoint = out / "checkpoint"
-    logs = {}
+    logs = {"straight": straight}
     for name, extra in (
-        ("straight", []),
         ("first", ["--save", checkpoint, "--save-interval", 2, "--exit-interval", 2]),
         ("resumed", ["--load", checkpoint]),
     ):
-        rc, log, _ = _torchrun(2, USER_SCRIPT, args + extra, env=env, log_path=out / f"{name}.log")
+        rc, log, _ = _torchrun(
+            2, USER_SCRIPT, args + extra, env=_RESUME_ENV, log_path=out / f"{name}.log"
+        )
         logs[name] = _ok(rc, log)
         logs[name, "log"] = log
     return logs
@@ -306,54 +324,63 @@ def test_resuming_mid_batch_continues_the_straight_run_exactly(resumed):
     assert after[4]["loss"] == pytest.approx(mean, rel=1e-6, abs=1e-6)
 
 
-def test_rollouts_count_as_the_global_batch(resumed):
+def test_rollouts_count_as_the_global_batch(straight):
     """--train-samples 20 with 4 rollouts per step: 5 steps, the LR decays over 20 rollouts."""
-    straight = resumed["straight"]["iterations"]
+    straight = straight["iterations"]
     assert sorted(straight) == [1, 2, 3, 4, 5] and straight[5]["lr"] == 0.0
     assert [straight[i]["consumed"] for i in sorted(straight)] == [4, 8, 12, 16, 20]
     assert all(record["batch"] == 4 for record in straight.values())
 
 
-# --- the README's Megatron-LM commands, literally (indexed dataset built by the documented command)
+# --- the README's Megatron-LM commands, literally, and the demo (one test: the same training) ---
+
+# The demo's launch/train_gpt_dynbatch.sh differs from the README's train block only in these
+# values; with them, the demo's dynamic run is the README's run.
+_README_SIZES = ["--global-batch-size", "16", "--train-iters", "6", "--eval-interval", "3"]
+_README_SIZES += ["--eval-iters", "1"]
+_SAME_RUN_KEYS = ("lr", "batch", "real", "computed", "consumed")
 
 
-def _readme_block(name):
-    text = (REPO / "README.md").read_text()
-    match = re.search(rf"<!-- tested: {name} .*?-->\n```bash\n(.*?)```", text, flags=re.S)
-    assert match, f"README block {name!r} not found"
-    return match.group(1)
+def test_readme_megatron_lm_commands(readme_workdir):
+    """The README's data, train and compare blocks as typed, and ``bash scripts/demo.sh``.
 
-
-def _run_shell(command, log_path):
-    result = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", command],
-        cwd=REPO,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=_TIMEOUT_S,
-    )
-    log_path.write_text(result.stdout)
-    assert result.returncode == 0, result.stdout[-6000:]
-    return result.stdout
-
-
-def test_readme_megatron_lm_commands(tmp_path):
-    data = _readme_block("data").replace("python ", f"{shlex.quote(sys.executable)} ")
-    _run_shell(data, tmp_path / "data.log")
-    assert (REPO / "data" / "pydoc_text_document.idx").is_file()
-    train = _readme_block("train")
-    _run_shell(train, tmp_path / "dynamic.log")
+    The data block built the corpus (the ``readme_workdir`` fixture: ``data/`` and ``out/`` in a
+    scratch directory, never in the repository). The train block trains with dynamic batching;
+    the demo then trains the same run twice (dynamic, fixed micro-batches) on that corpus and
+    compares; the README's compare block compares the README's dynamic run with the demo's fixed
+    one. The README's dynamic run and the demo's are the same training, value for value.
+    """
+    out = readme_workdir / "out"
+    train = readme_block("train")
     last = train.rstrip().splitlines()[-1]
     assert last.strip().startswith("--use-dynamic-batch-size")
-    fixed = train.replace(last, "    --document-samples 2>&1 | tee out/fixed.log")
-    _run_shell(fixed, tmp_path / "fixed.log")
-    compare = _readme_block("compare").replace("python ", f"{shlex.quote(sys.executable)} ")
-    report = _run_shell(compare, tmp_path / "compare.log")
+    assert last.rstrip().endswith("| tee out/dynamic.log")
+    run_shell(train, readme_workdir, out / "train.log", timeout_s=_TIMEOUT_S)
+
+    demo_out = readme_workdir / "demo"
+    env = {"OUT": str(demo_out), "DATA_DIR": str(readme_workdir / "data")}
+    demo = run_shell(
+        shlex.join(["bash", "scripts/demo.sh", *_README_SIZES]),
+        REPO,
+        out / "demo.log",
+        env=env,
+        timeout_s=2 * _TIMEOUT_S,
+    )
+    assert "=== dynamic micro-batches" in demo and "=== fixed micro-batches" in demo
+    assert re.search(r"iteration +6/ +6 .*micro-batches/rank: \d+ \[1x\d+\]", demo)
+    assert "learning rates identical: yes" in demo and "(within 1e-05)" in demo
+    # The demo found the corpus the README's data block built (it builds one only when missing).
+    assert sorted(p.name for p in (readme_workdir / "data").glob("pydoc_text_document.*")) == [
+        "pydoc_text_document.bin",
+        "pydoc_text_document.idx",
+    ]
+
+    (out / "fixed.log").write_text((demo_out / "fixed.log").read_text())
+    compare = readme_block("compare").replace("python ", f"{shlex.quote(sys.executable)} ")
+    report = run_shell(compare, readme_workdir, out / "compare.log")
     assert "learning rates identical: yes" in report
-    dynamic = compare_runs.parse(str(REPO / "out" / "dynamic.log"))
-    baseline = compare_runs.parse(str(REPO / "out" / "fixed.log"))
+    dynamic = compare_runs.parse(str(out / "dynamic.log"))
+    baseline = compare_runs.parse(str(out / "fixed.log"))
     _assert_same_training(dynamic, baseline)
     assert sorted(dynamic["iterations"]) == list(range(1, 7))
     assert [i for i, _ in dynamic["validation"]] == [3, 6]
@@ -361,21 +388,15 @@ def test_readme_megatron_lm_commands(tmp_path):
     computed = sum(r["computed"] for r in dynamic["iterations"].values())
     assert computed < 0.75 * 6 * 16 * 256
 
-
-def test_main_command_runs_the_demo(tmp_path):
-    """``bash scripts/demo.sh`` (shortened): both runs through pretrain() and the comparison."""
-    result = subprocess.run(
-        ["bash", "scripts/demo.sh", "--train-iters", "3", "--eval-interval", "3"],
-        cwd=REPO,
-        env=_env({"OUT": str(tmp_path / "demo"), "DATA_DIR": str(tmp_path / "data")}),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=_TIMEOUT_S,
-    )
-    assert result.returncode == 0, result.stdout[-6000:]
-    out = result.stdout
-    assert "=== dynamic micro-batches" in out and "=== fixed micro-batches" in out
-    assert re.search(r"iteration +3/ +3 .*micro-batches/rank: \d+ \[1x\d+\]", out)
-    assert "learning rates identical: yes" in out and "(within 1e-05)" in out
-    assert (tmp_path / "data" / "pydoc_text_document.bin").is_file()
+    demo_dynamic = compare_runs.parse(str(demo_out / "dynamic.log"))
+    assert sorted(demo_dynamic["iterations"]) == sorted(dynamic["iterations"])
+    for i, record in dynamic["iterations"].items():
+        theirs = demo_dynamic["iterations"][i]
+        for key in _SAME_RUN_KEYS:
+            assert theirs.get(key) == record.get(key), (i, key, theirs, record)
+        assert theirs["loss"] == pytest.approx(record["loss"], rel=1e-6), (i, theirs, record)
+    assert [i for i, _ in demo_dynamic["validation"]] == [i for i, _ in dynamic["validation"]]
+    for (_, theirs), (_, ours) in zip(
+        demo_dynamic["validation"], dynamic["validation"], strict=True
+    ):
+        assert theirs == pytest.approx(ours, rel=1e-6)

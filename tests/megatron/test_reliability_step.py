@@ -23,9 +23,12 @@ from megatron_dynbatch.tools.testing.workers import (  # noqa: E402
     Layout,
     run_on_ranks,
 )
+from tests._support import FAIL_FAST_S  # noqa: E402
 
-# Every rank must fail within this (the bound; measured: well under a second).
-FAIL_WITHIN_S = 10.0
+pytestmark = pytest.mark.gloo
+
+# Every rank must fail within FAIL_FAST_S (measured: well under a second; see tests/_support.py).
+FAIL_WITHIN_S = FAIL_FAST_S
 LENGTHS = (30, 52, 18, 44, 61, 12, 25, 40)
 # Sample 7 is fully masked: its prompt is the whole sample, so it bears no loss.
 PROMPTS = (5, 10, 4, 8, 12, 3, 5, 40)

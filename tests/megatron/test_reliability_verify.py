@@ -25,7 +25,15 @@ from megatron_dynbatch.tools.verify.cli import (
     EXIT_PASS,
     EXIT_RANK_FAILED,
 )
-from tests.distributed.test_worker_lifecycle import _worker_pids, alive, seconds_until_gone
+from tests._support import (
+    FAIL_FAST_S,
+    WORKER_EXIT_WITHIN_S,
+    alive,
+    seconds_until_gone,
+    worker_pids,
+)
+
+pytestmark = pytest.mark.gloo
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SHORT = [{"length": n, "rollout": n % 3, "prompt_length": n // 4} for n in range(9, 40, 3)]
@@ -169,11 +177,12 @@ def test_a_rank_killed_inside_the_schedule_exits_3_fast(capsys, monkeypatch):
     seconds = time.monotonic() - started
     err = capsys.readouterr().err
     print(f"dp=2, rank 1 killed in the schedule: verify exited 3 after {seconds:.2f} s")
-    assert seconds < 10
+    assert seconds < FAIL_FAST_S
     assert "no verdict" in err and "rank 1 died (exit code -9, SIGKILL)" in err, err
     assert "rank 0: RuntimeError:" in err and "Connection" in err, err
 
 
+@pytest.mark.torchrun  # starts ``megatron-dynbatch verify`` as a user does
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_sigterm_kills_the_workers_and_exits_by_the_signal(tmp_path):
     stderr_path = tmp_path / "stderr.txt"
@@ -198,7 +207,7 @@ def test_sigterm_kills_the_workers_and_exits_by_the_signal(tmp_path):
                 verify.kill()
     print(f"SIGTERM: verify exited and its workers were gone {exited_after:.2f} s later")
     assert code == -signal.SIGTERM, stderr_path.read_text()
-    assert gone_after < 5 and not any(alive(pid) for pid in workers)
+    assert gone_after < WORKER_EXIT_WITHIN_S and not any(alive(pid) for pid in workers)
     assert "SIGTERM: killed 2 worker process(es)" in stderr_path.read_text()
 
 
@@ -206,7 +215,7 @@ def _wait_for_running_workers(verify, stderr_path, timeout_s=120.0):
     """Both workers of ``verify`` exist and are at work (over a CPU second each: imports, body)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        workers = _worker_pids(verify.pid)
+        workers = worker_pids(verify.pid)
         if len(workers) == 2 and all(_cpu_seconds(pid) > 1.0 for pid in workers):
             return workers
         assert verify.poll() is None, stderr_path.read_text()

@@ -36,6 +36,8 @@ from megatron_dynbatch.tools.testing.tiny_gpt import (  # noqa: E402
 )
 from megatron_dynbatch.tools.testing.workers import Layout, run_on_ranks  # noqa: E402
 
+pytestmark = pytest.mark.gloo
+
 SEQ_LENGTH = 16
 MICRO_BATCH_SIZE = 2
 NUM_MICROBATCHES = 4  # per data-parallel rank; interleaving at pp=2 needs a multiple of 2

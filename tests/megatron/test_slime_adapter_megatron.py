@@ -16,6 +16,8 @@ apply_cpu_shim()
 
 from megatron_dynbatch.tools.testing.workers import Layout, run_on_ranks  # noqa: E402
 
+pytestmark = pytest.mark.gloo
+
 VOCAB = 128
 SEED = 11
 REL_TOL = 1e-5

@@ -14,6 +14,8 @@ import torch.distributed as dist
 from megatron_dynbatch.integrations.slime.backend import agree_on_step, forward_only_iterators
 from megatron_dynbatch.mcore.agreement import StepAgreementError
 
+pytestmark = pytest.mark.gloo
+
 
 @pytest.fixture(scope="module")
 def one_process_group(tmp_path_factory):

@@ -16,6 +16,8 @@ from megatron_dynbatch.planning import ParallelLayout, PlannerConfig, plan_sched
 from megatron_dynbatch.planning.spec import round_up  # noqa: E402
 from megatron_dynbatch.runtime import BatchSchema, materialize_microbatches  # noqa: E402
 
+pytestmark = pytest.mark.unit
+
 
 def _microbatches(layout, tp, cp):
     # Four rows of 12 fit the padded cap of 48 on each of two ranks: one micro-batch of B = 4 per

@@ -5,7 +5,11 @@ and only their own DP rank's share; validation batches are planned forward-only 
 log-prob budget.
 """
 
+import pytest
+
 from megatron_dynbatch.tools.testing.workers import Layout, run_on_ranks
+
+pytestmark = pytest.mark.gloo
 
 LENGTHS = [30, 7, 51, 12, 19, 44, 3, 26, 9, 60, 15, 33]
 

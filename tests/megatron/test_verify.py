@@ -1,9 +1,12 @@
 """Dynamic batching through real Megatron-Core schedules equals the fixed-batch reference.
 
-Every schedule (no pipelining, 1F1B, interleaved) x dp (1, 2) x loss aggregation, on the bundled
-long-tailed set, plus ragged inputs that force placeholders and a rank holding only placeholders.
-The verify report compares gradients of every rank, forward-only log-probs restored to sample
-order, and the loss, against one process running each sample alone with plain autograd.
+Each schedule (no pipelining, 1F1B, interleaved) and each loss aggregation runs at least once on the
+bundled long-tailed set, spread over four runs rather than their product (the loss is a per-token
+weighting that the schedules do not touch; test_runtime_loss checks every aggregation against the
+reference in both layouts). Per schedule: ragged inputs that force placeholders and a rank holding
+only placeholders; the padded layout with several rows per micro-batch on both pipelines; oversize
+policies. The verify report compares gradients of every rank, forward-only log-probs restored to
+sample order, and the loss, against one process running each sample alone with plain autograd.
 """
 
 import copy
@@ -22,6 +25,8 @@ from megatron_dynbatch.tools.verify import (
     compare,
     run_verify,
 )
+
+pytestmark = pytest.mark.gloo
 
 SCHEDULES = {"no_pipelining": (1, 1), "1f1b": (2, 1), "interleaved": (2, 2)}
 LOSSES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "sum"]
@@ -78,28 +83,50 @@ def _check(report):
     return report
 
 
-@pytest.mark.parametrize("loss", LOSSES)
-@pytest.mark.parametrize("dp", [1, 2], ids=lambda dp: f"dp{dp}")
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
+# One case per schedule and per loss: (schedule, dp, loss). dp 1 with pipelining is here; dp 2
+# without pipelining and the "sum" loss is also test_verify_cli_json, and dp 1 without pipelining is
+# test_compare_catches_wrong_order_and_wrong_gradients.
+BUNDLED_CASES = [
+    ("no_pipelining", 2, "token-mean"),
+    ("1f1b", 2, "seq-mean-token-mean"),
+    ("interleaved", 2, "seq-mean-token-sum"),
+    ("1f1b", 1, "sum"),
+]
+assert {c[0] for c in BUNDLED_CASES} == set(SCHEDULES) and {c[2] for c in BUNDLED_CASES} == set(
+    LOSSES
+)
+
+
+@pytest.mark.parametrize("schedule, dp, loss", BUNDLED_CASES)
 def test_bundled_set_matches_reference(schedule, dp, loss):
     pp, vpp = SCHEDULES[schedule]
-    _check(run_verify(_spec(dp, pp, vpp, loss=loss)))
+    report = _check(run_verify(_spec(dp, pp, vpp, loss=loss)))
+    assert (report["dp_size"], report["pp_size"], report["vpp_size"]) == (dp, pp, vpp)
+    assert report["loss_mode"] == loss
 
 
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
+# Padded rows through both pipelines (the shapes each stage sends change with the row count);
+# without pipelining the padded layout is test_every_setting_is_echoed_in_the_json_report's run.
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
 def test_padded_layout_matches_reference(schedule):
     pp, vpp = SCHEDULES[schedule]
-    bundled = _check(run_verify(_spec(2, pp, vpp, layout="padded", loss="token-mean")))
-    assert bundled["layout"] == "padded"
     # Rows of at most 31 tokens under a 128-token cap: several rows share a micro-batch.
     short = _check(run_verify(_spec(2, pp, vpp, layout="padded", overhead=4096.0, samples=SHORT)))
-    assert short["micro_batch_size"] > 1, short
+    assert short["layout"] == "padded" and short["micro_batch_size"] > 1, short
 
 
-@pytest.mark.parametrize("loss", ["token-mean", "seq-mean-token-mean"])
+# The two ragged sets on every schedule; the two losses that weigh samples differently alternate.
+RAGGED_LOSSES = {
+    "no_pipelining": "seq-mean-token-mean",
+    "1f1b": "token-mean",
+    "interleaved": "seq-mean-token-mean",
+}
+
+
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
-def test_ragged_samples_with_placeholders(schedule, loss):
+def test_ragged_samples_with_placeholders(schedule):
     pp, vpp = SCHEDULES[schedule]
+    loss = RAGGED_LOSSES[schedule]
     ragged = _check(run_verify(_spec(2, pp, vpp, loss=loss, samples=RAGGED)))
     assert ragged["num_samples"] == len(RAGGED)
     forced = _check(run_verify(_spec(2, pp, vpp, loss=loss, samples=RAGGED_PLACEHOLDER)))
@@ -127,6 +154,7 @@ def test_oversize_samples_match_the_reference_of_their_policy(policy):
         )
 
 
+@pytest.mark.torchrun  # starts ``megatron-dynbatch verify`` as a user does
 def test_oversize_error_is_bad_input_before_any_process(tmp_path):
     with pytest.raises(ValueError, match=r"2 sample\(s\) exceed the token cap 128"):
         _spec(2, 2, 1, oversize="error", samples=OVERSIZE)

@@ -21,6 +21,8 @@ from megatron_dynbatch.planning import (
     plan_schedule,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def _cli(tmp_path, text, *extra):
     path = tmp_path / "samples.json"

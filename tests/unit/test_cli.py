@@ -15,6 +15,8 @@ from megatron_dynbatch.planning import (
 )
 from megatron_dynbatch.tools.cli import main
 
+pytestmark = pytest.mark.unit
+
 SAMPLES = [
     120,
     {"length": 300, "rollout": "g1", "prompt_length": 100},

@@ -16,6 +16,8 @@ from megatron_dynbatch.integrations.megatron_lm.arguments import (
     validate_dynamic_batch_args,
 )
 
+pytestmark = pytest.mark.unit
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
 EXAMPLES = sorted((CONFIGS / "examples").glob("*.yaml"))

@@ -21,6 +21,8 @@ from megatron_dynbatch.planning import (
 )
 from megatron_dynbatch.runtime import BatchSchema, FieldSpec, materialize_microbatches
 
+pytestmark = pytest.mark.unit
+
 LENGTHS = [100, 5000, 200, 300, 4100]  # samples 1 and 4 exceed a cap of 1000
 
 

@@ -19,6 +19,8 @@ from megatron_dynbatch.planning import (
 )
 from megatron_dynbatch.planning.spec import ceil_div, round_up
 
+pytestmark = pytest.mark.unit
+
 
 def _plan_and_check(lengths, rollout_ids=None, prompt_lengths=None, **config_kwargs):
     config = PlannerConfig(**config_kwargs)

@@ -17,6 +17,8 @@ from megatron_dynbatch.planning import (
 from megatron_dynbatch.planning.simulate import pipeline_makespan
 from megatron_dynbatch.tools.plotting import microbatch_costs, plot_step
 
+pytestmark = pytest.mark.unit
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

@@ -12,7 +12,9 @@ from megatron_dynbatch.runtime import (
     microbatch_loss,
     reference_loss,
 )
-from tests.unit.step_plans import make_step_plan
+from tests._support import make_step_plan
+
+pytestmark = pytest.mark.unit
 
 VOCAB = 13
 HIDDEN = 8

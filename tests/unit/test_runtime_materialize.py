@@ -15,7 +15,9 @@ from megatron_dynbatch.runtime import (
     materialize_microbatches,
     microbatch_shapes,
 )
-from tests.unit.step_plans import make_step_plan
+from tests._support import make_step_plan
+
+pytestmark = pytest.mark.unit
 
 PAD_TOKEN = 99
 

@@ -9,7 +9,9 @@ from megatron_dynbatch.runtime import (
     restore_order,
     split_outputs,
 )
-from tests.unit.step_plans import make_step_plan
+from tests._support import make_step_plan
+
+pytestmark = pytest.mark.unit
 
 LENGTHS = [5, 1, 9, 3, 7, 2, 4, 6]
 PLANS = {

@@ -5,6 +5,8 @@ import torch
 
 from megatron_dynbatch.runtime import BatchSchema, FieldSpec
 
+pytestmark = pytest.mark.unit
+
 
 def _schema():
     return BatchSchema(

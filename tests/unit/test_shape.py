@@ -31,6 +31,8 @@ from megatron_dynbatch.planning.packing import (
 )
 from megatron_dynbatch.planning.simulate import pipeline_makespan
 
+pytestmark = pytest.mark.unit
+
 ATTENTION = CostModel(token_weight=1.0, attention_weight=1.0 / 24576)
 
 

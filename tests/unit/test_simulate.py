@@ -34,19 +34,22 @@ from megatron_dynbatch.planning.simulate import (
     simulate_step,
 )
 
+pytestmark = pytest.mark.unit
+
 TOL = 1e-9
 
 
-@pytest.mark.parametrize(
-    "pp, num_mb, f, b",
-    list(itertools.product([1, 2, 3, 4, 8], [1, 2, 3, 7, 16], [1.0, 2.5], [1.0, 2.0, 3.5])),
-)
-def test_1f1b_closed_form(pp, num_mb, f, b):
-    result = simulate_1f1b([f] * num_mb, [b] * num_mb, pp)
-    assert result.makespan == pytest.approx((num_mb + pp - 1) * (f + b) / pp, abs=TOL)
-    assert result.bubble_overhead == pytest.approx((pp - 1) / num_mb, abs=TOL)
-    for busy in result.stage_busy:
-        assert busy == pytest.approx(num_mb * (f + b) / pp, abs=TOL)
+def test_1f1b_closed_form():
+    # One formula over a grid: a loop (the case is in each message), not 150 tests.
+    grid = itertools.product([1, 2, 3, 4, 8], [1, 2, 3, 7, 16], [1.0, 2.5], [1.0, 2.0, 3.5])
+    for pp, num_mb, f, b in grid:
+        case = dict(pp=pp, num_mb=num_mb, f=f, b=b)
+        result = simulate_1f1b([f] * num_mb, [b] * num_mb, pp)
+        expected = (num_mb + pp - 1) * (f + b) / pp
+        assert result.makespan == pytest.approx(expected, abs=TOL), case
+        assert result.bubble_overhead == pytest.approx((pp - 1) / num_mb, abs=TOL), case
+        for busy in result.stage_busy:
+            assert busy == pytest.approx(num_mb * (f + b) / pp, abs=TOL), case
 
 
 def _valid_interleaved_layouts():
@@ -59,15 +62,21 @@ def _valid_interleaved_layouts():
                 yield pp, vpp, group, num_mb
 
 
-@pytest.mark.parametrize("pp, vpp, group, num_mb", list(_valid_interleaved_layouts()))
-def test_interleaved_closed_form(pp, vpp, group, num_mb):
-    for f, b in ((1.0, 1.0), (1.0, 2.0), (3.0, 1.0)):
+def test_interleaved_closed_form():
+    layouts = list(_valid_interleaved_layouts())
+    assert len(layouts) == 216  # the grid is what it was when each layout was its own test
+    for (pp, vpp, group, num_mb), (f, b) in itertools.product(
+        layouts, ((1.0, 1.0), (1.0, 2.0), (3.0, 1.0))
+    ):
+        case = dict(pp=pp, vpp=vpp, group=group, num_mb=num_mb, f=f, b=b)
         result = simulate_interleaved([f] * num_mb, [b] * num_mb, pp, vpp, group)
-        assert result.makespan == pytest.approx((num_mb + (pp - 1) / vpp) * (f + b) / pp, abs=TOL)
-        assert result.bubble_overhead == pytest.approx((pp - 1) / (vpp * num_mb), abs=TOL)
+        expected = (num_mb + (pp - 1) / vpp) * (f + b) / pp
+        assert result.makespan == pytest.approx(expected, abs=TOL), case
+        expected_overhead = (pp - 1) / (vpp * num_mb)
+        assert result.bubble_overhead == pytest.approx(expected_overhead, abs=TOL), case
         # Idle share of pp * makespan: bubble / (compute + bubble).
         expected_fraction = (pp - 1) / (vpp * num_mb + pp - 1)
-        assert result.bubble_fraction == pytest.approx(expected_fraction, abs=TOL)
+        assert result.bubble_fraction == pytest.approx(expected_fraction, abs=TOL), case
 
 
 def test_interleaved_default_group_is_pp():
@@ -211,9 +220,13 @@ def test_simulator_imports_only_the_standard_library():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_pipeline_makespan_replays_the_same_schedule(seed):
-    """The planner's flat replay gives exactly the event simulation's makespan."""
+def test_pipeline_makespan_replays_the_same_schedule():
+    """The planner's flat replay gives exactly the event simulation's makespan (40 seeds)."""
+    for seed in range(40):
+        _check_replay(seed)
+
+
+def _check_replay(seed):
     from megatron_dynbatch.planning.simulate import pipeline_makespan
 
     rng = random.Random(seed)
@@ -225,7 +238,8 @@ def test_pipeline_makespan_replays_the_same_schedule(seed):
         m = max(group, m - m % group)  # Megatron needs whole groups of at least pp
     fwd = [rng.random() * 10 for _ in range(m)]
     bwd = [rng.random() * 20 for _ in range(m)]
+    case = dict(seed=seed, pp=pp, vpp=vpp, group=group, m=m)
     expected = simulate_interleaved(fwd, bwd, pp, vpp, group).makespan
-    assert pipeline_makespan(fwd, pp, vpp, group, bwd) == pytest.approx(expected)
+    assert pipeline_makespan(fwd, pp, vpp, group, bwd) == pytest.approx(expected), case
     default = simulate_interleaved(fwd, [2.0 * c for c in fwd], pp, vpp, group).makespan
-    assert pipeline_makespan(fwd, pp, vpp, group) == pytest.approx(default)
+    assert pipeline_makespan(fwd, pp, vpp, group) == pytest.approx(default), case

@@ -8,6 +8,8 @@ from megatron_dynbatch.config import DynBatchConfig
 from megatron_dynbatch.planning import ParallelLayout
 from megatron_dynbatch.runtime import split_outputs
 
+pytestmark = pytest.mark.unit
+
 
 def _rollout_data(seed=0, groups=6, per_group=4):
     gen = torch.Generator().manual_seed(seed)

@@ -30,6 +30,8 @@ from megatron_dynbatch.planning import (
     check_plan,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def make_args(**overrides):
     values = dict(
@@ -484,11 +486,8 @@ def test_bad_arguments_raise_value_errors(change, match):
 # -- against slime's real function (SLIME_DIR) ------------------------------------------------
 
 SLIME_DIR = os.environ.get("SLIME_DIR")
-needs_slime = pytest.mark.skipif(
-    not SLIME_DIR,
-    reason="set SLIME_DIR to a slime checkout (see patches/slime/README.md for the commit) to "
-    "compare with slime's own build_dp_schedule",
-)
+# Skipped without SLIME_DIR (tests/conftest.py); the fast default deselects them.
+needs_slime = pytest.mark.slime
 
 
 def _slime_module(name):

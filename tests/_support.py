@@ -1,0 +1,164 @@
+"""Helpers shared by several test modules (not a test module: pytest collects nothing here).
+
+Test modules import from here, never from each other, so moving or deselecting one test module
+cannot break another.
+"""
+
+import dataclasses
+import os
+import pathlib
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+import typing
+
+from megatron_dynbatch.planning.plan import StepPlan
+
+#: The repository root (tests read its files; they never write into it).
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+#: A failure that must reach every rank "within seconds" must come this fast. Measured well under a
+#: second on an idle machine; the margin absorbs a loaded CI machine (2 cores shared by several
+#: jobs) while staying far below the hang it rules out: the worker pool's process-group timeout
+#: (``tools.testing.workers.DEFAULT_TIMEOUT_S``, 180 s). Speed itself is measured by benchmarks.
+FAIL_FAST_S = 30.0
+
+#: Workers must be gone this soon after their parent died (parent-death signal: at once; the
+#: watchdog thread: within its 0.5 s poll; the rest is margin for a loaded machine).
+WORKER_EXIT_WITHIN_S = 10.0
+#: How long a parent process may take to start its pool of workers.
+WORKER_START_TIMEOUT_S = 120.0
+
+# -- hand-made step plans (runtime tests) ------------------------------------------------------
+
+#: A neutral value per field type (fields with a default keep it).
+_NEUTRAL = {int: 0, float: 0.0, tuple: ()}
+
+
+def make_step_plan(ranks, *, seq_length, micro_batch_size):
+    """A StepPlan with the given schedule; the planner's statistics fields get neutral values."""
+    values = dict(
+        num_microbatches=len(ranks[0]),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        ranks=tuple(tuple(tuple(mb) for mb in rank) for rank in ranks),
+    )
+    types = typing.get_type_hints(StepPlan)
+    for f in dataclasses.fields(StepPlan):
+        if f.name in values or f.default is not dataclasses.MISSING:
+            continue
+        kind = typing.get_origin(types[f.name]) or types[f.name]
+        values[f.name] = _NEUTRAL[kind]
+    return StepPlan(**values)
+
+
+# -- worker processes seen from outside (/proc) --------------------------------------------------
+
+
+def worker_pids(parent_pid: int) -> dict:
+    """pid -> /proc comm of the live (not zombie) worker processes whose parent is parent_pid."""
+    from megatron_dynbatch.tools.testing.workers import WORKER_NAME_PREFIX
+
+    found = {}
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            comm = (entry / "comm").read_text().strip()
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+        if comm.startswith(WORKER_NAME_PREFIX) and int(fields["PPid"]) == parent_pid:
+            found[int(entry.name)] = comm
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by PID 1, does not)."""
+    try:
+        status = pathlib.Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+def wait_for_workers(parent: subprocess.Popen, count: int, stderr_path) -> dict:
+    """Wait until ``parent`` has ``count`` live workers and every one printed ``running``.
+
+    ``parent.stdout`` must be a binary pipe: it is read with a deadline, never blocking.
+    """
+    deadline = time.monotonic() + WORKER_START_TIMEOUT_S
+    output = b""
+    fd = parent.stdout.fileno()
+    while output.count(b"running") < count:
+        remaining = deadline - time.monotonic()
+        ready = select.select([fd], [], [], max(0.0, remaining))[0] if remaining > 0 else []
+        chunk = os.read(fd, 4096) if ready else b""
+        if not chunk:
+            stderr = pathlib.Path(stderr_path).read_text()[-3000:]
+            raise AssertionError(
+                f"{output.count(b'running')} of {count} workers running after "
+                f"{WORKER_START_TIMEOUT_S - remaining:.0f} s (parent exit code {parent.poll()}):"
+                f"\n{stderr}"
+            )
+        output += chunk
+    workers = worker_pids(parent.pid)
+    assert len(workers) == count, workers
+    return workers
+
+
+def seconds_until_gone(pids, timeout_s: float = WORKER_EXIT_WITHIN_S) -> float:
+    """Seconds until every pid in ``pids`` is gone; kills and fails after ``timeout_s``."""
+    started = time.monotonic()
+    while any(alive(pid) for pid in pids):
+        if time.monotonic() - started > timeout_s:
+            left = [pid for pid in pids if alive(pid)]
+            for pid in left:  # do not leave them behind for the rest of the suite
+                os.kill(pid, signal.SIGKILL)
+            raise AssertionError(f"workers {left} outlived their parent by {timeout_s} s")
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+# -- commands as a user types them (README blocks, scripts) --------------------------------------
+
+
+def readme_block(name: str) -> str:
+    """The ```bash block under ``<!-- tested: NAME ... -->`` in README.md."""
+    text = (REPO / "README.md").read_text()
+    match = re.search(rf"<!-- tested: {name} .*?-->\n```bash\n(.*?)```", text, flags=re.S)
+    assert match, f"README block {name!r} not found"
+    return match.group(1)
+
+
+def command_env(extra=None) -> dict:
+    """The environment of a command a user types.
+
+    This interpreter's scripts (``torchrun``) come first on PATH, and this checkout is importable,
+    so ``python -m megatron_dynbatch...`` works from any working directory.
+    """
+    bin_dir = os.path.dirname(sys.executable)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env.update(extra or {})
+    return env
+
+
+def run_shell(command: str, cwd, log_path, *, env=None, timeout_s: float = 600) -> str:
+    """Run ``command`` under ``bash -euo pipefail`` in ``cwd``; its output goes to ``log_path``."""
+    result = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", command],
+        cwd=cwd,
+        env=command_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout_s,
+    )
+    log_path.write_text(result.stdout)
+    assert result.returncode == 0, result.stdout[-6000:]
+    return result.stdout
