@@ -205,6 +205,7 @@ def _plan_step(
         layout=config.layout,
         cap=cap,
         parallel=parallel,
+        min_gain=config.min_gain,
     )
     shape, fewest = choose_shape(problem)
     bins = shape.bins

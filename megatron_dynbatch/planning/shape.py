@@ -28,7 +28,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .balance import RankBalancer, assign_bins_to_ranks, pipeline_orders
 from .cost import row_cost, row_costs, tail_cost
@@ -65,6 +65,8 @@ class StepProblem:
     layout: str
     cap: int
     parallel: ParallelLayout
+    min_gain: float = 0.0
+    """More micro-batches per rank must be predicted faster by this fraction to be chosen."""
 
 
 @dataclass
@@ -105,20 +107,41 @@ def choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
     candidates = search.candidates()
     best = search.evaluate(first)
     assert best is not None, "the fewest micro-batches always pack"
+    scored = {first: best}
+    fastest = best.step_time
     ranked = sorted((search.lower_bound(m), m) for m in candidates if m != first)
     for bound, m in ranked[:_MAX_EVALUATIONS]:
-        if bound >= best.step_time * (1.0 - _TIE):
+        if bound >= fastest * (1.0 - _TIE):
             break
-        # Only rows shorter than this can beat the best so far: pack under it or not at all.
-        shape = search.evaluate(m, search.row_limit(m, best.step_time))
-        if shape is not None and shape.step_time < best.step_time * (1.0 - _TIE):
-            best = shape
+        # Only rows shorter than this can beat the fastest so far: pack under it or not at all.
+        shape = search.evaluate(m, search.row_limit(m, fastest))
+        if shape is not None and shape.step_time < fastest * (1.0 - _TIE):
+            scored[m] = shape
+            fastest = shape.step_time
+    best = _pick(scored, problem.min_gain)
     # The second construction is dearer: only for the winning count (and the fewest).
     for m in sorted({best.per_rank, first}):
         shape = search.alternative(m)
-        if shape is not None and shape.step_time < best.step_time * (1.0 - _TIE):
-            best = shape
-    return best, first
+        if shape is None:
+            continue
+        if shape.step_time < scored.get(m, shape).step_time * (1.0 - _TIE) or m not in scored:
+            scored[m] = shape
+    return _pick(scored, problem.min_gain), first
+
+
+def _pick(scored: Dict[int, StepShape], min_gain: float) -> StepShape:
+    """The fewest micro-batches, unless more are faster by ``min_gain`` (relative), in turn.
+
+    Walking the counts upwards, a larger count replaces the current choice only when its step is
+    faster by more than ``min_gain`` (and by more than a float tie): an uncalibrated model's
+    predicted gain of 1% is within its error, while the added micro-batches' launches are real.
+    """
+    counts = sorted(scored)
+    best = scored[counts[0]]
+    for m in counts[1:]:
+        if scored[m].step_time < best.step_time * (1.0 - max(min_gain, _TIE)):
+            best = scored[m]
+    return best
 
 
 #: Placeholder micro-batches a step may need before the layout is deemed a misconfiguration.
@@ -181,6 +204,10 @@ class _Search:
         self.model = problem.model
         self.work = sum(map(problem.sample_costs.__getitem__, problem.items))
         self.min_per_rank = 1
+        # Micro-batches of one shape cost the same unless segment attention or response work
+        # varies with what they hold.
+        segments = self.model.attention_kind(problem.layout) == "segment"
+        self.varies = bool((segments and self.model.attention_weight) or self.model.response_weight)
 
     def lower_bound(self, per_rank: int) -> float:
         """No candidate of ``per_rank`` micro-batches can run faster than this.
@@ -206,7 +233,7 @@ class _Search:
         model = self.model
         if model.token_weight <= 0:
             return self.problem.cap
-        return max(0, int((row - model.microbatch_overhead) / model.token_weight))
+        return max(0, int((row - model.overhead) / model.token_weight))
 
     def score(
         self,
@@ -223,7 +250,7 @@ class _Search:
         layout = problem.layout
         own = [sum(map(costs.__getitem__, members)) for members in bins]
         bin_costs = row_costs(self.model, layout, seq_length, rows, loads, own)
-        varies = self.model.attention_weight or self.model.response_weight
+        varies = self.varies
         # Rows of one shape cost the same unless attention or response work varies with what they
         # hold; then balance the cost, else balance real tokens (free, and what logs show).
         if rank_bins is None:
@@ -383,8 +410,7 @@ class _PackedSearch(_Search):
         """Ranks-first packing where attention or response work makes ranks differ, on steps
         small enough that a second construction is cheap (where sample moves have few samples per
         rank to work with, it matters most)."""
-        varies = self.model.attention_weight or self.model.response_weight
-        if varies and len(self.problem.items) <= _ALTERNATIVE_LIMIT:
+        if self.varies and len(self.problem.items) <= _ALTERNATIVE_LIMIT:
             return self._ranks_first(per_rank)
         return None
 
