@@ -67,6 +67,9 @@ class StepProblem:
     parallel: ParallelLayout
     min_gain: float = 0.0
     """More micro-batches per rank must be predicted faster by this fraction to be chosen."""
+    row_multiple: Optional[int] = None
+    """Variable row lengths: each micro-batch's row is its load rounded up to this (``packed``
+    only); ``None``: one row length per step, the longest."""
 
 
 @dataclass
@@ -89,6 +92,8 @@ class StepShape:
     """Simulated step time (cost units, forward + backward): the slowest scored rank."""
     oversize: Sequence[int] = ()
     """Samples over the cap, each alone in its micro-batch."""
+    row_lengths: Optional[List[int]] = None
+    """Variable row lengths: every bin's own row (``None``: all ``seq_length``)."""
 
 
 def choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
@@ -219,7 +224,9 @@ class _Search:
         row = self.min_row_cost(per_rank)
         ratio = 1.0 + BACKWARD_TO_FORWARD_RATIO
         rank = ratio * (per_rank * row + self.work / self.dp)
-        return rank / self.pp + row * (self.pp - 1) / (self.pp * self.vpp)
+        # Variable rows: the first micro-batch may be far shorter than the mean row.
+        first = self.model.overhead if self.problem.row_multiple is not None else row
+        return rank / self.pp + first * (self.pp - 1) / (self.pp * self.vpp)
 
     def min_row_cost(self, per_rank: int) -> float:
         raise NotImplementedError
@@ -231,7 +238,7 @@ class _Search:
         slope = ratio * per_rank / self.pp + (self.pp - 1) / (self.pp * self.vpp)
         row = (step_time - ratio * self.work / (self.dp * self.pp)) / slope
         model = self.model
-        if model.token_weight <= 0:
+        if model.token_weight <= 0 or self.problem.row_multiple is not None:
             return self.problem.cap
         return max(0, int((row - model.overhead) / model.token_weight))
 
@@ -249,13 +256,27 @@ class _Search:
         costs = problem.sample_costs
         layout = problem.layout
         own = [sum(map(costs.__getitem__, members)) for members in bins]
-        bin_costs = row_costs(self.model, layout, seq_length, rows, loads, own)
-        varies = self.varies
+        row_lengths = None
+        if problem.row_multiple is not None:
+            # Each micro-batch its own row; a placeholder takes the shortest real row.
+            multiple = problem.row_multiple
+            real = [round_up(load, multiple) for load in loads if load > 0]
+            shortest = min(real) if real else multiple
+            row_lengths = [round_up(load, multiple) if load > 0 else shortest for load in loads]
+            extra = self.model.shape_exchange_overhead
+            bin_costs = [
+                extra + row_cost(self.model, layout, row, 1, load) + o
+                for row, load, o in zip(row_lengths, loads, own, strict=True)
+            ]
+            seq_length = max(row_lengths)
+        else:
+            bin_costs = row_costs(self.model, layout, seq_length, rows, loads, own)
+        varies = self.varies or row_lengths is not None
         # Rows of one shape cost the same unless attention or response work varies with what they
         # hold; then balance the cost, else balance real tokens (free, and what logs show).
         if rank_bins is None:
             rank_bins = assign_bins_to_ranks(bin_costs if varies else loads, self.dp, per_rank)
-        if layout == "packed" and varies:
+        if layout == "packed" and self.varies and row_lengths is None:
             bin_costs = self._balance(bins, loads, own, rank_bins, seq_length, per_rank, bin_costs)
         if self.pp == 1:
             orders = rank_bins  # no pipeline: the order of a rank's micro-batches is moot
@@ -274,6 +295,7 @@ class _Search:
             rank_orders=orders,
             bin_costs=bin_costs,
             step_time=self._step_time(orders, bin_costs),
+            row_lengths=row_lengths,
         )
 
     def _balance(
@@ -393,6 +415,10 @@ class _PackedSearch(_Search):
 
     def min_row_cost(self, per_rank: int) -> float:
         bins = max(1, self._bins(per_rank))
+        if self.problem.row_multiple is not None:
+            # Rows of their own length: on average no longer than the mean load.
+            s = ceil_div(self.total, bins)
+            return row_cost(self.model, "packed", s, 1, s) + self.model.shape_exchange_overhead
         s = max(self.longest, ceil_div(self.total, bins))
         return row_cost(self.model, "packed", s, 1, s)
 

@@ -304,6 +304,14 @@ class PlannerConfig:
     oversize_samples: str = "allow"
     """A sample longer than the cap: ``allow`` runs it alone over the cap (warned, and every
     micro-batch of its step gets its length), ``truncate`` cuts it to the cap, ``error`` refuses."""
+    variable_row_lengths: bool = False
+    """Each micro-batch runs its own row length (its padded tokens rounded up to
+    ``row_multiple``) instead of the step's longest: for trainers that exchange shapes per
+    micro-batch (slime always; Megatron-LM with ``--variable-seq-lengths``). ``packed`` only; a
+    placeholder takes the step's shortest real row, so it adds no shape the step does not use."""
+    row_multiple: int = 1
+    """Variable rows are padded to a multiple of this and of the sample multiple (slime: 128 x
+    tp)."""
     min_gain: Optional[float] = None
     """A candidate with more micro-batches per rank is chosen over one with fewer only when its
     simulated step is faster by at least this fraction. ``None``: ``DEFAULT_MIN_GAIN`` when the
@@ -337,6 +345,16 @@ class PlannerConfig:
             raise ValueError(f"parallel={self.parallel!r} must be a ParallelLayout.")
         if not isinstance(self.cost, CostModel):
             raise ValueError(f"cost={self.cost!r} must be a CostModel.")
+        if not isinstance(self.variable_row_lengths, bool):
+            raise ValueError(
+                f"variable_row_lengths={self.variable_row_lengths!r} must be True or False."
+            )
+        if self.variable_row_lengths and self.layout != "packed":
+            raise ValueError(
+                "variable_row_lengths needs layout='packed' (padded rows have the longest "
+                "sample's length); use --layout packed or turn variable row lengths off."
+            )
+        _set_int(self, "row_multiple", 1, "pass a row multiple of 1 or more (slime: 128 x tp).")
         if self.min_gain is None:
             gain = 0.0 if self.cost.overhead_known else DEFAULT_MIN_GAIN
         else:
@@ -358,6 +376,11 @@ class PlannerConfig:
         # Every consumer (planner, verify, plots) sees one concrete model: the overhead assumed
         # here, once, from the cap (the min_gain default above was read from the model as given).
         object.__setattr__(self, "cost", self.cost.resolved(self.token_cap, self.layout))
+
+    @property
+    def variable_row_multiple(self) -> int:
+        """What a variable row is rounded up to: ``row_multiple`` and the sample multiple."""
+        return math.lcm(self.row_multiple, self.parallel.sample_multiple)
 
     @property
     def token_cap(self) -> int:

@@ -129,3 +129,56 @@ def test_slime_static_path_uses_the_shared_karmarkar_karp():
         weights = [rng.randint(0, 10**6) for _ in range(k * rng.randint(1, 6))]
         expected = [sorted(p) for p in karmarkar_karp(weights, k, equal_size=True)]
         assert _balanced_partitions(weights, k) == expected
+
+
+def test_variable_row_lengths_give_each_microbatch_its_own_row():
+    import dataclasses
+
+    from megatron_dynbatch.planning import SampleSet, check_plan
+    from megatron_dynbatch.planning.invariants import PlanInvariantError
+
+    rng = random.Random(3)
+    lengths = [rng.randint(50, 4000) for _ in range(40)] + [60, 70]
+    parallel = ParallelLayout(dp_size=4, pp_size=2)
+    uniform = PlannerConfig(max_tokens_per_gpu=8192, parallel=parallel)
+    variable = dataclasses.replace(uniform, variable_row_lengths=True, row_multiple=128)
+    plan = plan_schedule(lengths, config=variable)
+    check_plan(plan, SampleSet.build(lengths), variable)
+    step = plan.steps[0]
+    rows = [row for rank in step.row_lengths for row in rank]
+    assert all(row % 128 == 0 and row <= step.seq_length for row in rows)
+    assert len(set(rows)) > 1  # the rows really differ
+    assert step.to_dict()["row_lengths"] == [list(r) for r in step.row_lengths]
+    assert step.fill == pytest.approx(sum(lengths) / sum(rows))
+    flat = plan_schedule(lengths, config=uniform)
+    assert flat.steps[0].row_lengths == () and flat.steps[0].to_dict()["row_lengths"] == []
+    assert plan.fingerprint() != flat.fingerprint()
+    # A placeholder with a shape no real micro-batch of the step has is refused.
+    ranks = tuple(rank + ((),) for rank in step.ranks)
+    odd = tuple(rank + (128 * 200,) for rank in step.row_lengths)
+    bad = dataclasses.replace(
+        step,
+        ranks=ranks,
+        row_lengths=odd,
+        num_microbatches=step.num_microbatches + 1,
+        num_placeholders=step.num_placeholders + len(ranks),
+        seq_length=128 * 200,
+    )
+    with pytest.raises(PlanInvariantError, match="placeholder row|row length"):
+        check_plan(dataclasses.replace(plan, steps=(bad,)), SampleSet.build(lengths), variable)
+    with pytest.raises(ValueError, match="packed"):
+        PlannerConfig(max_tokens_per_gpu=8192, layout="padded", variable_row_lengths=True)
+
+
+def test_slime_is_scored_with_its_own_rows_rounded_to_128():
+    from benchmarks.metrics import evaluate
+
+    model = CostModel(microbatch_overhead=0.0)
+    ranks = [[[0], [1, 2]], [[3], []]]
+    lengths = [100, 300, 200, 1000]
+    m = evaluate(ranks, lengths, token_cap=2048, cost=model, row_multiple=128)
+    # Rows 128, 512, 1024 and a placeholder of the shortest real row, 128.
+    assert m["computed_tokens"] == 128 + 512 + 1024 + 128
+    assert m["microbatch_costs"] == [[128.0, 512.0], [1024.0, 128.0]]
+    uniform = evaluate(ranks, lengths, token_cap=2048, cost=model)
+    assert uniform["computed_tokens"] == 4 * 1000
