@@ -16,13 +16,21 @@ from typing import Any, Dict, Optional, Sequence
 
 from megatron_dynbatch.planning.cost import microbatch_cost
 from megatron_dynbatch.planning.simulate import BACKWARD_TO_FORWARD_RATIO, pipeline_makespan
-from megatron_dynbatch.planning.spec import LAYOUTS, CostModel, ParallelLayout, ceil_div, round_up
+from megatron_dynbatch.planning.spec import (
+    LAYOUTS,
+    CostModel,
+    ParallelLayout,
+    PlannerConfig,
+    ceil_div,
+    round_up,
+)
 
 __all__ = [
     "DEFAULT_ATTENTION_CROSSOVER",
     "EVAL_COST",
     "evaluate",
     "ideal_step_time",
+    "planner_config",
     "step_time",
 ]
 
@@ -33,6 +41,26 @@ DEFAULT_ATTENTION_CROSSOVER = 24576
 
 #: The cost model of every benchmark figure: ``L + L^2 / 24576`` per sample, padding included.
 EVAL_COST = CostModel(token_weight=1.0, attention_weight=1.0 / DEFAULT_ATTENTION_CROSSOVER)
+
+
+def planner_config(
+    token_cap: int, parallel: ParallelLayout, cost: CostModel = EVAL_COST
+) -> PlannerConfig:
+    """Our planner's config for a benchmark, built as training builds it
+    (``DynBatchConfig(...).planner_config(...)``); an unknown overhead stays unknown (the
+    shipped default), oversize samples run alone (``allow``)."""
+    from megatron_dynbatch.config import DynBatchConfig
+
+    return DynBatchConfig(
+        max_tokens_per_gpu=token_cap,
+        cost_token_weight=cost.token_weight,
+        cost_attention_weight=cost.attention_weight,
+        cost_response_weight=cost.response_weight,
+        cost_microbatch_overhead=cost.microbatch_overhead,
+        cost_shape_exchange_overhead=cost.shape_exchange_overhead,
+        cost_attention=cost.attention,
+        oversize_samples="allow",
+    ).planner_config(parallel)
 
 
 def _ratio_max_mean(values: Sequence[float]) -> float:
