@@ -12,7 +12,8 @@ are clearly fastest (no pipeline, or S already at the longest sample) packs once
 packed only under the longest row that could still win. Work per step is bounded: at most
 ``_MAX_CANDIDATES`` counts (spread geometrically over a long range), at most ``_MAX_EVALUATIONS``
 of them packed besides the fewest, and per packing at most ``_SIMULATED_RANKS`` pipeline replays
-plus the heavy-slot search of :func:`.balance.pipeline_orders` (17 replays). On small steps a
+(all ranks up to ``_REPLAY_BUDGET`` micro-batches) plus the heavy-slot search of
+:func:`.balance.pipeline_orders` (17 replays). On small steps a
 second construction, ranks first (:meth:`_PackedSearch._ranks_first`), is scored too.
 
 Layouts:
@@ -43,8 +44,12 @@ _MAX_CANDIDATES = 24
 #: Candidate counts packed and scored per step besides the fewest, at most: with the row-length
 #: bound each needs at most an LPT and a best-fit pass, so a step costs a few packings.
 _MAX_EVALUATIONS = 6
-#: Ranks whose pipeline is replayed to score a candidate: the costliest by total work.
+#: Ranks whose pipeline is replayed to score a candidate, at least: the costliest by total work.
 _SIMULATED_RANKS = 4
+#: Micro-batches replayed per scored candidate, at most: every rank is replayed while the step has
+#: no more than this many (a rank whose dominant micro-batch runs first can be the slowest with
+#: less total work, so ranking by total alone misses it); above, the costliest ranks that fit.
+_REPLAY_BUDGET = 4096
 #: Largest step (samples) that also gets the ranks-first construction (~50 ms of CPU at the limit).
 _ALTERNATIVE_LIMIT = 8192
 #: A larger M must be faster by more than this (relative) to replace a smaller one.
@@ -337,7 +342,9 @@ class _Search:
         totals = [sum(map(bin_costs.__getitem__, order)) for order in orders]
         if self.pp == 1:
             return (1.0 + BACKWARD_TO_FORWARD_RATIO) * max(totals)
-        costliest = sorted(range(len(orders)), key=lambda r: (-totals[r], r))[:_SIMULATED_RANKS]
+        per_rank = max(1, max(map(len, orders)))
+        replayed = max(_SIMULATED_RANKS, _REPLAY_BUDGET // per_rank)
+        costliest = sorted(range(len(orders)), key=lambda r: (-totals[r], r))[:replayed]
         return max(
             pipeline_makespan([bin_costs[b] for b in orders[r]], self.pp, self.vpp, self.group)
             for r in costliest
