@@ -24,6 +24,7 @@ import bisect
 import heapq
 from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
+from megatron_dynbatch.planning.karmarkar_karp import karmarkar_karp as _karmarkar_karp
 from megatron_dynbatch.planning.spec import ceil_div, round_up
 
 __all__ = [
@@ -151,96 +152,9 @@ def verl_workload(length: int) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
-class _KKSet:
-    """One set of a partial partition, ordered as verl's ``Set``: (sum, item count, items)."""
-
-    __slots__ = ("total", "items")
-
-    def __init__(self) -> None:
-        self.total = 0
-        self.items: List[Tuple[int, int]] = []  # (index, value), in insertion order
-
-    def key(self) -> Tuple[int, int, List[Tuple[int, int]]]:
-        return (self.total, len(self.items), self.items)
-
-    def __lt__(self, other: "_KKSet") -> bool:
-        return self.key() < other.key()
-
-
-class _KKState:
-    """A partial partition of ``k`` sets, heaviest first; the heap pops the largest spread first,
-    then the one whose heaviest set orders highest (verl's ``State.__lt__``)."""
-
-    __slots__ = ("sets",)
-
-    def __init__(self, sets: List[_KKSet]) -> None:
-        self.sets = sorted(sets, reverse=True)
-
-    @property
-    def spread(self) -> int:
-        return self.sets[0].total - self.sets[-1].total
-
-    def __lt__(self, other: "_KKState") -> bool:
-        if self.spread != other.spread:
-            return self.spread > other.spread
-        return other.sets[0] < self.sets[0]
-
-
-def karmarkar_karp(values: Sequence[int], k: int, equal_size: bool) -> List[List[int]]:
-    """k-way largest differencing method (Karmarkar-Karp): indices of ``values`` in ``k`` sets.
-
-    Behaves exactly as verl's ``karmarkar_karp`` (``verl/utils/seqlen_balancing.py``; slime ships
-    a copy), ties included, so the baselines reproduce verl's and slime's partitions item for item
-    (``benchmarks/peers.py`` checks this against the real function when a checkout is given).
-    Items are taken in ascending ``(value, index)`` order. Every item starts as a partial partition
-    of ``k`` sets (the item in one set, the others empty); with ``equal_size`` the items are instead
-    taken ``k`` at a time, one per set, so every set ends with ``len(values) / k`` items. The
-    partial partition with the largest spread (max set sum - min set sum) is repeatedly merged with
-    the next one, heaviest set of the first with the lightest of the second, until one remains.
-    Sets compare by (sum, item count, items), as upstream; that makes each merge ``O(k log k)``
-    comparisons of growing lists, which is what makes the timing representative of verl's.
-
-    Args:
-        values: Non-negative weights.
-        k: Number of sets.
-        equal_size: Give every set the same number of items (``len(values)`` must divide by ``k``).
-
-    Returns:
-        ``k`` lists of indices, heaviest set first; a set may be empty when ``len(values) < k``.
-    """
-    if k < 1:
-        raise ValueError(f"k={k} must be >= 1.")
-    if equal_size and len(values) % k:
-        raise ValueError(f"equal_size needs len(values)={len(values)} to be a multiple of k={k}.")
-    ordered = sorted((value, i) for i, value in enumerate(values))
-    heap: List[_KKState] = []
-
-    def state(items: Sequence[Tuple[int, int]]) -> _KKState:
-        sets = [_KKSet() for _ in range(k)]
-        for target, (value, i) in zip(sets, items, strict=False):
-            target.items.append((i, value))
-            target.total += value
-        return _KKState(sets)
-
-    if equal_size:
-        for start in range(0, len(ordered), k):
-            heapq.heappush(heap, state(ordered[start : start + k]))
-    else:
-        for item in ordered:
-            heapq.heappush(heap, state([item]))
-    if not heap:
-        return [[] for _ in range(k)]
-    while len(heap) > 1:
-        first = heapq.heappop(heap)
-        second = heapq.heappop(heap)
-        # Heaviest of one with lightest of the other: the differencing step.
-        for j in range(k):
-            absorbed = second.sets[k - 1 - j]
-            first.sets[j].items.extend(absorbed.items)
-            first.sets[j].total += absorbed.total
-        first.sets = sorted(first.sets, reverse=True)
-        heapq.heappush(heap, first)
-    return [[i for i, _ in s.items] for s in heap[0].sets]
+# The implementation lives in the planner (one KK for the planner, slime's static path and these
+# baselines); it reproduces verl's ties item for item (``ties="verl"``, its default).
+karmarkar_karp = _karmarkar_karp
 
 
 # --------------------------------------------------------------------------------------------------

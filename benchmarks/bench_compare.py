@@ -33,8 +33,8 @@ from benchmarks.lengths import (
     multi_turn_lengths,
     uniform_lengths,
 )
-from benchmarks.metrics import EVAL_COST, evaluate, ideal_step_time, step_time
-from megatron_dynbatch.planning import CostModel, ParallelLayout, PlannerConfig, plan_schedule
+from benchmarks.metrics import EVAL_COST, evaluate, ideal_step_time, planner_config, step_time
+from megatron_dynbatch.planning import CostModel, ParallelLayout, plan_schedule
 
 __all__ = [
     "CASE_LAYOUTS",
@@ -128,11 +128,7 @@ def _timed(fn: Callable[[], Any], repeats: int) -> tuple:
 def schedule(name: str, ls: LengthSet, parallel: ParallelLayout, token_cap: int):
     """``ranks[r][m]`` of one step by scheduler ``name`` (baselines may raise BaselineFailure)."""
     if name in (OURS, OURS_TOKENS):
-        config = PlannerConfig(
-            max_tokens_per_gpu=token_cap,
-            parallel=parallel,
-            cost=EVAL_COST if name == OURS else CostModel(),
-        )
+        config = planner_config(token_cap, parallel, EVAL_COST if name == OURS else CostModel())
         plan = plan_schedule(ls.lengths, ls.rollout_ids, ls.prompt_lengths, config=config)
         assert len(plan.steps) == 1
         ranks = BaselineSchedule(

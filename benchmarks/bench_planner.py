@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from benchmarks import peers
 from benchmarks.baselines import verl_kk
 from benchmarks.lengths import LengthSet, grpo_lengths
-from benchmarks.metrics import EVAL_COST
+from benchmarks.metrics import EVAL_COST, planner_config
 from megatron_dynbatch.planning import ParallelLayout, PlannerConfig, plan_schedule
 
 __all__ = ["WORKLOADS", "measure", "speed_table"]
@@ -75,9 +75,7 @@ WORKLOADS: Dict[str, Tuple[int, int, int, Callable[[int], LengthSet]]] = {
 
 
 def _config(dp: int, cap: int) -> PlannerConfig:
-    return PlannerConfig(
-        max_tokens_per_gpu=cap, parallel=ParallelLayout(dp_size=dp), cost=EVAL_COST
-    )
+    return planner_config(cap, ParallelLayout(dp_size=dp), EVAL_COST)
 
 
 def measure(

@@ -28,9 +28,9 @@ from benchmarks.bench_compare import (
     verdict,
 )
 from benchmarks.bench_planner import GOALS, cap_memory, speed_table, versus_verl
-from benchmarks.metrics import EVAL_COST
+from benchmarks.metrics import EVAL_COST, planner_config
 from benchmarks.search import search
-from megatron_dynbatch.planning import ParallelLayout, PlannerConfig, SampleSet, plan_samples
+from megatron_dynbatch.planning import ParallelLayout, SampleSet, plan_samples
 from megatron_dynbatch.tools.plotting import plot_step
 
 SEED = 0
@@ -248,7 +248,7 @@ def write_markdown(path: pathlib.Path, cases, speed, searched) -> None:
 def write_picture(path: pathlib.Path) -> None:
     ls = make_mix(HEADLINE_MIX, PICTURE_PROMPTS, SEED)
     samples = SampleSet.build(ls.lengths, ls.rollout_ids, ls.prompt_lengths)
-    config = PlannerConfig(max_tokens_per_gpu=TOKEN_CAP, parallel=PICTURE_PARALLEL, cost=EVAL_COST)
+    config = planner_config(TOKEN_CAP, PICTURE_PARALLEL, EVAL_COST)
     plot_step(plan_samples(samples, config), 0, samples, config, str(path))
 
 

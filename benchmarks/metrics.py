@@ -16,13 +16,21 @@ from typing import Any, Dict, Optional, Sequence
 
 from megatron_dynbatch.planning.cost import microbatch_cost
 from megatron_dynbatch.planning.simulate import BACKWARD_TO_FORWARD_RATIO, pipeline_makespan
-from megatron_dynbatch.planning.spec import LAYOUTS, CostModel, ParallelLayout, ceil_div, round_up
+from megatron_dynbatch.planning.spec import (
+    LAYOUTS,
+    CostModel,
+    ParallelLayout,
+    PlannerConfig,
+    ceil_div,
+    round_up,
+)
 
 __all__ = [
     "DEFAULT_ATTENTION_CROSSOVER",
     "EVAL_COST",
     "evaluate",
     "ideal_step_time",
+    "planner_config",
     "step_time",
 ]
 
@@ -33,6 +41,26 @@ DEFAULT_ATTENTION_CROSSOVER = 24576
 
 #: The cost model of every benchmark figure: ``L + L^2 / 24576`` per sample, padding included.
 EVAL_COST = CostModel(token_weight=1.0, attention_weight=1.0 / DEFAULT_ATTENTION_CROSSOVER)
+
+
+def planner_config(
+    token_cap: int, parallel: ParallelLayout, cost: CostModel = EVAL_COST
+) -> PlannerConfig:
+    """Our planner's config for a benchmark, built as training builds it
+    (``DynBatchConfig(...).planner_config(...)``); an unknown overhead stays unknown (the
+    shipped default), oversize samples run alone (``allow``)."""
+    from megatron_dynbatch.config import DynBatchConfig
+
+    return DynBatchConfig(
+        max_tokens_per_gpu=token_cap,
+        cost_token_weight=cost.token_weight,
+        cost_attention_weight=cost.attention_weight,
+        cost_response_weight=cost.response_weight,
+        cost_microbatch_overhead=cost.microbatch_overhead,
+        cost_shape_exchange_overhead=cost.shape_exchange_overhead,
+        cost_attention=cost.attention,
+        oversize_samples="allow",
+    ).planner_config(parallel)
 
 
 def _ratio_max_mean(values: Sequence[float]) -> float:
@@ -50,13 +78,17 @@ def evaluate(
     sample_multiple: int = 1,
     prompt_lengths: Optional[Sequence[int]] = None,
     dummy_lengths: Sequence[int] = (),
+    row_multiple: Optional[int] = None,
 ) -> Dict[str, Any]:
     """Measures one step's schedule.
 
-    The step runs with one uniform micro-batch shape, as Megatron's pipeline communication needs:
-    ``packed`` rows of length ``S`` = the largest micro-batch's padded tokens, or ``padded``
-    ``[B, S]`` with ``B`` = the most samples in any micro-batch and ``S`` = the longest sample.
-    Placeholders run that same shape.
+    By default the step runs with one uniform micro-batch shape, as Megatron's pipeline
+    communication needs without ``variable_seq_lengths``: ``packed`` rows of length ``S`` = the
+    largest micro-batch's padded tokens, or ``padded`` ``[B, S]`` with ``B`` = the most samples in
+    any micro-batch and ``S`` = the longest sample. Placeholders run that same shape. With
+    ``row_multiple`` (``packed`` only) every micro-batch runs its own row, its padded tokens rounded
+    up to that multiple, as slime runs Megatron (``variable_seq_lengths``, rows padded to 128), and
+    pays the cost model's ``shape_exchange_overhead``; a placeholder runs the shortest real row.
 
     Args:
         ranks: ``ranks[r][m]`` = global sample indices; ``[]`` = placeholder micro-batch.
@@ -69,6 +101,8 @@ def evaluate(
         dummy_lengths: Loss-masked filler samples a framework computes besides the real ones
             (SkyRL pads a mini-batch with copies of sample 0); index ``len(lengths) + k`` in
             ``ranks`` is filler ``k``. They count as computed, never as real tokens.
+        row_multiple: Variable row lengths, each micro-batch's rounded up to this (see above);
+            ``seq_length`` then reports the longest row.
 
     Returns:
         A dict with:
@@ -90,6 +124,8 @@ def evaluate(
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}.")
+    if row_multiple is not None and (layout != "packed" or row_multiple < 1):
+        raise ValueError(f"row_multiple={row_multiple!r} needs layout packed and a value >= 1.")
     if isinstance(token_cap, bool) or not isinstance(token_cap, int) or token_cap < 1:
         raise ValueError(f"token_cap={token_cap!r} must be an integer >= 1.")
     if not ranks:
@@ -132,13 +168,23 @@ def evaluate(
         micro_batch_size = max((len(mb) for mb in all_mbs), default=1) or 1
         seq_length = max((sizes[i] for mb in all_mbs for i in mb), default=0)
     computed = dp_size * num_microbatches * micro_batch_size * seq_length
+    placeholder_row = row_multiple
+    if row_multiple is not None:
+        real_rows = [round_up(footprint(mb), row_multiple) for mb in all_mbs if mb]
+        placeholder_row = min(real_rows, default=row_multiple)
+        placeholders = dp_size * num_microbatches - len(real_rows)
+        computed = sum(real_rows) + placeholder_row * placeholders
     over_cap = sum(1 for mb in all_mbs if len(mb) > 1 and footprint(mb) > token_cap)
 
     def computed_cost(mb: Sequence[int]) -> float:
-        return microbatch_cost(
+        row, extra = seq_length, 0.0
+        if row_multiple is not None:
+            row = round_up(footprint(mb), row_multiple) if mb else placeholder_row
+            extra = cost.shape_exchange_overhead
+        return extra + microbatch_cost(
             cost,
             layout,
-            seq_length,
+            row,
             micro_batch_size,
             [sizes[i] for i in mb],
             [every_length[i] - prompts[i] for i in mb],

@@ -4,8 +4,15 @@ Seeded random steps from five families (GRPO groups, bimodal, uniform, short sam
 agentic rollouts) over dp 2..128, pp 1/2/4, vpp 1/2 and caps of 8,192 / 16,384 tokens (every sample
 fits the cap, so no scheduler fails on an oversize sample). Each case is planned by ours and by
 every baseline of :mod:`benchmarks.baselines`, scored by :func:`benchmarks.metrics.evaluate` and
-the pipeline simulator, all with the same cost model (:data:`benchmarks.metrics.EVAL_COST` plus an
-optional per-micro-batch overhead).
+the pipeline simulator, all with the same *true* cost model: :data:`benchmarks.metrics.EVAL_COST`
+plus a per-micro-batch overhead of ``--overheads`` (fractions of a full row at the cap). Each peer
+is scored as it runs: slime with its own variable rows rounded to 128 (``variable_seq_lengths``),
+fixed micro-batches as ``[B, S]`` padded rows, the others with one row length per step.
+
+Ours plans in one of two modes (``--modes``): ``default``, the shipped config, not told the
+overhead (it assumes its own default and its gain threshold); ``calibrated``, told the true
+overhead (what ``megatron-dynbatch calibrate`` gives). Both build their config through
+``DynBatchConfig(...).planner_config(...)``, as training does.
 
 A baseline counts only where it keeps the cap in that case (no multi-sample micro-batch over it).
 Reported, per case and baseline:
@@ -22,6 +29,7 @@ Run: ``.venv/bin/python -m benchmarks.search [--cases 300] [--seed 0] [--json]``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -39,7 +47,8 @@ from benchmarks.lengths import (
     uniform_lengths,
 )
 from benchmarks.metrics import EVAL_COST, evaluate, ideal_step_time, step_time
-from megatron_dynbatch.planning import CostModel, ParallelLayout, PlannerConfig, plan_schedule
+from megatron_dynbatch.config import DynBatchConfig
+from megatron_dynbatch.planning import CostModel, ParallelLayout, plan_schedule
 
 __all__ = ["FAMILIES", "Case", "random_case", "run_case", "search"]
 
@@ -50,6 +59,12 @@ CAPS = (8192, 16384)
 SAMPLES_PER_RANK = (1, 48)
 STEP_TOLERANCE = 0.005
 RATIO_TOLERANCE = 1e-3
+#: slime pads every packed row to a multiple of ``tp * data_pad_size_multiplier`` (128 at tp 1).
+SLIME_ROW_MULTIPLE = 128
+#: How slime's baseline runs: each micro-batch its own row (slime always sets
+#: ``variable_seq_lengths``).
+VARIABLE_ROW_BASELINES = {"slime_first_fit": SLIME_ROW_MULTIPLE}
+MODES = ("default", "calibrated")
 
 
 @dataclass(frozen=True)
@@ -98,7 +113,9 @@ def random_case(rng: random.Random, index: int) -> Case:
     return Case(label, samples, parallel, cap)
 
 
-def _score(case: Case, ranks, cost: CostModel, layout: str = "packed", dummies=()) -> Dict:
+def _score(
+    case: Case, ranks, cost: CostModel, layout: str = "packed", dummies=(), row_multiple=None
+) -> Dict:
     m = evaluate(
         ranks,
         case.samples.lengths,
@@ -106,16 +123,51 @@ def _score(case: Case, ranks, cost: CostModel, layout: str = "packed", dummies=(
         layout=layout,
         cost=cost,
         dummy_lengths=dummies,
+        row_multiple=row_multiple,
     )
     ideal = ideal_step_time(case.samples.lengths, case.parallel, cost)
     m["step_over_ideal"] = step_time(m["microbatch_costs"], case.parallel) / ideal
     return m
 
 
-def run_case(case: Case, cost: CostModel = EVAL_COST) -> Dict[str, Any]:
-    """Ours and every baseline on one case: the figures and every way a baseline beats ours."""
+def true_cost(case: Case, overhead_fraction: float) -> CostModel:
+    """:data:`EVAL_COST` with a per-micro-batch overhead of that share of a full row at the cap."""
+    full_row = EVAL_COST.full_row_cost(case.token_cap)
+    return CostModel(
+        token_weight=EVAL_COST.token_weight,
+        attention_weight=EVAL_COST.attention_weight,
+        microbatch_overhead=overhead_fraction * full_row,
+    )
+
+
+def our_config(case: Case, cost: CostModel, mode: str, variable_rows: bool = False):
+    """Our planner's config: ``default`` is not told the overhead, ``calibrated`` is.
+
+    With ``variable_rows`` it plans as in slime (each micro-batch its own row, rounded to 128).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not one of {MODES}.")
+    config = DynBatchConfig(
+        max_tokens_per_gpu=case.token_cap,
+        cost_token_weight=cost.token_weight,
+        cost_attention_weight=cost.attention_weight,
+        cost_microbatch_overhead=cost.microbatch_overhead if mode == "calibrated" else None,
+        oversize_samples="allow",
+    ).planner_config(case.parallel)
+    if variable_rows:
+        config = dataclasses.replace(
+            config, variable_row_lengths=True, row_multiple=SLIME_ROW_MULTIPLE
+        )
+    return config
+
+
+def run_case(case: Case, cost: CostModel = EVAL_COST, mode: str = "calibrated") -> Dict[str, Any]:
+    """Ours and every baseline on one case: the figures and every way a baseline beats ours.
+
+    ``cost`` is the true cost every schedule is scored with; ours plans with :func:`our_config`.
+    """
     ls = case.samples
-    config = PlannerConfig(max_tokens_per_gpu=case.token_cap, parallel=case.parallel, cost=cost)
+    config = our_config(case, cost, mode)
     start = time.process_time()
     plan = plan_schedule(ls.lengths, ls.rollout_ids, ls.prompt_lengths, config=config)
     plan_ms = (time.process_time() - start) * 1e3
@@ -136,6 +188,16 @@ def run_case(case: Case, cost: CostModel = EVAL_COST) -> Dict[str, Any]:
         "baselines": {},
         "beats": [],
     }
+    # Against a peer that runs variable rows, ours plans and runs them too (as in slime).
+    variable = our_config(case, cost, mode, variable_rows=True)
+    varplan = plan_schedule(ls.lengths, ls.rollout_ids, ls.prompt_lengths, config=variable)
+    ours_variable = _score(
+        case,
+        [[list(mb) for mb in rank] for rank in varplan.steps[0].ranks],
+        cost,
+        row_multiple=SLIME_ROW_MULTIPLE,
+    )
+    result["ours"]["step_variable_rows"] = ours_variable["step_over_ideal"]
     for name, fn in BASELINES.items():
         try:
             ranks = fn(
@@ -149,7 +211,14 @@ def run_case(case: Case, cost: CostModel = EVAL_COST) -> Dict[str, Any]:
             result["baselines"][name] = {"status": f"FAIL: {exc.reason}"}
             continue
         layout = "padded" if name == "fixed_mbs" else "packed"
-        m = _score(case, ranks, cost, layout, getattr(ranks, "dummy_lengths", ()))
+        m = _score(
+            case,
+            ranks,
+            cost,
+            layout,
+            getattr(ranks, "dummy_lengths", ()),
+            VARIABLE_ROW_BASELINES.get(name),
+        )
         row = {
             "status": "ok",
             "M": m["num_microbatches"],
@@ -161,8 +230,9 @@ def run_case(case: Case, cost: CostModel = EVAL_COST) -> Dict[str, Any]:
         result["baselines"][name] = row
         if row["over_cap"]:
             continue
-        if row["step"] < ours["step_over_ideal"] * (1 - STEP_TOLERANCE):
-            result["beats"].append(("step", name, ours["step_over_ideal"], row["step"]))
+        mine = ours_variable if name in VARIABLE_ROW_BASELINES else ours
+        if row["step"] < mine["step_over_ideal"] * (1 - STEP_TOLERANCE):
+            result["beats"].append(("step", name, mine["step_over_ideal"], row["step"]))
         if row["M"] < getattr(step, "min_microbatches", step.num_microbatches):
             result["beats"].append(
                 ("M", name, getattr(step, "min_microbatches", step.num_microbatches), row["M"])
@@ -174,10 +244,15 @@ def run_case(case: Case, cost: CostModel = EVAL_COST) -> Dict[str, Any]:
     return result
 
 
-def search(num_cases: int, seed: int = 0, cost: CostModel = EVAL_COST) -> Dict[str, Any]:
+def search(
+    num_cases: int, seed: int = 0, overhead_fraction: float = 0.0, mode: str = "calibrated"
+) -> Dict[str, Any]:
     """Run ``num_cases`` random cases; summarise every way a baseline beat ours."""
     rng = random.Random(seed)
-    cases = [run_case(random_case(rng, k), cost) for k in range(num_cases)]
+    cases = []
+    for k in range(num_cases):
+        case = random_case(rng, k)
+        cases.append(run_case(case, true_cost(case, overhead_fraction), mode))
     step_losses = [
         (case["case"], name, o, b)
         for case in cases
@@ -189,9 +264,14 @@ def search(num_cases: int, seed: int = 0, cost: CostModel = EVAL_COST) -> Dict[s
     for case in cases:
         for kind in {kind for kind, *_ in case["beats"]}:
             counts[kind] = counts.get(kind, 0) + 1
+    ratios = [o / b for _, _, o, b in step_losses]
     return {
         "num_cases": num_cases,
         "seed": seed,
+        "overhead_fraction": overhead_fraction,
+        "mode": mode,
+        "cases_over_2pct": sum(1 for r in ratios if r > 1.02),
+        "cases_over_half_pct": sum(1 for r in ratios if r > 1.005),
         "cases_beaten": counts,
         "step_losses": step_losses,
         "worst_step_loss": worst,
@@ -203,8 +283,11 @@ def search(num_cases: int, seed: int = 0, cost: CostModel = EVAL_COST) -> Dict[s
 
 def format_summary(result: Dict[str, Any], verbose: bool = False) -> str:
     lines = [
-        f"{result['num_cases']} random cases (seed {result['seed']}); cases where a baseline "
-        f"keeping the cap beats ours, by figure: {result['cases_beaten'] or 'none'}"
+        f"{result['num_cases']} random cases (seed {result['seed']}), true overhead "
+        f"{result['overhead_fraction']:.0%} of a full row, ours {result['mode']}; cases where a "
+        f"baseline keeping the cap beats ours, by figure: {result['cases_beaten'] or 'none'}; "
+        f"step losses over 2%: {result['cases_over_2pct']}, over 0.5%: "
+        f"{result['cases_over_half_pct']}"
     ]
     worst = result["worst_step_loss"]
     if worst:
@@ -227,24 +310,26 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--cases", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--overhead",
-        type=float,
-        default=0.0,
-        help="per-micro-batch overhead of the cost model, in tokens (default 0)",
+        "--overheads",
+        default="0,0.01,0.05",
+        help="true per-micro-batch overheads, as fractions of a full row at the cap, comma "
+        "separated (default 0,0.01,0.05)",
+    )
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help="ours: default and/or calibrated (default both)"
     )
     parser.add_argument("--verbose", action="store_true", help="also list fill/imbalance")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
-    cost = CostModel(
-        token_weight=EVAL_COST.token_weight,
-        attention_weight=EVAL_COST.attention_weight,
-        microbatch_overhead=args.overhead,
-    )
-    result = search(args.cases, args.seed, cost)
+    results = [
+        search(args.cases, args.seed, float(fraction), mode)
+        for fraction in args.overheads.split(",")
+        for mode in args.modes.split(",")
+    ]
     if args.json:
-        print(json.dumps(result, allow_nan=False))
+        print(json.dumps(results, allow_nan=False))
     else:
-        print(format_summary(result, args.verbose))
+        print("\n\n".join(format_summary(result, args.verbose) for result in results))
     return 0
 
 

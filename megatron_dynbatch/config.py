@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Union
 
 from megatron_dynbatch.planning.spec import (
+    ATTENTION_KINDS,
     LAYOUTS,
     OVERSIZE_POLICIES,
     CostModel,
@@ -27,6 +28,7 @@ from megatron_dynbatch.planning.spec import (
 __all__ = [
     "FLAGS",
     "DynBatchConfig",
+    "attention_from_megatron",
     "config_from_mapping",
     "load_yaml_config",
 ]
@@ -41,16 +43,47 @@ FLAGS: Dict[str, str] = {
     "cost_attention_weight": "--dynamic-batch-cost-attention-weight",
     "cost_response_weight": "--dynamic-batch-cost-response-weight",
     "cost_microbatch_overhead": "--dynamic-batch-cost-microbatch-overhead",
+    "cost_shape_exchange_overhead": "--dynamic-batch-cost-shape-exchange-overhead",
+    "cost_attention": "--dynamic-batch-cost-attention",
+    "min_gain": "--dynamic-batch-min-gain",
     "oversize_samples": "--oversize-samples",
 }
 
-#: The cost-model fields of :class:`DynBatchConfig` (floats >= 0).
+#: The cost-model fields of :class:`DynBatchConfig` (floats >= 0; ``None`` where optional).
 _COST_FIELDS = (
     "cost_token_weight",
     "cost_attention_weight",
     "cost_response_weight",
     "cost_microbatch_overhead",
+    "cost_shape_exchange_overhead",
 )
+_OPTIONAL_COST_FIELDS = ("cost_microbatch_overhead",)
+
+
+def attention_from_megatron(
+    transformer_impl: Optional[str], attention_backend: Optional[str], layout: str
+) -> str:
+    """The cost model's attention kind of what Megatron runs (``spec.ATTENTION_KINDS``).
+
+    Megatron's ``local`` transformer implementation, and transformer-engine's ``unfused`` /
+    ``local`` backends, compute a masked softmax over the whole ``S x S`` score matrix: ``dense``,
+    whatever the row holds. transformer-engine's flash / fused / auto backends run packed rows as
+    THD segments (``cu_seqlens``): ``segment``; on padded rows they run each row as one causal
+    sequence: ``causal``.
+
+    Args:
+        transformer_impl: ``--transformer-impl`` (``local`` or ``transformer_engine``; ``None``:
+            Megatron's default, transformer-engine).
+        attention_backend: ``--attention-backend`` (a name or Megatron's ``AttnBackend`` enum;
+            ``None``: ``auto``).
+        layout: ``packed`` or ``padded``.
+    """
+    impl = str(transformer_impl or "transformer_engine").lower()
+    backend = str(getattr(attention_backend, "name", attention_backend) or "auto").lower()
+    backend = backend.rsplit(".", 1)[-1]
+    if impl == "local" or backend in ("unfused", "local"):
+        return "dense"
+    return "segment" if layout == "packed" else "causal"
 
 
 def _positive_int(config: Any, name: str, *, optional: bool) -> None:
@@ -84,9 +117,21 @@ class DynBatchConfig:
     """Cost-model weight of ``L**2`` (self-attention); long-context runs set it > 0."""
     cost_response_weight: float = 0.0
     """Cost-model weight of the response length (work done on generated tokens only)."""
-    cost_microbatch_overhead: float = 0.0
-    """Cost-model fixed cost of one micro-batch (launches, pipeline send/receive), in the units of
-    the token weight; above 0 it keeps the planner from splitting a step into many short rows."""
+    cost_microbatch_overhead: Optional[float] = None
+    """Cost-model fixed cost of one micro-batch (launches, pipeline send/receive, Python), in the
+    units of the token weight (from ``megatron-dynbatch calibrate``). ``None``: not known; the
+    planner assumes 2% of a full row at the budget and asks more micro-batches for a 3% gain."""
+    cost_shape_exchange_overhead: float = 0.0
+    """Cost-model extra fixed cost of one micro-batch when its step's rows vary in length (the
+    shape exchange of ``variable_seq_lengths``), in the units of the token weight."""
+    cost_attention: Optional[str] = None
+    """What the attention implementation executes: ``segment`` (THD / flash varlen: each sample's
+    own square), ``causal`` (each row one causal sequence), ``dense`` (a masked ``S x S``
+    softmax, Megatron's ``local``). ``None``: from ``--transformer-impl`` / ``--attention-backend``
+    in Megatron-LM, else ``segment`` packed and ``causal`` padded."""
+    min_gain: Optional[float] = None
+    """Relative step-time gain more micro-batches per rank must promise to be chosen. ``None``:
+    0.03 with an unknown overhead, 0 with a given (calibrated) one."""
     oversize_samples: str = "error"
     """A sample longer than the budget: ``error`` refuses the batch before any model work (naming
     the samples), ``truncate`` cuts it to the budget (the cut tokens are not trained, and counted),
@@ -115,12 +160,27 @@ class DynBatchConfig:
             )
         for name in _COST_FIELDS:
             value = getattr(self, name)
+            if value is None and name in _OPTIONAL_COST_FIELDS:
+                continue
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise ValueError(f"{name}={value!r} must be a number; fix {FLAGS[name]}.")
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name}={value!r} must be finite and >= 0; fix {FLAGS[name]}.")
             # Normalise YAML integers (``cost_token_weight: 1``) so equal configs compare equal.
             object.__setattr__(self, name, float(value))
+        if self.cost_attention is not None and self.cost_attention not in ATTENTION_KINDS:
+            raise ValueError(
+                f"cost_attention={self.cost_attention!r} is not one of {ATTENTION_KINDS}; fix "
+                f"{FLAGS['cost_attention']} (or leave it out to follow the attention backend)."
+            )
+        if self.min_gain is not None:
+            gain = self.min_gain
+            if isinstance(gain, bool) or not isinstance(gain, numbers.Real) or not 0 <= gain < 1:
+                raise ValueError(
+                    f"min_gain={gain!r} must be a number in [0, 1); fix {FLAGS['min_gain']} "
+                    "(0.03: more micro-batches only for a 3% faster predicted step)."
+                )
+            object.__setattr__(self, "min_gain", float(gain))
         if self.cost_token_weight == self.cost_attention_weight == self.cost_response_weight == 0:
             raise ValueError(
                 "every cost-model weight is 0, so the planner cannot balance ranks; set "
@@ -138,6 +198,8 @@ class DynBatchConfig:
             attention_weight=self.cost_attention_weight,
             response_weight=self.cost_response_weight,
             microbatch_overhead=self.cost_microbatch_overhead,
+            shape_exchange_overhead=self.cost_shape_exchange_overhead,
+            attention=self.cost_attention,
         )
 
     def planner_config(
@@ -165,6 +227,7 @@ class DynBatchConfig:
                 layout=self.layout,
                 cost=self.cost_model(),
                 oversize_samples=self.oversize_samples,
+                min_gain=self.min_gain,
             )
         except ValueError as error:
             raise ValueError(f"{budget_flag}: {error}") from error

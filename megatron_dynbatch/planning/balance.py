@@ -14,7 +14,7 @@ import heapq
 from operator import itemgetter
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .packing import merge_by_differencing
+from .karmarkar_karp import merge_by_differencing
 from .simulate import pipeline_makespan
 from .spec import ceil_div
 

@@ -6,21 +6,24 @@ A micro-batch is a ``[B, S]`` tensor (``B = 1`` for ``packed``). Its forward cos
 * **linear work** (embeddings, projections, MLP) on every one of its ``B * S`` positions, padding
   and placeholder rows included, since the GEMMs run over the whole tensor:
   ``token_weight * B * S``;
-* **attention**, by layout, as ``runtime/materialize.py`` and ``megatron/forward.py`` run it:
+* **attention**, by what the attention implementation executes (``CostModel.attention``, one of
+  ``spec.ATTENTION_KINDS``; ``None`` follows the layout: ``segment`` packed, ``causal`` padded):
 
-  - ``packed``: THD segments (``cu_seqlens``). Each sample is one segment of its padded length
+  - ``causal``: each of the ``B`` rows is one causal sequence whatever it holds:
+    ``attention_weight * S**2`` a row (a causal kernel without segment boundaries);
+  - ``dense``: each row computes the full ``S x S`` score matrix under a mask (Megatron's
+    ``local`` attention): ``2 * attention_weight * S**2`` a row, twice a causal kernel;
+  - ``segment`` (``packed`` only; padded rows count as ``causal``): THD segments (``cu_seqlens``). Each sample is one segment of its padded length
     ``round_up(L, sample_multiple)`` (the rounding pad sits inside the sample's segment, after its
     last token), and the row's padding tail ``S - used`` is a segment of its own, so the tail
     costs ``attention_weight * (S - used)**2``: small when the row is full, a whole ``S**2`` for a
     placeholder row;
-  - ``padded``: rows of one sample each, run with the dense block-diagonal mask (THD needs
-    ``B = 1``); a dense kernel computes all ``S * S`` scores of a row whatever the mask says, so
-    every row, placeholder rows included, costs ``attention_weight * S**2``;
 
 * **response work** (log-prob gather, value head, loss) on the response tokens of its real samples:
   ``response_weight * R``;
 * a fixed **per-micro-batch overhead** (kernel launches, pipeline send/receive, bookkeeping),
-  placeholders included: ``microbatch_overhead``.
+  placeholders included: ``microbatch_overhead`` (the planner resolves an unknown overhead to a
+  default share of a full row, :meth:`.spec.CostModel.resolved`; here ``None`` counts as 0).
 
 Backward costs ``BACKWARD_TO_FORWARD_RATIO`` times the forward (see :mod:`.simulate`).
 
@@ -57,7 +60,7 @@ def sample_cost(model: CostModel, layout: str, size: int, response_length: int) 
     response work (the row's attention is ``S**2`` whatever it holds, see :func:`row_cost`).
     """
     response = model.response_weight * response_length
-    if layout == "packed":
+    if model.attention_kind(layout) == "segment":
         return model.attention_weight * float(size) * float(size) + response
     return response
 
@@ -67,7 +70,7 @@ def sample_costs(
 ) -> List[float]:
     """:func:`sample_cost` of every sample (the planner's hot path: one list comprehension)."""
     aw, rw = model.attention_weight, model.response_weight
-    if layout == "packed":
+    if model.attention_kind(layout) == "segment":
         if rw == 0.0:
             return [aw * (s * s) for s in sizes]
         return [aw * (s * s) + rw * r for s, r in zip(sizes, response_lengths, strict=True)]
@@ -79,20 +82,19 @@ def row_cost(
 ) -> float:
     """Forward cost of a micro-batch's shape and padding, without its samples' :func:`sample_cost`.
 
-    ``load`` is the padded tokens its samples fill (packed: the sum of their segments). Packed:
-    ``overhead + token_weight * S + attention_weight * (S - load)**2`` (the tail segment; 0 when the
-    row is full). Padded: ``overhead + B * (token_weight * S + attention_weight * S**2)``.
+    ``load`` is the padded tokens its samples fill (packed: the sum of their segments). Segment
+    attention (packed): ``overhead + token_weight * S + attention_weight * (S - load)**2`` (the
+    tail segment; 0 when the row is full). Causal / dense: ``overhead + B * (token_weight * S +
+    f * attention_weight * S**2)`` with ``f`` 1 (causal) or 2 (dense), whatever the rows hold.
     """
     s = float(seq_length)
-    if layout == "packed":
+    kind = model.attention_kind(layout)
+    if kind == "segment":
         tail = s - load
-        return (
-            model.microbatch_overhead
-            + model.token_weight * s
-            + model.attention_weight * tail * tail
-        )
-    return model.microbatch_overhead + micro_batch_size * (
-        model.token_weight * s + model.attention_weight * s * s
+        return model.overhead + model.token_weight * s + model.attention_weight * tail * tail
+    factor = 2.0 if kind == "dense" else 1.0
+    return model.overhead + micro_batch_size * (
+        model.token_weight * s + factor * model.attention_weight * s * s
     )
 
 
@@ -109,18 +111,20 @@ def row_costs(
     ``own[b]`` is the sum of micro-batch ``b``'s :func:`sample_cost`; ``loads[b]`` its padded
     tokens (packed layout).
     """
-    if layout != "packed":
+    if model.attention_kind(layout) != "segment":
         row = row_cost(model, layout, seq_length, micro_batch_size, 0)
         return [row + o for o in own]
     s = float(seq_length)
-    fixed = model.microbatch_overhead + model.token_weight * s
+    fixed = model.overhead + model.token_weight * s
     aw = model.attention_weight
     return [fixed + aw * (s - load) * (s - load) + o for o, load in zip(own, loads, strict=True)]
 
 
 def tail_cost(model: CostModel, seq_length: int) -> Callable[[int], float]:
-    """The attention of a packed row's padding tail as a function of the row's padded load."""
-    s, aw = float(seq_length), model.attention_weight
+    """The attention of a packed row's padding tail as a function of the row's padded load
+    (0 unless the attention runs segments: a causal or dense row costs the same however full)."""
+    s = float(seq_length)
+    aw = model.attention_weight if model.attention_kind("packed") == "segment" else 0.0
 
     def tail(load: int) -> float:
         return aw * (s - load) * (s - load)
@@ -194,9 +198,9 @@ def check_cost_is_finite(model: CostModel, longest_row: int) -> None:
     s = float(longest_row)
     worst: Dict[str, float] = {
         "token_weight": model.token_weight * s,
-        "attention_weight": model.attention_weight * s * s,
+        "attention_weight": 2.0 * model.attention_weight * s * s,
         "response_weight": model.response_weight * s,
-        "microbatch_overhead": model.microbatch_overhead,
+        "microbatch_overhead": model.overhead,
     }
     # A step sums thousands of micro-batches and simulates their backward passes: keep headroom.
     total = sum(worst.values()) * 1e9

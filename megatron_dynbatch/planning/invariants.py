@@ -155,6 +155,18 @@ def _shape_and_cap(
             )
     elif b * s > cap and not (oversize and b == 1):
         problems.append(f"{where}: padded footprint {b}x{s}={b * s} exceeds the cap {cap}")
+    if step.row_lengths and [len(rows) for rows in step.row_lengths] != [
+        len(rank) for rank in step.ranks
+    ]:
+        problems.append(f"{where}: row_lengths do not match the micro-batches of every rank")
+        return problems
+    # Variable rows: a placeholder must reuse a real row's length (no new shape for the step).
+    real_rows = {
+        step.row_lengths[q][j]
+        for q, other in enumerate(step.ranks)
+        for j, members in enumerate(other)
+        if members and step.row_lengths
+    }
     for r, rank in enumerate(step.ranks):
         for k, mb in enumerate(rank):
             mb_sizes = [sizes[i] for i in mb if 0 <= i < n]
@@ -163,6 +175,15 @@ def _shape_and_cap(
                 footprint = sum(mb_sizes)
                 if footprint > s:
                     problems.append(f"{label}: {footprint} padded tokens exceed seq_length={s}")
+                if step.row_lengths:
+                    row = step.row_lengths[r][k]
+                    if not footprint <= row <= s or row % multiple:
+                        problems.append(
+                            f"{label}: row length {row} is not a multiple of {multiple} between "
+                            f"its {footprint} padded tokens and seq_length={s}"
+                        )
+                    if not mb and real_rows and row not in real_rows:
+                        problems.append(f"{label}: placeholder row {row} is no real row's length")
                 if footprint > cap and len(mb) != 1:
                     problems.append(f"{label}: {footprint} padded tokens exceed the cap {cap}")
             else:

@@ -23,6 +23,7 @@ import heapq
 import itertools
 from typing import List, Optional, Sequence, Tuple
 
+from .karmarkar_karp import merge_by_differencing
 from .spec import ceil_div
 
 __all__ = [
@@ -245,29 +246,6 @@ def kk_pack(sizes: Sequence[int], order: Sequence[int], num_bins: int) -> Packin
     partials = [[[sizes[i], [i]]] + [[0, []] for _ in range(num_bins - 1)] for i in reversed(order)]
     sets = merge_by_differencing(partials) or [[0, []] for _ in range(num_bins)]
     return [entry[1] for entry in sets], [entry[0] for entry in sets]
-
-
-def merge_by_differencing(partials: List[List[list]]) -> Optional[List[list]]:
-    """Merge partial partitions by largest differencing (the core of Karmarkar-Karp).
-
-    Each partial partition is a list of ``k`` sets ``[total, items]``, fullest first; the two with
-    the largest spread (fullest - emptiest total) merge, the fullest set of one with the emptiest
-    of the other (extended in place, no copies), until one is left. Ties go to the earlier partial.
-    Returns the final partition, fullest first, or ``None`` when ``partials`` is empty.
-    """
-    heap = [(p[-1][0] - p[0][0], k, p) for k, p in enumerate(partials)]
-    heapq.heapify(heap)
-    counter = len(heap)
-    while len(heap) > 1:
-        _, _, first = heapq.heappop(heap)
-        _, _, second = heapq.heappop(heap)
-        for a, b in zip(first, reversed(second), strict=True):
-            a[0] += b[0]
-            a[1].extend(b[1])
-        first.sort(key=lambda entry: -entry[0])
-        heapq.heappush(heap, (first[-1][0] - first[0][0], counter, first))
-        counter += 1
-    return heap[0][2] if heap else None
 
 
 #: Largest ``samples x bins`` for which :func:`kk_pack` is tried (about 10 ms of CPU).

@@ -57,6 +57,10 @@ class StepPlan:
     dp_imbalance_computed: float = 1.0
     """max / mean over ranks of what they compute: the cost of their micro-batches, padding,
     placeholders and overhead included (:mod:`.cost`), which sets the step time."""
+    row_lengths: Tuple[Tuple[int, ...], ...] = ()
+    """Variable row lengths (``PlannerConfig.variable_row_lengths``): ``row_lengths[r][m]`` is the
+    row of micro-batch ``m`` of rank ``r``, at most ``seq_length``; ``()``: every row is
+    ``seq_length``."""
 
     def rank_microbatches(self, dp_rank: int) -> Tuple[MicroBatch, ...]:
         """The ordered micro-batches of one DP rank."""
@@ -87,6 +91,7 @@ class StepPlan:
             "truncated_tokens": self.truncated_tokens,
             "kept_lengths": [list(pair) for pair in self.kept_lengths],
             "dp_imbalance_computed": self.dp_imbalance_computed,
+            "row_lengths": [list(rows) for rows in self.row_lengths],
         }
 
 
@@ -125,7 +130,12 @@ class PlanStats:
     ) -> "PlanStats":
         """Whole-plan statistics of the steps (one home for the planner and fixed batching)."""
         computed = sum(
-            dp_size * s.num_microbatches * s.micro_batch_size * s.seq_length for s in steps
+            (
+                sum(map(sum, s.row_lengths))
+                if s.row_lengths
+                else dp_size * s.num_microbatches * s.micro_batch_size * s.seq_length
+            )
+            for s in steps
         )
         return cls(
             num_samples=num_samples,
@@ -205,5 +215,9 @@ class Plan:
         if kept:
             # Only when something was cut, so untruncated plans keep their fingerprints.
             canon.append(kept)
+        rows = [s.row_lengths for s in self.steps if s.row_lengths]
+        if rows:
+            # Only with variable rows, so uniform plans keep their fingerprints.
+            canon.append(["rows", rows])
         text = json.dumps(canon, separators=(",", ":"), default=list)
         return hashlib.sha256(text.encode()).hexdigest()[:16]

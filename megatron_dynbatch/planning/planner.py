@@ -23,7 +23,7 @@ from __future__ import annotations
 import gc
 import itertools
 import warnings
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .cost import check_cost_is_finite, sample_costs
 from .plan import Plan, PlanStats, StepPlan
@@ -205,6 +205,8 @@ def _plan_step(
         layout=config.layout,
         cap=cap,
         parallel=parallel,
+        min_gain=config.min_gain,
+        row_multiple=config.variable_row_multiple if config.variable_row_lengths else None,
     )
     shape, fewest = choose_shape(problem)
     bins = shape.bins
@@ -217,6 +219,14 @@ def _plan_step(
     bin_own = [sum(map(own_costs.__getitem__, members)) for members in bins]
     own = [sum(map(bin_own.__getitem__, order)) for order in shape.rank_orders]
     real_tokens = sum(rank_tokens)
+    row_lengths: Tuple[Tuple[int, ...], ...] = ()
+    if shape.row_lengths is not None:
+        row_lengths = tuple(
+            tuple(shape.row_lengths[b] for b in order) for order in shape.rank_orders
+        )
+        computed_tokens = sum(shape.row_lengths)
+    else:
+        computed_tokens = dp * shape.per_rank * shape.micro_batch_size * shape.seq_length
     # Internal invariant (check_plan re-derives it from the inputs): every sample exactly once.
     assert sum(map(len, bins)) == len(items), "lost or duplicated sample"
     oversize = tuple(shape.oversize)
@@ -230,7 +240,7 @@ def _plan_step(
         num_rollouts=num_rollouts,
         num_placeholders=sum(1 for members in bins if not members),
         real_tokens=real_tokens,
-        fill=real_tokens / (dp * shape.per_rank * shape.micro_batch_size * shape.seq_length),
+        fill=real_tokens / computed_tokens,
         dp_imbalance=_imbalance(rank_tokens),
         dp_imbalance_cost=_imbalance(own),
         oversize_samples=oversize,
@@ -240,6 +250,7 @@ def _plan_step(
         truncated_tokens=sum(samples.lengths[i] - kept[i] for i in truncated),
         kept_lengths=tuple((i, kept[i]) for i in truncated),
         dp_imbalance_computed=_imbalance(computed),
+        row_lengths=row_lengths,
     )
 
 

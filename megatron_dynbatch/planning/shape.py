@@ -12,7 +12,8 @@ are clearly fastest (no pipeline, or S already at the longest sample) packs once
 packed only under the longest row that could still win. Work per step is bounded: at most
 ``_MAX_CANDIDATES`` counts (spread geometrically over a long range), at most ``_MAX_EVALUATIONS``
 of them packed besides the fewest, and per packing at most ``_SIMULATED_RANKS`` pipeline replays
-plus the heavy-slot search of :func:`.balance.pipeline_orders` (17 replays). On small steps a
+(all ranks up to ``_REPLAY_BUDGET`` micro-batches) plus the heavy-slot search of
+:func:`.balance.pipeline_orders` (17 replays). On small steps a
 second construction, ranks first (:meth:`_PackedSearch._ranks_first`), is scored too.
 
 Layouts:
@@ -28,7 +29,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .balance import RankBalancer, assign_bins_to_ranks, pipeline_orders
 from .cost import row_cost, row_costs, tail_cost
@@ -43,8 +44,12 @@ _MAX_CANDIDATES = 24
 #: Candidate counts packed and scored per step besides the fewest, at most: with the row-length
 #: bound each needs at most an LPT and a best-fit pass, so a step costs a few packings.
 _MAX_EVALUATIONS = 6
-#: Ranks whose pipeline is replayed to score a candidate: the costliest by total work.
+#: Ranks whose pipeline is replayed to score a candidate, at least: the costliest by total work.
 _SIMULATED_RANKS = 4
+#: Micro-batches replayed per scored candidate, at most: every rank is replayed while the step has
+#: no more than this many (a rank whose dominant micro-batch runs first can be the slowest with
+#: less total work, so ranking by total alone misses it); above, the costliest ranks that fit.
+_REPLAY_BUDGET = 4096
 #: Largest step (samples) that also gets the ranks-first construction (~50 ms of CPU at the limit).
 _ALTERNATIVE_LIMIT = 8192
 #: A larger M must be faster by more than this (relative) to replace a smaller one.
@@ -65,6 +70,11 @@ class StepProblem:
     layout: str
     cap: int
     parallel: ParallelLayout
+    min_gain: float = 0.0
+    """More micro-batches per rank must be predicted faster by this fraction to be chosen."""
+    row_multiple: Optional[int] = None
+    """Variable row lengths: each micro-batch's row is its load rounded up to this (``packed``
+    only); ``None``: one row length per step, the longest."""
 
 
 @dataclass
@@ -87,6 +97,8 @@ class StepShape:
     """Simulated step time (cost units, forward + backward): the slowest scored rank."""
     oversize: Sequence[int] = ()
     """Samples over the cap, each alone in its micro-batch."""
+    row_lengths: Optional[List[int]] = None
+    """Variable row lengths: every bin's own row (``None``: all ``seq_length``)."""
 
 
 def choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
@@ -105,20 +117,41 @@ def choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
     candidates = search.candidates()
     best = search.evaluate(first)
     assert best is not None, "the fewest micro-batches always pack"
+    scored = {first: best}
+    fastest = best.step_time
     ranked = sorted((search.lower_bound(m), m) for m in candidates if m != first)
     for bound, m in ranked[:_MAX_EVALUATIONS]:
-        if bound >= best.step_time * (1.0 - _TIE):
+        if bound >= fastest * (1.0 - _TIE):
             break
-        # Only rows shorter than this can beat the best so far: pack under it or not at all.
-        shape = search.evaluate(m, search.row_limit(m, best.step_time))
-        if shape is not None and shape.step_time < best.step_time * (1.0 - _TIE):
-            best = shape
+        # Only rows shorter than this can beat the fastest so far: pack under it or not at all.
+        shape = search.evaluate(m, search.row_limit(m, fastest))
+        if shape is not None and shape.step_time < fastest * (1.0 - _TIE):
+            scored[m] = shape
+            fastest = shape.step_time
+    best = _pick(scored, problem.min_gain)
     # The second construction is dearer: only for the winning count (and the fewest).
     for m in sorted({best.per_rank, first}):
         shape = search.alternative(m)
-        if shape is not None and shape.step_time < best.step_time * (1.0 - _TIE):
-            best = shape
-    return best, first
+        if shape is None:
+            continue
+        if shape.step_time < scored.get(m, shape).step_time * (1.0 - _TIE) or m not in scored:
+            scored[m] = shape
+    return _pick(scored, problem.min_gain), first
+
+
+def _pick(scored: Dict[int, StepShape], min_gain: float) -> StepShape:
+    """The fewest micro-batches, unless more are faster by ``min_gain`` (relative), in turn.
+
+    Walking the counts upwards, a larger count replaces the current choice only when its step is
+    faster by more than ``min_gain`` (and by more than a float tie): an uncalibrated model's
+    predicted gain of 1% is within its error, while the added micro-batches' launches are real.
+    """
+    counts = sorted(scored)
+    best = scored[counts[0]]
+    for m in counts[1:]:
+        if scored[m].step_time < best.step_time * (1.0 - max(min_gain, _TIE)):
+            best = scored[m]
+    return best
 
 
 #: Placeholder micro-batches a step may need before the layout is deemed a misconfiguration.
@@ -181,6 +214,10 @@ class _Search:
         self.model = problem.model
         self.work = sum(map(problem.sample_costs.__getitem__, problem.items))
         self.min_per_rank = 1
+        # Micro-batches of one shape cost the same unless segment attention or response work
+        # varies with what they hold.
+        segments = self.model.attention_kind(problem.layout) == "segment"
+        self.varies = bool((segments and self.model.attention_weight) or self.model.response_weight)
 
     def lower_bound(self, per_rank: int) -> float:
         """No candidate of ``per_rank`` micro-batches can run faster than this.
@@ -192,7 +229,9 @@ class _Search:
         row = self.min_row_cost(per_rank)
         ratio = 1.0 + BACKWARD_TO_FORWARD_RATIO
         rank = ratio * (per_rank * row + self.work / self.dp)
-        return rank / self.pp + row * (self.pp - 1) / (self.pp * self.vpp)
+        # Variable rows: the first micro-batch may be far shorter than the mean row.
+        first = self.model.overhead if self.problem.row_multiple is not None else row
+        return rank / self.pp + first * (self.pp - 1) / (self.pp * self.vpp)
 
     def min_row_cost(self, per_rank: int) -> float:
         raise NotImplementedError
@@ -204,9 +243,9 @@ class _Search:
         slope = ratio * per_rank / self.pp + (self.pp - 1) / (self.pp * self.vpp)
         row = (step_time - ratio * self.work / (self.dp * self.pp)) / slope
         model = self.model
-        if model.token_weight <= 0:
+        if model.token_weight <= 0 or self.problem.row_multiple is not None:
             return self.problem.cap
-        return max(0, int((row - model.microbatch_overhead) / model.token_weight))
+        return max(0, int((row - model.overhead) / model.token_weight))
 
     def score(
         self,
@@ -222,13 +261,27 @@ class _Search:
         costs = problem.sample_costs
         layout = problem.layout
         own = [sum(map(costs.__getitem__, members)) for members in bins]
-        bin_costs = row_costs(self.model, layout, seq_length, rows, loads, own)
-        varies = self.model.attention_weight or self.model.response_weight
+        row_lengths = None
+        if problem.row_multiple is not None:
+            # Each micro-batch its own row; a placeholder takes the shortest real row.
+            multiple = problem.row_multiple
+            real = [round_up(load, multiple) for load in loads if load > 0]
+            shortest = min(real) if real else multiple
+            row_lengths = [round_up(load, multiple) if load > 0 else shortest for load in loads]
+            extra = self.model.shape_exchange_overhead
+            bin_costs = [
+                extra + row_cost(self.model, layout, row, 1, load) + o
+                for row, load, o in zip(row_lengths, loads, own, strict=True)
+            ]
+            seq_length = max(row_lengths)
+        else:
+            bin_costs = row_costs(self.model, layout, seq_length, rows, loads, own)
+        varies = self.varies or row_lengths is not None
         # Rows of one shape cost the same unless attention or response work varies with what they
         # hold; then balance the cost, else balance real tokens (free, and what logs show).
         if rank_bins is None:
             rank_bins = assign_bins_to_ranks(bin_costs if varies else loads, self.dp, per_rank)
-        if layout == "packed" and varies:
+        if layout == "packed" and self.varies and row_lengths is None:
             bin_costs = self._balance(bins, loads, own, rank_bins, seq_length, per_rank, bin_costs)
         if self.pp == 1:
             orders = rank_bins  # no pipeline: the order of a rank's micro-batches is moot
@@ -247,6 +300,7 @@ class _Search:
             rank_orders=orders,
             bin_costs=bin_costs,
             step_time=self._step_time(orders, bin_costs),
+            row_lengths=row_lengths,
         )
 
     def _balance(
@@ -288,7 +342,9 @@ class _Search:
         totals = [sum(map(bin_costs.__getitem__, order)) for order in orders]
         if self.pp == 1:
             return (1.0 + BACKWARD_TO_FORWARD_RATIO) * max(totals)
-        costliest = sorted(range(len(orders)), key=lambda r: (-totals[r], r))[:_SIMULATED_RANKS]
+        per_rank = max(1, max(map(len, orders)))
+        replayed = max(_SIMULATED_RANKS, _REPLAY_BUDGET // per_rank)
+        costliest = sorted(range(len(orders)), key=lambda r: (-totals[r], r))[:replayed]
         return max(
             pipeline_makespan([bin_costs[b] for b in orders[r]], self.pp, self.vpp, self.group)
             for r in costliest
@@ -366,6 +422,10 @@ class _PackedSearch(_Search):
 
     def min_row_cost(self, per_rank: int) -> float:
         bins = max(1, self._bins(per_rank))
+        if self.problem.row_multiple is not None:
+            # Rows of their own length: on average no longer than the mean load.
+            s = ceil_div(self.total, bins)
+            return row_cost(self.model, "packed", s, 1, s) + self.model.shape_exchange_overhead
         s = max(self.longest, ceil_div(self.total, bins))
         return row_cost(self.model, "packed", s, 1, s)
 
@@ -383,8 +443,7 @@ class _PackedSearch(_Search):
         """Ranks-first packing where attention or response work makes ranks differ, on steps
         small enough that a second construction is cheap (where sample moves have few samples per
         rank to work with, it matters most)."""
-        varies = self.model.attention_weight or self.model.response_weight
-        if varies and len(self.problem.items) <= _ALTERNATIVE_LIMIT:
+        if self.varies and len(self.problem.items) <= _ALTERNATIVE_LIMIT:
             return self._ranks_first(per_rank)
         return None
 

@@ -6,11 +6,12 @@ so a bad configuration fails before any rank starts planning.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from megatron_dynbatch.errors import DynBatchValueError
 
@@ -18,6 +19,9 @@ __all__ = [
     "CostModel",
     "ParallelLayout",
     "PlannerConfig",
+    "ATTENTION_KINDS",
+    "DEFAULT_MIN_GAIN",
+    "DEFAULT_OVERHEAD_FRACTION",
     "LAYOUTS",
     "MAX_TOKENS",
     "OVERSIZE_POLICIES",
@@ -31,6 +35,24 @@ __all__ = [
 #: Micro-batch layouts. ``packed``: micro_batch_size 1, samples concatenated in one row of the step's
 #: uniform length. ``padded``: ``micro_batch_size`` rows of the step's uniform ``seq_length``.
 LAYOUTS = ("packed", "padded")
+
+#: What the attention kernel computes for a row of length ``S`` (see :mod:`.cost`):
+#: ``segment``: every segment (sample, and the row's padding tail) on its own, ``sum(len**2)``:
+#: transformer-engine THD / flash-attention varlen; ``causal``: the whole row as one causal
+#: sequence, ``S**2`` whatever it holds (a causal kernel without segment boundaries);
+#: ``dense``: the full ``S x S`` score matrix of a masked softmax (Megatron's ``local`` unfused
+#: attention with an explicit mask), ``2 * S**2``: twice a causal kernel's triangle.
+ATTENTION_KINDS = ("segment", "causal", "dense")
+
+#: The per-micro-batch overhead assumed when none is given, as a fraction of the cost of one full
+#: row at the token cap. Kernel launches, pipeline p2p latency and Python cost 1-5% of a full row
+#: on the runs we measured; 2% keeps the planner from splitting a step for a gain the real
+#: overhead would eat, without hiding the bubble savings of a deep pipeline.
+DEFAULT_OVERHEAD_FRACTION = 0.02
+
+#: When the overhead is assumed (not calibrated), a candidate with more micro-batches per rank must
+#: be predicted faster by at least this fraction to be chosen over one with fewer.
+DEFAULT_MIN_GAIN = 0.03
 
 #: What happens to a sample longer than the token cap: ``error`` refuses the batch, ``truncate``
 #: cuts it to the cap, ``allow`` runs it alone in its micro-batch, over the cap.
@@ -169,26 +191,39 @@ class CostModel:
     """Weights of the compute cost of a micro-batch (the formula: :mod:`.cost`).
 
     One forward of a micro-batch of shape ``[B, S]`` costs ``token_weight * B * S`` (linear work
-    on every position, padding included) + ``attention_weight`` x the squared length of every
-    attention segment + ``response_weight`` x its samples' response tokens + ``microbatch_overhead``.
-    The default is plain tokens. Attention-heavy long-context steps set ``attention_weight`` to about
-    ``1 / (6 * hidden_size)`` of the token weight (attention's ``2*h*L**2`` FLOPs against the
-    linear layers' ``12*h**2*L``).
+    on every position, padding included) + ``attention_weight`` x the attention term of each row
+    (by :attr:`attention`: the squared length of every segment, ``S**2`` or ``2 * S**2``) +
+    ``response_weight`` x its samples' response tokens + ``microbatch_overhead``. Attention-heavy
+    long-context steps set ``attention_weight`` to about ``1 / (6 * hidden_size)`` of the token
+    weight (a causal kernel's ``2*h*L**2`` FLOPs against the linear layers' ``12*h**2*L``).
     """
 
     token_weight: float = 1.0
     """Weight of the linear (MLP, projections) work of one position of a row."""
     attention_weight: float = 0.0
-    """Weight of the quadratic (self-attention) term of one attention segment."""
+    """Weight of one unit of the attention term: a causal square ``L**2`` (see :attr:`attention`)."""
     response_weight: float = 0.0
     """Weight of one response token (log-prob gather, value head, loss)."""
-    microbatch_overhead: float = 0.0
-    """Fixed cost of running one micro-batch (launches, pipeline send/receive), in the units of
-    the other terms, placeholders included. Above 0 it keeps the planner from trading a pipeline
-    bubble for many short rows whose fixed costs the rest of the model does not show."""
+    microbatch_overhead: Optional[float] = None
+    """Fixed cost of running one micro-batch (launches, pipeline send/receive, Python), in the units
+    of the other terms, placeholders included. ``None``: not known (not calibrated); the planner
+    assumes ``DEFAULT_OVERHEAD_FRACTION`` of a full row at the token cap
+    (:meth:`resolved`) and asks more micro-batches for a gain of ``DEFAULT_MIN_GAIN``."""
+    attention: Optional[Literal["segment", "causal", "dense"]] = None
+    """What the attention implementation executes (``ATTENTION_KINDS``). ``None``: by layout,
+    ``segment`` for ``packed`` (THD ``cu_seqlens``), ``causal`` for ``padded`` (``S**2`` a row).
+    The ``padded`` layout never runs segments (one sample a row, padding attended like the
+    sample), so ``segment`` there counts as ``causal``."""
+    shape_exchange_overhead: float = 0.0
+    """Extra fixed cost of a micro-batch when the step's row lengths vary (Megatron's
+    ``variable_seq_lengths`` exchanges every tensor shape before its pipeline send), in the units
+    of the other terms; only counted for plans with variable row lengths."""
 
     def __post_init__(self) -> None:
-        for name in ("token_weight", "attention_weight", "response_weight", "microbatch_overhead"):
+        names = ["token_weight", "attention_weight", "response_weight", "shape_exchange_overhead"]
+        if self.microbatch_overhead is not None:
+            names.append("microbatch_overhead")
+        for name in names:
             value = getattr(self, name)
             if (
                 isinstance(value, bool)
@@ -201,6 +236,56 @@ class CostModel:
             object.__setattr__(self, name, float(value))
         if self.token_weight == 0 and self.attention_weight == 0 and self.response_weight == 0:
             raise ValueError("cost model weights are all 0; set at least token_weight > 0.")
+        if self.attention is not None and self.attention not in ATTENTION_KINDS:
+            raise ValueError(
+                f"cost model attention={self.attention!r} is not one of {ATTENTION_KINDS}; use "
+                "segment (THD / flash varlen), causal (one causal row) or dense (local, masked), "
+                "or None to follow the layout."
+            )
+
+    @property
+    def overhead(self) -> float:
+        """The per-micro-batch overhead the formulas use (``None`` counts as 0 until resolved)."""
+        return self.microbatch_overhead or 0.0
+
+    @property
+    def overhead_known(self) -> bool:
+        """Whether the overhead was given (calibrated or set), not assumed."""
+        return self.microbatch_overhead is not None
+
+    def attention_kind(self, layout: str) -> str:
+        """The attention kind of :attr:`attention` for a layout (``None`` and padded resolved)."""
+        kind = self.attention or ("segment" if layout == "packed" else "causal")
+        if layout != "packed" and kind == "segment":
+            return "causal"
+        return kind
+
+    def full_row_cost(self, seq_length: int, layout: str = "packed") -> float:
+        """Forward cost of one row of ``seq_length`` filled by one sample, without overhead or
+        response work: what ``DEFAULT_OVERHEAD_FRACTION`` is a fraction of."""
+        s = float(seq_length)
+        factor = 2.0 if self.attention_kind(layout) == "dense" else 1.0
+        return self.token_weight * s + factor * self.attention_weight * s * s
+
+    def resolved(self, token_cap: int, layout: str = "packed") -> "CostModel":
+        """This model with :attr:`attention` and :attr:`microbatch_overhead` filled in.
+
+        An unknown overhead becomes ``DEFAULT_OVERHEAD_FRACTION`` of :meth:`full_row_cost` at the
+        token cap. Resolving a resolved model changes nothing.
+        """
+        overhead = self.microbatch_overhead
+        if overhead is None:
+            overhead = DEFAULT_OVERHEAD_FRACTION * self.full_row_cost(token_cap, layout)
+            if not math.isfinite(overhead):
+                raise ValueError(
+                    f"the cost model overflows a float for rows of {token_cap} tokens "
+                    f"(token_weight={self.token_weight!r}, attention_weight="
+                    f"{self.attention_weight!r}); the weights are relative: keep the token weight "
+                    "near 1 and the attention weight near 1/(6*hidden_size), e.g. 4e-5."
+                )
+        return dataclasses.replace(
+            self, attention=self.attention_kind(layout), microbatch_overhead=overhead
+        )
 
     def cost(self, length: int, response_length: int) -> float:
         """Work of one sample's own tokens: ``token_weight*L + attention_weight*L**2 +
@@ -229,6 +314,18 @@ class PlannerConfig:
     oversize_samples: str = "allow"
     """A sample longer than the cap: ``allow`` runs it alone over the cap (warned, and every
     micro-batch of its step gets its length), ``truncate`` cuts it to the cap, ``error`` refuses."""
+    variable_row_lengths: bool = False
+    """Each micro-batch runs its own row length (its padded tokens rounded up to
+    ``row_multiple``) instead of the step's longest: for trainers that exchange shapes per
+    micro-batch (slime always; Megatron-LM with ``--variable-seq-lengths``). ``packed`` only; a
+    placeholder takes the step's shortest real row, so it adds no shape the step does not use."""
+    row_multiple: int = 1
+    """Variable rows are padded to a multiple of this and of the sample multiple (slime: 128 x
+    tp)."""
+    min_gain: Optional[float] = None
+    """A candidate with more micro-batches per rank is chosen over one with fewer only when its
+    simulated step is faster by at least this fraction. ``None``: ``DEFAULT_MIN_GAIN`` when the
+    cost model's overhead is assumed, 0 when it is given (a calibrated model is trusted)."""
 
     def __post_init__(self) -> None:
         _set_int(
@@ -258,6 +355,26 @@ class PlannerConfig:
             raise ValueError(f"parallel={self.parallel!r} must be a ParallelLayout.")
         if not isinstance(self.cost, CostModel):
             raise ValueError(f"cost={self.cost!r} must be a CostModel.")
+        if not isinstance(self.variable_row_lengths, bool):
+            raise ValueError(
+                f"variable_row_lengths={self.variable_row_lengths!r} must be True or False."
+            )
+        if self.variable_row_lengths and self.layout != "packed":
+            raise ValueError(
+                "variable_row_lengths needs layout='packed' (padded rows have the longest "
+                "sample's length); use --layout packed or turn variable row lengths off."
+            )
+        _set_int(self, "row_multiple", 1, "pass a row multiple of 1 or more (slime: 128 x tp).")
+        if self.min_gain is None:
+            gain = 0.0 if self.cost.overhead_known else DEFAULT_MIN_GAIN
+        else:
+            gain = self.min_gain
+            if isinstance(gain, bool) or not isinstance(gain, numbers.Real) or not 0 <= gain < 1:
+                raise ValueError(
+                    f"min_gain={gain!r} must be a number in [0, 1); e.g. 0.03 asks a 3% faster "
+                    "predicted step before planning more micro-batches, 0 takes any gain."
+                )
+        object.__setattr__(self, "min_gain", float(gain))
         multiple = self.parallel.sample_multiple
         if self.token_cap < multiple:
             raise ValueError(
@@ -266,6 +383,14 @@ class PlannerConfig:
                 f"(tp_size={self.parallel.tp_size}, cp_size={self.parallel.cp_size}); raise "
                 f"--max-tokens-per-gpu to at least {ceil_div(multiple, self.parallel.cp_size)}."
             )
+        # Every consumer (planner, verify, plots) sees one concrete model: the overhead assumed
+        # here, once, from the cap (the min_gain default above was read from the model as given).
+        object.__setattr__(self, "cost", self.cost.resolved(self.token_cap, self.layout))
+
+    @property
+    def variable_row_multiple(self) -> int:
+        """What a variable row is rounded up to: ``row_multiple`` and the sample multiple."""
+        return math.lcm(self.row_multiple, self.parallel.sample_multiple)
 
     @property
     def token_cap(self) -> int:

@@ -13,7 +13,7 @@ import sys
 import warnings
 from typing import List, Optional
 
-from megatron_dynbatch.planning.spec import LAYOUTS, OVERSIZE_POLICIES
+from megatron_dynbatch.planning.spec import ATTENTION_KINDS, LAYOUTS, OVERSIZE_POLICIES
 from megatron_dynbatch.runtime.aggregation import AGGREGATIONS
 from megatron_dynbatch.tools.verify.spec import DEFAULT_MAX_TOKENS_PER_GPU
 
@@ -56,8 +56,29 @@ def _add_layout_args(parser: argparse.ArgumentParser, *, cap_default: Optional[i
     parser.add_argument(
         "--cost-microbatch-overhead",
         type=float,
+        default=None,
+        help="fixed cost of one micro-batch, in tokens of linear work (default: unknown; 2%% of "
+        "a full row at the cap is assumed and more micro-batches need a 3%% predicted gain)",
+    )
+    parser.add_argument(
+        "--cost-shape-exchange-overhead",
+        type=float,
         default=0.0,
-        help="fixed cost of one micro-batch, in tokens of linear work (default 0)",
+        help="extra fixed cost of a micro-batch whose step's rows vary in length (default 0)",
+    )
+    parser.add_argument(
+        "--cost-attention",
+        choices=ATTENTION_KINDS,
+        default=None,
+        help="what the attention runs: segment (THD / flash varlen), causal (one causal row), "
+        "dense (masked S x S, Megatron's local); default: segment packed, causal padded",
+    )
+    parser.add_argument(
+        "--min-gain",
+        type=float,
+        default=None,
+        help="relative predicted gain more micro-batches per rank must promise (default 0.03 "
+        "with an unknown overhead, 0 with --cost-microbatch-overhead)",
     )
     parser.add_argument(
         "--oversize-samples",
@@ -141,28 +162,35 @@ def _load_samples(path: str):
 
 
 def _planner_config(args, *, rollouts_per_step=None):
-    """The planner's config from the flags both subcommands share (verify plans one step)."""
-    from megatron_dynbatch.planning import CostModel, ParallelLayout, PlannerConfig
+    """The planner's config from the flags both subcommands share (verify plans one step).
 
-    return PlannerConfig(
+    Built through :meth:`DynBatchConfig.planner_config`, the one place a ``PlannerConfig`` is made
+    outside the planner, so the CLI plans exactly as training does.
+    """
+    from megatron_dynbatch.config import DynBatchConfig
+    from megatron_dynbatch.planning import ParallelLayout
+
+    parallel = ParallelLayout(
+        dp_size=args.dp_size,
+        pp_size=args.pp_size,
+        vpp_size=args.vpp_size,
+        microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
+        tp_size=args.tp_size,
+        cp_size=args.cp_size,
+    )
+    config = DynBatchConfig(
         max_tokens_per_gpu=args.max_tokens_per_gpu,
-        parallel=ParallelLayout(
-            dp_size=args.dp_size,
-            pp_size=args.pp_size,
-            vpp_size=args.vpp_size,
-            microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
-            tp_size=args.tp_size,
-            cp_size=args.cp_size,
-        ),
-        rollouts_per_step=rollouts_per_step,
         layout=args.layout,
-        cost=CostModel(
-            attention_weight=args.cost_attention_weight,
-            response_weight=args.cost_response_weight,
-            microbatch_overhead=args.cost_microbatch_overhead,
-        ),
+        rollouts_per_step=rollouts_per_step,
+        cost_attention_weight=args.cost_attention_weight,
+        cost_response_weight=args.cost_response_weight,
+        cost_microbatch_overhead=args.cost_microbatch_overhead,
+        cost_shape_exchange_overhead=args.cost_shape_exchange_overhead,
+        cost_attention=args.cost_attention,
+        min_gain=args.min_gain,
         oversize_samples=args.oversize_samples,
     )
+    return config.planner_config(parallel)
 
 
 def _format_table(plan) -> str:

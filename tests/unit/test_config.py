@@ -162,7 +162,10 @@ def test_flags_resolve_and_write_back():
         ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096", "--rollouts-per-step", "8"]
     )
     config = validate_dynamic_batch_args(args)
-    assert config == DynBatchConfig(max_tokens_per_gpu=4096, rollouts_per_step=8)
+    # The attention kind is read from Megatron's flags (default transformer-engine: THD segments).
+    assert config == DynBatchConfig(
+        max_tokens_per_gpu=4096, rollouts_per_step=8, cost_attention="segment"
+    )
     assert (args.max_tokens_per_gpu, args.dynamic_batch_layout) == (4096, "packed")
     assert args.dynamic_batch_cost_token_weight == 1.0
     assert dynbatch_config_from_args(args) == config

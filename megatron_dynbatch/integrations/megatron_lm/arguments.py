@@ -16,8 +16,19 @@ from __future__ import annotations
 import argparse
 from typing import Any, Dict, Optional
 
-from megatron_dynbatch.config import FLAGS, DynBatchConfig, config_from_mapping, load_yaml_config
-from megatron_dynbatch.planning.spec import LAYOUTS, OVERSIZE_POLICIES, ParallelLayout
+from megatron_dynbatch.config import (
+    FLAGS,
+    DynBatchConfig,
+    attention_from_megatron,
+    config_from_mapping,
+    load_yaml_config,
+)
+from megatron_dynbatch.planning.spec import (
+    ATTENTION_KINDS,
+    LAYOUTS,
+    OVERSIZE_POLICIES,
+    ParallelLayout,
+)
 
 __all__ = [
     "add_dynamic_batch_args",
@@ -116,11 +127,33 @@ def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.Argument
         ("cost_token_weight", "the sample length L (default 1.0)"),
         ("cost_attention_weight", "L**2, the attention term (default 0.0)"),
         ("cost_response_weight", "the response length (default 0.0)"),
-        ("cost_microbatch_overhead", "one micro-batch, its fixed cost (default 0.0)"),
+        (
+            "cost_microbatch_overhead",
+            "one micro-batch, its fixed cost (default: unknown, 2%% of a full row assumed)",
+        ),
+        (
+            "cost_shape_exchange_overhead",
+            "one micro-batch's shape exchange when row lengths vary (default 0.0)",
+        ),
     ):
         group.add_argument(
             FLAGS[field], type=float, default=None, help=f"Planner cost-model weight of {what}."
         )
+    group.add_argument(
+        FLAGS["cost_attention"],
+        choices=ATTENTION_KINDS,
+        default=None,
+        help="What the attention runs, for the cost model: segment (THD / flash varlen), causal "
+        "(one causal row), dense (masked S x S, --transformer-impl local). Default: from "
+        "--transformer-impl and --attention-backend.",
+    )
+    group.add_argument(
+        FLAGS["min_gain"],
+        type=float,
+        default=None,
+        help="Relative predicted gain more micro-batches per rank must promise to be planned "
+        "(default 0.03 with an unknown micro-batch overhead, 0 with a given one).",
+    )
     group.add_argument(
         FLAGS["oversize_samples"],
         choices=OVERSIZE_POLICIES,
@@ -214,6 +247,13 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
     if config_path is not None:
         values.update({k: v for k, v in load_yaml_config(config_path).items() if v is not None})
     values.update(given)
+    if values.get("cost_attention") is None:
+        # The cost model describes the attention that runs: read it from Megatron's own flags.
+        values["cost_attention"] = attention_from_megatron(
+            getattr(args, "transformer_impl", None),
+            getattr(args, "attention_backend", None),
+            values.get("layout") or "packed",
+        )
     config = config_from_mapping(values)
 
     if not getattr(args, "calculate_per_token_loss", False):

@@ -39,7 +39,6 @@ Standard library and the pure planner only: slime's rollout manager imports it w
 
 from __future__ import annotations
 
-import heapq
 import operator
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -52,6 +51,7 @@ from megatron_dynbatch.planning import (
     plan_schedule,
     round_up,
 )
+from megatron_dynbatch.planning.karmarkar_karp import karmarkar_karp
 
 __all__ = ["DPSchedule", "DPScheduleError", "build_dp_schedule", "check_index", "oversize_policy"]
 
@@ -375,72 +375,13 @@ def _forward_flops(args: Any, s: int) -> float:
     return total + 2 * s * args.hidden_size * args.vocab_size
 
 
-class _Part:
-    """One side of a Karmarkar-Karp state: a running sum and its (index, weight) items."""
-
-    __slots__ = ("total", "items")
-
-    def __init__(self) -> None:
-        self.total = 0
-        self.items: List[Tuple[int, Any]] = []
-
-    def add(self, index: int, weight: Any) -> None:
-        self.items.append((index, weight))
-        self.total += weight
-
-    def key(self):
-        return (self.total, len(self.items), self.items)
-
-
-class _State:
-    """``k`` parts kept in decreasing order; the heap pops the widest spread first."""
-
-    __slots__ = ("parts",)
-
-    def __init__(self, items: Sequence[Tuple[int, Any]], k: int) -> None:
-        self.parts = [_Part() for _ in range(k)]
-        assert len(items) <= k, (len(items), k)
-        # Fewer items than parts leaves the last parts empty.
-        for part, (index, weight) in zip(self.parts[: len(items)], items, strict=True):
-            part.add(index, weight)
-        self._order()
-
-    def _order(self) -> None:
-        self.parts.sort(key=_Part.key, reverse=True)
-
-    def absorb(self, other: "_State") -> None:
-        # The largest part takes the other state's smallest, and so on (differencing).
-        for part, theirs in zip(self.parts, reversed(other.parts), strict=True):
-            for index, weight in theirs.items:
-                part.add(index, weight)
-        self._order()
-
-    def spread(self):
-        return self.parts[0].total - self.parts[-1].total
-
-    def __lt__(self, other: "_State") -> bool:
-        if self.spread() != other.spread():
-            return self.spread() > other.spread()
-        return other.parts[0].key() < self.parts[0].key()
-
-
 def _balanced_partitions(weights: Sequence[Any], k: int) -> List[List[int]]:
     """Largest differencing (Karmarkar-Karp) into ``k`` parts of equal item counts, each sorted.
 
     The same tie-breaking as slime's ``get_seqlen_balanced_partitions(..., equal_size=True)``, so
     the static ``balance_data`` path assigns exactly the ranks slime assigns.
     """
-    ascending = sorted((weight, index) for index, weight in enumerate(weights))
-    heap: List[_State] = []
-    for offset in range(0, len(ascending), k):
-        items = [(index, weight) for weight, index in ascending[offset : offset + k]]
-        heapq.heappush(heap, _State(items, k))
-    while len(heap) > 1:
-        first = heapq.heappop(heap)
-        second = heapq.heappop(heap)
-        first.absorb(second)
-        heapq.heappush(heap, first)
-    return [sorted(index for index, _ in part.items) for part in heap[0].parts]
+    return [sorted(part) for part in karmarkar_karp(weights, k, equal_size=True)]
 
 
 # -- the two paths --------------------------------------------------------------------------------
