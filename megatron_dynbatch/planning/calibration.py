@@ -325,6 +325,17 @@ class Calibration:
         return (self.token_weight, self.attention_weight, self.microbatch_overhead)
 
     @property
+    def separable(self) -> bool:
+        """Whether the fit told token work and per-micro-batch overhead apart (safe to plan with).
+
+        When every measured step had much the same shape, any split between them predicts those
+        steps equally well, so planning with the split would be a guess.
+        """
+        return self.token_weight > 0 and not {"token_weight", "microbatch_overhead"} & set(
+            self.unidentified
+        )
+
+    @property
     def seconds_per_unit(self) -> float:
         """Seconds of one unit of the normalised :meth:`cost_model` (its token weight is 1)."""
         if self.token_weight > 0:
@@ -392,15 +403,20 @@ class Calibration:
         return "\n".join(lines) + "\n"
 
     def summary(self) -> str:
-        """One log line."""
-        model = self.cost_model()
+        """One log line (forward costs; the simulator adds the backward pass)."""
         text = (
-            f"dynamic-batch calibration over {self.observations} steps: token_weight 1, "
-            f"attention_weight {model.attention_weight:.3g}, microbatch_overhead "
-            f"{model.microbatch_overhead:.3g} tokens; {self.seconds_per_unit * 1e6:.3g} us per "
-            f"token, {self.step_seconds:.3g} s per step besides; median error "
+            f"dynamic-batch calibration over {self.observations} steps: "
+            f"{self.token_weight * 1e6:.4g} us per token, {self.attention_weight * 1e9:.4g} ns per "
+            f"squared attention token, {self.microbatch_overhead * 1e3:.4g} ms per micro-batch, "
+            f"{self.step_seconds * 1e3:.4g} ms per step besides; median error "
             f"{100 * self.relative_error:.1f}%"
         )
+        if self.token_weight > 0:
+            model = self.cost_model()
+            text += (
+                f" (planner units: attention_weight {model.attention_weight:.4g}, "
+                f"microbatch_overhead {model.microbatch_overhead:.4g} tokens)"
+            )
         if self.unidentified:
             text += f"; could not separate {', '.join(self.unidentified)} (vary shapes)"
         return text
