@@ -43,6 +43,7 @@ __all__ = [
     "calibration_state",
     "observe_train_step",
     "reset_calibration_state",
+    "resume_calibration",
 ]
 
 #: Measured iterations the fit uses by default.
@@ -206,11 +207,23 @@ def _write(args: Any, fit: Calibration) -> None:
     if directory is None or (dist.is_initialized() and dist.get_rank() != 0):
         return
     os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, CALIBRATION_YAML), "w", encoding="utf-8") as handle:
-        handle.write(fit.to_yaml())
+    if fit.separable:
+        with open(os.path.join(directory, CALIBRATION_YAML), "w", encoding="utf-8") as handle:
+            handle.write(fit.to_yaml())
     payload = {**fit.to_dict(), "steps": [o.to_dict() for o in _state.observations]}
     with open(os.path.join(directory, CALIBRATION_JSON), "w", encoding="utf-8") as handle:
         json.dump(payload, handle)
+
+
+def resume_calibration(args: Any) -> None:
+    """On a run's first step, before it plans: reuse the fit a ``--load`` directory holds.
+
+    Called by :func:`~.hooks.prepare_train_step` on every rank; after the first call it returns
+    at once.
+    """
+    if not _state.resumed_checked:
+        _state.resumed_checked = True
+        _load_resumed(args)
 
 
 def observe_train_step(args: Any, batch: Any, plan: Any, step_index: int) -> None:
@@ -219,9 +232,6 @@ def observe_train_step(args: Any, batch: Any, plan: Any, step_index: int) -> Non
     Called by :func:`~.hooks.prepare_train_step` on every rank after the step is materialized.
     """
     now = time.perf_counter()
-    if not _state.resumed_checked:
-        _state.resumed_checked = True
-        _load_resumed(args)
     iteration = int(getattr(args, "curr_iteration", _state.steps_seen) or 0) + 1
     previous, previous_end = _state.pending, _state.last_end
     previous_iteration = _state.pending_iteration
@@ -246,9 +256,9 @@ def observe_train_step(args: Any, batch: Any, plan: Any, step_index: int) -> Non
         return
     fit = _agree_fit(fit_cost_model(_state.observations))
     _state.fit = fit
+    _write(args, fit)  # also when not applied: a resumed run must not calibrate again
     if fit.separable:
         _apply(args, fit)
-        _write(args, fit)
         _log(fit.summary())
     else:
         # Planning with an arbitrary split of token work and overhead would be a guess: keep the

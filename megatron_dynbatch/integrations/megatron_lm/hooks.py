@@ -68,6 +68,7 @@ from megatron_dynbatch.integrations.megatron_lm.calibration import (
     calibration_log_string,
     observe_train_step,
     reset_calibration_state,
+    resume_calibration,
 )
 from megatron_dynbatch.mcore.agreement import (
     PlanMismatchError,
@@ -531,6 +532,7 @@ def prepare_train_step(
     dp_group, pp_group = _groups(model_chunks, pg_collection)
     iteration = getattr(args, "curr_iteration", None)
     what = f"training iteration {iteration + 1}" if isinstance(iteration, int) else "training"
+    resume_calibration(args)  # before planning: a resumed run plans with the saved fit
     with step_agreement(check_group or dist.group.WORLD, what=what) as agreement:
         if _train_cursor is None or _train_cursor.next_step >= len(_train_cursor.plan.steps):
             batch = _next_batch(data_iterator, "training")
