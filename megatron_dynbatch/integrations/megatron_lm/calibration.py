@@ -5,7 +5,9 @@ off) every rank times the iteration (from the end of one :func:`~.hooks.prepare_
 end of the next: forward-backward, optimizer, logging and the next plan, which is what Megatron's
 "elapsed time per iteration" shows) and takes the slowest rank's time (one all-reduce per step).
 Iterations that also run an evaluation or save a checkpoint, and the first two (warm-up), are not
-used. Then every rank fits the same weights from the same numbers
+used. While calibrating, steps are planned in turn under the budget, half of it and a quarter of it
+(never below ``--seq-length``): smaller budgets are safe for memory, and without different shapes
+token work, per-micro-batch overhead and the per-step constant cannot be told apart. Then every rank fits the same weights from the same numbers
 (:func:`~megatron_dynbatch.planning.calibration.fit_cost_model`), rank 0's fit is broadcast (one
 collective, so plans stay identical even if floating point differed) and written into ``args``'
 ``--dynamic-batch-cost-*`` values: the next batch is planned with it, and Megatron's checkpoint
@@ -84,6 +86,8 @@ class _State:
     last_end: Optional[float] = None
     steps_seen: int = 0
     resumed_checked: bool = False
+    budget: Optional[int] = None
+    """The configured ``--max-tokens-per-gpu``, restored after calibration."""
 
 
 _state = _State()
@@ -215,6 +219,26 @@ def _write(args: Any, fit: Calibration) -> None:
         json.dump(payload, handle)
 
 
+def _vary_budget(args: Any, next_iteration: int) -> None:
+    """Plan the next calibration step under the budget, a half or a quarter of it, in turn.
+
+    Steps of one budget have much the same shape, so token work, per-micro-batch overhead and the
+    per-step constant grow together and no fit can tell them apart; smaller budgets (always safe
+    for memory) give more, shorter micro-batches on the same samples. Never below
+    ``--seq-length``, the longest sample, so no sample becomes oversize. The budget follows the
+    iteration number, so a run resumed before calibration ends plans as the straight run did; and
+    only where every batch is one step (no ``--rollouts-per-step``), since a batch that spans
+    steps is planned once, and a resumed run re-plans it.
+    """
+    if getattr(args, "rollouts_per_step", None) is not None:
+        return
+    if _state.budget is None:
+        _state.budget = int(args.max_tokens_per_gpu)
+    floor = int(getattr(args, "seq_length", 1) or 1)
+    budgets = sorted({max(floor, _state.budget // d) for d in (1, 2, 4)}, reverse=True)
+    args.max_tokens_per_gpu = budgets[next_iteration % len(budgets)]
+
+
 def resume_calibration(args: Any) -> None:
     """On a run's first step, before it plans: reuse the fit a ``--load`` directory holds.
 
@@ -240,6 +264,8 @@ def observe_train_step(args: Any, batch: Any, plan: Any, step_index: int) -> Non
     shapes = _observation_of(batch, plan, step_index, args)
     _state.pending, _state.pending_iteration = shapes, iteration
     calibrating = _state.fit is None and _steps(args) > 0
+    if calibrating:
+        _vary_budget(args, iteration + 1)
     if not calibrating or previous is None or previous_end is None:
         return
     seconds = _agree_seconds(now - previous_end)  # every rank calls it: same count everywhere
@@ -256,6 +282,8 @@ def observe_train_step(args: Any, batch: Any, plan: Any, step_index: int) -> Non
         return
     fit = _agree_fit(fit_cost_model(_state.observations))
     _state.fit = fit
+    if _state.budget is not None:  # the next batch plans under the configured budget again
+        args.max_tokens_per_gpu = _state.budget
     _write(args, fit)  # also when not applied: a resumed run must not calibrate again
     if fit.separable:
         _apply(args, fit)
