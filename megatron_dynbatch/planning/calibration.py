@@ -74,6 +74,9 @@ class Observation:
     """Virtual pipeline chunks per stage."""
     group: Optional[int] = None
     """``microbatch_group_size_per_vp_stage`` (``None``: ``pp_size``)."""
+    attention: Optional[str] = None
+    """What the attention kernel runs (``segment``, ``causal``, ``dense``), where the cost model
+    knows attention kinds; ``None``: by layout."""
 
     def __post_init__(self) -> None:
         seconds = self.seconds
@@ -131,12 +134,20 @@ class Observation:
             "pp_size": self.pp_size,
             "vpp_size": self.vpp_size,
             "group": self.group,
+            "attention": self.attention,
             "ranks": [[list(mb) for mb in rank] for rank in self.ranks],
         }
 
 
-def _model(weights: Sequence[float]) -> CostModel:
+def _model(weights: Sequence[float], attention: Optional[str] = None) -> CostModel:
     values = dict(zip(FIT_WEIGHTS, weights, strict=True))
+    if attention is not None:
+        if "attention" not in CostModel.__dataclass_fields__:
+            raise _bad(
+                f"observation attention={attention!r}: this cost model has no attention kinds; "
+                "omit the key."
+            )
+        values["attention"] = attention
     if values["token_weight"] == 0 and values["attention_weight"] == 0:
         # CostModel refuses all-zero work weights; a vanishing token weight keeps it valid and
         # changes no makespan measurably.
@@ -146,7 +157,7 @@ def _model(weights: Sequence[float]) -> CostModel:
 
 def predict_seconds(obs: Observation, weights: Sequence[float], step_seconds: float = 0.0) -> float:
     """Predicted time of ``obs`` with ``weights`` (in :data:`FIT_WEIGHTS` order, seconds)."""
-    model = _model(weights)
+    model = _model(weights, obs.attention)
     costs = [
         [
             microbatch_cost(

@@ -132,6 +132,8 @@ def _observation_of(batch: Any, plan: Any, step_index: int, args: Any) -> Observ
         pp_size=layout.pp_size,
         vpp_size=layout.vpp_size,
         group=layout.microbatch_group_size_per_vp_stage,
+        # Where the cost model knows attention kinds, the one the run resolved (dense on CPU).
+        attention=getattr(args, "dynamic_batch_cost_attention", None),
     )
 
 
