@@ -250,6 +250,10 @@ def resume_calibration(args: Any) -> None:
     if not _state.resumed_checked:
         _state.resumed_checked = True
         _load_resumed(args)
+        if _state.fit is None and _steps(args) > 0:
+            # The first step's budget too follows its iteration number (a resumed run's first
+            # step then plans as the straight run's did).
+            _vary_budget(args, int(getattr(args, "curr_iteration", 0) or 0) + 1)
 
 
 def observe_train_step(args: Any, batch: Any, plan: Any, step_index: int) -> None:
