@@ -86,8 +86,9 @@ def test_calibrates_applies_and_writes(tmp_path, monkeypatch):
     assert fit.step_seconds == pytest.approx(STEP_SECONDS, rel=1e-3)
     # Budgets varied while calibrating (never below --seq-length), then the configured one again.
     assert set(budgets[:10]) == {1024, 512, 256}
-    assert budgets[:3] == [512, 256, 1024]  # iteration n (1-based) plans under budget n % 3
+    assert budgets[:4] == [1024, 512, 256, 1024]  # iteration n (1-based): shape n % 4
     assert set(budgets[-4:]) == {1024} and args.max_tokens_per_gpu == 1024
+    assert fit.unidentified == ()
     assert args.dynamic_batch_cost_token_weight == 1.0
     assert args.dynamic_batch_cost_microbatch_overhead == pytest.approx(TRUE[2] / TRUE[0], rel=1e-3)
     values = load_yaml_config(tmp_path / calib.CALIBRATION_YAML)

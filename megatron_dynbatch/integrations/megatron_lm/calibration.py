@@ -5,9 +5,10 @@ off) every rank times the iteration (from the end of one :func:`~.hooks.prepare_
 end of the next: forward-backward, optimizer, logging and the next plan, which is what Megatron's
 "elapsed time per iteration" shows) and takes the slowest rank's time (one all-reduce per step).
 Iterations that also run an evaluation or save a checkpoint, and the first two (warm-up), are not
-used. While calibrating, steps are planned in turn under the budget, half of it and a quarter of it
-(never below ``--seq-length``): smaller budgets are safe for memory, and without different shapes
-token work, per-micro-batch overhead and the per-step constant cannot be told apart. Then every rank fits the same weights from the same numbers
+used. While calibrating, steps are planned in four shapes in turn (the budget; few long rows; half
+the budget; a quarter of it, never below ``--seq-length``): smaller budgets are safe for memory,
+and without different shapes token work, per-micro-batch overhead and the per-step constant cannot
+be told apart. Then every rank fits the same weights from the same numbers
 (:func:`~megatron_dynbatch.planning.calibration.fit_cost_model`), rank 0's fit is broadcast (one
 collective, so plans stay identical even if floating point differed) and written into ``args``'
 ``--dynamic-batch-cost-*`` values: the next batch is planned with it, and Megatron's checkpoint
@@ -88,6 +89,8 @@ class _State:
     resumed_checked: bool = False
     budget: Optional[int] = None
     """The configured ``--max-tokens-per-gpu``, restored after calibration."""
+    overhead: Optional[float] = None
+    """The configured per-micro-batch overhead, restored after calibration."""
 
 
 _state = _State()
@@ -221,24 +224,41 @@ def _write(args: Any, fit: Calibration) -> None:
         json.dump(payload, handle)
 
 
-def _vary_budget(args: Any, next_iteration: int) -> None:
-    """Plan the next calibration step under the budget, a half or a quarter of it, in turn.
+#: Calibration shapes, by iteration number modulo their count: (budget divisor, whether the
+#: planner sees a large per-micro-batch overhead, which makes it pack few full rows).
+_SHAPES = ((1, False), (1, True), (2, True), (4, False))
+_OVERHEAD_DEST = FLAGS["cost_microbatch_overhead"][2:].replace("-", "_")
 
-    Steps of one budget have much the same shape, so token work, per-micro-batch overhead and the
-    per-step constant grow together and no fit can tell them apart; smaller budgets (always safe
-    for memory) give more, shorter micro-batches on the same samples. Never below
-    ``--seq-length``, the longest sample, so no sample becomes oversize. The budget follows the
-    iteration number, so a run resumed before calibration ends plans as the straight run did; and
-    only where every batch is one step (no ``--rollouts-per-step``), since a batch that spans
-    steps is planned once, and a resumed run re-plans it.
+
+def _vary_budget(args: Any, next_iteration: int) -> None:
+    """Plan the next calibration step in one of four shapes, in turn.
+
+    Steps of one configuration have much the same shape, so token work, per-micro-batch overhead
+    and the per-step constant grow together and no fit can tell them apart. The shapes: the
+    budget as configured; the budget with a large per-micro-batch overhead in the planner's model
+    (few, long rows); half the budget with it; a quarter of the budget (many short rows). Smaller
+    budgets are always safe for memory, and never below ``--seq-length`` (the longest sample), so
+    no sample becomes oversize. The shape follows the iteration number, so a run resumed before
+    calibration ends plans as the straight run did; and only where every batch is one step (no
+    ``--rollouts-per-step``), since a batch that spans steps is planned once and a resumed run
+    re-plans it.
     """
     if getattr(args, "rollouts_per_step", None) is not None:
         return
     if _state.budget is None:
         _state.budget = int(args.max_tokens_per_gpu)
+        _state.overhead = getattr(args, _OVERHEAD_DEST, None)
     floor = int(getattr(args, "seq_length", 1) or 1)
-    budgets = sorted({max(floor, _state.budget // d) for d in (1, 2, 4)}, reverse=True)
-    args.max_tokens_per_gpu = budgets[next_iteration % len(budgets)]
+    divisor, heavy = _SHAPES[next_iteration % len(_SHAPES)]
+    args.max_tokens_per_gpu = max(floor, _state.budget // divisor)
+    setattr(args, _OVERHEAD_DEST, float(_state.budget) if heavy else _state.overhead)
+
+
+def _restore(args: Any) -> None:
+    """The configured budget and overhead again (before a fit, if any, is applied)."""
+    if _state.budget is not None:
+        args.max_tokens_per_gpu = _state.budget
+        setattr(args, _OVERHEAD_DEST, _state.overhead)
 
 
 def resume_calibration(args: Any) -> None:
@@ -288,8 +308,7 @@ def observe_train_step(args: Any, batch: Any, plan: Any, step_index: int) -> Non
         return
     fit = _agree_fit(fit_cost_model(_state.observations))
     _state.fit = fit
-    if _state.budget is not None:  # the next batch plans under the configured budget again
-        args.max_tokens_per_gpu = _state.budget
+    _restore(args)  # the next batch plans under the configured budget again
     _write(args, fit)  # also when not applied: a resumed run must not calibrate again
     if fit.separable:
         _apply(args, fit)
