@@ -117,7 +117,22 @@ def summarize(text: str, fixed: bool) -> Dict[str, float]:
         if found and it and int(it.group(1)) in its:
             measured = its[int(it.group(1))]["ms"]
             errors.append(abs(float(found.group(1)) - measured) / measured)
-    return {"ms": ms, "fill": fill, "its": its, "prediction_errors": errors}
+    calibrated = sorted(
+        int(it.group(1))
+        for line in text.splitlines()
+        if _PREDICTED.search(line) and (it := _ITERATION.search(line))
+    )
+    return {
+        "ms": ms,
+        "fill": fill,
+        "its": its,
+        "prediction_errors": errors,
+        "calibrated": calibrated,
+    }
+
+
+def _mean_ms(run: Dict, iterations) -> float:
+    return statistics.fmean(run["its"][i]["ms"] for i in iterations)
 
 
 def main(argv=None) -> int:
@@ -134,6 +149,9 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--data-dir", type=pathlib.Path, required=True)
     parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument(
+        "--reuse-logs", action="store_true", help="summarize the logs already in --out, run nothing"
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     extra = ["--train-iters", str(args.train_iters), "--eval-iters", "0"]
@@ -142,7 +160,7 @@ def main(argv=None) -> int:
     print(f"load average before: {os.getloadavg()}")
     started = time.monotonic()
     for corpus in corpora:
-        data = build_corpus(corpus, args.data_dir, sys.executable)
+        data = None if args.reuse_logs else build_corpus(corpus, args.data_dir, sys.executable)
         results: Dict[str, List[Dict[str, float]]] = {"fixed": []}
         for budget in budgets:
             results[f"dynamic-{budget}"] = []
@@ -158,7 +176,10 @@ def main(argv=None) -> int:
                     )
                 )
                 log = args.out / f"{corpus}-{name}-{pair}.log"
-                text = run(batching, data, budget, extra, log)
+                if args.reuse_logs:
+                    text = log.read_text()
+                else:
+                    text = run(batching, data, budget, extra, log)
                 results[name].append(summarize(text, fixed=name == "fixed"))
                 print(f"  {corpus} {name} run {pair}: {results[name][-1]['ms']:.1f} ms/iteration")
         fixed_fill = _fixed_fill(results)
@@ -180,6 +201,17 @@ def main(argv=None) -> int:
                 f"relative loss difference {worst:.1e}; learning rates identical: "
                 f"{'yes' if lr_equal else 'NO'}"
             )
+            after = [
+                _mean_ms(d, d["calibrated"]) / _mean_ms(f, d["calibrated"])
+                for d, f in zip(results[name], results["fixed"], strict=True)
+                if d["calibrated"]
+            ]
+            if after:
+                print(
+                    f"  after calibration only (iterations "
+                    f"{results[name][0]['calibrated'][0]}+): dynamic/fixed median "
+                    f"{statistics.median(after):.3f} (pairs {', '.join(f'{r:.3f}' for r in after)})"
+                )
             if errors:
                 print(
                     f"  calibrated prediction vs measured time per iteration: median error "
