@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The main job, in an environment set up by scripts/bootstrap.sh: Megatron-LM's pretrain() through
 # launch/train_gpt_dynbatch.sh on the bundled corpus (Python's documentation, built into
-# $DATA_DIR/pydoc_text_document.{bin,idx} on first use, default data/), once with dynamic batching and
-# once with Megatron's fixed micro-batches on the same samples, then the comparison
+# $DATA_DIR/pydoc_text_document.{bin,idx} on first use, default data/), with dynamic batching at the
+# memory of Megatron's fixed [4 x 256] micro-batches (a 1024-token budget), with the fixed
+# micro-batches on the same samples, and with a 256-token budget beside them, then the comparisons
 # (launch/compare_runs.py). Megatron's iteration lines are printed; full logs go to $OUT (default
 # out/demo/). Extra arguments go to both runs (e.g. --train-iters 6). On a GPU node the same script
 # uses every GPU nvidia-smi lists (NCCL).
@@ -22,19 +23,42 @@ if [[ ! -f $DATA_PREFIX.idx || ! -f $DATA_PREFIX.bin ]]; then
     --output-prefix "$DATA_DIR/pydoc" --append-eod
 fi
 
-for batching in dynamic fixed; do
+# The headline compares equal memory: fixed micro-batches are [4 x 256] (--micro-batch-size 4), so
+# the dynamic budget is 4 * 256 = 1024 tokens. SMALL_BUDGET (default 256, a quarter of the memory;
+# empty to skip) runs beside it.
+EQUAL_BUDGET=1024
+SMALL_BUDGET=${SMALL_BUDGET-256}
+
+train() {  # name batching budget [args...]
+  local name=$1 batching=$2 budget=$3
+  shift 3
   echo
-  echo "=== $batching micro-batches (BATCHING=$batching bash launch/train_gpt_dynbatch.sh) ==="
-  if ! BATCHING=$batching DATA_PATH=$DATA_PREFIX bash launch/train_gpt_dynbatch.sh "$@" \
-      >"$OUT/$batching.log" 2>&1; then
-    tail -n 40 "$OUT/$batching.log" >&2
-    echo "error: the $batching run failed; full log in $OUT/$batching.log" >&2
+  echo "=== $name micro-batches (BATCHING=$batching MAX_TOKENS_PER_GPU=$budget bash launch/train_gpt_dynbatch.sh) ==="
+  if ! BATCHING=$batching MAX_TOKENS_PER_GPU=$budget DATA_PATH=$DATA_PREFIX \
+      bash launch/train_gpt_dynbatch.sh "$@" >"$OUT/$name.log" 2>&1; then
+    tail -n 40 "$OUT/$name.log" >&2
+    echo "error: the $name run failed; full log in $OUT/$name.log" >&2
     exit 1
   fi
-  grep -E "\] iteration +[0-9]+/|validation loss at iteration [0-9]+ \|" "$OUT/$batching.log" \
+  grep -E "\] iteration +[0-9]+/|validation loss at iteration [0-9]+ \|" "$OUT/$name.log" \
     | sed -E 's/^ *\[[^]]*\] //; s/ number of (skipped|nan) iterations: +[0-9]+ \|//g'
-done
+}
+
+train dynamic dynamic "$EQUAL_BUDGET" "$@"
+train fixed fixed "$EQUAL_BUDGET" "$@"
+if [[ -n $SMALL_BUDGET ]]; then
+  train "dynamic-$SMALL_BUDGET" dynamic "$SMALL_BUDGET" "$@"
+fi
 
 echo
-exec "$PY" launch/compare_runs.py --dynamic "$OUT/dynamic.log" --fixed "$OUT/fixed.log" \
-  --seq-length "$SEQ_LENGTH"
+echo "=== equal memory: dynamic budget $EQUAL_BUDGET tokens against fixed [4x$SEQ_LENGTH] ==="
+status=0
+"$PY" launch/compare_runs.py --dynamic "$OUT/dynamic.log" --fixed "$OUT/fixed.log" \
+  --seq-length "$SEQ_LENGTH" || status=1
+if [[ -n $SMALL_BUDGET ]]; then
+  echo
+  echo "=== a quarter of the memory: dynamic budget $SMALL_BUDGET tokens against fixed [4x$SEQ_LENGTH] ==="
+  "$PY" launch/compare_runs.py --dynamic "$OUT/dynamic-$SMALL_BUDGET.log" --fixed "$OUT/fixed.log" \
+    --seq-length "$SEQ_LENGTH" || status=1
+fi
+exit $status

@@ -1,4 +1,5 @@
-"""The ``megatron-dynbatch`` command: ``plan`` a schedule, ``verify`` it on real Megatron-Core.
+"""The ``megatron-dynbatch`` command: ``plan`` a schedule, ``verify`` it on real Megatron-Core,
+``calibrate`` the cost model from measured step times.
 
 ``plan`` imports only the pure planner, so it answers in milliseconds without torch. User errors
 (``ValueError``) print one line to stderr and exit 2, without a traceback.
@@ -123,6 +124,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("--samples", default=None, help="SAMPLES.json (default: a bundled set)")
     verify.add_argument("--json", action="store_true", help="print exactly one JSON object")
+
+    calibrate = sub.add_parser(
+        "calibrate",
+        help="fit the cost model to measured step times (observations JSON -> cost YAML)",
+    )
+    calibrate.add_argument(
+        "observations",
+        help="OBSERVATIONS.json: an array of {seconds, seq_length, ranks, ...} (one per step), "
+        "or '-' for stdin",
+    )
+    calibrate.add_argument(
+        "--output", default=None, metavar="COST.yaml", help="write the --dynamic-batch-config YAML"
+    )
+    calibrate.add_argument(
+        "--no-attention", action="store_true", help="pin the attention weight at 0"
+    )
+    calibrate.add_argument("--json", action="store_true", help="print exactly one JSON object")
     return parser
 
 
@@ -268,11 +286,54 @@ def _cmd_verify(args) -> int:
     return run_verify_cli(_planner_config(args), loss=args.loss, samples=samples, as_json=args.json)
 
 
+def _cmd_calibrate(args) -> int:
+    from megatron_dynbatch.errors import DynBatchValueError
+    from megatron_dynbatch.planning.calibration import Observation, fit_cost_model
+
+    data = _read_json(args.observations)
+    if isinstance(data, dict):
+        data = data.get("observations")
+    if not isinstance(data, list) or not all(isinstance(item, dict) for item in data):
+        raise DynBatchValueError(
+            f"{args.observations!r} must hold a JSON array of observation objects (or "
+            '{"observations": [...]}), one per measured step.'
+        )
+    fit = fit_cost_model(
+        [Observation.from_dict(item) for item in data], fit_attention=not args.no_attention
+    )
+    yaml_text = fit.to_yaml()
+    if args.output is not None:
+        with open(args.output, "w", encoding="utf-8") as handle:
+            handle.write(yaml_text)
+    if args.json:
+        model = fit.cost_model()
+        print(
+            json.dumps(
+                {
+                    "calibration": fit.to_dict(),
+                    "cost": {
+                        "cost_token_weight": model.token_weight,
+                        "cost_attention_weight": model.attention_weight,
+                        "cost_microbatch_overhead": model.microbatch_overhead,
+                    },
+                    "output": args.output,
+                }
+            )
+        )
+    else:
+        print(fit.summary())
+        if args.output is None:
+            print(yaml_text, end="")
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "plan":
             return _cmd_plan(args)
+        if args.command == "calibrate":
+            return _cmd_calibrate(args)
         return _cmd_verify(args)
     except ValueError as exc:
         print(f"megatron-dynbatch {args.command}: error: {exc}", file=sys.stderr)

@@ -168,6 +168,9 @@ def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.Argument
         help="YAML file of dynamic-batching settings (keys: see configs/dynbatch.yaml); flags "
         "given on the command line override it.",
     )
+    from .calibration import add_calibration_args  # torch: only where Megatron parses flags
+
+    add_calibration_args(group)
     return parser
 
 

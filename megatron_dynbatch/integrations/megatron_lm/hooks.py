@@ -64,6 +64,12 @@ from megatron_dynbatch.integrations.megatron_lm.arguments import (
     dynbatch_config_from_args,
     parallel_layout_from_args,
 )
+from megatron_dynbatch.integrations.megatron_lm.calibration import (
+    calibration_log_string,
+    observe_train_step,
+    reset_calibration_state,
+    resume_calibration,
+)
 from megatron_dynbatch.mcore.agreement import (
     PlanMismatchError,
     StepAgreementError,
@@ -294,6 +300,7 @@ def reset_dynamic_batch_state() -> None:
     _train_cursor = None
     _last_train_step = None
     _totals = _Totals()
+    reset_calibration_state()
 
 
 def last_train_step() -> DynamicStep:
@@ -326,7 +333,7 @@ def dynamic_log_string() -> str:
     )
     if totals.truncated_tokens:
         line += f" truncated tokens: {totals.truncated_tokens} |"
-    return line
+    return line + calibration_log_string()
 
 
 def _as_chunks(model: Any) -> List[torch.nn.Module]:
@@ -525,6 +532,7 @@ def prepare_train_step(
     dp_group, pp_group = _groups(model_chunks, pg_collection)
     iteration = getattr(args, "curr_iteration", None)
     what = f"training iteration {iteration + 1}" if isinstance(iteration, int) else "training"
+    resume_calibration(args)  # before planning: a resumed run plans with the saved fit
     with step_agreement(check_group or dist.group.WORLD, what=what) as agreement:
         if _train_cursor is None or _train_cursor.next_step >= len(_train_cursor.plan.steps):
             batch = _next_batch(data_iterator, "training")
@@ -541,6 +549,8 @@ def prepare_train_step(
             cursor.batch, cursor.plan, cursor.next_step, dp_group, pp_group, model_chunks
         )
     cursor.next_step += 1
+    # Outside the agreement: it may all-reduce the last step's time (every rank gets here).
+    observe_train_step(args, cursor.batch, cursor.plan, cursor.next_step - 1)
     _last_train_step = step
     _totals.steps += 1
     _totals.samples += step.num_samples

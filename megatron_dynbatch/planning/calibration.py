@@ -1,0 +1,508 @@
+"""Calibrate the cost model from measured step times: a non-negative least-squares fit.
+
+Pure standard library. An :class:`Observation` is one optimizer step as it ran: its micro-batches
+(the padded sample sizes of every micro-batch on every DP rank, in schedule order), the row shape,
+the pipeline layout and the measured wall-clock seconds. :func:`fit_cost_model` finds the cost
+weights, in seconds, that make the planner's own pipeline simulation (:mod:`.simulate` over
+:mod:`.cost`) plus a constant per-step time (optimizer, logging: the same whatever the plan) match
+the measurements best.
+
+The simulated step time is piecewise linear in the weights and homogeneous of degree one (doubling
+every weight doubles the makespan, and the critical path only depends on the ratios). On the piece
+that holds a weight vector ``w``, ``T(w) = g(w) . w`` where ``g`` is ``T``'s gradient, so the fit
+alternates: take the gradient at the current weights (finite differences along each weight), solve
+the linear non-negative least-squares problem ``[g, 1] . [w, c] ~= seconds``
+(Lawson-Hanson, :func:`nnls`), repeat until the weights stop moving.
+
+The weights come back in seconds; :meth:`Calibration.cost_model` normalises them to the planner's
+relative units (``token_weight = 1``) and :meth:`Calibration.to_yaml` writes the ``cost_*`` keys
+``--dynamic-batch-config`` loads. A weight the observations cannot tell apart from another (every
+step had the same shape, so overhead and token work grow together) is reported in
+:attr:`Calibration.unidentified`: vary the budget or the batch to separate them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from megatron_dynbatch.errors import DynBatchValueError
+
+from .cost import microbatch_cost
+from .simulate import simulate_step
+from .spec import LAYOUTS, CostModel
+
+__all__ = [
+    "FIT_WEIGHTS",
+    "Calibration",
+    "Observation",
+    "fit_cost_model",
+    "nnls",
+    "predict_seconds",
+]
+
+#: The cost-model weights a calibration fits, in the order of its coefficient vectors.
+FIT_WEIGHTS: Tuple[str, ...] = ("token_weight", "attention_weight", "microbatch_overhead")
+
+
+def _bad(message: str) -> DynBatchValueError:
+    return DynBatchValueError(message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Observation:
+    """One measured optimizer step.
+
+    ``ranks[r][m]`` lists the padded segment sizes of the samples of micro-batch ``m`` on DP rank
+    ``r`` (``[]`` for a placeholder); every rank runs the same number of micro-batches.
+    """
+
+    seconds: float
+    """Measured wall-clock time of the step (the slowest rank's)."""
+    seq_length: int
+    """The step's row length ``S``."""
+    ranks: Tuple[Tuple[Tuple[int, ...], ...], ...]
+    """Padded sample sizes per micro-batch per DP rank."""
+    micro_batch_size: int = 1
+    """Rows per micro-batch (1 for ``packed``)."""
+    layout: str = "packed"
+    """``packed`` or ``padded``."""
+    pp_size: int = 1
+    """Pipeline stages."""
+    vpp_size: int = 1
+    """Virtual pipeline chunks per stage."""
+    group: Optional[int] = None
+    """``microbatch_group_size_per_vp_stage`` (``None``: ``pp_size``)."""
+    attention: Optional[str] = None
+    """What the attention kernel runs (``segment``, ``causal``, ``dense``), where the cost model
+    knows attention kinds; ``None``: by layout."""
+
+    def __post_init__(self) -> None:
+        seconds = self.seconds
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+            raise _bad(f"observation seconds={seconds!r} must be a number; pass the step's time.")
+        if not math.isfinite(seconds) or seconds <= 0:
+            raise _bad(
+                f"observation seconds={seconds!r} must be finite and > 0; drop steps whose time "
+                "was not measured."
+            )
+        object.__setattr__(self, "seconds", float(seconds))
+        for name in ("seq_length", "micro_batch_size", "pp_size", "vpp_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise _bad(f"observation {name}={value!r} must be an integer >= 1.")
+        if self.layout not in LAYOUTS:
+            raise _bad(f"observation layout={self.layout!r} is not one of {LAYOUTS}.")
+        ranks = tuple(tuple(tuple(int(s) for s in mb) for mb in rank) for rank in self.ranks)
+        if not ranks or not ranks[0]:
+            raise _bad("observation ranks is empty; give every DP rank's micro-batches.")
+        counts = {len(rank) for rank in ranks}
+        if len(counts) != 1:
+            raise _bad(
+                f"observation ranks have different micro-batch counts {sorted(counts)}; every DP "
+                "rank runs the same number per step."
+            )
+        for rank in ranks:
+            for mb in rank:
+                if any(s < 1 for s in mb) or sum(mb) > self.seq_length * self.micro_batch_size:
+                    raise _bad(
+                        f"observation micro-batch sizes {list(mb)} do not fit rows of "
+                        f"{self.micro_batch_size}x{self.seq_length} tokens; sizes must be >= 1."
+                    )
+        object.__setattr__(self, "ranks", ranks)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Observation":
+        """An observation from its :meth:`to_dict` form (the ``calibrate`` command's JSON)."""
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise _bad(f"observation has unknown key(s) {unknown}; valid keys are {sorted(known)}.")
+        missing = sorted({"seconds", "seq_length", "ranks"} - set(data))
+        if missing:
+            raise _bad(f"observation lacks key(s) {missing}.")
+        return cls(**dict(data))
+
+    def to_dict(self) -> Dict[str, Any]:
+        """A JSON-ready dict."""
+        return {
+            "seconds": self.seconds,
+            "seq_length": self.seq_length,
+            "micro_batch_size": self.micro_batch_size,
+            "layout": self.layout,
+            "pp_size": self.pp_size,
+            "vpp_size": self.vpp_size,
+            "group": self.group,
+            "attention": self.attention,
+            "ranks": [[list(mb) for mb in rank] for rank in self.ranks],
+        }
+
+
+def _model(weights: Sequence[float], attention: Optional[str] = None) -> CostModel:
+    values = dict(zip(FIT_WEIGHTS, weights, strict=True))
+    if attention is not None:
+        if "attention" not in CostModel.__dataclass_fields__:
+            raise _bad(
+                f"observation attention={attention!r}: this cost model has no attention kinds; "
+                "omit the key."
+            )
+        values["attention"] = attention
+    if values["token_weight"] == 0 and values["attention_weight"] == 0:
+        # CostModel refuses all-zero work weights; a vanishing token weight keeps it valid and
+        # changes no makespan measurably.
+        values["token_weight"] = 1e-300
+    return CostModel(**values)
+
+
+def predict_seconds(obs: Observation, weights: Sequence[float], step_seconds: float = 0.0) -> float:
+    """Predicted time of ``obs`` with ``weights`` (in :data:`FIT_WEIGHTS` order, seconds)."""
+    model = _model(weights, obs.attention)
+    costs = [
+        [
+            microbatch_cost(
+                model, obs.layout, obs.seq_length, obs.micro_batch_size, mb, [0] * len(mb)
+            )
+            for mb in rank
+        ]
+        for rank in obs.ranks
+    ]
+    return step_seconds + simulate_step(costs, obs.pp_size, obs.vpp_size, obs.group).step_time
+
+
+def _gradient(obs: Observation, weights: Sequence[float]) -> List[float]:
+    """The makespan's gradient in the weights, by forward differences on the current piece."""
+    base = predict_seconds(obs, weights)
+    scale = max(base, 1e-300)
+    grad = []
+    for k in range(len(weights)):
+        # A step relative to the makespan keeps the critical path (a tiny move stays on its piece).
+        step = 1e-6 * scale / max(1.0, _unit_makespan(obs, k))
+        bumped = list(weights)
+        bumped[k] += step
+        grad.append((predict_seconds(obs, bumped) - base) / step)
+    return grad
+
+
+def _unit_makespan(obs: Observation, k: int) -> float:
+    unit = [0.0] * len(FIT_WEIGHTS)
+    unit[k] = 1.0
+    return predict_seconds(obs, unit)
+
+
+def nnls(
+    a: Sequence[Sequence[float]], b: Sequence[float], max_iter: int = 200
+) -> Tuple[List[float], float]:
+    """Non-negative least squares ``min ||A x - b||, x >= 0`` (Lawson-Hanson active set).
+
+    Args:
+        a: ``m x n`` matrix (rows of features).
+        b: ``m`` targets.
+        max_iter: Bound on the outer iterations (the method converges in at most ``n`` for the
+            small problems here).
+
+    Returns:
+        ``(x, residual_norm)``.
+    """
+    m = len(a)
+    n = len(a[0]) if m else 0
+    if m == 0 or n == 0 or len(b) != m or any(len(row) != n for row in a):
+        raise _bad(f"nnls needs an m x n matrix and m targets, got {m} rows and {len(b)} targets.")
+    x = [0.0] * n
+    passive: List[int] = []
+    tol = 1e-12 * max(1.0, max(abs(v) for row in a for v in row))
+
+    def residual(vec: Sequence[float]) -> List[float]:
+        return [b[i] - sum(a[i][j] * vec[j] for j in range(n)) for i in range(m)]
+
+    def gradient(vec: Sequence[float]) -> List[float]:
+        r = residual(vec)
+        return [sum(a[i][j] * r[i] for i in range(m)) for j in range(n)]
+
+    def solve_passive(cols: Sequence[int]) -> List[float]:
+        z = _least_squares([[a[i][j] for j in cols] for i in range(m)], b)
+        full = [0.0] * n
+        for value, j in zip(z, cols, strict=True):
+            full[j] = value
+        return full
+
+    for _ in range(max_iter):
+        w = gradient(x)
+        candidates = [j for j in range(n) if j not in passive and w[j] > tol]
+        if not candidates:
+            break
+        passive.append(max(candidates, key=lambda j: w[j]))
+        while True:
+            z = solve_passive(passive)
+            if all(z[j] > 0 for j in passive):
+                x = z
+                break
+            alpha = min(x[j] / (x[j] - z[j]) for j in passive if z[j] <= 0)
+            x = [x[j] + alpha * (z[j] - x[j]) for j in range(n)]
+            passive = [j for j in passive if x[j] > tol]
+            for j in range(n):
+                if j not in passive:
+                    x[j] = 0.0
+    r = residual(x)
+    return x, math.sqrt(sum(v * v for v in r))
+
+
+def _least_squares(a: Sequence[Sequence[float]], b: Sequence[float]) -> List[float]:
+    """Unconstrained least squares by the normal equations with column scaling and a tiny ridge.
+
+    The problems are a handful of columns with very different magnitudes (tokens vs squared
+    lengths), so columns are scaled to unit norm first; the ridge keeps dependent columns solvable
+    (they are reported as unidentified by the caller, not here).
+    """
+    n = len(a[0])
+    norms = [math.sqrt(sum(row[j] ** 2 for row in a)) or 1.0 for j in range(n)]
+    scaled = [[row[j] / norms[j] for j in range(n)] for row in a]
+    ata = [[sum(r[i] * r[j] for r in scaled) for j in range(n)] for i in range(n)]
+    atb = [sum(r[i] * t for r, t in zip(scaled, b, strict=True)) for i in range(n)]
+    for i in range(n):
+        ata[i][i] += 1e-12
+    y = _solve(ata, atb)
+    return [y[j] / norms[j] for j in range(n)]
+
+
+def _solve(matrix: List[List[float]], rhs: List[float]) -> List[float]:
+    """Gaussian elimination with partial pivoting on a small square system."""
+    n = len(rhs)
+    aug = [list(row) + [value] for row, value in zip(matrix, rhs, strict=True)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(aug[r][col]))
+        aug[col], aug[pivot] = aug[pivot], aug[col]
+        if aug[col][col] == 0:
+            continue
+        for r in range(col + 1, n):
+            factor = aug[r][col] / aug[col][col]
+            for c in range(col, n + 1):
+                aug[r][c] -= factor * aug[col][c]
+    out = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        if aug[r][r] == 0:
+            continue
+        out[r] = (aug[r][n] - sum(aug[r][c] * out[c] for c in range(r + 1, n))) / aug[r][r]
+    return out
+
+
+def _unidentified(rows: Sequence[Sequence[float]], names: Sequence[str]) -> Tuple[str, ...]:
+    """Names of the columns that are (nearly) a combination of the others over these rows."""
+    n = len(names)
+    norms = [math.sqrt(sum(row[j] ** 2 for row in rows)) for j in range(n)]
+    out = []
+    for j in range(n):
+        if norms[j] == 0:
+            out.append(names[j])
+            continue
+        others = [k for k in range(n) if k != j and norms[k] > 0]
+        if not others:
+            continue
+        target = [row[j] / norms[j] for row in rows]
+        fit = _least_squares([[row[k] / norms[k] for k in others] for row in rows], target)
+        resid = [
+            t - sum(c * row[k] / norms[k] for c, k in zip(fit, others, strict=True))
+            for t, row in zip(target, rows, strict=True)
+        ]
+        if math.sqrt(sum(v * v for v in resid)) < 1e-3:
+            out.append(names[j])
+    return tuple(out)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """A fitted cost model, in seconds, with how well it fits."""
+
+    token_weight: float
+    """Seconds of linear work per position of a row (forward; backward is the simulator's ratio)."""
+    attention_weight: float
+    """Seconds per squared token of an attention segment (forward)."""
+    microbatch_overhead: float
+    """Seconds of fixed cost per micro-batch (forward)."""
+    step_seconds: float
+    """Seconds per step that do not depend on the plan (optimizer, logging)."""
+    observations: int
+    """How many steps the fit used."""
+    relative_error: float
+    """Median ``|predicted - measured| / measured`` over the observations."""
+    unidentified: Tuple[str, ...] = ()
+    """Weights the observations could not separate from the others (vary shapes to fix)."""
+    extra: Dict[str, Any] = field(default_factory=dict)
+    """Free-form provenance (written to the YAML as comments)."""
+
+    @property
+    def weights(self) -> Tuple[float, float, float]:
+        """The fitted weights in :data:`FIT_WEIGHTS` order (seconds)."""
+        return (self.token_weight, self.attention_weight, self.microbatch_overhead)
+
+    @property
+    def separable(self) -> bool:
+        """Whether the fit told token work and per-micro-batch overhead apart (safe to plan with).
+
+        When every measured step had much the same shape, any split between them predicts those
+        steps equally well, so planning with the split would be a guess.
+        """
+        return self.token_weight > 0 and not {"token_weight", "microbatch_overhead"} & set(
+            self.unidentified
+        )
+
+    @property
+    def seconds_per_unit(self) -> float:
+        """Seconds of one unit of the normalised :meth:`cost_model` (its token weight is 1)."""
+        if self.token_weight > 0:
+            return self.token_weight
+        if self.attention_weight > 0:
+            return self.attention_weight
+        raise _bad(
+            "the calibration found neither token nor attention work in the step times (every "
+            "weight but the overhead is 0); calibrate over steps of different lengths."
+        )
+
+    def cost_model(self) -> CostModel:
+        """The fitted weights in the planner's relative units (``token_weight = 1`` when > 0)."""
+        unit = self.seconds_per_unit
+        return CostModel(
+            token_weight=self.token_weight / unit,
+            attention_weight=self.attention_weight / unit,
+            microbatch_overhead=self.microbatch_overhead / unit,
+        )
+
+    def predict(self, obs: Observation) -> float:
+        """Predicted seconds of one step."""
+        return predict_seconds(obs, self.weights, self.step_seconds)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """A JSON-ready dict (round-trips through :meth:`from_dict`)."""
+        return {
+            "token_weight": self.token_weight,
+            "attention_weight": self.attention_weight,
+            "microbatch_overhead": self.microbatch_overhead,
+            "step_seconds": self.step_seconds,
+            "observations": self.observations,
+            "relative_error": self.relative_error,
+            "unidentified": list(self.unidentified),
+            "extra": dict(self.extra),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Calibration":
+        """Inverse of :meth:`to_dict`."""
+        values = dict(data)
+        values["unidentified"] = tuple(values.get("unidentified", ()))
+        return cls(**values)
+
+    def to_yaml(self) -> str:
+        """The ``cost_*`` keys ``--dynamic-batch-config`` loads, with the fit as comments."""
+        model = self.cost_model()
+        lines = [
+            "# Cost model calibrated by megatron-dynbatch from measured step times.",
+            f"# seconds per unit: {self.seconds_per_unit!r}; per-step constant: "
+            f"{self.step_seconds!r} s",
+            f"# fitted on {self.observations} steps, median relative error "
+            f"{self.relative_error:.4f}",
+        ]
+        if self.unidentified:
+            lines.append(
+                f"# not separable from the others on these steps: {', '.join(self.unidentified)}"
+            )
+        lines.extend(f"# {key}: {value}" for key, value in sorted(self.extra.items()))
+        lines += [
+            f"cost_token_weight: {model.token_weight!r}",
+            f"cost_attention_weight: {model.attention_weight!r}",
+            f"cost_microbatch_overhead: {model.microbatch_overhead!r}",
+        ]
+        return "\n".join(lines) + "\n"
+
+    def summary(self) -> str:
+        """One log line (forward costs; the simulator adds the backward pass)."""
+        text = (
+            f"dynamic-batch calibration over {self.observations} steps: "
+            f"{self.token_weight * 1e6:.4g} us per token, {self.attention_weight * 1e9:.4g} ns per "
+            f"squared attention token, {self.microbatch_overhead * 1e3:.4g} ms per micro-batch, "
+            f"{self.step_seconds * 1e3:.4g} ms per step besides; median error "
+            f"{100 * self.relative_error:.1f}%"
+        )
+        if self.token_weight > 0:
+            model = self.cost_model()
+            text += (
+                f" (planner units: attention_weight {model.attention_weight:.4g}, "
+                f"microbatch_overhead {model.microbatch_overhead:.4g} tokens)"
+            )
+        if self.unidentified:
+            text += f"; could not separate {', '.join(self.unidentified)} (vary shapes)"
+        return text
+
+
+def fit_cost_model(
+    observations: Sequence[Observation],
+    *,
+    iterations: int = 20,
+    fit_attention: bool = True,
+    fit_step_seconds: bool = True,
+) -> Calibration:
+    """Fit the cost weights (seconds) to measured steps.
+
+    Args:
+        observations: The measured steps (at least 2).
+        iterations: Bound on the linearise-and-solve rounds (it usually settles in 2 or 3).
+        fit_attention: ``False`` pins the attention weight at 0 (short rows, where the quadratic
+            term is invisible in the noise and only makes the fit worse).
+        fit_step_seconds: ``False`` pins the per-step constant at 0 (the times cover the
+            forward-backward pass alone).
+
+    Returns:
+        The :class:`Calibration`.
+
+    Raises:
+        DynBatchValueError: On fewer than 2 observations.
+    """
+    obs = list(observations)
+    if len(obs) < 2:
+        raise _bad(
+            f"calibration needs at least 2 measured steps, got {len(obs)}; run more iterations "
+            "before fitting (--dynamic-batch-calibration-steps)."
+        )
+    active = [True, fit_attention, True]
+    names = [name for name, on in zip(FIT_WEIGHTS, active, strict=True) if on]
+    if fit_step_seconds:
+        names.append("step_seconds")
+    times = [o.seconds for o in obs]
+    # Start from plain tokens with a little of everything, so every term is on the critical path.
+    longest = max(o.seq_length for o in obs)
+    weights = [1.0, 1.0 / longest if fit_attention else 0.0, 1.0]
+    step_seconds = 0.0
+    rows: List[List[float]] = []
+    for _ in range(iterations):
+        grads = [_gradient(o, weights) for o in obs]
+        rows = [
+            [g for g, on in zip(grad, active, strict=True) if on]
+            + ([1.0] if fit_step_seconds else [])
+            for grad in grads
+        ]
+        x, _ = nnls(rows, times)
+        new = []
+        it = iter(x)
+        for on in active:
+            new.append(next(it) if on else 0.0)
+        new_step = next(it) if fit_step_seconds else 0.0
+        moved = max(
+            abs(a - b) / max(abs(a), abs(b), 1e-300) for a, b in zip(new, weights, strict=True)
+        )
+        weights, step_seconds = new, new_step
+        if moved < 1e-9:
+            break
+    errors = sorted(
+        abs(predict_seconds(o, weights, step_seconds) - o.seconds) / o.seconds for o in obs
+    )
+    median = (
+        errors[len(errors) // 2] if len(errors) % 2 else sum(errors[len(errors) // 2 - 1 :][:2]) / 2
+    )
+    return Calibration(
+        token_weight=weights[0],
+        attention_weight=weights[1],
+        microbatch_overhead=weights[2],
+        step_seconds=step_seconds,
+        observations=len(obs),
+        relative_error=median,
+        unidentified=_unidentified(rows, names),
+    )

@@ -1,0 +1,130 @@
+"""The Megatron-LM calibration driver in one process, on a simulated clock: it varies the budget
+while calibrating, fits the weights behind the measured times, plans the next batches with them
+under the configured budget, writes the sidecar files, and a resumed run reuses the fit."""
+
+import argparse
+import json
+import random
+
+import pytest
+
+from megatron_dynbatch.config import load_yaml_config
+from megatron_dynbatch.integrations.megatron_lm import calibration as calib
+from megatron_dynbatch.integrations.megatron_lm.arguments import (
+    add_dynamic_batch_args,
+    dynbatch_config_from_args,
+    parallel_layout_from_args,
+)
+from megatron_dynbatch.planning import plan_schedule
+from megatron_dynbatch.planning.calibration import predict_seconds
+
+pytestmark = pytest.mark.unit
+
+TRUE = (2e-6, 3e-9, 4e-3)
+STEP_SECONDS = 0.05
+
+
+class _Batch:
+    def __init__(self, lengths):
+        self._lengths = lengths
+
+    def lengths(self):
+        return list(self._lengths)
+
+
+def _args(tmp_path, **extra):
+    parser = add_dynamic_batch_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--use-dynamic-batch-size", "--max-tokens-per-gpu", "1024"])
+    args.dynamic_batch_layout = "packed"
+    args.dynamic_batch_cost_token_weight = 1.0
+    args.dynamic_batch_cost_attention_weight = 0.0
+    args.dynamic_batch_cost_response_weight = 0.0
+    args.dynamic_batch_oversize_samples = "error"
+    args.seq_length = 256
+    args.pipeline_model_parallel_size = 2
+    args.data_parallel_size = 1
+    args.save = str(tmp_path)
+    args.eval_interval = None
+    args.save_interval = None
+    for key, value in extra.items():
+        setattr(args, key, value)
+    return args
+
+
+def _train(args, monkeypatch, iterations, first=0):
+    """Drive observe_train_step as prepare_train_step does; the clock advances by the true time.
+
+    Batch ``i``'s lengths depend on ``i`` alone, so a resumed run sees the straight run's batches.
+    """
+    clock = [0.0]
+    monkeypatch.setattr(calib.time, "perf_counter", lambda: clock[0])
+    budgets, plans = [], []
+    for i in range(first, first + iterations):
+        args.curr_iteration = i
+        calib.resume_calibration(args)
+        layout = parallel_layout_from_args(args)
+        rng = random.Random(i)
+        batch = _Batch([rng.randint(20, 256) for _ in range(32)])
+        plan = plan_schedule(
+            batch.lengths(), config=dynbatch_config_from_args(args).planner_config(layout)
+        )
+        budgets.append(args.max_tokens_per_gpu)
+        plans.append(plan.fingerprint())
+        calib.observe_train_step(args, batch, plan, 0)
+        shapes = calib.calibration_state().pending
+        clock[0] += predict_seconds(shapes, TRUE, STEP_SECONDS)
+    return budgets, plans
+
+
+def test_calibrates_applies_and_writes(tmp_path, monkeypatch):
+    calib.reset_calibration_state()
+    args = _args(tmp_path)
+    budgets, _ = _train(args, monkeypatch, 16)
+    fit = calib.calibration_state().fit
+    assert fit is not None and fit.observations == calib.DEFAULT_CALIBRATION_STEPS
+    assert fit.weights == pytest.approx(TRUE, rel=1e-3)
+    assert fit.step_seconds == pytest.approx(STEP_SECONDS, rel=1e-3)
+    # Budgets varied while calibrating (never below --seq-length), then the configured one again.
+    assert set(budgets[:10]) == {1024, 512, 256}
+    assert budgets[:4] == [1024, 512, 256, 1024]  # iteration n (1-based): shape n % 4
+    assert set(budgets[-4:]) == {1024} and args.max_tokens_per_gpu == 1024
+    assert fit.unidentified == ()
+    assert args.dynamic_batch_cost_token_weight == 1.0
+    assert args.dynamic_batch_cost_microbatch_overhead == pytest.approx(TRUE[2] / TRUE[0], rel=1e-3)
+    values = load_yaml_config(tmp_path / calib.CALIBRATION_YAML)
+    assert values["cost_attention_weight"] == pytest.approx(TRUE[1] / TRUE[0], rel=1e-3)
+    saved = json.loads((tmp_path / calib.CALIBRATION_JSON).read_text())
+    assert len(saved["steps"]) == calib.DEFAULT_CALIBRATION_STEPS
+    assert "predicted/measured" in calib.calibration_log_string()
+
+
+def test_a_resumed_run_plans_like_the_straight_run(tmp_path, monkeypatch):
+    calib.reset_calibration_state()
+    straight = _args(tmp_path)
+    _, straight_plans = _train(straight, monkeypatch, 16)
+    calib.reset_calibration_state()
+    resumed = _args(tmp_path / "resumed", load=str(tmp_path), iteration=12)
+    _, resumed_plans = _train(resumed, monkeypatch, 4, first=12)
+    # The saved fit from its first step, no second calibration, and the straight run's plans.
+    assert (
+        resumed.dynamic_batch_cost_microbatch_overhead
+        == straight.dynamic_batch_cost_microbatch_overhead
+    )
+    assert calib.calibration_state().observations == []
+    assert resumed_plans == straight_plans[12:]
+    # Resumed before calibration ended (no sidecar yet): the budget follows the iteration number,
+    # so the resumed run still plans as the straight run did.
+    calib.reset_calibration_state()
+    for first in (4, 5, 6):
+        calib.reset_calibration_state()
+        early = _args(tmp_path / "early", load=str(tmp_path / "nothing"), iteration=first)
+        _, early_plans = _train(early, monkeypatch, 3, first=first)
+        assert early_plans == straight_plans[first : first + 3], first
+
+
+def test_off_with_zero_steps(tmp_path, monkeypatch):
+    calib.reset_calibration_state()
+    args = _args(tmp_path, dynamic_batch_calibration_steps=0)
+    budgets, _ = _train(args, monkeypatch, 12)
+    assert set(budgets) == {1024} and calib.calibration_state().fit is None
+    assert not (tmp_path / calib.CALIBRATION_JSON).exists()

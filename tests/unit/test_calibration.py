@@ -1,0 +1,153 @@
+"""The cost-model calibration: the NNLS solver, the fit on simulated steps, the YAML it writes
+(loaded back by ``--dynamic-batch-config``) and the ``megatron-dynbatch calibrate`` command."""
+
+import json
+import random
+
+import pytest
+
+from megatron_dynbatch.config import config_from_mapping, load_yaml_config
+from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.planning.calibration import (
+    Calibration,
+    Observation,
+    fit_cost_model,
+    nnls,
+    predict_seconds,
+)
+from megatron_dynbatch.tools.cli import main
+
+pytestmark = pytest.mark.unit
+
+TRUE = (2e-6, 3e-9, 4e-3)  # seconds: per token, per squared token, per micro-batch
+STEP = 0.05
+
+
+def _steps(seed, count=12, pp_size=2, dp=2, lengths=(256, 512, 1024), noise=0.0, weights=TRUE):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        seq = rng.choice(lengths)
+        n = rng.randint(1, 6)
+        ranks = [
+            [[rng.randint(1, seq // 4) for _ in range(rng.randint(0, 3))] for _ in range(n)]
+            for _ in range(dp)
+        ]
+        probe = Observation(seconds=1.0, seq_length=seq, ranks=ranks, pp_size=pp_size)
+        seconds = predict_seconds(probe, weights, STEP) * (1 + rng.uniform(-noise, noise))
+        out.append(Observation(seconds=seconds, seq_length=seq, ranks=ranks, pp_size=pp_size))
+    return out
+
+
+def test_nnls_matches_hand_solution():
+    # min ||(x1, x2, x1 + x2) - (1, -1, 0.5)|| with x >= 0: x2 = 0, x1 = mean(1, 0.5).
+    x, residual = nnls([[1, 0], [0, 1], [1, 1]], [1, -1, 0.5])
+    assert x == pytest.approx([0.75, 0.0])
+    assert residual == pytest.approx((0.25**2 + 1 + 0.25**2) ** 0.5)
+
+
+def test_nnls_exact_when_consistent():
+    x, residual = nnls([[1, 2], [3, 4], [5, 7]], [5, 11, 19])
+    assert x == pytest.approx([1.0, 2.0])
+    assert residual == pytest.approx(0.0, abs=1e-9)
+
+
+@pytest.mark.parametrize("pp_size", [1, 2, 4])
+def test_fit_recovers_the_simulated_weights(pp_size):
+    fit = fit_cost_model(_steps(pp_size, pp_size=pp_size))
+    assert fit.weights == pytest.approx(TRUE, rel=1e-4)
+    assert fit.step_seconds == pytest.approx(STEP, rel=1e-4)
+    assert fit.relative_error < 1e-6
+    assert fit.unidentified == ()
+
+
+def test_fit_under_noise_predicts_within_a_few_percent():
+    steps = _steps(3, count=40, noise=0.05)
+    fit = fit_cost_model(steps)
+    clean = _steps(3, count=40)
+    errors = [abs(fit.predict(o) - o.seconds) / o.seconds for o in clean]
+    assert max(errors) < 0.05
+    assert all(w >= 0 for w in fit.weights)
+
+
+def test_fit_never_goes_negative():
+    # True attention 0: an unconstrained fit of noisy data would give a negative weight.
+    steps = _steps(4, count=30, noise=0.03, weights=(2e-6, 0.0, 4e-3))
+    fit = fit_cost_model(steps)
+    assert fit.attention_weight >= 0 and fit.token_weight > 0 and fit.microbatch_overhead >= 0
+
+
+def test_same_shape_everywhere_is_reported_unidentified():
+    # Every step full rows of one length and one count: token work, overhead and the per-step
+    # constant grow together, so the fit cannot separate them and must say so.
+    ranks = [[[128, 128]] * 4]
+    steps = [
+        Observation(seconds=1.0 + 0.01 * i, seq_length=256, ranks=ranks, pp_size=2)
+        for i in range(4)
+    ]
+    fit = fit_cost_model(steps)
+    assert fit.unidentified
+    assert "vary shapes" in fit.summary()
+
+
+def test_yaml_loads_as_dynamic_batch_config(tmp_path):
+    fit = fit_cost_model(_steps(5))
+    path = tmp_path / "cost.yaml"
+    path.write_text(fit.to_yaml())
+    values = load_yaml_config(path)
+    config = config_from_mapping({**values, "max_tokens_per_gpu": 1024})
+    assert config.cost_token_weight == 1.0
+    assert config.cost_attention_weight == pytest.approx(TRUE[1] / TRUE[0], rel=1e-4)
+    assert config.cost_microbatch_overhead == pytest.approx(TRUE[2] / TRUE[0], rel=1e-4)
+
+
+def test_round_trip_dict():
+    fit = fit_cost_model(_steps(6))
+    again = Calibration.from_dict(json.loads(json.dumps(fit.to_dict())))
+    assert again == fit
+    obs = _steps(6)[0]
+    assert Observation.from_dict(json.loads(json.dumps(obs.to_dict()))) == obs
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"seconds": 0.0}, "seconds"),
+        ({"seconds": float("nan")}, "seconds"),
+        ({"seq_length": 0}, "seq_length"),
+        ({"ranks": []}, "empty"),
+        ({"ranks": [[[1]], [[1], [1]]]}, "different micro-batch counts"),
+        ({"ranks": [[[300]]]}, "do not fit"),
+        ({"layout": "ragged"}, "layout"),
+    ],
+)
+def test_bad_observation(kwargs, match):
+    values = {"seconds": 1.0, "seq_length": 256, "ranks": [[[10]]], **kwargs}
+    with pytest.raises(DynBatchValueError, match=match):
+        Observation(**values)
+
+
+def test_too_few_observations():
+    with pytest.raises(DynBatchValueError, match="at least 2"):
+        fit_cost_model(_steps(7, count=1))
+
+
+def test_cli_calibrate(tmp_path, capsys):
+    steps = _steps(8)
+    obs_path = tmp_path / "obs.json"
+    obs_path.write_text(json.dumps([o.to_dict() for o in steps]))
+    out = tmp_path / "cost.yaml"
+    assert main(["calibrate", str(obs_path), "--output", str(out), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["cost"]["cost_token_weight"] == 1.0
+    assert result["calibration"]["token_weight"] == pytest.approx(TRUE[0], rel=1e-4)
+    assert load_yaml_config(out)["cost_microbatch_overhead"] == pytest.approx(
+        TRUE[2] / TRUE[0], rel=1e-4
+    )
+
+
+def test_cli_calibrate_bad_input(tmp_path, capsys):
+    path = tmp_path / "obs.json"
+    path.write_text(json.dumps({"seconds": 1}))
+    assert main(["calibrate", str(path)]) == 2
+    assert "JSON array" in capsys.readouterr().err
