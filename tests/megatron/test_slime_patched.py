@@ -128,25 +128,52 @@ def test_forward_outputs_return_in_rollout_order_without_placeholders():
 # -- the patches on slime ---------------------------------------------------------------------
 
 
+PATCHES = sorted((REPO / "patches" / "slime").glob("*.patch"))
+
+
+def _unpatch(root):
+    """Reverse, last first, every patch of ours that ``root`` holds (a checkout patched by
+    ``launch/apply_slime_patches.sh``, wholly or by an older series' prefix); return how many."""
+    undone = 0
+    for patch in reversed(PATCHES):
+        command = ["patch", "-d", str(root), "-p1", "-R", "-F0", "--force", "--silent"]
+        dry = subprocess.run([*command, "--dry-run"], stdin=patch.open(), capture_output=True)
+        if dry.returncode == 0:
+            subprocess.run(command, stdin=patch.open(), check=True, capture_output=True)
+            undone += 1
+    return undone
+
+
 @pytest.fixture(scope="module")
-def patched_slime(tmp_path_factory):
-    root = tmp_path_factory.mktemp("slime_patched")
+def stock_slime(tmp_path_factory):
+    """A pristine copy of SLIME_DIR's ``slime/``, whether SLIME_DIR is pristine or already patched
+    (the patches are reverse-applied on the copy; SLIME_DIR itself is never changed)."""
+    root = tmp_path_factory.mktemp("slime_stock")
     shutil.copytree(
         pathlib.Path(SLIME_DIR) / "slime",
         root / "slime",
-        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
+        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.orig", "*.rej"),
     )
+    undone = _unpatch(root)
+    print(f"\n[slime] SLIME_DIR={SLIME_DIR}: {undone} of our patches reverse-applied on the copy")
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def patched_slime(tmp_path_factory, stock_slime):
+    root = tmp_path_factory.mktemp("slime_patched")
+    shutil.copytree(pathlib.Path(stock_slime) / "slime", root / "slime")
     result = subprocess.run(["bash", str(APPLY), str(root)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.count("applied") == len(list((REPO / "patches" / "slime").glob("*.patch")))
+    assert result.stdout.count("applied") == len(PATCHES)
     return str(root)
 
 
 @needs_slime
-def test_apply_is_idempotent_and_refuses_other_trees(tmp_path, patched_slime):
+def test_apply_is_idempotent_and_refuses_other_trees(tmp_path, stock_slime, patched_slime):
     again = subprocess.run(["bash", str(APPLY), patched_slime], capture_output=True, text=True)
     assert again.returncode == 0 and "already applied" in again.stdout
-    shutil.copytree(pathlib.Path(SLIME_DIR) / "slime", tmp_path / "slime")
+    shutil.copytree(pathlib.Path(stock_slime) / "slime", tmp_path / "slime")
     model = tmp_path / "slime" / "backends" / "megatron_utils" / "model.py"
     # Another slime: a context line of patch 0003 differs.
     model.write_text(
@@ -506,11 +533,14 @@ def _slime_body(slime_root, num_rollouts, gbs, max_tokens, per_token, bad_rank=N
         "stubbed": stubbed,
         "grads": recorder.steps,
         "increments": recorder.increments,
-        "partition": rollout_data["partition"],
-        "log_probs": [lp.clone() for lp in group_lp],
+        # A rank without samples holds one phantom (rollout position -1) that trains nothing.
+        "partition": [p for p in rollout_data["partition"] if p >= 0],
+        "log_probs": [
+            lp.clone() for lp, p in zip(group_lp, rollout_data["partition"], strict=True) if p >= 0
+        ],
         "num_microbatches": list(rollout_data["num_microbatches"]),
         "global_batch_sizes": list(rollout_data["global_batch_sizes"]),
-        "placeholders_only": dp > 1 and not rollout_data["partition"],
+        "placeholders_only": dp > 1 and rollout_data["partition"] == [-1],
         "num_placeholders": sum(1 for mb in rollout_data["micro_batch_indices"] if not mb),
         "last_stage_outputs": len(last),
     }
@@ -653,12 +683,14 @@ def test_bad_sample_on_one_rank_stops_every_rank_quickly(patched_slime):
 
 
 @needs_slime
-def test_with_the_flag_off_patched_slime_trains_exactly_like_stock_slime(patched_slime):
+def test_with_the_flag_off_patched_slime_trains_exactly_like_stock_slime(
+    stock_slime, patched_slime
+):
     """Every patched line runs only with --use-dynamic-batch-size: with it off, the patched tree
     and the stock checkout give bitwise the same log-probs and gradients (slime's own schedule)."""
     runs = {
         name: run_on_ranks(2, _slime_body, root, 7, 3, 64, True, dynamic=False, layout=Layout(pp=2))
-        for name, root in (("patched", patched_slime), ("stock", str(pathlib.Path(SLIME_DIR))))
+        for name, root in (("patched", patched_slime), ("stock", stock_slime))
     }
     patched, stock = runs["patched"], runs["stock"]
     assert patched[0]["num_microbatches"] == stock[0]["num_microbatches"]

@@ -114,8 +114,9 @@ def test_routing_replay_runs_the_log_prob_pass_on_the_training_micro_batches(fla
 def test_the_log_prob_budget_error_names_the_log_prob_flag():
     args = _args(max_tokens_per_gpu=4096, log_probs_max_tokens_per_gpu=256)
     with pytest.raises(DynBatchValueError, match="--log-probs-max-tokens-per-gpu") as caught:
-        build_dp_schedule(args, {"dp_size": 2}, [1000, 20], global_batch_size=2,
-                          rollout_indices=[0, 1])
+        build_dp_schedule(
+            args, {"dp_size": 2}, [1000, 20], global_batch_size=2, rollout_indices=[0, 1]
+        )
     assert "truncate" not in str(caught.value)
 
 

@@ -91,8 +91,12 @@ def routing_replay(args: Any) -> bool:
 def pad_size(args: Any) -> int:
     """What slime's ``get_batch`` pads a packed row to: ``tp_size * data_pad_size_multiplier``."""
     tp = getattr(args, "tensor_model_parallel_size", None)
-    tp = 1 if tp is None else check_index(
-        "args.tensor_model_parallel_size", tp, 1, "pass --tensor-model-parallel-size 1 or more."
+    tp = (
+        1
+        if tp is None
+        else check_index(
+            "args.tensor_model_parallel_size", tp, 1, "pass --tensor-model-parallel-size 1 or more."
+        )
     )
     multiplier = getattr(args, "data_pad_size_multiplier", None)
     multiplier = (

@@ -65,6 +65,7 @@ __all__ = [
     "oversize_policy",
 ]
 
+
 class DPScheduleError(DynBatchValueError, AssertionError):
     """A schedule cannot be built from these arguments.
 
