@@ -122,6 +122,8 @@ def placeholder_sample(
             sample[key] = torch.zeros(response + 1, dtype=torch.long, device=device)
         elif key == "rollout_top_p_token_ids":
             sample[key] = torch.zeros(0, dtype=torch.long, device=device)
+        elif key == "rollout_routed_experts":
+            sample[key] = _placeholder_routed_experts(rollout_data[key], total_length)
         else:
             raise ValueError(
                 f"slime requested key {key!r} for a placeholder micro-batch, and megatron_dynbatch "
@@ -129,6 +131,21 @@ def placeholder_sample(
                 "megatron_dynbatch/integrations/slime/backend.py:placeholder_sample."
             )
     return sample
+
+
+def _placeholder_routed_experts(real: Sequence[Any], total_length: int) -> torch.Tensor:
+    """R3's routed experts of a placeholder: ``[total_length - 1, layers, topk]`` like a real
+    sample's, every token routed to experts ``0..topk-1`` (distinct, as a router's top-k is)."""
+    if not real:
+        raise DynBatchValueError(
+            "a placeholder micro-batch needs 'rollout_routed_experts' but this rank has no real "
+            "sample to take its [layers, topk] shape from; R3 with fewer samples than DP ranks is "
+            "not supported: lower the DP size or raise the rollout batch."
+        )
+    like = torch.as_tensor(real[0])
+    _, layers, topk = like.shape
+    experts = torch.arange(topk, dtype=like.dtype, device=like.device)
+    return experts.expand(total_length - 1, layers, topk).clone()
 
 
 class SlimeDataIterator:

@@ -109,10 +109,13 @@ def add_phantom_sample(
 
 
 def log_rollout_data(rollout_id: int, args: Any, rollout_data: Dict[str, Any]) -> None:
-    """slime's ``log_rollout_data``; a phantom rank joins the metric gather with ``(0, 0)``s.
+    """slime's ``log_rollout_data``; a phantom rank joins the metric gather contributing nothing.
 
-    slime reduces every metric as the sum of the ranks' sums over the sum of their counts, so a
-    rank reporting ``(0, 0)`` for every metric changes no reported value.
+    slime reduces every metric as the sum of the ranks' sums over the sum of their counts. A
+    per-sample metric's count is the rank's sample count (an ``int``): the phantom's becomes
+    ``(0, 0)``. A per-rollout mean (log-probs, advantages, ...) already has sum 0 on the phantom
+    (its loss mask is 0) and a count of ``num_rollouts / dp_size`` (a ``float``) that every rank
+    emits by slime's design, so the totals come out right only if it is kept.
     """
     from slime.observability import train_metric_utils
 
@@ -122,7 +125,12 @@ def log_rollout_data(rollout_id: int, args: Any, rollout_data: Dict[str, Any]) -
     gather = train_metric_utils.gather_log_data
 
     def gather_nothing(metric_name, args, rollout_id, log_dict):
-        empty = {k: (0.0, 0) if isinstance(v, tuple) else v for k, v in log_dict.items()}
+        empty = {}
+        for key, value in log_dict.items():
+            if isinstance(value, tuple) and len(value) == 2:
+                share = value[1] if isinstance(value[1], float) else 0
+                value = (0.0, share)
+            empty[key] = value
         return gather(metric_name, args, rollout_id, empty)
 
     # slime's function looks gather_log_data up in its module when it calls it.
