@@ -134,5 +134,5 @@ def test_one_config_from_slime_args_with_its_defaults():
             types.SimpleNamespace(max_tokens_per_gpu=100, log_probs_max_tokens_per_gpu=2.5)
         )
     for bad in (True, 6.9, "7"):
-        with pytest.raises(ValueError, match="not an integer"):
+        with pytest.raises(DynBatchValueError, match="not an integer"):
             check_index("x", bad, 1, "fix it.")

@@ -53,6 +53,8 @@ def check_index(name: str, value: Any, minimum: int, fix: str) -> int:
     numpy and torch integers) except ``bool``; floats and strings are refused, never truncated or
     parsed (``int(6.9) == 6``).
     """
+    if isinstance(value, bool):
+        raise DynBatchValueError(f"{name}={value!r} is a bool, not an integer; {fix}")
     number = as_int(value)
     if number is None:
         raise DynBatchValueError(
