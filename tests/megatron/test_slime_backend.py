@@ -1,7 +1,9 @@
 """slime's patched Megatron backend pieces that run without a slime checkout (one gloo process).
 
 The whole patched slime runs in test_slime_patched.py (given SLIME_DIR); this covers the log-prob
-pass's planning in CI: its packed rows stay within --log-probs-max-tokens-per-gpu; a training step
+pass in CI, from the schedule the rollout side ships: its packed rows stay within
+--log-probs-max-tokens-per-gpu, a rank without samples runs as many micro-batches as its peers
+(with one phantom sample), routing replay runs the training micro-batches; and a training step
 refuses interleaving at pp 2 without overlapped p2p (it would hang) before any p2p.
 """
 
@@ -11,7 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_dynbatch.integrations.slime.backend import agree_on_step, forward_only_iterators
+from megatron_dynbatch.adapters.slime import build_dp_schedule
+from megatron_dynbatch.integrations.slime.backend import (
+    agree_on_step,
+    data_iterators,
+    forward_only_iterators,
+)
 from megatron_dynbatch.mcore.agreement import StepAgreementError
 
 pytestmark = pytest.mark.gloo
@@ -37,10 +44,11 @@ def _rollout_data(lengths, response=5):
     }
 
 
-def _args(budget):
+def _args(budget, log_budget=None):
     return types.SimpleNamespace(
+        use_dynamic_batch_size=True,
         max_tokens_per_gpu=budget,
-        log_probs_max_tokens_per_gpu=budget,
+        log_probs_max_tokens_per_gpu=log_budget,
         pipeline_model_parallel_size=1,
         tensor_model_parallel_size=1,
         data_pad_size_multiplier=128,
@@ -48,31 +56,74 @@ def _args(budget):
     )
 
 
-def _first_iterator(lengths, budget):
-    from megatron_dynbatch.integrations.slime.backend import SlimeDataIterator
+def _rank_data(args, lengths, dp_size, rank):
+    """What the patched rollout side ships to ``rank``: its samples and the schedule's fields."""
+    schedule = build_dp_schedule(
+        args,
+        {"dp_size": dp_size},
+        lengths,
+        global_batch_size=len(lengths),
+        rollout_indices=list(range(len(lengths))),
+    )
+    partition = schedule.partitions[rank]
+    data = _rollout_data([lengths[i] for i in partition])
+    data["partition"] = list(partition)
+    data["rewards"] = [1.0] * len(partition)
+    data["rollout_mask_sums"] = torch.full((len(partition),), 5.0)
+    data["num_microbatches"] = schedule.num_microbatches
+    data["global_batch_sizes"] = schedule.global_batch_sizes
+    data["micro_batch_indices"] = schedule.micro_batch_indices[rank]
+    data.update(schedule.rank_fields(rank))
+    return data, schedule
 
-    data = _rollout_data(lengths)
-    stock = SlimeDataIterator(data, [list(range(len(lengths)))], [10**6])
-    [iterator], [count] = forward_only_iterators(_args(budget), [stock])
-    return iterator, count
+
+def _log_prob_pass(args, lengths, dp_size=1, rank=0):
+    data, schedule = _rank_data(args, lengths, dp_size, rank)
+    iterators = data_iterators(data, 1, 1)
+    # The schedule's keys left rollout_data (slime would log them as metrics).
+    assert not any(key.startswith("dynbatch_") for key in data)
+    [iterator], [count] = forward_only_iterators(args, iterators)
+    return iterator, count, data, schedule
 
 
 @pytest.mark.usefixtures("one_process_group")
 def test_log_prob_rows_stay_within_the_budget_when_alignment_would_break_it():
     # A 1,000-token budget is not a multiple of slime's 128: a 999-token row stays 999, not 1,024.
-    iterator, count = _first_iterator([990, 400, 500, 300, 999, 20], 1000)
+    iterator, count, _, _ = _log_prob_pass(_args(1000), [990, 400, 500, 300, 999, 20])
     assert count == len(iterator.micro_batch_indices) >= 3
     assert max(iterator.row_lengths) <= 1000 and 999 in iterator.row_lengths
     # Where the alignment fits the budget it is kept, as slime's get_batch pads.
-    short, _ = _first_iterator([99, 40, 50, 30, 99, 20], 1000)
+    short, _, _, _ = _log_prob_pass(_args(1000), [99, 40, 50, 30, 99, 20])
     assert all(row % 128 == 0 and row <= 1000 for row in short.row_lengths)
+    # A larger log-prob budget packs the pass into fewer micro-batches than training.
+    wide, wide_count, data, _ = _log_prob_pass(_args(1000, 4096), [990, 400, 500, 300, 999, 20])
+    assert wide_count < sum(data["num_microbatches"]) and max(wide.row_lengths) <= 4096
 
 
 @pytest.mark.usefixtures("one_process_group")
-def test_a_rank_without_samples_gets_placeholders_within_the_budget():
-    iterator, count = _first_iterator([], 64)
-    assert count >= 1 and iterator.micro_batch_indices == [[]] * count
-    assert all(1 <= row <= 64 for row in iterator.row_lengths)
+def test_a_rank_without_samples_runs_as_many_log_prob_micro_batches_as_its_peers():
+    args = _args(64)
+    lengths = [60, 50]
+    counts = []
+    for rank in range(4):
+        iterator, count, data, schedule = _log_prob_pass(args, lengths, 4, rank)
+        counts.append(count)
+        if not schedule.partitions[rank]:
+            # One phantom sample (position -1, loss mask 0) in the first micro-batch; placeholders.
+            assert data["partition"] == [-1] and int(data["loss_masks"][0].sum()) == 0
+            assert iterator.micro_batch_indices == [[0]] + [[]] * (count - 1)
+            assert data["micro_batch_indices"][0] == [0]
+            assert len(data["rewards"]) == 1 and data["rollout_mask_sums"].tolist() == [0.0]
+    assert len(set(counts)) == 1, counts
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_routing_replay_log_prob_pass_runs_the_training_micro_batches():
+    args = _args(1000, 4096)
+    args.use_routing_replay = True
+    iterator, count, data, _ = _log_prob_pass(args, [990, 400, 500, 300, 999, 20])
+    assert iterator.micro_batch_indices == data["micro_batch_indices"]
+    assert count == sum(data["num_microbatches"])
 
 
 @pytest.mark.usefixtures("one_process_group")

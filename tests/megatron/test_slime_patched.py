@@ -128,25 +128,52 @@ def test_forward_outputs_return_in_rollout_order_without_placeholders():
 # -- the patches on slime ---------------------------------------------------------------------
 
 
+PATCHES = sorted((REPO / "patches" / "slime").glob("*.patch"))
+
+
+def _unpatch(root):
+    """Reverse, last first, every patch of ours that ``root`` holds (a checkout patched by
+    ``launch/apply_slime_patches.sh``, wholly or by an older series' prefix); return how many."""
+    undone = 0
+    for patch in reversed(PATCHES):
+        command = ["patch", "-d", str(root), "-p1", "-R", "-F0", "--force", "--silent"]
+        dry = subprocess.run([*command, "--dry-run"], stdin=patch.open(), capture_output=True)
+        if dry.returncode == 0:
+            subprocess.run(command, stdin=patch.open(), check=True, capture_output=True)
+            undone += 1
+    return undone
+
+
 @pytest.fixture(scope="module")
-def patched_slime(tmp_path_factory):
-    root = tmp_path_factory.mktemp("slime_patched")
+def stock_slime(tmp_path_factory):
+    """A pristine copy of SLIME_DIR's ``slime/``, whether SLIME_DIR is pristine or already patched
+    (the patches are reverse-applied on the copy; SLIME_DIR itself is never changed)."""
+    root = tmp_path_factory.mktemp("slime_stock")
     shutil.copytree(
         pathlib.Path(SLIME_DIR) / "slime",
         root / "slime",
-        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
+        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.orig", "*.rej"),
     )
+    undone = _unpatch(root)
+    print(f"\n[slime] SLIME_DIR={SLIME_DIR}: {undone} of our patches reverse-applied on the copy")
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def patched_slime(tmp_path_factory, stock_slime):
+    root = tmp_path_factory.mktemp("slime_patched")
+    shutil.copytree(pathlib.Path(stock_slime) / "slime", root / "slime")
     result = subprocess.run(["bash", str(APPLY), str(root)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.count("applied") == len(list((REPO / "patches" / "slime").glob("*.patch")))
+    assert result.stdout.count("applied") == len(PATCHES)
     return str(root)
 
 
 @needs_slime
-def test_apply_is_idempotent_and_refuses_other_trees(tmp_path, patched_slime):
+def test_apply_is_idempotent_and_refuses_other_trees(tmp_path, stock_slime, patched_slime):
     again = subprocess.run(["bash", str(APPLY), patched_slime], capture_output=True, text=True)
     assert again.returncode == 0 and "already applied" in again.stdout
-    shutil.copytree(pathlib.Path(SLIME_DIR) / "slime", tmp_path / "slime")
+    shutil.copytree(pathlib.Path(stock_slime) / "slime", tmp_path / "slime")
     model = tmp_path / "slime" / "backends" / "megatron_utils" / "model.py"
     # Another slime: a context line of patch 0003 differs.
     model.write_text(
@@ -155,6 +182,9 @@ def test_apply_is_idempotent_and_refuses_other_trees(tmp_path, patched_slime):
     before = {p: p.read_bytes() for p in (tmp_path / "slime").rglob("*.py")}
     refused = subprocess.run(["bash", str(APPLY), str(tmp_path)], capture_output=True, text=True)
     assert refused.returncode == 1 and "nothing was changed" in refused.stderr
+    # The report names the patch and the hunk that failed, for a rebase of a few lines.
+    assert "0003-forward-only-logprob-plan.patch does not apply" in refused.stderr
+    assert "Hunk #1 FAILED" in refused.stderr
     assert before == {p: p.read_bytes() for p in (tmp_path / "slime").rglob("*.py")}
 
 
@@ -222,6 +252,7 @@ def _rollout_batch(num_rollouts, sizes_seed=SEED):
     for rid, mask in zip(data["rollout_ids"], data["loss_masks"], strict=True):
         totals[rid] = totals.get(rid, 0) + int(mask.sum())
     data["rollout_mask_sums"] = [totals[rid] for rid in data["rollout_ids"]]
+    data["rewards"] = [float(r) for r in torch.randn(len(data["tokens"]), generator=gen)]
     return data
 
 
@@ -334,6 +365,7 @@ def _rank_rollout_data(slime_root, args, tp_config, data, dp_rank):
         "loss_masks": [m.tolist() for m in data["loss_masks"]],
         "rollout_ids": list(data["rollout_ids"]),
         "rollout_mask_sums": [float(x) for x in data["rollout_mask_sums"]],
+        "rewards": list(data["rewards"]),
     }
     this = types.SimpleNamespace(args=args, train_parallel_config=tp_config)
     refs = namespace["_split_train_data_by_dp"](this, rollout_side)
@@ -409,7 +441,16 @@ def _thd_chunk(ddp_chunk):
     return ThdAsMask(ddp_chunk)
 
 
-def _slime_body(slime_root, num_rollouts, gbs, max_tokens, per_token, bad_rank=None, dynamic=True):
+def _slime_body(
+    slime_root,
+    num_rollouts,
+    gbs,
+    max_tokens,
+    per_token,
+    bad_rank=None,
+    dynamic=True,
+    estimator=None,
+):
     """slime's forward_only and train_one_step on this rank; ``dynamic=False``: with the flag off
     and slime's own schedule (to compare a patched tree with the stock one)."""
     import dataclasses
@@ -487,6 +528,9 @@ def _slime_body(slime_root, num_rollouts, gbs, max_tokens, per_token, bad_rank=N
         # Old log-probs of the policy loss: this rank's pipeline's last stage.
         group_lp = holder[ps.get_pipeline_model_parallel_last_rank()]
         rollout_data["log_probs"] = [lp.detach() for lp in group_lp]
+        actor = None
+        if estimator is not None:
+            actor = _actor_path(slime_root, args, model, iterators, rollout_data, estimator)
         recorder = _Recorder(ddp_chunks)
         for it in iterators:
             it.reset()
@@ -506,14 +550,89 @@ def _slime_body(slime_root, num_rollouts, gbs, max_tokens, per_token, bad_rank=N
         "stubbed": stubbed,
         "grads": recorder.steps,
         "increments": recorder.increments,
-        "partition": rollout_data["partition"],
-        "log_probs": [lp.clone() for lp in group_lp],
+        # A rank without samples holds one phantom (rollout position -1) that trains nothing.
+        "partition": [p for p in rollout_data["partition"] if p >= 0],
+        "log_probs": [
+            lp.clone() for lp, p in zip(group_lp, rollout_data["partition"], strict=True) if p >= 0
+        ],
         "num_microbatches": list(rollout_data["num_microbatches"]),
         "global_batch_sizes": list(rollout_data["global_batch_sizes"]),
-        "placeholders_only": dp > 1 and not rollout_data["partition"],
+        "placeholders_only": dp > 1 and rollout_data["partition"] == [-1],
         "num_placeholders": sum(1 for mb in rollout_data["micro_batch_indices"] if not mb),
         "last_stage_outputs": len(last),
+        "actor": actor,
     }
+
+
+def _actor_path(slime_root, args, model, iterators, rollout_data, estimator):
+    """What slime's ``MegatronTrainRayActor.train_actor`` runs between the log-prob pass and
+    training, in its order: the reference model's log-probs (``forward_only`` with ``ref_``), the
+    critic's values (ppo; given as zeros, as the critic would ship them), slime's own
+    ``compute_advantages_and_returns`` (KL against the reference, advantage whitening over DP),
+    then the metric logging the patched actor calls. Returns this rank's advantages by rollout
+    position and the metrics slime reduced (on the DP source rank)."""
+    from megatron.core import parallel_state as ps
+    from slime.backends.megatron_utils import model as slime_model
+    from slime.backends.megatron_utils.loss import (
+        compute_advantages_and_returns,
+        get_log_probs_and_entropy,
+    )
+    from slime.observability import logging_utils
+
+    from megatron_dynbatch.integrations.slime import empty_rank
+
+    actor_source = (pathlib.Path(slime_root) / "slime/backends/megatron_utils/actor.py").read_text()
+    assert (
+        "empty_rank import log_rollout_data" in actor_source
+    )  # patch 0006: what train_actor calls
+    for name, value in dict(
+        advantage_estimator=estimator,
+        kl_coef=0.05,
+        kl_loss_type="low_var_kl",
+        normalize_advantages=True,
+        custom_advantage_function_path=None,
+        gamma=1.0,
+        lambd=0.95,
+        use_opd=False,
+        use_critic=estimator == "ppo",
+        log_multi_turn=False,
+        log_passrate=False,
+        log_correct_samples=False,
+        use_wandb=False,
+        use_tensorboard=False,
+        wandb_always_use_train_step=False,
+    ).items():
+        setattr(args, name, value)
+    rollout_data.update(
+        slime_model.forward_only(
+            get_log_probs_and_entropy,
+            args,
+            model,
+            iterators,
+            rollout_data["num_microbatches"],
+            store_prefix="ref_",
+        )
+    )
+    # slime gathers metrics over Megatron's gloo DP group; the CPU workers build their groups on
+    # gloo without the extra copies, so the DP group itself is that group here.
+    ps.get_data_parallel_group_gloo = lambda with_context_parallel=False: (
+        ps.get_data_parallel_group(with_context_parallel=with_context_parallel)
+    )
+    last = ps.is_pipeline_last_stage()
+    if estimator == "ppo" and last:
+        rollout_data["values"] = [torch.zeros(int(r)) for r in rollout_data["response_lengths"]]
+    compute_advantages_and_returns(args, rollout_data)
+    logged = []
+    logging_utils.log = lambda args, metrics, step_key: logged.append(dict(metrics))
+    empty_rank.log_rollout_data(0, args, rollout_data)
+    advantages = {}
+    if last:
+        for position, adv in zip(
+            rollout_data["partition"], rollout_data["advantages"], strict=True
+        ):
+            if position >= 0:
+                advantages[position] = adv.detach().clone()
+    return {"advantages": advantages, "metrics": logged}
 
 
 def _reference_body(num_rollouts, gbs, max_tokens, per_token):
@@ -642,6 +761,62 @@ def test_slime_train_one_step_and_forward_only_match_reference(
     )
 
 
+ESTIMATORS = ["grpo", "gspo", "cispo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+
+
+@needs_slime
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_a_rank_without_samples_passes_slimes_actor_path_contributing_nothing(
+    patched_slime, estimator
+):
+    """One rollout on two DP ranks: one rank holds only placeholders (and the phantom). It runs
+    slime's advantages (with KL and whitening over DP), metric logging and training in step with
+    its peer, and changes nothing: advantages, gradients and metrics equal the one-rank run's."""
+    runs = {
+        dp: run_on_ranks(
+            2 * dp,
+            _slime_body,
+            patched_slime,
+            1,
+            1,
+            64,
+            True,
+            estimator=estimator,
+            layout=Layout(pp=2),
+        )
+        for dp in (1, 2)
+    }
+    alone, shared = runs[1], runs[2]
+    assert any(r["placeholders_only"] for r in shared)
+    want_adv = {p: a for r in alone for p, a in r["actor"]["advantages"].items()}
+    got_adv = {p: a for r in shared for p, a in r["actor"]["advantages"].items()}
+    assert want_adv and got_adv.keys() == want_adv.keys()
+    for position, adv in want_adv.items():
+        assert torch.allclose(got_adv[position], adv, rtol=1e-5, atol=1e-6), position
+    worst = 0.0
+    assert len(alone[0]["grads"]) == len(shared[0]["grads"]) >= 1
+    for step in range(len(alone[0]["grads"])):
+        want, got = {}, {}
+        for r in alone:
+            want.update(r["grads"][step])  # pipeline stages hold disjoint parameters
+        for r in shared:
+            got.update(r["grads"][step])
+        assert got.keys() == want.keys()
+        assert sum(float(g.norm()) for g in want.values()) > 0  # the step really trained
+        for name, grad in want.items():
+            worst = max(worst, _rel(got[name], grad))
+    assert worst <= REL_TOL, worst
+    [want_metrics] = [m for r in alone for m in r["actor"]["metrics"]]
+    [got_metrics] = [m for r in shared for m in r["actor"]["metrics"]]
+    assert got_metrics.keys() == want_metrics.keys()
+    for key, value in want_metrics.items():
+        assert got_metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    print(
+        f"\n[slime actor {estimator}] dp 2 vs 1: grad rel diff max={worst:.2e}, "
+        f"{len(want_metrics)} metrics equal"
+    )
+
+
 @needs_slime
 def test_bad_sample_on_one_rank_stops_every_rank_quickly(patched_slime):
     results = run_on_ranks(4, _slime_body, patched_slime, 7, 7, 64, True, 1, layout=Layout(pp=2))
@@ -653,12 +828,14 @@ def test_bad_sample_on_one_rank_stops_every_rank_quickly(patched_slime):
 
 
 @needs_slime
-def test_with_the_flag_off_patched_slime_trains_exactly_like_stock_slime(patched_slime):
+def test_with_the_flag_off_patched_slime_trains_exactly_like_stock_slime(
+    stock_slime, patched_slime
+):
     """Every patched line runs only with --use-dynamic-batch-size: with it off, the patched tree
     and the stock checkout give bitwise the same log-probs and gradients (slime's own schedule)."""
     runs = {
         name: run_on_ranks(2, _slime_body, root, 7, 3, 64, True, dynamic=False, layout=Layout(pp=2))
-        for name, root in (("patched", patched_slime), ("stock", str(pathlib.Path(SLIME_DIR))))
+        for name, root in (("patched", patched_slime), ("stock", stock_slime))
     }
     patched, stock = runs["patched"], runs["stock"]
     assert patched[0]["num_microbatches"] == stock[0]["num_microbatches"]
@@ -670,3 +847,16 @@ def test_with_the_flag_off_patched_slime_trains_exactly_like_stock_slime(patched
                 assert torch.equal(grad, step_theirs[name]), name
         for lp_mine, lp_theirs in zip(mine["log_probs"], theirs["log_probs"], strict=True):
             assert torch.equal(lp_mine, lp_theirs)
+
+
+def test_placeholder_carries_r3_routed_experts_with_the_real_shape():
+    data = _local_data()
+    data["rollout_routed_experts"] = [
+        torch.randint(0, 8, (5, 3, 2)),
+        torch.randint(0, 8, (3, 3, 2)),
+    ]
+    sample = placeholder_sample(data, ["tokens", "rollout_routed_experts"], 16)
+    experts = sample["rollout_routed_experts"]
+    # slime's prepare_routed_experts_for_routing_replay wants tokens - 1 rows of [layers, topk].
+    assert experts.shape == (15, 3, 2) and experts.dtype == data["rollout_routed_experts"][0].dtype
+    assert experts[:, :, 0].eq(0).all() and experts[:, :, 1].eq(1).all()

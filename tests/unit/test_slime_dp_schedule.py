@@ -220,6 +220,9 @@ def test_patched_slimes_default_oversize_policy_stops_before_any_model_work():
             rollout_indices=list(range(4)),
         )
     assert "10" in str(caught.value)  # the budget is named too
+    # Only what the patched parser accepts is suggested (it has no truncate).
+    assert "--oversize-samples allow" in str(caught.value)
+    assert "truncate" not in str(caught.value)
     with pytest.raises(ValueError, match="--oversize-samples error"):
         build_dp_schedule(
             make_args(max_tokens_per_gpu=10, oversize_samples="truncate"),
@@ -296,7 +299,13 @@ def test_return_value_unpacks_as_slimes_and_carries_row_shapes():
     clone = pickle.loads(pickle.dumps(schedule))
     assert clone == schedule and clone.seq_lengths == schedule.seq_lengths
     assert clone.rollout_counts == schedule.rollout_counts
-    assert schedule.rank_fields(1) == {"dynbatch_seq_lengths": schedule.seq_lengths}
+    assert clone.forward_only == schedule.forward_only
+    fields = schedule.rank_fields(1)
+    assert fields["dynbatch_seq_lengths"] == schedule.seq_lengths
+    assert fields["dynbatch_logprob_micro_batch_indices"] == (
+        schedule.forward_only.micro_batch_indices[1]
+    )
+    assert fields["dynbatch_logprob_row_length"] == schedule.forward_only.row_length
 
 
 def test_numpy_integers_are_accepted():

@@ -31,15 +31,16 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_dynbatch.integrations.slime.schedule import check_index, oversize_policy, row_length
-from megatron_dynbatch.mcore.agreement import step_agreement
-from megatron_dynbatch.planning import (
-    ParallelLayout,
-    PlannerConfig,
-    plan_schedule,
-    round_up,
-    sample_multiple,
+from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.integrations.slime.config import check_index
+from megatron_dynbatch.integrations.slime.empty_rank import add_phantom_sample
+from megatron_dynbatch.integrations.slime.schedule import (
+    LOGPROB_MICRO_BATCHES_KEY,
+    LOGPROB_ROW_LENGTH_KEY,
+    SEQ_LENGTHS_KEY,
 )
+from megatron_dynbatch.mcore.agreement import step_agreement
+from megatron_dynbatch.planning import round_up
 from megatron_dynbatch.runtime import microbatch_loss, restore_order
 
 __all__ = [
@@ -121,6 +122,8 @@ def placeholder_sample(
             sample[key] = torch.zeros(response + 1, dtype=torch.long, device=device)
         elif key == "rollout_top_p_token_ids":
             sample[key] = torch.zeros(0, dtype=torch.long, device=device)
+        elif key == "rollout_routed_experts":
+            sample[key] = _placeholder_routed_experts(rollout_data[key], total_length)
         else:
             raise ValueError(
                 f"slime requested key {key!r} for a placeholder micro-batch, and megatron_dynbatch "
@@ -128,6 +131,21 @@ def placeholder_sample(
                 "megatron_dynbatch/integrations/slime/backend.py:placeholder_sample."
             )
     return sample
+
+
+def _placeholder_routed_experts(real: Sequence[Any], total_length: int) -> torch.Tensor:
+    """R3's routed experts of a placeholder: ``[total_length - 1, layers, topk]`` like a real
+    sample's, every token routed to experts ``0..topk-1`` (distinct, as a router's top-k is)."""
+    if not real:
+        raise DynBatchValueError(
+            "a placeholder micro-batch needs 'rollout_routed_experts' but this rank has no real "
+            "sample to take its [layers, topk] shape from; R3 with fewer samples than DP ranks is "
+            "not supported: lower the DP size or raise the rollout batch."
+        )
+    like = torch.as_tensor(real[0])
+    _, layers, topk = like.shape
+    experts = torch.arange(topk, dtype=like.dtype, device=like.device)
+    return experts.expand(total_length - 1, layers, topk).clone()
 
 
 class SlimeDataIterator:
@@ -140,6 +158,8 @@ class SlimeDataIterator:
         row_lengths: Per micro-batch, the packed row length on one GPU (per CP rank).
         cp_size: Context-parallel size: a placeholder sample holds ``row_length * cp_size`` tokens,
             which slime's CP slicing turns into exactly one row per CP rank.
+        forward_only: ``(micro_batch_indices, row_length)`` of this rank's log-prob passes as the
+            rollout side planned them; ``None``: they run the training micro-batches.
     """
 
     def __init__(
@@ -148,6 +168,7 @@ class SlimeDataIterator:
         micro_batch_indices: Sequence[Sequence[int]],
         row_lengths: Sequence[int],
         cp_size: int = 1,
+        forward_only: Optional[Tuple[List[List[int]], int]] = None,
     ) -> None:
         if len(row_lengths) != len(micro_batch_indices):
             raise ValueError(
@@ -158,6 +179,7 @@ class SlimeDataIterator:
         self.micro_batch_indices = [list(mb) for mb in micro_batch_indices]
         self.row_lengths = [int(s) for s in row_lengths]
         self.cp_size = check_index("cp_size", cp_size, 1, "pass the context-parallel size.")
+        self.forward_only = forward_only
         self.offset = 0
         #: Row length of the micro-batch last returned by :meth:`get_next` (read by get_batch).
         self.row_length: Optional[int] = None
@@ -258,17 +280,40 @@ def _check_sample(data: Mapping[str, Any], i: int, cp_size: int) -> int:
 def data_iterators(
     rollout_data: Dict[str, Any], vpp_size: int, cp_size: int
 ) -> List[SlimeDataIterator]:
-    """One :class:`SlimeDataIterator` per model chunk over the training schedule of this rank."""
+    """One :class:`SlimeDataIterator` per model chunk over the training schedule of this rank.
+
+    Takes the schedule's own keys (:meth:`DPSchedule.rank_fields
+    <megatron_dynbatch.integrations.slime.schedule.DPSchedule.rank_fields>`) out of
+    ``rollout_data``: slime's ``log_rollout_data`` logs every list it finds there as a rollout
+    metric. A rank that holds no sample gets one fully masked phantom sample
+    (:func:`add_phantom_sample`), so slime's per-sample code (advantages, KL, whitening, logging)
+    runs on it like on its peers.
+    """
+    if SEQ_LENGTHS_KEY not in rollout_data:
+        raise DynBatchValueError(
+            f"rollout data without {SEQ_LENGTHS_KEY!r}: the rollout side did not ship "
+            "megatron_dynbatch's schedule (apply every patch in patches/slime to both sides)."
+        )
+    seq_lengths = [int(s) for s in rollout_data.pop(SEQ_LENGTHS_KEY)]
+    forward_only = None
+    if LOGPROB_MICRO_BATCHES_KEY in rollout_data:
+        forward_only = (
+            [list(mb) for mb in rollout_data.pop(LOGPROB_MICRO_BATCHES_KEY)],
+            int(rollout_data.pop(LOGPROB_ROW_LENGTH_KEY)),
+        )
     nums = [int(n) for n in rollout_data["num_microbatches"]]
-    seq_lengths = [int(s) for s in rollout_data["dynbatch_seq_lengths"]]
     if len(nums) != len(seq_lengths):
-        raise ValueError(
+        raise DynBatchValueError(
             f"{len(nums)} steps in num_microbatches but {len(seq_lengths)} row lengths; the "
             "rollout side and the trainer run different megatron_dynbatch versions."
         )
+    if not rollout_data.get("partition"):
+        forward_only = add_phantom_sample(rollout_data, forward_only, cp_size)
     row_lengths = [s for s, n in zip(seq_lengths, nums, strict=True) for _ in range(n)]
     return [
-        SlimeDataIterator(rollout_data, rollout_data["micro_batch_indices"], row_lengths, cp_size)
+        SlimeDataIterator(
+            rollout_data, rollout_data["micro_batch_indices"], row_lengths, cp_size, forward_only
+        )
         for _ in range(vpp_size)
     ]
 
@@ -319,60 +364,42 @@ def agree_on_step(
 def forward_only_iterators(
     args: Any, data_iterator: Sequence[SlimeDataIterator]
 ) -> Tuple[List[SlimeDataIterator], List[int]]:
-    """Iterators and micro-batch count of one log-prob pass over this rank's samples.
+    """Iterators and micro-batch counts of one log-prob pass over this rank's samples.
 
-    Forward-only passes keep no activations for a backward pass, so they are planned anew under
-    ``--log-probs-max-tokens-per-gpu`` (default ``--max-tokens-per-gpu``) over this rank's samples
-    alone: no gradient is reduced over DP, only the pipeline stages of this rank must agree, and
-    they hold the same samples. Every rank checks its samples, then all agree before any p2p.
+    The rollout side planned the pass for every DP rank at once
+    (:class:`~megatron_dynbatch.integrations.slime.schedule.ForwardOnlySchedule`: this rank's
+    samples under ``--log-probs-max-tokens-per-gpu``, counts equal on every rank by construction,
+    so an expert-parallel all-to-all never waits on a rank that has finished). Under MoE routing
+    replay none was shipped: the pass runs the training micro-batches, step by step, so routing
+    recorded here replays onto the same micro-batches in training. Every rank checks its samples,
+    then all agree (and compare their counts) before any p2p.
     """
     first = data_iterator[0]
-    with step_agreement(what="slime forward-only pass"):
+    with step_agreement(what="slime forward-only pass") as agreement:
         if not isinstance(first, SlimeDataIterator):
-            raise ValueError(
+            raise DynBatchValueError(
                 "--use-dynamic-batch-size forward_only got slime's stock DataIterator; apply every "
                 "patch in patches/slime (the rollout side ships the schedule)."
             )
         rollout_data = first.rollout_data
-        lengths = [int(x) for x in rollout_data["total_lengths"]]
-        cp = first.cp_size
-        budget = getattr(args, "log_probs_max_tokens_per_gpu", None) or args.max_tokens_per_gpu
-        vpp = len(data_iterator)
-        pp = getattr(args, "pipeline_model_parallel_size", None) or (2 if vpp > 1 else 1)
-        group = getattr(args, "microbatch_group_size_per_vp_stage", None)
-        tp = getattr(args, "tensor_model_parallel_size", None) or 1
-        pad = tp * (getattr(args, "data_pad_size_multiplier", None) or 128)
-        if lengths:
-            plan = plan_schedule(
-                lengths,
-                None,
-                None,
-                config=PlannerConfig(
-                    max_tokens_per_gpu=budget,
-                    parallel=ParallelLayout(
-                        pp_size=pp,
-                        vpp_size=vpp,
-                        microbatch_group_size_per_vp_stage=group if vpp > 1 else None,
-                        tp_size=tp,
-                        cp_size=cp,
-                    ),
-                    oversize_samples=oversize_policy(args),
-                ),
-            )
-            [step] = plan.steps
-            microbatches = [list(mb) for mb in step.ranks[0]]
-            row = row_length(step.seq_length, cp, pad, budget)
+        if first.forward_only is None:
+            iterators = list(data_iterator)
+            counts = [int(n) for n in rollout_data["num_microbatches"]]
         else:
-            # A rank without samples still runs the pipeline with its peers' stages: placeholders.
-            group_size = (group or pp) if vpp > 1 else 1
-            microbatches = [[] for _ in range(group_size)]
-            row = row_length(sample_multiple(tp, cp), cp, pad, budget)
-        iterators = [
-            SlimeDataIterator(rollout_data, microbatches, [row] * len(microbatches), cp)
-            for _ in range(vpp)
-        ]
-        iterators[0].check_microbatches(len(microbatches))
-    return iterators, [len(microbatches)]
+            microbatches, row = first.forward_only
+            iterators = [
+                SlimeDataIterator(
+                    rollout_data, microbatches, [row] * len(microbatches), first.cp_size
+                )
+                for _ in data_iterator
+            ]
+            counts = [len(microbatches)]
+        for iterator in iterators:
+            iterator.reset()
+        iterators[0].check_microbatches(sum(counts))
+        # Equal counts on every rank are a property of the schedule; the agreement checks it.
+        agreement.fingerprint = _fingerprint("forward-only", counts)
+    return iterators, counts
 
 
 def restore_rollout_order(

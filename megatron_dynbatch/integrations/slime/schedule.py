@@ -39,25 +39,31 @@ Standard library and the pure planner only: slime's rollout manager imports it w
 
 from __future__ import annotations
 
-import operator
+from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from megatron_dynbatch.config import DynBatchConfig
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.planning import (
-    CostModel,
-    ParallelLayout,
-    Plan,
-    PlannerConfig,
-    plan_schedule,
-    round_up,
+from megatron_dynbatch.integrations.slime.config import (
+    DATA_PAD_SIZE_MULTIPLIER,
+    check_index,
+    check_oversize,
+    dynbatch_config_from_slime_args,
+    oversize_policy,
+    pad_size,
+    routing_replay,
 )
+from megatron_dynbatch.planning import CostModel, ParallelLayout, Plan, plan_schedule, round_up
 from megatron_dynbatch.planning.karmarkar_karp import karmarkar_karp
 
-__all__ = ["DPSchedule", "DPScheduleError", "build_dp_schedule", "check_index", "oversize_policy"]
-
-#: slime's ``--data-pad-size-multiplier`` default: ``get_batch`` pads every packed row to a
-#: multiple of ``tp_size`` times this.
-DEFAULT_DATA_PAD_SIZE_MULTIPLIER = 128
+__all__ = [
+    "DATA_PAD_SIZE_MULTIPLIER",
+    "DPSchedule",
+    "DPScheduleError",
+    "build_dp_schedule",
+    "check_index",
+    "oversize_policy",
+]
 
 
 class DPScheduleError(DynBatchValueError, AssertionError):
@@ -69,57 +75,19 @@ class DPScheduleError(DynBatchValueError, AssertionError):
     """
 
 
-def check_index(name: str, value: Any, minimum: int, fix: str) -> int:
-    """``value`` as a Python int if it is an integer >= ``minimum``, else a ``ValueError``.
-
-    Accepts anything with ``__index__`` (Python, numpy and torch integers) except ``bool``;
-    rejects floats and strings instead of truncating or parsing them (``int(6.9) == 6``).
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"{name}={value!r} is a bool, not an integer; {fix}")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise ValueError(
-            f"{name}={value!r} ({type(value).__name__}) is not an integer; {fix}"
-        ) from None
-    if number < minimum:
-        raise ValueError(f"{name}={number} must be >= {minimum}; {fix}")
-    return number
-
-
 def _flag(args: Any, name: str, default: bool = False) -> bool:
     value = getattr(args, name, default)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise ValueError(f"args.{name}={value!r} must be True or False (slime's --{_dash(name)}).")
+        raise DynBatchValueError(
+            f"args.{name}={value!r} must be True or False (slime's --{_dash(name)})."
+        )
     return value
 
 
 def _dash(name: str) -> str:
     return name.replace("_", "-")
-
-
-def oversize_policy(args: Any) -> str:
-    """The planner's oversize policy for slime: ``args.oversize_samples``, else slime's own rule.
-
-    The patched slime registers ``--oversize-samples`` (default ``error``: a sample longer than
-    ``--max-tokens-per-gpu`` stops the step before any model work, naming it). Without that
-    attribute (slime's own tests build a bare namespace) the drop-in keeps slime's behaviour: the
-    sample runs alone in its micro-batch, over the budget. ``truncate`` is refused: slime's
-    ``get_batch`` builds rows from whole samples. Training and log-prob passes use the same rule.
-    """
-    policy = getattr(args, "oversize_samples", None)
-    if policy is None:
-        return "allow"
-    if policy not in ("error", "allow"):
-        raise ValueError(
-            f"args.oversize_samples={policy!r}: slime's data path trains whole samples, so use "
-            "--oversize-samples error (default) or allow; cut long responses at rollout time "
-            "(--rollout-max-response-len) instead of truncating them here."
-        )
-    return policy
 
 
 class DPSchedule(tuple):
@@ -137,6 +105,10 @@ class DPSchedule(tuple):
       normalises per rollout through Megatron's per-token path can count each rollout once.
     * ``plan``: the planner's :class:`~megatron_dynbatch.planning.Plan` (``None`` on the static
       path).
+    * ``forward_only``: the log-prob passes' :class:`ForwardOnlySchedule`, planned here from every
+      rank's lengths so that every DP rank runs the same number of forward-only micro-batches;
+      ``None`` where the log-prob passes run the training micro-batches (the static path, and
+      MoE routing replay, which records and replays routing per micro-batch).
     """
 
     def __new__(
@@ -149,6 +121,7 @@ class DPSchedule(tuple):
         seq_lengths: Sequence[int],
         rollout_counts: Sequence[Sequence[int]],
         plan: Optional[Plan] = None,
+        forward_only: Optional["ForwardOnlySchedule"] = None,
     ) -> "DPSchedule":
         self = super().__new__(
             cls, (partitions, micro_batch_indices, num_microbatches, global_batch_sizes)
@@ -157,12 +130,13 @@ class DPSchedule(tuple):
         self.micro_batch_size = 1
         self.rollout_counts = [list(counts) for counts in rollout_counts]
         self.plan = plan
+        self.forward_only = forward_only
         return self
 
     def __reduce__(self):
         return (
             _rebuild_schedule,
-            (tuple(self), self.seq_lengths, self.rollout_counts, self.plan),
+            (tuple(self), self.seq_lengths, self.rollout_counts, self.plan, self.forward_only),
         )
 
     @property
@@ -186,14 +160,65 @@ class DPSchedule(tuple):
         """``[micro_batch_size, seq_length]`` of every step's micro-batches."""
         return [(self.micro_batch_size, s) for s in self.seq_lengths]
 
-    def rank_fields(self, dp_rank: int) -> Dict[str, List[int]]:
-        """What the patched slime ships to DP rank ``dp_rank`` besides slime's own keys."""
+    def rank_fields(self, dp_rank: int) -> Dict[str, Any]:
+        """What the patched slime ships to DP rank ``dp_rank`` besides slime's own keys.
+
+        The trainer's :func:`~megatron_dynbatch.integrations.slime.backend.data_iterators` takes
+        these keys out of the rank's rollout data again (slime would log them as metrics).
+        """
         check_index("dp_rank", dp_rank, 0, "pass a data-parallel rank of the schedule.")
-        return {"dynbatch_seq_lengths": list(self.seq_lengths)}
+        if dp_rank >= len(self.partitions):
+            raise DynBatchValueError(
+                f"dp_rank={dp_rank} but the schedule has {len(self.partitions)} DP ranks."
+            )
+        fields: Dict[str, Any] = {SEQ_LENGTHS_KEY: list(self.seq_lengths)}
+        if self.forward_only is not None:
+            fields[LOGPROB_MICRO_BATCHES_KEY] = [
+                list(mb) for mb in self.forward_only.micro_batch_indices[dp_rank]
+            ]
+            fields[LOGPROB_ROW_LENGTH_KEY] = self.forward_only.row_length
+        return fields
 
 
-def _rebuild_schedule(items, seq_lengths, rollout_counts, plan) -> DPSchedule:
-    return DPSchedule(*items, seq_lengths=seq_lengths, rollout_counts=rollout_counts, plan=plan)
+#: The keys :meth:`DPSchedule.rank_fields` ships.
+SEQ_LENGTHS_KEY = "dynbatch_seq_lengths"
+LOGPROB_MICRO_BATCHES_KEY = "dynbatch_logprob_micro_batch_indices"
+LOGPROB_ROW_LENGTH_KEY = "dynbatch_logprob_row_length"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForwardOnlySchedule:
+    """The log-prob passes of one rollout, for every DP rank.
+
+    Each rank's micro-batches hold only its own (training) samples, as local indices into its
+    partition; ranks with fewer micro-batches are topped up with placeholders (empty lists) so every
+    rank runs the same count: with expert parallelism the MoE all-to-all spans DP ranks, and unequal
+    counts would leave a rank waiting in it. Every micro-batch of every rank is one packed row of
+    ``row_length`` tokens per GPU.
+    """
+
+    micro_batch_indices: List[List[List[int]]]
+    """Per DP rank, per micro-batch, local sample indices (``[]``: a placeholder)."""
+    row_length: int
+    """Packed row length on one GPU (per CP rank) of every forward-only micro-batch."""
+
+    def __post_init__(self) -> None:
+        counts = {len(rank) for rank in self.micro_batch_indices}
+        assert len(counts) == 1, f"forward-only micro-batch counts differ across DP ranks: {counts}"
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.micro_batch_indices[0])
+
+
+def _rebuild_schedule(items, seq_lengths, rollout_counts, plan, forward_only=None) -> DPSchedule:
+    return DPSchedule(
+        *items,
+        seq_lengths=seq_lengths,
+        rollout_counts=rollout_counts,
+        plan=plan,
+        forward_only=forward_only,
+    )
 
 
 # -- inputs ---------------------------------------------------------------------------------------
@@ -211,12 +236,12 @@ def _parallel_sizes(args: Any, train_parallel_config: Any) -> Dict[str, int]:
     elif hasattr(train_parallel_config, "dp_size"):
         lookup = lambda key: getattr(train_parallel_config, key, None)  # noqa: E731
     else:
-        raise ValueError(
+        raise DynBatchValueError(
             f"train_parallel_config={train_parallel_config!r} must be a dict with dp_size (and "
             "cp_size, vpp_size, microbatch_group_size_per_vp_stage: what slime's actor reports)."
         )
     if lookup("dp_size") is None:
-        raise ValueError(
+        raise DynBatchValueError(
             "train_parallel_config has no 'dp_size'; pass the data-parallel size (and cp_size, "
             "vpp_size, microbatch_group_size_per_vp_stage when used)."
         )
@@ -256,7 +281,7 @@ def _parallel_sizes(args: Any, train_parallel_config: Any) -> Dict[str, int]:
 
 def _lengths(total_lengths: Any) -> List[int]:
     if isinstance(total_lengths, (str, bytes, Mapping)) or not hasattr(total_lengths, "__len__"):
-        raise ValueError(
+        raise DynBatchValueError(
             f"total_lengths must be a list of per-sample token counts, got "
             f"{type(total_lengths).__name__}."
         )
@@ -279,13 +304,13 @@ def _rollout_keys(rollout_indices: Any, num_samples: int) -> List[Any]:
     if isinstance(rollout_indices, (str, bytes, Mapping)) or not hasattr(
         rollout_indices, "__len__"
     ):
-        raise ValueError(
+        raise DynBatchValueError(
             f"rollout_indices must be a list with one rollout id per sample, got "
             f"{type(rollout_indices).__name__}."
         )
     ids = list(rollout_indices)
     if len(ids) != num_samples:
-        raise ValueError(
+        raise DynBatchValueError(
             f"got {len(ids)} rollout_indices for {num_samples} total_lengths; pass one rollout id "
             "per sample (samples[i].index)."
         )
@@ -497,26 +522,10 @@ def row_length(seq_length: int, cp: int, pad_size: int, max_tokens: int) -> int:
     return aligned if aligned <= max_tokens or per_rank > max_tokens else per_rank
 
 
-def _dynamic_schedule(
-    args: Any,
-    sizes: Dict[str, int],
-    lengths: List[int],
-    keys: List[Any],
-    global_batch_size: int,
-    pad_size: int,
-) -> DPSchedule:
-    max_tokens = getattr(args, "max_tokens_per_gpu", None)
-    if max_tokens is None:
-        raise DPScheduleError(
-            "use_dynamic_batch_size is set but max_tokens_per_gpu is None; pass "
-            "--max-tokens-per-gpu with the token budget of one micro-batch on one GPU."
-        )
-    max_tokens = check_index(
-        "args.max_tokens_per_gpu", max_tokens, 1, "pass --max-tokens-per-gpu as a token count."
-    )
+def _layout(sizes: Dict[str, int], dp_size: int) -> ParallelLayout:
     vpp = sizes["vpp_size"]
-    parallel = ParallelLayout(
-        dp_size=sizes["dp_size"],
+    return ParallelLayout(
+        dp_size=dp_size,
         pp_size=sizes["pp_size"],
         vpp_size=vpp,
         microbatch_group_size_per_vp_stage=(
@@ -525,20 +534,62 @@ def _dynamic_schedule(
         tp_size=sizes["tp_size"],
         cp_size=sizes["cp_size"],
     )
-    balance = _flag(args, "balance_data") or _flag(args, "balance_by_flops")
-    config = PlannerConfig(
-        max_tokens_per_gpu=max_tokens,
-        parallel=parallel,
-        rollouts_per_step=global_batch_size,
-        layout="packed",
-        cost=_cost_model(args, balance),
-        oversize_samples=oversize_policy(args),
-    )
-    plan = plan_schedule(lengths, keys, None, config=config)
 
-    heads = {members[0] for members in _group_rollouts(keys)}
+
+def _forward_only_schedule(
+    config: DynBatchConfig,
+    sizes: Dict[str, int],
+    lengths: List[int],
+    partitions: List[List[int]],
+    pad_size: int,
+) -> ForwardOnlySchedule:
+    """The log-prob passes, planned here from every rank's lengths (see :class:`ForwardOnlySchedule`).
+
+    Each rank packs its own samples under ``--log-probs-max-tokens-per-gpu`` (no gradient is reduced
+    over DP, so a rank needs no other rank's samples); the counts are then equalised with
+    placeholders. Counts stay multiples of the interleaving group (every rank's is one, so their
+    maximum is one too).
+    """
+    planner_config = config.planner_config(_layout(sizes, 1), forward_only=True)
+    budget = config.forward_only_max_tokens_per_gpu
+    cp = sizes["cp_size"]
+    per_rank: List[List[List[int]]] = []
+    rows: List[int] = []
+    for partition in partitions:
+        local = [lengths[i] for i in partition]
+        if not local:
+            per_rank.append([])
+            continue
+        check_oversize(local, planner_config, forward_only=True)
+        [step] = plan_schedule(local, None, None, config=planner_config).steps
+        per_rank.append([list(mb) for mb in step.ranks[0]])
+        rows.append(row_length(step.seq_length, cp, pad_size, budget))
+    count = max(len(rank) for rank in per_rank)
+    for rank in per_rank:
+        rank.extend([] for _ in range(count - len(rank)))
+    # One row length on every rank: the same shapes everywhere, placeholders included.
+    return ForwardOnlySchedule(micro_batch_indices=per_rank, row_length=max(rows))
+
+
+def _dynamic_schedule(
+    args: Any,
+    sizes: Dict[str, int],
+    lengths: List[int],
+    keys: List[Any],
+    global_batch_size: int,
+    pad_size: int,
+) -> DPSchedule:
+    balance = _flag(args, "balance_data") or _flag(args, "balance_by_flops")
+    config = dynbatch_config_from_slime_args(
+        args, rollouts_per_step=global_batch_size, cost=_cost_model(args, balance)
+    )
     dp = sizes["dp_size"]
     cp = sizes["cp_size"]
+    planner_config = config.planner_config(_layout(sizes, dp))
+    check_oversize(lengths, planner_config, forward_only=False)
+    plan = plan_schedule(lengths, keys, None, config=planner_config)
+
+    heads = {members[0] for members in _group_rollouts(keys)}
     partitions: List[List[int]] = [[] for _ in range(dp)]
     micro_batch_indices: List[List[List[int]]] = [[] for _ in range(dp)]
     rollout_counts: List[List[int]] = [[] for _ in range(dp)]
@@ -549,6 +600,7 @@ def _dynamic_schedule(
                 partitions[r].extend(mb)
                 micro_batch_indices[r].append(list(range(start, start + len(mb))))
                 rollout_counts[r].append(sum(1 for i in mb if i in heads))
+    max_tokens = config.max_tokens_per_gpu
     return DPSchedule(
         partitions,
         micro_batch_indices,
@@ -557,6 +609,13 @@ def _dynamic_schedule(
         seq_lengths=[row_length(step.seq_length, cp, pad_size, max_tokens) for step in plan.steps],
         rollout_counts=rollout_counts,
         plan=plan,
+        # Routing replay records routing per micro-batch in the log-prob pass and replays it, in
+        # order, in training: both passes must run the same micro-batches.
+        forward_only=(
+            None
+            if routing_replay(args)
+            else _forward_only_schedule(config, sizes, lengths, partitions, pad_size)
+        ),
     )
 
 
@@ -590,7 +649,7 @@ def build_dp_schedule(
             ``AssertionError``, where slime asserts).
     """
     if global_batch_size is None or rollout_indices is None:
-        raise ValueError(
+        raise DynBatchValueError(
             "build_dp_schedule needs global_batch_size= and rollout_indices= (slime passes both "
             "by keyword)."
         )
@@ -604,17 +663,7 @@ def build_dp_schedule(
         1,
         "pass --global-batch-size as the number of rollouts per optimizer step.",
     )
-    multiplier = getattr(args, "data_pad_size_multiplier", None)
-    multiplier = (
-        DEFAULT_DATA_PAD_SIZE_MULTIPLIER
-        if multiplier is None
-        else check_index(
-            "args.data_pad_size_multiplier", multiplier, 1, "pass --data-pad-size-multiplier >= 1."
-        )
-    )
-    pad_size = sizes["tp_size"] * multiplier
+    pad = pad_size(args)
     if use_dynamic:
-        return _dynamic_schedule(args, sizes, lengths, keys, global_batch_size, pad_size)
-    return _static_schedule(
-        args, sizes, lengths, _group_rollouts(keys), global_batch_size, pad_size
-    )
+        return _dynamic_schedule(args, sizes, lengths, keys, global_batch_size, pad)
+    return _static_schedule(args, sizes, lengths, _group_rollouts(keys), global_batch_size, pad)

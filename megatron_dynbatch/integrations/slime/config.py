@@ -1,0 +1,181 @@
+"""slime's arguments as one :class:`~megatron_dynbatch.config.DynBatchConfig`, defaults in one place.
+
+The rollout side (:mod:`.schedule`) and the trainer (:mod:`.backend`) both plan through
+:func:`dynbatch_config_from_slime_args`, so the training and log-prob passes read slime's flags the
+same way. The defaults, and why each is what it is:
+
+* ``oversize_samples``: ``args.oversize_samples`` (the patched parser registers
+  ``--oversize-samples error|allow``, default ``error``). A bare namespace without the attribute
+  (slime's own unit tests build one) gets ``allow``: slime's behaviour, the sample runs alone in a
+  micro-batch over the budget. ``truncate`` is refused: slime's ``get_batch`` builds rows from whole
+  samples, so a cut sample could not be materialised.
+* ``layout``: ``packed``: slime always packs a micro-batch into one THD row.
+* ``rollouts_per_step``: ``global_batch_size`` (slime's rollouts per optimizer step).
+* cost model: tokens only, plus slime's own attention-to-linear FLOPs ratio when
+  ``--balance-data`` or ``--balance-by-flops`` asks for FLOPs balancing (computed by the caller).
+* the pad multiple: ``tp_size * data_pad_size_multiplier`` (:data:`DATA_PAD_SIZE_MULTIPLIER` when
+  the attribute is absent), what slime's ``get_batch`` pads a packed row to.
+
+Standard library and the pure planner only: slime's rollout manager imports it without torch work.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from megatron_dynbatch.config import FLAGS, DynBatchConfig
+from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.planning import CostModel, PlannerConfig
+from megatron_dynbatch.planning.spec import as_int
+
+__all__ = [
+    "DATA_PAD_SIZE_MULTIPLIER",
+    "SLIME_OVERSIZE_POLICIES",
+    "check_index",
+    "check_oversize",
+    "dynbatch_config_from_slime_args",
+    "oversize_policy",
+    "pad_size",
+    "routing_replay",
+]
+
+#: slime's ``--data-pad-size-multiplier`` default: ``get_batch`` pads every packed row to a
+#: multiple of ``tp_size`` times this.
+DATA_PAD_SIZE_MULTIPLIER = 128
+#: What ``--oversize-samples`` accepts in the patched slime (no ``truncate``: see the module doc).
+SLIME_OVERSIZE_POLICIES = ("error", "allow")
+
+
+def check_index(name: str, value: Any, minimum: int, fix: str) -> int:
+    """``value`` as a Python int if it is an integer >= ``minimum``, else a ``ValueError``.
+
+    The rule of :func:`megatron_dynbatch.planning.spec.as_int`: anything with ``__index__`` (Python,
+    numpy and torch integers) except ``bool``; floats and strings are refused, never truncated or
+    parsed (``int(6.9) == 6``).
+    """
+    if isinstance(value, bool):
+        raise DynBatchValueError(f"{name}={value!r} is a bool, not an integer; {fix}")
+    number = as_int(value)
+    if number is None:
+        raise DynBatchValueError(
+            f"{name}={value!r} ({type(value).__name__}) is not an integer; {fix}"
+        )
+    if number < minimum:
+        raise DynBatchValueError(f"{name}={number} must be >= {minimum}; {fix}")
+    return number
+
+
+def oversize_policy(args: Any) -> str:
+    """``args.oversize_samples``, or ``allow`` (slime's behaviour) when the namespace has none."""
+    policy = getattr(args, "oversize_samples", None)
+    if policy is None:
+        return "allow"
+    if policy not in SLIME_OVERSIZE_POLICIES:
+        raise DynBatchValueError(
+            f"args.oversize_samples={policy!r}: slime's data path trains whole samples, so use "
+            "--oversize-samples error (default) or allow; cut long responses at rollout time "
+            "(--rollout-max-response-len) instead of truncating them here."
+        )
+    return policy
+
+
+def routing_replay(args: Any) -> bool:
+    """Whether MoE routing is recorded in a forward pass and replayed in training (R2 or R3).
+
+    Then the log-prob pass must run the training micro-batches: routing is recorded and replayed
+    per micro-batch, in order.
+    """
+    return bool(getattr(args, "use_routing_replay", False)) or bool(
+        getattr(args, "use_rollout_routing_replay", False)
+    )
+
+
+def pad_size(args: Any) -> int:
+    """What slime's ``get_batch`` pads a packed row to: ``tp_size * data_pad_size_multiplier``."""
+    tp = getattr(args, "tensor_model_parallel_size", None)
+    tp = (
+        1
+        if tp is None
+        else check_index(
+            "args.tensor_model_parallel_size", tp, 1, "pass --tensor-model-parallel-size 1 or more."
+        )
+    )
+    multiplier = getattr(args, "data_pad_size_multiplier", None)
+    multiplier = (
+        DATA_PAD_SIZE_MULTIPLIER
+        if multiplier is None
+        else check_index(
+            "args.data_pad_size_multiplier", multiplier, 1, "pass --data-pad-size-multiplier >= 1."
+        )
+    )
+    return tp * multiplier
+
+
+def dynbatch_config_from_slime_args(
+    args: Any, *, rollouts_per_step: Optional[int] = None, cost: Optional[CostModel] = None
+) -> DynBatchConfig:
+    """slime's namespace as a :class:`DynBatchConfig` (the defaults are in the module docstring).
+
+    Args:
+        args: slime's parsed arguments. Read: ``max_tokens_per_gpu`` (required),
+            ``log_probs_max_tokens_per_gpu``, ``oversize_samples``.
+        rollouts_per_step: Rollouts per optimizer step (slime's ``global_batch_size``).
+        cost: The balancing cost model (tokens when ``None``).
+
+    Raises:
+        DynBatchValueError: a missing or bad budget, naming slime's flag.
+    """
+    budget = getattr(args, "max_tokens_per_gpu", None)
+    if budget is None:
+        raise DynBatchValueError(
+            "use_dynamic_batch_size is set but max_tokens_per_gpu is None; pass "
+            "--max-tokens-per-gpu with the token budget of one micro-batch on one GPU."
+        )
+    budget = check_index(
+        "args.max_tokens_per_gpu", budget, 1, "pass --max-tokens-per-gpu as a token count."
+    )
+    log_probs = getattr(args, "log_probs_max_tokens_per_gpu", None)
+    if log_probs is not None:
+        log_probs = check_index(
+            "args.log_probs_max_tokens_per_gpu",
+            log_probs,
+            1,
+            "pass --log-probs-max-tokens-per-gpu as a token count (or leave it unset to use "
+            "--max-tokens-per-gpu).",
+        )
+    cost = cost or CostModel()
+    return DynBatchConfig(
+        max_tokens_per_gpu=budget,
+        log_probs_max_tokens_per_gpu=log_probs,
+        layout="packed",
+        rollouts_per_step=rollouts_per_step,
+        cost_token_weight=cost.token_weight,
+        cost_attention_weight=cost.attention_weight,
+        cost_response_weight=cost.response_weight,
+        cost_microbatch_overhead=cost.microbatch_overhead,
+        oversize_samples=oversize_policy(args),
+    )
+
+
+def check_oversize(lengths: Any, config: PlannerConfig, *, forward_only: bool) -> None:
+    """Under ``--oversize-samples error``, refuse samples over the cap with slime's flags.
+
+    The planner's own message offers ``truncate``, which the patched slime does not accept; this
+    check runs first and names what slime does accept.
+    """
+    if config.oversize_samples != "error":
+        return
+    multiple = config.parallel.sample_multiple
+    keep = (config.token_cap // multiple) * multiple
+    oversize = [i for i, length in enumerate(lengths) if length > keep]
+    if not oversize:
+        return
+    flag = FLAGS["log_probs_max_tokens_per_gpu"] if forward_only else FLAGS["max_tokens_per_gpu"]
+    shown = ", ".join(f"sample {i}: {lengths[i]} tokens" for i in oversize[:8])
+    more = f" (and {len(oversize) - 8} more)" if len(oversize) > 8 else ""
+    raise DynBatchValueError(
+        f"{len(oversize)} sample(s) exceed the token cap {config.token_cap} ({flag[2:]}="
+        f"{config.max_tokens_per_gpu} x cp_size={config.parallel.cp_size}): {shown}{more}. "
+        f"Raise {flag}, cut responses at rollout time (--rollout-max-response-len), or pass "
+        "--oversize-samples allow (each runs alone in its micro-batch, over the budget)."
+    )

@@ -1,0 +1,141 @@
+"""A DP rank that holds no sample of the rollout, through slime's whole actor path.
+
+When a rollout has fewer samples than DP ranks, :func:`~megatron_dynbatch.adapters.slime.
+build_dp_schedule` gives some ranks only placeholder micro-batches. Training and log-prob passes
+run on them, but slime's per-sample code does not accept an empty rank: its advantages
+(``compute_advantages_and_returns``) iterate ``None``, advantage whitening concatenates nothing,
+``log_rollout_data`` reads ``value[0]``, and the other ranks then wait in the collectives these
+functions run (the whitening all-reduce, the metric gather).
+
+Such a rank gets one *phantom* sample (:func:`add_phantom_sample`): two tokens of padding, one
+response token, loss mask 0, reward 0, rollout position -1. It runs through slime's code like a
+real sample, so every collective runs in step with the other ranks, and it contributes nothing:
+
+* the loss and gradients: it trains in a micro-batch that was a placeholder (zero loss mask, zero
+  ``rollout_mask_sums``), exactly as a placeholder does;
+* advantage whitening: slime's statistics are masked, and its mask is 0;
+* metrics: :func:`log_rollout_data` reports ``(0, 0)`` for every metric of the rank.
+
+Torch only (no megatron, no slime at import time).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+__all__ = ["PHANTOM_POSITION", "add_phantom_sample", "has_phantom", "log_rollout_data"]
+
+#: ``partition`` entry of the phantom sample: no position of the rollout.
+PHANTOM_POSITION = -1
+#: The phantom's prompt and response lengths (slime needs at least one of each).
+_PROMPT, _RESPONSE = 1, 1
+#: Per-sample keys whose phantom value is a scalar 0 (rewards and the like).
+_SCALAR_KEYS = ("rewards", "raw_reward", "local_raw_reward", "sample_indices", "rollout_ids")
+#: Keys that are not per sample (left alone).
+_SCHEDULE_KEYS = ("num_microbatches", "global_batch_sizes", "micro_batch_indices")
+
+
+def has_phantom(rollout_data: Dict[str, Any]) -> bool:
+    """Whether ``rollout_data`` is a rank's whose only sample is the phantom."""
+    return list(rollout_data.get("partition") or ()) == [PHANTOM_POSITION]
+
+
+def _phantom_value(key: str, values: Any, total: int, device: torch.device) -> Any:
+    from megatron_dynbatch.integrations.slime.backend import RESPONSE_FLOAT_KEYS
+
+    response = total - _PROMPT
+    if key == "tokens":
+        return torch.zeros(total, dtype=torch.long, device=device)
+    if key == "total_lengths":
+        return total
+    if key == "response_lengths":
+        return response
+    if key == "loss_masks":
+        return torch.zeros(response, dtype=torch.int, device=device)
+    if key == "partition":
+        return PHANTOM_POSITION
+    if key in RESPONSE_FLOAT_KEYS:
+        return torch.zeros(response, dtype=torch.float32, device=device)
+    if key == "multimodal_train_inputs":
+        return None
+    if key in _SCALAR_KEYS:
+        return 0
+    return 0.0
+
+
+def add_phantom_sample(
+    rollout_data: Dict[str, Any],
+    forward_only: Optional[Tuple[List[List[int]], int]],
+    cp_size: int = 1,
+) -> Optional[Tuple[List[List[int]], int]]:
+    """Give a rank without samples one phantom sample (local index 0), in place.
+
+    Every empty per-sample list of ``rollout_data`` gets the phantom's value; the phantom takes the
+    place of the first placeholder micro-batch of the training schedule (where it is trained,
+    contributing nothing, as the placeholder would) and of the first forward-only placeholder
+    (where its log-prob is computed, so slime's per-sample lists stay aligned). Returns the
+    forward-only schedule with the phantom in it.
+    """
+    assert not rollout_data.get("partition"), "only a rank without samples gets a phantom"
+    # slime moved this rank's tensors to its device already; the phantom's go there too.
+    sums = rollout_data.get("rollout_mask_sums")
+    if isinstance(sums, torch.Tensor):
+        device = sums.device
+    elif torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    # The phantom is padded to 2 * cp chunks by slime like any sample; two tokens per CP chunk.
+    total = max(_PROMPT + _RESPONSE, 2 * cp_size)
+    for key, values in list(rollout_data.items()):
+        if key in _SCHEDULE_KEYS:
+            continue
+        if key == "rollout_mask_sums" and isinstance(values, torch.Tensor):
+            rollout_data[key] = torch.zeros(1, dtype=values.dtype, device=values.device)
+        elif isinstance(values, list) and not values:
+            values.append(_phantom_value(key, values, total, device))
+    rollout_data.setdefault("partition", [PHANTOM_POSITION])
+    micro_batches = rollout_data["micro_batch_indices"]
+    assert micro_batches and not any(micro_batches), "a rank without samples has placeholders only"
+    micro_batches[0] = [0]
+    if forward_only is None:
+        return None
+    forward_micro_batches, row = forward_only
+    forward_micro_batches = [list(mb) for mb in forward_micro_batches]
+    forward_micro_batches[0] = [0]
+    return forward_micro_batches, row
+
+
+def log_rollout_data(rollout_id: int, args: Any, rollout_data: Dict[str, Any]) -> None:
+    """slime's ``log_rollout_data``; a phantom rank joins the metric gather contributing nothing.
+
+    slime reduces every metric as the sum of the ranks' sums over the sum of their counts. A
+    per-sample metric's count is the rank's sample count (an ``int``): the phantom's becomes
+    ``(0, 0)``. A per-rollout mean (log-probs, advantages, ...) already has sum 0 on the phantom
+    (its loss mask is 0) and a count of ``num_rollouts / dp_size`` (a ``float``) that every rank
+    emits by slime's design, so the totals come out right only if it is kept.
+    """
+    from slime.observability import train_metric_utils
+
+    if not has_phantom(rollout_data):
+        train_metric_utils.log_rollout_data(rollout_id, args, rollout_data)
+        return
+    gather = train_metric_utils.gather_log_data
+
+    def gather_nothing(metric_name, args, rollout_id, log_dict):
+        empty = {}
+        for key, value in log_dict.items():
+            if isinstance(value, tuple) and len(value) == 2:
+                share = value[1] if isinstance(value[1], float) else 0
+                value = (0.0, share)
+            empty[key] = value
+        return gather(metric_name, args, rollout_id, empty)
+
+    # slime's function looks gather_log_data up in its module when it calls it.
+    train_metric_utils.gather_log_data = gather_nothing
+    try:
+        train_metric_utils.log_rollout_data(rollout_id, args, rollout_data)
+    finally:
+        train_metric_utils.gather_log_data = gather
