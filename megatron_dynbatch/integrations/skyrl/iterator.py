@@ -29,7 +29,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.integrations.skyrl.plan import SkyrlPlan, plan_skyrl_minibatch
+from megatron_dynbatch.integrations.skyrl.plan import (
+    SkyrlPlan,
+    check_budget,
+    check_lengths,
+    plan_skyrl_minibatch,
+)
 from megatron_dynbatch.mcore.agreement import step_agreement
 from megatron_dynbatch.runtime import restore_order
 
@@ -181,8 +186,6 @@ class PlannedBatchIterator:
 
 
 def _gather_lengths(lengths: List[int], group) -> List[List[int]]:
-    if not dist.is_initialized():
-        return [lengths]
     gathered: List[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, lengths, group=group)
     return [list(x) for x in gathered]
@@ -208,28 +211,24 @@ def planned_microbatch_iterator(
         StepAgreementError: on every rank when any rank's input or plan failed (naming the rank).
         PlanMismatchError: on every rank when the ranks derived different plans.
     """
-    lengths = _real_tokens(data)
-    gathered = _gather_lengths(lengths, dp_group)
-    dp_rank = dist.get_rank(dp_group) if dist.is_initialized() else 0
+    kwargs = dict(
+        pp_size=pp_size,
+        vpp_size=vpp_size,
+        microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
+        tp_size=tp_size,
+    )
     if not dist.is_initialized():
-        plan = plan_skyrl_minibatch(
-            gathered,
-            max_tokens_per_microbatch,
-            pp_size=pp_size,
-            vpp_size=vpp_size,
-            microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
-            tp_size=tp_size,
-        )
-        return PlannedBatchIterator(data, plan, dp_rank)
-    with step_agreement(dp_group, what=what) as agreement:
-        plan = plan_skyrl_minibatch(
-            gathered,
-            max_tokens_per_microbatch,
-            pp_size=pp_size,
-            vpp_size=vpp_size,
-            microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
-            tp_size=tp_size,
-        )
-        iterator = PlannedBatchIterator(data, plan, dp_rank)
+        plan = plan_skyrl_minibatch([_real_tokens(data)], max_tokens_per_microbatch, **kwargs)
+        return PlannedBatchIterator(data, plan, 0)
+    # Local checks first, agreed over the group, so a bad batch on one rank stops every rank here
+    # instead of leaving the others waiting in the gather below.
+    with step_agreement(dp_group, what=f"{what}: checking this rank's samples"):
+        lengths = _real_tokens(data)
+        check_lengths([lengths])
+        check_budget(max_tokens_per_microbatch)
+    gathered = _gather_lengths(lengths, dp_group)
+    with step_agreement(dp_group, what=f"{what}: planning") as agreement:
+        plan = plan_skyrl_minibatch(gathered, max_tokens_per_microbatch, **kwargs)
+        iterator = PlannedBatchIterator(data, plan, dist.get_rank(dp_group))
         agreement.fingerprint = plan.fingerprint()
     return iterator

@@ -25,7 +25,7 @@ from megatron_dynbatch.config import DynBatchConfig
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import ParallelLayout, plan_schedule, round_up
 
-__all__ = ["SkyrlPlan", "plan_skyrl_minibatch"]
+__all__ = ["SkyrlPlan", "check_budget", "check_lengths", "plan_skyrl_minibatch"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,7 +51,8 @@ class SkyrlPlan:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _check_lengths(lengths_per_rank: Sequence[Sequence[int]]) -> List[List[int]]:
+def check_lengths(lengths_per_rank: Sequence[Sequence[int]]) -> List[List[int]]:
+    """The lengths as ints, or ``DynBatchValueError`` naming the rank and sample without tokens."""
     if not lengths_per_rank:
         raise DynBatchValueError("lengths_per_rank is empty; pass one list of lengths per DP rank.")
     checked = []
@@ -66,6 +67,22 @@ def _check_lengths(lengths_per_rank: Sequence[Sequence[int]]) -> List[List[int]]
             row.append(int(length))
         checked.append(row)
     return checked
+
+
+def check_budget(max_tokens_per_microbatch: int) -> None:
+    """Refuse a budget that is not a positive integer (``DynBatchValueError`` naming the fix)."""
+    if isinstance(max_tokens_per_microbatch, bool) or not isinstance(
+        max_tokens_per_microbatch, int
+    ):
+        raise DynBatchValueError(
+            f"max_tokens_per_microbatch={max_tokens_per_microbatch!r} must be an integer; set "
+            "trainer.max_tokens_per_microbatch to the real-token budget of one micro-batch."
+        )
+    if max_tokens_per_microbatch < 1:
+        raise DynBatchValueError(
+            f"max_tokens_per_microbatch={max_tokens_per_microbatch} must be > 0 with "
+            "trainer.use_dynamic_batch_size=true; set trainer.max_tokens_per_microbatch (e.g. 8192)."
+        )
 
 
 def plan_skyrl_minibatch(
@@ -94,19 +111,8 @@ def plan_skyrl_minibatch(
     Raises:
         DynBatchValueError: on a non-positive budget or length, naming them.
     """
-    if isinstance(max_tokens_per_microbatch, bool) or not isinstance(
-        max_tokens_per_microbatch, int
-    ):
-        raise DynBatchValueError(
-            f"max_tokens_per_microbatch={max_tokens_per_microbatch!r} must be an integer; set "
-            "trainer.max_tokens_per_microbatch to the real-token budget of one micro-batch."
-        )
-    if max_tokens_per_microbatch < 1:
-        raise DynBatchValueError(
-            f"max_tokens_per_microbatch={max_tokens_per_microbatch} must be > 0 with "
-            "trainer.use_dynamic_batch_size=true; set trainer.max_tokens_per_microbatch (e.g. 8192)."
-        )
-    lengths_per_rank = _check_lengths(lengths_per_rank)
+    check_budget(max_tokens_per_microbatch)
+    lengths_per_rank = check_lengths(lengths_per_rank)
     parallel = ParallelLayout(
         dp_size=1,
         pp_size=pp_size,
