@@ -238,6 +238,24 @@ def _lifted_worker_class(skyrl_root):
     return namespace["LiftedMegatronWorker"]
 
 
+def _torch_on_cpu():
+    """``torch`` for the wrapper module, whose ``torch.cuda.current_device()`` names the CPU."""
+    import types
+
+    cuda = types.SimpleNamespace(current_device=lambda: "cpu")
+    cuda_proxy = type("CudaOnCpu", (), {"__getattr__": lambda self, n: getattr(torch.cuda, n)})
+    proxy_cuda = cuda_proxy()
+    proxy_cuda.current_device = cuda.current_device
+
+    class TorchOnCpu(types.ModuleType):
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+    module = TorchOnCpu("torch")
+    module.cuda = proxy_cuda
+    return module
+
+
 class _Strategy:
     """SkyRL's strategy ``all_reduce`` of a metrics dict over a group (what the worker calls)."""
 
@@ -373,6 +391,7 @@ def _skyrl_body(skyrl_root, num, stepwise, loss_reduction, budget, dynamic=True)
     assert megatron_model_wrapper.__file__.startswith(skyrl_root)
     # The wrapper moves each micro-batch to torch.cuda.current_device(); on CPU it is already home.
     megatron_model_wrapper._copy_tensor_dict_to_device = lambda batch, device: batch
+    megatron_model_wrapper.torch = _torch_on_cpu()
     pp = ps.get_pipeline_model_parallel_world_size()
     dp = ps.get_data_parallel_world_size()
     dp_rank = ps.get_data_parallel_rank()
