@@ -1,0 +1,234 @@
+"""SkyRL's micro-batch iterator, planned: what the patched Megatron worker uses instead of
+``TokenBasedBatchIterator`` when ``trainer.use_dynamic_batch_size`` is on.
+
+It keeps the interface SkyRL's worker reads from ``TokenBasedBatchIterator`` (``data``,
+``_microbatches``, ``num_padding_microbatches``, ``len``, iteration,
+``reorder_and_combine_batches``) so the worker's training and log-prob paths run unchanged, and
+changes what they get:
+
+* the plan of :mod:`.plan` over every DP rank (equal micro-batch counts by construction, a multiple
+  of the interleaved schedule's group, the same rows ``B`` in every micro-batch, so SkyRL's own
+  ``_pad_microbatch_to_size`` has nothing to add);
+* placeholders (rows and whole micro-batches) with every key of the real batch, its dtype and its
+  width, ``loss_mask``/``advantages``/``response_mask`` 0 and one attended token, so they add
+  exactly 0 to SkyRL's pre-scaled policy loss and are dropped from its masked means;
+* the plan checked on every rank of the DP group, inside
+  :func:`~megatron_dynbatch.mcore.agreement.step_agreement`, before any pipeline communication:
+  an error on one rank is the same error on all of them;
+* outputs restored to sample order strictly (:func:`~megatron_dynbatch.runtime.restore_order`).
+
+SkyRL is never imported here: batches are built with ``type(data)`` (SkyRL's
+``TrainingInputBatch``, a ``dict`` with ``metadata``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.integrations.skyrl.plan import (
+    SkyrlPlan,
+    check_budget,
+    check_lengths,
+    plan_skyrl_minibatch,
+)
+from megatron_dynbatch.mcore.agreement import step_agreement
+from megatron_dynbatch.runtime import restore_order
+
+__all__ = ["PlannedBatchIterator", "planned_microbatch_iterator", "placeholder_rows"]
+
+#: Keys whose placeholder value must not be 0: SkyRL strips rows to their attended tokens, and a
+#: row with none breaks its ``remove_left_padding`` / THD packing.
+_ATTENTION_KEY = "attention_mask"
+
+
+def placeholder_rows(data: Any, rows: int) -> Dict[str, Optional[torch.Tensor]]:
+    """``rows`` loss-masked rows with every key of ``data``: its dtype, device and trailing shape.
+
+    Every value is 0 (no loss weight, no advantage, no response) except one attended token per row
+    (``attention_mask[:, 0] = 1``), which keeps the row valid for SkyRL's padding removal.
+
+    Raises:
+        DynBatchValueError: for a value that is not a tensor (a ``TensorList``: VLM inputs or
+            controller-side ``sub_seq_lengths``), which this iterator cannot split.
+    """
+    out: Dict[str, Optional[torch.Tensor]] = {}
+    for key, value in data.items():
+        if value is None:
+            out[key] = None
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise DynBatchValueError(
+                f"key {key!r} is a {type(value).__name__}, not a tensor; use_dynamic_batch_size "
+                "plans padded [batch, seq] tensors only. Turn off controller-side sequence packing "
+                "and VLM inputs, or set trainer.use_dynamic_batch_size=false."
+            )
+        filler = torch.zeros((rows, *value.shape[1:]), dtype=value.dtype, device=value.device)
+        if key == _ATTENTION_KEY:
+            filler[:, 0] = 1
+        out[key] = filler
+    return out
+
+
+def _real_tokens(data: Any) -> List[int]:
+    mask = data.get(_ATTENTION_KEY)
+    if mask is None:
+        raise DynBatchValueError(
+            "the batch has no attention_mask; use_dynamic_batch_size plans by real tokens "
+            "(attention_mask.sum(-1)), so the batch must carry one."
+        )
+    return [int(n) for n in mask.sum(dim=1).tolist()]
+
+
+class PlannedBatchIterator:
+    """One DP rank's micro-batches of a :class:`~.plan.SkyrlPlan` (real first, then placeholders).
+
+    Args:
+        data: SkyRL's ``TrainingInputBatch`` (this DP rank's shard of the mini-batch).
+        plan: The plan every rank derived.
+        dp_rank: This rank's index in ``plan.ranks``.
+    """
+
+    #: What SkyRL's patched worker checks to restore log-probs in sample order with this iterator.
+    restores_sample_order = True
+
+    def __init__(self, data: Any, plan: SkyrlPlan, dp_rank: int):
+        self.data = data
+        self.plan = plan
+        self.dp_rank = dp_rank
+        self._num_samples = len(_real_tokens(data))
+        planned = sorted(i for mb in plan.ranks[dp_rank] for i in mb)
+        if planned != list(range(self._num_samples)):
+            raise DynBatchValueError(
+                f"the plan of DP rank {dp_rank} covers samples {planned}, but the rank holds "
+                f"{self._num_samples}; every rank must plan the lengths gathered from every rank."
+            )
+        #: Real micro-batches (local indices); SkyRL's ``_reorder_megatron_forward_output`` reads it.
+        self._microbatches = [list(mb) for mb in plan.ranks[dp_rank]]
+
+    @property
+    def num_padding_microbatches(self) -> int:
+        """Placeholder micro-batches after the real ones (they carry no sample)."""
+        return self.plan.placeholders(self.dp_rank)
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Rows of every micro-batch."""
+        return self.plan.rows
+
+    def __len__(self) -> int:
+        return self.plan.num_microbatches
+
+    def _batch(self, values: Dict[str, Any], placeholder: bool) -> Any:
+        batch = type(self.data)(values)
+        batch.metadata = dict(self.data.metadata or {})
+        if placeholder:
+            batch.metadata["is_padding_batch"] = True
+        return batch
+
+    def _microbatch(self, indices: List[int]) -> Any:
+        pad = self.plan.rows - len(indices)
+        fill = placeholder_rows(self.data, pad) if pad else {}
+        index = torch.tensor(indices, dtype=torch.long)
+        values = {}
+        for key, value in self.data.items():
+            if value is None:
+                values[key] = None
+                continue
+            rows = value[index.to(value.device)]
+            values[key] = torch.cat([rows, fill[key]]) if pad else rows
+        return self._batch(values, placeholder=False)
+
+    def __iter__(self) -> Iterator[Any]:
+        for indices in self._microbatches:
+            yield self._microbatch(indices)
+        for _ in range(self.num_padding_microbatches):
+            yield self._batch(placeholder_rows(self.data, self.plan.rows), placeholder=True)
+
+    def restore(self, per_microbatch: List[torch.Tensor]) -> torch.Tensor:
+        """Stack per-micro-batch outputs (``[B, ...]`` each, schedule order) in sample order.
+
+        Raises:
+            DynBatchValueError: when the count or a row count does not match the plan.
+        """
+        if len(per_microbatch) != len(self):
+            raise DynBatchValueError(
+                f"{len(per_microbatch)} micro-batch outputs for {len(self)} planned micro-batches "
+                f"on DP rank {self.dp_rank}."
+            )
+        per_sample: Dict[int, torch.Tensor] = {}
+        for m, indices in enumerate(self._microbatches):
+            output = per_microbatch[m]
+            if output.shape[0] != self.plan.rows:
+                raise DynBatchValueError(
+                    f"micro-batch {m} returned {output.shape[0]} rows, the plan has "
+                    f"{self.plan.rows}."
+                )
+            per_sample.update(zip(indices, output[: len(indices)], strict=True))
+        ordered = restore_order(per_sample, self._num_samples)
+        if not ordered:
+            ref = per_microbatch[0]
+            return ref.new_zeros((0, *ref.shape[1:]))
+        return torch.stack(ordered)
+
+    def reorder_and_combine_batches(self, batches: List[Any]) -> Any:
+        """SkyRL's interface: one batch of every key of ``batches`` in sample order."""
+        combined = {
+            key: None if value is None else self.restore([b[key] for b in batches])
+            for key, value in batches[0].items()
+        }
+        out = type(batches[0])(combined)
+        out.metadata = batches[0].metadata
+        return out
+
+
+def _gather_lengths(lengths: List[int], group) -> List[List[int]]:
+    gathered: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, lengths, group=group)
+    return [list(x) for x in gathered]
+
+
+def planned_microbatch_iterator(
+    data: Any,
+    max_tokens_per_microbatch: int,
+    *,
+    dp_group=None,
+    pp_size: int = 1,
+    vpp_size: int = 1,
+    microbatch_group_size_per_vp_stage: Optional[int] = None,
+    tp_size: int = 1,
+    what: str = "SkyRL mini-batch",
+) -> PlannedBatchIterator:
+    """Gather every DP rank's token counts, plan, agree, and return this rank's iterator.
+
+    Every rank of ``dp_group`` must call it for the same mini-batch (SkyRL's workers all run
+    ``forward_backward`` / ``_forward_logprobs`` together). Only lengths cross ranks.
+
+    Raises:
+        StepAgreementError: on every rank when any rank's input or plan failed (naming the rank).
+        PlanMismatchError: on every rank when the ranks derived different plans.
+    """
+    kwargs = dict(
+        pp_size=pp_size,
+        vpp_size=vpp_size,
+        microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
+        tp_size=tp_size,
+    )
+    if not dist.is_initialized():
+        plan = plan_skyrl_minibatch([_real_tokens(data)], max_tokens_per_microbatch, **kwargs)
+        return PlannedBatchIterator(data, plan, 0)
+    # Local checks first, agreed over the group, so a bad batch on one rank stops every rank here
+    # instead of leaving the others waiting in the gather below.
+    with step_agreement(dp_group, what=f"{what}: checking this rank's samples"):
+        lengths = _real_tokens(data)
+        check_lengths([lengths])
+        check_budget(max_tokens_per_microbatch)
+    gathered = _gather_lengths(lengths, dp_group)
+    with step_agreement(dp_group, what=f"{what}: planning") as agreement:
+        plan = plan_skyrl_minibatch(gathered, max_tokens_per_microbatch, **kwargs)
+        iterator = PlannedBatchIterator(data, plan, dist.get_rank(dp_group))
+        agreement.fingerprint = plan.fingerprint()
+    return iterator

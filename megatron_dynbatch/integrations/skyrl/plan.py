@@ -1,0 +1,144 @@
+"""The micro-batch plan of one SkyRL mini-batch, over every DP rank, from token counts alone.
+
+SkyRL's dispatch shards a mini-batch over the DP ranks before the Megatron worker sees it, so a
+sample cannot move to another rank here. Every rank therefore gathers every rank's token counts
+(lengths only, never data) and derives the same plan: each rank's own samples are planned by
+:func:`megatron_dynbatch.planning.plan_schedule` for this pipeline (``dp_size=1``: one rank's
+samples), then every rank gets the same micro-batch count ``M`` (the largest, rounded up to the
+interleaved schedule's group) and the same rows per micro-batch ``B`` (the fullest micro-batch of
+any rank). A rank with fewer real micro-batches, or none (a step with fewer samples than DP ranks),
+runs loss-masked placeholders, so counts are equal by construction, not by a later all-reduce.
+
+The budget keeps SkyRL's meaning of ``max_tokens_per_microbatch``: real tokens of one micro-batch
+(its workers strip padding before the model, ``remove_left_padding`` or THD packing), a hard cap
+except for a single longer sample, which runs alone and is reported in :attr:`SkyrlPlan.oversize`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+from megatron_dynbatch.config import DynBatchConfig
+from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.planning import ParallelLayout, plan_schedule, round_up
+
+__all__ = ["SkyrlPlan", "check_budget", "check_lengths", "plan_skyrl_minibatch"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SkyrlPlan:
+    """Every DP rank's micro-batches of one mini-batch (local sample indices)."""
+
+    ranks: Tuple[Tuple[Tuple[int, ...], ...], ...]
+    """``ranks[r]``: DP rank ``r``'s real micro-batches, in run order; placeholders follow them."""
+    num_microbatches: int
+    """Micro-batches every rank runs (real + placeholder): what Megatron's schedule is given."""
+    rows: int
+    """Rows of every micro-batch (``B``); a shorter micro-batch gets loss-masked placeholder rows."""
+    oversize: Tuple[Tuple[int, int], ...] = ()
+    """``(dp_rank, local index)`` of every sample longer than the budget (each ran alone)."""
+
+    def placeholders(self, dp_rank: int) -> int:
+        """Placeholder micro-batches DP rank ``dp_rank`` runs after its real ones."""
+        return self.num_microbatches - len(self.ranks[dp_rank])
+
+    def fingerprint(self) -> str:
+        """A short hash that every rank compares before the pipeline starts."""
+        text = json.dumps([self.num_microbatches, self.rows, self.ranks], separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def check_lengths(lengths_per_rank: Sequence[Sequence[int]]) -> List[List[int]]:
+    """The lengths as ints, or ``DynBatchValueError`` naming the rank and sample without tokens."""
+    if not lengths_per_rank:
+        raise DynBatchValueError("lengths_per_rank is empty; pass one list of lengths per DP rank.")
+    checked = []
+    for rank, lengths in enumerate(lengths_per_rank):
+        row = []
+        for i, length in enumerate(lengths):
+            if isinstance(length, bool) or int(length) != length or int(length) < 1:
+                raise DynBatchValueError(
+                    f"DP rank {rank} sample {i} has {length!r} real tokens; every sample needs at "
+                    "least one token with attention_mask=1 (drop empty samples before training)."
+                )
+            row.append(int(length))
+        checked.append(row)
+    return checked
+
+
+def check_budget(max_tokens_per_microbatch: int) -> None:
+    """Refuse a budget that is not a positive integer (``DynBatchValueError`` naming the fix)."""
+    if isinstance(max_tokens_per_microbatch, bool) or not isinstance(
+        max_tokens_per_microbatch, int
+    ):
+        raise DynBatchValueError(
+            f"max_tokens_per_microbatch={max_tokens_per_microbatch!r} must be an integer; set "
+            "trainer.max_tokens_per_microbatch to the real-token budget of one micro-batch."
+        )
+    if max_tokens_per_microbatch < 1:
+        raise DynBatchValueError(
+            f"max_tokens_per_microbatch={max_tokens_per_microbatch} must be > 0 with "
+            "trainer.use_dynamic_batch_size=true; set trainer.max_tokens_per_microbatch (e.g. 8192)."
+        )
+
+
+def plan_skyrl_minibatch(
+    lengths_per_rank: Sequence[Sequence[int]],
+    max_tokens_per_microbatch: int,
+    *,
+    pp_size: int = 1,
+    vpp_size: int = 1,
+    microbatch_group_size_per_vp_stage: Optional[int] = None,
+    tp_size: int = 1,
+) -> SkyrlPlan:
+    """Plan one mini-batch whose samples are already sharded over the DP ranks.
+
+    Args:
+        lengths_per_rank: ``lengths_per_rank[r][i]``: real tokens (``attention_mask.sum()``) of
+            sample ``i`` on DP rank ``r``; a rank may hold no sample.
+        max_tokens_per_microbatch: SkyRL's ``trainer.max_tokens_per_microbatch`` (> 0).
+        pp_size: Pipeline stages.
+        vpp_size: Virtual pipeline chunks per stage (> 1: interleaved schedule).
+        microbatch_group_size_per_vp_stage: Megatron's interleaving group (default ``pp_size``).
+        tp_size: Tensor-parallel size (the planner pads each sample to a multiple of it).
+
+    Returns:
+        The :class:`SkyrlPlan`, identical on every rank given the same lengths.
+
+    Raises:
+        DynBatchValueError: on a non-positive budget or length, naming them.
+    """
+    check_budget(max_tokens_per_microbatch)
+    lengths_per_rank = check_lengths(lengths_per_rank)
+    parallel = ParallelLayout(
+        dp_size=1,
+        pp_size=pp_size,
+        vpp_size=vpp_size,
+        microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
+        tp_size=tp_size,
+    )
+    # SkyRL's budget is a soft cap for a single long sample (it runs alone), so "allow"; the
+    # packed layout caps the real tokens, which is what SkyRL's padding-free forward computes.
+    config = DynBatchConfig(
+        max_tokens_per_gpu=max_tokens_per_microbatch, layout="packed", oversize_samples="allow"
+    ).planner_config(parallel)
+    ranks: List[Tuple[Tuple[int, ...], ...]] = []
+    oversize: List[Tuple[int, int]] = []
+    for rank, lengths in enumerate(lengths_per_rank):
+        if not lengths:
+            ranks.append(())
+            continue
+        [step] = plan_schedule(lengths, config=config).steps
+        # dp_size=1: rank 0 of the sub-plan is this rank; drop the sub-plan's own placeholders,
+        # the count is equalised over all ranks below.
+        ranks.append(tuple(tuple(mb) for mb in step.ranks[0] if mb))
+        oversize.extend((rank, i) for i in step.oversize_samples)
+    count = max(1, max(len(mbs) for mbs in ranks))
+    count = round_up(count, parallel.microbatch_multiple)
+    rows = max([len(mb) for mbs in ranks for mb in mbs] or [1])
+    return SkyrlPlan(
+        ranks=tuple(ranks), num_microbatches=count, rows=rows, oversize=tuple(oversize)
+    )

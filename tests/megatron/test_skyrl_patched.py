@@ -1,0 +1,573 @@
+"""SkyRL's own Megatron worker code, patched by ``patches/skyrl``, against a per-sample reference.
+
+With ``SKYRL_DIR`` (a SkyRL checkout at the commit named in ``patches/skyrl/README.md``) the
+patches are applied to a copy with ``launch/apply_skyrl_patches.sh``; on gloo CPU ranks (tiny GPT,
+pp 2 at dp 1 and 2, pp 2 x vpp 2) SkyRL's real ``MegatronModelWrapper`` (``forward`` and
+``forward_backward_mini_batch``, its ``ppo_policy_loss``, ``remove_left_padding``, log-prob code)
+runs under the worker's real ``_forward_logprobs``, ``_reorder_megatron_forward_output``,
+``_pad_microbatch_to_size`` and ``forward_backward`` (lifted from the patched
+``megatron_worker.py``). Advantages are pre-scaled by SkyRL's own
+``apply_loss_reduction_to_advantages_minibatch`` over the whole mini-batch, then the mini-batch is
+sharded over the DP ranks as SkyRL's dispatch does (contiguous chunks). Checked: gradients equal
+a single process running each sample alone (relative 1e-5), log-probs come back in sample order
+(absolute 1e-5), for token-mean and sequence-mean, a step-wise (multi-turn) batch, and a step
+with fewer samples than DP ranks (one rank holds only placeholders); with the flag off the
+patched tree is bitwise the stock one.
+
+What is not SkyRL's in these runs, and why:
+
+* modules SkyRL imports that are not installed here and need Ray, a GPU or downloads are stubbed:
+  ``ray`` (``remote`` an identity, ``is_initialized`` False), ``vllm``, ``transformers``,
+  ``datasets``, ``cloudpathlib``, ``pydantic``, ``skyrl_gym``, ``megatron.bridge``,
+  ``huggingface_hub`` (:data:`STUBBED`; only those missing are stubbed);
+* the worker class: its methods above are lifted from the patched source and bound to a small
+  host object, because ``MegatronPolicyWorkerBase.__init__`` builds the model through Megatron
+  Bridge from a Hugging Face checkpoint and runs as a Ray actor;
+* the model is the tiny GPT of ``megatron_dynbatch.tools.testing`` behind a chunk that gives it
+  a causal mask (SkyRL hands Transformer Engine a padding mask; real tokens come first after its
+  ``remove_left_padding``, so causal is the same attention); ``remove_microbatch_padding`` (THD)
+  is off because THD attention needs Transformer Engine;
+* the wrapper's ``_copy_tensor_dict_to_device`` (a move to ``torch.cuda.current_device()``) is an
+  identity: the tensors are on the CPU already;
+* SkyRL's ``_defer_finalize_model_grads`` runs as in SkyRL: the test calls the wrapper's
+  ``run_pending_grad_sync`` where ``optim_step`` would.
+
+Without ``SKYRL_DIR`` these tests are skipped (the drop-in is tested in
+``tests/unit/test_skyrl_plan.py``).
+"""
+
+import os
+import pathlib
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
+
+apply_cpu_shim()
+
+from megatron_dynbatch.tools.testing.workers import Layout, run_on_ranks  # noqa: E402
+
+pytestmark = pytest.mark.skyrl
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+APPLY = REPO / "launch" / "apply_skyrl_patches.sh"
+SKYRL_DIR = os.environ.get("SKYRL_DIR")
+REL_TOL = 1e-5
+SEED = 11
+VOCAB = 128
+WORKER = pathlib.Path("skyrl/backends/skyrl_train/workers/megatron/megatron_worker.py")
+#: Modules SkyRL imports that need Ray, a GPU or downloads; stubbed when not installed.
+STUBBED = (
+    "ray",
+    "vllm",
+    "transformers",
+    "datasets",
+    "cloudpathlib",
+    "pydantic",
+    "skyrl_gym",
+    "huggingface_hub",
+)
+#: Worker methods lifted from the patched megatron_worker.py (the real code that runs).
+LIFTED = (
+    "_forward_logprobs",
+    "_reorder_megatron_forward_output",
+    "_pad_microbatch_to_size",
+    "_drop_pixel_values_on_non_first_pp_stage",
+    "forward_backward",
+)
+
+needs_skyrl = pytest.mark.skipif(
+    not SKYRL_DIR,
+    reason="SKYRL_DIR is not set: point it at a SkyRL checkout (commit in "
+    "patches/skyrl/README.md) to run SkyRL's Megatron worker code with the patches applied",
+)
+
+
+@pytest.fixture(scope="module")
+def patched_skyrl(tmp_path_factory):
+    root = tmp_path_factory.mktemp("skyrl_patched")
+    shutil.copytree(
+        pathlib.Path(SKYRL_DIR) / "skyrl",
+        root / "skyrl",
+        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
+    )
+    result = subprocess.run(["bash", str(APPLY), str(root)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("applied") == len(list((REPO / "patches" / "skyrl").glob("*.patch")))
+    return str(root)
+
+
+@needs_skyrl
+def test_apply_is_idempotent_and_refuses_other_trees(tmp_path, patched_skyrl):
+    again = subprocess.run(["bash", str(APPLY), patched_skyrl], capture_output=True, text=True)
+    assert again.returncode == 0 and "already applied" in again.stdout
+    shutil.copytree(pathlib.Path(SKYRL_DIR) / "skyrl", tmp_path / "skyrl")
+    worker = tmp_path / WORKER
+    # Another SkyRL: a context line of patch 0002 differs.
+    worker.write_text(
+        worker.read_text().replace(
+            "        use_token_batching = self.cfg.max_tokens_per_microbatch > 0\n",
+            "        use_token_batching = self.cfg.max_tokens_per_microbatch >= 1\n",
+        )
+    )
+    before = {p: p.read_bytes() for p in (tmp_path / "skyrl").rglob("*.py")}
+    refused = subprocess.run(["bash", str(APPLY), str(tmp_path)], capture_output=True, text=True)
+    assert refused.returncode == 1 and "nothing was changed" in refused.stderr
+    assert before == {p: p.read_bytes() for p in (tmp_path / "skyrl").rglob("*.py")}
+
+
+# -- running SkyRL's code on a rank -------------------------------------------------------------
+
+
+def _install_stubs():
+    """Register stand-ins for the STUBBED modules that are not installed; return their names."""
+    import importlib.abc
+    import importlib.machinery
+    import sys
+    import types
+
+    missing = [m for m in STUBBED if importlib.machinery.PathFinder.find_spec(m) is None]
+    # megatron.bridge (Megatron Bridge: HF checkpoint conversion) is a separate distribution.
+    bridge = importlib.util.find_spec("megatron.bridge") is None
+
+    class _Anything(type):
+        def __getattr__(cls, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return _Anything(name, (), {})
+
+        def __call__(cls, *args, **kwargs):
+            # Stubbed decorators and annotations (pydantic's Discriminator("type"), ...).
+            return _Anything(cls.__name__, (), {})
+
+    class _StubModule(types.ModuleType):
+        __stub__ = True
+
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            value = _Anything(name, (), {})
+            setattr(self, name, value)
+            return value
+
+    class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path, target=None):
+            stub = name.split(".")[0] in missing
+            stub = stub or (
+                bridge and (name == "megatron.bridge" or name.startswith("megatron.bridge."))
+            )
+            if stub:
+                return importlib.machinery.ModuleSpec(name, self, is_package=True)
+            return None
+
+        def create_module(self, spec):
+            module = _StubModule(spec.name)
+            module.__path__ = []
+            if spec.name == "ray":
+
+                def remote(*args, **kwargs):
+                    if len(args) == 1 and callable(args[0]) and not kwargs:
+                        return args[0]
+                    return lambda f: f
+
+                module.remote = remote
+                module.is_initialized = lambda: False
+            return module
+
+        def exec_module(self, module):
+            pass
+
+    if not any(type(f).__name__ == "_Finder" for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+    return missing + (["megatron.bridge"] if bridge else [])
+
+
+_SKYRL_ROOTS = set()
+
+
+def _import_skyrl(skyrl_root):
+    """Put ``skyrl_root`` first on ``sys.path`` and forget a SkyRL imported from another root."""
+    import sys
+
+    for name in [n for n in sys.modules if n == "skyrl" or n.startswith("skyrl.")]:
+        del sys.modules[name]
+    sys.path[:] = [p for p in sys.path if p not in _SKYRL_ROOTS]
+    _SKYRL_ROOTS.add(skyrl_root)
+    sys.path.insert(0, skyrl_root)
+
+
+def _lifted_worker_class(skyrl_root):
+    """A class whose methods are the LIFTED ones, compiled from the (patched) worker source in a
+    namespace holding that module's own imports."""
+    import ast
+
+    path = pathlib.Path(skyrl_root) / WORKER
+    tree = ast.parse(path.read_text())
+    namespace = {"__name__": "skyrl_worker_lifted"}
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            try:
+                exec(
+                    compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), namespace
+                )
+            except ImportError:
+                # Checkpointing / weight-sync imports this megatron-core lacks; the lifted
+                # methods do not use them (a name they did use would fail loudly at the call).
+                pass
+    methods = {}
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        if cls.name not in ("MegatronWorker", "MegatronPolicyWorkerBase"):
+            continue
+        for fn in cls.body:
+            if isinstance(fn, ast.FunctionDef) and fn.name in LIFTED:
+                methods[fn.name] = fn
+    assert set(methods) == set(LIFTED), sorted(methods)
+    body = ast.ClassDef(
+        name="LiftedMegatronWorker",
+        bases=[],
+        keywords=[],
+        body=list(methods.values()),
+        decorator_list=[],
+        type_params=[],
+    )
+    module = ast.fix_missing_locations(ast.Module(body=[body], type_ignores=[]))
+    exec(compile(module, str(path), "exec"), namespace)
+    return namespace["LiftedMegatronWorker"]
+
+
+def _torch_on_cpu():
+    """``torch`` for the wrapper module, whose ``torch.cuda.current_device()`` names the CPU."""
+    import types
+
+    cuda = types.SimpleNamespace(current_device=lambda: "cpu")
+    cuda_proxy = type("CudaOnCpu", (), {"__getattr__": lambda self, n: getattr(torch.cuda, n)})
+    proxy_cuda = cuda_proxy()
+    proxy_cuda.current_device = cuda.current_device
+
+    class TorchOnCpu(types.ModuleType):
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+    module = TorchOnCpu("torch")
+    module.cuda = proxy_cuda
+    return module
+
+
+class _Strategy:
+    """SkyRL's strategy ``all_reduce`` of a metrics dict over a group (what the worker calls)."""
+
+    def all_reduce(self, metrics, op="mean", group=None):
+        import torch.distributed as dist
+
+        out = {}
+        for key in sorted(metrics):
+            value = torch.tensor(float(metrics[key]), dtype=torch.float64)
+            if op == "mean":
+                dist.all_reduce(value, group=group)
+                value /= dist.get_world_size(group)
+            else:
+                dist.all_reduce(value, op=getattr(dist.ReduceOp, op.upper()), group=group)
+            out[key] = float(value)
+        return out
+
+
+def _causal_chunk(ddp_chunk):
+    """SkyRL's model call ``model(ids, position_ids, te_padding_mask, packed_seq_params=None)``
+    on the tiny GPT: real tokens come first after ``remove_left_padding``, so a causal mask gives
+    them the attention they get in SkyRL; padded positions are discarded by SkyRL afterwards."""
+    from megatron_dynbatch.mcore.forward import build_attention_mask
+
+    class Causal(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self._modules["module"], name)
+
+        def forward(self, input_ids, position_ids, attention_mask, packed_seq_params=None, **kw):
+            assert packed_seq_params is None and not kw, (packed_seq_params, kw)
+            batch, length = position_ids.shape
+            mask = build_attention_mask(torch.zeros(batch, length, dtype=torch.int64))
+            return self.module(input_ids, position_ids, mask)
+
+    return Causal(ddp_chunk)
+
+
+def _samples(num, stepwise, seed=SEED):
+    """(prompt tokens, response tokens, loss mask) per sample; step-wise: trajectories of 1-3
+    turns whose every turn's prompt is the trajectory so far (SkyRL's step-wise training)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    while len(out) < num:
+        prompt = torch.randint(
+            1, VOCAB, (int(torch.randint(2, 9, (1,), generator=gen)),), generator=gen
+        )
+        turns = int(torch.randint(1, 4, (1,), generator=gen)) if stepwise else 1
+        for _ in range(turns):
+            if len(out) == num:
+                break
+            response = torch.randint(
+                1, VOCAB, (int(torch.randint(2, 13, (1,), generator=gen)),), generator=gen
+            )
+            mask = (torch.rand(response.numel(), generator=gen) > 0.2).to(torch.int64)
+            out.append((prompt, response, mask))
+            prompt = torch.cat([prompt, response, torch.randint(1, VOCAB, (2,), generator=gen)])
+    return out
+
+
+def _minibatch(samples, loss_reduction, seed=SEED):
+    """SkyRL's padded mini-batch: prompts left-padded, responses right-padded, advantages
+    pre-scaled by SkyRL's own ``apply_loss_reduction_to_advantages_minibatch``."""
+    from skyrl.backends.skyrl_train.utils.ppo_utils import (
+        apply_loss_reduction_to_advantages_minibatch,
+    )
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    n = len(samples)
+    prompt_len = max(p.numel() for p, _, _ in samples)
+    response_len = max(r.numel() for _, r, _ in samples)
+    sequences = torch.zeros((n, prompt_len + response_len), dtype=torch.int64)
+    attention = torch.zeros_like(sequences)
+    loss_mask = torch.zeros((n, response_len), dtype=torch.int64)
+    response_mask = torch.zeros_like(loss_mask)
+    for i, (p, r, m) in enumerate(samples):
+        sequences[i, prompt_len - p.numel() : prompt_len] = p
+        sequences[i, prompt_len : prompt_len + r.numel()] = r
+        attention[i, prompt_len - p.numel() : prompt_len + r.numel()] = 1
+        loss_mask[i, : r.numel()] = m
+        response_mask[i, : r.numel()] = 1
+    advantages = torch.randn((n, response_len), generator=gen) * response_mask
+    scaled = apply_loss_reduction_to_advantages_minibatch(
+        advantages, loss_mask, loss_reduction, micro_batch_size=1, max_seq_len=response_len
+    )
+    return {
+        "sequences": sequences,
+        "attention_mask": attention,
+        "loss_mask": loss_mask,
+        "response_mask": response_mask,
+        "advantages": scaled,
+        "base_action_log_probs": torch.zeros((n, response_len)),
+        "rollout_logprobs": None,
+    }
+
+
+def _shard(full, dp, dp_rank):
+    """SkyRL's dispatch: contiguous chunks of the mini-batch per DP rank (the last may be short,
+    or empty when there are fewer samples than ranks)."""
+    n = full["sequences"].shape[0]
+    per = -(-n // dp)
+    lo, hi = min(n, dp_rank * per), min(n, (dp_rank + 1) * per)
+    return {k: None if v is None else v[lo:hi] for k, v in full.items()}, list(range(lo, hi))
+
+
+def _skyrl_body(skyrl_root, num, stepwise, loss_reduction, budget, dynamic=True):
+    import dataclasses
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    stubbed = _install_stubs()
+    _import_skyrl(skyrl_root)
+    from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
+    from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
+    from skyrl.backends.skyrl_train.workers.megatron import megatron_model_wrapper
+    from skyrl.train.config import TrainerConfig
+
+    from megatron_dynbatch.tools.testing.tiny_gpt import (
+        build_tiny_gpt,
+        make_schedule_config_safe,
+        named_global_grads,
+        tiny_transformer_config,
+        wrap_in_ddp,
+    )
+
+    assert megatron_model_wrapper.__file__.startswith(skyrl_root)
+    # The wrapper moves each micro-batch to torch.cuda.current_device(); on CPU it is already home.
+    megatron_model_wrapper._copy_tensor_dict_to_device = lambda batch, device: batch
+    megatron_model_wrapper.torch = _torch_on_cpu()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    dp = ps.get_data_parallel_world_size()
+    dp_rank = ps.get_data_parallel_rank()
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    config = tiny_transformer_config(
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+    )
+    # SkyRL's worker sets variable_seq_lengths (megatron_worker.py: provider.variable_seq_lengths).
+    config = dataclasses.replace(
+        config, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall"
+    )
+    make_schedule_config_safe(config)
+    ddp_chunks = wrap_in_ddp(build_tiny_gpt(config, seed=SEED))
+    chunks = [_causal_chunk(c) for c in ddp_chunks]
+
+    cfg = TrainerConfig()
+    cfg.remove_microbatch_padding = False
+    cfg.algorithm.use_kl_loss = False
+    cfg.algorithm.use_entropy_loss = False
+    cfg.algorithm.loss_reduction = loss_reduction
+    cfg.algorithm.temperature = 1.0
+    cfg.max_tokens_per_microbatch = budget
+    cfg.use_dynamic_batch_size = dynamic
+    cfg.micro_train_batch_size_per_gpu = 2
+    cfg.micro_forward_batch_size_per_gpu = 2
+    wrapper = megatron_model_wrapper.MegatronModelWrapper(
+        cfg,
+        chunks,
+        policy_loss_fn=PolicyLossRegistry.get(cfg.algorithm.policy_loss_type),
+    )
+
+    worker = _lifted_worker_class(skyrl_root)()
+    worker.cfg = cfg
+    worker.model = wrapper
+    worker.actor_module = chunks
+    worker.optimizer = None
+    worker.enable_router_replay = False
+    worker.empty_cuda_cache = False
+    worker.strategy = _Strategy()
+
+    full = _minibatch(_samples(num, stepwise), loss_reduction)
+    mine, positions = _shard(full, dp, dp_rank)
+    data = TrainingInputBatch(mine)
+    data.metadata = {"response_length": full["loss_mask"].shape[1]}
+
+    log_probs = worker._forward_logprobs(data)
+    # Old log-probs for the PPO ratio: the last stage's, on every stage of this pipeline.
+    holder = [log_probs if ps.is_pipeline_last_stage(ignore_virtual=True) else None]
+    dist.broadcast_object_list(
+        holder,
+        src=ps.get_pipeline_model_parallel_last_rank(),
+        group=ps.get_pipeline_model_parallel_group(),
+    )
+    old = holder[0].clone()
+    data["action_log_probs"] = old
+    for chunk in ddp_chunks:
+        chunk.zero_grad_buffer()
+    output = worker.forward_backward(data)
+    wrapper.run_pending_grad_sync()
+    return {
+        "stubbed": stubbed,
+        "grads": {k: v.clone() for k, v in named_global_grads(ddp_chunks).items()},
+        "log_probs": old,
+        "positions": positions,
+        "metrics": dict(output.metrics),
+    }
+
+
+def _reference_body(num, stepwise, loss_reduction, skyrl_root):
+    """Each sample alone through a single-process tiny GPT: the summed pre-scaled PPO loss at
+    ratio 1 (SkyRL's policy loss is a sum over tokens of pre-scaled advantages)."""
+    _install_stubs()
+    _import_skyrl(skyrl_root)
+    from megatron_dynbatch.mcore.forward import build_attention_mask
+    from megatron_dynbatch.tools.testing.tiny_gpt import (
+        build_tiny_gpt,
+        named_global_grads,
+        tiny_transformer_config,
+    )
+
+    samples = _samples(num, stepwise)
+    full = _minibatch(samples, loss_reduction)
+    [model] = build_tiny_gpt(tiny_transformer_config(), seed=SEED)
+
+    def response_log_probs(i):
+        p, r, _ = samples[i]
+        tokens = torch.cat([p, r])
+        length = tokens.numel()
+        logits = model(
+            tokens.unsqueeze(0),
+            torch.arange(length).unsqueeze(0),
+            build_attention_mask(torch.zeros(1, length, dtype=torch.int64)),
+        )[0]
+        scored = torch.log_softmax(logits.float(), dim=-1)[p.numel() - 1 : length - 1]
+        return scored.gather(1, r.unsqueeze(1)).squeeze(1)
+
+    model.zero_grad()
+    total = 0.0
+    log_probs = []
+    for i, (_, r, m) in enumerate(samples):
+        lp = response_log_probs(i)
+        log_probs.append(lp.detach())
+        adv = full["advantages"][i, : r.numel()]
+        total = total + (-adv * torch.exp(lp - lp.detach()) * m).sum()
+    total.backward()
+    return {"grads": named_global_grads([model]), "log_probs": log_probs, "samples": samples}
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+CASES = [
+    # (world, layout, samples, step-wise, loss reduction, budget)
+    pytest.param(2, Layout(pp=2), 9, False, "token_mean", 40, id="pp2-dp1-token-mean"),
+    pytest.param(4, Layout(pp=2), 9, False, "token_mean", 40, id="pp2-dp2-token-mean"),
+    pytest.param(4, Layout(pp=2), 8, True, "sequence_mean", 48, id="pp2-dp2-stepwise-seq-mean"),
+    pytest.param(4, Layout(pp=2), 1, False, "token_mean", 40, id="pp2-dp2-fewer-samples-than-dp"),
+    pytest.param(2, Layout(pp=2, vpp=2), 9, True, "token_mean", 40, id="pp2-vpp2-stepwise"),
+]
+
+
+@needs_skyrl
+@pytest.mark.parametrize("world, layout, num, stepwise, reduction, budget", CASES)
+def test_skyrl_forward_backward_and_logprobs_match_reference(
+    patched_skyrl, world, layout, num, stepwise, reduction, budget
+):
+    results = run_on_ranks(
+        world, _skyrl_body, patched_skyrl, num, stepwise, reduction, budget, layout=layout
+    )
+    [reference] = run_on_ranks(
+        1, _reference_body, num, stepwise, reduction, patched_skyrl, layout=Layout()
+    )
+    merged = {}
+    for r in results:
+        merged.update(r["grads"])  # every rank holds the DP-reduced gradients of its stage
+    assert set(merged) == set(reference["grads"])
+    worst = 0.0
+    for name, ref in reference["grads"].items():
+        err = _rel(merged[name], ref)
+        worst = max(worst, err)
+        assert err <= REL_TOL, (name, err)
+    worst_lp = 0.0
+    seen = set()
+    for r in results:
+        for row, position in enumerate(r["positions"]):
+            seen.add(position)
+            want = reference["log_probs"][position]
+            got = r["log_probs"][row, : want.numel()]
+            worst_lp = max(worst_lp, float((got - want).abs().max()))
+    assert seen == set(range(num))
+    assert worst_lp <= 1e-5
+    if num < world // layout.pp:
+        assert any(not r["positions"] for r in results)
+    print(
+        f"\n[skyrl {layout} dp={world // layout.pp} {reduction} stepwise={stepwise}] grad rel "
+        f"diff max={worst:.2e} log-prob abs diff max={worst_lp:.2e} "
+        f"microbatches={results[0]['metrics'].get('num_microbatches')} "
+        f"stubbed={results[0]['stubbed']}"
+    )
+
+
+@needs_skyrl
+def test_with_the_flag_off_patched_skyrl_is_bitwise_stock(patched_skyrl):
+    """Every patched line runs only with trainer.use_dynamic_batch_size: with it off (SkyRL's own
+    TokenBasedBatchIterator at the same budget) the patched tree and the stock checkout give
+    bitwise the same log-probs and gradients."""
+    runs = {
+        name: run_on_ranks(
+            4, _skyrl_body, root, 9, False, "token_mean", 40, dynamic=False, layout=Layout(pp=2)
+        )
+        for name, root in (("patched", patched_skyrl), ("stock", str(pathlib.Path(SKYRL_DIR))))
+    }
+    for mine, theirs in zip(runs["patched"], runs["stock"], strict=True):
+        assert mine["grads"].keys() == theirs["grads"].keys()
+        for name, grad in mine["grads"].items():
+            assert torch.equal(grad, theirs["grads"][name]), name
+        assert torch.equal(mine["log_probs"], theirs["log_probs"])

@@ -1,0 +1,189 @@
+"""The SkyRL mini-batch plan and iterator (no SkyRL checkout needed): equal counts, every sample
+once, the budget, placeholders with every key, sample order restored, exact pre-scaled loss."""
+
+import random
+
+import pytest
+import torch
+
+from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.integrations.skyrl.iterator import (
+    PlannedBatchIterator,
+    placeholder_rows,
+    planned_microbatch_iterator,
+)
+from megatron_dynbatch.integrations.skyrl.plan import plan_skyrl_minibatch
+
+pytestmark = pytest.mark.unit
+
+
+class Batch(dict):
+    """SkyRL's TrainingInputBatch interface as the iterator uses it: a dict with ``metadata``."""
+
+    metadata = None
+
+
+def _batch(lengths, seq_len=16, num_actions=6, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    n = len(lengths)
+    attention = torch.zeros((n, seq_len), dtype=torch.int64)
+    for i, length in enumerate(lengths):
+        attention[i, seq_len - length :] = 1  # left padded, as SkyRL's prompts are
+    loss_mask = torch.zeros((n, num_actions), dtype=torch.int64)
+    for i, length in enumerate(lengths):
+        loss_mask[i, num_actions - min(num_actions, length) :] = 1
+    batch = Batch(
+        {
+            "sequences": torch.randint(1, 50, (n, seq_len), generator=gen),
+            "attention_mask": attention,
+            "loss_mask": loss_mask,
+            "response_mask": loss_mask.clone(),
+            "advantages": torch.randn((n, num_actions), generator=gen),
+            "action_log_probs": torch.randn((n, num_actions), generator=gen),
+            "base_action_log_probs": None,
+        }
+    )
+    batch.metadata = {"response_length": num_actions}
+    return batch
+
+
+def _check_plan(plan, lengths_per_rank, budget):
+    for rank, lengths in enumerate(lengths_per_rank):
+        seen = sorted(i for mb in plan.ranks[rank] for i in mb)
+        assert seen == list(range(len(lengths))), "every sample exactly once"
+        assert len(plan.ranks[rank]) <= plan.num_microbatches
+        for mb in plan.ranks[rank]:
+            assert 1 <= len(mb) <= plan.rows
+            tokens = sum(lengths[i] for i in mb)
+            assert tokens <= budget or len(mb) == 1, (rank, mb, tokens)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("pp,vpp", [(1, 1), (2, 1), (2, 2), (4, 2)])
+def test_plan_covers_every_sample_with_equal_counts(seed, pp, vpp):
+    rng = random.Random(seed)
+    dp = rng.randint(1, 4)
+    budget = rng.choice([32, 64, 100])
+    lengths = [[rng.randint(1, 80) for _ in range(rng.randint(0, 9))] for _ in range(dp)]
+    plan = plan_skyrl_minibatch(lengths, budget, pp_size=pp, vpp_size=vpp)
+    _check_plan(plan, lengths, budget)
+    if vpp > 1:
+        assert plan.num_microbatches % pp == 0
+    assert plan.oversize == tuple(
+        (r, i) for r, row in enumerate(lengths) for i, n in enumerate(row) if n > budget
+    )
+    again = plan_skyrl_minibatch(lengths, budget, pp_size=pp, vpp_size=vpp)
+    assert again.fingerprint() == plan.fingerprint()
+
+
+def test_fewer_samples_than_dp_ranks_gives_placeholder_only_ranks():
+    plan = plan_skyrl_minibatch([[5], [], [], [7]], 16, pp_size=2)
+    assert plan.num_microbatches == 1
+    assert [plan.placeholders(r) for r in range(4)] == [0, 1, 1, 0]
+
+
+@pytest.mark.parametrize(
+    "lengths,budget,match",
+    [
+        ([[3, 0]], 8, "sample 1 has 0 real tokens"),
+        ([[3]], 0, "max_tokens_per_microbatch=0"),
+        ([[3]], 2.5, "must be an integer"),
+        ([], 8, "lengths_per_rank is empty"),
+    ],
+)
+def test_bad_input_is_a_value_error(lengths, budget, match):
+    with pytest.raises(DynBatchValueError, match=match):
+        plan_skyrl_minibatch(lengths, budget)
+
+
+def test_placeholders_have_every_key_dtype_and_width():
+    data = _batch([4, 9, 3])
+    rows = placeholder_rows(data, 2)
+    assert set(rows) == set(data)
+    for key, value in data.items():
+        if value is None:
+            assert rows[key] is None
+            continue
+        assert rows[key].dtype == value.dtype and rows[key].shape == (2, *value.shape[1:])
+    assert rows["attention_mask"].sum(dim=1).tolist() == [1, 1]
+    for key in ("loss_mask", "advantages", "response_mask"):
+        assert not rows[key].any()
+
+
+def test_non_tensor_values_are_refused():
+    data = _batch([4])
+    data["pixel_values"] = [torch.zeros(2)]
+    with pytest.raises(DynBatchValueError, match="'pixel_values' is a list"):
+        placeholder_rows(data, 1)
+
+
+def test_iterator_yields_uniform_microbatches_and_restores_order():
+    lengths = [10, 3, 14, 2, 7, 9]
+    data = _batch(lengths)
+    # Another rank with more micro-batches forces placeholders here.
+    plan = plan_skyrl_minibatch([lengths, [16] * 5], 16)
+    iterator = PlannedBatchIterator(data, plan, 0)
+    batches = list(iterator)
+    assert len(batches) == len(iterator) == plan.num_microbatches == 5
+    assert iterator.num_padding_microbatches == 5 - len(plan.ranks[0]) > 0
+    for m, batch in enumerate(batches):
+        assert set(batch) == set(data)
+        assert batch["sequences"].shape == (plan.rows, 16)
+        is_padding = m >= len(plan.ranks[0])
+        assert batch.metadata.get("is_padding_batch", False) == is_padding
+        assert batch.metadata["response_length"] == 6
+        real = 0 if is_padding else len(plan.ranks[0][m])
+        assert not batch["loss_mask"][real:].any()
+    restored = iterator.reorder_and_combine_batches(batches)
+    for key, value in data.items():
+        if value is None:
+            assert restored[key] is None
+        else:
+            assert torch.equal(restored[key], value), key
+
+
+def test_restore_refuses_a_wrong_count():
+    data = _batch([3, 4])
+    iterator = PlannedBatchIterator(data, plan_skyrl_minibatch([[3, 4]], 4), 0)
+    outputs = [b["advantages"] for b in iterator]
+    with pytest.raises(DynBatchValueError, match="micro-batch outputs for"):
+        iterator.restore(outputs[:-1])
+
+
+def test_plan_for_other_samples_is_refused():
+    with pytest.raises(DynBatchValueError, match="covers samples"):
+        PlannedBatchIterator(_batch([3, 4, 5]), plan_skyrl_minibatch([[3, 4]], 8), 0)
+
+
+def test_single_process_entry_point():
+    data = _batch([5, 5, 5, 5])
+    # Without a pipeline the fewest micro-batches win; with pp=2 more, shorter ones fill the
+    # pipeline bubble (the planner's choice, still within the budget).
+    assert [len(mb) for mb in planned_microbatch_iterator(data, 10)._microbatches] == [2, 2]
+    piped = planned_microbatch_iterator(data, 10, pp_size=2)
+    assert sorted(i for mb in piped._microbatches for i in mb) == [0, 1, 2, 3]
+
+
+def _skyrl_token_mean_loss(weight, data, microbatches):
+    """SkyRL's Megatron loss: advantages pre-scaled to a token mean over the mini-batch, each
+    micro-batch's sum multiplied by num_microbatches, and Megatron dividing by it again."""
+    total_tokens = data["loss_mask"].sum().clamp(min=1)
+    loss = 0.0
+    for mb in microbatches:
+        logp = torch.log_softmax(mb["sequences"][:, -6:, None].float() * weight, dim=-1)[..., 0]
+        adv = mb["advantages"] / total_tokens
+        policy_loss = (-(logp * adv) * mb["loss_mask"]).sum()
+        loss = loss + policy_loss * len(microbatches) / len(microbatches)
+    return loss
+
+
+def test_placeholders_keep_the_pre_scaled_token_mean_exact():
+    data = _batch([10, 3, 14, 2, 7, 9], seed=3)
+    reference_weight = torch.linspace(-0.1, 0.1, 5).requires_grad_()
+    _skyrl_token_mean_loss(reference_weight, data, [data]).backward()
+    plan = plan_skyrl_minibatch([[10, 3, 14, 2, 7, 9], [16] * 7], 16, pp_size=2, vpp_size=2)
+    planned_weight = torch.linspace(-0.1, 0.1, 5).requires_grad_()
+    batches = list(PlannedBatchIterator(data, plan, 0))
+    assert any(b.metadata.get("is_padding_batch") for b in batches)
+    _skyrl_token_mean_loss(planned_weight, data, batches).backward()
+    torch.testing.assert_close(planned_weight.grad, reference_weight.grad, rtol=0, atol=1e-6)
