@@ -43,6 +43,7 @@ from megatron_dynbatch.integrations.megatron_lm.data.documents import (
     DocumentSampleDataset,
     document_splits,
 )
+from megatron_dynbatch.integrations.megatron_lm.data.indexed_check import validate_data_paths
 from megatron_dynbatch.integrations.megatron_lm.gpt_stock import (
     check_stock_args,
     checked_loss,
@@ -284,6 +285,7 @@ def main(
         )
         check_cpu_args(args)
         check_stock_args(args)
+        validate_data_paths(args)  # .idx/.bin checked before the model is built (issue 19)
         if datasets_provider is None and _uses_documents(args):
             _check_document_args(args)
     except ValueError as error:
