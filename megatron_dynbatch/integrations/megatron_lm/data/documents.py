@@ -9,7 +9,8 @@ from the same sources:
   megatron_dynbatch.integrations.megatron_lm.data.preprocess``). A document is one sequence of the ``.idx`` (as for
   ``GPTDataset``); its length comes from the ``.idx`` without reading the ``.bin``.
 * ``--sft`` with ``--data-path FILE.jsonl``: Megatron's SFT conversations, one document per
-  conversation, loss on the responses only (:mod:`megatron_dynbatch.integrations.megatron_lm.data.conversations`).
+  line as in ``SFTDataset``, truncated at ``--seq-length``, loss on the responses only
+  (:mod:`megatron_dynbatch.integrations.megatron_lm.data.conversations`).
 * ``--mock-data``: seeded mock documents with a long-tailed (log-normal) length distribution whose
   tokens follow a learnable rule, so demos and tests need no files.
 
@@ -338,11 +339,24 @@ class DocumentBatchStream(Iterator[LazyRolloutBatch]):
         )
 
 
-def conversation_documents(paths: Sequence[str], tokenize: Callable) -> DocumentCollection:
-    """SFT conversations of JSONL files as documents (see ``conversations``)."""
-    from megatron_dynbatch.integrations.megatron_lm.data.conversations import read_conversations
+def conversation_documents(
+    paths: Sequence[str], tokenize: Callable, *, seq_length: Optional[int] = None
+) -> DocumentCollection:
+    """SFT lines of JSONL files as documents (see ``conversations``), truncated like SFTDataset.
 
-    lengths, load, name = read_conversations(paths, tokenize)
+    With ``seq_length``, prints (rank 0) one warning with the counts of blank lines skipped,
+    samples without an assistant turn, and samples that truncation leaves without loss.
+    """
+    from megatron_dynbatch.integrations.megatron_lm.data.conversations import (
+        read_conversations,
+        sft_warning,
+    )
+
+    lengths, load, name, stats = read_conversations(paths, tokenize)
+    if seq_length is not None:
+        warning = sft_warning(stats, seq_length, name)
+        if warning is not None:
+            _print_rank_0(warning)
 
     def read(document: int, offset: int, count: int) -> numpy.ndarray:
         return load(document)[0][offset : offset + count]
@@ -350,7 +364,9 @@ def conversation_documents(paths: Sequence[str], tokenize: Callable) -> Document
     def read_loss_mask(document: int, offset: int, count: int) -> numpy.ndarray:
         return load(document)[1][offset : offset + count]
 
-    return DocumentCollection(lengths=lengths, read=read, name=name, read_loss_mask=read_loss_mask)
+    return DocumentCollection(
+        lengths=lengths, read=read, name=name, read_loss_mask=read_loss_mask, truncate=True
+    )
 
 
 def document_splits(
@@ -372,7 +388,7 @@ def document_splits(
 
     def collection(paths: Sequence[str]) -> DocumentCollection:
         if conversation_tokenizer is not None:
-            return conversation_documents(paths, conversation_tokenizer)
+            return conversation_documents(paths, conversation_tokenizer, seq_length=args.seq_length)
         return indexed_documents(paths, mmap=args.mmap_bin_files)
 
     split = args.split or DEFAULT_SPLIT
@@ -443,10 +459,11 @@ def _blend(
     blended = BlendedSamples(
         parts, weights, split_index=split_index, name=f"blend {list(paths)} weights {list(weights)}"
     )
-    # The shares over the positions a run draws (train: --train-iters x --global-batch-size).
+    # The shares over one pass of the split (every part's samples once), or over what training
+    # draws (--train-iters x --global-batch-size) when that is more.
     drawn = len(blended)
     if split_index == 0 and getattr(args, "train_iters", None):
-        drawn = args.train_iters * args.global_batch_size
+        drawn = max(drawn, args.train_iters * args.global_batch_size)
     shares = ", ".join(f"{share:.4f}" for share in blended.shares(drawn))
     weights_text = ", ".join(f"{weight:.4f}" for weight in blended.weights)
     _print_rank_0(
