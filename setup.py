@@ -13,6 +13,15 @@ setup(
     # resolve a torch on its own (on CPU machines only the pinned 2.13.0 wheel is local; on GPU
     # clusters the user's CUDA torch must stay). scripts/bootstrap.sh installs the pinned set.
     install_requires=["pyyaml"],
-    extras_require={"cpu": ["torch==2.13.0", "numpy", "packaging>=24.2"]},
+    extras_require={
+        "cpu": ["torch==2.13.0", "numpy", "packaging>=24.2"],
+        # GPU clusters: install the cluster's CUDA torch first, then
+        # `pip install --no-build-isolation ".[gpu]"`. Both requirements below accept any
+        # torch >= 2.6 (megatron-core) / any torch (transformer-engine-torch), so pip keeps the
+        # installed one; --no-build-isolation stops transformer-engine's build from fetching a
+        # torch of its own. NVIDIA apex is not on PyPI (the PyPI "apex" is unrelated): build it
+        # from its repository where wanted; megatron-core runs without it.
+        "gpu": ["megatron-core==0.19.2", "transformer-engine[pytorch]>=2.0", "numpy"],
+    },
     entry_points={"console_scripts": ["megatron-dynbatch=megatron_dynbatch.tools.cli:main"]},
 )

@@ -151,7 +151,7 @@ def test_indexed_documents_name_a_missing_prefix(tmp_path):
         indexed_documents([str(tmp_path / "nothing")])
 
 
-# --- SFT conversations (--sft): one sample per conversation, loss on the responses only ----------
+# --- SFT conversations (--sft): one sample per line, truncated, loss on the responses only -------
 
 
 def _conversation_file(tmp_path):
@@ -203,7 +203,7 @@ def test_byte_template_trains_the_assistant_tokens_only():
     assert not mask.any()
 
 
-def test_conversations_split_at_system_messages_and_load_lazily(tmp_path):
+def test_a_line_is_one_sample_truncated_as_megatrons_sft_dataset(tmp_path, capsys):
     from megatron_dynbatch.integrations.megatron_lm.data.conversations import (
         byte_conversation_tokenizer,
     )
@@ -211,34 +211,45 @@ def test_conversations_split_at_system_messages_and_load_lazily(tmp_path):
 
     tokenize = byte_conversation_tokenizer()
     path = _conversation_file(tmp_path)
-    documents = conversation_documents([str(path)], tokenize)
+    unanswered = {"messages": [{"role": "user", "content": "no answer here"}]}
+    with open(path, "a") as handle:
+        handle.write(json.dumps(unanswered) + "\n")
+    documents = conversation_documents([str(path)], tokenize, seq_length=40)
     records = [json.loads(line) for line in path.read_text().splitlines() if line]
+    # A line is a sample; its conversations (split at system messages) are concatenated.
     expected = [
-        records[0]["messages"],
-        records[1]["messages"][:3],
-        records[1]["messages"][3:],
-    ]
-    assert len(documents) == 3
-    for index, conversation in enumerate(expected):
-        tokens, mask = tokenize(conversation)
+        tokenize(records[0]["messages"]),
+        [numpy.concatenate(p) for p in zip(tokenize(records[1]["messages"][:3]),
+                                           tokenize(records[1]["messages"][3:]), strict=True)],
+        tokenize(records[2]["messages"]),
+    ]  # fmt: skip
+    assert len(documents) == 3 and documents.truncate
+    for index, (tokens, mask) in enumerate(expected):
         assert int(documents.lengths[index]) == tokens.shape[0]
         assert numpy.array_equal(documents.read(index, 0, tokens.shape[0]), tokens)
         assert numpy.array_equal(documents.read_loss_mask(index, 3, 9), mask[3:12])
-    # As samples: a conversation longer than max_length is cut, its loss mask cut with it.
+    # One warning with the counts: the blank line, the line without an answer, and the first two
+    # lines, whose first answers start at tokens 54 and 41 (truncation leaves them without loss).
+    out = capsys.readouterr().out
+    assert out.count("WARNING:") == 1
+    assert "1 blank lines skipped" in out
+    assert "1 of 3 samples have no assistant turn and train with zero loss tokens" in out
+    assert "2 samples start their first answer at or after --seq-length 40" in out
+    # As samples: a line longer than max_length is cut at the right, never split into pieces.
     samples = SplitSamples(documents, 0, 3, max_length=40, seed=0, split_index=0)
-    tokens = {}
-    masks = {}
-    for position in range(len(samples)):
-        piece = samples._piece(position)
+    assert len(samples) == 3
+    seen = set()
+    for position in range(3):
+        index = int(samples.document[samples._piece(position)])
         sample = samples.sample_at(position)
-        assert sample["loss_mask"].shape == sample["tokens"].shape
-        key = (int(samples.document[piece]), int(samples.offset[piece]))
-        tokens[key], masks[key] = sample["tokens"], sample["loss_mask"]
-    for index, conversation in enumerate(expected):
-        want_tokens, want_mask = tokenize(conversation)
-        pieces = sorted(k for k in tokens if k[0] == index)
-        assert torch.equal(torch.cat([tokens[k] for k in pieces]), torch.as_tensor(want_tokens))
-        assert torch.equal(torch.cat([masks[k] for k in pieces]), torch.as_tensor(want_mask))
+        tokens, mask = expected[index]
+        assert torch.equal(sample["tokens"], torch.as_tensor(tokens[:40]))
+        assert torch.equal(sample["loss_mask"], torch.as_tensor(mask[:40]))
+        seen.add(index)
+    assert seen == {0, 1, 2}
+    assert samples.lengths_at(range(3)) == [
+        min(40, expected[int(samples.document[samples._piece(p)])][0].shape[0]) for p in range(3)
+    ]
 
 
 @pytest.mark.parametrize(

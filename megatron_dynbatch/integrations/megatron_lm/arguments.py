@@ -168,6 +168,13 @@ def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.Argument
         help="YAML file of dynamic-batching settings (keys: see configs/dynbatch.yaml); flags "
         "given on the command line override it.",
     )
+    group.add_argument(
+        "--dynamic-batch-reference-thd-attention",
+        action="store_true",
+        help="With --transformer-impl local: pass packed rows to the model as THD PackedSeqParams "
+        "(the transformer-engine path) and attend with megatron_dynbatch's torch reference of "
+        "TE's THD attention. Tests the GPU path on machines without CUDA; slow (dense scores).",
+    )
     from .calibration import add_calibration_args  # torch: only where Megatron parses flags
 
     add_calibration_args(group)

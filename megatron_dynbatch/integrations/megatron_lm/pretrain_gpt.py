@@ -43,6 +43,7 @@ from megatron_dynbatch.integrations.megatron_lm.data.documents import (
     DocumentSampleDataset,
     document_splits,
 )
+from megatron_dynbatch.integrations.megatron_lm.data.indexed_check import validate_data_paths
 from megatron_dynbatch.integrations.megatron_lm.gpt_stock import (
     check_stock_args,
     checked_loss,
@@ -50,6 +51,10 @@ from megatron_dynbatch.integrations.megatron_lm.gpt_stock import (
     stock_forward_step,
 )
 from megatron_dynbatch.mcore.forward import build_attention_mask, packed_seq_params_from_batch
+from megatron_dynbatch.mcore.thd_attention import (
+    check_reference_attention_args,
+    with_thd_reference_attention,
+)
 from megatron_dynbatch.runtime import microbatch_loss
 
 __all__ = [
@@ -172,7 +177,7 @@ def document_forward_step(data_iterator, model):
     timers("batch-generator").stop()
     packed_seq_params = None
     attention_mask = None
-    if args.transformer_impl == "transformer_engine":
+    if args.transformer_impl == "transformer_engine" or args.dynamic_batch_reference_thd_attention:
         if batch["tokens"].shape[0] == 1 and "cu_seqlens" in batch:
             packed_seq_params = packed_seq_params_from_batch(batch)
     else:
@@ -284,6 +289,8 @@ def main(
         )
         check_cpu_args(args)
         check_stock_args(args)
+        validate_data_paths(args)  # .idx/.bin checked before the model is built (issue 19)
+        check_reference_attention_args(args, document_samples=_uses_documents(args))
         if datasets_provider is None and _uses_documents(args):
             _check_document_args(args)
     except ValueError as error:
@@ -303,7 +310,10 @@ def main(
         if args.transformer_impl == "local":
             from megatron.training.models.gpt import default_layer_spec
 
-            model_config.transformer_layer_spec = _arbitrary_mask_spec(default_layer_spec)
+            spec = _arbitrary_mask_spec
+            if args.dynamic_batch_reference_thd_attention:
+                spec = with_thd_reference_attention  # THD as on GPUs (mcore/thd_attention.py)
+            model_config.transformer_layer_spec = spec(default_layer_spec)
         provider, forward_step = document_datasets_provider, document_forward_step
     else:
         provider, forward_step = stock_datasets_provider, stock_forward_step

@@ -1,11 +1,21 @@
-"""SFT conversations from JSONL (``--sft``): one sample per conversation, loss on responses only.
+"""SFT conversations from JSONL (``--sft``): one sample per line, loss on responses only.
 
 The input is Megatron-LM's SFT format (``megatron/training/datasets/sft_dataset.py``): one JSON
 object per line with a ``messages`` list of ``{"role": "system" | "user" | "assistant",
 "content": str}``; a line may hold several conversations, each starting at a ``system`` message.
-Megatron's ``SFTDataset`` packs conversations into ``--seq-length`` rows itself; dynamic batching
-needs them one by one, so this module reads them as documents for
-:mod:`megatron_dynbatch.integrations.megatron_lm.data.documents`, with a loss mask that trains the assistant tokens only.
+The samples follow Megatron's ``SFTDataset``:
+
+* a sample is a line (``SFTDataset`` counts lines: ``--global-batch-size`` lines per step); its
+  conversations are tokenized one by one and concatenated;
+* a line longer than ``--seq-length`` is truncated at the right (never cut into several samples),
+  so a long answer loses its end, and conversations after the cut are dropped;
+* a line without an assistant turn still is a sample, with zero loss tokens; blank lines are
+  skipped. Both are counted in one start-up warning, with the lines truncation leaves without loss.
+
+One difference remains: ``SFTDataset`` hands the conversations of a line to transformer-engine as
+separate THD segments (attention and positions restart at each conversation); here a line is one
+segment, so a line's later conversations attend to its earlier ones. Lines of one conversation
+(the usual layout) are identical. The loss mask trains the assistant tokens only.
 
 Tokenization, picked from the Megatron tokenizer:
 
@@ -18,19 +28,21 @@ Tokenization, picked from the Megatron tokenizer:
   assistant's content and its newline, and the end-of-document token that closes a conversation
   whose last message is the assistant's.
 
-Scale: the file is read once to measure every conversation (the planner needs only lengths);
+Scale: the file is read once to measure every line (the planner needs only lengths);
 afterwards only the byte offsets of the lines are kept, and a sample's tokens are rebuilt from its
 line when a rank loads it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy
 
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.megatron_lm.data.preprocess import (
     BYTE_EOD,
     BYTE_VOCAB_SIZE,
@@ -38,11 +50,13 @@ from megatron_dynbatch.integrations.megatron_lm.data.preprocess import (
 )
 
 __all__ = [
+    "ConversationStats",
     "IGNORE_INDEX",
     "ROLES",
     "byte_conversation_tokenizer",
     "conversation_tokenizer",
     "read_conversations",
+    "sft_warning",
     "split_conversations",
 ]
 
@@ -96,7 +110,7 @@ def conversation_tokenizer(tokenizer: Any, tokenizer_type: str) -> ConversationT
     """
     if tokenizer_type == "NullTokenizer":
         if tokenizer.vocab_size < BYTE_VOCAB_SIZE or tokenizer.eod != BYTE_EOD:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"--sft with --tokenizer-type NullTokenizer uses byte tokens, which need "
                 f"--vocab-size {BYTE_VOCAB_SIZE} (end of document {BYTE_EOD}); got vocab size "
                 f"{tokenizer.vocab_size}, end of document {tokenizer.eod}."
@@ -112,7 +126,7 @@ def conversation_tokenizer(tokenizer: Any, tokenizer_type: str) -> ConversationT
         return tokens, (targets != IGNORE_INDEX).astype(numpy.float32)
 
     if not callable(getattr(tokenizer, "tokenize_conversation", None)):
-        raise ValueError(
+        raise DynBatchValueError(
             f"--sft: --tokenizer-type {tokenizer_type} cannot tokenize conversations; use "
             "--tokenizer-type SFTTokenizer (a Hugging Face --tokenizer-model and "
             "--sft-tokenizer-prompt-format) or NullTokenizer --vocab-size 257 (byte template)."
@@ -120,7 +134,7 @@ def conversation_tokenizer(tokenizer: Any, tokenizer_type: str) -> ConversationT
     try:
         tokenize([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hi"}])
     except NotImplementedError as error:
-        raise ValueError(
+        raise DynBatchValueError(
             f"--sft: --tokenizer-type {tokenizer_type} cannot tokenize conversations ({error}); "
             "use --tokenizer-type SFTTokenizer or NullTokenizer --vocab-size 257."
         ) from None
@@ -131,10 +145,12 @@ def _messages(line: bytes, where: str) -> List[Dict[str, str]]:
     try:
         record = json.loads(line)
     except ValueError as error:
-        raise ValueError(f"{where}: not a JSON object ({error}); one object per line.") from None
+        raise DynBatchValueError(
+            f"{where}: not a JSON object ({error}); one object per line."
+        ) from None
     messages = record.get("messages") if isinstance(record, dict) else None
     if not isinstance(messages, list) or not messages:
-        raise ValueError(
+        raise DynBatchValueError(
             f'{where}: needs a non-empty "messages" list of {{"role", "content"}} objects '
             f"(Megatron's SFT format); got {type(record).__name__} with keys "
             f"{sorted(record) if isinstance(record, dict) else None}."
@@ -145,31 +161,53 @@ def _messages(line: bytes, where: str) -> List[Dict[str, str]]:
             or message.get("role") not in ROLES
             or not isinstance(message.get("content"), str)
         ):
-            raise ValueError(
+            raise DynBatchValueError(
                 f"{where}: message {index} is {str(message)[:80]}; each message needs a role in "
                 f"{list(ROLES)} and a string content."
             )
     return messages
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ConversationStats:
+    """What reading the JSONL files found, for the start-up warning."""
+
+    num_lines: int
+    """Lines that became samples."""
+    num_blank_lines: int
+    """Blank lines skipped (Megatron's JSON loader skips them too)."""
+    num_without_loss: int
+    """Samples with no trained token at all (no assistant turn): trained with zero loss tokens."""
+    first_loss_token: numpy.ndarray
+    """Per sample, the index of its first trained token, or -1 (to count what truncation leaves
+    without loss)."""
+
+
 def read_conversations(
     paths: Sequence[str], tokenize: ConversationTokenizer
-) -> Tuple[numpy.ndarray, Callable[[int], Tuple[numpy.ndarray, numpy.ndarray]], str]:
-    """Measure every conversation of the JSONL files.
+) -> Tuple[
+    numpy.ndarray, Callable[[int], Tuple[numpy.ndarray, numpy.ndarray]], str, ConversationStats
+]:
+    """Measure every line of the JSONL files: one sample per line, as Megatron's ``SFTDataset``.
+
+    A line's conversations (a new one at every ``system`` message) are tokenized one by one and
+    concatenated, as ``SFTDataset`` packs them into its row.
 
     Returns:
-        ``(lengths, load, name)``: token counts (int64), ``load(conversation) -> (tokens,
-        loss_mask)``, and a description for messages.
+        ``(lengths, load, name, stats)``: token counts (int64), ``load(line) -> (tokens,
+        loss_mask)``, a description for messages, and :class:`ConversationStats`.
 
     Raises:
         ValueError: On a missing file, a malformed line (naming file and line), or no conversation.
     """
-    where_of: List[Tuple[int, int, int]] = []  # (file, byte offset of the line, conversation)
+    where_of: List[Tuple[int, int]] = []  # (file, byte offset of the line)
     lengths: List[int] = []
+    first_loss: List[int] = []
+    blank = 0
     for file_index, path in enumerate(paths):
         file = pathlib.Path(path)
         if not file.is_file():
-            raise ValueError(
+            raise DynBatchValueError(
                 f"--sft --data-path {path!r}: no such file; pass the JSONL file of conversations "
                 '(one {"messages": [...]} object per line).'
             )
@@ -177,25 +215,68 @@ def read_conversations(
         with file.open("rb") as handle:
             for number, line in enumerate(handle, start=1):
                 if line.strip():
-                    messages = _messages(line, f"{path}:{number}")
-                    for index, conversation in enumerate(split_conversations(messages)):
-                        tokens, _ = tokenize(conversation)
-                        where_of.append((file_index, offset, index))
-                        lengths.append(int(tokens.shape[0]))
+                    tokens, mask = _tokenize_line(_messages(line, f"{path}:{number}"), tokenize)
+                    where_of.append((file_index, offset))
+                    lengths.append(int(tokens.shape[0]))
+                    trained = numpy.flatnonzero(mask)
+                    first_loss.append(int(trained[0]) if trained.size else -1)
+                else:
+                    blank += 1
                 offset += len(line)
     if not lengths:
-        raise ValueError(f"--sft --data-path {list(paths)}: no conversations found.")
+        raise DynBatchValueError(f"--sft --data-path {list(paths)}: no conversations found.")
     cache: Dict[int, Tuple[numpy.ndarray, numpy.ndarray]] = {}
 
-    def load(conversation: int) -> Tuple[numpy.ndarray, numpy.ndarray]:
-        if conversation not in cache:
-            file_index, offset, index = where_of[conversation]
+    def load(sample: int) -> Tuple[numpy.ndarray, numpy.ndarray]:
+        if sample not in cache:
+            file_index, offset = where_of[sample]
             with open(paths[file_index], "rb") as handle:
                 handle.seek(offset)
                 line = handle.readline()
             messages = _messages(line, f"{paths[file_index]} at byte {offset}")
-            cache.clear()  # samples are loaded one at a time: keep the last conversation only
-            cache[conversation] = tokenize(split_conversations(messages)[index])
-        return cache[conversation]
+            cache.clear()  # samples are loaded one at a time: keep the last line only
+            cache[sample] = _tokenize_line(messages, tokenize)
+        return cache[sample]
 
-    return numpy.asarray(lengths, dtype=numpy.int64), load, f"SFT conversations {list(paths)}"
+    first = numpy.asarray(first_loss, dtype=numpy.int64)
+    stats = ConversationStats(
+        num_lines=len(lengths),
+        num_blank_lines=blank,
+        num_without_loss=int((first < 0).sum()),
+        first_loss_token=first,
+    )
+    name = f"SFT conversations {list(paths)}"
+    return numpy.asarray(lengths, dtype=numpy.int64), load, name, stats
+
+
+def _tokenize_line(
+    messages: List[Dict[str, str]], tokenize: ConversationTokenizer
+) -> Tuple[numpy.ndarray, numpy.ndarray]:
+    pieces = [tokenize(conversation) for conversation in split_conversations(messages)]
+    tokens = numpy.concatenate([piece[0] for piece in pieces])
+    mask = numpy.concatenate([piece[1] for piece in pieces])
+    return tokens, mask
+
+
+def sft_warning(stats: ConversationStats, seq_length: int, name: str) -> Optional[str]:
+    """The start-up warning about lines that train nothing or lose their answer, or None."""
+    truncated_to_nothing = int((stats.first_loss_token >= seq_length).sum())
+    parts = []
+    if stats.num_blank_lines:
+        parts.append(f"{stats.num_blank_lines} blank lines skipped")
+    if stats.num_without_loss:
+        parts.append(
+            f"{stats.num_without_loss} of {stats.num_lines} samples have no assistant turn and "
+            "train with zero loss tokens"
+        )
+    if truncated_to_nothing:
+        parts.append(
+            f"{truncated_to_nothing} samples start their first answer at or after --seq-length "
+            f"{seq_length}, so truncation leaves them without loss tokens"
+        )
+    if not parts:
+        return None
+    return (
+        f"WARNING: {name}: " + "; ".join(parts) + " (as Megatron's SFTDataset does; clean the "
+        "data or raise --seq-length to train on them)."
+    )

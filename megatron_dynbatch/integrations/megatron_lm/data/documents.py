@@ -9,12 +9,17 @@ from the same sources:
   megatron_dynbatch.integrations.megatron_lm.data.preprocess``). A document is one sequence of the ``.idx`` (as for
   ``GPTDataset``); its length comes from the ``.idx`` without reading the ``.bin``.
 * ``--sft`` with ``--data-path FILE.jsonl``: Megatron's SFT conversations, one document per
-  conversation, loss on the responses only (:mod:`megatron_dynbatch.integrations.megatron_lm.data.conversations`).
+  line as in ``SFTDataset``, truncated at ``--seq-length``, loss on the responses only
+  (:mod:`megatron_dynbatch.integrations.megatron_lm.data.conversations`).
 * ``--mock-data``: seeded mock documents with a long-tailed (log-normal) length distribution whose
   tokens follow a learnable rule, so demos and tests need no files.
 
 A document longer than ``--seq-length`` tokens becomes consecutive samples of at most
 ``--seq-length`` tokens (no token is dropped); ``--seq-length`` is therefore the longest sample.
+SFT lines are the exception, as in Megatron's ``SFTDataset``: one sample per line, cut at the right.
+A weighted blend (``--data-path 0.3 A 0.7 B``) splits every dataset on its own and draws from them
+in Megatron's ``BlendedDataset`` proportions (:mod:`.blends`); prefixes without weights are
+concatenated.
 Documents are split into train / valid / test by ``--split`` exactly as Megatron splits the
 sequences of an indexed dataset (``round(fraction * count)`` bookends), or taken whole from per-split
 paths. Each split's samples are visited in a seeded order (``--seed``), reshuffled every epoch;
@@ -42,6 +47,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy
 import torch
 
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.megatron_lm.hooks import LazyRolloutBatch
 from megatron_dynbatch.planning.fixed import plan_fixed_microbatches
 from megatron_dynbatch.runtime import BatchSchema, materialize_microbatches
@@ -85,6 +91,9 @@ class DocumentCollection:
     """What the documents are (for messages)."""
     read_loss_mask: Optional[Callable[[int, int, int], numpy.ndarray]] = None
     """Like ``read`` for the loss mask of those tokens (SFT: responses only), or None (all 1)."""
+    truncate: bool = False
+    """A document longer than ``--seq-length`` is cut at the right to one sample (Megatron's
+    ``SFTDataset``), instead of becoming consecutive samples (pretraining documents)."""
 
     def __len__(self) -> int:
         return int(self.lengths.shape[0])
@@ -101,7 +110,7 @@ def indexed_documents(prefixes: Sequence[str], *, mmap: bool = True) -> Document
     datasets = []
     for prefix in prefixes:
         if not IndexedDataset.exists(prefix):
-            raise ValueError(
+            raise DynBatchValueError(
                 f"--data-path {prefix!r}: {prefix}.bin / {prefix}.idx not found; pass the prefix "
                 "that tools/preprocess_data.py or `python -m megatron_dynbatch.integrations.megatron_lm.data.preprocess` "
                 "wrote (e.g. data/corpus_text_document, without the extension)."
@@ -183,6 +192,8 @@ class SplitSamples:
         split_index: 0 train, 1 valid, 2 test (each split has its own order).
         eod_id: With ``--eod-mask-loss``, the end-of-document token (no loss on predicting the token
             after it), or ``None``.
+        stream: Salt of the seeded order, so the datasets of a blend are shuffled independently
+            (0: the order of a lone dataset).
     """
 
     def __init__(
@@ -195,16 +206,23 @@ class SplitSamples:
         seed: int,
         split_index: int,
         eod_id: Optional[int] = None,
+        stream: int = 0,
     ) -> None:
         if max_length < 2:
-            raise ValueError(f"--seq-length {max_length} must be >= 2 (a sample needs a target).")
+            raise DynBatchValueError(
+                f"--seq-length {max_length} must be >= 2 (a sample needs a target)."
+            )
         self.documents = documents
         self.max_length = max_length
         self.seed = seed
         self.split_index = split_index
         self.eod_id = eod_id
+        self.stream = stream
         lengths = documents.lengths[begin:end]
-        pieces = -(-lengths // max_length)  # ceil
+        if documents.truncate:
+            pieces = numpy.minimum(lengths, 1)  # one sample per document, cut at max_length
+        else:
+            pieces = -(-lengths // max_length)  # ceil
         self.document = numpy.repeat(numpy.arange(begin, end, dtype=numpy.int64), pieces)
         first = numpy.repeat(numpy.cumsum(pieces) - pieces, pieces)
         piece = numpy.arange(self.document.shape[0], dtype=numpy.int64) - first
@@ -213,7 +231,7 @@ class SplitSamples:
             numpy.int64
         )
         if self.document.shape[0] == 0:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"split {split_index} of {documents.name} has no documents (documents "
                 f"[{begin}, {end})); change --split or give more data."
             )
@@ -225,7 +243,8 @@ class SplitSamples:
     def _order(self, epoch: int) -> numpy.ndarray:
         order = self._orders.get(epoch)
         if order is None:
-            rng = numpy.random.default_rng((self.seed, self.split_index, epoch))
+            key = (self.seed, self.split_index, epoch) + ((self.stream,) if self.stream else ())
+            rng = numpy.random.default_rng(key)
             order = rng.permutation(len(self))
             self._orders = {epoch: order}  # keep one epoch: positions are read in order
         return order
@@ -320,11 +339,24 @@ class DocumentBatchStream(Iterator[LazyRolloutBatch]):
         )
 
 
-def conversation_documents(paths: Sequence[str], tokenize: Callable) -> DocumentCollection:
-    """SFT conversations of JSONL files as documents (see ``conversations``)."""
-    from megatron_dynbatch.integrations.megatron_lm.data.conversations import read_conversations
+def conversation_documents(
+    paths: Sequence[str], tokenize: Callable, *, seq_length: Optional[int] = None
+) -> DocumentCollection:
+    """SFT lines of JSONL files as documents (see ``conversations``), truncated like SFTDataset.
 
-    lengths, load, name = read_conversations(paths, tokenize)
+    With ``seq_length``, prints (rank 0) one warning with the counts of blank lines skipped,
+    samples without an assistant turn, and samples that truncation leaves without loss.
+    """
+    from megatron_dynbatch.integrations.megatron_lm.data.conversations import (
+        read_conversations,
+        sft_warning,
+    )
+
+    lengths, load, name, stats = read_conversations(paths, tokenize)
+    if seq_length is not None:
+        warning = sft_warning(stats, seq_length, name)
+        if warning is not None:
+            _print_rank_0(warning)
 
     def read(document: int, offset: int, count: int) -> numpy.ndarray:
         return load(document)[0][offset : offset + count]
@@ -332,7 +364,9 @@ def conversation_documents(paths: Sequence[str], tokenize: Callable) -> Document
     def read_loss_mask(document: int, offset: int, count: int) -> numpy.ndarray:
         return load(document)[1][offset : offset + count]
 
-    return DocumentCollection(lengths=lengths, read=read, name=name, read_loss_mask=read_loss_mask)
+    return DocumentCollection(
+        lengths=lengths, read=read, name=name, read_loss_mask=read_loss_mask, truncate=True
+    )
 
 
 def document_splits(
@@ -340,65 +374,119 @@ def document_splits(
     tokenizer_vocab_size: int,
     eod_id: Optional[int],
     conversation_tokenizer: Optional[Callable] = None,
-) -> List[Optional[SplitSamples]]:
-    """Train / valid / test :class:`SplitSamples` from Megatron's data arguments.
+) -> List[Optional[Any]]:
+    """Train / valid / test samples from Megatron's data arguments.
 
+    Each entry is a :class:`SplitSamples`, or a :class:`~.blends.BlendedSamples` for a weighted
+    blend (``--data-path 0.3 A 0.7 B``, or weights in ``--{train,valid,test}-data-path``), or
+    ``None`` for a split without data. Prefixes without weights are concatenated, then split.
     ``conversation_tokenizer`` (with ``--sft``): the data paths are JSONL conversations.
     """
-    from megatron.training.utils import get_blend_and_blend_per_split
+    from megatron_dynbatch.integrations.megatron_lm.data.blends import blends_from_args
 
     common = dict(max_length=args.seq_length, seed=args.seed, eod_id=eod_id)
 
-    def collection(blend: Tuple[List[str], Optional[List[float]]]) -> DocumentCollection:
-        return _collection(blend, args, conversation_tokenizer)
+    def collection(paths: Sequence[str]) -> DocumentCollection:
+        if conversation_tokenizer is not None:
+            return conversation_documents(paths, conversation_tokenizer, seq_length=args.seq_length)
+        return indexed_documents(paths, mmap=args.mmap_bin_files)
 
+    split = args.split or DEFAULT_SPLIT
     if args.mock_data:
         documents = mock_documents(
             seed=args.seed, seq_length=args.seq_length, vocab_size=tokenizer_vocab_size
         )
-        return _split(documents, args.split or DEFAULT_SPLIT, common)
-    blend, blend_per_split = get_blend_and_blend_per_split(args)
+        return _split(documents, split, common)
+    blend, blend_per_split = blends_from_args(args)
     if blend is not None:
-        return _split(collection(blend), args.split or DEFAULT_SPLIT, common)
+        paths, weights = blend
+        if weights is None:
+            return _split(collection(paths), split, common)
+        parts = [
+            _split(collection([path]), split, common, stream=i + 1) for i, path in enumerate(paths)
+        ]
+        return [
+            _blend([part[index] for part in parts], paths, weights, index, args)
+            for index in range(len(parts[0]))
+        ]
     if blend_per_split is None or all(entry is None for entry in blend_per_split):
-        raise ValueError(
+        raise DynBatchValueError(
             "no data: pass --mock-data, --data-path PREFIX or --train-data-path / "
             "--valid-data-path / --test-data-path."
         )
-    splits: List[Optional[SplitSamples]] = []
+    splits: List[Optional[Any]] = []
     for index, entry in enumerate(blend_per_split):
         if entry is None:
             splits.append(None)
             continue
-        documents = collection(entry)
-        splits.append(SplitSamples(documents, 0, len(documents), split_index=index, **common))
+        paths, weights = entry
+        if weights is None:
+            documents = collection(paths)
+            splits.append(SplitSamples(documents, 0, len(documents), split_index=index, **common))
+            continue
+        parts = []
+        for i, path in enumerate(paths):
+            documents = collection([path])
+            parts.append(
+                SplitSamples(
+                    documents, 0, len(documents), split_index=index, stream=i + 1, **common
+                )
+            )
+        splits.append(_blend(parts, paths, weights, index, args))
     return splits
 
 
-def _collection(
-    blend: Tuple[List[str], Optional[List[float]]],
+def _blend(
+    parts: Sequence[Optional[SplitSamples]],
+    paths: Sequence[str],
+    weights: Sequence[float],
+    split_index: int,
     args: Any,
-    conversation_tokenizer: Optional[Callable] = None,
-) -> DocumentCollection:
-    paths, weights = blend
-    if weights is not None and len(set(weights)) > 1:
-        raise ValueError(
-            f"--data-path with weights {weights}: weighted blends are not supported with "
-            "--use-dynamic-batch-size / --document-samples; list the prefixes without weights "
-            "(their documents are concatenated)."
+) -> Optional[Any]:
+    """One split of a weighted blend, its drawn shares printed once (rank 0)."""
+    from megatron_dynbatch.integrations.megatron_lm.data.blends import BlendedSamples
+
+    if all(part is None for part in parts):
+        return None
+    empty = [path for path, part in zip(paths, parts, strict=True) if part is None]
+    if empty:
+        raise DynBatchValueError(
+            f"split {split_index} of the blend {list(paths)} (--split {args.split!r}) is empty "
+            f"for {empty}: too few documents for that split; give those datasets more documents, "
+            "change --split, or blend them only where they have data (--train-data-path / "
+            "--valid-data-path)."
         )
-    if conversation_tokenizer is not None:
-        return conversation_documents(paths, conversation_tokenizer)
-    return indexed_documents(paths, mmap=args.mmap_bin_files)
+    blended = BlendedSamples(
+        parts, weights, split_index=split_index, name=f"blend {list(paths)} weights {list(weights)}"
+    )
+    # The shares over one pass of the split (every part's samples once), or over what training
+    # draws (--train-iters x --global-batch-size) when that is more.
+    drawn = len(blended)
+    if split_index == 0 and getattr(args, "train_iters", None):
+        drawn = max(drawn, args.train_iters * args.global_batch_size)
+    shares = ", ".join(f"{share:.4f}" for share in blended.shares(drawn))
+    weights_text = ", ".join(f"{weight:.4f}" for weight in blended.weights)
+    _print_rank_0(
+        f"> blend split {split_index}: drawn shares [{shares}] of the first {drawn} samples, "
+        f"weights [{weights_text}]"
+    )
+    return blended
+
+
+def _print_rank_0(message: str) -> None:
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(message, flush=True)
 
 
 def _split(
-    documents: DocumentCollection, split: str, common: Dict[str, Any]
+    documents: DocumentCollection, split: str, common: Dict[str, Any], stream: int = 0
 ) -> List[Optional[SplitSamples]]:
     splits: List[Optional[SplitSamples]] = []
     for index, bookend in enumerate(split_bookends(split, len(documents))):
         if bookend is None:
             splits.append(None)
         else:
-            splits.append(SplitSamples(documents, *bookend, split_index=index, **common))
+            splits.append(
+                SplitSamples(documents, *bookend, split_index=index, stream=stream, **common)
+            )
     return splits

@@ -1,0 +1,286 @@
+"""Reference THD attention: transformer-engine's variable-length attention, in plain torch.
+
+On GPUs, packed micro-batches reach Megatron as THD ``PackedSeqParams`` and transformer-engine's
+``DotProductAttention`` attends within each segment. Machines without CUDA cannot run
+transformer-engine, and Megatron's local ``DotProductAttention`` refuses ``packed_seq_params``, so
+the path every GPU user takes would go untested. :class:`ThdReferenceAttention` is a
+``core_attention`` module for Megatron's local layer spec that implements the THD contract as
+transformer-engine specifies it (``qkv_format="thd"``, mask type causal / padding-causal):
+
+* ``query`` is ``[t, heads, head_dim]`` (Megatron's attention squeezes the batch dimension of a
+  ``[t, 1, ...]`` packed row), ``key`` / ``value`` ``[t, query_groups, head_dim]``;
+* segment ``i`` occupies tokens ``[cu_seqlens_q_padded[i], cu_seqlens_q_padded[i + 1])`` of the
+  tensor (``cu_seqlens_q`` when no padded boundaries are given); its first
+  ``cu_seqlens_q[i + 1] - cu_seqlens_q[i]`` tokens are real, the rest padding;
+* a real token attends causally to the real tokens of its own segment only; padding tokens attend
+  to nothing and their output is zero;
+* ``max_seqlen_q`` / ``max_seqlen_kv`` must be at least the longest real segment (TE sizes its
+  kernels from them; a smaller value is an error here rather than a silent truncation).
+
+Without ``packed_seq_params`` (padded ``[s, b, ...]`` rows) it is Megatron's causal attention,
+with ``attention_mask`` (True = masked, Megatron's convention) applied on top when one is given.
+It is dense (a ``[t, t]`` score matrix per head): a reference for tests and CPU runs, not a kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import divide
+
+from megatron_dynbatch.errors import DynBatchValueError
+
+__all__ = [
+    "ThdReferenceAttention",
+    "check_reference_attention_args",
+    "segment_mask",
+    "with_thd_reference_attention",
+]
+
+
+def segment_mask(
+    cu_seqlens: torch.Tensor, cu_seqlens_padded: Optional[torch.Tensor], total: int
+) -> torch.Tensor:
+    """``[t, t]`` bool: may query token ``q`` attend to key token ``k`` (THD, causal).
+
+    Raises:
+        DynBatchValueError: Boundaries that are not increasing int sequences starting at 0, a
+            real segment longer than its padded one, or padded boundaries not ending at ``total``.
+    """
+    real = cu_seqlens.to(torch.int64).cpu()
+    padded = real if cu_seqlens_padded is None else cu_seqlens_padded.to(torch.int64).cpu()
+    if real.dim() != 1 or real.shape != padded.shape or real.numel() < 2:
+        raise DynBatchValueError(
+            f"cu_seqlens {real.tolist()} and cu_seqlens_padded {padded.tolist()} must be 1-D "
+            "boundary lists of the same length >= 2 (one more than the segments)."
+        )
+    real_lengths = real[1:] - real[:-1]
+    padded_lengths = padded[1:] - padded[:-1]
+    if (
+        int(real[0]) != 0
+        or int(padded[0]) != 0
+        or bool((real_lengths < 0).any())
+        or bool((real_lengths > padded_lengths).any())
+        or int(padded[-1]) != total
+    ):
+        raise DynBatchValueError(
+            f"THD boundaries cu_seqlens={real.tolist()}, cu_seqlens_padded={padded.tolist()} do "
+            f"not describe {total} tokens: both must start at 0 and not decrease, each real "
+            "segment must fit its padded one, and the padded boundaries must end at the token "
+            "count."
+        )
+    segment = torch.repeat_interleave(torch.arange(padded_lengths.numel()), padded_lengths)
+    within = torch.arange(total) - padded[:-1][segment]
+    valid = within < real_lengths[segment]
+    same = segment[:, None] == segment[None, :]
+    causal = within[None, :] <= within[:, None]
+    return same & causal & valid[:, None] & valid[None, :]
+
+
+class ThdReferenceAttention(MegatronModule):
+    """``core_attention`` for the local layer spec: THD variable-length attention in torch.
+
+    The constructor takes what Megatron's ``DotProductAttention`` takes (it is built from the same
+    ``ModuleSpec``); see the module docstring for the contract.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        layer_number: int,
+        attn_mask_type: Any,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Any = None,
+    ) -> None:
+        super().__init__(config=config)
+        del layer_number, attn_mask_type, attention_type, cp_comm_type
+        if config.context_parallel_size != 1:
+            raise DynBatchValueError(
+                f"the reference THD attention runs with --context-parallel-size 1, got "
+                f"{config.context_parallel_size}; use transformer-engine for context parallelism."
+            )
+        if getattr(config, "window_size", None) is not None or (
+            getattr(config, "softmax_type", "vanilla") != "vanilla"
+        ):
+            raise DynBatchValueError(
+                f"the reference THD attention implements full causal softmax attention; "
+                f"window_size={config.window_size}, softmax_type={config.softmax_type!r} are not "
+                "supported: drop those options or use transformer-engine."
+            )
+        if pg_collection is None:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        tp_size = pg_collection.tp.size()
+        projection = config.kv_channels * config.num_attention_heads
+        self.head_dim = divide(projection, config.num_attention_heads)
+        self.num_heads = divide(config.num_attention_heads, tp_size)
+        self.num_groups = divide(config.num_query_groups, tp_size)
+        # DotProductAttention divides by the layer number for query-key layer scaling and its
+        # softmax multiplies it back in fp32: the product is this scale either way.
+        self.softmax_scale = (
+            1.0 / math.sqrt(self.head_dim) if softmax_scale is None else float(softmax_scale)
+        )
+        self.dropout = torch.nn.Dropout(
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
+
+    def _attend(self, query, key, value, allowed: torch.Tensor) -> torch.Tensor:
+        """``query`` ``[b, h, q, d]``, ``key`` / ``value`` ``[b, g, k, d]``, ``allowed`` ``[b|1, q, k]``."""
+        if self.num_groups != self.num_heads:
+            repeat = self.num_heads // self.num_groups
+            key = key.repeat_interleave(repeat, dim=1)
+            value = value.repeat_interleave(repeat, dim=1)
+        scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * self.softmax_scale
+        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        # A row with no allowed key (padding) is all -inf: its output is zero, as in TE.
+        probs = torch.nan_to_num(probs, nan=0.0).to(value.dtype)
+        if self.training and self.dropout.p > 0:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                probs = self.dropout(probs)
+        return torch.matmul(probs, value)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Any = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        """THD ``[t, h, d] -> [t, h * d]``; padded ``[s, b, h, d] -> [s, b, h * d]``."""
+        del attn_mask_type
+        if attention_bias is not None:
+            raise DynBatchValueError("the reference THD attention takes no attention_bias.")
+        if packed_seq_params is not None:
+            if packed_seq_params.qkv_format != "thd":
+                raise DynBatchValueError(
+                    f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}; the reference "
+                    "attention implements 'thd' only."
+                )
+            total = query.shape[0]
+            allowed = segment_mask(
+                packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded, total
+            )
+            kv_allowed = segment_mask(
+                packed_seq_params.cu_seqlens_kv, packed_seq_params.cu_seqlens_kv_padded, total
+            )
+            if not torch.equal(allowed, kv_allowed):
+                raise DynBatchValueError(
+                    "self-attention needs equal query and key/value THD boundaries; got "
+                    f"cu_seqlens_q={packed_seq_params.cu_seqlens_q.tolist()}, "
+                    f"cu_seqlens_kv={packed_seq_params.cu_seqlens_kv.tolist()}."
+                )
+            longest = int(
+                (packed_seq_params.cu_seqlens_q[1:] - packed_seq_params.cu_seqlens_q[:-1]).max()
+            )
+            for name in ("max_seqlen_q", "max_seqlen_kv"):
+                given = getattr(packed_seq_params, name)
+                if given is None or int(given) < longest:
+                    raise DynBatchValueError(
+                        f"packed_seq_params.{name}={given} is smaller than the longest segment "
+                        f"({longest} tokens); set it to at least that length."
+                    )
+            allowed = allowed.to(query.device)
+            _announce_once(packed_seq_params, total)
+            # [t, h, d] -> [1, h, t, d]
+            out = self._attend(
+                query.permute(1, 0, 2)[None],
+                key.permute(1, 0, 2)[None],
+                value.permute(1, 0, 2)[None],
+                allowed[None],
+            )
+            return out[0].permute(1, 0, 2).reshape(total, -1)
+        seq, batch = query.shape[0], query.shape[1]
+        allowed = torch.ones(seq, seq, dtype=torch.bool, device=query.device).tril()[None]
+        if attention_mask is not None:
+            # Megatron's masks are [b|1, 1, s, s] with True where attention is not allowed.
+            allowed = allowed & ~attention_mask.to(torch.bool).reshape(-1, seq, seq)
+        out = self._attend(
+            query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3), allowed
+        )  # [b, h, s, d]
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+
+_ANNOUNCED = []
+
+
+def _announce_once(packed_seq_params: Any, total: int) -> None:
+    """One line at the first row packing several segments (first rank), so a log shows the path."""
+    segments = packed_seq_params.cu_seqlens_q.numel() - 1
+    if _ANNOUNCED or segments < 2:
+        return
+    _ANNOUNCED.append(True)
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
+    print(
+        f"> reference THD attention: a packed row of {total} tokens, {segments} segments, "
+        f"cu_seqlens {packed_seq_params.cu_seqlens_q.tolist()}",
+        flush=True,
+    )
+
+
+def with_thd_reference_attention(base_spec_fn: Callable) -> Callable:
+    """A layer-spec function whose self-attention core is :class:`ThdReferenceAttention`.
+
+    ``base_spec_fn(config, vp_stage)`` returns Megatron's local layer spec (a ``ModuleSpec`` or a
+    block spec of them); every layer's ``self_attention.submodules.core_attention`` is replaced and
+    its mask type set to causal (TE's THD mask: causal within each segment).
+    """
+    import dataclasses
+
+    from megatron.core.transformer.enums import AttnMaskType
+
+    def _set(layer_spec) -> None:
+        attention = getattr(getattr(layer_spec, "submodules", None), "self_attention", None)
+        if attention is None or getattr(attention, "submodules", None) is None:
+            return
+        # Replaced, not mutated: the base spec's objects may be shared between calls.
+        submodules = dataclasses.replace(attention.submodules, core_attention=ThdReferenceAttention)
+        params = dict(getattr(attention, "params", {}) or {})
+        if "attn_mask_type" in params:
+            params["attn_mask_type"] = AttnMaskType.causal
+        layer_spec.submodules.self_attention = dataclasses.replace(
+            attention, submodules=submodules, params=params
+        )
+
+    def spec(config, vp_stage=None):
+        layer_spec = base_spec_fn(config, vp_stage)
+        for one in getattr(layer_spec, "layer_specs", None) or [layer_spec]:
+            _set(one)
+        return layer_spec
+
+    return spec
+
+
+def check_reference_attention_args(args: Any, *, document_samples: bool) -> None:
+    """Refuse ``--dynamic-batch-reference-thd-attention`` where it would not be used.
+
+    Raises:
+        DynBatchValueError: With ``--transformer-impl transformer_engine`` (which attends THD
+            itself) or without document samples (the stock path has no packed rows).
+    """
+    if not getattr(args, "dynamic_batch_reference_thd_attention", False):
+        return
+    if args.transformer_impl != "local":
+        raise DynBatchValueError(
+            f"--dynamic-batch-reference-thd-attention replaces the local attention, but "
+            f"--transformer-impl is {args.transformer_impl}, whose THD attention runs as is; "
+            "drop the flag (or pass --transformer-impl local to test the reference)."
+        )
+    if not document_samples:
+        raise DynBatchValueError(
+            "--dynamic-batch-reference-thd-attention needs --use-dynamic-batch-size or "
+            "--document-samples (only their packed rows carry THD boundaries); add one or drop "
+            "the flag."
+        )

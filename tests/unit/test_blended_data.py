@@ -1,0 +1,133 @@
+"""Weighted blends of document samples: Megatron's shares, per split, deterministic from --seed."""
+
+import argparse
+
+import numpy
+import pytest
+
+from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
+
+apply_cpu_shim()  # importing megatron.core needs the triton stand-in on this machine
+
+from megatron_dynbatch.errors import DynBatchValueError  # noqa: E402
+from megatron_dynbatch.integrations.megatron_lm.data.blends import (  # noqa: E402
+    BlendedSamples,
+    blending_indices,
+)
+from megatron_dynbatch.integrations.megatron_lm.data.documents import (  # noqa: E402
+    DocumentCollection,
+    SplitSamples,
+    document_splits,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def _collection(lengths, tag):
+    lengths = numpy.asarray(lengths, dtype=numpy.int64)
+
+    def read(document, offset, count):
+        # Token = tag * 10^6 + document * 1000 + offset: every read names its dataset.
+        return numpy.arange(offset, offset + count, dtype=numpy.int64) + 1000 * document + tag
+
+    return DocumentCollection(lengths=lengths, read=read, name=f"corpus {tag}")
+
+
+def _parts(seed=3, split_index=0):
+    a = SplitSamples(
+        _collection([4] * 40, 1_000_000), 0, 40, max_length=8, seed=seed,
+        split_index=split_index, stream=1,
+    )  # fmt: skip
+    b = SplitSamples(
+        _collection([6] * 500, 2_000_000), 0, 500, max_length=8, seed=seed,
+        split_index=split_index, stream=2,
+    )  # fmt: skip
+    return a, b
+
+
+def test_blending_follows_megatrons_greedy_to_one_sample():
+    index = blending_indices([3.0, 7.0], 10_000)
+    counts = numpy.cumsum(numpy.eye(2, dtype=numpy.int64)[index], axis=0)
+    n = numpy.arange(1, 10_001)
+    assert numpy.all(numpy.abs(counts[:, 0] - 0.3 * n) <= 1.0)
+    assert numpy.all(numpy.abs(counts[:, 1] - 0.7 * n) <= 1.0)
+
+
+def test_drawn_shares_follow_the_weights_within_one_percent():
+    blend = BlendedSamples(_parts(), [0.3, 0.7], split_index=0, name="a+b")
+    tags = [blend.sample_at(p)["tokens"][0].item() // 1_000_000 for p in range(2000)]
+    assert abs(tags.count(1) / 2000 - 0.3) < 0.01 and abs(tags.count(2) / 2000 - 0.7) < 0.01
+    assert blend.shares(2000) == pytest.approx([0.3, 0.7], abs=0.01)
+    # Lengths come without reading tokens and agree with the samples.
+    assert blend.lengths_at(range(50)) == [len(blend.sample_at(p)["tokens"]) for p in range(50)]
+
+
+def test_a_small_upweighted_dataset_repeats_every_sample_once_per_pass():
+    blend = BlendedSamples(_parts(), [0.5, 0.5], split_index=0, name="a+b")
+    firsts = [blend.sample_at(p)["tokens"][0].item() for p in range(160)]
+    small = [t for t in firsts if t // 1_000_000 == 1]
+    assert len(small) == 80  # two passes over the 40 documents of corpus 1
+    assert sorted(small[:40]) == sorted(small[40:]) == sorted(set(small))
+    assert small[:40] != small[40:]  # reshuffled for its second pass
+
+
+def test_positions_are_a_function_of_seed_and_split():
+    one = BlendedSamples(_parts(seed=3), [0.3, 0.7], split_index=0, name="x")
+    again = BlendedSamples(_parts(seed=3), [0.3, 0.7], split_index=0, name="x")
+    other = BlendedSamples(_parts(seed=4), [0.3, 0.7], split_index=0, name="x")
+    first = [one.sample_at(p)["tokens"][0].item() for p in range(100)]
+    # Asked out of order (a later rank resuming): the same answers.
+    assert [again.sample_at(p)["tokens"][0].item() for p in reversed(range(100))] == first[::-1]
+    assert first != [other.sample_at(p)["tokens"][0].item() for p in range(100)]
+
+
+def test_bad_weights_are_refused_with_the_values():
+    with pytest.raises(DynBatchValueError, match=r"weights \[0.3, 0.0\] must all be positive"):
+        BlendedSamples(_parts(), [0.3, 0.0], split_index=0, name="x")
+    with pytest.raises(DynBatchValueError, match="one weight per dataset"):
+        BlendedSamples(_parts(), [1.0], split_index=0, name="x")
+
+
+def _args(**values):
+    defaults = dict(
+        seq_length=128, seed=11, mock_data=False, split="90,10,0", mmap_bin_files=True,
+        data_path=None, train_data_path=None, valid_data_path=None, test_data_path=None,
+        per_split_data_args_path=None, data_args_path=None, train_iters=50,
+        global_batch_size=8,
+    )  # fmt: skip
+    return argparse.Namespace(**{**defaults, **values})
+
+
+def test_data_path_weights_blend_every_split_of_real_indexed_datasets(tmp_path, capsys):
+    import json
+
+    from megatron_dynbatch.integrations.megatron_lm.data import preprocess
+
+    prefixes = []
+    for name, count in (("small", 40), ("large", 400)):
+        source = tmp_path / f"{name}.jsonl"
+        source.write_text(
+            "".join(json.dumps({"text": f"{name} {i} " * (i % 7 + 1)}) + "\n" for i in range(count))
+        )
+        prefixes.append(str(preprocess.write_indexed_dataset(source, str(tmp_path / name))))
+    args = _args(data_path=["0.3", prefixes[0], "0.7", prefixes[1]])
+    train, valid, test = document_splits(args, 257, None)
+    assert test is None
+    for split, index in ((train, 0), (valid, 1)):
+        assert isinstance(split, BlendedSamples) and split.split_index == index
+        shares = split.shares(1000)
+        assert shares == pytest.approx([0.3, 0.7], abs=0.01)
+        # Each part is that dataset's own split (90/10 of its documents).
+        assert [len(p) for p in split.parts] == ([36, 360] if index == 0 else [4, 40])
+    text = bytes(train.sample_at(0)["tokens"].tolist()).decode()
+    assert text.startswith(("small", "large"))
+    assert "> blend split 0: drawn shares [0.3000, 0.7000] of the first 400 samples" in (
+        capsys.readouterr().out
+    )
+    # Per-split blends: --train-data-path with weights, --valid-data-path one prefix.
+    args = _args(
+        train_data_path=["1", prefixes[0], "3", prefixes[1]], valid_data_path=[prefixes[0]]
+    )
+    train, valid, test = document_splits(args, 257, None)
+    assert train.shares(400) == pytest.approx([0.25, 0.75], abs=0.01)
+    assert isinstance(valid, SplitSamples) and len(valid) == 40 and test is None
