@@ -1,11 +1,12 @@
 """Shared fixtures and the rules every test module follows.
 
-* Every test carries one kind marker (``unit``, ``gloo``, ``torchrun``, ``slime``; registered in
-  pytest.ini), set explicitly by its module's ``pytestmark`` or on the test. Collection fails on a
-  test without one, so the fast default (``pytest``: ``-m "not torchrun and not slime"``) can never
-  drop a new test silently. ``scripts/test.sh`` runs every kind (``-m ""``).
-* ``slime`` tests need a slime checkout in ``SLIME_DIR``; without one they are skipped here, in one
-  place, with the reason.
+* Every test carries one kind marker (``unit``, ``gloo``, ``torchrun``, ``slime``, ``skyrl``;
+  registered in pytest.ini), set explicitly by its module's ``pytestmark`` or on the test.
+  Collection fails on a test without one, so the fast default (``pytest``: ``-m "not torchrun and
+  not slime and not skyrl"``) can never drop a new test silently. ``scripts/test.sh`` runs every
+  kind (``-m ""``).
+* ``slime`` / ``skyrl`` tests need a checkout of that trainer in ``SLIME_DIR`` / ``SKYRL_DIR``;
+  without one they are skipped here, in one place, with the reason.
 * No test writes into the repository: files go to pytest's ``tmp_path`` or to the temporary
   directories below (the README commands run in a scratch working directory).
 """
@@ -19,28 +20,35 @@ import pytest
 from tests._support import REPO, readme_block, run_shell
 
 #: The markers that say what a test needs (see pytest.ini).
-KINDS = ("unit", "gloo", "torchrun", "slime")
+KINDS = ("unit", "gloo", "torchrun", "slime", "skyrl")
 
 SLIME_DIR = os.environ.get("SLIME_DIR")
 
+#: Kinds that need a trainer's checkout: the variable that names it, and where its commit is named.
+CHECKOUTS = {
+    "slime": ("SLIME_DIR", "patches/slime/README.md"),
+    "skyrl": ("SKYRL_DIR", "patches/skyrl/README.md"),
+}
+
 
 def pytest_collection_modifyitems(config, items):
-    """Refuse tests without a kind marker; skip ``slime`` tests when SLIME_DIR is unset."""
+    """Refuse tests without a kind marker; skip a trainer's tests when its checkout is not set."""
     unmarked = sorted({item.nodeid.split("::")[0] for item in items if not _kinds(item)})
     if unmarked:
         raise pytest.UsageError(
             f"test module(s) without a kind marker: {', '.join(unmarked)}; add a module-level "
             f"`pytestmark = pytest.mark.<kind>` with one of {', '.join(KINDS)} (see tests/conftest.py)"
         )
-    if SLIME_DIR:
-        return
-    skip = pytest.mark.skip(
-        reason="SLIME_DIR is not set: point it at a slime checkout (the commit is named in "
-        "patches/slime/README.md) to run the tests against slime's own code"
-    )
-    for item in items:
-        if "slime" in _kinds(item):
-            item.add_marker(skip)
+    for kind, (variable, readme) in CHECKOUTS.items():
+        if os.environ.get(variable):
+            continue
+        skip = pytest.mark.skip(
+            reason=f"{variable} is not set: point it at a {kind} checkout (the commit is named in "
+            f"{readme}) to run the tests against {kind}'s own code"
+        )
+        for item in items:
+            if kind in _kinds(item):
+                item.add_marker(skip)
 
 
 def _kinds(item) -> set:

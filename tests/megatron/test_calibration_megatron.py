@@ -91,8 +91,7 @@ def test_a_resumed_run_plans_with_the_saved_fit(runs, tmp_path):
     yaml_path = runs["checkpoint"] / "dynbatch_calibration.yaml"
     assert load_yaml_config(yaml_path)["cost_token_weight"] == 1.0
     _, straight = _run(
-        _TINY
-        + ["--dynamic-batch-config", yaml_path, "--dynamic-batch-calibration-steps", 0],
+        _TINY + ["--dynamic-batch-config", yaml_path, "--dynamic-batch-calibration-steps", 0],
         tmp_path / "straight.log",
     )
     for i in (9, 10, 11):
