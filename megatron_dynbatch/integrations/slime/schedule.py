@@ -612,6 +612,8 @@ def _forward_only_schedule(
     planner_config = config.planner_config(_layout(sizes, 1), forward_only=True)
     budget = config.forward_only_max_tokens_per_gpu
     cp = sizes["cp_size"]
+    # Once over the global lengths, so an error names the samples by their rollout position.
+    check_oversize(lengths, planner_config, forward_only=True)
     per_rank: List[List[List[int]]] = []
     rows: List[int] = []
     for partition in partitions:
@@ -619,7 +621,6 @@ def _forward_only_schedule(
         if not local:
             per_rank.append([])
             continue
-        check_oversize(local, planner_config, forward_only=True)
         [step] = plan_schedule(local, None, None, config=planner_config).steps
         per_rank.append([list(mb) for mb in step.ranks[0]])
         rows.append(row_length(step.seq_length, cp, pad_size, budget))
