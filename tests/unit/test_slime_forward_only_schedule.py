@@ -100,15 +100,22 @@ def test_a_rank_without_samples_gets_as_many_placeholders_as_its_peers():
         assert forward.micro_batch_indices[r] == [[]] * forward.num_microbatches
 
 
-@pytest.mark.parametrize("flag", ["use_routing_replay", "use_rollout_routing_replay"])
-def test_routing_replay_runs_the_log_prob_pass_on_the_training_micro_batches(flag):
+def test_routing_replay_runs_the_log_prob_pass_on_the_training_micro_batches():
     lengths = [100, 400, 30, 250, 500, 60, 90, 310]
-    args = _args(log_probs_max_tokens_per_gpu=4096, **{flag: True})
+    args = _args(log_probs_max_tokens_per_gpu=4096, use_routing_replay=True)
     schedule = build_dp_schedule(
         args, {"dp_size": 2}, lengths, global_batch_size=4, rollout_indices=list(range(8))
     )
     assert schedule.forward_only is None
     assert set(schedule.rank_fields(0)) == {"dynbatch_seq_lengths"}
+
+
+def test_rollout_routing_replay_is_refused_until_its_rows_line_up():
+    args = _args(use_routing_replay=True, use_rollout_routing_replay=True)
+    with pytest.raises(DynBatchValueError, match="--use-rollout-routing-replay"):
+        build_dp_schedule(
+            args, {"dp_size": 2}, [100, 200], global_batch_size=2, rollout_indices=[0, 1]
+        )
 
 
 def test_the_log_prob_budget_error_names_the_log_prob_flag():

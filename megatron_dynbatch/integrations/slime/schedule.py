@@ -553,6 +553,8 @@ def _forward_only_schedule(
     planner_config = config.planner_config(_layout(sizes, 1), forward_only=True)
     budget = config.forward_only_max_tokens_per_gpu
     cp = sizes["cp_size"]
+    # Once over the global lengths, so an error names the samples by their rollout position.
+    check_oversize(lengths, planner_config, forward_only=True)
     per_rank: List[List[List[int]]] = []
     rows: List[int] = []
     for partition in partitions:
@@ -560,7 +562,6 @@ def _forward_only_schedule(
         if not local:
             per_rank.append([])
             continue
-        check_oversize(local, planner_config, forward_only=True)
         [step] = plan_schedule(local, None, None, config=planner_config).steps
         per_rank.append([list(mb) for mb in step.ranks[0]])
         rows.append(row_length(step.seq_length, cp, pad_size, budget))
@@ -579,6 +580,15 @@ def _dynamic_schedule(
     global_batch_size: int,
     pad_size: int,
 ) -> DPSchedule:
+    if _flag(args, "use_rollout_routing_replay"):
+        # slime's fill_routing_replay pads a micro-batch's routed experts to tp *
+        # data_pad_size_multiplier; the patched get_batch pads the row to the step's length.
+        raise DynBatchValueError(
+            "--use-rollout-routing-replay (R3) with --use-dynamic-batch-size is not supported: the "
+            "rollout's routed-expert rows would not line up with the step's uniform training rows. "
+            "Use --use-routing-replay (R2), which works with dynamic batching, or drop "
+            "--use-dynamic-batch-size."
+        )
     balance = _flag(args, "balance_data") or _flag(args, "balance_by_flops")
     config = dynbatch_config_from_slime_args(
         args, rollouts_per_step=global_batch_size, cost=_cost_model(args, balance)
