@@ -10,7 +10,7 @@ flags:
   ``--seq-length``, through Megatron's own data loader and fixed micro-batches: the baseline that
   trains on the same samples as dynamic batching.
 * ``--use-dynamic-batch-size``: the same document samples, planned into token-budget micro-batches
-  by the patched training loop (``training_hooks``).
+  by the patched training loop (``hooks``).
 
 With ``--sft`` the documents of both modes are the JSONL conversations of ``--data-path``, with loss
 on the responses only (``conversations``).
@@ -294,7 +294,7 @@ def main(
         argv: Arguments instead of ``sys.argv[1:]``.
         datasets_provider: Your own ``train_valid_test_datasets_provider`` (with
             ``--use-dynamic-batch-size`` its objects are iterators yielding ``RolloutBatch`` /
-            ``LazyRolloutBatch``, see ``training_hooks``; mark it ``is_distributed = True``).
+            ``LazyRolloutBatch``, see ``integrations/megatron_lm/hooks.py``; mark it ``is_distributed = True``).
             Default: the launch script's (stock, or document samples).
         forward_step_func: Your own ``forward_step_func``. Default: the stock GPT step, or the
             document step (token mean over ``loss_mask``) in the document modes.
@@ -328,7 +328,7 @@ def main(
     model_config = gpt_config_from_args(args)
     if _uses_documents(args) or datasets_provider is not None:
         if args.use_dynamic_batch_size:
-            # The planner, not a torch DataLoader, batches the samples (training_hooks).
+            # The planner, not a torch DataLoader, batches the samples (hooks).
             args.dataloader_type = "external"
         if args.transformer_impl == "local":
             from megatron.training.models.gpt import default_layer_spec
