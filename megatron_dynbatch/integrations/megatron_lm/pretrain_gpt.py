@@ -318,7 +318,8 @@ def main(
             # Open and check the data now, before the model is built: a bad file or line stops
             # the run in seconds, naming it (the tokenizer exists once the arguments do).
             splits = _document_splits(args)
-    except ValueError as error:
+    except (ValueError, OSError) as error:
+        # OSError: a data file that is missing or unreadable (its message names the path).
         fail(error)
     if args.eval_interval is None:
         # Megatron-LM's pretrain_gpt.py stops with a TypeError here; validate at the end instead.
