@@ -1,4 +1,7 @@
-"""The Megatron ``forward_step_func`` for packed micro-batches, and their attention mask.
+"""The one Megatron ``forward_step_func`` for planned micro-batches, and their attention layout.
+
+The library path (``mcore.step``) and the Megatron-LM entry (``launch/pretrain_gpt_dynbatch.py``,
+fixed and planned document micro-batches alike) both use :func:`make_forward_step`.
 
 A micro-batch is a dict of ``[B, S]`` tensors: ``tokens`` and ``labels`` (int64), ``position_ids``
 (int64, restarting at 0 for every sample), ``segment_ids`` (int64, ``0..k-1`` for the k samples of
@@ -9,7 +12,7 @@ mask as is when its ``attn_mask_type`` is ``arbitrary`` (see ``megatron_dynbatch
 """
 
 from functools import partial
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -97,10 +100,38 @@ def _collect_logprobs(batch: dict, per_token_loss: torch.Tensor, non_loss_data: 
     return zero, torch.zeros((), dtype=torch.int, device=batch["tokens"].device), logprobs
 
 
+def _attention(batch: dict, thd: bool) -> tuple:
+    """``(attention_mask, packed_seq_params)`` of a micro-batch.
+
+    Without ``thd``: the block-diagonal causal mask of ``segment_ids``. With ``thd``: THD
+    ``PackedSeqParams`` for a packed row (``[1, S]`` with ``cu_seqlens``); rows of one sample each
+    (padding at the end) need only the causal mask, which transformer-engine applies itself when
+    given none.
+    """
+    if not thd:
+        return build_attention_mask(batch["segment_ids"]), None
+    if batch["tokens"].shape[0] == 1 and "cu_seqlens" in batch:
+        return None, packed_seq_params_from_batch(batch)
+    # segment_ids: 0 for a row's only sample, 1 for its padding tail; more means packed samples,
+    # which a causal mask would let attend to each other.
+    if int(batch["segment_ids"].max()) > 1:
+        raise ValueError(
+            "a micro-batch with several samples per row needs 'cu_seqlens' for THD attention; "
+            "materialize it with megatron_dynbatch.runtime.materialize_microbatches (which adds "
+            "them), or use the local transformer implementation (block-diagonal mask)."
+        )
+    return None, None
+
+
 def make_forward_step(
-    loss_fn: LossFn | None = None, *, collect_logprobs: bool = False, thd: bool = False
+    loss_fn: LossFn | None = None,
+    *,
+    collect_logprobs: bool = False,
+    thd: bool = False,
+    to_device: bool = False,
+    timers: Optional[Callable] = None,
 ) -> Callable[[Iterator[dict], torch.nn.Module], tuple]:
-    """Build a Megatron ``forward_step_func`` for packed micro-batch dicts.
+    """Build a Megatron ``forward_step_func`` for micro-batch dicts.
 
     Args:
         loss_fn: ``loss_fn(batch, per_token_loss [B, S]) -> (loss_sum, num_tokens, logging_dict)``,
@@ -109,19 +140,25 @@ def make_forward_step(
         collect_logprobs: Forward-only mode: the schedule returns ``{"logprobs": [B, S]}`` per
             micro-batch (log-prob of each label), on the last pipeline stage only. Run it with
             ``forward_only=True`` (``collect_non_loss_data`` either way).
-        thd: Pass ``PackedSeqParams`` (THD, ``cu_seqlens``) instead of a dense block-diagonal mask:
-            for transformer-engine attention specs, which support it; Megatron's local
-            ``DotProductAttention`` (the CPU path) refuses it.
+        thd: Transformer-engine attention: packed rows pass ``PackedSeqParams`` (THD,
+            ``cu_seqlens``) and padded rows the causal mask, instead of a dense block-diagonal mask
+            (which Megatron's local ``DotProductAttention``, the CPU path, needs: it refuses THD).
+        to_device: Move the micro-batch to the current CUDA device first (Megatron-LM's entry,
+            whose data stays on the CPU until its step); the library path materializes in place.
+        timers: Megatron's ``get_timers()``: times reading the micro-batch as ``batch-generator``,
+            as ``pretrain_gpt.py`` does.
 
     Returns:
-        ``forward_step(data_iterator, model) -> (output_tensor, loss_func)``. On the first stage
-        it reads the next dict from ``data_iterator``; later stages read it too, since they need
-        ``labels``, ``loss_mask`` and the attention mask of the same micro-batch.
+        ``forward_step(data_iterator, model) -> (output_tensor, loss_func)``. Every stage reads the
+        next dict from ``data_iterator``: the first uses ``tokens`` / ``position_ids``, the last
+        ``labels`` / ``loss_mask``, every stage the attention layout of the same micro-batch.
     """
     if loss_fn is None and not collect_logprobs:
         raise ValueError("make_forward_step needs a loss_fn unless collect_logprobs=True.")
 
     def forward_step(data_iterator: Iterator[dict], model: torch.nn.Module):
+        if timers is not None:
+            timers("batch-generator", log_level=2).start()
         batch = next(data_iterator)
         missing = [key for key in MICROBATCH_KEYS if key not in batch]
         if missing:
@@ -129,20 +166,21 @@ def make_forward_step(
                 f"micro-batch is missing {missing} (has {sorted(batch)}); every micro-batch needs "
                 f"{list(MICROBATCH_KEYS)}, with segment_ids marking the samples of packed rows."
             )
-        extra = {}
-        if thd:
-            attention_mask = None
-            extra["packed_seq_params"] = packed_seq_params_from_batch(batch)
-        else:
-            attention_mask = build_attention_mask(batch["segment_ids"])
+        if to_device and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+            batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+        if timers is not None:
+            timers("batch-generator").stop()
+        attention_mask, packed_seq_params = _attention(batch, thd)
         # With labels, GPTModel returns per-token cross entropy [B, S] on the last stage and the
-        # hidden states [S, B, H] elsewhere.
+        # hidden states [S, B, H] elsewhere; it reads loss_mask only for MTP losses.
         output = model(
             batch["tokens"],
             batch["position_ids"],
             attention_mask,
             labels=batch["labels"],
-            **extra,
+            loss_mask=batch["loss_mask"],
+            packed_seq_params=packed_seq_params,
         )
         if collect_logprobs:
             return output, partial(_collect_logprobs, batch)

@@ -10,6 +10,9 @@ import importlib
 _HOMES = {
     "AGGREGATIONS": "aggregation",
     "check_aggregation": "aggregation",
+    "LazyRolloutBatch": "batches",
+    "RolloutBatch": "batches",
+    "coerce_batch": "batches",
     "detach_masked_positions": "loss",
     "finalize_loss": "loss",
     "microbatch_loss": "loss",

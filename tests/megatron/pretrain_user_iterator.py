@@ -23,8 +23,8 @@ runpy.run_path(str(REPO / "launch" / "pretrain_gpt_dynbatch.py"), run_name="setu
 
 from megatron.training import get_args  # noqa: E402
 
-from megatron_dynbatch.integrations.megatron_lm.hooks import RolloutBatch  # noqa: E402
 from megatron_dynbatch.integrations.megatron_lm.pretrain_gpt import main  # noqa: E402
+from megatron_dynbatch.runtime.batches import RolloutBatch  # noqa: E402
 
 ROLLOUTS_PER_BATCH = int(os.environ.get("USER_ROLLOUTS_PER_BATCH", "8"))
 GROUP_SIZE = int(os.environ.get("USER_GROUP_SIZE", "1"))

@@ -86,15 +86,19 @@ def test_every_patch_has_a_readme_line_naming_the_version():
 
 
 def test_patches_call_our_code_only_behind_the_flag():
-    """Every hunk that imports megatron_dynbatch guards it with ``use_dynamic_batch_size``."""
+    """Every hunk that imports megatron_dynbatch guards it with ``use_dynamic_batch_size``.
+
+    0001 (argument checks) with the flag's presence, the others with its value."""
     for patch in PATCHES:
         hunks = re.split(r"^@@.*@@.*$", patch.read_text(), flags=re.M)[1:]
         for hunk in hunks:
             added = [line[1:] for line in hunk.splitlines() if line.startswith("+")]
             if any("megatron_dynbatch" in line and "import" in line for line in added):
-                assert any(
-                    'getattr(args, "use_dynamic_batch_size", False)' in line for line in added
-                ), (
+                # 0001 runs whenever our flags are registered: it refuses them without the flag.
+                guards = ['getattr(args, "use_dynamic_batch_size", False)']
+                if patch.name.startswith("0001"):
+                    guards = ['hasattr(args, "use_dynamic_batch_size")']
+                assert any(guard in line for guard in guards for line in added), (
                     patch.name,
                     hunk,
                 )
@@ -227,10 +231,12 @@ def test_flag_off_train_step_and_evaluate_are_bitwise_stock(train_step_results):
     assert stock["scheduler_steps"] == 3  # 3 micro-batches x mbs 1 x dp 1
 
 
-def test_flag_on_validation_runs_after_megatrons(train_step_results):
+def test_flag_on_validation_resolves_the_config_once(train_step_results):
     on = train_step_results["patched"]["on"]
     assert "--calculate-per-token-loss" in on["missing_per_token_loss_error"]
     assert on["resolved"] == [24, "packed", 2]
+    assert on["namespace_layout"] is None  # not written back into Megatron's arguments
+    assert "--max-tokens-per-gpu given without --use-dynamic-batch-size" in on["stray_error"]
     assert "--rollouts-per-step 2 differs from --global-batch-size 3" in on["rollouts_error"]
 
 
@@ -520,12 +526,15 @@ def _worker_flag_on():
         _worker_parse(_ARGV + _DYNAMIC_ARGV[:-2], add_dynamic_batch_args)  # gbs 3, 2 per step
     except ValueError as error:
         result["rollouts_error"] = str(error)
+    try:
+        _worker_parse(_ARGV + ["--max-tokens-per-gpu", "24"], add_dynamic_batch_args)
+    except ValueError as error:
+        result["stray_error"] = str(error)
     args = _worker_parse(_ARGV + _DYNAMIC_ARGV, add_dynamic_batch_args)
-    result["resolved"] = [
-        args.max_tokens_per_gpu,
-        args.dynamic_batch_layout,
-        args.rollouts_per_step,
-    ]
+    # Resolved once into the hooks' state; the namespace keeps what the command line said.
+    resolved = training_hooks.hooks_for(args).config
+    result["resolved"] = [resolved.max_tokens_per_gpu, resolved.layout, resolved.rollouts_per_step]
+    result["namespace_layout"] = args.dynamic_batch_layout
 
     config, model, optimizer, scheduler = _worker_build()
     samples = _worker_samples([5, 9, 12, 3, 7, 16, 4, 11], seed=2)

@@ -2,11 +2,18 @@
 
 Use :func:`add_dynamic_batch_args` as (or inside) the ``extra_args_provider`` of
 ``megatron.training.arguments.parse_and_validate_args``. The patched ``parse_and_validate_args``
-(``patches/0001-*``) calls :func:`validate_dynamic_batch_args` right after Megatron's
-``validate_args`` when ``--use-dynamic-batch-size`` is on; launch scripts on an unpatched tree call
-it themselves after parsing. It must run after Megatron's validation: that validation derives
-``data_parallel_size`` and sets values our checks read (it also forces ``variable_seq_lengths`` off,
-which dynamic batching does not need: every micro-batch of a step has the step's shape).
+(``patches/0001-*``) calls ``hooks.configure`` (which runs :func:`validate_dynamic_batch_args`)
+right before Megatron's ``validate_args`` whenever these flags are registered: a refusal is then
+one line, before Megatron's argument dump, and a flag given without ``--use-dynamic-batch-size``
+is refused too. The checks read only flags given on the command line (the data-parallel size is
+derived from the world size as Megatron does); the arguments are never changed.
+
+Every batch-size feature of Megatron 0.19 is either meaningful with dynamic batching or refused
+here: ``--global-batch-size`` (``--eval-global-batch-size``) is the samples (rollouts with
+``--rollouts-per-step``) of one optimizer step (validation batch); ``--micro-batch-size`` and
+``--eval-micro-batch-size`` are unused (the planner picks the micro-batches); ``--train-samples`` /
+``--train-iters`` size the run as usual; ``--step-batch-size-schedule``, ``--rampup-batch-size``
+and ``--decrease-batch-size-if-needed`` are refused.
 
 Imports only argparse, the config and the pure planner: flag errors are testable without megatron.
 """
@@ -14,6 +21,7 @@ Imports only argparse, the config and the pure planner: flag errors are testable
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any, Dict, Optional
 
 from megatron_dynbatch.config import (
@@ -23,6 +31,7 @@ from megatron_dynbatch.config import (
     config_from_mapping,
     load_yaml_config,
 )
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning.spec import (
     ATTENTION_KINDS,
     LAYOUTS,
@@ -44,6 +53,14 @@ _DESTS: Dict[str, str] = {field: flag[2:].replace("-", "_") for field, flag in F
 # that turns it off and why it cannot be combined with a planned schedule. Read with getattr: not
 # every Megatron version has every argument.
 _INCOMPATIBLE = (
+    (
+        "step_batch_size_schedule",
+        lambda value: value is not None,
+        "--step-batch-size-schedule",
+        "Megatron would keep the batch at one sample per step while logging and counting the "
+        "schedule's sizes; give a fixed --global-batch-size (samples per step) instead, and to "
+        "grow the batch resume from a checkpoint with a larger --global-batch-size",
+    ),
     (
         "rampup_batch_size",
         lambda value: value is not None,
@@ -186,6 +203,30 @@ def _layout_size(args: Any, name: str) -> int:
     return 1 if value is None else int(value)
 
 
+def _world_size() -> int:
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _data_parallel_size(args: Any) -> int:
+    """``args.data_parallel_size``, or before Megatron's validation derives it, as it will."""
+    value = getattr(args, "data_parallel_size", None)
+    if value is not None:
+        return int(value)
+    model_parallel = 1
+    for name in (
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "context_parallel_size",
+    ):
+        model_parallel *= _layout_size(args, name)
+    return max(1, _world_size() // model_parallel)
+
+
 def parallel_layout_from_args(
     args: Any, *, dp_size: Optional[int] = None, vpp_size: Optional[int] = None
 ) -> ParallelLayout:
@@ -199,7 +240,7 @@ def parallel_layout_from_args(
             ``args.virtual_pipeline_model_parallel_size`` (``None`` means 1).
     """
     return ParallelLayout(
-        dp_size=_layout_size(args, "data_parallel_size") if dp_size is None else dp_size,
+        dp_size=_data_parallel_size(args) if dp_size is None else dp_size,
         pp_size=_layout_size(args, "pipeline_model_parallel_size"),
         vpp_size=(
             _layout_size(args, "virtual_pipeline_model_parallel_size")
@@ -214,49 +255,21 @@ def parallel_layout_from_args(
     )
 
 
-def dynbatch_config_from_args(args: Any) -> DynBatchConfig:
-    """The :class:`DynBatchConfig` of validated arguments (flags hold the resolved values)."""
-    return config_from_mapping({field: getattr(args, dest, None) for field, dest in _DESTS.items()})
-
-
-def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
-    """Check the dynamic-batching flags against Megatron's validated arguments.
-
-    With ``--use-dynamic-batch-size`` it merges the ``--dynamic-batch-config`` YAML under the flags
-    given on the command line, writes the resolved values back to ``args`` (so checkpoints store
-    plain numbers and :func:`dynbatch_config_from_args` rebuilds the same config), and checks that
-    Megatron's settings fit a planned schedule.
-
-    Returns:
-        The resolved config, or ``None`` when dynamic batching is off.
-
-    Raises:
-        ValueError: Naming the flag to change, e.g. a dynamic-batching flag without
-            ``--use-dynamic-batch-size``, a missing ``--max-tokens-per-gpu``, a budget smaller than
-            one padded sample, ``--calculate-per-token-loss`` off, or an incompatible Megatron
-            feature.
-    """
-    given = {
+def _given(args: Any) -> Dict[str, Any]:
+    return {
         field: getattr(args, dest)
         for field, dest in _DESTS.items()
         if getattr(args, dest, None) is not None
     }
-    config_path = getattr(args, "dynamic_batch_config", None)
-    if not getattr(args, "use_dynamic_batch_size", False):
-        stray = [FLAGS[field] for field in given]
-        if config_path is not None:
-            stray.append("--dynamic-batch-config")
-        if stray:
-            raise ValueError(
-                f"{', '.join(stray)} given without --use-dynamic-batch-size, so they would be "
-                "ignored; add --use-dynamic-batch-size or drop them."
-            )
-        return None
 
+
+def dynbatch_config_from_args(args: Any) -> DynBatchConfig:
+    """The :class:`DynBatchConfig` of the arguments: flags given, over the YAML, over defaults."""
     values: Dict[str, Any] = {}
+    config_path = getattr(args, "dynamic_batch_config", None)
     if config_path is not None:
         values.update({k: v for k, v in load_yaml_config(config_path).items() if v is not None})
-    values.update(given)
+    values.update(_given(args))
     if values.get("cost_attention") is None:
         # The cost model describes the attention that runs: read it from Megatron's own flags.
         values["cost_attention"] = attention_from_megatron(
@@ -264,10 +277,44 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
             getattr(args, "attention_backend", None),
             values.get("layout") or "packed",
         )
-    config = config_from_mapping(values)
+    return config_from_mapping(values)
+
+
+def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
+    """Check the dynamic-batching flags against Megatron's arguments; build the run's config.
+
+    With ``--use-dynamic-batch-size`` it merges the ``--dynamic-batch-config`` YAML under the flags
+    given on the command line and checks that Megatron's settings fit a planned schedule: every
+    budget (training and forward-only) against ``--seq-length`` and the oversize policy, and
+    every Megatron batch-size feature. The arguments are not changed.
+
+    Returns:
+        The resolved config, or ``None`` when dynamic batching is off.
+
+    Raises:
+        DynBatchValueError: Naming the flag to change, e.g. a dynamic-batching flag without
+            ``--use-dynamic-batch-size``, a missing ``--max-tokens-per-gpu``, a budget smaller than
+            one padded sample or than ``--seq-length`` under ``--oversize-samples error``,
+            ``--calculate-per-token-loss`` off, or an incompatible Megatron feature.
+    """
+    given = _given(args)
+    config_path = getattr(args, "dynamic_batch_config", None)
+    if not getattr(args, "use_dynamic_batch_size", False):
+        stray = [FLAGS[field] for field in given]
+        if config_path is not None:
+            stray.append("--dynamic-batch-config")
+        if stray:
+            raise DynBatchValueError(
+                f"{', '.join(stray)} given without --use-dynamic-batch-size, so they would be "
+                "ignored (fixed micro-batches would run); add --use-dynamic-batch-size or drop "
+                "them."
+            )
+        return None
+
+    config = dynbatch_config_from_args(args)
 
     if not getattr(args, "calculate_per_token_loss", False):
-        raise ValueError(
+        raise DynBatchValueError(
             "--use-dynamic-batch-size needs --calculate-per-token-loss: planned micro-batches hold "
             "different numbers of loss tokens (placeholders none), and without it Megatron divides "
             "every micro-batch's loss by num_microbatches, which weights tokens unequally; add "
@@ -276,30 +323,54 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
         )
     for name, is_on, flag, why in _INCOMPATIBLE:
         if is_on(getattr(args, name, None)):
-            raise ValueError(f"--use-dynamic-batch-size cannot be combined with {flag}: {why}.")
+            raise DynBatchValueError(
+                f"--use-dynamic-batch-size cannot be combined with {flag}: {why}."
+            )
     remat = getattr(args, "gtp_weight_remat_size", 1) or 1
     if remat != 1:
-        raise ValueError(
+        raise DynBatchValueError(
             f"--use-dynamic-batch-size does not support gtp_weight_remat_size={remat} (each remat "
             "peer would need its own share of the plan); set --tensor-parallel-num-weight-shards "
             "so that it is 1."
         )
 
     gbs = getattr(args, "global_batch_size", None)
-    if config.rollouts_per_step is not None and gbs is not None and config.rollouts_per_step != gbs:
-        raise ValueError(
+    if config.rollouts_per_step is not None and gbs != config.rollouts_per_step:
+        raise DynBatchValueError(
             f"--rollouts-per-step {config.rollouts_per_step} differs from --global-batch-size "
             f"{gbs}: in Megatron-LM's training loop --global-batch-size is the size of one "
             "optimizer step, and --rollouts-per-step says that it counts rollouts (samples "
             f"sharing a rollout id) instead of samples; set both to the rollouts per step, or "
             "drop --rollouts-per-step to count samples."
         )
+    _check_budgets_fit_seq_length(args, config)
 
     parallel = parallel_layout_from_args(args)
     # Fail now, not at the first step, when a budget cannot hold one padded sample of the layout.
     config.planner_config(parallel)
     config.planner_config(parallel, forward_only=True)
-
-    for field, dest in _DESTS.items():
-        setattr(args, dest, getattr(config, field))
     return config
+
+
+def _check_budgets_fit_seq_length(args: Any, config: DynBatchConfig) -> None:
+    """Refuse at start-up a budget that a ``--seq-length`` sample would exceed under ``error``.
+
+    ``--seq-length`` is the longest sample Megatron's model is sized for; a budget below it would
+    otherwise fail only at the first such sample (for the evaluation budget, after training).
+    """
+    seq_length = getattr(args, "seq_length", None)
+    if seq_length is None or config.oversize_samples != "error":
+        return
+    budgets = [("--max-tokens-per-gpu", config.max_tokens_per_gpu, "training")]
+    forward_only = config.log_probs_max_tokens_per_gpu
+    if forward_only is not None:
+        budgets.append(("--log-probs-max-tokens-per-gpu", forward_only, "validation and log-prob"))
+    for flag, budget, what in budgets:
+        if budget is not None and budget < seq_length:
+            raise DynBatchValueError(
+                f"{flag} {budget} is smaller than --seq-length {seq_length} (the longest "
+                f"sample) and --oversize-samples is error, so a {seq_length}-token sample would "
+                f"stop the run at its first {what} step; raise {flag} to at least {seq_length}, "
+                "lower --seq-length, or pass --oversize-samples truncate (cut such "
+                "samples to the budget) or allow (run them alone, over it)."
+            )

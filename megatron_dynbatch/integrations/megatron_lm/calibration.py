@@ -38,6 +38,7 @@ from megatron_dynbatch.planning.calibration import Calibration, Observation, fit
 from megatron_dynbatch.planning.spec import round_up
 
 __all__ = [
+    "CALIBRATED_FIELDS",
     "CALIBRATION_JSON",
     "CALIBRATION_YAML",
     "DEFAULT_CALIBRATION_STEPS",
@@ -54,6 +55,14 @@ DEFAULT_CALIBRATION_STEPS = 8
 #: Iterations at the start of a run that are never used (allocator and kernel warm-up).
 WARMUP_STEPS = 2
 CALIBRATION_YAML = "dynbatch_calibration.yaml"
+#: The DynBatchConfig fields calibration changes (through Megatron's arguments, which checkpoints
+#: save): the budget and overhead while it varies shapes, then the fitted weights.
+CALIBRATED_FIELDS = (
+    "max_tokens_per_gpu",
+    "cost_token_weight",
+    "cost_attention_weight",
+    "cost_microbatch_overhead",
+)
 CALIBRATION_JSON = "dynbatch_calibration.json"
 
 

@@ -1,15 +1,17 @@
 """What the patched Megatron training loop calls when ``--use-dynamic-batch-size`` is on.
 
 The patches in ``patches/`` keep Megatron's code paths unchanged with the flag off; with it on they
-call :func:`prepare_train_step` once per optimizer step (in ``train_step``),
-:func:`prepare_eval_step` once per validation iteration (in ``evaluate``), and read
-:func:`last_train_step` / :func:`dynamic_log_string` when logging.
+call :func:`configure` once after argument validation (the arguments become one
+:class:`~megatron_dynbatch.config.DynBatchConfig`, held with everything else of the run in one
+:class:`DynamicBatchHooks`), :func:`prepare` once per optimizer step (in ``train_step``) and once
+per validation iteration (in ``evaluate``), and :func:`last_train_step`, :func:`dynamic_log_string`
+and :func:`write_dynamic_scalars` (TensorBoard / W&B) when logging.
 
 Contract of the data iterators (the ones Megatron passes to ``train_step`` and ``evaluate``):
 
 * Every rank (all DP, TP, PP and CP ranks) gets an iterator, and every ``next()`` yields the same
-  global batch on every rank: a :class:`RolloutBatch` (samples in memory) or a
-  :class:`LazyRolloutBatch` (sample lengths plus a function loading one sample by index). Every
+  global batch on every rank: a :class:`~megatron_dynbatch.runtime.batches.RolloutBatch` (samples
+  in memory) or a :class:`~megatron_dynbatch.runtime.batches.LazyRolloutBatch` (sample lengths plus a function loading one sample by index). Every
   rank plans the whole batch from the **lengths** alone with the pure planner (so agreement needs
   no data exchange) and then loads only the samples of **its own DP rank**: TP and CP peers of a
   DP rank load the same ones; pipeline stages that are neither first nor last load none (they need
@@ -51,8 +53,9 @@ this integration layer is the only place that falls back to Megatron's global gr
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Literal, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -60,11 +63,15 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.rerun_state_machine import RerunDataIterator
 from megatron.core.utils import get_model_config
 
+from megatron_dynbatch.config import FLAGS, DynBatchConfig
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.megatron_lm.arguments import (
     dynbatch_config_from_args,
     parallel_layout_from_args,
+    validate_dynamic_batch_args,
 )
 from megatron_dynbatch.integrations.megatron_lm.calibration import (
+    CALIBRATED_FIELDS,
     calibration_log_string,
     observe_train_step,
     reset_calibration_state,
@@ -76,163 +83,35 @@ from megatron_dynbatch.mcore.agreement import (
     step_agreement,
 )
 from megatron_dynbatch.mcore.schedule import check_schedule_config
-from megatron_dynbatch.planning import ParallelLayout, Plan, plan_schedule
+from megatron_dynbatch.planning import ParallelLayout, Plan, PlannerConfig, plan_schedule
 from megatron_dynbatch.runtime import BatchSchema, materialize_microbatches
+from megatron_dynbatch.runtime.batches import LazyRolloutBatch, RolloutBatch, coerce_batch
 from megatron_dynbatch.runtime.iterators import chunk_data_iterators
 
 __all__ = [
+    "DynamicBatchHooks",
     "DynamicStep",
     "LazyRolloutBatch",
     "PlanMismatchError",
     "RolloutBatch",
     "StepAgreementError",
+    "StepKind",
     "coerce_batch",
+    "configure",
     "dynamic_log_string",
+    "hooks_for",
     "last_train_step",
+    "prepare",
     "prepare_eval_step",
     "prepare_forward_only_step",
     "prepare_train_step",
     "reset_dynamic_batch_state",
+    "write_dynamic_scalars",
 ]
 
-
-def _prompt_length(sample: Mapping[str, Any]) -> Optional[int]:
-    prompt = sample.get("prompt_length")
-    if isinstance(prompt, torch.Tensor):
-        prompt = int(prompt.item())
-    return prompt
-
-
-@dataclass(frozen=True)
-class RolloutBatch:
-    """The global samples of one or more optimizer steps, in memory, identical on every rank."""
-
-    samples: Sequence[Mapping[str, Any]]
-    """Sample ``i``: ``tokens`` (int64 ``[L]``), optionally ``loss_mask`` or ``prompt_length``, and
-    every field the schema declares (see :mod:`megatron_dynbatch.runtime.schema`)."""
-    rollout_ids: Optional[Sequence[Hashable]] = None
-    """One str/int id per sample; a rollout's samples always share a step. ``None``: one rollout
-    per sample."""
-    schema: BatchSchema = field(default_factory=BatchSchema)
-    """Declared extra fields (advantages, old log-probs, ...) and the padding token."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.samples, Sequence) or isinstance(self.samples, (str, bytes)):
-            raise ValueError(
-                f"RolloutBatch.samples must be a sequence of sample dicts, got "
-                f"{type(self.samples).__name__}."
-            )
-        if not self.samples:
-            raise ValueError("RolloutBatch.samples is empty; yield at least one sample per batch.")
-        _check_rollout_ids(self.rollout_ids, len(self.samples))
-        if not isinstance(self.schema, BatchSchema):
-            raise ValueError(f"RolloutBatch.schema must be a BatchSchema, got {self.schema!r}.")
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def lengths(self) -> List[int]:
-        return [int(sample["tokens"].shape[0]) for sample in self.samples]
-
-    def prompt_lengths(self) -> List[Optional[int]]:
-        """Per-sample prompt lengths for the cost model's response term (``None`` if unknown)."""
-        return [_prompt_length(sample) for sample in self.samples]
-
-    def load(self, indices: Sequence[int]) -> Dict[int, Mapping[str, Any]]:
-        """The samples ``indices`` (this rank's share of a step)."""
-        return {i: self.samples[i] for i in indices}
-
-
-@dataclass(frozen=True)
-class LazyRolloutBatch:
-    """The global samples of one or more optimizer steps, as lengths and a per-sample loader.
-
-    Every rank plans from ``lengths`` and calls ``load_sample`` only for the samples its DP rank
-    trains (on the first and last pipeline stages). Use it when a batch is too large to read on
-    every rank.
-    """
-
-    sample_lengths: Sequence[int]
-    """Token count of every sample (what the plan needs)."""
-    load_sample: Callable[[int], Mapping[str, Any]]
-    """``load_sample(i)`` returns sample ``i`` as a :class:`RolloutBatch` sample dict; its
-    ``tokens`` must have ``sample_lengths[i]`` entries."""
-    rollout_ids: Optional[Sequence[Hashable]] = None
-    """As in :class:`RolloutBatch`."""
-    sample_prompt_lengths: Optional[Sequence[Optional[int]]] = None
-    """Per-sample prompt lengths (cost model only), or ``None``."""
-    schema: BatchSchema = field(default_factory=BatchSchema)
-    """As in :class:`RolloutBatch`."""
-
-    def __post_init__(self) -> None:
-        if not self.sample_lengths:
-            raise ValueError("LazyRolloutBatch.sample_lengths is empty; yield at least one sample.")
-        _check_rollout_ids(self.rollout_ids, len(self.sample_lengths))
-        if self.sample_prompt_lengths is not None and len(self.sample_prompt_lengths) != len(
-            self.sample_lengths
-        ):
-            raise ValueError(
-                f"LazyRolloutBatch has {len(self.sample_lengths)} lengths but "
-                f"{len(self.sample_prompt_lengths)} prompt lengths; give one per sample or none."
-            )
-        if not callable(self.load_sample):
-            raise ValueError("LazyRolloutBatch.load_sample must be callable: index -> sample.")
-        if not isinstance(self.schema, BatchSchema):
-            raise ValueError(f"LazyRolloutBatch.schema must be a BatchSchema, got {self.schema!r}.")
-
-    def __len__(self) -> int:
-        return len(self.sample_lengths)
-
-    def lengths(self) -> List[int]:
-        return [int(length) for length in self.sample_lengths]
-
-    def prompt_lengths(self) -> List[Optional[int]]:
-        if self.sample_prompt_lengths is None:
-            return [None] * len(self.sample_lengths)
-        return list(self.sample_prompt_lengths)
-
-    def load(self, indices: Sequence[int]) -> Dict[int, Mapping[str, Any]]:
-        samples = {}
-        for i in indices:
-            sample = self.load_sample(i)
-            got = int(sample["tokens"].shape[0])
-            if got != int(self.sample_lengths[i]):
-                raise ValueError(
-                    f"LazyRolloutBatch sample {i}: load_sample returned {got} tokens but sample_lengths "
-                    f"says {int(self.sample_lengths[i])}; the plan was made from sample_lengths."
-                )
-            samples[i] = sample
-        return samples
-
-
-def _check_rollout_ids(rollout_ids: Optional[Sequence[Hashable]], count: int) -> None:
-    if rollout_ids is not None and len(rollout_ids) != count:
-        raise ValueError(
-            f"the batch has {count} samples but {len(rollout_ids)} rollout ids; give one id per "
-            "sample or none."
-        )
-
-
-def coerce_batch(value: Any) -> Any:
-    """Accept a :class:`RolloutBatch`, a :class:`LazyRolloutBatch`, or a RolloutBatch dict."""
-    if isinstance(value, (RolloutBatch, LazyRolloutBatch)):
-        return value
-    if isinstance(value, Mapping):
-        unknown = sorted(set(value) - {"samples", "rollout_ids", "schema"})
-        if unknown or "samples" not in value:
-            raise ValueError(
-                "a rollout-batch dict needs 'samples' and may have 'rollout_ids' and 'schema'; got "
-                f"keys {sorted(value)}. With --use-dynamic-batch-size the data iterator yields "
-                "whole batches (megatron_dynbatch RolloutBatch / LazyRolloutBatch), not Megatron's "
-                "fixed micro-batches: use launch/pretrain_gpt_dynbatch.py's data path or yield "
-                "rollout batches (see megatron_dynbatch/integrations/megatron_lm/hooks.py)."
-            )
-        return RolloutBatch(**value)
-    raise ValueError(
-        f"the data iterator yielded a {type(value).__name__}; with --use-dynamic-batch-size it "
-        "must yield a megatron_dynbatch RolloutBatch or LazyRolloutBatch holding the global batch "
-        "(every rank the same)."
-    )
+StepKind = Literal["train", "eval", "forward_only"]
+"""What :func:`prepare` plans: the next optimizer step, one validation batch, or one given batch
+as a forward-only pass (log-probs)."""
 
 
 @dataclass(frozen=True)
@@ -267,6 +146,12 @@ class DynamicStep:
     """Samples this rank read from the batch (0 on middle pipeline stages)."""
     truncated_tokens: int = 0
     """Tokens cut from oversize samples (``--oversize-samples truncate``), never trained."""
+    num_placeholders: int = 0
+    """Placeholder micro-batches of the step over all DP ranks (no samples, zero loss weight)."""
+    dp_imbalance: float = 1.0
+    """max / mean over DP ranks of the step's computed cost (1.0: balanced)."""
+    planning_seconds: float = 0.0
+    """Wall time of planning the batch this step came from (0.0 for the later steps of a batch)."""
 
 
 @dataclass
@@ -275,6 +160,7 @@ class _Cursor:
 
     batch: Any
     plan: Plan
+    planning_seconds: float
     next_step: int = 0
 
 
@@ -289,28 +175,282 @@ class _Totals:
     truncated_tokens: int = 0
 
 
-_train_cursor: Optional[_Cursor] = None
-_last_train_step: Optional[DynamicStep] = None
-_totals = _Totals()
+class DynamicBatchHooks:
+    """One run's dynamic-batching state: its config, planner configs, and training progress.
+
+    Built once per run from the validated arguments (:func:`configure`); nothing is written back
+    into the argument namespace. The planner configs come from
+    :meth:`DynBatchConfig.planner_config`, once per parallel layout (the layout is the one the
+    schedule runs: DP size from the process group, VPP from the model chunks).
+    """
+
+    def __init__(self, args: Any, config: DynBatchConfig) -> None:
+        self.args = args
+        self.config = config
+        self._planners: Dict[Tuple[ParallelLayout, bool], PlannerConfig] = {}
+        self.cursor: Optional[_Cursor] = None
+        self.last_step: Optional[DynamicStep] = None
+        self.totals = _Totals()
+
+    def planner(self, layout: ParallelLayout, *, forward_only: bool) -> PlannerConfig:
+        """The planner config of ``layout`` (training, or forward-only under the log-prob budget)."""
+        config = self._calibrated(forward_only)
+        key = (layout, forward_only, config)
+        if key not in self._planners:
+            self._planners[key] = config.planner_config(layout, forward_only=forward_only)
+        return self._planners[key]
+
+    def _calibrated(self, forward_only: bool) -> DynBatchConfig:
+        """The run's config with what calibration has changed so far.
+
+        Calibration is the one thing that changes the settings mid-run: while it measures it
+        varies the training budget and overhead, then it applies its fit. It records them in
+        Megatron's arguments, which checkpoints save, so a resumed run plans as the straight run;
+        here they are read back (forward-only passes keep their budget).
+        """
+        changes = {}
+        for field in CALIBRATED_FIELDS:
+            if forward_only and field == "max_tokens_per_gpu":
+                continue
+            value = getattr(self.args, FLAGS[field][2:].replace("-", "_"), None)
+            if value is not None and value != getattr(self.config, field):
+                changes[field] = value
+        return dataclasses.replace(self.config, **changes) if changes else self.config
+
+    def _plan(self, batch: Any, layout: ParallelLayout, forward_only: bool) -> Tuple[Plan, float]:
+        config = self.planner(layout, forward_only=forward_only)
+        start = time.perf_counter()
+        plan = plan_schedule(
+            batch.lengths(), batch.rollout_ids, batch.prompt_lengths(), config=config
+        )
+        return plan, time.perf_counter() - start
+
+    def prepare(
+        self,
+        kind: StepKind,
+        source: Any,
+        model: Any,
+        *,
+        pg_collection: Any = None,
+        check_group: Any = None,
+    ) -> DynamicStep:
+        """See :func:`prepare`."""
+        if kind not in ("train", "eval", "forward_only"):
+            raise DynBatchValueError(
+                f"prepare(kind={kind!r}): kind must be 'train', 'eval' or 'forward_only'."
+            )
+        model_chunks = _as_chunks(model)
+        dp_group, pp_group = _groups(model_chunks, pg_collection)
+        if kind == "train":
+            resume_calibration(self.args)  # before planning: a resumed run plans with its fit
+        with step_agreement(check_group or dist.group.WORLD, what=self._what(kind)) as agreement:
+            layout = _parallel_layout(self.args, model_chunks, dp_group)
+            if kind == "train":
+                cursor = self._train_cursor(source, layout)
+                step_index, plan = cursor.next_step, cursor.plan
+                batch, seconds = cursor.batch, cursor.planning_seconds
+            else:
+                if kind == "eval":
+                    batch = _next_batch(source, "validation")
+                    eval_batch = self.args.eval_global_batch_size or self.args.global_batch_size
+                    _check_batch_size(
+                        batch, eval_batch, "--eval-global-batch-size", self._by_rollouts, False
+                    )
+                else:
+                    batch = coerce_batch(source)
+                plan, seconds = self._plan(batch, layout, forward_only=True)
+                assert len(plan.steps) == 1, "a forward-only plan has one step"
+                step_index = 0
+            agreement.fingerprint = plan.fingerprint()
+            step = _materialize(batch, plan, step_index, dp_group, pp_group, model_chunks, seconds)
+        if kind == "train":
+            self._record(step)
+            # Outside the agreement: it may all-reduce the last step's time (every rank gets here).
+            observe_train_step(self.args, batch, plan, step_index)
+        return step
+
+    @property
+    def _by_rollouts(self) -> bool:
+        return self.config.rollouts_per_step is not None
+
+    def _what(self, kind: StepKind) -> str:
+        if kind == "eval":
+            return "validation"
+        if kind == "forward_only":
+            return "forward-only pass"
+        iteration = getattr(self.args, "curr_iteration", None)
+        return f"training iteration {iteration + 1}" if isinstance(iteration, int) else "training"
+
+    def _train_cursor(self, data_iterator: Any, layout: ParallelLayout) -> _Cursor:
+        if self.cursor is None or self.cursor.next_step >= len(self.cursor.plan.steps):
+            batch = _next_batch(data_iterator, "training")
+            _check_batch_size(
+                batch,
+                self.args.global_batch_size,
+                "--global-batch-size",
+                self._by_rollouts,
+                self._by_rollouts,
+            )
+            plan, seconds = self._plan(batch, layout, forward_only=False)
+            self.cursor = _Cursor(batch=batch, plan=plan, planning_seconds=seconds)
+        return self.cursor
+
+    def _record(self, step: DynamicStep) -> None:
+        self.cursor.next_step += 1
+        self.cursor.planning_seconds = 0.0  # counted once, with the batch's first step
+        self.last_step = step
+        self.totals.steps += 1
+        self.totals.samples += step.num_samples
+        self.totals.real_tokens += step.real_tokens
+        self.totals.computed_tokens += step.computed_tokens
+        self.totals.truncated_tokens += step.truncated_tokens
+
+    def log_string(self) -> str:
+        """See :func:`dynamic_log_string`."""
+        totals, self.totals = self.totals, _Totals()
+        if self.last_step is None or totals.steps == 0:
+            return ""
+        step = self.last_step
+        fill = totals.real_tokens / totals.computed_tokens if totals.computed_tokens else 0.0
+        line = (
+            f" micro-batches/rank: {step.num_microbatches} [{step.micro_batch_size}x"
+            f"{step.seq_length}] | real tokens: {totals.real_tokens} | computed tokens: "
+            f"{totals.computed_tokens} | fill: {fill:.3f} |"
+        )
+        if totals.truncated_tokens:
+            line += f" truncated tokens: {totals.truncated_tokens} |"
+        return line + calibration_log_string()
+
+    def scalars(self) -> Dict[str, float]:
+        """The last training step's figures, by TensorBoard tag."""
+        step = self.last_step
+        if step is None:
+            return {}
+        return {
+            "dynbatch/micro-batches per rank": float(step.num_microbatches),
+            "dynbatch/row length": float(step.seq_length),
+            "dynbatch/real tokens": float(step.real_tokens),
+            "dynbatch/computed tokens": float(step.computed_tokens),
+            "dynbatch/fill": (
+                step.real_tokens / step.computed_tokens if step.computed_tokens else 0.0
+            ),
+            "dynbatch/dp imbalance": float(step.dp_imbalance),
+            "dynbatch/placeholders": float(step.num_placeholders),
+            "dynbatch/truncated tokens": float(step.truncated_tokens),
+            "dynbatch/planning seconds": float(step.planning_seconds),
+        }
+
+
+_hooks: Optional[DynamicBatchHooks] = None
+"""The run's state: set by :func:`configure` (argument validation), read by every hook."""
+
+
+def configure(args: Any) -> Optional[DynamicBatchHooks]:
+    """Check the dynamic-batching flags and build the run's state (patch 0001, after validation).
+
+    Returns:
+        The run's :class:`DynamicBatchHooks`, or ``None`` when ``--use-dynamic-batch-size`` is off
+        (its flags are then refused by :func:`validate_dynamic_batch_args`).
+    """
+    global _hooks
+    config = validate_dynamic_batch_args(args)
+    _hooks = None if config is None else DynamicBatchHooks(args, config)
+    return _hooks
+
+
+def hooks_for(args: Any) -> DynamicBatchHooks:
+    """The state of the run ``args`` belongs to: the configured one, else built once from ``args``.
+
+    The fallback serves callers that drive the hooks without Megatron's patched argument
+    validation (tests, custom loops); it resolves the same config :func:`configure` would.
+    """
+    global _hooks
+    if _hooks is None or _hooks.args is not args:
+        _hooks = DynamicBatchHooks(args, dynbatch_config_from_args(args))
+    return _hooks
 
 
 def reset_dynamic_batch_state() -> None:
-    """Forget the partly consumed batch, the last step and the log counters."""
-    global _train_cursor, _last_train_step, _totals
-    _train_cursor = None
-    _last_train_step = None
-    _totals = _Totals()
+    """Forget the run's state: the partly consumed batch, the last step and the log counters."""
+    global _hooks
+    _hooks = None
     reset_calibration_state()
 
 
-def last_train_step() -> DynamicStep:
-    """The step :func:`prepare_train_step` planned last (read by the patched loop after it)."""
-    if _last_train_step is None:
+def prepare(
+    args: Any,
+    source: Any,
+    model: Any,
+    *,
+    kind: StepKind = "train",
+    pg_collection: Any = None,
+    check_group: Any = None,
+) -> DynamicStep:
+    """Plan (when needed) and materialize this rank's micro-batches of one pass.
+
+    ``kind="train"`` (``train_step``): the next optimizer step of the training iterator
+    ``source``; a batch of several steps is served over several calls. ``kind="eval"``
+    (``evaluate``): one validation batch of ``source``, ``--eval-global-batch-size`` samples
+    (rollouts), planned as one forward-only pass under ``--log-probs-max-tokens-per-gpu``.
+    ``kind="forward_only"``: the batch ``source`` itself as one forward-only pass (e.g. log-probs
+    of a rollout batch; ``--rollouts-per-step`` only splits optimizer steps). Evaluation and
+    forward-only passes leave the training state (:func:`last_train_step`, a partly served batch,
+    the log counters) alone. Run the schedule with the returned count, shapes and iterator
+    (``forward_only=True`` for the last two kinds); the last stage's outputs come back in
+    ``microbatches`` order, and :func:`megatron_dynbatch.runtime.split_outputs` /
+    ``restore_order`` map them to samples.
+
+    Args:
+        args: Megatron's arguments (validated; see :func:`configure`).
+        source: The data iterator (or one per model chunk) for ``train`` / ``eval``; the batch
+            for ``forward_only``.
+        model: The model chunks (a list, as in ``train_step``) or one module.
+        kind: Which pass, see above.
+        pg_collection: The ``ProcessGroupCollection`` of ``train_step`` / ``evaluate``; ``None``
+            uses the model's, then Megatron's global groups.
+        check_group: Group over which ranks agree; default the whole world (pipeline stages must
+            agree on the shapes too, not only DP ranks).
+
+    Returns:
+        The :class:`DynamicStep` to pass to ``forward_backward_func``.
+
+    Raises:
+        StepAgreementError: On every rank, when any rank failed (a batch of the wrong size, a bad
+            sample, an exhausted iterator), naming the ranks and the reason.
+        PlanMismatchError: On every rank, when any rank planned a different schedule.
+    """
+    return hooks_for(args).prepare(
+        kind, source, model, pg_collection=pg_collection, check_group=check_group
+    )
+
+
+def prepare_train_step(args: Any, data_iterator: Any, model: Any, **groups: Any) -> DynamicStep:
+    """:func:`prepare` with ``kind="train"``."""
+    return prepare(args, data_iterator, model, kind="train", **groups)
+
+
+def prepare_eval_step(args: Any, data_iterator: Any, model: Any, **groups: Any) -> DynamicStep:
+    """:func:`prepare` with ``kind="eval"``."""
+    return prepare(args, data_iterator, model, kind="eval", **groups)
+
+
+def prepare_forward_only_step(args: Any, batch: Any, model: Any, **groups: Any) -> DynamicStep:
+    """:func:`prepare` with ``kind="forward_only"``."""
+    return prepare(args, batch, model, kind="forward_only", **groups)
+
+
+def _configured() -> DynamicBatchHooks:
+    if _hooks is None or _hooks.last_step is None:
         raise RuntimeError(
             "no dynamic-batch step has run yet: the patched train loop reads it after train_step; "
             "is megatron_dynbatch's train_step patch applied (see patches/README.md)?"
         )
-    return _last_train_step
+    return _hooks
+
+
+def last_train_step() -> DynamicStep:
+    """The step the last ``prepare(kind="train")`` planned (read by the patched loop after it)."""
+    return _configured().last_step
 
 
 def dynamic_log_string() -> str:
@@ -320,20 +460,26 @@ def dynamic_log_string() -> str:
     ``computed tokens`` and ``fill`` (their ratio) sum all steps since the previous line, and so
     does ``truncated tokens`` (shown when ``--oversize-samples truncate`` cut any).
     """
-    global _totals
-    totals, _totals = _totals, _Totals()
-    if _last_train_step is None or totals.steps == 0:
-        return ""
-    step = _last_train_step
-    fill = totals.real_tokens / totals.computed_tokens if totals.computed_tokens else 0.0
-    line = (
-        f" micro-batches/rank: {step.num_microbatches} [{step.micro_batch_size}x"
-        f"{step.seq_length}] | real tokens: {totals.real_tokens} | computed tokens: "
-        f"{totals.computed_tokens} | fill: {fill:.3f} |"
-    )
-    if totals.truncated_tokens:
-        line += f" truncated tokens: {totals.truncated_tokens} |"
-    return line + calibration_log_string()
+    return "" if _hooks is None else _hooks.log_string()
+
+
+def write_dynamic_scalars(iteration: int, writer: Any = None, wandb_writer: Any = None) -> None:
+    """Write the last training step's figures to Megatron's TensorBoard and W&B writers.
+
+    Called by the patched ``training_log`` where Megatron writes its own scalars (every
+    ``--tensorboard-log-interval`` iterations, on the rank that holds the writers). Tags:
+    ``dynbatch/micro-batches per rank``, ``row length``, ``real tokens``, ``computed tokens``,
+    ``fill``, ``dp imbalance`` (computed cost, max / mean over DP ranks), ``placeholders``,
+    ``truncated tokens`` and ``planning seconds``.
+    """
+    scalars = {} if _hooks is None else _hooks.scalars()
+    if not scalars:
+        return
+    if writer is not None:
+        for tag, value in scalars.items():
+            writer.add_scalar(tag, value, iteration)
+    if wandb_writer is not None:
+        wandb_writer.log(scalars, iteration)
 
 
 def _as_chunks(model: Any) -> List[torch.nn.Module]:
@@ -380,12 +526,6 @@ def _shape_only_sample(length: int, schema: BatchSchema) -> Dict[str, torch.Tens
     return sample
 
 
-def _plan(batch: Any, planner_config) -> Plan:
-    return plan_schedule(
-        batch.lengths(), batch.rollout_ids, batch.prompt_lengths(), config=planner_config
-    )
-
-
 def _materialize(
     batch: Any,
     plan: Plan,
@@ -393,6 +533,7 @@ def _materialize(
     dp_group: Any,
     pp_group: Any,
     model_chunks: List[torch.nn.Module],
+    planning_seconds: float = 0.0,
 ) -> DynamicStep:
     step = plan.steps[step_index]
     dp_rank = dist.get_rank(dp_group)
@@ -432,10 +573,14 @@ def _materialize(
         plan_fingerprint=plan.fingerprint(),
         loaded_samples=loaded,
         truncated_tokens=step.truncated_tokens,
+        num_placeholders=step.num_placeholders,
+        dp_imbalance=step.dp_imbalance_computed,
+        planning_seconds=planning_seconds,
     )
 
 
 def _parallel_layout(args: Any, model_chunks: List[torch.nn.Module], dp_group) -> ParallelLayout:
+    """The layout the schedule will run: DP size from the group, VPP from the model chunks."""
     if len(model_chunks) > 1 or hasattr(model_chunks[0], "config"):
         check_schedule_config(get_model_config(model_chunks[0]))
     layout = parallel_layout_from_args(
@@ -457,7 +602,7 @@ def _next_batch(data_iterator: Any, what: str) -> Any:
             seen.add(id(iterator))
             iterators.append(iterator)
     if not iterators:
-        raise ValueError(
+        raise DynBatchValueError(
             f"this rank's {what} data iterator is None; with --use-dynamic-batch-size every rank "
             "(every TP, PP and CP rank too) must get an iterator yielding the global batch, e.g. "
             "build it on all ranks (mark the dataset provider is_distributed=True)."
@@ -471,7 +616,7 @@ def _next_batch(data_iterator: Any, what: str) -> Any:
         try:
             batches.append(next(iterator))
         except StopIteration:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"the {what} data iterator is exhausted: it must yield a batch for every "
                 "iteration Megatron runs (--train-iters / --train-samples, --eval-iters)."
             ) from None
@@ -491,126 +636,9 @@ def _check_batch_size(batch: Any, per_step: int, flag: str, by_rollouts: bool, w
     if units == per_step or (whole and units > 0 and units % per_step == 0):
         return
     expected = f"{per_step}" if not whole else f"a multiple of {per_step}"
-    raise ValueError(
+    raise DynBatchValueError(
         f"the data iterator yielded a batch of {units} {what}, but {flag} is {per_step}: with "
         f"--use-dynamic-batch-size every optimizer step trains exactly {flag} {what} (Megatron "
         f"sizes the run, the learning-rate schedule and consumed samples from it), so a batch "
         f"must hold {expected} {what}. Yield batches of that size, or set {flag} {units}."
     )
-
-
-def prepare_train_step(
-    args: Any,
-    data_iterator: Any,
-    model: Any,
-    *,
-    pg_collection: Any = None,
-    check_group: Any = None,
-) -> DynamicStep:
-    """Plan (when needed) and materialize this rank's micro-batches of the next optimizer step.
-
-    Args:
-        args: Megatron's arguments after :func:`~megatron_dynbatch.integrations.megatron_lm.arguments.
-            validate_dynamic_batch_args`.
-        data_iterator: The training iterator (or one per model chunk) yielding batches.
-        model: The model chunks (a list, as in ``train_step``) or one module.
-        pg_collection: The ``ProcessGroupCollection`` of ``train_step``; ``None`` uses the model's,
-            then Megatron's global groups.
-        check_group: Group over which ranks agree; default the whole world (pipeline stages must
-            agree on the shapes too, not only DP ranks).
-
-    Returns:
-        The :class:`DynamicStep` to pass to ``forward_backward_func``.
-
-    Raises:
-        StepAgreementError: On every rank, when any rank failed (a batch of the wrong size, a bad
-            sample, an exhausted iterator), naming the ranks and the reason.
-        PlanMismatchError: On every rank, when any rank planned a different schedule.
-    """
-    global _train_cursor, _last_train_step
-    model_chunks = _as_chunks(model)
-    dp_group, pp_group = _groups(model_chunks, pg_collection)
-    iteration = getattr(args, "curr_iteration", None)
-    what = f"training iteration {iteration + 1}" if isinstance(iteration, int) else "training"
-    resume_calibration(args)  # before planning: a resumed run plans with the saved fit
-    with step_agreement(check_group or dist.group.WORLD, what=what) as agreement:
-        if _train_cursor is None or _train_cursor.next_step >= len(_train_cursor.plan.steps):
-            batch = _next_batch(data_iterator, "training")
-            by_rollouts = getattr(args, "rollouts_per_step", None) is not None
-            _check_batch_size(
-                batch, args.global_batch_size, "--global-batch-size", by_rollouts, by_rollouts
-            )
-            layout = _parallel_layout(args, model_chunks, dp_group)
-            plan = _plan(batch, dynbatch_config_from_args(args).planner_config(layout))
-            _train_cursor = _Cursor(batch=batch, plan=plan)
-        cursor = _train_cursor
-        agreement.fingerprint = cursor.plan.fingerprint()
-        step = _materialize(
-            cursor.batch, cursor.plan, cursor.next_step, dp_group, pp_group, model_chunks
-        )
-    cursor.next_step += 1
-    # Outside the agreement: it may all-reduce the last step's time (every rank gets here).
-    observe_train_step(args, cursor.batch, cursor.plan, cursor.next_step - 1)
-    _last_train_step = step
-    _totals.steps += 1
-    _totals.samples += step.num_samples
-    _totals.real_tokens += step.real_tokens
-    _totals.computed_tokens += step.computed_tokens
-    _totals.truncated_tokens += step.truncated_tokens
-    return step
-
-
-def prepare_eval_step(
-    args: Any,
-    data_iterator: Any,
-    model: Any,
-    *,
-    pg_collection: Any = None,
-    check_group: Any = None,
-) -> DynamicStep:
-    """Read one validation batch and plan it as one forward-only pass (the patched ``evaluate``).
-
-    The batch holds ``--eval-global-batch-size`` samples (rollouts with ``--rollouts-per-step``),
-    planned under ``--log-probs-max-tokens-per-gpu``. Training state is not touched.
-    """
-    model_chunks = _as_chunks(model)
-    dp_group, pp_group = _groups(model_chunks, pg_collection)
-    with step_agreement(check_group or dist.group.WORLD, what="validation") as agreement:
-        batch = _next_batch(data_iterator, "validation")
-        by_rollouts = getattr(args, "rollouts_per_step", None) is not None
-        eval_batch = getattr(args, "eval_global_batch_size", None) or args.global_batch_size
-        _check_batch_size(batch, eval_batch, "--eval-global-batch-size", by_rollouts, False)
-        step = _forward_only(args, batch, model_chunks, dp_group, pp_group, agreement)
-    return step
-
-
-def _forward_only(args, batch, model_chunks, dp_group, pp_group, agreement) -> DynamicStep:
-    layout = _parallel_layout(args, model_chunks, dp_group)
-    config = dynbatch_config_from_args(args).planner_config(layout, forward_only=True)
-    plan = _plan(batch, config)
-    assert len(plan.steps) == 1, "a forward-only plan has one step"
-    agreement.fingerprint = plan.fingerprint()
-    return _materialize(batch, plan, 0, dp_group, pp_group, model_chunks)
-
-
-def prepare_forward_only_step(
-    args: Any,
-    batch: Any,
-    model: Any,
-    *,
-    pg_collection: Any = None,
-    check_group: Any = None,
-) -> DynamicStep:
-    """Plan one forward-only pass (e.g. log-probs of a rollout batch) under the log-prob budget.
-
-    The whole batch is one pass (``--rollouts-per-step`` only splits optimizer steps) with
-    ``--log-probs-max-tokens-per-gpu``. Run the schedule with ``forward_only=True`` and the
-    returned shapes; the last stage's outputs come back in ``microbatches`` order, and
-    :func:`megatron_dynbatch.runtime.split_outputs` / ``restore_order`` map them to samples.
-    Training state (:func:`last_train_step`, a partly served batch) is not touched.
-    """
-    model_chunks = _as_chunks(model)
-    dp_group, pp_group = _groups(model_chunks, pg_collection)
-    with step_agreement(check_group or dist.group.WORLD, what="forward-only pass") as agreement:
-        step = _forward_only(args, coerce_batch(batch), model_chunks, dp_group, pp_group, agreement)
-    return step

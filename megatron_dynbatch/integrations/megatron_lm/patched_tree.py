@@ -31,10 +31,12 @@ from megatron_dynbatch.errors import DynBatchError
 
 __all__ = ["PatchError", "default_cache_dir", "is_patched", "use_patched_training"]
 
-# Text every patched file holds (patch 0001 in arguments.py, 0002 in training.py).
+# Text every patched file holds (patch 0001 in arguments.py, 0002 in training.py); a tree patched
+# by an older series (which imported hooks' functions by name) does not match and is re-patched.
+_HOOKS_IMPORT = "from megatron_dynbatch.integrations.megatron_lm import hooks as dynbatch_hooks"
 _MARKERS = {
-    "arguments.py": "from megatron_dynbatch.integrations.megatron_lm.arguments import validate_dynamic_batch_args",
-    "training.py": "from megatron_dynbatch.integrations.megatron_lm.hooks import prepare_train_step",
+    "arguments.py": f"{_HOOKS_IMPORT}\n\n        dynbatch_hooks.configure(args)",
+    "training.py": f"{_HOOKS_IMPORT}\n\n        dynamic_step = dynbatch_hooks.prepare(",
 }
 
 

@@ -10,7 +10,7 @@ flags:
   ``--seq-length``, through Megatron's own data loader and fixed micro-batches: the baseline that
   trains on the same samples as dynamic batching.
 * ``--use-dynamic-batch-size``: the same document samples, planned into token-budget micro-batches
-  by the patched training loop (``training_hooks``).
+  by the patched training loop (``hooks``).
 
 With ``--sft`` the documents of both modes are the JSONL conversations of ``--data-path``, with loss
 on the responses only (``conversations``).
@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import sys
 from functools import partial
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, NoReturn, Optional, Sequence
 
 import torch
 from megatron.core.enums import ModelType
@@ -36,6 +38,7 @@ from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_
 from megatron.training.arguments import parse_and_validate_args
 
 from megatron_dynbatch.cpu.training_shim import add_cpu_defaults, check_cpu_args
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.megatron_lm.arguments import add_dynamic_batch_args
 from megatron_dynbatch.integrations.megatron_lm.data.conversations import conversation_tokenizer
 from megatron_dynbatch.integrations.megatron_lm.data.documents import (
@@ -50,7 +53,10 @@ from megatron_dynbatch.integrations.megatron_lm.gpt_stock import (
     stock_datasets_provider,
     stock_forward_step,
 )
-from megatron_dynbatch.mcore.forward import build_attention_mask, packed_seq_params_from_batch
+from megatron_dynbatch.mcore.agreement import StepAgreementError
+from megatron_dynbatch.mcore.forward import (
+    make_forward_step,
+)
 from megatron_dynbatch.mcore.thd_attention import (
     check_reference_attention_args,
     with_thd_reference_attention,
@@ -83,8 +89,47 @@ def add_launch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _rank() -> int:
+    """This process's global rank: torch.distributed's once initialized, else torchrun's RANK."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def _program() -> str:
+    return os.path.basename(sys.argv[0]) or "pretrain_gpt_dynbatch.py"
+
+
+def fail(message: Any, *, code: int = 2, every_rank_has_it: bool = True) -> NoReturn:
+    """Stop this rank with one line naming the bad input, and no traceback.
+
+    Args:
+        message: The error (its text is printed on one line).
+        code: The exit status (2 for bad arguments, as argparse; 1 for bad data at run time).
+        every_rank_has_it: Every rank stops with the same error (bad arguments, a step error
+            agreed by ``step_agreement``): only rank 0 prints it, so lines do not repeat or
+            interleave. Otherwise every failing rank prints it, prefixed with its rank.
+    """
+    text = " ".join(str(message).split("\n")).strip()
+    rank = _rank()
+    if rank == 0 or not every_rank_has_it:
+        where = "" if every_rank_has_it else f"[rank {rank}] "
+        print(f"{_program()}: error: {where}{text}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
+def _one_line_parser_errors(parser: argparse.ArgumentParser) -> None:
+    """argparse prints its ~780-line usage per rank on a bad value; print one line instead."""
+
+    def error(message: str) -> NoReturn:
+        fail(f"{message} (see --help)")
+
+    parser.error = error
+
+
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron's ``extra_args_provider``: launch, dynamic-batching and CPU-default flags."""
+    _one_line_parser_errors(parser)
     return add_dynamic_batch_args(add_launch_args(add_cpu_defaults(parser)))
 
 
@@ -124,15 +169,7 @@ def _check_document_args(args: Any) -> None:
     budget = getattr(args, "max_tokens_per_gpu", None)
     policy = getattr(args, "oversize_samples", None) or "error"
     if args.use_dynamic_batch_size and budget is not None and budget < args.seq_length:
-        if policy == "error":
-            # Refused here, before the model is built, rather than at the first such document.
-            raise ValueError(
-                f"--max-tokens-per-gpu {budget} is smaller than --seq-length {args.seq_length}, "
-                "the longest document sample (longer documents are cut at --seq-length), and "
-                "--oversize-samples is error; raise --max-tokens-per-gpu, lower --seq-length, or "
-                "pass --oversize-samples truncate (cut such samples to the budget) or allow (run "
-                "them alone, over it)."
-            )
+        # Under --oversize-samples error this was refused with the arguments (arguments.py).
         print_rank_0(
             f"--max-tokens-per-gpu {budget} < --seq-length {args.seq_length}: document samples "
             f"over the budget are handled by --oversize-samples {policy}."
@@ -144,12 +181,6 @@ def _check_document_args(args: Any) -> None:
         )
 
 
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _document_loss(batch, per_token_loss: torch.Tensor):
     """Token mean over ``loss_mask`` as Megatron's 3-tuple, reported as ``lm loss``."""
     numerator, denominator, report = microbatch_loss(
@@ -159,55 +190,48 @@ def _document_loss(batch, per_token_loss: torch.Tensor):
     return numerator, denominator, report
 
 
-def document_forward_step(data_iterator, model):
+def document_forward_step(args: Any) -> Callable:
     """``forward_step_func`` for document samples, fixed or planned micro-batches alike.
 
-    Every stage reads the micro-batch dict: the first stage uses ``tokens`` / ``position_ids``,
-    the last ``labels`` / ``loss_mask``, every stage the attention layout. With the local
-    transformer implementation attention is restricted to each sample by the block-diagonal mask
-    of ``segment_ids`` (the layer spec takes it as an arbitrary mask); with transformer-engine a
-    packed row passes THD ``cu_seqlens`` and a padded row uses the causal mask (one sample per
-    row).
+    The library's one forward step (:func:`megatron_dynbatch.mcore.forward.make_forward_step`)
+    with the token-mean loss: with the local transformer implementation attention stays inside
+    each sample by the block-diagonal mask of ``segment_ids`` (the layer spec takes it as an
+    arbitrary mask); with transformer-engine a packed row passes THD ``cu_seqlens`` and a padded
+    row uses the causal mask (one sample per row).
     """
-    args = get_args()
-    timers = get_timers()
-    timers("batch-generator", log_level=2).start()
-    device = _device()
-    batch = {key: value.to(device, non_blocking=True) for key, value in next(data_iterator).items()}
-    timers("batch-generator").stop()
-    packed_seq_params = None
-    attention_mask = None
-    if args.transformer_impl == "transformer_engine" or args.dynamic_batch_reference_thd_attention:
-        if batch["tokens"].shape[0] == 1 and "cu_seqlens" in batch:
-            packed_seq_params = packed_seq_params_from_batch(batch)
-    else:
-        attention_mask = build_attention_mask(batch["segment_ids"])
-    output = model(
-        batch["tokens"],
-        batch["position_ids"],
-        attention_mask,
-        labels=batch["labels"],
-        loss_mask=batch["loss_mask"],
-        packed_seq_params=packed_seq_params,
+    return make_forward_step(
+        _document_loss,
+        thd=args.transformer_impl == "transformer_engine"
+        or args.dynamic_batch_reference_thd_attention,
+        to_device=True,
+        timers=get_timers(),
     )
-    return output, partial(_document_loss, batch)
 
 
-def document_datasets_provider(num_samples: List[Optional[int]], vp_stage: Optional[int] = None):
-    """Train / valid / test document samples: datasets (fixed) or batch streams (dynamic).
-
-    Built on every rank (``is_distributed``): with fixed micro-batches each rank's data loader
-    reads its own rows; with dynamic batching each rank plans from the lengths and loads its own
-    DP rank's samples (see ``training_hooks``).
-    """
-    del vp_stage
-    args = get_args()
+def _document_splits(args: Any) -> list:
+    """The train / valid / test document splits (opens, reads and checks the data files)."""
     tokenizer = get_tokenizer()
     eod = tokenizer.eod if args.eod_mask_loss else None
     tokenize = None
     if getattr(args, "sft_conversations", False):
         tokenize = conversation_tokenizer(tokenizer, args.tokenizer_type)
-    splits = document_splits(args, tokenizer.vocab_size, eod, tokenize)
+    return document_splits(args, tokenizer.vocab_size, eod, tokenize)
+
+
+def document_datasets_provider(
+    num_samples: List[Optional[int]], vp_stage: Optional[int] = None, *, splits=None
+):
+    """Train / valid / test document samples: datasets (fixed) or batch streams (dynamic).
+
+    Built on every rank (``is_distributed``): with fixed micro-batches each rank's data loader
+    reads its own rows; with dynamic batching each rank plans from the lengths and loads its own
+    DP rank's samples (see ``hooks``). ``splits``: the data already opened by :func:`main`
+    (before the model is built, so that bad data stops the run early); default: open it here.
+    """
+    del vp_stage
+    args = get_args()
+    if splits is None:
+        splits = _document_splits(args)
     for split in splits:
         if split is not None:
             print_rank_0(
@@ -274,29 +298,35 @@ def main(
         argv: Arguments instead of ``sys.argv[1:]``.
         datasets_provider: Your own ``train_valid_test_datasets_provider`` (with
             ``--use-dynamic-batch-size`` its objects are iterators yielding ``RolloutBatch`` /
-            ``LazyRolloutBatch``, see ``training_hooks``; mark it ``is_distributed = True``).
+            ``LazyRolloutBatch``, see ``integrations/megatron_lm/hooks.py``; mark it ``is_distributed = True``).
             Default: the launch script's (stock, or document samples).
         forward_step_func: Your own ``forward_step_func``. Default: the stock GPT step, or the
             document step (token mean over ``loss_mask``) in the document modes.
     """
-    import sys
-
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     try:
         args = parse_and_validate_args(
             extra_args_provider=extra_args_provider, args_defaults=_ARGS_DEFAULTS
         )
+    except (ValueError, AssertionError) as error:
+        # A bad flag: ours (refused before Megatron prints the arguments, patch 0001) or
+        # Megatron's own argument checks (ValueErrors and asserts): one line naming it.
+        fail(error)
+    try:
         check_cpu_args(args)
         check_stock_args(args)
         validate_data_paths(args)  # .idx/.bin checked before the model is built (issue 19)
         check_reference_attention_args(args, document_samples=_uses_documents(args))
+        splits = None
         if datasets_provider is None and _uses_documents(args):
             _check_document_args(args)
-    except ValueError as error:
-        # A bad flag (ours or Megatron's ValueErrors): one line naming it, as argparse does.
-        print(f"{sys.argv[0]}: error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+            # Open and check the data now, before the model is built: a bad file or line stops
+            # the run in seconds, naming it (the tokenizer exists once the arguments do).
+            splits = _document_splits(args)
+    except (ValueError, OSError) as error:
+        # OSError: a data file that is missing or unreadable (its message names the path).
+        fail(error)
     if args.eval_interval is None:
         # Megatron-LM's pretrain_gpt.py stops with a TypeError here; validate at the end instead.
         args.eval_interval = args.train_iters or max(
@@ -305,7 +335,7 @@ def main(
     model_config = gpt_config_from_args(args)
     if _uses_documents(args) or datasets_provider is not None:
         if args.use_dynamic_batch_size:
-            # The planner, not a torch DataLoader, batches the samples (training_hooks).
+            # The planner, not a torch DataLoader, batches the samples (hooks).
             args.dataloader_type = "external"
         if args.transformer_impl == "local":
             from megatron.training.models.gpt import default_layer_spec
@@ -314,14 +344,21 @@ def main(
             if args.dynamic_batch_reference_thd_attention:
                 spec = with_thd_reference_attention  # THD as on GPUs (mcore/thd_attention.py)
             model_config.transformer_layer_spec = spec(default_layer_spec)
-        provider, forward_step = document_datasets_provider, document_forward_step
+        provider = partial(document_datasets_provider, splits=splits)
+        provider.is_distributed = True  # read by Megatron from the provider object
+        forward_step = document_forward_step(args)
     else:
         provider, forward_step = stock_datasets_provider, stock_forward_step
     config = pretrain_cfg_container_from_args(args, model_config)
-    pretrain(
-        config,
-        datasets_provider or provider,
-        ModelType.encoder_or_decoder,
-        forward_step_func or forward_step,
-        get_embedding_ranks=_embedding_ranks,
-    )
+    try:
+        pretrain(
+            config,
+            datasets_provider or provider,
+            ModelType.encoder_or_decoder,
+            forward_step_func or forward_step,
+            get_embedding_ranks=_embedding_ranks,
+        )
+    except DynBatchValueError as error:
+        # Bad input met while running (a batch of the wrong size, a bad sample): one line, no
+        # traceback. A StepAgreementError is the same on every rank, so rank 0 says it.
+        fail(error, code=1, every_rank_has_it=isinstance(error, StepAgreementError))
