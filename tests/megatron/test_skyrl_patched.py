@@ -40,6 +40,7 @@ import os
 import pathlib
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -117,6 +118,35 @@ def test_apply_is_idempotent_and_refuses_other_trees(tmp_path, patched_skyrl):
     refused = subprocess.run(["bash", str(APPLY), str(tmp_path)], capture_output=True, text=True)
     assert refused.returncode == 1 and "nothing was changed" in refused.stderr
     assert before == {p: p.read_bytes() for p in (tmp_path / "skyrl").rglob("*.py")}
+
+
+#: SkyRL's own CPU unit tests of its micro-batching (worker_utils, TrainingInputBatch), run on the
+#: patched tree: the patches must leave them passing.
+SKYRL_OWN_TESTS = (
+    "tests/backends/skyrl_train/test_token_based_batching_utils.py",
+    "tests/backends/skyrl_train/test_train_batch.py",
+)
+
+
+@needs_skyrl
+def test_skyrls_own_batching_unit_tests_pass_on_the_patched_tree(tmp_path, patched_skyrl):
+    shutil.copytree(
+        pathlib.Path(SKYRL_DIR) / "tests", pathlib.Path(patched_skyrl) / "tests", dirs_exist_ok=True
+    )
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    files = [str(pathlib.Path(patched_skyrl) / f) for f in SKYRL_OWN_TESTS]
+    code = (
+        f"import sys; sys.path.insert(0, {str(REPO)!r}); "
+        "from tests.megatron.test_skyrl_patched import _install_stubs, _import_skyrl; "
+        f"_install_stubs(); _import_skyrl({patched_skyrl!r}); import pytest; "
+        f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-c', {str(tmp_path / 'pytest.ini')!r}, "
+        f"'--rootdir', {patched_skyrl!r}, *{files!r}]))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=patched_skyrl, timeout=600
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    print("\n[SkyRL's own tests on the patched tree] " + result.stdout.strip().splitlines()[-1])
 
 
 # -- running SkyRL's code on a rank -------------------------------------------------------------
@@ -399,6 +429,9 @@ def _skyrl_body(skyrl_root, num, stepwise, loss_reduction, budget, dynamic=True)
     config = tiny_transformer_config(
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        # SkyRL runs Megatron's default: the schedule divides by the micro-batch count and DDP
+        # averages over DP, which its loss undoes (x num_microbatches x dp_size).
+        calculate_per_token_loss=False,
     )
     # SkyRL's worker sets variable_seq_lengths (megatron_worker.py: provider.variable_seq_lengths).
     config = dataclasses.replace(
