@@ -8,10 +8,11 @@ runs under the worker's real ``_forward_logprobs``, ``_reorder_megatron_forward_
 ``_pad_microbatch_to_size`` and ``forward_backward`` (lifted from the patched
 ``megatron_worker.py``). Advantages are pre-scaled by SkyRL's own
 ``apply_loss_reduction_to_advantages_minibatch`` over the whole mini-batch, then the mini-batch is
-sharded over the DP ranks as SkyRL's dispatch does (contiguous chunks). Checked: gradients equal
+padded to a multiple of dp by SkyRL's own ``pad_training_input_batch`` and sharded over the DP
+ranks as SkyRL's dispatch does (contiguous chunks). Checked: gradients equal
 a single process running each sample alone (relative 1e-5), log-probs come back in sample order
 (absolute 1e-5), for token-mean and sequence-mean, a step-wise (multi-turn) batch, and a step
-with fewer samples than DP ranks (one rank holds only placeholders); with the flag off the
+with fewer samples than DP ranks (one rank holds only SkyRL's loss-masked pad copy); with the flag off the
 patched tree is bitwise the stock one.
 
 What is not SkyRL's in these runs, and why:
@@ -389,12 +390,24 @@ def _minibatch(samples, loss_reduction, seed=SEED):
 
 
 def _shard(full, dp, dp_rank):
-    """SkyRL's dispatch: contiguous chunks of the mini-batch per DP rank (the last may be short,
-    or empty when there are fewer samples than ranks)."""
+    """SkyRL's trainer and dispatch: the mini-batch padded to a multiple of dp by SkyRL's own
+    ``pad_training_input_batch`` (loss-masked copies), then contiguous equal chunks per DP rank.
+    Returns this rank's chunk and the original indices of its real (unpadded) samples."""
+    import math
+
+    from skyrl.backends.skyrl_train.training_batch import (
+        TrainingInputBatch,
+        pad_training_input_batch,
+    )
+
     n = full["sequences"].shape[0]
-    per = -(-n // dp)
-    lo, hi = min(n, dp_rank * per), min(n, (dp_rank + 1) * per)
-    return {k: None if v is None else v[lo:hi] for k, v in full.items()}, list(range(lo, hi))
+    batch = TrainingInputBatch(dict(full))
+    batch.metadata = {"response_length": full["loss_mask"].shape[1]}
+    padded = pad_training_input_batch(batch, math.ceil(n / dp) * dp - n)
+    per = padded["sequences"].shape[0] // dp
+    lo, hi = dp_rank * per, (dp_rank + 1) * per
+    chunk = {k: None if v is None else v[lo:hi] for k, v in padded.items()}
+    return chunk, list(range(lo, min(hi, n)))
 
 
 def _skyrl_body(skyrl_root, num, stepwise, loss_reduction, budget, dynamic=True):
@@ -574,11 +587,12 @@ def test_skyrl_forward_backward_and_logprobs_match_reference(
         for row, position in enumerate(r["positions"]):
             seen.add(position)
             want = reference["log_probs"][position]
-            got = r["log_probs"][row, : want.numel()]
+            got = r["log_probs"][row, : want.numel()]  # rows past the real ones: SkyRL's pads
             worst_lp = max(worst_lp, float((got - want).abs().max()))
     assert seen == set(range(num))
     assert worst_lp <= 1e-5
     if num < world // layout.pp:
+        # A DP rank without a real sample (it trains SkyRL's loss-masked pad copy only).
         assert any(not r["positions"] for r in results)
     print(
         f"\n[skyrl {layout} dp={world // layout.pp} {reduction} stepwise={stepwise}] grad rel "
