@@ -58,6 +58,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 APPLY = REPO / "launch" / "apply_skyrl_patches.sh"
 SKYRL_DIR = os.environ.get("SKYRL_DIR")
 REL_TOL = 1e-5
+#: SkyRL's import chain is slow on a loaded 2-core machine (minutes); the pool's default is 180 s.
+BODY_TIMEOUT_S = 600
 SEED = 11
 VOCAB = 128
 WORKER = pathlib.Path("skyrl/backends/skyrl_train/workers/megatron/megatron_worker.py")
@@ -567,7 +569,15 @@ def test_skyrl_forward_backward_and_logprobs_match_reference(
     patched_skyrl, world, layout, num, stepwise, reduction, budget
 ):
     results = run_on_ranks(
-        world, _skyrl_body, patched_skyrl, num, stepwise, reduction, budget, layout=layout
+        world,
+        _skyrl_body,
+        patched_skyrl,
+        num,
+        stepwise,
+        reduction,
+        budget,
+        layout=layout,
+        timeout_s=BODY_TIMEOUT_S,
     )
     [reference] = run_on_ranks(
         1, _reference_body, num, stepwise, reduction, patched_skyrl, layout=Layout()
@@ -609,7 +619,16 @@ def test_with_the_flag_off_patched_skyrl_is_bitwise_stock(patched_skyrl):
     bitwise the same log-probs and gradients."""
     runs = {
         name: run_on_ranks(
-            4, _skyrl_body, root, 9, False, "token_mean", 40, dynamic=False, layout=Layout(pp=2)
+            4,
+            _skyrl_body,
+            root,
+            9,
+            False,
+            "token_mean",
+            40,
+            dynamic=False,
+            layout=Layout(pp=2),
+            timeout_s=BODY_TIMEOUT_S,
         )
         for name, root in (("patched", patched_skyrl), ("stock", str(pathlib.Path(SKYRL_DIR))))
     }
