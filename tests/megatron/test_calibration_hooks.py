@@ -72,7 +72,7 @@ def _train(args, monkeypatch, iterations, first=0):
         plans.append(plan.fingerprint())
         calib.observe_train_step(args, batch, plan, 0)
         shapes = calib.calibration_state().pending
-        clock[0] += predict_seconds(shapes, TRUE, STEP_SECONDS)
+        clock[0] += 1.0 if shapes is None else predict_seconds(shapes, TRUE, STEP_SECONDS)
     return budgets, plans
 
 

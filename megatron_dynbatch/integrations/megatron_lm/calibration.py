@@ -290,6 +290,8 @@ def observe_train_step(args: Any, batch: Any, plan: Any, step_index: int) -> Non
 
     Called by :func:`~.hooks.prepare_train_step` on every rank after the step is materialized.
     """
+    if _state.fit is None and _steps(args) <= 0:
+        return  # off: nothing to measure or show
     now = time.perf_counter()
     iteration = int(getattr(args, "curr_iteration", _state.steps_seen) or 0) + 1
     previous, previous_end = _state.pending, _state.last_end
