@@ -10,11 +10,9 @@ micro-batches are already almost full here (fill 0.986 at ``--seq-length 256`` o
 where dynamic batching must at least not be slower.
 """
 
-import argparse
-import json
-import pathlib
-import re
 from pydoc_data.topics import topics
+
+from make_pydoc_corpus import topic_paragraphs, write_corpus
 
 #: Help topics per long document, and every how many long documents one topic's paragraphs follow.
 TOPICS_PER_DOCUMENT = 16
@@ -27,24 +25,8 @@ def documents():
         group = names[start : start + TOPICS_PER_DOCUMENT]
         yield "\n\n".join(topics[name].strip() for name in group)
         if number % PARAGRAPHS_EVERY == 0:
-            for paragraph in re.split(r"\n\s*\n", topics[group[0]]):
-                paragraph = paragraph.strip()
-                if paragraph:
-                    yield paragraph
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("output", type=pathlib.Path, help="JSONL file to write")
-    args = parser.parse_args()
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    count = 0
-    with open(args.output, "w", encoding="utf-8") as handle:
-        for text in documents():
-            handle.write(json.dumps({"text": text}) + "\n")
-            count += 1
-    print(f"wrote {count} documents to {args.output}")
+            yield from topic_paragraphs(group[0])
 
 
 if __name__ == "__main__":
-    main()
+    write_corpus(documents(), __doc__.splitlines()[0])

@@ -16,26 +16,32 @@ import re
 from pydoc_data.topics import topics
 
 
+def topic_paragraphs(name):
+    """The non-empty paragraphs of one help topic, in order."""
+    for paragraph in re.split(r"\n\s*\n", topics[name]):
+        paragraph = paragraph.strip()
+        if paragraph:
+            yield paragraph
+
+
 def paragraphs():
     for name in sorted(topics):
-        for paragraph in re.split(r"\n\s*\n", topics[name]):
-            paragraph = paragraph.strip()
-            if paragraph:
-                yield paragraph
+        yield from topic_paragraphs(name)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def write_corpus(documents, description: str) -> None:
+    """Parse ``output`` from the command line and write ``documents`` there as JSONL."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("output", type=pathlib.Path, help="JSONL file to write")
     args = parser.parse_args()
     args.output.parent.mkdir(parents=True, exist_ok=True)
     count = 0
     with open(args.output, "w", encoding="utf-8") as handle:
-        for paragraph in paragraphs():
-            handle.write(json.dumps({"text": paragraph}) + "\n")
+        for text in documents:
+            handle.write(json.dumps({"text": text}) + "\n")
             count += 1
     print(f"wrote {count} documents to {args.output}")
 
 
 if __name__ == "__main__":
-    main()
+    write_corpus(paragraphs(), __doc__.splitlines()[0])
