@@ -86,10 +86,12 @@ def check_int(name: str, value, minimum: int, fix: str, maximum: Optional[int] =
     instead of truncating or parsing them (``int(6.9) == 6``). ``fix`` tells the user what to
     change and ends the message.
     """
+    if isinstance(value, bool):
+        raise DynBatchValueError(f"{name}={value!r} is a bool, not an integer; {fix}")
     number = as_int(value)
     if number is None:
         raise DynBatchValueError(
-            f"{name}={value!r} ({type(value).__name__}) must be an integer >= {minimum}; {fix}"
+            f"{name}={value!r} ({type(value).__name__}) is not an integer; {fix}"
         )
     if number < minimum:
         raise DynBatchValueError(f"{name}={number} must be >= {minimum}; {fix}")

@@ -157,17 +157,20 @@ def test_config_from_mapping_unknown_key():
 # --- flags and validation after Megatron's ----------------------------------------------------
 
 
-def test_flags_resolve_and_write_back():
+def test_flags_resolve_without_writing_back():
     args = _megatron_args(
-        ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096", "--rollouts-per-step", "8"]
+        ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096", "--rollouts-per-step", "8"],
+        global_batch_size=8,
     )
+    before = dict(vars(args))
     config = validate_dynamic_batch_args(args)
     # The attention kind is read from Megatron's flags (default transformer-engine: THD segments).
     assert config == DynBatchConfig(
         max_tokens_per_gpu=4096, rollouts_per_step=8, cost_attention="segment"
     )
-    assert (args.max_tokens_per_gpu, args.dynamic_batch_layout) == (4096, "packed")
-    assert args.dynamic_batch_cost_token_weight == 1.0
+    # The config is resolved once; Megatron's namespace keeps what the user typed.
+    assert vars(args) == before
+    assert args.dynamic_batch_layout is None and args.dynamic_batch_cost_token_weight is None
     assert dynbatch_config_from_args(args) == config
 
 
