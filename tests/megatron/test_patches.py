@@ -268,6 +268,8 @@ def _two_rank_body(mismatch: str):
 
     from megatron_dynbatch.integrations.megatron_lm import hooks as training_hooks
     from megatron_dynbatch.integrations.megatron_lm.arguments import add_dynamic_batch_args
+    from megatron_dynbatch.mcore.agreement import StepAgreementError
+    from megatron_dynbatch.runtime.batches import RolloutBatch
 
     args = add_dynamic_batch_args(argparse.ArgumentParser()).parse_args(
         ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "16"]
@@ -280,13 +282,11 @@ def _two_rank_body(mismatch: str):
         lengths[0] = 14  # this rank's iterator yields another batch of the same size
     if mismatch == "size" and torch.distributed.get_rank() == 1:
         lengths = lengths + [4]  # this rank's iterator yields one sample too many
-    batch = training_hooks.RolloutBatch(
-        samples=[{"tokens": torch.arange(1, n + 1)} for n in lengths]
-    )
+    batch = RolloutBatch(samples=[{"tokens": torch.arange(1, n + 1)} for n in lengths])
     training_hooks.reset_dynamic_batch_state()
     try:
         step = training_hooks.prepare_train_step(args, iter([batch]), [torch.nn.Linear(1, 1)])
-    except training_hooks.StepAgreementError as error:
+    except StepAgreementError as error:
         return type(error).__name__, str(error)
     finally:
         training_hooks.reset_dynamic_batch_state()
@@ -514,6 +514,7 @@ def _worker_flag_on():
 
     from megatron_dynbatch.integrations.megatron_lm import hooks as training_hooks
     from megatron_dynbatch.integrations.megatron_lm.arguments import add_dynamic_batch_args
+    from megatron_dynbatch.runtime.batches import RolloutBatch
     from megatron_dynbatch.tools.testing.tiny_gpt import named_global_params
 
     result = {}
@@ -538,9 +539,7 @@ def _worker_flag_on():
 
     config, model, optimizer, scheduler = _worker_build()
     samples = _worker_samples([5, 9, 12, 3, 7, 16, 4, 11], seed=2)
-    batch = training_hooks.RolloutBatch(
-        samples=samples, rollout_ids=["a", "a", "b", "b", "c", "d", "e", "f"]
-    )
+    batch = RolloutBatch(samples=samples, rollout_ids=["a", "a", "b", "b", "c", "d", "e", "f"])
     pulls = []
 
     def rollout_batches():

@@ -33,7 +33,7 @@ def _args(**overrides):
 def _lazy_batch(loaded):
     import torch
 
-    from megatron_dynbatch.integrations.megatron_lm.hooks import LazyRolloutBatch
+    from megatron_dynbatch.runtime.batches import LazyRolloutBatch
 
     def load(index):
         loaded.append(index)

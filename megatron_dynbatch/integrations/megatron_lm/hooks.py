@@ -78,25 +78,18 @@ from megatron_dynbatch.integrations.megatron_lm.calibration import (
     resume_calibration,
 )
 from megatron_dynbatch.mcore.agreement import (
-    PlanMismatchError,
-    StepAgreementError,
     step_agreement,
 )
 from megatron_dynbatch.mcore.schedule import check_schedule_config
 from megatron_dynbatch.planning import ParallelLayout, Plan, PlannerConfig, plan_schedule
 from megatron_dynbatch.runtime import BatchSchema, materialize_microbatches
-from megatron_dynbatch.runtime.batches import LazyRolloutBatch, RolloutBatch, coerce_batch
+from megatron_dynbatch.runtime.batches import coerce_batch
 from megatron_dynbatch.runtime.iterators import chunk_data_iterators
 
 __all__ = [
     "DynamicBatchHooks",
     "DynamicStep",
-    "LazyRolloutBatch",
-    "PlanMismatchError",
-    "RolloutBatch",
-    "StepAgreementError",
     "StepKind",
-    "coerce_batch",
     "configure",
     "dynamic_log_string",
     "hooks_for",

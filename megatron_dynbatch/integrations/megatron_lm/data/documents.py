@@ -31,7 +31,7 @@ Two consumers:
   ``--use-dynamic-batch-size``): a map-style dataset, sample ``p`` padded to ``--seq-length``, read
   through Megatron's own data loader and sampler. The baseline for the same samples.
 * :class:`DocumentBatchStream` (``--use-dynamic-batch-size``): an iterator of
-  :class:`~megatron_dynbatch.integrations.megatron_lm.hooks.LazyRolloutBatch`, one per optimizer step
+  :class:`~megatron_dynbatch.runtime.batches.LazyRolloutBatch`, one per optimizer step
   (``--global-batch-size`` consecutive positions), starting at the consumed-samples counter. It
   hands the planner the lengths and loads a sample's tokens only when the hook asks for one of
   this rank's samples.
@@ -48,9 +48,9 @@ import numpy
 import torch
 
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.integrations.megatron_lm.hooks import LazyRolloutBatch
 from megatron_dynbatch.planning.fixed import plan_fixed_microbatches
 from megatron_dynbatch.runtime import BatchSchema, materialize_microbatches
+from megatron_dynbatch.runtime.batches import LazyRolloutBatch
 
 __all__ = [
     "DocumentBatchStream",
