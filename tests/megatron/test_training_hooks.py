@@ -19,8 +19,10 @@ def _args(**overrides):
 
     from megatron_dynbatch.integrations.megatron_lm.arguments import add_dynamic_batch_args
 
+    # Calibration (on by default) varies the first steps' shapes; tested in test_calibration_*.
     args = add_dynamic_batch_args(argparse.ArgumentParser()).parse_args(
         ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "64"]
+        + ["--dynamic-batch-calibration-steps", "0"]
     )
     args.calculate_per_token_loss = True
     args.global_batch_size = len(LENGTHS)

@@ -257,7 +257,10 @@ def _vary_budget(args: Any, next_iteration: int) -> None:
     if _state.budget is None:
         _state.budget = int(args.max_tokens_per_gpu)
         _state.overhead = getattr(args, _OVERHEAD_DEST, None)
-    floor = int(getattr(args, "seq_length", 1) or 1)
+    # Never below the longest sample (--seq-length), so no sample becomes oversize, and never
+    # above the configured budget: a budget already below --seq-length (truncate / allow) stays as
+    # it is, since a smaller one would cut, and so train, different tokens.
+    floor = min(_state.budget, int(getattr(args, "seq_length", 1) or 1))
     divisor, heavy = _SHAPES[next_iteration % len(_SHAPES)]
     args.max_tokens_per_gpu = max(floor, _state.budget // divisor)
     setattr(args, _OVERHEAD_DEST, float(_state.budget) if heavy else _state.overhead)
