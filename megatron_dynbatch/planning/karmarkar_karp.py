@@ -142,7 +142,9 @@ def karmarkar_karp(
     partials = []
     for start in range(0, len(ordered), step):
         sets: List[list] = [[0, []] for _ in range(k)]
-        for target, (value, i) in zip(sets, ordered[start : start + step], strict=False):
+        # One item per set (equal_size: k items into k sets), or one item into the first set.
+        for j, (value, i) in enumerate(ordered[start : start + step]):
+            target = sets[j]
             target[0] += value
             target[1].append((i, value))
         if ties == "index":
