@@ -12,7 +12,6 @@ Launches are few and tiny (hidden 32-64, 2-4 layers, seq <= 256): each costs ~10
 """
 
 import importlib.util
-import os
 import pathlib
 import re
 import shlex
@@ -22,7 +21,7 @@ import time
 
 import pytest
 
-from tests._support import REPO, readme_block, run_shell
+from tests._support import REPO, command_env, readme_block, run_shell
 
 pytestmark = pytest.mark.torchrun
 
@@ -44,12 +43,6 @@ def _load_compare():
 compare_runs = _load_compare()
 
 
-def _env(extra=None):
-    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
-    env.update(extra or {})
-    return env
-
-
 def _torchrun(nproc, script, args, *, env=None, log_path):
     """Run ``torchrun --standalone --nproc-per-node nproc script args``; return (rc, log, seconds)."""
     command = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(nproc), str(script)]
@@ -57,7 +50,7 @@ def _torchrun(nproc, script, args, *, env=None, log_path):
     result = subprocess.run(
         command + [str(a) for a in args],
         cwd=REPO,
-        env=_env(env),
+        env=command_env(env),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
