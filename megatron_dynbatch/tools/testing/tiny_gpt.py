@@ -58,6 +58,8 @@ def tiny_transformer_config(
     num_attention_heads: int = 4,
     calculate_per_token_loss: bool = True,
     batch_p2p_comm: Optional[bool] = None,
+    num_moe_experts: Optional[int] = None,
+    moe_router_topk: int = 2,
 ) -> TransformerConfig:
     """Return the ``TransformerConfig`` of the tiny GPT for a model-parallel layout.
 
@@ -74,6 +76,11 @@ def tiny_transformer_config(
             count.
         batch_p2p_comm: Batched p2p sends; None picks the safe value for the layout (False for
             interleaving at pp = 2, see :func:`check_schedule_config`).
+        num_moe_experts: None: dense MLPs. Otherwise every layer's MLP is a mixture of this many
+            experts (local spec, all-to-all dispatcher, expert parallel size 1, no load-balancing
+            loss and no linear biases: the expert bias path of megatron.core 0.19.2 adds in place
+            to a view at tp = 1, which autograd refuses).
+        moe_router_topk: Experts per token with ``num_moe_experts``.
 
     Returns:
         A config ready for the three Megatron schedules on CPU.
@@ -108,9 +115,30 @@ def tiny_transformer_config(
         # buffers are sized from the schedule's seq_length, and no shape exchange is needed.
         variable_seq_lengths=False,
         batch_p2p_comm=batch_p2p_comm,
+        **_moe_fields(num_moe_experts, moe_router_topk),
     )
     check_schedule_config(config)
     return config
+
+
+def _moe_fields(num_moe_experts: Optional[int], moe_router_topk: int) -> dict:
+    if num_moe_experts is None:
+        return {}
+    if not 1 <= moe_router_topk <= num_moe_experts:
+        raise ValueError(
+            f"moe_router_topk={moe_router_topk} must be in [1, num_moe_experts="
+            f"{num_moe_experts}]; lower the top-k or add experts."
+        )
+    return dict(
+        num_moe_experts=num_moe_experts,
+        moe_router_topk=moe_router_topk,
+        # The allgather dispatcher refuses variable_seq_lengths (slime's setting).
+        moe_token_dispatcher_type="alltoall",
+        # An auxiliary loss depends on which tokens share a micro-batch: a packed row and a
+        # sample alone would train differently.
+        moe_router_load_balancing_type="none",
+        add_bias_linear=False,
+    )
 
 
 def make_schedule_config_safe(config: TransformerConfig) -> TransformerConfig:
@@ -132,15 +160,17 @@ def make_schedule_config_safe(config: TransformerConfig) -> TransformerConfig:
     return config
 
 
-def tiny_layer_spec():
+def tiny_layer_spec(num_experts: Optional[int] = None):
     """Megatron's local GPT layer spec with self-attention taking the mask it is given.
+
+    ``num_experts``: None for a dense MLP, else a mixture of experts (``config.num_moe_experts``).
 
     ``AttnMaskType.arbitrary`` instead of the spec's ``causal``: packed rows need the block-diagonal
     mask of :func:`megatron_dynbatch.mcore.forward.build_attention_mask`. With ``causal``, the
     unfused fp32 softmax happens to apply a passed mask, but the fused fp16/bf16 kernel
     (``masked_softmax_fusion``) drops it for its own causal mask without an error.
     """
-    spec = get_gpt_layer_local_spec()
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
     attention = spec.submodules.self_attention
     spec.submodules.self_attention = dataclasses.replace(
         attention, params={**attention.params, "attn_mask_type": AttnMaskType.arbitrary}
@@ -182,7 +212,7 @@ def build_tiny_gpt(
         )
     pp_rank = pg_collection.pp.rank()
     num_chunks = vp_size or 1
-    layer_spec = tiny_layer_spec()
+    layer_spec = tiny_layer_spec(config.num_moe_experts)
     chunks = []
     for vp_stage in range(num_chunks):
         chunks.append(
