@@ -8,7 +8,10 @@ patches are applied to a copy with ``launch/apply_slime_patches.sh``, and on glo
 single process running each sample alone (relative 1e-5), in both of slime's loss modes (per
 token, per rollout), on a layout where one DP rank holds only placeholders too; log-probs come
 back in rollout order; a bad sample on one rank stops every rank with the same error; with the
-flag off, the patched tree trains bitwise like the stock checkout.
+flag off, the patched tree trains bitwise like the stock checkout. With a tiny Megatron-Core MoE
+(2 layers, 4 experts, top-2, EP 1) at pp 2, dp 2, MoE routing replay R2
+(``--use-routing-replay``) and R3 (``--use-rollout-routing-replay``, patch 0008) match the
+per-sample reference too, and every recorded routing is replayed exactly once.
 
 What is not slime's in these runs, and why:
 
@@ -19,6 +22,11 @@ What is not slime's in these runs, and why:
   Hugging Face checkpoint), behind a wrapper that turns slime's THD ``packed_seq_params`` into a
   block-diagonal attention mask, because THD attention needs transformer-engine (GPU only);
 * slime's accelerator is a CPU backend installed through its public ``set_accelerator``;
+* MoE cases: slime's Megatron patch (``register_routing_replay`` in ``TopKRouter.__init__``,
+  ``get_routing_replay_compute_topk`` around the router's top-k) is reached through the
+  ``router_replay`` hook that megatron.core 0.19.2 calls at the same point (:class:`_SlimeTopk`);
+  the pinned host copy in slime's ``RoutingReplay.record`` is unpinned (CPU-only torch has no
+  pinned allocator); ``fill_routing_replay`` runs lifted out of its Ray actor class;
 * the optimizer and LR scheduler are recorders: ``train_one_step`` zeroes the gradients after the
   optimizer step, so the recorder keeps them;
 * the rollout side's ``RolloutManager._split_train_data_by_dp`` (``rollout.py``, patch 0001) is a
