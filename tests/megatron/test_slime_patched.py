@@ -936,16 +936,18 @@ def test_slime_train_one_step_and_forward_only_match_reference(
 
 
 MOE_CASES = [
-    # (replay, rollouts, gbs)
-    pytest.param("r2", 7, 3, id="r2-pp2-dp2-3-steps"),
-    pytest.param("r3", 7, 3, id="r3-pp2-dp2-3-steps"),
-    pytest.param("r3", 1, 1, id="r3-pp2-dp2-one-rank-only-placeholders"),
+    # (replay, rollouts, gbs, expert-parallel size)
+    pytest.param("r2", 7, 3, 1, id="r2-pp2-dp2-3-steps"),
+    pytest.param("r3", 7, 3, 1, id="r3-pp2-dp2-3-steps"),
+    pytest.param("r3", 1, 1, 1, id="r3-pp2-dp2-one-rank-only-placeholders"),
+    pytest.param("r2", 7, 3, 2, id="r2-pp2-dp2-ep2"),
+    pytest.param("r3", 7, 3, 2, id="r3-pp2-dp2-ep2"),
 ]
 
 
 @needs_slime
-@pytest.mark.parametrize("replay, rollouts, gbs", MOE_CASES)
-def test_moe_routing_replay_matches_reference(patched_slime, replay, rollouts, gbs):
+@pytest.mark.parametrize("replay, rollouts, gbs, ep", MOE_CASES)
+def test_moe_routing_replay_matches_reference(patched_slime, replay, rollouts, gbs, ep):
     """A tiny MoE (2 layers, 4 experts, top-2) at pp 2, dp 2 through slime with
     ``--use-routing-replay`` (R2: the log-prob pass records routing, training replays it) or
     ``--use-rollout-routing-replay`` (R3: the rollout's experts, padded to each step's row by
@@ -954,7 +956,15 @@ def test_moe_routing_replay_matches_reference(patched_slime, replay, rollouts, g
     routing, placeholder micro-batches' included, is replayed exactly once in training."""
     started = time.monotonic()
     results = run_on_ranks(
-        4, _slime_body, patched_slime, rollouts, gbs, 64, True, replay=replay, layout=Layout(pp=2)
+        4,
+        _slime_body,
+        patched_slime,
+        rollouts,
+        gbs,
+        64,
+        True,
+        replay=replay,
+        layout=Layout(pp=2, ep=ep),
     )
     wall = time.monotonic() - started
     [reference] = run_on_ranks(
@@ -972,7 +982,7 @@ def test_moe_routing_replay_matches_reference(patched_slime, replay, rollouts, g
         # One router per layer on each pipeline stage (2 layers over pp 2).
         assert r["replays"] == [(total, total)], r["replays"]
     print(
-        f"\n[slime MoE {replay} pp2 dp2 rollouts={rollouts}] steps={num_steps} counts={results[0]['num_microbatches']} "
+        f"\n[slime MoE {replay} pp2 dp2 ep{ep} rollouts={rollouts}] steps={num_steps} counts={results[0]['num_microbatches']} "
         f"placeholders={[r['num_placeholders'] for r in results]} grad rel diff max={worst:.2e} "
         f"log-prob abs diff max={worst_lp:.2e} wall={wall:.1f}s"
     )

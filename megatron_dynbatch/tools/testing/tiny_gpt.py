@@ -278,15 +278,23 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
 
 
 def _iter_global_named_params(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """Yield (global name, param): chunk-local layer indices replaced by global ones."""
+    """Yield (global name, param): chunk-local layer indices replaced by global ones, and with
+    expert parallelism, local expert indices by global ones."""
     model = _unwrap(chunk)
     local_to_global = {}
+    experts = {}
     for name, module in model.named_modules():
         match = _LAYER_PREFIX.match(name + ".")
         if isinstance(module, TransformerLayer) and match:
             # layer_number is 1-based and already includes the pipeline / virtual stage offset.
             local_to_global[int(match.group(1))] = module.layer_number - 1
+        if isinstance(getattr(module, "local_expert_indices", None), list):  # a MoE layer
+            experts[f"{name}.experts.local_experts."] = module.local_expert_indices
     for name, param in model.named_parameters():
+        for prefix, indices in experts.items():
+            if name.startswith(prefix):
+                local, rest = name[len(prefix) :].split(".", 1)
+                name = f"{prefix}{indices[int(local)]}.{rest}"
         match = _LAYER_PREFIX.match(name)
         if match:
             global_index = local_to_global[int(match.group(1))]
