@@ -45,6 +45,9 @@ _PATCHED_MODULES = (
     "megatron.core.transformer.moe.token_dispatcher",
     # The MoE router moves its gating weight to ``torch.cuda.current_device()`` on first use.
     "megatron.core.transformer.moe.router",
+    # All-gather outputs on ``torch.cuda.current_device()`` (the MoE dispatcher's expert-parallel
+    # gather of tokens per expert).
+    "megatron.core.tensor_parallel.mappings",
 )
 
 # The one module that imports triton unconditionally (it holds Triton kernels for the MoE paged
@@ -139,6 +142,18 @@ def _set_cpu_rng_state(new_state, device=-1, graph_safe=False):
     torch.set_rng_state(new_state)
 
 
+def _move_to_host(tensor, as_numpy=False, record_stream=False):
+    """CPU replacement for the MoE dispatcher's ``maybe_move_tensor_to_cpu``.
+
+    The stock function converts only CUDA tensors (to numpy when asked); a CPU tensor comes back
+    as a tensor, which ``all_to_all_single`` refuses as split sizes (expert parallelism > 1).
+    """
+    del record_stream
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
+
+
 def _register_triton_stand_in():
     if _TRITON_MODULE in sys.modules or importlib.util.find_spec("triton") is not None:
         return
@@ -177,6 +192,9 @@ def apply_cpu_shim() -> None:
         module.torch = proxy
     random_module = sys.modules["megatron.core.tensor_parallel.random"]
     random_module._set_cuda_rng_state = _set_cpu_rng_state
+    sys.modules["megatron.core.transformer.moe.token_dispatcher"].maybe_move_tensor_to_cpu = (
+        _move_to_host
+    )
     _applied = True
 
 

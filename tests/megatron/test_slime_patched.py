@@ -620,6 +620,7 @@ def _slime_body(
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         calculate_per_token_loss=per_token,
         **(MOE if replay else {}),
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
     )
     # slime always runs Megatron with variable_seq_lengths (its arguments.py forces it); with
     # interleaving at pp = 2 that needs overlap_p2p_comm, Megatron-LM's default there.
@@ -942,13 +943,15 @@ MOE_CASES = [
     pytest.param("r3", 1, 1, 1, id="r3-pp2-dp2-one-rank-only-placeholders"),
     pytest.param("r2", 7, 3, 2, id="r2-pp2-dp2-ep2"),
     pytest.param("r3", 7, 3, 2, id="r3-pp2-dp2-ep2"),
+    pytest.param("r3", 1, 1, 2, id="r3-pp2-dp2-ep2-one-rank-only-placeholders"),
 ]
 
 
 @needs_slime
 @pytest.mark.parametrize("replay, rollouts, gbs, ep", MOE_CASES)
 def test_moe_routing_replay_matches_reference(patched_slime, replay, rollouts, gbs, ep):
-    """A tiny MoE (2 layers, 4 experts, top-2) at pp 2, dp 2 through slime with
+    """A tiny MoE (2 layers, 4 experts, top-2) at pp 2, dp 2, expert parallel size 1 and 2
+    (the all-to-all spans the two DP ranks), through slime with
     ``--use-routing-replay`` (R2: the log-prob pass records routing, training replays it) or
     ``--use-rollout-routing-replay`` (R3: the rollout's experts, padded to each step's row by
     patch 0008, replay in the log-prob pass and in training). Gradients and log-probs equal the

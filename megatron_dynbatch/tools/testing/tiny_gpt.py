@@ -60,6 +60,7 @@ def tiny_transformer_config(
     batch_p2p_comm: Optional[bool] = None,
     num_moe_experts: Optional[int] = None,
     moe_router_topk: int = 2,
+    expert_model_parallel_size: int = 1,
 ) -> TransformerConfig:
     """Return the ``TransformerConfig`` of the tiny GPT for a model-parallel layout.
 
@@ -81,6 +82,9 @@ def tiny_transformer_config(
             loss and no linear biases: the expert bias path of megatron.core 0.19.2 adds in place
             to a view at tp = 1, which autograd refuses).
         moe_router_topk: Experts per token with ``num_moe_experts``.
+        expert_model_parallel_size: Expert-parallel size (must match the initialised expert
+            groups: it decides whether expert gradients are reduced over the expert data-parallel
+            group or, wrongly at EP > 1, over the whole data-parallel group).
 
     Returns:
         A config ready for the three Megatron schedules on CPU.
@@ -115,6 +119,7 @@ def tiny_transformer_config(
         # buffers are sized from the schedule's seq_length, and no shape exchange is needed.
         variable_seq_lengths=False,
         batch_p2p_comm=batch_p2p_comm,
+        expert_model_parallel_size=expert_model_parallel_size,
         **_moe_fields(num_moe_experts, moe_router_topk),
     )
     check_schedule_config(config)
