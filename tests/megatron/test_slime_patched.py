@@ -9,7 +9,7 @@ single process running each sample alone (relative 1e-5), in both of slime's los
 token, per rollout), on a layout where one DP rank holds only placeholders too; log-probs come
 back in rollout order; a bad sample on one rank stops every rank with the same error; with the
 flag off, the patched tree trains bitwise like the stock checkout. With a tiny Megatron-Core MoE
-(2 layers, 4 experts, top-2, EP 1) at pp 2, dp 2, MoE routing replay R2
+(4 layers, 4 experts, top-2) at pp 2, dp 2 (EP 1 and 2, and pp 2 x vpp 2), MoE routing replay R2
 (``--use-routing-replay``) and R3 (``--use-rollout-routing-replay``, patch 0008) match the
 per-sample reference too, and every recorded routing is replayed exactly once.
 
@@ -70,8 +70,8 @@ VOCAB = 128
 #: Modules slime imports for rollout serving and logging, stubbed when they are not installed.
 STUBBED = ("ray", "sglang", "torch_memory_saver", "wandb", "httpx", "tensorboard")
 
-#: The tiny MoE of the routing-replay cases: 2 layers, 4 experts, top-2 (expert parallel size 1).
-MOE = {"num_layers": 2, "num_moe_experts": 4, "moe_router_topk": 2}
+#: The tiny MoE of the routing-replay cases: 4 layers, 4 experts, top-2.
+MOE = {"num_layers": 4, "num_moe_experts": 4, "moe_router_topk": 2}
 
 # Skipped without SLIME_DIR (tests/conftest.py); the fast default deselects them.
 needs_slime = pytest.mark.slime
@@ -937,37 +937,32 @@ def test_slime_train_one_step_and_forward_only_match_reference(
 
 
 MOE_CASES = [
-    # (replay, rollouts, gbs, expert-parallel size)
-    pytest.param("r2", 7, 3, 1, id="r2-pp2-dp2-3-steps"),
-    pytest.param("r3", 7, 3, 1, id="r3-pp2-dp2-3-steps"),
-    pytest.param("r3", 1, 1, 1, id="r3-pp2-dp2-one-rank-only-placeholders"),
-    pytest.param("r2", 7, 3, 2, id="r2-pp2-dp2-ep2"),
-    pytest.param("r3", 7, 3, 2, id="r3-pp2-dp2-ep2"),
-    pytest.param("r3", 1, 1, 2, id="r3-pp2-dp2-ep2-one-rank-only-placeholders"),
+    # (replay, rollouts, gbs, layout); 4 ranks, dp = 4 / pp
+    pytest.param("r2", 7, 3, Layout(pp=2), id="r2-pp2-dp2-3-steps"),
+    pytest.param("r3", 7, 3, Layout(pp=2), id="r3-pp2-dp2-3-steps"),
+    pytest.param("r3", 1, 1, Layout(pp=2), id="r3-pp2-dp2-one-rank-only-placeholders"),
+    pytest.param("r2", 7, 3, Layout(pp=2, ep=2), id="r2-pp2-dp2-ep2"),
+    pytest.param("r3", 7, 3, Layout(pp=2, ep=2), id="r3-pp2-dp2-ep2"),
+    pytest.param("r3", 1, 1, Layout(pp=2, ep=2), id="r3-pp2-dp2-ep2-one-rank-only-placeholders"),
+    pytest.param("r2", 7, 3, Layout(pp=2, vpp=2), id="r2-pp2-vpp2-dp2"),
+    pytest.param("r3", 7, 3, Layout(pp=2, vpp=2), id="r3-pp2-vpp2-dp2"),
 ]
 
 
 @needs_slime
-@pytest.mark.parametrize("replay, rollouts, gbs, ep", MOE_CASES)
-def test_moe_routing_replay_matches_reference(patched_slime, replay, rollouts, gbs, ep):
-    """A tiny MoE (2 layers, 4 experts, top-2) at pp 2, dp 2, expert parallel size 1 and 2
-    (the all-to-all spans the two DP ranks), through slime with
+@pytest.mark.parametrize("replay, rollouts, gbs, layout", MOE_CASES)
+def test_moe_routing_replay_matches_reference(patched_slime, replay, rollouts, gbs, layout):
+    """A tiny MoE (4 layers, 4 experts, top-2) on 4 ranks at pp 2 (dp 2), with expert parallel
+    size 2 (the all-to-all spans the two DP ranks) and with interleaving, through slime with
     ``--use-routing-replay`` (R2: the log-prob pass records routing, training replays it) or
     ``--use-rollout-routing-replay`` (R3: the rollout's experts, padded to each step's row by
     patch 0008, replay in the log-prob pass and in training). Gradients and log-probs equal the
     per-sample reference (R2: the model's own routing; R3: the rollout's experts); every recorded
-    routing, placeholder micro-batches' included, is replayed exactly once in training."""
+    routing, placeholder micro-batches' and the phantom's included, is replayed exactly once in
+    training."""
     started = time.monotonic()
     results = run_on_ranks(
-        4,
-        _slime_body,
-        patched_slime,
-        rollouts,
-        gbs,
-        64,
-        True,
-        replay=replay,
-        layout=Layout(pp=2, ep=ep),
+        4, _slime_body, patched_slime, rollouts, gbs, 64, True, replay=replay, layout=layout
     )
     wall = time.monotonic() - started
     [reference] = run_on_ranks(
@@ -982,10 +977,11 @@ def test_moe_routing_replay_matches_reference(patched_slime, replay, rollouts, g
         assert any(r["num_placeholders"] for r in results)
     for r in results:
         total = sum(r["num_microbatches"])
-        # One router per layer on each pipeline stage (2 layers over pp 2).
-        assert r["replays"] == [(total, total)], r["replays"]
+        # One RoutingReplay per router: the rank's share of the layers (every chunk's).
+        assert r["replays"] == [(total, total)] * (MOE["num_layers"] // layout.pp), r["replays"]
     print(
-        f"\n[slime MoE {replay} pp2 dp2 ep{ep} rollouts={rollouts}] steps={num_steps} counts={results[0]['num_microbatches']} "
+        f"\n[slime MoE {replay} {layout} rollouts={rollouts}] steps={num_steps} "
+        f"counts={results[0]['num_microbatches']} "
         f"placeholders={[r['num_placeholders'] for r in results]} grad rel diff max={worst:.2e} "
         f"log-prob abs diff max={worst_lp:.2e} wall={wall:.1f}s"
     )
