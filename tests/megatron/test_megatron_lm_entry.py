@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from tests.megatron.test_pretrain import LAUNCH, REPO, _ok, _torchrun
+from tests._support import LAUNCH, REPO, parse_ok, torchrun
 
 pytestmark = pytest.mark.torchrun
 
@@ -103,7 +103,7 @@ def test_batch_size_features_and_budgets_are_refused_at_argument_time(tmp_path):
 
 def test_a_bad_value_is_one_line_from_rank_0_under_torchrun(tmp_path):
     args = _BASE + ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "lots"]
-    rc, log, _ = _torchrun(2, LAUNCH, args, log_path=tmp_path / "bad.log")
+    rc, log, _ = torchrun(2, LAUNCH, args, log_path=tmp_path / "bad.log")
     assert rc != 0 and " iteration        1/" not in log
     # argparse's own message, once for both ranks, without its ~780-line usage.
     _assert_one_line(log, "argument --max-tokens-per-gpu: invalid int value: 'lots'", launcher=True)
@@ -114,8 +114,8 @@ def test_tensorboard_gets_the_dynamic_batching_scalars(tmp_path):
 
     board = tmp_path / "tensorboard"
     args = _BASE + _DYNAMIC + ["--tensorboard-dir", board, "--tensorboard-log-interval", 1]
-    rc, log, _ = _torchrun(2, LAUNCH, args, log_path=tmp_path / "train.log")
-    parsed = _ok(rc, log)
+    rc, log, _ = torchrun(2, LAUNCH, args, log_path=tmp_path / "train.log")
+    parsed = parse_ok(rc, log)
     assert sorted(parsed["iterations"]) == [1, 2]
     files = sorted(pathlib.Path(board).rglob("events.out.tfevents.*"))
     assert files, f"no event files under {board}:\n{log[-3000:]}"
