@@ -58,6 +58,15 @@ _TOKENIZER_PACKAGES = {
     "BertWordPieceLowerCase": "transformers",
 }
 
+# Tokenizer types that load a local model file given by --tokenizer-model (megatron.core asserts
+# on a missing path; a one-line refusal says which option to add).
+_MODEL_FILE_TYPES = {
+    "SentencePieceTokenizer": "SentencePiece .model",
+    "GPTSentencePieceTokenizer": "SentencePiece .model",
+    "Llama2Tokenizer": "SentencePiece .model",
+    "TikTokenizer": "tiktoken vocabulary .json",
+}
+
 
 def byte_tokens(text: str, *, append_eod: bool) -> List[int]:
     """UTF-8 bytes of ``text`` as token ids, optionally followed by :data:`BYTE_EOD`."""
@@ -132,28 +141,35 @@ def write_indexed_dataset(
 
     prefix = f"{output_prefix}_{key}_document"
     pathlib.Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-    builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=DType.optimal_dtype(vocab_size))
-    count = 0
-    for number, text in _documents(input_path, key):
-        try:
-            tokens = encode(text)
-        except ValueError as error:
-            # NullTokenizer ("null-text") reads space-separated integer ids, not text.
-            hint = "; leave out --tokenizer-type for byte tokens" if "null" in described else ""
-            raise ValueError(
-                f"{input_path}:{number}: the tokenizer cannot read this text ({error}){hint}."
-            ) from None
-        builder.add_document(tokens, [len(tokens)] if tokens else [])
-        count += bool(tokens)
-    if count == 0:
-        raise ValueError(f"{input_path} holds no document with text under {key!r}.")
+    bin_path = get_bin_path(prefix)
+    builder = IndexedDatasetBuilder(bin_path, dtype=DType.optimal_dtype(vocab_size))
+    try:
+        count = 0
+        for number, text in _documents(input_path, key):
+            try:
+                tokens = encode(text)
+            except ValueError as error:
+                # NullTokenizer ("null-text") reads space-separated integer ids, not text.
+                hint = "; leave out --tokenizer-type for byte tokens" if "null" in described else ""
+                raise ValueError(
+                    f"{input_path}:{number}: the tokenizer cannot read this text ({error}){hint}."
+                ) from None
+            builder.add_document(tokens, [len(tokens)] if tokens else [])
+            count += bool(tokens)
+        if count == 0:
+            raise ValueError(f"{input_path} holds no document with text under {key!r}.")
+    except BaseException:
+        # A .bin without its .idx would only mislead the next run: remove the partial file.
+        builder.data_file.close()
+        pathlib.Path(bin_path).unlink()
+        raise
     builder.finalize(get_idx_path(prefix))
     print(f"wrote {count} documents to {prefix}.bin / .idx ({described}, vocab {vocab_size})")
     return pathlib.Path(prefix)
 
 
 def _add_tokenizer_options(parser: argparse.ArgumentParser) -> dict:
-    """Add Megatron-LM's tokenizer option group to ``parser``; return its defaults by dest."""
+    """Add Megatron-LM's tokenizer option group to ``parser``; return ``{dest: (default, flag)}``."""
     from megatron_dynbatch.integrations.megatron_lm.data.megatron_tool import (
         prepare_megatron_imports,
     )
@@ -166,7 +182,13 @@ def _add_tokenizer_options(parser: argparse.ArgumentParser) -> dict:
         from megatron.training.arguments import _add_tokenizer_args
 
     _add_tokenizer_args(parser)
-    return vars(_add_tokenizer_args(argparse.ArgumentParser(add_help=False)).parse_args([]))
+    probe = _add_tokenizer_args(argparse.ArgumentParser(add_help=False))
+    defaults = vars(probe.parse_args([]))
+    return {
+        action.dest: (defaults[action.dest], action.option_strings[0])
+        for action in probe._actions  # argparse has no public list of a parser's options
+        if action.dest in defaults
+    }
 
 
 def _build_tokenizer(args: argparse.Namespace, defaults: dict) -> object:
@@ -182,14 +204,21 @@ def _build_tokenizer(args: argparse.Namespace, defaults: dict) -> object:
         )
     if args.tokenizer_type is None:
         # An option that would do nothing with byte tokens is an error, not silently ignored.
-        given = [dest for dest, default in defaults.items() if getattr(args, dest) != default]
+        given = [
+            flag for dest, (default, flag) in defaults.items() if getattr(args, dest) != default
+        ]
         if given:
-            flags = ", ".join("--" + dest.replace("_", "-") for dest in given)
+            flags = ", ".join(given)
             raise DynBatchValueError(
                 f"{flags} given without --tokenizer-type; pass --tokenizer-type (e.g. "
                 "SentencePieceTokenizer), or leave the tokenizer options out for byte tokens."
             )
         return None
+    if args.tokenizer_type in _MODEL_FILE_TYPES and not args.tokenizer_model:
+        raise DynBatchValueError(
+            f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model FILE (its "
+            f"{_MODEL_FILE_TYPES[args.tokenizer_type]} file)."
+        )
     package = _TOKENIZER_PACKAGES.get(args.tokenizer_type)
     if package is not None and importlib.util.find_spec(package) is None:
         raise DynBatchValueError(
