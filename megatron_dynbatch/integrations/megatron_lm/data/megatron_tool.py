@@ -19,6 +19,7 @@ import os
 import pathlib
 import runpy
 import sys
+import warnings
 from typing import Optional, Sequence
 
 from megatron_dynbatch.errors import DynBatchError
@@ -87,9 +88,14 @@ def run_preprocess_data(argv: Sequence[str], megatron_lm_dir: Optional[str] = No
     saved_argv = sys.argv
     sys.argv = [str(tool), *argv]
     try:
-        # run_name "__main__" runs the tool's main block, and runpy installs the tool's namespace
-        # as sys.modules["__main__"] meanwhile, so its worker pool can pickle its Encoder.
-        runpy.run_path(str(tool), run_name="__main__")
+        with warnings.catch_warnings():
+            # The tool imports megatron.training.arguments, which imports Megatron's model and
+            # optimizer modules; they warn that apex / Transformer Engine are missing (unused here).
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+            # run_name "__main__" runs the tool's main block, and runpy installs the tool's
+            # namespace as sys.modules["__main__"] meanwhile, so its worker pool can pickle its
+            # Encoder.
+            runpy.run_path(str(tool), run_name="__main__")
     finally:
         sys.argv = saved_argv
 
