@@ -20,7 +20,7 @@ import types
 
 import torch
 
-__all__ = ["apply_cpu_shim", "cpu_torch_proxy"]
+__all__ = ["apply_cpu_shim", "cpu_torch_proxy", "register_triton_stand_in"]
 
 # Megatron modules whose module-level ``torch`` gets the CPU proxy, each with the reason.
 _PATCHED_MODULES = (
@@ -124,7 +124,12 @@ def _set_cpu_rng_state(new_state, device=-1, graph_safe=False):
     torch.set_rng_state(new_state)
 
 
-def _register_triton_stand_in():
+def register_triton_stand_in() -> None:
+    """Let ``import megatron.core`` succeed without triton; a no-op when triton is installed.
+
+    Registers a stand-in for the one module that imports triton unconditionally (its kernels raise
+    if called). Needed by anything importing megatron.core on such a machine, GPU or not.
+    """
     if _TRITON_MODULE in sys.modules or importlib.util.find_spec("triton") is not None:
         return
     stand_in = types.ModuleType(_TRITON_MODULE)
@@ -154,7 +159,7 @@ def apply_cpu_shim() -> None:
     global _applied
     if _applied or torch.cuda.is_available():
         return
-    _register_triton_stand_in()
+    register_triton_stand_in()
     proxy = _CpuTorchProxy()
     for module_name in _PATCHED_MODULES:
         module = importlib.import_module(module_name)
