@@ -334,11 +334,13 @@ def _causal_chunk(ddp_chunk):
 
 
 def _samples(num, stepwise, seed=SEED):
-    """(prompt tokens, response tokens, loss mask) per sample; step-wise: trajectories of 1-3
-    turns whose every turn's prompt is the trajectory so far (SkyRL's step-wise training)."""
+    """(prompt tokens, response tokens, loss mask, uid) per sample; step-wise: trajectories of 1-3
+    turns whose every turn's prompt is the trajectory so far (SkyRL's step-wise training). The uid
+    names the trajectory's prompt (one trajectory per prompt), contiguous as SkyRL's are."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     while len(out) < num:
+        uid = f"p{len({s[3] for s in out})}"
         prompt = torch.randint(
             1, VOCAB, (int(torch.randint(2, 9, (1,), generator=gen)),), generator=gen
         )
@@ -350,27 +352,29 @@ def _samples(num, stepwise, seed=SEED):
                 1, VOCAB, (int(torch.randint(2, 13, (1,), generator=gen)),), generator=gen
             )
             mask = (torch.rand(response.numel(), generator=gen) > 0.2).to(torch.int64)
-            out.append((prompt, response, mask))
+            out.append((prompt, response, mask, uid))
             prompt = torch.cat([prompt, response, torch.randint(1, VOCAB, (2,), generator=gen)])
     return out
 
 
 def _minibatch(samples, loss_reduction, seed=SEED):
     """SkyRL's padded mini-batch: prompts left-padded, responses right-padded, advantages
-    pre-scaled by SkyRL's own ``apply_loss_reduction_to_advantages_minibatch``."""
+    pre-scaled by SkyRL's own ``apply_loss_reduction_to_advantages_minibatch`` (``prompt_mean``
+    over the prompts of SkyRL's own ``compute_prompt_boundaries``, mini-batch relative)."""
     from skyrl.backends.skyrl_train.utils.ppo_utils import (
         apply_loss_reduction_to_advantages_minibatch,
     )
+    from skyrl.train.dataset.preprocess import compute_prompt_boundaries
 
     gen = torch.Generator().manual_seed(seed + 1)
     n = len(samples)
-    prompt_len = max(p.numel() for p, _, _ in samples)
-    response_len = max(r.numel() for _, r, _ in samples)
+    prompt_len = max(s[0].numel() for s in samples)
+    response_len = max(s[1].numel() for s in samples)
     sequences = torch.zeros((n, prompt_len + response_len), dtype=torch.int64)
     attention = torch.zeros_like(sequences)
     loss_mask = torch.zeros((n, response_len), dtype=torch.int64)
     response_mask = torch.zeros_like(loss_mask)
-    for i, (p, r, m) in enumerate(samples):
+    for i, (p, r, m, _) in enumerate(samples):
         sequences[i, prompt_len - p.numel() : prompt_len] = p
         sequences[i, prompt_len : prompt_len + r.numel()] = r
         attention[i, prompt_len - p.numel() : prompt_len + r.numel()] = 1
@@ -378,7 +382,12 @@ def _minibatch(samples, loss_reduction, seed=SEED):
         response_mask[i, : r.numel()] = 1
     advantages = torch.randn((n, response_len), generator=gen) * response_mask
     scaled = apply_loss_reduction_to_advantages_minibatch(
-        advantages, loss_mask, loss_reduction, micro_batch_size=1, max_seq_len=response_len
+        advantages,
+        loss_mask,
+        loss_reduction,
+        micro_batch_size=1,
+        max_seq_len=response_len,
+        prompt_boundaries=compute_prompt_boundaries([s[3] for s in samples]),
     )
     return {
         "sequences": sequences,
@@ -391,10 +400,13 @@ def _minibatch(samples, loss_reduction, seed=SEED):
     }
 
 
-def _shard(full, dp, dp_rank):
+def _shard(full, dp, dp_rank, pad_to_dp=True):
     """SkyRL's trainer and dispatch: the mini-batch padded to a multiple of dp by SkyRL's own
     ``pad_training_input_batch`` (loss-masked copies), then contiguous equal chunks per DP rank.
-    Returns this rank's chunk and the original indices of its real (unpadded) samples."""
+    Returns this rank's chunk and the original indices of its real (unpadded) samples.
+
+    ``pad_to_dp=False`` skips the padding, so the last ranks may get no row at all: SkyRL's
+    dispatch never does that at the pinned commit, the case guards the plan's empty-rank path."""
     import math
 
     from skyrl.backends.skyrl_train.training_batch import (
@@ -405,6 +417,10 @@ def _shard(full, dp, dp_rank):
     n = full["sequences"].shape[0]
     batch = TrainingInputBatch(dict(full))
     batch.metadata = {"response_length": full["loss_mask"].shape[1]}
+    if not pad_to_dp:
+        per = math.ceil(n / dp)
+        lo, hi = min(n, dp_rank * per), min(n, (dp_rank + 1) * per)
+        return {k: None if v is None else v[lo:hi] for k, v in full.items()}, list(range(lo, hi))
     padded = pad_training_input_batch(batch, math.ceil(n / dp) * dp - n)
     per = padded["sequences"].shape[0] // dp
     lo, hi = dp_rank * per, (dp_rank + 1) * per
@@ -412,7 +428,11 @@ def _shard(full, dp, dp_rank):
     return chunk, list(range(lo, min(hi, n)))
 
 
-def _skyrl_body(skyrl_root, num, stepwise, loss_reduction, budget, dynamic=True):
+def _skyrl_body(
+    skyrl_root, num, stepwise, loss_reduction, budget, dynamic=True, pad_to_dp=True, window=None
+):
+    """SkyRL's worker methods on this rank's shard of the mini-batch ``_samples(...)[window]``
+    (``window``: one mini-batch ``(start, end)`` of the step; default all samples)."""
     import dataclasses
 
     import torch.distributed as dist
@@ -481,8 +501,9 @@ def _skyrl_body(skyrl_root, num, stepwise, loss_reduction, budget, dynamic=True)
     worker.empty_cuda_cache = False
     worker.strategy = _Strategy()
 
-    full = _minibatch(_samples(num, stepwise), loss_reduction)
-    mine, positions = _shard(full, dp, dp_rank)
+    samples = _samples(num, stepwise)[slice(*(window or (0, num)))]
+    full = _minibatch(samples, loss_reduction)
+    mine, positions = _shard(full, dp, dp_rank, pad_to_dp)
     data = TrainingInputBatch(mine)
     data.metadata = {"response_length": full["loss_mask"].shape[1]}
 
@@ -505,11 +526,14 @@ def _skyrl_body(skyrl_root, num, stepwise, loss_reduction, budget, dynamic=True)
         "grads": {k: v.clone() for k, v in named_global_grads(ddp_chunks).items()},
         "log_probs": old,
         "positions": positions,
+        "rows": mine["sequences"].shape[0],
         "metrics": dict(output.metrics),
+        "loss_fn_outputs": list(output.loss_fn_outputs),
+        "response_lengths": mine["response_mask"].sum(-1).tolist(),
     }
 
 
-def _reference_body(num, stepwise, loss_reduction, skyrl_root):
+def _reference_body(num, stepwise, loss_reduction, skyrl_root, window=None):
     """Each sample alone through a single-process tiny GPT: the summed pre-scaled PPO loss at
     ratio 1 (SkyRL's policy loss is a sum over tokens of pre-scaled advantages)."""
     _install_stubs()
@@ -521,12 +545,12 @@ def _reference_body(num, stepwise, loss_reduction, skyrl_root):
         tiny_transformer_config,
     )
 
-    samples = _samples(num, stepwise)
+    samples = _samples(num, stepwise)[slice(*(window or (0, num)))]
     full = _minibatch(samples, loss_reduction)
     [model] = build_tiny_gpt(tiny_transformer_config(), seed=SEED)
 
     def response_log_probs(i):
-        p, r, _ = samples[i]
+        p, r, _, _ = samples[i]
         tokens = torch.cat([p, r])
         length = tokens.numel()
         logits = model(
@@ -540,7 +564,7 @@ def _reference_body(num, stepwise, loss_reduction, skyrl_root):
     model.zero_grad()
     total = 0.0
     log_probs = []
-    for i, (_, r, m) in enumerate(samples):
+    for i, (_, r, m, _) in enumerate(samples):
         lp = response_log_probs(i)
         log_probs.append(lp.detach())
         adv = full["advantages"][i, : r.numel()]
@@ -553,44 +577,9 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-CASES = [
-    # (world, layout, samples, step-wise, loss reduction, budget)
-    pytest.param(2, Layout(pp=2), 9, False, "token_mean", 40, id="pp2-dp1-token-mean"),
-    pytest.param(4, Layout(pp=2), 9, False, "token_mean", 40, id="pp2-dp2-token-mean"),
-    pytest.param(4, Layout(pp=2), 8, True, "sequence_mean", 48, id="pp2-dp2-stepwise-seq-mean"),
-    pytest.param(4, Layout(pp=2), 1, False, "token_mean", 40, id="pp2-dp2-fewer-samples-than-dp"),
-    pytest.param(
-        2,
-        Layout(pp=2, vpp=2),
-        9,
-        True,
-        "token_mean",
-        40,
-        # Needs patch 0003: stock SkyRL unpads every chunk of the last stage as logits.
-        id="pp2-vpp2-stepwise",
-    ),
-]
-
-
-@needs_skyrl
-@pytest.mark.parametrize("world, layout, num, stepwise, reduction, budget", CASES)
-def test_skyrl_forward_backward_and_logprobs_match_reference(
-    patched_skyrl, world, layout, num, stepwise, reduction, budget
-):
-    results = run_on_ranks(
-        world,
-        _skyrl_body,
-        patched_skyrl,
-        num,
-        stepwise,
-        reduction,
-        budget,
-        layout=layout,
-        timeout_s=BODY_TIMEOUT_S,
-    )
-    [reference] = run_on_ranks(
-        1, _reference_body, num, stepwise, reduction, patched_skyrl, layout=Layout()
-    )
+def _check_against_reference(results, reference, num, what):
+    """Gradients (relative) and log-probs (absolute) within tolerance, every sample seen once,
+    and the training pass's per-sample ``loss_fn_outputs`` in sample order; prints the figures."""
     merged = {}
     for r in results:
         merged.update(r["grads"])  # every rank holds the DP-reduced gradients of its stage
@@ -600,25 +589,134 @@ def test_skyrl_forward_backward_and_logprobs_match_reference(
         err = _rel(merged[name], ref)
         worst = max(worst, err)
         assert err <= REL_TOL, (name, err)
-    worst_lp = 0.0
-    seen = set()
+    worst_lp = worst_out = 0.0
+    seen = []
     for r in results:
+        # One loss_fn_outputs entry per row this rank was given (SkyRL's pad copies included,
+        # placeholders not), in the rank's sample order: each row's log-probs are its own.
+        assert len(r["loss_fn_outputs"]) == r["rows"], (len(r["loss_fn_outputs"]), r["rows"])
+        for row, out in enumerate(r["loss_fn_outputs"]):
+            valid = int(r["response_lengths"][row])
+            want = r["log_probs"][row, r["log_probs"].shape[1] - valid :]
+            worst_out = max(worst_out, float((torch.tensor(out["logprobs"]) - want).abs().max()))
         for row, position in enumerate(r["positions"]):
-            seen.add(position)
+            seen.append(position)
             want = reference["log_probs"][position]
             got = r["log_probs"][row, : want.numel()]  # rows past the real ones: SkyRL's pads
             worst_lp = max(worst_lp, float((got - want).abs().max()))
-    assert seen == set(range(num))
-    assert worst_lp <= 1e-5
-    if num < world // layout.pp:
-        # A DP rank without a real sample (it trains SkyRL's loss-masked pad copy only).
-        assert any(not r["positions"] for r in results)
+    assert sorted(seen) == list(range(num))
+    assert worst_lp <= 1e-5 and worst_out <= 1e-5, (worst_lp, worst_out)
     print(
-        f"\n[skyrl {layout} dp={world // layout.pp} {reduction} stepwise={stepwise}] grad rel "
-        f"diff max={worst:.2e} log-prob abs diff max={worst_lp:.2e} "
+        f"\n[skyrl {what}] grad rel diff max={worst:.2e} log-prob abs diff max={worst_lp:.2e} "
+        f"loss_fn_outputs abs diff max={worst_out:.2e} "
         f"microbatches={results[0]['metrics'].get('num_microbatches')} "
         f"stubbed={results[0]['stubbed']}"
     )
+
+
+CASES = [
+    # (world, layout, samples, step-wise, loss reduction, budget, SkyRL's padding to dp)
+    pytest.param(2, Layout(pp=2), 9, False, "token_mean", 40, True, id="pp2-dp1-token-mean"),
+    pytest.param(4, Layout(pp=2), 9, False, "token_mean", 40, True, id="pp2-dp2-token-mean"),
+    pytest.param(
+        4, Layout(pp=2), 8, True, "sequence_mean", 48, True, id="pp2-dp2-stepwise-seq-mean"
+    ),
+    pytest.param(
+        4, Layout(pp=2), 1, False, "token_mean", 40, True, id="pp2-dp2-fewer-samples-than-dp"
+    ),
+    # DP rank 1 gets no row at all (not even SkyRL's pad copy): placeholders only.
+    pytest.param(4, Layout(pp=2), 1, False, "token_mean", 40, False, id="pp2-dp2-empty-rank"),
+    # Needs patch 0003: stock SkyRL unpads every chunk of the last stage as logits.
+    pytest.param(2, Layout(pp=2, vpp=2), 9, True, "token_mean", 40, True, id="pp2-vpp2-stepwise"),
+]
+
+
+@needs_skyrl
+@pytest.mark.parametrize("world, layout, num, stepwise, reduction, budget, pad_to_dp", CASES)
+def test_skyrl_forward_backward_and_logprobs_match_reference(
+    patched_skyrl, world, layout, num, stepwise, reduction, budget, pad_to_dp
+):
+    results = run_on_ranks(
+        world,
+        _skyrl_body,
+        patched_skyrl,
+        num,
+        stepwise,
+        reduction,
+        budget,
+        pad_to_dp=pad_to_dp,
+        layout=layout,
+        timeout_s=BODY_TIMEOUT_S,
+    )
+    [reference] = run_on_ranks(
+        1, _reference_body, num, stepwise, reduction, patched_skyrl, layout=Layout()
+    )
+    if num < world // layout.pp:
+        # A DP rank without a real sample: SkyRL's loss-masked pad copy only, or no row at all.
+        assert any(not r["positions"] for r in results)
+        assert any(r["rows"] == 0 for r in results) == (not pad_to_dp)
+    dp = world // layout.pp
+    _check_against_reference(
+        results, reference, num, f"{layout} dp={dp} {reduction} stepwise={stepwise}"
+    )
+
+
+@needs_skyrl
+def test_prompt_aligned_stepwise_minibatches_match_reference(patched_skyrl):
+    """SkyRL #1483: step-wise mini-batches are cut at prompt boundaries (SkyRL's own
+    ``compute_prompt_mini_batch_boundaries``), so every turn of a prompt trains in the same
+    mini-batch; each mini-batch (uneven sizes, padded to dp by SkyRL) is planned on its own and
+    its gradients equal its samples run alone, with SkyRL's ``prompt_mean`` reduction."""
+    _install_stubs()
+    _import_skyrl(patched_skyrl)
+    from skyrl.train.dataset.preprocess import compute_prompt_mini_batch_boundaries
+
+    num = 11
+    uids = [s[3] for s in _samples(num, True)]
+    num_prompts = len(set(uids))
+    per_minibatch = next(k for k in (2, 3, 1) if num_prompts % k == 0 and num_prompts > k)
+    windows = compute_prompt_mini_batch_boundaries(uids, per_minibatch, num_prompts, True, 1)
+    assert len(windows) >= 2
+    sizes = [hi - lo for lo, hi in windows]
+    assert len(set(sizes)) > 1 or any(size % 2 for size in sizes), "want uneven mini-batches"
+    owner = {}
+    for m, (lo, hi) in enumerate(windows):
+        for uid in uids[lo:hi]:
+            assert owner.setdefault(uid, m) == m, f"prompt {uid} split over mini-batches"
+    for lo, hi in windows:
+        args = (num, True, "prompt_mean")
+        results = run_on_ranks(
+            4,
+            _skyrl_body,
+            patched_skyrl,
+            *args,
+            40,
+            window=(lo, hi),
+            layout=Layout(pp=2),
+            timeout_s=BODY_TIMEOUT_S,
+        )
+        [reference] = run_on_ranks(
+            1, _reference_body, *args, patched_skyrl, window=(lo, hi), layout=Layout()
+        )
+        _check_against_reference(
+            results, reference, hi - lo, f"pp2 dp=2 prompt_mean prompt-aligned [{lo}:{hi})"
+        )
+
+
+@needs_skyrl
+def test_patch_0003_lets_skyrl_run_virtual_pipeline_stages_with_the_flag_off(patched_skyrl):
+    """Patch 0003 fixes SkyRL itself: stock SkyRL's fixed-size micro-batches under pp 2 x vpp 2
+    fail in ``recover_left_padding`` (every chunk of the last stage unpadded as logits); the
+    patched tree, flag off, runs them and matches the reference."""
+    args = (8, True, "token_mean", 0)  # budget 0: SkyRL's stock fixed micro-batches of 2
+    kwargs = dict(dynamic=False, layout=Layout(pp=2, vpp=2), timeout_s=BODY_TIMEOUT_S)
+    with pytest.raises(Exception, match="IndexError"):
+        run_on_ranks(2, _skyrl_body, str(pathlib.Path(SKYRL_DIR)), *args, **kwargs)
+    results = run_on_ranks(2, _skyrl_body, patched_skyrl, *args, **kwargs)
+    [reference] = run_on_ranks(
+        1, _reference_body, 8, True, "token_mean", patched_skyrl, layout=Layout()
+    )
+    _check_against_reference(results, reference, 8, "pp2 x vpp2 flag off (patch 0003)")
 
 
 @needs_skyrl
