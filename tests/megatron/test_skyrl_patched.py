@@ -123,33 +123,51 @@ def test_apply_is_idempotent_and_refuses_other_trees(tmp_path, patched_skyrl):
     assert before == {p: p.read_bytes() for p in (tmp_path / "skyrl").rglob("*.py")}
 
 
-#: SkyRL's own CPU unit tests of its micro-batching (worker_utils, TrainingInputBatch), run on the
-#: patched tree: the patches must leave them passing.
+#: SkyRL's own CPU unit tests of its micro-batching (worker_utils, TrainingInputBatch and its dp
+#: padding, the prompt-aligned mini-batch boundaries of #1483), run on the patched tree: the
+#: patches must leave them passing.
 SKYRL_OWN_TESTS = (
     "tests/backends/skyrl_train/test_token_based_batching_utils.py",
     "tests/backends/skyrl_train/test_train_batch.py",
+    "tests/train/test_prompt_mini_batch.py",
+)
+#: Deselected: it round-trips a batch through a real Ray object store (Ray is stubbed here).
+SKYRL_OWN_DESELECTED = (
+    "tests/backends/skyrl_train/test_train_batch.py::test_train_batch_ray_serialization",
 )
 
 
 @needs_skyrl
 def test_skyrls_own_batching_unit_tests_pass_on_the_patched_tree(tmp_path, patched_skyrl):
-    shutil.copytree(
-        pathlib.Path(SKYRL_DIR) / "tests", pathlib.Path(patched_skyrl) / "tests", dirs_exist_ok=True
-    )
+    root = pathlib.Path(patched_skyrl)
+    shutil.copytree(pathlib.Path(SKYRL_DIR) / "tests", root / "tests", dirs_exist_ok=True)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    files = [str(pathlib.Path(patched_skyrl) / f) for f in SKYRL_OWN_TESTS]
+    args = ["-q", "-p", "no:cacheprovider", "-c", str(tmp_path / "pytest.ini")]
+    args += ["--rootdir", patched_skyrl, *(str(root / f) for f in SKYRL_OWN_TESTS)]
+    args += [f"--deselect={f}" for f in SKYRL_OWN_DESELECTED]  # node ids, from the rootdir
+    # This module is loaded by path under another name: SkyRL's tests import their own
+    # top-level ``tests`` package, which this repository's ``tests`` would shadow.
     code = (
-        f"import sys; sys.path.insert(0, {str(REPO)!r}); "
-        "from tests.megatron.test_skyrl_patched import _install_stubs, _import_skyrl; "
-        f"_install_stubs(); _import_skyrl({patched_skyrl!r}); import pytest; "
-        f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-c', {str(tmp_path / 'pytest.ini')!r}, "
-        f"'--rootdir', {patched_skyrl!r}, *{files!r}]))"
+        "import importlib.util, sys; "
+        f"spec = importlib.util.spec_from_file_location('_skyrl_stubs', {__file__!r}); "
+        "helpers = importlib.util.module_from_spec(spec); spec.loader.exec_module(helpers); "
+        f"helpers._install_stubs(); helpers._import_skyrl({patched_skyrl!r}); import pytest; "
+        f"sys.exit(pytest.main({args!r}))"
     )
+    # megatron_dynbatch from this checkout; the working directory (SkyRL's) stays first.
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=patched_skyrl, timeout=600
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=patched_skyrl,
+        env=dict(os.environ, PYTHONPATH=path),
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    print("\n[SkyRL's own tests on the patched tree] " + result.stdout.strip().splitlines()[-1])
+    summary = result.stdout.strip().splitlines()[-1]
+    assert "passed" in summary and "failed" not in summary and "error" not in summary, summary
+    print("\n[SkyRL's own tests on the patched tree] " + summary)
 
 
 # -- running SkyRL's code on a rank -------------------------------------------------------------
@@ -590,7 +608,7 @@ def _check_against_reference(results, reference, num, what):
         worst = max(worst, err)
         assert err <= REL_TOL, (name, err)
     worst_lp = worst_out = 0.0
-    seen = []
+    seen = set()  # the ranks of one pipeline report the same samples
     for r in results:
         # One loss_fn_outputs entry per row this rank was given (SkyRL's pad copies included,
         # placeholders not), in the rank's sample order: each row's log-probs are its own.
@@ -600,11 +618,11 @@ def _check_against_reference(results, reference, num, what):
             want = r["log_probs"][row, r["log_probs"].shape[1] - valid :]
             worst_out = max(worst_out, float((torch.tensor(out["logprobs"]) - want).abs().max()))
         for row, position in enumerate(r["positions"]):
-            seen.append(position)
+            seen.add(position)
             want = reference["log_probs"][position]
             got = r["log_probs"][row, : want.numel()]  # rows past the real ones: SkyRL's pads
             worst_lp = max(worst_lp, float((got - want).abs().max()))
-    assert sorted(seen) == list(range(num))
+    assert seen == set(range(num))
     assert worst_lp <= 1e-5 and worst_out <= 1e-5, (worst_lp, worst_out)
     print(
         f"\n[skyrl {what}] grad rel diff max={worst:.2e} log-prob abs diff max={worst_lp:.2e} "
