@@ -139,11 +139,14 @@ SKYRL_OWN_DESELECTED = (
 
 @needs_skyrl
 def test_skyrls_own_batching_unit_tests_pass_on_the_patched_tree(tmp_path, patched_skyrl):
-    root = pathlib.Path(patched_skyrl)
-    shutil.copytree(pathlib.Path(SKYRL_DIR) / "tests", root / "tests", dirs_exist_ok=True)
+    # A copy of the patched tree with SkyRL's tests beside it (the shared patched tree gets no
+    # top-level ``tests``: on the path of a later rank it would shadow this repository's).
+    root = tmp_path / "tree"
+    shutil.copytree(pathlib.Path(patched_skyrl) / "skyrl", root / "skyrl")
+    shutil.copytree(pathlib.Path(SKYRL_DIR) / "tests", root / "tests")
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     args = ["-q", "-p", "no:cacheprovider", "-c", str(tmp_path / "pytest.ini")]
-    args += ["--rootdir", patched_skyrl, *(str(root / f) for f in SKYRL_OWN_TESTS)]
+    args += ["--rootdir", str(root), *(str(root / f) for f in SKYRL_OWN_TESTS)]
     args += [f"--deselect={f}" for f in SKYRL_OWN_DESELECTED]  # node ids, from the rootdir
     # This module is loaded by path under another name: SkyRL's tests import their own
     # top-level ``tests`` package, which this repository's ``tests`` would shadow.
@@ -151,7 +154,7 @@ def test_skyrls_own_batching_unit_tests_pass_on_the_patched_tree(tmp_path, patch
         "import importlib.util, sys; "
         f"spec = importlib.util.spec_from_file_location('_skyrl_stubs', {__file__!r}); "
         "helpers = importlib.util.module_from_spec(spec); spec.loader.exec_module(helpers); "
-        f"helpers._install_stubs(); helpers._import_skyrl({patched_skyrl!r}); import pytest; "
+        f"helpers._install_stubs(); helpers._import_skyrl({str(root)!r}); import pytest; "
         f"sys.exit(pytest.main({args!r}))"
     )
     # megatron_dynbatch from this checkout; the working directory (SkyRL's) stays first.
@@ -160,7 +163,7 @@ def test_skyrls_own_batching_unit_tests_pass_on_the_patched_tree(tmp_path, patch
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
-        cwd=patched_skyrl,
+        cwd=root,
         env=dict(os.environ, PYTHONPATH=path),
         timeout=600,
     )
@@ -591,6 +594,18 @@ def _reference_body(num, stepwise, loss_reduction, skyrl_root, window=None):
     return {"grads": named_global_grads([model]), "log_probs": log_probs, "samples": samples}
 
 
+def _prompt_minibatches(skyrl_root, uids):
+    """SkyRL's own ``compute_prompt_mini_batch_boundaries`` (step-wise, one trajectory per
+    prompt), with the most prompts per mini-batch that still gives two mini-batches or more."""
+    _install_stubs()
+    _import_skyrl(skyrl_root)
+    from skyrl.train.dataset.preprocess import compute_prompt_mini_batch_boundaries
+
+    num_prompts = len(set(uids))
+    per_minibatch = max(k for k in range(1, num_prompts) if num_prompts % k == 0)
+    return compute_prompt_mini_batch_boundaries(uids, per_minibatch, num_prompts, True, 1)
+
+
 def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
@@ -675,7 +690,10 @@ def test_skyrl_forward_backward_and_logprobs_match_reference(
         assert any(r["rows"] == 0 for r in results) == (not pad_to_dp)
     dp = world // layout.pp
     _check_against_reference(
-        results, reference, num, f"{layout} dp={dp} {reduction} stepwise={stepwise}"
+        results,
+        reference,
+        num,
+        f"{layout} dp={dp} {reduction} stepwise={stepwise} padded_to_dp={pad_to_dp}",
     )
 
 
@@ -685,15 +703,10 @@ def test_prompt_aligned_stepwise_minibatches_match_reference(patched_skyrl):
     ``compute_prompt_mini_batch_boundaries``), so every turn of a prompt trains in the same
     mini-batch; each mini-batch (uneven sizes, padded to dp by SkyRL) is planned on its own and
     its gradients equal its samples run alone, with SkyRL's ``prompt_mean`` reduction."""
-    _install_stubs()
-    _import_skyrl(patched_skyrl)
-    from skyrl.train.dataset.preprocess import compute_prompt_mini_batch_boundaries
-
     num = 11
     uids = [s[3] for s in _samples(num, True)]
-    num_prompts = len(set(uids))
-    per_minibatch = next(k for k in (2, 3, 1) if num_prompts % k == 0 and num_prompts > k)
-    windows = compute_prompt_mini_batch_boundaries(uids, per_minibatch, num_prompts, True, 1)
+    # SkyRL is imported on a rank, never in this process (whose path the ranks inherit).
+    [windows] = run_on_ranks(1, _prompt_minibatches, patched_skyrl, uids)
     assert len(windows) >= 2
     sizes = [hi - lo for lo, hi in windows]
     assert len(set(sizes)) > 1 or any(size % 2 for size in sizes), "want uneven mini-batches"
