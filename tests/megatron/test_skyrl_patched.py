@@ -316,6 +316,11 @@ class _Strategy:
     def all_reduce(self, metrics, op="mean", group=None):
         import torch.distributed as dist
 
+        # SkyRL's strategy runs one all-reduce per key: ranks with different keys would pair
+        # different metrics or hang. Fail at once, naming them, instead.
+        keys = [None] * dist.get_world_size(group)
+        dist.all_gather_object(keys, sorted(metrics), group=group)
+        assert all(k == keys[0] for k in keys), f"metric keys differ over DP ranks: {keys}"
         out = {}
         for key in sorted(metrics):
             value = torch.tensor(float(metrics[key]), dtype=torch.float64)
