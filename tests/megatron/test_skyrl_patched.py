@@ -11,9 +11,13 @@ runs under the worker's real ``_forward_logprobs``, ``_reorder_megatron_forward_
 padded to a multiple of dp by SkyRL's own ``pad_training_input_batch`` and sharded over the DP
 ranks as SkyRL's dispatch does (contiguous chunks). Checked: gradients equal
 a single process running each sample alone (relative 1e-5), log-probs come back in sample order
-(absolute 1e-5), for token-mean and sequence-mean, a step-wise (multi-turn) batch, and a step
-with fewer samples than DP ranks (one rank holds only SkyRL's loss-masked pad copy); with the flag off the
-patched tree is bitwise the stock one.
+(absolute 1e-5), and so do the training pass's per-sample ``loss_fn_outputs``, for token-mean,
+sequence-mean and prompt-mean, a step-wise (multi-turn) batch, prompt-aligned step-wise
+mini-batches (SkyRL #1483, its own ``compute_prompt_mini_batch_boundaries``), a step with fewer
+samples than DP ranks (one rank holds only SkyRL's loss-masked pad copy) and one where a rank gets
+no row at all; with the flag off the patched tree is bitwise the stock one, and patch 0003 (a
+SkyRL fix) lets SkyRL's stock batching run virtual pipeline stages. SkyRL's own CPU unit tests of
+its batching run on the patched tree.
 
 What is not SkyRL's in these runs, and why:
 
@@ -30,6 +34,8 @@ What is not SkyRL's in these runs, and why:
   is off because THD attention needs Transformer Engine;
 * the wrapper's ``_copy_tensor_dict_to_device`` (a move to ``torch.cuda.current_device()``) is an
   identity: the tensors are on the CPU already;
+* the worker's ``strategy.all_reduce`` of the metrics is a gloo stand-in (SkyRL's moves each
+  value to CUDA) that also checks that every DP rank reduces the same keys;
 * SkyRL's ``_defer_finalize_model_grads`` runs as in SkyRL: the test calls the wrapper's
   ``run_pending_grad_sync`` where ``optim_step`` would.
 
@@ -183,6 +189,10 @@ def _install_stubs():
     import sys
     import types
 
+    installed = [f for f in sys.meta_path if type(f).__name__ == "_Finder"]
+    if installed:
+        # A rank of the persistent pool ran a SkyRL case before: megatron.bridge now "exists".
+        return installed[0].stubbed
     missing = [m for m in STUBBED if importlib.machinery.PathFinder.find_spec(m) is None]
     # megatron.bridge (Megatron Bridge: HF checkpoint conversion) is a separate distribution.
     bridge = importlib.util.find_spec("megatron.bridge") is None
@@ -234,9 +244,10 @@ def _install_stubs():
         def exec_module(self, module):
             pass
 
-    if not any(type(f).__name__ == "_Finder" for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
-    return missing + (["megatron.bridge"] if bridge else [])
+    finder = _Finder()
+    finder.stubbed = missing + (["megatron.bridge"] if bridge else [])
+    sys.meta_path.insert(0, finder)
+    return finder.stubbed
 
 
 _SKYRL_ROOTS = set()
@@ -780,3 +791,5 @@ def test_with_the_flag_off_patched_skyrl_is_bitwise_stock(patched_skyrl):
         for name, grad in mine["grads"].items():
             assert torch.equal(grad, theirs["grads"][name]), name
         assert torch.equal(mine["log_probs"], theirs["log_probs"])
+        assert mine["loss_fn_outputs"] == theirs["loss_fn_outputs"]
+        assert mine["metrics"] == theirs["metrics"]
