@@ -5,6 +5,7 @@ cannot break another.
 """
 
 import dataclasses
+import importlib.util
 import os
 import pathlib
 import re
@@ -14,6 +15,8 @@ import subprocess
 import sys
 import time
 import typing
+
+import pytest
 
 from megatron_dynbatch.planning.plan import StepPlan
 
@@ -162,3 +165,59 @@ def run_shell(command: str, cwd, log_path, *, env=None, timeout_s: float = 600) 
     log_path.write_text(result.stdout)
     assert result.returncode == 0, result.stdout[-6000:]
     return result.stdout
+
+
+# -- torchrun launches of the Megatron-LM entry script (test_pretrain and its neighbours) -----
+
+LAUNCH = REPO / "launch" / "pretrain_gpt_dynbatch.py"
+BIN = pathlib.Path(sys.executable).parent
+TORCHRUN_TIMEOUT_S = 400
+
+
+def _load_compare():
+    spec = importlib.util.spec_from_file_location(
+        "compare_runs", REPO / "launch" / "compare_runs.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+compare_runs = _load_compare()
+
+
+def torchrun(nproc, script, args, *, env=None, log_path):
+    """Run ``torchrun --standalone --nproc-per-node nproc script args``; return (rc, log, seconds)."""
+    command = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(nproc), str(script)]
+    started = time.monotonic()
+    result = subprocess.run(
+        command + [str(a) for a in args],
+        cwd=REPO,
+        env=command_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=TORCHRUN_TIMEOUT_S,
+    )
+    log_path.write_text(result.stdout)
+    return result.returncode, result.stdout, time.monotonic() - started
+
+
+def parse_ok(rc, log):
+    assert rc == 0, log[-6000:]
+    return compare_runs.parse_text(log)
+
+
+def assert_same_training(dynamic, fixed, *, tolerance=1e-5):
+    """Loss within ``tolerance`` (relative) and identical learning rate at every iteration."""
+    iterations = sorted(fixed["iterations"])
+    assert sorted(dynamic["iterations"]) == iterations and iterations
+    for i in iterations:
+        d, f = dynamic["iterations"][i], fixed["iterations"][i]
+        assert d["lr"] == f["lr"], (i, d, f)
+        assert d["loss"] == pytest.approx(f["loss"], rel=tolerance), (i, d, f)
+        assert d["batch"] == f["batch"]
+        assert "real" in d and "real" not in f  # the dynamic line carries the plan (patch 0003)
+    assert [i for i, _ in dynamic["validation"]] == [i for i, _ in fixed["validation"]]
+    for (_, d), (_, f) in zip(dynamic["validation"], fixed["validation"], strict=True):
+        assert d == pytest.approx(f, rel=tolerance)

@@ -21,7 +21,7 @@ import types
 
 import torch
 
-__all__ = ["apply_cpu_shim", "cpu_torch_proxy"]
+__all__ = ["apply_cpu_shim", "cpu_torch_proxy", "register_triton_stand_in"]
 
 # Megatron modules whose module-level ``torch`` gets the CPU proxy, each with the reason.
 _PATCHED_MODULES = (
@@ -154,7 +154,12 @@ def _move_to_host(tensor, as_numpy=False, record_stream=False):
     return tensor
 
 
-def _register_triton_stand_in():
+def register_triton_stand_in() -> None:
+    """Let ``import megatron.core`` succeed without triton; a no-op when triton is installed.
+
+    Registers a stand-in for the one module that imports triton unconditionally (its kernels raise
+    if called). Needed by anything importing megatron.core on such a machine, GPU or not.
+    """
     if _TRITON_MODULE in sys.modules or importlib.util.find_spec("triton") is not None:
         return
     stand_in = types.ModuleType(_TRITON_MODULE)
@@ -184,7 +189,7 @@ def apply_cpu_shim() -> None:
     global _applied
     if _applied or torch.cuda.is_available():
         return
-    _register_triton_stand_in()
+    register_triton_stand_in()
     proxy = _CpuTorchProxy()
     for module_name in _PATCHED_MODULES:
         module = importlib.import_module(module_name)

@@ -54,6 +54,7 @@ __all__ = [
     "add_cpu_defaults",
     "apply_training_cpu_shim",
     "check_cpu_args",
+    "provide_typing_override",
     "skip_helper_compilation_if_prebuilt",
 ]
 
@@ -252,23 +253,32 @@ def _keep_tied_embeddings_on_cpu() -> None:
     cls.setup_embeddings_and_output_layer = setup_on_cpu
 
 
+def provide_typing_override() -> None:
+    """Let ``megatron.training`` import on Python 3.11; a no-op on 3.12 and newer.
+
+    ``megatron.training`` (0.19) imports ``typing.override``, new in Python 3.12; the identical
+    ``typing_extensions.override`` (installed with torch) stands in for it.
+    """
+    import typing
+
+    if not hasattr(typing, "override"):
+        import typing_extensions
+
+        typing.override = typing_extensions.override
+
+
 def apply_training_cpu_shim() -> None:
     """Make ``megatron.training``'s ``pretrain()`` and ``train_step`` run on CPU; idempotent.
 
     Call it before ``pretrain()`` (after :func:`megatron_dynbatch.integrations.megatron_lm.patched_tree.
     use_patched_training`, which must precede any ``megatron.training`` import). A no-op with CUDA.
-    ``megatron.training`` uses ``typing.override`` (Python 3.12); on 3.11 the identical
-    ``typing_extensions.override`` stands in.
+    On Python 3.11 it also provides ``typing.override`` (:func:`provide_typing_override`), with
+    or without CUDA.
     """
-    import typing
-
+    provide_typing_override()
     if not _cuda_absent():
         return
     apply_cpu_shim()
-    if not hasattr(typing, "override"):
-        import typing_extensions
-
-        typing.override = typing_extensions.override
     cpu_stream = types.SimpleNamespace(
         wait_stream=lambda *a, **k: None,
         wait_event=lambda *a, **k: None,

@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 
-from tests.megatron.test_pretrain import BIN, LAUNCH, _assert_same_training, _ok, _torchrun
+from tests._support import BIN, LAUNCH, assert_same_training, parse_ok, torchrun
 
 pytestmark = pytest.mark.torchrun
 
@@ -72,15 +72,15 @@ def runs(tmp_path_factory):
     for name, layout in layouts.items():
         for mode, flags in (("dynamic", _DYNAMIC_THD), ("fixed", _FIXED)):
             args = _TINY + blend + layout + flags
-            rc, log, _ = _torchrun(2, LAUNCH, args, log_path=out / f"{name}-{mode}.log")
-            results[name, mode] = _ok(rc, log)
+            rc, log, _ = torchrun(2, LAUNCH, args, log_path=out / f"{name}-{mode}.log")
+            results[name, mode] = parse_ok(rc, log)
             results[name, mode, "log"] = log
     return results
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
 def test_the_thd_path_trains_like_fixed_micro_batches(runs, layout):
-    _assert_same_training(runs[layout, "dynamic"], runs[layout, "fixed"])
+    assert_same_training(runs[layout, "dynamic"], runs[layout, "fixed"])
     log = runs[layout, "dynamic", "log"]
     # Packed rows reached the model as THD PackedSeqParams, several samples per row.
     found = re.search(r"> reference THD attention: a packed row of \d+ tokens, (\d+) segments", log)
@@ -109,7 +109,7 @@ def test_a_truncated_bin_stops_the_entry_before_the_model_is_built(runs, tmp_pat
     data = open(f"{wiki}.bin", "rb").read()
     open(f"{broken}.bin", "wb").write(data[:-100])
     args = _TINY + ["--data-path", "0.3", broken, "0.7", code] + _FIXED
-    rc, log, _ = _torchrun(2, LAUNCH, args, log_path=tmp_path / "broken.log")
+    rc, log, _ = torchrun(2, LAUNCH, args, log_path=tmp_path / "broken.log")
     assert rc != 0
     assert re.search(
         rf"pretrain_gpt_dynbatch.py: error: {re.escape(str(broken))}.bin: {len(data) - 100} bytes, "

@@ -5,7 +5,8 @@ step" is refused, our flags without ``--use-dynamic-batch-size`` are refused, ev
 checked against ``--seq-length`` at start-up, and a bad value is one line (rank 0 only, no
 argparse usage, no traceback, before Megatron prints its arguments). TensorBoard: Megatron's own
 writer gets the ``dynbatch/*`` scalars of every iteration, read back with tensorboard's
-``EventAccumulator``.
+``EventAccumulator``; so does Megatron's W&B writer (``--wandb-project``), through a recording
+stand-in for the ``wandb`` client, which is not installed here.
 """
 
 import pathlib
@@ -13,7 +14,7 @@ import re
 
 import pytest
 
-from tests.megatron.test_pretrain import LAUNCH, REPO, _ok, _torchrun
+from tests._support import LAUNCH, REPO, parse_ok, torchrun
 
 pytestmark = pytest.mark.torchrun
 
@@ -103,19 +104,56 @@ def test_batch_size_features_and_budgets_are_refused_at_argument_time(tmp_path):
 
 def test_a_bad_value_is_one_line_from_rank_0_under_torchrun(tmp_path):
     args = _BASE + ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "lots"]
-    rc, log, _ = _torchrun(2, LAUNCH, args, log_path=tmp_path / "bad.log")
+    rc, log, _ = torchrun(2, LAUNCH, args, log_path=tmp_path / "bad.log")
     assert rc != 0 and " iteration        1/" not in log
     # argparse's own message, once for both ranks, without its ~780-line usage.
     _assert_one_line(log, "argument --max-tokens-per-gpu: invalid int value: 'lots'", launcher=True)
 
 
-def test_tensorboard_gets_the_dynamic_batching_scalars(tmp_path):
+# W&B's client is not installed here (it talks to a server); this stand-in takes the calls Megatron
+# makes on its wandb writer (global_vars._set_wandb_writer: init, config.update, log, finish) and
+# records them, so the test sees what Megatron's own writer hands to W&B.
+_WANDB_STAND_IN = """
+import json, os
+
+class _Config(dict):
+    def update(self, values=None, **kwargs):
+        dict.update(self, values or {}, **kwargs)
+
+config = _Config()
+run = None
+
+def _record(entry):
+    with open(os.environ["WANDB_STAND_IN_LOG"], "a") as handle:
+        # Megatron logs some values as one-element tensors, which wandb accepts.
+        handle.write(json.dumps(entry, default=float) + "\\n")
+
+def init(**kwargs):
+    _record({"init": kwargs.get("project")})
+
+def log(values, step=None):
+    _record({"step": step, "values": values})
+
+def finish():
+    _record({"finish": True})
+"""
+
+
+def test_tensorboard_and_wandb_get_the_dynamic_batching_scalars(tmp_path):
+    import json
+
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     board = tmp_path / "tensorboard"
+    stand_in = tmp_path / "stand_in" / "wandb"
+    stand_in.mkdir(parents=True)
+    (stand_in / "__init__.py").write_text(_WANDB_STAND_IN)
+    wandb_log = tmp_path / "wandb.jsonl"
     args = _BASE + _DYNAMIC + ["--tensorboard-dir", board, "--tensorboard-log-interval", 1]
-    rc, log, _ = _torchrun(2, LAUNCH, args, log_path=tmp_path / "train.log")
-    parsed = _ok(rc, log)
+    args += ["--wandb-project", "dynbatch", "--wandb-exp-name", "t", "--wandb-save-dir", tmp_path]
+    env = {"PYTHONPATH": f"{stand_in.parent}:{REPO}", "WANDB_STAND_IN_LOG": str(wandb_log)}
+    rc, log, _ = torchrun(2, LAUNCH, args, env=env, log_path=tmp_path / "train.log")
+    parsed = parse_ok(rc, log)
     assert sorted(parsed["iterations"]) == [1, 2]
     files = sorted(pathlib.Path(board).rglob("events.out.tfevents.*"))
     assert files, f"no event files under {board}:\n{log[-3000:]}"
@@ -155,3 +193,13 @@ def test_tensorboard_gets_the_dynamic_batching_scalars(tmp_path):
         assert at["dynbatch/dp imbalance"] >= 1.0 and at["dynbatch/planning seconds"] >= 0.0
     # Megatron's own scalars are still there (its writer, not a second one).
     assert "batch-size" in scalars
+    # W&B (on the last rank, as Megatron sets it up) got the same figures at the same steps.
+    records = [json.loads(line) for line in wandb_log.read_text().splitlines()]
+    assert records[0] == {"init": "dynbatch"} and records[-1] == {"finish": True}, records[:3]
+    logged = {}
+    for entry in records:
+        for tag, value in entry.get("values", {}).items():
+            logged.setdefault(tag, {})[entry["step"]] = value
+    assert "batch-size" in logged, sorted(logged)
+    for tag, values in ours.items():
+        assert logged.get(tag) == pytest.approx(dict(values), rel=1e-6), (tag, logged.get(tag))

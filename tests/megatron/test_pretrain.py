@@ -11,58 +11,27 @@ save / resume in the middle of a multi-step batch.
 Launches are few and tiny (hidden 32-64, 2-4 layers, seq <= 256): each costs ~10 s of start-up.
 """
 
-import importlib.util
-import pathlib
 import re
 import shlex
-import subprocess
 import sys
-import time
 
 import pytest
 
-from tests._support import REPO, command_env, readme_block, run_shell
+from tests._support import (
+    LAUNCH,
+    REPO,
+    TORCHRUN_TIMEOUT_S,
+    assert_same_training,
+    compare_runs,
+    parse_ok,
+    readme_block,
+    run_shell,
+    torchrun,
+)
 
 pytestmark = pytest.mark.torchrun
 
-LAUNCH = REPO / "launch" / "pretrain_gpt_dynbatch.py"
 USER_SCRIPT = REPO / "tests" / "megatron" / "pretrain_user_iterator.py"
-BIN = pathlib.Path(sys.executable).parent
-_TIMEOUT_S = 400
-
-
-def _load_compare():
-    spec = importlib.util.spec_from_file_location(
-        "compare_runs", REPO / "launch" / "compare_runs.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-compare_runs = _load_compare()
-
-
-def _torchrun(nproc, script, args, *, env=None, log_path):
-    """Run ``torchrun --standalone --nproc-per-node nproc script args``; return (rc, log, seconds)."""
-    command = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(nproc), str(script)]
-    started = time.monotonic()
-    result = subprocess.run(
-        command + [str(a) for a in args],
-        cwd=REPO,
-        env=command_env(env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=_TIMEOUT_S,
-    )
-    log_path.write_text(result.stdout)
-    return result.returncode, result.stdout, time.monotonic() - started
-
-
-def _ok(rc, log):
-    assert rc == 0, log[-6000:]
-    return compare_runs.parse_text(log)
 
 
 # Tiny GPT on mock documents (seq 128: long-tailed lengths, some documents cut into pieces).
@@ -77,21 +46,6 @@ _TINY = [
 ]  # fmt: skip
 _DYNAMIC = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", 256]
 _FIXED = ["--document-samples"]
-
-
-def _assert_same_training(dynamic, fixed, *, tolerance=1e-5):
-    """Loss within ``tolerance`` (relative) and identical learning rate at every iteration."""
-    iterations = sorted(fixed["iterations"])
-    assert sorted(dynamic["iterations"]) == iterations and iterations
-    for i in iterations:
-        d, f = dynamic["iterations"][i], fixed["iterations"][i]
-        assert d["lr"] == f["lr"], (i, d, f)
-        assert d["loss"] == pytest.approx(f["loss"], rel=tolerance), (i, d, f)
-        assert d["batch"] == f["batch"]
-        assert "real" in d and "real" not in f  # the dynamic line carries the plan (patch 0003)
-    assert [i for i, _ in dynamic["validation"]] == [i for i, _ in fixed["validation"]]
-    for (_, d), (_, f) in zip(dynamic["validation"], fixed["validation"], strict=True):
-        assert d == pytest.approx(f, rel=tolerance)
 
 
 # --- layouts: pp 2 x dp 2 (4 processes), tp 2 x pp 2, and interleaved pp 2 x vpp 2 on --sft data --
@@ -151,15 +105,15 @@ def layouts(tmp_path_factory):
     }  # fmt: skip
     for name, (nproc, args) in cases.items():
         for mode, flags in (("dynamic", _DYNAMIC), ("fixed", _FIXED)):
-            rc, log, _ = _torchrun(nproc, LAUNCH, args + flags, log_path=out / f"{name}-{mode}.log")
-            runs[name, mode] = _ok(rc, log)
+            rc, log, _ = torchrun(nproc, LAUNCH, args + flags, log_path=out / f"{name}-{mode}.log")
+            runs[name, mode] = parse_ok(rc, log)
             runs[name, mode, "log"] = log
     return runs
 
 
 @pytest.mark.parametrize("layout", ["dp2", "tp2", "vpp2"])
 def test_dynamic_batching_trains_like_fixed_micro_batches(layouts, layout):
-    _assert_same_training(layouts[layout, "dynamic"], layouts[layout, "fixed"])
+    assert_same_training(layouts[layout, "dynamic"], layouts[layout, "fixed"])
 
 
 def test_layouts_are_the_ones_asked_for(layouts):
@@ -185,7 +139,7 @@ def test_sft_conversations_are_read_as_samples(layouts, tmp_path):
         log = layouts["vpp2", mode, "log"]
         assert "> SFT conversations" in log and "mock documents" not in log
     # --sft reads conversations: with --mock-data it is one line naming the fix.
-    rc, log, _ = _torchrun(
+    rc, log, _ = torchrun(
         2, LAUNCH, _TINY + ["--sft", "--train-iters", 1] + _DYNAMIC, log_path=tmp_path / "mock.log"
     )
     assert rc != 0 and "pretrain_gpt_dynbatch.py: error: --sft with --mock-data" in log
@@ -196,8 +150,8 @@ def test_sft_conversations_are_read_as_samples(layouts, tmp_path):
 
 def test_without_the_flag_it_trains_like_pretrain_gpt(tmp_path):
     args = _TINY + ["--pipeline-model-parallel-size", 2, "--train-iters", 2, "--eval-iters", 0]
-    rc, log, _ = _torchrun(2, LAUNCH, args, log_path=tmp_path / "stock.log")
-    parsed = _ok(rc, log)
+    rc, log, _ = torchrun(2, LAUNCH, args, log_path=tmp_path / "stock.log")
+    parsed = parse_ok(rc, log)
     assert sorted(parsed["iterations"]) == [1, 2]
     assert all("real" not in record for record in parsed["iterations"].values())
     # Stock GPTDataset windows: Megatron's mock dataset and its cache messages, not ours.
@@ -210,7 +164,7 @@ def test_without_the_flag_it_trains_like_pretrain_gpt(tmp_path):
 def test_a_budget_below_seq_length_follows_the_oversize_policy(tmp_path):
     # Mock documents reach --seq-length 128; the budget is 64 tokens.
     args = _TINY + ["--train-iters", 2, "--eval-iters", 0, "--max-tokens-per-gpu", 64]
-    rc, log, _ = _torchrun(
+    rc, log, _ = torchrun(
         2, LAUNCH, args + ["--use-dynamic-batch-size"], log_path=tmp_path / "error.log"
     )
     assert rc != 0 and " iteration        1/" not in log
@@ -219,13 +173,13 @@ def test_a_budget_below_seq_length_follows_the_oversize_policy(tmp_path):
         "pretrain_gpt_dynbatch.py: error: --max-tokens-per-gpu 64 is smaller than --seq-length"
     )
     assert expected in log and "raise ValueError" not in log, log[-3000:]
-    rc, log, _ = _torchrun(
+    rc, log, _ = torchrun(
         2,
         LAUNCH,
         args + ["--use-dynamic-batch-size", "--oversize-samples", "truncate"],
         log_path=tmp_path / "truncate.log",
     )
-    parsed = _ok(rc, log)
+    parsed = parse_ok(rc, log)
     assert sorted(parsed["iterations"]) == [1, 2]
     rows = [int(s) for s in re.findall(r"micro-batches/rank: \d+ \[1x(\d+)\]", log)]
     assert rows and max(rows) <= 64  # every row within the budget
@@ -246,7 +200,7 @@ _USER = [
 
 
 def test_a_user_iterator_of_the_wrong_batch_size_stops_every_rank(tmp_path):
-    rc, log, seconds = _torchrun(
+    rc, log, seconds = torchrun(
         2, USER_SCRIPT, _USER, env={"USER_ROLLOUTS_PER_BATCH": "16"}, log_path=tmp_path / "x.log"
     )
     assert rc != 0
@@ -270,10 +224,10 @@ _RESUME_ARGS = _USER + ["--rollouts-per-step", 4]
 def straight(tmp_path_factory):
     """Straight 5 steps in batches of 3 steps (12 rollouts of 2): the run both resumes follow."""
     out = tmp_path_factory.mktemp("straight")
-    rc, log, _ = _torchrun(
+    rc, log, _ = torchrun(
         2, USER_SCRIPT, _RESUME_ARGS, env=_RESUME_ENV, log_path=out / "straight.log"
     )
-    return _ok(rc, log)
+    return parse_ok(rc, log)
 
 
 @pytest.fixture(scope="module", params=["torch_dist", "torch"])
@@ -290,10 +244,10 @@ def resumed(tmp_path_factory, request, straight):
         ("first", ["--save", checkpoint, "--save-interval", 2, "--exit-interval", 2]),
         ("resumed", ["--load", checkpoint]),
     ):
-        rc, log, _ = _torchrun(
+        rc, log, _ = torchrun(
             2, USER_SCRIPT, args + extra, env=_RESUME_ENV, log_path=out / f"{name}.log"
         )
-        logs[name] = _ok(rc, log)
+        logs[name] = parse_ok(rc, log)
         logs[name, "log"] = log
     return logs
 
@@ -351,7 +305,7 @@ def test_readme_megatron_lm_commands(readme_workdir):
     last = train.rstrip().splitlines()[-1]
     assert last.strip().startswith("--use-dynamic-batch-size")
     assert last.rstrip().endswith("| tee out/dynamic.log")
-    run_shell(train, readme_workdir, out / "train.log", timeout_s=_TIMEOUT_S)
+    run_shell(train, readme_workdir, out / "train.log", timeout_s=TORCHRUN_TIMEOUT_S)
 
     demo_out = readme_workdir / "demo"
     env = {"OUT": str(demo_out), "DATA_DIR": str(readme_workdir / "data")}
@@ -360,7 +314,7 @@ def test_readme_megatron_lm_commands(readme_workdir):
         REPO,
         out / "demo.log",
         env=env,
-        timeout_s=2 * _TIMEOUT_S,
+        timeout_s=2 * TORCHRUN_TIMEOUT_S,
     )
     assert "=== dynamic micro-batches" in demo and "=== fixed micro-batches" in demo
     assert "=== a quarter of the memory" in demo
@@ -378,7 +332,7 @@ def test_readme_megatron_lm_commands(readme_workdir):
     assert "learning rates identical: yes" in report
     dynamic = compare_runs.parse(str(out / "dynamic.log"))
     baseline = compare_runs.parse(str(out / "fixed.log"))
-    _assert_same_training(dynamic, baseline)
+    assert_same_training(dynamic, baseline)
     assert sorted(dynamic["iterations"]) == list(range(1, 7))
     assert [i for i, _ in dynamic["validation"]] == [3, 6]
     # Dynamic batching computed far fewer tokens than 16 documents x 256 per step.

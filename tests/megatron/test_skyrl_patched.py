@@ -11,9 +11,13 @@ runs under the worker's real ``_forward_logprobs``, ``_reorder_megatron_forward_
 padded to a multiple of dp by SkyRL's own ``pad_training_input_batch`` and sharded over the DP
 ranks as SkyRL's dispatch does (contiguous chunks). Checked: gradients equal
 a single process running each sample alone (relative 1e-5), log-probs come back in sample order
-(absolute 1e-5), for token-mean and sequence-mean, a step-wise (multi-turn) batch, and a step
-with fewer samples than DP ranks (one rank holds only SkyRL's loss-masked pad copy); with the flag off the
-patched tree is bitwise the stock one.
+(absolute 1e-5), and so do the training pass's per-sample ``loss_fn_outputs``, for token-mean,
+sequence-mean and prompt-mean, a step-wise (multi-turn) batch, prompt-aligned step-wise
+mini-batches (SkyRL #1483, its own ``compute_prompt_mini_batch_boundaries``), a step with fewer
+samples than DP ranks (one rank holds only SkyRL's loss-masked pad copy) and one where a rank gets
+no row at all; with the flag off the patched tree is bitwise the stock one, and patch 0003 (a
+SkyRL fix) lets SkyRL's stock batching run virtual pipeline stages. SkyRL's own CPU unit tests of
+its batching run on the patched tree.
 
 What is not SkyRL's in these runs, and why:
 
@@ -30,6 +34,8 @@ What is not SkyRL's in these runs, and why:
   is off because THD attention needs Transformer Engine;
 * the wrapper's ``_copy_tensor_dict_to_device`` (a move to ``torch.cuda.current_device()``) is an
   identity: the tensors are on the CPU already;
+* the worker's ``strategy.all_reduce`` of the metrics is a gloo stand-in (SkyRL's moves each
+  value to CUDA) that also checks that every DP rank reduces the same keys;
 * SkyRL's ``_defer_finalize_model_grads`` runs as in SkyRL: the test calls the wrapper's
   ``run_pending_grad_sync`` where ``optim_step`` would.
 
@@ -123,33 +129,54 @@ def test_apply_is_idempotent_and_refuses_other_trees(tmp_path, patched_skyrl):
     assert before == {p: p.read_bytes() for p in (tmp_path / "skyrl").rglob("*.py")}
 
 
-#: SkyRL's own CPU unit tests of its micro-batching (worker_utils, TrainingInputBatch), run on the
-#: patched tree: the patches must leave them passing.
+#: SkyRL's own CPU unit tests of its micro-batching (worker_utils, TrainingInputBatch and its dp
+#: padding, the prompt-aligned mini-batch boundaries of #1483), run on the patched tree: the
+#: patches must leave them passing.
 SKYRL_OWN_TESTS = (
     "tests/backends/skyrl_train/test_token_based_batching_utils.py",
     "tests/backends/skyrl_train/test_train_batch.py",
+    "tests/train/test_prompt_mini_batch.py",
+)
+#: Deselected: it round-trips a batch through a real Ray object store (Ray is stubbed here).
+SKYRL_OWN_DESELECTED = (
+    "tests/backends/skyrl_train/test_train_batch.py::test_train_batch_ray_serialization",
 )
 
 
 @needs_skyrl
 def test_skyrls_own_batching_unit_tests_pass_on_the_patched_tree(tmp_path, patched_skyrl):
-    shutil.copytree(
-        pathlib.Path(SKYRL_DIR) / "tests", pathlib.Path(patched_skyrl) / "tests", dirs_exist_ok=True
-    )
+    # A copy of the patched tree with SkyRL's tests beside it (the shared patched tree gets no
+    # top-level ``tests``: on the path of a later rank it would shadow this repository's).
+    root = tmp_path / "tree"
+    shutil.copytree(pathlib.Path(patched_skyrl) / "skyrl", root / "skyrl")
+    shutil.copytree(pathlib.Path(SKYRL_DIR) / "tests", root / "tests")
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    files = [str(pathlib.Path(patched_skyrl) / f) for f in SKYRL_OWN_TESTS]
+    args = ["-q", "-p", "no:cacheprovider", "-c", str(tmp_path / "pytest.ini")]
+    args += ["--rootdir", str(root), *(str(root / f) for f in SKYRL_OWN_TESTS)]
+    args += [f"--deselect={f}" for f in SKYRL_OWN_DESELECTED]  # node ids, from the rootdir
+    # This module is loaded by path under another name: SkyRL's tests import their own
+    # top-level ``tests`` package, which this repository's ``tests`` would shadow.
     code = (
-        f"import sys; sys.path.insert(0, {str(REPO)!r}); "
-        "from tests.megatron.test_skyrl_patched import _install_stubs, _import_skyrl; "
-        f"_install_stubs(); _import_skyrl({patched_skyrl!r}); import pytest; "
-        f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-c', {str(tmp_path / 'pytest.ini')!r}, "
-        f"'--rootdir', {patched_skyrl!r}, *{files!r}]))"
+        "import importlib.util, sys; "
+        f"spec = importlib.util.spec_from_file_location('_skyrl_stubs', {__file__!r}); "
+        "helpers = importlib.util.module_from_spec(spec); spec.loader.exec_module(helpers); "
+        f"helpers._install_stubs(); helpers._import_skyrl({str(root)!r}); import pytest; "
+        f"sys.exit(pytest.main({args!r}))"
     )
+    # megatron_dynbatch from this checkout; the working directory (SkyRL's) stays first.
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=patched_skyrl, timeout=600
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=path),
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    print("\n[SkyRL's own tests on the patched tree] " + result.stdout.strip().splitlines()[-1])
+    summary = result.stdout.strip().splitlines()[-1]
+    assert "passed" in summary and "failed" not in summary and "error" not in summary, summary
+    print("\n[SkyRL's own tests on the patched tree] " + summary)
 
 
 # -- running SkyRL's code on a rank -------------------------------------------------------------
@@ -162,6 +189,10 @@ def _install_stubs():
     import sys
     import types
 
+    installed = [f for f in sys.meta_path if type(f).__name__ == "_Finder"]
+    if installed:
+        # A rank of the persistent pool ran a SkyRL case before: megatron.bridge now "exists".
+        return installed[0].stubbed
     missing = [m for m in STUBBED if importlib.machinery.PathFinder.find_spec(m) is None]
     # megatron.bridge (Megatron Bridge: HF checkpoint conversion) is a separate distribution.
     bridge = importlib.util.find_spec("megatron.bridge") is None
@@ -213,9 +244,10 @@ def _install_stubs():
         def exec_module(self, module):
             pass
 
-    if not any(type(f).__name__ == "_Finder" for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
-    return missing + (["megatron.bridge"] if bridge else [])
+    finder = _Finder()
+    finder.stubbed = missing + (["megatron.bridge"] if bridge else [])
+    sys.meta_path.insert(0, finder)
+    return finder.stubbed
 
 
 _SKYRL_ROOTS = set()
@@ -295,6 +327,11 @@ class _Strategy:
     def all_reduce(self, metrics, op="mean", group=None):
         import torch.distributed as dist
 
+        # SkyRL's strategy runs one all-reduce per key: ranks with different keys would pair
+        # different metrics or hang. Fail at once, naming them, instead.
+        keys = [None] * dist.get_world_size(group)
+        dist.all_gather_object(keys, sorted(metrics), group=group)
+        assert all(k == keys[0] for k in keys), f"metric keys differ over DP ranks: {keys}"
         out = {}
         for key in sorted(metrics):
             value = torch.tensor(float(metrics[key]), dtype=torch.float64)
@@ -334,11 +371,13 @@ def _causal_chunk(ddp_chunk):
 
 
 def _samples(num, stepwise, seed=SEED):
-    """(prompt tokens, response tokens, loss mask) per sample; step-wise: trajectories of 1-3
-    turns whose every turn's prompt is the trajectory so far (SkyRL's step-wise training)."""
+    """(prompt tokens, response tokens, loss mask, uid) per sample; step-wise: trajectories of 1-3
+    turns whose every turn's prompt is the trajectory so far (SkyRL's step-wise training). The uid
+    names the trajectory's prompt (one trajectory per prompt), contiguous as SkyRL's are."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     while len(out) < num:
+        uid = f"p{len({s[3] for s in out})}"
         prompt = torch.randint(
             1, VOCAB, (int(torch.randint(2, 9, (1,), generator=gen)),), generator=gen
         )
@@ -350,27 +389,29 @@ def _samples(num, stepwise, seed=SEED):
                 1, VOCAB, (int(torch.randint(2, 13, (1,), generator=gen)),), generator=gen
             )
             mask = (torch.rand(response.numel(), generator=gen) > 0.2).to(torch.int64)
-            out.append((prompt, response, mask))
+            out.append((prompt, response, mask, uid))
             prompt = torch.cat([prompt, response, torch.randint(1, VOCAB, (2,), generator=gen)])
     return out
 
 
 def _minibatch(samples, loss_reduction, seed=SEED):
     """SkyRL's padded mini-batch: prompts left-padded, responses right-padded, advantages
-    pre-scaled by SkyRL's own ``apply_loss_reduction_to_advantages_minibatch``."""
+    pre-scaled by SkyRL's own ``apply_loss_reduction_to_advantages_minibatch`` (``prompt_mean``
+    over the prompts of SkyRL's own ``compute_prompt_boundaries``, mini-batch relative)."""
     from skyrl.backends.skyrl_train.utils.ppo_utils import (
         apply_loss_reduction_to_advantages_minibatch,
     )
+    from skyrl.train.dataset.preprocess import compute_prompt_boundaries
 
     gen = torch.Generator().manual_seed(seed + 1)
     n = len(samples)
-    prompt_len = max(p.numel() for p, _, _ in samples)
-    response_len = max(r.numel() for _, r, _ in samples)
+    prompt_len = max(s[0].numel() for s in samples)
+    response_len = max(s[1].numel() for s in samples)
     sequences = torch.zeros((n, prompt_len + response_len), dtype=torch.int64)
     attention = torch.zeros_like(sequences)
     loss_mask = torch.zeros((n, response_len), dtype=torch.int64)
     response_mask = torch.zeros_like(loss_mask)
-    for i, (p, r, m) in enumerate(samples):
+    for i, (p, r, m, _) in enumerate(samples):
         sequences[i, prompt_len - p.numel() : prompt_len] = p
         sequences[i, prompt_len : prompt_len + r.numel()] = r
         attention[i, prompt_len - p.numel() : prompt_len + r.numel()] = 1
@@ -378,7 +419,12 @@ def _minibatch(samples, loss_reduction, seed=SEED):
         response_mask[i, : r.numel()] = 1
     advantages = torch.randn((n, response_len), generator=gen) * response_mask
     scaled = apply_loss_reduction_to_advantages_minibatch(
-        advantages, loss_mask, loss_reduction, micro_batch_size=1, max_seq_len=response_len
+        advantages,
+        loss_mask,
+        loss_reduction,
+        micro_batch_size=1,
+        max_seq_len=response_len,
+        prompt_boundaries=compute_prompt_boundaries([s[3] for s in samples]),
     )
     return {
         "sequences": sequences,
@@ -391,10 +437,13 @@ def _minibatch(samples, loss_reduction, seed=SEED):
     }
 
 
-def _shard(full, dp, dp_rank):
+def _shard(full, dp, dp_rank, pad_to_dp=True):
     """SkyRL's trainer and dispatch: the mini-batch padded to a multiple of dp by SkyRL's own
     ``pad_training_input_batch`` (loss-masked copies), then contiguous equal chunks per DP rank.
-    Returns this rank's chunk and the original indices of its real (unpadded) samples."""
+    Returns this rank's chunk and the original indices of its real (unpadded) samples.
+
+    ``pad_to_dp=False`` skips the padding, so the last ranks may get no row at all: SkyRL's
+    dispatch never does that at the pinned commit, the case guards the plan's empty-rank path."""
     import math
 
     from skyrl.backends.skyrl_train.training_batch import (
@@ -405,6 +454,10 @@ def _shard(full, dp, dp_rank):
     n = full["sequences"].shape[0]
     batch = TrainingInputBatch(dict(full))
     batch.metadata = {"response_length": full["loss_mask"].shape[1]}
+    if not pad_to_dp:
+        per = math.ceil(n / dp)
+        lo, hi = min(n, dp_rank * per), min(n, (dp_rank + 1) * per)
+        return {k: None if v is None else v[lo:hi] for k, v in full.items()}, list(range(lo, hi))
     padded = pad_training_input_batch(batch, math.ceil(n / dp) * dp - n)
     per = padded["sequences"].shape[0] // dp
     lo, hi = dp_rank * per, (dp_rank + 1) * per
@@ -412,7 +465,11 @@ def _shard(full, dp, dp_rank):
     return chunk, list(range(lo, min(hi, n)))
 
 
-def _skyrl_body(skyrl_root, num, stepwise, loss_reduction, budget, dynamic=True):
+def _skyrl_body(
+    skyrl_root, num, stepwise, loss_reduction, budget, dynamic=True, pad_to_dp=True, window=None
+):
+    """SkyRL's worker methods on this rank's shard of the mini-batch ``_samples(...)[window]``
+    (``window``: one mini-batch ``(start, end)`` of the step; default all samples)."""
     import dataclasses
 
     import torch.distributed as dist
@@ -481,8 +538,9 @@ def _skyrl_body(skyrl_root, num, stepwise, loss_reduction, budget, dynamic=True)
     worker.empty_cuda_cache = False
     worker.strategy = _Strategy()
 
-    full = _minibatch(_samples(num, stepwise), loss_reduction)
-    mine, positions = _shard(full, dp, dp_rank)
+    samples = _samples(num, stepwise)[slice(*(window or (0, num)))]
+    full = _minibatch(samples, loss_reduction)
+    mine, positions = _shard(full, dp, dp_rank, pad_to_dp)
     data = TrainingInputBatch(mine)
     data.metadata = {"response_length": full["loss_mask"].shape[1]}
 
@@ -505,11 +563,14 @@ def _skyrl_body(skyrl_root, num, stepwise, loss_reduction, budget, dynamic=True)
         "grads": {k: v.clone() for k, v in named_global_grads(ddp_chunks).items()},
         "log_probs": old,
         "positions": positions,
+        "rows": mine["sequences"].shape[0],
         "metrics": dict(output.metrics),
+        "loss_fn_outputs": list(output.loss_fn_outputs),
+        "response_lengths": mine["response_mask"].sum(-1).tolist(),
     }
 
 
-def _reference_body(num, stepwise, loss_reduction, skyrl_root):
+def _reference_body(num, stepwise, loss_reduction, skyrl_root, window=None):
     """Each sample alone through a single-process tiny GPT: the summed pre-scaled PPO loss at
     ratio 1 (SkyRL's policy loss is a sum over tokens of pre-scaled advantages)."""
     _install_stubs()
@@ -521,12 +582,12 @@ def _reference_body(num, stepwise, loss_reduction, skyrl_root):
         tiny_transformer_config,
     )
 
-    samples = _samples(num, stepwise)
+    samples = _samples(num, stepwise)[slice(*(window or (0, num)))]
     full = _minibatch(samples, loss_reduction)
     [model] = build_tiny_gpt(tiny_transformer_config(), seed=SEED)
 
     def response_log_probs(i):
-        p, r, _ = samples[i]
+        p, r, _, _ = samples[i]
         tokens = torch.cat([p, r])
         length = tokens.numel()
         logits = model(
@@ -540,7 +601,7 @@ def _reference_body(num, stepwise, loss_reduction, skyrl_root):
     model.zero_grad()
     total = 0.0
     log_probs = []
-    for i, (_, r, m) in enumerate(samples):
+    for i, (_, r, m, _) in enumerate(samples):
         lp = response_log_probs(i)
         log_probs.append(lp.detach())
         adv = full["advantages"][i, : r.numel()]
@@ -549,51 +610,25 @@ def _reference_body(num, stepwise, loss_reduction, skyrl_root):
     return {"grads": named_global_grads([model]), "log_probs": log_probs, "samples": samples}
 
 
+def _prompt_minibatches(skyrl_root, uids):
+    """SkyRL's own ``compute_prompt_mini_batch_boundaries`` (step-wise, one trajectory per
+    prompt), with the most prompts per mini-batch that still gives two mini-batches or more."""
+    _install_stubs()
+    _import_skyrl(skyrl_root)
+    from skyrl.train.dataset.preprocess import compute_prompt_mini_batch_boundaries
+
+    num_prompts = len(set(uids))
+    per_minibatch = max(k for k in range(1, num_prompts) if num_prompts % k == 0)
+    return compute_prompt_mini_batch_boundaries(uids, per_minibatch, num_prompts, True, 1)
+
+
 def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-CASES = [
-    # (world, layout, samples, step-wise, loss reduction, budget)
-    pytest.param(2, Layout(pp=2), 9, False, "token_mean", 40, id="pp2-dp1-token-mean"),
-    pytest.param(4, Layout(pp=2), 9, False, "token_mean", 40, id="pp2-dp2-token-mean"),
-    pytest.param(4, Layout(pp=2), 8, True, "sequence_mean", 48, id="pp2-dp2-stepwise-seq-mean"),
-    pytest.param(4, Layout(pp=2), 1, False, "token_mean", 40, id="pp2-dp2-fewer-samples-than-dp"),
-    pytest.param(
-        2,
-        Layout(pp=2, vpp=2),
-        9,
-        True,
-        "token_mean",
-        40,
-        id="pp2-vpp2-stepwise",
-        # Seen once: IndexError in SkyRL's recover_left_padding (megatron_utils.py) during the
-        # interleaved log-prob pass ("mask [29] ... indexed tensor [2, 32]"); not analysed yet,
-        # so whether it is SkyRL's, this test's model chunk, or ours is open.
-        marks=pytest.mark.xfail(reason="interleaved: not analysed yet, see comment", strict=False),
-    ),
-]
-
-
-@needs_skyrl
-@pytest.mark.parametrize("world, layout, num, stepwise, reduction, budget", CASES)
-def test_skyrl_forward_backward_and_logprobs_match_reference(
-    patched_skyrl, world, layout, num, stepwise, reduction, budget
-):
-    results = run_on_ranks(
-        world,
-        _skyrl_body,
-        patched_skyrl,
-        num,
-        stepwise,
-        reduction,
-        budget,
-        layout=layout,
-        timeout_s=BODY_TIMEOUT_S,
-    )
-    [reference] = run_on_ranks(
-        1, _reference_body, num, stepwise, reduction, patched_skyrl, layout=Layout()
-    )
+def _check_against_reference(results, reference, num, what):
+    """Gradients (relative) and log-probs (absolute) within tolerance, every sample seen once,
+    and the training pass's per-sample ``loss_fn_outputs`` in sample order; prints the figures."""
     merged = {}
     for r in results:
         merged.update(r["grads"])  # every rank holds the DP-reduced gradients of its stage
@@ -603,25 +638,132 @@ def test_skyrl_forward_backward_and_logprobs_match_reference(
         err = _rel(merged[name], ref)
         worst = max(worst, err)
         assert err <= REL_TOL, (name, err)
-    worst_lp = 0.0
-    seen = set()
+    worst_lp = worst_out = 0.0
+    seen = set()  # the ranks of one pipeline report the same samples
     for r in results:
+        # One loss_fn_outputs entry per row this rank was given (SkyRL's pad copies included,
+        # placeholders not), in the rank's sample order: each row's log-probs are its own.
+        assert len(r["loss_fn_outputs"]) == r["rows"], (len(r["loss_fn_outputs"]), r["rows"])
+        for row, out in enumerate(r["loss_fn_outputs"]):
+            valid = int(r["response_lengths"][row])
+            want = r["log_probs"][row, r["log_probs"].shape[1] - valid :]
+            worst_out = max(worst_out, float((torch.tensor(out["logprobs"]) - want).abs().max()))
         for row, position in enumerate(r["positions"]):
             seen.add(position)
             want = reference["log_probs"][position]
             got = r["log_probs"][row, : want.numel()]  # rows past the real ones: SkyRL's pads
             worst_lp = max(worst_lp, float((got - want).abs().max()))
     assert seen == set(range(num))
-    assert worst_lp <= 1e-5
-    if num < world // layout.pp:
-        # A DP rank without a real sample (it trains SkyRL's loss-masked pad copy only).
-        assert any(not r["positions"] for r in results)
+    assert worst_lp <= 1e-5 and worst_out <= 1e-5, (worst_lp, worst_out)
     print(
-        f"\n[skyrl {layout} dp={world // layout.pp} {reduction} stepwise={stepwise}] grad rel "
-        f"diff max={worst:.2e} log-prob abs diff max={worst_lp:.2e} "
+        f"\n[skyrl {what}] grad rel diff max={worst:.2e} log-prob abs diff max={worst_lp:.2e} "
+        f"loss_fn_outputs abs diff max={worst_out:.2e} "
         f"microbatches={results[0]['metrics'].get('num_microbatches')} "
         f"stubbed={results[0]['stubbed']}"
     )
+
+
+CASES = [
+    # (world, layout, samples, step-wise, loss reduction, budget, SkyRL's padding to dp)
+    pytest.param(2, Layout(pp=2), 9, False, "token_mean", 40, True, id="pp2-dp1-token-mean"),
+    pytest.param(4, Layout(pp=2), 9, False, "token_mean", 40, True, id="pp2-dp2-token-mean"),
+    pytest.param(
+        4, Layout(pp=2), 8, True, "sequence_mean", 48, True, id="pp2-dp2-stepwise-seq-mean"
+    ),
+    pytest.param(
+        4, Layout(pp=2), 1, False, "token_mean", 40, True, id="pp2-dp2-fewer-samples-than-dp"
+    ),
+    # DP rank 1 gets no row at all (not even SkyRL's pad copy): placeholders only.
+    pytest.param(4, Layout(pp=2), 1, False, "token_mean", 40, False, id="pp2-dp2-empty-rank"),
+    # Needs patch 0003: stock SkyRL unpads every chunk of the last stage as logits.
+    pytest.param(2, Layout(pp=2, vpp=2), 9, True, "token_mean", 40, True, id="pp2-vpp2-stepwise"),
+]
+
+
+@needs_skyrl
+@pytest.mark.parametrize("world, layout, num, stepwise, reduction, budget, pad_to_dp", CASES)
+def test_skyrl_forward_backward_and_logprobs_match_reference(
+    patched_skyrl, world, layout, num, stepwise, reduction, budget, pad_to_dp
+):
+    results = run_on_ranks(
+        world,
+        _skyrl_body,
+        patched_skyrl,
+        num,
+        stepwise,
+        reduction,
+        budget,
+        pad_to_dp=pad_to_dp,
+        layout=layout,
+        timeout_s=BODY_TIMEOUT_S,
+    )
+    [reference] = run_on_ranks(
+        1, _reference_body, num, stepwise, reduction, patched_skyrl, layout=Layout()
+    )
+    if num < world // layout.pp:
+        # A DP rank without a real sample: SkyRL's loss-masked pad copy only, or no row at all.
+        assert any(not r["positions"] for r in results)
+        assert any(r["rows"] == 0 for r in results) == (not pad_to_dp)
+    dp = world // layout.pp
+    _check_against_reference(
+        results,
+        reference,
+        num,
+        f"{layout} dp={dp} {reduction} stepwise={stepwise} padded_to_dp={pad_to_dp}",
+    )
+
+
+@needs_skyrl
+def test_prompt_aligned_stepwise_minibatches_match_reference(patched_skyrl):
+    """SkyRL #1483: step-wise mini-batches are cut at prompt boundaries (SkyRL's own
+    ``compute_prompt_mini_batch_boundaries``), so every turn of a prompt trains in the same
+    mini-batch; each mini-batch (uneven sizes, padded to dp by SkyRL) is planned on its own and
+    its gradients equal its samples run alone, with SkyRL's ``prompt_mean`` reduction."""
+    num = 11
+    uids = [s[3] for s in _samples(num, True)]
+    # SkyRL is imported on a rank, never in this process (whose path the ranks inherit).
+    [windows] = run_on_ranks(1, _prompt_minibatches, patched_skyrl, uids)
+    assert len(windows) >= 2
+    sizes = [hi - lo for lo, hi in windows]
+    assert len(set(sizes)) > 1 or any(size % 2 for size in sizes), "want uneven mini-batches"
+    owner = {}
+    for m, (lo, hi) in enumerate(windows):
+        for uid in uids[lo:hi]:
+            assert owner.setdefault(uid, m) == m, f"prompt {uid} split over mini-batches"
+    for lo, hi in windows:
+        args = (num, True, "prompt_mean")
+        results = run_on_ranks(
+            4,
+            _skyrl_body,
+            patched_skyrl,
+            *args,
+            40,
+            window=(lo, hi),
+            layout=Layout(pp=2),
+            timeout_s=BODY_TIMEOUT_S,
+        )
+        [reference] = run_on_ranks(
+            1, _reference_body, *args, patched_skyrl, window=(lo, hi), layout=Layout()
+        )
+        _check_against_reference(
+            results, reference, hi - lo, f"pp2 dp=2 prompt_mean prompt-aligned [{lo}:{hi})"
+        )
+
+
+@needs_skyrl
+def test_patch_0003_lets_skyrl_run_virtual_pipeline_stages_with_the_flag_off(patched_skyrl):
+    """Patch 0003 fixes SkyRL itself: stock SkyRL's fixed-size micro-batches under pp 2 x vpp 2
+    fail in ``recover_left_padding`` (every chunk of the last stage unpadded as logits); the
+    patched tree, flag off, runs them and matches the reference."""
+    args = (8, True, "token_mean", 0)  # budget 0: SkyRL's stock fixed micro-batches of 2
+    kwargs = dict(dynamic=False, layout=Layout(pp=2, vpp=2), timeout_s=BODY_TIMEOUT_S)
+    with pytest.raises(Exception, match="IndexError"):
+        run_on_ranks(2, _skyrl_body, str(pathlib.Path(SKYRL_DIR)), *args, **kwargs)
+    results = run_on_ranks(2, _skyrl_body, patched_skyrl, *args, **kwargs)
+    [reference] = run_on_ranks(
+        1, _reference_body, 8, True, "token_mean", patched_skyrl, layout=Layout()
+    )
+    _check_against_reference(results, reference, 8, "pp2 x vpp2 flag off (patch 0003)")
 
 
 @needs_skyrl
@@ -649,3 +791,5 @@ def test_with_the_flag_off_patched_skyrl_is_bitwise_stock(patched_skyrl):
         for name, grad in mine["grads"].items():
             assert torch.equal(grad, theirs["grads"][name]), name
         assert torch.equal(mine["log_probs"], theirs["log_probs"])
+        assert mine["loss_fn_outputs"] == theirs["loss_fn_outputs"]
+        assert mine["metrics"] == theirs["metrics"]

@@ -219,3 +219,30 @@ def test_only_tools_imports_test_support():
         if target.startswith("megatron_dynbatch.tools.testing")
     ]
     assert not offenders, offenders
+
+
+def _test_module_imports(tests_root: pathlib.Path):
+    """(file, line, target) for every import of a ``tests.*.test_*`` module by a test file."""
+    found = []
+    for path in sorted(tests_root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            for target in targets:
+                if target.startswith("tests.") and target.split(".")[-1].startswith("test_"):
+                    found.append((path.relative_to(tests_root).as_posix(), node.lineno, target))
+    return found
+
+
+def test_no_test_module_imports_another(tmp_path):
+    # Shared helpers live in tests/_support.py; a test module importing another ties their
+    # selection together (deselecting one breaks the other) and runs its module-level set-up.
+    offenders = _test_module_imports(PACKAGE.parent / "tests")
+    assert not offenders, offenders
+    # The check itself sees such an import.
+    (tmp_path / "test_a.py").write_text("from tests.megatron.test_pretrain import LAUNCH\n")
+    assert _test_module_imports(tmp_path) == [("test_a.py", 1, "tests.megatron.test_pretrain")]

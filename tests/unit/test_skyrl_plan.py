@@ -142,6 +142,42 @@ def test_iterator_yields_uniform_microbatches_and_restores_order():
             assert torch.equal(restored[key], value), key
 
 
+def test_restore_rows_puts_per_row_outputs_in_sample_order_without_placeholders():
+    # What SkyRL's forward_backward collects: one loss_fn_outputs dict per row of every
+    # micro-batch, placeholder rows and placeholder micro-batches included, in schedule order.
+    lengths = [10, 3, 14, 2, 7, 9]
+    data = _batch(lengths)
+    plan = plan_skyrl_minibatch([lengths, [16] * 5], 16)
+    iterator = PlannedBatchIterator(data, plan, 0)
+    assert iterator.num_padding_microbatches > 0
+    assert any(len(mb) < plan.rows for mb in plan.ranks[0]), "the data must give placeholder rows"
+    rows = []
+    for batch in iterator:
+        for row in range(plan.rows):
+            real = bool(batch["loss_mask"][row].any())
+            rows.append({"tokens": int(batch["attention_mask"][row].sum()), "real": real})
+    restored = iterator.restore_rows(rows)
+    assert [r["tokens"] for r in restored] == lengths
+    assert all(r["real"] for r in restored)
+    with pytest.raises(DynBatchValueError, match="per-row outputs"):
+        iterator.restore_rows(rows[:-1])
+
+
+def test_an_empty_rank_reports_metrics_from_its_first_placeholder():
+    # SkyRL drops the metrics of is_padding_batch micro-batches and then all-reduces the metrics
+    # dict key by key: a rank with no sample must keep one micro-batch's metrics so its keys match.
+    plan = plan_skyrl_minibatch([[5, 6, 7], []], 6, pp_size=2)
+    assert plan.num_microbatches >= 2
+    empty = PlannedBatchIterator(_batch([]), plan, 1)
+    flags = [b.metadata.get("is_padding_batch", False) for b in empty]
+    assert flags == [False] + [True] * (plan.num_microbatches - 1)
+    assert empty.num_padding_microbatches == plan.num_microbatches  # it holds no sample
+    assert all(not b["loss_mask"].any() for b in empty)
+    assert empty.restore_rows([{}] * (plan.num_microbatches * plan.rows)) == []
+    full = PlannedBatchIterator(_batch([5, 6, 7]), plan, 0)
+    assert not any(b.metadata.get("is_padding_batch", False) for b in full)
+
+
 def test_restore_refuses_a_wrong_count():
     data = _batch([3, 4])
     iterator = PlannedBatchIterator(data, plan_skyrl_minibatch([[3, 4]], 4), 0)

@@ -15,7 +15,10 @@ changes what they get:
 * the plan checked on every rank of the DP group, inside
   :func:`~megatron_dynbatch.mcore.agreement.step_agreement`, before any pipeline communication:
   an error on one rank is the same error on all of them;
-* outputs restored to sample order strictly (:func:`~megatron_dynbatch.runtime.restore_order`).
+* outputs restored to sample order strictly (:func:`~megatron_dynbatch.runtime.restore_order`):
+  stacked tensors (:meth:`PlannedBatchIterator.restore`, the forward-only log-probs) and per-row
+  Python values (:meth:`PlannedBatchIterator.restore_rows`, the training pass's per-sample
+  ``loss_fn_outputs``).
 
 SkyRL is never imported here: batches are built with ``type(data)`` (SkyRL's
 ``TrainingInputBatch``, a ``dict`` with ``metadata``).
@@ -23,7 +26,7 @@ SkyRL is never imported here: batches are built with ``type(data)`` (SkyRL's
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -145,8 +148,37 @@ class PlannedBatchIterator:
     def __iter__(self) -> Iterator[Any]:
         for indices in self._microbatches:
             yield self._microbatch(indices)
-        for _ in range(self.num_padding_microbatches):
-            yield self._batch(placeholder_rows(self.data, self.plan.rows), placeholder=True)
+        for m in range(self.num_padding_microbatches):
+            # SkyRL's forward_backward drops the metrics of is_padding_batch micro-batches, then
+            # all-reduces the metrics dict key by key over DP. A rank with no sample at all must
+            # still report every key, or its all-reduces pair with other keys on the other ranks:
+            # so its first placeholder is not flagged (its loss and gradients are 0 all the same).
+            flagged = m > 0 or bool(self._microbatches)
+            yield self._batch(placeholder_rows(self.data, self.plan.rows), placeholder=flagged)
+
+    def restore_rows(self, rows: Sequence[Any]) -> List[Any]:
+        """This rank's samples in sample order, from one value per row of every micro-batch.
+
+        ``rows`` is what SkyRL's ``forward_backward`` collects from its loss function: one entry
+        per row (``B`` per micro-batch, placeholders included) in schedule order, e.g. the
+        per-sample ``loss_fn_outputs`` dicts. Placeholder rows and micro-batches are dropped.
+
+        Raises:
+            DynBatchValueError: when the number of rows is not the plan's ``num_microbatches *
+                rows`` (a row lost or added on the way; the plan itself covers every sample once,
+                checked when the iterator is built).
+        """
+        expected = len(self) * self.plan.rows
+        if len(rows) != expected:
+            raise DynBatchValueError(
+                f"{len(rows)} per-row outputs on DP rank {self.dp_rank}; the plan runs "
+                f"{len(self)} micro-batches of {self.plan.rows} rows ({expected})."
+            )
+        per_sample: Dict[int, Any] = {}
+        for m, indices in enumerate(self._microbatches):
+            start = m * self.plan.rows
+            per_sample.update(zip(indices, rows[start : start + len(indices)], strict=True))
+        return restore_order(per_sample, self._num_samples)
 
     def restore(self, per_microbatch: List[torch.Tensor]) -> torch.Tensor:
         """Stack per-micro-batch outputs (``[B, ...]`` each, schedule order) in sample order.
@@ -159,16 +191,13 @@ class PlannedBatchIterator:
                 f"{len(per_microbatch)} micro-batch outputs for {len(self)} planned micro-batches "
                 f"on DP rank {self.dp_rank}."
             )
-        per_sample: Dict[int, torch.Tensor] = {}
-        for m, indices in enumerate(self._microbatches):
-            output = per_microbatch[m]
+        for m, output in enumerate(per_microbatch):
             if output.shape[0] != self.plan.rows:
                 raise DynBatchValueError(
                     f"micro-batch {m} returned {output.shape[0]} rows, the plan has "
                     f"{self.plan.rows}."
                 )
-            per_sample.update(zip(indices, output[: len(indices)], strict=True))
-        ordered = restore_order(per_sample, self._num_samples)
+        ordered = self.restore_rows([row for output in per_microbatch for row in output])
         if not ordered:
             ref = per_microbatch[0]
             return ref.new_zeros((0, *ref.shape[1:]))
