@@ -13,6 +13,7 @@ The shim is opt-in: nothing happens at import time. Call it before the first
 missing).
 """
 
+import contextlib
 import importlib
 import importlib.util
 import sys
@@ -39,6 +40,14 @@ _PATCHED_MODULES = (
     "megatron.core.tensor_parallel.random",
     # DDP grad buffers are allocated on ``torch.cuda.current_device()``.
     "megatron.core.distributed.param_and_grad_buffer",
+    # MoE all-to-all dispatcher: a class-level ``torch.cuda.Stream()`` for its device-to-host
+    # copies of the split sizes, entered with ``torch.cuda.stream``.
+    "megatron.core.transformer.moe.token_dispatcher",
+    # The MoE router moves its gating weight to ``torch.cuda.current_device()`` on first use.
+    "megatron.core.transformer.moe.router",
+    # All-gather outputs on ``torch.cuda.current_device()`` (the MoE dispatcher's expert-parallel
+    # gather of tokens per expert).
+    "megatron.core.tensor_parallel.mappings",
 )
 
 # The one module that imports triton unconditionally (it holds Triton kernels for the MoE paged
@@ -89,7 +98,13 @@ def _noop(*args, **kwargs):
 
 
 # CPU work runs in program order: waiting on a stream or an event has nothing to wait for.
-_CPU_STREAM = types.SimpleNamespace(wait_event=_noop, wait_stream=_noop, synchronize=_noop)
+_CPU_EVENT = types.SimpleNamespace(synchronize=_noop, wait=_noop)
+_CPU_STREAM = types.SimpleNamespace(
+    wait_event=_noop,
+    wait_stream=_noop,
+    synchronize=_noop,
+    record_event=lambda event=None: _CPU_EVENT,
+)
 
 _CPU_CUDA = _CpuCudaNamespace(
     current_device=lambda: _CPU,
@@ -97,6 +112,9 @@ _CPU_CUDA = _CpuCudaNamespace(
     synchronize=_noop,
     # DDP's grad sync fences the "current stream" against CUDA-graph events before reducing.
     current_stream=lambda device=None: _CPU_STREAM,
+    # Side streams (the MoE dispatcher's) are the one CPU stream; entering one changes nothing.
+    Stream=lambda *args, **kwargs: _CPU_STREAM,
+    stream=lambda stream=None: contextlib.nullcontext(),
     # The RNG tracker's "cuda" generator is the CPU default generator.
     manual_seed=torch.manual_seed,
     get_rng_state=lambda device=None: torch.get_rng_state(),
@@ -122,6 +140,18 @@ def _set_cpu_rng_state(new_state, device=-1, graph_safe=False):
     """CPU replacement for ``tensor_parallel.random._set_cuda_rng_state`` (uses torch._C/cuda)."""
     del device, graph_safe
     torch.set_rng_state(new_state)
+
+
+def _move_to_host(tensor, as_numpy=False, record_stream=False):
+    """CPU replacement for the MoE dispatcher's ``maybe_move_tensor_to_cpu``.
+
+    The stock function converts only CUDA tensors (to numpy when asked); a CPU tensor comes back
+    as a tensor, which ``all_to_all_single`` refuses as split sizes (expert parallelism > 1).
+    """
+    del record_stream
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
 
 
 def register_triton_stand_in() -> None:
@@ -167,6 +197,9 @@ def apply_cpu_shim() -> None:
         module.torch = proxy
     random_module = sys.modules["megatron.core.tensor_parallel.random"]
     random_module._set_cuda_rng_state = _set_cpu_rng_state
+    sys.modules["megatron.core.transformer.moe.token_dispatcher"].maybe_move_tensor_to_cpu = (
+        _move_to_host
+    )
     _applied = True
 
 

@@ -8,7 +8,10 @@ patches are applied to a copy with ``launch/apply_slime_patches.sh``, and on glo
 single process running each sample alone (relative 1e-5), in both of slime's loss modes (per
 token, per rollout), on a layout where one DP rank holds only placeholders too; log-probs come
 back in rollout order; a bad sample on one rank stops every rank with the same error; with the
-flag off, the patched tree trains bitwise like the stock checkout.
+flag off, the patched tree trains bitwise like the stock checkout. With a tiny Megatron-Core MoE
+(4 layers, 4 experts, top-2) at pp 2, dp 2 (EP 1 and 2, and pp 2 x vpp 2), MoE routing replay R2
+(``--use-routing-replay``) and R3 (``--use-rollout-routing-replay``, patch 0008) match the
+per-sample reference too, and every recorded routing is replayed exactly once.
 
 What is not slime's in these runs, and why:
 
@@ -19,6 +22,11 @@ What is not slime's in these runs, and why:
   Hugging Face checkpoint), behind a wrapper that turns slime's THD ``packed_seq_params`` into a
   block-diagonal attention mask, because THD attention needs transformer-engine (GPU only);
 * slime's accelerator is a CPU backend installed through its public ``set_accelerator``;
+* MoE cases: slime's Megatron patch (``register_routing_replay`` in ``TopKRouter.__init__``,
+  ``get_routing_replay_compute_topk`` around the router's top-k) is reached through the
+  ``router_replay`` hook that megatron.core 0.19.2 calls at the same point (:class:`_SlimeTopk`);
+  the pinned host copy in slime's ``RoutingReplay.record`` is unpinned (CPU-only torch has no
+  pinned allocator); ``fill_routing_replay`` runs lifted out of its Ray actor class;
 * the optimizer and LR scheduler are recorders: ``train_one_step`` zeroes the gradients after the
   optimizer step, so the recorder keeps them;
 * the rollout side's ``RolloutManager._split_train_data_by_dp`` (``rollout.py``, patch 0001) is a
@@ -61,6 +69,9 @@ SEED = 5
 VOCAB = 128
 #: Modules slime imports for rollout serving and logging, stubbed when they are not installed.
 STUBBED = ("ray", "sglang", "torch_memory_saver", "wandb", "httpx", "tensorboard")
+
+#: The tiny MoE of the routing-replay cases: 4 layers, 4 experts, top-2.
+MOE = {"num_layers": 4, "num_moe_experts": 4, "moe_router_topk": 2}
 
 # Skipped without SLIME_DIR (tests/conftest.py); the fast default deselects them.
 needs_slime = pytest.mark.slime
@@ -233,7 +244,7 @@ def _install_stubs():
     return missing
 
 
-def _rollout_batch(num_rollouts, sizes_seed=SEED):
+def _rollout_batch(num_rollouts, sizes_seed=SEED, routed_experts=False):
     gen = torch.Generator().manual_seed(sizes_seed)
     data = {k: [] for k in ("tokens", "response_lengths", "loss_masks", "rollout_ids", "adv")}
     for rollout in range(num_rollouts):
@@ -253,6 +264,15 @@ def _rollout_batch(num_rollouts, sizes_seed=SEED):
         totals[rid] = totals.get(rid, 0) + int(mask.sum())
     data["rollout_mask_sums"] = [totals[rid] for rid in data["rollout_ids"]]
     data["rewards"] = [float(r) for r in torch.randn(len(data["tokens"]), generator=gen)]
+    if routed_experts:
+        # R3: the experts the rollout engine chose, [tokens - 1, layers, topk] per sample (the
+        # last token is never scored); random, so they differ from what the model would choose
+        # and a row that lands on the wrong tokens changes the numbers.
+        experts, layers, topk = MOE["num_moe_experts"], MOE["num_layers"], MOE["moe_router_topk"]
+        data["routed_experts"] = [
+            torch.rand(len(t) - 1, layers, experts, generator=gen).argsort(-1)[..., :topk]
+            for t in data["tokens"]
+        ]
     return data
 
 
@@ -367,6 +387,8 @@ def _rank_rollout_data(slime_root, args, tp_config, data, dp_rank):
         "rollout_mask_sums": [float(x) for x in data["rollout_mask_sums"]],
         "rewards": list(data["rewards"]),
     }
+    if "routed_experts" in data:  # R3: what the rollout engine reports per sample
+        rollout_side["rollout_routed_experts"] = [e.numpy() for e in data["routed_experts"]]
     this = types.SimpleNamespace(args=args, train_parallel_config=tp_config)
     refs = namespace["_split_train_data_by_dp"](this, rollout_side)
     slime_utils_data.ray = store
@@ -441,6 +463,105 @@ def _thd_chunk(ddp_chunk):
     return ThdAsMask(ddp_chunk)
 
 
+class _NoPinTorch:
+    """``torch`` for slime's ``routing_replay`` module: pinned host memory needs an accelerator
+    (CPU-only torch raises), so ``empty_like(..., pin_memory=True)`` allocates unpinned."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty_like(*args, pin_memory=False, **kwargs):
+        del pin_memory
+        return torch.empty_like(*args, **kwargs)
+
+
+def _enable_routing_replay(args, replay):
+    """slime's flags and environment for R2 / R3 (``actor_group.py`` sets the variable for
+    actors when ``--use-routing-replay``; ``arguments.py`` turns R2 on with R3)."""
+    from slime.utils import routing_replay
+
+    args.use_routing_replay = True
+    args.use_rollout_routing_replay = replay == "r3"
+    args.num_experts = MOE["num_moe_experts"]
+    # Megatron's model arguments in slime's namespace (the phantom sample's routed-expert shape).
+    args.num_layers = MOE["num_layers"]
+    args.moe_router_topk = MOE["moe_router_topk"]
+    args.sequence_parallel = False
+    os.environ["ENABLE_ROUTING_REPLAY"] = "1"
+    os.environ["ROUTING_REPLAY_STAGE"] = "fallthrough"
+    routing_replay.torch = _NoPinTorch()
+
+
+def _disable_routing_replay():
+    from slime.utils.routing_replay import RoutingReplay
+
+    RoutingReplay.clear_all()
+    os.environ.pop("ENABLE_ROUTING_REPLAY", None)
+    os.environ.pop("ROUTING_REPLAY_STAGE", None)
+
+
+class _SlimeTopk:
+    """What slime's Megatron patch (``docker/patch/*/megatron.patch``, ``moe_utils.py``) does in
+    ``topk_routing_with_score_function``: the top-k goes through
+    ``get_routing_replay_compute_topk``. megatron.core 0.19.2 calls a router's ``router_replay``
+    with the stock top-k at that very point, so this reaches the same code without patching
+    Megatron."""
+
+    @staticmethod
+    def get_replay_topk(scores, topk, num_groups=None, group_topk=None, compute_topk=None):
+        from slime.utils.routing_replay import get_routing_replay_compute_topk
+
+        return get_routing_replay_compute_topk(compute_topk)(scores, topk, num_groups, group_topk)
+
+
+def _routers(chunks):
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
+
+
+def _install_slime_router_hooks(chunks):
+    """slime's Megatron patch of ``TopKRouter.__init__`` (``register_routing_replay``: one
+    ``RoutingReplay`` per router, in layer order) and of its top-k (:class:`_SlimeTopk`)."""
+    from slime.utils.routing_replay import register_routing_replay
+
+    for router in _routers(chunks):
+        register_routing_replay(router)
+        router.router_replay = _SlimeTopk()
+
+
+def _fill_routing_replay(slime_root, args, model, iterators, rollout_data):
+    """``MegatronTrainRayActor.fill_routing_replay`` (``actor.py``, patched by 0008), lifted out
+    of its Ray actor class: the actor module imports the rollout stack (transformers, Ray)."""
+    import ast
+    import types
+
+    from slime.backends.megatron_utils import cp_utils
+
+    path = pathlib.Path(slime_root) / "slime" / "backends" / "megatron_utils" / "actor.py"
+    tree = ast.parse(path.read_text())
+    [actor] = [n for n in tree.body if getattr(n, "name", None) == "MegatronTrainRayActor"]
+    [fill] = [n for n in actor.body if getattr(n, "name", None) == "fill_routing_replay"]
+    namespace = {
+        "prepare_routed_experts_for_routing_replay": (
+            cp_utils.prepare_routed_experts_for_routing_replay
+        )
+    }
+    exec(compile(ast.Module(body=[fill], type_ignores=[]), str(path), "exec"), namespace)
+    this = types.SimpleNamespace(args=args, model=model)
+    namespace["fill_routing_replay"](
+        this, iterators, rollout_data["num_microbatches"], rollout_data
+    )
+
+
+def _replay_counts():
+    """Per router: (routings recorded, routings replayed by training's forward passes)."""
+    from slime.utils.routing_replay import RoutingReplay
+
+    return [(len(r.top_indices_list), r.forward_index) for r in RoutingReplay.all_routing_replays]
+
+
 def _slime_body(
     slime_root,
     num_rollouts,
@@ -450,9 +571,12 @@ def _slime_body(
     bad_rank=None,
     dynamic=True,
     estimator=None,
+    replay=None,
 ):
     """slime's forward_only and train_one_step on this rank; ``dynamic=False``: with the flag off
-    and slime's own schedule (to compare a patched tree with the stock one)."""
+    and slime's own schedule (to compare a patched tree with the stock one). ``replay``: None for
+    the dense GPT; ``"r2"`` / ``"r3"``: the tiny MoE with ``--use-routing-replay`` /
+    ``--use-rollout-routing-replay``, run in the order of slime's ``train_actor``."""
     import dataclasses
 
     import torch.distributed as dist
@@ -484,7 +608,7 @@ def _slime_body(
     args = _slime_args(per_token, max_tokens, pp)
     args.use_dynamic_batch_size = dynamic
     set_args(args)
-    data = _rollout_batch(num_rollouts)
+    data = _rollout_batch(num_rollouts, routed_experts=replay == "r3")
     if bad_rank is not None and dp_rank == bad_rank:
         data["adv"] = [a.clone() for a in data["adv"]]
         for a, m in zip(data["adv"], data["loss_masks"], strict=True):
@@ -495,6 +619,8 @@ def _slime_body(
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         calculate_per_token_loss=per_token,
+        **(MOE if replay else {}),
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
     )
     # slime always runs Megatron with variable_seq_lengths (its arguments.py forces it); with
     # interleaving at pp = 2 that needs overlap_p2p_comm, Megatron-LM's default there.
@@ -503,7 +629,12 @@ def _slime_body(
     )
     make_schedule_config_safe(config)
     config.finalize_model_grads_func = finalize_model_grads
-    ddp_chunks = wrap_in_ddp(build_tiny_gpt(config, seed=SEED))
+    if replay:
+        _enable_routing_replay(args, replay)
+    chunks = build_tiny_gpt(config, seed=SEED)
+    if replay:
+        _install_slime_router_hooks(chunks)
+    ddp_chunks = wrap_in_ddp(chunks)
     model = [_thd_chunk(c) for c in ddp_chunks]
 
     tp_config = {
@@ -518,6 +649,10 @@ def _slime_body(
     iterators = slime_data.get_data_iterator(rollout_data)
     started = time.monotonic()
     try:
+        if replay == "r3":
+            _fill_routing_replay(slime_root, args, model, iterators, rollout_data)
+        if replay:  # train_actor's stage for the actor's log-prob pass
+            os.environ["ROUTING_REPLAY_STAGE"] = "replay_forward" if replay == "r3" else "record"
         outputs = slime_model.forward_only(
             get_log_probs_and_entropy, args, model, iterators, rollout_data["num_microbatches"]
         )
@@ -528,6 +663,12 @@ def _slime_body(
         # Old log-probs of the policy loss: this rank's pipeline's last stage.
         group_lp = holder[ps.get_pipeline_model_parallel_last_rank()]
         rollout_data["log_probs"] = [lp.detach() for lp in group_lp]
+        if replay == "r3":  # train_actor: the rollout's routing replays again in training
+            from slime.utils.routing_replay import RoutingReplay
+
+            RoutingReplay.clear_all_forward()
+        if replay:
+            os.environ["ROUTING_REPLAY_STAGE"] = "replay_backward"
         actor = None
         if estimator is not None:
             actor = _actor_path(slime_root, args, model, iterators, rollout_data, estimator)
@@ -542,10 +683,14 @@ def _slime_body(
             slime_model.train_one_step(
                 args, 0, step_id, iterators, model, recorder, recorder, m, step_gbs
             )
+        replays = _replay_counts() if replay else None
     except Exception as error:  # the fault case: every rank must fail the same way, quickly
         if bad_rank is None:
             raise
         return {"error": f"{type(error).__name__}: {error}", "seconds": time.monotonic() - started}
+    finally:
+        if replay:
+            _disable_routing_replay()
     return {
         "stubbed": stubbed,
         "grads": recorder.steps,
@@ -561,6 +706,7 @@ def _slime_body(
         "num_placeholders": sum(1 for mb in rollout_data["micro_batch_indices"] if not mb),
         "last_stage_outputs": len(last),
         "actor": actor,
+        "replays": replays,
     }
 
 
@@ -635,8 +781,20 @@ def _actor_path(slime_root, args, model, iterators, rollout_data, estimator):
     return {"advantages": advantages, "metrics": logged}
 
 
-def _reference_body(num_rollouts, gbs, max_tokens, per_token):
-    """Each sample alone through a single-process tiny GPT: per-step gradients, log-probs."""
+class _ForcedTopk:
+    """A router's top-k replaced by given experts (the reference of R3: the rollout's routing,
+    one sample at a time); probabilities are the router's own scores at those experts."""
+
+    indices = None
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, compute_topk=None):
+        assert self.indices.shape == (scores.shape[0], topk), (self.indices.shape, scores.shape)
+        return scores.gather(1, self.indices), self.indices
+
+
+def _reference_body(num_rollouts, gbs, max_tokens, per_token, replay=None):
+    """Each sample alone through a single-process tiny GPT: per-step gradients, log-probs.
+    ``replay``: the tiny MoE; with ``"r3"`` every sample is routed to its rollout experts."""
     from megatron_dynbatch.adapters.slime import build_dp_schedule
     from megatron_dynbatch.mcore.forward import build_attention_mask
     from megatron_dynbatch.tools.testing.tiny_gpt import (
@@ -645,8 +803,12 @@ def _reference_body(num_rollouts, gbs, max_tokens, per_token):
         tiny_transformer_config,
     )
 
-    data = _rollout_batch(num_rollouts)
-    [model] = build_tiny_gpt(tiny_transformer_config(calculate_per_token_loss=per_token), seed=SEED)
+    data = _rollout_batch(num_rollouts, routed_experts=replay == "r3")
+    config = tiny_transformer_config(calculate_per_token_loss=per_token, **(MOE if replay else {}))
+    [model] = build_tiny_gpt(config, seed=SEED)
+    routers = _routers([model]) if replay == "r3" else []
+    for router in routers:
+        router.router_replay = _ForcedTopk()
     args = _slime_args(per_token, max_tokens, 1)
     lengths = [len(t) for t in data["tokens"]]
     plan = build_dp_schedule(
@@ -661,6 +823,12 @@ def _reference_body(num_rollouts, gbs, max_tokens, per_token):
         tokens = data["tokens"][i]
         length = tokens.numel()
         response = data["response_lengths"][i]
+        for layer, router in enumerate(routers):
+            # The last token's routing reaches no scored position (causal attention); any
+            # distinct experts do.
+            last = torch.arange(MOE["moe_router_topk"]).unsqueeze(0)
+            experts = data["routed_experts"][i][:, layer].to(torch.long)
+            router.router_replay.indices = torch.cat([experts, last])
         logits = model(
             tokens.unsqueeze(0),
             torch.arange(length).unsqueeze(0),
@@ -702,6 +870,32 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def _compare_with_reference(results, reference):
+    """Every step's gradients (relative) and every sample's log-probs (absolute) against the
+    per-sample reference, both within 1e-5; returns (steps, worst gradient, worst log-prob)."""
+    num_steps = len(reference["grads"])
+    assert all(len(r["grads"]) == num_steps for r in results)
+    worst = 0.0
+    for s in range(num_steps):
+        merged = {}
+        for r in results:
+            merged.update(r["grads"][s])  # DP ranks hold the same reduced gradients
+        assert set(merged) == set(reference["grads"][s])
+        for name, ref in reference["grads"][s].items():
+            err = _rel(merged[name], ref)
+            worst = max(worst, err)
+            assert err <= REL_TOL, (s, name, err)
+    # Log-probs in rollout order: each DP rank's local order is its partition.
+    worst_lp = 0.0
+    for r in results:
+        for position, lp in zip(r["partition"], r["log_probs"], strict=True):
+            want = reference["log_probs"][position]
+            assert lp.shape == want.shape
+            worst_lp = max(worst_lp, float((lp - want).abs().max()))
+    assert worst_lp <= 1e-5
+    return num_steps, worst, worst_lp
+
+
 CASES = [
     # (world, layout, rollouts, gbs, max_tokens, per_token)
     pytest.param(2, Layout(pp=2), 7, 3, 64, True, id="pp2-dp1-token-mean-3-steps"),
@@ -727,26 +921,7 @@ def test_slime_train_one_step_and_forward_only_match_reference(
     )
     pp = layout.pp
     dp = world // pp
-    num_steps = len(reference["grads"])
-    assert all(len(r["grads"]) == num_steps for r in results)
-    worst = 0.0
-    for s in range(num_steps):
-        merged = {}
-        for r in results:
-            merged.update(r["grads"][s])  # DP ranks hold the same reduced gradients
-        assert set(merged) == set(reference["grads"][s])
-        for name, ref in reference["grads"][s].items():
-            err = _rel(merged[name], ref)
-            worst = max(worst, err)
-            assert err <= REL_TOL, (s, name, err)
-    # Log-probs in rollout order: each DP rank's local order is its partition.
-    worst_lp = 0.0
-    for r in results:
-        for position, lp in zip(r["partition"], r["log_probs"], strict=True):
-            want = reference["log_probs"][position]
-            assert lp.shape == want.shape
-            worst_lp = max(worst_lp, float((lp - want).abs().max()))
-    assert worst_lp <= 1e-5
+    num_steps, worst, worst_lp = _compare_with_reference(results, reference)
     # Scheduler increments: the rollouts each step really trained.
     assert results[0]["increments"] == results[0]["global_batch_sizes"]
     # Every sample trained: the DP ranks' partitions (each held by its pp stages) cover them all.
@@ -758,6 +933,57 @@ def test_slime_train_one_step_and_forward_only_match_reference(
         f"\n[slime {layout} dp={dp}] steps={num_steps} counts={results[0]['num_microbatches']} "
         f"gbs={results[0]['global_batch_sizes']} grad rel diff max={worst:.2e} log-prob abs diff "
         f"max={worst_lp:.2e} wall={wall:.1f}s stubbed={results[0]['stubbed']}"
+    )
+
+
+MOE_CASES = [
+    # (replay, rollouts, gbs, layout); 4 ranks, dp = 4 / pp
+    pytest.param("r2", 7, 3, Layout(pp=2), id="r2-pp2-dp2-3-steps"),
+    pytest.param("r3", 7, 3, Layout(pp=2), id="r3-pp2-dp2-3-steps"),
+    pytest.param("r3", 1, 1, Layout(pp=2), id="r3-pp2-dp2-one-rank-only-placeholders"),
+    pytest.param("r2", 7, 3, Layout(pp=2, ep=2), id="r2-pp2-dp2-ep2"),
+    pytest.param("r3", 7, 3, Layout(pp=2, ep=2), id="r3-pp2-dp2-ep2"),
+    pytest.param("r3", 1, 1, Layout(pp=2, ep=2), id="r3-pp2-dp2-ep2-one-rank-only-placeholders"),
+    pytest.param("r2", 7, 3, Layout(pp=2, vpp=2), id="r2-pp2-vpp2-dp2"),
+    pytest.param("r3", 7, 3, Layout(pp=2, vpp=2), id="r3-pp2-vpp2-dp2"),
+]
+
+
+@needs_slime
+@pytest.mark.parametrize("replay, rollouts, gbs, layout", MOE_CASES)
+def test_moe_routing_replay_matches_reference(patched_slime, replay, rollouts, gbs, layout):
+    """A tiny MoE (4 layers, 4 experts, top-2) on 4 ranks at pp 2 (dp 2), with expert parallel
+    size 2 (the all-to-all spans the two DP ranks) and with interleaving, through slime with
+    ``--use-routing-replay`` (R2: the log-prob pass records routing, training replays it) or
+    ``--use-rollout-routing-replay`` (R3: the rollout's experts, padded to each step's row by
+    patch 0008, replay in the log-prob pass and in training). Gradients and log-probs equal the
+    per-sample reference (R2: the model's own routing; R3: the rollout's experts); every recorded
+    routing, placeholder micro-batches' and the phantom's included, is replayed exactly once in
+    training."""
+    started = time.monotonic()
+    results = run_on_ranks(
+        4, _slime_body, patched_slime, rollouts, gbs, 64, True, replay=replay, layout=layout
+    )
+    wall = time.monotonic() - started
+    [reference] = run_on_ranks(
+        1, _reference_body, rollouts, gbs, 64, True, replay=replay, layout=Layout()
+    )
+    num_steps, worst, worst_lp = _compare_with_reference(results, reference)
+    if rollouts == 1:  # one DP rank holds the phantom sample and placeholders only
+        assert any(r["placeholders_only"] for r in results)
+    else:
+        assert num_steps >= 2
+        # The layout has placeholder micro-batches, whose routing is recorded and replayed too.
+        assert any(r["num_placeholders"] for r in results)
+    for r in results:
+        total = sum(r["num_microbatches"])
+        # One RoutingReplay per router: the rank's share of the layers (every chunk's).
+        assert r["replays"] == [(total, total)] * (MOE["num_layers"] // layout.pp), r["replays"]
+    print(
+        f"\n[slime MoE {replay} {layout} rollouts={rollouts}] steps={num_steps} "
+        f"counts={results[0]['num_microbatches']} "
+        f"placeholders={[r['num_placeholders'] for r in results]} grad rel diff max={worst:.2e} "
+        f"log-prob abs diff max={worst_lp:.2e} wall={wall:.1f}s"
     )
 
 

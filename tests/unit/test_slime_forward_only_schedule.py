@@ -110,12 +110,18 @@ def test_routing_replay_runs_the_log_prob_pass_on_the_training_micro_batches():
     assert set(schedule.rank_fields(0)) == {"dynbatch_seq_lengths"}
 
 
-def test_rollout_routing_replay_is_refused_until_its_rows_line_up():
-    args = _args(use_routing_replay=True, use_rollout_routing_replay=True)
-    with pytest.raises(DynBatchValueError, match="--use-rollout-routing-replay"):
-        build_dp_schedule(
-            args, {"dp_size": 2}, [100, 200], global_batch_size=2, rollout_indices=[0, 1]
-        )
+def test_rollout_routing_replay_also_runs_the_log_prob_pass_on_the_training_micro_batches():
+    # R3 records the rollout's routing per training micro-batch (fill_routing_replay) and replays
+    # it in the log-prob pass too: that pass must run the same micro-batches.
+    lengths = [100, 400, 30, 250, 500, 60, 90, 310]
+    args = _args(
+        log_probs_max_tokens_per_gpu=4096, use_routing_replay=True, use_rollout_routing_replay=True
+    )
+    schedule = build_dp_schedule(
+        args, {"dp_size": 2}, lengths, global_batch_size=4, rollout_indices=list(range(8))
+    )
+    assert schedule.forward_only is None
+    assert sorted(i for p in schedule.partitions for i in p) == list(range(8))
 
 
 def test_the_log_prob_budget_error_names_the_log_prob_flag():

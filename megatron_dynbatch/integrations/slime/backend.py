@@ -207,6 +207,66 @@ class SlimeDataIterator:
         self.row_length = None
         return self
 
+    def routed_experts_for_row(
+        self,
+        rollout_routed_experts: Sequence[torch.Tensor],
+        tokens: Sequence[torch.Tensor],
+        *,
+        num_experts: int,
+        data_pad_size_multiplier: int,
+        sequence_parallel: bool,
+        allgather_cp: bool,
+    ) -> torch.Tensor:
+        """R3: slime's ``prepare_routed_experts_for_routing_replay`` for the micro-batch
+        :meth:`get_next` last returned, padded to that micro-batch's row length.
+
+        Called by the patched ``fill_routing_replay`` (same arguments as slime's function). slime
+        pads the routed experts to the next multiple of ``tp * data_pad_size_multiplier``, the
+        pad of its own ``get_batch``; the patched ``get_batch`` pads the row to the step's row
+        length instead. Calling slime's function with ``tp * multiplier`` equal to that row length
+        pads every micro-batch (whose tokens never exceed its row) to exactly the row, through
+        slime's own code: per-sample pad row, context-parallel slicing, sequence-parallel split.
+
+        Raises:
+            DynBatchValueError: when no micro-batch was taken yet, when the row length is not a
+                multiple of the tensor-parallel size, or when the result does not fill the row.
+        """
+        from megatron.core import mpu
+        from slime.backends.megatron_utils.cp_utils import (
+            prepare_routed_experts_for_routing_replay,
+        )
+
+        del data_pad_size_multiplier  # replaced by the row length
+        row = self.row_length
+        if row is None:
+            raise DynBatchValueError(
+                "routed_experts_for_row was called before get_next: the R3 rows are built for "
+                "the micro-batch the iterator last returned."
+            )
+        tp = mpu.get_tensor_model_parallel_world_size()
+        if row % tp:
+            raise DynBatchValueError(
+                f"row length {row} is not a multiple of the tensor-parallel size {tp}; R3's "
+                "routed experts cannot be split like the tokens. Keep --data-pad-size-multiplier "
+                "so that rows stay multiples of tp."
+            )
+        experts = prepare_routed_experts_for_routing_replay(
+            rollout_routed_experts,
+            tokens,
+            num_experts=num_experts,
+            data_pad_size_multiplier=row // tp,
+            sequence_parallel=sequence_parallel,
+            allgather_cp=allgather_cp,
+        )
+        want = row // tp if sequence_parallel else row
+        if experts.shape[0] != want:
+            raise DynBatchValueError(
+                f"micro-batch {self.offset - 1}: R3 routed experts have {experts.shape[0]} rows "
+                f"but the training row holds {want} tokens; the rollout's routed experts and "
+                "tokens disagree (each sample needs total_lengths - 1 rows)."
+            )
+        return experts
+
     # -- checks before the schedule --------------------------------------------------------------
 
     def check_microbatches(self, count: int) -> None:

@@ -16,7 +16,8 @@ real sample, so every collective runs in step with the other ranks, and it contr
 * advantage whitening: slime's statistics are masked, and its mask is 0;
 * metrics: :func:`log_rollout_data` reports ``(0, 0)`` for every metric of the rank.
 
-Torch only (no megatron, no slime at import time).
+Torch only (no megatron, no slime at import time; under R3 the phantom's routed experts read
+the model's shape from Megatron's global args).
 """
 
 from __future__ import annotations
@@ -60,9 +61,33 @@ def _phantom_value(key: str, values: Any, total: int, device: torch.device) -> A
         return torch.zeros(response, dtype=torch.float32, device=device)
     if key == "multimodal_train_inputs":
         return None
+    if key == "rollout_routed_experts":
+        return _phantom_routed_experts(total)
     if key in _SCALAR_KEYS:
         return 0
     return 0.0
+
+
+def _phantom_routed_experts(total: int) -> torch.Tensor:
+    """R3's routed experts of the phantom, ``[total - 1, layers, topk]`` like a rollout sample's.
+
+    A rank without samples has no rollout routing to take the shape from; the model's (Megatron's
+    ``--num-layers`` and ``--moe-router-topk``, in slime's global args) gives it. Every token goes
+    to experts ``0..topk-1`` (distinct, as a router's top-k is); its loss mask is 0.
+    """
+    from megatron.training.global_vars import get_args
+
+    args = get_args()
+    layers = getattr(args, "num_layers", None)
+    topk = getattr(args, "moe_router_topk", None)
+    if not layers or not topk:
+        raise ValueError(
+            f"--use-rollout-routing-replay on a DP rank without samples needs the model's "
+            f"num_layers ({layers}) and moe_router_topk ({topk}) in Megatron's args to shape "
+            "the phantom sample's routed experts; launch through slime's argument parser."
+        )
+    experts = torch.arange(int(topk), dtype=torch.long)
+    return experts.expand(total - 1, int(layers), int(topk)).clone()
 
 
 def add_phantom_sample(

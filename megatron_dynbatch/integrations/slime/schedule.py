@@ -580,15 +580,6 @@ def _dynamic_schedule(
     global_batch_size: int,
     pad_size: int,
 ) -> DPSchedule:
-    if _flag(args, "use_rollout_routing_replay"):
-        # slime's fill_routing_replay pads a micro-batch's routed experts to tp *
-        # data_pad_size_multiplier; the patched get_batch pads the row to the step's length.
-        raise DynBatchValueError(
-            "--use-rollout-routing-replay (R3) with --use-dynamic-batch-size is not supported: the "
-            "rollout's routed-expert rows would not line up with the step's uniform training rows. "
-            "Use --use-routing-replay (R2), which works with dynamic batching, or drop "
-            "--use-dynamic-batch-size."
-        )
     balance = _flag(args, "balance_data") or _flag(args, "balance_by_flops")
     config = dynbatch_config_from_slime_args(
         args, rollouts_per_step=global_batch_size, cost=_cost_model(args, balance)

@@ -58,6 +58,9 @@ def tiny_transformer_config(
     num_attention_heads: int = 4,
     calculate_per_token_loss: bool = True,
     batch_p2p_comm: Optional[bool] = None,
+    num_moe_experts: Optional[int] = None,
+    moe_router_topk: int = 2,
+    expert_model_parallel_size: int = 1,
 ) -> TransformerConfig:
     """Return the ``TransformerConfig`` of the tiny GPT for a model-parallel layout.
 
@@ -74,6 +77,14 @@ def tiny_transformer_config(
             count.
         batch_p2p_comm: Batched p2p sends; None picks the safe value for the layout (False for
             interleaving at pp = 2, see :func:`check_schedule_config`).
+        num_moe_experts: None: dense MLPs. Otherwise every layer's MLP is a mixture of this many
+            experts (local spec, all-to-all dispatcher, expert parallel size 1, no load-balancing
+            loss and no linear biases: the expert bias path of megatron.core 0.19.2 adds in place
+            to a view at tp = 1, which autograd refuses).
+        moe_router_topk: Experts per token with ``num_moe_experts``.
+        expert_model_parallel_size: Expert-parallel size (must match the initialised expert
+            groups: it decides whether expert gradients are reduced over the expert data-parallel
+            group or, wrongly at EP > 1, over the whole data-parallel group).
 
     Returns:
         A config ready for the three Megatron schedules on CPU.
@@ -108,9 +119,31 @@ def tiny_transformer_config(
         # buffers are sized from the schedule's seq_length, and no shape exchange is needed.
         variable_seq_lengths=False,
         batch_p2p_comm=batch_p2p_comm,
+        expert_model_parallel_size=expert_model_parallel_size,
+        **_moe_fields(num_moe_experts, moe_router_topk),
     )
     check_schedule_config(config)
     return config
+
+
+def _moe_fields(num_moe_experts: Optional[int], moe_router_topk: int) -> dict:
+    if num_moe_experts is None:
+        return {}
+    if not 1 <= moe_router_topk <= num_moe_experts:
+        raise ValueError(
+            f"moe_router_topk={moe_router_topk} must be in [1, num_moe_experts="
+            f"{num_moe_experts}]; lower the top-k or add experts."
+        )
+    return dict(
+        num_moe_experts=num_moe_experts,
+        moe_router_topk=moe_router_topk,
+        # The allgather dispatcher refuses variable_seq_lengths (slime's setting).
+        moe_token_dispatcher_type="alltoall",
+        # An auxiliary loss depends on which tokens share a micro-batch: a packed row and a
+        # sample alone would train differently.
+        moe_router_load_balancing_type="none",
+        add_bias_linear=False,
+    )
 
 
 def make_schedule_config_safe(config: TransformerConfig) -> TransformerConfig:
@@ -132,15 +165,17 @@ def make_schedule_config_safe(config: TransformerConfig) -> TransformerConfig:
     return config
 
 
-def tiny_layer_spec():
+def tiny_layer_spec(num_experts: Optional[int] = None):
     """Megatron's local GPT layer spec with self-attention taking the mask it is given.
+
+    ``num_experts``: None for a dense MLP, else a mixture of experts (``config.num_moe_experts``).
 
     ``AttnMaskType.arbitrary`` instead of the spec's ``causal``: packed rows need the block-diagonal
     mask of :func:`megatron_dynbatch.mcore.forward.build_attention_mask`. With ``causal``, the
     unfused fp32 softmax happens to apply a passed mask, but the fused fp16/bf16 kernel
     (``masked_softmax_fusion``) drops it for its own causal mask without an error.
     """
-    spec = get_gpt_layer_local_spec()
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
     attention = spec.submodules.self_attention
     spec.submodules.self_attention = dataclasses.replace(
         attention, params={**attention.params, "attn_mask_type": AttnMaskType.arbitrary}
@@ -182,7 +217,7 @@ def build_tiny_gpt(
         )
     pp_rank = pg_collection.pp.rank()
     num_chunks = vp_size or 1
-    layer_spec = tiny_layer_spec()
+    layer_spec = tiny_layer_spec(config.num_moe_experts)
     chunks = []
     for vp_stage in range(num_chunks):
         chunks.append(
@@ -248,15 +283,23 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
 
 
 def _iter_global_named_params(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """Yield (global name, param): chunk-local layer indices replaced by global ones."""
+    """Yield (global name, param): chunk-local layer indices replaced by global ones, and with
+    expert parallelism, local expert indices by global ones."""
     model = _unwrap(chunk)
     local_to_global = {}
+    experts = {}
     for name, module in model.named_modules():
         match = _LAYER_PREFIX.match(name + ".")
         if isinstance(module, TransformerLayer) and match:
             # layer_number is 1-based and already includes the pipeline / virtual stage offset.
             local_to_global[int(match.group(1))] = module.layer_number - 1
+        if isinstance(getattr(module, "local_expert_indices", None), list):  # a MoE layer
+            experts[f"{name}.experts.local_experts."] = module.local_expert_indices
     for name, param in model.named_parameters():
+        for prefix, indices in experts.items():
+            if name.startswith(prefix):
+                local, rest = name[len(prefix) :].split(".", 1)
+                name = f"{prefix}{indices[int(local)]}.{rest}"
         match = _LAYER_PREFIX.match(name)
         if match:
             global_index = local_to_global[int(match.group(1))]

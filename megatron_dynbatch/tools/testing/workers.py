@@ -92,6 +92,8 @@ class Layout:
     """Pipeline-parallel size."""
     vpp: Optional[int] = None
     """Virtual pipeline stages per rank, or None for no interleaving."""
+    ep: int = 1
+    """Expert-parallel size (MoE models; its groups span data-parallel ranks)."""
 
 
 class DistributedTestError(DynBatchError, AssertionError):
@@ -181,6 +183,7 @@ def _set_layout(layout: Layout, current: Optional[Layout]) -> Layout:
             tensor_model_parallel_size=layout.tp,
             pipeline_model_parallel_size=layout.pp,
             virtual_pipeline_model_parallel_size=layout.vpp,
+            expert_model_parallel_size=layout.ep,
             # The default backend is gloo already; duplicate gloo groups would only cost time.
             create_gloo_process_groups=False,
         )
