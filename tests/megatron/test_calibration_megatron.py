@@ -7,19 +7,13 @@ as a straight run given the same fit (``--dynamic-batch-config``) plans the same
 """
 
 import json
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
 from megatron_dynbatch.config import load_yaml_config
+from tests._support import LAUNCH, parse_ok, torchrun
 
 pytestmark = pytest.mark.torchrun
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
-LAUNCH = REPO / "launch" / "pretrain_gpt_dynbatch.py"
-BIN = pathlib.Path(sys.executable).parent
 
 # Tiny GPT on mock documents; budget 256 over seq 128, so steps differ in shape.
 _TINY = [
@@ -35,21 +29,8 @@ _TINY = [
 
 
 def _run(args, log_path):
-    command = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", str(LAUNCH)]
-    result = subprocess.run(
-        command + [str(a) for a in args],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=400,
-    )
-    log_path.write_text(result.stdout)
-    assert result.returncode == 0, result.stdout[-6000:]
-    sys.path.insert(0, str(REPO / "launch"))
-    import compare_runs
-
-    return result.stdout, compare_runs.parse_text(result.stdout)["iterations"]
+    rc, log, _ = torchrun(2, LAUNCH, args, log_path=log_path)
+    return log, parse_ok(rc, log)["iterations"]
 
 
 @pytest.fixture(scope="module")

@@ -362,3 +362,17 @@ def main(
         # Bad input met while running (a batch of the wrong size, a bad sample): one line, no
         # traceback. A StepAgreementError is the same on every rank, so rank 0 says it.
         fail(error, code=1, every_rank_has_it=isinstance(error, StepAgreementError))
+    _close_process_groups()
+
+
+def _close_process_groups() -> None:
+    """Tear the process groups down while every rank is still alive.
+
+    ``pretrain()`` returns with its groups open; left to interpreter exit, gloo's C++ threads were
+    seen to abort one rank ("terminate called without an active exception", SIGABRT) after a run
+    that had finished, failing torchrun's exit status. A barrier, then an explicit destroy, ends
+    them in order on every rank.
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
