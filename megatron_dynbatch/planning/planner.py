@@ -210,7 +210,15 @@ def _plan_step(
     )
     shape, fewest = choose_shape(problem)
     bins = shape.bins
-    rows = [tuple(sorted(members)) if len(members) > 1 else tuple(members) for members in bins]
+    packed_rows: Tuple[Tuple[Tuple[int, ...], ...], ...] = ()
+    if shape.packed_rows is not None:
+        # B > 1 packed rows: the micro-batch lists its rows' samples row after row (each row
+        # sorted), and packed_rows says how many each row holds.
+        rows = [tuple(members) for members in bins]
+        counts = [tuple(len(row) for row in mb) for mb in shape.packed_rows]
+        packed_rows = tuple(tuple(counts[b] for b in order) for order in shape.rank_orders)
+    else:
+        rows = [tuple(sorted(members)) if len(members) > 1 else tuple(members) for members in bins]
     ranks = tuple(tuple(rows[b] for b in order) for order in shape.rank_orders)
     bin_tokens = [sum(map(lengths.__getitem__, members)) for members in bins]
     rank_tokens = [sum(map(bin_tokens.__getitem__, order)) for order in shape.rank_orders]
@@ -251,6 +259,7 @@ def _plan_step(
         kept_lengths=tuple((i, kept[i]) for i in truncated),
         dp_imbalance_computed=_imbalance(computed),
         row_lengths=row_lengths,
+        packed_rows=packed_rows,
     )
 
 
