@@ -210,7 +210,9 @@ def _packed_rows_shape(where: str, step: StepPlan) -> List[str]:
     problems = []
     for r, (counts, rank) in enumerate(zip(packed, step.ranks, strict=True)):
         if len(counts) != len(rank):
-            problems.append(f"{where} rank {r}: {len(counts)} packed_rows, {len(rank)} micro-batches")
+            problems.append(
+                f"{where} rank {r}: {len(counts)} packed_rows, {len(rank)} micro-batches"
+            )
             continue
         for k, (row_counts, mb) in enumerate(zip(counts, rank, strict=True)):
             if len(row_counts) != b or sum(row_counts) != len(mb) or min(row_counts) < 0:

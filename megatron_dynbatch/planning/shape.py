@@ -146,11 +146,19 @@ def choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
         assert shape is not None, "the fewest micro-batches always pack"
         scored[(m, rows)] = shape
         fastest = min(fastest, shape.step_time)
+        # Fixed micro-batches' shape at this B (one sample a row) is scored whatever the cap on
+        # evaluations below, so no plan is predicted slower than it (a cheap packing: one a bin).
+        one = rows_search.one_per_row()
+        if one > m and rows_search.lower_bound(one) < fastest * (1.0 - _TIE):
+            shape = rows_search.evaluate(one)
+            assert shape is not None, "one sample a row always packs"
+            scored[(one, rows)] = shape
+            fastest = min(fastest, shape.step_time)
     ranked = sorted(
         (s.lower_bound(m), s.rows, m, k)
         for k, s in enumerate(searches)
         for m in s.candidates()
-        if m != s.min_per_rank
+        if (m, s.rows) not in scored
     )
     for bound, rows, m, k in ranked[:_MAX_EVALUATIONS]:
         if bound >= fastest * (1.0 - _TIE):
@@ -181,7 +189,7 @@ def _pick(scored: Dict[Tuple[int, int], StepShape], min_gain: float) -> StepShap
     Among candidates of one count (several B), the fastest; ties to the fewer rows.
     """
     by_count: Dict[int, StepShape] = {}
-    for (m, rows), shape in sorted(scored.items()):
+    for (m, _rows), shape in sorted(scored.items()):
         known = by_count.get(m)
         if known is None or shape.step_time < known.step_time * (1.0 - _TIE):
             by_count[m] = shape
@@ -519,13 +527,14 @@ class _PackedSearch(_Search):
             ):
                 break
             last = nxt
-        counts = _candidate_counts(first, last, self.microbatch_multiple)
-        if self.rows > 1:
-            # One sample a row: fixed micro-batches' own shape at this B (or a shorter S).
-            one = round_up(ceil_div(len(self.arrival), self.dp * self.rows), self.microbatch_multiple)
-            if one > first and one not in counts:
-                counts.append(one)
-        return counts
+        return _candidate_counts(first, last, self.microbatch_multiple)
+
+    def one_per_row(self) -> int:
+        """The fewest micro-batches per rank that give every sample a row of its own: fixed
+        micro-batches' count at this B (their shape, or a shorter S)."""
+        return round_up(
+            max(1, ceil_div(len(self.arrival), self.dp * self.rows)), self.microbatch_multiple
+        )
 
     def min_row_cost(self, per_rank: int) -> float:
         bins = max(1, self._bins(per_rank))
