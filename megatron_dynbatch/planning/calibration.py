@@ -65,7 +65,7 @@ class Observation:
     ranks: Tuple[Tuple[Tuple[int, ...], ...], ...]
     """Padded sample sizes per micro-batch per DP rank."""
     micro_batch_size: int = 1
-    """Rows per micro-batch (1 for ``packed``)."""
+    """Rows per micro-batch (packed: usually 1, more where attention pays S**2 a row)."""
     layout: str = "packed"
     """``packed`` or ``padded``."""
     pp_size: int = 1

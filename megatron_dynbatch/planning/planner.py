@@ -9,9 +9,10 @@ Per step the planner
    a short last step is trained, not dropped);
 2. applies the oversize policy to samples longer than the cap (run alone, cut, or refuse);
 3. chooses the micro-batch count M per rank (a count Megatron accepts: a multiple of
-   ``microbatch_group_size_per_vp_stage`` when interleaving) and the row length S together, by the
-   simulated pipeline step time of each candidate (:mod:`.shape`): the fewest micro-batches the
-   samples fit under the cap, or more and shorter rows where the pipeline bubble makes them faster;
+   ``microbatch_group_size_per_vp_stage`` when interleaving), the rows per micro-batch B and the
+   row length S together, by the simulated pipeline step time of each candidate (:mod:`.shape`):
+   the fewest micro-batches the samples fit under the cap, or more and shorter rows where the
+   pipeline bubble makes them faster, or B > 1 packed rows where attention pays S^2 a row;
 4. spreads the micro-batches over the ranks and balances the ranks sample by sample on the full
    micro-batch cost (:mod:`.cost`); micro-batches that find no samples become placeholders (never
    dropped, never absent);

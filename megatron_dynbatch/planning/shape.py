@@ -1,4 +1,5 @@
-"""Choosing a step's micro-batch count M and row length S by its simulated step time.
+"""Choosing a step's micro-batch count M, rows per micro-batch B and row length S by its
+simulated step time.
 
 With pipelining a step costs about ``(M + pp - 1)`` rows of S (``M + (pp - 1) / vpp`` interleaved),
 so when M is small next to pp, more and shorter rows can be faster than the fewest rows; without
@@ -14,7 +15,10 @@ packed only under the longest row that could still win. Work per step is bounded
 of them packed besides the fewest, and per packing at most ``_SIMULATED_RANKS`` pipeline replays
 (all ranks up to ``_REPLAY_BUDGET`` micro-batches) plus the heavy-slot search of
 :func:`.balance.pipeline_orders` (17 replays). On small steps a
-second construction, ranks first (:meth:`_PackedSearch._ranks_first`), is scored too.
+second construction, ranks first (:meth:`_PackedSearch._ranks_first`), is scored too. With B > 1
+rows each B adds at most two packings (its fewest count and one sample a row), only when a floor
+on its step time (:func:`_rows_floor`) beats the fastest so far; the ``_MAX_EVALUATIONS`` further
+counts are shared by all B.
 
 Layouts:
 
