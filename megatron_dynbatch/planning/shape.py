@@ -16,8 +16,8 @@ of them packed besides the fewest, and per packing at most ``_SIMULATED_RANKS`` 
 (all ranks up to ``_REPLAY_BUDGET`` micro-batches) plus the heavy-slot search of
 :func:`.balance.pipeline_orders` (17 replays). On small steps a
 second construction, ranks first (:meth:`_PackedSearch._ranks_first`), is scored too. With B > 1
-rows each B adds at most two packings (its fewest count and one sample a row), only when a floor
-on its step time (:func:`_rows_floor`) beats the fastest so far; the ``_MAX_EVALUATIONS`` further
+rows each B adds at most two packings (its fewest count and one sample a row), each only when a
+floor on its step time (:func:`_rows_floors`) beats the fastest so far; the ``_MAX_EVALUATIONS`` further
 counts are shared by all B.
 
 Layouts:
@@ -138,22 +138,24 @@ def choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
     scored: Dict[Tuple[int, int], StepShape] = {(first, 1): best}
     fastest = best.step_time
     searches = [search]
-    # More rows of shorter length: a search of its own per B, built (one packing) only when its
-    # floor can beat the fastest so far, the most promising first.
-    for floor, rows in sorted((_rows_floor(problem, rows), rows) for rows in _row_counts(problem)):
-        if floor >= fastest * (1.0 - _TIE):
-            break
+    # More rows of shorter length: a search of its own per B, the most promising first. Its
+    # fewest count is packed only when a floor on it beats the fastest so far, and so is the count
+    # that gives every sample a row of its own (fixed micro-batches' shape at this B), whatever
+    # the cap on evaluations below, so no plan is predicted slower than that shape.
+    floors = sorted((*_rows_floors(problem, rows), rows) for rows in _row_counts(problem))
+    for fewest_floor, one_floor, rows in floors:
+        if min(fewest_floor, one_floor) >= fastest * (1.0 - _TIE):
+            continue
         rows_search = _PackedSearch(problem, rows)
-        searches.append(rows_search)
-        m = rows_search.min_per_rank
-        shape = rows_search.evaluate(m)
-        assert shape is not None, "the fewest micro-batches always pack"
-        scored[(m, rows)] = shape
-        fastest = min(fastest, shape.step_time)
-        # Fixed micro-batches' shape at this B (one sample a row) is scored whatever the cap on
-        # evaluations below, so no plan is predicted slower than it (a cheap packing: one a bin).
+        if fewest_floor < fastest * (1.0 - _TIE):
+            searches.append(rows_search)
+            m = rows_search.min_per_rank
+            shape = rows_search.evaluate(m)
+            assert shape is not None, "the fewest micro-batches always pack"
+            scored[(m, rows)] = shape
+            fastest = min(fastest, shape.step_time)
         one = rows_search.one_per_row()
-        if one > m and rows_search.lower_bound(one) < fastest * (1.0 - _TIE):
+        if (one, rows) not in scored and one_floor < fastest * (1.0 - _TIE):
             shape = rows_search.evaluate(one)
             assert shape is not None, "one sample a row always packs"
             scored[(one, rows)] = shape
@@ -234,27 +236,34 @@ def _row_counts(problem: StepProblem) -> List[int]:
     return counts
 
 
-def _rows_floor(problem: StepProblem, rows: int) -> float:
-    """No candidate of ``rows`` rows per micro-batch runs faster than this (before packing).
+def _rows_floors(problem: StepProblem, rows: int) -> Tuple[float, float]:
+    """Floors on the step time of ``rows`` rows per micro-batch, before any packing: at its fewest
+    count, and with one sample a row.
 
-    At least ``ceil(tokens / (cap // rows))`` rows, so at least that many over ``dp * rows`` a
-    rank, each micro-batch ``rows`` rows of at least the longest sample; the costliest rank does at
-    least the average of the samples' own cost; the last stage waits ``pp - 1`` first forwards.
+    The fewest count is at least ``ceil(tokens / (cap // rows))`` rows over ``dp * rows`` a rank,
+    each of at least the longest sample and the mean load (a floor of that count, the one packed);
+    one sample a row takes ``ceil(n / (dp * rows))`` micro-batches of rows of exactly the longest
+    sample (a true lower bound). The costliest rank does at least the average of the samples' own
+    cost, and the last stage waits ``pp - 1`` first forwards.
     """
     parallel = problem.parallel
-    sizes = problem.sizes
+    dp, pp, vpp = parallel.dp_size, parallel.pp_size, parallel.vpp_size
+    sizes, multiple = problem.sizes, parallel.microbatch_multiple
     total = sum(map(sizes.__getitem__, problem.items))
     longest = max(map(sizes.__getitem__, problem.items))
-    row_cap = problem.cap // rows
-    per_rank = round_up(
-        max(1, ceil_div(ceil_div(total, row_cap), parallel.dp_size * rows)),
-        parallel.microbatch_multiple,
-    )
-    row = row_cost(problem.model, "packed", longest, rows, rows * longest)
     work = sum(map(problem.sample_costs.__getitem__, problem.items))
     ratio = 1.0 + BACKWARD_TO_FORWARD_RATIO
-    pp, vpp = parallel.pp_size, parallel.vpp_size
-    return ratio * (per_rank * row + work / parallel.dp_size) / pp + row * (pp - 1) / (pp * vpp)
+
+    def floor(per_rank: int, s: int) -> float:
+        row = row_cost(problem.model, "packed", s, rows, rows * s)
+        return ratio * (per_rank * row + work / dp) / pp + row * (pp - 1) / (pp * vpp)
+
+    fewest = round_up(max(1, ceil_div(ceil_div(total, problem.cap // rows), dp * rows)), multiple)
+    one = round_up(max(1, ceil_div(len(problem.items), dp * rows)), multiple)
+    return (
+        floor(fewest, max(longest, ceil_div(total, dp * fewest * rows))),
+        floor(one, longest),
+    )
 
 
 #: Placeholder micro-batches a step may need before the layout is deemed a misconfiguration.
@@ -316,7 +325,6 @@ class _Search:
         self.microbatch_multiple = parallel.microbatch_multiple
         self.model = problem.model
         self.work = sum(map(problem.sample_costs.__getitem__, problem.items))
-        self.min_per_rank = 1
         #: Packed rows per micro-batch (B), and the most padded tokens one row may hold.
         self.rows = 1
         self.cap = problem.cap
@@ -479,7 +487,15 @@ class _PackedSearch(_Search):
         self.longest = max(map(sizes.__getitem__, items))
         self.longest_regular = sizes[self.order[0]] if self.order else 0
         self._packings = {}
-        self.min_per_rank = self._fewest()
+        # B > 1: packed only when asked for (one sample a row needs no fewest count).
+        self._min_per_rank = self._fewest() if rows == 1 else None
+
+    @property
+    def min_per_rank(self) -> int:
+        """The fewest micro-batches per rank the samples pack into (:meth:`_fewest`, cached)."""
+        if self._min_per_rank is None:
+            self._min_per_rank = self._fewest()
+        return self._min_per_rank
 
     def _bins(self, per_rank: int) -> int:
         return self.dp * per_rank * self.rows - len(self.oversize)
