@@ -128,3 +128,17 @@ def test_off_with_zero_steps(tmp_path, monkeypatch):
     budgets, _ = _train(args, monkeypatch, 12)
     assert set(budgets) == {1024} and calib.calibration_state().fit is None
     assert not (tmp_path / calib.CALIBRATION_JSON).exists()
+
+
+def test_observations_price_the_attention_the_planner_prices(tmp_path, monkeypatch):
+    """Megatron's local implementation (the CPU path) runs a dense mask: the fit must price rows
+    the same way the planner does, not as THD segments (the flag itself is unset)."""
+    calib.reset_calibration_state()
+    args = _args(tmp_path, transformer_impl="local")
+    assert args.dynamic_batch_cost_attention is None
+    _train(args, monkeypatch, 4)
+    assert calib.calibration_state().pending.attention == "dense"
+    assert dynbatch_config_from_args(args).cost_attention == "dense"
+    calib.reset_calibration_state()
+    _train(_args(tmp_path), monkeypatch, 4)  # transformer-engine by default: THD segments
+    assert calib.calibration_state().pending.attention == "segment"

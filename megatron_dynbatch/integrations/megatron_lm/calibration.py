@@ -100,6 +100,8 @@ class _State:
     """The configured ``--max-tokens-per-gpu``, restored after calibration."""
     overhead: Optional[float] = None
     """The configured per-micro-batch overhead, restored after calibration."""
+    attention: Optional[str] = None
+    """The attention kind the planner prices (resolved from Megatron's flags), read once."""
 
 
 _state = _State()
@@ -124,8 +126,13 @@ def _steps(args: Any) -> int:
 
 def _observation_of(batch: Any, plan: Any, step_index: int, args: Any) -> Observation:
     """The shapes of one planned step (every DP rank's micro-batches), its time still unknown."""
-    from .arguments import parallel_layout_from_args
+    from .arguments import dynbatch_config_from_args, parallel_layout_from_args
 
+    if _state.attention is None:
+        # The kind the planner prices, resolved as it resolves it (--transformer-impl local: dense
+        # on CPU); the flag alone is None unless given, which the fit would read as THD segments
+        # and so could not explain why one row of 1,024 costs more than four of 256.
+        _state.attention = dynbatch_config_from_args(args).cost_attention
     step = plan.steps[step_index]
     lengths = batch.lengths()
     kept = plan.kept_lengths()
@@ -144,8 +151,7 @@ def _observation_of(batch: Any, plan: Any, step_index: int, args: Any) -> Observ
         pp_size=layout.pp_size,
         vpp_size=layout.vpp_size,
         group=layout.microbatch_group_size_per_vp_stage,
-        # Where the cost model knows attention kinds, the one the run resolved (dense on CPU).
-        attention=getattr(args, "dynamic_batch_cost_attention", None),
+        attention=_state.attention,
     )
 
 
