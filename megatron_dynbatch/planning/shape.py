@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -127,39 +128,45 @@ def choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
             :func:`_check_placeholders`).
     """
     _check_placeholders(problem)
-    if problem.layout == "packed":
-        search: _Search = _PackedSearch(problem)
-    else:
-        search = _PaddedSearch(problem)
-    first = search.min_per_rank
-    best = search.evaluate(first)
-    assert best is not None, "the fewest micro-batches always pack"
     # (M, B) -> the candidate; B > 1 only for packed rows under row-wise attention.
-    scored: Dict[Tuple[int, int], StepShape] = {(first, 1): best}
-    fastest = best.step_time
-    searches = [search]
-    # More rows of shorter length: a search of its own per B, the most promising first. Its
-    # fewest count is packed only when a floor on it beats the fastest so far, and so is the count
+    scored: Dict[Tuple[int, int], StepShape] = {}
+    fastest = math.inf
+    searches: List[_Search] = []
+    # One search per B, the most promising first (by a floor on its step time). Its fewest count
+    # is packed only when that floor beats the fastest so far, and so is, for B > 1, the count
     # that gives every sample a row of its own (fixed micro-batches' shape at this B), whatever
-    # the cap on evaluations below, so no plan is predicted slower than that shape.
-    floors = sorted((*_rows_floors(problem, rows), rows) for rows in _row_counts(problem))
-    for fewest_floor, one_floor, rows in floors:
+    # the cap on evaluations below, so no plan is predicted slower than that shape. Without B > 1
+    # candidates the one search is built and packed as always.
+    row_counts = _row_counts(problem)
+    if row_counts:
+        order = sorted(
+            [(_rows_floors(problem, 1)[0], math.inf, 1)]
+            + [(*_rows_floors(problem, rows), rows) for rows in row_counts]
+        )
+    else:
+        order = [(0.0, math.inf, 1)]
+    for fewest_floor, one_floor, rows in order:
         if min(fewest_floor, one_floor) >= fastest * (1.0 - _TIE):
             continue
-        rows_search = _PackedSearch(problem, rows)
+        if problem.layout == "packed":
+            search: _Search = _PackedSearch(problem, rows)
+        else:
+            search = _PaddedSearch(problem)
         if fewest_floor < fastest * (1.0 - _TIE):
-            searches.append(rows_search)
-            m = rows_search.min_per_rank
-            shape = rows_search.evaluate(m)
+            searches.append(search)
+            m = search.min_per_rank
+            shape = search.evaluate(m)
             assert shape is not None, "the fewest micro-batches always pack"
             scored[(m, rows)] = shape
             fastest = min(fastest, shape.step_time)
-        one = rows_search.one_per_row()
-        if (one, rows) not in scored and one_floor < fastest * (1.0 - _TIE):
-            shape = rows_search.evaluate(one)
-            assert shape is not None, "one sample a row always packs"
-            scored[(one, rows)] = shape
-            fastest = min(fastest, shape.step_time)
+        if rows > 1:
+            one = search.one_per_row()
+            if (one, rows) not in scored and one_floor < fastest * (1.0 - _TIE):
+                shape = search.evaluate(one)
+                assert shape is not None, "one sample a row always packs"
+                scored[(one, rows)] = shape
+                fastest = min(fastest, shape.step_time)
+    assert searches, "the most promising search is always packed"
     ranked = sorted(
         (s.lower_bound(m), s.rows, m, k)
         for k, s in enumerate(searches)
@@ -176,13 +183,16 @@ def choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
             fastest = shape.step_time
     best = _pick(scored, problem.min_gain)
     # The second construction is dearer: only for the winning count (and the fewest), one row.
-    for m in sorted({best.per_rank, first}):
-        shape = search.alternative(m)
-        if shape is None:
+    for search in searches:
+        if search.rows != 1:
             continue
-        known = scored.get((m, 1))
-        if known is None or shape.step_time < known.step_time * (1.0 - _TIE):
-            scored[(m, 1)] = shape
+        for m in sorted({best.per_rank, search.min_per_rank}):
+            shape = search.alternative(m)
+            if shape is None:
+                continue
+            known = scored.get((m, 1))
+            if known is None or shape.step_time < known.step_time * (1.0 - _TIE):
+                scored[(m, 1)] = shape
     return _pick(scored, problem.min_gain), min(s.min_per_rank for s in searches)
 
 
