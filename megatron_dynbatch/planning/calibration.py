@@ -466,10 +466,85 @@ def fit_cost_model(
     names = [name for name, on in zip(FIT_WEIGHTS, active, strict=True) if on]
     if fit_step_seconds:
         names.append("step_seconds")
+    weights, step_seconds, rows = _fit(obs, active, fit_step_seconds, iterations)
+    errors = _relative_errors(obs, weights, step_seconds)
+    # A step another job slowed down (on a shared machine one step can take 3x its neighbours)
+    # pulls every weight towards it: drop, one at a time, the step (of the few furthest off)
+    # without which the others fit far better and which that fit then puts far off (a quarter of
+    # the steps at most).
+    extra: Dict[str, Any] = {}
+    dropped = 0
+    while (
+        dropped < len(observations) // 4
+        and len(obs) > _OUTLIER_MIN_STEPS
+        and _median(errors) > _OUTLIER_MIN_ERROR
+    ):
+        best = None
+        # The candidates: the steps the current fit puts furthest off.
+        worst = sorted(range(len(obs)), key=lambda k: -errors[k])[:_OUTLIER_CANDIDATES]
+        for i in worst:
+            rest = obs[:i] + obs[i + 1 :]
+            fitted = _fit(rest, active, fit_step_seconds, iterations)
+            spread = _median(_relative_errors(rest, fitted[0], fitted[1]))
+            if best is None or spread < best[0]:
+                best = (spread, i, fitted)
+        spread, i, fitted = best
+        off = _relative_errors([obs[i]], fitted[0], fitted[1])[0]
+        if spread > _median(errors) / 2 or off <= max(_OUTLIER_FACTOR * spread, _OUTLIER_FLOOR):
+            break
+        obs = obs[:i] + obs[i + 1 :]
+        weights, step_seconds, rows = fitted
+        errors = _relative_errors(obs, weights, step_seconds)
+        dropped += 1
+    if dropped:
+        extra["outlier_steps"] = dropped
+    median = _median(errors)
+    return Calibration(
+        token_weight=weights[0],
+        attention_weight=weights[1],
+        microbatch_overhead=weights[2],
+        step_seconds=step_seconds,
+        observations=len(obs),
+        relative_error=median,
+        unidentified=_unidentified(rows, names),
+        extra=extra,
+    )
+
+
+#: Outlier steps (see fit_cost_model): only while the fit is off by more than _OUTLIER_MIN_ERROR
+#: (median) and more than _OUTLIER_MIN_STEPS steps remain; a dropped step is off the others' fit by
+#: more than _OUTLIER_FACTOR times their median error and more than _OUTLIER_FLOOR.
+_OUTLIER_FACTOR = 3.0
+_OUTLIER_FLOOR = 0.10
+_OUTLIER_MIN_ERROR = 0.01
+_OUTLIER_MIN_STEPS = 5
+#: Steps tried as the outlier per round (a refit each): the furthest off the current fit.
+_OUTLIER_CANDIDATES = 3
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    half = len(ordered) // 2
+    return ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
+
+
+def _relative_errors(
+    obs: Sequence[Observation], weights: Sequence[float], step_seconds: float
+) -> List[float]:
+    return [abs(predict_seconds(o, weights, step_seconds) - o.seconds) / o.seconds for o in obs]
+
+
+def _fit(
+    obs: Sequence[Observation],
+    active: Sequence[bool],
+    fit_step_seconds: bool,
+    iterations: int,
+) -> Tuple[List[float], float, List[List[float]]]:
+    """Linearise and solve until the weights settle: ``(weights, step_seconds, rows)``."""
     times = [o.seconds for o in obs]
     # Start from plain tokens with a little of everything, so every term is on the critical path.
     longest = max(o.seq_length for o in obs)
-    weights = [1.0, 1.0 / longest if fit_attention else 0.0, 1.0]
+    weights = [1.0, 1.0 / longest if active[1] else 0.0, 1.0]
     step_seconds = 0.0
     rows: List[List[float]] = []
     for _ in range(iterations):
@@ -491,18 +566,4 @@ def fit_cost_model(
         weights, step_seconds = new, new_step
         if moved < 1e-9:
             break
-    errors = sorted(
-        abs(predict_seconds(o, weights, step_seconds) - o.seconds) / o.seconds for o in obs
-    )
-    median = (
-        errors[len(errors) // 2] if len(errors) % 2 else sum(errors[len(errors) // 2 - 1 :][:2]) / 2
-    )
-    return Calibration(
-        token_weight=weights[0],
-        attention_weight=weights[1],
-        microbatch_overhead=weights[2],
-        step_seconds=step_seconds,
-        observations=len(obs),
-        relative_error=median,
-        unidentified=_unidentified(rows, names),
-    )
+    return weights, step_seconds, rows

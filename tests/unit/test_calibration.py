@@ -70,6 +70,25 @@ def test_fit_under_noise_predicts_within_a_few_percent():
     assert all(w >= 0 for w in fit.weights)
 
 
+def test_a_step_slowed_by_another_job_is_refitted_without():
+    """On a shared machine one step can take several times its neighbours: the fit drops steps
+    far off the first fit (3x its median error and 10%) and recovers the weights of the rest."""
+    steps = _steps(5, count=10)
+    slowed = steps[3]
+    steps[3] = Observation(
+        seconds=3 * slowed.seconds,
+        seq_length=slowed.seq_length,
+        ranks=slowed.ranks,
+        pp_size=slowed.pp_size,
+    )
+    fit = fit_cost_model(steps)
+    assert fit.weights == pytest.approx(TRUE, rel=1e-4)
+    assert fit.observations == 9 and fit.extra == {"outlier_steps": 1}
+    # Clean steps (or mild noise) drop nothing.
+    assert fit_cost_model(_steps(5, count=10)).extra == {}
+    assert fit_cost_model(_steps(3, count=40, noise=0.05)).observations == 40
+
+
 def test_fit_never_goes_negative():
     # True attention 0: an unconstrained fit of noisy data would give a negative weight.
     steps = _steps(4, count=30, noise=0.03, weights=(2e-6, 0.0, 4e-3))
