@@ -170,14 +170,15 @@ def predict_seconds(obs: Observation, weights: Sequence[float], step_seconds: fl
     return step_seconds + simulate_step(costs, obs.pp_size, obs.vpp_size, obs.group).step_time
 
 
-def _gradient(obs: Observation, weights: Sequence[float]) -> List[float]:
-    """The makespan's gradient in the weights, by forward differences on the current piece."""
+def _gradient(obs: Observation, weights: Sequence[float], units: Sequence[float]) -> List[float]:
+    """The makespan's gradient in the weights, by forward differences on the current piece
+    (``units[k]``: :func:`_unit_makespan` of weight ``k``, which does not change with them)."""
     base = predict_seconds(obs, weights)
     scale = max(base, 1e-300)
     grad = []
     for k in range(len(weights)):
         # A step relative to the makespan keeps the critical path (a tiny move stays on its piece).
-        step = 1e-6 * scale / max(1.0, _unit_makespan(obs, k))
+        step = 1e-6 * scale / max(1.0, units[k])
         bumped = list(weights)
         bumped[k] += step
         grad.append((predict_seconds(obs, bumped) - base) / step)
@@ -534,6 +535,11 @@ def _relative_errors(
     return [abs(predict_seconds(o, weights, step_seconds) - o.seconds) / o.seconds for o in obs]
 
 
+#: The fit has settled when no weight moves by more than this (relative) in a round: far below
+#: what measured step times can resolve, and it spares rounds that only chase float noise.
+_SETTLED = 1e-6
+
+
 def _fit(
     obs: Sequence[Observation],
     active: Sequence[bool],
@@ -547,8 +553,9 @@ def _fit(
     weights = [1.0, 1.0 / longest if active[1] else 0.0, 1.0]
     step_seconds = 0.0
     rows: List[List[float]] = []
+    units = [[_unit_makespan(o, k) for k in range(len(FIT_WEIGHTS))] for o in obs]
     for _ in range(iterations):
-        grads = [_gradient(o, weights) for o in obs]
+        grads = [_gradient(o, weights, u) for o, u in zip(obs, units, strict=True)]
         rows = [
             [g for g, on in zip(grad, active, strict=True) if on]
             + ([1.0] if fit_step_seconds else [])
@@ -564,6 +571,6 @@ def _fit(
             abs(a - b) / max(abs(a), abs(b), 1e-300) for a, b in zip(new, weights, strict=True)
         )
         weights, step_seconds = new, new_step
-        if moved < 1e-9:
+        if moved < _SETTLED:
             break
     return weights, step_seconds, rows
