@@ -493,6 +493,8 @@ def fit_cost_model(
         off = _relative_errors([obs[i]], fitted[0], fitted[1])[0]
         if spread > _median(errors) / 2 or off <= max(_OUTLIER_FACTOR * spread, _OUTLIER_FLOOR):
             break
+        if len(_unidentified(fitted[2], names)) > len(_unidentified(rows, names)):
+            break  # without it the rest cannot tell the weights apart: keep it
         obs = obs[:i] + obs[i + 1 :]
         weights, step_seconds, rows = fitted
         errors = _relative_errors(obs, weights, step_seconds)

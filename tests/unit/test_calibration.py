@@ -89,6 +89,24 @@ def test_a_step_slowed_by_another_job_is_refitted_without():
     assert fit_cost_model(_steps(3, count=40, noise=0.05)).observations == 40
 
 
+def test_a_step_no_other_step_can_stand_in_for_is_kept():
+    """The only step of its shape (here the only longer row, which alone tells attention from
+    token work) is never dropped as an outlier, however far off: the rest could not be told apart.
+    """
+
+    def step(seq, rows, count, per_row, factor=1.0):
+        # The local implementation's dense mask: a row costs S^2 whatever it holds.
+        shape = dict(seq_length=seq, micro_batch_size=rows, attention="dense")
+        ranks = [[[seq // per_row] * (rows * per_row) for _ in range(count)]]
+        seconds = predict_seconds(Observation(seconds=1.0, ranks=ranks, **shape), TRUE, STEP)
+        return Observation(seconds=seconds * factor, ranks=ranks, **shape)
+
+    steps = [step(256, 1, 32, 1), step(256, 2, 16, 1), step(256, 4, 8, 1), step(256, 1, 30, 1)]
+    steps += [step(256, 2, 15, 1), step(256, 4, 7, 1), step(512, 1, 16, 2, factor=1.5)]
+    fit = fit_cost_model(steps)
+    assert fit.observations == 7 and "attention_weight" not in fit.unidentified
+
+
 def test_fit_never_goes_negative():
     # True attention 0: an unconstrained fit of noisy data would give a negative weight.
     steps = _steps(4, count=30, noise=0.03, weights=(2e-6, 0.0, 4e-3))
