@@ -493,8 +493,10 @@ def fit_cost_model(
         off = _relative_errors([obs[i]], fitted[0], fitted[1])[0]
         if spread > _median(errors) / 2 or off <= max(_OUTLIER_FACTOR * spread, _OUTLIER_FLOOR):
             break
-        if len(_unidentified(fitted[2], names)) > len(_unidentified(rows, names)):
-            break  # without it the rest cannot tell the weights apart: keep it
+        if len(_unidentified(fitted[2], names)) > len(_unidentified(rows, names)) or (
+            fitted[0][0] <= 0 < weights[0]
+        ):
+            break  # without it the rest cannot tell the weights apart (or lose token work): keep it
         obs = obs[:i] + obs[i + 1 :]
         weights, step_seconds, rows = fitted
         errors = _relative_errors(obs, weights, step_seconds)
@@ -516,9 +518,10 @@ def fit_cost_model(
 
 #: Outlier steps (see fit_cost_model): only while the fit is off by more than _OUTLIER_MIN_ERROR
 #: (median) and more than _OUTLIER_MIN_STEPS steps remain; a dropped step is off the others' fit by
-#: more than _OUTLIER_FACTOR times their median error and more than _OUTLIER_FLOOR.
+#: more than _OUTLIER_FACTOR times their median error and more than _OUTLIER_FLOOR (a step another
+#: job slowed down takes 1.5-3x its time; shapes alone move a good fit by 10-20%).
 _OUTLIER_FACTOR = 3.0
-_OUTLIER_FLOOR = 0.10
+_OUTLIER_FLOOR = 0.25
 _OUTLIER_MIN_ERROR = 0.01
 _OUTLIER_MIN_STEPS = 5
 #: Steps tried as the outlier per round (a refit each): the furthest off the current fit.

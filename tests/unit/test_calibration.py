@@ -72,7 +72,7 @@ def test_fit_under_noise_predicts_within_a_few_percent():
 
 def test_a_step_slowed_by_another_job_is_refitted_without():
     """On a shared machine one step can take several times its neighbours: the fit drops steps
-    far off the first fit (3x its median error and 10%) and recovers the weights of the rest."""
+    far off the others' fit (3x their median error and 25%) and recovers the weights of the rest."""
     steps = _steps(5, count=10)
     slowed = steps[3]
     steps[3] = Observation(
