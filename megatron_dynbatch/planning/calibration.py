@@ -503,6 +503,18 @@ def fit_cost_model(
         dropped += 1
     if dropped:
         extra["outlier_steps"] = dropped
+    if weights[0] <= 0 < weights[1] and fit_step_seconds:
+        # Steps of one batch size compute much the same tokens, so token work and the per-step
+        # constant can trade places, and NNLS may put it all in the constant: a model without
+        # token work cannot plan (not separable). The constant pinned at 0 gives token work its
+        # share; taken when it explains the steps nearly as well.
+        pinned = _fit(obs, active, False, iterations)
+        pinned_errors = _relative_errors(obs, pinned[0], pinned[1])
+        if pinned[0][0] > 0 and _median(pinned_errors) <= _median(errors) + _PINNED_SLACK:
+            weights, step_seconds, rows = pinned
+            errors = pinned_errors
+            names = [name for name in names if name != "step_seconds"]
+            extra["step_seconds_pinned"] = True
     median = _median(errors)
     return Calibration(
         token_weight=weights[0],
@@ -524,6 +536,9 @@ _OUTLIER_FACTOR = 3.0
 _OUTLIER_FLOOR = 0.25
 _OUTLIER_MIN_ERROR = 0.01
 _OUTLIER_MIN_STEPS = 5
+#: How much worse (median relative error) a fit without the per-step constant may be and still
+#: replace one that put token work into that constant.
+_PINNED_SLACK = 0.05
 #: Steps tried as the outlier per round (a refit each): the furthest off the current fit.
 _OUTLIER_CANDIDATES = 3
 
