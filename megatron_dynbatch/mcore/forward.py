@@ -112,6 +112,15 @@ def _attention(batch: dict, thd: bool) -> tuple:
         return build_attention_mask(batch["segment_ids"]), None
     if batch["tokens"].shape[0] == 1 and "cu_seqlens" in batch:
         return None, packed_seq_params_from_batch(batch)
+    if "cu_seqlens" in batch and int(batch["segment_ids"].max()) > 1:
+        # The planner packs B > 1 rows only for row-wise attention (dense, causal); THD costs a
+        # row of B * S holding the same samples no more, so it plans one row a micro-batch.
+        raise ValueError(
+            f"a packed micro-batch of {batch['tokens'].shape[0]} rows reached THD attention, "
+            "which runs one packed row a micro-batch; plan with the cost model's attention kind "
+            "'segment' (the default with transformer-engine: drop --dynamic-batch-cost-attention "
+            "dense / causal), or use the local transformer implementation (block-diagonal mask)."
+        )
     # segment_ids: 0 for a row's only sample, 1 for its padding tail; more means packed samples,
     # which a causal mask would let attend to each other.
     if int(batch["segment_ids"].max()) > 1:

@@ -65,7 +65,7 @@ class Observation:
     ranks: Tuple[Tuple[Tuple[int, ...], ...], ...]
     """Padded sample sizes per micro-batch per DP rank."""
     micro_batch_size: int = 1
-    """Rows per micro-batch (1 for ``packed``)."""
+    """Rows per micro-batch (packed: usually 1, more where attention pays S**2 a row)."""
     layout: str = "packed"
     """``packed`` or ``padded``."""
     pp_size: int = 1
@@ -170,14 +170,15 @@ def predict_seconds(obs: Observation, weights: Sequence[float], step_seconds: fl
     return step_seconds + simulate_step(costs, obs.pp_size, obs.vpp_size, obs.group).step_time
 
 
-def _gradient(obs: Observation, weights: Sequence[float]) -> List[float]:
-    """The makespan's gradient in the weights, by forward differences on the current piece."""
+def _gradient(obs: Observation, weights: Sequence[float], units: Sequence[float]) -> List[float]:
+    """The makespan's gradient in the weights, by forward differences on the current piece
+    (``units[k]``: :func:`_unit_makespan` of weight ``k``, which does not change with them)."""
     base = predict_seconds(obs, weights)
     scale = max(base, 1e-300)
     grad = []
     for k in range(len(weights)):
         # A step relative to the makespan keeps the critical path (a tiny move stays on its piece).
-        step = 1e-6 * scale / max(1.0, _unit_makespan(obs, k))
+        step = 1e-6 * scale / max(1.0, units[k])
         bumped = list(weights)
         bumped[k] += step
         grad.append((predict_seconds(obs, bumped) - base) / step)
@@ -466,14 +467,115 @@ def fit_cost_model(
     names = [name for name, on in zip(FIT_WEIGHTS, active, strict=True) if on]
     if fit_step_seconds:
         names.append("step_seconds")
+    weights, step_seconds, rows = _fit(obs, active, fit_step_seconds, iterations)
+    errors = _relative_errors(obs, weights, step_seconds)
+    # A step another job slowed down (on a shared machine one step can take 3x its neighbours)
+    # pulls every weight towards it: drop, one at a time, the step (of the few furthest off)
+    # without which the others fit far better and which that fit then puts far off (a quarter of
+    # the steps at most).
+    extra: Dict[str, Any] = {}
+    dropped = 0
+    while (
+        dropped < len(observations) // 4
+        and len(obs) > _OUTLIER_MIN_STEPS
+        and _median(errors) > _OUTLIER_MIN_ERROR
+    ):
+        best = None
+        # The candidates: the steps the current fit puts furthest off.
+        worst = sorted(range(len(obs)), key=lambda k: -errors[k])[:_OUTLIER_CANDIDATES]
+        for i in worst:
+            rest = obs[:i] + obs[i + 1 :]
+            fitted = _fit(rest, active, fit_step_seconds, iterations)
+            spread = _median(_relative_errors(rest, fitted[0], fitted[1]))
+            if best is None or spread < best[0]:
+                best = (spread, i, fitted)
+        spread, i, fitted = best
+        off = _relative_errors([obs[i]], fitted[0], fitted[1])[0]
+        if spread > _median(errors) / 2 or off <= max(_OUTLIER_FACTOR * spread, _OUTLIER_FLOOR):
+            break
+        if len(_unidentified(fitted[2], names)) > len(_unidentified(rows, names)) or (
+            fitted[0][0] <= 0 < weights[0]
+        ):
+            break  # without it the rest cannot tell the weights apart (or lose token work): keep it
+        obs = obs[:i] + obs[i + 1 :]
+        weights, step_seconds, rows = fitted
+        errors = _relative_errors(obs, weights, step_seconds)
+        dropped += 1
+    if dropped:
+        extra["outlier_steps"] = dropped
+    if weights[0] <= 0 < weights[1] and fit_step_seconds:
+        # Steps of one batch size compute much the same tokens, so token work and the per-step
+        # constant can trade places, and NNLS may put it all in the constant: a model without
+        # token work cannot plan (not separable). The constant pinned at 0 gives token work its
+        # share; taken when it explains the steps nearly as well.
+        pinned = _fit(obs, active, False, iterations)
+        pinned_errors = _relative_errors(obs, pinned[0], pinned[1])
+        if pinned[0][0] > 0 and _median(pinned_errors) <= _median(errors) + _PINNED_SLACK:
+            weights, step_seconds, rows = pinned
+            errors = pinned_errors
+            names = [name for name in names if name != "step_seconds"]
+            extra["step_seconds_pinned"] = True
+    median = _median(errors)
+    return Calibration(
+        token_weight=weights[0],
+        attention_weight=weights[1],
+        microbatch_overhead=weights[2],
+        step_seconds=step_seconds,
+        observations=len(obs),
+        relative_error=median,
+        unidentified=_unidentified(rows, names),
+        extra=extra,
+    )
+
+
+#: Outlier steps (see fit_cost_model): only while the fit is off by more than _OUTLIER_MIN_ERROR
+#: (median) and more than _OUTLIER_MIN_STEPS steps remain; a dropped step is off the others' fit by
+#: more than _OUTLIER_FACTOR times their median error and more than _OUTLIER_FLOOR (a step another
+#: job slowed down takes 1.5-3x its time; shapes alone move a good fit by 10-20%).
+_OUTLIER_FACTOR = 3.0
+_OUTLIER_FLOOR = 0.25
+_OUTLIER_MIN_ERROR = 0.01
+_OUTLIER_MIN_STEPS = 5
+#: How much worse (median relative error) a fit without the per-step constant may be and still
+#: replace one that put token work into that constant.
+_PINNED_SLACK = 0.05
+#: Steps tried as the outlier per round (a refit each): the furthest off the current fit.
+_OUTLIER_CANDIDATES = 3
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    half = len(ordered) // 2
+    return ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
+
+
+def _relative_errors(
+    obs: Sequence[Observation], weights: Sequence[float], step_seconds: float
+) -> List[float]:
+    return [abs(predict_seconds(o, weights, step_seconds) - o.seconds) / o.seconds for o in obs]
+
+
+#: The fit has settled when no weight moves by more than this (relative) in a round: far below
+#: what measured step times can resolve, and it spares rounds that only chase float noise.
+_SETTLED = 1e-6
+
+
+def _fit(
+    obs: Sequence[Observation],
+    active: Sequence[bool],
+    fit_step_seconds: bool,
+    iterations: int,
+) -> Tuple[List[float], float, List[List[float]]]:
+    """Linearise and solve until the weights settle: ``(weights, step_seconds, rows)``."""
     times = [o.seconds for o in obs]
     # Start from plain tokens with a little of everything, so every term is on the critical path.
     longest = max(o.seq_length for o in obs)
-    weights = [1.0, 1.0 / longest if fit_attention else 0.0, 1.0]
+    weights = [1.0, 1.0 / longest if active[1] else 0.0, 1.0]
     step_seconds = 0.0
     rows: List[List[float]] = []
+    units = [[_unit_makespan(o, k) for k in range(len(FIT_WEIGHTS))] for o in obs]
     for _ in range(iterations):
-        grads = [_gradient(o, weights) for o in obs]
+        grads = [_gradient(o, weights, u) for o, u in zip(obs, units, strict=True)]
         rows = [
             [g for g, on in zip(grad, active, strict=True) if on]
             + ([1.0] if fit_step_seconds else [])
@@ -489,20 +591,6 @@ def fit_cost_model(
             abs(a - b) / max(abs(a), abs(b), 1e-300) for a, b in zip(new, weights, strict=True)
         )
         weights, step_seconds = new, new_step
-        if moved < 1e-9:
+        if moved < _SETTLED:
             break
-    errors = sorted(
-        abs(predict_seconds(o, weights, step_seconds) - o.seconds) / o.seconds for o in obs
-    )
-    median = (
-        errors[len(errors) // 2] if len(errors) % 2 else sum(errors[len(errors) // 2 - 1 :][:2]) / 2
-    )
-    return Calibration(
-        token_weight=weights[0],
-        attention_weight=weights[1],
-        microbatch_overhead=weights[2],
-        step_seconds=step_seconds,
-        observations=len(obs),
-        relative_error=median,
-        unidentified=_unidentified(rows, names),
-    )
+    return weights, step_seconds, rows

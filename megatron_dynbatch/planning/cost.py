@@ -1,7 +1,8 @@
 """What one micro-batch costs to compute, as the runtime executes it: the one formula the planner,
 the pipeline simulator, the plot and the benchmarks all use.
 
-A micro-batch is a ``[B, S]`` tensor (``B = 1`` for ``packed``). Its forward costs
+A micro-batch is a ``[B, S]`` tensor (``packed``: B rows of concatenated samples, usually one;
+``padded``: one sample a row). Its forward costs
 
 * **linear work** (embeddings, projections, MLP) on every one of its ``B * S`` positions, padding
   and placeholder rows included, since the GEMMs run over the whole tensor:
@@ -9,7 +10,7 @@ A micro-batch is a ``[B, S]`` tensor (``B = 1`` for ``packed``). Its forward cos
 * **attention**, by what the attention implementation executes (``CostModel.attention``, one of
   ``spec.ATTENTION_KINDS``; ``None`` follows the layout: ``segment`` packed, ``causal`` padded):
 
-  - ``causal``: each of the ``B`` rows is one causal sequence whatever it holds:
+  - ``causal``: each of the ``B`` rows is one causal sequence whatever it holds (packed or not):
     ``attention_weight * S**2`` a row (a causal kernel without segment boundaries);
   - ``dense``: each row computes the full ``S x S`` score matrix under a mask (Megatron's
     ``local`` attention): ``2 * attention_weight * S**2`` a row, twice a causal kernel;
@@ -90,8 +91,14 @@ def row_cost(
     s = float(seq_length)
     kind = model.attention_kind(layout)
     if kind == "segment":
-        tail = s - load
-        return model.overhead + model.token_weight * s + model.attention_weight * tail * tail
+        # B > 1 packed rows are planned only where attention is not per segment (see
+        # .shape._row_counts); for them the B tails count as one, an upper bound.
+        tail = micro_batch_size * s - load
+        return (
+            model.overhead
+            + model.token_weight * micro_batch_size * s
+            + model.attention_weight * tail * tail
+        )
     factor = 2.0 if kind == "dense" else 1.0
     return model.overhead + micro_batch_size * (
         model.token_weight * s + factor * model.attention_weight * s * s

@@ -147,11 +147,11 @@ def _shape_and_cap(
     if s % multiple:
         problems.append(f"{where}: seq_length={s} is not a multiple of {multiple}")
     if layout == "packed":
-        if b != 1:
-            problems.append(f"{where}: packed layout with micro_batch_size={b}")
-        if s > cap and not oversize:
+        problems += _packed_rows_shape(where, step)
+        if b * s > cap and not (oversize and b == 1):
             problems.append(
-                f"{where}: seq_length={s} exceeds the cap {cap} with no oversize sample"
+                f"{where}: packed footprint {b}x{s}={b * s} exceeds the cap {cap}"
+                + ("" if b > 1 else " with no oversize sample")
             )
     elif b * s > cap and not (oversize and b == 1):
         problems.append(f"{where}: padded footprint {b}x{s}={b * s} exceeds the cap {cap}")
@@ -173,8 +173,12 @@ def _shape_and_cap(
             label = f"{where} rank {r} micro-batch {k} {list(mb)[:8]}"
             if layout == "packed":
                 footprint = sum(mb_sizes)
-                if footprint > s:
-                    problems.append(f"{label}: {footprint} padded tokens exceed seq_length={s}")
+                for row, row_sizes in enumerate(_row_sizes(step, r, k, mb, sizes)):
+                    if sum(row_sizes) > s:
+                        problems.append(
+                            f"{label} row {row}: {sum(row_sizes)} padded tokens exceed "
+                            f"seq_length={s}"
+                        )
                 if step.row_lengths:
                     row = step.row_lengths[r][k]
                     if not footprint <= row <= s or row % multiple:
@@ -192,6 +196,48 @@ def _shape_and_cap(
                 if mb_sizes and max(mb_sizes) > s:
                     problems.append(f"{label}: a sample of {max(mb_sizes)} > seq_length={s}")
     return problems
+
+
+def _packed_rows_shape(where: str, step: StepPlan) -> List[str]:
+    """``packed_rows`` exactly when ``B > 1``: B row counts per micro-batch adding up to it."""
+    b, packed = step.micro_batch_size, step.packed_rows
+    if b == 1:
+        return [f"{where}: packed_rows given with micro_batch_size=1"] if packed else []
+    if not packed:
+        return [f"{where}: packed layout with micro_batch_size={b} and no packed_rows"]
+    if len(packed) != len(step.ranks):
+        return [f"{where}: packed_rows has {len(packed)} ranks, the step {len(step.ranks)}"]
+    problems = []
+    for r, (counts, rank) in enumerate(zip(packed, step.ranks, strict=True)):
+        if len(counts) != len(rank):
+            problems.append(
+                f"{where} rank {r}: {len(counts)} packed_rows, {len(rank)} micro-batches"
+            )
+            continue
+        for k, (row_counts, mb) in enumerate(zip(counts, rank, strict=True)):
+            if len(row_counts) != b or sum(row_counts) != len(mb) or min(row_counts) < 0:
+                problems.append(
+                    f"{where} rank {r} micro-batch {k}: packed_rows {list(row_counts)} do not "
+                    f"split its {len(mb)} samples into micro_batch_size={b} rows"
+                )
+    return problems
+
+
+def _row_sizes(
+    step: StepPlan, r: int, k: int, mb: Sequence[int], sizes: Sequence[int]
+) -> List[List[int]]:
+    """The padded sizes of every packed row of micro-batch ``k`` of rank ``r`` (one row without
+    ``packed_rows``, or where they are malformed: :func:`_packed_rows_shape` reports that)."""
+    n = len(sizes)
+    counts = (len(mb),)
+    if step.packed_rows and r < len(step.packed_rows) and k < len(step.packed_rows[r]):
+        if sum(step.packed_rows[r][k]) == len(mb):
+            counts = step.packed_rows[r][k]
+    rows, start = [], 0
+    for count in counts:
+        rows.append([sizes[i] for i in mb[start : start + count] if 0 <= i < n])
+        start += count
+    return rows
 
 
 def _step_counts(

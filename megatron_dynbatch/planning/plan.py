@@ -25,7 +25,8 @@ class StepPlan:
     seq_length: int
     """Uniform row length S of every micro-batch of the step, placeholders included."""
     micro_batch_size: int
-    """Rows per micro-batch: 1 for ``packed``, B for ``padded``."""
+    """Rows per micro-batch, B: ``padded`` one sample a row; ``packed`` rows of concatenated samples
+    (B > 1 only with ``packed_rows``)."""
     ranks: Tuple[Tuple[MicroBatch, ...], ...]
     """``ranks[r][m]``: global sample indices of micro-batch ``m`` on DP rank ``r``; ``()`` = placeholder."""
     num_rollouts: int
@@ -61,6 +62,10 @@ class StepPlan:
     """Variable row lengths (``PlannerConfig.variable_row_lengths``): ``row_lengths[r][m]`` is the
     row of micro-batch ``m`` of rank ``r``, at most ``seq_length``; ``()``: every row is
     ``seq_length``."""
+    packed_rows: Tuple[Tuple[Tuple[int, ...], ...], ...] = ()
+    """Packed micro-batches of ``B > 1`` rows: ``packed_rows[r][m]`` is how many samples each of
+    the B rows of micro-batch ``m`` of rank ``r`` holds; ``ranks[r][m]`` lists row 0's samples,
+    then row 1's, and so on. ``()``: one row a micro-batch (packed) or one sample a row (padded)."""
 
     def rank_microbatches(self, dp_rank: int) -> Tuple[MicroBatch, ...]:
         """The ordered micro-batches of one DP rank."""
@@ -92,6 +97,7 @@ class StepPlan:
             "kept_lengths": [list(pair) for pair in self.kept_lengths],
             "dp_imbalance_computed": self.dp_imbalance_computed,
             "row_lengths": [list(rows) for rows in self.row_lengths],
+            "packed_rows": [[list(counts) for counts in rank] for rank in self.packed_rows],
         }
 
 
@@ -219,5 +225,9 @@ class Plan:
         if rows:
             # Only with variable rows, so uniform plans keep their fingerprints.
             canon.append(["rows", rows])
+        packed = [s.packed_rows for s in self.steps if s.packed_rows]
+        if packed:
+            # Only with B > 1 packed rows, so other plans keep their fingerprints.
+            canon.append(["packed_rows", packed])
         text = json.dumps(canon, separators=(",", ":"), default=list)
         return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -9,9 +9,10 @@ Per step the planner
    a short last step is trained, not dropped);
 2. applies the oversize policy to samples longer than the cap (run alone, cut, or refuse);
 3. chooses the micro-batch count M per rank (a count Megatron accepts: a multiple of
-   ``microbatch_group_size_per_vp_stage`` when interleaving) and the row length S together, by the
-   simulated pipeline step time of each candidate (:mod:`.shape`): the fewest micro-batches the
-   samples fit under the cap, or more and shorter rows where the pipeline bubble makes them faster;
+   ``microbatch_group_size_per_vp_stage`` when interleaving), the rows per micro-batch B and the
+   row length S together, by the simulated pipeline step time of each candidate (:mod:`.shape`):
+   the fewest micro-batches the samples fit under the cap, or more and shorter rows where the
+   pipeline bubble makes them faster, or B > 1 packed rows where attention pays S^2 a row;
 4. spreads the micro-batches over the ranks and balances the ranks sample by sample on the full
    micro-batch cost (:mod:`.cost`); micro-batches that find no samples become placeholders (never
    dropped, never absent);
@@ -210,7 +211,15 @@ def _plan_step(
     )
     shape, fewest = choose_shape(problem)
     bins = shape.bins
-    rows = [tuple(sorted(members)) if len(members) > 1 else tuple(members) for members in bins]
+    packed_rows: Tuple[Tuple[Tuple[int, ...], ...], ...] = ()
+    if shape.packed_rows is not None:
+        # B > 1 packed rows: the micro-batch lists its rows' samples row after row (each row
+        # sorted), and packed_rows says how many each row holds.
+        rows = [tuple(members) for members in bins]
+        counts = [tuple(len(row) for row in mb) for mb in shape.packed_rows]
+        packed_rows = tuple(tuple(counts[b] for b in order) for order in shape.rank_orders)
+    else:
+        rows = [tuple(sorted(members)) if len(members) > 1 else tuple(members) for members in bins]
     ranks = tuple(tuple(rows[b] for b in order) for order in shape.rank_orders)
     bin_tokens = [sum(map(lengths.__getitem__, members)) for members in bins]
     rank_tokens = [sum(map(bin_tokens.__getitem__, order)) for order in shape.rank_orders]
@@ -251,6 +260,7 @@ def _plan_step(
         kept_lengths=tuple((i, kept[i]) for i in truncated),
         dp_imbalance_computed=_imbalance(computed),
         row_lengths=row_lengths,
+        packed_rows=packed_rows,
     )
 
 

@@ -1,4 +1,5 @@
-"""Choosing a step's micro-batch count M and row length S by its simulated step time.
+"""Choosing a step's micro-batch count M, rows per micro-batch B and row length S by its
+simulated step time.
 
 With pipelining a step costs about ``(M + pp - 1)`` rows of S (``M + (pp - 1) / vpp`` interleaved),
 so when M is small next to pp, more and shorter rows can be faster than the fewest rows; without
@@ -14,12 +15,23 @@ packed only under the longest row that could still win. Work per step is bounded
 of them packed besides the fewest, and per packing at most ``_SIMULATED_RANKS`` pipeline replays
 (all ranks up to ``_REPLAY_BUDGET`` micro-batches) plus the heavy-slot search of
 :func:`.balance.pipeline_orders` (17 replays). On small steps a
-second construction, ranks first (:meth:`_PackedSearch._ranks_first`), is scored too.
+second construction, ranks first (:meth:`_PackedSearch._ranks_first`), is scored too. With B > 1
+rows each B adds at most two packings (its fewest count and one sample a row), each only when a
+floor on its step time (:func:`_rows_floors`) beats the fastest so far; the ``_MAX_EVALUATIONS`` further
+counts are shared by all B.
 
 Layouts:
 
 * ``packed``: ``K = dp * M`` bins (a lone oversize sample keeps its own); LPT for the candidates,
-  best fit / next fit where LPT breaks the cap; S is the fullest bin;
+  best fit / next fit where LPT breaks the cap; S is the fullest bin. Where attention pays ``S**2``
+  a row whatever it holds (``dense``, ``causal``), micro-batches of ``B > 1`` packed rows are
+  searched too: ``dp * M * B`` rows under ``cap // B`` each (the footprint ``B * S`` stays under
+  the cap), dealt B to a micro-batch; one row of 1,024 tokens under a dense mask costs four times
+  the attention of four rows of 256 holding the same samples. Every ``B`` up to
+  ``cap // longest sample`` (at most :data:`_MAX_ROW_COUNTS` of them) is a candidate, and for each
+  the count that puts one sample in a row, so fixed micro-batches' own ``[B x S]`` shape at the
+  same memory (one sample a row) is always scored, and in the model a plan is never slower than
+  it;
 * ``padded``: S is the step's longest sample; a micro-batch holds ``B = ceil(n / (dp * M))`` rows,
   at most ``cap // S``.
 """
@@ -28,6 +40,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -54,6 +67,9 @@ _REPLAY_BUDGET = 4096
 _ALTERNATIVE_LIMIT = 8192
 #: A larger M must be faster by more than this (relative) to replace a smaller one.
 _TIE = 1e-9
+#: Rows per packed micro-batch searched besides 1, at most: every B from 2 up to 8, then spread
+#: geometrically up to ``cap // longest sample`` (fixed micro-batch sizes are small).
+_MAX_ROW_COUNTS = 8
 
 
 @dataclass(frozen=True)
@@ -86,7 +102,7 @@ class StepShape:
     seq_length: int
     """S: the row length of every micro-batch of the step."""
     micro_batch_size: int
-    """B: rows per micro-batch (1 packed)."""
+    """B: rows per micro-batch."""
     bins: List[List[int]]
     """Sample indices per micro-batch (``[]`` = placeholder)."""
     rank_orders: List[List[int]]
@@ -99,6 +115,9 @@ class StepShape:
     """Samples over the cap, each alone in its micro-batch."""
     row_lengths: Optional[List[int]] = None
     """Variable row lengths: every bin's own row (``None``: all ``seq_length``)."""
+    packed_rows: Optional[List[List[List[int]]]] = None
+    """Packed micro-batches of ``B > 1`` rows: every bin's rows, each a list of samples (``bins``
+    holds their concatenation); ``None``: one row a bin."""
 
 
 def choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
@@ -109,49 +128,152 @@ def choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
             :func:`_check_placeholders`).
     """
     _check_placeholders(problem)
-    if problem.layout == "packed":
-        search = _PackedSearch(problem)
+    # (M, B) -> the candidate; B > 1 only for packed rows under row-wise attention.
+    scored: Dict[Tuple[int, int], StepShape] = {}
+    fastest = math.inf
+    searches: List[_Search] = []
+    # One search per B, the most promising first (by a floor on its step time). Its fewest count
+    # is packed only when that floor beats the fastest so far, and so is, for B > 1, the count
+    # that gives every sample a row of its own (fixed micro-batches' shape at this B), whatever
+    # the cap on evaluations below, so no plan is predicted slower than that shape. Without B > 1
+    # candidates the one search is built and packed as always.
+    row_counts = _row_counts(problem)
+    if row_counts:
+        order = sorted(
+            [(_rows_floors(problem, 1)[0], math.inf, 1)]
+            + [(*_rows_floors(problem, rows), rows) for rows in row_counts]
+        )
     else:
-        search = _PaddedSearch(problem)
-    first = search.min_per_rank
-    candidates = search.candidates()
-    best = search.evaluate(first)
-    assert best is not None, "the fewest micro-batches always pack"
-    scored = {first: best}
-    fastest = best.step_time
-    ranked = sorted((search.lower_bound(m), m) for m in candidates if m != first)
-    for bound, m in ranked[:_MAX_EVALUATIONS]:
+        order = [(0.0, math.inf, 1)]
+    for fewest_floor, one_floor, rows in order:
+        if min(fewest_floor, one_floor) >= fastest * (1.0 - _TIE):
+            continue
+        if problem.layout == "packed":
+            search: _Search = _PackedSearch(problem, rows)
+        else:
+            search = _PaddedSearch(problem)
+        if fewest_floor < fastest * (1.0 - _TIE):
+            searches.append(search)
+            m = search.min_per_rank
+            shape = search.evaluate(m)
+            assert shape is not None, "the fewest micro-batches always pack"
+            scored[(m, rows)] = shape
+            fastest = min(fastest, shape.step_time)
+        if rows > 1:
+            one = search.one_per_row()
+            if (one, rows) not in scored and one_floor < fastest * (1.0 - _TIE):
+                shape = search.evaluate(one)
+                assert shape is not None, "one sample a row always packs"
+                scored[(one, rows)] = shape
+                fastest = min(fastest, shape.step_time)
+    assert searches, "the most promising search is always packed"
+    ranked = sorted(
+        (s.lower_bound(m), s.rows, m, k)
+        for k, s in enumerate(searches)
+        for m in s.candidates()
+        if (m, s.rows) not in scored
+    )
+    for bound, rows, m, k in ranked[:_MAX_EVALUATIONS]:
         if bound >= fastest * (1.0 - _TIE):
             break
         # Only rows shorter than this can beat the fastest so far: pack under it or not at all.
-        shape = search.evaluate(m, search.row_limit(m, fastest))
+        shape = searches[k].evaluate(m, searches[k].row_limit(m, fastest))
         if shape is not None and shape.step_time < fastest * (1.0 - _TIE):
-            scored[m] = shape
+            scored[(m, rows)] = shape
             fastest = shape.step_time
     best = _pick(scored, problem.min_gain)
-    # The second construction is dearer: only for the winning count (and the fewest).
-    for m in sorted({best.per_rank, first}):
-        shape = search.alternative(m)
-        if shape is None:
+    # The second construction is dearer: only for the winning count (and the fewest), one row.
+    for search in searches:
+        if search.rows != 1:
             continue
-        if shape.step_time < scored.get(m, shape).step_time * (1.0 - _TIE) or m not in scored:
-            scored[m] = shape
-    return _pick(scored, problem.min_gain), first
+        for m in sorted({best.per_rank, search.min_per_rank}):
+            shape = search.alternative(m)
+            if shape is None:
+                continue
+            known = scored.get((m, 1))
+            if known is None or shape.step_time < known.step_time * (1.0 - _TIE):
+                scored[(m, 1)] = shape
+    return _pick(scored, problem.min_gain), min(s.min_per_rank for s in searches)
 
 
-def _pick(scored: Dict[int, StepShape], min_gain: float) -> StepShape:
+def _pick(scored: Dict[Tuple[int, int], StepShape], min_gain: float) -> StepShape:
     """The fewest micro-batches, unless more are faster by ``min_gain`` (relative), in turn.
 
     Walking the counts upwards, a larger count replaces the current choice only when its step is
     faster by more than ``min_gain`` (and by more than a float tie): an uncalibrated model's
     predicted gain of 1% is within its error, while the added micro-batches' launches are real.
+    Among candidates of one count (several B), the fastest; ties to the fewer rows.
     """
-    counts = sorted(scored)
-    best = scored[counts[0]]
+    by_count: Dict[int, StepShape] = {}
+    for (m, _rows), shape in sorted(scored.items()):
+        known = by_count.get(m)
+        if known is None or shape.step_time < known.step_time * (1.0 - _TIE):
+            by_count[m] = shape
+    counts = sorted(by_count)
+    best = by_count[counts[0]]
     for m in counts[1:]:
-        if scored[m].step_time < best.step_time * (1.0 - max(min_gain, _TIE)):
-            best = scored[m]
+        if by_count[m].step_time < best.step_time * (1.0 - max(min_gain, _TIE)):
+            best = by_count[m]
     return best
+
+
+def _row_counts(problem: StepProblem) -> List[int]:
+    """The B > 1 searched for packed micro-batches of B rows: none unless a row's attention costs
+    its whole ``S**2`` whatever it holds (``dense``, ``causal``: with per-segment attention a row
+    of ``B * S`` holding the same samples computes the same), rows are uniform, and the longest
+    sample fits ``cap // B``."""
+    model = problem.model
+    if (
+        problem.layout != "packed"
+        or problem.row_multiple is not None
+        or model.attention_kind("packed") == "segment"
+        or not problem.items
+    ):
+        return []
+    longest = max(map(problem.sizes.__getitem__, problem.items))
+    most = problem.cap // longest if longest else 0
+    counts = list(range(2, min(most, _MAX_ROW_COUNTS) + 1))
+    if most > _MAX_ROW_COUNTS:
+        # Beyond 8, spread the rest geometrically, the largest B included.
+        counts = counts[: _MAX_ROW_COUNTS // 2]
+        b = counts[-1]
+        while len(counts) < _MAX_ROW_COUNTS - 1:
+            b = max(b + 1, round(b * (most / b) ** (1.0 / (_MAX_ROW_COUNTS - len(counts)))))
+            if b >= most:
+                break
+            counts.append(b)
+        counts.append(most)
+    return counts
+
+
+def _rows_floors(problem: StepProblem, rows: int) -> Tuple[float, float]:
+    """Floors on the step time of ``rows`` rows per micro-batch, before any packing: at its fewest
+    count, and with one sample a row.
+
+    The fewest count is at least ``ceil(tokens / (cap // rows))`` rows over ``dp * rows`` a rank,
+    each of at least the longest sample and the mean load (a floor of that count, the one packed);
+    one sample a row takes ``ceil(n / (dp * rows))`` micro-batches of rows of exactly the longest
+    sample (a true lower bound). The costliest rank does at least the average of the samples' own
+    cost, and the last stage waits ``pp - 1`` first forwards.
+    """
+    parallel = problem.parallel
+    dp, pp, vpp = parallel.dp_size, parallel.pp_size, parallel.vpp_size
+    sizes, multiple = problem.sizes, parallel.microbatch_multiple
+    total = sum(map(sizes.__getitem__, problem.items))
+    longest = max(map(sizes.__getitem__, problem.items))
+    work = sum(map(problem.sample_costs.__getitem__, problem.items))
+    ratio = 1.0 + BACKWARD_TO_FORWARD_RATIO
+
+    def floor(per_rank: int, s: int) -> float:
+        row = row_cost(problem.model, "packed", s, rows, rows * s)
+        return ratio * (per_rank * row + work / dp) / pp + row * (pp - 1) / (pp * vpp)
+
+    fewest = round_up(max(1, ceil_div(ceil_div(total, problem.cap // rows), dp * rows)), multiple)
+    one = round_up(max(1, ceil_div(len(problem.items), dp * rows)), multiple)
+    return (
+        floor(fewest, max(longest, ceil_div(total, dp * fewest * rows))),
+        floor(one, longest),
+    )
 
 
 #: Placeholder micro-batches a step may need before the layout is deemed a misconfiguration.
@@ -213,7 +335,9 @@ class _Search:
         self.microbatch_multiple = parallel.microbatch_multiple
         self.model = problem.model
         self.work = sum(map(problem.sample_costs.__getitem__, problem.items))
-        self.min_per_rank = 1
+        #: Packed rows per micro-batch (B), and the most padded tokens one row may hold.
+        self.rows = 1
+        self.cap = problem.cap
         # Micro-batches of one shape cost the same unless segment attention or response work
         # varies with what they hold.
         segments = self.model.attention_kind(problem.layout) == "segment"
@@ -244,8 +368,8 @@ class _Search:
         row = (step_time - ratio * self.work / (self.dp * self.pp)) / slope
         model = self.model
         if model.token_weight <= 0 or self.problem.row_multiple is not None:
-            return self.problem.cap
-        return max(0, int((row - model.overhead) / model.token_weight))
+            return self.cap
+        return max(0, int((row - model.overhead) / (model.token_weight * self.rows)))
 
     def score(
         self,
@@ -281,7 +405,8 @@ class _Search:
         # hold; then balance the cost, else balance real tokens (free, and what logs show).
         if rank_bins is None:
             rank_bins = assign_bins_to_ranks(bin_costs if varies else loads, self.dp, per_rank)
-        if layout == "packed" and self.varies and row_lengths is None:
+        # Sample moves between bins know one row a bin: not for B > 1 rows.
+        if layout == "packed" and self.varies and row_lengths is None and rows == 1:
             bin_costs = self._balance(bins, loads, own, rank_bins, seq_length, per_rank, bin_costs)
         if self.pp == 1:
             orders = rank_bins  # no pipeline: the order of a rank's micro-batches is moot
@@ -352,9 +477,14 @@ class _Search:
 
 
 class _PackedSearch(_Search):
-    def __init__(self, problem: StepProblem) -> None:
+    def __init__(self, problem: StepProblem, rows: int = 1) -> None:
         super().__init__(problem)
-        sizes, cap = problem.sizes, problem.cap
+        # B > 1: rows of at most cap // B, so a micro-batch's footprint B * S stays under the cap
+        # (sizes are multiples of the sample multiple, so S, the fullest row, is one too).
+        self.rows = rows
+        self.cap = problem.cap // rows
+        sizes, cap = problem.sizes, self.cap
+        assert rows == 1 or max(map(sizes.__getitem__, problem.items)) <= cap, "see _row_counts"
         items = problem.items
         if max(map(sizes.__getitem__, items)) <= cap:
             self.oversize, self.arrival = [], list(items)
@@ -367,25 +497,34 @@ class _PackedSearch(_Search):
         self.longest = max(map(sizes.__getitem__, items))
         self.longest_regular = sizes[self.order[0]] if self.order else 0
         self._packings = {}
-        self.min_per_rank = self._fewest()
+        # B > 1: packed only when asked for (one sample a row needs no fewest count).
+        self._min_per_rank = self._fewest() if rows == 1 else None
+
+    @property
+    def min_per_rank(self) -> int:
+        """The fewest micro-batches per rank the samples pack into (:meth:`_fewest`, cached)."""
+        if self._min_per_rank is None:
+            self._min_per_rank = self._fewest()
+        return self._min_per_rank
 
     def _bins(self, per_rank: int) -> int:
-        return self.dp * per_rank - len(self.oversize)
+        return self.dp * per_rank * self.rows - len(self.oversize)
 
     def _fewest(self) -> int:
         """The fewest micro-batches per rank the samples fit, and their packing (cached)."""
-        cap = self.problem.cap
+        cap = self.cap
+        slots = self.dp * self.rows  # rows per micro-batch count per rank
         # Samples over half the cap cannot share a row: a second, often tighter bound. The order
         # is by decreasing size, so they are its first ``halves`` entries.
         half = cap // 2
         sizes = self.problem.sizes
         halves = bisect.bisect_left(self.order, True, key=lambda i: sizes[i] <= half)
         bound = len(self.oversize) + max(ceil_div(self.total, cap), halves)
-        per_rank = round_up(max(1, ceil_div(bound, self.dp)), self.microbatch_multiple)
+        per_rank = round_up(max(1, ceil_div(bound, slots)), self.microbatch_multiple)
         packing = self._pack(per_rank)
         if packing is None:
             need = len(self.oversize) + min_bins(self.problem.sizes, self.order, self.arrival, cap)
-            per_rank = round_up(max(1, ceil_div(need, self.dp)), self.microbatch_multiple)
+            per_rank = round_up(max(1, ceil_div(need, slots)), self.microbatch_multiple)
             packing = self._pack(per_rank)
             assert packing is not None, "best fit / next fit pack into the bins they counted"
         return per_rank
@@ -393,7 +532,7 @@ class _PackedSearch(_Search):
     def _pack(self, per_rank: int, limit: Optional[int] = None):
         """The packing of ``per_rank`` micro-batches per rank (cached); with ``limit``, only one
         whose rows stay under it (no next fit, which exists to find the fewest rows)."""
-        cap = self.problem.cap
+        cap = self.cap
         if limit is not None and limit < cap:
             return feasible_pack(
                 self.problem.sizes, self.order, self.arrival, self._bins(per_rank), limit, False
@@ -420,6 +559,13 @@ class _PackedSearch(_Search):
             last = nxt
         return _candidate_counts(first, last, self.microbatch_multiple)
 
+    def one_per_row(self) -> int:
+        """The fewest micro-batches per rank that give every sample a row of its own: fixed
+        micro-batches' count at this B (their shape, or a shorter S)."""
+        return round_up(
+            max(1, ceil_div(len(self.arrival), self.dp * self.rows)), self.microbatch_multiple
+        )
+
     def min_row_cost(self, per_rank: int) -> float:
         bins = max(1, self._bins(per_rank))
         if self.problem.row_multiple is not None:
@@ -427,16 +573,33 @@ class _PackedSearch(_Search):
             s = ceil_div(self.total, bins)
             return row_cost(self.model, "packed", s, 1, s) + self.model.shape_exchange_overhead
         s = max(self.longest, ceil_div(self.total, bins))
-        return row_cost(self.model, "packed", s, 1, s)
+        return row_cost(self.model, "packed", s, self.rows, self.rows * s)
 
     def evaluate(self, per_rank: int, limit: Optional[int] = None) -> Optional[StepShape]:
         packing = self._pack(per_rank, limit)
         if packing is None:
             return None
+        if self.rows > 1:
+            return self._micro_batches_of_rows(per_rank, packing)
         bins = [[i] for i in self.oversize] + [list(members) for members in packing[0]]
         loads = [self.problem.sizes[i] for i in self.oversize] + list(packing[1])
         shape = self.score(bins, loads, per_rank, max(loads), 1)
         shape.oversize = self.oversize
+        return shape
+
+    def _micro_batches_of_rows(self, per_rank: int, packing) -> StepShape:
+        """Deal ``dp * M * B`` packed rows B to a micro-batch, fullest first in rounds, so the
+        micro-batches' loads come out even (and empty rows gather in the last ones)."""
+        rows, row_loads = packing
+        num_bins = self.dp * per_rank
+        order = sorted(range(len(rows)), key=lambda r: (-row_loads[r], r))
+        packed: List[List[List[int]]] = [[] for _ in range(num_bins)]
+        for k, r in enumerate(order):
+            packed[k % num_bins].append(sorted(rows[r]))
+        bins = [[i for row in mb for i in row] for mb in packed]
+        loads = [sum(row_loads[r] for r in order[b::num_bins]) for b in range(num_bins)]
+        shape = self.score(bins, loads, per_rank, max(row_loads), self.rows)
+        shape.packed_rows = packed
         return shape
 
     def alternative(self, per_rank: int) -> Optional[StepShape]:
@@ -457,7 +620,7 @@ class _PackedSearch(_Search):
         longer S. Scored like the global packing; ``None`` if a rank breaks the cap.
         """
         problem = self.problem
-        if self.oversize or not self.arrival:
+        if self.oversize or not self.arrival or self.rows > 1:
             return None
         sizes, model = problem.sizes, self.model
         own = [model.token_weight * sizes[i] + problem.sample_costs[i] for i in self.order]

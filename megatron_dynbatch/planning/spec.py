@@ -32,8 +32,9 @@ __all__ = [
     "ceil_div",
 ]
 
-#: Micro-batch layouts. ``packed``: micro_batch_size 1, samples concatenated in one row of the step's
-#: uniform length. ``padded``: ``micro_batch_size`` rows of the step's uniform ``seq_length``.
+#: Micro-batch layouts. ``packed``: samples concatenated in rows of the step's uniform length, one
+#: row a micro-batch, or B where attention pays ``S**2`` a row (``StepPlan.packed_rows``).
+#: ``padded``: ``micro_batch_size`` rows of the step's uniform ``seq_length``, one sample a row.
 LAYOUTS = ("packed", "padded")
 
 #: What the attention kernel computes for a row of length ``S`` (see :mod:`.cost`):

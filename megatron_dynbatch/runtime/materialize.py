@@ -2,9 +2,11 @@
 
 Layouts (``B`` = ``step_plan.micro_batch_size``, ``S`` = ``step_plan.seq_length``):
 
-* ``packed``: ``B == 1``; the micro-batch's samples are concatenated in one row, each padded to a
-  multiple of ``sample_multiple`` (TP/CP split every THD segment evenly), and the row is padded to
-  ``S`` with a trailing padding segment.
+* ``packed``: the micro-batch's samples are concatenated in one row, each padded to a multiple of
+  ``sample_multiple`` (TP/CP split every THD segment evenly), and the row is padded to ``S`` with a
+  trailing padding segment; with ``B > 1`` the plan's ``packed_rows`` says which samples fill each
+  of the B rows, each laid out the same way (``cu_seqlens`` runs over the row-major flattening,
+  so no segment crosses a row boundary).
 * ``padded``: one sample per row, padded the same way and then to ``S``; rows beyond the
   micro-batch's samples are placeholder rows.
 
@@ -91,11 +93,28 @@ def _check_arguments(step_plan: StepPlan, dp_rank: int, layout: str, sample_mult
             f"step plan has micro_batch_size={b}, seq_length={s}; both must be >= 1 (an empty "
             "micro-batch shape cannot run through the pipeline)."
         )
-    if layout == "packed" and b != 1:
+    packed_rows = _plan_packed_rows(step_plan)
+    if layout == "packed" and b != 1 and not packed_rows:
         raise ValueError(
-            "layout='packed' needs micro_batch_size=1 (samples share one row), the step plan has "
-            f"micro_batch_size={b}; use layout='padded' or re-plan."
+            "layout='packed' with micro_batch_size="
+            f"{b} needs the step plan's packed_rows (how many samples each row holds); the step "
+            "plan has none: re-plan, or use layout='padded'."
         )
+    if packed_rows:
+        if layout != "packed":
+            raise ValueError(
+                f"the step plan has packed_rows but layout={layout!r}; pass the Plan's layout."
+            )
+        rank = step_plan.rank_microbatches(dp_rank)
+        counts = packed_rows[dp_rank] if dp_rank < len(packed_rows) else ()
+        if len(counts) != len(rank) or any(
+            len(row) != b or sum(row) != len(mb) for row, mb in zip(counts, rank, strict=False)
+        ):
+            raise ValueError(
+                f"dp_rank={dp_rank}: packed_rows {list(counts)[:4]} do not split the rank's "
+                f"{len(rank)} micro-batches into micro_batch_size={b} rows each; the plan is "
+                "corrupt."
+            )
     if s % sample_multiple != 0:
         raise ValueError(
             f"seq_length={s} is not a multiple of sample_multiple={sample_multiple}: the row's "
@@ -108,6 +127,20 @@ def _check_arguments(step_plan: StepPlan, dp_rank: int, layout: str, sample_mult
             f"the step plan says num_microbatches={step_plan.num_microbatches}; the plan is "
             "corrupt."
         )
+
+
+def _plan_packed_rows(step_plan: Any) -> Tuple[Tuple[Tuple[int, ...], ...], ...]:
+    """The step's ``packed_rows`` (``()`` for a step plan without them)."""
+    return tuple(getattr(step_plan, "packed_rows", ()) or ())
+
+
+def _packed_rows(mb: Sequence[int], counts: Sequence[int]) -> List[List[int]]:
+    """Split a packed micro-batch's samples into its rows: ``counts[k]`` samples in row ``k``."""
+    rows, start = [], 0
+    for count in counts:
+        rows.append(list(mb[start : start + count]))
+        start += count
+    return rows
 
 
 def _check_rank_samples(
@@ -275,6 +308,7 @@ def materialize_microbatches(
     _check_arguments(step_plan, dp_rank, layout, sample_multiple)
     checked = _truncate(_check_rank_samples(step_plan, dp_rank, samples, schema), step_plan, schema)
     b, s = step_plan.micro_batch_size, step_plan.seq_length
+    packed_rows = _plan_packed_rows(step_plan)
     target = torch.device("cpu") if device is None else torch.device(device)
 
     microbatches: List[Dict[str, torch.Tensor]] = []
@@ -287,8 +321,11 @@ def materialize_microbatches(
             )
         batch = _empty_microbatch(schema, b, s, target)
         boundaries = [0]
-        rows = [list(mb)] if layout == "packed" else [[i] for i in mb]
-        rows += [[] for _ in range(b - len(rows))]  # placeholder rows of a padded micro-batch
+        if layout == "packed":
+            rows = _packed_rows(mb, packed_rows[dp_rank][m] if packed_rows else (len(mb),))
+        else:
+            rows = [[i] for i in mb]
+        rows += [[] for _ in range(b - len(rows))]  # placeholder rows of the micro-batch
         for row, indices in enumerate(rows):
             _fill_row(
                 batch,

@@ -128,3 +128,43 @@ def test_off_with_zero_steps(tmp_path, monkeypatch):
     budgets, _ = _train(args, monkeypatch, 12)
     assert set(budgets) == {1024} and calib.calibration_state().fit is None
     assert not (tmp_path / calib.CALIBRATION_JSON).exists()
+
+
+def test_observations_price_the_attention_the_planner_prices(tmp_path, monkeypatch):
+    """Megatron's local implementation (the CPU path) runs a dense mask: the fit must price rows
+    the same way the planner does, not as THD segments (the flag itself is unset)."""
+    calib.reset_calibration_state()
+    args = _args(tmp_path, transformer_impl="local")
+    assert args.dynamic_batch_cost_attention is None
+    _train(args, monkeypatch, 4)
+    assert calib.calibration_state().pending.attention == "dense"
+    assert dynbatch_config_from_args(args).cost_attention == "dense"
+    calib.reset_calibration_state()
+    _train(_args(tmp_path), monkeypatch, 4)  # transformer-engine by default: THD segments
+    assert calib.calibration_state().pending.attention == "segment"
+
+
+def test_under_a_dense_mask_the_few_full_micro_batches_shape_has_short_rows(tmp_path, monkeypatch):
+    """The calibration shape of few full micro-batches packs several short rows where a row pays
+    S^2 whatever it holds (one row of the whole budget costs the dense mask 3-4x a step), while
+    half the budget still runs one long row, so two row lengths are measured; the configured
+    attention weight comes back after calibration unless the fit replaces it."""
+    calib.reset_calibration_state()
+    args = _args(tmp_path, transformer_impl="local")
+    clock = [0.0]
+    monkeypatch.setattr(calib.time, "perf_counter", lambda: clock[0])
+    shapes = []
+    for i in range(6):
+        args.curr_iteration = i
+        calib.resume_calibration(args)
+        batch = _Batch([256] * 32)  # documents cut at --seq-length, as on the long-document mix
+        config = dynbatch_config_from_args(args).planner_config(parallel_layout_from_args(args))
+        step = plan_schedule(batch.lengths(), config=config).steps[0]
+        shapes.append((args.max_tokens_per_gpu, step.micro_batch_size, step.seq_length))
+        calib.observe_train_step(args, batch, plan_schedule(batch.lengths(), config=config), 0)
+        clock[0] += 1.0
+    # Iteration n (1-based) plans shape n % 4: 1 few full micro-batches, 2 half the budget.
+    assert shapes[0] == (1024, 4, 256) and shapes[4] == (1024, 4, 256)
+    assert shapes[1] == (512, 1, 512)
+    calib._restore(args)
+    assert args.dynamic_batch_cost_attention_weight == 0.0

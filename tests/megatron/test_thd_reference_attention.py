@@ -141,3 +141,30 @@ def test_the_layer_spec_swaps_the_core_attention_only():
     original = base.submodules.self_attention.submodules
     assert original.core_attention is DotProductAttention
     assert swapped.submodules.linear_qkv is original.linear_qkv
+
+
+def test_packed_rows_of_several_per_microbatch_are_refused_by_thd_with_the_fix():
+    """The planner packs B > 1 rows only for row-wise attention; a plan made for the local
+    implementation's dense mask run under THD says what to change instead of mixing samples."""
+    from megatron_dynbatch.mcore.forward import _attention
+    from megatron_dynbatch.planning import CostModel, PlannerConfig, plan_schedule
+    from megatron_dynbatch.runtime import BatchSchema, materialize_microbatches
+
+    lengths = [5, 7, 3, 9, 4, 6, 2, 8, 3, 2, 4, 1]
+    dense = CostModel(attention_weight=0.1, attention="dense", microbatch_overhead=100.0)
+    plan = plan_schedule(lengths, config=PlannerConfig(max_tokens_per_gpu=32, cost=dense))
+    step = plan.steps[0]
+    assert step.micro_batch_size > 1
+    samples = {i: {"tokens": torch.ones(n, dtype=torch.int64)} for i, n in enumerate(lengths)}
+    microbatches = materialize_microbatches(
+        step, 0, samples, BatchSchema(), layout="packed", sample_multiple=1
+    )
+    # A micro-batch with a row of two samples or more (segment ids 0, 1 and the tail's 2).
+    batch = max(microbatches, key=lambda mb: int(mb["segment_ids"].max()))
+    assert int(batch["segment_ids"].max()) > 1
+    mask, params = _attention(batch, thd=False)
+    assert (
+        params is None and tuple(mask.shape) == (step.micro_batch_size, 1) + (step.seq_length,) * 2
+    )
+    with pytest.raises(ValueError, match="runs one packed row a micro-batch.*'segment'"):
+        _attention(batch, thd=True)

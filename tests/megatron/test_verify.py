@@ -63,10 +63,14 @@ def _spec(
     cap=DEFAULT_MAX_TOKENS_PER_GPU,
     overhead=0.0,
     oversize="allow",
+    attention=None,
+    attention_weight=0.0,
     **kwargs,
 ):
     parallel = ParallelLayout(dp_size=dp, pp_size=pp, vpp_size=vpp)
-    cost = CostModel(microbatch_overhead=overhead)
+    cost = CostModel(
+        microbatch_overhead=overhead, attention=attention, attention_weight=attention_weight
+    )
     config = PlannerConfig(
         max_tokens_per_gpu=cap,
         parallel=parallel,
@@ -113,6 +117,23 @@ def test_padded_layout_matches_reference(schedule):
     # Rows of at most 31 tokens under a 128-token cap: several rows share a micro-batch.
     short = _check(run_verify(_spec(2, pp, vpp, layout="padded", overhead=4096.0, samples=SHORT)))
     assert short["layout"] == "padded" and short["micro_batch_size"] > 1, short
+
+
+# Packed micro-batches of several rows each (issue 18): under the local implementation's dense
+# mask a row pays S^2 whatever it holds, so the planner packs [B x S] rows with B > 1 (rows of at
+# most 128 // B tokens, several short samples to a row); through both pipelines.
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_packed_rows_several_per_microbatch_match_reference(schedule):
+    pp, vpp = SCHEDULES[schedule]
+    spec = _spec(
+        2, pp, vpp, overhead=4096.0, attention="dense", attention_weight=1.0 / 384, samples=SHORT
+    )
+    report = _check(run_verify(spec))
+    assert report["layout"] == "packed" and report["micro_batch_size"] > 1, report
+    assert report["seq_length"] * report["micro_batch_size"] <= DEFAULT_MAX_TOKENS_PER_GPU
+    # Several samples share a row: fewer rows than samples.
+    rows = 2 * report["num_microbatches"] * report["micro_batch_size"]
+    assert rows < len(SHORT), report
 
 
 # The two ragged sets on every schedule; the two losses that weigh samples differently alternate.

@@ -70,6 +70,63 @@ def test_fit_under_noise_predicts_within_a_few_percent():
     assert all(w >= 0 for w in fit.weights)
 
 
+def test_a_step_slowed_by_another_job_is_refitted_without():
+    """On a shared machine one step can take several times its neighbours: the fit drops steps
+    far off the others' fit (3x their median error and 25%) and recovers the weights of the rest."""
+    steps = _steps(5, count=10)
+    slowed = steps[3]
+    steps[3] = Observation(
+        seconds=3 * slowed.seconds,
+        seq_length=slowed.seq_length,
+        ranks=slowed.ranks,
+        pp_size=slowed.pp_size,
+    )
+    fit = fit_cost_model(steps)
+    assert fit.weights == pytest.approx(TRUE, rel=1e-4)
+    assert fit.observations == 9 and fit.extra == {"outlier_steps": 1}
+    # Clean steps (or mild noise) drop nothing.
+    assert fit_cost_model(_steps(5, count=10)).extra == {}
+    assert fit_cost_model(_steps(3, count=40, noise=0.05)).observations == 40
+
+
+def test_a_step_no_other_step_can_stand_in_for_is_kept():
+    """The only step of its shape (here the only longer row, which alone tells attention from
+    token work) is never dropped as an outlier, however far off: the rest could not be told apart.
+    """
+
+    def step(seq, rows, count, per_row, factor=1.0):
+        # The local implementation's dense mask: a row costs S^2 whatever it holds.
+        shape = dict(seq_length=seq, micro_batch_size=rows, attention="dense")
+        ranks = [[[seq // per_row] * (rows * per_row) for _ in range(count)]]
+        seconds = predict_seconds(Observation(seconds=1.0, ranks=ranks, **shape), TRUE, STEP)
+        return Observation(seconds=seconds * factor, ranks=ranks, **shape)
+
+    steps = [step(256, 1, 32, 1), step(256, 2, 16, 1), step(256, 4, 8, 1), step(256, 1, 30, 1)]
+    steps += [step(256, 2, 15, 1), step(256, 4, 7, 1), step(512, 1, 16, 2, factor=1.5)]
+    fit = fit_cost_model(steps)
+    assert fit.observations == 7 and "attention_weight" not in fit.unidentified
+
+
+def test_token_work_put_into_the_step_constant_is_fitted_again_without_it():
+    """Steps of one batch compute much the same tokens, so under a little noise NNLS can put token
+    work into the per-step constant (token weight 0: not separable, the calibration would be
+    thrown away); the constant pinned at 0 then gives token work its share."""
+    weights = (8e-6, 35e-9, 0.5e-3)
+    rng = random.Random(10)
+    steps = []
+    shapes = [(512, 1, 8, 2), (256, 1, 16, 1), (256, 2, 8, 1), (256, 4, 4, 1)]
+    for seq, rows, count, per_row in shapes * 2:
+        shape = dict(seq_length=seq, micro_batch_size=rows, attention="dense", pp_size=2)
+        ranks = [[[seq // per_row] * (rows * per_row) for _ in range(count)]]
+        seconds = predict_seconds(Observation(seconds=1.0, ranks=ranks, **shape), weights, 0.0)
+        noisy = seconds * (1 + rng.uniform(-0.03, 0.03))
+        steps.append(Observation(seconds=noisy, ranks=ranks, **shape))
+    fit = fit_cost_model(steps)
+    assert fit.extra == {"step_seconds_pinned": True}
+    assert fit.separable and fit.step_seconds == 0.0
+    assert fit.token_weight == pytest.approx(weights[0], rel=0.2)
+
+
 def test_fit_never_goes_negative():
     # True attention 0: an unconstrained fit of noisy data would give a negative weight.
     steps = _steps(4, count=30, noise=0.03, weights=(2e-6, 0.0, 4e-3))

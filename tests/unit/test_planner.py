@@ -69,6 +69,11 @@ def planning_cases(draw):
     prompts = [draw(st.integers(0, length)) for length in lengths]
     per_step = draw(st.one_of(st.none(), st.integers(1, 12)))
     layout = draw(st.sampled_from(["packed", "padded"]))
+    # Row-wise attention (dense, causal) gives packed micro-batches of B > 1 rows.
+    cost = CostModel(
+        attention_weight=draw(st.sampled_from([0.0, 1.0 / 384])),
+        attention=draw(st.sampled_from([None, "causal", "dense"])),
+    )
     parallel = ParallelLayout(
         dp_size=dp,
         pp_size=pp,
@@ -81,7 +86,13 @@ def planning_cases(draw):
         lengths,
         rollouts,
         prompts,
-        dict(max_tokens_per_gpu=cap, parallel=parallel, rollouts_per_step=per_step, layout=layout),
+        dict(
+            max_tokens_per_gpu=cap,
+            parallel=parallel,
+            rollouts_per_step=per_step,
+            layout=layout,
+            cost=cost,
+        ),
     )
 
 

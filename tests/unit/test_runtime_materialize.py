@@ -98,7 +98,7 @@ def check_rank(microbatches, plan, dp_rank, samples, *, layout, sample_multiple)
     shapes = microbatch_shapes(SCHEMA, micro_batch_size=b, seq_length=s)
     rank_mbs = plan.rank_microbatches(dp_rank)
     assert len(microbatches) == plan.num_microbatches == len(rank_mbs)
-    for mb_plan, batch in zip(rank_mbs, microbatches, strict=True):
+    for m, (mb_plan, batch) in enumerate(zip(rank_mbs, microbatches, strict=True)):
         assert set(batch) == set(shapes) | {"cu_seqlens"}
         for key, (shape, dtype) in shapes.items():
             assert tuple(batch[key].shape) == shape and batch[key].dtype == dtype, key
@@ -140,9 +140,13 @@ def check_rank(microbatches, plan, dp_rank, samples, *, layout, sample_multiple)
             assert flat["old_logp"][lo : lo + n].tolist() == old[1:].tolist() + [0.0]
             assert torch.equal(flat["group"][lo : lo + n], sample["group"].expand(n, 2))
 
-        # The plan's samples, in plan order (packed: one row; padded: one sample per row).
+        # The plan's samples, in plan order (packed: one row, or the rows packed_rows counts;
+        # padded: one sample per row).
         if layout == "packed":
-            assert row_samples[0] == list(mb_plan)
+            counts = plan.packed_rows[dp_rank][m] if plan.packed_rows else (len(mb_plan),)
+            starts = list(itertools.accumulate(counts, initial=0))
+            rows = [list(mb_plan[lo:hi]) for lo, hi in itertools.pairwise(starts)]
+            assert [row_samples[r] for r in range(b)] == rows + [[]] * (b - len(rows))
         else:
             assert [row_samples[r] for r in range(b)] == [[i] for i in mb_plan] + [[]] * (
                 b - len(mb_plan)
@@ -254,16 +258,23 @@ def test_exact_fit_row_has_no_padding_segment():
 
 
 def test_matches_the_real_planner():
-    from megatron_dynbatch.planning import ParallelLayout, PlannerConfig, plan_schedule
+    from megatron_dynbatch.planning import CostModel, ParallelLayout, PlannerConfig, plan_schedule
 
     rng = random.Random(3)
-    lengths = [rng.randrange(1, 40) for _ in range(20)]
+    lengths = [rng.randrange(1, 16) for _ in range(20)]
     samples = make_samples(lengths, rng)
-    for layout in ("packed", "padded"):
+    # Dense attention (the local implementation) gives packed micro-batches of B > 1 rows.
+    dense = CostModel(attention_weight=0.01, attention="dense")
+    for layout, cost in (("packed", CostModel()), ("padded", CostModel()), ("packed", dense)):
         config = PlannerConfig(
-            max_tokens_per_gpu=64, layout=layout, parallel=ParallelLayout(dp_size=2, tp_size=4)
+            max_tokens_per_gpu=64,
+            layout=layout,
+            parallel=ParallelLayout(dp_size=2, tp_size=4),
+            cost=cost,
         )
         plan = plan_schedule(lengths, config=config)
+        if layout == "packed":
+            assert (plan.steps[0].micro_batch_size > 1) == (cost is dense)
         for step in plan.steps:
             for rank in range(plan.dp_size):
                 mbs = materialize_microbatches(
@@ -300,7 +311,7 @@ def _materialize(ranks, lengths, *, layout="packed", s=8, b=1, m=1, **kwargs):
         (([[(0, 1)]], [5, 4]), {}, "need 9 tokens .* more than seq_length=8"),
         (([[(0,)]], [7]), dict(s=4, m=4), "L=7 -> 8"),
         (([[(0,)]], [7]), dict(s=12, m=8), "seq_length=12 is not a multiple of sample_multiple=8"),
-        (([[(0,)]], [3]), dict(b=2), "layout='packed' needs micro_batch_size=1"),
+        (([[(0,)]], [3]), dict(b=2), "micro_batch_size=2 needs the step plan's packed_rows"),
         (([[(0, 1, 2)]], [1, 1, 1]), dict(layout="padded", b=2), "do not fit micro_batch_size=2"),
         (([[(0,), (0,)]], [2]), {}, "sample 0 appears in micro-batch 0 and again in micro-batch 1"),
         (([[(0,)]], [2]), dict(layout="thd"), "layout='thd' is not one of"),

@@ -5,9 +5,10 @@ off) every rank times the iteration (from the end of one :func:`~.hooks.prepare_
 end of the next: forward-backward, optimizer, logging and the next plan, which is what Megatron's
 "elapsed time per iteration" shows) and takes the slowest rank's time (one all-reduce per step).
 Iterations that also run an evaluation or save a checkpoint, and the first two (warm-up), are not
-used. While calibrating, steps are planned in four shapes in turn (the budget; few long rows; half
-the budget; a quarter of it, never below ``--seq-length``): smaller budgets are safe for memory,
-and without different shapes token work, per-micro-batch overhead and the per-step constant cannot
+used. While calibrating, steps are planned in four shapes in turn (the budget; few full
+micro-batches, of short rows where attention pays S^2 a row; half the budget in few long rows; a
+quarter of it, never below ``--seq-length``): smaller budgets are safe for memory, and without
+different shapes token work, attention, per-micro-batch overhead and the per-step constant cannot
 be told apart. Then every rank fits the same weights from the same numbers
 (:func:`~megatron_dynbatch.planning.calibration.fit_cost_model`), rank 0's fit is broadcast (one
 collective, so plans stay identical even if floating point differed) and written into ``args``'
@@ -100,6 +101,10 @@ class _State:
     """The configured ``--max-tokens-per-gpu``, restored after calibration."""
     overhead: Optional[float] = None
     """The configured per-micro-batch overhead, restored after calibration."""
+    attention_weight: Optional[float] = None
+    """The configured attention weight, restored after calibration."""
+    attention: Optional[str] = None
+    """The attention kind the planner prices (resolved from Megatron's flags), read once."""
 
 
 _state = _State()
@@ -144,9 +149,22 @@ def _observation_of(batch: Any, plan: Any, step_index: int, args: Any) -> Observ
         pp_size=layout.pp_size,
         vpp_size=layout.vpp_size,
         group=layout.microbatch_group_size_per_vp_stage,
-        # Where the cost model knows attention kinds, the one the run resolved (dense on CPU).
-        attention=getattr(args, "dynamic_batch_cost_attention", None),
+        attention=_attention_kind(args),
     )
+
+
+def _attention_kind(args: Any) -> str:
+    """The attention kind the planner prices, resolved as it resolves it (read once).
+
+    ``--transformer-impl local`` (CPU) runs a dense mask; the flag alone is None unless given,
+    which a fit would read as THD segments and so could not explain why one row of 1,024 costs
+    more than four of 256.
+    """
+    if _state.attention is None:
+        from .arguments import dynbatch_config_from_args
+
+        _state.attention = dynbatch_config_from_args(args).cost_attention
+    return _state.attention
 
 
 def _interrupted(args: Any, iteration: int) -> bool:
@@ -234,9 +252,13 @@ def _write(args: Any, fit: Calibration) -> None:
 
 
 #: Calibration shapes, by iteration number modulo their count: (budget divisor, whether the
-#: planner sees a large per-micro-batch overhead, which makes it pack few full rows).
-_SHAPES = ((1, False), (1, True), (2, True), (4, False))
+#: planner sees a large per-micro-batch overhead, which makes it pack few full rows, and whether
+#: it sees attention priced, which under row-wise attention makes those rows short).
+_SHAPES = ((1, False, False), (1, True, True), (2, True, False), (4, False, False))
 _OVERHEAD_DEST = FLAGS["cost_microbatch_overhead"][2:].replace("-", "_")
+_ATTENTION_DEST = FLAGS["cost_attention_weight"][2:].replace("-", "_")
+#: Attention kinds whose row costs its whole S^2 whatever it holds (planning/spec.py).
+_ROW_WISE = ("dense", "causal")
 
 
 def _vary_budget(args: Any, next_iteration: int) -> None:
@@ -245,7 +267,11 @@ def _vary_budget(args: Any, next_iteration: int) -> None:
     Steps of one configuration have much the same shape, so token work, per-micro-batch overhead
     and the per-step constant grow together and no fit can tell them apart. The shapes: the
     budget as configured; the budget with a large per-micro-batch overhead in the planner's model
-    (few, long rows); half the budget with it; a quarter of the budget (many short rows). Smaller
+    (few full micro-batches; where attention pays S^2 a row, with attention priced too, so they
+    are several short rows, as fixed micro-batches run, not one row of the whole budget, which
+    costs the local attention's dense mask 3-4x a step); half the budget with the large overhead
+    (one long row each, so rows of two lengths are measured and attention is told apart from
+    token work); a quarter of the budget (many short rows). Smaller
     budgets are always safe for memory, and never below ``--seq-length`` (the longest sample), so
     no sample becomes oversize. The shape follows the iteration number, so a run resumed before
     calibration ends plans as the straight run did; and only where every batch is one step (no
@@ -257,13 +283,20 @@ def _vary_budget(args: Any, next_iteration: int) -> None:
     if _state.budget is None:
         _state.budget = int(args.max_tokens_per_gpu)
         _state.overhead = getattr(args, _OVERHEAD_DEST, None)
+        _state.attention_weight = getattr(args, _ATTENTION_DEST, None)
     # Never below the longest sample (--seq-length), so no sample becomes oversize, and never
     # above the configured budget: a budget already below --seq-length (truncate / allow) stays as
     # it is, since a smaller one would cut, and so train, different tokens.
     floor = min(_state.budget, int(getattr(args, "seq_length", 1) or 1))
-    divisor, heavy = _SHAPES[next_iteration % len(_SHAPES)]
+    divisor, heavy, short = _SHAPES[next_iteration % len(_SHAPES)]
     args.max_tokens_per_gpu = max(floor, _state.budget // divisor)
     setattr(args, _OVERHEAD_DEST, float(_state.budget) if heavy else _state.overhead)
+    if short and _attention_kind(args) in _ROW_WISE:
+        # A row's attention as costly as its tokens at the budget: the fewest micro-batches still
+        # win (the overhead above), and among them the shortest rows.
+        setattr(args, _ATTENTION_DEST, 1.0 / _state.budget)
+    else:
+        setattr(args, _ATTENTION_DEST, _state.attention_weight)
 
 
 def _restore(args: Any) -> None:
@@ -271,6 +304,7 @@ def _restore(args: Any) -> None:
     if _state.budget is not None:
         args.max_tokens_per_gpu = _state.budget
         setattr(args, _OVERHEAD_DEST, _state.overhead)
+        setattr(args, _ATTENTION_DEST, _state.attention_weight)
 
 
 def resume_calibration(args: Any) -> None:

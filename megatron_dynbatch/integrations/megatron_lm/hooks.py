@@ -116,7 +116,7 @@ class DynamicStep:
     seq_length: int
     """The step's uniform row length (sizes the pipeline's p2p buffers)."""
     micro_batch_size: int
-    """Rows per micro-batch (1 for ``packed``)."""
+    """Rows per micro-batch (packed: usually 1, more where attention pays S**2 a row)."""
     data_iterator: Any
     """A ``RerunDataIterator`` over :attr:`microbatches`, or one per model chunk (interleaving)."""
     microbatches: Tuple[Dict[str, torch.Tensor], ...]
