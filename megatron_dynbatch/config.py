@@ -61,7 +61,11 @@ _OPTIONAL_COST_FIELDS = ("cost_microbatch_overhead",)
 
 
 def attention_from_megatron(
-    transformer_impl: Optional[str], attention_backend: Optional[str], layout: str
+    transformer_impl: Optional[str],
+    attention_backend: Optional[str],
+    layout: str,
+    *,
+    reference_thd: bool = False,
 ) -> str:
     """The cost model's attention kind of what Megatron runs (``spec.ATTENTION_KINDS``).
 
@@ -77,7 +81,12 @@ def attention_from_megatron(
         attention_backend: ``--attention-backend`` (a name or Megatron's ``AttnBackend`` enum;
             ``None``: ``auto``).
         layout: ``packed`` or ``padded``.
+        reference_thd: ``--dynamic-batch-reference-thd-attention``: the local spec's core
+            attention is replaced by the reference of transformer-engine's THD attention, which
+            attends per segment as the GPU path does (and takes one packed row a micro-batch).
     """
+    if reference_thd:
+        return "segment" if layout == "packed" else "causal"
     impl = str(transformer_impl or "transformer_engine").lower()
     backend = str(getattr(attention_backend, "name", attention_backend) or "auto").lower()
     backend = backend.rsplit(".", 1)[-1]

@@ -81,6 +81,19 @@ def test_attention_kind_follows_megatrons_flags():
     assert attention_from_megatron("transformer_engine", "unfused", "packed") == "dense"
     assert attention_from_megatron("transformer_engine", "flash", "packed") == "segment"
     assert attention_from_megatron(None, None, "padded") == "causal"
+    # The reference THD attention replaces the local spec's dense one: per segment, as on GPUs
+    # (it takes one packed row a micro-batch, so the planner must not price rows as dense).
+    assert attention_from_megatron("local", None, "packed", reference_thd=True) == "segment"
+    from types import SimpleNamespace
+
+    from megatron_dynbatch.integrations.megatron_lm.arguments import dynbatch_config_from_args
+
+    args = SimpleNamespace(
+        max_tokens_per_gpu=256, transformer_impl="local", dynamic_batch_reference_thd_attention=True
+    )
+    assert dynbatch_config_from_args(args).cost_attention == "segment"
+    args.dynamic_batch_reference_thd_attention = False
+    assert dynbatch_config_from_args(args).cost_attention == "dense"
     config = DynBatchConfig(max_tokens_per_gpu=512, cost_attention="dense", min_gain=0.05)
     planner = config.planner_config(ParallelLayout())
     assert (planner.cost.attention, planner.min_gain) == ("dense", 0.05)

@@ -276,6 +276,7 @@ def dynbatch_config_from_args(args: Any) -> DynBatchConfig:
             getattr(args, "transformer_impl", None),
             getattr(args, "attention_backend", None),
             values.get("layout") or "packed",
+            reference_thd=bool(getattr(args, "dynamic_batch_reference_thd_attention", False)),
         )
     return config_from_mapping(values)
 
