@@ -66,14 +66,19 @@ def test_a_resumed_run_plans_with_the_saved_fit(runs, tmp_path):
     # It loaded the saved fit and did not calibrate again.
     assert "dynamic-batch calibration loaded from" in log
     assert log.count("dynamic-batch calibration over") == 1
-    if not (runs["checkpoint"] / "dynbatch_calibration.yaml").exists():
-        pytest.skip("the fit was not separable on these steps, so nothing was applied")
-    # A straight run given the same fit from its start plans batches 9-11 identically.
     yaml_path = runs["checkpoint"] / "dynbatch_calibration.yaml"
-    assert load_yaml_config(yaml_path)["cost_token_weight"] == 1.0
+    if yaml_path.exists():
+        # A straight run given the same fit from its start plans batches 9-11 identically.
+        assert load_yaml_config(yaml_path)["cost_token_weight"] == 1.0
+        given = ["--dynamic-batch-config", yaml_path]
+    else:
+        # Timing on a tiny model may not separate token work from per-micro-batch overhead; then
+        # the fit is not applied (the log says so) and the resumed run must plan exactly as a
+        # straight run with the configured cost model.
+        assert "planning keeps the configured cost model" in runs["first"][0]
+        given = []
     _, straight = _run(
-        _TINY + ["--dynamic-batch-config", yaml_path, "--dynamic-batch-calibration-steps", 0],
-        tmp_path / "straight.log",
+        _TINY + given + ["--dynamic-batch-calibration-steps", 0], tmp_path / "straight.log"
     )
     for i in (9, 10, 11):
         # The plan (tokens computed per step) and the schedule are identical; the weights differ
