@@ -108,7 +108,7 @@ def _check_arguments(step_plan: StepPlan, dp_rank: int, layout: str, sample_mult
         rank = step_plan.rank_microbatches(dp_rank)
         counts = packed_rows[dp_rank] if dp_rank < len(packed_rows) else ()
         if len(counts) != len(rank) or any(
-            len(row) != b or sum(row) != len(mb) for row, mb in zip(counts, rank, strict=False)
+            len(row) != b or sum(row) != len(mb) for row, mb in zip(counts, rank, strict=True)
         ):
             raise ValueError(
                 f"dp_rank={dp_rank}: packed_rows {list(counts)[:4]} do not split the rank's "
