@@ -33,7 +33,10 @@ import torch
 
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.slime.config import check_index
-from megatron_dynbatch.integrations.slime.empty_rank import add_phantom_sample
+from megatron_dynbatch.integrations.slime.empty_rank import (
+    add_phantom_sample,
+    masked_routed_experts,
+)
 from megatron_dynbatch.integrations.slime.schedule import (
     LOGPROB_MICRO_BATCHES_KEY,
     LOGPROB_ROW_LENGTH_KEY,
@@ -134,18 +137,18 @@ def placeholder_sample(
 
 
 def _placeholder_routed_experts(real: Sequence[Any], total_length: int) -> torch.Tensor:
-    """R3's routed experts of a placeholder: ``[total_length - 1, layers, topk]`` like a real
-    sample's, every token routed to experts ``0..topk-1`` (distinct, as a router's top-k is)."""
+    """R3's routed experts of a placeholder, shaped like the rank's first real sample's."""
     if not real:
+        # A rank without samples holds the phantom sample (empty_rank.add_phantom_sample), which
+        # carries routed experts: an empty list here means the rollout data lost them.
         raise DynBatchValueError(
-            "a placeholder micro-batch needs 'rollout_routed_experts' but this rank has no real "
-            "sample to take its [layers, topk] shape from; R3 with fewer samples than DP ranks is "
-            "not supported: lower the DP size or raise the rollout batch."
+            "a placeholder micro-batch needs 'rollout_routed_experts' but this rank's rollout "
+            "data holds none to take the [layers, topk] shape from; R3 needs the rollout's "
+            "routed experts for every sample (--use-rollout-routing-replay on the rollout side)."
         )
     like = torch.as_tensor(real[0])
     _, layers, topk = like.shape
-    experts = torch.arange(topk, dtype=like.dtype, device=like.device)
-    return experts.expand(total_length - 1, layers, topk).clone()
+    return masked_routed_experts(total_length, layers, topk, like=like)
 
 
 class SlimeDataIterator:

@@ -86,8 +86,19 @@ def _phantom_routed_experts(total: int) -> torch.Tensor:
             f"num_layers ({layers}) and moe_router_topk ({topk}) in Megatron's args to shape "
             "the phantom sample's routed experts; launch through slime's argument parser."
         )
-    experts = torch.arange(int(topk), dtype=torch.long)
-    return experts.expand(total - 1, int(layers), int(topk)).clone()
+    return masked_routed_experts(total, int(layers), int(topk))
+
+
+def masked_routed_experts(
+    total: int, layers: int, topk: int, *, like: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """R3's routed experts of a sample without loss (a phantom or a placeholder):
+    ``[total - 1, layers, topk]``, every token routed to experts ``0..topk-1`` (distinct, as a
+    router's top-k is), with ``like``'s dtype and device (default: long, CPU)."""
+    dtype = torch.long if like is None else like.dtype
+    device = None if like is None else like.device
+    experts = torch.arange(topk, dtype=dtype, device=device)
+    return experts.expand(total - 1, layers, topk).clone()
 
 
 def add_phantom_sample(
