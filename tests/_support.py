@@ -4,6 +4,7 @@ Test modules import from here, never from each other, so moving or deselecting o
 cannot break another.
 """
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -17,6 +18,7 @@ import time
 import typing
 
 import pytest
+import torch
 
 from megatron_dynbatch.planning.plan import StepPlan
 
@@ -221,3 +223,37 @@ def assert_same_training(dynamic, fixed, *, tolerance=1e-5):
     assert [i for i, _ in dynamic["validation"]] == [i for i, _ in fixed["validation"]]
     for (_, d), (_, f) in zip(dynamic["validation"], fixed["validation"], strict=True):
         assert d == pytest.approx(f, rel=tolerance)
+
+
+# -- MoE routers seen from inside Megatron (the slime and SkyRL MoE cases) ----------------------
+
+
+class RouterTokens:
+    """Per router layer, the tokens a training forward hands to Megatron's router statistics:
+    those its ``padding_mask`` leaves in (every token when no mask reaches the router).
+    Observes ``TopKRouter.routing`` (the result is Megatron's own) while ``active``."""
+
+    def __init__(self):
+        self.per_layer = {}
+        self.active = False
+
+    @contextlib.contextmanager
+    def installed(self):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        original = TopKRouter.routing
+        observer = self
+
+        def routing(router, logits, padding_mask=None):
+            if observer.active and torch.is_grad_enabled():
+                num = logits.shape[0] * logits.shape[1]
+                real = num if padding_mask is None else int((~padding_mask).sum())
+                layer = router.layer_number
+                observer.per_layer[layer] = observer.per_layer.get(layer, 0) + real
+            return original(router, logits, padding_mask=padding_mask)
+
+        TopKRouter.routing = routing
+        try:
+            yield self
+        finally:
+            TopKRouter.routing = original

@@ -57,6 +57,13 @@ def padding_mask_of(batch: Mapping[str, torch.Tensor]) -> Optional[torch.Tensor]
 # is reduced over data-parallel ranks (global_aux_loss) or only over tensor/context-parallel ranks.
 _LOCAL_LOSSES = ("aux_loss", "seq_aux_loss")
 _GLOBAL_LOSSES = ("global_aux_loss",)
+# Each loss's name in Megatron's MoE metrics tracker, and whether it is averaged over DP ranks
+# (TopKRouter._apply_*_loss -> attach_and_log_load_balancing_loss).
+_METRICS = {
+    "aux_loss": ("load_balancing_loss", True),
+    "seq_aux_loss": ("seq_load_balancing_loss", True),
+    "global_aux_loss": ("global_load_balancing_loss", False),
+}
 # What a switched-off loss is renamed to for one forward: Megatron's coefficient lookup
 # (``TopKRouter.get_aux_loss_coeff``) finds no coefficient for it, and the routing itself treats
 # it like "none" (plain top-k).
@@ -98,8 +105,9 @@ def placeholder_routing(
     context-parallel ranks for ``aux_loss`` and ``seq_aux_loss``, over data-parallel ranks too for
     ``global_aux_loss``), so a micro-batch of padding only would give NaN gradients. Inside this
     context a loss whose reduction group holds no real token in this micro-batch is switched off
-    for this forward (its weight under "each loss over real tokens only" is zero anyway); the
-    z-loss (finite: Megatron clamps its count) and the routing itself are unchanged. Whether a
+    for this forward (its weight under "each loss over real tokens only" is zero anyway) and logs
+    0 for it (every rank must hold the same metric names); the z-loss (finite: Megatron clamps its
+    count) and the routing itself are unchanged. Whether a
     group holds a real token is decided with one scalar all-reduce per group (the router's own
     collectives must then run on all of a group's ranks or on none). Models without a
     load-balancing loss are left untouched, with no communication.
@@ -142,3 +150,31 @@ def placeholder_routing(
     finally:
         for router, routing_type in zip(routers, saved, strict=True):
             router.routing_type = routing_type
+    _record_zero_metrics(routers, off, padding_mask.device)
+
+
+def _record_zero_metrics(routers: list, off: tuple, device: torch.device) -> None:
+    """Record 0 for each switched-off loss, as the router would have recorded its value.
+
+    Megatron's metrics tracker all-reduces, over pipeline and data-parallel ranks, every metric
+    name a rank has recorded: a rank whose step held only placeholders would otherwise lack the
+    name its peers have and hang them in that reduction (SkyRL reduces it after every step).
+    """
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    tracker = get_moe_metrics_tracker()
+    zero = torch.zeros((), device=device)
+    for router in routers:
+        config = router.config
+        num_layers = config.num_layers + (config.mtp_num_layers or 0)
+        layer = router.layer_number
+        if layer is not None and router.is_mtp_layer:
+            layer += config.num_layers
+        for loss in off:
+            if router.get_aux_loss_coeff(loss) <= 0:
+                continue
+            name, needs_dp_avg = _METRICS[loss]
+            group = router.tp_dp_cp_group if loss in _GLOBAL_LOSSES else router.tp_cp_group
+            tracker.record(
+                name, zero, layer, num_layers, reduce_group=group, needs_dp_avg=needs_dp_avg
+            )

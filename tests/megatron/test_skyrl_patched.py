@@ -362,10 +362,14 @@ def _causal_chunk(ddp_chunk):
                 return getattr(self._modules["module"], name)
 
         def forward(self, input_ids, position_ids, attention_mask, packed_seq_params=None, **kw):
-            assert packed_seq_params is None and not kw, (packed_seq_params, kw)
+            # padding_mask: Megatron's router mask of a MoE model (patch 0004), passed on.
+            assert packed_seq_params is None and set(kw) <= {"padding_mask"}, (
+                packed_seq_params,
+                kw,
+            )
             batch, length = position_ids.shape
             mask = build_attention_mask(torch.zeros(batch, length, dtype=torch.int64))
-            return self.module(input_ids, position_ids, mask)
+            return self.module(input_ids, position_ids, mask, **kw)
 
     return Causal(ddp_chunk)
 
@@ -466,10 +470,19 @@ def _shard(full, dp, dp_rank, pad_to_dp=True):
 
 
 def _skyrl_body(
-    skyrl_root, num, stepwise, loss_reduction, budget, dynamic=True, pad_to_dp=True, window=None
+    skyrl_root,
+    num,
+    stepwise,
+    loss_reduction,
+    budget,
+    dynamic=True,
+    pad_to_dp=True,
+    window=None,
+    moe=False,
 ):
     """SkyRL's worker methods on this rank's shard of the mini-batch ``_samples(...)[window]``
-    (``window``: one mini-batch ``(start, end)`` of the step; default all samples)."""
+    (``window``: one mini-batch ``(start, end)`` of the step; default all samples). ``moe``: the
+    tiny MoE with an aux loss and the z-loss, and the tokens its routers count in training."""
     import dataclasses
 
     import torch.distributed as dist
@@ -504,7 +517,12 @@ def _skyrl_body(
         # SkyRL runs Megatron's default: the schedule divides by the micro-batch count and DDP
         # averages over DP, which its loss undoes (x num_microbatches x dp_size).
         calculate_per_token_loss=False,
+        **(MOE if moe else {}),
     )
+    if moe:
+        config.moe_router_load_balancing_type = "aux_loss"
+        config.moe_aux_loss_coeff = 1e-2
+        config.moe_z_loss_coeff = 1e-3
     # SkyRL's worker sets variable_seq_lengths (megatron_worker.py: provider.variable_seq_lengths).
     config = dataclasses.replace(
         config, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall"
@@ -556,10 +574,21 @@ def _skyrl_body(
     data["action_log_probs"] = old
     for chunk in ddp_chunks:
         chunk.zero_grad_buffer()
-    output = worker.forward_backward(data)
+    # Imported here: SkyRL's unit-test run loads this module by path, without ``tests``.
+    from tests._support import RouterTokens
+
+    with RouterTokens().installed() as router_tokens:
+        router_tokens.active = True
+        output = worker.forward_backward(data)
     wrapper.run_pending_grad_sync()
     return {
         "stubbed": stubbed,
+        "router_tokens": router_tokens.per_layer,
+        # Attended tokens of this rank's rows (SkyRL's pad copies are rows of its own).
+        "attended_tokens": int(mine["attention_mask"].sum()),
+        "finite": all(
+            bool(torch.isfinite(g).all()) for g in named_global_grads(ddp_chunks).values()
+        ),
         "grads": {k: v.clone() for k, v in named_global_grads(ddp_chunks).items()},
         "log_probs": old,
         "positions": positions,
@@ -661,6 +690,79 @@ def _check_against_reference(results, reference, num, what):
         f"microbatches={results[0]['metrics'].get('num_microbatches')} "
         f"stubbed={results[0]['stubbed']}"
     )
+
+
+#: The tiny MoE of the router-statistics cases: 4 layers, 4 experts, top-2.
+MOE = {"num_layers": 4, "num_moe_experts": 4, "moe_router_topk": 2}
+
+
+@needs_skyrl
+@pytest.mark.parametrize("num, pad_to_dp", [(9, True), (1, False)], ids=["pp2-dp2", "empty-rank"])
+def test_moe_routers_count_only_the_attended_tokens_of_real_rows(patched_skyrl, num, pad_to_dp):
+    """Patch 0004: a tiny MoE (aux loss and z-loss on) through SkyRL's forward_backward at pp 2,
+    dp 2 with planned micro-batches: every router of every rank counts exactly the attended tokens
+    of the rank's rows, none of the padding after them and none of a placeholder row; a rank with
+    placeholders only (no row at all) counts nothing, and its gradients stay finite."""
+    results = run_on_ranks(
+        4,
+        _skyrl_body,
+        patched_skyrl,
+        num,
+        False,
+        "token_mean",
+        40,
+        pad_to_dp=pad_to_dp,
+        moe=True,
+        layout=Layout(pp=2),
+        timeout_s=BODY_TIMEOUT_S,
+    )
+    if not pad_to_dp:
+        assert any(r["rows"] == 0 for r in results)
+    for r in results:
+        assert r["finite"]
+        layers = r["router_tokens"]
+        assert len(layers) == MOE["num_layers"] // 2, layers
+        assert all(count == r["attended_tokens"] for count in layers.values()), (
+            layers,
+            r["attended_tokens"],
+        )
+
+
+def _packed_mask_body(skyrl_root):
+    """SkyRL's own ``preprocess_packed_seqs`` (THD, its default ``remove_microbatch_padding``) on
+    left-padded rows with non-zero token ids and a placeholder row: the padding mask must be True
+    exactly where the packed row holds no real token."""
+    _install_stubs()
+    _import_skyrl(skyrl_root)
+    from megatron.core.packed_seq_params import PackedSeqParams  # noqa: F401 (SkyRL's import)
+    from skyrl.backends.skyrl_train.distributed.megatron.megatron_utils import (
+        preprocess_packed_seqs,
+    )
+
+    from megatron_dynbatch.integrations.skyrl.iterator import placeholder_rows
+    from megatron_dynbatch.integrations.skyrl.moe import packed_padding_mask
+
+    lengths, width = [5, 9, 2], 12
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    attention = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, n in enumerate(lengths):  # left padding, as SkyRL's rows come
+        ids[row, width - n :] = torch.arange(1, n + 1)
+        attention[row, width - n :] = 1
+    filler = placeholder_rows({"sequences": ids, "attention_mask": attention}, 1)
+    ids = torch.cat([ids, filler["sequences"]])
+    attention = torch.cat([attention, filler["attention_mask"]]).to(torch.bool)
+    packed, params = preprocess_packed_seqs(ids, attention, pre_process=True)
+    mask = packed_padding_mask(attention, params, cp_rank=0, cp_size=1)
+    return packed, mask
+
+
+@needs_skyrl
+def test_packed_padding_mask_marks_what_preprocess_packed_seqs_leaves_empty(patched_skyrl):
+    [(packed, mask)] = run_on_ranks(1, _packed_mask_body, patched_skyrl, layout=Layout())
+    assert mask.shape == packed.shape and mask.dtype == torch.bool
+    # Real tokens carry ids >= 1; alignment pads and the placeholder row's token are 0.
+    assert torch.equal(mask, packed == 0), (mask, packed)
+    assert int((~mask).sum()) == 5 + 9 + 2
 
 
 CASES = [

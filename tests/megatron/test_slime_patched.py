@@ -558,37 +558,6 @@ def _fill_routing_replay(slime_root, args, model, iterators, rollout_data):
     )
 
 
-class _RouterTokens:
-    """Per router layer, the tokens a training forward hands to Megatron's router statistics:
-    those its ``padding_mask`` leaves in (every token when no mask reaches the router).
-    Observes ``TopKRouter.routing`` (the result is Megatron's own) while ``active``."""
-
-    def __init__(self):
-        self.per_layer = {}
-        self.active = False
-
-    @contextlib.contextmanager
-    def installed(self):
-        from megatron.core.transformer.moe.router import TopKRouter
-
-        original = TopKRouter.routing
-        observer = self
-
-        def routing(router, logits, padding_mask=None):
-            if observer.active and torch.is_grad_enabled():
-                num = logits.shape[0] * logits.shape[1]
-                real = num if padding_mask is None else int((~padding_mask).sum())
-                layer = router.layer_number
-                observer.per_layer[layer] = observer.per_layer.get(layer, 0) + real
-            return original(router, logits, padding_mask=padding_mask)
-
-        TopKRouter.routing = routing
-        try:
-            yield self
-        finally:
-            TopKRouter.routing = original
-
-
 def _replay_counts():
     """Per router: (routings recorded, routings replayed by training's forward passes)."""
     from slime.utils.routing_replay import RoutingReplay
@@ -683,7 +652,9 @@ def _slime_body(
     iterators = slime_data.get_data_iterator(rollout_data)
     started = time.monotonic()
     stack = contextlib.ExitStack()
-    router_tokens = _RouterTokens()
+    from tests._support import RouterTokens
+
+    router_tokens = RouterTokens()
     try:
         stack.enter_context(router_tokens.installed())
         if replay == "r3":

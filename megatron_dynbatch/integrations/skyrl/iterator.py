@@ -41,11 +41,19 @@ from megatron_dynbatch.integrations.skyrl.plan import (
 from megatron_dynbatch.mcore.agreement import step_agreement
 from megatron_dynbatch.runtime import restore_order
 
-__all__ = ["PlannedBatchIterator", "planned_microbatch_iterator", "placeholder_rows"]
+__all__ = [
+    "PLACEHOLDER_ATTENDED_TOKENS",
+    "PlannedBatchIterator",
+    "planned_microbatch_iterator",
+    "placeholder_rows",
+]
 
 #: Keys whose placeholder value must not be 0: SkyRL strips rows to their attended tokens, and a
 #: row with none breaks its ``remove_left_padding`` / THD packing.
 _ATTENTION_KEY = "attention_mask"
+#: Attended tokens of a placeholder row; a SkyRL training row (prompt and response) has more, which
+#: is how :mod:`.moe` tells a placeholder row from a real one.
+PLACEHOLDER_ATTENDED_TOKENS = 1
 
 
 def placeholder_rows(data: Any, rows: int) -> Dict[str, Optional[torch.Tensor]]:
@@ -71,7 +79,7 @@ def placeholder_rows(data: Any, rows: int) -> Dict[str, Optional[torch.Tensor]]:
             )
         filler = torch.zeros((rows, *value.shape[1:]), dtype=value.dtype, device=value.device)
         if key == _ATTENTION_KEY:
-            filler[:, 0] = 1
+            filler[:, :PLACEHOLDER_ATTENDED_TOKENS] = 1
         out[key] = filler
     return out
 
