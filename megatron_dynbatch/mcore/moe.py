@@ -105,9 +105,9 @@ def placeholder_routing(
     context-parallel ranks for ``aux_loss`` and ``seq_aux_loss``, over data-parallel ranks too for
     ``global_aux_loss``), so a micro-batch of padding only would give NaN gradients. Inside this
     context a loss whose reduction group holds no real token in this micro-batch is switched off
-    for this forward (its weight under "each loss over real tokens only" is zero anyway) and logs
-    0 for it (every rank must hold the same metric names); the z-loss (finite: Megatron clamps its
-    count) and the routing itself are unchanged. Whether a
+    for this forward (its weight under "each loss over real tokens only" is zero anyway); the z-loss
+    (finite: Megatron clamps its count) and the routing itself are unchanged. Megatron's MoE
+    metric entries are created first, in its order, so every rank reduces the same names. Whether a
     group holds a real token is decided with one scalar all-reduce per group (the router's own
     collectives must then run on all of a group's ranks or on none). Models without a
     load-balancing loss are left untouched, with no communication.
@@ -122,6 +122,7 @@ def placeholder_routing(
         yield
         return
     first = routers[0]
+    _register_metrics(first, padding_mask.device)
     local = _any_real((~padding_mask).any().to(torch.int32).reshape(1), first.tp_cp_group)
     off: tuple = () if int(local.item()) else _LOCAL_LOSSES
     if any(router.get_aux_loss_coeff("global_aux_loss") > 0 for router in routers):
@@ -150,31 +151,32 @@ def placeholder_routing(
     finally:
         for router, routing_type in zip(routers, saved, strict=True):
             router.routing_type = routing_type
-    _record_zero_metrics(routers, off, padding_mask.device)
 
 
-def _record_zero_metrics(routers: list, off: tuple, device: torch.device) -> None:
-    """Record 0 for each switched-off loss, as the router would have recorded its value.
+def _register_metrics(router, device: torch.device) -> None:
+    """Create, in Megatron's recording order, the MoE metric entries this router will record.
 
     Megatron's metrics tracker all-reduces, over pipeline and data-parallel ranks, every metric
-    name a rank has recorded: a rank whose step held only placeholders would otherwise lack the
-    name its peers have and hang them in that reduction (SkyRL reduces it after every step).
+    name a rank has recorded, in the order the rank first recorded them. A rank whose first
+    micro-batch is a placeholder (losses switched off) would record them in another order, or not
+    at all, and hang its peers in that reduction (SkyRL reduces it after every step). Adding 0 with
+    the router's own groups, before the first forward on every rank, fixes names and order.
     """
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
     tracker = get_moe_metrics_tracker()
+    config = router.config
+    num_layers = config.num_layers + (config.mtp_num_layers or 0)
+    layer = router.layer_number
+    if layer is None:
+        return
+    if router.is_mtp_layer:
+        layer += config.num_layers
     zero = torch.zeros((), device=device)
-    for router in routers:
-        config = router.config
-        num_layers = config.num_layers + (config.mtp_num_layers or 0)
-        layer = router.layer_number
-        if layer is not None and router.is_mtp_layer:
-            layer += config.num_layers
-        for loss in off:
-            if router.get_aux_loss_coeff(loss) <= 0:
-                continue
-            name, needs_dp_avg = _METRICS[loss]
-            group = router.tp_dp_cp_group if loss in _GLOBAL_LOSSES else router.tp_cp_group
-            tracker.record(
-                name, zero, layer, num_layers, reduce_group=group, needs_dp_avg=needs_dp_avg
-            )
+    if config.moe_z_loss_coeff is not None and "z_loss" not in tracker.metrics:
+        tracker.record("z_loss", zero, layer, num_layers, avg_group=router.tp_dp_cp_group)
+    for loss, (name, needs_dp_avg) in _METRICS.items():
+        if router.get_aux_loss_coeff(loss) <= 0 or name in tracker.metrics:
+            continue
+        group = router.tp_dp_cp_group if loss in _GLOBAL_LOSSES else router.tp_cp_group
+        tracker.record(name, zero, layer, num_layers, reduce_group=group, needs_dp_avg=needs_dp_avg)

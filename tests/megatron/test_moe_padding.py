@@ -210,3 +210,42 @@ def test_padding_mask_marks_padding_and_placeholders_true():
     assert int((~mask).sum()) == LENGTHS[0] + LENGTHS[1]
     assert mask[0, 9:12].all() and mask[0, 18:].all() and not mask[0, :9].any()
     assert padding_mask_of(placeholder).all()
+
+
+def _placeholder_rank_body():
+    """DP rank 1 holds placeholders only; then Megatron's MoE metrics are reduced over ranks."""
+    from megatron.core.transformer.moe.moe_logging import (
+        MoEMetricsTracker,
+        get_moe_metrics_tracker,
+        set_moe_metrics_tracker,
+    )
+    from megatron.core.transformer.moe.moe_utils import reduce_aux_losses_tracker_across_ranks
+
+    ranks = [[(0, 1), (2,)], [(), ()]]
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    step = make_step_plan(ranks, seq_length=SEQ_LENGTH, micro_batch_size=1)
+    samples = _samples()
+    mine = {i: samples[i] for mb in ranks[dp_rank] for i in mb}
+    microbatches = materialize_microbatches(
+        step, dp_rank, mine, BatchSchema(), layout="packed", sample_multiple=SAMPLE_MULTIPLE
+    )
+    chunks = wrap_in_ddp(build_tiny_gpt(_config(pp, 1), seed=SEED))
+    configure_loss(chunks, "token-mean")
+    set_moe_metrics_tracker(MoEMetricsTracker())  # this case's records only
+    train_microbatches(chunks, step, microbatches, aggregation="token-mean")
+    names = sorted(get_moe_metrics_tracker().metrics)
+    # What SkyRL does after every step (and Megatron-LM when it logs): one all-reduce per name
+    # over the pipeline and data-parallel groups; a name missing on one rank hangs the others.
+    reduce_aux_losses_tracker_across_ranks()
+    finite = all(bool(torch.isfinite(g).all()) for g in named_global_grads(chunks).values())
+    return names, finite
+
+
+def test_a_rank_of_placeholders_only_logs_the_same_moe_metrics_as_its_peers():
+    results = run_on_ranks(4, _placeholder_rank_body, layout=Layout(pp=2), timeout_s=120)
+    names = {tuple(r[0]) for r in results}
+    assert names == {
+        ("global_load_balancing_loss", "load_balancing_loss", "seq_load_balancing_loss", "z_loss")
+    }, names
+    assert all(r[1] for r in results)
