@@ -16,39 +16,18 @@ except for a single longer sample, which runs alone and is reported in :attr:`Sk
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 from megatron_dynbatch.config import DynBatchConfig
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.planning import ParallelLayout, plan_schedule, round_up
+from megatron_dynbatch.planning import ParallelLayout
+from megatron_dynbatch.planning.sharded import ShardedPlan, plan_sharded_step
 
 __all__ = ["SkyrlPlan", "check_budget", "check_lengths", "plan_skyrl_minibatch"]
 
 
-@dataclass(frozen=True, kw_only=True)
-class SkyrlPlan:
-    """Every DP rank's micro-batches of one mini-batch (local sample indices)."""
-
-    ranks: Tuple[Tuple[Tuple[int, ...], ...], ...]
-    """``ranks[r]``: DP rank ``r``'s real micro-batches, in run order; placeholders follow them."""
-    num_microbatches: int
-    """Micro-batches every rank runs (real + placeholder): what Megatron's schedule is given."""
-    rows: int
-    """Rows of every micro-batch (``B``); a shorter micro-batch gets loss-masked placeholder rows."""
-    oversize: Tuple[Tuple[int, int], ...] = ()
-    """``(dp_rank, local index)`` of every sample longer than the budget (each ran alone)."""
-
-    def placeholders(self, dp_rank: int) -> int:
-        """Placeholder micro-batches DP rank ``dp_rank`` runs after its real ones."""
-        return self.num_microbatches - len(self.ranks[dp_rank])
-
-    def fingerprint(self) -> str:
-        """A short hash that every rank compares before the pipeline starts."""
-        text = json.dumps([self.num_microbatches, self.rows, self.ranks], separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+#: The plan of one SkyRL mini-batch: the host-neutral plan of pre-sharded samples.
+SkyrlPlan = ShardedPlan
 
 
 def check_lengths(lengths_per_rank: Sequence[Sequence[int]]) -> List[List[int]]:
@@ -125,20 +104,4 @@ def plan_skyrl_minibatch(
     config = DynBatchConfig(
         max_tokens_per_gpu=max_tokens_per_microbatch, layout="packed", oversize_samples="allow"
     ).planner_config(parallel)
-    ranks: List[Tuple[Tuple[int, ...], ...]] = []
-    oversize: List[Tuple[int, int]] = []
-    for rank, lengths in enumerate(lengths_per_rank):
-        if not lengths:
-            ranks.append(())
-            continue
-        [step] = plan_schedule(lengths, config=config).steps
-        # dp_size=1: rank 0 of the sub-plan is this rank; drop the sub-plan's own placeholders,
-        # the count is equalised over all ranks below.
-        ranks.append(tuple(tuple(mb) for mb in step.ranks[0] if mb))
-        oversize.extend((rank, i) for i in step.oversize_samples)
-    count = max(1, max(len(mbs) for mbs in ranks))
-    count = round_up(count, parallel.microbatch_multiple)
-    rows = max([len(mb) for mbs in ranks for mb in mbs] or [1])
-    return SkyrlPlan(
-        ranks=tuple(ranks), num_microbatches=count, rows=rows, oversize=tuple(oversize)
-    )
+    return plan_sharded_step(lengths_per_rank, config)
