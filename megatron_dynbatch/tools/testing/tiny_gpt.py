@@ -190,6 +190,7 @@ def build_tiny_gpt(
     max_sequence_length: int = 256,
     seed: int = 1234,
     pg_collection=None,
+    layer_spec=None,
 ) -> list[GPTModel]:
     """Build this rank's model chunks of the tiny GPT, initialised from (seed, global names).
 
@@ -199,6 +200,8 @@ def build_tiny_gpt(
         max_sequence_length: Upper bound on positions.
         seed: Seed of the deterministic, layout-independent initialisation.
         pg_collection: Megatron ``ProcessGroupCollection``; None uses Megatron's default groups.
+        layer_spec: The transformer layer spec; None is :func:`tiny_layer_spec` (another attention
+            core, e.g. THD, leaves the weights unchanged: they depend on seed and names only).
 
     Returns:
         One ``GPTModel`` per virtual stage held by this rank (a single one without interleaving).
@@ -217,7 +220,8 @@ def build_tiny_gpt(
         )
     pp_rank = pg_collection.pp.rank()
     num_chunks = vp_size or 1
-    layer_spec = tiny_layer_spec(config.num_moe_experts)
+    if layer_spec is None:
+        layer_spec = tiny_layer_spec(config.num_moe_experts)
     chunks = []
     for vp_stage in range(num_chunks):
         chunks.append(
