@@ -27,6 +27,7 @@ ALLOWED = {
     "integrations.megatron_lm": {"errors", "planning", "config", "runtime", "mcore", "cpu"},
     "integrations.slime": {"errors", "planning", "config", "runtime", "mcore"},
     "integrations.skyrl": {"errors", "planning", "config", "runtime", "mcore"},
+    "integrations.verl": {"errors", "planning", "config", "runtime", "mcore"},
     "integrations": set(),  # the sub-package's __init__
     "adapters": {"integrations.slime"},
     "tools": {
