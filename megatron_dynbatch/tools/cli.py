@@ -179,13 +179,27 @@ def _load_samples(path: str):
     return parse_samples_json(_read_json(path))
 
 
+#: The ``DynBatchConfig`` fields the ``plan`` and ``verify`` flags set (same names as the fields).
+CLI_FIELDS = (
+    "max_tokens_per_gpu",
+    "layout",
+    "cost_attention_weight",
+    "cost_response_weight",
+    "cost_microbatch_overhead",
+    "cost_shape_exchange_overhead",
+    "cost_attention",
+    "min_gain",
+    "oversize_samples",
+)
+
+
 def _planner_config(args, *, rollouts_per_step=None):
     """The planner's config from the flags both subcommands share (verify plans one step).
 
-    Built through :meth:`DynBatchConfig.planner_config`, the one place a ``PlannerConfig`` is made
+    Built through ``config_from_mapping`` and :meth:`DynBatchConfig.planner_config`, the one place a ``PlannerConfig`` is made
     outside the planner, so the CLI plans exactly as training does.
     """
-    from megatron_dynbatch.config import DynBatchConfig
+    from megatron_dynbatch.config import config_from_mapping
     from megatron_dynbatch.planning import ParallelLayout
 
     parallel = ParallelLayout(
@@ -196,17 +210,9 @@ def _planner_config(args, *, rollouts_per_step=None):
         tp_size=args.tp_size,
         cp_size=args.cp_size,
     )
-    config = DynBatchConfig(
-        max_tokens_per_gpu=args.max_tokens_per_gpu,
-        layout=args.layout,
-        rollouts_per_step=rollouts_per_step,
-        cost_attention_weight=args.cost_attention_weight,
-        cost_response_weight=args.cost_response_weight,
-        cost_microbatch_overhead=args.cost_microbatch_overhead,
-        cost_shape_exchange_overhead=args.cost_shape_exchange_overhead,
-        cost_attention=args.cost_attention,
-        min_gain=args.min_gain,
-        oversize_samples=args.oversize_samples,
+    config = config_from_mapping(
+        {field: getattr(args, field) for field in CLI_FIELDS},
+        fixed={"rollouts_per_step": rollouts_per_step},
     )
     return config.planner_config(parallel)
 

@@ -18,13 +18,26 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
-from megatron_dynbatch.config import DynBatchConfig
+from megatron_dynbatch.config import config_from_mapping
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import ParallelLayout
 from megatron_dynbatch.planning.sharded import ShardedPlan, plan_sharded_step
 
-__all__ = ["SkyrlPlan", "check_budget", "check_lengths", "plan_skyrl_minibatch"]
+__all__ = [
+    "SKYRL_FIXED",
+    "SKYRL_OPTIONS",
+    "SkyrlPlan",
+    "check_budget",
+    "check_lengths",
+    "plan_skyrl_minibatch",
+]
 
+
+#: SkyRL's option name (``trainer.*``) of each setting it gives the planner.
+SKYRL_OPTIONS = {"max_tokens_per_microbatch": "max_tokens_per_gpu"}
+#: What SkyRL decides itself: its padding-free forward packs a micro-batch's real tokens; its
+#: budget is a soft cap for a single long sample (it runs alone), as in SkyRL's own batching.
+SKYRL_FIXED = {"layout": "packed", "oversize_samples": "allow"}
 
 #: The plan of one SkyRL mini-batch: the host-neutral plan of pre-sharded samples.
 SkyrlPlan = ShardedPlan
@@ -99,9 +112,10 @@ def plan_skyrl_minibatch(
         microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
         tp_size=tp_size,
     )
-    # SkyRL's budget is a soft cap for a single long sample (it runs alone), so "allow"; the
-    # packed layout caps the real tokens, which is what SkyRL's padding-free forward computes.
-    config = DynBatchConfig(
-        max_tokens_per_gpu=max_tokens_per_microbatch, layout="packed", oversize_samples="allow"
+    config = config_from_mapping(
+        {"max_tokens_per_microbatch": max_tokens_per_microbatch},
+        table=SKYRL_OPTIONS,
+        fixed=SKYRL_FIXED,
+        host="SkyRL's trainer config",
     ).planner_config(parallel)
     return plan_sharded_step(lengths_per_rank, config)

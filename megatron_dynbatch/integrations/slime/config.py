@@ -23,13 +23,14 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from megatron_dynbatch.config import FLAGS, DynBatchConfig
+from megatron_dynbatch.config import FLAGS, DynBatchConfig, config_from_mapping
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import CostModel, PlannerConfig
 from megatron_dynbatch.planning.spec import check_int
 
 __all__ = [
     "DATA_PAD_SIZE_MULTIPLIER",
+    "SLIME_OPTIONS",
     "SLIME_OVERSIZE_POLICIES",
     "check_index",
     "check_oversize",
@@ -38,6 +39,13 @@ __all__ = [
     "pad_size",
     "routing_replay",
 ]
+
+#: slime's argument name of each setting it gives the planner (the patched parser's flags).
+SLIME_OPTIONS = {
+    "max_tokens_per_gpu": "max_tokens_per_gpu",
+    "log_probs_max_tokens_per_gpu": "log_probs_max_tokens_per_gpu",
+    "oversize_samples": "oversize_samples",
+}
 
 #: slime's ``--data-pad-size-multiplier`` default: ``get_batch`` pads every packed row to a
 #: multiple of ``tp_size`` times this.
@@ -129,16 +137,22 @@ def dynbatch_config_from_slime_args(
             "--max-tokens-per-gpu).",
         )
     cost = cost or CostModel()
-    return DynBatchConfig(
-        max_tokens_per_gpu=budget,
-        log_probs_max_tokens_per_gpu=log_probs,
-        layout="packed",
-        rollouts_per_step=rollouts_per_step,
-        cost_token_weight=cost.token_weight,
-        cost_attention_weight=cost.attention_weight,
-        cost_response_weight=cost.response_weight,
-        cost_microbatch_overhead=cost.microbatch_overhead,
-        oversize_samples=oversize_policy(args),
+    return config_from_mapping(
+        {
+            "max_tokens_per_gpu": budget,
+            "log_probs_max_tokens_per_gpu": log_probs,
+            "oversize_samples": oversize_policy(args),
+        },
+        table=SLIME_OPTIONS,
+        fixed={
+            "layout": "packed",
+            "rollouts_per_step": rollouts_per_step,
+            "cost_token_weight": cost.token_weight,
+            "cost_attention_weight": cost.attention_weight,
+            "cost_response_weight": cost.response_weight,
+            "cost_microbatch_overhead": cost.microbatch_overhead,
+        },
+        host="slime's arguments",
     )
 
 

@@ -46,12 +46,13 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-from megatron_dynbatch.config import DynBatchConfig
+from megatron_dynbatch.config import config_from_mapping
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import ParallelLayout, PlannerConfig, round_up
 from megatron_dynbatch.planning.sharded import ShardedPlan, plan_sharded_step
 
 __all__ = [
+    "VERL_OPTIONS",
     "PlannedMicroBatches",
     "check_engine",
     "placeholder_micro_batch",
@@ -65,6 +66,10 @@ __all__ = [
 #: the attended tokens, a positive temperature, which verl divides the logits by); every other
 #: tensor is zeroed, so it carries no data and no loss weight.
 STRUCTURAL_KEYS = ("position_ids", "attention_mask", "temperature")
+
+#: verl's name of each setting it gives the planner: the batch's ``max_token_len_per_gpu`` (set by
+#: verl's worker from ``ppo_max_token_len_per_gpu`` or ``log_prob_max_token_len_per_gpu``).
+VERL_OPTIONS = {"max_token_len_per_gpu": "max_tokens_per_gpu"}
 
 #: verl's names of the two budgets ``max_token_len_per_gpu`` comes from.
 _BUDGET_KEYS = "actor.ppo_max_token_len_per_gpu (log_prob_max_token_len_per_gpu for forward passes)"
@@ -171,10 +176,11 @@ def verl_planner_config(
     )
     # Oversize samples are refused before planning (plan_verl_batch names verl's keys); "error"
     # here is the same guarantee, should one reach the planner.
-    return DynBatchConfig(
-        max_tokens_per_gpu=budget,
-        layout="packed" if packed else "padded",
-        oversize_samples="error",
+    return config_from_mapping(
+        {"max_token_len_per_gpu": budget},
+        table=VERL_OPTIONS,
+        fixed={"layout": "packed" if packed else "padded", "oversize_samples": "error"},
+        host="verl's engine batch",
     ).planner_config(parallel)
 
 
