@@ -97,6 +97,31 @@ _INCOMPATIBLE = (
 )
 
 
+#: Measured iterations in-run calibration fits by default (``--dynamic-batch-calibration-steps``).
+DEFAULT_CALIBRATION_STEPS = 8
+#: Files calibration writes (``--dynamic-batch-calibration-output``).
+CALIBRATION_YAML = "dynbatch_calibration.yaml"
+CALIBRATION_JSON = "dynbatch_calibration.json"
+
+
+def add_calibration_args(group: Any) -> None:
+    """Add the calibration flags to the dynamic-batching argument group."""
+    group.add_argument(
+        "--dynamic-batch-calibration-steps",
+        type=int,
+        default=DEFAULT_CALIBRATION_STEPS,
+        help="Fit the planner's cost model to this many measured training iterations, then plan "
+        f"with it (default {DEFAULT_CALIBRATION_STEPS}; 0 keeps the configured weights).",
+    )
+    group.add_argument(
+        "--dynamic-batch-calibration-output",
+        type=str,
+        default=None,
+        help=f"Directory for {CALIBRATION_YAML} (load it with --dynamic-batch-config) and "
+        f"{CALIBRATION_JSON}; default: --save.",
+    )
+
+
 def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the dynamic-batching flags to Megatron's parser; an ``extra_args_provider``.
 
@@ -192,8 +217,6 @@ def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.Argument
         "(the transformer-engine path) and attend with megatron_dynbatch's torch reference of "
         "TE's THD attention. Tests the GPU path on machines without CUDA; slow (dense scores).",
     )
-    from .calibration import add_calibration_args  # torch: only where Megatron parses flags
-
     add_calibration_args(group)
     return parser
 

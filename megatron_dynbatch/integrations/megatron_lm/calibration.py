@@ -35,6 +35,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_dynbatch.config import FLAGS
+
+# The flags and file names live with the other arguments (no torch there); re-exported here.
+from megatron_dynbatch.integrations.megatron_lm.arguments import (
+    CALIBRATION_JSON,
+    CALIBRATION_YAML,
+    DEFAULT_CALIBRATION_STEPS,
+    add_calibration_args,
+)
 from megatron_dynbatch.planning.calibration import Calibration, Observation, fit_cost_model
 from megatron_dynbatch.planning.spec import round_up
 
@@ -51,11 +59,8 @@ __all__ = [
     "resume_calibration",
 ]
 
-#: Measured iterations the fit uses by default.
-DEFAULT_CALIBRATION_STEPS = 8
 #: Iterations at the start of a run that are never used (allocator and kernel warm-up).
 WARMUP_STEPS = 2
-CALIBRATION_YAML = "dynbatch_calibration.yaml"
 #: The DynBatchConfig fields calibration changes (through Megatron's arguments, which checkpoints
 #: save): the budget and overhead while it varies shapes, then the fitted weights.
 CALIBRATED_FIELDS = (
@@ -64,25 +69,6 @@ CALIBRATED_FIELDS = (
     "cost_attention_weight",
     "cost_microbatch_overhead",
 )
-CALIBRATION_JSON = "dynbatch_calibration.json"
-
-
-def add_calibration_args(group: Any) -> None:
-    """Add the calibration flags to the dynamic-batching argument group."""
-    group.add_argument(
-        "--dynamic-batch-calibration-steps",
-        type=int,
-        default=DEFAULT_CALIBRATION_STEPS,
-        help="Fit the planner's cost model to this many measured training iterations, then plan "
-        f"with it (default {DEFAULT_CALIBRATION_STEPS}; 0 keeps the configured weights).",
-    )
-    group.add_argument(
-        "--dynamic-batch-calibration-output",
-        type=str,
-        default=None,
-        help=f"Directory for {CALIBRATION_YAML} (load it with --dynamic-batch-config) and "
-        f"{CALIBRATION_JSON}; default: --save.",
-    )
 
 
 @dataclass

@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.integrations.slime.config import check_index
+from megatron_dynbatch.integrations.slime.config import RESPONSE_FLOAT_KEYS, check_index
 from megatron_dynbatch.integrations.slime.empty_rank import (
     add_phantom_sample,
     masked_routed_experts,
@@ -56,16 +56,6 @@ __all__ = [
     "restore_rollout_order",
 ]
 
-#: Keys with one value per *response* token (slime's convention), as float32.
-RESPONSE_FLOAT_KEYS = (
-    "log_probs",
-    "ref_log_probs",
-    "values",
-    "advantages",
-    "returns",
-    "rollout_log_probs",
-    "teacher_log_probs",
-)
 #: Keys that are cut to this rank's context-parallel chunks before training (``actor.py``).
 CP_SLICED_KEYS = ("rollout_log_probs", "teacher_log_probs")
 #: Keys whose placeholder value is ``None`` (nothing to carry).

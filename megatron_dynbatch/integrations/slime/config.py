@@ -30,6 +30,7 @@ from megatron_dynbatch.planning.spec import check_int
 
 __all__ = [
     "DATA_PAD_SIZE_MULTIPLIER",
+    "RESPONSE_FLOAT_KEYS",
     "SLIME_OPTIONS",
     "SLIME_OVERSIZE_POLICIES",
     "check_index",
@@ -46,6 +47,17 @@ SLIME_OPTIONS = {
     "log_probs_max_tokens_per_gpu": "log_probs_max_tokens_per_gpu",
     "oversize_samples": "oversize_samples",
 }
+
+#: Keys with one value per *response* token (slime's convention), as float32.
+RESPONSE_FLOAT_KEYS = (
+    "log_probs",
+    "ref_log_probs",
+    "values",
+    "advantages",
+    "returns",
+    "rollout_log_probs",
+    "teacher_log_probs",
+)
 
 #: slime's ``--data-pad-size-multiplier`` default: ``get_batch`` pads every packed row to a
 #: multiple of ``tp_size`` times this.

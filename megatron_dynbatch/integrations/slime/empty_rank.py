@@ -26,6 +26,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from megatron_dynbatch.integrations.slime.config import RESPONSE_FLOAT_KEYS
+
 __all__ = ["PHANTOM_POSITION", "add_phantom_sample", "has_phantom", "log_rollout_data"]
 
 #: ``partition`` entry of the phantom sample: no position of the rollout.
@@ -44,8 +46,6 @@ def has_phantom(rollout_data: Dict[str, Any]) -> bool:
 
 
 def _phantom_value(key: str, values: Any, total: int, device: torch.device) -> Any:
-    from megatron_dynbatch.integrations.slime.backend import RESPONSE_FLOAT_KEYS
-
     response = total - _PROMPT
     if key == "tokens":
         return torch.zeros(total, dtype=torch.long, device=device)

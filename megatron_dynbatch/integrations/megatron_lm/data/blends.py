@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy
 import torch
 
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.integrations.megatron_lm.data.documents import SplitSamples
+
+if TYPE_CHECKING:  # documents imports this module: an annotation only, never run
+    from megatron_dynbatch.integrations.megatron_lm.data.documents import SplitSamples
 
 __all__ = ["Blend", "BlendedSamples", "blends_from_args", "blending_indices"]
 
