@@ -183,71 +183,13 @@ def test_skyrls_own_batching_unit_tests_pass_on_the_patched_tree(tmp_path, patch
 
 
 def _install_stubs():
-    """Register stand-ins for the STUBBED modules that are not installed; return their names."""
-    import importlib.abc
-    import importlib.machinery
-    import sys
-    import types
+    """Stand-ins for the STUBBED modules (and Megatron Bridge) that are not installed; returns
+    every module this process answers with a stand-in (the shared harness,
+    ``megatron_dynbatch.tools.testing.host_stubs``)."""
+    from megatron_dynbatch.tools.testing.host_stubs import install_stubs
 
-    installed = [f for f in sys.meta_path if type(f).__name__ == "_Finder"]
-    if installed:
-        # A rank of the persistent pool ran a SkyRL case before: megatron.bridge now "exists".
-        return installed[0].stubbed
-    missing = [m for m in STUBBED if importlib.machinery.PathFinder.find_spec(m) is None]
     # megatron.bridge (Megatron Bridge: HF checkpoint conversion) is a separate distribution.
-    bridge = importlib.util.find_spec("megatron.bridge") is None
-
-    class _Anything(type):
-        def __getattr__(cls, name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return _Anything(name, (), {})
-
-        def __call__(cls, *args, **kwargs):
-            # Stubbed decorators and annotations (pydantic's Discriminator("type"), ...).
-            return _Anything(cls.__name__, (), {})
-
-    class _StubModule(types.ModuleType):
-        __stub__ = True
-
-        def __getattr__(self, name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            value = _Anything(name, (), {})
-            setattr(self, name, value)
-            return value
-
-    class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-        def find_spec(self, name, path, target=None):
-            stub = name.split(".")[0] in missing
-            stub = stub or (
-                bridge and (name == "megatron.bridge" or name.startswith("megatron.bridge."))
-            )
-            if stub:
-                return importlib.machinery.ModuleSpec(name, self, is_package=True)
-            return None
-
-        def create_module(self, spec):
-            module = _StubModule(spec.name)
-            module.__path__ = []
-            if spec.name == "ray":
-
-                def remote(*args, **kwargs):
-                    if len(args) == 1 and callable(args[0]) and not kwargs:
-                        return args[0]
-                    return lambda f: f
-
-                module.remote = remote
-                module.is_initialized = lambda: False
-            return module
-
-        def exec_module(self, module):
-            pass
-
-    finder = _Finder()
-    finder.stubbed = missing + (["megatron.bridge"] if bridge else [])
-    sys.meta_path.insert(0, finder)
-    return finder.stubbed
+    return install_stubs(STUBBED, prefixes=("megatron.bridge",))
 
 
 _SKYRL_ROOTS = set()

@@ -200,48 +200,12 @@ def test_apply_is_idempotent_and_refuses_other_trees(tmp_path, stock_slime, patc
 
 
 def _install_stubs():
-    """Register empty stand-ins for the STUBBED modules that are not installed; return them."""
-    import importlib.abc
-    import importlib.machinery
-    import sys
-    import types
+    """Stand-ins for the STUBBED modules that are not installed; returns every module this
+    process answers with a stand-in (the shared harness,
+    ``megatron_dynbatch.tools.testing.host_stubs``)."""
+    from megatron_dynbatch.tools.testing.host_stubs import install_stubs
 
-    # PathFinder: what is really installed (our finder below would answer for the stubs).
-    missing = [m for m in STUBBED if importlib.machinery.PathFinder.find_spec(m) is None]
-
-    class _Anything(type):
-        def __getattr__(cls, name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return _Anything(name, (), {})
-
-    class _StubModule(types.ModuleType):
-        __stub__ = True
-
-        def __getattr__(self, name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            value = _Anything(name, (), {})
-            setattr(self, name, value)
-            return value
-
-    class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-        def find_spec(self, name, path, target=None):
-            if name.split(".")[0] in missing:
-                return importlib.machinery.ModuleSpec(name, self, is_package=True)
-            return None
-
-        def create_module(self, spec):
-            module = _StubModule(spec.name)
-            module.__path__ = []
-            return module
-
-        def exec_module(self, module):
-            pass
-
-    if not any(type(f).__name__ == "_Finder" for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
-    return missing
+    return install_stubs(STUBBED)
 
 
 def _rollout_batch(num_rollouts, sizes_seed=SEED, routed_experts=False):
