@@ -40,6 +40,7 @@ from megatron_dynbatch.integrations.skyrl.plan import (
 )
 from megatron_dynbatch.mcore.agreement import step_agreement
 from megatron_dynbatch.runtime import restore_order
+from megatron_dynbatch.runtime.placeholders import placeholder_tensor
 
 __all__ = ["PlannedBatchIterator", "planned_microbatch_iterator", "placeholder_rows"]
 
@@ -69,10 +70,7 @@ def placeholder_rows(data: Any, rows: int) -> Dict[str, Optional[torch.Tensor]]:
                 "plans padded [batch, seq] tensors only. Turn off controller-side sequence packing "
                 "and VLM inputs, or set trainer.use_dynamic_batch_size=false."
             )
-        filler = torch.zeros((rows, *value.shape[1:]), dtype=value.dtype, device=value.device)
-        if key == _ATTENTION_KEY:
-            filler[:, 0] = 1
-        out[key] = filler
+        out[key] = placeholder_tensor(value, rows=rows, attend_first=key == _ATTENTION_KEY)
     return out
 
 

@@ -227,18 +227,14 @@ def placeholder_micro_batch(data: Any, template_index: int, tu: Any) -> Any:
     """
     import torch
 
+    from megatron_dynbatch.runtime.placeholders import placeholder_tensor
+
     placeholder = tu.index_select_tensor_dict(data, [template_index])
     for key in list(placeholder.keys()):
         value = placeholder.get(key)
         if key in STRUCTURAL_KEYS or not isinstance(value, torch.Tensor):
             continue
-        if value.is_nested:
-            zeros = torch.nested.nested_tensor_from_jagged(
-                torch.zeros_like(value.values()), offsets=value.offsets()
-            )
-        else:
-            zeros = torch.zeros_like(value)
-        placeholder[key] = zeros
+        placeholder[key] = placeholder_tensor(value)
     return placeholder
 
 
