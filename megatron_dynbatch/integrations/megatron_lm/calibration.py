@@ -11,9 +11,9 @@ quarter of it, never below ``--seq-length``): smaller budgets are safe for memor
 different shapes token work, attention, per-micro-batch overhead and the per-step constant cannot
 be told apart. Then every rank fits the same weights from the same numbers
 (:func:`~megatron_dynbatch.planning.calibration.fit_cost_model`), rank 0's fit is broadcast (one
-collective, so plans stay identical even if floating point differed) and written into ``args``'
-``--dynamic-batch-cost-*`` values: the next batch is planned with it, and Megatron's checkpoint
-(which saves ``args``) records it. Rank 0 logs it and writes ``dynbatch_calibration.yaml`` (the
+collective, so plans stay identical even if floating point differed) and held in this module's
+calibration state (:func:`calibrated_config` applies it to the run's config; nothing is written
+into Megatron's ``args``): the next batch is planned with it. Rank 0 logs it and writes ``dynbatch_calibration.yaml`` (the
 ``cost_*`` keys ``--dynamic-batch-config`` loads) and ``dynbatch_calibration.json`` (the fit in
 seconds) into ``--save`` (or ``--dynamic-batch-calibration-output``). A run resumed from a
 ``--load`` directory holding ``dynbatch_calibration.json`` uses that fit and does not calibrate
@@ -25,16 +25,17 @@ user sees when the model is wrong.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_dynbatch.config import FLAGS
+from megatron_dynbatch.config import DynBatchConfig, config_from_mapping
 
 # The flags and file names live with the other arguments (no torch there); re-exported here.
 from megatron_dynbatch.integrations.megatron_lm.arguments import (
@@ -52,6 +53,7 @@ __all__ = [
     "CALIBRATION_YAML",
     "DEFAULT_CALIBRATION_STEPS",
     "add_calibration_args",
+    "calibrated_config",
     "calibration_log_string",
     "calibration_state",
     "observe_train_step",
@@ -61,8 +63,8 @@ __all__ = [
 
 #: Iterations at the start of a run that are never used (allocator and kernel warm-up).
 WARMUP_STEPS = 2
-#: The DynBatchConfig fields calibration changes (through Megatron's arguments, which checkpoints
-#: save): the budget and overhead while it varies shapes, then the fitted weights.
+#: The DynBatchConfig fields calibration changes (in its state's ``overrides``, never in Megatron's
+#: arguments): the budget and overhead while it varies shapes, then the fitted weights.
 CALIBRATED_FIELDS = (
     "max_tokens_per_gpu",
     "cost_token_weight",
@@ -91,6 +93,9 @@ class _State:
     """The configured attention weight, restored after calibration."""
     attention: Optional[str] = None
     """The attention kind the planner prices (resolved from Megatron's flags), read once."""
+    overrides: Dict[str, Any] = field(default_factory=dict)
+    """DynBatchConfig field -> the value calibration plans with now (a varied budget or overhead
+    while it measures, then the fitted weights); :func:`calibrated_config` applies them."""
 
 
 _state = _State()
@@ -105,6 +110,26 @@ def reset_calibration_state() -> None:
 def calibration_state() -> _State:
     """This process's calibration progress (read-only use)."""
     return _state
+
+
+def calibrated_config(config: DynBatchConfig, *, forward_only: bool = False) -> DynBatchConfig:
+    """``config`` with what calibration has changed so far (forward-only passes keep their budget).
+
+    Calibration is the one thing that changes the settings mid-run: while it measures it varies
+    the training budget and overhead, then it applies its fit. A resumed run gets the fit back
+    from the ``--load`` directory's ``dynbatch_calibration.json`` and the varied shapes from the
+    iteration number, so it plans as the straight run did.
+    """
+    changes = {
+        name: value
+        for name, value in _state.overrides.items()
+        if value is not None
+        and not (forward_only and name == "max_tokens_per_gpu")
+        and value != getattr(config, name)
+    }
+    if not changes:
+        return config
+    return config_from_mapping({**dataclasses.asdict(config), **changes})
 
 
 def _steps(args: Any) -> int:
@@ -167,10 +192,10 @@ def _output_dir(args: Any) -> Optional[str]:
 
 
 def _apply(args: Any, fit: Calibration) -> None:
-    """Plan the following batches with ``fit`` (args also go into Megatron's checkpoints)."""
+    """Plan the following batches with ``fit``."""
     model = fit.cost_model()
     for name in ("token_weight", "attention_weight", "microbatch_overhead"):
-        setattr(args, FLAGS["cost_" + name][2:].replace("-", "_"), getattr(model, name))
+        _state.overrides["cost_" + name] = getattr(model, name)
 
 
 def _load_resumed(args: Any) -> None:
@@ -241,8 +266,6 @@ def _write(args: Any, fit: Calibration) -> None:
 #: planner sees a large per-micro-batch overhead, which makes it pack few full rows, and whether
 #: it sees attention priced, which under row-wise attention makes those rows short).
 _SHAPES = ((1, False, False), (1, True, True), (2, True, False), (4, False, False))
-_OVERHEAD_DEST = FLAGS["cost_microbatch_overhead"][2:].replace("-", "_")
-_ATTENTION_DEST = FLAGS["cost_attention_weight"][2:].replace("-", "_")
 #: Attention kinds whose row costs its whole S^2 whatever it holds (planning/spec.py).
 _ROW_WISE = ("dense", "causal")
 
@@ -267,30 +290,32 @@ def _vary_budget(args: Any, next_iteration: int) -> None:
     if getattr(args, "rollouts_per_step", None) is not None:
         return
     if _state.budget is None:
-        _state.budget = int(args.max_tokens_per_gpu)
-        _state.overhead = getattr(args, _OVERHEAD_DEST, None)
-        _state.attention_weight = getattr(args, _ATTENTION_DEST, None)
+        from .arguments import dynbatch_config_from_args
+
+        configured = dynbatch_config_from_args(args)
+        _state.budget = configured.max_tokens_per_gpu
+        _state.overhead = configured.cost_microbatch_overhead
+        _state.attention_weight = configured.cost_attention_weight
     # Never below the longest sample (--seq-length), so no sample becomes oversize, and never
     # above the configured budget: a budget already below --seq-length (truncate / allow) stays as
     # it is, since a smaller one would cut, and so train, different tokens.
     floor = min(_state.budget, int(getattr(args, "seq_length", 1) or 1))
     divisor, heavy, short = _SHAPES[next_iteration % len(_SHAPES)]
-    args.max_tokens_per_gpu = max(floor, _state.budget // divisor)
-    setattr(args, _OVERHEAD_DEST, float(_state.budget) if heavy else _state.overhead)
+    overrides = _state.overrides
+    overrides["max_tokens_per_gpu"] = max(floor, _state.budget // divisor)
+    overrides["cost_microbatch_overhead"] = float(_state.budget) if heavy else _state.overhead
     if short and _attention_kind(args) in _ROW_WISE:
         # A row's attention as costly as its tokens at the budget: the fewest micro-batches still
         # win (the overhead above), and among them the shortest rows.
-        setattr(args, _ATTENTION_DEST, 1.0 / _state.budget)
+        overrides["cost_attention_weight"] = 1.0 / _state.budget
     else:
-        setattr(args, _ATTENTION_DEST, _state.attention_weight)
+        overrides["cost_attention_weight"] = _state.attention_weight
 
 
 def _restore(args: Any) -> None:
     """The configured budget and overhead again (before a fit, if any, is applied)."""
-    if _state.budget is not None:
-        args.max_tokens_per_gpu = _state.budget
-        setattr(args, _OVERHEAD_DEST, _state.overhead)
-        setattr(args, _ATTENTION_DEST, _state.attention_weight)
+    for name in ("max_tokens_per_gpu", "cost_microbatch_overhead", "cost_attention_weight"):
+        _state.overrides.pop(name, None)
 
 
 def resume_calibration(args: Any) -> None:

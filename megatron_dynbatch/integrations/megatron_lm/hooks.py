@@ -63,7 +63,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.rerun_state_machine import RerunDataIterator
 from megatron.core.utils import get_model_config
 
-from megatron_dynbatch.config import FLAGS, DynBatchConfig
+from megatron_dynbatch.config import DynBatchConfig
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.megatron_lm.arguments import (
     dynbatch_config_from_args,
@@ -71,7 +71,7 @@ from megatron_dynbatch.integrations.megatron_lm.arguments import (
     validate_dynamic_batch_args,
 )
 from megatron_dynbatch.integrations.megatron_lm.calibration import (
-    CALIBRATED_FIELDS,
+    calibrated_config,
     calibration_log_string,
     observe_train_step,
     reset_calibration_state,
@@ -194,21 +194,8 @@ class DynamicBatchHooks:
         return self._planners[key]
 
     def _calibrated(self, forward_only: bool) -> DynBatchConfig:
-        """The run's config with what calibration has changed so far.
-
-        Calibration is the one thing that changes the settings mid-run: while it measures it
-        varies the training budget and overhead, then it applies its fit. It records them in
-        Megatron's arguments, which checkpoints save, so a resumed run plans as the straight run;
-        here they are read back (forward-only passes keep their budget).
-        """
-        changes = {}
-        for field in CALIBRATED_FIELDS:
-            if forward_only and field == "max_tokens_per_gpu":
-                continue
-            value = getattr(self.args, FLAGS[field][2:].replace("-", "_"), None)
-            if value is not None and value != getattr(self.config, field):
-                changes[field] = value
-        return dataclasses.replace(self.config, **changes) if changes else self.config
+        """The run's config with what calibration has changed so far (its state, not ``args``)."""
+        return calibrated_config(self.config, forward_only=forward_only)
 
     def _plan(self, batch: Any, layout: ParallelLayout, forward_only: bool) -> Tuple[Plan, float]:
         config = self.planner(layout, forward_only=forward_only)
