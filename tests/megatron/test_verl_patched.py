@@ -523,11 +523,16 @@ def test_an_oversize_sample_is_refused_on_every_rank_naming_verls_key(patched_ve
 
 
 #: verl's own CPU unit tests of what the patches touch (seqlen balancing and dynamic micro-batches,
-#: ``prepare_micro_batches``, the engine configs), run on the patched tree.
+#: ``prepare_micro_batches``, the engine configs, the Megatron engine's forward step and its
+#: helpers), run on the patched tree. Not run: ``test_engine_return_model_output_on_cpu.py``
+#: (it imports verl's whole worker stack: pydantic, rollout servers).
 VERL_OWN_TESTS = (
     "tests/utils/test_seqlen_balancing.py",
     "tests/utils/test_prepare_micro_batches_with_group_size.py",
     "tests/workers/config/test_engine_config_on_cpu.py",
+    "tests/workers/test_engine_forward_step_detach_on_cpu.py",
+    "tests/workers/test_router_replay_engine_helpers_on_cpu.py",
+    "tests/workers/test_packed_pad_to_length_on_cpu.py",
 )
 #: Deselected, with the reason: it spawns fresh processes (``mp.spawn``) that run an NCCL process
 #: group on GPUs (and do not inherit the stubs).
