@@ -38,7 +38,7 @@ from megatron_dynbatch.integrations.skyrl.plan import (
     check_lengths,
     plan_skyrl_minibatch,
 )
-from megatron_dynbatch.mcore.agreement import step_agreement
+from megatron_dynbatch.mcore.agreement import gather_lengths, step_agreement
 from megatron_dynbatch.runtime import restore_order
 from megatron_dynbatch.runtime.placeholders import placeholder_tensor
 
@@ -212,12 +212,6 @@ class PlannedBatchIterator:
         return out
 
 
-def _gather_lengths(lengths: List[int], group) -> List[List[int]]:
-    gathered: List[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, lengths, group=group)
-    return [list(x) for x in gathered]
-
-
 def planned_microbatch_iterator(
     data: Any,
     max_tokens_per_microbatch: int,
@@ -253,7 +247,7 @@ def planned_microbatch_iterator(
         lengths = _real_tokens(data)
         check_lengths([lengths])
         check_budget(max_tokens_per_microbatch)
-    gathered = _gather_lengths(lengths, dp_group)
+    gathered = gather_lengths(lengths, dp_group)
     with step_agreement(dp_group, what=f"{what}: planning") as agreement:
         plan = plan_skyrl_minibatch(gathered, max_tokens_per_microbatch, **kwargs)
         iterator = PlannedBatchIterator(data, plan, dist.get_rank(dp_group))

@@ -238,14 +238,6 @@ def placeholder_micro_batch(data: Any, template_index: int, tu: Any) -> Any:
     return placeholder
 
 
-def _gather(lengths: List[int], group) -> List[List[int]]:
-    import torch.distributed as dist
-
-    gathered: List[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, lengths, group=group)
-    return [list(x) for x in gathered]
-
-
 def prepare_micro_batches(
     engine: Any, data: Any, *, vpp_size: Optional[int] = None
 ) -> Tuple[List[Any], PlannedMicroBatches]:
@@ -263,7 +255,7 @@ def prepare_micro_batches(
     from megatron.core import parallel_state as mpu
     from verl.utils import tensordict_utils as tu
 
-    from megatron_dynbatch.mcore.agreement import step_agreement
+    from megatron_dynbatch.mcore.agreement import gather_lengths, step_agreement
 
     vpp = vpp_size or 1
     group = engine.get_data_parallel_group()
@@ -288,7 +280,7 @@ def prepare_micro_batches(
             # verl pads every BSHD micro-batch to this rank's longest sample: that is each
             # sample's footprint.
             lengths = [max(lengths, default=0)] * len(lengths)
-    gathered = _gather(lengths, group)
+    gathered = gather_lengths(lengths, group)
     dp_rank = dist.get_rank(group)
     with step_agreement(group, what=f"{what}: planning") as agreement:
         plan = plan_verl_batch(gathered, config)
