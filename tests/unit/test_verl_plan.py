@@ -5,6 +5,7 @@ the settings it refuses. verl's own engine runs in tests/megatron/test_verl_patc
 import random
 import types
 
+import numpy
 import pytest
 
 from megatron_dynbatch.errors import DynBatchValueError
@@ -92,6 +93,7 @@ def test_an_oversize_sample_is_refused_naming_verls_keys_and_the_cp_cap():
 
 
 def test_bad_budgets_empty_ranks_and_empty_samples_are_refused():
+    assert _config(numpy.int64(64)).max_tokens_per_gpu == 64  # verl may hand a numpy integer
     for budget in (0, -5, 1.5, True, None):
         with pytest.raises(DynBatchValueError, match="max_token_len_per_gpu"):
             _config(budget)

@@ -44,6 +44,7 @@ parallelism (verl's own scheduler), ``force_group_size > 1`` (reward-model pairs
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from megatron_dynbatch.config import config_from_mapping
@@ -159,6 +160,8 @@ def verl_planner_config(
     Raises:
         DynBatchValueError: when the budget is not a positive integer, naming verl's keys.
     """
+    if isinstance(budget, numbers.Integral) and not isinstance(budget, bool):
+        budget = int(budget)  # verl may hand a numpy integer
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise DynBatchValueError(
             f"max_token_len_per_gpu={budget!r} must be a positive integer with use_dynamic_bsz; "
@@ -273,13 +276,14 @@ def prepare_micro_batches(
             cp_size=engine.engine_config.context_parallel_size,
             packed=bool(engine.engine_config.use_remove_padding),
         )
-        lengths = _lengths(data)
+        real = _lengths(data)
+        lengths = real
         if not engine.engine_config.use_remove_padding and getattr(
             engine.engine_config, "pad_bshd_to_minibatch_max", False
         ):
             # verl pads every BSHD micro-batch to this rank's longest sample: that is each
             # sample's footprint.
-            lengths = [max(lengths, default=0)] * len(lengths)
+            lengths = [max(real, default=0)] * len(real)
     gathered = gather_lengths(lengths, group)
     dp_rank = dist.get_rank(group)
     with step_agreement(group, what=f"{what}: planning") as agreement:
@@ -288,7 +292,7 @@ def prepare_micro_batches(
         indices = PlannedMicroBatches(plan, dp_rank)
         micro_batches = [tu.index_select_tensor_dict(data, mb) for mb in indices]
         if plan.placeholders(dp_rank):
-            shortest = min(range(len(lengths)), key=lambda i: (lengths[i], i))
+            shortest = min(range(len(real)), key=lambda i: (real[i], i))
             filler = placeholder_micro_batch(data, shortest, tu)
             micro_batches.extend(filler.clone() for _ in range(plan.placeholders(dp_rank)))
     return micro_batches, indices
