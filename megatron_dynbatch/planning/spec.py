@@ -321,7 +321,8 @@ class PlannerConfig:
     """Each micro-batch runs its own row length (its padded tokens rounded up to
     ``row_multiple``) instead of the step's longest: for trainers that exchange shapes per
     micro-batch (slime always; Megatron-LM with ``--variable-seq-lengths``). ``packed`` only; a
-    placeholder takes the step's shortest real row, so it adds no shape the step does not use."""
+    row is rounded only while it stays within the cap, and a placeholder runs the shortest row,
+    one ``row_multiple`` (:func:`.shape.variable_rows`)."""
     row_multiple: int = 1
     """Variable rows are padded to a multiple of this and of the sample multiple (slime: 128 x
     tp)."""

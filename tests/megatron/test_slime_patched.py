@@ -704,6 +704,7 @@ def _slime_body(
         "global_batch_sizes": list(rollout_data["global_batch_sizes"]),
         "placeholders_only": dp > 1 and rollout_data["partition"] == [-1],
         "num_placeholders": sum(1 for mb in rollout_data["micro_batch_indices"] if not mb),
+        "row_lengths": list(getattr(iterators[0], "row_lengths", ())),
         "last_stage_outputs": len(last),
         "actor": actor,
         "replays": replays,
@@ -929,6 +930,10 @@ def test_slime_train_one_step_and_forward_only_match_reference(
     assert sorted(p for part in partitions for p in part) == list(range(reference["num_samples"]))
     if rollouts == 1:
         assert any(r["placeholders_only"] for r in results)
+    else:
+        # slime exchanges shapes: each micro-batch ran its own row (DPSchedule.row_lengths).
+        rows = [row for r in results for row in r["row_lengths"]]
+        assert len(set(rows)) > 1, rows
     print(
         f"\n[slime {layout} dp={dp}] steps={num_steps} counts={results[0]['num_microbatches']} "
         f"gbs={results[0]['global_batch_sizes']} grad rel diff max={worst:.2e} log-prob abs diff "

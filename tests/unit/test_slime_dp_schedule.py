@@ -305,7 +305,8 @@ def test_return_value_unpacks_as_slimes_and_carries_row_shapes():
     assert fields["dynbatch_logprob_micro_batch_indices"] == (
         schedule.forward_only.micro_batch_indices[1]
     )
-    assert fields["dynbatch_logprob_row_length"] == schedule.forward_only.row_length
+    assert fields["dynbatch_logprob_row_lengths"] == schedule.forward_only.row_lengths[1]
+    assert fields["dynbatch_row_lengths"] == schedule.row_lengths[1]
 
 
 def test_numpy_integers_are_accepted():

@@ -103,9 +103,9 @@ def masked_routed_experts(
 
 def add_phantom_sample(
     rollout_data: Dict[str, Any],
-    forward_only: Optional[Tuple[List[List[int]], int]],
+    forward_only: Optional[Tuple[List[List[int]], List[int]]],
     cp_size: int = 1,
-) -> Optional[Tuple[List[List[int]], int]]:
+) -> Optional[Tuple[List[List[int]], List[int]]]:
     """Give a rank without samples one phantom sample (local index 0), in place.
 
     Every empty per-sample list of ``rollout_data`` gets the phantom's value; the phantom takes the
@@ -138,10 +138,10 @@ def add_phantom_sample(
     micro_batches[0] = [0]
     if forward_only is None:
         return None
-    forward_micro_batches, row = forward_only
+    forward_micro_batches, rows = forward_only
     forward_micro_batches = [list(mb) for mb in forward_micro_batches]
     forward_micro_batches[0] = [0]
-    return forward_micro_batches, row
+    return forward_micro_batches, rows
 
 
 def log_rollout_data(rollout_id: int, args: Any, rollout_data: Dict[str, Any]) -> None:
