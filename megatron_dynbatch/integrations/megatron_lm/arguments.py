@@ -97,6 +97,15 @@ _INCOMPATIBLE = (
 )
 
 
+#: Where ``--variable-seq-lengths`` is stored: Megatron-LM's ``validate_args`` resets its own
+#: ``args.variable_seq_lengths`` (it has no flag for it), so the request keeps a name of ours.
+VARIABLE_SEQ_LENGTHS_DEST = "dynamic_batch_variable_seq_lengths"
+#: With ``--variable-seq-lengths`` each micro-batch's row is its samples rounded up to this (and
+#: to the sample multiple): at most 63 tokens of padding a row, while the number of distinct
+#: shapes a run meets (kernel autotuning, allocator caching) stays bounded.
+VARIABLE_ROW_MULTIPLE = 64
+
+
 def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the dynamic-batching flags to Megatron's parser; an ``extra_args_provider``.
 
@@ -177,6 +186,14 @@ def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.Argument
         default=None,
         help="A sample longer than the budget: error (default) refuses the batch, truncate cuts "
         "it to the budget, allow runs it alone over the budget.",
+    )
+    group.add_argument(
+        "--variable-seq-lengths",
+        dest=VARIABLE_SEQ_LENGTHS_DEST,
+        action="store_true",
+        help="Each micro-batch runs its own row length (its samples rounded up to 64 tokens) "
+        "instead of the step's longest; megatron.core then exchanges every micro-batch's shape "
+        "before its pipeline send (variable_seq_lengths). Without it rows are uniform.",
     )
     group.add_argument(
         "--dynamic-batch-config",
@@ -300,10 +317,13 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
     """
     given = _given(args)
     config_path = getattr(args, "dynamic_batch_config", None)
+    variable = bool(getattr(args, VARIABLE_SEQ_LENGTHS_DEST, False))
     if not getattr(args, "use_dynamic_batch_size", False):
         stray = [FLAGS[field] for field in given]
         if config_path is not None:
             stray.append("--dynamic-batch-config")
+        if variable:
+            stray.append("--variable-seq-lengths")
         if stray:
             raise DynBatchValueError(
                 f"{', '.join(stray)} given without --use-dynamic-batch-size, so they would be "
@@ -313,6 +333,11 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
         return None
 
     config = dynbatch_config_from_args(args)
+    if variable and config.layout != "packed":
+        raise DynBatchValueError(
+            f"--variable-seq-lengths needs {FLAGS['layout']} packed (padded [B, S] rows all have "
+            "the longest sample's length); drop one of them."
+        )
 
     if not getattr(args, "calculate_per_token_loss", False):
         raise DynBatchValueError(

@@ -150,6 +150,7 @@ def _observation_of(batch: Any, plan: Any, step_index: int, args: Any) -> Observ
         vpp_size=layout.vpp_size,
         group=layout.microbatch_group_size_per_vp_stage,
         attention=_attention_kind(args),
+        row_lengths=step.row_lengths or None,
     )
 
 

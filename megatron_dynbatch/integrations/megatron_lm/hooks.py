@@ -66,6 +66,8 @@ from megatron.core.utils import get_model_config
 from megatron_dynbatch.config import FLAGS, DynBatchConfig
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.megatron_lm.arguments import (
+    VARIABLE_ROW_MULTIPLE,
+    VARIABLE_SEQ_LENGTHS_DEST,
     dynbatch_config_from_args,
     parallel_layout_from_args,
     validate_dynamic_batch_args,
@@ -114,7 +116,8 @@ class DynamicStep:
     num_microbatches: int
     """Micro-batches per DP rank this step (``num_microbatches`` of ``forward_backward_func``)."""
     seq_length: int
-    """The step's uniform row length (sizes the pipeline's p2p buffers)."""
+    """The step's row length (sizes the pipeline's p2p buffers); with ``--variable-seq-lengths``
+    the longest row, each micro-batch's own shape being exchanged before its send."""
     micro_batch_size: int
     """Rows per micro-batch (packed: usually 1, more where attention pays S**2 a row)."""
     data_iterator: Any
@@ -185,12 +188,21 @@ class DynamicBatchHooks:
         self.last_step: Optional[DynamicStep] = None
         self.totals = _Totals()
 
+    @property
+    def variable_rows(self) -> bool:
+        """``--variable-seq-lengths``: every micro-batch its own row, shapes exchanged."""
+        return bool(getattr(self.args, VARIABLE_SEQ_LENGTHS_DEST, False))
+
     def planner(self, layout: ParallelLayout, *, forward_only: bool) -> PlannerConfig:
         """The planner config of ``layout`` (training, or forward-only under the log-prob budget)."""
         config = self._calibrated(forward_only)
         key = (layout, forward_only, config)
         if key not in self._planners:
-            self._planners[key] = config.planner_config(layout, forward_only=forward_only)
+            self._planners[key] = config.planner_config(
+                layout,
+                forward_only=forward_only,
+                row_multiple=VARIABLE_ROW_MULTIPLE if self.variable_rows else None,
+            )
         return self._planners[key]
 
     def _calibrated(self, forward_only: bool) -> DynBatchConfig:
@@ -237,6 +249,11 @@ class DynamicBatchHooks:
         if kind == "train":
             resume_calibration(self.args)  # before planning: a resumed run plans with its fit
         with step_agreement(check_group or dist.group.WORLD, what=self._what(kind)) as agreement:
+            if self.variable_rows:
+                # Megatron-LM's validate_args resets args.variable_seq_lengths; the schedule's p2p
+                # reads the model config's at every call, so the rows may vary from here on.
+                for chunk in model_chunks:
+                    get_model_config(chunk).variable_seq_lengths = True
             layout = _parallel_layout(self.args, model_chunks, dp_group)
             if kind == "train":
                 cursor = self._train_cursor(source, layout)
@@ -561,7 +578,11 @@ def _materialize(
         num_samples=len(step.sample_indices()),
         num_rollouts=step.num_rollouts,
         real_tokens=step.real_tokens,
-        computed_tokens=dp_size * step.num_microbatches * step.micro_batch_size * step.seq_length,
+        computed_tokens=(
+            sum(map(sum, step.row_lengths))
+            if step.row_lengths
+            else dp_size * step.num_microbatches * step.micro_batch_size * step.seq_length
+        ),
         step_index=step_index,
         plan_fingerprint=plan.fingerprint(),
         loaded_samples=loaded,
