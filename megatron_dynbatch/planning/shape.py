@@ -39,6 +39,7 @@ Layouts:
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import math
 from dataclasses import dataclass
@@ -147,11 +148,27 @@ def variable_rows(loads: Sequence[int], multiple: int, cap: int) -> List[int]:
 def choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
     """The fastest candidate shape of the step, and the fewest micro-batches per rank it packs into.
 
+    With variable rows whose shape exchange has a cost (``CostModel.shape_exchange_overhead``:
+    a host that exchanges shapes only for steps whose rows differ, as the Megatron-LM entry does
+    with ``--variable-seq-lengths``), uniform rows stay a candidate: the step runs them when they
+    are predicted faster (ties to uniform rows, which exchange nothing).
+
     Raises:
         ValueError: when the layout forces more placeholder micro-batches than is sane (see
             :func:`_check_placeholders`).
     """
     _check_placeholders(problem)
+    if problem.row_multiple is None or problem.model.shape_exchange_overhead <= 0:
+        return _choose_shape(problem)
+    uniform, fewest_uniform = _choose_shape(dataclasses.replace(problem, row_multiple=None))
+    variable, fewest = _choose_shape(problem)
+    if variable.step_time < uniform.step_time * (1.0 - _TIE):
+        return variable, fewest
+    return uniform, fewest_uniform
+
+
+def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
+    """:func:`choose_shape` for the rows ``problem`` says (uniform, or each its own)."""
     # (M, B) -> the candidate; B > 1 only for packed rows under row-wise attention.
     scored: Dict[Tuple[int, int], StepShape] = {}
     fastest = math.inf

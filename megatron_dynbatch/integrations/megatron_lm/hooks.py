@@ -251,9 +251,8 @@ class DynamicBatchHooks:
         with step_agreement(check_group or dist.group.WORLD, what=self._what(kind)) as agreement:
             if self.variable_rows:
                 # Megatron-LM's validate_args resets args.variable_seq_lengths; the schedule's p2p
-                # reads the model config's at every call, so the rows may vary from here on.
-                for chunk in model_chunks:
-                    get_model_config(chunk).variable_seq_lengths = True
+                # reads the model config's at every call. Checked (interleaving at pp 2) as on.
+                _exchange_shapes(model_chunks, True)
             layout = _parallel_layout(self.args, model_chunks, dp_group)
             if kind == "train":
                 cursor = self._train_cursor(source, layout)
@@ -272,6 +271,10 @@ class DynamicBatchHooks:
                 assert len(plan.steps) == 1, "a forward-only plan has one step"
                 step_index = 0
             agreement.fingerprint = plan.fingerprint()
+            if self.variable_rows:
+                # Shapes are exchanged only for a step whose rows differ: the planner ran uniform
+                # rows where the exchange's cost made them faster (every rank planned the same).
+                _exchange_shapes(model_chunks, bool(plan.steps[step_index].row_lengths))
             step = _materialize(batch, plan, step_index, dp_group, pp_group, model_chunks, seconds)
         if kind == "train":
             self._record(step)
@@ -490,6 +493,12 @@ def write_dynamic_scalars(iteration: int, writer: Any = None, wandb_writer: Any 
             writer.add_scalar(tag, value, iteration)
     if wandb_writer is not None:
         wandb_writer.log(scalars, iteration)
+
+
+def _exchange_shapes(model_chunks: List[torch.nn.Module], on: bool) -> None:
+    """Whether megatron.core's p2p exchanges each micro-batch's shape before sending it."""
+    for chunk in model_chunks:
+        get_model_config(chunk).variable_seq_lengths = on
 
 
 def _as_chunks(model: Any) -> List[torch.nn.Module]:
