@@ -435,8 +435,11 @@ class _Recorder:
         return True, 0.0, 0
 
 
-def _thd_chunk(ddp_chunk):
-    """A model chunk taking slime's forward kwargs; THD cu_seqlens become a block mask (CPU)."""
+def _thd_chunk(ddp_chunk, cp=1):
+    """A model chunk taking slime's forward kwargs; THD cu_seqlens become a block mask (CPU).
+
+    ``cp > 1``: the chunk has no attention (:func:`build_tiny_gpt` ``attention=False``), so this
+    rank's zigzag pieces of every sample run as they are (no mask, positions unused)."""
     from megatron_dynbatch.mcore.forward import build_attention_mask
 
     class ThdAsMask(torch.nn.Module):
@@ -452,6 +455,10 @@ def _thd_chunk(ddp_chunk):
 
         def forward(self, input_ids, position_ids, attention_mask, labels, packed_seq_params, **kw):
             length = input_ids.shape[1]
+            if cp > 1:
+                bounds = packed_seq_params.cu_seqlens_q.to(torch.long)
+                assert int(bounds[-1]) == length * cp, (bounds, length, cp)
+                return self.module(input_ids, None, None)
             bounds = packed_seq_params.cu_seqlens_q.to(torch.long)
             assert int(bounds[-1]) == length, (bounds, length)
             positions = torch.arange(length)
@@ -572,6 +579,7 @@ def _slime_body(
     dynamic=True,
     estimator=None,
     replay=None,
+    attention=True,
 ):
     """slime's forward_only and train_one_step on this rank; ``dynamic=False``: with the flag off
     and slime's own schedule (to compare a patched tree with the stock one). ``replay``: None for
@@ -605,6 +613,7 @@ def _slime_body(
     pp = ps.get_pipeline_model_parallel_world_size()
     dp = ps.get_data_parallel_world_size()
     dp_rank = ps.get_data_parallel_rank()
+    cp = ps.get_context_parallel_world_size()
     args = _slime_args(per_token, max_tokens, pp)
     args.use_dynamic_batch_size = dynamic
     set_args(args)
@@ -621,6 +630,7 @@ def _slime_body(
         calculate_per_token_loss=per_token,
         **(MOE if replay else {}),
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        context_parallel_size=cp,
     )
     # slime always runs Megatron with variable_seq_lengths (its arguments.py forces it); with
     # interleaving at pp = 2 that needs overlap_p2p_comm, Megatron-LM's default there.
@@ -631,15 +641,15 @@ def _slime_body(
     config.finalize_model_grads_func = finalize_model_grads
     if replay:
         _enable_routing_replay(args, replay)
-    chunks = build_tiny_gpt(config, seed=SEED)
+    chunks = build_tiny_gpt(config, seed=SEED, attention=attention)
     if replay:
         _install_slime_router_hooks(chunks)
     ddp_chunks = wrap_in_ddp(chunks)
-    model = [_thd_chunk(c) for c in ddp_chunks]
+    model = [_thd_chunk(c, cp) for c in ddp_chunks]
 
     tp_config = {
         "dp_size": dp,
-        "cp_size": 1,
+        "cp_size": cp,
         "vpp_size": vpp,
         # Megatron's default interleaving group: the pipeline size.
         "microbatch_group_size_per_vp_stage": pp if vpp > 1 else 1,
@@ -647,6 +657,20 @@ def _slime_body(
     args.global_batch_size = gbs
     rollout_data = _rank_rollout_data(slime_root, args, tp_config, data, dp_rank)
     iterators = slime_data.get_data_iterator(rollout_data)
+    if cp > 1:
+        # What slime's compute_advantages_and_returns gives under CP (after get_data_iterator,
+        # which adds a sample-less rank's phantom): this rank's zigzag share of each response.
+        from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
+
+        rollout_data["advantages"] = [
+            slice_log_prob_with_cp(a, t, r)
+            for a, t, r in zip(
+                rollout_data["advantages"],
+                rollout_data["total_lengths"],
+                rollout_data["response_lengths"],
+                strict=True,
+            )
+        ]
     started = time.monotonic()
     try:
         if replay == "r3":
@@ -698,7 +722,13 @@ def _slime_body(
         # A rank without samples holds one phantom (rollout position -1) that trains nothing.
         "partition": [p for p in rollout_data["partition"] if p >= 0],
         "log_probs": [
-            lp.clone() for lp, p in zip(group_lp, rollout_data["partition"], strict=True) if p >= 0
+            lp.clone()
+            for lp, p in zip(
+                _whole_responses(group_lp, rollout_data) if cp > 1 else group_lp,
+                rollout_data["partition"],
+                strict=True,
+            )
+            if p >= 0
         ],
         "num_microbatches": list(rollout_data["num_microbatches"]),
         "global_batch_sizes": list(rollout_data["global_batch_sizes"]),
@@ -709,6 +739,31 @@ def _slime_body(
         "actor": actor,
         "replays": replays,
     }
+
+
+def _whole_responses(local, rollout_data):
+    """Per-sample response values held per CP rank (slime's zigzag slices), made whole again
+    from every CP rank's share (to compare with a reference run without CP)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
+
+    totals, responses = rollout_data["total_lengths"], rollout_data["response_lengths"]
+    positions = [
+        slice_log_prob_with_cp(torch.arange(r), t, r)
+        for t, r in zip(totals, responses, strict=True)
+    ]
+    group = ps.get_context_parallel_group()
+    shares = [None] * dist.get_world_size(group)
+    dist.all_gather_object(
+        shares, [(p, v.detach()) for p, v in zip(positions, local, strict=True)], group=group
+    )
+    whole = [torch.full((r,), float("nan")) for r in responses]
+    for share in shares:
+        for full, (where, values) in zip(whole, share, strict=True):
+            full[where] = values.to(full.dtype)
+    assert all(bool(torch.isfinite(w).all()) for w in whole), "a response position was lost"
+    return whole
 
 
 def _actor_path(slime_root, args, model, iterators, rollout_data, estimator):
@@ -793,7 +848,7 @@ class _ForcedTopk:
         return scores.gather(1, self.indices), self.indices
 
 
-def _reference_body(num_rollouts, gbs, max_tokens, per_token, replay=None):
+def _reference_body(num_rollouts, gbs, max_tokens, per_token, replay=None, attention=True):
     """Each sample alone through a single-process tiny GPT: per-step gradients, log-probs.
     ``replay``: the tiny MoE; with ``"r3"`` every sample is routed to its rollout experts."""
     from megatron_dynbatch.adapters.slime import build_dp_schedule
@@ -806,7 +861,7 @@ def _reference_body(num_rollouts, gbs, max_tokens, per_token, replay=None):
 
     data = _rollout_batch(num_rollouts, routed_experts=replay == "r3")
     config = tiny_transformer_config(calculate_per_token_loss=per_token, **(MOE if replay else {}))
-    [model] = build_tiny_gpt(config, seed=SEED)
+    [model] = build_tiny_gpt(config, seed=SEED, attention=attention)
     routers = _routers([model]) if replay == "r3" else []
     for router in routers:
         router.router_replay = _ForcedTopk()
@@ -938,6 +993,50 @@ def test_slime_train_one_step_and_forward_only_match_reference(
         f"\n[slime {layout} dp={dp}] steps={num_steps} counts={results[0]['num_microbatches']} "
         f"gbs={results[0]['global_batch_sizes']} grad rel diff max={worst:.2e} log-prob abs diff "
         f"max={worst_lp:.2e} wall={wall:.1f}s stubbed={results[0]['stubbed']}"
+    )
+
+
+CP_CASES = [
+    # (world, layout, rollouts, gbs, per_token); dp = world / cp
+    pytest.param(2, Layout(cp=2), 7, 3, True, id="cp2-dp1-token-mean"),
+    pytest.param(4, Layout(cp=2), 7, 3, True, id="cp2-dp2-token-mean"),
+    pytest.param(4, Layout(cp=2), 7, 3, False, id="cp2-dp2-rollout-mean"),
+    pytest.param(4, Layout(cp=2), 1, 1, True, id="cp2-dp2-one-rank-only-placeholders"),
+]
+
+
+@needs_slime
+@pytest.mark.parametrize("world, layout, rollouts, gbs, per_token", CP_CASES)
+def test_context_parallel_matches_reference(patched_slime, world, layout, rollouts, gbs, per_token):
+    """``--context-parallel-size 2`` through slime: get_batch's zigzag split of every sample and
+    placeholder, the per-CP-rank log-probs and advantages slime keeps, the step agreement's
+    checks of them, our loss (slime's CP reducer, loss x cp, the full token count) and Megatron's
+    gradient reduction over DP x CP. The CPU's local attention cannot split a sequence, so the
+    tiny GPT here has layers without attention (embedding, norms, MLP, output: per-token work,
+    which CP splits exactly); gradients and log-probs equal the per-sample reference of the same
+    model without CP."""
+    results = run_on_ranks(
+        world,
+        _slime_body,
+        patched_slime,
+        rollouts,
+        gbs,
+        64,
+        per_token,
+        attention=False,
+        layout=layout,
+    )
+    [reference] = run_on_ranks(
+        1, _reference_body, rollouts, gbs, 64, per_token, attention=False, layout=Layout()
+    )
+    num_steps, worst, worst_lp = _compare_with_reference(results, reference)
+    partitions = {tuple(r["partition"]) for r in results}
+    assert sorted(p for part in partitions for p in part) == list(range(reference["num_samples"]))
+    if rollouts == 1:
+        assert any(r["placeholders_only"] for r in results)
+    print(
+        f"\n[slime cp=2 dp={world // 2}] steps={num_steps} grad rel diff max={worst:.2e} "
+        f"log-prob abs diff max={worst_lp:.2e}"
     )
 
 

@@ -43,8 +43,10 @@ def has_phantom(rollout_data: Dict[str, Any]) -> bool:
     return list(rollout_data.get("partition") or ()) == [PHANTOM_POSITION]
 
 
-def _phantom_value(key: str, values: Any, total: int, device: torch.device) -> Any:
-    from megatron_dynbatch.integrations.slime.backend import RESPONSE_FLOAT_KEYS
+def _phantom_value(
+    key: str, values: Any, total: int, device: torch.device, cp_size: int = 1
+) -> Any:
+    from megatron_dynbatch.integrations.slime.backend import CP_SLICED_KEYS, RESPONSE_FLOAT_KEYS
 
     response = total - _PROMPT
     if key == "tokens":
@@ -58,7 +60,13 @@ def _phantom_value(key: str, values: Any, total: int, device: torch.device) -> A
     if key == "partition":
         return PHANTOM_POSITION
     if key in RESPONSE_FLOAT_KEYS:
-        return torch.zeros(response, dtype=torch.float32, device=device)
+        values = torch.zeros(response, dtype=torch.float32, device=device)
+        if key in CP_SLICED_KEYS and cp_size > 1:
+            # slime's actor cut these to this CP rank's chunks before the phantom was added.
+            from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
+
+            values = slice_log_prob_with_cp(values, total, response)
+        return values
     if key == "multimodal_train_inputs":
         return None
     if key == "rollout_routed_experts":
@@ -131,7 +139,7 @@ def add_phantom_sample(
         if key == "rollout_mask_sums" and isinstance(values, torch.Tensor):
             rollout_data[key] = torch.zeros(1, dtype=values.dtype, device=values.device)
         elif isinstance(values, list) and not values:
-            values.append(_phantom_value(key, values, total, device))
+            values.append(_phantom_value(key, values, total, device, cp_size))
     rollout_data.setdefault("partition", [PHANTOM_POSITION])
     micro_batches = rollout_data["micro_batch_indices"]
     assert micro_batches and not any(micro_batches), "a rank without samples has placeholders only"
