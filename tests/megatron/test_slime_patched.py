@@ -728,9 +728,8 @@ def _actor_path(slime_root, args, model, iterators, rollout_data, estimator):
     from megatron_dynbatch.integrations.slime import empty_rank
 
     actor_source = (pathlib.Path(slime_root) / "slime/backends/megatron_utils/actor.py").read_text()
-    assert (
-        "empty_rank import log_rollout_data" in actor_source
-    )  # patch 0006: what train_actor calls
+    # Patch 0006: what train_actor runs just before slime's log_rollout_data.
+    assert "mute_phantom_metrics(rollout_data)" in actor_source
     for name, value in dict(
         advantage_estimator=estimator,
         kl_coef=0.05,
@@ -770,7 +769,10 @@ def _actor_path(slime_root, args, model, iterators, rollout_data, estimator):
     compute_advantages_and_returns(args, rollout_data)
     logged = []
     logging_utils.log = lambda args, metrics, step_key: logged.append(dict(metrics))
-    empty_rank.log_rollout_data(0, args, rollout_data)
+    from slime.observability import train_metric_utils
+
+    empty_rank.mute_phantom_metrics(rollout_data)
+    train_metric_utils.log_rollout_data(0, args, rollout_data)
     advantages = {}
     if last:
         for position, adv in zip(
