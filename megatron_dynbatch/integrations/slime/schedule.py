@@ -51,6 +51,7 @@ from megatron_dynbatch.integrations.slime.config import (
     dynbatch_config_from_slime_args,
     oversize_policy,
     pad_size,
+    planner_oversize_reported,
     routing_replay,
 )
 from megatron_dynbatch.planning import CostModel, ParallelLayout, Plan, plan_schedule, round_up
@@ -562,7 +563,8 @@ def _forward_only_schedule(
         if not local:
             per_rank.append([])
             continue
-        [step] = plan_schedule(local, None, None, config=planner_config).steps
+        with planner_oversize_reported():
+            [step] = plan_schedule(local, None, None, config=planner_config).steps
         per_rank.append([list(mb) for mb in step.ranks[0]])
         rows.append(row_length(step.seq_length, cp, pad_size, budget))
     count = max(len(rank) for rank in per_rank)
@@ -588,7 +590,8 @@ def _dynamic_schedule(
     cp = sizes["cp_size"]
     planner_config = config.planner_config(_layout(sizes, dp))
     check_oversize(lengths, planner_config, forward_only=False)
-    plan = plan_schedule(lengths, keys, None, config=planner_config)
+    with planner_oversize_reported():
+        plan = plan_schedule(lengths, keys, None, config=planner_config)
 
     heads = {members[0] for members in _group_rollouts(keys)}
     partitions: List[List[int]] = [[] for _ in range(dp)]
