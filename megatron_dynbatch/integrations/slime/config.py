@@ -30,7 +30,7 @@ from typing import Any, Iterator, Optional
 from megatron_dynbatch.config import FLAGS, DynBatchConfig
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import CostModel, OversizeSampleWarning, PlannerConfig
-from megatron_dynbatch.planning.spec import check_int
+from megatron_dynbatch.planning.spec import check_int, layout_flags
 
 __all__ = [
     "DATA_PAD_SIZE_MULTIPLIER",
@@ -42,6 +42,7 @@ __all__ = [
     "planner_oversize_reported",
     "pad_size",
     "routing_replay",
+    "slime_flags",
 ]
 
 #: slime's ``--data-pad-size-multiplier`` default: ``get_batch`` pads every packed row to a
@@ -194,3 +195,9 @@ def planner_oversize_reported() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", OversizeSampleWarning)
         yield
+
+
+def slime_flags() -> Any:
+    """Errors raised inside that name the parallel layout's fields also name slime's flags
+    (Megatron-LM's: :data:`~megatron_dynbatch.planning.spec.LAYOUT_FLAGS`)."""
+    return layout_flags("slime")
