@@ -24,7 +24,8 @@ What is not SkyRL's in these runs, and why:
 * modules SkyRL imports that are not installed here and need Ray, a GPU or downloads are stubbed:
   ``ray`` (``remote`` an identity, ``is_initialized`` False), ``vllm``, ``transformers``,
   ``datasets``, ``cloudpathlib``, ``pydantic``, ``skyrl_gym``, ``megatron.bridge``,
-  ``huggingface_hub`` (:data:`STUBBED`; only those missing are stubbed);
+  ``huggingface_hub``, and for ``validate_cfg``'s imports ``aiohttp``, ``pybase64``,
+  ``zstandard``, ``safetensors``, ``rich`` (:data:`STUBBED`; only those missing are stubbed);
 * the worker class: its methods above are lifted from the patched source and bound to a small
   host object, because ``MegatronPolicyWorkerBase.__init__`` builds the model through Megatron
   Bridge from a Hugging Face checkpoint and runs as a Ray actor;

@@ -16,8 +16,9 @@ per-sample reference too, and every recorded routing is replayed exactly once.
 What is not slime's in these runs, and why:
 
 * modules slime imports for rollout serving and logging, when not installed, are stubbed:
-  ``ray``, ``sglang``, ``torch_memory_saver``, ``wandb``, ``httpx``, ``tensorboard``
-  (:data:`STUBBED`; the test reports which were);
+  ``ray``, ``sglang``, ``sglang_router``, ``requests`` (the last two for slime's argument
+  parser), ``torch_memory_saver``, ``wandb``, ``httpx``, ``tensorboard`` (:data:`STUBBED`; the
+  test reports which were);
 * the model is the tiny GPT of ``megatron_dynbatch.tools.testing`` (slime's model provider needs a
   Hugging Face checkpoint), behind a wrapper that turns slime's THD ``packed_seq_params`` into a
   block-diagonal attention mask, because THD attention needs transformer-engine (GPU only);
