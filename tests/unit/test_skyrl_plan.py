@@ -91,11 +91,21 @@ def test_placeholder_rows_count_against_the_budget():
     plan = plan_skyrl_minibatch(lengths, 40)
     _check_plan(plan, lengths, 40)
     assert plan.rows == 1  # a 40-token sample leaves no room for a placeholder row
+    # What SkyRL's worker gets from the iterator: attended tokens of every micro-batch.
+    for rank, rank_lengths in enumerate(lengths):
+        batches = PlannedBatchIterator(_batch(rank_lengths, seq_len=48), plan, rank)
+        for m, batch in enumerate(batches):
+            tokens = int(batch["attention_mask"].sum())
+            assert tokens <= 40, f"rank {rank} mb {m}: attended tokens {tokens} > cap 40"
     # A 38-token sample leaves room for two: rows of up to 3 samples, each micro-batch fitting.
     lengths = [[2, 3, 38, 4, 1, 2, 5], [30, 3, 3]]
     plan = plan_skyrl_minibatch(lengths, 40)
     _check_plan(plan, lengths, 40)
     assert plan.rows == 3
+    for rank, rank_lengths in enumerate(lengths):
+        batches = list(PlannedBatchIterator(_batch(rank_lengths, seq_len=48), plan, rank))
+        assert any(not b["loss_mask"][-1].any() for b in batches), "placeholder rows expected"
+        assert all(int(b["attention_mask"].sum()) <= 40 for b in batches)
     # tp 2: every row, placeholders included, is padded to 2 tokens.
     plan = plan_skyrl_minibatch([[2, 3, 35, 4, 1]], 40, tp_size=2)
     sizes = [2, 4, 36, 4, 2]  # the lengths above rounded up to tp
