@@ -344,7 +344,7 @@ def _check_placeholders(problem: StepProblem) -> None:
         raise ValueError(
             f"{why} needs {forced} micro-batches per step, but the step has {n} samples: "
             f"{forced - n} would be placeholders (limit {MAX_FORCED_PLACEHOLDERS}). Check "
-            "--dp-size and --microbatch-group-size-per-vp-stage, or put more rollouts in a step."
+            "dp_size and microbatch_group_size_per_vp_stage, or put more rollouts in a step."
         )
 
 

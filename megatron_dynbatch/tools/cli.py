@@ -328,13 +328,16 @@ def _cmd_calibrate(args) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from megatron_dynbatch.planning.spec import layout_flags
+
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "plan":
-            return _cmd_plan(args)
-        if args.command == "calibrate":
-            return _cmd_calibrate(args)
-        return _cmd_verify(args)
+        with layout_flags("megatron-dynbatch"):
+            if args.command == "plan":
+                return _cmd_plan(args)
+            if args.command == "calibrate":
+                return _cmd_calibrate(args)
+            return _cmd_verify(args)
     except ValueError as exc:
         print(f"megatron-dynbatch {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -16,8 +16,9 @@ per-sample reference too, and every recorded routing is replayed exactly once.
 What is not slime's in these runs, and why:
 
 * modules slime imports for rollout serving and logging, when not installed, are stubbed:
-  ``ray``, ``sglang``, ``torch_memory_saver``, ``wandb``, ``httpx``, ``tensorboard``
-  (:data:`STUBBED`; the test reports which were);
+  ``ray``, ``sglang``, ``sglang_router``, ``requests`` (the last two for slime's argument
+  parser), ``torch_memory_saver``, ``wandb``, ``httpx``, ``tensorboard`` (:data:`STUBBED`; the
+  test reports which were);
 * the model is the tiny GPT of ``megatron_dynbatch.tools.testing`` (slime's model provider needs a
   Hugging Face checkpoint), behind a wrapper that turns slime's THD ``packed_seq_params`` into a
   block-diagonal attention mask, because THD attention needs transformer-engine (GPU only);
@@ -68,7 +69,16 @@ REL_TOL = 1e-5
 SEED = 5
 VOCAB = 128
 #: Modules slime imports for rollout serving and logging, stubbed when they are not installed.
-STUBBED = ("ray", "sglang", "torch_memory_saver", "wandb", "httpx", "tensorboard")
+STUBBED = (
+    "ray",
+    "sglang",
+    "sglang_router",
+    "requests",
+    "torch_memory_saver",
+    "wandb",
+    "httpx",
+    "tensorboard",
+)
 
 #: The tiny MoE of the routing-replay cases: 4 layers, 4 experts, top-2.
 MOE = {"num_layers": 4, "num_moe_experts": 4, "moe_router_topk": 2}
@@ -178,6 +188,70 @@ def patched_slime(tmp_path_factory, stock_slime):
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("applied") == len(PATCHES)
     return str(root)
+
+
+def _oversize_body(slime_root, argv, patched):
+    """slime's own parser (the patched one registers --oversize-samples) on ``argv``, then the
+    rollout side's schedule, ours (``patched``) or slime's: where sample 0 (100 tokens, over the
+    budget of 64) trains, the warnings, or the error."""
+    import argparse
+    import warnings
+
+    _install_stubs()
+    _import_slime(slime_root)
+    from slime.utils.arguments import get_slime_extra_args_provider
+
+    parser = argparse.ArgumentParser()
+    get_slime_extra_args_provider()(parser)
+    args, _ = parser.parse_known_args(argv)
+    if patched:
+        from megatron_dynbatch.adapters.slime import build_dp_schedule
+    else:
+        from slime.utils.dp_schedule import build_dp_schedule
+    lengths = [100, 20, 30, 40]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            partitions, mbi, _, _ = build_dp_schedule(
+                args,
+                {
+                    "dp_size": 2,
+                    "cp_size": 1,
+                    "vpp_size": 1,
+                    "microbatch_group_size_per_vp_stage": 1,
+                },
+                lengths,
+                global_batch_size=4,
+                rollout_indices=list(range(4)),
+            )
+        except ValueError as error:
+            return {"error": str(error)}
+    [rank] = [r for r, p in enumerate(partitions) if 0 in p]
+    [microbatch] = [mb for mb in mbi[rank] if partitions[rank].index(0) in mb]
+    return {
+        "policy": getattr(args, "oversize_samples", None),
+        "alone": len(microbatch) == 1,
+        "trained": sorted(i for p in partitions for i in p),
+        "warnings": [str(w.message) for w in caught if "exceed the token cap" in str(w.message)],
+    }
+
+
+@needs_slime
+def test_a_working_slime_config_with_an_oversize_sample_still_trains(stock_slime, patched_slime):
+    """A sample over --max-tokens-per-gpu trains alone in stock slime; the patched slime with the
+    same flags (--oversize-samples left at its default, allow) trains it alone too, warning once
+    with the sample and slime's flags; --oversize-samples error (opt-in) stops naming it."""
+    argv = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "64", "--rollout-batch-size", "4"]
+    [stock] = run_on_ranks(1, _oversize_body, stock_slime, argv, False, layout=Layout())
+    assert stock["alone"] and stock["trained"] == [0, 1, 2, 3], stock
+    [mine] = run_on_ranks(1, _oversize_body, patched_slime, argv, True, layout=Layout())
+    assert mine["policy"] == "allow" and mine["alone"] and mine["trained"] == [0, 1, 2, 3], mine
+    [warning] = mine["warnings"]
+    assert "sample 0: 100 tokens" in warning and "--max-tokens-per-gpu" in warning
+    assert "--oversize-samples error" in warning and "truncate" not in warning
+    argv += ["--oversize-samples", "error"]
+    [refused] = run_on_ranks(1, _oversize_body, patched_slime, argv, True, layout=Layout())
+    assert "sample 0: 100 tokens" in refused["error"], refused
 
 
 @needs_slime
@@ -784,9 +858,8 @@ def _actor_path(slime_root, args, model, iterators, rollout_data, estimator):
     from megatron_dynbatch.integrations.slime import empty_rank
 
     actor_source = (pathlib.Path(slime_root) / "slime/backends/megatron_utils/actor.py").read_text()
-    assert (
-        "empty_rank import log_rollout_data" in actor_source
-    )  # patch 0006: what train_actor calls
+    # Patch 0006: what train_actor runs just before slime's log_rollout_data.
+    assert "mute_phantom_metrics(rollout_data)" in actor_source
     for name, value in dict(
         advantage_estimator=estimator,
         kl_coef=0.05,
@@ -826,7 +899,10 @@ def _actor_path(slime_root, args, model, iterators, rollout_data, estimator):
     compute_advantages_and_returns(args, rollout_data)
     logged = []
     logging_utils.log = lambda args, metrics, step_key: logged.append(dict(metrics))
-    empty_rank.log_rollout_data(0, args, rollout_data)
+    from slime.observability import train_metric_utils
+
+    empty_rank.mute_phantom_metrics(rollout_data)
+    train_metric_utils.log_rollout_data(0, args, rollout_data)
     advantages = {}
     if last:
         for position, adv in zip(

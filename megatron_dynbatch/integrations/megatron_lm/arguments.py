@@ -37,6 +37,7 @@ from megatron_dynbatch.planning.spec import (
     LAYOUTS,
     OVERSIZE_POLICIES,
     ParallelLayout,
+    layout_flags,
 )
 
 __all__ = [
@@ -256,6 +257,11 @@ def parallel_layout_from_args(
         vpp_size: Model chunks per stage, when known from the model; default
             ``args.virtual_pipeline_model_parallel_size`` (``None`` means 1).
     """
+    with layout_flags("Megatron-LM"):
+        return _parallel_layout(args, dp_size, vpp_size)
+
+
+def _parallel_layout(args: Any, dp_size: Optional[int], vpp_size: Optional[int]) -> ParallelLayout:
     return ParallelLayout(
         dp_size=_data_parallel_size(args) if dp_size is None else dp_size,
         pp_size=_layout_size(args, "pipeline_model_parallel_size"),

@@ -54,6 +54,7 @@ from megatron_dynbatch.integrations.slime.config import (
     dynbatch_config_from_slime_args,
     oversize_policy,
     pad_size,
+    planner_oversize_reported,
     routing_replay,
 )
 from megatron_dynbatch.planning import CostModel, ParallelLayout, Plan, plan_schedule, round_up
@@ -646,7 +647,8 @@ def _forward_only_schedule(
             per_rank.append([])
             rows.append([])
             continue
-        [step] = plan_schedule(local, None, None, config=planner_config).steps
+        with planner_oversize_reported():
+            [step] = plan_schedule(local, None, None, config=planner_config).steps
         per_rank.append([list(mb) for mb in step.ranks[0]])
         if variable:
             rows.append(_gpu_rows(step.row_lengths[0], cp))
@@ -693,7 +695,8 @@ def _dynamic_schedule(
         _layout(sizes, dp), row_multiple=pad_size * cp if variable else None
     )
     check_oversize(lengths, planner_config, forward_only=False)
-    plan = plan_schedule(lengths, keys, None, config=planner_config)
+    with planner_oversize_reported():
+        plan = plan_schedule(lengths, keys, None, config=planner_config)
 
     heads = {members[0] for members in _group_rollouts(keys)}
     partitions: List[List[int]] = [[] for _ in range(dp)]
