@@ -48,6 +48,7 @@ import numpy
 import torch
 
 from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.integrations.megatron_lm.console import print_rank_0
 from megatron_dynbatch.planning.fixed import plan_fixed_microbatches
 from megatron_dynbatch.runtime import BatchSchema, materialize_microbatches
 from megatron_dynbatch.runtime.batches import LazyRolloutBatch
@@ -356,7 +357,7 @@ def conversation_documents(
     if seq_length is not None:
         warning = sft_warning(stats, seq_length, name)
         if warning is not None:
-            _print_rank_0(warning)
+            print_rank_0(warning)
 
     def read(document: int, offset: int, count: int) -> numpy.ndarray:
         return load(document)[0][offset : offset + count]
@@ -466,16 +467,11 @@ def _blend(
         drawn = max(drawn, args.train_iters * args.global_batch_size)
     shares = ", ".join(f"{share:.4f}" for share in blended.shares(drawn))
     weights_text = ", ".join(f"{weight:.4f}" for weight in blended.weights)
-    _print_rank_0(
+    print_rank_0(
         f"> blend split {split_index}: drawn shares [{shares}] of the first {drawn} samples, "
         f"weights [{weights_text}]"
     )
     return blended
-
-
-def _print_rank_0(message: str) -> None:
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(message, flush=True)
 
 
 def _split(
