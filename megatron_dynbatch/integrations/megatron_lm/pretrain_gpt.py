@@ -43,6 +43,7 @@ from megatron_dynbatch.cpu.training_shim import add_cpu_defaults, check_cpu_args
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.megatron_lm.arguments import add_dynamic_batch_args
 from megatron_dynbatch.integrations.megatron_lm.console import fail, print_rank_0
+from megatron_dynbatch.integrations.megatron_lm.data.blends import BLEND_WEIGHTS
 from megatron_dynbatch.integrations.megatron_lm.data.conversations import conversation_tokenizer
 from megatron_dynbatch.integrations.megatron_lm.data.documents import (
     DEFAULT_SPLIT,
@@ -88,6 +89,15 @@ def add_launch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "windows of the concatenated documents. Implied by --use-dynamic-batch-size; without it "
         "every sample is padded to --seq-length and Megatron's fixed micro-batches run unchanged "
         "(the baseline for the same samples).",
+    )
+    group.add_argument(
+        "--blend-weights",
+        choices=BLEND_WEIGHTS,
+        default=None,
+        help="What the weights of a blend (--data-path 0.3 A 0.7 B) are shares of, with document "
+        "samples: tokens (default; Megatron's meaning, as its samples are --seq-length windows) "
+        "or samples (documents). Without --document-samples / --use-dynamic-batch-size, "
+        "Megatron's GPTDataset blends by tokens and this flag is refused.",
     )
     return parser
 
@@ -360,6 +370,14 @@ def main(
         validate_data_paths(args)  # .idx/.bin checked before the model is built (issue 19)
         check_reference_attention_args(args, document_samples=_uses_documents(args))
         splits = None
+        if args.blend_weights is not None and (
+            datasets_provider is not None or not _uses_documents(args)
+        ):
+            raise DynBatchValueError(
+                f"--blend-weights {args.blend_weights} applies to document samples "
+                "(--use-dynamic-batch-size, --document-samples with the launch script's data); "
+                "Megatron's GPTDataset (and your own provider) blend by their own rule; remove it."
+            )
         if datasets_provider is None and _uses_documents(args):
             _check_document_args(args)
             # Open and check the data now, before the model is built: a bad file or line stops

@@ -172,7 +172,9 @@ def write_indexed_dataset(
     print(f"wrote {count} documents to {prefix}.bin / .idx ({described}, vocab {vocab_size})")
     if blank:
         # Said, not silent: a blank line may be a lost document (issue 29).
-        shown = ", ".join(map(str, blank[:_SHOWN_LINES])) + (", ..." if len(blank) > _SHOWN_LINES else "")
+        shown = ", ".join(map(str, blank[:_SHOWN_LINES])) + (
+            ", ..." if len(blank) > _SHOWN_LINES else ""
+        )
         print(
             f"skipped {len(blank)} blank line(s) of {input_path} (line {shown}): no document "
             "is written for a blank line",
