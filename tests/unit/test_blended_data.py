@@ -96,7 +96,9 @@ def test_weights_are_token_shares_by_default_as_in_megatron():
         tokens[sample[0].item() // 1_000_000 - 1] += len(sample)
     assert [t / sum(tokens) for t in tokens] == pytest.approx([0.3, 0.7], abs=0.005)
     assert blend.token_shares(3000) == pytest.approx([t / sum(tokens) for t in tokens])
-    by_samples = BlendedSamples(_parts(), [0.3, 0.7], split_index=0, name="x", weights_are="samples")
+    by_samples = BlendedSamples(
+        _parts(), [0.3, 0.7], split_index=0, name="x", weights_are="samples"
+    )
     assert by_samples.token_shares(3000) == pytest.approx([0.222, 0.778], abs=0.005)
     with pytest.raises(DynBatchValueError, match="--blend-weights"):
         BlendedSamples(_parts(), [0.3, 0.7], split_index=0, name="x", weights_are="documents")
