@@ -122,7 +122,8 @@ def test_a_truncated_bin_stops_the_entry_before_the_model_is_built(runs, tmp_pat
     rc, log, _ = torchrun(2, LAUNCH, args, log_path=tmp_path / "broken.log")
     assert rc != 0
     assert re.search(
-        rf"pretrain_gpt_dynbatch.py: error: {re.escape(str(broken))}.bin: {len(data) - 100} bytes, "
+        rf"pretrain_gpt_dynbatch.py: error: \[rank \d\] {re.escape(str(broken))}.bin: "
+        rf"{len(data) - 100} bytes, "
         rf"but .* = {len(data)} bytes \(truncated",
         log,
     ), log[-3000:]
