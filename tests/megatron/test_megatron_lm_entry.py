@@ -78,7 +78,7 @@ _LATE_REFUSALS = {
     "no-validation-split": (
         _without(_ONE, "--eval-iters") + _DYNAMIC
         + ["--split", "100,0,0", "--eval-iters", 1, "--eval-interval", 2]
-        + ["--tensorboard-dir", "{tmp}/tensorboard"],
+        + ["--tensorboard-dir", "{tmp}/tensorboard", "--data-cache-path", "{tmp}/cache"],
         "--split '100,0,0' leaves the validation split (its second number) without data, but "
         "--eval-iters 1 asks for validation; pass --eval-iters 0",
     ),
@@ -164,6 +164,9 @@ def test_bad_arguments_and_data_are_refused_at_start_up(tmp_path):
     for name, body, code in found:
         assert code == "2", (name, body)
         _assert_one_line(body, refusals[name][1], after_dump=name in _LATE_REFUSALS)
+    # Issue 29: --data-cache-path was accepted and silently unused by document samples.
+    body = dict((name, body) for name, body, _ in found)["no-validation-split"]
+    assert body.count(f"--data-cache-path {tmp_path}/cache: not used by document samples") == 1
     # The run refused at start-up leaves no TensorBoard events file behind.
     assert (tmp_path / "tensorboard").is_dir()
     assert not list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
@@ -269,6 +272,11 @@ def test_tensorboard_and_wandb_get_the_dynamic_batching_scalars(tmp_path):
     rc, log, _ = torchrun(2, LAUNCH, args, env=env, log_path=tmp_path / "train.log")
     parsed = parse_ok(rc, log)
     assert sorted(parsed["iterations"]) == [1, 2]
+    # Issue 29: Megatron's constant micro-batch count is marked unused, and at the budget of the
+    # issue (2 x --seq-length) calibration is skipped on the first step, saying why, once.
+    assert "setting number of microbatches to constant 8 (Megatron's count for" in log
+    skipped = "dynamic-batch calibration skipped: --max-tokens-per-gpu 256 is less than 4 x "
+    assert log.count(skipped + "--seq-length 128") == 1, log[-3000:]
     files = sorted(pathlib.Path(board).rglob("events.out.tfevents.*"))
     assert files, f"no event files under {board}:\n{log[-3000:]}"
     scalars = {}
