@@ -383,7 +383,8 @@ def main(
             # Open and check the data now, before the model is built: a bad file or line stops
             # the run in seconds, naming it (the tokenizer exists once the arguments do).
             splits = _document_splits(args)
-        _check_validation_data(args, splits)
+        if datasets_provider is None:  # a provider of the user's own reads its own splits
+            _check_validation_data(args, splits)
     except (ValueError, OSError) as error:
         # OSError: a data file that is missing or unreadable (its message names the path).
         _discard_tensorboard_file(args)
