@@ -336,7 +336,12 @@ def why_not_calibrate(args: Any) -> Optional[str]:
             "calibration cannot vary the budget between steps, and steps of one shape cannot "
             "separate token work from per-micro-batch overhead"
         )
-    budget = int(args.max_tokens_per_gpu)
+    budget = getattr(args, "max_tokens_per_gpu", None)
+    if budget is None:  # given in the --dynamic-batch-config YAML only
+        from .arguments import dynbatch_config_from_args
+
+        budget = dynbatch_config_from_args(args).max_tokens_per_gpu
+    budget = int(budget)
     seq_length = int(getattr(args, "seq_length", 1) or 1)
     if budget < MIN_BUDGET_RATIO * seq_length:
         return (
