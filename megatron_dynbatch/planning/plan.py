@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Dict, List, Sequence, Tuple
 
+from .spec import ceil_div
+
 __all__ = ["StepPlan", "PlanStats", "Plan"]
 
 MicroBatch = Tuple[int, ...]
@@ -95,7 +97,12 @@ class StepPlan:
             "dp_imbalance": self.dp_imbalance,
             "dp_imbalance_cost": self.dp_imbalance_cost,
             "oversize_samples": list(self.oversize_samples),
-            "lower_bound_microbatches": self.lower_bound_microbatches,
+            # num_microbatches counts per DP rank; the bound is given per rank too (a rank runs
+            # at least ceil(bound / dp) micro-batches) and, named so, over all ranks (issue 29).
+            "lower_bound_microbatches_per_rank": ceil_div(
+                self.lower_bound_microbatches, max(1, len(self.ranks))
+            ),
+            "lower_bound_microbatches_all_ranks": self.lower_bound_microbatches,
             "min_microbatches": self.min_microbatches,
             "truncated_samples": list(self.truncated_samples),
             "truncated_tokens": self.truncated_tokens,

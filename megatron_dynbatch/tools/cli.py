@@ -86,7 +86,9 @@ def _add_layout_args(parser: argparse.ArgumentParser, *, cap_default: Optional[i
         choices=OVERSIZE_POLICIES,
         default="allow",
         help="a sample longer than the cap: allow (default: alone, over the cap, warned), "
-        "truncate (cut to the cap), error",
+        "truncate (cut to the cap), error. The default differs from training's (error, in "
+        "launch/pretrain_gpt_dynbatch.py) on purpose: this command only reports what a plan "
+        "would do, oversize samples listed, while a training run would spend their memory",
     )
 
 

@@ -376,6 +376,7 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
             "drop --rollouts-per-step to count samples."
         )
     _check_budgets_fit_seq_length(args, config)
+    _check_unused_micro_batch_sizes(args)
 
     parallel = parallel_layout_from_args(args)
     # Fail now, not at the first step, when a budget cannot hold one padded sample of the layout.
@@ -406,3 +407,38 @@ def _check_budgets_fit_seq_length(args: Any, config: DynBatchConfig) -> None:
                 "lower --seq-length, or pass --oversize-samples truncate (cut such "
                 "samples to the budget) or allow (run them alone, over it)."
             )
+
+
+def _check_unused_micro_batch_sizes(args: Any) -> None:
+    """Say why Megatron would refuse a micro-batch size the plan does not even use.
+
+    Megatron's checks still want every global batch (training and validation) to be a multiple of
+    its micro-batch size times the data-parallel size, although the planner picks the micro-batches
+    (issue 29: ``--micro-batch-size 3`` stopped a run on the validation batch's divisibility).
+    """
+    dp = _data_parallel_size(args)
+    gbs = getattr(args, "global_batch_size", None)
+    mbs = getattr(args, "micro_batch_size", None)
+    pairs = (
+        ("--global-batch-size", gbs, "--micro-batch-size", mbs),
+        (
+            "--eval-global-batch-size",
+            getattr(args, "eval_global_batch_size", None) or gbs,
+            (
+                "--eval-micro-batch-size"
+                if getattr(args, "eval_micro_batch_size", None)
+                else "--micro-batch-size"
+            ),
+            getattr(args, "eval_micro_batch_size", None) or mbs,
+        ),
+    )
+    for batch_flag, batch, micro_flag, micro in pairs:
+        if batch is None or micro is None or batch % (micro * dp) == 0:
+            continue
+        divisor = f" (or a divisor of {batch // dp})" if batch % dp == 0 else ""
+        raise DynBatchValueError(
+            f"{micro_flag} {micro} is not used by --use-dynamic-batch-size (the planner picks "
+            f"every micro-batch), but Megatron still requires {batch_flag} {batch} to be a "
+            f"multiple of {micro_flag} x data-parallel size ({micro} x {dp}); set {micro_flag} "
+            f"1{divisor}."
+        )

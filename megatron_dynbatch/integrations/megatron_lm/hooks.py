@@ -53,6 +53,7 @@ this integration layer is the only place that falls back to Megatron's global gr
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Literal, Optional, Tuple
@@ -368,7 +369,36 @@ def configure(args: Any) -> Optional[DynamicBatchHooks]:
     global _hooks
     config = validate_dynamic_batch_args(args)
     _hooks = None if config is None else DynamicBatchHooks(args, config)
+    if _hooks is not None:
+        _say_microbatches_are_planned()
     return _hooks
+
+
+class _PlannedMicrobatchCount(logging.Filter):
+    """Megatron's "setting number of microbatches to constant N" is not what runs: say so."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if _hooks is not None and str(record.msg).startswith(_CONSTANT_COUNT):
+            record.msg = (
+                f"{record.getMessage()} (Megatron's count for global batch / micro-batch size / "
+                "dp; not used: --use-dynamic-batch-size plans the micro-batches of every step)"
+            )
+            record.args = None
+        return True
+
+
+_CONSTANT_COUNT = "setting number of microbatches to constant"
+_COUNT_FILTER = _PlannedMicrobatchCount()
+
+
+def _planned_count_logger() -> logging.Logger:
+    return logging.getLogger("megatron.core.num_microbatches_calculator")
+
+
+def _say_microbatches_are_planned() -> None:
+    logger = _planned_count_logger()
+    if _COUNT_FILTER not in logger.filters:
+        logger.addFilter(_COUNT_FILTER)
 
 
 def hooks_for(args: Any) -> DynamicBatchHooks:
