@@ -126,6 +126,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("--samples", default=None, help="SAMPLES.json (default: a bundled set)")
     verify.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    verify.add_argument(
+        "--moe",
+        action="store_true",
+        help="a mixture-of-experts model (4 experts, top-2, all-to-all dispatcher, router z-loss; "
+        "padding and placeholders masked out of the router statistics)",
+    )
+    verify.add_argument(
+        "--moe-ep-size", type=int, default=1, help="expert-parallel size with --moe (default 1)"
+    )
+    verify.add_argument(
+        "--moe-z-loss-coeff",
+        type=float,
+        default=1e-2,
+        help="router z-loss coefficient with --moe (default 0.01; 0 turns it off)",
+    )
 
     calibrate = sub.add_parser(
         "calibrate",
@@ -283,9 +298,19 @@ def _cmd_plan(args) -> int:
 
 def _cmd_verify(args) -> int:
     from megatron_dynbatch.tools.verify.cli import run_verify_cli
+    from megatron_dynbatch.tools.verify.spec import MoESettings
 
     samples = None if args.samples is None else _read_json(args.samples)
-    return run_verify_cli(_planner_config(args), loss=args.loss, samples=samples, as_json=args.json)
+    moe = None
+    if args.moe:
+        moe = MoESettings(ep_size=args.moe_ep_size, z_loss_coeff=args.moe_z_loss_coeff)
+    elif args.moe_ep_size != 1:
+        raise ValueError(
+            f"--moe-ep-size {args.moe_ep_size} needs --moe (a dense model has no experts)."
+        )
+    return run_verify_cli(
+        _planner_config(args), loss=args.loss, samples=samples, as_json=args.json, moe=moe
+    )
 
 
 def _cmd_calibrate(args) -> int:

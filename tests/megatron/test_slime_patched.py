@@ -39,6 +39,7 @@ Without ``SLIME_DIR`` the slime-backed tests are skipped; the backend's own piec
 (placeholders, iterators, ordering) are tested here without slime.
 """
 
+import contextlib
 import os
 import pathlib
 import shutil
@@ -539,7 +540,9 @@ def _thd_chunk(ddp_chunk, cp=1):
             segment = torch.searchsorted(bounds[1:], positions, right=True)
             position_ids = (positions - bounds[segment]).unsqueeze(0)
             mask = build_attention_mask(segment.unsqueeze(0))
-            return self.module(input_ids, position_ids, mask)
+            # Megatron's padding mask for MoE routers (patch 0009), passed on as slime gives it.
+            extra = {"padding_mask": kw["padding_mask"]} if "padding_mask" in kw else {}
+            return self.module(input_ids, position_ids, mask, **extra)
 
     return ThdAsMask(ddp_chunk)
 
@@ -634,6 +637,37 @@ def _fill_routing_replay(slime_root, args, model, iterators, rollout_data):
     namespace["fill_routing_replay"](
         this, iterators, rollout_data["num_microbatches"], rollout_data
     )
+
+
+class _RouterTokens:
+    """Per router layer, the tokens a training forward hands to Megatron's router statistics:
+    those its ``padding_mask`` leaves in (every token when no mask reaches the router).
+    Observes ``TopKRouter.routing`` (the result is Megatron's own) while ``active``."""
+
+    def __init__(self):
+        self.per_layer = {}
+        self.active = False
+
+    @contextlib.contextmanager
+    def installed(self):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        original = TopKRouter.routing
+        observer = self
+
+        def routing(router, logits, padding_mask=None):
+            if observer.active and torch.is_grad_enabled():
+                num = logits.shape[0] * logits.shape[1]
+                real = num if padding_mask is None else int((~padding_mask).sum())
+                layer = router.layer_number
+                observer.per_layer[layer] = observer.per_layer.get(layer, 0) + real
+            return original(router, logits, padding_mask=padding_mask)
+
+        TopKRouter.routing = routing
+        try:
+            yield self
+        finally:
+            TopKRouter.routing = original
 
 
 def _replay_counts():
@@ -746,7 +780,10 @@ def _slime_body(
             )
         ]
     started = time.monotonic()
+    stack = contextlib.ExitStack()
+    router_tokens = _RouterTokens()
     try:
+        stack.enter_context(router_tokens.installed())
         if replay == "r3":
             _fill_routing_replay(slime_root, args, model, iterators, rollout_data)
         if replay:  # train_actor's stage for the actor's log-prob pass
@@ -773,6 +810,7 @@ def _slime_body(
         recorder = _Recorder(ddp_chunks)
         for it in iterators:
             it.reset()
+        router_tokens.active = True
         for step_id, (m, step_gbs) in enumerate(
             zip(rollout_data["num_microbatches"], rollout_data["global_batch_sizes"], strict=True)
         ):
@@ -781,16 +819,25 @@ def _slime_body(
             slime_model.train_one_step(
                 args, 0, step_id, iterators, model, recorder, recorder, m, step_gbs
             )
+        router_tokens.active = False
         replays = _replay_counts() if replay else None
     except Exception as error:  # the fault case: every rank must fail the same way, quickly
         if bad_rank is None:
             raise
         return {"error": f"{type(error).__name__}: {error}", "seconds": time.monotonic() - started}
     finally:
+        stack.close()
         if replay:
             _disable_routing_replay()
     return {
         "stubbed": stubbed,
+        "router_tokens": router_tokens.per_layer,
+        # Tokens of this rank's real samples (the phantom of a rank without samples is padding).
+        "real_tokens": sum(
+            int(n)
+            for n, p in zip(rollout_data["total_lengths"], rollout_data["partition"], strict=True)
+            if p >= 0
+        ),
         "grads": recorder.steps,
         "increments": recorder.increments,
         # A rank without samples holds one phantom (rollout position -1) that trains nothing.
@@ -1159,6 +1206,14 @@ def test_moe_routing_replay_matches_reference(patched_slime, replay, rollouts, g
         total = sum(r["num_microbatches"])
         # One RoutingReplay per router: the rank's share of the layers (every chunk's).
         assert r["replays"] == [(total, total)] * (MOE["num_layers"] // layout.pp), r["replays"]
+        # Patch 0009: in training, every router of the rank counts exactly the tokens of its real
+        # samples, over all steps; no padding, placeholder or phantom token.
+        layers = r["router_tokens"]
+        assert len(layers) == MOE["num_layers"] // layout.pp, layers
+        assert all(count == r["real_tokens"] for count in layers.values()), (
+            layers,
+            r["real_tokens"],
+        )
     print(
         f"\n[slime MoE {replay} {layout} rollouts={rollouts}] steps={num_steps} "
         f"counts={results[0]['num_microbatches']} "
