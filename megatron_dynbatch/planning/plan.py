@@ -103,6 +103,8 @@ class StepPlan:
                 self.lower_bound_microbatches, max(1, len(self.ranks))
             ),
             "lower_bound_microbatches_all_ranks": self.lower_bound_microbatches,
+            # The earlier name of the all-ranks bound, kept: readers of plan --json rely on it.
+            "lower_bound_microbatches": self.lower_bound_microbatches,
             "min_microbatches": self.min_microbatches,
             "truncated_samples": list(self.truncated_samples),
             "truncated_tokens": self.truncated_tokens,

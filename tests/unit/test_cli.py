@@ -64,7 +64,9 @@ def test_plan_json_round_trip(tmp_path, capsys):
             >= step["lower_bound_microbatches_per_rank"]
             == -(-step["lower_bound_microbatches_all_ranks"] // 2)
         )
-        assert "lower_bound_microbatches" not in step
+        # The earlier key stays, meaning what it always meant (all ranks).
+        assert step["lower_bound_microbatches"] == step["lower_bound_microbatches_all_ranks"]
+        assert step["idle_ranks"] == 0
     indices = sorted(i for s in data["steps"] for r in s["ranks"] for mb in r for i in mb)
     assert indices == list(range(len(SAMPLES)))
     stats = data["stats"]
