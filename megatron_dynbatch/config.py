@@ -212,12 +212,18 @@ class DynBatchConfig:
         )
 
     def planner_config(
-        self, parallel: ParallelLayout, *, forward_only: bool = False
+        self,
+        parallel: ParallelLayout,
+        *,
+        forward_only: bool = False,
+        row_multiple: Optional[int] = None,
     ) -> PlannerConfig:
         """The pure planner's config for a parallel layout.
 
         Forward-only passes use the log-prob budget and plan the whole batch as one pass
-        (``rollouts_per_step`` only splits optimizer steps).
+        (``rollouts_per_step`` only splits optimizer steps). ``row_multiple``: the host exchanges
+        shapes per micro-batch (slime; Megatron-LM with ``--variable-seq-lengths``), so every
+        micro-batch runs its own row, rounded up to this multiple; ``None``: uniform rows.
 
         Raises:
             ValueError: When the budget cannot hold one padded sample of the layout, naming the
@@ -237,6 +243,8 @@ class DynBatchConfig:
                 cost=self.cost_model(),
                 oversize_samples=self.oversize_samples,
                 min_gain=self.min_gain,
+                variable_row_lengths=row_multiple is not None,
+                row_multiple=1 if row_multiple is None else row_multiple,
             )
         except ValueError as error:
             raise ValueError(f"{budget_flag}: {error}") from error

@@ -5,8 +5,9 @@ fixed and planned document micro-batches alike) both use :func:`make_forward_ste
 
 A micro-batch is a dict of ``[B, S]`` tensors: ``tokens`` and ``labels`` (int64), ``position_ids``
 (int64, restarting at 0 for every sample), ``segment_ids`` (int64, ``0..k-1`` for the k samples of
-a row, ``k`` for the padding tail) and ``loss_mask`` (float32). Attention stays inside a sample
-through a block-diagonal causal mask. Megatron's local ``DotProductAttention`` applies a passed
+a row, ``k`` for the padding tail) and ``loss_mask`` (float32); with ``sample_index`` (-1 on
+padding and placeholders) a MoE model also gets Megatron's ``padding_mask`` (see :mod:`.moe`).
+Attention stays inside a sample through a block-diagonal causal mask. Megatron's local ``DotProductAttention`` applies a passed
 mask as is when its ``attn_mask_type`` is ``arbitrary`` (see ``megatron_dynbatch.tools.testing.tiny_gpt.tiny_layer_spec``); with
 ``causal`` only its unfused fp32 softmax does, the fused fp16/bf16 kernel silently ignores it.
 """
@@ -15,6 +16,8 @@ from functools import partial
 from typing import Callable, Iterator, Optional
 
 import torch
+
+from megatron_dynbatch.mcore.moe import is_moe_model, padding_mask_of, placeholder_routing
 
 __all__ = [
     "MICROBATCH_KEYS",
@@ -181,16 +184,25 @@ def make_forward_step(
         if timers is not None:
             timers("batch-generator").stop()
         attention_mask, packed_seq_params = _attention(batch, thd)
+        # MoE routers get the padding mask (padding tails, rounding pads, placeholders), so that
+        # no padding token enters a load-balancing statistic, a z-loss or a token count; a dense
+        # model's call stays exactly as before (nothing else in GPTModel reads the mask).
+        extra = {}
+        padding_mask = padding_mask_of(batch) if is_moe_model(model) else None
+        if padding_mask is not None:
+            extra["padding_mask"] = padding_mask
         # With labels, GPTModel returns per-token cross entropy [B, S] on the last stage and the
         # hidden states [S, B, H] elsewhere; it reads loss_mask only for MTP losses.
-        output = model(
-            batch["tokens"],
-            batch["position_ids"],
-            attention_mask,
-            labels=batch["labels"],
-            loss_mask=batch["loss_mask"],
-            packed_seq_params=packed_seq_params,
-        )
+        with placeholder_routing(model, padding_mask):
+            output = model(
+                batch["tokens"],
+                batch["position_ids"],
+                attention_mask,
+                labels=batch["labels"],
+                loss_mask=batch["loss_mask"],
+                packed_seq_params=packed_seq_params,
+                **extra,
+            )
         if collect_logprobs:
             return output, partial(_collect_logprobs, batch)
         return output, partial(loss_fn, batch)

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
 from .planner import plan_schedule
-from .spec import PlannerConfig, round_up
+from .spec import ParallelLayout, PlannerConfig, round_up
 
-__all__ = ["ShardedPlan", "plan_sharded_step"]
+__all__ = ["ShardedPlan", "plan_rank_shards", "plan_sharded_step", "sharded_plan"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +51,50 @@ class ShardedPlan:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def plan_rank_shards(
+    lengths_per_rank: Sequence[Sequence[int]], config: PlannerConfig
+) -> Tuple[List[Tuple[Tuple[int, ...], ...]], List[Tuple[int, int]]]:
+    """Each rank's own real micro-batches (local indices) and the oversize ``(rank, index)``.
+
+    The first half of :func:`plan_sharded_step`, for a host that adjusts the micro-batches before
+    the counts are equalised (SkyRL fits its placeholder rows into the budget).
+    """
+    assert config.parallel.dp_size == 1, "plan each rank's own samples with dp_size=1"
+    if config.rollouts_per_step is not None:
+        # One call plans one step; rollouts_per_step would split it into several.
+        config = dataclasses.replace(config, rollouts_per_step=None)
+    ranks: List[Tuple[Tuple[int, ...], ...]] = []
+    oversize: List[Tuple[int, int]] = []
+    for rank, lengths in enumerate(lengths_per_rank):
+        if not lengths:
+            ranks.append(())
+            continue
+        [step] = plan_schedule(list(lengths), config=config).steps
+        # dp_size=1: rank 0 of the sub-plan is this rank; drop the sub-plan's own placeholders,
+        # the count is equalised over all ranks in sharded_plan.
+        ranks.append(tuple(tuple(mb) for mb in step.ranks[0] if mb))
+        oversize.extend((rank, i) for i in step.oversize_samples)
+    return ranks, oversize
+
+
+def sharded_plan(
+    ranks: Sequence[Tuple[Tuple[int, ...], ...]],
+    oversize: Sequence[Tuple[int, int]],
+    parallel: ParallelLayout,
+) -> ShardedPlan:
+    """Every rank's real micro-batches with the count every rank runs: the largest, rounded up to
+    what Megatron's schedule needs (the interleaved group), at least one."""
+    count = max(1, max((len(mbs) for mbs in ranks), default=0))
+    count = round_up(count, parallel.microbatch_multiple)
+    rows = max([len(mb) for mbs in ranks for mb in mbs] or [1])
+    return ShardedPlan(
+        ranks=tuple(tuple(mbs) for mbs in ranks),
+        num_microbatches=count,
+        rows=rows,
+        oversize=tuple(oversize),
+    )
+
+
 def plan_sharded_step(
     lengths_per_rank: Sequence[Sequence[int]], config: PlannerConfig
 ) -> ShardedPlan:
@@ -65,24 +109,5 @@ def plan_sharded_step(
     Returns:
         The :class:`ShardedPlan`, identical on every rank given the same lengths.
     """
-    assert config.parallel.dp_size == 1, "plan each rank's own samples with dp_size=1"
-    if config.rollouts_per_step is not None:
-        # One call plans one step; rollouts_per_step would split it into several.
-        config = dataclasses.replace(config, rollouts_per_step=None)
-    ranks: List[Tuple[Tuple[int, ...], ...]] = []
-    oversize: List[Tuple[int, int]] = []
-    for rank, lengths in enumerate(lengths_per_rank):
-        if not lengths:
-            ranks.append(())
-            continue
-        [step] = plan_schedule(list(lengths), config=config).steps
-        # dp_size=1: rank 0 of the sub-plan is this rank; drop the sub-plan's own placeholders,
-        # the count is equalised over all ranks below.
-        ranks.append(tuple(tuple(mb) for mb in step.ranks[0] if mb))
-        oversize.extend((rank, i) for i in step.oversize_samples)
-    count = max(1, max(len(mbs) for mbs in ranks))
-    count = round_up(count, config.parallel.microbatch_multiple)
-    rows = max([len(mb) for mbs in ranks for mb in mbs] or [1])
-    return ShardedPlan(
-        ranks=tuple(ranks), num_microbatches=count, rows=rows, oversize=tuple(oversize)
-    )
+    ranks, oversize = plan_rank_shards(lengths_per_rank, config)
+    return sharded_plan(ranks, oversize, config.parallel)

@@ -86,7 +86,9 @@ def _add_layout_args(parser: argparse.ArgumentParser, *, cap_default: Optional[i
         choices=OVERSIZE_POLICIES,
         default="allow",
         help="a sample longer than the cap: allow (default: alone, over the cap, warned), "
-        "truncate (cut to the cap), error",
+        "truncate (cut to the cap), error. The default differs from training's (error, in "
+        "launch/pretrain_gpt_dynbatch.py) on purpose: this command only reports what a plan "
+        "would do, oversize samples listed, while a training run would spend their memory",
     )
 
 
@@ -124,6 +126,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("--samples", default=None, help="SAMPLES.json (default: a bundled set)")
     verify.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    verify.add_argument(
+        "--moe",
+        action="store_true",
+        help="a mixture-of-experts model (4 experts, top-2, all-to-all dispatcher, router z-loss; "
+        "padding and placeholders masked out of the router statistics)",
+    )
+    verify.add_argument(
+        "--moe-ep-size", type=int, default=1, help="expert-parallel size with --moe (default 1)"
+    )
+    verify.add_argument(
+        "--moe-z-loss-coeff",
+        type=float,
+        default=1e-2,
+        help="router z-loss coefficient with --moe (default 0.01; 0 turns it off)",
+    )
 
     calibrate = sub.add_parser(
         "calibrate",
@@ -287,9 +304,19 @@ def _cmd_plan(args) -> int:
 
 def _cmd_verify(args) -> int:
     from megatron_dynbatch.tools.verify.cli import run_verify_cli
+    from megatron_dynbatch.tools.verify.spec import MoESettings
 
     samples = None if args.samples is None else _read_json(args.samples)
-    return run_verify_cli(_planner_config(args), loss=args.loss, samples=samples, as_json=args.json)
+    moe = None
+    if args.moe:
+        moe = MoESettings(ep_size=args.moe_ep_size, z_loss_coeff=args.moe_z_loss_coeff)
+    elif args.moe_ep_size != 1:
+        raise ValueError(
+            f"--moe-ep-size {args.moe_ep_size} needs --moe (a dense model has no experts)."
+        )
+    return run_verify_cli(
+        _planner_config(args), loss=args.loss, samples=samples, as_json=args.json, moe=moe
+    )
 
 
 def _cmd_calibrate(args) -> int:
@@ -334,13 +361,16 @@ def _cmd_calibrate(args) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from megatron_dynbatch.planning.spec import layout_flags
+
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "plan":
-            return _cmd_plan(args)
-        if args.command == "calibrate":
-            return _cmd_calibrate(args)
-        return _cmd_verify(args)
+        with layout_flags("megatron-dynbatch"):
+            if args.command == "plan":
+                return _cmd_plan(args)
+            if args.command == "calibrate":
+                return _cmd_calibrate(args)
+            return _cmd_verify(args)
     except ValueError as exc:
         print(f"megatron-dynbatch {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -176,3 +176,31 @@ def test_under_a_dense_mask_the_few_full_micro_batches_shape_has_short_rows(tmp_
     assert shapes[1] == (512, 1, 512)
     calib._restore(args)
     assert calib.calibrated_config(dynbatch_config_from_args(args)).cost_attention_weight == 0.0
+
+
+@pytest.mark.parametrize("budget", [256, 512, 768])
+def test_a_budget_under_four_seq_lengths_skips_calibration_at_once(
+    tmp_path, monkeypatch, capsys, budget
+):
+    """Issue 29: at --max-tokens-per-gpu 2 x --seq-length the varied shapes collapse onto
+    --seq-length and 8 iterations fit "0 us per token"; the run now says why on its first step and
+    plans every step with the configured budget and weights, writing nothing."""
+    calib.reset_calibration_state()
+    args = _args(tmp_path, max_tokens_per_gpu=budget)
+    budgets, _ = _train(args, monkeypatch, 12)
+    assert set(budgets) == {budget}
+    assert calib.calibration_state().observations == [] and calib.calibration_state().fit is None
+    assert not (tmp_path / calib.CALIBRATION_JSON).exists()
+    assert not (tmp_path / calib.CALIBRATION_YAML).exists()
+    out = capsys.readouterr().out
+    assert out.count("dynamic-batch calibration skipped") == 1, out
+    assert f"--max-tokens-per-gpu {budget} is less than 4 x --seq-length 256" in out
+    assert calib.calibration_log_string() == ""
+
+
+def test_rollouts_per_step_skips_calibration_at_once(tmp_path, monkeypatch, capsys):
+    calib.reset_calibration_state()
+    args = _args(tmp_path, rollouts_per_step=32)
+    _train(args, monkeypatch, 12)
+    assert calib.calibration_state().observations == []
+    assert "calibration skipped: with --rollouts-per-step" in capsys.readouterr().out

@@ -25,6 +25,7 @@ from megatron_dynbatch.tools.verify import (
     compare,
     run_verify,
 )
+from megatron_dynbatch.tools.verify.spec import MoESettings
 
 pytestmark = pytest.mark.gloo
 
@@ -268,3 +269,20 @@ def test_verify_refuses_a_model_it_cannot_split():
         _spec(pp=3)
     with pytest.raises(ValueError, match="aggregation='mean'"):
         _spec(loss="mean")
+
+
+def test_moe_with_z_loss_matches_reference_with_placeholders_at_pp2_vpp2_ep2():
+    """``verify --moe``: a tiny MoE (4 experts, top-2, z-loss 0.01) at pp 2 x vpp 2, dp 2 with
+    expert parallel size 2, on samples that force a placeholder micro-batch. The routers get the
+    padding mask, so the per-token z-loss covers the real tokens only, as in the reference."""
+    moe = MoESettings(ep_size=2, z_loss_coeff=1e-2)
+    report = _check(run_verify(_spec(2, 2, 2, samples=RAGGED_PLACEHOLDER, moe=moe)))
+    assert report["num_placeholders"] > 0, report
+    assert report["moe"] == {"num_experts": 4, "topk": 2, "ep_size": 2, "z_loss_coeff": 1e-2}
+
+
+def test_moe_settings_refuse_what_megatron_cannot_split():
+    with pytest.raises(ValueError, match="--moe-ep-size 3 must be >= 1 and divide the 4"):
+        MoESettings(ep_size=3)
+    with pytest.raises(ValueError, match="--moe-ep-size 2 must divide --dp-size 1"):
+        _spec(1, samples=RAGGED, moe=MoESettings(ep_size=2))

@@ -13,14 +13,20 @@ be told apart. Then every rank fits the same weights from the same numbers
 (:func:`~megatron_dynbatch.planning.calibration.fit_cost_model`), rank 0's fit is broadcast (one
 collective, so plans stay identical even if floating point differed) and held in this module's
 calibration state (:func:`calibrated_config` applies it to the run's config; nothing is written
-into Megatron's ``args``): the next batch is planned with it. Rank 0 logs it and writes ``dynbatch_calibration.yaml`` (the
-``cost_*`` keys ``--dynamic-batch-config`` loads) and ``dynbatch_calibration.json`` (the fit in
+into Megatron's ``args``): the next batch is planned with it. Rank 0 logs it and writes
+``dynbatch_calibration.yaml`` (the ``cost_*`` keys ``--dynamic-batch-config`` loads) and ``dynbatch_calibration.json`` (the fit in
 seconds) into ``--save`` (or ``--dynamic-batch-calibration-output``). A run resumed from a
 ``--load`` directory holding ``dynbatch_calibration.json`` uses that fit and does not calibrate
 again, so it plans exactly as the straight run did after calibrating.
 
 After calibration the iteration line shows ``predicted`` against ``measured`` iteration time, so a
 user sees when the model is wrong.
+
+Where the shapes cannot separate the weights (a budget under :data:`MIN_BUDGET_RATIO` x
+``--seq-length``, or ``--rollouts-per-step``), the run skips calibration on its first step and
+rank 0 says why (:func:`why_not_calibrate`): no iteration is planned in another shape, no file is
+written. ``dynbatch_calibration.yaml`` is written only for a fit that is applied; the ``.json`` for
+every fit (a resumed run must not calibrate again).
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ __all__ = [
     "CALIBRATION_JSON",
     "CALIBRATION_YAML",
     "DEFAULT_CALIBRATION_STEPS",
+    "MIN_BUDGET_RATIO",
     "add_calibration_args",
     "calibrated_config",
     "calibration_log_string",
@@ -59,6 +66,7 @@ __all__ = [
     "observe_train_step",
     "reset_calibration_state",
     "resume_calibration",
+    "why_not_calibrate",
 ]
 
 #: Iterations at the start of a run that are never used (allocator and kernel warm-up).
@@ -93,6 +101,8 @@ class _State:
     """The configured attention weight, restored after calibration."""
     attention: Optional[str] = None
     """The attention kind the planner prices (resolved from Megatron's flags), read once."""
+    skipped: Optional[str] = None
+    """Why calibration does not run in this configuration (decided on the first step), or None."""
     overrides: Dict[str, Any] = field(default_factory=dict)
     """DynBatchConfig field -> the value calibration plans with now (a varied budget or overhead
     while it measures, then the fitted weights); :func:`calibrated_config` applies them."""
@@ -161,6 +171,7 @@ def _observation_of(batch: Any, plan: Any, step_index: int, args: Any) -> Observ
         vpp_size=layout.vpp_size,
         group=layout.microbatch_group_size_per_vp_stage,
         attention=_attention_kind(args),
+        row_lengths=step.row_lengths or None,
     )
 
 
@@ -318,6 +329,42 @@ def _restore(args: Any) -> None:
         _state.overrides.pop(name, None)
 
 
+#: Calibration varies the budget down to a quarter, never below ``--seq-length``; below this ratio
+#: of budget to ``--seq-length`` the quarter (and at 2x the half) collapses onto ``--seq-length``,
+#: and the steps' token work varies too little to be told from the per-step constant: at
+#: ``--max-tokens-per-gpu`` = 2 x ``--seq-length`` 8 calibration steps fit "0 us per token" and
+#: changed nothing (issue 29). The run then skips calibration at once instead.
+MIN_BUDGET_RATIO = 4
+
+
+def why_not_calibrate(args: Any) -> Optional[str]:
+    """Why this run's calibration shapes cannot separate the cost weights, or ``None``.
+
+    Decided from the arguments alone (the same for a straight and a resumed run).
+    """
+    if getattr(args, "rollouts_per_step", None) is not None:
+        return (
+            "with --rollouts-per-step a batch spans several steps planned at once, so the "
+            "calibration cannot vary the budget between steps, and steps of one shape cannot "
+            "separate token work from per-micro-batch overhead"
+        )
+    budget = getattr(args, "max_tokens_per_gpu", None)
+    if budget is None:  # given in the --dynamic-batch-config YAML only
+        from .arguments import dynbatch_config_from_args
+
+        budget = dynbatch_config_from_args(args).max_tokens_per_gpu
+    budget = int(budget)
+    seq_length = int(getattr(args, "seq_length", 1) or 1)
+    if budget < MIN_BUDGET_RATIO * seq_length:
+        return (
+            f"--max-tokens-per-gpu {budget} is less than {MIN_BUDGET_RATIO} x --seq-length "
+            f"{seq_length}, so the calibration's smaller budgets (half and a quarter of it, never "
+            f"below --seq-length, the longest sample) collapse onto {max(seq_length, budget // 2)} "
+            "and the steps' token work varies too little to be told from the per-step constant"
+        )
+    return None
+
+
 def resume_calibration(args: Any) -> None:
     """On a run's first step, before it plans: reuse the fit a ``--load`` directory holds.
 
@@ -328,6 +375,15 @@ def resume_calibration(args: Any) -> None:
         _state.resumed_checked = True
         _load_resumed(args)
         if _state.fit is None and _steps(args) > 0:
+            _state.skipped = why_not_calibrate(args)
+        if _state.skipped is not None:
+            _log(
+                f"dynamic-batch calibration skipped: {_state.skipped}; planning keeps the "
+                "configured cost model (give --dynamic-batch-cost-* weights, e.g. from "
+                "`megatron-dynbatch calibrate` on steps timed at budgets of 4x --seq-length and "
+                "more, or pass --dynamic-batch-calibration-steps 0 to silence this)"
+            )
+        elif _state.fit is None and _steps(args) > 0:
             # The first step's budget too follows its iteration number (a resumed run's first
             # step then plans as the straight run's did).
             _vary_budget(args, int(getattr(args, "curr_iteration", 0) or 0) + 1)
@@ -338,8 +394,8 @@ def observe_train_step(args: Any, batch: Any, plan: Any, step_index: int) -> Non
 
     Called by :func:`~.hooks.prepare_train_step` on every rank after the step is materialized.
     """
-    if _state.fit is None and _steps(args) <= 0:
-        return  # off: nothing to measure or show
+    if _state.skipped is not None or (_state.fit is None and _steps(args) <= 0):
+        return  # off or skipped: nothing to measure or show
     now = time.perf_counter()
     iteration = int(getattr(args, "curr_iteration", _state.steps_seen) or 0) + 1
     previous, previous_end = _state.pending, _state.last_end

@@ -12,16 +12,22 @@ runs loss-masked placeholders, so counts are equal by construction, not by a lat
 The budget keeps SkyRL's meaning of ``max_tokens_per_microbatch``: real tokens of one micro-batch
 (its workers strip padding before the model, ``remove_left_padding`` or THD packing), a hard cap
 except for a single longer sample, which runs alone and is reported in :attr:`SkyrlPlan.oversize`.
+Placeholder rows count: each has one attended token, so a micro-batch of ``k`` samples plus its
+``B - k`` placeholder rows stays within the budget (:func:`_fit_placeholder_rows`).
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from megatron_dynbatch.config import config_from_mapping
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.planning import ParallelLayout
-from megatron_dynbatch.planning.sharded import ShardedPlan, plan_sharded_step
+from megatron_dynbatch.planning import ParallelLayout, round_up
+from megatron_dynbatch.planning.sharded import (
+    ShardedPlan,
+    plan_rank_shards,
+    sharded_plan,
+)
 
 __all__ = [
     "SKYRL_FIXED",
@@ -118,4 +124,50 @@ def plan_skyrl_minibatch(
         fixed=SKYRL_FIXED,
         host="SkyRL's trainer config",
     ).planner_config(parallel)
-    return plan_sharded_step(lengths_per_rank, config)
+    ranks, oversize = plan_rank_shards(lengths_per_rank, config)
+    ranks = _fit_placeholder_rows(ranks, lengths_per_rank, config.token_cap, tp_size)
+    return sharded_plan(ranks, oversize, parallel)
+
+
+def _fit_placeholder_rows(
+    ranks: List[Tuple[Tuple[int, ...], ...]],
+    lengths_per_rank: List[List[int]],
+    cap: int,
+    multiple: int,
+) -> List[Tuple[Tuple[int, ...], ...]]:
+    """Split micro-batches so each stays within ``cap`` once topped up with placeholder rows.
+
+    Every micro-batch runs ``B`` rows (the fullest one's); a shorter one gets ``B - k`` placeholder
+    rows of one attended token each (SkyRL cannot run a row with none), padded to ``multiple``
+    (tp) like every row. So a micro-batch costs its samples plus ``(B - k) * multiple``, and a sample
+    of ``L`` tokens forces ``B <= 1 + (cap - L) // multiple``: with ``cap=40`` a 40-token sample
+    leaves room for no placeholder row, so ``B = 1`` (two samples of 20 sharing a micro-batch
+    would give the 40-token one a 41-token micro-batch). ``B`` is bounded by the longest sample
+    within the cap, then every micro-batch is cut, in order, into pieces that fit at that bound.
+    An oversize sample (alone in its micro-batch already) stays over the cap, as reported.
+    """
+
+    def size(length: int) -> int:
+        return round_up(length, multiple)
+
+    rows = max([len(mb) for mbs in ranks for mb in mbs] or [1])
+    fitting = [size(n) for lengths in lengths_per_rank for n in lengths if size(n) <= cap]
+    if fitting:
+        rows = min(rows, 1 + (cap - max(fitting)) // multiple)
+    fitted: List[Tuple[Tuple[int, ...], ...]] = []
+    for rank, mbs in enumerate(ranks):
+        pieces: List[Tuple[int, ...]] = []
+        for mb in mbs:
+            piece: List[int] = []
+            tokens = 0
+            for i in mb:
+                grown = tokens + size(lengths_per_rank[rank][i])
+                topped_up = grown + (rows - len(piece) - 1) * multiple
+                if piece and (len(piece) == rows or topped_up > cap):
+                    pieces.append(tuple(piece))
+                    piece, grown = [], size(lengths_per_rank[rank][i])
+                piece.append(i)
+                tokens = grown
+            pieces.append(tuple(piece))
+        fitted.append(tuple(pieces))
+    return fitted

@@ -26,6 +26,22 @@ def _advantage_loss(batch, per_token_ce):
     return per_token_ce * batch["advantages"]
 
 
+def _model_config(spec: VerifySpec, **layout):
+    """The tiny GPT's config for a layout: dense, or with ``spec.moe`` a mixture of experts."""
+    from megatron_dynbatch.tools.testing.tiny_gpt import tiny_transformer_config
+
+    if spec.moe is None:
+        return tiny_transformer_config(num_layers=NUM_LAYERS, **layout)
+    config = tiny_transformer_config(
+        num_layers=NUM_LAYERS,
+        num_moe_experts=spec.moe.num_experts,
+        moe_router_topk=spec.moe.topk,
+        **layout,
+    )
+    config.moe_z_loss_coeff = spec.moe.z_loss_coeff or None
+    return config
+
+
 def dynamic_body(spec: VerifySpec) -> Dict[str, Any]:
     """On every rank of the layout: plan, agree, train one step, then a forward-only pass."""
     import torch
@@ -42,7 +58,6 @@ def dynamic_body(spec: VerifySpec) -> Dict[str, Any]:
     from megatron_dynbatch.tools.testing.tiny_gpt import (
         build_tiny_gpt,
         named_global_grads,
-        tiny_transformer_config,
         wrap_in_ddp,
     )
 
@@ -69,14 +84,15 @@ def dynamic_body(spec: VerifySpec) -> Dict[str, Any]:
             sample_multiple=plan.sample_multiple,
             device=device,
         )
-    config = tiny_transformer_config(
+    config = _model_config(
+        spec,
         tensor_model_parallel_size=tp_group.size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         virtual_pipeline_model_parallel_size=(
             parallel_state.get_virtual_pipeline_model_parallel_world_size()
         ),
-        num_layers=NUM_LAYERS,
         calculate_per_token_loss=True,
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
     )
     chunks = build_tiny_gpt(config, max_sequence_length=spec.max_sequence_length, seed=spec.seed)
     if device is not None:
@@ -105,6 +121,7 @@ def dynamic_body(spec: VerifySpec) -> Dict[str, Any]:
             "vpp_size": parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
             "tp_size": tp_group.size(),
             "cp_size": parallel_state.get_context_parallel_world_size(),
+            "ep_size": parallel_state.get_expert_model_parallel_world_size(),
             "world_size": torch.distributed.get_world_size(),
             "backend": torch.distributed.get_backend(),
             "num_model_chunks": len(chunks),
@@ -126,18 +143,12 @@ def reference_body(spec: VerifySpec) -> Optional[Dict[str, Any]]:
 
     from megatron_dynbatch.mcore.forward import build_attention_mask
     from megatron_dynbatch.runtime import reference_loss
-    from megatron_dynbatch.tools.testing.tiny_gpt import (
-        build_tiny_gpt,
-        named_global_grads,
-        tiny_transformer_config,
-    )
+    from megatron_dynbatch.tools.testing.tiny_gpt import build_tiny_gpt, named_global_grads
 
     if torch.distributed.get_rank() != 0:
         return None
     [model] = build_tiny_gpt(
-        tiny_transformer_config(num_layers=NUM_LAYERS),
-        max_sequence_length=spec.max_sequence_length,
-        seed=spec.seed,
+        _model_config(spec), max_sequence_length=spec.max_sequence_length, seed=spec.seed
     )
     # With --oversize-samples truncate the plan keeps only the first tokens of a sample over the
     # cap: the fixed-batch run it must equal trains those same tokens.
@@ -159,9 +170,32 @@ def reference_body(spec: VerifySpec) -> Optional[Dict[str, Any]]:
         masks.append(target_mask)
         logprobs.append((-ce).detach())
     loss = reference_loss(spec.loss, losses, masks)
+    if spec.moe is not None:
+        _scale_router_losses_as_finalize_does(spec.loss, masks)
     loss.backward()
     return {
         "grads": {name: g.detach().clone() for name, g in named_global_grads([model]).items()},
         "loss": float(loss.detach()),
         "logprobs": logprobs,
     }
+
+
+def _scale_router_losses_as_finalize_does(aggregation: str, masks) -> None:
+    """The router z-loss of the reference's backward, weighted as the dynamic step weights it.
+
+    Under ``calculate_per_token_loss`` Megatron attaches each micro-batch's z-loss times its real
+    tokens and ``finalize_model_grads`` divides every gradient by the step's denominator (the
+    aggregation's: loss tokens, sequences, or nothing for ``sum``). The reference attaches each
+    sample's z-loss times its tokens the same way; this divides its backward by that denominator
+    (Megatron's ``MoEAuxLossAutoScaler`` scale, set per micro-batch by the schedules anyway).
+    """
+    import torch
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    if aggregation == "sum":
+        denominator = 1
+    elif aggregation == "token-mean":
+        denominator = int(sum(int((m > 0).sum()) for m in masks))
+    else:  # seq-mean-*: every sequence counts once
+        denominator = len(masks)
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / max(denominator, 1)))

@@ -51,7 +51,14 @@ def format_report(report: Dict[str, Any]) -> str:
     return (
         f"{verdict}: dp={report['dp_size']} pp={report['pp_size']} vpp={report['vpp_size']} "
         f"tp={report['tp_size']} layout={report['layout']} loss={report['loss_mode']} "
-        f"({report['world_size']} {report['backend']} ranks)\n"
+        f"({report['world_size']} {report['backend']} ranks)"
+        + (
+            ""
+            if not report.get("moe")
+            else f" moe: {report['moe']['num_experts']} experts top-{report['moe']['topk']} "
+            f"ep={report['moe']['ep_size']} z-loss {report['moe']['z_loss_coeff']:g}"
+        )
+        + "\n"
         f"  samples={report['num_samples']} micro-batches/rank={report['num_microbatches']} "
         f"[{report['micro_batch_size']}x{report['seq_length']}] placeholders="
         f"{report['num_placeholders']}\n"
@@ -119,10 +126,12 @@ def run_verify_cli(
     loss: str,
     samples: Optional[Sequence[Any]] = None,
     as_json: bool = False,
+    moe: Optional[Any] = None,
 ) -> int:
     """Entry point of ``megatron-dynbatch verify``; returns an ``EXIT_*`` status.
 
-    ``samples`` is the decoded SAMPLES.json array (``None``: the bundled set).
+    ``samples`` is the decoded SAMPLES.json array (``None``: the bundled set); ``moe`` a
+    :class:`~megatron_dynbatch.tools.verify.spec.MoESettings` for a mixture-of-experts model.
 
     Raises:
         ValueError: On bad input, before any rank starts (the caller prints it and exits 2).
@@ -130,7 +139,7 @@ def run_verify_cli(
     from megatron_dynbatch.mcore.agreement import StepAgreementError
     from megatron_dynbatch.tools.testing.workers import DistributedTestError
 
-    spec = build_spec(config, loss=loss, samples=samples)
+    spec = build_spec(config, loss=loss, samples=samples, moe=moe)
     if under_torchrun():
         check_torchrun_world_size(spec)
     try:

@@ -62,6 +62,8 @@ def compare(
     assert all(r["ran"] == ran for r in dynamic), [r["ran"] for r in dynamic]
     for key in ("dp_size", "pp_size", "vpp_size", "tp_size", "cp_size", "world_size"):
         assert ran[key] == settings[key], f"asked {key}={settings[key]}, ran {ran[key]}"
+    ep_size = 1 if spec.moe is None else spec.moe.ep_size
+    assert ran["ep_size"] == ep_size, f"asked ep_size={ep_size}, ran {ran['ep_size']}"
     max_rel, max_abs = _grad_diffs(dynamic, reference["grads"])
     max_lp = _logprob_diff(spec, dynamic, reference["logprobs"])
     # Every DP rank's last stage logs its own share; pipeline stages other than the last log none.

@@ -42,6 +42,7 @@ def run_verify(spec: VerifySpec) -> Dict[str, Any]:
         tp=parallel.tp_size,
         pp=parallel.pp_size,
         vpp=parallel.vpp_size if parallel.vpp_size > 1 else None,
+        ep=1 if spec.moe is None else spec.moe.ep_size,
     )
     started = time.perf_counter()
     dynamic = run_on_ranks(spec.world_size, dynamic_body, spec, layout=layout)
@@ -71,17 +72,19 @@ def run_under_torchrun(spec: VerifySpec) -> Optional[Dict[str, Any]]:
     assert dist.get_world_size() == spec.world_size, (dist.get_world_size(), spec.world_size)
     started = time.perf_counter()
     results = []
+    ep_size = 1 if spec.moe is None else spec.moe.ep_size
     layouts = (
-        (dynamic_body, parallel.tp_size, parallel.pp_size, parallel.vpp_size),
-        (reference_body, 1, 1, 1),
+        (dynamic_body, parallel.tp_size, parallel.pp_size, parallel.vpp_size, ep_size),
+        (reference_body, 1, 1, 1, 1),
     )
-    for body, tp, pp, vpp in layouts:
+    for body, tp, pp, vpp, ep in layouts:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+            expert_model_parallel_size=ep,
         )
         model_parallel_cuda_manual_seed(spec.seed)
         gathered: list = [None] * dist.get_world_size()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from megatron_dynbatch.planning import (
 )
 from megatron_dynbatch.runtime.aggregation import check_aggregation
 
-__all__ = ["DEFAULT_MAX_TOKENS_PER_GPU", "SEED", "VerifySpec", "build_spec"]
+__all__ = ["DEFAULT_MAX_TOKENS_PER_GPU", "SEED", "MoESettings", "VerifySpec", "build_spec"]
 
 #: Token cap of the bundled set when none is given: small enough that it packs into several
 #: micro-batches of the tiny model.
@@ -33,6 +34,42 @@ NUM_ATTENTION_HEADS = 4
 
 
 @dataclass(frozen=True)
+class MoESettings:
+    """``verify --moe``: every MLP of the verify model is a mixture of experts.
+
+    The router's z-loss is per token, so dynamic batching must reproduce the per-sample reference
+    exactly; the load-balancing losses (``aux_loss``, ``seq_aux_loss``, ``global_aux_loss``) are
+    defined over a micro-batch (or a row, or the step's micro-batches), which a reference of one
+    sample at a time does not have, so verify leaves them off (their rules and measured deviations
+    from fixed micro-batches: ``docs/moe.md``).
+    """
+
+    num_experts: int = 4
+    """Experts per MoE layer."""
+    topk: int = 2
+    """Experts each token is routed to."""
+    ep_size: int = 1
+    """Expert-parallel size; it spans data-parallel ranks (it must divide ``dp_size``)."""
+    z_loss_coeff: float = 1e-2
+    """Coefficient of the router z-loss (0 turns it off)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.topk <= self.num_experts:
+            raise ValueError(
+                f"--moe top-k {self.topk} must be in [1, num_experts={self.num_experts}]."
+            )
+        if self.ep_size < 1 or self.num_experts % self.ep_size:
+            raise ValueError(
+                f"--moe-ep-size {self.ep_size} must be >= 1 and divide the {self.num_experts} "
+                "experts of the verify model; use 1, 2 or 4."
+            )
+        if not self.z_loss_coeff >= 0:
+            raise ValueError(
+                f"--moe-z-loss-coeff {self.z_loss_coeff} must be >= 0 (0 turns the z-loss off)."
+            )
+
+
+@dataclass(frozen=True)
 class VerifySpec:
     """Everything a verify run needs; picklable, so it travels to every worker rank."""
 
@@ -44,6 +81,8 @@ class VerifySpec:
     loss: str
     """One of :data:`megatron_dynbatch.runtime.aggregation.AGGREGATIONS`."""
     seed: int = SEED
+    moe: Optional[MoESettings] = None
+    """A mixture-of-experts verify model, or None for the dense one."""
 
     @property
     def num_samples(self) -> int:
@@ -105,6 +144,7 @@ class VerifySpec:
             "oversize_samples": self.config.oversize_samples,
             "num_samples": self.num_samples,
             "seed": self.seed,
+            "moe": None if self.moe is None else dataclasses.asdict(self.moe),
         }
 
 
@@ -115,7 +155,11 @@ def bundled_samples() -> list:
 
 
 def build_spec(
-    config: PlannerConfig, *, loss: str = "token-mean", samples: Optional[Sequence[Any]] = None
+    config: PlannerConfig,
+    *,
+    loss: str = "token-mean",
+    samples: Optional[Sequence[Any]] = None,
+    moe: Optional[MoESettings] = None,
 ) -> VerifySpec:
     """Validate a verify request (before any process starts) and return its description.
 
@@ -123,6 +167,7 @@ def build_spec(
         config: The planner configuration to verify (its parallel layout is the one launched).
         loss: The loss aggregation.
         samples: The decoded ``SAMPLES.json`` array; ``None`` uses the bundled set.
+        moe: A mixture-of-experts verify model (``verify --moe``), or None for the dense one.
 
     Raises:
         ValueError: On an unknown loss, bad samples, or a layout verify cannot run as asked
@@ -151,7 +196,13 @@ def build_spec(
             "attention, which has no context parallelism (that needs transformer-engine). Drop "
             "--cp-size (megatron-dynbatch plan --cp-size shows the planned padding)."
         )
+    if moe is not None and parallel.dp_size % moe.ep_size:
+        raise ValueError(
+            f"--moe-ep-size {moe.ep_size} must divide --dp-size {parallel.dp_size}: Megatron's "
+            "expert-parallel groups are made of data-parallel ranks."
+        )
     spec = VerifySpec(
+        moe=moe,
         config=config,
         lengths=tuple(sample_set.lengths),
         rollouts=tuple(sample_set.rollout_ids),

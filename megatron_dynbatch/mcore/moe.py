@@ -1,0 +1,144 @@
+"""Mixture-of-experts routers under planned micro-batches: the padding mask and placeholders.
+
+Megatron-Core 0.19.2 takes ``padding_mask`` in ``GPTModel.forward`` (``[B, S]`` bool, **True =
+padding**: ``z_loss_func``, ``compute_routing_scores_for_aux_loss`` and the expert-bias update all
+read it that way, though some inner docstrings say the opposite) and hands it to every MoE
+router, which then leaves padding out of
+
+* the z-loss (a mean over the real tokens, pre-multiplied by their count under
+  ``calculate_per_token_loss``);
+* the load-balancing statistics of ``aux_loss``, ``seq_aux_loss`` and ``global_aux_loss`` (tokens
+  per expert, the token counts they are divided by, and the per-token weight of the loss);
+* the expert-bias token counts (``moe_router_enable_expert_bias``).
+
+It does not leave padding out of the dispatch: the routing map sent to the token dispatcher is the
+unmasked top-k, so padding tokens still travel through the all-to-all and through the experts
+(their outputs are discarded by the zero loss mask). What they still cost is their share of the
+expert FLOPs and of the all-to-all volume.
+
+One case breaks in Megatron itself: a micro-batch that is padding from end to end (a placeholder)
+gives the load-balancing losses zero tokens and a ``0 / 0`` (NaN gradients on every router weight;
+the z-loss clamps its count and stays finite). :func:`placeholder_routing` runs such a micro-batch
+with those losses off, which is exactly its weight under the rule "each loss over real tokens
+only": zero.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Mapping, Optional
+
+import torch
+
+__all__ = ["is_moe_model", "padding_mask_of", "placeholder_routing"]
+
+
+def is_moe_model(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (a GPTModel, possibly wrapped in DDP / Float16Module) has MoE layers."""
+    from megatron.core.utils import get_model_config
+
+    return bool(getattr(get_model_config(model), "num_moe_experts", None))
+
+
+def padding_mask_of(batch: Mapping[str, torch.Tensor]) -> Optional[torch.Tensor]:
+    """Megatron's ``padding_mask`` of a planned micro-batch: ``[B, S]`` bool, True on padding.
+
+    Padding is every position whose ``sample_index`` is -1: a row's padding tail, the rounding pad
+    after a sample (``sample_multiple``) and every token of a placeholder micro-batch. None when the
+    micro-batch has no ``sample_index`` (a user forward step's own dict).
+    """
+    sample_index = batch.get("sample_index")
+    if sample_index is None:
+        return None
+    return sample_index < 0
+
+
+# The load-balancing losses a router computes (Megatron's names) and whether each one's token count
+# is reduced over data-parallel ranks (global_aux_loss) or only over tensor/context-parallel ranks.
+_LOCAL_LOSSES = ("aux_loss", "seq_aux_loss")
+_GLOBAL_LOSSES = ("global_aux_loss",)
+# What a switched-off loss is renamed to for one forward: Megatron's coefficient lookup
+# (``TopKRouter.get_aux_loss_coeff``) finds no coefficient for it, and the routing itself treats
+# it like "none" (plain top-k).
+_OFF = "none"
+
+
+def _routers_with_aux_loss(model: torch.nn.Module) -> list:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [
+        module
+        for module in model.modules()
+        if isinstance(module, TopKRouter) and module.is_aux_loss_enabled()
+    ]
+
+
+def _any_real(has_real: torch.Tensor, group) -> torch.Tensor:
+    if torch.distributed.get_world_size(group) > 1:
+        has_real = has_real.clone()
+        torch.distributed.all_reduce(has_real, op=torch.distributed.ReduceOp.MAX, group=group)
+    return has_real
+
+
+def _without(routing_type, losses: tuple):
+    """``routing_type`` with ``losses`` switched off (a list keeps its positions, so the other
+    losses keep their coefficients)."""
+    if isinstance(routing_type, str):
+        return _OFF if routing_type in losses else routing_type
+    return [_OFF if name in losses else name for name in routing_type]
+
+
+@contextlib.contextmanager
+def placeholder_routing(
+    model: torch.nn.Module, padding_mask: Optional[torch.Tensor]
+) -> Iterator[None]:
+    """Around one model-chunk forward: a load-balancing loss without real tokens is switched off.
+
+    Megatron divides each load-balancing loss by the real tokens it covers (over the tensor- and
+    context-parallel ranks for ``aux_loss`` and ``seq_aux_loss``, over data-parallel ranks too for
+    ``global_aux_loss``), so a micro-batch of padding only would give NaN gradients. Inside this
+    context a loss whose reduction group holds no real token in this micro-batch is switched off
+    for this forward (its weight under "each loss over real tokens only" is zero anyway); the
+    z-loss (finite: Megatron clamps its count) and the routing itself are unchanged. Whether a
+    group holds a real token is decided with one scalar all-reduce per group (the router's own
+    collectives must then run on all of a group's ranks or on none). Models without a
+    load-balancing loss are left untouched, with no communication.
+
+    Activation recomputation of MoE layers re-runs the forward in backward, outside this context;
+    it is refused for a placeholder with a load-balancing loss rather than giving NaN gradients.
+    """
+    # Without gradients (forward-only passes) Megatron computes no auxiliary loss at all.
+    active = padding_mask is not None and torch.is_grad_enabled()
+    routers = _routers_with_aux_loss(model) if active else []
+    if not routers:
+        yield
+        return
+    first = routers[0]
+    local = _any_real((~padding_mask).any().to(torch.int32).reshape(1), first.tp_cp_group)
+    off: tuple = () if int(local.item()) else _LOCAL_LOSSES
+    if any(router.get_aux_loss_coeff("global_aux_loss") > 0 for router in routers):
+        if not int(_any_real(local, first.tp_dp_cp_group).item()):
+            off += _GLOBAL_LOSSES
+    if not off:
+        yield
+        return
+    config = first.config
+    if config.recompute_granularity is not None and (
+        config.recompute_granularity == "full" or "moe" in (config.recompute_modules or ())
+    ):
+        raise ValueError(
+            "a placeholder micro-batch (padding only) reached MoE layers with an auxiliary "
+            f"load-balancing loss ({config.moe_router_load_balancing_type}) and activation "
+            f"recomputation (recompute_granularity={config.recompute_granularity!r}, "
+            f"recompute_modules={config.recompute_modules}); Megatron's recomputed router would "
+            "divide by its zero real tokens (NaN gradients). Turn MoE recomputation off or set "
+            "--moe-aux-loss-coeff 0."
+        )
+    saved = [router.routing_type for router in routers]
+    try:
+        for router in routers:
+            router.routing_type = _without(router.routing_type, off)
+        yield
+    finally:
+        for router, routing_type in zip(routers, saved, strict=True):
+            router.routing_type = routing_type
