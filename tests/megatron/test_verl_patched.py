@@ -2,8 +2,8 @@
 
 With ``VERL_DIR`` (a verl checkout at the commit named in ``patches/verl/README.md``) the patches
 are applied to a copy with ``launch/apply_verl_patches.sh``; on gloo CPU ranks (tiny GPT, pp 2 at
-dp 1 and 2, pp 2 x vpp 2) verl's real ``MegatronEngineWithLMHead.forward_backward_batch`` runs:
-its ``forward_step``, ``postprocess_micro_batch_func``, the THD model forward
+dp 1 and 2, tp 2 x pp 2, pp 2 x vpp 2) verl's real
+``MegatronEngineWithLMHead.forward_backward_batch`` runs: its ``forward_step``, ``postprocess_micro_batch_func``, the THD model forward
 (``gptmodel_forward_model_engine`` with ``preprocess_thd_engine`` / ``postprocess_thd_engine``),
 its ``ppo_loss`` with every ``loss_agg_mode`` and ``postprocess_batch_func`` /
 ``restore_dynamic_batch``, on a batch built by verl's own ``left_right_2_no_padding`` and sharded
