@@ -1,18 +1,17 @@
 """verl's own Megatron engine code, patched by ``patches/verl``, against a per-sample reference.
 
 With ``VERL_DIR`` (a verl checkout at the commit named in ``patches/verl/README.md``) the patches
-are applied to a copy with ``launch/apply_verl_patches.sh``; on gloo CPU ranks (tiny GPT, pp 2 at
-dp 1 and 2, tp 2 x pp 2, pp 2 x vpp 2) verl's real
-``MegatronEngineWithLMHead.forward_backward_batch`` runs: its ``forward_step``, ``postprocess_micro_batch_func``, the THD model forward
-(``gptmodel_forward_model_engine`` with ``preprocess_thd_engine`` / ``postprocess_thd_engine``),
-its ``ppo_loss`` with every ``loss_agg_mode`` and ``postprocess_batch_func`` /
+are applied to a copy with ``launch/apply_verl_patches.sh``; on gloo CPU ranks (tiny GPT, pp 2 at dp
+1 and 2, tp 2 x pp 2, pp 2 x vpp 2) verl's real ``MegatronEngineWithLMHead.forward_backward_batch``
+runs: its ``forward_step``, ``postprocess_micro_batch_func``, the THD model forward
+(``gptmodel_forward_model_engine`` with ``preprocess_thd_engine`` / ``postprocess_thd_engine``), its
+``ppo_loss`` with every ``loss_agg_mode`` and ``postprocess_batch_func`` /
 ``restore_dynamic_batch``, on a batch built by verl's own ``left_right_2_no_padding`` and sharded
 over the DP ranks as verl's dispatch does (contiguous equal chunks). Checked: gradients equal a
-single process running each sample alone (relative 1e-5) and the log-probs of the forward-only
-pass come back in sample order (absolute 1e-5), including steps where a DP rank holds fewer
-samples than the micro-batch count (stock verl asserts there); with the switch off the patched
-tree is bitwise the stock one. verl's own CPU unit tests of its seqlen balancing run on the
-patched tree.
+single process running each sample alone (relative 1e-5) and the log-probs of the forward-only pass
+come back in sample order (absolute 1e-5), including steps where a DP rank holds fewer samples than
+the micro-batch count (stock verl asserts there); with the switch off the patched tree is bitwise
+the stock one. verl's own CPU unit tests of its seqlen balancing run on the patched tree.
 
 What is not verl's in these runs, and why (also in docs/verl.md):
 
