@@ -148,19 +148,25 @@ def variable_rows(loads: Sequence[int], multiple: int, cap: int) -> List[int]:
 def choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
     """The fastest candidate shape of the step, and the fewest micro-batches per rank it packs into.
 
-    With variable rows whose shape exchange has a cost (``CostModel.shape_exchange_overhead``:
-    a host that exchanges shapes only for steps whose rows differ, as the Megatron-LM entry does
-    with ``--variable-seq-lengths``), uniform rows stay a candidate: the step runs them when they
-    are predicted faster (ties to uniform rows, which exchange nothing).
+    With variable rows, uniform rows stay a candidate wherever they can be faster: when the shape
+    exchange has a cost (``CostModel.shape_exchange_overhead``: a host that exchanges shapes only
+    for steps whose rows differ, as the Megatron-LM entry does with ``--variable-seq-lengths``),
+    and where attention pays ``S**2`` a row (``dense``, ``causal``), since only uniform rows pack
+    micro-batches of ``B > 1`` shorter rows. The step runs them when they are predicted faster
+    (ties to uniform rows, which exchange nothing).
 
     Raises:
         ValueError: when the layout forces more placeholder micro-batches than is sane (see
             :func:`_check_placeholders`).
     """
     _check_placeholders(problem)
-    if problem.row_multiple is None or problem.model.shape_exchange_overhead <= 0:
+    if problem.row_multiple is None:
         return _choose_shape(problem)
-    uniform, fewest_uniform = _choose_shape(dataclasses.replace(problem, row_multiple=None))
+    uniform_problem = dataclasses.replace(problem, row_multiple=None)
+    if problem.model.shape_exchange_overhead <= 0 and not _row_counts(uniform_problem):
+        # Per-segment attention, free exchange: a row of its own is never slower than the longest.
+        return _choose_shape(problem)
+    uniform, fewest_uniform = _choose_shape(uniform_problem)
     variable, fewest = _choose_shape(problem)
     if variable.step_time < uniform.step_time * (1.0 - _TIE):
         return variable, fewest

@@ -237,3 +237,25 @@ def test_uniform_rows_stay_a_candidate_when_the_shape_exchange_costs():
 
     assert rows(0.0) and len({r for rank in rows(0.0) for r in rank}) > 1
     assert rows(1e6) == ()
+
+
+def test_uniform_rows_of_several_rows_stay_a_candidate_under_a_dense_mask():
+    """Where a row's attention costs S**2 (the local implementation's dense mask), micro-batches of
+    B > 1 short uniform rows can beat one variable row: variable rows do not make the plan
+    slower than uniform rows would."""
+    lengths = [250, 240, 230, 220, 60, 50, 40, 30] * 4
+
+    def plan(variable):
+        config = PlannerConfig(
+            max_tokens_per_gpu=1024,
+            parallel=ParallelLayout(dp_size=1, pp_size=2),
+            cost=CostModel(attention_weight=1.0 / 64, attention="dense"),
+            variable_row_lengths=variable,
+            row_multiple=64,
+        )
+        [step] = plan_schedule(lengths, None, None, config=config).steps
+        return step
+
+    uniform, variable = plan(False), plan(True)
+    assert uniform.micro_batch_size > 1
+    assert variable.micro_batch_size == uniform.micro_batch_size and variable.row_lengths == ()
