@@ -14,7 +14,9 @@ iterations 2+ of each run, from Megatron's ``elapsed time per iteration``), each
 largest relative loss difference, whether the learning rates are identical, and how far the
 calibrated prediction (``step time predicted/measured`` in the dynamic iteration line) is from
 Megatron's measured time per iteration. ``--budget`` adds more dynamic budgets (e.g. 256, a
-quarter of the memory) beside the equal-memory one.
+quarter of the memory) beside the equal-memory one; ``--variable-seq-lengths`` adds the
+equal-memory budget with per-micro-batch rows (``--variable-seq-lengths``) beside uniform rows.
+Each ratio line prints its pairs and their spread (largest minus smallest).
 
 Timings on a shared machine are noisy: the load average (``os.getloadavg``) is printed before and
 after, and the runs alternate so that load drifts hit both sides.
@@ -147,6 +149,12 @@ def main(argv=None) -> int:
         default=[],
         help="extra dynamic budgets besides the equal-memory one (4 x 256 = 1024)",
     )
+    parser.add_argument(
+        "--variable-seq-lengths",
+        action="store_true",
+        help="also run the equal-memory budget with --variable-seq-lengths (each micro-batch its "
+        "own row, shapes exchanged), beside the uniform rows",
+    )
     parser.add_argument("--data-dir", type=pathlib.Path, required=True)
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument(
@@ -164,6 +172,8 @@ def main(argv=None) -> int:
         results: Dict[str, List[Dict[str, float]]] = {"fixed": []}
         for budget in budgets:
             results[f"dynamic-{budget}"] = []
+        if args.variable_seq_lengths:
+            results[f"dynamic-{budgets[0]}-variable"] = []
         for pair in range(args.pairs):
             order = list(results) if pair % 2 == 0 else list(reversed(results))
             for name in order:
@@ -176,10 +186,11 @@ def main(argv=None) -> int:
                     )
                 )
                 log = args.out / f"{corpus}-{name}-{pair}.log"
+                flags = extra + (["--variable-seq-lengths"] if name.endswith("-variable") else [])
                 if args.reuse_logs:
                     text = log.read_text()
                 else:
-                    text = run(batching, data, budget, extra, log)
+                    text = run(batching, data, budget, flags, log)
                 results[name].append(summarize(text, fixed=name == "fixed"))
                 print(f"  {corpus} {name} run {pair}: {results[name][-1]['ms']:.1f} ms/iteration")
         fixed_fill = _fixed_fill(results)
@@ -197,7 +208,8 @@ def main(argv=None) -> int:
             fill = statistics.fmean(r["fill"] for r in results[name])
             print(
                 f"{name}: time per iteration dynamic/fixed median {statistics.median(ratios):.3f} "
-                f"(pairs {', '.join(f'{r:.3f}' for r in ratios)}); fill {fill:.3f}; largest "
+                f"(pairs {', '.join(f'{r:.3f}' for r in ratios)}; spread "
+                f"{max(ratios) - min(ratios):.3f}); fill {fill:.3f}; largest "
                 f"relative loss difference {worst:.1e}; learning rates identical: "
                 f"{'yes' if lr_equal else 'NO'}"
             )
@@ -210,7 +222,8 @@ def main(argv=None) -> int:
                 print(
                     f"  after calibration only (iterations "
                     f"{results[name][0]['calibrated'][0]}+): dynamic/fixed median "
-                    f"{statistics.median(after):.3f} (pairs {', '.join(f'{r:.3f}' for r in after)})"
+                    f"{statistics.median(after):.3f} (pairs {', '.join(f'{r:.3f}' for r in after)}"
+                    f"; spread {max(after) - min(after):.3f})"
                 )
             if errors:
                 print(

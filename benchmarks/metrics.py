@@ -88,7 +88,7 @@ def evaluate(
     any micro-batch and ``S`` = the longest sample. Placeholders run that same shape. With
     ``row_multiple`` (``packed`` only) every micro-batch runs its own row, its padded tokens rounded
     up to that multiple, as slime runs Megatron (``variable_seq_lengths``, rows padded to 128), and
-    pays the cost model's ``shape_exchange_overhead``; a placeholder runs the shortest real row.
+    pays the cost model's ``shape_exchange_overhead``; a placeholder runs one ``row_multiple``.
 
     Args:
         ranks: ``ranks[r][m]`` = global sample indices; ``[]`` = placeholder micro-batch.
@@ -171,7 +171,8 @@ def evaluate(
     placeholder_row = row_multiple
     if row_multiple is not None:
         real_rows = [round_up(footprint(mb), row_multiple) for mb in all_mbs if mb]
-        placeholder_row = min(real_rows, default=row_multiple)
+        # A placeholder runs one multiple, the shortest row (planning.shape.variable_rows).
+        placeholder_row = row_multiple
         placeholders = dp_size * num_microbatches - len(real_rows)
         computed = sum(real_rows) + placeholder_row * placeholders
     over_cap = sum(1 for mb in all_mbs if len(mb) > 1 and footprint(mb) > token_cap)

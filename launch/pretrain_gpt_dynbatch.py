@@ -15,6 +15,19 @@ See README.md, section "Megatron-LM".
 
 import pathlib
 import sys
+import warnings
+
+import torch
+
+if not torch.cuda.is_available():
+    # The CPU path cannot use transformer-engine or apex; megatron.core says so on import, ten
+    # warnings per rank, which buried a start-up error's one line (issue 29). With CUDA they stay.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"(Transformer Engine and Apex are|Apex is) not installed"
+        r"|Only transformer-engine>=\S+ supports MoE experts",
+        category=UserWarning,
+    )
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:

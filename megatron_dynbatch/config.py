@@ -212,12 +212,18 @@ class DynBatchConfig:
         )
 
     def planner_config(
-        self, parallel: ParallelLayout, *, forward_only: bool = False
+        self,
+        parallel: ParallelLayout,
+        *,
+        forward_only: bool = False,
+        row_multiple: Optional[int] = None,
     ) -> PlannerConfig:
         """The pure planner's config for a parallel layout.
 
         Forward-only passes use the log-prob budget and plan the whole batch as one pass
-        (``rollouts_per_step`` only splits optimizer steps).
+        (``rollouts_per_step`` only splits optimizer steps). ``row_multiple``: the host exchanges
+        shapes per micro-batch (slime; Megatron-LM with ``--variable-seq-lengths``), so every
+        micro-batch runs its own row, rounded up to this multiple; ``None``: uniform rows.
 
         Raises:
             ValueError: When the budget cannot hold one padded sample of the layout, naming the
@@ -237,6 +243,8 @@ class DynBatchConfig:
                 cost=self.cost_model(),
                 oversize_samples=self.oversize_samples,
                 min_gain=self.min_gain,
+                variable_row_lengths=row_multiple is not None,
+                row_multiple=1 if row_multiple is None else row_multiple,
             )
         except ValueError as error:
             raise ValueError(f"{budget_flag}: {error}") from error
@@ -246,17 +254,57 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(DynBatchConfig))
 assert set(_FIELDS) == set(FLAGS), "every config field needs a flag"
 
 
-def config_from_mapping(values: Mapping[str, Any]) -> DynBatchConfig:
-    """Build a :class:`DynBatchConfig` from a mapping of field names; unknown keys are errors."""
-    unknown = sorted(set(values) - set(_FIELDS))
-    if unknown:
-        raise ValueError(
-            f"unknown dynamic-batch config key(s) {unknown}; valid keys are {list(_FIELDS)}."
-        )
-    kwargs = {key: value for key, value in values.items() if value is not None}
+def config_from_mapping(
+    values: Mapping[str, Any],
+    *,
+    table: Optional[Mapping[str, str]] = None,
+    fixed: Optional[Mapping[str, Any]] = None,
+    host: str = "the dynamic-batch config",
+) -> DynBatchConfig:
+    """Build a :class:`DynBatchConfig`: the one function that constructs it outside tests.
+
+    Every host maps its own option names to the config's fields in a table and calls this; a
+    value of ``None`` means "not set" (the field's default applies).
+
+    Args:
+        values: The settings, by field name (``table=None``: the YAML, Megatron's flags, the CLI)
+            or by the host's own option names (``table`` given).
+        table: The host's option name -> :class:`DynBatchConfig` field, e.g. SkyRL's
+            ``{"max_tokens_per_microbatch": "max_tokens_per_gpu"}``.
+        fixed: Fields the host decides itself, by field name (e.g. ``layout="packed"`` for a
+            trainer that always packs); they must not also come from ``values``.
+        host: How error messages name where the values came from.
+
+    Raises:
+        ValueError: On an unknown key (naming the valid ones) or a bad value (naming, with a
+            table, the host's option that set it).
+    """
+    if table is None:
+        unknown = sorted(set(values) - set(_FIELDS))
+        if unknown:
+            raise ValueError(
+                f"unknown dynamic-batch config key(s) {unknown}; valid keys are {list(_FIELDS)}."
+            )
+        fields = dict(values)
+    else:
+        assert set(table.values()) <= set(_FIELDS), f"{host}: table names unknown fields"
+        unknown = sorted(set(values) - set(table))
+        if unknown:
+            raise ValueError(f"{host}: unknown option(s) {unknown}; valid: {sorted(table)}.")
+        fields = {table[name]: value for name, value in values.items()}
+    fixed = dict(fixed or {})
+    assert not set(fixed) & set(fields), f"{host}: fixed fields also given as options"
+    assert set(fixed) <= set(_FIELDS), f"{host}: fixed names unknown fields"
+    kwargs = {key: value for key, value in {**fields, **fixed}.items() if value is not None}
     # A missing budget is reported by __post_init__ (naming the flag), not as a TypeError.
     kwargs.setdefault("max_tokens_per_gpu", None)
-    return DynBatchConfig(**kwargs)
+    try:
+        return DynBatchConfig(**kwargs)
+    except ValueError as error:
+        if table is None:
+            raise
+        spelled = ", ".join(f"{name} -> {field}" for name, field in sorted(table.items()))
+        raise type(error)(f"{error} (in {host}: {spelled})") from error
 
 
 #: YAML 1.2 floats without a dot (``4e-5``), which PyYAML's YAML 1.1 resolver reads as strings.

@@ -29,7 +29,13 @@ import torch.distributed as dist
 
 from megatron_dynbatch.errors import DynBatchValueError
 
-__all__ = ["StepAgreementError", "PlanMismatchError", "step_agreement", "check_plan_agreement"]
+__all__ = [
+    "StepAgreementError",
+    "PlanMismatchError",
+    "check_plan_agreement",
+    "gather_lengths",
+    "step_agreement",
+]
 
 #: Bytes of each rank's failure reason in the all-gather (longer reasons are cut, marked "...").
 _REASON_BYTES = 1024
@@ -159,3 +165,16 @@ def check_plan_agreement(plan, group=None, *, what: str = "") -> None:
     """
     with step_agreement(group, what=what) as agreement:
         agreement.fingerprint = plan.fingerprint()
+
+
+def gather_lengths(lengths: List[int], group) -> List[List[int]]:
+    """Every rank's sample lengths, in rank order (lengths only, never data: one all-gather).
+
+    What a host whose samples are already sharded over DP (SkyRL, verl) hands to
+    :func:`~megatron_dynbatch.planning.sharded.plan_sharded_step`, so every rank derives the same
+    plan. Call it between two :func:`step_agreement` blocks: after the local checks agreed, so no
+    rank waits here for a rank that failed.
+    """
+    gathered: List[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, [int(n) for n in lengths], group=group)
+    return [list(x) for x in gathered]

@@ -77,6 +77,10 @@ class Observation:
     attention: Optional[str] = None
     """What the attention kernel runs (``segment``, ``causal``, ``dense``), where the cost model
     knows attention kinds; ``None``: by layout."""
+    row_lengths: Optional[Tuple[Tuple[int, ...], ...]] = None
+    """Variable rows: ``row_lengths[r][m]`` is micro-batch ``m``'s own row on DP rank ``r``
+    (``None``: every row is ``seq_length``). Their shape exchange is then part of each
+    micro-batch's fixed cost, which the fit measures."""
 
     def __post_init__(self) -> None:
         seconds = self.seconds
@@ -103,14 +107,30 @@ class Observation:
                 f"observation ranks have different micro-batch counts {sorted(counts)}; every DP "
                 "rank runs the same number per step."
             )
-        for rank in ranks:
-            for mb in rank:
-                if any(s < 1 for s in mb) or sum(mb) > self.seq_length * self.micro_batch_size:
+        rows = None
+        if self.row_lengths is not None:
+            rows = tuple(tuple(int(s) for s in rank) for rank in self.row_lengths)
+            if [len(r) for r in rows] != [len(r) for r in ranks] or any(
+                not 1 <= s <= self.seq_length for rank in rows for s in rank
+            ):
+                raise _bad(
+                    "observation row_lengths must give every micro-batch of every rank a row of "
+                    f"1..seq_length={self.seq_length} tokens."
+                )
+        for r, rank in enumerate(ranks):
+            for m, mb in enumerate(rank):
+                row = self.seq_length if rows is None else rows[r][m]
+                if any(s < 1 for s in mb) or sum(mb) > row * self.micro_batch_size:
                     raise _bad(
                         f"observation micro-batch sizes {list(mb)} do not fit rows of "
-                        f"{self.micro_batch_size}x{self.seq_length} tokens; sizes must be >= 1."
+                        f"{self.micro_batch_size}x{row} tokens; sizes must be >= 1."
                     )
         object.__setattr__(self, "ranks", ranks)
+        object.__setattr__(self, "row_lengths", rows)
+
+    def row(self, r: int, m: int) -> int:
+        """The row length micro-batch ``m`` of DP rank ``r`` ran."""
+        return self.seq_length if self.row_lengths is None else self.row_lengths[r][m]
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Observation":
@@ -136,6 +156,11 @@ class Observation:
             "group": self.group,
             "attention": self.attention,
             "ranks": [[list(mb) for mb in rank] for rank in self.ranks],
+            **(
+                {"row_lengths": [list(rows) for rows in self.row_lengths]}
+                if self.row_lengths is not None
+                else {}
+            ),
         }
 
 
@@ -161,11 +186,11 @@ def predict_seconds(obs: Observation, weights: Sequence[float], step_seconds: fl
     costs = [
         [
             microbatch_cost(
-                model, obs.layout, obs.seq_length, obs.micro_batch_size, mb, [0] * len(mb)
+                model, obs.layout, obs.row(r, m), obs.micro_batch_size, mb, [0] * len(mb)
             )
-            for mb in rank
+            for m, mb in enumerate(rank)
         ]
-        for rank in obs.ranks
+        for r, rank in enumerate(obs.ranks)
     ]
     return step_seconds + simulate_step(costs, obs.pp_size, obs.vpp_size, obs.group).step_time
 

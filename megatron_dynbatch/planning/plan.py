@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Dict, List, Sequence, Tuple
 
+from .spec import ceil_div
+
 __all__ = ["StepPlan", "PlanStats", "Plan"]
 
 MicroBatch = Tuple[int, ...]
@@ -67,6 +69,11 @@ class StepPlan:
     the B rows of micro-batch ``m`` of rank ``r`` holds; ``ranks[r][m]`` lists row 0's samples,
     then row 1's, and so on. ``()``: one row a micro-batch (packed) or one sample a row (padded)."""
 
+    idle_ranks: int = 0
+    """DP ranks with no real sample in this step (only placeholders). 0 whenever the step has at
+    least ``dp_size`` samples, unless the cost model predicted the step faster with the idle rank
+    (the planner gives every rank a real micro-batch otherwise)."""
+
     def rank_microbatches(self, dp_rank: int) -> Tuple[MicroBatch, ...]:
         """The ordered micro-batches of one DP rank."""
         if not 0 <= dp_rank < len(self.ranks):
@@ -90,6 +97,13 @@ class StepPlan:
             "dp_imbalance": self.dp_imbalance,
             "dp_imbalance_cost": self.dp_imbalance_cost,
             "oversize_samples": list(self.oversize_samples),
+            # num_microbatches counts per DP rank; the bound is given per rank too (a rank runs
+            # at least ceil(bound / dp) micro-batches) and, named so, over all ranks (issue 29).
+            "lower_bound_microbatches_per_rank": ceil_div(
+                self.lower_bound_microbatches, max(1, len(self.ranks))
+            ),
+            "lower_bound_microbatches_all_ranks": self.lower_bound_microbatches,
+            # The earlier name of the all-ranks bound, kept: readers of plan --json rely on it.
             "lower_bound_microbatches": self.lower_bound_microbatches,
             "min_microbatches": self.min_microbatches,
             "truncated_samples": list(self.truncated_samples),
@@ -98,6 +112,7 @@ class StepPlan:
             "dp_imbalance_computed": self.dp_imbalance_computed,
             "row_lengths": [list(rows) for rows in self.row_lengths],
             "packed_rows": [[list(counts) for counts in rank] for rank in self.packed_rows],
+            "idle_ranks": self.idle_ranks,
         }
 
 
@@ -129,6 +144,8 @@ class PlanStats:
     """Tokens cut from them, all steps."""
     dp_imbalance_computed: float = 1.0
     """Worst step's max/mean computed cost over DP ranks (padding and placeholders included)."""
+    idle_ranks: int = 0
+    """Sum over steps of the DP ranks without a real sample (:attr:`StepPlan.idle_ranks`)."""
 
     @classmethod
     def from_steps(
@@ -160,6 +177,7 @@ class PlanStats:
             truncated_samples=tuple(i for s in steps for i in s.truncated_samples),
             truncated_tokens=sum(s.truncated_tokens for s in steps),
             dp_imbalance_computed=max(s.dp_imbalance_computed for s in steps),
+            idle_ranks=sum(s.idle_ranks for s in steps),
         )
 
     def to_dict(self) -> Dict[str, Any]:
@@ -178,6 +196,7 @@ class PlanStats:
             "truncated_samples": list(self.truncated_samples),
             "truncated_tokens": self.truncated_tokens,
             "dp_imbalance_computed": self.dp_imbalance_computed,
+            "idle_ranks": self.idle_ranks,
         }
 
 

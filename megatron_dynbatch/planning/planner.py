@@ -261,6 +261,7 @@ def _plan_step(
         dp_imbalance_computed=_imbalance(computed),
         row_lengths=row_lengths,
         packed_rows=packed_rows,
+        idle_ranks=sum(1 for rank in ranks if not any(rank)),
     )
 
 

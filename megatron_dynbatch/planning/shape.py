@@ -39,6 +39,7 @@ Layouts:
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import math
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ from .packing import feasible_pack, min_bins
 from .simulate import BACKWARD_TO_FORWARD_RATIO, pipeline_makespan
 from .spec import CostModel, ParallelLayout, ceil_div, round_up
 
-__all__ = ["StepProblem", "StepShape", "choose_shape"]
+__all__ = ["StepProblem", "StepShape", "choose_shape", "variable_rows"]
 
 #: Candidate counts scored per step at most (a bound on packings and simulations per plan).
 _MAX_CANDIDATES = 24
@@ -67,6 +68,10 @@ _REPLAY_BUDGET = 4096
 _ALTERNATIVE_LIMIT = 8192
 #: A larger M must be faster by more than this (relative) to replace a smaller one.
 _TIE = 1e-9
+#: A swap that gives an idle DP rank a real micro-batch is kept unless the predicted step gets
+#: slower by more than this: a placeholder row costs a hair more than a real row of the same
+#: length in the model (its padding tail attends as one segment), far inside the model's error.
+_SPREAD_TOLERANCE = 1e-3
 #: Rows per packed micro-batch searched besides 1, at most: every B from 2 up to 8, then spread
 #: geometrically up to ``cap // longest sample`` (fixed micro-batch sizes are small).
 _MAX_ROW_COUNTS = 8
@@ -120,14 +125,56 @@ class StepShape:
     holds their concatenation); ``None``: one row a bin."""
 
 
+def variable_rows(loads: Sequence[int], multiple: int, cap: int) -> List[int]:
+    """Every micro-batch's own row: its padded load rounded up to ``multiple``.
+
+    The rounding is kept only while the row stays within the cap (a cap of 1,000 with rows of
+    multiples of 128 would otherwise give a row of 1,024: the cap is hard on the padded row); a row
+    holding a lone oversize sample is over the cap anyway and keeps it. A placeholder (load 0)
+    runs the shortest row the layout allows, one ``multiple``: under interleaving the
+    micro-batches added to reach a multiple of the group then cost as little as they can, and a
+    row of ``multiple`` tokens is still a whole row (every key, loss mask zero), never a stub.
+    """
+    real = {}
+    for load in loads:
+        if load > 0 and load not in real:
+            row = round_up(load, multiple)
+            real[load] = row if row <= cap or load > cap else load
+    # A multiple above the cap (a tiny budget): the shortest real row, which is within it.
+    placeholder = multiple if multiple <= cap or not real else min(real.values())
+    return [real[load] if load > 0 else placeholder for load in loads]
+
+
 def choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
     """The fastest candidate shape of the step, and the fewest micro-batches per rank it packs into.
+
+    With variable rows, uniform rows stay a candidate wherever they can be faster: when the shape
+    exchange has a cost (``CostModel.shape_exchange_overhead``: a host that exchanges shapes only
+    for steps whose rows differ, as the Megatron-LM entry does with ``--variable-seq-lengths``),
+    and where attention pays ``S**2`` a row (``dense``, ``causal``), since only uniform rows pack
+    micro-batches of ``B > 1`` shorter rows. The step runs them when they are predicted faster
+    (ties to uniform rows, which exchange nothing).
 
     Raises:
         ValueError: when the layout forces more placeholder micro-batches than is sane (see
             :func:`_check_placeholders`).
     """
     _check_placeholders(problem)
+    if problem.row_multiple is None:
+        return _choose_shape(problem)
+    uniform_problem = dataclasses.replace(problem, row_multiple=None)
+    if problem.model.shape_exchange_overhead <= 0 and not _row_counts(uniform_problem):
+        # Per-segment attention, free exchange: a row of its own is never slower than the longest.
+        return _choose_shape(problem)
+    uniform, fewest_uniform = _choose_shape(uniform_problem)
+    variable, fewest = _choose_shape(problem)
+    if variable.step_time < uniform.step_time * (1.0 - _TIE):
+        return variable, fewest
+    return uniform, fewest_uniform
+
+
+def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
+    """:func:`choose_shape` for the rows ``problem`` says (uniform, or each its own)."""
     # (M, B) -> the candidate; B > 1 only for packed rows under row-wise attention.
     scored: Dict[Tuple[int, int], StepShape] = {}
     fastest = math.inf
@@ -303,7 +350,7 @@ def _check_placeholders(problem: StepProblem) -> None:
         raise ValueError(
             f"{why} needs {forced} micro-batches per step, but the step has {n} samples: "
             f"{forced - n} would be placeholders (limit {MAX_FORCED_PLACEHOLDERS}). Check "
-            "--dp-size and --microbatch-group-size-per-vp-stage, or put more rollouts in a step."
+            "dp_size and microbatch_group_size_per_vp_stage, or put more rollouts in a step."
         )
 
 
@@ -387,11 +434,7 @@ class _Search:
         own = [sum(map(costs.__getitem__, members)) for members in bins]
         row_lengths = None
         if problem.row_multiple is not None:
-            # Each micro-batch its own row; a placeholder takes the shortest real row.
-            multiple = problem.row_multiple
-            real = [round_up(load, multiple) for load in loads if load > 0]
-            shortest = min(real) if real else multiple
-            row_lengths = [round_up(load, multiple) if load > 0 else shortest for load in loads]
+            row_lengths = variable_rows(loads, problem.row_multiple, problem.cap)
             extra = self.model.shape_exchange_overhead
             bin_costs = [
                 extra + row_cost(self.model, layout, row, 1, load) + o
@@ -408,15 +451,10 @@ class _Search:
         # Sample moves between bins know one row a bin: not for B > 1 rows.
         if layout == "packed" and self.varies and row_lengths is None and rows == 1:
             bin_costs = self._balance(bins, loads, own, rank_bins, seq_length, per_rank, bin_costs)
-        if self.pp == 1:
-            orders = rank_bins  # no pipeline: the order of a rank's micro-batches is moot
-        else:
-            # Light-heavy-light by computed cost; among equals, less real work (placeholders)
-            # first.
-            keys = [(c, len(members)) for c, members in zip(bin_costs, bins, strict=True)]
-            orders = pipeline_orders(
-                rank_bins, keys, bin_costs, pp_size=self.pp, vpp_size=self.vpp, group=self.group
-            )
+        orders = self._orders(rank_bins, bins, bin_costs)
+        step_time = self._step_time(orders, bin_costs)
+        if any(not any(map(bins.__getitem__, rank)) for rank in rank_bins):
+            orders, step_time = self._spread(rank_bins, bins, bin_costs, orders, step_time)
         return StepShape(
             per_rank=per_rank,
             seq_length=seq_length,
@@ -424,9 +462,58 @@ class _Search:
             bins=bins,
             rank_orders=orders,
             bin_costs=bin_costs,
-            step_time=self._step_time(orders, bin_costs),
+            step_time=step_time,
             row_lengths=row_lengths,
         )
+
+    def _orders(
+        self, rank_bins: List[List[int]], bins: List[List[int]], bin_costs: Sequence[float]
+    ) -> List[List[int]]:
+        if self.pp == 1:
+            return rank_bins  # no pipeline: the order of a rank's micro-batches is moot
+        # Light-heavy-light by computed cost; among equals, less real work (placeholders) first.
+        keys = [(c, len(members)) for c, members in zip(bin_costs, bins, strict=True)]
+        return pipeline_orders(
+            rank_bins, keys, bin_costs, pp_size=self.pp, vpp_size=self.vpp, group=self.group
+        )
+
+    def _spread(
+        self,
+        rank_bins: List[List[int]],
+        bins: List[List[int]],
+        bin_costs: Sequence[float],
+        orders: List[List[int]],
+        step_time: float,
+    ) -> Tuple[List[List[int]], float]:
+        """Give every DP rank a real micro-batch where the step has one for each.
+
+        Balancing by cost may leave a rank with only placeholders while another holds several
+        micro-batches of samples, when both cost the same (a short sample's row is as long as a
+        placeholder's): a GPU then idles through the step. Each idle rank swaps a placeholder for
+        the cheapest real micro-batch of the rank holding the most; a swap stays unless the
+        simulated step gets slower by more than :data:`_SPREAD_TOLERANCE` (the cost model must
+        show an idle rank faster to keep one; ``StepPlan.idle_ranks`` reports those kept).
+        """
+        real = sum(1 for members in bins if members)
+        if real < self.dp:
+            return orders, step_time
+        rank_bins = [list(rank) for rank in rank_bins]
+        for idle in range(len(rank_bins)):
+            if any(bins[b] for b in rank_bins[idle]):
+                continue
+            donor = max(
+                range(len(rank_bins)), key=lambda r: (sum(1 for b in rank_bins[r] if bins[b]), -r)
+            )
+            given = min((b for b in rank_bins[donor] if bins[b]), key=lambda b: (bin_costs[b], b))
+            taken = rank_bins[idle][0]
+            trial = [list(rank) for rank in rank_bins]
+            trial[donor][trial[donor].index(given)] = taken
+            trial[idle][0] = given
+            trial_orders = self._orders(trial, bins, bin_costs)
+            trial_time = self._step_time(trial_orders, bin_costs)
+            if trial_time <= step_time * (1.0 + _SPREAD_TOLERANCE):
+                rank_bins, orders, step_time = trial, trial_orders, trial_time
+        return orders, step_time
 
     def _balance(
         self,

@@ -6,12 +6,14 @@ so a bad configuration fails before any rank starts planning.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import numbers
 import operator
+import re
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Dict, Iterator, Literal, Optional
 
 from megatron_dynbatch.errors import DynBatchValueError
 
@@ -22,6 +24,7 @@ __all__ = [
     "ATTENTION_KINDS",
     "DEFAULT_MIN_GAIN",
     "DEFAULT_OVERHEAD_FRACTION",
+    "LAYOUT_FLAGS",
     "LAYOUTS",
     "MAX_TOKENS",
     "OVERSIZE_POLICIES",
@@ -30,6 +33,7 @@ __all__ = [
     "sample_multiple",
     "round_up",
     "ceil_div",
+    "layout_flags",
 ]
 
 #: Micro-batch layouts. ``packed``: samples concatenated in rows of the step's uniform length, one
@@ -129,6 +133,62 @@ def sample_multiple(tp_size: int, cp_size: int) -> int:
     return tp_size * cp_size * 2 if cp_size > 1 else tp_size
 
 
+#: The layout's fields as each tool spells them. :class:`ParallelLayout` and the planner name the
+#: fields (``vpp_size=2 needs pp_size >= 2``); each entry point runs them under
+#: :func:`layout_flags` with its tool, so the message also names the flag the user typed.
+#: Megatron-LM and slime share Megatron-LM's parser (slime adds no layout flag of its own).
+LAYOUT_FLAGS: Dict[str, Dict[str, str]] = {
+    "megatron-dynbatch": {
+        "dp_size": "--dp-size",
+        "pp_size": "--pp-size",
+        "vpp_size": "--vpp-size",
+        "microbatch_group_size_per_vp_stage": "--microbatch-group-size-per-vp-stage",
+        "tp_size": "--tp-size",
+        "cp_size": "--cp-size",
+    },
+    "Megatron-LM": {
+        "dp_size": "world size / (--tensor-model-parallel-size x --pipeline-model-parallel-size "
+        "x --context-parallel-size)",
+        "pp_size": "--pipeline-model-parallel-size",
+        "vpp_size": "--num-virtual-stages-per-pipeline-rank (or "
+        "--num-layers-per-virtual-pipeline-stage)",
+        "microbatch_group_size_per_vp_stage": "--microbatch-group-size-per-virtual-pipeline-stage",
+        "tp_size": "--tensor-model-parallel-size",
+        "cp_size": "--context-parallel-size",
+    },
+    "SkyRL": {
+        "dp_size": "the number of GPUs / (tensor x pipeline x context parallel size)",
+        "pp_size": "trainer.policy.megatron_config.pipeline_model_parallel_size",
+        "vpp_size": "trainer.policy.megatron_config.transformer_config_kwargs."
+        "virtual_pipeline_model_parallel_size",
+        "microbatch_group_size_per_vp_stage": "trainer.policy.megatron_config."
+        "transformer_config_kwargs.microbatch_group_size_per_vp_stage",
+        "tp_size": "trainer.policy.megatron_config.tensor_model_parallel_size",
+        "cp_size": "trainer.policy.megatron_config.context_parallel_size",
+    },
+}
+LAYOUT_FLAGS["slime"] = LAYOUT_FLAGS["Megatron-LM"]
+
+
+@contextlib.contextmanager
+def layout_flags(tool: str) -> Iterator[None]:
+    """A ``ValueError`` raised inside that names layout fields also names ``tool``'s flags.
+
+    The error keeps its type; its message gets one sentence, e.g. ``(flags: slime: vpp_size is
+    --num-virtual-stages-per-pipeline-rank (or --num-layers-per-virtual-pipeline-stage); pp_size is
+    --pipeline-model-parallel-size.)``. Nested uses add it once.
+    """
+    flags = LAYOUT_FLAGS[tool]
+    try:
+        yield
+    except ValueError as error:
+        text = str(error)
+        named = [f"{k} is {v}" for k, v in flags.items() if re.search(rf"\b{k}\b", text)]
+        if named and len(error.args) == 1 and "(flags: " not in text:
+            error.args = (f"{text} (flags: {tool}: {'; '.join(named)}.)",)
+        raise
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelLayout:
     """The Megatron parallel layout the schedule must fit."""
@@ -148,11 +208,11 @@ class ParallelLayout:
 
     def __post_init__(self) -> None:
         for name in ("dp_size", "pp_size", "vpp_size", "tp_size", "cp_size"):
-            _set_int(self, name, 1, f"pass --{name.replace('_', '-')} 1 or more.")
+            _set_int(self, name, 1, f"set {name} to 1 or more.")
         if self.vpp_size > 1 and self.pp_size < 2:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"vpp_size={self.vpp_size} needs pp_size >= 2 (interleaving splits pipeline stages), "
-                f"got pp_size={self.pp_size}; set --vpp-size 1 or raise --pp-size."
+                f"got pp_size={self.pp_size}; set vpp_size to 1 or raise pp_size."
             )
         group = self.microbatch_group_size_per_vp_stage
         if group is not None:
@@ -164,10 +224,10 @@ class ParallelLayout:
             )
             object.__setattr__(self, "microbatch_group_size_per_vp_stage", group)
             if group < self.pp_size:
-                raise ValueError(
+                raise DynBatchValueError(
                     f"microbatch_group_size_per_vp_stage={group} is smaller than pp_size={self.pp_size}; "
                     f"Megatron's interleaved schedule rejects that. Use a value >= {self.pp_size} or omit "
-                    f"--microbatch-group-size-per-vp-stage."
+                    "microbatch_group_size_per_vp_stage."
                 )
 
     @property
@@ -321,7 +381,8 @@ class PlannerConfig:
     """Each micro-batch runs its own row length (its padded tokens rounded up to
     ``row_multiple``) instead of the step's longest: for trainers that exchange shapes per
     micro-batch (slime always; Megatron-LM with ``--variable-seq-lengths``). ``packed`` only; a
-    placeholder takes the step's shortest real row, so it adds no shape the step does not use."""
+    row is rounded only while it stays within the cap, and a placeholder runs the shortest row,
+    one ``row_multiple`` (:func:`.shape.variable_rows`)."""
     row_multiple: int = 1
     """Variable rows are padded to a multiple of this and of the sample multiple (slime: 128 x
     tp)."""

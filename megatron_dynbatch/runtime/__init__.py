@@ -20,6 +20,7 @@ _HOMES = {
     "BUILTIN_KEYS": "materialize",
     "materialize_microbatches": "materialize",
     "microbatch_shapes": "materialize",
+    "placeholder_tensor": "placeholders",
     "restore_order": "reorder",
     "split_outputs": "reorder",
     "FIELD_KINDS": "schema",

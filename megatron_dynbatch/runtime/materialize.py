@@ -127,6 +127,34 @@ def _check_arguments(step_plan: StepPlan, dp_rank: int, layout: str, sample_mult
             f"the step plan says num_microbatches={step_plan.num_microbatches}; the plan is "
             "corrupt."
         )
+    rows = _plan_row_lengths(step_plan, dp_rank)
+    if rows:
+        if layout != "packed" or b != 1:
+            raise ValueError(
+                f"the step plan has variable row lengths with layout={layout!r} and "
+                f"micro_batch_size={b}; variable rows are planned for one packed row a "
+                "micro-batch: pass the Plan's layout."
+            )
+        bad = [row for row in rows if row < 1 or row > s or row % sample_multiple]
+        if len(rows) != step_plan.num_microbatches or bad:
+            raise ValueError(
+                f"dp_rank={dp_rank}: row_lengths {list(rows)[:8]} do not give each of the "
+                f"{step_plan.num_microbatches} micro-batches a row of 1..seq_length={s} tokens, "
+                f"a multiple of sample_multiple={sample_multiple}; the plan is corrupt."
+            )
+
+
+def _plan_row_lengths(step_plan: Any, dp_rank: int) -> Tuple[int, ...]:
+    """This rank's variable row lengths (``()``: every row is ``seq_length``)."""
+    rows = getattr(step_plan, "row_lengths", ())
+    if not rows:
+        return ()
+    if dp_rank >= len(rows):
+        raise ValueError(
+            f"dp_rank={dp_rank} but the step plan has row lengths for {len(rows)} DP ranks; the "
+            "plan is corrupt."
+        )
+    return tuple(rows[dp_rank])
 
 
 def _plan_packed_rows(step_plan: Any) -> Tuple[Tuple[Tuple[int, ...], ...], ...]:
@@ -295,7 +323,9 @@ def materialize_microbatches(
 
     Returns:
         ``step_plan.num_microbatches`` dicts. Every ``[B, S, ...]`` key has the same shape and dtype
-        in all of them (see :func:`microbatch_shapes`); ``cu_seqlens`` is int32
+        in all of them (see :func:`microbatch_shapes`), except that with the plan's variable
+        ``row_lengths`` micro-batch ``m`` has ``S = row_lengths[dp_rank][m]`` (for hosts that
+        exchange shapes, e.g. Megatron with ``variable_seq_lengths``); ``cu_seqlens`` is int32
         ``[num_segments + 1]``.
 
     Samples the plan cut to the cap (its ``kept_lengths``, ``oversize_samples="truncate"``) are
@@ -307,12 +337,15 @@ def materialize_microbatches(
     """
     _check_arguments(step_plan, dp_rank, layout, sample_multiple)
     checked = _truncate(_check_rank_samples(step_plan, dp_rank, samples, schema), step_plan, schema)
-    b, s = step_plan.micro_batch_size, step_plan.seq_length
+    b, longest = step_plan.micro_batch_size, step_plan.seq_length
     packed_rows = _plan_packed_rows(step_plan)
+    # Variable rows (a host that exchanges shapes per micro-batch): each micro-batch its own S.
+    row_lengths = _plan_row_lengths(step_plan, dp_rank)
     target = torch.device("cpu") if device is None else torch.device(device)
 
     microbatches: List[Dict[str, torch.Tensor]] = []
     for m, mb in enumerate(step_plan.rank_microbatches(dp_rank)):
+        s = row_lengths[m] if row_lengths else longest
         where = f"dp_rank={dp_rank}, micro-batch {m} (samples {tuple(mb)})"
         if layout == "padded" and len(mb) > b:
             raise ValueError(
@@ -339,8 +372,9 @@ def materialize_microbatches(
         batch["cu_seqlens"] = torch.tensor(boundaries, dtype=torch.int32, device=target)
         microbatches.append(batch)
 
-    expected = microbatch_shapes(schema, micro_batch_size=b, seq_length=s)
-    for batch in microbatches:
+    for m, batch in enumerate(microbatches):
+        s = row_lengths[m] if row_lengths else longest
+        expected = microbatch_shapes(schema, micro_batch_size=b, seq_length=s)
         # Placeholders and real micro-batches come from the same constructor; this guards that a
         # future change cannot give a lagging rank tensors of another shape than its peers.
         assert set(batch) == set(expected) | {"cu_seqlens"}, sorted(batch)

@@ -86,7 +86,9 @@ def _add_layout_args(parser: argparse.ArgumentParser, *, cap_default: Optional[i
         choices=OVERSIZE_POLICIES,
         default="allow",
         help="a sample longer than the cap: allow (default: alone, over the cap, warned), "
-        "truncate (cut to the cap), error",
+        "truncate (cut to the cap), error. The default differs from training's (error, in "
+        "launch/pretrain_gpt_dynbatch.py) on purpose: this command only reports what a plan "
+        "would do, oversize samples listed, while a training run would spend their memory",
     )
 
 
@@ -194,13 +196,27 @@ def _load_samples(path: str):
     return parse_samples_json(_read_json(path))
 
 
+#: The ``DynBatchConfig`` fields the ``plan`` and ``verify`` flags set (same names as the fields).
+CLI_FIELDS = (
+    "max_tokens_per_gpu",
+    "layout",
+    "cost_attention_weight",
+    "cost_response_weight",
+    "cost_microbatch_overhead",
+    "cost_shape_exchange_overhead",
+    "cost_attention",
+    "min_gain",
+    "oversize_samples",
+)
+
+
 def _planner_config(args, *, rollouts_per_step=None):
     """The planner's config from the flags both subcommands share (verify plans one step).
 
-    Built through :meth:`DynBatchConfig.planner_config`, the one place a ``PlannerConfig`` is made
+    Built through ``config_from_mapping`` and :meth:`DynBatchConfig.planner_config`, the one place a ``PlannerConfig`` is made
     outside the planner, so the CLI plans exactly as training does.
     """
-    from megatron_dynbatch.config import DynBatchConfig
+    from megatron_dynbatch.config import config_from_mapping
     from megatron_dynbatch.planning import ParallelLayout
 
     parallel = ParallelLayout(
@@ -211,17 +227,9 @@ def _planner_config(args, *, rollouts_per_step=None):
         tp_size=args.tp_size,
         cp_size=args.cp_size,
     )
-    config = DynBatchConfig(
-        max_tokens_per_gpu=args.max_tokens_per_gpu,
-        layout=args.layout,
-        rollouts_per_step=rollouts_per_step,
-        cost_attention_weight=args.cost_attention_weight,
-        cost_response_weight=args.cost_response_weight,
-        cost_microbatch_overhead=args.cost_microbatch_overhead,
-        cost_shape_exchange_overhead=args.cost_shape_exchange_overhead,
-        cost_attention=args.cost_attention,
-        min_gain=args.min_gain,
-        oversize_samples=args.oversize_samples,
+    config = config_from_mapping(
+        {field: getattr(args, field) for field in CLI_FIELDS},
+        fixed={"rollouts_per_step": rollouts_per_step},
     )
     return config.planner_config(parallel)
 
@@ -353,13 +361,16 @@ def _cmd_calibrate(args) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from megatron_dynbatch.planning.spec import layout_flags
+
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "plan":
-            return _cmd_plan(args)
-        if args.command == "calibrate":
-            return _cmd_calibrate(args)
-        return _cmd_verify(args)
+        with layout_flags("megatron-dynbatch"):
+            if args.command == "plan":
+                return _cmd_plan(args)
+            if args.command == "calibrate":
+                return _cmd_calibrate(args)
+            return _cmd_verify(args)
     except ValueError as exc:
         print(f"megatron-dynbatch {args.command}: error: {exc}", file=sys.stderr)
         return 2

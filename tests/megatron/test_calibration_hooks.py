@@ -65,10 +65,10 @@ def _train(args, monkeypatch, iterations, first=0):
         layout = parallel_layout_from_args(args)
         rng = random.Random(i)
         batch = _Batch([rng.randint(20, 256) for _ in range(32)])
-        plan = plan_schedule(
-            batch.lengths(), config=dynbatch_config_from_args(args).planner_config(layout)
-        )
-        budgets.append(args.max_tokens_per_gpu)
+        # What the hooks plan with: the run's config with calibration's changes (never in args).
+        config = calib.calibrated_config(dynbatch_config_from_args(args))
+        plan = plan_schedule(batch.lengths(), config=config.planner_config(layout))
+        budgets.append(config.max_tokens_per_gpu)
         plans.append(plan.fingerprint())
         calib.observe_train_step(args, batch, plan, 0)
         shapes = calib.calibration_state().pending
@@ -87,10 +87,14 @@ def test_calibrates_applies_and_writes(tmp_path, monkeypatch):
     # Budgets varied while calibrating (never below --seq-length), then the configured one again.
     assert set(budgets[:10]) == {1024, 512, 256}
     assert budgets[:4] == [1024, 512, 256, 1024]  # iteration n (1-based): shape n % 4
-    assert set(budgets[-4:]) == {1024} and args.max_tokens_per_gpu == 1024
+    assert set(budgets[-4:]) == {1024}
     assert fit.unidentified == ()
-    assert args.dynamic_batch_cost_token_weight == 1.0
-    assert args.dynamic_batch_cost_microbatch_overhead == pytest.approx(TRUE[2] / TRUE[0], rel=1e-3)
+    planned = calib.calibrated_config(dynbatch_config_from_args(args))
+    assert planned.max_tokens_per_gpu == 1024 and planned.cost_token_weight == 1.0
+    assert planned.cost_microbatch_overhead == pytest.approx(TRUE[2] / TRUE[0], rel=1e-3)
+    # Nothing was written into Megatron's arguments.
+    assert args.max_tokens_per_gpu == 1024
+    assert args.dynamic_batch_cost_microbatch_overhead is None
     values = load_yaml_config(tmp_path / calib.CALIBRATION_YAML)
     assert values["cost_attention_weight"] == pytest.approx(TRUE[1] / TRUE[0], rel=1e-3)
     saved = json.loads((tmp_path / calib.CALIBRATION_JSON).read_text())
@@ -102,14 +106,17 @@ def test_a_resumed_run_plans_like_the_straight_run(tmp_path, monkeypatch):
     calib.reset_calibration_state()
     straight = _args(tmp_path)
     _, straight_plans = _train(straight, monkeypatch, 16)
+    straight_overhead = calib.calibrated_config(
+        dynbatch_config_from_args(straight)
+    ).cost_microbatch_overhead
     calib.reset_calibration_state()
     resumed = _args(tmp_path / "resumed", load=str(tmp_path), iteration=12)
     _, resumed_plans = _train(resumed, monkeypatch, 4, first=12)
     # The saved fit from its first step, no second calibration, and the straight run's plans.
-    assert (
-        resumed.dynamic_batch_cost_microbatch_overhead
-        == straight.dynamic_batch_cost_microbatch_overhead
-    )
+    resumed_overhead = calib.calibrated_config(
+        dynbatch_config_from_args(resumed)
+    ).cost_microbatch_overhead
+    assert resumed_overhead == straight_overhead is not None
     assert calib.calibration_state().observations == []
     assert resumed_plans == straight_plans[12:]
     # Resumed before calibration ended (no sidecar yet): the budget follows the iteration number,
@@ -158,13 +165,42 @@ def test_under_a_dense_mask_the_few_full_micro_batches_shape_has_short_rows(tmp_
         args.curr_iteration = i
         calib.resume_calibration(args)
         batch = _Batch([256] * 32)  # documents cut at --seq-length, as on the long-document mix
-        config = dynbatch_config_from_args(args).planner_config(parallel_layout_from_args(args))
+        planned = calib.calibrated_config(dynbatch_config_from_args(args))
+        config = planned.planner_config(parallel_layout_from_args(args))
         step = plan_schedule(batch.lengths(), config=config).steps[0]
-        shapes.append((args.max_tokens_per_gpu, step.micro_batch_size, step.seq_length))
+        shapes.append((planned.max_tokens_per_gpu, step.micro_batch_size, step.seq_length))
         calib.observe_train_step(args, batch, plan_schedule(batch.lengths(), config=config), 0)
         clock[0] += 1.0
     # Iteration n (1-based) plans shape n % 4: 1 few full micro-batches, 2 half the budget.
     assert shapes[0] == (1024, 4, 256) and shapes[4] == (1024, 4, 256)
     assert shapes[1] == (512, 1, 512)
     calib._restore(args)
-    assert args.dynamic_batch_cost_attention_weight == 0.0
+    assert calib.calibrated_config(dynbatch_config_from_args(args)).cost_attention_weight == 0.0
+
+
+@pytest.mark.parametrize("budget", [256, 512, 768])
+def test_a_budget_under_four_seq_lengths_skips_calibration_at_once(
+    tmp_path, monkeypatch, capsys, budget
+):
+    """Issue 29: at --max-tokens-per-gpu 2 x --seq-length the varied shapes collapse onto
+    --seq-length and 8 iterations fit "0 us per token"; the run now says why on its first step and
+    plans every step with the configured budget and weights, writing nothing."""
+    calib.reset_calibration_state()
+    args = _args(tmp_path, max_tokens_per_gpu=budget)
+    budgets, _ = _train(args, monkeypatch, 12)
+    assert set(budgets) == {budget}
+    assert calib.calibration_state().observations == [] and calib.calibration_state().fit is None
+    assert not (tmp_path / calib.CALIBRATION_JSON).exists()
+    assert not (tmp_path / calib.CALIBRATION_YAML).exists()
+    out = capsys.readouterr().out
+    assert out.count("dynamic-batch calibration skipped") == 1, out
+    assert f"--max-tokens-per-gpu {budget} is less than 4 x --seq-length 256" in out
+    assert calib.calibration_log_string() == ""
+
+
+def test_rollouts_per_step_skips_calibration_at_once(tmp_path, monkeypatch, capsys):
+    calib.reset_calibration_state()
+    args = _args(tmp_path, rollouts_per_step=32)
+    _train(args, monkeypatch, 12)
+    assert calib.calibration_state().observations == []
+    assert "calibration skipped: with --rollouts-per-step" in capsys.readouterr().out

@@ -15,10 +15,11 @@ from tests._support import LAUNCH, parse_ok, torchrun
 
 pytestmark = pytest.mark.torchrun
 
-# Tiny GPT on mock documents; budget 256 over seq 128, so steps differ in shape.
+# Tiny GPT on mock documents; budget 256 over seq 64 (4x: calibration runs; below it is skipped,
+# see test_calibration_hooks), so steps differ in shape.
 _TINY = [
     "--num-layers", 2, "--hidden-size", 32, "--num-attention-heads", 4,
-    "--seq-length", 128, "--max-position-embeddings", 128,
+    "--seq-length", 64, "--max-position-embeddings", 128,
     "--micro-batch-size", 2, "--global-batch-size", 8, "--train-iters", 11,
     "--lr", "2e-3", "--min-lr", "2e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", 1,
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", 128,

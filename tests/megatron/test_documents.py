@@ -235,6 +235,10 @@ def test_a_line_is_one_sample_truncated_as_megatrons_sft_dataset(tmp_path, capsy
     assert "1 blank lines skipped" in out
     assert "1 of 3 samples have no assistant turn and train with zero loss tokens" in out
     assert "2 samples start their first answer at or after --seq-length 40" in out
+    # Issue 29: each cause with its own fix; a longer --seq-length only for truncation.
+    assert "no assistant turn and train with zero loss tokens (give them an assistant answer" in out
+    assert out.count("raise --seq-length") == 1
+    assert "without loss tokens (raise --seq-length, or shorten their prompts)" in out
     # As samples: a line longer than max_length is cut at the right, never split into pieces.
     samples = SplitSamples(documents, 0, 3, max_length=40, seed=0, split_index=0)
     assert len(samples) == 3

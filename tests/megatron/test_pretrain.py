@@ -150,7 +150,48 @@ def test_sft_conversations_are_read_as_samples(layouts, tmp_path):
     rc, log, _ = torchrun(
         2, LAUNCH, _TINY + ["--sft", "--train-iters", 1] + _DYNAMIC, log_path=tmp_path / "mock.log"
     )
-    assert rc != 0 and "pretrain_gpt_dynbatch.py: error: --sft with --mock-data" in log
+    assert rc != 0, log[-3000:]
+    assert re.search(
+        r"^pretrain_gpt_dynbatch\.py: error: \[rank \d\] --sft with --mock-data", log, re.M
+    )
+
+
+# --- --variable-seq-lengths: each micro-batch its own row ------------------------------------------
+
+
+def test_variable_seq_lengths_trains_like_fixed_micro_batches(tmp_path):
+    """Per-micro-batch rows through pretrain() at pp 2 x vpp 2: megatron.core exchanges each
+    shape before its send; the loss equals fixed micro-batches' and the rows really vary."""
+    _sft_file(tmp_path / "conversations.jsonl")
+    # Conversations of very different lengths, so rows differ.
+    args = _sft_args(tmp_path / "conversations.jsonl") + [
+        "--pipeline-model-parallel-size", 2, "--num-layers-per-virtual-pipeline-stage", 1,
+        "--train-iters", 3, "--eval-interval", 3, "--eval-iters", 1,
+    ]  # fmt: skip
+    dynamic = _DYNAMIC + ["--variable-seq-lengths"]
+    runs = {}
+    for mode, flags in (("dynamic", dynamic), ("fixed", _FIXED)):
+        rc, log, _ = torchrun(2, LAUNCH, args + flags, log_path=tmp_path / f"{mode}.log")
+        runs[mode] = parse_ok(rc, log)
+        runs[mode, "log"] = log
+    assert_same_training(runs["dynamic"], runs["fixed"])
+    # The longest row is [1 x S]; with rows of their own length a step computes fewer tokens than
+    # M rows of S (dp 1 here).
+    lines = re.findall(
+        r"micro-batches/rank: (\d+) \[1x(\d+)\] \| real tokens: \d+ \| computed tokens: (\d+)",
+        runs["dynamic", "log"],
+    )
+    assert lines and any(int(c) < int(m) * int(s) for m, s, c in lines), lines
+
+
+def test_variable_seq_lengths_without_the_flag_is_refused(tmp_path):
+    rc, log, _ = torchrun(
+        2,
+        LAUNCH,
+        _TINY + ["--train-iters", 1, "--variable-seq-lengths"],
+        log_path=tmp_path / "stray.log",
+    )
+    assert rc != 0 and "--variable-seq-lengths given without --use-dynamic-batch-size" in log
 
 
 # --- the stock path: no flag ---------------------------------------------------------------------
@@ -176,11 +217,11 @@ def test_a_budget_below_seq_length_follows_the_oversize_policy(tmp_path):
         2, LAUNCH, args + ["--use-dynamic-batch-size"], log_path=tmp_path / "error.log"
     )
     assert rc != 0 and " iteration        1/" not in log
-    # One line per rank naming the flag (exit 2 there), no traceback of ours.
-    expected = (
-        "pretrain_gpt_dynbatch.py: error: --max-tokens-per-gpu 64 is smaller than --seq-length"
-    )
-    assert expected in log and "raise ValueError" not in log, log[-3000:]
+    # One line naming the flag (exit 2 there; the first failing rank prints it), no traceback of
+    # ours.
+    expected = r"^pretrain_gpt_dynbatch\.py: error: \[rank \d\] --max-tokens-per-gpu 64 is smaller"
+    assert len(re.findall(expected, log, flags=re.M)) == 1, log[-3000:]
+    assert "raise ValueError" not in log, log[-3000:]
     rc, log, _ = torchrun(
         2,
         LAUNCH,
@@ -213,10 +254,11 @@ def test_a_user_iterator_of_the_wrong_batch_size_stops_every_rank(tmp_path):
     )
     assert rc != 0
     expected = "the data iterator yielded a batch of 16 samples, but --global-batch-size is 4"
-    # The same error on every rank (step_agreement), said once by rank 0, on one line, without a
-    # traceback through our code.
-    lines = [line for line in log.splitlines() if expected in line]
-    assert len(lines) == 1 and "pretrain_user_iterator.py: error: " in lines[0], log[-4000:]
+    # The same error on every rank (step_agreement), said once (by the first rank to get there),
+    # on one line, without a traceback through our code; torchrun's report repeats it.
+    lines = [line for line in log.splitlines() if expected in line and "traceback :" not in line]
+    assert len(lines) == 1 and lines[0].startswith("pretrain_user_iterator.py: error: [rank ")
+    assert re.search(r"traceback : pretrain_user_iterator\.py: error: .*" + expected, log)
     assert "stopped on every rank" in lines[0] and "rank 1: " in lines[0], lines[0]
     assert f'File "{REPO / "megatron_dynbatch"}' not in log, log[-4000:]
     assert " iteration        1/" not in log  # nothing trained

@@ -24,7 +24,8 @@ What is not SkyRL's in these runs, and why:
 * modules SkyRL imports that are not installed here and need Ray, a GPU or downloads are stubbed:
   ``ray`` (``remote`` an identity, ``is_initialized`` False), ``vllm``, ``transformers``,
   ``datasets``, ``cloudpathlib``, ``pydantic``, ``skyrl_gym``, ``megatron.bridge``,
-  ``huggingface_hub`` (:data:`STUBBED`; only those missing are stubbed);
+  ``huggingface_hub``, and for ``validate_cfg``'s imports ``aiohttp``, ``pybase64``,
+  ``zstandard``, ``safetensors``, ``rich`` (:data:`STUBBED`; only those missing are stubbed);
 * the worker class: its methods above are lifted from the patched source and bound to a small
   host object, because ``MegatronPolicyWorkerBase.__init__`` builds the model through Megatron
   Bridge from a Hugging Face checkpoint and runs as a Ray actor;
@@ -79,6 +80,11 @@ STUBBED = (
     "pydantic",
     "skyrl_gym",
     "huggingface_hub",
+    "aiohttp",
+    "pybase64",
+    "zstandard",
+    "safetensors",
+    "rich",
 )
 #: Worker methods lifted from the patched megatron_worker.py (the real code that runs).
 LIFTED = (
@@ -96,25 +102,52 @@ needs_skyrl = pytest.mark.skipif(
 )
 
 
+PATCHES = sorted((REPO / "patches" / "skyrl").glob("*.patch"))
+
+
+def _unpatch(root):
+    """Reverse, last first, every patch of ours that ``root`` holds (a checkout patched by
+    ``launch/apply_skyrl_patches.sh``); return how many."""
+    undone = 0
+    for patch in reversed(PATCHES):
+        command = ["patch", "-d", str(root), "-p1", "-R", "-F0", "--force", "--silent"]
+        dry = subprocess.run([*command, "--dry-run"], stdin=patch.open(), capture_output=True)
+        if dry.returncode == 0:
+            subprocess.run(command, stdin=patch.open(), check=True, capture_output=True)
+            undone += 1
+    return undone
+
+
 @pytest.fixture(scope="module")
-def patched_skyrl(tmp_path_factory):
-    root = tmp_path_factory.mktemp("skyrl_patched")
+def stock_skyrl(tmp_path_factory):
+    """A pristine copy of SKYRL_DIR's ``skyrl/``, whether SKYRL_DIR is pristine or already patched
+    (the patches are reverse-applied on the copy; SKYRL_DIR itself is never changed)."""
+    root = tmp_path_factory.mktemp("skyrl_stock")
     shutil.copytree(
         pathlib.Path(SKYRL_DIR) / "skyrl",
         root / "skyrl",
-        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
+        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.orig", "*.rej"),
     )
+    undone = _unpatch(root)
+    print(f"\n[skyrl] SKYRL_DIR={SKYRL_DIR}: {undone} of our patches reverse-applied on the copy")
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def patched_skyrl(tmp_path_factory, stock_skyrl):
+    root = tmp_path_factory.mktemp("skyrl_patched")
+    shutil.copytree(pathlib.Path(stock_skyrl) / "skyrl", root / "skyrl")
     result = subprocess.run(["bash", str(APPLY), str(root)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.count("applied") == len(list((REPO / "patches" / "skyrl").glob("*.patch")))
+    assert result.stdout.count("applied") == len(PATCHES)
     return str(root)
 
 
 @needs_skyrl
-def test_apply_is_idempotent_and_refuses_other_trees(tmp_path, patched_skyrl):
+def test_apply_is_idempotent_and_refuses_other_trees(tmp_path, stock_skyrl, patched_skyrl):
     again = subprocess.run(["bash", str(APPLY), patched_skyrl], capture_output=True, text=True)
     assert again.returncode == 0 and "already applied" in again.stdout
-    shutil.copytree(pathlib.Path(SKYRL_DIR) / "skyrl", tmp_path / "skyrl")
+    shutil.copytree(pathlib.Path(stock_skyrl) / "skyrl", tmp_path / "skyrl")
     worker = tmp_path / WORKER
     # Another SkyRL: a context line of patch 0002 differs.
     worker.write_text(
@@ -183,71 +216,13 @@ def test_skyrls_own_batching_unit_tests_pass_on_the_patched_tree(tmp_path, patch
 
 
 def _install_stubs():
-    """Register stand-ins for the STUBBED modules that are not installed; return their names."""
-    import importlib.abc
-    import importlib.machinery
-    import sys
-    import types
+    """Stand-ins for the STUBBED modules (and Megatron Bridge) that are not installed; returns
+    every module this process answers with a stand-in (the shared harness,
+    ``megatron_dynbatch.tools.testing.host_stubs``)."""
+    from megatron_dynbatch.tools.testing.host_stubs import install_stubs
 
-    installed = [f for f in sys.meta_path if type(f).__name__ == "_Finder"]
-    if installed:
-        # A rank of the persistent pool ran a SkyRL case before: megatron.bridge now "exists".
-        return installed[0].stubbed
-    missing = [m for m in STUBBED if importlib.machinery.PathFinder.find_spec(m) is None]
     # megatron.bridge (Megatron Bridge: HF checkpoint conversion) is a separate distribution.
-    bridge = importlib.util.find_spec("megatron.bridge") is None
-
-    class _Anything(type):
-        def __getattr__(cls, name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return _Anything(name, (), {})
-
-        def __call__(cls, *args, **kwargs):
-            # Stubbed decorators and annotations (pydantic's Discriminator("type"), ...).
-            return _Anything(cls.__name__, (), {})
-
-    class _StubModule(types.ModuleType):
-        __stub__ = True
-
-        def __getattr__(self, name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            value = _Anything(name, (), {})
-            setattr(self, name, value)
-            return value
-
-    class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-        def find_spec(self, name, path, target=None):
-            stub = name.split(".")[0] in missing
-            stub = stub or (
-                bridge and (name == "megatron.bridge" or name.startswith("megatron.bridge."))
-            )
-            if stub:
-                return importlib.machinery.ModuleSpec(name, self, is_package=True)
-            return None
-
-        def create_module(self, spec):
-            module = _StubModule(spec.name)
-            module.__path__ = []
-            if spec.name == "ray":
-
-                def remote(*args, **kwargs):
-                    if len(args) == 1 and callable(args[0]) and not kwargs:
-                        return args[0]
-                    return lambda f: f
-
-                module.remote = remote
-                module.is_initialized = lambda: False
-            return module
-
-        def exec_module(self, module):
-            pass
-
-    finder = _Finder()
-    finder.stubbed = missing + (["megatron.bridge"] if bridge else [])
-    sys.meta_path.insert(0, finder)
-    return finder.stubbed
+    return install_stubs(STUBBED, prefixes=("megatron.bridge",))
 
 
 _SKYRL_ROOTS = set()
@@ -344,22 +319,45 @@ class _Strategy:
         return out
 
 
-def _causal_chunk(ddp_chunk):
+def _causal_chunk(ddp_chunk, without_post_process=False):
     """SkyRL's model call ``model(ids, position_ids, te_padding_mask, packed_seq_params=None)``
     on the tiny GPT: real tokens come first after ``remove_left_padding``, so a causal mask gives
-    them the attention they get in SkyRL; padded positions are discarded by SkyRL afterwards."""
+    them the attention they get in SkyRL; padded positions are discarded by SkyRL afterwards.
+
+    ``without_post_process``: the chunk has no ``post_process`` anywhere Megatron's
+    ``get_attr_wrapped_model`` looks (not on it, no ``.module`` to unwrap), as a model class that
+    keeps no such flag (Megatron Bridge's VLM wrappers, a user's own model) would."""
     from megatron_dynbatch.mcore.forward import build_attention_mask
+
+    inner = "_inner" if without_post_process else "module"
+    hidden = ("post_process", "module") if without_post_process else ()
 
     class Causal(torch.nn.Module):
         def __init__(self, module):
             super().__init__()
-            self.module = module
+            setattr(self, inner, module)
 
         def __getattr__(self, name):
+            if name in hidden:
+                raise AttributeError(name)
             try:
                 return super().__getattr__(name)
             except AttributeError:
-                return getattr(self._modules["module"], name)
+                if not without_post_process:
+                    return getattr(self._modules[inner], name)
+            # Everything else Megatron looks up through .module (model_type, config, ...).
+            from megatron.core.utils import get_attr_wrapped_model
+
+            try:
+                return get_attr_wrapped_model(self._modules[inner], name)
+            except RuntimeError:
+                raise AttributeError(name) from None
+
+        def set_input_tensor(self, tensor):
+            # What Megatron's pipeline schedule looks up (through .module, hidden above).
+            from megatron.core.utils import get_attr_wrapped_model
+
+            get_attr_wrapped_model(self._modules[inner], "set_input_tensor")(tensor)
 
         def forward(self, input_ids, position_ids, attention_mask, packed_seq_params=None, **kw):
             # padding_mask: Megatron's router mask of a MoE model (patch 0004), passed on.
@@ -369,7 +367,7 @@ def _causal_chunk(ddp_chunk):
             )
             batch, length = position_ids.shape
             mask = build_attention_mask(torch.zeros(batch, length, dtype=torch.int64))
-            return self.module(input_ids, position_ids, mask, **kw)
+            return self._modules[inner](input_ids, position_ids, mask, **kw)
 
     return Causal(ddp_chunk)
 
@@ -478,11 +476,13 @@ def _skyrl_body(
     dynamic=True,
     pad_to_dp=True,
     window=None,
+    without_post_process=False,
     moe=False,
 ):
     """SkyRL's worker methods on this rank's shard of the mini-batch ``_samples(...)[window]``
-    (``window``: one mini-batch ``(start, end)`` of the step; default all samples). ``moe``: the
-    tiny MoE with an aux loss and the z-loss, and the tokens its routers count in training."""
+    (``window``: one mini-batch ``(start, end)`` of the step; default all samples;
+    ``without_post_process``: model chunks without that flag, see :func:`_causal_chunk`; ``moe``:
+    the tiny MoE with an aux loss and the z-loss, and the tokens its routers count in training)."""
     import dataclasses
 
     import torch.distributed as dist
@@ -529,7 +529,7 @@ def _skyrl_body(
     )
     make_schedule_config_safe(config)
     ddp_chunks = wrap_in_ddp(build_tiny_gpt(config, seed=SEED))
-    chunks = [_causal_chunk(c) for c in ddp_chunks]
+    chunks = [_causal_chunk(c, without_post_process) for c in ddp_chunks]
 
     cfg = TrainerConfig()
     cfg.remove_microbatch_padding = False
@@ -853,14 +853,16 @@ def test_prompt_aligned_stepwise_minibatches_match_reference(patched_skyrl):
 
 
 @needs_skyrl
-def test_patch_0003_lets_skyrl_run_virtual_pipeline_stages_with_the_flag_off(patched_skyrl):
+def test_patch_0003_lets_skyrl_run_virtual_pipeline_stages_with_the_flag_off(
+    stock_skyrl, patched_skyrl
+):
     """Patch 0003 fixes SkyRL itself: stock SkyRL's fixed-size micro-batches under pp 2 x vpp 2
     fail in ``recover_left_padding`` (every chunk of the last stage unpadded as logits); the
     patched tree, flag off, runs them and matches the reference."""
     args = (8, True, "token_mean", 0)  # budget 0: SkyRL's stock fixed micro-batches of 2
     kwargs = dict(dynamic=False, layout=Layout(pp=2, vpp=2), timeout_s=BODY_TIMEOUT_S)
     with pytest.raises(Exception, match="IndexError"):
-        run_on_ranks(2, _skyrl_body, str(pathlib.Path(SKYRL_DIR)), *args, **kwargs)
+        run_on_ranks(2, _skyrl_body, stock_skyrl, *args, **kwargs)
     results = run_on_ranks(2, _skyrl_body, patched_skyrl, *args, **kwargs)
     [reference] = run_on_ranks(
         1, _reference_body, 8, True, "token_mean", patched_skyrl, layout=Layout()
@@ -869,7 +871,7 @@ def test_patch_0003_lets_skyrl_run_virtual_pipeline_stages_with_the_flag_off(pat
 
 
 @needs_skyrl
-def test_with_the_flag_off_patched_skyrl_is_bitwise_stock(patched_skyrl):
+def test_with_the_flag_off_patched_skyrl_is_bitwise_stock(stock_skyrl, patched_skyrl):
     """Every patched line runs only with trainer.use_dynamic_batch_size: with it off (SkyRL's own
     TokenBasedBatchIterator at the same budget) the patched tree and the stock checkout give
     bitwise the same log-probs and gradients."""
@@ -886,7 +888,7 @@ def test_with_the_flag_off_patched_skyrl_is_bitwise_stock(patched_skyrl):
             layout=Layout(pp=2),
             timeout_s=BODY_TIMEOUT_S,
         )
-        for name, root in (("patched", patched_skyrl), ("stock", str(pathlib.Path(SKYRL_DIR))))
+        for name, root in (("patched", patched_skyrl), ("stock", stock_skyrl))
     }
     for mine, theirs in zip(runs["patched"], runs["stock"], strict=True):
         assert mine["grads"].keys() == theirs["grads"].keys()
@@ -895,3 +897,103 @@ def test_with_the_flag_off_patched_skyrl_is_bitwise_stock(patched_skyrl):
         assert torch.equal(mine["log_probs"], theirs["log_probs"])
         assert mine["loss_fn_outputs"] == theirs["loss_fn_outputs"]
         assert mine["metrics"] == theirs["metrics"]
+
+
+@needs_skyrl
+def test_patch_0003_leaves_a_model_without_post_process_as_stock(stock_skyrl, patched_skyrl):
+    """Patch 0003 runs for every Megatron user of SkyRL, flag on or off. Without virtual pipeline
+    stages it must not ask the model anything: a model chunk that keeps no ``post_process`` (no
+    pipeline, dp 2, the flag off; with pp > 1 Megatron's own gradient finalisation needs the
+    flag) trains bitwise as on the stock checkout."""
+    runs = {
+        name: run_on_ranks(
+            2,
+            _skyrl_body,
+            root,
+            9,
+            False,
+            "token_mean",
+            0,
+            dynamic=False,
+            without_post_process=True,
+            layout=Layout(),
+            timeout_s=BODY_TIMEOUT_S,
+        )
+        for name, root in (("patched", patched_skyrl), ("stock", stock_skyrl))
+    }
+    for mine, theirs in zip(runs["patched"], runs["stock"], strict=True):
+        for name, grad in mine["grads"].items():
+            assert torch.equal(grad, theirs["grads"][name]), name
+        assert torch.equal(mine["log_probs"], theirs["log_probs"])
+        assert mine["loss_fn_outputs"] == theirs["loss_fn_outputs"]
+
+
+#: What a user put on SkyRL's command line, and the line SkyRL's validate_cfg now answers with.
+CONFIG_CASES = (
+    (["trainer.strategy=megatron", "trainer.max_tokens_per_microbatch=8192"], None),
+    (
+        [
+            "trainer.strategy=megatron",
+            "trainer.max_tokens_per_microbatch=8192",
+            "trainer.use_dynamic_batch_size=true",
+        ],
+        None,
+    ),
+    (
+        ["trainer.strategy=fsdp", "trainer.use_dynamic_batch_size=true"],
+        "trainer.strategy='fsdp' would ignore it: set trainer.strategy=megatron",
+    ),
+    (
+        ["trainer.strategy=megatron", "trainer.use_dynamic_batch_size=true"],
+        "max_tokens_per_microbatch=-1 must be > 0 with trainer.use_dynamic_batch_size=true",
+    ),
+    (
+        [
+            "trainer.strategy=megatron",
+            "trainer.max_tokens_per_microbatch=8192",
+            "trainer.use_dynamic_batch_size=yes_please",
+        ],
+        "trainer.use_dynamic_batch_size='yes_please' is not a boolean",
+    ),
+)
+
+
+@needs_skyrl
+def test_validate_cfg_refuses_use_dynamic_batch_size_where_it_does_nothing(patched_skyrl):
+    """SkyRL's own ``SkyRLTrainConfig.from_cli_overrides`` and ``validate_cfg`` (patch 0001) on
+    the overrides a user typed: the flag with strategy=fsdp, without max_tokens_per_microbatch,
+    or spelled yes_please is refused in one line; the flag off or set right passes."""
+    import json
+
+    code = (
+        "import importlib.util, json, sys; "
+        f"spec = importlib.util.spec_from_file_location('_skyrl_stubs', {__file__!r}); "
+        "helpers = importlib.util.module_from_spec(spec); spec.loader.exec_module(helpers); "
+        f"helpers._install_stubs(); helpers._import_skyrl({patched_skyrl!r}); "
+        "from skyrl.train.config import SkyRLTrainConfig; "
+        "from skyrl.train.utils.utils import validate_cfg; "
+        "out = []\n"
+        f"for overrides, _ in {[list(c) for c in CONFIG_CASES]!r}:\n"
+        "    cfg = SkyRLTrainConfig.from_cli_overrides(['trainer.logger=console', *overrides])\n"
+        "    try:\n"
+        "        validate_cfg(cfg); out.append(None)\n"
+        "    except Exception as error:\n"
+        "        out.append(f'{type(error).__name__}: {error}')\n"
+        "print('RESULT ' + json.dumps(out))"
+    )
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=path),
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    [line] = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
+    for (overrides, expected), got in zip(CONFIG_CASES, json.loads(line[7:]), strict=True):
+        if expected is None:
+            assert got is None, (overrides, got)
+        else:
+            assert got is not None and got.startswith("DynBatchValueError: "), (overrides, got)
+            assert expected in got and "\n" not in got, (overrides, got)

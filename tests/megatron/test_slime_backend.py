@@ -117,6 +117,32 @@ def test_a_rank_without_samples_runs_as_many_log_prob_micro_batches_as_its_peers
     assert len(set(counts)) == 1, counts
 
 
+def test_an_empty_rank_leaves_the_schedule_it_was_given_unchanged():
+    # The patched rollout side ships partitions[r] and micro_batch_indices[r] as they are (one
+    # process: no Ray copy); get_data_iterator on the rank without samples must not write its
+    # phantom into them (it turned partitions[3] from [] into [-1]).
+    import copy
+
+    args = _args(64)
+    lengths = [60, 50]
+    schedule = build_dp_schedule(
+        args, {"dp_size": 4}, lengths, global_batch_size=2, rollout_indices=[0, 1]
+    )
+    empty = next(r for r, p in enumerate(schedule.partitions) if not p)
+    before = copy.deepcopy((schedule.partitions, schedule.micro_batch_indices))
+    data = _rollout_data([])
+    data["partition"] = schedule.partitions[empty]
+    data["rewards"] = []
+    data["rollout_mask_sums"] = torch.zeros(0)
+    data["num_microbatches"] = schedule.num_microbatches
+    data["global_batch_sizes"] = schedule.global_batch_sizes
+    data["micro_batch_indices"] = schedule.micro_batch_indices[empty]
+    data.update(schedule.rank_fields(empty))
+    [iterator] = data_iterators(data, 1, 1)
+    assert data["partition"] == [-1] and iterator.micro_batch_indices[0] == [0]
+    assert (schedule.partitions, schedule.micro_batch_indices) == before
+
+
 @pytest.mark.usefixtures("one_process_group")
 def test_routing_replay_log_prob_pass_runs_the_training_micro_batches():
     args = _args(1000, 4096)

@@ -16,8 +16,9 @@ per-sample reference too, and every recorded routing is replayed exactly once.
 What is not slime's in these runs, and why:
 
 * modules slime imports for rollout serving and logging, when not installed, are stubbed:
-  ``ray``, ``sglang``, ``torch_memory_saver``, ``wandb``, ``httpx``, ``tensorboard``
-  (:data:`STUBBED`; the test reports which were);
+  ``ray``, ``sglang``, ``sglang_router``, ``requests`` (the last two for slime's argument
+  parser), ``torch_memory_saver``, ``wandb``, ``httpx``, ``tensorboard`` (:data:`STUBBED`; the
+  test reports which were);
 * the model is the tiny GPT of ``megatron_dynbatch.tools.testing`` (slime's model provider needs a
   Hugging Face checkpoint), behind a wrapper that turns slime's THD ``packed_seq_params`` into a
   block-diagonal attention mask, because THD attention needs transformer-engine (GPU only);
@@ -69,7 +70,16 @@ REL_TOL = 1e-5
 SEED = 5
 VOCAB = 128
 #: Modules slime imports for rollout serving and logging, stubbed when they are not installed.
-STUBBED = ("ray", "sglang", "torch_memory_saver", "wandb", "httpx", "tensorboard")
+STUBBED = (
+    "ray",
+    "sglang",
+    "sglang_router",
+    "requests",
+    "torch_memory_saver",
+    "wandb",
+    "httpx",
+    "tensorboard",
+)
 
 #: The tiny MoE of the routing-replay cases: 4 layers, 4 experts, top-2.
 MOE = {"num_layers": 4, "num_moe_experts": 4, "moe_router_topk": 2}
@@ -181,6 +191,70 @@ def patched_slime(tmp_path_factory, stock_slime):
     return str(root)
 
 
+def _oversize_body(slime_root, argv, patched):
+    """slime's own parser (the patched one registers --oversize-samples) on ``argv``, then the
+    rollout side's schedule, ours (``patched``) or slime's: where sample 0 (100 tokens, over the
+    budget of 64) trains, the warnings, or the error."""
+    import argparse
+    import warnings
+
+    _install_stubs()
+    _import_slime(slime_root)
+    from slime.utils.arguments import get_slime_extra_args_provider
+
+    parser = argparse.ArgumentParser()
+    get_slime_extra_args_provider()(parser)
+    args, _ = parser.parse_known_args(argv)
+    if patched:
+        from megatron_dynbatch.adapters.slime import build_dp_schedule
+    else:
+        from slime.utils.dp_schedule import build_dp_schedule
+    lengths = [100, 20, 30, 40]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            partitions, mbi, _, _ = build_dp_schedule(
+                args,
+                {
+                    "dp_size": 2,
+                    "cp_size": 1,
+                    "vpp_size": 1,
+                    "microbatch_group_size_per_vp_stage": 1,
+                },
+                lengths,
+                global_batch_size=4,
+                rollout_indices=list(range(4)),
+            )
+        except ValueError as error:
+            return {"error": str(error)}
+    [rank] = [r for r, p in enumerate(partitions) if 0 in p]
+    [microbatch] = [mb for mb in mbi[rank] if partitions[rank].index(0) in mb]
+    return {
+        "policy": getattr(args, "oversize_samples", None),
+        "alone": len(microbatch) == 1,
+        "trained": sorted(i for p in partitions for i in p),
+        "warnings": [str(w.message) for w in caught if "exceed the token cap" in str(w.message)],
+    }
+
+
+@needs_slime
+def test_a_working_slime_config_with_an_oversize_sample_still_trains(stock_slime, patched_slime):
+    """A sample over --max-tokens-per-gpu trains alone in stock slime; the patched slime with the
+    same flags (--oversize-samples left at its default, allow) trains it alone too, warning once
+    with the sample and slime's flags; --oversize-samples error (opt-in) stops naming it."""
+    argv = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "64", "--rollout-batch-size", "4"]
+    [stock] = run_on_ranks(1, _oversize_body, stock_slime, argv, False, layout=Layout())
+    assert stock["alone"] and stock["trained"] == [0, 1, 2, 3], stock
+    [mine] = run_on_ranks(1, _oversize_body, patched_slime, argv, True, layout=Layout())
+    assert mine["policy"] == "allow" and mine["alone"] and mine["trained"] == [0, 1, 2, 3], mine
+    [warning] = mine["warnings"]
+    assert "sample 0: 100 tokens" in warning and "--max-tokens-per-gpu" in warning
+    assert "--oversize-samples error" in warning and "truncate" not in warning
+    argv += ["--oversize-samples", "error"]
+    [refused] = run_on_ranks(1, _oversize_body, patched_slime, argv, True, layout=Layout())
+    assert "sample 0: 100 tokens" in refused["error"], refused
+
+
 @needs_slime
 def test_apply_is_idempotent_and_refuses_other_trees(tmp_path, stock_slime, patched_slime):
     again = subprocess.run(["bash", str(APPLY), patched_slime], capture_output=True, text=True)
@@ -201,48 +275,12 @@ def test_apply_is_idempotent_and_refuses_other_trees(tmp_path, stock_slime, patc
 
 
 def _install_stubs():
-    """Register empty stand-ins for the STUBBED modules that are not installed; return them."""
-    import importlib.abc
-    import importlib.machinery
-    import sys
-    import types
+    """Stand-ins for the STUBBED modules that are not installed; returns every module this
+    process answers with a stand-in (the shared harness,
+    ``megatron_dynbatch.tools.testing.host_stubs``)."""
+    from megatron_dynbatch.tools.testing.host_stubs import install_stubs
 
-    # PathFinder: what is really installed (our finder below would answer for the stubs).
-    missing = [m for m in STUBBED if importlib.machinery.PathFinder.find_spec(m) is None]
-
-    class _Anything(type):
-        def __getattr__(cls, name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return _Anything(name, (), {})
-
-    class _StubModule(types.ModuleType):
-        __stub__ = True
-
-        def __getattr__(self, name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            value = _Anything(name, (), {})
-            setattr(self, name, value)
-            return value
-
-    class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-        def find_spec(self, name, path, target=None):
-            if name.split(".")[0] in missing:
-                return importlib.machinery.ModuleSpec(name, self, is_package=True)
-            return None
-
-        def create_module(self, spec):
-            module = _StubModule(spec.name)
-            module.__path__ = []
-            return module
-
-        def exec_module(self, module):
-            pass
-
-    if not any(type(f).__name__ == "_Finder" for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
-    return missing
+    return install_stubs(STUBBED)
 
 
 def _rollout_batch(num_rollouts, sizes_seed=SEED, routed_experts=False):
@@ -436,8 +474,11 @@ class _Recorder:
         return True, 0.0, 0
 
 
-def _thd_chunk(ddp_chunk):
-    """A model chunk taking slime's forward kwargs; THD cu_seqlens become a block mask (CPU)."""
+def _thd_chunk(ddp_chunk, cp=1):
+    """A model chunk taking slime's forward kwargs; THD cu_seqlens become a block mask (CPU).
+
+    ``cp > 1``: the chunk has no attention (:func:`build_tiny_gpt` ``attention=False``), so this
+    rank's zigzag pieces of every sample run as they are (no mask, positions unused)."""
     from megatron_dynbatch.mcore.forward import build_attention_mask
 
     class ThdAsMask(torch.nn.Module):
@@ -453,6 +494,10 @@ def _thd_chunk(ddp_chunk):
 
         def forward(self, input_ids, position_ids, attention_mask, labels, packed_seq_params, **kw):
             length = input_ids.shape[1]
+            if cp > 1:
+                bounds = packed_seq_params.cu_seqlens_q.to(torch.long)
+                assert int(bounds[-1]) == length * cp, (bounds, length, cp)
+                return self.module(input_ids, None, None)
             bounds = packed_seq_params.cu_seqlens_q.to(torch.long)
             assert int(bounds[-1]) == length, (bounds, length)
             positions = torch.arange(length)
@@ -575,6 +620,7 @@ def _slime_body(
     dynamic=True,
     estimator=None,
     replay=None,
+    attention=True,
 ):
     """slime's forward_only and train_one_step on this rank; ``dynamic=False``: with the flag off
     and slime's own schedule (to compare a patched tree with the stock one). ``replay``: None for
@@ -608,6 +654,7 @@ def _slime_body(
     pp = ps.get_pipeline_model_parallel_world_size()
     dp = ps.get_data_parallel_world_size()
     dp_rank = ps.get_data_parallel_rank()
+    cp = ps.get_context_parallel_world_size()
     args = _slime_args(per_token, max_tokens, pp)
     args.use_dynamic_batch_size = dynamic
     set_args(args)
@@ -624,6 +671,7 @@ def _slime_body(
         calculate_per_token_loss=per_token,
         **(MOE if replay else {}),
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        context_parallel_size=cp,
     )
     # slime always runs Megatron with variable_seq_lengths (its arguments.py forces it); with
     # interleaving at pp = 2 that needs overlap_p2p_comm, Megatron-LM's default there.
@@ -634,15 +682,15 @@ def _slime_body(
     config.finalize_model_grads_func = finalize_model_grads
     if replay:
         _enable_routing_replay(args, replay)
-    chunks = build_tiny_gpt(config, seed=SEED)
+    chunks = build_tiny_gpt(config, seed=SEED, attention=attention)
     if replay:
         _install_slime_router_hooks(chunks)
     ddp_chunks = wrap_in_ddp(chunks)
-    model = [_thd_chunk(c) for c in ddp_chunks]
+    model = [_thd_chunk(c, cp) for c in ddp_chunks]
 
     tp_config = {
         "dp_size": dp,
-        "cp_size": 1,
+        "cp_size": cp,
         "vpp_size": vpp,
         # Megatron's default interleaving group: the pipeline size.
         "microbatch_group_size_per_vp_stage": pp if vpp > 1 else 1,
@@ -650,6 +698,20 @@ def _slime_body(
     args.global_batch_size = gbs
     rollout_data = _rank_rollout_data(slime_root, args, tp_config, data, dp_rank)
     iterators = slime_data.get_data_iterator(rollout_data)
+    if cp > 1:
+        # What slime's compute_advantages_and_returns gives under CP (after get_data_iterator,
+        # which adds a sample-less rank's phantom): this rank's zigzag share of each response.
+        from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
+
+        rollout_data["advantages"] = [
+            slice_log_prob_with_cp(a, t, r)
+            for a, t, r in zip(
+                rollout_data["advantages"],
+                rollout_data["total_lengths"],
+                rollout_data["response_lengths"],
+                strict=True,
+            )
+        ]
     started = time.monotonic()
     stack = contextlib.ExitStack()
     from tests._support import RouterTokens
@@ -716,16 +778,48 @@ def _slime_body(
         # A rank without samples holds one phantom (rollout position -1) that trains nothing.
         "partition": [p for p in rollout_data["partition"] if p >= 0],
         "log_probs": [
-            lp.clone() for lp, p in zip(group_lp, rollout_data["partition"], strict=True) if p >= 0
+            lp.clone()
+            for lp, p in zip(
+                _whole_responses(group_lp, rollout_data) if cp > 1 else group_lp,
+                rollout_data["partition"],
+                strict=True,
+            )
+            if p >= 0
         ],
         "num_microbatches": list(rollout_data["num_microbatches"]),
         "global_batch_sizes": list(rollout_data["global_batch_sizes"]),
         "placeholders_only": dp > 1 and rollout_data["partition"] == [-1],
         "num_placeholders": sum(1 for mb in rollout_data["micro_batch_indices"] if not mb),
+        "row_lengths": list(getattr(iterators[0], "row_lengths", ())),
         "last_stage_outputs": len(last),
         "actor": actor,
         "replays": replays,
     }
+
+
+def _whole_responses(local, rollout_data):
+    """Per-sample response values held per CP rank (slime's zigzag slices), made whole again
+    from every CP rank's share (to compare with a reference run without CP)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
+
+    totals, responses = rollout_data["total_lengths"], rollout_data["response_lengths"]
+    positions = [
+        slice_log_prob_with_cp(torch.arange(r), t, r)
+        for t, r in zip(totals, responses, strict=True)
+    ]
+    group = ps.get_context_parallel_group()
+    shares = [None] * dist.get_world_size(group)
+    dist.all_gather_object(
+        shares, [(p, v.detach()) for p, v in zip(positions, local, strict=True)], group=group
+    )
+    whole = [torch.full((r,), float("nan")) for r in responses]
+    for share in shares:
+        for full, (where, values) in zip(whole, share, strict=True):
+            full[where] = values.to(full.dtype)
+    assert all(bool(torch.isfinite(w).all()) for w in whole), "a response position was lost"
+    return whole
 
 
 def _actor_path(slime_root, args, model, iterators, rollout_data, estimator):
@@ -746,9 +840,8 @@ def _actor_path(slime_root, args, model, iterators, rollout_data, estimator):
     from megatron_dynbatch.integrations.slime import empty_rank
 
     actor_source = (pathlib.Path(slime_root) / "slime/backends/megatron_utils/actor.py").read_text()
-    assert (
-        "empty_rank import log_rollout_data" in actor_source
-    )  # patch 0006: what train_actor calls
+    # Patch 0006: what train_actor runs just before slime's log_rollout_data.
+    assert "mute_phantom_metrics(rollout_data)" in actor_source
     for name, value in dict(
         advantage_estimator=estimator,
         kl_coef=0.05,
@@ -788,7 +881,10 @@ def _actor_path(slime_root, args, model, iterators, rollout_data, estimator):
     compute_advantages_and_returns(args, rollout_data)
     logged = []
     logging_utils.log = lambda args, metrics, step_key: logged.append(dict(metrics))
-    empty_rank.log_rollout_data(0, args, rollout_data)
+    from slime.observability import train_metric_utils
+
+    empty_rank.mute_phantom_metrics(rollout_data)
+    train_metric_utils.log_rollout_data(0, args, rollout_data)
     advantages = {}
     if last:
         for position, adv in zip(
@@ -810,7 +906,7 @@ class _ForcedTopk:
         return scores.gather(1, self.indices), self.indices
 
 
-def _reference_body(num_rollouts, gbs, max_tokens, per_token, replay=None):
+def _reference_body(num_rollouts, gbs, max_tokens, per_token, replay=None, attention=True):
     """Each sample alone through a single-process tiny GPT: per-step gradients, log-probs.
     ``replay``: the tiny MoE; with ``"r3"`` every sample is routed to its rollout experts."""
     from megatron_dynbatch.adapters.slime import build_dp_schedule
@@ -823,7 +919,7 @@ def _reference_body(num_rollouts, gbs, max_tokens, per_token, replay=None):
 
     data = _rollout_batch(num_rollouts, routed_experts=replay == "r3")
     config = tiny_transformer_config(calculate_per_token_loss=per_token, **(MOE if replay else {}))
-    [model] = build_tiny_gpt(config, seed=SEED)
+    [model] = build_tiny_gpt(config, seed=SEED, attention=attention)
     routers = _routers([model]) if replay == "r3" else []
     for router in routers:
         router.router_replay = _ForcedTopk()
@@ -947,10 +1043,58 @@ def test_slime_train_one_step_and_forward_only_match_reference(
     assert sorted(p for part in partitions for p in part) == list(range(reference["num_samples"]))
     if rollouts == 1:
         assert any(r["placeholders_only"] for r in results)
+    else:
+        # slime exchanges shapes: each micro-batch ran its own row (DPSchedule.row_lengths).
+        rows = [row for r in results for row in r["row_lengths"]]
+        assert len(set(rows)) > 1, rows
     print(
         f"\n[slime {layout} dp={dp}] steps={num_steps} counts={results[0]['num_microbatches']} "
         f"gbs={results[0]['global_batch_sizes']} grad rel diff max={worst:.2e} log-prob abs diff "
         f"max={worst_lp:.2e} wall={wall:.1f}s stubbed={results[0]['stubbed']}"
+    )
+
+
+CP_CASES = [
+    # (world, layout, rollouts, gbs, per_token); dp = world / cp
+    pytest.param(2, Layout(cp=2), 7, 3, True, id="cp2-dp1-token-mean"),
+    pytest.param(4, Layout(cp=2), 7, 3, True, id="cp2-dp2-token-mean"),
+    pytest.param(4, Layout(cp=2), 7, 3, False, id="cp2-dp2-rollout-mean"),
+    pytest.param(4, Layout(cp=2), 1, 1, True, id="cp2-dp2-one-rank-only-placeholders"),
+]
+
+
+@needs_slime
+@pytest.mark.parametrize("world, layout, rollouts, gbs, per_token", CP_CASES)
+def test_context_parallel_matches_reference(patched_slime, world, layout, rollouts, gbs, per_token):
+    """``--context-parallel-size 2`` through slime: get_batch's zigzag split of every sample and
+    placeholder, the per-CP-rank log-probs and advantages slime keeps, the step agreement's
+    checks of them, our loss (slime's CP reducer, loss x cp, the full token count) and Megatron's
+    gradient reduction over DP x CP. The CPU's local attention cannot split a sequence, so the
+    tiny GPT here has layers without attention (embedding, norms, MLP, output: per-token work,
+    which CP splits exactly); gradients and log-probs equal the per-sample reference of the same
+    model without CP."""
+    results = run_on_ranks(
+        world,
+        _slime_body,
+        patched_slime,
+        rollouts,
+        gbs,
+        64,
+        per_token,
+        attention=False,
+        layout=layout,
+    )
+    [reference] = run_on_ranks(
+        1, _reference_body, rollouts, gbs, 64, per_token, attention=False, layout=Layout()
+    )
+    num_steps, worst, worst_lp = _compare_with_reference(results, reference)
+    partitions = {tuple(r["partition"]) for r in results}
+    assert sorted(p for part in partitions for p in part) == list(range(reference["num_samples"]))
+    if rollouts == 1:
+        assert any(r["placeholders_only"] for r in results)
+    print(
+        f"\n[slime cp=2 dp={world // 2}] steps={num_steps} grad rel diff max={worst:.2e} "
+        f"log-prob abs diff max={worst_lp:.2e}"
     )
 
 

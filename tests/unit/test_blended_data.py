@@ -1,4 +1,8 @@
-"""Weighted blends of document samples: Megatron's shares, per split, deterministic from --seed."""
+"""Weighted blends of document samples: Megatron's shares, per split, deterministic from --seed.
+
+Weights are token shares by default (Megatron's meaning: its samples are fixed-length windows);
+``weights_are="samples"`` (``--blend-weights samples``) draws samples in the weights' shares.
+"""
 
 import argparse
 
@@ -54,7 +58,7 @@ def test_blending_follows_megatrons_greedy_to_one_sample():
 
 
 def test_drawn_shares_follow_the_weights_within_one_percent():
-    blend = BlendedSamples(_parts(), [0.3, 0.7], split_index=0, name="a+b")
+    blend = BlendedSamples(_parts(), [0.3, 0.7], split_index=0, name="a+b", weights_are="samples")
     tags = [blend.sample_at(p)["tokens"][0].item() // 1_000_000 for p in range(2000)]
     assert abs(tags.count(1) / 2000 - 0.3) < 0.01 and abs(tags.count(2) / 2000 - 0.7) < 0.01
     assert blend.shares(2000) == pytest.approx([0.3, 0.7], abs=0.01)
@@ -63,7 +67,7 @@ def test_drawn_shares_follow_the_weights_within_one_percent():
 
 
 def test_a_small_upweighted_dataset_repeats_every_sample_once_per_pass():
-    blend = BlendedSamples(_parts(), [0.5, 0.5], split_index=0, name="a+b")
+    blend = BlendedSamples(_parts(), [0.5, 0.5], split_index=0, name="a+b", weights_are="samples")
     firsts = [blend.sample_at(p)["tokens"][0].item() for p in range(160)]
     small = [t for t in firsts if t // 1_000_000 == 1]
     assert len(small) == 80  # two passes over the 40 documents of corpus 1
@@ -81,6 +85,25 @@ def test_positions_are_a_function_of_seed_and_split():
     assert first != [other.sample_at(p)["tokens"][0].item() for p in range(100)]
 
 
+def test_weights_are_token_shares_by_default_as_in_megatron():
+    # Corpus 1's samples hold 4 tokens, corpus 2's 6: 0.3 / 0.7 of the samples would be
+    # 1.2 / 4.2 tokens, i.e. 22% / 78% of the tokens; Megatron's weights mean 30% / 70% of them.
+    blend = BlendedSamples(_parts(), [0.3, 0.7], split_index=0, name="a+b")
+    assert blend.weights_are == "tokens"
+    tokens = [0, 0]
+    for p in range(3000):
+        sample = blend.sample_at(p)["tokens"]
+        tokens[sample[0].item() // 1_000_000 - 1] += len(sample)
+    assert [t / sum(tokens) for t in tokens] == pytest.approx([0.3, 0.7], abs=0.005)
+    assert blend.token_shares(3000) == pytest.approx([t / sum(tokens) for t in tokens])
+    by_samples = BlendedSamples(
+        _parts(), [0.3, 0.7], split_index=0, name="x", weights_are="samples"
+    )
+    assert by_samples.token_shares(3000) == pytest.approx([0.222, 0.778], abs=0.005)
+    with pytest.raises(DynBatchValueError, match="--blend-weights"):
+        BlendedSamples(_parts(), [0.3, 0.7], split_index=0, name="x", weights_are="documents")
+
+
 def test_bad_weights_are_refused_with_the_values():
     with pytest.raises(DynBatchValueError, match=r"weights \[0.3, 0.0\] must all be positive"):
         BlendedSamples(_parts(), [0.3, 0.0], split_index=0, name="x")
@@ -93,7 +116,7 @@ def _args(**values):
         seq_length=128, seed=11, mock_data=False, split="90,10,0", mmap_bin_files=True,
         data_path=None, train_data_path=None, valid_data_path=None, test_data_path=None,
         per_split_data_args_path=None, data_args_path=None, train_iters=50,
-        global_batch_size=8,
+        global_batch_size=8, blend_weights="samples",
     )  # fmt: skip
     return argparse.Namespace(**{**defaults, **values})
 
@@ -121,9 +144,10 @@ def test_data_path_weights_blend_every_split_of_real_indexed_datasets(tmp_path, 
         assert [len(p) for p in split.parts] == ([36, 360] if index == 0 else [4, 40])
     text = bytes(train.sample_at(0)["tokens"].tolist()).decode()
     assert text.startswith(("small", "large"))
-    assert "> blend split 0: drawn shares [0.3000, 0.7000] of the first 400 samples" in (
-        capsys.readouterr().out
-    )
+    assert (
+        "> blend split 0: weights [0.3000, 0.7000] are shares of the samples (--blend-weights "
+        "samples; --blend-weights tokens for shares of the tokens): drawn token shares ["
+    ) in capsys.readouterr().out
     # Per-split blends: --train-data-path with weights, --valid-data-path one prefix.
     args = _args(
         train_data_path=["1", prefixes[0], "3", prefixes[1]], valid_data_path=[prefixes[0]]

@@ -56,6 +56,17 @@ def test_plan_json_round_trip(tmp_path, capsys):
         assert set(step) >= {"num_microbatches", "seq_length", "ranks"}
         assert len(step["ranks"]) == 2
         assert all(len(rank) == step["num_microbatches"] for rank in step["ranks"])
+        # Issue 29: per-rank counts beside a per-rank bound; the all-ranks bound says so.
+        real = sum(1 for rank in step["ranks"] for mb in rank if mb)
+        assert real >= step["lower_bound_microbatches_all_ranks"]
+        assert (
+            step["num_microbatches"]
+            >= step["lower_bound_microbatches_per_rank"]
+            == -(-step["lower_bound_microbatches_all_ranks"] // 2)
+        )
+        # The earlier key stays, meaning what it always meant (all ranks).
+        assert step["lower_bound_microbatches"] == step["lower_bound_microbatches_all_ranks"]
+        assert step["idle_ranks"] == 0
     indices = sorted(i for s in data["steps"] for r in s["ranks"] for mb in r for i in mb)
     assert indices == list(range(len(SAMPLES)))
     stats = data["stats"]

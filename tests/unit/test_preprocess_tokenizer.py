@@ -159,6 +159,17 @@ def test_byte_tokens_stay_the_default(tmp_path):
     assert dataset[0].tolist() == [104, 195, 169, preprocess.BYTE_EOD]
 
 
+def test_blank_lines_are_skipped_and_said(tmp_path, capsys):
+    """Issue 29: an empty line of input was skipped silently (it may be a lost document)."""
+    jsonl = tmp_path / "c.jsonl"
+    jsonl.write_text('{"text": "a"}\n\n{"text": "b"}\n   \n')
+    preprocess.main(["--input", str(jsonl), "--output-prefix", str(tmp_path / "c"), "--append-eod"])
+    dataset = _read(tmp_path / "c_text_document")
+    assert [dataset[i].tolist() for i in range(len(dataset))] == [[97, 256], [98, 256]]
+    err = capsys.readouterr().err
+    assert f"skipped 2 blank line(s) of {jsonl} (line 2, 4): no document is written" in err
+
+
 def test_the_megatron_tool_wrapper_names_a_missing_checkout(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv(megatron_tool.MEGATRON_LM_DIR_ENV, raising=False)
     for argv, message in [

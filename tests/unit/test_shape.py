@@ -217,3 +217,45 @@ def test_feasible_pack_never_breaks_the_cap_nor_loses_a_sample(sizes, num_bins, 
     assert len(bins) == num_bins
     assert sorted(i for b in bins for i in b) == list(range(len(sizes)))
     assert loads == [sum(sizes[i] for i in b) for b in bins] and max(loads) <= cap
+
+
+def test_uniform_rows_stay_a_candidate_when_the_shape_exchange_costs():
+    """With variable rows, a costly shape exchange makes the planner run uniform rows (a host
+    that exchanges shapes only when rows differ then skips it); a free one keeps them variable."""
+    lengths = [1000, 90, 80, 950, 60, 40, 700, 30, 900, 20, 880, 10]
+
+    def rows(exchange):
+        config = PlannerConfig(
+            max_tokens_per_gpu=1024,
+            parallel=ParallelLayout(dp_size=2, pp_size=2),
+            cost=CostModel(microbatch_overhead=10.0, shape_exchange_overhead=exchange),
+            variable_row_lengths=True,
+            row_multiple=64,
+        )
+        [step] = plan_schedule(lengths, None, None, config=config).steps
+        return step.row_lengths
+
+    assert rows(0.0) and len({r for rank in rows(0.0) for r in rank}) > 1
+    assert rows(1e6) == ()
+
+
+def test_uniform_rows_of_several_rows_stay_a_candidate_under_a_dense_mask():
+    """Where a row's attention costs S**2 (the local implementation's dense mask), micro-batches of
+    B > 1 short uniform rows can beat one variable row: variable rows do not make the plan
+    slower than uniform rows would."""
+    lengths = [250, 240, 230, 220, 60, 50, 40, 30] * 4
+
+    def plan(variable):
+        config = PlannerConfig(
+            max_tokens_per_gpu=1024,
+            parallel=ParallelLayout(dp_size=1, pp_size=2),
+            cost=CostModel(attention_weight=1.0 / 64, attention="dense"),
+            variable_row_lengths=variable,
+            row_multiple=64,
+        )
+        [step] = plan_schedule(lengths, None, None, config=config).steps
+        return step
+
+    uniform, variable = plan(False), plan(True)
+    assert uniform.micro_batch_size > 1
+    assert variable.micro_batch_size == uniform.micro_batch_size and variable.row_lengths == ()

@@ -52,10 +52,17 @@ def _check_plan(plan, lengths_per_rank, budget):
         seen = sorted(i for mb in plan.ranks[rank] for i in mb)
         assert seen == list(range(len(lengths))), "every sample exactly once"
         assert len(plan.ranks[rank]) <= plan.num_microbatches
-        for mb in plan.ranks[rank]:
+        for m, mb in enumerate(plan.ranks[rank]):
             assert 1 <= len(mb) <= plan.rows
-            tokens = sum(lengths[i] for i in mb)
-            assert tokens <= budget or len(mb) == 1, (rank, mb, tokens)
+            # What the iterator hands SkyRL: the samples plus one attended token per placeholder
+            # row up to plan.rows. Only a lone oversize sample may exceed the budget.
+            tokens = sum(lengths[i] for i in mb) + plan.rows - len(mb)
+            oversize = len(mb) == 1 and lengths[mb[0]] > budget
+            assert (
+                tokens <= budget or oversize
+            ), f"rank {rank} mb {m}: attended tokens incl. placeholder rows {tokens} > cap {budget}"
+        # A placeholder micro-batch: plan.rows rows of one attended token each.
+        assert plan.rows <= budget
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -74,6 +81,36 @@ def test_plan_covers_every_sample_with_equal_counts(seed, pp, vpp):
     )
     again = plan_skyrl_minibatch(lengths, budget, pp_size=pp, vpp_size=vpp)
     assert again.fingerprint() == plan.fingerprint()
+
+
+def test_placeholder_rows_count_against_the_budget():
+    # A user's mini-batch at max_tokens_per_microbatch=40: a 40-token sample shared the plan with
+    # micro-batches of two samples, so SkyRL's iterator topped it up with a one-token placeholder
+    # row: "rank 0 mb 2: attended tokens incl. placeholder rows 41 > cap 40". The cap is hard.
+    lengths = [[20, 19, 40, 12, 9, 30], [25, 14, 8]]
+    plan = plan_skyrl_minibatch(lengths, 40)
+    _check_plan(plan, lengths, 40)
+    assert plan.rows == 1  # a 40-token sample leaves no room for a placeholder row
+    # What SkyRL's worker gets from the iterator: attended tokens of every micro-batch.
+    for rank, rank_lengths in enumerate(lengths):
+        batches = PlannedBatchIterator(_batch(rank_lengths, seq_len=48), plan, rank)
+        for m, batch in enumerate(batches):
+            tokens = int(batch["attention_mask"].sum())
+            assert tokens <= 40, f"rank {rank} mb {m}: attended tokens {tokens} > cap 40"
+    # A 38-token sample leaves room for two: rows of up to 3 samples, each micro-batch fitting.
+    lengths = [[2, 3, 38, 4, 1, 2, 5], [30, 3, 3]]
+    plan = plan_skyrl_minibatch(lengths, 40)
+    _check_plan(plan, lengths, 40)
+    assert plan.rows == 3
+    for rank, rank_lengths in enumerate(lengths):
+        batches = list(PlannedBatchIterator(_batch(rank_lengths, seq_len=48), plan, rank))
+        assert any(not b["loss_mask"][-1].any() for b in batches), "placeholder rows expected"
+        assert all(int(b["attention_mask"].sum()) <= 40 for b in batches)
+    # tp 2: every row, placeholders included, is padded to 2 tokens.
+    plan = plan_skyrl_minibatch([[2, 3, 35, 4, 1]], 40, tp_size=2)
+    sizes = [2, 4, 36, 4, 2]  # the lengths above rounded up to tp
+    for mb in plan.ranks[0]:
+        assert sum(sizes[i] for i in mb) + 2 * (plan.rows - len(mb)) <= 40, (mb, plan.rows)
 
 
 def test_fewer_samples_than_dp_ranks_gives_placeholder_only_ranks():
@@ -121,7 +158,7 @@ def test_iterator_yields_uniform_microbatches_and_restores_order():
     lengths = [10, 3, 14, 2, 7, 9]
     data = _batch(lengths)
     # Another rank with more micro-batches forces placeholders here.
-    plan = plan_skyrl_minibatch([lengths, [16] * 5], 16)
+    plan = plan_skyrl_minibatch([lengths, [15] * 5], 16)
     iterator = PlannedBatchIterator(data, plan, 0)
     batches = list(iterator)
     assert len(batches) == len(iterator) == plan.num_microbatches == 5
@@ -147,7 +184,7 @@ def test_restore_rows_puts_per_row_outputs_in_sample_order_without_placeholders(
     # micro-batch, placeholder rows and placeholder micro-batches included, in schedule order.
     lengths = [10, 3, 14, 2, 7, 9]
     data = _batch(lengths)
-    plan = plan_skyrl_minibatch([lengths, [16] * 5], 16)
+    plan = plan_skyrl_minibatch([lengths, [15] * 5], 16)
     iterator = PlannedBatchIterator(data, plan, 0)
     assert iterator.num_padding_microbatches > 0
     assert any(len(mb) < plan.rows for mb in plan.ranks[0]), "the data must give placeholder rows"
@@ -217,7 +254,7 @@ def test_placeholders_keep_the_pre_scaled_token_mean_exact():
     data = _batch([10, 3, 14, 2, 7, 9], seed=3)
     reference_weight = torch.linspace(-0.1, 0.1, 5).requires_grad_()
     _skyrl_token_mean_loss(reference_weight, data, [data]).backward()
-    plan = plan_skyrl_minibatch([[10, 3, 14, 2, 7, 9], [16] * 7], 16, pp_size=2, vpp_size=2)
+    plan = plan_skyrl_minibatch([[10, 3, 14, 2, 7, 9], [15] * 7], 16, pp_size=2, vpp_size=2)
     planned_weight = torch.linspace(-0.1, 0.1, 5).requires_grad_()
     batches = list(PlannedBatchIterator(data, plan, 0))
     assert any(b.metadata.get("is_padding_batch") for b in batches)

@@ -191,25 +191,34 @@ def test_fewer_rollouts_than_global_batch_size_train_as_one_step():
     check_slime_invariants(schedule, dp_size=1, expected=range(6), total_lengths=[3] * 6, cap=12)
 
 
-def test_oversize_sample_runs_alone():
+@pytest.mark.parametrize("policy", [None, "allow"])
+def test_oversize_sample_runs_alone(policy):
+    # What stock slime does with a sample over --max-tokens-per-gpu, and what the patched slime
+    # keeps by default (--oversize-samples allow; None: slime's own tests' bare namespace): it
+    # trains alone, with one warning naming it and slime's flags (slime has no truncate).
     lengths = [15, 3, 3, 3, 3, 3, 3, 3]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", OversizeSampleWarning)
+    extra = {} if policy is None else {"oversize_samples": policy}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         schedule = build_dp_schedule(
-            make_args(max_tokens_per_gpu=10),
+            make_args(max_tokens_per_gpu=10, **extra),
             make_tp(dp_size=2),
             lengths,
             global_batch_size=8,
             rollout_indices=list(range(8)),
         )
+    [warning] = [w for w in caught if issubclass(w.category, OversizeSampleWarning)]
+    text = str(warning.message)
+    assert "sample 0: 15 tokens" in text and "--max-tokens-per-gpu" in text
+    assert "--oversize-samples error" in text and "truncate" not in text
     check_slime_invariants(schedule, dp_size=2, expected=range(8), total_lengths=lengths, cap=10)
     partitions, mbi, _, _ = schedule
     [(rank, local)] = [(r, p.index(0)) for r, p in enumerate(partitions) if 0 in p]
     assert [local] in mbi[rank]
 
 
-def test_patched_slimes_default_oversize_policy_stops_before_any_model_work():
-    """With the patched slime's --oversize-samples (default error) an oversize sample is refused."""
+def test_oversize_samples_error_stops_before_any_model_work():
+    """With --oversize-samples error (opt-in) an oversize sample is refused."""
     lengths = [15, 3, 3, 3]
     with pytest.raises(ValueError, match=r"15") as caught:
         build_dp_schedule(
@@ -223,7 +232,7 @@ def test_patched_slimes_default_oversize_policy_stops_before_any_model_work():
     # Only what the patched parser accepts is suggested (it has no truncate).
     assert "--oversize-samples allow" in str(caught.value)
     assert "truncate" not in str(caught.value)
-    with pytest.raises(ValueError, match="--oversize-samples error"):
+    with pytest.raises(ValueError, match="--oversize-samples allow \\(default\\) or error"):
         build_dp_schedule(
             make_args(max_tokens_per_gpu=10, oversize_samples="truncate"),
             make_tp(dp_size=2),
@@ -305,7 +314,8 @@ def test_return_value_unpacks_as_slimes_and_carries_row_shapes():
     assert fields["dynbatch_logprob_micro_batch_indices"] == (
         schedule.forward_only.micro_batch_indices[1]
     )
-    assert fields["dynbatch_logprob_row_length"] == schedule.forward_only.row_length
+    assert fields["dynbatch_logprob_row_lengths"] == schedule.forward_only.row_lengths[1]
+    assert fields["dynbatch_row_lengths"] == schedule.row_lengths[1]
 
 
 def test_numpy_integers_are_accepted():

@@ -107,7 +107,7 @@ def test_routing_replay_runs_the_log_prob_pass_on_the_training_micro_batches():
         args, {"dp_size": 2}, lengths, global_batch_size=4, rollout_indices=list(range(8))
     )
     assert schedule.forward_only is None
-    assert set(schedule.rank_fields(0)) == {"dynbatch_seq_lengths"}
+    assert set(schedule.rank_fields(0)) == {"dynbatch_seq_lengths", "dynbatch_row_lengths"}
 
 
 def test_rollout_routing_replay_also_runs_the_log_prob_pass_on_the_training_micro_batches():

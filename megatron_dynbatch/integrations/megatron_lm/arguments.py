@@ -37,6 +37,7 @@ from megatron_dynbatch.planning.spec import (
     LAYOUTS,
     OVERSIZE_POLICIES,
     ParallelLayout,
+    layout_flags,
 )
 
 __all__ = [
@@ -95,6 +96,40 @@ _INCOMPATIBLE = (
         "--hybrid-context-parallel",
     ),
 )
+
+
+#: Where ``--variable-seq-lengths`` is stored: Megatron-LM's ``validate_args`` resets its own
+#: ``args.variable_seq_lengths`` (it has no flag for it), so the request keeps a name of ours.
+VARIABLE_SEQ_LENGTHS_DEST = "dynamic_batch_variable_seq_lengths"
+#: With ``--variable-seq-lengths`` each micro-batch's row is its samples rounded up to this (and
+#: to the sample multiple): at most 63 tokens of padding a row, while the number of distinct
+#: shapes a run meets (kernel autotuning, allocator caching) stays bounded.
+VARIABLE_ROW_MULTIPLE = 64
+
+
+#: Measured iterations in-run calibration fits by default (``--dynamic-batch-calibration-steps``).
+DEFAULT_CALIBRATION_STEPS = 8
+#: Files calibration writes (``--dynamic-batch-calibration-output``).
+CALIBRATION_YAML = "dynbatch_calibration.yaml"
+CALIBRATION_JSON = "dynbatch_calibration.json"
+
+
+def add_calibration_args(group: Any) -> None:
+    """Add the calibration flags to the dynamic-batching argument group."""
+    group.add_argument(
+        "--dynamic-batch-calibration-steps",
+        type=int,
+        default=DEFAULT_CALIBRATION_STEPS,
+        help="Fit the planner's cost model to this many measured training iterations, then plan "
+        f"with it (default {DEFAULT_CALIBRATION_STEPS}; 0 keeps the configured weights).",
+    )
+    group.add_argument(
+        "--dynamic-batch-calibration-output",
+        type=str,
+        default=None,
+        help=f"Directory for {CALIBRATION_YAML} (load it with --dynamic-batch-config) and "
+        f"{CALIBRATION_JSON}; default: --save.",
+    )
 
 
 def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -179,6 +214,14 @@ def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.Argument
         "it to the budget, allow runs it alone over the budget.",
     )
     group.add_argument(
+        "--variable-seq-lengths",
+        dest=VARIABLE_SEQ_LENGTHS_DEST,
+        action="store_true",
+        help="Each micro-batch runs its own row length (its samples rounded up to 64 tokens) "
+        "instead of the step's longest; megatron.core then exchanges every micro-batch's shape "
+        "before its pipeline send (variable_seq_lengths). Without it rows are uniform.",
+    )
+    group.add_argument(
         "--dynamic-batch-config",
         type=str,
         default=None,
@@ -192,8 +235,6 @@ def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.Argument
         "(the transformer-engine path) and attend with megatron_dynbatch's torch reference of "
         "TE's THD attention. Tests the GPU path on machines without CUDA; slow (dense scores).",
     )
-    from .calibration import add_calibration_args  # torch: only where Megatron parses flags
-
     add_calibration_args(group)
     return parser
 
@@ -239,6 +280,11 @@ def parallel_layout_from_args(
         vpp_size: Model chunks per stage, when known from the model; default
             ``args.virtual_pipeline_model_parallel_size`` (``None`` means 1).
     """
+    with layout_flags("Megatron-LM"):
+        return _parallel_layout(args, dp_size, vpp_size)
+
+
+def _parallel_layout(args: Any, dp_size: Optional[int], vpp_size: Optional[int]) -> ParallelLayout:
     return ParallelLayout(
         dp_size=_data_parallel_size(args) if dp_size is None else dp_size,
         pp_size=_layout_size(args, "pipeline_model_parallel_size"),
@@ -300,10 +346,13 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
     """
     given = _given(args)
     config_path = getattr(args, "dynamic_batch_config", None)
+    variable = bool(getattr(args, VARIABLE_SEQ_LENGTHS_DEST, False))
     if not getattr(args, "use_dynamic_batch_size", False):
         stray = [FLAGS[field] for field in given]
         if config_path is not None:
             stray.append("--dynamic-batch-config")
+        if variable:
+            stray.append("--variable-seq-lengths")
         if stray:
             raise DynBatchValueError(
                 f"{', '.join(stray)} given without --use-dynamic-batch-size, so they would be "
@@ -313,6 +362,11 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
         return None
 
     config = dynbatch_config_from_args(args)
+    if variable and config.layout != "packed":
+        raise DynBatchValueError(
+            f"--variable-seq-lengths needs {FLAGS['layout']} packed (padded [B, S] rows all have "
+            "the longest sample's length); drop one of them."
+        )
 
     if not getattr(args, "calculate_per_token_loss", False):
         raise DynBatchValueError(
@@ -345,6 +399,7 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
             "drop --rollouts-per-step to count samples."
         )
     _check_budgets_fit_seq_length(args, config)
+    _check_unused_micro_batch_sizes(args)
 
     parallel = parallel_layout_from_args(args)
     # Fail now, not at the first step, when a budget cannot hold one padded sample of the layout.
@@ -375,3 +430,38 @@ def _check_budgets_fit_seq_length(args: Any, config: DynBatchConfig) -> None:
                 "lower --seq-length, or pass --oversize-samples truncate (cut such "
                 "samples to the budget) or allow (run them alone, over it)."
             )
+
+
+def _check_unused_micro_batch_sizes(args: Any) -> None:
+    """Say why Megatron would refuse a micro-batch size the plan does not even use.
+
+    Megatron's checks still want every global batch (training and validation) to be a multiple of
+    its micro-batch size times the data-parallel size, although the planner picks the micro-batches
+    (issue 29: ``--micro-batch-size 3`` stopped a run on the validation batch's divisibility).
+    """
+    dp = _data_parallel_size(args)
+    gbs = getattr(args, "global_batch_size", None)
+    mbs = getattr(args, "micro_batch_size", None)
+    pairs = (
+        ("--global-batch-size", gbs, "--micro-batch-size", mbs),
+        (
+            "--eval-global-batch-size",
+            getattr(args, "eval_global_batch_size", None) or gbs,
+            (
+                "--eval-micro-batch-size"
+                if getattr(args, "eval_micro_batch_size", None)
+                else "--micro-batch-size"
+            ),
+            getattr(args, "eval_micro_batch_size", None) or mbs,
+        ),
+    )
+    for batch_flag, batch, micro_flag, micro in pairs:
+        if batch is None or micro is None or batch % (micro * dp) == 0:
+            continue
+        divisor = f" (or a divisor of {batch // dp})" if batch % dp == 0 else ""
+        raise DynBatchValueError(
+            f"{micro_flag} {micro} is not used by --use-dynamic-batch-size (the planner picks "
+            f"every micro-batch), but Megatron still requires {batch_flag} {batch} to be a "
+            f"multiple of {micro_flag} x data-parallel size ({micro} x {dp}); set {micro_flag} "
+            f"1{divisor}."
+        )

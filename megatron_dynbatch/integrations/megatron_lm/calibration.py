@@ -11,30 +11,45 @@ quarter of it, never below ``--seq-length``): smaller budgets are safe for memor
 different shapes token work, attention, per-micro-batch overhead and the per-step constant cannot
 be told apart. Then every rank fits the same weights from the same numbers
 (:func:`~megatron_dynbatch.planning.calibration.fit_cost_model`), rank 0's fit is broadcast (one
-collective, so plans stay identical even if floating point differed) and written into ``args``'
-``--dynamic-batch-cost-*`` values: the next batch is planned with it, and Megatron's checkpoint
-(which saves ``args``) records it. Rank 0 logs it and writes ``dynbatch_calibration.yaml`` (the
-``cost_*`` keys ``--dynamic-batch-config`` loads) and ``dynbatch_calibration.json`` (the fit in
+collective, so plans stay identical even if floating point differed) and held in this module's
+calibration state (:func:`calibrated_config` applies it to the run's config; nothing is written
+into Megatron's ``args``): the next batch is planned with it. Rank 0 logs it and writes
+``dynbatch_calibration.yaml`` (the ``cost_*`` keys ``--dynamic-batch-config`` loads) and ``dynbatch_calibration.json`` (the fit in
 seconds) into ``--save`` (or ``--dynamic-batch-calibration-output``). A run resumed from a
 ``--load`` directory holding ``dynbatch_calibration.json`` uses that fit and does not calibrate
 again, so it plans exactly as the straight run did after calibrating.
 
 After calibration the iteration line shows ``predicted`` against ``measured`` iteration time, so a
 user sees when the model is wrong.
+
+Where the shapes cannot separate the weights (a budget under :data:`MIN_BUDGET_RATIO` x
+``--seq-length``, or ``--rollouts-per-step``), the run skips calibration on its first step and
+rank 0 says why (:func:`why_not_calibrate`): no iteration is planned in another shape, no file is
+written. ``dynbatch_calibration.yaml`` is written only for a fit that is applied; the ``.json`` for
+every fit (a resumed run must not calibrate again).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_dynbatch.config import FLAGS
+from megatron_dynbatch.config import DynBatchConfig, config_from_mapping
+
+# The flags and file names live with the other arguments (no torch there); re-exported here.
+from megatron_dynbatch.integrations.megatron_lm.arguments import (
+    CALIBRATION_JSON,
+    CALIBRATION_YAML,
+    DEFAULT_CALIBRATION_STEPS,
+    add_calibration_args,
+)
 from megatron_dynbatch.planning.calibration import Calibration, Observation, fit_cost_model
 from megatron_dynbatch.planning.spec import round_up
 
@@ -43,46 +58,27 @@ __all__ = [
     "CALIBRATION_JSON",
     "CALIBRATION_YAML",
     "DEFAULT_CALIBRATION_STEPS",
+    "MIN_BUDGET_RATIO",
     "add_calibration_args",
+    "calibrated_config",
     "calibration_log_string",
     "calibration_state",
     "observe_train_step",
     "reset_calibration_state",
     "resume_calibration",
+    "why_not_calibrate",
 ]
 
-#: Measured iterations the fit uses by default.
-DEFAULT_CALIBRATION_STEPS = 8
 #: Iterations at the start of a run that are never used (allocator and kernel warm-up).
 WARMUP_STEPS = 2
-CALIBRATION_YAML = "dynbatch_calibration.yaml"
-#: The DynBatchConfig fields calibration changes (through Megatron's arguments, which checkpoints
-#: save): the budget and overhead while it varies shapes, then the fitted weights.
+#: The DynBatchConfig fields calibration changes (in its state's ``overrides``, never in Megatron's
+#: arguments): the budget and overhead while it varies shapes, then the fitted weights.
 CALIBRATED_FIELDS = (
     "max_tokens_per_gpu",
     "cost_token_weight",
     "cost_attention_weight",
     "cost_microbatch_overhead",
 )
-CALIBRATION_JSON = "dynbatch_calibration.json"
-
-
-def add_calibration_args(group: Any) -> None:
-    """Add the calibration flags to the dynamic-batching argument group."""
-    group.add_argument(
-        "--dynamic-batch-calibration-steps",
-        type=int,
-        default=DEFAULT_CALIBRATION_STEPS,
-        help="Fit the planner's cost model to this many measured training iterations, then plan "
-        f"with it (default {DEFAULT_CALIBRATION_STEPS}; 0 keeps the configured weights).",
-    )
-    group.add_argument(
-        "--dynamic-batch-calibration-output",
-        type=str,
-        default=None,
-        help=f"Directory for {CALIBRATION_YAML} (load it with --dynamic-batch-config) and "
-        f"{CALIBRATION_JSON}; default: --save.",
-    )
 
 
 @dataclass
@@ -105,6 +101,11 @@ class _State:
     """The configured attention weight, restored after calibration."""
     attention: Optional[str] = None
     """The attention kind the planner prices (resolved from Megatron's flags), read once."""
+    skipped: Optional[str] = None
+    """Why calibration does not run in this configuration (decided on the first step), or None."""
+    overrides: Dict[str, Any] = field(default_factory=dict)
+    """DynBatchConfig field -> the value calibration plans with now (a varied budget or overhead
+    while it measures, then the fitted weights); :func:`calibrated_config` applies them."""
 
 
 _state = _State()
@@ -119,6 +120,26 @@ def reset_calibration_state() -> None:
 def calibration_state() -> _State:
     """This process's calibration progress (read-only use)."""
     return _state
+
+
+def calibrated_config(config: DynBatchConfig, *, forward_only: bool = False) -> DynBatchConfig:
+    """``config`` with what calibration has changed so far (forward-only passes keep their budget).
+
+    Calibration is the one thing that changes the settings mid-run: while it measures it varies
+    the training budget and overhead, then it applies its fit. A resumed run gets the fit back
+    from the ``--load`` directory's ``dynbatch_calibration.json`` and the varied shapes from the
+    iteration number, so it plans as the straight run did.
+    """
+    changes = {
+        name: value
+        for name, value in _state.overrides.items()
+        if value is not None
+        and not (forward_only and name == "max_tokens_per_gpu")
+        and value != getattr(config, name)
+    }
+    if not changes:
+        return config
+    return config_from_mapping({**dataclasses.asdict(config), **changes})
 
 
 def _steps(args: Any) -> int:
@@ -150,6 +171,7 @@ def _observation_of(batch: Any, plan: Any, step_index: int, args: Any) -> Observ
         vpp_size=layout.vpp_size,
         group=layout.microbatch_group_size_per_vp_stage,
         attention=_attention_kind(args),
+        row_lengths=step.row_lengths or None,
     )
 
 
@@ -181,10 +203,10 @@ def _output_dir(args: Any) -> Optional[str]:
 
 
 def _apply(args: Any, fit: Calibration) -> None:
-    """Plan the following batches with ``fit`` (args also go into Megatron's checkpoints)."""
+    """Plan the following batches with ``fit``."""
     model = fit.cost_model()
     for name in ("token_weight", "attention_weight", "microbatch_overhead"):
-        setattr(args, FLAGS["cost_" + name][2:].replace("-", "_"), getattr(model, name))
+        _state.overrides["cost_" + name] = getattr(model, name)
 
 
 def _load_resumed(args: Any) -> None:
@@ -255,8 +277,6 @@ def _write(args: Any, fit: Calibration) -> None:
 #: planner sees a large per-micro-batch overhead, which makes it pack few full rows, and whether
 #: it sees attention priced, which under row-wise attention makes those rows short).
 _SHAPES = ((1, False, False), (1, True, True), (2, True, False), (4, False, False))
-_OVERHEAD_DEST = FLAGS["cost_microbatch_overhead"][2:].replace("-", "_")
-_ATTENTION_DEST = FLAGS["cost_attention_weight"][2:].replace("-", "_")
 #: Attention kinds whose row costs its whole S^2 whatever it holds (planning/spec.py).
 _ROW_WISE = ("dense", "causal")
 
@@ -281,30 +301,68 @@ def _vary_budget(args: Any, next_iteration: int) -> None:
     if getattr(args, "rollouts_per_step", None) is not None:
         return
     if _state.budget is None:
-        _state.budget = int(args.max_tokens_per_gpu)
-        _state.overhead = getattr(args, _OVERHEAD_DEST, None)
-        _state.attention_weight = getattr(args, _ATTENTION_DEST, None)
+        from .arguments import dynbatch_config_from_args
+
+        configured = dynbatch_config_from_args(args)
+        _state.budget = configured.max_tokens_per_gpu
+        _state.overhead = configured.cost_microbatch_overhead
+        _state.attention_weight = configured.cost_attention_weight
     # Never below the longest sample (--seq-length), so no sample becomes oversize, and never
     # above the configured budget: a budget already below --seq-length (truncate / allow) stays as
     # it is, since a smaller one would cut, and so train, different tokens.
     floor = min(_state.budget, int(getattr(args, "seq_length", 1) or 1))
     divisor, heavy, short = _SHAPES[next_iteration % len(_SHAPES)]
-    args.max_tokens_per_gpu = max(floor, _state.budget // divisor)
-    setattr(args, _OVERHEAD_DEST, float(_state.budget) if heavy else _state.overhead)
+    overrides = _state.overrides
+    overrides["max_tokens_per_gpu"] = max(floor, _state.budget // divisor)
+    overrides["cost_microbatch_overhead"] = float(_state.budget) if heavy else _state.overhead
     if short and _attention_kind(args) in _ROW_WISE:
         # A row's attention as costly as its tokens at the budget: the fewest micro-batches still
         # win (the overhead above), and among them the shortest rows.
-        setattr(args, _ATTENTION_DEST, 1.0 / _state.budget)
+        overrides["cost_attention_weight"] = 1.0 / _state.budget
     else:
-        setattr(args, _ATTENTION_DEST, _state.attention_weight)
+        overrides["cost_attention_weight"] = _state.attention_weight
 
 
 def _restore(args: Any) -> None:
     """The configured budget and overhead again (before a fit, if any, is applied)."""
-    if _state.budget is not None:
-        args.max_tokens_per_gpu = _state.budget
-        setattr(args, _OVERHEAD_DEST, _state.overhead)
-        setattr(args, _ATTENTION_DEST, _state.attention_weight)
+    for name in ("max_tokens_per_gpu", "cost_microbatch_overhead", "cost_attention_weight"):
+        _state.overrides.pop(name, None)
+
+
+#: Calibration varies the budget down to a quarter, never below ``--seq-length``; below this ratio
+#: of budget to ``--seq-length`` the quarter (and at 2x the half) collapses onto ``--seq-length``,
+#: and the steps' token work varies too little to be told from the per-step constant: at
+#: ``--max-tokens-per-gpu`` = 2 x ``--seq-length`` 8 calibration steps fit "0 us per token" and
+#: changed nothing (issue 29). The run then skips calibration at once instead.
+MIN_BUDGET_RATIO = 4
+
+
+def why_not_calibrate(args: Any) -> Optional[str]:
+    """Why this run's calibration shapes cannot separate the cost weights, or ``None``.
+
+    Decided from the arguments alone (the same for a straight and a resumed run).
+    """
+    if getattr(args, "rollouts_per_step", None) is not None:
+        return (
+            "with --rollouts-per-step a batch spans several steps planned at once, so the "
+            "calibration cannot vary the budget between steps, and steps of one shape cannot "
+            "separate token work from per-micro-batch overhead"
+        )
+    budget = getattr(args, "max_tokens_per_gpu", None)
+    if budget is None:  # given in the --dynamic-batch-config YAML only
+        from .arguments import dynbatch_config_from_args
+
+        budget = dynbatch_config_from_args(args).max_tokens_per_gpu
+    budget = int(budget)
+    seq_length = int(getattr(args, "seq_length", 1) or 1)
+    if budget < MIN_BUDGET_RATIO * seq_length:
+        return (
+            f"--max-tokens-per-gpu {budget} is less than {MIN_BUDGET_RATIO} x --seq-length "
+            f"{seq_length}, so the calibration's smaller budgets (half and a quarter of it, never "
+            f"below --seq-length, the longest sample) collapse onto {max(seq_length, budget // 2)} "
+            "and the steps' token work varies too little to be told from the per-step constant"
+        )
+    return None
 
 
 def resume_calibration(args: Any) -> None:
@@ -317,6 +375,15 @@ def resume_calibration(args: Any) -> None:
         _state.resumed_checked = True
         _load_resumed(args)
         if _state.fit is None and _steps(args) > 0:
+            _state.skipped = why_not_calibrate(args)
+        if _state.skipped is not None:
+            _log(
+                f"dynamic-batch calibration skipped: {_state.skipped}; planning keeps the "
+                "configured cost model (give --dynamic-batch-cost-* weights, e.g. from "
+                "`megatron-dynbatch calibrate` on steps timed at budgets of 4x --seq-length and "
+                "more, or pass --dynamic-batch-calibration-steps 0 to silence this)"
+            )
+        elif _state.fit is None and _steps(args) > 0:
             # The first step's budget too follows its iteration number (a resumed run's first
             # step then plans as the straight run's did).
             _vary_budget(args, int(getattr(args, "curr_iteration", 0) or 0) + 1)
@@ -327,8 +394,8 @@ def observe_train_step(args: Any, batch: Any, plan: Any, step_index: int) -> Non
 
     Called by :func:`~.hooks.prepare_train_step` on every rank after the step is materialized.
     """
-    if _state.fit is None and _steps(args) <= 0:
-        return  # off: nothing to measure or show
+    if _state.skipped is not None or (_state.fit is None and _steps(args) <= 0):
+        return  # off or skipped: nothing to measure or show
     now = time.perf_counter()
     iteration = int(getattr(args, "curr_iteration", _state.steps_seen) or 0) + 1
     previous, previous_end = _state.pending, _state.last_end

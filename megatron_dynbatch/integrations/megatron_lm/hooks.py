@@ -53,6 +53,7 @@ this integration layer is the only place that falls back to Megatron's global gr
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Literal, Optional, Tuple
@@ -63,15 +64,17 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.rerun_state_machine import RerunDataIterator
 from megatron.core.utils import get_model_config
 
-from megatron_dynbatch.config import FLAGS, DynBatchConfig
+from megatron_dynbatch.config import DynBatchConfig
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.megatron_lm.arguments import (
+    VARIABLE_ROW_MULTIPLE,
+    VARIABLE_SEQ_LENGTHS_DEST,
     dynbatch_config_from_args,
     parallel_layout_from_args,
     validate_dynamic_batch_args,
 )
 from megatron_dynbatch.integrations.megatron_lm.calibration import (
-    CALIBRATED_FIELDS,
+    calibrated_config,
     calibration_log_string,
     observe_train_step,
     reset_calibration_state,
@@ -114,7 +117,8 @@ class DynamicStep:
     num_microbatches: int
     """Micro-batches per DP rank this step (``num_microbatches`` of ``forward_backward_func``)."""
     seq_length: int
-    """The step's uniform row length (sizes the pipeline's p2p buffers)."""
+    """The step's row length (sizes the pipeline's p2p buffers); with ``--variable-seq-lengths``
+    the longest row, each micro-batch's own shape being exchanged before its send."""
     micro_batch_size: int
     """Rows per micro-batch (packed: usually 1, more where attention pays S**2 a row)."""
     data_iterator: Any
@@ -185,30 +189,26 @@ class DynamicBatchHooks:
         self.last_step: Optional[DynamicStep] = None
         self.totals = _Totals()
 
+    @property
+    def variable_rows(self) -> bool:
+        """``--variable-seq-lengths``: every micro-batch its own row, shapes exchanged."""
+        return bool(getattr(self.args, VARIABLE_SEQ_LENGTHS_DEST, False))
+
     def planner(self, layout: ParallelLayout, *, forward_only: bool) -> PlannerConfig:
         """The planner config of ``layout`` (training, or forward-only under the log-prob budget)."""
         config = self._calibrated(forward_only)
         key = (layout, forward_only, config)
         if key not in self._planners:
-            self._planners[key] = config.planner_config(layout, forward_only=forward_only)
+            self._planners[key] = config.planner_config(
+                layout,
+                forward_only=forward_only,
+                row_multiple=VARIABLE_ROW_MULTIPLE if self.variable_rows else None,
+            )
         return self._planners[key]
 
     def _calibrated(self, forward_only: bool) -> DynBatchConfig:
-        """The run's config with what calibration has changed so far.
-
-        Calibration is the one thing that changes the settings mid-run: while it measures it
-        varies the training budget and overhead, then it applies its fit. It records them in
-        Megatron's arguments, which checkpoints save, so a resumed run plans as the straight run;
-        here they are read back (forward-only passes keep their budget).
-        """
-        changes = {}
-        for field in CALIBRATED_FIELDS:
-            if forward_only and field == "max_tokens_per_gpu":
-                continue
-            value = getattr(self.args, FLAGS[field][2:].replace("-", "_"), None)
-            if value is not None and value != getattr(self.config, field):
-                changes[field] = value
-        return dataclasses.replace(self.config, **changes) if changes else self.config
+        """The run's config with what calibration has changed so far (its state, not ``args``)."""
+        return calibrated_config(self.config, forward_only=forward_only)
 
     def _plan(self, batch: Any, layout: ParallelLayout, forward_only: bool) -> Tuple[Plan, float]:
         config = self.planner(layout, forward_only=forward_only)
@@ -237,6 +237,10 @@ class DynamicBatchHooks:
         if kind == "train":
             resume_calibration(self.args)  # before planning: a resumed run plans with its fit
         with step_agreement(check_group or dist.group.WORLD, what=self._what(kind)) as agreement:
+            if self.variable_rows:
+                # Megatron-LM's validate_args resets args.variable_seq_lengths; the schedule's p2p
+                # reads the model config's at every call. Checked (interleaving at pp 2) as on.
+                _exchange_shapes(model_chunks, True)
             layout = _parallel_layout(self.args, model_chunks, dp_group)
             if kind == "train":
                 cursor = self._train_cursor(source, layout)
@@ -255,6 +259,10 @@ class DynamicBatchHooks:
                 assert len(plan.steps) == 1, "a forward-only plan has one step"
                 step_index = 0
             agreement.fingerprint = plan.fingerprint()
+            if self.variable_rows:
+                # Shapes are exchanged only for a step whose rows differ: the planner ran uniform
+                # rows where the exchange's cost made them faster (every rank planned the same).
+                _exchange_shapes(model_chunks, bool(plan.steps[step_index].row_lengths))
             step = _materialize(batch, plan, step_index, dp_group, pp_group, model_chunks, seconds)
         if kind == "train":
             self._record(step)
@@ -348,7 +356,36 @@ def configure(args: Any) -> Optional[DynamicBatchHooks]:
     global _hooks
     config = validate_dynamic_batch_args(args)
     _hooks = None if config is None else DynamicBatchHooks(args, config)
+    if _hooks is not None:
+        _say_microbatches_are_planned()
     return _hooks
+
+
+class _PlannedMicrobatchCount(logging.Filter):
+    """Megatron's "setting number of microbatches to constant N" is not what runs: say so."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if _hooks is not None and str(record.msg).startswith(_CONSTANT_COUNT):
+            record.msg = (
+                f"{record.getMessage()} (Megatron's count for global batch / micro-batch size / "
+                "dp; not used: --use-dynamic-batch-size plans the micro-batches of every step)"
+            )
+            record.args = None
+        return True
+
+
+_CONSTANT_COUNT = "setting number of microbatches to constant"
+_COUNT_FILTER = _PlannedMicrobatchCount()
+
+
+def _planned_count_logger() -> logging.Logger:
+    return logging.getLogger("megatron.core.num_microbatches_calculator")
+
+
+def _say_microbatches_are_planned() -> None:
+    logger = _planned_count_logger()
+    if _COUNT_FILTER not in logger.filters:
+        logger.addFilter(_COUNT_FILTER)
 
 
 def hooks_for(args: Any) -> DynamicBatchHooks:
@@ -475,6 +512,12 @@ def write_dynamic_scalars(iteration: int, writer: Any = None, wandb_writer: Any 
         wandb_writer.log(scalars, iteration)
 
 
+def _exchange_shapes(model_chunks: List[torch.nn.Module], on: bool) -> None:
+    """Whether megatron.core's p2p exchanges each micro-batch's shape before sending it."""
+    for chunk in model_chunks:
+        get_model_config(chunk).variable_seq_lengths = on
+
+
 def _as_chunks(model: Any) -> List[torch.nn.Module]:
     return list(model) if isinstance(model, (list, tuple)) else [model]
 
@@ -561,7 +604,11 @@ def _materialize(
         num_samples=len(step.sample_indices()),
         num_rollouts=step.num_rollouts,
         real_tokens=step.real_tokens,
-        computed_tokens=dp_size * step.num_microbatches * step.micro_batch_size * step.seq_length,
+        computed_tokens=(
+            sum(map(sum, step.row_lengths))
+            if step.row_lengths
+            else dp_size * step.num_microbatches * step.micro_batch_size * step.seq_length
+        ),
         step_index=step_index,
         plan_fingerprint=plan.fingerprint(),
         loaded_samples=loaded,

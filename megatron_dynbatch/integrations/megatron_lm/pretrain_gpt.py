@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import os
+import socket
 import sys
 from functools import partial
 from typing import Any, Callable, List, NoReturn, Optional, Sequence
@@ -33,15 +35,18 @@ from typing import Any, Callable, List, NoReturn, Optional, Sequence
 import torch
 from megatron.core.enums import ModelType
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0
+from megatron.training import get_args, get_timers, get_tokenizer, pretrain
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
 from megatron.training.arguments import parse_and_validate_args
 
 from megatron_dynbatch.cpu.training_shim import add_cpu_defaults, check_cpu_args
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.megatron_lm.arguments import add_dynamic_batch_args
+from megatron_dynbatch.integrations.megatron_lm.console import fail, print_rank_0
+from megatron_dynbatch.integrations.megatron_lm.data.blends import BLEND_WEIGHTS
 from megatron_dynbatch.integrations.megatron_lm.data.conversations import conversation_tokenizer
 from megatron_dynbatch.integrations.megatron_lm.data.documents import (
+    DEFAULT_SPLIT,
     DocumentBatchStream,
     DocumentSampleDataset,
     document_splits,
@@ -53,7 +58,6 @@ from megatron_dynbatch.integrations.megatron_lm.gpt_stock import (
     stock_datasets_provider,
     stock_forward_step,
 )
-from megatron_dynbatch.mcore.agreement import StepAgreementError
 from megatron_dynbatch.mcore.forward import (
     make_forward_step,
 )
@@ -86,36 +90,16 @@ def add_launch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "every sample is padded to --seq-length and Megatron's fixed micro-batches run unchanged "
         "(the baseline for the same samples).",
     )
+    group.add_argument(
+        "--blend-weights",
+        choices=BLEND_WEIGHTS,
+        default=None,
+        help="What the weights of a blend (--data-path 0.3 A 0.7 B) are shares of, with document "
+        "samples: tokens (default; Megatron's meaning, as its samples are --seq-length windows) "
+        "or samples (documents). Without --document-samples / --use-dynamic-batch-size, "
+        "Megatron's GPTDataset blends by tokens and this flag is refused.",
+    )
     return parser
-
-
-def _rank() -> int:
-    """This process's global rank: torch.distributed's once initialized, else torchrun's RANK."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    return int(os.environ.get("RANK", "0"))
-
-
-def _program() -> str:
-    return os.path.basename(sys.argv[0]) or "pretrain_gpt_dynbatch.py"
-
-
-def fail(message: Any, *, code: int = 2, every_rank_has_it: bool = True) -> NoReturn:
-    """Stop this rank with one line naming the bad input, and no traceback.
-
-    Args:
-        message: The error (its text is printed on one line).
-        code: The exit status (2 for bad arguments, as argparse; 1 for bad data at run time).
-        every_rank_has_it: Every rank stops with the same error (bad arguments, a step error
-            agreed by ``step_agreement``): only rank 0 prints it, so lines do not repeat or
-            interleave. Otherwise every failing rank prints it, prefixed with its rank.
-    """
-    text = " ".join(str(message).split("\n")).strip()
-    rank = _rank()
-    if rank == 0 or not every_rank_has_it:
-        where = "" if every_rank_has_it else f"[rank {rank}] "
-        print(f"{_program()}: error: {where}{text}", file=sys.stderr, flush=True)
-    raise SystemExit(code)
 
 
 def _one_line_parser_errors(parser: argparse.ArgumentParser) -> None:
@@ -174,11 +158,78 @@ def _check_document_args(args: Any) -> None:
             f"--max-tokens-per-gpu {budget} < --seq-length {args.seq_length}: document samples "
             f"over the budget are handled by --oversize-samples {policy}."
         )
+    if getattr(args, "data_cache_path", None):
+        print_rank_0(
+            f"--data-cache-path {args.data_cache_path}: not used by document samples; their "
+            "order and blend index are computed in memory at start-up (well under a second), "
+            "only Megatron's GPTDataset (without --use-dynamic-batch-size / --document-samples) "
+            "caches its indices there."
+        )
     if args.dataloader_type not in (None, "single", "external"):
         raise ValueError(
             f"--dataloader-type {args.dataloader_type}: document samples are read in Megatron's "
             "'single' order (fixed micro-batches) or by the planner (dynamic); remove the flag."
         )
+
+
+def _discard_tensorboard_file(args: Any) -> None:
+    """Remove the events file Megatron opened for this run when the run stops before training.
+
+    ``parse_and_validate_args`` opens the TensorBoard writer (on the last rank); a run refused by
+    the start-up checks would otherwise leave an empty run in ``--tensorboard-dir``. Only this
+    process's files are removed (TensorBoard names them ``...tfevents.<time>.<host>.<pid>...``).
+    """
+    directory = getattr(args, "tensorboard_dir", None)
+    if not directory:
+        return
+    from megatron.training.global_vars import get_tensorboard_writer
+
+    writer = get_tensorboard_writer()
+    if writer is None:
+        return
+    writer.close()
+    pattern = f"events.out.tfevents.*.{socket.gethostname()}.{os.getpid()}.*"
+    for path in glob.glob(os.path.join(glob.escape(directory), pattern)):
+        os.remove(path)
+
+
+def _check_validation_data(args: Any, splits: Optional[list]) -> None:
+    """Validation asked for (``--eval-iters`` > 0) needs validation data: say so at start-up.
+
+    Megatron 0.19 runs ``evaluate()`` whenever ``--eval-iters`` > 0, even on a missing validation
+    split, and fails only there: after training and its checkpoint, naming the dataset provider.
+    ``splits``: the document splits (document modes), or ``None`` (stock mode: read ``--split``).
+    """
+    if not args.eval_iters or args.eval_iters <= 0:
+        return
+    per_split = args.train_data_path is not None or getattr(args, "per_split_data_args_path", None)
+    if splits is not None:
+        missing = splits[1] is None
+    elif per_split:
+        missing = args.valid_data_path is None and not getattr(
+            args, "per_split_data_args_path", None
+        )
+    elif args.data_path is not None or args.mock_data:
+        from megatron.core.datasets.blended_megatron_dataset_config import (
+            parse_and_normalize_split,
+        )
+
+        missing = parse_and_normalize_split(args.split or DEFAULT_SPLIT)[1] == 0
+    else:
+        return
+    if not missing:
+        return
+    fix = "pass --eval-iters 0 to train without validation, or "
+    if per_split:
+        raise DynBatchValueError(
+            f"no validation data (no --valid-data-path), but --eval-iters {args.eval_iters} asks "
+            f"for validation; {fix}give --valid-data-path."
+        )
+    raise DynBatchValueError(
+        f"--split {args.split or DEFAULT_SPLIT!r} leaves the validation split (its second "
+        f"number) without data, but --eval-iters {args.eval_iters} asks for validation; {fix}"
+        "give --split a validation share (e.g. 98,2,0) and enough documents for it."
+    )
 
 
 def _document_loss(batch, per_token_loss: torch.Tensor):
@@ -319,13 +370,24 @@ def main(
         validate_data_paths(args)  # .idx/.bin checked before the model is built (issue 19)
         check_reference_attention_args(args, document_samples=_uses_documents(args))
         splits = None
+        if args.blend_weights is not None and (
+            datasets_provider is not None or not _uses_documents(args)
+        ):
+            raise DynBatchValueError(
+                f"--blend-weights {args.blend_weights} applies to document samples "
+                "(--use-dynamic-batch-size, --document-samples with the launch script's data); "
+                "Megatron's GPTDataset (and your own provider) blend by their own rule; remove it."
+            )
         if datasets_provider is None and _uses_documents(args):
             _check_document_args(args)
             # Open and check the data now, before the model is built: a bad file or line stops
             # the run in seconds, naming it (the tokenizer exists once the arguments do).
             splits = _document_splits(args)
+        if datasets_provider is None:  # a provider of the user's own reads its own splits
+            _check_validation_data(args, splits)
     except (ValueError, OSError) as error:
         # OSError: a data file that is missing or unreadable (its message names the path).
+        _discard_tensorboard_file(args)
         fail(error)
     if args.eval_interval is None:
         # Megatron-LM's pretrain_gpt.py stops with a TypeError here; validate at the end instead.
@@ -360,8 +422,8 @@ def main(
         )
     except DynBatchValueError as error:
         # Bad input met while running (a batch of the wrong size, a bad sample): one line, no
-        # traceback. A StepAgreementError is the same on every rank, so rank 0 says it.
-        fail(error, code=1, every_rank_has_it=isinstance(error, StepAgreementError))
+        # traceback. A StepAgreementError is the same on every rank: printed once (console.py).
+        fail(error, code=1)
     _close_process_groups()
 
 

@@ -38,8 +38,9 @@ from megatron_dynbatch.integrations.skyrl.plan import (
     check_lengths,
     plan_skyrl_minibatch,
 )
-from megatron_dynbatch.mcore.agreement import step_agreement
+from megatron_dynbatch.mcore.agreement import gather_lengths, step_agreement
 from megatron_dynbatch.runtime import restore_order
+from megatron_dynbatch.runtime.placeholders import placeholder_tensor
 
 __all__ = [
     "PLACEHOLDER_ATTENDED_TOKENS",
@@ -51,8 +52,8 @@ __all__ = [
 #: Keys whose placeholder value must not be 0: SkyRL strips rows to their attended tokens, and a
 #: row with none breaks its ``remove_left_padding`` / THD packing.
 _ATTENTION_KEY = "attention_mask"
-#: Attended tokens of a placeholder row; a SkyRL training row (prompt and response) has more, which
-#: is how :mod:`.moe` tells a placeholder row from a real one.
+#: Attended tokens of a placeholder row (``placeholder_tensor(..., attend_first=True)``); a SkyRL
+#: training row (prompt and response) has more, which is how :mod:`.moe` tells the two apart.
 PLACEHOLDER_ATTENDED_TOKENS = 1
 
 
@@ -77,10 +78,7 @@ def placeholder_rows(data: Any, rows: int) -> Dict[str, Optional[torch.Tensor]]:
                 "plans padded [batch, seq] tensors only. Turn off controller-side sequence packing "
                 "and VLM inputs, or set trainer.use_dynamic_batch_size=false."
             )
-        filler = torch.zeros((rows, *value.shape[1:]), dtype=value.dtype, device=value.device)
-        if key == _ATTENTION_KEY:
-            filler[:, :PLACEHOLDER_ATTENDED_TOKENS] = 1
-        out[key] = filler
+        out[key] = placeholder_tensor(value, rows=rows, attend_first=key == _ATTENTION_KEY)
     return out
 
 
@@ -222,12 +220,6 @@ class PlannedBatchIterator:
         return out
 
 
-def _gather_lengths(lengths: List[int], group) -> List[List[int]]:
-    gathered: List[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, lengths, group=group)
-    return [list(x) for x in gathered]
-
-
 def planned_microbatch_iterator(
     data: Any,
     max_tokens_per_microbatch: int,
@@ -263,7 +255,7 @@ def planned_microbatch_iterator(
         lengths = _real_tokens(data)
         check_lengths([lengths])
         check_budget(max_tokens_per_microbatch)
-    gathered = _gather_lengths(lengths, dp_group)
+    gathered = gather_lengths(lengths, dp_group)
     with step_agreement(dp_group, what=f"{what}: planning") as agreement:
         plan = plan_skyrl_minibatch(gathered, max_tokens_per_microbatch, **kwargs)
         iterator = PlannedBatchIterator(data, plan, dist.get_rank(dp_group))

@@ -12,43 +12,41 @@ runs loss-masked placeholders, so counts are equal by construction, not by a lat
 The budget keeps SkyRL's meaning of ``max_tokens_per_microbatch``: real tokens of one micro-batch
 (its workers strip padding before the model, ``remove_left_padding`` or THD packing), a hard cap
 except for a single longer sample, which runs alone and is reported in :attr:`SkyrlPlan.oversize`.
+Placeholder rows count: each has one attended token, so a micro-batch of ``k`` samples plus its
+``B - k`` placeholder rows stays within the budget (:func:`_fit_placeholder_rows`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from megatron_dynbatch.config import DynBatchConfig
+from megatron_dynbatch.config import config_from_mapping
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.planning import ParallelLayout, plan_schedule, round_up
+from megatron_dynbatch.planning import ParallelLayout, round_up
+from megatron_dynbatch.planning.sharded import (
+    ShardedPlan,
+    plan_rank_shards,
+    sharded_plan,
+)
 
-__all__ = ["SkyrlPlan", "check_budget", "check_lengths", "plan_skyrl_minibatch"]
+__all__ = [
+    "SKYRL_FIXED",
+    "SKYRL_OPTIONS",
+    "SkyrlPlan",
+    "check_budget",
+    "check_lengths",
+    "plan_skyrl_minibatch",
+]
 
 
-@dataclass(frozen=True, kw_only=True)
-class SkyrlPlan:
-    """Every DP rank's micro-batches of one mini-batch (local sample indices)."""
+#: SkyRL's option name (``trainer.*``) of each setting it gives the planner.
+SKYRL_OPTIONS = {"max_tokens_per_microbatch": "max_tokens_per_gpu"}
+#: What SkyRL decides itself: its padding-free forward packs a micro-batch's real tokens; its
+#: budget is a soft cap for a single long sample (it runs alone), as in SkyRL's own batching.
+SKYRL_FIXED = {"layout": "packed", "oversize_samples": "allow"}
 
-    ranks: Tuple[Tuple[Tuple[int, ...], ...], ...]
-    """``ranks[r]``: DP rank ``r``'s real micro-batches, in run order; placeholders follow them."""
-    num_microbatches: int
-    """Micro-batches every rank runs (real + placeholder): what Megatron's schedule is given."""
-    rows: int
-    """Rows of every micro-batch (``B``); a shorter micro-batch gets loss-masked placeholder rows."""
-    oversize: Tuple[Tuple[int, int], ...] = ()
-    """``(dp_rank, local index)`` of every sample longer than the budget (each ran alone)."""
-
-    def placeholders(self, dp_rank: int) -> int:
-        """Placeholder micro-batches DP rank ``dp_rank`` runs after its real ones."""
-        return self.num_microbatches - len(self.ranks[dp_rank])
-
-    def fingerprint(self) -> str:
-        """A short hash that every rank compares before the pipeline starts."""
-        text = json.dumps([self.num_microbatches, self.rows, self.ranks], separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+#: The plan of one SkyRL mini-batch: the host-neutral plan of pre-sharded samples.
+SkyrlPlan = ShardedPlan
 
 
 def check_lengths(lengths_per_rank: Sequence[Sequence[int]]) -> List[List[int]]:
@@ -120,25 +118,56 @@ def plan_skyrl_minibatch(
         microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
         tp_size=tp_size,
     )
-    # SkyRL's budget is a soft cap for a single long sample (it runs alone), so "allow"; the
-    # packed layout caps the real tokens, which is what SkyRL's padding-free forward computes.
-    config = DynBatchConfig(
-        max_tokens_per_gpu=max_tokens_per_microbatch, layout="packed", oversize_samples="allow"
+    config = config_from_mapping(
+        {"max_tokens_per_microbatch": max_tokens_per_microbatch},
+        table=SKYRL_OPTIONS,
+        fixed=SKYRL_FIXED,
+        host="SkyRL's trainer config",
     ).planner_config(parallel)
-    ranks: List[Tuple[Tuple[int, ...], ...]] = []
-    oversize: List[Tuple[int, int]] = []
-    for rank, lengths in enumerate(lengths_per_rank):
-        if not lengths:
-            ranks.append(())
-            continue
-        [step] = plan_schedule(lengths, config=config).steps
-        # dp_size=1: rank 0 of the sub-plan is this rank; drop the sub-plan's own placeholders,
-        # the count is equalised over all ranks below.
-        ranks.append(tuple(tuple(mb) for mb in step.ranks[0] if mb))
-        oversize.extend((rank, i) for i in step.oversize_samples)
-    count = max(1, max(len(mbs) for mbs in ranks))
-    count = round_up(count, parallel.microbatch_multiple)
+    ranks, oversize = plan_rank_shards(lengths_per_rank, config)
+    ranks = _fit_placeholder_rows(ranks, lengths_per_rank, config.token_cap, tp_size)
+    return sharded_plan(ranks, oversize, parallel)
+
+
+def _fit_placeholder_rows(
+    ranks: List[Tuple[Tuple[int, ...], ...]],
+    lengths_per_rank: List[List[int]],
+    cap: int,
+    multiple: int,
+) -> List[Tuple[Tuple[int, ...], ...]]:
+    """Split micro-batches so each stays within ``cap`` once topped up with placeholder rows.
+
+    Every micro-batch runs ``B`` rows (the fullest one's); a shorter one gets ``B - k`` placeholder
+    rows of one attended token each (SkyRL cannot run a row with none), padded to ``multiple``
+    (tp) like every row. So a micro-batch costs its samples plus ``(B - k) * multiple``, and a sample
+    of ``L`` tokens forces ``B <= 1 + (cap - L) // multiple``: with ``cap=40`` a 40-token sample
+    leaves room for no placeholder row, so ``B = 1`` (two samples of 20 sharing a micro-batch
+    would give the 40-token one a 41-token micro-batch). ``B`` is bounded by the longest sample
+    within the cap, then every micro-batch is cut, in order, into pieces that fit at that bound.
+    An oversize sample (alone in its micro-batch already) stays over the cap, as reported.
+    """
+
+    def size(length: int) -> int:
+        return round_up(length, multiple)
+
     rows = max([len(mb) for mbs in ranks for mb in mbs] or [1])
-    return SkyrlPlan(
-        ranks=tuple(ranks), num_microbatches=count, rows=rows, oversize=tuple(oversize)
-    )
+    fitting = [size(n) for lengths in lengths_per_rank for n in lengths if size(n) <= cap]
+    if fitting:
+        rows = min(rows, 1 + (cap - max(fitting)) // multiple)
+    fitted: List[Tuple[Tuple[int, ...], ...]] = []
+    for rank, mbs in enumerate(ranks):
+        pieces: List[Tuple[int, ...]] = []
+        for mb in mbs:
+            piece: List[int] = []
+            tokens = 0
+            for i in mb:
+                grown = tokens + size(lengths_per_rank[rank][i])
+                topped_up = grown + (rows - len(piece) - 1) * multiple
+                if piece and (len(piece) == rows or topped_up > cap):
+                    pieces.append(tuple(piece))
+                    piece, grown = [], size(lengths_per_rank[rank][i])
+                piece.append(i)
+                tokens = grown
+            pieces.append(tuple(piece))
+        fitted.append(tuple(pieces))
+    return fitted

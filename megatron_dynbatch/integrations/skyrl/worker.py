@@ -15,6 +15,7 @@ from megatron_dynbatch.integrations.skyrl.iterator import (
     PlannedBatchIterator,
     planned_microbatch_iterator,
 )
+from megatron_dynbatch.planning.spec import layout_flags
 
 __all__ = ["microbatch_iterator"]
 
@@ -39,10 +40,15 @@ def microbatch_iterator(
         StepAgreementError: on every DP rank when any rank failed to plan (naming the rank and why,
             e.g. ``max_tokens_per_microbatch`` not set).
     """
-    import megatron.core.parallel_state as mpu
-
     chunks = getattr(worker, "actor_module", None) or [None]
     vpp = len(chunks)
+    with layout_flags("SkyRL"):
+        return _planned(worker, data, vpp, what)
+
+
+def _planned(worker: Any, data: Any, vpp: int, what: str) -> PlannedBatchIterator:
+    import megatron.core.parallel_state as mpu
+
     return planned_microbatch_iterator(
         data,
         worker.cfg.max_tokens_per_microbatch,

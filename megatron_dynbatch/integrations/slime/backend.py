@@ -32,14 +32,19 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.integrations.slime.config import check_index
+from megatron_dynbatch.integrations.slime.config import (
+    CP_SLICED_KEYS,
+    RESPONSE_FLOAT_KEYS,
+    check_index,
+)
 from megatron_dynbatch.integrations.slime.empty_rank import (
     add_phantom_sample,
     masked_routed_experts,
 )
 from megatron_dynbatch.integrations.slime.schedule import (
     LOGPROB_MICRO_BATCHES_KEY,
-    LOGPROB_ROW_LENGTH_KEY,
+    LOGPROB_ROW_LENGTHS_KEY,
+    ROW_LENGTHS_KEY,
     SEQ_LENGTHS_KEY,
 )
 from megatron_dynbatch.mcore.agreement import step_agreement
@@ -56,18 +61,6 @@ __all__ = [
     "restore_rollout_order",
 ]
 
-#: Keys with one value per *response* token (slime's convention), as float32.
-RESPONSE_FLOAT_KEYS = (
-    "log_probs",
-    "ref_log_probs",
-    "values",
-    "advantages",
-    "returns",
-    "rollout_log_probs",
-    "teacher_log_probs",
-)
-#: Keys that are cut to this rank's context-parallel chunks before training (``actor.py``).
-CP_SLICED_KEYS = ("rollout_log_probs", "teacher_log_probs")
 #: Keys whose placeholder value is ``None`` (nothing to carry).
 NONE_KEYS = ("multimodal_train_inputs", "packed_seq_params")
 # A placeholder's prompt is one token: slime's get_batch pads the loss mask by prompt_length - 1.
@@ -112,7 +105,9 @@ def placeholder_sample(
             sample[key] = torch.zeros(response, dtype=torch.int, device=device)
         elif key in RESPONSE_FLOAT_KEYS:
             values = torch.zeros(response, dtype=torch.float32, device=device)
-            if key in CP_SLICED_KEYS:
+            if key in CP_SLICED_KEYS or _cp_sliced(rollout_data, key):
+                # Context parallelism: slime keeps these per CP rank (its forward pass computes
+                # log-probs and values on this rank's chunks); the placeholder's match.
                 from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
 
                 values = slice_log_prob_with_cp(values, total_length, response)
@@ -136,6 +131,25 @@ def placeholder_sample(
     return sample
 
 
+def _cp_sliced(rollout_data: Mapping[str, Any], key: str) -> bool:
+    """Whether this rank holds ``key`` per context-parallel rank (fewer values than response
+    tokens), as slime does under CP for everything its forward pass computes."""
+    values = rollout_data.get(key)
+    lengths = rollout_data.get("response_lengths")
+    if not values or not lengths or not isinstance(values[0], torch.Tensor):
+        return False
+    return values[0].numel() != int(lengths[0])
+
+
+def _cp_local(values: torch.Tensor, total: int, response: int, cp_size: int) -> torch.Tensor:
+    """Response values as this context-parallel rank holds them (slime's zigzag slicing)."""
+    if cp_size == 1:
+        return values
+    from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
+
+    return slice_log_prob_with_cp(values, total, response)
+
+
 def _placeholder_routed_experts(real: Sequence[Any], total_length: int) -> torch.Tensor:
     """R3's routed experts of a placeholder, shaped like the rank's first real sample's."""
     if not real:
@@ -153,7 +167,7 @@ def _placeholder_routed_experts(real: Sequence[Any], total_length: int) -> torch
 
 class SlimeDataIterator:
     """slime's ``DataIterator`` (``get_next``, ``reset``, ``micro_batch_indices``, ``offset``),
-    plus the uniform row length of every micro-batch and placeholders for empty index lists.
+    plus the planned row length of every micro-batch and placeholders for empty index lists.
 
     Args:
         rollout_data: This rank's per-sample lists (slime's ``rollout_data``).
@@ -161,8 +175,8 @@ class SlimeDataIterator:
         row_lengths: Per micro-batch, the packed row length on one GPU (per CP rank).
         cp_size: Context-parallel size: a placeholder sample holds ``row_length * cp_size`` tokens,
             which slime's CP slicing turns into exactly one row per CP rank.
-        forward_only: ``(micro_batch_indices, row_length)`` of this rank's log-prob passes as the
-            rollout side planned them; ``None``: they run the training micro-batches.
+        forward_only: ``(micro_batch_indices, row_lengths)`` of this rank's log-prob passes as
+            the rollout side planned them; ``None``: they run the training micro-batches.
     """
 
     def __init__(
@@ -171,7 +185,7 @@ class SlimeDataIterator:
         micro_batch_indices: Sequence[Sequence[int]],
         row_lengths: Sequence[int],
         cp_size: int = 1,
-        forward_only: Optional[Tuple[List[List[int]], int]] = None,
+        forward_only: Optional[Tuple[List[List[int]], List[int]]] = None,
     ) -> None:
         if len(row_lengths) != len(micro_batch_indices):
             raise ValueError(
@@ -317,19 +331,33 @@ def _check_sample(data: Mapping[str, Any], i: int, cp_size: int) -> int:
             f"{where}: loss_masks has {mask.numel()} values for response_lengths={response}."
         )
     keep = mask.reshape(-1) > 0
+    local_keep = None
     for key in RESPONSE_FLOAT_KEYS:
         values = data.get(key)
-        if values is None or len(values) <= i or key in CP_SLICED_KEYS and cp_size > 1:
+        if values is None or len(values) <= i:
             continue
         value = values[i]
         if not isinstance(value, torch.Tensor):
             continue
-        if value.numel() != response:
+        kept = keep
+        if value.numel() != response and cp_size > 1:
+            # slime keeps what its forward pass computes (and the rollout's log-probs, once the
+            # actor sliced them) per context-parallel rank: this rank's zigzag chunks only.
+            if local_keep is None:
+                local_keep = _cp_local(keep, total, response, cp_size)
+            kept = local_keep
+        if value.numel() != kept.numel():
+            expected = (
+                f"{response} (one per response token)"
+                if cp_size == 1
+                else f"{response} (one per response token) or {kept.numel()} (this context-"
+                "parallel rank's chunks, as slime slices them)"
+            )
             raise ValueError(
                 f"{where}: {key} has {value.numel()} values for response_lengths={response}; "
-                "response keys hold one value per response token."
+                f"expected {expected}."
             )
-        bad = keep & ~torch.isfinite(value.reshape(-1).float())
+        bad = kept & ~torch.isfinite(value.reshape(-1).float())
         if bool(bad.any()):
             j = int(bad.nonzero()[0])
             raise ValueError(
@@ -358,12 +386,18 @@ def data_iterators(
             "megatron_dynbatch's schedule (apply every patch in patches/slime to both sides)."
         )
     seq_lengths = [int(s) for s in rollout_data.pop(SEQ_LENGTHS_KEY)]
+    row_lengths = [int(s) for s in rollout_data.pop(ROW_LENGTHS_KEY, None) or ()]
     forward_only = None
     if LOGPROB_MICRO_BATCHES_KEY in rollout_data:
-        forward_only = (
-            [list(mb) for mb in rollout_data.pop(LOGPROB_MICRO_BATCHES_KEY)],
-            int(rollout_data.pop(LOGPROB_ROW_LENGTH_KEY)),
-        )
+        micro_batches = [list(mb) for mb in rollout_data.pop(LOGPROB_MICRO_BATCHES_KEY)]
+        rows = [int(s) for s in rollout_data.pop(LOGPROB_ROW_LENGTHS_KEY)]
+        if len(rows) != len(micro_batches):
+            raise DynBatchValueError(
+                f"{len(rows)} log-prob row lengths for {len(micro_batches)} log-prob "
+                "micro-batches; the rollout side and the trainer run different megatron_dynbatch "
+                "versions."
+            )
+        forward_only = (micro_batches, rows)
     nums = [int(n) for n in rollout_data["num_microbatches"]]
     if len(nums) != len(seq_lengths):
         raise DynBatchValueError(
@@ -372,7 +406,9 @@ def data_iterators(
         )
     if not rollout_data.get("partition"):
         forward_only = add_phantom_sample(rollout_data, forward_only, cp_size)
-    row_lengths = [s for s, n in zip(seq_lengths, nums, strict=True) for _ in range(n)]
+    if not row_lengths:
+        # Uniform rows (a schedule that ships only the steps' rows).
+        row_lengths = [s for s, n in zip(seq_lengths, nums, strict=True) for _ in range(n)]
     return [
         SlimeDataIterator(
             rollout_data, rollout_data["micro_batch_indices"], row_lengths, cp_size, forward_only
@@ -420,8 +456,8 @@ def agree_on_step(
                 "patches/slime to both sides)."
             )
         first.check_microbatches(num_microbatches)
-        rows = first.row_lengths[first.offset : first.offset + num_microbatches]
-        agreement.fingerprint = _fingerprint(step_id, num_microbatches, sorted(set(rows)))
+        # Rows differ between DP ranks (each micro-batch its own); the count is common to all.
+        agreement.fingerprint = _fingerprint(step_id, num_microbatches)
 
 
 def forward_only_iterators(
@@ -449,11 +485,9 @@ def forward_only_iterators(
             iterators = list(data_iterator)
             counts = [int(n) for n in rollout_data["num_microbatches"]]
         else:
-            microbatches, row = first.forward_only
+            microbatches, rows = first.forward_only
             iterators = [
-                SlimeDataIterator(
-                    rollout_data, microbatches, [row] * len(microbatches), first.cp_size
-                )
+                SlimeDataIterator(rollout_data, microbatches, rows, first.cp_size)
                 for _ in data_iterator
             ]
             counts = [len(microbatches)]

@@ -5,10 +5,12 @@ The rollout side (:mod:`.schedule`) and the trainer (:mod:`.backend`) both plan 
 same way. The defaults, and why each is what it is:
 
 * ``oversize_samples``: ``args.oversize_samples`` (the patched parser registers
-  ``--oversize-samples error|allow``, default ``error``). A bare namespace without the attribute
-  (slime's own unit tests build one) gets ``allow``: slime's behaviour, the sample runs alone in a
-  micro-batch over the budget. ``truncate`` is refused: slime's ``get_batch`` builds rows from whole
-  samples, so a cut sample could not be materialised.
+  ``--oversize-samples allow|error``, default ``allow``), or ``allow`` for a bare namespace without
+  the attribute (slime's own unit tests build one): slime's behaviour, a sample over the budget
+  runs alone in its micro-batch, and :func:`check_oversize` warns naming it; ``error`` (opt-in)
+  stops before any model work. A working slime config must not stop because the patches are in.
+  ``truncate`` is refused: slime's ``get_batch`` builds rows from whole samples, so a cut sample
+  could not be materialised.
 * ``layout``: ``packed``: slime always packs a micro-batch into one THD row.
 * ``rollouts_per_step``: ``global_batch_size`` (slime's rollouts per optimizer step).
 * cost model: tokens only, plus slime's own attention-to-linear FLOPs ratio when
@@ -21,23 +23,51 @@ Standard library and the pure planner only: slime's rollout manager imports it w
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+import warnings
+from typing import Any, Iterator, Optional
 
-from megatron_dynbatch.config import FLAGS, DynBatchConfig
+from megatron_dynbatch.config import FLAGS, DynBatchConfig, config_from_mapping
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.planning import CostModel, PlannerConfig
-from megatron_dynbatch.planning.spec import check_int
+from megatron_dynbatch.planning import CostModel, OversizeSampleWarning, PlannerConfig
+from megatron_dynbatch.planning.spec import check_int, layout_flags
 
 __all__ = [
     "DATA_PAD_SIZE_MULTIPLIER",
+    "CP_SLICED_KEYS",
+    "RESPONSE_FLOAT_KEYS",
+    "SLIME_OPTIONS",
     "SLIME_OVERSIZE_POLICIES",
     "check_index",
     "check_oversize",
     "dynbatch_config_from_slime_args",
     "oversize_policy",
+    "planner_oversize_reported",
     "pad_size",
     "routing_replay",
+    "slime_flags",
 ]
+
+#: slime's argument name of each setting it gives the planner (the patched parser's flags).
+SLIME_OPTIONS = {
+    "max_tokens_per_gpu": "max_tokens_per_gpu",
+    "log_probs_max_tokens_per_gpu": "log_probs_max_tokens_per_gpu",
+    "oversize_samples": "oversize_samples",
+}
+
+#: Keys with one value per *response* token (slime's convention), as float32.
+RESPONSE_FLOAT_KEYS = (
+    "log_probs",
+    "ref_log_probs",
+    "values",
+    "advantages",
+    "returns",
+    "rollout_log_probs",
+    "teacher_log_probs",
+)
+
+#: Keys that are cut to this rank's context-parallel chunks before training (``actor.py``).
+CP_SLICED_KEYS = ("rollout_log_probs", "teacher_log_probs")
 
 #: slime's ``--data-pad-size-multiplier`` default: ``get_batch`` pads every packed row to a
 #: multiple of ``tp_size`` times this.
@@ -58,7 +88,7 @@ def oversize_policy(args: Any) -> str:
     if policy not in SLIME_OVERSIZE_POLICIES:
         raise DynBatchValueError(
             f"args.oversize_samples={policy!r}: slime's data path trains whole samples, so use "
-            "--oversize-samples error (default) or allow; cut long responses at rollout time "
+            "--oversize-samples allow (default) or error; cut long responses at rollout time "
             "(--rollout-max-response-len) instead of truncating them here."
         )
     return policy
@@ -129,27 +159,33 @@ def dynbatch_config_from_slime_args(
             "--max-tokens-per-gpu).",
         )
     cost = cost or CostModel()
-    return DynBatchConfig(
-        max_tokens_per_gpu=budget,
-        log_probs_max_tokens_per_gpu=log_probs,
-        layout="packed",
-        rollouts_per_step=rollouts_per_step,
-        cost_token_weight=cost.token_weight,
-        cost_attention_weight=cost.attention_weight,
-        cost_response_weight=cost.response_weight,
-        cost_microbatch_overhead=cost.microbatch_overhead,
-        oversize_samples=oversize_policy(args),
+    return config_from_mapping(
+        {
+            "max_tokens_per_gpu": budget,
+            "log_probs_max_tokens_per_gpu": log_probs,
+            "oversize_samples": oversize_policy(args),
+        },
+        table=SLIME_OPTIONS,
+        fixed={
+            "layout": "packed",
+            "rollouts_per_step": rollouts_per_step,
+            "cost_token_weight": cost.token_weight,
+            "cost_attention_weight": cost.attention_weight,
+            "cost_response_weight": cost.response_weight,
+            "cost_microbatch_overhead": cost.microbatch_overhead,
+        },
+        host="slime's arguments",
     )
 
 
 def check_oversize(lengths: Any, config: PlannerConfig, *, forward_only: bool) -> None:
-    """Under ``--oversize-samples error``, refuse samples over the cap with slime's flags.
+    """Samples over the cap, named with slime's flags: a warning under ``--oversize-samples allow``
+    (the default, slime's rule), a ``DynBatchValueError`` under ``error``.
 
-    The planner's own message offers ``truncate``, which the patched slime does not accept; this
-    check runs first and names what slime does accept.
+    The planner's own warning and error offer ``truncate``, which the patched slime does not
+    accept; this runs first, over the global lengths (samples named by their rollout position),
+    and the planner's warning is silenced (:func:`planner_oversize_reported`).
     """
-    if config.oversize_samples != "error":
-        return
     multiple = config.parallel.sample_multiple
     keep = (config.token_cap // multiple) * multiple
     oversize = [i for i, length in enumerate(lengths) if length > keep]
@@ -158,9 +194,40 @@ def check_oversize(lengths: Any, config: PlannerConfig, *, forward_only: bool) -
     flag = FLAGS["log_probs_max_tokens_per_gpu"] if forward_only else FLAGS["max_tokens_per_gpu"]
     shown = ", ".join(f"sample {i}: {lengths[i]} tokens" for i in oversize[:8])
     more = f" (and {len(oversize) - 8} more)" if len(oversize) > 8 else ""
-    raise DynBatchValueError(
+    what = (
         f"{len(oversize)} sample(s) exceed the token cap {config.token_cap} ({flag[2:]}="
-        f"{config.max_tokens_per_gpu} x cp_size={config.parallel.cp_size}): {shown}{more}. "
-        f"Raise {flag}, cut responses at rollout time (--rollout-max-response-len), or pass "
-        "--oversize-samples allow (each runs alone in its micro-batch, over the budget)."
+        f"{config.max_tokens_per_gpu} x cp_size={config.parallel.cp_size}): {shown}{more}."
     )
+    if config.oversize_samples == "allow":
+        if forward_only:
+            # The training plan's warning named them (a log-prob budget below the training one,
+            # which only the log-prob pass would exceed, is unusual and trains nothing over it).
+            return
+        warnings.warn(
+            f"{what} Each runs alone in its micro-batch, over the budget, as stock slime runs it; "
+            f"raise {flag} or cut responses at rollout time (--rollout-max-response-len) to stay "
+            "within it, or pass --oversize-samples error to stop on such samples.",
+            OversizeSampleWarning,
+            stacklevel=3,
+        )
+        return
+    raise DynBatchValueError(
+        f"{what} Raise {flag}, cut responses at rollout time (--rollout-max-response-len), or "
+        "pass --oversize-samples allow (the default: each runs alone in its micro-batch, over the "
+        "budget)."
+    )
+
+
+@contextlib.contextmanager
+def planner_oversize_reported() -> Iterator[None]:
+    """Silence the planner's ``OversizeSampleWarning`` where :func:`check_oversize` already named
+    the samples with slime's flags (the planner's text offers ``--oversize-samples truncate``)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OversizeSampleWarning)
+        yield
+
+
+def slime_flags() -> Any:
+    """Errors raised inside that name the parallel layout's fields also name slime's flags
+    (Megatron-LM's: :data:`~megatron_dynbatch.planning.spec.LAYOUT_FLAGS`)."""
+    return layout_flags("slime")

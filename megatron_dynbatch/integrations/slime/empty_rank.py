@@ -14,7 +14,8 @@ real sample, so every collective runs in step with the other ranks, and it contr
 * the loss and gradients: it trains in a micro-batch that was a placeholder (zero loss mask, zero
   ``rollout_mask_sums``), exactly as a placeholder does;
 * advantage whitening: slime's statistics are masked, and its mask is 0;
-* metrics: :func:`log_rollout_data` reports ``(0, 0)`` for every metric of the rank.
+* metrics: :func:`mute_phantom_metrics` makes slime's ``log_rollout_data`` report ``(0, 0)`` for
+  every per-sample metric of the rank.
 
 Torch only (no megatron, no slime at import time; under R3 the phantom's routed experts read
 the model's shape from Megatron's global args).
@@ -26,7 +27,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["PHANTOM_POSITION", "add_phantom_sample", "has_phantom", "log_rollout_data"]
+from megatron_dynbatch.integrations.slime.config import CP_SLICED_KEYS, RESPONSE_FLOAT_KEYS
+
+__all__ = ["PHANTOM_POSITION", "add_phantom_sample", "has_phantom", "mute_phantom_metrics"]
 
 #: ``partition`` entry of the phantom sample: no position of the rollout.
 PHANTOM_POSITION = -1
@@ -43,9 +46,9 @@ def has_phantom(rollout_data: Dict[str, Any]) -> bool:
     return list(rollout_data.get("partition") or ()) == [PHANTOM_POSITION]
 
 
-def _phantom_value(key: str, values: Any, total: int, device: torch.device) -> Any:
-    from megatron_dynbatch.integrations.slime.backend import RESPONSE_FLOAT_KEYS
-
+def _phantom_value(
+    key: str, values: Any, total: int, device: torch.device, cp_size: int = 1
+) -> Any:
     response = total - _PROMPT
     if key == "tokens":
         return torch.zeros(total, dtype=torch.long, device=device)
@@ -58,7 +61,13 @@ def _phantom_value(key: str, values: Any, total: int, device: torch.device) -> A
     if key == "partition":
         return PHANTOM_POSITION
     if key in RESPONSE_FLOAT_KEYS:
-        return torch.zeros(response, dtype=torch.float32, device=device)
+        values = torch.zeros(response, dtype=torch.float32, device=device)
+        if key in CP_SLICED_KEYS and cp_size > 1:
+            # slime's actor cut these to this CP rank's chunks before the phantom was added.
+            from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
+
+            values = slice_log_prob_with_cp(values, total, response)
+        return values
     if key == "multimodal_train_inputs":
         return None
     if key == "rollout_routed_experts":
@@ -103,16 +112,17 @@ def masked_routed_experts(
 
 def add_phantom_sample(
     rollout_data: Dict[str, Any],
-    forward_only: Optional[Tuple[List[List[int]], int]],
+    forward_only: Optional[Tuple[List[List[int]], List[int]]],
     cp_size: int = 1,
-) -> Optional[Tuple[List[List[int]], int]]:
-    """Give a rank without samples one phantom sample (local index 0), in place.
+) -> Optional[Tuple[List[List[int]], List[int]]]:
+    """Give a rank without samples one phantom sample (local index 0), in ``rollout_data``.
 
     Every empty per-sample list of ``rollout_data`` gets the phantom's value; the phantom takes the
     place of the first placeholder micro-batch of the training schedule (where it is trained,
     contributing nothing, as the placeholder would) and of the first forward-only placeholder
     (where its log-prob is computed, so slime's per-sample lists stay aligned). Returns the
-    forward-only schedule with the phantom in it.
+    forward-only schedule with the phantom in it. Only ``rollout_data``'s entries are replaced:
+    the lists it held (the schedule's ``partitions[r]``, ``micro_batch_indices[r]``) are not changed.
     """
     assert not rollout_data.get("partition"), "only a rank without samples gets a phantom"
     # slime moved this rank's tensors to its device already; the phantom's go there too.
@@ -131,47 +141,66 @@ def add_phantom_sample(
         if key == "rollout_mask_sums" and isinstance(values, torch.Tensor):
             rollout_data[key] = torch.zeros(1, dtype=values.dtype, device=values.device)
         elif isinstance(values, list) and not values:
-            values.append(_phantom_value(key, values, total, device))
+            # A new list: the empty one may be the schedule's own (partitions[r] shipped as is).
+            rollout_data[key] = [_phantom_value(key, values, total, device, cp_size)]
     rollout_data.setdefault("partition", [PHANTOM_POSITION])
     micro_batches = rollout_data["micro_batch_indices"]
     assert micro_batches and not any(micro_batches), "a rank without samples has placeholders only"
-    micro_batches[0] = [0]
+    rollout_data["micro_batch_indices"] = [[0], *micro_batches[1:]]
     if forward_only is None:
         return None
-    forward_micro_batches, row = forward_only
+    forward_micro_batches, rows = forward_only
     forward_micro_batches = [list(mb) for mb in forward_micro_batches]
     forward_micro_batches[0] = [0]
-    return forward_micro_batches, row
+    return forward_micro_batches, rows
 
 
-def log_rollout_data(rollout_id: int, args: Any, rollout_data: Dict[str, Any]) -> None:
-    """slime's ``log_rollout_data``; a phantom rank joins the metric gather contributing nothing.
+#: Attribute of the one-shot wrapper :func:`mute_phantom_metrics` installs: slime's own function.
+_ORIGINAL = "_megatron_dynbatch_original"
 
-    slime reduces every metric as the sum of the ranks' sums over the sum of their counts. A
-    per-sample metric's count is the rank's sample count (an ``int``): the phantom's becomes
-    ``(0, 0)``. A per-rollout mean (log-probs, advantages, ...) already has sum 0 on the phantom
-    (its loss mask is 0) and a count of ``num_rollouts / dp_size`` (a ``float``) that every rank
-    emits by slime's design, so the totals come out right only if it is kept.
+
+def _metrics_module() -> Any:
+    """The module whose ``gather_log_data`` slime's ``log_rollout_data`` calls (it looks the name
+    up in its own module): ``slime.observability.train_metric_utils`` from slime 624b824a on,
+    ``slime.backends.megatron_utils.data`` in the commits before it."""
+    import importlib
+
+    try:
+        return importlib.import_module("slime.observability.train_metric_utils")
+    except ModuleNotFoundError as error:
+        if not (error.name or "").startswith("slime.observability"):
+            raise
+        return importlib.import_module("slime.backends.megatron_utils.data")
+
+
+def mute_phantom_metrics(rollout_data: Dict[str, Any]) -> None:
+    """Make the ``log_rollout_data`` that slime calls next count nothing for a phantom rank.
+
+    Patch 0006 calls it just before slime's ``log_rollout_data`` (whichever module holds it). slime
+    reduces every metric as the sum of the ranks' sums over the sum of their counts. On a phantom
+    rank the next ``gather_log_data`` (slime's ``log_rollout_data`` calls it once, on the ranks
+    that log) gets a per-sample metric as ``(0, 0)``; a per-rollout mean (log-probs, advantages,
+    ...) already has sum 0 on the phantom (its loss mask is 0) and keeps its count of
+    ``num_rollouts / dp_size`` (a ``float``) that every rank emits by slime's design, so the
+    totals come out right only if it is kept. The wrapper puts slime's function back when it
+    runs, and any call of this function first removes a wrapper that never ran (a rank that does
+    not log), so a rank with real samples always reports them.
     """
-    from slime.observability import train_metric_utils
-
+    module = _metrics_module()
+    original = getattr(module.gather_log_data, _ORIGINAL, module.gather_log_data)
+    module.gather_log_data = original
     if not has_phantom(rollout_data):
-        train_metric_utils.log_rollout_data(rollout_id, args, rollout_data)
         return
-    gather = train_metric_utils.gather_log_data
 
     def gather_nothing(metric_name, args, rollout_id, log_dict):
+        module.gather_log_data = original  # once: the gather of the log_rollout_data that follows
         empty = {}
         for key, value in log_dict.items():
             if isinstance(value, tuple) and len(value) == 2:
                 share = value[1] if isinstance(value[1], float) else 0
                 value = (0.0, share)
             empty[key] = value
-        return gather(metric_name, args, rollout_id, empty)
+        return original(metric_name, args, rollout_id, empty)
 
-    # slime's function looks gather_log_data up in its module when it calls it.
-    train_metric_utils.gather_log_data = gather_nothing
-    try:
-        train_metric_utils.log_rollout_data(rollout_id, args, rollout_data)
-    finally:
-        train_metric_utils.gather_log_data = gather
+    setattr(gather_nothing, _ORIGINAL, original)
+    module.gather_log_data = gather_nothing

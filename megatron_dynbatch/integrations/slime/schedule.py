@@ -24,9 +24,12 @@ With ``use_dynamic_batch_size`` the steps come from :func:`megatron_dynbatch.pla
   (empty index lists), never by dropping rollouts and never by an assert (slime #2065).
 * A step with fewer samples than ``dp_size`` trains too; ranks without samples get placeholders.
 * ``global_batch_sizes[s]`` is the number of rollouts step ``s`` really trains.
-* DP ranks are always balanced (by tokens, plus attention FLOPs when ``balance_data`` or
-  ``balance_by_flops`` is set), and never above ``max_tokens_per_gpu * cp_size`` per micro-batch,
-  which ``balance_by_flops`` in slime may exceed.
+* DP ranks are always balanced by the step time of linear work plus per-sample attention
+  (slime's FLOPs ratio from the model dimensions on ``args``; see ``_cost_model``), and never
+  above ``max_tokens_per_gpu * cp_size`` per micro-batch, which ``balance_by_flops`` in slime may
+  exceed.
+* Each micro-batch runs its own row (``DPSchedule.row_lengths``), as slime's
+  ``variable_seq_lengths`` allows; ``args.variable_seq_lengths=False`` keeps one row per step.
 * A rank's micro-batches are ordered for the pipeline (light ones at warm-up and cool-down), and
   samples within a micro-batch by global index, not in first-fit order.
 
@@ -51,10 +54,12 @@ from megatron_dynbatch.integrations.slime.config import (
     dynbatch_config_from_slime_args,
     oversize_policy,
     pad_size,
+    planner_oversize_reported,
     routing_replay,
 )
 from megatron_dynbatch.planning import CostModel, ParallelLayout, Plan, plan_schedule, round_up
 from megatron_dynbatch.planning.karmarkar_karp import karmarkar_karp
+from megatron_dynbatch.planning.shape import variable_rows as planned_variable_rows
 
 __all__ = [
     "DATA_PAD_SIZE_MULTIPLIER",
@@ -95,10 +100,14 @@ class DPSchedule(tuple):
 
     Unpacks into slime's four items. The extra attributes:
 
-    * ``seq_lengths[s]``: the uniform length of every packed row of step ``s`` on one GPU
-      (per context-parallel rank, padded to ``tp_size * data_pad_size_multiplier`` as slime's
-      ``get_batch`` pads, where that stays within ``max_tokens_per_gpu``: :func:`row_length`);
-      every micro-batch of the step, placeholders included, is built ``[1, seq_lengths[s]]``.
+    * ``row_lengths[r][m]``: the packed row micro-batch ``m`` of DP rank ``r`` is built with on
+      one GPU (per context-parallel rank), placeholders included: what slime's patched
+      ``get_batch`` pads it to. With variable rows (slime's default: it runs Megatron with
+      ``variable_seq_lengths``) each micro-batch has its own row, its samples rounded up to
+      ``tp_size * data_pad_size_multiplier`` where that stays within ``max_tokens_per_gpu``
+      (:func:`row_length`); with uniform rows every micro-batch of a step has the step's longest.
+      Score a schedule as it runs with these.
+    * ``seq_lengths[s]``: the longest row of step ``s`` (with uniform rows, every row's length).
     * ``micro_batch_size``: rows per micro-batch (1: slime packs samples into one THD row).
     * ``rollout_counts[r][m]``: rollouts whose first sample (lowest global index) is in micro-batch
       ``m`` of rank ``r``; over a step they add up to ``global_batch_sizes[s]``, so a trainer that
@@ -122,11 +131,21 @@ class DPSchedule(tuple):
         rollout_counts: Sequence[Sequence[int]],
         plan: Optional[Plan] = None,
         forward_only: Optional["ForwardOnlySchedule"] = None,
+        row_lengths: Optional[Sequence[Sequence[int]]] = None,
     ) -> "DPSchedule":
         self = super().__new__(
             cls, (partitions, micro_batch_indices, num_microbatches, global_batch_sizes)
         )
         self.seq_lengths = [int(s) for s in seq_lengths]
+        if row_lengths is None:
+            # Uniform rows: every micro-batch of a step has the step's row.
+            uniform = [
+                s for s, n in zip(self.seq_lengths, num_microbatches, strict=True) for _ in range(n)
+            ]
+            row_lengths = [list(uniform) for _ in partitions]
+        self.row_lengths = [[int(s) for s in rows] for rows in row_lengths]
+        # Internal invariant: one row per micro-batch of every rank.
+        assert [len(rows) for rows in self.row_lengths] == [len(mbs) for mbs in micro_batch_indices]
         self.micro_batch_size = 1
         self.rollout_counts = [list(counts) for counts in rollout_counts]
         self.plan = plan
@@ -136,7 +155,14 @@ class DPSchedule(tuple):
     def __reduce__(self):
         return (
             _rebuild_schedule,
-            (tuple(self), self.seq_lengths, self.rollout_counts, self.plan, self.forward_only),
+            (
+                tuple(self),
+                self.seq_lengths,
+                self.rollout_counts,
+                self.plan,
+                self.forward_only,
+                self.row_lengths,
+            ),
         )
 
     @property
@@ -157,8 +183,22 @@ class DPSchedule(tuple):
 
     @property
     def row_shapes(self) -> List[Tuple[int, int]]:
-        """``[micro_batch_size, seq_length]`` of every step's micro-batches."""
+        """``[micro_batch_size, seq_length]`` of every step's longest micro-batch."""
         return [(self.micro_batch_size, s) for s in self.seq_lengths]
+
+    @property
+    def variable_rows(self) -> bool:
+        """Whether micro-batches of one step run rows of different lengths."""
+        return any(len(set(rows)) > 1 for rows in self._rows_per_step())
+
+    def _rows_per_step(self) -> List[List[int]]:
+        starts = [0]
+        for n in self.num_microbatches:
+            starts.append(starts[-1] + n)
+        return [
+            [row for rows in self.row_lengths for row in rows[a:b]]
+            for a, b in zip(starts[:-1], starts[1:], strict=True)
+        ]
 
     def rank_fields(self, dp_rank: int) -> Dict[str, Any]:
         """What the patched slime ships to DP rank ``dp_rank`` besides slime's own keys.
@@ -171,19 +211,24 @@ class DPSchedule(tuple):
             raise DynBatchValueError(
                 f"dp_rank={dp_rank} but the schedule has {len(self.partitions)} DP ranks."
             )
-        fields: Dict[str, Any] = {SEQ_LENGTHS_KEY: list(self.seq_lengths)}
+        fields: Dict[str, Any] = {
+            SEQ_LENGTHS_KEY: list(self.seq_lengths),
+            ROW_LENGTHS_KEY: list(self.row_lengths[dp_rank]),
+        }
         if self.forward_only is not None:
             fields[LOGPROB_MICRO_BATCHES_KEY] = [
                 list(mb) for mb in self.forward_only.micro_batch_indices[dp_rank]
             ]
-            fields[LOGPROB_ROW_LENGTH_KEY] = self.forward_only.row_length
+            fields[LOGPROB_ROW_LENGTHS_KEY] = list(self.forward_only.row_lengths[dp_rank])
         return fields
 
 
-#: The keys :meth:`DPSchedule.rank_fields` ships.
+#: The keys :meth:`DPSchedule.rank_fields` ships (the patched ``get_data_iterator`` recognises
+#: the schedule by the first).
 SEQ_LENGTHS_KEY = "dynbatch_seq_lengths"
+ROW_LENGTHS_KEY = "dynbatch_row_lengths"
 LOGPROB_MICRO_BATCHES_KEY = "dynbatch_logprob_micro_batch_indices"
-LOGPROB_ROW_LENGTH_KEY = "dynbatch_logprob_row_length"
+LOGPROB_ROW_LENGTHS_KEY = "dynbatch_logprob_row_lengths"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,31 +238,40 @@ class ForwardOnlySchedule:
     Each rank's micro-batches hold only its own (training) samples, as local indices into its
     partition; ranks with fewer micro-batches are topped up with placeholders (empty lists) so every
     rank runs the same count: with expert parallelism the MoE all-to-all spans DP ranks, and unequal
-    counts would leave a rank waiting in it. Every micro-batch of every rank is one packed row of
-    ``row_length`` tokens per GPU.
+    counts would leave a rank waiting in it. Every micro-batch is one packed row of
+    ``row_lengths[r][m]`` tokens per GPU (one length on every rank where rows are uniform).
     """
 
     micro_batch_indices: List[List[List[int]]]
     """Per DP rank, per micro-batch, local sample indices (``[]``: a placeholder)."""
-    row_length: int
-    """Packed row length on one GPU (per CP rank) of every forward-only micro-batch."""
+    row_lengths: List[List[int]]
+    """Per DP rank, per micro-batch, the packed row on one GPU (per CP rank)."""
 
     def __post_init__(self) -> None:
         counts = {len(rank) for rank in self.micro_batch_indices}
         assert len(counts) == 1, f"forward-only micro-batch counts differ across DP ranks: {counts}"
+        assert [len(r) for r in self.row_lengths] == [len(r) for r in self.micro_batch_indices]
+
+    @property
+    def row_length(self) -> int:
+        """The longest forward-only row (every row's length when rows are uniform)."""
+        return max(max(rows) for rows in self.row_lengths)
 
     @property
     def num_microbatches(self) -> int:
         return len(self.micro_batch_indices[0])
 
 
-def _rebuild_schedule(items, seq_lengths, rollout_counts, plan, forward_only=None) -> DPSchedule:
+def _rebuild_schedule(
+    items, seq_lengths, rollout_counts, plan, forward_only=None, row_lengths=None
+) -> DPSchedule:
     return DPSchedule(
         *items,
         seq_lengths=seq_lengths,
         rollout_counts=rollout_counts,
         plan=plan,
         forward_only=forward_only,
+        row_lengths=row_lengths,
     )
 
 
@@ -491,19 +545,30 @@ def _static_schedule(
     )
 
 
-def _cost_model(args: Any, balance: bool) -> CostModel:
-    """Tokens, plus slime's attention-to-linear FLOPs ratio when balancing by FLOPs is asked for."""
-    if not balance:
-        return CostModel()
+#: ``L**2`` work per ``L`` work of a dense transformer when slime's args carry no model dimensions:
+#: causal attention's ``2*h*L**2`` FLOPs against the linear layers' ``12*h**2*L`` cross at
+#: ``L = 6*h``, 24,576 tokens for hidden size 4,096 (a 7B model).
+DEFAULT_ATTENTION_CROSSOVER = 24576
+
+
+def _cost_model(args: Any) -> CostModel:
+    """What one micro-batch costs on one GPU: linear work per position plus attention per sample.
+
+    slime's THD rows attend per sample (``cu_seqlens``), so a micro-batch of long samples costs
+    more than one of as many tokens in short samples; the planner balances and orders by that.
+    The ratio is slime's own FLOPs estimate (``calculate_fwd_flops``, what ``--balance-data``
+    and ``--balance-by-flops`` balance) from the model dimensions on ``args``, or, without them
+    (a bare namespace), a 7B-class model's (:data:`DEFAULT_ATTENTION_CROSSOVER`).
+    """
+    default = CostModel(token_weight=1.0, attention_weight=1.0 / DEFAULT_ATTENTION_CROSSOVER)
     try:
         # FLOPs(L) = a * L + b * L**2: b from the second difference, a from FLOPs(1).
         quadratic = (_forward_flops(args, 2) - 2 * _forward_flops(args, 1)) / 2
         linear = _forward_flops(args, 1) - quadratic
     except (AttributeError, TypeError):
-        # No model dimensions on args (a test double): balance by tokens.
-        return CostModel()
+        return default
     if linear <= 0 or quadratic < 0:
-        return CostModel()
+        return default
     return CostModel(token_weight=1.0, attention_weight=quadratic / linear)
 
 
@@ -536,12 +601,29 @@ def _layout(sizes: Dict[str, int], dp_size: int) -> ParallelLayout:
     )
 
 
+def variable_rows(args: Any) -> bool:
+    """Whether each micro-batch runs its own row: slime runs Megatron with
+    ``variable_seq_lengths`` (its ``validate_args`` always sets it), so Megatron exchanges every
+    micro-batch's shape before its pipeline send and a row need not be the step's longest. Only
+    an explicit ``args.variable_seq_lengths=False`` keeps one row per step."""
+    value = getattr(args, "variable_seq_lengths", None)
+    return True if value is None else _flag(args, "variable_seq_lengths")
+
+
+def _gpu_rows(rows: Sequence[int], cp: int) -> List[int]:
+    """Planned rows (every CP rank's tokens) as one GPU's rows."""
+    # Internal invariant: rows are multiples of the sample multiple, itself one of 2 * cp.
+    assert all(row % cp == 0 for row in rows), (rows, cp)
+    return [row // cp for row in rows]
+
+
 def _forward_only_schedule(
     config: DynBatchConfig,
     sizes: Dict[str, int],
     lengths: List[int],
     partitions: List[List[int]],
     pad_size: int,
+    variable: bool,
 ) -> ForwardOnlySchedule:
     """The log-prob passes, planned here from every rank's lengths (see :class:`ForwardOnlySchedule`).
 
@@ -550,26 +632,45 @@ def _forward_only_schedule(
     placeholders. Counts stay multiples of the interleaving group (every rank's is one, so their
     maximum is one too).
     """
-    planner_config = config.planner_config(_layout(sizes, 1), forward_only=True)
-    budget = config.forward_only_max_tokens_per_gpu
     cp = sizes["cp_size"]
+    planner_config = config.planner_config(
+        _layout(sizes, 1), forward_only=True, row_multiple=pad_size * cp if variable else None
+    )
+    budget = config.forward_only_max_tokens_per_gpu
     # Once over the global lengths, so an error names the samples by their rollout position.
     check_oversize(lengths, planner_config, forward_only=True)
     per_rank: List[List[List[int]]] = []
-    rows: List[int] = []
+    rows: List[List[int]] = []
     for partition in partitions:
         local = [lengths[i] for i in partition]
         if not local:
             per_rank.append([])
+            rows.append([])
             continue
-        [step] = plan_schedule(local, None, None, config=planner_config).steps
+        with planner_oversize_reported():
+            [step] = plan_schedule(local, None, None, config=planner_config).steps
         per_rank.append([list(mb) for mb in step.ranks[0]])
-        rows.append(row_length(step.seq_length, cp, pad_size, budget))
+        if variable:
+            rows.append(_gpu_rows(step.row_lengths[0], cp))
+        else:
+            rows.append([row_length(step.seq_length, cp, pad_size, budget)] * len(per_rank[-1]))
     count = max(len(rank) for rank in per_rank)
-    for rank in per_rank:
+    if variable:
+        # Placeholders topping a rank up run the shortest row (see shape.variable_rows).
+        filler = _gpu_rows(
+            planned_variable_rows(
+                [0], planner_config.variable_row_multiple, planner_config.token_cap
+            ),
+            cp,
+        )[0]
+    else:
+        # Uniform rows: one row length on every rank, the same shapes everywhere.
+        filler = max(r for rank in rows for r in rank)
+        rows = [[filler] * len(rank) for rank in rows]
+    for rank, rank_rows in zip(per_rank, rows, strict=True):
+        rank_rows.extend(filler for _ in range(count - len(rank)))
         rank.extend([] for _ in range(count - len(rank)))
-    # One row length on every rank: the same shapes everywhere, placeholders included.
-    return ForwardOnlySchedule(micro_batch_indices=per_rank, row_length=max(rows))
+    return ForwardOnlySchedule(micro_batch_indices=per_rank, row_lengths=rows)
 
 
 def _dynamic_schedule(
@@ -580,34 +681,49 @@ def _dynamic_schedule(
     global_batch_size: int,
     pad_size: int,
 ) -> DPSchedule:
-    balance = _flag(args, "balance_data") or _flag(args, "balance_by_flops")
+    # Read (and so checked) as on slime's static path; ours always balances by the cost model.
+    _flag(args, "balance_data")
+    _flag(args, "balance_by_flops")
     config = dynbatch_config_from_slime_args(
-        args, rollouts_per_step=global_batch_size, cost=_cost_model(args, balance)
+        args, rollouts_per_step=global_batch_size, cost=_cost_model(args)
     )
     dp = sizes["dp_size"]
     cp = sizes["cp_size"]
-    planner_config = config.planner_config(_layout(sizes, dp))
+    variable = variable_rows(args)
+    # Variable rows: a row of every CP rank's tokens is a multiple of pad_size per CP rank.
+    planner_config = config.planner_config(
+        _layout(sizes, dp), row_multiple=pad_size * cp if variable else None
+    )
     check_oversize(lengths, planner_config, forward_only=False)
-    plan = plan_schedule(lengths, keys, None, config=planner_config)
+    with planner_oversize_reported():
+        plan = plan_schedule(lengths, keys, None, config=planner_config)
 
     heads = {members[0] for members in _group_rollouts(keys)}
     partitions: List[List[int]] = [[] for _ in range(dp)]
     micro_batch_indices: List[List[List[int]]] = [[] for _ in range(dp)]
     rollout_counts: List[List[int]] = [[] for _ in range(dp)]
+    row_lengths: List[List[int]] = [[] for _ in range(dp)]
+    seq_lengths: List[int] = []
+    max_tokens = config.max_tokens_per_gpu
     for step in plan.steps:
+        uniform = row_length(step.seq_length, cp, pad_size, max_tokens)
+        seq_lengths.append(
+            max(max(_gpu_rows(rows, cp)) for rows in step.row_lengths) if variable else uniform
+        )
         for r, rank in enumerate(step.ranks):
+            rows = _gpu_rows(step.row_lengths[r], cp) if variable else [uniform] * len(rank)
+            row_lengths[r].extend(rows)
             for mb in rank:
                 start = len(partitions[r])
                 partitions[r].extend(mb)
                 micro_batch_indices[r].append(list(range(start, start + len(mb))))
                 rollout_counts[r].append(sum(1 for i in mb if i in heads))
-    max_tokens = config.max_tokens_per_gpu
     return DPSchedule(
         partitions,
         micro_batch_indices,
         [step.num_microbatches for step in plan.steps],
         [step.num_rollouts for step in plan.steps],
-        seq_lengths=[row_length(step.seq_length, cp, pad_size, max_tokens) for step in plan.steps],
+        seq_lengths=seq_lengths,
         rollout_counts=rollout_counts,
         plan=plan,
         # Routing replay records routing per micro-batch in the log-prob pass and replays it, in
@@ -615,8 +731,9 @@ def _dynamic_schedule(
         forward_only=(
             None
             if routing_replay(args)
-            else _forward_only_schedule(config, sizes, lengths, partitions, pad_size)
+            else _forward_only_schedule(config, sizes, lengths, partitions, pad_size, variable)
         ),
+        row_lengths=row_lengths,
     )
 
 

@@ -21,6 +21,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_dynbatch.mcore.schedule import check_schedule_config
@@ -61,6 +62,7 @@ def tiny_transformer_config(
     num_moe_experts: Optional[int] = None,
     moe_router_topk: int = 2,
     expert_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
 ) -> TransformerConfig:
     """Return the ``TransformerConfig`` of the tiny GPT for a model-parallel layout.
 
@@ -85,6 +87,9 @@ def tiny_transformer_config(
         expert_model_parallel_size: Expert-parallel size (must match the initialised expert
             groups: it decides whether expert gradients are reduced over the expert data-parallel
             group or, wrongly at EP > 1, over the whole data-parallel group).
+        context_parallel_size: Context-parallel size (must match the initialised groups). The
+            local attention cannot split a sequence: build such a model without attention
+            (``build_tiny_gpt(..., attention=False)``).
 
     Returns:
         A config ready for the three Megatron schedules on CPU.
@@ -120,6 +125,7 @@ def tiny_transformer_config(
         variable_seq_lengths=False,
         batch_p2p_comm=batch_p2p_comm,
         expert_model_parallel_size=expert_model_parallel_size,
+        context_parallel_size=context_parallel_size,
         **_moe_fields(num_moe_experts, moe_router_topk),
     )
     check_schedule_config(config)
@@ -165,7 +171,7 @@ def make_schedule_config_safe(config: TransformerConfig) -> TransformerConfig:
     return config
 
 
-def tiny_layer_spec(num_experts: Optional[int] = None):
+def tiny_layer_spec(num_experts: Optional[int] = None, attention: bool = True):
     """Megatron's local GPT layer spec with self-attention taking the mask it is given.
 
     ``num_experts``: None for a dense MLP, else a mixture of experts (``config.num_moe_experts``).
@@ -176,9 +182,16 @@ def tiny_layer_spec(num_experts: Optional[int] = None):
     (``masked_softmax_fusion``) drops it for its own causal mask without an error.
     """
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
-    attention = spec.submodules.self_attention
+    if not attention:
+        # Layers of per-token work only (norms, MLP): what a data path under context parallelism
+        # can be checked with on CPU, where the local attention cannot split a sequence.
+        spec.submodules.self_attention = IdentityOp
+        spec.submodules.self_attn_bda = IdentityFuncOp
+        return spec
+    self_attention = spec.submodules.self_attention
     spec.submodules.self_attention = dataclasses.replace(
-        attention, params={**attention.params, "attn_mask_type": AttnMaskType.arbitrary}
+        self_attention,
+        params={**self_attention.params, "attn_mask_type": AttnMaskType.arbitrary},
     )
     return spec
 
@@ -190,6 +203,8 @@ def build_tiny_gpt(
     max_sequence_length: int = 256,
     seed: int = 1234,
     pg_collection=None,
+    attention: bool = True,
+    layer_spec=None,
 ) -> list[GPTModel]:
     """Build this rank's model chunks of the tiny GPT, initialised from (seed, global names).
 
@@ -199,6 +214,9 @@ def build_tiny_gpt(
         max_sequence_length: Upper bound on positions.
         seed: Seed of the deterministic, layout-independent initialisation.
         pg_collection: Megatron ``ProcessGroupCollection``; None uses Megatron's default groups.
+        attention: False: layers without self-attention (see :func:`tiny_layer_spec`).
+        layer_spec: The transformer layer spec; None is :func:`tiny_layer_spec` (another attention
+            core, e.g. THD, leaves the weights unchanged: they depend on seed and names only).
 
     Returns:
         One ``GPTModel`` per virtual stage held by this rank (a single one without interleaving).
@@ -217,7 +235,8 @@ def build_tiny_gpt(
         )
     pp_rank = pg_collection.pp.rank()
     num_chunks = vp_size or 1
-    layer_spec = tiny_layer_spec(config.num_moe_experts)
+    if layer_spec is None:
+        layer_spec = tiny_layer_spec(config.num_moe_experts, attention=attention)
     chunks = []
     for vp_stage in range(num_chunks):
         chunks.append(
@@ -231,7 +250,9 @@ def build_tiny_gpt(
                 # Untied: a tied copy on the last stage is synchronised with ``.cuda()`` in
                 # LanguageModule.setup_embeddings_and_output_layer, which fails on CPU.
                 share_embeddings_and_output_weights=False,
-                position_embedding_type="rope",
+                # Without attention positions act on nothing (and RoPE's context-parallel slicing
+                # pins host memory, which CPU torch cannot).
+                position_embedding_type="rope" if attention else "none",
                 vp_stage=vp_stage if vp_size is not None else None,
                 pg_collection=pg_collection,
             )

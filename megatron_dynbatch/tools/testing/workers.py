@@ -94,6 +94,8 @@ class Layout:
     """Virtual pipeline stages per rank, or None for no interleaving."""
     ep: int = 1
     """Expert-parallel size (MoE models; its groups span data-parallel ranks)."""
+    cp: int = 1
+    """Context-parallel size (each sequence split over ``cp`` ranks; dp is what remains)."""
 
 
 class DistributedTestError(DynBatchError, AssertionError):
@@ -184,6 +186,7 @@ def _set_layout(layout: Layout, current: Optional[Layout]) -> Layout:
             pipeline_model_parallel_size=layout.pp,
             virtual_pipeline_model_parallel_size=layout.vpp,
             expert_model_parallel_size=layout.ep,
+            context_parallel_size=layout.cp,
             # The default backend is gloo already; duplicate gloo groups would only cost time.
             create_gloo_process_groups=False,
         )
@@ -475,10 +478,10 @@ def run_on_ranks(
             per rank). The pool is then torn down and restarted on next use.
     """
     if layout is not None:
-        model_parallel = layout.tp * layout.pp
+        model_parallel = layout.tp * layout.pp * layout.cp
         if world_size % model_parallel:
             raise ValueError(
-                f"world_size={world_size} is not a multiple of tp*pp={model_parallel} for "
+                f"world_size={world_size} is not a multiple of tp*pp*cp={model_parallel} for "
                 f"{layout}; pick a world size that leaves a whole data-parallel size."
             )
     pool = _POOLS.get(world_size)

@@ -3,10 +3,19 @@
 Megatron-LM's ``BlendedDataset`` splits every dataset of the blend by ``--split`` on its own, then
 draws blend position ``p`` from the dataset whose share lags its weight most so far (the greedy
 ``build_blending_indices`` of ``megatron/core/datasets/helpers.cpp``): after ``n`` draws each
-dataset has supplied ``weight * n`` samples up to one, with no randomness in the choice. Within a
-dataset the samples come in that dataset's own seeded order (``--seed``), reshuffled each time the
-dataset is exhausted, so a heavily weighted small corpus is repeated and a lightly weighted large
-one is sampled, as in Megatron.
+dataset has supplied ``weight * n`` samples up to one, with no randomness in the choice. Megatron's
+samples are ``--seq-length`` windows of the token stream, all of one length, so its weights are
+shares of the **tokens** too. Here a sample is a document (of a length of its own), so sample
+shares and token shares differ wherever the datasets' documents differ in mean length (0.3 of the
+samples from a corpus of long documents was ~44% of the tokens in issue 29). So by default
+(``--blend-weights tokens``) the weights are token shares, as in Megatron: the greedy draws samples
+in the shares ``weight / mean sample length`` (normalised), which gives every dataset its weight's
+share of the tokens in expectation (the drawn token shares are printed). ``--blend-weights
+samples`` draws samples in the weights' shares instead.
+
+Within a dataset the samples come in that dataset's own seeded order (``--seed``), reshuffled each
+time the dataset is exhausted, so a heavily weighted small corpus is repeated and a lightly weighted
+large one is sampled, as in Megatron.
 
 :class:`BlendedSamples` does the same over :class:`~.documents.SplitSamples` (one per dataset and
 split) and serves the interface the document consumers read (``lengths_at``, ``sample_at``,
@@ -20,15 +29,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy
 import torch
 
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.integrations.megatron_lm.data.documents import SplitSamples
 
-__all__ = ["Blend", "BlendedSamples", "blends_from_args", "blending_indices"]
+if TYPE_CHECKING:  # documents imports this module: an annotation only, never run
+    from megatron_dynbatch.integrations.megatron_lm.data.documents import SplitSamples
+
+__all__ = ["BLEND_WEIGHTS", "Blend", "BlendedSamples", "blends_from_args", "blending_indices"]
+
+#: What a blend weight is a share of: tokens (Megatron's meaning, the default) or samples.
+BLEND_WEIGHTS = ("tokens", "samples")
 
 #: ``(prefixes, weights or None)``, as Megatron's ``get_blend_from_list`` returns it.
 Blend = Tuple[List[str], Optional[List[float]]]
@@ -93,6 +107,8 @@ class BlendedSamples:
         weights: Their weights (any positive scale; normalised as Megatron does).
         split_index: 0 train, 1 valid, 2 test.
         name: What the blend is (for messages).
+        weights_are: ``"tokens"`` (Megatron's meaning): each dataset supplies its weight's share
+            of the tokens; ``"samples"``: its weight's share of the samples.
     """
 
     def __init__(
@@ -102,7 +118,12 @@ class BlendedSamples:
         *,
         split_index: int,
         name: str,
+        weights_are: str = "tokens",
     ) -> None:
+        if weights_are not in BLEND_WEIGHTS:
+            raise DynBatchValueError(
+                f"weights_are={weights_are!r} must be one of {BLEND_WEIGHTS} (--blend-weights)."
+            )
         if len(parts) != len(weights) or not parts:
             raise DynBatchValueError(
                 f"a blend needs one weight per dataset; got {len(parts)} datasets and weights "
@@ -116,6 +137,14 @@ class BlendedSamples:
         self.parts = list(parts)
         total = float(sum(weights))
         self.weights = [float(w) / total for w in weights]
+        self.weights_are = weights_are
+        draw = self.weights
+        if weights_are == "tokens":
+            # n_i samples of mean length m_i hold n_i * m_i tokens: draw n_i in proportion to
+            # weight_i / m_i, and the tokens come in proportion to weight_i.
+            draw = [w / part.mean_length for w, part in zip(self.weights, self.parts, strict=True)]
+        self.draw_weights = [w / sum(draw) for w in draw]
+        """The shares of the samples the greedy draws from each dataset."""
         self.split_index = split_index
         self.documents = _Name(name)
         self._dataset = numpy.zeros(0, dtype=numpy.int16)
@@ -130,7 +159,7 @@ class BlendedSamples:
         if size <= self._dataset.shape[0]:
             return
         size = max(size, 2 * self._dataset.shape[0], _INITIAL_POSITIONS)
-        dataset = blending_indices(self.weights, size)
+        dataset = blending_indices(self.draw_weights, size)
         # Position p's place within its dataset's stream: how many earlier positions drew it.
         within = numpy.zeros(size, dtype=numpy.int64)
         for index in range(len(self.parts)):
@@ -158,8 +187,18 @@ class BlendedSamples:
         part, within = self._where(position)
         return part.sample_at(within)
 
+    def _counts(self, num_positions: int) -> numpy.ndarray:
+        self._ensure(num_positions)
+        return numpy.bincount(self._dataset[:num_positions], minlength=len(self.parts))
+
     def shares(self, num_positions: int) -> List[float]:
         """Fraction of the first ``num_positions`` positions drawn from each dataset."""
-        self._ensure(num_positions)
-        counts = numpy.bincount(self._dataset[:num_positions], minlength=len(self.parts))
-        return [float(c) / max(num_positions, 1) for c in counts]
+        return [float(c) / max(num_positions, 1) for c in self._counts(num_positions)]
+
+    def token_shares(self, num_positions: int) -> List[float]:
+        """Fraction of the tokens of the first ``num_positions`` positions from each dataset."""
+        tokens = [
+            part.tokens_in_first(int(count))
+            for part, count in zip(self.parts, self._counts(num_positions), strict=True)
+        ]
+        return [t / max(sum(tokens), 1) for t in tokens]

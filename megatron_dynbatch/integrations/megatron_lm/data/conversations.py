@@ -261,22 +261,21 @@ def _tokenize_line(
 def sft_warning(stats: ConversationStats, seq_length: int, name: str) -> Optional[str]:
     """The start-up warning about lines that train nothing or lose their answer, or None."""
     truncated_to_nothing = int((stats.first_loss_token >= seq_length).sum())
+    # Each cause with its own fix: only truncation is cured by a longer --seq-length.
     parts = []
     if stats.num_blank_lines:
-        parts.append(f"{stats.num_blank_lines} blank lines skipped")
+        parts.append(f"{stats.num_blank_lines} blank lines skipped (remove them to silence this)")
     if stats.num_without_loss:
         parts.append(
             f"{stats.num_without_loss} of {stats.num_lines} samples have no assistant turn and "
-            "train with zero loss tokens"
+            "train with zero loss tokens (give them an assistant answer, or drop those lines)"
         )
     if truncated_to_nothing:
         parts.append(
             f"{truncated_to_nothing} samples start their first answer at or after --seq-length "
-            f"{seq_length}, so truncation leaves them without loss tokens"
+            f"{seq_length}, so truncation leaves them without loss tokens (raise --seq-length, "
+            "or shorten their prompts)"
         )
     if not parts:
         return None
-    return (
-        f"WARNING: {name}: " + "; ".join(parts) + " (as Megatron's SFTDataset does; clean the "
-        "data or raise --seq-length to train on them)."
-    )
+    return f"WARNING: {name}: " + "; ".join(parts) + " (as Megatron's SFTDataset does)."

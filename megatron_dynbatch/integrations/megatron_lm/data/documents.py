@@ -48,6 +48,7 @@ import numpy
 import torch
 
 from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.integrations.megatron_lm.console import print_rank_0
 from megatron_dynbatch.planning.fixed import plan_fixed_microbatches
 from megatron_dynbatch.runtime import BatchSchema, materialize_microbatches
 from megatron_dynbatch.runtime.batches import LazyRolloutBatch
@@ -257,6 +258,19 @@ class SplitSamples:
         """Sample lengths at ``positions`` (no token is read)."""
         return [int(self.length[self._piece(p)]) for p in positions]
 
+    @property
+    def mean_length(self) -> float:
+        """Mean sample length of the split (tokens)."""
+        return float(self.length.mean())
+
+    def tokens_in_first(self, count: int) -> int:
+        """Tokens of the samples at positions ``[0, count)`` (no token is read)."""
+        epochs, within = divmod(int(count), len(self))
+        total = epochs * int(self.length.sum())
+        if within:
+            total += int(self.length[self._order(epochs)[:within]].sum())
+        return total
+
     def sample_at(self, position: int) -> Dict[str, torch.Tensor]:
         """The sample at ``position``: ``tokens`` int64 ``[L]`` (and ``loss_mask`` with EOD)."""
         piece = self._piece(position)
@@ -356,7 +370,7 @@ def conversation_documents(
     if seq_length is not None:
         warning = sft_warning(stats, seq_length, name)
         if warning is not None:
-            _print_rank_0(warning)
+            print_rank_0(warning)
 
     def read(document: int, offset: int, count: int) -> numpy.ndarray:
         return load(document)[0][offset : offset + count]
@@ -456,26 +470,33 @@ def _blend(
             "change --split, or blend them only where they have data (--train-data-path / "
             "--valid-data-path)."
         )
+    weights_are = getattr(args, "blend_weights", None) or "tokens"
     blended = BlendedSamples(
-        parts, weights, split_index=split_index, name=f"blend {list(paths)} weights {list(weights)}"
+        parts,
+        weights,
+        split_index=split_index,
+        name=f"blend {list(paths)} weights {list(weights)}",
+        weights_are=weights_are,
     )
     # The shares over one pass of the split (every part's samples once), or over what training
     # draws (--train-iters x --global-batch-size) when that is more.
     drawn = len(blended)
     if split_index == 0 and getattr(args, "train_iters", None):
         drawn = max(drawn, args.train_iters * args.global_batch_size)
-    shares = ", ".join(f"{share:.4f}" for share in blended.shares(drawn))
-    weights_text = ", ".join(f"{weight:.4f}" for weight in blended.weights)
-    _print_rank_0(
-        f"> blend split {split_index}: drawn shares [{shares}] of the first {drawn} samples, "
-        f"weights [{weights_text}]"
+
+    def text(values: Sequence[float]) -> str:
+        return ", ".join(f"{value:.4f}" for value in values)
+
+    other = "samples" if weights_are == "tokens" else "tokens"
+    print_rank_0(
+        f"> blend split {split_index}: weights [{text(blended.weights)}] are shares of the "
+        f"{weights_are} (--blend-weights {weights_are}"
+        + (", Megatron's meaning" if weights_are == "tokens" else "")
+        + f"; --blend-weights {other} for shares of the {other}): drawn token shares "
+        f"[{text(blended.token_shares(drawn))}], sample shares [{text(blended.shares(drawn))}] "
+        f"of the first {drawn} samples"
     )
     return blended
-
-
-def _print_rank_0(message: str) -> None:
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(message, flush=True)
 
 
 def _split(

@@ -30,6 +30,7 @@ import argparse
 import importlib.util
 import json
 import pathlib
+import sys
 import warnings
 from typing import Iterator, List, Optional, Sequence, Tuple
 
@@ -37,6 +38,8 @@ from megatron_dynbatch.errors import DynBatchValueError
 
 __all__ = ["BYTE_EOD", "BYTE_VOCAB_SIZE", "byte_tokens", "main", "write_indexed_dataset"]
 
+#: Blank input lines named in the note that counts them.
+_SHOWN_LINES = 5
 #: Byte-level vocabulary: 256 byte values plus the end-of-document token.
 BYTE_VOCAB_SIZE = 257
 #: End-of-document id (NullTokenizer's ``vocab_size - 1`` with ``--vocab-size 257``).
@@ -76,11 +79,12 @@ def byte_tokens(text: str, *, append_eod: bool) -> List[int]:
     return tokens
 
 
-def _documents(path: pathlib.Path, key: str) -> Iterator[Tuple[int, str]]:
-    """``(line number, text)`` of every non-blank JSON line."""
+def _documents(path: pathlib.Path, key: str, blank: List[int]) -> Iterator[Tuple[int, str]]:
+    """``(line number, text)`` of every non-blank JSON line; blank lines' numbers go to ``blank``."""
     with open(path, encoding="utf-8") as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
+                blank.append(number)
                 continue
             try:
                 record = json.loads(line)
@@ -145,7 +149,8 @@ def write_indexed_dataset(
     builder = IndexedDatasetBuilder(bin_path, dtype=DType.optimal_dtype(vocab_size))
     try:
         count = 0
-        for number, text in _documents(input_path, key):
+        blank: List[int] = []
+        for number, text in _documents(input_path, key, blank):
             try:
                 tokens = encode(text)
             except ValueError as error:
@@ -165,6 +170,16 @@ def write_indexed_dataset(
         raise
     builder.finalize(get_idx_path(prefix))
     print(f"wrote {count} documents to {prefix}.bin / .idx ({described}, vocab {vocab_size})")
+    if blank:
+        # Said, not silent: a blank line may be a lost document (issue 29).
+        shown = ", ".join(map(str, blank[:_SHOWN_LINES])) + (
+            ", ..." if len(blank) > _SHOWN_LINES else ""
+        )
+        print(
+            f"skipped {len(blank)} blank line(s) of {input_path} (line {shown}): no document "
+            "is written for a blank line",
+            file=sys.stderr,
+        )
     return pathlib.Path(prefix)
 
 

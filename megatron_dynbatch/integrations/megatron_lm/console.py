@@ -1,0 +1,177 @@
+"""What the Megatron-LM entry prints for the user at start-up: notes once, errors never lost.
+
+:func:`print_rank_0` prints a note once per launch, on global rank 0, also before
+``torch.distributed`` is initialized (Megatron's ``print_rank_0`` prints on every rank then, so
+start-up notes such as a blend's drawn shares appeared once per rank).
+
+Bad input stops the run through :func:`fail`. Every rank that fails calls :func:`fail`. Under torchrun the first rank to exit makes the launcher
+send SIGTERM to the others, so an error printed by one chosen rank (rank 0, say) can vanish when
+another rank exits first (issue 29). Instead, every failing rank:
+
+1. ignores SIGTERM while it reports, so the launcher cannot cut the line short;
+2. prints ``PROG: error: [rank R] MESSAGE`` unless a rank of the same launch already printed the
+   same message: the ranks of one torchrun launch on one node share the launcher's attempt
+   directory (the parent of ``$TORCHELASTIC_ERROR_FILE``'s folder), and the first rank to create
+   a file named by the message's hash there prints it, so an error every rank has is printed once
+   per node by whichever rank gets there first;
+3. writes the message into its ``$TORCHELASTIC_ERROR_FILE``, so torchrun's closing report (its
+   "Root Cause (first observed failure)") shows the same line instead of "To enable traceback
+   see ...";
+4. exits with the given status (torchrun then exits 1 and lists each rank's status; a rank whose
+   process groups are open takes SIGTERM again first, so the launcher can end a stuck teardown).
+
+Without torchrun (one process, or another launcher) the line is printed by every failing rank,
+rank-prefixed when ``WORLD_SIZE`` is more than 1: a repeated line rather than a lost one.
+
+:func:`error_text` turns an exception into that one line, including Megatron's bare ``assert``
+statements, whose message is empty: the assert's own source is quoted with the flags it names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import linecache
+import os
+import re
+import signal
+import sys
+import time
+import traceback
+from typing import Any, NoReturn, Optional
+
+__all__ = ["error_text", "fail", "print_rank_0"]
+
+#: Name prefix of the files that mark a message as printed in torchrun's attempt directory.
+_CLAIM_PREFIX = "megatron_dynbatch_error_"
+
+
+def _program() -> str:
+    return os.path.basename(sys.argv[0]) or "pretrain_gpt_dynbatch.py"
+
+
+def _rank() -> int:
+    """This process's global rank: torch.distributed's once initialized, else the launcher's."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def _world_size() -> int:
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def print_rank_0(message: str) -> None:
+    """Print ``message`` on global rank 0 only, before or after process groups exist."""
+    if _rank() == 0:
+        print(message, flush=True)
+
+
+def _flags_named(source: str) -> list:
+    """``--save-interval`` for every ``args.save_interval`` an assert reads."""
+    names = dict.fromkeys(re.findall(r"\bargs\.([A-Za-z_][A-Za-z0-9_]*)", source))
+    return ["--" + name.replace("_", "-") for name in names]
+
+
+def _assert_source(error: BaseException) -> Optional[str]:
+    """The statement of the innermost frame that raised ``error`` (all its lines), or None."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return None
+    frame = frames[-1]
+    last = getattr(frame, "end_lineno", None) or frame.lineno
+    lines = [linecache.getline(frame.filename, n).strip() for n in range(frame.lineno, last + 1)]
+    source = " ".join(line.rstrip("\\").strip() for line in lines if line) or (frame.line or "")
+    if not source:
+        return None
+    parts = frame.filename.replace(os.sep, "/").split("/")
+    where = "/".join(parts[-3:]) if "megatron" in parts else os.path.basename(frame.filename)
+    return f"`{source}` ({where}, line {frame.lineno})"
+
+
+def error_text(error: Any) -> str:
+    """One line of text for ``error``: its message, or for a bare ``assert`` the assert itself.
+
+    Megatron's argument validation has asserts without a message (``assert args.save_interval is
+    not None`` after ``--save``); their text is empty, so the statement is quoted instead, with
+    the command-line flags it reads.
+    """
+    text = " ".join(str(error).split())
+    if text or not isinstance(error, BaseException):
+        return text
+    source = _assert_source(error)
+    if source is None:
+        return f"{type(error).__name__} without a message (see the code that raised it)"
+    flags = _flags_named(source)
+    hint = f"; check {', '.join(flags)}" if flags else ""
+    return f"Megatron's check {source} failed{hint}"
+
+
+def _attempt_dir() -> Optional[str]:
+    """torchrun's per-launch, per-node directory the local ranks share, or None."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+    if not error_file or error_file == os.devnull:
+        return None
+    directory = os.path.dirname(os.path.dirname(os.path.abspath(error_file)))
+    return directory if os.path.isdir(directory) else None
+
+
+def _first_to_claim(text: str) -> bool:
+    """Whether this rank is the first of its launch (on this node) to report ``text``."""
+    directory = _attempt_dir()
+    if directory is None:
+        return True
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    try:
+        handle = os.open(os.path.join(directory, _CLAIM_PREFIX + digest), os.O_CREAT | os.O_EXCL)
+    except FileExistsError:
+        return False
+    except OSError:
+        return True  # no shared directory after all: print (a repeat beats a lost line)
+    os.close(handle)
+    return True
+
+
+def _write_error_file(line: str) -> None:
+    """Hand the line to torchrun's report (its error-file format: a message and a timestamp)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+    if not path or path == os.devnull:
+        return
+    payload = {"message": {"message": line, "extraInfo": {"py_callstack": line}}}
+    payload["message"]["extraInfo"]["timestamp"] = str(int(time.time()))
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(payload, handle)
+    except OSError:
+        pass  # the report then says "To enable traceback see ..."; the printed line stays
+
+
+def fail(message: Any, *, code: int = 2) -> NoReturn:
+    """Stop this rank with one line naming the bad input, and no traceback (see the module).
+
+    Args:
+        message: The error, an exception or text (printed on one line, see :func:`error_text`).
+        code: The exit status (2 for bad arguments or data at start-up, as argparse; 1 for bad
+            input met while training).
+    """
+    try:
+        # The launcher's SIGTERM (another rank exited first) must not cut the report short.
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except ValueError:  # not the main thread
+        previous = None
+    text = error_text(message)
+    where = f"[rank {_rank()}] " if _world_size() > 1 else ""
+    line = f"{_program()}: error: {where}{text}"
+    if _first_to_claim(text):
+        print(line, file=sys.stderr, flush=True)
+    _write_error_file(line)
+    dist = sys.modules.get("torch.distributed")
+    if previous is not None and dist is not None and dist.is_initialized():
+        # With process groups open, leave the launcher its way to end a teardown that hangs.
+        # Before them (start-up errors) the exit is immediate, and the status stays ``code``.
+        signal.signal(signal.SIGTERM, previous)
+    raise SystemExit(code)

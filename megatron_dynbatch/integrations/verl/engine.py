@@ -1,0 +1,315 @@
+"""What verl's patched ``MegatronEngine.forward_backward_batch`` calls with the switch on.
+
+``patches/verl/`` adds ``use_dynamic_batch_size`` to verl's ``McoreEngineConfig``
+(``actor_rollout_ref.actor.megatron.use_dynamic_batch_size``, and the critic's) and changes a few
+lines of ``verl/workers/engine/megatron/transformer_impl.py``: with it on and verl's own
+``use_dynamic_bsz`` on, the engine takes its micro-batches from :func:`prepare_micro_batches`
+instead of verl's ``prepare_micro_batches`` -> ``rearrange_micro_batches``, and hands its outputs to
+:func:`postprocess` instead of ``postprocess_batch_func``. Training and forward-only passes
+(log-probs, values) go through the same two calls. Everything else (verl's forward step, loss
+functions, metrics, the schedule call) is verl's own code.
+
+What changes, against verl's ``rearrange_micro_batches``:
+
+* **one plan over every DP rank.** verl dispatches each DP rank its own shard of the batch before
+  the engine sees it, so samples stay on their rank: every rank gathers every rank's lengths
+  (lengths only, one small all-gather) and derives the same plan with
+  :func:`~megatron_dynbatch.planning.sharded.plan_sharded_step`: each rank's own samples packed
+  under the budget, the same micro-batch count on every rank by construction (the largest, rounded
+  up to ``microbatch_group_size_per_vp_stage`` under virtual pipelining), no MAX all-reduce of
+  counts and no "each rank has at least that many samples" assert. A rank with fewer real
+  micro-batches runs placeholders after its real ones. The plan's fingerprint is compared on every
+  DP rank before the pipeline starts, and an error on one rank is the same error on all.
+* **the budget is a hard cap** on the padded footprint of a micro-batch:
+  ``max_token_len_per_gpu x context_parallel_size`` tokens, as verl means it
+  (``ppo_max_token_len_per_gpu`` for training, ``log_prob_max_token_len_per_gpu`` for forward
+  passes; with context parallelism a micro-batch holds ``cp`` times the per-GPU budget, split over
+  the CP ranks), where each sample counts its length rounded up to verl's THD alignment
+  (``tp x cp x 2`` with CP, else ``tp``). A sample that alone exceeds it is refused before any
+  model work, naming it (stock verl asserts the same on real tokens).
+* **placeholders** carry every key of the batch with its dtype and per-sample shape (a copy of the
+  rank's shortest sample, so nested keys keep their structure) with every value zeroed except the
+  structural ``position_ids``, ``attention_mask`` and ``temperature``: ``loss_mask`` and
+  ``response_mask`` 0, so verl's losses (every ``loss_agg_mode``) add exactly 0 for them and its
+  sequence counts skip them; their outputs and metrics are dropped in :func:`postprocess` before
+  verl's ``postprocess_batch_func`` sees the list.
+* **outputs in sample order**: verl's own ``postprocess_batch_func`` / ``restore_dynamic_batch``
+  with the real micro-batches' indices (each local sample exactly once, checked).
+
+Refused with the switch on (a ``DynBatchValueError`` naming the setting): dynamic context
+parallelism (verl's own scheduler), ``force_group_size > 1`` (reward-model pairs), router replay
+(its routed-expert tensors are restored by the same indices, untested here),
+``calculate_per_token_loss`` (verl counts a micro-batch's tokens including a placeholder's).
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+from megatron_dynbatch.config import config_from_mapping
+from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.planning import ParallelLayout, PlannerConfig, round_up
+from megatron_dynbatch.planning.sharded import ShardedPlan, plan_sharded_step
+
+__all__ = [
+    "VERL_OPTIONS",
+    "PlannedMicroBatches",
+    "check_engine",
+    "placeholder_micro_batch",
+    "plan_verl_batch",
+    "postprocess",
+    "prepare_micro_batches",
+    "verl_planner_config",
+]
+
+#: Keys a placeholder keeps from the sample it copies: they give it a valid structure (positions,
+#: the attended tokens, a positive temperature, which verl divides the logits by); every other
+#: tensor is zeroed, so it carries no data and no loss weight.
+STRUCTURAL_KEYS = ("position_ids", "attention_mask", "temperature")
+
+#: verl's name of each setting it gives the planner: the batch's ``max_token_len_per_gpu`` (set by
+#: verl's worker from ``ppo_max_token_len_per_gpu`` or ``log_prob_max_token_len_per_gpu``).
+VERL_OPTIONS = {"max_token_len_per_gpu": "max_tokens_per_gpu"}
+
+#: verl's names of the two budgets ``max_token_len_per_gpu`` comes from.
+_BUDGET_KEYS = "actor.ppo_max_token_len_per_gpu (log_prob_max_token_len_per_gpu for forward passes)"
+
+
+class PlannedMicroBatches(list):
+    """verl's ``indices``: this rank's real micro-batches (local sample indices), with the plan.
+
+    A plain ``list`` of index lists, so verl's ``restore_dynamic_batch(output, indices)`` restores
+    the real micro-batches' outputs unchanged; the placeholders, which follow them, are not in it.
+    """
+
+    def __init__(self, plan: ShardedPlan, dp_rank: int):
+        super().__init__([list(mb) for mb in plan.ranks[dp_rank]])
+        self.plan = plan
+        self.dp_rank = dp_rank
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches the schedule runs on every rank (real + placeholder)."""
+        return self.plan.num_microbatches
+
+    def real_outputs(self, outputs: Sequence[Any]) -> List[Any]:
+        """The real micro-batches' entries of Megatron's ``losses_reduced`` (placeholders dropped).
+
+        Raises:
+            DynBatchValueError: when the list does not have one entry per planned micro-batch.
+        """
+        if len(outputs) != self.num_microbatches:
+            raise DynBatchValueError(
+                f"{len(outputs)} micro-batch outputs on DP rank {self.dp_rank}; the plan ran "
+                f"{self.num_microbatches} ({len(self)} real, then placeholders)."
+            )
+        return list(outputs[: len(self)])
+
+
+def check_engine(engine: Any, data: Any, tu: Any) -> None:
+    """Refuse settings the planned path does not support, naming the verl key to change."""
+    config = engine.engine_config
+    off = "or set actor_rollout_ref.actor.megatron.use_dynamic_batch_size=false"
+    if getattr(config, "dynamic_context_parallel", False):
+        raise DynBatchValueError(
+            "megatron.dynamic_context_parallel=true has its own micro-batch scheduler; turn it off "
+            f"{off}."
+        )
+    group = tu.get_non_tensor_data(data=data, key="force_group_size", default=1)
+    if group != 1:
+        raise DynBatchValueError(
+            f"force_group_size={group} (reward-model pairs) is not planned by megatron_dynbatch; "
+            f"set use_dynamic_batch_size=false for this model {off[2:]}."
+        )
+    replay = getattr(getattr(config, "router_replay", None), "mode", "disabled")
+    routing = tu.get_non_tensor_data(data=data, key="enable_routing_replay", default=False)
+    if routing or replay not in (None, "disabled"):
+        raise DynBatchValueError(
+            f"router replay (router_replay.mode={replay!r}) with use_dynamic_batch_size is not "
+            f"supported yet; disable router replay {off}."
+        )
+    tf_config = getattr(engine, "tf_config", None)
+    if tf_config is not None and getattr(tf_config, "calculate_per_token_loss", False):
+        raise DynBatchValueError(
+            "calculate_per_token_loss=True (Megatron-Bridge turns it on under context "
+            "parallelism): verl counts a micro-batch's tokens placeholders included, so the "
+            f"gradient normalisation would be off; turn it off {off}."
+        )
+
+
+def _lengths(data: Any) -> List[int]:
+    input_ids = data["input_ids"]
+    if input_ids.is_nested:
+        return [int(n) for n in input_ids.offsets().diff().tolist()]
+    return [int(n) for n in data["attention_mask"].sum(dim=1).tolist()]
+
+
+def verl_planner_config(
+    budget: int,
+    *,
+    pp_size: int,
+    vpp_size: int,
+    microbatch_group_size_per_vp_stage: Optional[int],
+    tp_size: int,
+    cp_size: int,
+    packed: bool,
+) -> PlannerConfig:
+    """The planner config of one rank's samples under verl's budget (``max_token_len_per_gpu``).
+
+    Raises:
+        DynBatchValueError: when the budget is not a positive integer, naming verl's keys.
+    """
+    if isinstance(budget, numbers.Integral) and not isinstance(budget, bool):
+        budget = int(budget)  # verl may hand a numpy integer
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise DynBatchValueError(
+            f"max_token_len_per_gpu={budget!r} must be a positive integer with use_dynamic_bsz; "
+            f"set {_BUDGET_KEYS}."
+        )
+    parallel = ParallelLayout(
+        dp_size=1,
+        pp_size=pp_size,
+        vpp_size=vpp_size,
+        microbatch_group_size_per_vp_stage=(
+            microbatch_group_size_per_vp_stage if vpp_size > 1 else None
+        ),
+        tp_size=tp_size,
+        cp_size=cp_size,
+    )
+    # Oversize samples are refused before planning (plan_verl_batch names verl's keys); "error"
+    # here is the same guarantee, should one reach the planner.
+    return config_from_mapping(
+        {"max_token_len_per_gpu": budget},
+        table=VERL_OPTIONS,
+        fixed={"layout": "packed" if packed else "padded", "oversize_samples": "error"},
+        host="verl's engine batch",
+    ).planner_config(parallel)
+
+
+def plan_verl_batch(
+    lengths_per_rank: Sequence[Sequence[int]], config: PlannerConfig
+) -> ShardedPlan:
+    """Every DP rank's micro-batches of one verl batch, from every rank's lengths.
+
+    Raises:
+        DynBatchValueError: for a rank without samples, a sample without tokens, or a sample whose
+            padded length exceeds the cap (naming the rank, the sample and verl's keys).
+    """
+    cap = config.max_tokens_per_gpu * config.parallel.cp_size
+    multiple = config.parallel.sample_multiple
+    for rank, lengths in enumerate(lengths_per_rank):
+        if not lengths:
+            raise DynBatchValueError(
+                f"DP rank {rank} holds no sample; verl's dispatch gives every DP rank a shard "
+                "(its batch must be divisible by the data-parallel size)."
+            )
+        for i, length in enumerate(lengths):
+            if length < 1:
+                raise DynBatchValueError(
+                    f"DP rank {rank} sample {i} has {length} tokens; drop empty samples."
+                )
+            padded = round_up(length, multiple)
+            if padded > cap:
+                raise DynBatchValueError(
+                    f"DP rank {rank} sample {i} has {length} tokens ({padded} after verl's "
+                    f"alignment to a multiple of {multiple}), over the micro-batch cap {cap} "
+                    f"(max_token_len_per_gpu={config.max_tokens_per_gpu} x "
+                    f"context_parallel_size={config.parallel.cp_size}); raise {_BUDGET_KEYS} "
+                    "to at least "
+                    f"{-(-padded // config.parallel.cp_size)} or shorten the sample."
+                )
+    return plan_sharded_step(lengths_per_rank, config)
+
+
+def placeholder_micro_batch(data: Any, template_index: int, tu: Any) -> Any:
+    """A one-sample micro-batch with every key of ``data``, no data and no loss weight.
+
+    A copy of sample ``template_index`` (the rank's shortest: the cheapest valid structure) with
+    every tensor zeroed except :data:`STRUCTURAL_KEYS`; non-tensor entries are kept.
+    """
+    import torch
+
+    from megatron_dynbatch.runtime.placeholders import placeholder_tensor
+
+    placeholder = tu.index_select_tensor_dict(data, [template_index])
+    for key in list(placeholder.keys()):
+        value = placeholder.get(key)
+        if key in STRUCTURAL_KEYS or not isinstance(value, torch.Tensor):
+            continue
+        placeholder[key] = placeholder_tensor(value)
+    return placeholder
+
+
+def prepare_micro_batches(
+    engine: Any, data: Any, *, vpp_size: Optional[int] = None
+) -> Tuple[List[Any], PlannedMicroBatches]:
+    """This DP rank's micro-batches of ``data`` (its shard of the batch) and verl's ``indices``.
+
+    Every DP rank of the engine calls it for the same step (verl's workers run
+    ``forward_backward_batch`` together). Reads the budget from ``data["max_token_len_per_gpu"]``
+    (set by verl's worker from ``ppo_max_token_len_per_gpu`` / ``log_prob_max_token_len_per_gpu``)
+    and the layout from Megatron's ``parallel_state`` and the engine's config.
+
+    Raises:
+        StepAgreementError: on every DP rank when any rank failed (naming the rank and why).
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+    from verl.utils import tensordict_utils as tu
+
+    from megatron_dynbatch.mcore.agreement import gather_lengths, step_agreement
+
+    vpp = vpp_size or 1
+    group = engine.get_data_parallel_group()
+    what = "verl forward_backward_batch"
+    with step_agreement(group, what=f"{what}: checking this rank's samples"):
+        check_engine(engine, data, tu)
+        config = verl_planner_config(
+            data["max_token_len_per_gpu"],
+            pp_size=mpu.get_pipeline_model_parallel_world_size(),
+            vpp_size=vpp,
+            microbatch_group_size_per_vp_stage=getattr(
+                engine.tf_config, "microbatch_group_size_per_vp_stage", None
+            ),
+            tp_size=mpu.get_tensor_model_parallel_world_size(),
+            cp_size=engine.engine_config.context_parallel_size,
+            packed=bool(engine.engine_config.use_remove_padding),
+        )
+        real = _lengths(data)
+        lengths = real
+        if not engine.engine_config.use_remove_padding and getattr(
+            engine.engine_config, "pad_bshd_to_minibatch_max", False
+        ):
+            # verl pads every BSHD micro-batch to this rank's longest sample: that is each
+            # sample's footprint.
+            lengths = [max(real, default=0)] * len(real)
+    gathered = gather_lengths(lengths, group)
+    dp_rank = dist.get_rank(group)
+    with step_agreement(group, what=f"{what}: planning") as agreement:
+        plan = plan_verl_batch(gathered, config)
+        agreement.fingerprint = plan.fingerprint()
+        indices = PlannedMicroBatches(plan, dp_rank)
+        micro_batches = [tu.index_select_tensor_dict(data, mb) for mb in indices]
+        if plan.placeholders(dp_rank):
+            shortest = min(range(len(real)), key=lambda i: (real[i], i))
+            filler = placeholder_micro_batch(data, shortest, tu)
+            micro_batches.extend(filler.clone() for _ in range(plan.placeholders(dp_rank)))
+    return micro_batches, indices
+
+
+def postprocess(
+    losses_reduced: Sequence[Any],
+    indices: PlannedMicroBatches,
+    data: Any,
+    postprocess_batch_func: Callable[..., Any],
+) -> Any:
+    """verl's ``postprocess_batch_func`` on the real micro-batches' outputs, in sample order."""
+    real = indices.real_outputs(losses_reduced)
+    covered = sorted(i for mb in indices for i in mb)
+    if covered != list(range(len(data))):
+        raise DynBatchValueError(
+            f"the plan of DP rank {indices.dp_rank} covers {len(covered)} samples, the batch has "
+            f"{len(data)}; every sample must come back exactly once."
+        )
+    return postprocess_batch_func(output_lst=real, indices=list(indices), data=data)

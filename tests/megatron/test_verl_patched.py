@@ -1,0 +1,586 @@
+"""verl's own Megatron engine code, patched by ``patches/verl``, against a per-sample reference.
+
+With ``VERL_DIR`` (a verl checkout at the commit named in ``patches/verl/README.md``) the patches
+are applied to a copy with ``launch/apply_verl_patches.sh``; on gloo CPU ranks (tiny GPT, pp 2 at dp
+1 and 2, tp 2 x pp 2, pp 2 x vpp 2) verl's real ``MegatronEngineWithLMHead.forward_backward_batch``
+runs: its ``forward_step``, ``postprocess_micro_batch_func``, the THD model forward
+(``gptmodel_forward_model_engine`` with ``preprocess_thd_engine`` / ``postprocess_thd_engine``), its
+``ppo_loss`` with every ``loss_agg_mode`` and ``postprocess_batch_func`` /
+``restore_dynamic_batch``, on a batch built by verl's own ``left_right_2_no_padding`` and sharded
+over the DP ranks as verl's dispatch does (contiguous equal chunks). Checked: gradients equal a
+single process running each sample alone (relative 1e-5) and the log-probs of the forward-only pass
+come back in sample order (absolute 1e-5), including steps where a DP rank holds fewer samples than
+the micro-batch count (stock verl asserts there); with the switch off the patched tree is bitwise
+the stock one. verl's own CPU unit tests of its seqlen balancing run on the patched tree.
+
+What is not verl's in these runs, and why (also in docs/verl.md):
+
+* modules verl imports that are not installed here and need Ray, a GPU or downloads are stubbed
+  (:data:`VERL_STUBBED`; only those missing are stubbed);
+* the engine object: ``MegatronEngine.__init__`` / ``initialize`` build the model through
+  Megatron-Bridge from a Hugging Face checkpoint on a GPU, so the test makes the object with
+  ``__new__`` and sets what ``forward_backward_batch`` reads (``engine_config``, a real
+  ``McoreEngineConfig``; ``tf_config``, the tiny GPT's; ``module``, its DDP chunks; a model config
+  naming one architecture and pad token 0);
+* the tiny GPT's attention core is the project's reference THD attention
+  (``megatron_dynbatch.mcore.thd_attention``; Transformer Engine needs CUDA), so verl's THD path
+  (``use_remove_padding=True``, its default) runs as on a GPU;
+* Megatron's gradient finalisation is ``finalize_model_grads`` set on the config, as verl's
+  ``register_megatron_training_hooks`` does.
+
+Without ``VERL_DIR`` these tests are skipped (the pure parts are in
+``tests/unit/test_verl_plan.py``).
+"""
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
+
+apply_cpu_shim()
+
+from megatron_dynbatch.tools.testing.workers import Layout, run_on_ranks  # noqa: E402
+
+pytestmark = pytest.mark.verl
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+APPLY = REPO / "launch" / "apply_verl_patches.sh"
+VERL_DIR = os.environ.get("VERL_DIR")
+REL_TOL = 1e-5
+#: verl's import chain is slow on a loaded 2-core machine; the pool's default is 180 s.
+BODY_TIMEOUT_S = 600
+SEED = 7
+VOCAB = 128
+#: Modules verl imports that need Ray, a GPU or downloads; stubbed when not installed.
+VERL_STUBBED = (
+    "ray",
+    "transformers",
+    "peft",
+    "accelerate",
+    "datasets",
+    "pandas",
+    "codetiming",
+)
+#: Megatron Bridge (Hugging Face checkpoint conversion) is a distribution of its own.
+VERL_STUBBED_PREFIXES = ("megatron.bridge",)
+LOSS_AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+
+needs_verl = pytest.mark.skipif(not VERL_DIR, reason="VERL_DIR is not set")
+
+
+@pytest.fixture(scope="module")
+def patched_verl(tmp_path_factory):
+    """A copy of VERL_DIR's ``verl`` package with the patches applied (the stock tree untouched)."""
+    root = tmp_path_factory.mktemp("verl_patched")
+    shutil.copytree(pathlib.Path(VERL_DIR) / "verl", root / "verl")
+    result = subprocess.run(["bash", str(APPLY), str(root)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return str(root)
+
+
+# -- running verl's code on a rank --------------------------------------------------------------
+
+_VERL_ROOTS = set()
+
+
+def _import_verl(verl_root):
+    """Stub what verl needs and cannot have here; put ``verl_root`` first on ``sys.path``."""
+    from megatron_dynbatch.tools.testing.host_stubs import install_stubs
+
+    stubbed = install_stubs(VERL_STUBBED, prefixes=VERL_STUBBED_PREFIXES)
+    for name in [n for n in sys.modules if n == "verl" or n.startswith("verl.")]:
+        del sys.modules[name]
+    sys.path[:] = [p for p in sys.path if p not in _VERL_ROOTS]
+    _VERL_ROOTS.add(verl_root)
+    sys.path.insert(0, verl_root)
+    _cpu_platform()
+    return stubbed
+
+
+def _cpu_platform():
+    """verl's device platform on the CPU, set through verl's own ``set_platform``: its CUDA
+    platform with ``current_device()`` the CPU (the tensors stay where they are)."""
+    from verl.plugin.platform.platform_cuda import PlatformCUDA
+    from verl.plugin.platform.platform_manager import set_platform
+
+    class CpuPlatform(PlatformCUDA):
+        @property
+        def device_name(self) -> str:
+            return "cpu"
+
+        def current_device(self):
+            return "cpu"
+
+        def is_available(self) -> bool:
+            return True
+
+    set_platform(CpuPlatform())
+
+
+def _samples(num, seed=SEED, long_every=0):
+    """(prompt tokens, response tokens, response mask) per sample; every ``long_every``-th sample
+    (when > 0) is long, so ranks holding it need more micro-batches."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(num):
+        prompt = torch.randint(
+            1, VOCAB, (int(torch.randint(2, 9, (1,), generator=gen)),), generator=gen
+        )
+        longest = 30 if long_every and i % long_every == 0 else 13
+        response = torch.randint(
+            1, VOCAB, (int(torch.randint(2, longest, (1,), generator=gen)),), generator=gen
+        )
+        mask = (torch.rand(response.numel(), generator=gen) > 0.2).to(torch.int64)
+        mask[0] = 1
+        out.append((prompt, response, mask))
+    return out
+
+
+def _padded_batch(samples, seed=SEED):
+    """What verl's trainer holds before ``left_right_2_no_padding``: prompts left-padded,
+    responses right-padded, ``response_mask`` the loss mask, advantages per token."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    n = len(samples)
+    prompt_len = max(s[0].numel() for s in samples)
+    response_len = max(s[1].numel() for s in samples)
+    prompts = torch.zeros((n, prompt_len), dtype=torch.int64)
+    responses = torch.zeros((n, response_len), dtype=torch.int64)
+    attention = torch.zeros((n, prompt_len + response_len), dtype=torch.int64)
+    response_mask = torch.zeros((n, response_len), dtype=torch.int64)
+    for i, (p, r, m) in enumerate(samples):
+        prompts[i, prompt_len - p.numel() :] = p
+        responses[i, : r.numel()] = r
+        attention[i, prompt_len - p.numel() : prompt_len + r.numel()] = 1
+        response_mask[i, : r.numel()] = m
+    position_ids = (attention.cumsum(-1) - 1).clamp_min(0)
+    return {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention,
+        "position_ids": position_ids,
+        "response_mask": response_mask,
+        "advantages": torch.randn((n, response_len), generator=gen) * response_mask,
+        "old_log_probs": torch.zeros((n, response_len)),
+    }
+
+
+def _shard(full, dp, dp_rank):
+    """verl's dispatch: contiguous equal chunks of the batch per DP rank."""
+    n = full["input_ids"].shape[0]
+    assert n % dp == 0, "verl's dispatch needs a batch divisible by dp"
+    per = n // dp
+    lo, hi = dp_rank * per, (dp_rank + 1) * per
+    return {k: v[lo:hi] for k, v in full.items()}, list(range(lo, hi))
+
+
+def _actor_config(agg_mode, loss_scale_factor):
+    from verl.workers.config import McoreActorConfig
+
+    return McoreActorConfig(
+        strategy="megatron",
+        ppo_mini_batch_size=1,
+        use_dynamic_bsz=True,
+        ppo_max_token_len_per_gpu=64,
+        loss_agg_mode=agg_mode,
+        loss_scale_factor=loss_scale_factor,
+        entropy_coeff=0.0,
+        use_kl_loss=False,
+        rollout_n=1,
+    )
+
+
+def _engine(ti, chunks, config, *, dynamic, pp, vpp):
+    """verl's ``MegatronEngineWithLMHead`` without its model-building constructor."""
+    import types
+
+    from verl.workers.config import McoreEngineConfig
+
+    engine = ti.MegatronEngineWithLMHead.__new__(ti.MegatronEngineWithLMHead)
+    engine.engine_config = McoreEngineConfig(
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        use_remove_padding=True,
+        sequence_parallel=False,
+        use_mbridge=False,
+        # None: the stock tree, whose config has no such field.
+        **({} if dynamic is None else {"use_dynamic_batch_size": dynamic}),
+    )
+    engine.model_config = types.SimpleNamespace(
+        mtp=types.SimpleNamespace(enable=False, enable_train=False),
+        hf_config=types.SimpleNamespace(architectures=["TinyGPT"]),
+        tokenizer=types.SimpleNamespace(pad_token_id=0),
+    )
+    engine.tf_config = config
+    engine.module = chunks
+    engine.enable_routing_replay = False
+    engine.mini_layer_topk_idx_list = []
+    return engine
+
+
+def _verl_body(verl_root, num, agg_mode, budget, *, dynamic=True, long_every=0, scale=None):
+    """verl's engine on this rank's shard: a forward-only pass (old log-probs), then a training
+    pass with ``ppo_loss``. Returns the log-probs, the gradients and what ran."""
+    import dataclasses
+    from functools import partial
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+
+    stubbed = _import_verl(verl_root)
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.megatron import transformer_impl as ti
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+
+    from megatron_dynbatch.mcore.thd_attention import with_thd_reference_attention
+    from megatron_dynbatch.tools.testing.tiny_gpt import (
+        build_tiny_gpt,
+        make_schedule_config_safe,
+        named_global_grads,
+        tiny_layer_spec,
+        tiny_transformer_config,
+        wrap_in_ddp,
+    )
+
+    assert ti.__file__.startswith(verl_root), ti.__file__
+    pp = ps.get_pipeline_model_parallel_world_size()
+    dp = ps.get_data_parallel_world_size()
+    dp_rank = ps.get_data_parallel_rank()
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    tp = ps.get_tensor_model_parallel_world_size()
+    config = tiny_transformer_config(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        # verl's default regime: the schedule divides by the micro-batch count and DDP averages
+        # over DP; verl's loss multiplies by both.
+        calculate_per_token_loss=False,
+    )
+    # verl's tf_config sets variable_seq_lengths (the communication shape is exchanged).
+    config = dataclasses.replace(
+        config, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall"
+    )
+    make_schedule_config_safe(config)
+    spec = with_thd_reference_attention(lambda c, vp_stage=None: tiny_layer_spec())(None)
+    chunks = wrap_in_ddp(build_tiny_gpt(config, seed=SEED, layer_spec=spec))
+    config.finalize_model_grads_func = finalize_model_grads
+    engine = _engine(ti, chunks, config, dynamic=dynamic, pp=pp, vpp=vpp)
+
+    samples = _samples(num, long_every=long_every)
+    full = _padded_batch(samples)
+    mine, positions = _shard(full, dp, dp_rank)
+
+    def batch(old_log_probs=None):
+        values = dict(mine)
+        if old_log_probs is not None:
+            values["old_log_probs"] = old_log_probs
+        data = TensorDict(values, batch_size=[len(positions)])
+        data = left_right_2_no_padding(data)
+        tu.assign_non_tensor(
+            data,
+            use_dynamic_bsz=True,
+            max_token_len_per_gpu=budget,
+            temperature=1.0,
+            global_batch_size=num,
+            calculate_entropy=False,
+        )
+        return data
+
+    forward = batch()
+    out = engine.forward_backward_batch(forward, loss_function=None, forward_only=True)
+    last = ps.is_pipeline_last_stage(ignore_virtual=True)
+    log_probs = no_padding_2_padding(out["model_output"]["log_probs"], forward) if last else None
+    holder = [log_probs]
+    dist.broadcast_object_list(
+        holder,
+        src=ps.get_pipeline_model_parallel_last_rank(),
+        group=ps.get_pipeline_model_parallel_group(),
+    )
+    old = holder[0].detach().clone()
+    train = batch(old_log_probs=old)
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    loss_function = partial(ppo_loss, config=_actor_config(agg_mode, scale))
+    result = engine.forward_backward_batch(train, loss_function=loss_function)
+    return {
+        "stubbed": stubbed,
+        "grads": {
+            k: v.clone()
+            for k, v in named_global_grads(
+                chunks, tp_group=ps.get_tensor_model_parallel_group()
+            ).items()
+        },
+        "log_probs": old,
+        "positions": positions,
+        "num_microbatches": tu.get_non_tensor_data(train, "num_micro_batch", None),
+        "losses": result.get("loss") if last else None,
+    }
+
+
+def _reference_body(num, agg_mode, scale=None, long_every=0):
+    """Each sample alone through a single-process tiny GPT, verl's PPO loss at ratio 1 with the
+    aggregation written out over the whole batch."""
+    from megatron_dynbatch.mcore.forward import build_attention_mask
+    from megatron_dynbatch.tools.testing.tiny_gpt import (
+        build_tiny_gpt,
+        named_global_grads,
+        tiny_transformer_config,
+    )
+
+    samples = _samples(num, long_every=long_every)
+    full = _padded_batch(samples)
+    [model] = build_tiny_gpt(tiny_transformer_config(), seed=SEED)
+
+    def response_log_probs(p, r):
+        tokens = torch.cat([p, r])
+        length = tokens.numel()
+        logits = model(
+            tokens.unsqueeze(0),
+            torch.arange(length).unsqueeze(0),
+            build_attention_mask(torch.zeros(1, length, dtype=torch.int64)),
+        )[0]
+        scored = torch.log_softmax(logits.float(), dim=-1)[p.numel() - 1 : length - 1]
+        return scored.gather(1, r.unsqueeze(1)).squeeze(1)
+
+    model.zero_grad()
+    total_tokens = sum(int(m.sum()) for _, _, m in samples)
+    total = 0.0
+    log_probs = []
+    for i, (p, r, m) in enumerate(samples):
+        lp = response_log_probs(p, r)
+        log_probs.append(lp.detach())
+        adv = full["advantages"][i, : r.numel()]
+        per_token = -adv * torch.exp(lp - lp.detach()) * m
+        if agg_mode == "token-mean":
+            total = total + per_token.sum() / total_tokens
+        elif agg_mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
+            seq = per_token.sum() / num
+            total = total + (seq / scale if agg_mode == "seq-mean-token-sum-norm" else seq)
+        else:
+            total = total + per_token.sum() / (m.sum() + 1e-8) / num
+    total.backward()
+    return {"grads": named_global_grads([model]), "log_probs": log_probs}
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _check(results, reference, num, what):
+    merged = {}
+    for r in results:
+        merged.update(r["grads"])  # every rank holds the DP-reduced gradients of its stage
+    assert set(merged) == set(reference["grads"])
+    worst = 0.0
+    for name, ref in reference["grads"].items():
+        err = _rel(merged[name], ref)
+        worst = max(worst, err)
+        assert err <= REL_TOL, (name, err)
+    worst_lp = 0.0
+    seen = set()
+    for r in results:
+        for row, position in enumerate(r["positions"]):
+            seen.add(position)
+            want = reference["log_probs"][position]
+            got = r["log_probs"][row, : want.numel()]
+            worst_lp = max(worst_lp, float((got - want).abs().max()))
+    assert seen == set(range(num))
+    assert worst_lp <= 1e-5, worst_lp
+    counts = {r["num_microbatches"] for r in results}
+    print(
+        f"\n[verl {what}] grad rel diff max={worst:.2e} log-prob abs diff max={worst_lp:.2e} "
+        f"microbatches={sorted(counts)} stubbed={results[0]['stubbed']}"
+    )
+    return counts
+
+
+#: (world, layout, samples, loss_agg_mode, budget, every n-th sample long, loss_scale_factor)
+CASES = [
+    pytest.param(2, Layout(pp=2), 9, "token-mean", 40, 0, None, id="pp2-dp1-token-mean"),
+    *(
+        pytest.param(4, Layout(pp=2), 8, mode, 40, 3, 16.0, id=f"pp2-dp2-{mode}")
+        for mode in LOSS_AGG_MODES
+    ),
+    pytest.param(2, Layout(pp=2, vpp=2), 5, "token-mean", 40, 2, None, id="pp2-vpp2-dp1"),
+    # TP 2: verl aligns each packed sequence to a multiple of tp; the cap counts it so.
+    pytest.param(4, Layout(tp=2, pp=2), 7, "token-mean", 40, 3, None, id="tp2-pp2-dp1"),
+    # One sample per DP rank, two micro-batches (the interleaved group): stock verl asserts here.
+    pytest.param(
+        4, Layout(pp=2, vpp=2), 2, "seq-mean-token-mean", 40, 0, None, id="pp2-vpp2-dp2-1-sample"
+    ),
+]
+
+
+@needs_verl
+@pytest.mark.parametrize("world, layout, num, mode, budget, long_every, scale", CASES)
+def test_verl_engine_matches_per_sample_reference(
+    patched_verl, world, layout, num, mode, budget, long_every, scale
+):
+    results = run_on_ranks(
+        world,
+        _verl_body,
+        patched_verl,
+        num,
+        mode,
+        budget,
+        long_every=long_every,
+        scale=scale,
+        layout=layout,
+        timeout_s=BODY_TIMEOUT_S,
+    )
+    [reference] = run_on_ranks(
+        1, _reference_body, num, mode, scale=scale, long_every=long_every, layout=Layout()
+    )
+    dp = world // (layout.tp * layout.pp)
+    counts = _check(results, reference, num, f"{layout} dp={dp} {mode}")
+    assert len(counts) == 1, f"DP ranks ran different micro-batch counts: {counts}"
+    [count] = counts
+    if layout.vpp:
+        assert count % layout.pp == 0, count
+    if num // dp < count:
+        # The step verl cannot run: a rank with fewer samples than micro-batches (placeholders).
+        assert all(len(r["positions"]) < count for r in results)
+
+
+@needs_verl
+def test_stock_verl_asserts_where_the_plan_runs_placeholders():
+    """The last case above under stock verl (``use_dynamic_bsz``, pp 2 x vpp 2, one sample per DP
+    rank): ``rearrange_micro_batches`` rounds the count up to the interleaved group (2) and then
+    asserts that every rank has that many samples (verl #1004)."""
+    with pytest.raises(Exception, match="assert 2 <= 1|num_micro_batches <= num_groups"):
+        run_on_ranks(
+            4,
+            _verl_body,
+            str(pathlib.Path(VERL_DIR)),
+            2,
+            "seq-mean-token-mean",
+            40,
+            dynamic=None,
+            layout=Layout(pp=2, vpp=2),
+            timeout_s=BODY_TIMEOUT_S,
+        )
+
+
+@needs_verl
+def test_with_the_switch_off_patched_verl_is_bitwise_stock(patched_verl):
+    """Every patched line runs only with ``use_dynamic_batch_size``: with it off (verl's own
+    ``rearrange_micro_batches`` at the same budget) the patched tree and the stock checkout give
+    bitwise the same log-probs, gradients and losses."""
+    runs = {
+        name: run_on_ranks(
+            4,
+            _verl_body,
+            root,
+            8,
+            "token-mean",
+            40,
+            dynamic=dynamic,
+            long_every=3,
+            layout=Layout(pp=2),
+            timeout_s=BODY_TIMEOUT_S,
+        )
+        for name, root, dynamic in (
+            ("patched", patched_verl, False),
+            ("stock", str(pathlib.Path(VERL_DIR)), None),
+        )
+    }
+    for mine, theirs in zip(runs["patched"], runs["stock"], strict=True):
+        assert mine["grads"].keys() == theirs["grads"].keys()
+        for name, grad in mine["grads"].items():
+            assert torch.equal(grad, theirs["grads"][name]), name
+        assert torch.equal(mine["log_probs"], theirs["log_probs"])
+        assert mine["losses"] == theirs["losses"]
+        assert mine["num_microbatches"] == theirs["num_microbatches"]
+
+
+@needs_verl
+def test_an_oversize_sample_is_refused_on_every_rank_naming_verls_key(patched_verl):
+    """A sample longer than the cap on one DP rank stops every rank before the pipeline, with the
+    same message naming verl's budget key (not a hang, not a silent over-budget micro-batch)."""
+    with pytest.raises(Exception) as caught:
+        run_on_ranks(
+            4,
+            _verl_body,
+            patched_verl,
+            8,
+            "token-mean",
+            24,
+            long_every=5,
+            layout=Layout(pp=2),
+            timeout_s=BODY_TIMEOUT_S,
+        )
+    errors = caught.value.errors
+    assert sorted(errors) == [0, 1, 2, 3], errors
+    for name, message in errors.values():
+        assert name == "StepAgreementError", (name, message)
+        assert "ppo_max_token_len_per_gpu" in message and "over the micro-batch cap 24" in message
+
+
+#: verl's own CPU unit tests of what the patches touch (seqlen balancing and dynamic micro-batches,
+#: ``prepare_micro_batches``, the engine configs, the Megatron engine's forward step and its
+#: helpers), run on the patched tree. Not run: ``test_engine_return_model_output_on_cpu.py``
+#: (it imports verl's whole worker stack: pydantic, rollout servers).
+VERL_OWN_TESTS = (
+    "tests/utils/test_seqlen_balancing.py",
+    "tests/utils/test_prepare_micro_batches_with_group_size.py",
+    "tests/workers/config/test_engine_config_on_cpu.py",
+    "tests/workers/test_engine_forward_step_detach_on_cpu.py",
+    "tests/workers/test_router_replay_engine_helpers_on_cpu.py",
+    "tests/workers/test_packed_pad_to_length_on_cpu.py",
+)
+#: Deselected, with the reason: it spawns fresh processes (``mp.spawn``) that run an NCCL process
+#: group on GPUs (and do not inherit the stubs).
+VERL_OWN_DESELECTED = (
+    "tests/utils/test_seqlen_balancing.py::test_seqlen_balancing_distributed_params",
+)
+
+
+def _run_verl_own_tests(tree, tmp_path):
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    args = ["-q", "-p", "no:cacheprovider", "-c", str(tmp_path / "pytest.ini")]
+    args += ["--rootdir", str(tree), *(str(tree / f) for f in VERL_OWN_TESTS)]
+    args += [f"--deselect={f}" for f in VERL_OWN_DESELECTED]
+    # This module is loaded by path under another name: verl's tests import their own top-level
+    # ``tests`` package, which this repository's ``tests`` would shadow.
+    code = (
+        "import importlib.util, sys; "
+        f"spec = importlib.util.spec_from_file_location('_verl_stubs', {__file__!r}); "
+        "helpers = importlib.util.module_from_spec(spec); spec.loader.exec_module(helpers); "
+        f"helpers._import_verl({str(tree)!r}); import pytest; "
+        f"sys.exit(pytest.main({args!r}))"
+    )
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=tree,
+        env=dict(os.environ, PYTHONPATH=path),
+        timeout=600,
+    )
+
+
+@needs_verl
+def test_verls_own_batching_unit_tests_pass_on_the_patched_tree(tmp_path, patched_verl):
+    tree = tmp_path / "tree"
+    shutil.copytree(pathlib.Path(patched_verl) / "verl", tree / "verl")
+    shutil.copytree(pathlib.Path(VERL_DIR) / "tests", tree / "tests")
+    result = _run_verl_own_tests(tree, tmp_path)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    summary = result.stdout.strip().splitlines()[-1]
+    assert "passed" in summary and "failed" not in summary and "error" not in summary, summary
+    print("\n[verl's own tests on the patched tree] " + summary)

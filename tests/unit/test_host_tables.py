@@ -1,0 +1,57 @@
+"""One constructor of DynBatchConfig, every host's option table (slime, SkyRL, verl, the CLI)."""
+
+import ast
+import pathlib
+
+import pytest
+
+from megatron_dynbatch.config import _FIELDS, config_from_mapping
+from megatron_dynbatch.integrations.skyrl.plan import SKYRL_FIXED, SKYRL_OPTIONS
+from megatron_dynbatch.integrations.slime.config import SLIME_OPTIONS
+from megatron_dynbatch.integrations.verl.engine import VERL_OPTIONS
+from megatron_dynbatch.tools.cli import CLI_FIELDS
+
+pytestmark = pytest.mark.unit
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "megatron_dynbatch"
+
+
+def test_dynbatch_config_is_constructed_in_one_function():
+    calls = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if (
+                    isinstance(node, ast.Call)
+                    and getattr(node.func, "id", None) == "DynBatchConfig"
+                ):
+                    calls.append(f"{path.relative_to(PACKAGE)}:{fn.name}")
+    assert calls == ["config.py:config_from_mapping"], calls
+
+
+def test_every_table_names_real_fields():
+    for name, table in (
+        ("slime", SLIME_OPTIONS),
+        ("skyrl", SKYRL_OPTIONS),
+        ("verl", VERL_OPTIONS),
+        ("cli", {f: f for f in CLI_FIELDS}),
+    ):
+        assert set(table.values()) <= set(_FIELDS), name
+    assert set(SKYRL_FIXED) <= set(_FIELDS)
+
+
+def test_a_host_option_maps_to_its_field_and_errors_name_the_host_option():
+    config = config_from_mapping(
+        {"max_token_len_per_gpu": 4096}, table=VERL_OPTIONS, fixed={"layout": "padded"}
+    )
+    assert config.max_tokens_per_gpu == 4096 and config.layout == "padded"
+    with pytest.raises(ValueError, match=r"verl: unknown option\(s\) \['ppo_max'\]"):
+        config_from_mapping({"ppo_max": 1}, table=VERL_OPTIONS, host="verl")
+    with pytest.raises(ValueError, match="max_token_len_per_gpu -> max_tokens_per_gpu"):
+        config_from_mapping({"max_token_len_per_gpu": 0}, table=VERL_OPTIONS, host="verl")
+    # Without a table the keys are the fields themselves (YAML, Megatron-LM's flags).
+    with pytest.raises(ValueError, match="unknown dynamic-batch config key"):
+        config_from_mapping({"max_token_len_per_gpu": 1})

@@ -1,0 +1,147 @@
+"""The verl drop-in's pure parts (no verl checkout needed): the plan over pre-sharded DP ranks,
+verl's budget as a hard cap with its CP and alignment, placeholders dropped from the outputs, and
+the settings it refuses. verl's own engine runs in tests/megatron/test_verl_patched.py."""
+
+import random
+import types
+
+import numpy
+import pytest
+
+from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.integrations.verl.engine import (
+    PlannedMicroBatches,
+    check_engine,
+    plan_verl_batch,
+    verl_planner_config,
+)
+from megatron_dynbatch.planning import round_up
+from megatron_dynbatch.planning.sharded import plan_sharded_step
+
+pytestmark = pytest.mark.unit
+
+
+def _config(budget=64, *, pp=1, vpp=1, group=None, tp=1, cp=1, packed=True):
+    return verl_planner_config(
+        budget,
+        pp_size=pp,
+        vpp_size=vpp,
+        microbatch_group_size_per_vp_stage=group,
+        tp_size=tp,
+        cp_size=cp,
+        packed=packed,
+    )
+
+
+def test_every_rank_gets_the_same_count_every_sample_once_and_the_cap_holds():
+    rng = random.Random(3)
+    for case in range(200):
+        dp = rng.choice([1, 2, 3, 4])
+        pp = rng.choice([1, 2, 4])
+        vpp = rng.choice([1, 2]) if pp > 1 else 1
+        tp, cp = rng.choice([1, 2]), rng.choice([1, 2])
+        budget = rng.choice([32, 64, 200])
+        config = _config(budget, pp=pp, vpp=vpp, tp=tp, cp=cp)
+        multiple, cap = config.parallel.sample_multiple, budget * cp
+        per_rank = rng.randint(1, 6)
+        lengths = [[rng.randint(1, cap - multiple + 1) for _ in range(per_rank)] for _ in range(dp)]
+        plan = plan_verl_batch(lengths, config)
+        what = f"case {case}: dp={dp} pp={pp} vpp={vpp} tp={tp} cp={cp} {lengths}"
+        assert len(plan.ranks) == dp, what
+        if vpp > 1:
+            assert plan.num_microbatches % pp == 0, what
+        for rank, mbs in enumerate(plan.ranks):
+            assert sorted(i for mb in mbs for i in mb) == list(range(per_rank)), what
+            assert 1 <= len(mbs) <= plan.num_microbatches, what
+            for mb in mbs:
+                footprint = sum(round_up(lengths[rank][i], multiple) for i in mb)
+                assert footprint <= cap, (what, mb, footprint)
+
+
+def test_a_rank_with_fewer_samples_than_the_count_runs_placeholders():
+    # verl #1004: pp 2 x vpp 2, one sample per DP rank; the count is rounded up to the group (2).
+    plan = plan_verl_batch([[30], [12]], _config(64, pp=2, vpp=2))
+    assert plan.num_microbatches == 2
+    assert [plan.placeholders(r) for r in range(2)] == [1, 1]
+    # verl #5451: ranks whose tokens need different counts still run the same count.
+    plan = plan_verl_batch([[60, 60, 60], [5, 5, 5]], _config(64))
+    assert plan.num_microbatches == 3 and plan.placeholders(1) == 2
+
+
+def test_padded_layout_counts_rows_times_the_longest_sample():
+    plan = plan_verl_batch([[10, 30, 30]], _config(64, packed=False))
+    for mb in plan.ranks[0]:
+        assert len(mb) * max([10, 30, 30][i] for i in mb) <= 64
+
+
+def test_an_oversize_sample_is_refused_naming_verls_keys_and_the_cp_cap():
+    # cp=2, tp=2: samples are aligned to tp*cp*2 = 8; the cap is 24 x 2 = 48 tokens.
+    with pytest.raises(DynBatchValueError) as caught:
+        plan_verl_batch([[10], [49, 3]], _config(24, tp=2, cp=2))
+    message = str(caught.value)
+    for part in (
+        "DP rank 1 sample 0 has 49 tokens (56 after",
+        "multiple of 8",
+        "cap 48",
+        "max_token_len_per_gpu=24 x context_parallel_size=2",
+        "ppo_max_token_len_per_gpu",
+        "at least 28",
+    ):
+        assert part in message, (part, message)
+    # Exactly at the cap is allowed (a hard cap, not a strict one).
+    assert plan_verl_batch([[48]], _config(24, tp=2, cp=2)).num_microbatches == 1
+
+
+def test_bad_budgets_empty_ranks_and_empty_samples_are_refused():
+    assert _config(numpy.int64(64)).max_tokens_per_gpu == 64  # verl may hand a numpy integer
+    for budget in (0, -5, 1.5, True, None):
+        with pytest.raises(DynBatchValueError, match="max_token_len_per_gpu"):
+            _config(budget)
+    with pytest.raises(DynBatchValueError, match="DP rank 1 holds no sample"):
+        plan_verl_batch([[3], []], _config())
+    with pytest.raises(DynBatchValueError, match="DP rank 0 sample 1 has 0 tokens"):
+        plan_verl_batch([[3, 0]], _config())
+
+
+def test_placeholder_outputs_are_dropped_and_a_wrong_count_is_an_error():
+    plan = plan_sharded_step([[5, 6, 7], [16]], _config(16))
+    short = PlannedMicroBatches(plan, 1)
+    assert list(short) == [[0]] and short.num_microbatches == plan.num_microbatches
+    outputs = [{"mb": m} for m in range(plan.num_microbatches)]
+    assert short.real_outputs(outputs) == [{"mb": 0}]
+    with pytest.raises(DynBatchValueError, match="micro-batch outputs on DP rank 1"):
+        short.real_outputs(outputs[:-1])
+
+
+class _Tu:
+    """verl's ``tensordict_utils.get_non_tensor_data`` over a plain dict."""
+
+    @staticmethod
+    def get_non_tensor_data(data, key, default):
+        return data.get(key, default)
+
+
+def _engine(**overrides):
+    engine_config = types.SimpleNamespace(
+        dynamic_context_parallel=False, router_replay=types.SimpleNamespace(mode="disabled")
+    )
+    tf_config = types.SimpleNamespace(calculate_per_token_loss=False)
+    for key, value in overrides.items():
+        target = tf_config if key == "calculate_per_token_loss" else engine_config
+        setattr(target, key, value)
+    return types.SimpleNamespace(engine_config=engine_config, tf_config=tf_config)
+
+
+def test_settings_the_plan_does_not_cover_are_refused_naming_them():
+    check_engine(_engine(), {}, _Tu)
+    cases = [
+        (_engine(dynamic_context_parallel=True), {}, "dynamic_context_parallel"),
+        (_engine(), {"force_group_size": 2}, "force_group_size=2"),
+        (_engine(router_replay=types.SimpleNamespace(mode="R3")), {}, "router_replay.mode='R3'"),
+        (_engine(), {"enable_routing_replay": True}, "router replay"),
+        (_engine(calculate_per_token_loss=True), {}, "calculate_per_token_loss"),
+    ]
+    for engine, data, match in cases:
+        with pytest.raises(DynBatchValueError, match=match) as caught:
+            check_engine(engine, data, _Tu)
+        assert "use_dynamic_batch_size" in str(caught.value), match
