@@ -309,13 +309,28 @@ def _given(args: Any) -> Dict[str, Any]:
     }
 
 
+def _per_row_aux_loss(args: Any) -> bool:
+    """Whether a MoE load-balancing loss computes its statistics per row (``seq_aux_loss``)."""
+    if not getattr(args, "num_experts", None):
+        return False
+    kinds = getattr(args, "moe_router_load_balancing_type", None)
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds or ())
+    return "seq_aux_loss" in kinds
+
+
 def dynbatch_config_from_args(args: Any) -> DynBatchConfig:
-    """The :class:`DynBatchConfig` of the arguments: flags given, over the YAML, over defaults."""
+    """The :class:`DynBatchConfig` of the arguments: flags given, over the YAML, over defaults.
+
+    With MoE's ``seq_aux_loss`` the layout defaults to ``padded``: the loss takes each row for one
+    sequence, and a padded row holds one sample (a packed row holds several).
+    """
     values: Dict[str, Any] = {}
     config_path = getattr(args, "dynamic_batch_config", None)
     if config_path is not None:
         values.update({k: v for k, v in load_yaml_config(config_path).items() if v is not None})
     values.update(_given(args))
+    if values.get("layout") is None and _per_row_aux_loss(args):
+        values["layout"] = "padded"
     if values.get("cost_attention") is None:
         # The cost model describes the attention that runs: read it from Megatron's own flags.
         values["cost_attention"] = attention_from_megatron(
@@ -362,6 +377,12 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
         return None
 
     config = dynbatch_config_from_args(args)
+    if _per_row_aux_loss(args) and config.layout == "packed":
+        raise DynBatchValueError(
+            "--moe-router-load-balancing-type seq_aux_loss takes every row for one sequence, and "
+            f"a packed row holds several samples; pass {FLAGS['layout']} padded (one sample a "
+            "row, the default with seq_aux_loss) or another load-balancing type."
+        )
     if variable and config.layout != "packed":
         raise DynBatchValueError(
             f"--variable-seq-lengths needs {FLAGS['layout']} packed (padded [B, S] rows all have "
