@@ -183,7 +183,7 @@ def test_a_bad_value_is_one_line_under_torchrun(tmp_path):
 
 
 #: Launches of the issue's typo in the suite (20 were run by hand: the line every time).
-TYPO_LAUNCHES = 3
+TYPO_LAUNCHES = 2
 
 
 def test_a_typo_prints_its_one_line_on_every_launch(tmp_path):
