@@ -10,7 +10,9 @@ Layouts (``B`` = ``step_plan.micro_batch_size``, ``S`` = ``step_plan.seq_length`
 * ``padded``: one sample per row, padded the same way and then to ``S``; rows beyond the
   micro-batch's samples are placeholder rows.
 
-A placeholder micro-batch (an empty tuple in the plan) is a full ``[B, S]`` micro-batch of padding:
+A placeholder micro-batch (an empty tuple in the plan) is a full ``[B, S]`` micro-batch of padding
+(:func:`~megatron_dynbatch.runtime.placeholders.placeholder_microbatch`, which every micro-batch
+starts from):
 every key has the same dtype and shape as in a real micro-batch of the step, the loss mask is zero
 everywhere. It is never a 1- or 2-token stub, so it flows through every pipeline stage, every
 attention kernel and every reduction exactly like real data and contributes nothing to the loss.
@@ -37,6 +39,7 @@ import torch
 
 from megatron_dynbatch.planning import StepPlan
 from megatron_dynbatch.planning.spec import LAYOUTS, round_up
+from megatron_dynbatch.runtime.placeholders import placeholder_microbatch
 from megatron_dynbatch.runtime.schema import BatchSchema, CheckedSample
 
 __all__ = ["BUILTIN_KEYS", "materialize_microbatches", "microbatch_shapes"]
@@ -51,12 +54,6 @@ BUILTIN_KEYS: Dict[str, torch.dtype] = {
     "sample_index": torch.int64,
     "cu_seqlens": torch.int32,
 }
-
-# Label written where no next token exists (last token of a sample, padding). Any valid id works
-# because the loss mask is zero there; 0 keeps cross-entropy gathers in range.
-_IGNORED_LABEL = 0
-# sample_index value on padding, so it can never collide with a real (>= 0) global index.
-_PADDING_INDEX = -1
 
 
 def microbatch_shapes(
@@ -220,25 +217,6 @@ def _truncate(
     return checked
 
 
-def _empty_microbatch(
-    schema: BatchSchema, b: int, s: int, device: torch.device
-) -> Dict[str, torch.Tensor]:
-    """A full-shape micro-batch of padding, the starting point of every micro-batch."""
-    batch = {
-        "tokens": torch.full((b, s), schema.pad_token_id, dtype=torch.int64, device=device),
-        "labels": torch.full((b, s), _IGNORED_LABEL, dtype=torch.int64, device=device),
-        "loss_mask": torch.zeros((b, s), dtype=torch.float32, device=device),
-        "position_ids": torch.zeros((b, s), dtype=torch.int64, device=device),
-        "segment_ids": torch.zeros((b, s), dtype=torch.int64, device=device),
-        "sample_index": torch.full((b, s), _PADDING_INDEX, dtype=torch.int64, device=device),
-    }
-    for spec in schema.fields:
-        batch[spec.name] = torch.full(
-            (b, s, *spec.trailing_shape), spec.pad_value, dtype=spec.dtype, device=device
-        )
-    return batch
-
-
 def _fill_row(
     batch: Dict[str, torch.Tensor],
     row: int,
@@ -352,7 +330,7 @@ def materialize_microbatches(
                 f"{where}: {len(mb)} samples do not fit micro_batch_size={b} rows of the padded "
                 "layout; the plan was made for another layout or micro-batch size."
             )
-        batch = _empty_microbatch(schema, b, s, target)
+        batch = placeholder_microbatch(schema, b, s, target)
         boundaries = [0]
         if layout == "packed":
             rows = _packed_rows(mb, packed_rows[dp_rank][m] if packed_rows else (len(mb),))

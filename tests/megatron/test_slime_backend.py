@@ -13,13 +13,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_dynbatch.adapters.slime import build_dp_schedule
-from megatron_dynbatch.integrations.slime.backend import (
+from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
+
+# megatron.core's schedules import triton-backed modules unless the CPU shim redirects them; a
+# run of this file alone must not depend on another module having applied it first.
+apply_cpu_shim()
+
+from megatron_dynbatch.adapters.slime import build_dp_schedule  # noqa: E402
+from megatron_dynbatch.integrations.slime.backend import (  # noqa: E402
     agree_on_step,
     data_iterators,
     forward_only_iterators,
 )
-from megatron_dynbatch.mcore.agreement import StepAgreementError
+from megatron_dynbatch.mcore.agreement import StepAgreementError  # noqa: E402
 
 pytestmark = pytest.mark.gloo
 
@@ -169,3 +175,30 @@ def test_interleaving_at_pp2_without_overlapped_p2p_is_refused_before_the_step()
         agree_on_step(args, iterators, 2, 0)
     except StepAgreementError as error:
         assert "overlap" not in str(error)
+
+
+def test_the_phantom_is_the_placeholder_sample_of_its_length():
+    # One builder: the phantom of an empty rank carries, key by key, what a placeholder
+    # micro-batch of the same length carries (same dtypes, no data), plus zeros for scalars.
+    from megatron_dynbatch.integrations.slime.empty_rank import add_phantom_sample
+    from megatron_dynbatch.integrations.slime.placeholders import placeholder_sample
+
+    keys = ["tokens", "total_lengths", "response_lengths", "loss_masks", "advantages"]
+    keys += ["log_probs", "partition", "rollout_top_p_token_offsets", "rewards"]
+    data = {key: [] for key in keys}
+    data["rollout_mask_sums"] = torch.zeros(0)
+    data["micro_batch_indices"] = [[], []]
+    add_phantom_sample(data, None)
+    placeholder = placeholder_sample({key: [] for key in keys}, keys, 2)
+    for key in keys:
+        (phantom,) = data[key]
+        if isinstance(phantom, torch.Tensor):
+            assert phantom.dtype == placeholder[key].dtype and torch.equal(
+                phantom, placeholder[key]
+            ), key
+            assert not phantom.any(), key
+        else:
+            assert phantom == placeholder[key], key
+    assert data["partition"] == [-1] and data["rewards"] == [0]
+    assert data["rollout_top_p_token_offsets"][0].shape == (2,)
+    assert data["micro_batch_indices"] == [[0], []]

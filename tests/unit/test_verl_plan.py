@@ -113,6 +113,47 @@ def test_placeholder_outputs_are_dropped_and_a_wrong_count_is_an_error():
         short.real_outputs(outputs[:-1])
 
 
+def _concatenate(output_lst, indices, data):
+    """What verl's ``postprocess_batch_func`` does with the list (its ``restore_dynamic_batch``
+    applied with the order it is handed): concatenate rows, collect losses."""
+    order = [i for mb in indices for i in mb]
+    rows = [
+        r
+        for o in output_lst
+        if "model_output" in o
+        for r in o["model_output"]["log_probs"].unbind()
+    ]
+    return {"log_probs": [rows[order.index(i)] for i in range(len(rows))], "n": len(output_lst)}
+
+
+def test_outputs_come_back_in_sample_order_through_restore_order():
+    import torch
+
+    from megatron_dynbatch.integrations.verl.engine import postprocess
+
+    plan = plan_sharded_step([[9, 3, 5, 7, 2], [4]], _config(16))
+    mine = PlannedMicroBatches(plan, 0)
+    assert [i for mb in mine for i in mb] != list(range(5)), "the plan must reorder the samples"
+
+    def output(mb):  # each sample's row holds its own index
+        rows = [torch.full((2,), float(i)) for i in mb]
+        return {
+            "model_output": {"log_probs": torch.nested.as_nested_tensor(rows, layout=torch.jagged)},
+            "loss": 1,
+        }
+
+    outputs = [output(mb) for mb in mine] + [{"loss": 0}] * plan.placeholders(0)
+    restored = postprocess(outputs, mine, list(range(5)), _concatenate)
+    assert [int(row[0]) for row in restored["log_probs"]] == [0, 1, 2, 3, 4]
+    assert restored["n"] == len(mine)
+    # A micro-batch that returns one row too few is an error, not a silent shift.
+    outputs[0]["model_output"]["log_probs"] = torch.nested.as_nested_tensor(
+        [torch.zeros(2)] * (len(mine[0]) + 1), layout=torch.jagged
+    )
+    with pytest.raises(DynBatchValueError, match="rows for the micro-batch"):
+        postprocess(outputs, mine, list(range(5)), _concatenate)
+
+
 class _Tu:
     """verl's ``tensordict_utils.get_non_tensor_data`` over a plain dict."""
 

@@ -85,9 +85,10 @@ from megatron_dynbatch.mcore.agreement import (
 )
 from megatron_dynbatch.mcore.schedule import check_schedule_config
 from megatron_dynbatch.planning import ParallelLayout, Plan, PlannerConfig, plan_schedule
-from megatron_dynbatch.runtime import BatchSchema, materialize_microbatches
+from megatron_dynbatch.runtime import materialize_microbatches
 from megatron_dynbatch.runtime.batches import coerce_batch
 from megatron_dynbatch.runtime.iterators import chunk_data_iterators
+from megatron_dynbatch.runtime.placeholders import shape_only_sample
 
 __all__ = [
     "DynamicBatchHooks",
@@ -553,15 +554,6 @@ def _reads_tokens(pp_group: Any) -> bool:
     return rank == 0 or rank == size - 1
 
 
-def _shape_only_sample(length: int, schema: BatchSchema) -> Dict[str, torch.Tensor]:
-    """A stand-in sample of the right length for a middle pipeline stage (no data read)."""
-    sample: Dict[str, torch.Tensor] = {"tokens": torch.zeros(length, dtype=torch.int64)}
-    for spec in schema.fields:
-        shape = (length, *spec.trailing_shape) if spec.kind == "token" else spec.trailing_shape
-        sample[spec.name] = torch.zeros(shape, dtype=spec.dtype)
-    return sample
-
-
 def _materialize(
     batch: Any,
     plan: Plan,
@@ -580,7 +572,7 @@ def _materialize(
         loaded = len(indices)
     else:
         lengths = batch.lengths()
-        samples = {i: _shape_only_sample(lengths[i], batch.schema) for i in indices}
+        samples = {i: shape_only_sample(lengths[i], batch.schema) for i in indices}
         loaded = 0
     microbatches = materialize_microbatches(
         step,

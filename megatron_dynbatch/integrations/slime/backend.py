@@ -32,20 +32,15 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.integrations.slime.config import (
-    CP_SLICED_KEYS,
-    RESPONSE_FLOAT_KEYS,
-    check_index,
-)
-from megatron_dynbatch.integrations.slime.empty_rank import (
-    add_phantom_sample,
-    masked_routed_experts,
-)
+from megatron_dynbatch.integrations.slime.config import RESPONSE_FLOAT_KEYS, check_index
+from megatron_dynbatch.integrations.slime.empty_rank import add_phantom_sample
+from megatron_dynbatch.integrations.slime.placeholders import cp_local, placeholder_sample
 from megatron_dynbatch.integrations.slime.schedule import (
     LOGPROB_MICRO_BATCHES_KEY,
     LOGPROB_ROW_LENGTHS_KEY,
     ROW_LENGTHS_KEY,
     SEQ_LENGTHS_KEY,
+    uniform_row_lengths,
 )
 from megatron_dynbatch.mcore.agreement import step_agreement
 from megatron_dynbatch.planning import round_up
@@ -60,109 +55,6 @@ __all__ = [
     "placeholder_sample",
     "restore_rollout_order",
 ]
-
-#: Keys whose placeholder value is ``None`` (nothing to carry).
-NONE_KEYS = ("multimodal_train_inputs", "packed_seq_params")
-# A placeholder's prompt is one token: slime's get_batch pads the loss mask by prompt_length - 1.
-_PLACEHOLDER_PROMPT = 1
-_PLACEHOLDER_TOKEN = 0
-
-
-def _device(rollout_data: Mapping[str, Any]) -> torch.device:
-    for tokens in rollout_data.get("tokens") or ():
-        if isinstance(tokens, torch.Tensor):
-            return tokens.device
-    return torch.device("cpu")
-
-
-def placeholder_sample(
-    rollout_data: Mapping[str, Any], keys: Sequence[str], total_length: int
-) -> Dict[str, Any]:
-    """One loss-masked sample of ``total_length`` tokens carrying every requested key.
-
-    Its tokens are padding, its loss mask is zero on every response token, every per-token value is
-    0 and ``rollout_mask_sums`` is 0, so slime's forward and loss code run on it like on real data
-    and it contributes exactly 0 to the loss and to every reported metric.
-
-    Raises:
-        ValueError: for a requested key whose placeholder value is not known (a new slime key).
-    """
-    device = _device(rollout_data)
-    response = total_length - _PLACEHOLDER_PROMPT
-    sample: Dict[str, Any] = {}
-    for key in keys:
-        if rollout_data.get(key) is None or key in NONE_KEYS:
-            sample[key] = None
-        elif key == "tokens":
-            sample[key] = torch.full(
-                (total_length,), _PLACEHOLDER_TOKEN, dtype=torch.long, device=device
-            )
-        elif key == "total_lengths":
-            sample[key] = total_length
-        elif key == "response_lengths":
-            sample[key] = response
-        elif key == "loss_masks":
-            sample[key] = torch.zeros(response, dtype=torch.int, device=device)
-        elif key in RESPONSE_FLOAT_KEYS:
-            values = torch.zeros(response, dtype=torch.float32, device=device)
-            if key in CP_SLICED_KEYS or _cp_sliced(rollout_data, key):
-                # Context parallelism: slime keeps these per CP rank (its forward pass computes
-                # log-probs and values on this rank's chunks); the placeholder's match.
-                from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
-
-                values = slice_log_prob_with_cp(values, total_length, response)
-            sample[key] = values
-        elif key == "rollout_mask_sums":
-            sample[key] = torch.zeros((), dtype=torch.float32, device=device)
-        elif key == "partition":
-            sample[key] = -1
-        elif key == "rollout_top_p_token_offsets":
-            sample[key] = torch.zeros(response + 1, dtype=torch.long, device=device)
-        elif key == "rollout_top_p_token_ids":
-            sample[key] = torch.zeros(0, dtype=torch.long, device=device)
-        elif key == "rollout_routed_experts":
-            sample[key] = _placeholder_routed_experts(rollout_data[key], total_length)
-        else:
-            raise ValueError(
-                f"slime requested key {key!r} for a placeholder micro-batch, and megatron_dynbatch "
-                "does not know its placeholder value; add it to "
-                "megatron_dynbatch/integrations/slime/backend.py:placeholder_sample."
-            )
-    return sample
-
-
-def _cp_sliced(rollout_data: Mapping[str, Any], key: str) -> bool:
-    """Whether this rank holds ``key`` per context-parallel rank (fewer values than response
-    tokens), as slime does under CP for everything its forward pass computes."""
-    values = rollout_data.get(key)
-    lengths = rollout_data.get("response_lengths")
-    if not values or not lengths or not isinstance(values[0], torch.Tensor):
-        return False
-    return values[0].numel() != int(lengths[0])
-
-
-def _cp_local(values: torch.Tensor, total: int, response: int, cp_size: int) -> torch.Tensor:
-    """Response values as this context-parallel rank holds them (slime's zigzag slicing)."""
-    if cp_size == 1:
-        return values
-    from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
-
-    return slice_log_prob_with_cp(values, total, response)
-
-
-def _placeholder_routed_experts(real: Sequence[Any], total_length: int) -> torch.Tensor:
-    """R3's routed experts of a placeholder, shaped like the rank's first real sample's."""
-    if not real:
-        # A rank without samples holds the phantom sample (empty_rank.add_phantom_sample), which
-        # carries routed experts: an empty list here means the rollout data lost them.
-        raise DynBatchValueError(
-            "a placeholder micro-batch needs 'rollout_routed_experts' but this rank's rollout "
-            "data holds none to take the [layers, topk] shape from; R3 needs the rollout's "
-            "routed experts for every sample (--use-rollout-routing-replay on the rollout side)."
-        )
-    like = torch.as_tensor(real[0])
-    _, layers, topk = like.shape
-    return masked_routed_experts(total_length, layers, topk, like=like)
 
 
 class SlimeDataIterator:
@@ -211,7 +103,9 @@ class SlimeDataIterator:
         self.row_length = self.row_lengths[self.offset]
         self.offset += 1
         if not indices:
-            sample = placeholder_sample(self.rollout_data, keys, self.row_length * self.cp_size)
+            sample = placeholder_sample(
+                self.rollout_data, keys, self.row_length * self.cp_size, cp_size=self.cp_size
+            )
             return {key: None if value is None else [value] for key, value in sample.items()}
         batch: Dict[str, Any] = {}
         for key in keys:
@@ -344,7 +238,7 @@ def _check_sample(data: Mapping[str, Any], i: int, cp_size: int) -> int:
             # slime keeps what its forward pass computes (and the rollout's log-probs, once the
             # actor sliced them) per context-parallel rank: this rank's zigzag chunks only.
             if local_keep is None:
-                local_keep = _cp_local(keep, total, response, cp_size)
+                local_keep = cp_local(keep, total, response, cp_size)
             kept = local_keep
         if value.numel() != kept.numel():
             expected = (
@@ -408,7 +302,7 @@ def data_iterators(
         forward_only = add_phantom_sample(rollout_data, forward_only, cp_size)
     if not row_lengths:
         # Uniform rows (a schedule that ships only the steps' rows).
-        row_lengths = [s for s, n in zip(seq_lengths, nums, strict=True) for _ in range(n)]
+        row_lengths = uniform_row_lengths(seq_lengths, nums)
     return [
         SlimeDataIterator(
             rollout_data, rollout_data["micro_batch_indices"], row_lengths, cp_size, forward_only

@@ -27,16 +27,22 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from megatron_dynbatch.integrations.slime.config import CP_SLICED_KEYS, RESPONSE_FLOAT_KEYS
+from megatron_dynbatch.integrations.slime.placeholders import (
+    PLACEHOLDER_POSITION,
+    placeholder_sample,
+    rollout_device,
+)
+from megatron_dynbatch.runtime.placeholders import padding_tensor
 
 __all__ = ["PHANTOM_POSITION", "add_phantom_sample", "has_phantom", "mute_phantom_metrics"]
 
 #: ``partition`` entry of the phantom sample: no position of the rollout.
-PHANTOM_POSITION = -1
+PHANTOM_POSITION = PLACEHOLDER_POSITION
 #: The phantom's prompt and response lengths (slime needs at least one of each).
 _PROMPT, _RESPONSE = 1, 1
-#: Per-sample keys whose phantom value is a scalar 0 (rewards and the like).
-_SCALAR_KEYS = ("rewards", "raw_reward", "local_raw_reward", "sample_indices", "rollout_ids")
+#: The phantom's value of a per-sample list this package has no rule for (a new slime key): a
+#: scalar 0, which slime's masked statistics never see (the phantom's loss mask is 0).
+_UNKNOWN_VALUE = 0.0
 #: Keys that are not per sample (left alone).
 _SCHEDULE_KEYS = ("num_microbatches", "global_batch_sizes", "micro_batch_indices")
 
@@ -44,70 +50,6 @@ _SCHEDULE_KEYS = ("num_microbatches", "global_batch_sizes", "micro_batch_indices
 def has_phantom(rollout_data: Dict[str, Any]) -> bool:
     """Whether ``rollout_data`` is a rank's whose only sample is the phantom."""
     return list(rollout_data.get("partition") or ()) == [PHANTOM_POSITION]
-
-
-def _phantom_value(
-    key: str, values: Any, total: int, device: torch.device, cp_size: int = 1
-) -> Any:
-    response = total - _PROMPT
-    if key == "tokens":
-        return torch.zeros(total, dtype=torch.long, device=device)
-    if key == "total_lengths":
-        return total
-    if key == "response_lengths":
-        return response
-    if key == "loss_masks":
-        return torch.zeros(response, dtype=torch.int, device=device)
-    if key == "partition":
-        return PHANTOM_POSITION
-    if key in RESPONSE_FLOAT_KEYS:
-        values = torch.zeros(response, dtype=torch.float32, device=device)
-        if key in CP_SLICED_KEYS and cp_size > 1:
-            # slime's actor cut these to this CP rank's chunks before the phantom was added.
-            from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
-
-            values = slice_log_prob_with_cp(values, total, response)
-        return values
-    if key == "multimodal_train_inputs":
-        return None
-    if key == "rollout_routed_experts":
-        return _phantom_routed_experts(total)
-    if key in _SCALAR_KEYS:
-        return 0
-    return 0.0
-
-
-def _phantom_routed_experts(total: int) -> torch.Tensor:
-    """R3's routed experts of the phantom, ``[total - 1, layers, topk]`` like a rollout sample's.
-
-    A rank without samples has no rollout routing to take the shape from; the model's (Megatron's
-    ``--num-layers`` and ``--moe-router-topk``, in slime's global args) gives it. Every token goes
-    to experts ``0..topk-1`` (distinct, as a router's top-k is); its loss mask is 0.
-    """
-    from megatron.training.global_vars import get_args
-
-    args = get_args()
-    layers = getattr(args, "num_layers", None)
-    topk = getattr(args, "moe_router_topk", None)
-    if not layers or not topk:
-        raise ValueError(
-            f"--use-rollout-routing-replay on a DP rank without samples needs the model's "
-            f"num_layers ({layers}) and moe_router_topk ({topk}) in Megatron's args to shape "
-            "the phantom sample's routed experts; launch through slime's argument parser."
-        )
-    return masked_routed_experts(total, int(layers), int(topk))
-
-
-def masked_routed_experts(
-    total: int, layers: int, topk: int, *, like: Optional[torch.Tensor] = None
-) -> torch.Tensor:
-    """R3's routed experts of a sample without loss (a phantom or a placeholder):
-    ``[total - 1, layers, topk]``, every token routed to experts ``0..topk-1`` (distinct, as a
-    router's top-k is), with ``like``'s dtype and device (default: long, CPU)."""
-    dtype = torch.long if like is None else like.dtype
-    device = None if like is None else like.device
-    experts = torch.arange(topk, dtype=dtype, device=device)
-    return experts.expand(total - 1, layers, topk).clone()
 
 
 def add_phantom_sample(
@@ -126,23 +68,23 @@ def add_phantom_sample(
     """
     assert not rollout_data.get("partition"), "only a rank without samples gets a phantom"
     # slime moved this rank's tensors to its device already; the phantom's go there too.
-    sums = rollout_data.get("rollout_mask_sums")
-    if isinstance(sums, torch.Tensor):
-        device = sums.device
-    elif torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
+    device = rollout_device(rollout_data)
     # The phantom is padded to 2 * cp chunks by slime like any sample; two tokens per CP chunk.
     total = max(_PROMPT + _RESPONSE, 2 * cp_size)
-    for key, values in list(rollout_data.items()):
-        if key in _SCHEDULE_KEYS:
-            continue
-        if key == "rollout_mask_sums" and isinstance(values, torch.Tensor):
-            rollout_data[key] = torch.zeros(1, dtype=values.dtype, device=values.device)
-        elif isinstance(values, list) and not values:
-            # A new list: the empty one may be the schedule's own (partitions[r] shipped as is).
-            rollout_data[key] = [_phantom_value(key, values, total, device, cp_size)]
+    empty = [
+        key
+        for key, values in rollout_data.items()
+        if key not in _SCHEDULE_KEYS and isinstance(values, list) and not values
+    ]
+    phantom = placeholder_sample(
+        rollout_data, empty, total, cp_size=cp_size, device=device, unknown=_UNKNOWN_VALUE
+    )
+    sums = rollout_data.get("rollout_mask_sums")
+    if isinstance(sums, torch.Tensor):
+        rollout_data["rollout_mask_sums"] = padding_tensor((1,), sums.dtype, sums.device)
+    for key in empty:
+        # A new list: the empty one may be the schedule's own (partitions[r] shipped as is).
+        rollout_data[key] = [phantom[key]]
     rollout_data.setdefault("partition", [PHANTOM_POSITION])
     micro_batches = rollout_data["micro_batch_indices"]
     assert micro_batches and not any(micro_batches), "a rank without samples has placeholders only"

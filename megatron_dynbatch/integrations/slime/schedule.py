@@ -68,6 +68,7 @@ __all__ = [
     "build_dp_schedule",
     "check_index",
     "oversize_policy",
+    "uniform_row_lengths",
 ]
 
 
@@ -138,10 +139,7 @@ class DPSchedule(tuple):
         )
         self.seq_lengths = [int(s) for s in seq_lengths]
         if row_lengths is None:
-            # Uniform rows: every micro-batch of a step has the step's row.
-            uniform = [
-                s for s, n in zip(self.seq_lengths, num_microbatches, strict=True) for _ in range(n)
-            ]
+            uniform = uniform_row_lengths(self.seq_lengths, num_microbatches)
             row_lengths = [list(uniform) for _ in partitions]
         self.row_lengths = [[int(s) for s in rows] for rows in row_lengths]
         # Internal invariant: one row per micro-batch of every rank.
@@ -221,6 +219,11 @@ class DPSchedule(tuple):
             ]
             fields[LOGPROB_ROW_LENGTHS_KEY] = list(self.forward_only.row_lengths[dp_rank])
         return fields
+
+
+def uniform_row_lengths(seq_lengths: Sequence[int], num_microbatches: Sequence[int]) -> List[int]:
+    """Uniform rows: every micro-batch of step ``k`` has the step's row ``seq_lengths[k]``."""
+    return [int(s) for s, n in zip(seq_lengths, num_microbatches, strict=True) for _ in range(n)]
 
 
 #: The keys :meth:`DPSchedule.rank_fields` ships (the patched ``get_data_iterator`` recognises

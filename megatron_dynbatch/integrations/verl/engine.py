@@ -33,8 +33,9 @@ What changes, against verl's ``rearrange_micro_batches``:
   ``response_mask`` 0, so verl's losses (every ``loss_agg_mode``) add exactly 0 for them and its
   sequence counts skip them; their outputs and metrics are dropped in :func:`postprocess` before
   verl's ``postprocess_batch_func`` sees the list.
-* **outputs in sample order**: verl's own ``postprocess_batch_func`` / ``restore_dynamic_batch``
-  with the real micro-batches' indices (each local sample exactly once, checked).
+* **outputs in sample order**: by :func:`~megatron_dynbatch.runtime.restore_order`, as on every
+  other path (each local sample exactly once, checked); verl's ``postprocess_batch_func`` then
+  concatenates them and gathers losses and metrics.
 
 Refused with the switch on (a ``DynBatchValueError`` naming the setting): dynamic context
 parallelism (verl's own scheduler), ``force_group_size > 1`` (reward-model pairs), router replay
@@ -304,7 +305,18 @@ def postprocess(
     data: Any,
     postprocess_batch_func: Callable[..., Any],
 ) -> Any:
-    """verl's ``postprocess_batch_func`` on the real micro-batches' outputs, in sample order."""
+    """verl's ``postprocess_batch_func`` on the real micro-batches' outputs, in sample order.
+
+    The order is restored by :func:`megatron_dynbatch.runtime.restore_order`, the one function every
+    integration uses (strict: a sample missing, repeated or not this rank's is an error): each
+    ``model_output`` key's per-sample rows, cut out of the real micro-batches, come back in the
+    batch's order. verl's function then only concatenates them and gathers losses and metrics
+    (it is handed the identity order, so its own ``restore_dynamic_batch`` changes nothing).
+    """
+    import torch
+
+    from megatron_dynbatch.runtime.reorder import restore_order
+
     real = indices.real_outputs(losses_reduced)
     covered = sorted(i for mb in indices for i in mb)
     if covered != list(range(len(data))):
@@ -312,4 +324,20 @@ def postprocess(
             f"the plan of DP rank {indices.dp_rank} covers {len(covered)} samples, the batch has "
             f"{len(data)}; every sample must come back exactly once."
         )
-    return postprocess_batch_func(output_lst=real, indices=list(indices), data=data)
+    per_key: dict = {}
+    for m, (mb, output) in enumerate(zip(indices, real, strict=True)):
+        for key, value in (output.get("model_output") or {}).items():
+            rows = value.unbind()
+            if len(rows) != len(mb):
+                raise DynBatchValueError(
+                    f"model_output[{key!r}] of micro-batch {m} on DP rank {indices.dp_rank} has "
+                    f"{len(rows)} rows for the micro-batch's {len(mb)} samples {list(mb)}."
+                )
+            per_key.setdefault(key, []).append(dict(zip(mb, rows, strict=True)))
+    outputs = [{k: v for k, v in output.items() if k != "model_output"} for output in real]
+    if per_key:
+        outputs[0]["model_output"] = {
+            key: torch.nested.as_nested_tensor(restore_order(parts, len(data)), layout=torch.jagged)
+            for key, parts in per_key.items()
+        }
+    return postprocess_batch_func(output_lst=outputs, indices=[covered], data=data)
