@@ -73,13 +73,7 @@ from megatron_dynbatch.integrations.megatron_lm.arguments import (
     parallel_layout_from_args,
     validate_dynamic_batch_args,
 )
-from megatron_dynbatch.integrations.megatron_lm.calibration import (
-    calibrated_config,
-    calibration_log_string,
-    observe_train_step,
-    reset_calibration_state,
-    resume_calibration,
-)
+from megatron_dynbatch.integrations.megatron_lm.calibration import Calibrator
 from megatron_dynbatch.mcore.agreement import (
     step_agreement,
 )
@@ -174,10 +168,14 @@ class _Totals:
 
 
 class DynamicBatchHooks:
-    """One run's dynamic-batching state: its config, planner configs, and training progress.
+    """One run's dynamic-batching state: its config, planner configs, training progress and
+    calibration.
 
     Built once per run from the validated arguments (:func:`configure`); nothing is written back
-    into the argument namespace. The planner configs come from
+    into the argument namespace. The calibration (:attr:`calibration`, a
+    :class:`~.calibration.Calibrator`) is this object's own: two hooks objects in one process
+    never share it, and its varied budgets and fit reach the planner through the config it
+    returns, not through ``args``. The planner configs come from
     :meth:`DynBatchConfig.planner_config`, once per parallel layout (the layout is the one the
     schedule runs: DP size from the process group, VPP from the model chunks).
     """
@@ -189,6 +187,7 @@ class DynamicBatchHooks:
         self.cursor: Optional[_Cursor] = None
         self.last_step: Optional[DynamicStep] = None
         self.totals = _Totals()
+        self.calibration = Calibrator()
 
     @property
     def variable_rows(self) -> bool:
@@ -209,7 +208,7 @@ class DynamicBatchHooks:
 
     def _calibrated(self, forward_only: bool) -> DynBatchConfig:
         """The run's config with what calibration has changed so far (its state, not ``args``)."""
-        return calibrated_config(self.config, forward_only=forward_only)
+        return self.calibration.calibrated_config(self.config, forward_only=forward_only)
 
     def _plan(self, batch: Any, layout: ParallelLayout, forward_only: bool) -> Tuple[Plan, float]:
         config = self.planner(layout, forward_only=forward_only)
@@ -236,7 +235,7 @@ class DynamicBatchHooks:
         model_chunks = _as_chunks(model)
         dp_group, pp_group = _groups(model_chunks, pg_collection)
         if kind == "train":
-            resume_calibration(self.args)  # before planning: a resumed run plans with its fit
+            self.calibration.resume(self.args)  # before planning: a resumed run plans with its fit
         with step_agreement(check_group or dist.group.WORLD, what=self._what(kind)) as agreement:
             if self.variable_rows:
                 # Megatron-LM's validate_args resets args.variable_seq_lengths; the schedule's p2p
@@ -268,7 +267,7 @@ class DynamicBatchHooks:
         if kind == "train":
             self._record(step)
             # Outside the agreement: it may all-reduce the last step's time (every rank gets here).
-            observe_train_step(self.args, batch, plan, step_index)
+            self.calibration.observe_train_step(self.args, batch, plan, step_index)
         return step
 
     @property
@@ -321,7 +320,7 @@ class DynamicBatchHooks:
         )
         if totals.truncated_tokens:
             line += f" truncated tokens: {totals.truncated_tokens} |"
-        return line + calibration_log_string()
+        return line + self.calibration.log_string()
 
     def scalars(self) -> Dict[str, float]:
         """The last training step's figures, by TensorBoard tag."""
@@ -402,10 +401,10 @@ def hooks_for(args: Any) -> DynamicBatchHooks:
 
 
 def reset_dynamic_batch_state() -> None:
-    """Forget the run's state: the partly consumed batch, the last step and the log counters."""
+    """Forget the run's state: the partly consumed batch, the last step, the log counters and the
+    calibration (all held by the hooks object)."""
     global _hooks
     _hooks = None
-    reset_calibration_state()
 
 
 def prepare(
