@@ -47,20 +47,21 @@ def planner_config(
     token_cap: int, parallel: ParallelLayout, cost: CostModel = EVAL_COST
 ) -> PlannerConfig:
     """Our planner's config for a benchmark, built as training builds it
-    (``DynBatchConfig(...).planner_config(...)``); an unknown overhead stays unknown (the
+    (``config_from_mapping(...).planner_config(...)``); an unknown overhead stays unknown (the
     shipped default), oversize samples run alone (``allow``)."""
-    from megatron_dynbatch.config import DynBatchConfig
+    from megatron_dynbatch.config import config_from_mapping
 
-    return DynBatchConfig(
-        max_tokens_per_gpu=token_cap,
-        cost_token_weight=cost.token_weight,
-        cost_attention_weight=cost.attention_weight,
-        cost_response_weight=cost.response_weight,
-        cost_microbatch_overhead=cost.microbatch_overhead,
-        cost_shape_exchange_overhead=cost.shape_exchange_overhead,
-        cost_attention=cost.attention,
-        oversize_samples="allow",
-    ).planner_config(parallel)
+    values = {
+        "max_tokens_per_gpu": token_cap,
+        "cost_token_weight": cost.token_weight,
+        "cost_attention_weight": cost.attention_weight,
+        "cost_response_weight": cost.response_weight,
+        "cost_microbatch_overhead": cost.microbatch_overhead,
+        "cost_shape_exchange_overhead": cost.shape_exchange_overhead,
+        "cost_attention": cost.attention,
+    }
+    fixed = {"oversize_samples": "allow"}
+    return config_from_mapping(values, fixed=fixed, host="benchmark").planner_config(parallel)
 
 
 def _ratio_max_mean(values: Sequence[float]) -> float:

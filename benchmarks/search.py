@@ -12,7 +12,7 @@ fixed micro-batches as ``[B, S]`` padded rows, the others with one row length pe
 Ours plans in one of two modes (``--modes``): ``default``, the shipped config, not told the
 overhead (it assumes its own default and its gain threshold); ``calibrated``, told the true
 overhead (what ``megatron-dynbatch calibrate`` gives). Both build their config through
-``DynBatchConfig(...).planner_config(...)``, as training does.
+``config_from_mapping(...).planner_config(...)``, as training does.
 
 A baseline counts only where it keeps the cap in that case (no multi-sample micro-batch over it).
 Reported, per case and baseline:
@@ -47,7 +47,7 @@ from benchmarks.lengths import (
     uniform_lengths,
 )
 from benchmarks.metrics import EVAL_COST, evaluate, ideal_step_time, step_time
-from megatron_dynbatch.config import DynBatchConfig
+from megatron_dynbatch.config import config_from_mapping
 from megatron_dynbatch.planning import CostModel, ParallelLayout, plan_schedule
 
 __all__ = ["FAMILIES", "Case", "random_case", "run_case", "search"]
@@ -147,13 +147,14 @@ def our_config(case: Case, cost: CostModel, mode: str, variable_rows: bool = Fal
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not one of {MODES}.")
-    config = DynBatchConfig(
-        max_tokens_per_gpu=case.token_cap,
-        cost_token_weight=cost.token_weight,
-        cost_attention_weight=cost.attention_weight,
-        cost_microbatch_overhead=cost.microbatch_overhead if mode == "calibrated" else None,
-        oversize_samples="allow",
-    ).planner_config(case.parallel)
+    values = {
+        "max_tokens_per_gpu": case.token_cap,
+        "cost_token_weight": cost.token_weight,
+        "cost_attention_weight": cost.attention_weight,
+        "cost_microbatch_overhead": cost.microbatch_overhead if mode == "calibrated" else None,
+        "oversize_samples": "allow",
+    }
+    config = config_from_mapping(values, host="benchmark").planner_config(case.parallel)
     if variable_rows:
         config = dataclasses.replace(
             config, variable_row_lengths=True, row_multiple=SLIME_ROW_MULTIPLE
