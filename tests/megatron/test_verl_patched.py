@@ -10,7 +10,8 @@ runs: its ``forward_step``, ``postprocess_micro_batch_func``, the THD model forw
 over the DP ranks as verl's dispatch does (contiguous equal chunks). Checked: gradients equal a
 single process running each sample alone (relative 1e-5) and the log-probs of the forward-only pass
 come back in sample order (absolute 1e-5), including steps where a DP rank holds fewer samples than
-the micro-batch count (stock verl asserts there); with the switch off the patched tree is bitwise
+the micro-batch count (stock verl asserts there); the critic's ``MegatronEngineWithValueHead``
+(values forward-only, then ``value_loss``) likewise; with the switch off the patched tree is bitwise
 the stock one. verl's own CPU unit tests of its seqlen balancing run on the patched tree.
 
 What is not verl's in these runs, and why (also in docs/verl.md):
@@ -380,7 +381,7 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def _check(results, reference, num, what):
+def _check(results, reference, num, what, output="log-prob"):
     merged = {}
     for r in results:
         merged.update(r["grads"])  # every rank holds the DP-reduced gradients of its stage
@@ -402,7 +403,7 @@ def _check(results, reference, num, what):
     assert worst_lp <= 1e-5, worst_lp
     counts = {r["num_microbatches"] for r in results}
     print(
-        f"\n[verl {what}] grad rel diff max={worst:.2e} log-prob abs diff max={worst_lp:.2e} "
+        f"\n[verl {what}] grad rel diff max={worst:.2e} {output} abs diff max={worst_lp:.2e} "
         f"microbatches={sorted(counts)} stubbed={results[0]['stubbed']}"
     )
     return counts
@@ -454,6 +455,192 @@ def test_verl_engine_matches_per_sample_reference(
     if num // dp < count:
         # The step verl cannot run: a rank with fewer samples than micro-batches (placeholders).
         assert all(len(r["positions"]) < count for r in results)
+
+
+# -- the critic: verl's value-head engine, values forward-only and the value loss ----------------
+
+
+class _ValueHead(torch.nn.Module):
+    """A value model's output layer (hidden -> 1), called as Megatron's output layer is."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        gen = torch.Generator().manual_seed(SEED + 3)
+        self.weight = torch.nn.Parameter(torch.randn(1, hidden, generator=gen) * 0.2)
+
+    def forward(self, hidden_states, weight=None, **_):
+        return torch.nn.functional.linear(hidden_states, self.weight), None
+
+
+def _with_value_head(chunks):
+    """verl's critic is the GPT with a one-unit output layer (Megatron-Bridge builds it so)."""
+    for chunk in chunks:
+        if getattr(chunk, "post_process", False):
+            chunk.output_layer = _ValueHead(chunk.config.hidden_size)
+    return chunks
+
+
+def _critic_returns(full, seed=SEED):
+    gen = torch.Generator().manual_seed(seed + 2)
+    return torch.randn(full["response_mask"].shape, generator=gen) * full["response_mask"]
+
+
+def _critic_body(verl_root, num, budget, long_every):
+    """verl's ``MegatronEngineWithValueHead`` on this rank's shard: a forward-only pass (the old
+    values), then a training pass with verl's ``value_loss`` (token-mean)."""
+    import dataclasses
+    from functools import partial
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+
+    _import_verl(verl_root)
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.config import McoreCriticConfig
+    from verl.workers.engine.megatron import transformer_impl as ti
+    from verl.workers.utils.losses import value_loss
+    from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+
+    from megatron_dynbatch.mcore.thd_attention import with_thd_reference_attention
+    from megatron_dynbatch.tools.testing.tiny_gpt import (
+        build_tiny_gpt,
+        make_schedule_config_safe,
+        named_global_grads,
+        tiny_layer_spec,
+        tiny_transformer_config,
+        wrap_in_ddp,
+    )
+
+    pp = ps.get_pipeline_model_parallel_world_size()
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    config = tiny_transformer_config(
+        pipeline_model_parallel_size=pp, calculate_per_token_loss=False
+    )
+    config = dataclasses.replace(
+        config, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall"
+    )
+    make_schedule_config_safe(config)
+    spec = with_thd_reference_attention(lambda c, vp_stage=None: tiny_layer_spec())(None)
+    chunks = wrap_in_ddp(_with_value_head(build_tiny_gpt(config, seed=SEED, layer_spec=spec)))
+    config.finalize_model_grads_func = finalize_model_grads
+    engine = _engine(ti, chunks, config, dynamic=True, pp=pp, vpp=1)
+    engine.__class__ = ti.MegatronEngineWithValueHead
+    # Record what the plan gave this rank in each pass (real micro-batches, count).
+    from megatron_dynbatch.integrations.verl import engine as dynbatch
+
+    planned, prepare = [], dynbatch.prepare_micro_batches
+
+    def recording(*args, **kwargs):
+        micro_batches, indices = prepare(*args, **kwargs)
+        planned.append((len(indices), len(micro_batches)))
+        return micro_batches, indices
+
+    dynbatch.prepare_micro_batches = recording
+
+    full = _padded_batch(_samples(num, long_every=long_every))
+    full["returns"] = _critic_returns(full)
+    mine, positions = _shard(full, dp, dp_rank)
+
+    def batch(values=None):
+        fields = dict(mine)
+        if values is not None:
+            fields["values"] = values
+        data = left_right_2_no_padding(TensorDict(fields, batch_size=[len(positions)]))
+        tu.assign_non_tensor(
+            data, use_dynamic_bsz=True, max_token_len_per_gpu=budget, global_batch_size=num
+        )
+        return data
+
+    forward = batch()
+    out = engine.forward_backward_batch(forward, loss_function=None, forward_only=True)
+    last = ps.is_pipeline_last_stage(ignore_virtual=True)
+    values = no_padding_2_padding(out["model_output"]["values"], forward) if last else None
+    holder = [values]
+    dist.broadcast_object_list(
+        holder,
+        src=ps.get_pipeline_model_parallel_last_rank(),
+        group=ps.get_pipeline_model_parallel_group(),
+    )
+    old = holder[0].detach().clone()
+    train = batch(values=old)
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    critic = McoreCriticConfig(
+        use_dynamic_bsz=True, ppo_max_token_len_per_gpu=budget, loss_agg_mode="token-mean"
+    )
+    engine.forward_backward_batch(train, loss_function=partial(value_loss, config=critic))
+    grads = named_global_grads(chunks, tp_group=ps.get_tensor_model_parallel_group())
+    return {
+        "grads": {k: v.clone() for k, v in grads.items()},
+        "values": old,
+        "positions": positions,
+        "num_microbatches": tu.get_non_tensor_data(train, "num_micro_batch", None),
+        "planned": planned,
+    }
+
+
+def _critic_reference_body(num, long_every):
+    """Each sample alone through the single-process value model; verl's value loss at the old
+    values (no clipping), token-mean over the whole batch."""
+    from megatron_dynbatch.mcore.forward import build_attention_mask
+    from megatron_dynbatch.tools.testing.tiny_gpt import (
+        build_tiny_gpt,
+        named_global_grads,
+        tiny_transformer_config,
+    )
+
+    samples = _samples(num, long_every=long_every)
+    returns = _critic_returns(_padded_batch(samples))
+    [model] = _with_value_head(build_tiny_gpt(tiny_transformer_config(), seed=SEED))
+    model.zero_grad()
+    total_tokens = sum(int(m.sum()) for _, _, m in samples)
+    total, values = 0.0, []
+    for i, (p, r, m) in enumerate(samples):
+        tokens = torch.cat([p, r])
+        length = tokens.numel()
+        out = model(
+            tokens.unsqueeze(0),
+            torch.arange(length).unsqueeze(0),
+            build_attention_mask(torch.zeros(1, length, dtype=torch.int64)),
+        )[0, :, 0]
+        # verl reads a response token's value at the position before it, as for log-probs.
+        v = out[p.numel() - 1 : length - 1]
+        values.append(v.detach())
+        total = total + (0.5 * (v - returns[i, : r.numel()]) ** 2 * m).sum() / total_tokens
+    total.backward()
+    return {"grads": named_global_grads([model]), "log_probs": values}
+
+
+@needs_verl
+def test_verl_critic_values_and_value_loss_match_per_sample_reference(patched_verl):
+    """The critic's passes are planned the same way: verl's ``MegatronEngineWithValueHead`` at
+    pp 2, dp 2, a rank with fewer samples than the count; the forward-only values come back in
+    sample order and the value loss's gradients equal each sample run alone."""
+    num, budget, long_every = 4, 36, 2
+    results = run_on_ranks(
+        4,
+        _critic_body,
+        patched_verl,
+        num,
+        budget,
+        long_every,
+        layout=Layout(pp=2),
+        timeout_s=BODY_TIMEOUT_S,
+    )
+    [reference] = run_on_ranks(1, _critic_reference_body, num, long_every, layout=Layout())
+    for r in results:
+        r["log_probs"] = r["values"]  # _check compares the forward-only outputs under this key
+        r["stubbed"] = ()
+    counts = _check(results, reference, num, "critic pp2 dp2 token-mean", output="value")
+    assert len(counts) == 1, f"DP ranks ran different micro-batch counts: {counts}"
+    # Both passes ran through the plan, and a rank ran placeholders after its real micro-batches.
+    planned = [r["planned"] for r in results]
+    assert all(len(passes) == 2 for passes in planned), planned
+    assert any(real < total for passes in planned for real, total in passes), planned
+    names = {name for r in results for name in r["grads"]}
+    assert any("output_layer" in name for name in names), sorted(names)
 
 
 @needs_verl
