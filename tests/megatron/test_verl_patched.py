@@ -332,6 +332,16 @@ def _verl_body(verl_root, num, agg_mode, budget, *, dynamic=True, long_every=0, 
     }
 
 
+def _aggregated(per_token, mask, agg_mode, num, total_tokens, scale):
+    """One sample's share of verl's ``agg_loss`` over the whole batch (``per_token`` is masked)."""
+    if agg_mode == "token-mean":
+        return per_token.sum() / total_tokens
+    if agg_mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        seq = per_token.sum() / num
+        return seq / scale if agg_mode == "seq-mean-token-sum-norm" else seq
+    return per_token.sum() / (mask.sum() + 1e-8) / num
+
+
 def _reference_body(num, agg_mode, scale=None, long_every=0):
     """Each sample alone through a single-process tiny GPT, verl's PPO loss at ratio 1 with the
     aggregation written out over the whole batch."""
@@ -366,13 +376,7 @@ def _reference_body(num, agg_mode, scale=None, long_every=0):
         log_probs.append(lp.detach())
         adv = full["advantages"][i, : r.numel()]
         per_token = -adv * torch.exp(lp - lp.detach()) * m
-        if agg_mode == "token-mean":
-            total = total + per_token.sum() / total_tokens
-        elif agg_mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
-            seq = per_token.sum() / num
-            total = total + (seq / scale if agg_mode == "seq-mean-token-sum-norm" else seq)
-        else:
-            total = total + per_token.sum() / (m.sum() + 1e-8) / num
+        total = total + _aggregated(per_token, m, agg_mode, num, total_tokens, scale)
     total.backward()
     return {"grads": named_global_grads([model]), "log_probs": log_probs}
 
@@ -485,9 +489,9 @@ def _critic_returns(full, seed=SEED):
     return torch.randn(full["response_mask"].shape, generator=gen) * full["response_mask"]
 
 
-def _critic_body(verl_root, num, budget, long_every):
+def _critic_body(verl_root, num, budget, long_every, agg_mode, scale):
     """verl's ``MegatronEngineWithValueHead`` on this rank's shard: a forward-only pass (the old
-    values), then a training pass with verl's ``value_loss`` (token-mean)."""
+    values), then a training pass with verl's ``value_loss``."""
     import dataclasses
     from functools import partial
 
@@ -568,7 +572,10 @@ def _critic_body(verl_root, num, budget, long_every):
     for chunk in chunks:
         chunk.zero_grad_buffer()
     critic = McoreCriticConfig(
-        use_dynamic_bsz=True, ppo_max_token_len_per_gpu=budget, loss_agg_mode="token-mean"
+        use_dynamic_bsz=True,
+        ppo_max_token_len_per_gpu=budget,
+        loss_agg_mode=agg_mode,
+        loss_scale_factor=scale,
     )
     engine.forward_backward_batch(train, loss_function=partial(value_loss, config=critic))
     grads = named_global_grads(chunks, tp_group=ps.get_tensor_model_parallel_group())
@@ -581,9 +588,9 @@ def _critic_body(verl_root, num, budget, long_every):
     }
 
 
-def _critic_reference_body(num, long_every):
+def _critic_reference_body(num, long_every, agg_mode, scale):
     """Each sample alone through the single-process value model; verl's value loss at the old
-    values (no clipping), token-mean over the whole batch."""
+    values (no clipping), aggregated over the whole batch."""
     from megatron_dynbatch.mcore.forward import build_attention_mask
     from megatron_dynbatch.tools.testing.tiny_gpt import (
         build_tiny_gpt,
@@ -608,17 +615,19 @@ def _critic_reference_body(num, long_every):
         # verl reads a response token's value at the position before it, as for log-probs.
         v = out[p.numel() - 1 : length - 1]
         values.append(v.detach())
-        total = total + (0.5 * (v - returns[i, : r.numel()]) ** 2 * m).sum() / total_tokens
+        per_token = 0.5 * (v - returns[i, : r.numel()]) ** 2 * m
+        total = total + _aggregated(per_token, m, agg_mode, num, total_tokens, scale)
     total.backward()
     return {"grads": named_global_grads([model]), "log_probs": values}
 
 
 @needs_verl
-def test_verl_critic_values_and_value_loss_match_per_sample_reference(patched_verl):
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_verl_critic_values_and_value_loss_match_per_sample_reference(patched_verl, mode):
     """The critic's passes are planned the same way: verl's ``MegatronEngineWithValueHead`` at
     pp 2, dp 2, a rank with fewer samples than the count; the forward-only values come back in
     sample order and the value loss's gradients equal each sample run alone."""
-    num, budget, long_every = 4, 36, 2
+    num, budget, long_every, scale = 4, 36, 2, 16.0
     results = run_on_ranks(
         4,
         _critic_body,
@@ -626,14 +635,18 @@ def test_verl_critic_values_and_value_loss_match_per_sample_reference(patched_ve
         num,
         budget,
         long_every,
+        mode,
+        scale,
         layout=Layout(pp=2),
         timeout_s=BODY_TIMEOUT_S,
     )
-    [reference] = run_on_ranks(1, _critic_reference_body, num, long_every, layout=Layout())
+    [reference] = run_on_ranks(
+        1, _critic_reference_body, num, long_every, mode, scale, layout=Layout()
+    )
     for r in results:
         r["log_probs"] = r["values"]  # _check compares the forward-only outputs under this key
         r["stubbed"] = ()
-    counts = _check(results, reference, num, "critic pp2 dp2 token-mean", output="value")
+    counts = _check(results, reference, num, f"critic pp2 dp2 {mode}", output="value")
     assert len(counts) == 1, f"DP ranks ran different micro-batch counts: {counts}"
     # Both passes ran through the plan, and a rank ran placeholders after its real micro-batches.
     planned = [r["planned"] for r in results]
