@@ -8,8 +8,9 @@ run on them, but slime's per-sample code does not accept an empty rank: its adva
 functions run (the whitening all-reduce, the metric gather).
 
 Such a rank gets one *phantom* sample (:func:`add_phantom_sample`): two tokens of padding, one
-response token, loss mask 0, reward 0, rollout position -1. It runs through slime's code like a
-real sample, so every collective runs in step with the other ranks, and it contributes nothing:
+response token, loss mask 0, reward 0, rollout position -1, built key by key by the same
+:func:`~megatron_dynbatch.integrations.slime.placeholders.placeholder_sample` that builds
+placeholder micro-batches. It runs through slime's code like a real sample, so every collective runs in step with the other ranks, and it contributes nothing:
 
 * the loss and gradients: it trains in a micro-batch that was a placeholder (zero loss mask, zero
   ``rollout_mask_sums``), exactly as a placeholder does;
