@@ -230,42 +230,27 @@ def _engine(ti, chunks, config, *, dynamic, pp, vpp):
     return engine
 
 
-def _verl_body(verl_root, num, agg_mode, budget, *, dynamic=True, long_every=0, scale=None):
-    """verl's engine on this rank's shard: a forward-only pass (old log-probs), then a training
-    pass with ``ppo_loss``. Returns the log-probs, the gradients and what ran."""
+def _verl_model(*, value_head=False):
+    """The tiny GPT on this rank's stages as verl's engine holds it: its ``TransformerConfig``
+    (verl's regime) and DDP chunks; ``value_head``: a value model's one-unit output layer."""
     import dataclasses
-    from functools import partial
 
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
-
-    stubbed = _import_verl(verl_root)
-    from tensordict import TensorDict
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.engine.megatron import transformer_impl as ti
-    from verl.workers.utils.losses import ppo_loss
-    from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
     from megatron_dynbatch.mcore.thd_attention import with_thd_reference_attention
     from megatron_dynbatch.tools.testing.tiny_gpt import (
         build_tiny_gpt,
         make_schedule_config_safe,
-        named_global_grads,
         tiny_layer_spec,
         tiny_transformer_config,
         wrap_in_ddp,
     )
 
-    assert ti.__file__.startswith(verl_root), ti.__file__
-    pp = ps.get_pipeline_model_parallel_world_size()
-    dp = ps.get_data_parallel_world_size()
-    dp_rank = ps.get_data_parallel_rank()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
-    tp = ps.get_tensor_model_parallel_world_size()
     config = tiny_transformer_config(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         # verl's default regime: the schedule divides by the micro-batch count and DDP averages
         # over DP; verl's loss multiplies by both.
@@ -277,8 +262,51 @@ def _verl_body(verl_root, num, agg_mode, budget, *, dynamic=True, long_every=0, 
     )
     make_schedule_config_safe(config)
     spec = with_thd_reference_attention(lambda c, vp_stage=None: tiny_layer_spec())(None)
-    chunks = wrap_in_ddp(build_tiny_gpt(config, seed=SEED, layer_spec=spec))
+    chunks = build_tiny_gpt(config, seed=SEED, layer_spec=spec)
+    chunks = wrap_in_ddp(_with_value_head(chunks) if value_head else chunks)
     config.finalize_model_grads_func = finalize_model_grads
+    return config, chunks
+
+
+def _forward_only(engine, data, key):
+    """verl's forward-only pass; ``model_output[key]`` (padded to responses) on every stage."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    out = engine.forward_backward_batch(data, loss_function=None, forward_only=True)
+    last = ps.is_pipeline_last_stage(ignore_virtual=True)
+    holder = [no_padding_2_padding(out["model_output"][key], data) if last else None]
+    dist.broadcast_object_list(
+        holder,
+        src=ps.get_pipeline_model_parallel_last_rank(),
+        group=ps.get_pipeline_model_parallel_group(),
+    )
+    return holder[0].detach().clone()
+
+
+def _verl_body(verl_root, num, agg_mode, budget, *, dynamic=True, long_every=0, scale=None):
+    """verl's engine on this rank's shard: a forward-only pass (old log-probs), then a training
+    pass with ``ppo_loss``. Returns the log-probs, the gradients and what ran."""
+    from functools import partial
+
+    from megatron.core import parallel_state as ps
+
+    stubbed = _import_verl(verl_root)
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.megatron import transformer_impl as ti
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    from megatron_dynbatch.tools.testing.tiny_gpt import named_global_grads
+
+    assert ti.__file__.startswith(verl_root), ti.__file__
+    pp = ps.get_pipeline_model_parallel_world_size()
+    dp = ps.get_data_parallel_world_size()
+    dp_rank = ps.get_data_parallel_rank()
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    config, chunks = _verl_model()
     engine = _engine(ti, chunks, config, dynamic=dynamic, pp=pp, vpp=vpp)
 
     samples = _samples(num, long_every=long_every)
@@ -301,17 +329,7 @@ def _verl_body(verl_root, num, agg_mode, budget, *, dynamic=True, long_every=0, 
         )
         return data
 
-    forward = batch()
-    out = engine.forward_backward_batch(forward, loss_function=None, forward_only=True)
-    last = ps.is_pipeline_last_stage(ignore_virtual=True)
-    log_probs = no_padding_2_padding(out["model_output"]["log_probs"], forward) if last else None
-    holder = [log_probs]
-    dist.broadcast_object_list(
-        holder,
-        src=ps.get_pipeline_model_parallel_last_rank(),
-        group=ps.get_pipeline_model_parallel_group(),
-    )
-    old = holder[0].detach().clone()
+    old = _forward_only(engine, batch(), "log_probs")
     train = batch(old_log_probs=old)
     for chunk in chunks:
         chunk.zero_grad_buffer()
@@ -328,7 +346,7 @@ def _verl_body(verl_root, num, agg_mode, budget, *, dynamic=True, long_every=0, 
         "log_probs": old,
         "positions": positions,
         "num_microbatches": tu.get_non_tensor_data(train, "num_micro_batch", None),
-        "losses": result.get("loss") if last else None,
+        "losses": result.get("loss") if ps.is_pipeline_last_stage(ignore_virtual=True) else None,
     }
 
 
@@ -492,12 +510,9 @@ def _critic_returns(full, seed=SEED):
 def _critic_body(verl_root, num, budget, long_every, agg_mode, scale):
     """verl's ``MegatronEngineWithValueHead`` on this rank's shard: a forward-only pass (the old
     values), then a training pass with verl's ``value_loss``."""
-    import dataclasses
     from functools import partial
 
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import finalize_model_grads
 
     _import_verl(verl_root)
     from tensordict import TensorDict
@@ -505,30 +520,13 @@ def _critic_body(verl_root, num, budget, long_every, agg_mode, scale):
     from verl.workers.config import McoreCriticConfig
     from verl.workers.engine.megatron import transformer_impl as ti
     from verl.workers.utils.losses import value_loss
-    from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+    from verl.workers.utils.padding import left_right_2_no_padding
 
-    from megatron_dynbatch.mcore.thd_attention import with_thd_reference_attention
-    from megatron_dynbatch.tools.testing.tiny_gpt import (
-        build_tiny_gpt,
-        make_schedule_config_safe,
-        named_global_grads,
-        tiny_layer_spec,
-        tiny_transformer_config,
-        wrap_in_ddp,
-    )
+    from megatron_dynbatch.tools.testing.tiny_gpt import named_global_grads
 
     pp = ps.get_pipeline_model_parallel_world_size()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    config = tiny_transformer_config(
-        pipeline_model_parallel_size=pp, calculate_per_token_loss=False
-    )
-    config = dataclasses.replace(
-        config, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall"
-    )
-    make_schedule_config_safe(config)
-    spec = with_thd_reference_attention(lambda c, vp_stage=None: tiny_layer_spec())(None)
-    chunks = wrap_in_ddp(_with_value_head(build_tiny_gpt(config, seed=SEED, layer_spec=spec)))
-    config.finalize_model_grads_func = finalize_model_grads
+    config, chunks = _verl_model(value_head=True)
     engine = _engine(ti, chunks, config, dynamic=True, pp=pp, vpp=1)
     engine.__class__ = ti.MegatronEngineWithValueHead
     # Record what the plan gave this rank in each pass (real micro-batches, count).
@@ -557,17 +555,7 @@ def _critic_body(verl_root, num, budget, long_every, agg_mode, scale):
         )
         return data
 
-    forward = batch()
-    out = engine.forward_backward_batch(forward, loss_function=None, forward_only=True)
-    last = ps.is_pipeline_last_stage(ignore_virtual=True)
-    values = no_padding_2_padding(out["model_output"]["values"], forward) if last else None
-    holder = [values]
-    dist.broadcast_object_list(
-        holder,
-        src=ps.get_pipeline_model_parallel_last_rank(),
-        group=ps.get_pipeline_model_parallel_group(),
-    )
-    old = holder[0].detach().clone()
+    old = _forward_only(engine, batch(), "values")
     train = batch(values=old)
     for chunk in chunks:
         chunk.zero_grad_buffer()
