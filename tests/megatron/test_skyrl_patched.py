@@ -604,10 +604,10 @@ def _reference_body(num, stepwise, loss_reduction, skyrl_root, window=None):
     ratio 1 (SkyRL's policy loss is a sum over tokens of pre-scaled advantages)."""
     _install_stubs()
     _import_skyrl(skyrl_root)
-    from megatron_dynbatch.mcore.forward import build_attention_mask
     from megatron_dynbatch.tools.testing.tiny_gpt import (
         build_tiny_gpt,
         named_global_grads,
+        response_outputs,
         tiny_transformer_config,
     )
 
@@ -617,14 +617,7 @@ def _reference_body(num, stepwise, loss_reduction, skyrl_root, window=None):
 
     def response_log_probs(i):
         p, r, _, _ = samples[i]
-        tokens = torch.cat([p, r])
-        length = tokens.numel()
-        logits = model(
-            tokens.unsqueeze(0),
-            torch.arange(length).unsqueeze(0),
-            build_attention_mask(torch.zeros(1, length, dtype=torch.int64)),
-        )[0]
-        scored = torch.log_softmax(logits.float(), dim=-1)[p.numel() - 1 : length - 1]
+        scored = torch.log_softmax(response_outputs(model, p, r).float(), dim=-1)
         return scored.gather(1, r.unsqueeze(1)).squeeze(1)
 
     model.zero_grad()

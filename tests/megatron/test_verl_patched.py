@@ -363,10 +363,10 @@ def _aggregated(per_token, mask, agg_mode, num, total_tokens, scale):
 def _reference_body(num, agg_mode, scale=None, long_every=0):
     """Each sample alone through a single-process tiny GPT, verl's PPO loss at ratio 1 with the
     aggregation written out over the whole batch."""
-    from megatron_dynbatch.mcore.forward import build_attention_mask
     from megatron_dynbatch.tools.testing.tiny_gpt import (
         build_tiny_gpt,
         named_global_grads,
+        response_outputs,
         tiny_transformer_config,
     )
 
@@ -375,14 +375,7 @@ def _reference_body(num, agg_mode, scale=None, long_every=0):
     [model] = build_tiny_gpt(tiny_transformer_config(), seed=SEED)
 
     def response_log_probs(p, r):
-        tokens = torch.cat([p, r])
-        length = tokens.numel()
-        logits = model(
-            tokens.unsqueeze(0),
-            torch.arange(length).unsqueeze(0),
-            build_attention_mask(torch.zeros(1, length, dtype=torch.int64)),
-        )[0]
-        scored = torch.log_softmax(logits.float(), dim=-1)[p.numel() - 1 : length - 1]
+        scored = torch.log_softmax(response_outputs(model, p, r).float(), dim=-1)
         return scored.gather(1, r.unsqueeze(1)).squeeze(1)
 
     model.zero_grad()
@@ -579,10 +572,10 @@ def _critic_body(verl_root, num, budget, long_every, agg_mode, scale):
 def _critic_reference_body(num, long_every, agg_mode, scale):
     """Each sample alone through the single-process value model; verl's value loss at the old
     values (no clipping), aggregated over the whole batch."""
-    from megatron_dynbatch.mcore.forward import build_attention_mask
     from megatron_dynbatch.tools.testing.tiny_gpt import (
         build_tiny_gpt,
         named_global_grads,
+        response_outputs,
         tiny_transformer_config,
     )
 
@@ -593,15 +586,7 @@ def _critic_reference_body(num, long_every, agg_mode, scale):
     total_tokens = sum(int(m.sum()) for _, _, m in samples)
     total, values = 0.0, []
     for i, (p, r, m) in enumerate(samples):
-        tokens = torch.cat([p, r])
-        length = tokens.numel()
-        out = model(
-            tokens.unsqueeze(0),
-            torch.arange(length).unsqueeze(0),
-            build_attention_mask(torch.zeros(1, length, dtype=torch.int64)),
-        )[0, :, 0]
-        # verl reads a response token's value at the position before it, as for log-probs.
-        v = out[p.numel() - 1 : length - 1]
+        v = response_outputs(model, p, r)[:, 0]
         values.append(v.detach())
         per_token = 0.5 * (v - returns[i, : r.numel()]) ** 2 * m
         total = total + _aggregated(per_token, m, agg_mode, num, total_tokens, scale)

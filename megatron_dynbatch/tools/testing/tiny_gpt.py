@@ -30,6 +30,7 @@ __all__ = [
     "TINY_VOCAB_SIZE",
     "tiny_transformer_config",
     "logprobs_from_logits",
+    "response_outputs",
     "make_schedule_config_safe",
     "tiny_layer_spec",
     "build_tiny_gpt",
@@ -418,3 +419,23 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     """
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     return logprobs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def response_outputs(model: GPTModel, prompt: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
+    """One sample alone through a single-process ``model``: its outputs (logits, or a value
+    head's values) at the positions that score the response tokens, ``[len(response), ...]``.
+
+    Response token ``t`` is predicted at position ``t - 1``, so the rows are positions
+    ``len(prompt) - 1 .. len(prompt) + len(response) - 2``: what RL trainers read their
+    log-probs and values from (the per-sample reference of the trainer tests).
+    """
+    from megatron_dynbatch.mcore.forward import build_attention_mask
+
+    tokens = torch.cat([prompt, response])
+    length = tokens.numel()
+    out = model(
+        tokens.unsqueeze(0),
+        torch.arange(length).unsqueeze(0),
+        build_attention_mask(torch.zeros(1, length, dtype=torch.int64)),
+    )[0]
+    return out[prompt.numel() - 1 : length - 1]
