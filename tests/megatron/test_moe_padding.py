@@ -125,16 +125,22 @@ def _observed_router_statistics():
         ) = originals
 
 
-def _dynamic_body():
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    ep = parallel_state.get_expert_model_parallel_world_size()
+def _rank_step(ranks):
+    """This DP rank's step of the plan ``ranks`` and its materialized micro-batches."""
     dp_rank = parallel_state.get_data_parallel_rank()
-    step = make_step_plan(RANKS, seq_length=SEQ_LENGTH, micro_batch_size=1)
+    step = make_step_plan(ranks, seq_length=SEQ_LENGTH, micro_batch_size=1)
     samples = _samples()
-    mine = {i: samples[i] for mb in RANKS[dp_rank] for i in mb}
+    mine = {i: samples[i] for mb in ranks[dp_rank] for i in mb}
     microbatches = materialize_microbatches(
         step, dp_rank, mine, BatchSchema(), layout="packed", sample_multiple=SAMPLE_MULTIPLE
     )
+    return step, microbatches
+
+
+def _dynamic_body():
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    step, microbatches = _rank_step(RANKS)
     chunks = wrap_in_ddp(build_tiny_gpt(_config(pp, ep), seed=SEED))
     configure_loss(chunks, "token-mean")
     with _observed_router_statistics() as stats:
@@ -142,7 +148,7 @@ def _dynamic_body():
     grads = named_global_grads(chunks)
     padding = [padding_mask_of(mb) for mb in microbatches]
     return {
-        "dp_rank": dp_rank,
+        "dp_rank": parallel_state.get_data_parallel_rank(),
         "stats": stats,
         "real_tokens": sum(int((~p).sum()) for p in padding),
         "padding_tokens": sum(int(p.sum()) for p in padding),
@@ -223,13 +229,7 @@ def _placeholder_rank_body():
 
     ranks = [[(0, 1), (2,)], [(), ()]]
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    dp_rank = parallel_state.get_data_parallel_rank()
-    step = make_step_plan(ranks, seq_length=SEQ_LENGTH, micro_batch_size=1)
-    samples = _samples()
-    mine = {i: samples[i] for mb in ranks[dp_rank] for i in mb}
-    microbatches = materialize_microbatches(
-        step, dp_rank, mine, BatchSchema(), layout="packed", sample_multiple=SAMPLE_MULTIPLE
-    )
+    step, microbatches = _rank_step(ranks)
     chunks = wrap_in_ddp(build_tiny_gpt(_config(pp, 1), seed=SEED))
     configure_loss(chunks, "token-mean")
     set_moe_metrics_tracker(MoEMetricsTracker())  # this case's records only
