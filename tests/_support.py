@@ -63,6 +63,16 @@ def make_step_plan(ranks, *, seq_length, micro_batch_size):
 # -- worker processes seen from outside (/proc) --------------------------------------------------
 
 
+def slime_tp(dp_size=1, cp_size=1, vpp_size=1, microbatch_group_size_per_vp_stage=1) -> dict:
+    """The parallel sizes slime passes ``build_dp_schedule`` (its ``tp`` dict, slime's key names)."""
+    return {
+        "dp_size": dp_size,
+        "cp_size": cp_size,
+        "vpp_size": vpp_size,
+        "microbatch_group_size_per_vp_stage": microbatch_group_size_per_vp_stage,
+    }
+
+
 def worker_pids(parent_pid: int) -> dict:
     """pid -> /proc comm of the live (not zombie) worker processes whose parent is parent_pid."""
     from megatron_dynbatch.tools.testing.workers import WORKER_NAME_PREFIX

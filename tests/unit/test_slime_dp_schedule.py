@@ -29,6 +29,7 @@ from megatron_dynbatch.planning import (
     SampleSet,
     check_plan,
 )
+from tests._support import slime_tp
 
 pytestmark = pytest.mark.unit
 
@@ -51,15 +52,6 @@ def make_args(**overrides):
     )
     values.update(overrides)
     return types.SimpleNamespace(**values)
-
-
-def make_tp(dp_size=1, cp_size=1, vpp_size=1, microbatch_group_size_per_vp_stage=1):
-    return {
-        "dp_size": dp_size,
-        "cp_size": cp_size,
-        "vpp_size": vpp_size,
-        "microbatch_group_size_per_vp_stage": microbatch_group_size_per_vp_stage,
-    }
 
 
 def check_slime_invariants(schedule, *, dp_size, expected, total_lengths, cap=None, group=1):
@@ -110,7 +102,7 @@ def test_514_samples_at_dp4_with_vpp_all_train_with_equal_counts():
     lengths = [20000] * len(rollout_ids)
     assert len(lengths) == 514
     args = make_args(max_tokens_per_gpu=32768, pipeline_model_parallel_size=2)
-    tp = make_tp(dp_size=4, vpp_size=2, microbatch_group_size_per_vp_stage=2)
+    tp = slime_tp(dp_size=4, vpp_size=2, microbatch_group_size_per_vp_stage=2)
     schedule = build_dp_schedule(
         args, tp, lengths, global_batch_size=512, rollout_indices=rollout_ids
     )
@@ -134,7 +126,11 @@ def test_ragged_rollouts_at_dp4_every_sample_trains(sizes):
     lengths = [20000] * len(rollout_ids)
     args = make_args(max_tokens_per_gpu=32768)
     schedule = build_dp_schedule(
-        args, make_tp(dp_size=4), lengths, global_batch_size=len(sizes), rollout_indices=rollout_ids
+        args,
+        slime_tp(dp_size=4),
+        lengths,
+        global_batch_size=len(sizes),
+        rollout_indices=rollout_ids,
     )
     check_slime_invariants(
         schedule, dp_size=4, expected=range(len(lengths)), total_lengths=lengths, cap=32768
@@ -148,7 +144,7 @@ def test_fewer_samples_than_ranks_gives_a_rank_only_placeholders():
     """slime #1860: a rank without samples runs placeholders (empty lists), never nothing."""
     schedule = build_dp_schedule(
         make_args(max_tokens_per_gpu=100),
-        make_tp(dp_size=4),
+        slime_tp(dp_size=4),
         [30, 40],
         global_batch_size=2,
         rollout_indices=[0, 1],
@@ -169,7 +165,7 @@ def test_trailing_rollouts_train_in_a_short_last_step():
     lengths = [3] * 8
     schedule = build_dp_schedule(
         make_args(max_tokens_per_gpu=12),
-        make_tp(dp_size=1),
+        slime_tp(dp_size=1),
         lengths,
         global_batch_size=2,
         rollout_indices=rollout_ids,
@@ -182,7 +178,7 @@ def test_trailing_rollouts_train_in_a_short_last_step():
 def test_fewer_rollouts_than_global_batch_size_train_as_one_step():
     schedule = build_dp_schedule(
         make_args(max_tokens_per_gpu=12),
-        make_tp(dp_size=1),
+        slime_tp(dp_size=1),
         [3] * 6,
         global_batch_size=4,
         rollout_indices=[0, 0, 1, 1, 2, 2],
@@ -202,7 +198,7 @@ def test_oversize_sample_runs_alone(policy):
         warnings.simplefilter("always")
         schedule = build_dp_schedule(
             make_args(max_tokens_per_gpu=10, **extra),
-            make_tp(dp_size=2),
+            slime_tp(dp_size=2),
             lengths,
             global_batch_size=8,
             rollout_indices=list(range(8)),
@@ -223,7 +219,7 @@ def test_oversize_samples_error_stops_before_any_model_work():
     with pytest.raises(ValueError, match=r"15") as caught:
         build_dp_schedule(
             make_args(max_tokens_per_gpu=10, oversize_samples="error"),
-            make_tp(dp_size=2),
+            slime_tp(dp_size=2),
             lengths,
             global_batch_size=4,
             rollout_indices=list(range(4)),
@@ -235,7 +231,7 @@ def test_oversize_samples_error_stops_before_any_model_work():
     with pytest.raises(ValueError, match="--oversize-samples allow \\(default\\) or error"):
         build_dp_schedule(
             make_args(max_tokens_per_gpu=10, oversize_samples="truncate"),
-            make_tp(dp_size=2),
+            slime_tp(dp_size=2),
             lengths,
             global_batch_size=4,
             rollout_indices=list(range(4)),
@@ -251,7 +247,7 @@ def test_row_alignment_never_breaks_the_token_budget():
     lengths = [990, 400, 500, 300, 999, 20]
     schedule = build_dp_schedule(
         make_args(max_tokens_per_gpu=1000),
-        make_tp(dp_size=2),
+        slime_tp(dp_size=2),
         lengths,
         global_batch_size=6,
         rollout_indices=list(range(6)),
@@ -259,7 +255,7 @@ def test_row_alignment_never_breaks_the_token_budget():
     assert schedule.seq_lengths == [999]
     short = build_dp_schedule(
         make_args(max_tokens_per_gpu=1000),
-        make_tp(dp_size=2),
+        slime_tp(dp_size=2),
         [n // 10 for n in lengths],
         global_batch_size=6,
         rollout_indices=list(range(6)),
@@ -273,7 +269,7 @@ def test_return_value_unpacks_as_slimes_and_carries_row_shapes():
     lengths = [100, 200, 300, 50, 60, 70, 80, 90]
     schedule = build_dp_schedule(
         make_args(max_tokens_per_gpu=300, tensor_model_parallel_size=2),
-        make_tp(dp_size=2),
+        slime_tp(dp_size=2),
         lengths,
         global_batch_size=4,
         rollout_indices=list(range(8)),
@@ -321,7 +317,7 @@ def test_return_value_unpacks_as_slimes_and_carries_row_shapes():
 def test_numpy_integers_are_accepted():
     schedule = build_dp_schedule(
         make_args(max_tokens_per_gpu=np.int64(64)),
-        {k: np.int32(v) for k, v in make_tp(dp_size=2).items()},
+        {k: np.int32(v) for k, v in slime_tp(dp_size=2).items()},
         np.array([10, 20, 30, 40], dtype=np.int64),
         global_batch_size=np.int64(4),
         rollout_indices=np.arange(4),
@@ -334,7 +330,7 @@ def test_samples_of_a_rollout_stay_in_one_step_non_contiguous_ids():
     lengths = [5, 6, 7, 8, 9, 10, 11]
     schedule = build_dp_schedule(
         make_args(max_tokens_per_gpu=20),
-        make_tp(dp_size=2),
+        slime_tp(dp_size=2),
         lengths,
         global_batch_size=2,
         rollout_indices=rollout_ids,
@@ -372,7 +368,7 @@ def _cases(draw):
 def test_dynamic_path_keeps_every_guarantee(case):
     dp, vpp, group, cp, cap, ids, lengths, gbs = case
     args = make_args(max_tokens_per_gpu=cap, pipeline_model_parallel_size=2 if vpp > 1 else 1)
-    tp = make_tp(dp_size=dp, cp_size=cp, vpp_size=vpp, microbatch_group_size_per_vp_stage=group)
+    tp = slime_tp(dp_size=dp, cp_size=cp, vpp_size=vpp, microbatch_group_size_per_vp_stage=group)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", OversizeSampleWarning)
         schedule = build_dp_schedule(args, tp, lengths, global_batch_size=gbs, rollout_indices=ids)
@@ -414,7 +410,7 @@ def test_dynamic_path_keeps_every_guarantee(case):
 def test_static_stride_matches_slime_expectations():
     schedule = build_dp_schedule(
         make_args(use_dynamic_batch_size=False, micro_batch_size=2),
-        make_tp(dp_size=4),
+        slime_tp(dp_size=4),
         [10] * 16,
         global_batch_size=16,
         rollout_indices=list(range(16)),
@@ -430,7 +426,7 @@ def test_static_balance_data_matches_slime_expectations():
     """slime's test_balance_data_distributes_by_flops: the same Karmarkar-Karp assignment."""
     schedule = build_dp_schedule(
         make_args(use_dynamic_batch_size=False, micro_batch_size=1, balance_data=True),
-        make_tp(dp_size=2),
+        slime_tp(dp_size=2),
         [1, 2, 3, 4, 5, 7, 9, 10],
         global_batch_size=8,
         rollout_indices=list(range(8)),
@@ -442,16 +438,16 @@ def test_static_balance_data_matches_slime_expectations():
 def test_static_path_trims_and_asserts_as_slime_does():
     args = make_args(use_dynamic_batch_size=False, micro_batch_size=1)
     schedule = build_dp_schedule(
-        args, make_tp(dp_size=1), [3] * 5, global_batch_size=2, rollout_indices=list(range(5))
+        args, slime_tp(dp_size=1), [3] * 5, global_batch_size=2, rollout_indices=list(range(5))
     )
     assert schedule.global_batch_sizes == [2, 2]  # rollout 4 is trimmed, as in slime
     with pytest.raises(AssertionError, match="num_rollouts"):
         build_dp_schedule(
-            args, make_tp(dp_size=1), [3] * 3, global_batch_size=4, rollout_indices=[0, 1, 2]
+            args, slime_tp(dp_size=1), [3] * 3, global_batch_size=4, rollout_indices=[0, 1, 2]
         )
     with pytest.raises(DPScheduleError, match="not a multiple of dp_size"):
         build_dp_schedule(
-            args, make_tp(dp_size=4), [3] * 5, global_batch_size=5, rollout_indices=list(range(5))
+            args, slime_tp(dp_size=4), [3] * 5, global_batch_size=5, rollout_indices=list(range(5))
         )
 
 
@@ -472,7 +468,7 @@ def test_static_path_trims_and_asserts_as_slime_does():
         (dict(rollout_indices=[0, 1]), "2 rollout_indices for 1 total_lengths"),
         (dict(rollout_indices=[0.5]), r"rollout_indices\[0\]=0.5"),
         (dict(tp={"cp_size": 1}), "no 'dp_size'"),
-        (dict(tp=dict(make_tp(), dp_size="2")), "dp_size"),
+        (dict(tp=dict(slime_tp(), dp_size="2")), "dp_size"),
         (dict(args=make_args(max_tokens_per_gpu=None)), "--max-tokens-per-gpu"),
         (dict(args=make_args(max_tokens_per_gpu=1.5)), "max_tokens_per_gpu=1.5"),
         (dict(args=make_args(use_dynamic_batch_size="yes")), "use_dynamic_batch_size='yes'"),
@@ -481,7 +477,7 @@ def test_static_path_trims_and_asserts_as_slime_does():
 def test_bad_arguments_raise_value_errors(change, match):
     kwargs = dict(
         args=make_args(max_tokens_per_gpu=64),
-        tp=make_tp(dp_size=1),
+        tp=slime_tp(dp_size=1),
         total_lengths=[5],
         global_batch_size=1,
         rollout_indices=[0],
@@ -532,7 +528,7 @@ def test_static_path_equals_slimes_function(seed, balance):
     n = per_step * num_steps + int(rng.integers(0, 3))
     lengths = [int(x) for x in rng.integers(1, 4000, size=n)]
     args = make_args(use_dynamic_batch_size=False, micro_batch_size=mbs, balance_data=balance)
-    tp = make_tp(dp_size=dp, vpp_size=vpp, microbatch_group_size_per_vp_stage=group)
+    tp = slime_tp(dp_size=dp, vpp_size=vpp, microbatch_group_size_per_vp_stage=group)
     kwargs = dict(global_batch_size=per_step, rollout_indices=list(range(n)))
     theirs = slime_schedule(args, tp, lengths, **kwargs)
     ours = build_dp_schedule(args, tp, lengths, **kwargs)
@@ -572,7 +568,7 @@ def test_a_partial_or_attribute_parallel_config_means_the_features_are_off():
     """Only dp_size is required; cp / vpp default to 1, the group to Megatron's default."""
     lengths = [50, 60, 70, 20, 30]
     args = make_args(max_tokens_per_gpu=100)
-    full = build_dp_schedule(args, make_tp(dp_size=2), lengths, 5, list(range(5)))
+    full = build_dp_schedule(args, slime_tp(dp_size=2), lengths, 5, list(range(5)))
     assert tuple(build_dp_schedule(args, {"dp_size": 2}, lengths, 5, list(range(5)))) == tuple(full)
     as_object = types.SimpleNamespace(dp_size=2, vpp_size=2)
     interleaved = build_dp_schedule(args, as_object, lengths, 5, list(range(5)))

@@ -21,6 +21,7 @@ from megatron_dynbatch.integrations.slime.config import (
     check_index,
     dynbatch_config_from_slime_args,
 )
+from tests._support import slime_tp
 
 pytestmark = pytest.mark.unit
 
@@ -60,12 +61,7 @@ def _random_case(rng):
         pipeline_model_parallel_size=pp,
         data_pad_size_multiplier=rng.choice([None, 1, 64]),
     )
-    tp = {
-        "dp_size": dp,
-        "cp_size": 1,
-        "vpp_size": vpp,
-        "microbatch_group_size_per_vp_stage": group,
-    }
+    tp = slime_tp(dp, 1, vpp, group)
     return args, tp, lengths, ids, gbs, group
 
 

@@ -19,6 +19,7 @@ from benchmarks import as_run
 from megatron_dynbatch.adapters.slime import build_dp_schedule
 from megatron_dynbatch.planning import PlannerConfig, plan_schedule
 from megatron_dynbatch.planning.spec import ParallelLayout, round_up
+from tests._support import slime_tp
 
 pytestmark = pytest.mark.unit
 
@@ -37,15 +38,6 @@ def _args(**overrides):
     )
     values.update(overrides)
     return types.SimpleNamespace(**values)
-
-
-def _config(dp=1, cp=1, vpp=1, group=1):
-    return {
-        "dp_size": dp,
-        "cp_size": cp,
-        "vpp_size": vpp,
-        "microbatch_group_size_per_vp_stage": group,
-    }
 
 
 def _random_layout(rng):
@@ -73,7 +65,7 @@ def test_every_row_holds_its_samples_within_the_budget():
         )
         schedule = build_dp_schedule(
             args,
-            _config(dp, cp, vpp, pp),
+            slime_tp(dp, cp, vpp, pp),
             lengths,
             global_batch_size=n,
             rollout_indices=list(range(n)),
@@ -103,7 +95,7 @@ def test_every_row_holds_its_samples_within_the_budget():
 
 def test_rows_vary_by_default_and_stay_uniform_without_shape_exchange():
     lengths = [3000, 200, 150, 2900, 100, 80, 2500, 60]
-    config = _config(dp=2)
+    config = slime_tp(dp_size=2)
     variable = build_dp_schedule(
         _args(), config, lengths, global_batch_size=8, rollout_indices=list(range(8))
     )
@@ -132,7 +124,7 @@ def test_placeholders_run_the_shortest_row():
     lengths = [3000, 200, 1500]
     schedule = build_dp_schedule(
         _args(pipeline_model_parallel_size=4),
-        _config(dp=2, vpp=2, group=4),
+        slime_tp(dp_size=2, vpp_size=2, microbatch_group_size_per_vp_stage=4),
         lengths,
         global_batch_size=3,
         rollout_indices=[0, 1, 2],
@@ -161,7 +153,7 @@ def test_no_dp_rank_idles_when_the_step_has_a_sample_for_each():
                 tensor_model_parallel_size=tp,
                 pipeline_model_parallel_size=pp,
             ),
-            _config(dp, cp, vpp, pp),
+            slime_tp(dp, cp, vpp, pp),
             lengths,
             global_batch_size=len(dict.fromkeys(ids)),
             rollout_indices=ids,
