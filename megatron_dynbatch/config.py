@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Union
 
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning.spec import (
     ATTENTION_KINDS,
     LAYOUTS,
@@ -149,7 +150,7 @@ class DynBatchConfig:
 
     def __post_init__(self) -> None:
         if self.max_tokens_per_gpu is None:
-            raise ValueError(
+            raise DynBatchValueError(
                 "max_tokens_per_gpu is not set; pass --max-tokens-per-gpu (or set "
                 "max_tokens_per_gpu in the --dynamic-batch-config YAML) with the token budget of "
                 "one micro-batch on one GPU."
@@ -158,12 +159,12 @@ class DynBatchConfig:
         _positive_int(self, "log_probs_max_tokens_per_gpu", optional=True)
         _positive_int(self, "rollouts_per_step", optional=True)
         if self.layout not in LAYOUTS:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"layout={self.layout!r} is not one of {LAYOUTS}; pass --dynamic-batch-layout "
                 "packed or padded."
             )
         if self.oversize_samples not in OVERSIZE_POLICIES:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"oversize_samples={self.oversize_samples!r} is not one of {OVERSIZE_POLICIES}; "
                 f"fix {FLAGS['oversize_samples']}."
             )
@@ -172,26 +173,28 @@ class DynBatchConfig:
             if value is None and name in _OPTIONAL_COST_FIELDS:
                 continue
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise ValueError(f"{name}={value!r} must be a number; fix {FLAGS[name]}.")
+                raise DynBatchValueError(f"{name}={value!r} must be a number; fix {FLAGS[name]}.")
             if not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name}={value!r} must be finite and >= 0; fix {FLAGS[name]}.")
+                raise DynBatchValueError(
+                    f"{name}={value!r} must be finite and >= 0; fix {FLAGS[name]}."
+                )
             # Normalise YAML integers (``cost_token_weight: 1``) so equal configs compare equal.
             object.__setattr__(self, name, float(value))
         if self.cost_attention is not None and self.cost_attention not in ATTENTION_KINDS:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"cost_attention={self.cost_attention!r} is not one of {ATTENTION_KINDS}; fix "
                 f"{FLAGS['cost_attention']} (or leave it out to follow the attention backend)."
             )
         if self.min_gain is not None:
             gain = self.min_gain
             if isinstance(gain, bool) or not isinstance(gain, numbers.Real) or not 0 <= gain < 1:
-                raise ValueError(
+                raise DynBatchValueError(
                     f"min_gain={gain!r} must be a number in [0, 1); fix {FLAGS['min_gain']} "
                     "(0.03: more micro-batches only for a 3% faster predicted step)."
                 )
             object.__setattr__(self, "min_gain", float(gain))
         if self.cost_token_weight == self.cost_attention_weight == self.cost_response_weight == 0:
-            raise ValueError(
+            raise DynBatchValueError(
                 "every cost-model weight is 0, so the planner cannot balance ranks; set "
                 "--dynamic-batch-cost-token-weight (default 1.0) above 0."
             )
@@ -247,7 +250,7 @@ class DynBatchConfig:
                 row_multiple=1 if row_multiple is None else row_multiple,
             )
         except ValueError as error:
-            raise ValueError(f"{budget_flag}: {error}") from error
+            raise DynBatchValueError(f"{budget_flag}: {error}") from error
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(DynBatchConfig))
@@ -282,7 +285,7 @@ def config_from_mapping(
     if table is None:
         unknown = sorted(set(values) - set(_FIELDS))
         if unknown:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"unknown dynamic-batch config key(s) {unknown}; valid keys are {list(_FIELDS)}."
             )
         fields = dict(values)
@@ -290,7 +293,9 @@ def config_from_mapping(
         assert set(table.values()) <= set(_FIELDS), f"{host}: table names unknown fields"
         unknown = sorted(set(values) - set(table))
         if unknown:
-            raise ValueError(f"{host}: unknown option(s) {unknown}; valid: {sorted(table)}.")
+            raise DynBatchValueError(
+                f"{host}: unknown option(s) {unknown}; valid: {sorted(table)}."
+            )
         fields = {table[name]: value for name, value in values.items()}
     fixed = dict(fixed or {})
     assert not set(fixed) & set(fields), f"{host}: fixed fields also given as options"
@@ -356,29 +361,31 @@ def load_yaml_config(path: Union[str, os.PathLike]) -> Dict[str, Any]:
 
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise ValueError(f"--dynamic-batch-config {path!r} does not exist or is not a file.")
+        raise DynBatchValueError(
+            f"--dynamic-batch-config {path!r} does not exist or is not a file."
+        )
     with open(path, encoding="utf-8") as handle:
         try:
             data = yaml.load(handle, Loader=_strict_loader())  # noqa: S506 - a SafeLoader
         except yaml.YAMLError as error:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"--dynamic-batch-config {path!r} is not valid YAML: {error}"
             ) from error
         except RecursionError:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"--dynamic-batch-config {path!r} is nested too deeply to be a config; it must be "
                 "a flat mapping of key: value."
             ) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ValueError(
+        raise DynBatchValueError(
             f"--dynamic-batch-config {path!r} must hold a mapping of key: value, got "
             f"{type(data).__name__}."
         )
     unknown = sorted(str(key) for key in set(data) - set(_FIELDS))
     if unknown:
-        raise ValueError(
+        raise DynBatchValueError(
             f"--dynamic-batch-config {path!r}: unknown key(s) {unknown}; valid keys are "
             f"{list(_FIELDS)}."
         )

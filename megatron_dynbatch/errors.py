@@ -8,7 +8,7 @@ subclasses (``PlanInvariantError``): they mean a bug here, not in the caller's i
 
 from __future__ import annotations
 
-__all__ = ["DynBatchError", "DynBatchValueError"]
+__all__ = ["DynBatchError", "DynBatchRuntimeError", "DynBatchTypeError", "DynBatchValueError"]
 
 
 class DynBatchError(Exception):
@@ -17,3 +17,11 @@ class DynBatchError(Exception):
 
 class DynBatchValueError(DynBatchError, ValueError):
     """Bad input: the message names the values and says how to fix them."""
+
+
+class DynBatchRuntimeError(DynBatchError, RuntimeError):
+    """A run-time condition this package detected and refuses (not bad input): the message says why."""
+
+
+class DynBatchTypeError(DynBatchError, TypeError):
+    """An argument of the wrong type: the message names it and the type expected."""

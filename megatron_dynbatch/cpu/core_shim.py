@@ -21,6 +21,8 @@ import types
 
 import torch
 
+from megatron_dynbatch.errors import DynBatchRuntimeError
+
 __all__ = ["apply_cpu_shim", "cpu_torch_proxy", "register_triton_stand_in"]
 
 # Megatron modules whose module-level ``torch`` gets the CPU proxy, each with the reason.
@@ -166,7 +168,7 @@ def register_triton_stand_in() -> None:
     stand_in.__doc__ = "CPU stand-in registered by megatron_dynbatch.cpu.core_shim (no triton)."
 
     def _kernel_unavailable(*args, **kwargs):
-        raise RuntimeError(
+        raise DynBatchRuntimeError(
             "MoE paged-stash Triton kernels are unavailable: triton is not installed and "
             "megatron_dynbatch's CPU shim is active. Disable moe_paged_stash on CPU."
         )

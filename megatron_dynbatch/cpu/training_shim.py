@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from megatron_dynbatch.cpu.core_shim import apply_cpu_shim, cpu_torch_proxy
+from megatron_dynbatch.errors import DynBatchValueError
 
 __all__ = [
     "CPU_DEFAULTS",
@@ -147,25 +148,25 @@ def check_cpu_args(args: Any) -> None:
         return
     for dest, (value, flag, why) in CPU_DEFAULTS.items():
         if hasattr(args, dest) and getattr(args, dest) != value:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"this machine has no CUDA, and {dest}={getattr(args, dest)!r} needs it ({why}); "
                 f"pass {flag} or leave the flag out (it is the default without CUDA)."
             )
     for dest, flag in (("fp16", "--fp16"), ("bf16", "--bf16")):
         if getattr(args, dest, False):
-            raise ValueError(
+            raise DynBatchValueError(
                 f"{flag} is not supported on CPU (Megatron's mixed-precision optimizer and loss "
                 f"scaler are CUDA-only); remove {flag} to train in fp32."
             )
     if getattr(args, "use_distributed_optimizer", False):
-        raise ValueError(
+        raise DynBatchValueError(
             "--use-distributed-optimizer is not supported on CPU (megatron-core's "
             "DistributedOptimizer accepts only torch.cuda tensors); remove it, and "
             "--overlap-param-gather with it, for the CPU run. On GPUs keep it: dynamic batching "
             "does not change the optimizer."
         )
     if getattr(args, "sequence_parallel", False):
-        raise ValueError(
+        raise DynBatchValueError(
             "--sequence-parallel is not supported on CPU (it needs transformer-engine's or apex's "
             "layer norm; Megatron's torch LayerNorm, the one without CUDA, refuses it); remove it "
             "for the CPU run, tensor parallelism itself runs."

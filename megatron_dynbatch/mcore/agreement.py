@@ -27,7 +27,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.errors import DynBatchRuntimeError, DynBatchValueError
 
 __all__ = [
     "StepAgreementError",
@@ -95,7 +95,7 @@ def _gather(payload: torch.Tensor, group) -> List[Tuple[bool, Optional[int], str
 
 def _require_initialized() -> None:
     if not dist.is_initialized():
-        raise RuntimeError(
+        raise DynBatchRuntimeError(
             "torch.distributed is not initialized; dynamic batching checks that all ranks are "
             "ready for the same step before the pipeline starts, so initialise the process group "
             "first (Megatron does)."

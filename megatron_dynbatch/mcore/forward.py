@@ -17,6 +17,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.mcore.moe import is_moe_model, padding_mask_of, placeholder_routing
 
 __all__ = [
@@ -45,7 +46,7 @@ def build_attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:
         to key k.
     """
     if segment_ids.dim() != 2:
-        raise ValueError(
+        raise DynBatchValueError(
             f"segment_ids must be [batch, seq], got shape {tuple(segment_ids.shape)}; "
             "pass one row of segment ids per packed sequence."
         )
@@ -68,7 +69,7 @@ def packed_seq_params_from_batch(batch: dict):
 
     tokens = batch["tokens"]
     if tokens.shape[0] != 1:
-        raise ValueError(
+        raise DynBatchValueError(
             f"THD packing needs micro_batch_size 1, got a [{tokens.shape[0]}, {tokens.shape[1]}] "
             "micro-batch; use --dynamic-batch-layout packed, or the attention mask for padded rows."
         )
@@ -118,7 +119,7 @@ def _attention(batch: dict, thd: bool) -> tuple:
     if "cu_seqlens" in batch and int(batch["segment_ids"].max()) > 1:
         # The planner packs B > 1 rows only for row-wise attention (dense, causal); THD costs a
         # row of B * S holding the same samples no more, so it plans one row a micro-batch.
-        raise ValueError(
+        raise DynBatchValueError(
             f"a packed micro-batch of {batch['tokens'].shape[0]} rows reached THD attention, "
             "which runs one packed row a micro-batch; plan with the cost model's attention kind "
             "'segment' (the default with transformer-engine: drop --dynamic-batch-cost-attention "
@@ -127,7 +128,7 @@ def _attention(batch: dict, thd: bool) -> tuple:
     # segment_ids: 0 for a row's only sample, 1 for its padding tail; more means packed samples,
     # which a causal mask would let attend to each other.
     if int(batch["segment_ids"].max()) > 1:
-        raise ValueError(
+        raise DynBatchValueError(
             "a micro-batch with several samples per row needs 'cu_seqlens' for THD attention; "
             "materialize it with megatron_dynbatch.runtime.materialize_microbatches (which adds "
             "them), or use the local transformer implementation (block-diagonal mask)."
@@ -166,7 +167,7 @@ def make_forward_step(
         ``labels`` / ``loss_mask``, every stage the attention layout of the same micro-batch.
     """
     if loss_fn is None and not collect_logprobs:
-        raise ValueError("make_forward_step needs a loss_fn unless collect_logprobs=True.")
+        raise DynBatchValueError("make_forward_step needs a loss_fn unless collect_logprobs=True.")
 
     def forward_step(data_iterator: Iterator[dict], model: torch.nn.Module):
         if timers is not None:
@@ -174,7 +175,7 @@ def make_forward_step(
         batch = next(data_iterator)
         missing = [key for key in MICROBATCH_KEYS if key not in batch]
         if missing:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"micro-batch is missing {missing} (has {sorted(batch)}); every micro-batch needs "
                 f"{list(MICROBATCH_KEYS)}, with segment_ids marking the samples of packed rows."
             )

@@ -30,6 +30,8 @@ from typing import Iterator, Mapping, Optional
 
 import torch
 
+from megatron_dynbatch.errors import DynBatchValueError
+
 __all__ = ["is_moe_model", "padding_mask_of", "placeholder_routing"]
 
 
@@ -135,7 +137,7 @@ def placeholder_routing(
     if config.recompute_granularity is not None and (
         config.recompute_granularity == "full" or "moe" in (config.recompute_modules or ())
     ):
-        raise ValueError(
+        raise DynBatchValueError(
             "a placeholder micro-batch (padding only) reached MoE layers with an auxiliary "
             f"load-balancing loss ({config.moe_router_load_balancing_type}) and activation "
             f"recomputation (recompute_granularity={config.recompute_granularity!r}, "

@@ -55,7 +55,7 @@ def check_schedule_config(config: TransformerConfig) -> None:
     vpp = config.virtual_pipeline_model_parallel_size
     pp = config.pipeline_model_parallel_size
     if vpp is not None and pp == 2 and config.batch_p2p_comm:
-        raise ValueError(
+        raise DynBatchValueError(
             f"batch_p2p_comm=True with the interleaved schedule (virtual_pipeline_model_parallel_"
             f"size={vpp}) and pipeline_model_parallel_size=2 gives silently wrong gradients in "
             "megatron.core: both pipeline neighbours are the same rank, so batched sends pair with "
@@ -65,7 +65,7 @@ def check_schedule_config(config: TransformerConfig) -> None:
     if interleaved_shape_exchange_hangs(
         pp, vpp is not None, config.variable_seq_lengths, config.overlap_p2p_comm
     ):
-        raise ValueError(
+        raise DynBatchValueError(
             f"variable_seq_lengths=True with the interleaved schedule (virtual_pipeline_model_"
             f"parallel_size={vpp}), pipeline_model_parallel_size=2 and overlap_p2p_comm=False "
             "hangs in megatron.core: shapes are exchanged with batched sends and receives, and "
@@ -162,7 +162,7 @@ def run_forward_backward(
         pp_size = pg_collection.pp.size()
     vp_size = config.virtual_pipeline_model_parallel_size
     if len(model_chunks) != (vp_size or 1):
-        raise ValueError(
+        raise DynBatchValueError(
             f"{len(model_chunks)} model chunks for virtual_pipeline_model_parallel_size={vp_size}; "
             "pass every model chunk of this rank (one per virtual stage)."
         )

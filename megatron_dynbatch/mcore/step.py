@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.mcore.forward import make_forward_step
 from megatron_dynbatch.mcore.schedule import run_forward_backward
 from megatron_dynbatch.planning import StepPlan
@@ -90,7 +91,7 @@ def configure_loss(model_chunks: Sequence[torch.nn.Module], aggregation: str) ->
     for chunk in model_chunks:
         config = chunk.config
         if not config.calculate_per_token_loss:
-            raise ValueError(
+            raise DynBatchValueError(
                 "TransformerConfig.calculate_per_token_loss is False; dynamic batching needs it True "
                 "so micro-batches with different token counts are weighted exactly (set "
                 "--calculate-per-token-loss, or the field, before building the model: Megatron's "
@@ -103,7 +104,7 @@ def configure_loss(model_chunks: Sequence[torch.nn.Module], aggregation: str) ->
 
 def _seq_length_and_mbs(step: StepPlan, microbatches: Sequence[Mapping[str, torch.Tensor]]):
     if len(microbatches) != step.num_microbatches:
-        raise ValueError(
+        raise DynBatchValueError(
             f"{len(microbatches)} micro-batches for a step planned with num_microbatches="
             f"{step.num_microbatches}; materialize this rank's micro-batches from the same plan."
         )

@@ -39,6 +39,8 @@ from __future__ import annotations
 import math
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
+from megatron_dynbatch.errors import DynBatchValueError
+
 from .spec import CostModel, round_up
 
 __all__ = [
@@ -212,7 +214,7 @@ def check_cost_is_finite(model: CostModel, longest_row: int) -> None:
     # A step sums thousands of micro-batches and simulates their backward passes: keep headroom.
     total = sum(worst.values()) * 1e9
     if not math.isfinite(total):
-        raise ValueError(
+        raise DynBatchValueError(
             f"the cost model overflows a float for rows of {longest_row} tokens ("
             + ", ".join(f"{name}={getattr(model, name)!r}" for name in worst)
             + "); the weights are relative: keep the token weight near 1 and the attention "

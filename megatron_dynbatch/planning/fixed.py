@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence
 
+from megatron_dynbatch.errors import DynBatchValueError
+
 from .plan import Plan, PlanStats, StepPlan
 from .samples import SampleSet
 from .spec import ceil_div, round_up
@@ -42,10 +44,10 @@ def plan_fixed_microbatches(
         ("microbatch_multiple", microbatch_multiple),
     ):
         if value < 1:
-            raise ValueError(f"{name}={value} must be >= 1.")
+            raise DynBatchValueError(f"{name}={value} must be >= 1.")
     longest = max(samples.lengths)
     if longest > seq_length:
-        raise ValueError(
+        raise DynBatchValueError(
             f"a sample of {longest} tokens does not fit seq_length={seq_length}; raise --seq-length "
             f"(fixed batching pads every sample to it)."
         )

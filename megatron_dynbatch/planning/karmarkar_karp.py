@@ -28,6 +28,8 @@ from __future__ import annotations
 import heapq
 from typing import Any, List, Literal, Optional, Sequence, Tuple
 
+from megatron_dynbatch.errors import DynBatchValueError
+
 __all__ = ["karmarkar_karp", "merge_by_differencing"]
 
 
@@ -134,9 +136,11 @@ def karmarkar_karp(
         ValueError: ``k < 1``, or ``equal_size`` with a count that ``k`` does not divide.
     """
     if k < 1:
-        raise ValueError(f"k={k} must be >= 1.")
+        raise DynBatchValueError(f"k={k} must be >= 1.")
     if equal_size and len(values) % k:
-        raise ValueError(f"equal_size needs len(values)={len(values)} to be a multiple of k={k}.")
+        raise DynBatchValueError(
+            f"equal_size needs len(values)={len(values)} to be a multiple of k={k}."
+        )
     ordered = sorted((value, i) for i, value in enumerate(values))
     step = k if equal_size else 1
     partials = []

@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Dict, List, Sequence, Tuple
 
+from megatron_dynbatch.errors import DynBatchValueError
+
 from .spec import ceil_div
 
 __all__ = ["StepPlan", "PlanStats", "Plan"]
@@ -77,7 +79,9 @@ class StepPlan:
     def rank_microbatches(self, dp_rank: int) -> Tuple[MicroBatch, ...]:
         """The ordered micro-batches of one DP rank."""
         if not 0 <= dp_rank < len(self.ranks):
-            raise ValueError(f"dp_rank={dp_rank} is outside [0, {len(self.ranks)}) for this plan.")
+            raise DynBatchValueError(
+                f"dp_rank={dp_rank} is outside [0, {len(self.ranks)}) for this plan."
+            )
         return self.ranks[dp_rank]
 
     def sample_indices(self) -> Tuple[int, ...]:

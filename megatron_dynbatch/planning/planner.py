@@ -26,6 +26,8 @@ import itertools
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from megatron_dynbatch.errors import DynBatchValueError
+
 from .cost import check_cost_is_finite, sample_costs
 from .plan import Plan, PlanStats, StepPlan
 from .samples import SampleSet
@@ -67,7 +69,7 @@ def plan_schedule(
             oversize sample under ``oversize_samples="error"``, or cost weights that overflow.
     """
     if not isinstance(config, PlannerConfig):
-        raise ValueError(f"config must be a PlannerConfig, got {type(config).__name__}.")
+        raise DynBatchValueError(f"config must be a PlannerConfig, got {type(config).__name__}.")
     return plan_samples(SampleSet.build(lengths, rollout_ids, prompt_lengths), config)
 
 
@@ -155,7 +157,7 @@ def _apply_oversize_policy(samples: SampleSet, config: PlannerConfig) -> Dict[in
     if config.oversize_samples == "error":
         shown = ", ".join(f"sample {i}: {samples.lengths[i]} tokens" for i in oversize[:_LISTED])
         more = f" (and {len(oversize) - _LISTED} more)" if len(oversize) > _LISTED else ""
-        raise ValueError(
+        raise DynBatchValueError(
             f"{len(oversize)} sample(s) exceed the token cap {cap} (max_tokens_per_gpu="
             f"{config.max_tokens_per_gpu} x cp_size={config.parallel.cp_size}): {shown}{more}. "
             "Raise --max-tokens-per-gpu, drop or shorten them, or pass --oversize-samples "

@@ -12,6 +12,8 @@ import reprlib
 from dataclasses import dataclass
 from typing import Any, Hashable, List, Mapping, Optional, Sequence, Tuple
 
+from megatron_dynbatch.errors import DynBatchValueError
+
 from .spec import MAX_TOKENS, as_int
 
 __all__ = ["SampleSet", "parse_samples_json", "rollout_key"]
@@ -35,7 +37,7 @@ def rollout_key(value: Any, index: int) -> Hashable:
     number = as_int(value)
     if number is not None:
         return ("int", number)
-    raise ValueError(
+    raise DynBatchValueError(
         f"sample {index}: rollout id {_short.repr(value)} has type {type(value).__name__}; "
         "rollout ids must be str or int (or omitted, giving the sample a rollout of its own)."
     )
@@ -44,7 +46,7 @@ def rollout_key(value: Any, index: int) -> Hashable:
 def _sequence(name: str, values: Any, what: str) -> List[Any]:
     """``values`` as a list, refusing what only looks like a sequence (a str, a dict)."""
     if isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__len__"):
-        raise ValueError(
+        raise DynBatchValueError(
             f"{name} must be a sequence of {what} (a list or tuple), got "
             f"{type(values).__name__} {_short.repr(values)}."
         )
@@ -65,14 +67,14 @@ def _lengths(values: Sequence[Any]) -> List[int]:
     if bad:
         shown = ", ".join(f"sample {i}: {_short.repr(v)}" for i, v in bad[:5])
         more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
-        raise ValueError(
+        raise DynBatchValueError(
             f"sample lengths must be integers >= 1; got {shown}{more}. Drop empty samples before "
             f"planning, and pass token counts, not fractions."
         )
     huge = [(i, n) for i, n in enumerate(numbers) if n > MAX_TOKENS]
     if huge:
         i, n = huge[0]
-        raise ValueError(
+        raise DynBatchValueError(
             f"sample {i}: length {n} is above the supported maximum of {MAX_TOKENS} tokens (2**40); "
             "pass token counts (a corrupt length?)."
         )
@@ -87,9 +89,11 @@ def _check_prompts(prompts: List[Any], lengths: Sequence[int]) -> None:
             continue
         number = as_int(p)
         if number is None or number < 0:
-            raise ValueError(f"sample {i}: prompt_length={_short.repr(p)} must be an integer >= 0.")
+            raise DynBatchValueError(
+                f"sample {i}: prompt_length={_short.repr(p)} must be an integer >= 0."
+            )
         if number > total:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"sample {i}: prompt_length={number} is greater than its total length={total}; "
                 "the length must count prompt and response tokens together."
             )
@@ -121,7 +125,9 @@ class SampleSet:
     ) -> "SampleSet":
         values = _sequence("lengths", lengths, "positive integers")
         if not values:
-            raise ValueError("no samples: lengths is empty; pass at least one sample length.")
+            raise DynBatchValueError(
+                "no samples: lengths is empty; pass at least one sample length."
+            )
         checked = _lengths(values)
         n = len(checked)
         if rollout_ids is None:
@@ -131,7 +137,7 @@ class SampleSet:
         else:
             ids = _sequence("rollout_ids", rollout_ids, "str or int ids, one per sample")
             if len(ids) != n:
-                raise ValueError(
+                raise DynBatchValueError(
                     f"got {len(ids)} rollout ids for {n} sample lengths; pass exactly one rollout "
                     f"id per sample (or none at all)."
                 )
@@ -145,7 +151,7 @@ class SampleSet:
         else:
             prompts = _sequence("prompt_lengths", prompt_lengths, "integers >= 0")
             if len(prompts) != n:
-                raise ValueError(
+                raise DynBatchValueError(
                     f"got {len(prompts)} prompt lengths for {n} sample lengths; pass one per sample."
                 )
             if (
@@ -203,7 +209,7 @@ def _length_and_prompt(index: int, item: dict) -> Tuple[Any, Any]:
     response = item.get("response_length")
     if response is None:
         if length is None:
-            raise ValueError(f"sample {index}: object {_short.repr(item)} has no 'length'.")
+            raise DynBatchValueError(f"sample {index}: object {_short.repr(item)} has no 'length'.")
         return length, prompt  # SampleSet.build checks both
     # Arithmetic on the three needs integers first.
     for name, value in (
@@ -214,26 +220,26 @@ def _length_and_prompt(index: int, item: dict) -> Tuple[Any, Any]:
         if value is not None and (
             isinstance(value, bool) or not isinstance(value, int) or value < 0
         ):
-            raise ValueError(
+            raise DynBatchValueError(
                 f"sample {index}: {name}={_short.repr(value)} must be an integer >= 0 (a token "
                 "count)."
             )
     if length is None:
         if prompt is None:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"sample {index}: object {_short.repr(item)} has no 'length'; give length, or "
                 "prompt_length and response_length."
             )
         return prompt + response, prompt
     if prompt is None:
         if response > length:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"sample {index}: response_length={response} is greater than its total "
                 f"length={length}; the length must count prompt and response tokens together."
             )
         return length, length - response
     if prompt + response != length:
-        raise ValueError(
+        raise DynBatchValueError(
             f"sample {index}: prompt_length={prompt} + response_length={response} != "
             f"length={length}; give them consistently, or only two of the three."
         )
@@ -243,7 +249,7 @@ def _length_and_prompt(index: int, item: dict) -> Tuple[Any, Any]:
 def parse_samples_json(data: Any) -> SampleSet:
     """Validate the decoded ``SAMPLES.json`` array and build a :class:`SampleSet`."""
     if not isinstance(data, list):
-        raise ValueError(
+        raise DynBatchValueError(
             f"SAMPLES.json must hold a JSON array of lengths or objects, got {type(data).__name__}."
         )
     lengths: List[Any] = []
@@ -253,7 +259,7 @@ def parse_samples_json(data: Any) -> SampleSet:
         if isinstance(item, dict):
             unknown = set(item) - {"length", "rollout", "prompt_length", "response_length"}
             if unknown:
-                raise ValueError(
+                raise DynBatchValueError(
                     f"sample {index}: unknown key(s) {sorted(unknown)}; allowed: length, rollout, "
                     f"prompt_length, response_length."
                 )

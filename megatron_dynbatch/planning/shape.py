@@ -45,6 +45,8 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron_dynbatch.errors import DynBatchValueError
+
 from .balance import RankBalancer, assign_bins_to_ranks, pipeline_orders
 from .cost import row_cost, row_costs, tail_cost
 from .packing import feasible_pack, min_bins
@@ -347,7 +349,7 @@ def _check_placeholders(problem: StepProblem) -> None:
             )
         else:
             why = f"dp_size={parallel.dp_size} (one micro-batch per rank at least)"
-        raise ValueError(
+        raise DynBatchValueError(
             f"{why} needs {forced} micro-batches per step, but the step has {n} samples: "
             f"{forced - n} would be placeholders (limit {MAX_FORCED_PLACEHOLDERS}). Check "
             "dp_size and microbatch_group_size_per_vp_stage, or put more rollouts in a step."

@@ -24,6 +24,8 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
+from megatron_dynbatch.errors import DynBatchValueError
+
 __all__ = [
     "BACKWARD_TO_FORWARD_RATIO",
     "SimEvent",
@@ -96,12 +98,12 @@ class StepSimResult:
 
 def _check_costs(fwd_costs: Sequence[float], bwd_costs: Sequence[float]) -> int:
     if len(fwd_costs) != len(bwd_costs):
-        raise ValueError(
+        raise DynBatchValueError(
             f"fwd_costs has {len(fwd_costs)} micro-batches but bwd_costs has {len(bwd_costs)}; pass "
             f"one forward and one backward cost per micro-batch."
         )
     if not fwd_costs:
-        raise ValueError(
+        raise DynBatchValueError(
             "no micro-batches to simulate; Megatron's schedules need num_microbatches >= 1 (pad the "
             "rank with a placeholder micro-batch)."
         )
@@ -112,15 +114,17 @@ def _check_costs(fwd_costs: Sequence[float], bwd_costs: Sequence[float]) -> int:
                 or not isinstance(cost, (int, float))
                 or not math.isfinite(cost)
             ):
-                raise ValueError(f"{name}[{m}]={cost!r} must be a finite number >= 0.")
+                raise DynBatchValueError(f"{name}[{m}]={cost!r} must be a finite number >= 0.")
             if cost < 0:
-                raise ValueError(f"{name}[{m}]={cost} is negative; costs are durations >= 0.")
+                raise DynBatchValueError(
+                    f"{name}[{m}]={cost} is negative; costs are durations >= 0."
+                )
     return len(fwd_costs)
 
 
 def _check_pp(pp_size: int) -> None:
     if isinstance(pp_size, bool) or not isinstance(pp_size, int) or pp_size < 1:
-        raise ValueError(f"pp_size={pp_size!r} must be an integer >= 1.")
+        raise DynBatchValueError(f"pp_size={pp_size!r} must be an integer >= 1.")
 
 
 def one_f_one_b_order(num_microbatches: int, pp_size: int, stage: int) -> List[Op]:
@@ -291,7 +295,7 @@ def simulate_interleaved(
     num_microbatches = _check_costs(fwd_costs, bwd_costs)
     _check_pp(pp_size)
     if isinstance(vpp_size, bool) or not isinstance(vpp_size, int) or vpp_size < 1:
-        raise ValueError(f"vpp_size={vpp_size!r} must be an integer >= 1.")
+        raise DynBatchValueError(f"vpp_size={vpp_size!r} must be an integer >= 1.")
     if vpp_size == 1:
         return simulate_1f1b(fwd_costs, bwd_costs, pp_size)
     group = (
@@ -300,14 +304,14 @@ def simulate_interleaved(
         else microbatch_group_size_per_vp_stage
     )
     if not pp_size <= group <= num_microbatches:
-        raise ValueError(
+        raise DynBatchValueError(
             f"microbatch_group_size_per_vp_stage={group} must lie in [pp_size={pp_size}, "
             f"num_microbatches={num_microbatches}] (Megatron's interleaved schedule raises otherwise); "
             f"use more micro-batches or a group size in that range."
         )
     last_group = num_microbatches % group
     if 0 < last_group < pp_size:
-        raise ValueError(
+        raise DynBatchValueError(
             f"num_microbatches={num_microbatches} leaves a last group of {last_group} < pp_size="
             f"{pp_size} micro-batches with microbatch_group_size_per_vp_stage={group}; Megatron raises "
             f"here. Pad to a multiple of {group} micro-batches."
@@ -420,7 +424,7 @@ def _split_rank_costs(rank_costs: RankCosts, rank: int) -> Tuple[Sequence[float]
         return fwd, bwd
     if all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in rank_costs):
         return rank_costs, [BACKWARD_TO_FORWARD_RATIO * c for c in rank_costs]
-    raise ValueError(
+    raise DynBatchValueError(
         f"ranks_costs[{rank}] must be a (fwd_costs, bwd_costs) pair of lists or a list of forward "
         f"costs, got {rank_costs!r}."
     )
@@ -434,7 +438,7 @@ def ideal_time(ranks_costs: Sequence[RankCosts], pp_size: int) -> float:
     """
     _check_pp(pp_size)
     if not ranks_costs:
-        raise ValueError("ranks_costs is empty; pass one entry per DP rank.")
+        raise DynBatchValueError("ranks_costs is empty; pass one entry per DP rank.")
     total = 0.0
     for r, rank_costs in enumerate(ranks_costs):
         fwd, bwd = _split_rank_costs(rank_costs, r)
@@ -462,7 +466,7 @@ def simulate_step(
         The step time (slowest DP rank), the ideal time and each rank's timeline.
     """
     if not ranks_costs:
-        raise ValueError("ranks_costs is empty; pass one entry per DP rank.")
+        raise DynBatchValueError("ranks_costs is empty; pass one entry per DP rank.")
     results = []
     for r, rank_costs in enumerate(ranks_costs):
         fwd, bwd = _split_rank_costs(rank_costs, r)

@@ -293,14 +293,16 @@ class CostModel:
                 or not isinstance(value, numbers.Real)
                 or not math.isfinite(float(value))
             ):
-                raise ValueError(f"cost model {name}={value!r} must be a finite number >= 0.")
+                raise DynBatchValueError(
+                    f"cost model {name}={value!r} must be a finite number >= 0."
+                )
             if value < 0:
-                raise ValueError(f"cost model {name}={value} must be >= 0.")
+                raise DynBatchValueError(f"cost model {name}={value} must be >= 0.")
             object.__setattr__(self, name, float(value))
         if self.token_weight == 0 and self.attention_weight == 0 and self.response_weight == 0:
-            raise ValueError("cost model weights are all 0; set at least token_weight > 0.")
+            raise DynBatchValueError("cost model weights are all 0; set at least token_weight > 0.")
         if self.attention is not None and self.attention not in ATTENTION_KINDS:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"cost model attention={self.attention!r} is not one of {ATTENTION_KINDS}; use "
                 "segment (THD / flash varlen), causal (one causal row) or dense (local, masked), "
                 "or None to follow the layout."
@@ -340,7 +342,7 @@ class CostModel:
         if overhead is None:
             overhead = DEFAULT_OVERHEAD_FRACTION * self.full_row_cost(token_cap, layout)
             if not math.isfinite(overhead):
-                raise ValueError(
+                raise DynBatchValueError(
                     f"the cost model overflows a float for rows of {token_cap} tokens "
                     f"(token_weight={self.token_weight!r}, attention_weight="
                     f"{self.attention_weight!r}); the weights are relative: keep the token weight "
@@ -407,24 +409,24 @@ class PlannerConfig:
                 "omit --rollouts-per-step to train every rollout in one step.",
             )
         if self.oversize_samples not in OVERSIZE_POLICIES:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"oversize_samples={self.oversize_samples!r} is not one of {OVERSIZE_POLICIES}; "
                 "pass --oversize-samples error, truncate or allow."
             )
         if self.layout not in LAYOUTS:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"layout={self.layout!r} is not one of {LAYOUTS}; use --layout packed or padded."
             )
         if not isinstance(self.parallel, ParallelLayout):
-            raise ValueError(f"parallel={self.parallel!r} must be a ParallelLayout.")
+            raise DynBatchValueError(f"parallel={self.parallel!r} must be a ParallelLayout.")
         if not isinstance(self.cost, CostModel):
-            raise ValueError(f"cost={self.cost!r} must be a CostModel.")
+            raise DynBatchValueError(f"cost={self.cost!r} must be a CostModel.")
         if not isinstance(self.variable_row_lengths, bool):
-            raise ValueError(
+            raise DynBatchValueError(
                 f"variable_row_lengths={self.variable_row_lengths!r} must be True or False."
             )
         if self.variable_row_lengths and self.layout != "packed":
-            raise ValueError(
+            raise DynBatchValueError(
                 "variable_row_lengths needs layout='packed' (padded rows have the longest "
                 "sample's length); use --layout packed or turn variable row lengths off."
             )
@@ -434,14 +436,14 @@ class PlannerConfig:
         else:
             gain = self.min_gain
             if isinstance(gain, bool) or not isinstance(gain, numbers.Real) or not 0 <= gain < 1:
-                raise ValueError(
+                raise DynBatchValueError(
                     f"min_gain={gain!r} must be a number in [0, 1); e.g. 0.03 asks a 3% faster "
                     "predicted step before planning more micro-batches, 0 takes any gain."
                 )
         object.__setattr__(self, "min_gain", float(gain))
         multiple = self.parallel.sample_multiple
         if self.token_cap < multiple:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"max_tokens_per_gpu={self.max_tokens_per_gpu} (x cp_size={self.parallel.cp_size}) is "
                 f"smaller than one padded sample: every sample is padded to a multiple of {multiple} "
                 f"(tp_size={self.parallel.tp_size}, cp_size={self.parallel.cp_size}); raise "

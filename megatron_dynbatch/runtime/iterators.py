@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator, List, Sequence, Union
 
+from megatron_dynbatch.errors import DynBatchValueError
+
 __all__ = ["chunk_data_iterators"]
 
 
@@ -25,9 +27,11 @@ def chunk_data_iterators(
         wrap: Applied to every iterator, e.g. Megatron's ``RerunDataIterator``.
     """
     if isinstance(num_model_chunks, bool) or not isinstance(num_model_chunks, int):
-        raise ValueError(f"num_model_chunks={num_model_chunks!r} must be an integer >= 1.")
+        raise DynBatchValueError(f"num_model_chunks={num_model_chunks!r} must be an integer >= 1.")
     if num_model_chunks < 1:
-        raise ValueError(f"num_model_chunks={num_model_chunks} must be >= 1 (one per model chunk).")
+        raise DynBatchValueError(
+            f"num_model_chunks={num_model_chunks} must be >= 1 (one per model chunk)."
+        )
     if num_model_chunks == 1:
         return wrap(iter(microbatches))
     return [wrap(iter(microbatches)) for _ in range(num_model_chunks)]

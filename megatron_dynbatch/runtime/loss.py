@@ -54,6 +54,7 @@ from typing import Dict, Mapping, Sequence, Tuple
 
 import torch
 
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.runtime.aggregation import AGGREGATIONS, check_aggregation
 
 __all__ = [
@@ -89,7 +90,7 @@ def detach_masked_positions(
     """
     loss_mask = batch["loss_mask"]
     if tuple(per_token.shape[:2]) != tuple(loss_mask.shape):
-        raise ValueError(
+        raise DynBatchValueError(
             f"per_token has shape {tuple(per_token.shape)} but the micro-batch's loss_mask is "
             f"{tuple(loss_mask.shape)}; pass the model's per-position output [B, S, ...]."
         )
@@ -132,7 +133,7 @@ def microbatch_loss(
     check_aggregation(aggregation)
     loss_mask = batch["loss_mask"]
     if tuple(per_token_loss.shape) != tuple(loss_mask.shape):
-        raise ValueError(
+        raise DynBatchValueError(
             f"per_token_loss has shape {tuple(per_token_loss.shape)} but the micro-batch's "
             f"loss_mask is {tuple(loss_mask.shape)}; compute one loss per [B, S] position."
         )
@@ -153,7 +154,7 @@ def microbatch_loss(
         flat_mask = mask.reshape(-1)
         real = sample_index >= 0
         if bool((flat_mask & ~real).any()):
-            raise ValueError(
+            raise DynBatchValueError(
                 "loss_mask is non-zero on a position with sample_index -1 (padding); per-sequence "
                 "aggregation needs micro-batches built by materialize_microbatches."
             )
@@ -221,7 +222,7 @@ def reference_loss(
     """
     check_aggregation(aggregation)
     if len(per_sample_token_losses) != len(per_sample_masks):
-        raise ValueError(
+        raise DynBatchValueError(
             f"got {len(per_sample_token_losses)} loss tensors and {len(per_sample_masks)} masks; "
             "pass one mask per sample."
         )
@@ -231,7 +232,7 @@ def reference_loss(
     token_counts = []
     for i, (loss, mask) in enumerate(zip(per_sample_token_losses, per_sample_masks, strict=True)):
         if tuple(loss.shape) != tuple(mask.shape) or loss.dim() != 1:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"sample {i}: loss shape {tuple(loss.shape)} and mask shape {tuple(mask.shape)} "
                 "must be the same [L_i]."
             )

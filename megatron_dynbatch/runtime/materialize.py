@@ -37,6 +37,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import StepPlan
 from megatron_dynbatch.planning.spec import LAYOUTS, round_up
 from megatron_dynbatch.runtime.placeholders import placeholder_microbatch
@@ -74,32 +75,34 @@ def microbatch_shapes(
 
 def _check_arguments(step_plan: StepPlan, dp_rank: int, layout: str, sample_multiple: int) -> None:
     if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}; pass the Plan's layout.")
+        raise DynBatchValueError(
+            f"layout={layout!r} is not one of {LAYOUTS}; pass the Plan's layout."
+        )
     if (
         isinstance(sample_multiple, bool)
         or not isinstance(sample_multiple, int)
         or sample_multiple < 1
     ):
-        raise ValueError(
+        raise DynBatchValueError(
             f"sample_multiple={sample_multiple!r} must be an integer >= 1; pass the Plan's "
             "sample_multiple."
         )
     b, s = step_plan.micro_batch_size, step_plan.seq_length
     if b < 1 or s < 1:
-        raise ValueError(
+        raise DynBatchValueError(
             f"step plan has micro_batch_size={b}, seq_length={s}; both must be >= 1 (an empty "
             "micro-batch shape cannot run through the pipeline)."
         )
     packed_rows = _plan_packed_rows(step_plan)
     if layout == "packed" and b != 1 and not packed_rows:
-        raise ValueError(
+        raise DynBatchValueError(
             "layout='packed' with micro_batch_size="
             f"{b} needs the step plan's packed_rows (how many samples each row holds); the step "
             "plan has none: re-plan, or use layout='padded'."
         )
     if packed_rows:
         if layout != "packed":
-            raise ValueError(
+            raise DynBatchValueError(
                 f"the step plan has packed_rows but layout={layout!r}; pass the Plan's layout."
             )
         rank = step_plan.rank_microbatches(dp_rank)
@@ -107,19 +110,19 @@ def _check_arguments(step_plan: StepPlan, dp_rank: int, layout: str, sample_mult
         if len(counts) != len(rank) or any(
             len(row) != b or sum(row) != len(mb) for row, mb in zip(counts, rank, strict=True)
         ):
-            raise ValueError(
+            raise DynBatchValueError(
                 f"dp_rank={dp_rank}: packed_rows {list(counts)[:4]} do not split the rank's "
                 f"{len(rank)} micro-batches into micro_batch_size={b} rows each; the plan is "
                 "corrupt."
             )
     if s % sample_multiple != 0:
-        raise ValueError(
+        raise DynBatchValueError(
             f"seq_length={s} is not a multiple of sample_multiple={sample_multiple}: the row's "
             "padding segment would not split evenly over TP/CP ranks; plan with seq_length "
             f"rounded up to {round_up(s, sample_multiple)}."
         )
     if len(step_plan.rank_microbatches(dp_rank)) != step_plan.num_microbatches:
-        raise ValueError(
+        raise DynBatchValueError(
             f"dp_rank={dp_rank} has {len(step_plan.rank_microbatches(dp_rank))} micro-batches but "
             f"the step plan says num_microbatches={step_plan.num_microbatches}; the plan is "
             "corrupt."
@@ -127,14 +130,14 @@ def _check_arguments(step_plan: StepPlan, dp_rank: int, layout: str, sample_mult
     rows = _plan_row_lengths(step_plan, dp_rank)
     if rows:
         if layout != "packed" or b != 1:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"the step plan has variable row lengths with layout={layout!r} and "
                 f"micro_batch_size={b}; variable rows are planned for one packed row a "
                 "micro-batch: pass the Plan's layout."
             )
         bad = [row for row in rows if row < 1 or row > s or row % sample_multiple]
         if len(rows) != step_plan.num_microbatches or bad:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"dp_rank={dp_rank}: row_lengths {list(rows)[:8]} do not give each of the "
                 f"{step_plan.num_microbatches} micro-batches a row of 1..seq_length={s} tokens, "
                 f"a multiple of sample_multiple={sample_multiple}; the plan is corrupt."
@@ -147,7 +150,7 @@ def _plan_row_lengths(step_plan: Any, dp_rank: int) -> Tuple[int, ...]:
     if not rows:
         return ()
     if dp_rank >= len(rows):
-        raise ValueError(
+        raise DynBatchValueError(
             f"dp_rank={dp_rank} but the step plan has row lengths for {len(rows)} DP ranks; the "
             "plan is corrupt."
         )
@@ -178,13 +181,13 @@ def _check_rank_samples(
         for index in mb:
             if index in seen:
                 # Training a sample twice would silently double its loss weight.
-                raise ValueError(
+                raise DynBatchValueError(
                     f"dp_rank={dp_rank}: sample {index} appears in micro-batch {seen[index]} and "
                     f"again in micro-batch {m}; the plan is corrupt."
                 )
             seen[index] = m
             if index not in samples:
-                raise ValueError(
+                raise DynBatchValueError(
                     f"dp_rank={dp_rank}, micro-batch {m}: the plan names sample {index}, which "
                     f"this rank was not given ({len(samples)} samples given); pass every sample of "
                     f"step_plan.rank_microbatches({dp_rank})."
@@ -238,7 +241,7 @@ def _fill_row(
             f"sample {cs.index}: L={cs.length} -> {p}"
             for cs, p in zip(row_samples, padded_lengths, strict=True)
         )
-        raise ValueError(
+        raise DynBatchValueError(
             f"{where}: the samples need {sum(padded_lengths)} tokens after padding each to a "
             f"multiple of sample_multiple={sample_multiple} ({detail}), more than seq_length={s}; "
             "re-plan with the same sample_multiple or pass the plan's layout and sample_multiple."
@@ -326,7 +329,7 @@ def materialize_microbatches(
         s = row_lengths[m] if row_lengths else longest
         where = f"dp_rank={dp_rank}, micro-batch {m} (samples {tuple(mb)})"
         if layout == "padded" and len(mb) > b:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"{where}: {len(mb)} samples do not fit micro_batch_size={b} rows of the padded "
                 "layout; the plan was made for another layout or micro-batch size."
             )

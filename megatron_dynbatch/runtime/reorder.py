@@ -13,6 +13,8 @@ from typing import Dict, List, Mapping, Sequence, Union
 
 import torch
 
+from megatron_dynbatch.errors import DynBatchValueError
+
 __all__ = ["split_outputs", "restore_order"]
 
 # How many indices an error message lists before eliding the rest.
@@ -46,7 +48,7 @@ def split_outputs(
     sample_index = batch["sample_index"]
     b, s = sample_index.shape
     if tuple(output.shape[:2]) != (b, s):
-        raise ValueError(
+        raise DynBatchValueError(
             f"output has shape {tuple(output.shape)}; it must start with the micro-batch's [B, S] "
             f"= [{b}, {s}]. Transpose Megatron's [S, B, ...] outputs first."
         )
@@ -62,12 +64,12 @@ def split_outputs(
         if index < 0:
             continue
         if index in result:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"sample {index} occupies two separate runs of this micro-batch; its tokens must "
                 "be contiguous in one row (build batches with materialize_microbatches)."
             )
         if start // s != (end - 1) // s:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"sample {index} spans rows {start // s} and {(end - 1) // s}; a sample must lie "
                 "in one row."
             )
@@ -96,19 +98,21 @@ def restore_order(
     """
     if isinstance(expected, int) and not isinstance(expected, bool):
         if expected < 0:
-            raise ValueError(f"num_samples={expected} must be >= 0.")
+            raise DynBatchValueError(f"num_samples={expected} must be >= 0.")
         order = list(range(expected))
     else:
         order = [int(i) for i in expected]
         repeated = sorted(i for i, count in Counter(order).items() if count > 1)
         if repeated:
-            raise ValueError(f"expected indices repeat {_listed(repeated)}; list each sample once.")
+            raise DynBatchValueError(
+                f"expected indices repeat {_listed(repeated)}; list each sample once."
+            )
     parts = [per_sample] if isinstance(per_sample, Mapping) else list(per_sample)
     merged: Dict[int, torch.Tensor] = {}
     duplicated: List[int] = []
     for part in parts:
         if not isinstance(part, Mapping):
-            raise ValueError(
+            raise DynBatchValueError(
                 "per_sample must be a mapping or a sequence of mappings of sample index -> "
                 f"tensor, got an element of type {type(part).__name__}."
             )
@@ -117,7 +121,7 @@ def restore_order(
                 duplicated.append(index)
             merged[index] = value
     if duplicated:
-        raise ValueError(
+        raise DynBatchValueError(
             f"samples {_listed(sorted(set(duplicated)))} were returned more than once; each sample "
             "must be computed by exactly one micro-batch on one rank."
         )
@@ -125,7 +129,7 @@ def restore_order(
     missing = [i for i in order if i not in merged]
     unexpected = sorted(i for i in merged if i not in wanted)
     if missing or unexpected:
-        raise ValueError(
+        raise DynBatchValueError(
             f"got outputs for {len(merged)} samples, expected {len(order)}: missing "
             f"{_listed(missing)}, unexpected {_listed(unexpected)}; every planned sample must be "
             "gathered from every rank exactly once."

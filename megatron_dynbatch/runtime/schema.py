@@ -30,6 +30,8 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
+from megatron_dynbatch.errors import DynBatchValueError
+
 __all__ = [
     "FIELD_KINDS",
     "RESERVED_KEYS",
@@ -104,19 +106,19 @@ class FieldSpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"FieldSpec name={self.name!r} must be a non-empty string.")
+            raise DynBatchValueError(f"FieldSpec name={self.name!r} must be a non-empty string.")
         if self.name in RESERVED_KEYS:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"FieldSpec name={self.name!r} is a key the runtime produces itself "
                 f"{RESERVED_KEYS}; rename the field."
             )
         if self.kind not in FIELD_KINDS:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"FieldSpec {self.name!r}: kind={self.kind!r} is not one of {FIELD_KINDS}; use "
                 "'token' for [L, ...] data and 'sample' for one value per sample."
             )
         if not isinstance(self.dtype, torch.dtype):
-            raise ValueError(
+            raise DynBatchValueError(
                 f"FieldSpec {self.name!r}: dtype={self.dtype!r} must be a torch.dtype such as "
                 "torch.float32."
             )
@@ -127,30 +129,30 @@ class FieldSpec:
         if shape is None or any(
             isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape
         ):
-            raise ValueError(
+            raise DynBatchValueError(
                 f"FieldSpec {self.name!r}: trailing_shape={self.trailing_shape!r} must be a tuple "
                 "of integers >= 1 (use () for one scalar per token or per sample)."
             )
         # Normalise a list to a tuple so the spec stays hashable and comparable.
         object.__setattr__(self, "trailing_shape", shape)
         if isinstance(self.pad_value, float) and not math.isfinite(self.pad_value):
-            raise ValueError(
+            raise DynBatchValueError(
                 f"FieldSpec {self.name!r}: pad_value={self.pad_value!r} is not finite; padding and "
                 "placeholder rows pass through the token loss (ce * field) before the mask "
                 "selects, so a non-finite pad makes every gradient NaN. Use a finite pad such as "
                 "0.0."
             )
         if not _pad_value_fits(self.pad_value, self.dtype):
-            raise ValueError(
+            raise DynBatchValueError(
                 f"FieldSpec {self.name!r}: pad_value={self.pad_value!r} is not exactly "
                 f"representable in dtype={self.dtype}; pick a pad value of that dtype."
             )
         if not isinstance(self.shift_to_labels, bool):
-            raise ValueError(
+            raise DynBatchValueError(
                 f"FieldSpec {self.name!r}: shift_to_labels={self.shift_to_labels!r} must be a bool."
             )
         if self.shift_to_labels and self.kind != "token":
-            raise ValueError(
+            raise DynBatchValueError(
                 f"FieldSpec {self.name!r}: shift_to_labels=True needs kind='token' (a per-sample "
                 "value has no token order to shift); drop shift_to_labels."
             )
@@ -219,16 +221,24 @@ class BatchSchema:
         except TypeError:
             fields = None
         if fields is None or not all(isinstance(f, FieldSpec) for f in fields):
-            raise ValueError(f"BatchSchema fields={self.fields!r} must be a sequence of FieldSpec.")
+            raise DynBatchValueError(
+                f"BatchSchema fields={self.fields!r} must be a sequence of FieldSpec."
+            )
         object.__setattr__(self, "fields", fields)
         names = [f.name for f in fields]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
-            raise ValueError(f"BatchSchema declares the field(s) {duplicates} more than once.")
+            raise DynBatchValueError(
+                f"BatchSchema declares the field(s) {duplicates} more than once."
+            )
         if isinstance(self.pad_token_id, bool) or not isinstance(self.pad_token_id, int):
-            raise ValueError(f"pad_token_id={self.pad_token_id!r} must be an integer token id.")
+            raise DynBatchValueError(
+                f"pad_token_id={self.pad_token_id!r} must be an integer token id."
+            )
         if self.pad_token_id < 0:
-            raise ValueError(f"pad_token_id={self.pad_token_id} must be >= 0 (an embedding row).")
+            raise DynBatchValueError(
+                f"pad_token_id={self.pad_token_id} must be >= 0 (an embedding row)."
+            )
 
     def field(self, name: str) -> Optional[FieldSpec]:
         """The declared field called ``name``, or ``None``."""
@@ -254,13 +264,13 @@ class BatchSchema:
                 a floating field that is not finite on a loss-bearing token.
         """
         if not isinstance(sample, Mapping):
-            raise ValueError(
+            raise DynBatchValueError(
                 f"sample {index}: expected a mapping of key -> tensor, got {type(sample)}."
             )
         declared = {f.name for f in self.fields}
         unknown = sorted(set(sample) - declared - set(SAMPLE_INPUT_KEYS))
         if unknown:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"sample {index}: keys {unknown} are not declared in the schema (declared: "
                 f"{sorted(declared)}); add a FieldSpec for each or drop them from the sample."
             )
@@ -270,7 +280,7 @@ class BatchSchema:
         fields: Dict[str, torch.Tensor] = {}
         for spec in self.fields:
             if spec.name not in sample:
-                raise ValueError(
+                raise DynBatchValueError(
                     f"sample {index}: missing key {spec.name!r} declared by the schema as a "
                     f"{spec.kind} field of shape {spec.sample_shape(length)} and dtype "
                     f"{spec.dtype}."
@@ -278,17 +288,17 @@ class BatchSchema:
             value = sample[spec.name]
             expected = spec.sample_shape(length)
             if not isinstance(value, torch.Tensor):
-                raise ValueError(
+                raise DynBatchValueError(
                     f"sample {index}: key {spec.name!r} must be a tensor of shape {expected}, got "
                     f"{type(value).__name__}."
                 )
             if tuple(value.shape) != expected:
-                raise ValueError(
+                raise DynBatchValueError(
                     f"sample {index}: key {spec.name!r} has shape {tuple(value.shape)}, expected "
                     f"{expected} (a {spec.kind} field; the sample has L={length} tokens)."
                 )
             if value.dtype != spec.dtype:
-                raise ValueError(
+                raise DynBatchValueError(
                     f"sample {index}: key {spec.name!r} has dtype {value.dtype}, the schema "
                     f"declares {spec.dtype}; convert it with .to({spec.dtype})."
                 )
@@ -298,25 +308,27 @@ class BatchSchema:
     @staticmethod
     def _check_tokens(index: int, sample: Mapping[str, Any]) -> torch.Tensor:
         if "tokens" not in sample:
-            raise ValueError(f"sample {index}: missing key 'tokens' (int64 [L]).")
+            raise DynBatchValueError(f"sample {index}: missing key 'tokens' (int64 [L]).")
         tokens = sample["tokens"]
         if not isinstance(tokens, torch.Tensor):
-            raise ValueError(
+            raise DynBatchValueError(
                 f"sample {index}: 'tokens' must be an int64 tensor [L], got {type(tokens)}."
             )
         if tokens.dim() != 1:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"sample {index}: 'tokens' has shape {tuple(tokens.shape)}, expected one axis [L]."
             )
         if tokens.dtype != torch.int64:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"sample {index}: 'tokens' has dtype {tokens.dtype}, expected torch.int64; convert "
                 "it with .long()."
             )
         if tokens.shape[0] == 0:
             # An empty sample would become an empty segment, the crash class this package exists to
             # prevent; the planner never schedules one, so it is a data error.
-            raise ValueError(f"sample {index}: 'tokens' is empty; every sample needs >= 1 token.")
+            raise DynBatchValueError(
+                f"sample {index}: 'tokens' is empty; every sample needs >= 1 token."
+            )
         return tokens
 
     @staticmethod
@@ -324,7 +336,7 @@ class BatchSchema:
         has_mask = "loss_mask" in sample
         has_prompt = "prompt_length" in sample
         if has_mask and has_prompt:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"sample {index}: both 'loss_mask' and 'prompt_length' are given; pass only one (a "
                 "prompt length is turned into a loss mask of zeros on the prompt)."
             )
@@ -332,12 +344,12 @@ class BatchSchema:
             mask = sample["loss_mask"]
             if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (length,):
                 shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
-                raise ValueError(
+                raise DynBatchValueError(
                     f"sample {index}: 'loss_mask' has shape {shape}, expected ({length},) like "
                     "'tokens'."
                 )
             if not (mask.dtype in _MASK_DTYPES or mask.dtype.is_floating_point):
-                raise ValueError(
+                raise DynBatchValueError(
                     f"sample {index}: 'loss_mask' has dtype {mask.dtype}; use bool, an integer or "
                     "a floating dtype holding 0/1."
                 )
@@ -345,7 +357,7 @@ class BatchSchema:
             # Token-count denominators are integers, so fractional weights would silently break the
             # exact normalisation in loss.py; reject them here.
             if bool(((mask != 0) & (mask != 1)).any()):
-                raise ValueError(
+                raise DynBatchValueError(
                     f"sample {index}: 'loss_mask' holds values other than 0 and 1; per-token "
                     "weights belong in a declared token field, not in the mask."
                 )
@@ -360,7 +372,7 @@ class BatchSchema:
             ):
                 prompt = int(prompt.item())
             if isinstance(prompt, bool) or not isinstance(prompt, int) or not 0 <= prompt <= length:
-                raise ValueError(
+                raise DynBatchValueError(
                     f"sample {index}: prompt_length={prompt!r} must be an integer in [0, "
                     f"L={length}]."
                 )
@@ -386,14 +398,14 @@ def _finite_where_it_counts(
         bad = ~finite.reshape(finite.shape[0], -1).all(dim=1)
         hit = (bad & bearing).nonzero().flatten().tolist()
         if hit:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"sample {index}: field {spec.name!r} is NaN or Inf on {len(hit)} loss-bearing "
                 f"token(s) (first: token {hit[0]}, value {value[hit[0]].tolist()}); it would make "
                 "the loss and every gradient NaN. Fix the data, or mask those tokens out "
                 "(loss_mask / prompt_length) if they must not count."
             )
     elif bool(bearing):
-        raise ValueError(
+        raise DynBatchValueError(
             f"sample {index}: field {spec.name!r} = {value.tolist()} is NaN or Inf and the sample "
             f"has {int((loss_mask[1:] > 0).sum())} loss-bearing token(s); it would make the loss "
             "and every gradient NaN. Fix the data, or mask the whole sample out if it must not "

@@ -14,6 +14,7 @@ import sys
 import warnings
 from typing import List, Optional
 
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning.spec import ATTENTION_KINDS, LAYOUTS, OVERSIZE_POLICIES
 from megatron_dynbatch.runtime.aggregation import AGGREGATIONS
 from megatron_dynbatch.tools.verify.spec import DEFAULT_MAX_TOKENS_PER_GPU
@@ -166,7 +167,7 @@ def _unique_keys(pairs):
     keys = [key for key, _ in pairs]
     duplicated = sorted({key for key in keys if keys.count(key) > 1})
     if duplicated:
-        raise ValueError(f"duplicate key(s) {duplicated} in an object; give every key once")
+        raise DynBatchValueError(f"duplicate key(s) {duplicated} in an object; give every key once")
     return dict(pairs)
 
 
@@ -178,16 +179,18 @@ def _read_json(path: str):
         with open(path, encoding="utf-8") as handle:
             return json.load(handle, object_pairs_hook=_unique_keys)
     except OSError as exc:
-        raise ValueError(f"cannot read SAMPLES.json {path!r}: {exc.strerror or exc}") from None
+        raise DynBatchValueError(
+            f"cannot read SAMPLES.json {path!r}: {exc.strerror or exc}"
+        ) from None
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{path!r} is not valid JSON: {exc}") from None
+        raise DynBatchValueError(f"{path!r} is not valid JSON: {exc}") from None
     except RecursionError:
-        raise ValueError(
+        raise DynBatchValueError(
             f"{path!r} is nested too deeply; SAMPLES.json is a flat array of lengths or "
             "{length, rollout, prompt_length} objects."
         ) from None
     except ValueError as exc:
-        raise ValueError(f"{path!r}: {exc}") from None
+        raise DynBatchValueError(f"{path!r}: {exc}") from None
 
 
 def _load_samples(path: str):
@@ -266,7 +269,7 @@ def _check_plot_path(path: str) -> None:
     """Fail before planning if the picture cannot be written where asked."""
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise ValueError(
+        raise DynBatchValueError(
             f"--plot {path!r}: the folder {folder!r} does not exist; create it or pick another "
             "path."
         )
@@ -290,7 +293,7 @@ def _cmd_plan(args) -> int:
         try:
             plot_step(plan, 0, samples, config, args.plot)
         except OSError as exc:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"--plot {args.plot!r}: cannot write it: {exc.strerror or exc}"
             ) from None
     if args.json:
@@ -311,7 +314,7 @@ def _cmd_verify(args) -> int:
     if args.moe:
         moe = MoESettings(ep_size=args.moe_ep_size, z_loss_coeff=args.moe_z_loss_coeff)
     elif args.moe_ep_size != 1:
-        raise ValueError(
+        raise DynBatchValueError(
             f"--moe-ep-size {args.moe_ep_size} needs --moe (a dense model has no experts)."
         )
     return run_verify_cli(

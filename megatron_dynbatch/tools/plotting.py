@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import Plan, PlannerConfig, SampleSet
 from megatron_dynbatch.planning.cost import step_microbatch_costs
 from megatron_dynbatch.planning.simulate import (
@@ -150,12 +151,12 @@ def plot_step(
         ValueError: ``step_index`` outside the plan, or ``max_ranks`` < 1.
     """
     if not 0 <= step_index < len(plan.steps):
-        raise ValueError(
+        raise DynBatchValueError(
             f"step_index={step_index} is outside the plan's {len(plan.steps)} step(s); pass 0 to "
             f"{len(plan.steps) - 1}."
         )
     if max_ranks < 1:
-        raise ValueError(f"max_ranks={max_ranks} must be >= 1.")
+        raise DynBatchValueError(f"max_ranks={max_ranks} must be >= 1.")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch

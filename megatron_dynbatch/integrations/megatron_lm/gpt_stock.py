@@ -33,6 +33,8 @@ from megatron.core.utils import (
 from megatron.training import get_args, get_timers, print_rank_0
 from megatron.training.utils import get_blend_and_blend_per_split
 
+from megatron_dynbatch.errors import DynBatchValueError
+
 __all__ = [
     "check_stock_args",
     "gpt_dataset_config",
@@ -63,7 +65,7 @@ def check_stock_args(args: Any) -> None:
     """
     for name, what in _UNSUPPORTED:
         if getattr(args, name, None):
-            raise ValueError(
+            raise DynBatchValueError(
                 f"{what} is not supported by launch/pretrain_gpt_dynbatch.py; remove it, or run "
                 "Megatron-LM's own pretrain_gpt.py for it."
             )

@@ -65,7 +65,7 @@ from megatron.core.rerun_state_machine import RerunDataIterator
 from megatron.core.utils import get_model_config
 
 from megatron_dynbatch.config import DynBatchConfig
-from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.errors import DynBatchRuntimeError, DynBatchValueError
 from megatron_dynbatch.integrations.megatron_lm.arguments import (
     VARIABLE_ROW_MULTIPLE,
     VARIABLE_SEQ_LENGTHS_DEST,
@@ -471,7 +471,7 @@ def prepare_forward_only_step(args: Any, batch: Any, model: Any, **groups: Any) 
 
 def _configured() -> DynamicBatchHooks:
     if _hooks is None or _hooks.last_step is None:
-        raise RuntimeError(
+        raise DynBatchRuntimeError(
             "no dynamic-batch step has run yet: the patched train loop reads it after train_step; "
             "is megatron_dynbatch's train_step patch applied (see patches/README.md)?"
         )

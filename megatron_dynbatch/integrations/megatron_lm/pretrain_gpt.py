@@ -129,13 +129,13 @@ def _check_document_args(args: Any) -> None:
         ("dataloader_inter_document_masking", "--dataloader-inter-document-masking"),
     ):
         if getattr(args, name, False):
-            raise ValueError(
+            raise DynBatchValueError(
                 f"{flag} cannot be combined with --use-dynamic-batch-size / --document-samples, "
                 f"which read one sample per document themselves; remove {flag}."
             )
     if args.sft:
         if args.mock_data:
-            raise ValueError(
+            raise DynBatchValueError(
                 "--sft with --mock-data: SFT reads conversations from JSONL; pass --data-path "
                 'FILE.jsonl (one {"messages": [...]} object per line) instead of --mock-data.'
             )
@@ -145,7 +145,7 @@ def _check_document_args(args: Any) -> None:
         args.sft = False
         args.sft_conversations = True
     if args.context_parallel_size > 1:
-        raise ValueError(
+        raise DynBatchValueError(
             f"--context-parallel-size {args.context_parallel_size}: the document-sample forward "
             "step of launch/pretrain_gpt_dynbatch.py does not split rows over context-parallel "
             "ranks yet; use --context-parallel-size 1."
@@ -166,7 +166,7 @@ def _check_document_args(args: Any) -> None:
             "caches its indices there."
         )
     if args.dataloader_type not in (None, "single", "external"):
-        raise ValueError(
+        raise DynBatchValueError(
             f"--dataloader-type {args.dataloader_type}: document samples are read in Megatron's "
             "'single' order (fixed micro-batches) or by the planner (dynamic); remove the flag."
         )

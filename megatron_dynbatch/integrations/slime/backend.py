@@ -80,7 +80,7 @@ class SlimeDataIterator:
         forward_only: Optional[Tuple[List[List[int]], List[int]]] = None,
     ) -> None:
         if len(row_lengths) != len(micro_batch_indices):
-            raise ValueError(
+            raise DynBatchValueError(
                 f"{len(row_lengths)} row lengths for {len(micro_batch_indices)} micro-batches; "
                 "the dynamic-batch schedule shipped with the rollout data is inconsistent."
             )
@@ -95,7 +95,7 @@ class SlimeDataIterator:
 
     def get_next(self, keys: Sequence[str]) -> Dict[str, Any]:
         if self.offset >= len(self.micro_batch_indices):
-            raise ValueError(
+            raise DynBatchValueError(
                 f"micro-batch {self.offset} requested but this rank's schedule has "
                 f"{len(self.micro_batch_indices)}; num_microbatches and the schedule disagree."
             )
@@ -184,7 +184,7 @@ class SlimeDataIterator:
         """Validate the next ``count`` micro-batches' samples (raises ``ValueError``)."""
         end = self.offset + count
         if end > len(self.micro_batch_indices):
-            raise ValueError(
+            raise DynBatchValueError(
                 f"the step needs micro-batches {self.offset}..{end - 1} but this rank's schedule "
                 f"has {len(self.micro_batch_indices)}."
             )
@@ -194,7 +194,7 @@ class SlimeDataIterator:
             for i in self.micro_batch_indices[m]:
                 packed += _check_sample(data, i, self.cp_size)
             if packed > self.row_lengths[m]:
-                raise ValueError(
+                raise DynBatchValueError(
                     f"micro-batch {m}: its samples need {packed} tokens per GPU, more than the "
                     f"step's row length {self.row_lengths[m]}; the schedule and the data differ."
                 )
@@ -209,19 +209,21 @@ def _check_sample(data: Mapping[str, Any], i: int, cp_size: int) -> int:
     if "partition" in data and i < len(data["partition"]):
         where += f" (rollout position {int(data['partition'][i])})"
     if tokens.dim() != 1 or tokens.numel() != total:
-        raise ValueError(
+        raise DynBatchValueError(
             f"{where}: tokens has shape {tuple(tokens.shape)} but total_lengths={total}."
         )
     if tokens.dtype.is_floating_point:
-        raise ValueError(f"{where}: tokens have dtype {tokens.dtype}; token ids must be integers.")
+        raise DynBatchValueError(
+            f"{where}: tokens have dtype {tokens.dtype}; token ids must be integers."
+        )
     if not 1 <= response <= total - 1:
-        raise ValueError(
+        raise DynBatchValueError(
             f"{where}: response_lengths={response} must be in [1, total_lengths - 1 = "
             f"{total - 1}]: slime needs at least one prompt token and one response token."
         )
     mask = torch.as_tensor(data["loss_masks"][i])
     if mask.numel() != response:
-        raise ValueError(
+        raise DynBatchValueError(
             f"{where}: loss_masks has {mask.numel()} values for response_lengths={response}."
         )
     keep = mask.reshape(-1) > 0
@@ -247,14 +249,14 @@ def _check_sample(data: Mapping[str, Any], i: int, cp_size: int) -> int:
                 else f"{response} (one per response token) or {kept.numel()} (this context-"
                 "parallel rank's chunks, as slime slices them)"
             )
-            raise ValueError(
+            raise DynBatchValueError(
                 f"{where}: {key} has {value.numel()} values for response_lengths={response}; "
                 f"expected {expected}."
             )
         bad = kept & ~torch.isfinite(value.reshape(-1).float())
         if bool(bad.any()):
             j = int(bad.nonzero()[0])
-            raise ValueError(
+            raise DynBatchValueError(
                 f"{where}: {key}[{j}]={float(value.reshape(-1)[j])} is not finite on a "
                 "loss-bearing token; it would turn every gradient into NaN."
             )
@@ -323,7 +325,7 @@ def _check_interleaving(args: Any, vpp: int) -> None:
     pp = getattr(args, "pipeline_model_parallel_size", None) or 1
     overlap = getattr(args, "overlap_p2p_comm", True)
     if interleaved_shape_exchange_hangs(pp, vpp > 1, True, bool(overlap)):
-        raise ValueError(
+        raise DynBatchValueError(
             f"interleaving (virtual pipeline size {vpp}) at --pipeline-model-parallel-size 2 "
             "with --no-overlap-p2p-communication hangs megatron.core's batched exchange of the "
             "variable row shapes slime uses; drop --no-overlap-p2p-communication (Megatron-LM "
@@ -344,7 +346,7 @@ def agree_on_step(
     with step_agreement(what=f"slime training step {step_id}") as agreement:
         _check_interleaving(args, len(data_iterator))
         if not isinstance(first, SlimeDataIterator):
-            raise ValueError(
+            raise DynBatchValueError(
                 "--use-dynamic-batch-size training got slime's stock DataIterator; the rollout "
                 "side did not ship megatron_dynbatch's schedule (apply every patch in "
                 "patches/slime to both sides)."
@@ -403,7 +405,7 @@ def restore_rollout_order(
     """
     schedule = iterator.micro_batch_indices
     if len(values_per_microbatch) != len(schedule):
-        raise ValueError(
+        raise DynBatchValueError(
             f"{len(values_per_microbatch)} forward-only outputs for {len(schedule)} scheduled "
             "micro-batches on this rank."
         )
@@ -411,7 +413,7 @@ def restore_rollout_order(
     for m, (values, indices) in enumerate(zip(values_per_microbatch, schedule, strict=True)):
         expected = len(indices) if indices else 1
         if len(values) != expected:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"micro-batch {m}: {len(values)} outputs for {expected} sample(s) "
                 f"({'placeholder' if not indices else indices})."
             )
@@ -508,7 +510,7 @@ def loss_function(
     elif functions.get(args.loss_type) is not None:
         func = functions[args.loss_type]
     else:
-        raise ValueError(f"Unknown loss type: {args.loss_type}")
+        raise DynBatchValueError(f"Unknown loss type: {args.loss_type}")
     if getattr(args, "recompute_loss_function", False):
         loss, log = checkpoint(func, args, batch, logits, reducer, use_reentrant=False)
     else:

@@ -32,6 +32,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from megatron_dynbatch.config import DynBatchConfig
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.slime.schedule import check_index
 from megatron_dynbatch.planning import ParallelLayout, Plan, plan_schedule
 from megatron_dynbatch.runtime import (
@@ -80,7 +81,7 @@ class DynamicBatching:
         samples_per_rollout: Optional[int] = None,
     ) -> None:
         if aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation={aggregation!r} is not one of {AGGREGATIONS}.")
+            raise DynBatchValueError(f"aggregation={aggregation!r} is not one of {AGGREGATIONS}.")
         if samples_per_rollout is not None:
             samples_per_rollout = check_index(
                 "samples_per_rollout",
@@ -90,7 +91,7 @@ class DynamicBatching:
             )
         for name, keys in (("response_keys", response_keys), ("sample_keys", sample_keys)):
             if isinstance(keys, str) or not all(isinstance(k, str) and k for k in keys):
-                raise ValueError(
+                raise DynBatchValueError(
                     f"{name}={keys!r} must be a sequence of key names, e.g. ('advantages',)."
                 )
         self.config = config
@@ -110,12 +111,14 @@ class DynamicBatching:
 
     def _lengths(self, rollout_data: RolloutData) -> Tuple[List[int], List[int]]:
         if not isinstance(rollout_data, Mapping):
-            raise ValueError(
+            raise DynBatchValueError(
                 f"rollout_data must be a dict of per-sample lists, got {type(rollout_data).__name__}."
             )
         for key in ("tokens", "total_lengths", "response_lengths"):
             if key not in rollout_data:
-                raise ValueError(f"rollout_data has no {key!r} (keys: {sorted(rollout_data)}).")
+                raise DynBatchValueError(
+                    f"rollout_data has no {key!r} (keys: {sorted(rollout_data)})."
+                )
         fix = "store every sample's token count as an integer."
         totals = [
             check_index(f"total_lengths[{i}]", x, 1, fix)
@@ -127,7 +130,7 @@ class DynamicBatching:
         ]
         n = len(rollout_data["tokens"])
         if len(totals) != n or len(responses) != n:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"rollout_data has {n} token lists, {len(totals)} total_lengths and "
                 f"{len(responses)} response_lengths; they must be one per sample."
             )
@@ -135,15 +138,15 @@ class DynamicBatching:
             zip(rollout_data["tokens"], totals, responses, strict=True)
         ):
             if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
-                raise ValueError(
+                raise DynBatchValueError(
                     f"sample {i}: tokens={tokens!r} must be a list or 1-d tensor of token ids."
                 )
             if len(tokens) != total:
-                raise ValueError(
+                raise DynBatchValueError(
                     f"sample {i}: {len(tokens)} tokens but total_lengths[{i}]={total}."
                 )
             if response > total:
-                raise ValueError(
+                raise DynBatchValueError(
                     f"sample {i}: response_lengths[{i}]={response} outside [0, total={total}]."
                 )
         return totals, responses
@@ -152,7 +155,7 @@ class DynamicBatching:
         if self.rollout_id_key in rollout_data:
             ids = rollout_data[self.rollout_id_key]
             if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
-                raise ValueError(
+                raise DynBatchValueError(
                     f"rollout_data[{self.rollout_id_key!r}] must be a list of one id per sample, "
                     f"got {type(ids).__name__}."
                 )
@@ -169,7 +172,7 @@ class DynamicBatching:
             ]
         if self.samples_per_rollout is not None:
             if n % self.samples_per_rollout:
-                raise ValueError(
+                raise DynBatchValueError(
                     f"{n} samples do not split into groups of samples_per_rollout="
                     f"{self.samples_per_rollout}; store {self.rollout_id_key!r} per sample instead."
                 )
@@ -195,14 +198,14 @@ class DynamicBatching:
 
     def _values(self, rollout_data: RolloutData, key: str, index: int) -> Any:
         if key not in rollout_data:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"rollout_data has no {key!r}, which this DynamicBatching declares (keys: "
                 f"{sorted(rollout_data)}); store it per sample or drop it from response_keys / "
                 "sample_keys."
             )
         values = rollout_data[key]
         if len(values) <= index:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"rollout_data[{key!r}] has {len(values)} entries, no entry for sample {index}; "
                 "store one per sample."
             )
@@ -213,7 +216,7 @@ class DynamicBatching:
         totals, responses = self._lengths(rollout_data)
         index = check_index("index", index, 0, "pass a sample index of rollout_data.")
         if index >= len(totals):
-            raise ValueError(
+            raise DynBatchValueError(
                 f"sample index {index} is out of range: rollout_data has {len(totals)} samples."
             )
         total, response = totals[index], responses[index]
@@ -225,12 +228,12 @@ class DynamicBatching:
         prompt = total - response
         tokens = _as_tensor(rollout_data["tokens"][index])
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"sample {index}: tokens have dtype {tokens.dtype}; token ids must be integers "
                 "(a float id would be truncated silently)."
             )
         if tokens.numel() and int(tokens.min()) < 0:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"sample {index}: token id {int(tokens.min())} is negative; token ids must be >= 0."
             )
         sample: Dict[str, Any] = {"tokens": tokens.to(torch.int64).reshape(-1)}
@@ -238,7 +241,7 @@ class DynamicBatching:
         if "loss_masks" in rollout_data:
             mask = _as_tensor(self._values(rollout_data, "loss_masks", index), torch.float32)
             if mask.numel() != response:
-                raise ValueError(
+                raise DynBatchValueError(
                     f"sample {index}: loss_masks has {mask.numel()} values for response_length="
                     f"{response}."
                 )
@@ -249,7 +252,7 @@ class DynamicBatching:
         for key in self.response_keys:
             values = _as_tensor(self._values(rollout_data, key, index), torch.float32)
             if values.numel() != response:
-                raise ValueError(
+                raise DynBatchValueError(
                     f"sample {index}: {key} has {values.numel()} values for response_length="
                     f"{response}; response keys hold one value per response token."
                 )
@@ -259,7 +262,7 @@ class DynamicBatching:
         for key in self.sample_keys:
             value = _as_tensor(self._values(rollout_data, key, index), torch.float32)
             if value.numel() != 1:
-                raise ValueError(
+                raise DynBatchValueError(
                     f"sample {index}: {key} has {value.numel()} values; sample keys hold one "
                     "value per sample."
                 )
@@ -270,7 +273,7 @@ class DynamicBatching:
     def _step(plan: Plan, step: int):
         step = check_index("step", step, 0, "pass a step index of the plan.")
         if step >= len(plan.steps):
-            raise ValueError(
+            raise DynBatchValueError(
                 f"step={step} is out of range: the plan has {len(plan.steps)} step(s), "
                 f"0 .. {len(plan.steps) - 1}."
             )
@@ -336,7 +339,7 @@ class DynamicBatching:
         out = []
         for i, (values, total, response) in enumerate(zip(ordered, totals, responses, strict=True)):
             if values.shape[0] != total:
-                raise ValueError(
+                raise DynBatchValueError(
                     f"sample {i}: output has {values.shape[0]} entries for length {total}."
                 )
             start = total - response - 1

@@ -19,6 +19,7 @@ from typing import Any, Dict, Mapping
 import torch
 import torch.nn.functional as F
 
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.slime.empty_rank import has_phantom
 
 __all__ = ["padding_mask", "model_forward"]
@@ -60,7 +61,7 @@ def padding_mask(data_iterator: Any, batch: Mapping[str, Any], allgather_cp: boo
         local = torch.cat([slice_with_cp(r, False) for r in real])
         local = F.pad(local, (0, row - local.numel()), value=False)
     if local.numel() != row:
-        raise ValueError(
+        raise DynBatchValueError(
             f"the padding mask has {local.numel()} positions for a row of {row} tokens; slime's "
             "get_batch and megatron_dynbatch's row layout disagree (a slime version other than "
             "the one patches/slime pins?)."

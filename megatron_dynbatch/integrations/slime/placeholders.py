@@ -179,7 +179,7 @@ def placeholder_sample(
         elif unknown is not _RAISE:
             sample[key] = unknown
         else:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"slime requested key {key!r} for a placeholder micro-batch, and megatron_dynbatch "
                 "does not know its placeholder value; add it to "
                 "megatron_dynbatch/integrations/slime/placeholders.py:placeholder_sample."

@@ -24,6 +24,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.mcore.schedule import check_schedule_config
 
 __all__ = [
@@ -137,7 +138,7 @@ def _moe_fields(num_moe_experts: Optional[int], moe_router_topk: int) -> dict:
     if num_moe_experts is None:
         return {}
     if not 1 <= moe_router_topk <= num_moe_experts:
-        raise ValueError(
+        raise DynBatchValueError(
             f"moe_router_topk={moe_router_topk} must be in [1, num_moe_experts="
             f"{num_moe_experts}]; lower the top-k or add experts."
         )
@@ -230,7 +231,7 @@ def build_tiny_gpt(
     pp_size = config.pipeline_model_parallel_size
     vp_size = config.virtual_pipeline_model_parallel_size
     if pg_collection.pp.size() != pp_size:
-        raise ValueError(
+        raise DynBatchValueError(
             f"config.pipeline_model_parallel_size={pp_size} but the pipeline process group has "
             f"{pg_collection.pp.size()} ranks; build the config for the initialised layout."
         )

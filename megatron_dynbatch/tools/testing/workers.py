@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_dynbatch.errors import DynBatchError
+from megatron_dynbatch.errors import DynBatchError, DynBatchRuntimeError, DynBatchValueError
 
 __all__ = [
     "WORKER_NAME_PREFIX",
@@ -161,7 +161,7 @@ def os_thread_count() -> int:
         for line in status:
             if line.startswith("Threads:"):
                 return int(line.split()[1])
-    raise RuntimeError("no Threads: line in /proc/self/status")
+    raise DynBatchRuntimeError("no Threads: line in /proc/self/status")
 
 
 def _set_layout(layout: Layout, current: Optional[Layout]) -> Layout:
@@ -329,7 +329,7 @@ class _Pool:
     def run(self, fn, args, kwargs, layout, timeout_s: float) -> list:
         module_name, qualname = fn.__module__, fn.__qualname__
         if "<locals>" in qualname or "<lambda>" in qualname:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"{qualname} is not a module-level function; test bodies run in other processes "
                 "and must be importable by name. Move it to the top level of its module."
             )
@@ -480,7 +480,7 @@ def run_on_ranks(
     if layout is not None:
         model_parallel = layout.tp * layout.pp * layout.cp
         if world_size % model_parallel:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"world_size={world_size} is not a multiple of tp*pp*cp={model_parallel} for "
                 f"{layout}; pick a world size that leaves a whole data-parallel size."
             )

@@ -6,6 +6,7 @@ import os
 import time
 from typing import Any, Dict, Optional
 
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.tools.verify.bodies import dynamic_body, reference_body
 from megatron_dynbatch.tools.verify.compare import compare
 from megatron_dynbatch.tools.verify.spec import VerifySpec
@@ -23,7 +24,7 @@ def check_torchrun_world_size(spec: VerifySpec) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size != spec.world_size:
         parallel = spec.config.parallel
-        raise ValueError(
+        raise DynBatchValueError(
             f"torchrun started {world_size} processes but --dp-size {parallel.dp_size} x "
             f"--pp-size {parallel.pp_size} x --tp-size {parallel.tp_size} = {spec.world_size}; "
             "make them equal."

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Dict, Optional, Sequence, Tuple
 
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import (
     OversizeSampleWarning,
     Plan,
@@ -55,16 +56,16 @@ class MoESettings:
 
     def __post_init__(self) -> None:
         if not 1 <= self.topk <= self.num_experts:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"--moe top-k {self.topk} must be in [1, num_experts={self.num_experts}]."
             )
         if self.ep_size < 1 or self.num_experts % self.ep_size:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"--moe-ep-size {self.ep_size} must be >= 1 and divide the {self.num_experts} "
                 "experts of the verify model; use 1, 2 or 4."
             )
         if not self.z_loss_coeff >= 0:
-            raise ValueError(
+            raise DynBatchValueError(
                 f"--moe-z-loss-coeff {self.z_loss_coeff} must be >= 0 (0 turns the z-loss off)."
             )
 
@@ -174,30 +175,30 @@ def build_spec(
             (never silently another one: a report must state what ran).
     """
     if not isinstance(config, PlannerConfig):
-        raise ValueError(f"config must be a PlannerConfig, got {type(config).__name__}.")
+        raise DynBatchValueError(f"config must be a PlannerConfig, got {type(config).__name__}.")
     check_aggregation(loss)
     sample_set = parse_samples_json(bundled_samples() if samples is None else list(samples))
     parallel = config.parallel
     if NUM_LAYERS % (parallel.pp_size * parallel.vpp_size):
-        raise ValueError(
+        raise DynBatchValueError(
             f"the verify model has {NUM_LAYERS} layers, which do not split over pp_size="
             f"{parallel.pp_size} x vpp_size={parallel.vpp_size}; use pp*vpp in (1, 2, 4)."
         )
     if NUM_ATTENTION_HEADS % parallel.tp_size:
-        raise ValueError(
+        raise DynBatchValueError(
             f"the verify model has {NUM_ATTENTION_HEADS} attention heads, which do not split over "
             f"tp_size={parallel.tp_size}; use --tp-size 1, 2 or 4."
         )
     if parallel.cp_size > 1:
         # Megatron's context parallelism lives in transformer-engine's attention; the verify model
         # uses Megatron's local attention (no TE on CPU), which has none.
-        raise ValueError(
+        raise DynBatchValueError(
             f"verify cannot run cp_size={parallel.cp_size}: its model uses Megatron's local "
             "attention, which has no context parallelism (that needs transformer-engine). Drop "
             "--cp-size (megatron-dynbatch plan --cp-size shows the planned padding)."
         )
     if moe is not None and parallel.dp_size % moe.ep_size:
-        raise ValueError(
+        raise DynBatchValueError(
             f"--moe-ep-size {moe.ep_size} must divide --dp-size {parallel.dp_size}: Megatron's "
             "expert-parallel groups are made of data-parallel ranks."
         )

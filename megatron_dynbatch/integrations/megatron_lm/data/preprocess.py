@@ -89,9 +89,11 @@ def _documents(path: pathlib.Path, key: str, blank: List[int]) -> Iterator[Tuple
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{number}: not a JSON line ({error.msg}).") from None
+                raise DynBatchValueError(
+                    f"{path}:{number}: not a JSON line ({error.msg})."
+                ) from None
             if not isinstance(record, dict) or not isinstance(record.get(key), str):
-                raise ValueError(
+                raise DynBatchValueError(
                     f"{path}:{number}: expected an object with a string {key!r} field "
                     "(--json-keys)."
                 )
@@ -156,13 +158,13 @@ def write_indexed_dataset(
             except ValueError as error:
                 # NullTokenizer ("null-text") reads space-separated integer ids, not text.
                 hint = "; leave out --tokenizer-type for byte tokens" if "null" in described else ""
-                raise ValueError(
+                raise DynBatchValueError(
                     f"{input_path}:{number}: the tokenizer cannot read this text ({error}){hint}."
                 ) from None
             builder.add_document(tokens, [len(tokens)] if tokens else [])
             count += bool(tokens)
         if count == 0:
-            raise ValueError(f"{input_path} holds no document with text under {key!r}.")
+            raise DynBatchValueError(f"{input_path} holds no document with text under {key!r}.")
     except BaseException:
         # A .bin without its .idx would only mislead the next run: remove the partial file.
         builder.data_file.close()
