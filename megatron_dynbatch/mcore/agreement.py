@@ -57,7 +57,8 @@ class PlanMismatchError(StepAgreementError):
     """Ranks derived different plans: their data iterators yielded different rollout batches."""
 
 
-def _collective_device(group) -> torch.device:
+def collective_device(group=None) -> torch.device:
+    """Where a tensor for a collective over ``group`` must live (NCCL: the current GPU; gloo: CPU)."""
     # NCCL only moves CUDA tensors; gloo only CPU ones.
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -86,7 +87,7 @@ def _decode(payload: torch.Tensor) -> Tuple[bool, Optional[int], str]:
 
 
 def _gather(payload: torch.Tensor, group) -> List[Tuple[bool, Optional[int], str]]:
-    device = _collective_device(group)
+    device = collective_device(group)
     mine = payload.to(device)
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, mine, group=group)

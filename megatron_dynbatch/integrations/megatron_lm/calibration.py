@@ -54,6 +54,7 @@ from megatron_dynbatch.integrations.megatron_lm.arguments import (
     DEFAULT_CALIBRATION_STEPS,
     add_calibration_args,
 )
+from megatron_dynbatch.mcore.agreement import collective_device
 from megatron_dynbatch.planning.calibration import Calibration, Observation, fit_cost_model
 from megatron_dynbatch.planning.spec import round_up
 
@@ -122,7 +123,8 @@ def _agree_seconds(seconds: float) -> float:
     """The slowest rank's time (the step ends when the last rank ends)."""
     if not dist.is_initialized():
         return seconds
-    value = torch.tensor([seconds], dtype=torch.float64)
+    # On the device the backend moves (NCCL: the GPU), as every collective here.
+    value = torch.tensor([seconds], dtype=torch.float64, device=collective_device())
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return float(value.item())
 
@@ -131,7 +133,9 @@ def _agree_fit(fit: Calibration) -> Calibration:
     """Rank 0's weights on every rank (one broadcast): plans must be identical everywhere."""
     if not dist.is_initialized():
         return fit
-    values = torch.tensor([*fit.weights, fit.step_seconds], dtype=torch.float64)
+    values = torch.tensor(
+        [*fit.weights, fit.step_seconds], dtype=torch.float64, device=collective_device()
+    )
     dist.broadcast(values, src=0)
     token, attention, overhead, step = (float(v) for v in values.tolist())
     return Calibration(

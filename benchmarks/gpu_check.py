@@ -1,0 +1,450 @@
+"""The prepared GPU check: Megatron-LM's entry on one GPU, dynamic against fixed micro-batches.
+
+    python benchmarks/gpu_check.py --wheels .whl --report docs/gpu.md     # one GPU (NCCL, bf16)
+    python benchmarks/gpu_check.py --tiny --report /tmp/gpu.md            # CPU (CI): a tiny model
+
+One script a one-GPU machine runs in under 8 minutes, through the path users run:
+``launch/train_gpt_dynbatch.sh`` under torchrun (pp 1, one process), Megatron-LM's own
+``pretrain()`` with our patches. On a generated long-tail corpus (document lengths drawn from a
+log-normal, text from Python's own ``pydoc_data``; most documents short, a few past
+``--seq-length`` and cut there) it runs
+
+1. fixed micro-batches (``--document-samples``, ``[MBS x S]``, every document padded to S) in bf16;
+2. dynamic micro-batches at **equal measured memory**: ``--max-memory-gib`` set to the fixed run's
+   measured peak, with a token budget twice fixed's ``MBS x S`` (so the memory budget, not the token
+   cap, is what binds), calibration on;
+3. both again in fp32 for a few iterations: the loss must agree within ``--tolerance``;
+
+and writes a report (``--report``): the GPU, torch and megatron-core versions, time per iteration
+and tokens/s of both runs (iterations after calibration), peak memory predicted and measured per
+iteration (``peak memory predicted/measured (MiB)`` of the iteration line; for the fixed run
+Megatron's own ``max allocated`` when the line has none), the loss agreement and the calibrated
+cost weights (the ``dynamic-batch calibration`` log line). ``--tiny`` runs the same steps on the
+CPU with a 2-layer model in fp32 (gloo), so CI keeps the script working.
+
+The GPU machine has torch but no megatron-core and no network: ``--wheels DIR`` installs every
+wheel in DIR (``pip download --no-deps --python-version 3.12 ... megatron-core==0.19.2``, see
+docs/gpu.md) into a scratch directory first when ``megatron.core`` does not import; a GNU
+``patch`` binary in ``DIR/bin`` is used when the machine has none (the entry applies
+``patches/`` with it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import pathlib
+import random
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+#: The GPU model: a 12-layer GPT, hidden 1024 (about 150M parameters with byte-level tokens).
+GPU_MODEL = {
+    "--num-layers": "12",
+    "--hidden-size": "1024",
+    "--num-attention-heads": "16",
+    "--seq-length": "2048",
+    "--max-position-embeddings": "2048",
+}
+#: The CPU (``--tiny``) model.
+TINY_MODEL = {
+    "--num-layers": "2",
+    "--hidden-size": "64",
+    "--num-attention-heads": "4",
+    "--seq-length": "256",
+    "--max-position-embeddings": "256",
+}
+#: What a GPU without transformer-engine and apex needs from Megatron's flags (the local
+#: implementation; fusions that need apex or compiled kernels off).
+GPU_FLAGS = [
+    "--transformer-impl",
+    "local",
+    "--no-gradient-accumulation-fusion",
+    "--no-masked-softmax-fusion",
+    "--no-rope-fusion",
+    "--no-bias-dropout-fusion",
+    "--no-bias-gelu-fusion",
+    "--no-persist-layer-norm",
+]
+
+_PEAK = re.compile(r"peak memory predicted/measured \(MiB\): ([\d.]+|-)/([\d.]+)")
+_MEGATRON_PEAK = re.compile(r"max allocated: ([\d.]+)")
+_CALIBRATION = re.compile(r"(dynamic-batch calibration over .*)")
+_MICROBATCHES = re.compile(r"micro-batches/rank: (\d+) (\[[^\]]*\])")
+
+
+def _compare_runs():
+    spec = importlib.util.spec_from_file_location(
+        "compare_runs", REPO / "launch" / "compare_runs.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+COMPARE = _compare_runs()
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def prepare_environment(wheels: Optional[pathlib.Path], scratch: pathlib.Path) -> None:
+    """Make ``megatron.core`` importable (from ``wheels``) and ``patch`` callable, for the runs."""
+    if (
+        importlib.util.find_spec("megatron") is None
+        or importlib.util.find_spec("megatron.core") is None
+    ):
+        if wheels is None or not any(wheels.glob("*.whl")):
+            raise SystemExit(
+                "error: megatron.core does not import and no wheels were given; pass --wheels DIR "
+                "holding megatron_core-0.19.2-*.whl (docs/gpu.md says how to download it)."
+            )
+        site = scratch / "site"
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-index",
+                "--no-deps",
+                "--no-compile",
+            ]
+            + ["--no-cache-dir", "--upgrade", "--target", str(site)]
+            + [str(path) for path in sorted(wheels.glob("*.whl"))],
+            check=True,
+        )
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(site), os.environ.get("PYTHONPATH")])
+        )
+        sys.path.insert(0, str(site))
+    if (
+        shutil.which("patch") is None
+        and wheels is not None
+        and (wheels / "bin" / "patch").is_file()
+    ):
+        (wheels / "bin" / "patch").chmod(0o755)
+        os.environ["PATH"] = f"{wheels / 'bin'}{os.pathsep}{os.environ['PATH']}"
+    # torchrun as a command next to this Python, whatever the image calls it.
+    shim = scratch / "torchrun"
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m torch.distributed.run "$@"\n')
+    shim.chmod(0o755)
+    os.environ["TORCHRUN"] = str(shim)
+
+
+def describe_machine() -> Dict[str, str]:
+    import torch
+
+    info = {"python": sys.version.split()[0], "torch": torch.__version__}
+    try:
+        from importlib.metadata import version
+
+        info["megatron-core"] = version("megatron-core")
+    except Exception:  # noqa: BLE001 - a version is only reported
+        info["megatron-core"] = "unknown"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info["device"] = f"{props.name}, {props.total_memory / 2**30:.1f} GiB"
+    else:
+        info["device"] = "CPU (no CUDA): gloo, fp32"
+    return info
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- corpus
+
+
+def make_corpus(data_dir: pathlib.Path, documents: int, seq_length: int, seed: int) -> str:
+    """A long-tail corpus: ``documents`` lengths from a log-normal (median seq/8), text from pydoc."""
+    from pydoc_data.topics import topics
+
+    prefix = data_dir / "longtail_text_document"
+    if prefix.with_suffix(".idx").is_file() and prefix.with_suffix(".bin").is_file():
+        return str(prefix)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    text = "\n\n".join(topics[name] for name in sorted(topics))
+    rng = random.Random(seed)
+    jsonl = data_dir / "longtail.jsonl"
+    with open(jsonl, "w", encoding="utf-8") as handle:
+        for _ in range(documents):
+            # Median seq/8 bytes, sigma 1: about 2% of documents reach seq and are cut there.
+            length = max(
+                8, min(int(rng.lognormvariate(math.log(seq_length / 8), 1.0)), 2 * seq_length)
+            )
+            start = rng.randrange(0, len(text) - length)
+            handle.write(json.dumps({"text": text[start : start + length]}) + "\n")
+    subprocess.run(
+        [sys.executable, "-m", "megatron_dynbatch.integrations.megatron_lm.data.preprocess"]
+        + ["--input", str(jsonl), "--output-prefix", str(data_dir / "longtail"), "--append-eod"],
+        check=True,
+        cwd=REPO,
+    )
+    return str(prefix)
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def launch(name: str, batching: str, args: List[str], data: str, out: pathlib.Path) -> Dict:
+    """Run ``launch/train_gpt_dynbatch.sh`` on one device; its parsed log."""
+    env = dict(os.environ)
+    env.update(
+        BATCHING=batching,
+        DATA_PATH=data,
+        GPUS_PER_NODE="1",
+        MASTER_PORT=str(free_port()),
+        PYTHONUNBUFFERED="1",
+    )
+    log = out / f"{name}.log"
+    started = time.time()
+    with open(log, "w", encoding="utf-8") as handle:
+        result = subprocess.run(
+            ["bash", str(REPO / "launch" / "train_gpt_dynbatch.sh"), *args],
+            cwd=REPO,
+            env=env,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+        )
+    seconds = time.time() - started
+    text = log.read_text(encoding="utf-8", errors="replace")
+    if result.returncode != 0:
+        print("\n".join(text.splitlines()[-40:]), file=sys.stderr)
+        raise SystemExit(f"error: the {name} run failed (exit {result.returncode}); log: {log}")
+    parsed = COMPARE.parse_text(text)
+    peaks = {}
+    for line in text.splitlines():
+        match = COMPARE._ITERATION.search(line)
+        found = _PEAK.search(line) if match else None
+        if found:
+            predicted = None if found.group(1) == "-" else float(found.group(1))
+            peaks[int(match.group(1))] = (predicted, float(found.group(2)))
+    megatron_peak = [float(m) for m in _MEGATRON_PEAK.findall(text)]
+    calibration = _CALIBRATION.findall(text)
+    shapes = _MICROBATCHES.findall(text)
+    print(
+        f"[gpu_check] {name}: {len(parsed['iterations'])} iterations in {seconds:.0f} s", flush=True
+    )
+    return {
+        "parsed": parsed,
+        "peaks": peaks,
+        "megatron_peak": max(megatron_peak) if megatron_peak else None,
+        "calibration": calibration[-1] if calibration else None,
+        "shapes": shapes,
+        "seconds": seconds,
+        "log": str(log),
+    }
+
+
+def measured_peak(run: Dict) -> Optional[float]:
+    """The run's largest measured peak in MiB (iteration lines, else Megatron's own report)."""
+    values = [measured for _, measured in run["peaks"].values()]
+    if values:
+        return max(values)
+    return run["megatron_peak"]
+
+
+def supports_memory_budget() -> bool:
+    try:
+        from megatron_dynbatch.config import DynBatchConfig
+    except ImportError:
+        return False
+    return "max_memory_gib" in getattr(DynBatchConfig, "__dataclass_fields__", {})
+
+
+def timing(run: Dict, first: int, real: Dict[int, float]) -> Dict[str, float]:
+    """Mean time per iteration (ms) and real tokens/s over iterations ``first``+.
+
+    ``real``: real tokens per iteration (the dynamic run's line; both runs train the same samples).
+    """
+    chosen = {i: r for i, r in run["parsed"]["iterations"].items() if i >= first}
+    if not chosen:
+        return {"ms": float("nan"), "tokens_per_s": float("nan"), "iterations": 0}
+    ms = statistics.mean(r["ms"] for r in chosen.values())
+    counts = [real.get(i) for i in chosen]
+    tokens = statistics.mean(counts) if all(v is not None for v in counts) else float("nan")
+    return {"ms": ms, "tokens_per_s": tokens / (ms / 1000.0), "iterations": len(chosen)}
+
+
+def loss_agreement(dynamic: Dict, fixed: Dict) -> float:
+    worst = 0.0
+    d, f = dynamic["parsed"]["iterations"], fixed["parsed"]["iterations"]
+    for i in sorted(set(d) & set(f)):
+        a, b = d[i].get("loss"), f[i].get("loss")
+        if a is not None and b is not None:
+            worst = max(worst, abs(a - b) / max(abs(b), 1e-12))
+    return worst
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="CPU: a 2-layer model in fp32 (CI)")
+    parser.add_argument(
+        "--wheels", type=pathlib.Path, help="wheels to install when megatron is absent"
+    )
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("/tmp/dynbatch-gpu-check"))
+    parser.add_argument("--report", type=pathlib.Path, help="write the markdown report here")
+    parser.add_argument(
+        "--train-iters", type=int, default=None, help="bf16 runs (default 30; tiny 4)"
+    )
+    parser.add_argument(
+        "--fp32-iters", type=int, default=None, help="fp32 runs (default 6; tiny 3)"
+    )
+    parser.add_argument("--global-batch-size", type=int, default=None)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--documents", type=int, default=20000)
+    parser.add_argument("--tolerance", type=float, default=1e-5)
+    parser.add_argument(
+        "--no-fp32", action="store_true", help="skip the fp32 loss runs (a quick smoke test)"
+    )
+    options = parser.parse_args(argv)
+
+    out = options.out
+    out.mkdir(parents=True, exist_ok=True)
+    prepare_environment(options.wheels, out)
+    machine = describe_machine()
+    gpu = "CUDA" in machine["device"] or "CPU" not in machine["device"]
+    model = TINY_MODEL if options.tiny else GPU_MODEL
+    seq = int(model["--seq-length"])
+    iters = options.train_iters or (4 if options.tiny else 30)
+    fp32_iters = options.fp32_iters or (3 if options.tiny else 6)
+    gbs = options.global_batch_size or (16 if options.tiny else 64)
+    mbs = options.micro_batch_size
+    print(f"[gpu_check] {json.dumps(machine)}", flush=True)
+
+    data = make_corpus(out / "data", options.documents, seq, seed=1234)
+    common = [x for pair in model.items() for x in pair]
+    common += ["--pipeline-model-parallel-size", "1", "--global-batch-size", str(gbs)]
+    common += ["--micro-batch-size", str(mbs), "--eval-iters", "1", "--eval-interval", "1000"]
+    if gpu and not options.tiny:
+        common += GPU_FLAGS
+    precision = ["--bf16"] if (gpu and not options.tiny) else []
+
+    runs: Dict[str, Dict] = {}
+    runs["fixed"] = launch(
+        "fixed", "fixed", common + precision + ["--train-iters", str(iters)], data, out
+    )
+    fixed_peak = measured_peak(runs["fixed"])
+    token_budget = 2 * mbs * seq
+    dynamic = common + precision + ["--train-iters", str(iters)]
+    memory_budget = None
+    if supports_memory_budget() and fixed_peak:
+        memory_budget = fixed_peak / 1024.0
+        dynamic += ["--max-memory-gib", f"{memory_budget:.4f}"]
+    else:
+        token_budget = mbs * seq  # equal tokens: the memory budget is not available
+    runs["dynamic"] = _dynamic(dynamic, token_budget, data, out)
+    runs["fixed-fp32"] = launch(
+        "fixed-fp32", "fixed", common + ["--train-iters", str(fp32_iters)], data, out
+    )
+    runs["dynamic-fp32"] = _dynamic(
+        common + ["--train-iters", str(fp32_iters)], mbs * seq, data, out, name="dynamic-fp32"
+    )
+
+    first = 2 if options.tiny else 12  # after start-up and calibration
+    report = render(machine, options, model, runs, fixed_peak, memory_budget, token_budget, first)
+    print(report)
+    if options.report:
+        options.report.parent.mkdir(parents=True, exist_ok=True)
+        options.report.write_text(report, encoding="utf-8")
+    if "dynamic-fp32" not in runs:
+        return 0
+    worst = loss_agreement(runs["dynamic-fp32"], runs["fixed-fp32"])
+    return 0 if worst <= options.tolerance else 1
+
+
+def _dynamic(
+    args: List[str], token_budget: int, data: str, out: pathlib.Path, name="dynamic"
+) -> Dict:
+    env_budget = os.environ.get("MAX_TOKENS_PER_GPU")
+    os.environ["MAX_TOKENS_PER_GPU"] = str(token_budget)
+    try:
+        return launch(name, "dynamic", args, data, out)
+    finally:
+        if env_budget is None:
+            os.environ.pop("MAX_TOKENS_PER_GPU", None)
+        else:
+            os.environ["MAX_TOKENS_PER_GPU"] = env_budget
+
+
+def render(machine, options, model, runs, fixed_peak, memory_budget, token_budget, first) -> str:
+    fixed, dynamic = runs["fixed"], runs["dynamic"]
+    real = {i: r["real"] for i, r in dynamic["parsed"]["iterations"].items() if "real" in r}
+    tf, td = timing(fixed, first, real), timing(dynamic, first, real)
+    dyn_peaks = [m for _, m in dynamic["peaks"].values()]
+    errors = [
+        abs(p - m) / m
+        for i, (p, m) in sorted(dynamic["peaks"].items())
+        if p is not None and m and i >= first
+    ]
+    lines = [
+        "# GPU check",
+        "",
+        f"Command: `python benchmarks/gpu_check.py {'--tiny ' if options.tiny else ''}"
+        f"--wheels .whl --report docs/gpu.md`",
+        "",
+        "| | |",
+        "|---|---|",
+    ]
+    lines += [f"| {k} | {v} |" for k, v in machine.items()]
+    lines += [
+        f"| model | GPT {model['--num-layers']} layers, hidden {model['--hidden-size']}, "
+        f"{model['--num-attention-heads']} heads, seq {model['--seq-length']}, byte tokens |",
+        f"| fixed | `[{options.micro_batch_size}x{model['--seq-length']}]` (--document-samples) |",
+        f"| dynamic | --max-tokens-per-gpu {token_budget}"
+        + (
+            f", --max-memory-gib {memory_budget:.3f} (fixed's measured peak)"
+            if memory_budget
+            else ""
+        )
+        + " |",
+        "",
+        f"Iterations {first}+ (after start-up and calibration):",
+        "",
+        "| | fixed | dynamic |",
+        "|---|---|---|",
+        f"| time per iteration (ms) | {tf['ms']:.1f} | {td['ms']:.1f} |",
+        f"| real tokens/s | {tf['tokens_per_s']:.0f} | {td['tokens_per_s']:.0f} |",
+        f"| peak memory measured (MiB) | {fixed_peak or float('nan'):.0f} | "
+        f"{max(dyn_peaks) if dyn_peaks else float('nan'):.0f} |",
+        f"| dynamic / fixed time | | {td['ms'] / tf['ms']:.3f}x |",
+        "",
+        (
+            "Peak memory predicted vs measured (dynamic, iterations "
+            f"{first}+): median error {100 * statistics.median(errors):.1f}%"
+            if errors
+            else "Peak memory predicted vs measured: not reported by this build"
+        ),
+        "",
+        (
+            f"Loss, fp32 runs: largest relative difference "
+            f"{loss_agreement(runs['dynamic-fp32'], runs['fixed-fp32']):.2e} "
+            f"(tolerance {options.tolerance:g})"
+            if "dynamic-fp32" in runs
+            else "Loss, fp32 runs: skipped (--no-fp32)"
+        ),
+        "",
+        f"Calibration: {dynamic['calibration'] or 'no fit logged'}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
