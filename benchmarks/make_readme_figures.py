@@ -242,7 +242,18 @@ def write_markdown(path: pathlib.Path, cases, speed, searched) -> None:
         "![one planned step](step.png)",
         "",
     ]
-    path.write_text("\n".join(lines), encoding="utf-8")
+    # Measurements made by hand (end-to-end runs, moved from the README) follow a marker line and
+    # are kept as they are: this script regenerates only what it measures itself.
+    kept = ""
+    if path.is_file():
+        old = path.read_text(encoding="utf-8")
+        if HAND_WRITTEN in old:
+            kept = "\n" + old[old.index(HAND_WRITTEN) :]
+    path.write_text("\n".join(lines) + kept, encoding="utf-8")
+
+
+#: The line after which docs/benchmarks.md holds hand-written measurements.
+HAND_WRITTEN = "<!-- hand-written below: measured end to end; make_readme_figures keeps it -->"
 
 
 def write_picture(path: pathlib.Path) -> None:
