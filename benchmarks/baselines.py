@@ -24,6 +24,7 @@ import bisect
 import heapq
 from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning.karmarkar_karp import karmarkar_karp as _karmarkar_karp
 from megatron_dynbatch.planning.spec import ceil_div, round_up
 
@@ -115,14 +116,16 @@ def _validate(
         ("microbatch_multiple", microbatch_multiple),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{baseline}: {name}={value!r} must be an integer >= 1.")
+            raise DynBatchValueError(f"{baseline}: {name}={value!r} must be an integer >= 1.")
     if not lengths:
-        raise ValueError(f"{baseline}: no samples to schedule; pass at least one length.")
+        raise DynBatchValueError(f"{baseline}: no samples to schedule; pass at least one length.")
     for i, length in enumerate(lengths):
         if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-            raise ValueError(f"{baseline}: lengths[{i}]={length!r} must be an integer >= 1.")
+            raise DynBatchValueError(
+                f"{baseline}: lengths[{i}]={length!r} must be an integer >= 1."
+            )
     if rollout_ids is not None and len(rollout_ids) != len(lengths):
-        raise ValueError(
+        raise DynBatchValueError(
             f"{baseline}: rollout_ids has {len(rollout_ids)} entries for {len(lengths)} lengths; "
             f"pass one rollout id per sample or None."
         )
@@ -200,7 +203,7 @@ def next_fit(
     name = "next_fit"
     _validate(name, lengths, dp_size, token_cap, microbatch_multiple, rollout_ids)
     if distribution not in ("round_robin", "contiguous"):
-        raise ValueError(
+        raise DynBatchValueError(
             f"{name}: distribution={distribution!r} is not 'round_robin' (megatron/core) or "
             f"'contiguous' (megatron/rl fifo)."
         )

@@ -34,6 +34,7 @@ from benchmarks.lengths import (
     uniform_lengths,
 )
 from benchmarks.metrics import EVAL_COST, evaluate, ideal_step_time, planner_config, step_time
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import CostModel, ParallelLayout, plan_schedule
 
 __all__ = [
@@ -104,7 +105,7 @@ MIXES: Dict[str, Callable[[int, int], LengthSet]] = {
 
 def make_mix(mix: str, num_prompts: int, seed: int = 0) -> LengthSet:
     if mix not in MIXES:
-        raise ValueError(f"mix={mix!r} is not one of {sorted(MIXES)}.")
+        raise DynBatchValueError(f"mix={mix!r} is not one of {sorted(MIXES)}.")
     return MIXES[mix](num_prompts, seed)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Dict, Optional, Sequence
 
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning.cost import microbatch_cost
 from megatron_dynbatch.planning.simulate import BACKWARD_TO_FORWARD_RATIO, pipeline_makespan
 from megatron_dynbatch.planning.spec import (
@@ -124,13 +125,15 @@ def evaluate(
         * ``coverage_ok``, ``missing``, ``duplicated``, ``out_of_range``: every sample exactly once.
     """
     if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}.")
+        raise DynBatchValueError(f"layout={layout!r} is not one of {LAYOUTS}.")
     if row_multiple is not None and (layout != "packed" or row_multiple < 1):
-        raise ValueError(f"row_multiple={row_multiple!r} needs layout packed and a value >= 1.")
+        raise DynBatchValueError(
+            f"row_multiple={row_multiple!r} needs layout packed and a value >= 1."
+        )
     if isinstance(token_cap, bool) or not isinstance(token_cap, int) or token_cap < 1:
-        raise ValueError(f"token_cap={token_cap!r} must be an integer >= 1.")
+        raise DynBatchValueError(f"token_cap={token_cap!r} must be an integer >= 1.")
     if not ranks:
-        raise ValueError("ranks is empty; pass one list of micro-batches per DP rank.")
+        raise DynBatchValueError("ranks is empty; pass one list of micro-batches per DP rank.")
     n = len(lengths)
     every_length = list(lengths) + list(dummy_lengths)
     prompts = list(prompt_lengths) if prompt_lengths is not None else [0] * n

@@ -57,7 +57,11 @@ from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
 
 apply_cpu_shim()
 
-from megatron_dynbatch.tools.testing.workers import Layout, run_on_ranks  # noqa: E402
+from megatron_dynbatch.tools.testing.workers import (  # noqa: E402
+    DistributedTestError,
+    Layout,
+    run_on_ranks,
+)
 
 pytestmark = pytest.mark.skyrl
 
@@ -854,8 +858,9 @@ def test_patch_0003_lets_skyrl_run_virtual_pipeline_stages_with_the_flag_off(
     patched tree, flag off, runs them and matches the reference."""
     args = (8, True, "token_mean", 0)  # budget 0: SkyRL's stock fixed micro-batches of 2
     kwargs = dict(dynamic=False, layout=Layout(pp=2, vpp=2), timeout_s=BODY_TIMEOUT_S)
-    with pytest.raises(Exception, match="IndexError"):
+    with pytest.raises(DistributedTestError, match="IndexError") as caught:
         run_on_ranks(2, _skyrl_body, stock_skyrl, *args, **kwargs)
+    assert "IndexError" in {name for name, _ in caught.value.errors.values()}, caught.value
     results = run_on_ranks(2, _skyrl_body, patched_skyrl, *args, **kwargs)
     [reference] = run_on_ranks(
         1, _reference_body, 8, True, "token_mean", patched_skyrl, layout=Layout()

@@ -53,6 +53,7 @@ from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
 
 apply_cpu_shim()
 
+from megatron_dynbatch.errors import DynBatchValueError  # noqa: E402
 from megatron_dynbatch.integrations.slime.backend import (  # noqa: E402
     SlimeDataIterator,
     placeholder_sample,
@@ -113,7 +114,7 @@ def test_placeholder_is_a_full_length_loss_masked_sample_with_every_key():
     assert sample["loss_masks"].shape == (15,) and int(sample["loss_masks"].sum()) == 0
     assert sample["advantages"].shape == (15,) and sample["rollout_mask_sums"] == 0
     assert sample["multimodal_train_inputs"] is None and sample["log_probs"] is None
-    with pytest.raises(ValueError, match="'new_key'"):
+    with pytest.raises(DynBatchValueError, match="'new_key'"):
         placeholder_sample({**data, "new_key": [1, 2]}, ["new_key"], 16)
 
 
@@ -125,15 +126,15 @@ def test_iterator_yields_placeholders_and_row_lengths_and_checks_samples():
     assert first["total_lengths"] == [6, 4] and iterator.row_length == 128
     second = iterator.get_next(["tokens", "total_lengths", "multimodal_train_inputs"])
     assert second["total_lengths"] == [128] and second["multimodal_train_inputs"] is None
-    with pytest.raises(ValueError, match="micro-batch 2 requested"):
+    with pytest.raises(DynBatchValueError, match="micro-batch 2 requested"):
         iterator.get_next(["tokens"])
     bad = _local_data()
     bad["advantages"][1] = torch.tensor([1.0, float("nan")])  # masked: fine
     SlimeDataIterator(bad, [[0, 1]], [128]).check_microbatches(1)
     bad["advantages"][1] = torch.tensor([float("nan"), 1.0])  # on a loss token: an error
-    with pytest.raises(ValueError, match=r"advantages\[0\]=nan is not finite"):
+    with pytest.raises(DynBatchValueError, match=r"advantages\[0\]=nan is not finite"):
         SlimeDataIterator(bad, [[0, 1]], [128]).check_microbatches(1)
-    with pytest.raises(ValueError, match="more than the step's row length 8"):
+    with pytest.raises(DynBatchValueError, match="more than the step's row length 8"):
         SlimeDataIterator(data, [[0, 1]], [8]).check_microbatches(1)
 
 
@@ -141,9 +142,9 @@ def test_forward_outputs_return_in_rollout_order_without_placeholders():
     data = _local_data()
     iterator = SlimeDataIterator(data, [[1], [], [0]], [16, 16, 16])
     assert restore_rollout_order([["b"], ["ph"], ["a"]], iterator) == ["a", "b"]
-    with pytest.raises(ValueError, match="2 outputs for 1 sample"):
+    with pytest.raises(DynBatchValueError, match="2 outputs for 1 sample"):
         restore_rollout_order([["b", "x"], ["ph"], ["a"]], iterator)
-    with pytest.raises(ValueError, match="2 forward-only outputs for 3"):
+    with pytest.raises(DynBatchValueError, match="2 forward-only outputs for 3"):
         restore_rollout_order([["b"], ["a"]], iterator)
 
 

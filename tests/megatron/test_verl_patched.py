@@ -46,7 +46,11 @@ from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
 
 apply_cpu_shim()
 
-from megatron_dynbatch.tools.testing.workers import Layout, run_on_ranks  # noqa: E402
+from megatron_dynbatch.tools.testing.workers import (  # noqa: E402
+    DistributedTestError,
+    Layout,
+    run_on_ranks,
+)
 
 pytestmark = pytest.mark.verl
 
@@ -634,7 +638,9 @@ def test_stock_verl_asserts_where_the_plan_runs_placeholders():
     """The last case above under stock verl (``use_dynamic_bsz``, pp 2 x vpp 2, one sample per DP
     rank): ``rearrange_micro_batches`` rounds the count up to the interleaved group (2) and then
     asserts that every rank has that many samples (verl #1004)."""
-    with pytest.raises(Exception, match="assert 2 <= 1|num_micro_batches <= num_groups"):
+    # The match reads the whole report: each failed rank's message and traceback.
+    match = "assert 2 <= 1|num_micro_batches <= num_groups"
+    with pytest.raises(DistributedTestError, match=match) as caught:
         run_on_ranks(
             4,
             _verl_body,
@@ -646,6 +652,7 @@ def test_stock_verl_asserts_where_the_plan_runs_placeholders():
             layout=Layout(pp=2, vpp=2),
             timeout_s=BODY_TIMEOUT_S,
         )
+    assert "AssertionError" in {name for name, _ in caught.value.errors.values()}, caught.value
 
 
 @needs_verl
@@ -684,7 +691,7 @@ def test_with_the_switch_off_patched_verl_is_bitwise_stock(patched_verl):
 def test_an_oversize_sample_is_refused_on_every_rank_naming_verls_key(patched_verl):
     """A sample longer than the cap on one DP rank stops every rank before the pipeline, with the
     same message naming verl's budget key (not a hang, not a silent over-budget micro-batch)."""
-    with pytest.raises(Exception) as caught:
+    with pytest.raises(DistributedTestError, match="ppo_max_token_len_per_gpu") as caught:
         run_on_ranks(
             4,
             _verl_body,

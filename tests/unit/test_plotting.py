@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import (
     CostModel,
     ParallelLayout,
@@ -98,7 +99,7 @@ def test_plot_step_caps_drawn_ranks_and_checks_step(tmp_path):
     picture = plot_step(plan, 0, samples, config, str(out), max_ranks=8)
     assert out.read_bytes()[:8] == PNG_SIGNATURE
     assert picture.ranks == tuple(range(8))
-    with pytest.raises(ValueError, match="step_index=1"):
+    with pytest.raises(DynBatchValueError, match="step_index=1"):
         plot_step(plan, 1, samples, config, str(tmp_path / "x.png"))
 
 

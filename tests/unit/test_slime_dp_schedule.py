@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_dynbatch.adapters.slime import DPSchedule, DPScheduleError, build_dp_schedule
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import (
     OversizeSampleWarning,
     ParallelLayout,
@@ -216,7 +217,7 @@ def test_oversize_sample_runs_alone(policy):
 def test_oversize_samples_error_stops_before_any_model_work():
     """With --oversize-samples error (opt-in) an oversize sample is refused."""
     lengths = [15, 3, 3, 3]
-    with pytest.raises(ValueError, match=r"15") as caught:
+    with pytest.raises(DynBatchValueError, match=r"15") as caught:
         build_dp_schedule(
             make_args(max_tokens_per_gpu=10, oversize_samples="error"),
             slime_tp(dp_size=2),
@@ -228,7 +229,7 @@ def test_oversize_samples_error_stops_before_any_model_work():
     # Only what the patched parser accepts is suggested (it has no truncate).
     assert "--oversize-samples allow" in str(caught.value)
     assert "truncate" not in str(caught.value)
-    with pytest.raises(ValueError, match="--oversize-samples allow \\(default\\) or error"):
+    with pytest.raises(DynBatchValueError, match="--oversize-samples allow \\(default\\) or error"):
         build_dp_schedule(
             make_args(max_tokens_per_gpu=10, oversize_samples="truncate"),
             slime_tp(dp_size=2),
@@ -488,7 +489,7 @@ def test_bad_arguments_raise_value_errors(change, match):
             kwargs["rollout_indices"] = list(range(len(change["total_lengths"])))
         except TypeError:
             pass
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(DynBatchValueError, match=match):
         build_dp_schedule(
             kwargs["args"],
             kwargs["tp"],
@@ -573,5 +574,5 @@ def test_a_partial_or_attribute_parallel_config_means_the_features_are_off():
     as_object = types.SimpleNamespace(dp_size=2, vpp_size=2)
     interleaved = build_dp_schedule(args, as_object, lengths, 5, list(range(5)))
     assert all(count % 2 == 0 for count in interleaved[2])  # a multiple of the default group 2
-    with pytest.raises(ValueError, match="dp_size"):
+    with pytest.raises(DynBatchValueError, match="dp_size"):
         build_dp_schedule(args, {"cp_size": 1}, lengths, 5, list(range(5)))
