@@ -18,6 +18,7 @@ from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning.cost import microbatch_cost
 from megatron_dynbatch.planning.simulate import BACKWARD_TO_FORWARD_RATIO, pipeline_makespan
 from megatron_dynbatch.planning.spec import (
+    ATTENTION_CROSSOVER_7B,
     LAYOUTS,
     CostModel,
     ParallelLayout,
@@ -36,9 +37,9 @@ __all__ = [
 ]
 
 #: Sequence length at which self-attention's quadratic work equals the linear (MLP, projection) work
-#: of a dense transformer: ``2*h*L^2 = 12*h^2*L`` at ``L = 6*h``, i.e. 24576 for ``h = 4096`` (a 7B
-#: model; the same ratio verl's workload estimate uses).
-DEFAULT_ATTENTION_CROSSOVER = 24576
+#: of a dense transformer, for a 7B model (:data:`~megatron_dynbatch.planning.spec.ATTENTION_CROSSOVER_7B`;
+#: the same ratio verl's workload estimate uses).
+DEFAULT_ATTENTION_CROSSOVER = ATTENTION_CROSSOVER_7B
 
 #: The cost model of every benchmark figure: ``L + L^2 / 24576`` per sample, padding included.
 EVAL_COST = CostModel(token_weight=1.0, attention_weight=1.0 / DEFAULT_ATTENTION_CROSSOVER)

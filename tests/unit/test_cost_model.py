@@ -11,7 +11,11 @@ from megatron_dynbatch.planning import CostModel, ParallelLayout, PlannerConfig,
 from megatron_dynbatch.planning.cost import microbatch_cost, row_cost, step_microbatch_costs
 from megatron_dynbatch.planning.karmarkar_karp import karmarkar_karp
 from megatron_dynbatch.planning.simulate import pipeline_makespan
-from megatron_dynbatch.planning.spec import DEFAULT_MIN_GAIN, DEFAULT_OVERHEAD_FRACTION
+from megatron_dynbatch.planning.spec import (
+    ATTENTION_CROSSOVER_7B,
+    DEFAULT_MIN_GAIN,
+    DEFAULT_OVERHEAD_FRACTION,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -205,7 +209,7 @@ def test_step_time_is_the_slowest_of_every_rank():
     from megatron_dynbatch.planning.shape import StepProblem, choose_shape
 
     rng = random.Random(0)
-    model = CostModel(attention_weight=1 / 24576, microbatch_overhead=0.0)
+    model = CostModel(attention_weight=1.0 / ATTENTION_CROSSOVER_7B, microbatch_overhead=0.0)
     for _ in range(40):
         dp, pp = rng.choice([8, 16, 32]), rng.choice([2, 4])
         lengths = [
