@@ -11,6 +11,7 @@ import os
 import pathlib
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -267,3 +268,56 @@ class RouterTokens:
             yield self
         finally:
             TopKRouter.routing = original
+
+
+# -- trainer checkouts with and without our patches (the slime, SkyRL and verl tests) ------------
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``|a - b| / |b|`` (norms; a zero ``b`` counts as tiny, not as a division by zero)."""
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def host_patches(host: str) -> list:
+    """Our patch series for ``host`` (``slime``, ``skyrl``, ``verl``), in the order they apply."""
+    return sorted((REPO / "patches" / host).glob("*.patch"))
+
+
+def unpatch(root, host: str) -> int:
+    """Reverse, last first, every patch of ours that ``root`` holds (a checkout patched by
+    ``launch/apply_<host>_patches.sh``, wholly or by an older series' prefix); return how many."""
+    undone = 0
+    for patch in reversed(host_patches(host)):
+        command = ["patch", "-d", str(root), "-p1", "-R", "-F0", "--force", "--silent"]
+        dry = subprocess.run([*command, "--dry-run"], stdin=patch.open(), capture_output=True)
+        if dry.returncode == 0:
+            subprocess.run(command, stdin=patch.open(), check=True, capture_output=True)
+            undone += 1
+    return undone
+
+
+def stock_copy(checkout, host: str, root: pathlib.Path) -> str:
+    """A pristine copy of the checkout's ``<host>/`` package in ``root``, whether the checkout is
+    pristine or already patched (the patches are reverse-applied on the copy; the checkout itself
+    is never changed)."""
+    shutil.copytree(
+        pathlib.Path(checkout) / host,
+        root / host,
+        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.orig", "*.rej"),
+    )
+    undone = unpatch(root, host)
+    print(f"\n[{host}] {checkout}: {undone} of our patches reverse-applied on the copy")
+    return str(root)
+
+
+def patched_copy(source, host: str, root: pathlib.Path, *, all_new: bool = True) -> str:
+    """A copy of ``source``'s ``<host>/`` package in ``root`` with our patches applied by
+    ``launch/apply_<host>_patches.sh``; ``all_new``: every patch must apply (``source`` is stock).
+    """
+    shutil.copytree(pathlib.Path(source) / host, root / host)
+    apply = REPO / "launch" / f"apply_{host}_patches.sh"
+    result = subprocess.run(["bash", str(apply), str(root)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    if all_new:
+        assert result.stdout.count("applied") == len(host_patches(host)), result.stdout
+    return str(root)

@@ -60,7 +60,13 @@ from megatron_dynbatch.integrations.slime.backend import (  # noqa: E402
     restore_rollout_order,
 )
 from megatron_dynbatch.tools.testing.workers import Layout, run_on_ranks  # noqa: E402
-from tests._support import FAIL_FAST_S  # noqa: E402
+from tests._support import (  # noqa: E402
+    FAIL_FAST_S,
+    host_patches,
+    patched_copy,
+    relative_error,
+    stock_copy,
+)
 
 pytestmark = pytest.mark.gloo
 
@@ -151,45 +157,19 @@ def test_forward_outputs_return_in_rollout_order_without_placeholders():
 # -- the patches on slime ---------------------------------------------------------------------
 
 
-PATCHES = sorted((REPO / "patches" / "slime").glob("*.patch"))
-
-
-def _unpatch(root):
-    """Reverse, last first, every patch of ours that ``root`` holds (a checkout patched by
-    ``launch/apply_slime_patches.sh``, wholly or by an older series' prefix); return how many."""
-    undone = 0
-    for patch in reversed(PATCHES):
-        command = ["patch", "-d", str(root), "-p1", "-R", "-F0", "--force", "--silent"]
-        dry = subprocess.run([*command, "--dry-run"], stdin=patch.open(), capture_output=True)
-        if dry.returncode == 0:
-            subprocess.run(command, stdin=patch.open(), check=True, capture_output=True)
-            undone += 1
-    return undone
+PATCHES = host_patches("slime")
 
 
 @pytest.fixture(scope="module")
 def stock_slime(tmp_path_factory):
-    """A pristine copy of SLIME_DIR's ``slime/``, whether SLIME_DIR is pristine or already patched
-    (the patches are reverse-applied on the copy; SLIME_DIR itself is never changed)."""
-    root = tmp_path_factory.mktemp("slime_stock")
-    shutil.copytree(
-        pathlib.Path(SLIME_DIR) / "slime",
-        root / "slime",
-        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.orig", "*.rej"),
-    )
-    undone = _unpatch(root)
-    print(f"\n[slime] SLIME_DIR={SLIME_DIR}: {undone} of our patches reverse-applied on the copy")
-    return str(root)
+    """A pristine copy of SLIME_DIR's ``slime/`` (our patches reverse-applied if it holds them)."""
+    return stock_copy(SLIME_DIR, "slime", tmp_path_factory.mktemp("slime_stock"))
 
 
 @pytest.fixture(scope="module")
 def patched_slime(tmp_path_factory, stock_slime):
-    root = tmp_path_factory.mktemp("slime_patched")
-    shutil.copytree(pathlib.Path(stock_slime) / "slime", root / "slime")
-    result = subprocess.run(["bash", str(APPLY), str(root)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.count("applied") == len(PATCHES)
-    return str(root)
+    """The stock copy with our patches applied by ``launch/apply_slime_patches.sh``."""
+    return patched_copy(stock_slime, "slime", tmp_path_factory.mktemp("slime_patched"))
 
 
 def _oversize_body(slime_root, argv, patched):
@@ -981,10 +961,6 @@ def _reference_body(num_rollouts, gbs, max_tokens, per_token, replay=None, atten
     return {"grads": step_grads, "log_probs": all_log_probs, "num_samples": len(lengths)}
 
 
-def _rel(a, b):
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def _compare_with_reference(results, reference):
     """Every step's gradients (relative) and every sample's log-probs (absolute) against the
     per-sample reference, both within 1e-5; returns (steps, worst gradient, worst log-prob)."""
@@ -997,7 +973,7 @@ def _compare_with_reference(results, reference):
             merged.update(r["grads"][s])  # DP ranks hold the same reduced gradients
         assert set(merged) == set(reference["grads"][s])
         for name, ref in reference["grads"][s].items():
-            err = _rel(merged[name], ref)
+            err = relative_error(merged[name], ref)
             worst = max(worst, err)
             assert err <= REL_TOL, (s, name, err)
     # Log-probs in rollout order: each DP rank's local order is its partition.
@@ -1201,7 +1177,7 @@ def test_a_rank_without_samples_passes_slimes_actor_path_contributing_nothing(
         assert got.keys() == want.keys()
         assert sum(float(g.norm()) for g in want.values()) > 0  # the step really trained
         for name, grad in want.items():
-            worst = max(worst, _rel(got[name], grad))
+            worst = max(worst, relative_error(got[name], grad))
     assert worst <= REL_TOL, worst
     [want_metrics] = [m for r in alone for m in r["actor"]["metrics"]]
     [got_metrics] = [m for r in shared for m in r["actor"]["metrics"]]

@@ -51,6 +51,7 @@ from megatron_dynbatch.tools.testing.workers import (  # noqa: E402
     Layout,
     run_on_ranks,
 )
+from tests._support import patched_copy, relative_error  # noqa: E402
 
 pytestmark = pytest.mark.verl
 
@@ -87,11 +88,7 @@ needs_verl = pytest.mark.skipif(not VERL_DIR, reason="VERL_DIR is not set")
 @pytest.fixture(scope="module")
 def patched_verl(tmp_path_factory):
     """A copy of VERL_DIR's ``verl`` package with the patches applied (the stock tree untouched)."""
-    root = tmp_path_factory.mktemp("verl_patched")
-    shutil.copytree(pathlib.Path(VERL_DIR) / "verl", root / "verl")
-    result = subprocess.run(["bash", str(APPLY), str(root)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return str(root)
+    return patched_copy(VERL_DIR, "verl", tmp_path_factory.mktemp("verl_patched"), all_new=False)
 
 
 # -- running verl's code on a rank --------------------------------------------------------------
@@ -396,10 +393,6 @@ def _reference_body(num, agg_mode, scale=None, long_every=0):
     return {"grads": named_global_grads([model]), "log_probs": log_probs}
 
 
-def _rel(a, b):
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def _check(results, reference, num, what, output="log-prob"):
     merged = {}
     for r in results:
@@ -407,7 +400,7 @@ def _check(results, reference, num, what, output="log-prob"):
     assert set(merged) == set(reference["grads"])
     worst = 0.0
     for name, ref in reference["grads"].items():
-        err = _rel(merged[name], ref)
+        err = relative_error(merged[name], ref)
         worst = max(worst, err)
         assert err <= REL_TOL, (name, err)
     worst_lp = 0.0
