@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 import typing
 
 import pytest
@@ -61,7 +62,28 @@ def make_step_plan(ranks, *, seq_length, micro_batch_size):
     return StepPlan(**values)
 
 
-# -- worker processes seen from outside (/proc) --------------------------------------------------
+# -- slime's arguments (the slime schedule tests) --------------------------------------------------
+
+
+def slime_args(**overrides):
+    """The slime arguments ``build_dp_schedule`` reads (a tiny dense model), with overrides."""
+    values = dict(
+        micro_batch_size=1,
+        use_dynamic_batch_size=True,
+        max_tokens_per_gpu=32768,
+        balance_data=False,
+        balance_by_flops=False,
+        hidden_size=16,
+        num_attention_heads=2,
+        num_query_groups=2,
+        vocab_size=32,
+        ffn_hidden_size=64,
+        num_experts=None,
+        num_layers=2,
+        kv_channels=8,
+    )
+    values.update(overrides)
+    return types.SimpleNamespace(**values)
 
 
 def slime_tp(dp_size=1, cp_size=1, vpp_size=1, microbatch_group_size_per_vp_stage=1) -> dict:
@@ -72,6 +94,9 @@ def slime_tp(dp_size=1, cp_size=1, vpp_size=1, microbatch_group_size_per_vp_stag
         "vpp_size": vpp_size,
         "microbatch_group_size_per_vp_stage": microbatch_group_size_per_vp_stage,
     }
+
+
+# -- worker processes seen from outside (/proc) --------------------------------------------------
 
 
 def worker_pids(parent_pid: int) -> dict:

@@ -270,3 +270,61 @@ def test_no_test_module_imports_another(tmp_path):
     # The check itself sees such an import.
     (tmp_path / "test_a.py").write_text("from tests.megatron.test_pretrain import LAUNCH\n")
     assert _test_module_imports(tmp_path) == [("test_a.py", 1, "tests.megatron.test_pretrain")]
+
+
+#: The kind markers (tests/conftest.py's KINDS) and the folder that holds each kind's modules:
+#: tests/unit only unit tests (no test there needs a trainer checkout, a process group or a
+#: launch), and no unit-marked module elsewhere.
+KINDS = ("unit", "gloo", "torchrun", "slime", "skyrl", "verl")
+
+
+def _kind_marks(path: pathlib.Path):
+    """``(line, kind, module_level)`` of every ``pytest.mark.<kind>`` a test file uses
+    (``pytestmark = ...`` at module level, a decorator, or an alias such as ``needs_slime``)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    module_level = {
+        id(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and any(getattr(t, "id", None) == "pytestmark" for t in node.targets)
+    }
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in KINDS
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "mark"
+            and getattr(node.value.value, "id", None) == "pytest"
+        ):
+            yield node.lineno, node.attr, id(node) in module_level
+
+
+def _misplaced(tests_root: pathlib.Path):
+    found = []
+    for path in sorted(tests_root.rglob("test_*.py")):
+        folder = path.relative_to(tests_root).parts[0]
+        for line, kind, module_level in _kind_marks(path):
+            where = f"{path.relative_to(tests_root).as_posix()}:{line}"
+            if folder == "unit" and kind != "unit":
+                found.append(f"{where}: a {kind} test in tests/unit")
+            elif folder != "unit" and kind == "unit" and module_level:
+                found.append(f"{where}: a unit-marked module outside tests/unit")
+    return found
+
+
+def test_test_modules_live_in_the_folder_of_their_kind(tmp_path):
+    offenders = _misplaced(PACKAGE.parent / "tests")
+    assert not offenders, offenders
+    # The check itself sees both.
+    (tmp_path / "unit").mkdir()
+    (tmp_path / "megatron").mkdir()
+    (tmp_path / "unit" / "test_a.py").write_text(
+        "import pytest\npytestmark = pytest.mark.unit\nneeds_slime = pytest.mark.slime\n"
+    )
+    (tmp_path / "megatron" / "test_b.py").write_text(
+        "import pytest\npytestmark = pytest.mark.unit\n"
+    )
+    assert _misplaced(tmp_path) == [
+        "megatron/test_b.py:2: a unit-marked module outside tests/unit",
+        "unit/test_a.py:3: a slime test in tests/unit",
+    ]
