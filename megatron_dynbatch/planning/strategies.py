@@ -29,6 +29,8 @@ from megatron_dynbatch.errors import DynBatchTypeError, DynBatchValueError
 from .cost import microbatch_cost
 from .fixed import plan_fixed_samples
 from .plan import Plan, PlanStats, StepPlan
+
+# The planner's own oversize policy, so an adapted scheduler refuses or cuts exactly as ours does.
 from .planner import _apply_oversize_policy, plan_samples
 from .samples import SampleSet
 from .spec import DEFAULT_STRATEGY, PlannerConfig, ceil_div, round_up
@@ -56,8 +58,8 @@ _STRATEGIES: Dict[str, Strategy] = {}
 
 
 def register_strategy(name: str, strategy: Strategy, *, replace: bool = False) -> Strategy:
-    """Make ``strategy`` available as ``name``; returns it (usable as a plain call or decorator
-    helper). A second registration of a taken name is refused unless ``replace``."""
+    """Make ``strategy`` available as ``name`` and return it. A second registration of a taken
+    name is refused unless ``replace`` (registering the same function again is harmless)."""
     if not isinstance(name, str) or not name or ":" in name:
         raise DynBatchValueError(f"strategy name {name!r} must be a non-empty str without ':'.")
     if not callable(strategy):
