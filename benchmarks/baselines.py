@@ -813,6 +813,7 @@ def baseline_strategy(baseline: Callable[..., BaselineSchedule]) -> Strategy:
 
 
 # Every baseline is a schedule strategy under its name: `megatron-dynbatch plan --planner
-# benchmarks.baselines:NAME`, and any benchmark or host config that names it.
+# benchmarks.baselines:NAME`, and any benchmark or host config that names it. replace=True: this
+# module run a second time (``python -m``, a reload) registers its own names again.
 for _name, _baseline in BASELINES.items():
-    register_strategy(_name, baseline_strategy(_baseline))
+    register_strategy(_name, baseline_strategy(_baseline), replace=True)
