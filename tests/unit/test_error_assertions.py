@@ -45,6 +45,45 @@ def test_the_scanner_finds_broad_error_assertions():
     assert list(broad_raises(source)) == [(1, "ValueError"), (3, "Exception"), (5, "ValueError")]
 
 
+def unchecked_messages(source: str):
+    """Lines of ``with pytest.raises(DynBatch...Error)`` that neither match the message nor keep the
+    error (``as info``) to assert on it: the message is half of what a user gets."""
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.With, ast.AsyncWith)):
+            continue
+        for item in node.items:
+            call = item.context_expr
+            if not (
+                isinstance(call, ast.Call)
+                and isinstance(call.func, ast.Attribute)
+                and call.func.attr == "raises"
+                and call.args
+                and isinstance(call.args[0], ast.Name)
+                and call.args[0].id.startswith("DynBatch")
+            ):
+                continue
+            if item.optional_vars is None and not any(k.arg == "match" for k in call.keywords):
+                yield node.lineno
+
+
+def test_the_message_checker_finds_an_unchecked_message():
+    source = (
+        "with pytest.raises(DynBatchValueError):\n    f()\n"
+        "with pytest.raises(DynBatchValueError, match='x'):\n    f()\n"
+        "with pytest.raises(DynBatchValueError) as info:\n    f()\n"
+    )
+    assert list(unchecked_messages(source)) == [1]
+
+
+def test_every_dynbatch_error_assertion_checks_the_message():
+    found = [
+        f"{path.relative_to(TESTS)}:{line}"
+        for path in sorted(TESTS.rglob("*.py"))
+        for line in unchecked_messages(path.read_text())
+    ]
+    assert not found, "add match=... (or `as info` and assert on it):\n" + "\n".join(found)
+
+
 def test_no_test_asserts_a_bare_value_error_or_exception():
     found = []
     for path in sorted(TESTS.rglob("*.py")):
