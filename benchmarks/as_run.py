@@ -48,6 +48,7 @@ from benchmarks.lengths import (
 )
 from benchmarks.metrics import DEFAULT_ATTENTION_CROSSOVER
 from megatron_dynbatch.adapters.slime import build_dp_schedule
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import CostModel
 from megatron_dynbatch.planning.cost import microbatch_cost
 from megatron_dynbatch.planning.simulate import pipeline_makespan
@@ -99,7 +100,7 @@ def _lengths(family: str, num_samples: int, cap: int, seed: int) -> LengthSet:
     if family == "near_cap":
         lengths = uniform_lengths(num_samples, low=cap // 2, high=cap, seed=seed)
         return LengthSet(lengths, None, None)
-    raise ValueError(f"family={family!r} is not one of {FAMILIES}.")
+    raise DynBatchValueError(f"family={family!r} is not one of {FAMILIES}.")
 
 
 def random_case(rng: random.Random, index: int) -> SlimeCase:

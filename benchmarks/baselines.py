@@ -24,14 +24,17 @@ import bisect
 import heapq
 from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
+from megatron_dynbatch.errors import DynBatchRuntimeError, DynBatchValueError
 from megatron_dynbatch.planning.karmarkar_karp import karmarkar_karp as _karmarkar_karp
-from megatron_dynbatch.planning.spec import ceil_div, round_up
+from megatron_dynbatch.planning.spec import ATTENTION_CROSSOVER_7B, ceil_div, round_up
+from megatron_dynbatch.planning.strategies import Strategy, ranks_strategy, register_strategy
 
 __all__ = [
     "BASELINES",
     "BaselineFailure",
     "BaselineSchedule",
     "VERL_LINEAR_WEIGHT",
+    "baseline_strategy",
     "fixed_mbs",
     "karmarkar_karp",
     "next_fit",
@@ -45,13 +48,13 @@ __all__ = [
 
 #: verl's ``calculate_workload`` weight of the linear term: FLOPs of a dense block are about
 #: ``12*h^2*L + 2*h*L^2``; divided by ``2*h`` that is ``6*h*L + L^2``, and verl fixes ``h = 4096``
-#: (a 7B model), so ``6 * 4096 = 24576``.
-VERL_LINEAR_WEIGHT = 24576
+#: (a 7B model), so ``6 * 4096``: the planner's :data:`ATTENTION_CROSSOVER_7B`.
+VERL_LINEAR_WEIGHT = ATTENTION_CROSSOVER_7B
 
 Ranks = List[List[List[int]]]
 
 
-class BaselineFailure(RuntimeError):
+class BaselineFailure(DynBatchRuntimeError):
     """The upstream algorithm cannot schedule this input (it raises or asserts at this point).
 
     Attributes:
@@ -115,14 +118,16 @@ def _validate(
         ("microbatch_multiple", microbatch_multiple),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{baseline}: {name}={value!r} must be an integer >= 1.")
+            raise DynBatchValueError(f"{baseline}: {name}={value!r} must be an integer >= 1.")
     if not lengths:
-        raise ValueError(f"{baseline}: no samples to schedule; pass at least one length.")
+        raise DynBatchValueError(f"{baseline}: no samples to schedule; pass at least one length.")
     for i, length in enumerate(lengths):
         if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-            raise ValueError(f"{baseline}: lengths[{i}]={length!r} must be an integer >= 1.")
+            raise DynBatchValueError(
+                f"{baseline}: lengths[{i}]={length!r} must be an integer >= 1."
+            )
     if rollout_ids is not None and len(rollout_ids) != len(lengths):
-        raise ValueError(
+        raise DynBatchValueError(
             f"{baseline}: rollout_ids has {len(rollout_ids)} entries for {len(lengths)} lengths; "
             f"pass one rollout id per sample or None."
         )
@@ -200,7 +205,7 @@ def next_fit(
     name = "next_fit"
     _validate(name, lengths, dp_size, token_cap, microbatch_multiple, rollout_ids)
     if distribution not in ("round_robin", "contiguous"):
-        raise ValueError(
+        raise DynBatchValueError(
             f"{name}: distribution={distribution!r} is not 'round_robin' (megatron/core) or "
             f"'contiguous' (megatron/rl fifo)."
         )
@@ -777,3 +782,38 @@ BASELINES: Dict[str, Callable[..., BaselineSchedule]] = {
     "nemo_rl_mffd": nemo_rl_mffd,
     "fixed_mbs": fixed_mbs,
 }
+
+
+def baseline_strategy(baseline: Callable[..., BaselineSchedule]) -> Strategy:
+    """The baseline as a schedule strategy (:mod:`megatron_dynbatch.planning.strategies`).
+
+    Per step of the config, the baseline schedules the step's samples at the config's budget and
+    layout, and its ranks are described as a :class:`~megatron_dynbatch.planning.Plan`
+    (``fixed_mbs`` as padded rows). SkyRL's filler copies of sample 0 are no samples of the plan: a
+    micro-batch of only fillers becomes a placeholder. The upstream metadata
+    (:class:`BaselineSchedule` attributes) is for the benchmark drivers, which call the baseline
+    itself.
+    """
+
+    def schedule(lengths: List[int], keys: List[Hashable], config) -> Ranks:
+        parallel = config.parallel
+        ranks = baseline(
+            lengths,
+            dp_size=parallel.dp_size,
+            token_cap=config.token_cap,
+            microbatch_multiple=parallel.microbatch_multiple,
+            rollout_ids=keys,
+        )
+        n = len(lengths)
+        return [[[i for i in mb if i < n] for mb in rank] for rank in ranks]
+
+    schedule.__name__ = baseline.__name__
+    schedule.__doc__ = baseline.__doc__
+    return ranks_strategy(schedule, layout="padded" if baseline is fixed_mbs else None)
+
+
+# Every baseline is a schedule strategy under its name: `megatron-dynbatch plan --planner
+# benchmarks.baselines:NAME`, and any benchmark or host config that names it. replace=True: this
+# module run a second time (``python -m``, a reload) registers its own names again.
+for _name, _baseline in BASELINES.items():
+    register_strategy(_name, baseline_strategy(_baseline), replace=True)

@@ -18,6 +18,7 @@ Run: ``.venv/bin/python -m benchmarks.bench_compare [--quick] [--json]``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -34,7 +35,8 @@ from benchmarks.lengths import (
     uniform_lengths,
 )
 from benchmarks.metrics import EVAL_COST, evaluate, ideal_step_time, planner_config, step_time
-from megatron_dynbatch.planning import CostModel, ParallelLayout, plan_schedule
+from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.planning import CostModel, ParallelLayout, SampleSet, run_strategy
 
 __all__ = [
     "CASE_LAYOUTS",
@@ -104,7 +106,7 @@ MIXES: Dict[str, Callable[[int, int], LengthSet]] = {
 
 def make_mix(mix: str, num_prompts: int, seed: int = 0) -> LengthSet:
     if mix not in MIXES:
-        raise ValueError(f"mix={mix!r} is not one of {sorted(MIXES)}.")
+        raise DynBatchValueError(f"mix={mix!r} is not one of {sorted(MIXES)}.")
     return MIXES[mix](num_prompts, seed)
 
 
@@ -126,10 +128,20 @@ def _timed(fn: Callable[[], Any], repeats: int) -> tuple:
 
 
 def schedule(name: str, ls: LengthSet, parallel: ParallelLayout, token_cap: int):
-    """``ranks[r][m]`` of one step by scheduler ``name`` (baselines may raise BaselineFailure)."""
-    if name in (OURS, OURS_TOKENS):
-        config = planner_config(token_cap, parallel, EVAL_COST if name == OURS else CostModel())
-        plan = plan_schedule(ls.lengths, ls.rollout_ids, ls.prompt_lengths, config=config)
+    """``ranks[r][m]`` of one step by scheduler ``name`` (baselines may raise BaselineFailure).
+
+    A baseline is called itself, for the upstream details its :class:`BaselineSchedule` carries;
+    ours, and any other registered schedule strategy, run through the strategy registry as the
+    hosts run them (``ours``: the default strategy with the evaluation cost model, ``ours/tok``
+    with a token-only one)."""
+    if name not in BASELINES:
+        config = planner_config(
+            token_cap, parallel, CostModel() if name == OURS_TOKENS else EVAL_COST
+        )
+        if name not in (OURS, OURS_TOKENS):
+            config = dataclasses.replace(config, strategy=name)
+        samples = SampleSet.build(ls.lengths, ls.rollout_ids, ls.prompt_lengths)
+        plan = run_strategy(samples, config)
         assert len(plan.steps) == 1
         ranks = BaselineSchedule(
             [[list(mb) for mb in rank] for rank in plan.steps[0].ranks], baseline=name

@@ -20,6 +20,8 @@ import random
 from dataclasses import dataclass
 from typing import List, Optional
 
+from megatron_dynbatch.errors import DynBatchValueError
+
 __all__ = [
     "LengthSet",
     "bimodal_lengths",
@@ -44,14 +46,14 @@ class LengthSet:
 
 def _check(name: str, value: int, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}.")
+        raise DynBatchValueError(f"{name}={value!r} must be an integer >= {minimum}.")
 
 
 def _check_range(min_len: int, max_len: int) -> None:
     _check("min_len", min_len, 1)
     _check("max_len", max_len, 1)
     if min_len > max_len:
-        raise ValueError(f"min_len={min_len} is larger than max_len={max_len}; swap them.")
+        raise DynBatchValueError(f"min_len={min_len} is larger than max_len={max_len}; swap them.")
 
 
 def _clip(value: float, min_len: int, max_len: int) -> int:
@@ -94,7 +96,7 @@ def bimodal_lengths(
     _check("num_samples", num_samples, 0)
     _check_range(min_len, max_len)
     if not 0.0 <= long_fraction <= 1.0:
-        raise ValueError(f"long_fraction={long_fraction} must lie in [0, 1].")
+        raise DynBatchValueError(f"long_fraction={long_fraction} must lie in [0, 1].")
     rng = random.Random(seed)
     lengths = []
     for _ in range(num_samples):
@@ -175,7 +177,9 @@ def multi_turn_lengths(
     _check("max_turns", max_turns, 1)
     _check("max_len", max_len, 2)
     if mean_turns < 1.0:
-        raise ValueError(f"mean_turns={mean_turns} must be >= 1 (every rollout has a turn).")
+        raise DynBatchValueError(
+            f"mean_turns={mean_turns} must be >= 1 (every rollout has a turn)."
+        )
     rng = random.Random(seed)
     stop = 1.0 / mean_turns  # geometric: each turn ends the rollout with this probability
     lengths: List[int] = []

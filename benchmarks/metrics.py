@@ -14,9 +14,11 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Dict, Optional, Sequence
 
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning.cost import microbatch_cost
 from megatron_dynbatch.planning.simulate import BACKWARD_TO_FORWARD_RATIO, pipeline_makespan
 from megatron_dynbatch.planning.spec import (
+    ATTENTION_CROSSOVER_7B,
     LAYOUTS,
     CostModel,
     ParallelLayout,
@@ -35,9 +37,9 @@ __all__ = [
 ]
 
 #: Sequence length at which self-attention's quadratic work equals the linear (MLP, projection) work
-#: of a dense transformer: ``2*h*L^2 = 12*h^2*L`` at ``L = 6*h``, i.e. 24576 for ``h = 4096`` (a 7B
-#: model; the same ratio verl's workload estimate uses).
-DEFAULT_ATTENTION_CROSSOVER = 24576
+#: of a dense transformer, for a 7B model (:data:`~megatron_dynbatch.planning.spec.ATTENTION_CROSSOVER_7B`;
+#: the same ratio verl's workload estimate uses).
+DEFAULT_ATTENTION_CROSSOVER = ATTENTION_CROSSOVER_7B
 
 #: The cost model of every benchmark figure: ``L + L^2 / 24576`` per sample, padding included.
 EVAL_COST = CostModel(token_weight=1.0, attention_weight=1.0 / DEFAULT_ATTENTION_CROSSOVER)
@@ -124,13 +126,15 @@ def evaluate(
         * ``coverage_ok``, ``missing``, ``duplicated``, ``out_of_range``: every sample exactly once.
     """
     if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}.")
+        raise DynBatchValueError(f"layout={layout!r} is not one of {LAYOUTS}.")
     if row_multiple is not None and (layout != "packed" or row_multiple < 1):
-        raise ValueError(f"row_multiple={row_multiple!r} needs layout packed and a value >= 1.")
+        raise DynBatchValueError(
+            f"row_multiple={row_multiple!r} needs layout packed and a value >= 1."
+        )
     if isinstance(token_cap, bool) or not isinstance(token_cap, int) or token_cap < 1:
-        raise ValueError(f"token_cap={token_cap!r} must be an integer >= 1.")
+        raise DynBatchValueError(f"token_cap={token_cap!r} must be an integer >= 1.")
     if not ranks:
-        raise ValueError("ranks is empty; pass one list of micro-batches per DP rank.")
+        raise DynBatchValueError("ranks is empty; pass one list of micro-batches per DP rank.")
     n = len(lengths)
     every_length = list(lengths) + list(dummy_lengths)
     prompts = list(prompt_lengths) if prompt_lengths is not None else [0] * n

@@ -40,6 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from benchmarks import baselines
 from benchmarks.baselines import BaselineFailure
+from megatron_dynbatch.errors import DynBatchRuntimeError, DynBatchValueError
 from megatron_dynbatch.planning.spec import round_up
 
 __all__ = ["PEERS", "available", "run_peer"]
@@ -66,7 +67,9 @@ def available(name: str) -> bool:
 def _root(variable: str) -> str:
     root = os.environ.get(variable)
     if not root or not os.path.isdir(root):
-        raise RuntimeError(f"set {variable} to the root of a checkout (see benchmarks/peers.py)")
+        raise DynBatchRuntimeError(
+            f"set {variable} to the root of a checkout (see benchmarks/peers.py)"
+        )
     return root
 
 
@@ -91,7 +94,7 @@ def _extract(path: str, names: Sequence[str], namespace: Dict[str, Any]) -> Dict
     found = {node.name for node in picked}
     missing = [n for n in names if n.rpartition(".")[2] not in found]
     if missing:
-        raise RuntimeError(f"{path}: no {missing} (upstream changed?)")
+        raise DynBatchRuntimeError(f"{path}: no {missing} (upstream changed?)")
     module = ast.Module(body=picked, type_ignores=[])
     exec(compile(module, path, "exec"), namespace)  # noqa: S102 - the peer's own code
     return namespace
@@ -405,7 +408,7 @@ def run_peer(
         return real_skyrl(lengths, **kwargs)
     if name == "next_fit":
         return real_megatron(lengths, **kwargs)
-    raise ValueError(f"no peer for {name!r}; peers: {sorted(PEERS)}")
+    raise DynBatchValueError(f"no peer for {name!r}; peers: {sorted(PEERS)}")
 
 
 def _outcome(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

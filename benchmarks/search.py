@@ -48,6 +48,7 @@ from benchmarks.lengths import (
 )
 from benchmarks.metrics import EVAL_COST, evaluate, ideal_step_time, step_time
 from megatron_dynbatch.config import config_from_mapping
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import CostModel, ParallelLayout, plan_schedule
 
 __all__ = ["FAMILIES", "Case", "random_case", "run_case", "search"]
@@ -95,7 +96,7 @@ def _family(family: str, num_samples: int, cap: int, seed: int) -> LengthSet:
         return _grouped(lengths, 8)
     if family == "multi_turn":
         return multi_turn_lengths(max(1, num_samples // 3), max_len=cap, seed=seed)
-    raise ValueError(f"family={family!r} is not one of {FAMILIES}.")
+    raise DynBatchValueError(f"family={family!r} is not one of {FAMILIES}.")
 
 
 def random_case(rng: random.Random, index: int) -> Case:
@@ -146,7 +147,7 @@ def our_config(case: Case, cost: CostModel, mode: str, variable_rows: bool = Fal
     With ``variable_rows`` it plans as in slime (each micro-batch its own row, rounded to 128).
     """
     if mode not in MODES:
-        raise ValueError(f"mode={mode!r} is not one of {MODES}.")
+        raise DynBatchValueError(f"mode={mode!r} is not one of {MODES}.")
     values = {
         "max_tokens_per_gpu": case.token_cap,
         "cost_token_weight": cost.token_weight,

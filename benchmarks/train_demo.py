@@ -40,6 +40,7 @@ apply_cpu_shim()  # no-op where CUDA exists; must precede the first megatron imp
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
 
+from megatron_dynbatch.errors import DynBatchValueError  # noqa: E402
 from megatron_dynbatch.integrations.megatron_lm.arguments import (  # noqa: E402
     add_dynamic_batch_args,
     dynbatch_config_from_args,
@@ -259,7 +260,7 @@ def main(argv=None):
     pp = args.pipeline_model_parallel_size
     vpp = args.virtual_pipeline_model_parallel_size
     if dist.get_world_size() % pp:
-        raise ValueError(
+        raise DynBatchValueError(
             f"world size {dist.get_world_size()} is not a multiple of "
             f"--pipeline-model-parallel-size {pp}; change --nproc-per-node."
         )

@@ -11,10 +11,12 @@ import os
 import pathlib
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import types
 import typing
 
 import pytest
@@ -60,7 +62,28 @@ def make_step_plan(ranks, *, seq_length, micro_batch_size):
     return StepPlan(**values)
 
 
-# -- worker processes seen from outside (/proc) --------------------------------------------------
+# -- slime's arguments (the slime schedule tests) --------------------------------------------------
+
+
+def slime_args(**overrides):
+    """The slime arguments ``build_dp_schedule`` reads (a tiny dense model), with overrides."""
+    values = dict(
+        micro_batch_size=1,
+        use_dynamic_batch_size=True,
+        max_tokens_per_gpu=32768,
+        balance_data=False,
+        balance_by_flops=False,
+        hidden_size=16,
+        num_attention_heads=2,
+        num_query_groups=2,
+        vocab_size=32,
+        ffn_hidden_size=64,
+        num_experts=None,
+        num_layers=2,
+        kv_channels=8,
+    )
+    values.update(overrides)
+    return types.SimpleNamespace(**values)
 
 
 def slime_tp(dp_size=1, cp_size=1, vpp_size=1, microbatch_group_size_per_vp_stage=1) -> dict:
@@ -71,6 +94,9 @@ def slime_tp(dp_size=1, cp_size=1, vpp_size=1, microbatch_group_size_per_vp_stag
         "vpp_size": vpp_size,
         "microbatch_group_size_per_vp_stage": microbatch_group_size_per_vp_stage,
     }
+
+
+# -- worker processes seen from outside (/proc) --------------------------------------------------
 
 
 def worker_pids(parent_pid: int) -> dict:
@@ -267,3 +293,56 @@ class RouterTokens:
             yield self
         finally:
             TopKRouter.routing = original
+
+
+# -- trainer checkouts with and without our patches (the slime, SkyRL and verl tests) ------------
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``|a - b| / |b|`` (norms; a zero ``b`` counts as tiny, not as a division by zero)."""
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def host_patches(host: str) -> list:
+    """Our patch series for ``host`` (``slime``, ``skyrl``, ``verl``), in the order they apply."""
+    return sorted((REPO / "patches" / host).glob("*.patch"))
+
+
+def unpatch(root, host: str) -> int:
+    """Reverse, last first, every patch of ours that ``root`` holds (a checkout patched by
+    ``launch/apply_<host>_patches.sh``, wholly or by an older series' prefix); return how many."""
+    undone = 0
+    for patch in reversed(host_patches(host)):
+        command = ["patch", "-d", str(root), "-p1", "-R", "-F0", "--force", "--silent"]
+        dry = subprocess.run([*command, "--dry-run"], stdin=patch.open(), capture_output=True)
+        if dry.returncode == 0:
+            subprocess.run(command, stdin=patch.open(), check=True, capture_output=True)
+            undone += 1
+    return undone
+
+
+def stock_copy(checkout, host: str, root: pathlib.Path) -> str:
+    """A pristine copy of the checkout's ``<host>/`` package in ``root``, whether the checkout is
+    pristine or already patched (the patches are reverse-applied on the copy; the checkout itself
+    is never changed)."""
+    shutil.copytree(
+        pathlib.Path(checkout) / host,
+        root / host,
+        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.orig", "*.rej"),
+    )
+    undone = unpatch(root, host)
+    print(f"\n[{host}] {checkout}: {undone} of our patches reverse-applied on the copy")
+    return str(root)
+
+
+def patched_copy(source, host: str, root: pathlib.Path, *, all_new: bool = True) -> str:
+    """A copy of ``source``'s ``<host>/`` package in ``root`` with our patches applied by
+    ``launch/apply_<host>_patches.sh``; ``all_new``: every patch must apply (``source`` is stock).
+    """
+    shutil.copytree(pathlib.Path(source) / host, root / host)
+    apply = REPO / "launch" / f"apply_{host}_patches.sh"
+    result = subprocess.run(["bash", str(apply), str(root)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    if all_new:
+        assert result.stdout.count("applied") == len(host_patches(host)), result.stdout
+    return str(root)

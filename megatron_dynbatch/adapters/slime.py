@@ -1,8 +1,12 @@
-"""The name slime's patches import: a thin re-export, the code lives in ``integrations/slime``.
+"""The names slime's patches import; the code lives in ``integrations/slime``.
 
 slime's patched rollout manager does ``from megatron_dynbatch.adapters.slime import
-build_dp_schedule``; this module keeps that import working. :class:`DynamicBatching` (torch) is
-loaded only when asked for, so the rollout side imports no torch through this module.
+build_dp_schedule``; this module keeps that import working. :func:`build_dp_schedule` is a wrapper,
+not a re-export: it runs the schedule under slime's flag names, so an error about the parallel
+layout also names slime's (Megatron-LM's) flag, e.g.
+``--microbatch-group-size-per-virtual-pipeline-stage``. ``DPSchedule`` and ``DPScheduleError`` are
+re-exported as they are. :class:`DynamicBatching` (torch) is loaded only when asked for, so the
+rollout side imports no torch through this module.
 """
 
 from typing import Any, Sequence

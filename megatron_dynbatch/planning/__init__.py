@@ -1,7 +1,9 @@
 """The pure planning core: standard library only (no torch, no megatron, no I/O).
 
 Lengths in, index lists out: :func:`plan_schedule` turns per-sample token lengths (and rollout ids)
-into one schedule that every rank derives identically.
+into one schedule that every rank derives identically; :mod:`.strategies` names it and the other
+schedule strategies (one signature, one :class:`Plan`) that the hosts, ``plan --planner`` and the
+benchmarks pick from.
 """
 
 from .invariants import PlanInvariantError, check_plan
@@ -9,6 +11,7 @@ from .plan import Plan, PlanStats, StepPlan
 from .planner import OversizeSampleWarning, plan_samples, plan_schedule
 from .samples import SampleSet, parse_samples_json
 from .spec import CostModel, ParallelLayout, PlannerConfig, round_up, sample_multiple
+from .strategies import get_strategy, register_strategy, run_strategy, strategy_names
 
 __all__ = [
     "CostModel",
@@ -21,9 +24,13 @@ __all__ = [
     "SampleSet",
     "StepPlan",
     "check_plan",
+    "get_strategy",
     "parse_samples_json",
     "plan_samples",
     "plan_schedule",
+    "register_strategy",
     "round_up",
+    "run_strategy",
     "sample_multiple",
+    "strategy_names",
 ]

@@ -17,7 +17,7 @@ from .plan import Plan, PlanStats, StepPlan
 from .samples import SampleSet
 from .spec import ceil_div, round_up
 
-__all__ = ["plan_fixed_microbatches"]
+__all__ = ["plan_fixed_microbatches", "plan_fixed_samples"]
 
 
 def plan_fixed_microbatches(
@@ -36,7 +36,27 @@ def plan_fixed_microbatches(
     itself would require the global batch to divide evenly). Raises ValueError if a sample is
     longer than ``seq_length`` (Megatron would truncate it; we refuse to lose tokens).
     """
-    samples = SampleSet.build(lengths, rollout_ids)
+    return plan_fixed_samples(
+        SampleSet.build(lengths, rollout_ids),
+        dp_size=dp_size,
+        micro_batch_size=micro_batch_size,
+        seq_length=seq_length,
+        rollouts_per_step=rollouts_per_step,
+        microbatch_multiple=microbatch_multiple,
+    )
+
+
+def plan_fixed_samples(
+    samples: SampleSet,
+    *,
+    dp_size: int,
+    micro_batch_size: int,
+    seq_length: int,
+    rollouts_per_step: Optional[int] = None,
+    microbatch_multiple: int = 1,
+) -> Plan:
+    """:func:`plan_fixed_microbatches` on an already validated :class:`SampleSet` (the ``fixed``
+    schedule strategy, :mod:`.strategies`)."""
     for name, value in (
         ("dp_size", dp_size),
         ("micro_batch_size", micro_batch_size),

@@ -3,8 +3,9 @@
 RL trainers (SkyRL, verl) dispatch a mini-batch to the DP ranks before the Megatron worker sees
 it, so a sample cannot move to another rank. Every rank then gathers every rank's lengths (lengths
 only, never data) and calls :func:`plan_sharded_step` with them, deriving the same plan with no
-further collective: each rank's own samples are planned by :func:`~.planner.plan_schedule` for
-this pipeline (``dp_size=1``: one rank's samples), then every rank gets the same micro-batch count
+further collective: each rank's own samples are planned by the config's strategy
+(:func:`~.strategies.run_strategy`, the planner by default) for this pipeline (``dp_size=1``: one
+rank's samples), then every rank gets the same micro-batch count
 ``M`` (the largest, rounded up to the interleaved schedule's group) and the same rows per
 micro-batch ``B`` (the fullest micro-batch of any rank). A rank with fewer real micro-batches, or
 none, runs placeholders after its real ones, so counts are equal by construction.
@@ -22,8 +23,9 @@ import json
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
-from .planner import plan_schedule
+from .samples import SampleSet
 from .spec import ParallelLayout, PlannerConfig, round_up
+from .strategies import run_strategy
 
 __all__ = ["ShardedPlan", "plan_rank_shards", "plan_sharded_step", "sharded_plan"]
 
@@ -69,7 +71,7 @@ def plan_rank_shards(
         if not lengths:
             ranks.append(())
             continue
-        [step] = plan_schedule(list(lengths), config=config).steps
+        [step] = run_strategy(SampleSet.build(list(lengths)), config).steps
         # dp_size=1: rank 0 of the sub-plan is this rank; drop the sub-plan's own placeholders,
         # the count is equalised over all ranks in sharded_plan.
         ranks.append(tuple(tuple(mb) for mb in step.ranks[0] if mb))

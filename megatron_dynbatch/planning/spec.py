@@ -21,8 +21,10 @@ __all__ = [
     "CostModel",
     "ParallelLayout",
     "PlannerConfig",
+    "ATTENTION_CROSSOVER_7B",
     "ATTENTION_KINDS",
     "DEFAULT_MIN_GAIN",
+    "DEFAULT_STRATEGY",
     "DEFAULT_OVERHEAD_FRACTION",
     "LAYOUT_FLAGS",
     "LAYOUTS",
@@ -48,6 +50,16 @@ LAYOUTS = ("packed", "padded")
 #: ``dense``: the full ``S x S`` score matrix of a masked softmax (Megatron's ``local`` unfused
 #: attention with an explicit mask), ``2 * S**2``: twice a causal kernel's triangle.
 ATTENTION_KINDS = ("segment", "causal", "dense")
+
+#: ``L**2`` work per ``L`` work of a dense transformer of hidden size 4,096 (a 7B model), the cost
+#: model used where none is calibrated (slime without model dimensions, the benchmarks) and verl's
+#: workload weight: causal attention's ``2*h*L**2`` FLOPs meet the linear layers' ``12*h**2*L`` at
+#: ``L = 6*h = 24576`` tokens.
+ATTENTION_CROSSOVER_7B = 24576
+
+#: The schedule strategy (:mod:`.strategies`) a :class:`PlannerConfig` plans with unless told
+#: otherwise: this package's planner, :func:`.planner.plan_samples`.
+DEFAULT_STRATEGY = "dynbatch"
 
 #: The per-micro-batch overhead assumed when none is given, as a fraction of the cost of one full
 #: row at the token cap. Kernel launches, pipeline p2p latency and Python cost 1-5% of a full row
@@ -392,6 +404,9 @@ class PlannerConfig:
     """A candidate with more micro-batches per rank is chosen over one with fewer only when its
     simulated step is faster by at least this fraction. ``None``: ``DEFAULT_MIN_GAIN`` when the
     cost model's overhead is assumed, 0 when it is given (a calibrated model is trusted)."""
+    strategy: str = DEFAULT_STRATEGY
+    """The registered schedule strategy the hosts plan with (:mod:`.strategies`; looked up when
+    planning, so a strategy registered later is accepted here)."""
 
     def __post_init__(self) -> None:
         _set_int(
@@ -431,6 +446,11 @@ class PlannerConfig:
                 "sample's length); use --layout packed or turn variable row lengths off."
             )
         _set_int(self, "row_multiple", 1, "pass a row multiple of 1 or more (slime: 128 x tp).")
+        if not isinstance(self.strategy, str) or not self.strategy:
+            raise DynBatchValueError(
+                f"strategy={self.strategy!r} must name a registered schedule strategy, e.g. "
+                f"{DEFAULT_STRATEGY!r} (megatron_dynbatch.planning.strategies)."
+            )
         if self.min_gain is None:
             gain = 0.0 if self.cost.overhead_known else DEFAULT_MIN_GAIN
         else:

@@ -14,8 +14,13 @@ import sys
 import warnings
 from typing import List, Optional
 
-from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.planning.spec import ATTENTION_KINDS, LAYOUTS, OVERSIZE_POLICIES
+from megatron_dynbatch.errors import DynBatchRuntimeError, DynBatchValueError
+from megatron_dynbatch.planning.spec import (
+    ATTENTION_KINDS,
+    DEFAULT_STRATEGY,
+    LAYOUTS,
+    OVERSIZE_POLICIES,
+)
 from megatron_dynbatch.runtime.aggregation import AGGREGATIONS
 from megatron_dynbatch.tools.verify.spec import DEFAULT_MAX_TOKENS_PER_GPU
 
@@ -110,6 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="rollouts (prompt groups) per optimizer step (default: all in one step)",
+    )
+    plan.add_argument(
+        "--planner",
+        default=DEFAULT_STRATEGY,
+        metavar="NAME",
+        help=(
+            f"schedule strategy (default {DEFAULT_STRATEGY}; built in: dynbatch, fixed; "
+            "MODULE:NAME imports MODULE first, e.g. benchmarks.baselines:verl_kk from a checkout)"
+        ),
     )
     plan.add_argument("--json", action="store_true", help="print exactly one JSON object")
     plan.add_argument(
@@ -276,15 +290,23 @@ def _check_plot_path(path: str) -> None:
 
 
 def _cmd_plan(args) -> int:
-    from megatron_dynbatch.planning import plan_samples
+    import dataclasses
+
+    from megatron_dynbatch.planning import get_strategy, run_strategy
 
     if args.plot:
         _check_plot_path(args.plot)
+    get_strategy(args.planner)  # an unknown name fails before the samples are read
     samples = _load_samples(args.samples)
     config = _planner_config(args, rollouts_per_step=args.rollouts_per_step)
+    config = dataclasses.replace(config, strategy=args.planner)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan = plan_samples(samples, config)
+        try:
+            plan = run_strategy(samples, config)
+        except DynBatchRuntimeError as exc:
+            # A strategy that cannot schedule this input (an upstream scheduler's own check).
+            raise DynBatchValueError(f"--planner {args.planner}: {exc}") from None
     for warning in caught:
         print(f"warning: {warning.message}", file=sys.stderr)
     if args.plot:

@@ -17,6 +17,7 @@ apply_cpu_shim()
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.distributed import finalize_model_grads  # noqa: E402
 
+from megatron_dynbatch.errors import DynBatchValueError  # noqa: E402
 from megatron_dynbatch.mcore.forward import (  # noqa: E402
     build_attention_mask,
     make_forward_step,
@@ -315,7 +316,7 @@ def test_build_attention_mask_is_block_diagonal_causal():
 
 
 def test_interleaved_pp2_with_batched_p2p_is_refused():
-    with pytest.raises(ValueError, match="batch_p2p_comm=True"):
+    with pytest.raises(DynBatchValueError, match="batch_p2p_comm=True"):
         tiny_transformer_config(
             pipeline_model_parallel_size=2,
             virtual_pipeline_model_parallel_size=2,
@@ -326,7 +327,7 @@ def test_interleaved_pp2_with_batched_p2p_is_refused():
     )
     assert config.batch_p2p_comm is False
     config.batch_p2p_comm = True
-    with pytest.raises(ValueError, match="pipeline_model_parallel_size=2"):
+    with pytest.raises(DynBatchValueError, match="pipeline_model_parallel_size=2"):
         check_schedule_config(config)
     assert make_schedule_config_safe(config).batch_p2p_comm is False
     # Without interleaving, or with more stages, batched p2p stays allowed.
@@ -349,7 +350,7 @@ def test_interleaved_pp2_with_variable_lengths_needs_overlapped_p2p():
         pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2
     )
     config.variable_seq_lengths = True
-    with pytest.raises(ValueError, match="overlap_p2p_comm=False") as raised:
+    with pytest.raises(DynBatchValueError, match="overlap_p2p_comm=False") as raised:
         check_schedule_config(config)
     assert "virtual_pipeline_model_parallel_size=2" in str(raised.value)
     assert make_schedule_config_safe(config).overlap_p2p_comm is True

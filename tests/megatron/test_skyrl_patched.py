@@ -57,7 +57,12 @@ from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
 
 apply_cpu_shim()
 
-from megatron_dynbatch.tools.testing.workers import Layout, run_on_ranks  # noqa: E402
+from megatron_dynbatch.tools.testing.workers import (  # noqa: E402
+    DistributedTestError,
+    Layout,
+    run_on_ranks,
+)
+from tests._support import host_patches, patched_copy, relative_error, stock_copy  # noqa: E402
 
 pytestmark = pytest.mark.skyrl
 
@@ -102,45 +107,19 @@ needs_skyrl = pytest.mark.skipif(
 )
 
 
-PATCHES = sorted((REPO / "patches" / "skyrl").glob("*.patch"))
-
-
-def _unpatch(root):
-    """Reverse, last first, every patch of ours that ``root`` holds (a checkout patched by
-    ``launch/apply_skyrl_patches.sh``); return how many."""
-    undone = 0
-    for patch in reversed(PATCHES):
-        command = ["patch", "-d", str(root), "-p1", "-R", "-F0", "--force", "--silent"]
-        dry = subprocess.run([*command, "--dry-run"], stdin=patch.open(), capture_output=True)
-        if dry.returncode == 0:
-            subprocess.run(command, stdin=patch.open(), check=True, capture_output=True)
-            undone += 1
-    return undone
+PATCHES = host_patches("skyrl")
 
 
 @pytest.fixture(scope="module")
 def stock_skyrl(tmp_path_factory):
-    """A pristine copy of SKYRL_DIR's ``skyrl/``, whether SKYRL_DIR is pristine or already patched
-    (the patches are reverse-applied on the copy; SKYRL_DIR itself is never changed)."""
-    root = tmp_path_factory.mktemp("skyrl_stock")
-    shutil.copytree(
-        pathlib.Path(SKYRL_DIR) / "skyrl",
-        root / "skyrl",
-        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.orig", "*.rej"),
-    )
-    undone = _unpatch(root)
-    print(f"\n[skyrl] SKYRL_DIR={SKYRL_DIR}: {undone} of our patches reverse-applied on the copy")
-    return str(root)
+    """A pristine copy of SKYRL_DIR's ``skyrl/`` (our patches reverse-applied if it holds them)."""
+    return stock_copy(SKYRL_DIR, "skyrl", tmp_path_factory.mktemp("skyrl_stock"))
 
 
 @pytest.fixture(scope="module")
 def patched_skyrl(tmp_path_factory, stock_skyrl):
-    root = tmp_path_factory.mktemp("skyrl_patched")
-    shutil.copytree(pathlib.Path(stock_skyrl) / "skyrl", root / "skyrl")
-    result = subprocess.run(["bash", str(APPLY), str(root)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.count("applied") == len(PATCHES)
-    return str(root)
+    """The stock copy with our patches applied by ``launch/apply_skyrl_patches.sh``."""
+    return patched_copy(stock_skyrl, "skyrl", tmp_path_factory.mktemp("skyrl_patched"))
 
 
 @needs_skyrl
@@ -644,10 +623,6 @@ def _prompt_minibatches(skyrl_root, uids):
     return compute_prompt_mini_batch_boundaries(uids, per_minibatch, num_prompts, True, 1)
 
 
-def _rel(a, b):
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def _check_against_reference(results, reference, num, what):
     """Gradients (relative) and log-probs (absolute) within tolerance, every sample seen once,
     and the training pass's per-sample ``loss_fn_outputs`` in sample order; prints the figures."""
@@ -657,7 +632,7 @@ def _check_against_reference(results, reference, num, what):
     assert set(merged) == set(reference["grads"])
     worst = 0.0
     for name, ref in reference["grads"].items():
-        err = _rel(merged[name], ref)
+        err = relative_error(merged[name], ref)
         worst = max(worst, err)
         assert err <= REL_TOL, (name, err)
     worst_lp = worst_out = 0.0
@@ -854,8 +829,9 @@ def test_patch_0003_lets_skyrl_run_virtual_pipeline_stages_with_the_flag_off(
     patched tree, flag off, runs them and matches the reference."""
     args = (8, True, "token_mean", 0)  # budget 0: SkyRL's stock fixed micro-batches of 2
     kwargs = dict(dynamic=False, layout=Layout(pp=2, vpp=2), timeout_s=BODY_TIMEOUT_S)
-    with pytest.raises(Exception, match="IndexError"):
+    with pytest.raises(DistributedTestError, match="IndexError") as caught:
         run_on_ranks(2, _skyrl_body, stock_skyrl, *args, **kwargs)
+    assert "IndexError" in {name for name, _ in caught.value.errors.values()}, caught.value
     results = run_on_ranks(2, _skyrl_body, patched_skyrl, *args, **kwargs)
     [reference] = run_on_ranks(
         1, _reference_body, 8, True, "token_mean", patched_skyrl, layout=Layout()

@@ -53,13 +53,20 @@ from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
 
 apply_cpu_shim()
 
+from megatron_dynbatch.errors import DynBatchValueError  # noqa: E402
 from megatron_dynbatch.integrations.slime.backend import (  # noqa: E402
     SlimeDataIterator,
     placeholder_sample,
     restore_rollout_order,
 )
 from megatron_dynbatch.tools.testing.workers import Layout, run_on_ranks  # noqa: E402
-from tests._support import FAIL_FAST_S  # noqa: E402
+from tests._support import (  # noqa: E402
+    FAIL_FAST_S,
+    host_patches,
+    patched_copy,
+    relative_error,
+    stock_copy,
+)
 
 pytestmark = pytest.mark.gloo
 
@@ -113,7 +120,7 @@ def test_placeholder_is_a_full_length_loss_masked_sample_with_every_key():
     assert sample["loss_masks"].shape == (15,) and int(sample["loss_masks"].sum()) == 0
     assert sample["advantages"].shape == (15,) and sample["rollout_mask_sums"] == 0
     assert sample["multimodal_train_inputs"] is None and sample["log_probs"] is None
-    with pytest.raises(ValueError, match="'new_key'"):
+    with pytest.raises(DynBatchValueError, match="'new_key'"):
         placeholder_sample({**data, "new_key": [1, 2]}, ["new_key"], 16)
 
 
@@ -125,15 +132,15 @@ def test_iterator_yields_placeholders_and_row_lengths_and_checks_samples():
     assert first["total_lengths"] == [6, 4] and iterator.row_length == 128
     second = iterator.get_next(["tokens", "total_lengths", "multimodal_train_inputs"])
     assert second["total_lengths"] == [128] and second["multimodal_train_inputs"] is None
-    with pytest.raises(ValueError, match="micro-batch 2 requested"):
+    with pytest.raises(DynBatchValueError, match="micro-batch 2 requested"):
         iterator.get_next(["tokens"])
     bad = _local_data()
     bad["advantages"][1] = torch.tensor([1.0, float("nan")])  # masked: fine
     SlimeDataIterator(bad, [[0, 1]], [128]).check_microbatches(1)
     bad["advantages"][1] = torch.tensor([float("nan"), 1.0])  # on a loss token: an error
-    with pytest.raises(ValueError, match=r"advantages\[0\]=nan is not finite"):
+    with pytest.raises(DynBatchValueError, match=r"advantages\[0\]=nan is not finite"):
         SlimeDataIterator(bad, [[0, 1]], [128]).check_microbatches(1)
-    with pytest.raises(ValueError, match="more than the step's row length 8"):
+    with pytest.raises(DynBatchValueError, match="more than the step's row length 8"):
         SlimeDataIterator(data, [[0, 1]], [8]).check_microbatches(1)
 
 
@@ -141,54 +148,28 @@ def test_forward_outputs_return_in_rollout_order_without_placeholders():
     data = _local_data()
     iterator = SlimeDataIterator(data, [[1], [], [0]], [16, 16, 16])
     assert restore_rollout_order([["b"], ["ph"], ["a"]], iterator) == ["a", "b"]
-    with pytest.raises(ValueError, match="2 outputs for 1 sample"):
+    with pytest.raises(DynBatchValueError, match="2 outputs for 1 sample"):
         restore_rollout_order([["b", "x"], ["ph"], ["a"]], iterator)
-    with pytest.raises(ValueError, match="2 forward-only outputs for 3"):
+    with pytest.raises(DynBatchValueError, match="2 forward-only outputs for 3"):
         restore_rollout_order([["b"], ["a"]], iterator)
 
 
 # -- the patches on slime ---------------------------------------------------------------------
 
 
-PATCHES = sorted((REPO / "patches" / "slime").glob("*.patch"))
-
-
-def _unpatch(root):
-    """Reverse, last first, every patch of ours that ``root`` holds (a checkout patched by
-    ``launch/apply_slime_patches.sh``, wholly or by an older series' prefix); return how many."""
-    undone = 0
-    for patch in reversed(PATCHES):
-        command = ["patch", "-d", str(root), "-p1", "-R", "-F0", "--force", "--silent"]
-        dry = subprocess.run([*command, "--dry-run"], stdin=patch.open(), capture_output=True)
-        if dry.returncode == 0:
-            subprocess.run(command, stdin=patch.open(), check=True, capture_output=True)
-            undone += 1
-    return undone
+PATCHES = host_patches("slime")
 
 
 @pytest.fixture(scope="module")
 def stock_slime(tmp_path_factory):
-    """A pristine copy of SLIME_DIR's ``slime/``, whether SLIME_DIR is pristine or already patched
-    (the patches are reverse-applied on the copy; SLIME_DIR itself is never changed)."""
-    root = tmp_path_factory.mktemp("slime_stock")
-    shutil.copytree(
-        pathlib.Path(SLIME_DIR) / "slime",
-        root / "slime",
-        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.orig", "*.rej"),
-    )
-    undone = _unpatch(root)
-    print(f"\n[slime] SLIME_DIR={SLIME_DIR}: {undone} of our patches reverse-applied on the copy")
-    return str(root)
+    """A pristine copy of SLIME_DIR's ``slime/`` (our patches reverse-applied if it holds them)."""
+    return stock_copy(SLIME_DIR, "slime", tmp_path_factory.mktemp("slime_stock"))
 
 
 @pytest.fixture(scope="module")
 def patched_slime(tmp_path_factory, stock_slime):
-    root = tmp_path_factory.mktemp("slime_patched")
-    shutil.copytree(pathlib.Path(stock_slime) / "slime", root / "slime")
-    result = subprocess.run(["bash", str(APPLY), str(root)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.count("applied") == len(PATCHES)
-    return str(root)
+    """The stock copy with our patches applied by ``launch/apply_slime_patches.sh``."""
+    return patched_copy(stock_slime, "slime", tmp_path_factory.mktemp("slime_patched"))
 
 
 def _oversize_body(slime_root, argv, patched):
@@ -980,10 +961,6 @@ def _reference_body(num_rollouts, gbs, max_tokens, per_token, replay=None, atten
     return {"grads": step_grads, "log_probs": all_log_probs, "num_samples": len(lengths)}
 
 
-def _rel(a, b):
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def _compare_with_reference(results, reference):
     """Every step's gradients (relative) and every sample's log-probs (absolute) against the
     per-sample reference, both within 1e-5; returns (steps, worst gradient, worst log-prob)."""
@@ -996,7 +973,7 @@ def _compare_with_reference(results, reference):
             merged.update(r["grads"][s])  # DP ranks hold the same reduced gradients
         assert set(merged) == set(reference["grads"][s])
         for name, ref in reference["grads"][s].items():
-            err = _rel(merged[name], ref)
+            err = relative_error(merged[name], ref)
             worst = max(worst, err)
             assert err <= REL_TOL, (s, name, err)
     # Log-probs in rollout order: each DP rank's local order is its partition.
@@ -1200,7 +1177,7 @@ def test_a_rank_without_samples_passes_slimes_actor_path_contributing_nothing(
         assert got.keys() == want.keys()
         assert sum(float(g.norm()) for g in want.values()) > 0  # the step really trained
         for name, grad in want.items():
-            worst = max(worst, _rel(got[name], grad))
+            worst = max(worst, relative_error(got[name], grad))
     assert worst <= REL_TOL, worst
     [want_metrics] = [m for r in alone for m in r["actor"]["metrics"]]
     [got_metrics] = [m for r in shared for m in r["actor"]["metrics"]]

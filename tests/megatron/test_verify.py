@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import CostModel, ParallelLayout, PlannerConfig
 from megatron_dynbatch.tools.testing.workers import Layout, run_on_ranks
 from megatron_dynbatch.tools.verify import (
@@ -178,7 +179,7 @@ def test_oversize_samples_match_the_reference_of_their_policy(policy):
 
 @pytest.mark.torchrun  # starts ``megatron-dynbatch verify`` as a user does
 def test_oversize_error_is_bad_input_before_any_process(tmp_path):
-    with pytest.raises(ValueError, match=r"2 sample\(s\) exceed the token cap 128"):
+    with pytest.raises(DynBatchValueError, match=r"2 sample\(s\) exceed the token cap 128"):
         _spec(2, 2, 1, oversize="error", samples=OVERSIZE)
     path = tmp_path / "samples.json"
     path.write_text(json.dumps(OVERSIZE))
@@ -265,9 +266,9 @@ def test_verify_cli_json(capsys):
 
 
 def test_verify_refuses_a_model_it_cannot_split():
-    with pytest.raises(ValueError, match="do not split"):
+    with pytest.raises(DynBatchValueError, match="do not split"):
         _spec(pp=3)
-    with pytest.raises(ValueError, match="aggregation='mean'"):
+    with pytest.raises(DynBatchValueError, match="aggregation='mean'"):
         _spec(loss="mean")
 
 
@@ -282,7 +283,7 @@ def test_moe_with_z_loss_matches_reference_with_placeholders_at_pp2_vpp2_ep2():
 
 
 def test_moe_settings_refuse_what_megatron_cannot_split():
-    with pytest.raises(ValueError, match="--moe-ep-size 3 must be >= 1 and divide the 4"):
+    with pytest.raises(DynBatchValueError, match="--moe-ep-size 3 must be >= 1 and divide the 4"):
         MoESettings(ep_size=3)
-    with pytest.raises(ValueError, match="--moe-ep-size 2 must divide --dp-size 1"):
+    with pytest.raises(DynBatchValueError, match="--moe-ep-size 2 must divide --dp-size 1"):
         _spec(1, samples=RAGGED, moe=MoESettings(ep_size=2))

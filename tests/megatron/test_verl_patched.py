@@ -46,7 +46,12 @@ from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
 
 apply_cpu_shim()
 
-from megatron_dynbatch.tools.testing.workers import Layout, run_on_ranks  # noqa: E402
+from megatron_dynbatch.tools.testing.workers import (  # noqa: E402
+    DistributedTestError,
+    Layout,
+    run_on_ranks,
+)
+from tests._support import patched_copy, relative_error  # noqa: E402
 
 pytestmark = pytest.mark.verl
 
@@ -83,11 +88,7 @@ needs_verl = pytest.mark.skipif(not VERL_DIR, reason="VERL_DIR is not set")
 @pytest.fixture(scope="module")
 def patched_verl(tmp_path_factory):
     """A copy of VERL_DIR's ``verl`` package with the patches applied (the stock tree untouched)."""
-    root = tmp_path_factory.mktemp("verl_patched")
-    shutil.copytree(pathlib.Path(VERL_DIR) / "verl", root / "verl")
-    result = subprocess.run(["bash", str(APPLY), str(root)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return str(root)
+    return patched_copy(VERL_DIR, "verl", tmp_path_factory.mktemp("verl_patched"), all_new=False)
 
 
 # -- running verl's code on a rank --------------------------------------------------------------
@@ -392,10 +393,6 @@ def _reference_body(num, agg_mode, scale=None, long_every=0):
     return {"grads": named_global_grads([model]), "log_probs": log_probs}
 
 
-def _rel(a, b):
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def _check(results, reference, num, what, output="log-prob"):
     merged = {}
     for r in results:
@@ -403,7 +400,7 @@ def _check(results, reference, num, what, output="log-prob"):
     assert set(merged) == set(reference["grads"])
     worst = 0.0
     for name, ref in reference["grads"].items():
-        err = _rel(merged[name], ref)
+        err = relative_error(merged[name], ref)
         worst = max(worst, err)
         assert err <= REL_TOL, (name, err)
     worst_lp = 0.0
@@ -634,7 +631,9 @@ def test_stock_verl_asserts_where_the_plan_runs_placeholders():
     """The last case above under stock verl (``use_dynamic_bsz``, pp 2 x vpp 2, one sample per DP
     rank): ``rearrange_micro_batches`` rounds the count up to the interleaved group (2) and then
     asserts that every rank has that many samples (verl #1004)."""
-    with pytest.raises(Exception, match="assert 2 <= 1|num_micro_batches <= num_groups"):
+    # The match reads the whole report: each failed rank's message and traceback.
+    match = "assert 2 <= 1|num_micro_batches <= num_groups"
+    with pytest.raises(DistributedTestError, match=match) as caught:
         run_on_ranks(
             4,
             _verl_body,
@@ -646,6 +645,7 @@ def test_stock_verl_asserts_where_the_plan_runs_placeholders():
             layout=Layout(pp=2, vpp=2),
             timeout_s=BODY_TIMEOUT_S,
         )
+    assert "AssertionError" in {name for name, _ in caught.value.errors.values()}, caught.value
 
 
 @needs_verl
@@ -684,7 +684,7 @@ def test_with_the_switch_off_patched_verl_is_bitwise_stock(patched_verl):
 def test_an_oversize_sample_is_refused_on_every_rank_naming_verls_key(patched_verl):
     """A sample longer than the cap on one DP rank stops every rank before the pipeline, with the
     same message naming verl's budget key (not a hang, not a silent over-budget micro-batch)."""
-    with pytest.raises(Exception) as caught:
+    with pytest.raises(DistributedTestError, match="ppo_max_token_len_per_gpu") as caught:
         run_on_ranks(
             4,
             _verl_body,

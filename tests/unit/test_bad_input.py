@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megatron_dynbatch.config import DynBatchConfig, config_from_mapping, load_yaml_config
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import (
     CostModel,
     ParallelLayout,
@@ -72,7 +73,7 @@ def test_a_huge_cap_plans_in_memory_independent_of_the_cap():
 )
 def test_layouts_forcing_absurd_placeholder_counts_are_refused_fast(parallel, what):
     start = time.process_time()
-    with pytest.raises(ValueError, match="would be placeholders") as info:
+    with pytest.raises(DynBatchValueError, match="would be placeholders") as info:
         plan_schedule([100] * 10, config=PlannerConfig(max_tokens_per_gpu=4096, parallel=parallel))
     assert what in str(info.value)
     assert time.process_time() - start < 5.0
@@ -87,7 +88,7 @@ def test_a_small_dp_with_few_samples_still_gets_placeholders():
 
 
 def test_overflowing_cost_weights_are_refused_and_json_never_holds_nan(tmp_path):
-    with pytest.raises(ValueError, match="overflows"):
+    with pytest.raises(DynBatchValueError, match="overflows"):
         plan_schedule(
             [100, 200],
             config=PlannerConfig(max_tokens_per_gpu=4096, cost=CostModel(attention_weight=1e308)),
@@ -137,16 +138,16 @@ def test_numpy_and_torch_integers_are_integers(integer):
 
 
 def test_bools_are_still_not_integers():
-    with pytest.raises(ValueError, match="True"):
+    with pytest.raises(DynBatchValueError, match="True"):
         plan_schedule([100, True], config=PlannerConfig(max_tokens_per_gpu=256))
-    with pytest.raises(ValueError, match="dp_size=True"):
+    with pytest.raises(DynBatchValueError, match="dp_size=True"):
         ParallelLayout(dp_size=True)
 
 
 def test_deeply_nested_yaml_is_a_clean_error(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("max_tokens_per_gpu: " + "[" * 50_000 + "]" * 50_000 + "\n")
-    with pytest.raises(ValueError, match="nested too deeply"):
+    with pytest.raises(DynBatchValueError, match="nested too deeply"):
         load_yaml_config(path)
 
 
@@ -161,7 +162,7 @@ def test_yaml_exponent_floats_are_floats(tmp_path):
 def test_duplicate_keys_are_refused_in_yaml_and_json(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("max_tokens_per_gpu: 4096\nmax_tokens_per_gpu: 8192\n")
-    with pytest.raises(ValueError, match="duplicate key 'max_tokens_per_gpu'"):
+    with pytest.raises(DynBatchValueError, match="duplicate key 'max_tokens_per_gpu'"):
         load_yaml_config(path)
     proc = _cli(tmp_path, '[{"length": 10, "length": 20}]', "--max-tokens-per-gpu", "64")
     _one_line_error(proc, "duplicate key(s) ['length']")
@@ -182,11 +183,11 @@ def test_duplicate_keys_are_refused_in_yaml_and_json(tmp_path):
     ids=["dict-lengths", "string-ids", "string-prompts", "2**200", "nested"],
 )
 def test_bad_containers_and_values_name_the_problem(call, message):
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(DynBatchValueError) as info:
         call(PlannerConfig(max_tokens_per_gpu=64))
     assert message in str(info.value)
 
 
 def test_a_cap_above_the_supported_maximum_is_refused():
-    with pytest.raises(ValueError, match="supported maximum"):
+    with pytest.raises(DynBatchValueError, match="supported maximum"):
         PlannerConfig(max_tokens_per_gpu=2**41)

@@ -35,6 +35,7 @@ from benchmarks.lengths import (
     uniform_lengths,
 )
 from benchmarks.metrics import evaluate
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import CostModel
 
 pytestmark = pytest.mark.unit
@@ -329,11 +330,11 @@ def test_fixed_mbs_fails_when_no_row_fits():
 
 
 def test_baselines_validate_their_arguments():
-    with pytest.raises(ValueError, match="dp_size"):
+    with pytest.raises(DynBatchValueError, match="dp_size"):
         next_fit([1, 2], dp_size=0, token_cap=10)
-    with pytest.raises(ValueError, match="rollout_ids"):
+    with pytest.raises(DynBatchValueError, match="rollout_ids"):
         slime_first_fit([1, 2], dp_size=1, token_cap=10, rollout_ids=[0])
-    with pytest.raises(ValueError, match="lengths"):
+    with pytest.raises(DynBatchValueError, match="lengths"):
         nemo_rl_ffd([1, 0], dp_size=1, token_cap=10)
 
 

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import (
     ParallelLayout,
     PlannerConfig,
@@ -176,6 +177,6 @@ def test_samples_json_accepts_a_response_length_for_either_other_length():
     ],
 )
 def test_samples_json_response_length_errors_name_the_values(item, message):
-    with pytest.raises(ValueError) as error:
+    with pytest.raises(DynBatchValueError) as error:
         parse_samples_json([item])
     assert message in str(error.value)

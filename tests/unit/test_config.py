@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from megatron_dynbatch.config import FLAGS, DynBatchConfig, config_from_mapping, load_yaml_config
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.megatron_lm.arguments import (
     add_dynamic_batch_args,
     dynbatch_config_from_args,
@@ -76,7 +77,7 @@ def test_dataclass_is_frozen_keyword_only_and_documented():
     ],
 )
 def test_post_init_errors_name_the_flag(kwargs, flag):
-    with pytest.raises(ValueError, match=flag):
+    with pytest.raises(DynBatchValueError, match=flag):
         DynBatchConfig(**kwargs)
 
 
@@ -86,7 +87,9 @@ def test_planner_config_names_the_budget_flag():
     config = DynBatchConfig(max_tokens_per_gpu=4, log_probs_max_tokens_per_gpu=2)
     layout = ParallelLayout(tp_size=4)
     assert config.planner_config(layout).max_tokens_per_gpu == 4
-    with pytest.raises(ValueError, match="^--log-probs-max-tokens-per-gpu: .*smaller than one"):
+    with pytest.raises(
+        DynBatchValueError, match="^--log-probs-max-tokens-per-gpu: .*smaller than one"
+    ):
         config.planner_config(layout, forward_only=True)
 
 
@@ -125,7 +128,9 @@ def test_examples_exist():
 def test_yaml_unknown_key_is_an_error(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("max_tokens_per_gpu: 4096\nmax_token_per_gpu: 8192\n")
-    with pytest.raises(ValueError, match=r"unknown key\(s\) \['max_token_per_gpu'\].*valid keys"):
+    with pytest.raises(
+        DynBatchValueError, match=r"unknown key\(s\) \['max_token_per_gpu'\].*valid keys"
+    ):
         load_yaml_config(path)
 
 
@@ -140,17 +145,17 @@ def test_yaml_unknown_key_is_an_error(tmp_path):
 def test_yaml_bad_content(tmp_path, text, match):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(DynBatchValueError, match=match):
         load_yaml_config(path)
 
 
 def test_yaml_missing_file(tmp_path):
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(DynBatchValueError, match="does not exist"):
         load_yaml_config(tmp_path / "nope.yaml")
 
 
 def test_config_from_mapping_unknown_key():
-    with pytest.raises(ValueError, match="unknown dynamic-batch config key"):
+    with pytest.raises(DynBatchValueError, match="unknown dynamic-batch config key"):
         config_from_mapping({"max_tokens_per_gpu": 8, "bogus": 1})
 
 
@@ -191,7 +196,9 @@ def test_command_line_overrides_yaml(tmp_path):
 
 def test_flag_off_returns_none_and_rejects_stray_flags():
     assert validate_dynamic_batch_args(_megatron_args([])) is None
-    with pytest.raises(ValueError, match="--max-tokens-per-gpu given without --use-dynamic-batch"):
+    with pytest.raises(
+        DynBatchValueError, match="--max-tokens-per-gpu given without --use-dynamic-batch"
+    ):
         validate_dynamic_batch_args(_megatron_args(["--max-tokens-per-gpu", "64"]))
 
 
@@ -221,7 +228,7 @@ def test_flag_off_returns_none_and_rejects_stray_flags():
 )
 def test_validation_errors_name_the_flag(argv, validated, match):
     args = _megatron_args(["--use-dynamic-batch-size", *argv], **validated)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(DynBatchValueError, match=match):
         validate_dynamic_batch_args(args)
 
 

@@ -6,11 +6,16 @@ import random
 import pytest
 
 from megatron_dynbatch.config import DynBatchConfig, attention_from_megatron
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import CostModel, ParallelLayout, PlannerConfig, plan_schedule
 from megatron_dynbatch.planning.cost import microbatch_cost, row_cost, step_microbatch_costs
 from megatron_dynbatch.planning.karmarkar_karp import karmarkar_karp
 from megatron_dynbatch.planning.simulate import pipeline_makespan
-from megatron_dynbatch.planning.spec import DEFAULT_MIN_GAIN, DEFAULT_OVERHEAD_FRACTION
+from megatron_dynbatch.planning.spec import (
+    ATTENTION_CROSSOVER_7B,
+    DEFAULT_MIN_GAIN,
+    DEFAULT_OVERHEAD_FRACTION,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -45,9 +50,9 @@ def test_unknown_overhead_is_a_share_of_a_full_row_and_raises_the_bar():
     told = PlannerConfig(max_tokens_per_gpu=1000, cost=CostModel(microbatch_overhead=7.0))
     assert (told.cost.microbatch_overhead, told.min_gain) == (7.0, 0.0)
     assert PlannerConfig(max_tokens_per_gpu=8, layout="padded").cost.attention == "causal"
-    with pytest.raises(ValueError, match="min_gain"):
+    with pytest.raises(DynBatchValueError, match="min_gain"):
         PlannerConfig(max_tokens_per_gpu=8, min_gain=1.5)
-    with pytest.raises(ValueError, match="attention"):
+    with pytest.raises(DynBatchValueError, match="attention"):
         CostModel(attention="flash")
 
 
@@ -97,7 +102,7 @@ def test_attention_kind_follows_megatrons_flags():
     config = DynBatchConfig(max_tokens_per_gpu=512, cost_attention="dense", min_gain=0.05)
     planner = config.planner_config(ParallelLayout())
     assert (planner.cost.attention, planner.min_gain) == ("dense", 0.05)
-    with pytest.raises(ValueError, match="--dynamic-batch-cost-attention"):
+    with pytest.raises(DynBatchValueError, match="--dynamic-batch-cost-attention"):
         DynBatchConfig(max_tokens_per_gpu=512, cost_attention="thd")
 
 
@@ -129,7 +134,7 @@ def test_karmarkar_karp_partitions_every_item_once_and_beats_lpt():
             assert {len(p) for p in equal} <= {n // k}
             free = karmarkar_karp(values, k, equal_size=False, ties=ties)
             assert sorted(i for p in free for i in p) == list(range(n))
-    with pytest.raises(ValueError, match="multiple of k"):
+    with pytest.raises(DynBatchValueError, match="multiple of k"):
         karmarkar_karp([1, 2, 3], 2, equal_size=True)
 
 
@@ -179,7 +184,7 @@ def test_variable_row_lengths_give_each_microbatch_its_own_row():
     )
     with pytest.raises(PlanInvariantError, match="placeholder row|row length"):
         check_plan(dataclasses.replace(plan, steps=(bad,)), SampleSet.build(lengths), variable)
-    with pytest.raises(ValueError, match="packed"):
+    with pytest.raises(DynBatchValueError, match="packed"):
         PlannerConfig(max_tokens_per_gpu=8192, layout="padded", variable_row_lengths=True)
 
 
@@ -204,7 +209,7 @@ def test_step_time_is_the_slowest_of_every_rank():
     from megatron_dynbatch.planning.shape import StepProblem, choose_shape
 
     rng = random.Random(0)
-    model = CostModel(attention_weight=1 / 24576, microbatch_overhead=0.0)
+    model = CostModel(attention_weight=1.0 / ATTENTION_CROSSOVER_7B, microbatch_overhead=0.0)
     for _ in range(40):
         dp, pp = rng.choice([8, 16, 32]), rng.choice([2, 4])
         lengths = [

@@ -50,6 +50,6 @@ def test_no_builtin_error_is_raised_on_purpose_outside_errors_py():
 def test_bad_config_and_bad_lengths_are_dynbatch_errors():
     with pytest.raises(DynBatchValueError, match="layout"):
         DynBatchConfig(max_tokens_per_gpu=8, layout="x")
-    with pytest.raises(DynBatchValueError):
+    with pytest.raises(DynBatchValueError, match="got sample 0: 0"):
         plan_schedule([0, 5], config=PlannerConfig(max_tokens_per_gpu=16))
     assert issubclass(DynBatchValueError, (DynBatchError, ValueError))

@@ -6,6 +6,7 @@ import pathlib
 import pytest
 
 from megatron_dynbatch.config import _FIELDS, config_from_mapping
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.skyrl.plan import SKYRL_FIXED, SKYRL_OPTIONS
 from megatron_dynbatch.integrations.slime.config import SLIME_OPTIONS
 from megatron_dynbatch.integrations.verl.engine import VERL_OPTIONS
@@ -55,10 +56,10 @@ def test_a_host_option_maps_to_its_field_and_errors_name_the_host_option():
         {"max_token_len_per_gpu": 4096}, table=VERL_OPTIONS, fixed={"layout": "padded"}
     )
     assert config.max_tokens_per_gpu == 4096 and config.layout == "padded"
-    with pytest.raises(ValueError, match=r"verl: unknown option\(s\) \['ppo_max'\]"):
+    with pytest.raises(DynBatchValueError, match=r"verl: unknown option\(s\) \['ppo_max'\]"):
         config_from_mapping({"ppo_max": 1}, table=VERL_OPTIONS, host="verl")
-    with pytest.raises(ValueError, match="max_token_len_per_gpu -> max_tokens_per_gpu"):
+    with pytest.raises(DynBatchValueError, match="max_token_len_per_gpu -> max_tokens_per_gpu"):
         config_from_mapping({"max_token_len_per_gpu": 0}, table=VERL_OPTIONS, host="verl")
     # Without a table the keys are the fields themselves (YAML, Megatron-LM's flags).
-    with pytest.raises(ValueError, match="unknown dynamic-batch config key"):
+    with pytest.raises(DynBatchValueError, match="unknown dynamic-batch config key"):
         config_from_mapping({"max_token_len_per_gpu": 1})

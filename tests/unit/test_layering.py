@@ -1,7 +1,8 @@
 """Imports flow one way, in data-flow order: planning -> runtime -> mcore -> integrations -> tools.
 
-Every ``import`` statement of the package (module level and inside functions, relative ones
-resolved) is read from the source, so a lazy import that breaks the layering is caught too. Test
+Every ``import`` statement of the package (module level, inside functions and under ``if
+TYPE_CHECKING:``, relative ones resolved) is read from the source, so a lazy or annotation-only
+import that breaks the layering or closes a circle is caught too. Test
 support (``tools.testing``) is imported only from ``tools``, and no two modules import each other,
 directly or through others.
 """
@@ -134,28 +135,17 @@ def test_imports_follow_the_layers(path):
     assert not problems, problems
 
 
-def _type_checking_lines(path: pathlib.Path) -> set:
-    """Lines of imports under ``if TYPE_CHECKING:`` (annotations only: they never run)."""
-    lines = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
-            for inner in node.body:
-                for sub in ast.walk(inner):
-                    if isinstance(sub, (ast.Import, ast.ImportFrom)):
-                        lines.add(sub.lineno)
-    return lines
-
-
 def _module_graph(sources):
-    """Module -> package modules it imports, at module level or inside functions (a lazy import
-    runs too, later: two modules importing each other that way are still a circle)."""
+    """Module -> package modules it imports, at module level, inside functions (a lazy import
+    runs too, later: two modules importing each other that way are still a circle) or under ``if
+    TYPE_CHECKING:`` (a reader and a type checker follow it: two modules that need each other's
+    names are one concern split in two, or need a protocol)."""
     names = {_module_name(p) for p in sources}
     graph = {}
     for path in sources:
         edges = set()
-        skipped = _type_checking_lines(path)
-        for line, target, _ in _imports(path, with_names=True):
-            if line in skipped or not target.startswith("megatron_dynbatch"):
+        for _, target, _ in _imports(path, with_names=True):
+            if not target.startswith("megatron_dynbatch"):
                 continue
             # ``from pkg import mod`` names a module too; take the longest known prefix.
             while target and target not in names:
@@ -224,6 +214,22 @@ def test_the_checker_sees_a_violation(tmp_path):
                 "megatron_dynbatch.runtime.a",
             ],
         )
+        # An import for annotations only closes it too, and breaks the layering like any other.
+        (fake / "runtime" / "b.py").write_text(
+            "from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n"
+            "    from megatron_dynbatch.runtime.a import A\n"
+            "    from megatron_dynbatch.mcore.step import S\n"
+        )
+        graph = _module_graph(sorted(fake.rglob("*.py")))
+        assert _cycle(graph) == [
+            "megatron_dynbatch.runtime.a",
+            "megatron_dynbatch.runtime.b",
+            "megatron_dynbatch.runtime.a",
+        ]
+        assert _problems(fake / "runtime" / "b.py") == [
+            "line 4: runtime imports megatron_dynbatch.mcore.step"
+        ]
     finally:
         PACKAGE = saved
 
@@ -264,3 +270,61 @@ def test_no_test_module_imports_another(tmp_path):
     # The check itself sees such an import.
     (tmp_path / "test_a.py").write_text("from tests.megatron.test_pretrain import LAUNCH\n")
     assert _test_module_imports(tmp_path) == [("test_a.py", 1, "tests.megatron.test_pretrain")]
+
+
+#: The kind markers (tests/conftest.py's KINDS) and the folder that holds each kind's modules:
+#: tests/unit only unit tests (no test there needs a trainer checkout, a process group or a
+#: launch), and no unit-marked module elsewhere.
+KINDS = ("unit", "gloo", "torchrun", "slime", "skyrl", "verl")
+
+
+def _kind_marks(path: pathlib.Path):
+    """``(line, kind, module_level)`` of every ``pytest.mark.<kind>`` a test file uses
+    (``pytestmark = ...`` at module level, a decorator, or an alias such as ``needs_slime``)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    module_level = {
+        id(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and any(getattr(t, "id", None) == "pytestmark" for t in node.targets)
+    }
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in KINDS
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "mark"
+            and getattr(node.value.value, "id", None) == "pytest"
+        ):
+            yield node.lineno, node.attr, id(node) in module_level
+
+
+def _misplaced(tests_root: pathlib.Path):
+    found = []
+    for path in sorted(tests_root.rglob("test_*.py")):
+        folder = path.relative_to(tests_root).parts[0]
+        for line, kind, module_level in _kind_marks(path):
+            where = f"{path.relative_to(tests_root).as_posix()}:{line}"
+            if folder == "unit" and kind != "unit":
+                found.append(f"{where}: a {kind} test in tests/unit")
+            elif folder != "unit" and kind == "unit" and module_level:
+                found.append(f"{where}: a unit-marked module outside tests/unit")
+    return found
+
+
+def test_test_modules_live_in_the_folder_of_their_kind(tmp_path):
+    offenders = _misplaced(PACKAGE.parent / "tests")
+    assert not offenders, offenders
+    # The check itself sees both.
+    (tmp_path / "unit").mkdir()
+    (tmp_path / "megatron").mkdir()
+    (tmp_path / "unit" / "test_a.py").write_text(
+        "import pytest\npytestmark = pytest.mark.unit\nneeds_slime = pytest.mark.slime\n"
+    )
+    (tmp_path / "megatron" / "test_b.py").write_text(
+        "import pytest\npytestmark = pytest.mark.unit\n"
+    )
+    assert _misplaced(tmp_path) == [
+        "megatron/test_b.py:2: a unit-marked module outside tests/unit",
+        "unit/test_a.py:3: a slime test in tests/unit",
+    ]

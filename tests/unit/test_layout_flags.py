@@ -12,6 +12,7 @@ import types
 import pytest
 
 from megatron_dynbatch.adapters.slime import build_dp_schedule
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.megatron_lm.arguments import parallel_layout_from_args
 from megatron_dynbatch.planning import ParallelLayout
 from megatron_dynbatch.planning.spec import layout_flags
@@ -31,7 +32,7 @@ def test_slime_names_megatron_lms_flags():
         tensor_model_parallel_size=1,
     )
     sizes = {"dp_size": 1, "cp_size": 1, "vpp_size": 2, "microbatch_group_size_per_vp_stage": 1}
-    with pytest.raises(ValueError) as caught:
+    with pytest.raises(DynBatchValueError) as caught:
         build_dp_schedule(args, sizes, [10, 20], global_batch_size=2, rollout_indices=[0, 1])
     text = str(caught.value)
     assert "microbatch_group_size_per_vp_stage=1 is smaller than pp_size=2" in text
@@ -47,7 +48,7 @@ def test_megatron_lm_names_its_virtual_pipeline_flags():
         tensor_model_parallel_size=1,
         context_parallel_size=1,
     )
-    with pytest.raises(ValueError) as caught:
+    with pytest.raises(DynBatchValueError) as caught:
         parallel_layout_from_args(args, dp_size=1)
     text = str(caught.value)
     assert "vpp_size=2 needs pp_size >= 2" in text
@@ -66,7 +67,7 @@ def test_the_cli_names_its_own_flags(tmp_path, capsys):
 
 
 def test_skyrl_names_its_config_keys_once():
-    with pytest.raises(ValueError) as caught:
+    with pytest.raises(DynBatchValueError) as caught:
         with layout_flags("SkyRL"), layout_flags("SkyRL"):
             ParallelLayout(pp_size=1, vpp_size=2)
     text = str(caught.value)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megatron_dynbatch.config import DynBatchConfig, load_yaml_config
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import (
     CostModel,
     OversizeSampleWarning,
@@ -35,7 +36,7 @@ def _config(policy, **kwargs):
 
 
 def test_error_names_the_samples_lengths_and_cap_before_planning():
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(DynBatchValueError) as info:
         plan_schedule(LENGTHS, config=_config("error"))
     message = str(info.value)
     assert "sample 1: 5000 tokens" in message and "sample 4: 4100 tokens" in message
@@ -46,7 +47,7 @@ def test_the_megatron_and_slime_paths_default_to_error():
     config = DynBatchConfig(max_tokens_per_gpu=1000)
     assert config.oversize_samples == "error"
     planner = config.planner_config(ParallelLayout(dp_size=2))
-    with pytest.raises(ValueError, match="exceed the token cap"):
+    with pytest.raises(DynBatchValueError, match="exceed the token cap"):
         plan_schedule(LENGTHS, config=planner)
     assert PlannerConfig(max_tokens_per_gpu=1000).oversize_samples == "allow"  # pure planner
 
@@ -144,7 +145,7 @@ def test_yaml_key_and_megatron_flag(tmp_path):
     path.write_text("max_tokens_per_gpu: 1000\noversize_samples: truncate\n")
     assert load_yaml_config(path)["oversize_samples"] == "truncate"
     path.write_text("oversize_samples: cut\n")
-    with pytest.raises(ValueError, match="--oversize-samples"):
+    with pytest.raises(DynBatchValueError, match="--oversize-samples"):
         load_yaml_config(path)
     import argparse
 

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import (
     CostModel,
     OversizeSampleWarning,
@@ -344,6 +345,6 @@ def test_invariant_checker_catches_unequal_microbatch_counts():
     ],
 )
 def test_bad_input_raises_value_error_naming_the_value(call, message):
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(DynBatchValueError) as info:
         call()
     assert message in str(info.value)

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import (
     CostModel,
     ParallelLayout,
@@ -15,6 +16,7 @@ from megatron_dynbatch.planning import (
     plan_samples,
 )
 from megatron_dynbatch.planning.simulate import pipeline_makespan
+from megatron_dynbatch.planning.spec import ATTENTION_CROSSOVER_7B
 from megatron_dynbatch.tools.plotting import microbatch_costs, plot_step
 
 pytestmark = pytest.mark.unit
@@ -64,7 +66,7 @@ def test_plot_draws_the_plan_under_the_cap_and_its_simulated_pipeline(tmp_path, 
         [d["length"] if isinstance(d, dict) else d for d in _data()],
         [d.get("rollout") if isinstance(d, dict) else None for d in _data()],
     )
-    cost = CostModel(attention_weight=1.0 / 24576)
+    cost = CostModel(attention_weight=1.0 / ATTENTION_CROSSOVER_7B)
     config = PlannerConfig(max_tokens_per_gpu=4096, parallel=parallel, layout=layout, cost=cost)
     plan = plan_samples(samples, config)
     step = plan.steps[0]
@@ -98,7 +100,7 @@ def test_plot_step_caps_drawn_ranks_and_checks_step(tmp_path):
     picture = plot_step(plan, 0, samples, config, str(out), max_ranks=8)
     assert out.read_bytes()[:8] == PNG_SIGNATURE
     assert picture.ranks == tuple(range(8))
-    with pytest.raises(ValueError, match="step_index=1"):
+    with pytest.raises(DynBatchValueError, match="step_index=1"):
         plot_step(plan, 1, samples, config, str(tmp_path / "x.png"))
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.runtime import (
     AGGREGATIONS,
     BatchSchema,
@@ -241,13 +242,13 @@ def test_non_finite_loss_on_padding_is_ignored():
 def test_empty_step_and_errors():
     assert float(reference_loss("token-mean", [], [])) == 0.0
     batch = {"loss_mask": torch.ones(1, 4), "sample_index": torch.full((1, 4), -1)}
-    with pytest.raises(ValueError, match="aggregation='mean' is not one of"):
+    with pytest.raises(DynBatchValueError, match="aggregation='mean' is not one of"):
         microbatch_loss("mean", torch.zeros(1, 4), batch)
-    with pytest.raises(ValueError, match=r"per_token_loss has shape \(4,\)"):
+    with pytest.raises(DynBatchValueError, match=r"per_token_loss has shape \(4,\)"):
         microbatch_loss("token-mean", torch.zeros(4), batch)
-    with pytest.raises(ValueError, match="sample_index -1"):
+    with pytest.raises(DynBatchValueError, match="sample_index -1"):
         microbatch_loss("seq-mean-token-mean", torch.zeros(1, 4), batch)
-    with pytest.raises(ValueError, match="2 loss tensors and 1 masks"):
+    with pytest.raises(DynBatchValueError, match="2 loss tensors and 1 masks"):
         reference_loss("sum", [torch.zeros(2), torch.zeros(2)], [torch.zeros(2)])
-    with pytest.raises(ValueError, match="sample 0: loss shape"):
+    with pytest.raises(DynBatchValueError, match="sample 0: loss shape"):
         reference_loss("sum", [torch.zeros(2)], [torch.zeros(3)])

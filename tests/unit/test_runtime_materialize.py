@@ -9,6 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.runtime import (
     BatchSchema,
     FieldSpec,
@@ -320,7 +321,7 @@ def _materialize(ranks, lengths, *, layout="packed", s=8, b=1, m=1, **kwargs):
     ],
 )
 def test_errors(args, kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(DynBatchValueError, match=message):
         _materialize(*args, **kwargs)
 
 
@@ -332,10 +333,10 @@ def test_padded_length_equal_to_seq_length_fits():
 def test_rank_out_of_range_and_inconsistent_plan():
     plan = make_step_plan([[(0,)]], seq_length=4, micro_batch_size=1)
     samples = {0: {"tokens": torch.ones(2, dtype=torch.int64)}}
-    with pytest.raises(ValueError, match="dp_rank=1 is outside"):
+    with pytest.raises(DynBatchValueError, match="dp_rank=1 is outside"):
         materialize_microbatches(
             plan, 1, samples, BatchSchema(), layout="packed", sample_multiple=1
         )
     bad = dataclasses.replace(plan, num_microbatches=2)
-    with pytest.raises(ValueError, match="num_microbatches=2"):
+    with pytest.raises(DynBatchValueError, match="num_microbatches=2"):
         materialize_microbatches(bad, 0, samples, BatchSchema(), layout="packed", sample_multiple=1)

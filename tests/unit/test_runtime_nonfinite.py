@@ -7,6 +7,7 @@ Before the fix a NaN advantage on a fully masked sample gave a finite loss and N
 import pytest
 import torch
 
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.runtime import (
     AGGREGATIONS,
     BatchSchema,
@@ -83,7 +84,7 @@ def test_non_finite_values_on_loss_free_tokens_become_the_pad_value():
     ],
 )
 def test_non_finite_value_on_a_loss_bearing_token_names_sample_and_field(sample, message):
-    with pytest.raises(ValueError, match=r"sample 7: field " + message):
+    with pytest.raises(DynBatchValueError, match=r"sample 7: field " + message):
         _materialize({7: sample})
 
 
@@ -121,5 +122,5 @@ def test_detach_masked_positions_blocks_nan_that_the_token_loss_creates():
     numerator, _, _ = microbatch_loss("token-mean", guarded * batch["advantages"], batch)
     numerator.backward()
     assert ce.grad.tolist() == [[0.0, 2.0, 2.0, 0.0]]
-    with pytest.raises(ValueError, match="per_token has shape"):
+    with pytest.raises(DynBatchValueError, match="per_token has shape"):
         detach_masked_positions(torch.zeros(4), batch)

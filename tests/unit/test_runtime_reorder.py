@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.runtime import (
     BatchSchema,
     materialize_microbatches,
@@ -81,7 +82,7 @@ def test_restore_order_with_explicit_indices_and_single_mapping():
     ],
 )
 def test_restore_order_is_strict(per_sample, expected, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(DynBatchValueError, match=message):
         restore_order(per_sample, expected)
 
 
@@ -95,11 +96,13 @@ def test_split_outputs_rejects_wrong_output_shape_and_split_samples():
         layout="packed",
         sample_multiple=1,
     )
-    with pytest.raises(ValueError, match=r"must start with the micro-batch's \[B, S\] = \[1, 8\]"):
+    with pytest.raises(
+        DynBatchValueError, match=r"must start with the micro-batch's \[B, S\] = \[1, 8\]"
+    ):
         split_outputs(batch, torch.zeros(8, 1, 4))  # Megatron's [S, B, H], not transposed
     broken = dict(batch, sample_index=torch.tensor([[0, 0, -1, 0, -1, -1, -1, -1]]))
-    with pytest.raises(ValueError, match="two separate runs"):
+    with pytest.raises(DynBatchValueError, match="two separate runs"):
         split_outputs(broken, torch.zeros(1, 8))
     padded = {"sample_index": torch.tensor([[-1, 4], [4, -1]])}
-    with pytest.raises(ValueError, match="spans rows 0 and 1"):
+    with pytest.raises(DynBatchValueError, match="spans rows 0 and 1"):
         split_outputs(padded, torch.zeros(2, 2))

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.runtime import BatchSchema, FieldSpec
 
 pytestmark = pytest.mark.unit
@@ -72,7 +73,7 @@ def test_bool_loss_mask_is_accepted():
     ],
 )
 def test_invalid_samples_name_index_key_and_shape(sample, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(DynBatchValueError, match=message):
         _schema().check_sample(9, sample)
 
 
@@ -99,7 +100,7 @@ def test_invalid_samples_name_index_key_and_shape(sample, message):
     ],
 )
 def test_invalid_field_specs(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(DynBatchValueError, match=message):
         FieldSpec(**kwargs)
 
 
@@ -108,16 +109,16 @@ def test_field_spec_normalises_trailing_shape_and_rejects_non_finite_pad():
     assert spec.trailing_shape == (2, 3)
     # A NaN pad reaches ce * pad on every padding position: NaN gradients (issue 10, item 3).
     for pad in (float("nan"), float("inf"), -float("inf")):
-        with pytest.raises(ValueError, match="is not finite"):
+        with pytest.raises(DynBatchValueError, match="is not finite"):
             FieldSpec(name="y", kind="token", dtype=torch.float32, pad_value=pad)
 
 
 def test_schema_rejects_duplicates_and_bad_pad_token():
     spec = FieldSpec(name="x", kind="token", dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"\['x'\] more than once"):
+    with pytest.raises(DynBatchValueError, match=r"\['x'\] more than once"):
         BatchSchema(fields=(spec, spec))
-    with pytest.raises(ValueError, match="pad_token_id=-1"):
+    with pytest.raises(DynBatchValueError, match="pad_token_id=-1"):
         BatchSchema(pad_token_id=-1)
-    with pytest.raises(ValueError, match="sequence of FieldSpec"):
+    with pytest.raises(DynBatchValueError, match="sequence of FieldSpec"):
         BatchSchema(fields=("x",))
     assert BatchSchema(fields=[spec]).field("x") is spec

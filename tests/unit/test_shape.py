@@ -30,10 +30,11 @@ from megatron_dynbatch.planning.packing import (
     next_fit_count,
 )
 from megatron_dynbatch.planning.simulate import pipeline_makespan
+from megatron_dynbatch.planning.spec import ATTENTION_CROSSOVER_7B
 
 pytestmark = pytest.mark.unit
 
-ATTENTION = CostModel(token_weight=1.0, attention_weight=1.0 / 24576)
+ATTENTION = CostModel(token_weight=1.0, attention_weight=1.0 / ATTENTION_CROSSOVER_7B)
 
 
 def _step_time(plan, lengths, config):

@@ -23,6 +23,7 @@ import sys
 
 import pytest
 
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning.simulate import (
     BACKWARD_TO_FORWARD_RATIO,
     _schedule_table,
@@ -182,7 +183,7 @@ def test_heavy_microbatch_costs_more_at_the_edges_than_in_the_middle():
     ],
 )
 def test_rejects_what_megatron_rejects(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(DynBatchValueError, match=match):
         simulate_interleaved(
             kwargs["fwd"], kwargs["bwd"], kwargs["pp"], kwargs["vpp"], kwargs["group"]
         )

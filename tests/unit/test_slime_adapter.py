@@ -114,10 +114,10 @@ def test_missing_or_duplicated_outputs_raise():
     data = _rollout_data(groups=1, per_group=2)
     batching = _batching(dp=1)
     fake = {0: torch.zeros(data["total_lengths"][0])}
-    with pytest.raises(ValueError, match="missing"):
+    with pytest.raises(DynBatchValueError, match="missing"):
         batching.response_outputs(data, fake)
     both = {0: torch.zeros(data["total_lengths"][0]), 1: torch.zeros(data["total_lengths"][1])}
-    with pytest.raises(ValueError):
+    with pytest.raises(DynBatchValueError, match=r"samples \[1\] .* returned more than once"):
         batching.response_outputs(data, [both, {1: both[1]}])
 
 
@@ -126,15 +126,15 @@ def test_bad_rollout_data_names_the_problem():
     data["advantages"][1] = data["advantages"][1][:-1]
     batching = _batching(dp=1)
     plan = batching.plan(data)
-    with pytest.raises(ValueError, match="advantages"):
+    with pytest.raises(DynBatchValueError, match="advantages"):
         batching.data_iterators(data, plan, 0, 0)
     data = _rollout_data(groups=1, per_group=2)
     data["total_lengths"][0] += 1
-    with pytest.raises(ValueError, match="total_lengths"):
+    with pytest.raises(DynBatchValueError, match="total_lengths"):
         batching.plan(data)
     data = _rollout_data(groups=1, per_group=3)
     del data["rollout_ids"]
-    with pytest.raises(ValueError, match="samples_per_rollout=2"):
+    with pytest.raises(DynBatchValueError, match="samples_per_rollout=2"):
         _batching(dp=1, samples_per_rollout=2).plan(data)
 
 
@@ -169,7 +169,7 @@ def _set(key, index, value):
 def test_bad_rollout_data_is_a_value_error_at_planning(change, match):
     data = _one_group()
     change(data)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(DynBatchValueError, match=match):
         _batching(dp=1).plan(data)
 
 
@@ -196,11 +196,11 @@ def test_float_and_negative_token_ids_are_rejected():
     data = _one_group()
     data["tokens"][0] = [float(t) + 0.5 for t in data["tokens"][0]]
     plan = batching.plan(data)
-    with pytest.raises(ValueError, match="token ids must be integers"):
+    with pytest.raises(DynBatchValueError, match="token ids must be integers"):
         batching.data_iterators(data, plan, 0, 0)
     data = _one_group()
     data["tokens"][1][0] = -3
-    with pytest.raises(ValueError, match="token id -3 is negative"):
+    with pytest.raises(DynBatchValueError, match="token id -3 is negative"):
         batching.data_iterators(data, batching.plan(data), 0, 0)
 
 
@@ -208,11 +208,11 @@ def test_step_and_rank_out_of_range_are_value_errors():
     data = _one_group()
     batching = _batching(dp=1)
     plan = batching.plan(data)
-    with pytest.raises(ValueError, match=r"step=5 is out of range: the plan has 1 step"):
+    with pytest.raises(DynBatchValueError, match=r"step=5 is out of range: the plan has 1 step"):
         batching.data_iterators(data, plan, 5, 0)
-    with pytest.raises(ValueError, match=r"step=-1 must be >= 0"):
+    with pytest.raises(DynBatchValueError, match=r"step=-1 must be >= 0"):
         batching.schedule_shape(plan, -1)
-    with pytest.raises(ValueError, match="dp_rank=3"):
+    with pytest.raises(DynBatchValueError, match="dp_rank=3"):
         batching.data_iterators(data, plan, 0, 3)
 
 
@@ -226,7 +226,7 @@ def test_step_and_rank_out_of_range_are_value_errors():
     ],
 )
 def test_samples_per_rollout_must_be_an_integer(value, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(DynBatchValueError, match=match):
         _batching(dp=1, samples_per_rollout=value)
 
 

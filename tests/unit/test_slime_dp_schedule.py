@@ -5,14 +5,11 @@ counts per rank, every sample once, per-rank index lists tiling the partition, t
 except by a lone oversize sample, vpp counts a multiple of the group. Ours on top: nothing dropped
 (trailing and short steps train), placeholders are empty index lists, every step has one row length.
 
-With ``SLIME_DIR`` set (a slime checkout at the pinned commit) the static path is compared with
-slime's real function, and slime's own test module runs against ours.
+Against slime's real function and slime's own test module (``SLIME_DIR``):
+tests/megatron/test_slime_dp_schedule_vs_slime.py.
 """
 
-import os
-import pathlib
 import pickle
-import sys
 import types
 import warnings
 
@@ -22,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_dynbatch.adapters.slime import DPSchedule, DPScheduleError, build_dp_schedule
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import (
     OversizeSampleWarning,
     ParallelLayout,
@@ -29,29 +27,9 @@ from megatron_dynbatch.planning import (
     SampleSet,
     check_plan,
 )
-from tests._support import slime_tp
+from tests._support import slime_args, slime_tp
 
 pytestmark = pytest.mark.unit
-
-
-def make_args(**overrides):
-    values = dict(
-        micro_batch_size=1,
-        use_dynamic_batch_size=True,
-        max_tokens_per_gpu=32768,
-        balance_data=False,
-        balance_by_flops=False,
-        hidden_size=16,
-        num_attention_heads=2,
-        num_query_groups=2,
-        vocab_size=32,
-        ffn_hidden_size=64,
-        num_experts=None,
-        num_layers=2,
-        kv_channels=8,
-    )
-    values.update(overrides)
-    return types.SimpleNamespace(**values)
 
 
 def check_slime_invariants(schedule, *, dp_size, expected, total_lengths, cap=None, group=1):
@@ -101,7 +79,7 @@ def test_514_samples_at_dp4_with_vpp_all_train_with_equal_counts():
         rollout_ids += [rollout] * (2 if rollout in (100, 300) else 1)
     lengths = [20000] * len(rollout_ids)
     assert len(lengths) == 514
-    args = make_args(max_tokens_per_gpu=32768, pipeline_model_parallel_size=2)
+    args = slime_args(max_tokens_per_gpu=32768, pipeline_model_parallel_size=2)
     tp = slime_tp(dp_size=4, vpp_size=2, microbatch_group_size_per_vp_stage=2)
     schedule = build_dp_schedule(
         args, tp, lengths, global_batch_size=512, rollout_indices=rollout_ids
@@ -124,7 +102,7 @@ def test_ragged_rollouts_at_dp4_every_sample_trains(sizes):
     """slime #2065's ragged cases: the PR drops rollouts for the first and raises for the second."""
     rollout_ids = [r for r, n in enumerate(sizes) for _ in range(n)]
     lengths = [20000] * len(rollout_ids)
-    args = make_args(max_tokens_per_gpu=32768)
+    args = slime_args(max_tokens_per_gpu=32768)
     schedule = build_dp_schedule(
         args,
         slime_tp(dp_size=4),
@@ -143,7 +121,7 @@ def test_ragged_rollouts_at_dp4_every_sample_trains(sizes):
 def test_fewer_samples_than_ranks_gives_a_rank_only_placeholders():
     """slime #1860: a rank without samples runs placeholders (empty lists), never nothing."""
     schedule = build_dp_schedule(
-        make_args(max_tokens_per_gpu=100),
+        slime_args(max_tokens_per_gpu=100),
         slime_tp(dp_size=4),
         [30, 40],
         global_batch_size=2,
@@ -164,7 +142,7 @@ def test_trailing_rollouts_train_in_a_short_last_step():
     rollout_ids = [0, 0, 1, 2, 2, 3, 4, 4]
     lengths = [3] * 8
     schedule = build_dp_schedule(
-        make_args(max_tokens_per_gpu=12),
+        slime_args(max_tokens_per_gpu=12),
         slime_tp(dp_size=1),
         lengths,
         global_batch_size=2,
@@ -177,7 +155,7 @@ def test_trailing_rollouts_train_in_a_short_last_step():
 
 def test_fewer_rollouts_than_global_batch_size_train_as_one_step():
     schedule = build_dp_schedule(
-        make_args(max_tokens_per_gpu=12),
+        slime_args(max_tokens_per_gpu=12),
         slime_tp(dp_size=1),
         [3] * 6,
         global_batch_size=4,
@@ -197,7 +175,7 @@ def test_oversize_sample_runs_alone(policy):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         schedule = build_dp_schedule(
-            make_args(max_tokens_per_gpu=10, **extra),
+            slime_args(max_tokens_per_gpu=10, **extra),
             slime_tp(dp_size=2),
             lengths,
             global_batch_size=8,
@@ -216,9 +194,9 @@ def test_oversize_sample_runs_alone(policy):
 def test_oversize_samples_error_stops_before_any_model_work():
     """With --oversize-samples error (opt-in) an oversize sample is refused."""
     lengths = [15, 3, 3, 3]
-    with pytest.raises(ValueError, match=r"15") as caught:
+    with pytest.raises(DynBatchValueError, match=r"15") as caught:
         build_dp_schedule(
-            make_args(max_tokens_per_gpu=10, oversize_samples="error"),
+            slime_args(max_tokens_per_gpu=10, oversize_samples="error"),
             slime_tp(dp_size=2),
             lengths,
             global_batch_size=4,
@@ -228,9 +206,9 @@ def test_oversize_samples_error_stops_before_any_model_work():
     # Only what the patched parser accepts is suggested (it has no truncate).
     assert "--oversize-samples allow" in str(caught.value)
     assert "truncate" not in str(caught.value)
-    with pytest.raises(ValueError, match="--oversize-samples allow \\(default\\) or error"):
+    with pytest.raises(DynBatchValueError, match="--oversize-samples allow \\(default\\) or error"):
         build_dp_schedule(
-            make_args(max_tokens_per_gpu=10, oversize_samples="truncate"),
+            slime_args(max_tokens_per_gpu=10, oversize_samples="truncate"),
             slime_tp(dp_size=2),
             lengths,
             global_batch_size=4,
@@ -246,7 +224,7 @@ def test_row_alignment_never_breaks_the_token_budget():
     that is not such a multiple the padded row must still fit it (1,024 > 1,000 before)."""
     lengths = [990, 400, 500, 300, 999, 20]
     schedule = build_dp_schedule(
-        make_args(max_tokens_per_gpu=1000),
+        slime_args(max_tokens_per_gpu=1000),
         slime_tp(dp_size=2),
         lengths,
         global_batch_size=6,
@@ -254,7 +232,7 @@ def test_row_alignment_never_breaks_the_token_budget():
     )
     assert schedule.seq_lengths == [999]
     short = build_dp_schedule(
-        make_args(max_tokens_per_gpu=1000),
+        slime_args(max_tokens_per_gpu=1000),
         slime_tp(dp_size=2),
         [n // 10 for n in lengths],
         global_batch_size=6,
@@ -268,7 +246,7 @@ def test_row_alignment_never_breaks_the_token_budget():
 def test_return_value_unpacks_as_slimes_and_carries_row_shapes():
     lengths = [100, 200, 300, 50, 60, 70, 80, 90]
     schedule = build_dp_schedule(
-        make_args(max_tokens_per_gpu=300, tensor_model_parallel_size=2),
+        slime_args(max_tokens_per_gpu=300, tensor_model_parallel_size=2),
         slime_tp(dp_size=2),
         lengths,
         global_batch_size=4,
@@ -316,7 +294,7 @@ def test_return_value_unpacks_as_slimes_and_carries_row_shapes():
 
 def test_numpy_integers_are_accepted():
     schedule = build_dp_schedule(
-        make_args(max_tokens_per_gpu=np.int64(64)),
+        slime_args(max_tokens_per_gpu=np.int64(64)),
         {k: np.int32(v) for k, v in slime_tp(dp_size=2).items()},
         np.array([10, 20, 30, 40], dtype=np.int64),
         global_batch_size=np.int64(4),
@@ -329,7 +307,7 @@ def test_samples_of_a_rollout_stay_in_one_step_non_contiguous_ids():
     rollout_ids = ["a", "b", "a", "c", "b", "c", "d"]
     lengths = [5, 6, 7, 8, 9, 10, 11]
     schedule = build_dp_schedule(
-        make_args(max_tokens_per_gpu=20),
+        slime_args(max_tokens_per_gpu=20),
         slime_tp(dp_size=2),
         lengths,
         global_batch_size=2,
@@ -367,7 +345,7 @@ def _cases(draw):
 @given(_cases())
 def test_dynamic_path_keeps_every_guarantee(case):
     dp, vpp, group, cp, cap, ids, lengths, gbs = case
-    args = make_args(max_tokens_per_gpu=cap, pipeline_model_parallel_size=2 if vpp > 1 else 1)
+    args = slime_args(max_tokens_per_gpu=cap, pipeline_model_parallel_size=2 if vpp > 1 else 1)
     tp = slime_tp(dp_size=dp, cp_size=cp, vpp_size=vpp, microbatch_group_size_per_vp_stage=group)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", OversizeSampleWarning)
@@ -409,7 +387,7 @@ def test_dynamic_path_keeps_every_guarantee(case):
 
 def test_static_stride_matches_slime_expectations():
     schedule = build_dp_schedule(
-        make_args(use_dynamic_batch_size=False, micro_batch_size=2),
+        slime_args(use_dynamic_batch_size=False, micro_batch_size=2),
         slime_tp(dp_size=4),
         [10] * 16,
         global_batch_size=16,
@@ -425,7 +403,7 @@ def test_static_stride_matches_slime_expectations():
 def test_static_balance_data_matches_slime_expectations():
     """slime's test_balance_data_distributes_by_flops: the same Karmarkar-Karp assignment."""
     schedule = build_dp_schedule(
-        make_args(use_dynamic_batch_size=False, micro_batch_size=1, balance_data=True),
+        slime_args(use_dynamic_batch_size=False, micro_batch_size=1, balance_data=True),
         slime_tp(dp_size=2),
         [1, 2, 3, 4, 5, 7, 9, 10],
         global_batch_size=8,
@@ -436,7 +414,7 @@ def test_static_balance_data_matches_slime_expectations():
 
 
 def test_static_path_trims_and_asserts_as_slime_does():
-    args = make_args(use_dynamic_batch_size=False, micro_batch_size=1)
+    args = slime_args(use_dynamic_batch_size=False, micro_batch_size=1)
     schedule = build_dp_schedule(
         args, slime_tp(dp_size=1), [3] * 5, global_batch_size=2, rollout_indices=list(range(5))
     )
@@ -469,14 +447,14 @@ def test_static_path_trims_and_asserts_as_slime_does():
         (dict(rollout_indices=[0.5]), r"rollout_indices\[0\]=0.5"),
         (dict(tp={"cp_size": 1}), "no 'dp_size'"),
         (dict(tp=dict(slime_tp(), dp_size="2")), "dp_size"),
-        (dict(args=make_args(max_tokens_per_gpu=None)), "--max-tokens-per-gpu"),
-        (dict(args=make_args(max_tokens_per_gpu=1.5)), "max_tokens_per_gpu=1.5"),
-        (dict(args=make_args(use_dynamic_batch_size="yes")), "use_dynamic_batch_size='yes'"),
+        (dict(args=slime_args(max_tokens_per_gpu=None)), "--max-tokens-per-gpu"),
+        (dict(args=slime_args(max_tokens_per_gpu=1.5)), "max_tokens_per_gpu=1.5"),
+        (dict(args=slime_args(use_dynamic_batch_size="yes")), "use_dynamic_batch_size='yes'"),
     ],
 )
 def test_bad_arguments_raise_value_errors(change, match):
     kwargs = dict(
-        args=make_args(max_tokens_per_gpu=64),
+        args=slime_args(max_tokens_per_gpu=64),
         tp=slime_tp(dp_size=1),
         total_lengths=[5],
         global_batch_size=1,
@@ -488,7 +466,7 @@ def test_bad_arguments_raise_value_errors(change, match):
             kwargs["rollout_indices"] = list(range(len(change["total_lengths"])))
         except TypeError:
             pass
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(DynBatchValueError, match=match):
         build_dp_schedule(
             kwargs["args"],
             kwargs["tp"],
@@ -498,80 +476,14 @@ def test_bad_arguments_raise_value_errors(change, match):
         )
 
 
-# -- against slime's real function (SLIME_DIR) ------------------------------------------------
-
-SLIME_DIR = os.environ.get("SLIME_DIR")
-# Skipped without SLIME_DIR (tests/conftest.py); the fast default deselects them.
-needs_slime = pytest.mark.slime
-
-
-def _slime_module(name):
-    if SLIME_DIR not in sys.path:
-        sys.path.insert(0, SLIME_DIR)
-    import importlib
-
-    return importlib.import_module(name)
-
-
-@needs_slime
-@pytest.mark.parametrize("balance", [False, True])
-@pytest.mark.parametrize("seed", range(12))
-def test_static_path_equals_slimes_function(seed, balance):
-    slime_schedule = _slime_module("slime.utils.dp_schedule").build_dp_schedule
-    rng = np.random.default_rng(seed)
-    dp = int(rng.choice([1, 2, 4]))
-    vpp = int(rng.choice([1, 2]))
-    group = 2 if vpp > 1 else 1
-    mbs = int(rng.choice([1, 2, 3]))
-    per_step = dp * group * mbs * int(rng.integers(1, 4))
-    num_steps = int(rng.integers(1, 4))
-    n = per_step * num_steps + int(rng.integers(0, 3))
-    lengths = [int(x) for x in rng.integers(1, 4000, size=n)]
-    args = make_args(use_dynamic_batch_size=False, micro_batch_size=mbs, balance_data=balance)
-    tp = slime_tp(dp_size=dp, vpp_size=vpp, microbatch_group_size_per_vp_stage=group)
-    kwargs = dict(global_batch_size=per_step, rollout_indices=list(range(n)))
-    theirs = slime_schedule(args, tp, lengths, **kwargs)
-    ours = build_dp_schedule(args, tp, lengths, **kwargs)
-    assert tuple(ours) == tuple(theirs)
-
-
-@needs_slime
-def test_slimes_own_tests_pass_except_the_documented_differences():
-    source = (pathlib.Path(SLIME_DIR) / "tests" / "test_dp_schedule.py").read_text()
-    source = source.replace(
-        "from slime.utils.dp_schedule import build_dp_schedule",
-        "from megatron_dynbatch.adapters.slime import build_dp_schedule",
-    )
-    namespace = {"__name__": "slime_test_dp_schedule_on_ours"}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)  # slime's "unit" mark
-        exec(compile(source, "slime/tests/test_dp_schedule.py", "exec"), namespace)
-    deliberate = {
-        # We train trailing rollouts and short steps instead of trimming or asserting.
-        "test_trims_trailing_rollouts_that_dont_fill_a_step",
-        "test_rejects_when_fewer_rollouts_than_gbs",
-    }
-    tests = sorted(k for k in namespace if k.startswith("test_"))
-    assert len(tests) >= 9
-    failed = []
-    for name in tests:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", OversizeSampleWarning)
-                namespace[name]()
-        except (AssertionError, pytest.fail.Exception):
-            failed.append(name)
-    assert set(failed) == deliberate
-
-
 def test_a_partial_or_attribute_parallel_config_means_the_features_are_off():
     """Only dp_size is required; cp / vpp default to 1, the group to Megatron's default."""
     lengths = [50, 60, 70, 20, 30]
-    args = make_args(max_tokens_per_gpu=100)
+    args = slime_args(max_tokens_per_gpu=100)
     full = build_dp_schedule(args, slime_tp(dp_size=2), lengths, 5, list(range(5)))
     assert tuple(build_dp_schedule(args, {"dp_size": 2}, lengths, 5, list(range(5)))) == tuple(full)
     as_object = types.SimpleNamespace(dp_size=2, vpp_size=2)
     interleaved = build_dp_schedule(args, as_object, lengths, 5, list(range(5)))
     assert all(count % 2 == 0 for count in interleaved[2])  # a multiple of the default group 2
-    with pytest.raises(ValueError, match="dp_size"):
+    with pytest.raises(DynBatchValueError, match="dp_size"):
         build_dp_schedule(args, {"cp_size": 1}, lengths, 5, list(range(5)))

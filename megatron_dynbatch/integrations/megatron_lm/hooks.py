@@ -78,7 +78,8 @@ from megatron_dynbatch.mcore.agreement import (
     step_agreement,
 )
 from megatron_dynbatch.mcore.schedule import check_schedule_config
-from megatron_dynbatch.planning import ParallelLayout, Plan, PlannerConfig, plan_schedule
+from megatron_dynbatch.planning import ParallelLayout, Plan, PlannerConfig, SampleSet
+from megatron_dynbatch.planning.strategies import run_strategy
 from megatron_dynbatch.runtime import materialize_microbatches
 from megatron_dynbatch.runtime.batches import coerce_batch
 from megatron_dynbatch.runtime.iterators import chunk_data_iterators
@@ -213,9 +214,8 @@ class DynamicBatchHooks:
     def _plan(self, batch: Any, layout: ParallelLayout, forward_only: bool) -> Tuple[Plan, float]:
         config = self.planner(layout, forward_only=forward_only)
         start = time.perf_counter()
-        plan = plan_schedule(
-            batch.lengths(), batch.rollout_ids, batch.prompt_lengths(), config=config
-        )
+        samples = SampleSet.build(batch.lengths(), batch.rollout_ids, batch.prompt_lengths())
+        plan = run_strategy(samples, config)
         return plan, time.perf_counter() - start
 
     def prepare(

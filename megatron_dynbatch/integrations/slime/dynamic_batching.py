@@ -34,7 +34,8 @@ import torch
 from megatron_dynbatch.config import DynBatchConfig
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.slime.schedule import check_index
-from megatron_dynbatch.planning import ParallelLayout, Plan, plan_schedule
+from megatron_dynbatch.planning import ParallelLayout, Plan, SampleSet
+from megatron_dynbatch.planning.strategies import run_strategy
 from megatron_dynbatch.runtime import (
     AGGREGATIONS,
     BatchSchema,
@@ -187,12 +188,9 @@ class DynamicBatching:
             # Outputs are per token (log-probs of every response token): a forward-only pass
             # keeps whole samples; only training cuts them.
             config = dataclasses.replace(config, oversize_samples="allow")
-        return plan_schedule(
-            totals,
-            self._rollout_ids(rollout_data, len(totals)),
-            [t - r for t, r in zip(totals, responses, strict=True)],
-            config=config,
-        )
+        prompts = [t - r for t, r in zip(totals, responses, strict=True)]
+        ids = self._rollout_ids(rollout_data, len(totals))
+        return run_strategy(SampleSet.build(totals, ids, prompts), config)
 
     # -- materialising -------------------------------------------------------------------------
 

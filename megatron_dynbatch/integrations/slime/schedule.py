@@ -15,8 +15,9 @@ normaliser and LR-scheduler increment). :func:`build_dp_schedule` takes the same
 returns the same four items, as a :class:`DPSchedule` (a tuple, so slime's unpacking is
 unchanged) that also carries each step's uniform row length and a per-micro-batch rollout count.
 
-With ``use_dynamic_batch_size`` the steps come from :func:`megatron_dynbatch.planning.plan_schedule`
-(``rollouts_per_step=global_batch_size``). Deliberate differences from slime, one line each:
+With ``use_dynamic_batch_size`` the steps come from the config's schedule strategy
+(:func:`megatron_dynbatch.planning.strategies.run_strategy`: :func:`~megatron_dynbatch.planning.plan_schedule`'s
+planner by default; ``rollouts_per_step=global_batch_size``). Deliberate differences from slime, one line each:
 
 * Trailing rollouts that do not fill a step are trained in a last, shorter step, never trimmed.
 * Fewer rollouts than ``global_batch_size`` train as one step instead of failing an assert.
@@ -57,9 +58,11 @@ from megatron_dynbatch.integrations.slime.config import (
     planner_oversize_reported,
     routing_replay,
 )
-from megatron_dynbatch.planning import CostModel, ParallelLayout, Plan, plan_schedule, round_up
+from megatron_dynbatch.planning import CostModel, ParallelLayout, Plan, SampleSet, round_up
 from megatron_dynbatch.planning.karmarkar_karp import karmarkar_karp
 from megatron_dynbatch.planning.shape import variable_rows as planned_variable_rows
+from megatron_dynbatch.planning.spec import ATTENTION_CROSSOVER_7B
+from megatron_dynbatch.planning.strategies import run_strategy
 
 __all__ = [
     "DATA_PAD_SIZE_MULTIPLIER",
@@ -549,9 +552,8 @@ def _static_schedule(
 
 
 #: ``L**2`` work per ``L`` work of a dense transformer when slime's args carry no model dimensions:
-#: causal attention's ``2*h*L**2`` FLOPs against the linear layers' ``12*h**2*L`` cross at
-#: ``L = 6*h``, 24,576 tokens for hidden size 4,096 (a 7B model).
-DEFAULT_ATTENTION_CROSSOVER = 24576
+#: a 7B model's (:data:`~megatron_dynbatch.planning.spec.ATTENTION_CROSSOVER_7B`).
+DEFAULT_ATTENTION_CROSSOVER = ATTENTION_CROSSOVER_7B
 
 
 def _cost_model(args: Any) -> CostModel:
@@ -651,7 +653,7 @@ def _forward_only_schedule(
             rows.append([])
             continue
         with planner_oversize_reported():
-            [step] = plan_schedule(local, None, None, config=planner_config).steps
+            [step] = run_strategy(SampleSet.build(local), planner_config).steps
         per_rank.append([list(mb) for mb in step.ranks[0]])
         if variable:
             rows.append(_gpu_rows(step.row_lengths[0], cp))
@@ -699,7 +701,7 @@ def _dynamic_schedule(
     )
     check_oversize(lengths, planner_config, forward_only=False)
     with planner_oversize_reported():
-        plan = plan_schedule(lengths, keys, None, config=planner_config)
+        plan = run_strategy(SampleSet.build(lengths, keys), planner_config)
 
     heads = {members[0] for members in _group_rollouts(keys)}
     partitions: List[List[int]] = [[] for _ in range(dp)]

@@ -29,15 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import numpy
 import torch
 
 from megatron_dynbatch.errors import DynBatchValueError
-
-if TYPE_CHECKING:  # documents imports this module: an annotation only, never run
-    from megatron_dynbatch.integrations.megatron_lm.data.documents import SplitSamples
 
 __all__ = ["BLEND_WEIGHTS", "Blend", "BlendedSamples", "blends_from_args", "blending_indices"]
 
@@ -49,6 +46,22 @@ Blend = Tuple[List[str], Optional[List[float]]]
 
 # First size of the blending index; it doubles whenever a later position is asked for.
 _INITIAL_POSITIONS = 1 << 12
+
+
+class SplitSource(Protocol):
+    """What a blend reads of each dataset's split (:class:`~.documents.SplitSamples` serves it;
+    named here so this module needs nothing from ``documents``, which imports it)."""
+
+    @property
+    def mean_length(self) -> float: ...
+
+    def __len__(self) -> int: ...
+
+    def lengths_at(self, positions: Sequence[int]) -> List[int]: ...
+
+    def sample_at(self, position: int) -> Dict[str, torch.Tensor]: ...
+
+    def tokens_in_first(self, count: int) -> int: ...
 
 
 def blends_from_args(args: Any) -> Tuple[Optional[Blend], Optional[List[Optional[Blend]]]]:
@@ -113,7 +126,7 @@ class BlendedSamples:
 
     def __init__(
         self,
-        parts: Sequence[SplitSamples],
+        parts: Sequence[SplitSource],
         weights: Sequence[float],
         *,
         split_index: int,

@@ -166,5 +166,5 @@ def test_packed_rows_of_several_per_microbatch_are_refused_by_thd_with_the_fix()
     assert (
         params is None and tuple(mask.shape) == (step.micro_batch_size, 1) + (step.seq_length,) * 2
     )
-    with pytest.raises(ValueError, match="runs one packed row a micro-batch.*'segment'"):
+    with pytest.raises(DynBatchValueError, match="runs one packed row a micro-batch.*'segment'"):
         _attention(batch, thd=True)

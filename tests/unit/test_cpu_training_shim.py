@@ -10,6 +10,7 @@ import torch
 
 from megatron_dynbatch.cpu import training_shim as cpu_training_shim
 from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
+from megatron_dynbatch.errors import DynBatchValueError
 
 pytestmark = pytest.mark.unit
 
@@ -49,7 +50,7 @@ def test_without_cuda_a_stock_command_line_gets_the_cpu_values():
 )
 def test_values_that_need_cuda_are_refused_with_the_flag_to_change(argv, flag):
     args = _megatron_parser().parse_args(argv)
-    with pytest.raises(ValueError, match="no CUDA|not supported on CPU") as error:
+    with pytest.raises(DynBatchValueError, match="no CUDA|not supported on CPU") as error:
         cpu_training_shim.check_cpu_args(args)
     assert flag in str(error.value)
 

@@ -12,6 +12,7 @@ apply_cpu_shim()  # importing megatron.core needs the triton stand-in on this ma
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset  # noqa: E402
 
+from megatron_dynbatch.errors import DynBatchValueError  # noqa: E402
 from megatron_dynbatch.integrations.megatron_lm.data import preprocess  # noqa: E402
 from megatron_dynbatch.integrations.megatron_lm.data.documents import (  # noqa: E402
     DocumentBatchStream,
@@ -147,7 +148,7 @@ def test_preprocess_reports_bad_input_in_one_line(tmp_path, capsys):
 
 
 def test_indexed_documents_name_a_missing_prefix(tmp_path):
-    with pytest.raises(ValueError, match="not found; pass the prefix"):
+    with pytest.raises(DynBatchValueError, match="not found; pass the prefix"):
         indexed_documents([str(tmp_path / "nothing")])
 
 
@@ -274,10 +275,10 @@ def test_bad_conversation_lines_name_the_file_and_line(tmp_path, line, message):
     path = tmp_path / "conversations.jsonl"
     good = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
     path.write_text(json.dumps(good) + "\n" + line + "\n")
-    with pytest.raises(ValueError, match=message) as raised:
+    with pytest.raises(DynBatchValueError, match=message) as raised:
         read_conversations([str(path)], byte_conversation_tokenizer())
     assert f"{path}:2" in str(raised.value)
-    with pytest.raises(ValueError, match="no such file"):
+    with pytest.raises(DynBatchValueError, match="no such file"):
         read_conversations([str(tmp_path / "missing.jsonl")], byte_conversation_tokenizer())
 
 
@@ -288,14 +289,14 @@ def test_conversation_tokenizer_needs_byte_vocabulary_or_a_conversation_tokenize
 
     tokenize = conversation_tokenizer(NullTokenizer(257), "NullTokenizer")
     assert tokenize([{"role": "assistant", "content": "x"}])[1].any()
-    with pytest.raises(ValueError, match="--vocab-size 257"):
+    with pytest.raises(DynBatchValueError, match="--vocab-size 257"):
         conversation_tokenizer(NullTokenizer(128), "NullTokenizer")
 
     class Words:
         def tokenize_conversation(self, conversation, return_target, add_generation_prompt):
             raise NotImplementedError("This method is supported only for SFTTokenizer.")
 
-    with pytest.raises(ValueError, match="SFTTokenizer"):
+    with pytest.raises(DynBatchValueError, match="SFTTokenizer"):
         conversation_tokenizer(Words(), "HuggingFaceTokenizer")
 
     class Sft:  # Megatron's SFTTokenizer contract: targets are IGNORE_INDEX where not trained

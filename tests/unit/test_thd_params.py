@@ -11,6 +11,7 @@ from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
 
 apply_cpu_shim()
 
+from megatron_dynbatch.errors import DynBatchValueError  # noqa: E402
 from megatron_dynbatch.mcore.forward import packed_seq_params_from_batch  # noqa: E402
 from megatron_dynbatch.planning import ParallelLayout, PlannerConfig, plan_schedule  # noqa: E402
 from megatron_dynbatch.planning.spec import round_up  # noqa: E402
@@ -71,5 +72,5 @@ def test_thd_refuses_padded_rows():
     _, batches, _ = _microbatches("padded", 1, 1)
     wide = [b for b in batches if b["tokens"].shape[0] > 1]
     assert wide, "the padded plan should have B > 1"
-    with pytest.raises(ValueError, match="micro_batch_size 1"):
+    with pytest.raises(DynBatchValueError, match="micro_batch_size 1"):
         packed_seq_params_from_batch(wide[0])

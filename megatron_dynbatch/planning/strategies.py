@@ -1,0 +1,292 @@
+"""The schedule strategy seam: one registry of planners by name, one signature, one result type.
+
+A strategy takes the validated samples and the planner config and returns a :class:`.plan.Plan`,
+the one schedule type the runtime materializes, :func:`.invariants.check_plan` re-derives and
+``megatron-dynbatch plan`` prints::
+
+    Strategy = Callable[[SampleSet, PlannerConfig], Plan]
+
+The hosts plan through :func:`run_strategy`, which runs the strategy the config names
+(:attr:`.spec.PlannerConfig.strategy`, ``dynbatch`` unless told otherwise); ``megatron-dynbatch
+plan --planner NAME`` and the benchmarks look a strategy up by the same name (:func:`get_strategy`).
+
+Built in: ``dynbatch`` (this package's planner, :func:`.planner.plan_samples`) and ``fixed``
+(Megatron's stock batching: a fixed ``micro_batch_size`` of padded rows, :mod:`.fixed`). Another
+scheduler registers with :func:`register_strategy`; one that produces ``ranks[r][m]`` (sample
+indices per micro-batch per DP rank) for a step becomes a strategy through :func:`ranks_strategy`,
+which describes its ranks as a Plan (:func:`plan_from_ranks`). The upstream schedulers of
+``benchmarks/baselines.py`` register so when that module is imported; a name ``module:name``
+imports ``module`` first, e.g. ``--planner benchmarks.baselines:verl_kk`` from a checkout.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+
+from megatron_dynbatch.errors import DynBatchTypeError, DynBatchValueError
+
+from .cost import microbatch_cost
+from .fixed import plan_fixed_samples
+from .plan import Plan, PlanStats, StepPlan
+
+# The planner's own oversize policy, so an adapted scheduler refuses or cuts exactly as ours does.
+from .planner import _apply_oversize_policy, plan_samples
+from .samples import SampleSet
+from .spec import DEFAULT_STRATEGY, PlannerConfig, ceil_div, round_up
+
+__all__ = [
+    "DEFAULT_STRATEGY",
+    "Strategy",
+    "get_strategy",
+    "plan_from_ranks",
+    "ranks_strategy",
+    "register_strategy",
+    "run_strategy",
+    "strategy_names",
+]
+
+#: Samples and config in, the whole schedule out.
+Strategy = Callable[[SampleSet, PlannerConfig], Plan]
+#: ``ranks[r][m]``: sample indices of micro-batch ``m`` on DP rank ``r``; empty = placeholder.
+StepRanks = Sequence[Sequence[Sequence[int]]]
+#: One step's scheduler: its samples' lengths and rollout keys (local indices), the config ->
+#: ``ranks[r][m]`` of local indices.
+RanksScheduler = Callable[[List[int], List[Hashable], PlannerConfig], StepRanks]
+
+_STRATEGIES: Dict[str, Strategy] = {}
+
+
+def register_strategy(name: str, strategy: Strategy, *, replace: bool = False) -> Strategy:
+    """Make ``strategy`` available as ``name`` and return it. A second registration of a taken
+    name is refused unless ``replace`` (registering the same function again is harmless)."""
+    if not isinstance(name, str) or not name or ":" in name:
+        raise DynBatchValueError(f"strategy name {name!r} must be a non-empty str without ':'.")
+    if not callable(strategy):
+        raise DynBatchTypeError(f"strategy {name!r} must be callable, got {type(strategy)!r}.")
+    if name in _STRATEGIES and not replace and _STRATEGIES[name] is not strategy:
+        raise DynBatchValueError(
+            f"strategy {name!r} is already registered; pick another name or pass replace=True."
+        )
+    _STRATEGIES[name] = strategy
+    return strategy
+
+
+def strategy_names() -> Tuple[str, ...]:
+    """The registered names, sorted."""
+    return tuple(sorted(_STRATEGIES))
+
+
+def get_strategy(name: str) -> Strategy:
+    """The strategy registered as ``name``; ``module:name`` imports ``module`` first."""
+    if isinstance(name, str) and ":" in name:
+        module, _, name = name.partition(":")
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise DynBatchValueError(
+                f"strategy module {module!r} cannot be imported ({exc}); run from where it is "
+                f"importable or pick one of {list(strategy_names())}."
+            ) from None
+    strategy = _STRATEGIES.get(name)
+    if strategy is None:
+        raise DynBatchValueError(
+            f"no schedule strategy named {name!r}; registered: {list(strategy_names())} "
+            "(a module that registers more is named as 'module:name')."
+        )
+    return strategy
+
+
+def run_strategy(samples: SampleSet, config: PlannerConfig) -> Plan:
+    """Plan ``samples`` with the strategy ``config.strategy`` names (what every host calls)."""
+    if not isinstance(config, PlannerConfig):
+        raise DynBatchTypeError(f"config must be a PlannerConfig, got {type(config).__name__}.")
+    return get_strategy(config.strategy)(samples, config)
+
+
+# -- adapters --------------------------------------------------------------------------------------
+
+
+def ranks_strategy(scheduler: RanksScheduler, *, layout: Optional[str] = None) -> Strategy:
+    """A strategy from a scheduler of one step's ranks.
+
+    The strategy splits the samples into the config's steps (whole rollouts, in order), applies
+    the oversize policy as the planner does (``error`` refuses, ``truncate`` hands the scheduler
+    the cut lengths), calls ``scheduler`` on each step's lengths with local indices, and describes
+    the result with :func:`plan_from_ranks`. ``layout`` overrides the config's (a scheduler of
+    padded ``[B, S]`` rows says ``padded``).
+    """
+
+    def strategy(samples: SampleSet, config: PlannerConfig) -> Plan:
+        kept = _apply_oversize_policy(samples, config)
+        steps = []
+        for _, items in samples.steps(config.rollouts_per_step):
+            lengths = [kept.get(i, samples.lengths[i]) for i in items]
+            keys = [samples.rollout_keys[i] for i in items]
+            local = scheduler(lengths, keys, config)
+            steps.append([[[items[j] for j in mb] for mb in rank] for rank in local])
+        return plan_from_ranks(steps, samples, config, layout=layout, kept=kept)
+
+    strategy.__name__ = getattr(scheduler, "__name__", "ranks_strategy")
+    strategy.__doc__ = scheduler.__doc__
+    return strategy
+
+
+def plan_from_ranks(
+    steps: Sequence[StepRanks],
+    samples: SampleSet,
+    config: PlannerConfig,
+    *,
+    layout: Optional[str] = None,
+    kept: Optional[Dict[int, int]] = None,
+) -> Plan:
+    """Describe any scheduler's ``steps[s][r][m]`` (global sample indices) as a :class:`Plan`.
+
+    Each step gets the uniform shape its micro-batches need: ``packed``, one row (``B = 1``) as
+    long as its fullest micro-batch; ``padded``, ``B`` rows of its longest sample, ``B`` the most
+    samples in a micro-batch. Statistics are computed as the planner computes them, so a plan from
+    another scheduler reads like ours; a scheduler that exceeds the cap is described, not
+    corrected (:func:`.invariants.check_plan` reports it). ``kept``: sample -> kept length of
+    samples cut by the ``truncate`` policy.
+    """
+    layout = layout or config.layout
+    kept = dict(kept or {})
+    parallel = config.parallel
+    multiple, cap = parallel.sample_multiple, config.token_cap
+    lengths = [kept.get(i, length) for i, length in enumerate(samples.lengths)]
+    sizes = [round_up(length, multiple) for length in lengths]
+    responses = [max(0, n - p) for n, p in zip(lengths, samples.prompt_lengths, strict=True)]
+    step_plans = []
+    for s, ranks in enumerate(steps):
+        counts = {len(rank) for rank in ranks}
+        if len(counts) != 1 or len(ranks) != parallel.dp_size:
+            raise DynBatchValueError(
+                f"step {s}: the strategy gave {len(ranks)} rank(s) with micro-batch counts "
+                f"{sorted(counts)}; every one of dp_size={parallel.dp_size} ranks must run the same "
+                "count (pad the shorter ranks with empty micro-batches: placeholders)."
+            )
+        step_plans.append(
+            _step_plan(ranks, samples, config, layout, lengths, sizes, responses, kept)
+        )
+    return Plan(
+        steps=tuple(step_plans),
+        stats=PlanStats.from_steps(step_plans, num_samples=len(samples), dp_size=parallel.dp_size),
+        layout=layout,
+        sample_multiple=multiple,
+        token_cap=cap,
+        dp_size=parallel.dp_size,
+    )
+
+
+def _step_plan(
+    ranks: StepRanks,
+    samples: SampleSet,
+    config: PlannerConfig,
+    layout: str,
+    lengths: Sequence[int],
+    sizes: Sequence[int],
+    responses: Sequence[int],
+    kept: Dict[int, int],
+) -> StepPlan:
+    multiple, cap, cost = config.parallel.sample_multiple, config.token_cap, config.cost
+    mbs = [tuple(mb) for rank in ranks for mb in rank]
+    items = sorted(i for mb in mbs for i in mb)
+    row_lengths: Tuple[Tuple[int, ...], ...] = ()
+    if layout == "packed":
+        batch = 1
+        seq_length = max([sum(sizes[i] for i in mb) for mb in mbs] + [multiple])
+        if config.variable_row_lengths:
+            seq_length, row_lengths = _variable_rows(ranks, sizes, seq_length, config)
+    else:
+        batch = max([len(mb) for mb in mbs] + [1])
+        seq_length = max([sizes[i] for i in items] + [multiple])
+
+    def computed(mb: Tuple[int, ...]) -> float:
+        return microbatch_cost(
+            cost, layout, seq_length, batch, [sizes[i] for i in mb], [responses[i] for i in mb]
+        )
+
+    rank_tokens = [sum(lengths[i] for mb in rank for i in mb) for rank in ranks]
+    own = [sum(cost.cost(lengths[i], responses[i]) for mb in rank for i in mb) for rank in ranks]
+    real_tokens = sum(rank_tokens)
+    oversize = tuple(i for i in items if sizes[i] > cap)
+    regular = sum(sizes[i] for i in items) - sum(sizes[i] for i in oversize)
+    truncated = tuple(i for i in items if i in kept)
+    num_microbatches = len(ranks[0])
+    return StepPlan(
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=batch,
+        ranks=tuple(tuple(tuple(mb) for mb in rank) for rank in ranks),
+        num_rollouts=len({samples.rollout_keys[i] for i in items}),
+        num_placeholders=sum(1 for mb in mbs if not mb),
+        real_tokens=real_tokens,
+        fill=real_tokens / (len(ranks) * num_microbatches * batch * seq_length),
+        dp_imbalance=_imbalance(rank_tokens),
+        dp_imbalance_cost=_imbalance(own),
+        oversize_samples=oversize,
+        lower_bound_microbatches=len(oversize) + ceil_div(regular, cap),
+        truncated_samples=truncated,
+        truncated_tokens=sum(samples.lengths[i] - kept[i] for i in truncated),
+        kept_lengths=tuple((i, kept[i]) for i in truncated),
+        dp_imbalance_computed=_imbalance([sum(map(computed, rank)) for rank in ranks]),
+        row_lengths=row_lengths,
+        idle_ranks=sum(1 for rank in ranks if not any(rank)),
+    )
+
+
+def _variable_rows(
+    ranks: StepRanks, sizes: Sequence[int], longest: int, config: PlannerConfig
+) -> Tuple[int, Tuple[Tuple[int, ...], ...]]:
+    """``(seq_length, row_lengths)`` of a packed step whose micro-batches run their own rows: each
+    row its padded load rounded up to the row multiple while that stays within the step's longest
+    row (itself rounded while within the cap); a placeholder runs the shortest real row."""
+    multiple = config.variable_row_multiple
+    seq_length = round_up(longest, multiple)
+    if seq_length > max(longest, config.token_cap):
+        seq_length = longest
+    rows = [
+        [min(round_up(sum(sizes[i] for i in mb), multiple), seq_length) if mb else 0 for mb in rank]
+        for rank in ranks
+    ]
+    shortest = min((row for rank in rows for row in rank if row), default=seq_length)
+    return seq_length, tuple(tuple(row or shortest for row in rank) for rank in rows)
+
+
+def _imbalance(per_rank: Sequence[float]) -> float:
+    """max / mean; 1.0 when nothing is there to balance."""
+    total = sum(per_rank)
+    return max(per_rank) * len(per_rank) / total if total > 0 else 1.0
+
+
+# -- the built-in strategies -----------------------------------------------------------------------
+
+
+def _fixed(samples: SampleSet, config: PlannerConfig) -> Plan:
+    """Megatron's stock batching under the same budget: every sample padded to the longest (rounded
+    to the sample multiple), ``micro_batch_size = cap // seq_length`` rows, arrival order."""
+    if config.layout != "padded":
+        raise DynBatchValueError(
+            f"strategy 'fixed' is Megatron's padded [micro_batch_size, seq_length] batching, but "
+            f"layout={config.layout!r}; pass --layout padded (or pick strategy "
+            f"{DEFAULT_STRATEGY!r})."
+        )
+    seq_length = round_up(max(samples.lengths), config.parallel.sample_multiple)
+    if seq_length > config.token_cap:
+        raise DynBatchValueError(
+            f"strategy 'fixed' pads every sample to the longest ({seq_length} tokens after "
+            f"rounding), over the token cap {config.token_cap}; raise --max-tokens-per-gpu or "
+            f"pick strategy {DEFAULT_STRATEGY!r} (it runs an oversize sample alone)."
+        )
+    return plan_fixed_samples(
+        samples,
+        dp_size=config.parallel.dp_size,
+        micro_batch_size=config.token_cap // seq_length,
+        seq_length=seq_length,
+        rollouts_per_step=config.rollouts_per_step,
+        microbatch_multiple=config.parallel.microbatch_multiple,
+    )
+
+
+register_strategy(DEFAULT_STRATEGY, plan_samples)
+register_strategy("fixed", _fixed)

@@ -1,0 +1,179 @@
+"""The schedule strategy seam: one registry, one signature, one result type (a Plan).
+
+The hosts plan through ``run_strategy`` (the strategy ``PlannerConfig.strategy`` names), ``plan
+--planner NAME`` looks the name up in the same registry, and the upstream baselines of
+benchmarks/baselines.py register there; with the default strategy every host's output is exactly
+``plan_schedule``'s.
+"""
+
+import dataclasses
+import json
+import random
+import warnings
+
+import pytest
+
+import benchmarks.baselines as baselines
+from megatron_dynbatch.errors import DynBatchTypeError, DynBatchValueError
+from megatron_dynbatch.planning import (
+    ParallelLayout,
+    PlanInvariantError,
+    PlannerConfig,
+    SampleSet,
+    check_plan,
+    get_strategy,
+    plan_schedule,
+    register_strategy,
+    run_strategy,
+    strategy_names,
+)
+from megatron_dynbatch.planning.fixed import plan_fixed_microbatches
+from megatron_dynbatch.planning.sharded import plan_sharded_step
+from megatron_dynbatch.planning.spec import DEFAULT_STRATEGY
+from megatron_dynbatch.planning.strategies import plan_from_ranks, ranks_strategy
+from megatron_dynbatch.tools.cli import main
+
+pytestmark = pytest.mark.unit
+
+RNG = random.Random(38)
+LENGTHS = [RNG.randint(10, 900) for _ in range(40)]
+ROLLOUTS = [i // 4 for i in range(40)]
+GROUPED = ParallelLayout(dp_size=2, pp_size=2, vpp_size=2, microbatch_group_size_per_vp_stage=2)
+
+
+def _config(**kwargs):
+    values = dict(max_tokens_per_gpu=1024, parallel=ParallelLayout(dp_size=2), rollouts_per_step=3)
+    values.update(kwargs)
+    return PlannerConfig(**values)
+
+
+def _one_per_microbatch(lengths, keys, config):
+    """A deliberately simple scheduler: one sample a micro-batch, dealt round robin."""
+    dp = config.parallel.dp_size
+    ranks = [[[i] for i in range(r, len(lengths), dp)] for r in range(dp)]
+    count = max(map(len, ranks))
+    count += -count % config.parallel.microbatch_multiple
+    return [rank + [[]] * (count - len(rank)) for rank in ranks]
+
+
+register_strategy("test_one_per_microbatch", ranks_strategy(_one_per_microbatch), replace=True)
+
+
+def test_the_registry_names_the_built_in_strategies_and_refuses_unknown_names():
+    assert DEFAULT_STRATEGY == "dynbatch" and PlannerConfig(max_tokens_per_gpu=8).strategy == (
+        "dynbatch"
+    )
+    assert {"dynbatch", "fixed"} <= set(strategy_names())
+    with pytest.raises(DynBatchValueError, match=r"no schedule strategy named 'nope'.*'dynbatch'"):
+        get_strategy("nope")
+    with pytest.raises(DynBatchValueError, match="'no_such_module' cannot be imported"):
+        get_strategy("no_such_module:x")
+    with pytest.raises(DynBatchValueError, match="'fixed' is already registered"):
+        register_strategy("fixed", lambda samples, config: None)
+    with pytest.raises(DynBatchTypeError, match="must be callable"):
+        register_strategy("not_callable", 3)
+    with pytest.raises(DynBatchValueError, match="strategy=''"):
+        PlannerConfig(max_tokens_per_gpu=8, strategy="")
+    with pytest.raises(DynBatchTypeError, match="PlannerConfig"):
+        run_strategy(SampleSet.build([1]), {"max_tokens_per_gpu": 8})
+
+
+@pytest.mark.parametrize("parallel", [ParallelLayout(dp_size=2), GROUPED])
+@pytest.mark.parametrize("variable", [False, True])
+def test_the_default_strategy_is_exactly_plan_schedule(parallel, variable):
+    config = _config(parallel=parallel, variable_row_lengths=variable)
+    prompts = [length // 3 for length in LENGTHS]
+    mine = run_strategy(SampleSet.build(LENGTHS, ROLLOUTS, prompts), config)
+    assert mine == plan_schedule(LENGTHS, ROLLOUTS, prompts, config=config)
+
+
+def test_fixed_is_megatrons_fixed_batching_under_the_budget():
+    config = _config(layout="padded", strategy="fixed", max_tokens_per_gpu=2048)
+    samples = SampleSet.build(LENGTHS, ROLLOUTS)
+    plan = run_strategy(samples, config)
+    check_plan(plan, samples, config)
+    longest = max(LENGTHS)
+    expected = plan_fixed_microbatches(
+        LENGTHS,
+        ROLLOUTS,
+        dp_size=2,
+        micro_batch_size=2048 // longest,
+        seq_length=longest,
+        rollouts_per_step=3,
+    )
+    assert plan == expected and plan.steps[0].micro_batch_size == 2
+    with pytest.raises(DynBatchValueError, match="--layout padded"):
+        run_strategy(samples, dataclasses.replace(config, layout="packed"))
+    with pytest.raises(DynBatchValueError, match="over the token cap 512"):
+        run_strategy(samples, dataclasses.replace(config, max_tokens_per_gpu=512))
+
+
+@pytest.mark.parametrize("name", sorted(baselines.BASELINES))
+def test_every_baseline_is_a_strategy_whose_plan_is_its_schedule(name):
+    """Each step of the Plan holds exactly the baseline's ranks for that step's samples, and the
+    plan checker accepts it wherever the baseline keeps the cap (packed rows of a token packer)."""
+    parallel = GROUPED if name != "next_fit" else ParallelLayout(dp_size=2)
+    config = _config(parallel=parallel, strategy=name)
+    samples = SampleSet.build(LENGTHS, ROLLOUTS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = run_strategy(samples, config)
+    assert get_strategy(name) is get_strategy(f"benchmarks.baselines:{name}")
+    for (_, items), step in zip(samples.steps(3), plan.steps, strict=True):
+        raw = baselines.BASELINES[name](
+            [LENGTHS[i] for i in items],
+            dp_size=2,
+            token_cap=1024,
+            microbatch_multiple=parallel.microbatch_multiple,
+            rollout_ids=[ROLLOUTS[i] for i in items],
+        )
+        local = [[[items[j] for j in mb if j < len(items)] for mb in rank] for rank in raw]
+        assert [[list(mb) for mb in rank] for rank in step.ranks] == local
+    over_cap = any(
+        sum(LENGTHS[i] for i in mb) > 1024 for s in plan.steps for rank in s.ranks for mb in rank
+    )
+    if not over_cap:
+        check_plan(plan, samples, config)
+    assert plan.layout == ("padded" if name == "fixed_mbs" else "packed")
+
+
+def test_plan_from_ranks_describes_an_over_cap_schedule_and_refuses_unequal_counts():
+    samples = SampleSet.build([600, 600, 100])
+    config = _config(rollouts_per_step=None)
+    plan = plan_from_ranks([[[[0, 1]], [[2]]]], samples, config)
+    step = plan.steps[0]
+    assert (step.seq_length, step.micro_batch_size, step.num_microbatches) == (1200, 1, 1)
+    assert step.lower_bound_microbatches == 2 and step.real_tokens == 1300
+    assert plan.stats.fill == pytest.approx(1300 / (2 * 1200))
+    with pytest.raises(
+        PlanInvariantError, match="packed footprint 1x1200=1200 exceeds the cap 1024"
+    ):
+        check_plan(plan, samples, config)
+    with pytest.raises(DynBatchValueError, match=r"micro-batch counts \[1, 2\]"):
+        plan_from_ranks([[[[0]], [[1], [2]]]], samples, config)
+
+
+def test_a_registered_strategy_reaches_the_hosts_through_the_config():
+    """The sharded hosts (verl, SkyRL) plan each rank's samples with the config's strategy."""
+    lengths = [[100, 200, 300], [50]]
+    config = PlannerConfig(max_tokens_per_gpu=1024, strategy="test_one_per_microbatch")
+    sharded = plan_sharded_step(lengths, config)
+    assert sharded.ranks == (((0,), (1,), (2,)), ((0,),))
+    assert plan_sharded_step(lengths, dataclasses.replace(config, strategy="dynbatch")).ranks == (
+        ((0, 1, 2),),
+        ((0,),),
+    )
+
+
+def test_plan_planner_picks_a_strategy_by_name(tmp_path, capsys):
+    path = tmp_path / "samples.json"
+    path.write_text(json.dumps(LENGTHS))
+    common = ["plan", str(path), "--max-tokens-per-gpu", "1024", "--dp-size", "2", "--json"]
+    assert main([*common, "--planner", "benchmarks.baselines:slime_first_fit"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    config = _config(rollouts_per_step=None, strategy="slime_first_fit")
+    assert printed == run_strategy(SampleSet.build(LENGTHS), config).to_dict()
+    assert main([*common, "--planner", "fixed"]) == 2
+    assert "--layout padded" in capsys.readouterr().err
+    assert main([*common, "--planner", "nope"]) == 2
+    assert "no schedule strategy named 'nope'" in capsys.readouterr().err
