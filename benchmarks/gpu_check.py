@@ -48,6 +48,8 @@ import time
 from typing import Dict, List, Optional
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # this checkout's megatron_dynbatch, as the launches use
 
 #: The GPU model: a 12-layer GPT, hidden 1024 (about 150M parameters with byte-level tokens).
 GPU_MODEL = {
@@ -80,6 +82,7 @@ GPU_FLAGS = [
 
 _PEAK = re.compile(r"peak memory predicted/measured \(MiB\): ([\d.]+|-)/([\d.]+)")
 _MEGATRON_PEAK = re.compile(r"max allocated: ([\d.]+)")
+_RUN_PEAK = re.compile(r"peak memory measured over training \(MiB\): ([\d.]+)")
 _CALIBRATION = re.compile(r"(dynamic-batch calibration over .*)")
 _MICROBATCHES = re.compile(r"micro-batches/rank: (\d+) (\[[^\]]*\])")
 
@@ -236,6 +239,7 @@ def launch(name: str, batching: str, args: List[str], data: str, out: pathlib.Pa
             predicted = None if found.group(1) == "-" else float(found.group(1))
             peaks[int(match.group(1))] = (predicted, float(found.group(2)))
     megatron_peak = [float(m) for m in _MEGATRON_PEAK.findall(text)]
+    run_peak = [float(m) for m in _RUN_PEAK.findall(text)]
     calibration = _CALIBRATION.findall(text)
     shapes = _MICROBATCHES.findall(text)
     print(
@@ -245,6 +249,7 @@ def launch(name: str, batching: str, args: List[str], data: str, out: pathlib.Pa
         "parsed": parsed,
         "peaks": peaks,
         "megatron_peak": max(megatron_peak) if megatron_peak else None,
+        "run_peak": max(run_peak) if run_peak else None,
         "calibration": calibration[-1] if calibration else None,
         "shapes": shapes,
         "seconds": seconds,
@@ -253,7 +258,10 @@ def launch(name: str, batching: str, args: List[str], data: str, out: pathlib.Pa
 
 
 def measured_peak(run: Dict) -> Optional[float]:
-    """The run's largest measured peak in MiB (iteration lines, else Megatron's own report)."""
+    """The run's largest measured peak in MiB: the run's closing line, else its iteration lines,
+    else Megatron's own report after the first iteration (GPU only)."""
+    if run["run_peak"] is not None:
+        return run["run_peak"]
     values = [measured for _, measured in run["peaks"].values()]
     if values:
         return max(values)
@@ -319,7 +327,9 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     prepare_environment(options.wheels, out)
     machine = describe_machine()
-    gpu = "CUDA" in machine["device"] or "CPU" not in machine["device"]
+    import torch
+
+    gpu = torch.cuda.is_available()
     model = TINY_MODEL if options.tiny else GPU_MODEL
     seq = int(model["--seq-length"])
     iters = options.train_iters or (4 if options.tiny else 30)
@@ -387,7 +397,6 @@ def render(machine, options, model, runs, fixed_peak, memory_budget, token_budge
     fixed, dynamic = runs["fixed"], runs["dynamic"]
     real = {i: r["real"] for i, r in dynamic["parsed"]["iterations"].items() if "real" in r}
     tf, td = timing(fixed, first, real), timing(dynamic, first, real)
-    dyn_peaks = [m for _, m in dynamic["peaks"].values()]
     errors = [
         abs(p - m) / m
         for i, (p, m) in sorted(dynamic["peaks"].items())
@@ -422,7 +431,7 @@ def render(machine, options, model, runs, fixed_peak, memory_budget, token_budge
         f"| time per iteration (ms) | {tf['ms']:.1f} | {td['ms']:.1f} |",
         f"| real tokens/s | {tf['tokens_per_s']:.0f} | {td['tokens_per_s']:.0f} |",
         f"| peak memory measured (MiB) | {fixed_peak or float('nan'):.0f} | "
-        f"{max(dyn_peaks) if dyn_peaks else float('nan'):.0f} |",
+        f"{measured_peak(dynamic) or float('nan'):.0f} |",
         f"| dynamic / fixed time | | {td['ms'] / tf['ms']:.3f}x |",
         "",
         (
