@@ -210,6 +210,7 @@ def _plan_step(
         parallel=parallel,
         min_gain=config.min_gain,
         row_multiple=config.variable_row_multiple if config.variable_row_lengths else None,
+        memory=config.memory,
     )
     shape, fewest = choose_shape(problem)
     bins = shape.bins
