@@ -85,7 +85,7 @@ from megatron_dynbatch.mcore.agreement import (
 )
 from megatron_dynbatch.mcore.schedule import check_schedule_config
 from megatron_dynbatch.planning import ParallelLayout, Plan, PlannerConfig, plan_schedule
-from megatron_dynbatch.planning.memory import predicted_step_peaks, step_shapes
+from megatron_dynbatch.planning.memory import MemoryLimit, predicted_step_peaks, step_shapes
 from megatron_dynbatch.runtime import materialize_microbatches
 from megatron_dynbatch.runtime.batches import coerce_batch
 from megatron_dynbatch.runtime.iterators import chunk_data_iterators
@@ -96,6 +96,7 @@ __all__ = [
     "DynamicStep",
     "StepKind",
     "configure",
+    "current_hooks",
     "dynamic_log_string",
     "hooks_for",
     "last_train_step",
@@ -247,6 +248,9 @@ class DynamicBatchHooks:
         dp_group, pp_group = _groups(model_chunks, pg_collection)
         if kind == "train":
             self.calibration.resume(self.args)  # before planning: a resumed run plans with its fit
+            if self.memory is not None:
+                # Every rank: the last step's measured peaks, gathered and fitted, before planning.
+                self.memory.before_plan(dist.get_rank(pp_group), check_group or dist.group.WORLD)
         elif self.memory is not None:
             self.memory.pause()  # an evaluation's peak is not the training step's
         with step_agreement(check_group or dist.group.WORLD, what=self._what(kind)) as agreement:
@@ -291,11 +295,10 @@ class DynamicBatchHooks:
                     planned.row_lengths,
                     layout.dp_size,
                 )
+                iteration = getattr(self.args, "curr_iteration", None)
                 self.memory.begin(
-                    getattr(self.args, "curr_iteration", None),
+                    iteration + 1 if isinstance(iteration, int) else None,
                     predicted_step_peaks(self.memory.current, shapes),
-                    dist.get_rank(pp_group),
-                    check_group or dist.group.WORLD,
                 )
         return step
 
@@ -435,6 +438,11 @@ def hooks_for(args: Any) -> DynamicBatchHooks:
     return _hooks
 
 
+def current_hooks() -> Optional[DynamicBatchHooks]:
+    """The configured run's state, or ``None``."""
+    return _hooks
+
+
 def reset_dynamic_batch_state() -> None:
     """Forget the run's state: the partly consumed batch, the last step, the log counters and the
     calibration (all held by the hooks object)."""
@@ -564,11 +572,16 @@ def _step_memory(args: Any, config: DynBatchConfig) -> Optional[StepMemory]:
             raise
         return None
     budget = None if config.max_memory_gib is None else budget_bytes(config.max_memory_gib)
-    memory = StepMemory(model=model, budget=budget, row_multiple=parallel.sample_multiple)
-    limit = memory.limit()
-    if limit is not None:
+    if budget is not None:
+        # The best estimate (no safety factor): refuse only a budget that cannot work.
+        limit = MemoryLimit(model=model, budget_bytes=budget, row_multiple=parallel.sample_multiple)
         check_memory_budget(limit, getattr(args, "seq_length", None), FLAGS["max_memory_gib"])
-    return memory
+    return StepMemory(
+        model=model,
+        budget=budget,
+        row_multiple=parallel.sample_multiple,
+        min_row=int(getattr(args, "seq_length", None) or 1),
+    )
 
 
 def _exchange_shapes(model_chunks: List[torch.nn.Module], on: bool) -> None:

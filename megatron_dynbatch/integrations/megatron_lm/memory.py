@@ -20,6 +20,7 @@ the start-up check, and every step's peak, measured and compared with the predic
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -42,6 +43,7 @@ from megatron_dynbatch.planning.spec import ParallelLayout, round_up
 __all__ = [
     "AUTO_MARGIN",
     "StepMemory",
+    "TrainingPeak",
     "budget_bytes",
     "check_memory_budget",
     "memory_model_from_args",
@@ -55,6 +57,11 @@ AUTO_MARGIN = 0.10
 #: Steps at the start of a run whose peaks are not fitted: the first step allocates the
 #: optimizer's state (not yet in the memory at rest), and allocator caches settle.
 MEMORY_WARMUP_STEPS = 1
+#: Until measured steps calibrate it, the model's activation bytes count this many times over:
+#: the counted tensors miss the transients of a backward (gradients of the activations, the
+#: allocator's slack), which the first measured steps showed at 1.2-1.6x on CPU; the planner
+#: must not break a budget on the steps that teach it.
+UNCALIBRATED_SAFETY = 2.0
 #: Steps of measured peaks a fit uses (the most recent).
 FIT_WINDOW = 16
 
@@ -225,55 +232,111 @@ class _Reading:
     """One step as predicted on this rank's stage, and as measured."""
 
     iteration: Optional[int]
+    """Megatron's number of the iteration (as its iteration line prints it)."""
     predicted: List[PeakTerms]
     """Per stage."""
     rest: float
+    """What this rank held when the step started (its peak was reset to it)."""
     peak: Optional[float] = None
-    gathered: Optional[List[Tuple[float, float]]] = None
-    """Per pipeline stage, ``(rest, peak)``: the largest over the stage's ranks."""
+    gathered: Optional[List[Tuple[float, float, float]]] = None
+    """Per pipeline stage, ``(rest, peak, after)`` (``after``: held when the step was read):
+    the largest over the stage's ranks."""
 
 
 @dataclass
 class StepMemory:
-    """Every training step's peak memory: measured, gathered, compared and fitted (one a run)."""
+    """Every training step's peak memory: measured, gathered, compared and fitted (one a run).
+
+    The planner's model (:attr:`current`) takes what every stage held after the last step as its
+    memory at rest (on CPU the resident set keeps growing over the first steps, as the heap keeps
+    what it freed), and the per-token / per-``S**2`` factors fitted to the steps measured so far
+    (:func:`~megatron_dynbatch.planning.memory.fit_activation_scales`), or before a fit the counted
+    bytes times :data:`UNCALIBRATED_SAFETY`. The first step is a probe: planned in micro-batches
+    of one ``--seq-length`` row at most, as it also pays one-time costs (the optimizer's state,
+    the first allocations of every kernel) no model predicts.
+    """
 
     model: MemoryModel
-    """The model as built from the arguments (the fit is applied to it)."""
+    """The model as built from the arguments (counted bytes, no fit)."""
     budget: Optional[int]
     """``--max-memory-gib`` in bytes, or ``None`` (measured and predicted, not bounded)."""
     row_multiple: int = 1
-    fitted: Optional[MemoryModel] = None
-    """The calibrated model, once a step has been measured."""
+    min_row: int = 1
+    """``--seq-length``: the probe step's row, and the row any budget must leave room for."""
+    scales: Optional[Tuple[Tuple[float, float], ...]] = None
+    """Per stage, the fitted ``(token_scale, score_scale)``; ``None`` before a fit."""
+    resting: Optional[Tuple[float, ...]] = None
+    """Per stage, what its ranks held (at most) after the last step; ``None`` before any."""
     error: Optional[float] = None
-    """Largest relative error of the fitted model's total peak over the steps it was fitted to."""
+    """Largest relative error of the fitted model's peak over the steps it was fitted to."""
     observations: List[Tuple[int, float, float, float, float]] = field(default_factory=list)
     """``(stage, tokens, scores, rest, peak)`` of every fitted step and stage."""
     steps_seen: int = 0
     stage: int = 0
-    """This rank's pipeline stage (set by :meth:`begin`)."""
+    """This rank's pipeline stage."""
     open: Optional[_Reading] = None
     last: Optional[_Reading] = None
     corrections: int = 0
     """Steps whose measured peak exceeded the budget although predicted within it."""
+    stage_peaks: List[float] = field(default_factory=list)
+    """Per pipeline stage, the largest peak measured over the run's training steps."""
+
+    @property
+    def pp_size(self) -> int:
+        return self.model.dims.parallel.pp_size
 
     @property
     def current(self) -> MemoryModel:
-        return self.fitted or self.model
+        """The model the planner and the prediction use (see the class docstring)."""
+        model = self.model
+        if self.resting is not None:
+            model = replace(model, resting_bytes=self.resting)
+        if self.scales is not None:
+            return replace(model, stage_scales=self.scales)
+        return replace(
+            model,
+            token_scale=model.token_scale * UNCALIBRATED_SAFETY,
+            score_scale=model.score_scale * UNCALIBRATED_SAFETY,
+        )
 
     def limit(self) -> Optional[MemoryLimit]:
         """The budget the planner keeps to, with the model as calibrated so far."""
         if self.budget is None:
             return None
-        return MemoryLimit(
-            model=self.current, budget_bytes=self.budget, row_multiple=self.row_multiple
-        )
+        model = self.current
+        if self.scales is None and not self._fits_row(model, self.budget):
+            # The safety factor would leave no room for one --seq-length row (which the
+            # start-up check allowed without it): the counted bytes as they are.
+            model = replace(model, token_scale=1.0, score_scale=1.0)
+        budget = self.budget
+        if self.steps_seen == 0:
+            # The probe step: rows of at most --seq-length, one a micro-batch.
+            row = (1, round_up(self.min_row, self.row_multiple))
+            probe = max(model.uniform_peak(s, row) for s in model.dims.stages())
+            budget = min(budget, int(math.ceil(probe)))
+        return MemoryLimit(model=model, budget_bytes=budget, row_multiple=self.row_multiple)
 
-    def begin(
-        self, iteration: Optional[int], predicted: Sequence[PeakTerms], stage: int, group: Any
-    ) -> None:
-        """A training step is about to run (after its plan): close the last one, reset the peak."""
-        self.close(group)
+    def _fits_row(self, model: MemoryModel, budget: int) -> bool:
+        row = (1, round_up(self.min_row, self.row_multiple))
+        return all(model.uniform_peak(s, row) <= budget for s in model.dims.stages())
+
+    def before_plan(self, stage: int, group: Any) -> None:
+        """A training step is about to be planned (every rank calls this at the same point):
+        close the last step (gather, refit); before the first, measure what every stage holds
+        now, so even the first plan starts from measured memory, not an estimate."""
         self.stage = stage
+        self.close(group)
+        if self.resting is None:
+            gathered = _gather([process_memory_now()], stage, self.pp_size, group)
+            shards = self.model.dims.parallel.dp_size if self.model.distributed_optimizer else 1
+            # Adam's moments are created by the first optimizer step: not held yet.
+            self.resting = tuple(
+                now + self.model.dims.stage_params(s) * 8 / shards
+                for s, (now,) in enumerate(gathered)
+            )
+
+    def begin(self, iteration: Optional[int], predicted: Sequence[PeakTerms]) -> None:
+        """A training step is about to run (after its plan): reset the peak."""
         self.open = _Reading(iteration=iteration, predicted=list(predicted), rest=_reset_peak())
 
     def pause(self) -> None:
@@ -288,11 +351,14 @@ class StepMemory:
             return self.last
         if reading.peak is None:
             reading.peak = _read_peak()
-        if reading.gathered is None:
-            reading.gathered = _gather(
-                reading.rest, reading.peak, self.stage, self.model.dims.parallel.pp_size, group
-            )
-            self._learn(reading)
+        values = [reading.rest, reading.peak, process_memory_now()]
+        reading.gathered = _gather(values, self.stage, self.pp_size, group)
+        peaks = [peak for _, peak, _ in reading.gathered]
+        self.stage_peaks = [
+            max(a, b) for a, b in zip(self.stage_peaks or peaks, peaks, strict=True)
+        ]
+        self.resting = tuple(after for _, _, after in reading.gathered)
+        self._learn(reading)
         self.open, self.last = None, reading
         return reading
 
@@ -300,55 +366,59 @@ class StepMemory:
         self.steps_seen += 1
         over = []
         if self.budget is not None:
-            for stage, (_rest, peak) in enumerate(reading.gathered):
+            for stage, (_rest, peak, _after) in enumerate(reading.gathered):
                 if peak > self.budget and reading.predicted[stage].total <= self.budget:
                     over.append((stage, peak, reading.predicted[stage].total))
-        if self.steps_seen <= MEMORY_WARMUP_STEPS:
-            return
-        for stage, (rest, peak) in enumerate(reading.gathered):
-            terms = reading.predicted[stage]
-            self.observations.append((stage, terms.tokens, terms.scores, rest, peak))
-        self._fit()
+        if self.steps_seen > MEMORY_WARMUP_STEPS:
+            for stage, (rest, peak, _after) in enumerate(reading.gathered):
+                terms = reading.predicted[stage]
+                self.observations.append((stage, terms.tokens, terms.scores, rest, peak))
+            self._fit()
         if over:
             self.corrections += 1
+            rank = dist.get_rank() if dist.is_initialized() else 0
             for stage, peak, predicted in over:
                 print(
-                    f"[rank {dist.get_rank() if dist.is_initialized() else 0}] dynamic batching: "
-                    f"iteration {reading.iteration}: pipeline stage {stage} measured "
-                    f"{peak / MIB:.0f} MiB at its peak, over --max-memory-gib "
-                    f"{self.budget / GIB:.3f} ({self.budget / MIB:.0f} MiB), although predicted "
-                    f"{predicted / MIB:.0f} MiB; the memory model is refitted to cover it.",
+                    f"[rank {rank}] dynamic batching: iteration {reading.iteration}: pipeline "
+                    f"stage {stage} measured {peak / MIB:.0f} MiB at its peak, over "
+                    f"--max-memory-gib {self.budget / GIB:.3f} ({self.budget / MIB:.0f} MiB), "
+                    f"although predicted {predicted / MIB:.0f} MiB; the memory model is "
+                    "refitted to cover it.",
                     flush=True,
                 )
             self._cover(reading)
 
     def _fit(self) -> None:
-        pp = self.model.dims.parallel.pp_size
-        recent = self.observations[-FIT_WINDOW * pp :]
-        scales, rests, errors = [], [], []
-        for stage in range(pp):
+        recent = self.observations[-FIT_WINDOW * self.pp_size :]
+        scales, errors = [], []
+        for stage in range(self.pp_size):
             own = [o for o in recent if o[0] == stage]
             a, b, _ = fit_activation_scales([(t, s, peak - rest) for _, t, s, rest, peak in own])
             scales.append((a, b))
-            rests.append(own[-1][3])
-            for _, t, s, rest, peak in own:
-                errors.append(abs(rest + a * t + b * s - peak) / peak)
-        self.fitted = replace(self.model, resting_bytes=tuple(rests), stage_scales=tuple(scales))
+            errors += [abs(rest + a * t + b * s - peak) / peak for _, t, s, rest, peak in own]
+        self.scales = tuple(scales)
         self.error = max(errors) if errors else None
 
     def _cover(self, reading: _Reading) -> None:
-        """Scale a stage's activations up so the fitted model predicts at least what it measured."""
-        model = self.current
-        scales = list(model.stage_scales)
-        for stage, (rest, peak) in enumerate(reading.gathered):
+        """Scale a stage's activations up so the model predicts at least what it measured."""
+        current = self.current
+        scales = []
+        for stage, (rest, peak, _after) in enumerate(reading.gathered):
             terms = reading.predicted[stage]
-            a, b = scales[stage]
-            predicted = rest + a * terms.tokens + b * terms.scores
+            a, b = (
+                current.stage_scales[stage]
+                if current.stage_scales
+                else (
+                    current.token_scale,
+                    current.score_scale,
+                )
+            )
             activations = a * terms.tokens + b * terms.scores
-            if predicted < peak and activations > 0:
+            if rest + activations < peak and activations > 0:
                 factor = (peak - rest) / activations
-                scales[stage] = (a * factor, b * factor)
-        self.fitted = replace(model, stage_scales=tuple(scales))
+                a, b = a * factor, b * factor
+            scales.append((a, b))
+        self.scales = tuple(scales)
 
     def log_string(self, group: Any) -> str:
         """`` peak memory predicted/measured (MiB): P/M |`` of the step just run (a collective:
@@ -357,7 +427,7 @@ class StepMemory:
         if reading is None or reading.gathered is None:
             return ""
         predicted = max(t.total for t in reading.predicted)
-        measured = max(peak for _, peak in reading.gathered)
+        measured = max(peak for _, peak, _ in reading.gathered)
         line = (
             f" peak memory predicted/measured (MiB): {predicted / MIB:.0f}/{measured / MIB:.0f} |"
         )
@@ -371,9 +441,9 @@ class StepMemory:
             return {}
         values = {
             "dynbatch/peak memory predicted (MiB)": max(t.total for t in reading.predicted) / MIB,
-            "dynbatch/peak memory measured (MiB)": max(p for _, p in reading.gathered) / MIB,
+            "dynbatch/peak memory measured (MiB)": max(p for _, p, _ in reading.gathered) / MIB,
         }
-        for stage, (_rest, peak) in enumerate(reading.gathered):
+        for stage, (_rest, peak, _after) in enumerate(reading.gathered):
             values[f"dynbatch/peak memory measured stage {stage} (MiB)"] = peak / MIB
             values[f"dynbatch/peak memory predicted stage {stage} (MiB)"] = (
                 reading.predicted[stage].total / MIB
@@ -381,25 +451,65 @@ class StepMemory:
         return values
 
 
-def _gather(
-    rest: float, peak: float, stage: int, pp_size: int, group: Any
-) -> List[Tuple[float, float]]:
-    """Per pipeline stage, the largest ``(rest, peak)`` over the ranks of that stage."""
+def _gather(values: Sequence[float], stage: int, pp_size: int, group: Any) -> List[Tuple]:
+    """Per pipeline stage, the largest of each of ``values`` over the ranks of that stage."""
     if not (dist.is_available() and dist.is_initialized()):
-        return [(rest, peak)] * pp_size
+        return [tuple(values)] * pp_size
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
+    width = len(values) + 1
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if dist.get_backend(group) == "nccl"
         else torch.device("cpu")
     )
-    values = torch.zeros(3 * world, dtype=torch.float64, device=device)
-    values[3 * rank : 3 * rank + 3] = torch.tensor([stage, rest, peak], dtype=torch.float64)
-    dist.all_reduce(values, group=group)
-    per_stage = [(0.0, 0.0)] * pp_size
-    for r in range(world):
-        s, r_rest, r_peak = values[3 * r : 3 * r + 3].tolist()
-        old = per_stage[int(s)]
-        per_stage[int(s)] = (max(old[0], r_rest), max(old[1], r_peak))
+    table = torch.zeros(width * world, dtype=torch.float64, device=device)
+    table[width * rank : width * (rank + 1)] = torch.tensor([stage, *values], dtype=torch.float64)
+    dist.all_reduce(table, group=group)
+    per_stage = [tuple(0.0 for _ in values)] * pp_size
+    rows = table.view(world, width).tolist()
+    for row in rows:
+        s = int(row[0])
+        per_stage[s] = tuple(max(a, b) for a, b in zip(per_stage[s], row[1:], strict=True))
     return per_stage
+
+
+class TrainingPeak:
+    """The run's peak memory over its training steps, for fixed micro-batches too.
+
+    Fixed micro-batches have no planned step to hook: the peak is reset at the first call of the
+    forward step (model, optimizer and data loader built) and read when training returns, so it
+    covers every training step as :class:`StepMemory`'s per-step peaks do for planned ones.
+    Printed by rank 0 as ``peak memory measured over training (MiB): X | per stage: a, b``.
+    """
+
+    def __init__(self) -> None:
+        self.started = False
+
+    def wrap(self, forward_step: Any) -> Any:
+        """``forward_step`` that starts the measurement at its first call."""
+
+        def measured_forward_step(*args: Any, **kwargs: Any) -> Any:
+            if not self.started:
+                self.started = True
+                _reset_peak()
+            return forward_step(*args, **kwargs)
+
+        return measured_forward_step
+
+    def report(self, memory: Optional[StepMemory], stage: int, pp_size: int) -> List[float]:
+        """Per stage, the largest peak over its ranks (a collective over the world)."""
+        if memory is not None:
+            memory.close(dist.group.WORLD)
+            peaks = list(memory.stage_peaks)
+        elif self.started:
+            peaks = [peak for (peak,) in _gather([_read_peak()], stage, pp_size, dist.group.WORLD)]
+        else:
+            return []
+        if peaks and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(
+                f"peak memory measured over training (MiB): {max(peaks) / MIB:.1f} | per stage: "
+                + ", ".join(f"{p / MIB:.1f}" for p in peaks),
+                flush=True,
+            )
+        return peaks
