@@ -101,13 +101,27 @@ class StepProblem:
     memory: Optional[Any] = None
     """A :class:`.memory.MemoryLimit`: micro-batches of B rows are at most ``row_cap(B)`` long
     (``cap`` is already within ``row_cap(1)``); ``None``: the token cap alone."""
+    multi_row_cap: Optional[int] = None
+    """With ``memory``: the token budget's cap on ``B * S`` for ``B > 1`` (``cap`` is the one-row
+    cap, memory included); ``None``: ``cap``."""
+
+
+def _footprint_cap(problem: StepProblem) -> int:
+    """The most tokens ``B > 1`` rows may hold together: with a memory budget, the token budget
+    alone (the memory budget bounds each B by :func:`_rows_cap`), else the cap."""
+    if problem.memory is not None and problem.multi_row_cap is not None:
+        return problem.multi_row_cap
+    return problem.cap
 
 
 def _rows_cap(problem: StepProblem, rows: int) -> int:
     """The longest row of a micro-batch of ``rows`` rows: its share of the token cap, and what
-    the memory budget allows for that many rows."""
-    cap = problem.cap // rows
-    if problem.memory is not None and rows > 1:
+    the memory budget allows for that many rows (fixed micro-batches' [4 x 256] may fit a budget
+    that one row of 1,024 does not, where attention keeps S x S scores)."""
+    if rows == 1:
+        return problem.cap
+    cap = _footprint_cap(problem) // rows
+    if problem.memory is not None:
         cap = min(cap, problem.memory.row_cap(rows))
     return cap
 
@@ -292,7 +306,7 @@ def _row_counts(problem: StepProblem) -> List[int]:
     ):
         return []
     longest = max(map(problem.sizes.__getitem__, problem.items))
-    most = problem.cap // longest if longest else 0
+    most = _footprint_cap(problem) // longest if longest else 0
     if problem.memory is not None and most > 1:
         most = problem.memory.most_rows(longest, most)
     counts = list(range(2, min(most, _MAX_ROW_COUNTS) + 1))
@@ -755,7 +769,7 @@ class _PaddedSearch(_Search):
         sizes = problem.sizes
         self.n = len(problem.items)
         self.seq_length = max(sizes[i] for i in problem.items)
-        self.rows_max = max(1, problem.cap // self.seq_length)
+        self.rows_max = max(1, _footprint_cap(problem) // self.seq_length)
         if problem.memory is not None and self.rows_max > 1:
             # As many rows as the memory budget holds at this S (at least one: a longer sample
             # is an oversize sample, alone).

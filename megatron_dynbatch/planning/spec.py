@@ -477,3 +477,10 @@ class PlannerConfig:
         if self.memory is not None:
             cap = min(cap, self.memory.row_cap(1))
         return cap
+
+    @property
+    def multi_row_cap(self) -> int:
+        """Cap on the footprint ``B * S`` of a micro-batch of ``B > 1`` rows: the token budget
+        times cp. A memory budget bounds such shapes by its own ``row_cap(B)``, which may allow
+        more tokens than one row holds (B short rows keep less of ``S x S`` scores)."""
+        return self.max_tokens_per_gpu * self.parallel.cp_size

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Literal, Optional, Tuple
@@ -576,10 +577,14 @@ def _step_memory(args: Any, config: DynBatchConfig) -> Optional[StepMemory]:
         # The best estimate (no safety factor): refuse only a budget that cannot work.
         limit = MemoryLimit(model=model, budget_bytes=budget, row_multiple=parallel.sample_multiple)
         check_memory_budget(limit, getattr(args, "seq_length", None), FLAGS["max_memory_gib"])
+    # With --variable-seq-lengths rows are multiples of VARIABLE_ROW_MULTIPLE: so are the caps.
+    row_multiple = parallel.sample_multiple
+    if getattr(args, VARIABLE_SEQ_LENGTHS_DEST, False):
+        row_multiple = math.lcm(row_multiple, VARIABLE_ROW_MULTIPLE)
     return StepMemory(
         model=model,
         budget=budget,
-        row_multiple=parallel.sample_multiple,
+        row_multiple=row_multiple,
         min_row=int(getattr(args, "seq_length", None) or 1),
     )
 
