@@ -16,8 +16,8 @@ for their backward pass:
   (``(2 * heads + 2 * groups) * kv_channels / tp``), fc1's output and the activation's output
   (``(fc1 width + ffn) / tp``), times the dtype's bytes, times ``B * S / cp``. Attention that
   materialises its ``S x S`` scores (the cost model's ``dense``: Megatron's ``local`` and unfused
-  paths) adds the softmax it keeps and the scores it computes it from,
-  ``2 * dtype bytes * heads / tp`` a row per ``S**2 / cp``; fused / flash attention (``segment``,
+  paths) adds the softmax it keeps, ``dtype bytes * heads / tp`` a row per ``S**2 / cp``
+  (attention dropout, off here, would keep its output and mask too); fused / flash attention (``segment``,
   ``causal``) keeps no scores. ``selective`` recompute keeps no scores either; ``full`` keeps only
   every layer's input, and one layer's activations while it recomputes it.
 * the last stage's logits and loss buffers: ``vocab / tp`` logits a token in the dtype, their fp32
@@ -229,8 +229,10 @@ class MemoryModel:
         if self.attention != "dense" or self.recompute is not None:
             return 0.0
         dims = self.dims
-        # The softmax kept for backward and the scores it is computed from.
-        return 2.0 * dims.dtype_bytes * dims.num_attention_heads / dims.parallel.tp_size
+        # The softmax kept for its backward (the scores it is computed from are freed with the
+        # layer's forward: a transient the calibration absorbs). Measured on the tiny GPT:
+        # 4.06 bytes per head, row and S**2 in fp32 (tests/megatron/test_memory_megatron.py).
+        return dims.dtype_bytes * dims.num_attention_heads / dims.parallel.tp_size
 
     def logit_token_bytes(self) -> float:
         """Logits and cross-entropy buffers a token keeps on the last stage."""
