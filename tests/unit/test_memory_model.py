@@ -256,3 +256,34 @@ def test_planner_never_plans_a_step_over_the_memory_budget(
         )
         for stage, peak in enumerate(predicted_step_peaks(model, shapes)):
             assert peak.total <= limit.budget_bytes, (stage, step.micro_batch_size, shapes)
+
+
+def test_plan_json_reports_each_stages_predicted_peak_within_the_budget(tmp_path, capsys):
+    import json
+
+    from megatron_dynbatch.tools import cli
+
+    samples = tmp_path / "samples.json"
+    samples.write_text(json.dumps([900, 120, 300, 640, 80, 1000, 256, 512] * 4))
+    model = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8"]
+    common = ["plan", str(samples), "--max-tokens-per-gpu", "4096", "--pp-size", "2", "--json"]
+    common += ["--cost-attention", "dense", "--vocab-size", "1000"]
+    assert cli.main(common + model) == 0
+    free = json.loads(capsys.readouterr().out)
+    peaks = free["memory"]["predicted_peak_bytes_per_stage"]
+    assert len(peaks) == len(free["steps"]) and all(len(p) == 2 for p in peaks)
+    assert all(
+        p > s
+        for step in peaks
+        for p, s in zip(step, free["memory"]["static_bytes_per_stage"], strict=True)
+    )
+    # A budget below the unbounded plan's peak: every step now predicted within it.
+    budget = 0.8 * max(max(step) for step in peaks) / 2**30
+    assert cli.main(common + model + ["--max-memory-gib", f"{budget:.6f}"]) == 0
+    bounded = json.loads(capsys.readouterr().out)["memory"]
+    assert (
+        max(max(step) for step in bounded["predicted_peak_bytes_per_stage"])
+        <= bounded["budget_bytes"]
+    )
+    assert cli.main(common + ["--max-memory-gib", "1"]) == 2
+    assert "--max-memory-gib needs the model" in capsys.readouterr().err

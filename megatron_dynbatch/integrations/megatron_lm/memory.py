@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.integrations.megatron_lm.model_args import memory_model_from_flags
 from megatron_dynbatch.planning.memory import (
     GIB,
     MIB,
@@ -37,7 +38,6 @@ from megatron_dynbatch.planning.memory import (
     PeakTerms,
     fit_activation_scales,
 )
-from megatron_dynbatch.planning.model_dims import ModelDims
 from megatron_dynbatch.planning.spec import ParallelLayout, round_up
 
 __all__ = [
@@ -47,7 +47,6 @@ __all__ = [
     "budget_bytes",
     "check_memory_budget",
     "memory_model_from_args",
-    "model_dims_from_args",
     "process_memory_now",
 ]
 
@@ -66,75 +65,6 @@ UNCALIBRATED_SAFETY = 2.0
 FIT_WINDOW = 16
 
 
-def _padded_vocab(args: Any, vocab_size: Optional[int]) -> int:
-    padded = getattr(args, "padded_vocab_size", None)
-    if padded:
-        return int(padded)
-    vocab = vocab_size or getattr(args, "vocab_size", None)
-    if not vocab:
-        try:
-            from megatron.training import get_tokenizer
-
-            vocab = get_tokenizer().vocab_size
-        except Exception:  # noqa: BLE001 - no tokenizer built yet: a typical GPT vocabulary
-            vocab = 50257
-    multiple = (getattr(args, "make_vocab_size_divisible_by", None) or 128) * int(
-        getattr(args, "tensor_model_parallel_size", None) or 1
-    )
-    return round_up(int(vocab), multiple)
-
-
-def _ffn_hidden_size(args: Any) -> int:
-    if getattr(args, "ffn_hidden_size", None):
-        return int(args.ffn_hidden_size)
-    if getattr(args, "swiglu", False):
-        return int((4 * args.hidden_size * 2 / 3) / 64) * 64  # Megatron's validate_args
-    return 4 * int(args.hidden_size)
-
-
-def _params_dtype(args: Any) -> str:
-    if getattr(args, "bf16", False):
-        return "bf16"
-    if getattr(args, "fp16", False):
-        return "fp16"
-    return "fp32"
-
-
-def model_dims_from_args(
-    args: Any, parallel: ParallelLayout, *, vocab_size: Optional[int] = None
-) -> ModelDims:
-    """:class:`ModelDims` of Megatron's arguments (before or after ``validate_args``)."""
-    heads = int(args.num_attention_heads)
-    groups = heads
-    if getattr(args, "group_query_attention", False) and getattr(args, "num_query_groups", None):
-        groups = int(args.num_query_groups)
-    learned = getattr(args, "position_embedding_type", "learned_absolute") == "learned_absolute"
-    experts = int(getattr(args, "num_experts", None) or 0)
-    return ModelDims(
-        num_layers=int(args.num_layers),
-        hidden_size=int(args.hidden_size),
-        num_attention_heads=heads,
-        vocab_size=_padded_vocab(args, vocab_size),
-        ffn_hidden_size=_ffn_hidden_size(args),
-        num_query_groups=groups,
-        kv_channels=getattr(args, "kv_channels", None) or None,
-        gated_linear_unit=bool(getattr(args, "swiglu", False)),
-        add_bias_linear=bool(getattr(args, "add_bias_linear", True)),
-        normalization="RMSNorm" if getattr(args, "normalization", "") == "RMSNorm" else "LayerNorm",
-        position_embeddings=(
-            int(getattr(args, "max_position_embeddings", 0) or 0) if learned else 0
-        ),
-        untie_embeddings=bool(getattr(args, "untie_embeddings_and_output_weights", False)),
-        params_dtype=_params_dtype(args),
-        sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
-        num_experts=experts,
-        moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None) or None,
-        moe_router_topk=int(getattr(args, "moe_router_topk", None) or 2),
-        ep_size=int(getattr(args, "expert_model_parallel_size", None) or 1) if experts else 1,
-        parallel=parallel,
-    )
-
-
 def process_memory_now() -> float:
     """What this process holds now, in the units the step's peak is measured in (bytes)."""
     if torch.cuda.is_available():
@@ -150,14 +80,25 @@ def memory_model_from_args(
     ``base_bytes`` is what the process holds before the model exists (on CPU the interpreter,
     torch and megatron, read now; on a GPU 0, since ``max_memory_allocated`` counts tensors only).
     """
-    recompute = getattr(args, "recompute_granularity", None)
-    return MemoryModel(
-        dims=model_dims_from_args(args, parallel, vocab_size=vocab_size),
-        attention=attention,
-        recompute=recompute if recompute in ("selective", "full") else None,
-        distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+    if vocab_size is None and not getattr(args, "padded_vocab_size", None):
+        vocab_size = getattr(args, "vocab_size", None) or _tokenizer_vocab_size()
+    return memory_model_from_flags(
+        args,
+        parallel,
+        attention,
+        vocab_size=vocab_size,
         base_bytes=0.0 if torch.cuda.is_available() else process_memory_now(),
     )
+
+
+def _tokenizer_vocab_size() -> Optional[int]:
+    """The built tokenizer's vocabulary (the patched parse builds it with the arguments)."""
+    try:
+        from megatron.training import get_tokenizer
+
+        return int(get_tokenizer().vocab_size)
+    except Exception:  # noqa: BLE001 - none built: model_args assumes a GPT-2 vocabulary
+        return None
 
 
 def budget_bytes(max_memory_gib: Any) -> int:
