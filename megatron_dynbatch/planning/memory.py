@@ -445,14 +445,14 @@ def _row_cap(limit: MemoryLimit, rows: int) -> int:
 
 
 def fit_activation_scales(
-    observations: Sequence[Tuple[float, float, float]],
+    observations: Sequence[Tuple[float, float, float]], *, common: bool = False
 ) -> Tuple[float, float, float]:
     """Least-squares ``(token_scale, score_scale)`` of measured activation peaks, and the error.
 
     Each observation is ``(tokens, scores, measured)``: a step's predicted activation terms at
     its peak (:class:`PeakTerms`, unscaled) and the measured peak less the memory at rest. Fits
     ``measured ~ a * tokens + b * scores`` with ``a, b >= 0``; where the steps do not vary enough
-    to tell the two terms apart (fixed shapes), one common factor. The error is the largest
+    to tell the two terms apart (fixed shapes), or with ``common``, one factor on both. The error is the largest
     relative misprediction of an observed activation peak by the fit.
     """
     obs = [(t, s, m) for t, s, m in observations if t + s > 0]
@@ -465,7 +465,7 @@ def fit_activation_scales(
     ssm = sum(s * m for _, s, m in obs)
     det = stt * sss - sts * sts
     a = b = None
-    if sss > 0 and det > 1e-6 * stt * sss:
+    if not common and sss > 0 and det > 1e-6 * stt * sss:
         a = (stm * sss - ssm * sts) / det
         b = (ssm * stt - stm * sts) / det
     if a is None or a < 0 or b < 0:
