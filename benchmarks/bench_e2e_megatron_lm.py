@@ -1,5 +1,11 @@
 """End to end at equal memory: Megatron-LM's entry script, dynamic against fixed micro-batches.
 
+Equal memory means equal bytes, measured: in every pair the fixed run goes first, and its measured
+peak (``peak memory measured over training (MiB)``, the largest rank's) becomes the dynamic run's
+``--max-memory-gib``, with a token budget (``--memory-token-budget``, default 4096) that would
+otherwise allow far larger rows. Both peaks are printed beside the times, and the memory model's
+calibrated prediction error (``peak memory predicted/measured`` of iterations 3+).
+
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_e2e_megatron_lm.py --pairs 3 \\
         --data-dir /tmp/dynbatch-data --out /tmp/dynbatch-e2e
 
@@ -39,6 +45,12 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 SEQ_LENGTH = 256  # launch/train_gpt_dynbatch.sh
 MICRO_BATCH_SIZE = 4  # launch/train_gpt_dynbatch.sh: fixed micro-batches are [4 x 256]
 _PREDICTED = re.compile(r"step time predicted/measured \(ms\): ([\d.]+)/([\d.]+)")
+_PEAK = re.compile(r"peak memory measured over training \(MiB\): ([\d.]+)")
+_MEMORY = re.compile(r"peak memory predicted/measured \(MiB\): (\d+)/(\d+)")
+#: Iterations whose memory prediction counts as calibrated: the first is the probe, the second is
+#: planned from the probe's cover-all factor, the fit starts with the third.
+MEMORY_CALIBRATED_FROM = 3
+EQUAL_BYTES = "dynamic-memory"
 _ITERATION = re.compile(r"iteration\s+(\d+)/")
 
 
@@ -124,12 +136,21 @@ def summarize(text: str, fixed: bool) -> Dict[str, float]:
         for line in text.splitlines()
         if _PREDICTED.search(line) and (it := _ITERATION.search(line))
     )
+    peak = _PEAK.search(text)
+    memory_errors = []
+    for line in text.splitlines():
+        found, it = _MEMORY.search(line), _ITERATION.search(line)
+        if found and it and int(it.group(1)) >= MEMORY_CALIBRATED_FROM:
+            predicted, measured = float(found.group(1)), float(found.group(2))
+            memory_errors.append((predicted - measured) / measured)
     return {
         "ms": ms,
         "fill": fill,
         "its": its,
         "prediction_errors": errors,
         "calibrated": calibrated,
+        "peak": float(peak.group(1)) if peak else None,
+        "memory_errors": memory_errors,
     }
 
 
@@ -147,7 +168,15 @@ def main(argv=None) -> int:
         type=int,
         action="append",
         default=[],
-        help="extra dynamic budgets besides the equal-memory one (4 x 256 = 1024)",
+        help="extra dynamic token budgets besides the equal-bytes run (e.g. 1024 = 4 x 256, the "
+        "equal-token comparison)",
+    )
+    parser.add_argument(
+        "--memory-token-budget",
+        type=int,
+        default=4096,
+        help="--max-tokens-per-gpu of the equal-bytes run, beside --max-memory-gib (default "
+        "4096: four times fixed's 4 x 256, so memory, not tokens, bounds the rows)",
     )
     parser.add_argument(
         "--variable-seq-lengths",
@@ -163,36 +192,44 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     extra = ["--train-iters", str(args.train_iters), "--eval-iters", "0"]
-    budgets = [MICRO_BATCH_SIZE * SEQ_LENGTH] + [b for b in args.budget if b != 1024]
+    budgets = list(dict.fromkeys(args.budget))
     corpora = list(CORPORA) if args.corpus == "both" else [args.corpus]
     print(f"load average before: {os.getloadavg()}")
     started = time.monotonic()
     for corpus in corpora:
         data = None if args.reuse_logs else build_corpus(corpus, args.data_dir, sys.executable)
-        results: Dict[str, List[Dict[str, float]]] = {"fixed": []}
+        results: Dict[str, List[Dict[str, float]]] = {"fixed": [], EQUAL_BYTES: []}
         for budget in budgets:
             results[f"dynamic-{budget}"] = []
         if args.variable_seq_lengths:
-            results[f"dynamic-{budgets[0]}-variable"] = []
+            results[f"{EQUAL_BYTES}-variable"] = []
         for pair in range(args.pairs):
-            order = list(results) if pair % 2 == 0 else list(reversed(results))
+            # Fixed first: its measured peak is the equal-bytes runs' memory budget.
+            dynamic = [name for name in results if name != "fixed"]
+            order = ["fixed"] + (dynamic if pair % 2 == 0 else list(reversed(dynamic)))
             for name in order:
-                batching, budget = (
-                    ("fixed", budgets[0])
-                    if name == "fixed"
-                    else (
-                        "dynamic",
-                        int(name.split("-")[1]),
-                    )
-                )
                 log = args.out / f"{corpus}-{name}-{pair}.log"
                 flags = extra + (["--variable-seq-lengths"] if name.endswith("-variable") else [])
+                if name == "fixed":
+                    batching, budget = "fixed", MICRO_BATCH_SIZE * SEQ_LENGTH
+                elif name.startswith(EQUAL_BYTES):
+                    batching, budget = "dynamic", args.memory_token_budget
+                    peak = results["fixed"][-1]["peak"]
+                    if peak is None:
+                        raise SystemExit(f"error: no measured peak in the fixed run's log {log}")
+                    flags += ["--max-memory-gib", f"{peak / 1024:.6f}"]
+                else:
+                    batching, budget = "dynamic", int(name.split("-")[1])
                 if args.reuse_logs:
                     text = log.read_text()
                 else:
                     text = run(batching, data, budget, flags, log)
                 results[name].append(summarize(text, fixed=name == "fixed"))
-                print(f"  {corpus} {name} run {pair}: {results[name][-1]['ms']:.1f} ms/iteration")
+                last = results[name][-1]
+                print(
+                    f"  {corpus} {name} run {pair}: {last['ms']:.1f} ms/iteration, peak "
+                    f"{last['peak']} MiB"
+                )
         fixed_fill = _fixed_fill(results)
         print(
             f"\n=== {corpus} (fixed [{MICRO_BATCH_SIZE}x{SEQ_LENGTH}], fill {fixed_fill:.3f}) ==="
@@ -229,6 +266,25 @@ def main(argv=None) -> int:
                 print(
                     f"  calibrated prediction vs measured time per iteration: median error "
                     f"{100 * statistics.median(errors):.1f}% over {len(errors)} iterations"
+                )
+            peaks = [
+                (d["peak"], f["peak"])
+                for d, f in zip(results[name], results["fixed"], strict=True)
+                if d["peak"] and f["peak"]
+            ]
+            if peaks:
+                print(
+                    "  peak memory (largest rank, MiB) dynamic/fixed: "
+                    + ", ".join(f"{d:.1f}/{f:.1f} ({d / f:.3f})" for d, f in peaks)
+                )
+            memory_errors = [e for r in results[name] for e in r["memory_errors"]]
+            if memory_errors:
+                absolute = sorted(abs(e) for e in memory_errors)
+                print(
+                    f"  peak memory predicted vs measured (iterations {MEMORY_CALIBRATED_FROM}+): "
+                    f"median error {100 * statistics.median(absolute):.1f}%, largest "
+                    f"{100 * absolute[-1]:.1f}% ({100 * min(memory_errors):+.1f}% to "
+                    f"{100 * max(memory_errors):+.1f}%) over {len(memory_errors)} iterations"
                 )
     print(f"\nload average after: {os.getloadavg()}; {time.monotonic() - started:.0f} s in all")
     return 0

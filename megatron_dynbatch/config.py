@@ -48,6 +48,7 @@ FLAGS: Dict[str, str] = {
     "cost_attention": "--dynamic-batch-cost-attention",
     "min_gain": "--dynamic-batch-min-gain",
     "oversize_samples": "--oversize-samples",
+    "max_memory_gib": "--max-memory-gib",
 }
 
 #: The cost-model fields of :class:`DynBatchConfig` (floats >= 0; ``None`` where optional).
@@ -147,14 +148,33 @@ class DynBatchConfig:
     the samples), ``truncate`` cuts it to the budget (the cut tokens are not trained, and counted),
     ``allow`` runs it alone in a micro-batch over the budget (every micro-batch of its step then
     gets its length)."""
+    max_memory_gib: Optional[Union[float, str]] = None
+    """The most one GPU (on CPU: one rank's process) may hold at its peak in a training step, in
+    GiB; ``"auto"``: the device's memory less a margin (``integrations/megatron_lm/memory.py``).
+    The planner keeps every pipeline stage's predicted peak within it, beside the token budget;
+    ``None``: the token budget alone."""
 
     def __post_init__(self) -> None:
         if self.max_tokens_per_gpu is None:
             raise DynBatchValueError(
                 "max_tokens_per_gpu is not set; pass --max-tokens-per-gpu (or set "
                 "max_tokens_per_gpu in the --dynamic-batch-config YAML) with the token budget of "
-                "one micro-batch on one GPU."
+                "one micro-batch on one GPU, or a memory budget (--max-memory-gib) where the "
+                "host derives the token budget from it."
             )
+        memory = self.max_memory_gib
+        if memory is not None and memory != "auto":
+            if (
+                isinstance(memory, bool)
+                or not isinstance(memory, numbers.Real)
+                or not math.isfinite(memory)
+                or memory <= 0
+            ):
+                raise DynBatchValueError(
+                    f"max_memory_gib={memory!r} must be a number of GiB > 0 or 'auto'; fix "
+                    f"{FLAGS['max_memory_gib']}."
+                )
+            object.__setattr__(self, "max_memory_gib", float(memory))
         _positive_int(self, "max_tokens_per_gpu", optional=False)
         _positive_int(self, "log_probs_max_tokens_per_gpu", optional=True)
         _positive_int(self, "rollouts_per_step", optional=True)
@@ -220,6 +240,7 @@ class DynBatchConfig:
         *,
         forward_only: bool = False,
         row_multiple: Optional[int] = None,
+        memory: Optional[Any] = None,
     ) -> PlannerConfig:
         """The pure planner's config for a parallel layout.
 
@@ -227,6 +248,8 @@ class DynBatchConfig:
         (``rollouts_per_step`` only splits optimizer steps). ``row_multiple``: the host exchanges
         shapes per micro-batch (slime; Megatron-LM with ``--variable-seq-lengths``), so every
         micro-batch runs its own row, rounded up to this multiple; ``None``: uniform rows.
+        ``memory``: the :class:`~megatron_dynbatch.planning.memory.MemoryLimit` of
+        ``max_memory_gib`` (built by the host, which knows the model), or ``None``.
 
         Raises:
             ValueError: When the budget cannot hold one padded sample of the layout, naming the
@@ -248,6 +271,7 @@ class DynBatchConfig:
                 min_gain=self.min_gain,
                 variable_row_lengths=row_multiple is not None,
                 row_multiple=1 if row_multiple is None else row_multiple,
+                memory=memory,
             )
         except ValueError as error:
             raise DynBatchValueError(f"{budget_flag}: {error}") from error

@@ -146,6 +146,11 @@ def _shape_and_cap(
         )
     if s % multiple:
         problems.append(f"{where}: seq_length={s} is not a multiple of {multiple}")
+    if b > 1 and config.memory is not None:
+        # A memory budget bounds B > 1 rows by what they hold, within the token budget.
+        cap = config.multi_row_cap
+        if not config.memory.fits((b, s)):
+            problems.append(f"{where}: [{b}x{s}] micro-batches exceed the memory budget")
     if layout == "packed":
         problems += _packed_rows_shape(where, step)
         if b * s > cap and not (oversize and b == 1):

@@ -210,6 +210,8 @@ def _plan_step(
         parallel=parallel,
         min_gain=config.min_gain,
         row_multiple=config.variable_row_multiple if config.variable_row_lengths else None,
+        memory=config.memory,
+        multi_row_cap=config.multi_row_cap,
     )
     shape, fewest = choose_shape(problem)
     bins = shape.bins
@@ -255,7 +257,9 @@ def _plan_step(
         dp_imbalance=_imbalance(rank_tokens),
         dp_imbalance_cost=_imbalance(own),
         oversize_samples=oversize,
-        lower_bound_microbatches=len(oversize) + ceil_div(regular_tokens, cap),
+        # With a memory budget, B > 1 rows may hold up to the token budget together.
+        lower_bound_microbatches=len(oversize)
+        + ceil_div(regular_tokens, cap if config.memory is None else config.multi_row_cap),
         min_microbatches=fewest,
         truncated_samples=truncated,
         truncated_tokens=sum(samples.lengths[i] - kept[i] for i in truncated),

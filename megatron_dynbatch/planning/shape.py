@@ -43,7 +43,7 @@ import dataclasses
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from megatron_dynbatch.errors import DynBatchValueError
 
@@ -98,6 +98,32 @@ class StepProblem:
     row_multiple: Optional[int] = None
     """Variable row lengths: each micro-batch's row is its load rounded up to this (``packed``
     only); ``None``: one row length per step, the longest."""
+    memory: Optional[Any] = None
+    """A :class:`.memory.MemoryLimit`: micro-batches of B rows are at most ``row_cap(B)`` long
+    (``cap`` is already within ``row_cap(1)``); ``None``: the token cap alone."""
+    multi_row_cap: Optional[int] = None
+    """With ``memory``: the token budget's cap on ``B * S`` for ``B > 1`` (``cap`` is the one-row
+    cap, memory included); ``None``: ``cap``."""
+
+
+def _footprint_cap(problem: StepProblem) -> int:
+    """The most tokens ``B > 1`` rows may hold together: with a memory budget, the token budget
+    alone (the memory budget bounds each B by :func:`_rows_cap`), else the cap."""
+    if problem.memory is not None and problem.multi_row_cap is not None:
+        return problem.multi_row_cap
+    return problem.cap
+
+
+def _rows_cap(problem: StepProblem, rows: int) -> int:
+    """The longest row of a micro-batch of ``rows`` rows: its share of the token cap, and what
+    the memory budget allows for that many rows (fixed micro-batches' [4 x 256] may fit a budget
+    that one row of 1,024 does not, where attention keeps S x S scores)."""
+    if rows == 1:
+        return problem.cap
+    cap = _footprint_cap(problem) // rows
+    if problem.memory is not None:
+        cap = min(cap, problem.memory.row_cap(rows))
+    return cap
 
 
 @dataclass
@@ -280,7 +306,9 @@ def _row_counts(problem: StepProblem) -> List[int]:
     ):
         return []
     longest = max(map(problem.sizes.__getitem__, problem.items))
-    most = problem.cap // longest if longest else 0
+    most = _footprint_cap(problem) // longest if longest else 0
+    if problem.memory is not None and most > 1:
+        most = problem.memory.most_rows(longest, most)
     counts = list(range(2, min(most, _MAX_ROW_COUNTS) + 1))
     if most > _MAX_ROW_COUNTS:
         # Beyond 8, spread the rest geometrically, the largest B included.
@@ -317,7 +345,9 @@ def _rows_floors(problem: StepProblem, rows: int) -> Tuple[float, float]:
         row = row_cost(problem.model, "packed", s, rows, rows * s)
         return ratio * (per_rank * row + work / dp) / pp + row * (pp - 1) / (pp * vpp)
 
-    fewest = round_up(max(1, ceil_div(ceil_div(total, problem.cap // rows), dp * rows)), multiple)
+    fewest = round_up(
+        max(1, ceil_div(ceil_div(total, _rows_cap(problem, rows)), dp * rows)), multiple
+    )
     one = round_up(max(1, ceil_div(len(problem.items), dp * rows)), multiple)
     return (
         floor(fewest, max(longest, ceil_div(total, dp * fewest * rows))),
@@ -571,7 +601,7 @@ class _PackedSearch(_Search):
         # B > 1: rows of at most cap // B, so a micro-batch's footprint B * S stays under the cap
         # (sizes are multiples of the sample multiple, so S, the fullest row, is one too).
         self.rows = rows
-        self.cap = problem.cap // rows
+        self.cap = _rows_cap(problem, rows)
         sizes, cap = problem.sizes, self.cap
         assert rows == 1 or max(map(sizes.__getitem__, problem.items)) <= cap, "see _row_counts"
         items = problem.items
@@ -739,7 +769,11 @@ class _PaddedSearch(_Search):
         sizes = problem.sizes
         self.n = len(problem.items)
         self.seq_length = max(sizes[i] for i in problem.items)
-        self.rows_max = max(1, problem.cap // self.seq_length)
+        self.rows_max = max(1, _footprint_cap(problem) // self.seq_length)
+        if problem.memory is not None and self.rows_max > 1:
+            # As many rows as the memory budget holds at this S (at least one: a longer sample
+            # is an oversize sample, alone).
+            self.rows_max = max(1, problem.memory.most_rows(self.seq_length, self.rows_max))
         self.min_per_rank = self._per_rank_for_rows(self.rows_max)
         key = problem.sample_costs if problem.model.response_weight else sizes
         self.order = sorted(problem.items, key=lambda i: (-key[i], i))

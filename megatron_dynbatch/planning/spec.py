@@ -407,6 +407,10 @@ class PlannerConfig:
     strategy: str = DEFAULT_STRATEGY
     """The registered schedule strategy the hosts plan with (:mod:`.strategies`; looked up when
     planning, so a strategy registered later is accepted here)."""
+    memory: Optional[Any] = None
+    """A :class:`.memory.MemoryLimit` (``--max-memory-gib``): no micro-batch shape is planned
+    whose predicted peak on any pipeline stage exceeds it (the token cap is then also at most
+    its longest one-row micro-batch); ``None``: the token cap alone."""
 
     def __post_init__(self) -> None:
         _set_int(
@@ -462,6 +466,13 @@ class PlannerConfig:
                 )
         object.__setattr__(self, "min_gain", float(gain))
         multiple = self.parallel.sample_multiple
+        if self.memory is not None and self.memory.row_cap(1) < multiple:
+            raise DynBatchValueError(
+                f"the memory budget ({self.memory.budget_bytes / 2**30:.3f} GiB) cannot hold one "
+                f"micro-batch of {multiple} tokens on every pipeline stage (predicted at rest: "
+                f"{max(self.memory.model.resting(s) for s in self.memory.model.dims.stages()) / 2**30:.3f}"
+                " GiB); raise --max-memory-gib, or recompute activations (--recompute-*)."
+            )
         if self.token_cap < multiple:
             raise DynBatchValueError(
                 f"max_tokens_per_gpu={self.max_tokens_per_gpu} (x cp_size={self.parallel.cp_size}) is "
@@ -480,5 +491,16 @@ class PlannerConfig:
 
     @property
     def token_cap(self) -> int:
-        """Cap on one micro-batch's padded footprint: the per-GPU budget times cp (CP splits it)."""
+        """Cap on one micro-batch's padded footprint: the per-GPU budget times cp (CP splits it),
+        and with a memory budget at most the longest one-row micro-batch it allows."""
+        cap = self.max_tokens_per_gpu * self.parallel.cp_size
+        if self.memory is not None:
+            cap = min(cap, self.memory.row_cap(1))
+        return cap
+
+    @property
+    def multi_row_cap(self) -> int:
+        """Cap on the footprint ``B * S`` of a micro-batch of ``B > 1`` rows: the token budget
+        times cp. A memory budget bounds such shapes by its own ``row_cap(B)``, which may allow
+        more tokens than one row holds (B short rows keep less of ``S x S`` scores)."""
         return self.max_tokens_per_gpu * self.parallel.cp_size

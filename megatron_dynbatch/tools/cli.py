@@ -15,6 +15,7 @@ import warnings
 from typing import List, Optional
 
 from megatron_dynbatch.errors import DynBatchRuntimeError, DynBatchValueError
+from megatron_dynbatch.integrations.megatron_lm.model_args import add_model_args
 from megatron_dynbatch.planning.spec import (
     ATTENTION_KINDS,
     DEFAULT_STRATEGY,
@@ -126,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     plan.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    add_model_args(plan)
     plan.add_argument(
         "--plot", default=None, metavar="FILE.png", help="draw the first step to a PNG"
     )
@@ -227,7 +229,7 @@ CLI_FIELDS = (
 )
 
 
-def _planner_config(args, *, rollouts_per_step=None):
+def _planner_config(args, *, rollouts_per_step=None, memory=None):
     """The planner's config from the flags both subcommands share (verify plans one step).
 
     Built through ``config_from_mapping`` and :meth:`DynBatchConfig.planner_config`, the one place a ``PlannerConfig`` is made
@@ -248,7 +250,66 @@ def _planner_config(args, *, rollouts_per_step=None):
         {field: getattr(args, field) for field in CLI_FIELDS},
         fixed={"rollouts_per_step": rollouts_per_step},
     )
-    return config.planner_config(parallel)
+    return config.planner_config(parallel, memory=memory(config, parallel) if memory else None)
+
+
+def _memory_limit(args):
+    """``plan``'s memory model and budget from Megatron's model flags (``None`` without them):
+    a function of the run's config and layout, which it needs to know the attention and stages.
+    The model lands in ``args.memory_model`` for the report."""
+    args.memory_model = None
+    if args.num_layers is None:
+        if args.max_memory_gib is not None:
+            raise DynBatchValueError(
+                "--max-memory-gib needs the model to predict its memory: pass Megatron's "
+                "--num-layers, --hidden-size, --num-attention-heads (and --vocab-size, ...)."
+            )
+        return None
+    missing = [f for f in ("hidden_size", "num_attention_heads") if getattr(args, f) is None]
+    if missing:
+        named = ", ".join("--" + m.replace("_", "-") for m in missing)
+        raise DynBatchValueError(
+            f"--num-layers given without {named}; the memory model needs the model's shape."
+        )
+
+    def build(config, parallel):
+        from megatron_dynbatch.integrations.megatron_lm.model_args import memory_model_from_flags
+        from megatron_dynbatch.planning.memory import GIB, MemoryLimit
+
+        args.group_query_attention = args.num_query_groups is not None
+        attention = config.cost_model().attention_kind(config.layout)
+        args.memory_model = memory_model_from_flags(args, parallel, attention)
+        if args.max_memory_gib is None:
+            return None
+        return MemoryLimit(
+            model=args.memory_model,
+            budget_bytes=int(args.max_memory_gib * GIB),
+            row_multiple=parallel.sample_multiple,
+        )
+
+    return build
+
+
+def _memory_report(plan, model, config) -> dict:
+    """Per step, every pipeline stage's predicted peak (bytes) of the planned micro-batches."""
+    from megatron_dynbatch.planning.memory import predicted_step_peaks, step_shapes
+
+    steps = []
+    for step in plan.steps:
+        shapes = step_shapes(
+            step.num_microbatches,
+            step.micro_batch_size,
+            step.seq_length,
+            step.row_lengths,
+            config.parallel.dp_size,
+        )
+        steps.append([round(p.total) for p in predicted_step_peaks(model, shapes)])
+    return {
+        "budget_bytes": None if config.memory is None else config.memory.budget_bytes,
+        "static_bytes_per_stage": [round(model.resting(s)) for s in model.dims.stages()],
+        "predicted_peak_bytes_per_stage": steps,
+        "note": "weights, gradients, optimizer state and activations; not the CUDA context",
+    }
 
 
 def _format_table(plan) -> str:
@@ -298,7 +359,9 @@ def _cmd_plan(args) -> int:
         _check_plot_path(args.plot)
     get_strategy(args.planner)  # an unknown name fails before the samples are read
     samples = _load_samples(args.samples)
-    config = _planner_config(args, rollouts_per_step=args.rollouts_per_step)
+    config = _planner_config(
+        args, rollouts_per_step=args.rollouts_per_step, memory=_memory_limit(args)
+    )
     config = dataclasses.replace(config, strategy=args.planner)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -321,9 +384,17 @@ def _cmd_plan(args) -> int:
     if args.json:
         # Never NaN or Infinity in the public JSON (not JSON at all); the cost model's finite
         # check makes this unreachable, allow_nan=False makes sure.
-        print(json.dumps(plan.to_dict(), allow_nan=False))
+        report = plan.to_dict()
+        if args.memory_model is not None:
+            report["memory"] = _memory_report(plan, args.memory_model, config)
+        print(json.dumps(report, allow_nan=False))
     else:
         print(_format_table(plan))
+        if args.memory_model is not None:
+            memory = _memory_report(plan, args.memory_model, config)
+            for s, peaks in enumerate(memory["predicted_peak_bytes_per_stage"]):
+                mib = ", ".join(f"{p / 2**20:.0f}" for p in peaks)
+                print(f"step {s}: predicted peak per pipeline stage (MiB): {mib}")
     return 0
 
 

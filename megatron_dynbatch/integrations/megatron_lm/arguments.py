@@ -35,6 +35,7 @@ from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning.spec import (
     ATTENTION_KINDS,
     LAYOUTS,
+    MAX_TOKENS,
     OVERSIZE_POLICIES,
     ParallelLayout,
     layout_flags,
@@ -154,6 +155,15 @@ def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.Argument
         help="Token budget of one training micro-batch on one GPU, padding included.",
     )
     group.add_argument(
+        FLAGS["max_memory_gib"],
+        type=memory_gib,
+        default=None,
+        help="The most one GPU (on CPU: one rank's process) may hold at its peak in a training "
+        "step, in GiB, or 'auto' (the device's memory less 10%%). The planner keeps every "
+        "pipeline stage's predicted peak within it; with it alone the token budget is what it "
+        "allows. See docs/memory.md.",
+    )
+    group.add_argument(
         FLAGS["log_probs_max_tokens_per_gpu"],
         type=int,
         default=None,
@@ -237,6 +247,16 @@ def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.Argument
     )
     add_calibration_args(group)
     return parser
+
+
+def memory_gib(text: str) -> Any:
+    """``--max-memory-gib``'s value: a number of GiB, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB or 'auto'") from None
 
 
 def _layout_size(args: Any, name: str) -> int:
@@ -329,6 +349,10 @@ def dynbatch_config_from_args(args: Any) -> DynBatchConfig:
     if config_path is not None:
         values.update({k: v for k, v in load_yaml_config(config_path).items() if v is not None})
     values.update(_given(args))
+    if values.get("max_tokens_per_gpu") is None and values.get("max_memory_gib") is not None:
+        # Only a memory budget: no token cap of its own; the planner's cap is the longest row
+        # the memory budget allows (PlannerConfig.token_cap), re-derived as calibration refits.
+        values["max_tokens_per_gpu"] = MAX_TOKENS // _layout_size(args, "context_parallel_size")
     if values.get("layout") is None and _per_row_aux_loss(args):
         values["layout"] = "padded"
     if values.get("cost_attention") is None:

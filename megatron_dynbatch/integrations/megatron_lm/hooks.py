@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Literal, Optional, Tuple
@@ -74,11 +75,18 @@ from megatron_dynbatch.integrations.megatron_lm.arguments import (
     validate_dynamic_batch_args,
 )
 from megatron_dynbatch.integrations.megatron_lm.calibration import Calibrator
+from megatron_dynbatch.integrations.megatron_lm.memory import (
+    StepMemory,
+    budget_bytes,
+    check_memory_budget,
+    memory_model_from_args,
+)
 from megatron_dynbatch.mcore.agreement import (
     step_agreement,
 )
 from megatron_dynbatch.mcore.schedule import check_schedule_config
 from megatron_dynbatch.planning import ParallelLayout, Plan, PlannerConfig, SampleSet
+from megatron_dynbatch.planning.memory import MemoryLimit, predicted_step_peaks, step_shapes
 from megatron_dynbatch.planning.strategies import run_strategy
 from megatron_dynbatch.runtime import materialize_microbatches
 from megatron_dynbatch.runtime.batches import coerce_batch
@@ -90,6 +98,7 @@ __all__ = [
     "DynamicStep",
     "StepKind",
     "configure",
+    "current_hooks",
     "dynamic_log_string",
     "hooks_for",
     "last_train_step",
@@ -189,6 +198,7 @@ class DynamicBatchHooks:
         self.last_step: Optional[DynamicStep] = None
         self.totals = _Totals()
         self.calibration = Calibrator()
+        self.memory = _step_memory(args, config)
 
     @property
     def variable_rows(self) -> bool:
@@ -198,12 +208,15 @@ class DynamicBatchHooks:
     def planner(self, layout: ParallelLayout, *, forward_only: bool) -> PlannerConfig:
         """The planner config of ``layout`` (training, or forward-only under the log-prob budget)."""
         config = self._calibrated(forward_only)
-        key = (layout, forward_only, config)
+        # Forward-only passes keep no activations for a backward: the training bound is safe.
+        limit = None if self.memory is None else self.memory.limit()
+        key = (layout, forward_only, config, limit)
         if key not in self._planners:
             self._planners[key] = config.planner_config(
                 layout,
                 forward_only=forward_only,
                 row_multiple=VARIABLE_ROW_MULTIPLE if self.variable_rows else None,
+                memory=limit,
             )
         return self._planners[key]
 
@@ -236,6 +249,11 @@ class DynamicBatchHooks:
         dp_group, pp_group = _groups(model_chunks, pg_collection)
         if kind == "train":
             self.calibration.resume(self.args)  # before planning: a resumed run plans with its fit
+            if self.memory is not None:
+                # Every rank: the last step's measured peaks, gathered and fitted, before planning.
+                self.memory.before_plan(dist.get_rank(pp_group), check_group or dist.group.WORLD)
+        elif self.memory is not None:
+            self.memory.pause()  # an evaluation's peak is not the training step's
         with step_agreement(check_group or dist.group.WORLD, what=self._what(kind)) as agreement:
             if self.variable_rows:
                 # Megatron-LM's validate_args resets args.variable_seq_lengths; the schedule's p2p
@@ -268,6 +286,21 @@ class DynamicBatchHooks:
             self._record(step)
             # Outside the agreement: it may all-reduce the last step's time (every rank gets here).
             self.calibration.observe_train_step(self.args, batch, plan, step_index)
+            if self.memory is not None:
+                # Also every rank: gathers the last step's measured peaks, then resets the peak.
+                planned = plan.steps[step_index]
+                shapes = step_shapes(
+                    planned.num_microbatches,
+                    planned.micro_batch_size,
+                    planned.seq_length,
+                    planned.row_lengths,
+                    layout.dp_size,
+                )
+                iteration = getattr(self.args, "curr_iteration", None)
+                self.memory.begin(
+                    iteration + 1 if isinstance(iteration, int) else None,
+                    predicted_step_peaks(self.memory.current, shapes),
+                )
         return step
 
     @property
@@ -308,6 +341,8 @@ class DynamicBatchHooks:
 
     def log_string(self) -> str:
         """See :func:`dynamic_log_string`."""
+        # A collective (every rank builds Megatron's iteration line): before any early return.
+        memory = "" if self.memory is None else self.memory.log_string(dist.group.WORLD)
         totals, self.totals = self.totals, _Totals()
         if self.last_step is None or totals.steps == 0:
             return ""
@@ -320,14 +355,18 @@ class DynamicBatchHooks:
         )
         if totals.truncated_tokens:
             line += f" truncated tokens: {totals.truncated_tokens} |"
-        return line + self.calibration.log_string()
+        line += self.calibration.log_string()
+        if self.memory is not None:
+            line += memory
+        return line
 
     def scalars(self) -> Dict[str, float]:
         """The last training step's figures, by TensorBoard tag."""
         step = self.last_step
         if step is None:
             return {}
-        return {
+        memory = {} if self.memory is None else self.memory.scalars()
+        return memory | {
             "dynbatch/micro-batches per rank": float(step.num_microbatches),
             "dynbatch/row length": float(step.seq_length),
             "dynbatch/real tokens": float(step.real_tokens),
@@ -397,6 +436,11 @@ def hooks_for(args: Any) -> DynamicBatchHooks:
     global _hooks
     if _hooks is None or _hooks.args is not args:
         _hooks = DynamicBatchHooks(args, dynbatch_config_from_args(args))
+    return _hooks
+
+
+def current_hooks() -> Optional[DynamicBatchHooks]:
+    """The configured run's state, or ``None``."""
     return _hooks
 
 
@@ -510,6 +554,39 @@ def write_dynamic_scalars(iteration: int, writer: Any = None, wandb_writer: Any 
             writer.add_scalar(tag, value, iteration)
     if wandb_writer is not None:
         wandb_writer.log(scalars, iteration)
+
+
+def _step_memory(args: Any, config: DynBatchConfig) -> Optional[StepMemory]:
+    """The run's memory model, budget and measurements; ``None`` where the model cannot be built
+    from the arguments and no budget asks for it (measuring is then skipped, planning is not).
+
+    Raises:
+        DynBatchValueError: A budget that one ``--seq-length`` sample cannot fit (start-up).
+    """
+    from megatron_dynbatch.config import FLAGS
+
+    parallel = parallel_layout_from_args(args)
+    try:
+        model = memory_model_from_args(args, parallel, config.cost_attention or "segment")
+    except (ValueError, TypeError, AttributeError):
+        if config.max_memory_gib is not None:
+            raise
+        return None
+    budget = None if config.max_memory_gib is None else budget_bytes(config.max_memory_gib)
+    if budget is not None:
+        # The best estimate (no safety factor): refuse only a budget that cannot work.
+        limit = MemoryLimit(model=model, budget_bytes=budget, row_multiple=parallel.sample_multiple)
+        check_memory_budget(limit, getattr(args, "seq_length", None), FLAGS["max_memory_gib"])
+    # With --variable-seq-lengths rows are multiples of VARIABLE_ROW_MULTIPLE: so are the caps.
+    row_multiple = parallel.sample_multiple
+    if getattr(args, VARIABLE_SEQ_LENGTHS_DEST, False):
+        row_multiple = math.lcm(row_multiple, VARIABLE_ROW_MULTIPLE)
+    return StepMemory(
+        model=model,
+        budget=budget,
+        row_multiple=row_multiple,
+        min_row=int(getattr(args, "seq_length", None) or 1),
+    )
 
 
 def _exchange_shapes(model_chunks: List[torch.nn.Module], on: bool) -> None:

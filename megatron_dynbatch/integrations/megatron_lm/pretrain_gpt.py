@@ -58,6 +58,7 @@ from megatron_dynbatch.integrations.megatron_lm.gpt_stock import (
     stock_datasets_provider,
     stock_forward_step,
 )
+from megatron_dynbatch.integrations.megatron_lm.memory import TrainingPeak
 from megatron_dynbatch.mcore.forward import (
     make_forward_step,
 )
@@ -412,19 +413,37 @@ def main(
     else:
         provider, forward_step = stock_datasets_provider, stock_forward_step
     config = pretrain_cfg_container_from_args(args, model_config)
+    # The training peak of fixed micro-batches too, measured as the planned steps' (memory.py).
+    peak = TrainingPeak()
     try:
         pretrain(
             config,
             datasets_provider or provider,
             ModelType.encoder_or_decoder,
-            forward_step_func or forward_step,
+            peak.wrap(forward_step_func or forward_step),
             get_embedding_ranks=_embedding_ranks,
         )
     except DynBatchValueError as error:
         # Bad input met while running (a batch of the wrong size, a bad sample): one line, no
         # traceback. A StepAgreementError is the same on every rank: printed once (console.py).
         fail(error, code=1)
+    _report_training_peak(args, peak)
     _close_process_groups()
+
+
+def _report_training_peak(args: Any, peak: TrainingPeak) -> None:
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    from megatron.core import parallel_state
+
+    from megatron_dynbatch.integrations.megatron_lm import hooks
+
+    state = hooks.current_hooks() if args.use_dynamic_batch_size else None
+    peak.report(
+        None if state is None else state.memory,
+        parallel_state.get_pipeline_model_parallel_rank(),
+        args.pipeline_model_parallel_size,
+    )
 
 
 def _close_process_groups() -> None:

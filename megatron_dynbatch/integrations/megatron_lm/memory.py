@@ -1,0 +1,522 @@
+"""``--max-memory-gib`` in Megatron-LM: the memory model from Megatron's arguments, the budget,
+the start-up check, and every step's peak, measured and compared with the prediction.
+
+* :func:`model_dims_from_args` / :func:`memory_model_from_args`: the pure memory model
+  (:mod:`megatron_dynbatch.planning.memory`) of the run, from Megatron's own arguments (its
+  defaults applied as ``validate_args`` would, so it works before Megatron's validation).
+* :func:`budget_bytes`: ``--max-memory-gib`` in bytes; ``auto`` is the GPU's memory less
+  :data:`AUTO_MARGIN` (10%) of it, and on CPU this rank's share of the machine's available memory
+  (``MemAvailable`` / ranks on the node) less the same margin.
+* :func:`check_memory_budget`: at start-up, before the model is built, a budget below what one
+  ``--seq-length`` sample needs on some pipeline stage is refused in one line naming the fix.
+* :class:`StepMemory`: each training step's measured peak. GPU: ``torch.cuda.max_memory_allocated``
+  after ``reset_peak_memory_stats`` at the step's start (what the caching allocator hands to
+  tensors); CPU: the process's peak resident memory (``VmHWM`` of ``/proc/self/status``, reset by
+  writing ``5`` to ``/proc/self/clear_refs`` at the step's start). The readings of every rank are
+  gathered (one small all-reduce over the world), so every rank refits the same model from the
+  same numbers and plans the same steps; a step whose measured peak exceeds the budget although
+  predicted within it is reported on every rank and the fit is corrected to cover it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.integrations.megatron_lm.model_args import memory_model_from_flags
+from megatron_dynbatch.planning.memory import (
+    GIB,
+    MIB,
+    MemoryLimit,
+    MemoryModel,
+    PeakTerms,
+    fit_activation_scales,
+)
+from megatron_dynbatch.planning.spec import ParallelLayout, round_up
+
+__all__ = [
+    "AUTO_MARGIN",
+    "StepMemory",
+    "TrainingPeak",
+    "budget_bytes",
+    "check_memory_budget",
+    "memory_model_from_args",
+    "process_memory_now",
+]
+
+#: ``--max-memory-gib auto`` keeps this share of the device's memory free: allocator
+#: fragmentation, NCCL buffers and the CUDA context are outside ``max_memory_allocated``.
+AUTO_MARGIN = 0.10
+#: Steps at the start of a run whose peaks are not fitted: the first step allocates the
+#: optimizer's state (not yet in the memory at rest), and allocator caches settle.
+MEMORY_WARMUP_STEPS = 1
+#: Until measured steps calibrate it, the model's activation bytes count this many times over:
+#: the counted tensors miss the transients of a backward (gradients of the activations, the
+#: allocator's slack), which the first measured steps showed at 1.2-1.6x on CPU; the planner
+#: must not break a budget on the steps that teach it.
+UNCALIBRATED_SAFETY = 2.0
+#: Steps whose counted activations are at least this share of the largest in the fit window
+#: bound the factor from below (their measured need is never under-predicted again).
+ENVELOPE_SHARE = 0.5
+#: Steps of measured peaks a fit uses (the most recent).
+FIT_WINDOW = 16
+
+
+def process_memory_now() -> float:
+    """What this process holds now, in the units the step's peak is measured in (bytes)."""
+    if torch.cuda.is_available():
+        return float(torch.cuda.memory_allocated())
+    return float(_proc_status_kib("VmRSS") * 1024)
+
+
+def memory_model_from_args(
+    args: Any, parallel: ParallelLayout, attention: str, *, vocab_size: Optional[int] = None
+) -> MemoryModel:
+    """The run's :class:`MemoryModel`, uncalibrated.
+
+    ``base_bytes`` is what the process holds before the model exists (on CPU the interpreter,
+    torch and megatron, read now; on a GPU 0, since ``max_memory_allocated`` counts tensors only).
+    """
+    if vocab_size is None and not getattr(args, "padded_vocab_size", None):
+        vocab_size = getattr(args, "vocab_size", None) or _tokenizer_vocab_size()
+    return memory_model_from_flags(
+        args,
+        parallel,
+        attention,
+        vocab_size=vocab_size,
+        base_bytes=0.0 if torch.cuda.is_available() else process_memory_now(),
+    )
+
+
+def _tokenizer_vocab_size() -> Optional[int]:
+    """The built tokenizer's vocabulary (the patched parse builds it with the arguments)."""
+    try:
+        from megatron.training import get_tokenizer
+
+        return int(get_tokenizer().vocab_size)
+    except Exception:  # noqa: BLE001 - none built: model_args assumes a GPT-2 vocabulary
+        return None
+
+
+def budget_bytes(max_memory_gib: Any) -> int:
+    """``--max-memory-gib`` in bytes (``auto``: see the module docstring)."""
+    if max_memory_gib == "auto":
+        if torch.cuda.is_available():
+            total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        else:
+            ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+            total = _proc_meminfo_kib("MemAvailable") * 1024 / max(1, ranks)
+        return int(total * (1.0 - AUTO_MARGIN))
+    return int(float(max_memory_gib) * GIB)
+
+
+def check_memory_budget(limit: MemoryLimit, seq_length: Optional[int], flag: str) -> None:
+    """Refuse, before the model is built, a budget one ``--seq-length`` sample cannot fit under.
+
+    Raises:
+        DynBatchValueError: One line with the stage, the bytes predicted and the fixes.
+    """
+    model = limit.model
+    length = int(seq_length or limit.row_multiple)
+    for stage in model.dims.stages():
+        need = model.uniform_peak(stage, (1, round_up(length, limit.row_multiple)))
+        if need > limit.budget_bytes:
+            rest = model.resting(stage)
+            raise DynBatchValueError(
+                f"{flag} {limit.budget_bytes / GIB:.3f} is too small for one --seq-length "
+                f"{length} sample: pipeline stage {stage} is predicted to hold "
+                f"{need / GIB:.3f} GiB at its peak ({rest / GIB:.3f} GiB of weights, gradients, "
+                f"optimizer state and process at rest, the rest activations of the micro-batches "
+                f"its schedule keeps alive); raise {flag} to at least {need / GIB * 1.05:.2f}, "
+                "recompute activations (--recompute-granularity selective / full), or lower "
+                "--seq-length."
+            )
+
+
+def _proc_status_kib(key: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as handle:
+        for line in handle:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise DynBatchValueError(f"/proc/self/status has no {key}; cannot measure memory here.")
+
+
+def _proc_meminfo_kib(key: str) -> int:
+    with open("/proc/meminfo", encoding="ascii") as handle:
+        for line in handle:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise DynBatchValueError(f"/proc/meminfo has no {key}; pass --max-memory-gib in GiB.")
+
+
+def _reset_peak() -> float:
+    """Start measuring a step: the peak is reset to what is held now, which is returned."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        return float(torch.cuda.memory_allocated())
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
+        handle.write("5")  # resets VmHWM to the current resident set
+    return float(_proc_status_kib("VmRSS") * 1024)
+
+
+def _read_peak() -> float:
+    if torch.cuda.is_available():
+        return float(torch.cuda.max_memory_allocated())
+    return float(_proc_status_kib("VmHWM") * 1024)
+
+
+@dataclass
+class _Reading:
+    """One step as predicted on this rank's stage, and as measured."""
+
+    iteration: Optional[int]
+    """Megatron's number of the iteration (as its iteration line prints it)."""
+    predicted: List[PeakTerms]
+    """Per stage."""
+    rest: float
+    """What this rank held when the step started (its peak was reset to it)."""
+    peak: Optional[float] = None
+    gathered: Optional[List[Tuple[float, float, float]]] = None
+    """Per pipeline stage, ``(rest, peak, after)`` (``after``: held when the step was read):
+    the largest over the stage's ranks."""
+
+
+@dataclass
+class StepMemory:
+    """Every training step's peak memory: measured, gathered, compared and fitted (one a run).
+
+    The planner's model (:attr:`current`) takes what every stage held after the last step as its
+    memory at rest (on CPU the resident set keeps growing over the first steps, as the heap keeps
+    what it freed), and the per-token / per-``S**2`` factors fitted to the steps measured so far
+    (:func:`~megatron_dynbatch.planning.memory.fit_activation_scales`), or before a fit the counted
+    bytes times :data:`UNCALIBRATED_SAFETY`. The first step is a probe: planned in micro-batches
+    of one ``--seq-length`` row at most, as it also pays one-time costs (the optimizer's state,
+    the first allocations of every kernel) no model predicts.
+    """
+
+    model: MemoryModel
+    """The model as built from the arguments (counted bytes, no fit)."""
+    budget: Optional[int]
+    """``--max-memory-gib`` in bytes, or ``None`` (measured and predicted, not bounded)."""
+    row_multiple: int = 1
+    min_row: int = 1
+    """``--seq-length``: the probe step's row, and the row any budget must leave room for."""
+    scales: Optional[Tuple[Tuple[float, float], ...]] = None
+    """Per stage, the fitted ``(token_scale, score_scale)``; ``None`` before a fit."""
+    resting: Optional[Tuple[float, ...]] = None
+    """Per stage, what its ranks held (at most) after the last step; ``None`` before any."""
+    error: Optional[float] = None
+    """Largest relative error of the fitted model's peak over the steps it was fitted to."""
+    observations: List[Tuple[int, float, float, float, float]] = field(default_factory=list)
+    """``(stage, tokens, scores, rest, peak)`` of every fitted step and stage."""
+    steps_seen: int = 0
+    stage: int = 0
+    """This rank's pipeline stage."""
+    open: Optional[_Reading] = None
+    last: Optional[_Reading] = None
+    corrections: int = 0
+    """Steps whose measured peak exceeded the budget although predicted within it."""
+    stage_peaks: List[float] = field(default_factory=list)
+    """Per pipeline stage, the largest peak measured over the run's training steps."""
+    warned_small: bool = False
+    cover_floor: Dict[int, float] = field(default_factory=dict)
+    """Per stage, the factor the steps that broke the budget needed (the fit stays above)."""
+
+    @property
+    def pp_size(self) -> int:
+        return self.model.dims.parallel.pp_size
+
+    @property
+    def current(self) -> MemoryModel:
+        """The model the planner and the prediction use (see the class docstring)."""
+        model = self.model
+        if self.resting is not None:
+            model = replace(model, resting_bytes=self.resting)
+        if self.scales is not None:
+            return replace(model, stage_scales=self.scales)
+        return replace(
+            model,
+            token_scale=model.token_scale * UNCALIBRATED_SAFETY,
+            score_scale=model.score_scale * UNCALIBRATED_SAFETY,
+        )
+
+    def limit(self) -> Optional[MemoryLimit]:
+        """The budget the planner keeps to, with the model as calibrated so far.
+
+        The probe step (the first) and any step the measured model says cannot hold one
+        ``--seq-length`` row within the budget run rows of ``--seq-length`` at most: the budget
+        is then what such rows are predicted to need (said once, on rank 0), never a plan that
+        refuses the run's own samples.
+        """
+        if self.budget is None:
+            return None
+        model = self.current
+        need = self._row_peak(model)
+        budget = self.budget
+        if self.steps_seen == 0:
+            budget = min(budget, need)
+        elif need > budget:
+            if not self.warned_small:
+                self.warned_small = True
+                if not dist.is_initialized() or dist.get_rank() == 0:
+                    print(
+                        f"dynamic batching: as measured, one --seq-length {self.min_row} row "
+                        f"needs {need / MIB:.0f} MiB on some pipeline stage, over "
+                        f"--max-memory-gib {self.budget / GIB:.3f} ({self.budget / MIB:.0f} "
+                        "MiB): planning micro-batches of such rows at most; raise "
+                        "--max-memory-gib, recompute activations or lower --seq-length.",
+                        flush=True,
+                    )
+            budget = need
+        return MemoryLimit(model=model, budget_bytes=budget, row_multiple=self.row_multiple)
+
+    def _row_peak(self, model: MemoryModel) -> int:
+        """The largest predicted peak of micro-batches of one ``--seq-length`` row."""
+        row = (1, round_up(self.min_row, self.row_multiple))
+        return int(math.ceil(max(model.uniform_peak(s, row) for s in model.dims.stages())))
+
+    def before_plan(self, stage: int, group: Any) -> None:
+        """A training step is about to be planned (every rank calls this at the same point):
+        close the last step (gather, refit); before the first, measure what every stage holds
+        now, so even the first plan starts from measured memory, not an estimate."""
+        self.stage = stage
+        self.close(group)
+        if self.resting is None:
+            gathered = _gather([process_memory_now()], stage, self.pp_size, group)
+            shards = self.model.dims.parallel.dp_size if self.model.distributed_optimizer else 1
+            # Adam's moments are created by the first optimizer step: not held yet.
+            self.resting = tuple(
+                now + self.model.dims.stage_params(s) * 8 / shards
+                for s, (now,) in enumerate(gathered)
+            )
+
+    def begin(self, iteration: Optional[int], predicted: Sequence[PeakTerms]) -> None:
+        """A training step is about to run (after its plan): reset the peak."""
+        self.open = _Reading(iteration=iteration, predicted=list(predicted), rest=_reset_peak())
+
+    def pause(self) -> None:
+        """An evaluation is about to run: the open step's peak is read now, without it."""
+        if self.open is not None and self.open.peak is None:
+            self.open.peak = _read_peak()
+
+    def close(self, group: Any) -> Optional[_Reading]:
+        """Read and gather the open step (every rank calls this at the same point)."""
+        reading = self.open
+        if reading is None:
+            return self.last
+        if reading.peak is None:
+            reading.peak = _read_peak()
+        values = [reading.rest, reading.peak, process_memory_now()]
+        reading.gathered = _gather(values, self.stage, self.pp_size, group)
+        peaks = [peak for _, peak, _ in reading.gathered]
+        self.stage_peaks = [
+            max(a, b) for a, b in zip(self.stage_peaks or peaks, peaks, strict=True)
+        ]
+        self.resting = tuple(after for _, _, after in reading.gathered)
+        self._learn(reading)
+        self.open, self.last = None, reading
+        return reading
+
+    def _learn(self, reading: _Reading) -> None:
+        self.steps_seen += 1
+        if os.environ.get("DYNBATCH_MEMORY_DEBUG") and dist.get_rank() == 0:
+            print(
+                "MEMDEBUG",
+                reading.iteration,
+                [tuple(round(v / MIB, 1) for v in g) for g in reading.gathered],
+                [
+                    (
+                        round(t.static / MIB, 1),
+                        round(t.tokens / MIB, 2),
+                        round(t.scores / MIB, 2),
+                        round(t.total / MIB, 1),
+                    )
+                    for t in reading.predicted
+                ],
+                self.scales,
+                flush=True,
+            )
+        over = []
+        if self.budget is not None:
+            for stage, (_rest, peak, _after) in enumerate(reading.gathered):
+                if peak > self.budget and reading.predicted[stage].total <= self.budget:
+                    over.append((stage, peak, reading.predicted[stage].total))
+        if self.steps_seen > MEMORY_WARMUP_STEPS:
+            for stage, (rest, peak, _after) in enumerate(reading.gathered):
+                terms = reading.predicted[stage]
+                self.observations.append((stage, terms.tokens, terms.scores, rest, peak))
+            self._fit()
+        else:
+            # The probe: one factor a stage that covers it, one-time costs included (so the
+            # next step is planned on the safe side), until steps without them are fitted.
+            self.scales = tuple(
+                (k, k)
+                for k in (
+                    max(1.0, (peak - rest) / max(1.0, terms.tokens + terms.scores))
+                    for (rest, peak, _), terms in zip(
+                        reading.gathered, reading.predicted, strict=True
+                    )
+                )
+            )
+        if over:
+            self.corrections += 1
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            for stage, peak, predicted in over:
+                print(
+                    f"[rank {rank}] dynamic batching: iteration {reading.iteration}: pipeline "
+                    f"stage {stage} measured {peak / MIB:.0f} MiB at its peak, over "
+                    f"--max-memory-gib {self.budget / GIB:.3f} ({self.budget / MIB:.0f} MiB), "
+                    f"although predicted {predicted / MIB:.0f} MiB; the memory model is "
+                    "refitted to cover it.",
+                    flush=True,
+                )
+            self._cover(reading)
+
+    def _fit(self) -> None:
+        """Per stage, one factor on the counted activation bytes, least squares over the recent
+        steps, and never below what a step that broke the budget needed (:meth:`_cover`).
+
+        One factor for both terms: the counted bytes match what autograd keeps within a few
+        percent for either (``tests/megatron/test_memory_megatron.py``); what the factor adds
+        (the backward's gradients of activations, the allocator) grows with both alike, and
+        a few noisy steps could not tell two factors apart.
+        """
+        recent = self.observations[-FIT_WINDOW * self.pp_size :]
+        scales, errors = [], []
+        for stage in range(self.pp_size):
+            own = [o for o in recent if o[0] == stage]
+            k, _, _ = fit_activation_scales(
+                [(t, s, peak - rest) for _, t, s, rest, peak in own], common=True
+            )
+            # The largest steps seen are never under-predicted: on CPU the factor grew with
+            # the step (1.85 fitted over small steps, 2.41 needed by one of 7 x 256 tokens).
+            largest = max(t + s for _, t, s, _, _ in own)
+            envelope = max(
+                (
+                    (peak - rest) / (t + s)
+                    for _, t, s, rest, peak in own
+                    if t + s > 0 and t + s >= ENVELOPE_SHARE * largest
+                ),
+                default=0.0,
+            )
+            k = max(k, envelope, self.cover_floor.get(stage, 0.0))
+            scales.append((k, k))
+            errors += [abs(rest + k * (t + s) - peak) / peak for _, t, s, rest, peak in own]
+        self.scales = tuple(scales)
+        self.error = max(errors) if errors else None
+
+    def _cover(self, reading: _Reading) -> None:
+        """A step broke the budget: from now on every stage's factor covers what it needed."""
+        for stage, (rest, peak, _after) in enumerate(reading.gathered):
+            terms = reading.predicted[stage]
+            counted = terms.tokens + terms.scores
+            if counted > 0:
+                need = (peak - rest) / counted
+                self.cover_floor[stage] = max(self.cover_floor.get(stage, 0.0), need)
+        if self.observations:
+            self._fit()
+        if self.scales is not None:
+            self.scales = tuple(
+                (max(a, self.cover_floor.get(s, 0.0)), max(b, self.cover_floor.get(s, 0.0)))
+                for s, (a, b) in enumerate(self.scales)
+            )
+
+    def log_string(self, group: Any) -> str:
+        """`` peak memory predicted/measured (MiB): P/M |`` of the step just run (a collective:
+        every rank calls it where Megatron builds its iteration line)."""
+        reading = self.close(group)
+        if reading is None or reading.gathered is None:
+            return ""
+        predicted = max(t.total for t in reading.predicted)
+        measured = max(peak for _, peak, _ in reading.gathered)
+        line = (
+            f" peak memory predicted/measured (MiB): {predicted / MIB:.0f}/{measured / MIB:.0f} |"
+        )
+        if self.budget is not None:
+            line += f" memory budget (MiB): {self.budget / MIB:.0f} |"
+        return line
+
+    def scalars(self) -> Dict[str, float]:
+        reading = self.last
+        if reading is None or reading.gathered is None:
+            return {}
+        values = {
+            "dynbatch/peak memory predicted (MiB)": max(t.total for t in reading.predicted) / MIB,
+            "dynbatch/peak memory measured (MiB)": max(p for _, p, _ in reading.gathered) / MIB,
+        }
+        for stage, (_rest, peak, _after) in enumerate(reading.gathered):
+            values[f"dynbatch/peak memory measured stage {stage} (MiB)"] = peak / MIB
+            values[f"dynbatch/peak memory predicted stage {stage} (MiB)"] = (
+                reading.predicted[stage].total / MIB
+            )
+        return values
+
+
+def _gather(values: Sequence[float], stage: int, pp_size: int, group: Any) -> List[Tuple]:
+    """Per pipeline stage, the largest of each of ``values`` over the ranks of that stage."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [tuple(values)] * pp_size
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    width = len(values) + 1
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend(group) == "nccl"
+        else torch.device("cpu")
+    )
+    table = torch.zeros(width * world, dtype=torch.float64, device=device)
+    table[width * rank : width * (rank + 1)] = torch.tensor([stage, *values], dtype=torch.float64)
+    dist.all_reduce(table, group=group)
+    per_stage = [tuple(0.0 for _ in values)] * pp_size
+    rows = table.view(world, width).tolist()
+    for row in rows:
+        s = int(row[0])
+        per_stage[s] = tuple(max(a, b) for a, b in zip(per_stage[s], row[1:], strict=True))
+    return per_stage
+
+
+class TrainingPeak:
+    """The run's peak memory over its training steps, for fixed micro-batches too.
+
+    Fixed micro-batches have no planned step to hook: the peak is reset at the first call of the
+    forward step (model, optimizer and data loader built) and read when training returns, so it
+    covers every training step as :class:`StepMemory`'s per-step peaks do for planned ones.
+    Printed by rank 0 as ``peak memory measured over training (MiB): X | per stage: a, b``.
+    """
+
+    def __init__(self) -> None:
+        self.started = False
+
+    def wrap(self, forward_step: Any) -> Any:
+        """``forward_step`` that starts the measurement at its first call."""
+
+        def measured_forward_step(*args: Any, **kwargs: Any) -> Any:
+            if not self.started:
+                self.started = True
+                _reset_peak()
+            return forward_step(*args, **kwargs)
+
+        return measured_forward_step
+
+    def report(self, memory: Optional[StepMemory], stage: int, pp_size: int) -> List[float]:
+        """Per stage, the largest peak over its ranks (a collective over the world)."""
+        if memory is not None:
+            memory.close(dist.group.WORLD)
+            peaks = list(memory.stage_peaks)
+        elif self.started:
+            peaks = [peak for (peak,) in _gather([_read_peak()], stage, pp_size, dist.group.WORLD)]
+        else:
+            return []
+        if peaks and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(
+                f"peak memory measured over training (MiB): {max(peaks) / MIB:.1f} | per stage: "
+                + ", ".join(f"{p / MIB:.1f}" for p in peaks),
+                flush=True,
+            )
+        return peaks

@@ -1,0 +1,477 @@
+"""What a training step holds in memory on each pipeline stage: the model, and the bound a
+memory budget puts on the planner.
+
+Standard library only. A stage's peak is its **static** bytes (weights, gradients, optimizer
+state) plus the largest sum, over the schedule, of the **activations** its live micro-batches keep
+for their backward pass:
+
+* static (per TP rank, Megatron's DDP and optimizer): fp32 training holds 4 (weight) + 4 (fp32
+  gradient buffer) + 8 (Adam's two moments) bytes a parameter; bf16 / fp16 training 2 (weight) +
+  4 (fp32 gradient buffer) + 4 (fp32 main weight) + 8 (Adam) bytes. The distributed optimizer
+  divides the main weights and Adam's moments over the DP ranks.
+* activations of one micro-batch of ``B`` rows of ``S`` tokens, per layer, as saved for the backward
+  of Megatron-Core's GPT layer (Korthikanti et al., "Reducing Activation Recomputation in Large
+  Transformer Models", counted by tensor): the two norms' inputs and the QKV / fc1 inputs (``h``
+  each; ``1/tp`` with sequence parallelism), query, key, value and the attention output
+  (``(2 * heads + 2 * groups) * kv_channels / tp``), fc1's output and the activation's output
+  (``(fc1 width + ffn) / tp``), times the dtype's bytes, times ``B * S / cp``. Attention that
+  materialises its ``S x S`` scores (the cost model's ``dense``: Megatron's ``local`` and unfused
+  paths) adds the softmax it keeps, ``dtype bytes * heads / tp`` a row per ``S**2 / cp``
+  (attention dropout, off here, would keep its output and mask too); fused / flash attention (``segment``,
+  ``causal``) keeps no scores. ``selective`` recompute keeps no scores either; ``full`` keeps only
+  every layer's input, and one layer's activations while it recomputes it.
+* the last stage's logits and loss buffers: ``vocab / tp`` logits a token in the dtype, their fp32
+  copy and the fp32 softmax the cross entropy keeps (``vocab / tp * (dtype + 8)`` bytes a token);
+  the first stage's embedding output (``h`` a token).
+* the micro-batches alive at once: Megatron's 1F1B schedule runs ``pp - 1 - stage`` warm-up
+  forwards before its first backward, so stage ``s`` holds ``min(M, pp - s)`` micro-batches; the
+  interleaved schedule warms up ``2 * (pp - 1 - stage) + (vpp - 1) * group`` model-chunk
+  forwards (:func:`schedule_events` replays either order).
+
+Calibration (:func:`fit_activation_scales`) refits the per-token and per-``S**2`` terms to the
+measured peaks of the first steps (least squares) and replaces the static estimate with the
+memory measured at rest, so ``MemoryModel.token_scale`` / ``score_scale`` / ``resting_bytes``
+carry the run's own figures.
+
+A budget (:class:`MemoryLimit`) bounds each candidate shape of the planner: ``row_cap(B)`` is the
+longest row a micro-batch of ``B`` rows may have so that every stage, holding as many such
+micro-batches as its schedule ever keeps alive, stays within the budget.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Literal, Optional, Sequence, Tuple
+
+from megatron_dynbatch.errors import DynBatchValueError
+
+from .model_dims import ModelDims
+
+__all__ = [
+    "GIB",
+    "MIB",
+    "MemoryLimit",
+    "MemoryModel",
+    "MicroShape",
+    "PeakTerms",
+    "fit_activation_scales",
+    "live_microbatches",
+    "predicted_step_peaks",
+    "schedule_events",
+    "step_shapes",
+]
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+#: Bytes of Adam's state a parameter (two fp32 moments).
+_ADAM_BYTES = 8
+#: Bytes of an fp32 value (gradient buffer, main weight, logits copy).
+_FP32 = 4
+
+MicroShape = Tuple[int, int]
+"""One micro-batch's ``(rows B, row length S)``."""
+
+
+def schedule_events(
+    num_microbatches: int, pp_size: int, stage: int, vpp_size: int = 1, group: Optional[int] = None
+) -> List[Tuple[bool, int, int]]:
+    """The order in which stage ``stage`` runs forwards and backwards in one training step.
+
+    Each event is ``(is_forward, micro-batch, model chunk)``. Megatron's schedules: without
+    interleaving ``pp - 1 - stage`` warm-up forwards, then one forward and one backward in turn,
+    then the remaining backwards; with interleaving (``vpp_size > 1``) the micro-batches are walked
+    in groups of ``group`` (default ``pp_size``), every model chunk of a group in turn, with
+    ``2 * (pp - 1 - stage) + (vpp - 1) * group`` warm-up forwards, and the backwards walk the
+    same table with the chunks reversed. ``pp_size == 1`` runs forward, backward, forward, ...
+    """
+    m, vpp = num_microbatches, vpp_size
+    group = group or pp_size
+    if vpp == 1:
+        table = [(mb, 0) for mb in range(m)]
+        warmup = pp_size - 1 - stage if pp_size > 1 else 0
+    else:
+        table = []
+        for first in range(0, m, group):
+            last = m if first + group >= m else first + group
+            table += [(mb, chunk) for chunk in range(vpp) for mb in range(first, last)]
+        warmup = 2 * (pp_size - 1 - stage) + (vpp - 1) * group
+    total = len(table)
+    warmup = min(warmup, total)
+    events: List[Tuple[bool, int, int]] = [(True, *table[k]) for k in range(warmup)]
+    for k in range(total - warmup):
+        events.append((True, *table[k + warmup]))
+        mb, chunk = table[k]
+        events.append((False, mb, vpp - 1 - chunk))
+    for k in range(total - warmup, total):
+        mb, chunk = table[k]
+        events.append((False, mb, vpp - 1 - chunk))
+    return events
+
+
+def live_microbatches(
+    num_microbatches: int, pp_size: int, stage: int, vpp_size: int = 1, group: Optional[int] = None
+) -> int:
+    """The most (micro-batch, model chunk) forwards stage ``stage`` holds before their backward."""
+    live = most = 0
+    for forward, _mb, _chunk in schedule_events(num_microbatches, pp_size, stage, vpp_size, group):
+        live += 1 if forward else -1
+        most = max(most, live)
+    return most
+
+
+@dataclass(frozen=True)
+class PeakTerms:
+    """A stage's predicted peak, by term (bytes); ``total`` is what the model predicts."""
+
+    static: float
+    """Weights, gradients and optimizer state (or the memory measured at rest, calibrated)."""
+    tokens: float
+    """Activations proportional to tokens (layers, embeddings, logits), before ``token_scale``."""
+    scores: float
+    """Attention scores proportional to ``S**2`` a row, before ``score_scale``."""
+    total: float
+    """``static + token_scale * tokens + score_scale * scores``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryModel:
+    """Bytes a training step holds on each pipeline stage (see the module docstring)."""
+
+    dims: ModelDims
+    """The model's dimensions and parallel layout."""
+    attention: Literal["segment", "causal", "dense"] = "dense"
+    """What attention runs (``spec.ATTENTION_KINDS``): only ``dense`` keeps ``S x S`` scores."""
+    recompute: Optional[Literal["selective", "full"]] = None
+    """``--recompute-granularity``: ``selective`` drops the scores, ``full`` keeps only each
+    layer's input."""
+    distributed_optimizer: bool = False
+    """``--use-distributed-optimizer``: main weights and Adam's moments divided over DP."""
+    base_bytes: float = 0.0
+    """Memory of the process besides the model (CUDA context and workspaces, or on CPU the
+    interpreter and its libraries), added to every stage's static estimate."""
+    token_scale: float = 1.0
+    """Calibrated factor on the per-token activation bytes (1.0: as counted)."""
+    score_scale: float = 1.0
+    """Calibrated factor on the per-``S**2`` attention-score bytes (1.0: as counted)."""
+    resting_bytes: Tuple[float, ...] = ()
+    """Calibrated: per stage, the memory measured at rest between steps, which replaces
+    ``static_bytes + base_bytes``; ``()``: not measured."""
+    stage_scales: Tuple[Tuple[float, float], ...] = field(default=())
+    """Calibrated: per stage, ``(token_scale, score_scale)`` fitted to that stage's own peaks;
+    ``()``: ``token_scale`` / ``score_scale`` on every stage."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dims, ModelDims):
+            raise DynBatchValueError(f"dims={self.dims!r} must be a ModelDims.")
+        if self.attention not in ("segment", "causal", "dense"):
+            raise DynBatchValueError(
+                f"attention={self.attention!r} must be segment, causal or dense."
+            )
+        if self.recompute not in (None, "selective", "full"):
+            raise DynBatchValueError(
+                f"recompute={self.recompute!r} must be None, 'selective' or 'full' "
+                "(--recompute-granularity)."
+            )
+        for name in ("base_bytes", "token_scale", "score_scale"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise DynBatchValueError(f"{name}={value!r} must be a finite number >= 0.")
+        pp = self.dims.parallel.pp_size
+        for name in ("resting_bytes", "stage_scales"):
+            value = getattr(self, name)
+            if value and len(value) != pp:
+                raise DynBatchValueError(
+                    f"{name} has {len(value)} entries for pp_size={pp} stages; give one a stage."
+                )
+
+    # --- static -----------------------------------------------------------------------------
+
+    def static_bytes(self, stage: int) -> float:
+        """Weights, gradients and optimizer state of ``stage`` on one rank (no ``base_bytes``)."""
+        dims = self.dims
+        params = dims.stage_params(stage)
+        dp = dims.parallel.dp_size if self.distributed_optimizer else 1
+        if dims.params_dtype == "fp32":
+            # The weights are the optimizer's main weights; only Adam's moments are sharded.
+            return params * (dims.dtype_bytes + _FP32 + _ADAM_BYTES / dp)
+        return params * (dims.dtype_bytes + _FP32 + (_FP32 + _ADAM_BYTES) / dp)
+
+    def resting(self, stage: int) -> float:
+        """What ``stage`` holds between steps: measured when calibrated, else the estimate."""
+        if self.resting_bytes:
+            return float(self.resting_bytes[stage])
+        return self.static_bytes(stage) + self.base_bytes
+
+    # --- activations ------------------------------------------------------------------------
+
+    def layer_token_bytes(self) -> float:
+        """Activation bytes one token keeps in one layer on one rank (before ``token_scale``)."""
+        dims = self.dims
+        tp = dims.parallel.tp_size
+        d = dims.dtype_bytes
+        replicated = dims.hidden_size / (tp if dims.sequence_parallel else 1)
+        if self.recompute == "full":
+            return d * replicated  # the layer's input; the rest is recomputed
+        ffn = dims.moe_ffn_hidden_size if dims.num_experts else dims.ffn_hidden_size
+        fc1 = ffn * (2 if dims.gated_linear_unit else 1)
+        attention = (2 * dims.query_width + 2 * dims.kv_width) / tp
+        mlp = (fc1 + ffn) / tp
+        if dims.num_experts:
+            # Every token runs top-k experts (their inputs and hidden), plus the router's output.
+            mlp = mlp * dims.moe_router_topk + dims.num_experts
+        return d * (4 * replicated + attention + mlp)
+
+    def layer_score_bytes(self) -> float:
+        """Bytes of attention scores a row keeps per ``S**2`` in one layer (0 unless ``dense``)."""
+        if self.attention != "dense" or self.recompute is not None:
+            return 0.0
+        dims = self.dims
+        # The softmax kept for its backward (the scores it is computed from are freed with the
+        # layer's forward: a transient the calibration absorbs). Measured on the tiny GPT:
+        # 4.06 bytes per head, row and S**2 in fp32 (tests/megatron/test_memory_megatron.py).
+        return dims.dtype_bytes * dims.num_attention_heads / dims.parallel.tp_size
+
+    def logit_token_bytes(self) -> float:
+        """Logits and cross-entropy buffers a token keeps on the last stage."""
+        dims = self.dims
+        vocab = dims.vocab_size / dims.parallel.tp_size
+        return vocab * (dims.dtype_bytes + 2 * _FP32) + 2 * dims.hidden_size * dims.dtype_bytes
+
+    def chunk_terms(self, stage: int, chunk: int, shape: MicroShape) -> Tuple[float, float]:
+        """``(token bytes, score bytes)`` one micro-batch keeps in one model chunk of a stage."""
+        rows, length = shape
+        dims = self.dims
+        cp = dims.parallel.cp_size
+        tokens = rows * length / cp
+        layers = dims.chunk_layers(stage, chunk)
+        token_bytes = layers * tokens * self.layer_token_bytes()
+        score_bytes = layers * rows * (length / cp) * length * self.layer_score_bytes()
+        last_chunk = chunk == dims.parallel.vpp_size - 1
+        if stage == 0 and chunk == 0:
+            token_bytes += tokens * dims.hidden_size * dims.dtype_bytes
+        if stage == dims.parallel.pp_size - 1 and last_chunk:
+            token_bytes += tokens * self.logit_token_bytes()
+        return token_bytes, score_bytes
+
+    def _recompute_terms(self, stage: int, shapes: Sequence[MicroShape]) -> Tuple[float, float]:
+        """``full`` recompute: one layer's whole activations, rebuilt during a backward."""
+        if self.recompute != "full" or not shapes:
+            return 0.0, 0.0
+        full = replace(self, recompute=None)
+        rows, length = max(shapes, key=lambda s: s[0] * s[1])
+        cp = self.dims.parallel.cp_size
+        tokens = rows * length / cp
+        return (
+            tokens * full.layer_token_bytes(),
+            rows * (length / cp) * length * full.layer_score_bytes(),
+        )
+
+    def _scales(self, stage: int) -> Tuple[float, float]:
+        if self.stage_scales:
+            return self.stage_scales[stage]
+        return self.token_scale, self.score_scale
+
+    def stage_peak(
+        self, stage: int, shapes: Sequence[MicroShape], *, group: Optional[int] = None
+    ) -> PeakTerms:
+        """The predicted peak of ``stage`` running micro-batches of ``shapes`` (schedule order).
+
+        Replays the stage's schedule (:func:`schedule_events`) and takes the moment its live
+        micro-batches hold the most.
+        """
+        parallel = self.dims.parallel
+        k_tok, k_sq = self._scales(stage)
+        live: Dict[Tuple[int, int], Tuple[float, float]] = {}
+        tok = sq = 0.0
+        best = (0.0, 0.0, 0.0)
+        events = schedule_events(
+            len(shapes),
+            parallel.pp_size,
+            stage,
+            parallel.vpp_size,
+            group or parallel.group_size,
+        )
+        for forward, mb, chunk in events:
+            if forward:
+                terms = self.chunk_terms(stage, chunk, shapes[mb])
+                live[(mb, chunk)] = terms
+                tok, sq = tok + terms[0], sq + terms[1]
+                value = k_tok * tok + k_sq * sq
+                if value > best[0]:
+                    best = (value, tok, sq)
+            else:
+                terms = live.pop((mb, chunk))
+                tok, sq = tok - terms[0], sq - terms[1]
+        extra_tok, extra_sq = self._recompute_terms(stage, shapes)
+        static = self.resting(stage)
+        tokens, scores = best[1] + extra_tok, best[2] + extra_sq
+        return PeakTerms(
+            static=static,
+            tokens=tokens,
+            scores=scores,
+            total=static + k_tok * tokens + k_sq * scores,
+        )
+
+    def worst_live(self, stage: int) -> Tuple[int, int, int]:
+        """Upper bounds over any micro-batch count: ``(layer-micro-batches, embedding outputs,
+        logits)`` stage ``stage`` keeps alive at once (each a micro-batch's worth)."""
+        return _worst_live(self.dims, stage)
+
+    def uniform_peak(self, stage: int, shape: MicroShape) -> float:
+        """An upper bound on ``stage``'s peak for any number of micro-batches of ``shape``."""
+        dims = self.dims
+        k_tok, k_sq = self._scales(stage)
+        layer_mbs, embeds, logits = self.worst_live(stage)
+        rows, length = shape
+        cp = dims.parallel.cp_size
+        tokens = rows * length / cp
+        tok = layer_mbs * tokens * self.layer_token_bytes()
+        tok += embeds * tokens * dims.hidden_size * dims.dtype_bytes
+        tok += logits * tokens * self.logit_token_bytes()
+        sq = layer_mbs * rows * (length / cp) * length * self.layer_score_bytes()
+        extra_tok, extra_sq = self._recompute_terms(stage, [shape])
+        return self.resting(stage) + k_tok * (tok + extra_tok) + k_sq * (sq + extra_sq)
+
+
+@functools.lru_cache(maxsize=256)
+def _worst_live(dims: ModelDims, stage: int) -> Tuple[int, int, int]:
+    parallel = dims.parallel
+    group = parallel.group_size
+    # Enough micro-batches for the warm-up to be complete (more only add steady-state pairs).
+    count = group * (2 * parallel.pp_size + parallel.vpp_size + 1)
+    layers = embeds = logits = 0
+    most = [0, 0, 0]
+    events = schedule_events(count, parallel.pp_size, stage, parallel.vpp_size, group)
+    last_stage = stage == parallel.pp_size - 1
+    for forward, _mb, chunk in events:
+        sign = 1 if forward else -1
+        layers += sign * dims.chunk_layers(stage, chunk)
+        embeds += sign * (stage == 0 and chunk == 0)
+        logits += sign * (last_stage and chunk == parallel.vpp_size - 1)
+        most = [max(most[0], layers), max(most[1], embeds), max(most[2], logits)]
+    # ``layers`` counts layer-micro-batches; a micro-batch's worth is the stage's chunk layers.
+    return most[0], most[1], most[2]
+
+
+def step_shapes(
+    num_microbatches: int,
+    micro_batch_size: int,
+    seq_length: int,
+    row_lengths: Sequence[Sequence[int]] = (),
+    dp_size: int = 1,
+) -> List[List[MicroShape]]:
+    """Every DP rank's micro-batch shapes in schedule order, from a step plan's fields."""
+    if row_lengths:
+        return [[(micro_batch_size, s) for s in rows] for rows in row_lengths]
+    return [[(micro_batch_size, seq_length)] * num_microbatches for _ in range(dp_size)]
+
+
+def predicted_step_peaks(
+    model: MemoryModel, rank_shapes: Sequence[Sequence[MicroShape]]
+) -> List[PeakTerms]:
+    """Per pipeline stage, the largest predicted peak over the DP ranks' micro-batches."""
+    peaks = []
+    for stage in model.dims.stages():
+        terms = [model.stage_peak(stage, shapes) for shapes in rank_shapes]
+        peaks.append(max(terms, key=lambda t: t.total))
+    return peaks
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryLimit:
+    """A memory budget the planner keeps every stage's predicted peak within."""
+
+    model: MemoryModel
+    """How the step's bytes are predicted."""
+    budget_bytes: int
+    """The most one rank may hold at its peak (``--max-memory-gib`` in bytes)."""
+    row_multiple: int = 1
+    """Rows are multiples of this (the sample multiple): caps are rounded down to it."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, MemoryModel):
+            raise DynBatchValueError(f"model={self.model!r} must be a MemoryModel.")
+        if isinstance(self.budget_bytes, bool) or not isinstance(self.budget_bytes, int):
+            raise DynBatchValueError(f"budget_bytes={self.budget_bytes!r} must be an int.")
+        if self.budget_bytes <= 0:
+            raise DynBatchValueError(f"budget_bytes={self.budget_bytes} must be > 0.")
+
+    def fits(self, shape: MicroShape) -> bool:
+        """Whether any number of micro-batches of ``shape`` keeps every stage within budget."""
+        return all(
+            self.model.uniform_peak(stage, shape) <= self.budget_bytes
+            for stage in self.model.dims.stages()
+        )
+
+    def row_cap(self, rows: int = 1) -> int:
+        """The longest row (a multiple of ``row_multiple``) of ``rows``-row micro-batches that
+        fits (:meth:`fits`); 0 when not even one ``row_multiple`` does."""
+        return _row_cap(self, rows)
+
+    def most_rows(self, length: int, limit: int) -> int:
+        """The most rows of ``length`` tokens, at most ``limit``, a micro-batch may have (>= 0)."""
+        lo, hi = 0, limit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.fits((mid, length)):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def headroom(self) -> List[float]:
+        """Per stage, the budget less what it holds at rest (bytes; negative: over already)."""
+        return [self.budget_bytes - self.model.resting(s) for s in self.model.dims.stages()]
+
+
+#: Longest row searched for a cap (tokens): beyond any context length in use.
+_MAX_ROW = 1 << 26
+
+
+@functools.lru_cache(maxsize=1024)
+def _row_cap(limit: MemoryLimit, rows: int) -> int:
+    unit = limit.row_multiple
+    lo, hi = 0, _MAX_ROW // unit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if limit.fits((rows, mid * unit)):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * unit
+
+
+def fit_activation_scales(
+    observations: Sequence[Tuple[float, float, float]], *, common: bool = False
+) -> Tuple[float, float, float]:
+    """Least-squares ``(token_scale, score_scale)`` of measured activation peaks, and the error.
+
+    Each observation is ``(tokens, scores, measured)``: a step's predicted activation terms at
+    its peak (:class:`PeakTerms`, unscaled) and the measured peak less the memory at rest. Fits
+    ``measured ~ a * tokens + b * scores`` with ``a, b >= 0``; where the steps do not vary enough
+    to tell the two terms apart (fixed shapes), or with ``common``, one factor on both. The error is the largest
+    relative misprediction of an observed activation peak by the fit.
+    """
+    obs = [(t, s, m) for t, s, m in observations if t + s > 0]
+    if not obs:
+        return 1.0, 1.0, 0.0
+    stt = sum(t * t for t, _, _ in obs)
+    sss = sum(s * s for _, s, _ in obs)
+    sts = sum(t * s for t, s, _ in obs)
+    stm = sum(t * m for t, _, m in obs)
+    ssm = sum(s * m for _, s, m in obs)
+    det = stt * sss - sts * sts
+    a = b = None
+    if not common and sss > 0 and det > 1e-6 * stt * sss:
+        a = (stm * sss - ssm * sts) / det
+        b = (ssm * stt - stm * sts) / det
+    if a is None or a < 0 or b < 0:
+        # One factor on both terms (their ratio as counted).
+        total = [(t + s, m) for t, s, m in obs]
+        k = max(0.0, sum(x * m for x, m in total) / sum(x * x for x, _ in total))
+        a = b = k
+    error = max(abs(a * t + b * s - m) / max(m, 1.0) for t, s, m in obs)
+    return float(a), float(b), float(error)
