@@ -343,7 +343,8 @@ def main(argv=None) -> int:
     common += ["--pipeline-model-parallel-size", "1", "--global-batch-size", str(gbs)]
     common += ["--micro-batch-size", str(mbs), "--eval-iters", "1", "--eval-interval", "1000"]
     if gpu and not options.tiny:
-        common += GPU_FLAGS
+        # A gentler learning rate than the CPU demo's: bf16 on the larger model must not diverge.
+        common += GPU_FLAGS + ["--lr", "3e-4", "--min-lr", "3e-5"]
     precision = ["--bf16"] if (gpu and not options.tiny) else []
 
     runs: Dict[str, Dict] = {}
