@@ -21,7 +21,7 @@ import pytest
 from tests._support import REPO, readme_block, run_shell
 
 #: The markers that say what a test needs (see pytest.ini).
-KINDS = ("unit", "gloo", "torchrun", "slime", "skyrl", "verl")
+KINDS = ("unit", "gloo", "torchrun", "slime", "skyrl", "verl", "nemo_rl")
 
 SLIME_DIR = os.environ.get("SLIME_DIR")
 
@@ -30,6 +30,7 @@ CHECKOUTS = {
     "slime": ("SLIME_DIR", "patches/slime/README.md"),
     "skyrl": ("SKYRL_DIR", "patches/skyrl/README.md"),
     "verl": ("VERL_DIR", "patches/verl/README.md"),
+    "nemo_rl": ("NEMO_RL_DIR", "patches/nemo_rl/README.md"),
 }
 
 

@@ -35,7 +35,6 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple
 from megatron_dynbatch.config import config_from_mapping
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import ParallelLayout, plan_schedule, round_up
-from megatron_dynbatch.planning.plan import StepPlan
 from megatron_dynbatch.planning.spec import PlannerConfig
 
 __all__ = [
@@ -168,13 +167,16 @@ def _check_lengths(lengths: Sequence[int], batch_size: int) -> None:
         )
 
 
-def _check_oversize(step: StepPlan, lengths: Sequence[int], start: int, config, key: str) -> None:
-    if step.oversize_samples:
-        worst = max(step.oversize_samples, key=lambda i: lengths[i])
+def _check_budget(padded: Sequence[int], config: PlannerConfig, key: str) -> None:
+    # Before planning, so the message names NeMo-RL's key (the planner's names Megatron's flags).
+    over = [i for i, n in enumerate(padded) if n > config.token_cap]
+    if over:
+        worst = max(over, key=lambda i: padded[i])
         raise DynBatchValueError(
-            f"sample {start + worst} is {lengths[worst]} tokens after padding, over "
-            f"policy.sequence_packing.{key}={config.max_tokens_per_gpu}; raise {key} to at least "
-            f"{lengths[worst]} or drop the sample."
+            f"{len(over)} sample(s) over policy.sequence_packing.{key}={config.token_cap}: "
+            f"sample {worst} is {padded[worst]} tokens after padding to "
+            "policy.make_sequence_length_divisible_by; raise "
+            f"{key} to at least {padded[worst]} or drop the sample."
         )
 
 
@@ -206,6 +208,7 @@ def plan_nemo_rl_shards(
     key = "logprob_mb_tokens" if forward_only else "train_mb_tokens"
     padded = padded_lengths(lengths, pad_multiple)
     placeholder = round_up(placeholder_length, pad_multiple)
+    _check_budget(padded, config, key)
     dp = config.parallel.dp_size
     rows: List[List[Optional[int]]] = [[] for _ in range(dp)]
     indices: List[List[Tuple[Tuple[int, int], ...]]] = [[] for _ in range(dp)]
@@ -214,7 +217,6 @@ def plan_nemo_rl_shards(
     for start in range(0, len(padded), batch_size):
         chunk = padded[start : start + batch_size]
         [step] = plan_schedule(chunk, config=config).steps
-        _check_oversize(step, chunk, start, config, key)
         counts.append(step.num_microbatches)
         for r, microbatches in enumerate(step.ranks):
             assert len(microbatches) == step.num_microbatches, "equal counts by construction"
