@@ -17,6 +17,7 @@ from typing import Any, Dict, Optional, Sequence
 from megatron_dynbatch.planning.cost import microbatch_cost
 from megatron_dynbatch.planning.simulate import BACKWARD_TO_FORWARD_RATIO, pipeline_makespan
 from megatron_dynbatch.planning.spec import (
+    DEFAULT_ATTENTION_CROSSOVER,
     LAYOUTS,
     CostModel,
     ParallelLayout,
@@ -34,10 +35,9 @@ __all__ = [
     "step_time",
 ]
 
-#: Sequence length at which self-attention's quadratic work equals the linear (MLP, projection) work
-#: of a dense transformer: ``2*h*L^2 = 12*h^2*L`` at ``L = 6*h``, i.e. 24576 for ``h = 4096`` (a 7B
-#: model; the same ratio verl's workload estimate uses).
-DEFAULT_ATTENTION_CROSSOVER = 24576
+# DEFAULT_ATTENTION_CROSSOVER (planning/spec.py): the sequence length at which self-attention's
+# quadratic work equals a dense transformer's linear work (24576: a 7B model; the same ratio verl's
+# workload estimate uses). Re-exported for the benchmarks.
 
 #: The cost model of every benchmark figure: ``L + L^2 / 24576`` per sample, padding included.
 EVAL_COST = CostModel(token_weight=1.0, attention_weight=1.0 / DEFAULT_ATTENTION_CROSSOVER)

@@ -22,6 +22,7 @@ __all__ = [
     "ParallelLayout",
     "PlannerConfig",
     "ATTENTION_KINDS",
+    "DEFAULT_ATTENTION_CROSSOVER",
     "DEFAULT_MIN_GAIN",
     "DEFAULT_OVERHEAD_FRACTION",
     "LAYOUT_FLAGS",
@@ -58,6 +59,11 @@ DEFAULT_OVERHEAD_FRACTION = 0.02
 #: When the overhead is assumed (not calibrated), a candidate with more micro-batches per rank must
 #: be predicted faster by at least this fraction to be chosen over one with fewer.
 DEFAULT_MIN_GAIN = 0.03
+
+#: ``L**2`` work per ``L`` work of a dense transformer when a host gives no model dimensions:
+#: causal attention's ``2*h*L**2`` FLOPs against the linear layers' ``12*h**2*L`` cross at
+#: ``L = 6*h``, 24,576 tokens for hidden size 4,096 (a 7B model).
+DEFAULT_ATTENTION_CROSSOVER = 24576
 
 #: What happens to a sample longer than the token cap: ``error`` refuses the batch, ``truncate``
 #: cuts it to the cap, ``allow`` runs it alone in its micro-batch, over the cap.

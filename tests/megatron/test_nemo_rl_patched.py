@@ -492,6 +492,9 @@ CASES = [
     pytest.param(2, Layout(pp=2), 8, 4, 48, 3, id="pp2-dp1"),
     pytest.param(4, Layout(pp=2), 8, 4, 48, 3, id="pp2-dp2"),
     pytest.param(2, Layout(pp=2, vpp=2), 6, 6, 48, 2, id="pp2-vpp2-dp1"),
+    # Three samples over two ranks at an interleaving group of 2: a rank with fewer real
+    # micro-batches than the count runs placeholder micro-batches after them.
+    pytest.param(4, Layout(pp=2, vpp=2), 3, 3, 48, 2, id="pp2-vpp2-dp2-placeholders"),
     # One sample per global batch at dp 2: in every global batch one rank holds placeholders only.
     pytest.param(4, Layout(pp=2), 3, 1, 48, 0, id="pp2-dp2-placeholder-rank"),
 ]
@@ -515,7 +518,11 @@ def test_nemo_rl_matches_per_sample_reference(
     )
     [reference] = run_on_ranks(1, _reference_body, num, gbs, long_every, layout=Layout())
     real_rows = _check(patched_nemo_rl, results, reference, num, gbs, layout)
-    if gbs < world // layout.pp:
+    dp = world // layout.pp
+    if gbs < dp * max(results[0]["counts"]):
+        # Too few samples for every rank to fill the count: placeholder rows must exist.
+        assert sum(results[0]["placeholder_rows"]) > 0, results[0]["placeholder_rows"]
+    if gbs < dp:
         # Fewer samples per global batch than DP ranks: a rank runs placeholders only.
         assert 0 in real_rows, real_rows
 

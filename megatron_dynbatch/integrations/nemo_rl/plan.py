@@ -35,7 +35,7 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple
 from megatron_dynbatch.config import config_from_mapping
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import ParallelLayout, plan_schedule, round_up
-from megatron_dynbatch.planning.spec import PlannerConfig
+from megatron_dynbatch.planning.spec import DEFAULT_ATTENTION_CROSSOVER, PlannerConfig
 
 __all__ = [
     "NEMO_RL_FIXED",
@@ -51,9 +51,14 @@ NEMO_RL_OPTIONS = {
     "train_mb_tokens": "max_tokens_per_gpu",
     "logprob_mb_tokens": "log_probs_max_tokens_per_gpu",
 }
-#: What NeMo-RL's runtime decides: its sequence packing runs every micro-batch as one THD row, and
-#: its budget is a hard cap (its packer refuses a longer sample too).
-NEMO_RL_FIXED = {"layout": "packed", "oversize_samples": "error"}
+#: What NeMo-RL's runtime decides: its sequence packing runs every micro-batch as one THD row
+#: (attention per sample), and its budget is a hard cap (its packer refuses a longer sample too).
+#: The driver plans before any model exists, so attention is costed as a 7B-class model's.
+NEMO_RL_FIXED = {
+    "layout": "packed",
+    "oversize_samples": "error",
+    "cost_attention_weight": 1.0 / DEFAULT_ATTENTION_CROSSOVER,
+}
 
 _SWITCH = "policy.megatron_cfg.dynbatch.enabled"
 

@@ -60,6 +60,7 @@ from megatron_dynbatch.integrations.slime.config import (
 from megatron_dynbatch.planning import CostModel, ParallelLayout, Plan, plan_schedule, round_up
 from megatron_dynbatch.planning.karmarkar_karp import karmarkar_karp
 from megatron_dynbatch.planning.shape import variable_rows as planned_variable_rows
+from megatron_dynbatch.planning.spec import DEFAULT_ATTENTION_CROSSOVER
 
 __all__ = [
     "DATA_PAD_SIZE_MULTIPLIER",
@@ -546,12 +547,6 @@ def _static_schedule(
         seq_lengths=seq_lengths,
         rollout_counts=rollout_counts,
     )
-
-
-#: ``L**2`` work per ``L`` work of a dense transformer when slime's args carry no model dimensions:
-#: causal attention's ``2*h*L**2`` FLOPs against the linear layers' ``12*h**2*L`` cross at
-#: ``L = 6*h``, 24,576 tokens for hidden size 4,096 (a 7B model).
-DEFAULT_ATTENTION_CROSSOVER = 24576
 
 
 def _cost_model(args: Any) -> CostModel:
