@@ -362,18 +362,21 @@ def _logprob_body(cfg, shard, chunks):
     return logprobs, int(count)
 
 
-def _nemo_rl_body(root, num, gbs, budget, long_every):
-    """One rank: shard as NeMo-RL's driver (patched), log-probs, then a training pass."""
+def _nemo_rl_body(root, num, gbs, budget, long_every, enabled=True):
+    """One rank: shard as NeMo-RL's driver, log-probs, then a training pass; ``enabled``:
+    ``policy.megatron_cfg.dynbatch.enabled`` (off: NeMo-RL's own sequence packing)."""
     from megatron.core import parallel_state as ps
 
     stubbed = _import_nemo_rl(root)
     from nemo_rl.models.megatron import train as nemo_train
 
+    from megatron_dynbatch.integrations.nemo_rl.shard import PLACEHOLDER_ROWS, num_real_rows
+
     assert nemo_train.__file__.startswith(root), nemo_train.__file__
     pp = ps.get_pipeline_model_parallel_world_size()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    cfg = _policy_cfg(pp, vpp, budget=budget, logprob_budget=2 * budget)
+    cfg = _policy_cfg(pp, vpp, budget=budget, logprob_budget=2 * budget, enabled=enabled)
     policy = _policy(cfg, dp)
     chunks = _model()
     data = _batch(_samples(num, long_every=long_every))
@@ -390,8 +393,8 @@ def _nemo_rl_body(root, num, gbs, budget, long_every):
         "logprob_count": logprob_count,
         "counts": counts,
         "valid": valid,
-        "placeholder_rows": [len(s.dynbatch_placeholder_rows) for s in train_shards],
-        "real_rows": [s.size - len(s.dynbatch_placeholder_rows) for s in train_shards],
+        "placeholder_rows": [len(getattr(s, PLACEHOLDER_ROWS, ())) for s in train_shards],
+        "real_rows": [num_real_rows(s) for s in train_shards],
         "grads": grads,
     }
 
@@ -528,6 +531,37 @@ def test_nemo_rl_matches_per_sample_reference(
 
 
 # -- the switch off: the patched tree is the stock one ------------------------------------------
+
+
+@needs_nemo_rl
+def test_switch_off_runs_bitwise_as_stock(patched_nemo_rl):
+    """The same step with the switch off on the patched tree and on the pristine one (NeMo-RL's
+    own sequence packing at pp 2, dp 2): identical log-probs, gradients and counts."""
+    args = (8, 4, 48, 3)
+    patched = run_on_ranks(
+        4,
+        _nemo_rl_body,
+        patched_nemo_rl,
+        *args,
+        enabled=False,
+        layout=Layout(pp=2),
+        timeout_s=BODY_TIMEOUT_S,
+    )
+    stock = run_on_ranks(
+        4,
+        _nemo_rl_body,
+        NEMO_RL_DIR,
+        *args,
+        enabled=False,
+        layout=Layout(pp=2),
+        timeout_s=BODY_TIMEOUT_S,
+    )
+    for mine, theirs in zip(patched, stock, strict=True):
+        assert mine["placeholder_rows"] == [0, 0]
+        assert torch.equal(mine["logprobs"], theirs["logprobs"])
+        assert mine["order"] == theirs["order"] and mine["counts"] == theirs["counts"]
+        assert mine["grads"].keys() == theirs["grads"].keys()
+        assert all(torch.equal(mine["grads"][k], theirs["grads"][k]) for k in mine["grads"])
 
 
 def _stock_shards_body(root, enabled_key):
