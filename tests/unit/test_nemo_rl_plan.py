@@ -143,3 +143,12 @@ def test_budget_errors_name_nemo_rl_keys():
     del cfg["sequence_packing"]["logprob_mb_tokens"]
     with pytest.raises(DynBatchValueError, match="needs policy.sequence_packing.logprob_mb_tokens"):
         nemo_rl_planner_config(cfg, dp_size=1, forward_only=True)
+
+
+def test_layout_errors_name_nemo_rl_keys():
+    cfg = _cfg(pp=2, vpp=2, group=1)
+    with pytest.raises(
+        DynBatchValueError,
+        match=r"pp_size is policy\.megatron_cfg\.pipeline_model_parallel_size",
+    ):
+        nemo_rl_planner_config(cfg, dp_size=1, forward_only=False)

@@ -35,7 +35,11 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple
 from megatron_dynbatch.config import config_from_mapping
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import ParallelLayout, plan_schedule, round_up
-from megatron_dynbatch.planning.spec import DEFAULT_ATTENTION_CROSSOVER, PlannerConfig
+from megatron_dynbatch.planning.spec import (
+    DEFAULT_ATTENTION_CROSSOVER,
+    PlannerConfig,
+    layout_flags,
+)
 
 __all__ = [
     "NEMO_RL_FIXED",
@@ -121,10 +125,11 @@ def nemo_rl_planner_config(
     pp = int(megatron_cfg.get("pipeline_model_parallel_size", 1) or 1)
     vpp = int(megatron_cfg.get("virtual_pipeline_model_parallel_size", 1) or 1)
     group = megatron_cfg.get("microbatch_group_size_per_vp_stage") if vpp > 1 else None
-    layout = ParallelLayout(
-        dp_size=dp_size, pp_size=pp, vpp_size=vpp, microbatch_group_size_per_vp_stage=group
-    )
-    return config.planner_config(layout, forward_only=forward_only)
+    with layout_flags("NeMo-RL"):
+        layout = ParallelLayout(
+            dp_size=dp_size, pp_size=pp, vpp_size=vpp, microbatch_group_size_per_vp_stage=group
+        )
+        return config.planner_config(layout, forward_only=forward_only)
 
 
 @dataclass(frozen=True, kw_only=True)
