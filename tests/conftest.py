@@ -1,13 +1,13 @@
 """Shared fixtures and the rules every test module follows.
 
-* Every test carries one kind marker (``unit``, ``gloo``, ``torchrun``, ``slime``, ``skyrl``, ``verl``;
-  registered in pytest.ini), set explicitly by its module's ``pytestmark`` or on the test.
-  Collection fails on a test without one, so the fast default (``pytest``: ``-m "not torchrun and
-  not slime and not skyrl and not verl"``) can never drop a new test silently. ``scripts/test.sh`` runs every
-  kind (``-m ""``).
-* ``slime`` / ``skyrl`` / ``verl`` tests need a checkout of that trainer in ``SLIME_DIR`` /
-  ``SKYRL_DIR`` / ``VERL_DIR``;
-  without one they are skipped here, in one place, with the reason.
+* Every test carries one kind marker (``unit``, ``gloo``, ``torchrun``, ``slime``, ``skyrl``,
+  ``verl``, ``nemo_rl``; registered in pytest.ini), set explicitly by its module's ``pytestmark``
+  or on the test. Collection fails on a test without one, so the fast default (``pytest``: ``-m
+  "not torchrun and not slime and not skyrl and not verl and not nemo_rl"``) can never drop a new
+  test silently. ``scripts/test.sh`` runs every kind (``-m ""``).
+* ``slime`` / ``skyrl`` / ``verl`` / ``nemo_rl`` tests need a checkout of that trainer in
+  ``SLIME_DIR`` / ``SKYRL_DIR`` / ``VERL_DIR`` / ``NEMO_RL_DIR``; without one they are skipped
+  here, in one place, with the reason.
 * No test writes into the repository: files go to pytest's ``tmp_path`` or to the temporary
   directories below (the README commands run in a scratch working directory).
 """
@@ -21,7 +21,7 @@ import pytest
 from tests._support import REPO, readme_block, run_shell
 
 #: The markers that say what a test needs (see pytest.ini).
-KINDS = ("unit", "gloo", "torchrun", "slime", "skyrl", "verl")
+KINDS = ("unit", "gloo", "torchrun", "slime", "skyrl", "verl", "nemo_rl")
 
 SLIME_DIR = os.environ.get("SLIME_DIR")
 
@@ -30,6 +30,7 @@ CHECKOUTS = {
     "slime": ("SLIME_DIR", "patches/slime/README.md"),
     "skyrl": ("SKYRL_DIR", "patches/skyrl/README.md"),
     "verl": ("VERL_DIR", "patches/verl/README.md"),
+    "nemo_rl": ("NEMO_RL_DIR", "patches/nemo_rl/README.md"),
 }
 
 

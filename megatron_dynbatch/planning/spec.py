@@ -178,6 +178,15 @@ LAYOUT_FLAGS: Dict[str, Dict[str, str]] = {
         "tp_size": "trainer.policy.megatron_config.tensor_model_parallel_size",
         "cp_size": "trainer.policy.megatron_config.context_parallel_size",
     },
+    "NeMo-RL": {
+        "dp_size": "cluster GPUs / (tensor x pipeline x context parallel size)",
+        "pp_size": "policy.megatron_cfg.pipeline_model_parallel_size",
+        "vpp_size": "policy.megatron_cfg.virtual_pipeline_model_parallel_size",
+        "microbatch_group_size_per_vp_stage": "policy.megatron_cfg."
+        "microbatch_group_size_per_vp_stage",
+        "tp_size": "policy.megatron_cfg.tensor_model_parallel_size",
+        "cp_size": "policy.megatron_cfg.context_parallel_size",
+    },
 }
 LAYOUT_FLAGS["slime"] = LAYOUT_FLAGS["Megatron-LM"]
 

@@ -1,4 +1,5 @@
-"""One constructor of DynBatchConfig, every host's option table (slime, SkyRL, verl, the CLI)."""
+"""One constructor of DynBatchConfig, every host's option table (slime, SkyRL, verl, NeMo-RL, the
+CLI)."""
 
 import ast
 import pathlib
@@ -7,6 +8,7 @@ import pytest
 
 from megatron_dynbatch.config import _FIELDS, config_from_mapping
 from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.integrations.nemo_rl.plan import NEMO_RL_FIXED, NEMO_RL_OPTIONS
 from megatron_dynbatch.integrations.skyrl.plan import SKYRL_FIXED, SKYRL_OPTIONS
 from megatron_dynbatch.integrations.slime.config import SLIME_OPTIONS
 from megatron_dynbatch.integrations.verl.engine import VERL_OPTIONS
@@ -45,10 +47,12 @@ def test_every_table_names_real_fields():
         ("slime", SLIME_OPTIONS),
         ("skyrl", SKYRL_OPTIONS),
         ("verl", VERL_OPTIONS),
+        ("nemo_rl", NEMO_RL_OPTIONS),
         ("cli", {f: f for f in CLI_FIELDS}),
     ):
         assert set(table.values()) <= set(_FIELDS), name
     assert set(SKYRL_FIXED) <= set(_FIELDS)
+    assert set(NEMO_RL_FIXED) <= set(_FIELDS)
 
 
 def test_a_host_option_maps_to_its_field_and_errors_name_the_host_option():

@@ -29,6 +29,7 @@ ALLOWED = {
     "integrations.slime": {"errors", "planning", "config", "runtime", "mcore"},
     "integrations.skyrl": {"errors", "planning", "config", "runtime", "mcore"},
     "integrations.verl": {"errors", "planning", "config", "runtime", "mcore"},
+    "integrations.nemo_rl": {"errors", "planning", "config", "runtime", "mcore"},
     "integrations": set(),  # the sub-package's __init__
     "adapters": {"integrations.slime"},
     "tools": {

@@ -41,6 +41,7 @@ _BUILDERS = (
     "integrations/slime/empty_rank.py",
     "integrations/skyrl/iterator.py",
     "integrations/verl/engine.py",
+    "integrations/nemo_rl/shard.py",
 )
 _ALLOCATORS = {"zeros", "ones", "full", "empty", "zeros_like", "ones_like", "full_like"}
 

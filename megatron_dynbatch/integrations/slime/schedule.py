@@ -551,11 +551,6 @@ def _static_schedule(
     )
 
 
-#: ``L**2`` work per ``L`` work of a dense transformer when slime's args carry no model dimensions:
-#: a 7B model's (:data:`~megatron_dynbatch.planning.spec.ATTENTION_CROSSOVER_7B`).
-DEFAULT_ATTENTION_CROSSOVER = ATTENTION_CROSSOVER_7B
-
-
 def _cost_model(args: Any) -> CostModel:
     """What one micro-batch costs on one GPU: linear work per position plus attention per sample.
 
@@ -563,9 +558,9 @@ def _cost_model(args: Any) -> CostModel:
     more than one of as many tokens in short samples; the planner balances and orders by that.
     The ratio is slime's own FLOPs estimate (``calculate_fwd_flops``, what ``--balance-data``
     and ``--balance-by-flops`` balance) from the model dimensions on ``args``, or, without them
-    (a bare namespace), a 7B-class model's (:data:`DEFAULT_ATTENTION_CROSSOVER`).
+    (a bare namespace), a 7B-class model's (:data:`ATTENTION_CROSSOVER_7B`).
     """
-    default = CostModel(token_weight=1.0, attention_weight=1.0 / DEFAULT_ATTENTION_CROSSOVER)
+    default = CostModel(token_weight=1.0, attention_weight=1.0 / ATTENTION_CROSSOVER_7B)
     try:
         # FLOPs(L) = a * L + b * L**2: b from the second difference, a from FLOPs(1).
         quadratic = (_forward_flops(args, 2) - 2 * _forward_flops(args, 1)) / 2

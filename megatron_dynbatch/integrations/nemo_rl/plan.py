@@ -1,0 +1,248 @@
+"""NeMo-RL's DP shards of one batch from one global plan: which sample goes to which rank and
+micro-batch, from lengths alone.
+
+NeMo-RL's driver (``Policy`` in ``nemo_rl/models/policy/lm_policy.py``) holds every sample of a
+``train`` / ``get_logprobs`` call and shards it over the DP ranks before any worker runs
+(``BatchedDataDict.shard_by_batch_size``), so samples may go to any rank: each global batch
+(``train_global_batch_size`` samples; the whole batch for log-probs) is planned over every DP rank
+at once by :func:`megatron_dynbatch.planning.plan_schedule`. The result is what NeMo-RL's own
+sequence packing hands its workers, so its worker runtime (``get_microbatch_iterator`` ->
+``make_microbatch_iterator_for_packable_sequences`` -> THD packing -> ``megatron_forward_backward``)
+runs our micro-batches unchanged: per rank its rows in run order, ``micro_batch_indices`` (row
+ranges of each micro-batch, per global batch), ``micro_batch_lengths`` (each micro-batch's padded
+tokens) and ``elem_counts_per_gb`` (rows per global batch).
+
+What changes against NeMo-RL's packer: one plan over the DP ranks balances the ranks' work (the
+packer deals its bins round-robin), every rank runs the same number of micro-batches, a multiple
+of the interleaved schedule's group (the packer aligns the total to ``dp`` only), and a rank with
+fewer real micro-batches runs loss-masked placeholder rows (one row, ``sample_mask`` and
+``token_mask`` 0) as whole micro-batches. Placeholder rows are marked ``None`` in
+:attr:`NemoRlShards.rows`.
+
+The budget keeps NeMo-RL's meaning of ``policy.sequence_packing.train_mb_tokens`` /
+``logprob_mb_tokens``: the tokens of one packed micro-batch, each sample padded to
+``policy.make_sequence_length_divisible_by`` (what ``_pack_sequences_for_megatron`` pads it to), a
+hard cap; a sample longer than it is refused, naming the key to raise.
+
+Standard library and :mod:`megatron_dynbatch.planning` / :mod:`megatron_dynbatch.config` only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
+
+from megatron_dynbatch.config import config_from_mapping
+from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.planning import ParallelLayout, plan_schedule, round_up
+from megatron_dynbatch.planning.spec import (
+    ATTENTION_CROSSOVER_7B,
+    PlannerConfig,
+    layout_flags,
+)
+
+__all__ = [
+    "NEMO_RL_FIXED",
+    "NEMO_RL_OPTIONS",
+    "NemoRlShards",
+    "dynbatch_enabled",
+    "nemo_rl_planner_config",
+    "plan_nemo_rl_shards",
+]
+
+#: NeMo-RL's option names (``policy.sequence_packing.*``) of the settings it gives the planner.
+NEMO_RL_OPTIONS = {
+    "train_mb_tokens": "max_tokens_per_gpu",
+    "logprob_mb_tokens": "log_probs_max_tokens_per_gpu",
+}
+#: What NeMo-RL's runtime decides: its sequence packing runs every micro-batch as one THD row
+#: (attention per sample), and its budget is a hard cap (its packer refuses a longer sample too).
+#: The driver plans before any model exists, so attention is costed as a 7B-class model's.
+NEMO_RL_FIXED = {
+    "layout": "packed",
+    "oversize_samples": "error",
+    "cost_attention_weight": 1.0 / ATTENTION_CROSSOVER_7B,
+}
+
+_SWITCH = "policy.megatron_cfg.dynbatch.enabled"
+
+
+def dynbatch_enabled(policy_cfg: Mapping[str, Any]) -> bool:
+    """Whether ``policy.megatron_cfg.dynbatch.enabled`` is on, after checking what it needs.
+
+    Raises:
+        DynBatchValueError: the switch is not a boolean; it is on without the Megatron backend, or
+            without ``policy.sequence_packing.enabled`` (the runtime that runs our micro-batches),
+            or together with ``policy.dynamic_batching.enabled`` (ours replaces it).
+    """
+    megatron_cfg = policy_cfg.get("megatron_cfg") or {}
+    section = megatron_cfg.get("dynbatch") or {}
+    flag = section.get("enabled", False)
+    if not isinstance(flag, bool):
+        raise DynBatchValueError(f"{_SWITCH}={flag!r} is not a boolean; set it to true or false.")
+    if not flag:
+        return False
+    if not megatron_cfg.get("enabled", False):
+        raise DynBatchValueError(
+            f"{_SWITCH}=true plans the Megatron policy's micro-batches, but "
+            "policy.megatron_cfg.enabled is false; enable the Megatron backend or set "
+            f"{_SWITCH}=false."
+        )
+    if (policy_cfg.get("dynamic_batching") or {}).get("enabled", False):
+        raise DynBatchValueError(
+            f"{_SWITCH}=true replaces policy.dynamic_batching (which needs pipeline size 1); set "
+            "policy.dynamic_batching.enabled=false."
+        )
+    if not (policy_cfg.get("sequence_packing") or {}).get("enabled", False):
+        raise DynBatchValueError(
+            f"{_SWITCH}=true runs its micro-batches through NeMo-RL's sequence packing; set "
+            "policy.sequence_packing.enabled=true with policy.sequence_packing.train_mb_tokens "
+            "(and logprob_mb_tokens for log-prob passes)."
+        )
+    return True
+
+
+def nemo_rl_planner_config(
+    policy_cfg: Mapping[str, Any], *, dp_size: int, forward_only: bool
+) -> PlannerConfig:
+    """The planner config of one NeMo-RL pass from its policy config (one table, one function).
+
+    The parallel layout is read from ``policy.megatron_cfg``: pipeline size, virtual pipeline
+    size and Megatron's interleaving group. Samples are planned at the length NeMo-RL pads them to
+    (:func:`padded_lengths`), so tensor and context parallelism add nothing here.
+    """
+    packing = policy_cfg.get("sequence_packing") or {}
+    megatron_cfg = policy_cfg.get("megatron_cfg") or {}
+    values = {name: packing.get(name) for name in NEMO_RL_OPTIONS}
+    if forward_only and values["logprob_mb_tokens"] is None:
+        raise DynBatchValueError(
+            "a log-prob pass with policy.megatron_cfg.dynbatch.enabled=true needs "
+            "policy.sequence_packing.logprob_mb_tokens; set it (e.g. to train_mb_tokens x 2)."
+        )
+    config = config_from_mapping(
+        values, table=NEMO_RL_OPTIONS, fixed=NEMO_RL_FIXED, host="policy.sequence_packing"
+    )
+    pp = int(megatron_cfg.get("pipeline_model_parallel_size", 1) or 1)
+    vpp = int(megatron_cfg.get("virtual_pipeline_model_parallel_size", 1) or 1)
+    group = megatron_cfg.get("microbatch_group_size_per_vp_stage") if vpp > 1 else None
+    with layout_flags("NeMo-RL"):
+        layout = ParallelLayout(
+            dp_size=dp_size, pp_size=pp, vpp_size=vpp, microbatch_group_size_per_vp_stage=group
+        )
+        return config.planner_config(layout, forward_only=forward_only)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NemoRlShards:
+    """Every DP rank's rows of one NeMo-RL pass, in NeMo-RL's sharding attributes."""
+
+    rows: Tuple[Tuple[Optional[int], ...], ...]
+    """``rows[r]``: the global sample index of each row of DP rank ``r``'s shard, in run order;
+    ``None`` is a placeholder row (a whole placeholder micro-batch)."""
+    micro_batch_indices: Tuple[Tuple[Tuple[Tuple[int, int], ...], ...], ...]
+    """``micro_batch_indices[r][g]``: ``(start, end)`` rows of each micro-batch of global batch
+    ``g`` on rank ``r``, relative to the global batch (NeMo-RL's attribute of that name)."""
+    micro_batch_lengths: Tuple[Tuple[Tuple[int, ...], ...], ...]
+    """``micro_batch_lengths[r][g][m]``: padded tokens of that micro-batch (its packed row)."""
+    num_microbatches: Tuple[int, ...]
+    """Micro-batches every rank runs in global batch ``g`` (equal on every rank)."""
+
+    def elem_counts_per_gb(self, dp_rank: int) -> List[int]:
+        """Rows of each global batch on ``dp_rank`` (NeMo-RL's ``elem_counts_per_gb``)."""
+        return [mbs[-1][1] for mbs in self.micro_batch_indices[dp_rank]]
+
+    def sample_order(self) -> List[int]:
+        """Global sample index of every real row, rank by rank: NeMo-RL's
+        ``unsorted_data_indices`` once each rank has dropped its placeholder rows."""
+        return [i for rank in self.rows for i in rank if i is not None]
+
+
+def padded_lengths(lengths: Sequence[int], pad_multiple: int) -> List[int]:
+    """Each sample's length as NeMo-RL's packing pads it (``make_sequence_length_divisible_by``)."""
+    return [round_up(int(n), pad_multiple) for n in lengths]
+
+
+def _check_lengths(lengths: Sequence[int], batch_size: int) -> None:
+    if not lengths:
+        raise DynBatchValueError("the batch has no sample; pass at least one.")
+    for i, n in enumerate(lengths):
+        if isinstance(n, bool) or int(n) != n or int(n) < 1:
+            raise DynBatchValueError(
+                f"sample {i} has input_lengths={n!r}; every sample needs at least one token."
+            )
+    if len(lengths) % batch_size:
+        raise DynBatchValueError(
+            f"{len(lengths)} samples are not a multiple of the global batch size {batch_size} "
+            "(policy.train_global_batch_size); pass whole global batches."
+        )
+
+
+def _check_budget(padded: Sequence[int], config: PlannerConfig, key: str) -> None:
+    # Before planning, so the message names NeMo-RL's key (the planner's names Megatron's flags).
+    over = [i for i, n in enumerate(padded) if n > config.token_cap]
+    if over:
+        worst = max(over, key=lambda i: padded[i])
+        raise DynBatchValueError(
+            f"{len(over)} sample(s) over policy.sequence_packing.{key}={config.token_cap}: "
+            f"sample {worst} is {padded[worst]} tokens after padding to "
+            "policy.make_sequence_length_divisible_by; raise "
+            f"{key} to at least {padded[worst]} or drop the sample."
+        )
+
+
+def plan_nemo_rl_shards(
+    lengths: Sequence[int],
+    config: PlannerConfig,
+    *,
+    batch_size: Optional[int] = None,
+    pad_multiple: int = 1,
+    placeholder_length: int = 1,
+    forward_only: bool = False,
+) -> NemoRlShards:
+    """Plan every global batch of ``lengths`` over the DP ranks of ``config.parallel``.
+
+    Args:
+        lengths: ``input_lengths`` of every sample of the call.
+        config: From :func:`nemo_rl_planner_config`.
+        batch_size: Samples per global batch (``train``); ``None``: one batch (log-probs).
+        pad_multiple: ``policy.make_sequence_length_divisible_by``.
+        placeholder_length: ``input_lengths`` of a placeholder row.
+        forward_only: Names ``logprob_mb_tokens`` (not ``train_mb_tokens``) in errors.
+
+    Raises:
+        DynBatchValueError: no sample, a sample without tokens, a sample count that is not a
+            multiple of ``batch_size``, or a sample over the budget.
+    """
+    batch_size = batch_size or len(lengths)
+    _check_lengths(lengths, batch_size)
+    key = "logprob_mb_tokens" if forward_only else "train_mb_tokens"
+    padded = padded_lengths(lengths, pad_multiple)
+    placeholder = round_up(placeholder_length, pad_multiple)
+    _check_budget(padded, config, key)
+    dp = config.parallel.dp_size
+    rows: List[List[Optional[int]]] = [[] for _ in range(dp)]
+    indices: List[List[Tuple[Tuple[int, int], ...]]] = [[] for _ in range(dp)]
+    mb_lengths: List[List[Tuple[int, ...]]] = [[] for _ in range(dp)]
+    counts: List[int] = []
+    for start in range(0, len(padded), batch_size):
+        chunk = padded[start : start + batch_size]
+        [step] = plan_schedule(chunk, config=config).steps
+        counts.append(step.num_microbatches)
+        for r, microbatches in enumerate(step.ranks):
+            assert len(microbatches) == step.num_microbatches, "equal counts by construction"
+            spans, tokens, first = [], [], 0
+            for mb in microbatches:
+                # () is a placeholder micro-batch: one loss-masked row.
+                members = [start + i for i in mb] if mb else [None]
+                rows[r].extend(members)
+                spans.append((first, first + len(members)))
+                tokens.append(sum(chunk[i] for i in mb) if mb else placeholder)
+                first += len(members)
+            indices[r].append(tuple(spans))
+            mb_lengths[r].append(tuple(tokens))
+    return NemoRlShards(
+        rows=tuple(tuple(r) for r in rows),
+        micro_batch_indices=tuple(tuple(r) for r in indices),
+        micro_batch_lengths=tuple(tuple(r) for r in mb_lengths),
+        num_microbatches=tuple(counts),
+    )

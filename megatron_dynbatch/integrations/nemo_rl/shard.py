@@ -1,0 +1,186 @@
+"""NeMo-RL's DP shards built from :mod:`.plan`, and what its workers do with their placeholders.
+
+The patched ``Policy._shard_for_train`` / ``_shard_for_logprob`` call :func:`shard_for_train` /
+:func:`shard_for_logprob` instead of ``BatchedDataDict.shard_by_batch_size`` when
+``policy.megatron_cfg.dynbatch.enabled`` is on. Each shard is a ``BatchedDataDict`` of the batch's
+own type with NeMo-RL's packing attributes (``micro_batch_indices``, ``micro_batch_lengths``,
+``elem_counts_per_gb``), so the worker's stock ``get_microbatch_iterator`` runs it, and
+``dynbatch_placeholder_rows``: the rows that are placeholders.
+
+A placeholder row is a shape, not data: every key of the batch with its dtype and per-row shape,
+all zeros (``sample_mask``, ``token_mask``, advantages, log-probs: no loss weight, counted in
+neither ``global_valid_seqs`` nor ``global_valid_toks``), except ``input_lengths``, one token, so
+NeMo-RL's packing gives it a segment. The worker drops placeholder rows from its outputs
+(:func:`drop_placeholder_rows`) and counts only real rows (:func:`num_real_rows`); the driver then
+restores sample order with NeMo-RL's own ``reorder_data`` and the order returned here.
+
+NeMo-RL is never imported here: batches are built with the batch's own methods.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.integrations.nemo_rl.plan import (
+    NemoRlShards,
+    nemo_rl_planner_config,
+    plan_nemo_rl_shards,
+)
+from megatron_dynbatch.runtime import restore_order
+from megatron_dynbatch.runtime.placeholders import placeholder_tensor
+
+__all__ = [
+    "INPUT_LENGTHS_KEY",
+    "PLACEHOLDER_LENGTH",
+    "chunk_iterators",
+    "drop_placeholder_rows",
+    "num_real_rows",
+    "restore_rows",
+    "shard_for_logprob",
+    "shard_for_train",
+]
+
+#: NeMo-RL's key of each sample's token count (``SequencePackingArgs.input_lengths_key``).
+INPUT_LENGTHS_KEY = "input_lengths"
+#: Tokens of a placeholder row: one, so NeMo-RL's packing gives it a (masked) segment.
+PLACEHOLDER_LENGTH = 1
+#: The attribute that names a shard's placeholder rows (survives Ray's pickling of the shard).
+PLACEHOLDER_ROWS = "dynbatch_placeholder_rows"
+
+
+def _lengths(data: Any) -> List[int]:
+    if INPUT_LENGTHS_KEY not in data:
+        raise DynBatchValueError(
+            f"the batch has no {INPUT_LENGTHS_KEY!r}; policy.megatron_cfg.dynbatch plans by "
+            "each sample's token count, as NeMo-RL's sequence packing does."
+        )
+    value = data[INPUT_LENGTHS_KEY]
+    return [int(n) for n in (value.tolist() if torch.is_tensor(value) else value)]
+
+
+def _with_placeholder_row(data: Any) -> Any:
+    """``data`` with one placeholder row appended (row ``data.size``)."""
+    out = type(data)()
+    for key, value in data.items():
+        if torch.is_tensor(value):
+            row = placeholder_tensor(value, rows=1)
+            if key == INPUT_LENGTHS_KEY:
+                row += PLACEHOLDER_LENGTH
+            out[key] = torch.cat([value, row])
+        elif isinstance(value, list):
+            out[key] = [*value, None]
+        else:
+            raise DynBatchValueError(
+                f"key {key!r} is a {type(value).__name__}; policy.megatron_cfg.dynbatch builds "
+                "placeholder rows for tensors and lists only (no multimodal PackedTensor); set "
+                "policy.megatron_cfg.dynbatch.enabled=false for this batch."
+            )
+    return out
+
+
+def _shards(data: Any, plan: NemoRlShards) -> List[Any]:
+    source = _with_placeholder_row(data)
+    placeholder = data.size
+    shards = []
+    for rank, rows in enumerate(plan.rows):
+        shard = source.select_indices([placeholder if i is None else i for i in rows])
+        shard.micro_batch_indices = [
+            [list(span) for span in gb] for gb in plan.micro_batch_indices[rank]
+        ]
+        shard.micro_batch_lengths = [list(gb) for gb in plan.micro_batch_lengths[rank]]
+        shard.elem_counts_per_gb = plan.elem_counts_per_gb(rank)
+        setattr(shard, PLACEHOLDER_ROWS, tuple(p for p, i in enumerate(rows) if i is None))
+        shards.append(shard)
+    return shards
+
+
+def _plan(policy_cfg, data, dp_size, batch_size, forward_only) -> NemoRlShards:
+    config = nemo_rl_planner_config(policy_cfg, dp_size=dp_size, forward_only=forward_only)
+    return plan_nemo_rl_shards(
+        _lengths(data),
+        config,
+        batch_size=batch_size,
+        pad_multiple=int(policy_cfg.get("make_sequence_length_divisible_by", 1) or 1),
+        placeholder_length=PLACEHOLDER_LENGTH,
+        forward_only=forward_only,
+    )
+
+
+def shard_for_train(
+    policy_cfg: Mapping[str, Any], data: Any, dp_size: int, batch_size: int
+) -> List[Any]:
+    """``Policy._shard_for_train`` with the switch on: one shard per DP rank, every global batch
+    of ``batch_size`` samples planned over every rank under ``train_mb_tokens``."""
+    return _shards(data, _plan(policy_cfg, data, dp_size, batch_size, False))
+
+
+def shard_for_logprob(
+    policy_cfg: Mapping[str, Any], data: Any, dp_size: int
+) -> Tuple[List[Any], List[int]]:
+    """``Policy._shard_for_logprob`` with the switch on: the shards and the
+    ``unsorted_data_indices`` NeMo-RL's ``reorder_data`` puts the gathered outputs back with."""
+    plan = _plan(policy_cfg, data, dp_size, None, True)
+    return _shards(data, plan), plan.sample_order()
+
+
+def num_real_rows(data: Any) -> int:
+    """Rows of a shard that are samples (what ``train`` counts its global batches from)."""
+    return data.size - len(getattr(data, PLACEHOLDER_ROWS, ()))
+
+
+def drop_placeholder_rows(data: Any, output: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A worker's per-row ``output`` (``[rows, ...]`` in shard order) without placeholder rows.
+
+    Raises:
+        DynBatchValueError: when ``output`` does not have one row per row of the shard.
+    """
+    placeholders = getattr(data, PLACEHOLDER_ROWS, ())
+    if output is None or not placeholders:
+        return output
+    if output.shape[0] != data.size:
+        raise DynBatchValueError(
+            f"{output.shape[0]} output rows for a shard of {data.size} rows; every row of the "
+            "shard (placeholders included) must give one."
+        )
+    drop = set(placeholders)
+    keep = torch.tensor([p for p in range(data.size) if p not in drop], dtype=torch.long)
+    return output.index_select(0, keep.to(output.device))
+
+
+def restore_rows(outputs: Sequence[torch.Tensor], plan: NemoRlShards) -> torch.Tensor:
+    """Every rank's outputs (one ``[rows, ...]`` tensor per rank, placeholder rows included)
+    stacked in sample order, strictly (:func:`megatron_dynbatch.runtime.restore_order`)."""
+    per_sample = {}
+    for rank, (rows, output) in enumerate(zip(plan.rows, outputs, strict=True)):
+        if output.shape[0] != len(rows):
+            raise DynBatchValueError(
+                f"DP rank {rank} returned {output.shape[0]} rows, its shard has {len(rows)}."
+            )
+        per_sample.update({i: output[p] for p, i in enumerate(rows) if i is not None})
+    return torch.stack(restore_order(per_sample, len(per_sample)))
+
+
+def chunk_iterators(iterator: Iterator[Any], num_chunks: int) -> List[Iterator[Any]]:
+    """One iterator per model chunk over the same micro-batches, for Megatron's interleaved
+    schedule (it reads micro-batch ``k`` of chunk ``c`` from ``data_iterator[c]``).
+
+    Each micro-batch is taken from ``iterator`` once (NeMo-RL processes it: packing, device
+    copy) and served to every chunk in order.
+    """
+    cache: List[Any] = []
+
+    def chunk() -> Iterator[Any]:
+        k = 0
+        while True:
+            if k == len(cache):
+                try:
+                    cache.append(next(iterator))
+                except StopIteration:
+                    return
+            yield cache[k]
+            k += 1
+
+    return [chunk() for _ in range(num_chunks)]

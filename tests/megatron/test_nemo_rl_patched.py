@@ -1,0 +1,687 @@
+"""NeMo-RL's own Megatron policy code, patched by ``patches/nemo_rl``, against a per-sample reference.
+
+With ``NEMO_RL_DIR`` (a NeMo-RL checkout at the commit named in ``patches/nemo_rl/README.md``) the
+patches are applied to a copy with ``launch/apply_nemo_rl_patches.sh``; then, on gloo CPU ranks
+(tiny GPT, pp 2 at dp 1 and 2, pp 2 x vpp 2, and global batches of one sample at dp 2, so one rank
+holds only placeholders), NeMo-RL's real code runs the step as its driver and Megatron worker do:
+
+* the driver's ``Policy._shard_for_train`` / ``_shard_for_logprob`` (patch 0002) shard the batch;
+* each rank runs the worker's training loop body: ``BatchedDataDict.get_batch``,
+  ``process_global_batch`` (``global_valid_seqs`` / ``global_valid_toks`` all-reduced over DP),
+  ``get_microbatch_iterator`` (NeMo-RL's sequence packing: THD rows, padded to the rank's largest
+  pack at pp > 1), ``LossPostProcessor`` with NeMo-RL's ``NLLLossFn`` and
+  ``megatron_forward_backward`` (patch 0004 hands the interleaved schedule one iterator per chunk);
+* the log-prob pass runs ``get_microbatch_iterator``, ``LogprobsPostProcessor`` and
+  ``megatron_forward_backward`` forward-only, drops placeholder rows as patched ``get_logprobs``
+  does (patch 0003, ``drop_placeholder_rows``), and the driver's ``BatchedDataDict.from_batches``
+  and ``reorder_data`` put them back in sample order.
+
+Checked: gradients equal a single process running each sample alone (relative 1e-5), log-probs
+come back in sample order (absolute 1e-5), every DP rank runs the same number of micro-batches (a
+multiple of the interleaving group), placeholders add nothing to ``global_valid_seqs`` /
+``global_valid_toks``. With the switch off the patched tree shards exactly as the stock one, and
+NeMo-RL's own CPU tests of ``BatchedDataDict`` sharding and of its packing algorithms pass on the
+patched tree as on the pristine one.
+
+What is not NeMo-RL's in these runs, and why (also in docs/nemo_rl.md):
+
+* modules NeMo-RL imports that are not installed here and need Ray, a GPU, a download or a
+  network service are stubbed (:data:`NEMO_RL_STUBBED`; only those missing), and the stubbed
+  ``transformers`` reports a version (NeMo-RL's policy package asserts one at import);
+* the CPU stands in for CUDA inside the body: ``Tensor.cuda`` and ``BatchedDataDict.to("cuda")``
+  leave tensors where they are (restored afterwards);
+* the worker object: ``MegatronPolicyWorker`` imports Megatron-Core names newer than the 0.19.2
+  installed here (``FullyShardedDataParallelV1``), so its method bodies are replayed around
+  NeMo-RL's functions (:func:`_train_body`, :func:`_logprob_body`), with the patched lines
+  (``num_real_rows``, ``drop_placeholder_rows``) as the patch writes them;
+* the tiny GPT's attention core is the project's reference THD attention (Transformer Engine needs
+  CUDA), so NeMo-RL's THD packing runs as on a GPU.
+
+Without ``NEMO_RL_DIR`` these tests are skipped (the pure parts are in
+``tests/unit/test_nemo_rl_plan.py``).
+"""
+
+import contextlib
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
+
+apply_cpu_shim()
+
+from megatron_dynbatch.tools.testing.workers import Layout, run_on_ranks  # noqa: E402
+
+pytestmark = pytest.mark.nemo_rl
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+APPLY = REPO / "launch" / "apply_nemo_rl_patches.sh"
+NEMO_RL_DIR = os.environ.get("NEMO_RL_DIR")
+REL_TOL = 1e-5
+BODY_TIMEOUT_S = 600
+SEED = 11
+VOCAB = 128
+#: What NeMo-RL's dependencies pad each sample to (``policy.make_sequence_length_divisible_by``).
+PAD_MULTIPLE = 4
+#: Modules NeMo-RL imports that need Ray, a GPU, a download or a network service; stubbed only
+#: when not installed.
+NEMO_RL_STUBBED = (
+    "ray",  # the cluster and worker groups
+    "transformers",  # Hugging Face models and tokenizers (downloads)
+    "requests",  # downloads (multimodal inputs)
+    "triton",  # GPU kernels
+    "zmq",  # IPC weight refit between GPU workers
+    "pynvml",  # the NVIDIA driver
+    "uvicorn",  # vLLM's HTTP server
+    "fastapi",  # vLLM's HTTP server
+    "mlflow",  # experiment trackers (network)
+    "swanlab",
+    "wandb",
+    "prometheus_client",  # the metrics server
+    "hydra",  # the DTensor (FSDP) path's model classes, loaded from Hugging Face
+)
+#: Megatron-Bridge (Hugging Face checkpoint conversion, Transformer Engine).
+NEMO_RL_STUBBED_PREFIXES = ("megatron.bridge",)
+#: A version below NeMo-RL's assert in ``nemo_rl/models/policy/__init__.py`` for the stub.
+STUB_TRANSFORMERS_VERSION = "5.0.0"
+#: The files the patches touch.
+PATCHED_FILES = (
+    "nemo_rl/models/policy/__init__.py",
+    "nemo_rl/models/policy/lm_policy.py",
+    "nemo_rl/models/policy/workers/megatron_policy_worker.py",
+    "nemo_rl/models/megatron/train.py",
+)
+
+needs_nemo_rl = pytest.mark.skipif(not NEMO_RL_DIR, reason="NEMO_RL_DIR is not set")
+
+
+@pytest.fixture(scope="module")
+def patched_nemo_rl(tmp_path_factory):
+    """A copy of NEMO_RL_DIR's ``nemo_rl`` package with the patches applied (the stock tree
+    untouched)."""
+    root = tmp_path_factory.mktemp("nemo_rl_patched")
+    shutil.copytree(pathlib.Path(NEMO_RL_DIR) / "nemo_rl", root / "nemo_rl")
+    result = subprocess.run(["bash", str(APPLY), str(root)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return str(root)
+
+
+# -- running NeMo-RL's code on a rank -----------------------------------------------------------
+
+_ROOTS = set()
+
+
+def _import_nemo_rl(root):
+    """Stub what NeMo-RL needs and cannot have here; put ``root`` first on ``sys.path``."""
+    from megatron_dynbatch.tools.testing.host_stubs import install_stubs
+
+    stubbed = install_stubs(NEMO_RL_STUBBED, prefixes=NEMO_RL_STUBBED_PREFIXES)
+    import transformers
+
+    if not hasattr(transformers, "__file__"):  # the stub, not an installed transformers
+        transformers.__version__ = STUB_TRANSFORMERS_VERSION
+    for name in [n for n in sys.modules if n == "nemo_rl" or n.startswith("nemo_rl.")]:
+        del sys.modules[name]
+    sys.path[:] = [p for p in sys.path if p not in _ROOTS]
+    _ROOTS.add(root)
+    sys.path.insert(0, root)
+    return stubbed
+
+
+@contextlib.contextmanager
+def _cuda_on_cpu():
+    """NeMo-RL moves batches with ``.cuda()`` / ``.to("cuda")``; on CPU ranks they stay home."""
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+    tensor_cuda, batch_to = torch.Tensor.cuda, BatchedDataDict.to
+
+    def to(self, device):
+        return self if str(device).startswith("cuda") else batch_to(self, device)
+
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    BatchedDataDict.to = to
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda, BatchedDataDict.to = tensor_cuda, batch_to
+
+
+def _samples(num, seed=SEED, long_every=0):
+    """Token ids and a loss mask per sample; every ``long_every``-th sample (when > 0) is long."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(num):
+        longest = 30 if long_every and i % long_every == 0 else 14
+        n = int(torch.randint(4, longest, (1,), generator=gen))
+        tokens = torch.randint(1, VOCAB, (n,), generator=gen)
+        mask = (torch.rand(n, generator=gen) > 0.3).to(torch.float32)
+        mask[0] = 0  # the first token is the prompt
+        mask[-1] = 1
+        out.append((tokens, mask))
+    return out
+
+
+def _batch(samples):
+    """The driver's batch: right-padded ``input_ids``, ``input_lengths``, ``token_mask``,
+    ``sample_mask`` (NeMo-RL's SFT data spec)."""
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+    width = max(t.numel() for t, _ in samples)
+    n = len(samples)
+    ids = torch.zeros((n, width), dtype=torch.int64)
+    mask = torch.zeros((n, width), dtype=torch.float32)
+    for i, (t, m) in enumerate(samples):
+        ids[i, : t.numel()] = t
+        mask[i, : t.numel()] = m
+    return BatchedDataDict(
+        input_ids=ids,
+        input_lengths=torch.tensor([t.numel() for t, _ in samples], dtype=torch.int32),
+        token_mask=mask,
+        sample_mask=torch.ones(n, dtype=torch.float32),
+    )
+
+
+def _policy_cfg(pp, vpp, *, budget, logprob_budget, enabled=True):
+    """The part of NeMo-RL's ``PolicyConfig`` these code paths read."""
+    return {
+        "make_sequence_length_divisible_by": PAD_MULTIPLE,
+        "dynamic_batching": {"enabled": False},
+        "sequence_packing": {
+            "enabled": True,
+            "train_mb_tokens": budget,
+            "logprob_mb_tokens": logprob_budget,
+            "algorithm": "modified_first_fit_decreasing",
+        },
+        "logprob_chunk_size": None,
+        "megatron_cfg": {
+            "enabled": True,
+            "tensor_model_parallel_size": 1,
+            "sequence_parallel": False,
+            "pipeline_model_parallel_size": pp,
+            "virtual_pipeline_model_parallel_size": vpp,
+            "context_parallel_size": 1,
+            "dynbatch": {"enabled": enabled},
+        },
+    }
+
+
+def _policy(cfg, dp):
+    """NeMo-RL's ``Policy`` without its constructor (it starts Ray workers): what the shard
+    helpers read, with the attributes the patched ``__init__`` sets from ``cfg``."""
+    import types
+
+    from nemo_rl.models.policy.lm_policy import Policy
+
+    policy = Policy.__new__(Policy)
+    policy.cfg = cfg
+    policy.sharding_annotations = types.SimpleNamespace(get_axis_size=lambda axis: dp)
+    policy.use_dynamic_batches = False
+    policy.use_sequence_packing = True
+    policy.sequence_packing_args = {
+        "algorithm": cfg["sequence_packing"]["algorithm"],
+        "input_key": "input_ids",
+        "input_lengths_key": "input_lengths",
+        "sequence_length_pad_multiple": cfg["make_sequence_length_divisible_by"],
+    }
+    policy.use_dynbatch = cfg["megatron_cfg"].get("dynbatch", {}).get("enabled", False)
+    return policy
+
+
+def _model():
+    """The tiny GPT on this rank's stages in NeMo-RL's regime: per-token loss, DDP summing."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+
+    from megatron_dynbatch.mcore.thd_attention import with_thd_reference_attention
+    from megatron_dynbatch.tools.testing.tiny_gpt import (
+        build_tiny_gpt,
+        make_schedule_config_safe,
+        tiny_layer_spec,
+        tiny_transformer_config,
+        wrap_in_ddp,
+    )
+
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    config = tiny_transformer_config(
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        calculate_per_token_loss=True,  # NeMo-RL's setup sets it
+    )
+    make_schedule_config_safe(config)
+    spec = with_thd_reference_attention(lambda c, vp_stage=None: tiny_layer_spec())(None)
+    chunks = wrap_in_ddp(build_tiny_gpt(config, seed=SEED, layer_spec=spec))
+    config.finalize_model_grads_func = finalize_model_grads
+    return chunks
+
+
+def _forward_backward(chunks, iterator, count, mbs, seq, post, **kwargs):
+    from nemo_rl.models.megatron.train import megatron_forward_backward
+
+    return megatron_forward_backward(
+        model=chunks if len(chunks) > 1 else chunks[0],
+        data_iterator=iterator,
+        num_microbatches=count,
+        seq_length=seq,
+        mbs=mbs,
+        post_processing_fn=post,
+        **kwargs,
+    )
+
+
+def _train_body(cfg, shard, gbs, chunks):
+    """``MegatronPolicyWorker.train`` on this rank's shard, without the optimizer step: the
+    sum of every global batch's gradients (each normalised by its own valid tokens)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import StragglerDetector
+    from nemo_rl.algorithms.loss.loss_functions import NLLLossFn
+    from nemo_rl.models.megatron.data import get_microbatch_iterator, process_global_batch
+    from nemo_rl.models.megatron.train import LossPostProcessor
+
+    from megatron_dynbatch.integrations.nemo_rl.shard import num_real_rows
+    from megatron_dynbatch.tools.testing.tiny_gpt import named_global_grads
+
+    dp_group = ps.get_data_parallel_group()
+    dp = ps.get_data_parallel_world_size()
+    num_rows = shard.size
+    if cfg["megatron_cfg"].get("dynbatch", {}).get("enabled", False):
+        num_rows = num_real_rows(shard)  # as patch 0003 writes it
+    total = torch.tensor(num_rows)
+    dist.all_reduce(total, group=dp_group)
+    num_global_batches = int(total) // gbs
+    loss_fn = NLLLossFn()
+    counts, valid, grads = [], [], {}
+    for gb_idx in range(num_global_batches):
+        # The worker zeroes the grad buffer per global batch (DDP all-reduces the buffer at the
+        # end of each pass, so a second pass over a filled buffer would reduce it twice).
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        gb = process_global_batch(
+            shard, loss_fn=loss_fn, dp_group=dp_group, batch_idx=gb_idx, batch_size=gbs // dp
+        )
+        valid.append((float(gb["global_valid_seqs"]), float(gb["global_valid_toks"])))
+        iterator, count, mbs, _, padded = get_microbatch_iterator(
+            gb["batch"], cfg, 1, straggler_timer=StragglerDetector()
+        )
+        counts.append(int(count))
+        post = LossPostProcessor(loss_fn=loss_fn, cfg=cfg, num_microbatches=count)
+        _forward_backward(
+            chunks,
+            iterator,
+            count,
+            mbs,
+            padded,
+            post,
+            global_valid_seqs=gb["global_valid_seqs"],
+            global_valid_toks=gb["global_valid_toks"],
+            straggler_timer=StragglerDetector(),
+        )
+        for name, grad in named_global_grads(chunks).items():
+            grads[name] = grads.get(name, 0) + grad
+    return counts, valid, grads
+
+
+def _logprob_body(cfg, shard, chunks):
+    """``MegatronPolicyWorker.get_logprobs`` on this rank's shard: every row's log-probs (the
+    first token 0), placeholder rows dropped as patch 0003 does, on every stage."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import StragglerDetector
+    from nemo_rl.models.megatron.data import get_microbatch_iterator
+    from nemo_rl.models.megatron.train import LogprobsPostProcessor
+
+    from megatron_dynbatch.integrations.nemo_rl.shard import drop_placeholder_rows
+
+    iterator, count, mbs, seq_length, padded = get_microbatch_iterator(
+        shard, cfg, 1, straggler_timer=StragglerDetector()
+    )
+    post = LogprobsPostProcessor(cfg=cfg)
+    with torch.no_grad():
+        outputs = _forward_backward(chunks, iterator, count, mbs, padded, post, forward_only=True)
+    holder = [None]
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        rows = []
+        for out in outputs:
+            lp = out["logprobs"]
+            rows.append(torch.nn.functional.pad(lp, (0, seq_length - lp.shape[1])))
+        holder = [torch.cat(rows)]
+    dist.broadcast_object_list(
+        holder,
+        src=ps.get_pipeline_model_parallel_last_rank(),
+        group=ps.get_pipeline_model_parallel_group(),
+    )
+    logprobs = holder[0]
+    if cfg["megatron_cfg"].get("dynbatch", {}).get("enabled", False):
+        logprobs = drop_placeholder_rows(shard, logprobs)
+    return logprobs, int(count)
+
+
+def _nemo_rl_body(root, num, gbs, budget, long_every, enabled=True):
+    """One rank: shard as NeMo-RL's driver, log-probs, then a training pass; ``enabled``:
+    ``policy.megatron_cfg.dynbatch.enabled`` (off: NeMo-RL's own sequence packing)."""
+    from megatron.core import parallel_state as ps
+
+    stubbed = _import_nemo_rl(root)
+    from nemo_rl.models.megatron import train as nemo_train
+
+    from megatron_dynbatch.integrations.nemo_rl.shard import PLACEHOLDER_ROWS, num_real_rows
+
+    assert nemo_train.__file__.startswith(root), nemo_train.__file__
+    pp = ps.get_pipeline_model_parallel_world_size()
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    cfg = _policy_cfg(pp, vpp, budget=budget, logprob_budget=2 * budget, enabled=enabled)
+    policy = _policy(cfg, dp)
+    chunks = _model()
+    data = _batch(_samples(num, long_every=long_every))
+    with _cuda_on_cpu():
+        shards, order = policy._shard_for_logprob(data)
+        logprobs, logprob_count = _logprob_body(cfg, shards[dp_rank], chunks)
+        train_shards = policy._shard_for_train(data, gbs)
+        counts, valid, grads = _train_body(cfg, train_shards[dp_rank], gbs, chunks)
+    return {
+        "stubbed": stubbed,
+        "dp_rank": dp_rank,
+        "logprobs": logprobs,
+        "order": order,
+        "logprob_count": logprob_count,
+        "counts": counts,
+        "valid": valid,
+        "placeholder_rows": [len(getattr(s, PLACEHOLDER_ROWS, ())) for s in train_shards],
+        "real_rows": [num_real_rows(s) for s in train_shards],
+        "grads": grads,
+    }
+
+
+def _reference_body(num, gbs, long_every):
+    """Each sample alone through a single-process tiny GPT: NLL over its masked tokens, divided
+    by its global batch's valid tokens (NeMo-RL's ``NLLLossFn`` with ``global_valid_toks``)."""
+    from megatron_dynbatch.tools.testing.tiny_gpt import (
+        build_tiny_gpt,
+        logprobs_from_logits,
+        named_global_grads,
+        response_outputs,
+        tiny_transformer_config,
+    )
+
+    samples = _samples(num, long_every=long_every)
+    [model] = build_tiny_gpt(tiny_transformer_config(), seed=SEED)
+    model.zero_grad()
+    total = 0.0
+    logprobs = []
+    for start in range(0, num, gbs):
+        group = samples[start : start + gbs]
+        valid_toks = sum(float(m[1:].sum()) for _, m in group)
+        for tokens, mask in group:
+            # Token t is scored at position t - 1: the first token plays the prompt.
+            logits = response_outputs(model, tokens[:1], tokens[1:])
+            lp = logprobs_from_logits(logits.unsqueeze(0), tokens[1:].unsqueeze(0))[0]
+            logprobs.append(torch.cat([torch.zeros(1), lp.detach()]))
+            total = total - (lp * mask[1:]).sum() / valid_toks
+    total.backward()
+    return {"grads": named_global_grads([model]), "logprobs": logprobs, "samples": samples}
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _driver_body(root, per_rank, order):
+    """The driver's gather: NeMo-RL's ``BatchedDataDict.from_batches`` over the DP ranks'
+    results, then ``reorder_data`` with the order the patched ``_shard_for_logprob`` returned."""
+    _import_nemo_rl(root)
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+    gathered = BatchedDataDict.from_batches([{"logprobs": lp} for lp in per_rank])
+    gathered.reorder_data(order)
+    return gathered["logprobs"]
+
+
+def _check(root, results, reference, num, gbs, layout):
+    merged = {}
+    for r in results:
+        merged.update(r["grads"])  # every rank holds the DP-reduced gradients of its stage
+    assert set(merged) == set(reference["grads"])
+    worst = max(_rel(merged[k], ref) for k, ref in reference["grads"].items())
+    assert worst <= REL_TOL, worst
+    # The driver: one result per DP rank, concatenated, then NeMo-RL's reorder_data.
+    per_rank = {}
+    for r in results:
+        per_rank.setdefault(r["dp_rank"], r)
+    [gathered] = run_on_ranks(
+        1,
+        _driver_body,
+        root,
+        [per_rank[d]["logprobs"] for d in sorted(per_rank)],
+        results[0]["order"],
+        layout=Layout(),
+        timeout_s=BODY_TIMEOUT_S,
+    )
+    assert gathered.shape[0] == num
+    worst_lp = 0.0
+    for i, want in enumerate(reference["logprobs"]):
+        got = gathered[i, : want.numel()]
+        worst_lp = max(worst_lp, float((got - want).abs().max()))
+    assert worst_lp <= 1e-5, worst_lp
+    # Equal micro-batch counts on every rank, aligned to the interleaving group.
+    for key in ("logprob_count", "counts"):
+        assert len({str(r[key]) for r in results}) == 1, [r[key] for r in results]
+    counts = results[0]["counts"] + [results[0]["logprob_count"]]
+    if layout.vpp:
+        assert all(c % layout.pp == 0 for c in counts), counts
+    # Placeholders are in no denominator: NeMo-RL's own valid counts equal the real ones.
+    samples = reference["samples"]
+    for g, (seqs, toks) in enumerate(results[0]["valid"]):
+        group = samples[g * gbs : (g + 1) * gbs]
+        assert seqs == len(group)
+        assert toks == sum(float(m[1:].sum()) for _, m in group)
+    print(
+        f"\n[nemo_rl {layout} dp={len(per_rank)}] grad rel diff max={worst:.2e} log-prob abs "
+        f"diff max={worst_lp:.2e} microbatches train={results[0]['counts']} "
+        f"logprob={results[0]['logprob_count']} placeholder rows per rank="
+        f"{results[0]['placeholder_rows']} stubbed={results[0]['stubbed']}"
+    )
+    return results[0]["real_rows"]
+
+
+#: (world, layout, samples, global batch size, budget, every n-th sample long)
+CASES = [
+    pytest.param(2, Layout(pp=2), 8, 4, 48, 3, id="pp2-dp1"),
+    pytest.param(4, Layout(pp=2), 8, 4, 48, 3, id="pp2-dp2"),
+    pytest.param(2, Layout(pp=2, vpp=2), 6, 6, 48, 2, id="pp2-vpp2-dp1"),
+    # Three samples over two ranks at an interleaving group of 2: a rank with fewer real
+    # micro-batches than the count runs placeholder micro-batches after them.
+    pytest.param(4, Layout(pp=2, vpp=2), 3, 3, 48, 2, id="pp2-vpp2-dp2-placeholders"),
+    # One sample per global batch at dp 2: in every global batch one rank holds placeholders only.
+    pytest.param(4, Layout(pp=2), 3, 1, 48, 0, id="pp2-dp2-placeholder-rank"),
+]
+
+
+@needs_nemo_rl
+@pytest.mark.parametrize("world, layout, num, gbs, budget, long_every", CASES)
+def test_nemo_rl_matches_per_sample_reference(
+    patched_nemo_rl, world, layout, num, gbs, budget, long_every
+):
+    results = run_on_ranks(
+        world,
+        _nemo_rl_body,
+        patched_nemo_rl,
+        num,
+        gbs,
+        budget,
+        long_every,
+        layout=layout,
+        timeout_s=BODY_TIMEOUT_S,
+    )
+    [reference] = run_on_ranks(1, _reference_body, num, gbs, long_every, layout=Layout())
+    real_rows = _check(patched_nemo_rl, results, reference, num, gbs, layout)
+    dp = world // layout.pp
+    if gbs < dp * max(results[0]["counts"]):
+        # Too few samples for every rank to fill the count: placeholder rows must exist.
+        assert sum(results[0]["placeholder_rows"]) > 0, results[0]["placeholder_rows"]
+    if gbs < dp:
+        # Fewer samples per global batch than DP ranks: a rank runs placeholders only.
+        assert 0 in real_rows, real_rows
+
+
+# -- the switch off: the patched tree is the stock one ------------------------------------------
+
+
+@needs_nemo_rl
+def test_switch_off_runs_bitwise_as_stock(patched_nemo_rl):
+    """The same step with the switch off on the patched tree and on the pristine one (NeMo-RL's
+    own sequence packing at pp 2, dp 2): identical log-probs, gradients and counts."""
+    args = (8, 4, 48, 3)
+    patched = run_on_ranks(
+        4,
+        _nemo_rl_body,
+        patched_nemo_rl,
+        *args,
+        enabled=False,
+        layout=Layout(pp=2),
+        timeout_s=BODY_TIMEOUT_S,
+    )
+    stock = run_on_ranks(
+        4,
+        _nemo_rl_body,
+        NEMO_RL_DIR,
+        *args,
+        enabled=False,
+        layout=Layout(pp=2),
+        timeout_s=BODY_TIMEOUT_S,
+    )
+    for mine, theirs in zip(patched, stock, strict=True):
+        assert mine["placeholder_rows"] == [0, 0]
+        assert torch.equal(mine["logprobs"], theirs["logprobs"])
+        assert mine["order"] == theirs["order"] and mine["counts"] == theirs["counts"]
+        assert mine["grads"].keys() == theirs["grads"].keys()
+        assert all(torch.equal(mine["grads"][k], theirs["grads"][k]) for k in mine["grads"])
+
+
+def _stock_shards_body(root, enabled_key):
+    """NeMo-RL's ``_shard_for_train`` / ``_shard_for_logprob`` with sequence packing and the
+    switch off (``enabled_key``: ``False``, or ``None`` for no ``dynbatch`` section at all)."""
+    _import_nemo_rl(root)
+    cfg = _policy_cfg(2, 1, budget=48, logprob_budget=96, enabled=False)
+    if enabled_key is None:
+        del cfg["megatron_cfg"]["dynbatch"]
+    policy = _policy({**cfg}, 2)
+    policy.use_dynbatch = False
+    if enabled_key is None:
+        del policy.use_dynbatch  # the stock Policy has no such attribute
+    data = _batch(_samples(12, long_every=3))
+    train = policy._shard_for_train(data, 6)
+    logprob, order = policy._shard_for_logprob(data)
+
+    def plain(shards):
+        return [
+            (
+                {k: v.tolist() for k, v in s.items()},
+                s.micro_batch_indices,
+                s.micro_batch_lengths,
+                s.elem_counts_per_gb,
+            )
+            for s in shards
+        ]
+
+    return {"train": plain(train), "logprob": plain(logprob), "order": list(order)}
+
+
+@needs_nemo_rl
+def test_switch_off_shards_as_stock(patched_nemo_rl):
+    [patched] = run_on_ranks(
+        1, _stock_shards_body, patched_nemo_rl, False, layout=Layout(), timeout_s=BODY_TIMEOUT_S
+    )
+    [stock] = run_on_ranks(
+        1, _stock_shards_body, NEMO_RL_DIR, None, layout=Layout(), timeout_s=BODY_TIMEOUT_S
+    )
+    assert patched == stock
+
+
+@needs_nemo_rl
+def test_switch_on_refuses_dynamic_batching(patched_nemo_rl):
+    [message] = run_on_ranks(
+        1, _refusal_body, patched_nemo_rl, layout=Layout(), timeout_s=BODY_TIMEOUT_S
+    )
+    assert "policy.dynamic_batching.enabled=false" in message, message
+
+
+def _refusal_body(root):
+    """The patched ``Policy.__init__`` check on a config with NeMo-RL's dynamic batching on."""
+    _import_nemo_rl(root)
+    from megatron_dynbatch.errors import DynBatchValueError
+    from megatron_dynbatch.integrations.nemo_rl.plan import dynbatch_enabled
+
+    cfg = _policy_cfg(2, 1, budget=48, logprob_budget=96)
+    cfg["dynamic_batching"] = {"enabled": True, "train_mb_tokens": 48}
+    try:
+        dynbatch_enabled(cfg)
+    except DynBatchValueError as error:
+        return str(error)
+    return "not refused"
+
+
+# -- NeMo-RL's own CPU tests on the patched tree ------------------------------------------------
+
+#: NeMo-RL's unit tests of what the patched shards feed: BatchedDataDict sharding (and its
+#: sequence-packing / dynamic-batching sharding) and the packing algorithms.
+OWN_TESTS = (
+    "tests/unit/distributed/test_batched_data_dict.py",
+    "tests/unit/data/packing/test_algorithms.py",
+)
+
+
+def _run_own_tests(tree, out):
+    """Run NeMo-RL's ``OWN_TESTS`` against ``tree``'s ``nemo_rl`` (stubs via a conftest)."""
+    out.mkdir()
+    for test in OWN_TESTS:
+        target = out / test
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(pathlib.Path(NEMO_RL_DIR) / test, target)
+    (out / "conftest.py").write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        f"sys.path.insert(0, {tree!r})\n"
+        "from megatron_dynbatch.tools.testing.host_stubs import install_stubs\n"
+        f"install_stubs({NEMO_RL_STUBBED!r}, prefixes={NEMO_RL_STUBBED_PREFIXES!r})\n"
+        "import transformers\n"
+        "if not hasattr(transformers, '__file__'):\n"
+        f"    transformers.__version__ = {STUB_TRANSFORMERS_VERSION!r}\n"
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",
+            "--rootdir",
+            str(out),
+            *OWN_TESTS,
+        ],
+        cwd=out,
+        capture_output=True,
+        text=True,
+        timeout=BODY_TIMEOUT_S,
+    )
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    summary = re.sub(r" in [0-9.]+s.*", "", summary)  # counts, not timings
+    return result.returncode, summary, result.stdout + result.stderr
+
+
+@needs_nemo_rl
+def test_nemo_rl_own_sharding_and_packing_tests_pass_on_patched_tree(patched_nemo_rl, tmp_path):
+    patched = _run_own_tests(patched_nemo_rl, tmp_path / "patched")
+    stock = _run_own_tests(NEMO_RL_DIR, tmp_path / "stock")
+    print(f"\n[nemo_rl own tests] patched: {patched[1]} | pristine: {stock[1]}")
+    assert patched[0] == 0, patched[2][-4000:]
+    assert patched[1] == stock[1]

@@ -1,0 +1,57 @@
+"""patches/nemo_rl: every line that reaches megatron_dynbatch runs only behind the switch."""
+
+import pathlib
+import re
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+PATCHES = pathlib.Path(__file__).resolve().parents[2] / "patches" / "nemo_rl"
+#: The guards an import of ours may sit under: the switch, or (patch 0004) a list of model chunks,
+#: which stock NeMo-RL never passes to ``megatron_forward_backward``.
+GUARDS = (
+    re.compile(r"^\+\s+if self\.use_dynbatch:"),
+    re.compile(
+        r'^\+\s+if self\.cfg\["megatron_cfg"\]\.get\("dynbatch", \{\}\)\.get\("enabled", False\):'
+    ),
+    re.compile(r"^\+\s+if isinstance\(model, list\) and len\(model\) > 1"),
+)
+
+
+def _hunks(text):
+    hunk = []
+    for line in text.splitlines():
+        if line.startswith("@@"):
+            if hunk:
+                yield hunk
+            hunk = []
+        elif hunk is not None:
+            hunk.append(line)
+    if hunk:
+        yield hunk
+
+
+def test_every_import_of_ours_is_behind_a_guard():
+    patches = sorted(PATCHES.glob("*.patch"))
+    assert len(patches) == 4
+    imports = 0
+    for patch in patches:
+        for hunk in _hunks(patch.read_text()):
+            guarded_at = None
+            for i, line in enumerate(hunk):
+                if any(g.match(line) for g in GUARDS):
+                    guarded_at = (i, len(line) - len(line.lstrip("+ ")))
+                if "megatron_dynbatch" in line and line.startswith("+") and "import" in line:
+                    imports += 1
+                    assert guarded_at is not None, f"{patch.name}: unguarded {line.strip()}"
+                    indent = len(line) - len(line.lstrip("+ "))
+                    assert indent > guarded_at[1], f"{patch.name}: {line.strip()} not in the if"
+    assert imports == 7
+
+
+def test_the_readme_names_the_commit_and_every_patch():
+    readme = (PATCHES / "README.md").read_text()
+    assert "`7ea279a`" in readme
+    for patch in PATCHES.glob("*.patch"):
+        assert f"`{patch.name}`" in readme, patch.name

@@ -1,0 +1,154 @@
+"""NeMo-RL's shards from one global plan, from lengths alone (no NeMo-RL checkout needed)."""
+
+import random
+
+import pytest
+
+from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.integrations.nemo_rl.plan import (
+    dynbatch_enabled,
+    nemo_rl_planner_config,
+    padded_lengths,
+    plan_nemo_rl_shards,
+)
+
+pytestmark = pytest.mark.unit
+
+PAD = 4
+
+
+def _cfg(pp=2, vpp=1, budget=64, logprob=128, **flags):
+    cfg = {
+        "make_sequence_length_divisible_by": PAD,
+        "dynamic_batching": {"enabled": flags.get("dynamic", False)},
+        "sequence_packing": {
+            "enabled": flags.get("packing", True),
+            "train_mb_tokens": budget,
+            "logprob_mb_tokens": logprob,
+        },
+        "megatron_cfg": {
+            "enabled": flags.get("megatron", True),
+            "pipeline_model_parallel_size": pp,
+            "virtual_pipeline_model_parallel_size": vpp,
+            "dynbatch": {"enabled": flags.get("enabled", True)},
+        },
+    }
+    if vpp > 1 and "group" in flags:
+        cfg["megatron_cfg"]["microbatch_group_size_per_vp_stage"] = flags["group"]
+    return cfg
+
+
+def _lengths(n, seed, top=60):
+    rng = random.Random(seed)
+    return [rng.randint(1, top) for _ in range(n)]
+
+
+@pytest.mark.parametrize(
+    "dp, pp, vpp, group",
+    [(1, 2, 1, None), (2, 2, 1, None), (4, 2, 2, None), (2, 2, 2, 4), (8, 1, 1, None)],
+)
+@pytest.mark.parametrize("seed", range(5))
+def test_every_sample_once_equal_counts_under_the_budget(dp, pp, vpp, group, seed):
+    cfg = _cfg(pp=pp, vpp=vpp, **({"group": group} if group else {}))
+    config = nemo_rl_planner_config(cfg, dp_size=dp, forward_only=False)
+    gbs = 8 * dp
+    lengths = _lengths(3 * gbs, seed)
+    shards = plan_nemo_rl_shards(lengths, config, batch_size=gbs, pad_multiple=PAD)
+    padded = padded_lengths(lengths, PAD)
+    # Every sample exactly once, in its own global batch.
+    seen = sorted(i for rows in shards.rows for i in rows if i is not None)
+    assert seen == list(range(len(lengths)))
+    multiple = (group or pp) if vpp > 1 else 1
+    for g, count in enumerate(shards.num_microbatches):
+        assert count % multiple == 0
+        for r in range(dp):
+            spans = shards.micro_batch_indices[r][g]
+            assert len(spans) == count, "equal micro-batch counts on every DP rank"
+            offset = sum(shards.elem_counts_per_gb(r)[:g])
+            for (start, end), tokens in zip(spans, shards.micro_batch_lengths[r][g], strict=True):
+                rows = shards.rows[r][offset + start : offset + end]
+                real = [i for i in rows if i is not None]
+                assert all(g * gbs <= i < (g + 1) * gbs for i in real)
+                assert tokens <= 64, "the budget is a hard cap on the packed row"
+                if real:
+                    assert tokens == sum(padded[i] for i in real)
+                else:
+                    assert rows == (None,) and tokens == PAD, "a placeholder is one padded row"
+    # NeMo-RL's reorder_data semantics: output[order[p]] = real row p, rank by rank.
+    order = shards.sample_order()
+    assert sorted(order) == list(range(len(lengths)))
+
+
+def test_a_rank_with_only_placeholders_when_a_batch_has_fewer_samples_than_ranks():
+    config = nemo_rl_planner_config(_cfg(), dp_size=2, forward_only=False)
+    shards = plan_nemo_rl_shards([20, 30, 10], config, batch_size=1, pad_multiple=PAD)
+    assert shards.num_microbatches == (1, 1, 1)
+    real = [sum(i is not None for i in rows) for rows in shards.rows]
+    # Each global batch's one sample runs on one rank; the other runs a placeholder row.
+    assert [rows.count(None) for rows in shards.rows] == [3 - n for n in real]
+    assert sum(real) == 3
+
+
+def test_the_log_prob_pass_uses_logprob_mb_tokens():
+    cfg = _cfg(pp=1, budget=32, logprob=128)  # pp 1: no bubble to fill with more micro-batches
+    lengths = [30] * 8
+    train = plan_nemo_rl_shards(lengths, nemo_rl_planner_config(cfg, dp_size=1, forward_only=False))
+    forward = plan_nemo_rl_shards(
+        lengths, nemo_rl_planner_config(cfg, dp_size=1, forward_only=True), forward_only=True
+    )
+    assert max(max(gb) for gb in train.micro_batch_lengths[0]) <= 32
+    assert max(max(gb) for gb in forward.micro_batch_lengths[0]) <= 128
+    assert sum(forward.num_microbatches) < sum(train.num_microbatches)
+
+
+def test_a_sample_over_the_budget_names_the_key():
+    config = nemo_rl_planner_config(_cfg(budget=32), dp_size=1, forward_only=False)
+    with pytest.raises(
+        DynBatchValueError, match=r"train_mb_tokens=32: sample 1 is 36 tokens .* to at least 36"
+    ):
+        plan_nemo_rl_shards([10, 33], config, pad_multiple=PAD)
+    forward = nemo_rl_planner_config(_cfg(logprob=32), dp_size=1, forward_only=True)
+    with pytest.raises(DynBatchValueError, match="logprob_mb_tokens"):
+        plan_nemo_rl_shards([10, 33], forward, pad_multiple=PAD, forward_only=True)
+
+
+def test_bad_batches_are_refused():
+    config = nemo_rl_planner_config(_cfg(), dp_size=2, forward_only=False)
+    with pytest.raises(DynBatchValueError, match="not a multiple of the global batch size 4"):
+        plan_nemo_rl_shards([5] * 6, config, batch_size=4)
+    with pytest.raises(DynBatchValueError, match="sample 1 has input_lengths=0"):
+        plan_nemo_rl_shards([5, 0], config)
+    with pytest.raises(DynBatchValueError, match="no sample"):
+        plan_nemo_rl_shards([], config)
+
+
+def test_the_switch_and_what_it_needs():
+    assert dynbatch_enabled(_cfg()) is True
+    assert dynbatch_enabled(_cfg(enabled=False)) is False
+    assert dynbatch_enabled({"megatron_cfg": {"enabled": True}}) is False
+    with pytest.raises(DynBatchValueError, match="is not a boolean"):
+        dynbatch_enabled(_cfg(enabled="yes"))
+    with pytest.raises(DynBatchValueError, match="policy.sequence_packing.enabled=true"):
+        dynbatch_enabled(_cfg(packing=False))
+    with pytest.raises(DynBatchValueError, match="policy.dynamic_batching.enabled=false"):
+        dynbatch_enabled(_cfg(dynamic=True))
+    with pytest.raises(DynBatchValueError, match="policy.megatron_cfg.enabled is false"):
+        dynbatch_enabled(_cfg(megatron=False))
+
+
+def test_budget_errors_name_nemo_rl_keys():
+    with pytest.raises(DynBatchValueError, match="train_mb_tokens -> max_tokens_per_gpu"):
+        nemo_rl_planner_config(_cfg(budget=0), dp_size=1, forward_only=False)
+    cfg = _cfg()
+    del cfg["sequence_packing"]["logprob_mb_tokens"]
+    with pytest.raises(DynBatchValueError, match="needs policy.sequence_packing.logprob_mb_tokens"):
+        nemo_rl_planner_config(cfg, dp_size=1, forward_only=True)
+
+
+def test_layout_errors_name_nemo_rl_keys():
+    cfg = _cfg(pp=2, vpp=2, group=1)
+    with pytest.raises(
+        DynBatchValueError,
+        match=r"pp_size is policy\.megatron_cfg\.pipeline_model_parallel_size",
+    ):
+        nemo_rl_planner_config(cfg, dp_size=1, forward_only=False)
