@@ -25,10 +25,25 @@ ALLOWED = {
     "mcore": {"errors", "planning", "runtime"},
     "cpu": {"errors"},
     "integrations.megatron_lm": {"errors", "planning", "config", "runtime", "mcore", "cpu"},
-    "integrations.slime": {"errors", "planning", "config", "runtime", "mcore"},
-    "integrations.skyrl": {"errors", "planning", "config", "runtime", "mcore"},
-    "integrations.verl": {"errors", "planning", "config", "runtime", "mcore"},
+    "integrations.slime": {
+        "errors",
+        "planning",
+        "config",
+        "runtime",
+        "mcore",
+        "integrations.hosts",
+    },
+    "integrations.skyrl": {
+        "errors",
+        "planning",
+        "config",
+        "runtime",
+        "mcore",
+        "integrations.hosts",
+    },
+    "integrations.verl": {"errors", "planning", "config", "runtime", "mcore", "integrations.hosts"},
     "integrations": set(),  # the sub-package's __init__
+    "integrations.hosts": {"errors", "planning", "config"},
     "adapters": {"integrations.slime"},
     "tools": {
         "errors",
