@@ -425,7 +425,9 @@ def plan_host_step(
     assert host.planning == "sharded", f"{host.name} plans globally: use plan_schedule"
     lengths = check_host_lengths(host, lengths_per_rank)
     check_host_oversize(host, lengths, config, forward_only=forward_only)
-    with host.flags():
+    with host.flags(), warnings.catch_warnings():
+        # check_host_oversize reported them in the host's words (the planner's text names ours).
+        warnings.simplefilter("ignore", OversizeSampleWarning)
         ranks, oversize = plan_rank_shards(lengths, config)
     if adjust is not None:
         ranks = adjust(ranks, lengths)

@@ -6,9 +6,7 @@ import pathlib
 import pytest
 
 from megatron_dynbatch.config import _FIELDS, config_from_mapping
-from megatron_dynbatch.integrations.skyrl.plan import SKYRL_FIXED, SKYRL_OPTIONS
-from megatron_dynbatch.integrations.slime.config import SLIME_OPTIONS
-from megatron_dynbatch.integrations.verl.engine import VERL_OPTIONS
+from megatron_dynbatch.integrations.hosts import HOSTS, VERL
 from megatron_dynbatch.tools.cli import CLI_FIELDS
 
 pytestmark = pytest.mark.unit
@@ -40,25 +38,33 @@ def test_dynbatch_config_is_constructed_in_one_function():
 
 
 def test_every_table_names_real_fields():
-    for name, table in (
-        ("slime", SLIME_OPTIONS),
-        ("skyrl", SKYRL_OPTIONS),
-        ("verl", VERL_OPTIONS),
-        ("cli", {f: f for f in CLI_FIELDS}),
-    ):
+    tables = {name: host.options for name, host in HOSTS.items()}
+    tables["cli"] = {f: f for f in CLI_FIELDS}
+    for name, table in tables.items():
         assert set(table.values()) <= set(_FIELDS), name
-    assert set(SKYRL_FIXED) <= set(_FIELDS)
+    for name, host in HOSTS.items():
+        assert set(host.fixed) <= set(_FIELDS), name
+        assert set(host.keys) <= set(_FIELDS), name
+        assert set(host.defaults) <= set(host.options), name
+
+
+def test_no_integration_keeps_its_own_option_table():
+    # The host record is the one home of a host's option names (issue 34).
+    for path in sorted((PACKAGE / "integrations").rglob("*.py")):
+        text = path.read_text()
+        for name in ("SLIME_OPTIONS", "SKYRL_OPTIONS", "VERL_OPTIONS", "SKYRL_FIXED"):
+            assert f"{name} =" not in text, f"{path.relative_to(REPO)} defines {name}"
 
 
 def test_a_host_option_maps_to_its_field_and_errors_name_the_host_option():
     config = config_from_mapping(
-        {"max_token_len_per_gpu": 4096}, table=VERL_OPTIONS, fixed={"layout": "padded"}
+        {"max_token_len_per_gpu": 4096}, table=VERL.options, fixed={"layout": "padded"}
     )
     assert config.max_tokens_per_gpu == 4096 and config.layout == "padded"
     with pytest.raises(ValueError, match=r"verl: unknown option\(s\) \['ppo_max'\]"):
-        config_from_mapping({"ppo_max": 1}, table=VERL_OPTIONS, host="verl")
+        config_from_mapping({"ppo_max": 1}, table=VERL.options, host="verl")
     with pytest.raises(ValueError, match="max_token_len_per_gpu -> max_tokens_per_gpu"):
-        config_from_mapping({"max_token_len_per_gpu": 0}, table=VERL_OPTIONS, host="verl")
+        config_from_mapping({"max_token_len_per_gpu": 0}, table=VERL.options, host="verl")
     # Without a table the keys are the fields themselves (YAML, Megatron-LM's flags).
     with pytest.raises(ValueError, match="unknown dynamic-batch config key"):
         config_from_mapping({"max_token_len_per_gpu": 1})
