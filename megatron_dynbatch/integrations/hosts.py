@@ -109,7 +109,8 @@ class Host:
     layout_flags: str
     """The key of :data:`~megatron_dynbatch.planning.spec.LAYOUT_FLAGS` naming its parallel sizes."""
     sample: str = "sample"
-    """What the host calls a sample in messages (``"sample"``, ``"rollout position"``)."""
+    """What the host calls a sample in messages (a global host numbers them by their position
+    in the step, a sharded one within their DP rank)."""
 
     def __post_init__(self) -> None:
         assert "max_tokens_per_gpu" in self.keys, f"{self.name}: name its budget key"
@@ -164,7 +165,6 @@ SLIME = Host(
     oversize="option",
     loss="per-rollout-mean",
     layout_flags="slime",
-    sample="rollout position",
 )
 
 SKYRL = Host(

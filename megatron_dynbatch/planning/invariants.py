@@ -185,13 +185,18 @@ def _shape_and_cap(
     ]:
         problems.append(f"{where}: row_lengths do not match the micro-batches of every rank")
         return problems
-    # Variable rows: a placeholder must reuse a real row's length (no new shape for the step).
+    # Variable rows: a placeholder reuses a real row's length or runs the shortest row the layout
+    # allows, one variable-row multiple (the cheapest whole row; shapes are exchanged per
+    # micro-batch anyway).
     real_rows = {
         step.row_lengths[q][j]
         for q, other in enumerate(step.ranks)
         for j, members in enumerate(other)
         if members and step.row_lengths
     }
+    if real_rows and config.variable_row_lengths:
+        shortest = config.variable_row_multiple
+        real_rows.add(shortest if shortest <= cap else min(real_rows))
     for r, rank in enumerate(step.ranks):
         for k, mb in enumerate(rank):
             mb_sizes = [sizes[i] for i in mb if 0 <= i < n]
@@ -212,7 +217,10 @@ def _shape_and_cap(
                             f"its {footprint} padded tokens and seq_length={s}"
                         )
                     if not mb and real_rows and row not in real_rows:
-                        problems.append(f"{label}: placeholder row {row} is no real row's length")
+                        problems.append(
+                            f"{label}: placeholder row {row} is neither a real row's length nor "
+                            "the shortest row"
+                        )
                 if footprint > cap and len(mb) != 1:
                     problems.append(f"{label}: {footprint} padded tokens exceed the cap {cap}")
             else:

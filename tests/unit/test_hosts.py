@@ -79,7 +79,7 @@ def test_slime_warns_or_refuses_by_its_own_option():
     with pytest.warns(OversizeSampleWarning, match="--max-tokens-per-gpu"):
         check_host_oversize(SLIME, [[5, 11]], config)
     config = host_config(SLIME, {"max_tokens_per_gpu": 10, "oversize_samples": "error"}, parallel)
-    with pytest.raises(DynBatchValueError, match="rollout position 1: 11 tokens"):
+    with pytest.raises(DynBatchValueError, match="sample 1: 11 tokens"):
         check_host_oversize(SLIME, [[5, 11]], config)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.integrations.slime.config import RESPONSE_FLOAT_KEYS, check_index
+from megatron_dynbatch.integrations.slime.config import RESPONSE_FLOAT_KEYS
 from megatron_dynbatch.integrations.slime.empty_rank import add_phantom_sample
 from megatron_dynbatch.integrations.slime.placeholders import cp_local, placeholder_sample
 from megatron_dynbatch.integrations.slime.schedule import (
@@ -44,6 +44,7 @@ from megatron_dynbatch.integrations.slime.schedule import (
 )
 from megatron_dynbatch.mcore.agreement import step_agreement
 from megatron_dynbatch.planning import round_up
+from megatron_dynbatch.planning.spec import check_int
 from megatron_dynbatch.runtime import microbatch_loss, restore_order
 
 __all__ = [
@@ -87,7 +88,7 @@ class SlimeDataIterator:
         self.rollout_data = rollout_data
         self.micro_batch_indices = [list(mb) for mb in micro_batch_indices]
         self.row_lengths = [int(s) for s in row_lengths]
-        self.cp_size = check_index("cp_size", cp_size, 1, "pass the context-parallel size.")
+        self.cp_size = check_int("cp_size", cp_size, 1, "pass the context-parallel size.")
         self.forward_only = forward_only
         self.offset = 0
         #: Row length of the micro-batch last returned by :meth:`get_next` (read by get_batch).
