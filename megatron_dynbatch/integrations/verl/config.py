@@ -1,11 +1,11 @@
 """verl's config checks for ``use_dynamic_batch_size``, where verl checks its configs.
 
-``patches/verl/0001`` calls :func:`check_engine_config` from ``McoreEngineConfig.__post_init__`` and
-:func:`check_role_config` from ``McoreActorConfig.__post_init__`` / ``McoreCriticConfig.__post_init__``
-whenever the flag is not ``False``. verl's driver builds those dataclasses in ``validate_config``
-(``main_ppo.py``), before any worker starts, so a setting the planned path does not support is
-refused there, in one line naming verl's key and the fix, instead of inside the first
-``forward_backward_batch`` after the model is built and a rollout is done.
+``patches/verl/0001`` calls :func:`check_role_config` from ``McoreActorConfig.__post_init__`` and
+``McoreCriticConfig.__post_init__`` whenever ``megatron.use_dynamic_batch_size`` is not ``False``.
+verl's driver builds those dataclasses in ``validate_config`` (``main_ppo.py``), before any worker
+starts, so a setting the planned path does not support is refused there, in one line naming
+verl's key and the fix, instead of inside the first ``forward_backward_batch`` after the model is
+built and a rollout is done. (The reference model's engine follows the actor's setting.)
 
 The flag must be a real boolean. Hydra's command line hands ``...use_dynamic_batch_size=off`` over
 as the string ``'off'`` and verl's ``hydra.utils.instantiate`` passes it on unconverted: Python
@@ -98,13 +98,16 @@ def check_engine_config(config: Any, *, role: str = ACTOR) -> bool:
 def check_role_config(config: Any, *, role: str = ACTOR) -> None:
     """Check an actor's or critic's config (``McoreActorConfig`` / ``McoreCriticConfig``).
 
-    With ``megatron.use_dynamic_batch_size`` on, verl's own ``use_dynamic_bsz`` must be on too (it
-    gives the token budget; without it our flag would be ignored), and the actor's router replay
-    off.
+    Its Megatron engine config first (:func:`check_engine_config`); then, with the flag on,
+    verl's own ``use_dynamic_bsz`` must be on too (it gives the token budget; without it our flag
+    would be ignored), and the role's router replay off.
+
+    Raises:
+        DynBatchValueError: one line naming ``role``'s key and the fix.
     """
     engine = getattr(config, "megatron", None)
     key = f"{role}.megatron.use_dynamic_batch_size"
-    if engine is None or not parse_flag(getattr(engine, "use_dynamic_batch_size", False), key):
+    if engine is None or not check_engine_config(engine, role=role):
         return
     if not parse_flag(getattr(config, "use_dynamic_bsz", False), f"{role}.use_dynamic_bsz"):
         raise DynBatchValueError(

@@ -202,10 +202,12 @@ def placeholder_micro_batch(data: Any, template_index: int, tu: Any) -> Any:
     """A one-sample micro-batch with every key of ``data``, no data and no loss weight.
 
     A copy of sample ``template_index`` (the rank's shortest: the cheapest valid structure) with
-    every tensor zeroed except :data:`STRUCTURAL_KEYS`; non-tensor entries are kept.
+    every tensor zeroed except :data:`STRUCTURAL_KEYS`; non-tensor entries are kept, and the
+    non-tensor :data:`~.moe.PLACEHOLDER_KEY` marks it for verl's forward step.
     """
     import torch
 
+    from megatron_dynbatch.integrations.verl.moe import PLACEHOLDER_KEY
     from megatron_dynbatch.runtime.placeholders import placeholder_tensor
 
     placeholder = tu.index_select_tensor_dict(data, [template_index])
@@ -214,6 +216,8 @@ def placeholder_micro_batch(data: Any, template_index: int, tu: Any) -> Any:
         if key in STRUCTURAL_KEYS or not isinstance(value, torch.Tensor):
             continue
         placeholder[key] = placeholder_tensor(value)
+    # verl's forward step masks a placeholder from MoE routers (.moe.mask_placeholder_routing).
+    tu.assign_non_tensor(placeholder, **{PLACEHOLDER_KEY: True})
     return placeholder
 
 
