@@ -258,13 +258,9 @@ def host_config(
     values[budget_option] = check_host_budget(host, values.get(budget_option))
     cp = parallel.cp_size
     if not host.budget_times_cp and cp > 1:
-        # The budget caps the whole micro-batch: the planner's per-GPU budget is 1/cp of it.
-        if values[budget_option] % cp:
-            raise DynBatchValueError(
-                f"{host.key('max_tokens_per_gpu')}={values[budget_option]} is not a multiple of "
-                f"the context-parallel size {cp}; set it to a multiple of {cp}."
-            )
-        values[budget_option] //= cp
+        # The budget caps the whole micro-batch: the planner's per-GPU budget is 1/cp of it,
+        # rounded down so the cap never exceeds it (a budget stock accepts is never refused).
+        values[budget_option] = max(1, values[budget_option] // cp)
     config = config_from_mapping(
         values,
         table=host.options,
