@@ -8,12 +8,13 @@ the problems it finds, every message with the values involved.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Union
 
 from megatron_dynbatch.errors import DynBatchError
 
 from .plan import Plan, StepPlan
 from .samples import SampleSet
+from .sharded import ShardedPlan
 from .spec import PlannerConfig, ceil_div, round_up
 
 __all__ = ["PlanInvariantError", "check_plan"]
@@ -26,8 +27,32 @@ class PlanInvariantError(DynBatchError, AssertionError):
     """A plan breaks one of its guarantees (a planner bug, never a user error)."""
 
 
-def check_plan(plan: Plan, samples: SampleSet, config: PlannerConfig) -> None:
-    """Raise :class:`PlanInvariantError` listing every broken guarantee of ``plan``."""
+def check_plan(
+    plan: Union[Plan, ShardedPlan],
+    samples: Union[SampleSet, Sequence[Sequence[int]]],
+    config: PlannerConfig,
+    *,
+    placeholder_row_tokens: int = 0,
+) -> None:
+    """Raise :class:`PlanInvariantError` listing every broken guarantee of ``plan``.
+
+    Args:
+        plan: A :class:`Plan` (samples go to any DP rank) or a :class:`ShardedPlan` (each DP rank's
+            own samples, for trainers that shard before we plan).
+        samples: The plan's samples: a :class:`SampleSet`, or for a :class:`ShardedPlan` every
+            rank's lengths (``samples[r][i]``: sample ``i`` of DP rank ``r``).
+        config: The planner config it was planned with (``dp_size=1`` for a sharded plan).
+        placeholder_row_tokens: Sharded plans only: tokens of one placeholder row that the host
+            adds to a micro-batch with fewer than ``plan.rows`` samples (SkyRL: one attended token,
+            padded to the sample multiple); 0 when placeholders are whole micro-batches.
+    """
+    if isinstance(plan, ShardedPlan):
+        problems = _sharded(plan, samples, config, placeholder_row_tokens)
+        if problems:
+            raise PlanInvariantError(
+                "sharded plan breaks its guarantees:\n  " + "\n  ".join(problems)
+            )
+        return
     kept = plan.kept_lengths()
     multiple = config.parallel.sample_multiple
     lengths = [kept.get(i, length) for i, length in enumerate(samples.lengths)]
@@ -165,13 +190,18 @@ def _shape_and_cap(
     ]:
         problems.append(f"{where}: row_lengths do not match the micro-batches of every rank")
         return problems
-    # Variable rows: a placeholder must reuse a real row's length (no new shape for the step).
+    # Variable rows: a placeholder reuses a real row's length or runs the shortest row the layout
+    # allows, one variable-row multiple (the cheapest whole row; shapes are exchanged per
+    # micro-batch anyway).
     real_rows = {
         step.row_lengths[q][j]
         for q, other in enumerate(step.ranks)
         for j, members in enumerate(other)
         if members and step.row_lengths
     }
+    if real_rows and config.variable_row_lengths:
+        shortest = config.variable_row_multiple
+        real_rows.add(shortest if shortest <= cap else min(real_rows))
     for r, rank in enumerate(step.ranks):
         for k, mb in enumerate(rank):
             mb_sizes = [sizes[i] for i in mb if 0 <= i < n]
@@ -192,7 +222,10 @@ def _shape_and_cap(
                             f"its {footprint} padded tokens and seq_length={s}"
                         )
                     if not mb and real_rows and row not in real_rows:
-                        problems.append(f"{label}: placeholder row {row} is no real row's length")
+                        problems.append(
+                            f"{label}: placeholder row {row} is neither a real row's length nor "
+                            "the shortest row"
+                        )
                 if footprint > cap and len(mb) != 1:
                     problems.append(f"{label}: {footprint} padded tokens exceed the cap {cap}")
             else:
@@ -291,4 +324,64 @@ def _stats_add_up(plan: Plan, sizes: Sequence[int], config: PlannerConfig) -> Li
         )
     if not 0 < stats.fill <= 1:
         problems.append(f"stats.fill={stats.fill} outside (0, 1]")
+    return problems
+
+
+def _sharded(
+    plan: ShardedPlan,
+    lengths_per_rank: Sequence[Sequence[int]],
+    config: PlannerConfig,
+    row_tokens: int,
+) -> List[str]:
+    """A sharded plan's guarantees: each rank's samples once, on their rank; one count on every
+    rank (>= each rank's real micro-batches, >= 1, a multiple of the interleaving group); every
+    real micro-batch within the cap, placeholder rows included, except a lone sample (which may
+    exceed it only if it is over the cap itself, or by its placeholder rows); ``rows`` the
+    fullest micro-batch; the oversize samples reported exactly."""
+    cap, multiple = config.token_cap, config.parallel.sample_multiple
+    m = plan.num_microbatches
+    problems = []
+    if len(plan.ranks) != len(lengths_per_rank):
+        return [f"{len(plan.ranks)} ranks planned for {len(lengths_per_rank)} ranks of lengths"]
+    if m < 1 or m % config.parallel.microbatch_multiple:
+        problems.append(
+            f"num_microbatches={m} is not a positive multiple of "
+            f"{config.parallel.microbatch_multiple} (the interleaving group)"
+        )
+    fullest = max([len(mb) for rank in plan.ranks for mb in rank] or [1])
+    if plan.rows != fullest:
+        problems.append(f"rows={plan.rows}, the fullest micro-batch holds {fullest}")
+    oversize = []
+    for r, (rank, lengths) in enumerate(zip(plan.ranks, lengths_per_rank, strict=True)):
+        sizes = [round_up(n, multiple) for n in lengths]
+        oversize += [(r, i) for i, size in enumerate(sizes) if size > cap]
+        seen = Counter(i for mb in rank for i in mb)
+        missing = [i for i in range(len(lengths)) if i not in seen]
+        extra = sorted(i for i, c in seen.items() if c > 1 or not 0 <= i < len(lengths))
+        if missing or extra:
+            problems.append(
+                f"rank {r}: samples never scheduled {missing[:_LISTED]}, scheduled more than once "
+                f"or not this rank's {extra[:_LISTED]}"
+            )
+        if len(rank) > m:
+            problems.append(f"rank {r}: {len(rank)} real micro-batches > num_microbatches={m}")
+        for k, mb in enumerate(rank):
+            if not mb:
+                problems.append(f"rank {r} micro-batch {k}: empty (placeholders follow the real)")
+                continue
+            mb_sizes = [sizes[i] for i in mb if 0 <= i < len(sizes)]
+            footprint = sum(mb_sizes) + (plan.rows - len(mb)) * row_tokens
+            if footprint <= cap:
+                continue
+            if len(mb) == 1:
+                # A lone sample over the cap (reported) or one whose placeholder rows take it over.
+                continue
+            problems.append(
+                f"rank {r} micro-batch {k} {list(mb)[:8]}: {footprint} tokens "
+                f"({sum(mb_sizes)} of samples) exceed the cap {cap}"
+            )
+    if sorted(plan.oversize) != oversize:
+        problems.append(
+            f"reported oversize {list(plan.oversize)[:_LISTED]}, actual {oversize[:_LISTED]}"
+        )
     return problems

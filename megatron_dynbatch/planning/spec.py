@@ -189,6 +189,15 @@ LAYOUT_FLAGS: Dict[str, Dict[str, str]] = {
     },
 }
 LAYOUT_FLAGS["slime"] = LAYOUT_FLAGS["Megatron-LM"]
+LAYOUT_FLAGS["verl"] = {
+    "dp_size": "the number of GPUs / (tensor x pipeline x context parallel size)",
+    "pp_size": "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size",
+    "vpp_size": "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size",
+    "microbatch_group_size_per_vp_stage": "actor_rollout_ref.actor.megatron.override_transformer_"
+    "config.microbatch_group_size_per_vp_stage",
+    "tp_size": "actor_rollout_ref.actor.megatron.tensor_model_parallel_size",
+    "cp_size": "actor_rollout_ref.actor.megatron.context_parallel_size",
+}
 
 
 @contextlib.contextmanager

@@ -42,6 +42,7 @@ Without ``SLIME_DIR`` the slime-backed tests are skipped; the backend's own piec
 import contextlib
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import time
@@ -602,9 +603,11 @@ def _slime_body(
     estimator=None,
     replay=None,
     attention=True,
+    slimes_own=False,
 ):
     """slime's forward_only and train_one_step on this rank; ``dynamic=False``: with the flag off
-    and slime's own schedule (to compare a patched tree with the stock one). ``replay``: None for
+    and slime's own schedule (to compare a patched tree with the stock one); ``slimes_own``: with
+    the flag on and ``--use-slime-dynamic-batch-size``, slime's own dynamic batching. ``replay``: None for
     the dense GPT; ``"r2"`` / ``"r3"``: the tiny MoE with ``--use-routing-replay`` /
     ``--use-rollout-routing-replay``, run in the order of slime's ``train_actor``."""
     import dataclasses
@@ -638,6 +641,8 @@ def _slime_body(
     cp = ps.get_context_parallel_world_size()
     args = _slime_args(per_token, max_tokens, pp)
     args.use_dynamic_batch_size = dynamic
+    if slimes_own:
+        args.use_slime_dynamic_batch_size = True
     set_args(args)
     data = _rollout_batch(num_rollouts, routed_experts=replay == "r3")
     if bad_rank is not None and dp_rank == bad_rank:
@@ -1220,6 +1225,78 @@ def test_with_the_flag_off_patched_slime_trains_exactly_like_stock_slime(
                 assert torch.equal(grad, step_theirs[name]), name
         for lp_mine, lp_theirs in zip(mine["log_probs"], theirs["log_probs"], strict=True):
             assert torch.equal(lp_mine, lp_theirs)
+
+
+def _stock_script_argv(script):
+    """The flags of one of slime's own ``scripts/run-*.sh`` (values with shell variables left out:
+    this parser only needs what it can read)."""
+    argv = []
+    for line in script.read_text().splitlines():
+        words = line.strip().rstrip("\\").split()
+        # Flags only: not ``--`` (the end of ray job submit's own options) nor shell variables.
+        if not words or not re.fullmatch(r"--[a-z][\w-]*", words[0]):
+            continue
+        if any("$" in w for w in words):
+            continue
+        argv += words[:2] if len(words) > 1 and not words[1].startswith("--") else words[:1]
+    return argv
+
+
+def _parse_body(slime_root, argv):
+    """slime's own (patched) argument parser on ``argv``: the dynamic-batch settings it gives."""
+    import argparse
+
+    _install_stubs()
+    _import_slime(slime_root)
+    from slime.utils.arguments import get_slime_extra_args_provider
+
+    parser = argparse.ArgumentParser()
+    get_slime_extra_args_provider()(parser)
+    args, _ = parser.parse_known_args(argv)
+    return {
+        key: getattr(args, key, None)
+        for key in ("use_dynamic_batch_size", "max_tokens_per_gpu", "use_slime_dynamic_batch_size")
+    }
+
+
+@needs_slime
+def test_the_way_back_runs_slimes_own_dynamic_batching_bitwise(stock_slime, patched_slime):
+    """A stock ``scripts/run-*.sh`` argument set (it sets --use-dynamic-batch-size) plus
+    --use-slime-dynamic-batch-size on the patched tree: slime's own dynamic batching, log-probs
+    and gradients bitwise the unpatched checkout's with --use-dynamic-batch-size, on the test the
+    flag-off check uses (pp 2, dp 1)."""
+    script = pathlib.Path(SLIME_DIR) / "scripts" / "run-qwen3-4B.sh"
+    argv = _stock_script_argv(script)
+    assert "--use-dynamic-batch-size" in argv, argv
+    [parsed] = run_on_ranks(
+        1, _parse_body, patched_slime, argv + ["--use-slime-dynamic-batch-size"], layout=Layout()
+    )
+    assert parsed["use_dynamic_batch_size"] and parsed["use_slime_dynamic_batch_size"], parsed
+    assert parsed["max_tokens_per_gpu"] == 9216, parsed
+    [default] = run_on_ranks(1, _parse_body, patched_slime, argv, layout=Layout())
+    assert default["use_slime_dynamic_batch_size"] is False, default
+
+    runs = {
+        name: run_on_ranks(
+            2, _slime_body, root, 7, 3, 64, True, slimes_own=own, layout=Layout(pp=2)
+        )
+        for name, root, own in (("patched", patched_slime, True), ("stock", stock_slime, False))
+    }
+    patched, stock = runs["patched"], runs["stock"]
+    assert patched[0]["num_microbatches"] == stock[0]["num_microbatches"]
+    for mine, theirs in zip(patched, stock, strict=True):
+        assert len(mine["grads"]) == len(theirs["grads"]) >= 2
+        for step_mine, step_theirs in zip(mine["grads"], theirs["grads"], strict=True):
+            assert step_mine.keys() == step_theirs.keys()
+            for name, grad in step_mine.items():
+                assert torch.equal(grad, step_theirs[name]), name
+        for lp_mine, lp_theirs in zip(mine["log_probs"], theirs["log_probs"], strict=True):
+            assert torch.equal(lp_mine, lp_theirs)
+    # The way back is a different schedule from ours (else the check above would prove nothing).
+    [ours] = [run_on_ranks(2, _slime_body, patched_slime, 7, 3, 64, True, layout=Layout(pp=2))]
+    assert ours[0]["num_microbatches"] != stock[0]["num_microbatches"] or any(
+        not torch.equal(g, stock[0]["grads"][0][n]) for n, g in ours[0]["grads"][0].items()
+    )
 
 
 def test_placeholder_carries_r3_routed_experts_with_the_real_shape():

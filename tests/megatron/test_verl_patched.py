@@ -51,7 +51,7 @@ from megatron_dynbatch.tools.testing.workers import (  # noqa: E402
     Layout,
     run_on_ranks,
 )
-from tests._support import patched_copy, relative_error  # noqa: E402
+from tests._support import patched_copy, relative_error, stock_copy  # noqa: E402
 
 pytestmark = pytest.mark.verl
 
@@ -86,9 +86,16 @@ needs_verl = pytest.mark.skipif(not VERL_DIR, reason="VERL_DIR is not set")
 
 
 @pytest.fixture(scope="module")
-def patched_verl(tmp_path_factory):
-    """A copy of VERL_DIR's ``verl`` package with the patches applied (the stock tree untouched)."""
-    return patched_copy(VERL_DIR, "verl", tmp_path_factory.mktemp("verl_patched"), all_new=False)
+def stock_verl(tmp_path_factory):
+    """A pristine copy of VERL_DIR's ``verl/``, whether VERL_DIR is pristine or already patched
+    (our patches are reverse-applied on the copy; VERL_DIR itself is never changed)."""
+    return stock_copy(VERL_DIR, "verl", tmp_path_factory.mktemp("verl_stock"))
+
+
+@pytest.fixture(scope="module")
+def patched_verl(tmp_path_factory, stock_verl):
+    """A copy of the stock tree with the patches applied."""
+    return patched_copy(stock_verl, "verl", tmp_path_factory.mktemp("verl_patched"))
 
 
 # -- running verl's code on a rank --------------------------------------------------------------
@@ -231,9 +238,14 @@ def _engine(ti, chunks, config, *, dynamic, pp, vpp):
     return engine
 
 
-def _verl_model(*, value_head=False):
+#: The tiny MoE of the router-statistics case: 4 layers, 4 experts, top-2.
+MOE = {"num_layers": 4, "num_moe_experts": 4, "moe_router_topk": 2}
+
+
+def _verl_model(*, value_head=False, moe=False):
     """The tiny GPT on this rank's stages as verl's engine holds it: its ``TransformerConfig``
-    (verl's regime) and DDP chunks; ``value_head``: a value model's one-unit output layer."""
+    (verl's regime) and DDP chunks; ``value_head``: a value model's one-unit output layer;
+    ``moe``: the tiny MoE with a load-balancing loss and a z-loss."""
     import dataclasses
 
     from megatron.core import parallel_state as ps
@@ -256,13 +268,19 @@ def _verl_model(*, value_head=False):
         # verl's default regime: the schedule divides by the micro-batch count and DDP averages
         # over DP; verl's loss multiplies by both.
         calculate_per_token_loss=False,
+        **(MOE if moe else {}),
     )
+    if moe:
+        config.moe_router_load_balancing_type = "aux_loss"
+        config.moe_aux_loss_coeff = 1e-2
+        config.moe_z_loss_coeff = 1e-3
     # verl's tf_config sets variable_seq_lengths (the communication shape is exchanged).
     config = dataclasses.replace(
         config, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall"
     )
     make_schedule_config_safe(config)
-    spec = with_thd_reference_attention(lambda c, vp_stage=None: tiny_layer_spec())(None)
+    experts = MOE["num_moe_experts"] if moe else None
+    spec = with_thd_reference_attention(lambda c, vp_stage=None: tiny_layer_spec(experts))(None)
     chunks = build_tiny_gpt(config, seed=SEED, layer_spec=spec)
     chunks = wrap_in_ddp(_with_value_head(chunks) if value_head else chunks)
     config.finalize_model_grads_func = finalize_model_grads
@@ -286,9 +304,12 @@ def _forward_only(engine, data, key):
     return holder[0].detach().clone()
 
 
-def _verl_body(verl_root, num, agg_mode, budget, *, dynamic=True, long_every=0, scale=None):
+def _verl_body(
+    verl_root, num, agg_mode, budget, *, dynamic=True, long_every=0, scale=None, moe=False
+):
     """verl's engine on this rank's shard: a forward-only pass (old log-probs), then a training
-    pass with ``ppo_loss``. Returns the log-probs, the gradients and what ran."""
+    pass with ``ppo_loss``. Returns the log-probs, the gradients and what ran; ``moe``: the tiny
+    MoE, and the tokens each router layer counted in the training pass (``router_tokens``)."""
     from functools import partial
 
     from megatron.core import parallel_state as ps
@@ -307,7 +328,7 @@ def _verl_body(verl_root, num, agg_mode, budget, *, dynamic=True, long_every=0, 
     dp = ps.get_data_parallel_world_size()
     dp_rank = ps.get_data_parallel_rank()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
-    config, chunks = _verl_model()
+    config, chunks = _verl_model(moe=moe)
     engine = _engine(ti, chunks, config, dynamic=dynamic, pp=pp, vpp=vpp)
 
     samples = _samples(num, long_every=long_every)
@@ -335,15 +356,21 @@ def _verl_body(verl_root, num, agg_mode, budget, *, dynamic=True, long_every=0, 
     for chunk in chunks:
         chunk.zero_grad_buffer()
     loss_function = partial(ppo_loss, config=_actor_config(agg_mode, scale))
-    result = engine.forward_backward_batch(train, loss_function=loss_function)
+    from tests._support import RouterTokens
+
+    router_tokens = RouterTokens()
+    with router_tokens.installed():
+        router_tokens.active = True
+        result = engine.forward_backward_batch(train, loss_function=loss_function)
+        router_tokens.active = False
+    grads = named_global_grads(chunks, tp_group=ps.get_tensor_model_parallel_group())
     return {
+        "router_tokens": dict(router_tokens.per_layer),
+        "tokens": int(mine["attention_mask"].sum()),
+        "lengths": mine["attention_mask"].sum(dim=1).tolist(),
+        "finite": all(bool(torch.isfinite(g).all()) for g in grads.values()),
         "stubbed": stubbed,
-        "grads": {
-            k: v.clone()
-            for k, v in named_global_grads(
-                chunks, tp_group=ps.get_tensor_model_parallel_group()
-            ).items()
-        },
+        "grads": {k: v.clone() for k, v in grads.items()},
         "log_probs": old,
         "positions": positions,
         "num_microbatches": tu.get_non_tensor_data(train, "num_micro_batch", None),
@@ -627,7 +654,7 @@ def test_verl_critic_values_and_value_loss_match_per_sample_reference(patched_ve
 
 
 @needs_verl
-def test_stock_verl_asserts_where_the_plan_runs_placeholders():
+def test_stock_verl_asserts_where_the_plan_runs_placeholders(stock_verl):
     """The last case above under stock verl (``use_dynamic_bsz``, pp 2 x vpp 2, one sample per DP
     rank): ``rearrange_micro_batches`` rounds the count up to the interleaved group (2) and then
     asserts that every rank has that many samples (verl #1004)."""
@@ -637,7 +664,7 @@ def test_stock_verl_asserts_where_the_plan_runs_placeholders():
         run_on_ranks(
             4,
             _verl_body,
-            str(pathlib.Path(VERL_DIR)),
+            stock_verl,
             2,
             "seq-mean-token-mean",
             40,
@@ -649,10 +676,11 @@ def test_stock_verl_asserts_where_the_plan_runs_placeholders():
 
 
 @needs_verl
-def test_with_the_switch_off_patched_verl_is_bitwise_stock(patched_verl):
+def test_with_the_switch_off_patched_verl_is_bitwise_stock(patched_verl, stock_verl):
     """Every patched line runs only with ``use_dynamic_batch_size``: with it off (verl's own
-    ``rearrange_micro_batches`` at the same budget) the patched tree and the stock checkout give
-    bitwise the same log-probs, gradients and losses."""
+    ``rearrange_micro_batches`` at the same budget) the patched tree and the stock tree (VERL_DIR
+    with our patches reverse-applied on a copy) give bitwise the same log-probs, gradients and
+    losses."""
     runs = {
         name: run_on_ranks(
             4,
@@ -668,7 +696,7 @@ def test_with_the_switch_off_patched_verl_is_bitwise_stock(patched_verl):
         )
         for name, root, dynamic in (
             ("patched", patched_verl, False),
-            ("stock", str(pathlib.Path(VERL_DIR)), None),
+            ("stock", stock_verl, None),
         )
     }
     for mine, theirs in zip(runs["patched"], runs["stock"], strict=True):
@@ -700,7 +728,113 @@ def test_an_oversize_sample_is_refused_on_every_rank_naming_verls_key(patched_ve
     assert sorted(errors) == [0, 1, 2, 3], errors
     for name, message in errors.values():
         assert name == "StepAgreementError", (name, message)
-        assert "ppo_max_token_len_per_gpu" in message and "over the micro-batch cap 24" in message
+        assert "ppo_max_token_len_per_gpu" in message and "exceed the token cap 24" in message
+
+
+@needs_verl
+def test_moe_routers_count_only_the_tokens_of_real_micro_batches(patched_verl):
+    """Patch 0002: a tiny MoE (aux loss and z-loss on) through verl's forward_backward_batch at
+    pp 2, dp 2, where one DP rank runs placeholder micro-batches (its samples are short): every
+    router of every rank counts exactly its own samples' tokens (tp 1: no alignment pad), none of
+    a placeholder's; gradients stay finite."""
+    results = run_on_ranks(
+        4,
+        _verl_body,
+        patched_verl,
+        8,
+        "token-mean",
+        40,
+        long_every=8,
+        moe=True,
+        layout=Layout(pp=2),
+        timeout_s=BODY_TIMEOUT_S,
+    )
+    from megatron_dynbatch.integrations.verl.engine import plan_verl_batch, verl_planner_config
+
+    # The case must run placeholders (else the count would hold without the mask too).
+    config = verl_planner_config(
+        40,
+        pp_size=2,
+        vpp_size=1,
+        microbatch_group_size_per_vp_stage=None,
+        tp_size=1,
+        cp_size=1,
+        packed=True,
+    )
+    shards = sorted({tuple(r["positions"]): r["lengths"] for r in results}.items())
+    plan = plan_verl_batch([lengths for _, lengths in shards], config)
+    assert plan.placeholders(0) + plan.placeholders(1) > 0, plan
+    assert {r["num_microbatches"] for r in results} == {plan.num_microbatches}
+    for r in results:
+        assert r["finite"]
+        layers = r["router_tokens"]
+        assert len(layers) == MOE["num_layers"] // 2, layers
+        assert all(count == r["tokens"] for count in layers.values()), (layers, r["tokens"])
+
+
+def _config_body(verl_root, overrides):
+    """verl's own config path on the driver: its generated trainer YAML, the overrides as Hydra's
+    parser reads a command line, then ``omega_conf_to_dataclass`` on the actor (what
+    ``validate_config`` runs before any worker). Returns the error, or None."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    _import_verl(verl_root)
+    from verl.utils.config import omega_conf_to_dataclass
+
+    path = pathlib.Path(verl_root) / "verl" / "trainer" / "config"
+    cfg = OmegaConf.load(path / "_generated_ppo_megatron_trainer.yaml")
+    for override in OverridesParser.create().parse_overrides(overrides):
+        OmegaConf.update(cfg, override.key_or_group, override.value(), force_add=True)
+    try:
+        actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    except Exception as error:  # hydra wraps the dataclass's error in its own
+        return {"error": f"{type(error).__name__}: {error}"}
+    return {"error": None, "flag": actor.megatron.use_dynamic_batch_size}
+
+
+@needs_verl
+def test_config_refusals_happen_in_verls_own_config_parser(patched_verl):
+    """What a user types on verl's command line, through verl's own config code: refused at
+    config time, one line naming verl's key, before any worker starts."""
+    pytest.importorskip("hydra", reason="verl's config path instantiates through hydra-core")
+    flag = "actor_rollout_ref.actor.megatron.use_dynamic_batch_size"
+    # verl's own check first wants a micro-batch size without use_dynamic_bsz.
+    fixed = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]
+    on = [f"{flag}=true", "actor_rollout_ref.actor.use_dynamic_bsz=true"]
+    cases = [
+        (fixed + [f"{flag}=off"], f"{flag}='off' is not a boolean (OmegaConf reads it as false"),
+        (fixed + [f"{flag}=yes_please"], "OmegaConf does not read it as a boolean either"),
+        (fixed + [f"{flag}=true"], "actor_rollout_ref.actor.use_dynamic_bsz=false"),
+        (
+            on + ["actor_rollout_ref.actor.megatron.router_replay.mode=R2"],
+            "megatron.router_replay.mode='R2'",
+        ),
+        (on + ["actor_rollout_ref.actor.router_replay.mode=R3"], "router_replay.mode='R3'"),
+        (
+            on
+            + [
+                "actor_rollout_ref.actor.megatron.dynamic_context_parallel=true",
+                "actor_rollout_ref.actor.megatron.max_seqlen_per_dp_cp_rank=1024",
+            ],
+            "dynamic_context_parallel=true",
+        ),
+        (
+            on
+            + [
+                "+actor_rollout_ref.actor.megatron.override_transformer_config."
+                "calculate_per_token_loss=true"
+            ],
+            "calculate_per_token_loss=true",
+        ),
+    ]
+    for overrides, match in cases:
+        [result] = run_on_ranks(1, _config_body, patched_verl, overrides, layout=Layout())
+        assert result["error"] and "DynBatchValueError" in result["error"], (overrides, result)
+        assert match in result["error"], (overrides, result)
+    for overrides, flag_value in ((on, True), (fixed + [f"{flag}=false"], False), (fixed, False)):
+        [result] = run_on_ranks(1, _config_body, patched_verl, overrides, layout=Layout())
+        assert result == {"error": None, "flag": flag_value}, (overrides, result)
 
 
 #: verl's own CPU unit tests of what the patches touch (seqlen balancing and dynamic micro-batches,

@@ -8,10 +8,8 @@ import pytest
 
 from megatron_dynbatch.config import _FIELDS, config_from_mapping
 from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.integrations.hosts import HOSTS, VERL
 from megatron_dynbatch.integrations.nemo_rl.plan import NEMO_RL_FIXED, NEMO_RL_OPTIONS
-from megatron_dynbatch.integrations.skyrl.plan import SKYRL_FIXED, SKYRL_OPTIONS
-from megatron_dynbatch.integrations.slime.config import SLIME_OPTIONS
-from megatron_dynbatch.integrations.verl.engine import VERL_OPTIONS
 from megatron_dynbatch.tools.cli import CLI_FIELDS
 
 pytestmark = pytest.mark.unit
@@ -43,27 +41,49 @@ def test_dynbatch_config_is_constructed_in_one_function():
 
 
 def test_every_table_names_real_fields():
-    for name, table in (
-        ("slime", SLIME_OPTIONS),
-        ("skyrl", SKYRL_OPTIONS),
-        ("verl", VERL_OPTIONS),
-        ("nemo_rl", NEMO_RL_OPTIONS),
-        ("cli", {f: f for f in CLI_FIELDS}),
-    ):
+    tables = {name: host.options for name, host in HOSTS.items()}
+    tables["cli"] = {f: f for f in CLI_FIELDS}
+    for name, table in tables.items():
         assert set(table.values()) <= set(_FIELDS), name
-    assert set(SKYRL_FIXED) <= set(_FIELDS)
+    for name, host in HOSTS.items():
+        assert set(host.fixed) <= set(_FIELDS), name
+        assert set(host.keys) <= set(_FIELDS), name
+        assert set(host.defaults) <= set(host.options), name
+
+
+def test_no_integration_keeps_its_own_option_table():
+    # The host record is the one home of a host's option names (issue 34).
+    for path in sorted((PACKAGE / "integrations").rglob("*.py")):
+        text = path.read_text()
+        for name in ("SLIME_OPTIONS", "SKYRL_OPTIONS", "VERL_OPTIONS", "SKYRL_FIXED"):
+            assert f"{name} =" not in text, f"{path.relative_to(REPO)} defines {name}"
+    assert set(NEMO_RL_OPTIONS.values()) <= set(_FIELDS)
     assert set(NEMO_RL_FIXED) <= set(_FIELDS)
 
 
 def test_a_host_option_maps_to_its_field_and_errors_name_the_host_option():
     config = config_from_mapping(
-        {"max_token_len_per_gpu": 4096}, table=VERL_OPTIONS, fixed={"layout": "padded"}
+        {"max_token_len_per_gpu": 4096}, table=VERL.options, fixed={"layout": "padded"}
     )
     assert config.max_tokens_per_gpu == 4096 and config.layout == "padded"
     with pytest.raises(DynBatchValueError, match=r"verl: unknown option\(s\) \['ppo_max'\]"):
-        config_from_mapping({"ppo_max": 1}, table=VERL_OPTIONS, host="verl")
+        config_from_mapping({"ppo_max": 1}, table=VERL.options, host="verl")
     with pytest.raises(DynBatchValueError, match="max_token_len_per_gpu -> max_tokens_per_gpu"):
-        config_from_mapping({"max_token_len_per_gpu": 0}, table=VERL_OPTIONS, host="verl")
+        config_from_mapping({"max_token_len_per_gpu": 0}, table=VERL.options, host="verl")
     # Without a table the keys are the fields themselves (YAML, Megatron-LM's flags).
     with pytest.raises(DynBatchValueError, match="unknown dynamic-batch config key"):
         config_from_mapping({"max_token_len_per_gpu": 1})
+
+
+def test_no_host_function_is_forked_into_the_package():
+    # slime's loss is its own loss_function, wrapped (backend.wrap_loss_function); a copy would
+    # silently miss slime's next fix to it (issue 34).
+    forked = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        forked += [
+            f"{path.relative_to(REPO)}:{node.name}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.FunctionDef) and node.name in ("loss_function",)
+        ]
+    assert forked == [], forked

@@ -55,11 +55,11 @@ def _check_plan(plan, lengths_per_rank, budget):
         for m, mb in enumerate(plan.ranks[rank]):
             assert 1 <= len(mb) <= plan.rows
             # What the iterator hands SkyRL: the samples plus one attended token per placeholder
-            # row up to plan.rows. Only a lone oversize sample may exceed the budget.
+            # row up to plan.rows. Only a lone sample may exceed the budget: one over it
+            # (oversize), or one within it by its placeholder rows (as SkyRL's own padding rows).
             tokens = sum(lengths[i] for i in mb) + plan.rows - len(mb)
-            oversize = len(mb) == 1 and lengths[mb[0]] > budget
             assert (
-                tokens <= budget or oversize
+                tokens <= budget or len(mb) == 1
             ), f"rank {rank} mb {m}: attended tokens incl. placeholder rows {tokens} > cap {budget}"
         # A placeholder micro-batch: plan.rows rows of one attended token each.
         assert plan.rows <= budget
@@ -86,31 +86,69 @@ def test_plan_covers_every_sample_with_equal_counts(seed, pp, vpp):
 def test_placeholder_rows_count_against_the_budget():
     # A user's mini-batch at max_tokens_per_microbatch=40: a 40-token sample shared the plan with
     # micro-batches of two samples, so SkyRL's iterator topped it up with a one-token placeholder
-    # row: "rank 0 mb 2: attended tokens incl. placeholder rows 41 > cap 40". The cap is hard.
+    # row: "rank 0 mb 2: attended tokens incl. placeholder rows 41 > cap 40". Micro-batches of
+    # several samples stay within the cap with their placeholder rows; a sample alone may carry
+    # its rows over it (SkyRL accepts a sample at its budget and pads rows the same way).
     lengths = [[20, 19, 40, 12, 9, 30], [25, 14, 8]]
     plan = plan_skyrl_minibatch(lengths, 40)
     _check_plan(plan, lengths, 40)
-    assert plan.rows == 1  # a 40-token sample leaves no room for a placeholder row
-    # What SkyRL's worker gets from the iterator: attended tokens of every micro-batch.
+    assert plan.rows > 1  # no cliff: the 40-token sample does not force one row everywhere
     for rank, rank_lengths in enumerate(lengths):
         batches = PlannedBatchIterator(_batch(rank_lengths, seq_len=48), plan, rank)
         for m, batch in enumerate(batches):
             tokens = int(batch["attention_mask"].sum())
-            assert tokens <= 40, f"rank {rank} mb {m}: attended tokens {tokens} > cap 40"
-    # A 38-token sample leaves room for two: rows of up to 3 samples, each micro-batch fitting.
+            real = int(batch["loss_mask"].any(dim=1).sum())
+            assert tokens <= 40 or (
+                real == 1 and tokens <= 40 + plan.rows - 1
+            ), f"rank {rank} mb {m}: attended tokens {tokens} > cap 40 with {real} samples"
+    # A 38-token sample: rows of up to 3 samples, each micro-batch fitting.
     lengths = [[2, 3, 38, 4, 1, 2, 5], [30, 3, 3]]
     plan = plan_skyrl_minibatch(lengths, 40)
     _check_plan(plan, lengths, 40)
-    assert plan.rows == 3
     for rank, rank_lengths in enumerate(lengths):
         batches = list(PlannedBatchIterator(_batch(rank_lengths, seq_len=48), plan, rank))
         assert any(not b["loss_mask"][-1].any() for b in batches), "placeholder rows expected"
-        assert all(int(b["attention_mask"].sum()) <= 40 for b in batches)
+        for b in batches:
+            real = int(b["loss_mask"].any(dim=1).sum())
+            assert int(b["attention_mask"].sum()) <= 40 or real == 1
     # tp 2: every row, placeholders included, is padded to 2 tokens.
     plan = plan_skyrl_minibatch([[2, 3, 35, 4, 1]], 40, tp_size=2)
     sizes = [2, 4, 36, 4, 2]  # the lengths above rounded up to tp
     for mb in plan.ranks[0]:
-        assert sum(sizes[i] for i in mb) + 2 * (plan.rows - len(mb)) <= 40, (mb, plan.rows)
+        assert len(mb) == 1 or sum(sizes[i] for i in mb) + 2 * (plan.rows - len(mb)) <= 40
+
+
+def _issue_case(longest):
+    """64 samples a rank of 200-1500 tokens, dp 2; rank 0's first sample ``longest`` tokens."""
+    rng = random.Random(0)
+    lengths = [[rng.randint(200, 1500) for _ in range(64)] for _ in range(2)]
+    lengths[0][0] = longest
+    return lengths
+
+
+def test_the_count_has_no_cliff_near_the_budget():
+    # Budget 8192, pp 2: a sample at 7192 / 8191 / 8192 / 8292 tokens gave 12 / 36 / 64 / 12
+    # micro-batches a rank when one sample limited every micro-batch's rows.
+    counts = {
+        n: plan_skyrl_minibatch(_issue_case(n), 8192, pp_size=2).num_microbatches
+        for n in (7192, 7692, 8191, 8192, 8292)
+    }
+    values = [counts[n] for n in sorted(counts)]
+    assert values == sorted(values), counts  # monotone in the longest sample
+    assert max(values) <= 1.5 * counts[7192], counts
+
+
+def test_context_parallel_pads_samples_but_the_budget_caps_the_micro_batch():
+    # SkyRL's budget counts a whole micro-batch's tokens whatever the CP size; each sample is
+    # padded to tp x cp x 2 = 8 (THD): ten 10-token samples are 16 tokens each, four to 64.
+    plan = plan_skyrl_minibatch([[10] * 10], 64, cp_size=4)
+    assert plan.rows <= 4
+    for mb in plan.ranks[0]:
+        assert 16 * len(mb) + 8 * (plan.rows - len(mb)) <= 64, (mb, plan.rows)
+    # A budget that is no multiple of cp is accepted (stock SkyRL takes it); the cap stays below.
+    plan = plan_skyrl_minibatch([[10] * 10], 66, cp_size=4)
+    for mb in plan.ranks[0]:
+        assert 16 * len(mb) + 8 * (plan.rows - len(mb)) <= 64, (mb, plan.rows)
 
 
 def test_fewer_samples_than_dp_ranks_gives_placeholder_only_ranks():
@@ -122,10 +160,10 @@ def test_fewer_samples_than_dp_ranks_gives_placeholder_only_ranks():
 @pytest.mark.parametrize(
     "lengths,budget,match",
     [
-        ([[3, 0]], 8, "sample 1 has 0 real tokens"),
-        ([[3]], 0, "max_tokens_per_microbatch=0"),
+        ([[3, 0]], 8, "SkyRL: DP rank 0 sample 1 has 0 tokens"),
+        ([[3]], 0, "trainer.max_tokens_per_microbatch=0"),
         ([[3]], 2.5, "must be an integer"),
-        ([], 8, "lengths_per_rank is empty"),
+        ([], 8, "no lengths"),
     ],
 )
 def test_bad_input_is_a_value_error(lengths, budget, match):

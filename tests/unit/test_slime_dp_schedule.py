@@ -448,7 +448,7 @@ def test_static_path_trims_and_asserts_as_slime_does():
         (dict(tp={"cp_size": 1}), "no 'dp_size'"),
         (dict(tp=dict(slime_tp(), dp_size="2")), "dp_size"),
         (dict(args=slime_args(max_tokens_per_gpu=None)), "--max-tokens-per-gpu"),
-        (dict(args=slime_args(max_tokens_per_gpu=1.5)), "max_tokens_per_gpu=1.5"),
+        (dict(args=slime_args(max_tokens_per_gpu=1.5)), "max-tokens-per-gpu=1.5"),
         (dict(args=slime_args(use_dynamic_batch_size="yes")), "use_dynamic_batch_size='yes'"),
     ],
 )

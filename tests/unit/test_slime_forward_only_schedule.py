@@ -18,9 +18,9 @@ from megatron_dynbatch.adapters.slime import build_dp_schedule
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.slime.config import (
     DATA_PAD_SIZE_MULTIPLIER,
-    check_index,
     dynbatch_config_from_slime_args,
 )
+from megatron_dynbatch.planning.spec import check_int
 from tests._support import slime_tp
 
 pytestmark = pytest.mark.unit
@@ -144,4 +144,4 @@ def test_one_config_from_slime_args_with_its_defaults():
         )
     for bad in (True, 6.9, "7"):
         with pytest.raises(DynBatchValueError, match="not an integer"):
-            check_index("x", bad, 1, "fix it.")
+            check_int("x", bad, 1, "fix it.")

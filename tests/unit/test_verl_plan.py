@@ -80,26 +80,33 @@ def test_an_oversize_sample_is_refused_naming_verls_keys_and_the_cp_cap():
         plan_verl_batch([[10], [49, 3]], _config(24, tp=2, cp=2))
     message = str(caught.value)
     for part in (
-        "DP rank 1 sample 0 has 49 tokens (56 after",
-        "multiple of 8",
+        "DP rank 1 sample 0: 49 tokens",
         "cap 48",
-        "max_token_len_per_gpu=24 x context_parallel_size=2",
-        "ppo_max_token_len_per_gpu",
-        "at least 28",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24 x context parallel size 2",
+        "at least 25",
     ):
         assert part in message, (part, message)
     # Exactly at the cap is allowed (a hard cap, not a strict one).
     assert plan_verl_batch([[48]], _config(24, tp=2, cp=2)).num_microbatches == 1
 
 
+def test_a_sample_at_a_budget_that_is_no_multiple_of_tp_is_accepted_as_stock_verl_does():
+    # Stock verl checks real tokens against max_token_len_per_gpu: 100 tokens at budget 100 pass.
+    # Aligned to tp=8 it needs 104 tokens, so it runs alone (reported), never refused.
+    plan = plan_verl_batch([[100, 40, 40], [30]], _config(100, tp=8))
+    assert (0,) in plan.ranks[0] and plan.oversize == ((0, 0),)
+    with pytest.raises(DynBatchValueError, match="at least 101"):
+        plan_verl_batch([[101]], _config(100, tp=8))
+
+
 def test_bad_budgets_empty_ranks_and_empty_samples_are_refused():
     assert _config(numpy.int64(64)).max_tokens_per_gpu == 64  # verl may hand a numpy integer
     for budget in (0, -5, 1.5, True, None):
-        with pytest.raises(DynBatchValueError, match="max_token_len_per_gpu"):
+        with pytest.raises(DynBatchValueError, match="ppo_max_token_len_per_gpu"):
             _config(budget)
     with pytest.raises(DynBatchValueError, match="DP rank 1 holds no sample"):
         plan_verl_batch([[3], []], _config())
-    with pytest.raises(DynBatchValueError, match="DP rank 0 sample 1 has 0 tokens"):
+    with pytest.raises(DynBatchValueError, match="verl: DP rank 0 sample 1 has 0 tokens"):
         plan_verl_batch([[3, 0]], _config())
 
 
@@ -186,3 +193,56 @@ def test_settings_the_plan_does_not_cover_are_refused_naming_them():
         with pytest.raises(DynBatchValueError, match=match) as caught:
             check_engine(engine, data, _Tu)
         assert "use_dynamic_batch_size" in str(caught.value), match
+
+
+def _role(flag=True, use_dynamic_bsz=True, **engine):
+    fields = dict(
+        use_dynamic_batch_size=flag,
+        dynamic_context_parallel=False,
+        router_replay=types.SimpleNamespace(mode="disabled"),
+        override_transformer_config={},
+        context_parallel_size=1,
+        vanilla_mbridge=False,
+    )
+    fields.update(engine)
+    megatron = types.SimpleNamespace(**fields)
+    return types.SimpleNamespace(
+        megatron=megatron,
+        use_dynamic_bsz=use_dynamic_bsz,
+        router_replay=types.SimpleNamespace(mode="disabled"),
+    )
+
+
+def test_config_checks_refuse_in_one_line_naming_verls_keys():
+    from megatron_dynbatch.integrations.verl.config import check_engine_config, check_role_config
+
+    assert check_engine_config(_role().megatron) is True
+    assert check_engine_config(_role(False).megatron) is False
+    check_role_config(_role())
+    check_role_config(_role(False, use_dynamic_bsz=False))  # off: nothing to check
+    engine_cases = [
+        (
+            dict(flag="off"),
+            "use_dynamic_batch_size='off' is not a boolean .OmegaConf reads it as "
+            "false, Python as true",
+        ),
+        (dict(flag="yes_please"), "OmegaConf does not read it as a boolean either"),
+        (dict(dynamic_context_parallel=True), "dynamic_context_parallel=true"),
+        (dict(router_replay=types.SimpleNamespace(mode="R2")), "router_replay.mode='R2'"),
+        (
+            dict(override_transformer_config={"calculate_per_token_loss": True}),
+            "calculate_per_token_loss=true",
+        ),
+        (dict(context_parallel_size=2), "context_parallel_size=2 with Megatron-Bridge"),
+    ]
+    for fields, match in engine_cases:
+        flag = fields.pop("flag", True)
+        with pytest.raises(DynBatchValueError, match=match) as caught:
+            check_engine_config(_role(flag, **fields).megatron)
+        assert "\n" not in str(caught.value)
+    assert check_engine_config(_role(context_parallel_size=2, vanilla_mbridge=True).megatron)
+    with pytest.raises(DynBatchValueError, match="actor.use_dynamic_bsz=false") as caught:
+        check_role_config(_role(use_dynamic_bsz=False))
+    assert "\n" not in str(caught.value)
+    with pytest.raises(DynBatchValueError, match="critic.megatron.use_dynamic_batch_size='on'"):
+        check_role_config(_role("on"), role="critic")

@@ -32,12 +32,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.integrations.skyrl.plan import (
-    SkyrlPlan,
-    check_budget,
-    check_lengths,
-    plan_skyrl_minibatch,
-)
+from megatron_dynbatch.integrations.hosts import SKYRL, check_host_budget, check_host_lengths
+from megatron_dynbatch.integrations.skyrl.plan import SkyrlPlan, plan_skyrl_minibatch
 from megatron_dynbatch.mcore.agreement import gather_lengths, step_agreement
 from megatron_dynbatch.runtime import restore_order
 from megatron_dynbatch.runtime.placeholders import placeholder_tensor
@@ -229,6 +225,7 @@ def planned_microbatch_iterator(
     vpp_size: int = 1,
     microbatch_group_size_per_vp_stage: Optional[int] = None,
     tp_size: int = 1,
+    cp_size: int = 1,
     what: str = "SkyRL mini-batch",
 ) -> PlannedBatchIterator:
     """Gather every DP rank's token counts, plan, agree, and return this rank's iterator.
@@ -245,6 +242,7 @@ def planned_microbatch_iterator(
         vpp_size=vpp_size,
         microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
         tp_size=tp_size,
+        cp_size=cp_size,
     )
     if not dist.is_initialized():
         plan = plan_skyrl_minibatch([_real_tokens(data)], max_tokens_per_microbatch, **kwargs)
@@ -253,8 +251,8 @@ def planned_microbatch_iterator(
     # instead of leaving the others waiting in the gather below.
     with step_agreement(dp_group, what=f"{what}: checking this rank's samples"):
         lengths = _real_tokens(data)
-        check_lengths([lengths])
-        check_budget(max_tokens_per_microbatch)
+        check_host_lengths(SKYRL, [lengths])
+        check_host_budget(SKYRL, max_tokens_per_microbatch)
     gathered = gather_lengths(lengths, dp_group)
     with step_agreement(dp_group, what=f"{what}: planning") as agreement:
         plan = plan_skyrl_minibatch(gathered, max_tokens_per_microbatch, **kwargs)

@@ -9,78 +9,30 @@ interleaved schedule's group) and the same rows per micro-batch ``B`` (the fulle
 any rank). A rank with fewer real micro-batches, or none (a step with fewer samples than DP ranks),
 runs loss-masked placeholders, so counts are equal by construction, not by a later all-reduce.
 
-The budget keeps SkyRL's meaning of ``max_tokens_per_microbatch``: real tokens of one micro-batch
-(its workers strip padding before the model, ``remove_left_padding`` or THD packing), a hard cap
+The budget keeps SkyRL's meaning of ``max_tokens_per_microbatch`` (:data:`~megatron_dynbatch.
+integrations.hosts.SKYRL`): real tokens of one micro-batch, whatever the context-parallel size
+(its workers strip padding before the model, ``remove_left_padding`` or THD packing), each sample
+counted at its THD alignment (``tp``, or ``tp x cp x 2`` with context parallelism); a hard cap
 except for a single longer sample, which runs alone and is reported in :attr:`SkyrlPlan.oversize`.
-Placeholder rows count: each has one attended token, so a micro-batch of ``k`` samples plus its
-``B - k`` placeholder rows stays within the budget (:func:`_fit_placeholder_rows`).
+Placeholder rows count: each has one attended token (padded to the alignment), so a micro-batch of
+``k`` samples plus its ``B - k`` placeholder rows stays within the budget
+(:func:`fit_placeholder_rows`), except a sample alone in its micro-batch, which SkyRL accepts at
+the budget and which then carries its ``B - 1`` one-token rows over it, as SkyRL's own padding rows
+do (at most ``(B - 1) x`` the alignment; no cliff in the micro-batch count near the budget).
 """
 
 from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
-from megatron_dynbatch.config import config_from_mapping
-from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.integrations.hosts import SKYRL, host_config, plan_host_step
 from megatron_dynbatch.planning import ParallelLayout, round_up
-from megatron_dynbatch.planning.sharded import (
-    ShardedPlan,
-    plan_rank_shards,
-    sharded_plan,
-)
+from megatron_dynbatch.planning.sharded import ShardedPlan
 
-__all__ = [
-    "SKYRL_FIXED",
-    "SKYRL_OPTIONS",
-    "SkyrlPlan",
-    "check_budget",
-    "check_lengths",
-    "plan_skyrl_minibatch",
-]
-
-
-#: SkyRL's option name (``trainer.*``) of each setting it gives the planner.
-SKYRL_OPTIONS = {"max_tokens_per_microbatch": "max_tokens_per_gpu"}
-#: What SkyRL decides itself: its padding-free forward packs a micro-batch's real tokens; its
-#: budget is a soft cap for a single long sample (it runs alone), as in SkyRL's own batching.
-SKYRL_FIXED = {"layout": "packed", "oversize_samples": "allow"}
+__all__ = ["SkyrlPlan", "fit_placeholder_rows", "plan_skyrl_minibatch"]
 
 #: The plan of one SkyRL mini-batch: the host-neutral plan of pre-sharded samples.
 SkyrlPlan = ShardedPlan
-
-
-def check_lengths(lengths_per_rank: Sequence[Sequence[int]]) -> List[List[int]]:
-    """The lengths as ints, or ``DynBatchValueError`` naming the rank and sample without tokens."""
-    if not lengths_per_rank:
-        raise DynBatchValueError("lengths_per_rank is empty; pass one list of lengths per DP rank.")
-    checked = []
-    for rank, lengths in enumerate(lengths_per_rank):
-        row = []
-        for i, length in enumerate(lengths):
-            if isinstance(length, bool) or int(length) != length or int(length) < 1:
-                raise DynBatchValueError(
-                    f"DP rank {rank} sample {i} has {length!r} real tokens; every sample needs at "
-                    "least one token with attention_mask=1 (drop empty samples before training)."
-                )
-            row.append(int(length))
-        checked.append(row)
-    return checked
-
-
-def check_budget(max_tokens_per_microbatch: int) -> None:
-    """Refuse a budget that is not a positive integer (``DynBatchValueError`` naming the fix)."""
-    if isinstance(max_tokens_per_microbatch, bool) or not isinstance(
-        max_tokens_per_microbatch, int
-    ):
-        raise DynBatchValueError(
-            f"max_tokens_per_microbatch={max_tokens_per_microbatch!r} must be an integer; set "
-            "trainer.max_tokens_per_microbatch to the real-token budget of one micro-batch."
-        )
-    if max_tokens_per_microbatch < 1:
-        raise DynBatchValueError(
-            f"max_tokens_per_microbatch={max_tokens_per_microbatch} must be > 0 with "
-            "trainer.use_dynamic_batch_size=true; set trainer.max_tokens_per_microbatch (e.g. 8192)."
-        )
 
 
 def plan_skyrl_minibatch(
@@ -91,6 +43,7 @@ def plan_skyrl_minibatch(
     vpp_size: int = 1,
     microbatch_group_size_per_vp_stage: Optional[int] = None,
     tp_size: int = 1,
+    cp_size: int = 1,
 ) -> SkyrlPlan:
     """Plan one mini-batch whose samples are already sharded over the DP ranks.
 
@@ -102,72 +55,81 @@ def plan_skyrl_minibatch(
         vpp_size: Virtual pipeline chunks per stage (> 1: interleaved schedule).
         microbatch_group_size_per_vp_stage: Megatron's interleaving group (default ``pp_size``).
         tp_size: Tensor-parallel size (the planner pads each sample to a multiple of it).
+        cp_size: Context-parallel size: each sample is padded to ``tp x cp x 2`` (SkyRL's THD
+            alignment), and the budget still caps the whole micro-batch.
 
     Returns:
         The :class:`SkyrlPlan`, identical on every rank given the same lengths.
 
     Raises:
-        DynBatchValueError: on a non-positive budget or length, naming them.
+        DynBatchValueError: on a non-positive budget or length, naming them and SkyRL's keys.
     """
-    check_budget(max_tokens_per_microbatch)
-    lengths_per_rank = check_lengths(lengths_per_rank)
     parallel = ParallelLayout(
         dp_size=1,
         pp_size=pp_size,
         vpp_size=vpp_size,
         microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
         tp_size=tp_size,
+        cp_size=cp_size,
     )
-    config = config_from_mapping(
-        {"max_tokens_per_microbatch": max_tokens_per_microbatch},
-        table=SKYRL_OPTIONS,
-        fixed=SKYRL_FIXED,
-        host="SkyRL's trainer config",
-    ).planner_config(parallel)
-    ranks, oversize = plan_rank_shards(lengths_per_rank, config)
-    ranks = _fit_placeholder_rows(ranks, lengths_per_rank, config.token_cap, tp_size)
-    return sharded_plan(ranks, oversize, parallel)
+    with SKYRL.flags():
+        config = host_config(
+            SKYRL, {"max_tokens_per_microbatch": max_tokens_per_microbatch}, parallel
+        )
+    multiple = parallel.sample_multiple
+    return plan_host_step(
+        SKYRL,
+        lengths_per_rank,
+        config,
+        adjust=lambda ranks, lengths: fit_placeholder_rows(
+            ranks, lengths, config.token_cap, multiple
+        ),
+        placeholder_row_tokens=multiple,
+    )
 
 
-def _fit_placeholder_rows(
-    ranks: List[Tuple[Tuple[int, ...], ...]],
-    lengths_per_rank: List[List[int]],
+def fit_placeholder_rows(
+    ranks: Sequence[Tuple[Tuple[int, ...], ...]],
+    lengths_per_rank: Sequence[Sequence[int]],
     cap: int,
     multiple: int,
 ) -> List[Tuple[Tuple[int, ...], ...]]:
     """Split micro-batches so each stays within ``cap`` once topped up with placeholder rows.
 
-    Every micro-batch runs ``B`` rows (the fullest one's); a shorter one gets ``B - k`` placeholder
-    rows of one attended token each (SkyRL cannot run a row with none), padded to ``multiple``
-    (tp) like every row. So a micro-batch costs its samples plus ``(B - k) * multiple``, and a sample
-    of ``L`` tokens forces ``B <= 1 + (cap - L) // multiple``: with ``cap=40`` a 40-token sample
-    leaves room for no placeholder row, so ``B = 1`` (two samples of 20 sharing a micro-batch
-    would give the 40-token one a 41-token micro-batch). ``B`` is bounded by the longest sample
-    within the cap, then every micro-batch is cut, in order, into pieces that fit at that bound.
-    An oversize sample (alone in its micro-batch already) stays over the cap, as reported.
+    Every micro-batch runs ``B`` rows (the fullest one's); one with ``k`` samples gets ``B - k``
+    placeholder rows of one attended token each (SkyRL cannot run a row with none), padded to
+    ``multiple`` like every row, so it costs its samples plus ``(B - k) * multiple``. A micro-batch
+    over ``cap`` once topped up is cut, in order, into pieces that fit; a single sample is never
+    cut further (it is within the budget as SkyRL counts it, or oversize and reported), so its
+    rows may take it over by ``(B - 1) * multiple``. Cutting can only lower ``B``, so this repeats
+    until ``B`` is stable. Example (``cap=40``, ``multiple=1``): micro-batches ``[20, 19]`` and
+    ``[40]`` give ``B = 2``: ``[20, 19]`` fits (39), ``[40]`` runs alone with one placeholder row
+    (41 attended tokens, as SkyRL's own padding would give it), and the count stays 2, where
+    limiting ``B`` by the 40-token sample (``B = 1``) would give 3.
     """
 
-    def size(length: int) -> int:
-        return round_up(length, multiple)
+    def size(rank: int, i: int) -> int:
+        return round_up(lengths_per_rank[rank][i], multiple)
 
-    rows = max([len(mb) for mbs in ranks for mb in mbs] or [1])
-    fitting = [size(n) for lengths in lengths_per_rank for n in lengths if size(n) <= cap]
-    if fitting:
-        rows = min(rows, 1 + (cap - max(fitting)) // multiple)
-    fitted: List[Tuple[Tuple[int, ...], ...]] = []
-    for rank, mbs in enumerate(ranks):
-        pieces: List[Tuple[int, ...]] = []
-        for mb in mbs:
-            piece: List[int] = []
-            tokens = 0
-            for i in mb:
-                grown = tokens + size(lengths_per_rank[rank][i])
-                topped_up = grown + (rows - len(piece) - 1) * multiple
-                if piece and (len(piece) == rows or topped_up > cap):
-                    pieces.append(tuple(piece))
-                    piece, grown = [], size(lengths_per_rank[rank][i])
-                piece.append(i)
-                tokens = grown
-            pieces.append(tuple(piece))
-        fitted.append(tuple(pieces))
-    return fitted
+    fitted = [tuple(mbs) for mbs in ranks]
+    while True:
+        rows = max([len(mb) for mbs in fitted for mb in mbs] or [1])
+        cut: List[Tuple[Tuple[int, ...], ...]] = []
+        for rank, mbs in enumerate(fitted):
+            pieces: List[Tuple[int, ...]] = []
+            for mb in mbs:
+                piece: List[int] = []
+                tokens = 0
+                for i in mb:
+                    grown = tokens + size(rank, i)
+                    topped_up = grown + (rows - len(piece) - 1) * multiple
+                    if piece and topped_up > cap:
+                        pieces.append(tuple(piece))
+                        piece, grown = [], size(rank, i)
+                    piece.append(i)
+                    tokens = grown
+                pieces.append(tuple(piece))
+            cut.append(tuple(pieces))
+        if max([len(mb) for mbs in cut for mb in mbs] or [1]) == rows:
+            return cut
+        fitted = cut

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.integrations.skyrl.plan import check_budget
+from megatron_dynbatch.integrations.hosts import SKYRL, check_host_budget
 
 __all__ = ["validate_trainer_config"]
 
@@ -42,4 +42,4 @@ def validate_trainer_config(trainer: Any) -> None:
             f"trainer.strategy={trainer.strategy!r} would ignore it: set trainer.strategy=megatron "
             "or trainer.use_dynamic_batch_size=false."
         )
-    check_budget(trainer.max_tokens_per_microbatch)
+    check_host_budget(SKYRL, trainer.max_tokens_per_microbatch)

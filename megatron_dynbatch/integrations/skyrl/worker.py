@@ -57,5 +57,6 @@ def _planned(worker: Any, data: Any, vpp: int, what: str) -> PlannedBatchIterato
         vpp_size=vpp,
         microbatch_group_size_per_vp_stage=_interleaving_group(worker) if vpp > 1 else None,
         tp_size=mpu.get_tensor_model_parallel_world_size(),
+        cp_size=mpu.get_context_parallel_world_size(),
         what=what,
     )

@@ -13,26 +13,27 @@ here. With the patches, slime's own ``get_batch``, ``train_one_step`` and ``forw
   ``forward_only``): this rank's micro-batches are checked before any pipeline communication,
   inside :func:`~megatron_dynbatch.mcore.agreement.step_agreement`, so a bad sample on one rank
   stops every rank with the same error instead of hanging the others in a send.
-* :func:`loss_function` (in ``train_one_step``): slime's loss functions with an exact reducer
-  built on :func:`megatron_dynbatch.runtime.microbatch_loss` (masked positions are selected out,
-  not multiplied by 0), returned as Megatron's 3-tuple.
+* :func:`wrap_loss_function` (in ``train_one_step``): slime's own ``loss_function``, called as
+  it is; around it the per-token normaliser is made exact (placeholders count no token) and every
+  logit stays in the graph.
 * :func:`forward_only_iterators` and :func:`restore_rollout_order` (in ``forward_only``): log-prob
   passes planned under ``--log-probs-max-tokens-per-gpu`` on this rank's samples, outputs back in
   the rank's rollout order, strictly (a missing or duplicated sample is an error).
 
-Imports slime only inside the functions that need its loss code, so everything else is testable
+Imports slime only inside the function that calls its loss, so everything else is testable
 without slime.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.integrations.slime.config import RESPONSE_FLOAT_KEYS, check_index
+from megatron_dynbatch.integrations.slime.config import RESPONSE_FLOAT_KEYS
 from megatron_dynbatch.integrations.slime.empty_rank import add_phantom_sample
 from megatron_dynbatch.integrations.slime.placeholders import cp_local, placeholder_sample
 from megatron_dynbatch.integrations.slime.schedule import (
@@ -44,14 +45,15 @@ from megatron_dynbatch.integrations.slime.schedule import (
 )
 from megatron_dynbatch.mcore.agreement import step_agreement
 from megatron_dynbatch.planning import round_up
-from megatron_dynbatch.runtime import microbatch_loss, restore_order
+from megatron_dynbatch.planning.spec import check_int
+from megatron_dynbatch.runtime import restore_order
 
 __all__ = [
     "SlimeDataIterator",
     "agree_on_step",
     "data_iterators",
     "forward_only_iterators",
-    "loss_function",
+    "wrap_loss_function",
     "placeholder_sample",
     "restore_rollout_order",
 ]
@@ -87,7 +89,7 @@ class SlimeDataIterator:
         self.rollout_data = rollout_data
         self.micro_batch_indices = [list(mb) for mb in micro_batch_indices]
         self.row_lengths = [int(s) for s in row_lengths]
-        self.cp_size = check_index("cp_size", cp_size, 1, "pass the context-parallel size.")
+        self.cp_size = check_int("cp_size", cp_size, 1, "pass the context-parallel size.")
         self.forward_only = forward_only
         self.offset = 0
         #: Row length of the micro-batch last returned by :meth:`get_next` (read by get_batch).
@@ -425,111 +427,46 @@ def restore_rollout_order(
 # -- the loss -------------------------------------------------------------------------------------
 
 
-def _exact_reducer(batch: Mapping[str, Any], per_token: bool):
-    """slime's ``sum_of_sample_mean`` / ``sum_of_token`` as :func:`microbatch_loss` numerators.
+def wrap_loss_function(loss_function: Callable[..., Any]) -> Callable[..., Any]:
+    """slime's own ``loss_function``, with its normaliser made exact around it.
 
-    ``x`` holds the micro-batch's response tokens, sample after sample. Per token: the masked sum.
-    Per rollout (slime's default): each sample's masked sum over its rollout's mask total
-    (``rollout_mask_sums``), summed. Masked positions are selected out, so a non-finite value there
-    (padding, a placeholder) cannot reach the loss or the gradient.
+    Patch 0004 hands in the ``loss_function`` slime's ``model.py`` imported and uses what this
+    returns instead. slime computes the loss (its dispatch over ``args.loss_type``, its reducers,
+    its scaling by ``num_microbatches / step_global_batch_size * dp`` for the per-rollout mean,
+    which Megatron's division by ``num_microbatches`` and DDP's DP average cancel whatever the
+    micro-batches hold), so a fix to slime's loss reaches this path unchanged. Around it:
+
+    * with ``--calculate-per-token-loss`` the normaliser (and ``values[0]``, what slime's
+      ``reduce_train_step_metrics`` divides by) becomes the exact count of loss tokens: slime
+      counts a fully masked sample as 1 token (``clamp_min(loss_mask.sum(), 1)``), so every
+      placeholder micro-batch would add one token to the denominator Megatron divides every
+      gradient by;
+    * ``loss + 0 * logits.sum()`` keeps every logit in the graph: a placeholder's loss is 0 but
+      its backward must run through every pipeline stage (slime adds the same term under
+      ``--allgather-cp``).
+
+    A placeholder's loss is exactly 0 through slime's reducers: its loss mask is 0 and its logits
+    finite (it holds real tokens), so ``x * mask`` adds 0.
     """
-    masks = [m.reshape(-1) for m in batch["loss_masks"]]
-    mask_row = torch.cat(masks).to(torch.float32).reshape(1, -1)
-    row_batch = {"loss_mask": mask_row}
-    divisor = None
-    if not per_token:
-        lengths = torch.tensor([m.numel() for m in masks], device=mask_row.device)
-        denominators = batch.get("rollout_mask_sums")
-        if denominators is None:
-            denominators = [m.sum() for m in masks]
-        denominators = torch.stack(
-            [torch.as_tensor(d, dtype=torch.float32, device=mask_row.device) for d in denominators]
+
+    @functools.wraps(loss_function)
+    def exact_normaliser(
+        args: Any,
+        batch: Dict[str, Any],
+        num_microbatches: int,
+        step_global_batch_size: int,
+        logits: torch.Tensor,
+    ) -> Tuple[torch.Tensor, Any, Dict[str, Any]]:
+        loss, normaliser, log = loss_function(
+            args, batch, num_microbatches, step_global_batch_size, logits
         )
-        divisor = torch.repeat_interleave(denominators.clamp_min(1), lengths).reshape(1, -1)
+        loss = loss + 0 * logits.sum()
+        if args.calculate_per_token_loss:
+            exact = sum(int((mask > 0).sum()) for mask in batch["loss_masks"])
+            normaliser = torch.tensor(exact, dtype=torch.int, device=logits.device)
+            values = log["values"].clone()
+            values[0] = exact
+            log = {**log, "values": values}
+        return loss, normaliser, log
 
-    def reduce(x: torch.Tensor) -> torch.Tensor:
-        row = x.reshape(1, -1)
-        if divisor is not None:
-            row = row / divisor.to(row.dtype)
-        return microbatch_loss("sum", row, row_batch)[0]
-
-    num_tokens = microbatch_loss("token-mean", torch.zeros_like(mask_row), row_batch)[1]
-    return reduce, num_tokens
-
-
-def loss_function(
-    args: Any,
-    batch: Dict[str, Any],
-    num_microbatches: int,
-    step_global_batch_size: int,
-    logits: torch.Tensor,
-) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, Any]]:
-    """slime's ``loss_function`` with exact normalisation, placeholders included.
-
-    Same dispatch over ``args.loss_type`` and the same ``(loss, normaliser, {"keys", "values"})``
-    return as slime; the differences:
-
-    * the reducer is :func:`microbatch_loss` (``torch.where``, not ``x * mask``);
-    * with ``--calculate-per-token-loss`` the normaliser is the exact count of loss tokens (slime
-      counts a fully masked sample as 1 token), Megatron sums it over micro-batches and DP and
-      divides the gradients once;
-    * otherwise (slime's per-rollout mean) every micro-batch's share is scaled by
-      ``num_microbatches / step_global_batch_size * dp``, which Megatron's division by
-      ``num_microbatches`` and DDP's DP average cancel exactly, whatever the micro-batches hold;
-      ``step_global_batch_size`` is the number of rollouts the step really trains.
-    """
-    from megatron.core import mpu
-    from slime.backends.megatron_utils import loss as slime_loss
-    from slime.backends.megatron_utils.cp_utils import get_sum_of_sample_mean
-    from torch.utils.checkpoint import checkpoint
-
-    per_token = bool(args.calculate_per_token_loss)
-    cp_size = mpu.get_context_parallel_world_size()
-    if cp_size == 1 and not getattr(args, "allgather_cp", False):
-        reducer, num_tokens = _exact_reducer(batch, per_token)
-    else:
-        # Context parallelism: every CP rank holds chunks of each sample; slime's reducer knows
-        # the chunk layout. Tokens are counted on the full masks, as slime counts them.
-        reducer = get_sum_of_sample_mean(
-            batch["total_lengths"],
-            batch["response_lengths"],
-            batch["loss_masks"],
-            batch["rollout_mask_sums"],
-            per_token,
-        )
-        num_tokens = sum(int((m > 0).sum()) for m in batch["loss_masks"])
-        num_tokens = torch.tensor(num_tokens, dtype=torch.int, device=logits.device)
-
-    functions = {
-        "policy_loss": getattr(slime_loss, "policy_loss_function", None),
-        "value_loss": getattr(slime_loss, "value_loss_function", None),
-        "sft_loss": getattr(slime_loss, "sft_loss_function", None),
-    }
-    if args.loss_type == "custom_loss":
-        func = slime_loss.load_function(args.custom_loss_function_path)
-    elif functions.get(args.loss_type) is not None:
-        func = functions[args.loss_type]
-    else:
-        raise DynBatchValueError(f"Unknown loss type: {args.loss_type}")
-    if getattr(args, "recompute_loss_function", False):
-        loss, log = checkpoint(func, args, batch, logits, reducer, use_reentrant=False)
-    else:
-        loss, log = func(args, batch, logits, reducer)
-    # Keep the graph connected to every logit (a placeholder's loss is 0 but must back-propagate
-    # through every pipeline stage, as must an all-padding CP chunk).
-    loss = loss + 0 * logits.sum()
-
-    if per_token:
-        loss = loss * cp_size
-        normaliser = num_tokens.to(torch.int)
-    else:
-        dp_cp = mpu.get_data_parallel_world_size(with_context_parallel=True)
-        loss = loss * num_microbatches / step_global_batch_size * dp_cp
-        normaliser = torch.tensor(1, device=logits.device)
-    # values[0] is what slime's reduce_train_step_metrics divides by in per-token mode.
-    values = [num_tokens if per_token else 0] + list(log.values())
-    return (
-        loss,
-        normaliser,
-        {"keys": list(log.keys()), "values": torch.tensor(values, device=logits.device)},
-    )
+    return exact_normaliser

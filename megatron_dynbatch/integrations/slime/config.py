@@ -7,7 +7,8 @@ same way. The defaults, and why each is what it is:
 * ``oversize_samples``: ``args.oversize_samples`` (the patched parser registers
   ``--oversize-samples allow|error``, default ``allow``), or ``allow`` for a bare namespace without
   the attribute (slime's own unit tests build one): slime's behaviour, a sample over the budget
-  runs alone in its micro-batch, and :func:`check_oversize` warns naming it; ``error`` (opt-in)
+  runs alone in its micro-batch, and the host entry
+  (:func:`~megatron_dynbatch.integrations.hosts.check_host_oversize`) warns naming it; ``error`` (opt-in)
   stops before any model work. A working slime config must not stop because the patches are in.
   ``truncate`` is refused: slime's ``get_batch`` builds rows from whole samples, so a cut sample
   could not be materialised.
@@ -27,19 +28,17 @@ import contextlib
 import warnings
 from typing import Any, Iterator, Optional
 
-from megatron_dynbatch.config import FLAGS, DynBatchConfig, config_from_mapping
+from megatron_dynbatch.config import DynBatchConfig, config_from_mapping
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.planning import CostModel, OversizeSampleWarning, PlannerConfig
-from megatron_dynbatch.planning.spec import check_int, layout_flags
+from megatron_dynbatch.integrations.hosts import SLIME, check_host_budget
+from megatron_dynbatch.planning import CostModel, OversizeSampleWarning
+from megatron_dynbatch.planning.spec import check_int
 
 __all__ = [
     "DATA_PAD_SIZE_MULTIPLIER",
     "CP_SLICED_KEYS",
     "RESPONSE_FLOAT_KEYS",
-    "SLIME_OPTIONS",
     "SLIME_OVERSIZE_POLICIES",
-    "check_index",
-    "check_oversize",
     "dynbatch_config_from_slime_args",
     "oversize_policy",
     "planner_oversize_reported",
@@ -47,13 +46,6 @@ __all__ = [
     "routing_replay",
     "slime_flags",
 ]
-
-#: slime's argument name of each setting it gives the planner (the patched parser's flags).
-SLIME_OPTIONS = {
-    "max_tokens_per_gpu": "max_tokens_per_gpu",
-    "log_probs_max_tokens_per_gpu": "log_probs_max_tokens_per_gpu",
-    "oversize_samples": "oversize_samples",
-}
 
 #: Keys with one value per *response* token (slime's convention), as float32.
 RESPONSE_FLOAT_KEYS = (
@@ -74,10 +66,6 @@ CP_SLICED_KEYS = ("rollout_log_probs", "teacher_log_probs")
 DATA_PAD_SIZE_MULTIPLIER = 128
 #: What ``--oversize-samples`` accepts in the patched slime (no ``truncate``: see the module doc).
 SLIME_OVERSIZE_POLICIES = ("error", "allow")
-
-
-#: slime's name for the package's one integer check (its callers and patches use it).
-check_index = check_int
 
 
 def oversize_policy(args: Any) -> str:
@@ -111,7 +99,7 @@ def pad_size(args: Any) -> int:
     tp = (
         1
         if tp is None
-        else check_index(
+        else check_int(
             "args.tensor_model_parallel_size", tp, 1, "pass --tensor-model-parallel-size 1 or more."
         )
     )
@@ -119,7 +107,7 @@ def pad_size(args: Any) -> int:
     multiplier = (
         DATA_PAD_SIZE_MULTIPLIER
         if multiplier is None
-        else check_index(
+        else check_int(
             "args.data_pad_size_multiplier", multiplier, 1, "pass --data-pad-size-multiplier >= 1."
         )
     )
@@ -140,24 +128,10 @@ def dynbatch_config_from_slime_args(
     Raises:
         DynBatchValueError: a missing or bad budget, naming slime's flag.
     """
-    budget = getattr(args, "max_tokens_per_gpu", None)
-    if budget is None:
-        raise DynBatchValueError(
-            "use_dynamic_batch_size is set but max_tokens_per_gpu is None; pass "
-            "--max-tokens-per-gpu with the token budget of one micro-batch on one GPU."
-        )
-    budget = check_index(
-        "args.max_tokens_per_gpu", budget, 1, "pass --max-tokens-per-gpu as a token count."
-    )
+    budget = check_host_budget(SLIME, getattr(args, "max_tokens_per_gpu", None))
     log_probs = getattr(args, "log_probs_max_tokens_per_gpu", None)
     if log_probs is not None:
-        log_probs = check_index(
-            "args.log_probs_max_tokens_per_gpu",
-            log_probs,
-            1,
-            "pass --log-probs-max-tokens-per-gpu as a token count (or leave it unset to use "
-            "--max-tokens-per-gpu).",
-        )
+        log_probs = check_host_budget(SLIME, log_probs, forward_only=True)
     cost = cost or CostModel()
     return config_from_mapping(
         {
@@ -165,9 +139,9 @@ def dynbatch_config_from_slime_args(
             "log_probs_max_tokens_per_gpu": log_probs,
             "oversize_samples": oversize_policy(args),
         },
-        table=SLIME_OPTIONS,
+        table=SLIME.options,
         fixed={
-            "layout": "packed",
+            **SLIME.fixed,
             "rollouts_per_step": rollouts_per_step,
             "cost_token_weight": cost.token_weight,
             "cost_attention_weight": cost.attention_weight,
@@ -178,50 +152,11 @@ def dynbatch_config_from_slime_args(
     )
 
 
-def check_oversize(lengths: Any, config: PlannerConfig, *, forward_only: bool) -> None:
-    """Samples over the cap, named with slime's flags: a warning under ``--oversize-samples allow``
-    (the default, slime's rule), a ``DynBatchValueError`` under ``error``.
-
-    The planner's own warning and error offer ``truncate``, which the patched slime does not
-    accept; this runs first, over the global lengths (samples named by their rollout position),
-    and the planner's warning is silenced (:func:`planner_oversize_reported`).
-    """
-    multiple = config.parallel.sample_multiple
-    keep = (config.token_cap // multiple) * multiple
-    oversize = [i for i, length in enumerate(lengths) if length > keep]
-    if not oversize:
-        return
-    flag = FLAGS["log_probs_max_tokens_per_gpu"] if forward_only else FLAGS["max_tokens_per_gpu"]
-    shown = ", ".join(f"sample {i}: {lengths[i]} tokens" for i in oversize[:8])
-    more = f" (and {len(oversize) - 8} more)" if len(oversize) > 8 else ""
-    what = (
-        f"{len(oversize)} sample(s) exceed the token cap {config.token_cap} ({flag[2:]}="
-        f"{config.max_tokens_per_gpu} x cp_size={config.parallel.cp_size}): {shown}{more}."
-    )
-    if config.oversize_samples == "allow":
-        if forward_only:
-            # The training plan's warning named them (a log-prob budget below the training one,
-            # which only the log-prob pass would exceed, is unusual and trains nothing over it).
-            return
-        warnings.warn(
-            f"{what} Each runs alone in its micro-batch, over the budget, as stock slime runs it; "
-            f"raise {flag} or cut responses at rollout time (--rollout-max-response-len) to stay "
-            "within it, or pass --oversize-samples error to stop on such samples.",
-            OversizeSampleWarning,
-            stacklevel=3,
-        )
-        return
-    raise DynBatchValueError(
-        f"{what} Raise {flag}, cut responses at rollout time (--rollout-max-response-len), or "
-        "pass --oversize-samples allow (the default: each runs alone in its micro-batch, over the "
-        "budget)."
-    )
-
-
 @contextlib.contextmanager
 def planner_oversize_reported() -> Iterator[None]:
-    """Silence the planner's ``OversizeSampleWarning`` where :func:`check_oversize` already named
-    the samples with slime's flags (the planner's text offers ``--oversize-samples truncate``)."""
+    """Silence the planner's ``OversizeSampleWarning`` where
+    :func:`~megatron_dynbatch.integrations.hosts.check_host_oversize` already named the samples
+    with slime's flags (the planner's text offers ``--oversize-samples truncate``)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", OversizeSampleWarning)
         yield
@@ -230,4 +165,4 @@ def planner_oversize_reported() -> Iterator[None]:
 def slime_flags() -> Any:
     """Errors raised inside that name the parallel layout's fields also name slime's flags
     (Megatron-LM's: :data:`~megatron_dynbatch.planning.spec.LAYOUT_FLAGS`)."""
-    return layout_flags("slime")
+    return SLIME.flags()

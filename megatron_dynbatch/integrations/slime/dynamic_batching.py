@@ -33,8 +33,8 @@ import torch
 
 from megatron_dynbatch.config import DynBatchConfig
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.integrations.slime.schedule import check_index
 from megatron_dynbatch.planning import ParallelLayout, Plan, SampleSet
+from megatron_dynbatch.planning.spec import check_int
 from megatron_dynbatch.planning.strategies import run_strategy
 from megatron_dynbatch.runtime import (
     AGGREGATIONS,
@@ -84,7 +84,7 @@ class DynamicBatching:
         if aggregation not in AGGREGATIONS:
             raise DynBatchValueError(f"aggregation={aggregation!r} is not one of {AGGREGATIONS}.")
         if samples_per_rollout is not None:
-            samples_per_rollout = check_index(
+            samples_per_rollout = check_int(
                 "samples_per_rollout",
                 samples_per_rollout,
                 1,
@@ -122,11 +122,11 @@ class DynamicBatching:
                 )
         fix = "store every sample's token count as an integer."
         totals = [
-            check_index(f"total_lengths[{i}]", x, 1, fix)
+            check_int(f"total_lengths[{i}]", x, 1, fix)
             for i, x in enumerate(rollout_data["total_lengths"])
         ]
         responses = [
-            check_index(f"response_lengths[{i}]", x, 0, fix)
+            check_int(f"response_lengths[{i}]", x, 0, fix)
             for i, x in enumerate(rollout_data["response_lengths"])
         ]
         n = len(rollout_data["tokens"])
@@ -165,7 +165,7 @@ class DynamicBatching:
                 (
                     i
                     if isinstance(i, str) or i is None
-                    else check_index(
+                    else check_int(
                         f"{self.rollout_id_key}[{n_}]", i, -(2**63), "store int or str rollout ids."
                     )
                 )
@@ -212,7 +212,7 @@ class DynamicBatching:
     def sample(self, rollout_data: RolloutData, index: int) -> Dict[str, Any]:
         """One sample in the runtime's form: response-only keys spread over the full length."""
         totals, responses = self._lengths(rollout_data)
-        index = check_index("index", index, 0, "pass a sample index of rollout_data.")
+        index = check_int("index", index, 0, "pass a sample index of rollout_data.")
         if index >= len(totals):
             raise DynBatchValueError(
                 f"sample index {index} is out of range: rollout_data has {len(totals)} samples."
@@ -269,7 +269,7 @@ class DynamicBatching:
 
     @staticmethod
     def _step(plan: Plan, step: int):
-        step = check_index("step", step, 0, "pass a step index of the plan.")
+        step = check_int("step", step, 0, "pass a step index of the plan.")
         if step >= len(plan.steps):
             raise DynBatchValueError(
                 f"step={step} is out of range: the plan has {len(plan.steps)} step(s), "
@@ -293,7 +293,7 @@ class DynamicBatching:
         micro-batches, as Megatron's interleaved schedule expects.
         """
         step_plan = self._step(plan, step)
-        dp_rank = check_index("dp_rank", dp_rank, 0, "pass this rank's data-parallel index.")
+        dp_rank = check_int("dp_rank", dp_rank, 0, "pass this rank's data-parallel index.")
         totals, responses = self._lengths(rollout_data)
         mine = {
             i: self._sample(rollout_data, i, totals[i], responses[i])

@@ -48,20 +48,26 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from megatron_dynbatch.config import DynBatchConfig
 from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.integrations.hosts import SLIME, check_host_oversize
 from megatron_dynbatch.integrations.slime.config import (
     DATA_PAD_SIZE_MULTIPLIER,
-    check_index,
-    check_oversize,
     dynbatch_config_from_slime_args,
     oversize_policy,
     pad_size,
     planner_oversize_reported,
     routing_replay,
 )
-from megatron_dynbatch.planning import CostModel, ParallelLayout, Plan, SampleSet, round_up
+from megatron_dynbatch.planning import (
+    CostModel,
+    ParallelLayout,
+    Plan,
+    SampleSet,
+    check_plan,
+    round_up,
+)
 from megatron_dynbatch.planning.karmarkar_karp import karmarkar_karp
 from megatron_dynbatch.planning.shape import variable_rows as planned_variable_rows
-from megatron_dynbatch.planning.spec import ATTENTION_CROSSOVER_7B
+from megatron_dynbatch.planning.spec import ATTENTION_CROSSOVER_7B, check_int
 from megatron_dynbatch.planning.strategies import run_strategy
 
 __all__ = [
@@ -69,7 +75,6 @@ __all__ = [
     "DPSchedule",
     "DPScheduleError",
     "build_dp_schedule",
-    "check_index",
     "oversize_policy",
     "uniform_row_lengths",
 ]
@@ -207,7 +212,7 @@ class DPSchedule(tuple):
         The trainer's :func:`~megatron_dynbatch.integrations.slime.backend.data_iterators` takes
         these keys out of the rank's rollout data again (slime would log them as metrics).
         """
-        check_index("dp_rank", dp_rank, 0, "pass a data-parallel rank of the schedule.")
+        check_int("dp_rank", dp_rank, 0, "pass a data-parallel rank of the schedule.")
         if dp_rank >= len(self.partitions):
             raise DynBatchValueError(
                 f"dp_rank={dp_rank} but the schedule has {len(self.partitions)} DP ranks."
@@ -310,7 +315,7 @@ def _parallel_sizes(args: Any, train_parallel_config: Any) -> Dict[str, int]:
         value = lookup(key)
         if value is None:
             continue  # filled below
-        sizes[key] = check_index(
+        sizes[key] = check_int(
             f"train_parallel_config[{key!r}]",
             value,
             1,
@@ -327,7 +332,7 @@ def _parallel_sizes(args: Any, train_parallel_config: Any) -> Dict[str, int]:
         sizes[key] = (
             1
             if value is None
-            else check_index(f"args.{arg}", value, 1, f"pass --{_dash(arg)} 1 or more.")
+            else check_int(f"args.{arg}", value, 1, f"pass --{_dash(arg)} 1 or more.")
         )
     if "microbatch_group_size_per_vp_stage" not in sizes:
         # Megatron's default group is pp_size (it only matters when interleaving).
@@ -348,7 +353,7 @@ def _lengths(total_lengths: Any) -> List[int]:
     lengths = []
     for i, value in enumerate(total_lengths):
         lengths.append(
-            check_index(
+            check_int(
                 f"total_lengths[{i}]",
                 value,
                 1,
@@ -380,7 +385,7 @@ def _rollout_keys(rollout_indices: Any, num_samples: int) -> List[Any]:
             keys.append(rid)
         else:
             keys.append(
-                check_index(
+                check_int(
                     f"rollout_indices[{i}]",
                     rid,
                     -(2**63),
@@ -484,7 +489,7 @@ def _static_schedule(
     dp = sizes["dp_size"]
     group = sizes["microbatch_group_size_per_vp_stage"] if sizes["vpp_size"] > 1 else 1
     align_to = dp * group
-    micro_batch_size = check_index(
+    micro_batch_size = check_int(
         "args.micro_batch_size",
         getattr(args, "micro_batch_size", None),
         1,
@@ -638,7 +643,7 @@ def _forward_only_schedule(
     )
     budget = config.forward_only_max_tokens_per_gpu
     # Once over the global lengths, so an error names the samples by their rollout position.
-    check_oversize(lengths, planner_config, forward_only=True)
+    check_host_oversize(SLIME, [lengths], planner_config, forward_only=True)
     per_rank: List[List[List[int]]] = []
     rows: List[List[int]] = []
     for partition in partitions:
@@ -694,9 +699,10 @@ def _dynamic_schedule(
     planner_config = config.planner_config(
         _layout(sizes, dp), row_multiple=pad_size * cp if variable else None
     )
-    check_oversize(lengths, planner_config, forward_only=False)
+    check_host_oversize(SLIME, [lengths], planner_config, forward_only=False)
     with planner_oversize_reported():
         plan = run_strategy(SampleSet.build(lengths, keys), planner_config)
+    check_plan(plan, SampleSet.build(lengths, keys, None), planner_config)
 
     heads = {members[0] for members in _group_rollouts(keys)}
     partitions: List[List[int]] = [[] for _ in range(dp)]
@@ -775,7 +781,7 @@ def build_dp_schedule(
     sizes = _parallel_sizes(args, train_parallel_config)
     lengths = _lengths(total_lengths)
     keys = _rollout_keys(rollout_indices, len(lengths))
-    global_batch_size = check_index(
+    global_batch_size = check_int(
         "global_batch_size",
         global_batch_size,
         1,

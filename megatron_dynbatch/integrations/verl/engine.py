@@ -25,8 +25,11 @@ What changes, against verl's ``rearrange_micro_batches``:
   (``ppo_max_token_len_per_gpu`` for training, ``log_prob_max_token_len_per_gpu`` for forward
   passes; with context parallelism a micro-batch holds ``cp`` times the per-GPU budget, split over
   the CP ranks), where each sample counts its length rounded up to verl's THD alignment
-  (``tp x cp x 2`` with CP, else ``tp``). A sample that alone exceeds it is refused before any
-  model work, naming it (stock verl asserts the same on real tokens).
+  (``tp x cp x 2`` with CP, else ``tp``). A sample whose real tokens exceed it is refused before
+  any model work, naming it (stock verl asserts the same on real tokens); a sample within it whose
+  alignment takes it over (a budget that is no multiple of the alignment) runs alone, as stock
+  verl accepts it (:data:`~megatron_dynbatch.integrations.hosts.VERL`: the budget counts real
+  tokens).
 * **placeholders** carry every key of the batch with its dtype and per-sample shape (a copy of the
   rank's shortest sample, so nested keys keep their structure) with every value zeroed except the
   structural ``position_ids``, ``attention_mask`` and ``temperature``: ``loss_mask`` and
@@ -37,24 +40,26 @@ What changes, against verl's ``rearrange_micro_batches``:
   other path (each local sample exactly once, checked); verl's ``postprocess_batch_func`` then
   concatenates them and gathers losses and metrics.
 
-Refused with the switch on (a ``DynBatchValueError`` naming the setting): dynamic context
-parallelism (verl's own scheduler), ``force_group_size > 1`` (reward-model pairs), router replay
-(its routed-expert tensors are restored by the same indices, untested here),
-``calculate_per_token_loss`` (verl counts a micro-batch's tokens including a placeholder's).
+Refused with the switch on (a ``DynBatchValueError`` naming the setting), at config time by
+:mod:`.config` (verl's ``validate_config``, before any worker): a flag that is not a boolean, the
+flag without verl's ``use_dynamic_bsz``, dynamic context parallelism (verl's own scheduler), router
+replay (its routed-expert tensors are restored by other indices), ``calculate_per_token_loss``
+(verl counts a micro-batch's tokens including a placeholder's). Here, at the first batch, as a
+backstop and for what only the batch carries: ``force_group_size > 1`` (reward-model pairs; no
+config key sets it), a routing-replay request on the batch, ``calculate_per_token_loss`` on the
+built model's config.
 """
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-from megatron_dynbatch.config import config_from_mapping
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.planning import ParallelLayout, PlannerConfig, round_up
-from megatron_dynbatch.planning.sharded import ShardedPlan, plan_sharded_step
+from megatron_dynbatch.integrations.hosts import VERL, host_config, plan_host_step
+from megatron_dynbatch.planning import ParallelLayout, PlannerConfig
+from megatron_dynbatch.planning.sharded import ShardedPlan
 
 __all__ = [
-    "VERL_OPTIONS",
     "PlannedMicroBatches",
     "check_engine",
     "placeholder_micro_batch",
@@ -68,13 +73,6 @@ __all__ = [
 #: the attended tokens, a positive temperature, which verl divides the logits by); every other
 #: tensor is zeroed, so it carries no data and no loss weight.
 STRUCTURAL_KEYS = ("position_ids", "attention_mask", "temperature")
-
-#: verl's name of each setting it gives the planner: the batch's ``max_token_len_per_gpu`` (set by
-#: verl's worker from ``ppo_max_token_len_per_gpu`` or ``log_prob_max_token_len_per_gpu``).
-VERL_OPTIONS = {"max_token_len_per_gpu": "max_tokens_per_gpu"}
-
-#: verl's names of the two budgets ``max_token_len_per_gpu`` comes from.
-_BUDGET_KEYS = "actor.ppo_max_token_len_per_gpu (log_prob_max_token_len_per_gpu for forward passes)"
 
 
 class PlannedMicroBatches(list):
@@ -161,13 +159,6 @@ def verl_planner_config(
     Raises:
         DynBatchValueError: when the budget is not a positive integer, naming verl's keys.
     """
-    if isinstance(budget, numbers.Integral) and not isinstance(budget, bool):
-        budget = int(budget)  # verl may hand a numpy integer
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-        raise DynBatchValueError(
-            f"max_token_len_per_gpu={budget!r} must be a positive integer with use_dynamic_bsz; "
-            f"set {_BUDGET_KEYS}."
-        )
     parallel = ParallelLayout(
         dp_size=1,
         pp_size=pp_size,
@@ -178,14 +169,12 @@ def verl_planner_config(
         tp_size=tp_size,
         cp_size=cp_size,
     )
-    # Oversize samples are refused before planning (plan_verl_batch names verl's keys); "error"
-    # here is the same guarantee, should one reach the planner.
-    return config_from_mapping(
+    return host_config(
+        VERL,
         {"max_token_len_per_gpu": budget},
-        table=VERL_OPTIONS,
-        fixed={"layout": "packed" if packed else "padded", "oversize_samples": "error"},
-        host="verl's engine batch",
-    ).planner_config(parallel)
+        parallel,
+        fixed={"layout": "packed" if packed else "padded"},
+    )
 
 
 def plan_verl_batch(
@@ -193,44 +182,32 @@ def plan_verl_batch(
 ) -> ShardedPlan:
     """Every DP rank's micro-batches of one verl batch, from every rank's lengths.
 
+    The lengths, the budget and oversize samples are checked by
+    :func:`~megatron_dynbatch.integrations.hosts.plan_host_step`, in verl's keys.
+
     Raises:
         DynBatchValueError: for a rank without samples, a sample without tokens, or a sample whose
-            padded length exceeds the cap (naming the rank, the sample and verl's keys).
+            real tokens exceed the cap (naming the rank, the sample and verl's keys).
     """
-    cap = config.max_tokens_per_gpu * config.parallel.cp_size
-    multiple = config.parallel.sample_multiple
     for rank, lengths in enumerate(lengths_per_rank):
         if not lengths:
             raise DynBatchValueError(
                 f"DP rank {rank} holds no sample; verl's dispatch gives every DP rank a shard "
                 "(its batch must be divisible by the data-parallel size)."
             )
-        for i, length in enumerate(lengths):
-            if length < 1:
-                raise DynBatchValueError(
-                    f"DP rank {rank} sample {i} has {length} tokens; drop empty samples."
-                )
-            padded = round_up(length, multiple)
-            if padded > cap:
-                raise DynBatchValueError(
-                    f"DP rank {rank} sample {i} has {length} tokens ({padded} after verl's "
-                    f"alignment to a multiple of {multiple}), over the micro-batch cap {cap} "
-                    f"(max_token_len_per_gpu={config.max_tokens_per_gpu} x "
-                    f"context_parallel_size={config.parallel.cp_size}); raise {_BUDGET_KEYS} "
-                    "to at least "
-                    f"{-(-padded // config.parallel.cp_size)} or shorten the sample."
-                )
-    return plan_sharded_step(lengths_per_rank, config)
+    return plan_host_step(VERL, lengths_per_rank, config)
 
 
 def placeholder_micro_batch(data: Any, template_index: int, tu: Any) -> Any:
     """A one-sample micro-batch with every key of ``data``, no data and no loss weight.
 
     A copy of sample ``template_index`` (the rank's shortest: the cheapest valid structure) with
-    every tensor zeroed except :data:`STRUCTURAL_KEYS`; non-tensor entries are kept.
+    every tensor zeroed except :data:`STRUCTURAL_KEYS`; non-tensor entries are kept, and the
+    non-tensor :data:`~.moe.PLACEHOLDER_KEY` marks it for verl's forward step.
     """
     import torch
 
+    from megatron_dynbatch.integrations.verl.moe import PLACEHOLDER_KEY
     from megatron_dynbatch.runtime.placeholders import placeholder_tensor
 
     placeholder = tu.index_select_tensor_dict(data, [template_index])
@@ -239,6 +216,8 @@ def placeholder_micro_batch(data: Any, template_index: int, tu: Any) -> Any:
         if key in STRUCTURAL_KEYS or not isinstance(value, torch.Tensor):
             continue
         placeholder[key] = placeholder_tensor(value)
+    # verl's forward step masks a placeholder from MoE routers (.moe.mask_placeholder_routing).
+    tu.assign_non_tensor(placeholder, **{PLACEHOLDER_KEY: True})
     return placeholder
 
 

@@ -1,0 +1,432 @@
+"""Every trainer we run inside, as a record in code, and the one entry that plans a host's step.
+
+A host (Megatron-LM, slime, SkyRL, verl, ...) is a :class:`Host`: its option names mapped to our
+settings, the keys that set its budget, whether it plans the whole step (``global``) or each DP
+rank's own shard (``sharded``), what its budget counts, what it does with a sample over the
+budget, and how its loss aggregates. Everything that checks a host's input goes through the
+functions here, so every host's errors are worded in its own option names and no integration
+keeps its own copy of a budget, length or oversize check:
+
+* :func:`host_config`: the host's option values -> the planner's config (the budget checked once,
+  an error naming the host's key);
+* :func:`check_host_lengths`: every sample a positive integer (naming the rank, the sample and the
+  host's own words for what a sample is);
+* :func:`check_host_oversize`: a sample over the budget refused, warned about or allowed, as the
+  host means it, naming the host's budget key;
+* :func:`plan_host_step`: the three checks, the plan (every DP rank's shard for a ``sharded``
+  host) and the plan checker (:func:`megatron_dynbatch.planning.check_plan`, every plan kind).
+
+Adding a trainer is a record in :data:`HOSTS`, a placeholder builder, a restore step and a patch
+(``docs/integrating.md``). Standard library, the pure planner and the config only: hosts validate
+their configs on the driver, before any worker or torch work.
+"""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Tuple
+
+from megatron_dynbatch.config import FLAGS, config_from_mapping
+from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.planning import (
+    OversizeSampleWarning,
+    ParallelLayout,
+    PlannerConfig,
+    check_plan,
+    round_up,
+)
+from megatron_dynbatch.planning.sharded import ShardedPlan, plan_rank_shards, sharded_plan
+from megatron_dynbatch.planning.spec import LAYOUT_FLAGS, layout_flags
+
+__all__ = [
+    "HOSTS",
+    "MEGATRON_LM",
+    "SKYRL",
+    "SLIME",
+    "VERL",
+    "Host",
+    "check_host_budget",
+    "check_host_lengths",
+    "check_host_oversize",
+    "host_config",
+    "plan_host_step",
+]
+
+#: ``global``: the host hands every rank the whole step, samples go to any DP rank
+#: (:func:`~megatron_dynbatch.planning.plan_schedule`); ``sharded``: the host dispatched each DP
+#: rank its shard before we see it, samples stay on their rank
+#: (:func:`~megatron_dynbatch.planning.sharded.plan_rank_shards`).
+Planning = Literal["global", "sharded"]
+#: ``padded``: the budget caps a micro-batch's samples padded to the THD alignment (ours);
+#: ``real``: the host's own check counts a sample's real tokens, so a sample whose real length is
+#: within the budget is accepted even where its alignment padding takes it over (it runs alone).
+BudgetCounts = Literal["padded", "real"]
+#: What the host does with a sample over its budget: ``error`` refuses the step, ``allow`` runs it
+#: alone over the budget (``warn``: and says so once), ``option``: the host's own option decides.
+OversizePolicy = Literal["error", "allow", "warn", "option"]
+#: How the host's loss aggregates over micro-batches (what makes a zero-weight placeholder exact):
+#: ``global-normaliser``: each micro-batch is normalised by counts taken over the whole step
+#: before micro-batching (verl, SkyRL, Megatron-LM's per-token loss); ``per-rollout-mean``:
+#: slime's sum of per-rollout means, scaled by ``num_microbatches / global_batch_size``.
+LossAggregation = Literal["global-normaliser", "per-rollout-mean"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Host:
+    """One trainer, as megatron_dynbatch meets it."""
+
+    name: str
+    """How messages name the trainer (``"verl"``); also its key in :data:`HOSTS`."""
+    switch: str
+    """The host's option that turns megatron_dynbatch on, as a user types it."""
+    fallback: str
+    """The documented way back to the host's own micro-batching (to compare or fall back)."""
+    options: Mapping[str, str]
+    """The host's option name -> :class:`~megatron_dynbatch.config.DynBatchConfig` field: the
+    table :func:`~megatron_dynbatch.config.config_from_mapping` reads."""
+    fixed: Mapping[str, Any] = field(default_factory=dict)
+    """Config fields the host decides itself (its layout, its oversize policy)."""
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    """The host's default of an option it does not set (by its option name), where it differs
+    from ours: slime's ``oversize_samples`` is ``allow``, its own rule."""
+    keys: Mapping[str, str]
+    """:class:`~megatron_dynbatch.config.DynBatchConfig` field -> the key as the user sets it,
+    for messages. ``max_tokens_per_gpu`` is required; ``log_probs_max_tokens_per_gpu`` names the
+    forward-only budget where the host has one."""
+    planning: Planning
+    """Whether the host plans the whole step or each DP rank's shard (see :data:`Planning`)."""
+    budget_counts: BudgetCounts = "padded"
+    """What the host's budget counts (see :data:`BudgetCounts`)."""
+    budget_times_cp: bool = True
+    """The budget is per GPU and a micro-batch holds ``cp_size`` times it (split over the CP
+    ranks); ``False``: the budget caps the whole micro-batch, whatever the CP size (SkyRL)."""
+    oversize: OversizePolicy
+    """What the host does with a sample over its budget (see :data:`OversizePolicy`)."""
+    loss: LossAggregation
+    """How the host's loss aggregates (see :data:`LossAggregation`)."""
+    layout_flags: str
+    """The key of :data:`~megatron_dynbatch.planning.spec.LAYOUT_FLAGS` naming its parallel sizes."""
+    sample: str = "sample"
+    """What the host calls a sample in messages (a global host numbers them by their position
+    in the step, a sharded one within their DP rank)."""
+
+    def __post_init__(self) -> None:
+        assert "max_tokens_per_gpu" in self.keys, f"{self.name}: name its budget key"
+        assert set(self.options.values()) <= set(FLAGS), f"{self.name}: unknown fields"
+        assert set(self.keys) <= set(FLAGS), f"{self.name}: keys name unknown fields"
+        assert self.layout_flags in LAYOUT_FLAGS, f"{self.name}: no LAYOUT_FLAGS entry"
+        object.__setattr__(self, "options", dict(self.options))
+        object.__setattr__(self, "fixed", dict(self.fixed))
+        object.__setattr__(self, "defaults", dict(self.defaults))
+        object.__setattr__(self, "keys", dict(self.keys))
+
+    def key(self, field_name: str, *, forward_only: bool = False) -> str:
+        """The host's key for a config field (the forward-only budget falls back to training's)."""
+        if forward_only and field_name == "max_tokens_per_gpu":
+            return self.keys.get("log_probs_max_tokens_per_gpu", self.keys[field_name])
+        return self.keys.get(field_name, FLAGS[field_name])
+
+    def flags(self):
+        """Errors raised inside that name parallel sizes also name the host's options."""
+        return layout_flags(self.layout_flags)
+
+
+MEGATRON_LM = Host(
+    name="Megatron-LM",
+    switch="--use-dynamic-batch-size",
+    fallback="drop --use-dynamic-batch-size (Megatron-LM's fixed --micro-batch-size)",
+    options={field_name: field_name for field_name in FLAGS},
+    keys=dict(FLAGS),
+    planning="global",
+    oversize="option",
+    loss="global-normaliser",
+    layout_flags="Megatron-LM",
+)
+
+SLIME = Host(
+    name="slime",
+    switch="--use-dynamic-batch-size",
+    fallback="--dynamic-batch-scheduler slime (slime's own dynamic batching, patches applied)",
+    options={
+        "max_tokens_per_gpu": "max_tokens_per_gpu",
+        "log_probs_max_tokens_per_gpu": "log_probs_max_tokens_per_gpu",
+        "oversize_samples": "oversize_samples",
+    },
+    fixed={"layout": "packed"},
+    defaults={"oversize_samples": "allow"},
+    keys={
+        "max_tokens_per_gpu": "--max-tokens-per-gpu",
+        "log_probs_max_tokens_per_gpu": "--log-probs-max-tokens-per-gpu",
+        "oversize_samples": "--oversize-samples",
+    },
+    planning="global",
+    oversize="option",
+    loss="per-rollout-mean",
+    layout_flags="slime",
+)
+
+SKYRL = Host(
+    name="SkyRL",
+    switch="trainer.use_dynamic_batch_size=true",
+    fallback="trainer.use_dynamic_batch_size=false (SkyRL's TokenBasedBatchIterator)",
+    options={"max_tokens_per_microbatch": "max_tokens_per_gpu"},
+    # Its padding-free forward packs a micro-batch's real tokens; a single long sample runs alone,
+    # as in SkyRL's own batching.
+    fixed={"layout": "packed", "oversize_samples": "allow"},
+    keys={"max_tokens_per_gpu": "trainer.max_tokens_per_microbatch"},
+    planning="sharded",
+    budget_counts="real",
+    budget_times_cp=False,
+    oversize="allow",
+    loss="global-normaliser",
+    layout_flags="SkyRL",
+)
+
+VERL = Host(
+    name="verl",
+    switch="actor_rollout_ref.actor.megatron.use_dynamic_batch_size=true",
+    fallback="actor_rollout_ref.actor.megatron.use_dynamic_batch_size=false (verl's "
+    "rearrange_micro_batches)",
+    options={"max_token_len_per_gpu": "max_tokens_per_gpu"},
+    # A sample over verl's budget is refused by check_host_oversize, before planning; a sample
+    # whose real tokens fit but whose alignment padding does not runs alone (stock verl accepts it).
+    fixed={"oversize_samples": "allow"},
+    keys={
+        "max_tokens_per_gpu": "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+        "log_probs_max_tokens_per_gpu": "actor_rollout_ref.actor.log_prob_max_token_len_per_gpu "
+        "(rollout.log_prob_max_token_len_per_gpu, ref.log_prob_max_token_len_per_gpu)",
+    },
+    planning="sharded",
+    budget_counts="real",
+    oversize="error",
+    loss="global-normaliser",
+    layout_flags="verl",
+)
+
+#: Every host, by name: a check that "every host does X" is a loop over this.
+HOSTS: Dict[str, Host] = {host.name: host for host in (MEGATRON_LM, SLIME, SKYRL, VERL)}
+
+
+def check_host_budget(host: Host, budget: Any, *, forward_only: bool = False) -> int:
+    """The budget as a plain positive ``int`` (numpy integers accepted), or a
+    ``DynBatchValueError`` naming the host's key."""
+    key = host.key("max_tokens_per_gpu", forward_only=forward_only)
+    if isinstance(budget, numbers.Integral) and not isinstance(budget, bool):
+        budget = int(budget)
+    if budget is None:
+        raise DynBatchValueError(
+            f"{host.switch} needs a token budget: set {key} to the tokens of one micro-batch "
+            "(e.g. 8192)."
+        )
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        raise DynBatchValueError(
+            f"{key}={budget!r} must be an integer number of tokens with {host.switch}."
+        )
+    if budget < 1:
+        raise DynBatchValueError(
+            f"{key}={budget} must be > 0 with {host.switch}; set it to the tokens of one "
+            "micro-batch (e.g. 8192)."
+        )
+    return budget
+
+
+def host_config(
+    host: Host,
+    values: Mapping[str, Any],
+    parallel: ParallelLayout,
+    *,
+    forward_only: bool = False,
+    fixed: Optional[Mapping[str, Any]] = None,
+    row_multiple: Optional[int] = None,
+) -> PlannerConfig:
+    """The planner's config from the host's option values (``values`` keyed by its option names).
+
+    ``fixed`` adds fields the caller decides per call (slime's cost model, verl's layout) to the
+    host's own :attr:`Host.fixed`. A ``sharded`` host plans one rank's samples: ``parallel``
+    must have ``dp_size=1``.
+
+    Raises:
+        DynBatchValueError: a missing or bad budget, or one that cannot hold one padded sample of
+            the layout, naming the host's key.
+    """
+    if host.planning == "sharded":
+        assert parallel.dp_size == 1, "a sharded host plans one rank's samples (dp_size=1)"
+    budget_option = next(o for o, f in host.options.items() if f == "max_tokens_per_gpu")
+    values = {**host.defaults, **{k: v for k, v in values.items() if v is not None}}
+    values[budget_option] = check_host_budget(host, values.get(budget_option))
+    cp = parallel.cp_size
+    if not host.budget_times_cp and cp > 1:
+        # The budget caps the whole micro-batch: the planner's per-GPU budget is 1/cp of it,
+        # rounded down so the cap never exceeds it (a budget stock accepts is never refused).
+        values[budget_option] = max(1, values[budget_option] // cp)
+    config = config_from_mapping(
+        values,
+        table=host.options,
+        fixed={**host.fixed, **dict(fixed or {})},
+        host=f"{host.name}'s options",
+    )
+    try:
+        with host.flags():
+            return config.planner_config(
+                parallel, forward_only=forward_only, row_multiple=row_multiple
+            )
+    except DynBatchValueError as error:
+        raise DynBatchValueError(_in_host_words(host, str(error), forward_only)) from error
+
+
+def _in_host_words(host: Host, text: str, forward_only: bool) -> str:
+    """Our flags in a message, replaced by the host's keys for the same settings."""
+    for field_name, flag in FLAGS.items():
+        if field_name in host.keys or field_name == "max_tokens_per_gpu":
+            name = host.key(field_name, forward_only=forward_only and "max_tokens" in field_name)
+            text = text.replace(flag, name)
+    return text
+
+
+def check_host_lengths(host: Host, lengths_per_rank: Sequence[Sequence[Any]]) -> List[List[int]]:
+    """Every rank's sample lengths as plain ints, or a ``DynBatchValueError`` naming the rank and
+    the sample without tokens (a ``global`` host passes one list: the whole step)."""
+    if not lengths_per_rank:
+        raise DynBatchValueError(
+            f"{host.name}: no lengths; pass one list of sample lengths per DP rank."
+        )
+    checked: List[List[int]] = []
+    for rank, lengths in enumerate(lengths_per_rank):
+        where = "" if host.planning == "global" else f"DP rank {rank} "
+        row = []
+        for i, length in enumerate(lengths):
+            if (
+                isinstance(length, bool)
+                or not isinstance(length, numbers.Real)
+                or int(length) != length
+                or int(length) < 1
+            ):
+                raise DynBatchValueError(
+                    f"{host.name}: {where}{host.sample} {i} has {length!r} tokens; every sample "
+                    "needs at least one (drop empty samples before training)."
+                )
+            row.append(int(length))
+        checked.append(row)
+    return checked
+
+
+def check_host_oversize(
+    host: Host,
+    lengths_per_rank: Sequence[Sequence[int]],
+    config: PlannerConfig,
+    *,
+    forward_only: bool = False,
+) -> List[Tuple[int, int]]:
+    """``(rank, index)`` of every sample over the host's budget, refused or warned about as the
+    host means it (``config.oversize_samples`` under :attr:`Host.oversize` ``option``).
+
+    A ``real``-budget host counts a sample's real tokens here: a sample within the budget whose
+    alignment padding takes it over is not oversize for the host (the planner runs it alone).
+
+    Raises:
+        DynBatchValueError: under the ``error`` policy, naming the samples, their lengths, the cap
+            and the host's key to raise.
+    """
+    multiple = config.parallel.sample_multiple
+    cap = config.token_cap
+    if host.budget_counts == "real":
+        over = [
+            (r, i) for r, ls in enumerate(lengths_per_rank) for i, n in enumerate(ls) if n > cap
+        ]
+    else:
+        keep = (cap // multiple) * multiple
+        over = [
+            (r, i) for r, ls in enumerate(lengths_per_rank) for i, n in enumerate(ls) if n > keep
+        ]
+    if not over:
+        return over
+    policy = host.oversize
+    if policy == "option":
+        policy = "error" if config.oversize_samples == "error" else "warn"
+    if policy == "allow" or (policy == "warn" and forward_only):
+        return over
+    key = host.key("max_tokens_per_gpu", forward_only=forward_only)
+    where = (
+        (lambda r, i: f"{host.sample} {i}")
+        if host.planning == "global"
+        else (lambda r, i: f"DP rank {r} {host.sample} {i}")
+    )
+    shown = ", ".join(f"{where(r, i)}: {lengths_per_rank[r][i]} tokens" for r, i in over[:8])
+    more = f" (and {len(over) - 8} more)" if len(over) > 8 else ""
+    cp = config.parallel.cp_size
+    per_gpu = cap // cp if host.budget_times_cp else cap
+    longest = max(lengths_per_rank[r][i] for r, i in over)
+    need = -(-round_up(longest, 1 if host.budget_counts == "real" else multiple) // cp)
+    what = (
+        f"{len(over)} sample(s) exceed the token cap {cap} ({key}={per_gpu}"
+        + (f" x context parallel size {cp}" if cp > 1 and host.budget_times_cp else "")
+        + f"): {shown}{more}."
+    )
+    if policy == "warn":
+        warnings.warn(
+            f"{what} Each runs alone in its micro-batch, over the budget, as stock {host.name} "
+            f"runs it; raise {key} (to at least {need if host.budget_times_cp else longest}) to "
+            f"stay within it, or set {host.key('oversize_samples')} error to stop on such samples.",
+            OversizeSampleWarning,
+            stacklevel=3,
+        )
+        return over
+    fix = (
+        f" or {host.key('oversize_samples')} allow (each runs alone, over the budget)"
+        if host.oversize == "option"
+        else ""
+    )
+    raise DynBatchValueError(
+        f"{what} Raise {key} to at least {need if host.budget_times_cp else longest}, shorten "
+        f"or drop the samples{fix}."
+    )
+
+
+def plan_host_step(
+    host: Host,
+    lengths_per_rank: Sequence[Sequence[Any]],
+    config: PlannerConfig,
+    *,
+    forward_only: bool = False,
+    adjust: Optional[
+        Callable[
+            [List[Tuple[Tuple[int, ...], ...]], List[List[int]]],
+            List[Tuple[Tuple[int, ...], ...]],
+        ]
+    ] = None,
+    placeholder_row_tokens: int = 0,
+) -> ShardedPlan:
+    """Plan one step of a ``sharded`` host: check its lengths and oversize samples once, plan each
+    rank's shard, equalise the counts, and check the plan.
+
+    Args:
+        host: The host (``planning="sharded"``).
+        lengths_per_rank: ``lengths_per_rank[r][i]``: tokens of sample ``i`` on DP rank ``r`` (the
+            lengths every rank gathered); a rank may hold no sample.
+        config: From :func:`host_config` (``dp_size=1``).
+        forward_only: Name the forward-only budget in messages.
+        adjust: Changes each rank's real micro-batches before the counts are equalised (SkyRL
+            fits its placeholder rows), given them and the checked lengths.
+        placeholder_row_tokens: Tokens of one placeholder row the host adds to a micro-batch with
+            fewer samples than the plan's rows (SkyRL), for the plan checker.
+
+    Returns:
+        The :class:`~megatron_dynbatch.planning.sharded.ShardedPlan` every rank derives.
+
+    Raises:
+        DynBatchValueError: bad lengths or an oversize sample the host refuses, in its words.
+    """
+    assert host.planning == "sharded", f"{host.name} plans globally: use plan_schedule"
+    lengths = check_host_lengths(host, lengths_per_rank)
+    check_host_oversize(host, lengths, config, forward_only=forward_only)
+    with host.flags(), warnings.catch_warnings():
+        # check_host_oversize reported them in the host's words (the planner's text names ours).
+        warnings.simplefilter("ignore", OversizeSampleWarning)
+        ranks, oversize = plan_rank_shards(lengths, config)
+    if adjust is not None:
+        ranks = adjust(ranks, lengths)
+    plan = sharded_plan(ranks, oversize, config.parallel)
+    check_plan(plan, lengths, config, placeholder_row_tokens=placeholder_row_tokens)
+    return plan
