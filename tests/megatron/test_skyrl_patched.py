@@ -168,10 +168,14 @@ def test_skyrls_own_batching_unit_tests_pass_on_the_patched_tree(tmp_path, patch
     args += [f"--deselect={f}" for f in SKYRL_OWN_DESELECTED]  # node ids, from the rootdir
     # This module is loaded by path under another name: SkyRL's tests import their own
     # top-level ``tests`` package, which this repository's ``tests`` would shadow.
+    # It imports this repository's tests._support first (REPO first on the path for that import
+    # only), then forgets our ``tests`` so that SkyRL's own tests import theirs.
     code = (
-        "import importlib.util, sys; "
+        f"import importlib.util, sys; sys.path.insert(0, {str(REPO)!r}); "
         f"spec = importlib.util.spec_from_file_location('_skyrl_stubs', {__file__!r}); "
         "helpers = importlib.util.module_from_spec(spec); spec.loader.exec_module(helpers); "
+        "[sys.modules.pop(k) for k in list(sys.modules) if k.split('.')[0] == 'tests']; "
+        "sys.path.pop(0); "
         f"helpers._install_stubs(); helpers._import_skyrl({str(root)!r}); import pytest; "
         f"sys.exit(pytest.main({args!r}))"
     )
@@ -201,7 +205,10 @@ def _install_stubs():
     from megatron_dynbatch.tools.testing.host_stubs import install_stubs
 
     # megatron.bridge (Megatron Bridge: HF checkpoint conversion) is a separate distribution.
-    return install_stubs(STUBBED, prefixes=("megatron.bridge",))
+    # pydantic may be installed (NeMo-RL's tests need it), but on Python < 3.12 it refuses SkyRL's
+    # typing.TypedDict models at import; SkyRL's Megatron worker path uses none of them.
+    replace = ("pydantic",) if sys.version_info < (3, 12) else ()
+    return install_stubs(STUBBED, prefixes=("megatron.bridge",), replace=replace)
 
 
 _SKYRL_ROOTS = set()

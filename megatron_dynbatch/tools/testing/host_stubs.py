@@ -100,16 +100,26 @@ def _missing(name: str) -> bool:
         return True
 
 
-def install_stubs(roots: Iterable[str], prefixes: Iterable[str] = ()) -> List[str]:
+def install_stubs(
+    roots: Iterable[str], prefixes: Iterable[str] = (), replace: Iterable[str] = ()
+) -> List[str]:
     """Answer the imports of ``roots`` (top-level packages) and ``prefixes`` that are missing.
 
-    Installed modules are never replaced; calling it again in the same process adds to what the
-    earlier call stubbed (a worker of the persistent pool runs cases of several trainers).
+    Installed modules are not replaced, except the top-level packages in ``replace``: those are
+    answered by stand-ins even where installed (forgotten if already imported), for a package that
+    is installed for another trainer but that this trainer's code cannot use here (SkyRL's pydantic
+    models use ``typing.TypedDict``, which pydantic refuses on Python < 3.12; SkyRL needs 3.12).
+    Calling it again in the same process adds to what the earlier call stubbed (a worker of the
+    persistent pool runs cases of several trainers).
 
     Returns:
         Every module name this process now answers with a stand-in.
     """
-    roots = [r for r in roots if _missing(r)]
+    replace = list(replace)
+    for name in [n for n in sys.modules if n.split(".")[0] in replace]:
+        if not getattr(sys.modules[name], "__stub__", False):
+            del sys.modules[name]
+    roots = [r for r in roots if r in replace or _missing(r)]
     prefixes = [p for p in prefixes if _missing(p)]
     finder = next((f for f in sys.meta_path if isinstance(f, _Finder)), None)
     if finder is None:
