@@ -325,3 +325,36 @@ def test_tensorboard_and_wandb_get_the_dynamic_batching_scalars(tmp_path):
     assert "batch-size" in logged, sorted(logged)
     for tag, values in ours.items():
         assert logged.get(tag) == pytest.approx(dict(values), rel=1e-6), (tag, logged.get(tag))
+
+
+def test_the_launch_script_picks_a_free_port_when_6000_is_taken(tmp_path):
+    """Issue 37: with port 6000 held and no MASTER_PORT, the demo's launch script still trains."""
+    import errno
+    import os
+    import socket
+    import sys
+
+    from tests._support import run_shell
+
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        holder.bind(("", 6000))
+        holder.listen(1)
+    except OSError as error:  # already held by another process: just as good for this test
+        assert error.errno == errno.EADDRINUSE, error
+    try:
+        env = {
+            "GPUS_PER_NODE": "2",
+            "TORCHRUN": os.path.join(os.path.dirname(sys.executable), "torchrun"),
+        }
+        env = {**env, "MASTER_PORT": "", "DATA_PATH": ""}
+        log = run_shell(
+            "bash launch/train_gpt_dynbatch.sh --train-iters 2 --eval-iters 0",
+            REPO,
+            tmp_path / "train.log",
+            env=env,
+        )
+    finally:
+        holder.close()
+    assert "EADDRINUSE" not in log
+    assert sorted(parse_ok(0, log)["iterations"]) == [1, 2], log[-3000:]
