@@ -93,8 +93,19 @@ def _add_layout_args(parser: argparse.ArgumentParser, *, cap_default: Optional[i
     )
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """A usage error is one line naming ``--help``, not the whole usage (17 lines for ``plan``).
+
+    Subcommand parsers are made of the same class, so ``plan`` without ``--max-tokens-per-gpu``
+    says so in one line too.
+    """
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="megatron-dynbatch",
         description="Dynamic token-budget micro-batching for Megatron-Core.",
     )
@@ -328,11 +339,14 @@ def _cmd_calibrate(args) -> int:
 
     data = _read_json(args.observations)
     if isinstance(data, dict):
-        data = data.get("observations")
+        # A run's dynbatch_calibration.json holds its fit with the measured steps under "steps"
+        # (its "observations" is the count the fit used).
+        data = data.get("steps", data.get("observations"))
     if not isinstance(data, list) or not all(isinstance(item, dict) for item in data):
         raise DynBatchValueError(
-            f"{args.observations!r} must hold a JSON array of observation objects (or "
-            '{"observations": [...]}), one per measured step.'
+            f"{args.observations!r} must hold a JSON array of observation objects, "
+            '{"observations": [...]}, or a run\'s dynbatch_calibration.json ({"steps": [...]}), '
+            "one object per measured step."
         )
     fit = fit_cost_model(
         [Observation.from_dict(item) for item in data], fit_attention=not args.no_attention

@@ -109,6 +109,10 @@ VARIABLE_ROW_MULTIPLE = 64
 
 #: Measured iterations in-run calibration fits by default (``--dynamic-batch-calibration-steps``).
 DEFAULT_CALIBRATION_STEPS = 8
+#: A fit whose median relative error over the measured steps exceeds this is not planned with
+#: (``--dynamic-batch-calibration-max-error``): fits of 30-35% planned rows 1.5-3x slower than the
+#: others on this CPU machine (issue 37), while fits on quiet steps land at 2-15%.
+DEFAULT_CALIBRATION_MAX_ERROR = 0.2
 #: Files calibration writes (``--dynamic-batch-calibration-output``).
 CALIBRATION_YAML = "dynbatch_calibration.yaml"
 CALIBRATION_JSON = "dynbatch_calibration.json"
@@ -122,6 +126,20 @@ def add_calibration_args(group: Any) -> None:
         default=DEFAULT_CALIBRATION_STEPS,
         help="Fit the planner's cost model to this many measured training iterations, then plan "
         f"with it (default {DEFAULT_CALIBRATION_STEPS}; 0 keeps the configured weights).",
+    )
+    group.add_argument(
+        "--dynamic-batch-calibration-max-error",
+        type=float,
+        default=DEFAULT_CALIBRATION_MAX_ERROR,
+        help="Plan with a fit only when its median relative error over the measured steps is at "
+        f"most this (default {DEFAULT_CALIBRATION_MAX_ERROR}); over it, as many steps again are "
+        "measured and refit, then a fit still over it is not used (the log says so).",
+    )
+    group.add_argument(
+        "--dynamic-batch-recalibrate",
+        action="store_true",
+        help=f"Calibrate again even when the --load directory holds {CALIBRATION_JSON} of the "
+        "same layout, budget and model (a fit of other settings is always refit).",
     )
     group.add_argument(
         "--dynamic-batch-calibration-output",
