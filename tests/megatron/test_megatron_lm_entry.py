@@ -358,3 +358,96 @@ def test_the_launch_script_picks_a_free_port_when_6000_is_taken(tmp_path):
         holder.close()
     assert "EADDRINUSE" not in log
     assert sorted(parse_ok(0, log)["iterations"]) == [1, 2], log[-3000:]
+
+
+def test_an_installed_wheel_trains_without_the_checkout(tmp_path):
+    """Issue 37: a wheel held neither patches/ nor launch/, so an installed package could not train.
+
+    The wheel is built from a copy of the checkout's files, installed into a fresh virtual
+    environment (torch, megatron-core and the rest come from this interpreter's site-packages
+    through a .pth file, the checkout itself never), and trains 2 iterations at pp 2 with dynamic
+    batching on a .bin/.idx the bundled preprocess writes, from a directory outside the checkout:
+    ``torchrun --standalone --nproc-per-node 2 -m megatron_dynbatch pretrain ...``.
+    """
+    import json
+    import os
+    import random
+    import shutil
+    import subprocess
+    import sys
+    import sysconfig
+
+    def run(command, **kwargs):
+        result = subprocess.run(
+            [str(c) for c in command],
+            cwd=work,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=400,
+            **kwargs,
+        )
+        return result.returncode, result.stdout
+
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["MEGATRON_DYNBATCH_CACHE"] = str(tmp_path / "cache")  # patched from the wheel's patches
+    # The checkout's files (tracked and new), so the build writes nothing into the repository.
+    listed = subprocess.run(
+        ["git", "-C", REPO, "ls-files", "-co", "--exclude-standard"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    source = tmp_path / "source"
+    for name in listed:
+        if (REPO / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, source / name)
+    rc, out = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", tmp_path, source])
+    assert rc == 0, out
+    [wheel] = tmp_path.glob("megatron_dynbatch-*.whl")
+    venv = tmp_path / "venv"
+    rc, out = run([sys.executable, "-m", "venv", "--without-pip", venv])
+    assert rc == 0, out
+    python = venv / "bin" / "python"
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    ours = sysconfig.get_paths()["purelib"]
+    pathlib.Path(purelib, "reuse_packages.pth").write_text(ours + "\n")
+    rc, out = run([python, "-m", "pip", "install", "--no-deps", "-q", wheel])
+    assert rc == 0, out
+    rc, where = run([python, "-c", "import megatron_dynbatch; print(megatron_dynbatch.__file__)"])
+    assert rc == 0 and where.strip().startswith(str(venv)), where
+
+    # A user's corpus: JSONL text -> .bin/.idx with the bundled byte-level preprocess.
+    rng = random.Random(3)
+    corpus = work / "corpus.jsonl"
+    words = ["pipeline", "budget", "token", "micro", "batch", "stage", "rank", "loss"]
+    with corpus.open("w") as handle:
+        for _ in range(120):
+            text = " ".join(rng.choice(words) for _ in range(rng.randint(3, 25)))
+            handle.write(json.dumps({"text": text}) + "\n")
+    preprocess = "megatron_dynbatch.integrations.megatron_lm.data.preprocess"
+    rc, out = run([python, "-m", preprocess, "--input", corpus, "--output-prefix", work / "c"])
+    assert rc == 0, out
+
+    args = [a for a in _BASE if a != "--mock-data"] + _DYNAMIC
+    args = _without(_without(args, "--vocab-size"), "--seq-length")
+    args += ["--vocab-size", 257, "--seq-length", 128, "--data-path", work / "c_text_document"]
+    args += ["--split", "98,2,0"]
+    torchrun = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", 2]
+    rc, log = run([*torchrun, "-m", "megatron_dynbatch", "pretrain", *args])
+    (tmp_path / "train.log").write_text(log)
+    assert sorted(parse_ok(rc, log)["iterations"]) == [1, 2]
+    assert f"{REPO}/megatron_dynbatch" not in log and f"{REPO}/launch" not in log, log[-3000:]
+    assert any((tmp_path / "cache").glob("training-*/megatron/training/training.py"))
+    # The console script runs the same entry (its one-line refusal, no torchrun needed).
+    rc, out = run([venv / "bin" / "megatron-dynbatch", "pretrain", *args, "--max-token-per-gpu", 1])
+    assert rc == 2 and "megatron-dynbatch pretrain: error: unrecognized arguments" in out, out

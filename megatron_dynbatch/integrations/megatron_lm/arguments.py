@@ -21,6 +21,7 @@ Imports only argparse, the config and the pure planner: flag errors are testable
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import Any, Dict, Optional
 
@@ -497,10 +498,23 @@ def _check_unused_micro_batch_sizes(args: Any) -> None:
     for batch_flag, batch, micro_flag, micro in pairs:
         if batch is None or micro is None or batch % (micro * dp) == 0:
             continue
-        divisor = f" (or a divisor of {batch // dp})" if batch % dp == 0 else ""
+        if batch % dp == 0:
+            # 1 always works; so does any divisor of every per-rank share this micro-batch size
+            # must divide (the validation batch shares --micro-batch-size unless it has its own).
+            batches = [b for _, b, flag, _ in pairs if flag == micro_flag and b is not None]
+            common = (
+                math.gcd(*(b // dp for b in batches)) if all(b % dp == 0 for b in batches) else 1
+            )
+            fix = f"set {micro_flag} 1" + (f" (or a divisor of {common})" if common > 1 else "")
+        else:
+            # No micro-batch size can divide a batch that does not split over the DP ranks.
+            lower, upper = (batch // dp) * dp, (batch // dp + 1) * dp
+            sizes = f"{lower} or {upper}" if lower > 0 else f"{upper}"
+            fix = f"set {batch_flag} to a multiple of {dp}, e.g. {sizes}"
+            if micro != 1:
+                fix += f", and {micro_flag} 1"
         raise DynBatchValueError(
             f"{micro_flag} {micro} is not used by --use-dynamic-batch-size (the planner picks "
             f"every micro-batch), but Megatron still requires {batch_flag} {batch} to be a "
-            f"multiple of {micro_flag} x data-parallel size ({micro} x {dp}); set {micro_flag} "
-            f"1{divisor}."
+            f"multiple of {micro_flag} x data-parallel size ({micro} x {dp}); {fix}."
         )
