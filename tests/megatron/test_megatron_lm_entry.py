@@ -57,6 +57,12 @@ _REFUSALS = {
         _BASE + _DYNAMIC + ["--log-probs-max-tokens-per-gpu", 64],
         "--log-probs-max-tokens-per-gpu 64 is smaller than --seq-length 128",
     ),
+    # Issue 37: Megatron's "A single data source must be provided" named neither flag.
+    "mock-data-and-data-path": (
+        _BASE + _DYNAMIC + ["--data-path", "{tmp}/corpus_text_document"],
+        "--mock-data and --data-path both given, but Megatron trains on a single data source; "
+        "drop --mock-data to train on --data-path",
+    ),
     # Issue 29: a micro-batch size the plan does not use, which Megatron would refuse for the
     # validation batch: said before Megatron's own check, naming both flags.
     "unused-micro-batch-size": (

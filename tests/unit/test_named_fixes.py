@@ -160,6 +160,12 @@ CASES = {
         r"remove --perform-rl-step",
         [_set(perform_rl_step=False)],
     ),
+    "mock data and a data path": (
+        dict(mock_data=True, data_path=["corpus_text_document"]),
+        r"--mock-data and --data-path both given, .*; drop --mock-data to train on --data-path, "
+        r"or drop --data-path to train on --mock-data\.",
+        [_set(mock_data=False), _set(data_path=None)],
+    ),
     "hybrid context parallelism": (
         dict(hybrid_context_parallel=True),
         r"remove --hybrid-context-parallel",

@@ -378,6 +378,7 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
             one padded sample or than ``--seq-length`` under ``--oversize-samples error``,
             ``--calculate-per-token-loss`` off, or an incompatible Megatron feature.
     """
+    _check_one_data_source(args)
     given = _given(args)
     config_path = getattr(args, "dynamic_batch_config", None)
     variable = bool(getattr(args, VARIABLE_SEQ_LENGTHS_DEST, False))
@@ -446,6 +447,38 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
     config.planner_config(parallel)
     config.planner_config(parallel, forward_only=True)
     return config
+
+
+def _check_one_data_source(args: Any) -> None:
+    """Name the flags when more than one data source is given (with the flag on or off).
+
+    Megatron's own check (``validate_args``) says only "A single data source must be provided in
+    training mode, else None", naming no flag (issue 37).
+    """
+    split_flags = ("--train-data-path", "--valid-data-path", "--test-data-path")
+    sources = [
+        flag
+        for flag, given in (
+            ("--mock-data", bool(getattr(args, "mock_data", False))),
+            ("--data-path", bool(getattr(args, "data_path", None))),
+            (
+                "/".join(split_flags),
+                any(getattr(args, f[2:].replace("-", "_"), None) for f in split_flags),
+            ),
+        )
+        if given
+    ]
+    if len(sources) == 2:
+        first, second = sources
+        raise DynBatchValueError(
+            f"{first} and {second} both given, but Megatron trains on a single data source; drop "
+            f"{first} to train on {second}, or drop {second} to train on {first}."
+        )
+    if len(sources) > 2:
+        raise DynBatchValueError(
+            f"{', '.join(sources)} all given, but Megatron trains on a single data source; keep "
+            "one of them."
+        )
 
 
 def _check_budgets_fit_seq_length(args: Any, config: DynBatchConfig) -> None:
