@@ -376,3 +376,17 @@ def test_the_arguments_are_parsed_once_per_run(tmp_path, monkeypatch):
         finally:
             training_hooks.reset_dynamic_batch_state()
         assert len(calls) == 1, (extra, len(calls))
+
+
+def test_the_fit_gives_tensorboard_the_iteration_lines_figures(tmp_path, monkeypatch):
+    """Issue 37: predicted and measured step time and the fit's error as TensorBoard scalars, the
+    same figures the iteration line prints."""
+    calibrator = calib.Calibrator()
+    assert calibrator.scalars() == {} and calibrator.log_string() == ""
+    _, _, calibrator = _train(_args(tmp_path), monkeypatch, 14, calibrator=calibrator)
+    scalars = calibrator.scalars()
+    assert scalars["dynbatch/calibration error"] == calibrator.fit.relative_error
+    line = calibrator.log_string()
+    shown = f"{scalars['dynbatch/step time predicted (ms)']:.1f}/"
+    shown += f"{scalars['dynbatch/step time measured (ms)']:.1f}"
+    assert f"predicted/measured (ms): {shown} |" in line, (line, scalars)

@@ -41,6 +41,7 @@ def runs(tmp_path_factory):
     first = _run(
         _TINY
         + ["--dynamic-batch-calibration-steps", 4, "--save", checkpoint]
+        + ["--tensorboard-dir", out / "tensorboard", "--tensorboard-log-interval", 1]
         + ["--save-interval", 8, "--exit-interval", 8],
         out / "first.log",
     )
@@ -58,6 +59,21 @@ def test_the_fit_is_logged_written_and_shown_in_the_iteration_line(runs):
     shown = [line for line in log.splitlines() if "predicted/measured" in line]
     assert shown and all("iteration" in line for line in shown)
     assert sorted(iterations) == list(range(1, 9))
+    # Issue 37: the same figures and the fit's error reach TensorBoard from the fit on.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalars = {}
+    for path in (runs["out"] / "tensorboard").rglob("events.out.tfevents.*"):
+        events = EventAccumulator(str(path))
+        events.Reload()
+        for tag in events.Tags()["scalars"]:
+            scalars.setdefault(tag, {}).update({e.step: e.value for e in events.Scalars(tag)})
+    error = scalars["dynbatch/calibration error"]
+    assert error and all(v == pytest.approx(saved["relative_error"]) for v in error.values())
+    predicted = scalars["dynbatch/step time predicted (ms)"]
+    measured = scalars["dynbatch/step time measured (ms)"]
+    assert sorted(predicted) == sorted(measured) == sorted(error)
+    assert all(value > 0 for value in [*predicted.values(), *measured.values()])
 
 
 def test_a_resumed_run_plans_with_the_saved_fit(runs, tmp_path):
