@@ -16,10 +16,22 @@ collective, so plans stay identical even if floating point differed) and held by
 :meth:`Calibrator.calibrated_config` applies it to the run's config; nothing is written into
 Megatron's ``args``): the next batch is planned with it. Rank 0 logs it and writes
 ``dynbatch_calibration.yaml`` (the ``cost_*`` keys ``--dynamic-batch-config`` loads) and
-``dynbatch_calibration.json`` (the fit in seconds) into ``--save`` (or
-``--dynamic-batch-calibration-output``). A run resumed from a ``--load`` directory holding
-``dynbatch_calibration.json`` uses that fit and does not calibrate again, so it plans exactly as the
-straight run did after calibrating.
+``dynbatch_calibration.json`` (the fit in seconds, whether it is applied, the layout, budget and
+model it was measured on, and the measured steps, which ``megatron-dynbatch calibrate`` reads) into
+``--save`` (or ``--dynamic-batch-calibration-output``).
+
+A fit plans the run only when it separates token work from per-micro-batch overhead and its median
+relative error over the measured steps is at most ``--dynamic-batch-calibration-max-error``
+(default :data:`DEFAULT_CALIBRATION_MAX_ERROR`); otherwise as many steps again are measured and the
+fit is made on all of them (:data:`MAX_CALIBRATION_ROUNDS` rounds in all), and a fit still short of
+that is not used: the configured cost model plans on, and rank 0 says why. The log line names the
+iteration from which the fit (or the configured model) plans: the fit is made while the iteration
+after the last measured one is planned, so that iteration still runs a calibration shape.
+
+A run resumed from a ``--load`` directory holding ``dynbatch_calibration.json`` uses that fit and
+does not calibrate again (so it plans exactly as the straight run did after calibrating) when the
+fit was measured on the same parallel layout, budget and model (:func:`measured_on`); otherwise,
+or with ``--dynamic-batch-recalibrate``, it calibrates again and says why.
 
 After calibration the iteration line shows ``predicted`` against ``measured`` iteration time, so a
 user sees when the model is wrong.
@@ -28,7 +40,10 @@ Where the shapes cannot separate the weights (a budget under :data:`MIN_BUDGET_R
 ``--seq-length``, or ``--rollouts-per-step``), the run skips calibration on its first step and
 rank 0 says why (:func:`why_not_calibrate`): no iteration is planned in another shape, no file is
 written. ``dynbatch_calibration.yaml`` is written only for a fit that is applied; the ``.json`` for
-every fit (a resumed run must not calibrate again).
+every final fit (a resumed run must not calibrate again).
+
+With TensorBoard, :meth:`Calibrator.scalars` gives the iteration line's predicted and measured step
+time and the fit's error as ``dynbatch/*`` scalars.
 
 The calibration's progress lives in one :class:`Calibrator` per run (the hooks object creates it),
 never in this module, so two runs in one process (tests, a custom loop) never share it.
