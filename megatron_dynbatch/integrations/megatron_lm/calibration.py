@@ -219,6 +219,10 @@ def measured_on(args: Any, config: DynBatchConfig) -> Dict[str, Any]:
     }
     for name in _MODEL_ARGS:
         value = getattr(args, name, None)
+        if name == "num_query_groups" and not getattr(args, "group_query_attention", False):
+            # Without GQA every head is its own group; Megatron's memory report writes that into
+            # args after the first iteration, so read it the same way before and after.
+            value = getattr(args, "num_attention_heads", None)
         values[name] = (
             value if value is None or isinstance(value, (bool, int, float)) else str(value)
         )
