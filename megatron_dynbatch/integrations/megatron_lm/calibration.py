@@ -372,17 +372,18 @@ class Calibrator:
         if not calibrating or previous is None or previous_end is None:
             return
         seconds = _agree_seconds(now - previous_end)  # every rank calls it: same count everywhere
-        usable = (
+        measured = (
             self.steps_seen > WARMUP_STEPS + 1
             and iteration == previous_iteration + 1
             and not _interrupted(args, previous_iteration)
         )
-        if usable:
-            data = previous.to_dict()
-            data["seconds"] = seconds
-            self.observations.append(Observation.from_dict(data))
-        if len(self.observations) < _steps(args) or len(self.observations) % _steps(args):
+        if not measured:
             return
+        data = previous.to_dict()
+        data["seconds"] = seconds
+        self.observations.append(Observation.from_dict(data))
+        if len(self.observations) % _steps(args):
+            return  # fit after every round of --dynamic-batch-calibration-steps measured steps
         fit = _agree_fit(fit_cost_model(self.observations))
         usable, why = self._usable(fit, args)
         if not usable and len(self.observations) < MAX_CALIBRATION_ROUNDS * _steps(args):
