@@ -394,3 +394,14 @@ def test_the_fit_gives_tensorboard_the_iteration_lines_figures(tmp_path, monkeyp
     shown = f"{scalars['dynbatch/step time predicted (ms)']:.1f}/"
     shown += f"{scalars['dynbatch/step time measured (ms)']:.1f}"
     assert f"predicted/measured (ms): {shown} |" in line, (line, scalars)
+
+
+def test_what_a_fit_was_measured_on_reads_megatrons_later_writes_the_same(tmp_path):
+    """Megatron's memory report sets num_query_groups to the head count after the first iteration
+    (without GQA): a resumed run of the same model, read before that, must match the saved fit."""
+    config = dynbatch_config_from_args(_args(tmp_path))
+    before = _args(tmp_path, num_attention_heads=4, num_query_groups=1)
+    after = _args(tmp_path, num_attention_heads=4, num_query_groups=4)
+    assert calib.measured_on(before, config) == calib.measured_on(after, config)
+    grouped = _args(tmp_path, num_attention_heads=4, num_query_groups=2, group_query_attention=True)
+    assert calib.measured_on(grouped, config)["num_query_groups"] == 2
