@@ -1,6 +1,30 @@
 """megatron_dynbatch: dynamic token-budget micro-batching for Megatron-Core pipelines."""
 
+import pathlib
+import shutil
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+HERE = pathlib.Path(__file__).resolve().parent
+#: What the Megatron-LM entry needs at run time from outside the package (patches/, the scripts
+#: that apply them), copied into the wheel under megatron_dynbatch/integrations/megatron_lm/shipped/
+#: so an installed package trains without a checkout (integrations/megatron_lm/launch.py).
+SHIPPED = ["patches/*.patch", "launch/apply_patches.sh", "launch/patch_series.sh"]
+
+
+class BuildWithShippedFiles(build_py):
+    """build_py, plus the Megatron-LM patches and their scripts as package data."""
+
+    def run(self):
+        super().run()
+        target = pathlib.Path(self.build_lib) / "megatron_dynbatch/integrations/megatron_lm/shipped"
+        for pattern in SHIPPED:
+            for source in sorted(HERE.glob(pattern)):
+                destination = target / source.relative_to(HERE)
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(source, destination)
+
 
 setup(
     name="megatron_dynbatch",
@@ -24,4 +48,5 @@ setup(
         "gpu": ["megatron-core==0.19.2", "transformer-engine[pytorch]>=2.0", "numpy"],
     },
     entry_points={"console_scripts": ["megatron-dynbatch=megatron_dynbatch.tools.cli:main"]},
+    cmdclass={"build_py": BuildWithShippedFiles},
 )

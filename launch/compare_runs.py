@@ -10,6 +10,11 @@ baseline trains the same samples (``--document-samples``), so its real tokens ar
 computes ``global batch size x --seq-length`` tokens per iteration. Throughput leaves out the first
 iteration (start-up). Exit status 1 if the learning rates differ or the losses differ by more than
 ``--tolerance`` (relative).
+
+``--stock LOG`` adds a column for Megatron's own packing (``BATCHING=stock``: ``GPTDataset``
+windows of ``--seq-length`` tokens cut from the concatenated documents, fixed micro-batches). It
+trains other samples (full windows, so no padding, and attention across document boundaries), so
+only its time and throughput are shown, its losses not compared.
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ def main(argv=None) -> int:
     parser.add_argument("--fixed", required=True, help="log of the --document-samples run")
     parser.add_argument("--seq-length", type=int, required=True, help="the runs' --seq-length")
     parser.add_argument("--tolerance", type=float, default=1e-5, help="relative loss tolerance")
+    parser.add_argument("--stock", default=None, help="log of Megatron's own packing run")
     args = parser.parse_args(argv)
     dynamic, fixed = parse(args.dynamic), parse(args.fixed)
     dyn_it, fix_it = dynamic["iterations"], fixed["iterations"]
@@ -89,19 +95,41 @@ def main(argv=None) -> int:
         },
     }
     real_all = sum(dyn_it[i]["real"] for i in common)
+    runs = ["dynamic", "fixed"]
+    reals = {"dynamic": (real, real_all), "fixed": (real, real_all)}
+    if args.stock is not None:
+        stock = parse(args.stock)["iterations"]
+        mine = sorted(stock)
+        later = [i for i in mine if i > 1] or mine
+        # Full --seq-length windows: every computed token is a real one.
+        tokens = {i: stock[i]["batch"] * args.seq_length for i in mine}
+        totals["stock"] = {
+            "ms": sum(stock[i]["ms"] for i in later) * len(timed) / len(later),
+            "computed": sum(tokens.values()) * len(common) / len(mine),
+        }
+        reals["stock"] = (
+            sum(tokens[i] for i in later) * len(timed) / len(later),
+            totals["stock"]["computed"],
+        )
+        runs.append("stock")
     rows = [
         ("iterations", lambda m: f"{len(common)}"),
         ("time per iteration (ms)", lambda m: f"{totals[m]['ms'] / len(timed):.1f}"),
-        ("tokens/s (real)", lambda m: f"{real / (totals[m]['ms'] / 1000.0):.0f}"),
+        ("tokens/s (real)", lambda m: f"{reals[m][0] / (totals[m]['ms'] / 1000.0):.0f}"),
         ("computed tokens", lambda m: f"{totals[m]['computed']:.0f}"),
-        ("padded tokens", lambda m: f"{totals[m]['computed'] - real_all:.0f}"),
-        ("fill", lambda m: f"{real_all / totals[m]['computed']:.3f}"),
+        ("padded tokens", lambda m: f"{totals[m]['computed'] - reals[m][1]:.0f}"),
+        ("fill", lambda m: f"{reals[m][1] / totals[m]['computed']:.3f}"),
     ]
-    print(f"{'':26}{'dynamic':>12}{'fixed':>12}")
+    print(f"{'':26}" + "".join(f"{m:>12}" for m in runs))
     for name, value in rows:
-        print(f"{name:26}{value('dynamic'):>12}{value('fixed'):>12}")
+        print(f"{name:26}" + "".join(f"{value(m):>12}" for m in runs))
     ratio = totals["dynamic"]["ms"] / totals["fixed"]["ms"]
-    print(f"dynamic / fixed time per iteration (iterations 2+): {ratio:.2f}x\n")
+    print(f"dynamic / fixed time per iteration (iterations 2+): {ratio:.2f}x")
+    if args.stock is not None:
+        # Stock trains other (full) windows: compare throughput, not time per iteration.
+        speed = (real / totals["dynamic"]["ms"]) / (reals["stock"][0] / totals["stock"]["ms"])
+        print(f"dynamic / stock real tokens per second (iterations 2+): {speed:.2f}x")
+    print()
 
     print(f"{'iteration':>9}{'lr':>14}{'dynamic loss':>16}{'fixed loss':>16}{'rel. diff':>12}")
     worst, lr_equal = 0.0, True

@@ -3,7 +3,8 @@
 # launch/train_gpt_dynbatch.sh on the bundled corpus (Python's documentation, built into
 # $DATA_DIR/pydoc_text_document.{bin,idx} on first use, default data/), with dynamic batching at the
 # memory of Megatron's fixed [4 x 256] micro-batches (a 1024-token budget), with the fixed
-# micro-batches on the same samples, and with a 256-token budget beside them, then the comparisons
+# micro-batches on the same samples, with a 256-token budget beside them, and (STOCK=1, default;
+# empty to skip) Megatron's own packing of --seq-length windows, then the comparisons
 # (launch/compare_runs.py). Megatron's iteration lines are printed; full logs go to $OUT (default
 # out/demo/). Extra arguments go to both runs (e.g. --train-iters 6). On a GPU node the same script
 # uses every GPU nvidia-smi lists (NCCL).
@@ -49,12 +50,18 @@ train fixed fixed "$EQUAL_BUDGET" "$@"
 if [[ -n $SMALL_BUDGET ]]; then
   train "dynamic-$SMALL_BUDGET" dynamic "$SMALL_BUDGET" "$@"
 fi
+STOCK=${STOCK-1}
+STOCK_ARGS=()
+if [[ -n $STOCK ]]; then
+  train stock stock "$EQUAL_BUDGET" "$@"
+  STOCK_ARGS=(--stock "$OUT/stock.log")
+fi
 
 echo
 echo "=== equal memory: dynamic budget $EQUAL_BUDGET tokens against fixed [4x$SEQ_LENGTH] ==="
 status=0
 "$PY" launch/compare_runs.py --dynamic "$OUT/dynamic.log" --fixed "$OUT/fixed.log" \
-  --seq-length "$SEQ_LENGTH" || status=1
+  --seq-length "$SEQ_LENGTH" "${STOCK_ARGS[@]}" || status=1
 if [[ -n $SMALL_BUDGET ]]; then
   echo
   echo "=== a quarter of the memory: dynamic budget $SMALL_BUDGET tokens against fixed [4x$SEQ_LENGTH] ==="

@@ -10,42 +10,21 @@ imported tree has ``patches/`` applied: a Megatron-LM checkout already patched w
 Python would import is kept under ``~/.cache/megatron_dynbatch`` (``$MEGATRON_DYNBATCH_CACHE``)
 and put first on ``sys.path``, and nothing installed is modified. On a machine without CUDA the
 CPU support (``megatron_dynbatch/cpu/training_shim.py``) is applied; with CUDA it is not.
-See README.md, section "Megatron-LM".
+The same runs from an installed wheel, without a checkout:
+``torchrun --nproc-per-node 2 -m megatron_dynbatch pretrain <arguments>``
+(``megatron_dynbatch/integrations/megatron_lm/launch.py``). See docs/megatron-lm-entry.md.
 """
 
 import pathlib
 import sys
-import warnings
-
-import torch
-
-if not torch.cuda.is_available():
-    # The CPU path cannot use transformer-engine or apex; megatron.core says so on import, ten
-    # warnings per rank, which buried a start-up error's one line (issue 29). With CUDA they stay.
-    warnings.filterwarnings(
-        "ignore",
-        message=r"(Transformer Engine and Apex are|Apex is) not installed"
-        r"|Only transformer-engine>=\S+ supports MoE experts",
-        category=UserWarning,
-    )
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from megatron_dynbatch.integrations.megatron_lm.patched_tree import (  # noqa: E402
-    use_patched_training,
-)
+from megatron_dynbatch.integrations.megatron_lm.launch import prepare_megatron  # noqa: E402
 
-use_patched_training(REPO / "patches", REPO / "launch" / "apply_patches.sh")
-
-from megatron_dynbatch.cpu.training_shim import (  # noqa: E402
-    apply_training_cpu_shim,
-    skip_helper_compilation_if_prebuilt,
-)
-
-apply_training_cpu_shim()  # a no-op where CUDA exists
-skip_helper_compilation_if_prebuilt()  # the megatron-core wheel ships the helpers, not a Makefile
+prepare_megatron()  # on import too: tests run this file for its set-up alone
 
 from megatron_dynbatch.integrations.megatron_lm.pretrain_gpt import main  # noqa: E402
 

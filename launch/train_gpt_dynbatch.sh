@@ -9,7 +9,8 @@
 #   bash launch/train_gpt_dynbatch.sh --train-iters 50 --max-tokens-per-gpu 512
 #
 # Environment (all optional): GPUS_PER_NODE (default: the GPUs nvidia-smi lists, else 2 CPU
-# processes), NUM_NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT (multi-node rendezvous), DATA_PATH (an
+# processes), NUM_NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT (the rendezvous; on one node without
+# MASTER_PORT torchrun --standalone picks a free port, so a busy 6000 is no problem), DATA_PATH (an
 # indexed-dataset prefix, or a JSONL of conversations with --sft; mock data when empty), BATCHING
 # (dynamic | fixed | stock), MAX_TOKENS_PER_GPU, TORCHRUN. Without CUDA the same command runs on
 # CPU with gloo (see docs/cpu.md).
@@ -24,19 +25,25 @@ fi
 NUM_NODES=${NUM_NODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
-MASTER_PORT=${MASTER_PORT:-6000}
+MASTER_PORT=${MASTER_PORT:-}
 DATA_PATH=${DATA_PATH:-}
 BATCHING=${BATCHING:-dynamic}
 MAX_TOKENS_PER_GPU=${MAX_TOKENS_PER_GPU:-256}
 TORCHRUN=${TORCHRUN:-torchrun}
 
-DISTRIBUTED_ARGS=(
-    --nproc_per_node "$GPUS_PER_NODE"
-    --nnodes "$NUM_NODES"
-    --node_rank "$NODE_RANK"
-    --master_addr "$MASTER_ADDR"
-    --master_port "$MASTER_PORT"
-)
+DISTRIBUTED_ARGS=(--nproc_per_node "$GPUS_PER_NODE")
+if [[ $NUM_NODES == 1 && -z $MASTER_PORT ]]; then
+    # One node and no port asked for: a rendezvous on a free port (a fixed 6000 failed with
+    # EADDRINUSE whenever another job held it).
+    DISTRIBUTED_ARGS+=(--standalone)
+else
+    DISTRIBUTED_ARGS+=(
+        --nnodes "$NUM_NODES"
+        --node_rank "$NODE_RANK"
+        --master_addr "$MASTER_ADDR"
+        --master_port "${MASTER_PORT:-6000}"
+    )
+fi
 
 GPT_MODEL_ARGS=(
     --num-layers 4
@@ -54,7 +61,7 @@ TRAINING_ARGS=(
     --lr 1.0e-3
     --min-lr 1.0e-4
     --lr-decay-style cosine
-    --lr-warmup-iters 2
+    --lr-warmup-fraction 0.1  # 2 of 20 iterations; a fraction, so --train-iters 2 runs too
     --weight-decay 0.01
     --clip-grad 1.0
     --hidden-dropout 0.0

@@ -8,8 +8,6 @@ megatron. :mod:`megatron_dynbatch.integrations.megatron_lm.arguments` turns Mega
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 import os
 import re
 from dataclasses import dataclass
@@ -17,13 +15,11 @@ from typing import Any, Dict, Mapping, Optional, Union
 
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning.spec import (
-    ATTENTION_KINDS,
-    LAYOUTS,
-    OVERSIZE_POLICIES,
     CostModel,
     ParallelLayout,
     PlannerConfig,
     check_int,
+    setting_flags,
 )
 
 __all__ = [
@@ -59,7 +55,23 @@ _COST_FIELDS = (
     "cost_microbatch_overhead",
     "cost_shape_exchange_overhead",
 )
-_OPTIONAL_COST_FIELDS = ("cost_microbatch_overhead",)
+#: How the planner's own checks (``PlannerConfig``, ``CostModel``) name each field.
+_PLANNER_NAMES = {
+    "max_tokens_per_gpu": "max_tokens_per_gpu",
+    "log_probs_max_tokens_per_gpu": "log_probs_max_tokens_per_gpu",
+    "layout": "layout",
+    "rollouts_per_step": "rollouts_per_step",
+    "cost_token_weight": "token_weight",
+    "cost_attention_weight": "attention_weight",
+    "cost_response_weight": "response_weight",
+    "cost_microbatch_overhead": "microbatch_overhead",
+    "cost_shape_exchange_overhead": "shape_exchange_overhead",
+    "cost_attention": "attention",
+    "min_gain": "min_gain",
+    "oversize_samples": "oversize_samples",
+}
+#: The planner's setting -> the flag that sets it (for :func:`setting_flags`).
+_SETTING_FLAGS = {_PLANNER_NAMES[field]: flag for field, flag in FLAGS.items()}
 
 
 def attention_from_megatron(
@@ -102,7 +114,7 @@ def _positive_int(config: Any, name: str, *, optional: bool) -> None:
     value = getattr(config, name)
     if optional and value is None:
         return
-    object.__setattr__(config, name, check_int(name, value, 1, f"fix {FLAGS[name]}."))
+    object.__setattr__(config, name, check_int(name, value, 1, "give a whole number >= 1."))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,49 +187,28 @@ class DynBatchConfig:
                     f"{FLAGS['max_memory_gib']}."
                 )
             object.__setattr__(self, "max_memory_gib", float(memory))
-        _positive_int(self, "max_tokens_per_gpu", optional=False)
-        _positive_int(self, "log_probs_max_tokens_per_gpu", optional=True)
-        _positive_int(self, "rollouts_per_step", optional=True)
-        if self.layout not in LAYOUTS:
-            raise DynBatchValueError(
-                f"layout={self.layout!r} is not one of {LAYOUTS}; pass --dynamic-batch-layout "
-                "packed or padded."
+        # Every other field is checked once, by the planner's own configs (one wording in every
+        # host), which name the setting; setting_flags adds the flag that sets it here.
+        with setting_flags(_SETTING_FLAGS):
+            _positive_int(self, "log_probs_max_tokens_per_gpu", optional=True)
+            cost = self.cost_model()
+            planner = PlannerConfig(
+                max_tokens_per_gpu=self.max_tokens_per_gpu,
+                rollouts_per_step=self.rollouts_per_step,
+                layout=self.layout,
+                oversize_samples=self.oversize_samples,
+                min_gain=self.min_gain,
+                cost=cost,
             )
-        if self.oversize_samples not in OVERSIZE_POLICIES:
-            raise DynBatchValueError(
-                f"oversize_samples={self.oversize_samples!r} is not one of {OVERSIZE_POLICIES}; "
-                f"fix {FLAGS['oversize_samples']}."
-            )
-        for name in _COST_FIELDS:
-            value = getattr(self, name)
-            if value is None and name in _OPTIONAL_COST_FIELDS:
-                continue
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise DynBatchValueError(f"{name}={value!r} must be a number; fix {FLAGS[name]}.")
-            if not math.isfinite(value) or value < 0:
-                raise DynBatchValueError(
-                    f"{name}={value!r} must be finite and >= 0; fix {FLAGS[name]}."
-                )
-            # Normalise YAML integers (``cost_token_weight: 1``) so equal configs compare equal.
-            object.__setattr__(self, name, float(value))
-        if self.cost_attention is not None and self.cost_attention not in ATTENTION_KINDS:
-            raise DynBatchValueError(
-                f"cost_attention={self.cost_attention!r} is not one of {ATTENTION_KINDS}; fix "
-                f"{FLAGS['cost_attention']} (or leave it out to follow the attention backend)."
-            )
+        # The checked values as the planner normalised them (numpy integers, YAML's ``1`` for a
+        # float), so equal configs compare equal.
+        object.__setattr__(self, "max_tokens_per_gpu", planner.max_tokens_per_gpu)
+        object.__setattr__(self, "rollouts_per_step", planner.rollouts_per_step)
         if self.min_gain is not None:
-            gain = self.min_gain
-            if isinstance(gain, bool) or not isinstance(gain, numbers.Real) or not 0 <= gain < 1:
-                raise DynBatchValueError(
-                    f"min_gain={gain!r} must be a number in [0, 1); fix {FLAGS['min_gain']} "
-                    "(0.03: more micro-batches only for a 3% faster predicted step)."
-                )
-            object.__setattr__(self, "min_gain", float(gain))
-        if self.cost_token_weight == self.cost_attention_weight == self.cost_response_weight == 0:
-            raise DynBatchValueError(
-                "every cost-model weight is 0, so the planner cannot balance ranks; set "
-                "--dynamic-batch-cost-token-weight (default 1.0) above 0."
-            )
+            object.__setattr__(self, "min_gain", planner.min_gain)
+        for name in _COST_FIELDS:
+            value = getattr(cost, _PLANNER_NAMES[name])
+            object.__setattr__(self, name, None if value is None else float(value))
 
     @property
     def forward_only_max_tokens_per_gpu(self) -> int:

@@ -13,7 +13,7 @@ import numbers
 import operator
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, Literal, Optional
+from typing import Any, Dict, Iterator, Literal, Mapping, Optional
 
 from megatron_dynbatch.errors import DynBatchValueError
 
@@ -36,6 +36,7 @@ __all__ = [
     "round_up",
     "ceil_div",
     "layout_flags",
+    "setting_flags",
 ]
 
 #: Micro-batch layouts. ``packed``: samples concatenated in rows of the step's uniform length, one
@@ -208,14 +209,28 @@ def layout_flags(tool: str) -> Iterator[None]:
     --num-virtual-stages-per-pipeline-rank (or --num-layers-per-virtual-pipeline-stage); pp_size is
     --pipeline-model-parallel-size.)``. Nested uses add it once.
     """
-    flags = LAYOUT_FLAGS[tool]
+    with setting_flags(LAYOUT_FLAGS[tool], tool=tool):
+        yield
+
+
+@contextlib.contextmanager
+def setting_flags(flags: Mapping[str, str], *, tool: Optional[str] = None) -> Iterator[None]:
+    """A ``ValueError`` raised inside that names planner settings also names their flags.
+
+    ``flags`` maps a setting as the planner's messages name it (``layout``, ``token_weight``,
+    ``vpp_size``) to the option a user sets it with. The planner checks every setting once, in
+    one wording; each host adds its own spelling through this, e.g. ``layout='thd' is not one of
+    ('packed', 'padded'); use packed or padded. (flags: layout is --dynamic-batch-layout.)``.
+    The error keeps its type; nested uses add the sentence once.
+    """
     try:
         yield
     except ValueError as error:
         text = str(error)
         named = [f"{k} is {v}" for k, v in flags.items() if re.search(rf"\b{k}\b", text)]
         if named and len(error.args) == 1 and "(flags: " not in text:
-            error.args = (f"{text} (flags: {tool}: {'; '.join(named)}.)",)
+            where = f"{tool}: " if tool else ""
+            error.args = (f"{text} (flags: {where}{'; '.join(named)}.)",)
         raise
 
 
@@ -452,7 +467,7 @@ class PlannerConfig:
             )
         if self.layout not in LAYOUTS:
             raise DynBatchValueError(
-                f"layout={self.layout!r} is not one of {LAYOUTS}; use --layout packed or padded."
+                f"layout={self.layout!r} is not one of {LAYOUTS}; use packed or padded."
             )
         if not isinstance(self.parallel, ParallelLayout):
             raise DynBatchValueError(f"parallel={self.parallel!r} must be a ParallelLayout.")

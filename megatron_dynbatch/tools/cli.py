@@ -1,5 +1,6 @@
 """The ``megatron-dynbatch`` command: ``plan`` a schedule, ``verify`` it on real Megatron-Core,
-``calibrate`` the cost model from measured step times.
+``calibrate`` the cost model from measured step times, ``pretrain`` a GPT with Megatron-LM's
+``pretrain()`` (under torchrun; every other argument is Megatron-LM's or ours).
 
 ``plan`` imports only the pure planner, so it answers in milliseconds without torch. User errors
 (``ValueError``) print one line to stderr and exit 2, without a traceback.
@@ -99,8 +100,19 @@ def _add_layout_args(parser: argparse.ArgumentParser, *, cap_default: Optional[i
     )
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """A usage error is one line naming ``--help``, not the whole usage (17 lines for ``plan``).
+
+    Subcommand parsers are made of the same class, so ``plan`` without ``--max-tokens-per-gpu``
+    says so in one line too.
+    """
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="megatron-dynbatch",
         description="Dynamic token-budget micro-batching for Megatron-Core.",
     )
@@ -175,6 +187,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-attention", action="store_true", help="pin the attention weight at 0"
     )
     calibrate.add_argument("--json", action="store_true", help="print exactly one JSON object")
+
+    # Listed for --help only: main() hands `pretrain ...` to the Megatron-LM entry before this
+    # parser runs, since the arguments are Megatron-LM's (hundreds of them, parsed by Megatron).
+    sub.add_parser(
+        "pretrain",
+        help="train a GPT with Megatron-LM's pretrain() and dynamic batching (run it under "
+        "torchrun; takes launch/pretrain_gpt_dynbatch.py's arguments)",
+        add_help=False,
+    )
     return parser
 
 
@@ -421,11 +442,14 @@ def _cmd_calibrate(args) -> int:
 
     data = _read_json(args.observations)
     if isinstance(data, dict):
-        data = data.get("observations")
+        # A run's dynbatch_calibration.json holds its fit with the measured steps under "steps"
+        # (its "observations" is the count the fit used).
+        data = data.get("steps", data.get("observations"))
     if not isinstance(data, list) or not all(isinstance(item, dict) for item in data):
         raise DynBatchValueError(
-            f"{args.observations!r} must hold a JSON array of observation objects (or "
-            '{"observations": [...]}), one per measured step.'
+            f"{args.observations!r} must hold a JSON array of observation objects, "
+            '{"observations": [...]}, or a run\'s dynbatch_calibration.json ({"steps": [...]}), '
+            "one object per measured step."
         )
     fit = fit_cost_model(
         [Observation.from_dict(item) for item in data], fit_attention=not args.no_attention
@@ -456,9 +480,20 @@ def _cmd_calibrate(args) -> int:
     return 0
 
 
+#: What the Megatron-LM entry calls itself in its one-line errors under this command.
+PRETRAIN_PROGRAM = "megatron-dynbatch pretrain"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     from megatron_dynbatch.planning.spec import layout_flags
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["pretrain"]:
+        from megatron_dynbatch.integrations.megatron_lm.launch import pretrain
+
+        sys.argv = [PRETRAIN_PROGRAM, *argv[1:]]  # Megatron's parser reads sys.argv
+        pretrain()
+        return 0
     args = build_parser().parse_args(argv)
     try:
         with layout_flags("megatron-dynbatch"):

@@ -57,6 +57,12 @@ _REFUSALS = {
         _BASE + _DYNAMIC + ["--log-probs-max-tokens-per-gpu", 64],
         "--log-probs-max-tokens-per-gpu 64 is smaller than --seq-length 128",
     ),
+    # Issue 37: Megatron's "A single data source must be provided" named neither flag.
+    "mock-data-and-data-path": (
+        _BASE + _DYNAMIC + ["--data-path", "{tmp}/corpus_text_document"],
+        "--mock-data and --data-path both given, but Megatron trains on a single data source; "
+        "drop --mock-data to train on --data-path",
+    ),
     # Issue 29: a micro-batch size the plan does not use, which Megatron would refuse for the
     # validation batch: said before Megatron's own check, naming both flags.
     "unused-micro-batch-size": (
@@ -325,3 +331,129 @@ def test_tensorboard_and_wandb_get_the_dynamic_batching_scalars(tmp_path):
     assert "batch-size" in logged, sorted(logged)
     for tag, values in ours.items():
         assert logged.get(tag) == pytest.approx(dict(values), rel=1e-6), (tag, logged.get(tag))
+
+
+def test_the_launch_script_picks_a_free_port_when_6000_is_taken(tmp_path):
+    """Issue 37: with port 6000 held and no MASTER_PORT, the demo's launch script still trains."""
+    import errno
+    import os
+    import socket
+    import sys
+
+    from tests._support import run_shell
+
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        holder.bind(("", 6000))
+        holder.listen(1)
+    except OSError as error:  # already held by another process: just as good for this test
+        assert error.errno == errno.EADDRINUSE, error
+    try:
+        env = {
+            "GPUS_PER_NODE": "2",
+            "TORCHRUN": os.path.join(os.path.dirname(sys.executable), "torchrun"),
+        }
+        env = {**env, "MASTER_PORT": "", "DATA_PATH": ""}
+        log = run_shell(
+            "bash launch/train_gpt_dynbatch.sh --train-iters 2 --eval-iters 0",
+            REPO,
+            tmp_path / "train.log",
+            env=env,
+        )
+    finally:
+        holder.close()
+    assert "EADDRINUSE" not in log
+    assert sorted(parse_ok(0, log)["iterations"]) == [1, 2], log[-3000:]
+
+
+def test_an_installed_wheel_trains_without_the_checkout(tmp_path):
+    """Issue 37: a wheel held neither patches/ nor launch/, so an installed package could not train.
+
+    The wheel is built from a copy of the checkout's files, installed into a fresh virtual
+    environment (torch, megatron-core and the rest come from this interpreter's site-packages
+    through a .pth file, the checkout itself never), and trains 2 iterations at pp 2 with dynamic
+    batching on a .bin/.idx the bundled preprocess writes, from a directory outside the checkout:
+    ``torchrun --standalone --nproc-per-node 2 -m megatron_dynbatch pretrain ...``.
+    """
+    import json
+    import os
+    import random
+    import shutil
+    import subprocess
+    import sys
+    import sysconfig
+
+    def run(command, **kwargs):
+        result = subprocess.run(
+            [str(c) for c in command],
+            cwd=work,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=400,
+            **kwargs,
+        )
+        return result.returncode, result.stdout
+
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["MEGATRON_DYNBATCH_CACHE"] = str(tmp_path / "cache")  # patched from the wheel's patches
+    # The checkout's files (tracked and new), so the build writes nothing into the repository.
+    listed = subprocess.run(
+        ["git", "-C", REPO, "ls-files", "-co", "--exclude-standard"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    source = tmp_path / "source"
+    for name in listed:
+        if (REPO / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, source / name)
+    rc, out = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", tmp_path, source])
+    assert rc == 0, out
+    [wheel] = tmp_path.glob("megatron_dynbatch-*.whl")
+    venv = tmp_path / "venv"
+    rc, out = run([sys.executable, "-m", "venv", "--without-pip", venv])
+    assert rc == 0, out
+    python = venv / "bin" / "python"
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    ours = sysconfig.get_paths()["purelib"]
+    pathlib.Path(purelib, "reuse_packages.pth").write_text(ours + "\n")
+    rc, out = run([python, "-m", "pip", "install", "--no-deps", "-q", wheel])
+    assert rc == 0, out
+    rc, where = run([python, "-c", "import megatron_dynbatch; print(megatron_dynbatch.__file__)"])
+    assert rc == 0 and where.strip().startswith(str(venv)), where
+
+    # A user's corpus: JSONL text -> .bin/.idx with the bundled byte-level preprocess.
+    rng = random.Random(3)
+    corpus = work / "corpus.jsonl"
+    words = ["pipeline", "budget", "token", "micro", "batch", "stage", "rank", "loss"]
+    with corpus.open("w") as handle:
+        for _ in range(120):
+            text = " ".join(rng.choice(words) for _ in range(rng.randint(3, 25)))
+            handle.write(json.dumps({"text": text}) + "\n")
+    preprocess = "megatron_dynbatch.integrations.megatron_lm.data.preprocess"
+    rc, out = run([python, "-m", preprocess, "--input", corpus, "--output-prefix", work / "c"])
+    assert rc == 0, out
+
+    args = [a for a in _BASE if a != "--mock-data"] + _DYNAMIC
+    args = _without(_without(args, "--vocab-size"), "--seq-length")
+    args += ["--vocab-size", 257, "--seq-length", 128, "--data-path", work / "c_text_document"]
+    args += ["--split", "98,2,0"]
+    torchrun = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", 2]
+    rc, log = run([*torchrun, "-m", "megatron_dynbatch", "pretrain", *args])
+    (tmp_path / "train.log").write_text(log)
+    assert sorted(parse_ok(rc, log)["iterations"]) == [1, 2]
+    assert f"{REPO}/megatron_dynbatch" not in log and f"{REPO}/launch" not in log, log[-3000:]
+    assert any((tmp_path / "cache").glob("training-*/megatron/training/training.py"))
+    # The console script runs the same entry (its one-line refusal, no torchrun needed).
+    rc, out = run([venv / "bin" / "megatron-dynbatch", "pretrain", *args, "--max-token-per-gpu", 1])
+    assert rc == 2 and "megatron-dynbatch pretrain: error: unrecognized arguments" in out, out

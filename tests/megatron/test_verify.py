@@ -287,3 +287,21 @@ def test_moe_settings_refuse_what_megatron_cannot_split():
         MoESettings(ep_size=3)
     with pytest.raises(DynBatchValueError, match="--moe-ep-size 2 must divide --dp-size 1"):
         _spec(1, samples=RAGGED, moe=MoESettings(ep_size=2))
+
+
+def test_verify_prints_its_verdict_without_gpu_library_warnings(tmp_path):
+    """Issue 37: `verify` printed 8 Transformer Engine / Apex warnings before its verdict on CPU."""
+    from tests._support import command_env
+
+    path = tmp_path / "samples.json"
+    path.write_text(json.dumps([16, 24, 40]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_dynbatch.tools.cli", "verify", "--samples", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=command_env(),
+    )
+    assert proc.returncode == 0 and proc.stdout.startswith("PASS"), proc.stdout + proc.stderr
+    assert "not installed" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr

@@ -180,3 +180,17 @@ def test_samples_json_response_length_errors_name_the_values(item, message):
     with pytest.raises(DynBatchValueError) as error:
         parse_samples_json([item])
     assert message in str(error.value)
+
+
+def test_a_missing_required_flag_is_one_usage_line(tmp_path):
+    """Issue 37: `plan` without --max-tokens-per-gpu printed 17 lines of usage."""
+    path = _write(tmp_path, SAMPLES)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_dynbatch.tools.cli", "plan", path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "--max-tokens-per-gpu" in lines[0] and "megatron-dynbatch plan --help" in lines[0]

@@ -107,3 +107,32 @@ def test_every_prefix_of_weighted_and_per_split_blends_is_checked(corpora):
         handle.truncate(3)
     with pytest.raises(DynBatchValueError, match=r"b_text_document\.bin: 3 bytes"):
         validate_data_paths(_args(data_path=["0.3", a, "0.7", b]))
+
+
+def test_an_idx_of_the_same_documents_in_another_order_is_refused(tmp_path):
+    """Issue 37: an .idx of the same documents shuffled, beside the original .bin, has the right
+    size and a consistent index, and trained silently; the documents' ends give it away."""
+    import random
+
+    texts = [f"document {i} " + "w" * (3 + 7 * i % 41) for i in range(40)]
+    original = _build(tmp_path, "original", texts)
+    shuffled = list(texts)
+    random.Random(1).shuffle(shuffled)
+    (tmp_path / "other").mkdir()
+    other = _build(tmp_path / "other", "shuffled", shuffled)
+    eod = preprocess.BYTE_EOD
+    check_indexed_prefix(original, eod)  # the right index passes
+    shutil.copy(f"{other}.idx", f"{original}.idx")
+    check_indexed_prefix(original)  # sizes alone cannot tell
+    with pytest.raises(
+        DynBatchValueError,
+        match=r"original_text_document\.idx: document \d+ ends at token \d+ of .* with token "
+        rf"\d+, not the end-of-document token {eod} that ends the data: this \.idx does not "
+        r"describe this \.bin",
+    ):
+        check_indexed_prefix(original, eod)
+    # Built without end-of-document tokens, nothing marks the ends: not refused for lack of one.
+    source = tmp_path / "plain.jsonl"
+    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    plain = str(preprocess.write_indexed_dataset(source, str(tmp_path / "plain"), append_eod=False))
+    check_indexed_prefix(plain, eod)

@@ -67,6 +67,7 @@ ALLOWED = {
     },
     "tools.testing": {"errors", "planning", "runtime", "mcore", "cpu"},
     "": {"errors", "planning", "runtime"},  # the package's __init__
+    "__main__": {"tools"},  # python -m megatron_dynbatch: the command
 }
 # Third-party packages a part must never import, even lazily.
 FORBIDDEN_EXTERNAL = {

@@ -21,6 +21,7 @@ Imports only argparse, the config and the pure planner: flag errors are testable
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import Any, Dict, Optional
 
@@ -110,6 +111,10 @@ VARIABLE_ROW_MULTIPLE = 64
 
 #: Measured iterations in-run calibration fits by default (``--dynamic-batch-calibration-steps``).
 DEFAULT_CALIBRATION_STEPS = 8
+#: A fit whose median relative error over the measured steps exceeds this is not planned with
+#: (``--dynamic-batch-calibration-max-error``): fits of 30-35% planned rows 1.5-3x slower than the
+#: others on this CPU machine (issue 37), while fits on quiet steps land at 2-15%.
+DEFAULT_CALIBRATION_MAX_ERROR = 0.2
 #: Files calibration writes (``--dynamic-batch-calibration-output``).
 CALIBRATION_YAML = "dynbatch_calibration.yaml"
 CALIBRATION_JSON = "dynbatch_calibration.json"
@@ -123,6 +128,20 @@ def add_calibration_args(group: Any) -> None:
         default=DEFAULT_CALIBRATION_STEPS,
         help="Fit the planner's cost model to this many measured training iterations, then plan "
         f"with it (default {DEFAULT_CALIBRATION_STEPS}; 0 keeps the configured weights).",
+    )
+    group.add_argument(
+        "--dynamic-batch-calibration-max-error",
+        type=float,
+        default=DEFAULT_CALIBRATION_MAX_ERROR,
+        help="Plan with a fit only when its median relative error over the measured steps is at "
+        f"most this (default {DEFAULT_CALIBRATION_MAX_ERROR}); over it, as many steps again are "
+        "measured and refit, then a fit still over it is not used (the log says so).",
+    )
+    group.add_argument(
+        "--dynamic-batch-recalibrate",
+        action="store_true",
+        help=f"Calibrate again even when the --load directory holds {CALIBRATION_JSON} of the "
+        "same layout, budget and model (a fit of other settings is always refit).",
     )
     group.add_argument(
         "--dynamic-batch-calibration-output",
@@ -383,6 +402,7 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
             one padded sample or than ``--seq-length`` under ``--oversize-samples error``,
             ``--calculate-per-token-loss`` off, or an incompatible Megatron feature.
     """
+    _check_one_data_source(args)
     given = _given(args)
     config_path = getattr(args, "dynamic_batch_config", None)
     variable = bool(getattr(args, VARIABLE_SEQ_LENGTHS_DEST, False))
@@ -453,6 +473,38 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
     return config
 
 
+def _check_one_data_source(args: Any) -> None:
+    """Name the flags when more than one data source is given (with the flag on or off).
+
+    Megatron's own check (``validate_args``) says only "A single data source must be provided in
+    training mode, else None", naming no flag (issue 37).
+    """
+    split_flags = ("--train-data-path", "--valid-data-path", "--test-data-path")
+    sources = [
+        flag
+        for flag, given in (
+            ("--mock-data", bool(getattr(args, "mock_data", False))),
+            ("--data-path", bool(getattr(args, "data_path", None))),
+            (
+                "/".join(split_flags),
+                any(getattr(args, f[2:].replace("-", "_"), None) for f in split_flags),
+            ),
+        )
+        if given
+    ]
+    if len(sources) == 2:
+        first, second = sources
+        raise DynBatchValueError(
+            f"{first} and {second} both given, but Megatron trains on a single data source; drop "
+            f"{first} to train on {second}, or drop {second} to train on {first}."
+        )
+    if len(sources) > 2:
+        raise DynBatchValueError(
+            f"{', '.join(sources)} all given, but Megatron trains on a single data source; keep "
+            "one of them."
+        )
+
+
 def _check_budgets_fit_seq_length(args: Any, config: DynBatchConfig) -> None:
     """Refuse at start-up a budget that a ``--seq-length`` sample would exceed under ``error``.
 
@@ -503,10 +555,23 @@ def _check_unused_micro_batch_sizes(args: Any) -> None:
     for batch_flag, batch, micro_flag, micro in pairs:
         if batch is None or micro is None or batch % (micro * dp) == 0:
             continue
-        divisor = f" (or a divisor of {batch // dp})" if batch % dp == 0 else ""
+        if batch % dp == 0:
+            # 1 always works; so does any divisor of every per-rank share this micro-batch size
+            # must divide (the validation batch shares --micro-batch-size unless it has its own).
+            batches = [b for _, b, flag, _ in pairs if flag == micro_flag and b is not None]
+            common = (
+                math.gcd(*(b // dp for b in batches)) if all(b % dp == 0 for b in batches) else 1
+            )
+            fix = f"set {micro_flag} 1" + (f" (or a divisor of {common})" if common > 1 else "")
+        else:
+            # No micro-batch size can divide a batch that does not split over the DP ranks.
+            lower, upper = (batch // dp) * dp, (batch // dp + 1) * dp
+            sizes = f"{lower} or {upper}" if lower > 0 else f"{upper}"
+            fix = f"set {batch_flag} to a multiple of {dp}, e.g. {sizes}"
+            if micro != 1:
+                fix += f", and {micro_flag} 1"
         raise DynBatchValueError(
             f"{micro_flag} {micro} is not used by --use-dynamic-batch-size (the planner picks "
             f"every micro-batch), but Megatron still requires {batch_flag} {batch} to be a "
-            f"multiple of {micro_flag} x data-parallel size ({micro} x {dp}); set {micro_flag} "
-            f"1{divisor}."
+            f"multiple of {micro_flag} x data-parallel size ({micro} x {dp}); {fix}."
         )

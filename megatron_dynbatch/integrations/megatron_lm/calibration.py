@@ -16,10 +16,22 @@ collective, so plans stay identical even if floating point differed) and held by
 :meth:`Calibrator.calibrated_config` applies it to the run's config; nothing is written into
 Megatron's ``args``): the next batch is planned with it. Rank 0 logs it and writes
 ``dynbatch_calibration.yaml`` (the ``cost_*`` keys ``--dynamic-batch-config`` loads) and
-``dynbatch_calibration.json`` (the fit in seconds) into ``--save`` (or
-``--dynamic-batch-calibration-output``). A run resumed from a ``--load`` directory holding
-``dynbatch_calibration.json`` uses that fit and does not calibrate again, so it plans exactly as the
-straight run did after calibrating.
+``dynbatch_calibration.json`` (the fit in seconds, whether it is applied, the layout, budget and
+model it was measured on, and the measured steps, which ``megatron-dynbatch calibrate`` reads) into
+``--save`` (or ``--dynamic-batch-calibration-output``).
+
+A fit plans the run only when it separates token work from per-micro-batch overhead and its median
+relative error over the measured steps is at most ``--dynamic-batch-calibration-max-error``
+(default :data:`DEFAULT_CALIBRATION_MAX_ERROR`); otherwise as many steps again are measured and the
+fit is made on all of them (:data:`MAX_CALIBRATION_ROUNDS` rounds in all), and a fit still short of
+that is not used: the configured cost model plans on, and rank 0 says why. The log line names the
+iteration from which the fit (or the configured model) plans: the fit is made while the iteration
+after the last measured one is planned, so that iteration still runs a calibration shape.
+
+A run resumed from a ``--load`` directory holding ``dynbatch_calibration.json`` uses that fit and
+does not calibrate again (so it plans exactly as the straight run did after calibrating) when the
+fit was measured on the same parallel layout, budget and model (:func:`measured_on`); otherwise,
+or with ``--dynamic-batch-recalibrate``, it calibrates again and says why.
 
 After calibration the iteration line shows ``predicted`` against ``measured`` iteration time, so a
 user sees when the model is wrong.
@@ -28,7 +40,10 @@ Where the shapes cannot separate the weights (a budget under :data:`MIN_BUDGET_R
 ``--seq-length``, or ``--rollouts-per-step``), the run skips calibration on its first step and
 rank 0 says why (:func:`why_not_calibrate`): no iteration is planned in another shape, no file is
 written. ``dynbatch_calibration.yaml`` is written only for a fit that is applied; the ``.json`` for
-every fit (a resumed run must not calibrate again).
+every final fit (a resumed run must not calibrate again).
+
+With TensorBoard, :meth:`Calibrator.scalars` gives the iteration line's predicted and measured step
+time and the fit's error as ``dynbatch/*`` scalars.
 
 The calibration's progress lives in one :class:`Calibrator` per run (the hooks object creates it),
 never in this module, so two runs in one process (tests, a custom loop) never share it.
@@ -51,6 +66,7 @@ from megatron_dynbatch.config import DynBatchConfig, config_from_mapping
 from megatron_dynbatch.integrations.megatron_lm.arguments import (
     CALIBRATION_JSON,
     CALIBRATION_YAML,
+    DEFAULT_CALIBRATION_MAX_ERROR,
     DEFAULT_CALIBRATION_STEPS,
     add_calibration_args,
 )
@@ -62,15 +78,21 @@ __all__ = [
     "CALIBRATED_FIELDS",
     "CALIBRATION_JSON",
     "CALIBRATION_YAML",
+    "DEFAULT_CALIBRATION_MAX_ERROR",
     "DEFAULT_CALIBRATION_STEPS",
+    "MAX_CALIBRATION_ROUNDS",
     "MIN_BUDGET_RATIO",
     "Calibrator",
     "add_calibration_args",
+    "measured_on",
     "why_not_calibrate",
 ]
 
 #: Iterations at the start of a run that are never used (allocator and kernel warm-up).
 WARMUP_STEPS = 2
+#: A fit over its error bound measures another ``--dynamic-batch-calibration-steps`` and refits
+#: on all of them, up to this many rounds in all; still over, it is not used.
+MAX_CALIBRATION_ROUNDS = 2
 #: The DynBatchConfig fields calibration changes (in :attr:`Calibrator.overrides`, never in
 #: Megatron's arguments): the budget and overhead while it varies shapes, then the fitted weights.
 CALIBRATED_FIELDS = (
@@ -150,23 +172,19 @@ def _agree_fit(fit: Calibration) -> Calibration:
     )
 
 
-def why_not_calibrate(args: Any) -> Optional[str]:
+def why_not_calibrate(args: Any, config: DynBatchConfig) -> Optional[str]:
     """Why this run's calibration shapes cannot separate the cost weights, or ``None``.
 
-    Decided from the arguments alone (the same for a straight and a resumed run).
+    Decided from the arguments and the run's config alone (the same for a straight and a resumed
+    run).
     """
-    if getattr(args, "rollouts_per_step", None) is not None:
+    if config.rollouts_per_step is not None:
         return (
             "with --rollouts-per-step a batch spans several steps planned at once, so the "
             "calibration cannot vary the budget between steps, and steps of one shape cannot "
             "separate token work from per-micro-batch overhead"
         )
-    budget = getattr(args, "max_tokens_per_gpu", None)
-    if budget is None:  # given in the --dynamic-batch-config YAML only
-        from .arguments import dynbatch_config_from_args
-
-        budget = dynbatch_config_from_args(args).max_tokens_per_gpu
-    budget = int(budget)
+    budget = int(config.max_tokens_per_gpu)
     seq_length = int(getattr(args, "seq_length", 1) or 1)
     if budget < MIN_BUDGET_RATIO * seq_length:
         return (
@@ -176,6 +194,66 @@ def why_not_calibrate(args: Any) -> Optional[str]:
             "and the steps' token work varies too little to be told from the per-step constant"
         )
     return None
+
+
+def _max_error(args: Any) -> float:
+    value = getattr(args, "dynamic_batch_calibration_max_error", None)
+    return DEFAULT_CALIBRATION_MAX_ERROR if value is None else float(value)
+
+
+def measured_on(args: Any, config: DynBatchConfig) -> Dict[str, Any]:
+    """What a fit depends on besides the machine: the layout, the budget and the model.
+
+    Saved with the fit (``"measured_on"`` in ``dynbatch_calibration.json``); a run resumed with
+    other values refits instead of planning with step times of another configuration.
+    """
+    from .arguments import parallel_layout_from_args
+
+    layout = parallel_layout_from_args(args)
+    values: Dict[str, Any] = {
+        "dp_size": layout.dp_size,
+        "pp_size": layout.pp_size,
+        "vpp_size": layout.vpp_size,
+        "microbatch_group_size_per_vp_stage": layout.microbatch_group_size_per_vp_stage,
+        "tp_size": layout.tp_size,
+        "cp_size": layout.cp_size,
+        "max_tokens_per_gpu": config.max_tokens_per_gpu,
+        "layout": config.layout,
+        "attention": config.cost_attention,
+    }
+    for name in _MODEL_ARGS:
+        value = getattr(args, name, None)
+        if name == "num_query_groups" and not getattr(args, "group_query_attention", False):
+            # Without GQA every head is its own group; Megatron's memory report writes that into
+            # args after the first iteration, so read it the same way before and after.
+            value = getattr(args, "num_attention_heads", None)
+        values[name] = (
+            value if value is None or isinstance(value, (bool, int, float)) else str(value)
+        )
+    return values
+
+
+#: Megatron arguments that change what a step costs per token (the model), saved with a fit.
+_MODEL_ARGS = (
+    "seq_length",
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "padded_vocab_size",
+    "num_experts",
+    "moe_router_topk",
+    "transformer_impl",
+    "recompute_granularity",
+    "bf16",
+    "fp16",
+)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 class Calibrator:
@@ -189,7 +267,10 @@ class Calibrator:
     collectives).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, config: Optional[DynBatchConfig] = None) -> None:
+        self.config: Optional[DynBatchConfig] = config
+        """The run's resolved config (the hooks pass theirs: the arguments are parsed once per
+        run); ``None``: resolved from the arguments on first use, once."""
         self.observations: List[Observation] = []
         """The measured steps so far (their shapes and the slowest rank's seconds)."""
         self.fit: Optional[Calibration] = None
@@ -211,6 +292,11 @@ class Calibrator:
         self.skipped: Optional[str] = None
         """Why calibration does not run in this configuration (decided on the first step), or
         None."""
+        self.applied: bool = False
+        """Whether :attr:`fit` plans the run (separable and within the error bound)."""
+        self._timing: Optional[tuple] = None
+        """(steps seen, predicted, measured seconds) of the last step, shared by the iteration
+        line and the TensorBoard scalars so both show the same figures."""
         self.overrides: Dict[str, Any] = {}
         """DynBatchConfig field -> the value calibration plans with now (a varied budget or
         overhead while it measures, then the fitted weights); :meth:`calibrated_config` applies
@@ -237,6 +323,14 @@ class Calibrator:
             return config
         return config_from_mapping({**dataclasses.asdict(config), **changes})
 
+    def _configured(self, args: Any) -> DynBatchConfig:
+        """The run's config: the hooks' (one parse per run), else resolved once from ``args``."""
+        if self.config is None:
+            from .arguments import dynbatch_config_from_args
+
+            self.config = dynbatch_config_from_args(args)
+        return self.config
+
     def resume(self, args: Any) -> None:
         """On a run's first step, before it plans: reuse the fit a ``--load`` directory holds.
 
@@ -247,7 +341,7 @@ class Calibrator:
             self.resumed_checked = True
             self._load_resumed(args)
             if self.fit is None and _steps(args) > 0:
-                self.skipped = why_not_calibrate(args)
+                self.skipped = why_not_calibrate(args, self._configured(args))
             if self.skipped is not None:
                 _log(
                     f"dynamic-batch calibration skipped: {self.skipped}; planning keeps the "
@@ -282,45 +376,90 @@ class Calibrator:
         if not calibrating or previous is None or previous_end is None:
             return
         seconds = _agree_seconds(now - previous_end)  # every rank calls it: same count everywhere
-        usable = (
+        measured = (
             self.steps_seen > WARMUP_STEPS + 1
             and iteration == previous_iteration + 1
             and not _interrupted(args, previous_iteration)
         )
-        if usable:
-            data = previous.to_dict()
-            data["seconds"] = seconds
-            self.observations.append(Observation.from_dict(data))
-        if len(self.observations) < _steps(args):
+        if not measured:
             return
+        data = previous.to_dict()
+        data["seconds"] = seconds
+        self.observations.append(Observation.from_dict(data))
+        if len(self.observations) % _steps(args):
+            return  # fit after every round of --dynamic-batch-calibration-steps measured steps
         fit = _agree_fit(fit_cost_model(self.observations))
+        usable, why = self._usable(fit, args)
+        if not usable and len(self.observations) < MAX_CALIBRATION_ROUNDS * _steps(args):
+            # Noisy steps (another job on the machine): measure as many again and fit on all.
+            _log(f"{fit.summary()}; not used yet: {why}; measuring {_steps(args)} more steps")
+            return
         self.fit = fit
         self._restore()  # the next batch plans under the configured budget again
+        self.applied = usable
         self._write(args, fit)  # also when not applied: a resumed run must not calibrate again
-        if fit.separable:
+        if self.applied:
             self._apply(fit)
-            _log(fit.summary())
+            _log(f"{fit.summary()}; planning with it from iteration {iteration + 1}")
         else:
-            # Planning with an arbitrary split of token work and overhead would be a guess: keep
-            # the configured weights, and still show predicted against measured time.
+            # Planning with an arbitrary split of token work and overhead, or with a model that
+            # misses the measured steps by more than the bound, would be a guess: keep the
+            # configured weights, and still show predicted against measured time.
             _log(
-                fit.summary() + "; the steps measured had too similar shapes to separate token "
-                "work from per-micro-batch overhead, so planning keeps the configured cost model "
-                "(run `megatron-dynbatch calibrate` on steps of varied budgets to fit it)"
+                f"{fit.summary()}; not used: {why}, so planning keeps the configured cost model "
+                f"from iteration {iteration + 1}"
             )
 
-    def log_string(self) -> str:
-        """Predicted against measured time of the last iteration (after calibration), for the line.
+    def _usable(self, fit: Calibration, args: Any) -> tuple:
+        """``(True, "")`` when ``fit`` may plan the run, else ``(False, why)``."""
+        if not fit.separable:
+            return False, (
+                "the steps measured had too similar shapes to separate token work from "
+                "per-micro-batch overhead (run `megatron-dynbatch calibrate` on steps of varied "
+                "budgets to fit it)"
+            )
+        bound = _max_error(args)
+        if fit.relative_error > bound:
+            return False, (
+                f"its median error {100 * fit.relative_error:.1f}% is over the "
+                f"{100 * bound:.0f}% bound (--dynamic-batch-calibration-max-error {bound:g}; the "
+                "step times were too noisy; raise the bound or the calibration steps)"
+            )
+        return True, ""
 
-        ``measured`` is this rank's wall clock from the end of the step's planning to this call
-        (the forward-backward pass and the optimizer step; Megatron's ``elapsed time per
-        iteration`` adds its own planning).
+    def timing(self) -> Optional[tuple]:
+        """``(predicted, measured)`` seconds of the last iteration once a fit exists, else None.
+
+        ``measured`` is this rank's wall clock from the end of the step's planning to the first
+        call after it (the forward-backward pass and the optimizer step; Megatron's ``elapsed
+        time per iteration`` adds its own planning); later calls for the same step repeat it.
         """
         if self.fit is None or self.pending is None or self.last_end is None:
+            return None
+        if self._timing is None or self._timing[0] != self.steps_seen:
+            measured = time.perf_counter() - self.last_end
+            self._timing = (self.steps_seen, self.fit.predict(self.pending), measured)
+        return self._timing[1:]
+
+    def log_string(self) -> str:
+        """Predicted against measured time of the last iteration (after calibration), for the line."""
+        timing = self.timing()
+        if timing is None:
             return ""
-        predicted = self.fit.predict(self.pending)
-        measured = time.perf_counter() - self.last_end
+        predicted, measured = timing
         return f" step time predicted/measured (ms): {predicted * 1e3:.1f}/{measured * 1e3:.1f} |"
+
+    def scalars(self) -> Dict[str, float]:
+        """The same figures and the fit's median error, by TensorBoard tag (after calibration)."""
+        timing = self.timing()
+        if timing is None:
+            return {}
+        predicted, measured = timing
+        return {
+            "dynbatch/step time predicted (ms)": predicted * 1e3,
+            "dynbatch/step time measured (ms)": measured * 1e3,
+            "dynbatch/calibration error": float(self.fit.relative_error),
+        }
 
     def _observation_of(self, batch: Any, plan: Any, step_index: int, args: Any) -> Observation:
         """The shapes of one planned step (every DP rank's micro-batches), its time unknown yet."""
@@ -356,9 +495,7 @@ class Calibrator:
         costs more than four of 256.
         """
         if self.attention is None:
-            from .arguments import dynbatch_config_from_args
-
-            self.attention = dynbatch_config_from_args(args).cost_attention
+            self.attention = self._configured(args).cost_attention
         return self.attention
 
     def _apply(self, fit: Calibration) -> None:
@@ -368,7 +505,8 @@ class Calibrator:
             self.overrides["cost_" + name] = getattr(model, name)
 
     def _load_resumed(self, args: Any) -> None:
-        """Reuse the fit a checkpoint directory holds, when this run resumes from one."""
+        """Reuse the fit a checkpoint directory holds, when this run resumes from one and was
+        measured on the same layout, budget and model (else calibrate again, saying why)."""
         load = getattr(args, "load", None)
         resumed = bool(getattr(args, "iteration", 0) or getattr(args, "curr_iteration", 0))
         if not load or not resumed:
@@ -376,23 +514,58 @@ class Calibrator:
         path = os.path.join(load, CALIBRATION_JSON)
         if not os.path.isfile(path):
             return
+        if getattr(args, "dynamic_batch_recalibrate", False):
+            _log(
+                f"dynamic-batch calibration: --dynamic-batch-recalibrate given, so the fit in "
+                f"{path} is not reused; calibrating again"
+            )
+            return
         with open(path, encoding="utf-8") as handle:
             data = json.load(handle)
-        data.pop("steps", None)
+        saved_on = data.pop("measured_on", None)
+        now = measured_on(args, self._configured(args))
+        if saved_on is None:
+            changed = "it holds no record of the layout, budget and model it was measured on"
+        else:
+            changed = ", ".join(
+                f"{_flag(name)} {saved_on.get(name)} -> {value}"
+                for name, value in now.items()
+                if saved_on.get(name) != value
+            )
+            changed = changed and f"it was measured with other settings ({changed})"
+        if changed:
+            _log(f"dynamic-batch calibration in {path} not reused: {changed}; calibrating again")
+            return
+        for key in ("steps", "applied"):
+            data.pop(key, None)
         self.fit = Calibration.from_dict(data)
-        if self.fit.separable:
+        self.applied, why = self._usable(self.fit, args)
+        if self.applied:
             self._apply(self.fit)
-        _log(f"dynamic-batch calibration loaded from {path}: {self.fit.summary()}")
+            _log(f"dynamic-batch calibration loaded from {path}: {self.fit.summary()}")
+        else:
+            _log(
+                f"dynamic-batch calibration loaded from {path}: {self.fit.summary()}; not used: "
+                f"{why}, so planning keeps the configured cost model"
+            )
 
     def _write(self, args: Any, fit: Calibration) -> None:
         directory = _output_dir(args)
         if directory is None or (dist.is_initialized() and dist.get_rank() != 0):
             return
         os.makedirs(directory, exist_ok=True)
-        if fit.separable:
-            with open(os.path.join(directory, CALIBRATION_YAML), "w", encoding="utf-8") as handle:
+        yaml_path = os.path.join(directory, CALIBRATION_YAML)
+        if self.applied:
+            with open(yaml_path, "w", encoding="utf-8") as handle:
                 handle.write(fit.to_yaml())
-        payload = {**fit.to_dict(), "steps": [o.to_dict() for o in self.observations]}
+        elif os.path.isfile(yaml_path):
+            os.remove(yaml_path)  # an older applied fit's: it no longer describes this run
+        payload = {
+            **fit.to_dict(),
+            "applied": self.applied,
+            "measured_on": measured_on(args, self._configured(args)),
+            "steps": [o.to_dict() for o in self.observations],
+        }
         with open(os.path.join(directory, CALIBRATION_JSON), "w", encoding="utf-8") as handle:
             json.dump(payload, handle)
 
@@ -413,12 +586,10 @@ class Calibrator:
         is one step (no ``--rollouts-per-step``), since a batch that spans steps is planned once
         and a resumed run re-plans it.
         """
-        if getattr(args, "rollouts_per_step", None) is not None:
+        configured = self._configured(args)
+        if configured.rollouts_per_step is not None:
             return
         if self.budget is None:
-            from .arguments import dynbatch_config_from_args
-
-            configured = dynbatch_config_from_args(args)
             self.budget = configured.max_tokens_per_gpu
             self.overhead = configured.cost_microbatch_overhead
             self.attention_weight = configured.cost_attention_weight

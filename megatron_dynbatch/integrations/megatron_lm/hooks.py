@@ -197,7 +197,7 @@ class DynamicBatchHooks:
         self.cursor: Optional[_Cursor] = None
         self.last_step: Optional[DynamicStep] = None
         self.totals = _Totals()
-        self.calibration = Calibrator()
+        self.calibration = Calibrator(config)
         self.memory = _step_memory(args, config)
 
     @property
@@ -378,6 +378,7 @@ class DynamicBatchHooks:
             "dynbatch/placeholders": float(step.num_placeholders),
             "dynbatch/truncated tokens": float(step.truncated_tokens),
             "dynbatch/planning seconds": float(step.planning_seconds),
+            **self.calibration.scalars(),
         }
 
 
@@ -544,7 +545,9 @@ def write_dynamic_scalars(iteration: int, writer: Any = None, wandb_writer: Any 
     ``--tensorboard-log-interval`` iterations, on the rank that holds the writers). Tags:
     ``dynbatch/micro-batches per rank``, ``row length``, ``real tokens``, ``computed tokens``,
     ``fill``, ``dp imbalance`` (computed cost, max / mean over DP ranks), ``placeholders``,
-    ``truncated tokens`` and ``planning seconds``.
+    ``truncated tokens`` and ``planning seconds``; after calibration also ``step time predicted
+    (ms)``, ``step time measured (ms)`` (the iteration line's figures) and ``calibration error``
+    (the fit's median relative error).
     """
     scalars = {} if _hooks is None else _hooks.scalars()
     if not scalars:

@@ -233,6 +233,15 @@ def _check_validation_data(args: Any, splits: Optional[list]) -> None:
     )
 
 
+def _tokenizer_eod() -> Optional[int]:
+    """The end-of-document token of the run's tokenizer (built with the arguments), or None."""
+    try:
+        eod = get_tokenizer().eod
+    except (AttributeError, NotImplementedError, AssertionError):
+        return None
+    return eod if isinstance(eod, int) else None
+
+
 def _document_loss(batch, per_token_loss: torch.Tensor):
     """Token mean over ``loss_mask`` as Megatron's 3-tuple, reported as ``lm loss``."""
     numerator, denominator, report = microbatch_loss(
@@ -368,7 +377,8 @@ def main(
     try:
         check_cpu_args(args)
         check_stock_args(args)
-        validate_data_paths(args)  # .idx/.bin checked before the model is built (issue 19)
+        # .idx/.bin checked before the model is built (issue 19), documents' ends too (issue 37)
+        validate_data_paths(args, eod=_tokenizer_eod())
         check_reference_attention_args(args, document_samples=_uses_documents(args))
         splits = None
         if args.blend_weights is not None and (

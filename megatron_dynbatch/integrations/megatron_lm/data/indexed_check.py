@@ -10,11 +10,16 @@ is built, and checks what the ``.idx`` implies about its ``.bin``:
 * the ``.idx`` size equals the one its sequence and document counts imply;
 * sequence pointers follow from the lengths and the dtype (a consistent index);
 * document indices start at 0, never decrease and end at the sequence count;
-* the ``.bin`` size equals the bytes the last sequence ends at.
+* the ``.bin`` size equals the bytes the last sequence ends at;
+* where the data was built with an end-of-document token (the ``.bin``'s last token is the
+  tokenizer's ``eod``), a sample of documents (:data:`DOCUMENT_END_SAMPLES`, spread over the
+  dataset) each end with it where the ``.idx`` says they end: an ``.idx`` of the same documents in
+  another order beside the original ``.bin`` has the right size but cuts documents elsewhere.
 
 Each failure is a :class:`~megatron_dynbatch.errors.DynBatchValueError` naming the file, the
 expected and the actual values, and the fix (rebuild with ``tools/preprocess_data.py`` or our
-``preprocess``). Only the ``.idx`` is read; the ``.bin`` is only measured (``os.stat``).
+``preprocess``). The ``.idx`` is read; of the ``.bin`` only its size and the last token of the
+sampled documents.
 """
 
 from __future__ import annotations
@@ -22,13 +27,24 @@ from __future__ import annotations
 import dataclasses
 import os
 import struct
-from typing import Any, List
+from typing import Any, List, Optional
 
 import numpy
 
 from megatron_dynbatch.errors import DynBatchValueError
 
-__all__ = ["IndexSummary", "check_indexed_prefix", "data_prefixes", "validate_data_paths"]
+__all__ = [
+    "DOCUMENT_END_SAMPLES",
+    "IndexSummary",
+    "check_indexed_prefix",
+    "data_prefixes",
+    "validate_data_paths",
+]
+
+#: Documents whose last token is checked against the end-of-document token at start-up: spread
+#: evenly over the dataset, the first and the last included. Reading one token each costs a page
+#: of the .bin; a shuffled .idx cuts nearly every document elsewhere, so a few dozen suffice.
+DOCUMENT_END_SAMPLES = 64
 
 # The .idx layout Megatron's _IndexWriter writes (megatron/core/datasets/indexed_dataset.py).
 _MAGIC = b"MMIDIDX\x00\x00"
@@ -73,8 +89,13 @@ def _fail(path: str, what: str) -> DynBatchValueError:
     return DynBatchValueError(f"{path}: {what}; {_FIX}.")
 
 
-def check_indexed_prefix(prefix: str) -> IndexSummary:
-    """Check ``prefix.idx`` and the size of ``prefix.bin``.
+def check_indexed_prefix(prefix: str, eod: Optional[int] = None) -> IndexSummary:
+    """Check ``prefix.idx``, the size of ``prefix.bin`` and, given ``eod``, documents' ends.
+
+    Args:
+        prefix: The dataset's path prefix.
+        eod: The tokenizer's end-of-document token; when the ``.bin`` ends with it, sampled
+            documents must end with it too. ``None``: not checked.
 
     Raises:
         DynBatchValueError: A file is missing, or the ``.idx`` is malformed, or the ``.bin`` size
@@ -150,6 +171,8 @@ def check_indexed_prefix(prefix: str) -> IndexSummary:
             f"{num_tokens} {_DTYPE_NAMES[code]} tokens = {num_tokens * itemsize} bytes ({how}: a "
             f"partial copy, or an .idx paired with another dataset's .bin); {_FIX}."
         )
+    if eod is not None and num_tokens:
+        _check_document_ends(bin_path, idx_path, code, lengths, pointers, documents, eod)
     return IndexSummary(
         prefix=prefix,
         dtype=_DTYPE_NAMES[code],
@@ -157,6 +180,30 @@ def check_indexed_prefix(prefix: str) -> IndexSummary:
         num_documents=num_documents,
         num_tokens=num_tokens,
     )
+
+
+def _check_document_ends(bin_path, idx_path, code, lengths, pointers, documents, eod) -> None:
+    """Where the ``.bin`` ends with ``eod`` (built with it), sampled documents must end with it."""
+    tokens = numpy.memmap(bin_path, mode="r", dtype=_DTYPE_NAMES[code])
+    if int(tokens[-1]) != eod:
+        return  # built without end-of-document tokens: nothing marks where documents end
+    itemsize = _DTYPE_SIZES[code]
+    num_documents = len(documents) - 1
+    count = min(DOCUMENT_END_SAMPLES, num_documents)
+    picks = sorted({round(k * (num_documents - 1) / max(count - 1, 1)) for k in range(count)})
+    for document in picks:
+        last = int(documents[document + 1]) - 1  # the document's last sequence
+        if last < int(documents[document]) or int(lengths[last]) == 0:
+            continue  # an empty document has no end to check
+        end = int(pointers[last]) // itemsize + int(lengths[last]) - 1
+        token = int(tokens[end])
+        if token != eod:
+            raise DynBatchValueError(
+                f"{idx_path}: document {document} ends at token {end} of {bin_path} with token "
+                f"{token}, not the end-of-document token {eod} that ends the data: this .idx "
+                "does not describe this .bin (documents in another order, or another dataset's "
+                f"index); {_FIX}."
+            )
 
 
 def data_prefixes(args: Any) -> List[str]:
@@ -175,8 +222,11 @@ def data_prefixes(args: Any) -> List[str]:
     return list(dict.fromkeys(prefixes))
 
 
-def validate_data_paths(args: Any) -> List[IndexSummary]:
+def validate_data_paths(args: Any, eod: Optional[int] = None) -> List[IndexSummary]:
     """Check every indexed dataset of Megatron's data arguments; call before building the model.
+
+    ``eod``: the tokenizer's end-of-document token, to check documents' ends (see
+    :func:`check_indexed_prefix`); ``None`` skips that check.
 
     Returns:
         One summary per prefix (empty for ``--mock-data`` and ``--sft``).
@@ -184,4 +234,4 @@ def validate_data_paths(args: Any) -> List[IndexSummary]:
     Raises:
         DynBatchValueError: The first bad file, named, with the values and the fix.
     """
-    return [check_indexed_prefix(prefix) for prefix in data_prefixes(args)]
+    return [check_indexed_prefix(prefix, eod) for prefix in data_prefixes(args)]

@@ -1,0 +1,75 @@
+"""Start Megatron-LM's GPT pretraining with dynamic batching, from a checkout or an installed wheel.
+
+The one body behind ``launch/pretrain_gpt_dynbatch.py``, ``python -m megatron_dynbatch pretrain``
+and the ``megatron-dynbatch pretrain`` command (each under torchrun). Before anything imports
+``megatron.training`` it makes that import load a tree with our patches applied
+(:func:`~.patched_tree.use_patched_training`), with the patches shipped in the wheel
+(``megatron_dynbatch/integrations/megatron_lm/shipped/``, copied there by ``setup.py``) or, in a
+checkout, the repository's ``patches/`` and ``launch/apply_patches.sh``. Without CUDA it then
+applies the CPU support; with CUDA nothing of it.
+
+Imports only the standard library, torch and our CPU helpers at module level: ``megatron.training``
+must not be imported before :func:`pretrain` has set the patched tree up.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Optional, Sequence, Tuple
+
+from megatron_dynbatch.cpu.core_shim import quiet_missing_gpu_library_warnings
+from megatron_dynbatch.integrations.megatron_lm.patched_tree import (
+    PatchError,
+    use_patched_training,
+)
+
+__all__ = ["SHIPPED", "patch_files", "prepare_megatron", "pretrain"]
+
+#: Where a wheel holds ``patches/*.patch`` and ``launch/{apply_patches,patch_series}.sh``
+#: (setup.py's build step copies them; a checkout has no such folder and uses its own files).
+SHIPPED = pathlib.Path(__file__).resolve().parent / "shipped"
+
+
+def patch_files() -> Tuple[pathlib.Path, pathlib.Path]:
+    """``(patches directory, apply_patches.sh)``: the wheel's copies, else the checkout's."""
+    checkout = pathlib.Path(__file__).resolve().parents[3]
+    for root in (SHIPPED, checkout):
+        script = root / "launch" / "apply_patches.sh"
+        if script.is_file() and any((root / "patches").glob("*.patch")):
+            return root / "patches", script
+    raise PatchError(
+        f"megatron_dynbatch's Megatron-LM patches are missing: neither {SHIPPED} (an installed "
+        f"wheel) nor {checkout}/patches (a checkout) holds them; reinstall the package from a "
+        "wheel built with `pip wheel .` in the repository."
+    )
+
+
+def prepare_megatron() -> None:
+    """Make ``import megatron.training`` load the patched tree; without CUDA, the CPU support.
+
+    Idempotent; must run before anything imports ``megatron.training``.
+    """
+    # Before megatron.core is first imported: its notices that transformer-engine and apex are
+    # missing are issued at import time (ten a rank on CPU; with CUDA they stay).
+    quiet_missing_gpu_library_warnings()
+    use_patched_training(*patch_files())
+
+    from megatron_dynbatch.cpu.training_shim import (
+        apply_training_cpu_shim,
+        skip_helper_compilation_if_prebuilt,
+    )
+
+    apply_training_cpu_shim()  # a no-op where CUDA exists
+    skip_helper_compilation_if_prebuilt()  # the megatron-core wheel ships the helpers
+
+
+def pretrain(argv: Optional[Sequence[str]] = None) -> None:
+    """:func:`prepare_megatron`, then the entry's ``main(argv)`` (Megatron-LM's ``pretrain()``).
+
+    Args:
+        argv: Megatron-LM's GPT arguments plus ours; default ``sys.argv[1:]``.
+    """
+    prepare_megatron()
+    from megatron_dynbatch.integrations.megatron_lm.pretrain_gpt import main
+
+    main(None if argv is None else list(argv))
