@@ -8,6 +8,8 @@ megatron. :mod:`megatron_dynbatch.integrations.megatron_lm.arguments` turns Mega
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import os
 import re
 from dataclasses import dataclass
