@@ -160,7 +160,7 @@ def _shape_and_cap(
     ]:
         problems.append(f"{where}: row_lengths do not match the micro-batches of every rank")
         return problems
-    # Variable rows: a placeholder must reuse a real row's length (no new shape for the step).
+    # Variable rows: the lengths of the real rows, which a placeholder may reuse.
     real_rows = {
         step.row_lengths[q][j]
         for q, other in enumerate(step.ranks)
@@ -186,8 +186,14 @@ def _shape_and_cap(
                             f"{label}: row length {row} is not a multiple of {multiple} between "
                             f"its {footprint} padded tokens and seq_length={s}"
                         )
-                    if not mb and real_rows and row not in real_rows:
-                        problems.append(f"{label}: placeholder row {row} is no real row's length")
+                    # A placeholder runs a real row's length or the shortest row, one multiple
+                    # (shape.variable_rows).
+                    shortest = config.variable_row_multiple
+                    if not mb and real_rows and row not in real_rows and row != shortest:
+                        problems.append(
+                            f"{label}: placeholder row {row} is neither a real row's length nor "
+                            f"the shortest row {shortest}"
+                        )
                 if footprint > cap and len(mb) != 1:
                     problems.append(f"{label}: {footprint} padded tokens exceed the cap {cap}")
             else:
