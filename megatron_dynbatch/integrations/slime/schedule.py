@@ -58,8 +58,8 @@ from megatron_dynbatch.integrations.slime.config import (
     routing_replay,
 )
 from megatron_dynbatch.planning import CostModel, ParallelLayout, Plan, plan_schedule, round_up
+from megatron_dynbatch.planning.forward_only import plan_forward_only
 from megatron_dynbatch.planning.karmarkar_karp import karmarkar_karp
-from megatron_dynbatch.planning.shape import variable_rows as planned_variable_rows
 
 __all__ = [
     "DATA_PAD_SIZE_MULTIPLIER",
@@ -631,9 +631,9 @@ def _forward_only_schedule(
     """The log-prob passes, planned here from every rank's lengths (see :class:`ForwardOnlySchedule`).
 
     Each rank packs its own samples under ``--log-probs-max-tokens-per-gpu`` (no gradient is reduced
-    over DP, so a rank needs no other rank's samples); the counts are then equalised with
-    placeholders. Counts stay multiples of the interleaving group (every rank's is one, so their
-    maximum is one too).
+    over DP, so a rank needs no other rank's samples), all ranks into one count, chosen once for
+    all of them (:func:`megatron_dynbatch.planning.forward_only.plan_forward_only`): a multiple of
+    the interleaving group, and every rank spreads its samples over all of it.
     """
     cp = sizes["cp_size"]
     planner_config = config.planner_config(
@@ -642,38 +642,17 @@ def _forward_only_schedule(
     budget = config.forward_only_max_tokens_per_gpu
     # Once over the global lengths, so an error names the samples by their rollout position.
     check_oversize(lengths, planner_config, forward_only=True)
-    per_rank: List[List[List[int]]] = []
-    rows: List[List[int]] = []
-    for partition in partitions:
-        local = [lengths[i] for i in partition]
-        if not local:
-            per_rank.append([])
-            rows.append([])
-            continue
-        with planner_oversize_reported():
-            [step] = plan_schedule(local, None, None, config=planner_config).steps
-        per_rank.append([list(mb) for mb in step.ranks[0]])
-        if variable:
-            rows.append(_gpu_rows(step.row_lengths[0], cp))
-        else:
-            rows.append([row_length(step.seq_length, cp, pad_size, budget)] * len(per_rank[-1]))
-    count = max(len(rank) for rank in per_rank)
+    plan = plan_forward_only(
+        [[lengths[i] for i in partition] for partition in partitions], planner_config
+    )
     if variable:
-        # Placeholders topping a rank up run the shortest row (see shape.variable_rows).
-        filler = _gpu_rows(
-            planned_variable_rows(
-                [0], planner_config.variable_row_multiple, planner_config.token_cap
-            ),
-            cp,
-        )[0]
+        rows = [_gpu_rows(rank_rows, cp) for rank_rows in plan.row_lengths]
     else:
         # Uniform rows: one row length on every rank, the same shapes everywhere.
-        filler = max(r for rank in rows for r in rank)
-        rows = [[filler] * len(rank) for rank in rows]
-    for rank, rank_rows in zip(per_rank, rows, strict=True):
-        rank_rows.extend(filler for _ in range(count - len(rank)))
-        rank.extend([] for _ in range(count - len(rank)))
-    return ForwardOnlySchedule(micro_batch_indices=per_rank, row_lengths=rows)
+        longest = max(rank_rows[0] for rank_rows in plan.row_lengths)
+        row = row_length(longest, cp, pad_size, budget)
+        rows = [[row] * len(rank_rows) for rank_rows in plan.row_lengths]
+    return ForwardOnlySchedule(micro_batch_indices=plan.micro_batches, row_lengths=rows)
 
 
 def _dynamic_schedule(
