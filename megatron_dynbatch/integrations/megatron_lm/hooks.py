@@ -68,10 +68,10 @@ from megatron_dynbatch.config import DynBatchConfig
 from megatron_dynbatch.errors import DynBatchRuntimeError, DynBatchValueError
 from megatron_dynbatch.integrations.megatron_lm.arguments import (
     VARIABLE_ROW_MULTIPLE,
-    VARIABLE_SEQ_LENGTHS_DEST,
     dynbatch_config_from_args,
     parallel_layout_from_args,
     validate_dynamic_batch_args,
+    variable_seq_lengths,
 )
 from megatron_dynbatch.integrations.megatron_lm.calibration import Calibrator
 from megatron_dynbatch.mcore.agreement import (
@@ -188,11 +188,16 @@ class DynamicBatchHooks:
         self.last_step: Optional[DynamicStep] = None
         self.totals = _Totals()
         self.calibration = Calibrator()
+        self._variable_rows: Optional[bool] = None
 
     @property
     def variable_rows(self) -> bool:
-        """``--variable-seq-lengths``: every micro-batch its own row, shapes exchanged."""
-        return bool(getattr(self.args, VARIABLE_SEQ_LENGTHS_DEST, False))
+        """Every micro-batch its own row, shapes exchanged: ``--[no-]variable-seq-lengths``, by
+        default on with NCCL (:func:`.arguments.variable_seq_lengths`)."""
+        if self._variable_rows is None:
+            backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None
+            self._variable_rows = variable_seq_lengths(self.args, backend, self.config.layout)
+        return self._variable_rows
 
     def planner(self, layout: ParallelLayout, *, forward_only: bool) -> PlannerConfig:
         """The planner config of ``layout`` (training, or forward-only under the log-prob budget)."""
