@@ -2,16 +2,19 @@
 ranks, each rank's samples spread over it, under the cap; against the per-rank plans it replaces
 (each rank planned alone, the counts topped up with placeholders), never a slower pass."""
 
+import dataclasses
 import random
 import statistics
+import types
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from megatron_dynbatch.adapters.slime import build_dp_schedule
 from megatron_dynbatch.planning import CostModel, ParallelLayout, PlannerConfig, plan_schedule
 from megatron_dynbatch.planning.cost import microbatch_cost
-from megatron_dynbatch.planning.forward_only import plan_forward_only
+from megatron_dynbatch.planning.forward_only import fewest_forward_only_count, plan_forward_only
 from megatron_dynbatch.planning.shape import variable_rows
 from megatron_dynbatch.planning.simulate import _schedule_table
 
@@ -154,3 +157,45 @@ def test_every_sample_once_equal_counts_and_the_cap(rank_lengths, pp, vpp, varia
     config = _config(4096, pp, vpp if pp > 1 else 1, variable, tp)
     plan = plan_forward_only(rank_lengths, config)
     _check(rank_lengths, config, plan.micro_batches, plan.row_lengths)
+
+
+def _slime_args(budget, log_budget=None):
+    return types.SimpleNamespace(
+        use_dynamic_batch_size=True,
+        max_tokens_per_gpu=budget,
+        log_probs_max_tokens_per_gpu=log_budget,
+        micro_batch_size=1,
+        balance_data=False,
+        balance_by_flops=False,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=2,
+        data_pad_size_multiplier=None,
+        oversize_samples="allow",
+    )
+
+
+def test_slime_reuses_the_training_micro_batches_only_when_no_pass_can_have_fewer():
+    rng = random.Random(1)
+    lengths = [rng.randint(100, 4096) for _ in range(64)]
+    train = {"dp_size": 4, "cp_size": 1, "vpp_size": 1, "microbatch_group_size_per_vp_stage": 2}
+    ids = list(range(len(lengths)))
+    one_step = build_dp_schedule(
+        _slime_args(4096), train, lengths, global_batch_size=64, rollout_indices=ids
+    )
+    per_rank = [
+        [[one_step.partitions[r][j] for j in mb] for mb in one_step.micro_batch_indices[r]]
+        for r in range(4)
+    ]
+    rank_lengths = [[lengths[i] for i in part] for part in one_step.partitions]
+    config = _config(4096, 2, 1, True)
+    fewest = fewest_forward_only_count(rank_lengths, dataclasses.replace(config, row_multiple=128))
+    reused = one_step.forward_only.micro_batch_indices == one_step.micro_batch_indices
+    assert reused == (len(per_rank[0]) == fewest)
+    assert reused  # this step packs into the fewest count: the branch is exercised
+    # A smaller log-prob budget: planned afresh under it.
+    smaller = build_dp_schedule(
+        _slime_args(4096, 1500), train, lengths, global_batch_size=64, rollout_indices=ids
+    )
+    for r, rank in enumerate(smaller.forward_only.micro_batch_indices):
+        for mb in rank:
+            assert len(mb) == 1 or sum(lengths[smaller.partitions[r][j]] for j in mb) <= 1500

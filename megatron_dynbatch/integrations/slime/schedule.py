@@ -58,7 +58,7 @@ from megatron_dynbatch.integrations.slime.config import (
     routing_replay,
 )
 from megatron_dynbatch.planning import CostModel, ParallelLayout, Plan, plan_schedule, round_up
-from megatron_dynbatch.planning.forward_only import plan_forward_only
+from megatron_dynbatch.planning.forward_only import fewest_forward_only_count, plan_forward_only
 from megatron_dynbatch.planning.karmarkar_karp import karmarkar_karp
 
 __all__ = [
@@ -627,13 +627,17 @@ def _forward_only_schedule(
     partitions: List[List[int]],
     pad_size: int,
     variable: bool,
+    training: Optional[Tuple[List[List[List[int]]], List[List[int]]]] = None,
 ) -> ForwardOnlySchedule:
     """The log-prob passes, planned here from every rank's lengths (see :class:`ForwardOnlySchedule`).
 
     Each rank packs its own samples under ``--log-probs-max-tokens-per-gpu`` (no gradient is reduced
     over DP, so a rank needs no other rank's samples), all ranks into one count, chosen once for
     all of them (:func:`megatron_dynbatch.planning.forward_only.plan_forward_only`): a multiple of
-    the interleaving group, and every rank spreads its samples over all of it.
+    the interleaving group, and every rank spreads its samples over all of it. Where the training
+    micro-batches (``training``: every rank's local micro-batches and rows, all steps) already
+    are that few under the same budget, with rows of their own, they are the log-prob passes'
+    too: no packing can do with fewer, and the rollout side packs nothing twice.
     """
     cp = sizes["cp_size"]
     planner_config = config.planner_config(
@@ -642,9 +646,18 @@ def _forward_only_schedule(
     budget = config.forward_only_max_tokens_per_gpu
     # Once over the global lengths, so an error names the samples by their rollout position.
     check_oversize(lengths, planner_config, forward_only=True)
-    plan = plan_forward_only(
-        [[lengths[i] for i in partition] for partition in partitions], planner_config
-    )
+    rank_lengths = [[lengths[i] for i in partition] for partition in partitions]
+    if (
+        training is not None
+        and variable
+        and budget == config.max_tokens_per_gpu
+        and len(training[0][0]) == fewest_forward_only_count(rank_lengths, planner_config)
+    ):
+        return ForwardOnlySchedule(
+            micro_batch_indices=[list(map(list, rank)) for rank in training[0]],
+            row_lengths=[list(rows) for rows in training[1]],
+        )
+    plan = plan_forward_only(rank_lengths, planner_config)
     if variable:
         rows = [_gpu_rows(rank_rows, cp) for rank_rows in plan.row_lengths]
     else:
@@ -713,7 +726,15 @@ def _dynamic_schedule(
         forward_only=(
             None
             if routing_replay(args)
-            else _forward_only_schedule(config, sizes, lengths, partitions, pad_size, variable)
+            else _forward_only_schedule(
+                config,
+                sizes,
+                lengths,
+                partitions,
+                pad_size,
+                variable,
+                training=(micro_batch_indices, row_lengths),
+            )
         ),
         row_lengths=row_lengths,
     )
