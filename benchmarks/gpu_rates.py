@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 from benchmarks.gpu_regime import MODELS, Assumptions, cases, true_cost
 
-__all__ = ["measure"]
+__all__ = ["measure", "with_weights"]
 
 TOKENS = 8192
 LENGTHS = (4096, 8192, 16384)
@@ -109,6 +109,12 @@ def measure(cpu: bool = False, repeats: int = 10) -> Dict[str, Any]:
         del weights, inputs
         if not cpu:
             torch.cuda.empty_cache()
+    return with_weights(result)
+
+
+def with_weights(result: Dict[str, Any]) -> Dict[str, Any]:
+    """``result`` (``device``, ``measured`` per model) with the rates and per-model weights
+    ``gpu_regime --weights`` reads filled in."""
     measured = result["measured"]
     result["linear_tflops"] = min(m["linear_tflops"] for m in measured.values())
     result["attention_tflops"] = min(m["attention_tflops"] for m in measured.values())
@@ -137,8 +143,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out", default=None, help="write the JSON here (default: print it)")
     parser.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU (a smoke run)")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument(
+        "--measured",
+        default=None,
+        help="build the weights from a JSON of measured rates ({device, measured}) instead",
+    )
     args = parser.parse_args(argv)
-    result = measure(cpu=args.cpu, repeats=args.repeats)
+    if args.measured:
+        with open(args.measured) as handle:
+            result = with_weights(json.load(handle))
+    else:
+        result = measure(cpu=args.cpu, repeats=args.repeats)
     text = json.dumps(result, indent=1, sort_keys=True)
     if args.out:
         with open(args.out, "w") as handle:

@@ -59,6 +59,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 import types
 import warnings
@@ -437,13 +438,15 @@ def _load_weights(path: Optional[str]) -> Tuple[Assumptions, Optional[Dict[str, 
 
 def assumption_lines(assumed: Assumptions, weights: Optional[Dict[str, Any]]) -> List[str]:
     """What the true cost assumes, and each model's resulting weights."""
+    source = "Assumed (H100 SXM, bf16)"
+    if weights:
+        source = f"Measured on {weights.get('device', 'a GPU')} (bf16; the rest assumed)"
     lines = [
-        f"Assumed (H100 SXM, bf16): linear GEMMs at {assumed.linear_tflops:g} TFLOP/s, "
-        f"attention at {assumed.attention_tflops:g} TFLOP/s, a fixed "
+        f"{source}: linear GEMMs at {assumed.linear_tflops:.0f} TFLOP/s, "
+        f"attention at {assumed.attention_tflops:.0f} TFLOP/s, a fixed "
         f"{assumed.microbatch_overhead_ms:g} ms per micro-batch and stage (forward; backward 2x), "
         f"pipeline p2p {assumed.p2p_latency_us:g} us latency and "
-        f"{assumed.p2p_gbytes_per_s:g} GB/s."
-        + (" Weights from the file given." if weights else ""),
+        f"{assumed.p2p_gbytes_per_s:g} GB/s.",
         "",
         "| model | tp x pp | linear us/token | attention ns/L^2 | overhead ms/micro-batch | "
         "attention = linear at L |",
@@ -535,11 +538,16 @@ DOCS_INTRO = (
 )
 
 
-def docs_section(weights_path: Optional[str] = None, seed: int = 0) -> List[str]:
-    """The section of ``docs/benchmarks.md`` (what ``--markdown`` prints, with its heading)."""
-    assumed, weights = _load_weights(weights_path)
+#: Rates a GPU measured (``python -m benchmarks.gpu_rates``), shown beside the assumed ones.
+MEASURED_WEIGHTS = "docs/gpu_weights.json"
+
+
+def docs_section(seed: int = 0) -> List[str]:
+    """The section of ``docs/benchmarks.md``: the assumed rates' tables (what ``--markdown``
+    prints), then, where :data:`MEASURED_WEIGHTS` exists, the step table at a GPU's rates."""
+    assumed, weights = _load_weights(None)
     results = [run_case(case, assumed, weights) for case in cases(seed)]
-    return [
+    lines = [
         "## GPU regime on paper (`python -m benchmarks.gpu_regime --markdown`)",
         "",
         DOCS_INTRO,
@@ -550,6 +558,36 @@ def docs_section(weights_path: Optional[str] = None, seed: int = 0) -> List[str]
         "",
         *summary_lines(results),
     ]
+    if os.path.exists(MEASURED_WEIGHTS):
+        assumed, weights = _load_weights(MEASURED_WEIGHTS)
+        results = [run_case(case, assumed, weights) for case in cases(seed)]
+        lines += [
+            "",
+            f"### At rates a GPU measured (`--weights {MEASURED_WEIGHTS}`)",
+            "",
+            "`python -m benchmarks.gpu_rates` timed each model's tensor-parallel shard: one "
+            "layer's GEMMs on 8,192 tokens and causal `scaled_dot_product_attention` at 16,384 "
+            "tokens (forward, bf16); the per-micro-batch overhead and p2p stay assumed. Attention "
+            "by length (TFLOP/s): "
+            + "; ".join(
+                f"{name} "
+                + ", ".join(
+                    f"{int(length):,}: {rate:.0f}"
+                    for length, rate in sorted(
+                        m["attention_tflops_by_length"].items(), key=lambda kv: int(kv[0])
+                    )
+                )
+                for name, m in weights.get("measured", {}).items()
+            )
+            + " (shorter segments run slower per FLOP than the one weight the model has).",
+            "",
+            *assumption_lines(assumed, weights),
+            "",
+            *markdown_lines(results)[: len(results) + 2],
+            "",
+            *summary_lines(results),
+        ]
+    return lines
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
