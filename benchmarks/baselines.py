@@ -401,6 +401,7 @@ def verl_kk(
     token_cap: int,
     microbatch_multiple: int = 1,
     rollout_ids: Optional[Sequence[Hashable]] = None,
+    keep_cap: bool = False,
 ) -> BaselineSchedule:
     """verl's dynamic batch size with Megatron: workload-balanced partitions at two levels.
 
@@ -421,6 +422,8 @@ def verl_kk(
     exceed ``max_token_len`` (the metrics report them as over the cap).
 
     ``rollout_ids`` are ignored (verl's PrefixGrouper group balancing is a separate mode).
+    ``keep_cap``: verl kept within the cap, as a user would make it: the count grows (by the
+    multiple) until no micro-batch of several samples exceeds ``max_token_len`` (not verl's code).
 
     Raises:
         BaselineFailure: the sample count is not a multiple of dp (``DataProto.chunk`` asserts; its
@@ -451,20 +454,35 @@ def verl_kk(
     ]
     num_microbatches = max(counts)  # the all-reduce MAX over the DP group
     num_microbatches = round_up(num_microbatches, microbatch_multiple)
-    ranks: Ranks = []
-    for part in rank_samples:
-        if num_microbatches > len(part):
+    while True:
+        smallest = min(len(part) for part in rank_samples)
+        if num_microbatches > smallest:
             raise BaselineFailure(
                 name,
                 f"{num_microbatches} micro-batches (after MAX over ranks and rounding to "
-                f"{microbatch_multiple}) > {len(part)} samples on a rank.",
+                f"{microbatch_multiple}) > {smallest} samples on a rank.",
             )
+        ranks = _verl_micro_batches(name, rank_samples, workloads, num_microbatches)
+        over = any(
+            len(mb) > 1 and sum(lengths[i] for i in mb) > token_cap for rank in ranks for mb in rank
+        )
+        if not (keep_cap and over):
+            return BaselineSchedule(ranks, baseline=name + ("_capped" if keep_cap else ""))
+        num_microbatches += microbatch_multiple
+
+
+def _verl_micro_batches(
+    name: str, rank_samples: List[List[int]], workloads: Sequence[int], num_microbatches: int
+) -> Ranks:
+    """verl's per-rank step: Karmarkar-Karp into ``num_microbatches``, re-laid light-heavy-light."""
+    ranks: Ranks = []
+    for part in rank_samples:
         local_workloads = [workloads[i] for i in part]
         local = _checked_partitions(name, local_workloads, num_microbatches, equal_size=False)
         local.sort(key=lambda mb: (sum(local_workloads[i] for i in mb), mb[0]), reverse=True)
         local = local[::2][::-1] + local[1::2]
         ranks.append([[part[i] for i in mb] for mb in local])
-    return BaselineSchedule(ranks, baseline=name)
+    return ranks
 
 
 # --------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import platform
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
+from benchmarks import gpu_regime
 from benchmarks.baselines import BASELINES
 from benchmarks.bench_compare import (
     CASE_LAYOUTS,
@@ -183,7 +184,7 @@ def search_lines(result: Dict[str, Any]) -> List[str]:
     return lines
 
 
-def write_markdown(path: pathlib.Path, cases, speed, searched) -> None:
+def write_markdown(path: pathlib.Path, cases, speed, searched, gpu=()) -> None:
     headline = next(
         c for c in cases if c["mix"] == HEADLINE_MIX and c["layout"] == HEADLINE_LAYOUT.name
     )
@@ -221,6 +222,8 @@ def write_markdown(path: pathlib.Path, cases, speed, searched) -> None:
         "## Random-workload search (`python -m benchmarks.search`)",
         "",
         *search_lines(searched),
+        "",
+        *gpu,
         "",
         "## Planning speed and memory (`python -m benchmarks.bench_planner`)",
         "",
@@ -273,7 +276,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     cases = [run_case(mix, layout, seed=SEED) for mix in MIXES for layout in CASE_LAYOUTS]
     searched = search(args.cases, SEED)
     speed = (speed_table(), cap_memory(), versus_verl())
-    write_markdown(out / "benchmarks.md", cases, speed, searched)
+    gpu = gpu_regime.docs_section()
+    write_markdown(out / "benchmarks.md", cases, speed, searched, gpu)
     write_picture(out / "step.png")
     print(f"wrote {out / 'benchmarks.md'} and {out / 'step.png'}")
     return 0

@@ -18,7 +18,11 @@ of them packed besides the fewest, and per packing at most ``_SIMULATED_RANKS`` 
 second construction, ranks first (:meth:`_PackedSearch._ranks_first`), is scored too. With B > 1
 rows each B adds at most two packings (its fewest count and one sample a row), each only when a
 floor on its step time (:func:`_rows_floors`) beats the fastest so far; the ``_MAX_EVALUATIONS`` further
-counts are shared by all B.
+counts are shared by all B. With variable rows under a pipeline, counts above the fewest are
+scored too, up to one sample a micro-batch, even where a sample fills the cap
+(:func:`_finer_splits`): rows shrink with their loads, so more micro-batches shrink the bubble for
+little more work; a large step searches a proxy of :data:`_FINER_LIMIT` samples and packs one count
+more.
 
 Layouts:
 
@@ -74,6 +78,15 @@ _TIE = 1e-9
 #: slower by more than this: a placeholder row costs a hair more than a real row of the same
 #: length in the model (its padding tail attends as one segment), far inside the model's error.
 _SPREAD_TOLERANCE = 1e-3
+#: Variable rows: counts above the bound-ordered search's, spread over the range up to one
+#: sample a micro-batch, scored first (:func:`_finer_splits`) ...
+_FINER_SPREAD = 6
+#: ... and packings of finer splits in all, the fastest's neighbours included.
+_FINER_EVALUATIONS = 10
+#: ... on steps of at most this many samples; a larger step searches a proxy of this size.
+_FINER_LIMIT = 512
+#: Two spread picks in a row slower than the fastest by more than this end the spread.
+_FINER_GIVE_UP = 0.03
 #: Rows per packed micro-batch searched besides 1, at most: every B from 2 up to 8, then spread
 #: geometrically up to ``cap // longest sample`` (fixed micro-batch sizes are small).
 _MAX_ROW_COUNTS = 8
@@ -256,6 +269,8 @@ def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
         if shape is not None and shape.step_time < fastest * (1.0 - _TIE):
             scored[(m, rows)] = shape
             fastest = shape.step_time
+    if problem.row_multiple is not None and problem.layout == "packed":
+        _finer_splits(problem, searches[0], scored)
     best = _pick(scored, problem.min_gain)
     # The second construction is dearer: only for the winning count (and the fewest), one row.
     for search in searches:
@@ -269,6 +284,101 @@ def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
             if known is None or shape.step_time < known.step_time * (1.0 - _TIE):
                 scored[(m, 1)] = shape
     return _pick(scored, problem.min_gain), min(s.min_per_rank for s in searches)
+
+
+def _finer_splits(
+    problem: StepProblem, search: "_Search", scored: Dict[Tuple[int, int], StepShape]
+) -> None:
+    """Variable rows under a pipeline: score counts above those the bound-ordered search reached.
+
+    With rows of their own length, more micro-batches cost little more work (each row shrinks
+    with its load; only the per-micro-batch overhead grows), while the pipeline's warm-up and
+    cool-down run shorter micro-batches: the bubble shrinks. The lower bound cannot see that (it
+    rises with M), and where a sample fills the cap the candidates used to stop at the fewest
+    count (S cannot drop below the longest sample, but most rows can). Every candidate packs
+    under the same hard cap; the simulated step decides.
+
+    The step time is not monotone in M (how the long samples fall into the interleaving groups
+    matters), so a spread of :data:`_FINER_SPREAD` counts up to one sample a micro-batch is
+    scored, then the fastest's neighbours while they improve, :data:`_FINER_EVALUATIONS`
+    packings in all. A step of more than :data:`_FINER_LIMIT` samples searches a proxy instead:
+    every ``k``-th sample by size on ``dp / k`` ranks (the same samples per rank, the same length
+    mix), and scores on the whole step only the count the proxy prefers, so a large step pays one
+    packing more.
+    """
+    if problem.parallel.pp_size == 1 or not search.arrival:
+        return  # no pipeline, no bubble: the fewest rows win
+    n = len(problem.items)
+    if n <= _FINER_LIMIT:
+        _finer_search(search, scored)
+        return
+    stride = ceil_div(n, _FINER_LIMIT)
+    dp = problem.parallel.dp_size
+    if dp < 2 * stride:
+        return  # too few ranks to keep whole ranks in the proxy
+    by_size = sorted(problem.items, key=lambda i: (-problem.sizes[i], i))
+    proxy = dataclasses.replace(
+        problem,
+        items=sorted(by_size[::stride]),
+        parallel=dataclasses.replace(problem.parallel, dp_size=dp // stride),
+    )
+    proxy_search = _PackedSearch(proxy)
+    proxy_scored = {
+        (proxy_search.min_per_rank, 1): proxy_search.evaluate(proxy_search.min_per_rank)
+    }
+    _finer_search(proxy_search, proxy_scored)
+    chosen = _pick(proxy_scored, problem.min_gain).per_rank
+    m = search.min_per_rank + chosen - proxy_search.min_per_rank
+    if (
+        chosen > proxy_search.min_per_rank
+        and (m, 1) not in scored
+        and m in search.finer_counts(all_counts=True)
+    ):
+        shape = search.evaluate(m)
+        if shape is not None:
+            scored[(m, 1)] = shape
+
+
+def _finer_search(search: "_Search", scored: Dict[Tuple[int, int], StepShape]) -> None:
+    """:func:`_finer_splits` on a step small enough to pack every count it scores."""
+    counts = [m for m in search.finer_counts() if (m, 1) not in scored]
+    if not counts:
+        return
+    spread = min(_FINER_SPREAD, len(counts))
+    picks = sorted(
+        {counts[round(k * (len(counts) - 1) / max(1, spread - 1))] for k in range(spread)}
+    )
+    budget = _FINER_EVALUATIONS
+    fastest = min(shape.step_time for (m, rows), shape in scored.items() if rows == 1)
+    behind = 0
+    for m in picks:
+        shape = search.evaluate(m)
+        budget -= 1
+        if shape is not None:
+            scored[(m, 1)] = shape
+            fastest = min(fastest, shape.step_time)
+        # Two picks in a row well behind the fastest: the split has passed its best.
+        slow = shape is None or shape.step_time > fastest * (1.0 + _FINER_GIVE_UP)
+        behind = behind + 1 if slow else 0
+        if behind == 2:
+            break
+    # From the fastest count, its unscored neighbours, while one of them is the fastest.
+    ladder = sorted(set(counts) | {m for m, rows in scored if rows == 1})
+    while budget > 0:
+        best = min((shape.step_time, m) for (m, rows), shape in scored.items() if rows == 1)[1]
+        i = ladder.index(best)
+        fresh = [
+            ladder[j]
+            for j in (i - 1, i + 1)
+            if 0 <= j < len(ladder) and (ladder[j], 1) not in scored
+        ]
+        if not fresh:
+            break
+        for m in fresh[:budget]:
+            shape = search.evaluate(m)
+            budget -= 1
+            if shape is not None:
+                scored[(m, 1)] = shape
 
 
 def _pick(scored: Dict[Tuple[int, int], StepShape], min_gain: float) -> StepShape:
@@ -677,6 +787,18 @@ class _PackedSearch(_Search):
                 break
             last = nxt
         return _candidate_counts(first, last, self.microbatch_multiple)
+
+    def finer_counts(self, all_counts: bool = False) -> List[int]:
+        """Variable rows: the counts from the fewest up to one sample a micro-batch (spread
+        geometrically when many, unless ``all_counts``), each a multiple Megatron accepts."""
+        first = self.min_per_rank
+        multiple = self.microbatch_multiple
+        # The most micro-batches per rank that still give each at least one sample.
+        most = (len(self.arrival) + len(self.oversize)) // (self.dp * self.rows)
+        last = first + max(0, (most - first) // multiple) * multiple
+        if all_counts:
+            return list(range(first, last + 1, multiple))
+        return _candidate_counts(first, last, multiple)
 
     def one_per_row(self) -> int:
         """The fewest micro-batches per rank that give every sample a row of its own: fixed

@@ -56,8 +56,9 @@ def _add_layout_args(parser: argparse.ArgumentParser, *, cap_default: Optional[i
     parser.add_argument(
         "--cost-attention-weight",
         type=float,
-        default=0.0,
-        help="weight of a segment's squared length (attention), per unit of a token's linear work",
+        default=None,
+        help="weight of a segment's squared length (attention), per unit of a token's linear "
+        "work (default: the model's FLOPs ratio with plan's model flags, else 0)",
     )
     parser.add_argument(
         "--cost-response-weight", type=float, default=0.0, help="weight of response tokens"
@@ -140,6 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--json", action="store_true", help="print exactly one JSON object")
     add_model_args(plan)
+    plan.add_argument(
+        "--variable-seq-lengths",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="every micro-batch its own row, rounded up to 64 tokens, as the Megatron-LM entry "
+        "runs on NCCL (default: on with the model flags, which plan what the entry runs on a "
+        "GPU; off without them)",
+    )
     plan.add_argument(
         "--plot", default=None, metavar="FILE.png", help="draw the first step to a PNG"
     )
@@ -267,11 +276,36 @@ def _planner_config(args, *, rollouts_per_step=None, memory=None):
         tp_size=args.tp_size,
         cp_size=args.cp_size,
     )
-    config = config_from_mapping(
-        {field: getattr(args, field) for field in CLI_FIELDS},
-        fixed={"rollouts_per_step": rollouts_per_step},
+    values = {field: getattr(args, field) for field in CLI_FIELDS}
+    variable = None
+    if getattr(args, "num_layers", None) is not None:
+        # Megatron's model flags: the first plan the Megatron-LM entry runs on a GPU, with the
+        # model's attention weight and (unless --no-variable-seq-lengths) its own rows.
+        from megatron_dynbatch.integrations.megatron_lm.arguments import (
+            VARIABLE_ROW_MULTIPLE,
+            attention_weight_from_args,
+        )
+
+        missing = [f for f in ("hidden_size", "num_attention_heads") if getattr(args, f) is None]
+        if missing:
+            named = ", ".join("--" + m.replace("_", "-") for m in missing)
+            raise DynBatchValueError(
+                f"--num-layers given without {named}; the cost model needs the model's shape."
+            )
+        args.group_query_attention = args.num_query_groups is not None
+        if values["cost_attention_weight"] is None:
+            values["cost_attention_weight"] = attention_weight_from_args(args)
+        variable = VARIABLE_ROW_MULTIPLE if args.variable_seq_lengths is not False else None
+    elif getattr(args, "variable_seq_lengths", None):
+        from megatron_dynbatch.integrations.megatron_lm.arguments import VARIABLE_ROW_MULTIPLE
+
+        variable = VARIABLE_ROW_MULTIPLE
+    config = config_from_mapping(values, fixed={"rollouts_per_step": rollouts_per_step})
+    return config.planner_config(
+        parallel,
+        row_multiple=variable,
+        memory=memory(config, parallel) if memory else None,
     )
-    return config.planner_config(parallel, memory=memory(config, parallel) if memory else None)
 
 
 def _memory_limit(args):

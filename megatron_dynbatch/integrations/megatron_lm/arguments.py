@@ -44,9 +44,11 @@ from megatron_dynbatch.planning.spec import (
 
 __all__ = [
     "add_dynamic_batch_args",
+    "attention_weight_from_args",
     "dynbatch_config_from_args",
     "parallel_layout_from_args",
     "validate_dynamic_batch_args",
+    "variable_seq_lengths",
 ]
 
 # argparse destination of every config field (the flag without its dashes, Megatron-style).
@@ -245,10 +247,13 @@ def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.Argument
     group.add_argument(
         "--variable-seq-lengths",
         dest=VARIABLE_SEQ_LENGTHS_DEST,
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="Each micro-batch runs its own row length (its samples rounded up to 64 tokens) "
         "instead of the step's longest; megatron.core then exchanges every micro-batch's shape "
-        "before its pipeline send (variable_seq_lengths). Without it rows are uniform.",
+        "before its pipeline send (variable_seq_lengths). Default: on where the exchange costs "
+        "microseconds (NCCL, CUDA), with uniform rows kept where the cost model says they win; "
+        "off on gloo (CPU), where it costs about a millisecond a micro-batch.",
     )
     group.add_argument(
         "--dynamic-batch-config",
@@ -357,11 +362,39 @@ def _per_row_aux_loss(args: Any) -> bool:
     return "seq_aux_loss" in kinds
 
 
+def variable_seq_lengths(args: Any, backend: Optional[str], layout: str) -> bool:
+    """Whether every micro-batch runs its own row: ``--[no-]variable-seq-lengths`` when given,
+    else on where the process group's ``backend`` is NCCL (a shape exchange costs microseconds
+    against milliseconds of compute), off elsewhere (gloo on CPU: about a millisecond a
+    micro-batch, ``benchmarks/bench_shape_exchange.py``). Variable rows need the packed layout."""
+    given = getattr(args, VARIABLE_SEQ_LENGTHS_DEST, None)
+    if given is not None:
+        return bool(given)
+    return backend == "nccl" and layout == "packed"
+
+
+def attention_weight_from_args(args: Any) -> Optional[float]:
+    """The attention weight of the model Megatron's arguments describe, relative to a token's
+    linear work (:func:`megatron_dynbatch.planning.model_cost.cost_model_from_dims`: their FLOPs
+    ratio, as slime's drop-in derives it), or ``None`` without the model's dimensions."""
+    if not all(
+        getattr(args, name, None) for name in ("num_layers", "hidden_size", "num_attention_heads")
+    ):
+        return None
+    from megatron_dynbatch.planning.model_cost import cost_model_from_dims
+
+    from .model_args import model_dims_from_args
+
+    return cost_model_from_dims(model_dims_from_args(args, ParallelLayout())).attention_weight
+
+
 def dynbatch_config_from_args(args: Any) -> DynBatchConfig:
     """The :class:`DynBatchConfig` of the arguments: flags given, over the YAML, over defaults.
 
     With MoE's ``seq_aux_loss`` the layout defaults to ``padded``: the loss takes each row for one
-    sequence, and a padded row holds one sample (a packed row holds several).
+    sequence, and a padded row holds one sample (a packed row holds several). Without an attention
+    weight the first plans use the model's own (:func:`attention_weight_from_args`); calibration
+    then refits every weight from measured iterations.
     """
     values: Dict[str, Any] = {}
     config_path = getattr(args, "dynamic_batch_config", None)
@@ -372,6 +405,10 @@ def dynbatch_config_from_args(args: Any) -> DynBatchConfig:
         # Only a memory budget: no token cap of its own; the planner's cap is the longest row
         # the memory budget allows (PlannerConfig.token_cap), re-derived as calibration refits.
         values["max_tokens_per_gpu"] = MAX_TOKENS // _layout_size(args, "context_parallel_size")
+    if values.get("cost_attention_weight") is None:
+        weight = attention_weight_from_args(args)
+        if weight is not None:
+            values["cost_attention_weight"] = weight
     if values.get("layout") is None and _per_row_aux_loss(args):
         values["layout"] = "padded"
     if values.get("cost_attention") is None:
@@ -405,7 +442,7 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
     _check_one_data_source(args)
     given = _given(args)
     config_path = getattr(args, "dynamic_batch_config", None)
-    variable = bool(getattr(args, VARIABLE_SEQ_LENGTHS_DEST, False))
+    variable = getattr(args, VARIABLE_SEQ_LENGTHS_DEST, None) is not None
     if not getattr(args, "use_dynamic_batch_size", False):
         stray = [FLAGS[field] for field in given]
         if config_path is not None:
@@ -427,7 +464,7 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
             f"a packed row holds several samples; pass {FLAGS['layout']} padded (one sample a "
             "row, the default with seq_aux_loss) or another load-balancing type."
         )
-    if variable and config.layout != "packed":
+    if getattr(args, VARIABLE_SEQ_LENGTHS_DEST, None) and config.layout != "packed":
         raise DynBatchValueError(
             f"--variable-seq-lengths needs {FLAGS['layout']} packed (padded [B, S] rows all have "
             "the longest sample's length); drop one of them."

@@ -69,10 +69,10 @@ from megatron_dynbatch.config import DynBatchConfig
 from megatron_dynbatch.errors import DynBatchRuntimeError, DynBatchValueError
 from megatron_dynbatch.integrations.megatron_lm.arguments import (
     VARIABLE_ROW_MULTIPLE,
-    VARIABLE_SEQ_LENGTHS_DEST,
     dynbatch_config_from_args,
     parallel_layout_from_args,
     validate_dynamic_batch_args,
+    variable_seq_lengths,
 )
 from megatron_dynbatch.integrations.megatron_lm.calibration import Calibrator
 from megatron_dynbatch.integrations.megatron_lm.memory import (
@@ -199,11 +199,16 @@ class DynamicBatchHooks:
         self.totals = _Totals()
         self.calibration = Calibrator(config)
         self.memory = _step_memory(args, config)
+        self._variable_rows: Optional[bool] = None
 
     @property
     def variable_rows(self) -> bool:
-        """``--variable-seq-lengths``: every micro-batch its own row, shapes exchanged."""
-        return bool(getattr(self.args, VARIABLE_SEQ_LENGTHS_DEST, False))
+        """Every micro-batch its own row, shapes exchanged: ``--[no-]variable-seq-lengths``, by
+        default on with NCCL (:func:`.arguments.variable_seq_lengths`)."""
+        if self._variable_rows is None:
+            backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None
+            self._variable_rows = variable_seq_lengths(self.args, backend, self.config.layout)
+        return self._variable_rows
 
     def planner(self, layout: ParallelLayout, *, forward_only: bool) -> PlannerConfig:
         """The planner config of ``layout`` (training, or forward-only under the log-prob budget)."""
@@ -582,7 +587,8 @@ def _step_memory(args: Any, config: DynBatchConfig) -> Optional[StepMemory]:
         check_memory_budget(limit, getattr(args, "seq_length", None), FLAGS["max_memory_gib"])
     # With --variable-seq-lengths rows are multiples of VARIABLE_ROW_MULTIPLE: so are the caps.
     row_multiple = parallel.sample_multiple
-    if getattr(args, VARIABLE_SEQ_LENGTHS_DEST, False):
+    # (The process group does not exist yet: Megatron's --distributed-backend says what it will be.)
+    if variable_seq_lengths(args, getattr(args, "distributed_backend", None), config.layout):
         row_multiple = math.lcm(row_multiple, VARIABLE_ROW_MULTIPLE)
     return StepMemory(
         model=model,

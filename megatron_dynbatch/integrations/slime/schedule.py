@@ -65,8 +65,8 @@ from megatron_dynbatch.planning import (
     check_plan,
     round_up,
 )
+from megatron_dynbatch.planning.forward_only import fewest_forward_only_count, plan_forward_only
 from megatron_dynbatch.planning.karmarkar_karp import karmarkar_karp
-from megatron_dynbatch.planning.shape import variable_rows as planned_variable_rows
 from megatron_dynbatch.planning.spec import ATTENTION_CROSSOVER_7B, check_int
 from megatron_dynbatch.planning.strategies import run_strategy
 
@@ -629,13 +629,17 @@ def _forward_only_schedule(
     partitions: List[List[int]],
     pad_size: int,
     variable: bool,
+    training: Optional[Tuple[List[List[List[int]]], List[List[int]]]] = None,
 ) -> ForwardOnlySchedule:
     """The log-prob passes, planned here from every rank's lengths (see :class:`ForwardOnlySchedule`).
 
     Each rank packs its own samples under ``--log-probs-max-tokens-per-gpu`` (no gradient is reduced
-    over DP, so a rank needs no other rank's samples); the counts are then equalised with
-    placeholders. Counts stay multiples of the interleaving group (every rank's is one, so their
-    maximum is one too).
+    over DP, so a rank needs no other rank's samples), all ranks into one count, chosen once for
+    all of them (:func:`megatron_dynbatch.planning.forward_only.plan_forward_only`): a multiple of
+    the interleaving group, and every rank spreads its samples over all of it. Where the training
+    micro-batches (``training``: every rank's local micro-batches and rows, all steps) already
+    are that few under the same budget, with rows of their own, they are the log-prob passes'
+    too: no packing can do with fewer, and the rollout side packs nothing twice.
     """
     cp = sizes["cp_size"]
     planner_config = config.planner_config(
@@ -644,38 +648,26 @@ def _forward_only_schedule(
     budget = config.forward_only_max_tokens_per_gpu
     # Once over the global lengths, so an error names the samples by their rollout position.
     check_host_oversize(SLIME, [lengths], planner_config, forward_only=True)
-    per_rank: List[List[List[int]]] = []
-    rows: List[List[int]] = []
-    for partition in partitions:
-        local = [lengths[i] for i in partition]
-        if not local:
-            per_rank.append([])
-            rows.append([])
-            continue
-        with planner_oversize_reported():
-            [step] = run_strategy(SampleSet.build(local), planner_config).steps
-        per_rank.append([list(mb) for mb in step.ranks[0]])
-        if variable:
-            rows.append(_gpu_rows(step.row_lengths[0], cp))
-        else:
-            rows.append([row_length(step.seq_length, cp, pad_size, budget)] * len(per_rank[-1]))
-    count = max(len(rank) for rank in per_rank)
+    rank_lengths = [[lengths[i] for i in partition] for partition in partitions]
+    if (
+        training is not None
+        and variable
+        and budget == config.max_tokens_per_gpu
+        and len(training[0][0]) == fewest_forward_only_count(rank_lengths, planner_config)
+    ):
+        return ForwardOnlySchedule(
+            micro_batch_indices=[list(map(list, rank)) for rank in training[0]],
+            row_lengths=[list(rows) for rows in training[1]],
+        )
+    plan = plan_forward_only(rank_lengths, planner_config)
     if variable:
-        # Placeholders topping a rank up run the shortest row (see shape.variable_rows).
-        filler = _gpu_rows(
-            planned_variable_rows(
-                [0], planner_config.variable_row_multiple, planner_config.token_cap
-            ),
-            cp,
-        )[0]
+        rows = [_gpu_rows(rank_rows, cp) for rank_rows in plan.row_lengths]
     else:
         # Uniform rows: one row length on every rank, the same shapes everywhere.
-        filler = max(r for rank in rows for r in rank)
-        rows = [[filler] * len(rank) for rank in rows]
-    for rank, rank_rows in zip(per_rank, rows, strict=True):
-        rank_rows.extend(filler for _ in range(count - len(rank)))
-        rank.extend([] for _ in range(count - len(rank)))
-    return ForwardOnlySchedule(micro_batch_indices=per_rank, row_lengths=rows)
+        longest = max(rank_rows[0] for rank_rows in plan.row_lengths)
+        row = row_length(longest, cp, pad_size, budget)
+        rows = [[row] * len(rank_rows) for rank_rows in plan.row_lengths]
+    return ForwardOnlySchedule(micro_batch_indices=plan.micro_batches, row_lengths=rows)
 
 
 def _dynamic_schedule(
@@ -737,7 +729,15 @@ def _dynamic_schedule(
         forward_only=(
             None
             if routing_replay(args)
-            else _forward_only_schedule(config, sizes, lengths, partitions, pad_size, variable)
+            else _forward_only_schedule(
+                config,
+                sizes,
+                lengths,
+                partitions,
+                pad_size,
+                variable,
+                training=(micro_batch_indices, row_lengths),
+            )
         ),
         row_lengths=row_lengths,
     )

@@ -1,0 +1,250 @@
+"""Forward-only (log-prob) passes over samples already assigned to DP ranks: one count for all.
+
+A trainer that runs its log-prob passes on the training partition (slime: each DP rank computes
+the log-probs of the samples it trains) needs every rank to run the same number of micro-batches
+(with expert parallelism the all-to-all spans DP ranks), and no gradient crosses ranks, so a rank
+packs only its own samples. Planning each rank on its own and topping the counts up with
+placeholders repeats the planner's whole search once per rank, one after another (0.6 s for
+16,384 samples at dp 64, pp 4, vpp 2; 22 s for 1M at dp 512), and the ranks that needed fewer
+micro-batches then run placeholders instead of spreading their samples.
+
+Here the count is chosen once for all ranks, and each rank packs its samples into exactly that
+many micro-batches (LPT, best fit where LPT breaks the cap), so no rank idles on placeholders
+while it has samples to spread. A forward-only pipeline pass of micro-batch costs ``c`` on ``pp``
+stages takes about ``(sum(c) + (pp - 1) / vpp * max(c)) / pp`` (a proportionate flow shop: the
+order does not matter), so the candidates are the fewest count every rank packs into and, where
+the fullest rows are longer than the longest sample, counts up to where they are not; the count
+whose slowest rank is fastest wins (ties, and gains under ``min_gain``, to fewer).
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+from .cost import row_cost, sample_costs
+from .packing import best_fit_pack, feasible_pack, lpt_pack, spread_into_empty
+from .shape import variable_rows
+from .spec import PlannerConfig, ceil_div, round_up
+
+__all__ = ["ForwardOnlyPlan", "fewest_forward_only_count", "plan_forward_only"]
+
+#: Counts scored, the fewest included, at most (each packs every rank once).
+_MAX_COUNTS = 8
+#: Largest ``samples x micro-batches`` of a rank packed by :func:`.packing.feasible_pack` (its
+#: differencing and local moves), about a millisecond.
+_SMALL = 2048
+#: Average fill of a rank's rows above which LPT is not tried (it fails at the last, smallest
+#: samples when rows are this full; best fit packs them).
+_LPT_MAX_FILL = 0.97
+
+
+@dataclass(frozen=True)
+class ForwardOnlyPlan:
+    """Every rank's forward-only micro-batches, one count for all."""
+
+    micro_batches: List[List[List[int]]]
+    """Per rank, per micro-batch, indices into that rank's lengths (``[]``: a placeholder)."""
+    row_lengths: List[List[int]]
+    """Per rank, per micro-batch, its packed row (every CP rank's tokens): its own load rounded
+    up to the row multiple with variable rows, else the longest row of all ranks."""
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.micro_batches[0])
+
+
+class _Rank:
+    """One rank's samples: sizes, the order LPT takes them in, and those over the cap."""
+
+    def __init__(self, lengths: Sequence[int], config: PlannerConfig) -> None:
+        multiple = config.parallel.sample_multiple
+        cap = config.token_cap
+        if multiple == 1:
+            self.sizes = list(lengths)
+        else:
+            self.sizes = [-(-length // multiple) * multiple for length in lengths]
+        # Decreasing size, ties by index (a stable sort keeps equal sizes in index order).
+        order = sorted(range(len(lengths)), key=self.sizes.__getitem__, reverse=True)
+        over = 0
+        while over < len(order) and self.sizes[order[over]] > cap:
+            over += 1
+        self.oversize = order[:over]
+        self.order = order[over:]
+        regular = sum(self.sizes) - sum(map(self.sizes.__getitem__, self.oversize))
+        half = cap // 2
+        halves = 0
+        while halves < len(self.order) and self.sizes[self.order[halves]] > half:
+            halves += 1
+        self.fewest = len(self.oversize) + max(ceil_div(regular, cap), halves)
+        self.longest = self.sizes[order[0]] if order else 0
+        self.total = regular
+        self._own: Optional[List[float]] = None
+
+    def own(self, config: PlannerConfig) -> List[float]:
+        """Every sample's own cost (attention, response work), computed once."""
+        if self._own is None:
+            self._own = sample_costs(config.cost, "packed", self.sizes, self.sizes)
+        return self._own
+
+    def pack(
+        self, count: int, cap: int, row_multiple: int = 1
+    ) -> Tuple[List[List[int]], List[int]]:
+        """``count`` micro-batches (oversize samples alone), or raise ``_NoFit``; with variable
+        rows (``row_multiple`` > 1) no row rounds up further than it must."""
+        bins = count - len(self.oversize)
+        if bins < 0:
+            raise _NoFit
+        if not bins:
+            packing = ([], [])
+        elif len(self.order) * bins <= _SMALL:
+            # Few samples: the training planner's packer (differencing, then single moves and
+            # swaps on the fullest bin) balances rows better, and costs little here.
+            packing = feasible_pack(self.sizes, self.order, sorted(self.order), bins, cap)
+        elif self.total <= _LPT_MAX_FILL * bins * cap:
+            packing = lpt_pack(self.sizes, self.order, bins, cap)
+        else:
+            packing = None  # rows this full: LPT would fail late, after a whole pass
+        if packing is None:
+            # Rows too full for LPT: best fit once (a forward pass gains little from the
+            # balanced rows MULTIFIT's search would add), next fit when even that fails.
+            packing = best_fit_pack(self.sizes, self.order, bins, cap)
+            if packing is None:
+                packing = feasible_pack(self.sizes, self.order, sorted(self.order), bins, cap)
+                if packing is None:
+                    raise _NoFit
+            else:
+                packing = spread_into_empty(self.sizes, packing)
+        if row_multiple > 1 and self.order and bins > 0:
+            packing = self._within_rows(packing, bins, cap, row_multiple)
+        members = [[i] for i in self.oversize] + [sorted(b) for b in packing[0]]
+        loads = [self.sizes[i] for i in self.oversize] + list(packing[1])
+        return members, loads
+
+    def _within_rows(self, packing, bins: int, cap: int, multiple: int):
+        """Rows of their own length are rounded up to ``multiple``: a balanced packing whose
+        fullest bin is a few tokens over a multiple pays a whole multiple more on that row. Pack
+        under the smallest multiple that can hold the mean load and the longest sample (best
+        fit, then one multiple more), when that is below what the packing has."""
+        target = round_up(max(ceil_div(self.total, bins), self.sizes[self.order[0]]), multiple)
+        for limit in (target, target + multiple):
+            if limit >= min(cap + 1, round_up(max(packing[1]), multiple)):
+                break
+            trial = best_fit_pack(self.sizes, self.order, bins, limit)
+            if trial is not None:
+                return spread_into_empty(self.sizes, trial)
+        return packing
+
+
+class _NoFit(Exception):
+    """A rank's samples do not pack into the count (internal: more micro-batches are tried)."""
+
+
+def fewest_forward_only_count(rank_lengths: Sequence[Sequence[int]], config: PlannerConfig) -> int:
+    """A lower bound on the micro-batches per rank any forward-only plan needs (every rank the
+    same count, a multiple of the interleaving group): per rank, its samples over the cap alone,
+    the rest at least ``ceil(tokens / cap)`` rows and one row for each sample over half the cap.
+    :func:`plan_forward_only` starts from it (and packs into it where it can)."""
+    multiple, cap = config.parallel.sample_multiple, config.token_cap
+    half = cap // 2
+    most = 1
+    for lengths in rank_lengths:
+        if not lengths:
+            continue
+        sizes = lengths if multiple == 1 else [-(-n // multiple) * multiple for n in lengths]
+        regular, over, halves = sum(sizes), 0, 0
+        if max(sizes) > half:
+            big = [size for size in sizes if size > half]
+            oversize = [size for size in big if size > cap]
+            over, halves = len(oversize), len(big) - len(oversize)
+            regular -= sum(oversize)
+        most = max(most, over + max(ceil_div(regular, cap), halves))
+    return round_up(most, config.parallel.microbatch_multiple)
+
+
+def plan_forward_only(
+    rank_lengths: Sequence[Sequence[int]], config: PlannerConfig
+) -> ForwardOnlyPlan:
+    """Plan the forward-only pass of every rank's samples with one micro-batch count.
+
+    Args:
+        rank_lengths: Per DP rank, the token lengths of the samples it holds.
+        config: The planner config of one rank (``parallel.dp_size`` is not read): the budget,
+            the cost model, the pipeline (``pp``, ``vpp``, the interleaving group, whose multiple
+            the count keeps) and the rows (variable or uniform). A sample over the cap runs alone.
+    """
+    parallel = config.parallel
+    cap, step = config.token_cap, parallel.microbatch_multiple
+    ranks = [_Rank(lengths, config) for lengths in rank_lengths]
+    rows = config.variable_row_multiple if config.variable_row_lengths else 1
+    fewest = round_up(max([1] + [rank.fewest for rank in ranks]), step)
+    packed = None
+    while packed is None:
+        try:
+            packed = [rank.pack(fewest, cap, rows) for rank in ranks]
+        except _NoFit:
+            fewest += step
+    # Rows fuller than the longest sample shrink with more micro-batches, and so does the
+    # pipeline's fill: counts up to where the fullest rank's mean load reaches its longest sample
+    # (spread geometrically when many).
+    fullest = max(ranks, key=lambda rank: rank.total)
+    most = fewest
+    if fullest.longest and not fullest.oversize:
+        most = round_up(max(fewest, ceil_div(fullest.total, fullest.longest)), step)
+    if most == fewest or parallel.pp_size == 1:
+        return _rows(packed, config)
+    best_time, best = _pass_time(packed, ranks, config), packed
+    for count in _counts(fewest, most, step)[1:]:
+        try:
+            trial = [rank.pack(count, cap, rows) for rank in ranks]
+        except _NoFit:  # pragma: no cover - more bins than the fewest always pack
+            continue
+        time = _pass_time(trial, ranks, config)
+        # More micro-batches must be faster by min_gain (as the training plans' counts).
+        if time < best_time * (1.0 - max(config.min_gain, 1e-9)):
+            best_time, best = time, trial
+    return _rows(best, config)
+
+
+def _counts(first: int, last: int, step: int) -> List[int]:
+    """Counts from ``first`` to ``last`` in steps of ``step``, at most ``_MAX_COUNTS``: every
+    one when few, else geometric (the last included)."""
+    every = list(range(first, last + 1, step))
+    if len(every) <= _MAX_COUNTS:
+        return every
+    counts = {first, every[-1]}
+    ratio = (every[-1] / first) ** (1.0 / (_MAX_COUNTS - 1))
+    for k in range(1, _MAX_COUNTS - 1):
+        counts.add(min(every[-1], round_up(round(first * ratio**k), step)))
+    return sorted(counts)
+
+
+def _rows(packed, config: PlannerConfig) -> ForwardOnlyPlan:
+    cap = config.token_cap
+    if config.variable_row_lengths:
+        multiple = config.variable_row_multiple
+        rows = [variable_rows(loads, multiple, cap) for _, loads in packed]
+    else:
+        longest = max([1] + [load for _, loads in packed for load in loads])
+        rows = [[longest] * len(loads) for _, loads in packed]
+    return ForwardOnlyPlan(micro_batches=[members for members, _ in packed], row_lengths=rows)
+
+
+def _pass_time(packed, ranks: Sequence[_Rank], config: PlannerConfig) -> float:
+    """The slowest rank's forward-only pass: ``(sum(c) + (pp - 1) / vpp * max(c)) / pp``."""
+    parallel, model = config.parallel, config.cost
+    pp, vpp = parallel.pp_size, parallel.vpp_size
+    plan = _rows(packed, config)
+    worst = 0.0
+    for (members, loads), rows, rank in zip(packed, plan.row_lengths, ranks, strict=True):
+        own = rank.own(config)
+        costs = [
+            row_cost(model, "packed", row, 1, load) + sum(map(own.__getitem__, mb))
+            for mb, load, row in zip(members, loads, rows, strict=True)
+        ]
+        if config.variable_row_lengths:
+            costs = [c + model.shape_exchange_overhead for c in costs]
+        worst = max(worst, (sum(costs) + (pp - 1) / vpp * max(costs)) / pp)
+    return worst

@@ -1,0 +1,137 @@
+"""The first plan's cost model from the model's dimensions (issue 35): the FLOPs ratio, the same
+as slime's estimate, read from Megatron's arguments by the entry and by ``megatron-dynbatch plan``;
+per-micro-batch rows by default where shapes are exchanged over NCCL."""
+
+import argparse
+import json
+import types
+
+import pytest
+
+from megatron_dynbatch.integrations.megatron_lm.arguments import (
+    VARIABLE_SEQ_LENGTHS_DEST,
+    add_dynamic_batch_args,
+    attention_weight_from_args,
+    dynbatch_config_from_args,
+    variable_seq_lengths,
+)
+from megatron_dynbatch.integrations.slime.schedule import _cost_model as slime_cost_model
+from megatron_dynbatch.planning.model_cost import cost_model_from_dims, forward_flops
+from megatron_dynbatch.planning.model_dims import ModelDims
+from megatron_dynbatch.tools.cli import main
+
+pytestmark = pytest.mark.unit
+
+#: Qwen2.5-7B's shape.
+QWEN7B = dict(
+    num_layers=28,
+    hidden_size=3584,
+    num_attention_heads=28,
+    num_query_groups=4,
+    ffn_hidden_size=18944,
+    vocab_size=152064,
+)
+
+
+def test_flops_of_a_small_model_by_hand():
+    # 2 layers, h 8, 2 heads of 4, 1 kv group, ffn 16 gated, vocab 10.
+    dims = ModelDims(
+        num_layers=2,
+        hidden_size=8,
+        num_attention_heads=2,
+        num_query_groups=1,
+        ffn_hidden_size=16,
+        vocab_size=10,
+        gated_linear_unit=True,
+    )
+    qkv = 8 * (8 + 2 * 4)
+    proj = 8 * 8
+    mlp = 8 * 32 + 16 * 8
+    linear, attention = forward_flops(dims)
+    assert linear == 2 * (2 * (qkv + proj + mlp) + 8 * 10)
+    assert attention == 2 * 2 * 8
+    model = cost_model_from_dims(dims)
+    assert model.token_weight == 1.0
+    assert model.attention_weight == pytest.approx(attention / linear)
+
+
+def test_ratio_equals_slimes_flops_estimate():
+    """slime's calculate_fwd_flops (as our slime drop-in reads it) gives the same ratio."""
+    slime_args = types.SimpleNamespace(
+        **QWEN7B,
+        kv_channels=128,
+        num_experts=None,
+        multi_latent_attention=False,
+    )
+    dims = ModelDims(**QWEN7B, gated_linear_unit=True)
+    assert cost_model_from_dims(dims).attention_weight == pytest.approx(
+        slime_cost_model(slime_args).attention_weight, rel=1e-12
+    )
+
+
+def _entry_args(argv, **model):
+    args = add_dynamic_batch_args(argparse.ArgumentParser()).parse_args(argv)
+    for key, value in model.items():
+        setattr(args, key, value)
+    return args
+
+
+MEGATRON_7B = dict(
+    num_layers=28,
+    hidden_size=3584,
+    num_attention_heads=28,
+    group_query_attention=True,
+    num_query_groups=4,
+    ffn_hidden_size=18944,
+    swiglu=True,
+    padded_vocab_size=152064,
+)
+
+
+def test_entry_first_plan_uses_the_models_ratio_unless_given():
+    args = _entry_args(["--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096"], **MEGATRON_7B)
+    expected = cost_model_from_dims(ModelDims(**QWEN7B, gated_linear_unit=True)).attention_weight
+    assert attention_weight_from_args(args) == pytest.approx(expected)
+    assert dynbatch_config_from_args(args).cost_attention_weight == pytest.approx(expected)
+    given = _entry_args(
+        ["--max-tokens-per-gpu", "4096", "--dynamic-batch-cost-attention-weight", "0"],
+        **MEGATRON_7B,
+    )
+    assert dynbatch_config_from_args(given).cost_attention_weight == 0.0
+    bare = _entry_args(["--max-tokens-per-gpu", "4096"])
+    assert attention_weight_from_args(bare) is None
+    assert dynbatch_config_from_args(bare).cost_attention_weight == 0.0
+
+
+@pytest.mark.parametrize(
+    "argv, backend, layout, expected",
+    [
+        ([], "nccl", "packed", True),
+        ([], "gloo", "packed", False),
+        ([], "nccl", "padded", False),
+        (["--no-variable-seq-lengths"], "nccl", "packed", False),
+        (["--variable-seq-lengths"], "gloo", "packed", True),
+    ],
+)
+def test_per_micro_batch_rows_by_default_on_nccl(argv, backend, layout, expected):
+    args = _entry_args(argv)
+    assert variable_seq_lengths(args, backend, layout) is expected
+    assert (getattr(args, VARIABLE_SEQ_LENGTHS_DEST) is None) == (not argv)
+
+
+def test_plan_with_megatrons_model_flags_plans_what_the_entry_runs(tmp_path, capsys):
+    samples = tmp_path / "samples.json"
+    samples.write_text(json.dumps([100, 2000, 16000, 300, 5000, 8000, 12000, 700]))
+    model = (
+        "--num-layers 28 --hidden-size 3584 --num-attention-heads 28 --num-query-groups 4 "
+        "--ffn-hidden-size 18944 --swiglu --vocab-size 152064"
+    ).split()
+    common = [str(samples), "--max-tokens-per-gpu", "16384", "--pp-size", "4", "--dp-size", "2"]
+    assert main(["plan", *common, *model, "--json"]) == 0
+    with_model = json.loads(capsys.readouterr().out)
+    rows = with_model["steps"][0]["row_lengths"]
+    assert rows and all(row % 64 == 0 or row == 16000 for rank in rows for row in rank)
+    assert main(["plan", *common, *model, "--no-variable-seq-lengths", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["steps"][0]["row_lengths"] == []
+    assert main(["plan", *common, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["steps"][0]["row_lengths"] == []
