@@ -1,9 +1,9 @@
 """``--max-memory-gib`` in Megatron-LM: the memory model from Megatron's arguments, the budget,
 the start-up check, and every step's peak, measured and compared with the prediction.
 
-* :func:`model_dims_from_args` / :func:`memory_model_from_args`: the pure memory model
-  (:mod:`megatron_dynbatch.planning.memory`) of the run, from Megatron's own arguments (its
-  defaults applied as ``validate_args`` would, so it works before Megatron's validation).
+* :func:`memory_model_from_args`: the pure memory model (:mod:`megatron_dynbatch.planning.memory`)
+  of the run, from Megatron's own arguments (``model_args.py``: its defaults applied as
+  ``validate_args`` would, so it works before Megatron's validation).
 * :func:`budget_bytes`: ``--max-memory-gib`` in bytes; ``auto`` is the GPU's memory less
   :data:`AUTO_MARGIN` (10%) of it, and on CPU this rank's share of the machine's available memory
   (``MemAvailable`` / ranks on the node) less the same margin.
@@ -16,6 +16,15 @@ the start-up check, and every step's peak, measured and compared with the predic
   gathered (one small all-reduce over the world), so every rank refits the same model from the
   same numbers and plans the same steps; a step whose measured peak exceeds the budget although
   predicted within it is reported on every rank and the fit is corrected to cover it.
+* :class:`TrainingPeak`: the run's training peak, for fixed micro-batches too (the equal-bytes
+  comparisons take the fixed run's as the dynamic run's budget).
+
+How the planner's model learns (:class:`StepMemory`): the first step is a probe (rows of
+``--seq-length``); its peak sets a factor on the counted activation bytes that covers it, one-time
+costs included; from the second step on, one factor a stage is fitted by least squares to the
+recent steps (peak less the memory at the step's start), never below what the largest of them
+needed, and a step may keep at most :data:`TRUST_GROWTH` times the largest activations measured
+so far. Memory at rest is what every stage held after the last step.
 """
 
 from __future__ import annotations
@@ -56,10 +65,9 @@ AUTO_MARGIN = 0.10
 #: Steps at the start of a run whose peaks are not fitted: the first step allocates the
 #: optimizer's state (not yet in the memory at rest), and allocator caches settle.
 MEMORY_WARMUP_STEPS = 1
-#: Until measured steps calibrate it, the model's activation bytes count this many times over:
-#: the counted tensors miss the transients of a backward (gradients of the activations, the
-#: allocator's slack), which the first measured steps showed at 1.2-1.6x on CPU; the planner
-#: must not break a budget on the steps that teach it.
+#: Until the probe step is measured, the prediction counts the activation bytes this many times
+#: over: the counted tensors miss the transients of a backward (gradients of the activations, the
+#: allocator's slack), which the fitted factors put at 1.9-2.5x on CPU.
 UNCALIBRATED_SAFETY = 2.0
 #: A step may keep at most this many times the largest activations (as counted) measured so far.
 TRUST_GROWTH = 1.5
@@ -348,23 +356,6 @@ class StepMemory:
         for stage, terms in enumerate(reading.predicted):
             counted = terms.tokens + terms.scores
             self.largest_counted[stage] = max(self.largest_counted.get(stage, 0.0), counted)
-        if os.environ.get("DYNBATCH_MEMORY_DEBUG") and dist.get_rank() == 0:
-            print(
-                "MEMDEBUG",
-                reading.iteration,
-                [tuple(round(v / MIB, 1) for v in g) for g in reading.gathered],
-                [
-                    (
-                        round(t.static / MIB, 1),
-                        round(t.tokens / MIB, 2),
-                        round(t.scores / MIB, 2),
-                        round(t.total / MIB, 1),
-                    )
-                    for t in reading.predicted
-                ],
-                self.scales,
-                flush=True,
-            )
         over = []
         if self.budget is not None:
             for stage, (_rest, peak, _after) in enumerate(reading.gathered):
@@ -542,4 +533,14 @@ class TrainingPeak:
                 + ", ".join(f"{p / MIB:.1f}" for p in peaks),
                 flush=True,
             )
+            if memory is not None and memory.scales is not None:
+                factors = ", ".join(f"{a:.2f}" for a, _ in memory.scales)
+                error = "n/a" if memory.error is None else f"{100 * memory.error:.1f}%"
+                print(
+                    f"memory model: activation factor per stage {factors} (on the counted "
+                    f"bytes); largest error of the fitted peaks {error} over the last "
+                    f"{min(FIT_WINDOW, max(0, memory.steps_seen - MEMORY_WARMUP_STEPS))} steps; "
+                    f"{memory.corrections} step(s) over the budget",
+                    flush=True,
+                )
         return peaks
