@@ -365,8 +365,7 @@ class DynamicBatchHooks:
         step = self.last_step
         if step is None:
             return {}
-        memory = {} if self.memory is None else self.memory.scalars()
-        return memory | {
+        return {
             "dynbatch/micro-batches per rank": float(step.num_microbatches),
             "dynbatch/row length": float(step.seq_length),
             "dynbatch/real tokens": float(step.real_tokens),
@@ -544,8 +543,14 @@ def write_dynamic_scalars(iteration: int, writer: Any = None, wandb_writer: Any 
     ``--tensorboard-log-interval`` iterations, on the rank that holds the writers). Tags:
     ``dynbatch/micro-batches per rank``, ``row length``, ``real tokens``, ``computed tokens``,
     ``fill``, ``dp imbalance`` (computed cost, max / mean over DP ranks), ``placeholders``,
-    ``truncated tokens`` and ``planning seconds``.
+    ``truncated tokens`` and ``planning seconds``. ``peak memory predicted (MiB)`` and ``peak
+    memory measured (MiB)`` (and each per pipeline stage) follow at the same iteration once the
+    step's peak is read, with the iteration line or the next plan (every step, to these writers).
     """
+    if _hooks is not None and _hooks.memory is not None and (writer or wandb_writer):
+        # The step's peak is read (a collective) after this, with the iteration line: its
+        # scalars follow then, at this iteration.
+        _hooks.memory.writers = (writer, wandb_writer)
     scalars = {} if _hooks is None else _hooks.scalars()
     if not scalars:
         return

@@ -69,8 +69,10 @@ MEMORY_WARMUP_STEPS = 1
 #: over: the counted tensors miss the transients of a backward (gradients of the activations, the
 #: allocator's slack), which the fitted factors put at 1.9-2.5x on CPU.
 UNCALIBRATED_SAFETY = 2.0
-#: A step may keep at most this many times the largest activations (as counted) measured so far.
-TRUST_GROWTH = 1.5
+#: A step may keep at most this many times the largest activations (as counted) measured so far:
+#: 2, so that rows of whole samples can double (1.5 kept a corpus of --seq-length samples at one
+#: sample a micro-batch for good: no step ever measured two).
+TRUST_GROWTH = 2.0
 #: Steps whose counted activations are at least this share of the largest in the fit window
 #: bound the factor from below (their measured need is never under-predicted again).
 ENVELOPE_SHARE = 0.5
@@ -235,6 +237,9 @@ class StepMemory:
     stage_peaks: List[float] = field(default_factory=list)
     """Per pipeline stage, the largest peak measured over the run's training steps."""
     warned_small: bool = False
+    writers: Optional[Tuple[Any, Any]] = None
+    """Megatron's TensorBoard and W&B writers (on the rank that holds them), once it has written
+    a step's scalars: each step's memory scalars follow when the step is read."""
     largest_counted: Dict[int, float] = field(default_factory=dict)
     """Per stage, the largest counted activations of a measured step."""
     cover_floor: Dict[int, float] = field(default_factory=dict)
@@ -297,7 +302,8 @@ class StepMemory:
         """Per stage, :data:`TRUST_GROWTH` times the largest activations measured so far (as
         counted, over the worst case of a step's live micro-batches), never below one
         ``--seq-length`` row: the fit is a line through a few steps, and a step far beyond them
-        broke the budget by 4% on CPU (one row of 603 after rows of 2 x 256)."""
+        broke the budget by 4% on CPU (one row of 603 after rows of 2 x 256, 2.8x the activations).
+        """
         row = (1, round_up(self.min_row, self.row_multiple))
         return tuple(
             max(TRUST_GROWTH * self.largest_counted.get(s, 0.0), sum(model.uniform_terms(s, row)))
@@ -349,7 +355,21 @@ class StepMemory:
         self.resting = tuple(after for _, _, after in reading.gathered)
         self._learn(reading)
         self.open, self.last = None, reading
+        self._write(reading)
         return reading
+
+    def _write(self, reading: _Reading) -> None:
+        """The step's scalars to Megatron's writers, at the step's iteration (the writers take
+        them after Megatron's own: the step is read after its scalars are written)."""
+        if self.writers is None or reading.iteration is None:
+            return
+        writer, wandb_writer = self.writers
+        values = self.scalars(reading)
+        if writer is not None:
+            for tag, value in values.items():
+                writer.add_scalar(tag, value, reading.iteration)
+        if wandb_writer is not None:
+            wandb_writer.log(values, reading.iteration)
 
     def _learn(self, reading: _Reading) -> None:
         self.steps_seen += 1
@@ -456,8 +476,9 @@ class StepMemory:
             line += f" memory budget (MiB): {self.budget / MIB:.0f} |"
         return line
 
-    def scalars(self) -> Dict[str, float]:
-        reading = self.last
+    def scalars(self, reading: Optional[_Reading] = None) -> Dict[str, float]:
+        """TensorBoard tags of a step's peaks (default: the last step read)."""
+        reading = reading or self.last
         if reading is None or reading.gathered is None:
             return {}
         values = {
