@@ -210,6 +210,9 @@ class DynamicBatchHooks:
         # Forward-only passes keep no activations for a backward: the training bound is safe.
         limit = None if self.memory is None else self.memory.limit()
         key = (layout, forward_only, config, limit)
+        if limit is not None and key not in self._planners:
+            # The memory model changes with every measured step: keep only the current one's.
+            self._planners = {k: v for k, v in self._planners.items() if k[3] == limit}
         if key not in self._planners:
             self._planners[key] = config.planner_config(
                 layout,
