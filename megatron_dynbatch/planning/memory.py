@@ -396,10 +396,10 @@ class MemoryLimit:
     """The most one rank may hold at its peak (``--max-memory-gib`` in bytes)."""
     row_multiple: int = 1
     """Rows are multiples of this (the sample multiple): caps are rounded down to it."""
-    counted_caps: Tuple[float, ...] = ()
-    """Per stage, the most activation bytes (as counted, before the calibrated factors) a shape
-    may keep: a calibrated model is trusted only so far beyond the steps it was fitted to;
-    ``()``: no such cap."""
+    counted_caps: Tuple[Tuple[float, float], ...] = ()
+    """Per stage, the most ``(token, score)`` activation bytes (as counted, before the calibrated
+    factors) a shape may keep: a calibrated model is trusted only so far beyond the steps it was
+    fitted to, in either term; ``()``: no such cap."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, MemoryModel):
@@ -414,10 +414,11 @@ class MemoryLimit:
         for stage in self.model.dims.stages():
             if self.model.uniform_peak(stage, shape) > self.budget_bytes:
                 return False
-            if self.counted_caps and sum(self.model.uniform_terms(stage, shape)) > (
-                self.counted_caps[stage]
-            ):
-                return False
+            if self.counted_caps:
+                tok, sq = self.model.uniform_terms(stage, shape)
+                tok_cap, sq_cap = self.counted_caps[stage]
+                if tok > tok_cap or sq > sq_cap:
+                    return False
         return True
 
     def row_cap(self, rows: int = 1) -> int:

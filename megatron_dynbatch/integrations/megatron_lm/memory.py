@@ -240,8 +240,8 @@ class StepMemory:
     writers: Optional[Tuple[Any, Any]] = None
     """Megatron's TensorBoard and W&B writers (on the rank that holds them), once it has written
     a step's scalars: each step's memory scalars follow when the step is read."""
-    largest_counted: Dict[int, float] = field(default_factory=dict)
-    """Per stage, the largest counted activations of a measured step."""
+    largest_counted: Dict[int, Tuple[float, float]] = field(default_factory=dict)
+    """Per stage, the largest counted token and score bytes of a measured step."""
     cover_floor: Dict[int, float] = field(default_factory=dict)
     """Per stage, the factor the steps that broke the budget needed (the fit stays above)."""
 
@@ -276,7 +276,7 @@ class StepMemory:
         model = self.current
         need = self._row_peak(model)
         budget = self.budget
-        caps: Tuple[float, ...] = ()
+        caps: Tuple[Tuple[float, float], ...] = ()
         if self.steps_seen == 0:
             budget = min(budget, need)
         elif need > budget:
@@ -298,17 +298,19 @@ class StepMemory:
             model=model, budget_bytes=budget, row_multiple=self.row_multiple, counted_caps=caps
         )
 
-    def _trusted(self, model: MemoryModel) -> Tuple[float, ...]:
-        """Per stage, :data:`TRUST_GROWTH` times the largest activations measured so far (as
-        counted, over the worst case of a step's live micro-batches), never below one
+    def _trusted(self, model: MemoryModel) -> Tuple[Tuple[float, float], ...]:
+        """Per stage, :data:`TRUST_GROWTH` times the largest token and score bytes measured so
+        far (as counted, over the worst case of a step's live micro-batches), never below one
         ``--seq-length`` row: the fit is a line through a few steps, and a step far beyond them
-        broke the budget by 4% on CPU (one row of 603 after rows of 2 x 256, 2.8x the activations).
-        """
+        broke the budget by 4-6% on CPU (one row of 603 after rows of 2 x 256: 2.8x the scores,
+        whose transients cost more than the tokens' for the one factor fitted)."""
         row = (1, round_up(self.min_row, self.row_multiple))
-        return tuple(
-            max(TRUST_GROWTH * self.largest_counted.get(s, 0.0), sum(model.uniform_terms(s, row)))
-            for s in model.dims.stages()
-        )
+        caps = []
+        for s in model.dims.stages():
+            tok, sq = model.uniform_terms(s, row)
+            seen_tok, seen_sq = self.largest_counted.get(s, (0.0, 0.0))
+            caps.append((max(TRUST_GROWTH * seen_tok, tok), max(TRUST_GROWTH * seen_sq, sq)))
+        return tuple(caps)
 
     def _row_peak(self, model: MemoryModel) -> int:
         """The largest predicted peak of micro-batches of one ``--seq-length`` row."""
@@ -374,8 +376,8 @@ class StepMemory:
     def _learn(self, reading: _Reading) -> None:
         self.steps_seen += 1
         for stage, terms in enumerate(reading.predicted):
-            counted = terms.tokens + terms.scores
-            self.largest_counted[stage] = max(self.largest_counted.get(stage, 0.0), counted)
+            tok, sq = self.largest_counted.get(stage, (0.0, 0.0))
+            self.largest_counted[stage] = (max(tok, terms.tokens), max(sq, terms.scores))
         over = []
         if self.budget is not None:
             for stage, (_rest, peak, _after) in enumerate(reading.gathered):
