@@ -75,6 +75,8 @@ def test_probe_fit_trust_and_a_step_over_the_budget(monkeypatch, capsys):
     # Trusted at most twice the largest activations measured: not the whole budget at once.
     limit = memory.limit()
     assert limit.counted_caps and limit.fits((2, SEQ)) and not limit.fits((3, SEQ))
+    # Per term: one row of 2 x SEQ has twice the tokens but four times the S x S scores.
+    assert not limit.fits((1, 2 * SEQ)) and limit.row_cap(1) < 2 * SEQ
     untrusted = dataclasses.replace(limit, counted_caps=())
     assert untrusted.fits((3, SEQ)) and untrusted.row_cap(1) > 2 * limit.row_cap(1)
     # A step that needs more than predicted breaks the budget: reported, and covered from then on.
