@@ -67,7 +67,7 @@ AUTO_MARGIN = 0.10
 MEMORY_WARMUP_STEPS = 1
 #: Until the probe step is measured, the prediction counts the activation bytes this many times
 #: over: the counted tensors miss the transients of a backward (gradients of the activations, the
-#: allocator's slack), which the fitted factors put at 1.9-2.5x on CPU.
+#: allocator's slack), which the fitted factors put at 1.8-3.3x on CPU.
 UNCALIBRATED_SAFETY = 2.0
 #: A step may keep at most this many times the largest activations (as counted) measured so far:
 #: 2, so that rows of whole samples can double (1.5 kept a corpus of --seq-length samples at one
