@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The main job, in an environment set up by scripts/bootstrap.sh: Megatron-LM's pretrain() through
 # launch/train_gpt_dynbatch.sh on the bundled corpus (Python's documentation, built into
-# $DATA_DIR/pydoc_text_document.{bin,idx} on first use, default data/), with dynamic batching at the
-# memory of Megatron's fixed [4 x 256] micro-batches (a 1024-token budget), with the fixed
-# micro-batches on the same samples, with a 256-token budget beside them, and (STOCK=1, default;
-# empty to skip) Megatron's own packing of --seq-length windows, then the comparisons
+# $DATA_DIR/pydoc_text_document.{bin,idx} on first use, default data/): Megatron's fixed [4 x 256]
+# micro-batches first, then dynamic batching at the same memory in bytes (fixed's measured peak,
+# the largest rank's, is the dynamic run's --max-memory-gib; its token budget, 4096, would
+# otherwise allow far longer rows), a 256-token budget beside them, and (STOCK=1, default; empty to skip) Megatron's own packing
+# of --seq-length windows, then the comparisons
 # (launch/compare_runs.py). Megatron's iteration lines are printed; full logs go to $OUT (default
 # out/demo/). Extra arguments go to both runs (e.g. --train-iters 6). On a GPU node the same script
 # uses every GPU nvidia-smi lists (NCCL).
@@ -24,10 +25,12 @@ if [[ ! -f $DATA_PREFIX.idx || ! -f $DATA_PREFIX.bin ]]; then
     --output-prefix "$DATA_DIR/pydoc" --append-eod
 fi
 
-# The headline compares equal memory: fixed micro-batches are [4 x 256] (--micro-batch-size 4), so
-# the dynamic budget is 4 * 256 = 1024 tokens. SMALL_BUDGET (default 256, a quarter of the memory;
-# empty to skip) runs beside it.
+# The headline compares equal memory, measured in bytes: fixed micro-batches are [4 x 256]
+# (--micro-batch-size 4); the dynamic run gets their measured peak as --max-memory-gib and a token
+# budget (MEMORY_TOKEN_BUDGET, default 4096) that the memory budget, not tokens, binds.
+# SMALL_BUDGET (default 256 tokens, a quarter of fixed's; empty to skip) runs beside it.
 EQUAL_BUDGET=1024
+MEMORY_TOKEN_BUDGET=${MEMORY_TOKEN_BUDGET:-4096}
 SMALL_BUDGET=${SMALL_BUDGET-256}
 
 train() {  # name batching budget [args...]
@@ -45,8 +48,14 @@ train() {  # name batching budget [args...]
     | sed -E 's/^ *\[[^]]*\] //; s/ number of (skipped|nan) iterations: +[0-9]+ \|//g'
 }
 
-train dynamic dynamic "$EQUAL_BUDGET" "$@"
+peak() {  # the largest rank's measured training peak (MiB) in a log
+  grep -oE "peak memory measured over training \(MiB\): [0-9.]+" "$1" | tail -n 1 | awk '{print $NF}'
+}
+
 train fixed fixed "$EQUAL_BUDGET" "$@"
+FIXED_PEAK=$(peak "$OUT/fixed.log")
+MEMORY_GIB=$(awk -v mib="$FIXED_PEAK" 'BEGIN { printf "%.6f", mib / 1024 }')
+train dynamic dynamic "$MEMORY_TOKEN_BUDGET" --max-memory-gib "$MEMORY_GIB" "$@"
 if [[ -n $SMALL_BUDGET ]]; then
   train "dynamic-$SMALL_BUDGET" dynamic "$SMALL_BUDGET" "$@"
 fi
@@ -58,10 +67,11 @@ if [[ -n $STOCK ]]; then
 fi
 
 echo
-echo "=== equal memory: dynamic budget $EQUAL_BUDGET tokens against fixed [4x$SEQ_LENGTH] ==="
+echo "=== equal memory: dynamic under --max-memory-gib $MEMORY_GIB (fixed [4x$SEQ_LENGTH]'s measured peak) against fixed [4x$SEQ_LENGTH] ==="
 status=0
 "$PY" launch/compare_runs.py --dynamic "$OUT/dynamic.log" --fixed "$OUT/fixed.log" \
   --seq-length "$SEQ_LENGTH" "${STOCK_ARGS[@]}" || status=1
+echo "peak memory measured over training (MiB, largest rank): fixed $FIXED_PEAK, dynamic $(peak "$OUT/dynamic.log")"
 if [[ -n $SMALL_BUDGET ]]; then
   echo
   echo "=== a quarter of the memory: dynamic budget $SMALL_BUDGET tokens against fixed [4x$SEQ_LENGTH] ==="

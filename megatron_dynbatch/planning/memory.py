@@ -322,8 +322,14 @@ class MemoryModel:
 
     def uniform_peak(self, stage: int, shape: MicroShape) -> float:
         """An upper bound on ``stage``'s peak for any number of micro-batches of ``shape``."""
-        dims = self.dims
         k_tok, k_sq = self._scales(stage)
+        tok, sq = self.uniform_terms(stage, shape)
+        return self.resting(stage) + k_tok * tok + k_sq * sq
+
+    def uniform_terms(self, stage: int, shape: MicroShape) -> Tuple[float, float]:
+        """``(tokens, scores)`` bytes, as counted (unscaled), that ``stage`` keeps at most for any
+        number of micro-batches of ``shape``."""
+        dims = self.dims
         layer_mbs, embeds, logits = self.worst_live(stage)
         rows, length = shape
         cp = dims.parallel.cp_size
@@ -333,7 +339,7 @@ class MemoryModel:
         tok += logits * tokens * self.logit_token_bytes()
         sq = layer_mbs * rows * (length / cp) * length * self.layer_score_bytes()
         extra_tok, extra_sq = self._recompute_terms(stage, [shape])
-        return self.resting(stage) + k_tok * (tok + extra_tok) + k_sq * (sq + extra_sq)
+        return tok + extra_tok, sq + extra_sq
 
 
 @functools.lru_cache(maxsize=256)
@@ -390,6 +396,10 @@ class MemoryLimit:
     """The most one rank may hold at its peak (``--max-memory-gib`` in bytes)."""
     row_multiple: int = 1
     """Rows are multiples of this (the sample multiple): caps are rounded down to it."""
+    counted_caps: Tuple[Tuple[float, float], ...] = ()
+    """Per stage, the most ``(token, score)`` activation bytes (as counted, before the calibrated
+    factors) a shape may keep: a calibrated model is trusted only so far beyond the steps it was
+    fitted to, in either term; ``()``: no such cap."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, MemoryModel):
@@ -401,10 +411,15 @@ class MemoryLimit:
 
     def fits(self, shape: MicroShape) -> bool:
         """Whether any number of micro-batches of ``shape`` keeps every stage within budget."""
-        return all(
-            self.model.uniform_peak(stage, shape) <= self.budget_bytes
-            for stage in self.model.dims.stages()
-        )
+        for stage in self.model.dims.stages():
+            if self.model.uniform_peak(stage, shape) > self.budget_bytes:
+                return False
+            if self.counted_caps:
+                tok, sq = self.model.uniform_terms(stage, shape)
+                tok_cap, sq_cap = self.counted_caps[stage]
+                if tok > tok_cap or sq > sq_cap:
+                    return False
+        return True
 
     def row_cap(self, rows: int = 1) -> int:
         """The longest row (a multiple of ``row_multiple``) of ``rows``-row micro-batches that

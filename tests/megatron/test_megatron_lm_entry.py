@@ -71,6 +71,11 @@ _REFUSALS = {
         "--micro-batch-size 3 is not used by --use-dynamic-batch-size (the planner picks every "
         "micro-batch), but Megatron still requires --eval-global-batch-size 8 to be a multiple",
     ),
+    # Issue 33: a memory budget one --seq-length sample cannot fit, before the model is built.
+    "memory-budget-below-one-sample": (
+        _BASE + _DYNAMIC + ["--max-memory-gib", "0.01"],
+        "--max-memory-gib 0.010 is too small for one --seq-length 128 sample: pipeline stage",
+    ),
     # Issue 29: Megatron's bare `assert args.save_interval is not None` was an empty line.
     "save-without-interval": (
         _ONE + _DYNAMIC + ["--save", "{tmp}/checkpoint"],
@@ -319,6 +324,13 @@ def test_tensorboard_and_wandb_get_the_dynamic_batching_scalars(tmp_path):
         assert at["dynbatch/computed tokens"] == int(computed)
         assert at["dynbatch/fill"] == pytest.approx(int(real) / int(computed), rel=1e-6)
         assert at["dynbatch/dp imbalance"] >= 1.0 and at["dynbatch/planning seconds"] >= 0.0
+    # Issue 33: every iteration's peak memory, predicted and measured, on the line and the board.
+    memory = re.findall(r"peak memory predicted/measured \(MiB\): (\d+)/(\d+) \|", log)
+    assert len(memory) == 2 and all(int(m) > 0 for _, m in memory), log[-3000:]
+    for tag in ("peak memory predicted (MiB)", "peak memory measured (MiB)"):
+        assert [step for step, _ in ours.get(f"dynbatch/{tag}", [])] == [1, 2], (tag, ours)
+    measured = [value for _, value in ours["dynbatch/peak memory measured (MiB)"]]
+    assert measured == [pytest.approx(int(m), abs=1) for _, m in memory]
     # Megatron's own scalars are still there (its writer, not a second one).
     assert "batch-size" in scalars
     # W&B (on the last rank, as Megatron sets it up) got the same figures at the same steps.

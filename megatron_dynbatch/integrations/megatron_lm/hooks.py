@@ -216,6 +216,9 @@ class DynamicBatchHooks:
         # Forward-only passes keep no activations for a backward: the training bound is safe.
         limit = None if self.memory is None else self.memory.limit()
         key = (layout, forward_only, config, limit)
+        if limit is not None and key not in self._planners:
+            # The memory model changes with every measured step: keep only the current one's.
+            self._planners = {k: v for k, v in self._planners.items() if k[3] == limit}
         if key not in self._planners:
             self._planners[key] = config.planner_config(
                 layout,
@@ -370,8 +373,7 @@ class DynamicBatchHooks:
         step = self.last_step
         if step is None:
             return {}
-        memory = {} if self.memory is None else self.memory.scalars()
-        return memory | {
+        return {
             "dynbatch/micro-batches per rank": float(step.num_microbatches),
             "dynbatch/row length": float(step.seq_length),
             "dynbatch/real tokens": float(step.real_tokens),
@@ -552,8 +554,14 @@ def write_dynamic_scalars(iteration: int, writer: Any = None, wandb_writer: Any 
     ``fill``, ``dp imbalance`` (computed cost, max / mean over DP ranks), ``placeholders``,
     ``truncated tokens`` and ``planning seconds``; after calibration also ``step time predicted
     (ms)``, ``step time measured (ms)`` (the iteration line's figures) and ``calibration error``
-    (the fit's median relative error).
+    (the fit's median relative error). ``peak memory
+    predicted (MiB)`` and ``peak memory measured (MiB)`` (and each per pipeline stage) follow at
+    the same iteration once the step's peak is read, with the iteration line or the next plan.
     """
+    if _hooks is not None and _hooks.memory is not None and (writer or wandb_writer):
+        # The step's peak is read (a collective) after this, with the iteration line: its
+        # scalars follow then, at this iteration.
+        _hooks.memory.writers = (writer, wandb_writer)
     scalars = {} if _hooks is None else _hooks.scalars()
     if not scalars:
         return

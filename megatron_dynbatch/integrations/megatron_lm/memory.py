@@ -1,9 +1,9 @@
 """``--max-memory-gib`` in Megatron-LM: the memory model from Megatron's arguments, the budget,
 the start-up check, and every step's peak, measured and compared with the prediction.
 
-* :func:`model_dims_from_args` / :func:`memory_model_from_args`: the pure memory model
-  (:mod:`megatron_dynbatch.planning.memory`) of the run, from Megatron's own arguments (its
-  defaults applied as ``validate_args`` would, so it works before Megatron's validation).
+* :func:`memory_model_from_args`: the pure memory model (:mod:`megatron_dynbatch.planning.memory`)
+  of the run, from Megatron's own arguments (``model_args.py``: its defaults applied as
+  ``validate_args`` would, so it works before Megatron's validation).
 * :func:`budget_bytes`: ``--max-memory-gib`` in bytes; ``auto`` is the GPU's memory less
   :data:`AUTO_MARGIN` (10%) of it, and on CPU this rank's share of the machine's available memory
   (``MemAvailable`` / ranks on the node) less the same margin.
@@ -16,6 +16,15 @@ the start-up check, and every step's peak, measured and compared with the predic
   gathered (one small all-reduce over the world), so every rank refits the same model from the
   same numbers and plans the same steps; a step whose measured peak exceeds the budget although
   predicted within it is reported on every rank and the fit is corrected to cover it.
+* :class:`TrainingPeak`: the run's training peak, for fixed micro-batches too (the equal-bytes
+  comparisons take the fixed run's as the dynamic run's budget).
+
+How the planner's model learns (:class:`StepMemory`): the first step is a probe (rows of
+``--seq-length``); its peak sets a factor on the counted activation bytes that covers it, one-time
+costs included; from the second step on, one factor a stage is fitted by least squares to the
+recent steps (peak less the memory at the step's start), never below what the largest of them
+needed, and a step may keep at most :data:`TRUST_GROWTH` times the largest activations measured
+so far. Memory at rest is what every stage held after the last step.
 """
 
 from __future__ import annotations
@@ -56,11 +65,14 @@ AUTO_MARGIN = 0.10
 #: Steps at the start of a run whose peaks are not fitted: the first step allocates the
 #: optimizer's state (not yet in the memory at rest), and allocator caches settle.
 MEMORY_WARMUP_STEPS = 1
-#: Until measured steps calibrate it, the model's activation bytes count this many times over:
-#: the counted tensors miss the transients of a backward (gradients of the activations, the
-#: allocator's slack), which the first measured steps showed at 1.2-1.6x on CPU; the planner
-#: must not break a budget on the steps that teach it.
+#: Until the probe step is measured, the prediction counts the activation bytes this many times
+#: over: the counted tensors miss the transients of a backward (gradients of the activations, the
+#: allocator's slack), which the fitted factors put at 1.8-3.3x on CPU.
 UNCALIBRATED_SAFETY = 2.0
+#: A step may keep at most this many times the largest activations (as counted) measured so far:
+#: 2, so that rows of whole samples can double (1.5 kept a corpus of --seq-length samples at one
+#: sample a micro-batch for good: no step ever measured two).
+TRUST_GROWTH = 2.0
 #: Steps whose counted activations are at least this share of the largest in the fit window
 #: bound the factor from below (their measured need is never under-predicted again).
 ENVELOPE_SHARE = 0.5
@@ -225,6 +237,11 @@ class StepMemory:
     stage_peaks: List[float] = field(default_factory=list)
     """Per pipeline stage, the largest peak measured over the run's training steps."""
     warned_small: bool = False
+    writers: Optional[Tuple[Any, Any]] = None
+    """Megatron's TensorBoard and W&B writers (on the rank that holds them), once it has written
+    a step's scalars: each step's memory scalars follow when the step is read."""
+    largest_counted: Dict[int, Tuple[float, float]] = field(default_factory=dict)
+    """Per stage, the largest counted token and score bytes of a measured step."""
     cover_floor: Dict[int, float] = field(default_factory=dict)
     """Per stage, the factor the steps that broke the budget needed (the fit stays above)."""
 
@@ -259,6 +276,7 @@ class StepMemory:
         model = self.current
         need = self._row_peak(model)
         budget = self.budget
+        caps: Tuple[Tuple[float, float], ...] = ()
         if self.steps_seen == 0:
             budget = min(budget, need)
         elif need > budget:
@@ -274,7 +292,25 @@ class StepMemory:
                         flush=True,
                     )
             budget = need
-        return MemoryLimit(model=model, budget_bytes=budget, row_multiple=self.row_multiple)
+        else:
+            caps = self._trusted(model)
+        return MemoryLimit(
+            model=model, budget_bytes=budget, row_multiple=self.row_multiple, counted_caps=caps
+        )
+
+    def _trusted(self, model: MemoryModel) -> Tuple[Tuple[float, float], ...]:
+        """Per stage, :data:`TRUST_GROWTH` times the largest token and score bytes measured so
+        far (as counted, over the worst case of a step's live micro-batches), never below one
+        ``--seq-length`` row: the fit is a line through a few steps, and a step far beyond them
+        broke the budget by 4-6% on CPU (one row of 603 after rows of 2 x 256: 2.8x the scores,
+        whose transients cost more than the tokens' for the one factor fitted)."""
+        row = (1, round_up(self.min_row, self.row_multiple))
+        caps = []
+        for s in model.dims.stages():
+            tok, sq = model.uniform_terms(s, row)
+            seen_tok, seen_sq = self.largest_counted.get(s, (0.0, 0.0))
+            caps.append((max(TRUST_GROWTH * seen_tok, tok), max(TRUST_GROWTH * seen_sq, sq)))
+        return tuple(caps)
 
     def _row_peak(self, model: MemoryModel) -> int:
         """The largest predicted peak of micro-batches of one ``--seq-length`` row."""
@@ -321,27 +357,27 @@ class StepMemory:
         self.resting = tuple(after for _, _, after in reading.gathered)
         self._learn(reading)
         self.open, self.last = None, reading
+        self._write(reading)
         return reading
+
+    def _write(self, reading: _Reading) -> None:
+        """The step's scalars to Megatron's writers, at the step's iteration (the writers take
+        them after Megatron's own: the step is read after its scalars are written)."""
+        if self.writers is None or reading.iteration is None:
+            return
+        writer, wandb_writer = self.writers
+        values = self.scalars(reading)
+        if writer is not None:
+            for tag, value in values.items():
+                writer.add_scalar(tag, value, reading.iteration)
+        if wandb_writer is not None:
+            wandb_writer.log(values, reading.iteration)
 
     def _learn(self, reading: _Reading) -> None:
         self.steps_seen += 1
-        if os.environ.get("DYNBATCH_MEMORY_DEBUG") and dist.get_rank() == 0:
-            print(
-                "MEMDEBUG",
-                reading.iteration,
-                [tuple(round(v / MIB, 1) for v in g) for g in reading.gathered],
-                [
-                    (
-                        round(t.static / MIB, 1),
-                        round(t.tokens / MIB, 2),
-                        round(t.scores / MIB, 2),
-                        round(t.total / MIB, 1),
-                    )
-                    for t in reading.predicted
-                ],
-                self.scales,
-                flush=True,
-            )
+        for stage, terms in enumerate(reading.predicted):
+            tok, sq = self.largest_counted.get(stage, (0.0, 0.0))
+            self.largest_counted[stage] = (max(tok, terms.tokens), max(sq, terms.scores))
         over = []
         if self.budget is not None:
             for stage, (_rest, peak, _after) in enumerate(reading.gathered):
@@ -442,8 +478,9 @@ class StepMemory:
             line += f" memory budget (MiB): {self.budget / MIB:.0f} |"
         return line
 
-    def scalars(self) -> Dict[str, float]:
-        reading = self.last
+    def scalars(self, reading: Optional[_Reading] = None) -> Dict[str, float]:
+        """TensorBoard tags of a step's peaks (default: the last step read)."""
+        reading = reading or self.last
         if reading is None or reading.gathered is None:
             return {}
         values = {
@@ -519,4 +556,14 @@ class TrainingPeak:
                 + ", ".join(f"{p / MIB:.1f}" for p in peaks),
                 flush=True,
             )
+            if memory is not None and memory.scales is not None:
+                factors = ", ".join(f"{a:.2f}" for a, _ in memory.scales)
+                error = "n/a" if memory.error is None else f"{100 * memory.error:.1f}%"
+                print(
+                    f"memory model: activation factor per stage {factors} (on the counted "
+                    f"bytes); largest error of the fitted peaks {error} over the last "
+                    f"{min(FIT_WINDOW, max(0, memory.steps_seen - MEMORY_WARMUP_STEPS))} steps; "
+                    f"{memory.corrections} step(s) over the budget",
+                    flush=True,
+                )
         return peaks

@@ -1,0 +1,100 @@
+"""Every step's peak memory in the Megatron-LM entry (integrations/megatron_lm/memory.py), with the
+measurements replaced by given numbers: the probe step, the fit, the trust cap, and a step that
+breaks the budget although predicted within it (reported, and the fit then covers it)."""
+
+import dataclasses
+
+import pytest
+
+from megatron_dynbatch.integrations.megatron_lm import memory as step_memory
+from megatron_dynbatch.planning.memory import MIB, MemoryModel, predicted_step_peaks
+from megatron_dynbatch.planning.model_dims import ModelDims
+from megatron_dynbatch.planning.spec import ParallelLayout
+
+pytestmark = pytest.mark.unit
+
+SEQ = 256
+
+
+class _Process:
+    """What the process 'holds': the test sets it; the peak is the most since the last reset."""
+
+    def __init__(self, now):
+        self.now = now
+        self.peak = now
+
+    def reset(self):
+        self.peak = self.now
+        return float(self.now)
+
+    def run_step(self, peak, after):
+        self.peak, self.now = max(self.peak, peak), after
+
+
+def _memory(monkeypatch, process, budget_mib):
+    monkeypatch.setattr(step_memory, "_reset_peak", process.reset)
+    monkeypatch.setattr(step_memory, "_read_peak", lambda: float(process.peak))
+    monkeypatch.setattr(step_memory, "process_memory_now", lambda: float(process.now))
+    dims = ModelDims(
+        num_layers=4,
+        hidden_size=256,
+        num_attention_heads=8,
+        vocab_size=512,
+        parallel=ParallelLayout(pp_size=2),
+    )
+    model = MemoryModel(dims=dims, attention="dense")
+    return step_memory.StepMemory(model=model, budget=budget_mib * MIB, min_row=SEQ)
+
+
+def _step(memory, process, iteration, shape, count, factor):
+    """Plan-side prediction of ``count`` micro-batches of ``shape``, then a measured step whose
+    activations are ``factor`` times the counted ones."""
+    memory.before_plan(0, None)
+    limit = memory.limit()
+    predicted = predicted_step_peaks(memory.current, [[shape] * count])
+    memory.begin(iteration, predicted)
+    counted = predicted[0].tokens + predicted[0].scores
+    rest = process.now
+    process.run_step(rest + factor * counted, rest)
+    return limit, predicted
+
+
+def test_probe_fit_trust_and_a_step_over_the_budget(monkeypatch, capsys):
+    process = _Process(400 * MIB)
+    memory = _memory(monkeypatch, process, 2000)
+    # The probe: micro-batches of one --seq-length row at most.
+    limit, _ = _step(memory, process, 1, (1, SEQ), 8, 3.0)
+    assert limit.row_cap(1) == SEQ and limit.most_rows(SEQ, 64) == 1
+    memory.close(None)
+    assert memory.scales[0][0] == pytest.approx(3.0)  # covers the probe, one-time costs and all
+    # Fitted steps: the factor comes down to the steps' own (2.0), within two steps.
+    for iteration in (2, 3):
+        limit, _ = _step(memory, process, iteration, (1, SEQ), 8, 2.0)
+    memory.close(None)
+    assert memory.scales[0][0] == pytest.approx(2.0) and memory.error < 1e-9
+    # Trusted at most twice the largest activations measured: not the whole budget at once.
+    limit = memory.limit()
+    assert limit.counted_caps and limit.fits((2, SEQ)) and not limit.fits((3, SEQ))
+    # Per term: one row of 2 x SEQ has twice the tokens but four times the S x S scores.
+    assert not limit.fits((1, 2 * SEQ)) and limit.row_cap(1) < 2 * SEQ
+    untrusted = dataclasses.replace(limit, counted_caps=())
+    assert untrusted.fits((3, SEQ)) and untrusted.row_cap(1) > 2 * limit.row_cap(1)
+    # A step that needs more than predicted breaks the budget: reported, and covered from then on.
+    _, predicted = _step(memory, process, 4, (2, SEQ), 8, 40.0)
+    assert predicted[0].total <= 2000 * MIB < process.peak
+    memory.close(None)
+    out = capsys.readouterr().out
+    assert "iteration 4: pipeline stage 0 measured" in out and "over --max-memory-gib" in out
+    assert memory.corrections == 1
+    covered = predicted_step_peaks(memory.current, [[(2, SEQ)] * 8])[0].total
+    assert covered >= process.peak - 1
+
+
+def test_a_budget_the_process_outgrew_plans_seq_length_rows_and_says_so(monkeypatch, capsys):
+    process = _Process(400 * MIB)
+    memory = _memory(monkeypatch, process, 520)
+    _step(memory, process, 1, (1, SEQ), 8, 3.0)
+    process.now = 519 * MIB  # the process grew: one --seq-length row no longer fits as measured
+    limit, _ = _step(memory, process, 2, (1, SEQ), 8, 3.0)
+    assert limit.row_cap(1) == SEQ and limit.budget_bytes > 520 * MIB
+    assert "planning micro-batches of such rows at most" in capsys.readouterr().out
