@@ -71,6 +71,7 @@ _PLANNER_NAMES = {
     "cost_attention": "attention",
     "min_gain": "min_gain",
     "oversize_samples": "oversize_samples",
+    "max_memory_gib": "memory",
 }
 #: The planner's setting -> the flag that sets it (for :func:`setting_flags`).
 _SETTING_FLAGS = {_PLANNER_NAMES[field]: flag for field, flag in FLAGS.items()}
