@@ -73,8 +73,11 @@ _PLANNER_NAMES = {
     "oversize_samples": "oversize_samples",
     "max_memory_gib": "memory",
 }
-#: The planner's setting -> the flag that sets it (for :func:`setting_flags`).
-_SETTING_FLAGS = {_PLANNER_NAMES[field]: flag for field, flag in FLAGS.items()}
+#: The planner's setting -> the flag that sets it (for :func:`setting_flags`); the fields checked
+#: here rather than by the planner (``max_memory_gib``) have no planner name.
+_SETTING_FLAGS = {
+    _PLANNER_NAMES[field]: flag for field, flag in FLAGS.items() if field in _PLANNER_NAMES
+}
 
 
 def attention_from_megatron(
