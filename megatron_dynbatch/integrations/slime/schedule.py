@@ -350,15 +350,17 @@ def _lengths(total_lengths: Any) -> List[int]:
             f"total_lengths must be a list of per-sample token counts, got "
             f"{type(total_lengths).__name__}."
         )
-    lengths = []
-    for i, value in enumerate(total_lengths):
-        lengths.append(
-            check_int(
-                f"total_lengths[{i}]",
-                value,
-                1,
-                "pass every sample's token count (prompt + response) as an integer >= 1.",
-            )
+    lengths = list(total_lengths)
+    # Plain ints >= 1 (what slime passes) need no per-sample check: 1M samples in milliseconds.
+    # Anything else goes through check_int one by one, which names the first bad value.
+    if lengths and set(map(type, lengths)) == {int} and min(lengths) >= 1:
+        return lengths
+    for i, value in enumerate(lengths):
+        lengths[i] = check_int(
+            f"total_lengths[{i}]",
+            value,
+            1,
+            "pass every sample's token count (prompt + response) as an integer >= 1.",
         )
     if not lengths:
         raise DPScheduleError("total_lengths is empty; there is no sample to schedule.")
@@ -379,6 +381,11 @@ def _rollout_keys(rollout_indices: Any, num_samples: int) -> List[Any]:
             f"got {len(ids)} rollout_indices for {num_samples} total_lengths; pass one rollout id "
             "per sample (samples[i].index)."
         )
+    # One type of id (slime's ints) needs no per-sample check; mixed ids go one by one, which
+    # converts numpy integers and names the first bad id.
+    types = set(map(type, ids))
+    if types == {str} or (types == {int} and (not ids or min(ids) >= _MIN_ROLLOUT_ID)):
+        return ids
     keys = []
     for i, rid in enumerate(ids):
         if isinstance(rid, str):
@@ -388,11 +395,15 @@ def _rollout_keys(rollout_indices: Any, num_samples: int) -> List[Any]:
                 check_int(
                     f"rollout_indices[{i}]",
                     rid,
-                    -(2**63),
+                    _MIN_ROLLOUT_ID,
                     "pass integer (or string) rollout ids, one per sample.",
                 )
             )
     return keys
+
+
+#: The smallest integer rollout id (an int64, as slime's ``samples[i].index``).
+_MIN_ROLLOUT_ID = -(2**63)
 
 
 def _group_rollouts(keys: Sequence[Any]) -> List[List[int]]:
@@ -401,6 +412,13 @@ def _group_rollouts(keys: Sequence[Any]) -> List[List[int]]:
     for position, key in enumerate(keys):
         members.setdefault(key, []).append(position)
     return list(members.values())
+
+
+def _rollout_heads(keys: Sequence[Any]) -> set:
+    """The first sample (lowest global index) of every rollout."""
+    # Built from the end, a key's last write is its lowest index (a C loop, not a Python one).
+    n = len(keys)
+    return set(dict(zip(reversed(keys), range(n - 1, -1, -1))).values())
 
 
 # -- FLOPs and Karmarkar-Karp (slime's static balance_data) ---------------------------------------
@@ -648,7 +666,7 @@ def _forward_only_schedule(
     budget = config.forward_only_max_tokens_per_gpu
     # Once over the global lengths, so an error names the samples by their rollout position.
     check_host_oversize(SLIME, [lengths], planner_config, forward_only=True)
-    rank_lengths = [[lengths[i] for i in partition] for partition in partitions]
+    rank_lengths = [list(map(lengths.__getitem__, partition)) for partition in partitions]
     if (
         training is not None
         and variable
@@ -696,7 +714,7 @@ def _dynamic_schedule(
         plan = run_strategy(SampleSet.build(lengths, keys), planner_config)
     check_plan(plan, SampleSet.build(lengths, keys, None), planner_config)
 
-    heads = {members[0] for members in _group_rollouts(keys)}
+    heads = _rollout_heads(keys)
     partitions: List[List[int]] = [[] for _ in range(dp)]
     micro_batch_indices: List[List[List[int]]] = [[] for _ in range(dp)]
     rollout_counts: List[List[int]] = [[] for _ in range(dp)]
@@ -711,11 +729,15 @@ def _dynamic_schedule(
         for r, rank in enumerate(step.ranks):
             rows = _gpu_rows(step.row_lengths[r], cp) if variable else [uniform] * len(rank)
             row_lengths[r].extend(rows)
+            partition, local, counts = partitions[r], micro_batch_indices[r], rollout_counts[r]
+            start = len(partition)
             for mb in rank:
-                start = len(partitions[r])
-                partitions[r].extend(mb)
-                micro_batch_indices[r].append(list(range(start, start + len(mb))))
-                rollout_counts[r].append(sum(1 for i in mb if i in heads))
+                partition.extend(mb)
+                end = start + len(mb)
+                local.append(list(range(start, end)))
+                # A sample is in one micro-batch only (check_plan), so the overlap counts heads.
+                counts.append(len(heads.intersection(mb)))
+                start = end
     return DPSchedule(
         partitions,
         micro_batch_indices,
