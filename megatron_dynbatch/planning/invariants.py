@@ -55,16 +55,31 @@ def check_plan(
         return
     kept = plan.kept_lengths()
     multiple = config.parallel.sample_multiple
-    lengths = [kept.get(i, length) for i, length in enumerate(samples.lengths)]
-    sizes = [round_up(length, multiple) for length in lengths]
+    lengths = samples.lengths
+    if kept:
+        lengths = [kept.get(i, length) for i, length in enumerate(lengths)]
+    sizes = (
+        list(lengths)
+        if multiple == 1
+        else [-(-length // multiple) * multiple for length in lengths]
+    )
+    # Every step's sample indices, gathered once (three checks read them).
+    indices = [_indices(step) for step in plan.steps]
+    flat = [i for step in indices for i in step]
+    n = len(samples)
+    # Plain ints in range (the usual case): the checks below may index ``sizes`` directly; any
+    # other index makes them take the careful way, which reports it.
+    in_range = not flat or (set(map(type, flat)) == {int} and min(flat) >= 0 and max(flat) < n)
     problems: List[str] = []
-    problems += _every_sample_once(plan, len(samples))
-    problems += _whole_rollouts_in_order(plan, samples, config)
+    problems += _every_sample_once(flat, n, in_range)
+    problems += _whole_rollouts_in_order(plan, indices, samples, config)
     problems += _truncation(plan, samples, config)
     for s, step in enumerate(plan.steps):
         where = f"step {s}"
         problems += _equal_valid_counts(where, step, config)
-        problems += _shape_and_cap(where, step, plan.layout, sizes, config)
+        problems += _shape_and_cap(
+            where, step, indices[s], plan.layout, sizes, config, in_range=in_range
+        )
         problems += _step_counts(where, step, sizes, config)
     problems += _stats_add_up(plan, sizes, config)
     if problems:
@@ -75,9 +90,11 @@ def _indices(step: StepPlan) -> List[int]:
     return [i for rank in step.ranks for mb in rank for i in mb]
 
 
-def _every_sample_once(plan: Plan, n: int) -> List[str]:
+def _every_sample_once(flat: Sequence[int], n: int, in_range: bool) -> List[str]:
     """Nothing lost, nothing duplicated, no index outside the samples."""
-    seen = Counter(i for step in plan.steps for i in _indices(step))
+    if in_range and len(flat) == n and len(set(flat)) == n:
+        return []  # n distinct indices in [0, n): each sample exactly once
+    seen = Counter(flat)
     outside = sorted(i for i in seen if not (isinstance(i, int) and 0 <= i < n))
     missing = [i for i in range(n) if i not in seen]
     duplicated = sorted(i for i, count in seen.items() if count > 1 and i not in outside)
@@ -91,7 +108,9 @@ def _every_sample_once(plan: Plan, n: int) -> List[str]:
     return problems
 
 
-def _whole_rollouts_in_order(plan: Plan, samples: SampleSet, config: PlannerConfig) -> List[str]:
+def _whole_rollouts_in_order(
+    plan: Plan, indices: Sequence[Sequence[int]], samples: SampleSet, config: PlannerConfig
+) -> List[str]:
     """Whole rollouts, in order of first appearance, ``rollouts_per_step`` per step."""
     rollouts = samples.rollouts()
     per_step = config.rollouts_per_step or len(rollouts)
@@ -103,10 +122,12 @@ def _whole_rollouts_in_order(plan: Plan, samples: SampleSet, config: PlannerConf
             f"{per_step} per step)"
         )
     step_of: Dict[int, int] = {}
-    for s, step in enumerate(plan.steps):
-        for i in _indices(step):
-            step_of[i] = s
+    for s, step_indices in enumerate(indices):
+        step_of.update(dict.fromkeys(step_indices, s))
+    lookup = step_of.get
     for r, (rollout, members) in enumerate(rollouts):
+        if len(set(map(lookup, members))) == 1 and lookup(members[0]) == r // per_step:
+            continue  # the usual case, without the message's string work
         got = sorted({str(step_of.get(i)) for i in members})
         if got != [str(r // per_step)]:
             problems.append(
@@ -157,14 +178,27 @@ def _equal_valid_counts(where: str, step: StepPlan, config: PlannerConfig) -> Li
 
 
 def _shape_and_cap(
-    where: str, step: StepPlan, layout: str, sizes: Sequence[int], config: PlannerConfig
+    where: str,
+    step: StepPlan,
+    indices: Sequence[int],
+    layout: str,
+    sizes: Sequence[int],
+    config: PlannerConfig,
+    *,
+    in_range: bool = False,
 ) -> List[str]:
-    """Every micro-batch fits the step's shape and the cap; only a lone oversize sample exceeds it."""
+    """Every micro-batch fits the step's shape and the cap; only a lone oversize sample exceeds it.
+
+    ``in_range``: every index of the plan is an int in ``[0, len(sizes))`` (the caller checked).
+    """
     cap, multiple = config.token_cap, config.parallel.sample_multiple
     s, b = step.seq_length, step.micro_batch_size
     n = len(sizes)
     problems = []
-    oversize = sorted(i for i in _indices(step) if 0 <= i < n and sizes[i] > cap)
+    if in_range and (not indices or max(map(sizes.__getitem__, indices)) <= cap):
+        oversize = []
+    else:
+        oversize = sorted(i for i in indices if 0 <= i < n and sizes[i] > cap)
     if sorted(step.oversize_samples) != oversize:
         problems.append(
             f"{where}: reported oversize {list(step.oversize_samples)}, actual {oversize}"
@@ -202,13 +236,16 @@ def _shape_and_cap(
     if real_rows and config.variable_row_lengths:
         shortest = config.variable_row_multiple
         real_rows.add(shortest if shortest <= cap else min(real_rows))
+    size_of = sizes.__getitem__
     for r, rank in enumerate(step.ranks):
         for k, mb in enumerate(rank):
-            mb_sizes = [sizes[i] for i in mb if 0 <= i < n]
-            label = f"{where} rank {r} micro-batch {k} {list(mb)[:8]}"
+            mb_sizes = list(map(size_of, mb)) if in_range else [sizes[i] for i in mb if 0 <= i < n]
+            label = _Label(where, r, k, mb)
             if layout == "packed":
                 footprint = sum(mb_sizes)
-                for row, row_sizes in enumerate(_row_sizes(step, r, k, mb, sizes)):
+                # One row a micro-batch (no packed_rows): its samples are the row.
+                row_list = _row_sizes(step, r, k, mb, sizes) if step.packed_rows else [mb_sizes]
+                for row, row_sizes in enumerate(row_list):
                     if sum(row_sizes) > s:
                         problems.append(
                             f"{label} row {row}: {sum(row_sizes)} padded tokens exceed "
@@ -234,6 +271,19 @@ def _shape_and_cap(
                 if mb_sizes and max(mb_sizes) > s:
                     problems.append(f"{label}: a sample of {max(mb_sizes)} > seq_length={s}")
     return problems
+
+
+class _Label:
+    """``step s rank r micro-batch k [first indices]``, formatted only into a message (a plan
+    has hundreds of thousands of micro-batches and usually no problem)."""
+
+    __slots__ = ("where", "r", "k", "mb")
+
+    def __init__(self, where: str, r: int, k: int, mb: Sequence[int]) -> None:
+        self.where, self.r, self.k, self.mb = where, r, k, mb
+
+    def __format__(self, spec: str) -> str:
+        return format(f"{self.where} rank {self.r} micro-batch {self.k} {list(self.mb)[:8]}", spec)
 
 
 def _packed_rows_shape(where: str, step: StepPlan) -> List[str]:
@@ -316,7 +366,7 @@ def _stats_add_up(plan: Plan, sizes: Sequence[int], config: PlannerConfig) -> Li
     microbatches = sum(dp * s.num_microbatches for s in steps)
     if stats.num_microbatches != microbatches:
         problems.append(f"stats.num_microbatches={stats.num_microbatches}, expected {microbatches}")
-    oversize = [i for i in range(n) if sizes[i] > cap]
+    oversize = [] if not sizes or max(sizes) <= cap else [i for i in range(n) if sizes[i] > cap]
     if sorted(stats.oversize_samples) != oversize:
         problems.append(
             f"stats.oversize_samples={list(stats.oversize_samples)[:_LISTED]} is not exactly the "

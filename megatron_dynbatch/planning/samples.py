@@ -7,6 +7,7 @@ elements are either an integer (a sample's total length, its own rollout) or an 
 
 from __future__ import annotations
 
+import itertools
 import operator
 import reprlib
 from dataclasses import dataclass
@@ -174,8 +175,19 @@ class SampleSet:
 
     def rollouts(self) -> List[Tuple[Any, List[int]]]:
         """``[(rollout id, [sample indices])]`` in order of each rollout's first appearance."""
+        keys = self.rollout_keys
+        n = len(keys)
+        # Rollout engines return a rollout's samples together: where every id is one run of
+        # neighbours, the runs are the rollouts (C loops, no per-sample Python work).
+        starts = [0] + list(itertools.compress(range(1, n), map(operator.ne, keys[1:], keys)))
+        if n and len(starts) == len(set(keys)):
+            ids = self.rollout_ids
+            return [
+                (ids[start], list(range(start, end)))
+                for start, end in zip(starts, starts[1:] + [n], strict=True)
+            ]
         groups: dict = {}
-        for index, key in enumerate(self.rollout_keys):
+        for index, key in enumerate(keys):
             members = groups.get(key)
             if members is None:
                 groups[key] = [index]
@@ -197,7 +209,8 @@ class SampleSet:
         result = []
         for start in range(0, len(rollouts), per_step):
             chunk = rollouts[start : start + per_step]
-            result.append((len(chunk), sorted(i for _, members in chunk for i in members)))
+            merged = itertools.chain.from_iterable(members for _, members in chunk)
+            result.append((len(chunk), sorted(merged)))
         return result
 
 

@@ -43,6 +43,7 @@ Standard library and the pure planner only: slime's rollout manager imports it w
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -418,7 +419,7 @@ def _rollout_heads(keys: Sequence[Any]) -> set:
     """The first sample (lowest global index) of every rollout."""
     # Built from the end, a key's last write is its lowest index (a C loop, not a Python one).
     n = len(keys)
-    return set(dict(zip(reversed(keys), range(n - 1, -1, -1))).values())
+    return set(dict(zip(reversed(keys), range(n - 1, -1, -1), strict=True)).values())
 
 
 # -- FLOPs and Karmarkar-Karp (slime's static balance_data) ---------------------------------------
@@ -710,9 +711,10 @@ def _dynamic_schedule(
         _layout(sizes, dp), row_multiple=pad_size * cp if variable else None
     )
     check_host_oversize(SLIME, [lengths], planner_config, forward_only=False)
+    samples = SampleSet.build(lengths, keys)
     with planner_oversize_reported():
-        plan = run_strategy(SampleSet.build(lengths, keys), planner_config)
-    check_plan(plan, SampleSet.build(lengths, keys, None), planner_config)
+        plan = run_strategy(samples, planner_config)
+    check_plan(plan, samples, planner_config)
 
     heads = _rollout_heads(keys)
     partitions: List[List[int]] = [[] for _ in range(dp)]
@@ -810,6 +812,15 @@ def build_dp_schedule(
         "pass --global-batch-size as the number of rollouts per optimizer step.",
     )
     pad = pad_size(args)
-    if use_dynamic:
-        return _dynamic_schedule(args, sizes, lengths, keys, global_batch_size, pad)
-    return _static_schedule(args, sizes, lengths, _group_rollouts(keys), global_batch_size, pad)
+    # A schedule of 1M samples builds millions of small lists and no reference cycles; the cyclic
+    # collector would re-scan them at every threshold (a fifth of the time), so it is paused for
+    # the call and restored as it was (as the planner does).
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        if use_dynamic:
+            return _dynamic_schedule(args, sizes, lengths, keys, global_batch_size, pad)
+        return _static_schedule(args, sizes, lengths, _group_rollouts(keys), global_batch_size, pad)
+    finally:
+        if collecting:
+            gc.enable()
