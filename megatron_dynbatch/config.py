@@ -71,7 +71,6 @@ _PLANNER_NAMES = {
     "cost_attention": "attention",
     "min_gain": "min_gain",
     "oversize_samples": "oversize_samples",
-    "max_memory_gib": "memory",
 }
 #: The planner's setting -> the flag that sets it (for :func:`setting_flags`); the fields checked
 #: here rather than by the planner (``max_memory_gib``) have no planner name.
