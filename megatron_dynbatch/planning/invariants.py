@@ -7,6 +7,7 @@ the problems it finds, every message with the values involved.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from typing import Dict, List, Sequence, Union
 
@@ -71,8 +72,9 @@ def check_plan(
     # other index makes them take the careful way, which reports it.
     in_range = not flat or (set(map(type, flat)) == {int} and min(flat) >= 0 and max(flat) < n)
     problems: List[str] = []
-    problems += _every_sample_once(flat, n, in_range)
-    problems += _whole_rollouts_in_order(plan, indices, samples, config)
+    once = _every_sample_once(flat, n, in_range)
+    problems += once
+    problems += _whole_rollouts_in_order(plan, indices, samples, config, once_each=not once)
     problems += _truncation(plan, samples, config)
     for s, step in enumerate(plan.steps):
         where = f"step {s}"
@@ -109,9 +111,15 @@ def _every_sample_once(flat: Sequence[int], n: int, in_range: bool) -> List[str]
 
 
 def _whole_rollouts_in_order(
-    plan: Plan, indices: Sequence[Sequence[int]], samples: SampleSet, config: PlannerConfig
+    plan: Plan,
+    indices: Sequence[Sequence[int]],
+    samples: SampleSet,
+    config: PlannerConfig,
+    once_each: bool = False,
 ) -> List[str]:
-    """Whole rollouts, in order of first appearance, ``rollouts_per_step`` per step."""
+    """Whole rollouts, in order of first appearance, ``rollouts_per_step`` per step.
+
+    ``once_each``: every sample is in the plan exactly once (the caller checked)."""
     rollouts = samples.rollouts()
     per_step = config.rollouts_per_step or len(rollouts)
     expected = ceil_div(len(rollouts), per_step)
@@ -121,6 +129,16 @@ def _whole_rollouts_in_order(
             f"{len(plan.steps)} steps, expected {expected} ({len(rollouts)} rollouts, "
             f"{per_step} per step)"
         )
+    if once_each and len(plan.steps) == expected:
+        # Each sample once (checked): every rollout is whole and in its step exactly when each
+        # step holds the samples of its rollouts (sorted lists compared in C).
+        members = [m for _, m in rollouts]
+        if all(
+            sorted(step_indices)
+            == sorted(itertools.chain.from_iterable(members[s * per_step : (s + 1) * per_step]))
+            for s, step_indices in enumerate(indices)
+        ):
+            return problems
     step_of: Dict[int, int] = {}
     for s, step_indices in enumerate(indices):
         step_of.update(dict.fromkeys(step_indices, s))

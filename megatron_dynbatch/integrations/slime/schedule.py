@@ -641,6 +641,15 @@ def _gpu_rows(rows: Sequence[int], cp: int) -> List[int]:
     return [row // cp for row in rows]
 
 
+def _check_oversize(lengths: List[int], planner_config: Any, *, forward_only: bool) -> None:
+    """slime's oversize rule over the global lengths (:func:`check_host_oversize`), skipped where
+    no sample is over the cap rounded down to the sample multiple: then none is over however the
+    host counts its budget (two passes over 1M samples saved)."""
+    multiple, cap = planner_config.parallel.sample_multiple, planner_config.token_cap
+    if max(lengths) > (cap // multiple) * multiple:
+        check_host_oversize(SLIME, [lengths], planner_config, forward_only=forward_only)
+
+
 def _forward_only_schedule(
     config: DynBatchConfig,
     sizes: Dict[str, int],
@@ -666,7 +675,7 @@ def _forward_only_schedule(
     )
     budget = config.forward_only_max_tokens_per_gpu
     # Once over the global lengths, so an error names the samples by their rollout position.
-    check_host_oversize(SLIME, [lengths], planner_config, forward_only=True)
+    _check_oversize(lengths, planner_config, forward_only=True)
     rank_lengths = [list(map(lengths.__getitem__, partition)) for partition in partitions]
     if (
         training is not None
@@ -710,7 +719,7 @@ def _dynamic_schedule(
     planner_config = config.planner_config(
         _layout(sizes, dp), row_multiple=pad_size * cp if variable else None
     )
-    check_host_oversize(SLIME, [lengths], planner_config, forward_only=False)
+    _check_oversize(lengths, planner_config, forward_only=False)
     samples = SampleSet.build(lengths, keys)
     with planner_oversize_reported():
         plan = run_strategy(samples, planner_config)
