@@ -8,8 +8,9 @@ the problems it finds, every message with the values involved.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections import Counter
-from typing import Dict, List, Sequence, Union
+from typing import Dict, List, Sequence, Set, Union
 
 from megatron_dynbatch.errors import DynBatchError
 
@@ -120,6 +121,15 @@ def _whole_rollouts_in_order(
     """Whole rollouts, in order of first appearance, ``rollouts_per_step`` per step.
 
     ``once_each``: every sample is in the plan exactly once (the caller checked)."""
+    if (
+        once_each
+        and len(plan.steps) == 1
+        and (
+            not config.rollouts_per_step
+            or config.rollouts_per_step >= len(set(samples.rollout_keys))
+        )
+    ):
+        return []  # one step expected, holding every sample once: every rollout whole in it
     rollouts = samples.rollouts()
     per_step = config.rollouts_per_step or len(rollouts)
     expected = ceil_div(len(rollouts), per_step)
@@ -255,6 +265,9 @@ def _shape_and_cap(
         shortest = config.variable_row_multiple
         real_rows.add(shortest if shortest <= cap else min(real_rows))
     size_of = sizes.__getitem__
+    if layout == "packed" and in_range and not step.packed_rows:
+        if _packed_rows_fit(step, size_of, min(s, cap), multiple, real_rows):
+            return problems  # nothing the loop below could report
     for r, rank in enumerate(step.ranks):
         for k, mb in enumerate(rank):
             mb_sizes = list(map(size_of, mb)) if in_range else [sizes[i] for i in mb if 0 <= i < n]
@@ -289,6 +302,32 @@ def _shape_and_cap(
                 if mb_sizes and max(mb_sizes) > s:
                     problems.append(f"{label}: a sample of {max(mb_sizes)} > seq_length={s}")
     return problems
+
+
+def _packed_rows_fit(
+    step: StepPlan, size_of, limit: int, multiple: int, real_rows: Set[int]
+) -> bool:
+    """One packed row a micro-batch, indices in range: whether every micro-batch is within
+    ``limit`` (the shape's row and the cap) and every row length valid, as whole-list
+    comparisons (C loops). ``False`` says only that the per-micro-batch loop must look."""
+    for r, rank in enumerate(step.ranks):
+        footprints = [sum(map(size_of, mb)) for mb in rank]
+        if footprints and max(footprints) > limit:
+            return False
+        if not step.row_lengths:
+            continue
+        rows = step.row_lengths[r]
+        if rows and (
+            max(rows) > step.seq_length
+            or any(map(multiple.__rmod__, rows))
+            or not all(map(operator.le, footprints, rows))
+        ):
+            return False
+        if real_rows and not real_rows.issuperset(
+            itertools.compress(rows, map(operator.not_, rank))
+        ):
+            return False
+    return True
 
 
 class _Label:
