@@ -22,7 +22,6 @@ Per step the planner
 from __future__ import annotations
 
 import gc
-import itertools
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -114,13 +113,12 @@ def _plan_samples(samples: SampleSet, config: PlannerConfig) -> Plan:
         responses = sizes  # unused: no response term
 
     costs = sample_costs(config.cost, config.layout, sizes, responses)
-    own_costs = list(
-        map(
-            config.cost.cost,
-            effective,
-            responses if config.cost.response_weight else itertools.repeat(0),
-        )
-    )
+    # CostModel.cost of every sample, its expression inlined (no method call a sample).
+    tw, aw, rw = config.cost.token_weight, config.cost.attention_weight, config.cost.response_weight
+    own_costs = [
+        tw * n + aw * float(n) * float(n) + rw * r
+        for n, r in zip(effective, responses if rw else [0] * len(effective), strict=True)
+    ]
     steps = [
         _plan_step(items, num_rollouts, effective, sizes, costs, own_costs, kept, samples, config)
         for num_rollouts, items in samples.steps(config.rollouts_per_step)
