@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections import Counter
-from typing import Dict, List, Sequence, Set, Union
+from typing import Dict, List, Optional, Sequence, Set, Union
 
 from megatron_dynbatch.errors import DynBatchError
 
@@ -65,6 +65,7 @@ def check_plan(
         if multiple == 1
         else [-(-length // multiple) * multiple for length in lengths]
     )
+    longest = max(sizes, default=0)
     # Every step's sample indices, gathered once (three checks read them).
     indices = [_indices(step) for step in plan.steps]
     flat = [i for step in indices for i in step]
@@ -81,7 +82,7 @@ def check_plan(
         where = f"step {s}"
         problems += _equal_valid_counts(where, step, config)
         problems += _shape_and_cap(
-            where, step, indices[s], plan.layout, sizes, config, in_range=in_range
+            where, step, indices[s], plan.layout, sizes, config, in_range=in_range, longest=longest
         )
         problems += _step_counts(where, step, sizes, config)
     problems += _stats_add_up(plan, sizes, config)
@@ -214,16 +215,20 @@ def _shape_and_cap(
     config: PlannerConfig,
     *,
     in_range: bool = False,
+    longest: Optional[int] = None,
 ) -> List[str]:
     """Every micro-batch fits the step's shape and the cap; only a lone oversize sample exceeds it.
 
     ``in_range``: every index of the plan is an int in ``[0, len(sizes))`` (the caller checked).
+    ``longest``: the largest of ``sizes``, where the caller has it.
     """
+    if longest is None:
+        longest = max(sizes, default=0)
     cap, multiple = config.token_cap, config.parallel.sample_multiple
     s, b = step.seq_length, step.micro_batch_size
     n = len(sizes)
     problems = []
-    if in_range and (not indices or max(map(sizes.__getitem__, indices)) <= cap):
+    if in_range and (not indices or longest <= cap or max(map(sizes.__getitem__, indices)) <= cap):
         oversize = []
     else:
         oversize = sorted(i for i in indices if 0 <= i < n and sizes[i] > cap)
@@ -311,7 +316,12 @@ def _packed_rows_fit(
     ``limit`` (the shape's row and the cap) and every row length valid, as whole-list
     comparisons (C loops). ``False`` says only that the per-micro-batch loop must look."""
     for r, rank in enumerate(step.ranks):
-        footprints = [sum(map(size_of, mb)) for mb in rank]
+        # Every micro-batch's padded tokens as differences of the rank's running sum.
+        running = [0, *itertools.accumulate(map(size_of, itertools.chain.from_iterable(rank)))]
+        ends = list(itertools.accumulate(map(len, rank)))
+        footprints = list(
+            map(operator.sub, map(running.__getitem__, ends), map(running.__getitem__, [0] + ends))
+        )
         if footprints and max(footprints) > limit:
             return False
         if not step.row_lengths:
