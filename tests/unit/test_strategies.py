@@ -250,3 +250,38 @@ def test_an_unknown_planner_is_refused_at_start_up_naming_the_flag(tmp_path):
     # A module that registers strategies when imported is named as module:name.
     config = DynBatchConfig(max_tokens_per_gpu=1024, planner="benchmarks.baselines:verl_kk")
     assert get_strategy(config.planner_config(ParallelLayout()).strategy) is get_strategy("verl_kk")
+
+
+def test_the_megatron_lm_hooks_plan_each_step_with_the_chosen_strategy(tmp_path):
+    """What a Megatron-LM run's hooks plan a step with (``DynamicBatchHooks._plan``, called by
+    ``prepare`` for every training step) under ``--dynamic-batch-planner``."""
+    from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
+
+    apply_cpu_shim()  # the hooks import megatron.core, which needs the triton stand-in here
+    from megatron_dynbatch.integrations.megatron_lm.hooks import DynamicBatchHooks
+
+    class Batch:
+        rollout_ids = None
+
+        def lengths(self):
+            return list(LENGTHS)
+
+        def prompt_lengths(self):
+            return [0] * len(LENGTHS)
+
+    layout = ParallelLayout(dp_size=2)
+    plans = {}
+    for name in ("dynbatch", "fixed"):
+        argv = ["--max-tokens-per-gpu", "1024", "--dynamic-batch-layout", "padded"]
+        argv += ["--dynamic-batch-planner", name, "--dynamic-batch-calibration-steps", "0"]
+        parser = add_dynamic_batch_args(argparse.ArgumentParser(allow_abbrev=False))
+        args = parser.parse_args(["--use-dynamic-batch-size", *argv])
+        args.save = str(tmp_path)
+        config, planner = _megatron_run_config(argv)
+        hooks = DynamicBatchHooks(args, config)
+        plans[name], _ = hooks._plan(Batch(), layout, False)
+        assert plans[name] == run_strategy(SampleSet.build(LENGTHS), planner)
+    assert plans["fixed"] == get_strategy("fixed")(
+        SampleSet.build(LENGTHS), _megatron_run_config(argv)[1]
+    )
+    assert plans["fixed"] != plans["dynbatch"]
