@@ -502,3 +502,9 @@ def test_a_fit_without_token_work_plans_only_where_a_row_pays_its_whole_attentio
     no_overhead = dataclasses.replace(fit, microbatch_overhead=0.0)
     assert not calib.Calibrator()._usable(no_overhead, _args(tmp_path, transformer_impl="local"))[0]
     assert fit.cost_model().token_weight == 0.0 and fit.cost_model().attention_weight == 1.0
+    # Rows of one length only (the memory allowed no longer): attention and token work grow
+    # together; all of it priced as attention plans, a share priced as token work does not.
+    one_length = dataclasses.replace(fit, unidentified=("token_weight", "attention_weight"))
+    assert calib.Calibrator()._usable(one_length, _args(tmp_path, transformer_impl="local"))[0]
+    split = dataclasses.replace(one_length, token_weight=1e-7)
+    assert not calib.Calibrator()._usable(split, _args(tmp_path, transformer_impl="local"))[0]

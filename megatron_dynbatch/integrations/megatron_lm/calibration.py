@@ -9,7 +9,8 @@ used. While calibrating, steps are planned in four shapes in turn (the budget; f
 micro-batches, of short rows where attention pays S^2 a row; half the budget in few long rows; a
 quarter of it, never below ``--seq-length``): smaller budgets are safe for memory, and without
 different shapes token work, attention, per-micro-batch overhead and the per-step constant cannot
-be told apart. Then every rank fits the same weights from the same numbers
+be told apart. Under a memory budget (``--max-memory-gib``), which leaves those budgets the same
+shapes, they vary within the longest row the memory allows instead (:data:`_MEMORY_SHAPES`). Then every rank fits the same weights from the same numbers
 (:func:`~megatron_dynbatch.planning.calibration.fit_cost_model`), rank 0's fit is broadcast (one
 collective, so plans stay identical even if floating point differed) and held by the run's
 :class:`Calibrator` (owned by its :class:`~.hooks.DynamicBatchHooks`;
@@ -462,13 +463,20 @@ class Calibrator:
         Every step of a batch size computes about the same tokens, so token work is hard to tell
         from the per-step constant; where attention dominates (a small model on CPU: 4 layers of
         64 wide at rows of 256-512) least squares puts it at 0. Padding then still costs its
-        row's ``S**2``, so the planner does not pad freely.
+        row's ``S**2``, so the planner does not pad freely. Where the memory budget allowed rows
+        of one length only, attention and token work grow together and cannot be told apart:
+        priced all as attention, a longer row is predicted dearer than it is, not cheaper (the
+        cheaper error planned the ``[1 x 512]`` rows that ran twice as long as ``[2 x 256]``).
         """
+        unidentified = set(fit.unidentified)
         return (
             self._attention_kind(args) in _ROW_WISE
             and fit.attention_weight > 0
             and fit.microbatch_overhead > 0
-            and not {"attention_weight", "microbatch_overhead"} & set(fit.unidentified)
+            and "microbatch_overhead" not in unidentified
+            # Attention told from token work, or (rows of one length: the two grow together) all
+            # of their work priced as attention, which prices a longer row dearer, never cheaper.
+            and ("attention_weight" not in unidentified or fit.token_weight == 0)
         )
 
     def timing(self) -> Optional[tuple]:
