@@ -118,6 +118,9 @@ _ROW_WISE = ("dense", "causal")
 #: two lengths at one micro-batch count separate attention from token work, and three counts of
 #: short rows (1-4x apart) token work, the per-micro-batch overhead and the per-step constant:
 #: four unknowns need four distinct shapes besides the configured one.
+#: The long rows of :data:`_MEMORY_SHAPES` are at most this many times ``--seq-length``: two row
+#: lengths suffice to tell attention from token work.
+LONG_ROW_RATIO = 2
 _MEMORY_SHAPES = ("configured", "short_rows", "long_rows", "seq_rows", "cap_rows")
 
 #: Calibration varies the budget down to a quarter, never below ``--seq-length``; below this ratio
@@ -696,9 +699,12 @@ class Calibrator:
             }
         if name == "long_rows":
             # The fewest micro-batches of one row each: the planner, told attention is per
-            # segment, packs no B > 1 rows, so the rows are as long as the memory allows.
+            # segment, packs no B > 1 rows, so the rows are as long as the memory allows, up to
+            # LONG_ROW_RATIO x --seq-length: the memory model trusts a row's S x S scores least
+            # (one row of 635 at a cap of 635 peaked 4% over its prediction on CPU; 512 did not).
             return {
                 **configured,
+                "max_tokens_per_gpu": max(floor, min(cap, LONG_ROW_RATIO * floor)),
                 "cost_microbatch_overhead": float(cap),
                 "cost_attention": "segment",
             }
