@@ -87,17 +87,8 @@ _CALIBRATION = re.compile(r"(dynamic-batch calibration over .*)")
 _MICROBATCHES = re.compile(r"micro-batches/rank: (\d+) (\[[^\]]*\])")
 
 
-def _compare_runs():
-    spec = importlib.util.spec_from_file_location(
-        "compare_runs", REPO / "launch" / "compare_runs.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-COMPARE = _compare_runs()
-
+# launch/compare_runs.py's log parser, as the end-to-end benchmark loads it.
+from benchmarks.bench_e2e_megatron_lm import COMPARE  # noqa: E402
 
 # --------------------------------------------------------------------------- environment
 

@@ -17,6 +17,7 @@ from typing import Any, Dict, Mapping, Optional, Union
 
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning.spec import (
+    DEFAULT_STRATEGY,
     CostModel,
     ParallelLayout,
     PlannerConfig,
@@ -47,6 +48,7 @@ FLAGS: Dict[str, str] = {
     "min_gain": "--dynamic-batch-min-gain",
     "oversize_samples": "--oversize-samples",
     "max_memory_gib": "--max-memory-gib",
+    "planner": "--dynamic-batch-planner",
 }
 
 #: The cost-model fields of :class:`DynBatchConfig` (floats >= 0; ``None`` where optional).
@@ -71,6 +73,7 @@ _PLANNER_NAMES = {
     "cost_attention": "attention",
     "min_gain": "min_gain",
     "oversize_samples": "oversize_samples",
+    "planner": "strategy",
 }
 #: The planner's setting -> the flag that sets it (for :func:`setting_flags`); the fields checked
 #: here rather than by the planner (``max_memory_gib``) have no planner name.
@@ -170,6 +173,12 @@ class DynBatchConfig:
     GiB; ``"auto"``: the device's memory less a margin (``integrations/megatron_lm/memory.py``).
     The planner keeps every pipeline stage's predicted peak within it, beside the token budget;
     ``None``: the token budget alone."""
+    planner: str = DEFAULT_STRATEGY
+    """The schedule strategy that plans every step, by its registered name
+    (:mod:`megatron_dynbatch.planning.strategies`): ``dynbatch`` (this package's planner),
+    ``fixed`` (Megatron's stock padded batching under the same budget, ``layout: padded``), or
+    ``module:name`` for one a module registers when imported (e.g.
+    ``benchmarks.baselines:verl_kk`` from a checkout). Checked when the config is built."""
 
     def __post_init__(self) -> None:
         if self.max_tokens_per_gpu is None:
@@ -204,7 +213,9 @@ class DynBatchConfig:
                 oversize_samples=self.oversize_samples,
                 min_gain=self.min_gain,
                 cost=cost,
+                strategy=self.planner,
             )
+        _check_planner(self.planner)
         # The checked values as the planner normalised them (numpy integers, YAML's ``1`` for a
         # float), so equal configs compare equal.
         object.__setattr__(self, "max_tokens_per_gpu", planner.max_tokens_per_gpu)
@@ -268,9 +279,22 @@ class DynBatchConfig:
                 variable_row_lengths=row_multiple is not None,
                 row_multiple=1 if row_multiple is None else row_multiple,
                 memory=memory,
+                strategy=self.planner,
             )
         except ValueError as error:
             raise DynBatchValueError(f"{budget_flag}: {error}") from error
+
+
+def _check_planner(name: str) -> None:
+    """Refuse a strategy name nothing registered, at start-up rather than at the first step."""
+    # Imported here: the registry imports the whole planner, which the config otherwise needs
+    # only the specs of.
+    from megatron_dynbatch.planning.strategies import get_strategy
+
+    try:
+        get_strategy(name)
+    except DynBatchValueError as error:
+        raise DynBatchValueError(f"planner={name!r} ({FLAGS['planner']}): {error}") from None
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(DynBatchConfig))

@@ -38,11 +38,12 @@ from megatron_dynbatch.planning import (
     round_up,
 )
 from megatron_dynbatch.planning.sharded import ShardedPlan, plan_rank_shards, sharded_plan
-from megatron_dynbatch.planning.spec import LAYOUT_FLAGS, layout_flags
+from megatron_dynbatch.planning.spec import ATTENTION_CROSSOVER_7B, LAYOUT_FLAGS, layout_flags
 
 __all__ = [
     "HOSTS",
     "MEGATRON_LM",
+    "NEMO_RL",
     "SKYRL",
     "SLIME",
     "VERL",
@@ -205,8 +206,41 @@ VERL = Host(
     layout_flags="verl",
 )
 
+NEMO_RL = Host(
+    name="NeMo-RL",
+    switch="policy.megatron_cfg.dynbatch.enabled=true",
+    fallback="policy.megatron_cfg.dynbatch.enabled=false (NeMo-RL's own sequence packing)",
+    # train_mb_tokens / logprob_mb_tokens live in policy.sequence_packing, planner beside the
+    # switch in policy.megatron_cfg.dynbatch (integrations/nemo_rl/plan.py reads both).
+    options={
+        "train_mb_tokens": "max_tokens_per_gpu",
+        "logprob_mb_tokens": "log_probs_max_tokens_per_gpu",
+        "planner": "planner",
+    },
+    # Its sequence packing runs every micro-batch as one THD row (attention per sample), and its
+    # budget is a hard cap (its packer refuses a longer sample too). The driver plans before any
+    # model exists, so attention is costed as a 7B-class model's.
+    fixed={
+        "layout": "packed",
+        "oversize_samples": "error",
+        "cost_attention_weight": 1.0 / ATTENTION_CROSSOVER_7B,
+    },
+    keys={
+        "max_tokens_per_gpu": "policy.sequence_packing.train_mb_tokens",
+        "log_probs_max_tokens_per_gpu": "policy.sequence_packing.logprob_mb_tokens",
+        "planner": "policy.megatron_cfg.dynbatch.planner",
+    },
+    planning="global",
+    # The budget caps the whole packed row of samples padded to
+    # make_sequence_length_divisible_by, whatever the CP size.
+    budget_times_cp=False,
+    oversize="error",
+    loss="global-normaliser",
+    layout_flags="NeMo-RL",
+)
+
 #: Every host, by name: a check that "every host does X" is a loop over this.
-HOSTS: Dict[str, Host] = {host.name: host for host in (MEGATRON_LM, SLIME, SKYRL, VERL)}
+HOSTS: Dict[str, Host] = {host.name: host for host in (MEGATRON_LM, SLIME, SKYRL, VERL, NEMO_RL)}
 
 
 def check_host_budget(host: Host, budget: Any, *, forward_only: bool = False) -> int:
@@ -261,12 +295,15 @@ def host_config(
         # The budget caps the whole micro-batch: the planner's per-GPU budget is 1/cp of it,
         # rounded down so the cap never exceeds it (a budget stock accepts is never refused).
         values[budget_option] = max(1, values[budget_option] // cp)
-    config = config_from_mapping(
-        values,
-        table=host.options,
-        fixed={**host.fixed, **dict(fixed or {})},
-        host=f"{host.name}'s options",
-    )
+    try:
+        config = config_from_mapping(
+            values,
+            table=host.options,
+            fixed={**host.fixed, **dict(fixed or {})},
+            host=f"{host.name}'s options",
+        )
+    except DynBatchValueError as error:
+        raise DynBatchValueError(_in_host_words(host, str(error), forward_only)) from error
     try:
         with host.flags():
             return config.planner_config(

@@ -10,12 +10,13 @@ from __future__ import annotations
 import itertools
 import operator
 from collections import Counter
-from typing import Dict, List, Optional, Sequence, Set, Union
+from typing import Dict, List, Optional, Sequence, Set, Tuple, Union
 
 from megatron_dynbatch.errors import DynBatchError
 
 from .plan import Plan, StepPlan
 from .samples import SampleSet
+from .schedule import Schedule, ScheduledStep
 from .sharded import ShardedPlan
 from .spec import PlannerConfig, ceil_div, round_up
 
@@ -30,7 +31,7 @@ class PlanInvariantError(DynBatchError, AssertionError):
 
 
 def check_plan(
-    plan: Union[Plan, ShardedPlan],
+    plan: Union[Plan, ShardedPlan, Schedule],
     samples: Union[SampleSet, Sequence[Sequence[int]]],
     config: PlannerConfig,
     *,
@@ -39,8 +40,11 @@ def check_plan(
     """Raise :class:`PlanInvariantError` listing every broken guarantee of ``plan``.
 
     Args:
-        plan: A :class:`Plan` (samples go to any DP rank) or a :class:`ShardedPlan` (each DP rank's
-            own samples, for trainers that shard before we plan).
+        plan: A :class:`Plan` (samples go to any DP rank), a :class:`ShardedPlan` (each DP rank's
+            own samples, for trainers that shard before we plan), or any other
+            :class:`~.schedule.Schedule` (slime's ``DPSchedule``), checked through its
+            :class:`~.schedule.ScheduledStep` s: every sample once, equal counts aligned to the
+            interleaving group, every micro-batch within its row and the cap.
         samples: The plan's samples: a :class:`SampleSet`, or for a :class:`ShardedPlan` every
             rank's lengths (``samples[r][i]``: sample ``i`` of DP rank ``r``).
         config: The planner config it was planned with (``dp_size=1`` for a sharded plan).
@@ -53,6 +57,19 @@ def check_plan(
         if problems:
             raise PlanInvariantError(
                 "sharded plan breaks its guarantees:\n  " + "\n  ".join(problems)
+            )
+        return
+    if not isinstance(plan, Plan):
+        if not isinstance(plan, Schedule):
+            raise PlanInvariantError(
+                f"{type(plan).__name__} is not a plan: it implements no scheduled_steps()."
+            )
+        cp = config.parallel.cp_size
+        steps = tuple(step.whole_rows(cp) for step in plan.scheduled_steps())
+        problems = _scheduled(steps, samples, config)
+        if problems:
+            raise PlanInvariantError(
+                f"{type(plan).__name__} breaks its guarantees:\n  " + "\n  ".join(problems)
             )
         return
     kept = plan.kept_lengths()
@@ -500,5 +517,61 @@ def _sharded(
     if sorted(plan.oversize) != oversize:
         problems.append(
             f"reported oversize {list(plan.oversize)[:_LISTED]}, actual {oversize[:_LISTED]}"
+        )
+    return problems
+
+
+def _scheduled(
+    steps: Tuple[ScheduledStep, ...], samples: SampleSet, config: PlannerConfig
+) -> List[str]:
+    """The guarantees every plan kind makes, read through the :class:`~.schedule.Schedule` view:
+    every sample once over all steps; per step one count on every rank (``dp_size`` ranks, >= 1,
+    a multiple of the interleaving group); every micro-batch's padded samples within its row,
+    and every row within the cap unless it holds one sample over the cap."""
+    cap, multiple = config.token_cap, config.parallel.sample_multiple
+    sizes = [round_up(n, multiple) for n in samples.lengths]
+    problems: List[str] = []
+    seen: Counter = Counter()
+    for s, step in enumerate(steps):
+        where = f"step {s}"
+        counts = sorted({len(rank) for rank in step.ranks})
+        m = step.num_microbatches
+        if len(step.ranks) != config.parallel.dp_size:
+            problems.append(f"{where}: {len(step.ranks)} ranks, dp_size={config.parallel.dp_size}")
+        if counts != [m] or m < 1 or m % config.parallel.microbatch_multiple:
+            problems.append(
+                f"{where}: micro-batch counts {counts} are not one positive multiple of "
+                f"{config.parallel.microbatch_multiple} (the interleaving group)"
+            )
+        members = [i for rank in step.ranks for mb in rank for i in mb]
+        # A sample over the cap runs alone and may widen every row of its step to its own size.
+        widest = max(
+            [cap] + [sizes[i] for i in members if isinstance(i, int) and 0 <= i < len(sizes)]
+        )
+        for r, rank in enumerate(step.ranks):
+            for k, mb in enumerate(rank):
+                seen.update(mb)
+                valid = [i for i in mb if isinstance(i, int) and 0 <= i < len(sizes)]
+                tokens = sum(sizes[i] for i in valid)
+                row = step.row_length(r, k) if k < m else None
+                lone_oversize = len(mb) == 1 and tokens > cap
+                if row is not None and tokens > row * step.micro_batch_size:
+                    problems.append(
+                        f"{where} rank {r} micro-batch {k} {list(mb)[:8]}: {tokens} tokens do "
+                        f"not fit its row of {row} x {step.micro_batch_size}"
+                    )
+                if (tokens > cap and not lone_oversize) or (row or 0) > widest:
+                    problems.append(
+                        f"{where} rank {r} micro-batch {k} {list(mb)[:8]}: {tokens} tokens in a "
+                        f"row of {row} exceed the cap {cap}"
+                    )
+    missing = [i for i in range(len(sizes)) if i not in seen]
+    extra = sorted(
+        i for i, c in seen.items() if c > 1 or not (isinstance(i, int) and 0 <= i < len(sizes))
+    )
+    if missing or extra:
+        problems.append(
+            f"samples never scheduled {missing[:_LISTED]}, scheduled more than once or unknown "
+            f"{extra[:_LISTED]}"
         )
     return problems

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 from megatron_dynbatch.errors import DynBatchValueError
 
+from .schedule import ScheduledStep
 from .spec import ceil_div
 
 __all__ = ["StepPlan", "PlanStats", "Plan"]
@@ -217,6 +218,20 @@ class Plan:
     token_cap: int
     """max_tokens_per_gpu * cp_size."""
     dp_size: int
+
+    def scheduled_steps(self) -> Tuple[ScheduledStep, ...]:
+        """Every step as the runtime reads it (:class:`~.schedule.Schedule`)."""
+        return tuple(
+            ScheduledStep(
+                ranks=step.ranks,
+                seq_length=step.seq_length,
+                row_lengths=step.row_lengths,
+                micro_batch_size=step.micro_batch_size,
+                kept_lengths=step.kept_lengths,
+                packed_rows=step.packed_rows,
+            )
+            for step in self.steps
+        )
 
     def kept_lengths(self) -> Dict[int, int]:
         """Sample -> kept length of every sample the ``truncate`` policy cut, all steps."""

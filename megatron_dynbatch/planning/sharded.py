@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
 from .samples import SampleSet
+from .schedule import ScheduledStep
 from .spec import ParallelLayout, PlannerConfig, round_up
 from .strategies import run_strategy
 
@@ -46,6 +47,15 @@ class ShardedPlan:
     def placeholders(self, dp_rank: int) -> int:
         """Placeholder micro-batches DP rank ``dp_rank`` runs after its real ones."""
         return self.num_microbatches - len(self.ranks[dp_rank])
+
+    def scheduled_steps(self) -> Tuple[ScheduledStep, ...]:
+        """The step as the runtime reads it (:class:`~.schedule.Schedule`): each rank's real
+        micro-batches then its placeholders (``()``), local indices; rows are left to each rank's
+        own samples (``seq_length=None``: the trainer packs a micro-batch's real tokens)."""
+        ranks = tuple(
+            tuple(rank) + ((),) * (self.num_microbatches - len(rank)) for rank in self.ranks
+        )
+        return (ScheduledStep(ranks=ranks, seq_length=None, micro_batch_size=self.rows),)
 
     def fingerprint(self) -> str:
         """A short hash that every rank compares before the pipeline starts."""

@@ -33,12 +33,14 @@ sample.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import StepPlan
+from megatron_dynbatch.planning.schedule import ScheduledStep
 from megatron_dynbatch.planning.spec import LAYOUTS, round_up
 from megatron_dynbatch.runtime.placeholders import placeholder_microbatch
 from megatron_dynbatch.runtime.schema import BatchSchema, CheckedSample
@@ -142,6 +144,34 @@ def _check_arguments(step_plan: StepPlan, dp_rank: int, layout: str, sample_mult
                 f"{step_plan.num_microbatches} micro-batches a row of 1..seq_length={s} tokens, "
                 f"a multiple of sample_multiple={sample_multiple}; the plan is corrupt."
             )
+
+
+def _sized(
+    step: Any,
+    dp_rank: int,
+    checked: Mapping[int, CheckedSample],
+    layout: str,
+    sample_multiple: int,
+) -> Any:
+    """A step whose plan left ``seq_length`` to the samples (a sharded plan), with the row this
+    rank's micro-batches need: packed, one row as long as its fullest micro-batch's padded
+    samples; padded, ``micro_batch_size`` rows of its longest padded sample (at least one
+    ``sample_multiple`` either way)."""
+    if (
+        layout not in LAYOUTS
+        or isinstance(sample_multiple, bool)
+        or not isinstance(sample_multiple, int)
+        or sample_multiple < 1
+    ):
+        _check_arguments(dataclasses.replace(step, seq_length=1), dp_rank, layout, sample_multiple)
+    sizes = {i: round_up(cs.length, sample_multiple) for i, cs in checked.items()}
+    mbs = step.rank_microbatches(dp_rank)
+    if layout == "packed":
+        # One packed row a micro-batch (the plan's micro_batch_size counts a padded host's rows).
+        longest = max([sum(sizes[i] for i in mb) for mb in mbs] + [sample_multiple])
+        return dataclasses.replace(step, seq_length=longest, micro_batch_size=1)
+    longest = max(list(sizes.values()) + [sample_multiple])
+    return dataclasses.replace(step, seq_length=longest)
 
 
 def _plan_row_lengths(step_plan: Any, dp_rank: int) -> Tuple[int, ...]:
@@ -278,7 +308,7 @@ def _fill_row(
 
 
 def materialize_microbatches(
-    step_plan: StepPlan,
+    step_plan: Union[StepPlan, ScheduledStep],
     dp_rank: int,
     samples: Mapping[int, Mapping[str, Any]],
     schema: BatchSchema,
@@ -290,7 +320,9 @@ def materialize_microbatches(
     """Build the micro-batch dicts of one DP rank for one step, in plan order.
 
     Args:
-        step_plan: The step's :class:`~megatron_dynbatch.planning.plan.StepPlan`.
+        step_plan: The step's :class:`~megatron_dynbatch.planning.plan.StepPlan`, or a step of
+            any plan kind's :meth:`~megatron_dynbatch.planning.schedule.Schedule.scheduled_steps`
+            (a sharded plan's, ``seq_length=None``, gets rows that fit this rank's samples).
         dp_rank: This rank's data-parallel index.
         samples: Global sample index -> sample mapping (see ``schema.py``). It must hold every
             sample ``step_plan.rank_microbatches(dp_rank)`` names; other ranks' samples may be
@@ -316,8 +348,20 @@ def materialize_microbatches(
         ValueError: On a bad layout or sample_multiple, a sample the rank was not given, a sample
             failing the schema, or samples whose padded lengths do not fit ``seq_length``.
     """
-    _check_arguments(step_plan, dp_rank, layout, sample_multiple)
-    checked = _truncate(_check_rank_samples(step_plan, dp_rank, samples, schema), step_plan, schema)
+    if getattr(step_plan, "rows_per_cp_rank", False):
+        raise DynBatchValueError(
+            "the step's row lengths count one context-parallel rank's share (slime's schedule); "
+            "pass step.whole_rows(cp_size), whose rows the materializer builds before the CP split."
+        )
+    if step_plan.seq_length is None:
+        # A sharded plan leaves the row to the samples: this rank's rows fit its own samples.
+        checked = _check_rank_samples(step_plan, dp_rank, samples, schema)
+        step_plan = _sized(step_plan, dp_rank, checked, layout, sample_multiple)
+        _check_arguments(step_plan, dp_rank, layout, sample_multiple)
+    else:
+        _check_arguments(step_plan, dp_rank, layout, sample_multiple)
+        checked = _check_rank_samples(step_plan, dp_rank, samples, schema)
+    checked = _truncate(checked, step_plan, schema)
     b, longest = step_plan.micro_batch_size, step_plan.seq_length
     packed_rows = _plan_packed_rows(step_plan)
     # Variable rows (a host that exchanges shapes per micro-batch): each micro-batch its own S.

@@ -862,11 +862,15 @@ def _run_verl_own_tests(tree, tmp_path):
     args += ["--rootdir", str(tree), *(str(tree / f) for f in VERL_OWN_TESTS)]
     args += [f"--deselect={f}" for f in VERL_OWN_DESELECTED]
     # This module is loaded by path under another name: verl's tests import their own top-level
-    # ``tests`` package, which this repository's ``tests`` would shadow.
+    # ``tests`` package, which this repository's ``tests`` would shadow. It imports this
+    # repository's tests._support first (REPO first on the path for that import only), then
+    # forgets our ``tests`` so that verl's own tests import theirs (as SkyRL's runner does).
     code = (
-        "import importlib.util, sys; "
+        f"import importlib.util, sys; sys.path.insert(0, {str(REPO)!r}); "
         f"spec = importlib.util.spec_from_file_location('_verl_stubs', {__file__!r}); "
         "helpers = importlib.util.module_from_spec(spec); spec.loader.exec_module(helpers); "
+        "[sys.modules.pop(k) for k in list(sys.modules) if k.split('.')[0] == 'tests']; "
+        "sys.path.pop(0); "
         f"helpers._import_verl({str(tree)!r}); import pytest; "
         f"sys.exit(pytest.main({args!r}))"
     )

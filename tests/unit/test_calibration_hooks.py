@@ -5,6 +5,7 @@ is one ``Calibrator`` per run (owned by the run's hooks object), never Megatron'
 
 import argparse
 import copy
+import dataclasses
 import inspect
 import json
 import random
@@ -20,7 +21,10 @@ from megatron_dynbatch.integrations.megatron_lm.arguments import (
     parallel_layout_from_args,
 )
 from megatron_dynbatch.planning import plan_schedule
-from megatron_dynbatch.planning.calibration import predict_seconds
+from megatron_dynbatch.planning.calibration import Calibration, predict_seconds
+from megatron_dynbatch.planning.memory import MIB, MemoryLimit, MemoryModel
+from megatron_dynbatch.planning.model_dims import ModelDims
+from megatron_dynbatch.planning.spec import ParallelLayout
 
 pytestmark = pytest.mark.unit
 
@@ -405,3 +409,102 @@ def test_what_a_fit_was_measured_on_reads_megatrons_later_writes_the_same(tmp_pa
     assert calib.measured_on(before, config) == calib.measured_on(after, config)
     grouped = _args(tmp_path, num_attention_heads=4, num_query_groups=2, group_query_attention=True)
     assert calib.measured_on(grouped, config)["num_query_groups"] == 2
+
+
+def _memory_limit(mib):
+    """A memory budget of the tiny GPT of launch/train_gpt_dynbatch.sh (4 layers of 64, pp 2,
+    local attention): at 36 MiB its longest one-row micro-batch is 628 tokens and it holds four
+    rows of 256, so a token budget of 4096 never binds."""
+    dims = ModelDims(
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        vocab_size=257,
+        parallel=ParallelLayout(pp_size=2),
+    )
+    return MemoryLimit(model=MemoryModel(dims=dims, attention="dense"), budget_bytes=mib * MIB)
+
+
+@pytest.mark.parametrize(
+    ("token_budget", "true"),
+    [
+        (4096, (2e-7, 1e-8, 2e-3)),
+        # Only --max-memory-gib: the token budget is unbounded, so dividing it varied nothing.
+        (None, (2e-7, 1e-8, 2e-3)),
+        # Attention-bound, as on CPU: no token work the fit could tell from the step constant.
+        (4096, (0.0, 1e-8, 2e-3)),
+    ],
+)
+def test_under_a_memory_budget_calibration_varies_what_the_memory_allows_and_fits(
+    tmp_path, monkeypatch, token_budget, true
+):
+    """Under --max-memory-gib the token budgets 4096 / 2048 / 1024 all collapse onto the shapes
+    the memory allows, so the fit saw "too similar shapes" and the planner packed [1 x 512] rows
+    that cost the dense mask twice [2 x 256]. The shapes now vary within the memory budget's own
+    longest row: few micro-batches of short rows, few of one long row, many of one --seq-length
+    row; the fit is applied, and afterwards the planner runs short rows."""
+    args = _args(
+        tmp_path,
+        transformer_impl="local",
+        max_tokens_per_gpu=token_budget,
+        max_memory_gib=36 / 1024,
+    )
+    limit = _memory_limit(36)
+    layout = parallel_layout_from_args(args)
+    calibrator = calib.Calibrator()
+    clock = [0.0]
+    monkeypatch.setattr(calib.time, "perf_counter", lambda: clock[0])
+    shapes = []
+    for i in range(14):
+        args.curr_iteration = i
+        calibrator.resume(args)
+        batch = _Batch([256] * 32)  # documents cut at --seq-length, as on the long-document mix
+        config = calibrator.calibrated_config(
+            dynbatch_config_from_args(args), memory_cap=limit.row_cap(1)
+        )
+        plan = plan_schedule(batch.lengths(), config=config.planner_config(layout, memory=limit))
+        step = plan.steps[0]
+        shapes.append((step.num_microbatches, step.micro_batch_size, step.seq_length))
+        calibrator.observe_train_step(args, batch, plan, 0)
+        clock[0] += predict_seconds(calibrator.pending, true, STEP_SECONDS)
+    measured = set(shapes[2:10])  # iterations 3-10: the measured steps
+    assert {s for _, _, s in measured} == {256, 512}, shapes  # two row lengths
+    assert {b for _, b, _ in measured} >= {1, 4}, shapes  # one row and the most memory holds
+    assert {m for m, _, _ in measured} >= {8, 32}, shapes  # micro-batch counts 4x apart
+    fit = calibrator.fit
+    assert fit is not None and calibrator.applied, fit
+    assert fit.relative_error < 1e-2
+    # Attention and the overhead as simulated; token work where it exists (every step computes
+    # 8,192 tokens, so without it the per-step constant and token work trade places).
+    assert fit.weights[1:] == pytest.approx(true[1:], rel=0.05)
+    if true[0]:
+        assert fit.weights == pytest.approx(true, rel=1e-3)
+    # Planned with the fit: the fewest micro-batches of rows of 256, as many as memory holds.
+    assert shapes[-1] == (8, 4, 256), shapes
+
+
+def test_a_fit_without_token_work_plans_only_where_a_row_pays_its_whole_attention(tmp_path):
+    """Where attention dominates (the tiny GPT on CPU) least squares puts token work at 0, as
+    every step computes about the same tokens: under row-wise attention (local / dense) padding
+    still costs its row's S^2, so the fit of attention and overhead plans; under per-segment
+    attention padding would be free, so it does not."""
+    fit = Calibration(
+        token_weight=0.0,
+        attention_weight=1e-8,
+        microbatch_overhead=2e-3,
+        step_seconds=0.0,
+        observations=8,
+        relative_error=0.05,
+    )
+    assert not fit.separable
+    assert calib.Calibrator()._usable(fit, _args(tmp_path, transformer_impl="local"))[0]
+    assert not calib.Calibrator()._usable(fit, _args(tmp_path))[0]
+    no_overhead = dataclasses.replace(fit, microbatch_overhead=0.0)
+    assert not calib.Calibrator()._usable(no_overhead, _args(tmp_path, transformer_impl="local"))[0]
+    assert fit.cost_model().token_weight == 0.0 and fit.cost_model().attention_weight == 1.0
+    # Rows of one length only (the memory allowed no longer): attention and token work grow
+    # together; all of it priced as attention plans, a share priced as token work does not.
+    one_length = dataclasses.replace(fit, unidentified=("token_weight", "attention_weight"))
+    assert calib.Calibrator()._usable(one_length, _args(tmp_path, transformer_impl="local"))[0]
+    split = dataclasses.replace(one_length, token_weight=1e-7)
+    assert not calib.Calibrator()._usable(split, _args(tmp_path, transformer_impl="local"))[0]

@@ -9,7 +9,6 @@ import pytest
 from megatron_dynbatch.config import _FIELDS, config_from_mapping
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.hosts import HOSTS, VERL
-from megatron_dynbatch.integrations.nemo_rl.plan import NEMO_RL_FIXED, NEMO_RL_OPTIONS
 from megatron_dynbatch.tools.cli import CLI_FIELDS
 
 pytestmark = pytest.mark.unit
@@ -55,10 +54,17 @@ def test_no_integration_keeps_its_own_option_table():
     # The host record is the one home of a host's option names (issue 34).
     for path in sorted((PACKAGE / "integrations").rglob("*.py")):
         text = path.read_text()
-        for name in ("SLIME_OPTIONS", "SKYRL_OPTIONS", "VERL_OPTIONS", "SKYRL_FIXED"):
+        for name in (
+            "SLIME_OPTIONS",
+            "SKYRL_OPTIONS",
+            "VERL_OPTIONS",
+            "SKYRL_FIXED",
+            "NEMO_RL_OPTIONS",
+            "NEMO_RL_FIXED",
+        ):
             assert f"{name} =" not in text, f"{path.relative_to(REPO)} defines {name}"
-    assert set(NEMO_RL_OPTIONS.values()) <= set(_FIELDS)
-    assert set(NEMO_RL_FIXED) <= set(_FIELDS)
+    # Every host that plans with us has a record (issue 36: NeMo-RL too).
+    assert set(HOSTS) == {"Megatron-LM", "slime", "SkyRL", "verl", "NeMo-RL"}
 
 
 def test_a_host_option_maps_to_its_field_and_errors_name_the_host_option():

@@ -137,8 +137,14 @@ def test_the_switch_and_what_it_needs():
 
 
 def test_budget_errors_name_nemo_rl_keys():
-    with pytest.raises(DynBatchValueError, match="train_mb_tokens -> max_tokens_per_gpu"):
+    with pytest.raises(
+        DynBatchValueError,
+        match=r"policy\.sequence_packing\.train_mb_tokens=0 must be > 0 with "
+        r"policy\.megatron_cfg\.dynbatch\.enabled=true",
+    ):
         nemo_rl_planner_config(_cfg(budget=0), dp_size=1, forward_only=False)
+    with pytest.raises(DynBatchValueError, match="logprob_mb_tokens -> log_probs_max_tokens"):
+        nemo_rl_planner_config(_cfg(logprob=-1), dp_size=1, forward_only=True)
     cfg = _cfg()
     del cfg["sequence_packing"]["logprob_mb_tokens"]
     with pytest.raises(DynBatchValueError, match="needs policy.sequence_packing.logprob_mb_tokens"):
@@ -152,3 +158,28 @@ def test_layout_errors_name_nemo_rl_keys():
         match=r"pp_size is policy\.megatron_cfg\.pipeline_model_parallel_size",
     ):
         nemo_rl_planner_config(cfg, dp_size=1, forward_only=False)
+
+
+def test_the_record_reads_the_planner_beside_the_switch_and_names_it_in_errors():
+    from megatron_dynbatch.integrations.hosts import HOSTS, NEMO_RL
+
+    assert HOSTS["NeMo-RL"] is NEMO_RL and NEMO_RL.planning == "global"
+    config = nemo_rl_planner_config(_cfg(), dp_size=2, forward_only=False)
+    assert (config.strategy, config.layout, config.oversize_samples) == (
+        "dynbatch",
+        "packed",
+        "error",
+    )
+    cfg = _cfg()
+    cfg["megatron_cfg"]["dynbatch"]["planner"] = "fixed"
+    assert nemo_rl_planner_config(cfg, dp_size=2, forward_only=True).strategy == "fixed"
+    cfg["megatron_cfg"]["dynbatch"]["planner"] = "nope"
+    with pytest.raises(
+        DynBatchValueError, match=r"planner='nope' \(policy\.megatron_cfg\.dynbatch\.planner\)"
+    ):
+        nemo_rl_planner_config(cfg, dp_size=2, forward_only=False)
+    # Refused at start-up, where the patched Policy checks its config.
+    with pytest.raises(DynBatchValueError, match=r"dynbatch\.planner='nope': no schedule strategy"):
+        dynbatch_enabled(cfg)
+    cfg["megatron_cfg"]["dynbatch"]["planner"] = "fixed"
+    assert dynbatch_enabled(cfg)

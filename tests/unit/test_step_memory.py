@@ -98,3 +98,19 @@ def test_a_budget_the_process_outgrew_plans_seq_length_rows_and_says_so(monkeypa
     limit, _ = _step(memory, process, 2, (1, SEQ), 8, 3.0)
     assert limit.row_cap(1) == SEQ and limit.budget_bytes > 520 * MIB
     assert "planning micro-batches of such rows at most" in capsys.readouterr().out
+
+
+def test_the_largest_step_stays_in_the_fit_after_it_leaves_the_window(monkeypatch):
+    """The trust cap lets a step keep twice the largest bytes ever measured, so the factor must
+    cover that step for good: a [4 x 256] step that needed 2.4x, followed by a window's worth of
+    [1 x 256] steps at 1.8x, still predicts [4 x 256] at 2.4x (the e2e mix planned [6 x 256]
+    13% over its prediction once the large step had left the window)."""
+    process = _Process(400 * MIB)
+    memory = _memory(monkeypatch, process, 4000)
+    _step(memory, process, 1, (1, SEQ), 8, 3.0)
+    _step(memory, process, 2, (4, SEQ), 8, 2.4)
+    for iteration in range(3, 3 + step_memory.FIT_WINDOW + 2):
+        _step(memory, process, iteration, (1, SEQ), 8, 1.8)
+    memory.close(None)
+    big = predicted_step_peaks(memory.current, [[(4, SEQ)] * 8])[0]
+    assert big.total >= big.static + 2.4 * (big.tokens + big.scores) - 1

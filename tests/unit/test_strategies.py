@@ -6,6 +6,7 @@ benchmarks/baselines.py register there; with the default strategy every host's o
 ``plan_schedule``'s.
 """
 
+import argparse
 import dataclasses
 import json
 import random
@@ -14,7 +15,12 @@ import warnings
 import pytest
 
 import benchmarks.baselines as baselines
+from megatron_dynbatch.config import DynBatchConfig, load_yaml_config
 from megatron_dynbatch.errors import DynBatchTypeError, DynBatchValueError
+from megatron_dynbatch.integrations.megatron_lm.arguments import (
+    add_dynamic_batch_args,
+    validate_dynamic_batch_args,
+)
 from megatron_dynbatch.planning import (
     ParallelLayout,
     PlanInvariantError,
@@ -177,3 +183,105 @@ def test_plan_planner_picks_a_strategy_by_name(tmp_path, capsys):
     assert "--layout padded" in capsys.readouterr().err
     assert main([*common, "--planner", "nope"]) == 2
     assert "no schedule strategy named 'nope'" in capsys.readouterr().err
+
+
+# -- a user picks the strategy of a real run -------------------------------------------------------
+
+
+def _megatron_run_config(argv):
+    """What a Megatron-LM run plans with: our flags parsed and validated as the entry does."""
+    parser = add_dynamic_batch_args(argparse.ArgumentParser(allow_abbrev=False))
+    args = parser.parse_args(["--use-dynamic-batch-size", *argv])
+    for key, value in dict(
+        data_parallel_size=2,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None,
+        context_parallel_size=1,
+        calculate_per_token_loss=True,
+    ).items():
+        setattr(args, key, value)
+    config = validate_dynamic_batch_args(args)
+    return config, config.planner_config(ParallelLayout(dp_size=2))
+
+
+def test_megatron_lm_flag_and_yaml_choose_the_strategy_the_run_plans_with(tmp_path):
+    config, planner = _megatron_run_config(["--max-tokens-per-gpu", "1024"])
+    assert (config.planner, planner.strategy) == (DEFAULT_STRATEGY, DEFAULT_STRATEGY)
+
+    argv = ["--max-tokens-per-gpu", "1024", "--dynamic-batch-layout", "padded"]
+    config, planner = _megatron_run_config([*argv, "--dynamic-batch-planner", "fixed"])
+    assert (config.planner, planner.strategy) == ("fixed", "fixed")
+    samples = SampleSet.build(LENGTHS)
+    assert run_strategy(samples, planner) == get_strategy("fixed")(samples, planner)
+    assert run_strategy(samples, planner) != plan_schedule(LENGTHS, config=planner)
+
+    path = tmp_path / "dynbatch.yaml"
+    path.write_text("planner: test_one_per_microbatch\n")
+    config, planner = _megatron_run_config(
+        ["--max-tokens-per-gpu", "1024"]
+        + [
+            "--dynamic-batch-config",
+            str(path),
+        ]
+    )
+    assert planner.strategy == "test_one_per_microbatch"
+    # The forward-only config plans with the same strategy.
+    assert config.planner_config(GROUPED, forward_only=True).strategy == "test_one_per_microbatch"
+    # A flag given on the command line overrides the YAML, as for every other key.
+    config, planner = _megatron_run_config(
+        ["--max-tokens-per-gpu", "1024", "--dynamic-batch-config", str(path)]
+        + ["--dynamic-batch-planner", "dynbatch"]
+    )
+    assert planner.strategy == "dynbatch"
+
+
+def test_an_unknown_planner_is_refused_at_start_up_naming_the_flag(tmp_path):
+    with pytest.raises(DynBatchValueError, match=r"--dynamic-batch-planner.*'nope'.*registered"):
+        _megatron_run_config(["--max-tokens-per-gpu", "1024", "--dynamic-batch-planner", "nope"])
+    with pytest.raises(DynBatchValueError, match=r"--dynamic-batch-planner.*cannot be imported"):
+        DynBatchConfig(max_tokens_per_gpu=1024, planner="no_such_module_xyz:thing")
+    with pytest.raises(DynBatchValueError, match=r"strategy is --dynamic-batch-planner"):
+        DynBatchConfig(max_tokens_per_gpu=1024, planner="")
+    path = tmp_path / "dynbatch.yaml"
+    path.write_text("max_tokens_per_gpu: 1024\nplanner: nope\n")
+    with pytest.raises(DynBatchValueError, match=r"planner='nope' \(--dynamic-batch-planner\)"):
+        load_yaml_config(path)
+    # A module that registers strategies when imported is named as module:name.
+    config = DynBatchConfig(max_tokens_per_gpu=1024, planner="benchmarks.baselines:verl_kk")
+    assert get_strategy(config.planner_config(ParallelLayout()).strategy) is get_strategy("verl_kk")
+
+
+def test_the_megatron_lm_hooks_plan_each_step_with_the_chosen_strategy(tmp_path):
+    """What a Megatron-LM run's hooks plan a step with (``DynamicBatchHooks._plan``, called by
+    ``prepare`` for every training step) under ``--dynamic-batch-planner``."""
+    from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
+
+    apply_cpu_shim()  # the hooks import megatron.core, which needs the triton stand-in here
+    from megatron_dynbatch.integrations.megatron_lm.hooks import DynamicBatchHooks
+
+    class Batch:
+        rollout_ids = None
+
+        def lengths(self):
+            return list(LENGTHS)
+
+        def prompt_lengths(self):
+            return [0] * len(LENGTHS)
+
+    layout = ParallelLayout(dp_size=2)
+    plans = {}
+    for name in ("dynbatch", "fixed"):
+        argv = ["--max-tokens-per-gpu", "1024", "--dynamic-batch-layout", "padded"]
+        argv += ["--dynamic-batch-planner", name, "--dynamic-batch-calibration-steps", "0"]
+        parser = add_dynamic_batch_args(argparse.ArgumentParser(allow_abbrev=False))
+        args = parser.parse_args(["--use-dynamic-batch-size", *argv])
+        args.save = str(tmp_path)
+        config, planner = _megatron_run_config(argv)
+        hooks = DynamicBatchHooks(args, config)
+        plans[name], _ = hooks._plan(Batch(), layout, False)
+        assert plans[name] == run_strategy(SampleSet.build(LENGTHS), planner)
+    assert plans["fixed"] == get_strategy("fixed")(
+        SampleSet.build(LENGTHS), _megatron_run_config(argv)[1]
+    )
+    assert plans["fixed"] != plans["dynbatch"]

@@ -245,6 +245,16 @@ def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.Argument
         "it to the budget, allow runs it alone over the budget.",
     )
     group.add_argument(
+        FLAGS["planner"],
+        type=str,
+        default=None,
+        metavar="NAME",
+        help="The schedule strategy that plans every step, by registered name: dynbatch "
+        "(default, this package's planner), fixed (Megatron's padded batching under the same "
+        "budget; needs --dynamic-batch-layout padded), or module:name for one a module registers "
+        "when imported.",
+    )
+    group.add_argument(
         "--variable-seq-lengths",
         dest=VARIABLE_SEQ_LENGTHS_DEST,
         action=argparse.BooleanOptionalAction,

@@ -9,7 +9,8 @@ used. While calibrating, steps are planned in four shapes in turn (the budget; f
 micro-batches, of short rows where attention pays S^2 a row; half the budget in few long rows; a
 quarter of it, never below ``--seq-length``): smaller budgets are safe for memory, and without
 different shapes token work, attention, per-micro-batch overhead and the per-step constant cannot
-be told apart. Then every rank fits the same weights from the same numbers
+be told apart. Under a memory budget (``--max-memory-gib``), which leaves those budgets the same
+shapes, they vary within the longest row the memory allows instead (:data:`_MEMORY_SHAPES`). Then every rank fits the same weights from the same numbers
 (:func:`~megatron_dynbatch.planning.calibration.fit_cost_model`), rank 0's fit is broadcast (one
 collective, so plans stay identical even if floating point differed) and held by the run's
 :class:`Calibrator` (owned by its :class:`~.hooks.DynamicBatchHooks`;
@@ -108,6 +109,19 @@ CALIBRATED_FIELDS = (
 _SHAPES = ((1, False, False), (1, True, True), (2, True, False), (4, False, False))
 #: Attention kinds whose row costs its whole S^2 whatever it holds (planning/spec.py).
 _ROW_WISE = ("dense", "causal")
+#: Under a memory budget (``--max-memory-gib``) the token budget rarely binds (with only a memory
+#: budget it is unbounded), so dividing it varies nothing: the shapes vary what the memory budget
+#: allows instead, from its longest one-row micro-batch ``cap`` (within the token budget), by
+#: iteration number modulo their count: the configured model; few micro-batches of as many short
+#: rows as the memory holds; few micro-batches of one row each, as long as ``cap``; many
+#: micro-batches of one ``--seq-length`` row; short rows of at most ``cap`` tokens together. Rows of
+#: two lengths at one micro-batch count separate attention from token work, and three counts of
+#: short rows (1-4x apart) token work, the per-micro-batch overhead and the per-step constant:
+#: four unknowns need four distinct shapes besides the configured one.
+#: The long rows of :data:`_MEMORY_SHAPES` are at most this many times ``--seq-length``: two row
+#: lengths suffice to tell attention from token work.
+LONG_ROW_RATIO = 2
+_MEMORY_SHAPES = ("configured", "short_rows", "long_rows", "seq_rows", "cap_rows")
 
 #: Calibration varies the budget down to a quarter, never below ``--seq-length``; below this ratio
 #: of budget to ``--seq-length`` the quarter (and at 2x the half) collapses onto ``--seq-length``,
@@ -301,9 +315,19 @@ class Calibrator:
         """DynBatchConfig field -> the value calibration plans with now (a varied budget or
         overhead while it measures, then the fitted weights); :meth:`calibrated_config` applies
         them."""
+        self.seq_length: Optional[int] = None
+        """``--seq-length`` (the longest sample), read when the shapes are first varied."""
+        self.shape: Optional[int] = None
+        """While calibrating, the next step's iteration number, which picks its shape (modulo the
+        count of :data:`_SHAPES`, or under a memory budget of :data:`_MEMORY_SHAPES`); ``None``
+        otherwise."""
 
     def calibrated_config(
-        self, config: DynBatchConfig, *, forward_only: bool = False
+        self,
+        config: DynBatchConfig,
+        *,
+        forward_only: bool = False,
+        memory_cap: Optional[int] = None,
     ) -> DynBatchConfig:
         """``config`` with calibration's changes so far (forward-only passes keep their budget).
 
@@ -311,10 +335,17 @@ class Calibrator:
         varies the training budget and overhead, then it applies its fit. A resumed run gets the
         fit back from the ``--load`` directory's ``dynbatch_calibration.json`` and the varied
         shapes from the iteration number, so it plans as the straight run did.
+
+        ``memory_cap``: under a memory budget, the longest one-row micro-batch it allows now
+        (``MemoryLimit.row_cap(1)``, refitted every step): the calibration shapes are then
+        varied within it (:data:`_MEMORY_SHAPES`) rather than by dividing the token budget.
         """
+        overrides = dict(self.overrides)
+        if memory_cap is not None and self.shape is not None and not forward_only:
+            overrides.update(self._memory_shape(config, int(memory_cap)))
         changes = {
             name: value
-            for name, value in self.overrides.items()
+            for name, value in overrides.items()
             if value is not None
             and not (forward_only and name == "max_tokens_per_gpu")
             and value != getattr(config, name)
@@ -412,7 +443,7 @@ class Calibrator:
 
     def _usable(self, fit: Calibration, args: Any) -> tuple:
         """``(True, "")`` when ``fit`` may plan the run, else ``(False, why)``."""
-        if not fit.separable:
+        if not fit.separable and not self._attention_explains(fit, args):
             return False, (
                 "the steps measured had too similar shapes to separate token work from "
                 "per-micro-batch overhead (run `megatron-dynbatch calibrate` on steps of varied "
@@ -426,6 +457,30 @@ class Calibrator:
                 "step times were too noisy; raise the bound or the calibration steps)"
             )
         return True, ""
+
+    def _attention_explains(self, fit: Calibration, args: Any) -> bool:
+        """Whether a fit without token work still plans soundly: where a row pays its whole
+        ``S**2`` (``dense``, ``causal``) and the fit told attention and the per-micro-batch
+        overhead apart, the shapes the planner chooses between differ in those two.
+
+        Every step of a batch size computes about the same tokens, so token work is hard to tell
+        from the per-step constant; where attention dominates (a small model on CPU: 4 layers of
+        64 wide at rows of 256-512) least squares puts it at 0. Padding then still costs its
+        row's ``S**2``, so the planner does not pad freely. Where the memory budget allowed rows
+        of one length only, attention and token work grow together and cannot be told apart:
+        priced all as attention, a longer row is predicted dearer than it is, not cheaper (the
+        cheaper error planned the ``[1 x 512]`` rows that ran twice as long as ``[2 x 256]``).
+        """
+        unidentified = set(fit.unidentified)
+        return (
+            self._attention_kind(args) in _ROW_WISE
+            and fit.attention_weight > 0
+            and fit.microbatch_overhead > 0
+            and "microbatch_overhead" not in unidentified
+            # Attention told from token work, or (rows of one length: the two grow together) all
+            # of their work priced as attention, which prices a longer row dearer, never cheaper.
+            and ("attention_weight" not in unidentified or fit.token_weight == 0)
+        )
 
     def timing(self) -> Optional[tuple]:
         """``(predicted, measured)`` seconds of the last iteration once a fit exists, else None.
@@ -596,7 +651,9 @@ class Calibrator:
         # Never below the longest sample (--seq-length), so no sample becomes oversize, and never
         # above the configured budget: a budget already below --seq-length (truncate / allow)
         # stays as it is, since a smaller one would cut, and so train, different tokens.
-        floor = min(self.budget, int(getattr(args, "seq_length", 1) or 1))
+        self.seq_length = int(getattr(args, "seq_length", 1) or 1)
+        floor = min(self.budget, self.seq_length)
+        self.shape = next_iteration
         divisor, heavy, short = _SHAPES[next_iteration % len(_SHAPES)]
         overrides = self.overrides
         overrides["max_tokens_per_gpu"] = max(floor, self.budget // divisor)
@@ -608,7 +665,56 @@ class Calibrator:
         else:
             overrides["cost_attention_weight"] = self.attention_weight
 
+    def _memory_shape(self, config: DynBatchConfig, memory_cap: int) -> Dict[str, Any]:
+        """The overrides of calibration shape :attr:`shape` under a memory budget whose longest
+        one-row micro-batch is ``memory_cap`` tokens (see :data:`_MEMORY_SHAPES`).
+
+        The token-budget shapes (:data:`_SHAPES`) divide ``--max-tokens-per-gpu``; under a memory
+        budget that leaves every shape as the memory allows, the same ("too similar shapes"), and
+        with only ``--max-memory-gib`` the budget is unbounded. Here every shape is planned within
+        the memory budget (the planner's bound is unchanged), so each is safe.
+        """
+        budget = self.budget if self.budget is not None else config.max_tokens_per_gpu
+        cap = max(1, min(budget, memory_cap))
+        # --seq-length, the longest sample (never below it: no sample becomes oversize), unless
+        # the budget is already below it (truncate / allow keep theirs).
+        floor = min(budget, int(self.seq_length or 1))
+        configured = {
+            "max_tokens_per_gpu": budget,
+            "cost_microbatch_overhead": self.overhead,
+            "cost_attention_weight": self.attention_weight,
+            "cost_attention": config.cost_attention,
+        }
+        name = _MEMORY_SHAPES[self.shape % len(_MEMORY_SHAPES)]
+        if name in ("short_rows", "cap_rows"):
+            # The fewest micro-batches (an overhead as costly as a full row), each of as many
+            # short rows as the memory holds where a row pays S^2 whatever it holds, or as fit
+            # in ``cap`` tokens together.
+            row_wise = config.cost_attention in _ROW_WISE
+            return {
+                **configured,
+                "max_tokens_per_gpu": budget if name == "short_rows" else max(floor, cap),
+                "cost_microbatch_overhead": float(cap),
+                "cost_attention_weight": 1.0 / cap if row_wise else self.attention_weight,
+            }
+        if name == "long_rows":
+            # The fewest micro-batches of one row each: the planner, told attention is per
+            # segment, packs no B > 1 rows, so the rows are as long as the memory allows, up to
+            # LONG_ROW_RATIO x --seq-length: the memory model trusts a row's S x S scores least
+            # (one row of 635 at a cap of 635 peaked 4% over its prediction on CPU; 512 did not).
+            return {
+                **configured,
+                "max_tokens_per_gpu": max(floor, min(cap, LONG_ROW_RATIO * floor)),
+                "cost_microbatch_overhead": float(cap),
+                "cost_attention": "segment",
+            }
+        if name == "seq_rows":
+            # Many micro-batches: one --seq-length row each (the most the budget of one holds).
+            return {**configured, "max_tokens_per_gpu": max(1, floor)}
+        return configured
+
     def _restore(self) -> None:
         """The configured budget and overhead again (before a fit, if any, is applied)."""
+        self.shape = None
         for name in ("max_tokens_per_gpu", "cost_microbatch_overhead", "cost_attention_weight"):
             self.overrides.pop(name, None)

@@ -212,9 +212,9 @@ class DynamicBatchHooks:
 
     def planner(self, layout: ParallelLayout, *, forward_only: bool) -> PlannerConfig:
         """The planner config of ``layout`` (training, or forward-only under the log-prob budget)."""
-        config = self._calibrated(forward_only)
         # Forward-only passes keep no activations for a backward: the training bound is safe.
         limit = None if self.memory is None else self.memory.limit()
+        config = self._calibrated(forward_only, limit)
         key = (layout, forward_only, config, limit)
         if limit is not None and key not in self._planners:
             # The memory model changes with every measured step: keep only the current one's.
@@ -228,9 +228,16 @@ class DynamicBatchHooks:
             )
         return self._planners[key]
 
-    def _calibrated(self, forward_only: bool) -> DynBatchConfig:
-        """The run's config with what calibration has changed so far (its state, not ``args``)."""
-        return self.calibration.calibrated_config(self.config, forward_only=forward_only)
+    def _calibrated(
+        self, forward_only: bool, limit: Optional[MemoryLimit] = None
+    ) -> DynBatchConfig:
+        """The run's config with what calibration has changed so far (its state, not ``args``);
+        under a memory budget its shapes vary within the longest row ``limit`` allows now."""
+        return self.calibration.calibrated_config(
+            self.config,
+            forward_only=forward_only,
+            memory_cap=None if limit is None else limit.row_cap(1),
+        )
 
     def _plan(self, batch: Any, layout: ParallelLayout, forward_only: bool) -> Tuple[Plan, float]:
         config = self.planner(layout, forward_only=forward_only)

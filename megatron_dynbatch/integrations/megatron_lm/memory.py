@@ -427,6 +427,17 @@ class StepMemory:
         scales, errors = [], []
         for stage in range(self.pp_size):
             own = [o for o in recent if o[0] == stage]
+            # The largest step ever measured stays in the fit: the trust cap (_trusted) lets a
+            # step keep twice its bytes, so the factor must still cover it once it has left the
+            # window (a [4 x 256] step fitted at iteration 6 left it at 22; the factor fitted on
+            # [2 x 256] steps alone then let [6 x 256] through, 13% over its prediction).
+            largest_ever = max(
+                (o for o in self.observations if o[0] == stage),
+                key=lambda o: o[1] + o[2],
+                default=None,
+            )
+            if largest_ever is not None and largest_ever not in own:
+                own.append(largest_ever)
             k, _, _ = fit_activation_scales(
                 [(t, s, peak - rest) for _, t, s, rest, peak in own], common=True
             )

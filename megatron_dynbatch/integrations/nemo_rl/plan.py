@@ -32,39 +32,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
-from megatron_dynbatch.config import config_from_mapping
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.planning import ParallelLayout, plan_schedule, round_up
-from megatron_dynbatch.planning.spec import (
-    ATTENTION_CROSSOVER_7B,
+from megatron_dynbatch.integrations.hosts import NEMO_RL, host_config
+from megatron_dynbatch.planning import (
+    ParallelLayout,
     PlannerConfig,
-    layout_flags,
+    get_strategy,
+    plan_schedule,
+    round_up,
 )
 
 __all__ = [
-    "NEMO_RL_FIXED",
-    "NEMO_RL_OPTIONS",
     "NemoRlShards",
     "dynbatch_enabled",
     "nemo_rl_planner_config",
     "plan_nemo_rl_shards",
 ]
 
-#: NeMo-RL's option names (``policy.sequence_packing.*``) of the settings it gives the planner.
-NEMO_RL_OPTIONS = {
-    "train_mb_tokens": "max_tokens_per_gpu",
-    "logprob_mb_tokens": "log_probs_max_tokens_per_gpu",
-}
-#: What NeMo-RL's runtime decides: its sequence packing runs every micro-batch as one THD row
-#: (attention per sample), and its budget is a hard cap (its packer refuses a longer sample too).
-#: The driver plans before any model exists, so attention is costed as a 7B-class model's.
-NEMO_RL_FIXED = {
-    "layout": "packed",
-    "oversize_samples": "error",
-    "cost_attention_weight": 1.0 / ATTENTION_CROSSOVER_7B,
-}
-
 _SWITCH = "policy.megatron_cfg.dynbatch.enabled"
+_PLANNER = NEMO_RL.keys["planner"]
 
 
 def dynbatch_enabled(policy_cfg: Mapping[str, Any]) -> bool:
@@ -73,7 +59,8 @@ def dynbatch_enabled(policy_cfg: Mapping[str, Any]) -> bool:
     Raises:
         DynBatchValueError: the switch is not a boolean; it is on without the Megatron backend, or
             without ``policy.sequence_packing.enabled`` (the runtime that runs our micro-batches),
-            or together with ``policy.dynamic_batching.enabled`` (ours replaces it).
+            or together with ``policy.dynamic_batching.enabled`` (ours replaces it), or with a
+            ``planner`` no strategy is registered as.
     """
     megatron_cfg = policy_cfg.get("megatron_cfg") or {}
     section = megatron_cfg.get("dynbatch") or {}
@@ -82,6 +69,17 @@ def dynbatch_enabled(policy_cfg: Mapping[str, Any]) -> bool:
         raise DynBatchValueError(f"{_SWITCH}={flag!r} is not a boolean; set it to true or false.")
     if not flag:
         return False
+    planner = section.get("planner")
+    if planner is not None:
+        # At start-up, not at the first train call.
+        if not isinstance(planner, str):
+            raise DynBatchValueError(
+                f"{_PLANNER}={planner!r} must name a schedule strategy, e.g. 'dynbatch'."
+            )
+        try:
+            get_strategy(planner)
+        except DynBatchValueError as error:
+            raise DynBatchValueError(f"{_PLANNER}={planner!r}: {error}") from None
     if not megatron_cfg.get("enabled", False):
         raise DynBatchValueError(
             f"{_SWITCH}=true plans the Megatron policy's micro-batches, but "
@@ -113,23 +111,24 @@ def nemo_rl_planner_config(
     """
     packing = policy_cfg.get("sequence_packing") or {}
     megatron_cfg = policy_cfg.get("megatron_cfg") or {}
-    values = {name: packing.get(name) for name in NEMO_RL_OPTIONS}
+    values = {
+        "train_mb_tokens": packing.get("train_mb_tokens"),
+        "logprob_mb_tokens": packing.get("logprob_mb_tokens"),
+        "planner": (megatron_cfg.get("dynbatch") or {}).get("planner"),
+    }
     if forward_only and values["logprob_mb_tokens"] is None:
         raise DynBatchValueError(
             "a log-prob pass with policy.megatron_cfg.dynbatch.enabled=true needs "
             "policy.sequence_packing.logprob_mb_tokens; set it (e.g. to train_mb_tokens x 2)."
         )
-    config = config_from_mapping(
-        values, table=NEMO_RL_OPTIONS, fixed=NEMO_RL_FIXED, host="policy.sequence_packing"
-    )
     pp = int(megatron_cfg.get("pipeline_model_parallel_size", 1) or 1)
     vpp = int(megatron_cfg.get("virtual_pipeline_model_parallel_size", 1) or 1)
     group = megatron_cfg.get("microbatch_group_size_per_vp_stage") if vpp > 1 else None
-    with layout_flags("NeMo-RL"):
+    with NEMO_RL.flags():
         layout = ParallelLayout(
             dp_size=dp_size, pp_size=pp, vpp_size=vpp, microbatch_group_size_per_vp_stage=group
         )
-        return config.planner_config(layout, forward_only=forward_only)
+    return host_config(NEMO_RL, values, layout, forward_only=forward_only)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -58,6 +58,7 @@ from megatron_dynbatch.integrations.slime.config import (
     planner_oversize_reported,
     routing_replay,
 )
+from megatron_dynbatch.integrations.slime.scheduled import dp_schedule_steps
 from megatron_dynbatch.planning import (
     CostModel,
     ParallelLayout,
@@ -68,6 +69,7 @@ from megatron_dynbatch.planning import (
 )
 from megatron_dynbatch.planning.forward_only import fewest_forward_only_count, plan_forward_only
 from megatron_dynbatch.planning.karmarkar_karp import karmarkar_karp
+from megatron_dynbatch.planning.schedule import ScheduledStep
 from megatron_dynbatch.planning.spec import ATTENTION_CROSSOVER_7B, check_int
 from megatron_dynbatch.planning.strategies import run_strategy
 
@@ -206,6 +208,11 @@ class DPSchedule(tuple):
             [row for rows in self.row_lengths for row in rows[a:b]]
             for a, b in zip(starts[:-1], starts[1:], strict=True)
         ]
+
+    def scheduled_steps(self) -> Tuple[ScheduledStep, ...]:
+        """Every step as the runtime reads it (:class:`~megatron_dynbatch.planning.schedule.
+        Schedule`), in global sample indices (:mod:`.scheduled`)."""
+        return dp_schedule_steps(self)
 
     def rank_fields(self, dp_rank: int) -> Dict[str, Any]:
         """What the patched slime ships to DP rank ``dp_rank`` besides slime's own keys.
