@@ -152,7 +152,7 @@ class DPSchedule(tuple):
         if row_lengths is None:
             uniform = uniform_row_lengths(self.seq_lengths, num_microbatches)
             row_lengths = [list(uniform) for _ in partitions]
-        self.row_lengths = [[int(s) for s in rows] for rows in row_lengths]
+        self.row_lengths = [list(map(int, rows)) for rows in row_lengths]
         # Internal invariant: one row per micro-batch of every rank.
         assert [len(rows) for rows in self.row_lengths] == [len(mbs) for mbs in micro_batch_indices]
         self.micro_batch_size = 1
