@@ -57,11 +57,11 @@ from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
 apply_cpu_shim()
 
 from megatron_dynbatch.tools.testing.workers import Layout, run_on_ranks  # noqa: E402
+from tests._support import patched_copy  # noqa: E402
 
 pytestmark = pytest.mark.nemo_rl
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-APPLY = REPO / "launch" / "apply_nemo_rl_patches.sh"
 NEMO_RL_DIR = os.environ.get("NEMO_RL_DIR")
 REL_TOL = 1e-5
 BODY_TIMEOUT_S = 600
@@ -105,11 +105,7 @@ needs_nemo_rl = pytest.mark.skipif(not NEMO_RL_DIR, reason="NEMO_RL_DIR is not s
 def patched_nemo_rl(tmp_path_factory):
     """A copy of NEMO_RL_DIR's ``nemo_rl`` package with the patches applied (the stock tree
     untouched)."""
-    root = tmp_path_factory.mktemp("nemo_rl_patched")
-    shutil.copytree(pathlib.Path(NEMO_RL_DIR) / "nemo_rl", root / "nemo_rl")
-    result = subprocess.run(["bash", str(APPLY), str(root)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return str(root)
+    return patched_copy(NEMO_RL_DIR, "nemo_rl", tmp_path_factory.mktemp("nemo_rl_patched"))
 
 
 # -- running NeMo-RL's code on a rank -----------------------------------------------------------
