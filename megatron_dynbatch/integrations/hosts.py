@@ -149,7 +149,7 @@ MEGATRON_LM = Host(
 SLIME = Host(
     name="slime",
     switch="--use-dynamic-batch-size",
-    fallback="--dynamic-batch-scheduler slime (slime's own dynamic batching, patches applied)",
+    fallback="--use-slime-dynamic-batch-size (slime's own dynamic batching, patches applied)",
     options={
         "max_tokens_per_gpu": "max_tokens_per_gpu",
         "log_probs_max_tokens_per_gpu": "log_probs_max_tokens_per_gpu",

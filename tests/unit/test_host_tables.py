@@ -93,3 +93,10 @@ def test_no_host_function_is_forked_into_the_package():
             if isinstance(node, ast.FunctionDef) and node.name in ("loss_function",)
         ]
     assert forked == [], forked
+
+
+def test_slimes_way_back_names_the_flag_its_patch_registers():
+    # The record's documented way back must be an option the patched slime really parses.
+    flag = HOSTS["slime"].fallback.split()[0]
+    patches = "".join(p.read_text() for p in sorted((REPO / "patches" / "slime").glob("*.patch")))
+    assert f'"{flag}"' in patches, flag
