@@ -84,7 +84,6 @@ _PEAK = re.compile(r"peak memory predicted/measured \(MiB\): ([\d.]+|-)/([\d.]+)
 _MEGATRON_PEAK = re.compile(r"max allocated: ([\d.]+)")
 _RUN_PEAK = re.compile(r"peak memory measured over training \(MiB\): ([\d.]+)")
 _CALIBRATION = re.compile(r"(dynamic-batch calibration over .*)")
-_MICROBATCHES = re.compile(r"micro-batches/rank: (\d+) (\[[^\]]*\])")
 
 
 # launch/compare_runs.py's log parser, as the end-to-end benchmark loads it.
@@ -232,7 +231,6 @@ def launch(name: str, batching: str, args: List[str], data: str, out: pathlib.Pa
     megatron_peak = [float(m) for m in _MEGATRON_PEAK.findall(text)]
     run_peak = [float(m) for m in _RUN_PEAK.findall(text)]
     calibration = _CALIBRATION.findall(text)
-    shapes = _MICROBATCHES.findall(text)
     print(
         f"[gpu_check] {name}: {len(parsed['iterations'])} iterations in {seconds:.0f} s", flush=True
     )
@@ -242,7 +240,6 @@ def launch(name: str, batching: str, args: List[str], data: str, out: pathlib.Pa
         "megatron_peak": max(megatron_peak) if megatron_peak else None,
         "run_peak": max(run_peak) if run_peak else None,
         "calibration": calibration[-1] if calibration else None,
-        "shapes": shapes,
         "seconds": seconds,
         "log": str(log),
     }
