@@ -4,7 +4,8 @@ A bin is a list of sample indices; its load is the sum of its samples' padded si
 row length S is the largest load, so for a fixed bin count the packers aim at a small largest
 load, and must never exceed the cap.
 
-* :func:`lpt_pack`: longest-processing-time first, in rounds (fast, balanced; the first choice);
+* :func:`lpt_pack`: longest-processing-time first, a level of bins at a time (fast, balanced; the
+  first choice);
 * :func:`best_fit_pack`: best-fit decreasing, for samples that pair badly (LPT can break the cap
   where a tighter packing exists), with memory independent of the cap;
 * :func:`next_fit_count`: next fit in arrival order, which packs some regular patterns tighter
@@ -21,8 +22,10 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-from typing import List, Optional, Sequence, Tuple
+import operator
+from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..errors import DynBatchValueError
 from .karmarkar_karp import merge_by_differencing
 from .spec import ceil_div
 
@@ -44,37 +47,87 @@ Packing = Tuple[Bins, List[int]]
 
 
 def lpt_pack(
-    sizes: Sequence[int], order: Sequence[int], num_bins: int, cap: Optional[int] = None
+    sizes: Sequence[int],
+    order: Sequence[int],
+    num_bins: int,
+    cap: Optional[int] = None,
+    ordered: Optional[Sequence[int]] = None,
 ) -> Optional[Packing]:
     """Longest-processing-time first: each sample, largest first, into the least-loaded bin.
 
-    O(n log K), one heap operation per sample (ties: the lower bin index). With many samples small
-    against the average load it is within one sample of optimal, which is the regime of dynamic
-    batching (tens of samples per micro-batch). Example, sizes 5, 5, 4, 3, 3 into 2 bins:
-    5 | 5, then 4 to bin 0 (tie, lower index) -> 9 | 5, 3 to bin 1 -> 9 | 8, 3 to bin 1 -> 9 | 11.
-    With ``cap``, returns None as soon as a sample does not fit the least-loaded bin (then it fits
-    no bin: LPT cannot pack under the cap).
+    With many samples small against the average load it is within one sample of optimal, which
+    is the regime of dynamic batching (tens of samples per micro-batch). Example, sizes 5, 5, 4, 3,
+    3 into 2 bins: 5 | 5, then 4 to bin 0 (tie, lower index) -> 9 | 5, 3 to bin 1 -> 9 | 8, 3 to
+    bin 1 -> 9 | 11. Ties go to the lower bin index. With ``cap``, returns None as soon as a sample
+    does not fit the least-loaded bin (then it fits no bin: LPT cannot pack under the cap).
+
+    Bins are keyed ``load * num_bins + bin`` (one int orders by load, then index) and kept in
+    levels of width ``w``, the smallest size to place: every key of the lowest level is below any
+    key a placement can produce (a sample adds at least ``w``), so the samples one at a time would
+    take that level's bins in key order. A whole level is therefore placed at once: one sort and
+    whole-list operations per level, not a heap operation per sample (1M samples: 0.3 s, not 1 s).
+
+    ``ordered``: ``sizes`` of ``order``, in order, where the caller has them (read in sequence, not
+    gathered from all over ``sizes``: at 1M samples most of the time is memory access).
     """
     bins: Bins = [[] for _ in range(num_bins)]
-    # Heap keys are ``load * num_bins + bin``: one int compares faster than a (load, bin) tuple
-    # and breaks ties by bin index. The first num_bins samples go to bins 0, 1, ... in order.
+    # The first num_bins samples go to bins 0, 1, ... in order (all loads 0: ties by index).
     first = order[:num_bins]
     for b, i in enumerate(first):
         bins[b].append(i)
-    heap = [sizes[i] * num_bins + b for b, i in enumerate(first)]
-    heap += range(len(first), num_bins)
-    heapq.heapify(heap)
-    replace = heapq.heapreplace
-    limit = None if cap is None else (cap + 1) * num_bins
-    for i in order[num_bins:]:
-        key = heap[0]
-        new = key + sizes[i] * num_bins
-        if limit is not None and new >= limit:
-            return None
-        bins[key % num_bins].append(i)
-        replace(heap, new)
+    keys = [sizes[i] * num_bins + b for b, i in enumerate(first)]
+    keys += range(len(first), num_bins)
+    rest = order[num_bins:]
+    limit = None if cap is None else (cap + 1) * num_bins  # a key >= limit: a load over the cap
+    if rest:
+        if ordered is None:
+            scaled = [sizes[i] * num_bins for i in rest]
+        else:
+            scaled = [size * num_bins for size in itertools.islice(ordered, num_bins, None)]
+        width = min(scaled) // num_bins
+        if width <= 0:
+            raise DynBatchValueError(f"sample sizes must be positive, got {width}")
+        span = width * num_bins  # keys per level
+        levels: Dict[int, List[int]] = {}
+        for key in keys:
+            levels.setdefault(key // span, []).append(key)
+        pending = list(levels)
+        heapq.heapify(pending)
+        start, total = 0, len(rest)
+        # Each level's keys in the order they take samples: bins are filled only once the whole
+        # pass stayed under the cap (a pass that breaks it, at high fill, costs half as much).
+        taken: List[List[int]] = []
+        while start < total:
+            level = heapq.heappop(pending)
+            group = levels.pop(level)
+            group.sort()
+            if len(group) > total - start:  # the last samples: the lowest keys take them
+                levels[level] = group[total - start :]
+                group = group[: total - start]
+            stop = start + len(group)
+            taken.append(group)
+            placed = list(map(operator.add, group, scaled[start:stop]))
+            placed.sort()
+            if limit is not None and placed[-1] >= limit:
+                return None
+            # Every placed key is in a higher level; file them, one slice per level.
+            lo = 0
+            while lo < len(placed):
+                target = placed[lo] // span
+                hi = bisect.bisect_left(placed, (target + 1) * span, lo)
+                bucket = levels.get(target)
+                if bucket is None:
+                    levels[target] = placed[lo:hi]
+                    heapq.heappush(pending, target)
+                else:
+                    bucket += placed[lo:hi]
+                lo = hi
+            start = stop
+        for key, i in zip(itertools.chain.from_iterable(taken), rest):
+            bins[key % num_bins].append(i)
+        keys = [key for bucket in levels.values() for key in bucket]
     loads = [0] * num_bins
-    for key in heap:
+    for key in keys:
         loads[key % num_bins] = key // num_bins
     return bins, loads
 
@@ -127,7 +180,11 @@ class _SortedLoads:
 
 
 def best_fit_pack(
-    sizes: Sequence[int], order: Sequence[int], num_bins: int, cap: int
+    sizes: Sequence[int],
+    order: Sequence[int],
+    num_bins: int,
+    cap: int,
+    ordered: Optional[Sequence[int]] = None,
 ) -> Optional[Packing]:
     """Best-fit decreasing into at most ``num_bins`` bins of ``cap``; ``None`` if it fails.
 
@@ -136,7 +193,7 @@ def best_fit_pack(
     is the fullest that fits size ``s``, it takes ``(cap - l) // s`` of them in a row (after each
     it is still the fullest that fits), and so does every other bin of load ``l``. A regular
     workload (131k samples in a repeating pattern of a few sizes) thus costs a handful of
-    operations per distinct (size, load) pair, not per sample.
+    operations per distinct (size, load) pair, not per sample. ``ordered``: as :func:`lpt_pack`.
     """
     bins: Bins = [[] for _ in range(num_bins)]
     loads = [0] * num_bins
@@ -145,7 +202,9 @@ def best_fit_pack(
     get_group = by_load.get
     distinct = _SortedLoads([0])
     start = 0
-    for size, run in itertools.groupby(map(sizes.__getitem__, order)):
+    for size, run in itertools.groupby(
+        map(sizes.__getitem__, order) if ordered is None else ordered
+    ):
         end = start + len(list(run))
         while start < end:
             load = distinct.floor(cap - size)
@@ -311,6 +370,7 @@ def feasible_pack(
     num_bins: int,
     cap: int,
     next_fit: bool = True,
+    ordered: Optional[Sequence[int]] = None,
 ) -> Optional[Packing]:
     """``order`` into ``num_bins`` bins, every load <= ``cap``, with a small largest load.
 
@@ -318,11 +378,12 @@ def feasible_pack(
     cap, or else next fit in arrival order; then binary search of the smallest capacity at which
     best fit still packs (MULTIFIT), and single samples spread into the bins left empty. ``None``
     when nothing fits: more bins are needed (``next_fit=False`` skips next fit, which only helps
-    to reach the fewest bins).
+    to reach the fewest bins). ``ordered``: the sizes of ``order`` in order, where the caller has
+    them (see :func:`lpt_pack`).
     """
     if not order:
         return [[] for _ in range(num_bins)], [0] * num_bins
-    total = sum(map(sizes.__getitem__, order))
+    total = sum(map(sizes.__getitem__, order) if ordered is None else ordered)
     if num_bins >= len(order):
         # One sample per bin: nothing can pack tighter than its own row.
         bins: Bins = [[i] for i in order] + [[] for _ in range(num_bins - len(order))]
@@ -340,10 +401,10 @@ def feasible_pack(
     elif total <= _LPT_MAX_FILL * num_bins * cap:
         # Rows fuller than that on average leave LPT's last, smallest samples no room: it would
         # fail late (a whole pass) where best fit packs.
-        packing = lpt_pack(sizes, order, num_bins, cap)
+        packing = lpt_pack(sizes, order, num_bins, cap, ordered)
         if packing is not None:
             return packing
-    best = best_fit_pack(sizes, order, num_bins, cap)
+    best = best_fit_pack(sizes, order, num_bins, cap, ordered)
     if best is None:
         if not next_fit:
             return None
@@ -356,7 +417,7 @@ def feasible_pack(
     high = max(best[1])
     while low < high and (high - low) * _ROW_SLACK_DIVISOR > high:
         middle = (low + high) // 2
-        trial = best_fit_pack(sizes, order, num_bins, middle)
+        trial = best_fit_pack(sizes, order, num_bins, middle, ordered)
         if trial is None:
             low = middle + 1
         else:
@@ -364,13 +425,19 @@ def feasible_pack(
     return spread_into_empty(sizes, best)
 
 
-def min_bins(sizes: Sequence[int], order: Sequence[int], arrival: Sequence[int], cap: int) -> int:
+def min_bins(
+    sizes: Sequence[int],
+    order: Sequence[int],
+    arrival: Sequence[int],
+    cap: int,
+    ordered: Optional[Sequence[int]] = None,
+) -> int:
     """The fewest bins :func:`feasible_pack` is sure to fit the samples into.
 
     The smaller of best fit's and next fit's counts; both pack into that many bins again (best
     fit makes the same choices with any number of bins it does not run out of).
     """
-    packed = best_fit_pack(sizes, order, len(order), cap)
+    packed = best_fit_pack(sizes, order, len(order), cap, ordered)
     assert packed is not None, "every sample fits the cap alone"
     best_fit = sum(1 for members in packed[0] if members)
     return min(best_fit, len(next_fit_count(sizes, arrival, cap)[0]))

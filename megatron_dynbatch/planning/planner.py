@@ -115,10 +115,14 @@ def _plan_samples(samples: SampleSet, config: PlannerConfig) -> Plan:
     costs = sample_costs(config.cost, config.layout, sizes, responses)
     # CostModel.cost of every sample, its expression inlined (no method call a sample).
     tw, aw, rw = config.cost.token_weight, config.cost.attention_weight, config.cost.response_weight
-    own_costs = [
-        tw * n + aw * float(n) * float(n) + rw * r
-        for n, r in zip(effective, responses if rw else [0] * len(effective), strict=True)
-    ]
+    # ``aw * n * n`` is ``aw * float(n) * float(n)`` for int n (exact below 2**53), and without a
+    # response term ``+ 0.0`` changes no sum of nonnegative weights: the same floats, faster.
+    if rw:
+        own_costs = [
+            tw * n + aw * n * n + rw * r for n, r in zip(effective, responses, strict=True)
+        ]
+    else:
+        own_costs = [tw * n + aw * n * n for n in effective]
     steps = [
         _plan_step(items, num_rollouts, effective, sizes, costs, own_costs, kept, samples, config)
         for num_rollouts, items in samples.steps(config.rollouts_per_step)

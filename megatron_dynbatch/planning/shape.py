@@ -723,18 +723,20 @@ class _PackedSearch(_Search):
         self.rows = rows
         self.cap = _rows_cap(problem, rows)
         sizes, cap = problem.sizes, self.cap
-        assert rows == 1 or max(map(sizes.__getitem__, problem.items)) <= cap, "see _row_counts"
         items = problem.items
-        if max(map(sizes.__getitem__, items)) <= cap:
+        self.longest = max(map(sizes.__getitem__, items))
+        assert rows == 1 or self.longest <= cap, "see _row_counts"
+        if self.longest <= cap:
             self.oversize, self.arrival = [], list(items)
         else:
             self.oversize = [i for i in items if sizes[i] > cap]
             self.arrival = [i for i in items if sizes[i] <= cap]
         # Decreasing size, ties by index (the sort is stable on ascending items).
         self.order = sorted(self.arrival, key=sizes.__getitem__, reverse=True)
-        self.total = sum(map(sizes.__getitem__, self.arrival))
-        self.longest = max(map(sizes.__getitem__, items))
-        self.longest_regular = sizes[self.order[0]] if self.order else 0
+        # Their sizes in that order, gathered once: the packers then read them in sequence.
+        self.ordered = list(map(sizes.__getitem__, self.order))
+        self.total = sum(self.ordered)
+        self.longest_regular = self.ordered[0] if self.order else 0
         self._packings = {}
         # B > 1: packed only when asked for (one sample a row needs no fewest count).
         self._min_per_rank = self._fewest() if rows == 1 else None
@@ -756,13 +758,14 @@ class _PackedSearch(_Search):
         # Samples over half the cap cannot share a row: a second, often tighter bound. The order
         # is by decreasing size, so they are its first ``halves`` entries.
         half = cap // 2
-        sizes = self.problem.sizes
-        halves = bisect.bisect_left(self.order, True, key=lambda i: sizes[i] <= half)
+        halves = bisect.bisect_left(self.ordered, True, key=half.__ge__)
         bound = len(self.oversize) + max(ceil_div(self.total, cap), halves)
         per_rank = round_up(max(1, ceil_div(bound, slots)), self.microbatch_multiple)
         packing = self._pack(per_rank)
         if packing is None:
-            need = len(self.oversize) + min_bins(self.problem.sizes, self.order, self.arrival, cap)
+            need = len(self.oversize) + min_bins(
+                self.problem.sizes, self.order, self.arrival, cap, self.ordered
+            )
             per_rank = round_up(max(1, ceil_div(need, slots)), self.microbatch_multiple)
             packing = self._pack(per_rank)
             assert packing is not None, "best fit / next fit pack into the bins they counted"
@@ -774,11 +777,22 @@ class _PackedSearch(_Search):
         cap = self.cap
         if limit is not None and limit < cap:
             return feasible_pack(
-                self.problem.sizes, self.order, self.arrival, self._bins(per_rank), limit, False
+                self.problem.sizes,
+                self.order,
+                self.arrival,
+                self._bins(per_rank),
+                limit,
+                False,
+                self.ordered,
             )
         if per_rank not in self._packings:
             self._packings[per_rank] = feasible_pack(
-                self.problem.sizes, self.order, self.arrival, self._bins(per_rank), cap
+                self.problem.sizes,
+                self.order,
+                self.arrival,
+                self._bins(per_rank),
+                cap,
+                ordered=self.ordered,
             )
         return self._packings[per_rank]
 

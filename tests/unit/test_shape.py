@@ -1,6 +1,7 @@
 """Planner v2: the (M, S) choice by the simulated step, the cost model it optimises, and the packers
 under it (issue 12)."""
 
+import heapq
 import random
 
 import pytest
@@ -179,6 +180,71 @@ def test_lpt_worked_example():
     bins, loads = lpt_pack([5, 5, 4, 3, 3], [0, 1, 2, 3, 4], 2)
     assert loads == [9, 11] and bins == [[0, 2], [1, 3, 4]]
     assert lpt_pack([5, 5, 4, 3, 3], [0, 1, 2, 3, 4], 2, cap=10) is None
+
+
+def _heap_lpt(sizes, order, num_bins, cap=None):
+    """LPT one sample at a time on a heap of (load, bin): the reference the levelled
+    :func:`lpt_pack` must equal exactly (bins, their order within, loads, failure)."""
+    bins = [[] for _ in range(num_bins)]
+    heap = [(0, b) for b in range(num_bins)]
+    for k, i in enumerate(order):
+        load, b = heapq.heappop(heap)
+        # The first num_bins samples open the bins unchecked (callers pass none over the cap).
+        if cap is not None and k >= num_bins and load + sizes[i] > cap:
+            return None
+        bins[b].append(i)
+        heapq.heappush(heap, (load + sizes[i], b))
+    loads = [0] * num_bins
+    for load, b in heap:
+        loads[b] = load
+    return bins, loads
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 300), min_size=0, max_size=80),
+    num_bins=st.integers(1, 12),
+    cap_slack=st.one_of(st.none(), st.integers(-50, 400)),
+    sort=st.booleans(),
+    data=st.data(),
+)
+def test_lpt_equals_one_sample_at_a_time(sizes, num_bins, cap_slack, sort, data):
+    order = list(range(len(sizes)))
+    if sort:
+        order.sort(key=sizes.__getitem__, reverse=True)
+    else:
+        order = data.draw(st.permutations(order))
+    cap = None
+    if cap_slack is not None and sizes:
+        cap = max(max(sizes), sum(sizes) // num_bins + cap_slack)
+    got = lpt_pack(sizes, order, num_bins, cap)
+    assert got == _heap_lpt(sizes, order, num_bins, cap)
+    assert got == lpt_pack(sizes, order, num_bins, cap, [sizes[i] for i in order])
+
+
+def test_lpt_at_scale_equals_one_sample_at_a_time():
+    rng = random.Random(7)
+    sizes = [rng.choice([rng.randint(100, 600), rng.randint(600, 16384)]) for _ in range(20000)]
+    order = sorted(range(len(sizes)), key=sizes.__getitem__, reverse=True)
+    for num_bins in (64, 1500, 2300):
+        for cap in (None, 16384):
+            assert lpt_pack(sizes, order, num_bins, cap) == _heap_lpt(sizes, order, num_bins, cap)
+
+
+def test_packers_read_the_ordered_sizes_as_the_gathered_ones():
+    rng = random.Random(3)
+    sizes = [rng.randint(1, 4000) for _ in range(3000)]
+    order = sorted(range(len(sizes)), key=sizes.__getitem__, reverse=True)
+    ordered = [sizes[i] for i in order]
+    arrival = list(range(len(sizes)))
+    for num_bins, cap in ((200, 8192), (130, 8192), (400, 4000)):
+        assert best_fit_pack(sizes, order, num_bins, cap, ordered) == best_fit_pack(
+            sizes, order, num_bins, cap
+        )
+        assert feasible_pack(sizes, order, arrival, num_bins, cap, ordered=ordered) == (
+            feasible_pack(sizes, order, arrival, num_bins, cap)
+        )
+    assert min_bins(sizes, order, arrival, 8192, ordered) == min_bins(sizes, order, arrival, 8192)
 
 
 def test_best_fit_and_next_fit_on_the_pattern():
