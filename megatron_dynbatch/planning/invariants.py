@@ -85,7 +85,7 @@ def check_plan(
     longest = max(sizes, default=0)
     # Every step's sample indices, gathered once (three checks read them).
     indices = [_indices(step) for step in plan.steps]
-    flat = [i for step in indices for i in step]
+    flat = indices[0] if len(indices) == 1 else list(itertools.chain.from_iterable(indices))
     n = len(samples)
     # Plain ints in range (the usual case): the checks below may index ``sizes`` directly; any
     # other index makes them take the careful way, which reports it.
@@ -108,7 +108,8 @@ def check_plan(
 
 
 def _indices(step: StepPlan) -> List[int]:
-    return [i for rank in step.ranks for mb in rank for i in mb]
+    chain = itertools.chain.from_iterable
+    return list(chain(chain(step.ranks)))
 
 
 def _every_sample_once(flat: Sequence[int], n: int, in_range: bool) -> List[str]:
