@@ -102,6 +102,17 @@ def check_plan(
             where, step, indices[s], plan.layout, sizes, config, in_range=in_range, longest=longest
         )
         problems += _step_counts(where, step, sizes, config)
+        if in_range and not once:
+            # The samples' tokens, whoever counted them: one step of every sample adds them all.
+            tokens = (
+                sum(lengths)
+                if len(plan.steps) == 1
+                else sum(map(lengths.__getitem__, indices[s]))
+            )
+            if step.real_tokens != tokens:
+                problems.append(
+                    f"{where}: real_tokens={step.real_tokens}, its samples hold {tokens}"
+                )
     problems += _stats_add_up(plan, sizes, config)
     if problems:
         raise PlanInvariantError("plan breaks its guarantees:\n  " + "\n  ".join(problems))

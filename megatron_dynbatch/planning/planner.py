@@ -227,7 +227,10 @@ def _plan_step(
     else:
         rows = [tuple(sorted(members)) if len(members) > 1 else tuple(members) for members in bins]
     ranks = tuple(tuple(rows[b] for b in order) for order in shape.rank_orders)
-    bin_tokens = [sum(map(lengths.__getitem__, members)) for members in bins]
+    if shape.token_loads is not None and sizes is lengths:
+        bin_tokens = shape.token_loads  # sizes are the lengths: the packers' loads are the tokens
+    else:
+        bin_tokens = [sum(map(lengths.__getitem__, members)) for members in bins]
     rank_tokens = [sum(map(bin_tokens.__getitem__, order)) for order in shape.rank_orders]
     computed = [sum(map(shape.bin_costs.__getitem__, order)) for order in shape.rank_orders]
     # The samples' own cost per rank (CostModel.cost), what dp_imbalance_cost always reported.

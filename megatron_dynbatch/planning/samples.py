@@ -204,6 +204,10 @@ class SampleSet:
         if rollouts_per_step is None:
             # One step of everything: only the rollout count is needed, not the grouping.
             return [(len(set(self.rollout_keys)), list(range(len(self.lengths))))]
+        count = len(set(self.rollout_keys))
+        if 0 < count <= rollouts_per_step:
+            # One step holds every rollout (slime plans one step a call): the same, no grouping.
+            return [(count, list(range(len(self.lengths))))]
         rollouts = self.rollouts()
         per_step = rollouts_per_step
         result = []

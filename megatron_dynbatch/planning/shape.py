@@ -164,6 +164,9 @@ class StepShape:
     packed_rows: Optional[List[List[List[int]]]] = None
     """Packed micro-batches of ``B > 1`` rows: every bin's rows, each a list of samples (``bins``
     holds their concatenation); ``None``: one row a bin."""
+    token_loads: Optional[List[int]] = None
+    """Every bin's padded tokens (the sum of its samples' sizes) as packed, where the packers
+    counted them and no sample moved since; ``None`` otherwise (then sum the bins)."""
 
 
 def variable_rows(loads: Sequence[int], multiple: int, cap: int) -> List[int]:
@@ -568,8 +571,12 @@ class _Search:
         seq_length: int,
         rows: int,
         rank_bins: Optional[List[List[int]]] = None,
+        token_loads: bool = False,
     ) -> StepShape:
-        """Assign bins to ranks (unless given), balance, order for the pipeline, and simulate."""
+        """Assign bins to ranks (unless given), balance, order for the pipeline, and simulate.
+
+        ``token_loads``: ``loads`` are the bins' padded tokens (packed searches), kept on the
+        shape unless sample moves change the bins."""
         problem = self.problem
         costs = problem.sample_costs
         layout = problem.layout
@@ -603,6 +610,7 @@ class _Search:
         # Sample moves between bins know one row a bin: not for B > 1 rows.
         if layout == "packed" and self.varies and row_lengths is None and rows == 1:
             bin_costs = self._balance(bins, loads, own, rank_bins, seq_length, per_rank, bin_costs)
+            token_loads = False  # samples may have moved between bins
         orders = self._orders(rank_bins, bins, bin_costs)
         step_time = self._step_time(orders, bin_costs)
         if any(not any(map(bins.__getitem__, rank)) for rank in rank_bins):
@@ -616,6 +624,7 @@ class _Search:
             bin_costs=bin_costs,
             step_time=step_time,
             row_lengths=row_lengths,
+            token_loads=list(loads) if token_loads else None,
         )
 
     def _orders(
@@ -848,7 +857,7 @@ class _PackedSearch(_Search):
             return self._micro_batches_of_rows(per_rank, packing)
         bins = [[i] for i in self.oversize] + [list(members) for members in packing[0]]
         loads = [self.problem.sizes[i] for i in self.oversize] + list(packing[1])
-        shape = self.score(bins, loads, per_rank, max(loads), 1)
+        shape = self.score(bins, loads, per_rank, max(loads), 1, token_loads=True)
         shape.oversize = self.oversize
         return shape
 
@@ -863,7 +872,9 @@ class _PackedSearch(_Search):
             packed[k % num_bins].append(sorted(rows[r]))
         bins = [[i for row in mb for i in row] for mb in packed]
         loads = [sum(row_loads[r] for r in order[b::num_bins]) for b in range(num_bins)]
-        shape = self.score(bins, loads, per_rank, max(row_loads), self.rows)
+        shape = self.score(
+            bins, loads, per_rank, max(row_loads), self.rows, token_loads=True
+        )
         shape.packed_rows = packed
         return shape
 
@@ -906,7 +917,7 @@ class _PackedSearch(_Search):
             rank_bins.append(list(range(len(bins), len(bins) + per_rank)))
             bins += packing[0]
             loads += packing[1]
-        return self.score(bins, loads, per_rank, max(loads), 1, rank_bins)
+        return self.score(bins, loads, per_rank, max(loads), 1, rank_bins, token_loads=True)
 
 
 class _PaddedSearch(_Search):

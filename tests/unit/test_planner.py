@@ -286,6 +286,23 @@ def test_invariant_checker_catches_a_lost_sample():
         check_plan(broken, SampleSet.build(lengths), config)
 
 
+@pytest.mark.parametrize("rollouts_per_step", [None, 2])
+def test_invariant_checker_catches_wrong_real_tokens(rollouts_per_step):
+    config = PlannerConfig(
+        max_tokens_per_gpu=100,
+        parallel=ParallelLayout(dp_size=2),
+        rollouts_per_step=rollouts_per_step,
+    )
+    lengths = [10, 20, 30, 40]
+    plan = plan_schedule(lengths, config=config)
+    check_plan(plan, SampleSet.build(lengths), config)
+    step = plan.steps[-1]
+    wrong = dataclasses.replace(step, real_tokens=step.real_tokens + 1)
+    broken = dataclasses.replace(plan, steps=plan.steps[:-1] + (wrong,))
+    with pytest.raises(PlanInvariantError, match="real_tokens=.*its samples hold"):
+        check_plan(broken, SampleSet.build(lengths), config)
+
+
 def test_invariant_checker_catches_unequal_microbatch_counts():
     config = PlannerConfig(max_tokens_per_gpu=100, parallel=ParallelLayout(dp_size=2))
     lengths = [10, 20, 30, 40]
