@@ -33,6 +33,8 @@ planner by default; ``rollouts_per_step=global_batch_size``). Deliberate differe
   ``variable_seq_lengths`` allows; ``args.variable_seq_lengths=False`` keeps one row per step.
 * A rank's micro-batches are ordered for the pipeline (light ones at warm-up and cool-down), and
   samples within a micro-batch by global index, not in first-fit order.
+* ``--max-memory-gib`` (patch 0005; slime has no byte budget): no step or log-prob pass is planned
+  whose predicted per-stage peak exceeds it (:mod:`.memory`; ``DPSchedule.memory``).
 
 Without ``use_dynamic_batch_size`` the static path is slime's: fixed ``micro_batch_size`` chunks,
 trailing rollouts trimmed, an error when the count does not align, and a strided or (with
