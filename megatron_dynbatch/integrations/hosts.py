@@ -154,6 +154,7 @@ SLIME = Host(
         "max_tokens_per_gpu": "max_tokens_per_gpu",
         "log_probs_max_tokens_per_gpu": "log_probs_max_tokens_per_gpu",
         "oversize_samples": "oversize_samples",
+        "max_memory_gib": "max_memory_gib",
     },
     fixed={"layout": "packed"},
     defaults={"oversize_samples": "allow"},
@@ -161,6 +162,8 @@ SLIME = Host(
         "max_tokens_per_gpu": "--max-tokens-per-gpu",
         "log_probs_max_tokens_per_gpu": "--log-probs-max-tokens-per-gpu",
         "oversize_samples": "--oversize-samples",
+        # Registered by patch 0005; read by integrations/slime/memory.py (GiB, no ``auto``).
+        "max_memory_gib": "--max-memory-gib",
     },
     planning="global",
     oversize="option",

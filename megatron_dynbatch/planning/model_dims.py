@@ -1,8 +1,8 @@
 """The model's dimensions, as Megatron's arguments state them: what the memory model (and a
 FLOP-based step-time model) derives its bytes and work from.
 
-Standard library only. A builder from a Megatron argument namespace lives in the Megatron-LM
-integration (``integrations/megatron_lm/model_dims.py``), not here: planning reads no ``args``.
+Standard library only. A builder from a Megatron argument namespace lives with the hosts that
+parse Megatron's flags (``integrations/model_args.py``), not here: planning reads no ``args``.
 
 Parameter counts follow Megatron-Core's GPT layer spec (``get_gpt_layer_local_spec`` /
 ``get_gpt_layer_with_transformer_engine_spec``): per layer an input norm, a fused QKV projection

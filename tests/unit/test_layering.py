@@ -25,7 +25,15 @@ ALLOWED = {
     "runtime": {"errors", "planning"},
     "mcore": {"errors", "planning", "runtime"},
     "cpu": {"errors"},
-    "integrations.megatron_lm": {"errors", "planning", "config", "runtime", "mcore", "cpu"},
+    "integrations.megatron_lm": {
+        "errors",
+        "planning",
+        "config",
+        "runtime",
+        "mcore",
+        "cpu",
+        "integrations.model_args",
+    },
     "integrations.slime": {
         "errors",
         "planning",
@@ -33,6 +41,7 @@ ALLOWED = {
         "runtime",
         "mcore",
         "integrations.hosts",
+        "integrations.model_args",
     },
     "integrations.skyrl": {
         "errors",
@@ -53,6 +62,8 @@ ALLOWED = {
     },
     "integrations": set(),  # the sub-package's __init__
     "integrations.hosts": {"errors", "planning", "config"},
+    # Megatron's arguments -> the memory model: every host that parses Megatron's flags.
+    "integrations.model_args": {"errors", "planning"},
     "adapters": {"integrations.slime"},
     "tools": {
         "errors",

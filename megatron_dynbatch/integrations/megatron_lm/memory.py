@@ -38,10 +38,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.integrations.megatron_lm.model_args import memory_model_from_flags
+from megatron_dynbatch.integrations.model_args import memory_model_from_flags
 from megatron_dynbatch.planning.memory import (
     GIB,
     MIB,
+    UNCALIBRATED_SAFETY,
     MemoryLimit,
     MemoryModel,
     PeakTerms,
@@ -65,10 +66,6 @@ AUTO_MARGIN = 0.10
 #: Steps at the start of a run whose peaks are not fitted: the first step allocates the
 #: optimizer's state (not yet in the memory at rest), and allocator caches settle.
 MEMORY_WARMUP_STEPS = 1
-#: Until the probe step is measured, the prediction counts the activation bytes this many times
-#: over: the counted tensors miss the transients of a backward (gradients of the activations, the
-#: allocator's slack), which the fitted factors put at 1.8-3.3x on CPU.
-UNCALIBRATED_SAFETY = 2.0
 #: A step may keep at most this many times the largest activations (as counted) measured so far:
 #: 2, so that rows of whole samples can double (1.5 kept a corpus of --seq-length samples at one
 #: sample a micro-batch for good: no step ever measured two).

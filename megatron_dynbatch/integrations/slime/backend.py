@@ -39,10 +39,13 @@ from megatron_dynbatch.integrations.slime.placeholders import cp_local, placehol
 from megatron_dynbatch.integrations.slime.schedule import (
     LOGPROB_MICRO_BATCHES_KEY,
     LOGPROB_ROW_LENGTHS_KEY,
+    MEMORY_BUDGET_KEY,
+    PREDICTED_PEAK_KEY,
     ROW_LENGTHS_KEY,
     SEQ_LENGTHS_KEY,
     uniform_row_lengths,
 )
+from megatron_dynbatch.integrations.slime.step_memory import STEP_PEAKS
 from megatron_dynbatch.mcore.agreement import step_agreement
 from megatron_dynbatch.planning import round_up
 from megatron_dynbatch.planning.spec import check_int
@@ -94,6 +97,10 @@ class SlimeDataIterator:
         self.offset = 0
         #: Row length of the micro-batch last returned by :meth:`get_next` (read by get_batch).
         self.row_length: Optional[int] = None
+        #: With --max-memory-gib: per step, per pipeline stage, this DP rank's predicted peak
+        #: (MiB), and the budget (MiB), as the rollout side planned them (:func:`data_iterators`).
+        self.predicted_peaks_mib: Optional[List[List[float]]] = None
+        self.memory_budget_mib: Optional[float] = None
 
     def get_next(self, keys: Sequence[str]) -> Dict[str, Any]:
         if self.offset >= len(self.micro_batch_indices):
@@ -283,7 +290,11 @@ def data_iterators(
             f"rollout data without {SEQ_LENGTHS_KEY!r}: the rollout side did not ship "
             "megatron_dynbatch's schedule (apply every patch in patches/slime to both sides)."
         )
+    # A new rollout: the last one's last step is read now (slime's step has no end hook).
+    STEP_PEAKS.close()
     seq_lengths = [int(s) for s in rollout_data.pop(SEQ_LENGTHS_KEY)]
+    predicted = rollout_data.pop(PREDICTED_PEAK_KEY, None)
+    budget = rollout_data.pop(MEMORY_BUDGET_KEY, None)
     row_lengths = [int(s) for s in rollout_data.pop(ROW_LENGTHS_KEY, None) or ()]
     forward_only = None
     if LOGPROB_MICRO_BATCHES_KEY in rollout_data:
@@ -307,12 +318,22 @@ def data_iterators(
     if not row_lengths:
         # Uniform rows (a schedule that ships only the steps' rows).
         row_lengths = uniform_row_lengths(seq_lengths, nums)
-    return [
+    iterators = [
         SlimeDataIterator(
             rollout_data, rollout_data["micro_batch_indices"], row_lengths, cp_size, forward_only
         )
         for _ in range(vpp_size)
     ]
+    if predicted is not None:
+        if len(predicted) != len(nums):
+            raise DynBatchValueError(
+                f"{len(predicted)} steps of predicted peaks for {len(nums)} steps; the rollout "
+                "side and the trainer run different megatron_dynbatch versions."
+            )
+        for iterator in iterators:
+            iterator.predicted_peaks_mib = [[float(p) for p in step] for step in predicted]
+            iterator.memory_budget_mib = float(budget)
+    return iterators
 
 
 def _fingerprint(*parts: Any) -> str:
@@ -356,6 +377,9 @@ def agree_on_step(
         first.check_microbatches(num_microbatches)
         # Rows differ between DP ranks (each micro-batch its own); the count is common to all.
         agreement.fingerprint = _fingerprint(step_id, num_microbatches)
+    if first.predicted_peaks_mib is not None:
+        # --max-memory-gib: this step's peak is measured from here (step_memory.py).
+        STEP_PEAKS.begin(step_id, first.predicted_peaks_mib[step_id], first.memory_budget_mib)
 
 
 def forward_only_iterators(
@@ -372,6 +396,7 @@ def forward_only_iterators(
     then all agree (and compare their counts) before any p2p.
     """
     first = data_iterator[0]
+    STEP_PEAKS.close()  # a training step's peak ends before a log-prob pass
     with step_agreement(what="slime forward-only pass") as agreement:
         if not isinstance(first, SlimeDataIterator):
             raise DynBatchValueError(

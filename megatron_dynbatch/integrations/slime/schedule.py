@@ -33,6 +33,8 @@ planner by default; ``rollouts_per_step=global_batch_size``). Deliberate differe
   ``variable_seq_lengths`` allows; ``args.variable_seq_lengths=False`` keeps one row per step.
 * A rank's micro-batches are ordered for the pipeline (light ones at warm-up and cool-down), and
   samples within a micro-batch by global index, not in first-fit order.
+* ``--max-memory-gib`` (patch 0005; slime has no byte budget): no step or log-prob pass is planned
+  whose predicted per-stage peak exceeds it (:mod:`.memory`; ``DPSchedule.memory``).
 
 Without ``use_dynamic_batch_size`` the static path is slime's: fixed ``micro_batch_size`` chunks,
 trailing rollouts trimmed, an error when the count does not align, and a strided or (with
@@ -58,6 +60,13 @@ from megatron_dynbatch.integrations.slime.config import (
     planner_oversize_reported,
     routing_replay,
 )
+from megatron_dynbatch.integrations.slime.memory import (
+    StepPeaks,
+    check_longest_sample,
+    slime_max_memory_gib,
+    slime_memory_limit,
+    step_peaks,
+)
 from megatron_dynbatch.integrations.slime.scheduled import dp_schedule_steps
 from megatron_dynbatch.planning import (
     CostModel,
@@ -69,6 +78,7 @@ from megatron_dynbatch.planning import (
 )
 from megatron_dynbatch.planning.forward_only import fewest_forward_only_count, plan_forward_only
 from megatron_dynbatch.planning.karmarkar_karp import karmarkar_karp
+from megatron_dynbatch.planning.memory import MIB, MemoryLimit
 from megatron_dynbatch.planning.schedule import ScheduledStep
 from megatron_dynbatch.planning.spec import ATTENTION_CROSSOVER_7B, check_int
 from megatron_dynbatch.planning.strategies import run_strategy
@@ -130,6 +140,9 @@ class DPSchedule(tuple):
       rank's lengths so that every DP rank runs the same number of forward-only micro-batches;
       ``None`` where the log-prob passes run the training micro-batches (the static path, and
       MoE routing replay, which records and replays routing per micro-batch).
+    * ``memory``: with ``--max-memory-gib``, every step's predicted peak per DP rank and pipeline
+      stage (:class:`~megatron_dynbatch.integrations.slime.memory.StepPeaks`), each within the
+      budget; ``None`` without it.
     """
 
     def __new__(
@@ -144,6 +157,7 @@ class DPSchedule(tuple):
         plan: Optional[Plan] = None,
         forward_only: Optional["ForwardOnlySchedule"] = None,
         row_lengths: Optional[Sequence[Sequence[int]]] = None,
+        memory: Optional[StepPeaks] = None,
     ) -> "DPSchedule":
         self = super().__new__(
             cls, (partitions, micro_batch_indices, num_microbatches, global_batch_sizes)
@@ -159,20 +173,20 @@ class DPSchedule(tuple):
         self.rollout_counts = [list(counts) for counts in rollout_counts]
         self.plan = plan
         self.forward_only = forward_only
+        self.memory = memory
         return self
 
     def __reduce__(self):
-        return (
-            _rebuild_schedule,
-            (
-                tuple(self),
-                self.seq_lengths,
-                self.rollout_counts,
-                self.plan,
-                self.forward_only,
-                self.row_lengths,
-            ),
+        fields = (
+            tuple(self),
+            self.seq_lengths,
+            self.rollout_counts,
+            self.plan,
+            self.forward_only,
+            self.row_lengths,
         )
+        # Without --max-memory-gib a schedule pickles as it did before the option existed.
+        return (_rebuild_schedule, fields if self.memory is None else fields + (self.memory,))
 
     @property
     def partitions(self) -> List[List[int]]:
@@ -234,6 +248,11 @@ class DPSchedule(tuple):
                 list(mb) for mb in self.forward_only.micro_batch_indices[dp_rank]
             ]
             fields[LOGPROB_ROW_LENGTHS_KEY] = list(self.forward_only.row_lengths[dp_rank])
+        if self.memory is not None:
+            fields[PREDICTED_PEAK_KEY] = [
+                [peak / MIB for peak in step] for step in self.memory.per_rank[dp_rank]
+            ]
+            fields[MEMORY_BUDGET_KEY] = self.memory.budget_bytes / MIB
         return fields
 
 
@@ -248,6 +267,10 @@ SEQ_LENGTHS_KEY = "dynbatch_seq_lengths"
 ROW_LENGTHS_KEY = "dynbatch_row_lengths"
 LOGPROB_MICRO_BATCHES_KEY = "dynbatch_logprob_micro_batch_indices"
 LOGPROB_ROW_LENGTHS_KEY = "dynbatch_logprob_row_lengths"
+#: With --max-memory-gib: per step, per pipeline stage, the rank's predicted peak (MiB), and the
+#: budget (MiB); the trainer logs them beside the measured peak (backend.StepPeakLog).
+PREDICTED_PEAK_KEY = "dynbatch_predicted_peak_mib"
+MEMORY_BUDGET_KEY = "dynbatch_memory_budget_mib"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -282,7 +305,7 @@ class ForwardOnlySchedule:
 
 
 def _rebuild_schedule(
-    items, seq_lengths, rollout_counts, plan, forward_only=None, row_lengths=None
+    items, seq_lengths, rollout_counts, plan, forward_only=None, row_lengths=None, memory=None
 ) -> DPSchedule:
     return DPSchedule(
         *items,
@@ -291,6 +314,7 @@ def _rebuild_schedule(
         plan=plan,
         forward_only=forward_only,
         row_lengths=row_lengths,
+        memory=memory,
     )
 
 
@@ -618,6 +642,41 @@ def row_length(seq_length: int, cp: int, pad_size: int, max_tokens: int) -> int:
     return aligned if aligned <= max_tokens or per_rank > max_tokens else per_rank
 
 
+def _uniform_row(
+    seq_length: int, cp: int, pad_size: int, max_tokens: int, memory: Optional[MemoryLimit]
+) -> int:
+    """:func:`row_length`, not aligned past what ``--max-memory-gib`` allows: the planned row
+    (``seq_length``, within the memory budget) is kept unaligned where the aligned one breaks it."""
+    row = row_length(seq_length, cp, pad_size, max_tokens)
+    if memory is not None and not memory.fits((1, row * cp)):
+        return -(-seq_length // cp)
+    return row
+
+
+def _rows_within_memory(
+    rows: Sequence[int],
+    microbatches: Sequence[Sequence[int]],
+    lengths: Sequence[int],
+    multiple: int,
+    memory: Optional[MemoryLimit],
+) -> List[int]:
+    """Planned rows (every CP rank's tokens), none past ``--max-memory-gib``.
+
+    The planner aligns the row of a lone sample over the *token* budget to the row multiple
+    whatever that costs (``shape.variable_rows``: such a row is over the cap anyway); the memory
+    budget is hard, so such a row runs its padded load instead (within the budget: every sample
+    alone was checked to fit, :func:`~.memory.check_longest_sample`). Other rows are the planner's.
+    """
+    if memory is None:
+        return list(rows)
+    fitted = []
+    for row, mb in zip(rows, microbatches, strict=True):
+        if mb and not memory.fits((1, row)):
+            row = sum(round_up(lengths[i], multiple) for i in mb)
+        fitted.append(row)
+    return fitted
+
+
 def _layout(sizes: Dict[str, int], dp_size: int) -> ParallelLayout:
     vpp = sizes["vpp_size"]
     return ParallelLayout(
@@ -665,6 +724,7 @@ def _forward_only_schedule(
     pad_size: int,
     variable: bool,
     training: Optional[Tuple[List[List[List[int]]], List[List[int]]]] = None,
+    memory: Optional[MemoryLimit] = None,
 ) -> ForwardOnlySchedule:
     """The log-prob passes, planned here from every rank's lengths (see :class:`ForwardOnlySchedule`).
 
@@ -675,10 +735,16 @@ def _forward_only_schedule(
     micro-batches (``training``: every rank's local micro-batches and rows, all steps) already
     are that few under the same budget, with rows of their own, they are the log-prob passes'
     too: no packing can do with fewer, and the rollout side packs nothing twice.
+
+    ``memory``: the training step's budget (``--max-memory-gib``) bounds the log-prob rows too;
+    a forward pass keeps no activations for a backward, so this is safe, not tight.
     """
     cp = sizes["cp_size"]
     planner_config = config.planner_config(
-        _layout(sizes, 1), forward_only=True, row_multiple=pad_size * cp if variable else None
+        _layout(sizes, 1),
+        forward_only=True,
+        row_multiple=pad_size * cp if variable else None,
+        memory=memory,
     )
     budget = config.forward_only_max_tokens_per_gpu
     # Once over the global lengths, so an error names the samples by their rollout position.
@@ -696,11 +762,17 @@ def _forward_only_schedule(
         )
     plan = plan_forward_only(rank_lengths, planner_config)
     if variable:
-        rows = [_gpu_rows(rank_rows, cp) for rank_rows in plan.row_lengths]
+        multiple = planner_config.parallel.sample_multiple
+        rows = [
+            _gpu_rows(_rows_within_memory(rank_rows, mbs, own, multiple, memory), cp)
+            for rank_rows, mbs, own in zip(
+                plan.row_lengths, plan.micro_batches, rank_lengths, strict=True
+            )
+        ]
     else:
         # Uniform rows: one row length on every rank, the same shapes everywhere.
         longest = max(rank_rows[0] for rank_rows in plan.row_lengths)
-        row = row_length(longest, cp, pad_size, budget)
+        row = _uniform_row(longest, cp, pad_size, budget, memory)
         rows = [[row] * len(rank_rows) for rank_rows in plan.row_lengths]
     return ForwardOnlySchedule(micro_batch_indices=plan.micro_batches, row_lengths=rows)
 
@@ -722,9 +794,14 @@ def _dynamic_schedule(
     dp = sizes["dp_size"]
     cp = sizes["cp_size"]
     variable = variable_rows(args)
+    layout = _layout(sizes, dp)
+    # --max-memory-gib: no shape is planned whose predicted peak breaks it, on any stage.
+    memory = slime_memory_limit(args, layout)
+    if memory is not None:
+        check_longest_sample(memory, lengths, slime_max_memory_gib(args))
     # Variable rows: a row of every CP rank's tokens is a multiple of pad_size per CP rank.
     planner_config = config.planner_config(
-        _layout(sizes, dp), row_multiple=pad_size * cp if variable else None
+        layout, row_multiple=pad_size * cp if variable else None, memory=memory
     )
     _check_oversize(lengths, planner_config, forward_only=False)
     samples = SampleSet.build(lengths, keys)
@@ -739,13 +816,20 @@ def _dynamic_schedule(
     row_lengths: List[List[int]] = [[] for _ in range(dp)]
     seq_lengths: List[int] = []
     max_tokens = config.max_tokens_per_gpu
+    multiple = planner_config.parallel.sample_multiple
     for step in plan.steps:
-        uniform = row_length(step.seq_length, cp, pad_size, max_tokens)
+        uniform = _uniform_row(step.seq_length, cp, pad_size, max_tokens, memory)
+        step_rows = step.row_lengths
+        if variable and memory is not None:
+            step_rows = [
+                _rows_within_memory(rows, rank, lengths, multiple, memory)
+                for rows, rank in zip(step.row_lengths, step.ranks, strict=True)
+            ]
         seq_lengths.append(
-            max(max(_gpu_rows(rows, cp)) for rows in step.row_lengths) if variable else uniform
+            max(max(_gpu_rows(rows, cp)) for rows in step_rows) if variable else uniform
         )
         for r, rank in enumerate(step.ranks):
-            rows = _gpu_rows(step.row_lengths[r], cp) if variable else [uniform] * len(rank)
+            rows = _gpu_rows(step_rows[r], cp) if variable else [uniform] * len(rank)
             row_lengths[r].extend(rows)
             partition, local, counts = partitions[r], micro_batch_indices[r], rollout_counts[r]
             start = len(partition)
@@ -756,10 +840,11 @@ def _dynamic_schedule(
                 # A sample is in one micro-batch only (check_plan), so the overlap counts heads.
                 counts.append(len(heads.intersection(mb)))
                 start = end
+    num_microbatches = [step.num_microbatches for step in plan.steps]
     return DPSchedule(
         partitions,
         micro_batch_indices,
-        [step.num_microbatches for step in plan.steps],
+        num_microbatches,
         [step.num_rollouts for step in plan.steps],
         seq_lengths=seq_lengths,
         rollout_counts=rollout_counts,
@@ -777,9 +862,15 @@ def _dynamic_schedule(
                 pad_size,
                 variable,
                 training=(micro_batch_indices, row_lengths),
+                memory=memory,
             )
         ),
         row_lengths=row_lengths,
+        memory=(
+            None
+            if memory is None
+            else step_peaks(memory.model, memory.budget_bytes, row_lengths, num_microbatches)
+        ),
     )
 
 
