@@ -169,21 +169,28 @@ class StepShape:
     counted them and no sample moved since; ``None`` otherwise (then sum the bins)."""
 
 
-def variable_rows(loads: Sequence[int], multiple: int, cap: int) -> List[int]:
+def variable_rows(
+    loads: Sequence[int], multiple: int, cap: int, memory: Optional[Any] = None
+) -> List[int]:
     """Every micro-batch's own row: its padded load rounded up to ``multiple``.
 
     The rounding is kept only while the row stays within the cap (a cap of 1,000 with rows of
     multiples of 128 would otherwise give a row of 1,024: the cap is hard on the padded row); a row
-    holding a lone oversize sample is over the cap anyway and keeps it. A placeholder (load 0)
-    runs the shortest row the layout allows, one ``multiple``: under interleaving the
-    micro-batches added to reach a multiple of the group then cost as little as they can, and a
-    row of ``multiple`` tokens is still a whole row (every key, loss mask zero), never a stub.
+    holding a lone oversize sample is over the cap anyway and keeps it, unless a memory budget
+    (``memory``, a :class:`.memory.MemoryLimit`) does not fit the rounded row: then it runs its
+    padded load. A placeholder (load 0) runs the shortest row the layout allows, one
+    ``multiple``: under interleaving the micro-batches added to reach a multiple of the group then
+    cost as little as they can, and a row of ``multiple`` tokens is still a whole row (every key,
+    loss mask zero), never a stub.
     """
     real = {}
     for load in loads:
         if load > 0 and load not in real:
             row = round_up(load, multiple)
-            real[load] = row if row <= cap or load > cap else load
+            if load > cap:
+                real[load] = row if memory is None or memory.fits((1, row)) else load
+            else:
+                real[load] = row if row <= cap else load
     # A multiple above the cap (a tiny budget): the shortest real row, which is within it.
     placeholder = multiple if multiple <= cap or not real else min(real.values())
     return [real[load] if load > 0 else placeholder for load in loads]
@@ -583,7 +590,7 @@ class _Search:
         own = [sum(map(costs.__getitem__, members)) for members in bins]
         row_lengths = None
         if problem.row_multiple is not None:
-            row_lengths = variable_rows(loads, problem.row_multiple, problem.cap)
+            row_lengths = variable_rows(loads, problem.row_multiple, problem.cap, problem.memory)
             model = self.model
             extra = model.shape_exchange_overhead
             if model.attention_kind(layout) == "segment":
@@ -872,9 +879,7 @@ class _PackedSearch(_Search):
             packed[k % num_bins].append(sorted(rows[r]))
         bins = [[i for row in mb for i in row] for mb in packed]
         loads = [sum(row_loads[r] for r in order[b::num_bins]) for b in range(num_bins)]
-        shape = self.score(
-            bins, loads, per_rank, max(row_loads), self.rows, token_loads=True
-        )
+        shape = self.score(bins, loads, per_rank, max(row_loads), self.rows, token_loads=True)
         shape.packed_rows = packed
         return shape
 

@@ -18,6 +18,7 @@ import pytest
 from benchmarks import as_run
 from megatron_dynbatch.adapters.slime import build_dp_schedule
 from megatron_dynbatch.planning import PlannerConfig, plan_schedule
+from megatron_dynbatch.planning.shape import variable_rows
 from megatron_dynbatch.planning.spec import ParallelLayout, round_up
 from tests._support import slime_tp
 
@@ -184,6 +185,20 @@ def test_variable_rows_never_round_past_the_cap():
             assert row == 1408  # a lone oversize sample keeps the alignment
         else:
             assert row <= 1000, (mb, row)
+
+
+def test_a_lone_oversize_row_is_not_aligned_past_the_memory_budget():
+    class Budget:
+        """A memory budget that holds rows of up to 1,350 tokens (MemoryLimit.fits' shape)."""
+
+        def fits(self, shape):
+            rows, length = shape
+            return rows * length <= 1350
+
+    assert variable_rows([1300, 990, 0], 128, 1000) == [1408, 990, 128]
+    assert variable_rows([1300, 990, 0], 128, 1000, Budget()) == [1300, 990, 128]
+    # Within the budget the alignment stays.
+    assert variable_rows([1200], 128, 1000, Budget()) == [1280]
 
 
 def test_slime_is_never_faster_in_the_model_as_each_runtime_runs():

@@ -653,30 +653,6 @@ def _uniform_row(
     return row
 
 
-def _rows_within_memory(
-    rows: Sequence[int],
-    microbatches: Sequence[Sequence[int]],
-    lengths: Sequence[int],
-    multiple: int,
-    memory: Optional[MemoryLimit],
-) -> List[int]:
-    """Planned rows (every CP rank's tokens), none past ``--max-memory-gib``.
-
-    The planner aligns the row of a lone sample over the *token* budget to the row multiple
-    whatever that costs (``shape.variable_rows``: such a row is over the cap anyway); the memory
-    budget is hard, so such a row runs its padded load instead (within the budget: every sample
-    alone was checked to fit, :func:`~.memory.check_longest_sample`). Other rows are the planner's.
-    """
-    if memory is None:
-        return list(rows)
-    fitted = []
-    for row, mb in zip(rows, microbatches, strict=True):
-        if mb and not memory.fits((1, row)):
-            row = sum(round_up(lengths[i], multiple) for i in mb)
-        fitted.append(row)
-    return fitted
-
-
 def _layout(sizes: Dict[str, int], dp_size: int) -> ParallelLayout:
     vpp = sizes["vpp_size"]
     return ParallelLayout(
@@ -762,13 +738,8 @@ def _forward_only_schedule(
         )
     plan = plan_forward_only(rank_lengths, planner_config)
     if variable:
-        multiple = planner_config.parallel.sample_multiple
-        rows = [
-            _gpu_rows(_rows_within_memory(rank_rows, mbs, own, multiple, memory), cp)
-            for rank_rows, mbs, own in zip(
-                plan.row_lengths, plan.micro_batches, rank_lengths, strict=True
-            )
-        ]
+        # The planner's rows: within --max-memory-gib (shape.variable_rows) where it is given.
+        rows = [_gpu_rows(rank_rows, cp) for rank_rows in plan.row_lengths]
     else:
         # Uniform rows: one row length on every rank, the same shapes everywhere.
         longest = max(rank_rows[0] for rank_rows in plan.row_lengths)
@@ -816,20 +787,13 @@ def _dynamic_schedule(
     row_lengths: List[List[int]] = [[] for _ in range(dp)]
     seq_lengths: List[int] = []
     max_tokens = config.max_tokens_per_gpu
-    multiple = planner_config.parallel.sample_multiple
     for step in plan.steps:
         uniform = _uniform_row(step.seq_length, cp, pad_size, max_tokens, memory)
-        step_rows = step.row_lengths
-        if variable and memory is not None:
-            step_rows = [
-                _rows_within_memory(rows, rank, lengths, multiple, memory)
-                for rows, rank in zip(step.row_lengths, step.ranks, strict=True)
-            ]
         seq_lengths.append(
-            max(max(_gpu_rows(rows, cp)) for rows in step_rows) if variable else uniform
+            max(max(_gpu_rows(rows, cp)) for rows in step.row_lengths) if variable else uniform
         )
         for r, rank in enumerate(step.ranks):
-            rows = _gpu_rows(step_rows[r], cp) if variable else [uniform] * len(rank)
+            rows = _gpu_rows(step.row_lengths[r], cp) if variable else [uniform] * len(rank)
             row_lengths[r].extend(rows)
             partition, local, counts = partitions[r], micro_batch_indices[r], rollout_counts[r]
             start = len(partition)
