@@ -81,6 +81,11 @@ def get_strategy(name: str) -> Strategy:
     """The strategy registered as ``name``; ``module:name`` imports ``module`` first."""
     if isinstance(name, str) and ":" in name:
         module, _, name = name.partition(":")
+        if not module or not name:
+            raise DynBatchValueError(
+                f"strategy {module + ':' + name!r} must be 'module:name' with both parts (a module "
+                f"that registers the strategy, and its name), or one of {list(strategy_names())}."
+            )
         try:
             importlib.import_module(module)
         except ImportError as exc:
