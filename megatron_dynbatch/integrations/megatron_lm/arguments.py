@@ -39,6 +39,7 @@ from megatron_dynbatch.planning.spec import (
     MAX_TOKENS,
     OVERSIZE_POLICIES,
     ParallelLayout,
+    check_int,
     layout_flags,
 )
 
@@ -510,10 +511,11 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
             f"sharing a rollout id) instead of samples; set both to the rollouts per step, or "
             "drop --rollouts-per-step to count samples."
         )
+    # The layout first: its sizes (a data-parallel size of 0) are checked there, with their flags.
+    parallel = parallel_layout_from_args(args)
     _check_budgets_fit_seq_length(args, config)
     _check_unused_micro_batch_sizes(args)
 
-    parallel = parallel_layout_from_args(args)
     # Fail now, not at the first step, when a budget cannot hold one padded sample of the layout.
     config.planner_config(parallel)
     config.planner_config(parallel, forward_only=True)
@@ -600,6 +602,11 @@ def _check_unused_micro_batch_sizes(args: Any) -> None:
         ),
     )
     for batch_flag, batch, micro_flag, micro in pairs:
+        # Megatron's own checks would refuse these too, later and by assert; name them first.
+        if batch is not None:
+            batch = check_int(batch_flag, batch, 1, f"set {batch_flag} to the samples of one step.")
+        if micro is not None:
+            micro = check_int(micro_flag, micro, 1, f"set {micro_flag} 1 (the planner ignores it).")
         if batch is None or micro is None or batch % (micro * dp) == 0:
             continue
         if batch % dp == 0:
