@@ -491,6 +491,35 @@ def _forward_flops(args: Any, s: int) -> float:
     return total + 2 * s * args.hidden_size * args.vocab_size
 
 
+#: The model arguments slime's FLOPs estimate reads for a dense model (Megatron's names).
+_FLOPS_ARGS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "ffn_hidden_size",
+    "vocab_size",
+)
+
+
+def _balance_flops(args: Any, lengths: Sequence[int]) -> List[float]:
+    """``--balance-data``'s weights: slime's FLOPs estimate of every sample, or a
+    ``DynBatchValueError`` naming the model arguments it needs where ``args`` lacks them (slime's
+    own estimate would stop on an ``AttributeError``)."""
+    try:
+        return [_forward_flops(args, n) for n in lengths]
+    except (AttributeError, TypeError):
+        missing = [name for name in _FLOPS_ARGS if getattr(args, name, None) is None]
+        if not hasattr(args, "num_experts"):
+            missing.append("num_experts")
+        raise DPScheduleError(
+            "--balance-data balances ranks by slime's FLOPs estimate, which needs the model's "
+            f"Megatron arguments on args; missing or None: {', '.join(missing) or 'a MoE/MLA size'}"
+            ". Pass slime's parsed arguments, or drop --balance-data (strided assignment)."
+        ) from None
+
+
 def _balanced_partitions(weights: Sequence[Any], k: int) -> List[List[int]]:
     """Largest differencing (Karmarkar-Karp) into ``k`` parts of equal item counts, each sorted.
 
@@ -558,7 +587,7 @@ def _static_schedule(
         per_rank = len(chunks) // dp
         num_microbatches.append(per_rank)
         if balance:
-            flops = [_forward_flops(args, lengths[i]) for i in samples]
+            flops = _balance_flops(args, [lengths[i] for i in samples])
             weights = [sum(flops[i] for i in chunk) for chunk in chunks]
             rank_chunks = _balanced_partitions(weights, dp)
         else:
@@ -812,6 +841,12 @@ def build_dp_schedule(
         ValueError: a bad argument, naming the value and the fix (``DPScheduleError``, also an
             ``AssertionError``, where slime asserts).
     """
+    if args is None or isinstance(args, Mapping):
+        raise DynBatchValueError(
+            f"args={type(args).__name__} must be slime's argument namespace (read as attributes: "
+            "args.use_dynamic_batch_size, args.max_tokens_per_gpu, ...); pass the parsed "
+            "arguments, or argparse.Namespace(**settings) for a dict."
+        )
     if global_batch_size is None or rollout_indices is None:
         raise DynBatchValueError(
             "build_dp_schedule needs global_batch_size= and rollout_indices= (slime passes both "
