@@ -135,6 +135,16 @@ def round_up(value: int, multiple: int) -> int:
     return ceil_div(value, multiple) * multiple
 
 
+def tokens_padded(length: int, multiple: int) -> str:
+    """``"N tokens"``, with the padded length where padding changes it, for messages that say a
+    sample is over a cap: a 7-token sample is over a cap of 7 when it pads to 8 (tp_size=2), and
+    ``"7 tokens"`` alone reads as a false alarm."""
+    padded = round_up(length, multiple)
+    if padded == length:
+        return f"{length} tokens"
+    return f"{length} tokens ({padded} padded to a multiple of {multiple})"
+
+
 def sample_multiple(tp_size: int, cp_size: int) -> int:
     """The multiple every sample's length is padded to inside a packed row.
 
