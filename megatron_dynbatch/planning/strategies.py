@@ -278,10 +278,19 @@ def _fixed(samples: SampleSet, config: PlannerConfig) -> Plan:
         )
     seq_length = round_up(max(samples.lengths), config.parallel.sample_multiple)
     if seq_length > config.token_cap:
+        # Megatron's stock batching has no oversize policy: say so where one was asked for, or
+        # the user reads the refusal as the policy not working.
+        ignored = (
+            f" (--oversize-samples {config.oversize_samples} applies to strategy "
+            f"{DEFAULT_STRATEGY!r} only)"
+            if config.oversize_samples != "error"
+            else ""
+        )
         raise DynBatchValueError(
             f"strategy 'fixed' pads every sample to the longest ({seq_length} tokens after "
-            f"rounding), over the token cap {config.token_cap}; raise --max-tokens-per-gpu or "
-            f"pick strategy {DEFAULT_STRATEGY!r} (it runs an oversize sample alone)."
+            f"rounding), over the token cap {config.token_cap}{ignored}; raise "
+            f"--max-tokens-per-gpu or pick strategy {DEFAULT_STRATEGY!r} (it runs an oversize "
+            "sample alone, or cuts it with --oversize-samples truncate)."
         )
     return plan_fixed_samples(
         samples,
