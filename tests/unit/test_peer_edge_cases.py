@@ -618,6 +618,13 @@ CLI_CASES = [
     ),
     (
         "issues",
+        "a memory budget under one micro-batch names --max-memory-gib alone",
+        [5],
+        _CAP + [*_MODEL_FLAGS, "--max-memory-gib", "0.000001"],
+        "error: the memory budget .* raise --max-memory-gib",
+    ),
+    (
+        "issues",
         "--max-memory-gib 0",
         [5],
         _CAP + [*_MODEL_FLAGS, "--max-memory-gib", "0"],
