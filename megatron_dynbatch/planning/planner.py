@@ -31,7 +31,7 @@ from .cost import check_cost_is_finite, sample_costs
 from .plan import Plan, PlanStats, StepPlan
 from .samples import SampleSet
 from .shape import StepProblem, choose_shape
-from .spec import PlannerConfig, ceil_div, round_up, tokens_padded
+from .spec import PlannerConfig, ceil_div, padded_note, round_up, tokens_padded
 
 __all__ = ["plan_schedule", "plan_samples", "OversizeSampleWarning"]
 
@@ -176,7 +176,10 @@ def _oversize_warning(
 ) -> str:
     cap = config.token_cap
     multiple = config.parallel.sample_multiple
-    shown = ", ".join(f"{i} ({tokens_padded(lengths[i], multiple)})" for i in oversize[:_LISTED])
+    notes = [(i, padded_note(lengths[i], multiple)) for i in oversize[:_LISTED]]
+    shown = ", ".join(
+        f"{i} ({lengths[i]} tokens{', ' + note if note else ''})" for i, note in notes
+    )
     more = f" and {len(oversize) - _LISTED} more" if len(oversize) > _LISTED else ""
     worst = max((s for s in steps if s.oversize_samples), key=lambda s: s.seq_length)
     footprint = worst.micro_batch_size * worst.seq_length

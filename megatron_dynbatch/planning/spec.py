@@ -139,10 +139,14 @@ def tokens_padded(length: int, multiple: int) -> str:
     """``"N tokens"``, with the padded length where padding changes it, for messages that say a
     sample is over a cap: a 7-token sample is over a cap of 7 when it pads to 8 (tp_size=2), and
     ``"7 tokens"`` alone reads as a false alarm."""
+    note = padded_note(length, multiple)
+    return f"{length} tokens ({note})" if note else f"{length} tokens"
+
+
+def padded_note(length: int, multiple: int) -> str:
+    """``"8 padded to a multiple of 2"`` where padding changes ``length``, else ``""``."""
     padded = round_up(length, multiple)
-    if padded == length:
-        return f"{length} tokens"
-    return f"{length} tokens ({padded} padded to a multiple of {multiple})"
+    return "" if padded == length else f"{padded} padded to a multiple of {multiple}"
 
 
 def sample_multiple(tp_size: int, cp_size: int) -> int:

@@ -858,3 +858,12 @@ def test_verify_refuses_a_json_object_or_string_as_samples(samples, kind):
         DynBatchError, match=f"must hold a JSON array of lengths or objects, got {kind}"
     ):
         build_spec(config, loss="token-mean", samples=samples)
+
+
+def test_the_oversize_warning_shows_the_padded_length_once(tmp_path):
+    """A 7-token sample is over a cap of 7 at tp 2 because it pads to 8: the warning says so."""
+    flags = ["--max-tokens-per-gpu", "7", "--tp-size", "2", "--oversize-samples", "allow"]
+    code, out, err = _run_plan(tmp_path, [7, 3], flags)
+    assert code == 0, err
+    assert "0 (7 tokens, 8 padded to a multiple of 2)" in err
+    _check_plan(json.loads(out), [8, 4], 1)
