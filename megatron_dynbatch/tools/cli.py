@@ -337,6 +337,10 @@ def _memory_limit(args):
         raise DynBatchValueError(
             f"--num-layers given without {named}; the memory model needs the model's shape."
         )
+    if args.fp16 and args.bf16:
+        raise DynBatchValueError(
+            "--fp16 and --bf16 both given; Megatron-LM trains in one of them: keep one."
+        )
     gib = args.max_memory_gib
     if gib is not None and not (math.isfinite(gib) and gib > 0):
         raise DynBatchValueError(

@@ -624,6 +624,20 @@ CLI_CASES = [
         "error: the memory budget .* raise --max-memory-gib",
     ),
     (
+        "Megatron-LM",
+        "hidden size not a multiple of the heads",
+        [5],
+        _CAP + ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "3"],
+        "hidden_size=64 is not a multiple of num_attention_heads=3",
+    ),
+    (
+        "Megatron-LM",
+        "--fp16 and --bf16 together",
+        [5],
+        _CAP + [*_MODEL_FLAGS, "--fp16", "--bf16"],
+        "--fp16 and --bf16 both given",
+    ),
+    (
         "issues",
         "--max-memory-gib 0",
         [5],
