@@ -42,6 +42,7 @@ __all__ = [
     "plan_from_ranks",
     "ranks_strategy",
     "register_strategy",
+    "required_layout",
     "run_strategy",
     "strategy_names",
 ]
@@ -55,6 +56,15 @@ StepRanks = Sequence[Sequence[Sequence[int]]]
 RanksScheduler = Callable[[List[int], List[Hashable], PlannerConfig], StepRanks]
 
 _STRATEGIES: Dict[str, Strategy] = {}
+
+#: Strategies that plan one layout only (Megatron's stock batching pads ``[B, S]`` rows), so a
+#: config can be refused at start-up rather than at its first step.
+_REQUIRED_LAYOUTS: Dict[str, str] = {"fixed": "padded"}
+
+
+def required_layout(name: str) -> Optional[str]:
+    """The one layout strategy ``name`` plans, or ``None`` where it plans either."""
+    return _REQUIRED_LAYOUTS.get(name)
 
 
 def register_strategy(name: str, strategy: Strategy, *, replace: bool = False) -> Strategy:
@@ -270,7 +280,7 @@ def _imbalance(per_rank: Sequence[float]) -> float:
 def _fixed(samples: SampleSet, config: PlannerConfig) -> Plan:
     """Megatron's stock batching under the same budget: every sample padded to the longest (rounded
     to the sample multiple), ``micro_batch_size = cap // seq_length`` rows, arrival order."""
-    if config.layout != "padded":
+    if config.layout != required_layout("fixed"):
         raise DynBatchValueError(
             f"strategy 'fixed' is Megatron's padded [micro_batch_size, seq_length] batching, but "
             f"layout={config.layout!r}; pass --layout padded (or pick strategy "

@@ -843,6 +843,20 @@ MEGATRON_CASES = [
     ),
     ("issues", "no token budget", [], {}, "max_tokens_per_gpu is not set"),
     ("issues", "--max-memory-gib nan", ["--max-memory-gib", "nan"], {}, "max_memory_gib=nan"),
+    (
+        "issues",
+        "--dynamic-batch-planner fixed with the packed layout",
+        _CAP + ["--dynamic-batch-planner", "fixed"],
+        {},
+        "--dynamic-batch-planner fixed plans padded rows only.*--dynamic-batch-layout padded",
+    ),
+    (
+        "issues",
+        "--dynamic-batch-planner fixed with --dynamic-batch-layout padded",
+        _CAP + ["--dynamic-batch-planner", "fixed", "--dynamic-batch-layout", "padded"],
+        {},
+        OK,
+    ),
 ]
 
 
