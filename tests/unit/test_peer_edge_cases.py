@@ -442,6 +442,26 @@ SLIME_CASES = [
         [0, 1],
         "at least 65",
     ),
+    (
+        "NeMo-RL BatchedDataDict",
+        "long sequences each alone over 2 shards",
+        _slime_args(max_tokens_per_gpu=1024),
+        _layout(2),
+        [900, 850, 1000, 950],
+        4,
+        _I4,
+        OK,
+    ),
+    (
+        "NeMo-RL packing tests",
+        "mixed sizes at dp 4",
+        _slime_args(max_tokens_per_gpu=100),
+        _layout(4),
+        [10, 50, 100, 20, 80, 30, 70, 40, 60, 90],
+        10,
+        list(range(10)),
+        OK,
+    ),
 ]
 
 
@@ -685,6 +705,36 @@ CLI_CASES = [
         [1000000, 5, 5],
         _CAP + ["--planner", "fixed", "--layout", "padded", "--oversize-samples", "truncate"],
         "applies to strategy 'dynbatch' only",
+    ),
+    ("NeMo-RL packing tests", "single item", [50], ["--max-tokens-per-gpu", "100"], OK),
+    ("NeMo-RL packing tests", "all the same size", [30] * 5, ["--max-tokens-per-gpu", "100"], OK),
+    (
+        "NeMo-RL packing tests",
+        "every item at the capacity",
+        [100] * 3,
+        ["--max-tokens-per-gpu", "100"] + ["--dp-size", "2"],
+        OK,
+    ),
+    (
+        "NeMo-RL packing tests",
+        "mixed sizes",
+        [10, 50, 100, 20, 80, 30, 70, 40, 60, 90],
+        ["--max-tokens-per-gpu", "100"] + ["--dp-size", "4"],
+        OK,
+    ),
+    (
+        "NeMo-RL packing tests",
+        "an item over the capacity, error",
+        [50, 150, 70],
+        ["--max-tokens-per-gpu", "100"] + ["--oversize-samples", "error"],
+        "sample 1: 150 tokens",
+    ),
+    (
+        "NeMo-RL BatchedDataDict",
+        "long sequences each alone over 2 shards",
+        [900, 850, 1000, 950],
+        ["--max-tokens-per-gpu", "1024", "--dp-size", "2"],
+        OK,
     ),
 ]
 
