@@ -92,9 +92,15 @@ def as_int(value: Any) -> Optional[int]:
     if type(value) is int:
         return value
     try:
-        return operator.index(value)
+        number = operator.index(value)
     except TypeError:
         return None
+    # torch's __index__ also takes a bool tensor and a one-element vector (numpy's refuses both):
+    # a tensor counts only as one value of an integer dtype.
+    dim = getattr(value, "dim", None)
+    if dim is not None and (dim() != 0 or str(value.dtype) == "torch.bool"):
+        return None
+    return number
 
 
 def check_int(name: str, value, minimum: int, fix: str, maximum: Optional[int] = None) -> int:

@@ -69,6 +69,7 @@ from megatron_dynbatch.planning import (
 )
 from megatron_dynbatch.planning.forward_only import fewest_forward_only_count, plan_forward_only
 from megatron_dynbatch.planning.karmarkar_karp import karmarkar_karp
+from megatron_dynbatch.planning.samples import as_sequence
 from megatron_dynbatch.planning.schedule import ScheduledStep
 from megatron_dynbatch.planning.spec import ATTENTION_CROSSOVER_7B, check_int
 from megatron_dynbatch.planning.strategies import run_strategy
@@ -353,12 +354,7 @@ def _parallel_sizes(args: Any, train_parallel_config: Any) -> Dict[str, int]:
 
 
 def _lengths(total_lengths: Any) -> List[int]:
-    if isinstance(total_lengths, (str, bytes, Mapping)) or not hasattr(total_lengths, "__len__"):
-        raise DynBatchValueError(
-            f"total_lengths must be a list of per-sample token counts, got "
-            f"{type(total_lengths).__name__}."
-        )
-    lengths = list(total_lengths)
+    lengths = as_sequence("total_lengths", total_lengths, "per-sample token counts")
     # Plain ints >= 1 (what slime passes) need no per-sample check: 1M samples in milliseconds.
     # Anything else goes through check_int one by one, which names the first bad value.
     if lengths and set(map(type, lengths)) == {int} and min(lengths) >= 1:
@@ -376,14 +372,7 @@ def _lengths(total_lengths: Any) -> List[int]:
 
 
 def _rollout_keys(rollout_indices: Any, num_samples: int) -> List[Any]:
-    if isinstance(rollout_indices, (str, bytes, Mapping)) or not hasattr(
-        rollout_indices, "__len__"
-    ):
-        raise DynBatchValueError(
-            f"rollout_indices must be a list with one rollout id per sample, got "
-            f"{type(rollout_indices).__name__}."
-        )
-    ids = list(rollout_indices)
+    ids = as_sequence("rollout_indices", rollout_indices, "rollout ids, one per sample")
     if len(ids) != num_samples:
         raise DynBatchValueError(
             f"got {len(ids)} rollout_indices for {num_samples} total_lengths; pass one rollout id "
