@@ -215,7 +215,7 @@ class DynBatchConfig:
                 cost=cost,
                 strategy=self.planner,
             )
-        _check_planner(self.planner, self.layout)
+        _check_planner(self.planner)
         # The checked values as the planner normalised them (numpy integers, YAML's ``1`` for a
         # float), so equal configs compare equal.
         object.__setattr__(self, "max_tokens_per_gpu", planner.max_tokens_per_gpu)
@@ -289,24 +289,16 @@ class DynBatchConfig:
             raise DynBatchValueError(f"{budget_flag}: {error}") from error
 
 
-def _check_planner(name: str, layout: str) -> None:
-    """Refuse a strategy name nothing registered, or a layout the strategy does not plan, at
-    start-up rather than at the first step."""
+def _check_planner(name: str) -> None:
+    """Refuse a strategy name nothing registered, at start-up rather than at the first step."""
     # Imported here: the registry imports the whole planner, which the config otherwise needs
     # only the specs of.
-    from megatron_dynbatch.planning.strategies import get_strategy, required_layout
+    from megatron_dynbatch.planning.strategies import get_strategy
 
     try:
         get_strategy(name)
     except DynBatchValueError as error:
         raise DynBatchValueError(f"planner={name!r} ({FLAGS['planner']}): {error}") from None
-    required = required_layout(name)
-    if required is not None and layout != required:
-        raise DynBatchValueError(
-            f"{FLAGS['planner']} {name} plans {required} rows only, but {FLAGS['layout']} is "
-            f"{layout}; pass {FLAGS['layout']} {required}, or another {FLAGS['planner']} "
-            f"(default {DEFAULT_STRATEGY})."
-        )
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(DynBatchConfig))

@@ -35,6 +35,7 @@ from megatron_dynbatch.config import (
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning.spec import (
     ATTENTION_KINDS,
+    DEFAULT_STRATEGY,
     LAYOUTS,
     MAX_TOKENS,
     OVERSIZE_POLICIES,
@@ -474,6 +475,17 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
             "--moe-router-load-balancing-type seq_aux_loss takes every row for one sequence, and "
             f"a packed row holds several samples; pass {FLAGS['layout']} padded (one sample a "
             "row, the default with seq_aux_loss) or another load-balancing type."
+        )
+    # Imported here, as config.py does: the registry imports the whole planner.
+    from megatron_dynbatch.planning.strategies import required_layout
+
+    required = required_layout(config.planner)
+    if required is not None and config.layout != required:
+        # The strategy would refuse the layout at the first step, after the model is built.
+        raise DynBatchValueError(
+            f"{FLAGS['planner']} {config.planner} plans {required} rows only, but "
+            f"{FLAGS['layout']} is {config.layout}; pass {FLAGS['layout']} {required}, or another "
+            f"{FLAGS['planner']} (default {DEFAULT_STRATEGY})."
         )
     if getattr(args, VARIABLE_SEQ_LENGTHS_DEST, None) and config.layout != "packed":
         raise DynBatchValueError(
