@@ -558,7 +558,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 return _cmd_calibrate(args)
             return _cmd_verify(args)
     except ValueError as exc:
-        print(f"megatron-dynbatch {args.command}: error: {_cli_flags(str(exc))}", file=sys.stderr)
+        # plan and verify take these settings as their own flags; calibrate's advice is for a run.
+        message = str(exc) if args.command == "calibrate" else _cli_flags(str(exc))
+        print(f"megatron-dynbatch {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 
