@@ -98,7 +98,7 @@ def as_int(value: Any) -> Optional[int]:
     # torch's __index__ also takes a bool tensor and a one-element vector (numpy's refuses both):
     # a tensor counts only as one value of an integer dtype.
     dim = getattr(value, "dim", None)
-    if dim is not None and (dim() != 0 or str(value.dtype) == "torch.bool"):
+    if callable(dim) and (dim() != 0 or str(value.dtype) == "torch.bool"):
         return None
     return number
 
