@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import io
 import json
+import pathlib
 import re
 import subprocess
 import sys
@@ -32,6 +33,8 @@ from megatron_dynbatch.integrations.megatron_lm.arguments import (
 from megatron_dynbatch.tools.cli import main
 
 pytestmark = pytest.mark.unit
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 OK = "ok"
 
@@ -849,6 +852,7 @@ def test_cli_through_the_real_entry(tmp_path):
         capture_output=True,
         text=True,
         timeout=120,
+        cwd=REPO,  # this checkout's package, wherever pytest was started
     )
     assert proc.returncode == 0, proc.stderr
     _check_plan(json.loads(proc.stdout), [5, 6], 1)
