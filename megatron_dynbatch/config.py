@@ -282,6 +282,10 @@ class DynBatchConfig:
                 strategy=self.planner,
             )
         except ValueError as error:
+            # Name the budget (training or log-prob) only where the error is about it: a memory
+            # budget that holds no micro-batch is --max-memory-gib's, whichever budget was built.
+            if "max_tokens_per_gpu" not in str(error):
+                raise
             raise DynBatchValueError(f"{budget_flag}: {error}") from error
 
 

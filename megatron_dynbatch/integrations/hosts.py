@@ -38,7 +38,12 @@ from megatron_dynbatch.planning import (
     round_up,
 )
 from megatron_dynbatch.planning.sharded import ShardedPlan, plan_rank_shards, sharded_plan
-from megatron_dynbatch.planning.spec import ATTENTION_CROSSOVER_7B, LAYOUT_FLAGS, layout_flags
+from megatron_dynbatch.planning.spec import (
+    ATTENTION_CROSSOVER_7B,
+    LAYOUT_FLAGS,
+    layout_flags,
+    tokens_padded,
+)
 
 __all__ = [
     "HOSTS",
@@ -393,7 +398,11 @@ def check_host_oversize(
         if host.planning == "global"
         else (lambda r, i: f"DP rank {r} {host.sample} {i}")
     )
-    shown = ", ".join(f"{where(r, i)}: {lengths_per_rank[r][i]} tokens" for r, i in over[:8])
+    # A real-budget host counts no padding (tokens_padded with a multiple of 1 adds nothing).
+    counted = 1 if host.budget_counts == "real" else multiple
+    shown = ", ".join(
+        f"{where(r, i)}: {tokens_padded(lengths_per_rank[r][i], counted)}" for r, i in over[:8]
+    )
     more = f" (and {len(over) - 8} more)" if len(over) > 8 else ""
     cp = config.parallel.cp_size
     per_gpu = cap // cp if host.budget_times_cp else cap

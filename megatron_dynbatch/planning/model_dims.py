@@ -77,6 +77,14 @@ class ModelDims:
         fix = "pass the model's own Megatron arguments."
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size"):
             _set_int(self, name, 1, fix)
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            # Megatron derives kv_channels = hidden_size / heads and refuses a remainder.
+            raise DynBatchValueError(
+                f"hidden_size={self.hidden_size} is not a multiple of num_attention_heads="
+                f"{self.num_attention_heads}, and without kv_channels each head has "
+                "hidden_size / num_attention_heads channels (Megatron refuses this); pass the "
+                "model's own --hidden-size and --num-attention-heads (or its --kv-channels)."
+            )
         for name, default in (
             ("ffn_hidden_size", 4 * self.hidden_size),
             ("num_query_groups", self.num_attention_heads),

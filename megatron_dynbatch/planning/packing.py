@@ -123,7 +123,7 @@ def lpt_pack(
                     bucket += placed[lo:hi]
                 lo = hi
             start = stop
-        for key, i in zip(itertools.chain.from_iterable(taken), rest):
+        for key, i in zip(itertools.chain.from_iterable(taken), rest, strict=True):
             bins[key % num_bins].append(i)
         keys = [key for bucket in levels.values() for key in bucket]
     loads = [0] * num_bins

@@ -31,7 +31,7 @@ from .cost import check_cost_is_finite, sample_costs
 from .plan import Plan, PlanStats, StepPlan
 from .samples import SampleSet
 from .shape import StepProblem, choose_shape
-from .spec import PlannerConfig, ceil_div, round_up
+from .spec import PlannerConfig, ceil_div, padded_note, round_up, tokens_padded
 
 __all__ = ["plan_schedule", "plan_samples", "OversizeSampleWarning"]
 
@@ -157,7 +157,10 @@ def _apply_oversize_policy(samples: SampleSet, config: PlannerConfig) -> Dict[in
         return {}
     oversize = [i for i, length in enumerate(samples.lengths) if length > keep]
     if config.oversize_samples == "error":
-        shown = ", ".join(f"sample {i}: {samples.lengths[i]} tokens" for i in oversize[:_LISTED])
+        shown = ", ".join(
+            f"sample {i}: {tokens_padded(samples.lengths[i], sample_multiple)}"
+            for i in oversize[:_LISTED]
+        )
         more = f" (and {len(oversize) - _LISTED} more)" if len(oversize) > _LISTED else ""
         raise DynBatchValueError(
             f"{len(oversize)} sample(s) exceed the token cap {cap} (max_tokens_per_gpu="
@@ -172,7 +175,11 @@ def _oversize_warning(
     oversize: List[int], lengths: Sequence[int], steps: Sequence[StepPlan], config: PlannerConfig
 ) -> str:
     cap = config.token_cap
-    shown = ", ".join(f"{i} ({lengths[i]} tokens)" for i in oversize[:_LISTED])
+    multiple = config.parallel.sample_multiple
+    notes = [(i, padded_note(lengths[i], multiple)) for i in oversize[:_LISTED]]
+    shown = ", ".join(
+        f"{i} ({lengths[i]} tokens{', ' + note if note else ''})" for i, note in notes
+    )
     more = f" and {len(oversize) - _LISTED} more" if len(oversize) > _LISTED else ""
     worst = max((s for s in steps if s.oversize_samples), key=lambda s: s.seq_length)
     footprint = worst.micro_batch_size * worst.seq_length

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import operator
 import reprlib
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, Hashable, List, Mapping, Optional, Sequence, Tuple
 
@@ -17,7 +18,7 @@ from megatron_dynbatch.errors import DynBatchValueError
 
 from .spec import MAX_TOKENS, as_int
 
-__all__ = ["SampleSet", "parse_samples_json", "rollout_key"]
+__all__ = ["SampleSet", "as_sequence", "parse_samples_json", "rollout_key"]
 
 # Values in error messages: a deeply nested or huge input must not explode the message.
 _short = reprlib.Repr()
@@ -44,14 +45,19 @@ def rollout_key(value: Any, index: int) -> Hashable:
     )
 
 
-def _sequence(name: str, values: Any, what: str) -> List[Any]:
-    """``values`` as a list, refusing what only looks like a sequence (a str, a dict)."""
-    if isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__len__"):
-        raise DynBatchValueError(
-            f"{name} must be a sequence of {what} (a list or tuple), got "
-            f"{type(values).__name__} {_short.repr(values)}."
-        )
-    return list(values)
+def as_sequence(name: str, values: Any, what: str) -> List[Any]:
+    """``values`` as a list, refusing what only looks like a sequence of samples: a str, a dict,
+    a set (no sample order), a generator (no length), a 0-d tensor or array (no elements)."""
+    refused = isinstance(values, (str, bytes, Mapping, AbstractSet))
+    if not refused and hasattr(values, "__len__"):
+        try:
+            return list(values)
+        except TypeError:  # len() of a 0-d tensor / array raises
+            pass
+    raise DynBatchValueError(
+        f"{name} must be a sequence of {what} (a list or tuple), got "
+        f"{type(values).__name__} {_short.repr(values)}."
+    )
 
 
 def _lengths(values: Sequence[Any]) -> List[int]:
@@ -124,7 +130,7 @@ class SampleSet:
         rollout_ids: Optional[Sequence[Any]] = None,
         prompt_lengths: Optional[Sequence[Optional[int]]] = None,
     ) -> "SampleSet":
-        values = _sequence("lengths", lengths, "positive integers")
+        values = as_sequence("lengths", lengths, "positive integers")
         if not values:
             raise DynBatchValueError(
                 "no samples: lengths is empty; pass at least one sample length."
@@ -136,7 +142,7 @@ class SampleSet:
             # No user ids to collide with: each sample's index is its own rollout's key.
             keys: Tuple[Hashable, ...] = tuple(range(n))
         else:
-            ids = _sequence("rollout_ids", rollout_ids, "str or int ids, one per sample")
+            ids = as_sequence("rollout_ids", rollout_ids, "str or int ids, one per sample")
             if len(ids) != n:
                 raise DynBatchValueError(
                     f"got {len(ids)} rollout ids for {n} sample lengths; pass exactly one rollout "
@@ -150,7 +156,7 @@ class SampleSet:
         if prompt_lengths is None:
             prompts = [0] * n
         else:
-            prompts = _sequence("prompt_lengths", prompt_lengths, "integers >= 0")
+            prompts = as_sequence("prompt_lengths", prompt_lengths, "integers >= 0")
             if len(prompts) != n:
                 raise DynBatchValueError(
                     f"got {len(prompts)} prompt lengths for {n} sample lengths; pass one per sample."

@@ -92,9 +92,15 @@ def as_int(value: Any) -> Optional[int]:
     if type(value) is int:
         return value
     try:
-        return operator.index(value)
+        number = operator.index(value)
     except TypeError:
         return None
+    # torch's __index__ also takes a bool tensor and a one-element vector (numpy's refuses both):
+    # a tensor counts only as one value of an integer dtype.
+    dim = getattr(value, "dim", None)
+    if callable(dim) and (dim() != 0 or str(value.dtype) == "torch.bool"):
+        return None
+    return number
 
 
 def check_int(name: str, value, minimum: int, fix: str, maximum: Optional[int] = None) -> int:
@@ -133,6 +139,20 @@ def ceil_div(numerator: int, denominator: int) -> int:
 def round_up(value: int, multiple: int) -> int:
     """Smallest multiple of ``multiple`` that is >= ``value``."""
     return ceil_div(value, multiple) * multiple
+
+
+def tokens_padded(length: int, multiple: int) -> str:
+    """``"N tokens"``, with the padded length where padding changes it, for messages that say a
+    sample is over a cap: a 7-token sample is over a cap of 7 when it pads to 8 (tp_size=2), and
+    ``"7 tokens"`` alone reads as a false alarm."""
+    note = padded_note(length, multiple)
+    return f"{length} tokens ({note})" if note else f"{length} tokens"
+
+
+def padded_note(length: int, multiple: int) -> str:
+    """``"8 padded to a multiple of 2"`` where padding changes ``length``, else ``""``."""
+    padded = round_up(length, multiple)
+    return "" if padded == length else f"{padded} padded to a multiple of {multiple}"
 
 
 def sample_multiple(tp_size: int, cp_size: int) -> int:

@@ -42,6 +42,7 @@ __all__ = [
     "plan_from_ranks",
     "ranks_strategy",
     "register_strategy",
+    "required_layout",
     "run_strategy",
     "strategy_names",
 ]
@@ -55,6 +56,15 @@ StepRanks = Sequence[Sequence[Sequence[int]]]
 RanksScheduler = Callable[[List[int], List[Hashable], PlannerConfig], StepRanks]
 
 _STRATEGIES: Dict[str, Strategy] = {}
+
+#: Strategies that plan one layout only (Megatron's stock batching pads ``[B, S]`` rows), so a
+#: config can be refused at start-up rather than at its first step.
+_REQUIRED_LAYOUTS: Dict[str, str] = {"fixed": "padded"}
+
+
+def required_layout(name: str) -> Optional[str]:
+    """The one layout strategy ``name`` plans, or ``None`` where it plans either."""
+    return _REQUIRED_LAYOUTS.get(name)
 
 
 def register_strategy(name: str, strategy: Strategy, *, replace: bool = False) -> Strategy:
@@ -81,6 +91,11 @@ def get_strategy(name: str) -> Strategy:
     """The strategy registered as ``name``; ``module:name`` imports ``module`` first."""
     if isinstance(name, str) and ":" in name:
         module, _, name = name.partition(":")
+        if not module or not name:
+            raise DynBatchValueError(
+                f"strategy {module + ':' + name!r} must be 'module:name' with both parts (a module "
+                f"that registers the strategy, and its name), or one of {list(strategy_names())}."
+            )
         try:
             importlib.import_module(module)
         except ImportError as exc:
@@ -265,7 +280,7 @@ def _imbalance(per_rank: Sequence[float]) -> float:
 def _fixed(samples: SampleSet, config: PlannerConfig) -> Plan:
     """Megatron's stock batching under the same budget: every sample padded to the longest (rounded
     to the sample multiple), ``micro_batch_size = cap // seq_length`` rows, arrival order."""
-    if config.layout != "padded":
+    if config.layout != required_layout("fixed"):
         raise DynBatchValueError(
             f"strategy 'fixed' is Megatron's padded [micro_batch_size, seq_length] batching, but "
             f"layout={config.layout!r}; pass --layout padded (or pick strategy "
@@ -273,10 +288,19 @@ def _fixed(samples: SampleSet, config: PlannerConfig) -> Plan:
         )
     seq_length = round_up(max(samples.lengths), config.parallel.sample_multiple)
     if seq_length > config.token_cap:
+        # Megatron's stock batching has no oversize policy: say so where one was asked for, or
+        # the user reads the refusal as the policy not working.
+        ignored = (
+            f" (--oversize-samples {config.oversize_samples} applies to strategy "
+            f"{DEFAULT_STRATEGY!r} only)"
+            if config.oversize_samples != "error"
+            else ""
+        )
         raise DynBatchValueError(
             f"strategy 'fixed' pads every sample to the longest ({seq_length} tokens after "
-            f"rounding), over the token cap {config.token_cap}; raise --max-tokens-per-gpu or "
-            f"pick strategy {DEFAULT_STRATEGY!r} (it runs an oversize sample alone)."
+            f"rounding), over the token cap {config.token_cap}{ignored}; raise "
+            f"--max-tokens-per-gpu or pick strategy {DEFAULT_STRATEGY!r} (it runs an oversize "
+            "sample alone, or cuts it with --oversize-samples truncate)."
         )
     return plan_fixed_samples(
         samples,

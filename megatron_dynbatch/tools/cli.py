@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import sys
 import warnings
 from typing import List, Optional
@@ -295,11 +297,20 @@ def _planner_config(args, *, rollouts_per_step=None, memory=None):
         args.group_query_attention = args.num_query_groups is not None
         if values["cost_attention_weight"] is None:
             values["cost_attention_weight"] = attention_weight_from_args(args)
-        variable = VARIABLE_ROW_MULTIPLE if args.variable_seq_lengths is not False else None
+        # Variable rows by default only where they can run: a padded [B, S] row has the longest
+        # sample's length, as the Megatron-LM entry decides (variable_seq_lengths()).
+        packed = (values["layout"] or "packed") == "packed"
+        wanted = args.variable_seq_lengths or (args.variable_seq_lengths is None and packed)
+        variable = VARIABLE_ROW_MULTIPLE if wanted else None
     elif getattr(args, "variable_seq_lengths", None):
         from megatron_dynbatch.integrations.megatron_lm.arguments import VARIABLE_ROW_MULTIPLE
 
         variable = VARIABLE_ROW_MULTIPLE
+    if getattr(args, "variable_seq_lengths", None) and values["layout"] == "padded":
+        raise DynBatchValueError(
+            "--variable-seq-lengths needs --layout packed (padded [B, S] rows all have the longest "
+            "sample's length); drop one of them."
+        )
     config = config_from_mapping(values, fixed={"rollouts_per_step": rollouts_per_step})
     return config.planner_config(
         parallel,
@@ -325,6 +336,16 @@ def _memory_limit(args):
         named = ", ".join("--" + m.replace("_", "-") for m in missing)
         raise DynBatchValueError(
             f"--num-layers given without {named}; the memory model needs the model's shape."
+        )
+    if args.fp16 and args.bf16:
+        raise DynBatchValueError(
+            "--fp16 and --bf16 both given; Megatron-LM trains in one of them: keep one."
+        )
+    gib = args.max_memory_gib
+    if gib is not None and not (math.isfinite(gib) and gib > 0):
+        raise DynBatchValueError(
+            f"--max-memory-gib {gib} must be a number of GiB > 0 (one GPU's memory budget, e.g. "
+            "80), or leave it out to plan by --max-tokens-per-gpu alone."
         )
 
     def build(config, parallel):
@@ -537,8 +558,23 @@ def main(argv: Optional[List[str]] = None) -> int:
                 return _cmd_calibrate(args)
             return _cmd_verify(args)
     except ValueError as exc:
-        print(f"megatron-dynbatch {args.command}: error: {exc}", file=sys.stderr)
+        # plan and verify take these settings as their own flags; calibrate's advice is for a run.
+        message = str(exc) if args.command == "calibrate" else _cli_flags(str(exc))
+        print(f"megatron-dynbatch {args.command}: error: {message}", file=sys.stderr)
         return 2
+
+
+def _cli_flags(message: str) -> str:
+    """``message`` with the Megatron-LM flag of every setting this command spells differently
+    replaced by this command's own (``--dynamic-batch-cost-attention-weight`` is
+    ``--cost-attention-weight`` here): the config names Megatron-LM's flags, the user typed ours."""
+    from megatron_dynbatch.config import FLAGS
+
+    for field in (*CLI_FIELDS, "planner"):
+        ours = "--" + field.replace("_", "-")
+        if FLAGS[field] != ours:
+            message = re.sub(rf"{re.escape(FLAGS[field])}\b(?!-)", ours, message)
+    return message
 
 
 if __name__ == "__main__":

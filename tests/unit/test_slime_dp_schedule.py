@@ -440,7 +440,7 @@ def test_static_path_trims_and_asserts_as_slime_does():
         (dict(total_lengths=["6"]), r"total_lengths\[0\]='6'"),
         (dict(total_lengths=[True]), "bool"),
         (dict(total_lengths=[0]), r"total_lengths\[0\]=0 must be >= 1"),
-        (dict(total_lengths={"a": 1}), "must be a list"),
+        (dict(total_lengths={"a": 1}), "must be a sequence"),
         (dict(global_batch_size=2.0), "global_batch_size=2.0"),
         (dict(global_batch_size=0), "global_batch_size=0 must be >= 1"),
         (dict(rollout_indices=[0, 1]), "2 rollout_indices for 1 total_lengths"),

@@ -35,10 +35,12 @@ from megatron_dynbatch.config import (
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning.spec import (
     ATTENTION_KINDS,
+    DEFAULT_STRATEGY,
     LAYOUTS,
     MAX_TOKENS,
     OVERSIZE_POLICIES,
     ParallelLayout,
+    check_int,
     layout_flags,
 )
 
@@ -474,6 +476,17 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
             f"a packed row holds several samples; pass {FLAGS['layout']} padded (one sample a "
             "row, the default with seq_aux_loss) or another load-balancing type."
         )
+    # Imported here, as config.py does: the registry imports the whole planner.
+    from megatron_dynbatch.planning.strategies import required_layout
+
+    required = required_layout(config.planner)
+    if required is not None and config.layout != required:
+        # The strategy would refuse the layout at the first step, after the model is built.
+        raise DynBatchValueError(
+            f"{FLAGS['planner']} {config.planner} plans {required} rows only, but "
+            f"{FLAGS['layout']} is {config.layout}; pass {FLAGS['layout']} {required}, or another "
+            f"{FLAGS['planner']} (default {DEFAULT_STRATEGY})."
+        )
     if getattr(args, VARIABLE_SEQ_LENGTHS_DEST, None) and config.layout != "packed":
         raise DynBatchValueError(
             f"--variable-seq-lengths needs {FLAGS['layout']} packed (padded [B, S] rows all have "
@@ -510,10 +523,11 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
             f"sharing a rollout id) instead of samples; set both to the rollouts per step, or "
             "drop --rollouts-per-step to count samples."
         )
+    # The layout first: its sizes (a data-parallel size of 0) are checked there, with their flags.
+    parallel = parallel_layout_from_args(args)
     _check_budgets_fit_seq_length(args, config)
     _check_unused_micro_batch_sizes(args)
 
-    parallel = parallel_layout_from_args(args)
     # Fail now, not at the first step, when a budget cannot hold one padded sample of the layout.
     config.planner_config(parallel)
     config.planner_config(parallel, forward_only=True)
@@ -600,6 +614,11 @@ def _check_unused_micro_batch_sizes(args: Any) -> None:
         ),
     )
     for batch_flag, batch, micro_flag, micro in pairs:
+        # Megatron's own checks would refuse these too, later and by assert; name them first.
+        if batch is not None:
+            batch = check_int(batch_flag, batch, 1, f"set {batch_flag} to the samples of one step.")
+        if micro is not None:
+            micro = check_int(micro_flag, micro, 1, f"set {micro_flag} 1 (the planner ignores it).")
         if batch is None or micro is None or batch % (micro * dp) == 0:
             continue
         if batch % dp == 0:

@@ -79,6 +79,7 @@ from megatron_dynbatch.planning import (
 from megatron_dynbatch.planning.forward_only import fewest_forward_only_count, plan_forward_only
 from megatron_dynbatch.planning.karmarkar_karp import karmarkar_karp
 from megatron_dynbatch.planning.memory import MIB, MemoryLimit
+from megatron_dynbatch.planning.samples import as_sequence
 from megatron_dynbatch.planning.schedule import ScheduledStep
 from megatron_dynbatch.planning.spec import ATTENTION_CROSSOVER_7B, check_int
 from megatron_dynbatch.planning.strategies import run_strategy
@@ -377,12 +378,7 @@ def _parallel_sizes(args: Any, train_parallel_config: Any) -> Dict[str, int]:
 
 
 def _lengths(total_lengths: Any) -> List[int]:
-    if isinstance(total_lengths, (str, bytes, Mapping)) or not hasattr(total_lengths, "__len__"):
-        raise DynBatchValueError(
-            f"total_lengths must be a list of per-sample token counts, got "
-            f"{type(total_lengths).__name__}."
-        )
-    lengths = list(total_lengths)
+    lengths = as_sequence("total_lengths", total_lengths, "per-sample token counts")
     # Plain ints >= 1 (what slime passes) need no per-sample check: 1M samples in milliseconds.
     # Anything else goes through check_int one by one, which names the first bad value.
     if lengths and set(map(type, lengths)) == {int} and min(lengths) >= 1:
@@ -400,14 +396,7 @@ def _lengths(total_lengths: Any) -> List[int]:
 
 
 def _rollout_keys(rollout_indices: Any, num_samples: int) -> List[Any]:
-    if isinstance(rollout_indices, (str, bytes, Mapping)) or not hasattr(
-        rollout_indices, "__len__"
-    ):
-        raise DynBatchValueError(
-            f"rollout_indices must be a list with one rollout id per sample, got "
-            f"{type(rollout_indices).__name__}."
-        )
-    ids = list(rollout_indices)
+    ids = as_sequence("rollout_indices", rollout_indices, "rollout ids, one per sample")
     if len(ids) != num_samples:
         raise DynBatchValueError(
             f"got {len(ids)} rollout_indices for {num_samples} total_lengths; pass one rollout id "
@@ -515,6 +504,35 @@ def _forward_flops(args: Any, s: int) -> float:
     return total + 2 * s * args.hidden_size * args.vocab_size
 
 
+#: The model arguments slime's FLOPs estimate reads for a dense model (Megatron's names).
+_FLOPS_ARGS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "ffn_hidden_size",
+    "vocab_size",
+)
+
+
+def _balance_flops(args: Any, lengths: Sequence[int]) -> List[float]:
+    """``--balance-data``'s weights: slime's FLOPs estimate of every sample, or a
+    ``DynBatchValueError`` naming the model arguments it needs where ``args`` lacks them (slime's
+    own estimate would stop on an ``AttributeError``)."""
+    try:
+        return [_forward_flops(args, n) for n in lengths]
+    except (AttributeError, TypeError):
+        missing = [name for name in _FLOPS_ARGS if getattr(args, name, None) is None]
+        if not hasattr(args, "num_experts"):
+            missing.append("num_experts")
+        raise DPScheduleError(
+            "--balance-data balances ranks by slime's FLOPs estimate, which needs the model's "
+            f"Megatron arguments on args; missing or None: {', '.join(missing) or 'a MoE/MLA size'}"
+            ". Pass slime's parsed arguments, or drop --balance-data (strided assignment)."
+        ) from None
+
+
 def _balanced_partitions(weights: Sequence[Any], k: int) -> List[List[int]]:
     """Largest differencing (Karmarkar-Karp) into ``k`` parts of equal item counts, each sorted.
 
@@ -582,7 +600,7 @@ def _static_schedule(
         per_rank = len(chunks) // dp
         num_microbatches.append(per_rank)
         if balance:
-            flops = [_forward_flops(args, lengths[i]) for i in samples]
+            flops = _balance_flops(args, [lengths[i] for i in samples])
             weights = [sum(flops[i] for i in chunk) for chunk in chunks]
             rank_chunks = _balanced_partitions(weights, dp)
         else:
@@ -867,6 +885,12 @@ def build_dp_schedule(
         ValueError: a bad argument, naming the value and the fix (``DPScheduleError``, also an
             ``AssertionError``, where slime asserts).
     """
+    if args is None or isinstance(args, Mapping):
+        raise DynBatchValueError(
+            f"args={type(args).__name__} must be slime's argument namespace (read as attributes: "
+            "args.use_dynamic_batch_size, args.max_tokens_per_gpu, ...); pass the parsed "
+            "arguments, or argparse.Namespace(**settings) for a dict."
+        )
     if global_batch_size is None or rollout_indices is None:
         raise DynBatchValueError(
             "build_dp_schedule needs global_batch_size= and rollout_indices= (slime passes both "

@@ -7,7 +7,7 @@ import json
 import warnings
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import (
@@ -177,7 +177,9 @@ def build_spec(
     if not isinstance(config, PlannerConfig):
         raise DynBatchValueError(f"config must be a PlannerConfig, got {type(config).__name__}.")
     check_aggregation(loss)
-    sample_set = parse_samples_json(bundled_samples() if samples is None else list(samples))
+    if samples is not None and not isinstance(samples, (str, bytes, Mapping)):
+        samples = list(samples)  # a tuple or another sequence; a JSON object or string is refused
+    sample_set = parse_samples_json(bundled_samples() if samples is None else samples)
     parallel = config.parallel
     if NUM_LAYERS % (parallel.pp_size * parallel.vpp_size):
         raise DynBatchValueError(
