@@ -105,9 +105,7 @@ def check_plan(
         if in_range and not once:
             # The samples' tokens, whoever counted them: one step of every sample adds them all.
             tokens = (
-                sum(lengths)
-                if len(plan.steps) == 1
-                else sum(map(lengths.__getitem__, indices[s]))
+                sum(lengths) if len(plan.steps) == 1 else sum(map(lengths.__getitem__, indices[s]))
             )
             if step.real_tokens != tokens:
                 problems.append(
