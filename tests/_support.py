@@ -86,6 +86,49 @@ def slime_args(**overrides):
     return types.SimpleNamespace(**values)
 
 
+#: Modules slime imports for rollout serving and logging, stubbed when they are not installed.
+SLIME_STUBBED = (
+    "ray",
+    "sglang",
+    "sglang_router",
+    "requests",
+    "torch_memory_saver",
+    "wandb",
+    "httpx",
+    "tensorboard",
+)
+
+
+def megatron_lm_args(argv, **validated):
+    """Parse ``argv`` with our Megatron-LM flags, then set what Megatron's ``validate_args``
+    would have derived (dp 2, no model parallelism; ``validated`` overrides)."""
+    import argparse
+
+    from megatron_dynbatch.integrations.megatron_lm.arguments import add_dynamic_batch_args
+
+    parser = add_dynamic_batch_args(argparse.ArgumentParser(allow_abbrev=False))
+    args = parser.parse_args(argv)
+    base = dict(
+        data_parallel_size=2,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None,
+        context_parallel_size=1,
+        calculate_per_token_loss=True,
+        rampup_batch_size=None,
+        decrease_batch_size_if_needed=False,
+        iterations_to_skip=[],
+        perform_rl_step=False,
+        hybrid_context_parallel=False,
+        gtp_weight_remat_size=1,
+        variable_seq_lengths=False,
+    )
+    base.update(validated)
+    for key, value in base.items():
+        setattr(args, key, value)
+    return args
+
+
 def slime_tp(dp_size=1, cp_size=1, vpp_size=1, microbatch_group_size_per_vp_stage=1) -> dict:
     """The parallel sizes slime passes ``build_dp_schedule`` (its ``tp`` dict, slime's key names)."""
     return {

@@ -21,22 +21,12 @@ import sys
 import pytest
 
 from megatron_dynbatch.tools.testing.workers import Layout, run_on_ranks
-from tests._support import patched_copy, stock_copy
+from tests._support import SLIME_STUBBED, patched_copy, stock_copy
 
 pytestmark = pytest.mark.slime
 
 SLIME_DIR = os.environ.get("SLIME_DIR")
-STUBBED = (
-    "ray",
-    "sglang",
-    "sglang_router",
-    "requests",
-    "torch_memory_saver",
-    "wandb",
-    "httpx",
-    "tensorboard",
-    "transformers",
-)
+STUBBED = SLIME_STUBBED + ("transformers",)
 #: A tiny GPT at pp 2 (Megatron's flags, as a slime launch script gives them).
 MODEL = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",

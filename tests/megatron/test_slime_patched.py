@@ -63,6 +63,7 @@ from megatron_dynbatch.integrations.slime.backend import (  # noqa: E402
 from megatron_dynbatch.tools.testing.workers import Layout, run_on_ranks  # noqa: E402
 from tests._support import (  # noqa: E402
     FAIL_FAST_S,
+    SLIME_STUBBED,
     host_patches,
     patched_copy,
     relative_error,
@@ -78,16 +79,7 @@ REL_TOL = 1e-5
 SEED = 5
 VOCAB = 128
 #: Modules slime imports for rollout serving and logging, stubbed when they are not installed.
-STUBBED = (
-    "ray",
-    "sglang",
-    "sglang_router",
-    "requests",
-    "torch_memory_saver",
-    "wandb",
-    "httpx",
-    "tensorboard",
-)
+STUBBED = SLIME_STUBBED
 
 #: The tiny MoE of the routing-replay cases: 4 layers, 4 experts, top-2.
 MOE = {"num_layers": 4, "num_moe_experts": 4, "moe_router_topk": 2}

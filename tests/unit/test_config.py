@@ -16,6 +16,7 @@ from megatron_dynbatch.integrations.megatron_lm.arguments import (
     dynbatch_config_from_args,
     validate_dynamic_batch_args,
 )
+from tests._support import megatron_lm_args
 
 pytestmark = pytest.mark.unit
 
@@ -26,28 +27,7 @@ DEFAULTS = {f.name: f.default for f in dataclasses.fields(DynBatchConfig)}
 
 
 def _megatron_args(argv, **validated):
-    """Parse ``argv`` with our flags, then set what Megatron's validate_args would have derived."""
-    parser = add_dynamic_batch_args(argparse.ArgumentParser(allow_abbrev=False))
-    args = parser.parse_args(argv)
-    base = dict(
-        data_parallel_size=2,
-        tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1,
-        virtual_pipeline_model_parallel_size=None,
-        context_parallel_size=1,
-        calculate_per_token_loss=True,
-        rampup_batch_size=None,
-        decrease_batch_size_if_needed=False,
-        iterations_to_skip=[],
-        perform_rl_step=False,
-        hybrid_context_parallel=False,
-        gtp_weight_remat_size=1,
-        variable_seq_lengths=False,
-    )
-    base.update(validated)
-    for key, value in base.items():
-        setattr(args, key, value)
-    return args
+    return megatron_lm_args(argv, **validated)
 
 
 # --- the dataclass ----------------------------------------------------------------------------

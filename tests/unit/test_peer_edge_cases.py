@@ -10,7 +10,6 @@ a ``DynBatchError`` whose message matches ``expect``. Anything else (a bare Pyth
 lost sample) fails.
 """
 
-import argparse
 import contextlib
 import io
 import json
@@ -27,10 +26,10 @@ import torch
 from megatron_dynbatch.adapters.slime import build_dp_schedule
 from megatron_dynbatch.errors import DynBatchError
 from megatron_dynbatch.integrations.megatron_lm.arguments import (
-    add_dynamic_batch_args,
     validate_dynamic_batch_args,
 )
 from megatron_dynbatch.tools.cli import main
+from tests._support import megatron_lm_args
 
 pytestmark = pytest.mark.unit
 
@@ -862,30 +861,9 @@ def test_cli_through_the_real_entry(tmp_path):
 
 
 def _megatron_args(argv, **validated):
-    parser = add_dynamic_batch_args(argparse.ArgumentParser(allow_abbrev=False))
-    args = parser.parse_args(["--use-dynamic-batch-size", *argv])
-    base = dict(
-        data_parallel_size=2,
-        tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1,
-        virtual_pipeline_model_parallel_size=None,
-        context_parallel_size=1,
-        calculate_per_token_loss=True,
-        rampup_batch_size=None,
-        decrease_batch_size_if_needed=False,
-        iterations_to_skip=[],
-        perform_rl_step=False,
-        hybrid_context_parallel=False,
-        gtp_weight_remat_size=1,
-        variable_seq_lengths=False,
-        global_batch_size=8,
-        micro_batch_size=1,
-        seq_length=64,
-    )
-    base.update(validated)
-    for key, value in base.items():
-        setattr(args, key, value)
-    return args
+    given = dict(global_batch_size=8, micro_batch_size=1, seq_length=64)
+    given.update(validated)
+    return megatron_lm_args(["--use-dynamic-batch-size", *argv], **given)
 
 
 # (source, id, argv after --use-dynamic-batch-size, what Megatron derived, expect)
