@@ -117,6 +117,16 @@ def attention_from_megatron(
     return "segment" if layout == "packed" else "causal"
 
 
+def is_gib(value: Any) -> bool:
+    """Whether ``value`` is a memory budget in GiB: a finite real number > 0 (not a bool)."""
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, numbers.Real)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
 def _positive_int(config: Any, name: str, *, optional: bool) -> None:
     """Check an integer field and store it as a plain int (numpy / torch integers accepted)."""
     value = getattr(config, name)
@@ -190,12 +200,7 @@ class DynBatchConfig:
             )
         memory = self.max_memory_gib
         if memory is not None and memory != "auto":
-            if (
-                isinstance(memory, bool)
-                or not isinstance(memory, numbers.Real)
-                or not math.isfinite(memory)
-                or memory <= 0
-            ):
+            if not is_gib(memory):
                 raise DynBatchValueError(
                     f"max_memory_gib={memory!r} must be a number of GiB > 0 or 'auto'; fix "
                     f"{FLAGS['max_memory_gib']}."

@@ -65,6 +65,19 @@ def make_step_plan(ranks, *, seq_length, micro_batch_size):
 # -- slime's arguments (the slime schedule tests) --------------------------------------------------
 
 
+#: A tiny dense model's Megatron arguments, as slime's args carry them.
+TINY_SLIME_MODEL = dict(
+    hidden_size=16,
+    num_attention_heads=2,
+    num_query_groups=2,
+    vocab_size=32,
+    ffn_hidden_size=64,
+    num_experts=None,
+    num_layers=2,
+    kv_channels=8,
+)
+
+
 def slime_args(**overrides):
     """The slime arguments ``build_dp_schedule`` reads (a tiny dense model), with overrides."""
     values = dict(
@@ -73,14 +86,7 @@ def slime_args(**overrides):
         max_tokens_per_gpu=32768,
         balance_data=False,
         balance_by_flops=False,
-        hidden_size=16,
-        num_attention_heads=2,
-        num_query_groups=2,
-        vocab_size=32,
-        ffn_hidden_size=64,
-        num_experts=None,
-        num_layers=2,
-        kv_channels=8,
+        **TINY_SLIME_MODEL,
     )
     values.update(overrides)
     return types.SimpleNamespace(**values)

@@ -29,7 +29,7 @@ from megatron_dynbatch.integrations.megatron_lm.arguments import (
     validate_dynamic_batch_args,
 )
 from megatron_dynbatch.tools.cli import main
-from tests._support import megatron_lm_args
+from tests._support import TINY_SLIME_MODEL, megatron_lm_args
 
 pytestmark = pytest.mark.unit
 
@@ -65,16 +65,7 @@ def _layout(dp=1, cp=1, vpp=1, group=1):
     }
 
 
-_MODEL = dict(
-    hidden_size=16,
-    num_attention_heads=2,
-    num_query_groups=2,
-    vocab_size=32,
-    ffn_hidden_size=64,
-    num_experts=None,
-    num_layers=2,
-    kv_channels=8,
-)
+_MODEL = TINY_SLIME_MODEL
 _L4, _I4 = [10, 20, 30, 40], [0, 1, 2, 3]
 
 # (source, id, args, layout, lengths, global_batch_size, rollout_indices, expect)

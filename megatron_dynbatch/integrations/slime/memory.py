@@ -22,11 +22,10 @@ Standard library and the pure planner only: slime's rollout manager imports it w
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass, replace
 from typing import Any, List, Optional, Sequence
 
-from megatron_dynbatch.config import attention_from_megatron
+from megatron_dynbatch.config import attention_from_megatron, is_gib
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.hosts import SLIME
 from megatron_dynbatch.integrations.model_args import memory_model_from_flags
@@ -63,12 +62,7 @@ def slime_max_memory_gib(args: Any) -> Optional[float]:
             f"training GPUs; give the GiB one training GPU may hold at its peak, e.g. {FLAG} 70 "
             "on an 80 GiB GPU."
         )
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
+    if not is_gib(value):
         raise DynBatchValueError(
             f"{FLAG} {value!r} must be a number of GiB > 0 (what one training GPU may hold at its "
             f"peak), e.g. {FLAG} 70."
