@@ -38,6 +38,7 @@ from megatron_dynbatch.planning.sharded import plan_sharded_step
 from megatron_dynbatch.planning.spec import DEFAULT_STRATEGY
 from megatron_dynbatch.planning.strategies import plan_from_ranks, ranks_strategy
 from megatron_dynbatch.tools.cli import main
+from tests._support import megatron_lm_args
 
 pytestmark = pytest.mark.unit
 
@@ -190,17 +191,7 @@ def test_plan_planner_picks_a_strategy_by_name(tmp_path, capsys):
 
 def _megatron_run_config(argv):
     """What a Megatron-LM run plans with: our flags parsed and validated as the entry does."""
-    parser = add_dynamic_batch_args(argparse.ArgumentParser(allow_abbrev=False))
-    args = parser.parse_args(["--use-dynamic-batch-size", *argv])
-    for key, value in dict(
-        data_parallel_size=2,
-        tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1,
-        virtual_pipeline_model_parallel_size=None,
-        context_parallel_size=1,
-        calculate_per_token_loss=True,
-    ).items():
-        setattr(args, key, value)
+    args = megatron_lm_args(["--use-dynamic-batch-size", *argv])
     config = validate_dynamic_batch_args(args)
     return config, config.planner_config(ParallelLayout(dp_size=2))
 
