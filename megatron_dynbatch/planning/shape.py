@@ -117,6 +117,11 @@ class StepProblem:
     multi_row_cap: Optional[int] = None
     """With ``memory``: the token budget's cap on ``B * S`` for ``B > 1`` (``cap`` is the one-row
     cap, memory included); ``None``: ``cap``."""
+    row_align: Optional[int] = None
+    """Where shapes are exchanged (variable rows on), a uniform row ``S`` of the packed layout is
+    rounded up to this too while it stays within the cap: on an H100 a ``[3 x 2111]`` micro-batch
+    took 134.6 ms and ``[3 x 2112]`` 103.4 ms (``benchmarks/gpu_row_lengths.py``, docs/gpu.md);
+    kept when :func:`choose_shape` scores uniform rows beside variable ones."""
 
 
 def _footprint_cap(problem: StepProblem) -> int:
@@ -608,6 +613,12 @@ class _Search:
                 ]
             seq_length = max(row_lengths)
         else:
+            align = problem.row_align
+            if align and layout == "packed" and seq_length <= self.cap:
+                # An aligned row within this B's cap (token and memory budgets): same samples.
+                aligned = round_up(seq_length, align)
+                if aligned <= self.cap:
+                    seq_length = aligned
             bin_costs = row_costs(self.model, layout, seq_length, rows, loads, own)
         varies = self.varies or row_lengths is not None
         # Rows of one shape cost the same unless attention or response work varies with what they
