@@ -114,6 +114,22 @@ def test_calibrates_applies_and_writes(tmp_path, monkeypatch):
     assert "predicted/measured" in calibrator.log_string()
 
 
+def test_a_fit_of_no_work_shows_no_predicted_time(tmp_path, monkeypatch):
+    """A refused fit whose weights all came out 0 (seen on an H100 with noisy steps) predicts 0 s
+    for a real step: the iteration line and TensorBoard then show no prediction, not 0.0."""
+    _, _, calibrator = _train(_args(tmp_path), monkeypatch, 16)
+    assert "predicted/measured" in calibrator.log_string() and calibrator.scalars()
+    calibrator.fit = dataclasses.replace(
+        calibrator.fit,
+        token_weight=0.0,
+        attention_weight=0.0,
+        microbatch_overhead=0.0,
+        step_seconds=0.0,
+    )
+    calibrator._timing = None
+    assert calibrator.log_string() == "" and calibrator.scalars() == {}
+
+
 def test_two_hooks_objects_share_no_calibration(tmp_path, monkeypatch):
     """Each run's hooks object owns its calibration: one run calibrating (varied budgets, then a
     fit) changes nothing another run in the same process plans with, and a new run after

@@ -107,6 +107,9 @@ CALIBRATED_FIELDS = (
 #: planner sees a large per-micro-batch overhead, which makes it pack few full rows, and whether
 #: it sees attention priced, which under row-wise attention makes those rows short).
 _SHAPES = ((1, False, False), (1, True, True), (2, True, False), (4, False, False))
+#: A step predicted faster than this is a fit of no work (all weights 0, e.g. refused on noisy
+#: steps), not a prediction: the iteration line and TensorBoard then show none.
+_NO_PREDICTION_S = 1e-6
 #: Attention kinds whose row costs its whole S^2 whatever it holds (planning/spec.py).
 _ROW_WISE = ("dense", "causal")
 #: Under a memory budget (``--max-memory-gib``) the token budget rarely binds (with only a memory
@@ -494,6 +497,8 @@ class Calibrator:
         if self._timing is None or self._timing[0] != self.steps_seen:
             measured = time.perf_counter() - self.last_end
             self._timing = (self.steps_seen, self.fit.predict(self.pending), measured)
+        if self._timing[1] < _NO_PREDICTION_S:
+            return None  # a refused fit of no work at all (all weights 0) predicts nothing
         return self._timing[1:]
 
     def log_string(self) -> str:
