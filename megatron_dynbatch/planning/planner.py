@@ -219,7 +219,6 @@ def _plan_step(
         parallel=parallel,
         min_gain=config.min_gain,
         row_multiple=config.variable_row_multiple if config.variable_row_lengths else None,
-        row_align=config.variable_row_multiple if config.variable_row_lengths else None,
         memory=config.memory,
         multi_row_cap=config.multi_row_cap,
     )

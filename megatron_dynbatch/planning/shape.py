@@ -118,10 +118,10 @@ class StepProblem:
     """With ``memory``: the token budget's cap on ``B * S`` for ``B > 1`` (``cap`` is the one-row
     cap, memory included); ``None``: ``cap``."""
     row_align: Optional[int] = None
-    """Where shapes are exchanged (variable rows on), a uniform row ``S`` of the packed layout is
-    rounded up to this too while it stays within the cap: on an H100 a ``[3 x 2111]`` micro-batch
-    took 134.6 ms and ``[3 x 2112]`` 103.4 ms (``benchmarks/gpu_row_lengths.py``, docs/gpu.md);
-    kept when :func:`choose_shape` scores uniform rows beside variable ones."""
+    """Set by :func:`choose_shape` (from ``row_multiple``) when it scores uniform rows beside
+    variable ones: shapes are exchanged, so a uniform row ``S`` of the packed layout is rounded up
+    to this while it stays within the cap. On an H100 a ``[3 x 2111]`` micro-batch took 134.6 ms
+    and ``[3 x 2112]`` 103.4 ms (``benchmarks/gpu_row_lengths.py``, docs/gpu.md)."""
 
 
 def _footprint_cap(problem: StepProblem) -> int:
@@ -218,7 +218,10 @@ def choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
     _check_placeholders(problem)
     if problem.row_multiple is None:
         return _choose_shape(problem)
-    uniform_problem = dataclasses.replace(problem, row_multiple=None)
+    # Uniform rows beside variable ones: shapes are exchanged, so their S is aligned the same way.
+    uniform_problem = dataclasses.replace(
+        problem, row_multiple=None, row_align=problem.row_multiple
+    )
     if problem.model.shape_exchange_overhead <= 0 and not _row_counts(uniform_problem):
         # Per-segment attention, free exchange: a row of its own is never slower than the longest.
         return _choose_shape(problem)
