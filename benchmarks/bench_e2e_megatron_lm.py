@@ -44,7 +44,7 @@ from typing import Dict, List
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SEQ_LENGTH = 256  # launch/train_gpt_dynbatch.sh
 MICRO_BATCH_SIZE = 4  # launch/train_gpt_dynbatch.sh: fixed micro-batches are [4 x 256]
-_PREDICTED = re.compile(r"step time predicted/measured \(ms\): ([\d.]+)/([\d.]+)")
+_PREDICTED = re.compile(r"step time predicted/measured \(ms\): ([\d.]+)/([\d.]+) \(fit\)")
 _PEAK = re.compile(r"peak memory measured over training \(MiB\): ([\d.]+)")
 _MEMORY = re.compile(r"peak memory predicted/measured \(MiB\): (\d+)/(\d+)")
 #: Iterations whose memory prediction counts as calibrated: the first is the probe, the second is
@@ -184,6 +184,14 @@ def main(argv=None) -> int:
         help="also run the equal-memory budget with --variable-seq-lengths (each micro-batch its "
         "own row, shapes exchanged), beside the uniform rows",
     )
+    parser.add_argument(
+        "--dynamic-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="an extra flag for the dynamic runs only, e.g. "
+        "--dynamic-arg=--dynamic-batch-calibration-steps --dynamic-arg=0 (the default model alone)",
+    )
     parser.add_argument("--data-dir", type=pathlib.Path, required=True)
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument(
@@ -220,6 +228,8 @@ def main(argv=None) -> int:
                     flags += ["--max-memory-gib", f"{peak / 1024:.6f}"]
                 else:
                     batching, budget = "dynamic", int(name.split("-")[1])
+                if batching == "dynamic":
+                    flags += args.dynamic_arg
                 if args.reuse_logs:
                     text = log.read_text()
                 else:

@@ -355,6 +355,10 @@ class Calibration:
     """Weights the observations could not separate from the others (vary shapes to fix)."""
     extra: Dict[str, Any] = field(default_factory=dict)
     """Free-form provenance (written to the YAML as comments)."""
+    form: str = "free"
+    """What was fitted (:func:`fit_cost_model`): ``scales`` (a throughput scale of the prior's
+    token and attention work, and an overhead), ``physical`` (one scale of the whole prior) or
+    ``free`` (every weight on its own)."""
 
     @property
     def weights(self) -> Tuple[float, float, float]:
@@ -363,13 +367,18 @@ class Calibration:
 
     @property
     def separable(self) -> bool:
-        """Whether the fit told token work and per-micro-batch overhead apart (safe to plan with).
+        """Whether the fit found token work and a per-micro-batch overhead, both above 0 and told
+        apart from the rest (safe to plan with).
 
         When every measured step had much the same shape, any split between them predicts those
-        steps equally well, so planning with the split would be a guess.
+        steps equally well, so planning with the split would be a guess; a fit of scales of a prior
+        (:func:`fit_cost_model`) keeps the prior's split where the steps cannot tell it.
         """
-        return self.token_weight > 0 and not {"token_weight", "microbatch_overhead"} & set(
-            self.unidentified
+        return (
+            self.token_weight > 0
+            and self.microbatch_overhead > 0
+            and not {"token_weight", "microbatch_overhead", "compute_scale"}
+            & set(self.unidentified)
         )
 
     @property
@@ -408,6 +417,7 @@ class Calibration:
             "relative_error": self.relative_error,
             "unidentified": list(self.unidentified),
             "extra": dict(self.extra),
+            "form": self.form,
         }
 
     @classmethod
@@ -442,8 +452,8 @@ class Calibration:
     def summary(self) -> str:
         """One log line (forward costs; the simulator adds the backward pass)."""
         text = (
-            f"dynamic-batch calibration over {self.observations} steps: "
-            f"{self.token_weight * 1e6:.4g} us per token, {self.attention_weight * 1e9:.4g} ns per "
+            f"dynamic-batch calibration over {self.observations} steps "
+            f"({_FORMS.get(self.form, self.form)}): {self.token_weight * 1e6:.4g} us per token, {self.attention_weight * 1e9:.4g} ns per "
             f"squared attention token, {self.microbatch_overhead * 1e3:.4g} ms per micro-batch, "
             f"{self.step_seconds * 1e3:.4g} ms per step besides; median error "
             f"{100 * self.relative_error:.1f}%"
@@ -459,17 +469,41 @@ class Calibration:
         return text
 
 
+_FORMS = {
+    "scales": "a throughput scale of the model's token and attention work, and an overhead",
+    "physical": "one scale of the whole model, its overhead in proportion",
+    "free": "every weight on its own",
+}
+
+
 def fit_cost_model(
     observations: Sequence[Observation],
     *,
+    prior: Optional[CostModel] = None,
     iterations: int = 20,
     fit_attention: bool = True,
     fit_step_seconds: bool = True,
 ) -> Calibration:
     """Fit the cost weights (seconds) to measured steps.
 
+    With a ``prior`` (the physical model the run planned with: token weight, attention weight and
+    per-micro-batch overhead in its relative units, :func:`.model_cost.physical_cost`) the fit
+    finds **scales** of that model, never a weight of 0 for a term it has:
+
+    1. ``scales``: one throughput scale of its token and attention work (their ratio kept) plus a
+       per-micro-batch overhead in seconds and the per-step constant;
+    2. where the steps cannot tell the overhead apart (or put it at 0), ``physical``: one scale of
+       the whole model (the overhead in its physical proportion) plus the constant;
+    3. ``free``: every weight on its own, taken over the above only when every term the prior has
+       comes out above 0 and identified, attention within :data:`PRIOR_RATIO_RANGE` of the prior's
+       ratio to token work, and its median error clearly lower.
+
+    Without a prior (``megatron-dynbatch calibrate`` on recorded steps) the weights are free and a
+    weight the steps cannot support may come out 0 (reported in :attr:`Calibration.unidentified`).
+
     Args:
         observations: The measured steps (at least 2).
+        prior: The model whose scales to fit (``None``: free weights).
         iterations: Bound on the linearise-and-solve rounds (it usually settles in 2 or 3).
         fit_attention: ``False`` pins the attention weight at 0 (short rows, where the quadratic
             term is invisible in the noise and only makes the fit worse).
@@ -477,7 +511,7 @@ def fit_cost_model(
             forward-backward pass alone).
 
     Returns:
-        The :class:`Calibration`.
+        The :class:`Calibration` (its ``extra["form"]`` says which of the above it is).
 
     Raises:
         DynBatchValueError: On fewer than 2 observations.
@@ -488,11 +522,103 @@ def fit_cost_model(
             f"calibration needs at least 2 measured steps, got {len(obs)}; run more iterations "
             "before fitting (--dynamic-batch-calibration-steps)."
         )
-    active = [True, fit_attention, True]
-    names = [name for name, on in zip(FIT_WEIGHTS, active, strict=True) if on]
-    if fit_step_seconds:
-        names.append("step_seconds")
-    weights, step_seconds, rows = _fit(obs, active, fit_step_seconds, iterations)
+    longest = max(o.seq_length for o in obs)
+    unit = ((1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0))
+    free_basis = [unit[0], unit[2]] + ([unit[1]] if fit_attention else [])
+    free_names = ["token_weight", "microbatch_overhead"] + (
+        ["attention_weight"] if fit_attention else []
+    )
+    free = _robust_fit(
+        obs, free_basis, free_names, fit_step_seconds, iterations, (1.0, 1.0 / longest, 1.0)
+    )
+    if prior is None:
+        return _calibration(free, "free")
+    p_token = prior.token_weight
+    p_attention = prior.attention_weight if fit_attention else 0.0
+    p_overhead = prior.overhead
+    if p_token <= 0:
+        raise _bad(f"the prior cost model has token_weight={p_token}; give one > 0.")
+    compute = (p_token, p_attention, 0.0)
+    start = (p_token, p_attention, max(p_overhead, p_token))
+    scales = _robust_fit(
+        obs,
+        [compute, unit[2]],
+        ["compute_scale", "microbatch_overhead"],
+        fit_step_seconds,
+        iterations,
+        start,
+    )
+    chosen, form = scales, "scales"
+    if scales.weights[2] <= 0 or scales.weights[0] <= 0 or scales.unidentified:
+        whole = (p_token, p_attention, p_overhead if p_overhead > 0 else p_token)
+        chosen = _robust_fit(obs, [whole], ["compute_scale"], fit_step_seconds, iterations, whole)
+        form = "physical"
+    if _free_is_better(free, chosen, prior, fit_attention):
+        chosen, form = free, "free"
+    return _calibration(chosen, form)
+
+
+#: A free fit replaces the scaled one only with its attention weight within this factor of the
+#: prior's ratio of attention to token work, and its median error below
+#: ``_FREE_ERROR_FACTOR`` times the scaled fit's: noisy steps move a free split far more than they
+#: move a throughput scale.
+PRIOR_RATIO_RANGE = 8.0
+_FREE_ERROR_FACTOR = 0.8
+
+
+def _free_is_better(free: "_Fit", scaled: "_Fit", prior: CostModel, fit_attention: bool) -> bool:
+    token, attention, overhead = free.weights
+    if token <= 0 or overhead <= 0 or free.unidentified:
+        return False
+    if fit_attention and prior.attention_weight > 0:
+        if attention <= 0:
+            return False
+        ratio = (attention / token) / (prior.attention_weight / prior.token_weight)
+        if not 1.0 / PRIOR_RATIO_RANGE <= ratio <= PRIOR_RATIO_RANGE:
+            return False
+    scaled_error = _median(scaled.errors)
+    return _median(free.errors) < _FREE_ERROR_FACTOR * scaled_error
+
+
+@dataclass
+class _Fit:
+    """One fit's outcome, in :data:`FIT_WEIGHTS` seconds."""
+
+    weights: List[float]
+    step_seconds: float
+    observations: List[Observation]
+    errors: List[float]
+    unidentified: Tuple[str, ...]
+    extra: Dict[str, Any]
+
+
+def _calibration(fit: _Fit, form: str) -> Calibration:
+    return Calibration(
+        token_weight=fit.weights[0],
+        attention_weight=fit.weights[1],
+        microbatch_overhead=fit.weights[2],
+        step_seconds=fit.step_seconds,
+        observations=len(fit.observations),
+        relative_error=_median(fit.errors),
+        unidentified=fit.unidentified,
+        extra=fit.extra,
+        form=form,
+    )
+
+
+def _robust_fit(
+    observations: Sequence[Observation],
+    basis: Sequence[Sequence[float]],
+    names: Sequence[str],
+    fit_step_seconds: bool,
+    iterations: int,
+    start: Sequence[float],
+) -> _Fit:
+    """Fit the coefficients of ``basis`` (weights = their non-negative combination), dropping
+    outlier steps and pinning the per-step constant where it swallowed the work."""
+    obs = list(observations)
+    names = list(names) + (["step_seconds"] if fit_step_seconds else [])
+    weights, step_seconds, rows = _fit(obs, basis, fit_step_seconds, iterations, start)
     errors = _relative_errors(obs, weights, step_seconds)
     # A step another job slowed down (on a shared machine one step can take 3x its neighbours)
     # pulls every weight towards it: drop, one at a time, the step (of the few furthest off)
@@ -510,7 +636,7 @@ def fit_cost_model(
         worst = sorted(range(len(obs)), key=lambda k: -errors[k])[:_OUTLIER_CANDIDATES]
         for i in worst:
             rest = obs[:i] + obs[i + 1 :]
-            fitted = _fit(rest, active, fit_step_seconds, iterations)
+            fitted = _fit(rest, basis, fit_step_seconds, iterations, start)
             spread = _median(_relative_errors(rest, fitted[0], fitted[1]))
             if best is None or spread < best[0]:
                 best = (spread, i, fitted)
@@ -519,7 +645,7 @@ def fit_cost_model(
         if spread > _median(errors) / 2 or off <= max(_OUTLIER_FACTOR * spread, _OUTLIER_FLOOR):
             break
         if len(_unidentified(fitted[2], names)) > len(_unidentified(rows, names)) or (
-            fitted[0][0] <= 0 < weights[0]
+            _work(fitted[0]) <= 0 < _work(weights)
         ):
             break  # without it the rest cannot tell the weights apart (or lose token work): keep it
         obs = obs[:i] + obs[i + 1 :]
@@ -528,29 +654,31 @@ def fit_cost_model(
         dropped += 1
     if dropped:
         extra["outlier_steps"] = dropped
-    if weights[0] <= 0 < weights[1] and fit_step_seconds:
+    if fit_step_seconds and weights[0] <= 0:
         # Steps of one batch size compute much the same tokens, so token work and the per-step
         # constant can trade places, and NNLS may put it all in the constant: a model without
-        # token work cannot plan (not separable). The constant pinned at 0 gives token work its
-        # share; taken when it explains the steps nearly as well.
-        pinned = _fit(obs, active, False, iterations)
+        # token work cannot plan. The constant pinned at 0 gives token work its share; taken when
+        # it explains the steps nearly as well.
+        pinned = _fit(obs, basis, False, iterations, start)
         pinned_errors = _relative_errors(obs, pinned[0], pinned[1])
         if pinned[0][0] > 0 and _median(pinned_errors) <= _median(errors) + _PINNED_SLACK:
             weights, step_seconds, rows = pinned
             errors = pinned_errors
             names = [name for name in names if name != "step_seconds"]
             extra["step_seconds_pinned"] = True
-    median = _median(errors)
-    return Calibration(
-        token_weight=weights[0],
-        attention_weight=weights[1],
-        microbatch_overhead=weights[2],
+    return _Fit(
+        weights=list(weights),
         step_seconds=step_seconds,
-        observations=len(obs),
-        relative_error=median,
+        observations=obs,
+        errors=errors,
         unidentified=_unidentified(rows, names),
         extra=extra,
     )
+
+
+def _work(weights: Sequence[float]) -> float:
+    """Token plus attention weight: 0 when the fit found no work at all."""
+    return weights[0] + weights[1]
 
 
 #: Outlier steps (see fit_cost_model): only while the fit is off by more than _OUTLIER_MIN_ERROR
@@ -587,31 +715,32 @@ _SETTLED = 1e-6
 
 def _fit(
     obs: Sequence[Observation],
-    active: Sequence[bool],
+    basis: Sequence[Sequence[float]],
     fit_step_seconds: bool,
     iterations: int,
+    start: Sequence[float],
 ) -> Tuple[List[float], float, List[List[float]]]:
-    """Linearise and solve until the weights settle: ``(weights, step_seconds, rows)``."""
+    """Linearise and solve until the weights settle: ``(weights, step_seconds, rows)``.
+
+    The weights are ``sum(x[j] * basis[j])`` with ``x >= 0`` (one unit vector per weight: free
+    weights; a prior's direction: its scale); ``rows`` are the design rows in ``x``.
+    """
     times = [o.seconds for o in obs]
-    # Start from plain tokens with a little of everything, so every term is on the critical path.
-    longest = max(o.seq_length for o in obs)
-    weights = [1.0, 1.0 / longest if active[1] else 0.0, 1.0]
+    # Start with every term on the critical path.
+    weights = list(start)
     step_seconds = 0.0
     rows: List[List[float]] = []
     units = [[_unit_makespan(o, k) for k in range(len(FIT_WEIGHTS))] for o in obs]
     for _ in range(iterations):
         grads = [_gradient(o, weights, u) for o, u in zip(obs, units, strict=True)]
         rows = [
-            [g for g, on in zip(grad, active, strict=True) if on]
+            [sum(g * b for g, b in zip(grad, vector, strict=True)) for vector in basis]
             + ([1.0] if fit_step_seconds else [])
             for grad in grads
         ]
         x, _ = nnls(rows, times)
-        new = []
-        it = iter(x)
-        for on in active:
-            new.append(next(it) if on else 0.0)
-        new_step = next(it) if fit_step_seconds else 0.0
+        new = [sum(x[j] * basis[j][k] for j in range(len(basis))) for k in range(len(FIT_WEIGHTS))]
+        new_step = x[len(basis)] if fit_step_seconds else 0.0
         moved = max(
             abs(a - b) / max(abs(a), abs(b), 1e-300) for a, b in zip(new, weights, strict=True)
         )

@@ -16,7 +16,13 @@ from megatron_dynbatch.integrations.megatron_lm.arguments import (
     variable_seq_lengths,
 )
 from megatron_dynbatch.integrations.slime.schedule import _cost_model as slime_cost_model
-from megatron_dynbatch.planning.model_cost import cost_model_from_dims, forward_flops
+from megatron_dynbatch.planning.model_cost import (
+    CPU_RATES,
+    cost_model_from_dims,
+    forward_flops,
+    physical_cost,
+)
+from megatron_dynbatch.planning.spec import DEFAULT_MIN_GAIN
 from megatron_dynbatch.planning.model_dims import ModelDims
 from megatron_dynbatch.tools.cli import main
 
@@ -89,10 +95,23 @@ MEGATRON_7B = dict(
 
 
 def test_entry_first_plan_uses_the_models_ratio_unless_given():
+    """The entry's default is the physical model (issue 42): the FLOPs ratio at the device's
+    rates (one stage: the whole model), and a per-micro-batch overhead of the model's operators,
+    with the gain threshold of an estimated overhead."""
     args = _entry_args(["--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096"], **MEGATRON_7B)
     expected = cost_model_from_dims(ModelDims(**QWEN7B, gated_linear_unit=True)).attention_weight
     assert attention_weight_from_args(args) == pytest.approx(expected)
-    assert dynbatch_config_from_args(args).cost_attention_weight == pytest.approx(expected)
+    config = dynbatch_config_from_args(args)
+    rates = CPU_RATES  # no CUDA in the unit tests
+    assert config.cost_attention == "segment"  # transformer-engine's default backend, packed
+    assert config.cost_attention_weight == pytest.approx(
+        expected * rates.linear_flops / rates.attention_flops
+    )
+    physical = physical_cost(ModelDims(**QWEN7B, gated_linear_unit=True), "segment", CPU_RATES)
+    assert config.cost_microbatch_overhead == pytest.approx(
+        physical.overhead_seconds / physical.token_seconds
+    )
+    assert config.cost_microbatch_overhead > 0 and config.min_gain == DEFAULT_MIN_GAIN
     given = _entry_args(
         ["--max-tokens-per-gpu", "4096", "--dynamic-batch-cost-attention-weight", "0"],
         **MEGATRON_7B,
@@ -101,6 +120,7 @@ def test_entry_first_plan_uses_the_models_ratio_unless_given():
     bare = _entry_args(["--max-tokens-per-gpu", "4096"])
     assert attention_weight_from_args(bare) is None
     assert dynbatch_config_from_args(bare).cost_attention_weight == 0.0
+    assert dynbatch_config_from_args(bare).cost_microbatch_overhead is None
 
 
 @pytest.mark.parametrize(

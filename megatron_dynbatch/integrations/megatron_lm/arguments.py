@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from typing import Any, Dict, Optional
 
 from megatron_dynbatch.config import (
@@ -35,6 +36,7 @@ from megatron_dynbatch.config import (
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning.spec import (
     ATTENTION_KINDS,
+    DEFAULT_MIN_GAIN,
     DEFAULT_STRATEGY,
     LAYOUTS,
     MAX_TOKENS,
@@ -47,7 +49,10 @@ from megatron_dynbatch.planning.spec import (
 __all__ = [
     "add_dynamic_batch_args",
     "attention_weight_from_args",
+    "device_rates",
     "dynbatch_config_from_args",
+    "physical_cost_from_args",
+    "setting_given",
     "parallel_layout_from_args",
     "validate_dynamic_batch_args",
     "variable_seq_lengths",
@@ -365,6 +370,15 @@ def _given(args: Any) -> Dict[str, Any]:
     }
 
 
+def setting_given(args: Any, field: str) -> bool:
+    """Whether the user set ``field`` (a :class:`DynBatchConfig` field): on the command line or in
+    the ``--dynamic-batch-config`` YAML, not by a default."""
+    if field in _given(args):
+        return True
+    config_path = getattr(args, "dynamic_batch_config", None)
+    return config_path is not None and load_yaml_config(config_path).get(field) is not None
+
+
 def _per_row_aux_loss(args: Any) -> bool:
     """Whether a MoE load-balancing loss computes its statistics per row (``seq_aux_loss``)."""
     if not getattr(args, "num_experts", None):
@@ -400,6 +414,45 @@ def attention_weight_from_args(args: Any) -> Optional[float]:
     return cost_model_from_dims(model_dims_from_args(args, ParallelLayout())).attention_weight
 
 
+def device_rates(args: Any):
+    """The device the run computes on, as the default cost model assumes it
+    (:data:`~megatron_dynbatch.planning.model_cost.GPU_RATES` by ``--bf16`` / ``--fp16`` where
+    CUDA is available, else :data:`~megatron_dynbatch.planning.model_cost.CPU_RATES`). Reads torch
+    only where the process already imported it (this module imports no torch)."""
+    from megatron_dynbatch.planning.model_cost import CPU_RATES, GPU_RATES
+
+    torch = sys.modules.get("torch")
+    cuda = torch is not None and bool(torch.cuda.is_available())
+    if not cuda:
+        return CPU_RATES
+    dtype = (
+        "bf16"
+        if getattr(args, "bf16", False)
+        else "fp16" if getattr(args, "fp16", False) else "fp32"
+    )
+    return GPU_RATES[dtype]
+
+
+def physical_cost_from_args(args: Any, attention: str):
+    """The default cost model of the model Megatron's arguments describe, in seconds of its
+    slowest pipeline stage (:func:`~megatron_dynbatch.planning.model_cost.physical_cost`), for
+    attention kind ``attention`` on :func:`device_rates`; ``None`` without the model's dimensions.
+    """
+    if not all(
+        getattr(args, name, None) for name in ("num_layers", "hidden_size", "num_attention_heads")
+    ):
+        return None
+    from megatron_dynbatch.planning.model_cost import physical_cost
+
+    from .model_args import model_dims_from_args
+
+    try:
+        dims = model_dims_from_args(args, _parallel_layout(args, 1, None))
+    except (ValueError, TypeError, AttributeError):
+        return None  # a layout Megatron refuses is refused with its own message elsewhere
+    return physical_cost(dims, attention, device_rates(args))
+
+
 def dynbatch_config_from_args(args: Any) -> DynBatchConfig:
     """The :class:`DynBatchConfig` of the arguments: flags given, over the YAML, over defaults.
 
@@ -417,10 +470,6 @@ def dynbatch_config_from_args(args: Any) -> DynBatchConfig:
         # Only a memory budget: no token cap of its own; the planner's cap is the longest row
         # the memory budget allows (PlannerConfig.token_cap), re-derived as calibration refits.
         values["max_tokens_per_gpu"] = MAX_TOKENS // _layout_size(args, "context_parallel_size")
-    if values.get("cost_attention_weight") is None:
-        weight = attention_weight_from_args(args)
-        if weight is not None:
-            values["cost_attention_weight"] = weight
     if values.get("layout") is None and _per_row_aux_loss(args):
         values["layout"] = "padded"
     if values.get("cost_attention") is None:
@@ -431,6 +480,24 @@ def dynbatch_config_from_args(args: Any) -> DynBatchConfig:
             values.get("layout") or "packed",
             reference_thd=bool(getattr(args, "dynamic_batch_reference_thd_attention", False)),
         )
+    if (
+        values.get("cost_attention_weight") is None
+        or values.get("cost_microbatch_overhead") is None
+    ):
+        # The default: the model's own dimensions on the device, attention as it runs
+        # (docs/cost-model.md); calibration fits scales of it.
+        physical = physical_cost_from_args(args, values["cost_attention"])
+        if physical is not None:
+            model = physical.cost_model()
+            token = float(values.get("cost_token_weight") or 1.0)
+            if values.get("cost_attention_weight") is None:
+                values["cost_attention_weight"] = model.attention_weight * token
+            if values.get("cost_microbatch_overhead") is None:
+                values["cost_microbatch_overhead"] = model.microbatch_overhead * token
+                if values.get("min_gain") is None:
+                    # An estimated overhead, not a measured one: more micro-batches than the
+                    # fewest only for a clear gain (spec.DEFAULT_MIN_GAIN), as for an unknown one.
+                    values["min_gain"] = DEFAULT_MIN_GAIN
     return config_from_mapping(values)
 
 

@@ -70,10 +70,16 @@ from megatron_dynbatch.integrations.megatron_lm.arguments import (
     DEFAULT_CALIBRATION_MAX_ERROR,
     DEFAULT_CALIBRATION_STEPS,
     add_calibration_args,
+    setting_given,
 )
 from megatron_dynbatch.mcore.agreement import collective_device
-from megatron_dynbatch.planning.calibration import Calibration, Observation, fit_cost_model
-from megatron_dynbatch.planning.spec import round_up
+from megatron_dynbatch.planning.calibration import (
+    Calibration,
+    Observation,
+    fit_cost_model,
+    predict_seconds,
+)
+from megatron_dynbatch.planning.spec import CostModel, round_up
 
 __all__ = [
     "CALIBRATED_FIELDS",
@@ -101,36 +107,23 @@ CALIBRATED_FIELDS = (
     "cost_token_weight",
     "cost_attention_weight",
     "cost_microbatch_overhead",
+    "min_gain",
 )
 
-#: Calibration shapes, by iteration number modulo their count: (budget divisor, whether the
-#: planner sees a large per-micro-batch overhead, which makes it pack few full rows, and whether
-#: it sees attention priced, which under row-wise attention makes those rows short).
-_SHAPES = ((1, False, False), (1, True, True), (2, True, False), (4, False, False))
+#: Calibration shapes, by iteration number modulo their count: the factor on the configured
+#: per-micro-batch overhead the planner sees. Every shape is a plan the planner itself would choose
+#: under a plausible overhead (never a deliberately bad one: the earlier shapes, a halved budget
+#: or one long row a micro-batch, ran up to twice the step time), under the configured token and
+#: memory budgets; the micro-batch counts they differ in tell the overhead from the work.
+OVERHEAD_FACTORS = (1.0, 4.0, 0.25)
 #: A step predicted faster than this is a fit of no work (all weights 0, e.g. refused on noisy
 #: steps), not a prediction: the iteration line and TensorBoard then show none.
 _NO_PREDICTION_S = 1e-6
-#: Attention kinds whose row costs its whole S^2 whatever it holds (planning/spec.py).
-_ROW_WISE = ("dense", "causal")
-#: Under a memory budget (``--max-memory-gib``) the token budget rarely binds (with only a memory
-#: budget it is unbounded), so dividing it varies nothing: the shapes vary what the memory budget
-#: allows instead, from its longest one-row micro-batch ``cap`` (within the token budget), by
-#: iteration number modulo their count: the configured model; few micro-batches of as many short
-#: rows as the memory holds; few micro-batches of one row each, as long as ``cap``; many
-#: micro-batches of one ``--seq-length`` row; short rows of at most ``cap`` tokens together. Rows of
-#: two lengths at one micro-batch count separate attention from token work, and three counts of
-#: short rows (1-4x apart) token work, the per-micro-batch overhead and the per-step constant:
-#: four unknowns need four distinct shapes besides the configured one.
-#: The long rows of :data:`_MEMORY_SHAPES` are at most this many times ``--seq-length``: two row
-#: lengths suffice to tell attention from token work.
-LONG_ROW_RATIO = 2
-_MEMORY_SHAPES = ("configured", "short_rows", "long_rows", "seq_rows", "cap_rows")
 
-#: Calibration varies the budget down to a quarter, never below ``--seq-length``; below this ratio
-#: of budget to ``--seq-length`` the quarter (and at 2x the half) collapses onto ``--seq-length``,
-#: and the steps' token work varies too little to be told from the per-step constant: at
-#: ``--max-tokens-per-gpu`` = 2 x ``--seq-length`` 8 calibration steps fit "0 us per token" and
-#: changed nothing (issue 29). The run then skips calibration at once instead.
+#: Below this ratio of budget to ``--seq-length`` a micro-batch holds so few samples that the
+#: plans calibration can choose between hardly differ, and the steps cannot tell the overhead from
+#: the work (issue 29: at ``--max-tokens-per-gpu`` = 2 x ``--seq-length`` 8 calibration steps
+#: changed nothing). The run then skips calibration at once and plans with the default model.
 MIN_BUDGET_RATIO = 4
 
 
@@ -186,6 +179,7 @@ def _agree_fit(fit: Calibration) -> Calibration:
         relative_error=fit.relative_error,
         unidentified=fit.unidentified,
         extra=fit.extra,
+        form=fit.form,
     )
 
 
@@ -206,9 +200,9 @@ def why_not_calibrate(args: Any, config: DynBatchConfig) -> Optional[str]:
     if budget < MIN_BUDGET_RATIO * seq_length:
         return (
             f"--max-tokens-per-gpu {budget} is less than {MIN_BUDGET_RATIO} x --seq-length "
-            f"{seq_length}, so the calibration's smaller budgets (half and a quarter of it, never "
-            f"below --seq-length, the longest sample) collapse onto {max(seq_length, budget // 2)} "
-            "and the steps' token work varies too little to be told from the per-step constant"
+            f"{seq_length}, so a micro-batch holds so few samples that the plans calibration "
+            "chooses between hardly differ and the steps cannot tell the per-micro-batch overhead "
+            "from the work"
         )
     return None
 
@@ -312,8 +306,11 @@ class Calibrator:
         self.applied: bool = False
         """Whether :attr:`fit` plans the run (separable and within the error bound)."""
         self._timing: Optional[tuple] = None
-        """(steps seen, predicted, measured seconds) of the last step, shared by the iteration
-        line and the TensorBoard scalars so both show the same figures."""
+        """(steps seen, predicted, measured seconds, source) of the last step, shared by the
+        iteration line and the TensorBoard scalars so both show the same figures."""
+        self._seconds: Optional[tuple] = None
+        """``(weights in seconds or None,)`` of the default model, once read
+        (:meth:`_model_seconds`)."""
         self.overrides: Dict[str, Any] = {}
         """DynBatchConfig field -> the value calibration plans with now (a varied budget or
         overhead while it measures, then the fitted weights); :meth:`calibrated_config` applies
@@ -330,7 +327,6 @@ class Calibrator:
         config: DynBatchConfig,
         *,
         forward_only: bool = False,
-        memory_cap: Optional[int] = None,
     ) -> DynBatchConfig:
         """``config`` with calibration's changes so far (forward-only passes keep their budget).
 
@@ -338,14 +334,8 @@ class Calibrator:
         varies the training budget and overhead, then it applies its fit. A resumed run gets the
         fit back from the ``--load`` directory's ``dynbatch_calibration.json`` and the varied
         shapes from the iteration number, so it plans as the straight run did.
-
-        ``memory_cap``: under a memory budget, the longest one-row micro-batch it allows now
-        (``MemoryLimit.row_cap(1)``, refitted every step): the calibration shapes are then
-        varied within it (:data:`_MEMORY_SHAPES`) rather than by dividing the token budget.
         """
         overrides = dict(self.overrides)
-        if memory_cap is not None and self.shape is not None and not forward_only:
-            overrides.update(self._memory_shape(config, int(memory_cap)))
         changes = {
             name: value
             for name, value in overrides.items()
@@ -394,8 +384,7 @@ class Calibrator:
         Called by :meth:`~.hooks.DynamicBatchHooks.prepare` on every rank after a training step
         is materialized.
         """
-        if self.skipped is not None or (self.fit is None and _steps(args) <= 0):
-            return  # off or skipped: nothing to measure or show
+        self._model_seconds(args)
         now = time.perf_counter()
         iteration = int(getattr(args, "curr_iteration", self.steps_seen) or 0) + 1
         previous, previous_end = self.pending, self.last_end
@@ -404,7 +393,7 @@ class Calibrator:
         self.steps_seen += 1
         shapes = self._observation_of(batch, plan, step_index, args)
         self.pending, self.pending_iteration = shapes, iteration
-        calibrating = self.fit is None and _steps(args) > 0
+        calibrating = self.skipped is None and self.fit is None and _steps(args) > 0
         if calibrating:
             self._vary_budget(args, iteration + 1)
         if not calibrating or previous is None or previous_end is None:
@@ -422,7 +411,7 @@ class Calibrator:
         self.observations.append(Observation.from_dict(data))
         if len(self.observations) % _steps(args):
             return  # fit after every round of --dynamic-batch-calibration-steps measured steps
-        fit = _agree_fit(fit_cost_model(self.observations))
+        fit = _agree_fit(fit_cost_model(self.observations, prior=self._prior(args)))
         usable, why = self._usable(fit, args)
         if not usable and len(self.observations) < MAX_CALIBRATION_ROUNDS * _steps(args):
             # Noisy steps (another job on the machine): measure as many again and fit on all.
@@ -433,7 +422,7 @@ class Calibrator:
         self.applied = usable
         self._write(args, fit)  # also when not applied: a resumed run must not calibrate again
         if self.applied:
-            self._apply(fit)
+            self._apply(fit, args)
             _log(f"{fit.summary()}; planning with it from iteration {iteration + 1}")
         else:
             # Planning with an arbitrary split of token work and overhead, or with a model that
@@ -445,12 +434,28 @@ class Calibrator:
             )
 
     def _usable(self, fit: Calibration, args: Any) -> tuple:
-        """``(True, "")`` when ``fit`` may plan the run, else ``(False, why)``."""
-        if not fit.separable and not self._attention_explains(fit, args):
+        """``(True, "")`` when ``fit`` may plan the run, else ``(False, why)``: it has every term
+        of the model above 0 (token work, the per-micro-batch overhead, attention where the model
+        prices it), told apart, and its median error is within the bound."""
+        missing = [
+            name
+            for name, value in (
+                ("token work", fit.token_weight),
+                ("per-micro-batch overhead", fit.microbatch_overhead),
+                (
+                    "attention",
+                    fit.attention_weight if self._prior(args).attention_weight > 0 else 1.0,
+                ),
+            )
+            if not value > 0
+        ]
+        if missing or not fit.separable:
+            what = f"it has no {' and no '.join(missing)}" if missing else "it could not separate "
+            if not missing:
+                what += ", ".join(fit.unidentified)
             return False, (
-                "the steps measured had too similar shapes to separate token work from "
-                "per-micro-batch overhead (run `megatron-dynbatch calibrate` on steps of varied "
-                "budgets to fit it)"
+                f"{what}: the steps measured had too similar shapes (run `megatron-dynbatch "
+                "calibrate` on steps of varied budgets to fit it)"
             )
         bound = _max_error(args)
         if fit.relative_error > bound:
@@ -461,65 +466,88 @@ class Calibrator:
             )
         return True, ""
 
-    def _attention_explains(self, fit: Calibration, args: Any) -> bool:
-        """Whether a fit without token work still plans soundly: where a row pays its whole
-        ``S**2`` (``dense``, ``causal``) and the fit told attention and the per-micro-batch
-        overhead apart, the shapes the planner chooses between differ in those two.
+    def _model_seconds(self, args: Any) -> Optional[tuple]:
+        """The default cost model in seconds (:data:`~megatron_dynbatch.planning.calibration
+        .FIT_WEIGHTS` order) where the run plans with it (no weight configured), else None: a
+        configured model's weights are relative, so they predict no seconds."""
+        if self._seconds is None:
+            from .arguments import physical_cost_from_args
 
-        Every step of a batch size computes about the same tokens, so token work is hard to tell
-        from the per-step constant; where attention dominates (a small model on CPU: 4 layers of
-        64 wide at rows of 256-512) least squares puts it at 0. Padding then still costs its
-        row's ``S**2``, so the planner does not pad freely. Where the memory budget allowed rows
-        of one length only, attention and token work grow together and cannot be told apart:
-        priced all as attention, a longer row is predicted dearer than it is, not cheaper (the
-        cheaper error planned the ``[1 x 512]`` rows that ran twice as long as ``[2 x 256]``).
-        """
-        unidentified = set(fit.unidentified)
-        return (
-            self._attention_kind(args) in _ROW_WISE
-            and fit.attention_weight > 0
-            and fit.microbatch_overhead > 0
-            and "microbatch_overhead" not in unidentified
-            # Attention told from token work, or (rows of one length: the two grow together) all
-            # of their work priced as attention, which prices a longer row dearer, never cheaper.
-            and ("attention_weight" not in unidentified or fit.token_weight == 0)
-        )
+            config = self._configured(args)
+            physical = physical_cost_from_args(args, config.cost_attention or "segment")
+            self._seconds = (None,)
+            if physical is not None:
+                model = physical.cost_model()
+                same = all(
+                    abs(a - b) <= 1e-9 * max(abs(a), abs(b), 1e-300)
+                    for a, b in (
+                        (config.cost_token_weight, model.token_weight),
+                        (config.cost_attention_weight, model.attention_weight),
+                        (config.cost_microbatch_overhead or 0.0, model.overhead),
+                    )
+                )
+                if same:
+                    self._seconds = (
+                        (
+                            physical.token_seconds,
+                            physical.attention_seconds,
+                            physical.overhead_seconds,
+                        ),
+                    )
+        return self._seconds[0]
 
     def timing(self) -> Optional[tuple]:
-        """``(predicted, measured)`` seconds of the last iteration once a fit exists, else None.
+        """``(predicted, measured, source)`` seconds of the last iteration, or None before any.
 
-        ``measured`` is this rank's wall clock from the end of the step's planning to the first
-        call after it (the forward-backward pass and the optimizer step; Megatron's ``elapsed
-        time per iteration`` adds its own planning); later calls for the same step repeat it.
+        ``source`` says where ``predicted`` comes from: ``fit`` (a fit that plans the run),
+        ``model`` (the default model, in its assumed seconds, where no fit plans the run and no
+        weight was configured) or ``None`` (no prediction; ``predicted`` is then None: a refused
+        fit predicts nothing). ``measured`` is this rank's wall clock from the end of the step's
+        planning to the first call after it (the forward-backward pass and the optimizer step;
+        Megatron's ``elapsed time per iteration`` adds its own planning); later calls for the
+        same step repeat it.
         """
-        if self.fit is None or self.pending is None or self.last_end is None:
+        if self.pending is None or self.last_end is None:
             return None
         if self._timing is None or self._timing[0] != self.steps_seen:
             measured = time.perf_counter() - self.last_end
-            self._timing = (self.steps_seen, self.fit.predict(self.pending), measured)
-        if self._timing[1] < _NO_PREDICTION_S:
-            return None  # a refused fit of no work at all (all weights 0) predicts nothing
+            predicted, source = None, None
+            if self.fit is not None and self.applied:
+                predicted, source = self.fit.predict(self.pending), "fit"
+            elif self._seconds is not None and self._seconds[0] is not None:
+                predicted, source = predict_seconds(self.pending, self._seconds[0]), "model"
+            if predicted is not None and predicted < _NO_PREDICTION_S:
+                predicted, source = None, None  # a fit of no work at all predicts nothing
+            self._timing = (self.steps_seen, predicted, measured, source)
         return self._timing[1:]
 
     def log_string(self) -> str:
-        """Predicted against measured time of the last iteration (after calibration), for the line."""
+        """The last iteration's predicted (and where from) against measured time, for the line."""
         timing = self.timing()
         if timing is None:
             return ""
-        predicted, measured = timing
-        return f" step time predicted/measured (ms): {predicted * 1e3:.1f}/{measured * 1e3:.1f} |"
+        predicted, measured, source = timing
+        if predicted is None:
+            why = "fit refused" if self.fit is not None else "no fit"
+            return f" step time predicted: none ({why}) |"
+        return (
+            f" step time predicted/measured (ms): {predicted * 1e3:.1f}/{measured * 1e3:.1f} "
+            f"({source}) |"
+        )
 
     def scalars(self) -> Dict[str, float]:
-        """The same figures and the fit's median error, by TensorBoard tag (after calibration)."""
+        """The same figures and the applied fit's median error, by TensorBoard tag."""
         timing = self.timing()
-        if timing is None:
+        if timing is None or timing[0] is None:
             return {}
-        predicted, measured = timing
-        return {
+        predicted, measured, _source = timing
+        values = {
             "dynbatch/step time predicted (ms)": predicted * 1e3,
             "dynbatch/step time measured (ms)": measured * 1e3,
-            "dynbatch/calibration error": float(self.fit.relative_error),
         }
+        if self.fit is not None and self.applied:
+            values["dynbatch/calibration error"] = float(self.fit.relative_error)
+        return values
 
     def _observation_of(self, batch: Any, plan: Any, step_index: int, args: Any) -> Observation:
         """The shapes of one planned step (every DP rank's micro-batches), its time unknown yet."""
@@ -558,11 +586,14 @@ class Calibrator:
             self.attention = self._configured(args).cost_attention
         return self.attention
 
-    def _apply(self, fit: Calibration) -> None:
+    def _apply(self, fit: Calibration, args: Any) -> None:
         """Plan the following batches with ``fit``."""
         model = fit.cost_model()
         for name in ("token_weight", "attention_weight", "microbatch_overhead"):
             self.overrides["cost_" + name] = getattr(model, name)
+        if not setting_given(args, "min_gain"):
+            # A measured overhead: the model is trusted (no gain threshold), unless one was given.
+            self.overrides["min_gain"] = 0.0
 
     def _load_resumed(self, args: Any) -> None:
         """Reuse the fit a checkpoint directory holds, when this run resumes from one and was
@@ -601,7 +632,7 @@ class Calibrator:
         self.fit = Calibration.from_dict(data)
         self.applied, why = self._usable(self.fit, args)
         if self.applied:
-            self._apply(self.fit)
+            self._apply(self.fit, args)
             _log(f"dynamic-batch calibration loaded from {path}: {self.fit.summary()}")
         else:
             _log(
@@ -630,21 +661,18 @@ class Calibrator:
             json.dump(payload, handle)
 
     def _vary_budget(self, args: Any, next_iteration: int) -> None:
-        """Plan the next calibration step in one of four shapes, in turn.
+        """Plan the next calibration step with the configured overhead times one of
+        :data:`OVERHEAD_FACTORS`, in turn.
 
-        Steps of one configuration have much the same shape, so token work, per-micro-batch
-        overhead and the per-step constant grow together and no fit can tell them apart. The
-        shapes: the budget as configured; the budget with a large per-micro-batch overhead in the
-        planner's model (few full micro-batches; where attention pays S^2 a row, with attention
-        priced too, so they are several short rows, as fixed micro-batches run, not one row of
-        the whole budget, which costs the local attention's dense mask 3-4x a step); half the
-        budget with the large overhead (one long row each, so rows of two lengths are measured
-        and attention is told apart from token work); a quarter of the budget (many short rows).
-        Smaller budgets are always safe for memory, and never below ``--seq-length`` (the longest
-        sample), so no sample becomes oversize. The shape follows the iteration number, so a run
-        resumed before calibration ends plans as the straight run did; and only where every batch
-        is one step (no ``--rollouts-per-step``), since a batch that spans steps is planned once
-        and a resumed run re-plans it.
+        Steps of one configuration have much the same shape, so the per-micro-batch overhead and
+        the work grow together and no fit can tell them apart. Each shape is what the planner
+        chooses under the configured budgets (token and memory: every shape is safe) with a
+        larger or smaller overhead: fewer, fuller micro-batches or more, shorter ones, each a plan
+        it considers near the best, so calibration steps cost about what the steps they replace
+        would. The shape follows the iteration number, so a run resumed before calibration ends
+        plans as the straight run did; and only where every batch is one step (no
+        ``--rollouts-per-step``), since a batch that spans steps is planned once and a resumed run
+        re-plans it.
         """
         configured = self._configured(args)
         if configured.rollouts_per_step is not None:
@@ -653,70 +681,24 @@ class Calibrator:
             self.budget = configured.max_tokens_per_gpu
             self.overhead = configured.cost_microbatch_overhead
             self.attention_weight = configured.cost_attention_weight
-        # Never below the longest sample (--seq-length), so no sample becomes oversize, and never
-        # above the configured budget: a budget already below --seq-length (truncate / allow)
-        # stays as it is, since a smaller one would cut, and so train, different tokens.
         self.seq_length = int(getattr(args, "seq_length", 1) or 1)
-        floor = min(self.budget, self.seq_length)
         self.shape = next_iteration
-        divisor, heavy, short = _SHAPES[next_iteration % len(_SHAPES)]
-        overrides = self.overrides
-        overrides["max_tokens_per_gpu"] = max(floor, self.budget // divisor)
-        overrides["cost_microbatch_overhead"] = float(self.budget) if heavy else self.overhead
-        if short and self._attention_kind(args) in _ROW_WISE:
-            # A row's attention as costly as its tokens at the budget: the fewest micro-batches
-            # still win (the overhead above), and among them the shortest rows.
-            overrides["cost_attention_weight"] = 1.0 / self.budget
-        else:
-            overrides["cost_attention_weight"] = self.attention_weight
+        factor = OVERHEAD_FACTORS[next_iteration % len(OVERHEAD_FACTORS)]
+        self.overrides["cost_microbatch_overhead"] = self._prior(args).overhead * factor
 
-    def _memory_shape(self, config: DynBatchConfig, memory_cap: int) -> Dict[str, Any]:
-        """The overrides of calibration shape :attr:`shape` under a memory budget whose longest
-        one-row micro-batch is ``memory_cap`` tokens (see :data:`_MEMORY_SHAPES`).
-
-        The token-budget shapes (:data:`_SHAPES`) divide ``--max-tokens-per-gpu``; under a memory
-        budget that leaves every shape as the memory allows, the same ("too similar shapes"), and
-        with only ``--max-memory-gib`` the budget is unbounded. Here every shape is planned within
-        the memory budget (the planner's bound is unchanged), so each is safe.
-        """
-        budget = self.budget if self.budget is not None else config.max_tokens_per_gpu
-        cap = max(1, min(budget, memory_cap))
-        # --seq-length, the longest sample (never below it: no sample becomes oversize), unless
-        # the budget is already below it (truncate / allow keep theirs).
-        floor = min(budget, int(self.seq_length or 1))
-        configured = {
-            "max_tokens_per_gpu": budget,
-            "cost_microbatch_overhead": self.overhead,
-            "cost_attention_weight": self.attention_weight,
-            "cost_attention": config.cost_attention,
-        }
-        name = _MEMORY_SHAPES[self.shape % len(_MEMORY_SHAPES)]
-        if name in ("short_rows", "cap_rows"):
-            # The fewest micro-batches (an overhead as costly as a full row), each of as many
-            # short rows as the memory holds where a row pays S^2 whatever it holds, or as fit
-            # in ``cap`` tokens together.
-            row_wise = config.cost_attention in _ROW_WISE
-            return {
-                **configured,
-                "max_tokens_per_gpu": budget if name == "short_rows" else max(floor, cap),
-                "cost_microbatch_overhead": float(cap),
-                "cost_attention_weight": 1.0 / cap if row_wise else self.attention_weight,
-            }
-        if name == "long_rows":
-            # The fewest micro-batches of one row each: the planner, told attention is per
-            # segment, packs no B > 1 rows, so the rows are as long as the memory allows, up to
-            # LONG_ROW_RATIO x --seq-length: the memory model trusts a row's S x S scores least
-            # (one row of 635 at a cap of 635 peaked 4% over its prediction on CPU; 512 did not).
-            return {
-                **configured,
-                "max_tokens_per_gpu": max(floor, min(cap, LONG_ROW_RATIO * floor)),
-                "cost_microbatch_overhead": float(cap),
-                "cost_attention": "segment",
-            }
-        if name == "seq_rows":
-            # Many micro-batches: one --seq-length row each (the most the budget of one holds).
-            return {**configured, "max_tokens_per_gpu": max(1, floor)}
-        return configured
+    def _prior(self, args: Any) -> CostModel:
+        """The configured cost model, its overhead resolved as the planner resolves an unknown
+        one: what calibration fits scales of (:func:`fit_cost_model`'s ``prior``)."""
+        config = self._configured(args)
+        seq_length = int(getattr(args, "seq_length", 1) or 1)
+        model = CostModel(
+            token_weight=config.cost_token_weight,
+            attention_weight=config.cost_attention_weight,
+            microbatch_overhead=config.cost_microbatch_overhead,
+            attention=config.cost_attention,
+        )
+        # An unknown overhead: the planner's share of a full row, at a row the budget allows.
+        return model.resolved(min(config.max_tokens_per_gpu, 8 * seq_length), config.layout)
 
     def _restore(self) -> None:
         """The configured budget and overhead again (before a fit, if any, is applied)."""

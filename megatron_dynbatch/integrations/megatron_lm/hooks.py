@@ -55,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Literal, Optional, Tuple
@@ -77,16 +78,16 @@ from megatron_dynbatch.integrations.megatron_lm.arguments import (
 from megatron_dynbatch.integrations.megatron_lm.calibration import Calibrator
 from megatron_dynbatch.integrations.megatron_lm.memory import (
     StepMemory,
-    budget_bytes,
     check_memory_budget,
     memory_model_from_args,
+    resolve_budget,
 )
 from megatron_dynbatch.mcore.agreement import (
     step_agreement,
 )
 from megatron_dynbatch.mcore.schedule import check_schedule_config
 from megatron_dynbatch.planning import ParallelLayout, Plan, PlannerConfig, SampleSet
-from megatron_dynbatch.planning.memory import MemoryLimit, predicted_step_peaks, step_shapes
+from megatron_dynbatch.planning.memory import MIB, MemoryLimit, predicted_step_peaks, step_shapes
 from megatron_dynbatch.planning.strategies import run_strategy
 from megatron_dynbatch.runtime import materialize_microbatches
 from megatron_dynbatch.runtime.batches import coerce_batch
@@ -231,13 +232,8 @@ class DynamicBatchHooks:
     def _calibrated(
         self, forward_only: bool, limit: Optional[MemoryLimit] = None
     ) -> DynBatchConfig:
-        """The run's config with what calibration has changed so far (its state, not ``args``);
-        under a memory budget its shapes vary within the longest row ``limit`` allows now."""
-        return self.calibration.calibrated_config(
-            self.config,
-            forward_only=forward_only,
-            memory_cap=None if limit is None else limit.row_cap(1),
-        )
+        """The run's config with what calibration has changed so far (its state, not ``args``)."""
+        return self.calibration.calibrated_config(self.config, forward_only=forward_only)
 
     def _plan(self, batch: Any, layout: ParallelLayout, forward_only: bool) -> Tuple[Plan, float]:
         config = self.planner(layout, forward_only=forward_only)
@@ -595,7 +591,15 @@ def _step_memory(args: Any, config: DynBatchConfig) -> Optional[StepMemory]:
         if config.max_memory_gib is not None:
             raise
         return None
-    budget = None if config.max_memory_gib is None else budget_bytes(config.max_memory_gib)
+    budget = None
+    if config.max_memory_gib is not None:
+        budget, source = resolve_budget(config.max_memory_gib)
+        if int(os.environ.get("RANK", "0") or 0) == 0:
+            # Once, at start-up (before the process group exists: torchrun's RANK says who).
+            print(
+                f"dynamic batching: memory budget {budget / MIB:.0f} MiB per GPU ({source})",
+                flush=True,
+            )
     if budget is not None:
         # The best estimate (no safety factor): refuse only a budget that cannot work.
         limit = MemoryLimit(model=model, budget_bytes=budget, row_multiple=parallel.sample_multiple)

@@ -115,14 +115,27 @@ def _tokenizer_vocab_size() -> Optional[int]:
 
 def budget_bytes(max_memory_gib: Any) -> int:
     """``--max-memory-gib`` in bytes (``auto``: see the module docstring)."""
+    return resolve_budget(max_memory_gib)[0]
+
+
+def resolve_budget(max_memory_gib: Any) -> Tuple[int, str]:
+    """``--max-memory-gib`` in bytes and where the figure comes from, in words (the start-up
+    line: ``auto`` names the memory it read and the margin it left)."""
     if max_memory_gib == "auto":
         if torch.cuda.is_available():
             total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+            where = f"the device's {total / MIB:.0f} MiB"
         else:
             ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
             total = _proc_meminfo_kib("MemAvailable") * 1024 / max(1, ranks)
-        return int(total * (1.0 - AUTO_MARGIN))
-    return int(float(max_memory_gib) * GIB)
+            where = (
+                f"MemAvailable's share of this rank ({ranks} local ranks), {total / MIB:.0f} MiB,"
+            )
+        return (
+            int(total * (1.0 - AUTO_MARGIN)),
+            f"--max-memory-gib auto: {where} less the {100 * AUTO_MARGIN:.0f}% margin",
+        )
+    return int(float(max_memory_gib) * GIB), f"--max-memory-gib {max_memory_gib}"
 
 
 def check_memory_budget(limit: MemoryLimit, seq_length: Optional[int], flag: str) -> None:
