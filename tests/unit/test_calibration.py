@@ -15,6 +15,7 @@ from megatron_dynbatch.planning.calibration import (
     nnls,
     predict_seconds,
 )
+from megatron_dynbatch.planning.spec import CostModel
 from megatron_dynbatch.tools.cli import main
 
 pytestmark = pytest.mark.unit
@@ -208,3 +209,71 @@ def test_cli_calibrate_bad_input(tmp_path, capsys):
     path.write_text(json.dumps({"seconds": 1}))
     assert main(["calibrate", str(path)]) == 2
     assert "JSON array" in capsys.readouterr().err
+
+
+# --- scales of a prior (issue 42): never a zero weight for a term the model has ------------------
+
+
+def _dense_mix_steps(weights, step=0.0, seed=0, noise=0.0):
+    """The long/short mix on the local implementation's dense mask (tiny GPT on CPU, pp 2): rows
+    of 256 a few to a micro-batch, so every step computes about the same tokens and attention
+    grows with them; the free fit put token work at 0 here ("could not separate token_weight,
+    attention_weight")."""
+    rng = random.Random(seed)
+    out = []
+    for rows, count in [(2, 16), (3, 11), (4, 8), (2, 16), (4, 8), (3, 11), (2, 16), (4, 8)]:
+        shape = dict(seq_length=256, micro_batch_size=rows, attention="dense", pp_size=2)
+        ranks = [[[128, 128] * rows for _ in range(count)]]
+        seconds = predict_seconds(Observation(seconds=1.0, ranks=ranks, **shape), weights, step)
+        out.append(
+            Observation(seconds=seconds * (1 + rng.uniform(-noise, noise)), ranks=ranks, **shape)
+        )
+    return out
+
+
+#: The physical default of the tiny GPT (dense attention, pp 2) in planner units.
+PRIOR = CostModel(token_weight=1.0, attention_weight=2.9e-3, microbatch_overhead=114.0)
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.05, 0.15])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_fit_of_the_priors_scales_has_no_zero_weight(noise, seed):
+    """Truth: attention-bound, no token work at all (what the free fit then claims). The fit of
+    scales of the prior keeps every term above 0 in the prior's proportions, whatever the noise,
+    and predicts the steps as well as the shapes allow."""
+    steps = _dense_mix_steps((0.0, 4e-9, 1e-3), step=0.02, seed=seed, noise=noise)
+    free = fit_cost_model(steps)
+    fit = fit_cost_model(steps, prior=PRIOR)
+    assert all(w > 0 for w in fit.weights), fit
+    assert fit.form in ("scales", "physical") and fit.separable, fit
+    if fit.form != "free":
+        model = fit.cost_model()
+        assert model.attention_weight == pytest.approx(PRIOR.attention_weight, rel=1e-9)
+    # The free fit of the same steps is what the old calibration applied: its token work is 0.
+    assert noise or free.token_weight == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_fit_of_scales_recovers_a_scaled_prior():
+    """Steps of the prior's own physics at another speed: the fit finds the scale and the
+    overhead in seconds exactly."""
+    seconds_per_unit = 3e-7
+    truth = (
+        seconds_per_unit,
+        PRIOR.attention_weight * seconds_per_unit,
+        5e-3,  # an overhead not in the prior's proportion: the scales fit finds it
+    )
+    fit = fit_cost_model(_dense_mix_steps(truth, step=0.02), prior=PRIOR)
+    assert fit.weights == pytest.approx(truth, rel=1e-3), fit
+    assert fit.form == "scales" and fit.relative_error < 1e-6
+
+
+def test_a_free_fit_replaces_the_scales_only_near_the_priors_ratio():
+    """Steps that separate every weight (varied row lengths and counts): the free fit is taken
+    when its attention ratio is within the range of the prior's and it fits clearly better;
+    far from the prior's physics, the scales are kept."""
+    near = (2e-6, 2e-6 * PRIOR.attention_weight * 3, 4e-3)
+    fit = fit_cost_model(_steps(5, weights=near), prior=PRIOR)
+    assert fit.form == "free" and fit.weights == pytest.approx(near, rel=1e-4)
+    far = (2e-6, 2e-6 * PRIOR.attention_weight * 100, 4e-3)
+    fit = fit_cost_model(_steps(5, weights=far), prior=PRIOR)
+    assert fit.form in ("scales", "physical") and all(w > 0 for w in fit.weights)

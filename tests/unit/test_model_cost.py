@@ -22,8 +22,8 @@ from megatron_dynbatch.planning.model_cost import (
     forward_flops,
     physical_cost,
 )
-from megatron_dynbatch.planning.spec import DEFAULT_MIN_GAIN
 from megatron_dynbatch.planning.model_dims import ModelDims
+from megatron_dynbatch.planning.spec import DEFAULT_MIN_GAIN
 from megatron_dynbatch.tools.cli import main
 
 pytestmark = pytest.mark.unit
@@ -155,3 +155,101 @@ def test_plan_with_megatrons_model_flags_plans_what_the_entry_runs(tmp_path, cap
     assert json.loads(capsys.readouterr().out)["steps"][0]["row_lengths"] == []
     assert main(["plan", *common, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["steps"][0]["row_lengths"] == []
+
+
+def test_the_physical_default_by_attention_kind_and_stage():
+    """The default model of issue 42, by hand for a small model: the slowest stage's linear work
+    (its layers, plus the output layer on the last stage), attention per causal L**2 (dense also
+    pays its scores' elementwise passes), and a per-micro-batch overhead of the stage's operators,
+    Python and (with a pipeline) the p2p send."""
+    from megatron_dynbatch.planning.model_cost import OPS_PER_LAYER
+    from megatron_dynbatch.planning.spec import ParallelLayout
+
+    dims = ModelDims(
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        vocab_size=384,
+        parallel=ParallelLayout(pp_size=2),
+    )
+    rates = CPU_RATES
+    layer = 2.0 * (64 * 192 + 64 * 64 + 2 * 64 * 256)  # qkv, projection, fc1 + fc2
+    segment = physical_cost(dims, "segment", rates)
+    # The last stage is the slower: 2 layers and the output layer.
+    assert segment.token_seconds == pytest.approx((2 * layer + 2 * 64 * 384) / rates.linear_flops)
+    assert segment.attention_seconds == pytest.approx(2 * 2.0 * 64 / rates.attention_flops)
+    assert segment.overhead_seconds == pytest.approx(
+        2 * OPS_PER_LAYER * rates.op_seconds + rates.microbatch_seconds + rates.p2p_seconds
+    )
+    dense = physical_cost(dims, "dense", rates)
+    assert dense.attention_seconds > segment.attention_seconds  # the S x S scores' passes
+    assert dense.token_seconds == segment.token_seconds
+    causal = physical_cost(dims, "causal", rates)
+    assert causal.attention_seconds == segment.attention_seconds
+    # Without a pipeline: no p2p send; the whole model on one stage.
+    alone = physical_cost(
+        ModelDims(**{**_fields(dims), "parallel": ParallelLayout()}), "segment", rates
+    )
+    assert alone.overhead_seconds == pytest.approx(
+        4 * OPS_PER_LAYER * rates.op_seconds + rates.microbatch_seconds
+    )
+    assert alone.token_seconds > segment.token_seconds
+    model = segment.cost_model()
+    assert (
+        model.token_weight == 1.0 and model.microbatch_overhead > 0 and model.attention_weight > 0
+    )
+
+
+def _fields(dims):
+    return {name: getattr(dims, name) for name in dims.__dataclass_fields__}
+
+
+def test_a_physical_default_plan_is_never_slower_than_fixed_micro_batches_under_it():
+    """Item 2 of issue 42, under the default model itself: on the long/short mix and on short
+    documents (tiny GPT, dense attention, pp 2, a budget of fixed's [4 x 256]), the planner's step
+    is never predicted slower than fixed [4 x 256] micro-batches of the same samples."""
+    import random
+
+    from megatron_dynbatch.planning import plan_schedule
+    from megatron_dynbatch.planning.calibration import Observation, predict_seconds
+    from megatron_dynbatch.planning.spec import ParallelLayout, PlannerConfig
+
+    dims = ModelDims(
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        vocab_size=384,
+        parallel=ParallelLayout(pp_size=2),
+    )
+    physical = physical_cost(dims, "dense", CPU_RATES)
+    seconds = (physical.token_seconds, physical.attention_seconds, physical.overhead_seconds)
+    config = PlannerConfig(
+        max_tokens_per_gpu=1024,
+        parallel=ParallelLayout(pp_size=2),
+        cost=physical.cost_model(),
+        min_gain=DEFAULT_MIN_GAIN,
+    )
+    for seed in range(20):
+        rng = random.Random(seed)
+        mix = [256 if rng.random() < 0.5 else rng.randint(20, 120) for _ in range(32)]
+        short = [rng.randint(20, 200) for _ in range(32)]
+        for lengths in (mix, short):
+            step = plan_schedule(lengths, config=config).steps[0]
+            ours = Observation(
+                seconds=1.0,
+                seq_length=step.seq_length,
+                micro_batch_size=step.micro_batch_size,
+                attention="dense",
+                pp_size=2,
+                ranks=[[[lengths[i] for i in mb] for mb in rank] for rank in step.ranks],
+                row_lengths=step.row_lengths or None,
+            )
+            fixed = Observation(
+                seconds=1.0,
+                seq_length=256,
+                micro_batch_size=4,
+                attention="dense",
+                pp_size=2,
+                ranks=[[[lengths[j] for j in range(i, i + 4)] for i in range(0, 32, 4)]],
+            )
+            assert predict_seconds(ours, seconds) <= predict_seconds(fixed, seconds) * 1.0001
