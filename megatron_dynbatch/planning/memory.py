@@ -28,7 +28,7 @@ for their backward pass:
   interleaved schedule warms up ``2 * (pp - 1 - stage) + (vpp - 1) * group`` model-chunk
   forwards (:func:`schedule_events` replays either order).
 
-Calibration (:func:`fit_activation_scales`) refits the per-token and per-``S**2`` terms to the
+The memory fit (:func:`fit_activation_scales`) refits the per-token and per-``S**2`` terms to the
 measured peaks of the first steps (least squares) and replaces the static estimate with the
 memory measured at rest, so ``MemoryModel.token_scale`` / ``score_scale`` / ``resting_bytes``
 carry the run's own figures.
@@ -57,6 +57,7 @@ __all__ = [
     "MicroShape",
     "PeakTerms",
     "UNCALIBRATED_SAFETY",
+    "UNFITTED_SAFETY",
     "fit_activation_scales",
     "live_microbatches",
     "predicted_step_peaks",
@@ -69,8 +70,10 @@ MIB = 1 << 20
 
 #: Until a run's peaks are measured, a prediction counts the activation bytes this many times
 #: over: the counted tensors miss the transients of a backward (gradients of the activations, the
-#: allocator's slack), which the fitted factors put at 1.8-3.3x on CPU.
-UNCALIBRATED_SAFETY = 2.0
+#: allocator's slack), which the memory fit's factors put at 1.8-3.3x on CPU.
+UNFITTED_SAFETY = 2.0
+#: The former name of :data:`UNFITTED_SAFETY` ("calibration" now names only the step-time fit).
+UNCALIBRATED_SAFETY = UNFITTED_SAFETY
 
 #: Bytes of Adam's state a parameter (two fp32 moments).
 _ADAM_BYTES = 8
@@ -133,7 +136,7 @@ class PeakTerms:
     """A stage's predicted peak, by term (bytes); ``total`` is what the model predicts."""
 
     static: float
-    """Weights, gradients and optimizer state (or the memory measured at rest, calibrated)."""
+    """Weights, gradients and optimizer state (or the memory measured at rest, once fitted)."""
     tokens: float
     """Activations proportional to tokens (layers, embeddings, logits), before ``token_scale``."""
     scores: float
@@ -159,14 +162,14 @@ class MemoryModel:
     """Memory of the process besides the model (CUDA context and workspaces, or on CPU the
     interpreter and its libraries), added to every stage's static estimate."""
     token_scale: float = 1.0
-    """Calibrated factor on the per-token activation bytes (1.0: as counted)."""
+    """Fitted factor (the memory fit) on the per-token activation bytes (1.0: as counted)."""
     score_scale: float = 1.0
-    """Calibrated factor on the per-``S**2`` attention-score bytes (1.0: as counted)."""
+    """Fitted factor (the memory fit) on the per-``S**2`` attention-score bytes (1.0: as counted)."""
     resting_bytes: Tuple[float, ...] = ()
-    """Calibrated: per stage, the memory measured at rest between steps, which replaces
+    """Memory fit: per stage, the memory measured at rest between steps, which replaces
     ``static_bytes + base_bytes``; ``()``: not measured."""
     stage_scales: Tuple[Tuple[float, float], ...] = field(default=())
-    """Calibrated: per stage, ``(token_scale, score_scale)`` fitted to that stage's own peaks;
+    """Memory fit: per stage, ``(token_scale, score_scale)`` fitted to that stage's own peaks;
     ``()``: ``token_scale`` / ``score_scale`` on every stage."""
 
     def __post_init__(self) -> None:
@@ -206,7 +209,7 @@ class MemoryModel:
         return params * (dims.dtype_bytes + _FP32 + (_FP32 + _ADAM_BYTES) / dp)
 
     def resting(self, stage: int) -> float:
-        """What ``stage`` holds between steps: measured when calibrated, else the estimate."""
+        """What ``stage`` holds between steps: measured once fitted, else the estimate."""
         if self.resting_bytes:
             return float(self.resting_bytes[stage])
         return self.static_bytes(stage) + self.base_bytes
@@ -236,7 +239,7 @@ class MemoryModel:
             return 0.0
         dims = self.dims
         # The softmax kept for its backward (the scores it is computed from are freed with the
-        # layer's forward: a transient the calibration absorbs). Measured on the tiny GPT:
+        # layer's forward: a transient the memory fit absorbs). Measured on the tiny GPT:
         # 4.06 bytes per head, row and S**2 in fp32 (tests/megatron/test_memory_megatron.py).
         return dims.dtype_bytes * dims.num_attention_heads / dims.parallel.tp_size
 
@@ -403,8 +406,8 @@ class MemoryLimit:
     row_multiple: int = 1
     """Rows are multiples of this (the sample multiple): caps are rounded down to it."""
     counted_caps: Tuple[Tuple[float, float], ...] = ()
-    """Per stage, the most ``(token, score)`` activation bytes (as counted, before the calibrated
-    factors) a shape may keep: a calibrated model is trusted only so far beyond the steps it was
+    """Per stage, the most ``(token, score)`` activation bytes (as counted, before the fitted
+    factors) a shape may keep: a fitted memory model is trusted only so far beyond the steps it was
     fitted to, in either term; ``()``: no such cap."""
 
     def __post_init__(self) -> None:

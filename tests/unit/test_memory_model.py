@@ -287,3 +287,25 @@ def test_plan_json_reports_each_stages_predicted_peak_within_the_budget(tmp_path
     )
     assert cli.main(common + ["--max-memory-gib", "1"]) == 2
     assert "--max-memory-gib needs the model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["segment", "causal"])
+def test_flash_attention_gives_longer_rows_under_the_same_budget(kind):
+    """Issue 42: flash attention (segment / causal) keeps no S x S scores, so the same budget
+    holds longer (and more) rows than the dense mask, and the longest row grows about linearly
+    with the activation bytes left (the dense one as a square root)."""
+    from megatron_dynbatch.planning.memory import MIB, MemoryLimit
+    from megatron_dynbatch.planning.spec import ParallelLayout
+
+    dims = ModelDims(
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        vocab_size=257,
+        parallel=ParallelLayout(pp_size=2),
+    )
+    for mib in (24, 48):
+        dense = MemoryLimit(model=MemoryModel(dims=dims, attention="dense"), budget_bytes=mib * MIB)
+        flash = MemoryLimit(model=MemoryModel(dims=dims, attention=kind), budget_bytes=mib * MIB)
+        assert flash.row_cap(1) > dense.row_cap(1) > 0
+        assert flash.row_cap(4) > dense.row_cap(4)

@@ -42,7 +42,7 @@ from megatron_dynbatch.integrations.model_args import memory_model_from_flags
 from megatron_dynbatch.planning.memory import (
     GIB,
     MIB,
-    UNCALIBRATED_SAFETY,
+    UNFITTED_SAFETY,
     MemoryLimit,
     MemoryModel,
     PeakTerms,
@@ -87,7 +87,7 @@ def process_memory_now() -> float:
 def memory_model_from_args(
     args: Any, parallel: ParallelLayout, attention: str, *, vocab_size: Optional[int] = None
 ) -> MemoryModel:
-    """The run's :class:`MemoryModel`, uncalibrated.
+    """The run's :class:`MemoryModel`, before the memory fit.
 
     ``base_bytes`` is what the process holds before the model exists (on CPU the interpreter,
     torch and megatron, read now; on a GPU 0, since ``max_memory_allocated`` counts tensors only).
@@ -217,7 +217,7 @@ class StepMemory:
     memory at rest (on CPU the resident set keeps growing over the first steps, as the heap keeps
     what it freed), and the per-token / per-``S**2`` factors fitted to the steps measured so far
     (:func:`~megatron_dynbatch.planning.memory.fit_activation_scales`), or before a fit the counted
-    bytes times :data:`UNCALIBRATED_SAFETY`. The first step is a probe: planned in micro-batches
+    bytes times :data:`~megatron_dynbatch.planning.memory.UNFITTED_SAFETY`. The first step is a probe: planned in micro-batches
     of one ``--seq-length`` row at most, as it also pays one-time costs (the optimizer's state,
     the first allocations of every kernel) no model predicts.
     """
@@ -269,12 +269,12 @@ class StepMemory:
             return replace(model, stage_scales=self.scales)
         return replace(
             model,
-            token_scale=model.token_scale * UNCALIBRATED_SAFETY,
-            score_scale=model.score_scale * UNCALIBRATED_SAFETY,
+            token_scale=model.token_scale * UNFITTED_SAFETY,
+            score_scale=model.score_scale * UNFITTED_SAFETY,
         )
 
     def limit(self) -> Optional[MemoryLimit]:
-        """The budget the planner keeps to, with the model as calibrated so far.
+        """The budget the planner keeps to, with the memory model as fitted so far.
 
         The probe step (the first) and any step the measured model says cannot hold one
         ``--seq-length`` row within the budget run rows of ``--seq-length`` at most: the budget

@@ -7,9 +7,9 @@ slime parses Megatron's arguments, so the model is the Megatron-LM entry's
 the same flags). Differences, and why:
 
 * no ``auto``: slime plans on its rollout manager, which does not see the training GPUs;
-* no calibration: the trainer's measured peaks do not flow back to the rollout manager, so the
+* no memory fit: the trainer's measured peaks do not flow back to the rollout manager, so the
   planner keeps to the model as counted, its activations times
-  :data:`~megatron_dynbatch.planning.memory.UNCALIBRATED_SAFETY` (what the Megatron-LM entry
+  :data:`~megatron_dynbatch.planning.memory.UNFITTED_SAFETY` (what the Megatron-LM entry
   predicts before its first measured step), and ``base_bytes`` is 0: on a GPU the budget is
   compared with ``torch.cuda.max_memory_allocated``, which counts tensors only;
 * attention is what slime runs: THD rows (``packed``), ``dense`` only with Megatron's ``local``
@@ -31,7 +31,7 @@ from megatron_dynbatch.integrations.hosts import SLIME
 from megatron_dynbatch.integrations.model_args import memory_model_from_flags
 from megatron_dynbatch.planning.memory import (
     GIB,
-    UNCALIBRATED_SAFETY,
+    UNFITTED_SAFETY,
     MemoryLimit,
     MemoryModel,
     predicted_step_peaks,
@@ -72,7 +72,7 @@ def slime_max_memory_gib(args: Any) -> Optional[float]:
 
 def slime_memory_model(args: Any, parallel: ParallelLayout) -> MemoryModel:
     """The per-stage memory model of slime's arguments, as the planner uses it (see the module
-    docstring: counted activations times ``UNCALIBRATED_SAFETY``, nothing besides tensors).
+    docstring: counted activations times ``UNFITTED_SAFETY``, nothing besides tensors).
 
     Raises:
         DynBatchValueError: the model's dimensions are missing from ``args``, naming the flag.
@@ -88,7 +88,7 @@ def slime_memory_model(args: Any, parallel: ParallelLayout) -> MemoryModel:
             f"--num-attention-heads, ...), which slime's args lack here ({error}); pass them, or "
             f"drop {FLAG} to plan by --max-tokens-per-gpu alone."
         ) from error
-    return replace(model, token_scale=UNCALIBRATED_SAFETY, score_scale=UNCALIBRATED_SAFETY)
+    return replace(model, token_scale=UNFITTED_SAFETY, score_scale=UNFITTED_SAFETY)
 
 
 def slime_memory_limit(args: Any, parallel: ParallelLayout) -> Optional[MemoryLimit]:
@@ -140,7 +140,7 @@ def check_longest_sample(limit: MemoryLimit, lengths: Sequence[int], gib: float)
         + f"): pipeline stage {stage} is predicted to hold {peaks[stage] / GIB:.3f} GiB at its peak "
         f"({model.resting(stage) / GIB:.3f} GiB of weights, gradients and optimizer state, the "
         f"rest activations of the micro-batches its schedule keeps alive, counted x"
-        f"{UNCALIBRATED_SAFETY:g}); raise {FLAG} to at least {smallest_budget_gib(limit, row):.3f}, "
+        f"{UNFITTED_SAFETY:g}); raise {FLAG} to at least {smallest_budget_gib(limit, row):.3f}, "
         "recompute activations (--recompute-granularity selective / full), or cut long samples "
         "at rollout time (--rollout-max-response-len)."
     )
