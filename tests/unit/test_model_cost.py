@@ -18,12 +18,12 @@ from megatron_dynbatch.integrations.megatron_lm.arguments import (
 from megatron_dynbatch.integrations.slime.schedule import _cost_model as slime_cost_model
 from megatron_dynbatch.planning.model_cost import (
     CPU_RATES,
+    ESTIMATED_MIN_GAIN,
     cost_model_from_dims,
     forward_flops,
     physical_cost,
 )
 from megatron_dynbatch.planning.model_dims import ModelDims
-from megatron_dynbatch.planning.spec import DEFAULT_MIN_GAIN
 from megatron_dynbatch.tools.cli import main
 
 pytestmark = pytest.mark.unit
@@ -111,7 +111,7 @@ def test_entry_first_plan_uses_the_models_ratio_unless_given():
     assert config.cost_microbatch_overhead == pytest.approx(
         physical.overhead_seconds / physical.token_seconds
     )
-    assert config.cost_microbatch_overhead > 0 and config.min_gain == DEFAULT_MIN_GAIN
+    assert config.cost_microbatch_overhead > 0 and config.min_gain == ESTIMATED_MIN_GAIN
     given = _entry_args(
         ["--max-tokens-per-gpu", "4096", "--dynamic-batch-cost-attention-weight", "0"],
         **MEGATRON_7B,
@@ -227,7 +227,7 @@ def test_a_physical_default_plan_is_never_slower_than_fixed_micro_batches_under_
         max_tokens_per_gpu=1024,
         parallel=ParallelLayout(pp_size=2),
         cost=physical.cost_model(),
-        min_gain=DEFAULT_MIN_GAIN,
+        min_gain=ESTIMATED_MIN_GAIN,
     )
     for seed in range(20):
         rng = random.Random(seed)

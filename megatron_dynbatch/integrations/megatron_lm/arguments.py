@@ -34,9 +34,9 @@ from megatron_dynbatch.config import (
     load_yaml_config,
 )
 from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.planning.model_cost import ESTIMATED_MIN_GAIN
 from megatron_dynbatch.planning.spec import (
     ATTENTION_KINDS,
-    DEFAULT_MIN_GAIN,
     DEFAULT_STRATEGY,
     LAYOUTS,
     MAX_TOKENS,
@@ -496,8 +496,8 @@ def dynbatch_config_from_args(args: Any) -> DynBatchConfig:
                 values["cost_microbatch_overhead"] = model.microbatch_overhead * token
                 if values.get("min_gain") is None:
                     # An estimated overhead, not a measured one: more micro-batches than the
-                    # fewest only for a clear gain (spec.DEFAULT_MIN_GAIN), as for an unknown one.
-                    values["min_gain"] = DEFAULT_MIN_GAIN
+                    # fewest only for a clear gain (model_cost.ESTIMATED_MIN_GAIN).
+                    values["min_gain"] = ESTIMATED_MIN_GAIN
     return config_from_mapping(values)
 
 

@@ -5,13 +5,12 @@ off) every rank times the iteration (from the end of one :func:`~.hooks.prepare_
 end of the next: forward-backward, optimizer, logging and the next plan, which is what Megatron's
 "elapsed time per iteration" shows) and takes the slowest rank's time (one all-reduce per step).
 Iterations that also run an evaluation or save a checkpoint, and the first two (warm-up), are not
-used. While calibrating, steps are planned in four shapes in turn (the budget; few full
-micro-batches, of short rows where attention pays S^2 a row; half the budget in few long rows; a
-quarter of it, never below ``--seq-length``): smaller budgets are safe for memory, and without
-different shapes token work, attention, per-micro-batch overhead and the per-step constant cannot
-be told apart. Under a memory budget (``--max-memory-gib``), which leaves those budgets the same
-shapes, they vary within the longest row the memory allows instead (:data:`_MEMORY_SHAPES`). Then every rank fits the same weights from the same numbers
-(:func:`~megatron_dynbatch.planning.calibration.fit_cost_model`), rank 0's fit is broadcast (one
+used. While calibrating, each step is the planner's own plan under the configured budgets (token
+and memory) with the configured per-micro-batch overhead times 1, 4 or 1/4 in turn
+(:data:`OVERHEAD_FACTORS`): fewer, fuller micro-batches or more, shorter ones, each a plan the
+planner considers near the best, so a calibration step costs about what the step it replaces
+would, and the micro-batch counts differ so the overhead can be told from the work. Then every
+rank fits the same weights from the same numbers (:func:`~megatron_dynbatch.planning.calibration.fit_cost_model`), rank 0's fit is broadcast (one
 collective, so plans stay identical even if floating point differed) and held by the run's
 :class:`Calibrator` (owned by its :class:`~.hooks.DynamicBatchHooks`;
 :meth:`Calibrator.calibrated_config` applies it to the run's config; nothing is written into
@@ -21,9 +20,12 @@ Megatron's ``args``): the next batch is planned with it. Rank 0 logs it and writ
 model it was measured on, and the measured steps, which ``megatron-dynbatch calibrate`` reads) into
 ``--save`` (or ``--dynamic-batch-calibration-output``).
 
-A fit plans the run only when it separates token work from per-micro-batch overhead and its median
-relative error over the measured steps is at most ``--dynamic-batch-calibration-max-error``
-(default :data:`DEFAULT_CALIBRATION_MAX_ERROR`); otherwise as many steps again are measured and the
+The fit is of scales of the run's cost model (the physical default of
+:func:`~megatron_dynbatch.planning.model_cost.physical_cost`, or the configured weights): a
+throughput scale and the overhead, or one scale of the whole model where the steps cannot tell the
+overhead apart, never a weight of 0 for a term the model has. A fit plans the run only when it has
+every term above 0 and its median relative error over the measured steps is at most
+``--dynamic-batch-calibration-max-error`` (default :data:`DEFAULT_CALIBRATION_MAX_ERROR`); otherwise as many steps again are measured and the
 fit is made on all of them (:data:`MAX_CALIBRATION_ROUNDS` rounds in all), and a fit still short of
 that is not used: the configured cost model plans on, and rank 0 says why. The log line names the
 iteration from which the fit (or the configured model) plans: the fit is made while the iteration
@@ -34,8 +36,11 @@ does not calibrate again (so it plans exactly as the straight run did after cali
 fit was measured on the same parallel layout, budget and model (:func:`measured_on`); otherwise,
 or with ``--dynamic-batch-recalibrate``, it calibrates again and says why.
 
-After calibration the iteration line shows ``predicted`` against ``measured`` iteration time, so a
-user sees when the model is wrong.
+The iteration line shows ``predicted`` against ``measured`` iteration time and where the prediction
+comes from: ``(fit)`` (a fit that plans the run), ``(model)`` (the default model in its assumed
+seconds, where no weight was configured), or ``step time predicted: none`` (no applied fit and a
+configured model, whose relative weights give no seconds), so a user sees when the model is wrong
+and never a prediction from a fit that was refused.
 
 Where the shapes cannot separate the weights (a budget under :data:`MIN_BUDGET_RATIO` x
 ``--seq-length``, or ``--rollouts-per-step``), the run skips calibration on its first step and
@@ -319,8 +324,7 @@ class Calibrator:
         """``--seq-length`` (the longest sample), read when the shapes are first varied."""
         self.shape: Optional[int] = None
         """While calibrating, the next step's iteration number, which picks its shape (modulo the
-        count of :data:`_SHAPES`, or under a memory budget of :data:`_MEMORY_SHAPES`); ``None``
-        otherwise."""
+        count of :data:`OVERHEAD_FACTORS`); ``None`` otherwise."""
 
     def calibrated_config(
         self,
@@ -685,6 +689,9 @@ class Calibrator:
         self.shape = next_iteration
         factor = OVERHEAD_FACTORS[next_iteration % len(OVERHEAD_FACTORS)]
         self.overrides["cost_microbatch_overhead"] = self._prior(args).overhead * factor
+        # The varied shapes are the model's own optimum under that overhead (no gain threshold:
+        # with one, a smaller overhead would often change nothing); the configured one keeps it.
+        self.overrides["min_gain"] = None if factor == 1.0 else 0.0
 
     def _prior(self, args: Any) -> CostModel:
         """The configured cost model, its overhead resolved as the planner resolves an unknown
@@ -703,5 +710,10 @@ class Calibrator:
     def _restore(self) -> None:
         """The configured budget and overhead again (before a fit, if any, is applied)."""
         self.shape = None
-        for name in ("max_tokens_per_gpu", "cost_microbatch_overhead", "cost_attention_weight"):
+        for name in (
+            "max_tokens_per_gpu",
+            "cost_microbatch_overhead",
+            "cost_attention_weight",
+            "min_gain",
+        ):
             self.overrides.pop(name, None)
