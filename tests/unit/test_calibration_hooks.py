@@ -556,3 +556,25 @@ def test_a_fit_without_a_term_the_model_has_is_refused(tmp_path):
     assert calib.Calibrator()._usable(dataclasses.replace(fit, attention_weight=0.0), no_attention)[
         0
     ]
+
+
+def test_a_fit_whose_constant_took_the_step_is_refused(tmp_path):
+    """On a busy machine a fit put 15 s of a 3 s step into the per-step constant and almost
+    nothing into the work: every weight above 0, yet the scale is noise. It is refused."""
+    fit = Calibration(
+        token_weight=3e-10,
+        attention_weight=9e-13,
+        microbatch_overhead=3e-8,
+        step_seconds=15.0,
+        observations=8,
+        relative_error=0.1,
+        form="physical",
+    )
+    calibrator = calib.Calibrator()
+    args = _args(tmp_path, transformer_impl="local")
+    calibrator.observations = [
+        calib.Observation(seconds=3.0, seq_length=256, ranks=[[[256]]]) for _ in range(8)
+    ]
+    usable, why = calibrator._usable(fit, args)
+    assert not usable and "per-step constant" in why
+    assert calibrator._usable(dataclasses.replace(fit, step_seconds=0.5), args)[0]

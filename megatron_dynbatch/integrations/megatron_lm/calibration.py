@@ -121,6 +121,10 @@ CALIBRATED_FIELDS = (
 #: or one long row a micro-batch, ran up to twice the step time), under the configured token and
 #: memory budgets; the micro-batch counts they differ in tell the overhead from the work.
 OVERHEAD_FACTORS = (1.0, 4.0, 0.25)
+#: A fit whose per-step constant (optimizer, logging) is over this share of a typical measured step
+#: is refused: the work's scale then rests on the noise (a busy machine's fit put 15 s of a 3 s
+#: step into the constant and 0.0003 us into each token).
+_MAX_CONSTANT_SHARE = 0.5
 #: A step predicted faster than this is a fit of no work (all weights 0, e.g. refused on noisy
 #: steps), not a prediction: the iteration line and TensorBoard then show none.
 _NO_PREDICTION_S = 1e-6
@@ -461,6 +465,16 @@ class Calibrator:
                 f"{what}: the steps measured had too similar shapes (run `megatron-dynbatch "
                 "calibrate` on steps of varied budgets to fit it)"
             )
+        if self.observations:
+            typical = sorted(o.seconds for o in self.observations)[len(self.observations) // 2]
+            if fit.step_seconds > _MAX_CONSTANT_SHARE * typical:
+                # The constant took the step (a busy machine's slow steps): the work's scale
+                # is then a guess, however small the error.
+                return False, (
+                    f"its per-step constant ({fit.step_seconds * 1e3:.4g} ms) is over "
+                    f"{100 * _MAX_CONSTANT_SHARE:.0f}% of a typical measured step "
+                    f"({typical * 1e3:.4g} ms): the steps could not tell the work from it"
+                )
         bound = _max_error(args)
         if fit.relative_error > bound:
             return False, (
