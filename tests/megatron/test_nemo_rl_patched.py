@@ -366,7 +366,7 @@ def _nemo_rl_body(root, num, gbs, budget, long_every, enabled=True):
     stubbed = _import_nemo_rl(root)
     from nemo_rl.models.megatron import train as nemo_train
 
-    from megatron_dynbatch.integrations.nemo_rl.shard import PLACEHOLDER_ROWS, num_real_rows
+    from megatron_dynbatch.integrations.nemo_rl.shard import num_real_rows, placeholder_rows
 
     assert nemo_train.__file__.startswith(root), nemo_train.__file__
     pp = ps.get_pipeline_model_parallel_world_size()
@@ -389,7 +389,7 @@ def _nemo_rl_body(root, num, gbs, budget, long_every, enabled=True):
         "logprob_count": logprob_count,
         "counts": counts,
         "valid": valid,
-        "placeholder_rows": [len(getattr(s, PLACEHOLDER_ROWS, ())) for s in train_shards],
+        "placeholder_rows": [len(placeholder_rows(s)) for s in train_shards],
         "real_rows": [num_real_rows(s) for s in train_shards],
         "grads": grads,
     }

@@ -4,14 +4,18 @@ The patched ``Policy._shard_for_train`` / ``_shard_for_logprob`` call :func:`sha
 :func:`shard_for_logprob` instead of ``BatchedDataDict.shard_by_batch_size`` when
 ``policy.megatron_cfg.dynbatch.enabled`` is on. Each shard is a ``BatchedDataDict`` of the batch's
 own type with NeMo-RL's packing attributes (``micro_batch_indices``, ``micro_batch_lengths``,
-``elem_counts_per_gb``), so the worker's stock ``get_microbatch_iterator`` runs it, and
-``dynbatch_placeholder_rows``: the rows that are placeholders.
+``elem_counts_per_gb``), so the worker's stock ``get_microbatch_iterator`` runs it, and the
+placeholder marker: the attribute ``dynbatch_sample_index``
+(:data:`~megatron_dynbatch.runtime.placeholders.MARKER_KEY`), every row's sample index, the marker
+:data:`~megatron_dynbatch.runtime.placeholders.PLACEHOLDER_INDEX` on placeholder rows.
 
 A placeholder row is a shape, not data: every key of the batch with its dtype and per-row shape,
 all zeros (``sample_mask``, ``token_mask``, advantages, log-probs: no loss weight, counted in
-neither ``global_valid_seqs`` nor ``global_valid_toks``), except ``input_lengths``, one token, so
+neither ``global_valid_seqs`` nor ``global_valid_toks``), except ``input_lengths``
+(:data:`~megatron_dynbatch.runtime.placeholders.PLACEHOLDER_ATTENDED_TOKENS`, one token), so
 NeMo-RL's packing gives it a segment. The worker drops placeholder rows from its outputs
-(:func:`drop_placeholder_rows`) and counts only real rows (:func:`num_real_rows`); the driver then
+(:func:`drop_placeholder_rows`) and counts only real rows (:func:`num_real_rows`), both by the
+marker (:func:`placeholder_rows`), never by the rows' content; the driver then
 restores sample order with NeMo-RL's own ``reorder_data`` and the order returned here.
 
 NeMo-RL is never imported here: batches are built with the batch's own methods.
@@ -29,15 +33,20 @@ from megatron_dynbatch.integrations.nemo_rl.plan import (
     nemo_rl_planner_config,
     plan_nemo_rl_shards,
 )
-from megatron_dynbatch.runtime import restore_order
-from megatron_dynbatch.runtime.placeholders import placeholder_tensor
+from megatron_dynbatch.runtime import placeholders, restore_order
+from megatron_dynbatch.runtime.placeholders import (
+    MARKER_KEY,
+    PLACEHOLDER_INDEX,
+    is_placeholder,
+    placeholder_tensor,
+)
 
 __all__ = [
     "INPUT_LENGTHS_KEY",
-    "PLACEHOLDER_LENGTH",
     "chunk_iterators",
     "drop_placeholder_rows",
     "num_real_rows",
+    "placeholder_rows",
     "restore_rows",
     "shard_for_logprob",
     "shard_for_train",
@@ -45,10 +54,6 @@ __all__ = [
 
 #: NeMo-RL's key of each sample's token count (``SequencePackingArgs.input_lengths_key``).
 INPUT_LENGTHS_KEY = "input_lengths"
-#: Tokens of a placeholder row: one, so NeMo-RL's packing gives it a (masked) segment.
-PLACEHOLDER_LENGTH = 1
-#: The attribute that names a shard's placeholder rows (survives Ray's pickling of the shard).
-PLACEHOLDER_ROWS = "dynbatch_placeholder_rows"
 
 
 def _lengths(data: Any) -> List[int]:
@@ -68,7 +73,8 @@ def _with_placeholder_row(data: Any) -> Any:
         if torch.is_tensor(value):
             row = placeholder_tensor(value, rows=1)
             if key == INPUT_LENGTHS_KEY:
-                row += PLACEHOLDER_LENGTH
+                # A (masked) segment in NeMo-RL's packing: the contract's attended tokens.
+                row += placeholders.PLACEHOLDER_ATTENDED_TOKENS
             out[key] = torch.cat([value, row])
         elif isinstance(value, list):
             out[key] = [*value, None]
@@ -92,7 +98,8 @@ def _shards(data: Any, plan: NemoRlShards) -> List[Any]:
         ]
         shard.micro_batch_lengths = [list(gb) for gb in plan.micro_batch_lengths[rank]]
         shard.elem_counts_per_gb = plan.elem_counts_per_gb(rank)
-        setattr(shard, PLACEHOLDER_ROWS, tuple(p for p, i in enumerate(rows) if i is None))
+        # The marker, every row's sample index (an attribute survives Ray's pickling).
+        setattr(shard, MARKER_KEY, tuple(PLACEHOLDER_INDEX if i is None else i for i in rows))
         shards.append(shard)
     return shards
 
@@ -104,7 +111,7 @@ def _plan(policy_cfg, data, dp_size, batch_size, forward_only) -> NemoRlShards:
         config,
         batch_size=batch_size,
         pad_multiple=int(policy_cfg.get("make_sequence_length_divisible_by", 1) or 1),
-        placeholder_length=PLACEHOLDER_LENGTH,
+        placeholder_length=placeholders.PLACEHOLDER_ATTENDED_TOKENS,
         forward_only=forward_only,
     )
 
@@ -126,9 +133,14 @@ def shard_for_logprob(
     return _shards(data, plan), plan.sample_order()
 
 
+def placeholder_rows(data: Any) -> Tuple[int, ...]:
+    """The positions of a shard's placeholder rows, by the marker (none without one)."""
+    return tuple(p for p, i in enumerate(getattr(data, MARKER_KEY, ())) if is_placeholder(i))
+
+
 def num_real_rows(data: Any) -> int:
     """Rows of a shard that are samples (what ``train`` counts its global batches from)."""
-    return data.size - len(getattr(data, PLACEHOLDER_ROWS, ()))
+    return data.size - len(placeholder_rows(data))
 
 
 def drop_placeholder_rows(data: Any, output: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -137,15 +149,15 @@ def drop_placeholder_rows(data: Any, output: Optional[torch.Tensor]) -> Optional
     Raises:
         DynBatchValueError: when ``output`` does not have one row per row of the shard.
     """
-    placeholders = getattr(data, PLACEHOLDER_ROWS, ())
-    if output is None or not placeholders:
+    marked = placeholder_rows(data)
+    if output is None or not marked:
         return output
     if output.shape[0] != data.size:
         raise DynBatchValueError(
             f"{output.shape[0]} output rows for a shard of {data.size} rows; every row of the "
             "shard (placeholders included) must give one."
         )
-    drop = set(placeholders)
+    drop = set(marked)
     keep = torch.tensor([p for p in range(data.size) if p not in drop], dtype=torch.long)
     return output.index_select(0, keep.to(output.device))
 
