@@ -2,8 +2,8 @@
 
 A host (Megatron-LM, slime, SkyRL, verl, ...) is a :class:`Host`: its option names mapped to our
 settings, the keys that set its budget, whether it plans the whole step (``global``) or each DP
-rank's own shard (``sharded``), what its budget counts, what it does with a sample over the
-budget, and how its loss aggregates. Everything that checks a host's input goes through the
+rank's own shard (``sharded``), what its budget counts and what it does with a sample over the
+budget. Everything that checks a host's input goes through the
 functions here, so every host's errors are worded in its own option names and no integration
 keeps its own copy of a budget, length or oversize check:
 
@@ -72,11 +72,6 @@ BudgetCounts = Literal["padded", "real"]
 #: What the host does with a sample over its budget: ``error`` refuses the step, ``allow`` runs it
 #: alone over the budget (``warn``: and says so once), ``option``: the host's own option decides.
 OversizePolicy = Literal["error", "allow", "warn", "option"]
-#: How the host's loss aggregates over micro-batches (what makes a zero-weight placeholder exact):
-#: ``global-normaliser``: each micro-batch is normalised by counts taken over the whole step
-#: before micro-batching (verl, SkyRL, Megatron-LM's per-token loss); ``per-rollout-mean``:
-#: slime's sum of per-rollout means, scaled by ``num_microbatches / global_batch_size``.
-LossAggregation = Literal["global-normaliser", "per-rollout-mean"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,8 +105,6 @@ class Host:
     ranks); ``False``: the budget caps the whole micro-batch, whatever the CP size (SkyRL)."""
     oversize: OversizePolicy
     """What the host does with a sample over its budget (see :data:`OversizePolicy`)."""
-    loss: LossAggregation
-    """How the host's loss aggregates (see :data:`LossAggregation`)."""
     layout_flags: str
     """The key of :data:`~megatron_dynbatch.planning.spec.LAYOUT_FLAGS` naming its parallel sizes."""
     sample: str = "sample"
@@ -147,7 +140,6 @@ MEGATRON_LM = Host(
     keys=dict(FLAGS),
     planning="global",
     oversize="option",
-    loss="global-normaliser",
     layout_flags="Megatron-LM",
 )
 
@@ -172,7 +164,6 @@ SLIME = Host(
     },
     planning="global",
     oversize="option",
-    loss="per-rollout-mean",
     layout_flags="slime",
 )
 
@@ -189,7 +180,6 @@ SKYRL = Host(
     budget_counts="real",
     budget_times_cp=False,
     oversize="allow",
-    loss="global-normaliser",
     layout_flags="SkyRL",
 )
 
@@ -210,7 +200,6 @@ VERL = Host(
     planning="sharded",
     budget_counts="real",
     oversize="error",
-    loss="global-normaliser",
     layout_flags="verl",
 )
 
@@ -243,7 +232,6 @@ NEMO_RL = Host(
     # make_sequence_length_divisible_by, whatever the CP size.
     budget_times_cp=False,
     oversize="error",
-    loss="global-normaliser",
     layout_flags="NeMo-RL",
 )
 
