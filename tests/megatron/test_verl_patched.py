@@ -794,9 +794,11 @@ def _marker_body(verl_root):
     filler = engine.placeholder_micro_batch(data, 2, tu)
     real = tu.index_select_tensor_dict(data, [2])
     same = all(torch.equal(filler[key], real[key]) for key in data.keys())
-    return same, is_placeholder_batch(real, tu), [
-        is_placeholder_batch(b, tu) for b in (filler, filler.clone())
-    ]
+    return (
+        same,
+        is_placeholder_batch(real, tu),
+        [is_placeholder_batch(b, tu) for b in (filler, filler.clone())],
+    )
 
 
 @needs_verl

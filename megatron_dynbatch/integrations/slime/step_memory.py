@@ -29,7 +29,6 @@ from megatron_dynbatch.planning.memory import MIB
 __all__ = ["STEP_PEAKS", "StepPeakLog"]
 
 
-
 @dataclass
 class _OpenStep:
     step_id: int

@@ -133,4 +133,3 @@ def install_stubs(
             finder.prefixes.append(name)
     finder.stubbed = finder.roots + finder.prefixes
     return list(finder.stubbed)
-
