@@ -28,10 +28,10 @@ from megatron_dynbatch.errors import DynBatchTypeError, DynBatchValueError
 
 from .cost import microbatch_cost
 from .fixed import plan_fixed_samples
-from .plan import Plan, PlanStats, StepPlan
+from .plan import Plan, PlanStats, StepPlan, imbalance
 
 # The planner's own oversize policy, so an adapted scheduler refuses or cuts exactly as ours does.
-from .planner import _apply_oversize_policy, _imbalance, plan_samples
+from .planner import _apply_oversize_policy, plan_samples
 from .samples import SampleSet
 from .shape import variable_rows
 from .spec import DEFAULT_STRATEGY, PlannerConfig, ceil_div, round_up
@@ -238,14 +238,14 @@ def _step_plan(
         num_placeholders=sum(1 for mb in mbs if not mb),
         real_tokens=real_tokens,
         fill=real_tokens / (len(ranks) * num_microbatches * batch * seq_length),
-        dp_imbalance=_imbalance(rank_tokens),
-        dp_imbalance_cost=_imbalance(own),
+        dp_imbalance=imbalance(rank_tokens),
+        dp_imbalance_cost=imbalance(own),
         oversize_samples=oversize,
         lower_bound_microbatches=len(oversize) + ceil_div(regular, cap),
         truncated_samples=truncated,
         truncated_tokens=sum(samples.lengths[i] - kept[i] for i in truncated),
         kept_lengths=tuple((i, kept[i]) for i in truncated),
-        dp_imbalance_computed=_imbalance([sum(map(computed, rank)) for rank in ranks]),
+        dp_imbalance_computed=imbalance([sum(map(computed, rank)) for rank in ranks]),
         row_lengths=row_lengths,
         idle_ranks=sum(1 for rank in ranks if not any(rank)),
     )

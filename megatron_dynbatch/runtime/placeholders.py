@@ -26,33 +26,28 @@ tokens, not the loss mask, not how many tokens a row attends to. The content (pa
 :data:`PLACEHOLDER_ATTENDED_TOKENS` a row attends to, a verl copy of the shortest sample) may
 change without any detector noticing.
 
-=====================  ==========================================  ============================
-host                   where the marker lives                      detectors (all call
-                                                                   :func:`is_placeholder`)
-=====================  ==========================================  ============================
-Megatron-LM / mcore    ``sample_index`` ``[B, S]`` of a planned    ``mcore.moe.padding_mask_of``,
-(our micro-batches)    micro-batch: the index on every position    ``runtime.loss``,
-                       of padding and of a placeholder             ``runtime.reorder``
-                       (:func:`placeholder_microbatch`)
-slime                  a sample's rollout position (its            ``integrations.slime.moe``,
-                       ``partition`` entry) of a placeholder       ``integrations.slime.
-                       sample or the phantom                       empty_rank.has_phantom``
-                       (``slime.placeholders.placeholder_sample``);
-                       a placeholder micro-batch's index list
-                       names no sample (``[]``)
-SkyRL                  :data:`MARKER_KEY` ``[B]`` in each of the   ``integrations.skyrl.moe``
-                       worker's micro-batch dicts: every row's
-                       sample index (``PlannedBatchIterator.
-                       mark_rows``, patch 0002; patch 0004 hands
-                       it to ``router_padding``)
-verl                   the non-tensor :data:`MARKER_KEY` of a      ``integrations.verl.moe``
-                       placeholder micro-batch
-                       (``verl.engine.placeholder_micro_batch``;
-                       a real micro-batch has none)
-NeMo-RL                the shard's attribute :data:`MARKER_KEY`:   ``integrations.nemo_rl.shard``
-                       every row's sample index (``nemo_rl.shard``;  (``num_real_rows``,
-                       survives Ray's pickling)                    ``drop_placeholder_rows``)
-=====================  ==========================================  ============================
+Where each host carries the marker (built by) -> the detectors that read it, all through
+:func:`is_placeholder`:
+
+* **Megatron-LM / mcore** (our planned micro-batches): ``sample_index`` ``[B, S]`` on every
+  position of padding and of a placeholder (:func:`placeholder_microbatch`) ->
+  ``mcore.moe.padding_mask_of`` (the router padding mask), ``runtime.loss`` (per-sequence
+  denominators), ``runtime.reorder.split_outputs``.
+* **slime**: a sample's rollout position (its ``partition`` entry) for a placeholder sample and
+  the phantom (``integrations.slime.placeholders.placeholder_sample``); a placeholder micro-batch
+  is an index list that names no sample (``[]``) -> ``integrations.slime.moe`` (the samples of
+  the micro-batch last served), ``integrations.slime.empty_rank.has_phantom``,
+  ``integrations.slime.backend``.
+* **SkyRL**: :data:`MARKER_KEY` ``[B]`` in each of the worker's micro-batch dicts, every row's
+  sample index (``integrations.skyrl.iterator.PlannedBatchIterator.mark_rows``, called by patch
+  0002) -> ``integrations.skyrl.moe`` (patch 0004 hands it the dict).
+* **verl**: the non-tensor entry :data:`MARKER_KEY` of a placeholder micro-batch (a real one
+  has none; ``integrations.verl.engine.placeholder_micro_batch``) ->
+  ``integrations.verl.moe.is_placeholder_batch``.
+* **NeMo-RL**: the shard's attribute :data:`MARKER_KEY`, every row's sample index (an attribute
+  survives Ray's pickling; ``integrations.nemo_rl.shard``) ->
+  ``integrations.nemo_rl.shard.placeholder_rows`` (``num_real_rows``,
+  ``drop_placeholder_rows``).
 """
 
 from __future__ import annotations
