@@ -523,12 +523,14 @@ def _walk(
     cap, multiple = config.token_cap, config.parallel.sample_multiple
     group = config.parallel.microbatch_multiple
     if sharded:
-        per_rank = [[round_up(n, multiple) for n in lengths] for lengths in samples]
+        per_rank = [_padded(lengths, multiple) for lengths in samples]
         dp = len(per_rank)
     else:
         kept = {i: k for step in steps for i, k in step.kept_lengths}
-        lengths = [kept.get(i, n) for i, n in enumerate(samples.lengths)]
-        per_rank = [[round_up(n, multiple) for n in lengths]]
+        lengths = samples.lengths
+        if kept:
+            lengths = [kept.get(i, n) for i, n in enumerate(lengths)]
+        per_rank = [_padded(lengths, multiple)]
         dp = config.parallel.dp_size
     seen: List[Counter] = [Counter() for _ in per_rank]
     problems: List[str] = []
@@ -555,17 +557,17 @@ def _walk(
             n = len(sizes)
             members = list(itertools.chain.from_iterable(rank))
             seen[q].update(members)
-            fast = not members or (
-                set(map(type, members)) == {int} and min(members) >= 0 and max(members) < n
-            )
+            fast = _in_range(members, n)
             size_of = sizes.__getitem__
+            if fast and _rank_fits(step, r, rank, size_of, cap, widest, row_tokens):
+                continue  # nothing the loop below could report
             for k, mb in enumerate(rank):
                 if fast:
                     tokens = sum(map(size_of, mb))
                 else:
                     tokens = sum(size_of(i) for i in mb if isinstance(i, int) and 0 <= i < n)
                 footprint = tokens + (b - len(mb)) * row_tokens if mb else tokens
-                row = step.row_length(r, k)
+                row = _row(step, r, k)
                 if row is not None and tokens > row * b:
                     problems.append(
                         f"{where} rank {r} micro-batch {k} {list(mb)[:8]}: {tokens} tokens do "
@@ -579,6 +581,8 @@ def _walk(
                     )
     for q, (sizes, counter) in enumerate(zip(per_rank, seen, strict=True)):
         n = len(sizes)
+        if len(counter) == n == sum(counter.values()) and _in_range(counter, n):
+            continue  # n distinct indices in [0, n), each once
         missing = [i for i in range(n) if i not in counter]
         extra = sorted(
             (i for i, c in counter.items() if c > 1 or not (isinstance(i, int) and 0 <= i < n)),
@@ -591,6 +595,54 @@ def _walk(
                 f"scheduled more than once or unknown {extra[:_LISTED]}"
             )
     return problems
+
+
+def _rank_fits(
+    step: ScheduledStep, r: int, rank, size_of, cap: int, widest: int, row_tokens: int
+) -> bool:
+    """Indices in range: whether every micro-batch of rank ``r`` fits its row, the cap (or holds
+    one sample) and ``widest``, from the rank's running sum of sizes (no per-micro-batch call).
+    ``False`` says only that the per-micro-batch loop of :func:`_walk` must look."""
+    b = step.micro_batch_size
+    running = [0, *itertools.accumulate(map(size_of, itertools.chain.from_iterable(rank)))]
+    counts = list(map(len, rank))
+    ends = list(itertools.accumulate(counts))
+    tokens = [running[end] - running[end - n] for end, n in zip(ends, counts, strict=True)]
+    # Placeholder rows a sharded host adds to a micro-batch below B samples count too.
+    footprints = [t + (b - n) * row_tokens if n else t for t, n in zip(tokens, counts, strict=True)]
+    if any(f > cap and n != 1 for f, n in zip(footprints, counts, strict=True)):
+        return False
+    if step.row_lengths:
+        if r >= len(step.row_lengths) or len(step.row_lengths[r]) != len(rank):
+            return False
+        rows = step.row_lengths[r]
+    elif step.seq_length is not None:
+        rows = [step.seq_length] * len(rank)
+    else:
+        return True  # rows sized from the samples (a sharded plan)
+    if any(t > row * b for t, row in zip(tokens, rows, strict=True)):
+        return False
+    return not (widest and max(rows, default=0) > widest)
+
+
+def _row(step: ScheduledStep, r: int, k: int) -> Optional[int]:
+    """The row micro-batch ``k`` of rank ``r`` runs; None where the plan gives none (or gives
+    ``row_lengths`` of the wrong shape, which the Plan-only checks report)."""
+    if step.row_lengths and not (r < len(step.row_lengths) and k < len(step.row_lengths[r])):
+        return None
+    return step.row_length(r, k)
+
+
+def _padded(lengths: Sequence[int], multiple: int) -> List[int]:
+    """Every length rounded up to ``multiple``."""
+    return list(lengths) if multiple == 1 else [-(-n // multiple) * multiple for n in lengths]
+
+
+def _in_range(indices, n: int) -> bool:
+    """Whether every index is an int in ``[0, n)``."""
+    return not indices or (
+        set(map(type, indices)) == {int} and min(indices) >= 0 and max(indices) < n
+    )
 
 
 def _known(step: ScheduledStep, n: int) -> List[int]:
