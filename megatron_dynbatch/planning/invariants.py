@@ -520,7 +520,7 @@ def _walk(
     to a sharded micro-batch below ``B`` samples), unless it holds one sample; with
     ``row_widths``, no row wider than the cap or its step's longest sample.
     """
-    cap, multiple = config.token_cap, config.parallel.sample_multiple
+    token_cap, multiple = config.token_cap, config.parallel.sample_multiple
     group = config.parallel.microbatch_multiple
     if sharded:
         per_rank = [_padded(lengths, multiple) for lengths in samples]
@@ -538,6 +538,8 @@ def _walk(
         where = f"step {s}"
         counts = sorted({len(rank) for rank in step.ranks})
         m, b = step.num_microbatches, step.micro_batch_size
+        # A memory budget bounds B > 1 planned rows by what they hold, within the token budget.
+        cap = token_cap if sharded or b == 1 or config.memory is None else config.multi_row_cap
         if len(step.ranks) != dp:
             problems.append(f"{where}: {len(step.ranks)} ranks, expected {dp}")
         if counts != [m] or m < 1 or m % group:
