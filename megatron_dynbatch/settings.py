@@ -525,20 +525,26 @@ SETTINGS: Tuple[Setting, ...] = (
     ),
 )
 
-_BY_KEY: Dict[str, Setting] = {}
-for _row in SETTINGS:
-    for _key in {_row.name, _row.flag} - {None}:
-        assert _key not in _BY_KEY, f"two rows for {_key}"
-        _BY_KEY[_key] = _row
-    for _alias in _row.cli.aliases if _row.cli else ():
-        assert _alias not in _BY_KEY, f"{_alias} spells two settings"
-        _BY_KEY[_alias] = _row
-del _row, _key, _alias
+
+def _check_table(rows: Tuple[Setting, ...]) -> None:
+    """Every name, flag and older spelling belongs to one row."""
+    seen: Dict[str, str] = {}
+    for row in rows:
+        keys = [row.flag, *(row.cli.aliases if row.cli else ()), *([row.name] if row.name else [])]
+        for key in keys:
+            assert key not in seen, f"{key} names two settings ({seen[key]}, {row.flag})"
+            seen[key] = row.flag
+
+
+_check_table(SETTINGS)
 
 
 def setting(key: str) -> Setting:
     """The row of a setting, by its name (config field) or any of its flags."""
-    return _BY_KEY[key]
+    for row in SETTINGS:
+        if key in (row.name, row.flag) or (row.cli is not None and key in row.cli.aliases):
+            return row
+    raise KeyError(f"no setting named {key!r} in megatron_dynbatch.settings.SETTINGS")
 
 
 def config_settings() -> Tuple[Setting, ...]:
