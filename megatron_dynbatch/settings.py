@@ -48,7 +48,7 @@ from __future__ import annotations
 import argparse
 import textwrap
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
 from megatron_dynbatch.planning.spec import (
     ATTENTION_KINDS,
@@ -412,7 +412,7 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting(
         name="max_memory_gib",
         flag="--max-memory-gib",
-        annotation=Optional[Any],
+        annotation=Optional[Union[float, str]],
         default=None,
         parse=memory_gib,
         help="The most one GPU (on CPU: one rank's process) may hold at its peak in a training "

@@ -2,7 +2,10 @@
 ``calibrate`` the cost model from measured step times, ``pretrain`` a GPT with Megatron-LM's
 ``pretrain()`` (under torchrun; every other argument is Megatron-LM's or ours).
 
-``plan`` imports only the pure planner, so it answers in milliseconds without torch. User errors
+``plan`` and ``verify`` take the run's settings under their training flags, built from the settings
+table (:mod:`megatron_dynbatch.settings`; the older spellings ``--layout``, ``--cost-*``,
+``--min-gain``, ``--planner`` are hidden aliases there). ``plan`` imports only the pure planner, so
+it answers in milliseconds without torch. User errors
 (``ValueError``) print one line to stderr and exit 2, without a traceback.
 """
 

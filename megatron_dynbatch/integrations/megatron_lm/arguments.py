@@ -1,7 +1,8 @@
 """Megatron command-line flags of dynamic batching, and their check after Megatron's own validation.
 
-Use :func:`add_dynamic_batch_args` as (or inside) the ``extra_args_provider`` of
-``megatron.training.arguments.parse_and_validate_args``. The patched ``parse_and_validate_args``
+The flags, their help texts and defaults are the rows of the settings table
+(:mod:`megatron_dynbatch.settings`). Use :func:`add_dynamic_batch_args` as (or inside) the
+``extra_args_provider`` of ``megatron.training.arguments.parse_and_validate_args``. The patched ``parse_and_validate_args``
 (``patches/0001-*``) calls ``hooks.configure`` (which runs :func:`validate_dynamic_batch_args`)
 right before Megatron's ``validate_args`` whenever these flags are registered: a refusal is then
 one line, before Megatron's argument dump, and a flag given without ``--use-dynamic-batch-size``
