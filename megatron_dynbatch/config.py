@@ -213,7 +213,7 @@ class _ConfigMethods:
 
 
 def _check_planner(name: str) -> None:
-    """Refuse a strategy name nothing registered, at start-up rather than at the first step."""
+    """Refuse a planner name nothing registered, at start-up rather than at the first step."""
     # Imported here: the registry imports the whole planner, which the config otherwise needs
     # only the specs of.
     from megatron_dynbatch.planning.strategies import get_strategy
