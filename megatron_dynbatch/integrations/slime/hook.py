@@ -19,6 +19,7 @@ from typing import Any, Callable, List, Optional
 
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.hosts import SLIME
+from megatron_dynbatch.planning.strategies import get_strategy
 
 __all__ = ["HOOK_PATH", "OWN_OPTIONS", "MicroBatchPlanner", "planner_path"]
 
@@ -90,6 +91,12 @@ class MicroBatchPlanner:
         from megatron_dynbatch.integrations.slime.memory import slime_max_memory_gib
 
         slime_max_memory_gib(args)  # a number of GiB > 0: not -1, 0, nan or inf
+        name = getattr(args, "dynamic_batch_planner", None)
+        if name is not None:
+            try:
+                get_strategy(name)
+            except DynBatchValueError as error:
+                raise DynBatchValueError(f"{SLIME.key('planner')} {name}: {error}") from None
         dynbatch_config_from_slime_args(args)  # budgets, --oversize-samples, the planner's name
         return path
 
@@ -97,9 +104,11 @@ class MicroBatchPlanner:
     def build_dp_schedule(args, train_parallel_config, total_lengths, **kwargs) -> Any:
         """The rollout side's schedule (slime's ``build_dp_schedule`` signature); its
         ``rank_fields(r)`` are what the rollout ships DP rank ``r``."""
-        from megatron_dynbatch.adapters.slime import build_dp_schedule
+        from megatron_dynbatch.integrations.slime.config import slime_flags
+        from megatron_dynbatch.integrations.slime.schedule import build_dp_schedule
 
-        return build_dp_schedule(args, train_parallel_config, total_lengths, **kwargs)
+        with slime_flags():  # errors about the parallel layout name slime's flags
+            return build_dp_schedule(args, train_parallel_config, total_lengths, **kwargs)
 
     @staticmethod
     def forward_only_iterators(args: Any, data_iterator: Any) -> Any:
