@@ -765,6 +765,50 @@ def test_memory_budget_in_nemo_rls_key_is_planned_per_stage(patched_nemo_rl):
     print(f"\n[nemo_rl memory] smallest budget {out['smallest']} GiB, peaks {out['peaks']}")
 
 
+def _stock_refusal_body(root, section):
+    """NeMo-RL's own refusals through ``Policy.__init__`` with the switch off (``section``:
+    ``"absent"``, ``"empty"`` (YAML ``None``) or ``"off"`` (``enabled: false``)): what each
+    raised."""
+    _import_nemo_rl(root)
+    out = {}
+    cases = {
+        # pp 2 with NeMo-RL's dynamic batching: its assert, after the worker group.
+        "dynamic-batching-at-pp2": (2, {"enabled": True, "sequence_length_round": 64}, False),
+        # its dynamic batching and sequence packing together: its assert.
+        "dynamic-batching-and-packing": (1, {"enabled": True, "sequence_length_round": 64}, True),
+    }
+    for name, (pp, dynamic, packing) in cases.items():
+        cfg = _policy_cfg(pp, 1, budget=48, logprob_budget=96, enabled=False)
+        cfg["dynamic_batching"] = dynamic
+        cfg["sequence_packing"]["enabled"] = packing
+        if section == "absent":
+            del cfg["megatron_cfg"]["dynbatch"]
+        elif section == "empty":
+            cfg["megatron_cfg"]["dynbatch"] = None
+        try:
+            _policy(cfg, 2)
+        except Exception as error:  # noqa: BLE001 - the test compares type and message
+            out[name] = (type(error).__name__, str(error))
+        else:
+            out[name] = ("not refused", "")
+    return out
+
+
+@needs_nemo_rl
+@pytest.mark.parametrize("section", ["empty", "off"])
+def test_switch_off_refuses_as_stock_where_nemo_rl_raises(patched_nemo_rl, section):
+    """The exact way back, bad cases included: with the switch off the patched ``Policy.__init__``
+    stops where the pristine one stops, with NeMo-RL's own error."""
+    [patched] = run_on_ranks(
+        1, _stock_refusal_body, patched_nemo_rl, section, layout=Layout(), timeout_s=BODY_TIMEOUT_S
+    )
+    [stock] = run_on_ranks(
+        1, _stock_refusal_body, NEMO_RL_DIR, "absent", layout=Layout(), timeout_s=BODY_TIMEOUT_S
+    )
+    assert all(kind == "AssertionError" for kind, _ in stock.values()), stock
+    assert patched == stock
+
+
 def _spy_body(root):
     """A strategy registered by name and set as ``policy.megatron_cfg.dynbatch.planner``: NeMo-RL's
     planning calls it (training and log-prob shards)."""
