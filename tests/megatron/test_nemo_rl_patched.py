@@ -833,7 +833,7 @@ def _spy_body(root):
 
 
 @needs_nemo_rl
-def test_the_planner_key_names_the_strategy_nemo_rl_plans_with(patched_nemo_rl):
+def test_the_planner_key_names_the_planner_nemo_rl_plans_with(patched_nemo_rl):
     [calls] = run_on_ranks(1, _spy_body, patched_nemo_rl, layout=Layout(), timeout_s=BODY_TIMEOUT_S)
     # Two global batches of 6 for training, then the whole batch for log-probs.
     assert calls == [(6, "hostcfg-spy"), (6, "hostcfg-spy"), (12, "hostcfg-spy")], calls

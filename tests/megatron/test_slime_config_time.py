@@ -49,7 +49,7 @@ BAD = {
     "memory-zero": ([*ON, "--max-memory-gib", "0"], "--max-memory-gib 0.0 must be"),
     "memory-nan": ([*ON, "--max-memory-gib", "nan"], "--max-memory-gib nan must be"),
     "memory-inf": ([*ON, "--max-memory-gib", "inf"], "--max-memory-gib inf must be"),
-    "planner-typo": ([*ON, "--dynamic-batch-planner", "dynbach"], "no schedule strategy named"),
+    "planner-typo": ([*ON, "--dynamic-batch-planner", "dynbach"], "no planner named"),
     "memory-without-switch": (
         ["--max-memory-gib", "70"],
         "--max-memory-gib 70.0 is read only by megatron_dynbatch's dynamic batching, which is off "

@@ -147,7 +147,7 @@ def test_one_config_from_slime_args_with_its_defaults():
             check_int("x", bad, 1, "fix it.")
 
 
-def test_the_named_strategy_plans_the_training_and_the_log_prob_passes():
+def test_the_named_planner_plans_the_training_and_the_log_prob_passes():
     """``--dynamic-batch-planner NAME`` (patch 0005): the strategy registered as NAME plans the
     training steps over every DP rank and each rank's log-prob pass; counts stay equal."""
     from megatron_dynbatch.planning import register_strategy

@@ -262,7 +262,7 @@ def plan_nemo_rl_shards(
     counts: List[int] = []
     for start in range(0, len(padded), batch_size):
         chunk = padded[start : start + batch_size]
-        # The strategy policy.megatron_cfg.dynbatch.planner names (``dynbatch`` by default).
+        # The planner policy.megatron_cfg.dynbatch.planner names (``dynbatch`` by default).
         [step] = run_strategy(SampleSet.build(chunk), config).steps
         counts.append(step.num_microbatches)
         for r, microbatches in enumerate(step.ranks):

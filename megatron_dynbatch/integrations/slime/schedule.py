@@ -776,10 +776,10 @@ def _forward_only_schedule(
 
 
 def _strategy_forward_only(rank_lengths: List[List[int]], planner_config: Any) -> ForwardOnlyPlan:
-    """The log-prob pass of a registered strategy other than ours (``--dynamic-batch-planner``).
+    """The log-prob pass of a registered planner other than ours (``--dynamic-batch-planner``).
 
     A forward-only pass reduces nothing over DP, so each rank's own samples are planned alone by
-    the strategy the config names (dp 1, one step); every rank then runs the same count, a
+    the planner the config names (dp 1, one step); every rank then runs the same count, a
     multiple of the interleaving group, the shorter ranks topped up with placeholders (``[]``).
     Rows as :func:`~megatron_dynbatch.planning.forward_only.plan_forward_only` gives them.
     """
