@@ -167,6 +167,7 @@ SLIME = Host(
         "log_probs_max_tokens_per_gpu": "log_probs_max_tokens_per_gpu",
         "oversize_samples": "oversize_samples",
         "max_memory_gib": "max_memory_gib",
+        "dynamic_batch_planner": "planner",
     },
     fixed={"layout": "packed"},
     defaults={"oversize_samples": "allow"},
@@ -176,6 +177,8 @@ SLIME = Host(
         "oversize_samples": "--oversize-samples",
         # Registered by patch 0005; read by integrations/slime/memory.py (GiB, no ``auto``).
         "max_memory_gib": "--max-memory-gib",
+        # Registered by patch 0005 (Megatron-LM's spelling): the schedule strategy by name.
+        "planner": "--dynamic-batch-planner",
     },
     planning="global",
     oversize="option",
@@ -307,11 +310,13 @@ def host_config(
     forward_only: bool = False,
     fixed: Optional[Mapping[str, Any]] = None,
     row_multiple: Optional[int] = None,
+    memory: Optional[Any] = None,
 ) -> PlannerConfig:
     """The planner's config from the host's option values (``values`` keyed by its option names).
 
     ``fixed`` adds fields the caller decides per call (slime's cost model, verl's layout) to the
-    host's own :attr:`Host.fixed`. A ``sharded`` host plans one rank's samples: ``parallel``
+    host's own :attr:`Host.fixed`; ``memory``: the host's memory budget as a
+    :class:`~megatron_dynbatch.planning.memory.MemoryLimit`, or ``None``. A ``sharded`` host plans one rank's samples: ``parallel``
     must have ``dp_size=1``.
 
     Raises:
@@ -336,11 +341,14 @@ def host_config(
             host=f"{host.name}'s options",
         )
     except DynBatchValueError as error:
-        raise DynBatchValueError(_in_host_words(host, str(error), forward_only)) from error
+        # The message without config_from_mapping's "(in ...: option -> field)" suffix: it is
+        # reworded in the host's keys, so the internal mapping says nothing to its users.
+        cause = error.__cause__ if isinstance(error.__cause__, DynBatchValueError) else error
+        raise DynBatchValueError(_in_host_words(host, str(cause), forward_only)) from error
     try:
         with host.flags():
             return config.planner_config(
-                parallel, forward_only=forward_only, row_multiple=row_multiple
+                parallel, forward_only=forward_only, row_multiple=row_multiple, memory=memory
             )
     except DynBatchValueError as error:
         raise DynBatchValueError(_in_host_words(host, str(error), forward_only)) from error

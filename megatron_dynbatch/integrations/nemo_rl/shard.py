@@ -28,11 +28,20 @@ from typing import Any, Iterator, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.integrations.nemo_rl.memory import (
+    check_memory_budget,
+    nemo_rl_max_memory_gib,
+    nemo_rl_memory_limit,
+)
 from megatron_dynbatch.integrations.nemo_rl.plan import (
     NemoRlShards,
+    dynbatch_enabled,
+    nemo_rl_layout,
     nemo_rl_planner_config,
     plan_nemo_rl_shards,
 )
+from megatron_dynbatch.planning import ParallelLayout
+from megatron_dynbatch.planning.memory import MemoryLimit
 from megatron_dynbatch.runtime import placeholders, restore_order
 from megatron_dynbatch.runtime.placeholders import (
     MARKER_KEY,
@@ -41,12 +50,19 @@ from megatron_dynbatch.runtime.placeholders import (
     placeholder_tensor,
 )
 
+#: The attribute holding a shard's placeholder row positions, derived from the marker by
+#: :func:`placeholder_rows` (the worker's patch 0003 reads it; an attribute survives Ray's pickling).
+PLACEHOLDER_ROWS = "dynbatch_placeholder_rows"
+
 __all__ = [
     "INPUT_LENGTHS_KEY",
+    "NemoRlPlanner",
+    "PLACEHOLDER_ROWS",
     "chunk_iterators",
     "drop_placeholder_rows",
     "num_real_rows",
     "placeholder_rows",
+    "planner",
     "restore_rows",
     "shard_for_logprob",
     "shard_for_train",
@@ -100,12 +116,17 @@ def _shards(data: Any, plan: NemoRlShards) -> List[Any]:
         shard.elem_counts_per_gb = plan.elem_counts_per_gb(rank)
         # The marker, every row's sample index (an attribute survives Ray's pickling).
         setattr(shard, MARKER_KEY, tuple(PLACEHOLDER_INDEX if i is None else i for i in rows))
+        # Derived from the marker, for the worker's patched lines, which read it without
+        # importing this package (NeMo-RL with the switch off never does).
+        setattr(shard, PLACEHOLDER_ROWS, placeholder_rows(shard))
         shards.append(shard)
     return shards
 
 
-def _plan(policy_cfg, data, dp_size, batch_size, forward_only) -> NemoRlShards:
-    config = nemo_rl_planner_config(policy_cfg, dp_size=dp_size, forward_only=forward_only)
+def _plan(policy_cfg, data, dp_size, batch_size, forward_only, memory=None) -> NemoRlShards:
+    config = nemo_rl_planner_config(
+        policy_cfg, dp_size=dp_size, forward_only=forward_only, memory=memory
+    )
     return plan_nemo_rl_shards(
         _lengths(data),
         config,
@@ -117,20 +138,83 @@ def _plan(policy_cfg, data, dp_size, batch_size, forward_only) -> NemoRlShards:
 
 
 def shard_for_train(
-    policy_cfg: Mapping[str, Any], data: Any, dp_size: int, batch_size: int
+    policy_cfg: Mapping[str, Any],
+    data: Any,
+    dp_size: int,
+    batch_size: int,
+    *,
+    memory: Optional[MemoryLimit] = None,
 ) -> List[Any]:
     """``Policy._shard_for_train`` with the switch on: one shard per DP rank, every global batch
-    of ``batch_size`` samples planned over every rank under ``train_mb_tokens``."""
-    return _shards(data, _plan(policy_cfg, data, dp_size, batch_size, False))
+    of ``batch_size`` samples planned over every rank under ``train_mb_tokens`` (and ``memory``,
+    ``max_memory_gib``'s limit, where given)."""
+    return _shards(data, _plan(policy_cfg, data, dp_size, batch_size, False, memory))
 
 
 def shard_for_logprob(
-    policy_cfg: Mapping[str, Any], data: Any, dp_size: int
+    policy_cfg: Mapping[str, Any], data: Any, dp_size: int, *, memory: Optional[MemoryLimit] = None
 ) -> Tuple[List[Any], List[int]]:
     """``Policy._shard_for_logprob`` with the switch on: the shards and the
     ``unsorted_data_indices`` NeMo-RL's ``reorder_data`` puts the gathered outputs back with."""
-    plan = _plan(policy_cfg, data, dp_size, None, True)
+    plan = _plan(policy_cfg, data, dp_size, None, True, memory)
     return _shards(data, plan), plan.sample_order()
+
+
+class NemoRlPlanner:
+    """What the patched ``Policy`` holds while ``policy.megatron_cfg.dynbatch.enabled`` is on:
+    its two shard calls, with the memory limit built once at config time."""
+
+    def __init__(self, memory: Optional[MemoryLimit] = None) -> None:
+        self.memory = memory
+
+    def shard_for_train(self, policy_cfg, data, dp_size, batch_size) -> List[Any]:
+        return shard_for_train(policy_cfg, data, dp_size, batch_size, memory=self.memory)
+
+    def shard_for_logprob(self, policy_cfg, data, dp_size) -> Tuple[List[Any], List[int]]:
+        return shard_for_logprob(policy_cfg, data, dp_size, memory=self.memory)
+
+
+def planner(
+    policy_cfg: Mapping[str, Any], world_size: int, *, hf_config: Any = None
+) -> Optional[NemoRlPlanner]:
+    """The patched ``Policy.__init__``'s one call, before any worker starts: the whole
+    ``policy.megatron_cfg.dynbatch`` section checked in NeMo-RL's key names, and the planner the
+    policy shards with (``None`` while the switch is off: NeMo-RL's own batching runs).
+
+    Args:
+        policy_cfg: NeMo-RL's ``policy`` config.
+        world_size: The cluster's GPUs (``cluster.world_size()``): the DP size of the memory model.
+        hf_config: The model's Hugging Face config; ``None``: NeMo-RL's own
+            ``get_default_hf_config(policy.model_name)``, read only with ``max_memory_gib``.
+
+    Raises:
+        DynBatchValueError: any bad value of the section, a bad budget, or a memory budget under
+            which the longest sample cannot train, naming the key and the smallest that works.
+    """
+    if not dynbatch_enabled(policy_cfg):
+        return None
+    if nemo_rl_max_memory_gib(policy_cfg) is None:
+        return NemoRlPlanner()
+    if hf_config is None:
+        from nemo_rl.utils.flops_tracker import get_default_hf_config  # NeMo-RL's own reading
+
+        hf_config = get_default_hf_config(policy_cfg["model_name"])
+    megatron_cfg = policy_cfg.get("megatron_cfg") or {}
+    tp = int(megatron_cfg.get("tensor_model_parallel_size", 1) or 1)
+    cp = int(megatron_cfg.get("context_parallel_size", 1) or 1)
+    layout = nemo_rl_layout(policy_cfg, 1)
+    dp = max(1, int(world_size) // (tp * cp * layout.pp_size))
+    parallel = ParallelLayout(
+        dp_size=dp,
+        pp_size=layout.pp_size,
+        vpp_size=layout.vpp_size,
+        microbatch_group_size_per_vp_stage=layout.microbatch_group_size_per_vp_stage,
+        tp_size=tp,
+        cp_size=cp,
+    )
+    memory = nemo_rl_memory_limit(policy_cfg, hf_config, parallel)
+    check_memory_budget(policy_cfg, memory)
+    return NemoRlPlanner(memory)
 
 
 def placeholder_rows(data: Any) -> Tuple[int, ...]:

@@ -31,7 +31,12 @@ import torch
 from megatron_dynbatch.integrations.slime.placeholders import placeholder_sample, rollout_device
 from megatron_dynbatch.runtime.placeholders import PLACEHOLDER_INDEX, is_placeholder, padding_tensor
 
-__all__ = ["add_phantom_sample", "has_phantom", "mute_phantom_metrics"]
+__all__ = [
+    "add_phantom_sample",
+    "has_phantom",
+    "mute_phantom_metrics",
+    "reinforce_plus_plus_returns",
+]
 
 #: The phantom's prompt and response lengths (slime needs at least one of each).
 _PROMPT, _RESPONSE = 1, 1
@@ -145,3 +150,41 @@ def mute_phantom_metrics(rollout_data: Dict[str, Any]) -> None:
 
     setattr(gather_nothing, _ORIGINAL, original)
     module.gather_log_data = gather_nothing
+
+
+def reinforce_plus_plus_returns(
+    *, rewards: torch.Tensor, kl: List[torch.Tensor], loss_masks: List[torch.Tensor], **kwargs: Any
+) -> List[torch.Tensor]:
+    """slime's ``get_reinforce_plus_plus_returns`` on the samples with a loss token; a fully masked
+    sample (the phantom, or a real sample whose loss mask is all 0) gets zero returns, one per
+    token of its local KL chunk (what slime returns for it, context-parallel slicing included).
+
+    slime's function asserts on a fully masked sample; the phantom always is one. The call site
+    (patch 0007, in slime's ``compute_advantages_and_returns``) runs this only while our planner
+    runs; otherwise slime's own function runs and stops on the assert as unpatched slime does.
+    Every sample keeps its own rewards, KL and masks (the others are not shifted).
+    """
+    from slime.utils.ppo_utils import get_reinforce_plus_plus_returns
+
+    keep = [i for i, mask in enumerate(loss_masks) if bool(mask.any())]
+    if len(keep) == len(loss_masks):
+        return get_reinforce_plus_plus_returns(
+            rewards=rewards, kl=kl, loss_masks=loss_masks, **kwargs
+        )
+    picked = {
+        key: [value[i] for i in keep]
+        for key, value in kwargs.items()
+        if key in ("response_lengths", "total_lengths")
+    }
+    rest = {k: v for k, v in kwargs.items() if k not in picked}
+    kept = get_reinforce_plus_plus_returns(
+        rewards=rewards[keep],
+        kl=[kl[i] for i in keep],
+        loss_masks=[loss_masks[i] for i in keep],
+        **picked,
+        **rest,
+    )
+    returns = [torch.zeros_like(chunk) for chunk in kl]
+    for i, value in zip(keep, kept, strict=True):
+        returns[i] = value
+    return returns
