@@ -46,7 +46,8 @@ from megatron_dynbatch.planning.memory import (
     MemoryLimit,
     MemoryModel,
     PeakTerms,
-    fit_activation_scales,
+    fit_activation_scale,
+    gib_to_bytes,
 )
 from megatron_dynbatch.planning.spec import ParallelLayout, round_up
 
@@ -135,7 +136,7 @@ def resolve_budget(max_memory_gib: Any) -> Tuple[int, str]:
             int(total * (1.0 - AUTO_MARGIN)),
             f"--max-memory-gib auto: {where} less the {100 * AUTO_MARGIN:.0f}% margin",
         )
-    return int(float(max_memory_gib) * GIB), f"--max-memory-gib {max_memory_gib}"
+    return gib_to_bytes(max_memory_gib), f"--max-memory-gib {max_memory_gib}"
 
 
 def check_memory_budget(limit: MemoryLimit, seq_length: Optional[int], flag: str) -> None:
@@ -216,8 +217,9 @@ class StepMemory:
     The planner's model (:attr:`current`) takes what every stage held after the last step as its
     memory at rest (on CPU the resident set keeps growing over the first steps, as the heap keeps
     what it freed), and the per-token / per-``S**2`` factors fitted to the steps measured so far
-    (:func:`~megatron_dynbatch.planning.memory.fit_activation_scales`), or before a fit the counted
-    bytes times :data:`~megatron_dynbatch.planning.memory.UNFITTED_SAFETY`. The first step is a probe: planned in micro-batches
+    (:func:`~megatron_dynbatch.planning.memory.fit_activation_scale`), or before a fit the counted
+    bytes times :data:`~megatron_dynbatch.planning.memory.UNFITTED_SAFETY`. The first step is a
+    probe: planned in micro-batches
     of one ``--seq-length`` row at most, as it also pays one-time costs (the optimizer's state,
     the first allocations of every kernel) no model predicts.
     """
@@ -448,9 +450,7 @@ class StepMemory:
             )
             if largest_ever is not None and largest_ever not in own:
                 own.append(largest_ever)
-            k, _, _ = fit_activation_scales(
-                [(t, s, peak - rest) for _, t, s, rest, peak in own], common=True
-            )
+            k, _ = fit_activation_scale([(t, s, peak - rest) for _, t, s, rest, peak in own])
             # The largest steps seen are never under-predicted: on CPU the factor grew with
             # the step (1.85 fitted over small steps, 2.41 needed by one of 7 x 256 tokens).
             largest = max(t + s for _, t, s, _, _ in own)
