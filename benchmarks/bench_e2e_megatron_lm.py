@@ -266,9 +266,10 @@ def main(argv=None) -> int:
                 if d["calibrated"]
             ]
             if after:
+                first = min(r["calibrated"][0] for r in results[name] if r["calibrated"])
                 print(
-                    f"  after calibration only (iterations "
-                    f"{results[name][0]['calibrated'][0]}+): dynamic/fixed median "
+                    f"  after an applied fit only (iterations {first}+ of the "
+                    f"{len(after)} run(s) that applied one): dynamic/fixed median "
                     f"{statistics.median(after):.3f} (pairs {', '.join(f'{r:.3f}' for r in after)}"
                     f"; spread {max(after) - min(after):.3f})"
                 )
