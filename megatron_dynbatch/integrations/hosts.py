@@ -204,8 +204,10 @@ VERL = Host(
     fixed={"oversize_samples": "allow"},
     keys={
         "max_tokens_per_gpu": "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
-        "log_probs_max_tokens_per_gpu": "actor_rollout_ref.actor.log_prob_max_token_len_per_gpu "
-        "(rollout.log_prob_max_token_len_per_gpu, ref.log_prob_max_token_len_per_gpu)",
+        # The actor's log-prob pass; the reference's and the critic's keys are in
+        # integrations/verl/config.py (BUDGET_KEYS), which names each engine's and pass's own.
+        "log_probs_max_tokens_per_gpu": "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+        "max_memory_gib": "actor_rollout_ref.actor.megatron.max_memory_gib",
     },
     planning="sharded",
     budget_counts="real",
