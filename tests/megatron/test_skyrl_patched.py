@@ -985,6 +985,13 @@ BAD_BUDGET_CASES = tuple(
 BAD_MEMORY_CASES = tuple(
     (MEGATRON_ON + [f"trainer.max_memory_gib={v}"], "trainer.max_memory_gib=")
     for v in ("-1", "0", "nan", "inf", "lots")
+) + (
+    (
+        MEGATRON_ON + ["trainer.dynamic_batch_planner=nope"],
+        "trainer.dynamic_batch_planner='nope': no schedule strategy named 'nope'",
+    ),
+    (MEGATRON_ON + ["trainer.dynamic_batch_planner=fixed"], "plans padded rows only"),
+    (MEGATRON_ON + ["trainer.dynamic_batch_planner=dynbatch"], None),
 )
 
 

@@ -873,8 +873,16 @@ def test_config_refusals_happen_in_verls_own_config_parser(patched_verl):
             "critic.ppo_infer_max_token_len_per_gpu=-3 must be > 0",
         )
     ]
-    memory = "actor_rollout_ref.actor.megatron.max_memory_gib"
-    cases += [(ON + [f"{memory}={v}"], f"{memory}=") for v in ("-1", "0", "nan", "inf", "lots")]
+    memory = "actor_rollout_ref.actor.megatron.dynbatch.max_memory_gib"
+    cases += [(ON + [f"+{memory}={v}"], f"{memory}=") for v in ("-1", "0", "nan", "inf", "lots")]
+    dynbatch = "actor_rollout_ref.actor.megatron.dynbatch"
+    cases += [
+        (ON + [f"+{dynbatch}.planner=nope"], f"{dynbatch}.planner: no schedule strategy named"),
+        (
+            ON + [f"+{dynbatch}.max_memory_gb=70"],
+            f"{dynbatch} has unknown key(s) ['max_memory_gb']",
+        ),
+    ]
     results = _validate(patched_verl, [(o, any("critic" in x for x in o)) for o, _ in cases])
     for (overrides, match), result in zip(cases, results, strict=True):
         assert result["error"] and "DynBatchValueError" in result["error"], (overrides, result)
@@ -885,6 +893,8 @@ def test_config_refusals_happen_in_verls_own_config_parser(patched_verl):
         if any(o.startswith(ROLLOUT_BUDGET) for o in overrides):
             assert ACTOR_BUDGET not in result["error"], result
     ok = [(ON, True), (FIXED + [f"{FLAG}=false"], False), (FIXED, False)]
+    # An empty (null) section reads as absent; a registered planner is accepted.
+    ok += [(ON + [f"{dynbatch}=null"], True), (ON + [f"+{dynbatch}.planner=dynbatch"], True)]
     # (A critic that passes our checks goes on to verl's own HFModelConfig, which needs the real
     # transformers; the critic's refusals above come first, before verl builds it.)
     results = _validate(patched_verl, [(o, any("critic" in x for x in o)) for o, _ in ok])
@@ -918,7 +928,7 @@ MOE_CONFIG = dict(
 @needs_verl
 @pytest.mark.parametrize("hf", [DENSE_CONFIG, MOE_CONFIG], ids=["dense", "moe"])
 def test_memory_budget_is_planned_at_config_time_naming_its_key(patched_verl, tmp_path, hf):
-    """``...megatron.max_memory_gib`` through verl's ``validate_config``: a budget too small for
+    """``...megatron.dynbatch.max_memory_gib`` through verl's ``validate_config``: a budget too small for
     a micro-batch at the token budget is refused naming the key and the smallest budget that
     works; that budget is accepted, one a little smaller refused; the critic's key is its own."""
     pytest.importorskip("hydra", reason="verl's config path instantiates through hydra-core")
@@ -926,29 +936,35 @@ def test_memory_budget_is_planned_at_config_time_naming_its_key(patched_verl, tm
     import re
 
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    memory = "actor_rollout_ref.actor.megatron.max_memory_gib"
+    memory = "actor_rollout_ref.actor.megatron.dynbatch.max_memory_gib"
     base = ON + [
         f"actor_rollout_ref.model.path={tmp_path}",
         f"{ACTOR_BUDGET}=32768",
         "trainer.n_gpus_per_node=4",
         "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
     ]
-    [small] = _validate(patched_verl, [(base + [f"{memory}=8"], False)])
+    [small] = _validate(patched_verl, [(base + [f"+{memory}=8"], False)])
     assert "DynBatchValueError" in small["error"] and f"{memory}=8 is too small" in small["error"]
     assert f"{ACTOR_BUDGET}=32768" in small["error"], small
     need = float(re.search(r"set \S+ to at least ([0-9]+\.[0-9]+)", small["error"]).group(1))
     lower = re.search(rf"lower {ACTOR_BUDGET} to at most (\d+)", small["error"])
-    cases = [(base + [f"{memory}={need}"], False), (base + [f"{memory}={need - 0.01:.3f}"], False)]
+    cases = [
+        (base + [f"+{memory}={need}"], False),
+        (base + [f"+{memory}={need - 0.01:.3f}"], False),
+    ]
     if lower:  # the token budget the error names fits the budget it was refused with
-        cases.append((base + [f"{memory}=8", f"{ACTOR_BUDGET}={lower.group(1)}"], False))
-    critic = CRITIC_ON + [f"critic.model.path={tmp_path}", "critic.megatron.max_memory_gib=1"]
-    cases.append((base + [f"{memory}={need}"] + critic, True))
+        cases.append((base + [f"+{memory}=8", f"{ACTOR_BUDGET}={lower.group(1)}"], False))
+    critic = CRITIC_ON + [
+        f"critic.model.path={tmp_path}",
+        "+critic.megatron.dynbatch.max_memory_gib=1",
+    ]
+    cases.append((base + [f"+{memory}={need}"] + critic, True))
     results = _validate(patched_verl, cases)
     assert results[0] == {"error": None, "flag": True}, results[0]
     assert "is too small" in results[1]["error"], results[1]
     if lower:
         assert results[2] == {"error": None, "flag": True}, results[2]
-    assert "critic.megatron.max_memory_gib=1 is too small" in results[-1]["error"], results[-1]
+    assert "critic.megatron.dynbatch.max_memory_gib=1 is too small" in results[-1]["error"]
     print(
         f"\n[verl max_memory_gib, {hf['architectures'][0]}] smallest {need} GiB; {small['error']}"
     )

@@ -47,6 +47,25 @@ def _budget(value: Any) -> int:
     return value
 
 
+def _check_planner(name: Any) -> None:
+    """``trainer.dynamic_batch_planner``: a strategy registered by that name, planning SkyRL's
+    packed rows (``None``: ours)."""
+    if name is None:
+        return
+    from megatron_dynbatch.planning.strategies import get_strategy, required_layout
+
+    key = SKYRL.key("planner")
+    try:
+        get_strategy(name)
+    except ValueError as error:
+        raise DynBatchValueError(f"{key}={name!r}: {error}") from None
+    if required_layout(name) not in (None, "packed"):
+        raise DynBatchValueError(
+            f"{key}={name!r} plans {required_layout(name)} rows only; SkyRL's Megatron worker "
+            f"runs packed rows: pick another planner or drop {key}."
+        )
+
+
 def _check_memory(trainer: Any, budget: int) -> None:
     from megatron_dynbatch.integrations.host_memory import (
         check_memory_budget,
@@ -120,4 +139,5 @@ def validate_trainer_config(trainer: Any) -> None:
             f"or {SWITCH}=false."
         )
     budget = _budget(trainer.max_tokens_per_microbatch)
+    _check_planner(getattr(trainer, "dynamic_batch_planner", None))
     _check_memory(trainer, budget)

@@ -20,7 +20,7 @@ trainer config, so each pass's own budget key is checked where the user set it (
 ``actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu``; reference log-probs:
 ``actor_rollout_ref.ref.log_prob_max_token_len_per_gpu``; critic: ``critic.ppo_max_token_len_per_gpu``
 and ``critic.ppo_infer_max_token_len_per_gpu``), and the memory budget
-``...megatron.max_memory_gib`` is planned against the model's ``config.json``
+``...megatron.dynbatch.max_memory_gib`` is planned against the model's ``config.json``
 (:mod:`megatron_dynbatch.integrations.host_memory`).
 
 Standard library only (``omegaconf`` only to say how it would read a value): it runs on verl's
@@ -40,6 +40,7 @@ __all__ = [
     "check_engine_config",
     "check_role_config",
     "check_verl_config",
+    "dynbatch_settings",
     "parse_flag",
 ]
 
@@ -194,8 +195,45 @@ def _get(node: Any, dotted: str, default: Any = None) -> Any:
     return default if node is _ABSENT else node
 
 
+#: What ``megatron.dynbatch`` (verl's one dict option for megatron_dynbatch's settings) may hold.
+DYNBATCH_KEYS = ("max_memory_gib", "planner")
+
+
+def dynbatch_settings(section: Any, role: str) -> dict:
+    """``{role}.megatron.dynbatch`` as a plain dict (``null`` or absent: empty, as if not set).
+
+    Raises:
+        DynBatchValueError: a key it does not know (a typo would otherwise be ignored), or a
+            planner no strategy is registered as, naming verl's key.
+    """
+    raw = _get(section, "megatron.dynbatch", None)
+    if raw is None:
+        return {}
+    items = dict(raw.items()) if hasattr(raw, "items") else None
+    where = f"{role}.megatron.dynbatch"
+    if items is None:
+        raise DynBatchValueError(
+            f"{where}={raw!r} must be a mapping of {', '.join(DYNBATCH_KEYS)}, e.g. "
+            f"+{where}.max_memory_gib=70."
+        )
+    unknown = sorted(set(items) - set(DYNBATCH_KEYS))
+    if unknown:
+        raise DynBatchValueError(
+            f"{where} has unknown key(s) {unknown}; it takes {', '.join(DYNBATCH_KEYS)}."
+        )
+    planner = items.get("planner")
+    if planner is not None:
+        from megatron_dynbatch.planning.strategies import get_strategy
+
+        try:
+            get_strategy(planner)
+        except ValueError as error:
+            raise DynBatchValueError(f"{where}.planner: {error}") from None
+    return items
+
+
 def _memory(config: Any, role: str, section: Any, token_key: str, tokens: int) -> None:
-    """``{role}.megatron.max_memory_gib``: a micro-batch at the training budget must fit."""
+    """``{role}.megatron.dynbatch.max_memory_gib``: a micro-batch at the training budget fits."""
     from megatron_dynbatch.integrations.host_memory import (
         check_memory_budget,
         hf_model_config,
@@ -205,8 +243,8 @@ def _memory(config: Any, role: str, section: Any, token_key: str, tokens: int) -
     )
     from megatron_dynbatch.planning.spec import ParallelLayout
 
-    key = f"{role}.megatron.max_memory_gib"
-    gib = parse_gib(_get(section, "megatron.max_memory_gib"), key)
+    key = f"{role}.megatron.dynbatch.max_memory_gib"
+    gib = parse_gib(dynbatch_settings(section, role).get("max_memory_gib"), key)
     if gib is None:
         return
     megatron = _get(section, "megatron")
@@ -262,6 +300,7 @@ def check_verl_config(config: Any, *, use_reference_policy: bool, use_critic: bo
         if flag is not False:
             switch = f"{ACTOR}.megatron.use_dynamic_batch_size"
             check_role_config(actor, role=ACTOR)
+            dynbatch_settings(actor, ACTOR)
             key = BUDGET_KEYS[("actor", False)]
             tokens = check_budget(_get(actor, "ppo_max_token_len_per_gpu"), key, switch)
             rollout = "actor_rollout_ref.rollout"
@@ -295,6 +334,7 @@ def check_verl_config(config: Any, *, use_reference_policy: bool, use_critic: bo
         return
     switch = "critic.megatron.use_dynamic_batch_size"
     check_role_config(critic, role="critic")
+    dynbatch_settings(critic, "critic")
     tokens = check_budget(
         _get(critic, "ppo_max_token_len_per_gpu"), "critic.ppo_max_token_len_per_gpu", switch
     )

@@ -164,8 +164,10 @@ def verl_planner_config(
     cp_size: int,
     packed: bool,
     host: Optional[Host] = None,
+    planner: Optional[str] = None,
 ) -> PlannerConfig:
-    """The planner config of one rank's samples under verl's budget (``max_token_len_per_gpu``).
+    """The planner config of one rank's samples under verl's budget (``max_token_len_per_gpu``);
+    ``planner``: the strategy ``megatron.dynbatch.planner`` names (default ours).
 
     Raises:
         DynBatchValueError: when the budget is not a positive integer, naming verl's keys.
@@ -184,7 +186,10 @@ def verl_planner_config(
         host or VERL,
         {"max_token_len_per_gpu": budget},
         parallel,
-        fixed={"layout": "packed" if packed else "padded"},
+        fixed={
+            "layout": "packed" if packed else "padded",
+            **({"planner": planner} if planner else {}),
+        },
     )
 
 
@@ -295,6 +300,8 @@ def prepare_micro_batches(
             cp_size=engine.engine_config.context_parallel_size,
             packed=bool(engine.engine_config.use_remove_padding),
             host=host,
+            # verl's one dict option (megatron.dynbatch): the strategy registered by this name.
+            planner=(getattr(engine.engine_config, "dynbatch", None) or {}).get("planner"),
         )
         real = _lengths(data)
         lengths = real
