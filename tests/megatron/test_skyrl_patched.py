@@ -131,8 +131,8 @@ def test_apply_is_idempotent_and_refuses_other_trees(tmp_path, stock_skyrl, patc
     # Another SkyRL: a context line of patch 0002 differs.
     worker.write_text(
         worker.read_text().replace(
-            "        use_token_batching = self.cfg.max_tokens_per_microbatch > 0\n",
-            "        use_token_batching = self.cfg.max_tokens_per_microbatch >= 1\n",
+            '        log_probs = output["output"]  # shape: [total_padded_samples, num_actions]\n',
+            '        log_probs = output["output"]\n',
         )
     )
     before = {p: p.read_bytes() for p in (tmp_path / "skyrl").rglob("*.py")}
