@@ -39,9 +39,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def git(repo: str, *args: str, input: Optional[bytes] = None, check: bool = True) -> str:
-    out = subprocess.run(
-        ["git", "-C", repo, *args], input=input, capture_output=True, check=False
-    )
+    out = subprocess.run(["git", "-C", repo, *args], input=input, capture_output=True, check=False)
     if check and out.returncode:
         raise RuntimeError(f"git {' '.join(args)}: {out.stderr.decode(errors='replace')}")
     return out.stdout.decode(errors="replace")
@@ -173,7 +171,7 @@ def host_coverage(name: str, clone: str, days: int, listing: bool) -> Dict[str, 
                 if missing:
                     failed = f"missing {missing[0]}"
                 else:
-                    for (patch_name, _), text in zip(patches, indexed):
+                    for (patch_name, _), text in zip(patches, indexed, strict=True):
                         if not scratch.apply(text, *args):
                             failed = patch_name
                             break
