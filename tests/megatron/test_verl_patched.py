@@ -711,8 +711,11 @@ def test_with_the_switch_off_patched_verl_is_bitwise_stock(patched_verl, stock_v
 @needs_verl
 def test_an_oversize_sample_is_refused_on_every_rank_naming_verls_key(patched_verl):
     """A sample longer than the cap on one DP rank stops every rank before the pipeline, with the
-    same message naming verl's budget key (not a hang, not a silent over-budget micro-batch)."""
-    with pytest.raises(DistributedTestError, match="ppo_max_token_len_per_gpu") as caught:
+    same message naming verl's budget key of the pass that met it (not a hang, not a silent
+    over-budget micro-batch). The body's first pass is the actor's old log-probs, whose budget is
+    the rollout's key: the message names it, not the training key (issue 43)."""
+    rollout = "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"
+    with pytest.raises(DistributedTestError, match=rollout) as caught:
         run_on_ranks(
             4,
             _verl_body,
@@ -728,7 +731,9 @@ def test_an_oversize_sample_is_refused_on_every_rank_naming_verls_key(patched_ve
     assert sorted(errors) == [0, 1, 2, 3], errors
     for name, message in errors.values():
         assert name == "StepAgreementError", (name, message)
-        assert "ppo_max_token_len_per_gpu" in message and "exceed the token cap 24" in message
+        assert f"({rollout}=24)" in message and "exceed the token cap 24" in message
+        assert f"Raise {rollout} to at least" in message
+        assert "actor_rollout_ref.actor.ppo_max_token_len_per_gpu" not in message
 
 
 @needs_verl
