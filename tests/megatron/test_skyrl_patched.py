@@ -990,7 +990,7 @@ BAD_MEMORY_CASES = tuple(
 ) + (
     (
         MEGATRON_ON + ["trainer.dynamic_batch_planner=nope"],
-        "trainer.dynamic_batch_planner='nope': no schedule strategy named 'nope'",
+        "trainer.dynamic_batch_planner='nope': no planner named 'nope'",
     ),
     (MEGATRON_ON + ["trainer.dynamic_batch_planner=fixed"], "plans padded rows only"),
     (MEGATRON_ON + ["trainer.dynamic_batch_planner=dynbatch"], None),
