@@ -26,6 +26,7 @@ from megatron_dynbatch.planning.spec import (
 )
 
 __all__ = [
+    "ATTENTION_CHOICES",
     "FLAGS",
     "DynBatchConfig",
     "attention_from_megatron",
@@ -49,7 +50,15 @@ FLAGS: Dict[str, str] = {
     "oversize_samples": "--oversize-samples",
     "max_memory_gib": "--max-memory-gib",
     "planner": "--dynamic-batch-planner",
+    "attention": "--dynamic-batch-attention",
 }
+
+#: The core attention a Megatron-LM launch runs (``--dynamic-batch-attention``, YAML
+#: ``attention``): ``auto`` picks one (``integrations/megatron_lm/attention.py``);
+#: ``transformer-engine``: Megatron's TE spec as is; ``torch-varlen``: torch's flash kernels
+#: (``mcore/varlen_attention.py``, CUDA); ``reference``: the torch reference of TE's THD attention
+#: (``mcore/thd_attention.py``, any device, dense).
+ATTENTION_CHOICES = ("auto", "transformer-engine", "torch-varlen", "reference")
 
 #: The cost-model fields of :class:`DynBatchConfig` (floats >= 0; ``None`` where optional).
 _COST_FIELDS = (
@@ -88,6 +97,7 @@ def attention_from_megatron(
     layout: str,
     *,
     reference_thd: bool = False,
+    core_attention: Optional[str] = None,
 ) -> str:
     """The cost model's attention kind of what Megatron runs (``spec.ATTENTION_KINDS``).
 
@@ -103,11 +113,16 @@ def attention_from_megatron(
         attention_backend: ``--attention-backend`` (a name or Megatron's ``AttnBackend`` enum;
             ``None``: ``auto``).
         layout: ``packed`` or ``padded``.
-        reference_thd: ``--dynamic-batch-reference-thd-attention``: the local spec's core
-            attention is replaced by the reference of transformer-engine's THD attention, which
-            attends per segment as the GPU path does (and takes one packed row a micro-batch).
+        reference_thd: The same as ``core_attention="reference"`` (the retired
+            ``--dynamic-batch-reference-thd-attention``).
+        core_attention: The core attention the launch resolved ``--dynamic-batch-attention`` to
+            (``integrations/megatron_lm/attention.py``): ``torch-varlen`` (flash varlen on packed
+            THD rows, flash causal on padded rows) and ``reference`` (the reference of TE's THD
+            attention, per segment as the GPU path) attend packed rows per segment (one packed
+            row a micro-batch); ``transformer-engine``, ``local`` or ``None``: read from
+            ``transformer_impl`` / ``attention_backend``.
     """
-    if reference_thd:
+    if reference_thd or core_attention in ("torch-varlen", "reference"):
         return "segment" if layout == "packed" else "causal"
     impl = str(transformer_impl or "transformer_engine").lower()
     backend = str(getattr(attention_backend, "name", attention_backend) or "auto").lower()
@@ -189,8 +204,19 @@ class DynBatchConfig:
     ``fixed`` (Megatron's stock padded batching under the same budget, ``layout: padded``), or
     ``module:name`` for one a module registers when imported (e.g.
     ``benchmarks.baselines:verl_kk`` from a checkout). Checked when the config is built."""
+    attention: str = "auto"
+    """The core attention of the Megatron-LM launch (:data:`ATTENTION_CHOICES`): ``auto``
+    (transformer-engine with ``--transformer-impl transformer_engine``; else torch-varlen on CUDA
+    in bf16 / fp16; else Megatron's local attention, with the reference where rows are THD),
+    ``transformer-engine``, ``torch-varlen`` (torch's flash kernels, CUDA) or ``reference`` (the
+    torch reference of TE's THD attention). Its flag works without dynamic batching too."""
 
     def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_CHOICES:
+            raise DynBatchValueError(
+                f"attention={self.attention!r} ({FLAGS['attention']}) is not one of "
+                f"{', '.join(ATTENTION_CHOICES)}; pick one (auto picks for this machine)."
+            )
         if self.max_tokens_per_gpu is None:
             raise DynBatchValueError(
                 "max_tokens_per_gpu is not set; pass --max-tokens-per-gpu (or set "

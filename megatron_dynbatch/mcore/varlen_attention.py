@@ -123,10 +123,10 @@ def segment_sdpa_kernel(*, supports_gqa: bool = False) -> VarlenKernel:
         if not supports_gqa and key.shape[1] != query.shape[1]:
             raise AssertionError("the caller expands key/value for a kernel without GQA")
         bounds = cu_seqlens.tolist()
-        if max(b - a for a, b in zip(bounds[:-1], bounds[1:])) > max_seqlen:
+        if max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)) > max_seqlen:
             raise AssertionError(f"max_seqlen {max_seqlen} below a segment of {bounds}")
         outputs = []
-        for start, end in zip(bounds[:-1], bounds[1:]):
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
             q, k, v = (x[start:end].transpose(0, 1)[None] for x in (query, key, value))
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
@@ -196,7 +196,7 @@ def varlen_plan(packed_seq_params: Any, total: int, device: torch.device) -> Var
     if bounds[-1] != total:
         starts = padded[:-1].tolist()
         index = torch.cat(
-            [torch.arange(s, s + n) for s, n in zip(starts, lengths) if n > 0]
+            [torch.arange(s, s + n) for s, n in zip(starts, lengths, strict=True) if n > 0]
             or [torch.zeros(0, dtype=torch.int64)]
         ).to(device)
     return VarlenPlan(

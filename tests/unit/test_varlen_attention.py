@@ -107,11 +107,11 @@ def test_outputs_and_gradients_equal_the_reference(groups, supports_gqa, with_pa
     params = _params(real, padded, longest=max(real[i + 1] - real[i] for i in range(len(real) - 1)))
     ours = _grads(varlen, q, k, v, params, weight)
     theirs = _grads(reference, q, k, v, params, weight)
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     if padded is not None:
         # Padding tokens: zero output and no gradient into them.
-        bounds = list(zip(real[:-1], real[1:], padded[:-1], padded[1:]))
+        bounds = list(zip(real[:-1], real[1:], padded[:-1], padded[1:], strict=True))
         for r0, r1, p0, p1 in bounds:
             assert torch.all(ours[0][p0 + (r1 - r0) : p1] == 0)
             assert torch.all(ours[1][p0 + (r1 - r0) : p1] == 0)

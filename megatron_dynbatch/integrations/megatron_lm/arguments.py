@@ -26,6 +26,7 @@ import os
 from typing import Any, Dict, Optional
 
 from megatron_dynbatch.config import (
+    ATTENTION_CHOICES,
     FLAGS,
     DynBatchConfig,
     attention_from_megatron,
@@ -275,11 +276,21 @@ def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.Argument
         "given on the command line override it.",
     )
     group.add_argument(
+        FLAGS["attention"],
+        choices=ATTENTION_CHOICES,
+        default=None,
+        help="The core attention, in every mode of the launch (stock and fixed too): "
+        "transformer-engine (--transformer-impl transformer_engine), torch-varlen (torch's "
+        "flash kernels: varlen on packed THD rows, SDPA flash on the others; CUDA, bf16/fp16, "
+        "--transformer-impl local), reference (a dense torch reference of TE's THD attention, "
+        "any device). Default auto: transformer-engine with --transformer-impl "
+        "transformer_engine, else torch-varlen on CUDA in bf16/fp16, else Megatron's local "
+        "attention with the reference where rows are THD. One that cannot run is refused.",
+    )
+    group.add_argument(
         "--dynamic-batch-reference-thd-attention",
         action="store_true",
-        help="With --transformer-impl local: pass packed rows to the model as THD PackedSeqParams "
-        "(the transformer-engine path) and attend with megatron_dynbatch's torch reference of "
-        "TE's THD attention. Tests the GPU path on machines without CUDA; slow (dense scores).",
+        help="Deprecated: the same as --dynamic-batch-attention reference.",
     )
     add_calibration_args(group)
     return parser
@@ -413,6 +424,10 @@ def dynbatch_config_from_args(args: Any) -> DynBatchConfig:
     if config_path is not None:
         values.update({k: v for k, v in load_yaml_config(config_path).items() if v is not None})
     values.update(_given(args))
+    # Imported here: it reads the machine (CUDA) through torch, which this module does not import.
+    from .attention import lenient_attention, requested_attention
+
+    values["attention"] = requested_attention(args, values.get("attention"))
     if values.get("max_tokens_per_gpu") is None and values.get("max_memory_gib") is not None:
         # Only a memory budget: no token cap of its own; the planner's cap is the longest row
         # the memory budget allows (PlannerConfig.token_cap), re-derived as calibration refits.
@@ -425,11 +440,13 @@ def dynbatch_config_from_args(args: Any) -> DynBatchConfig:
         values["layout"] = "padded"
     if values.get("cost_attention") is None:
         # The cost model describes the attention that runs: read it from Megatron's own flags.
+        # With torch-varlen (auto on CUDA) packed rows attend per segment: the default packed
+        # layout then plans one THD row a micro-batch ("segment"), padded rows "causal".
         values["cost_attention"] = attention_from_megatron(
             getattr(args, "transformer_impl", None),
             getattr(args, "attention_backend", None),
             values.get("layout") or "packed",
-            reference_thd=bool(getattr(args, "dynamic_batch_reference_thd_attention", False)),
+            core_attention=lenient_attention(args, values["attention"]),
         )
     return config_from_mapping(values)
 
@@ -456,7 +473,8 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
     config_path = getattr(args, "dynamic_batch_config", None)
     variable = getattr(args, VARIABLE_SEQ_LENGTHS_DEST, None) is not None
     if not getattr(args, "use_dynamic_batch_size", False):
-        stray = [FLAGS[field] for field in given]
+        # --dynamic-batch-attention picks the attention of every mode of the launch.
+        stray = [FLAGS[field] for field in given if field != "attention"]
         if config_path is not None:
             stray.append("--dynamic-batch-config")
         if variable:
