@@ -503,8 +503,8 @@ def render(
     lines = [
         "# GPU check",
         "",
-        f"Command: `python benchmarks/gpu_check.py {'--tiny ' if options.tiny else ''}"
-        f"--wheels .whl --report docs/gpu.md`",
+        "Command: `python benchmarks/gpu_check.py "
+        + ("--tiny --report REPORT`" if options.tiny else "--wheels .whl --report REPORT`"),
         "",
         "| | |",
         "|---|---|",
@@ -545,7 +545,8 @@ def render(
     bf16 = loss_agreement(runs["dynamic-packed"], runs["fixed"])
     lines += [
         "",
-        f"Loss, bf16 runs (dynamic-packed vs fixed, same samples, iterations both ran): largest "
+        f"Loss, {'fp32 (--tiny)' if options.tiny else 'bf16'} runs (dynamic-packed vs fixed, "
+        "same samples, iterations both ran): largest "
         f"relative difference {bf16:.2e} (stated bf16 tolerance {BF16_LOSS_TOLERANCE:g}: "
         + ("within" if bf16 <= BF16_LOSS_TOLERANCE else "**over**")
         + ")",
