@@ -2,8 +2,8 @@
 
 It launches Megatron-LM's entry through ``launch/train_gpt_dynbatch.sh`` in every arm of the GPU
 check (fixed, stock, stock with document masking, dynamic packed and padded at the stock run's
-measured memory, then fixed and dynamic in fp32), runs the kernel check, and prints the same
-table: the same code path a GPU machine takes, with a 2-layer model in fp32 and the reference
+measured memory; without CUDA these already run in fp32 on the reference attention, so the fp32
+loss check reads fixed and dynamic packed), runs the kernel check, and prints the same table: the same code path a GPU machine takes, with a 2-layer model in fp32 and the reference
 attention in place of torch-varlen (which needs CUDA). If the script rots (a renamed flag, a log
 line it no longer finds), this fails.
 """
