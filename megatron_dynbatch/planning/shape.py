@@ -52,6 +52,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from megatron_dynbatch.errors import DynBatchValueError
 
 from .balance import RankBalancer, assign_bins_to_ranks, pipeline_orders
+from .candidates import TINY_STEP_SAMPLES, is_small_step, natural_count, small_step_candidates
 from .cost import row_cost, row_costs, tail_cost
 from .packing import feasible_pack, min_bins
 from .simulate import BACKWARD_TO_FORWARD_RATIO, pipeline_makespan
@@ -117,6 +118,9 @@ class StepProblem:
     multi_row_cap: Optional[int] = None
     """With ``memory``: the token budget's cap on ``B * S`` for ``B > 1`` (``cap`` is the one-row
     cap, memory included); ``None``: ``cap``."""
+    disable_more_candidates: bool = False
+    """Score the shape search's own constructions only (the planner before the small-step
+    candidates of :mod:`.candidates`): what the tests compare against."""
     row_align: Optional[int] = None
     """Set by :func:`choose_shape` (from ``row_multiple``) when it scores uniform rows beside
     variable ones: shapes are exchanged, so a uniform row ``S`` of the packed layout is rounded up
@@ -301,7 +305,53 @@ def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
             known = scored.get((m, 1))
             if known is None or shape.step_time < known.step_time * (1.0 - _TIE):
                 scored[(m, 1)] = shape
-    return _pick(scored, problem.min_gain), min(s.min_per_rank for s in searches)
+    chosen = _pick(scored, problem.min_gain)
+    if problem.layout == "packed" and not problem.disable_more_candidates:
+        chosen = _more_candidates(problem, searches, scored, chosen)
+    return chosen, min(s.min_per_rank for s in searches)
+
+
+def _more_candidates(
+    problem: StepProblem,
+    searches: List["_Search"],
+    scored: Dict[Tuple[int, int], StepShape],
+    chosen: StepShape,
+) -> StepShape:
+    """On a small step, the other constructions of :mod:`.candidates` scored beside ours.
+
+    For the chosen count and the count first fit needs (and every count searched, on a tiny
+    step), each construction is scored like the search's own candidates (its order as given
+    too, where it has one); the fastest is kept only when it beats ``chosen``, so the step is
+    never predicted slower than without them.
+    """
+    search = next((s for s in searches if s.rows == 1), None)
+    if (
+        not isinstance(search, _PackedSearch)
+        or search.oversize
+        or not search.arrival
+        or not is_small_step(len(problem.items), search.dp)
+    ):
+        return chosen
+    sizes, model = problem.sizes, search.model
+    weights = {i: model.token_weight * sizes[i] + problem.sample_costs[i] for i in search.arrival}
+    multiple = search.microbatch_multiple
+    # One more micro-batch a rank gives the split more freedom where its overhead is small.
+    counts = {chosen.per_rank, chosen.per_rank + multiple}
+    counts.add(round_up(natural_count(search.arrival, sizes, search.cap, search.dp), multiple))
+    if len(problem.items) <= TINY_STEP_SAMPLES:
+        counts.add(search.min_per_rank)
+        counts.update(search.candidates())
+    more = dict(scored)
+    for m in sorted(counts):
+        for _name, ranks, keep_order in small_step_candidates(
+            search.arrival, sizes, weights, search.cap, search.dp, m
+        ):
+            for shape in search.score_ranks(ranks, m, keep_order):
+                known = more.get((m, 1))
+                if known is None or shape.step_time < known.step_time * (1.0 - _TIE):
+                    more[(m, 1)] = shape
+    best = _pick(more, problem.min_gain)
+    return best if best.step_time < chosen.step_time * (1.0 - _TIE) else chosen
 
 
 def _finer_splits(
@@ -587,11 +637,13 @@ class _Search:
         rows: int,
         rank_bins: Optional[List[List[int]]] = None,
         token_loads: bool = False,
+        keep_order: bool = False,
     ) -> StepShape:
         """Assign bins to ranks (unless given), balance, order for the pipeline, and simulate.
 
         ``token_loads``: ``loads`` are the bins' padded tokens (packed searches), kept on the
-        shape unless sample moves change the bins."""
+        shape unless sample moves change the bins. ``keep_order``: run each rank's bins in the
+        order ``rank_bins`` gives (a construction's own order), not reordered for the pipeline."""
         problem = self.problem
         costs = problem.sample_costs
         layout = problem.layout
@@ -632,7 +684,10 @@ class _Search:
         if layout == "packed" and self.varies and row_lengths is None and rows == 1:
             bin_costs = self._balance(bins, loads, own, rank_bins, seq_length, per_rank, bin_costs)
             token_loads = False  # samples may have moved between bins
-        orders = self._orders(rank_bins, bins, bin_costs)
+        if keep_order:
+            orders = [list(rank) for rank in rank_bins]
+        else:
+            orders = self._orders(rank_bins, bins, bin_costs)
         step_time = self._step_time(orders, bin_costs)
         if any(not any(map(bins.__getitem__, rank)) for rank in rank_bins):
             orders, step_time = self._spread(rank_bins, bins, bin_costs, orders, step_time)
@@ -896,6 +951,30 @@ class _PackedSearch(_Search):
         shape = self.score(bins, loads, per_rank, max(row_loads), self.rows, token_loads=True)
         shape.packed_rows = packed
         return shape
+
+    def score_ranks(
+        self, ranks: List[List[List[int]]], per_rank: int, keep_order: bool
+    ) -> List[StepShape]:
+        """A construction's ``ranks[r][m]`` (one row a bin) scored: reordered for the pipeline,
+        and as given where ``keep_order`` (with a pipeline only: without one order is moot)."""
+        sizes = self.problem.sizes
+        bins = [list(mb) for rank in ranks for mb in rank]
+        loads = [sum(map(sizes.__getitem__, mb)) for mb in bins]
+        rank_bins = [list(range(r * per_rank, (r + 1) * per_rank)) for r in range(len(ranks))]
+        shapes = []
+        for keep in (False, True) if keep_order and self.pp > 1 else (False,):
+            shape = self.score(
+                [list(mb) for mb in bins],
+                loads,
+                per_rank,
+                max(loads),
+                1,
+                [list(rank) for rank in rank_bins],
+                token_loads=True,
+                keep_order=keep,
+            )
+            shapes.append(shape)
+        return shapes
 
     def alternative(self, per_rank: int) -> Optional[StepShape]:
         """Ranks-first packing where attention or response work makes ranks differ, on steps
