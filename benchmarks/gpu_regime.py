@@ -50,8 +50,9 @@ per-micro-batch rows (multiple 64: every peer as if it ran Megatron with
 fastest that keeps the budget.
 
 Run: ``.venv/bin/python -m benchmarks.gpu_regime [--weights FILE.json] [--seeds 0,1,2]
-[--markdown] [--json]`` (about 15 s a seed). ``--markdown`` prints ``docs/benchmarks.md``'s
-tables; other seeds draw held-out workloads of the same families.
+[--markdown] [--peers] [--json]`` (about 15 s a seed). ``--markdown`` prints ``docs/benchmarks.md``'s
+tables; ``--peers`` ours (told) and every peer per case, step / bound with the bubble's share of
+the step; other seeds draw held-out workloads of the same families.
 """
 
 from __future__ import annotations
@@ -499,6 +500,42 @@ def markdown_lines(results: Sequence[Dict[str, Any]]) -> List[str]:
     return lines
 
 
+def peer_lines(results: Sequence[Dict[str, Any]]) -> List[str]:
+    """Ours (told) and every peer per case: step / bound, and in brackets the bubble's share of
+    the step (``†``: the peer has micro-batches over the cap; ``fails``: its code refuses)."""
+    names = list(results[0]["peers"]) if results else []
+    lines = [
+        "| case | ours told | " + " | ".join(names) + " |",
+        "|---|" + "---|" * (len(names) + 1),
+    ]
+
+    def cell(scored: Dict[str, Any]) -> str:
+        if "step" not in scored:
+            return "fails"
+        mark = "†" if scored["over_cap"] else ""
+        return f"{scored['step']:.3f}{mark} ({scored['bubble'] / scored['step']:.0%})"
+
+    for r in results:
+        cells = [cell(r["ours"]["told"])] + [cell(r["peers"][n]) for n in names]
+        lines.append(f"| {r['case']} | " + " | ".join(cells) + " |")
+    for name in ["ours told"] + names:
+        scored = [r["ours"]["told"] if name == "ours told" else r["peers"][name] for r in results]
+        kept = [x for x in scored if "step" in x]
+        if kept:
+            steps = [x["step"] for x in kept]
+            bubble = sum(x["bubble"] / x["step"] for x in kept) / len(kept)
+            lines.append(
+                f"{name}: step / bound mean {sum(steps) / len(steps):.3f} over {len(kept)} "
+                f"case(s) it runs, bubble {bubble:.0%} of the step on average"
+                + (
+                    f"; over the cap in {sum(1 for x in kept if x['over_cap'])}"
+                    if name != "ours told"
+                    else ""
+                )
+            )
+    return lines
+
+
 def summary_lines(results: Sequence[Dict[str, Any]]) -> List[str]:
     ratios = [(r["ours"]["told"]["step"] / r["best_peer"][0], r["case"]) for r in results]
     worst = max(ratios)
@@ -598,6 +635,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--seeds", default="0", help="workload seeds, comma separated")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--markdown", action="store_true", help="print the docs' tables")
+    parser.add_argument(
+        "--peers",
+        action="store_true",
+        help="print ours (told) and every peer per case: step / bound (bubble share of the step)",
+    )
     args = parser.parse_args(argv)
     assumed, weights = _load_weights(args.weights)
     results = []
@@ -613,6 +655,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print()
     if args.markdown:
         print("\n".join(markdown_lines(results)))
+        print()
+    if args.peers:
+        print("\n".join(peer_lines(results)))
         print()
     print("\n".join(summary_lines(results)))
     return 0

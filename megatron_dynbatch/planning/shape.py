@@ -54,7 +54,7 @@ from megatron_dynbatch.errors import DynBatchValueError
 from .balance import RankBalancer, assign_bins_to_ranks, pipeline_orders
 from .candidates import TINY_STEP_SAMPLES, is_small_step, natural_count, small_step_candidates
 from .cost import row_cost, row_costs, tail_cost
-from .packing import feasible_pack, min_bins
+from .packing import feasible_pack, min_bins, profile_pack
 from .simulate import BACKWARD_TO_FORWARD_RATIO, pipeline_makespan
 from .spec import CostModel, ParallelLayout, ceil_div, round_up
 
@@ -88,6 +88,14 @@ _FINER_EVALUATIONS = 10
 _FINER_LIMIT = 512
 #: Two spread picks in a row slower than the fastest by more than this end the spread.
 _FINER_GIVE_UP = 0.03
+#: Ramps: steps of at most this many samples get micro-batches packed to a rising and falling
+#: profile (:func:`_ramp_splits`) ...
+_RAMP_LIMIT = 1024
+#: ... at these multiples of the fastest count so far ...
+_RAMP_FACTORS = (1.0, 1.5, 2.0, 3.0)
+#: ... in these shapes: (the first and last micro-batch's share of a full one, micro-batches
+#: rising, micro-batches falling).
+_RAMPS = ((0.1, 4, 6), (0.15, 3, 5), (0.2, 2, 4), (0.25, 5, 5), (0.1, 6, 10), (0.3, 2, 2))
 #: Rows per packed micro-batch searched besides 1, at most: every B from 2 up to 8, then spread
 #: geometrically up to ``cap // longest sample`` (fixed micro-batch sizes are small).
 _MAX_ROW_COUNTS = 8
@@ -293,6 +301,8 @@ def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
             fastest = shape.step_time
     if problem.row_multiple is not None and problem.layout == "packed":
         _finer_splits(problem, searches[0], scored)
+        if not problem.disable_more_candidates:
+            _ramp_splits(problem, searches[0], scored)
     best = _pick(scored, problem.min_gain)
     # The second construction is dearer: only for the winning count (and the fewest), one row.
     for search in searches:
@@ -405,6 +415,94 @@ def _finer_splits(
         shape = search.evaluate(m)
         if shape is not None:
             scored[(m, 1)] = shape
+
+
+def _ramp_profile(count: int, first: float, rising: int, falling: int) -> List[float]:
+    """Relative loads of ``count`` micro-batches: from ``first`` of a full one up to 1 over
+    ``rising`` micro-batches, level, and down to ``first`` over the last ``falling``
+    (geometrically)."""
+    profile = [1.0] * count
+    for k in range(min(rising, count)):
+        profile[k] = first ** ((rising - k) / rising)
+    for j in range(min(falling, count)):
+        profile[count - 1 - j] = min(profile[count - 1 - j], first ** ((falling - j) / falling))
+    return profile
+
+
+def _ramp_targets(profile: Sequence[float], total: float, cap: int) -> List[float]:
+    """``profile`` scaled so its loads, each at most ``cap``, add up to ``total``."""
+    low, high = 0.0, float(cap) / min(profile)
+    if sum(min(cap, high * p) for p in profile) < total:
+        return [float(cap)] * len(profile)
+    for _ in range(40):
+        middle = (low + high) / 2
+        if sum(min(cap, middle * p) for p in profile) < total:
+            low = middle
+        else:
+            high = middle
+    return [min(float(cap), high * p) for p in profile]
+
+
+def _ramp_splits(
+    problem: StepProblem, search: "_Search", scored: Dict[Tuple[int, int], StepShape]
+) -> None:
+    """Variable rows under a pipeline: micro-batches that ramp up and down (issue 45).
+
+    The pipeline's warm-up waits for the first micro-batches' forwards and its cool-down for the
+    last ones' backwards; with even rows every one of them is a full row's worth. Packed to a
+    profile instead (:func:`.packing.profile_pack`: a few small micro-batches rising
+    geometrically to a level, and falling again at the end), the fill and drain run short rows
+    while the steady state runs full ones: for the same work and a few more micro-batches'
+    overhead, less bubble. Several counts (from the fastest so far up to three times it) and
+    ramp shapes (:data:`_RAMPS`) are packed, each scored in the pipeline order of the search and
+    in the profile's own; the simulated step decides, as for every candidate.
+    """
+    parallel = problem.parallel
+    if (
+        parallel.pp_size == 1
+        or not isinstance(search, _PackedSearch)
+        or search.rows != 1
+        or search.oversize
+        or not search.arrival
+        or len(problem.items) > _RAMP_LIMIT
+    ):
+        return
+    dp, multiple = search.dp, search.microbatch_multiple
+    most = len(search.arrival) // dp
+    fastest = _pick(scored, problem.min_gain).per_rank
+    counts = sorted(
+        {
+            min(most, round_up(max(fastest, math.ceil(fastest * factor)), multiple))
+            for factor in _RAMP_FACTORS
+        }
+    )
+    total = float(search.total) / dp
+    for m in counts:
+        if m < multiple or m % multiple:
+            continue
+        for first, rising, falling in _RAMPS:
+            if rising + falling > m:
+                continue
+            targets = _ramp_targets(_ramp_profile(m, first, rising, falling), total, search.cap)
+            packing = profile_pack(problem.sizes, search.order, [targets] * dp, search.cap)
+            if packing is None:
+                continue
+            bins, loads = packing
+            rank_bins = [list(range(r * m, (r + 1) * m)) for r in range(dp)]
+            for keep in (False, True):
+                shape = search.score(
+                    [list(members) for members in bins],
+                    loads,
+                    m,
+                    max(loads),
+                    1,
+                    [list(rank) for rank in rank_bins],
+                    token_loads=True,
+                    keep_order=keep,
+                )
+                known = scored.get((m, 1))
+                if known is None or shape.step_time < known.step_time * (1.0 - _TIE):
+                    scored[(m, 1)] = shape
 
 
 def _finer_search(search: "_Search", scored: Dict[Tuple[int, int], StepShape]) -> None:
