@@ -29,6 +29,7 @@ __all__ = [
     "first_fit",
     "first_fit_bins",
     "is_small_step",
+    "least_rounding",
     "natural_count",
     "small_step_candidates",
 ]
@@ -46,6 +47,8 @@ EXACT_SAMPLES = 16
 #: ... visiting at most this many nodes (the best split found so far is kept when it runs out).
 EXACT_NODES = 20000
 
+#: Ranks of at most this many samples get the packing with the least rounding of their rows.
+EXACT_ROWS_SAMPLES = 6
 #: Largest ``samples x ranks`` for which the free differencing split is built (a few ms of CPU).
 KK_LIMIT = 20000
 
@@ -69,6 +72,7 @@ def small_step_candidates(
     cap: int,
     dp_size: int,
     per_rank: int,
+    row_multiple: Optional[int] = None,
 ) -> Iterator[Construction]:
     """Schedules of ``per_rank`` micro-batches a rank under ``cap`` padded tokens a row.
 
@@ -79,6 +83,8 @@ def small_step_candidates(
         cap: The most padded tokens a micro-batch may hold.
         dp_size: DP ranks.
         per_rank: Micro-batches every rank runs.
+        row_multiple: Rows of their own length, rounded up to this: on a tiny step, ranks of at
+            most :data:`EXACT_ROWS_SAMPLES` samples are also packed with the least rounding.
 
     Yields:
         Constructions (see :data:`Construction`) that fit: ranks split by differencing (free and
@@ -106,6 +112,14 @@ def small_step_candidates(
         ranks = _differenced_ranks(split, sizes, weights, cap, per_rank)
         if ranks is not None:
             yield name + "-differenced", ranks, True
+        if (
+            row_multiple is not None
+            and len(items) <= TINY_STEP_SAMPLES
+            and max(map(len, split)) <= EXACT_ROWS_SAMPLES
+        ):
+            ranks = [least_rounding(part, sizes, cap, per_rank, row_multiple) for part in split]
+            if all(rank is not None for rank in ranks):
+                yield name + "-least-rounding", ranks, False
     orders = [("first-fit", items)]
     if len(items) <= TINY_STEP_SAMPLES:
         orders.append(("first-fit-decreasing", sorted(items, key=lambda i: (-sizes[i], i))))
@@ -130,6 +144,61 @@ def _pack_ranks(
             return None
         ranks.append([list(b) for b in packing[0]])
     return ranks
+
+
+def least_rounding(
+    members: Sequence[int], sizes: Sequence[int], cap: int, per_rank: int, multiple: int
+) -> Optional[List[List[int]]]:
+    """``members`` into ``per_rank`` rows (empty ones: placeholders, one ``multiple`` long) with
+    the fewest padded tokens when every row is its load rounded up to ``multiple``; ``None`` when
+    they do not fit. Exact (a search over subsets, O(per_rank * 3**n)): tiny ranks only."""
+    n = len(members)
+    full = (1 << n) - 1
+    load = [0] * (1 << n)
+    for mask in range(1, 1 << n):
+        low = mask & -mask
+        load[mask] = load[mask ^ low] + sizes[members[low.bit_length() - 1]]
+    # A real row costs its rounded length beyond the placeholder it replaces.
+    row = [
+        (-(-load[mask] // multiple)) * multiple - multiple if load[mask] <= cap else None
+        for mask in range(1 << n)
+    ]
+    if n == 1 and load[1] > cap:
+        row[1] = 0  # a lone oversize sample runs alone whatever it costs
+    inf = float("inf")
+    best = [inf] * (1 << n)
+    best[0] = 0.0
+    choice: List[List[int]] = [[0] * (1 << n) for _ in range(per_rank + 1)]
+    layers = [best]
+    for k in range(1, per_rank + 1):
+        prev, cur = layers[-1], [inf] * (1 << n)
+        cur[0] = 0.0
+        for mask in range(1, 1 << n):
+            low = mask & -mask
+            rest = mask ^ low
+            sub = rest
+            while True:
+                part = sub | low
+                cost = row[part]
+                if cost is not None and prev[mask ^ part] + cost < cur[mask]:
+                    cur[mask] = prev[mask ^ part] + cost
+                    choice[k][mask] = part
+                if sub == 0:
+                    break
+                sub = (sub - 1) & rest
+        layers.append(cur)
+    if layers[-1][full] == inf:
+        return None
+    rows: List[List[int]] = []
+    mask = full
+    for k in range(per_rank, 0, -1):
+        if mask == 0:
+            rows.append([])
+            continue
+        part = choice[k][mask]
+        rows.append([members[j] for j in range(n) if part >> j & 1])
+        mask ^= part
+    return rows
 
 
 def _differenced_ranks(

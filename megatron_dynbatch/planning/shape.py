@@ -354,7 +354,7 @@ def _more_candidates(
     more = dict(scored)
     for m in sorted(counts):
         for _name, ranks, keep_order in small_step_candidates(
-            search.arrival, sizes, weights, search.cap, search.dp, m
+            search.arrival, sizes, weights, search.cap, search.dp, m, problem.row_multiple
         ):
             for shape in search.score_ranks(ranks, m, keep_order):
                 known = more.get((m, 1))
