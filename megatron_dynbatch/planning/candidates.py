@@ -38,7 +38,7 @@ __all__ = [
 SMALL_STEP_PER_RANK = 8
 #: ... and at most this many samples in all (the constructions cost a few packings each), or when
 #: it has at most :data:`TINY_STEP_SAMPLES`.
-SMALL_STEP_SAMPLES = 4096
+SMALL_STEP_SAMPLES = 1024
 #: Steps of at most this many samples are tiny: every count is worth a construction, and the
 #: exact split over the ranks is searched.
 TINY_STEP_SAMPLES = 64

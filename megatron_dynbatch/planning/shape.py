@@ -88,14 +88,19 @@ _FINER_EVALUATIONS = 10
 _FINER_LIMIT = 512
 #: Two spread picks in a row slower than the fastest by more than this end the spread.
 _FINER_GIVE_UP = 0.03
+#: Small steps of at most this many samples get the candidates of :mod:`.candidates` at more
+#: counts than the chosen one (each count costs a few pipeline replays of every rank).
+_MORE_COUNTS_LIMIT = 256
 #: Ramps: steps of at most this many samples get micro-batches packed to a rising and falling
 #: profile (:func:`_ramp_splits`) ...
 _RAMP_LIMIT = 1024
 #: ... at these multiples of the fastest count so far ...
-_RAMP_FACTORS = (1.0, 1.5, 2.0, 3.0)
+_RAMP_FACTORS = (1.0, 1.5)
 #: ... in these shapes: (the first and last micro-batch's share of a full one, micro-batches
-#: rising, micro-batches falling).
-_RAMPS = ((0.1, 4, 6), (0.15, 3, 5), (0.2, 2, 4), (0.25, 5, 5), (0.1, 6, 10), (0.3, 2, 2))
+#: rising, micro-batches falling). Of six shapes at four multiples (up to 3x) on the sixteen
+#: GPU-regime steps (``python -m benchmarks.gpu_regime``), these two at these two multiples
+#: found every fastest step.
+_RAMPS = ((0.25, 5, 5), (0.1, 6, 10))
 #: Rows per packed micro-batch searched besides 1, at most: every B from 2 up to 8, then spread
 #: geometrically up to ``cap // longest sample`` (fixed micro-batch sizes are small).
 _MAX_ROW_COUNTS = 8
@@ -329,8 +334,8 @@ def _more_candidates(
 ) -> StepShape:
     """On a small step, the other constructions of :mod:`.candidates` scored beside ours.
 
-    For the chosen count and the count first fit needs (and every count searched, on a tiny
-    step), each construction is scored like the search's own candidates (its order as given
+    For the chosen count (and on steps of at most :data:`_MORE_COUNTS_LIMIT` samples one more
+    and the count first fit needs, and on a tiny step every count searched), each construction is scored like the search's own candidates (its order as given
     too, where it has one); the fastest is kept only when it beats ``chosen``, so the step is
     never predicted slower than without them.
     """
@@ -346,8 +351,10 @@ def _more_candidates(
     weights = {i: model.token_weight * sizes[i] + problem.sample_costs[i] for i in search.arrival}
     multiple = search.microbatch_multiple
     # One more micro-batch a rank gives the split more freedom where its overhead is small.
-    counts = {chosen.per_rank, chosen.per_rank + multiple}
-    counts.add(round_up(natural_count(search.arrival, sizes, search.cap, search.dp), multiple))
+    counts = {chosen.per_rank}
+    if len(problem.items) <= _MORE_COUNTS_LIMIT:
+        counts.add(chosen.per_rank + multiple)
+        counts.add(round_up(natural_count(search.arrival, sizes, search.cap, search.dp), multiple))
     if len(problem.items) <= TINY_STEP_SAMPLES:
         counts.add(search.min_per_rank)
         counts.update(search.candidates())
@@ -453,8 +460,8 @@ def _ramp_splits(
     profile instead (:func:`.packing.profile_pack`: a few small micro-batches rising
     geometrically to a level, and falling again at the end), the fill and drain run short rows
     while the steady state runs full ones: for the same work and a few more micro-batches'
-    overhead, less bubble. Several counts (from the fastest so far up to three times it) and
-    ramp shapes (:data:`_RAMPS`) are packed, each scored in the pipeline order of the search and
+    overhead, less bubble. Two counts (the fastest so far and half as many again) and two ramp
+    shapes (:data:`_RAMPS`) are packed, each scored in the pipeline order of the search and
     in the profile's own; the simulated step decides, as for every candidate.
     """
     parallel = problem.parallel

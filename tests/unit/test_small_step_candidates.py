@@ -282,7 +282,7 @@ def test_least_rounding_is_exact_on_tiny_ranks():
         sizes = [rng.randint(1, 2000) for _ in range(n)]
         rows = least_rounding(list(range(n)), sizes, cap, per_rank, multiple)
 
-        def padded(mbs):
+        def padded(mbs, sizes=sizes, multiple=multiple):
             return sum(
                 -(-sum(sizes[i] for i in mb) // multiple) * multiple if mb else multiple
                 for mb in mbs
