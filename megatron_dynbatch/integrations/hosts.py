@@ -2,8 +2,8 @@
 
 A host (Megatron-LM, slime, SkyRL, verl, ...) is a :class:`Host`: its option names mapped to our
 settings, the keys that set its budget, whether it plans the whole step (``global``) or each DP
-rank's own shard (``sharded``), what its budget counts, what it does with a sample over the
-budget, and how its loss aggregates. Everything that checks a host's input goes through the
+rank's own shard (``sharded``), what its budget counts and what it does with a sample over the
+budget. Everything that checks a host's input goes through the
 functions here, so every host's errors are worded in its own option names and no integration
 keeps its own copy of a budget, length or oversize check:
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 import numbers
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Tuple, Union
 
 from megatron_dynbatch.config import FLAGS, config_from_mapping
 from megatron_dynbatch.errors import DynBatchValueError
@@ -42,6 +42,7 @@ from megatron_dynbatch.planning.spec import (
     ATTENTION_CROSSOVER_7B,
     LAYOUT_FLAGS,
     layout_flags,
+    setting_flags,
     tokens_padded,
 )
 
@@ -58,6 +59,7 @@ __all__ = [
     "check_host_oversize",
     "host_config",
     "plan_host_step",
+    "register_host",
 ]
 
 #: ``global``: the host hands every rank the whole step, samples go to any DP rank
@@ -72,11 +74,6 @@ BudgetCounts = Literal["padded", "real"]
 #: What the host does with a sample over its budget: ``error`` refuses the step, ``allow`` runs it
 #: alone over the budget (``warn``: and says so once), ``option``: the host's own option decides.
 OversizePolicy = Literal["error", "allow", "warn", "option"]
-#: How the host's loss aggregates over micro-batches (what makes a zero-weight placeholder exact):
-#: ``global-normaliser``: each micro-batch is normalised by counts taken over the whole step
-#: before micro-batching (verl, SkyRL, Megatron-LM's per-token loss); ``per-rollout-mean``:
-#: slime's sum of per-rollout means, scaled by ``num_microbatches / global_batch_size``.
-LossAggregation = Literal["global-normaliser", "per-rollout-mean"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,10 +107,12 @@ class Host:
     ranks); ``False``: the budget caps the whole micro-batch, whatever the CP size (SkyRL)."""
     oversize: OversizePolicy
     """What the host does with a sample over its budget (see :data:`OversizePolicy`)."""
-    loss: LossAggregation
-    """How the host's loss aggregates (see :data:`LossAggregation`)."""
-    layout_flags: str
-    """The key of :data:`~megatron_dynbatch.planning.spec.LAYOUT_FLAGS` naming its parallel sizes."""
+    layout_flags: Union[str, Mapping[str, str]]
+    """How messages name its parallel sizes: a key of
+    :data:`~megatron_dynbatch.planning.spec.LAYOUT_FLAGS`, or (a host registered from outside the
+    package) its own mapping of ``dp_size`` / ``pp_size`` / ``vpp_size`` / ``tp_size`` /
+    ``cp_size`` / ``microbatch_group_size_per_vp_stage`` to its option names (those it leaves out
+    keep Megatron-LM's flag names)."""
     sample: str = "sample"
     """What the host calls a sample in messages (a global host numbers them by their position
     in the step, a sharded one within their DP rank)."""
@@ -122,7 +121,14 @@ class Host:
         assert "max_tokens_per_gpu" in self.keys, f"{self.name}: name its budget key"
         assert set(self.options.values()) <= set(FLAGS), f"{self.name}: unknown fields"
         assert set(self.keys) <= set(FLAGS), f"{self.name}: keys name unknown fields"
-        assert self.layout_flags in LAYOUT_FLAGS, f"{self.name}: no LAYOUT_FLAGS entry"
+        if isinstance(self.layout_flags, str):
+            assert self.layout_flags in LAYOUT_FLAGS, f"{self.name}: no LAYOUT_FLAGS entry"
+        else:
+            unknown = set(self.layout_flags) - set(LAYOUT_FLAGS["Megatron-LM"])
+            assert not unknown, f"{self.name}: layout_flags names unknown sizes {sorted(unknown)}"
+            object.__setattr__(
+                self, "layout_flags", {**LAYOUT_FLAGS["Megatron-LM"], **self.layout_flags}
+            )
         object.__setattr__(self, "options", dict(self.options))
         object.__setattr__(self, "fixed", dict(self.fixed))
         object.__setattr__(self, "defaults", dict(self.defaults))
@@ -136,7 +142,9 @@ class Host:
 
     def flags(self):
         """Errors raised inside that name parallel sizes also name the host's options."""
-        return layout_flags(self.layout_flags)
+        if isinstance(self.layout_flags, str):
+            return layout_flags(self.layout_flags)
+        return setting_flags(self.layout_flags, tool=self.name)
 
 
 MEGATRON_LM = Host(
@@ -147,7 +155,6 @@ MEGATRON_LM = Host(
     keys=dict(FLAGS),
     planning="global",
     oversize="option",
-    loss="global-normaliser",
     layout_flags="Megatron-LM",
 )
 
@@ -160,6 +167,7 @@ SLIME = Host(
         "log_probs_max_tokens_per_gpu": "log_probs_max_tokens_per_gpu",
         "oversize_samples": "oversize_samples",
         "max_memory_gib": "max_memory_gib",
+        "dynamic_batch_planner": "planner",
     },
     fixed={"layout": "packed"},
     defaults={"oversize_samples": "allow"},
@@ -169,10 +177,11 @@ SLIME = Host(
         "oversize_samples": "--oversize-samples",
         # Registered by patch 0005; read by integrations/slime/memory.py (GiB, no ``auto``).
         "max_memory_gib": "--max-memory-gib",
+        # Registered by patch 0005 (Megatron-LM's spelling): the schedule strategy by name.
+        "planner": "--dynamic-batch-planner",
     },
     planning="global",
     oversize="option",
-    loss="per-rollout-mean",
     layout_flags="slime",
 )
 
@@ -189,7 +198,6 @@ SKYRL = Host(
     budget_counts="real",
     budget_times_cp=False,
     oversize="allow",
-    loss="global-normaliser",
     layout_flags="SkyRL",
 )
 
@@ -210,7 +218,6 @@ VERL = Host(
     planning="sharded",
     budget_counts="real",
     oversize="error",
-    loss="global-normaliser",
     layout_flags="verl",
 )
 
@@ -243,12 +250,33 @@ NEMO_RL = Host(
     # make_sequence_length_divisible_by, whatever the CP size.
     budget_times_cp=False,
     oversize="error",
-    loss="global-normaliser",
     layout_flags="NeMo-RL",
 )
 
 #: Every host, by name: a check that "every host does X" is a loop over this.
 HOSTS: Dict[str, Host] = {host.name: host for host in (MEGATRON_LM, SLIME, SKYRL, VERL, NEMO_RL)}
+
+
+def register_host(host: Host, *, replace: bool = False) -> Host:
+    """Add a trainer's record to :data:`HOSTS` from outside the package; returns ``host``.
+
+    A trainer that is not built in (``examples/minimal_host.py``) describes itself with a
+    :class:`Host` (its option names, the budget key of each pass, what its budget counts, how it
+    plans) and registers it once at import; every check of this module then words its errors in
+    that trainer's keys. ``replace=True`` overrides a record of the same name (a test, a newer
+    version of the trainer's integration); otherwise a second record of one name is refused.
+    """
+    if not isinstance(host, Host):
+        raise DynBatchValueError(
+            f"register_host needs a megatron_dynbatch.integrations.hosts.Host, got {host!r}."
+        )
+    if host.name in HOSTS and not replace and HOSTS[host.name] != host:
+        raise DynBatchValueError(
+            f"a host named {host.name!r} is already registered; pick another name or pass "
+            "replace=True."
+        )
+    HOSTS[host.name] = host
+    return host
 
 
 def check_host_budget(host: Host, budget: Any, *, forward_only: bool = False) -> int:
@@ -282,11 +310,13 @@ def host_config(
     forward_only: bool = False,
     fixed: Optional[Mapping[str, Any]] = None,
     row_multiple: Optional[int] = None,
+    memory: Optional[Any] = None,
 ) -> PlannerConfig:
     """The planner's config from the host's option values (``values`` keyed by its option names).
 
     ``fixed`` adds fields the caller decides per call (slime's cost model, verl's layout) to the
-    host's own :attr:`Host.fixed`. A ``sharded`` host plans one rank's samples: ``parallel``
+    host's own :attr:`Host.fixed`; ``memory``: the host's memory budget as a
+    :class:`~megatron_dynbatch.planning.memory.MemoryLimit`, or ``None``. A ``sharded`` host plans one rank's samples: ``parallel``
     must have ``dp_size=1``.
 
     Raises:
@@ -311,11 +341,14 @@ def host_config(
             host=f"{host.name}'s options",
         )
     except DynBatchValueError as error:
-        raise DynBatchValueError(_in_host_words(host, str(error), forward_only)) from error
+        # The message without config_from_mapping's "(in ...: option -> field)" suffix: it is
+        # reworded in the host's keys, so the internal mapping says nothing to its users.
+        cause = error.__cause__ if isinstance(error.__cause__, DynBatchValueError) else error
+        raise DynBatchValueError(_in_host_words(host, str(cause), forward_only)) from error
     try:
         with host.flags():
             return config.planner_config(
-                parallel, forward_only=forward_only, row_multiple=row_multiple
+                parallel, forward_only=forward_only, row_multiple=row_multiple, memory=memory
             )
     except DynBatchValueError as error:
         raise DynBatchValueError(_in_host_words(host, str(error), forward_only)) from error
