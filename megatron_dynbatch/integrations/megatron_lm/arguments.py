@@ -410,9 +410,12 @@ def dynbatch_config_from_args(args: Any) -> DynBatchConfig:
     """
     values: Dict[str, Any] = {}
     config_path = getattr(args, "dynamic_batch_config", None)
+    given = _given(args)
     if config_path is not None:
-        values.update({k: v for k, v in load_yaml_config(config_path).items() if v is not None})
-    values.update(_given(args))
+        # Keys the command line overrides are not read from the file (nor refused there).
+        loaded = load_yaml_config(config_path, overridden=given)
+        values.update({k: v for k, v in loaded.items() if v is not None})
+    values.update(given)
     if values.get("max_tokens_per_gpu") is None and values.get("max_memory_gib") is not None:
         # Only a memory budget: no token cap of its own; the planner's cap is the longest row
         # the memory budget allows (PlannerConfig.token_cap), re-derived as calibration refits.

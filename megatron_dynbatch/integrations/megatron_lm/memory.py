@@ -128,24 +128,33 @@ def budget_bytes(max_memory_gib: Any) -> int:
 def check_memory_budget(limit: MemoryLimit, seq_length: Optional[int], flag: str) -> None:
     """Refuse, before the model is built, a budget one ``--seq-length`` sample cannot fit under.
 
+    ``limit`` carries the model the first step plans with (:attr:`StepMemory.current` before any
+    step: counted activations times :data:`UNCALIBRATED_SAFETY`) and its row multiple, so the
+    arithmetic is the first step's: the smallest budget named here is one that starts and trains
+    (issue 44: a minimum checked without the factor was refused again at the first step).
+
     Raises:
         DynBatchValueError: One line with the stage, the bytes predicted and the fixes.
     """
     model = limit.model
     length = int(seq_length or limit.row_multiple)
-    for stage in model.dims.stages():
-        need = model.uniform_peak(stage, (1, round_up(length, limit.row_multiple)))
-        if need > limit.budget_bytes:
-            rest = model.resting(stage)
-            raise DynBatchValueError(
-                f"{flag} {limit.budget_bytes / GIB:.3f} is too small for one --seq-length "
-                f"{length} sample: pipeline stage {stage} is predicted to hold "
-                f"{need / GIB:.3f} GiB at its peak ({rest / GIB:.3f} GiB of weights, gradients, "
-                f"optimizer state and process at rest, the rest activations of the micro-batches "
-                f"its schedule keeps alive); raise {flag} to at least {need / GIB * 1.05:.2f}, "
-                "recompute activations (--recompute-granularity selective / full), or lower "
-                "--seq-length."
-            )
+    row = (1, round_up(length, limit.row_multiple))
+    peaks = [model.uniform_peak(stage, row) for stage in model.dims.stages()]
+    need = max(peaks)
+    if need > limit.budget_bytes:
+        stage = peaks.index(need)
+        rest = model.resting(stage)
+        # Rounded up, so the named value itself passes this check.
+        smallest = math.ceil(need / GIB * 1000) / 1000
+        raise DynBatchValueError(
+            f"{flag} {limit.budget_bytes / GIB:.3f} is too small for one --seq-length "
+            f"{length} sample: pipeline stage {stage} is predicted to hold "
+            f"{need / GIB:.3f} GiB at its peak ({rest / GIB:.3f} GiB of weights, gradients, "
+            f"optimizer state and process at rest, the rest activations of the micro-batches "
+            f"its schedule keeps alive, counted x{UNCALIBRATED_SAFETY:g} until measured); raise "
+            f"{flag} to at least {smallest:.3f}, recompute activations (--recompute-granularity "
+            "selective / full), or lower --seq-length."
+        )
 
 
 def _proc_status_kib(key: str) -> int:
@@ -274,10 +283,11 @@ class StepMemory:
         need = self._row_peak(model)
         budget = self.budget
         caps: Tuple[Tuple[float, float], ...] = ()
-        if self.steps_seen == 0:
-            budget = min(budget, need)
-        elif need > budget:
-            if not self.warned_small:
+        if self.steps_seen == 0 or need > budget:
+            # The probe step (the first) runs rows of --seq-length: the start-up check
+            # (check_memory_budget) passed this arithmetic with the model's estimated memory at
+            # rest; measured, that may be more, which is said, never refused (issue 44).
+            if need > budget and not self.warned_small:
                 self.warned_small = True
                 if not dist.is_initialized() or dist.get_rank() == 0:
                     print(

@@ -226,11 +226,38 @@ def _check_validation_data(args: Any, splits: Optional[list]) -> None:
             f"no validation data (no --valid-data-path), but --eval-iters {args.eval_iters} asks "
             f"for validation; {fix}give --valid-data-path."
         )
+    split = args.split or DEFAULT_SPLIT
+    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+
+    documents = _document_count(splits)
+    if parse_and_normalize_split(split)[1] > 0 and documents is not None:
+        # A validation share that rounds to no document (issue 44: 98,2,0 of 3 documents was
+        # told to pass 98,2,0): name a split that gives it one.
+        fix += (
+            f"give --split a validation share of at least one document, e.g. --split "
+            f"{documents - 1},1,0"
+            if documents > 1
+            else "give --data-path more than one document"
+        )
+        raise DynBatchValueError(
+            f"--split {split!r} gives validation (its second number) a share of the "
+            f"{documents} document(s) that rounds to none, but --eval-iters {args.eval_iters} "
+            f"asks for validation; {fix}."
+        )
     raise DynBatchValueError(
-        f"--split {args.split or DEFAULT_SPLIT!r} leaves the validation split (its second "
+        f"--split {split!r} leaves the validation split (its second "
         f"number) without data, but --eval-iters {args.eval_iters} asks for validation; {fix}"
         "give --split a validation share (e.g. 98,2,0) and enough documents for it."
     )
+
+
+def _document_count(splits: Optional[list]) -> Optional[int]:
+    """The documents the splits were cut from (one collection, not a blend), or ``None``."""
+    for split in splits or ():
+        documents = getattr(split, "documents", None)
+        if documents is not None:
+            return len(documents)
+    return None
 
 
 def _tokenizer_eod() -> Optional[int]:
