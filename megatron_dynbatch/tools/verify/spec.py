@@ -46,10 +46,10 @@ MIN_RANKS_ALLOWED = 8
 #: Resident memory one verify rank needs (bytes), for the up-front check.
 RANK_BYTES = 400 * 2**20
 #: Tokens one rank may compute over the planned step (rows x length x micro-batches, placeholders
-#: included): 5.6x the bundled check's 1,464 at --max-tokens-per-gpu 128 (2 x [1x3480], 6,960, took 56 s
-#: on the loaded 2-core machine). Issue 44: one sample of
-#: 3,480 tokens under the default cap made 25 micro-batches of [1x3480] (87,000 tokens a rank),
-#: 170 s on a quiet machine, reported as hung under load.
+#: included): 5.6x the bundled check's 1,464 at --max-tokens-per-gpu 128; 2 x [1x3480] (6,960)
+#: took 56 s on the loaded 2-core machine. Issue 44: one sample of 3,480 tokens under the default
+#: cap made 25 micro-batches of [1x3480] (87,000 tokens a rank), 170 s on a quiet machine,
+#: reported as hung under load.
 MAX_COMPUTED_TOKENS_PER_RANK = 8192
 #: Attention heads of the verify model (the tiny GPT's); tp must divide it (and then also divides
 #: its hidden size 32, MLP width 128 and vocabulary 128).
