@@ -203,8 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     # parser runs, since the arguments are Megatron-LM's (hundreds of them, parsed by Megatron).
     sub.add_parser(
         "pretrain",
-        help="train a GPT with Megatron-LM's pretrain() and dynamic batching (run it under "
-        "torchrun; takes launch/pretrain_gpt_dynbatch.py's arguments)",
+        help="train a GPT with Megatron-LM's pretrain() and dynamic batching; one rank: run it "
+        "under torchrun (torchrun --nproc-per-node N -m megatron_dynbatch pretrain ..., or "
+        "torchrun --nproc-per-node N --no-python megatron-dynbatch pretrain ...); takes "
+        "launch/pretrain_gpt_dynbatch.py's arguments",
         add_help=False,
     )
     return parser

@@ -115,6 +115,12 @@ def _one_line_parser_errors(parser: argparse.ArgumentParser) -> None:
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron's ``extra_args_provider``: launch, dynamic-batching and CPU-default flags."""
     _one_line_parser_errors(parser)
+    # --help says how it is launched (issue 44: `megatron-dynbatch pretrain` read as a launcher).
+    parser.description = (
+        "Megatron-LM GPT pretraining with megatron_dynbatch (one rank; run it under torchrun: "
+        "torchrun --nproc-per-node N -m megatron_dynbatch pretrain ..., or torchrun "
+        "--nproc-per-node N launch/pretrain_gpt_dynbatch.py ... in a checkout)."
+    )
     return add_dynamic_batch_args(add_launch_args(add_cpu_defaults(parser)))
 
 
