@@ -63,6 +63,10 @@ __all__ = [
 #: ``--max-memory-gib auto`` keeps this share of the device's memory free: allocator
 #: fragmentation, NCCL buffers and the CUDA context are outside ``max_memory_allocated``.
 AUTO_MARGIN = 0.10
+#: The smallest ``--max-memory-gib`` a start-up refusal names is this much over the predicted
+#: need: on CPU the need includes the process's resident memory at the check, a few MiB more or
+#: less from one launch to the next, and the named value must pass on the next launch too.
+STARTUP_MARGIN = 0.05
 #: Steps at the start of a run whose peaks are not fitted: the first step allocates the
 #: optimizer's state (not yet in the memory at rest), and allocator caches settle.
 MEMORY_WARMUP_STEPS = 1
@@ -144,8 +148,9 @@ def check_memory_budget(limit: MemoryLimit, seq_length: Optional[int], flag: str
     if need > limit.budget_bytes:
         stage = peaks.index(need)
         rest = model.resting(stage)
-        # Rounded up, so the named value itself passes this check.
-        smallest = math.ceil(need / GIB * 1000) / 1000
+        # With STARTUP_MARGIN for what the process holds at start-up, which varies from launch
+        # to launch by a few MiB on CPU; rounded up, so the named value passes this check again.
+        smallest = math.ceil(need * (1 + STARTUP_MARGIN) / GIB * 1000) / 1000
         raise DynBatchValueError(
             f"{flag} {limit.budget_bytes / GIB:.3f} is too small for one --seq-length "
             f"{length} sample: pipeline stage {stage} is predicted to hold "
