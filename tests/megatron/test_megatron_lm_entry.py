@@ -76,6 +76,42 @@ _REFUSALS = {
         _BASE + _DYNAMIC + ["--max-memory-gib", "0.01"],
         "--max-memory-gib 0.010 is too small for one --seq-length 128 sample: pipeline stage",
     ),
+    # Issue 44: Megatron's layout asserts, answered before them with the flags and a fix.
+    "vpp-chunks-not-dividing-a-stage": (
+        _BASE + _DYNAMIC + ["--num-layers", 6, "--num-layers-per-virtual-pipeline-stage", 2],
+        "--num-layers-per-virtual-pipeline-stage 2 does not divide the 3 layers of each pipeline "
+        "stage (--num-layers 6 / --pipeline-model-parallel-size 2); use "
+        "--num-layers-per-virtual-pipeline-stage 1",
+    ),
+    "layers-not-divisible-by-pp": (
+        _BASE + _DYNAMIC + ["--num-layers", 3],
+        "--num-layers 3 is not a multiple of --pipeline-model-parallel-size 2: Megatron gives "
+        "every pipeline stage the same number of layers; use --num-layers 2 or --num-layers 4",
+    ),
+    "seq-length-over-positions": (
+        _BASE + _DYNAMIC + ["--seq-length", 512, "--max-position-embeddings", 256],
+        "--seq-length 512 is longer than --max-position-embeddings 256",
+    ),
+    # Issue 44: pp 2 started as one process (this driver is one, as `python launch/...` is),
+    # with dynamic batching and without.
+    "pp-2-without-torchrun": (
+        _BASE + _DYNAMIC,
+        "started as one process, without torchrun, but --pipeline-model-parallel-size 2 splits "
+        "the model over 2 ranks; launch it under torchrun: torchrun --nproc-per-node 2",
+    ),
+    "pp-2-without-torchrun-stock": (
+        _BASE,
+        "torchrun --nproc-per-node 2 -m megatron_dynbatch pretrain ...",
+    ),
+    # Issue 44: a YAML error names the file and the key.
+    "yaml-bad-budget": (
+        _BASE + ["--use-dynamic-batch-size", "--dynamic-batch-config", "{tmp}/lots.yaml"],
+        "--dynamic-batch-config '{tmp}/lots.yaml', key max_tokens_per_gpu: 'lots' is refused",
+    ),
+    "yaml-bad-memory": (
+        _BASE + _DYNAMIC + ["--dynamic-batch-config", "{tmp}/gb.yaml"],
+        "--dynamic-batch-config '{tmp}/gb.yaml', key max_memory_gib: '8GB' is refused",
+    ),
     # Issue 29: Megatron's bare `assert args.save_interval is not None` was an empty line.
     "save-without-interval": (
         _ONE + _DYNAMIC + ["--save", "{tmp}/checkpoint"],
@@ -92,6 +128,16 @@ _LATE_REFUSALS = {
         + ["--tensorboard-dir", "{tmp}/tensorboard", "--data-cache-path", "{tmp}/cache"],
         "--split '100,0,0' leaves the validation split (its second number) without data, but "
         "--eval-iters 1 asks for validation; pass --eval-iters 0",
+    ),
+    # Issue 44: a validation share that rounds to no document was told to pass what was passed.
+    "validation-share-of-three-documents": (
+        [a for a in _without(_ONE, "--eval-iters") if a != "--mock-data"]
+        + _DYNAMIC + ["--data-path", "{tmp}/three_text_document", "--vocab-size", 257]
+        + ["--split", "98,2,0", "--eval-iters", 1],
+        "--split '98,2,0' gives validation (its second number) a share of the 3 document(s) that "
+        "rounds to none, but --eval-iters 1 asks for validation; pass --eval-iters 0 to train "
+        "without validation, or give --split a validation share of at least one document, e.g. "
+        "--split 2,1,0.",
     ),
     "no-validation-split-stock": (
         _without(_ONE, "--eval-iters") + ["--split", "100,0,0", "--eval-iters", 1],
@@ -151,15 +197,12 @@ def _assert_torchrun_reports(log, expected):
     assert re.search(r"exitcode  : 2 ", root) and expected in root, root
 
 
-def test_bad_arguments_and_data_are_refused_at_start_up(tmp_path):
+def _run_driver(cases, log_path):
+    """Each case's ``main(argv)`` in one process (no torchrun): ``{name: (log, exit status)}``."""
     import json
     import subprocess
     import sys
 
-    refusals = {**_REFUSALS, **_LATE_REFUSALS}
-    cases = {
-        name: [str(a).format(tmp=tmp_path) for a in args] for name, (args, _) in refusals.items()
-    }
     result = subprocess.run(
         [sys.executable, "-c", _DRIVER, str(LAUNCH), json.dumps(cases)],
         cwd=REPO,
@@ -168,15 +211,40 @@ def test_bad_arguments_and_data_are_refused_at_start_up(tmp_path):
         text=True,
         timeout=300,
     )
-    (tmp_path / "refusals.log").write_text(result.stdout)
+    log_path.write_text(result.stdout)
     assert result.returncode == 0, result.stdout[-3000:]
     found = re.findall(r"=== (\S+)\n(.*?)=== exit (\d+)", result.stdout, flags=re.S)
     assert sorted(name for name, _, _ in found) == sorted(cases)
-    for name, body, code in found:
+    return {name: (body, code) for name, body, code in found}
+
+
+def _write_issue_44_inputs(tmp_path):
+    """The issue's bad YAML files and its 3-document corpus."""
+    import json
+
+    from megatron_dynbatch.integrations.megatron_lm.data import preprocess
+
+    (tmp_path / "lots.yaml").write_text("max_tokens_per_gpu: lots\n")
+    (tmp_path / "gb.yaml").write_text("max_memory_gib: 8GB\n")
+    source = tmp_path / "three.jsonl"
+    lines = [json.dumps({"text": f"document {i} " + "x" * 40 * (i + 1)}) for i in range(3)]
+    source.write_text("\n".join(lines) + "\n")
+    preprocess.write_indexed_dataset(source, str(tmp_path / "three"), append_eod=True)
+
+
+def test_bad_arguments_and_data_are_refused_at_start_up(tmp_path):
+    _write_issue_44_inputs(tmp_path)
+    refusals = {**_REFUSALS, **_LATE_REFUSALS}
+    cases = {
+        name: [str(a).format(tmp=tmp_path) for a in args] for name, (args, _) in refusals.items()
+    }
+    found = _run_driver(cases, tmp_path / "refusals.log")
+    for name, (body, code) in found.items():
         assert code == "2", (name, body)
-        _assert_one_line(body, refusals[name][1], after_dump=name in _LATE_REFUSALS)
+        expected = refusals[name][1].format(tmp=tmp_path)
+        _assert_one_line(body, expected, after_dump=name in _LATE_REFUSALS)
     # Issue 29: --data-cache-path was accepted and silently unused by document samples.
-    body = dict((name, body) for name, body, _ in found)["no-validation-split"]
+    body = found["no-validation-split"][0]
     assert body.count(f"--data-cache-path {tmp_path}/cache: not used by document samples") == 1
     # The run refused at start-up leaves no TensorBoard events file behind.
     assert (tmp_path / "tensorboard").is_dir()
