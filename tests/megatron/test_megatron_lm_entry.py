@@ -537,3 +537,60 @@ def test_an_installed_wheel_trains_without_the_checkout(tmp_path):
     # The console script runs the same entry (its one-line refusal, no torchrun needed).
     rc, out = run([venv / "bin" / "megatron-dynbatch", "pretrain", *args, "--max-token-per-gpu", 1])
     assert rc == 2 and "megatron-dynbatch pretrain: error: unrecognized arguments" in out, out
+
+
+def _named(log, flag):
+    """The value a refusal names for ``flag`` ("raise FLAG to at least X")."""
+    match = re.search(rf"raise {flag} to at least ([0-9.]+)", log)
+    assert match, log[-3000:]
+    return match.group(1)
+
+
+def test_the_minimums_and_fixes_the_refusals_name_train(tmp_path):
+    """Issue 44: `--max-memory-gib <the named minimum>` stopped at iteration 1 ("6 sample(s)
+    exceed the token cap 235 ... Raise --max-tokens-per-gpu"): the start-up check lacked the
+    first step's safety factor. Each value a refusal names is taken as named and trains two
+    iterations: the memory budget alone, then the token budget and the memory budget together
+    (in that order, as the refusals come), in the layout the virtual-pipeline refusal names, with
+    a YAML whose bad keys the command line overrides (`max_tokens_per_gpu: lots`,
+    `max_memory_gib: 8GB`). The refusals run in one process (a fresh one per round, so it holds
+    at start-up what a torchrun rank does); the trainings are two torchrun launches."""
+    _write_issue_44_inputs(tmp_path)
+    both = tmp_path / "both.yaml"
+    both.write_text("max_tokens_per_gpu: lots\nmax_memory_gib: 8GB\nlayout: packed\n")
+    memory_alone = _BASE + ["--use-dynamic-batch-size"]
+    # The virtual-pipeline refusal's fix (6 layers at pp 2: one layer a chunk).
+    combined = _BASE + ["--num-layers", 6, "--num-layers-per-virtual-pipeline-stage", 1]
+    combined += ["--use-dynamic-batch-size", "--dynamic-batch-config", both]
+
+    def refused(cases, name):
+        found = _run_driver(
+            {k: [str(a) for a in v] for k, v in cases.items()}, tmp_path / f"{name}.log"
+        )
+        for case, (body, code) in found.items():
+            assert code == "2", (case, body[-3000:])
+        return {case: body for case, (body, _) in found.items()}
+
+    first = refused(
+        {
+            "memory": memory_alone + ["--max-memory-gib", "0.05"],
+            "tokens": combined + ["--max-tokens-per-gpu", 64, "--max-memory-gib", "0.05"],
+        },
+        "round-1",
+    )
+    gib = _named(first["memory"], "--max-memory-gib")
+    tokens = _named(first["tokens"], "--max-tokens-per-gpu")
+    combined += ["--max-tokens-per-gpu", tokens]
+    second = refused({"memory": combined + ["--max-memory-gib", "0.05"]}, "round-2")
+    combined_gib = _named(second["memory"], "--max-memory-gib")
+    for name, args in (
+        ("memory", memory_alone + ["--max-memory-gib", gib]),
+        ("combined", combined + ["--max-memory-gib", combined_gib]),
+    ):
+        rc, log, _ = torchrun(2, LAUNCH, args, log_path=tmp_path / f"{name}.log")
+        parsed = parse_ok(rc, log)
+        assert sorted(parsed["iterations"]) == [1, 2], (name, log[-3000:])
+        budget = re.findall(r"memory budget \(MiB\): (\d+) \|", log)
+        assert budget and int(budget[-1]) == round(float(args[-1]) * 1024), (name, budget)
+        # The named value holds the first step too (CPU_STARTUP_MARGIN; at +5% it did not).
+        assert "iteration 1: pipeline stage" not in log, (name, log[-3000:])

@@ -50,7 +50,7 @@ def _named_minimum(memory) -> float:
     return float(re.search(r"raise --max-memory-gib to at least ([0-9.]+)", message).group(1))
 
 
-@pytest.mark.parametrize("extra_at_rest_mib", [0, 40])
+@pytest.mark.parametrize("extra_at_rest_mib", [0, 150])
 def test_the_named_minimum_passes_start_up_and_plans_seq_length_rows(
     monkeypatch, capsys, extra_at_rest_mib
 ):

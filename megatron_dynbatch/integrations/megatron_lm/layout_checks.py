@@ -116,8 +116,8 @@ def _check_positions(args: Any) -> None:
             continue
         kind = getattr(args, "position_embedding_type", None) or "learned_absolute"
         note = (
-            "; with --position-embedding-type learned_absolute that adds position weights, so a "
-            f"checkpoint of {positions} positions will not load"
+            " (with --position-embedding-type learned_absolute that adds position weights: a "
+            f"checkpoint of {positions} positions will not load)"
             if kind == "learned_absolute"
             else f" (--position-embedding-type {kind} holds no weights for it)"
         )
