@@ -594,3 +594,34 @@ def test_the_minimums_and_fixes_the_refusals_name_train(tmp_path):
         assert budget and int(budget[-1]) == round(float(args[-1]) * 1024), (name, budget)
         # The named value holds the first step too (CPU_STARTUP_MARGIN; at +5% it did not).
         assert "iteration 1: pipeline stage" not in log, (name, log[-3000:])
+
+
+def test_a_launch_without_torchrun_names_the_torchrun_command(tmp_path):
+    """Issue 44: `python launch/pretrain_gpt_dynbatch.py ...` and `python -m megatron_dynbatch
+    pretrain ...` at pp 2 stopped with Megatron's "world size (1) is not divisible by
+    total_model_size (2)"; now one line with the torchrun command (each as a user runs it)."""
+    import subprocess
+    import sys
+
+    from tests._support import command_env
+
+    args = [str(a) for a in _BASE + _DYNAMIC]
+    for name, command, expected in (
+        ("script", [sys.executable, str(LAUNCH)], "torchrun --nproc-per-node 2 launch/"),
+        (
+            "module",
+            [sys.executable, "-m", "megatron_dynbatch", "pretrain"],
+            "torchrun --nproc-per-node 2 -m megatron_dynbatch pretrain ...",
+        ),
+    ):
+        env = {k: v for k, v in command_env().items() if k not in ("WORLD_SIZE", "RANK")}
+        result = subprocess.run(
+            command + args, cwd=REPO, env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, timeout=300,
+        )  # fmt: skip
+        (tmp_path / f"{name}.log").write_text(result.stdout)
+        assert result.returncode == 2, (name, result.stdout[-3000:])
+        errors = [line for line in result.stdout.splitlines() if ": error: " in line]
+        assert len(errors) == 1 and "started as one process, without torchrun" in errors[0]
+        assert expected in errors[0] and "Traceback" not in result.stdout, result.stdout[-3000:]
+        assert "is not divisible by total_model_size" not in result.stdout
