@@ -625,3 +625,13 @@ def test_a_launch_without_torchrun_names_the_torchrun_command(tmp_path):
         assert len(errors) == 1 and "started as one process, without torchrun" in errors[0]
         assert expected in errors[0] and "Traceback" not in result.stdout, result.stdout[-3000:]
         assert "is not divisible by total_model_size" not in result.stdout
+    # Its --help says so too (it stopped on a '%' in one of Megatron's help texts before).
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_dynbatch", "pretrain", "--help"], cwd=REPO,
+        env=command_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "one rank; run it under\ntorchrun: torchrun --nproc-per-node N -m megatron_dynbatch" in (
+        result.stdout
+    )

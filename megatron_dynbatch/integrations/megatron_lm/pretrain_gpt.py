@@ -112,6 +112,21 @@ def _one_line_parser_errors(parser: argparse.ArgumentParser) -> None:
     parser.error = error
 
 
+def _help_that_formats(parser: argparse.ArgumentParser) -> None:
+    """Escape a bare ``%`` in help texts argparse cannot format: megatron-core 0.19.2's
+    ``--moe-paged-stash-buffer-size-factor-cuda`` says "10%)", and ``--help`` stopped with
+    "unsupported format character ')'" instead of printing (issue 44: the help must say how
+    the entry is launched)."""
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if not action.help or action.help is argparse.SUPPRESS:
+            continue
+        try:
+            formatter._expand_help(action)
+        except (ValueError, TypeError, KeyError):
+            action.help = action.help.replace("%", "%%")
+
+
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron's ``extra_args_provider``: launch, dynamic-batching and CPU-default flags."""
     _one_line_parser_errors(parser)
@@ -121,7 +136,9 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "torchrun --nproc-per-node N -m megatron_dynbatch pretrain ..., or torchrun "
         "--nproc-per-node N launch/pretrain_gpt_dynbatch.py ... in a checkout)."
     )
-    return add_dynamic_batch_args(add_launch_args(add_cpu_defaults(parser)))
+    parser = add_dynamic_batch_args(add_launch_args(add_cpu_defaults(parser)))
+    _help_that_formats(parser)
+    return parser
 
 
 def _uses_documents(args: Any) -> bool:
