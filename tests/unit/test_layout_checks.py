@@ -78,7 +78,7 @@ def test_a_sequence_longer_than_the_positions_names_both_fixes():
 
 
 def test_a_launch_without_torchrun_is_told_the_torchrun_command():
-    args = _args(pipeline_model_parallel_size=2)
+    args = _args(pipeline_model_parallel_size=2, world_size=1)  # as parse_args sets it
     with pytest.raises(DynBatchValueError) as refused:
         check_world_size(args, environ={})
     message = str(refused.value)
@@ -92,6 +92,8 @@ def test_a_launch_without_torchrun_is_told_the_torchrun_command():
     assert torchrun_command(4, "megatron-dynbatch pretrain") == (
         "torchrun --nproc-per-node 4 -m megatron_dynbatch pretrain ..."
     )
+    # A namespace not parsed from a launch (no world_size): nothing to say about the launch.
+    check_world_size(_args(pipeline_model_parallel_size=2), environ={})
     # Under torchrun with a world that fits: nothing to say.
     check_world_size(
         _args(pipeline_model_parallel_size=2, world_size=4), environ={"WORLD_SIZE": "4"}

@@ -148,7 +148,11 @@ def check_world_size(args: Any, environ: Optional[dict] = None) -> None:
         DynBatchValueError: Naming the sizes, their flags and a launch that works.
     """
     environ = os.environ if environ is None else environ
-    world = getattr(args, "world_size", None) or int(environ.get("WORLD_SIZE", "1"))
+    # Megatron's parse_args sets it (from WORLD_SIZE, 1 without); a namespace without it was not
+    # parsed from a launch (hooks driven by hand, tests): nothing to say about the launch.
+    world = getattr(args, "world_size", None)
+    if world is None:
+        return
     sizes = [
         ("--tensor-model-parallel-size", _size(args, "tensor_model_parallel_size")),
         ("--pipeline-model-parallel-size", _size(args, "pipeline_model_parallel_size")),
