@@ -830,7 +830,7 @@ def baseline_strategy(baseline: Callable[..., BaselineSchedule]) -> Strategy:
     return ranks_strategy(schedule, layout="padded" if baseline is fixed_mbs else None)
 
 
-# Every baseline is a schedule strategy under its name: `megatron-dynbatch plan --planner
+# Every baseline is a planner under its name: `megatron-dynbatch plan --dynamic-batch-planner
 # benchmarks.baselines:NAME`, and any benchmark or host config that names it. replace=True: this
 # module run a second time (``python -m``, a reload) registers its own names again.
 for _name, _baseline in BASELINES.items():

@@ -1,5 +1,7 @@
 """The dynamic-batching configuration: a frozen dataclass, its command-line flags and a YAML loader.
 
+The fields, their flags, defaults and documentation come from the settings table
+(:mod:`megatron_dynbatch.settings`); this module checks them and hands them to the planner.
 Standard library (plus PyYAML, imported only by the loader) and the pure planner; no torch, no
 megatron. :mod:`megatron_dynbatch.integrations.megatron_lm.arguments` turns Megatron's parsed arguments into a
 :class:`DynBatchConfig`; ``configs/dynbatch.yaml`` lists every key with its default.
@@ -12,18 +14,17 @@ import math
 import numbers
 import os
 import re
-from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Mapping, Optional, Union
 
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning.spec import (
-    DEFAULT_STRATEGY,
     CostModel,
     ParallelLayout,
     PlannerConfig,
     check_int,
     setting_flags,
 )
+from megatron_dynbatch.settings import REQUIRED, config_settings
 
 __all__ = [
     "FLAGS",
@@ -33,53 +34,27 @@ __all__ = [
     "load_yaml_config",
 ]
 
-#: The Megatron command-line flag of every :class:`DynBatchConfig` field (error messages name them).
-FLAGS: Dict[str, str] = {
-    "max_tokens_per_gpu": "--max-tokens-per-gpu",
-    "log_probs_max_tokens_per_gpu": "--log-probs-max-tokens-per-gpu",
-    "layout": "--dynamic-batch-layout",
-    "rollouts_per_step": "--rollouts-per-step",
-    "cost_token_weight": "--dynamic-batch-cost-token-weight",
-    "cost_attention_weight": "--dynamic-batch-cost-attention-weight",
-    "cost_response_weight": "--dynamic-batch-cost-response-weight",
-    "cost_microbatch_overhead": "--dynamic-batch-cost-microbatch-overhead",
-    "cost_shape_exchange_overhead": "--dynamic-batch-cost-shape-exchange-overhead",
-    "cost_attention": "--dynamic-batch-cost-attention",
-    "min_gain": "--dynamic-batch-min-gain",
-    "oversize_samples": "--oversize-samples",
-    "max_memory_gib": "--max-memory-gib",
-    "planner": "--dynamic-batch-planner",
-}
+#: The config settings, one row each (:mod:`megatron_dynbatch.settings`: add a setting there).
+_SETTINGS = config_settings()
 
-#: The cost-model fields of :class:`DynBatchConfig` (floats >= 0; ``None`` where optional).
-_COST_FIELDS = (
-    "cost_token_weight",
-    "cost_attention_weight",
-    "cost_response_weight",
-    "cost_microbatch_overhead",
-    "cost_shape_exchange_overhead",
-)
-#: How the planner's own checks (``PlannerConfig``, ``CostModel``) name each field.
-_PLANNER_NAMES = {
-    "max_tokens_per_gpu": "max_tokens_per_gpu",
-    "log_probs_max_tokens_per_gpu": "log_probs_max_tokens_per_gpu",
-    "layout": "layout",
-    "rollouts_per_step": "rollouts_per_step",
-    "cost_token_weight": "token_weight",
-    "cost_attention_weight": "attention_weight",
-    "cost_response_weight": "response_weight",
-    "cost_microbatch_overhead": "microbatch_overhead",
-    "cost_shape_exchange_overhead": "shape_exchange_overhead",
-    "cost_attention": "attention",
-    "min_gain": "min_gain",
-    "oversize_samples": "oversize_samples",
-    "planner": "strategy",
+#: The Megatron command-line flag of every :class:`DynBatchConfig` field (error messages name them).
+FLAGS: Dict[str, str] = {row.name: row.flag for row in _SETTINGS}
+
+#: How the planner's own checks (``PlannerConfig``, ``CostModel``) name each field they check.
+_PLANNER_NAMES: Dict[str, str] = {row.name: row.check for row in _SETTINGS if row.check}
+#: The fields the planner's :class:`CostModel` checks and holds: field -> its name there.
+_COST_MODEL_FIELDS: Dict[str, str] = {
+    name: check
+    for name, check in _PLANNER_NAMES.items()
+    if check in {f.name for f in dataclasses.fields(CostModel)}
 }
+#: Of those, the weights (floats >= 0; ``None`` where optional), stored as plain floats.
+_COST_FIELDS = tuple(
+    row.name for row in _SETTINGS if row.name in _COST_MODEL_FIELDS and row.parse is float
+)
 #: The planner's setting -> the flag that sets it (for :func:`setting_flags`); the fields checked
 #: here rather than by the planner (``max_memory_gib``) have no planner name.
-_SETTING_FLAGS = {
-    _PLANNER_NAMES[field]: flag for field, flag in FLAGS.items() if field in _PLANNER_NAMES
-}
+_SETTING_FLAGS = {_PLANNER_NAMES[name]: FLAGS[name] for name in _PLANNER_NAMES}
 
 
 def attention_from_megatron(
@@ -135,60 +110,8 @@ def _positive_int(config: Any, name: str, *, optional: bool) -> None:
     object.__setattr__(config, name, check_int(name, value, 1, "give a whole number >= 1."))
 
 
-@dataclass(frozen=True, kw_only=True)
-class DynBatchConfig:
-    """What ``--use-dynamic-batch-size`` training plans with (one field per flag in ``FLAGS``)."""
-
-    max_tokens_per_gpu: int
-    """Token budget of one training micro-batch on one GPU (padding included; with context
-    parallelism a micro-batch holds ``cp_size`` times this, split over the CP ranks). Required."""
-    log_probs_max_tokens_per_gpu: Optional[int] = None
-    """Budget of one forward-only (log-prob) micro-batch. No activations are kept for a backward
-    pass, so it is usually larger than ``max_tokens_per_gpu``; ``None`` uses
-    ``max_tokens_per_gpu``."""
-    layout: str = "packed"
-    """``packed``: one row of concatenated samples per micro-batch (needs a segment-aware attention
-    mask or THD ``cu_seqlens``); ``padded``: ``[B, S]`` rows, one sample per row."""
-    rollouts_per_step: Optional[int] = None
-    """Rollouts (prompt groups / trajectories) per optimizer step. The training data iterator may
-    yield several steps' worth at once; ``None``: every yielded batch is one step."""
-    cost_token_weight: float = 1.0
-    """Cost-model weight of a sample's length ``L`` (MLP and projection work)."""
-    cost_attention_weight: float = 0.0
-    """Cost-model weight of ``L**2`` (self-attention); long-context runs set it > 0."""
-    cost_response_weight: float = 0.0
-    """Cost-model weight of the response length (work done on generated tokens only)."""
-    cost_microbatch_overhead: Optional[float] = None
-    """Cost-model fixed cost of one micro-batch (launches, pipeline send/receive, Python), in the
-    units of the token weight (from ``megatron-dynbatch calibrate``). ``None``: not known; the
-    planner assumes 2% of a full row at the budget and asks more micro-batches for a 3% gain."""
-    cost_shape_exchange_overhead: float = 0.0
-    """Cost-model extra fixed cost of one micro-batch when its step's rows vary in length (the
-    shape exchange of ``variable_seq_lengths``), in the units of the token weight."""
-    cost_attention: Optional[str] = None
-    """What the attention implementation executes: ``segment`` (THD / flash varlen: each sample's
-    own square), ``causal`` (each row one causal sequence), ``dense`` (a masked ``S x S``
-    softmax, Megatron's ``local``). ``None``: from ``--transformer-impl`` / ``--attention-backend``
-    in Megatron-LM, else ``segment`` packed and ``causal`` padded."""
-    min_gain: Optional[float] = None
-    """Relative step-time gain more micro-batches per rank must promise to be chosen. ``None``:
-    0.03 with an unknown overhead, 0 with a given (calibrated) one."""
-    oversize_samples: str = "error"
-    """A sample longer than the budget: ``error`` refuses the batch before any model work (naming
-    the samples), ``truncate`` cuts it to the budget (the cut tokens are not trained, and counted),
-    ``allow`` runs it alone in a micro-batch over the budget (every micro-batch of its step then
-    gets its length)."""
-    max_memory_gib: Optional[Union[float, str]] = None
-    """The most one GPU (on CPU: one rank's process) may hold at its peak in a training step, in
-    GiB; ``"auto"``: the device's memory less a margin (``integrations/megatron_lm/memory.py``).
-    The planner keeps every pipeline stage's predicted peak within it, beside the token budget;
-    ``None``: the token budget alone."""
-    planner: str = DEFAULT_STRATEGY
-    """The schedule strategy that plans every step, by its registered name
-    (:mod:`megatron_dynbatch.planning.strategies`): ``dynbatch`` (this package's planner),
-    ``fixed`` (Megatron's stock padded batching under the same budget, ``layout: padded``), or
-    ``module:name`` for one a module registers when imported (e.g.
-    ``benchmarks.baselines:verl_kk`` from a checkout). Checked when the config is built."""
+class _ConfigMethods:
+    """The checks and derived values of :class:`DynBatchConfig` (its fields come from the table)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens_per_gpu is None:
@@ -238,12 +161,7 @@ class DynBatchConfig:
 
     def cost_model(self) -> CostModel:
         return CostModel(
-            token_weight=self.cost_token_weight,
-            attention_weight=self.cost_attention_weight,
-            response_weight=self.cost_response_weight,
-            microbatch_overhead=self.cost_microbatch_overhead,
-            shape_exchange_overhead=self.cost_shape_exchange_overhead,
-            attention=self.cost_attention,
+            **{check: getattr(self, name) for name, check in _COST_MODEL_FIELDS.items()}
         )
 
     def planner_config(
@@ -295,7 +213,7 @@ class DynBatchConfig:
 
 
 def _check_planner(name: str) -> None:
-    """Refuse a strategy name nothing registered, at start-up rather than at the first step."""
+    """Refuse a planner name nothing registered, at start-up rather than at the first step."""
     # Imported here: the registry imports the whole planner, which the config otherwise needs
     # only the specs of.
     from megatron_dynbatch.planning.strategies import get_strategy
@@ -305,6 +223,32 @@ def _check_planner(name: str) -> None:
     except DynBatchValueError as error:
         raise DynBatchValueError(f"planner={name!r} ({FLAGS['planner']}): {error}") from None
 
+
+def _config_class() -> type:
+    """:class:`DynBatchConfig`: a frozen, keyword-only dataclass with one field per config setting
+    of :data:`megatron_dynbatch.settings.SETTINGS`, documented from its row."""
+    fields = []
+    for row in _SETTINGS:
+        spec = {} if row.default is REQUIRED else {"default": row.default}
+        fields.append((row.name, row.annotation, dataclasses.field(**spec, metadata={"row": row})))
+    attributes = "\n".join(
+        f"    {row.name} ({row.flag}): {row.doc}"
+        + (" Required." if row.default is REQUIRED else "")
+        for row in _SETTINGS
+    )
+    cls = dataclasses.make_dataclass(
+        "DynBatchConfig", fields, bases=(_ConfigMethods,), frozen=True, kw_only=True
+    )
+    cls.__module__ = __name__
+    cls.__doc__ = (
+        "What ``--use-dynamic-batch-size`` training plans with: one field per config setting of "
+        "megatron_dynbatch/settings.py (its YAML key; its flag in ``FLAGS``).\n\nAttributes:\n"
+        + attributes
+    )
+    return cls
+
+
+DynBatchConfig = _config_class()
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(DynBatchConfig))
 assert set(_FIELDS) == set(FLAGS), "every config field needs a flag"

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numbers
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Tuple, Union
 
 from megatron_dynbatch.config import FLAGS, config_from_mapping
 from megatron_dynbatch.errors import DynBatchValueError
@@ -42,6 +42,7 @@ from megatron_dynbatch.planning.spec import (
     ATTENTION_CROSSOVER_7B,
     LAYOUT_FLAGS,
     layout_flags,
+    setting_flags,
     tokens_padded,
 )
 
@@ -58,6 +59,7 @@ __all__ = [
     "check_host_oversize",
     "host_config",
     "plan_host_step",
+    "register_host",
 ]
 
 #: ``global``: the host hands every rank the whole step, samples go to any DP rank
@@ -112,8 +114,12 @@ class Host:
     """What the host does with a sample over its budget (see :data:`OversizePolicy`)."""
     loss: LossAggregation
     """How the host's loss aggregates (see :data:`LossAggregation`)."""
-    layout_flags: str
-    """The key of :data:`~megatron_dynbatch.planning.spec.LAYOUT_FLAGS` naming its parallel sizes."""
+    layout_flags: Union[str, Mapping[str, str]]
+    """How messages name its parallel sizes: a key of
+    :data:`~megatron_dynbatch.planning.spec.LAYOUT_FLAGS`, or (a host registered from outside the
+    package) its own mapping of ``dp_size`` / ``pp_size`` / ``vpp_size`` / ``tp_size`` /
+    ``cp_size`` / ``microbatch_group_size_per_vp_stage`` to its option names (those it leaves out
+    keep Megatron-LM's flag names)."""
     sample: str = "sample"
     """What the host calls a sample in messages (a global host numbers them by their position
     in the step, a sharded one within their DP rank)."""
@@ -122,7 +128,14 @@ class Host:
         assert "max_tokens_per_gpu" in self.keys, f"{self.name}: name its budget key"
         assert set(self.options.values()) <= set(FLAGS), f"{self.name}: unknown fields"
         assert set(self.keys) <= set(FLAGS), f"{self.name}: keys name unknown fields"
-        assert self.layout_flags in LAYOUT_FLAGS, f"{self.name}: no LAYOUT_FLAGS entry"
+        if isinstance(self.layout_flags, str):
+            assert self.layout_flags in LAYOUT_FLAGS, f"{self.name}: no LAYOUT_FLAGS entry"
+        else:
+            unknown = set(self.layout_flags) - set(LAYOUT_FLAGS["Megatron-LM"])
+            assert not unknown, f"{self.name}: layout_flags names unknown sizes {sorted(unknown)}"
+            object.__setattr__(
+                self, "layout_flags", {**LAYOUT_FLAGS["Megatron-LM"], **self.layout_flags}
+            )
         object.__setattr__(self, "options", dict(self.options))
         object.__setattr__(self, "fixed", dict(self.fixed))
         object.__setattr__(self, "defaults", dict(self.defaults))
@@ -136,7 +149,9 @@ class Host:
 
     def flags(self):
         """Errors raised inside that name parallel sizes also name the host's options."""
-        return layout_flags(self.layout_flags)
+        if isinstance(self.layout_flags, str):
+            return layout_flags(self.layout_flags)
+        return setting_flags(self.layout_flags, tool=self.name)
 
 
 MEGATRON_LM = Host(
@@ -249,6 +264,28 @@ NEMO_RL = Host(
 
 #: Every host, by name: a check that "every host does X" is a loop over this.
 HOSTS: Dict[str, Host] = {host.name: host for host in (MEGATRON_LM, SLIME, SKYRL, VERL, NEMO_RL)}
+
+
+def register_host(host: Host, *, replace: bool = False) -> Host:
+    """Add a trainer's record to :data:`HOSTS` from outside the package; returns ``host``.
+
+    A trainer that is not built in (``examples/minimal_host.py``) describes itself with a
+    :class:`Host` (its option names, the budget key of each pass, what its budget counts, how it
+    plans) and registers it once at import; every check of this module then words its errors in
+    that trainer's keys. ``replace=True`` overrides a record of the same name (a test, a newer
+    version of the trainer's integration); otherwise a second record of one name is refused.
+    """
+    if not isinstance(host, Host):
+        raise DynBatchValueError(
+            f"register_host needs a megatron_dynbatch.integrations.hosts.Host, got {host!r}."
+        )
+    if host.name in HOSTS and not replace and HOSTS[host.name] != host:
+        raise DynBatchValueError(
+            f"a host named {host.name!r} is already registered; pick another name or pass "
+            "replace=True."
+        )
+    HOSTS[host.name] = host
+    return host
 
 
 def check_host_budget(host: Host, budget: Any, *, forward_only: bool = False) -> int:

@@ -2,7 +2,7 @@
 
 Lengths in, index lists out: :func:`plan_schedule` turns per-sample token lengths (and rollout ids)
 into one schedule that every rank derives identically; :mod:`.strategies` names it and the other
-schedule strategies (one signature, one :class:`Plan`) that the hosts, ``plan --planner`` and the
+planners (one signature, one :class:`Plan`) that the hosts, ``--dynamic-batch-planner`` and the
 benchmarks pick from.
 """
 

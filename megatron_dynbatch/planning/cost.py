@@ -218,5 +218,5 @@ def check_cost_is_finite(model: CostModel, longest_row: int) -> None:
             f"the cost model overflows a float for rows of {longest_row} tokens ("
             + ", ".join(f"{name}={getattr(model, name)!r}" for name in worst)
             + "); the weights are relative: keep the token weight near 1 and the attention "
-            "weight near 1/(6*hidden_size), e.g. --cost-attention-weight 4e-5."
+            "weight near 1/(6*hidden_size), e.g. --dynamic-batch-cost-attention-weight 4e-5."
         )

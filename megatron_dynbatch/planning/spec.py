@@ -500,12 +500,12 @@ class PlannerConfig:
         if self.variable_row_lengths and self.layout != "packed":
             raise DynBatchValueError(
                 "variable_row_lengths needs layout='packed' (padded rows have the longest "
-                "sample's length); use --layout packed or turn variable row lengths off."
+                "sample's length); use --dynamic-batch-layout packed or turn variable row lengths off."
             )
         _set_int(self, "row_multiple", 1, "pass a row multiple of 1 or more (slime: 128 x tp).")
         if not isinstance(self.strategy, str) or not self.strategy:
             raise DynBatchValueError(
-                f"strategy={self.strategy!r} must name a registered schedule strategy, e.g. "
+                f"strategy={self.strategy!r} must name a registered planner, e.g. "
                 f"{DEFAULT_STRATEGY!r} (megatron_dynbatch.planning.strategies)."
             )
         if self.min_gain is None:

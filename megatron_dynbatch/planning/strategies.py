@@ -1,6 +1,8 @@
-"""The schedule strategy seam: one registry of planners by name, one signature, one result type.
+"""The planner seam: one registry of planners by name, one signature, one result type.
 
-A strategy takes the validated samples and the planner config and returns a :class:`.plan.Plan`,
+Users, flags, the YAML and messages call them planners (``--dynamic-batch-planner``, YAML
+``planner``); the code here calls the registered callable a strategy (:data:`Strategy`,
+:func:`run_strategy`) to keep it apart from :mod:`.planner`, the built-in one. A strategy takes the validated samples and the planner config and returns a :class:`.plan.Plan`,
 the one schedule type the runtime materializes, :func:`.invariants.check_plan` re-derives and
 ``megatron-dynbatch plan`` prints::
 
@@ -8,7 +10,7 @@ the one schedule type the runtime materializes, :func:`.invariants.check_plan` r
 
 The hosts plan through :func:`run_strategy`, which runs the strategy the config names
 (:attr:`.spec.PlannerConfig.strategy`, ``dynbatch`` unless told otherwise); ``megatron-dynbatch
-plan --planner NAME`` and the benchmarks look a strategy up by the same name (:func:`get_strategy`).
+plan --dynamic-batch-planner NAME`` and the benchmarks look a strategy up by the same name (:func:`get_strategy`).
 
 Built in: ``dynbatch`` (this package's planner, :func:`.planner.plan_samples`) and ``fixed``
 (Megatron's stock batching: a fixed ``micro_batch_size`` of padded rows, :mod:`.fixed`). Another
@@ -16,7 +18,7 @@ scheduler registers with :func:`register_strategy`; one that produces ``ranks[r]
 indices per micro-batch per DP rank) for a step becomes a strategy through :func:`ranks_strategy`,
 which describes its ranks as a Plan (:func:`plan_from_ranks`). The upstream schedulers of
 ``benchmarks/baselines.py`` register so when that module is imported; a name ``module:name``
-imports ``module`` first, e.g. ``--planner benchmarks.baselines:verl_kk`` from a checkout.
+imports ``module`` first, e.g. ``--dynamic-batch-planner benchmarks.baselines:verl_kk`` from a checkout.
 """
 
 from __future__ import annotations
@@ -71,12 +73,12 @@ def register_strategy(name: str, strategy: Strategy, *, replace: bool = False) -
     """Make ``strategy`` available as ``name`` and return it. A second registration of a taken
     name is refused unless ``replace`` (registering the same function again is harmless)."""
     if not isinstance(name, str) or not name or ":" in name:
-        raise DynBatchValueError(f"strategy name {name!r} must be a non-empty str without ':'.")
+        raise DynBatchValueError(f"planner name {name!r} must be a non-empty str without ':'.")
     if not callable(strategy):
-        raise DynBatchTypeError(f"strategy {name!r} must be callable, got {type(strategy)!r}.")
+        raise DynBatchTypeError(f"planner {name!r} must be callable, got {type(strategy)!r}.")
     if name in _STRATEGIES and not replace and _STRATEGIES[name] is not strategy:
         raise DynBatchValueError(
-            f"strategy {name!r} is already registered; pick another name or pass replace=True."
+            f"planner {name!r} is already registered; pick another name or pass replace=True."
         )
     _STRATEGIES[name] = strategy
     return strategy
@@ -93,20 +95,20 @@ def get_strategy(name: str) -> Strategy:
         module, _, name = name.partition(":")
         if not module or not name:
             raise DynBatchValueError(
-                f"strategy {module + ':' + name!r} must be 'module:name' with both parts (a module "
-                f"that registers the strategy, and its name), or one of {list(strategy_names())}."
+                f"planner {module + ':' + name!r} must be 'module:name' with both parts (a module "
+                f"that registers the planner, and its name), or one of {list(strategy_names())}."
             )
         try:
             importlib.import_module(module)
         except ImportError as exc:
             raise DynBatchValueError(
-                f"strategy module {module!r} cannot be imported ({exc}); run from where it is "
+                f"planner module {module!r} cannot be imported ({exc}); run from where it is "
                 f"importable or pick one of {list(strategy_names())}."
             ) from None
     strategy = _STRATEGIES.get(name)
     if strategy is None:
         raise DynBatchValueError(
-            f"no schedule strategy named {name!r}; registered: {list(strategy_names())} "
+            f"no planner named {name!r}; registered: {list(strategy_names())} "
             "(a module that registers more is named as 'module:name')."
         )
     return strategy
@@ -176,7 +178,7 @@ def plan_from_ranks(
         counts = {len(rank) for rank in ranks}
         if len(counts) != 1 or len(ranks) != parallel.dp_size:
             raise DynBatchValueError(
-                f"step {s}: the strategy gave {len(ranks)} rank(s) with micro-batch counts "
+                f"step {s}: the planner gave {len(ranks)} rank(s) with micro-batch counts "
                 f"{sorted(counts)}; every one of dp_size={parallel.dp_size} ranks must run the same "
                 "count (pad the shorter ranks with empty micro-batches: placeholders)."
             )
@@ -282,8 +284,8 @@ def _fixed(samples: SampleSet, config: PlannerConfig) -> Plan:
     to the sample multiple), ``micro_batch_size = cap // seq_length`` rows, arrival order."""
     if config.layout != required_layout("fixed"):
         raise DynBatchValueError(
-            f"strategy 'fixed' is Megatron's padded [micro_batch_size, seq_length] batching, but "
-            f"layout={config.layout!r}; pass --layout padded (or pick strategy "
+            f"planner 'fixed' is Megatron's padded [micro_batch_size, seq_length] batching, but "
+            f"layout={config.layout!r}; pass --dynamic-batch-layout padded (or pick planner "
             f"{DEFAULT_STRATEGY!r})."
         )
     seq_length = round_up(max(samples.lengths), config.parallel.sample_multiple)
@@ -291,15 +293,15 @@ def _fixed(samples: SampleSet, config: PlannerConfig) -> Plan:
         # Megatron's stock batching has no oversize policy: say so where one was asked for, or
         # the user reads the refusal as the policy not working.
         ignored = (
-            f" (--oversize-samples {config.oversize_samples} applies to strategy "
+            f" (--oversize-samples {config.oversize_samples} applies to planner "
             f"{DEFAULT_STRATEGY!r} only)"
             if config.oversize_samples != "error"
             else ""
         )
         raise DynBatchValueError(
-            f"strategy 'fixed' pads every sample to the longest ({seq_length} tokens after "
+            f"planner 'fixed' pads every sample to the longest ({seq_length} tokens after "
             f"rounding), over the token cap {config.token_cap}{ignored}; raise "
-            f"--max-tokens-per-gpu or pick strategy {DEFAULT_STRATEGY!r} (it runs an oversize "
+            f"--max-tokens-per-gpu or pick planner {DEFAULT_STRATEGY!r} (it runs an oversize "
             "sample alone, or cuts it with --oversize-samples truncate)."
         )
     return plan_fixed_samples(

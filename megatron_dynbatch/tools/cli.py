@@ -2,7 +2,10 @@
 ``calibrate`` the cost model from measured step times, ``pretrain`` a GPT with Megatron-LM's
 ``pretrain()`` (under torchrun; every other argument is Megatron-LM's or ours).
 
-``plan`` imports only the pure planner, so it answers in milliseconds without torch. User errors
+``plan`` and ``verify`` take the run's settings under their training flags, built from the settings
+table (:mod:`megatron_dynbatch.settings`; the older spellings ``--layout``, ``--cost-*``,
+``--min-gain``, ``--planner`` are hidden aliases there). ``plan`` imports only the pure planner, so
+it answers in milliseconds without torch. User errors
 (``ValueError``) print one line to stderr and exit 2, without a traceback.
 """
 
@@ -19,20 +22,15 @@ from typing import List, Optional
 
 from megatron_dynbatch.errors import DynBatchRuntimeError, DynBatchValueError
 from megatron_dynbatch.integrations.megatron_lm.model_args import add_model_args
-from megatron_dynbatch.planning.spec import (
-    ATTENTION_KINDS,
-    DEFAULT_STRATEGY,
-    LAYOUTS,
-    OVERSIZE_POLICIES,
-)
 from megatron_dynbatch.runtime.aggregation import AGGREGATIONS
-from megatron_dynbatch.tools.verify.spec import DEFAULT_MAX_TOKENS_PER_GPU
+from megatron_dynbatch.settings import OLD_SPELLINGS_DEST, add_cli_args, cli_settings, setting
 
 __all__ = ["main", "build_parser"]
 
 
-def _add_layout_args(parser: argparse.ArgumentParser, *, cap_default: Optional[int]) -> None:
-    """The planner settings both subcommands take (``plan`` requires the cap; ``verify`` has one)."""
+def _add_layout_args(parser: argparse.ArgumentParser, command: str) -> None:
+    """The parallel layout both subcommands take, then the settings ``command`` takes from the
+    settings table (under their training flags; older spellings hidden)."""
     parser.add_argument("--dp-size", type=int, default=1, help="data-parallel size (default 1)")
     parser.add_argument("--pp-size", type=int, default=1, help="pipeline-parallel size (default 1)")
     parser.add_argument(
@@ -46,61 +44,12 @@ def _add_layout_args(parser: argparse.ArgumentParser, *, cap_default: Optional[i
     )
     parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size (default 1)")
     parser.add_argument("--cp-size", type=int, default=1, help="context-parallel size (default 1)")
-    parser.add_argument(
-        "--max-tokens-per-gpu",
-        type=int,
-        required=cap_default is None,
-        default=cap_default,
-        help="hard token cap of one micro-batch on one GPU"
-        + ("" if cap_default is None else f" (default {cap_default})"),
-    )
-    parser.add_argument("--layout", choices=LAYOUTS, default="packed", help="micro-batch layout")
-    parser.add_argument(
-        "--cost-attention-weight",
-        type=float,
-        default=None,
-        help="weight of a segment's squared length (attention), per unit of a token's linear "
-        "work (default: the model's FLOPs ratio with plan's model flags, else 0)",
-    )
-    parser.add_argument(
-        "--cost-response-weight", type=float, default=0.0, help="weight of response tokens"
-    )
-    parser.add_argument(
-        "--cost-microbatch-overhead",
-        type=float,
-        default=None,
-        help="fixed cost of one micro-batch, in tokens of linear work (default: unknown; 2%% of "
-        "a full row at the cap is assumed and more micro-batches need a 3%% predicted gain)",
-    )
-    parser.add_argument(
-        "--cost-shape-exchange-overhead",
-        type=float,
-        default=0.0,
-        help="extra fixed cost of a micro-batch whose step's rows vary in length (default 0)",
-    )
-    parser.add_argument(
-        "--cost-attention",
-        choices=ATTENTION_KINDS,
-        default=None,
-        help="what the attention runs: segment (THD / flash varlen), causal (one causal row), "
-        "dense (masked S x S, Megatron's local); default: segment packed, causal padded",
-    )
-    parser.add_argument(
-        "--min-gain",
-        type=float,
-        default=None,
-        help="relative predicted gain more micro-batches per rank must promise (default 0.03 "
-        "with an unknown overhead, 0 with --cost-microbatch-overhead)",
-    )
-    parser.add_argument(
-        "--oversize-samples",
-        choices=OVERSIZE_POLICIES,
-        default="allow",
-        help="a sample longer than the cap: allow (default: alone, over the cap, warned), "
-        "truncate (cut to the cap), error. The default differs from training's (error, in "
-        "launch/pretrain_gpt_dynbatch.py) on purpose: this command only reports what a plan "
-        "would do, oversize samples listed, while a training run would spend their memory",
-    )
+    # The memory budget and variable rows need the model flags: added beside them (plan).
+    add_cli_args(parser, command, skip=_MODEL_SETTINGS)
+
+
+#: Settings ``plan`` lists with Megatron's model flags (they need the model).
+_MODEL_SETTINGS = ("--max-memory-gib", "--variable-seq-lengths")
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -125,32 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "samples", help="SAMPLES.json: array of lengths or {length, rollout, prompt_length}"
     )
-    _add_layout_args(plan, cap_default=None)
-    plan.add_argument(
-        "--rollouts-per-step",
-        type=int,
-        default=None,
-        help="rollouts (prompt groups) per optimizer step (default: all in one step)",
-    )
-    plan.add_argument(
-        "--planner",
-        default=DEFAULT_STRATEGY,
-        metavar="NAME",
-        help=(
-            f"schedule strategy (default {DEFAULT_STRATEGY}; built in: dynbatch, fixed; "
-            "MODULE:NAME imports MODULE first, e.g. benchmarks.baselines:verl_kk from a checkout)"
-        ),
-    )
+    _add_layout_args(plan, "plan")
     plan.add_argument("--json", action="store_true", help="print exactly one JSON object")
-    add_model_args(plan)
-    plan.add_argument(
-        "--variable-seq-lengths",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="every micro-batch its own row, rounded up to 64 tokens, as the Megatron-LM entry "
-        "runs on NCCL (default: on with the model flags, which plan what the entry runs on a "
-        "GPU; off without them)",
-    )
+    add_cli_args(add_model_args(plan), "plan", only=_MODEL_SETTINGS[:1])
+    add_cli_args(plan, "plan", only=_MODEL_SETTINGS[1:])
     plan.add_argument(
         "--plot", default=None, metavar="FILE.png", help="draw the first step to a PNG"
     )
@@ -158,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify = sub.add_parser(
         "verify", help="check dynamic batching against a reference on Megatron-Core"
     )
-    _add_layout_args(verify, cap_default=DEFAULT_MAX_TOKENS_PER_GPU)
+    _add_layout_args(verify, "verify")
     verify.add_argument(
         "--loss",
         choices=AGGREGATIONS,
@@ -249,18 +176,9 @@ def _load_samples(path: str):
     return parse_samples_json(_read_json(path))
 
 
-#: The ``DynBatchConfig`` fields the ``plan`` and ``verify`` flags set (same names as the fields).
-CLI_FIELDS = (
-    "max_tokens_per_gpu",
-    "layout",
-    "cost_attention_weight",
-    "cost_response_weight",
-    "cost_microbatch_overhead",
-    "cost_shape_exchange_overhead",
-    "cost_attention",
-    "min_gain",
-    "oversize_samples",
-)
+#: The ``DynBatchConfig`` fields both ``plan`` and ``verify`` set (their rows in the settings
+#: table; argparse stores each under its field's name).
+CLI_FIELDS = tuple(row.name for row in cli_settings("verify") if row.name is not None)
 
 
 def _planner_config(args, *, rollouts_per_step=None, memory=None):
@@ -281,6 +199,8 @@ def _planner_config(args, *, rollouts_per_step=None, memory=None):
         cp_size=args.cp_size,
     )
     values = {field: getattr(args, field) for field in CLI_FIELDS}
+    if getattr(args, "planner", None) is not None:
+        values["planner"] = args.planner
     variable = None
     if getattr(args, "num_layers", None) is not None:
         # Megatron's model flags: the first plan the Megatron-LM entry runs on a GPU, with the
@@ -309,9 +229,10 @@ def _planner_config(args, *, rollouts_per_step=None, memory=None):
 
         variable = VARIABLE_ROW_MULTIPLE
     if getattr(args, "variable_seq_lengths", None) and values["layout"] == "padded":
+        layout = setting("layout").flag
         raise DynBatchValueError(
-            "--variable-seq-lengths needs --layout packed (padded [B, S] rows all have the longest "
-            "sample's length); drop one of them."
+            f"--variable-seq-lengths needs {layout} packed (padded [B, S] rows all have the "
+            "longest sample's length); drop one of them."
         )
     config = config_from_mapping(values, fixed={"rollouts_per_step": rollouts_per_step})
     return config.planner_config(
@@ -433,8 +354,6 @@ def _check_plot_path(path: str) -> None:
 
 
 def _cmd_plan(args) -> int:
-    import dataclasses
-
     from megatron_dynbatch.planning import get_strategy, run_strategy
 
     if args.plot:
@@ -444,14 +363,13 @@ def _cmd_plan(args) -> int:
     config = _planner_config(
         args, rollouts_per_step=args.rollouts_per_step, memory=_memory_limit(args)
     )
-    config = dataclasses.replace(config, strategy=args.planner)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             plan = run_strategy(samples, config)
         except DynBatchRuntimeError as exc:
-            # A strategy that cannot schedule this input (an upstream scheduler's own check).
-            raise DynBatchValueError(f"--planner {args.planner}: {exc}") from None
+            # A planner that cannot schedule this input (an upstream scheduler's own check).
+            raise DynBatchValueError(f"{setting('planner').flag} {args.planner}: {exc}") from None
     for warning in caught:
         print(f"warning: {warning.message}", file=sys.stderr)
     if args.plot:
@@ -593,22 +511,23 @@ def main(argv: Optional[List[str]] = None) -> int:
                 return _cmd_calibrate(args)
             return _cmd_verify(args)
     except ValueError as exc:
-        # plan and verify take these settings as their own flags; calibrate's advice is for a run.
-        message = str(exc) if args.command == "calibrate" else _cli_flags(str(exc))
+        # calibrate's advice is for a run (the training flags); plan and verify answer in the
+        # spellings their command line used.
+        message = str(exc) if args.command == "calibrate" else _spoken(str(exc), args)
         print(f"megatron-dynbatch {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 
-def _cli_flags(message: str) -> str:
-    """``message`` with the Megatron-LM flag of every setting this command spells differently
-    replaced by this command's own (``--dynamic-batch-cost-attention-weight`` is
-    ``--cost-attention-weight`` here): the config names Megatron-LM's flags, the user typed ours."""
-    from megatron_dynbatch.config import FLAGS
-
-    for field in (*CLI_FIELDS, "planner"):
-        ours = "--" + field.replace("_", "-")
-        if FLAGS[field] != ours:
-            message = re.sub(rf"{re.escape(FLAGS[field])}\b(?!-)", ours, message)
+def _spoken(message: str, args) -> str:
+    """``message`` in the spellings of the command line: where it used an older spelling of a
+    setting (``--layout``, ``--cost-attention-weight``, ...), every flag with an older spelling is
+    named by it (``--dynamic-batch-layout`` is ``--layout`` there); otherwise the flags stay."""
+    if not getattr(args, OLD_SPELLINGS_DEST, None):
+        return message
+    for row in cli_settings(args.command):
+        if row.cli.aliases:
+            old = row.cli.aliases[0]
+            message = re.sub(rf"{re.escape(row.flag)}\b(?!-)", old, message)
     return message
 
 

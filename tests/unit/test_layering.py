@@ -21,7 +21,9 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "megatron_dynbatch"
 ALLOWED = {
     "errors": set(),
     "planning": {"errors"},
-    "config": {"errors", "planning", "runtime.aggregation"},
+    # The settings table: every flag, YAML key and help text (the config, the parsers read it).
+    "settings": {"errors", "planning"},
+    "config": {"errors", "planning", "runtime.aggregation", "settings"},
     "runtime": {"errors", "planning"},
     "mcore": {"errors", "planning", "runtime"},
     "cpu": {"errors"},
@@ -29,6 +31,7 @@ ALLOWED = {
         "errors",
         "planning",
         "config",
+        "settings",
         "runtime",
         "mcore",
         "cpu",
@@ -69,6 +72,7 @@ ALLOWED = {
         "errors",
         "planning",
         "config",
+        "settings",
         "runtime",
         "mcore",
         "cpu",
@@ -85,6 +89,7 @@ FORBIDDEN_EXTERNAL = {
     "errors": {"torch", "megatron", "numpy"},
     "planning": {"torch", "megatron", "numpy"},
     "config": {"torch", "megatron"},
+    "settings": {"torch", "megatron", "numpy"},
     "runtime": {"megatron"},
 }
 

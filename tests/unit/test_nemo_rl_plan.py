@@ -179,7 +179,7 @@ def test_the_record_reads_the_planner_beside_the_switch_and_names_it_in_errors()
     ):
         nemo_rl_planner_config(cfg, dp_size=2, forward_only=False)
     # Refused at start-up, where the patched Policy checks its config.
-    with pytest.raises(DynBatchValueError, match=r"dynbatch\.planner='nope': no schedule strategy"):
+    with pytest.raises(DynBatchValueError, match=r"dynbatch\.planner='nope': no planner named"):
         dynbatch_enabled(cfg)
     cfg["megatron_cfg"]["dynbatch"]["planner"] = "fixed"
     assert dynbatch_enabled(cfg)

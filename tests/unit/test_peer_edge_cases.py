@@ -747,7 +747,7 @@ CLI_CASES = [
         "--planner fixed with --oversize-samples truncate",
         [1000000, 5, 5],
         _CAP + ["--planner", "fixed", "--layout", "padded", "--oversize-samples", "truncate"],
-        "applies to strategy 'dynbatch' only",
+        "applies to planner 'dynbatch' only",
     ),
     ("NeMo-RL packing tests", "single item", [50], ["--max-tokens-per-gpu", "100"], OK),
     ("NeMo-RL packing tests", "all the same size", [30] * 5, ["--max-tokens-per-gpu", "100"], OK),

@@ -71,7 +71,7 @@ def test_the_registry_names_the_built_in_strategies_and_refuses_unknown_names():
         "dynbatch"
     )
     assert {"dynbatch", "fixed"} <= set(strategy_names())
-    with pytest.raises(DynBatchValueError, match=r"no schedule strategy named 'nope'.*'dynbatch'"):
+    with pytest.raises(DynBatchValueError, match=r"no planner named 'nope'.*'dynbatch'"):
         get_strategy("nope")
     with pytest.raises(DynBatchValueError, match="'no_such_module' cannot be imported"):
         get_strategy("no_such_module:x")
@@ -109,7 +109,7 @@ def test_fixed_is_megatrons_fixed_batching_under_the_budget():
         rollouts_per_step=3,
     )
     assert plan == expected and plan.steps[0].micro_batch_size == 2
-    with pytest.raises(DynBatchValueError, match="--layout padded"):
+    with pytest.raises(DynBatchValueError, match="--dynamic-batch-layout padded"):
         run_strategy(samples, dataclasses.replace(config, layout="packed"))
     with pytest.raises(DynBatchValueError, match="over the token cap 512"):
         run_strategy(samples, dataclasses.replace(config, max_tokens_per_gpu=512))
@@ -183,7 +183,7 @@ def test_plan_planner_picks_a_strategy_by_name(tmp_path, capsys):
     assert main([*common, "--planner", "fixed"]) == 2
     assert "--layout padded" in capsys.readouterr().err
     assert main([*common, "--planner", "nope"]) == 2
-    assert "no schedule strategy named 'nope'" in capsys.readouterr().err
+    assert "no planner named 'nope'" in capsys.readouterr().err
 
 
 # -- a user picks the strategy of a real run -------------------------------------------------------

@@ -1,7 +1,8 @@
 """Megatron command-line flags of dynamic batching, and their check after Megatron's own validation.
 
-Use :func:`add_dynamic_batch_args` as (or inside) the ``extra_args_provider`` of
-``megatron.training.arguments.parse_and_validate_args``. The patched ``parse_and_validate_args``
+The flags, their help texts and defaults are the rows of the settings table
+(:mod:`megatron_dynbatch.settings`). Use :func:`add_dynamic_batch_args` as (or inside) the
+``extra_args_provider`` of ``megatron.training.arguments.parse_and_validate_args``. The patched ``parse_and_validate_args``
 (``patches/0001-*``) calls ``hooks.configure`` (which runs :func:`validate_dynamic_batch_args`)
 right before Megatron's ``validate_args`` whenever these flags are registered: a refusal is then
 one line, before Megatron's argument dump, and a flag given without ``--use-dynamic-batch-size``
@@ -34,14 +35,22 @@ from megatron_dynbatch.config import (
 )
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning.spec import (
-    ATTENTION_KINDS,
     DEFAULT_STRATEGY,
-    LAYOUTS,
     MAX_TOKENS,
-    OVERSIZE_POLICIES,
     ParallelLayout,
     check_int,
     layout_flags,
+)
+from megatron_dynbatch.settings import (  # noqa: F401 - re-exported for the hooks and calibration
+    CALIBRATION_JSON,
+    CALIBRATION_YAML,
+    DEFAULT_CALIBRATION_MAX_ERROR,
+    DEFAULT_CALIBRATION_STEPS,
+    SETTINGS,
+    VARIABLE_SEQ_LENGTHS_DEST,
+    add_training_args,
+    config_settings,
+    memory_gib,
 )
 
 __all__ = [
@@ -54,7 +63,7 @@ __all__ = [
 ]
 
 # argparse destination of every config field (the flag without its dashes, Megatron-style).
-_DESTS: Dict[str, str] = {field: flag[2:].replace("-", "_") for field, flag in FLAGS.items()}
+_DESTS: Dict[str, str] = {row.name: row.training_dest for row in config_settings()}
 
 # Megatron features that choose the micro-batch count or the data themselves, each with the flag
 # that turns it off and why it cannot be combined with a planned schedule. Read with getattr: not
@@ -104,195 +113,38 @@ _INCOMPATIBLE = (
 )
 
 
-#: Where ``--variable-seq-lengths`` is stored: Megatron-LM's ``validate_args`` resets its own
-#: ``args.variable_seq_lengths`` (it has no flag for it), so the request keeps a name of ours.
-VARIABLE_SEQ_LENGTHS_DEST = "dynamic_batch_variable_seq_lengths"
 #: With ``--variable-seq-lengths`` each micro-batch's row is its samples rounded up to this (and
 #: to the sample multiple): at most 63 tokens of padding a row, while the number of distinct
 #: shapes a run meets (kernel autotuning, allocator caching) stays bounded.
 VARIABLE_ROW_MULTIPLE = 64
 
-
-#: Measured iterations in-run calibration fits by default (``--dynamic-batch-calibration-steps``).
-DEFAULT_CALIBRATION_STEPS = 8
-#: A fit whose median relative error over the measured steps exceeds this is not planned with
-#: (``--dynamic-batch-calibration-max-error``): fits of 30-35% planned rows 1.5-3x slower than the
-#: others on this CPU machine (issue 37), while fits on quiet steps land at 2-15%.
-DEFAULT_CALIBRATION_MAX_ERROR = 0.2
-#: Files calibration writes (``--dynamic-batch-calibration-output``).
-CALIBRATION_YAML = "dynbatch_calibration.yaml"
-CALIBRATION_JSON = "dynbatch_calibration.json"
+#: The calibration flags (their rows in :data:`megatron_dynbatch.settings.SETTINGS`).
+_CALIBRATION_FLAGS = tuple(
+    row.flag
+    for row in SETTINGS
+    if row.flag.startswith(("--dynamic-batch-calibration", "--dynamic-batch-recalibrate"))
+)
 
 
 def add_calibration_args(group: Any) -> None:
-    """Add the calibration flags to the dynamic-batching argument group."""
-    group.add_argument(
-        "--dynamic-batch-calibration-steps",
-        type=int,
-        default=DEFAULT_CALIBRATION_STEPS,
-        help="Fit the planner's cost model to this many measured training iterations, then plan "
-        f"with it (default {DEFAULT_CALIBRATION_STEPS}; 0 keeps the configured weights).",
-    )
-    group.add_argument(
-        "--dynamic-batch-calibration-max-error",
-        type=float,
-        default=DEFAULT_CALIBRATION_MAX_ERROR,
-        help="Plan with a fit only when its median relative error over the measured steps is at "
-        f"most this (default {DEFAULT_CALIBRATION_MAX_ERROR}); over it, as many steps again are "
-        "measured and refit, then a fit still over it is not used (the log says so).",
-    )
-    group.add_argument(
-        "--dynamic-batch-recalibrate",
-        action="store_true",
-        help=f"Calibrate again even when the --load directory holds {CALIBRATION_JSON} of the "
-        "same layout, budget and model (a fit of other settings is always refit).",
-    )
-    group.add_argument(
-        "--dynamic-batch-calibration-output",
-        type=str,
-        default=None,
-        help=f"Directory for {CALIBRATION_YAML} (load it with --dynamic-batch-config) and "
-        f"{CALIBRATION_JSON}; default: --save.",
-    )
+    """Add the calibration flags alone (:func:`add_dynamic_batch_args` adds them with the rest)."""
+    for row in SETTINGS:
+        if row.flag in _CALIBRATION_FLAGS:
+            group.add_argument(row.flag, **row.argparse_kwargs())
 
 
 def add_dynamic_batch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the dynamic-batching flags to Megatron's parser; an ``extra_args_provider``.
 
-    Every flag but ``--use-dynamic-batch-size`` defaults to ``None`` so that
-    :func:`validate_dynamic_batch_args` can tell a flag given on the command line (which overrides
-    the ``--dynamic-batch-config`` YAML) from one left out (YAML value, then dataclass default).
-    Chain with another provider as ``lambda parser: my_provider(add_dynamic_batch_args(parser))``.
+    One flag per row of :data:`megatron_dynbatch.settings.SETTINGS`, with its help text. Every
+    config setting's flag defaults to ``None`` so that :func:`validate_dynamic_batch_args` can
+    tell a flag given on the command line (which overrides the ``--dynamic-batch-config`` YAML)
+    from one left out (YAML value, then dataclass default). Chain with another provider as
+    ``lambda parser: my_provider(add_dynamic_batch_args(parser))``.
     """
     group = parser.add_argument_group(title="dynamic batching (megatron_dynbatch)")
-    group.add_argument(
-        "--use-dynamic-batch-size",
-        action="store_true",
-        help="Plan every step's micro-batches under a token budget (needs the megatron_dynbatch "
-        "patches); the training iterator then yields rollout batches.",
-    )
-    group.add_argument(
-        FLAGS["max_tokens_per_gpu"],
-        type=int,
-        default=None,
-        help="Token budget of one training micro-batch on one GPU, padding included.",
-    )
-    group.add_argument(
-        FLAGS["max_memory_gib"],
-        type=memory_gib,
-        default=None,
-        help="The most one GPU (on CPU: one rank's process) may hold at its peak in a training "
-        "step, in GiB, or 'auto' (the device's memory less 10%%). The planner keeps every "
-        "pipeline stage's predicted peak within it; with it alone the token budget is what it "
-        "allows. See docs/memory.md.",
-    )
-    group.add_argument(
-        FLAGS["log_probs_max_tokens_per_gpu"],
-        type=int,
-        default=None,
-        help="Token budget of one forward-only (log-prob) micro-batch; default: "
-        "--max-tokens-per-gpu.",
-    )
-    group.add_argument(
-        FLAGS["layout"],
-        choices=LAYOUTS,
-        default=None,
-        help="packed: one row of concatenated samples per micro-batch; padded: [B, S] rows. "
-        "Default: packed.",
-    )
-    group.add_argument(
-        FLAGS["rollouts_per_step"],
-        type=int,
-        default=None,
-        help="Rollouts (prompt groups) per optimizer step; default: one step per batch the "
-        "iterator yields. In Megatron-LM's training loop it must equal --global-batch-size, "
-        "which then counts rollouts instead of samples.",
-    )
-    for field, what in (
-        ("cost_token_weight", "the sample length L (default 1.0)"),
-        ("cost_attention_weight", "L**2, the attention term (default 0.0)"),
-        ("cost_response_weight", "the response length (default 0.0)"),
-        (
-            "cost_microbatch_overhead",
-            "one micro-batch, its fixed cost (default: unknown, 2%% of a full row assumed)",
-        ),
-        (
-            "cost_shape_exchange_overhead",
-            "one micro-batch's shape exchange when row lengths vary (default 0.0)",
-        ),
-    ):
-        group.add_argument(
-            FLAGS[field], type=float, default=None, help=f"Planner cost-model weight of {what}."
-        )
-    group.add_argument(
-        FLAGS["cost_attention"],
-        choices=ATTENTION_KINDS,
-        default=None,
-        help="What the attention runs, for the cost model: segment (THD / flash varlen), causal "
-        "(one causal row), dense (masked S x S, --transformer-impl local). Default: from "
-        "--transformer-impl and --attention-backend.",
-    )
-    group.add_argument(
-        FLAGS["min_gain"],
-        type=float,
-        default=None,
-        help="Relative predicted gain more micro-batches per rank must promise to be planned "
-        "(default 0.03 with an unknown micro-batch overhead, 0 with a given one).",
-    )
-    group.add_argument(
-        FLAGS["oversize_samples"],
-        choices=OVERSIZE_POLICIES,
-        default=None,
-        help="A sample longer than the budget: error (default) refuses the batch, truncate cuts "
-        "it to the budget, allow runs it alone over the budget.",
-    )
-    group.add_argument(
-        FLAGS["planner"],
-        type=str,
-        default=None,
-        metavar="NAME",
-        help="The schedule strategy that plans every step, by registered name: dynbatch "
-        "(default, this package's planner), fixed (Megatron's padded batching under the same "
-        "budget; needs --dynamic-batch-layout padded), or module:name for one a module registers "
-        "when imported.",
-    )
-    group.add_argument(
-        "--variable-seq-lengths",
-        dest=VARIABLE_SEQ_LENGTHS_DEST,
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="Each micro-batch runs its own row length (its samples rounded up to 64 tokens) "
-        "instead of the step's longest; megatron.core then exchanges every micro-batch's shape "
-        "before its pipeline send (variable_seq_lengths). Default: on where the exchange costs "
-        "microseconds (NCCL, CUDA), with uniform rows kept where the cost model says they win; "
-        "off on gloo (CPU), where it costs about a millisecond a micro-batch.",
-    )
-    group.add_argument(
-        "--dynamic-batch-config",
-        type=str,
-        default=None,
-        help="YAML file of dynamic-batching settings (keys: see configs/dynbatch.yaml); flags "
-        "given on the command line override it.",
-    )
-    group.add_argument(
-        "--dynamic-batch-reference-thd-attention",
-        action="store_true",
-        help="With --transformer-impl local: pass packed rows to the model as THD PackedSeqParams "
-        "(the transformer-engine path) and attend with megatron_dynbatch's torch reference of "
-        "TE's THD attention. Tests the GPU path on machines without CUDA; slow (dense scores).",
-    )
-    add_calibration_args(group)
+    add_training_args(group)
     return parser
-
-
-def memory_gib(text: str) -> Any:
-    """``--max-memory-gib``'s value: a number of GiB, or ``auto``."""
-    if text == "auto":
-        return text
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB or 'auto'") from None
 
 
 def _layout_size(args: Any, name: str) -> int:

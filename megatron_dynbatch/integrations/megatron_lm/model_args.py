@@ -8,6 +8,7 @@ imported here for the Megatron-LM entry and ``plan``.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from megatron_dynbatch.integrations.model_args import (
     DEFAULT_VOCAB_SIZE,
@@ -18,8 +19,9 @@ from megatron_dynbatch.integrations.model_args import (
 __all__ = ["add_model_args", "memory_model_from_flags", "model_dims_from_args"]
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """Megatron's model flags ``plan`` needs to predict memory (same spellings and defaults)."""
+def add_model_args(parser: argparse.ArgumentParser) -> Any:
+    """Megatron's model flags ``plan`` needs to predict memory (same spellings and defaults);
+    returns their argument group (``plan`` adds ``--max-memory-gib`` to it)."""
     group = parser.add_argument_group(
         "model (Megatron-LM's flags; with --num-layers, plan --json predicts each stage's peak)"
     )
@@ -45,10 +47,4 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         help="default rope here (no position table); Megatron's own default is learned_absolute",
     )
     group.add_argument("--max-position-embeddings", type=int, default=None)
-    group.add_argument(
-        "--max-memory-gib",
-        type=float,
-        default=None,
-        help="memory budget of one GPU in GiB: no planned step's predicted peak exceeds it "
-        "(the model's bytes only: add the CUDA context / process to your margin)",
-    )
+    return group

@@ -60,7 +60,7 @@ def dynbatch_enabled(policy_cfg: Mapping[str, Any]) -> bool:
         DynBatchValueError: the switch is not a boolean; it is on without the Megatron backend, or
             without ``policy.sequence_packing.enabled`` (the runtime that runs our micro-batches),
             or together with ``policy.dynamic_batching.enabled`` (ours replaces it), or with a
-            ``planner`` no strategy is registered as.
+            ``planner`` no planner is registered as.
     """
     megatron_cfg = policy_cfg.get("megatron_cfg") or {}
     section = megatron_cfg.get("dynbatch") or {}
@@ -74,7 +74,7 @@ def dynbatch_enabled(policy_cfg: Mapping[str, Any]) -> bool:
         # At start-up, not at the first train call.
         if not isinstance(planner, str):
             raise DynBatchValueError(
-                f"{_PLANNER}={planner!r} must name a schedule strategy, e.g. 'dynbatch'."
+                f"{_PLANNER}={planner!r} must name a registered planner, e.g. 'dynbatch'."
             )
         try:
             get_strategy(planner)

@@ -19,6 +19,7 @@ from megatron_dynbatch.planning import (
     plan_samples,
 )
 from megatron_dynbatch.runtime.aggregation import check_aggregation
+from megatron_dynbatch.settings import setting
 
 __all__ = [
     "DEFAULT_MAX_TOKENS_PER_GPU",
@@ -31,8 +32,8 @@ __all__ = [
 ]
 
 #: Token cap of the bundled set when none is given: small enough that it packs into several
-#: micro-batches of the tiny model.
-DEFAULT_MAX_TOKENS_PER_GPU = 128
+#: micro-batches of the tiny model (``verify``'s default in the settings table).
+DEFAULT_MAX_TOKENS_PER_GPU = setting("max_tokens_per_gpu").cli.default_for("verify")
 #: Seed of the model weights and of every sample's tokens and advantage.
 SEED = 1234
 #: Transformer layers of the verify model; pp * vpp must divide it.

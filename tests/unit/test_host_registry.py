@@ -1,0 +1,78 @@
+"""A trainer outside the package registers its own host record; errors then use its keys."""
+
+import pytest
+
+from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.integrations import hosts
+from megatron_dynbatch.integrations.hosts import HOSTS, Host, host_config, register_host
+from megatron_dynbatch.planning import ParallelLayout
+
+pytestmark = pytest.mark.unit
+
+
+def _toy(name="toy-registry", **changes):
+    fields = dict(
+        name=name,
+        switch="toy.dynamic=true",
+        fallback="toy.dynamic=false",
+        options={
+            "tokens_per_mb": "max_tokens_per_gpu",
+            "logprob_tokens": "log_probs_max_tokens_per_gpu",
+        },
+        keys={
+            "max_tokens_per_gpu": "toy.tokens_per_mb",
+            "log_probs_max_tokens_per_gpu": "toy.logprob_tokens",
+        },
+        planning="global",
+        oversize="error",
+        loss="global-normaliser",
+        layout_flags={"pp_size": "toy.pp", "dp_size": "toy.dp"},
+    )
+    fields.update(changes)
+    return Host(**fields)
+
+
+@pytest.fixture
+def registered():
+    host = register_host(_toy())
+    yield host
+    HOSTS.pop(host.name)
+
+
+def test_a_registered_host_is_in_the_table_and_plans(registered):
+    assert HOSTS["toy-registry"] is registered
+    config = host_config(registered, {"tokens_per_mb": 96}, ParallelLayout(pp_size=2))
+    assert config.max_tokens_per_gpu == 96 and config.parallel.pp_size == 2
+
+
+def test_its_errors_name_its_own_keys(registered):
+    with pytest.raises(DynBatchValueError, match=r"toy\.tokens_per_mb=0 must be > 0"):
+        host_config(registered, {"tokens_per_mb": 0}, ParallelLayout())
+    with pytest.raises(DynBatchValueError, match=r"toy\.dynamic=true needs a token budget"):
+        host_config(registered, {}, ParallelLayout())
+    # A planner error that names a parallel size names the host's option for it too.
+    with pytest.raises(DynBatchValueError, match=r"\(flags: toy-registry: pp_size is toy\.pp\.\)"):
+        with registered.flags():
+            raise DynBatchValueError("pp_size=3 does not divide the layers")
+
+
+def test_a_second_record_of_one_name_is_refused_unless_replaced(registered):
+    with pytest.raises(DynBatchValueError, match="already registered"):
+        register_host(_toy(switch="toy.other=true"))
+    # The same record again is harmless (a module imported twice).
+    assert register_host(_toy()) == registered
+    replaced = register_host(_toy(switch="toy.other=true"), replace=True)
+    assert HOSTS["toy-registry"] is replaced
+
+
+def test_only_host_records_are_registered():
+    with pytest.raises(
+        DynBatchValueError, match="needs a megatron_dynbatch.integrations.hosts.Host"
+    ):
+        register_host({"name": "toy"})
+
+
+def test_layout_flags_not_named_keep_megatron_lm_flags():
+    host = _toy()
+    assert host.layout_flags["pp_size"] == "toy.pp"
+    assert host.layout_flags["vpp_size"] == hosts.LAYOUT_FLAGS["Megatron-LM"]["vpp_size"]
