@@ -50,11 +50,11 @@ from megatron_dynbatch.integrations.nemo_rl.plan import (
     padded_lengths,
     plan_nemo_rl_shards,
 )
-from megatron_dynbatch.integrations.nemo_rl.shard import PLACEHOLDER_LENGTH
 from megatron_dynbatch.planning import CostModel
 from megatron_dynbatch.planning.cost import microbatch_cost
 from megatron_dynbatch.planning.simulate import pipeline_makespan
 from megatron_dynbatch.planning.spec import round_up
+from megatron_dynbatch.runtime.placeholders import PLACEHOLDER_ATTENDED_TOKENS
 
 __all__ = ["NemoRlCase", "nemo_rl_dynamic_batching", "random_case", "run_case"]
 
@@ -127,7 +127,7 @@ def ours(case: NemoRlCase, pp: int) -> List[List[List[int]]]:
     config = nemo_rl_planner_config(_policy_cfg(case, pp), dp_size=case.dp, forward_only=False)
     shards = plan_nemo_rl_shards(case.lengths, config, pad_multiple=case.pad_multiple)
     padded = padded_lengths(case.lengths, case.pad_multiple)
-    placeholder = round_up(PLACEHOLDER_LENGTH, case.pad_multiple)
+    placeholder = round_up(PLACEHOLDER_ATTENDED_TOKENS, case.pad_multiple)
     packs = []
     for rows, [spans] in zip(shards.rows, shards.micro_batch_indices, strict=True):
         packs.append(

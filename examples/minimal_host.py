@@ -24,7 +24,7 @@ from megatron_dynbatch.mcore.step import configure_loss, train_microbatches
 TOY = register_host(Host(  # our own option names: every error of the planner names them
     name="toy", switch="toy.dynamic=true", fallback="toy.dynamic=false", planning="global",
     options={"tokens_per_mb": "max_tokens_per_gpu"}, keys={"max_tokens_per_gpu": "toy.tokens_per_mb"},
-    oversize="error", loss="global-normaliser", layout_flags={"pp_size": "toy.pp"}))
+    oversize="error", layout_flags={"pp_size": "toy.pp"}))
 dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 ps.initialize_model_parallel(pipeline_model_parallel_size=2)
 model_parallel_cuda_manual_seed(1234)  # Megatron's RNG tracker: needed before a model is built

@@ -2,8 +2,8 @@
 
 A host (Megatron-LM, slime, SkyRL, verl, ...) is a :class:`Host`: its option names mapped to our
 settings, the keys that set its budget, whether it plans the whole step (``global``) or each DP
-rank's own shard (``sharded``), what its budget counts, what it does with a sample over the
-budget, and how its loss aggregates. Everything that checks a host's input goes through the
+rank's own shard (``sharded``), what its budget counts and what it does with a sample over the
+budget. Everything that checks a host's input goes through the
 functions here, so every host's errors are worded in its own option names and no integration
 keeps its own copy of a budget, length or oversize check:
 
@@ -74,11 +74,6 @@ BudgetCounts = Literal["padded", "real"]
 #: What the host does with a sample over its budget: ``error`` refuses the step, ``allow`` runs it
 #: alone over the budget (``warn``: and says so once), ``option``: the host's own option decides.
 OversizePolicy = Literal["error", "allow", "warn", "option"]
-#: How the host's loss aggregates over micro-batches (what makes a zero-weight placeholder exact):
-#: ``global-normaliser``: each micro-batch is normalised by counts taken over the whole step
-#: before micro-batching (verl, SkyRL, Megatron-LM's per-token loss); ``per-rollout-mean``:
-#: slime's sum of per-rollout means, scaled by ``num_microbatches / global_batch_size``.
-LossAggregation = Literal["global-normaliser", "per-rollout-mean"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,8 +107,6 @@ class Host:
     ranks); ``False``: the budget caps the whole micro-batch, whatever the CP size (SkyRL)."""
     oversize: OversizePolicy
     """What the host does with a sample over its budget (see :data:`OversizePolicy`)."""
-    loss: LossAggregation
-    """How the host's loss aggregates (see :data:`LossAggregation`)."""
     layout_flags: Union[str, Mapping[str, str]]
     """How messages name its parallel sizes: a key of
     :data:`~megatron_dynbatch.planning.spec.LAYOUT_FLAGS`, or (a host registered from outside the
@@ -162,7 +155,6 @@ MEGATRON_LM = Host(
     keys=dict(FLAGS),
     planning="global",
     oversize="option",
-    loss="global-normaliser",
     layout_flags="Megatron-LM",
 )
 
@@ -175,6 +167,7 @@ SLIME = Host(
         "log_probs_max_tokens_per_gpu": "log_probs_max_tokens_per_gpu",
         "oversize_samples": "oversize_samples",
         "max_memory_gib": "max_memory_gib",
+        "dynamic_batch_planner": "planner",
     },
     fixed={"layout": "packed"},
     defaults={"oversize_samples": "allow"},
@@ -184,10 +177,11 @@ SLIME = Host(
         "oversize_samples": "--oversize-samples",
         # Registered by patch 0005; read by integrations/slime/memory.py (GiB, no ``auto``).
         "max_memory_gib": "--max-memory-gib",
+        # Registered by patch 0005 (Megatron-LM's spelling): the schedule strategy by name.
+        "planner": "--dynamic-batch-planner",
     },
     planning="global",
     oversize="option",
-    loss="per-rollout-mean",
     layout_flags="slime",
 )
 
@@ -204,7 +198,6 @@ SKYRL = Host(
     budget_counts="real",
     budget_times_cp=False,
     oversize="allow",
-    loss="global-normaliser",
     layout_flags="SkyRL",
 )
 
@@ -225,7 +218,6 @@ VERL = Host(
     planning="sharded",
     budget_counts="real",
     oversize="error",
-    loss="global-normaliser",
     layout_flags="verl",
 )
 
@@ -258,7 +250,6 @@ NEMO_RL = Host(
     # make_sequence_length_divisible_by, whatever the CP size.
     budget_times_cp=False,
     oversize="error",
-    loss="global-normaliser",
     layout_flags="NeMo-RL",
 )
 
@@ -319,11 +310,13 @@ def host_config(
     forward_only: bool = False,
     fixed: Optional[Mapping[str, Any]] = None,
     row_multiple: Optional[int] = None,
+    memory: Optional[Any] = None,
 ) -> PlannerConfig:
     """The planner's config from the host's option values (``values`` keyed by its option names).
 
     ``fixed`` adds fields the caller decides per call (slime's cost model, verl's layout) to the
-    host's own :attr:`Host.fixed`. A ``sharded`` host plans one rank's samples: ``parallel``
+    host's own :attr:`Host.fixed`; ``memory``: the host's memory budget as a
+    :class:`~megatron_dynbatch.planning.memory.MemoryLimit`, or ``None``. A ``sharded`` host plans one rank's samples: ``parallel``
     must have ``dp_size=1``.
 
     Raises:
@@ -348,11 +341,14 @@ def host_config(
             host=f"{host.name}'s options",
         )
     except DynBatchValueError as error:
-        raise DynBatchValueError(_in_host_words(host, str(error), forward_only)) from error
+        # The message without config_from_mapping's "(in ...: option -> field)" suffix: it is
+        # reworded in the host's keys, so the internal mapping says nothing to its users.
+        cause = error.__cause__ if isinstance(error.__cause__, DynBatchValueError) else error
+        raise DynBatchValueError(_in_host_words(host, str(cause), forward_only)) from error
     try:
         with host.flags():
             return config.planner_config(
-                parallel, forward_only=forward_only, row_multiple=row_multiple
+                parallel, forward_only=forward_only, row_multiple=row_multiple, memory=memory
             )
     except DynBatchValueError as error:
         raise DynBatchValueError(_in_host_words(host, str(error), forward_only)) from error

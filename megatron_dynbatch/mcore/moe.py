@@ -31,6 +31,7 @@ from typing import Iterator, Mapping, Optional
 import torch
 
 from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.runtime.placeholders import is_placeholder
 
 __all__ = ["is_moe_model", "padding_mask_of", "placeholder_routing"]
 
@@ -45,14 +46,15 @@ def is_moe_model(model: torch.nn.Module) -> bool:
 def padding_mask_of(batch: Mapping[str, torch.Tensor]) -> Optional[torch.Tensor]:
     """Megatron's ``padding_mask`` of a planned micro-batch: ``[B, S]`` bool, True on padding.
 
-    Padding is every position whose ``sample_index`` is -1: a row's padding tail, the rounding pad
-    after a sample (``sample_multiple``) and every token of a placeholder micro-batch. None when the
-    micro-batch has no ``sample_index`` (a user forward step's own dict).
+    Padding is every position whose ``sample_index`` is the placeholder marker
+    (:func:`~megatron_dynbatch.runtime.placeholders.is_placeholder`): a row's padding tail, the
+    rounding pad after a sample (``sample_multiple``) and every token of a placeholder micro-batch.
+    None when the micro-batch has no ``sample_index`` (a user forward step's own dict).
     """
     sample_index = batch.get("sample_index")
     if sample_index is None:
         return None
-    return sample_index < 0
+    return is_placeholder(sample_index)
 
 
 # The load-balancing losses a router computes (Megatron's names) and whether each one's token count

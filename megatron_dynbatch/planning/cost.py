@@ -48,30 +48,23 @@ __all__ = [
     "microbatch_cost",
     "row_cost",
     "row_costs",
-    "sample_cost",
     "sample_costs",
     "step_microbatch_costs",
     "tail_cost",
 ]
 
 
-def sample_cost(model: CostModel, layout: str, size: int, response_length: int) -> float:
-    """The part of a micro-batch's forward cost that one sample brings, besides the row itself.
-
-    ``size`` is the sample's padded segment (``round_up(L, sample_multiple)``). In the ``packed``
-    layout that is its attention segment and its response work; in the ``padded`` layout only its
-    response work (the row's attention is ``S**2`` whatever it holds, see :func:`row_cost`).
-    """
-    response = model.response_weight * response_length
-    if model.attention_kind(layout) == "segment":
-        return model.attention_weight * float(size) * float(size) + response
-    return response
-
-
 def sample_costs(
     model: CostModel, layout: str, sizes: Sequence[int], response_lengths: Sequence[int]
 ) -> List[float]:
-    """:func:`sample_cost` of every sample (the planner's hot path: one list comprehension)."""
+    """Every sample's share of a micro-batch's forward cost, besides the row itself (the planner's
+    hot path: one list comprehension).
+
+    ``sizes`` are the samples' padded segments (``round_up(L, sample_multiple)``). In the
+    ``packed`` layout a sample brings its attention segment and its response work; in the
+    ``padded`` layout only its response work (the row's attention is ``S**2`` whatever it holds,
+    see :func:`row_cost`).
+    """
     aw, rw = model.attention_weight, model.response_weight
     if model.attention_kind(layout) == "segment":
         if rw == 0.0:
@@ -83,7 +76,7 @@ def sample_costs(
 def row_cost(
     model: CostModel, layout: str, seq_length: int, micro_batch_size: int, load: int
 ) -> float:
-    """Forward cost of a micro-batch's shape and padding, without its samples' :func:`sample_cost`.
+    """Forward cost of a micro-batch's shape and padding, without its samples' :func:`sample_costs`.
 
     ``load`` is the padded tokens its samples fill (packed: the sum of their segments). Segment
     attention (packed): ``overhead + token_weight * S + attention_weight * (S - load)**2`` (the
@@ -117,7 +110,7 @@ def row_costs(
 ) -> List[float]:
     """``row_cost(..., load) + own`` of many micro-batches at once (the planner's hot path).
 
-    ``own[b]`` is the sum of micro-batch ``b``'s :func:`sample_cost`; ``loads[b]`` its padded
+    ``own[b]`` is the sum of micro-batch ``b``'s :func:`sample_costs`; ``loads[b]`` its padded
     tokens (packed layout).
     """
     if model.attention_kind(layout) != "segment":

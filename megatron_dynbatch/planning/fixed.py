@@ -13,7 +13,7 @@ from typing import Any, List, Optional, Sequence
 
 from megatron_dynbatch.errors import DynBatchValueError
 
-from .plan import Plan, PlanStats, StepPlan
+from .plan import Plan, PlanStats, StepPlan, imbalance
 from .samples import SampleSet
 from .spec import ceil_div, round_up
 
@@ -82,7 +82,6 @@ def plan_fixed_samples(
                 ranks[r].append(tuple(window[r * micro_batch_size : (r + 1) * micro_batch_size]))
         real = sum(samples.lengths[i] for i in items)
         rank_tokens = [sum(samples.lengths[i] for mb in rank for i in mb) for rank in ranks]
-        imbalance = max(rank_tokens) * dp_size / real
         steps.append(
             StepPlan(
                 num_microbatches=per_rank,
@@ -93,8 +92,8 @@ def plan_fixed_samples(
                 num_placeholders=sum(1 for rank in ranks for mb in rank if not mb),
                 real_tokens=real,
                 fill=real / (dp_size * per_rank * micro_batch_size * seq_length),
-                dp_imbalance=imbalance,
-                dp_imbalance_cost=imbalance,
+                dp_imbalance=imbalance(rank_tokens),
+                dp_imbalance_cost=imbalance(rank_tokens),
                 oversize_samples=(),
                 lower_bound_microbatches=ceil_div(len(items), micro_batch_size),
                 min_microbatches=per_rank,

@@ -39,12 +39,16 @@ def check_plan(
 ) -> None:
     """Raise :class:`PlanInvariantError` listing every broken guarantee of ``plan``.
 
+    One walk over the :class:`~.schedule.Schedule` view checks what every plan kind guarantees
+    (:func:`_walk`: every sample once, one count on every rank aligned to the interleaving group,
+    every micro-batch within its row and the cap); a :class:`Plan` then has its own checks
+    (:func:`_plan_only`: rollouts, truncation, shapes, statistics), a :class:`ShardedPlan` its
+    own (:func:`_sharded_only`: rows, real micro-batches first, oversize reported).
+
     Args:
         plan: A :class:`Plan` (samples go to any DP rank), a :class:`ShardedPlan` (each DP rank's
             own samples, for trainers that shard before we plan), or any other
-            :class:`~.schedule.Schedule` (slime's ``DPSchedule``), checked through its
-            :class:`~.schedule.ScheduledStep` s: every sample once, equal counts aligned to the
-            interleaving group, every micro-batch within its row and the cap.
+            :class:`~.schedule.Schedule` (slime's ``DPSchedule``).
         samples: The plan's samples: a :class:`SampleSet`, or for a :class:`ShardedPlan` every
             rank's lengths (``samples[r][i]``: sample ``i`` of DP rank ``r``).
         config: The planner config it was planned with (``dp_size=1`` for a sharded plan).
@@ -52,26 +56,39 @@ def check_plan(
             adds to a micro-batch with fewer than ``plan.rows`` samples (SkyRL: one attended token,
             padded to the sample multiple); 0 when placeholders are whole micro-batches.
     """
-    if isinstance(plan, ShardedPlan):
-        problems = _sharded(plan, samples, config, placeholder_row_tokens)
-        if problems:
-            raise PlanInvariantError(
-                "sharded plan breaks its guarantees:\n  " + "\n  ".join(problems)
-            )
-        return
-    if not isinstance(plan, Plan):
-        if not isinstance(plan, Schedule):
-            raise PlanInvariantError(
-                f"{type(plan).__name__} is not a plan: it implements no scheduled_steps()."
-            )
+    if not isinstance(plan, Schedule):
+        raise PlanInvariantError(
+            f"{type(plan).__name__} is not a plan: it implements no scheduled_steps()."
+        )
+    problems: List[str] = []
+    try:
         cp = config.parallel.cp_size
         steps = tuple(step.whole_rows(cp) for step in plan.scheduled_steps())
-        problems = _scheduled(steps, samples, config)
-        if problems:
-            raise PlanInvariantError(
-                f"{type(plan).__name__} breaks its guarantees:\n  " + "\n  ".join(problems)
-            )
-        return
+    except AssertionError as error:  # a step of unequal counts, which ScheduledStep refuses
+        steps = ()
+        problems.append(f"scheduled_steps() refused: {error}")
+    sharded = isinstance(plan, ShardedPlan)
+    problems += _walk(
+        steps,
+        samples,
+        config,
+        sharded=sharded,
+        row_tokens=placeholder_row_tokens,
+        # A Plan's rows are checked in full by _plan_only (its shapes and the planner's rounding).
+        row_widths=not isinstance(plan, Plan),
+    )
+    if isinstance(plan, Plan):
+        problems += _plan_only(plan, samples, config)
+    elif sharded:
+        problems += _sharded_only(plan, samples, config)
+    if problems:
+        name = {Plan: "plan", ShardedPlan: "sharded plan"}.get(type(plan), type(plan).__name__)
+        raise PlanInvariantError(f"{name} breaks its guarantees:\n  " + "\n  ".join(problems))
+
+
+def _plan_only(plan: Plan, samples: SampleSet, config: PlannerConfig) -> List[str]:
+    """What a :class:`Plan` guarantees besides :func:`_walk`: whole rollouts in order, truncation
+    by the policy only, its reported counts, shapes and oversize samples, its statistics."""
     kept = plan.kept_lengths()
     multiple = config.parallel.sample_multiple
     lengths = samples.lengths
@@ -88,12 +105,12 @@ def check_plan(
     flat = indices[0] if len(indices) == 1 else list(itertools.chain.from_iterable(indices))
     n = len(samples)
     # Plain ints in range (the usual case): the checks below may index ``sizes`` directly; any
-    # other index makes them take the careful way, which reports it.
+    # other index makes them take the careful way (the walk reports it).
     in_range = not flat or (set(map(type, flat)) == {int} and min(flat) >= 0 and max(flat) < n)
+    # Every sample exactly once (n distinct indices in [0, n)); the walk reports otherwise.
+    once = in_range and len(flat) == n and len(set(flat)) == n
     problems: List[str] = []
-    once = _every_sample_once(flat, n, in_range)
-    problems += once
-    problems += _whole_rollouts_in_order(plan, indices, samples, config, once_each=not once)
+    problems += _whole_rollouts_in_order(plan, indices, samples, config, once_each=once)
     problems += _truncation(plan, samples, config)
     for s, step in enumerate(plan.steps):
         where = f"step {s}"
@@ -102,7 +119,7 @@ def check_plan(
             where, step, indices[s], plan.layout, sizes, config, in_range=in_range, longest=longest
         )
         problems += _step_counts(where, step, sizes, config)
-        if in_range and not once:
+        if once:
             # The samples' tokens, whoever counted them: one step of every sample adds them all.
             tokens = (
                 sum(lengths) if len(plan.steps) == 1 else sum(map(lengths.__getitem__, indices[s]))
@@ -112,31 +129,12 @@ def check_plan(
                     f"{where}: real_tokens={step.real_tokens}, its samples hold {tokens}"
                 )
     problems += _stats_add_up(plan, sizes, config)
-    if problems:
-        raise PlanInvariantError("plan breaks its guarantees:\n  " + "\n  ".join(problems))
+    return problems
 
 
 def _indices(step: StepPlan) -> List[int]:
     chain = itertools.chain.from_iterable
     return list(chain(chain(step.ranks)))
-
-
-def _every_sample_once(flat: Sequence[int], n: int, in_range: bool) -> List[str]:
-    """Nothing lost, nothing duplicated, no index outside the samples."""
-    if in_range and len(flat) == n and len(set(flat)) == n:
-        return []  # n distinct indices in [0, n): each sample exactly once
-    seen = Counter(flat)
-    outside = sorted(i for i in seen if not (isinstance(i, int) and 0 <= i < n))
-    missing = [i for i in range(n) if i not in seen]
-    duplicated = sorted(i for i, count in seen.items() if count > 1 and i not in outside)
-    problems = []
-    if outside:
-        problems.append(f"sample indices outside [0, {n}): {outside[:_LISTED]}")
-    if missing:
-        problems.append(f"samples never scheduled: {missing[:_LISTED]} ({len(missing)} in all)")
-    if duplicated:
-        problems.append(f"samples scheduled more than once: {duplicated[:_LISTED]}")
-    return problems
 
 
 def _whole_rollouts_in_order(
@@ -471,59 +469,32 @@ def _stats_add_up(plan: Plan, sizes: Sequence[int], config: PlannerConfig) -> Li
     return problems
 
 
-def _sharded(
-    plan: ShardedPlan,
-    lengths_per_rank: Sequence[Sequence[int]],
-    config: PlannerConfig,
-    row_tokens: int,
+def _sharded_only(
+    plan: ShardedPlan, lengths_per_rank: Sequence[Sequence[int]], config: PlannerConfig
 ) -> List[str]:
-    """A sharded plan's guarantees: each rank's samples once, on their rank; one count on every
-    rank (>= each rank's real micro-batches, >= 1, a multiple of the interleaving group); every
-    real micro-batch within the cap, placeholder rows included, except a lone sample (which may
-    exceed it only if it is over the cap itself, or by its placeholder rows); ``rows`` the
-    fullest micro-batch; the oversize samples reported exactly."""
+    """What a :class:`ShardedPlan` guarantees besides :func:`_walk`: no rank holds more real
+    micro-batches than the count, real micro-batches (never empty) come first, ``rows`` is the
+    fullest micro-batch, and the oversize samples are reported exactly."""
     cap, multiple = config.token_cap, config.parallel.sample_multiple
     m = plan.num_microbatches
     problems = []
-    if len(plan.ranks) != len(lengths_per_rank):
-        return [f"{len(plan.ranks)} ranks planned for {len(lengths_per_rank)} ranks of lengths"]
-    if m < 1 or m % config.parallel.microbatch_multiple:
-        problems.append(
-            f"num_microbatches={m} is not a positive multiple of "
-            f"{config.parallel.microbatch_multiple} (the interleaving group)"
-        )
     fullest = max([len(mb) for rank in plan.ranks for mb in rank] or [1])
     if plan.rows != fullest:
         problems.append(f"rows={plan.rows}, the fullest micro-batch holds {fullest}")
-    oversize = []
-    for r, (rank, lengths) in enumerate(zip(plan.ranks, lengths_per_rank, strict=True)):
-        sizes = [round_up(n, multiple) for n in lengths]
-        oversize += [(r, i) for i, size in enumerate(sizes) if size > cap]
-        seen = Counter(i for mb in rank for i in mb)
-        missing = [i for i in range(len(lengths)) if i not in seen]
-        extra = sorted(i for i, c in seen.items() if c > 1 or not 0 <= i < len(lengths))
-        if missing or extra:
-            problems.append(
-                f"rank {r}: samples never scheduled {missing[:_LISTED]}, scheduled more than once "
-                f"or not this rank's {extra[:_LISTED]}"
-            )
+    for r, rank in enumerate(plan.ranks):
         if len(rank) > m:
             problems.append(f"rank {r}: {len(rank)} real micro-batches > num_microbatches={m}")
-        for k, mb in enumerate(rank):
-            if not mb:
-                problems.append(f"rank {r} micro-batch {k}: empty (placeholders follow the real)")
-                continue
-            mb_sizes = [sizes[i] for i in mb if 0 <= i < len(sizes)]
-            footprint = sum(mb_sizes) + (plan.rows - len(mb)) * row_tokens
-            if footprint <= cap:
-                continue
-            if len(mb) == 1:
-                # A lone sample over the cap (reported) or one whose placeholder rows take it over.
-                continue
-            problems.append(
-                f"rank {r} micro-batch {k} {list(mb)[:8]}: {footprint} tokens "
-                f"({sum(mb_sizes)} of samples) exceed the cap {cap}"
-            )
+        problems += [
+            f"rank {r} micro-batch {k}: empty (placeholders follow the real)"
+            for k, mb in enumerate(rank)
+            if not mb
+        ]
+    oversize = [
+        (r, i)
+        for r, lengths in enumerate(lengths_per_rank)
+        for i, n in enumerate(lengths)
+        if round_up(n, multiple) > cap
+    ]
     if sorted(plan.oversize) != oversize:
         problems.append(
             f"reported oversize {list(plan.oversize)[:_LISTED]}, actual {oversize[:_LISTED]}"
@@ -531,57 +502,152 @@ def _sharded(
     return problems
 
 
-def _scheduled(
-    steps: Tuple[ScheduledStep, ...], samples: SampleSet, config: PlannerConfig
+def _walk(
+    steps: Tuple[ScheduledStep, ...],
+    samples: Union[SampleSet, Sequence[Sequence[int]]],
+    config: PlannerConfig,
+    *,
+    sharded: bool,
+    row_tokens: int = 0,
+    row_widths: bool = True,
 ) -> List[str]:
-    """The guarantees every plan kind makes, read through the :class:`~.schedule.Schedule` view:
-    every sample once over all steps; per step one count on every rank (``dp_size`` ranks, >= 1,
-    a multiple of the interleaving group); every micro-batch's padded samples within its row,
-    and every row within the cap unless it holds one sample over the cap."""
-    cap, multiple = config.token_cap, config.parallel.sample_multiple
-    sizes = [round_up(n, multiple) for n in samples.lengths]
+    """The guarantees every plan kind makes, read through the :class:`~.schedule.Schedule` view.
+
+    Every sample once over all steps (a sharded plan: each rank's own samples, on their rank);
+    per step one count on every rank (``dp_size`` ranks, or one a shard; >= 1, a multiple of the
+    interleaving group); every micro-batch's padded samples within its row (``B`` rows of it),
+    and every micro-batch within the cap, placeholder rows included (``row_tokens`` each, added
+    to a sharded micro-batch below ``B`` samples), unless it holds one sample; with
+    ``row_widths``, no row wider than the cap or its step's longest sample.
+    """
+    token_cap, multiple = config.token_cap, config.parallel.sample_multiple
+    group = config.parallel.microbatch_multiple
+    if sharded:
+        per_rank = [_padded(lengths, multiple) for lengths in samples]
+        dp = len(per_rank)
+    else:
+        kept = {i: k for step in steps for i, k in step.kept_lengths}
+        lengths = samples.lengths
+        if kept:
+            lengths = [kept.get(i, n) for i, n in enumerate(lengths)]
+        per_rank = [_padded(lengths, multiple)]
+        dp = config.parallel.dp_size
+    seen: List[Counter] = [Counter() for _ in per_rank]
     problems: List[str] = []
-    seen: Counter = Counter()
     for s, step in enumerate(steps):
         where = f"step {s}"
         counts = sorted({len(rank) for rank in step.ranks})
-        m = step.num_microbatches
-        if len(step.ranks) != config.parallel.dp_size:
-            problems.append(f"{where}: {len(step.ranks)} ranks, dp_size={config.parallel.dp_size}")
-        if counts != [m] or m < 1 or m % config.parallel.microbatch_multiple:
+        m, b = step.num_microbatches, step.micro_batch_size
+        # A memory budget bounds B > 1 planned rows by what they hold, within the token budget.
+        cap = token_cap if sharded or b == 1 or config.memory is None else config.multi_row_cap
+        if len(step.ranks) != dp:
+            problems.append(f"{where}: {len(step.ranks)} ranks, expected {dp}")
+        if counts != [m] or m < 1 or m % group:
             problems.append(
-                f"{where}: micro-batch counts {counts} are not one positive multiple of "
-                f"{config.parallel.microbatch_multiple} (the interleaving group)"
+                f"{where}: micro-batch counts {counts} are not one positive multiple of {group} "
+                "(the interleaving group)"
             )
-        members = [i for rank in step.ranks for mb in rank for i in mb]
-        # A sample over the cap runs alone and may widen every row of its step to its own size.
-        widest = max(
-            [cap] + [sizes[i] for i in members if isinstance(i, int) and 0 <= i < len(sizes)]
-        )
+        widest = 0
+        if row_widths and not sharded:
+            # A sample over the cap runs alone and may widen every row of its step to its size.
+            widest = max([cap] + [per_rank[0][i] for i in _known(step, len(per_rank[0]))])
         for r, rank in enumerate(step.ranks):
+            q = r if sharded else 0
+            if q >= len(per_rank):
+                continue  # a rank without lengths (reported above)
+            sizes = per_rank[q]
+            n = len(sizes)
+            members = list(itertools.chain.from_iterable(rank))
+            seen[q].update(members)
+            fast = _in_range(members, n)
+            size_of = sizes.__getitem__
+            if fast and _rank_fits(step, r, rank, size_of, cap, widest, row_tokens):
+                continue  # nothing the loop below could report
             for k, mb in enumerate(rank):
-                seen.update(mb)
-                valid = [i for i in mb if isinstance(i, int) and 0 <= i < len(sizes)]
-                tokens = sum(sizes[i] for i in valid)
-                row = step.row_length(r, k) if k < m else None
-                lone_oversize = len(mb) == 1 and tokens > cap
-                if row is not None and tokens > row * step.micro_batch_size:
+                if fast:
+                    tokens = sum(map(size_of, mb))
+                else:
+                    tokens = sum(size_of(i) for i in mb if isinstance(i, int) and 0 <= i < n)
+                footprint = tokens + (b - len(mb)) * row_tokens if mb else tokens
+                row = _row(step, r, k)
+                if row is not None and tokens > row * b:
                     problems.append(
                         f"{where} rank {r} micro-batch {k} {list(mb)[:8]}: {tokens} tokens do "
-                        f"not fit its row of {row} x {step.micro_batch_size}"
+                        f"not fit its row of {row} x {b}"
                     )
-                if (tokens > cap and not lone_oversize) or (row or 0) > widest:
+                if (footprint > cap and len(mb) != 1) or (widest and (row or 0) > widest):
                     problems.append(
-                        f"{where} rank {r} micro-batch {k} {list(mb)[:8]}: {tokens} tokens in a "
-                        f"row of {row} exceed the cap {cap}"
+                        f"{where} rank {r} micro-batch {k} {list(mb)[:8]}: {footprint} tokens "
+                        + (f"in a row of {row} " if row is not None else "")
+                        + f"exceed the cap {cap}"
                     )
-    missing = [i for i in range(len(sizes)) if i not in seen]
-    extra = sorted(
-        i for i, c in seen.items() if c > 1 or not (isinstance(i, int) and 0 <= i < len(sizes))
-    )
-    if missing or extra:
-        problems.append(
-            f"samples never scheduled {missing[:_LISTED]}, scheduled more than once or unknown "
-            f"{extra[:_LISTED]}"
+    for q, (sizes, counter) in enumerate(zip(per_rank, seen, strict=True)):
+        n = len(sizes)
+        if len(counter) == n == sum(counter.values()) and _in_range(counter, n):
+            continue  # n distinct indices in [0, n), each once
+        missing = [i for i in range(n) if i not in counter]
+        extra = sorted(
+            (i for i, c in counter.items() if c > 1 or not (isinstance(i, int) and 0 <= i < n)),
+            key=repr,
         )
+        if missing or extra:
+            problems.append(
+                (f"rank {q}: " if sharded else "")
+                + f"samples never scheduled {missing[:_LISTED]} ({len(missing)} in all), "
+                f"scheduled more than once or unknown {extra[:_LISTED]}"
+            )
     return problems
+
+
+def _rank_fits(
+    step: ScheduledStep, r: int, rank, size_of, cap: int, widest: int, row_tokens: int
+) -> bool:
+    """Indices in range: whether every micro-batch of rank ``r`` fits its row, the cap (or holds
+    one sample) and ``widest``, from the rank's running sum of sizes (no per-micro-batch call).
+    ``False`` says only that the per-micro-batch loop of :func:`_walk` must look."""
+    b = step.micro_batch_size
+    running = [0, *itertools.accumulate(map(size_of, itertools.chain.from_iterable(rank)))]
+    counts = list(map(len, rank))
+    ends = list(itertools.accumulate(counts))
+    tokens = [running[end] - running[end - n] for end, n in zip(ends, counts, strict=True)]
+    # Placeholder rows a sharded host adds to a micro-batch below B samples count too.
+    footprints = [t + (b - n) * row_tokens if n else t for t, n in zip(tokens, counts, strict=True)]
+    if any(f > cap and n != 1 for f, n in zip(footprints, counts, strict=True)):
+        return False
+    if step.row_lengths:
+        if r >= len(step.row_lengths) or len(step.row_lengths[r]) != len(rank):
+            return False
+        rows = step.row_lengths[r]
+    elif step.seq_length is not None:
+        rows = [step.seq_length] * len(rank)
+    else:
+        return True  # rows sized from the samples (a sharded plan)
+    if any(t > row * b for t, row in zip(tokens, rows, strict=True)):
+        return False
+    return not (widest and max(rows, default=0) > widest)
+
+
+def _row(step: ScheduledStep, r: int, k: int) -> Optional[int]:
+    """The row micro-batch ``k`` of rank ``r`` runs; None where the plan gives none (or gives
+    ``row_lengths`` of the wrong shape, which the Plan-only checks report)."""
+    if step.row_lengths and not (r < len(step.row_lengths) and k < len(step.row_lengths[r])):
+        return None
+    return step.row_length(r, k)
+
+
+def _padded(lengths: Sequence[int], multiple: int) -> List[int]:
+    """Every length rounded up to ``multiple``."""
+    return list(lengths) if multiple == 1 else [-(-n // multiple) * multiple for n in lengths]
+
+
+def _in_range(indices, n: int) -> bool:
+    """Whether every index is an int in ``[0, n)``."""
+    return not indices or (
+        set(map(type, indices)) == {int} and min(indices) >= 0 and max(indices) < n
+    )
+
+
+def _known(step: ScheduledStep, n: int) -> List[int]:
+    """The step's sample indices that name a sample (ints in ``[0, n)``)."""
+    chain = itertools.chain.from_iterable
+    return [i for i in chain(chain(step.ranks)) if isinstance(i, int) and 0 <= i < n]

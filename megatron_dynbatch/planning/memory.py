@@ -28,10 +28,10 @@ for their backward pass:
   interleaved schedule warms up ``2 * (pp - 1 - stage) + (vpp - 1) * group`` model-chunk
   forwards (:func:`schedule_events` replays either order).
 
-Calibration (:func:`fit_activation_scales`) refits the per-token and per-``S**2`` terms to the
-measured peaks of the first steps (least squares) and replaces the static estimate with the
-memory measured at rest, so ``MemoryModel.token_scale`` / ``score_scale`` / ``resting_bytes``
-carry the run's own figures.
+The memory fit (:func:`fit_activation_scale`) scales the counted activation bytes (the per-token
+and per-``S**2`` terms alike, by one factor a stage) to the measured peaks of the first steps
+(least squares) and replaces the static estimate with the memory measured at rest, so
+``MemoryModel.token_scale`` / ``score_scale`` / ``resting_bytes`` carry the run's own figures.
 
 A budget (:class:`MemoryLimit`) bounds each candidate shape of the planner: ``row_cap(B)`` is the
 longest row a micro-batch of ``B`` rows may have so that every stage, holding as many such
@@ -57,7 +57,8 @@ __all__ = [
     "MicroShape",
     "PeakTerms",
     "UNCALIBRATED_SAFETY",
-    "fit_activation_scales",
+    "fit_activation_scale",
+    "gib_to_bytes",
     "live_microbatches",
     "predicted_step_peaks",
     "schedule_events",
@@ -66,6 +67,12 @@ __all__ = [
 
 GIB = 1 << 30
 MIB = 1 << 20
+
+
+def gib_to_bytes(gib: float) -> int:
+    """A budget the user states in GiB (``--max-memory-gib``, a host's key), in whole bytes."""
+    return int(float(gib) * GIB)
+
 
 #: Until a run's peaks are measured, a prediction counts the activation bytes this many times
 #: over: the counted tensors miss the transients of a backward (gradients of the activations, the
@@ -443,10 +450,6 @@ class MemoryLimit:
                 hi = mid - 1
         return lo
 
-    def headroom(self) -> List[float]:
-        """Per stage, the budget less what it holds at rest (bytes; negative: over already)."""
-        return [self.budget_bytes - self.model.resting(s) for s in self.model.dims.stages()]
-
 
 #: Longest row searched for a cap (tokens): beyond any context length in use.
 _MAX_ROW = 1 << 26
@@ -465,34 +468,20 @@ def _row_cap(limit: MemoryLimit, rows: int) -> int:
     return lo * unit
 
 
-def fit_activation_scales(
-    observations: Sequence[Tuple[float, float, float]], *, common: bool = False
-) -> Tuple[float, float, float]:
-    """Least-squares ``(token_scale, score_scale)`` of measured activation peaks, and the error.
+def fit_activation_scale(
+    observations: Sequence[Tuple[float, float, float]],
+) -> Tuple[float, float]:
+    """Least-squares factor ``k >= 0`` of measured activation peaks, and the error.
 
     Each observation is ``(tokens, scores, measured)``: a step's predicted activation terms at
     its peak (:class:`PeakTerms`, unscaled) and the measured peak less the memory at rest. Fits
-    ``measured ~ a * tokens + b * scores`` with ``a, b >= 0``; where the steps do not vary enough
-    to tell the two terms apart (fixed shapes), or with ``common``, one factor on both. The error is the largest
-    relative misprediction of an observed activation peak by the fit.
+    ``measured ~ k * (tokens + scores)``: one factor on both terms (their ratio as counted; a few
+    noisy steps could not tell two factors apart). The error is the largest relative
+    misprediction of an observed activation peak by the fit. ``(1.0, 0.0)`` without observations.
     """
-    obs = [(t, s, m) for t, s, m in observations if t + s > 0]
+    obs = [(t + s, m) for t, s, m in observations if t + s > 0]
     if not obs:
-        return 1.0, 1.0, 0.0
-    stt = sum(t * t for t, _, _ in obs)
-    sss = sum(s * s for _, s, _ in obs)
-    sts = sum(t * s for t, s, _ in obs)
-    stm = sum(t * m for t, _, m in obs)
-    ssm = sum(s * m for _, s, m in obs)
-    det = stt * sss - sts * sts
-    a = b = None
-    if not common and sss > 0 and det > 1e-6 * stt * sss:
-        a = (stm * sss - ssm * sts) / det
-        b = (ssm * stt - stm * sts) / det
-    if a is None or a < 0 or b < 0:
-        # One factor on both terms (their ratio as counted).
-        total = [(t + s, m) for t, s, m in obs]
-        k = max(0.0, sum(x * m for x, m in total) / sum(x * x for x, _ in total))
-        a = b = k
-    error = max(abs(a * t + b * s - m) / max(m, 1.0) for t, s, m in obs)
-    return float(a), float(b), float(error)
+        return 1.0, 0.0
+    k = max(0.0, sum(x * m for x, m in obs) / sum(x * x for x, _ in obs))
+    error = max(abs(k * x - m) / max(m, 1.0) for x, m in obs)
+    return float(k), float(error)

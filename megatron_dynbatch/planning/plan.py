@@ -16,7 +16,15 @@ from megatron_dynbatch.errors import DynBatchValueError
 from .schedule import ScheduledStep
 from .spec import ceil_div
 
-__all__ = ["StepPlan", "PlanStats", "Plan"]
+__all__ = ["StepPlan", "PlanStats", "Plan", "imbalance"]
+
+
+def imbalance(per_rank: Sequence[float]) -> float:
+    """max / mean of a per-rank load (a step's ``dp_imbalance``); 1.0 when nothing is there to
+    balance."""
+    total = sum(per_rank)
+    return max(per_rank) * len(per_rank) / total if total > 0 else 1.0
+
 
 MicroBatch = Tuple[int, ...]
 

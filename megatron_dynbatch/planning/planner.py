@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from megatron_dynbatch.errors import DynBatchValueError
 
 from .cost import check_cost_is_finite, sample_costs
-from .plan import Plan, PlanStats, StepPlan
+from .plan import Plan, PlanStats, StepPlan, imbalance
 from .samples import SampleSet
 from .shape import StepProblem, choose_shape
 from .spec import PlannerConfig, ceil_div, padded_note, round_up, tokens_padded
@@ -266,8 +266,8 @@ def _plan_step(
         num_placeholders=sum(1 for members in bins if not members),
         real_tokens=real_tokens,
         fill=real_tokens / computed_tokens,
-        dp_imbalance=_imbalance(rank_tokens),
-        dp_imbalance_cost=_imbalance(own),
+        dp_imbalance=imbalance(rank_tokens),
+        dp_imbalance_cost=imbalance(own),
         oversize_samples=oversize,
         # With a memory budget, B > 1 rows may hold up to the token budget together.
         lower_bound_microbatches=len(oversize)
@@ -276,14 +276,8 @@ def _plan_step(
         truncated_samples=truncated,
         truncated_tokens=sum(samples.lengths[i] - kept[i] for i in truncated),
         kept_lengths=tuple((i, kept[i]) for i in truncated),
-        dp_imbalance_computed=_imbalance(computed),
+        dp_imbalance_computed=imbalance(computed),
         row_lengths=row_lengths,
         packed_rows=packed_rows,
         idle_ranks=sum(1 for rank in ranks if not any(rank)),
     )
-
-
-def _imbalance(per_rank: Sequence[float]) -> float:
-    """max / mean; 1.0 when nothing is there to balance."""
-    total = sum(per_rank)
-    return max(per_rank) * len(per_rank) / total if total > 0 else 1.0

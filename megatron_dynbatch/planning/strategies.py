@@ -30,11 +30,12 @@ from megatron_dynbatch.errors import DynBatchTypeError, DynBatchValueError
 
 from .cost import microbatch_cost
 from .fixed import plan_fixed_samples
-from .plan import Plan, PlanStats, StepPlan
+from .plan import Plan, PlanStats, StepPlan, imbalance
 
 # The planner's own oversize policy, so an adapted scheduler refuses or cuts exactly as ours does.
 from .planner import _apply_oversize_policy, plan_samples
 from .samples import SampleSet
+from .shape import variable_rows
 from .spec import DEFAULT_STRATEGY, PlannerConfig, ceil_div, round_up
 
 __all__ = [
@@ -213,7 +214,7 @@ def _step_plan(
         batch = 1
         seq_length = max([sum(sizes[i] for i in mb) for mb in mbs] + [multiple])
         if config.variable_row_lengths:
-            seq_length, row_lengths = _variable_rows(ranks, sizes, seq_length, config)
+            seq_length, row_lengths = _variable_rows(ranks, sizes, config)
     else:
         batch = max([len(mb) for mb in mbs] + [1])
         seq_length = max([sizes[i] for i in items] + [multiple])
@@ -239,41 +240,28 @@ def _step_plan(
         num_placeholders=sum(1 for mb in mbs if not mb),
         real_tokens=real_tokens,
         fill=real_tokens / (len(ranks) * num_microbatches * batch * seq_length),
-        dp_imbalance=_imbalance(rank_tokens),
-        dp_imbalance_cost=_imbalance(own),
+        dp_imbalance=imbalance(rank_tokens),
+        dp_imbalance_cost=imbalance(own),
         oversize_samples=oversize,
         lower_bound_microbatches=len(oversize) + ceil_div(regular, cap),
         truncated_samples=truncated,
         truncated_tokens=sum(samples.lengths[i] - kept[i] for i in truncated),
         kept_lengths=tuple((i, kept[i]) for i in truncated),
-        dp_imbalance_computed=_imbalance([sum(map(computed, rank)) for rank in ranks]),
+        dp_imbalance_computed=imbalance([sum(map(computed, rank)) for rank in ranks]),
         row_lengths=row_lengths,
         idle_ranks=sum(1 for rank in ranks if not any(rank)),
     )
 
 
 def _variable_rows(
-    ranks: StepRanks, sizes: Sequence[int], longest: int, config: PlannerConfig
+    ranks: StepRanks, sizes: Sequence[int], config: PlannerConfig
 ) -> Tuple[int, Tuple[Tuple[int, ...], ...]]:
-    """``(seq_length, row_lengths)`` of a packed step whose micro-batches run their own rows: each
-    row its padded load rounded up to the row multiple while that stays within the step's longest
-    row (itself rounded while within the cap); a placeholder runs the shortest real row."""
-    multiple = config.variable_row_multiple
-    seq_length = round_up(longest, multiple)
-    if seq_length > max(longest, config.token_cap):
-        seq_length = longest
-    rows = [
-        [min(round_up(sum(sizes[i] for i in mb), multiple), seq_length) if mb else 0 for mb in rank]
-        for rank in ranks
-    ]
-    shortest = min((row for rank in rows for row in rank if row), default=seq_length)
-    return seq_length, tuple(tuple(row or shortest for row in rank) for rank in rows)
-
-
-def _imbalance(per_rank: Sequence[float]) -> float:
-    """max / mean; 1.0 when nothing is there to balance."""
-    total = sum(per_rank)
-    return max(per_rank) * len(per_rank) / total if total > 0 else 1.0
+    """``(seq_length, row_lengths)`` of a packed step whose micro-batches run their own rows, by
+    the planner's one rule (:func:`.shape.variable_rows`); ``seq_length`` is the longest row."""
+    loads = [sum(sizes[i] for i in mb) for rank in ranks for mb in rank]
+    flat = iter(variable_rows(loads, config.variable_row_multiple, config.token_cap, config.memory))
+    rows = tuple(tuple(next(flat) for _ in rank) for rank in ranks)
+    return max(row for rank in rows for row in rank), rows
 
 
 # -- the built-in strategies -----------------------------------------------------------------------

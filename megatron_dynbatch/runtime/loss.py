@@ -56,6 +56,7 @@ import torch
 
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.runtime.aggregation import AGGREGATIONS, check_aggregation
+from megatron_dynbatch.runtime.placeholders import is_placeholder
 
 __all__ = [
     "AGGREGATIONS",
@@ -152,7 +153,7 @@ def microbatch_loss(
     else:
         sample_index = batch["sample_index"].reshape(-1).to(device)
         flat_mask = mask.reshape(-1)
-        real = sample_index >= 0
+        real = ~is_placeholder(sample_index)
         if bool((flat_mask & ~real).any()):
             raise DynBatchValueError(
                 "loss_mask is non-zero on a position with sample_index -1 (padding); per-sequence "

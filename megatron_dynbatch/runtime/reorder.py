@@ -14,6 +14,7 @@ from typing import Dict, List, Mapping, Sequence, Union
 import torch
 
 from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.runtime.placeholders import is_placeholder
 
 __all__ = ["split_outputs", "restore_order"]
 
@@ -61,7 +62,7 @@ def split_outputs(
     result: Dict[int, torch.Tensor] = {}
     for start, end in zip(starts, ends, strict=True):
         index = int(flat_index[start])
-        if index < 0:
+        if is_placeholder(index):
             continue
         if index in result:
             raise DynBatchValueError(

@@ -273,7 +273,7 @@ def _memory_limit(args):
 
     def build(config, parallel):
         from megatron_dynbatch.integrations.megatron_lm.model_args import memory_model_from_flags
-        from megatron_dynbatch.planning.memory import GIB, MemoryLimit
+        from megatron_dynbatch.planning.memory import MemoryLimit, gib_to_bytes
 
         args.group_query_attention = args.num_query_groups is not None
         attention = config.cost_model().attention_kind(config.layout)
@@ -282,7 +282,7 @@ def _memory_limit(args):
             return None
         return MemoryLimit(
             model=args.memory_model,
-            budget_bytes=int(args.max_memory_gib * GIB),
+            budget_bytes=gib_to_bytes(args.max_memory_gib),
             row_multiple=parallel.sample_multiple,
         )
 

@@ -184,8 +184,12 @@ def _batch(samples):
 
 
 def _policy_cfg(pp, vpp, *, budget, logprob_budget, enabled=True):
-    """The part of NeMo-RL's ``PolicyConfig`` these code paths read."""
+    """The part of NeMo-RL's ``PolicyConfig`` these code paths (``Policy.__init__`` included)
+    read."""
     return {
+        "model_name": "tiny",
+        "precision": "bfloat16",
+        "max_total_sequence_length": 64,
         "make_sequence_length_divisible_by": PAD_MULTIPLE,
         "dynamic_batching": {"enabled": False},
         "sequence_packing": {
@@ -207,26 +211,55 @@ def _policy_cfg(pp, vpp, *, budget, logprob_budget, enabled=True):
     }
 
 
-def _policy(cfg, dp):
-    """NeMo-RL's ``Policy`` without its constructor (it starts Ray workers): what the shard
-    helpers read, with the attributes the patched ``__init__`` sets from ``cfg``."""
+#: A small model's Hugging Face config, as ``get_default_hf_config`` would read it (a download).
+TINY_HF_CONFIG = dict(
+    num_hidden_layers=4,
+    hidden_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=768,
+    hidden_act="silu",
+    vocab_size=1024,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+
+class _WorkerGroupStarted(Exception):
+    """Raised by the stand-in worker group: a Ray worker group would have started here."""
+
+
+def _policy(cfg, dp, *, start_workers=True):
+    """NeMo-RL's ``Policy`` built by its real (patched) ``__init__`` on ``cfg``, at ``dp`` DP
+    ranks. Stubbed, because a CPU test cannot start them: the Ray cluster (``world_size()``), the
+    worker builder, the pre-init queue and the worker group (Ray actors on GPUs), and
+    ``get_default_hf_config`` (a Hugging Face download: a tiny model's config instead).
+    ``start_workers=False``: the worker group raises :class:`_WorkerGroupStarted` when created,
+    so a test sees whether a check ran before any worker would have started."""
     import types
 
-    from nemo_rl.models.policy.lm_policy import Policy
+    from nemo_rl.models.policy import lm_policy
+    from nemo_rl.utils import flops_tracker
 
-    policy = Policy.__new__(Policy)
-    policy.cfg = cfg
-    policy.sharding_annotations = types.SimpleNamespace(get_axis_size=lambda axis: dp)
-    policy.use_dynamic_batches = False
-    policy.use_sequence_packing = True
-    policy.sequence_packing_args = {
-        "algorithm": cfg["sequence_packing"]["algorithm"],
-        "input_key": "input_ids",
-        "input_lengths_key": "input_lengths",
-        "sequence_length_pad_multiple": cfg["make_sequence_length_divisible_by"],
-    }
-    policy.use_dynbatch = cfg["megatron_cfg"].get("dynbatch", {}).get("enabled", False)
-    return policy
+    def worker_group(*args, **kwargs):
+        if not start_workers:
+            raise _WorkerGroupStarted()
+        return types.SimpleNamespace(args=args, kwargs=kwargs, shutdown=lambda **_: True)
+
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")  # NeMo-RL's Megatron check
+    lm_policy.RayWorkerGroup = worker_group
+    lm_policy.RayWorkerBuilder = lambda *args, **kwargs: None
+    lm_policy.RayQueue = lambda *args, **kwargs: None
+    # A model type NeMo-RL's FLOPs tracker does not know: it reports it and runs without one.
+    hf_class = type("TinyConfig", (types.SimpleNamespace,), {"model_type": "tiny"})
+    hf_config = lambda name: hf_class(**TINY_HF_CONFIG)  # noqa: E731
+    flops_tracker.get_default_hf_config = hf_config
+    lm_policy.get_default_hf_config = hf_config
+    pp = cfg["megatron_cfg"]["pipeline_model_parallel_size"]
+    cluster = types.SimpleNamespace(
+        world_size=lambda: dp * pp, _sorted_bundle_indices=None, num_gpus_per_node=dp * pp
+    )
+    return lm_policy.Policy(cluster, cfg, tokenizer=None)
 
 
 def _model():
@@ -280,15 +313,12 @@ def _train_body(cfg, shard, gbs, chunks):
     from nemo_rl.models.megatron.data import get_microbatch_iterator, process_global_batch
     from nemo_rl.models.megatron.train import LossPostProcessor
 
-    from megatron_dynbatch.integrations.nemo_rl.shard import num_real_rows
+    from megatron_dynbatch.integrations.nemo_rl.shard import PLACEHOLDER_ROWS
     from megatron_dynbatch.tools.testing.tiny_gpt import named_global_grads
 
     dp_group = ps.get_data_parallel_group()
     dp = ps.get_data_parallel_world_size()
-    num_rows = shard.size
-    if cfg["megatron_cfg"].get("dynbatch", {}).get("enabled", False):
-        num_rows = num_real_rows(shard)  # as patch 0003 writes it
-    total = torch.tensor(num_rows)
+    total = torch.tensor(shard.size - len(getattr(shard, PLACEHOLDER_ROWS, ())))  # patch 0003
     dist.all_reduce(total, group=dp_group)
     num_global_batches = int(total) // gbs
     loss_fn = NLLLossFn()
@@ -332,7 +362,7 @@ def _logprob_body(cfg, shard, chunks):
     from nemo_rl.models.megatron.data import get_microbatch_iterator
     from nemo_rl.models.megatron.train import LogprobsPostProcessor
 
-    from megatron_dynbatch.integrations.nemo_rl.shard import drop_placeholder_rows
+    from megatron_dynbatch.integrations.nemo_rl.shard import PLACEHOLDER_ROWS, drop_placeholder_rows
 
     iterator, count, mbs, seq_length, padded = get_microbatch_iterator(
         shard, cfg, 1, straggler_timer=StragglerDetector()
@@ -353,26 +383,29 @@ def _logprob_body(cfg, shard, chunks):
         group=ps.get_pipeline_model_parallel_group(),
     )
     logprobs = holder[0]
-    if cfg["megatron_cfg"].get("dynbatch", {}).get("enabled", False):
+    if getattr(shard, PLACEHOLDER_ROWS, None):  # as patch 0003 writes it
         logprobs = drop_placeholder_rows(shard, logprobs)
     return logprobs, int(count)
 
 
 def _nemo_rl_body(root, num, gbs, budget, long_every, enabled=True):
     """One rank: shard as NeMo-RL's driver, log-probs, then a training pass; ``enabled``:
-    ``policy.megatron_cfg.dynbatch.enabled`` (off: NeMo-RL's own sequence packing)."""
+    ``policy.megatron_cfg.dynbatch.enabled`` (off: NeMo-RL's own sequence packing; ``None``: an
+    empty ``dynbatch:`` section)."""
     from megatron.core import parallel_state as ps
 
     stubbed = _import_nemo_rl(root)
     from nemo_rl.models.megatron import train as nemo_train
 
-    from megatron_dynbatch.integrations.nemo_rl.shard import PLACEHOLDER_ROWS, num_real_rows
+    from megatron_dynbatch.integrations.nemo_rl.shard import num_real_rows, placeholder_rows
 
     assert nemo_train.__file__.startswith(root), nemo_train.__file__
     pp = ps.get_pipeline_model_parallel_world_size()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     cfg = _policy_cfg(pp, vpp, budget=budget, logprob_budget=2 * budget, enabled=enabled)
+    if enabled is None:  # `dynbatch:` with nothing under it
+        cfg["megatron_cfg"]["dynbatch"] = None
     policy = _policy(cfg, dp)
     chunks = _model()
     data = _batch(_samples(num, long_every=long_every))
@@ -389,7 +422,7 @@ def _nemo_rl_body(root, num, gbs, budget, long_every, enabled=True):
         "logprob_count": logprob_count,
         "counts": counts,
         "valid": valid,
-        "placeholder_rows": [len(getattr(s, PLACEHOLDER_ROWS, ())) for s in train_shards],
+        "placeholder_rows": [len(placeholder_rows(s)) for s in train_shards],
         "real_rows": [num_real_rows(s) for s in train_shards],
         "grads": grads,
     }
@@ -531,15 +564,17 @@ def test_nemo_rl_matches_per_sample_reference(
 
 @needs_nemo_rl
 def test_switch_off_runs_bitwise_as_stock(patched_nemo_rl):
-    """The same step with the switch off on the patched tree and on the pristine one (NeMo-RL's
-    own sequence packing at pp 2, dp 2): identical log-probs, gradients and counts."""
+    """The same step with the switch off on the patched tree (an empty ``dynbatch:`` section, YAML
+    ``None``, through the patched ``Policy.__init__`` and the worker's patched lines) and on the
+    pristine one (NeMo-RL's own sequence packing at pp 2, dp 2): identical log-probs, gradients
+    and counts."""
     args = (8, 4, 48, 3)
     patched = run_on_ranks(
         4,
         _nemo_rl_body,
         patched_nemo_rl,
         *args,
-        enabled=False,
+        enabled=None,
         layout=Layout(pp=2),
         timeout_s=BODY_TIMEOUT_S,
     )
@@ -567,10 +602,9 @@ def _stock_shards_body(root, enabled_key):
     cfg = _policy_cfg(2, 1, budget=48, logprob_budget=96, enabled=False)
     if enabled_key is None:
         del cfg["megatron_cfg"]["dynbatch"]
+    elif enabled_key == "empty":  # `dynbatch:` with nothing under it (YAML None)
+        cfg["megatron_cfg"]["dynbatch"] = None
     policy = _policy({**cfg}, 2)
-    policy.use_dynbatch = False
-    if enabled_key is None:
-        del policy.use_dynbatch  # the stock Policy has no such attribute
     data = _batch(_samples(12, long_every=3))
     train = policy._shard_for_train(data, 6)
     logprob, order = policy._shard_for_logprob(data)
@@ -590,9 +624,15 @@ def _stock_shards_body(root, enabled_key):
 
 
 @needs_nemo_rl
-def test_switch_off_shards_as_stock(patched_nemo_rl):
+@pytest.mark.parametrize("enabled_key", [False, "empty"], ids=["enabled-false", "empty-section"])
+def test_switch_off_shards_as_stock(patched_nemo_rl, enabled_key):
     [patched] = run_on_ranks(
-        1, _stock_shards_body, patched_nemo_rl, False, layout=Layout(), timeout_s=BODY_TIMEOUT_S
+        1,
+        _stock_shards_body,
+        patched_nemo_rl,
+        enabled_key,
+        layout=Layout(),
+        timeout_s=BODY_TIMEOUT_S,
     )
     [stock] = run_on_ranks(
         1, _stock_shards_body, NEMO_RL_DIR, None, layout=Layout(), timeout_s=BODY_TIMEOUT_S
@@ -600,27 +640,203 @@ def test_switch_off_shards_as_stock(patched_nemo_rl):
     assert patched == stock
 
 
-@needs_nemo_rl
-def test_switch_on_refuses_dynamic_batching(patched_nemo_rl):
-    [message] = run_on_ranks(
-        1, _refusal_body, patched_nemo_rl, layout=Layout(), timeout_s=BODY_TIMEOUT_S
-    )
-    assert "policy.dynamic_batching.enabled=false" in message, message
+#: Bad ``policy`` configs (a change to :func:`_policy_cfg` at pp 2) and what the refusal names.
+BAD_CONFIGS = {
+    # NeMo-RL's own assert (pp > 1 with its dynamic batching) fires after the worker group starts.
+    "dynamic-batching-at-pp2": (
+        {"dynamic_batching": {"enabled": True, "train_mb_tokens": 48}},
+        "policy.dynamic_batching.enabled=false",
+    ),
+    "planner-typo": ({"planner": "dynbach"}, "policy.megatron_cfg.dynbatch.planner='dynbach'"),
+    "budget-0": ({"train_mb_tokens": 0}, "policy.sequence_packing.train_mb_tokens=0"),
+    "logprob-budget-negative": (
+        {"logprob_mb_tokens": -5},
+        "policy.sequence_packing.logprob_mb_tokens=-5",
+    ),
+    "switch-not-boolean": ({"enabled": "yes"}, "policy.megatron_cfg.dynbatch.enabled='yes'"),
+    "unknown-key": ({"max_memory": 70}, "policy.megatron_cfg.dynbatch has unknown key"),
+    "memory-negative": ({"max_memory_gib": -1}, "policy.megatron_cfg.dynbatch.max_memory_gib=-1"),
+    "memory-zero": ({"max_memory_gib": 0}, "policy.megatron_cfg.dynbatch.max_memory_gib=0"),
+    "memory-nan": ({"max_memory_gib": float("nan")}, "max_memory_gib=nan"),
+    "memory-inf": ({"max_memory_gib": float("inf")}, "max_memory_gib=inf"),
+    "memory-too-small": (
+        {"max_memory_gib": 0.001},
+        "policy.megatron_cfg.dynbatch.max_memory_gib=0.001 is too small",
+    ),
+}
 
 
-def _refusal_body(root):
-    """The patched ``Policy.__init__`` check on a config with NeMo-RL's dynamic batching on."""
-    _import_nemo_rl(root)
-    from megatron_dynbatch.errors import DynBatchValueError
-    from megatron_dynbatch.integrations.nemo_rl.plan import dynbatch_enabled
-
+def _bad_cfg(change):
     cfg = _policy_cfg(2, 1, budget=48, logprob_budget=96)
-    cfg["dynamic_batching"] = {"enabled": True, "train_mb_tokens": 48}
+    section = cfg["megatron_cfg"]["dynbatch"]
+    for key, value in change.items():
+        if key in ("train_mb_tokens", "logprob_mb_tokens"):
+            cfg["sequence_packing"][key] = value
+        elif key == "dynamic_batching":
+            cfg[key] = value
+        else:
+            section[key] = value
+    return cfg
+
+
+def _config_time_body(root):
+    """Every bad config through the patched ``Policy.__init__``: what it raised, and whether the
+    worker group would have started first."""
+    _import_nemo_rl(root)
+    out = {}
+    for name, (change, _) in BAD_CONFIGS.items():
+        try:
+            _policy(_bad_cfg(change), 2, start_workers=False)
+        except _WorkerGroupStarted:
+            out[name] = ("workers started", "")
+        except Exception as error:  # noqa: BLE001 - the test compares the type
+            out[name] = (type(error).__name__, str(error))
+        else:
+            out[name] = ("not refused", "")
+    return out
+
+
+@needs_nemo_rl
+def test_bad_configs_are_refused_by_the_patched_policy_before_any_worker(patched_nemo_rl):
+    """Each bad ``policy`` value, through NeMo-RL's real (patched) ``Policy.__init__``, is refused
+    with a ``DynBatchValueError`` naming NeMo-RL's key, before the Ray worker group is created
+    (its stand-in raises if it is), and before NeMo-RL's own pp > 1 assert."""
+    [out] = run_on_ranks(
+        1, _config_time_body, patched_nemo_rl, layout=Layout(), timeout_s=BODY_TIMEOUT_S
+    )
+    for name, (_, words) in BAD_CONFIGS.items():
+        kind, message = out[name]
+        assert kind == "DynBatchValueError", (name, kind, message)
+        assert words in message, (name, message)
+        # Our words only: no internal "(in NeMo-RL's options: x -> field)" mapping.
+        assert " -> " not in message and "options:" not in message, (name, message)
+    assert "raise policy.megatron_cfg.dynbatch.max_memory_gib to at least" in (
+        out["memory-too-small"][1]
+    )
+
+
+def _memory_body(root):
+    """The smallest budget the too-small refusal names: the patched ``Policy`` accepts it and plans
+    every micro-batch within it; without a budget the same samples pack fuller rows."""
+    import re
+
+    from megatron_dynbatch.planning.memory import GIB, predicted_step_peaks
+
+    _import_nemo_rl(root)
+    cfg = _policy_cfg(2, 1, budget=48, logprob_budget=96)
+    cfg["max_total_sequence_length"] = 32
+    cfg["megatron_cfg"]["dynbatch"]["max_memory_gib"] = 0.001
     try:
-        dynbatch_enabled(cfg)
-    except DynBatchValueError as error:
-        return str(error)
-    return "not refused"
+        _policy(cfg, 2)
+    except Exception as error:  # noqa: BLE001
+        message = str(error)
+    smallest = float(re.search(r"to at least ([0-9.]+)", message).group(1))
+    cfg["megatron_cfg"]["dynbatch"]["max_memory_gib"] = smallest
+    policy = _policy(cfg, 2)
+    limit = policy.dynbatch.memory
+    data = _batch(_samples(12, long_every=3))
+    rows = [list(s.micro_batch_lengths) for s in policy._shard_for_train(data, 6)]
+    del cfg["megatron_cfg"]["dynbatch"]["max_memory_gib"]
+    free = [list(s.micro_batch_lengths) for s in _policy(cfg, 2)._shard_for_train(data, 6)]
+    peaks = []
+    for g in range(len(rows[0])):
+        shapes = [[(1, row) for row in rank[g]] for rank in rows]
+        peaks.append(max(t.total for t in predicted_step_peaks(limit.model, shapes)))
+    return {
+        "smallest": smallest,
+        "budget": limit.budget_bytes,
+        "gib": limit.budget_bytes / GIB,
+        "peaks": peaks,
+        "rows": rows,
+        "free": free,
+    }
+
+
+@needs_nemo_rl
+def test_memory_budget_in_nemo_rls_key_is_planned_per_stage(patched_nemo_rl):
+    [out] = run_on_ranks(
+        1, _memory_body, patched_nemo_rl, layout=Layout(), timeout_s=BODY_TIMEOUT_S
+    )
+    assert out["peaks"] and max(out["peaks"]) <= out["budget"], out
+    longest = max(row for rank in out["rows"] for gb in rank for row in gb)
+    longest_free = max(row for rank in out["free"] for gb in rank for row in gb)
+    # The budget binds: rows stay shorter than the token budget lets them be.
+    assert longest < longest_free <= 48, (longest, longest_free)
+    print(f"\n[nemo_rl memory] smallest budget {out['smallest']} GiB, peaks {out['peaks']}")
+
+
+def _stock_refusal_body(root, section):
+    """NeMo-RL's own refusals through ``Policy.__init__`` with the switch off (``section``:
+    ``"absent"``, ``"empty"`` (YAML ``None``) or ``"off"`` (``enabled: false``)): what each
+    raised."""
+    _import_nemo_rl(root)
+    out = {}
+    cases = {
+        # pp 2 with NeMo-RL's dynamic batching: its assert, after the worker group.
+        "dynamic-batching-at-pp2": (2, {"enabled": True, "sequence_length_round": 64}, False),
+        # its dynamic batching and sequence packing together: its assert.
+        "dynamic-batching-and-packing": (1, {"enabled": True, "sequence_length_round": 64}, True),
+    }
+    for name, (pp, dynamic, packing) in cases.items():
+        cfg = _policy_cfg(pp, 1, budget=48, logprob_budget=96, enabled=False)
+        cfg["dynamic_batching"] = dynamic
+        cfg["sequence_packing"]["enabled"] = packing
+        if section == "absent":
+            del cfg["megatron_cfg"]["dynbatch"]
+        elif section == "empty":
+            cfg["megatron_cfg"]["dynbatch"] = None
+        try:
+            _policy(cfg, 2)
+        except Exception as error:  # noqa: BLE001 - the test compares type and message
+            out[name] = (type(error).__name__, str(error))
+        else:
+            out[name] = ("not refused", "")
+    return out
+
+
+@needs_nemo_rl
+@pytest.mark.parametrize("section", ["empty", "off"])
+def test_switch_off_refuses_as_stock_where_nemo_rl_raises(patched_nemo_rl, section):
+    """The exact way back, bad cases included: with the switch off the patched ``Policy.__init__``
+    stops where the pristine one stops, with NeMo-RL's own error."""
+    [patched] = run_on_ranks(
+        1, _stock_refusal_body, patched_nemo_rl, section, layout=Layout(), timeout_s=BODY_TIMEOUT_S
+    )
+    [stock] = run_on_ranks(
+        1, _stock_refusal_body, NEMO_RL_DIR, "absent", layout=Layout(), timeout_s=BODY_TIMEOUT_S
+    )
+    assert all(kind == "AssertionError" for kind, _ in stock.values()), stock
+    assert patched == stock
+
+
+def _spy_body(root):
+    """A strategy registered by name and set as ``policy.megatron_cfg.dynbatch.planner``: NeMo-RL's
+    planning calls it (training and log-prob shards)."""
+    from megatron_dynbatch.planning import register_strategy
+    from megatron_dynbatch.planning.planner import plan_samples
+
+    _import_nemo_rl(root)
+    calls = []
+
+    def spy(samples, config):
+        calls.append((len(samples), config.strategy))
+        return plan_samples(samples, config)
+
+    register_strategy("hostcfg-spy", spy, replace=True)
+    cfg = _policy_cfg(2, 1, budget=48, logprob_budget=96)
+    cfg["megatron_cfg"]["dynbatch"]["planner"] = "hostcfg-spy"
+    policy = _policy(cfg, 2)
+    data = _batch(_samples(12, long_every=3))
+    policy._shard_for_train(data, 6)
+    policy._shard_for_logprob(data)
+    return calls
+
+
+@needs_nemo_rl
+def test_the_planner_key_names_the_planner_nemo_rl_plans_with(patched_nemo_rl):
+    [calls] = run_on_ranks(1, _spy_body, patched_nemo_rl, layout=Layout(), timeout_s=BODY_TIMEOUT_S)
+    # Two global batches of 6 for training, then the whole batch for log-probs.
+    assert calls == [(6, "hostcfg-spy"), (6, "hostcfg-spy"), (12, "hostcfg-spy")], calls
 
 
 # -- NeMo-RL's own CPU tests on the patched tree ------------------------------------------------

@@ -716,6 +716,7 @@ def _packed_mask_body(skyrl_root):
 
     from megatron_dynbatch.integrations.skyrl.iterator import placeholder_rows
     from megatron_dynbatch.integrations.skyrl.moe import packed_padding_mask
+    from megatron_dynbatch.runtime.placeholders import PLACEHOLDER_INDEX
 
     lengths, width = [5, 9, 2], 12
     ids = torch.zeros(len(lengths), width, dtype=torch.long)
@@ -726,8 +727,9 @@ def _packed_mask_body(skyrl_root):
     filler = placeholder_rows({"sequences": ids, "attention_mask": attention}, 1)
     ids = torch.cat([ids, filler["sequences"]])
     attention = torch.cat([attention, filler["attention_mask"]]).to(torch.bool)
+    sample_index = torch.tensor([0, 1, 2, PLACEHOLDER_INDEX])  # the marker of the placeholder row
     packed, params = preprocess_packed_seqs(ids, attention, pre_process=True)
-    mask = packed_padding_mask(attention, params, cp_rank=0, cp_size=1)
+    mask = packed_padding_mask(attention, sample_index, params, cp_rank=0, cp_size=1)
     return packed, mask
 
 

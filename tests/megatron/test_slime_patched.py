@@ -60,6 +60,7 @@ from megatron_dynbatch.integrations.slime.backend import (  # noqa: E402
     placeholder_sample,
     restore_rollout_order,
 )
+from megatron_dynbatch.integrations.slime.hook import HOOK_PATH, planner_path  # noqa: E402
 from megatron_dynbatch.tools.testing.workers import Layout, run_on_ranks  # noqa: E402
 from tests._support import (  # noqa: E402
     FAIL_FAST_S,
@@ -244,7 +245,7 @@ def test_apply_is_idempotent_and_refuses_other_trees(tmp_path, stock_slime, patc
     assert refused.returncode == 1 and "nothing was changed" in refused.stderr
     # The report names the patch and the hunk that failed, for a rebase of a few lines.
     assert "0003-forward-only-logprob-plan.patch does not apply" in refused.stderr
-    assert "Hunk #1 FAILED" in refused.stderr
+    assert "Hunk #2 FAILED" in refused.stderr  # hunk 1 is the import line
     assert before == {p: p.read_bytes() for p in (tmp_path / "slime").rglob("*.py")}
 
 
@@ -294,6 +295,8 @@ def _slime_args(per_token, max_tokens, pp):
 
     return types.SimpleNamespace(
         use_dynamic_batch_size=True,
+        # As slime's validation leaves it with --use-dynamic-batch-size (patch 0005).
+        micro_batch_planner_path=HOOK_PATH,
         max_tokens_per_gpu=max_tokens,
         log_probs_max_tokens_per_gpu=2 * max_tokens,
         micro_batch_size=1,
@@ -378,7 +381,7 @@ def _rank_rollout_data(slime_root, args, tp_config, data, dp_rank):
     from slime.observability.rollout_data_utils import tensorize_rollout_data_for_training
     from slime.utils import data as slime_utils_data
     from slime.utils.dp_schedule import build_dp_schedule as slimes_schedule
-    from slime.utils.misc import Box
+    from slime.utils.misc import Box, load_function
 
     path = pathlib.Path(slime_root) / "slime" / "ray" / "rollout.py"
     tree = ast.parse(path.read_text())
@@ -387,6 +390,7 @@ def _rank_rollout_data(slime_root, args, tp_config, data, dp_rank):
     store = types.SimpleNamespace(put=lambda value, **_: value, get=lambda value: value)
     namespace = {
         "build_dp_schedule": slimes_schedule,
+        "load_function": load_function,
         "tensorize_rollout_data_for_training": tensorize_rollout_data_for_training,
         "Box": Box,
         "ray": store,
@@ -635,6 +639,7 @@ def _slime_body(
     args.use_dynamic_batch_size = dynamic
     if slimes_own:
         args.use_slime_dynamic_batch_size = True
+    args.micro_batch_planner_path = planner_path(args)  # what slime's validation leaves
     set_args(args)
     data = _rollout_batch(num_rollouts, routed_experts=replay == "r3")
     if bad_rank is not None and dp_rank == bad_rank:

@@ -772,6 +772,44 @@ def test_moe_routers_count_only_the_tokens_of_real_micro_batches(patched_verl):
         assert all(count == r["tokens"] for count in layers.values()), (layers, r["tokens"])
 
 
+def _marker_body(verl_root):
+    """verl's own ``tensordict_utils`` on a batch whose placeholder is an exact copy of a real
+    sample (every key kept: the content says nothing): the marker alone tells them apart."""
+    _import_verl(verl_root)
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    from megatron_dynbatch.integrations.verl import engine
+    from megatron_dynbatch.integrations.verl.moe import is_placeholder_batch
+
+    data = TensorDict(
+        {
+            "input_ids": torch.arange(1, 13).reshape(3, 4),
+            "attention_mask": torch.ones(3, 4, dtype=torch.int64),
+            "loss_mask": torch.ones(3, 4),
+        },
+        batch_size=[3],
+    )
+    engine.STRUCTURAL_KEYS = tuple(data.keys())  # this process only: a copy of the sample
+    filler = engine.placeholder_micro_batch(data, 2, tu)
+    real = tu.index_select_tensor_dict(data, [2])
+    same = all(torch.equal(filler[key], real[key]) for key in data.keys())
+    return (
+        same,
+        is_placeholder_batch(real, tu),
+        [is_placeholder_batch(b, tu) for b in (filler, filler.clone())],
+    )
+
+
+@needs_verl
+def test_a_placeholder_is_known_by_its_marker_not_its_content(patched_verl):
+    [(same, real, placeholder)] = run_on_ranks(
+        1, _marker_body, patched_verl, layout=Layout(), timeout_s=BODY_TIMEOUT_S
+    )
+    assert same, "the placeholder must carry the real sample's content for this case"
+    assert not real and placeholder == [True, True]
+
+
 def _config_body(verl_root, overrides):
     """verl's own config path on the driver: its generated trainer YAML, the overrides as Hydra's
     parser reads a command line, then ``omega_conf_to_dataclass`` on the actor (what

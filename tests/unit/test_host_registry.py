@@ -25,7 +25,6 @@ def _toy(name="toy-registry", **changes):
         },
         planning="global",
         oversize="error",
-        loss="global-normaliser",
         layout_flags={"pp_size": "toy.pp", "dp_size": "toy.dp"},
     )
     fields.update(changes)

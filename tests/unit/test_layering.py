@@ -62,6 +62,7 @@ ALLOWED = {
         "runtime",
         "mcore",
         "integrations.hosts",
+        "integrations.model_args",  # max_memory_gib: the HF config read in Megatron's flag names
     },
     "integrations": set(),  # the sub-package's __init__
     "integrations.hosts": {"errors", "planning", "config"},

@@ -34,7 +34,7 @@ from megatron_dynbatch.planning import (  # noqa: E402
 from megatron_dynbatch.planning.memory import (  # noqa: E402
     MemoryLimit,
     MemoryModel,
-    fit_activation_scales,
+    fit_activation_scale,
     live_microbatches,
     predicted_step_peaks,
     schedule_events,
@@ -147,12 +147,13 @@ def test_stage_peak_sums_the_live_microbatches():
         assert model.stage_peak(0, [large] * count).total <= model.uniform_peak(0, large) + 1e-6
 
 
-def test_fit_recovers_the_scales_of_varied_steps_and_one_factor_of_fixed_ones():
-    obs = [(t, s, 1.5 * t + 0.5 * s) for t, s in [(10, 100), (20, 50), (40, 400), (5, 5)]]
-    a, b, error = fit_activation_scales(obs)
-    assert (a, b) == (pytest.approx(1.5), pytest.approx(0.5)) and error < 1e-9
-    a, b, _ = fit_activation_scales([(10, 10, 30.0)] * 3)  # collinear: one factor
-    assert a == b == pytest.approx(1.5)
+def test_fit_recovers_one_factor_on_both_terms_and_reports_its_error():
+    obs = [(t, s, 1.5 * (t + s)) for t, s in [(10, 100), (20, 50), (40, 400), (5, 5)]]
+    k, error = fit_activation_scale(obs)
+    assert k == pytest.approx(1.5) and error < 1e-9
+    k, error = fit_activation_scale([(10, 10, 30.0), (10, 10, 36.0)])  # noisy: the mean, its error
+    assert k == pytest.approx(1.65) and error == pytest.approx(3.0 / 30.0)
+    assert fit_activation_scale([]) == (1.0, 0.0)
 
 
 def test_budget_caps_rows_and_rows_per_microbatch():

@@ -11,12 +11,14 @@ PATCHES = pathlib.Path(__file__).resolve().parents[2] / "patches" / "nemo_rl"
 #: The guards an import of ours may sit under: the switch, or (patch 0004) a list of model chunks,
 #: which stock NeMo-RL never passes to ``megatron_forward_backward``.
 GUARDS = (
-    re.compile(r"^\+\s+if self\.use_dynbatch:"),
-    re.compile(
-        r'^\+\s+if self\.cfg\["megatron_cfg"\]\.get\("dynbatch", \{\}\)\.get\("enabled", False\):'
-    ),
+    re.compile(r'^\+\s+if \(config\.get\("megatron_cfg"\) or \{\}\)\.get\("dynbatch"\):'),
+    re.compile(r'^\+\s+if getattr\(data, "dynbatch_placeholder_rows", None\):'),
     re.compile(r"^\+\s+if isinstance\(model, list\) and len\(model\) > 1"),
 )
+#: The only reads of NeMo-RL's config in the patches: ``Policy.__init__`` reads the section once
+#: (``None`` as absent) and holds the planner; every other line reads ``self.dynbatch`` or the
+#: shard (``get("dynbatch", {})`` once crashed on an empty section).
+CONFIG_READS = re.compile(r'get\("dynbatch"')
 
 
 def _hunks(text):
@@ -47,7 +49,17 @@ def test_every_import_of_ours_is_behind_a_guard():
                     assert guarded_at is not None, f"{patch.name}: unguarded {line.strip()}"
                     indent = len(line) - len(line.lstrip("+ "))
                     assert indent > guarded_at[1], f"{patch.name}: {line.strip()} not in the if"
-    assert imports == 7
+    assert imports == 4
+
+
+def test_the_section_is_read_once_and_none_reads_as_absent():
+    reads = [
+        line
+        for patch in sorted(PATCHES.glob("*.patch"))
+        for line in patch.read_text().splitlines()
+        if line.startswith("+") and CONFIG_READS.search(line)
+    ]
+    assert reads == ['+        if (config.get("megatron_cfg") or {}).get("dynbatch"):'], reads
 
 
 def test_the_readme_names_the_commit_and_every_patch():

@@ -126,6 +126,13 @@ def test_the_switch_and_what_it_needs():
     assert dynbatch_enabled(_cfg()) is True
     assert dynbatch_enabled(_cfg(enabled=False)) is False
     assert dynbatch_enabled({"megatron_cfg": {"enabled": True}}) is False
+    # `dynbatch:` with nothing under it, or `enabled:` with nothing: absent, off.
+    assert dynbatch_enabled({"megatron_cfg": {"enabled": True, "dynbatch": None}}) is False
+    assert dynbatch_enabled(_cfg(enabled=None)) is False
+    cfg = _cfg()
+    cfg["megatron_cfg"]["dynbatch"]["enable"] = True  # a typo is refused, not ignored
+    with pytest.raises(DynBatchValueError, match=r"unknown key\(s\) \['enable'\]"):
+        dynbatch_enabled(cfg)
     with pytest.raises(DynBatchValueError, match="is not a boolean"):
         dynbatch_enabled(_cfg(enabled="yes"))
     with pytest.raises(DynBatchValueError, match="policy.sequence_packing.enabled=true"):
@@ -143,8 +150,16 @@ def test_budget_errors_name_nemo_rl_keys():
         r"policy\.megatron_cfg\.dynbatch\.enabled=true",
     ):
         nemo_rl_planner_config(_cfg(budget=0), dp_size=1, forward_only=False)
-    with pytest.raises(DynBatchValueError, match="logprob_mb_tokens -> log_probs_max_tokens"):
+    with pytest.raises(DynBatchValueError) as refused:
         nemo_rl_planner_config(_cfg(logprob=-1), dp_size=1, forward_only=True)
+    # NeMo-RL's key, without an internal "(in ...: option -> field)" mapping.
+    assert str(refused.value).startswith("policy.sequence_packing.logprob_mb_tokens=-1 must be > 0")
+    assert " -> " not in str(refused.value)
+    # At config time too (the patched Policy.__init__ runs dynbatch_enabled first).
+    with pytest.raises(DynBatchValueError, match=r"policy\.sequence_packing\.logprob_mb_tokens=-1"):
+        dynbatch_enabled(_cfg(logprob=-1))
+    with pytest.raises(DynBatchValueError, match=r"policy\.sequence_packing\.train_mb_tokens=0"):
+        dynbatch_enabled(_cfg(budget=0))
     cfg = _cfg()
     del cfg["sequence_packing"]["logprob_mb_tokens"]
     with pytest.raises(DynBatchValueError, match="needs policy.sequence_packing.logprob_mb_tokens"):

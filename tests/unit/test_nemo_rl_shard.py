@@ -10,6 +10,7 @@ from megatron_dynbatch.integrations.nemo_rl.shard import (
     chunk_iterators,
     drop_placeholder_rows,
     num_real_rows,
+    placeholder_rows,
     restore_rows,
     shard_for_logprob,
     shard_for_train,
@@ -58,7 +59,7 @@ def test_shards_carry_every_sample_once_and_loss_masked_placeholder_rows():
     shards = shard_for_train(CFG, data, dp_size=4, batch_size=3)
     seen = []
     for shard in shards:
-        placeholders = set(shard.dynbatch_placeholder_rows)
+        placeholders = set(placeholder_rows(shard))
         assert num_real_rows(shard) == shard.size - len(placeholders)
         assert sum(shard.elem_counts_per_gb) == shard.size
         for row in range(shard.size):
@@ -99,7 +100,7 @@ def test_log_probs_come_back_in_sample_order():
 
 def test_output_rows_must_match_the_shard():
     shards, _ = shard_for_logprob(CFG, _batch([30, 30, 3]), dp_size=4)
-    shard = next(s for s in shards if s.dynbatch_placeholder_rows)
+    shard = next(s for s in shards if placeholder_rows(s))
     with pytest.raises(DynBatchValueError, match="output rows for a shard of"):
         drop_placeholder_rows(shard, torch.zeros(shard.size + 1))
 

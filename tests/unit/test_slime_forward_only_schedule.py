@@ -145,3 +145,45 @@ def test_one_config_from_slime_args_with_its_defaults():
     for bad in (True, 6.9, "7"):
         with pytest.raises(DynBatchValueError, match="not an integer"):
             check_int("x", bad, 1, "fix it.")
+
+
+def test_the_named_planner_plans_the_training_and_the_log_prob_passes():
+    """``--dynamic-batch-planner NAME`` (patch 0005): the strategy registered as NAME plans the
+    training steps over every DP rank and each rank's log-prob pass; counts stay equal."""
+    from megatron_dynbatch.planning import register_strategy
+    from megatron_dynbatch.planning.strategies import get_strategy
+
+    calls = []
+
+    def spy(samples, config):
+        calls.append((len(samples), config.parallel.dp_size))
+        return get_strategy("dynbatch")(samples, config)
+
+    register_strategy("slime-spy", spy, replace=True)
+    rng = random.Random(3)
+    lengths = [rng.randint(20, 400) for _ in range(12)]
+    args = _args(
+        log_probs_max_tokens_per_gpu=1024,
+        dynamic_batch_planner="slime-spy",
+        pipeline_model_parallel_size=2,
+    )
+    schedule = build_dp_schedule(
+        args, slime_tp(3, vpp_size=2, microbatch_group_size_per_vp_stage=2), lengths,
+        global_batch_size=6, rollout_indices=list(range(12)),
+    )  # fmt: skip
+    # One training plan over 3 DP ranks, then one log-prob plan per rank of its own samples.
+    assert calls[0] == (12, 3), calls
+    assert sorted(calls[1:]) == sorted((len(p), 1) for p in schedule.partitions), calls
+    forward = schedule.forward_only
+    counts = {len(rank) for rank in forward.micro_batch_indices}
+    assert len(counts) == 1 and counts.pop() % 2 == 0, forward.micro_batch_indices
+    for r, partition in enumerate(schedule.partitions):
+        flat = sorted(i for mb in forward.micro_batch_indices[r] for i in mb)
+        assert flat == list(range(len(partition))), r
+    # Without the option ours plans both passes: the spy is not called.
+    calls.clear()
+    build_dp_schedule(
+        _args(log_probs_max_tokens_per_gpu=1024), slime_tp(3), lengths,
+        global_batch_size=6, rollout_indices=list(range(12)),
+    )  # fmt: skip
+    assert calls == []

@@ -38,14 +38,30 @@ def test_hunks_are_small_and_anchored_on_few_lines(name):
 
 @pytest.mark.parametrize("name", sorted(SERIES))
 def test_our_code_runs_only_behind_the_flag(name):
-    """Every hunk that imports megatron_dynbatch reads the flag first: ``use_dynamic_batch_size``,
-    or (slime's trainer side) the ``dynbatch_seq_lengths`` key the rollout side ships only then."""
+    """Every hunk that imports megatron_dynbatch reads the flag first: ``use_dynamic_batch_size``
+    (SkyRL), or (slime's trainer side) the ``dynbatch_seq_lengths`` key the rollout side ships only
+    then."""
     for patch in SERIES[name]:
         for hunk in _hunks(patch):
             added = [x[1:] for x in hunk.splitlines() if x.startswith("+") and x[:3] != "+++"]
             if any("megatron_dynbatch" in x and "import" in x for x in added):
                 guards = ("use_dynamic_batch_size", '"dynbatch_seq_lengths" in rollout_data')
                 assert any(g in x for g in guards for x in added), (patch.name, hunk)
+
+
+def test_slime_reaches_us_through_one_generic_hook():
+    """slime's patches hold the switch's condition nowhere (it is decided once, by the planner
+    named by ``--micro-batch-planner-path``, in slime's argument validation); each call site reads
+    the option, and only the data iterator (behind the key the planner ships) imports us."""
+    text = "".join(p.read_text() for p in SERIES["slime"])
+    added = [x[1:] for x in text.splitlines() if x.startswith("+") and x[:3] != "+++"]
+    assert not any("use_slime_dynamic_batch_size" in x for x in added)
+    assert not any("use_dynamic_batch_size" in x for x in added)
+    imports = [x for x in added if "import" in x and "megatron_dynbatch" in x]
+    assert imports == [
+        "        from megatron_dynbatch.integrations.slime.backend import data_iterators"
+    ], imports
+    assert sum("micro_batch_planner_path" in x for x in added) >= 7
 
 
 @pytest.mark.parametrize("name", sorted(SERIES))

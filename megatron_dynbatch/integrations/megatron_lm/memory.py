@@ -46,7 +46,8 @@ from megatron_dynbatch.planning.memory import (
     MemoryLimit,
     MemoryModel,
     PeakTerms,
-    fit_activation_scales,
+    fit_activation_scale,
+    gib_to_bytes,
 )
 from megatron_dynbatch.planning.spec import ParallelLayout, round_up
 
@@ -131,7 +132,7 @@ def budget_bytes(max_memory_gib: Any) -> int:
             ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
             total = _proc_meminfo_kib("MemAvailable") * 1024 / max(1, ranks)
         return int(total * (1.0 - AUTO_MARGIN))
-    return int(float(max_memory_gib) * GIB)
+    return gib_to_bytes(max_memory_gib)
 
 
 def check_memory_budget(limit: MemoryLimit, seq_length: Optional[int], flag: str) -> None:
@@ -223,7 +224,7 @@ class StepMemory:
     The planner's model (:attr:`current`) takes what every stage held after the last step as its
     memory at rest (on CPU the resident set keeps growing over the first steps, as the heap keeps
     what it freed), and the per-token / per-``S**2`` factors fitted to the steps measured so far
-    (:func:`~megatron_dynbatch.planning.memory.fit_activation_scales`), or before a fit the counted
+    (:func:`~megatron_dynbatch.planning.memory.fit_activation_scale`), or before a fit the counted
     bytes times :data:`UNCALIBRATED_SAFETY`. The first step is a probe: planned in micro-batches
     of one ``--seq-length`` row at most, as it also pays one-time costs (the optimizer's state,
     the first allocations of every kernel) no model predicts.
@@ -456,9 +457,7 @@ class StepMemory:
             )
             if largest_ever is not None and largest_ever not in own:
                 own.append(largest_ever)
-            k, _, _ = fit_activation_scales(
-                [(t, s, peak - rest) for _, t, s, rest, peak in own], common=True
-            )
+            k, _ = fit_activation_scale([(t, s, peak - rest) for _, t, s, rest, peak in own])
             # The largest steps seen are never under-predicted: on CPU the factor grew with
             # the step (1.85 fitted over small steps, 2.41 needed by one of 7 x 256 tokens).
             largest = max(t + s for _, t, s, _, _ in own)

@@ -33,23 +33,29 @@ from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.integrations.hosts import NEMO_RL, host_config
+from megatron_dynbatch.integrations.hosts import NEMO_RL, check_host_budget, host_config
 from megatron_dynbatch.planning import (
     ParallelLayout,
     PlannerConfig,
+    SampleSet,
     get_strategy,
-    plan_schedule,
     round_up,
+    run_strategy,
 )
+from megatron_dynbatch.planning.memory import MemoryLimit
 
 __all__ = [
     "NemoRlShards",
+    "SECTION_KEYS",
     "dynbatch_enabled",
+    "nemo_rl_layout",
     "nemo_rl_planner_config",
     "plan_nemo_rl_shards",
 ]
 
 _SWITCH = "policy.megatron_cfg.dynbatch.enabled"
+#: The keys of ``policy.megatron_cfg.dynbatch`` (a typo is refused, not ignored).
+SECTION_KEYS = ("enabled", "planner", "max_memory_gib")
 _PLANNER = NEMO_RL.keys["planner"]
 
 
@@ -63,8 +69,21 @@ def dynbatch_enabled(policy_cfg: Mapping[str, Any]) -> bool:
             ``planner`` no planner is registered as.
     """
     megatron_cfg = policy_cfg.get("megatron_cfg") or {}
-    section = megatron_cfg.get("dynbatch") or {}
+    section = megatron_cfg.get("dynbatch") or {}  # `dynbatch:` with nothing under it: absent
+    if not isinstance(section, Mapping):
+        raise DynBatchValueError(
+            f"policy.megatron_cfg.dynbatch={section!r} must be a mapping, e.g. "
+            "{enabled: true}; or leave it out."
+        )
+    unknown = sorted(set(section) - set(SECTION_KEYS))
+    if unknown:
+        raise DynBatchValueError(
+            f"policy.megatron_cfg.dynbatch has unknown key(s) {unknown}; valid: "
+            f"{list(SECTION_KEYS)}."
+        )
     flag = section.get("enabled", False)
+    if flag is None:
+        flag = False
     if not isinstance(flag, bool):
         raise DynBatchValueError(f"{_SWITCH}={flag!r} is not a boolean; set it to true or false.")
     if not flag:
@@ -97,17 +116,39 @@ def dynbatch_enabled(policy_cfg: Mapping[str, Any]) -> bool:
             "policy.sequence_packing.enabled=true with policy.sequence_packing.train_mb_tokens "
             "(and logprob_mb_tokens for log-prob passes)."
         )
+    packing = policy_cfg.get("sequence_packing") or {}
+    check_host_budget(NEMO_RL, packing.get("train_mb_tokens"))
+    if packing.get("logprob_mb_tokens") is not None:
+        check_host_budget(NEMO_RL, packing["logprob_mb_tokens"], forward_only=True)
     return True
 
 
+def nemo_rl_layout(policy_cfg: Mapping[str, Any], dp_size: int) -> ParallelLayout:
+    """The parallel layout of ``policy.megatron_cfg`` at ``dp_size`` DP ranks (tensor and context
+    parallel sizes too: the memory model divides by them; planning pads samples itself)."""
+    megatron_cfg = policy_cfg.get("megatron_cfg") or {}
+    pp = int(megatron_cfg.get("pipeline_model_parallel_size", 1) or 1)
+    vpp = int(megatron_cfg.get("virtual_pipeline_model_parallel_size", 1) or 1)
+    group = megatron_cfg.get("microbatch_group_size_per_vp_stage") if vpp > 1 else None
+    with NEMO_RL.flags():
+        return ParallelLayout(
+            dp_size=dp_size, pp_size=pp, vpp_size=vpp, microbatch_group_size_per_vp_stage=group
+        )
+
+
 def nemo_rl_planner_config(
-    policy_cfg: Mapping[str, Any], *, dp_size: int, forward_only: bool
+    policy_cfg: Mapping[str, Any],
+    *,
+    dp_size: int,
+    forward_only: bool,
+    memory: Optional[MemoryLimit] = None,
 ) -> PlannerConfig:
     """The planner config of one NeMo-RL pass from its policy config (one table, one function).
 
     The parallel layout is read from ``policy.megatron_cfg``: pipeline size, virtual pipeline
     size and Megatron's interleaving group. Samples are planned at the length NeMo-RL pads them to
-    (:func:`padded_lengths`), so tensor and context parallelism add nothing here.
+    (:func:`padded_lengths`), so tensor and context parallelism add nothing here. ``memory``:
+    ``policy.megatron_cfg.dynbatch.max_memory_gib`` as a limit (:mod:`.memory`), or ``None``.
     """
     packing = policy_cfg.get("sequence_packing") or {}
     megatron_cfg = policy_cfg.get("megatron_cfg") or {}
@@ -121,14 +162,10 @@ def nemo_rl_planner_config(
             "a log-prob pass with policy.megatron_cfg.dynbatch.enabled=true needs "
             "policy.sequence_packing.logprob_mb_tokens; set it (e.g. to train_mb_tokens x 2)."
         )
-    pp = int(megatron_cfg.get("pipeline_model_parallel_size", 1) or 1)
-    vpp = int(megatron_cfg.get("virtual_pipeline_model_parallel_size", 1) or 1)
-    group = megatron_cfg.get("microbatch_group_size_per_vp_stage") if vpp > 1 else None
-    with NEMO_RL.flags():
-        layout = ParallelLayout(
-            dp_size=dp_size, pp_size=pp, vpp_size=vpp, microbatch_group_size_per_vp_stage=group
-        )
-    return host_config(NEMO_RL, values, layout, forward_only=forward_only)
+    if forward_only:
+        check_host_budget(NEMO_RL, values["logprob_mb_tokens"], forward_only=True)
+    layout = nemo_rl_layout(policy_cfg, dp_size)
+    return host_config(NEMO_RL, values, layout, forward_only=forward_only, memory=memory)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -225,7 +262,8 @@ def plan_nemo_rl_shards(
     counts: List[int] = []
     for start in range(0, len(padded), batch_size):
         chunk = padded[start : start + batch_size]
-        [step] = plan_schedule(chunk, config=config).steps
+        # The planner policy.megatron_cfg.dynbatch.planner names (``dynbatch`` by default).
+        [step] = run_strategy(SampleSet.build(chunk), config).steps
         counts.append(step.num_microbatches)
         for r, microbatches in enumerate(step.ranks):
             assert len(microbatches) == step.num_microbatches, "equal counts by construction"

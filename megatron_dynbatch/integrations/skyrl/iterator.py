@@ -11,7 +11,10 @@ changes what they get:
   ``_pad_microbatch_to_size`` has nothing to add);
 * placeholders (rows and whole micro-batches) with every key of the real batch, its dtype and its
   width, ``loss_mask``/``advantages``/``response_mask`` 0 and one attended token, so they add
-  exactly 0 to SkyRL's pre-scaled policy loss and are dropped from its masked means;
+  exactly 0 to SkyRL's pre-scaled policy loss and are dropped from its masked means; each row's
+  sample index (the placeholder marker on placeholder rows) is written into the worker's
+  micro-batch dicts by :meth:`PlannedBatchIterator.mark_rows`, which is how :mod:`.moe` knows
+  them (never by their content);
 * the plan checked on every rank of the DP group, inside
   :func:`~megatron_dynbatch.mcore.agreement.step_agreement`, before any pipeline communication:
   an error on one rank is the same error on all of them;
@@ -36,10 +39,13 @@ from megatron_dynbatch.integrations.hosts import SKYRL, check_host_budget, check
 from megatron_dynbatch.integrations.skyrl.plan import SkyrlPlan, plan_skyrl_minibatch
 from megatron_dynbatch.mcore.agreement import gather_lengths, step_agreement
 from megatron_dynbatch.runtime import restore_order
-from megatron_dynbatch.runtime.placeholders import placeholder_tensor
+from megatron_dynbatch.runtime.placeholders import (
+    MARKER_KEY,
+    PLACEHOLDER_INDEX,
+    placeholder_tensor,
+)
 
 __all__ = [
-    "PLACEHOLDER_ATTENDED_TOKENS",
     "PlannedBatchIterator",
     "planned_microbatch_iterator",
     "placeholder_rows",
@@ -48,16 +54,15 @@ __all__ = [
 #: Keys whose placeholder value must not be 0: SkyRL strips rows to their attended tokens, and a
 #: row with none breaks its ``remove_left_padding`` / THD packing.
 _ATTENTION_KEY = "attention_mask"
-#: Attended tokens of a placeholder row (``placeholder_tensor(..., attend_first=True)``); a SkyRL
-#: training row (prompt and response) has more, which is how :mod:`.moe` tells the two apart.
-PLACEHOLDER_ATTENDED_TOKENS = 1
 
 
 def placeholder_rows(data: Any, rows: int) -> Dict[str, Optional[torch.Tensor]]:
     """``rows`` loss-masked rows with every key of ``data``: its dtype, device and trailing shape.
 
-    Every value is 0 (no loss weight, no advantage, no response) except one attended token per row
-    (``attention_mask[:, 0] = 1``), which keeps the row valid for SkyRL's padding removal.
+    Every value is 0 (no loss weight, no advantage, no response) except the attended tokens of
+    ``placeholder_tensor(..., attend_first=True)`` in ``attention_mask``, which keep the row valid
+    for SkyRL's padding removal. The rows are known as placeholders by their marker
+    (:meth:`PlannedBatchIterator.mark_rows`), not by these values.
 
     Raises:
         DynBatchValueError: for a value that is not a tensor (a ``TensorList``: VLM inputs or
@@ -157,6 +162,38 @@ class PlannedBatchIterator:
             # so its first placeholder is not flagged (its loss and gradients are 0 all the same).
             flagged = m > 0 or bool(self._microbatches)
             yield self._batch(placeholder_rows(self.data, self.plan.rows), placeholder=flagged)
+
+    def row_indices(self) -> List[List[int]]:
+        """Every micro-batch's per-row sample index, in schedule order: the local index of each
+        real row, :data:`~megatron_dynbatch.runtime.placeholders.PLACEHOLDER_INDEX` on every
+        placeholder row (the marker :mod:`.moe` reads)."""
+        rows = self.plan.rows
+        real = [[*mb, *[PLACEHOLDER_INDEX] * (rows - len(mb))] for mb in self._microbatches]
+        return real + [[PLACEHOLDER_INDEX] * rows] * self.num_padding_microbatches
+
+    def mark_rows(self, micro_batches: Sequence[Dict[str, Any]]) -> None:
+        """Give each of the worker's micro-batch dicts (one per micro-batch of this iterator, in
+        its order) the placeholder marker: ``[B]`` int64 under
+        :data:`~megatron_dynbatch.runtime.placeholders.MARKER_KEY`, each row's sample index
+        (:meth:`row_indices`). Patch 0002 calls it on ``forward_backward``'s micro-batch dicts;
+        patch 0004 hands the key to :func:`.moe.router_padding`.
+
+        Raises:
+            DynBatchValueError: when the dicts are not this iterator's micro-batches (count, rows).
+        """
+        indices = self.row_indices()
+        if len(micro_batches) != len(indices):
+            raise DynBatchValueError(
+                f"{len(micro_batches)} micro-batch dicts on DP rank {self.dp_rank}; the plan runs "
+                f"{len(indices)}."
+            )
+        for m, (batch, rows) in enumerate(zip(micro_batches, indices, strict=True)):
+            mask = batch[_ATTENTION_KEY]
+            if mask.shape[0] != len(rows):
+                raise DynBatchValueError(
+                    f"micro-batch {m} has {mask.shape[0]} rows, the plan has {len(rows)}."
+                )
+            batch[MARKER_KEY] = torch.tensor(rows, dtype=torch.int64, device=mask.device)
 
     def restore_rows(self, rows: Sequence[Any]) -> List[Any]:
         """This rank's samples in sample order, from one value per row of every micro-batch.

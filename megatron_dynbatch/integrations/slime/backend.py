@@ -50,6 +50,7 @@ from megatron_dynbatch.mcore.agreement import step_agreement
 from megatron_dynbatch.planning import round_up
 from megatron_dynbatch.planning.spec import check_int
 from megatron_dynbatch.runtime import restore_order
+from megatron_dynbatch.runtime.placeholders import is_placeholder
 
 __all__ = [
     "SlimeDataIterator",
@@ -111,7 +112,7 @@ class SlimeDataIterator:
         indices = self.micro_batch_indices[self.offset]
         self.row_length = self.row_lengths[self.offset]
         self.offset += 1
-        if not indices:
+        if is_placeholder(indices):
             sample = placeholder_sample(
                 self.rollout_data, keys, self.row_length * self.cp_size, cp_size=self.cp_size
             )
@@ -438,13 +439,14 @@ def restore_rollout_order(
         )
     per_sample: Dict[int, Any] = {}
     for m, (values, indices) in enumerate(zip(values_per_microbatch, schedule, strict=True)):
-        expected = len(indices) if indices else 1
+        placeholder = is_placeholder(indices)
+        expected = 1 if placeholder else len(indices)
         if len(values) != expected:
             raise DynBatchValueError(
                 f"micro-batch {m}: {len(values)} outputs for {expected} sample(s) "
-                f"({'placeholder' if not indices else indices})."
+                f"({'placeholder' if placeholder else indices})."
             )
-        if indices:
+        if not placeholder:
             per_sample.update(zip(indices, values, strict=True))
     return restore_order(per_sample, len(iterator.rollout_data["total_lengths"]))
 

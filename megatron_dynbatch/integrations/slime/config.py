@@ -138,6 +138,7 @@ def dynbatch_config_from_slime_args(
             "max_tokens_per_gpu": budget,
             "log_probs_max_tokens_per_gpu": log_probs,
             "oversize_samples": oversize_policy(args),
+            "dynamic_batch_planner": getattr(args, "dynamic_batch_planner", None),
         },
         table=SLIME.options,
         fixed={

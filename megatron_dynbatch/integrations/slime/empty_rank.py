@@ -8,7 +8,7 @@ run on them, but slime's per-sample code does not accept an empty rank: its adva
 functions run (the whitening all-reduce, the metric gather).
 
 Such a rank gets one *phantom* sample (:func:`add_phantom_sample`): two tokens of padding, one
-response token, loss mask 0, reward 0, rollout position -1, built key by key by the same
+response token, loss mask 0, reward 0, the placeholder marker as its rollout position, built key by key by the same
 :func:`~megatron_dynbatch.integrations.slime.placeholders.placeholder_sample` that builds
 placeholder micro-batches. It runs through slime's code like a real sample, so every collective runs in step with the other ranks, and it contributes nothing:
 
@@ -28,17 +28,16 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from megatron_dynbatch.integrations.slime.placeholders import (
-    PLACEHOLDER_POSITION,
-    placeholder_sample,
-    rollout_device,
-)
-from megatron_dynbatch.runtime.placeholders import padding_tensor
+from megatron_dynbatch.integrations.slime.placeholders import placeholder_sample, rollout_device
+from megatron_dynbatch.runtime.placeholders import PLACEHOLDER_INDEX, is_placeholder, padding_tensor
 
-__all__ = ["PHANTOM_POSITION", "add_phantom_sample", "has_phantom", "mute_phantom_metrics"]
+__all__ = [
+    "add_phantom_sample",
+    "has_phantom",
+    "mute_phantom_metrics",
+    "reinforce_plus_plus_returns",
+]
 
-#: ``partition`` entry of the phantom sample: no position of the rollout.
-PHANTOM_POSITION = PLACEHOLDER_POSITION
 #: The phantom's prompt and response lengths (slime needs at least one of each).
 _PROMPT, _RESPONSE = 1, 1
 #: The phantom's value of a per-sample list this package has no rule for (a new slime key): a
@@ -49,8 +48,10 @@ _SCHEDULE_KEYS = ("num_microbatches", "global_batch_sizes", "micro_batch_indices
 
 
 def has_phantom(rollout_data: Dict[str, Any]) -> bool:
-    """Whether ``rollout_data`` is a rank's whose only sample is the phantom."""
-    return list(rollout_data.get("partition") or ()) == [PHANTOM_POSITION]
+    """Whether ``rollout_data`` is a rank's whose only sample is the phantom: its rollout
+    positions (``partition``) are the placeholder marker only."""
+    positions = list(rollout_data.get("partition") or ())
+    return bool(positions) and is_placeholder(positions)
 
 
 def add_phantom_sample(
@@ -86,9 +87,11 @@ def add_phantom_sample(
     for key in empty:
         # A new list: the empty one may be the schedule's own (partitions[r] shipped as is).
         rollout_data[key] = [phantom[key]]
-    rollout_data.setdefault("partition", [PHANTOM_POSITION])
+    rollout_data.setdefault("partition", [PLACEHOLDER_INDEX])
     micro_batches = rollout_data["micro_batch_indices"]
-    assert micro_batches and not any(micro_batches), "a rank without samples has placeholders only"
+    assert micro_batches and all(
+        is_placeholder(mb) for mb in micro_batches
+    ), "a rank without samples has placeholders only"
     rollout_data["micro_batch_indices"] = [[0], *micro_batches[1:]]
     if forward_only is None:
         return None
@@ -147,3 +150,41 @@ def mute_phantom_metrics(rollout_data: Dict[str, Any]) -> None:
 
     setattr(gather_nothing, _ORIGINAL, original)
     module.gather_log_data = gather_nothing
+
+
+def reinforce_plus_plus_returns(
+    *, rewards: torch.Tensor, kl: List[torch.Tensor], loss_masks: List[torch.Tensor], **kwargs: Any
+) -> List[torch.Tensor]:
+    """slime's ``get_reinforce_plus_plus_returns`` on the samples with a loss token; a fully masked
+    sample (the phantom, or a real sample whose loss mask is all 0) gets zero returns, one per
+    token of its local KL chunk (what slime returns for it, context-parallel slicing included).
+
+    slime's function asserts on a fully masked sample; the phantom always is one. The call site
+    (patch 0007, in slime's ``compute_advantages_and_returns``) runs this only while our planner
+    runs; otherwise slime's own function runs and stops on the assert as unpatched slime does.
+    Every sample keeps its own rewards, KL and masks (the others are not shifted).
+    """
+    from slime.utils.ppo_utils import get_reinforce_plus_plus_returns
+
+    keep = [i for i, mask in enumerate(loss_masks) if bool(mask.any())]
+    if len(keep) == len(loss_masks):
+        return get_reinforce_plus_plus_returns(
+            rewards=rewards, kl=kl, loss_masks=loss_masks, **kwargs
+        )
+    picked = {
+        key: [value[i] for i in keep]
+        for key, value in kwargs.items()
+        if key in ("response_lengths", "total_lengths")
+    }
+    rest = {k: v for k, v in kwargs.items() if k not in picked}
+    kept = get_reinforce_plus_plus_returns(
+        rewards=rewards[keep],
+        kl=[kl[i] for i in keep],
+        loss_masks=[loss_masks[i] for i in keep],
+        **picked,
+        **rest,
+    )
+    returns = [torch.zeros_like(chunk) for chunk in kl]
+    for i, value in zip(keep, kept, strict=True):
+        returns[i] = value
+    return returns

@@ -34,6 +34,7 @@ from megatron_dynbatch.planning.memory import (
     UNCALIBRATED_SAFETY,
     MemoryLimit,
     MemoryModel,
+    gib_to_bytes,
     predicted_step_peaks,
 )
 from megatron_dynbatch.planning.spec import ParallelLayout, round_up
@@ -99,7 +100,7 @@ def slime_memory_limit(args: Any, parallel: ParallelLayout) -> Optional[MemoryLi
         return None
     return MemoryLimit(
         model=slime_memory_model(args, parallel),
-        budget_bytes=int(gib * GIB),
+        budget_bytes=gib_to_bytes(gib),
         row_multiple=parallel.sample_multiple,
     )
 

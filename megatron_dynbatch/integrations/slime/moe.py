@@ -20,18 +20,18 @@ import torch
 import torch.nn.functional as F
 
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.integrations.slime.empty_rank import has_phantom
+from megatron_dynbatch.runtime.placeholders import is_placeholder
 
 __all__ = ["padding_mask", "model_forward"]
 
 
 def _last_is_padding(data_iterator: Any) -> bool:
-    """Whether the micro-batch ``data_iterator`` last returned holds no real sample."""
-    rollout_data = getattr(data_iterator, "rollout_data", None)
-    if rollout_data is not None and has_phantom(rollout_data):
-        return True  # the rank's only sample is the phantom, which trains nothing
+    """Whether the micro-batch ``data_iterator`` last returned holds no real sample: every sample
+    it names has the placeholder marker as its rollout position (the phantom), or it names none
+    (a placeholder micro-batch)."""
     indices = data_iterator.micro_batch_indices[data_iterator.offset - 1]
-    return not indices  # a placeholder micro-batch
+    positions = (getattr(data_iterator, "rollout_data", None) or {}).get("partition")
+    return is_placeholder(list(indices) if positions is None else [positions[i] for i in indices])
 
 
 def padding_mask(data_iterator: Any, batch: Mapping[str, Any], allgather_cp: bool) -> torch.Tensor:

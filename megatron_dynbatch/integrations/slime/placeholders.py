@@ -12,7 +12,9 @@ sample and contribute nothing:
 
 Both come from :func:`placeholder_sample`, key by key, with the tensors made by
 :mod:`megatron_dynbatch.runtime.placeholders`: padding tokens, loss mask 0 on every response
-token, every per-token value 0, reward 0, rollout position -1. Under context parallelism the keys
+token, every per-token value 0, reward 0, and the placeholder marker as its rollout position
+(``partition``: :data:`~megatron_dynbatch.runtime.placeholders.PLACEHOLDER_INDEX`, what
+:func:`~megatron_dynbatch.runtime.placeholders.is_placeholder` recognises). Under context parallelism the keys
 slime keeps per CP rank are cut the way slime cuts them (:func:`cp_local`), in this one place.
 
 Torch only (no megatron, no slime at import time).
@@ -26,11 +28,10 @@ import torch
 
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.slime.config import CP_SLICED_KEYS, RESPONSE_FLOAT_KEYS
-from megatron_dynbatch.runtime.placeholders import padding_tensor
+from megatron_dynbatch.runtime.placeholders import PLACEHOLDER_INDEX, padding_tensor
 
 __all__ = [
     "NONE_KEYS",
-    "PLACEHOLDER_POSITION",
     "cp_local",
     "masked_routed_experts",
     "placeholder_sample",
@@ -39,8 +40,6 @@ __all__ = [
 
 #: Keys whose placeholder value is ``None`` (nothing to carry).
 NONE_KEYS = ("multimodal_train_inputs", "packed_seq_params")
-#: ``partition`` entry (the sample's position in the rollout) of a sample with no position.
-PLACEHOLDER_POSITION = -1
 #: Per-sample scalars whose placeholder value is 0 (rewards, ids).
 SCALAR_KEYS = ("rewards", "raw_reward", "local_raw_reward", "sample_indices", "rollout_ids")
 # A placeholder's prompt is one token: slime's get_batch pads the loss mask by prompt_length - 1.
@@ -167,7 +166,7 @@ def placeholder_sample(
         elif key == "rollout_mask_sums":
             sample[key] = padding_tensor((), torch.float32, device)
         elif key == "partition":
-            sample[key] = PLACEHOLDER_POSITION
+            sample[key] = PLACEHOLDER_INDEX  # the marker: no position in the rollout
         elif key == "rollout_top_p_token_offsets":
             sample[key] = padding_tensor((response + 1,), torch.long, device)
         elif key == "rollout_top_p_token_ids":

@@ -46,7 +46,7 @@ Standard library and the pure planner only: slime's rollout manager imports it w
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from megatron_dynbatch.config import DynBatchConfig
@@ -76,12 +76,17 @@ from megatron_dynbatch.planning import (
     check_plan,
     round_up,
 )
-from megatron_dynbatch.planning.forward_only import fewest_forward_only_count, plan_forward_only
+from megatron_dynbatch.planning.forward_only import (
+    ForwardOnlyPlan,
+    fewest_forward_only_count,
+    plan_forward_only,
+)
 from megatron_dynbatch.planning.karmarkar_karp import karmarkar_karp
 from megatron_dynbatch.planning.memory import MIB, MemoryLimit
 from megatron_dynbatch.planning.samples import as_sequence
 from megatron_dynbatch.planning.schedule import ScheduledStep
-from megatron_dynbatch.planning.spec import ATTENTION_CROSSOVER_7B, check_int
+from megatron_dynbatch.planning.shape import variable_rows as micro_batch_rows
+from megatron_dynbatch.planning.spec import ATTENTION_CROSSOVER_7B, DEFAULT_STRATEGY, check_int
 from megatron_dynbatch.planning.strategies import run_strategy
 
 __all__ = [
@@ -746,6 +751,7 @@ def _forward_only_schedule(
     rank_lengths = [list(map(lengths.__getitem__, partition)) for partition in partitions]
     if (
         training is not None
+        and planner_config.strategy == DEFAULT_STRATEGY
         and variable
         and budget == config.max_tokens_per_gpu
         and len(training[0][0]) == fewest_forward_only_count(rank_lengths, planner_config)
@@ -754,7 +760,10 @@ def _forward_only_schedule(
             micro_batch_indices=[list(map(list, rank)) for rank in training[0]],
             row_lengths=[list(rows) for rows in training[1]],
         )
-    plan = plan_forward_only(rank_lengths, planner_config)
+    if planner_config.strategy == DEFAULT_STRATEGY:
+        plan = plan_forward_only(rank_lengths, planner_config)
+    else:
+        plan = _strategy_forward_only(rank_lengths, planner_config)
     if variable:
         # The planner's rows: within --max-memory-gib (shape.variable_rows) where it is given.
         rows = [_gpu_rows(rank_rows, cp) for rank_rows in plan.row_lengths]
@@ -764,6 +773,41 @@ def _forward_only_schedule(
         row = _uniform_row(longest, cp, pad_size, budget, memory)
         rows = [[row] * len(rank_rows) for rank_rows in plan.row_lengths]
     return ForwardOnlySchedule(micro_batch_indices=plan.micro_batches, row_lengths=rows)
+
+
+def _strategy_forward_only(rank_lengths: List[List[int]], planner_config: Any) -> ForwardOnlyPlan:
+    """The log-prob pass of a registered planner other than ours (``--dynamic-batch-planner``).
+
+    A forward-only pass reduces nothing over DP, so each rank's own samples are planned alone by
+    the planner the config names (dp 1, one step); every rank then runs the same count, a
+    multiple of the interleaving group, the shorter ranks topped up with placeholders (``[]``).
+    Rows as :func:`~megatron_dynbatch.planning.forward_only.plan_forward_only` gives them.
+    """
+    one = replace(
+        planner_config,
+        parallel=replace(planner_config.parallel, dp_size=1),
+        rollouts_per_step=None,
+    )
+    multiple, cap = one.parallel.sample_multiple, one.token_cap
+    members: List[List[List[int]]] = []
+    for lengths in rank_lengths:
+        if not lengths:  # a rank without samples (its phantom arrives later): placeholders
+            members.append([])
+            continue
+        plan = run_strategy(SampleSet.build(lengths), one)
+        members.append([list(mb) for step in plan.steps for mb in step.ranks[0]])
+    count = round_up(max(1, *map(len, members)), one.parallel.microbatch_multiple)
+    members = [rank + [[] for _ in range(count - len(rank))] for rank in members]
+    loads = [
+        [sum(round_up(lengths[i], multiple) for i in mb) for mb in rank]
+        for rank, lengths in zip(members, rank_lengths, strict=True)
+    ]
+    if one.variable_row_lengths:
+        rows = [micro_batch_rows(r, one.variable_row_multiple, cap, one.memory) for r in loads]
+    else:
+        longest = max([1] + [load for rank in loads for load in rank])
+        rows = [[longest] * count for _ in loads]
+    return ForwardOnlyPlan(micro_batches=members, row_lengths=rows)
 
 
 def _dynamic_schedule(

@@ -24,9 +24,9 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["STEP_PEAKS", "StepPeakLog"]
+from megatron_dynbatch.planning.memory import MIB
 
-_MIB = float(1 << 20)
+__all__ = ["STEP_PEAKS", "StepPeakLog"]
 
 
 @dataclass
@@ -61,7 +61,7 @@ class StepPeakLog:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         stage0, largest = step.predicted_mib[0], max(step.predicted_mib)
         if torch.cuda.is_available():
-            measured = torch.cuda.max_memory_allocated() / _MIB
+            measured = torch.cuda.max_memory_allocated() / MIB
             if measured > step.budget_mib:
                 over = (
                     f"[rank {rank}] dynamic batching: slime step {step.step_id}: measured "

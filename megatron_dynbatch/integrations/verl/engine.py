@@ -203,12 +203,16 @@ def placeholder_micro_batch(data: Any, template_index: int, tu: Any) -> Any:
 
     A copy of sample ``template_index`` (the rank's shortest: the cheapest valid structure) with
     every tensor zeroed except :data:`STRUCTURAL_KEYS`; non-tensor entries are kept, and the
-    non-tensor :data:`~.moe.PLACEHOLDER_KEY` marks it for verl's forward step.
+    non-tensor :data:`~megatron_dynbatch.runtime.placeholders.MARKER_KEY` (the placeholder marker
+    as its sample index) marks it for verl's forward step (:func:`.moe.is_placeholder_batch`).
     """
     import torch
 
-    from megatron_dynbatch.integrations.verl.moe import PLACEHOLDER_KEY
-    from megatron_dynbatch.runtime.placeholders import placeholder_tensor
+    from megatron_dynbatch.runtime.placeholders import (
+        MARKER_KEY,
+        PLACEHOLDER_INDEX,
+        placeholder_tensor,
+    )
 
     placeholder = tu.index_select_tensor_dict(data, [template_index])
     for key in list(placeholder.keys()):
@@ -217,7 +221,7 @@ def placeholder_micro_batch(data: Any, template_index: int, tu: Any) -> Any:
             continue
         placeholder[key] = placeholder_tensor(value)
     # verl's forward step masks a placeholder from MoE routers (.moe.mask_placeholder_routing).
-    tu.assign_non_tensor(placeholder, **{PLACEHOLDER_KEY: True})
+    tu.assign_non_tensor(placeholder, **{MARKER_KEY: PLACEHOLDER_INDEX})
     return placeholder
 
 

@@ -3,7 +3,9 @@
 A verl placeholder micro-batch (:func:`~.engine.placeholder_micro_batch`) is a copy of the rank's
 shortest sample with every weight zeroed: its tokens are real token ids, so without a mask a MoE
 model's routers count them in the z-loss and every load-balancing statistic, and aux-loss
-gradients flow from them. Patch ``0002`` calls :func:`mask_placeholder_routing` in
+gradients flow from them. It is known by its marker, never by its content: the non-tensor
+:data:`~megatron_dynbatch.runtime.placeholders.MARKER_KEY` holds the placeholder's sample index
+(:func:`~megatron_dynbatch.runtime.placeholders.is_placeholder`); a real micro-batch has none. Patch ``0002`` calls :func:`mask_placeholder_routing` in
 ``MegatronEngine.forward_step`` (with ``use_dynamic_batch_size`` on) before verl's model forward.
 For a placeholder micro-batch of a MoE model it adds ``padding_mask``, True on every position, to
 the next forward of ``model`` (a pre-hook: the mask takes the shape of what verl hands the model,
@@ -20,10 +22,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["PLACEHOLDER_KEY", "mask_placeholder_routing"]
+from megatron_dynbatch.runtime.placeholders import MARKER_KEY, is_placeholder
 
-#: The non-tensor key that marks a placeholder micro-batch (set by ``placeholder_micro_batch``).
-PLACEHOLDER_KEY = "dynbatch_placeholder"
+__all__ = ["is_placeholder_batch", "mask_placeholder_routing"]
+
+
+def is_placeholder_batch(batch: Any, tu: Any) -> bool:
+    """Whether verl micro-batch ``batch`` is a placeholder: its non-tensor
+    :data:`~megatron_dynbatch.runtime.placeholders.MARKER_KEY` (only placeholders carry one) is
+    the marker. ``tu``: ``verl.utils.tensordict_utils``."""
+    index = tu.get_non_tensor_data(batch, MARKER_KEY, None)
+    return index is not None and bool(is_placeholder(index))
 
 
 def _all_padding(kwargs: dict, cp_size: int) -> torch.Tensor:
@@ -46,7 +55,7 @@ def mask_placeholder_routing(model: torch.nn.Module, batch: Any) -> None:
 
     from megatron_dynbatch.mcore.moe import is_moe_model, placeholder_routing
 
-    if not tu.get_non_tensor_data(batch, PLACEHOLDER_KEY, False) or not is_moe_model(model):
+    if not is_placeholder_batch(batch, tu) or not is_moe_model(model):
         return
     cp_size = parallel_state.get_context_parallel_world_size()
     routing = placeholder_routing(model, torch.ones((1, 1), dtype=torch.bool))

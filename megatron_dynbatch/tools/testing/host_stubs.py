@@ -19,7 +19,7 @@ import sys
 import types
 from typing import Iterable, List, Sequence
 
-__all__ = ["install_stubs", "is_stub"]
+__all__ = ["install_stubs"]
 
 
 class _Anything(type):
@@ -133,8 +133,3 @@ def install_stubs(
             finder.prefixes.append(name)
     finder.stubbed = finder.roots + finder.prefixes
     return list(finder.stubbed)
-
-
-def is_stub(module: types.ModuleType) -> bool:
-    """Whether ``module`` is one of these stand-ins."""
-    return bool(getattr(module, "__stub__", False))

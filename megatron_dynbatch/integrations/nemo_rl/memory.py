@@ -1,0 +1,159 @@
+"""``policy.megatron_cfg.dynbatch.max_memory_gib`` in NeMo-RL: the per-stage memory model of the
+policy's model and Megatron layout, the budget every pass is planned under, and the config-time
+check that one micro-batch of the longest sample NeMo-RL allows fits it.
+
+NeMo-RL describes the model by its Hugging Face config (``policy.model_name``; NeMo-RL's own
+``get_default_hf_config`` reads it, as its FLOPs tracker does) and the Megatron layout by
+``policy.megatron_cfg``. Both are read here into the names Megatron's flags use, so the model is
+the one every host plans with (:func:`~megatron_dynbatch.integrations.model_args.
+memory_model_from_flags`). As in slime, the driver sees no training GPU: nothing is calibrated,
+activations are counted x :data:`~megatron_dynbatch.planning.memory.UNCALIBRATED_SAFETY` and the
+budget counts tensors (leave room for the CUDA context, NCCL and the allocator's cache).
+
+Standard library and the pure planner only.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from dataclasses import replace
+from typing import Any, Mapping, Optional
+
+from megatron_dynbatch.config import attention_from_megatron, is_gib
+from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.integrations.model_args import memory_model_from_flags
+from megatron_dynbatch.planning.memory import GIB, UNCALIBRATED_SAFETY, MemoryLimit, MemoryModel
+from megatron_dynbatch.planning.spec import ParallelLayout, round_up
+
+__all__ = [
+    "KEY",
+    "check_memory_budget",
+    "nemo_rl_max_memory_gib",
+    "nemo_rl_memory_limit",
+    "nemo_rl_memory_model",
+]
+
+#: The key, as a NeMo-RL user sets it.
+KEY = "policy.megatron_cfg.dynbatch.max_memory_gib"
+#: Hugging Face activations that gate the MLP (Megatron's ``--swiglu``).
+_GATED = ("silu", "swiglu", "swish")
+
+
+def nemo_rl_max_memory_gib(policy_cfg: Mapping[str, Any]) -> Optional[float]:
+    """The budget in GiB, or ``None`` where it is not set (``null`` included)."""
+    section = (policy_cfg.get("megatron_cfg") or {}).get("dynbatch") or {}
+    value = section.get("max_memory_gib")
+    if value is None:
+        return None
+    if not is_gib(value):
+        raise DynBatchValueError(
+            f"{KEY}={value!r} must be a number of GiB > 0 (what one training GPU may hold at its "
+            f"peak), e.g. {KEY}=70 on an 80 GiB GPU; or drop it to plan by "
+            "policy.sequence_packing.train_mb_tokens alone."
+        )
+    return float(value)
+
+
+def _megatron_args(policy_cfg: Mapping[str, Any], hf_config: Any) -> Any:
+    """The Hugging Face config and ``policy.megatron_cfg`` in Megatron's flag names."""
+    megatron_cfg = policy_cfg.get("megatron_cfg") or {}
+    hf = hf_config
+    heads = int(hf.num_attention_heads)
+    groups = int(getattr(hf, "num_key_value_heads", None) or heads)
+    experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None) or 0
+    precision = str(policy_cfg.get("precision", "bfloat16"))
+    optimizer = megatron_cfg.get("optimizer") or {}
+    return types.SimpleNamespace(
+        num_layers=int(hf.num_hidden_layers),
+        hidden_size=int(hf.hidden_size),
+        num_attention_heads=heads,
+        group_query_attention=groups != heads,
+        num_query_groups=groups,
+        kv_channels=getattr(hf, "head_dim", None),
+        ffn_hidden_size=int(getattr(hf, "intermediate_size", None) or 4 * int(hf.hidden_size)),
+        swiglu=str(getattr(hf, "hidden_act", "")) in _GATED,
+        vocab_size=int(hf.vocab_size),
+        tensor_model_parallel_size=int(megatron_cfg.get("tensor_model_parallel_size", 1) or 1),
+        add_bias_linear=bool(getattr(hf, "attention_bias", False)),
+        normalization="RMSNorm" if hasattr(hf, "rms_norm_eps") else "LayerNorm",
+        position_embedding_type="rope",
+        untie_embeddings_and_output_weights=not bool(getattr(hf, "tie_word_embeddings", False)),
+        bf16=precision in ("bfloat16", "bf16"),
+        fp16=precision in ("float16", "fp16"),
+        sequence_parallel=bool(megatron_cfg.get("sequence_parallel", False)),
+        num_experts=int(experts) or None,
+        moe_ffn_hidden_size=getattr(hf, "moe_intermediate_size", None),
+        moe_router_topk=getattr(hf, "num_experts_per_tok", None),
+        expert_model_parallel_size=int(megatron_cfg.get("expert_model_parallel_size", 1) or 1),
+        recompute_granularity="full" if megatron_cfg.get("activation_checkpointing") else None,
+        use_distributed_optimizer=bool(optimizer.get("use_distributed_optimizer", False)),
+    )
+
+
+def nemo_rl_memory_model(
+    policy_cfg: Mapping[str, Any], hf_config: Any, parallel: ParallelLayout
+) -> MemoryModel:
+    """The planner's per-stage memory model of the policy (uncalibrated, activations counted x
+    ``UNCALIBRATED_SAFETY``; attention as NeMo-RL's sequence packing runs it: THD segments).
+
+    Raises:
+        DynBatchValueError: the model config lacks a dimension, naming ``policy.model_name``.
+    """
+    try:
+        args = _megatron_args(policy_cfg, hf_config)
+        # NeMo-RL's sequence packing runs transformer-engine's THD attention: per-sample segments.
+        model = memory_model_from_flags(
+            args, parallel, attention_from_megatron(None, None, "packed")
+        )
+    except (AttributeError, TypeError, ValueError) as error:
+        raise DynBatchValueError(
+            f"{KEY} needs the model's dimensions from policy.model_name="
+            f"{policy_cfg.get('model_name')!r}'s config ({error}); use a model whose config "
+            f"gives them, or drop {KEY}."
+        ) from error
+    return replace(model, token_scale=UNCALIBRATED_SAFETY, score_scale=UNCALIBRATED_SAFETY)
+
+
+def nemo_rl_memory_limit(
+    policy_cfg: Mapping[str, Any], hf_config: Any, parallel: ParallelLayout
+) -> Optional[MemoryLimit]:
+    """The budget the planner keeps every stage's predicted peak within; ``None`` without it."""
+    gib = nemo_rl_max_memory_gib(policy_cfg)
+    if gib is None:
+        return None
+    return MemoryLimit(
+        model=nemo_rl_memory_model(policy_cfg, hf_config, parallel),
+        budget_bytes=int(gib * GIB),
+        row_multiple=parallel.sample_multiple,
+    )
+
+
+def check_memory_budget(policy_cfg: Mapping[str, Any], limit: MemoryLimit) -> None:
+    """Refuse, at config time, a budget under which the longest sample NeMo-RL allows
+    (``policy.max_total_sequence_length``, or the training budget where that is smaller) cannot
+    train alone in one micro-batch: then no plan exists for it.
+
+    Raises:
+        DynBatchValueError: naming the key, its value, the stage, and the smallest budget that works.
+    """
+    packing = policy_cfg.get("sequence_packing") or {}
+    pad = int(policy_cfg.get("make_sequence_length_divisible_by", 1) or 1)
+    longest = policy_cfg.get("max_total_sequence_length") or packing.get("train_mb_tokens")
+    cap = packing.get("train_mb_tokens") or longest
+    row = round_up(min(int(longest), int(cap)), max(pad, limit.row_multiple))
+    if limit.fits((1, row)):
+        return
+    model = limit.model
+    peaks = [model.uniform_peak(s, (1, row)) for s in model.dims.stages()]
+    stage = max(range(len(peaks)), key=peaks.__getitem__)
+    smallest = math.ceil(max(peaks) / GIB * 1000) / 1000
+    raise DynBatchValueError(
+        f"{KEY}={nemo_rl_max_memory_gib(policy_cfg):g} is too small for one micro-batch of {row} tokens (a "
+        f"sample of policy.max_total_sequence_length={longest}, padded): pipeline stage {stage} "
+        f"is predicted to hold {peaks[stage] / GIB:.3f} GiB at its peak "
+        f"({model.resting(stage) / GIB:.3f} GiB of weights, gradients and optimizer state, the "
+        f"rest activations counted x{UNCALIBRATED_SAFETY:g}); raise {KEY} to at least "
+        f"{smallest:.3f}, set policy.megatron_cfg.activation_checkpointing=true, or lower "
+        "policy.max_total_sequence_length."
+    )

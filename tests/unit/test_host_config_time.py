@@ -1,0 +1,121 @@
+"""slime's and NeMo-RL's config-time checks without a checkout (issue 43): the object slime's
+``slime_validate_args`` calls (``MicroBatchPlanner.validate_args``) and what NeMo-RL's
+``Policy.__init__`` calls (``shard.planner``), on the namespaces and dicts those hosts build. The
+same checks through the hosts' own code: ``tests/megatron/test_slime_config_time.py`` and
+``tests/megatron/test_nemo_rl_patched.py``."""
+
+import math
+import types
+
+import pytest
+
+from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.integrations.nemo_rl.shard import planner
+from megatron_dynbatch.integrations.slime.hook import HOOK_PATH, MicroBatchPlanner
+
+pytestmark = pytest.mark.unit
+
+
+def _slime(**overrides):
+    values = dict(
+        use_dynamic_batch_size=True,
+        use_slime_dynamic_batch_size=False,
+        micro_batch_planner_path=HOOK_PATH,
+        max_tokens_per_gpu=8192,
+        log_probs_max_tokens_per_gpu=8192,
+        oversize_samples="allow",
+        max_memory_gib=None,
+        dynamic_batch_planner=None,
+    )
+    values.update(overrides)
+    return types.SimpleNamespace(**values)
+
+
+def test_slime_keeps_the_hook_only_while_ours_runs():
+    assert MicroBatchPlanner.validate_args(_slime()) == HOOK_PATH
+    assert MicroBatchPlanner.validate_args(_slime(use_slime_dynamic_batch_size=True)) is None
+    assert MicroBatchPlanner.validate_args(_slime(use_dynamic_batch_size=False)) is None
+    assert MicroBatchPlanner.validate_args(_slime(max_memory_gib=70.0)) == HOOK_PATH
+
+
+@pytest.mark.parametrize("value", [-1.0, 0.0, math.nan, math.inf])
+def test_slime_refuses_a_memory_budget_that_is_not_gib(value):
+    with pytest.raises(DynBatchValueError, match=r"--max-memory-gib .* must be a number of GiB"):
+        MicroBatchPlanner.validate_args(_slime(max_memory_gib=value))
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (dict(use_dynamic_batch_size=False, max_memory_gib=70.0), "without --use-dynamic"),
+        (dict(use_slime_dynamic_batch_size=True, max_memory_gib=70.0), "with --use-slime-dynamic"),
+        (dict(use_dynamic_batch_size=False, oversize_samples="error"), "--oversize-samples error"),
+        (dict(use_dynamic_batch_size=False, dynamic_batch_planner="fixed"), "--dynamic-batch"),
+        (
+            dict(use_dynamic_batch_size=False, use_slime_dynamic_batch_size=True),
+            "--use-slime-dynamic-batch-size is read only",
+        ),
+        (dict(dynamic_batch_planner="dynbach"), "--dynamic-batch-planner dynbach: no planner"),
+        (dict(max_tokens_per_gpu=0), "--max-tokens-per-gpu"),
+    ],
+)
+def test_slime_refuses_what_it_would_ignore_or_cannot_use(change, words):
+    with pytest.raises(DynBatchValueError, match=words):
+        MicroBatchPlanner.validate_args(_slime(**change))
+
+
+TINY = types.SimpleNamespace(
+    num_hidden_layers=4,
+    hidden_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=768,
+    hidden_act="silu",
+    vocab_size=1024,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+
+def _nemo(memory=None, section=True):
+    cfg = {
+        "model_name": "tiny",
+        "precision": "bfloat16",
+        "max_total_sequence_length": 64,
+        "make_sequence_length_divisible_by": 4,
+        "dynamic_batching": {"enabled": False},
+        "sequence_packing": {"enabled": True, "train_mb_tokens": 48, "logprob_mb_tokens": 96},
+        "megatron_cfg": {
+            "enabled": True,
+            "tensor_model_parallel_size": 1,
+            "pipeline_model_parallel_size": 2,
+            "context_parallel_size": 1,
+            "dynbatch": {"enabled": True} if section else None,
+        },
+    }
+    if memory is not None:
+        cfg["megatron_cfg"]["dynbatch"]["max_memory_gib"] = memory
+    return cfg
+
+
+def test_nemo_rl_empty_section_is_absent_and_a_plain_one_plans_by_tokens():
+    assert planner(_nemo(section=False), 4) is None
+    assert planner(_nemo(), 4).memory is None
+
+
+def test_nemo_rl_memory_budget_too_small_names_the_key_and_the_smallest_that_works():
+    with pytest.raises(DynBatchValueError) as refused:
+        planner(_nemo(memory=0.001), 4, hf_config=TINY)
+    message = str(refused.value)
+    assert message.startswith("policy.megatron_cfg.dynbatch.max_memory_gib=0.001 is too small")
+    smallest = float(message.split("to at least ")[1].split(",")[0])
+    limit = planner(_nemo(memory=smallest), 4, hf_config=TINY).memory
+    assert limit.fits((1, 48)) and limit.budget_bytes == int(smallest * 2**30)
+    with pytest.raises(DynBatchValueError, match="too small"):
+        planner(_nemo(memory=smallest - 0.002), 4, hf_config=TINY)
+
+
+@pytest.mark.parametrize("value", [-1, 0, math.nan, math.inf, "70"])
+def test_nemo_rl_memory_budget_must_be_gib(value):
+    with pytest.raises(DynBatchValueError, match=r"policy\.megatron_cfg\.dynbatch\.max_memory_gib"):
+        planner(_nemo(memory=value), 4, hf_config=TINY)
