@@ -51,6 +51,7 @@ OTHER_TOOLS = {
     # slime's own flags (its checkout is not part of this repository; ours in it come from
     # patches/slime, which the scan below reads).
     "slime": {
+        "--custom-generate-function-path",  # one of its --custom-*-path family
         "--allgather-cp",
         "--balance-by-flops",
         "--balance-data",
@@ -66,7 +67,7 @@ OTHER_TOOLS = {
     # The typo the docs show being refused.
     "typos shown as errors": {"--max-token-per-gpu"},
     "pytest": {"--durations", "--tb", "--collect-only", "--lf"},
-    "git": {"--3way", "--ignored", "--oneline", "--check", "--stat"},
+    "git": {"--3way", "--ignored", "--oneline", "--check", "--stat", "--numstat"},
     "ruff/black": {"--fix", "--diff"},
     "curl/tar/shell": {"--help"},
 }
