@@ -617,17 +617,18 @@ def test_the_minimums_and_fixes_the_refusals_name_train(tmp_path):
 
 
 def test_a_launch_without_torchrun_names_the_torchrun_command(tmp_path):
-    """Issue 44: `python launch/pretrain_gpt_dynbatch.py ...` and `python -m megatron_dynbatch
-    pretrain ...` at pp 2 stopped with Megatron's "world size (1) is not divisible by
-    total_model_size (2)"; now one line with the torchrun command (each as a user runs it)."""
+    """Issue 44: `python -m megatron_dynbatch pretrain ...` at pp 2 stopped with Megatron's "world
+    size (1) is not divisible by total_model_size (2)"; now one line with the torchrun command,
+    as a user runs it, and its --help says it runs under torchrun."""
     import subprocess
     import sys
 
     from tests._support import command_env
 
     args = [str(a) for a in _BASE + _DYNAMIC]
+    # The launch script's main() without torchrun is a case of the one-process driver
+    # ("pp-2-without-torchrun"); the program name it gets is unit-tested (test_layout_checks.py).
     for name, command, expected in (
-        ("script", [sys.executable, str(LAUNCH)], "torchrun --nproc-per-node 2 launch/"),
         (
             "module",
             [sys.executable, "-m", "megatron_dynbatch", "pretrain"],
