@@ -24,9 +24,10 @@ from megatron_dynbatch.planning.spec import (
     check_int,
     setting_flags,
 )
-from megatron_dynbatch.settings import REQUIRED, config_settings
+from megatron_dynbatch.settings import ATTENTION_CHOICES, REQUIRED, config_settings
 
 __all__ = [
+    "ATTENTION_CHOICES",
     "FLAGS",
     "DynBatchConfig",
     "attention_from_megatron",
@@ -63,6 +64,7 @@ def attention_from_megatron(
     layout: str,
     *,
     reference_thd: bool = False,
+    core_attention: Optional[str] = None,
 ) -> str:
     """The cost model's attention kind of what Megatron runs (``spec.ATTENTION_KINDS``).
 
@@ -78,11 +80,16 @@ def attention_from_megatron(
         attention_backend: ``--attention-backend`` (a name or Megatron's ``AttnBackend`` enum;
             ``None``: ``auto``).
         layout: ``packed`` or ``padded``.
-        reference_thd: ``--dynamic-batch-reference-thd-attention``: the local spec's core
-            attention is replaced by the reference of transformer-engine's THD attention, which
-            attends per segment as the GPU path does (and takes one packed row a micro-batch).
+        reference_thd: The same as ``core_attention="reference"`` (the retired
+            ``--dynamic-batch-reference-thd-attention``).
+        core_attention: The core attention the launch resolved ``--dynamic-batch-attention`` to
+            (``integrations/megatron_lm/attention.py``): ``torch-varlen`` (flash varlen on packed
+            THD rows, flash causal on padded rows) and ``reference`` (the reference of TE's THD
+            attention, per segment as the GPU path) attend packed rows per segment (one packed
+            row a micro-batch); ``transformer-engine``, ``local`` or ``None``: read from
+            ``transformer_impl`` / ``attention_backend``.
     """
-    if reference_thd:
+    if reference_thd or core_attention in ("torch-varlen", "reference"):
         return "segment" if layout == "packed" else "causal"
     impl = str(transformer_impl or "transformer_engine").lower()
     backend = str(getattr(attention_backend, "name", attention_backend) or "auto").lower()
@@ -114,6 +121,11 @@ class _ConfigMethods:
     """The checks and derived values of :class:`DynBatchConfig` (its fields come from the table)."""
 
     def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_CHOICES:
+            raise DynBatchValueError(
+                f"attention={self.attention!r} ({FLAGS['attention']}) is not one of "
+                f"{', '.join(ATTENTION_CHOICES)}; pick one (auto picks for this machine)."
+            )
         if self.max_tokens_per_gpu is None:
             raise DynBatchValueError(
                 "max_tokens_per_gpu is not set; pass --max-tokens-per-gpu (or set "

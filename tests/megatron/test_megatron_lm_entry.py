@@ -146,6 +146,16 @@ _LATE_REFUSALS = {
         _without(_ONE, "--eval-iters") + ["--split", "100,0,0", "--eval-iters", 1],
         "--split '100,0,0' leaves the validation split (its second number) without data",
     ),
+    # Issue 42: torch's flash kernels need CUDA; refused in every mode, naming the option.
+    "torch-varlen-without-cuda": (
+        _ONE + ["--dynamic-batch-attention", "torch-varlen"],
+        "--dynamic-batch-attention torch-varlen runs torch's flash kernels, which need CUDA, and "
+        "this machine has none; use --dynamic-batch-attention reference (or auto).",
+    ),
+    "torch-varlen-without-cuda-dynamic": (
+        _ONE + _DYNAMIC + ["--dynamic-batch-attention", "torch-varlen"],
+        "--dynamic-batch-attention torch-varlen runs torch's flash kernels, which need CUDA",
+    ),
     # Issue 29: --blend-weights means nothing to Megatron's GPTDataset (stock mode).
     "blend-weights-in-stock-mode": (
         _ONE + ["--blend-weights", "samples"],
