@@ -423,9 +423,11 @@ def _yaml_attention(args: Any) -> Optional[str]:
     path = getattr(args, "dynamic_batch_config", None)
     if not (args.use_dynamic_batch_size and path):
         return None
-    from megatron_dynbatch.config import load_yaml_config
+    from megatron_dynbatch.config import FLAGS, load_yaml_config
 
-    return load_yaml_config(path).get("attention")
+    # Only this key: the others were read and checked with the arguments, where a key the
+    # command line overrides is skipped (issue 44); re-reading them here refused those again.
+    return load_yaml_config(path, overridden=set(FLAGS) - {"attention"}).get("attention")
 
 
 def _embedding_ranks(pp_ranks: Sequence[int]) -> List[int]:
