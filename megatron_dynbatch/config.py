@@ -14,7 +14,7 @@ import math
 import numbers
 import os
 import re
-from typing import Any, Dict, Mapping, Optional, Union
+from typing import Any, Dict, Iterable, Mapping, Optional, Union
 
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning.spec import (
@@ -354,12 +354,16 @@ def _strict_loader():
     return StrictLoader
 
 
-def load_yaml_config(path: Union[str, os.PathLike]) -> Dict[str, Any]:
+def load_yaml_config(
+    path: Union[str, os.PathLike], *, overridden: Iterable[str] = ()
+) -> Dict[str, Any]:
     """Read a ``--dynamic-batch-config`` YAML file into a dict of field values.
 
     Keys are :class:`DynBatchConfig` field names; a ``null`` value means "not set here" (the flag or
     the dataclass default applies). Every value is checked here, so a bad value fails before any
-    flag is merged in.
+    flag is merged in, naming the file and the key. ``overridden``: the keys the command line
+    sets, which are neither checked nor returned (issue 44: a YAML ``max_tokens_per_gpu: lots``
+    was refused although ``--max-tokens-per-gpu 1024`` replaced it).
 
     Raises:
         ValueError: On a missing file, invalid or too deeply nested YAML, YAML that is not a
@@ -398,8 +402,23 @@ def load_yaml_config(path: Union[str, os.PathLike]) -> Dict[str, Any]:
             f"--dynamic-batch-config {path!r}: unknown key(s) {unknown}; valid keys are "
             f"{list(_FIELDS)}."
         )
+    data = {key: value for key, value in data.items() if key not in set(overridden)}
     # The budget may come from --max-tokens-per-gpu instead; 1 stands in for it while the other
-    # values are checked.
-    budget = data.get("max_tokens_per_gpu")
-    config_from_mapping({**data, "max_tokens_per_gpu": 1 if budget is None else budget})
+    # values are checked. One key at a time first, so an error names the key it is about.
+    stand_in = {"max_tokens_per_gpu": 1}
+    for key, value in data.items():
+        try:
+            config_from_mapping({**stand_in, key: value} if value is not None else stand_in)
+        except ValueError as error:
+            raise DynBatchValueError(
+                f"--dynamic-batch-config {path!r}, key {key}: {value!r} is refused: {error} "
+                f"Fix {key} in that file, or give {FLAGS[key]} on the command line (it "
+                "overrides the file)."
+            ) from None
+    try:
+        config_from_mapping({**stand_in, **{k: v for k, v in data.items() if v is not None}})
+    except ValueError as error:
+        raise DynBatchValueError(
+            f"--dynamic-batch-config {path!r}: its keys {sorted(data)} do not go together: {error}"
+        ) from None
     return dict(data)

@@ -262,9 +262,12 @@ def dynbatch_config_from_args(args: Any) -> DynBatchConfig:
     """
     values: Dict[str, Any] = {}
     config_path = getattr(args, "dynamic_batch_config", None)
+    given = _given(args)
     if config_path is not None:
-        values.update({k: v for k, v in load_yaml_config(config_path).items() if v is not None})
-    values.update(_given(args))
+        # Keys the command line overrides are not read from the file (nor refused there).
+        loaded = load_yaml_config(config_path, overridden=given)
+        values.update({k: v for k, v in loaded.items() if v is not None})
+    values.update(given)
     # Imported here: it reads the machine (CUDA) through torch, which this module does not import.
     from .attention import lenient_attention, requested_attention
 

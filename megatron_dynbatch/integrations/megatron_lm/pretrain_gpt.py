@@ -117,10 +117,33 @@ def _one_line_parser_errors(parser: argparse.ArgumentParser) -> None:
     parser.error = error
 
 
+def _help_that_formats(parser: argparse.ArgumentParser) -> None:
+    """Escape a bare ``%`` in help texts argparse cannot format: megatron-core 0.19.2's
+    ``--moe-paged-stash-buffer-size-factor-cuda`` says "10%)", and ``--help`` stopped with
+    "unsupported format character ')'" instead of printing (issue 44: the help must say how
+    the entry is launched)."""
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if not action.help or action.help is argparse.SUPPRESS:
+            continue
+        try:
+            formatter._expand_help(action)
+        except (ValueError, TypeError, KeyError):
+            action.help = action.help.replace("%", "%%")
+
+
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron's ``extra_args_provider``: launch, dynamic-batching and CPU-default flags."""
     _one_line_parser_errors(parser)
-    return add_dynamic_batch_args(add_launch_args(add_cpu_defaults(parser)))
+    # --help says how it is launched (issue 44: `megatron-dynbatch pretrain` read as a launcher).
+    parser.description = (
+        "Megatron-LM GPT pretraining with megatron_dynbatch (one rank; run it under torchrun: "
+        "torchrun --nproc-per-node N -m megatron_dynbatch pretrain ..., or torchrun "
+        "--nproc-per-node N launch/pretrain_gpt_dynbatch.py ... in a checkout)."
+    )
+    parser = add_dynamic_batch_args(add_launch_args(add_cpu_defaults(parser)))
+    _help_that_formats(parser)
+    return parser
 
 
 def _uses_documents(args: Any) -> bool:
@@ -231,11 +254,38 @@ def _check_validation_data(args: Any, splits: Optional[list]) -> None:
             f"no validation data (no --valid-data-path), but --eval-iters {args.eval_iters} asks "
             f"for validation; {fix}give --valid-data-path."
         )
+    split = args.split or DEFAULT_SPLIT
+    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+
+    documents = _document_count(splits)
+    if parse_and_normalize_split(split)[1] > 0 and documents is not None:
+        # A validation share that rounds to no document (issue 44: 98,2,0 of 3 documents was
+        # told to pass 98,2,0): name a split that gives it one.
+        fix += (
+            f"give --split a validation share of at least one document, e.g. --split "
+            f"{documents - 1},1,0"
+            if documents > 1
+            else "give --data-path more than one document"
+        )
+        raise DynBatchValueError(
+            f"--split {split!r} gives validation (its second number) a share of the "
+            f"{documents} document(s) that rounds to none, but --eval-iters {args.eval_iters} "
+            f"asks for validation; {fix}."
+        )
     raise DynBatchValueError(
-        f"--split {args.split or DEFAULT_SPLIT!r} leaves the validation split (its second "
+        f"--split {split!r} leaves the validation split (its second "
         f"number) without data, but --eval-iters {args.eval_iters} asks for validation; {fix}"
         "give --split a validation share (e.g. 98,2,0) and enough documents for it."
     )
+
+
+def _document_count(splits: Optional[list]) -> Optional[int]:
+    """The documents the splits were cut from (one collection, not a blend), or ``None``."""
+    for split in splits or ():
+        documents = getattr(split, "documents", None)
+        if documents is not None:
+            return len(documents)
+    return None
 
 
 def _tokenizer_eod() -> Optional[int]:
@@ -373,9 +423,11 @@ def _yaml_attention(args: Any) -> Optional[str]:
     path = getattr(args, "dynamic_batch_config", None)
     if not (args.use_dynamic_batch_size and path):
         return None
-    from megatron_dynbatch.config import load_yaml_config
+    from megatron_dynbatch.config import FLAGS, load_yaml_config
 
-    return load_yaml_config(path).get("attention")
+    # Only this key: the others were read and checked with the arguments, where a key the
+    # command line overrides is skipped (issue 44); re-reading them here refused those again.
+    return load_yaml_config(path, overridden=set(FLAGS) - {"attention"}).get("attention")
 
 
 def _embedding_ranks(pp_ranks: Sequence[int]) -> List[int]:
