@@ -1,4 +1,4 @@
-"""The prepared GPU check: Megatron-LM's entry on one GPU, dynamic against fixed micro-batches.
+"""The prepared GPU check: Megatron-LM's entry on one GPU, dynamic against what users run instead.
 
     python benchmarks/gpu_check.py --wheels .whl --report docs/gpu.md     # one GPU (NCCL, bf16)
     python benchmarks/gpu_check.py --tiny --report /tmp/gpu.md            # CPU (CI): a tiny model
@@ -7,20 +7,32 @@ One script a one-GPU machine runs in under 8 minutes, through the path users run
 ``launch/train_gpt_dynbatch.sh`` under torchrun (pp 1, one process), Megatron-LM's own
 ``pretrain()`` with our patches. On a generated long-tail corpus (document lengths drawn from a
 log-normal, text from Python's own ``pydoc_data``; most documents short, a few past
-``--seq-length`` and cut there) it runs
+``--seq-length`` and cut there) it runs the same model in bf16 in five arms, every one on
+torch's flash kernels (``--dynamic-batch-attention torch-varlen``; none pays Megatron's unfused
+``S x S`` attention while another does not):
 
-1. fixed micro-batches (``--document-samples``, ``[MBS x S]``, every document padded to S) in bf16;
-2. dynamic micro-batches at **equal measured memory**: ``--max-memory-gib`` set to the fixed run's
-   measured peak, with a token budget twice fixed's ``MBS x S`` (so the memory budget, not the token
-   cap, is what binds), calibration on;
-3. both again in fp32 for a few iterations: the loss must agree within ``--tolerance``;
+1. ``fixed``: fixed micro-batches ``[MBS x S]`` (``--document-samples``, every document padded to S);
+2. ``stock``: Megatron's stock data path, documents packed across boundaries into ``[MBS x S]``
+   windows (fill 1.0, attention crosses documents);
+3. ``stock-masked``: the same with ``--dataloader-inter-document-masking`` (THD rows, attention
+   within each document; documents cut at window edges);
+4. ``dynamic-packed``: dynamic batching, packed THD rows (the CUDA default), at **equal measured
+   memory**: ``--max-memory-gib`` = the stock-masked run's measured peak, a token budget twice
+   ``MBS x S`` (so memory binds), calibration on;
+5. ``dynamic-padded``: dynamic batching with ``--dynamic-batch-layout padded``, same budgets;
 
-and writes a report (``--report``): the GPU, torch and megatron-core versions, time per iteration
-and tokens/s of both runs (iterations after calibration), peak memory predicted and measured per
-iteration (``peak memory predicted/measured (MiB)`` of the iteration line; for the fixed run
-Megatron's own ``max allocated`` when the line has none), the loss agreement and the calibrated
-cost weights (the ``dynamic-batch calibration`` log line). ``--tiny`` runs the same steps on the
-CPU with a 2-layer model in fp32 (gloo), so CI keeps the script working.
+then a kernel check (``benchmarks/varlen_kernel_check.py``: the torch-varlen module against the
+reference module on random packed batches, outputs and gradients, stated bf16 / fp32
+tolerances), and the loss check: dynamic packed against fixed on the same samples in fp32 with
+the reference attention (flash kernels take bf16 / fp16 only), within ``--tolerance``.
+
+Per arm: time per iteration (iterations after start-up, and after calibration for the dynamic
+arms), real tokens/s, computed tokens per iteration, peak memory measured and predicted (the
+iteration line's ``peak memory predicted/measured (MiB)``; Megatron's ``max allocated`` where a
+run has none). ``--tiny`` runs the same arms on the CPU with a 2-layer model in fp32 (gloo) and
+the reference attention in place of torch-varlen (no CUDA), so CI keeps the script working; there
+the arms already run in fp32 on the reference, so the fp32 loss check reads fixed and dynamic
+packed instead of launching them again.
 
 The GPU machine has torch but no megatron-core and no network: ``--wheels DIR`` installs every
 wheel in DIR (``pip download --no-deps --python-version 3.12 ... megatron-core==0.19.2``, see
@@ -256,26 +268,39 @@ def measured_peak(run: Dict) -> Optional[float]:
     return run["megatron_peak"]
 
 
-def supports_memory_budget() -> bool:
-    try:
-        from megatron_dynbatch.config import DynBatchConfig
-    except ImportError:
-        return False
-    return "max_memory_gib" in getattr(DynBatchConfig, "__dataclass_fields__", {})
+#: bf16 losses of dynamic packed and fixed (same samples, other groupings and kernels) agree
+#: within this relative difference; stated, not a pass condition (bf16 sums in another order).
+BF16_LOSS_TOLERANCE = 2e-2
+
+#: The arms: name -> (BATCHING of the launch script, extra flags).
+ARMS = {
+    "fixed": ("fixed", []),
+    "stock": ("stock", ["--no-create-attention-mask-in-dataloader"]),
+    "stock-masked": ("stock", ["--dataloader-inter-document-masking"]),
+    "dynamic-packed": ("dynamic", ["--dynamic-batch-layout", "packed"]),
+    "dynamic-padded": ("dynamic", ["--dynamic-batch-layout", "padded"]),
+}
 
 
 def timing(run: Dict, first: int, real: Dict[int, float]) -> Dict[str, float]:
-    """Mean time per iteration (ms) and real tokens/s over iterations ``first``+.
+    """Mean time per iteration (ms), real tokens/s and computed tokens over iterations ``first``+.
 
-    ``real``: real tokens per iteration (the dynamic run's line; both runs train the same samples).
+    ``real``: real tokens per iteration (``None`` values: not known for that iteration).
     """
     chosen = {i: r for i, r in run["parsed"]["iterations"].items() if i >= first}
     if not chosen:
-        return {"ms": float("nan"), "tokens_per_s": float("nan"), "iterations": 0}
+        nan = float("nan")
+        return {"ms": nan, "tokens_per_s": nan, "iterations": 0, "first": first}
     ms = statistics.mean(r["ms"] for r in chosen.values())
     counts = [real.get(i) for i in chosen]
     tokens = statistics.mean(counts) if all(v is not None for v in counts) else float("nan")
-    return {"ms": ms, "tokens_per_s": tokens / (ms / 1000.0), "iterations": len(chosen)}
+    return {
+        "ms": ms,
+        "tokens_per_s": tokens / (ms / 1000.0),
+        "iterations": len(chosen),
+        "first": first,
+        "last": max(chosen),
+    }
 
 
 def loss_agreement(dynamic: Dict, fixed: Dict) -> float:
@@ -288,6 +313,22 @@ def loss_agreement(dynamic: Dict, fixed: Dict) -> float:
     return worst
 
 
+def kernel_check(out: pathlib.Path, tiny: bool) -> Dict:
+    """``benchmarks/varlen_kernel_check.py`` in its own process (its JSON result)."""
+    result = out / "kernel_check.json"
+    args = [sys.executable, str(REPO / "benchmarks" / "varlen_kernel_check.py")]
+    args += ["--json", str(result)] + (["--batches", "3"] if tiny else [])
+    log = out / "kernel_check.log"
+    with open(log, "w", encoding="utf-8") as handle:
+        done = subprocess.run(args, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT)
+    if not result.is_file():
+        text = log.read_text(encoding="utf-8", errors="replace")
+        print("\n".join(text.splitlines()[-30:]), file=sys.stderr)
+        raise SystemExit(f"error: the kernel check failed (exit {done.returncode}); log: {log}")
+    print(f"[gpu_check] kernel check: exit {done.returncode}", flush=True)
+    return json.loads(result.read_text(encoding="utf-8"))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="CPU: a 2-layer model in fp32 (CI)")
@@ -297,10 +338,13 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("/tmp/dynbatch-gpu-check"))
     parser.add_argument("--report", type=pathlib.Path, help="write the markdown report here")
     parser.add_argument(
-        "--train-iters", type=int, default=None, help="bf16 runs (default 30; tiny 4)"
+        "--train-iters", type=int, default=None, help="dynamic bf16 runs (default 24; tiny 4)"
     )
     parser.add_argument(
-        "--fp32-iters", type=int, default=None, help="fp32 runs (default 6; tiny 3)"
+        "--baseline-iters", type=int, default=None, help="fixed / stock runs (default 10; tiny 3)"
+    )
+    parser.add_argument(
+        "--fp32-iters", type=int, default=None, help="fp32 runs (default 4; tiny 3)"
     )
     parser.add_argument("--global-batch-size", type=int, default=None)
     parser.add_argument("--micro-batch-size", type=int, default=4)
@@ -317,11 +361,12 @@ def main(argv=None) -> int:
     machine = describe_machine()
     import torch
 
-    gpu = torch.cuda.is_available()
+    gpu = torch.cuda.is_available() and not options.tiny
     model = TINY_MODEL if options.tiny else GPU_MODEL
     seq = int(model["--seq-length"])
-    iters = options.train_iters or (4 if options.tiny else 30)
-    fp32_iters = options.fp32_iters or (3 if options.tiny else 6)
+    iters = options.train_iters or (4 if options.tiny else 24)
+    baseline_iters = options.baseline_iters or (3 if options.tiny else 10)
+    fp32_iters = options.fp32_iters or (3 if options.tiny else 4)
     gbs = options.global_batch_size or (16 if options.tiny else 64)
     mbs = options.micro_batch_size
     print(f"[gpu_check] {json.dumps(machine)}", flush=True)
@@ -330,42 +375,60 @@ def main(argv=None) -> int:
     common = [x for pair in model.items() for x in pair]
     common += ["--pipeline-model-parallel-size", "1", "--global-batch-size", str(gbs)]
     common += ["--micro-batch-size", str(mbs), "--eval-iters", "1", "--eval-interval", "1000"]
-    if gpu and not options.tiny:
+    if gpu:
         # A gentler learning rate than the CPU demo's: bf16 on the larger model must not diverge.
         common += GPU_FLAGS + ["--lr", "3e-4", "--min-lr", "3e-5"]
-    precision = ["--bf16"] if (gpu and not options.tiny) else []
+    precision = ["--bf16"] if gpu else []
+    # Flash kernels on the GPU for every arm; the reference on CPU (torch-varlen needs CUDA).
+    attention = "torch-varlen" if gpu else "reference"
+    flash = precision + ["--dynamic-batch-attention", attention]
 
     runs: Dict[str, Dict] = {}
-    runs["fixed"] = launch(
-        "fixed", "fixed", common + precision + ["--train-iters", str(iters)], data, out
-    )
-    fixed_peak = measured_peak(runs["fixed"])
+    for name in ("fixed", "stock", "stock-masked"):
+        batching, extra = ARMS[name]
+        runs[name] = launch(
+            name, batching, common + flash + extra + ["--train-iters", str(baseline_iters)],
+            data, out,
+        )  # fmt: skip
+    stock_peak = measured_peak(runs["stock-masked"])
     token_budget = 2 * mbs * seq
-    dynamic = common + precision + ["--train-iters", str(iters)]
-    memory_budget = None
-    if supports_memory_budget() and fixed_peak:
-        memory_budget = fixed_peak / 1024.0
-        dynamic += ["--max-memory-gib", f"{memory_budget:.4f}"]
-    else:
-        token_budget = mbs * seq  # equal tokens: the memory budget is not available
-    runs["dynamic"] = _dynamic(dynamic, token_budget, data, out)
-    runs["fixed-fp32"] = launch(
-        "fixed-fp32", "fixed", common + ["--train-iters", str(fp32_iters)], data, out
-    )
-    runs["dynamic-fp32"] = _dynamic(
-        common + ["--train-iters", str(fp32_iters)], mbs * seq, data, out, name="dynamic-fp32"
-    )
+    memory_budget = stock_peak / 1024.0 if stock_peak else None
+    budget_args = ["--max-memory-gib", f"{memory_budget:.4f}"] if memory_budget else []
+    for name in ("dynamic-packed", "dynamic-padded"):
+        _, extra = ARMS[name]
+        runs[name] = _dynamic(
+            common + flash + extra + budget_args + ["--train-iters", str(iters)],
+            token_budget, data, out, name=name,
+        )  # fmt: skip
+    kernels = kernel_check(out, options.tiny)
+    if not options.no_fp32 and not gpu:
+        # Without CUDA every arm above already ran in fp32 on the reference attention: the
+        # loss check reads fixed and dynamic-packed (two launches fewer in CI, same comparison).
+        runs["fixed-fp32"], runs["dynamic-fp32"] = runs["fixed"], runs["dynamic-packed"]
+    elif not options.no_fp32:
+        reference = ["--dynamic-batch-attention", "reference"]
+        runs["fixed-fp32"] = launch(
+            "fixed-fp32", "fixed", common + reference + ["--train-iters", str(fp32_iters)],
+            data, out,
+        )  # fmt: skip
+        # One --seq-length row a micro-batch: the reference is dense (a [t, t] score matrix).
+        runs["dynamic-fp32"] = _dynamic(
+            common + reference + ["--train-iters", str(fp32_iters)], seq, data, out,
+            name="dynamic-fp32",
+        )  # fmt: skip
 
-    first = 2 if options.tiny else 12  # after start-up and calibration
-    report = render(machine, options, model, runs, fixed_peak, memory_budget, token_budget, first)
+    first = {"baseline": 2 if options.tiny else 3, "dynamic": 2 if options.tiny else 12}
+    report = render(
+        machine, options, model, runs, memory_budget, token_budget, first, attention, kernels
+    )
     print(report)
     if options.report:
         options.report.parent.mkdir(parents=True, exist_ok=True)
         options.report.write_text(report, encoding="utf-8")
-    if "dynamic-fp32" not in runs:
-        return 0
-    worst = loss_agreement(runs["dynamic-fp32"], runs["fixed-fp32"])
-    return 0 if worst <= options.tolerance else 1
+    ok = kernels["passed"]
+    if "dynamic-fp32" in runs:
+        ok = ok and loss_agreement(runs["dynamic-fp32"], runs["fixed-fp32"]) <= options.tolerance
+    return 0 if ok else 1
 
 
 def _dynamic(
@@ -382,20 +445,72 @@ def _dynamic(
             os.environ["MAX_TOKENS_PER_GPU"] = env_budget
 
 
-def render(machine, options, model, runs, fixed_peak, memory_budget, token_budget, first) -> str:
-    fixed, dynamic = runs["fixed"], runs["dynamic"]
-    real = {i: r["real"] for i, r in dynamic["parsed"]["iterations"].items() if "real" in r}
-    tf, td = timing(fixed, first, real), timing(dynamic, first, real)
-    errors = [
-        abs(p - m) / m
-        for i, (p, m) in sorted(dynamic["peaks"].items())
-        if p is not None and m and i >= first
-    ]
+def _real_and_computed(name: str, run: Dict, dynamic_real: Dict[int, float], gbs: int, seq: int):
+    """Real and computed tokens per iteration of an arm.
+
+    Dynamic arms log both. ``fixed`` trains the same samples as dynamic (their real tokens) in
+    ``gbs`` rows of ``seq``. The stock arms train ``gbs`` full windows of ``seq`` document tokens.
+    """
+    iterations = run["parsed"]["iterations"]
+    if name.startswith("dynamic"):
+        real = {i: r.get("real") for i, r in iterations.items()}
+        computed = {i: r.get("computed") for i, r in iterations.items()}
+    elif name.startswith("fixed"):
+        real = {i: dynamic_real.get(i) for i in iterations}
+        computed = {i: gbs * seq for i in iterations}
+    else:
+        real = {i: gbs * seq for i in iterations}
+        computed = dict(real)
+    return real, computed
+
+
+def _mean(values) -> float:
+    values = [v for v in values if v is not None]
+    return statistics.mean(values) if values else float("nan")
+
+
+def render(
+    machine, options, model, runs, memory_budget, token_budget, first, attention, kernels
+) -> str:
+    seq, gbs = int(model["--seq-length"]), options.global_batch_size or (16 if options.tiny else 64)
+    dynamic_real = {
+        i: r.get("real") for i, r in runs["dynamic-packed"]["parsed"]["iterations"].items()
+    }
+    names = [n for n in ARMS if n in runs]
+    rows = {}
+    for name in names:
+        run = runs[name]
+        start = first["dynamic" if name.startswith("dynamic") else "baseline"]
+        real, computed = _real_and_computed(name, run, dynamic_real, gbs, seq)
+        t = timing(run, start, real)
+        chosen = [i for i in run["parsed"]["iterations"] if i >= start]
+        predicted = [run["peaks"][i][0] for i in chosen if i in run["peaks"]]
+        errors = [
+            abs(p - m) / m
+            for i, (p, m) in sorted(run["peaks"].items())
+            if p is not None and m and i >= start
+        ]
+        rows[name] = {
+            **t,
+            "computed": _mean(computed[i] for i in chosen),
+            "peak": measured_peak(run),
+            "predicted": max((p for p in predicted if p is not None), default=None),
+            "error": statistics.median(errors) if errors else None,
+        }
+    stock_best = max(
+        (rows[n]["tokens_per_s"] for n in ("stock", "stock-masked") if n in rows),
+        default=float("nan"),
+    )
+    what = (
+        "torch-varlen (torch's flash kernels)"
+        if attention == "torch-varlen"
+        else ("the reference (dense torch; torch-varlen needs CUDA)")
+    )
     lines = [
         "# GPU check",
         "",
-        f"Command: `python benchmarks/gpu_check.py {'--tiny ' if options.tiny else ''}"
-        f"--wheels .whl --report docs/gpu.md`",
+        "Command: `python benchmarks/gpu_check.py "
+        + ("--tiny --report REPORT`" if options.tiny else "--wheels .whl --report REPORT`"),
         "",
         "| | |",
         "|---|---|",
@@ -403,44 +518,60 @@ def render(machine, options, model, runs, fixed_peak, memory_budget, token_budge
     lines += [f"| {k} | {v} |" for k, v in machine.items()]
     lines += [
         f"| model | GPT {model['--num-layers']} layers, hidden {model['--hidden-size']}, "
-        f"{model['--num-attention-heads']} heads, seq {model['--seq-length']}, byte tokens |",
-        f"| fixed | `[{options.micro_batch_size}x{model['--seq-length']}]` (--document-samples) |",
+        f"{model['--num-attention-heads']} heads, seq {seq}, byte tokens |",
+        f"| attention, every arm | `--dynamic-batch-attention {attention}`: {what} |",
+        f"| fixed, stock | `[{options.micro_batch_size}x{seq}]`, {gbs} samples / windows a step |",
         f"| dynamic | --max-tokens-per-gpu {token_budget}"
         + (
-            f", --max-memory-gib {memory_budget:.3f} (fixed's measured peak)"
+            f", --max-memory-gib {memory_budget:.3f} (stock-masked's measured peak)"
             if memory_budget
             else ""
         )
         + " |",
         "",
-        f"Iterations {first}+ (after start-up and calibration):",
+        f"Baselines from iteration {first['baseline']} (after start-up), dynamic arms from "
+        f"iteration {first['dynamic']} (after start-up and calibration):",
         "",
-        "| | fixed | dynamic |",
-        "|---|---|---|",
-        f"| time per iteration (ms) | {tf['ms']:.1f} | {td['ms']:.1f} |",
-        f"| real tokens/s | {tf['tokens_per_s']:.0f} | {td['tokens_per_s']:.0f} |",
-        f"| peak memory measured (MiB) | {fixed_peak or float('nan'):.0f} | "
-        f"{measured_peak(dynamic) or float('nan'):.0f} |",
-        f"| dynamic / fixed time | | {td['ms'] / tf['ms']:.3f}x |",
+        "| arm | time per iteration (ms) | real tokens/s | vs best stock | computed tokens "
+        "per iteration | peak measured (MiB) | peak predicted (MiB) | predicted vs measured "
+        "(median) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name in names:
+        r = rows[name]
+        lines.append(
+            f"| {name} | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | "
+            f"{r['tokens_per_s'] / stock_best:.2f}x | {r['computed']:.0f} | "
+            f"{r['peak'] or float('nan'):.0f} | "
+            + ("-" if r["predicted"] is None else f"{r['predicted']:.0f}")
+            + " | "
+            + ("-" if r["error"] is None else f"{100 * r['error']:.1f}%")
+            + " |"
+        )
+    bf16 = loss_agreement(runs["dynamic-packed"], runs["fixed"])
+    lines += [
+        "",
+        f"Loss, {'fp32 (--tiny)' if options.tiny else 'bf16'} runs (dynamic-packed vs fixed, "
+        "same samples, iterations both ran): largest "
+        f"relative difference {bf16:.2e} (stated bf16 tolerance {BF16_LOSS_TOLERANCE:g}: "
+        + ("within" if bf16 <= BF16_LOSS_TOLERANCE else "**over**")
+        + ")",
         "",
         (
-            "Peak memory predicted vs measured (dynamic, iterations "
-            f"{first}+): median error {100 * statistics.median(errors):.1f}%"
-            if errors
-            else "Peak memory predicted vs measured: not reported by this build"
-        ),
-        "",
-        (
-            f"Loss, fp32 runs: largest relative difference "
+            f"Loss, fp32 runs (reference attention): largest relative difference "
             f"{loss_agreement(runs['dynamic-fp32'], runs['fixed-fp32']):.2e} "
             f"(tolerance {options.tolerance:g})"
             if "dynamic-fp32" in runs
             else "Loss, fp32 runs: skipped (--no-fp32)"
         ),
         "",
-        f"Calibration: {dynamic['calibration'] or 'no fit logged'}",
-        "",
     ]
+    from benchmarks.varlen_kernel_check import render as render_kernels
+
+    lines += [render_kernels(kernels), ""]
+    for name in ("dynamic-packed", "dynamic-padded"):
+        lines.append(f"Calibration, {name}: {runs[name]['calibration'] or 'no fit logged'}")
+    lines.append("")
     return "\n".join(lines)
 
 

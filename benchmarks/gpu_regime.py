@@ -50,8 +50,11 @@ per-micro-batch rows (multiple 64: every peer as if it ran Megatron with
 fastest that keeps the budget.
 
 Run: ``.venv/bin/python -m benchmarks.gpu_regime [--weights FILE.json] [--seeds 0,1,2]
-[--markdown] [--json]`` (about 15 s a seed). ``--markdown`` prints ``docs/benchmarks.md``'s
-tables; other seeds draw held-out workloads of the same families.
+[--markdown] [--peers] [--floor] [--json]`` (about 15 s a seed). ``--markdown`` prints ``docs/benchmarks.md``'s
+tables; ``--peers`` ours (told) and every peer per case, step / bound with the bubble's share of
+the step; ``--floor`` the best ramp of each case's work made divisible (:func:`ramp_floor`: how
+far micro-batch shapes alone can take the bubble); other seeds draw held-out workloads of the
+same families.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import sys
 import types
@@ -499,6 +503,82 @@ def markdown_lines(results: Sequence[Dict[str, Any]]) -> List[str]:
     return lines
 
 
+def peer_lines(results: Sequence[Dict[str, Any]]) -> List[str]:
+    """Ours (told) and every peer per case: step / bound, and in brackets the bubble's share of
+    the step (``†``: the peer has micro-batches over the cap; ``fails``: its code refuses)."""
+    names = list(results[0]["peers"]) if results else []
+    lines = [
+        "| case | ours told | " + " | ".join(names) + " |",
+        "|---|" + "---|" * (len(names) + 1),
+    ]
+
+    def cell(scored: Dict[str, Any]) -> str:
+        if "step" not in scored:
+            return "fails"
+        mark = "†" if scored["over_cap"] else ""
+        return f"{scored['step']:.3f}{mark} ({scored['bubble'] / scored['step']:.0%})"
+
+    for r in results:
+        cells = [cell(r["ours"]["told"])] + [cell(r["peers"][n]) for n in names]
+        lines.append(f"| {r['case']} | " + " | ".join(cells) + " |")
+    for name in ["ours told"] + names:
+        scored = [r["ours"]["told"] if name == "ours told" else r["peers"][name] for r in results]
+        kept = [x for x in scored if "step" in x]
+        if kept:
+            steps = [x["step"] for x in kept]
+            bubble = sum(x["bubble"] / x["step"] for x in kept) / len(kept)
+            lines.append(
+                f"{name}: step / bound mean {sum(steps) / len(steps):.3f} over {len(kept)} "
+                f"case(s) it runs, bubble {bubble:.0%} of the step on average"
+                + (
+                    f"; over the cap in {sum(1 for x in kept if x['over_cap'])}"
+                    if name != "ours told"
+                    else ""
+                )
+            )
+    return lines
+
+
+def ramp_floor(case: Case, cost: CostModel) -> float:
+    """Step / bound of the best ramp found for the case's work made *divisible*: each DP rank's
+    share of the real work cut into micro-batches of any size (at most a full row at the cap,
+    each paying the overhead), their loads rising geometrically from a first share to a level and
+    falling again, searched over counts, first shares and both ratios, replayed in Megatron's
+    order. Not a proof of a bound, but no schedule of whole samples does better than the best
+    cut of divisible work found this way (sample granularity only constrains it further), so it
+    says how far the bubble can be taken by micro-batch shapes alone."""
+    parallel = case.parallel
+    pp, vpp, dp = parallel.pp_size, parallel.vpp_size, parallel.dp_size
+    full = cost.token_weight * CAP
+    work = sum(cost.cost(length, 0) for length in case.samples.lengths) / dp / full
+    overhead = cost.overhead / full
+    bound = (1.0 + BACKWARD_TO_FORWARD_RATIO) * work / pp
+    best = math.inf
+    counts = sorted({int(work * f) + k for f in (1, 1.2, 1.5, 2, 2.5, 3, 4) for k in (1, 2, 3, 4)})
+    for m in counts:
+        if vpp > 1 and m % pp:
+            continue
+        for first in (0.05, 0.1, 0.2, 0.3, 1.0):
+            for rise in (1.2, 1.4, 1.6, 2.0):
+                for fall in (1.2, 1.4, 1.6, 2.0):
+                    shape = [
+                        min(1.0, first * rise**k, first * fall ** (m - 1 - k)) for k in range(m)
+                    ]
+                    if sum(shape) < work:
+                        continue
+                    low, high = 0.0, 1.0
+                    for _ in range(30):
+                        level = (low + high) / 2
+                        if sum(min(level, x) for x in shape) < work:
+                            low = level
+                        else:
+                            high = level
+                    loads = [min(high, x) + overhead for x in shape]
+                    step = pipeline_makespan(loads, pp, vpp, parallel.group_size)
+                    best = min(best, step / bound)
+    return best
+
+
 def summary_lines(results: Sequence[Dict[str, Any]]) -> List[str]:
     ratios = [(r["ours"]["told"]["step"] / r["best_peer"][0], r["case"]) for r in results]
     worst = max(ratios)
@@ -598,6 +678,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--seeds", default="0", help="workload seeds, comma separated")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--markdown", action="store_true", help="print the docs' tables")
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="print per case the best ramp of divisible work (ramp_floor; minutes)",
+    )
+    parser.add_argument(
+        "--peers",
+        action="store_true",
+        help="print ours (told) and every peer per case: step / bound (bubble share of the step)",
+    )
     args = parser.parse_args(argv)
     assumed, weights = _load_weights(args.weights)
     results = []
@@ -613,6 +703,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print()
     if args.markdown:
         print("\n".join(markdown_lines(results)))
+        print()
+    if args.peers:
+        print("\n".join(peer_lines(results)))
+        print()
+    if args.floor:
+        floors = []
+        for r, case in zip(
+            results, [c for seed in args.seeds.split(",") for c in cases(int(seed))], strict=True
+        ):
+            floor = ramp_floor(case, true_cost(case, assumed, weights))
+            floors.append(floor)
+            print(
+                f"{r['case']}: ours told {r['ours']['told']['step']:.3f}, divisible work's best ramp {floor:.3f}"
+            )
+        print(f"mean of the divisible work's best ramps: {sum(floors) / len(floors):.3f}")
         print()
     print("\n".join(summary_lines(results)))
     return 0

@@ -7,6 +7,12 @@
 #   DATA_PATH=data/pydoc_text_document bash launch/train_gpt_dynbatch.sh        # dynamic batching
 #   BATCHING=fixed bash launch/train_gpt_dynbatch.sh                            # fixed baseline
 #   bash launch/train_gpt_dynbatch.sh --train-iters 50 --max-tokens-per-gpu 512
+#   BATCHING=stock bash launch/train_gpt_dynbatch.sh --dataloader-inter-document-masking
+#
+# The core attention, in every BATCHING mode: --dynamic-batch-attention auto (default:
+# transformer-engine with --transformer-impl transformer_engine, torch-varlen on CUDA in bf16,
+# else Megatron's local attention, with the reference on THD rows), transformer-engine,
+# torch-varlen (torch's flash kernels; CUDA) or reference (dense torch, any device).
 #
 # Environment (all optional): GPUS_PER_NODE (default: the GPUs nvidia-smi lists, else 2 CPU
 # processes), NUM_NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT (the rendezvous; on one node without

@@ -14,7 +14,7 @@ import math
 import numbers
 import os
 import re
-from typing import Any, Dict, Mapping, Optional, Union
+from typing import Any, Dict, Iterable, Mapping, Optional, Union
 
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning.spec import (
@@ -24,9 +24,10 @@ from megatron_dynbatch.planning.spec import (
     check_int,
     setting_flags,
 )
-from megatron_dynbatch.settings import REQUIRED, config_settings
+from megatron_dynbatch.settings import ATTENTION_CHOICES, REQUIRED, config_settings
 
 __all__ = [
+    "ATTENTION_CHOICES",
     "FLAGS",
     "DynBatchConfig",
     "attention_from_megatron",
@@ -63,6 +64,7 @@ def attention_from_megatron(
     layout: str,
     *,
     reference_thd: bool = False,
+    core_attention: Optional[str] = None,
 ) -> str:
     """The cost model's attention kind of what Megatron runs (``spec.ATTENTION_KINDS``).
 
@@ -78,11 +80,16 @@ def attention_from_megatron(
         attention_backend: ``--attention-backend`` (a name or Megatron's ``AttnBackend`` enum;
             ``None``: ``auto``).
         layout: ``packed`` or ``padded``.
-        reference_thd: ``--dynamic-batch-reference-thd-attention``: the local spec's core
-            attention is replaced by the reference of transformer-engine's THD attention, which
-            attends per segment as the GPU path does (and takes one packed row a micro-batch).
+        reference_thd: The same as ``core_attention="reference"`` (the retired
+            ``--dynamic-batch-reference-thd-attention``).
+        core_attention: The core attention the launch resolved ``--dynamic-batch-attention`` to
+            (``integrations/megatron_lm/attention.py``): ``torch-varlen`` (flash varlen on packed
+            THD rows, flash causal on padded rows) and ``reference`` (the reference of TE's THD
+            attention, per segment as the GPU path) attend packed rows per segment (one packed
+            row a micro-batch); ``transformer-engine``, ``local`` or ``None``: read from
+            ``transformer_impl`` / ``attention_backend``.
     """
-    if reference_thd:
+    if reference_thd or core_attention in ("torch-varlen", "reference"):
         return "segment" if layout == "packed" else "causal"
     impl = str(transformer_impl or "transformer_engine").lower()
     backend = str(getattr(attention_backend, "name", attention_backend) or "auto").lower()
@@ -114,6 +121,11 @@ class _ConfigMethods:
     """The checks and derived values of :class:`DynBatchConfig` (its fields come from the table)."""
 
     def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_CHOICES:
+            raise DynBatchValueError(
+                f"attention={self.attention!r} ({FLAGS['attention']}) is not one of "
+                f"{', '.join(ATTENTION_CHOICES)}; pick one (auto picks for this machine)."
+            )
         if self.max_tokens_per_gpu is None:
             raise DynBatchValueError(
                 "max_tokens_per_gpu is not set; pass --max-tokens-per-gpu (or set "
@@ -342,12 +354,16 @@ def _strict_loader():
     return StrictLoader
 
 
-def load_yaml_config(path: Union[str, os.PathLike]) -> Dict[str, Any]:
+def load_yaml_config(
+    path: Union[str, os.PathLike], *, overridden: Iterable[str] = ()
+) -> Dict[str, Any]:
     """Read a ``--dynamic-batch-config`` YAML file into a dict of field values.
 
     Keys are :class:`DynBatchConfig` field names; a ``null`` value means "not set here" (the flag or
     the dataclass default applies). Every value is checked here, so a bad value fails before any
-    flag is merged in.
+    flag is merged in, naming the file and the key. ``overridden``: the keys the command line
+    sets, which are neither checked nor returned (issue 44: a YAML ``max_tokens_per_gpu: lots``
+    was refused although ``--max-tokens-per-gpu 1024`` replaced it).
 
     Raises:
         ValueError: On a missing file, invalid or too deeply nested YAML, YAML that is not a
@@ -386,8 +402,23 @@ def load_yaml_config(path: Union[str, os.PathLike]) -> Dict[str, Any]:
             f"--dynamic-batch-config {path!r}: unknown key(s) {unknown}; valid keys are "
             f"{list(_FIELDS)}."
         )
+    data = {key: value for key, value in data.items() if key not in set(overridden)}
     # The budget may come from --max-tokens-per-gpu instead; 1 stands in for it while the other
-    # values are checked.
-    budget = data.get("max_tokens_per_gpu")
-    config_from_mapping({**data, "max_tokens_per_gpu": 1 if budget is None else budget})
+    # values are checked. One key at a time first, so an error names the key it is about.
+    stand_in = {"max_tokens_per_gpu": 1}
+    for key, value in data.items():
+        try:
+            config_from_mapping({**stand_in, key: value} if value is not None else stand_in)
+        except ValueError as error:
+            raise DynBatchValueError(
+                f"--dynamic-batch-config {path!r}, key {key}: {value!r} is refused: {error} "
+                f"Fix {key} in that file, or give {FLAGS[key]} on the command line (it "
+                "overrides the file)."
+            ) from None
+    try:
+        config_from_mapping({**stand_in, **{k: v for k, v in data.items() if v is not None}})
+    except ValueError as error:
+        raise DynBatchValueError(
+            f"--dynamic-batch-config {path!r}: its keys {sorted(data)} do not go together: {error}"
+        ) from None
     return dict(data)

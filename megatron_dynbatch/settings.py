@@ -58,6 +58,7 @@ from megatron_dynbatch.planning.spec import (
 )
 
 __all__ = [
+    "ATTENTION_CHOICES",
     "OLD_SPELLINGS_DEST",
     "REQUIRED",
     "SETTINGS",
@@ -86,6 +87,13 @@ REQUIRED: Any = _Required()
 #: Where ``--variable-seq-lengths`` is stored in training: Megatron-LM's ``validate_args`` resets
 #: its own ``args.variable_seq_lengths`` (it has no flag for it), so the request keeps a name of ours.
 VARIABLE_SEQ_LENGTHS_DEST = "dynamic_batch_variable_seq_lengths"
+
+#: The core attention a Megatron-LM launch runs (``--dynamic-batch-attention``, YAML
+#: ``attention``): ``auto`` picks one (``integrations/megatron_lm/attention.py``);
+#: ``transformer-engine``: Megatron's TE spec as is; ``torch-varlen``: torch's flash kernels
+#: (``mcore/varlen_attention.py``, CUDA); ``reference``: the torch reference of TE's THD attention
+#: (``mcore/thd_attention.py``, any device, dense).
+ATTENTION_CHOICES = ("auto", "transformer-engine", "torch-varlen", "reference")
 
 #: Measured iterations in-run calibration fits by default (``--dynamic-batch-calibration-steps``).
 DEFAULT_CALIBRATION_STEPS = 8
@@ -462,6 +470,27 @@ SETTINGS: Tuple[Setting, ...] = (
             "imports MODULE first, e.g. benchmarks.baselines:verl_kk from a checkout)",
         ),
     ),
+    Setting(
+        name="attention",
+        flag="--dynamic-batch-attention",
+        annotation=str,
+        default="auto",
+        choices=ATTENTION_CHOICES,
+        help="The core attention, in every mode of the launch (stock and fixed too): "
+        "transformer-engine (--transformer-impl transformer_engine), torch-varlen (torch's "
+        "flash kernels: varlen on packed THD rows, SDPA flash on the others; CUDA, bf16/fp16, "
+        "--transformer-impl local), reference (a dense torch reference of TE's THD attention, "
+        "any device). Default auto: transformer-engine with --transformer-impl "
+        "transformer_engine, else torch-varlen on CUDA in bf16/fp16, else Megatron's local "
+        "attention with the reference where rows are THD. One that cannot run is refused.",
+        doc="The core attention of the Megatron-LM launch (--dynamic-batch-attention, which also "
+        "works without dynamic batching): auto (transformer-engine with --transformer-impl "
+        "transformer_engine; else torch-varlen on CUDA in bf16/fp16; else Megatron's local "
+        "attention, with the reference where rows are THD), transformer-engine, torch-varlen "
+        "(torch's flash kernels: varlen on packed THD rows, SDPA flash on the others; CUDA, "
+        "bf16/fp16) or reference (a dense torch reference of transformer-engine's THD attention, "
+        "any device). One that cannot run is refused at start-up.",
+    ),
     # -- flags of the Megatron-LM launch only (not config settings, no YAML key) ----------------
     Setting(
         flag="--use-dynamic-batch-size",
@@ -497,9 +526,7 @@ SETTINGS: Tuple[Setting, ...] = (
         flag="--dynamic-batch-reference-thd-attention",
         action="store_true",
         default=False,
-        help="With --transformer-impl local: pass packed rows to the model as THD PackedSeqParams "
-        "(the transformer-engine path) and attend with megatron_dynbatch's torch reference of "
-        "TE's THD attention. Tests the GPU path on machines without CUDA; slow (dense scores).",
+        help="Deprecated: the same as --dynamic-batch-attention reference.",
     ),
     Setting(
         flag="--dynamic-batch-calibration-steps",

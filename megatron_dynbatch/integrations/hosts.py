@@ -189,11 +189,19 @@ SKYRL = Host(
     name="SkyRL",
     switch="trainer.use_dynamic_batch_size=true",
     fallback="trainer.use_dynamic_batch_size=false (SkyRL's TokenBasedBatchIterator)",
-    options={"max_tokens_per_microbatch": "max_tokens_per_gpu"},
+    options={
+        "max_tokens_per_microbatch": "max_tokens_per_gpu",
+        "dynamic_batch_planner": "planner",
+    },
     # Its padding-free forward packs a micro-batch's real tokens; a single long sample runs alone,
     # as in SkyRL's own batching.
     fixed={"layout": "packed", "oversize_samples": "allow"},
-    keys={"max_tokens_per_gpu": "trainer.max_tokens_per_microbatch"},
+    keys={
+        "max_tokens_per_gpu": "trainer.max_tokens_per_microbatch",
+        # Added by patches/skyrl/0001 beside the switch; checked in validate_cfg.
+        "planner": "trainer.dynamic_batch_planner",
+        "max_memory_gib": "trainer.max_memory_gib",
+    },
     planning="sharded",
     budget_counts="real",
     budget_times_cp=False,
@@ -212,8 +220,12 @@ VERL = Host(
     fixed={"oversize_samples": "allow"},
     keys={
         "max_tokens_per_gpu": "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
-        "log_probs_max_tokens_per_gpu": "actor_rollout_ref.actor.log_prob_max_token_len_per_gpu "
-        "(rollout.log_prob_max_token_len_per_gpu, ref.log_prob_max_token_len_per_gpu)",
+        # The actor's log-prob pass; the reference's and the critic's keys are in
+        # integrations/verl/config.py (BUDGET_KEYS), which names each engine's and pass's own.
+        "log_probs_max_tokens_per_gpu": "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+        # One dict option holds megatron_dynbatch's settings (the critic's: critic.megatron...).
+        "max_memory_gib": "actor_rollout_ref.actor.megatron.dynbatch.max_memory_gib",
+        "planner": "actor_rollout_ref.actor.megatron.dynbatch.planner",
     },
     planning="sharded",
     budget_counts="real",

@@ -25,7 +25,7 @@ It is dense (a ``[t, t]`` score matrix per head): a reference for tests and CPU 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 from megatron.core import tensor_parallel
@@ -36,16 +36,16 @@ from megatron_dynbatch.errors import DynBatchValueError
 
 __all__ = [
     "ThdReferenceAttention",
-    "check_reference_attention_args",
     "segment_mask",
+    "thd_boundaries",
     "with_thd_reference_attention",
 ]
 
 
-def segment_mask(
+def thd_boundaries(
     cu_seqlens: torch.Tensor, cu_seqlens_padded: Optional[torch.Tensor], total: int
-) -> torch.Tensor:
-    """``[t, t]`` bool: may query token ``q`` attend to key token ``k`` (THD, causal).
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The checked real and padded THD boundaries of ``total`` tokens, as int64 CPU tensors.
 
     Raises:
         DynBatchValueError: Boundaries that are not increasing int sequences starting at 0, a
@@ -73,6 +73,20 @@ def segment_mask(
             "segment must fit its padded one, and the padded boundaries must end at the token "
             "count."
         )
+    return real, padded
+
+
+def segment_mask(
+    cu_seqlens: torch.Tensor, cu_seqlens_padded: Optional[torch.Tensor], total: int
+) -> torch.Tensor:
+    """``[t, t]`` bool: may query token ``q`` attend to key token ``k`` (THD, causal).
+
+    Raises:
+        DynBatchValueError: As :func:`thd_boundaries`.
+    """
+    real, padded = thd_boundaries(cu_seqlens, cu_seqlens_padded, total)
+    real_lengths = real[1:] - real[:-1]
+    padded_lengths = padded[1:] - padded[:-1]
     segment = torch.repeat_interleave(torch.arange(padded_lengths.numel()), padded_lengths)
     within = torch.arange(total) - padded[:-1][segment]
     valid = within < real_lengths[segment]
@@ -230,8 +244,12 @@ def _announce_once(packed_seq_params: Any, total: int) -> None:
     )
 
 
-def with_thd_reference_attention(base_spec_fn: Callable) -> Callable:
-    """A layer-spec function whose self-attention core is :class:`ThdReferenceAttention`.
+def with_thd_reference_attention(
+    base_spec_fn: Callable, core_attention: Optional[type] = None
+) -> Callable:
+    """A layer-spec function whose self-attention core is :class:`ThdReferenceAttention`
+    (or ``core_attention``, a module of the same contract such as
+    :class:`~megatron_dynbatch.mcore.varlen_attention.TorchVarlenAttention`).
 
     ``base_spec_fn(config, vp_stage)`` returns Megatron's local layer spec (a ``ModuleSpec`` or a
     block spec of them); every layer's ``self_attention.submodules.core_attention`` is replaced and
@@ -241,12 +259,14 @@ def with_thd_reference_attention(base_spec_fn: Callable) -> Callable:
 
     from megatron.core.transformer.enums import AttnMaskType
 
+    core = ThdReferenceAttention if core_attention is None else core_attention
+
     def _set(layer_spec) -> None:
         attention = getattr(getattr(layer_spec, "submodules", None), "self_attention", None)
         if attention is None or getattr(attention, "submodules", None) is None:
             return
         # Replaced, not mutated: the base spec's objects may be shared between calls.
-        submodules = dataclasses.replace(attention.submodules, core_attention=ThdReferenceAttention)
+        submodules = dataclasses.replace(attention.submodules, core_attention=core)
         params = dict(getattr(attention, "params", {}) or {})
         if "attn_mask_type" in params:
             params["attn_mask_type"] = AttnMaskType.causal
@@ -261,26 +281,3 @@ def with_thd_reference_attention(base_spec_fn: Callable) -> Callable:
         return layer_spec
 
     return spec
-
-
-def check_reference_attention_args(args: Any, *, document_samples: bool) -> None:
-    """Refuse ``--dynamic-batch-reference-thd-attention`` where it would not be used.
-
-    Raises:
-        DynBatchValueError: With ``--transformer-impl transformer_engine`` (which attends THD
-            itself) or without document samples (the stock path has no packed rows).
-    """
-    if not getattr(args, "dynamic_batch_reference_thd_attention", False):
-        return
-    if args.transformer_impl != "local":
-        raise DynBatchValueError(
-            f"--dynamic-batch-reference-thd-attention replaces the local attention, but "
-            f"--transformer-impl is {args.transformer_impl}, whose THD attention runs as is; "
-            "drop the flag (or pass --transformer-impl local to test the reference)."
-        )
-    if not document_samples:
-        raise DynBatchValueError(
-            "--dynamic-batch-reference-thd-attention needs --use-dynamic-batch-size or "
-            "--document-samples (only their packed rows carry THD boundaries); add one or drop "
-            "the flag."
-        )

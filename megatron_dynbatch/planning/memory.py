@@ -20,6 +20,11 @@ for their backward pass:
   (attention dropout, off here, would keep its output and mask too); fused / flash attention (``segment``,
   ``causal``) keeps no scores. ``selective`` recompute keeps no scores either; ``full`` keeps only
   every layer's input, and one layer's activations while it recomputes it.
+* MoE layers add the token dispatch: the tokens permuted to their ``topk`` experts and the
+  experts' permuted output, ``2 x topk x h`` a token (:meth:`MemoryModel.moe_dispatch_token_bytes`).
+* context parallelism divides every per-token term by ``cp`` (each rank holds ``S / cp`` of a
+  row) and adds the ring attention's key/value blocks in flight while a layer runs
+  (:meth:`MemoryModel.cp_ring_bytes`).
 * the last stage's logits and loss buffers: ``vocab / tp`` logits a token in the dtype, their fp32
   copy and the fp32 softmax the cross entropy keeps (``vocab / tp * (dtype + 8)`` bytes a token);
   the first stage's embedding output (``h`` a token).
@@ -238,7 +243,41 @@ class MemoryModel:
         if dims.num_experts:
             # Every token runs top-k experts (their inputs and hidden), plus the router's output.
             mlp = mlp * dims.moe_router_topk + dims.num_experts
-        return d * (4 * replicated + attention + mlp)
+        return d * (4 * replicated + attention + mlp) + self.moe_dispatch_token_bytes()
+
+    def moe_dispatch_token_bytes(self) -> float:
+        """Bytes of the MoE token dispatch one token keeps in one layer (0 for a dense MLP).
+
+        Megatron's token dispatcher permutes each token to its ``topk`` experts (an all-to-all
+        over the expert-parallel group when ``ep_size > 1``): the permuted hidden states are the
+        experts' ``fc1`` input, kept for its backward, and the experts' permuted output is kept
+        by the un-permute / combine (it is weighted by the router's probabilities): two
+        ``topk x h`` buffers a token. Expert parallelism moves them, it does not shrink them (a
+        rank receives as many routed tokens as it sends, on average), and tensor parallelism does
+        not split them (the dispatcher gathers the sequence-parallel shards first). Full
+        recompute keeps only the layer's input.
+        """
+        dims = self.dims
+        if not dims.num_experts or self.recompute == "full":
+            return 0.0
+        return dims.dtype_bytes * 2 * dims.moe_router_topk * dims.hidden_size
+
+    def cp_ring_bytes(self, shape: MicroShape) -> float:
+        """Transient bytes of context-parallel attention in the layer running (0 at ``cp = 1``).
+
+        With ``cp > 1`` each rank holds ``S / cp`` of a row's tokens (every per-token term above
+        is divided by ``cp``); ring attention passes key/value blocks round the CP group, two in
+        flight in the forward (the block in use and the one arriving) and, in the backward, two
+        key/value blocks and two of their gradients: four blocks of ``2 x kv_width / tp`` a local
+        token, alive one layer at a time.
+        """
+        dims = self.dims
+        cp = dims.parallel.cp_size
+        if cp == 1:
+            return 0.0
+        rows, length = shape
+        block = 2 * dims.kv_width / dims.parallel.tp_size * dims.dtype_bytes
+        return 4 * block * rows * length / cp
 
     def layer_score_bytes(self) -> float:
         """Bytes of attention scores a row keeps per ``S**2`` in one layer (0 unless ``dense``)."""
@@ -273,15 +312,21 @@ class MemoryModel:
         return token_bytes, score_bytes
 
     def _recompute_terms(self, stage: int, shapes: Sequence[MicroShape]) -> Tuple[float, float]:
-        """``full`` recompute: one layer's whole activations, rebuilt during a backward."""
-        if self.recompute != "full" or not shapes:
+        """Transients of the layer running: ``full`` recompute rebuilds one layer's whole
+        activations during a backward; context parallelism's ring buffers
+        (:meth:`cp_ring_bytes`) live while a layer's attention runs."""
+        if not shapes:
             return 0.0, 0.0
+        widest = max(shapes, key=lambda s: s[0] * s[1])
+        ring = self.cp_ring_bytes(widest) if self.dims.chunk_layers(stage) else 0.0
+        if self.recompute != "full":
+            return ring, 0.0
         full = replace(self, recompute=None)
-        rows, length = max(shapes, key=lambda s: s[0] * s[1])
+        rows, length = widest
         cp = self.dims.parallel.cp_size
         tokens = rows * length / cp
         return (
-            tokens * full.layer_token_bytes(),
+            tokens * full.layer_token_bytes() + ring,
             rows * (length / cp) * length * full.layer_score_bytes(),
         )
 

@@ -38,6 +38,7 @@ __all__ = [
     "lpt_pack",
     "min_bins",
     "next_fit_count",
+    "profile_pack",
     "spread_into_empty",
 ]
 
@@ -441,3 +442,53 @@ def min_bins(
     assert packed is not None, "every sample fits the cap alone"
     best_fit = sum(1 for members in packed[0] if members)
     return min(best_fit, len(next_fit_count(sizes, arrival, cap)[0]))
+
+
+def profile_pack(
+    sizes: Sequence[int],
+    order: Sequence[int],
+    targets: Sequence[Sequence[float]],
+    cap: int,
+) -> Optional[Packing]:
+    """``order`` (decreasing size) into bins of uneven target loads, every load <= ``cap``.
+
+    ``targets[r][k]`` is the load wanted of bin ``k`` of group ``r`` (a DP rank); bin ``r * K +
+    k`` of the result is that bin. Each sample goes to the group with the most room left under
+    its total target (so the groups stay even), and there to the bin with the most room left
+    under its own target (so the loads follow the targets' profile) among those it fits under
+    the cap: a sample longer than its bin's target fills it alone. ``None`` when a sample fits
+    no bin of any group. Ties by group, then bin index.
+    """
+    groups = len(targets)
+    per_group = len(targets[0]) if groups else 0
+    bins: Bins = [[] for _ in range(groups * per_group)]
+    loads = [0] * (groups * per_group)
+    room = [float(sum(row)) for row in targets]
+    bin_room = [float(t) for row in targets for t in row]
+    heap = [(-room[r], r) for r in range(groups)]
+    heapq.heapify(heap)
+    for i in order:
+        size = sizes[i]
+        skipped = []
+        while heap:
+            entry = heapq.heappop(heap)
+            r = entry[1]
+            base = r * per_group
+            b = -1
+            for k in range(base, base + per_group):
+                if loads[k] + size <= cap and (b < 0 or bin_room[k] > bin_room[b]):
+                    b = k
+            if b < 0:
+                skipped.append(entry)
+                continue
+            bins[b].append(i)
+            loads[b] += size
+            bin_room[b] -= size
+            room[r] -= size
+            heapq.heappush(heap, (-room[r], r))
+            break
+        else:
+            return None
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+    return bins, loads

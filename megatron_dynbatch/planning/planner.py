@@ -163,9 +163,9 @@ def _apply_oversize_policy(samples: SampleSet, config: PlannerConfig) -> Dict[in
         )
         more = f" (and {len(oversize) - _LISTED} more)" if len(oversize) > _LISTED else ""
         raise DynBatchValueError(
-            f"{len(oversize)} sample(s) exceed the token cap {cap} (max_tokens_per_gpu="
-            f"{config.max_tokens_per_gpu} x cp_size={config.parallel.cp_size}): {shown}{more}. "
-            "Raise --max-tokens-per-gpu, drop or shorten them, or pass --oversize-samples "
+            f"{len(oversize)} sample(s) exceed the token cap {cap} ({config.cap_source}): "
+            f"{shown}{more}. Raise {config.cap_flag}, drop or shorten them, or pass "
+            "--oversize-samples "
             "truncate (cut to the cap) or allow (run alone, over the cap)."
         )
     return {i: keep for i in oversize}
@@ -184,13 +184,13 @@ def _oversize_warning(
     worst = max((s for s in steps if s.oversize_samples), key=lambda s: s.seq_length)
     footprint = worst.micro_batch_size * worst.seq_length
     return (
-        f"{len(oversize)} sample(s) exceed the token cap {cap} (max_tokens_per_gpu="
-        f"{config.max_tokens_per_gpu} x cp_size={config.parallel.cp_size}): {shown}{more}. Each "
+        f"{len(oversize)} sample(s) exceed the token cap {cap} ({config.cap_source}): "
+        f"{shown}{more}. Each "
         "runs alone in its micro-batch, over the cap, and every micro-batch of its step, "
         f"placeholders included, gets that row length: Megatron needs one [B, S] per step for its "
         f"pipeline buffers. The longest such step runs {footprint} tokens per micro-batch, "
         f"{footprint / cap:.2f}x the budget, on every GPU. Pass --oversize-samples truncate to cut "
-        "them to the cap, error to refuse them, or raise --max-tokens-per-gpu."
+        f"them to the cap, error to refuse them, or raise {config.cap_flag}."
     )
 
 

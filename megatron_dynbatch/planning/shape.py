@@ -52,8 +52,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from megatron_dynbatch.errors import DynBatchValueError
 
 from .balance import RankBalancer, assign_bins_to_ranks, pipeline_orders
+from .candidates import TINY_STEP_SAMPLES, is_small_step, natural_count, small_step_candidates
 from .cost import row_cost, row_costs, tail_cost
-from .packing import feasible_pack, min_bins
+from .packing import feasible_pack, min_bins, profile_pack
 from .simulate import BACKWARD_TO_FORWARD_RATIO, pipeline_makespan
 from .spec import CostModel, ParallelLayout, ceil_div, round_up
 
@@ -87,6 +88,19 @@ _FINER_EVALUATIONS = 10
 _FINER_LIMIT = 512
 #: Two spread picks in a row slower than the fastest by more than this end the spread.
 _FINER_GIVE_UP = 0.03
+#: Small steps of at most this many samples get the candidates of :mod:`.candidates` at more
+#: counts than the chosen one (each count costs a few pipeline replays of every rank).
+_MORE_COUNTS_LIMIT = 256
+#: Ramps: steps of at most this many samples get micro-batches packed to a rising and falling
+#: profile (:func:`_ramp_splits`) ...
+_RAMP_LIMIT = 1024
+#: ... at these multiples of the fastest count so far ...
+_RAMP_FACTORS = (1.0, 1.5)
+#: ... in these shapes: (the first and last micro-batch's share of a full one, micro-batches
+#: rising, micro-batches falling). Of six shapes at four multiples (up to 3x) on the sixteen
+#: GPU-regime steps (``python -m benchmarks.gpu_regime``), these two at these two multiples
+#: found every fastest step.
+_RAMPS = ((0.25, 5, 5), (0.1, 6, 10))
 #: Rows per packed micro-batch searched besides 1, at most: every B from 2 up to 8, then spread
 #: geometrically up to ``cap // longest sample`` (fixed micro-batch sizes are small).
 _MAX_ROW_COUNTS = 8
@@ -117,6 +131,9 @@ class StepProblem:
     multi_row_cap: Optional[int] = None
     """With ``memory``: the token budget's cap on ``B * S`` for ``B > 1`` (``cap`` is the one-row
     cap, memory included); ``None``: ``cap``."""
+    disable_more_candidates: bool = False
+    """Score the shape search's own constructions only (the planner before the small-step
+    candidates of :mod:`.candidates`): what the tests compare against."""
     row_align: Optional[int] = None
     """Set by :func:`choose_shape` (from ``row_multiple``) when it scores uniform rows beside
     variable ones: shapes are exchanged, so a uniform row ``S`` of the packed layout is rounded up
@@ -289,6 +306,8 @@ def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
             fastest = shape.step_time
     if problem.row_multiple is not None and problem.layout == "packed":
         _finer_splits(problem, searches[0], scored)
+        if not problem.disable_more_candidates:
+            _ramp_splits(problem, searches[0], scored)
     best = _pick(scored, problem.min_gain)
     # The second construction is dearer: only for the winning count (and the fewest), one row.
     for search in searches:
@@ -301,7 +320,55 @@ def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
             known = scored.get((m, 1))
             if known is None or shape.step_time < known.step_time * (1.0 - _TIE):
                 scored[(m, 1)] = shape
-    return _pick(scored, problem.min_gain), min(s.min_per_rank for s in searches)
+    chosen = _pick(scored, problem.min_gain)
+    if problem.layout == "packed" and not problem.disable_more_candidates:
+        chosen = _more_candidates(problem, searches, scored, chosen)
+    return chosen, min(s.min_per_rank for s in searches)
+
+
+def _more_candidates(
+    problem: StepProblem,
+    searches: List["_Search"],
+    scored: Dict[Tuple[int, int], StepShape],
+    chosen: StepShape,
+) -> StepShape:
+    """On a small step, the other constructions of :mod:`.candidates` scored beside ours.
+
+    For the chosen count (and on steps of at most :data:`_MORE_COUNTS_LIMIT` samples one more
+    and the count first fit needs, and on a tiny step every count searched), each construction is scored like the search's own candidates (its order as given
+    too, where it has one); the fastest is kept only when it beats ``chosen``, so the step is
+    never predicted slower than without them.
+    """
+    search = next((s for s in searches if s.rows == 1), None)
+    if (
+        not isinstance(search, _PackedSearch)
+        or search.oversize
+        or not search.arrival
+        or not is_small_step(len(problem.items), search.dp)
+    ):
+        return chosen
+    sizes, model = problem.sizes, search.model
+    weights = {i: model.token_weight * sizes[i] + problem.sample_costs[i] for i in search.arrival}
+    multiple = search.microbatch_multiple
+    # One more micro-batch a rank gives the split more freedom where its overhead is small.
+    counts = {chosen.per_rank}
+    if len(problem.items) <= _MORE_COUNTS_LIMIT:
+        counts.add(chosen.per_rank + multiple)
+        counts.add(round_up(natural_count(search.arrival, sizes, search.cap, search.dp), multiple))
+    if len(problem.items) <= TINY_STEP_SAMPLES:
+        counts.add(search.min_per_rank)
+        counts.update(search.candidates())
+    more = dict(scored)
+    for m in sorted(counts):
+        for _name, ranks, keep_order in small_step_candidates(
+            search.arrival, sizes, weights, search.cap, search.dp, m, problem.row_multiple
+        ):
+            for shape in search.score_ranks(ranks, m, keep_order):
+                known = more.get((m, 1))
+                if known is None or shape.step_time < known.step_time * (1.0 - _TIE):
+                    more[(m, 1)] = shape
+    best = _pick(more, problem.min_gain)
+    return best if best.step_time < chosen.step_time * (1.0 - _TIE) else chosen
 
 
 def _finer_splits(
@@ -355,6 +422,94 @@ def _finer_splits(
         shape = search.evaluate(m)
         if shape is not None:
             scored[(m, 1)] = shape
+
+
+def _ramp_profile(count: int, first: float, rising: int, falling: int) -> List[float]:
+    """Relative loads of ``count`` micro-batches: from ``first`` of a full one up to 1 over
+    ``rising`` micro-batches, level, and down to ``first`` over the last ``falling``
+    (geometrically)."""
+    profile = [1.0] * count
+    for k in range(min(rising, count)):
+        profile[k] = first ** ((rising - k) / rising)
+    for j in range(min(falling, count)):
+        profile[count - 1 - j] = min(profile[count - 1 - j], first ** ((falling - j) / falling))
+    return profile
+
+
+def _ramp_targets(profile: Sequence[float], total: float, cap: int) -> List[float]:
+    """``profile`` scaled so its loads, each at most ``cap``, add up to ``total``."""
+    low, high = 0.0, float(cap) / min(profile)
+    if sum(min(cap, high * p) for p in profile) < total:
+        return [float(cap)] * len(profile)
+    for _ in range(40):
+        middle = (low + high) / 2
+        if sum(min(cap, middle * p) for p in profile) < total:
+            low = middle
+        else:
+            high = middle
+    return [min(float(cap), high * p) for p in profile]
+
+
+def _ramp_splits(
+    problem: StepProblem, search: "_Search", scored: Dict[Tuple[int, int], StepShape]
+) -> None:
+    """Variable rows under a pipeline: micro-batches that ramp up and down (issue 45).
+
+    The pipeline's warm-up waits for the first micro-batches' forwards and its cool-down for the
+    last ones' backwards; with even rows every one of them is a full row's worth. Packed to a
+    profile instead (:func:`.packing.profile_pack`: a few small micro-batches rising
+    geometrically to a level, and falling again at the end), the fill and drain run short rows
+    while the steady state runs full ones: for the same work and a few more micro-batches'
+    overhead, less bubble. Two counts (the fastest so far and half as many again) and two ramp
+    shapes (:data:`_RAMPS`) are packed, each scored in the pipeline order of the search and
+    in the profile's own; the simulated step decides, as for every candidate.
+    """
+    parallel = problem.parallel
+    if (
+        parallel.pp_size == 1
+        or not isinstance(search, _PackedSearch)
+        or search.rows != 1
+        or search.oversize
+        or not search.arrival
+        or len(problem.items) > _RAMP_LIMIT
+    ):
+        return
+    dp, multiple = search.dp, search.microbatch_multiple
+    most = len(search.arrival) // dp
+    fastest = _pick(scored, problem.min_gain).per_rank
+    counts = sorted(
+        {
+            min(most, round_up(max(fastest, math.ceil(fastest * factor)), multiple))
+            for factor in _RAMP_FACTORS
+        }
+    )
+    total = float(search.total) / dp
+    for m in counts:
+        if m < multiple or m % multiple:
+            continue
+        for first, rising, falling in _RAMPS:
+            if rising + falling > m:
+                continue
+            targets = _ramp_targets(_ramp_profile(m, first, rising, falling), total, search.cap)
+            packing = profile_pack(problem.sizes, search.order, [targets] * dp, search.cap)
+            if packing is None:
+                continue
+            bins, loads = packing
+            rank_bins = [list(range(r * m, (r + 1) * m)) for r in range(dp)]
+            for keep in (False, True):
+                shape = search.score(
+                    [list(members) for members in bins],
+                    loads,
+                    m,
+                    max(loads),
+                    1,
+                    [list(rank) for rank in rank_bins],
+                    token_loads=True,
+                    keep_order=keep,
+                )
+                known = scored.get((m, 1))
+                if known is None or shape.step_time < known.step_time * (1.0 - _TIE):
+                    scored[(m, 1)] = shape
 
 
 def _finer_search(search: "_Search", scored: Dict[Tuple[int, int], StepShape]) -> None:
@@ -587,11 +742,13 @@ class _Search:
         rows: int,
         rank_bins: Optional[List[List[int]]] = None,
         token_loads: bool = False,
+        keep_order: bool = False,
     ) -> StepShape:
         """Assign bins to ranks (unless given), balance, order for the pipeline, and simulate.
 
         ``token_loads``: ``loads`` are the bins' padded tokens (packed searches), kept on the
-        shape unless sample moves change the bins."""
+        shape unless sample moves change the bins. ``keep_order``: run each rank's bins in the
+        order ``rank_bins`` gives (a construction's own order), not reordered for the pipeline."""
         problem = self.problem
         costs = problem.sample_costs
         layout = problem.layout
@@ -632,7 +789,10 @@ class _Search:
         if layout == "packed" and self.varies and row_lengths is None and rows == 1:
             bin_costs = self._balance(bins, loads, own, rank_bins, seq_length, per_rank, bin_costs)
             token_loads = False  # samples may have moved between bins
-        orders = self._orders(rank_bins, bins, bin_costs)
+        if keep_order:
+            orders = [list(rank) for rank in rank_bins]
+        else:
+            orders = self._orders(rank_bins, bins, bin_costs)
         step_time = self._step_time(orders, bin_costs)
         if any(not any(map(bins.__getitem__, rank)) for rank in rank_bins):
             orders, step_time = self._spread(rank_bins, bins, bin_costs, orders, step_time)
@@ -896,6 +1056,30 @@ class _PackedSearch(_Search):
         shape = self.score(bins, loads, per_rank, max(row_loads), self.rows, token_loads=True)
         shape.packed_rows = packed
         return shape
+
+    def score_ranks(
+        self, ranks: List[List[List[int]]], per_rank: int, keep_order: bool
+    ) -> List[StepShape]:
+        """A construction's ``ranks[r][m]`` (one row a bin) scored: reordered for the pipeline,
+        and as given where ``keep_order`` (with a pipeline only: without one order is moot)."""
+        sizes = self.problem.sizes
+        bins = [list(mb) for rank in ranks for mb in rank]
+        loads = [sum(map(sizes.__getitem__, mb)) for mb in bins]
+        rank_bins = [list(range(r * per_rank, (r + 1) * per_rank)) for r in range(len(ranks))]
+        shapes = []
+        for keep in (False, True) if keep_order and self.pp > 1 else (False,):
+            shape = self.score(
+                [list(mb) for mb in bins],
+                loads,
+                per_rank,
+                max(loads),
+                1,
+                [list(rank) for rank in rank_bins],
+                token_loads=True,
+                keep_order=keep,
+            )
+            shapes.append(shape)
+        return shapes
 
     def alternative(self, per_rank: int) -> Optional[StepShape]:
         """Ranks-first packing where attention or response work makes ranks differ, on steps

@@ -552,6 +552,30 @@ class PlannerConfig:
         return cap
 
     @property
+    def cap_source(self) -> str:
+        """Where :attr:`token_cap` comes from, for messages that name it: the token budget, or
+        the memory budget when that is smaller (issue 44: a cap set by ``--max-memory-gib`` was
+        reported as ``max_tokens_per_gpu=...`` with advice to raise that flag)."""
+        budget = f"max_tokens_per_gpu={self.max_tokens_per_gpu} x cp_size={self.parallel.cp_size}"
+        if (
+            self.memory is not None
+            and self.token_cap < self.max_tokens_per_gpu * self.parallel.cp_size
+        ):
+            gib = self.memory.budget_bytes / 2**30
+            return f"the longest row --max-memory-gib {gib:.3f} allows; {budget} is more"
+        return budget
+
+    @property
+    def cap_flag(self) -> str:
+        """The flag that raises :attr:`token_cap` (see :attr:`cap_source`)."""
+        if (
+            self.memory is not None
+            and self.token_cap < self.max_tokens_per_gpu * self.parallel.cp_size
+        ):
+            return "--max-memory-gib"
+        return "--max-tokens-per-gpu"
+
+    @property
     def multi_row_cap(self) -> int:
         """Cap on the footprint ``B * S`` of a micro-batch of ``B > 1`` rows: the token budget
         times cp. A memory budget bounds such shapes by its own ``row_cap(B)``, which may allow

@@ -130,8 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     # parser runs, since the arguments are Megatron-LM's (hundreds of them, parsed by Megatron).
     sub.add_parser(
         "pretrain",
-        help="train a GPT with Megatron-LM's pretrain() and dynamic batching (run it under "
-        "torchrun; takes launch/pretrain_gpt_dynbatch.py's arguments)",
+        help="train a GPT with Megatron-LM's pretrain() and dynamic batching; one rank: run it "
+        "under torchrun (torchrun --nproc-per-node N -m megatron_dynbatch pretrain ..., or "
+        "torchrun --nproc-per-node N --no-python megatron-dynbatch pretrain ...); takes "
+        "launch/pretrain_gpt_dynbatch.py's arguments",
         add_help=False,
     )
     return parser
@@ -309,12 +311,16 @@ def _memory_report(plan, model, config) -> dict:
     }
 
 
-def _format_table(plan) -> str:
+def _format_table(plan, config) -> str:
     header = (
         f"{'step':>4} {'rollouts':>8} {'samples':>7} {'M/rank':>6} {'S':>7} {'B':>3} "
         f"{'fill':>6} {'dp_imb':>7} {'placeh':>6} {'oversize':>8}"
     )
-    lines = [f"layout={plan.layout} dp_size={plan.dp_size} token_cap={plan.token_cap}", header]
+    lines = [
+        f"layout={plan.layout} dp_size={plan.dp_size} token_cap={plan.token_cap} "
+        f"({config.cap_source})",
+        header,
+    ]
     for s, step in enumerate(plan.steps):
         num_samples = sum(len(mb) for rank in step.ranks for mb in rank)
         lines.append(
@@ -383,13 +389,42 @@ def _cmd_plan(args) -> int:
             report["memory"] = _memory_report(plan, args.memory_model, config)
         print(json.dumps(report, allow_nan=False))
     else:
-        print(_format_table(plan))
+        print(_format_table(plan, config))
         if args.memory_model is not None:
             memory = _memory_report(plan, args.memory_model, config)
             for s, peaks in enumerate(memory["predicted_peak_bytes_per_stage"]):
                 mib = ", ".join(f"{p / 2**20:.0f}" for p in peaks)
                 print(f"step {s}: predicted peak per pipeline stage (MiB): {mib}")
+    if args.memory_model is not None:
+        _warn_over_budget(_memory_report(plan, args.memory_model, config), args.max_memory_gib)
     return 0
+
+
+def _warn_over_budget(memory: dict, gib) -> None:
+    """Say on stderr (JSON or table) when a planned step's predicted peak exceeds the budget
+    (issue 44: peaks of 44 MiB against a 10 MiB budget were printed without a word): an oversize
+    sample runs alone over any cap, and the memory at rest alone may exceed a small budget."""
+    budget = memory["budget_bytes"]
+    if budget is None:
+        return
+    over = [
+        (s, stage, peak)
+        for s, peaks in enumerate(memory["predicted_peak_bytes_per_stage"])
+        for stage, peak in enumerate(peaks)
+        if peak > budget
+    ]
+    if not over:
+        return
+    s, stage, peak = max(over, key=lambda item: item[2])
+    rest = memory["static_bytes_per_stage"][stage]
+    print(
+        f"warning: {len({item[0] for item in over})} step(s) are predicted to exceed "
+        f"--max-memory-gib {gib:g} ({budget / 2**20:.0f} MiB); the largest, step {s}, holds "
+        f"{peak / 2**20:.0f} MiB on pipeline stage {stage} ({rest / 2**20:.0f} MiB of it at "
+        "rest); raise --max-memory-gib, or drop / truncate the samples over the cap "
+        "(--oversize-samples truncate).",
+        file=sys.stderr,
+    )
 
 
 def _cmd_verify(args) -> int:

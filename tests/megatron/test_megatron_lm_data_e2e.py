@@ -31,7 +31,7 @@ _TINY = [
 ]  # fmt: skip
 _DYNAMIC_THD = [
     "--use-dynamic-batch-size", "--max-tokens-per-gpu", 256,
-    "--dynamic-batch-reference-thd-attention",
+    "--dynamic-batch-attention", "reference",
 ]  # fmt: skip
 _FIXED = ["--document-samples"]
 

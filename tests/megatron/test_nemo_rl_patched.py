@@ -122,6 +122,12 @@ def _import_nemo_rl(root):
 
     if not hasattr(transformers, "__file__"):  # the stub, not an installed transformers
         transformers.__version__ = STUB_TRANSFORMERS_VERSION
+    import triton
+
+    if not hasattr(triton, "__file__"):
+        # The pool's worker runs other trainers' cases after this one: megatron.core reads a
+        # triton it can import by its version, and "0.0.0" is what it assumes of a missing one.
+        triton.__version__ = "0.0.0"
     for name in [n for n in sys.modules if n == "nemo_rl" or n.startswith("nemo_rl.")]:
         del sys.modules[name]
     sys.path[:] = [p for p in sys.path if p not in _ROOTS]

@@ -131,8 +131,8 @@ def test_apply_is_idempotent_and_refuses_other_trees(tmp_path, stock_skyrl, patc
     # Another SkyRL: a context line of patch 0002 differs.
     worker.write_text(
         worker.read_text().replace(
-            "        use_token_batching = self.cfg.max_tokens_per_microbatch > 0\n",
-            "        use_token_batching = self.cfg.max_tokens_per_microbatch >= 1\n",
+            '        log_probs = output["output"]  # shape: [total_padded_samples, num_actions]\n',
+            '        log_probs = output["output"]\n',
         )
     )
     before = {p: p.read_bytes() for p in (tmp_path / "skyrl").rglob("*.py")}
@@ -936,24 +936,22 @@ CONFIG_CASES = (
 )
 
 
-@needs_skyrl
-def test_validate_cfg_refuses_use_dynamic_batch_size_where_it_does_nothing(patched_skyrl):
-    """SkyRL's own ``SkyRLTrainConfig.from_cli_overrides`` and ``validate_cfg`` (patch 0001) on
-    the overrides a user typed: the flag with strategy=fsdp, without max_tokens_per_microbatch,
-    or spelled yes_please is refused in one line; the flag off or set right passes."""
+def _validate_cfg(tree, cases):
+    """SkyRL's own ``SkyRLTrainConfig.from_cli_overrides`` and ``validate_cfg`` on each case's
+    overrides, in a fresh interpreter importing ``tree``: per case the error line or None."""
     import json
 
     code = (
         "import importlib.util, json, sys; "
         f"spec = importlib.util.spec_from_file_location('_skyrl_stubs', {__file__!r}); "
         "helpers = importlib.util.module_from_spec(spec); spec.loader.exec_module(helpers); "
-        f"helpers._install_stubs(); helpers._import_skyrl({patched_skyrl!r}); "
+        f"helpers._install_stubs(); helpers._import_skyrl({str(tree)!r}); "
         "from skyrl.train.config import SkyRLTrainConfig; "
         "from skyrl.train.utils.utils import validate_cfg; "
         "out = []\n"
-        f"for overrides, _ in {[list(c) for c in CONFIG_CASES]!r}:\n"
-        "    cfg = SkyRLTrainConfig.from_cli_overrides(['trainer.logger=console', *overrides])\n"
+        f"for overrides in {[list(c) for c in cases]!r}:\n"
         "    try:\n"
+        "        cfg = SkyRLTrainConfig.from_cli_overrides(['trainer.logger=console', *overrides])\n"
         "        validate_cfg(cfg); out.append(None)\n"
         "    except Exception as error:\n"
         "        out.append(f'{type(error).__name__}: {error}')\n"
@@ -969,9 +967,121 @@ def test_validate_cfg_refuses_use_dynamic_batch_size_where_it_does_nothing(patch
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     [line] = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
-    for (overrides, expected), got in zip(CONFIG_CASES, json.loads(line[7:]), strict=True):
+    return json.loads(line[7:])
+
+
+MEGATRON_ON = [
+    "trainer.strategy=megatron",
+    "trainer.max_tokens_per_microbatch=8192",
+    "trainer.use_dynamic_batch_size=true",
+]
+#: Bad budgets, each refused naming the key (as typed after the flag).
+BAD_BUDGET_CASES = tuple(
+    (
+        MEGATRON_ON + [f"trainer.max_tokens_per_microbatch={v}"],
+        f"trainer.max_tokens_per_microbatch={shown}",
+    )
+    for v, shown in (("0", "0 must be > 0"), ("-5", "-5 must be > 0"), ("null", "null"))
+    + (("100.5", "100.5 must be a whole number"), ("8k", "'8k' must be a whole number"))
+)
+BAD_MEMORY_CASES = tuple(
+    (MEGATRON_ON + [f"trainer.max_memory_gib={v}"], "trainer.max_memory_gib=")
+    for v in ("-1", "0", "nan", "inf", "lots")
+) + (
+    (
+        MEGATRON_ON + ["trainer.dynamic_batch_planner=nope"],
+        "trainer.dynamic_batch_planner='nope': no planner named 'nope'",
+    ),
+    (MEGATRON_ON + ["trainer.dynamic_batch_planner=fixed"], "plans padded rows only"),
+    (MEGATRON_ON + ["trainer.dynamic_batch_planner=dynbatch"], None),
+)
+
+
+@needs_skyrl
+def test_validate_cfg_refuses_use_dynamic_batch_size_where_it_does_nothing(patched_skyrl):
+    """SkyRL's own ``SkyRLTrainConfig.from_cli_overrides`` and ``validate_cfg`` (patch 0001) on
+    the overrides a user typed: the flag with strategy=fsdp, without max_tokens_per_microbatch,
+    spelled yes_please, with a budget that is no whole number > 0 or a memory budget that is no
+    number of GiB is refused in one line naming SkyRL's key; the flag off or set right passes."""
+    cases = CONFIG_CASES + BAD_BUDGET_CASES + BAD_MEMORY_CASES
+    results = _validate_cfg(patched_skyrl, [c for c, _ in cases])
+    for (overrides, expected), got in zip(cases, results, strict=True):
         if expected is None:
             assert got is None, (overrides, got)
         else:
             assert got is not None and got.startswith("DynBatchValueError: "), (overrides, got)
             assert expected in got and "\n" not in got, (overrides, got)
+
+
+@needs_skyrl
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_memory_budget_is_planned_in_validate_cfg_naming_trainer_max_memory_gib(
+    patched_skyrl, tmp_path, moe
+):
+    """``trainer.max_memory_gib`` through SkyRL's ``validate_cfg``: too small for a micro-batch
+    of ``max_tokens_per_microbatch`` is refused naming the key and the smallest budget that
+    works; that budget passes, a little less does not; the token budget it names fits."""
+    import json
+    import re
+
+    hf = {
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+    }
+    if moe:
+        hf.update(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=512)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    base = MEGATRON_ON + [
+        f"trainer.policy.model.path={tmp_path}",
+        "trainer.placement.colocate_all=false",
+        "trainer.placement.policy_num_gpus_per_node=2",
+        "trainer.placement.ref_num_gpus_per_node=2",
+        "trainer.policy.megatron_config.pipeline_model_parallel_size=2",
+    ]
+    [small] = _validate_cfg(patched_skyrl, [base + ["trainer.max_memory_gib=4"]])
+    assert small.startswith("DynBatchValueError: trainer.max_memory_gib=4 is too small"), small
+    assert "trainer.max_tokens_per_microbatch=8192" in small, small
+    need = float(re.search(r"to at least ([0-9]+\.[0-9]+)", small).group(1))
+    lower = re.search(r"lower trainer.max_tokens_per_microbatch to at most (\d+)", small)
+    cases = [base + [f"trainer.max_memory_gib={need}"]]
+    cases.append(base + [f"trainer.max_memory_gib={need - 0.01:.3f}"])
+    if lower:
+        cases.append(
+            base
+            + ["trainer.max_memory_gib=4", f"trainer.max_tokens_per_microbatch={lower.group(1)}"]
+        )
+    results = _validate_cfg(patched_skyrl, cases)
+    assert results[0] is None, results[0]
+    assert "is too small" in results[1], results[1]
+    if lower:
+        assert results[2] is None, results[2]
+    print(f"\n[SkyRL trainer.max_memory_gib, moe={moe}] smallest {need} GiB; {small}")
+
+
+@needs_skyrl
+def test_with_the_flag_off_patched_validate_cfg_is_stock(stock_skyrl, patched_skyrl):
+    """The way back on SkyRL's config path: with the flag absent or false, every case (bad
+    budgets, and cases SkyRL itself refuses) gives patched ``validate_cfg`` the stock result."""
+    cases = [
+        ["trainer.strategy=megatron", "trainer.max_tokens_per_microbatch=8192"],
+        ["trainer.strategy=megatron", "trainer.max_tokens_per_microbatch=0"],
+        ["trainer.strategy=megatron", "trainer.max_tokens_per_microbatch=-5"],
+        ["trainer.strategy=megatron", "trainer.max_tokens_per_microbatch=8k"],
+        ["trainer.strategy=megatron", "trainer.max_tokens_per_microbatch=100.5"],
+        ["trainer.strategy=fsdp", "trainer.max_training_steps=0"],  # SkyRL raises
+        ["trainer.strategy=megatron", "trainer.policy_mini_batch_size=7"],  # SkyRL raises
+    ]
+    stock = _validate_cfg(stock_skyrl, cases)
+    patched = _validate_cfg(patched_skyrl, cases)
+    off = _validate_cfg(
+        patched_skyrl, [c + ["trainer.use_dynamic_batch_size=false"] for c in cases]
+    )
+    assert patched == stock, (patched, stock)
+    assert off == stock, (off, stock)
+    assert any(r is None for r in stock) and any(r is not None for r in stock), stock

@@ -711,8 +711,11 @@ def test_with_the_switch_off_patched_verl_is_bitwise_stock(patched_verl, stock_v
 @needs_verl
 def test_an_oversize_sample_is_refused_on_every_rank_naming_verls_key(patched_verl):
     """A sample longer than the cap on one DP rank stops every rank before the pipeline, with the
-    same message naming verl's budget key (not a hang, not a silent over-budget micro-batch)."""
-    with pytest.raises(DistributedTestError, match="ppo_max_token_len_per_gpu") as caught:
+    same message naming verl's budget key of the pass that met it (not a hang, not a silent
+    over-budget micro-batch). The body's first pass is the actor's old log-probs, whose budget is
+    the rollout's key: the message names it, not the training key (issue 43)."""
+    rollout = "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"
+    with pytest.raises(DistributedTestError, match=rollout) as caught:
         run_on_ranks(
             4,
             _verl_body,
@@ -728,7 +731,9 @@ def test_an_oversize_sample_is_refused_on_every_rank_naming_verls_key(patched_ve
     assert sorted(errors) == [0, 1, 2, 3], errors
     for name, message in errors.values():
         assert name == "StepAgreementError", (name, message)
-        assert "ppo_max_token_len_per_gpu" in message and "exceed the token cap 24" in message
+        assert f"({rollout}=24)" in message and "exceed the token cap 24" in message
+        assert f"Raise {rollout} to at least" in message
+        assert "actor_rollout_ref.actor.ppo_max_token_len_per_gpu" not in message
 
 
 @needs_verl
@@ -810,47 +815,75 @@ def test_a_placeholder_is_known_by_its_marker_not_its_content(patched_verl):
     assert not real and placeholder == [True, True]
 
 
-def _config_body(verl_root, overrides):
-    """verl's own config path on the driver: its generated trainer YAML, the overrides as Hydra's
-    parser reads a command line, then ``omega_conf_to_dataclass`` on the actor (what
-    ``validate_config`` runs before any worker). Returns the error, or None."""
+def _config_body(verl_root, cases):
+    """verl's own config path on the driver: its generated trainer YAML, each case's overrides as
+    Hydra's parser reads a command line, then verl's ``validate_config`` (what ``main_ppo.main``
+    runs before any worker; it builds the actor's and the critic's config dataclasses). Returns,
+    per case, the error or None, and the actor's flag as verl's dataclass reads it."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
     _import_verl(verl_root)
-    from verl.utils.config import omega_conf_to_dataclass
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
 
     path = pathlib.Path(verl_root) / "verl" / "trainer" / "config"
-    cfg = OmegaConf.load(path / "_generated_ppo_megatron_trainer.yaml")
-    for override in OverridesParser.create().parse_overrides(overrides):
-        OmegaConf.update(cfg, override.key_or_group, override.value(), force_add=True)
-    try:
-        actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
-    except Exception as error:  # hydra wraps the dataclass's error in its own
-        return {"error": f"{type(error).__name__}: {error}"}
-    return {"error": None, "flag": actor.megatron.use_dynamic_batch_size}
+    results = []
+    for overrides, use_critic in cases:
+        cfg = OmegaConf.load(path / "_generated_ppo_megatron_trainer.yaml")
+        for override in OverridesParser.create().parse_overrides(overrides):
+            OmegaConf.update(cfg, override.key_or_group, override.value(), force_add=True)
+        try:
+            validate_config(cfg, use_reference_policy=True, use_critic=use_critic)
+            actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+        except Exception as error:  # hydra wraps a dataclass's error in its own
+            results.append({"error": f"{type(error).__name__}: {error}"})
+            continue
+        results.append(
+            {"error": None, "flag": getattr(actor.megatron, "use_dynamic_batch_size", None)}
+        )
+    return results
+
+
+def _validate(verl_root, cases):
+    [results] = run_on_ranks(
+        1, _config_body, verl_root, cases, layout=Layout(), timeout_s=BODY_TIMEOUT_S
+    )
+    return results
+
+
+FLAG = "actor_rollout_ref.actor.megatron.use_dynamic_batch_size"
+#: verl's own checks want fixed micro-batch sizes without use_dynamic_bsz.
+FIXED = [
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+]
+ON = [f"{FLAG}=true", "actor_rollout_ref.actor.use_dynamic_bsz=true"]
+CRITIC_ON = [
+    "critic.megatron.use_dynamic_batch_size=true",
+    "critic.use_dynamic_bsz=true",
+]
+ACTOR_BUDGET = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
+ROLLOUT_BUDGET = "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"
+REF_BUDGET = "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"
+#: Bad budgets stock verl accepts at config time (they fail at the first batch, on the workers).
+BAD_BUDGETS = ("-1", "0", "null", "8k", "100.5")
 
 
 @needs_verl
 def test_config_refusals_happen_in_verls_own_config_parser(patched_verl):
-    """What a user types on verl's command line, through verl's own config code: refused at
-    config time, one line naming verl's key, before any worker starts."""
+    """What a user types on verl's command line, through verl's own ``validate_config``: refused
+    at config time, before any worker starts, one line naming verl's key for the pass it sets
+    (training, the rollout's log-probs, the reference's, the critic's)."""
     pytest.importorskip("hydra", reason="verl's config path instantiates through hydra-core")
-    flag = "actor_rollout_ref.actor.megatron.use_dynamic_batch_size"
-    # verl's own check first wants a micro-batch size without use_dynamic_bsz.
-    fixed = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]
-    on = [f"{flag}=true", "actor_rollout_ref.actor.use_dynamic_bsz=true"]
     cases = [
-        (fixed + [f"{flag}=off"], f"{flag}='off' is not a boolean (OmegaConf reads it as false"),
-        (fixed + [f"{flag}=yes_please"], "OmegaConf does not read it as a boolean either"),
-        (fixed + [f"{flag}=true"], "actor_rollout_ref.actor.use_dynamic_bsz=false"),
+        (FIXED + [f"{FLAG}=off"], f"{FLAG}='off' is not a boolean (OmegaConf reads it as false"),
+        (FIXED + [f"{FLAG}=yes_please"], "OmegaConf does not read it as a boolean either"),
+        (FIXED + [f"{FLAG}=true"], "actor_rollout_ref.actor.use_dynamic_bsz=false"),
+        (ON + ["actor_rollout_ref.actor.megatron.router_replay.mode=R2"], "mode='R2'"),
+        (ON + ["actor_rollout_ref.actor.router_replay.mode=R3"], "router_replay.mode='R3'"),
         (
-            on + ["actor_rollout_ref.actor.megatron.router_replay.mode=R2"],
-            "megatron.router_replay.mode='R2'",
-        ),
-        (on + ["actor_rollout_ref.actor.router_replay.mode=R3"], "router_replay.mode='R3'"),
-        (
-            on
+            ON
             + [
                 "actor_rollout_ref.actor.megatron.dynamic_context_parallel=true",
                 "actor_rollout_ref.actor.megatron.max_seqlen_per_dp_cp_rank=1024",
@@ -858,21 +891,156 @@ def test_config_refusals_happen_in_verls_own_config_parser(patched_verl):
             "dynamic_context_parallel=true",
         ),
         (
-            on
+            ON
             + [
                 "+actor_rollout_ref.actor.megatron.override_transformer_config."
                 "calculate_per_token_loss=true"
             ],
             "calculate_per_token_loss=true",
         ),
+        (
+            ON + ["actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=false"],
+            "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=false",
+        ),
     ]
-    for overrides, match in cases:
-        [result] = run_on_ranks(1, _config_body, patched_verl, overrides, layout=Layout())
+    cases += [(ON + [f"{ACTOR_BUDGET}={v}"], f"{ACTOR_BUDGET}=") for v in BAD_BUDGETS]
+    cases += [(ON + [f"{ROLLOUT_BUDGET}=-5"], f"{ROLLOUT_BUDGET}=-5 must be > 0")]
+    cases += [(ON + [f"{REF_BUDGET}=0"], f"{REF_BUDGET}=0 must be > 0")]
+    cases += [
+        (ON + CRITIC_ON + [f"critic.ppo_max_token_len_per_gpu={v}"], "critic.ppo_max_token_len_")
+        for v in ("0", "8k")
+    ]
+    cases += [
+        (
+            ON + CRITIC_ON + ["critic.ppo_infer_max_token_len_per_gpu=-3"],
+            "critic.ppo_infer_max_token_len_per_gpu=-3 must be > 0",
+        )
+    ]
+    memory = "actor_rollout_ref.actor.megatron.dynbatch.max_memory_gib"
+    cases += [(ON + [f"+{memory}={v}"], f"{memory}=") for v in ("-1", "0", "nan", "inf", "lots")]
+    dynbatch = "actor_rollout_ref.actor.megatron.dynbatch"
+    cases += [
+        (ON + [f"+{dynbatch}.planner=nope"], f"{dynbatch}.planner: no planner named"),
+        (
+            ON + [f"+{dynbatch}.max_memory_gb=70"],
+            f"{dynbatch} has unknown key(s) ['max_memory_gb']",
+        ),
+    ]
+    results = _validate(patched_verl, [(o, any("critic" in x for x in o)) for o, _ in cases])
+    for (overrides, match), result in zip(cases, results, strict=True):
         assert result["error"] and "DynBatchValueError" in result["error"], (overrides, result)
         assert match in result["error"], (overrides, result)
-    for overrides, flag_value in ((on, True), (fixed + [f"{flag}=false"], False), (fixed, False)):
-        [result] = run_on_ranks(1, _config_body, patched_verl, overrides, layout=Layout())
+        assert "\n" not in result["error"].split("DynBatchValueError: ")[-1], result
+    # The budget errors name the pass's own key, never another pass's.
+    for (overrides, _), result in zip(cases, results, strict=True):
+        if any(o.startswith(ROLLOUT_BUDGET) for o in overrides):
+            assert ACTOR_BUDGET not in result["error"], result
+    ok = [(ON, True), (FIXED + [f"{FLAG}=false"], False), (FIXED, False)]
+    # An empty (null) section reads as absent; a registered planner is accepted.
+    ok += [(ON + [f"{dynbatch}=null"], True), (ON + [f"+{dynbatch}.planner=dynbatch"], True)]
+    # (A critic that passes our checks goes on to verl's own HFModelConfig, which needs the real
+    # transformers; the critic's refusals above come first, before verl builds it.)
+    results = _validate(patched_verl, [(o, any("critic" in x for x in o)) for o, _ in ok])
+    for (overrides, flag_value), result in zip(ok, results, strict=True):
         assert result == {"error": None, "flag": flag_value}, (overrides, result)
+
+
+#: A model's ``config.json`` as Hugging Face writes it (a Qwen2-style 0.5B-class dense model and
+#: a small Qwen3-MoE-style one), for the memory budget at config time.
+DENSE_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+}
+MOE_CONFIG = dict(
+    DENSE_CONFIG,
+    architectures=["Qwen3MoeForCausalLM"],
+    num_experts=16,
+    num_experts_per_tok=4,
+    moe_intermediate_size=512,
+)
+
+
+@needs_verl
+@pytest.mark.parametrize("hf", [DENSE_CONFIG, MOE_CONFIG], ids=["dense", "moe"])
+def test_memory_budget_is_planned_at_config_time_naming_its_key(patched_verl, tmp_path, hf):
+    """``...megatron.dynbatch.max_memory_gib`` through verl's ``validate_config``: a budget too small for
+    a micro-batch at the token budget is refused naming the key and the smallest budget that
+    works; that budget is accepted, one a little smaller refused; the critic's key is its own."""
+    pytest.importorskip("hydra", reason="verl's config path instantiates through hydra-core")
+    import json
+    import re
+
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    memory = "actor_rollout_ref.actor.megatron.dynbatch.max_memory_gib"
+    base = ON + [
+        f"actor_rollout_ref.model.path={tmp_path}",
+        f"{ACTOR_BUDGET}=32768",
+        "trainer.n_gpus_per_node=4",
+        "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+    ]
+    [small] = _validate(patched_verl, [(base + [f"+{memory}=8"], False)])
+    assert "DynBatchValueError" in small["error"] and f"{memory}=8 is too small" in small["error"]
+    assert f"{ACTOR_BUDGET}=32768" in small["error"], small
+    need = float(re.search(r"set \S+ to at least ([0-9]+\.[0-9]+)", small["error"]).group(1))
+    lower = re.search(rf"lower {ACTOR_BUDGET} to at most (\d+)", small["error"])
+    cases = [
+        (base + [f"+{memory}={need}"], False),
+        (base + [f"+{memory}={need - 0.01:.3f}"], False),
+    ]
+    if lower:  # the token budget the error names fits the budget it was refused with
+        cases.append((base + [f"+{memory}=8", f"{ACTOR_BUDGET}={lower.group(1)}"], False))
+    critic = CRITIC_ON + [
+        f"critic.model.path={tmp_path}",
+        "+critic.megatron.dynbatch.max_memory_gib=1",
+    ]
+    cases.append((base + [f"+{memory}={need}"] + critic, True))
+    results = _validate(patched_verl, cases)
+    assert results[0] == {"error": None, "flag": True}, results[0]
+    assert "is too small" in results[1]["error"], results[1]
+    if lower:
+        assert results[2] == {"error": None, "flag": True}, results[2]
+    assert "critic.megatron.dynbatch.max_memory_gib=1 is too small" in results[-1]["error"]
+    print(
+        f"\n[verl max_memory_gib, {hf['architectures'][0]}] smallest {need} GiB; {small['error']}"
+    )
+
+
+@needs_verl
+def test_with_the_switch_off_patched_verl_validates_as_stock(patched_verl, stock_verl):
+    """The way back, on verl's config path: with the switch off (absent or false), every case,
+    bad values and cases where verl itself raises included, gives the patched tree's
+    ``validate_config`` the same result as the stock tree's."""
+    pytest.importorskip("hydra", reason="verl's config path instantiates through hydra-core")
+    dyn = ["actor_rollout_ref.actor.use_dynamic_bsz=true"]
+    cases = [
+        (FIXED, False),
+        ([], False),  # verl raises: no micro-batch size without use_dynamic_bsz
+        (dyn, False),
+        (dyn + [f"{ACTOR_BUDGET}={v}" for v in ("-1",)], False),
+        (dyn + [f"{ACTOR_BUDGET}=8k", f"{ROLLOUT_BUDGET}=-5"], False),
+        (FIXED + ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"], False),  # raises
+        (FIXED + ["actor_rollout_ref.actor.loss_agg_mode=nope"], False),  # verl raises
+        (dyn + ["critic.use_dynamic_bsz=true", "critic.ppo_max_token_len_per_gpu=0"], True),
+    ]
+    patched = _validate(patched_verl, cases)
+    off = _validate(patched_verl, [(o + [f"{FLAG}=false"], c) for o, c in cases])
+    stock = _validate(stock_verl, cases)
+    for case, mine, explicit, theirs in zip(cases, patched, off, stock, strict=True):
+        theirs = dict(theirs)
+        if theirs.get("error") is None:
+            assert theirs["flag"] is None  # the stock dataclass has no flag
+            theirs["flag"] = False  # the patched one's default
+        assert mine == theirs, (case, mine, theirs)
+        assert explicit == theirs, (case, explicit, theirs)
+    assert any(r["error"] for r in stock) and any(r["error"] is None for r in stock), stock
 
 
 #: verl's own CPU unit tests of what the patches touch (seqlen balancing and dynamic micro-batches,

@@ -6,6 +6,7 @@ import dataclasses
 import random
 import statistics
 import types
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -13,9 +14,10 @@ from hypothesis import strategies as st
 
 from megatron_dynbatch.adapters.slime import build_dp_schedule
 from megatron_dynbatch.planning import CostModel, ParallelLayout, PlannerConfig, plan_schedule
+from megatron_dynbatch.planning import planner as planner_module
 from megatron_dynbatch.planning.cost import microbatch_cost
 from megatron_dynbatch.planning.forward_only import fewest_forward_only_count, plan_forward_only
-from megatron_dynbatch.planning.shape import variable_rows
+from megatron_dynbatch.planning.shape import choose_shape, variable_rows
 from megatron_dynbatch.planning.simulate import _schedule_table
 
 pytestmark = pytest.mark.unit
@@ -39,15 +41,21 @@ def _config(cap, pp, vpp, variable, tp=1):
     )
 
 
+def _without_small_step_candidates(problem):
+    return choose_shape(dataclasses.replace(problem, disable_more_candidates=True))
+
+
 def _per_rank(rank_lengths, config):
-    """The plans this replaces: every rank planned alone, then topped up with placeholders."""
+    """The plans this replaces: every rank planned alone (by the training planner as it was then,
+    before the small-step candidates of issue 45), then topped up with placeholders."""
     micro_batches, rows = [], []
     for lengths in rank_lengths:
         if not lengths:
             micro_batches.append([])
             rows.append([])
             continue
-        [step] = plan_schedule(lengths, None, None, config=config).steps
+        with mock.patch.object(planner_module, "choose_shape", _without_small_step_candidates):
+            [step] = plan_schedule(lengths, None, None, config=config).steps
         micro_batches.append([list(mb) for mb in step.ranks[0]])
         if config.variable_row_lengths:
             rows.append(list(step.row_lengths[0]))
@@ -175,7 +183,8 @@ def _slime_args(budget, log_budget=None):
 
 
 def test_slime_reuses_the_training_micro_batches_only_when_no_pass_can_have_fewer():
-    rng = random.Random(1)
+    # A step whose training plan runs the fewest count (seed 1's now runs one more: faster).
+    rng = random.Random(2)
     lengths = [rng.randint(100, 4096) for _ in range(64)]
     train = {"dp_size": 4, "cp_size": 1, "vpp_size": 1, "microbatch_group_size_per_vp_stage": 2}
     ids = list(range(len(lengths)))

@@ -53,8 +53,17 @@ ALLOWED = {
         "runtime",
         "mcore",
         "integrations.hosts",
+        "integrations.host_memory",
     },
-    "integrations.verl": {"errors", "planning", "config", "runtime", "mcore", "integrations.hosts"},
+    "integrations.verl": {
+        "errors",
+        "planning",
+        "config",
+        "runtime",
+        "mcore",
+        "integrations.hosts",
+        "integrations.host_memory",
+    },
     "integrations.nemo_rl": {
         "errors",
         "planning",
@@ -68,6 +77,8 @@ ALLOWED = {
     "integrations.hosts": {"errors", "planning", "config"},
     # Megatron's arguments -> the memory model: every host that parses Megatron's flags.
     "integrations.model_args": {"errors", "planning"},
+    # A memory budget in a host's own key, from a Hugging Face config.json (verl, SkyRL).
+    "integrations.host_memory": {"errors", "planning", "config"},
     "adapters": {"integrations.slime"},
     "tools": {
         "errors",

@@ -315,9 +315,16 @@ def dynbatch_config_from_args(args: Any) -> DynBatchConfig:
     """
     values: Dict[str, Any] = {}
     config_path = getattr(args, "dynamic_batch_config", None)
+    given = _given(args)
     if config_path is not None:
-        values.update({k: v for k, v in load_yaml_config(config_path).items() if v is not None})
-    values.update(_given(args))
+        # Keys the command line overrides are not read from the file (nor refused there).
+        loaded = load_yaml_config(config_path, overridden=given)
+        values.update({k: v for k, v in loaded.items() if v is not None})
+    values.update(given)
+    # Imported here: it reads the machine (CUDA) through torch, which this module does not import.
+    from .attention import lenient_attention, requested_attention
+
+    values["attention"] = requested_attention(args, values.get("attention"))
     if values.get("max_tokens_per_gpu") is None and values.get("max_memory_gib") is not None:
         # Only a memory budget: no token cap of its own; the planner's cap is the longest row
         # the memory budget allows (PlannerConfig.token_cap), re-derived as calibration refits.
@@ -326,11 +333,13 @@ def dynbatch_config_from_args(args: Any) -> DynBatchConfig:
         values["layout"] = "padded"
     if values.get("cost_attention") is None:
         # The cost model describes the attention that runs: read it from Megatron's own flags.
+        # With torch-varlen (auto on CUDA) packed rows attend per segment: the default packed
+        # layout then plans one THD row a micro-batch ("segment"), padded rows "causal".
         values["cost_attention"] = attention_from_megatron(
             getattr(args, "transformer_impl", None),
             getattr(args, "attention_backend", None),
             values.get("layout") or "packed",
-            reference_thd=bool(getattr(args, "dynamic_batch_reference_thd_attention", False)),
+            core_attention=lenient_attention(args, values["attention"]),
         )
     if (
         values.get("cost_attention_weight") is None
@@ -375,7 +384,8 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
     config_path = getattr(args, "dynamic_batch_config", None)
     variable = getattr(args, VARIABLE_SEQ_LENGTHS_DEST, None) is not None
     if not getattr(args, "use_dynamic_batch_size", False):
-        stray = [FLAGS[field] for field in given]
+        # --dynamic-batch-attention picks the attention of every mode of the launch.
+        stray = [FLAGS[field] for field in given if field != "attention"]
         if config_path is not None:
             stray.append("--dynamic-batch-config")
         if variable:

@@ -76,6 +76,10 @@ from megatron_dynbatch.integrations.megatron_lm.arguments import (
     variable_seq_lengths,
 )
 from megatron_dynbatch.integrations.megatron_lm.calibration import Calibrator
+from megatron_dynbatch.integrations.megatron_lm.layout_checks import (
+    check_model_layout,
+    check_world_size,
+)
 from megatron_dynbatch.integrations.megatron_lm.memory import (
     StepMemory,
     check_memory_budget,
@@ -404,8 +408,13 @@ def configure(args: Any) -> Optional[DynamicBatchHooks]:
         (its flags are then refused by :func:`validate_dynamic_batch_args`).
     """
     global _hooks
+    # Megatron's own layout asserts, with flags and fixes (issue 44); layers and positions first,
+    # as the memory model below reads them.
+    check_model_layout(args)
     config = validate_dynamic_batch_args(args)
     _hooks = None if config is None else DynamicBatchHooks(args, config)
+    # Last: the other refusals are found in one process too (a launch without torchrun).
+    check_world_size(args)
     if _hooks is not None:
         _say_microbatches_are_planned()
     return _hooks
@@ -600,21 +609,22 @@ def _step_memory(args: Any, config: DynBatchConfig) -> Optional[StepMemory]:
                 f"dynamic batching: memory budget {budget / MIB:.0f} MiB per GPU ({source})",
                 flush=True,
             )
-    if budget is not None:
-        # The best estimate (no safety factor): refuse only a budget that cannot work.
-        limit = MemoryLimit(model=model, budget_bytes=budget, row_multiple=parallel.sample_multiple)
-        check_memory_budget(limit, getattr(args, "seq_length", None), FLAGS["max_memory_gib"])
     # With --variable-seq-lengths rows are multiples of VARIABLE_ROW_MULTIPLE: so are the caps.
     row_multiple = parallel.sample_multiple
     # (The process group does not exist yet: Megatron's --distributed-backend says what it will be.)
     if variable_seq_lengths(args, getattr(args, "distributed_backend", None), config.layout):
         row_multiple = math.lcm(row_multiple, VARIABLE_ROW_MULTIPLE)
-    return StepMemory(
+    memory = StepMemory(
         model=model,
         budget=budget,
         row_multiple=row_multiple,
         min_row=int(getattr(args, "seq_length", None) or 1),
     )
+    if budget is not None:
+        # The first step's arithmetic (its model and rows): a budget this passes trains.
+        limit = MemoryLimit(model=memory.current, budget_bytes=budget, row_multiple=row_multiple)
+        check_memory_budget(limit, getattr(args, "seq_length", None), FLAGS["max_memory_gib"])
+    return memory
 
 
 def _exchange_shapes(model_chunks: List[torch.nn.Module], on: bool) -> None:

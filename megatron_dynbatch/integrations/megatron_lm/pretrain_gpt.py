@@ -42,6 +42,11 @@ from megatron.training.arguments import parse_and_validate_args
 from megatron_dynbatch.cpu.training_shim import add_cpu_defaults, check_cpu_args
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.megatron_lm.arguments import add_dynamic_batch_args
+from megatron_dynbatch.integrations.megatron_lm.attention import (
+    THD_ATTENTIONS,
+    attention_of_args,
+    stock_rows_are_thd,
+)
 from megatron_dynbatch.integrations.megatron_lm.console import fail, print_rank_0
 from megatron_dynbatch.integrations.megatron_lm.data.blends import BLEND_WEIGHTS
 from megatron_dynbatch.integrations.megatron_lm.data.conversations import conversation_tokenizer
@@ -63,7 +68,7 @@ from megatron_dynbatch.mcore.forward import (
     make_forward_step,
 )
 from megatron_dynbatch.mcore.thd_attention import (
-    check_reference_attention_args,
+    ThdReferenceAttention,
     with_thd_reference_attention,
 )
 from megatron_dynbatch.runtime import microbatch_loss
@@ -112,10 +117,33 @@ def _one_line_parser_errors(parser: argparse.ArgumentParser) -> None:
     parser.error = error
 
 
+def _help_that_formats(parser: argparse.ArgumentParser) -> None:
+    """Escape a bare ``%`` in help texts argparse cannot format: megatron-core 0.19.2's
+    ``--moe-paged-stash-buffer-size-factor-cuda`` says "10%)", and ``--help`` stopped with
+    "unsupported format character ')'" instead of printing (issue 44: the help must say how
+    the entry is launched)."""
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if not action.help or action.help is argparse.SUPPRESS:
+            continue
+        try:
+            formatter._expand_help(action)
+        except (ValueError, TypeError, KeyError):
+            action.help = action.help.replace("%", "%%")
+
+
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron's ``extra_args_provider``: launch, dynamic-batching and CPU-default flags."""
     _one_line_parser_errors(parser)
-    return add_dynamic_batch_args(add_launch_args(add_cpu_defaults(parser)))
+    # --help says how it is launched (issue 44: `megatron-dynbatch pretrain` read as a launcher).
+    parser.description = (
+        "Megatron-LM GPT pretraining with megatron_dynbatch (one rank; run it under torchrun: "
+        "torchrun --nproc-per-node N -m megatron_dynbatch pretrain ..., or torchrun "
+        "--nproc-per-node N launch/pretrain_gpt_dynbatch.py ... in a checkout)."
+    )
+    parser = add_dynamic_batch_args(add_launch_args(add_cpu_defaults(parser)))
+    _help_that_formats(parser)
+    return parser
 
 
 def _uses_documents(args: Any) -> bool:
@@ -226,11 +254,38 @@ def _check_validation_data(args: Any, splits: Optional[list]) -> None:
             f"no validation data (no --valid-data-path), but --eval-iters {args.eval_iters} asks "
             f"for validation; {fix}give --valid-data-path."
         )
+    split = args.split or DEFAULT_SPLIT
+    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+
+    documents = _document_count(splits)
+    if parse_and_normalize_split(split)[1] > 0 and documents is not None:
+        # A validation share that rounds to no document (issue 44: 98,2,0 of 3 documents was
+        # told to pass 98,2,0): name a split that gives it one.
+        fix += (
+            f"give --split a validation share of at least one document, e.g. --split "
+            f"{documents - 1},1,0"
+            if documents > 1
+            else "give --data-path more than one document"
+        )
+        raise DynBatchValueError(
+            f"--split {split!r} gives validation (its second number) a share of the "
+            f"{documents} document(s) that rounds to none, but --eval-iters {args.eval_iters} "
+            f"asks for validation; {fix}."
+        )
     raise DynBatchValueError(
-        f"--split {args.split or DEFAULT_SPLIT!r} leaves the validation split (its second "
+        f"--split {split!r} leaves the validation split (its second "
         f"number) without data, but --eval-iters {args.eval_iters} asks for validation; {fix}"
         "give --split a validation share (e.g. 98,2,0) and enough documents for it."
     )
+
+
+def _document_count(splits: Optional[list]) -> Optional[int]:
+    """The documents the splits were cut from (one collection, not a blend), or ``None``."""
+    for split in splits or ():
+        documents = getattr(split, "documents", None)
+        if documents is not None:
+            return len(documents)
+    return None
 
 
 def _tokenizer_eod() -> Optional[int]:
@@ -251,19 +306,24 @@ def _document_loss(batch, per_token_loss: torch.Tensor):
     return numerator, denominator, report
 
 
-def document_forward_step(args: Any) -> Callable:
+def document_forward_step(args: Any, attention: Optional[str] = None) -> Callable:
     """``forward_step_func`` for document samples, fixed or planned micro-batches alike.
 
     The library's one forward step (:func:`megatron_dynbatch.mcore.forward.make_forward_step`)
-    with the token-mean loss: with the local transformer implementation attention stays inside
-    each sample by the block-diagonal mask of ``segment_ids`` (the layer spec takes it as an
-    arbitrary mask); with transformer-engine a packed row passes THD ``cu_seqlens`` and a padded
-    row uses the causal mask (one sample per row).
+    with the token-mean loss: with Megatron's local attention (``attention`` ``local``) attention
+    stays inside each sample by the block-diagonal mask of ``segment_ids`` (the layer spec takes
+    it as an arbitrary mask); with transformer-engine, torch-varlen or the reference a packed row
+    passes THD ``cu_seqlens`` and a padded row uses the causal mask (one sample per row).
+    ``attention``: the resolved ``--dynamic-batch-attention`` (default: from
+    ``--transformer-impl``).
     """
+    if attention is None:
+        attention = (
+            "transformer-engine" if args.transformer_impl == "transformer_engine" else "local"
+        )
     return make_forward_step(
         _document_loss,
-        thd=args.transformer_impl == "transformer_engine"
-        or args.dynamic_batch_reference_thd_attention,
+        thd=attention in THD_ATTENTIONS,
         to_device=True,
         timers=get_timers(),
     )
@@ -339,6 +399,37 @@ def _arbitrary_mask_spec(base_spec_fn):
     return spec
 
 
+_ATTENTION_WHAT = {
+    "transformer-engine": "Megatron's transformer-engine spec",
+    "torch-varlen": "torch flash kernels: varlen on THD rows, SDPA flash on the others",
+    "reference": "torch reference of transformer-engine's THD attention, dense",
+    "local": "Megatron's local attention",
+}
+
+
+def _core_attention(attention: str) -> Optional[type]:
+    """The ``core_attention`` module replacing the local spec's, or None (nothing replaced)."""
+    if attention == "reference":
+        return ThdReferenceAttention
+    if attention == "torch-varlen":
+        from megatron_dynbatch.mcore.varlen_attention import TorchVarlenAttention
+
+        return TorchVarlenAttention
+    return None
+
+
+def _yaml_attention(args: Any) -> Optional[str]:
+    """``attention`` of the ``--dynamic-batch-config`` YAML (read with dynamic batching only)."""
+    path = getattr(args, "dynamic_batch_config", None)
+    if not (args.use_dynamic_batch_size and path):
+        return None
+    from megatron_dynbatch.config import FLAGS, load_yaml_config
+
+    # Only this key: the others were read and checked with the arguments, where a key the
+    # command line overrides is skipped (issue 44); re-reading them here refused those again.
+    return load_yaml_config(path, overridden=set(FLAGS) - {"attention"}).get("attention")
+
+
 def _embedding_ranks(pp_ranks: Sequence[int]) -> List[int]:
     """Ranks holding the word embeddings: first stage, and the last one when they are tied."""
     ranks = {pp_ranks[0]}
@@ -379,7 +470,9 @@ def main(
         check_stock_args(args)
         # .idx/.bin checked before the model is built (issue 19), documents' ends too (issue 37)
         validate_data_paths(args, eod=_tokenizer_eod())
-        check_reference_attention_args(args, document_samples=_uses_documents(args))
+        attention = attention_of_args(
+            args, document_samples=_uses_documents(args), yaml_value=_yaml_attention(args)
+        )
         splits = None
         if args.blend_weights is not None and (
             datasets_provider is not None or not _uses_documents(args)
@@ -405,7 +498,9 @@ def main(
         args.eval_interval = args.train_iters or max(
             1, (args.train_samples or 0) // args.global_batch_size
         )
+    print_rank_0(f"> core attention: {attention} ({_ATTENTION_WHAT[attention]})")
     model_config = gpt_config_from_args(args)
+    core = _core_attention(attention)
     if _uses_documents(args) or datasets_provider is not None:
         if args.use_dynamic_batch_size:
             # The planner, not a torch DataLoader, batches the samples (hooks).
@@ -414,14 +509,29 @@ def main(
             from megatron.training.models.gpt import default_layer_spec
 
             spec = _arbitrary_mask_spec
-            if args.dynamic_batch_reference_thd_attention:
-                spec = with_thd_reference_attention  # THD as on GPUs (mcore/thd_attention.py)
+            if core is not None:  # THD as on GPUs (mcore/thd_attention.py, varlen_attention.py)
+                spec = partial(with_thd_reference_attention, core_attention=core)
             model_config.transformer_layer_spec = spec(default_layer_spec)
         provider = partial(document_datasets_provider, splits=splits)
         provider.is_distributed = True  # read by Megatron from the provider object
-        forward_step = document_forward_step(args)
+        forward_step = document_forward_step(args, attention)
     else:
         provider, forward_step = stock_datasets_provider, stock_forward_step
+        if core is not None:
+            # Megatron's stock path: windows (causal) and, with
+            # --dataloader-inter-document-masking, THD rows, which the local attention refuses.
+            from megatron.training.models.gpt import default_layer_spec
+
+            model_config.transformer_layer_spec = with_thd_reference_attention(
+                default_layer_spec, core_attention=core
+            )
+        if stock_rows_are_thd(args, document_samples=False) and (
+            args.pipeline_model_parallel_size > 1 and args.micro_batch_size > 1
+        ):
+            # Megatron flattens a THD micro-batch to one row of MBS x S tokens, but its pipeline
+            # sends use the fixed [S, MBS, H] shape: the next stage would read the row as MBS
+            # rows of S (megatron-core 0.19.2). Exchanging each micro-batch's shape keeps it.
+            model_config.transformer.variable_seq_lengths = True
     config = pretrain_cfg_container_from_args(args, model_config)
     # The training peak of fixed micro-batches too, measured as the planned steps' (memory.py).
     peak = TrainingPeak()

@@ -263,6 +263,7 @@ def planned_microbatch_iterator(
     microbatch_group_size_per_vp_stage: Optional[int] = None,
     tp_size: int = 1,
     cp_size: int = 1,
+    planner: Optional[str] = None,
     what: str = "SkyRL mini-batch",
 ) -> PlannedBatchIterator:
     """Gather every DP rank's token counts, plan, agree, and return this rank's iterator.
@@ -280,6 +281,7 @@ def planned_microbatch_iterator(
         microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
         tp_size=tp_size,
         cp_size=cp_size,
+        planner=planner,
     )
     if not dist.is_initialized():
         plan = plan_skyrl_minibatch([_real_tokens(data)], max_tokens_per_microbatch, **kwargs)

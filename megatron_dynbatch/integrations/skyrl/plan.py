@@ -44,6 +44,7 @@ def plan_skyrl_minibatch(
     microbatch_group_size_per_vp_stage: Optional[int] = None,
     tp_size: int = 1,
     cp_size: int = 1,
+    planner: Optional[str] = None,
 ) -> SkyrlPlan:
     """Plan one mini-batch whose samples are already sharded over the DP ranks.
 
@@ -57,6 +58,9 @@ def plan_skyrl_minibatch(
         tp_size: Tensor-parallel size (the planner pads each sample to a multiple of it).
         cp_size: Context-parallel size: each sample is padded to ``tp x cp x 2`` (SkyRL's THD
             alignment), and the budget still caps the whole micro-batch.
+        planner: ``trainer.dynamic_batch_planner``: the strategy registered by this name plans
+            each rank's samples (:func:`~megatron_dynbatch.planning.strategies.run_strategy`);
+            ``None``: ours.
 
     Returns:
         The :class:`SkyrlPlan`, identical on every rank given the same lengths.
@@ -74,7 +78,12 @@ def plan_skyrl_minibatch(
     )
     with SKYRL.flags():
         config = host_config(
-            SKYRL, {"max_tokens_per_microbatch": max_tokens_per_microbatch}, parallel
+            SKYRL,
+            {
+                "max_tokens_per_microbatch": max_tokens_per_microbatch,
+                "dynamic_batch_planner": planner,
+            },
+            parallel,
         )
     multiple = parallel.sample_multiple
     return plan_host_step(

@@ -2,8 +2,17 @@
 
 The flag changes only the Megatron worker's micro-batches, so a config that sets it where it would
 do nothing is refused at start-up, one line naming the keys and the fix, instead of training as if
-it were off (``strategy=fsdp``), failing at the first step (no ``max_tokens_per_microbatch``) or
-reading a typo as on (``use_dynamic_batch_size=yes_please`` is a non-empty string).
+it were off (``strategy=fsdp``), failing at the first step (no ``max_tokens_per_microbatch``, or
+one that is not a whole number of tokens) or reading a typo as on
+(``use_dynamic_batch_size=yes_please`` is a non-empty string).
+
+``trainer.max_memory_gib`` (patch 0001 adds it beside the flag): the GiB one training GPU may
+hold at its peak. With the flag on it is planned at config time against the policy's (and a
+critic's) ``config.json`` under their ``megatron_config`` layout: a micro-batch of
+``max_tokens_per_microbatch`` tokens (SkyRL's budget caps the whole micro-batch, whatever the
+context-parallel size) must fit every pipeline stage, else it is refused naming the key, the
+smallest budget that works and the largest token budget that fits
+(:mod:`megatron_dynbatch.integrations.host_memory`).
 
 Standard library only: SkyRL's config validation runs on the driver, before any worker.
 """
@@ -13,33 +22,122 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.integrations.hosts import SKYRL, check_host_budget
+from megatron_dynbatch.integrations.hosts import SKYRL
 
 __all__ = ["validate_trainer_config"]
 
+SWITCH = "trainer.use_dynamic_batch_size"
+BUDGET = SKYRL.key("max_tokens_per_gpu")
+MEMORY = "trainer.max_memory_gib"
+
+
+def _budget(value: Any) -> int:
+    """``max_tokens_per_microbatch`` as a positive ``int``, else one line naming it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        shown = "null" if value is None else repr(value)
+        raise DynBatchValueError(
+            f"{BUDGET}={shown} must be a whole number of tokens with {SWITCH}=true, e.g. "
+            f"{BUDGET}=8192."
+        )
+    if value < 1:
+        raise DynBatchValueError(
+            f"{BUDGET}={value} must be > 0 with {SWITCH}=true; set it to the tokens of one "
+            f"micro-batch, e.g. {BUDGET}=8192."
+        )
+    return value
+
+
+def _check_planner(name: Any) -> None:
+    """``trainer.dynamic_batch_planner``: a strategy registered by that name, planning SkyRL's
+    packed rows (``None``: ours)."""
+    if name is None:
+        return
+    from megatron_dynbatch.planning.strategies import get_strategy, required_layout
+
+    key = SKYRL.key("planner")
+    try:
+        get_strategy(name)
+    except ValueError as error:
+        raise DynBatchValueError(f"{key}={name!r}: {error}") from None
+    if required_layout(name) not in (None, "packed"):
+        raise DynBatchValueError(
+            f"{key}={name!r} plans {required_layout(name)} rows only; SkyRL's Megatron worker "
+            f"runs packed rows: pick another planner or drop {key}."
+        )
+
+
+def _check_memory(trainer: Any, budget: int) -> None:
+    from megatron_dynbatch.integrations.host_memory import (
+        check_memory_budget,
+        hf_model_config,
+        hf_model_dims,
+        host_memory_limit,
+        parse_gib,
+    )
+    from megatron_dynbatch.planning.spec import ParallelLayout
+
+    gib = parse_gib(getattr(trainer, "max_memory_gib", None), MEMORY)
+    if gib is None:
+        return
+    placement = getattr(trainer, "placement", None)
+    for role in ("policy", "critic"):
+        section = getattr(trainer, role, None)
+        path = getattr(getattr(section, "model", None), "path", None)
+        if section is None or (role == "critic" and not path):
+            continue
+        megatron = getattr(section, "megatron_config", None)
+        tp = int(getattr(megatron, "tensor_model_parallel_size", 1) or 1)
+        pp = int(getattr(megatron, "pipeline_model_parallel_size", 1) or 1)
+        cp = int(getattr(megatron, "context_parallel_size", 1) or 1)
+        gpus = int(getattr(placement, f"{role}_num_gpus_per_node", 1) or 1) * int(
+            getattr(placement, f"{role}_num_nodes", 1) or 1
+        )
+        parallel = ParallelLayout(
+            dp_size=max(1, gpus // (tp * pp * cp)), tp_size=tp, pp_size=pp, cp_size=cp
+        )
+        hf = hf_model_config(path, key=MEMORY, path_key=f"trainer.{role}.model.path")
+        dims = hf_model_dims(
+            hf,
+            parallel,
+            # SkyRL turns Megatron's sequence parallelism on whenever tp > 1.
+            sequence_parallel=tp > 1,
+            ep_size=int(getattr(megatron, "expert_model_parallel_size", 1) or 1),
+        )
+        kwargs = getattr(megatron, "transformer_config_kwargs", None) or {}
+        limit = host_memory_limit(
+            gib, dims, distributed_optimizer=True, recompute=kwargs.get("recompute_granularity")
+        )
+        check_memory_budget(
+            limit, budget, key=MEMORY, gib=gib, token_key=BUDGET, token_value=budget
+        )
+
 
 def validate_trainer_config(trainer: Any) -> None:
-    """Refuse a SkyRL ``trainer`` config whose ``use_dynamic_batch_size`` would do nothing.
+    """Refuse a SkyRL ``trainer`` config whose ``use_dynamic_batch_size`` would do nothing, or
+    whose budgets cannot be planned.
 
     Args:
         trainer: SkyRL's ``TrainerConfig`` (``cfg.trainer``). Read: ``use_dynamic_batch_size``,
-            ``strategy``, ``max_tokens_per_microbatch``.
+            ``strategy``, ``max_tokens_per_microbatch``, ``max_memory_gib``, and for the memory
+            budget the policy's and critic's ``model.path`` and ``megatron_config`` and the
+            placement's GPU counts.
 
     Raises:
         DynBatchValueError: the flag is not a boolean; it is on with a strategy other than
-            ``megatron``; it is on without ``max_tokens_per_microbatch > 0``.
+            ``megatron``; it is on without ``max_tokens_per_microbatch`` a whole number > 0; the
+            memory budget is not a number of GiB > 0, or too small for one micro-batch.
     """
     flag = trainer.use_dynamic_batch_size
     if not isinstance(flag, bool):
-        raise DynBatchValueError(
-            f"trainer.use_dynamic_batch_size={flag!r} is not a boolean; set it to true or false."
-        )
+        raise DynBatchValueError(f"{SWITCH}={flag!r} is not a boolean; set it to true or false.")
     if not flag:
         return
     if trainer.strategy != "megatron":
         raise DynBatchValueError(
-            f"trainer.use_dynamic_batch_size=true plans the Megatron worker's micro-batches only; "
+            f"{SWITCH}=true plans the Megatron worker's micro-batches only; "
             f"trainer.strategy={trainer.strategy!r} would ignore it: set trainer.strategy=megatron "
-            "or trainer.use_dynamic_batch_size=false."
+            f"or {SWITCH}=false."
         )
-    check_host_budget(SKYRL, trainer.max_tokens_per_microbatch)
+    budget = _budget(trainer.max_tokens_per_microbatch)
+    _check_planner(getattr(trainer, "dynamic_batch_planner", None))
+    _check_memory(trainer, budget)

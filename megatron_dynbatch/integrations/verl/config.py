@@ -12,6 +12,17 @@ as the string ``'off'`` and verl's ``hydra.utils.instantiate`` passes it on unco
 reads a non-empty string as true, OmegaConf's ``BooleanNode`` as false. Neither reading may win
 silently, so any value that is not ``True``/``False`` is refused, naming how OmegaConf reads it.
 
+Where: ``patches/verl/0001`` calls :func:`check_verl_config` from verl's ``validate_config``
+(``verl/utils/config.py``, run by ``main_ppo.main`` before any worker or Ray actor starts) when the
+actor's or the critic's ``megatron.use_dynamic_batch_size`` is not ``False``: it sees the whole
+trainer config, so each pass's own budget key is checked where the user set it (training:
+``actor_rollout_ref.actor.ppo_max_token_len_per_gpu``; old log-probs:
+``actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu``; reference log-probs:
+``actor_rollout_ref.ref.log_prob_max_token_len_per_gpu``; critic: ``critic.ppo_max_token_len_per_gpu``
+and ``critic.ppo_infer_max_token_len_per_gpu``), and the memory budget
+``...megatron.dynbatch.max_memory_gib`` is planned against the model's ``config.json``
+(:mod:`megatron_dynbatch.integrations.host_memory`).
+
 Standard library only (``omegaconf`` only to say how it would read a value): it runs on verl's
 driver.
 """
@@ -22,10 +33,55 @@ from typing import Any, Optional
 
 from megatron_dynbatch.errors import DynBatchValueError
 
-__all__ = ["check_engine_config", "check_role_config", "parse_flag"]
+__all__ = [
+    "BUDGET_KEYS",
+    "budget_key",
+    "check_budget",
+    "check_engine_config",
+    "check_role_config",
+    "check_verl_config",
+    "dynbatch_settings",
+    "parse_flag",
+]
 
 #: Where verl's actor keeps its Megatron engine config (the critic's is ``critic.megatron``).
 ACTOR = "actor_rollout_ref.actor"
+#: The budget key of each engine and pass, as verl's workers read them at the pinned commit:
+#: ``(engine, forward_only) -> key``. The actor's log-prob pass reads the rollout's key, the
+#: reference's its own (``engine_workers.py``); verl's v1 trainer (``trainer.use_v1``, its default)
+#: gives the critic's training pass ``ppo_infer_max_token_len_per_gpu`` too (``trainer_base.py``).
+BUDGET_KEYS = {
+    ("actor", False): f"{ACTOR}.ppo_max_token_len_per_gpu",
+    ("actor", True): "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+    ("ref", True): "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+    ("critic", False): "critic.ppo_max_token_len_per_gpu (critic.ppo_infer_max_token_len_per_gpu "
+    "with trainer.use_v1=true)",
+    ("critic", True): "critic.ppo_infer_max_token_len_per_gpu",
+}
+
+
+def budget_key(engine: str, forward_only: bool) -> str:
+    """verl's budget key of ``engine`` (``actor``, ``ref``, ``critic``) for a pass."""
+    if engine == "ref":
+        return BUDGET_KEYS[("ref", True)]
+    return BUDGET_KEYS[(engine, forward_only)]
+
+
+def check_budget(value: Any, key: str, switch: str) -> int:
+    """A token budget as verl's engine reads it: a positive ``int``, else one line naming ``key``
+    (verl itself reads ``-1``, ``0``, ``null``, ``'8k'`` or ``100.5`` only at the first batch)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        shown = "null" if value is None else repr(value)
+        raise DynBatchValueError(
+            f"{key}={shown} must be a whole number of tokens per GPU with {switch}=true, e.g. "
+            f"{key}=16384."
+        )
+    if value < 1:
+        raise DynBatchValueError(
+            f"{key}={value} must be > 0 with {switch}=true; set it to the tokens one GPU holds in "
+            f"a micro-batch, e.g. {key}=16384."
+        )
+    return value
 
 
 def _omegaconf_reading(value: Any) -> Optional[bool]:
@@ -121,3 +177,176 @@ def check_role_config(config: Any, *, role: str = ACTOR) -> None:
             f"{role}.router_replay.mode={replay!r} is not supported with {key}=true; set it to "
             f"disabled or {key}=false."
         )
+
+
+_ABSENT = object()
+
+
+def _get(node: Any, dotted: str, default: Any = None) -> Any:
+    """``node.a.b`` of an OmegaConf config, a mapping or an object; ``default`` where a key is
+    absent (an explicit ``null`` is ``None``: a user's value, checked like any other)."""
+    for part in dotted.split("."):
+        if node is None or node is _ABSENT:
+            return default
+        if hasattr(node, "get") and not isinstance(node, type):
+            node = node.get(part, _ABSENT)
+        else:
+            node = getattr(node, part, _ABSENT)
+    return default if node is _ABSENT else node
+
+
+#: What ``megatron.dynbatch`` (verl's one dict option for megatron_dynbatch's settings) may hold.
+DYNBATCH_KEYS = ("max_memory_gib", "planner")
+
+
+def dynbatch_settings(section: Any, role: str) -> dict:
+    """``{role}.megatron.dynbatch`` as a plain dict (``null`` or absent: empty, as if not set).
+
+    Raises:
+        DynBatchValueError: a key it does not know (a typo would otherwise be ignored), or a
+            planner no strategy is registered as, naming verl's key.
+    """
+    raw = _get(section, "megatron.dynbatch", None)
+    if raw is None:
+        return {}
+    items = dict(raw.items()) if hasattr(raw, "items") else None
+    where = f"{role}.megatron.dynbatch"
+    if items is None:
+        raise DynBatchValueError(
+            f"{where}={raw!r} must be a mapping of {', '.join(DYNBATCH_KEYS)}, e.g. "
+            f"+{where}.max_memory_gib=70."
+        )
+    unknown = sorted(set(items) - set(DYNBATCH_KEYS))
+    if unknown:
+        raise DynBatchValueError(
+            f"{where} has unknown key(s) {unknown}; it takes {', '.join(DYNBATCH_KEYS)}."
+        )
+    planner = items.get("planner")
+    if planner is not None:
+        from megatron_dynbatch.planning.strategies import get_strategy
+
+        try:
+            get_strategy(planner)
+        except ValueError as error:
+            raise DynBatchValueError(f"{where}.planner: {error}") from None
+    return items
+
+
+def _memory(config: Any, role: str, section: Any, token_key: str, tokens: int) -> None:
+    """``{role}.megatron.dynbatch.max_memory_gib``: a micro-batch at the training budget fits."""
+    from megatron_dynbatch.integrations.host_memory import (
+        check_memory_budget,
+        hf_model_config,
+        hf_model_dims,
+        host_memory_limit,
+        parse_gib,
+    )
+    from megatron_dynbatch.planning.spec import ParallelLayout
+
+    key = f"{role}.megatron.dynbatch.max_memory_gib"
+    gib = parse_gib(dynbatch_settings(section, role).get("max_memory_gib"), key)
+    if gib is None:
+        return
+    megatron = _get(section, "megatron")
+    model_key = "actor_rollout_ref.model.path" if role == ACTOR else "critic.model.path"
+    path = _get(config, model_key)
+    hf = hf_model_config(path, key=key, path_key=model_key)
+    tp = int(_get(megatron, "tensor_model_parallel_size") or 1)
+    pp = int(_get(megatron, "pipeline_model_parallel_size") or 1)
+    cp = int(_get(megatron, "context_parallel_size") or 1)
+    vpp = int(_get(megatron, "virtual_pipeline_model_parallel_size") or 1)
+    gpus = int(_get(config, "trainer.n_gpus_per_node") or 1) * int(
+        _get(config, "trainer.nnodes") or 1
+    )
+    parallel = ParallelLayout(
+        dp_size=max(1, gpus // (tp * pp * cp)),
+        tp_size=tp,
+        pp_size=pp,
+        cp_size=cp,
+        vpp_size=vpp,
+        microbatch_group_size_per_vp_stage=pp if vpp > 1 else None,
+    )
+    dims = hf_model_dims(
+        hf,
+        parallel,
+        params_dtype="fp32" if str(_get(megatron, "dtype", "bfloat16")) == "float32" else "bf16",
+        sequence_parallel=bool(_get(megatron, "sequence_parallel", True)) and tp > 1,
+        ep_size=int(_get(megatron, "expert_model_parallel_size") or 1),
+    )
+    overrides = _get(megatron, "override_transformer_config", {}) or {}
+    limit = host_memory_limit(
+        gib,
+        dims,
+        distributed_optimizer=bool(_get(megatron, "use_distributed_optimizer", True)),
+        recompute=overrides.get("recompute_granularity"),
+    )
+    # verl's micro-batch holds cp x the per-GPU budget, split over the CP ranks.
+    check_memory_budget(
+        limit, tokens * cp, key=key, gib=gib, token_key=token_key, token_value=tokens
+    )
+
+
+def check_verl_config(config: Any, *, use_reference_policy: bool, use_critic: bool) -> None:
+    """verl's whole trainer config (``validate_config``), with the switch on in the actor or the
+    critic: each role's settings (:func:`check_role_config`), each pass's budget key
+    (:data:`BUDGET_KEYS`) and the memory budget, one line naming verl's key.
+
+    Raises:
+        DynBatchValueError: the first setting refused.
+    """
+    actor = _get(config, ACTOR)
+    if actor is not None and _get(actor, "megatron") is not None:
+        flag = _get(actor, "megatron.use_dynamic_batch_size", False)
+        if flag is not False:
+            switch = f"{ACTOR}.megatron.use_dynamic_batch_size"
+            check_role_config(actor, role=ACTOR)
+            dynbatch_settings(actor, ACTOR)
+            key = BUDGET_KEYS[("actor", False)]
+            tokens = check_budget(_get(actor, "ppo_max_token_len_per_gpu"), key, switch)
+            rollout = "actor_rollout_ref.rollout"
+            if not parse_flag(
+                _get(config, f"{rollout}.log_prob_use_dynamic_bsz", False),
+                f"{rollout}.log_prob_use_dynamic_bsz",
+            ):
+                # verl's worker asserts the two agree, after the cluster has started.
+                raise DynBatchValueError(
+                    f"{rollout}.log_prob_use_dynamic_bsz=false with {ACTOR}.use_dynamic_bsz=true: "
+                    f"verl's worker requires them equal; set {rollout}.log_prob_use_dynamic_bsz="
+                    f"true (with {BUDGET_KEYS[('actor', True)]})."
+                )
+            check_budget(
+                _get(config, f"{rollout}.log_prob_max_token_len_per_gpu"),
+                BUDGET_KEYS[("actor", True)],
+                switch,
+            )
+            ref = "actor_rollout_ref.ref"
+            if use_reference_policy and _get(config, f"{ref}.log_prob_use_dynamic_bsz", False):
+                check_budget(
+                    _get(config, f"{ref}.log_prob_max_token_len_per_gpu"),
+                    BUDGET_KEYS[("ref", True)],
+                    switch,
+                )
+            _memory(config, ACTOR, actor, key, tokens)
+    critic = _get(config, "critic")
+    if not use_critic or critic is None or _get(critic, "megatron") is None:
+        return
+    if _get(critic, "megatron.use_dynamic_batch_size", False) is False:
+        return
+    switch = "critic.megatron.use_dynamic_batch_size"
+    check_role_config(critic, role="critic")
+    dynbatch_settings(critic, "critic")
+    tokens = check_budget(
+        _get(critic, "ppo_max_token_len_per_gpu"), "critic.ppo_max_token_len_per_gpu", switch
+    )
+    infer = check_budget(
+        _get(critic, "ppo_infer_max_token_len_per_gpu", 32768),
+        BUDGET_KEYS[("critic", True)],
+        switch,
+    )
+    if _get(config, "trainer.use_v1", False) is True:
+        # verl's v1 trainer trains the critic at ppo_infer_max_token_len_per_gpu (trainer_base.py).
+        tokens = infer
+        key = BUDGET_KEYS[("critic", True)]
+    else:
+        key = "critic.ppo_max_token_len_per_gpu"
+    _memory(config, "critic", critic, key, tokens)

@@ -52,20 +52,23 @@ built model's config.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.integrations.hosts import VERL, host_config, plan_host_step
+from megatron_dynbatch.integrations.hosts import VERL, Host, host_config, plan_host_step
 from megatron_dynbatch.planning import ParallelLayout, PlannerConfig
 from megatron_dynbatch.planning.sharded import ShardedPlan
 
 __all__ = [
     "PlannedMicroBatches",
     "check_engine",
+    "engine_role",
     "placeholder_micro_batch",
     "plan_verl_batch",
     "postprocess",
     "prepare_micro_batches",
+    "verl_host",
     "verl_planner_config",
 ]
 
@@ -92,6 +95,12 @@ class PlannedMicroBatches(list):
         """Micro-batches the schedule runs on every rank (real + placeholder)."""
         return self.plan.num_microbatches
 
+    def postprocess(
+        self, losses_reduced: Sequence[Any], data: Any, postprocess_batch_func: Callable[..., Any]
+    ) -> Any:
+        """:func:`postprocess` of this plan (what verl's patched engine calls)."""
+        return postprocess(losses_reduced, self, data, postprocess_batch_func)
+
     def real_outputs(self, outputs: Sequence[Any]) -> List[Any]:
         """The real micro-batches' entries of Megatron's ``losses_reduced`` (placeholders dropped).
 
@@ -109,7 +118,8 @@ class PlannedMicroBatches(list):
 def check_engine(engine: Any, data: Any, tu: Any) -> None:
     """Refuse settings the planned path does not support, naming the verl key to change."""
     config = engine.engine_config
-    off = "or set actor_rollout_ref.actor.megatron.use_dynamic_batch_size=false"
+    role = "critic" if engine_role(engine) == "critic" else "actor_rollout_ref.actor"
+    off = f"or set {role}.megatron.use_dynamic_batch_size=false"
     if getattr(config, "dynamic_context_parallel", False):
         raise DynBatchValueError(
             "megatron.dynamic_context_parallel=true has its own micro-batch scheduler; turn it off "
@@ -153,8 +163,11 @@ def verl_planner_config(
     tp_size: int,
     cp_size: int,
     packed: bool,
+    host: Optional[Host] = None,
+    planner: Optional[str] = None,
 ) -> PlannerConfig:
-    """The planner config of one rank's samples under verl's budget (``max_token_len_per_gpu``).
+    """The planner config of one rank's samples under verl's budget (``max_token_len_per_gpu``);
+    ``planner``: the strategy ``megatron.dynbatch.planner`` names (default ours).
 
     Raises:
         DynBatchValueError: when the budget is not a positive integer, naming verl's keys.
@@ -170,32 +183,61 @@ def verl_planner_config(
         cp_size=cp_size,
     )
     return host_config(
-        VERL,
+        host or VERL,
         {"max_token_len_per_gpu": budget},
         parallel,
-        fixed={"layout": "packed" if packed else "padded"},
+        fixed={
+            "layout": "packed" if packed else "padded",
+            **({"planner": planner} if planner else {}),
+        },
     )
 
 
+def verl_host(engine: str = "actor", forward_only: bool = False) -> Host:
+    """The :data:`~megatron_dynbatch.integrations.hosts.VERL` record naming the budget key of
+    ``engine`` (``actor``, ``ref``, ``critic``) for this pass (:data:`.config.BUDGET_KEYS`)."""
+    from megatron_dynbatch.integrations.verl.config import budget_key
+
+    key = budget_key(engine, forward_only)
+    return replace(VERL, keys={**VERL.keys, "max_tokens_per_gpu": key})
+
+
+def engine_role(engine: Any) -> str:
+    """Which of verl's engines this is: ``critic`` (a value head), ``ref`` (a forward-only engine
+    config: the reference model) or ``actor``."""
+    if "ValueHead" in type(engine).__name__:
+        return "critic"
+    if getattr(getattr(engine, "engine_config", None), "forward_only", False):
+        return "ref"
+    return "actor"
+
+
 def plan_verl_batch(
-    lengths_per_rank: Sequence[Sequence[int]], config: PlannerConfig
+    lengths_per_rank: Sequence[Sequence[int]],
+    config: PlannerConfig,
+    *,
+    host: Optional[Host] = None,
 ) -> ShardedPlan:
     """Every DP rank's micro-batches of one verl batch, from every rank's lengths.
 
     The lengths, the budget and oversize samples are checked by
     :func:`~megatron_dynbatch.integrations.hosts.plan_host_step`, in verl's keys.
 
+    ``host``: :func:`verl_host` of the engine and pass (names their budget key); the actor's
+    training pass by default.
+
     Raises:
         DynBatchValueError: for a rank without samples, a sample without tokens, or a sample whose
             real tokens exceed the cap (naming the rank, the sample and verl's keys).
     """
+    host = host or VERL
     for rank, lengths in enumerate(lengths_per_rank):
         if not lengths:
             raise DynBatchValueError(
                 f"DP rank {rank} holds no sample; verl's dispatch gives every DP rank a shard "
                 "(its batch must be divisible by the data-parallel size)."
             )
-    return plan_host_step(VERL, lengths_per_rank, config)
+    return plan_host_step(host, lengths_per_rank, config)
 
 
 def placeholder_micro_batch(data: Any, template_index: int, tu: Any) -> Any:
@@ -226,14 +268,15 @@ def placeholder_micro_batch(data: Any, template_index: int, tu: Any) -> Any:
 
 
 def prepare_micro_batches(
-    engine: Any, data: Any, *, vpp_size: Optional[int] = None
+    engine: Any, data: Any, vpp_size: Optional[int] = None, forward_only: bool = False
 ) -> Tuple[List[Any], PlannedMicroBatches]:
     """This DP rank's micro-batches of ``data`` (its shard of the batch) and verl's ``indices``.
 
     Every DP rank of the engine calls it for the same step (verl's workers run
     ``forward_backward_batch`` together). Reads the budget from ``data["max_token_len_per_gpu"]``
     (set by verl's worker from ``ppo_max_token_len_per_gpu`` / ``log_prob_max_token_len_per_gpu``)
-    and the layout from Megatron's ``parallel_state`` and the engine's config.
+    and the layout from Megatron's ``parallel_state`` and the engine's config. Messages name the
+    budget key of this engine and pass (:func:`engine_role`, ``forward_only``).
 
     Raises:
         StepAgreementError: on every DP rank when any rank failed (naming the rank and why).
@@ -245,6 +288,7 @@ def prepare_micro_batches(
     from megatron_dynbatch.mcore.agreement import gather_lengths, step_agreement
 
     vpp = vpp_size or 1
+    host = verl_host(engine_role(engine), forward_only)
     group = engine.get_data_parallel_group()
     what = "verl forward_backward_batch"
     with step_agreement(group, what=f"{what}: checking this rank's samples"):
@@ -259,6 +303,9 @@ def prepare_micro_batches(
             tp_size=mpu.get_tensor_model_parallel_world_size(),
             cp_size=engine.engine_config.context_parallel_size,
             packed=bool(engine.engine_config.use_remove_padding),
+            host=host,
+            # verl's one dict option (megatron.dynbatch): the strategy registered by this name.
+            planner=(getattr(engine.engine_config, "dynbatch", None) or {}).get("planner"),
         )
         real = _lengths(data)
         lengths = real
@@ -271,7 +318,7 @@ def prepare_micro_batches(
     gathered = gather_lengths(lengths, group)
     dp_rank = dist.get_rank(group)
     with step_agreement(group, what=f"{what}: planning") as agreement:
-        plan = plan_verl_batch(gathered, config)
+        plan = plan_verl_batch(gathered, config, host=host)
         agreement.fingerprint = plan.fingerprint()
         indices = PlannedMicroBatches(plan, dp_rank)
         micro_batches = [tu.index_select_tensor_dict(data, mb) for mb in indices]

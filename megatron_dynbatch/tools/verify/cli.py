@@ -25,7 +25,7 @@ from megatron_dynbatch.tools.verify.launch import (
     run_verify,
     under_torchrun,
 )
-from megatron_dynbatch.tools.verify.spec import build_spec
+from megatron_dynbatch.tools.verify.spec import build_spec, check_fits_machine, plan_warnings
 
 __all__ = [
     "EXIT_PASS",
@@ -142,6 +142,12 @@ def run_verify_cli(
     spec = build_spec(config, loss=loss, samples=samples, moe=moe)
     if under_torchrun():
         check_torchrun_world_size(spec)
+    # Before any rank starts: what this machine cannot finish is bad input, not a hang (issue 44).
+    check_fits_machine(spec, start_ranks=not under_torchrun())
+    if not under_torchrun() or os.environ.get("RANK", "0") == "0":
+        # The planner's warnings (oversize samples over the cap, the default `allow`), once.
+        for message in plan_warnings(spec):
+            print(f"megatron-dynbatch verify: warning: {message}", file=sys.stderr, flush=True)
     try:
         if under_torchrun():
             # torchrun owns these processes and their signals.

@@ -21,7 +21,15 @@ from megatron_dynbatch.planning import (
 from megatron_dynbatch.runtime.aggregation import check_aggregation
 from megatron_dynbatch.settings import setting
 
-__all__ = ["DEFAULT_MAX_TOKENS_PER_GPU", "SEED", "MoESettings", "VerifySpec", "build_spec"]
+__all__ = [
+    "DEFAULT_MAX_TOKENS_PER_GPU",
+    "SEED",
+    "MoESettings",
+    "VerifySpec",
+    "build_spec",
+    "check_fits_machine",
+    "plan_warnings",
+]
 
 #: Token cap of the bundled set when none is given: small enough that it packs into several
 #: micro-batches of the tiny model (``verify``'s default in the settings table).
@@ -30,6 +38,20 @@ DEFAULT_MAX_TOKENS_PER_GPU = setting("max_tokens_per_gpu").cli.default_for("veri
 SEED = 1234
 #: Transformer layers of the verify model; pp * vpp must divide it.
 NUM_LAYERS = 4
+#: Rank processes verify starts per CPU core at most (at least :data:`MIN_RANKS_ALLOWED`): each
+#: imports torch and megatron.core (about 400 MiB) and runs both the dynamic and the reference
+#: pass; far beyond this a run times out and looks hung (issue 44: --dp-size 64 on 2 cores).
+RANKS_PER_CORE = 4
+#: Ranks allowed on any machine (the largest layouts the suite checks: dp 2 x pp 2 x tp 2).
+MIN_RANKS_ALLOWED = 8
+#: Resident memory one verify rank needs (bytes), for the up-front check.
+RANK_BYTES = 400 * 2**20
+#: Tokens one rank may compute over the planned step (rows x length x micro-batches, placeholders
+#: included): 5.6x the bundled check's 1,464 at --max-tokens-per-gpu 128; 2 x [1x3480] (6,960)
+#: took 56 s on the loaded 2-core machine. Issue 44: one sample of 3,480 tokens under the default
+#: cap made 25 micro-batches of [1x3480] (87,000 tokens a rank), 170 s on a quiet machine,
+#: reported as hung under load.
+MAX_COMPUTED_TOKENS_PER_RANK = 8192
 #: Attention heads of the verify model (the tiny GPT's); tp must divide it (and then also divides
 #: its hidden size 32, MLP width 128 and vocabulary 128).
 NUM_ATTENTION_HEADS = 4
@@ -217,3 +239,85 @@ def build_spec(
     # the cap) is bad input, reported before any process starts, not a rank failure.
     spec.plan()
     return spec
+
+
+def plan_warnings(spec: VerifySpec) -> list:
+    """The planner's warnings for this request (oversize samples run over the cap), as text."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        samples = SampleSet.build(spec.lengths, spec.rollouts, spec.prompts)
+        plan_samples(samples, spec.config)
+    return [str(w.message) for w in caught]
+
+
+def _cores() -> int:
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _available_bytes() -> Optional[int]:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_fits_machine(
+    spec: VerifySpec,
+    *,
+    cores: Optional[int] = None,
+    available_bytes: Optional[int] = None,
+    start_ranks: bool = True,
+) -> None:
+    """Refuse, before any rank starts, what verify cannot finish on this machine.
+
+    ``start_ranks``: verify starts its own rank processes here (not under torchrun, whose
+    processes already exist): their count is checked against the cores and memory. The planned
+    work per rank is checked in either case.
+
+    Raises:
+        DynBatchValueError: Naming the flags, the limit and settings that fit.
+    """
+    parallel = spec.config.parallel
+    if start_ranks:
+        cores = _cores() if cores is None else cores
+        allowed = max(MIN_RANKS_ALLOWED, RANKS_PER_CORE * cores)
+        available = _available_bytes() if available_bytes is None else available_bytes
+        if available is not None:
+            allowed = min(allowed, max(1, available // RANK_BYTES))
+        if spec.world_size > allowed:
+            others = spec.world_size // parallel.dp_size
+            fits = max(1, allowed // others)
+            raise DynBatchValueError(
+                f"--dp-size {parallel.dp_size} x --pp-size {parallel.pp_size} x --tp-size "
+                f"{parallel.tp_size} = {spec.world_size} rank processes, more than this machine "
+                f"runs in reasonable time ({cores} cores, "
+                + ("" if available is None else f"{available / 2**30:.1f} GiB available, ")
+                + f"at most {allowed} ranks); verify the same --pp-size and --tp-size at "
+                f"--dp-size {fits}, see the planned schedule of the full size with `megatron-dynbatch plan --dp-size ...`, or run verify under torchrun on "
+                "machines that hold the ranks."
+            )
+    plan = spec.plan()
+    per_rank = sum(
+        step.num_microbatches * step.micro_batch_size * step.seq_length for step in plan.steps
+    )
+    if per_rank > MAX_COMPUTED_TOKENS_PER_RANK:
+        worst = max(plan.steps, key=lambda step: step.seq_length)
+        longest = max(spec.lengths)
+        raise DynBatchValueError(
+            f"the plan runs {per_rank} tokens a rank ({worst.num_microbatches} micro-batches of "
+            f"[{worst.micro_batch_size}x{worst.seq_length}] in its longest step), over the "
+            f"{MAX_COMPUTED_TOKENS_PER_RANK} verify runs in minutes on CPU; a sample of "
+            f"{longest} tokens over --max-tokens-per-gpu {spec.config.max_tokens_per_gpu} makes "
+            "every micro-batch of its step that long: raise --max-tokens-per-gpu to "
+            f"{longest} (fewer micro-batches), pass --oversize-samples truncate, or leave the "
+            "longest samples out of SAMPLES.json."
+        )

@@ -1,0 +1,369 @@
+"""More constructions of a small step's schedule, each scored beside the shape search's own.
+
+On a step with few samples per DP rank, the shape search's one construction (a global packing,
+balanced by sample moves) has little room to work with, and another construction can land a few
+tenths of a percent ahead: a differencing split of the samples over the ranks (verl's
+Karmarkar-Karp), first fit in arrival order (slime's), or, for a tiny step, the exact best split.
+:func:`small_step_candidates` builds them for a micro-batch count; :mod:`.shape` scores each with
+the same simulated step as its own candidates and keeps the fastest, so adding a construction can
+only make the chosen step faster in the model, never slower.
+
+Everything is deterministic (ties by sample index; the exact search is bounded by a node count,
+never by time), so every rank derives the same plan.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+from .karmarkar_karp import karmarkar_karp
+from .packing import feasible_pack
+from .spec import ceil_div
+
+__all__ = [
+    "SMALL_STEP_PER_RANK",
+    "SMALL_STEP_SAMPLES",
+    "TINY_STEP_SAMPLES",
+    "exact_split",
+    "first_fit",
+    "first_fit_bins",
+    "is_small_step",
+    "least_rounding",
+    "natural_count",
+    "small_step_candidates",
+]
+
+#: A step is small when it has at most this many samples per DP rank ...
+SMALL_STEP_PER_RANK = 8
+#: ... and at most this many samples in all (the constructions cost a few packings each), or when
+#: it has at most :data:`TINY_STEP_SAMPLES`.
+SMALL_STEP_SAMPLES = 1024
+#: Steps of at most this many samples are tiny: every count is worth a construction, and the
+#: exact split over the ranks is searched.
+TINY_STEP_SAMPLES = 64
+#: Samples up to which the exact split over the ranks is searched ...
+EXACT_SAMPLES = 16
+#: ... visiting at most this many nodes (the best split found so far is kept when it runs out).
+EXACT_NODES = 20000
+
+#: Ranks of at most this many samples get the packing with the least rounding of their rows.
+EXACT_ROWS_SAMPLES = 6
+#: Largest ``samples x ranks`` for which the free differencing split is built (a few ms of CPU).
+KK_LIMIT = 20000
+
+#: One construction: ``(name, ranks, keep_order)``; ``ranks[r][m]`` lists the samples of
+#: micro-batch ``m`` on rank ``r`` (``[]``: a placeholder); ``keep_order``: score the ranks in the
+#: order given as well as reordered for the pipeline.
+Construction = Tuple[str, List[List[List[int]]], bool]
+
+
+def is_small_step(num_samples: int, dp_size: int) -> bool:
+    """Few samples per rank (or a tiny step): where more constructions are worth their time."""
+    if num_samples <= TINY_STEP_SAMPLES:
+        return True
+    return num_samples <= SMALL_STEP_SAMPLES and num_samples <= SMALL_STEP_PER_RANK * dp_size
+
+
+def small_step_candidates(
+    items: Sequence[int],
+    sizes: Sequence[int],
+    weights: Sequence[float],
+    cap: int,
+    dp_size: int,
+    per_rank: int,
+    row_multiple: Optional[int] = None,
+) -> Iterator[Construction]:
+    """Schedules of ``per_rank`` micro-batches a rank under ``cap`` padded tokens a row.
+
+    Args:
+        items: The step's samples (all at most ``cap``), in arrival order.
+        sizes: Every sample's padded size (indexed by sample).
+        weights: Every sample's own cost (indexed by sample): what a rank's share adds up to.
+        cap: The most padded tokens a micro-batch may hold.
+        dp_size: DP ranks.
+        per_rank: Micro-batches every rank runs.
+        row_multiple: Rows of their own length, rounded up to this: on a tiny step, ranks of at
+            most :data:`EXACT_ROWS_SAMPLES` samples are also packed with the least rounding.
+
+    Yields:
+        Constructions (see :data:`Construction`) that fit: ranks split by differencing (free and
+        equal counts) and, for a tiny step, exactly, each rank packed into its rows; first fit in
+        arrival order, split to the count and dealt strided and by weight.
+    """
+    items = list(items)
+    if not items:
+        return
+    splits: List[Tuple[str, List[List[int]]]] = []
+    values = [weights[i] for i in items]
+    if len(items) * dp_size <= KK_LIMIT:
+        # Free differencing merges one partial of dp sets per sample: O(n * dp log dp).
+        parts = karmarkar_karp(values, dp_size, False, ties="index")
+        splits.append(("kk", [[items[j] for j in part] for part in parts]))
+    if len(items) % dp_size == 0:
+        parts = karmarkar_karp(values, dp_size, True, ties="index")
+        splits.append(("kk-equal", [[items[j] for j in part] for part in parts]))
+    if len(items) <= EXACT_SAMPLES and dp_size > 1:
+        splits.append(("exact", exact_split(items, weights, dp_size)))
+    for name, split in splits:
+        ranks = _pack_ranks(split, sizes, cap, per_rank)
+        if ranks is not None:
+            yield name, ranks, False
+        ranks = _differenced_ranks(split, sizes, weights, cap, per_rank)
+        if ranks is not None:
+            yield name + "-differenced", ranks, True
+        if (
+            row_multiple is not None
+            and len(items) <= TINY_STEP_SAMPLES
+            and max(map(len, split)) <= EXACT_ROWS_SAMPLES
+        ):
+            ranks = [least_rounding(part, sizes, cap, per_rank, row_multiple) for part in split]
+            if all(rank is not None for rank in ranks):
+                yield name + "-least-rounding", ranks, False
+    orders = [("first-fit", items)]
+    if len(items) <= TINY_STEP_SAMPLES:
+        orders.append(("first-fit-decreasing", sorted(items, key=lambda i: (-sizes[i], i))))
+    for name, order in orders:
+        bins = first_fit_bins(order, sizes, cap, dp_size * per_rank)
+        if bins is None:
+            continue
+        strided = [[bins[b] for b in range(r, len(bins), dp_size)] for r in range(dp_size)]
+        yield name + "-strided", strided, True
+        yield name + "-balanced", _deal_by_weight(bins, weights, dp_size, per_rank), False
+
+
+def _pack_ranks(
+    split: List[List[int]], sizes: Sequence[int], cap: int, per_rank: int
+) -> Optional[List[List[List[int]]]]:
+    """Every rank's samples into ``per_rank`` rows under ``cap``; ``None`` where one does not fit."""
+    ranks = []
+    for members in split:
+        order = sorted(members, key=lambda i: (-sizes[i], i))
+        packing = feasible_pack(sizes, order, sorted(members), per_rank, cap)
+        if packing is None:
+            return None
+        ranks.append([list(b) for b in packing[0]])
+    return ranks
+
+
+def least_rounding(
+    members: Sequence[int], sizes: Sequence[int], cap: int, per_rank: int, multiple: int
+) -> Optional[List[List[int]]]:
+    """``members`` into ``per_rank`` rows (empty ones: placeholders, one ``multiple`` long) with
+    the fewest padded tokens when every row is its load rounded up to ``multiple``; ``None`` when
+    they do not fit. Exact (a search over subsets, O(per_rank * 3**n)): tiny ranks only."""
+    n = len(members)
+    full = (1 << n) - 1
+    load = [0] * (1 << n)
+    for mask in range(1, 1 << n):
+        low = mask & -mask
+        load[mask] = load[mask ^ low] + sizes[members[low.bit_length() - 1]]
+    # A real row costs its rounded length beyond the placeholder it replaces.
+    row = [
+        (-(-load[mask] // multiple)) * multiple - multiple if load[mask] <= cap else None
+        for mask in range(1 << n)
+    ]
+    if n == 1 and load[1] > cap:
+        row[1] = 0  # a lone oversize sample runs alone whatever it costs
+    inf = float("inf")
+    best = [inf] * (1 << n)
+    best[0] = 0.0
+    choice: List[List[int]] = [[0] * (1 << n) for _ in range(per_rank + 1)]
+    layers = [best]
+    for k in range(1, per_rank + 1):
+        prev, cur = layers[-1], [inf] * (1 << n)
+        cur[0] = 0.0
+        for mask in range(1, 1 << n):
+            low = mask & -mask
+            rest = mask ^ low
+            sub = rest
+            while True:
+                part = sub | low
+                cost = row[part]
+                if cost is not None and prev[mask ^ part] + cost < cur[mask]:
+                    cur[mask] = prev[mask ^ part] + cost
+                    choice[k][mask] = part
+                if sub == 0:
+                    break
+                sub = (sub - 1) & rest
+        layers.append(cur)
+    if layers[-1][full] == inf:
+        return None
+    rows: List[List[int]] = []
+    mask = full
+    for k in range(per_rank, 0, -1):
+        if mask == 0:
+            rows.append([])
+            continue
+        part = choice[k][mask]
+        rows.append([members[j] for j in range(n) if part >> j & 1])
+        mask ^= part
+    return rows
+
+
+def _differenced_ranks(
+    split: List[List[int]],
+    sizes: Sequence[int],
+    weights: Sequence[float],
+    cap: int,
+    per_rank: int,
+) -> Optional[List[List[List[int]]]]:
+    """Every rank's samples into ``per_rank`` micro-batches by differencing on their weights (as
+    verl splits a rank), laid light-heavy-light; ``None`` where a micro-batch breaks the cap."""
+    ranks = []
+    for members in split:
+        if len(members) < per_rank:
+            return None
+        parts = karmarkar_karp([weights[i] for i in members], per_rank, False, ties="index")
+        mbs = [sorted(members[j] for j in part) for part in parts]
+        if any(len(mb) > 1 and sum(sizes[i] for i in mb) > cap for mb in mbs):
+            return None
+        totals = [sum(weights[i] for i in mb) for mb in mbs]
+        ranked = sorted(range(per_rank), key=lambda m: (-totals[m], m))
+        laid = ranked[::2][::-1] + ranked[1::2]
+        ranks.append([mbs[m] for m in laid])
+    return ranks
+
+
+def first_fit_bins(
+    order: Sequence[int], sizes: Sequence[int], cap: int, num_bins: int
+) -> Optional[List[List[int]]]:
+    """First fit in ``order`` under ``cap``, then the fullest bin of two or more samples split in
+    two (largest first into the lighter half) until there are ``num_bins``; ``None`` when first
+    fit needs more bins. Where every sample already has a bin of its own, placeholders (``[]``)
+    fill the rest."""
+    bins = first_fit(order, sizes, cap)
+    if len(bins) > num_bins:
+        return None
+    loads = [sum(sizes[i] for i in members) for members in bins]
+    # The fullest splittable bin first, ties to the lower index, as a heap of (-load, bin).
+    heap = [(-loads[b], b) for b in range(len(bins)) if len(bins[b]) > 1]
+    heapq.heapify(heap)
+    while len(bins) < num_bins:
+        if not heap:
+            bins += [[] for _ in range(num_bins - len(bins))]
+            break
+        _, b = heapq.heappop(heap)
+        halves: Tuple[List[int], List[int]] = ([], [])
+        sums = [0, 0]
+        for i in sorted(bins[b], key=lambda i: (-sizes[i], i)):
+            side = 0 if sums[0] <= sums[1] else 1
+            halves[side].append(i)
+            sums[side] += sizes[i]
+        bins[b], loads[b] = halves[0], sums[0]
+        bins.append(halves[1])
+        loads.append(sums[1])
+        for k in (b, len(bins) - 1):
+            if len(bins[k]) > 1:
+                heapq.heappush(heap, (-loads[k], k))
+    return bins
+
+
+def first_fit(order: Sequence[int], sizes: Sequence[int], cap: int) -> List[List[int]]:
+    """Each sample into the first bin with room (a new one when none has), in ``order``.
+
+    The bins' free room is kept in a tree of maxima over bin positions, so finding the first bin
+    with room costs O(log bins), not a scan of every open bin."""
+    n = len(order)
+    width = 1
+    while width < max(1, n):
+        width *= 2
+    room = [-1] * (2 * width)  # leaf width + b: free room of bin b (-1: not opened)
+    bins: List[List[int]] = []
+    for i in order:
+        size = sizes[i]
+        if room[1] >= size:
+            node = 1
+            while node < width:
+                node = 2 * node if room[2 * node] >= size else 2 * node + 1
+            b = node - width
+            bins[b].append(i)
+        else:
+            b = len(bins)
+            bins.append([i])
+            node = width + b
+            room[node] = cap
+        node = width + b
+        room[node] -= size
+        node //= 2
+        while node:
+            room[node] = max(room[2 * node], room[2 * node + 1])
+            node //= 2
+    return bins
+
+
+def _deal_by_weight(
+    bins: List[List[int]], weights: Sequence[float], dp_size: int, per_rank: int
+) -> List[List[List[int]]]:
+    """Bins to ranks, heaviest first to the lightest rank with room (ties by index)."""
+    totals = [sum(weights[i] for i in members) for members in bins]
+    ranks: List[List[List[int]]] = [[] for _ in range(dp_size)]
+    heap = [(0.0, r) for r in range(dp_size)]
+    for b in sorted(range(len(bins)), key=lambda b: (-totals[b], b)):
+        total, r = heap[0]
+        ranks[r].append(bins[b])
+        if len(ranks[r]) < per_rank:
+            heapq.heapreplace(heap, (total + totals[b], r))
+        else:
+            heapq.heappop(heap)
+    return ranks
+
+
+def exact_split(items: Sequence[int], weights: Sequence[float], dp_size: int) -> List[List[int]]:
+    """The split of ``items`` over ``dp_size`` ranks with the lightest heaviest rank.
+
+    Depth-first, heaviest sample first, into each rank in turn (one empty rank tried, not all:
+    they are alike), pruned when a rank reaches the best maximum so far; bounded by
+    :data:`EXACT_NODES` (then the best split found, which starts from the greedy one)."""
+    order = sorted(items, key=lambda i: (-weights[i], i))
+    values = [weights[i] for i in order]
+    # Greedy start: heaviest first to the lightest rank.
+    loads = [0.0] * dp_size
+    best_assign = []
+    for v in values:
+        r = min(range(dp_size), key=lambda r: (loads[r], r))
+        loads[r] += v
+        best_assign.append(r)
+    best = [max(loads)]
+    lower = max(sum(values) / dp_size, values[0] if values else 0.0)
+    assign = [0] * len(values)
+    loads = [0.0] * dp_size
+    nodes = [0]
+
+    def visit(k: int) -> bool:
+        """True when the search may stop (a split at the lower bound, or out of nodes)."""
+        if k == len(values):
+            peak = max(loads)
+            if peak < best[0]:
+                best[0] = peak
+                best_assign[:] = assign
+            return best[0] <= lower * (1 + 1e-12)
+        nodes[0] += 1
+        if nodes[0] > EXACT_NODES:
+            return True
+        tried_empty = False
+        for r in range(dp_size):
+            if loads[r] == 0.0:
+                if tried_empty:
+                    continue
+                tried_empty = True
+            if loads[r] + values[k] >= best[0]:
+                continue
+            loads[r] += values[k]
+            assign[k] = r
+            stop = visit(k + 1)
+            loads[r] -= values[k]
+            if stop:
+                return True
+        return False
+
+    visit(0)
+    split: List[List[int]] = [[] for _ in range(dp_size)]
+    for i, r in zip(order, best_assign, strict=True):
+        split[r].append(i)
+    return [sorted(part) for part in split]
+
+
+def natural_count(items: Sequence[int], sizes: Sequence[int], cap: int, dp_size: int) -> int:
+    """Micro-batches a rank needs for first fit's bins in arrival order (before alignment)."""
+    return max(1, ceil_div(len(first_fit(items, sizes, cap)), dp_size))

@@ -1,0 +1,170 @@
+"""verl's and SkyRL's config-time checks without the hosts (integrations/verl/config.py,
+integrations/skyrl/validate.py, integrations/host_memory.py): each pass's budget key, the memory
+budget in the host's own key, a Hugging Face config read into the memory model's dimensions.
+The same checks through the hosts' own config code: tests/megatron/test_verl_patched.py and
+test_skyrl_patched.py."""
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.integrations.host_memory import (
+    check_memory_budget,
+    hf_model_config,
+    hf_model_dims,
+    host_memory_limit,
+    parse_gib,
+)
+from megatron_dynbatch.integrations.skyrl.validate import validate_trainer_config
+from megatron_dynbatch.integrations.verl.config import BUDGET_KEYS, check_verl_config
+from megatron_dynbatch.integrations.verl.engine import verl_host
+from megatron_dynbatch.planning.spec import ParallelLayout
+
+pytestmark = pytest.mark.unit
+
+HF = {
+    "hidden_size": 256,
+    "intermediate_size": 704,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "vocab_size": 1000,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+}
+
+
+def _verl(**over):
+    actor = {
+        "strategy": "megatron",
+        "use_dynamic_bsz": True,
+        "ppo_max_token_len_per_gpu": 4096,
+        "megatron": {"use_dynamic_batch_size": True, "context_parallel_size": 1},
+    }
+    config = {
+        "actor_rollout_ref": {
+            "actor": actor,
+            "rollout": {"log_prob_use_dynamic_bsz": True, "log_prob_max_token_len_per_gpu": 8192},
+            "ref": {"log_prob_use_dynamic_bsz": True, "log_prob_max_token_len_per_gpu": 8192},
+            "model": {"path": None},
+        },
+        "critic": {"megatron": {"use_dynamic_batch_size": False}},
+        "trainer": {"n_gpus_per_node": 2, "nnodes": 1},
+    }
+    for dotted, value in over.items():
+        node = config
+        *parents, last = dotted.split("__")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return config
+
+
+@pytest.mark.parametrize("value", [-1, 0, None, "8k", 100.5, True])
+@pytest.mark.parametrize(
+    "where, key",
+    [
+        ("actor_rollout_ref__actor__ppo_max_token_len_per_gpu", BUDGET_KEYS[("actor", False)]),
+        (
+            "actor_rollout_ref__rollout__log_prob_max_token_len_per_gpu",
+            BUDGET_KEYS[("actor", True)],
+        ),
+        ("actor_rollout_ref__ref__log_prob_max_token_len_per_gpu", BUDGET_KEYS[("ref", True)]),
+    ],
+)
+def test_verl_refuses_each_passs_bad_budget_naming_its_own_key(value, where, key):
+    with pytest.raises(DynBatchValueError) as caught:
+        check_verl_config(_verl(**{where: value}), use_reference_policy=True, use_critic=False)
+    message = str(caught.value)
+    assert message.startswith(f"{key}="), message
+    others = {k for k in BUDGET_KEYS.values() if k != key}
+    assert not any(other.split(" ")[0] + "=" in message for other in others), message
+
+
+def test_verl_accepts_good_budgets_and_an_empty_dynbatch_section():
+    check_verl_config(_verl(), use_reference_policy=True, use_critic=False)
+    config = _verl(actor_rollout_ref__actor__megatron__dynbatch=None)
+    check_verl_config(config, use_reference_policy=True, use_critic=False)
+
+
+def test_verl_runtime_messages_name_the_engine_and_pass_key():
+    assert verl_host("actor").key("max_tokens_per_gpu") == BUDGET_KEYS[("actor", False)]
+    assert verl_host("actor", True).key("max_tokens_per_gpu") == BUDGET_KEYS[("actor", True)]
+    assert verl_host("ref", True).key("max_tokens_per_gpu") == BUDGET_KEYS[("ref", True)]
+    assert verl_host("critic", True).key("max_tokens_per_gpu") == BUDGET_KEYS[("critic", True)]
+    # verl's keys: the rollout's and the reference's, never an actor log-prob key verl lacks.
+    assert BUDGET_KEYS[("actor", True)].startswith("actor_rollout_ref.rollout.")
+    assert BUDGET_KEYS[("ref", True)].startswith("actor_rollout_ref.ref.")
+
+
+@pytest.mark.parametrize("value", [-1, 0, float("nan"), float("inf"), "lots", True])
+def test_parse_gib_refuses_what_is_no_budget(value):
+    with pytest.raises(DynBatchValueError, match="my.key="):
+        parse_gib(value, "my.key")
+    assert parse_gib(None, "my.key") is None
+    assert parse_gib("70", "my.key") == 70.0
+
+
+def test_hf_config_reads_dense_and_moe_dimensions(tmp_path):
+    dims = hf_model_dims(HF, ParallelLayout(tp_size=2))
+    assert (dims.num_layers, dims.hidden_size, dims.num_query_groups) == (4, 256, 2)
+    assert dims.gated_linear_unit and dims.normalization == "RMSNorm" and not dims.num_experts
+    assert dims.vocab_size % 256 == 0 and dims.vocab_size >= 1000
+    moe = hf_model_dims(
+        dict(HF, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128), ParallelLayout()
+    )
+    assert (moe.num_experts, moe.moe_router_topk, moe.moe_ffn_hidden_size) == (8, 2, 128)
+    (tmp_path / "config.json").write_text(json.dumps(HF))
+    assert hf_model_config(str(tmp_path), key="k", path_key="p") == HF
+    with pytest.raises(DynBatchValueError, match="k needs the model's dimensions"):
+        hf_model_config(str(tmp_path / "nowhere"), key="k", path_key="p")
+
+
+def test_too_small_a_memory_budget_names_the_smallest_that_works():
+    dims = hf_model_dims(HF, ParallelLayout(pp_size=2))
+    small = host_memory_limit(0.05, dims)
+    with pytest.raises(DynBatchValueError) as caught:
+        check_memory_budget(small, 8192, key="m.gib", gib=0.05, token_key="t", token_value=8192)
+    message = str(caught.value)
+    need = float(message.split("to at least ")[1].split(",")[0].rstrip("."))
+    fits = host_memory_limit(need, dims)
+    check_memory_budget(fits, 8192, key="m.gib", gib=need, token_key="t", token_value=8192)
+    under = host_memory_limit(need - 0.002, dims)
+    with pytest.raises(DynBatchValueError, match="is too small"):
+        check_memory_budget(under, 8192, key="m.gib", gib=need, token_key="t", token_value=8192)
+    assert math.isfinite(need) and need > 0.05
+
+
+def _skyrl(**over):
+    trainer = SimpleNamespace(
+        use_dynamic_batch_size=True,
+        strategy="megatron",
+        max_tokens_per_microbatch=8192,
+        max_memory_gib=None,
+        dynamic_batch_planner=None,
+        policy=SimpleNamespace(model=SimpleNamespace(path=None), megatron_config=None),
+        critic=SimpleNamespace(model=SimpleNamespace(path=None), megatron_config=None),
+        placement=None,
+    )
+    for name, value in over.items():
+        setattr(trainer, name, value)
+    return trainer
+
+
+@pytest.mark.parametrize("value", [0, -5, None, 100.5, "8k", True])
+def test_skyrl_refuses_bad_budgets_naming_its_key(value):
+    with pytest.raises(DynBatchValueError, match="trainer.max_tokens_per_microbatch="):
+        validate_trainer_config(_skyrl(max_tokens_per_microbatch=value))
+
+
+def test_skyrl_planner_and_memory_keys():
+    validate_trainer_config(_skyrl(dynamic_batch_planner="dynbatch"))
+    with pytest.raises(DynBatchValueError, match="trainer.dynamic_batch_planner='nope'"):
+        validate_trainer_config(_skyrl(dynamic_batch_planner="nope"))
+    with pytest.raises(DynBatchValueError, match="trainer.max_memory_gib=-1"):
+        validate_trainer_config(_skyrl(max_memory_gib=-1))
+    # The flag off: nothing else is read (SkyRL's own checks decide).
+    validate_trainer_config(_skyrl(use_dynamic_batch_size=False, max_tokens_per_microbatch="8k"))

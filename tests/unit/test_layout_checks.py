@@ -1,0 +1,124 @@
+"""Megatron-LM's layout and launch errors users meet first, in one line with flags and a fix
+(issue 44; ``integrations/megatron_lm/layout_checks.py``). Each refusal's fix is checked to pass
+the same check, and the checks refuse exactly what Megatron's ``validate_args`` asserts.
+The issue's command lines through the launch script: ``tests/megatron/test_megatron_lm_entry.py``.
+"""
+
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.integrations.megatron_lm.layout_checks import (
+    check_model_layout,
+    check_world_size,
+    torchrun_command,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def _args(**values):
+    base = dict(
+        num_layers=4,
+        pipeline_model_parallel_size=1,
+        tensor_model_parallel_size=1,
+        context_parallel_size=1,
+        num_layers_per_virtual_pipeline_stage=None,
+        seq_length=256,
+        max_position_embeddings=256,
+        position_embedding_type="learned_absolute",
+        world_size=None,
+    )
+    base.update(values)
+    return SimpleNamespace(**base)
+
+
+def test_layers_not_divisible_by_pp_name_both_flags_and_counts_that_work():
+    with pytest.raises(DynBatchValueError) as refused:
+        check_model_layout(_args(num_layers=3, pipeline_model_parallel_size=2))
+    message = str(refused.value)
+    assert "--num-layers 3 is not a multiple of --pipeline-model-parallel-size 2" in message
+    fixes = [int(n) for n in re.findall(r"--num-layers (\d+)", message.split("use ", 1)[1])]
+    assert fixes == [2, 4]
+    for layers in fixes:  # each named fix passes
+        check_model_layout(_args(num_layers=layers, pipeline_model_parallel_size=2))
+
+
+def test_virtual_pipeline_chunks_that_do_not_divide_a_stage_name_the_divisors():
+    args = _args(num_layers=6, pipeline_model_parallel_size=2)
+    args.num_layers_per_virtual_pipeline_stage = 2
+    with pytest.raises(DynBatchValueError) as refused:
+        check_model_layout(args)
+    message = str(refused.value)
+    assert message.startswith(
+        "--num-layers-per-virtual-pipeline-stage 2 does not divide the 3 layers of each pipeline "
+        "stage (--num-layers 6 / --pipeline-model-parallel-size 2); use "
+        "--num-layers-per-virtual-pipeline-stage 1"
+    ), message
+    check_model_layout(_args(num_layers=6, pipeline_model_parallel_size=2,
+                             num_layers_per_virtual_pipeline_stage=1))  # fmt: skip
+    check_model_layout(_args(num_layers=8, pipeline_model_parallel_size=2,
+                             num_layers_per_virtual_pipeline_stage=2))  # fmt: skip
+    assert "--num-layers 8 (4 layers a stage, 2 chunks)" in message
+
+
+def test_a_sequence_longer_than_the_positions_names_both_fixes():
+    with pytest.raises(DynBatchValueError) as refused:
+        check_model_layout(_args(seq_length=512))
+    message = str(refused.value)
+    assert "--seq-length 512 is longer than --max-position-embeddings 256" in message
+    assert "raise --max-position-embeddings to 512" in message
+    assert "lower --seq-length to 256" in message
+    assert "checkpoint of 256 positions will not load" in message  # learned positions
+    with pytest.raises(DynBatchValueError, match="rope holds no weights for it"):
+        check_model_layout(_args(seq_length=512, position_embedding_type="rope"))
+    check_model_layout(_args(seq_length=512, max_position_embeddings=512))
+
+
+def test_a_launch_without_torchrun_is_told_the_torchrun_command():
+    args = _args(pipeline_model_parallel_size=2, world_size=1)  # as parse_args sets it
+    with pytest.raises(DynBatchValueError) as refused:
+        check_world_size(args, environ={})
+    message = str(refused.value)
+    assert "started as one process, without torchrun" in message
+    assert "--pipeline-model-parallel-size 2 splits the model over 2 ranks" in message
+    assert "torchrun --nproc-per-node 2 -m megatron_dynbatch pretrain ..." in message
+    # The launch script is named as such; the console script gets the module form.
+    assert "torchrun --nproc-per-node 2 launch/pretrain_gpt_dynbatch.py" in torchrun_command(
+        2, "/x/launch/pretrain_gpt_dynbatch.py"
+    )
+    assert torchrun_command(4, "megatron-dynbatch pretrain") == (
+        "torchrun --nproc-per-node 4 -m megatron_dynbatch pretrain ..."
+    )
+    # A namespace not parsed from a launch (no world_size): nothing to say about the launch.
+    check_world_size(_args(pipeline_model_parallel_size=2), environ={})
+    # Under torchrun with a world that fits: nothing to say.
+    check_world_size(
+        _args(pipeline_model_parallel_size=2, world_size=4), environ={"WORLD_SIZE": "4"}
+    )
+
+
+def test_a_world_size_the_model_size_does_not_divide_names_sizes_that_work():
+    args = _args(pipeline_model_parallel_size=2, tensor_model_parallel_size=2, world_size=6)
+    with pytest.raises(DynBatchValueError) as refused:
+        check_world_size(args, environ={"WORLD_SIZE": "6"})
+    message = str(refused.value)
+    assert message.startswith("6 ranks launched")
+    assert "--tensor-model-parallel-size 2 x --pipeline-model-parallel-size 2 = 4" in message
+    assert "launch 4 or 8 ranks" in message
+    check_world_size(_args(pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
+                           world_size=8), environ={"WORLD_SIZE": "8"})  # fmt: skip
+
+
+def test_layouts_megatron_accepts_pass():
+    for args in (
+        _args(),
+        _args(
+            num_layers=4, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1
+        ),
+        _args(num_layers=3, pipeline_model_parallel_size=2, hybrid_layer_pattern="M-M|M-"),
+        _args(max_position_embeddings=None),
+    ):
+        check_model_layout(args)

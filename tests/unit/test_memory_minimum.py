@@ -1,0 +1,122 @@
+"""Issue 44: every minimum a memory refusal names starts and trains, and a cap set by the memory
+budget is named with ``--max-memory-gib``.
+
+* The start-up check (``check_memory_budget``, run by ``hooks._step_memory``) uses the first
+  step's model (counted activations x ``UNCALIBRATED_SAFETY``): the smallest budget it names
+  plans ``--seq-length`` rows at the first step, also when the process holds more at rest than
+  estimated (before, the first step refused the run's own samples: "6 sample(s) exceed the token
+  cap 235 ... Raise --max-tokens-per-gpu").
+* The planner names the flag that sets its cap (``PlannerConfig.cap_source`` / ``cap_flag``).
+* ``plan`` labels the cap and warns when a predicted peak exceeds ``--max-memory-gib``.
+The same through the launch script, trained: ``tests/megatron/test_megatron_lm_entry.py``.
+"""
+
+import json
+import re
+
+import pytest
+
+from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.integrations.megatron_lm import memory as step_memory
+from megatron_dynbatch.planning import PlannerConfig, SampleSet, plan_samples
+from megatron_dynbatch.planning.memory import GIB, MIB, MemoryLimit, MemoryModel
+from megatron_dynbatch.planning.model_dims import ModelDims
+from megatron_dynbatch.planning.spec import ParallelLayout
+from megatron_dynbatch.tools.cli import main
+
+pytestmark = pytest.mark.unit
+
+SEQ = 256
+
+
+def _memory(budget_bytes, monkeypatch, now):
+    monkeypatch.setattr(step_memory, "process_memory_now", lambda: float(now))
+    monkeypatch.setattr(step_memory, "_reset_peak", lambda: float(now))
+    dims = ModelDims(
+        num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=512,
+        parallel=ParallelLayout(pp_size=2),
+    )  # fmt: skip
+    model = MemoryModel(dims=dims, attention="dense", base_bytes=200 * MIB)
+    return step_memory.StepMemory(model=model, budget=budget_bytes, min_row=SEQ)
+
+
+def _named_minimum(memory) -> float:
+    """What the start-up check says for a budget of 1 MiB (as ``hooks._step_memory`` runs it)."""
+    limit = MemoryLimit(model=memory.current, budget_bytes=MIB, row_multiple=memory.row_multiple)
+    with pytest.raises(DynBatchValueError) as refused:
+        step_memory.check_memory_budget(limit, SEQ, "--max-memory-gib")
+    message = str(refused.value)
+    assert "counted x2 until measured" in message
+    return float(re.search(r"raise --max-memory-gib to at least ([0-9.]+)", message).group(1))
+
+
+@pytest.mark.parametrize("extra_at_rest_mib", [0, 150])
+def test_the_named_minimum_passes_start_up_and_plans_seq_length_rows(
+    monkeypatch, capsys, extra_at_rest_mib
+):
+    probe = _memory(MIB, monkeypatch, 200 * MIB)
+    gib = _named_minimum(probe)
+    # The named value passes the same check...
+    memory = _memory(int(gib * GIB), monkeypatch, (200 + extra_at_rest_mib) * MIB)
+    step_memory.check_memory_budget(
+        MemoryLimit(model=memory.current, budget_bytes=memory.budget, row_multiple=1),
+        SEQ,
+        "--max-memory-gib",
+    )
+    # ...and the first step plans --seq-length rows, even when the process holds more at rest
+    # than estimated (measured by before_plan): said, not refused.
+    memory.before_plan(0, None)
+    limit = memory.limit()
+    assert limit.row_cap(1) >= SEQ
+    config = PlannerConfig(max_tokens_per_gpu=1024, parallel=memory.model.dims.parallel,
+                           memory=limit, oversize_samples="error")  # fmt: skip
+    plan = plan_samples(SampleSet.build([SEQ] * 6 + [100, 17]), config)
+    assert sum(len(mb) for rank in plan.steps[0].ranks for mb in rank) == 8
+    said = "planning micro-batches of such rows at most" in capsys.readouterr().out
+    assert said == (extra_at_rest_mib > 10)
+
+
+def _limited_config(gib, oversize="error"):
+    dims = ModelDims(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=257)
+    model = MemoryModel(dims=dims, attention="dense")
+    limit = MemoryLimit(model=model, budget_bytes=int(gib * GIB), row_multiple=1)
+    return PlannerConfig(max_tokens_per_gpu=4096, memory=limit, oversize_samples=oversize)
+
+
+def test_a_cap_the_memory_budget_sets_is_named_with_its_flag():
+    config = _limited_config(0.05)
+    assert config.token_cap < 4096 and config.cap_flag == "--max-memory-gib"
+    assert config.cap_source.startswith("the longest row --max-memory-gib 0.050 allows")
+    with pytest.raises(DynBatchValueError) as refused:
+        plan_samples(SampleSet.build([config.token_cap + 10, 5]), config)
+    message = str(refused.value)
+    assert "Raise --max-memory-gib" in message and "Raise --max-tokens-per-gpu" not in message
+    # The token budget's own cap keeps its name.
+    plain = PlannerConfig(max_tokens_per_gpu=64, oversize_samples="error")
+    assert plain.cap_flag == "--max-tokens-per-gpu"
+    with pytest.raises(DynBatchValueError, match=r"\(max_tokens_per_gpu=64 x cp_size=1\).*"
+                       r"Raise --max-tokens-per-gpu"):  # fmt: skip
+        plan_samples(SampleSet.build([100, 5]), plain)
+
+
+_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+
+
+def test_plan_labels_the_cap_and_warns_when_a_peak_exceeds_the_budget(tmp_path, capsys):
+    samples = tmp_path / "samples.json"
+    samples.write_text(json.dumps([300, 200, 600, 1200]))
+    args = ["plan", str(samples), "--max-tokens-per-gpu", "4096", *_MODEL]
+    assert main([*args, "--max-memory-gib", "0.1"]) == 0
+    out = capsys.readouterr()
+    assert "(the longest row --max-memory-gib 0.100 allows; max_tokens_per_gpu=4096" in out.out
+    warning = re.search(r"warning: 1 step\(s\) are predicted to exceed --max-memory-gib 0.1 "
+                        r"\(102 MiB\); the largest, step 0, holds (\d+) MiB", out.err)  # fmt: skip
+    assert warning and int(warning.group(1)) > 102, out.err
+    # JSON keeps stdout one object; the warning goes to stderr all the same.
+    assert main([*args, "--max-memory-gib", "0.1", "--json"]) == 0
+    out = capsys.readouterr()
+    json.loads(out.out)
+    assert "are predicted to exceed --max-memory-gib" in out.err
+    # Within the budget: no warning.
+    assert main([*args, "--max-memory-gib", "4"]) == 0
+    assert "predicted to exceed" not in capsys.readouterr().err

@@ -1,0 +1,302 @@
+"""Small steps (issue 45): more constructions scored beside the shape search's own, the fastest
+kept; never slower than the planner without them, never behind the peers' partitions in the
+issue's two examples, deterministic, and every plan still passes check_plan."""
+
+import dataclasses
+import itertools
+import random
+from contextlib import contextmanager
+from unittest import mock
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from benchmarks.as_run import SlimeCase, _lengths, run_case
+from benchmarks.baselines import verl_kk
+from benchmarks.metrics import EVAL_COST, evaluate, ideal_step_time, step_time
+from benchmarks.search import _family
+from megatron_dynbatch.planning import (
+    CostModel,
+    ParallelLayout,
+    PlannerConfig,
+    SampleSet,
+    check_plan,
+    plan_schedule,
+)
+from megatron_dynbatch.planning import planner as planner_module
+from megatron_dynbatch.planning.candidates import (
+    exact_split,
+    first_fit,
+    first_fit_bins,
+    is_small_step,
+    least_rounding,
+    small_step_candidates,
+)
+from megatron_dynbatch.planning.cost import microbatch_cost
+from megatron_dynbatch.planning.packing import profile_pack
+from megatron_dynbatch.planning.shape import choose_shape
+from megatron_dynbatch.planning.simulate import simulate_step
+
+pytestmark = pytest.mark.unit
+
+
+@contextmanager
+def todays_planner():
+    """The planner as it was before the small-step candidates (the shape search alone)."""
+
+    def without(problem):
+        return choose_shape(dataclasses.replace(problem, disable_more_candidates=True))
+
+    with mock.patch.object(planner_module, "choose_shape", without):
+        yield
+
+
+def _config(cap, dp, pp, vpp, overhead, rows):
+    cost = CostModel(
+        token_weight=1.0, attention_weight=1.0 / 24576, microbatch_overhead=overhead * cap
+    )
+    return PlannerConfig(
+        max_tokens_per_gpu=cap,
+        parallel=ParallelLayout(dp_size=dp, pp_size=pp, vpp_size=vpp),
+        cost=cost,
+        variable_row_lengths=rows is not None,
+        row_multiple=rows or 64,
+        oversize_samples="allow",
+    )
+
+
+def _simulated(step, lengths, config):
+    """The step as it runs, replayed on its own rows by the simulator (independent of the
+    planner's scoring): the slowest DP rank's pipeline."""
+    ranks = []
+    for r, rank in enumerate(step.ranks):
+        costs = []
+        for m, mb in enumerate(rank):
+            sizes = [lengths[i] for i in mb]
+            row = step.row_lengths[r][m] if step.row_lengths else step.seq_length
+            costs.append(microbatch_cost(config.cost, "packed", row, 1, sizes, [0] * len(sizes)))
+        ranks.append(costs)
+    parallel = config.parallel
+    return simulate_step(ranks, parallel.pp_size, parallel.vpp_size).step_time
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**30),
+    dp=st.sampled_from([1, 2, 3, 4, 8, 16]),
+    per_rank=st.integers(1, 8),
+    layout=st.sampled_from([(1, 1), (2, 1), (4, 1), (2, 2), (4, 2)]),
+    cap=st.sampled_from([2048, 4096, 8192]),
+    overhead=st.sampled_from([0.0, 0.01, 0.05]),
+    rows=st.sampled_from([None, 64, 128]),
+    spread=st.sampled_from([0.3, 0.8, 1.4]),
+)
+def test_never_slower_than_todays_planner_on_random_small_steps(
+    seed, dp, per_rank, layout, cap, overhead, rows, spread
+):
+    rng = random.Random(seed)
+    n = dp * per_rank
+    lengths = [min(cap, max(1, int(rng.lognormvariate(6.5, spread)))) for _ in range(n)]
+    pp, vpp = layout
+    config = _config(cap, dp, pp, vpp, overhead, rows)
+    new = plan_schedule(lengths, config=config)
+    with todays_planner():
+        old = plan_schedule(lengths, config=config)
+    samples = SampleSet.build(lengths)
+    check_plan(new, samples, config)
+    # The planner's own prediction never gets worse ...
+    new_step, old_step = new.steps[0], old.steps[0]
+    # ... and neither does the step replayed on its own rows (a hair of float noise aside: the
+    # planner scores a uniform row at its packing's fullest bin before sample moves shorten it).
+    assert _simulated(new_step, lengths, config) <= _simulated(old_step, lengths, config) * (
+        1 + 1e-4
+    )
+
+
+def test_the_candidates_find_a_faster_step_somewhere():
+    """The hypothesis test above could pass with the candidates never chosen; here they win."""
+    faster = 0
+    for seed in range(30):
+        rng = random.Random(seed)
+        lengths = [rng.randint(100, 3000) for _ in range(10)]
+        config = _config(8192, 2, 1, 1, 0.01, 128)
+        new = _simulated(plan_schedule(lengths, config=config).steps[0], lengths, config)
+        with todays_planner():
+            old = _simulated(plan_schedule(lengths, config=config).steps[0], lengths, config)
+        faster += new < old * (1 - 1e-4)
+    assert faster >= 3
+
+
+def test_plans_are_reproducible():
+    rng = random.Random(5)
+    lengths = [rng.randint(50, 4000) for _ in range(48)]
+    config = _config(4096, 8, 2, 1, 0.01, 64)
+    assert plan_schedule(lengths, config=config) == plan_schedule(lengths, config=config)
+
+
+def test_slime_as_it_runs_is_not_ahead_on_the_issues_one_rank_example():
+    """Issue 45: 32 long-tailed samples on one rank, cap 4,096, no pipeline: slime's first fit as
+    slime runs it was up to 6% faster than ours as slime runs it (seed 50, tp 2: 1.0595)."""
+    samples = _lengths("long_tail", 32, 4096, 50)
+    case = SlimeCase("issue 45", samples, 1, 1, 1, 2, 1, 4096)
+    result = run_case(case, (0.0, 0.01, 0.05))
+    assert max(result["ratios"].values()) <= 1.005
+
+
+def _ours_and_verl(samples, dp, cap, overhead, rows):
+    """Step / ideal of ours and of verl's Karmarkar-Karp, both on rows of their own loads."""
+    parallel = ParallelLayout(dp_size=dp, pp_size=1)
+    cost = CostModel(
+        token_weight=1.0,
+        attention_weight=EVAL_COST.attention_weight,
+        microbatch_overhead=overhead * EVAL_COST.full_row_cost(cap),
+    )
+    config = PlannerConfig(
+        max_tokens_per_gpu=cap,
+        parallel=parallel,
+        cost=cost,
+        variable_row_lengths=True,
+        row_multiple=rows,
+        oversize_samples="allow",
+    )
+
+    def scored(ranks):
+        m = evaluate(ranks, samples.lengths, token_cap=cap, cost=cost, row_multiple=rows)
+        assert not m["over_cap_microbatches"]
+        return step_time(m["microbatch_costs"], parallel) / ideal_step_time(
+            samples.lengths, parallel, cost
+        )
+
+    step = plan_schedule(samples.lengths, samples.rollout_ids, config=config).steps[0]
+    ours = scored([[list(mb) for mb in rank] for rank in step.ranks])
+    return ours, scored(verl_kk(samples.lengths, dp_size=dp, token_cap=cap))
+
+
+def test_verl_kk_is_not_ahead_at_four_samples_a_rank():
+    """Issue 45: 512 short samples at dp 128, pp 1 (four a rank): verl's Karmarkar-Karp was ahead
+    of ours (here by 0.34%: 1.0410 against 1.0375, seed 3, rows of 64 tokens); now level."""
+    ours, theirs = _ours_and_verl(_family("uniform", 512, 8192, 3), 128, 8192, 0.01, 64)
+    assert ours <= theirs * (1 + 1e-9)
+
+
+def test_verl_kk_is_not_ahead_at_eight_samples_a_rank():
+    """64 GRPO samples at dp 8, pp 1: verl's split into one more micro-batch a rank was 1.0%
+    ahead (1.0343 against 1.0242) where ours kept the fewest."""
+    ours, theirs = _ours_and_verl(_family("grpo", 64, 16384, 530553845), 8, 16384, 0.0, 128)
+    assert ours <= theirs * 1.005
+
+
+def test_exact_split_is_optimal_on_tiny_inputs():
+    for seed in range(40):
+        rng = random.Random(seed)
+        n, dp = rng.randint(1, 8), rng.randint(2, 3)
+        weights = [float(rng.randint(1, 50)) for _ in range(n)]
+        split = exact_split(range(n), weights, dp)
+        assert sorted(i for part in split for i in part) == list(range(n))
+        best = min(
+            max(sum(weights[i] for i in range(n) if assign[i] == r) for r in range(dp))
+            for assign in itertools.product(range(dp), repeat=n)
+        )
+        assert max(sum(weights[i] for i in part) for part in split) == best
+
+
+def test_first_fit_matches_the_plain_scan_and_splits_to_the_count():
+    for seed in range(30):
+        rng = random.Random(seed)
+        sizes = [rng.randint(1, 100) for _ in range(rng.randint(1, 60))]
+        order = list(range(len(sizes)))
+        plain = []
+        for i in order:
+            for members in plain:
+                if sum(sizes[j] for j in members) + sizes[i] <= 100:
+                    members.append(i)
+                    break
+            else:
+                plain.append([i])
+        assert first_fit(order, sizes, 100) == plain
+        bins = first_fit_bins(order, sizes, 100, len(plain) + 3)
+        assert bins is not None and len(bins) == len(plain) + 3
+        assert sorted(i for members in bins for i in members) == order
+        assert all(sum(sizes[i] for i in members) <= 100 for members in bins)
+        assert first_fit_bins(order, sizes, 100, len(plain) - 1) is None
+
+
+def test_every_construction_keeps_the_cap_and_every_sample():
+    rng = random.Random(3)
+    sizes = [rng.randint(10, 900) for _ in range(40)]
+    weights = [s + s * s / 24576 for s in sizes]
+    for dp, per_rank in ((2, 3), (4, 2), (5, 4), (1, 6)):
+        for name, ranks, _ in small_step_candidates(range(40), sizes, weights, 1024, dp, per_rank):
+            assert len(ranks) == dp and all(len(rank) == per_rank for rank in ranks), name
+            placed = sorted(i for rank in ranks for mb in rank for i in mb)
+            assert placed == list(range(40)), name
+            assert all(sum(sizes[i] for i in mb) <= 1024 for rank in ranks for mb in rank), name
+
+
+def test_large_steps_are_not_small():
+    assert is_small_step(512, 128) and is_small_step(40, 1)
+    assert not is_small_step(16384, 512) and not is_small_step(4000, 16)
+
+
+def test_ramped_micro_batches_shrink_the_bubble_of_a_gpu_regime_step():
+    """Issue 45 item 2: 512 GRPO samples of a 7B model at dp 16, pp 4 (H100-like costs): the
+    pipeline's fill and drain run short rows. Before: 1.425 of the bound (bubble 0.391)."""
+    from benchmarks import gpu_regime
+
+    case = next(c for c in gpu_regime.cases(0) if c.label == "7b grpo vpp1 dp16")
+    cost = gpu_regime.true_cost(case, gpu_regime.Assumptions())
+    new = gpu_regime._told(case, cost)
+    with todays_planner():
+        old = gpu_regime._told(case, cost)
+    assert new["step"] < old["step"] * 0.95
+    assert new["bubble"] < old["bubble"] * 0.8
+    assert not new["over_cap"]
+
+
+def test_profile_pack_keeps_the_cap_every_sample_and_the_profile():
+    rng = random.Random(11)
+    sizes = [rng.randint(50, 3000) for _ in range(200)]
+    order = sorted(range(200), key=lambda i: (-sizes[i], i))
+    profile = [0.2, 0.5, 1.0, 1.0, 1.0, 1.0, 0.6, 0.3]
+    share = sum(sizes) / 4 / sum(profile)
+    targets = [[p * share for p in profile]] * 4
+    bins, loads = profile_pack(sizes, order, targets, 16384)
+    assert sorted(i for b in bins for i in b) == list(range(200))
+    assert all(load <= 16384 for load in loads)
+    assert loads == [sum(sizes[i] for i in b) for b in bins]
+    for r in range(4):
+        rank = loads[r * 8 : (r + 1) * 8]
+        assert rank[0] < min(rank[2:6]) and rank[-1] < min(rank[2:6])
+    # Ranks stay even: within one large sample of each other.
+    totals = [sum(loads[r * 8 : (r + 1) * 8]) for r in range(4)]
+    assert max(totals) - min(totals) <= max(sizes)
+    # A sample that fits no bin: no packing.
+    assert profile_pack([5000], [0], [[100.0]], 4096) is None
+
+
+def test_least_rounding_is_exact_on_tiny_ranks():
+    for seed in range(25):
+        rng = random.Random(seed)
+        n, per_rank, multiple, cap = rng.randint(1, 5), rng.randint(1, 4), 128, 4096
+        sizes = [rng.randint(1, 2000) for _ in range(n)]
+        rows = least_rounding(list(range(n)), sizes, cap, per_rank, multiple)
+
+        def padded(mbs, sizes=sizes, multiple=multiple):
+            return sum(
+                -(-sum(sizes[i] for i in mb) // multiple) * multiple if mb else multiple
+                for mb in mbs
+            )
+
+        best = None
+        for assign in itertools.product(range(per_rank), repeat=n):
+            mbs = [[i for i in range(n) if assign[i] == k] for k in range(per_rank)]
+            if all(sum(sizes[i] for i in mb) <= cap for mb in mbs):
+                best = padded(mbs) if best is None else min(best, padded(mbs))
+        if best is None:
+            assert rows is None
+            continue
+        assert len(rows) == per_rank
+        assert sorted(i for mb in rows for i in mb) == list(range(n))
+        assert all(sum(sizes[i] for i in mb) <= cap for mb in rows)
+        assert padded(rows) == best
