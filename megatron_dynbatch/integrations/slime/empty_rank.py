@@ -184,7 +184,7 @@ def reinforce_plus_plus_returns(
         **picked,
         **rest,
     )
-    returns = [torch.zeros_like(chunk) for chunk in kl]
+    returns = [padding_tensor(chunk.shape, chunk.dtype, chunk.device) for chunk in kl]
     for i, value in zip(keep, kept, strict=True):
         returns[i] = value
     return returns
