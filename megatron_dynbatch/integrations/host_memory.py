@@ -25,14 +25,19 @@ Standard library and the pure planner only: it runs on the host's driver, before
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import replace
 from typing import Any, Mapping, Optional
 
 from megatron_dynbatch.config import is_gib
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.planning.memory import GIB, UNFITTED_SAFETY, MemoryLimit, MemoryModel
+from megatron_dynbatch.planning.memory import (
+    GIB,
+    UNFITTED_SAFETY,
+    MemoryLimit,
+    MemoryModel,
+    budget_gib,
+)
 from megatron_dynbatch.planning.model_dims import ModelDims
 from megatron_dynbatch.planning.spec import ParallelLayout, round_up
 
@@ -185,9 +190,8 @@ def check_memory_budget(
     if limit.fits((1, row)):
         return
     model = limit.model
-    peaks = [model.uniform_peak(s, (1, row)) for s in model.dims.stages()]
-    stage = max(range(len(peaks)), key=peaks.__getitem__)
-    need = math.ceil(max(peaks) / GIB * 1000) / 1000
+    stage, peak = model.worst_stage((1, row))
+    need = budget_gib(peak)
     fitting = limit.row_cap(1)
     scale = tokens / token_value  # a micro-batch holds this many times the token budget (verl cp)
     lower = (
@@ -197,7 +201,7 @@ def check_memory_budget(
     )
     raise DynBatchValueError(
         f"{key}={gib:g} is too small for a micro-batch at {token_key}={token_value}: pipeline "
-        f"stage {stage} is predicted to hold {peaks[stage] / GIB:.3f} GiB at its peak "
+        f"stage {stage} is predicted to hold {peak / GIB:.3f} GiB at its peak "
         f"({model.resting(stage) / GIB:.3f} GiB of weights, gradients and optimizer state, the "
         f"rest activations counted x{UNFITTED_SAFETY:g}); set {key} to at least {need:.3f}"
         f"{lower}."

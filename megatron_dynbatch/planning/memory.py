@@ -64,6 +64,7 @@ __all__ = [
     "UNCALIBRATED_SAFETY",
     "UNFITTED_SAFETY",
     "fit_activation_scale",
+    "budget_gib",
     "gib_to_bytes",
     "live_microbatches",
     "predicted_step_peaks",
@@ -73,6 +74,12 @@ __all__ = [
 
 GIB = 1 << 30
 MIB = 1 << 20
+
+
+def budget_gib(peak_bytes: float, margin: float = 0.0) -> float:
+    """The smallest memory budget in GiB, rounded up to 0.001, that holds ``peak_bytes`` with
+    ``margin`` (a fraction) on top: the value a refusal names, so that it passes the same check."""
+    return math.ceil(peak_bytes * (1.0 + margin) / GIB * 1000) / 1000
 
 
 def gib_to_bytes(gib: float) -> int:
@@ -386,6 +393,13 @@ class MemoryModel:
         k_tok, k_sq = self._scales(stage)
         tok, sq = self.uniform_terms(stage, shape)
         return self.resting(stage) + k_tok * tok + k_sq * sq
+
+    def worst_stage(self, shape: MicroShape) -> Tuple[int, float]:
+        """``(stage, peak)``: the stage micro-batches of ``shape`` peak highest on, and that
+        :meth:`uniform_peak` (what every "the budget is too small for one row" message names)."""
+        peaks = [self.uniform_peak(s, shape) for s in self.dims.stages()]
+        stage = max(range(len(peaks)), key=peaks.__getitem__)
+        return stage, peaks[stage]
 
     def uniform_terms(self, stage: int, shape: MicroShape) -> Tuple[float, float]:
         """``(tokens, scores)`` bytes, as counted (unscaled), that ``stage`` keeps at most for any

@@ -46,6 +46,7 @@ from megatron_dynbatch.planning.memory import (
     MemoryLimit,
     MemoryModel,
     PeakTerms,
+    budget_gib,
     fit_activation_scale,
     gib_to_bytes,
 )
@@ -162,15 +163,13 @@ def check_memory_budget(limit: MemoryLimit, seq_length: Optional[int], flag: str
     model = limit.model
     length = int(seq_length or limit.row_multiple)
     row = (1, round_up(length, limit.row_multiple))
-    peaks = [model.uniform_peak(stage, row) for stage in model.dims.stages()]
-    need = max(peaks)
+    stage, need = model.worst_stage(row)
     if need > limit.budget_bytes:
-        stage = peaks.index(need)
         rest = model.resting(stage)
         # With a margin for what the estimate misses (see STARTUP_MARGIN); rounded up, so the
         # named value passes this check again.
         margin = STARTUP_MARGIN if torch.cuda.is_available() else CPU_STARTUP_MARGIN
-        smallest = math.ceil(need * (1 + margin) / GIB * 1000) / 1000
+        smallest = budget_gib(need, margin)
         raise DynBatchValueError(
             f"{flag} {limit.budget_bytes / GIB:.3f} is too small for one --seq-length "
             f"{length} sample: pipeline stage {stage} is predicted to hold "
@@ -348,7 +347,7 @@ class StepMemory:
     def _row_peak(self, model: MemoryModel) -> int:
         """The largest predicted peak of micro-batches of one ``--seq-length`` row."""
         row = (1, round_up(self.min_row, self.row_multiple))
-        return int(math.ceil(max(model.uniform_peak(s, row) for s in model.dims.stages())))
+        return int(math.ceil(model.worst_stage(row)[1]))
 
     def before_plan(self, stage: int, group: Any) -> None:
         """A training step is about to be planned (every rank calls this at the same point):

@@ -15,7 +15,6 @@ Standard library and the pure planner only.
 
 from __future__ import annotations
 
-import math
 import types
 from dataclasses import replace
 from typing import Any, Mapping, Optional
@@ -23,7 +22,13 @@ from typing import Any, Mapping, Optional
 from megatron_dynbatch.config import attention_from_megatron, is_gib
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.model_args import memory_model_from_flags
-from megatron_dynbatch.planning.memory import GIB, UNFITTED_SAFETY, MemoryLimit, MemoryModel
+from megatron_dynbatch.planning.memory import (
+    GIB,
+    UNFITTED_SAFETY,
+    MemoryLimit,
+    MemoryModel,
+    budget_gib,
+)
 from megatron_dynbatch.planning.spec import ParallelLayout, round_up
 
 __all__ = [
@@ -145,13 +150,12 @@ def check_memory_budget(policy_cfg: Mapping[str, Any], limit: MemoryLimit) -> No
     if limit.fits((1, row)):
         return
     model = limit.model
-    peaks = [model.uniform_peak(s, (1, row)) for s in model.dims.stages()]
-    stage = max(range(len(peaks)), key=peaks.__getitem__)
-    smallest = math.ceil(max(peaks) / GIB * 1000) / 1000
+    stage, peak = model.worst_stage((1, row))
+    smallest = budget_gib(peak)
     raise DynBatchValueError(
         f"{KEY}={nemo_rl_max_memory_gib(policy_cfg):g} is too small for one micro-batch of {row} tokens (a "
         f"sample of policy.max_total_sequence_length={longest}, padded): pipeline stage {stage} "
-        f"is predicted to hold {peaks[stage] / GIB:.3f} GiB at its peak "
+        f"is predicted to hold {peak / GIB:.3f} GiB at its peak "
         f"({model.resting(stage) / GIB:.3f} GiB of weights, gradients and optimizer state, the "
         f"rest activations counted x{UNFITTED_SAFETY:g}); raise {KEY} to at least "
         f"{smallest:.3f}, set policy.megatron_cfg.activation_checkpointing=true, or lower "

@@ -21,7 +21,6 @@ Standard library and the pure planner only: slime's rollout manager imports it w
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Any, List, Optional, Sequence
 
@@ -34,6 +33,7 @@ from megatron_dynbatch.planning.memory import (
     UNFITTED_SAFETY,
     MemoryLimit,
     MemoryModel,
+    budget_gib,
     gib_to_bytes,
     predicted_step_peaks,
 )
@@ -108,9 +108,7 @@ def slime_memory_limit(args: Any, parallel: ParallelLayout) -> Optional[MemoryLi
 def smallest_budget_gib(limit: MemoryLimit, row: int) -> float:
     """The smallest ``--max-memory-gib`` (GiB, rounded up to 0.001) under which micro-batches of
     one row of ``row`` tokens fit every stage."""
-    model = limit.model
-    need = max(model.uniform_peak(s, (1, row)) for s in model.dims.stages())
-    return math.ceil(need / GIB * 1000) / 1000
+    return budget_gib(limit.model.worst_stage((1, row))[1])
 
 
 def check_longest_sample(limit: MemoryLimit, lengths: Sequence[int], gib: float) -> None:
@@ -131,17 +129,16 @@ def check_longest_sample(limit: MemoryLimit, lengths: Sequence[int], gib: float)
     if limit.fits((1, row)):
         return
     model = limit.model
-    peaks = [model.uniform_peak(s, (1, row)) for s in model.dims.stages()]
-    stage = max(range(len(peaks)), key=peaks.__getitem__)
+    stage, peak = model.worst_stage((1, row))
     cp = model.dims.parallel.cp_size
     raise DynBatchValueError(
         f"{FLAG} {gib:g} is too small for one sample of {longest} tokens "
         f"(the longest of the rollout, one packed row of {row} tokens"
         + (f" over {cp} context-parallel ranks" if cp > 1 else "")
-        + f"): pipeline stage {stage} is predicted to hold {peaks[stage] / GIB:.3f} GiB at its peak "
+        + f"): pipeline stage {stage} is predicted to hold {peak / GIB:.3f} GiB at its peak "
         f"({model.resting(stage) / GIB:.3f} GiB of weights, gradients and optimizer state, the "
         f"rest activations of the micro-batches its schedule keeps alive, counted x"
-        f"{UNFITTED_SAFETY:g}); raise {FLAG} to at least {smallest_budget_gib(limit, row):.3f}, "
+        f"{UNFITTED_SAFETY:g}); raise {FLAG} to at least {budget_gib(peak):.3f}, "
         "recompute activations (--recompute-granularity selective / full), or cut long samples "
         "at rollout time (--rollout-max-response-len)."
     )
