@@ -435,11 +435,11 @@ def test_tensorboard_and_wandb_get_the_dynamic_batching_scalars(board):
         assert [step for step, _ in ours.get(f"dynbatch/{tag}", [])] == [1, 2], (tag, ours)
     # The figures are the ones the iteration line prints (patch 0003), step by step.
     printed = re.findall(
-        r"micro-batches/rank: (\d+) \[1x(\d+)\] \| real tokens: (\d+) \| computed tokens: (\d+)",
+        r"micro-batches/rank: (\d+) \[(\d+)x(\d+)\] \| real tokens: (\d+) \| computed tokens: (\d+)",
         log,
     )
     assert len(printed) == 2, log[-3000:]
-    for step, (count, row, real, computed) in enumerate(printed, start=1):
+    for step, (count, _rows, row, real, computed) in enumerate(printed, start=1):
         at = {tag: dict(values)[step] for tag, values in ours.items()}
         assert at["dynbatch/micro-batches per rank"] == int(count)
         assert at["dynbatch/row length"] == int(row)
