@@ -551,15 +551,24 @@ def _walk(
         if row_widths and not sharded:
             # A sample over the cap runs alone and may widen every row of its step to its size.
             widest = max([cap] + [per_rank[0][i] for i in _known(step, len(per_rank[0]))])
+        if not sharded:
+            # One sample set for the whole step: gathered, counted and range-checked once, not
+            # once a rank (at 1M samples and dp 512 the per-rank passes cost about a second).
+            members = list(itertools.chain.from_iterable(itertools.chain.from_iterable(step.ranks)))
+            seen[0].update(members)
+            step_fast = _in_range(members, len(per_rank[0]))
         for r, rank in enumerate(step.ranks):
             q = r if sharded else 0
             if q >= len(per_rank):
                 continue  # a rank without lengths (reported above)
             sizes = per_rank[q]
             n = len(sizes)
-            members = list(itertools.chain.from_iterable(rank))
-            seen[q].update(members)
-            fast = _in_range(members, n)
+            if sharded:
+                members = list(itertools.chain.from_iterable(rank))
+                seen[q].update(members)
+                fast = _in_range(members, n)
+            else:
+                fast = step_fast
             size_of = sizes.__getitem__
             if fast and _rank_fits(step, r, rank, size_of, cap, widest, row_tokens):
                 continue  # nothing the loop below could report
