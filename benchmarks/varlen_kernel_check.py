@@ -56,6 +56,63 @@ def _segments(rng, total, with_padding):
     return real, (padded if with_padding else None)
 
 
+def _modules(heads: int, groups: int, dim: int, cuda: bool):
+    """torch-varlen and the reference module for one head layout (on CPU the varlen kernel is
+    the per-segment SDPA stand-in). Imported here: on CPU, after :func:`run` applied the shim."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_dynbatch.mcore.thd_attention import ThdReferenceAttention
+    from megatron_dynbatch.mcore.varlen_attention import TorchVarlenAttention, segment_sdpa_kernel
+
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=heads * dim,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        masked_softmax_fusion=False,
+    )
+    kwargs = dict(
+        layer_number=1,
+        attn_mask_type=AttnMaskType.causal,
+        attention_type="self",
+        pg_collection=_TP1,
+    )
+    varlen = TorchVarlenAttention(config, **kwargs).eval()
+    if not cuda:
+        varlen.kernel = segment_sdpa_kernel()
+    return varlen, ThdReferenceAttention(config, **kwargs).eval()
+
+
+def _errors(modules, inputs, grad, **call) -> List[float]:
+    """Relative errors of the first module against the second: output, then q/k/v gradients."""
+    results = []
+    for module in modules:
+        q, k, v = (x.clone().requires_grad_(True) for x in inputs)
+        out = module(q, k, v, None, **call)
+        out.backward(grad)
+        results.append((out.detach(), q.grad, k.grad, v.grad))
+    return [_error(a, b) for a, b in zip(*results, strict=True)]
+
+
+def _row(path, dtype, heads, groups, dim, tokens, segments, padded, errors) -> Dict:
+    import torch
+
+    return {
+        "path": path,
+        "dtype": str(dtype).replace("torch.", ""),
+        "heads/groups/dim": f"{heads}/{groups}/{dim}",
+        "tokens": tokens,
+        "segments": segments,
+        "padded boundaries": padded,
+        "output": errors[0],
+        "grad q/k/v": max(errors[1:]),
+        "tolerance": BF16_TOLERANCE if dtype == torch.bfloat16 else FP32_TOLERANCE,
+    }
+
+
 def run(batches: int, tokens: int, seed: int) -> Dict:
     import random
 
@@ -66,11 +123,6 @@ def run(batches: int, tokens: int, seed: int) -> Dict:
 
         apply_cpu_shim()
     from megatron.core.packed_seq_params import PackedSeqParams
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from megatron_dynbatch.mcore.thd_attention import ThdReferenceAttention
-    from megatron_dynbatch.mcore.varlen_attention import TorchVarlenAttention, segment_sdpa_kernel
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -81,25 +133,7 @@ def run(batches: int, tokens: int, seed: int) -> Dict:
     kernel_name = None
     for index in range(batches):
         heads, groups, dim = shapes[index % len(shapes)]
-        config = TransformerConfig(
-            num_layers=1,
-            hidden_size=heads * dim,
-            num_attention_heads=heads,
-            num_query_groups=groups,
-            attention_dropout=0.0,
-            use_cpu_initialization=True,
-            masked_softmax_fusion=False,
-        )
-        kwargs = dict(
-            layer_number=1,
-            attn_mask_type=AttnMaskType.causal,
-            attention_type="self",
-            pg_collection=_TP1,
-        )
-        varlen = TorchVarlenAttention(config, **kwargs).eval()
-        if not cuda:
-            varlen.kernel = segment_sdpa_kernel()
-        reference = ThdReferenceAttention(config, **kwargs).eval()
+        varlen, reference = _modules(heads, groups, dim, cuda)
         with_padding = index % 2 == 1
         real, padded = _segments(rng, tokens if cuda else tokens // 8, with_padding)
         total = (padded or real)[-1]
@@ -122,72 +156,25 @@ def run(batches: int, tokens: int, seed: int) -> Dict:
             torch.randn(total, n, dim, device=device, dtype=dtype) for n in (heads, groups, groups)
         ]
         grad = torch.randn(total, heads * dim, device=device, dtype=dtype)
-        results = []
-        for module in (varlen, reference):
-            q, k, v = (x.clone().requires_grad_(True) for x in inputs)
-            out = module(q, k, v, None, packed_seq_params=params)
-            out.backward(grad)
-            results.append((out.detach(), q.grad, k.grad, v.grad))
+        errors = _errors((varlen, reference), inputs, grad, packed_seq_params=params)
         kernel_name = varlen.kernel.name
-        errors = [_error(a, b) for a, b in zip(*results, strict=True)]
         rows.append(
-            {
-                "path": "THD varlen",
-                "dtype": str(dtype).replace("torch.", ""),
-                "heads/groups/dim": f"{heads}/{groups}/{dim}",
-                "tokens": total,
-                "segments": len(real) - 1,
-                "padded boundaries": with_padding,
-                "output": errors[0],
-                "grad q/k/v": max(errors[1:]),
-                "tolerance": BF16_TOLERANCE if dtype == torch.bfloat16 else FP32_TOLERANCE,
-            }
+            _row(
+                "THD varlen", dtype, heads, groups, dim, total, len(real) - 1, with_padding, errors
+            )
         )
     # Rows without PackedSeqParams: SDPA (flash in bf16, memory-efficient in fp32 on CUDA).
     for dtype in (torch.bfloat16, torch.float32) if cuda else (torch.float32,):
         heads, groups, dim = 16, 4, 64
-        config = TransformerConfig(
-            num_layers=1,
-            hidden_size=heads * dim,
-            num_attention_heads=heads,
-            num_query_groups=groups,
-            attention_dropout=0.0,
-            use_cpu_initialization=True,
-            masked_softmax_fusion=False,
-        )
-        kwargs = dict(
-            layer_number=1,
-            attn_mask_type=AttnMaskType.causal,
-            attention_type="self",
-            pg_collection=_TP1,
-        )
+        modules = _modules(heads, groups, dim, cuda)
         seq, batch = (2048, 2) if cuda else (128, 2)
         inputs = [
             torch.randn(seq, batch, n, dim, device=device, dtype=dtype)
             for n in (heads, groups, groups)
         ]
         grad = torch.randn(seq, batch, heads * dim, device=device, dtype=dtype)
-        results = []
-        for cls in (TorchVarlenAttention, ThdReferenceAttention):
-            module = cls(config, **kwargs).eval()
-            q, k, v = (x.clone().requires_grad_(True) for x in inputs)
-            out = module(q, k, v, None)
-            out.backward(grad)
-            results.append((out.detach(), q.grad, k.grad, v.grad))
-        errors = [_error(a, b) for a, b in zip(*results, strict=True)]
-        rows.append(
-            {
-                "path": "SDPA rows",
-                "dtype": str(dtype).replace("torch.", ""),
-                "heads/groups/dim": f"{heads}/{groups}/{dim}",
-                "tokens": seq * batch,
-                "segments": batch,
-                "padded boundaries": False,
-                "output": errors[0],
-                "grad q/k/v": max(errors[1:]),
-                "tolerance": BF16_TOLERANCE if dtype == torch.bfloat16 else FP32_TOLERANCE,
-            }
-        )
+        errors = _errors(modules, inputs, grad)
+        rows.append(_row("SDPA rows", dtype, heads, groups, dim, seq * batch, batch, False, errors))
     passed = all(max(r["output"], r["grad q/k/v"]) <= r["tolerance"] for r in rows)
     kernel = kernel_name if cuda else f"{kernel_name} (CPU stand-in; torch's flash kernel not run)"
     return {"kernel": kernel, "torch": torch.__version__, "rows": rows, "passed": passed}
