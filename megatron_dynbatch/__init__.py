@@ -1,27 +1,14 @@
 """megatron_dynbatch: dynamic, token-budget micro-batching for Megatron-Core pipelines.
 
-``import megatron_dynbatch`` gives the pure planner (standard library only) and the error classes;
-the torch runtime names (``materialize_microbatches``, ``microbatch_loss``, ...) load torch on first
-use. Folders follow the data flow: ``planning`` -> ``runtime`` -> ``mcore`` -> ``integrations``
+``import megatron_dynbatch`` gives the pure planner's API (standard library only: every name of
+``planning.__all__``) and the error classes; the torch runtime names (``materialize_microbatches``,
+``microbatch_loss``, ...) load torch on first use. Folders follow the data flow: ``planning`` -> ``runtime`` -> ``mcore`` -> ``integrations``
 -> ``tools`` (docs/api.md lists the stable entry points).
 """
 
+from megatron_dynbatch import planning as _planning
 from megatron_dynbatch.errors import DynBatchError, DynBatchValueError
-from megatron_dynbatch.planning import (
-    CostModel,
-    OversizeSampleWarning,
-    ParallelLayout,
-    Plan,
-    PlanInvariantError,
-    PlannerConfig,
-    PlanStats,
-    SampleSet,
-    StepPlan,
-    check_plan,
-    parse_samples_json,
-    plan_samples,
-    plan_schedule,
-)
+from megatron_dynbatch.planning import *  # noqa: F403 - the pure planner's API, planning.__all__
 
 __version__ = "0.1.0"
 
@@ -35,25 +22,7 @@ _RUNTIME = (
     "split_outputs",
 )
 
-__all__ = [
-    "CostModel",
-    "DynBatchError",
-    "DynBatchValueError",
-    "OversizeSampleWarning",
-    "ParallelLayout",
-    "Plan",
-    "PlanInvariantError",
-    "PlanStats",
-    "PlannerConfig",
-    "SampleSet",
-    "StepPlan",
-    "__version__",
-    "check_plan",
-    "parse_samples_json",
-    "plan_samples",
-    "plan_schedule",
-    *_RUNTIME,
-]
+__all__ = ["DynBatchError", "DynBatchValueError", "__version__", *_planning.__all__, *_RUNTIME]
 
 
 def __getattr__(name):

@@ -294,21 +294,30 @@ def register_host(host: Host, *, replace: bool = False) -> Host:
 def check_host_budget(host: Host, budget: Any, *, forward_only: bool = False) -> int:
     """The budget as a plain positive ``int`` (numpy integers accepted), or a
     ``DynBatchValueError`` naming the host's key."""
-    key = host.key("max_tokens_per_gpu", forward_only=forward_only)
+    return check_budget(
+        budget, host.key("max_tokens_per_gpu", forward_only=forward_only), host.switch
+    )
+
+
+def check_budget(budget: Any, key: str, switch: str) -> int:
+    """A token budget set as ``key`` with ``switch`` on, as a plain positive ``int`` (numpy
+    integers accepted), or a ``DynBatchValueError`` naming ``key`` (for a host whose budget keys
+    are more than :class:`Host` records: verl's per-engine keys)."""
     if isinstance(budget, numbers.Integral) and not isinstance(budget, bool):
         budget = int(budget)
     if budget is None:
         raise DynBatchValueError(
-            f"{host.switch} needs a token budget: set {key} to the tokens of one micro-batch "
-            "(e.g. 8192)."
+            f"{key}=null: {switch} needs a token budget; set {key} to the tokens of one "
+            "micro-batch (e.g. 8192)."
         )
     if isinstance(budget, bool) or not isinstance(budget, int):
         raise DynBatchValueError(
-            f"{key}={budget!r} must be an integer number of tokens with {host.switch}."
+            f"{key}={budget!r} must be an integer number of tokens with {switch}; set it to the "
+            "tokens of one micro-batch (e.g. 8192)."
         )
     if budget < 1:
         raise DynBatchValueError(
-            f"{key}={budget} must be > 0 with {host.switch}; set it to the tokens of one "
+            f"{key}={budget} must be > 0 with {switch}; set it to the tokens of one "
             "micro-batch (e.g. 8192)."
         )
     return budget

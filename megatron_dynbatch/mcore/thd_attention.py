@@ -37,7 +37,9 @@ from megatron_dynbatch.errors import DynBatchValueError
 __all__ = [
     "ThdReferenceAttention",
     "segment_mask",
+    "self_attention_boundaries",
     "thd_boundaries",
+    "with_self_attention",
     "with_thd_reference_attention",
 ]
 
@@ -76,6 +78,45 @@ def thd_boundaries(
     return real, padded
 
 
+def self_attention_boundaries(
+    packed_seq_params: Any, total: int, attention: str
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The checked real and padded boundaries of a self-attention THD ``PackedSeqParams`` of
+    ``total`` tokens (:func:`thd_boundaries`), as every THD ``core_attention`` here reads them.
+
+    ``attention`` names the module in messages.
+
+    Raises:
+        DynBatchValueError: ``qkv_format`` other than ``thd``; bad boundaries; query and
+            key/value boundaries that differ; a ``max_seqlen_*`` below the longest real segment.
+    """
+    if packed_seq_params.qkv_format != "thd":
+        raise DynBatchValueError(
+            f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}; the {attention} "
+            "implements 'thd' only."
+        )
+    real, padded = thd_boundaries(
+        packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded, total
+    )
+    kv = thd_boundaries(
+        packed_seq_params.cu_seqlens_kv, packed_seq_params.cu_seqlens_kv_padded, total
+    )
+    if not (torch.equal(real, kv[0]) and torch.equal(padded, kv[1])):
+        raise DynBatchValueError(
+            "self-attention needs equal query and key/value THD boundaries; got "
+            f"cu_seqlens_q={real.tolist()}, cu_seqlens_kv={kv[0].tolist()}."
+        )
+    longest = int((real[1:] - real[:-1]).max())
+    for name in ("max_seqlen_q", "max_seqlen_kv"):
+        given = getattr(packed_seq_params, name)
+        if given is None or int(given) < longest:
+            raise DynBatchValueError(
+                f"packed_seq_params.{name}={given} is smaller than the longest segment "
+                f"({longest} tokens); set it to at least that length."
+            )
+    return real, padded
+
+
 def segment_mask(
     cu_seqlens: torch.Tensor, cu_seqlens_padded: Optional[torch.Tensor], total: int
 ) -> torch.Tensor:
@@ -84,7 +125,10 @@ def segment_mask(
     Raises:
         DynBatchValueError: As :func:`thd_boundaries`.
     """
-    real, padded = thd_boundaries(cu_seqlens, cu_seqlens_padded, total)
+    return _segment_mask(*thd_boundaries(cu_seqlens, cu_seqlens_padded, total), total)
+
+
+def _segment_mask(real: torch.Tensor, padded: torch.Tensor, total: int) -> torch.Tensor:
     real_lengths = real[1:] - real[:-1]
     padded_lengths = padded[1:] - padded[:-1]
     segment = torch.repeat_interleave(torch.arange(padded_lengths.numel()), padded_lengths)
@@ -162,6 +206,9 @@ class ThdReferenceAttention(MegatronModule):
                 probs = self.dropout(probs)
         return torch.matmul(probs, value)
 
+    #: How messages name this module.
+    attention_name = "reference THD attention"
+
     def forward(
         self,
         query: torch.Tensor,
@@ -175,47 +222,32 @@ class ThdReferenceAttention(MegatronModule):
         """THD ``[t, h, d] -> [t, h * d]``; padded ``[s, b, h, d] -> [s, b, h * d]``."""
         del attn_mask_type
         if attention_bias is not None:
-            raise DynBatchValueError("the reference THD attention takes no attention_bias.")
+            raise DynBatchValueError(f"the {self.attention_name} takes no attention_bias.")
         if packed_seq_params is not None:
-            if packed_seq_params.qkv_format != "thd":
-                raise DynBatchValueError(
-                    f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}; the reference "
-                    "attention implements 'thd' only."
-                )
             total = query.shape[0]
-            allowed = segment_mask(
-                packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded, total
-            )
-            kv_allowed = segment_mask(
-                packed_seq_params.cu_seqlens_kv, packed_seq_params.cu_seqlens_kv_padded, total
-            )
-            if not torch.equal(allowed, kv_allowed):
-                raise DynBatchValueError(
-                    "self-attention needs equal query and key/value THD boundaries; got "
-                    f"cu_seqlens_q={packed_seq_params.cu_seqlens_q.tolist()}, "
-                    f"cu_seqlens_kv={packed_seq_params.cu_seqlens_kv.tolist()}."
-                )
-            longest = int(
-                (packed_seq_params.cu_seqlens_q[1:] - packed_seq_params.cu_seqlens_q[:-1]).max()
-            )
-            for name in ("max_seqlen_q", "max_seqlen_kv"):
-                given = getattr(packed_seq_params, name)
-                if given is None or int(given) < longest:
-                    raise DynBatchValueError(
-                        f"packed_seq_params.{name}={given} is smaller than the longest segment "
-                        f"({longest} tokens); set it to at least that length."
-                    )
-            allowed = allowed.to(query.device)
-            _announce_once(packed_seq_params, total)
-            # [t, h, d] -> [1, h, t, d]
-            out = self._attend(
-                query.permute(1, 0, 2)[None],
-                key.permute(1, 0, 2)[None],
-                value.permute(1, 0, 2)[None],
-                allowed[None],
-            )
-            return out[0].permute(1, 0, 2).reshape(total, -1)
+            return self._thd(query, key, value, packed_seq_params).reshape(total, -1)
         seq, batch = query.shape[0], query.shape[1]
+        return self._padded(query, key, value, attention_mask).reshape(seq, batch, -1)
+
+    def _thd(self, query, key, value, packed_seq_params: Any) -> torch.Tensor:
+        """THD ``[t, h, d] -> [t, h, d]``, dense over the row's ``[t, t]`` segment mask."""
+        total = query.shape[0]
+        real, padded = self_attention_boundaries(packed_seq_params, total, self.attention_name)
+        allowed = _segment_mask(real, padded, total).to(query.device)
+        _announce_once(packed_seq_params, total)
+        # [t, h, d] -> [1, h, t, d]
+        out = self._attend(
+            query.permute(1, 0, 2)[None],
+            key.permute(1, 0, 2)[None],
+            value.permute(1, 0, 2)[None],
+            allowed[None],
+        )
+        return out[0].permute(1, 0, 2)
+
+    def _padded(self, query, key, value, attention_mask) -> torch.Tensor:
+        """``[s, b, h, d] -> [s, b, h, d]``: each row one causal sequence, ``attention_mask``
+        (True = masked) on top when given."""
+        seq = query.shape[0]
         allowed = torch.ones(seq, seq, dtype=torch.bool, device=query.device).tril()[None]
         if attention_mask is not None:
             # Megatron's masks are [b|1, 1, s, s] with True where attention is not allowed.
@@ -223,8 +255,7 @@ class ThdReferenceAttention(MegatronModule):
         out = self._attend(
             query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3), allowed
         )  # [b, h, s, d]
-        return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
-
+        return out.permute(2, 0, 1, 3)
 
 _ANNOUNCED = []
 
@@ -261,23 +292,32 @@ def with_thd_reference_attention(
 
     core = ThdReferenceAttention if core_attention is None else core_attention
 
-    def _set(layer_spec) -> None:
-        attention = getattr(getattr(layer_spec, "submodules", None), "self_attention", None)
-        if attention is None or getattr(attention, "submodules", None) is None:
-            return
+    def _set(attention):
         # Replaced, not mutated: the base spec's objects may be shared between calls.
+        if getattr(attention, "submodules", None) is None:
+            return attention
         submodules = dataclasses.replace(attention.submodules, core_attention=core)
         params = dict(getattr(attention, "params", {}) or {})
         if "attn_mask_type" in params:
             params["attn_mask_type"] = AttnMaskType.causal
-        layer_spec.submodules.self_attention = dataclasses.replace(
-            attention, submodules=submodules, params=params
-        )
+        return dataclasses.replace(attention, submodules=submodules, params=params)
+
+    return with_self_attention(base_spec_fn, _set)
+
+
+def with_self_attention(base_spec_fn: Callable, change: Callable[[Any], Any]) -> Callable:
+    """A layer-spec function whose every layer's self-attention spec is ``change(spec)``.
+
+    ``base_spec_fn(config, vp_stage)`` returns Megatron's local layer spec (a ``ModuleSpec`` or a
+    block spec of them); a layer without self-attention is left as it is.
+    """
 
     def spec(config, vp_stage=None):
         layer_spec = base_spec_fn(config, vp_stage)
         for one in getattr(layer_spec, "layer_specs", None) or [layer_spec]:
-            _set(one)
+            attention = getattr(getattr(one, "submodules", None), "self_attention", None)
+            if attention is not None:
+                one.submodules.self_attention = change(attention)
         return layer_spec
 
     return spec

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.mcore.thd_attention import ThdReferenceAttention, thd_boundaries
+from megatron_dynbatch.mcore.thd_attention import ThdReferenceAttention, self_attention_boundaries
 
 __all__ = [
     "TorchVarlenAttention",
@@ -160,34 +160,14 @@ def varlen_plan(packed_seq_params: Any, total: int, device: torch.device) -> Var
     kernel's ``cu_seqlens = [0, 2, 3]``.
 
     Raises:
-        DynBatchValueError: Bad boundaries (:func:`thd_boundaries`), unequal query and key/value
-            boundaries, or a ``max_seqlen_*`` below the longest real segment.
+        DynBatchValueError: As
+            :func:`~megatron_dynbatch.mcore.thd_attention.self_attention_boundaries`.
     """
-    if packed_seq_params.qkv_format != "thd":
-        raise DynBatchValueError(
-            f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}; the torch-varlen "
-            "attention implements 'thd' only."
-        )
-    real, padded = thd_boundaries(
-        packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded, total
+    real, padded = self_attention_boundaries(
+        packed_seq_params, total, TorchVarlenAttention.attention_name
     )
-    kv = thd_boundaries(
-        packed_seq_params.cu_seqlens_kv, packed_seq_params.cu_seqlens_kv_padded, total
-    )
-    if not (torch.equal(real, kv[0]) and torch.equal(padded, kv[1])):
-        raise DynBatchValueError(
-            "self-attention needs equal query and key/value THD boundaries; got "
-            f"cu_seqlens_q={real.tolist()}, cu_seqlens_kv={kv[0].tolist()}."
-        )
     lengths = (real[1:] - real[:-1]).tolist()
     longest = max(lengths)
-    for name in ("max_seqlen_q", "max_seqlen_kv"):
-        given = getattr(packed_seq_params, name)
-        if given is None or int(given) < longest:
-            raise DynBatchValueError(
-                f"packed_seq_params.{name}={given} is smaller than the longest segment "
-                f"({longest} tokens); set it to at least that length."
-            )
     kept = [n for n in lengths if n > 0]
     bounds: List[int] = [0]
     for n in kept:
@@ -279,33 +259,18 @@ class TorchVarlenAttention(ThdReferenceAttention):
         _LAST_PLAN[0] = (packed_seq_params, key, plan)
         return plan
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: Optional[torch.Tensor],
-        attn_mask_type: Any = None,
-        attention_bias: Optional[torch.Tensor] = None,
-        packed_seq_params: Any = None,
-    ) -> torch.Tensor:
-        """THD ``[t, h, d] -> [t, h * d]``; padded ``[s, b, h, d] -> [s, b, h * d]``."""
-        del attn_mask_type
-        if attention_bias is not None:
-            raise DynBatchValueError("the torch-varlen attention takes no attention_bias.")
-        if packed_seq_params is not None:
-            total = query.shape[0]
-            plan = self._plan(packed_seq_params, total, query.device)
-            out = varlen_thd_attention(
-                query, key, value, plan, self.softmax_scale, self._varlen_kernel()
-            )
-            return out.reshape(total, -1)
-        return self._sdpa(query, key, value, attention_mask)
+    attention_name = "torch-varlen attention"
 
-    def _sdpa(self, query, key, value, attention_mask) -> torch.Tensor:
+    def _thd(self, query, key, value, packed_seq_params: Any) -> torch.Tensor:
+        plan = self._plan(packed_seq_params, query.shape[0], query.device)
+        return varlen_thd_attention(
+            query, key, value, plan, self.softmax_scale, self._varlen_kernel()
+        )
+
+    def _padded(self, query, key, value, attention_mask) -> torch.Tensor:
         """``[s, b, h, d]`` rows, each one causal sequence (``attention_mask``, True = masked, on
         top when given: then the memory-efficient backend, as flash takes no mask)."""
-        seq, batch = query.shape[0], query.shape[1]
+        seq = query.shape[0]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, h, s, d]
         k = _expand_groups(k, self.num_heads, 1)
         v = _expand_groups(v, self.num_heads, 1)
@@ -318,7 +283,7 @@ class TorchVarlenAttention(ThdReferenceAttention):
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=causal, scale=self.softmax_scale
             )
-        return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+        return out.permute(2, 0, 1, 3)
 
 
 # The plan of the last PackedSeqParams seen (the object is kept, so its id cannot be reused).

@@ -28,9 +28,9 @@ __all__ = [
     "parse_samples_json",
     "plan_samples",
     "plan_schedule",
+    "planner_names",
     "register_planner",
     "round_up",
     "run_planner",
     "sample_multiple",
-    "planner_names",
 ]

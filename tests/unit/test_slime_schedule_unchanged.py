@@ -22,6 +22,7 @@ from megatron_dynbatch.integrations.slime.config import (
     dynbatch_config_from_slime_args,
     planner_oversize_reported,
     routing_replay,
+    slime_flags,
 )
 from megatron_dynbatch.planning import SampleSet, check_plan
 from megatron_dynbatch.planning.registry import run_planner
@@ -150,20 +151,22 @@ def _ref_dynamic(args, sizes, lengths, keys, global_batch_size, pad_size):
 
 
 def _reference_schedule(args, tp, total_lengths, *, global_batch_size, rollout_indices):
-    use_dynamic = S._flag(args, "use_dynamic_batch_size")
-    sizes = S._parallel_sizes(args, tp)
-    lengths = _ref_lengths(total_lengths)
-    keys = _ref_keys(rollout_indices, len(lengths))
-    global_batch_size = check_int(
-        "global_batch_size",
-        global_batch_size,
-        1,
-        "pass --global-batch-size as the number of rollouts per optimizer step.",
-    )
-    pad = S.pad_size(args)
-    if use_dynamic:
-        return _ref_dynamic(args, sizes, lengths, keys, global_batch_size, pad)
-    return S._static_schedule(args, sizes, lengths, _ref_group(keys), global_batch_size, pad)
+    # build_dp_schedule names slime's flags in its errors (the adapter did before issue 46).
+    with slime_flags():
+        use_dynamic = S._flag(args, "use_dynamic_batch_size")
+        sizes = S._parallel_sizes(args, tp)
+        lengths = _ref_lengths(total_lengths)
+        keys = _ref_keys(rollout_indices, len(lengths))
+        global_batch_size = check_int(
+            "global_batch_size",
+            global_batch_size,
+            1,
+            "pass --global-batch-size as the number of rollouts per optimizer step.",
+        )
+        pad = S.pad_size(args)
+        if use_dynamic:
+            return _ref_dynamic(args, sizes, lengths, keys, global_batch_size, pad)
+        return S._static_schedule(args, sizes, lengths, _ref_group(keys), global_batch_size, pad)
 
 
 # -- random inputs ---------------------------------------------------------------------------------

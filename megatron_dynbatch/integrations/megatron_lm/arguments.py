@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from typing import Any, Dict, Optional
 
@@ -35,6 +34,7 @@ from megatron_dynbatch.config import (
     load_yaml_config,
 )
 from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.integrations.megatron_lm.console import world_size
 from megatron_dynbatch.planning.model_cost import ESTIMATED_MIN_GAIN
 from megatron_dynbatch.planning.spec import (
     DEFAULT_PLANNER,
@@ -157,15 +157,6 @@ def _layout_size(args: Any, name: str) -> int:
     return 1 if value is None else int(value)
 
 
-def _world_size() -> int:
-    import sys
-
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def _data_parallel_size(args: Any) -> int:
     """``args.data_parallel_size``, or before Megatron's validation derives it, as it will."""
     value = getattr(args, "data_parallel_size", None)
@@ -178,7 +169,7 @@ def _data_parallel_size(args: Any) -> int:
         "context_parallel_size",
     ):
         model_parallel *= _layout_size(args, name)
-    return max(1, _world_size() // model_parallel)
+    return max(1, world_size() // model_parallel)
 
 
 def parallel_layout_from_args(

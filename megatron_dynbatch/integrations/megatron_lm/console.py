@@ -40,7 +40,7 @@ import time
 import traceback
 from typing import Any, NoReturn, Optional
 
-__all__ = ["error_text", "fail", "print_rank_0"]
+__all__ = ["error_text", "fail", "print_rank_0", "world_size"]
 
 #: Name prefix of the files that mark a message as printed in torchrun's attempt directory.
 _CLAIM_PREFIX = "megatron_dynbatch_error_"
@@ -50,19 +50,23 @@ def _program() -> str:
     return os.path.basename(sys.argv[0]) or "pretrain_gpt_dynbatch.py"
 
 
+def _process_value(getter: str, variable: str, default: int) -> int:
+    """torch.distributed's ``getter()`` once initialized (torch is not imported for it), else the
+    launcher's environment ``variable``."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return getattr(dist, getter)()
+    return int(os.environ.get(variable, str(default)))
+
+
 def _rank() -> int:
-    """This process's global rank: torch.distributed's once initialized, else the launcher's."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
+    """This process's global rank, before or after process groups exist."""
+    return _process_value("get_rank", "RANK", 0)
 
 
-def _world_size() -> int:
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
+def world_size() -> int:
+    """The number of processes of the launch, before or after process groups exist."""
+    return _process_value("get_world_size", "WORLD_SIZE", 1)
 
 
 def print_rank_0(message: str) -> None:
@@ -164,7 +168,7 @@ def fail(message: Any, *, code: int = 2) -> NoReturn:
     except ValueError:  # not the main thread
         previous = None
     text = error_text(message)
-    where = f"[rank {_rank()}] " if _world_size() > 1 else ""
+    where = f"[rank {_rank()}] " if world_size() > 1 else ""
     line = f"{_program()}: error: {where}{text}"
     if _first_to_claim(text):
         print(line, file=sys.stderr, flush=True)

@@ -69,6 +69,7 @@ from megatron_dynbatch.mcore.forward import (
 )
 from megatron_dynbatch.mcore.thd_attention import (
     ThdReferenceAttention,
+    with_self_attention,
     with_thd_reference_attention,
 )
 from megatron_dynbatch.runtime import microbatch_loss
@@ -383,20 +384,14 @@ document_datasets_provider.is_distributed = True
 def _arbitrary_mask_spec(base_spec_fn):
     """A layer-spec function whose self-attention takes the mask it is given (local impl)."""
 
-    def _set(layer_spec):
-        attention = getattr(getattr(layer_spec, "submodules", None), "self_attention", None)
-        if attention is not None and "attn_mask_type" in getattr(attention, "params", {}):
-            layer_spec.submodules.self_attention = dataclasses.replace(
-                attention, params={**attention.params, "attn_mask_type": AttnMaskType.arbitrary}
-            )
+    def _set(attention):
+        if "attn_mask_type" not in getattr(attention, "params", {}):
+            return attention
+        return dataclasses.replace(
+            attention, params={**attention.params, "attn_mask_type": AttnMaskType.arbitrary}
+        )
 
-    def spec(config, vp_stage=None):
-        layer_spec = base_spec_fn(config, vp_stage)
-        for one in getattr(layer_spec, "layer_specs", None) or [layer_spec]:
-            _set(one)
-        return layer_spec
-
-    return spec
+    return with_self_attention(base_spec_fn, _set)
 
 
 _ATTENTION_WHAT = {

@@ -22,29 +22,13 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.integrations.hosts import SKYRL
+from megatron_dynbatch.integrations.hosts import SKYRL, check_host_budget
 
 __all__ = ["validate_trainer_config"]
 
 SWITCH = "trainer.use_dynamic_batch_size"
 BUDGET = SKYRL.key("max_tokens_per_gpu")
 MEMORY = "trainer.max_memory_gib"
-
-
-def _budget(value: Any) -> int:
-    """``max_tokens_per_microbatch`` as a positive ``int``, else one line naming it."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        shown = "null" if value is None else repr(value)
-        raise DynBatchValueError(
-            f"{BUDGET}={shown} must be a whole number of tokens with {SWITCH}=true, e.g. "
-            f"{BUDGET}=8192."
-        )
-    if value < 1:
-        raise DynBatchValueError(
-            f"{BUDGET}={value} must be > 0 with {SWITCH}=true; set it to the tokens of one "
-            f"micro-batch, e.g. {BUDGET}=8192."
-        )
-    return value
 
 
 def _check_planner(name: Any) -> None:
@@ -138,6 +122,6 @@ def validate_trainer_config(trainer: Any) -> None:
             f"trainer.strategy={trainer.strategy!r} would ignore it: set trainer.strategy=megatron "
             f"or {SWITCH}=false."
         )
-    budget = _budget(trainer.max_tokens_per_microbatch)
+    budget = check_host_budget(SKYRL, trainer.max_tokens_per_microbatch)
     _check_planner(getattr(trainer, "dynamic_batch_planner", None))
     _check_memory(trainer, budget)

@@ -104,11 +104,9 @@ class MicroBatchPlanner:
     def build_dp_schedule(args, train_parallel_config, total_lengths, **kwargs) -> Any:
         """The rollout side's schedule (slime's ``build_dp_schedule`` signature); its
         ``rank_fields(r)`` are what the rollout ships DP rank ``r``."""
-        from megatron_dynbatch.integrations.slime.config import slime_flags
         from megatron_dynbatch.integrations.slime.schedule import build_dp_schedule
 
-        with slime_flags():  # errors about the parallel layout name slime's flags
-            return build_dp_schedule(args, train_parallel_config, total_lengths, **kwargs)
+        return build_dp_schedule(args, train_parallel_config, total_lengths, **kwargs)
 
     @staticmethod
     def forward_only_iterators(args: Any, data_iterator: Any) -> Any:

@@ -59,6 +59,7 @@ from megatron_dynbatch.integrations.slime.config import (
     pad_size,
     planner_oversize_reported,
     routing_replay,
+    slime_flags,
 )
 from megatron_dynbatch.integrations.slime.memory import (
     StepPeaks,
@@ -940,26 +941,30 @@ def build_dp_schedule(
             "build_dp_schedule needs global_batch_size= and rollout_indices= (slime passes both "
             "by keyword)."
         )
-    use_dynamic = _flag(args, "use_dynamic_batch_size")
-    sizes = _parallel_sizes(args, train_parallel_config)
-    lengths = _lengths(total_lengths)
-    keys = _rollout_keys(rollout_indices, len(lengths))
-    global_batch_size = check_int(
-        "global_batch_size",
-        global_batch_size,
-        1,
-        "pass --global-batch-size as the number of rollouts per optimizer step.",
-    )
-    pad = pad_size(args)
-    # A schedule of 1M samples builds millions of small lists and no reference cycles; the cyclic
-    # collector would re-scan them at every threshold (a fifth of the time), so it is paused for
-    # the call and restored as it was (as the planner does).
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        if use_dynamic:
-            return _dynamic_schedule(args, sizes, lengths, keys, global_batch_size, pad)
-        return _static_schedule(args, sizes, lengths, _group_rollouts(keys), global_batch_size, pad)
-    finally:
-        if collecting:
-            gc.enable()
+    # Errors about the parallel layout name slime's (Megatron-LM's) flags.
+    with slime_flags():
+        use_dynamic = _flag(args, "use_dynamic_batch_size")
+        sizes = _parallel_sizes(args, train_parallel_config)
+        lengths = _lengths(total_lengths)
+        keys = _rollout_keys(rollout_indices, len(lengths))
+        global_batch_size = check_int(
+            "global_batch_size",
+            global_batch_size,
+            1,
+            "pass --global-batch-size as the number of rollouts per optimizer step.",
+        )
+        pad = pad_size(args)
+        # A schedule of 1M samples builds millions of small lists and no reference cycles; the
+        # cyclic collector would re-scan them at every threshold (a fifth of the time), so it is
+        # paused for the call and restored as it was (as the planner does).
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            if use_dynamic:
+                return _dynamic_schedule(args, sizes, lengths, keys, global_batch_size, pad)
+            return _static_schedule(
+                args, sizes, lengths, _group_rollouts(keys), global_batch_size, pad
+            )
+        finally:
+            if collecting:
+                gc.enable()

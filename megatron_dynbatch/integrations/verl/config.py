@@ -32,11 +32,11 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.integrations.hosts import check_budget
 
 __all__ = [
     "BUDGET_KEYS",
     "budget_key",
-    "check_budget",
     "check_engine_config",
     "check_role_config",
     "check_verl_config",
@@ -65,23 +65,6 @@ def budget_key(engine: str, forward_only: bool) -> str:
     if engine == "ref":
         return BUDGET_KEYS[("ref", True)]
     return BUDGET_KEYS[(engine, forward_only)]
-
-
-def check_budget(value: Any, key: str, switch: str) -> int:
-    """A token budget as verl's engine reads it: a positive ``int``, else one line naming ``key``
-    (verl itself reads ``-1``, ``0``, ``null``, ``'8k'`` or ``100.5`` only at the first batch)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        shown = "null" if value is None else repr(value)
-        raise DynBatchValueError(
-            f"{key}={shown} must be a whole number of tokens per GPU with {switch}=true, e.g. "
-            f"{key}=16384."
-        )
-    if value < 1:
-        raise DynBatchValueError(
-            f"{key}={value} must be > 0 with {switch}=true; set it to the tokens one GPU holds in "
-            f"a micro-batch, e.g. {key}=16384."
-        )
-    return value
 
 
 def _omegaconf_reading(value: Any) -> Optional[bool]:
@@ -128,12 +111,7 @@ def check_engine_config(config: Any, *, role: str = ACTOR) -> bool:
             f"{role}.megatron.dynamic_context_parallel=true has its own micro-batch scheduler; "
             f"turn it off {off}."
         )
-    replay = getattr(getattr(config, "router_replay", None), "mode", "disabled")
-    if replay not in (None, "disabled"):
-        raise DynBatchValueError(
-            f"{role}.megatron.router_replay.mode={replay!r} is not supported with {key}=true; "
-            f"set it to disabled {off}."
-        )
+    _check_router_replay(config, f"{role}.megatron", key)
     overrides = getattr(config, "override_transformer_config", None) or {}
     if overrides.get("calculate_per_token_loss", False):
         raise DynBatchValueError(
@@ -149,6 +127,17 @@ def check_engine_config(config: Any, *, role: str = ACTOR) -> bool:
             f"context_parallel_size=1 (or vanilla_mbridge=true) {off}."
         )
     return True
+
+
+def _check_router_replay(config: Any, where: str, key: str) -> None:
+    """Router replay (``{where}.router_replay.mode``) off with the flag ``key`` on: its
+    routed-expert tensors are restored by other indices than the planned micro-batches'."""
+    replay = getattr(getattr(config, "router_replay", None), "mode", "disabled")
+    if replay not in (None, "disabled"):
+        raise DynBatchValueError(
+            f"{where}.router_replay.mode={replay!r} is not supported with {key}=true; set it to "
+            f"disabled or set {key}=false."
+        )
 
 
 def check_role_config(config: Any, *, role: str = ACTOR) -> None:
@@ -171,12 +160,7 @@ def check_role_config(config: Any, *, role: str = ACTOR) -> None:
             f"micro-batches, no token budget): set {role}.use_dynamic_bsz=true with "
             f"{role}.ppo_max_token_len_per_gpu, or {key}=false."
         )
-    replay = getattr(getattr(config, "router_replay", None), "mode", "disabled")
-    if replay not in (None, "disabled"):
-        raise DynBatchValueError(
-            f"{role}.router_replay.mode={replay!r} is not supported with {key}=true; set it to "
-            f"disabled or {key}=false."
-        )
+    _check_router_replay(config, role, key)
 
 
 _ABSENT = object()
@@ -298,7 +282,7 @@ def check_verl_config(config: Any, *, use_reference_policy: bool, use_critic: bo
     if actor is not None and _get(actor, "megatron") is not None:
         flag = _get(actor, "megatron.use_dynamic_batch_size", False)
         if flag is not False:
-            switch = f"{ACTOR}.megatron.use_dynamic_batch_size"
+            switch = f"{ACTOR}.megatron.use_dynamic_batch_size=true"
             check_role_config(actor, role=ACTOR)
             dynbatch_settings(actor, ACTOR)
             key = BUDGET_KEYS[("actor", False)]
@@ -332,7 +316,7 @@ def check_verl_config(config: Any, *, use_reference_policy: bool, use_critic: bo
         return
     if _get(critic, "megatron.use_dynamic_batch_size", False) is False:
         return
-    switch = "critic.megatron.use_dynamic_batch_size"
+    switch = "critic.megatron.use_dynamic_batch_size=true"
     check_role_config(critic, role="critic")
     dynbatch_settings(critic, "critic")
     tokens = check_budget(
