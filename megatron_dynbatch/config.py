@@ -145,16 +145,8 @@ class _ConfigMethods:
         # host), which name the setting; setting_flags adds the flag that sets it here.
         with setting_flags(_SETTING_FLAGS):
             _positive_int(self, "log_probs_max_tokens_per_gpu", optional=True)
-            cost = self.cost_model()
-            planner = PlannerConfig(
-                max_tokens_per_gpu=self.max_tokens_per_gpu,
-                rollouts_per_step=self.rollouts_per_step,
-                layout=self.layout,
-                oversize_samples=self.oversize_samples,
-                min_gain=self.min_gain,
-                cost=cost,
-                planner=self.planner,
-            )
+            cost = self.cost_model()  # as set (the planner's copy fills in an assumed overhead)
+            planner = self._planner_config(ParallelLayout(), self.max_tokens_per_gpu)
         _check_planner(self.planner)
         # The checked values as the planner normalised them (numpy integers, YAML's ``1`` for a
         # float), so equal configs compare equal.
@@ -203,18 +195,12 @@ class _ConfigMethods:
         else:
             budget_flag, budget = FLAGS["max_tokens_per_gpu"], self.max_tokens_per_gpu
         try:
-            return PlannerConfig(
-                max_tokens_per_gpu=budget,
-                parallel=parallel,
-                rollouts_per_step=None if forward_only else self.rollouts_per_step,
-                layout=self.layout,
-                cost=self.cost_model(),
-                oversize_samples=self.oversize_samples,
-                min_gain=self.min_gain,
-                variable_row_lengths=row_multiple is not None,
-                row_multiple=1 if row_multiple is None else row_multiple,
+            return self._planner_config(
+                parallel,
+                budget,
+                forward_only=forward_only,
+                row_multiple=row_multiple,
                 memory=memory,
-                planner=self.planner,
             )
         except ValueError as error:
             # Name the budget (training or log-prob) only where the error is about it: a memory
@@ -222,6 +208,31 @@ class _ConfigMethods:
             if "max_tokens_per_gpu" not in str(error):
                 raise
             raise DynBatchValueError(f"{budget_flag}: {error}") from error
+
+    def _planner_config(
+        self,
+        parallel: ParallelLayout,
+        budget: int,
+        *,
+        forward_only: bool = False,
+        row_multiple: Optional[int] = None,
+        memory: Optional[Any] = None,
+    ) -> PlannerConfig:
+        """The one ``PlannerConfig`` of these settings (:meth:`planner_config`; unwrapped errors
+        for ``__post_init__``, which names the flags itself)."""
+        return PlannerConfig(
+            max_tokens_per_gpu=budget,
+            parallel=parallel,
+            rollouts_per_step=None if forward_only else self.rollouts_per_step,
+            layout=self.layout,
+            cost=self.cost_model(),
+            oversize_samples=self.oversize_samples,
+            min_gain=self.min_gain,
+            variable_row_lengths=row_multiple is not None,
+            row_multiple=1 if row_multiple is None else row_multiple,
+            memory=memory,
+            planner=self.planner,
+        )
 
 
 def _check_planner(name: str) -> None:

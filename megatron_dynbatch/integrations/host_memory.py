@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import replace
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Tuple
 
 from megatron_dynbatch.config import is_gib
 from megatron_dynbatch.errors import DynBatchValueError
@@ -37,6 +37,7 @@ from megatron_dynbatch.planning.memory import (
     MemoryLimit,
     MemoryModel,
     budget_gib,
+    gib_to_bytes,
 )
 from megatron_dynbatch.planning.model_dims import ModelDims
 from megatron_dynbatch.planning.spec import ParallelLayout, round_up
@@ -46,6 +47,7 @@ __all__ = [
     "hf_model_config",
     "hf_model_dims",
     "host_memory_limit",
+    "memory_shortfall",
     "parse_gib",
 ]
 
@@ -166,7 +168,7 @@ def host_memory_limit(
     )
     model = replace(model, token_scale=UNFITTED_SAFETY, score_scale=UNFITTED_SAFETY)
     return MemoryLimit(
-        model=model, budget_bytes=int(gib * GIB), row_multiple=dims.parallel.sample_multiple
+        model=model, budget_bytes=gib_to_bytes(gib), row_multiple=dims.parallel.sample_multiple
     )
 
 
@@ -187,11 +189,12 @@ def check_memory_budget(
             smallest budget that works and the largest token budget that fits this one.
     """
     row = round_up(tokens, limit.row_multiple)
-    if limit.fits((1, row)):
+    shortfall = memory_shortfall(
+        limit, row, key=key, gib=gib, what=f"a micro-batch at {token_key}={token_value}"
+    )
+    if shortfall is None:
         return
-    model = limit.model
-    stage, peak = model.worst_stage((1, row))
-    need = budget_gib(peak)
+    refusal, need = shortfall
     fitting = limit.row_cap(1)
     scale = tokens / token_value  # a micro-batch holds this many times the token budget (verl cp)
     lower = (
@@ -199,10 +202,22 @@ def check_memory_budget(
         if fitting >= limit.row_multiple
         else ""
     )
-    raise DynBatchValueError(
-        f"{key}={gib:g} is too small for a micro-batch at {token_key}={token_value}: pipeline "
-        f"stage {stage} is predicted to hold {peak / GIB:.3f} GiB at its peak "
-        f"({model.resting(stage) / GIB:.3f} GiB of weights, gradients and optimizer state, the "
-        f"rest activations counted x{UNFITTED_SAFETY:g}); set {key} to at least {need:.3f}"
-        f"{lower}."
+    raise DynBatchValueError(f"{refusal}; set {key} to at least {need:.3f}{lower}.")
+
+
+def memory_shortfall(
+    limit: MemoryLimit, row: int, *, key: str, gib: float, what: str
+) -> Optional[Tuple[str, float]]:
+    """``None`` where a micro-batch of one row of ``row`` tokens fits every pipeline stage; else
+    the refusal (``key=gib`` is too small for ``what``: the stage, its predicted peak and what it
+    is made of) for the caller to end with its fix, and the smallest budget in GiB that fits."""
+    if limit.fits((1, row)):
+        return None
+    model = limit.model
+    stage, peak = model.worst_stage((1, row))
+    return (
+        f"{key}={gib:g} is too small for {what}: pipeline stage {stage} is predicted to hold "
+        f"{peak / GIB:.3f} GiB at its peak ({model.resting(stage) / GIB:.3f} GiB of weights, "
+        f"gradients and optimizer state, the rest activations counted x{UNFITTED_SAFETY:g})",
+        budget_gib(peak),
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from megatron_dynbatch.planning.memory import MemoryModel
+from megatron_dynbatch.planning.memory import UNFITTED_SAFETY, MemoryModel
 from megatron_dynbatch.planning.model_dims import ModelDims
 from megatron_dynbatch.planning.spec import ParallelLayout, round_up
 
@@ -95,13 +95,19 @@ def memory_model_from_flags(
     *,
     vocab_size: Optional[int] = None,
     base_bytes: float = 0.0,
+    unfitted: bool = False,
 ) -> MemoryModel:
-    """The :class:`MemoryModel` of Megatron's arguments (uncalibrated)."""
+    """The :class:`MemoryModel` of Megatron's arguments (uncalibrated). ``unfitted``: no run has
+    fitted it (a host's driver, before any training GPU), so activations are counted
+    x :data:`~megatron_dynbatch.planning.memory.UNFITTED_SAFETY`."""
     recompute = getattr(args, "recompute_granularity", None)
+    scale = UNFITTED_SAFETY if unfitted else 1.0
     return MemoryModel(
         dims=model_dims_from_args(args, parallel, vocab_size=vocab_size),
         attention=attention,
         recompute=recompute if recompute in ("selective", "full") else None,
         distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
         base_bytes=base_bytes,
+        token_scale=scale,
+        score_scale=scale,
     )

@@ -23,8 +23,9 @@ from megatron_dynbatch.mcore.moe import is_moe_model, padding_mask_of, placehold
 __all__ = [
     "MICROBATCH_KEYS",
     "build_attention_mask",
-    "packed_seq_params_from_batch",
     "make_forward_step",
+    "packed_seq_params_from_batch",
+    "thd_packed_seq_params",
 ]
 
 MICROBATCH_KEYS = ("tokens", "position_ids", "segment_ids", "labels", "loss_mask")
@@ -65,8 +66,6 @@ def packed_seq_params_from_batch(batch: dict):
     as both the real and the padded ones: the rounding pad sits after a sample's last token, so
     causal attention never lets a real token see it, and its loss mask is zero.
     """
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     tokens = batch["tokens"]
     if tokens.shape[0] != 1:
         raise DynBatchValueError(
@@ -75,14 +74,31 @@ def packed_seq_params_from_batch(batch: dict):
         )
     cu_seqlens = batch["cu_seqlens"].to(device=tokens.device, dtype=torch.int32)
     max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return thd_packed_seq_params(cu_seqlens, max_seqlen, padded=cu_seqlens)
+
+
+def thd_packed_seq_params(
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    padded: Optional[torch.Tensor] = None,
+    **extra,
+):
+    """Self-attention THD ``PackedSeqParams``: query and key/value share the boundaries (the
+    padded ones where given, as Megatron's stock batches do) and ``max_seqlen``; ``extra``: other
+    fields (``tokens_per_sample``)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    boundaries = padded if padded is not None else cu_seqlens
     return PackedSeqParams(
         qkv_format="thd",
-        cu_seqlens_q=cu_seqlens,
-        cu_seqlens_kv=cu_seqlens,
-        cu_seqlens_q_padded=cu_seqlens,
-        cu_seqlens_kv_padded=cu_seqlens,
+        cu_seqlens_q=boundaries,
+        cu_seqlens_kv=boundaries,
+        cu_seqlens_q_padded=padded,
+        cu_seqlens_kv_padded=padded,
         max_seqlen_q=max_seqlen,
         max_seqlen_kv=max_seqlen,
+        **extra,
     )
 
 

@@ -257,6 +257,7 @@ class ThdReferenceAttention(MegatronModule):
         )  # [b, h, s, d]
         return out.permute(2, 0, 1, 3)
 
+
 _ANNOUNCED = []
 
 

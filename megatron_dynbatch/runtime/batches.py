@@ -51,11 +51,7 @@ class RolloutBatch:
             raise DynBatchValueError(
                 "RolloutBatch.samples is empty; yield at least one sample per batch."
             )
-        _check_rollout_ids(self.rollout_ids, len(self.samples))
-        if not isinstance(self.schema, BatchSchema):
-            raise DynBatchValueError(
-                f"RolloutBatch.schema must be a BatchSchema, got {self.schema!r}."
-            )
+        _check_ids_and_schema(self, len(self.samples))
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -98,7 +94,7 @@ class LazyRolloutBatch:
             raise DynBatchValueError(
                 "LazyRolloutBatch.sample_lengths is empty; yield at least one sample."
             )
-        _check_rollout_ids(self.rollout_ids, len(self.sample_lengths))
+        _check_ids_and_schema(self, len(self.sample_lengths))
         if self.sample_prompt_lengths is not None and len(self.sample_prompt_lengths) != len(
             self.sample_lengths
         ):
@@ -109,10 +105,6 @@ class LazyRolloutBatch:
         if not callable(self.load_sample):
             raise DynBatchValueError(
                 "LazyRolloutBatch.load_sample must be callable: index -> sample."
-            )
-        if not isinstance(self.schema, BatchSchema):
-            raise DynBatchValueError(
-                f"LazyRolloutBatch.schema must be a BatchSchema, got {self.schema!r}."
             )
 
     def __len__(self) -> int:
@@ -140,11 +132,16 @@ class LazyRolloutBatch:
         return samples
 
 
-def _check_rollout_ids(rollout_ids: Optional[Sequence[Hashable]], count: int) -> None:
-    if rollout_ids is not None and len(rollout_ids) != count:
+def _check_ids_and_schema(batch: Any, count: int) -> None:
+    """The fields both batch kinds share: one rollout id per sample (or none), a schema."""
+    if batch.rollout_ids is not None and len(batch.rollout_ids) != count:
         raise DynBatchValueError(
-            f"the batch has {count} samples but {len(rollout_ids)} rollout ids; give one id per "
-            "sample or none."
+            f"the batch has {count} samples but {len(batch.rollout_ids)} rollout ids; give one id "
+            "per sample or none."
+        )
+    if not isinstance(batch.schema, BatchSchema):
+        raise DynBatchValueError(
+            f"{type(batch).__name__}.schema must be a BatchSchema, got {batch.schema!r}."
         )
 
 

@@ -72,6 +72,7 @@ ALLOWED = {
         "mcore",
         "integrations.hosts",
         "integrations.model_args",  # max_memory_gib: the HF config read in Megatron's flag names
+        "integrations.host_memory",  # the memory refusal every HF-config host words the same way
     },
     "integrations": set(),  # the sub-package's __init__
     "integrations.hosts": {"errors", "planning", "config"},

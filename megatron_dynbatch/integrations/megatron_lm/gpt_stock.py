@@ -34,6 +34,7 @@ from megatron.training import get_args, get_timers, print_rank_0
 from megatron.training.utils import get_blend_and_blend_per_split
 
 from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.mcore.forward import thd_packed_seq_params
 
 __all__ = [
     "check_stock_args",
@@ -136,16 +137,10 @@ def _packed_seq_params(batch: Dict[str, Any]) -> Optional[PackedSeqParams]:
     padded = batch.get("cu_seqlens_padded")
     if padded is not None:
         padded = padded.squeeze(0)
-    max_seqlen = int(batch["max_seqlen"].item())
-    boundaries = padded if padded is not None else cu_seqlens
-    return PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=boundaries,
-        cu_seqlens_kv=boundaries,
-        cu_seqlens_q_padded=padded,
-        cu_seqlens_kv_padded=padded,
-        max_seqlen_q=max_seqlen,
-        max_seqlen_kv=max_seqlen,
+    return thd_packed_seq_params(
+        cu_seqlens,
+        int(batch["max_seqlen"].item()),
+        padded=padded,
         tokens_per_sample=get_args().seq_length,
     )
 

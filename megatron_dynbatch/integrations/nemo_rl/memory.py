@@ -16,19 +16,13 @@ Standard library and the pure planner only.
 from __future__ import annotations
 
 import types
-from dataclasses import replace
 from typing import Any, Mapping, Optional
 
 from megatron_dynbatch.config import attention_from_megatron, is_gib
 from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.integrations.host_memory import memory_shortfall
 from megatron_dynbatch.integrations.model_args import memory_model_from_flags
-from megatron_dynbatch.planning.memory import (
-    GIB,
-    UNFITTED_SAFETY,
-    MemoryLimit,
-    MemoryModel,
-    budget_gib,
-)
+from megatron_dynbatch.planning.memory import MemoryLimit, MemoryModel, gib_to_bytes
 from megatron_dynbatch.planning.spec import ParallelLayout, round_up
 
 __all__ = [
@@ -108,8 +102,8 @@ def nemo_rl_memory_model(
     try:
         args = _megatron_args(policy_cfg, hf_config)
         # NeMo-RL's sequence packing runs transformer-engine's THD attention: per-sample segments.
-        model = memory_model_from_flags(
-            args, parallel, attention_from_megatron(None, None, "packed")
+        return memory_model_from_flags(
+            args, parallel, attention_from_megatron(None, None, "packed"), unfitted=True
         )
     except (AttributeError, TypeError, ValueError) as error:
         raise DynBatchValueError(
@@ -117,7 +111,6 @@ def nemo_rl_memory_model(
             f"{policy_cfg.get('model_name')!r}'s config ({error}); use a model whose config "
             f"gives them, or drop {KEY}."
         ) from error
-    return replace(model, token_scale=UNFITTED_SAFETY, score_scale=UNFITTED_SAFETY)
 
 
 def nemo_rl_memory_limit(
@@ -129,7 +122,7 @@ def nemo_rl_memory_limit(
         return None
     return MemoryLimit(
         model=nemo_rl_memory_model(policy_cfg, hf_config, parallel),
-        budget_bytes=int(gib * GIB),
+        budget_bytes=gib_to_bytes(gib),
         row_multiple=parallel.sample_multiple,
     )
 
@@ -147,17 +140,17 @@ def check_memory_budget(policy_cfg: Mapping[str, Any], limit: MemoryLimit) -> No
     longest = policy_cfg.get("max_total_sequence_length") or packing.get("train_mb_tokens")
     cap = packing.get("train_mb_tokens") or longest
     row = round_up(min(int(longest), int(cap)), max(pad, limit.row_multiple))
-    if limit.fits((1, row)):
+    what = (
+        f"one micro-batch of {row} tokens (a sample of policy.max_total_sequence_length="
+        f"{longest}, padded)"
+    )
+    gib = nemo_rl_max_memory_gib(policy_cfg)
+    shortfall = memory_shortfall(limit, row, key=KEY, gib=gib, what=what)
+    if shortfall is None:
         return
-    model = limit.model
-    stage, peak = model.worst_stage((1, row))
-    smallest = budget_gib(peak)
+    refusal, smallest = shortfall
     raise DynBatchValueError(
-        f"{KEY}={nemo_rl_max_memory_gib(policy_cfg):g} is too small for one micro-batch of {row} tokens (a "
-        f"sample of policy.max_total_sequence_length={longest}, padded): pipeline stage {stage} "
-        f"is predicted to hold {peak / GIB:.3f} GiB at its peak "
-        f"({model.resting(stage) / GIB:.3f} GiB of weights, gradients and optimizer state, the "
-        f"rest activations counted x{UNFITTED_SAFETY:g}); raise {KEY} to at least "
-        f"{smallest:.3f}, set policy.megatron_cfg.activation_checkpointing=true, or lower "
+        f"{refusal}; raise {KEY} to at least {smallest:.3f}, set "
+        "policy.megatron_cfg.activation_checkpointing=true, or lower "
         "policy.max_total_sequence_length."
     )

@@ -258,33 +258,22 @@ def planned_microbatch_iterator(
     max_tokens_per_microbatch: int,
     *,
     dp_group=None,
-    pp_size: int = 1,
-    vpp_size: int = 1,
-    microbatch_group_size_per_vp_stage: Optional[int] = None,
-    tp_size: int = 1,
-    cp_size: int = 1,
-    planner: Optional[str] = None,
     what: str = "SkyRL mini-batch",
+    **plan_options: Any,
 ) -> PlannedBatchIterator:
     """Gather every DP rank's token counts, plan, agree, and return this rank's iterator.
 
     Every rank of ``dp_group`` must call it for the same mini-batch (SkyRL's workers all run
     ``forward_backward`` / ``_forward_logprobs`` together). Only lengths cross ranks.
+    ``plan_options``: the parallel sizes and the planner, as
+    :func:`~megatron_dynbatch.integrations.skyrl.plan.plan_skyrl_minibatch` takes them.
 
     Raises:
         StepAgreementError: on every rank when any rank's input or plan failed (naming the rank).
         PlanMismatchError: on every rank when the ranks derived different plans.
     """
-    kwargs = dict(
-        pp_size=pp_size,
-        vpp_size=vpp_size,
-        microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
-        tp_size=tp_size,
-        cp_size=cp_size,
-        planner=planner,
-    )
     if not dist.is_initialized():
-        plan = plan_skyrl_minibatch([_real_tokens(data)], max_tokens_per_microbatch, **kwargs)
+        plan = plan_skyrl_minibatch([_real_tokens(data)], max_tokens_per_microbatch, **plan_options)
         return PlannedBatchIterator(data, plan, 0)
     # Local checks first, agreed over the group, so a bad batch on one rank stops every rank here
     # instead of leaving the others waiting in the gather below.
@@ -294,7 +283,7 @@ def planned_microbatch_iterator(
         check_host_budget(SKYRL, max_tokens_per_microbatch)
     gathered = gather_lengths(lengths, dp_group)
     with step_agreement(dp_group, what=f"{what}: planning") as agreement:
-        plan = plan_skyrl_minibatch(gathered, max_tokens_per_microbatch, **kwargs)
+        plan = plan_skyrl_minibatch(gathered, max_tokens_per_microbatch, **plan_options)
         iterator = PlannedBatchIterator(data, plan, dist.get_rank(dp_group))
         agreement.fingerprint = plan.fingerprint()
     return iterator

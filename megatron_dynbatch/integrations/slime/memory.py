@@ -21,7 +21,7 @@ Standard library and the pure planner only: slime's rollout manager imports it w
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence
 
 from megatron_dynbatch.config import attention_from_megatron, is_gib
@@ -82,14 +82,13 @@ def slime_memory_model(args: Any, parallel: ParallelLayout) -> MemoryModel:
         getattr(args, "transformer_impl", None), getattr(args, "attention_backend", None), "packed"
     )
     try:
-        model = memory_model_from_flags(args, parallel, attention)
+        return memory_model_from_flags(args, parallel, attention, unfitted=True)
     except (AttributeError, TypeError) as error:
         raise DynBatchValueError(
             f"{FLAG} needs the model's Megatron arguments (--num-layers, --hidden-size, "
             f"--num-attention-heads, ...), which slime's args lack here ({error}); pass them, or "
             f"drop {FLAG} to plan by --max-tokens-per-gpu alone."
         ) from error
-    return replace(model, token_scale=UNFITTED_SAFETY, score_scale=UNFITTED_SAFETY)
 
 
 def slime_memory_limit(args: Any, parallel: ParallelLayout) -> Optional[MemoryLimit]:
