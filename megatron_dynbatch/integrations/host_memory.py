@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import replace
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Callable, Mapping, Optional
 
 from megatron_dynbatch.config import is_gib
 from megatron_dynbatch.errors import DynBatchValueError
@@ -47,7 +47,7 @@ __all__ = [
     "hf_model_config",
     "hf_model_dims",
     "host_memory_limit",
-    "memory_shortfall",
+    "check_row_fits",
     "parse_gib",
 ]
 
@@ -189,35 +189,44 @@ def check_memory_budget(
             smallest budget that works and the largest token budget that fits this one.
     """
     row = round_up(tokens, limit.row_multiple)
-    shortfall = memory_shortfall(
-        limit, row, key=key, gib=gib, what=f"a micro-batch at {token_key}={token_value}"
+
+    def fix(need: float) -> str:
+        fitting = limit.row_cap(1)
+        scale = tokens / token_value  # a micro-batch holds this many times the budget (verl cp)
+        lower = (
+            f", or lower {token_key} to at most {int(fitting / scale)}"
+            if fitting >= limit.row_multiple
+            else ""
+        )
+        return f"set {key} to at least {need:.3f}{lower}"
+
+    check_row_fits(
+        limit,
+        row,
+        setting=f"{key}={gib:g}",
+        what=f"a micro-batch at {token_key}={token_value}",
+        fix=fix,
     )
-    if shortfall is None:
-        return
-    refusal, need = shortfall
-    fitting = limit.row_cap(1)
-    scale = tokens / token_value  # a micro-batch holds this many times the token budget (verl cp)
-    lower = (
-        f", or lower {token_key} to at most {int(fitting / scale)}"
-        if fitting >= limit.row_multiple
-        else ""
-    )
-    raise DynBatchValueError(f"{refusal}; set {key} to at least {need:.3f}{lower}.")
 
 
-def memory_shortfall(
-    limit: MemoryLimit, row: int, *, key: str, gib: float, what: str
-) -> Optional[Tuple[str, float]]:
-    """``None`` where a micro-batch of one row of ``row`` tokens fits every pipeline stage; else
-    the refusal (``key=gib`` is too small for ``what``: the stage, its predicted peak and what it
-    is made of) for the caller to end with its fix, and the smallest budget in GiB that fits."""
+def check_row_fits(
+    limit: MemoryLimit, row: int, *, setting: str, what: str, fix: Callable[[float], str]
+) -> None:
+    """Refuse a memory budget under which a micro-batch of one row of ``row`` tokens does not fit
+    every pipeline stage: ``setting`` (the budget as the user set it) is too small for ``what``,
+    the stage, its predicted peak and what it is made of, then ``fix(smallest)`` with the smallest
+    budget in GiB that fits. Every host's config-time memory refusal is worded here.
+
+    Raises:
+        DynBatchValueError: as above.
+    """
     if limit.fits((1, row)):
-        return None
+        return
     model = limit.model
     stage, peak = model.worst_stage((1, row))
-    return (
-        f"{key}={gib:g} is too small for {what}: pipeline stage {stage} is predicted to hold "
+    raise DynBatchValueError(
+        f"{setting} is too small for {what}: pipeline stage {stage} is predicted to hold "
         f"{peak / GIB:.3f} GiB at its peak ({model.resting(stage) / GIB:.3f} GiB of weights, "
-        f"gradients and optimizer state, the rest activations counted x{UNFITTED_SAFETY:g})",
-        budget_gib(peak),
+        f"gradients and optimizer state, the rest activations counted x{UNFITTED_SAFETY:g}); "
+        f"{fix(budget_gib(peak))}."
     )

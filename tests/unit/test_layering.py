@@ -45,6 +45,7 @@ ALLOWED = {
         "mcore",
         "integrations.hosts",
         "integrations.model_args",
+        "integrations.host_memory",  # the memory refusal every host words the same way
     },
     "integrations.skyrl": {
         "errors",
@@ -72,13 +73,14 @@ ALLOWED = {
         "mcore",
         "integrations.hosts",
         "integrations.model_args",  # max_memory_gib: the HF config read in Megatron's flag names
-        "integrations.host_memory",  # the memory refusal every HF-config host words the same way
+        "integrations.host_memory",  # the memory refusal every host words the same way
     },
     "integrations": set(),  # the sub-package's __init__
     "integrations.hosts": {"errors", "planning", "config"},
     # Megatron's arguments -> the memory model: every host that parses Megatron's flags.
     "integrations.model_args": {"errors", "planning"},
-    # A memory budget in a host's own key, from a Hugging Face config.json (verl, SkyRL).
+    # A memory budget in a host's own key, from a Hugging Face config.json (verl, SkyRL), and the
+    # config-time memory refusal every host words the same way.
     "integrations.host_memory": {"errors", "planning", "config"},
     "adapters": {"integrations.slime"},
     "tools": {

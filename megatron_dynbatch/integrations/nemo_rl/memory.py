@@ -20,7 +20,7 @@ from typing import Any, Mapping, Optional
 
 from megatron_dynbatch.config import attention_from_megatron, is_gib
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.integrations.host_memory import memory_shortfall
+from megatron_dynbatch.integrations.host_memory import check_row_fits
 from megatron_dynbatch.integrations.model_args import memory_model_from_flags
 from megatron_dynbatch.planning.memory import MemoryLimit, MemoryModel, gib_to_bytes
 from megatron_dynbatch.planning.spec import ParallelLayout, round_up
@@ -144,13 +144,14 @@ def check_memory_budget(policy_cfg: Mapping[str, Any], limit: MemoryLimit) -> No
         f"one micro-batch of {row} tokens (a sample of policy.max_total_sequence_length="
         f"{longest}, padded)"
     )
-    gib = nemo_rl_max_memory_gib(policy_cfg)
-    shortfall = memory_shortfall(limit, row, key=KEY, gib=gib, what=what)
-    if shortfall is None:
-        return
-    refusal, smallest = shortfall
-    raise DynBatchValueError(
-        f"{refusal}; raise {KEY} to at least {smallest:.3f}, set "
-        "policy.megatron_cfg.activation_checkpointing=true, or lower "
-        "policy.max_total_sequence_length."
+    check_row_fits(
+        limit,
+        row,
+        setting=f"{KEY}={nemo_rl_max_memory_gib(policy_cfg):g}",
+        what=what,
+        fix=lambda smallest: (
+            f"raise {KEY} to at least {smallest:.3f}, set "
+            "policy.megatron_cfg.activation_checkpointing=true, or lower "
+            "policy.max_total_sequence_length"
+        ),
     )

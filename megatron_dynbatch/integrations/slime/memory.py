@@ -26,11 +26,10 @@ from typing import Any, List, Optional, Sequence
 
 from megatron_dynbatch.config import attention_from_megatron, is_gib
 from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.integrations.host_memory import check_row_fits
 from megatron_dynbatch.integrations.hosts import SLIME
 from megatron_dynbatch.integrations.model_args import memory_model_from_flags
 from megatron_dynbatch.planning.memory import (
-    GIB,
-    UNFITTED_SAFETY,
     MemoryLimit,
     MemoryModel,
     budget_gib,
@@ -125,21 +124,21 @@ def check_longest_sample(limit: MemoryLimit, lengths: Sequence[int], gib: float)
     """
     longest = max(lengths)
     row = round_up(longest, limit.row_multiple)
-    if limit.fits((1, row)):
-        return
-    model = limit.model
-    stage, peak = model.worst_stage((1, row))
-    cp = model.dims.parallel.cp_size
-    raise DynBatchValueError(
-        f"{FLAG} {gib:g} is too small for one sample of {longest} tokens "
-        f"(the longest of the rollout, one packed row of {row} tokens"
-        + (f" over {cp} context-parallel ranks" if cp > 1 else "")
-        + f"): pipeline stage {stage} is predicted to hold {peak / GIB:.3f} GiB at its peak "
-        f"({model.resting(stage) / GIB:.3f} GiB of weights, gradients and optimizer state, the "
-        f"rest activations of the micro-batches its schedule keeps alive, counted x"
-        f"{UNFITTED_SAFETY:g}); raise {FLAG} to at least {budget_gib(peak):.3f}, "
-        "recompute activations (--recompute-granularity selective / full), or cut long samples "
-        "at rollout time (--rollout-max-response-len)."
+    cp = limit.model.dims.parallel.cp_size
+    what = (
+        f"one sample of {longest} tokens (the longest of the rollout, one packed row of {row} "
+        f"tokens{f' over {cp} context-parallel ranks' if cp > 1 else ''})"
+    )
+    check_row_fits(
+        limit,
+        row,
+        setting=f"{FLAG} {gib:g}",
+        what=what,
+        fix=lambda smallest: (
+            f"raise {FLAG} to at least {smallest:.3f}, recompute activations "
+            "(--recompute-granularity selective / full), or cut long samples at rollout time "
+            "(--rollout-max-response-len)"
+        ),
     )
 
 
