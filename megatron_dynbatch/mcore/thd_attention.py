@@ -117,18 +117,9 @@ def self_attention_boundaries(
     return real, padded
 
 
-def segment_mask(
-    cu_seqlens: torch.Tensor, cu_seqlens_padded: Optional[torch.Tensor], total: int
-) -> torch.Tensor:
-    """``[t, t]`` bool: may query token ``q`` attend to key token ``k`` (THD, causal).
-
-    Raises:
-        DynBatchValueError: As :func:`thd_boundaries`.
-    """
-    return _segment_mask(*thd_boundaries(cu_seqlens, cu_seqlens_padded, total), total)
-
-
-def _segment_mask(real: torch.Tensor, padded: torch.Tensor, total: int) -> torch.Tensor:
+def segment_mask(real: torch.Tensor, padded: torch.Tensor, total: int) -> torch.Tensor:
+    """``[t, t]`` bool: may query token ``q`` attend to key token ``k`` (THD, causal), from the
+    checked boundaries :func:`thd_boundaries` returns."""
     real_lengths = real[1:] - real[:-1]
     padded_lengths = padded[1:] - padded[:-1]
     segment = torch.repeat_interleave(torch.arange(padded_lengths.numel()), padded_lengths)
@@ -233,7 +224,7 @@ class ThdReferenceAttention(MegatronModule):
         """THD ``[t, h, d] -> [t, h, d]``, dense over the row's ``[t, t]`` segment mask."""
         total = query.shape[0]
         real, padded = self_attention_boundaries(packed_seq_params, total, self.attention_name)
-        allowed = _segment_mask(real, padded, total).to(query.device)
+        allowed = segment_mask(real, padded, total).to(query.device)
         _announce_once(packed_seq_params, total)
         # [t, h, d] -> [1, h, t, d]
         out = self._attend(

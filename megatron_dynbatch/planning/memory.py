@@ -66,7 +66,6 @@ __all__ = [
     "fit_activation_scale",
     "budget_gib",
     "gib_to_bytes",
-    "live_microbatches",
     "predicted_step_peaks",
     "schedule_events",
     "step_shapes",
@@ -137,17 +136,6 @@ def schedule_events(
         mb, chunk = table[k]
         events.append((False, mb, vpp - 1 - chunk))
     return events
-
-
-def live_microbatches(
-    num_microbatches: int, pp_size: int, stage: int, vpp_size: int = 1, group: Optional[int] = None
-) -> int:
-    """The most (micro-batch, model chunk) forwards stage ``stage`` holds before their backward."""
-    live = most = 0
-    for forward, _mb, _chunk in schedule_events(num_microbatches, pp_size, stage, vpp_size, group):
-        live += 1 if forward else -1
-        most = max(most, live)
-    return most
 
 
 @dataclass(frozen=True)

@@ -117,7 +117,7 @@ def _body(slime_root, argv, patched):
     result = {
         "parsed": parsed,
         "budget": bounded.memory.budget_bytes,
-        "peaks": [bounded.memory.step_peak(s) for s in range(steps)],
+        "peaks": [max(max(rank[s]) for rank in bounded.memory.per_rank) for s in range(steps)],
         "counts": (sum(bounded.num_microbatches), sum(unbounded.num_microbatches)),
         "trained": sorted(i for p in bounded.partitions for i in p),
     }

@@ -60,7 +60,7 @@ from megatron_dynbatch.integrations.slime.backend import (  # noqa: E402
     placeholder_sample,
     restore_rollout_order,
 )
-from megatron_dynbatch.integrations.slime.hook import HOOK_PATH, planner_path  # noqa: E402
+from megatron_dynbatch.integrations.slime.hook import HOOK_PATH  # noqa: E402
 from megatron_dynbatch.tools.testing.workers import Layout, run_on_ranks  # noqa: E402
 from tests._support import (  # noqa: E402
     FAIL_FAST_S,
@@ -639,7 +639,9 @@ def _slime_body(
     args.use_dynamic_batch_size = dynamic
     if slimes_own:
         args.use_slime_dynamic_batch_size = True
-    args.micro_batch_planner_path = planner_path(args)  # what slime's validation leaves
+    # What slime's validation leaves: our hook's path when ours runs.
+    ours = args.use_dynamic_batch_size and not getattr(args, "use_slime_dynamic_batch_size", False)
+    args.micro_batch_planner_path = HOOK_PATH if ours else None
     set_args(args)
     data = _rollout_batch(num_rollouts, routed_experts=replay == "r3")
     if bad_rank is not None and dp_rank == bad_rank:

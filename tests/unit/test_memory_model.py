@@ -35,7 +35,6 @@ from megatron_dynbatch.planning.memory import (  # noqa: E402
     MemoryLimit,
     MemoryModel,
     fit_activation_scale,
-    live_microbatches,
     predicted_step_peaks,
     schedule_events,
     step_shapes,
@@ -49,6 +48,16 @@ def _dims(**overrides):
     values = dict(num_layers=8, hidden_size=64, num_attention_heads=4, vocab_size=384)
     values.update(overrides)
     return ModelDims(**values)
+
+
+def live_microbatches(num_microbatches, pp_size, stage, vpp_size=1, group=None):
+    """The most (micro-batch, model chunk) forwards stage ``stage`` holds before their backward,
+    walking the package's schedule_events."""
+    live = most = 0
+    for forward, _mb, _chunk in schedule_events(num_microbatches, pp_size, stage, vpp_size, group):
+        live += 1 if forward else -1
+        most = max(most, live)
+    return most
 
 
 def _megatron_live(m, pp, stage, vpp, group):

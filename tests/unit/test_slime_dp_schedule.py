@@ -256,7 +256,7 @@ def test_return_value_unpacks_as_slimes_and_carries_row_shapes():
     partitions, mbi, nmb, gbs = schedule
     assert schedule.partitions is partitions and schedule.num_microbatches is nmb
     assert len(schedule.seq_lengths) == len(nmb) == 2
-    assert schedule.row_shapes == [(1, s) for s in schedule.seq_lengths]
+    assert schedule.micro_batch_size == 1  # one packed row per micro-batch
     # slime aligns rows to tp 2 x data_pad_size_multiplier 128 = 256; a 300-token budget caps the
     # padded row, so a row over 256 tokens keeps its planned length (a multiple of tp) instead.
     for row, step in zip(schedule.seq_lengths, schedule.plan.steps, strict=True):

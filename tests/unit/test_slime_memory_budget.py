@@ -19,15 +19,20 @@ from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.hosts import SLIME
 from megatron_dynbatch.integrations.slime import schedule as S
 from megatron_dynbatch.integrations.slime.backend import data_iterators
-from megatron_dynbatch.integrations.slime.memory import slime_memory_model, smallest_budget_gib
+from megatron_dynbatch.integrations.slime.memory import slime_memory_model
 from megatron_dynbatch.integrations.slime.step_memory import STEP_PEAKS
-from megatron_dynbatch.planning.memory import GIB, MemoryLimit, predicted_step_peaks
+from megatron_dynbatch.planning.memory import GIB, MemoryLimit, budget_gib, predicted_step_peaks
 from megatron_dynbatch.planning.spec import ParallelLayout, round_up
 from tests._support import slime_args, slime_tp
 
 pytestmark = pytest.mark.unit
 
 FLAG = "--max-memory-gib"
+
+
+def _step_peak(schedule, step):
+    """The largest predicted peak of ``step`` the schedule reports, over DP ranks and stages."""
+    return max(max(rank[step]) for rank in schedule.memory.per_rank)
 
 
 def _case(rng):
@@ -109,10 +114,7 @@ def test_no_planned_step_is_predicted_over_the_budget(seed):
         unbounded_peak = max(_step_peaks(model, unbounded))
         # From just above what the longest sample needs alone up to what no budget plans.
         multiple = model.dims.parallel.sample_multiple
-        floor = smallest_budget_gib(
-            MemoryLimit(model=model, budget_bytes=1, row_multiple=multiple),
-            round_up(max(lengths), multiple),
-        )
+        floor = budget_gib(model.worst_stage((1, round_up(max(lengths), multiple)))[1])
         gib = floor + rng.random() * max(0.0, unbounded_peak / GIB - floor)
         args.max_memory_gib = gib
         schedule = _build(args, tp_config, lengths, ids, gbs)
@@ -120,7 +122,7 @@ def test_no_planned_step_is_predicted_over_the_budget(seed):
         peaks = _step_peaks(model, schedule)
         assert max(peaks) <= budget, (gib, peaks)
         # What the schedule reports is what it runs.
-        assert [schedule.memory.step_peak(s) for s in range(len(peaks))] == pytest.approx(peaks)
+        assert [_step_peak(schedule, s) for s in range(len(peaks))] == pytest.approx(peaks)
         assert schedule.memory.budget_bytes == budget
         # Every sample trains exactly once, under the budget too.
         assert sorted(i for p in schedule.partitions for i in p) == list(range(len(lengths)))
@@ -144,7 +146,7 @@ def test_a_budget_too_small_for_the_longest_sample_names_the_smallest_that_works
     smallest = float(message.split("to at least ")[1].split(",")[0])
     args.max_memory_gib = smallest
     schedule = _build(args, slime_tp(2), lengths, ids, 2)
-    assert max(schedule.memory.step_peak(s) for s in range(len(schedule.num_microbatches))) <= (
+    assert max(_step_peak(schedule, s) for s in range(len(schedule.num_microbatches))) <= (
         smallest * GIB
     )
     args.max_memory_gib = smallest - 0.002

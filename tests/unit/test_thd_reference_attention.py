@@ -18,6 +18,7 @@ from megatron_dynbatch.errors import DynBatchValueError  # noqa: E402
 from megatron_dynbatch.mcore.thd_attention import (  # noqa: E402
     ThdReferenceAttention,
     segment_mask,
+    thd_boundaries,
     with_thd_reference_attention,
 )
 
@@ -67,7 +68,8 @@ def _params(real, padded):
 
 def test_segment_mask_is_causal_within_real_tokens_of_each_segment():
     # Segments of 2 and 1 real tokens, padded to 3 and 2.
-    mask = segment_mask(torch.tensor([0, 2, 3]), torch.tensor([0, 3, 5]), 5).int().tolist()
+    boundaries = thd_boundaries(torch.tensor([0, 2, 3]), torch.tensor([0, 3, 5]), 5)
+    mask = segment_mask(*boundaries, 5).int().tolist()
     assert mask == [
         [1, 0, 0, 0, 0],
         [1, 1, 0, 0, 0],

@@ -21,7 +21,7 @@ from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.hosts import SLIME
 from megatron_dynbatch.planning.registry import get_planner
 
-__all__ = ["HOOK_PATH", "OWN_OPTIONS", "MicroBatchPlanner", "planner_path"]
+__all__ = ["HOOK_PATH", "OWN_OPTIONS", "MicroBatchPlanner"]
 
 #: What ``--micro-batch-planner-path`` defaults to in the patched parser (patch 0005).
 HOOK_PATH = "megatron_dynbatch.integrations.slime.hook.MicroBatchPlanner"
@@ -39,12 +39,6 @@ def _ours(args: Any) -> bool:
     return bool(getattr(args, "use_dynamic_batch_size", False)) and not getattr(
         args, "use_slime_dynamic_batch_size", False
     )
-
-
-def planner_path(args: Any, path: str = HOOK_PATH) -> Optional[str]:
-    """``args.micro_batch_planner_path`` as slime's validation leaves it (for callers that build
-    slime's namespace themselves, e.g. tests): ``path`` when ours runs, else ``None``."""
-    return path if _ours(args) else None
 
 
 class MicroBatchPlanner:

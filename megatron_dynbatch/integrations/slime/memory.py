@@ -32,7 +32,6 @@ from megatron_dynbatch.integrations.model_args import memory_model_from_flags
 from megatron_dynbatch.planning.memory import (
     MemoryLimit,
     MemoryModel,
-    budget_gib,
     gib_to_bytes,
     predicted_step_peaks,
 )
@@ -103,12 +102,6 @@ def slime_memory_limit(args: Any, parallel: ParallelLayout) -> Optional[MemoryLi
     )
 
 
-def smallest_budget_gib(limit: MemoryLimit, row: int) -> float:
-    """The smallest ``--max-memory-gib`` (GiB, rounded up to 0.001) under which micro-batches of
-    one row of ``row`` tokens fit every stage."""
-    return budget_gib(limit.model.worst_stage((1, row))[1])
-
-
 def check_longest_sample(limit: MemoryLimit, lengths: Sequence[int], gib: float) -> None:
     """Refuse, before planning, a budget under which the longest sample cannot run alone.
 
@@ -151,10 +144,6 @@ class StepPeaks:
     per_rank: List[List[List[float]]]
     """``per_rank[r][s][stage]``: predicted peak bytes of pipeline stage ``stage`` of DP rank
     ``r`` in step ``s`` (its micro-batches, placeholders included, in schedule order)."""
-
-    def step_peak(self, step: int) -> float:
-        """The largest predicted peak of step ``step`` over DP ranks and stages (bytes)."""
-        return max(max(rank[step]) for rank in self.per_rank)
 
 
 def step_peaks(

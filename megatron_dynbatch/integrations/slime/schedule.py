@@ -212,11 +212,6 @@ class DPSchedule(tuple):
         return self[3]
 
     @property
-    def row_shapes(self) -> List[Tuple[int, int]]:
-        """``[micro_batch_size, seq_length]`` of every step's longest micro-batch."""
-        return [(self.micro_batch_size, s) for s in self.seq_lengths]
-
-    @property
     def variable_rows(self) -> bool:
         """Whether micro-batches of one step run rows of different lengths."""
         return any(len(set(rows)) > 1 for rows in self._rows_per_step())
