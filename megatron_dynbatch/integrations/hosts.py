@@ -312,7 +312,7 @@ def check_budget(budget: Any, key: str, switch: str) -> int:
         )
     if isinstance(budget, bool) or not isinstance(budget, int):
         raise DynBatchValueError(
-            f"{key}={budget!r} must be an integer number of tokens with {switch}; set it to the "
+            f"{key}={budget!r} must be a whole number of tokens with {switch}; set it to the "
             "tokens of one micro-batch (e.g. 8192)."
         )
     if budget < 1:

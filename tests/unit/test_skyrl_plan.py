@@ -162,7 +162,7 @@ def test_fewer_samples_than_dp_ranks_gives_placeholder_only_ranks():
     [
         ([[3, 0]], 8, "SkyRL: DP rank 0 sample 1 has 0 tokens"),
         ([[3]], 0, "trainer.max_tokens_per_microbatch=0"),
-        ([[3]], 2.5, "must be an integer"),
+        ([[3]], 2.5, "must be a whole number"),
         ([], 8, "no lengths"),
     ],
 )
