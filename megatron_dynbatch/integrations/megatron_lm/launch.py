@@ -18,7 +18,7 @@ import atexit
 import os
 import pathlib
 import sys
-from typing import NoReturn, Optional, Sequence, Tuple
+from typing import Callable, NoReturn, Optional, Sequence, Tuple
 
 from megatron_dynbatch.cpu.core_shim import quiet_missing_gpu_library_warnings
 from megatron_dynbatch.integrations.megatron_lm.patched_tree import (
@@ -78,15 +78,16 @@ def pretrain(argv: Optional[Sequence[str]] = None) -> None:
     main(None if argv is None else list(argv))
 
 
-def run_program(argv: Optional[Sequence[str]] = None) -> NoReturn:
-    """The program's body: :func:`pretrain`, then :func:`end_process` with its exit status.
+def run_program(body: Optional[Callable[[], None]] = None) -> NoReturn:
+    """Run ``body`` (default: :func:`pretrain` of ``sys.argv``), then :func:`end_process`.
 
-    Only for the entry points (the launch script run as a program, ``python -m megatron_dynbatch
-    pretrain``): a script of the user's that calls ``main()`` keeps its own process and exit.
-    A traceback (an unexpected exception) is left to Python and torchrun, as without us.
+    For a program's last line: the launch script run as a program, ``python -m megatron_dynbatch
+    pretrain``, and a script of your own (``run_program(partial(main, datasets_provider=...))``).
+    A script that calls ``main()`` itself keeps Python's own exit. A traceback (an unexpected
+    exception) is left to Python and torchrun, as without us.
     """
     try:
-        pretrain(argv)
+        (body or pretrain)()
     except SystemExit as stop:  # argparse, fail(), Megatron's --exit-interval / --exit-duration
         if stop.code is not None and not isinstance(stop.code, int):
             raise  # a message to print: Python's own exit prints it
