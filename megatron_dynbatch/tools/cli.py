@@ -497,11 +497,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["pretrain"]:
-        from megatron_dynbatch.integrations.megatron_lm.launch import pretrain
+        from megatron_dynbatch.integrations.megatron_lm.launch import run_program
 
         sys.argv = [PRETRAIN_PROGRAM, *argv[1:]]  # Megatron's parser reads sys.argv
-        pretrain()
-        return 0
+        run_program()
     args = build_parser().parse_args(argv)
     try:
         with layout_flags("megatron-dynbatch"):
