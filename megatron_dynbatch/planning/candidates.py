@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 from typing import Iterator, List, Optional, Sequence, Tuple
 
+from .balance import deal_with_room
 from .karmarkar_karp import karmarkar_karp
 from .packing import feasible_pack
 from .spec import ceil_div
@@ -297,16 +298,9 @@ def _deal_by_weight(
 ) -> List[List[List[int]]]:
     """Bins to ranks, heaviest first to the lightest rank with room (ties by index)."""
     totals = [sum(weights[i] for i in members) for members in bins]
-    ranks: List[List[List[int]]] = [[] for _ in range(dp_size)]
-    heap = [(0.0, r) for r in range(dp_size)]
-    for b in sorted(range(len(bins)), key=lambda b: (-totals[b], b)):
-        total, r = heap[0]
-        ranks[r].append(bins[b])
-        if len(ranks[r]) < per_rank:
-            heapq.heapreplace(heap, (total + totals[b], r))
-        else:
-            heapq.heappop(heap)
-    return ranks
+    order = sorted(range(len(bins)), key=lambda b: (-totals[b], b))
+    dealt = deal_with_room(order, totals, dp_size, per_rank)
+    return [[bins[b] for b in rank] for rank in dealt]
 
 
 def exact_split(items: Sequence[int], weights: Sequence[float], dp_size: int) -> List[List[int]]:

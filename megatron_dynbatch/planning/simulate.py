@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from megatron_dynbatch.errors import DynBatchValueError
 
@@ -135,11 +135,22 @@ def one_f_one_b_order(num_microbatches: int, pp_size: int, stage: int) -> List[O
     F0 F1 | F2 B0 F3 B1 F4 B2 F5 B3 | B4 B5.
     """
     num_warmup = min(pp_size - stage - 1, num_microbatches)
-    order: List[Op] = [("F", 0, m) for m in range(num_warmup)]
-    for i in range(num_microbatches - num_warmup):
-        order.append(("F", 0, num_warmup + i))
-        order.append(("B", 0, i))
-    order.extend(("B", 0, m) for m in range(num_microbatches - num_warmup, num_microbatches))
+    return _warmup_steady_cooldown(
+        lambda m: ("F", 0, m), lambda m: ("B", 0, m), num_microbatches, num_warmup
+    )
+
+
+def _warmup_steady_cooldown(
+    forward: Callable[[int], Op], backward: Callable[[int], Op], total: int, num_warmup: int
+) -> List[Op]:
+    """Both of Megatron's orders: ``num_warmup`` forwards, then forward ``k + num_warmup`` and
+    backward ``k`` in turn, then the remaining backwards (``forward(k)`` / ``backward(k)``: the
+    ``k``-th of ``total`` steps)."""
+    order = [forward(k) for k in range(num_warmup)]
+    for k in range(total - num_warmup):
+        order.append(forward(k + num_warmup))
+        order.append(backward(k))
+    order.extend(backward(k) for k in range(total - num_warmup, total))
     return order
 
 
@@ -181,12 +192,7 @@ def interleaved_order(
         m, chunk = table[k]
         return ("B", vpp_size - 1 - chunk, m)
 
-    order = [forward(k) for k in range(num_warmup)]
-    for k in range(total - num_warmup):
-        order.append(forward(k + num_warmup))
-        order.append(backward(k))
-    order.extend(backward(k) for k in range(total - num_warmup, total))
-    return order
+    return _warmup_steady_cooldown(forward, backward, total, num_warmup)
 
 
 def _run(
