@@ -28,6 +28,7 @@ from megatron_dynbatch.errors import DynBatchValueError
 
 __all__ = [
     "BACKWARD_TO_FORWARD_RATIO",
+    "forward_only_makespan",
     "SimEvent",
     "SimResult",
     "StepSimResult",
@@ -418,6 +419,33 @@ def pipeline_makespan(
         # Megatron's orders never deadlock; a stall means an order builder is wrong.
         assert remaining < progressed, f"pipeline replay deadlocked at positions {position}"
     return max(free_at)
+
+
+def forward_only_makespan(
+    costs: Sequence[float], pp_size: int, vpp_size: int = 1, group: Optional[int] = None
+) -> float:
+    """A forward-only pass (log-probs, no backward) through Megatron's order: every stage runs
+    the forwards of the schedule table (:func:`_schedule_table`) in turn, each waiting for the
+    same micro-batch on the previous virtual stage. ``costs``: forward cost of every micro-batch
+    through the whole model, in schedule order; arguments trusted, as for
+    :func:`pipeline_makespan`."""
+    if pp_size == 1:
+        return float(sum(costs))
+    if vpp_size == 1:
+        group = 1
+    elif group is None:
+        group = pp_size
+    share = float(pp_size * vpp_size)
+    free = [0.0] * pp_size
+    done: Dict[Tuple[int, int], float] = {}
+    for m, chunk in _schedule_table(len(costs), vpp_size, group):
+        duration = costs[m] / share
+        ready = done.get((chunk * pp_size - 1, m), 0.0)
+        for stage in range(pp_size):
+            t = max(free[stage], ready) + duration
+            free[stage] = ready = t
+        done[(chunk * pp_size + pp_size - 1, m)] = ready
+    return max(free)
 
 
 RankCosts = Union[Sequence[float], Tuple[Sequence[float], Sequence[float]]]
