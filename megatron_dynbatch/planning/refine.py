@@ -1,0 +1,126 @@
+"""Local search on a chosen step, one DP rank at a time: the pipeline's slowest rank gets its
+samples moved between its own micro-batches and its micro-batches reordered while its simulated
+pipeline gets faster (issue 45).
+
+The shape search packs and orders every rank by rules (a profile of loads, light-heavy-light
+with the heaviest micro-batch in its best slot); a rank holding a sample that fills a whole row
+still idles in the pipeline around it, and which neighbours fill that idle time best depends on
+pp, vpp and the interleaving group. So the slowest rank (the step waits for it) is improved by
+first improvement, one change at a time, each scored by :func:`.simulate.pipeline_makespan`:
+
+* a sample moved to another micro-batch of the rank that has room under the cap (rows of their
+  own length: the two rows change length, the rank's work barely);
+* two micro-batches of the rank swapped in its order.
+
+Then the rank slowest after that, and so on, until the slowest rank has no improving change or
+:data:`REPLAYED_STEPS` are spent. Samples never leave their rank (the DP balance stays as
+chosen), every row stays under the cap, and a change is kept only when it makes its rank
+faster, so the step is never predicted slower than the shape it starts from. Deterministic:
+changes are tried in a fixed order (ties by index).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence
+
+from .simulate import pipeline_makespan
+
+__all__ = ["REPLAYED_STEPS", "refine_ranks"]
+
+#: Work one step may spend at most, in micro-batch steps replayed (a replay of a rank of M
+#: micro-batches on pp stages of vpp chunks replays ``M * pp * vpp`` forwards and as many
+#: backwards; 10,000 steps are about 3 ms of CPU): replays of long ranks cost more.
+REPLAYED_STEPS = 300_000
+#: Relative gain a change must bring to be kept (float noise is not a gain).
+_GAIN = 1e-9
+
+
+def refine_ranks(
+    bins: List[List[int]],
+    orders: List[List[int]],
+    loads: List[int],
+    costs: List[float],
+    sizes: Sequence[int],
+    cap: int,
+    bin_cost: Callable[[List[int], int], float],
+    pp_size: int,
+    vpp_size: int,
+    group: int,
+    evaluations: Optional[int] = None,
+) -> List[float]:
+    """Improve the slowest ranks in place (``bins``, ``orders``, ``loads``, ``costs``).
+
+    Args:
+        bins: Sample indices per micro-batch (``[]``: a placeholder).
+        orders: Per DP rank, its micro-batches in schedule order.
+        loads: Padded tokens per micro-batch.
+        costs: Forward cost per micro-batch.
+        sizes: Every sample's padded size.
+        cap: The most padded tokens a micro-batch of two or more samples may hold.
+        bin_cost: ``(members, load) -> cost`` of a micro-batch.
+        pp_size, vpp_size, group: The pipeline.
+        evaluations: Replays to spend at most (default: :data:`REPLAYED_STEPS` over one
+            replay's steps).
+
+    Returns:
+        Every rank's simulated makespan after the search.
+    """
+
+    def span(order: Sequence[int], trial=None) -> float:
+        c = costs if trial is None else trial
+        return pipeline_makespan([c[b] for b in order], pp_size, vpp_size, group)
+
+    spans = [span(order) for order in orders]
+    if evaluations is None:
+        per_replay = 2 * max(1, len(orders[0]) if orders else 1) * pp_size * vpp_size
+        evaluations = REPLAYED_STEPS // per_replay
+    budget = [evaluations - len(orders)]
+
+    def improve(r: int) -> bool:
+        order = orders[r]
+        current = spans[r]
+        # Samples to another micro-batch of the rank, the costliest micro-batches' first.
+        by_cost = sorted(order, key=lambda b: (-costs[b], b))
+        for a in by_cost:
+            for i in sorted(bins[a], key=lambda i: (-sizes[i], i)):
+                size = sizes[i]
+                rest = [j for j in bins[a] if j != i]
+                cost_a = bin_cost(rest, loads[a] - size)
+                for b in order:
+                    if b == a or loads[b] + size > cap:
+                        continue
+                    if budget[0] <= 0:
+                        return False
+                    budget[0] -= 1
+                    trial = list(costs)
+                    trial[a] = cost_a
+                    trial[b] = bin_cost(bins[b] + [i], loads[b] + size)
+                    time = span(order, trial)
+                    if time < current * (1.0 - _GAIN):
+                        bins[a] = rest
+                        bins[b] = bins[b] + [i]
+                        loads[a] -= size
+                        loads[b] += size
+                        costs[a], costs[b] = trial[a], trial[b]
+                        spans[r] = time
+                        return True
+        # Two micro-batches swapped in the rank's order.
+        for p in range(len(order)):
+            for q in range(p + 1, len(order)):
+                if budget[0] <= 0:
+                    return False
+                budget[0] -= 1
+                swapped = list(order)
+                swapped[p], swapped[q] = swapped[q], swapped[p]
+                time = span(swapped)
+                if time < current * (1.0 - _GAIN):
+                    orders[r] = swapped
+                    spans[r] = time
+                    return True
+        return False
+
+    while budget[0] > 0:
+        slowest = max(range(len(orders)), key=lambda r: (spans[r], -r))
+        if not improve(slowest):
+            break
+    return spans
