@@ -11,6 +11,7 @@ import functools
 import itertools
 import operator
 from collections import Counter
+from operator import itemgetter
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 from megatron_dynbatch.errors import DynBatchError
@@ -157,17 +158,16 @@ class _Facts:
         key = (s, r)
         found = self._tokens.get(key)
         if found is None:
-            found = self._tokens[key] = _mb_tokens(self._ranks[s][r], self.sizes.__getitem__)
+            found = self._tokens[key] = _mb_tokens(self._ranks[s][r], self.sizes)
         return found
 
 
-def _mb_tokens(rank: Sequence[Sequence[int]], size_of) -> List[int]:
-    """Every micro-batch's padded tokens, as differences of the rank's running sum (C loops)."""
-    running = [0, *itertools.accumulate(map(size_of, itertools.chain.from_iterable(rank)))]
-    ends = list(itertools.accumulate(map(len, rank)))
-    return list(
-        map(operator.sub, map(running.__getitem__, ends), map(running.__getitem__, [0] + ends))
-    )
+def _mb_tokens(rank: Sequence[Sequence[int]], sizes: Sequence[int]) -> List[int]:
+    """Every micro-batch's padded tokens (indices in range): one C-level gather and sum a
+    micro-batch, a lone sample read directly."""
+    return [
+        sum(itemgetter(*mb)(sizes)) if len(mb) > 1 else sizes[mb[0]] if mb else 0 for mb in rank
+    ]
 
 
 def _whole_rollouts_in_order(
@@ -332,7 +332,7 @@ def _shape_and_cap(
     size_of = sizes.__getitem__
     if layout == "packed" and in_range and not step.packed_rows:
         if tokens is None:
-            tokens = functools.partial(_rank_tokens, step, size_of)
+            tokens = functools.partial(_rank_tokens, step, sizes)
         if _packed_rows_fit(step, tokens, min(s, cap), multiple, real_rows):
             return problems  # nothing the loop below could report
     for r, rank in enumerate(step.ranks):
@@ -415,8 +415,8 @@ class _Label:
         return format(f"{self.where} rank {self.r} micro-batch {self.k} {list(self.mb)[:8]}", spec)
 
 
-def _rank_tokens(step: StepPlan, size_of, r: int) -> List[int]:
-    return _mb_tokens(step.ranks[r], size_of)
+def _rank_tokens(step: StepPlan, sizes: Sequence[int], r: int) -> List[int]:
+    return _mb_tokens(step.ranks[r], sizes)
 
 
 def _packed_rows_shape(where: str, step: StepPlan) -> List[str]:
@@ -626,7 +626,7 @@ def _walk(
             size_of = sizes.__getitem__
             if fast:
                 shared = facts is not None and s < len(facts.members)
-                tokens = facts.tokens(s, r) if shared else _mb_tokens(rank, size_of)
+                tokens = facts.tokens(s, r) if shared else _mb_tokens(rank, sizes)
             if fast and _rank_fits(step, r, rank, tokens, cap, widest, row_tokens):
                 continue  # nothing the loop below could report
             for k, mb in enumerate(rank):
