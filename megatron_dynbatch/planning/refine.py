@@ -16,12 +16,13 @@ Then the rank slowest after that, and so on, until the slowest rank has no impro
 :data:`REPLAYED_STEPS` are spent. Samples never leave their rank (the DP balance stays as
 chosen), every row stays under the cap, and a change is kept only when it makes its rank
 faster, so the step is never predicted slower than the shape it starts from. Deterministic:
-changes are tried in a fixed order (ties by index).
+changes are tried in a fixed order (ties by index), each rank's scan resuming where its last
+improvement was found (the changes before it were just tried).
 """
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from .simulate import pipeline_makespan
 
@@ -76,47 +77,62 @@ def refine_ranks(
         evaluations = REPLAYED_STEPS // per_replay
     budget = [evaluations - len(orders)]
 
+    cursors = [0] * len(orders)
+
+    def changes(r: int) -> List[Tuple[int, int, int]]:
+        """The rank's changes as ``(p, sample, q)``: a sample of the micro-batch at position
+        ``p`` moved to position ``q`` (largest samples first), or, with sample ``-1``, the
+        micro-batches at ``p`` and ``q`` swapped."""
+        order = orders[r]
+        m = len(order)
+        result = []
+        for p in range(m):
+            for i in sorted(bins[order[p]], key=lambda i: (-sizes[i], i)):
+                result += [(p, i, q) for q in range(m) if q != p]
+        result += [(p, -1, q) for p in range(m) for q in range(p + 1, m)]
+        return result
+
     def improve(r: int) -> bool:
+        """The first improving change from where the last one was found (the changes before it
+        were just tried), wrapping around once."""
         order = orders[r]
         current = spans[r]
-        # Samples to another micro-batch of the rank, the costliest micro-batches' first.
-        by_cost = sorted(order, key=lambda b: (-costs[b], b))
-        for a in by_cost:
-            for i in sorted(bins[a], key=lambda i: (-sizes[i], i)):
+        listed = changes(r)
+        start = cursors[r] % max(1, len(listed))
+        for k in range(len(listed)):
+            p, i, q = listed[(start + k) % len(listed)]
+            a, b = order[p], order[q]
+            if i >= 0:
                 size = sizes[i]
-                rest = [j for j in bins[a] if j != i]
-                cost_a = bin_cost(rest, loads[a] - size)
-                for b in order:
-                    if b == a or loads[b] + size > cap:
-                        continue
-                    if budget[0] <= 0:
-                        return False
-                    budget[0] -= 1
-                    trial = list(costs)
-                    trial[a] = cost_a
-                    trial[b] = bin_cost(bins[b] + [i], loads[b] + size)
-                    time = span(order, trial)
-                    if time < current * (1.0 - _GAIN):
-                        bins[a] = rest
-                        bins[b] = bins[b] + [i]
-                        loads[a] -= size
-                        loads[b] += size
-                        costs[a], costs[b] = trial[a], trial[b]
-                        spans[r] = time
-                        return True
-        # Two micro-batches swapped in the rank's order.
-        for p in range(len(order)):
-            for q in range(p + 1, len(order)):
-                if budget[0] <= 0:
-                    return False
-                budget[0] -= 1
+                if loads[b] + size > cap:
+                    continue
+            if budget[0] <= 0:
+                return False
+            budget[0] -= 1
+            if i < 0:
                 swapped = list(order)
-                swapped[p], swapped[q] = swapped[q], swapped[p]
+                swapped[p], swapped[q] = b, a
                 time = span(swapped)
                 if time < current * (1.0 - _GAIN):
                     orders[r] = swapped
                     spans[r] = time
+                    cursors[r] = start + k
                     return True
+                continue
+            rest = [j for j in bins[a] if j != i]
+            trial = list(costs)
+            trial[a] = bin_cost(rest, loads[a] - size)
+            trial[b] = bin_cost(bins[b] + [i], loads[b] + size)
+            time = span(order, trial)
+            if time < current * (1.0 - _GAIN):
+                bins[a] = rest
+                bins[b] = bins[b] + [i]
+                loads[a] -= size
+                loads[b] += size
+                costs[a], costs[b] = trial[a], trial[b]
+                spans[r] = time
+                cursors[r] = start + k
+                return True
         return False
 
     while budget[0] > 0:
