@@ -72,8 +72,8 @@ def refine_ranks(
         return pipeline_makespan([c[b] for b in order], pp_size, vpp_size, group)
 
     spans = [span(order) for order in orders]
+    per_replay = 2 * max(1, len(orders[0]) if orders else 1) * pp_size * vpp_size
     if evaluations is None:
-        per_replay = 2 * max(1, len(orders[0]) if orders else 1) * pp_size * vpp_size
         evaluations = REPLAYED_STEPS // per_replay
     budget = [evaluations - len(orders)]
 
@@ -98,6 +98,9 @@ def refine_ranks(
         order = orders[r]
         current = spans[r]
         listed = changes(r)
+        # Listing the changes costs about a replayed step each: charged to the budget, so a
+        # rank of many samples and micro-batches cannot spend more than it allows.
+        budget[0] -= len(listed) // per_replay
         start = cursors[r] % max(1, len(listed))
         for k in range(len(listed)):
             p, i, q = listed[(start + k) % len(listed)]
