@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from .simulate import pipeline_makespan
+from .spec import ParallelLayout
 
 __all__ = ["REPLAYED_STEPS", "refine_ranks"]
 
@@ -44,9 +45,7 @@ def refine_ranks(
     sizes: Sequence[int],
     cap: int,
     bin_cost: Callable[[List[int], int], float],
-    pp_size: int,
-    vpp_size: int,
-    group: int,
+    parallel: ParallelLayout,
     evaluations: Optional[int] = None,
 ) -> List[float]:
     """Improve the slowest ranks in place (``bins``, ``orders``, ``loads``, ``costs``).
@@ -59,13 +58,15 @@ def refine_ranks(
         sizes: Every sample's padded size.
         cap: The most padded tokens a micro-batch of two or more samples may hold.
         bin_cost: ``(members, load) -> cost`` of a micro-batch.
-        pp_size, vpp_size, group: The pipeline.
+        parallel: The pipeline (``pp_size``, ``vpp_size``, the interleaving group).
         evaluations: Replays to spend at most (default: :data:`REPLAYED_STEPS` over one
             replay's steps).
 
     Returns:
         Every rank's simulated makespan after the search.
     """
+
+    pp_size, vpp_size, group = parallel.pp_size, parallel.vpp_size, parallel.group_size
 
     def span(order: Sequence[int], trial=None) -> float:
         c = costs if trial is None else trial

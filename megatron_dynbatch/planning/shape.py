@@ -362,9 +362,7 @@ def _refined(problem: StepProblem, shape: StepShape) -> StepShape:
         sizes,
         cap,
         bin_cost,
-        parallel.pp_size,
-        parallel.vpp_size,
-        parallel.group_size,
+        parallel,
     )
     if max(spans) >= shape.step_time * (1.0 - _TIE):
         return shape
