@@ -60,6 +60,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import statistics
 import time
 from typing import Any, Dict, List, Optional
 
@@ -272,6 +273,11 @@ _MODEL_ARGS = (
 )
 
 
+def _median_error(observations: List[Observation], predict: Any) -> float:
+    """Median relative error of ``predict`` (an observation's predicted seconds) over steps."""
+    return statistics.median([abs(predict(o) - o.seconds) / o.seconds for o in observations])
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -482,6 +488,23 @@ class Calibrator:
                 f"{100 * bound:.0f}% bound (--dynamic-batch-calibration-max-error {bound:g}; the "
                 "step times were too noisy; raise the bound or the calibration steps)"
             )
+        default = self._model_seconds(args)
+        if default is not None and self.observations:
+            # Noisy steps can fit a model that explains them worse than the default does; it
+            # would replace a good plan with a worse one (a fit's overhead also drops the gain
+            # threshold). Both are judged on every measured step, the default at its best scale
+            # (the planner's weights are relative: a scale of the default plans as it does).
+            fitted = _median_error(self.observations, fit.predict)
+            scale = statistics.median(
+                [o.seconds / predict_seconds(o, default) for o in self.observations]
+            )
+            model = _median_error(self.observations, lambda o: scale * predict_seconds(o, default))
+            if fitted >= model:
+                return False, (
+                    f"over the {len(self.observations)} measured steps it is off by "
+                    f"{100 * fitted:.1f}% (median), no better than the default model at its "
+                    f"best scale ({100 * model:.1f}%)"
+                )
         return True, ""
 
     def _model_seconds(self, args: Any) -> Optional[tuple]:
