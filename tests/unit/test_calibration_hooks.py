@@ -578,3 +578,55 @@ def test_a_fit_whose_constant_took_the_step_is_refused(tmp_path):
     usable, why = calibrator._usable(fit, args)
     assert not usable and "per-step constant" in why
     assert calibrator._usable(dataclasses.replace(fit, step_seconds=0.5), args)[0]
+
+
+def test_a_fit_no_better_than_the_default_model_is_not_applied(tmp_path):
+    """Issue 42: under noise a fit must never replace the default with something worse. On steps
+    the default explains at its best scale (plus a per-step constant), a fit that predicts them
+    exactly is applied; one whose overhead is 10x off is refused, naming both errors."""
+    args = _args(
+        tmp_path,
+        dynamic_batch_cost_attention_weight=None,
+        dynamic_batch_cost_token_weight=None,
+        **TINY_GPT,
+    )
+    calibrator = calib.Calibrator()
+    default = calibrator._model_seconds(args)
+    assert default is not None
+    counts = (4, 6, 8, 11, 16, 5, 7, 9)
+    calibrator.observations = [
+        calib.Observation(
+            seconds=1.5 * predict_seconds(shape, default) + STEP_SECONDS,
+            seq_length=256,
+            micro_batch_size=max(1, 32 // m),
+            layout="padded",
+            attention="dense",
+            pp_size=2,
+            ranks=shape.ranks,
+        )
+        for m in counts
+        for shape in [
+            calib.Observation(
+                seconds=1.0,
+                seq_length=256,
+                micro_batch_size=max(1, 32 // m),
+                layout="padded",
+                attention="dense",
+                pp_size=2,
+                ranks=[[[256] * max(1, 32 // m)] * m],
+            )
+        ]
+    ]
+    exact = Calibration(
+        token_weight=1.5 * default[0],
+        attention_weight=1.5 * default[1],
+        microbatch_overhead=1.5 * default[2],
+        step_seconds=STEP_SECONDS,
+        observations=len(counts),
+        relative_error=0.0,
+        form="scales",
+    )
+    assert calibrator._usable(exact, args) == (True, "")
+    off = dataclasses.replace(exact, microbatch_overhead=15 * default[2], relative_error=0.01)
+    usable, why = calibrator._usable(off, args)
+    assert not usable and "no better than the default model" in why, why

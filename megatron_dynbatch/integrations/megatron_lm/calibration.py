@@ -17,7 +17,8 @@ collective, so plans stay identical even if floating point differed) and held by
 Megatron's ``args``): the next batch is planned with it. Rank 0 logs it and writes
 ``dynbatch_calibration.yaml`` (the ``cost_*`` keys ``--dynamic-batch-config`` loads) and
 ``dynbatch_calibration.json`` (the fit in seconds, whether it is applied, the layout, budget and
-model it was measured on, and the measured steps, which ``megatron-dynbatch calibrate`` reads) into
+model it was measured on, the model it fitted scales of (``prior``), and the measured steps, which
+``megatron-dynbatch calibrate`` reads) into
 ``--save`` (or ``--dynamic-batch-calibration-output``).
 
 The fit is of scales of the run's cost model (the physical default of
@@ -668,7 +669,7 @@ class Calibrator:
         if changed:
             _log(f"dynamic-batch calibration in {path} not reused: {changed}; calibrating again")
             return
-        for key in ("steps", "applied"):
+        for key in ("steps", "applied", "prior"):
             data.pop(key, None)
         self.fit = Calibration.from_dict(data)
         self.applied, why = self._usable(self.fit, args)
@@ -696,6 +697,8 @@ class Calibrator:
             **fit.to_dict(),
             "applied": self.applied,
             "measured_on": measured_on(args, self._configured(args)),
+            # The model the fit is of scales of: `megatron-dynbatch calibrate` refits the same.
+            "prior": dataclasses.asdict(self._prior(args)),
             "steps": [o.to_dict() for o in self.observations],
         }
         with open(os.path.join(directory, CALIBRATION_JSON), "w", encoding="utf-8") as handle:

@@ -86,6 +86,9 @@ TRUST_GROWTH = 2.0
 #: Steps whose counted activations are at least this share of the largest in the fit window
 #: bound the factor from below (their measured need is never under-predicted again).
 ENVELOPE_SHARE = 0.5
+#: A step on CPU (``StepMemory.resident``) is a point of its stage's line only where its peak is
+#: more than this share over what it started with (else the peak measured the heap kept).
+RESIDENT_GROWTH = 0.005
 #: Steps of measured peaks a fit uses (the most recent).
 FIT_WINDOW = 16
 
@@ -572,7 +575,10 @@ class StepMemory:
         """``(intercept, k)`` of stage ``stage``'s peaks as a line in the counted bytes
         (:attr:`resident`), raised to cover the largest steps and every step that broke the
         budget (as :meth:`_fit` covers them); ``None`` where the steps place no line."""
-        fitted = fit_peak_line([(t + s, peak) for _, t, s, _, peak in own])
+        # A step whose peak is what it started with measured the heap earlier steps left, not
+        # its own need: not a point of the line (the largest steps still bound it below).
+        grew = [o for o in own if o[4] > (1.0 + RESIDENT_GROWTH) * o[3]]
+        fitted = fit_peak_line([(t + s, peak) for _, t, s, _, peak in grew])
         if fitted is None:
             return None
         intercept, k, _ = fitted
