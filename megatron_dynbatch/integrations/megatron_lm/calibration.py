@@ -181,16 +181,12 @@ def _agree_fit(fit: Calibration) -> Calibration:
     )
     dist.broadcast(values, src=0)
     token, attention, overhead, step = (float(v) for v in values.tolist())
-    return Calibration(
+    return dataclasses.replace(
+        fit,
         token_weight=token,
         attention_weight=attention,
         microbatch_overhead=overhead,
         step_seconds=step,
-        observations=fit.observations,
-        relative_error=fit.relative_error,
-        unidentified=fit.unidentified,
-        extra=fit.extra,
-        form=fit.form,
     )
 
 
@@ -432,20 +428,25 @@ class Calibrator:
             # Noisy steps (another job on the machine): measure as many again and fit on all.
             _log(f"{fit.summary()}; not used yet: {why}; measuring {_steps(args)} more steps")
             return
-        self.fit = fit
         self._restore()  # the next batch plans under the configured budget again
         self.applied = usable
         self._write(args, fit)  # also when not applied: a resumed run must not calibrate again
+        self._adopt(fit, args, why, after=f" from iteration {iteration + 1}")
+
+    def _adopt(self, fit: Calibration, args: Any, why: str, before: str = "", after: str = ""):
+        """Hold ``fit``; plan with it where :meth:`_usable` said so (``why`` empty), else keep
+        the configured model; say which, between ``before`` and ``after``."""
+        self.fit, self.applied = fit, not why
         if self.applied:
             self._apply(fit, args)
-            _log(f"{fit.summary()}; planning with it from iteration {iteration + 1}")
+            _log(f"{before}{fit.summary()}; planning with it{after}")
         else:
             # Planning with an arbitrary split of token work and overhead, or with a model that
             # misses the measured steps by more than the bound, would be a guess: keep the
             # configured weights, and still show predicted against measured time.
             _log(
-                f"{fit.summary()}; not used: {why}, so planning keeps the configured cost model "
-                f"from iteration {iteration + 1}"
+                f"{before}{fit.summary()}; not used: {why}, so planning keeps the configured "
+                f"cost model{after}"
             )
 
     def _usable(self, fit: Calibration, args: Any) -> tuple:
@@ -671,16 +672,9 @@ class Calibrator:
             return
         for key in ("steps", "applied", "prior"):
             data.pop(key, None)
-        self.fit = Calibration.from_dict(data)
-        self.applied, why = self._usable(self.fit, args)
-        if self.applied:
-            self._apply(self.fit, args)
-            _log(f"dynamic-batch calibration loaded from {path}: {self.fit.summary()}")
-        else:
-            _log(
-                f"dynamic-batch calibration loaded from {path}: {self.fit.summary()}; not used: "
-                f"{why}, so planning keeps the configured cost model"
-            )
+        fit = Calibration.from_dict(data)
+        _, why = self._usable(fit, args)
+        self._adopt(fit, args, why, before=f"dynamic-batch calibration loaded from {path}: ")
 
     def _write(self, args: Any, fit: Calibration) -> None:
         directory = _output_dir(args)

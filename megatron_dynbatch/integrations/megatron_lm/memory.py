@@ -187,19 +187,20 @@ def check_memory_budget(limit: MemoryLimit, seq_length: Optional[int], flag: str
 
 
 def _proc_status_kib(key: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as handle:
-        for line in handle:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise DynBatchValueError(f"/proc/self/status has no {key}; cannot measure memory here.")
+    return _proc_kib("/proc/self/status", key, "cannot measure memory here")
 
 
 def _proc_meminfo_kib(key: str) -> int:
-    with open("/proc/meminfo", encoding="ascii") as handle:
+    return _proc_kib("/proc/meminfo", key, "pass --max-memory-gib in GiB")
+
+
+def _proc_kib(path: str, key: str, fix: str) -> int:
+    """The ``key:`` line of a ``/proc`` file, in KiB; refused, naming ``fix``, where it lacks it."""
+    with open(path, encoding="ascii") as handle:
         for line in handle:
             if line.startswith(key + ":"):
                 return int(line.split()[1])
-    raise DynBatchValueError(f"/proc/meminfo has no {key}; pass --max-memory-gib in GiB.")
+    raise DynBatchValueError(f"{path} has no {key}; {fix}.")
 
 
 def _reset_peak() -> float:
