@@ -630,3 +630,31 @@ def test_a_fit_no_better_than_the_default_model_is_not_applied(tmp_path):
     off = dataclasses.replace(exact, microbatch_overhead=15 * default[2], relative_error=0.01)
     usable, why = calibrator._usable(off, args)
     assert not usable and "no better than the default model" in why, why
+
+
+def test_the_iteration_line_names_where_the_prediction_comes_from(tmp_path, monkeypatch):
+    """Issue 42: the iteration line says whether the step time predicted comes from an applied
+    fit, the configured model (the default, in its assumed seconds) or nothing (configured relative
+    weights give no seconds), with calibration off, applied and refused alike."""
+    default = dict(
+        dynamic_batch_cost_attention_weight=None, dynamic_batch_cost_token_weight=None, **TINY_GPT
+    )
+    line = {}
+    for name, extra in (("weights", {}), ("default", default)):
+        for steps in (0, calib.DEFAULT_CALIBRATION_STEPS):
+            args = _args(
+                tmp_path / f"{name}{steps}", dynamic_batch_calibration_steps=steps, **extra
+            )
+            _, _, calibrator = _train(args, monkeypatch, 16 if steps else 3)
+            line[name, steps] = calibrator.log_string()
+            if steps:
+                assert calibrator.fit is not None
+                if calibrator.applied:
+                    assert line[name, steps].endswith(" (fit) |"), line
+                calibrator.applied, calibrator._timing = False, None  # as if refused
+                line[name, "refused"] = calibrator.log_string()
+    assert line["weights", 0] == " step time predicted: none (no fit) |"
+    assert line["weights", "refused"] == " step time predicted: none (fit refused) |"
+    assert line["default", 0].endswith(" (model) |") and "predicted/measured" in line["default", 0]
+    assert line["default", "refused"].endswith(" (model) |")
+    assert line["weights", calib.DEFAULT_CALIBRATION_STEPS].endswith(" (fit) |")
