@@ -116,17 +116,19 @@ def test_the_largest_step_stays_in_the_fit_after_it_leaves_the_window(monkeypatc
     assert big.total >= big.static + 2.4 * (big.tokens + big.scores) - 1
 
 
-def _resident_step(memory, process, iteration, rows, base, factor):
+def _resident_step(memory, process, iteration, rows, base, factor, noise=0.0, keep=0.4):
     """A step on CPU: its peak is the resident set, at least what the process holds already (the
-    heap keeps 40% of what the largest step added) and ``base + factor * counted`` otherwise."""
+    heap keeps ``keep`` of what the largest step added) and ``base + factor * counted`` otherwise.
+    """
     memory.before_plan(0, None)
     limit = memory.limit()
     shapes = [[(rows, SEQ)] * 8]
     predicted = predicted_step_peaks(memory.current, shapes)
     memory.begin(iteration, predicted, shapes)
-    peak = max(process.now, base + factor * (predicted[0].tokens + predicted[0].scores))
+    need = base + factor * (predicted[0].tokens + predicted[0].scores)
+    peak = max(process.now, need * (1.0 + noise))
     process.largest = max(getattr(process, "largest", peak), peak)
-    process.run_step(peak, base + 0.4 * (process.largest - base))
+    process.run_step(peak, base + keep * (process.largest - base))
     return limit
 
 
@@ -149,6 +151,19 @@ def test_on_cpu_a_stages_peak_is_a_line_through_the_measured_peaks(monkeypatch):
         predictions[resident] = big.total / (base + 2.0 * (big.tokens + big.scores))
     assert 1.0 <= predictions[True] <= 1.01, predictions
     assert predictions[False] > 1.03, predictions
+    # With the resident set varying by a few % from step to step, the line covers every step it was
+    # fitted to (a line through the middle broke a budget by 2% on the e2e short corpus).
+    process = _Process(400 * MIB)
+    memory = _memory(monkeypatch, process, 4000)
+    memory.resident = True
+    for iteration, rows in enumerate((1, 2, 6, 2, 3, 2, 3, 2, 6, 3), start=1):
+        noise = 0.03 if rows == 2 else -0.01  # a small step read high, the largest low
+        _resident_step(memory, process, iteration, rows, base, 2.0, noise=noise, keep=0.1)
+    memory.close(None)
+    for stage, tokens, scores, rest, peak in memory.observations:
+        if stage == 0 and peak > 1.005 * rest:
+            line = memory.intercepts[0] + memory.scales[0][0] * (tokens + scores)
+            assert line >= peak - 1, (line / MIB, peak / MIB)
 
 
 def test_a_shape_measured_within_the_budget_fits_until_one_breaks_it(monkeypatch):
