@@ -268,18 +268,12 @@ def test_calibrate_fits_scales_of_the_default_model_as_training_does(tmp_path, c
     scaled = calibrate(path, *model, "--device", "cpu")
     assert scaled["form"] in ("scales", "physical") and scaled["attention_weight"] > 0
     recorded = tmp_path / "run.json"
-    from megatron_dynbatch.planning.model_cost import CPU_RATES, physical_cost
-    from megatron_dynbatch.planning.model_dims import ModelDims
-    from megatron_dynbatch.planning.spec import ParallelLayout
+    from megatron_dynbatch.planning.spec import CostModel
 
-    dims = ModelDims(
-        num_layers=4,
-        hidden_size=64,
-        num_attention_heads=4,
-        vocab_size=50304,
-        parallel=ParallelLayout(pp_size=2),
+    # What a run records: its model in planner units (here one of the tiny GPT's size on CPU).
+    prior = dataclasses.asdict(
+        CostModel(attention_weight=3e-3, microbatch_overhead=100.0, attention="dense")
     )
-    prior = dataclasses.asdict(physical_cost(dims, "dense", CPU_RATES).cost_model())
     recorded.write_text(json.dumps({"steps": steps, "prior": prior}))
     again = calibrate(recorded)
     assert again["form"] in ("scales", "physical")
