@@ -166,10 +166,10 @@ def test_on_cpu_a_stages_peak_is_a_line_through_the_measured_peaks(monkeypatch):
             assert line >= peak - 1, (line / MIB, peak / MIB)
 
 
-def test_a_shape_measured_within_the_budget_fits_until_one_breaks_it(monkeypatch):
+def test_a_shape_measured_within_the_budget_fits_until_one_breaks_it(monkeypatch, capsys):
     """Whatever the model predicts, a shape the run measured within the budget on every stage
     fits (MemoryLimit.measured: the measure the budget is stated in), and so does any smaller
-    one; a step of it measured over the budget takes it back."""
+    one; a step of it measured over the budget takes it back, and is reported."""
     process = _Process(400 * MIB)
     memory = _memory(monkeypatch, process, 600)
     for iteration, rows in enumerate((1, 2, 2), start=1):
@@ -191,8 +191,13 @@ def test_a_shape_measured_within_the_budget_fits_until_one_breaks_it(monkeypatch
     memory.close(None)
     assert memory.within == [(2, SEQ)]
     # Measured over the budget: taken back.
+    memory.scales = ((worst, worst), (worst, worst))  # planned by measure, not by the model
     shapes = [[(2, SEQ)] * 8]
     memory.begin(5, predicted_step_peaks(memory.current, shapes), shapes)
     process.run_step(700 * MIB, process.now)
     memory.close(None)
     assert memory.within == []
+    # ... and reported as a step over the budget (it was planned within it, by measure).
+    out = capsys.readouterr().out
+    assert "iteration 5: pipeline stage 0 measured 700 MiB" in out, out
+    assert "a step of [2 x 256] had measured within it" in out and memory.corrections == 1

@@ -470,9 +470,15 @@ class StepMemory:
             tok, sq = self.largest_counted.get(stage, (0.0, 0.0))
             self.largest_counted[stage] = (max(tok, terms.tokens), max(sq, terms.scores))
         over = []
+        # Planned within the budget: as predicted, or as a shape measured within it (within).
+        measured = reading.shape is not None and any(
+            reading.shape[0] <= b and reading.shape[1] <= s for b, s in self.within
+        )
         if self.budget is not None:
             for stage, (_rest, peak, _after) in enumerate(reading.gathered):
-                if peak > self.budget and reading.predicted[stage].total <= self.budget:
+                if peak > self.budget and (
+                    measured or reading.predicted[stage].total <= self.budget
+                ):
                     over.append((stage, peak, reading.predicted[stage].total))
         if self.budget is not None and reading.shape is not None:
             self._measured_shape(reading.shape, fits=not over and self._all_within(reading))
@@ -497,12 +503,15 @@ class StepMemory:
             self.corrections += 1
             rank = dist.get_rank() if dist.is_initialized() else 0
             for stage, peak, predicted in over:
+                planned = f"predicted {predicted / MIB:.0f} MiB"
+                if predicted > self.budget:
+                    rows, length = reading.shape
+                    planned = f"a step of [{rows} x {length}] had measured within it ({planned})"
                 print(
                     f"[rank {rank}] dynamic batching: iteration {reading.iteration}: pipeline "
                     f"stage {stage} measured {peak / MIB:.0f} MiB at its peak, over "
                     f"--max-memory-gib {self.budget / GIB:.3f} ({self.budget / MIB:.0f} MiB), "
-                    f"although predicted {predicted / MIB:.0f} MiB; the memory model is "
-                    "refitted to cover it.",
+                    f"although {planned}; the memory model is refitted to cover it.",
                     flush=True,
                 )
             self._cover(reading)
