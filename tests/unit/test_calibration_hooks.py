@@ -658,3 +658,29 @@ def test_the_iteration_line_names_where_the_prediction_comes_from(tmp_path, monk
     assert line["default", 0].endswith(" (model) |") and "predicted/measured" in line["default", 0]
     assert line["default", "refused"].endswith(" (model) |")
     assert line["weights", calib.DEFAULT_CALIBRATION_STEPS].endswith(" (fit) |")
+
+
+def test_only_a_measured_overhead_lifts_the_gain_threshold(tmp_path):
+    """A fit that scales the whole model ("physical": its overhead in the default's proportion)
+    keeps the default's gain threshold: its overhead is still the estimate. A fit that measured
+    the overhead ("scales") plans without one, unless one was given."""
+    args = _args(
+        tmp_path,
+        dynamic_batch_cost_attention_weight=None,
+        dynamic_batch_cost_token_weight=None,
+        **TINY_GPT,
+    )
+    fit = Calibration(
+        token_weight=2e-5,
+        attention_weight=6e-8,
+        microbatch_overhead=2e-3,
+        step_seconds=0.0,
+        observations=8,
+        relative_error=0.1,
+        form="scales",
+    )
+    for form, lifted in (("scales", True), ("physical", False)):
+        calibrator = calib.Calibrator()
+        calibrator._apply(dataclasses.replace(fit, form=form), args)
+        planned = calibrator.calibrated_config(dynbatch_config_from_args(args))
+        assert (planned.min_gain == 0.0) == lifted, (form, planned.min_gain)
