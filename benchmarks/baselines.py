@@ -26,15 +26,15 @@ from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 from megatron_dynbatch.errors import DynBatchRuntimeError, DynBatchValueError
 from megatron_dynbatch.planning.karmarkar_karp import karmarkar_karp as _karmarkar_karp
+from megatron_dynbatch.planning.registry import Planner, ranks_planner, register_planner
 from megatron_dynbatch.planning.spec import ATTENTION_CROSSOVER_7B, ceil_div, round_up
-from megatron_dynbatch.planning.strategies import Strategy, ranks_strategy, register_strategy
 
 __all__ = [
     "BASELINES",
     "BaselineFailure",
     "BaselineSchedule",
     "VERL_LINEAR_WEIGHT",
-    "baseline_strategy",
+    "baseline_planner",
     "fixed_mbs",
     "karmarkar_karp",
     "next_fit",
@@ -802,8 +802,8 @@ BASELINES: Dict[str, Callable[..., BaselineSchedule]] = {
 }
 
 
-def baseline_strategy(baseline: Callable[..., BaselineSchedule]) -> Strategy:
-    """The baseline as a schedule strategy (:mod:`megatron_dynbatch.planning.strategies`).
+def baseline_planner(baseline: Callable[..., BaselineSchedule]) -> Planner:
+    """The baseline as a registered planner (:mod:`megatron_dynbatch.planning.registry`).
 
     Per step of the config, the baseline schedules the step's samples at the config's budget and
     layout, and its ranks are described as a :class:`~megatron_dynbatch.planning.Plan`
@@ -827,11 +827,11 @@ def baseline_strategy(baseline: Callable[..., BaselineSchedule]) -> Strategy:
 
     schedule.__name__ = baseline.__name__
     schedule.__doc__ = baseline.__doc__
-    return ranks_strategy(schedule, layout="padded" if baseline is fixed_mbs else None)
+    return ranks_planner(schedule, layout="padded" if baseline is fixed_mbs else None)
 
 
 # Every baseline is a planner under its name: `megatron-dynbatch plan --dynamic-batch-planner
 # benchmarks.baselines:NAME`, and any benchmark or host config that names it. replace=True: this
 # module run a second time (``python -m``, a reload) registers its own names again.
 for _name, _baseline in BASELINES.items():
-    register_strategy(_name, baseline_strategy(_baseline), replace=True)
+    register_planner(_name, baseline_planner(_baseline), replace=True)

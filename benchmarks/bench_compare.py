@@ -36,7 +36,7 @@ from benchmarks.lengths import (
 )
 from benchmarks.metrics import EVAL_COST, evaluate, ideal_step_time, planner_config, step_time
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.planning import CostModel, ParallelLayout, SampleSet, run_strategy
+from megatron_dynbatch.planning import CostModel, ParallelLayout, SampleSet, run_planner
 
 __all__ = [
     "CASE_LAYOUTS",
@@ -131,17 +131,17 @@ def schedule(name: str, ls: LengthSet, parallel: ParallelLayout, token_cap: int)
     """``ranks[r][m]`` of one step by scheduler ``name`` (baselines may raise BaselineFailure).
 
     A baseline is called itself, for the upstream details its :class:`BaselineSchedule` carries;
-    ours, and any other registered schedule strategy, run through the strategy registry as the
-    hosts run them (``ours``: the default strategy with the evaluation cost model, ``ours/tok``
+    ours, and any other registered planner, run through the planner registry as the
+    hosts run them (``ours``: the default planner with the evaluation cost model, ``ours/tok``
     with a token-only one)."""
     if name not in BASELINES:
         config = planner_config(
             token_cap, parallel, CostModel() if name == OURS_TOKENS else EVAL_COST
         )
         if name not in (OURS, OURS_TOKENS):
-            config = dataclasses.replace(config, strategy=name)
+            config = dataclasses.replace(config, planner=name)
         samples = SampleSet.build(ls.lengths, ls.rollout_ids, ls.prompt_lengths)
-        plan = run_strategy(samples, config)
+        plan = run_planner(samples, config)
         assert len(plan.steps) == 1
         ranks = BaselineSchedule(
             [[list(mb) for mb in rank] for rank in plan.steps[0].ranks], baseline=name

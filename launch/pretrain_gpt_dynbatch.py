@@ -22,11 +22,14 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from megatron_dynbatch.integrations.megatron_lm.launch import prepare_megatron  # noqa: E402
+from megatron_dynbatch.integrations.megatron_lm.launch import (  # noqa: E402
+    prepare_megatron,
+    run_program,
+)
 
 prepare_megatron()  # on import too: tests run this file for its set-up alone
 
-from megatron_dynbatch.integrations.megatron_lm.pretrain_gpt import main  # noqa: E402
+from megatron_dynbatch.integrations.megatron_lm.pretrain_gpt import main  # noqa: E402, F401
 
 if __name__ == "__main__":
-    main()
+    run_program()

@@ -153,7 +153,7 @@ class _ConfigMethods:
                 oversize_samples=self.oversize_samples,
                 min_gain=self.min_gain,
                 cost=cost,
-                strategy=self.planner,
+                planner=self.planner,
             )
         _check_planner(self.planner)
         # The checked values as the planner normalised them (numpy integers, YAML's ``1`` for a
@@ -214,7 +214,7 @@ class _ConfigMethods:
                 variable_row_lengths=row_multiple is not None,
                 row_multiple=1 if row_multiple is None else row_multiple,
                 memory=memory,
-                strategy=self.planner,
+                planner=self.planner,
             )
         except ValueError as error:
             # Name the budget (training or log-prob) only where the error is about it: a memory
@@ -228,10 +228,10 @@ def _check_planner(name: str) -> None:
     """Refuse a planner name nothing registered, at start-up rather than at the first step."""
     # Imported here: the registry imports the whole planner, which the config otherwise needs
     # only the specs of.
-    from megatron_dynbatch.planning.strategies import get_strategy
+    from megatron_dynbatch.planning.registry import get_planner
 
     try:
-        get_strategy(name)
+        get_planner(name)
     except DynBatchValueError as error:
         raise DynBatchValueError(f"planner={name!r} ({FLAGS['planner']}): {error}") from None
 

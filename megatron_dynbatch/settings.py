@@ -52,7 +52,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
 from megatron_dynbatch.planning.spec import (
     ATTENTION_KINDS,
-    DEFAULT_STRATEGY,
+    DEFAULT_PLANNER,
     LAYOUTS,
     OVERSIZE_POLICIES,
 )
@@ -450,8 +450,8 @@ SETTINGS: Tuple[Setting, ...] = (
         name="planner",
         flag="--dynamic-batch-planner",
         annotation=str,
-        default=DEFAULT_STRATEGY,
-        check="strategy",
+        default=DEFAULT_PLANNER,
+        check="planner",
         parse=str,
         metavar="NAME",
         help="The planner that plans every step, by registered name: dynbatch (default, this "
@@ -465,8 +465,8 @@ SETTINGS: Tuple[Setting, ...] = (
         cli=Cli(
             commands=("plan",),
             aliases=("--planner",),
-            default=DEFAULT_STRATEGY,
-            help=f"planner (default {DEFAULT_STRATEGY}; built in: dynbatch, fixed; MODULE:NAME "
+            default=DEFAULT_PLANNER,
+            help=f"planner (default {DEFAULT_PLANNER}; built in: dynbatch, fixed; MODULE:NAME "
             "imports MODULE first, e.g. benchmarks.baselines:verl_kk from a checkout)",
         ),
     ),

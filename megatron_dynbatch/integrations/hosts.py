@@ -177,7 +177,7 @@ SLIME = Host(
         "oversize_samples": "--oversize-samples",
         # Registered by patch 0005; read by integrations/slime/memory.py (GiB, no ``auto``).
         "max_memory_gib": "--max-memory-gib",
-        # Registered by patch 0005 (Megatron-LM's spelling): the schedule strategy by name.
+        # Registered by patch 0005 (Megatron-LM's spelling): the planner by name.
         "planner": "--dynamic-batch-planner",
     },
     planning="global",

@@ -1,7 +1,7 @@
 """The pure planning core: standard library only (no torch, no megatron, no I/O).
 
 Lengths in, index lists out: :func:`plan_schedule` turns per-sample token lengths (and rollout ids)
-into one schedule that every rank derives identically; :mod:`.strategies` names it and the other
+into one schedule that every rank derives identically; :mod:`.registry` names it and the other
 planners (one signature, one :class:`Plan`) that the hosts, ``--dynamic-batch-planner`` and the
 benchmarks pick from.
 """
@@ -9,9 +9,9 @@ benchmarks pick from.
 from .invariants import PlanInvariantError, check_plan
 from .plan import Plan, PlanStats, StepPlan
 from .planner import OversizeSampleWarning, plan_samples, plan_schedule
+from .registry import get_planner, planner_names, register_planner, run_planner
 from .samples import SampleSet, parse_samples_json
 from .spec import CostModel, ParallelLayout, PlannerConfig, round_up, sample_multiple
-from .strategies import get_strategy, register_strategy, run_strategy, strategy_names
 
 __all__ = [
     "CostModel",
@@ -24,13 +24,13 @@ __all__ = [
     "SampleSet",
     "StepPlan",
     "check_plan",
-    "get_strategy",
+    "get_planner",
     "parse_samples_json",
     "plan_samples",
     "plan_schedule",
-    "register_strategy",
+    "register_planner",
     "round_up",
-    "run_strategy",
+    "run_planner",
     "sample_multiple",
-    "strategy_names",
+    "planner_names",
 ]

@@ -56,7 +56,7 @@ def plan_fixed_samples(
     microbatch_multiple: int = 1,
 ) -> Plan:
     """:func:`plan_fixed_microbatches` on an already validated :class:`SampleSet` (the ``fixed``
-    schedule strategy, :mod:`.strategies`)."""
+    registered planner, :mod:`.registry`)."""
     for name, value in (
         ("dp_size", dp_size),
         ("micro_batch_size", micro_batch_size),

@@ -3,8 +3,8 @@
 RL trainers (SkyRL, verl) dispatch a mini-batch to the DP ranks before the Megatron worker sees
 it, so a sample cannot move to another rank. Every rank then gathers every rank's lengths (lengths
 only, never data) and calls :func:`plan_sharded_step` with them, deriving the same plan with no
-further collective: each rank's own samples are planned by the config's strategy
-(:func:`~.strategies.run_strategy`, the planner by default) for this pipeline (``dp_size=1``: one
+further collective: each rank's own samples are planned by the config's planner
+(:func:`~.registry.run_planner`, the planner by default) for this pipeline (``dp_size=1``: one
 rank's samples), then every rank gets the same micro-batch count
 ``M`` (the largest, rounded up to the interleaved schedule's group) and the same rows per
 micro-batch ``B`` (the fullest micro-batch of any rank). A rank with fewer real micro-batches, or
@@ -23,10 +23,10 @@ import json
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
+from .registry import run_planner
 from .samples import SampleSet
 from .schedule import ScheduledStep
 from .spec import ParallelLayout, PlannerConfig, round_up
-from .strategies import run_strategy
 
 __all__ = ["ShardedPlan", "plan_rank_shards", "plan_sharded_step", "sharded_plan"]
 
@@ -81,7 +81,7 @@ def plan_rank_shards(
         if not lengths:
             ranks.append(())
             continue
-        [step] = run_strategy(SampleSet.build(list(lengths)), config).steps
+        [step] = run_planner(SampleSet.build(list(lengths)), config).steps
         # dp_size=1: rank 0 of the sub-plan is this rank; drop the sub-plan's own placeholders,
         # the count is equalised over all ranks in sharded_plan.
         ranks.append(tuple(tuple(mb) for mb in step.ranks[0] if mb))

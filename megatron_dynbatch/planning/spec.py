@@ -24,7 +24,7 @@ __all__ = [
     "ATTENTION_CROSSOVER_7B",
     "ATTENTION_KINDS",
     "DEFAULT_MIN_GAIN",
-    "DEFAULT_STRATEGY",
+    "DEFAULT_PLANNER",
     "DEFAULT_OVERHEAD_FRACTION",
     "LAYOUT_FLAGS",
     "LAYOUTS",
@@ -58,9 +58,9 @@ ATTENTION_KINDS = ("segment", "causal", "dense")
 #: ``L = 6*h = 24576`` tokens.
 ATTENTION_CROSSOVER_7B = 24576
 
-#: The schedule strategy (:mod:`.strategies`) a :class:`PlannerConfig` plans with unless told
+#: The registered planner (:mod:`.registry`) a :class:`PlannerConfig` plans with unless told
 #: otherwise: this package's planner, :func:`.planner.plan_samples`.
-DEFAULT_STRATEGY = "dynbatch"
+DEFAULT_PLANNER = "dynbatch"
 
 #: The per-micro-batch overhead assumed when none is given, as a fraction of the cost of one full
 #: row at the token cap. Kernel launches, pipeline p2p latency and Python cost 1-5% of a full row
@@ -457,9 +457,9 @@ class PlannerConfig:
     """A candidate with more micro-batches per rank is chosen over one with fewer only when its
     simulated step is faster by at least this fraction. ``None``: ``DEFAULT_MIN_GAIN`` when the
     cost model's overhead is assumed, 0 when it is given (a calibrated model is trusted)."""
-    strategy: str = DEFAULT_STRATEGY
-    """The registered schedule strategy the hosts plan with (:mod:`.strategies`; looked up when
-    planning, so a strategy registered later is accepted here)."""
+    planner: str = DEFAULT_PLANNER
+    """The registered planner the hosts plan with (:mod:`.registry`; looked up when planning,
+    so a planner registered later is accepted here)."""
     memory: Optional[Any] = None
     """A :class:`.memory.MemoryLimit` (``--max-memory-gib``): no micro-batch shape is planned
     whose predicted peak on any pipeline stage exceeds it (the token cap is then also at most
@@ -503,10 +503,10 @@ class PlannerConfig:
                 "sample's length); use --dynamic-batch-layout packed or turn variable row lengths off."
             )
         _set_int(self, "row_multiple", 1, "pass a row multiple of 1 or more (slime: 128 x tp).")
-        if not isinstance(self.strategy, str) or not self.strategy:
+        if not isinstance(self.planner, str) or not self.planner:
             raise DynBatchValueError(
-                f"strategy={self.strategy!r} must name a registered planner, e.g. "
-                f"{DEFAULT_STRATEGY!r} (megatron_dynbatch.planning.strategies)."
+                f"planner={self.planner!r} must name a registered planner, e.g. "
+                f"{DEFAULT_PLANNER!r} (megatron_dynbatch.planning.registry)."
             )
         if self.min_gain is None:
             gain = 0.0 if self.cost.overhead_known else DEFAULT_MIN_GAIN

@@ -387,11 +387,11 @@ def _check_plot_path(path: str) -> None:
 
 
 def _cmd_plan(args) -> int:
-    from megatron_dynbatch.planning import get_strategy, run_strategy
+    from megatron_dynbatch.planning import get_planner, run_planner
 
     if args.plot:
         _check_plot_path(args.plot)
-    get_strategy(args.planner)  # an unknown name fails before the samples are read
+    get_planner(args.planner)  # an unknown name fails before the samples are read
     samples = _load_samples(args.samples)
     config = _planner_config(
         args, rollouts_per_step=args.rollouts_per_step, memory=_memory_limit(args)
@@ -399,7 +399,7 @@ def _cmd_plan(args) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            plan = run_strategy(samples, config)
+            plan = run_planner(samples, config)
         except DynBatchRuntimeError as exc:
             # A planner that cannot schedule this input (an upstream scheduler's own check).
             raise DynBatchValueError(f"{setting('planner').flag} {args.planner}: {exc}") from None
@@ -560,11 +560,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["pretrain"]:
-        from megatron_dynbatch.integrations.megatron_lm.launch import pretrain
+        from megatron_dynbatch.integrations.megatron_lm.launch import run_program
 
         sys.argv = [PRETRAIN_PROGRAM, *argv[1:]]  # Megatron's parser reads sys.argv
-        pretrain()
-        return 0
+        run_program()
     args = build_parser().parse_args(argv)
     try:
         with layout_flags("megatron-dynbatch"):

@@ -5,6 +5,7 @@
 
 It does what README.md ("Your own data") shows: run the launch script's set-up (patched
 ``megatron.training``, CPU support) without its ``main``, then call ``main`` with a dataset provider
+(through ``run_program``, which ends the process without Python's slow teardown)
 whose training iterator yields :class:`RolloutBatch` objects. Rollout ``r`` has ``USER_GROUP_SIZE``
 samples of seeded random lengths; each batch holds rollouts ``[b * R, (b + 1) * R)`` with
 ``R = USER_ROLLOUTS_PER_BATCH``. After ``--load`` the iterator starts at rollout
@@ -15,6 +16,7 @@ checkpoint resumes with its remaining rollouts.
 import os
 import pathlib
 import runpy
+from functools import partial
 
 import torch
 
@@ -23,6 +25,7 @@ runpy.run_path(str(REPO / "launch" / "pretrain_gpt_dynbatch.py"), run_name="setu
 
 from megatron.training import get_args  # noqa: E402
 
+from megatron_dynbatch.integrations.megatron_lm.launch import run_program  # noqa: E402
 from megatron_dynbatch.integrations.megatron_lm.pretrain_gpt import main  # noqa: E402
 from megatron_dynbatch.runtime.batches import RolloutBatch  # noqa: E402
 
@@ -62,4 +65,4 @@ def provider(num_samples, vp_stage=None):
 provider.is_distributed = True
 
 if __name__ == "__main__":
-    main(datasets_provider=provider)
+    run_program(partial(main, datasets_provider=provider))

@@ -816,19 +816,19 @@ def test_switch_off_refuses_as_stock_where_nemo_rl_raises(patched_nemo_rl, secti
 
 
 def _spy_body(root):
-    """A strategy registered by name and set as ``policy.megatron_cfg.dynbatch.planner``: NeMo-RL's
+    """A planner registered by name and set as ``policy.megatron_cfg.dynbatch.planner``: NeMo-RL's
     planning calls it (training and log-prob shards)."""
-    from megatron_dynbatch.planning import register_strategy
+    from megatron_dynbatch.planning import register_planner
     from megatron_dynbatch.planning.planner import plan_samples
 
     _import_nemo_rl(root)
     calls = []
 
     def spy(samples, config):
-        calls.append((len(samples), config.strategy))
+        calls.append((len(samples), config.planner))
         return plan_samples(samples, config)
 
-    register_strategy("hostcfg-spy", spy, replace=True)
+    register_planner("hostcfg-spy", spy, replace=True)
     cfg = _policy_cfg(2, 1, budget=48, logprob_budget=96)
     cfg["megatron_cfg"]["dynbatch"]["planner"] = "hostcfg-spy"
     policy = _policy(cfg, 2)

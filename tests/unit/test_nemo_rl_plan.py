@@ -180,14 +180,14 @@ def test_the_record_reads_the_planner_beside_the_switch_and_names_it_in_errors()
 
     assert HOSTS["NeMo-RL"] is NEMO_RL and NEMO_RL.planning == "global"
     config = nemo_rl_planner_config(_cfg(), dp_size=2, forward_only=False)
-    assert (config.strategy, config.layout, config.oversize_samples) == (
+    assert (config.planner, config.layout, config.oversize_samples) == (
         "dynbatch",
         "packed",
         "error",
     )
     cfg = _cfg()
     cfg["megatron_cfg"]["dynbatch"]["planner"] = "fixed"
-    assert nemo_rl_planner_config(cfg, dp_size=2, forward_only=True).strategy == "fixed"
+    assert nemo_rl_planner_config(cfg, dp_size=2, forward_only=True).planner == "fixed"
     cfg["megatron_cfg"]["dynbatch"]["planner"] = "nope"
     with pytest.raises(
         DynBatchValueError, match=r"planner='nope' \(policy\.megatron_cfg\.dynbatch\.planner\)"

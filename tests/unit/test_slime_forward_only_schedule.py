@@ -148,18 +148,18 @@ def test_one_config_from_slime_args_with_its_defaults():
 
 
 def test_the_named_planner_plans_the_training_and_the_log_prob_passes():
-    """``--dynamic-batch-planner NAME`` (patch 0005): the strategy registered as NAME plans the
+    """``--dynamic-batch-planner NAME`` (patch 0005): the planner registered as NAME plans the
     training steps over every DP rank and each rank's log-prob pass; counts stay equal."""
-    from megatron_dynbatch.planning import register_strategy
-    from megatron_dynbatch.planning.strategies import get_strategy
+    from megatron_dynbatch.planning import register_planner
+    from megatron_dynbatch.planning.registry import get_planner
 
     calls = []
 
     def spy(samples, config):
         calls.append((len(samples), config.parallel.dp_size))
-        return get_strategy("dynbatch")(samples, config)
+        return get_planner("dynbatch")(samples, config)
 
-    register_strategy("slime-spy", spy, replace=True)
+    register_planner("slime-spy", spy, replace=True)
     rng = random.Random(3)
     lengths = [rng.randint(20, 400) for _ in range(12)]
     args = _args(

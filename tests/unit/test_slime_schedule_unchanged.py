@@ -24,8 +24,8 @@ from megatron_dynbatch.integrations.slime.config import (
     routing_replay,
 )
 from megatron_dynbatch.planning import SampleSet, check_plan
+from megatron_dynbatch.planning.registry import run_planner
 from megatron_dynbatch.planning.spec import check_int
-from megatron_dynbatch.planning.strategies import run_strategy
 from tests._support import slime_args, slime_tp
 
 pytestmark = pytest.mark.unit
@@ -93,7 +93,7 @@ def _ref_dynamic(args, sizes, lengths, keys, global_batch_size, pad_size):
     )
     check_host_oversize(SLIME, [lengths], planner_config, forward_only=False)
     with planner_oversize_reported():
-        plan = run_strategy(SampleSet.build(lengths, keys), planner_config)
+        plan = run_planner(SampleSet.build(lengths, keys), planner_config)
     check_plan(plan, SampleSet.build(lengths, keys, None), planner_config)
     heads = {members[0] for members in _ref_group(keys)}
     partitions = [[] for _ in range(dp)]

@@ -37,7 +37,7 @@ from megatron_dynbatch.config import (
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning.model_cost import ESTIMATED_MIN_GAIN
 from megatron_dynbatch.planning.spec import (
-    DEFAULT_STRATEGY,
+    DEFAULT_PLANNER,
     MAX_TOKENS,
     ParallelLayout,
     check_int,
@@ -414,15 +414,15 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
             "row, the default with seq_aux_loss) or another load-balancing type."
         )
     # Imported here, as config.py does: the registry imports the whole planner.
-    from megatron_dynbatch.planning.strategies import required_layout
+    from megatron_dynbatch.planning.registry import required_layout
 
     required = required_layout(config.planner)
     if required is not None and config.layout != required:
-        # The strategy would refuse the layout at the first step, after the model is built.
+        # The planner would refuse the layout at the first step, after the model is built.
         raise DynBatchValueError(
             f"{FLAGS['planner']} {config.planner} plans {required} rows only, but "
             f"{FLAGS['layout']} is {config.layout}; pass {FLAGS['layout']} {required}, or another "
-            f"{FLAGS['planner']} (default {DEFAULT_STRATEGY})."
+            f"{FLAGS['planner']} (default {DEFAULT_PLANNER})."
         )
     if getattr(args, VARIABLE_SEQ_LENGTHS_DEST, None) and config.layout != "packed":
         raise DynBatchValueError(

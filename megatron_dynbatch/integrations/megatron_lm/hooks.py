@@ -92,7 +92,7 @@ from megatron_dynbatch.mcore.agreement import (
 from megatron_dynbatch.mcore.schedule import check_schedule_config
 from megatron_dynbatch.planning import ParallelLayout, Plan, PlannerConfig, SampleSet
 from megatron_dynbatch.planning.memory import MIB, MemoryLimit, predicted_step_peaks, step_shapes
-from megatron_dynbatch.planning.strategies import run_strategy
+from megatron_dynbatch.planning.registry import run_planner
 from megatron_dynbatch.runtime import materialize_microbatches
 from megatron_dynbatch.runtime.batches import coerce_batch
 from megatron_dynbatch.runtime.iterators import chunk_data_iterators
@@ -243,7 +243,7 @@ class DynamicBatchHooks:
         config = self.planner(layout, forward_only=forward_only)
         start = time.perf_counter()
         samples = SampleSet.build(batch.lengths(), batch.rollout_ids, batch.prompt_lengths())
-        plan = run_strategy(samples, config)
+        plan = run_planner(samples, config)
         return plan, time.perf_counter() - start
 
     def prepare(

@@ -38,9 +38,9 @@ from megatron_dynbatch.planning import (
     ParallelLayout,
     PlannerConfig,
     SampleSet,
-    get_strategy,
+    get_planner,
     round_up,
-    run_strategy,
+    run_planner,
 )
 from megatron_dynbatch.planning.memory import MemoryLimit
 
@@ -96,7 +96,7 @@ def dynbatch_enabled(policy_cfg: Mapping[str, Any]) -> bool:
                 f"{_PLANNER}={planner!r} must name a registered planner, e.g. 'dynbatch'."
             )
         try:
-            get_strategy(planner)
+            get_planner(planner)
         except DynBatchValueError as error:
             raise DynBatchValueError(f"{_PLANNER}={planner!r}: {error}") from None
     if not megatron_cfg.get("enabled", False):
@@ -263,7 +263,7 @@ def plan_nemo_rl_shards(
     for start in range(0, len(padded), batch_size):
         chunk = padded[start : start + batch_size]
         # The planner policy.megatron_cfg.dynbatch.planner names (``dynbatch`` by default).
-        [step] = run_strategy(SampleSet.build(chunk), config).steps
+        [step] = run_planner(SampleSet.build(chunk), config).steps
         counts.append(step.num_microbatches)
         for r, microbatches in enumerate(step.ranks):
             assert len(microbatches) == step.num_microbatches, "equal counts by construction"

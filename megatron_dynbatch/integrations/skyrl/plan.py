@@ -58,8 +58,8 @@ def plan_skyrl_minibatch(
         tp_size: Tensor-parallel size (the planner pads each sample to a multiple of it).
         cp_size: Context-parallel size: each sample is padded to ``tp x cp x 2`` (SkyRL's THD
             alignment), and the budget still caps the whole micro-batch.
-        planner: ``trainer.dynamic_batch_planner``: the strategy registered by this name plans
-            each rank's samples (:func:`~megatron_dynbatch.planning.strategies.run_strategy`);
+        planner: ``trainer.dynamic_batch_planner``: the planner registered by this name plans
+            each rank's samples (:func:`~megatron_dynbatch.planning.registry.run_planner`);
             ``None``: ours.
 
     Returns:

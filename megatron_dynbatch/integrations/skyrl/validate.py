@@ -48,15 +48,15 @@ def _budget(value: Any) -> int:
 
 
 def _check_planner(name: Any) -> None:
-    """``trainer.dynamic_batch_planner``: a strategy registered by that name, planning SkyRL's
+    """``trainer.dynamic_batch_planner``: a planner registered by that name, planning SkyRL's
     packed rows (``None``: ours)."""
     if name is None:
         return
-    from megatron_dynbatch.planning.strategies import get_strategy, required_layout
+    from megatron_dynbatch.planning.registry import get_planner, required_layout
 
     key = SKYRL.key("planner")
     try:
-        get_strategy(name)
+        get_planner(name)
     except ValueError as error:
         raise DynBatchValueError(f"{key}={name!r}: {error}") from None
     if required_layout(name) not in (None, "packed"):

@@ -58,7 +58,7 @@ def _planned(worker: Any, data: Any, vpp: int, what: str) -> PlannedBatchIterato
         microbatch_group_size_per_vp_stage=_interleaving_group(worker) if vpp > 1 else None,
         tp_size=mpu.get_tensor_model_parallel_world_size(),
         cp_size=mpu.get_context_parallel_world_size(),
-        # trainer.dynamic_batch_planner: the strategy registered by this name (default ours).
+        # trainer.dynamic_batch_planner: the planner registered by this name (default ours).
         planner=getattr(worker.cfg, "dynamic_batch_planner", None),
         what=what,
     )

@@ -34,8 +34,8 @@ import torch
 from megatron_dynbatch.config import DynBatchConfig
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import ParallelLayout, Plan, SampleSet
+from megatron_dynbatch.planning.registry import run_planner
 from megatron_dynbatch.planning.spec import check_int
-from megatron_dynbatch.planning.strategies import run_strategy
 from megatron_dynbatch.runtime import (
     AGGREGATIONS,
     BatchSchema,
@@ -190,7 +190,7 @@ class DynamicBatching:
             config = dataclasses.replace(config, oversize_samples="allow")
         prompts = [t - r for t, r in zip(totals, responses, strict=True)]
         ids = self._rollout_ids(rollout_data, len(totals))
-        return run_strategy(SampleSet.build(totals, ids, prompts), config)
+        return run_planner(SampleSet.build(totals, ids, prompts), config)
 
     # -- materialising -------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, List, Optional
 
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.hosts import SLIME
-from megatron_dynbatch.planning.strategies import get_strategy
+from megatron_dynbatch.planning.registry import get_planner
 
 __all__ = ["HOOK_PATH", "OWN_OPTIONS", "MicroBatchPlanner", "planner_path"]
 
@@ -94,7 +94,7 @@ class MicroBatchPlanner:
         name = getattr(args, "dynamic_batch_planner", None)
         if name is not None:
             try:
-                get_strategy(name)
+                get_planner(name)
             except DynBatchValueError as error:
                 raise DynBatchValueError(f"{SLIME.key('planner')} {name}: {error}") from None
         dynbatch_config_from_slime_args(args)  # budgets, --oversize-samples, the planner's name

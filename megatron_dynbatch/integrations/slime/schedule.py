@@ -15,8 +15,8 @@ normaliser and LR-scheduler increment). :func:`build_dp_schedule` takes the same
 returns the same four items, as a :class:`DPSchedule` (a tuple, so slime's unpacking is
 unchanged) that also carries each step's uniform row length and a per-micro-batch rollout count.
 
-With ``use_dynamic_batch_size`` the steps come from the config's schedule strategy
-(:func:`megatron_dynbatch.planning.strategies.run_strategy`: :func:`~megatron_dynbatch.planning.plan_schedule`'s
+With ``use_dynamic_batch_size`` the steps come from the config's registered planner
+(:func:`megatron_dynbatch.planning.registry.run_planner`: :func:`~megatron_dynbatch.planning.plan_schedule`'s
 planner by default; ``rollouts_per_step=global_batch_size``). Deliberate differences from slime, one line each:
 
 * Trailing rollouts that do not fill a step are trained in a last, shorter step, never trimmed.
@@ -83,11 +83,11 @@ from megatron_dynbatch.planning.forward_only import (
 )
 from megatron_dynbatch.planning.karmarkar_karp import karmarkar_karp
 from megatron_dynbatch.planning.memory import MIB, MemoryLimit
+from megatron_dynbatch.planning.registry import run_planner
 from megatron_dynbatch.planning.samples import as_sequence
 from megatron_dynbatch.planning.schedule import ScheduledStep
 from megatron_dynbatch.planning.shape import variable_rows as micro_batch_rows
-from megatron_dynbatch.planning.spec import ATTENTION_CROSSOVER_7B, DEFAULT_STRATEGY, check_int
-from megatron_dynbatch.planning.strategies import run_strategy
+from megatron_dynbatch.planning.spec import ATTENTION_CROSSOVER_7B, DEFAULT_PLANNER, check_int
 
 __all__ = [
     "DATA_PAD_SIZE_MULTIPLIER",
@@ -751,7 +751,7 @@ def _forward_only_schedule(
     rank_lengths = [list(map(lengths.__getitem__, partition)) for partition in partitions]
     if (
         training is not None
-        and planner_config.strategy == DEFAULT_STRATEGY
+        and planner_config.planner == DEFAULT_PLANNER
         and variable
         and budget == config.max_tokens_per_gpu
         and len(training[0][0]) == fewest_forward_only_count(rank_lengths, planner_config)
@@ -760,10 +760,10 @@ def _forward_only_schedule(
             micro_batch_indices=[list(map(list, rank)) for rank in training[0]],
             row_lengths=[list(rows) for rows in training[1]],
         )
-    if planner_config.strategy == DEFAULT_STRATEGY:
+    if planner_config.planner == DEFAULT_PLANNER:
         plan = plan_forward_only(rank_lengths, planner_config)
     else:
-        plan = _strategy_forward_only(rank_lengths, planner_config)
+        plan = _registered_forward_only(rank_lengths, planner_config)
     if variable:
         # The planner's rows: within --max-memory-gib (shape.variable_rows) where it is given.
         rows = [_gpu_rows(rank_rows, cp) for rank_rows in plan.row_lengths]
@@ -775,7 +775,7 @@ def _forward_only_schedule(
     return ForwardOnlySchedule(micro_batch_indices=plan.micro_batches, row_lengths=rows)
 
 
-def _strategy_forward_only(rank_lengths: List[List[int]], planner_config: Any) -> ForwardOnlyPlan:
+def _registered_forward_only(rank_lengths: List[List[int]], planner_config: Any) -> ForwardOnlyPlan:
     """The log-prob pass of a registered planner other than ours (``--dynamic-batch-planner``).
 
     A forward-only pass reduces nothing over DP, so each rank's own samples are planned alone by
@@ -794,7 +794,7 @@ def _strategy_forward_only(rank_lengths: List[List[int]], planner_config: Any) -
         if not lengths:  # a rank without samples (its phantom arrives later): placeholders
             members.append([])
             continue
-        plan = run_strategy(SampleSet.build(lengths), one)
+        plan = run_planner(SampleSet.build(lengths), one)
         members.append([list(mb) for step in plan.steps for mb in step.ranks[0]])
     count = round_up(max(1, *map(len, members)), one.parallel.microbatch_multiple)
     members = [rank + [[] for _ in range(count - len(rank))] for rank in members]
@@ -839,7 +839,7 @@ def _dynamic_schedule(
     _check_oversize(lengths, planner_config, forward_only=False)
     samples = SampleSet.build(lengths, keys)
     with planner_oversize_reported():
-        plan = run_strategy(samples, planner_config)
+        plan = run_planner(samples, planner_config)
     check_plan(plan, samples, planner_config)
 
     heads = _rollout_heads(keys)

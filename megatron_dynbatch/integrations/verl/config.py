@@ -204,7 +204,7 @@ def dynbatch_settings(section: Any, role: str) -> dict:
 
     Raises:
         DynBatchValueError: a key it does not know (a typo would otherwise be ignored), or a
-            planner no strategy is registered as, naming verl's key.
+            planner name nothing registers, naming verl's key.
     """
     raw = _get(section, "megatron.dynbatch", None)
     if raw is None:
@@ -223,10 +223,10 @@ def dynbatch_settings(section: Any, role: str) -> dict:
         )
     planner = items.get("planner")
     if planner is not None:
-        from megatron_dynbatch.planning.strategies import get_strategy
+        from megatron_dynbatch.planning.registry import get_planner
 
         try:
-            get_strategy(planner)
+            get_planner(planner)
         except ValueError as error:
             raise DynBatchValueError(f"{where}.planner: {error}") from None
     return items

@@ -167,7 +167,7 @@ def verl_planner_config(
     planner: Optional[str] = None,
 ) -> PlannerConfig:
     """The planner config of one rank's samples under verl's budget (``max_token_len_per_gpu``);
-    ``planner``: the strategy ``megatron.dynbatch.planner`` names (default ours).
+    ``planner``: the planner ``megatron.dynbatch.planner`` names (default ours).
 
     Raises:
         DynBatchValueError: when the budget is not a positive integer, naming verl's keys.
@@ -304,7 +304,7 @@ def prepare_micro_batches(
             cp_size=engine.engine_config.context_parallel_size,
             packed=bool(engine.engine_config.use_remove_padding),
             host=host,
-            # verl's one dict option (megatron.dynbatch): the strategy registered by this name.
+            # verl's one dict option (megatron.dynbatch): the planner registered by this name.
             planner=(getattr(engine.engine_config, "dynbatch", None) or {}).get("planner"),
         )
         real = _lengths(data)

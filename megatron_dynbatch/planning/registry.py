@@ -1,21 +1,20 @@
-"""The planner seam: one registry of planners by name, one signature, one result type.
+"""The planner registry: every planner by name, one signature, one result type.
 
-Users, flags, the YAML and messages call them planners (``--dynamic-batch-planner``, YAML
-``planner``); the code here calls the registered callable a strategy (:data:`Strategy`,
-:func:`run_strategy`) to keep it apart from :mod:`.planner`, the built-in one. A strategy takes the validated samples and the planner config and returns a :class:`.plan.Plan`,
+A planner takes the validated samples and the planner config and returns a :class:`.plan.Plan`,
 the one schedule type the runtime materializes, :func:`.invariants.check_plan` re-derives and
 ``megatron-dynbatch plan`` prints::
 
-    Strategy = Callable[[SampleSet, PlannerConfig], Plan]
+    Planner = Callable[[SampleSet, PlannerConfig], Plan]
 
-The hosts plan through :func:`run_strategy`, which runs the strategy the config names
-(:attr:`.spec.PlannerConfig.strategy`, ``dynbatch`` unless told otherwise); ``megatron-dynbatch
-plan --dynamic-batch-planner NAME`` and the benchmarks look a strategy up by the same name (:func:`get_strategy`).
+The hosts plan through :func:`run_planner`, which runs the planner the config names
+(:attr:`.spec.PlannerConfig.planner`, ``dynbatch`` unless told otherwise); ``megatron-dynbatch
+plan --dynamic-batch-planner NAME`` and the benchmarks look a planner up by the same name
+(:func:`get_planner`).
 
 Built in: ``dynbatch`` (this package's planner, :func:`.planner.plan_samples`) and ``fixed``
 (Megatron's stock batching: a fixed ``micro_batch_size`` of padded rows, :mod:`.fixed`). Another
-scheduler registers with :func:`register_strategy`; one that produces ``ranks[r][m]`` (sample
-indices per micro-batch per DP rank) for a step becomes a strategy through :func:`ranks_strategy`,
+scheduler registers with :func:`register_planner`; one that produces ``ranks[r][m]`` (sample
+indices per micro-batch per DP rank) for a step becomes a planner through :func:`ranks_planner`,
 which describes its ranks as a Plan (:func:`plan_from_ranks`). The upstream schedulers of
 ``benchmarks/baselines.py`` register so when that module is imported; a name ``module:name``
 imports ``module`` first, e.g. ``--dynamic-batch-planner benchmarks.baselines:verl_kk`` from a checkout.
@@ -36,106 +35,106 @@ from .plan import Plan, PlanStats, StepPlan, imbalance
 from .planner import _apply_oversize_policy, plan_samples
 from .samples import SampleSet
 from .shape import variable_rows
-from .spec import DEFAULT_STRATEGY, PlannerConfig, ceil_div, round_up
+from .spec import DEFAULT_PLANNER, PlannerConfig, ceil_div, round_up
 
 __all__ = [
-    "DEFAULT_STRATEGY",
-    "Strategy",
-    "get_strategy",
+    "DEFAULT_PLANNER",
+    "Planner",
+    "get_planner",
     "plan_from_ranks",
-    "ranks_strategy",
-    "register_strategy",
+    "ranks_planner",
+    "register_planner",
     "required_layout",
-    "run_strategy",
-    "strategy_names",
+    "run_planner",
+    "planner_names",
 ]
 
 #: Samples and config in, the whole schedule out.
-Strategy = Callable[[SampleSet, PlannerConfig], Plan]
+Planner = Callable[[SampleSet, PlannerConfig], Plan]
 #: ``ranks[r][m]``: sample indices of micro-batch ``m`` on DP rank ``r``; empty = placeholder.
 StepRanks = Sequence[Sequence[Sequence[int]]]
 #: One step's scheduler: its samples' lengths and rollout keys (local indices), the config ->
 #: ``ranks[r][m]`` of local indices.
 RanksScheduler = Callable[[List[int], List[Hashable], PlannerConfig], StepRanks]
 
-_STRATEGIES: Dict[str, Strategy] = {}
+_PLANNERS: Dict[str, Planner] = {}
 
-#: Strategies that plan one layout only (Megatron's stock batching pads ``[B, S]`` rows), so a
+#: Planners that plan one layout only (Megatron's stock batching pads ``[B, S]`` rows), so a
 #: config can be refused at start-up rather than at its first step.
 _REQUIRED_LAYOUTS: Dict[str, str] = {"fixed": "padded"}
 
 
 def required_layout(name: str) -> Optional[str]:
-    """The one layout strategy ``name`` plans, or ``None`` where it plans either."""
+    """The one layout planner ``name`` plans, or ``None`` where it plans either."""
     return _REQUIRED_LAYOUTS.get(name)
 
 
-def register_strategy(name: str, strategy: Strategy, *, replace: bool = False) -> Strategy:
-    """Make ``strategy`` available as ``name`` and return it. A second registration of a taken
+def register_planner(name: str, planner: Planner, *, replace: bool = False) -> Planner:
+    """Make ``planner`` available as ``name`` and return it. A second registration of a taken
     name is refused unless ``replace`` (registering the same function again is harmless)."""
     if not isinstance(name, str) or not name or ":" in name:
         raise DynBatchValueError(f"planner name {name!r} must be a non-empty str without ':'.")
-    if not callable(strategy):
-        raise DynBatchTypeError(f"planner {name!r} must be callable, got {type(strategy)!r}.")
-    if name in _STRATEGIES and not replace and _STRATEGIES[name] is not strategy:
+    if not callable(planner):
+        raise DynBatchTypeError(f"planner {name!r} must be callable, got {type(planner)!r}.")
+    if name in _PLANNERS and not replace and _PLANNERS[name] is not planner:
         raise DynBatchValueError(
             f"planner {name!r} is already registered; pick another name or pass replace=True."
         )
-    _STRATEGIES[name] = strategy
-    return strategy
+    _PLANNERS[name] = planner
+    return planner
 
 
-def strategy_names() -> Tuple[str, ...]:
+def planner_names() -> Tuple[str, ...]:
     """The registered names, sorted."""
-    return tuple(sorted(_STRATEGIES))
+    return tuple(sorted(_PLANNERS))
 
 
-def get_strategy(name: str) -> Strategy:
-    """The strategy registered as ``name``; ``module:name`` imports ``module`` first."""
+def get_planner(name: str) -> Planner:
+    """The planner registered as ``name``; ``module:name`` imports ``module`` first."""
     if isinstance(name, str) and ":" in name:
         module, _, name = name.partition(":")
         if not module or not name:
             raise DynBatchValueError(
                 f"planner {module + ':' + name!r} must be 'module:name' with both parts (a module "
-                f"that registers the planner, and its name), or one of {list(strategy_names())}."
+                f"that registers the planner, and its name), or one of {list(planner_names())}."
             )
         try:
             importlib.import_module(module)
         except ImportError as exc:
             raise DynBatchValueError(
                 f"planner module {module!r} cannot be imported ({exc}); run from where it is "
-                f"importable or pick one of {list(strategy_names())}."
+                f"importable or pick one of {list(planner_names())}."
             ) from None
-    strategy = _STRATEGIES.get(name)
-    if strategy is None:
+    planner = _PLANNERS.get(name)
+    if planner is None:
         raise DynBatchValueError(
-            f"no planner named {name!r}; registered: {list(strategy_names())} "
+            f"no planner named {name!r}; registered: {list(planner_names())} "
             "(a module that registers more is named as 'module:name')."
         )
-    return strategy
+    return planner
 
 
-def run_strategy(samples: SampleSet, config: PlannerConfig) -> Plan:
-    """Plan ``samples`` with the strategy ``config.strategy`` names (what every host calls)."""
+def run_planner(samples: SampleSet, config: PlannerConfig) -> Plan:
+    """Plan ``samples`` with the planner ``config.planner`` names (what every host calls)."""
     if not isinstance(config, PlannerConfig):
         raise DynBatchTypeError(f"config must be a PlannerConfig, got {type(config).__name__}.")
-    return get_strategy(config.strategy)(samples, config)
+    return get_planner(config.planner)(samples, config)
 
 
 # -- adapters --------------------------------------------------------------------------------------
 
 
-def ranks_strategy(scheduler: RanksScheduler, *, layout: Optional[str] = None) -> Strategy:
-    """A strategy from a scheduler of one step's ranks.
+def ranks_planner(scheduler: RanksScheduler, *, layout: Optional[str] = None) -> Planner:
+    """A planner from a scheduler of one step's ranks.
 
-    The strategy splits the samples into the config's steps (whole rollouts, in order), applies
+    The planner splits the samples into the config's steps (whole rollouts, in order), applies
     the oversize policy as the planner does (``error`` refuses, ``truncate`` hands the scheduler
     the cut lengths), calls ``scheduler`` on each step's lengths with local indices, and describes
     the result with :func:`plan_from_ranks`. ``layout`` overrides the config's (a scheduler of
     padded ``[B, S]`` rows says ``padded``).
     """
 
-    def strategy(samples: SampleSet, config: PlannerConfig) -> Plan:
+    def planner(samples: SampleSet, config: PlannerConfig) -> Plan:
         kept = _apply_oversize_policy(samples, config)
         steps = []
         for _, items in samples.steps(config.rollouts_per_step):
@@ -145,9 +144,9 @@ def ranks_strategy(scheduler: RanksScheduler, *, layout: Optional[str] = None) -
             steps.append([[[items[j] for j in mb] for mb in rank] for rank in local])
         return plan_from_ranks(steps, samples, config, layout=layout, kept=kept)
 
-    strategy.__name__ = getattr(scheduler, "__name__", "ranks_strategy")
-    strategy.__doc__ = scheduler.__doc__
-    return strategy
+    planner.__name__ = getattr(scheduler, "__name__", "ranks_planner")
+    planner.__doc__ = scheduler.__doc__
+    return planner
 
 
 def plan_from_ranks(
@@ -264,7 +263,7 @@ def _variable_rows(
     return max(row for rank in rows for row in rank), rows
 
 
-# -- the built-in strategies -----------------------------------------------------------------------
+# -- the built-in planners -------------------------------------------------------------------------
 
 
 def _fixed(samples: SampleSet, config: PlannerConfig) -> Plan:
@@ -274,7 +273,7 @@ def _fixed(samples: SampleSet, config: PlannerConfig) -> Plan:
         raise DynBatchValueError(
             f"planner 'fixed' is Megatron's padded [micro_batch_size, seq_length] batching, but "
             f"layout={config.layout!r}; pass --dynamic-batch-layout padded (or pick planner "
-            f"{DEFAULT_STRATEGY!r})."
+            f"{DEFAULT_PLANNER!r})."
         )
     seq_length = round_up(max(samples.lengths), config.parallel.sample_multiple)
     if seq_length > config.token_cap:
@@ -282,14 +281,14 @@ def _fixed(samples: SampleSet, config: PlannerConfig) -> Plan:
         # the user reads the refusal as the policy not working.
         ignored = (
             f" (--oversize-samples {config.oversize_samples} applies to planner "
-            f"{DEFAULT_STRATEGY!r} only)"
+            f"{DEFAULT_PLANNER!r} only)"
             if config.oversize_samples != "error"
             else ""
         )
         raise DynBatchValueError(
             f"planner 'fixed' pads every sample to the longest ({seq_length} tokens after "
             f"rounding), over the token cap {config.token_cap}{ignored}; raise "
-            f"--max-tokens-per-gpu or pick planner {DEFAULT_STRATEGY!r} (it runs an oversize "
+            f"--max-tokens-per-gpu or pick planner {DEFAULT_PLANNER!r} (it runs an oversize "
             "sample alone, or cuts it with --oversize-samples truncate)."
         )
     return plan_fixed_samples(
@@ -302,5 +301,5 @@ def _fixed(samples: SampleSet, config: PlannerConfig) -> Plan:
     )
 
 
-register_strategy(DEFAULT_STRATEGY, plan_samples)
-register_strategy("fixed", _fixed)
+register_planner(DEFAULT_PLANNER, plan_samples)
+register_planner("fixed", _fixed)

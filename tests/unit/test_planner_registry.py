@@ -1,8 +1,8 @@
-"""The schedule strategy seam: one registry, one signature, one result type (a Plan).
+"""The planner registry: one registry, one signature, one result type (a Plan).
 
-The hosts plan through ``run_strategy`` (the strategy ``PlannerConfig.strategy`` names), ``plan
+The hosts plan through ``run_planner`` (the planner ``PlannerConfig.planner`` names), ``plan
 --planner NAME`` looks the name up in the same registry, and the upstream baselines of
-benchmarks/baselines.py register there; with the default strategy every host's output is exactly
+benchmarks/baselines.py register there; with the default planner every host's output is exactly
 ``plan_schedule``'s.
 """
 
@@ -27,16 +27,16 @@ from megatron_dynbatch.planning import (
     PlannerConfig,
     SampleSet,
     check_plan,
-    get_strategy,
+    get_planner,
     plan_schedule,
-    register_strategy,
-    run_strategy,
-    strategy_names,
+    planner_names,
+    register_planner,
+    run_planner,
 )
 from megatron_dynbatch.planning.fixed import plan_fixed_microbatches
+from megatron_dynbatch.planning.registry import plan_from_ranks, ranks_planner
 from megatron_dynbatch.planning.sharded import plan_sharded_step
-from megatron_dynbatch.planning.spec import DEFAULT_STRATEGY
-from megatron_dynbatch.planning.strategies import plan_from_ranks, ranks_strategy
+from megatron_dynbatch.planning.spec import DEFAULT_PLANNER
 from megatron_dynbatch.tools.cli import main
 from tests._support import megatron_lm_args
 
@@ -63,41 +63,41 @@ def _one_per_microbatch(lengths, keys, config):
     return [rank + [[]] * (count - len(rank)) for rank in ranks]
 
 
-register_strategy("test_one_per_microbatch", ranks_strategy(_one_per_microbatch), replace=True)
+register_planner("test_one_per_microbatch", ranks_planner(_one_per_microbatch), replace=True)
 
 
-def test_the_registry_names_the_built_in_strategies_and_refuses_unknown_names():
-    assert DEFAULT_STRATEGY == "dynbatch" and PlannerConfig(max_tokens_per_gpu=8).strategy == (
+def test_the_registry_names_the_built_in_planners_and_refuses_unknown_names():
+    assert DEFAULT_PLANNER == "dynbatch" and PlannerConfig(max_tokens_per_gpu=8).planner == (
         "dynbatch"
     )
-    assert {"dynbatch", "fixed"} <= set(strategy_names())
+    assert {"dynbatch", "fixed"} <= set(planner_names())
     with pytest.raises(DynBatchValueError, match=r"no planner named 'nope'.*'dynbatch'"):
-        get_strategy("nope")
+        get_planner("nope")
     with pytest.raises(DynBatchValueError, match="'no_such_module' cannot be imported"):
-        get_strategy("no_such_module:x")
+        get_planner("no_such_module:x")
     with pytest.raises(DynBatchValueError, match="'fixed' is already registered"):
-        register_strategy("fixed", lambda samples, config: None)
+        register_planner("fixed", lambda samples, config: None)
     with pytest.raises(DynBatchTypeError, match="must be callable"):
-        register_strategy("not_callable", 3)
-    with pytest.raises(DynBatchValueError, match="strategy=''"):
-        PlannerConfig(max_tokens_per_gpu=8, strategy="")
+        register_planner("not_callable", 3)
+    with pytest.raises(DynBatchValueError, match="planner=''"):
+        PlannerConfig(max_tokens_per_gpu=8, planner="")
     with pytest.raises(DynBatchTypeError, match="PlannerConfig"):
-        run_strategy(SampleSet.build([1]), {"max_tokens_per_gpu": 8})
+        run_planner(SampleSet.build([1]), {"max_tokens_per_gpu": 8})
 
 
 @pytest.mark.parametrize("parallel", [ParallelLayout(dp_size=2), GROUPED])
 @pytest.mark.parametrize("variable", [False, True])
-def test_the_default_strategy_is_exactly_plan_schedule(parallel, variable):
+def test_the_default_planner_is_exactly_plan_schedule(parallel, variable):
     config = _config(parallel=parallel, variable_row_lengths=variable)
     prompts = [length // 3 for length in LENGTHS]
-    mine = run_strategy(SampleSet.build(LENGTHS, ROLLOUTS, prompts), config)
+    mine = run_planner(SampleSet.build(LENGTHS, ROLLOUTS, prompts), config)
     assert mine == plan_schedule(LENGTHS, ROLLOUTS, prompts, config=config)
 
 
 def test_fixed_is_megatrons_fixed_batching_under_the_budget():
-    config = _config(layout="padded", strategy="fixed", max_tokens_per_gpu=2048)
+    config = _config(layout="padded", planner="fixed", max_tokens_per_gpu=2048)
     samples = SampleSet.build(LENGTHS, ROLLOUTS)
-    plan = run_strategy(samples, config)
+    plan = run_planner(samples, config)
     check_plan(plan, samples, config)
     longest = max(LENGTHS)
     expected = plan_fixed_microbatches(
@@ -110,22 +110,22 @@ def test_fixed_is_megatrons_fixed_batching_under_the_budget():
     )
     assert plan == expected and plan.steps[0].micro_batch_size == 2
     with pytest.raises(DynBatchValueError, match="--dynamic-batch-layout padded"):
-        run_strategy(samples, dataclasses.replace(config, layout="packed"))
+        run_planner(samples, dataclasses.replace(config, layout="packed"))
     with pytest.raises(DynBatchValueError, match="over the token cap 512"):
-        run_strategy(samples, dataclasses.replace(config, max_tokens_per_gpu=512))
+        run_planner(samples, dataclasses.replace(config, max_tokens_per_gpu=512))
 
 
 @pytest.mark.parametrize("name", sorted(baselines.BASELINES))
-def test_every_baseline_is_a_strategy_whose_plan_is_its_schedule(name):
+def test_every_baseline_is_a_planner_whose_plan_is_its_schedule(name):
     """Each step of the Plan holds exactly the baseline's ranks for that step's samples, and the
     plan checker accepts it wherever the baseline keeps the cap (packed rows of a token packer)."""
     parallel = GROUPED if name != "next_fit" else ParallelLayout(dp_size=2)
-    config = _config(parallel=parallel, strategy=name)
+    config = _config(parallel=parallel, planner=name)
     samples = SampleSet.build(LENGTHS, ROLLOUTS)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = run_strategy(samples, config)
-    assert get_strategy(name) is get_strategy(f"benchmarks.baselines:{name}")
+        plan = run_planner(samples, config)
+    assert get_planner(name) is get_planner(f"benchmarks.baselines:{name}")
     for (_, items), step in zip(samples.steps(3), plan.steps, strict=True):
         raw = baselines.BASELINES[name](
             [LENGTHS[i] for i in items],
@@ -160,33 +160,33 @@ def test_plan_from_ranks_describes_an_over_cap_schedule_and_refuses_unequal_coun
         plan_from_ranks([[[[0]], [[1], [2]]]], samples, config)
 
 
-def test_a_registered_strategy_reaches_the_hosts_through_the_config():
-    """The sharded hosts (verl, SkyRL) plan each rank's samples with the config's strategy."""
+def test_a_registered_planner_reaches_the_hosts_through_the_config():
+    """The sharded hosts (verl, SkyRL) plan each rank's samples with the config's planner."""
     lengths = [[100, 200, 300], [50]]
-    config = PlannerConfig(max_tokens_per_gpu=1024, strategy="test_one_per_microbatch")
+    config = PlannerConfig(max_tokens_per_gpu=1024, planner="test_one_per_microbatch")
     sharded = plan_sharded_step(lengths, config)
     assert sharded.ranks == (((0,), (1,), (2,)), ((0,),))
-    assert plan_sharded_step(lengths, dataclasses.replace(config, strategy="dynbatch")).ranks == (
+    assert plan_sharded_step(lengths, dataclasses.replace(config, planner="dynbatch")).ranks == (
         ((0, 1, 2),),
         ((0,),),
     )
 
 
-def test_plan_planner_picks_a_strategy_by_name(tmp_path, capsys):
+def test_plan_planner_picks_a_planner_by_name(tmp_path, capsys):
     path = tmp_path / "samples.json"
     path.write_text(json.dumps(LENGTHS))
     common = ["plan", str(path), "--max-tokens-per-gpu", "1024", "--dp-size", "2", "--json"]
     assert main([*common, "--planner", "benchmarks.baselines:slime_first_fit"]) == 0
     printed = json.loads(capsys.readouterr().out)
-    config = _config(rollouts_per_step=None, strategy="slime_first_fit")
-    assert printed == run_strategy(SampleSet.build(LENGTHS), config).to_dict()
+    config = _config(rollouts_per_step=None, planner="slime_first_fit")
+    assert printed == run_planner(SampleSet.build(LENGTHS), config).to_dict()
     assert main([*common, "--planner", "fixed"]) == 2
     assert "--layout padded" in capsys.readouterr().err
     assert main([*common, "--planner", "nope"]) == 2
     assert "no planner named 'nope'" in capsys.readouterr().err
 
 
-# -- a user picks the strategy of a real run -------------------------------------------------------
+# -- a user picks the planner of a real run --------------------------------------------------------
 
 
 def _megatron_run_config(argv):
@@ -196,35 +196,35 @@ def _megatron_run_config(argv):
     return config, config.planner_config(ParallelLayout(dp_size=2))
 
 
-def test_megatron_lm_flag_and_yaml_choose_the_strategy_the_run_plans_with(tmp_path):
-    config, planner = _megatron_run_config(["--max-tokens-per-gpu", "1024"])
-    assert (config.planner, planner.strategy) == (DEFAULT_STRATEGY, DEFAULT_STRATEGY)
+def test_megatron_lm_flag_and_yaml_choose_the_planner_the_run_plans_with(tmp_path):
+    config, planner_config = _megatron_run_config(["--max-tokens-per-gpu", "1024"])
+    assert (config.planner, planner_config.planner) == (DEFAULT_PLANNER, DEFAULT_PLANNER)
 
     argv = ["--max-tokens-per-gpu", "1024", "--dynamic-batch-layout", "padded"]
-    config, planner = _megatron_run_config([*argv, "--dynamic-batch-planner", "fixed"])
-    assert (config.planner, planner.strategy) == ("fixed", "fixed")
+    config, planner_config = _megatron_run_config([*argv, "--dynamic-batch-planner", "fixed"])
+    assert (config.planner, planner_config.planner) == ("fixed", "fixed")
     samples = SampleSet.build(LENGTHS)
-    assert run_strategy(samples, planner) == get_strategy("fixed")(samples, planner)
-    assert run_strategy(samples, planner) != plan_schedule(LENGTHS, config=planner)
+    assert run_planner(samples, planner_config) == get_planner("fixed")(samples, planner_config)
+    assert run_planner(samples, planner_config) != plan_schedule(LENGTHS, config=planner_config)
 
     path = tmp_path / "dynbatch.yaml"
     path.write_text("planner: test_one_per_microbatch\n")
-    config, planner = _megatron_run_config(
+    config, planner_config = _megatron_run_config(
         ["--max-tokens-per-gpu", "1024"]
         + [
             "--dynamic-batch-config",
             str(path),
         ]
     )
-    assert planner.strategy == "test_one_per_microbatch"
-    # The forward-only config plans with the same strategy.
-    assert config.planner_config(GROUPED, forward_only=True).strategy == "test_one_per_microbatch"
+    assert planner_config.planner == "test_one_per_microbatch"
+    # The forward-only config plans with the same planner.
+    assert config.planner_config(GROUPED, forward_only=True).planner == "test_one_per_microbatch"
     # A flag given on the command line overrides the YAML, as for every other key.
-    config, planner = _megatron_run_config(
+    config, planner_config = _megatron_run_config(
         ["--max-tokens-per-gpu", "1024", "--dynamic-batch-config", str(path)]
         + ["--dynamic-batch-planner", "dynbatch"]
     )
-    assert planner.strategy == "dynbatch"
+    assert planner_config.planner == "dynbatch"
 
 
 def test_an_unknown_planner_is_refused_at_start_up_naming_the_flag(tmp_path):
@@ -232,18 +232,18 @@ def test_an_unknown_planner_is_refused_at_start_up_naming_the_flag(tmp_path):
         _megatron_run_config(["--max-tokens-per-gpu", "1024", "--dynamic-batch-planner", "nope"])
     with pytest.raises(DynBatchValueError, match=r"--dynamic-batch-planner.*cannot be imported"):
         DynBatchConfig(max_tokens_per_gpu=1024, planner="no_such_module_xyz:thing")
-    with pytest.raises(DynBatchValueError, match=r"strategy is --dynamic-batch-planner"):
+    with pytest.raises(DynBatchValueError, match=r"planner is --dynamic-batch-planner"):
         DynBatchConfig(max_tokens_per_gpu=1024, planner="")
     path = tmp_path / "dynbatch.yaml"
     path.write_text("max_tokens_per_gpu: 1024\nplanner: nope\n")
     with pytest.raises(DynBatchValueError, match=r"planner='nope' \(--dynamic-batch-planner\)"):
         load_yaml_config(path)
-    # A module that registers strategies when imported is named as module:name.
+    # A module that registers planners when imported is named as module:name.
     config = DynBatchConfig(max_tokens_per_gpu=1024, planner="benchmarks.baselines:verl_kk")
-    assert get_strategy(config.planner_config(ParallelLayout()).strategy) is get_strategy("verl_kk")
+    assert get_planner(config.planner_config(ParallelLayout()).planner) is get_planner("verl_kk")
 
 
-def test_the_megatron_lm_hooks_plan_each_step_with_the_chosen_strategy(tmp_path):
+def test_the_megatron_lm_hooks_plan_each_step_with_the_chosen_planner(tmp_path):
     """What a Megatron-LM run's hooks plan a step with (``DynamicBatchHooks._plan``, called by
     ``prepare`` for every training step) under ``--dynamic-batch-planner``."""
     from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
@@ -271,8 +271,8 @@ def test_the_megatron_lm_hooks_plan_each_step_with_the_chosen_strategy(tmp_path)
         config, planner = _megatron_run_config(argv)
         hooks = DynamicBatchHooks(args, config)
         plans[name], _ = hooks._plan(Batch(), layout, False)
-        assert plans[name] == run_strategy(SampleSet.build(LENGTHS), planner)
-    assert plans["fixed"] == get_strategy("fixed")(
+        assert plans[name] == run_planner(SampleSet.build(LENGTHS), planner)
+    assert plans["fixed"] == get_planner("fixed")(
         SampleSet.build(LENGTHS), _megatron_run_config(argv)[1]
     )
     assert plans["fixed"] != plans["dynbatch"]

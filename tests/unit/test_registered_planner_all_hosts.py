@@ -1,6 +1,6 @@
-"""A strategy registered by name is really called on every host's planning path.
+"""A planner registered by name is really called on every host's planning path.
 
-One spy strategy (it records its calls and then plans as the built-in ``dynbatch``) is named the
+One spy planner (it records its calls and then plans as the built-in ``dynbatch``) is named the
 way each host's users name a planner, and each host's planning entry is driven with it: the
 function the host's patched code calls, from the host's own option values. Which path each case
 drives:
@@ -31,20 +31,20 @@ from megatron_dynbatch.cpu.core_shim import register_triton_stand_in
 register_triton_stand_in()  # Megatron-LM's hooks import megatron.core, which wants triton
 
 from megatron_dynbatch.planning import ParallelLayout  # noqa: E402
-from megatron_dynbatch.planning.strategies import get_strategy, register_strategy  # noqa: E402
+from megatron_dynbatch.planning.registry import get_planner, register_planner  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
-SPY = "test-spy-strategy"
+SPY = "test-spy-planner"
 CALLS = []
 
 
 def _spy(samples, config):
     CALLS.append(len(samples))
-    return get_strategy("dynbatch")(samples, config)
+    return get_planner("dynbatch")(samples, config)
 
 
-register_strategy(SPY, _spy, replace=True)
+register_planner(SPY, _spy, replace=True)
 LENGTHS = [30, 12, 50, 7, 22, 41, 9, 16]
 
 
@@ -140,10 +140,10 @@ HOSTS = [
 
 
 @pytest.mark.parametrize("plan_on_host", HOSTS)
-def test_a_registered_strategy_is_called_on_every_hosts_planning_path(plan_on_host):
+def test_a_registered_planner_is_called_on_every_hosts_planning_path(plan_on_host):
     plan = plan_on_host()
     assert plan is not None
-    assert CALLS, "the strategy the host's option names was never called"
+    assert CALLS, "the planner the host's option names was never called"
     # Sharded hosts (SkyRL, verl) plan each DP rank's shard (one call a rank, together every
     # sample); slime plans the training step and then its forward-only passes.
     assert sum(CALLS) == len(LENGTHS) or CALLS[0] == len(LENGTHS), CALLS
