@@ -52,9 +52,8 @@ fastest that keeps the budget.
 Run: ``.venv/bin/python -m benchmarks.gpu_regime [--weights FILE.json] [--seeds 0,1,2]
 [--markdown] [--peers] [--floor] [--json]`` (about 15 s a seed). ``--markdown`` prints ``docs/benchmarks.md``'s
 tables; ``--peers`` ours (told) and every peer per case, step / bound with the bubble's share of
-the step; ``--floor`` the best ramp of each case's work made divisible (:func:`ramp_floor`: how
-far micro-batch shapes alone can take the bubble); other seeds draw held-out workloads of the
-same families.
+the step; ``--floor`` the best ramp of each case's work made divisible (:func:`ramp_floor`: a
+reference, not a bound); other seeds draw held-out workloads of the same families.
 """
 
 from __future__ import annotations
@@ -541,12 +540,17 @@ def peer_lines(results: Sequence[Dict[str, Any]]) -> List[str]:
 
 def ramp_floor(case: Case, cost: CostModel) -> float:
     """Step / bound of the best ramp found for the case's work made *divisible*: each DP rank's
-    share of the real work cut into micro-batches of any size (at most a full row at the cap,
-    each paying the overhead), their loads rising geometrically from a first share to a level and
-    falling again, searched over counts, first shares and both ratios, replayed in Megatron's
-    order. Not a proof of a bound, but no schedule of whole samples does better than the best
-    cut of divisible work found this way (sample granularity only constrains it further), so it
-    says how far the bubble can be taken by micro-batch shapes alone."""
+    share of the real work cut into micro-batches of any size (at most a full row's linear cost,
+    each paying the overhead), their loads rising geometrically from a first share to a level
+    and falling again, searched over counts, first shares and both ratios, replayed in
+    Megatron's order.
+
+    A reference, not a bound, either way: the search covers one family of shapes (geometric
+    ramps, a few first shares and ratios, a short list of counts), so divisible work can do
+    better; and its largest micro-batch costs a full row's *linear* work (``token_weight *
+    cap``), while a sample at the cap also pays its attention (a quarter to a third more at
+    these rates) and cannot be split, so whole samples can do worse. On the GRPO steps at dp 16
+    every rank holds such a sample and its pipeline idles around it (docs/benchmarks.md)."""
     parallel = case.parallel
     pp, vpp, dp = parallel.pp_size, parallel.vpp_size, parallel.dp_size
     full = cost.token_weight * CAP
@@ -681,7 +685,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument(
         "--floor",
         action="store_true",
-        help="print per case the best ramp of divisible work (ramp_floor; minutes)",
+        help="print per case the best ramp of divisible work (ramp_floor, not a bound; minutes)",
     )
     parser.add_argument(
         "--peers",

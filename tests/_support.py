@@ -290,6 +290,40 @@ def torchrun(nproc, script, args, *, env=None, log_path):
     return result.returncode, result.stdout, time.monotonic() - started
 
 
+#: Independent launches of one fixture run this many at a time. A launch keeps the 2 cores busy
+#: only about half its time (torchrun's agent starts alone, ranks wait on each other in the
+#: pipeline): two at once fill the gaps. Each launch still gets its own free port and log.
+LAUNCHES_AT_ONCE = 2
+
+
+def torchrun_chains(chains):
+    """Run chains of launches, chains side by side (:data:`LAUNCHES_AT_ONCE`), each in order.
+
+    Args:
+        chains: ``{name: [launch, ...]}``; a launch is a callable taking the results so far of its
+            own chain and returning :func:`torchrun`'s ``(rc, log, seconds)`` (a later launch may
+            read an earlier one's), or a tuple of :func:`torchrun`'s arguments and keywords.
+
+    Returns:
+        ``{name: [(rc, log, seconds), ...]}`` in each chain's order.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(chain):
+        done = []
+        for launch in chain:
+            if callable(launch):
+                done.append(launch(done))
+            else:
+                *args, kwargs = launch
+                done.append(torchrun(*args, **kwargs))
+        return done
+
+    with ThreadPoolExecutor(max_workers=LAUNCHES_AT_ONCE) as pool:
+        futures = {name: pool.submit(run, chain) for name, chain in chains.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
 def parse_ok(rc, log):
     assert rc == 0, log[-6000:]
     return compare_runs.parse_text(log)

@@ -12,13 +12,19 @@ from __future__ import annotations
 import bisect
 import heapq
 from operator import itemgetter
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .karmarkar_karp import merge_by_differencing
 from .simulate import pipeline_makespan
 from .spec import ceil_div
 
-__all__ = ["RankBalancer", "assign_bins_to_ranks", "pipeline_order", "pipeline_orders"]
+__all__ = [
+    "RankBalancer",
+    "assign_bins_to_ranks",
+    "deal_with_room",
+    "pipeline_order",
+    "pipeline_orders",
+]
 
 Bins = List[List[int]]
 
@@ -83,13 +89,22 @@ def _greedy(
     Unlike differencing (one bin of every cost quantile per rank) it can give a rank that took
     a very costly bin nothing but the cheapest ones.
     """
+    return deal_with_room(reversed(order), bin_costs, dp_size, per_rank)
+
+
+def deal_with_room(
+    order: Iterable[int], costs: Sequence[float], dp_size: int, per_rank: int
+) -> List[List[int]]:
+    """Each of ``order`` in turn to the rank with the least cost so far that has room (fewer than
+    ``per_rank``; ties by rank index): LPT with a count limit when ``order`` runs costliest
+    first. Returns every rank's indices in the order dealt."""
     ranks: List[List[int]] = [[] for _ in range(dp_size)]
     heap = [(0.0, r) for r in range(dp_size)]
-    for b in reversed(order):
+    for b in order:
         total, r = heap[0]
         ranks[r].append(b)
         if len(ranks[r]) < per_rank:
-            heapq.heapreplace(heap, (total + bin_costs[b], r))
+            heapq.heapreplace(heap, (total + costs[b], r))
         else:
             heapq.heappop(heap)
     return ranks

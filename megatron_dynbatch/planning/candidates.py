@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 from typing import Iterator, List, Optional, Sequence, Tuple
 
+from .balance import deal_with_room
 from .karmarkar_karp import karmarkar_karp
 from .packing import feasible_pack
 from .spec import ceil_div
@@ -25,12 +26,14 @@ __all__ = [
     "SMALL_STEP_PER_RANK",
     "SMALL_STEP_SAMPLES",
     "TINY_STEP_SAMPLES",
+    "differenced_rows",
     "exact_split",
     "first_fit",
     "first_fit_bins",
     "is_small_step",
     "least_rounding",
     "natural_count",
+    "rank_packings",
     "small_step_candidates",
 ]
 
@@ -212,17 +215,63 @@ def _differenced_ranks(
     verl splits a rank), laid light-heavy-light; ``None`` where a micro-batch breaks the cap."""
     ranks = []
     for members in split:
-        if len(members) < per_rank:
+        rows = differenced_rows(members, sizes, weights, cap, per_rank)
+        if rows is None:
             return None
-        parts = karmarkar_karp([weights[i] for i in members], per_rank, False, ties="index")
-        mbs = [sorted(members[j] for j in part) for part in parts]
-        if any(len(mb) > 1 and sum(sizes[i] for i in mb) > cap for mb in mbs):
-            return None
-        totals = [sum(weights[i] for i in mb) for mb in mbs]
-        ranked = sorted(range(per_rank), key=lambda m: (-totals[m], m))
-        laid = ranked[::2][::-1] + ranked[1::2]
-        ranks.append([mbs[m] for m in laid])
+        ranks.append(rows)
     return ranks
+
+
+def differenced_rows(
+    members: Sequence[int],
+    sizes: Sequence[int],
+    weights: Sequence[float],
+    cap: int,
+    per_rank: int,
+) -> Optional[List[List[int]]]:
+    """One rank's samples into ``per_rank`` micro-batches by differencing on their weights (as
+    verl splits a rank), laid light-heavy-light; ``None`` where there are fewer samples than
+    micro-batches or a micro-batch breaks the cap."""
+    if len(members) < per_rank:
+        return None
+    parts = karmarkar_karp([weights[i] for i in members], per_rank, False, ties="index")
+    mbs = [sorted(members[j] for j in part) for part in parts]
+    if any(len(mb) > 1 and sum(sizes[i] for i in mb) > cap for mb in mbs):
+        return None
+    totals = [sum(weights[i] for i in mb) for mb in mbs]
+    ranked = sorted(range(per_rank), key=lambda m: (-totals[m], m))
+    laid = ranked[::2][::-1] + ranked[1::2]
+    return [mbs[m] for m in laid]
+
+
+def rank_packings(
+    members: Sequence[int],
+    sizes: Sequence[int],
+    weights: Sequence[float],
+    cap: int,
+    per_rank: int,
+    row_multiple: Optional[int] = None,
+) -> Iterator[Tuple[str, List[List[int]]]]:
+    """The constructions above for one rank whose samples are given (a forward-only pass over
+    the training partition): ``(name, rows)`` of ``per_rank`` micro-batches under ``cap``, each
+    that fits: differencing on the weights, first fit in arrival order and by decreasing size
+    (split to the count), and with variable rows on a rank of at most
+    :data:`EXACT_ROWS_SAMPLES` samples the packing with the least rounding."""
+    members = list(members)
+    if not members:
+        return
+    rows = differenced_rows(members, sizes, weights, cap, per_rank)
+    if rows is not None:
+        yield "differenced", rows
+    by_size = sorted(members, key=lambda i: (-sizes[i], i))
+    for name, order in (("first-fit", members), ("first-fit-decreasing", by_size)):
+        bins = first_fit_bins(order, sizes, cap, per_rank)
+        if bins is not None:
+            yield name, bins
+    if row_multiple is not None and row_multiple > 1 and len(members) <= EXACT_ROWS_SAMPLES:
+        rows = least_rounding(members, sizes, cap, per_rank, row_multiple)
+        if rows is not None:
+            yield "least-rounding", rows
 
 
 def first_fit_bins(
@@ -297,16 +346,9 @@ def _deal_by_weight(
 ) -> List[List[List[int]]]:
     """Bins to ranks, heaviest first to the lightest rank with room (ties by index)."""
     totals = [sum(weights[i] for i in members) for members in bins]
-    ranks: List[List[List[int]]] = [[] for _ in range(dp_size)]
-    heap = [(0.0, r) for r in range(dp_size)]
-    for b in sorted(range(len(bins)), key=lambda b: (-totals[b], b)):
-        total, r = heap[0]
-        ranks[r].append(bins[b])
-        if len(ranks[r]) < per_rank:
-            heapq.heapreplace(heap, (total + totals[b], r))
-        else:
-            heapq.heappop(heap)
-    return ranks
+    order = sorted(range(len(bins)), key=lambda b: (-totals[b], b))
+    dealt = deal_with_room(order, totals, dp_size, per_rank)
+    return [[bins[b] for b in rank] for rank in dealt]
 
 
 def exact_split(items: Sequence[int], weights: Sequence[float], dp_size: int) -> List[List[int]]:

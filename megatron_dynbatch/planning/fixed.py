@@ -21,29 +21,18 @@ __all__ = ["plan_fixed_microbatches", "plan_fixed_samples"]
 
 
 def plan_fixed_microbatches(
-    lengths: Sequence[int],
-    rollout_ids: Optional[Sequence[Any]] = None,
-    *,
-    dp_size: int,
-    micro_batch_size: int,
-    seq_length: int,
-    rollouts_per_step: Optional[int] = None,
-    microbatch_multiple: int = 1,
+    lengths: Sequence[int], rollout_ids: Optional[Sequence[Any]] = None, **shape: Any
 ) -> Plan:
     """Fixed-shape plan: ``[micro_batch_size, seq_length]`` rows in arrival order.
 
-    A step whose sample count does not fill the last micro-batches gets placeholder rows (Megatron
-    itself would require the global batch to divide evenly). Raises ValueError if a sample is
-    longer than ``seq_length`` (Megatron would truncate it; we refuse to lose tokens).
+    ``shape``: the keyword arguments of :func:`plan_fixed_samples` (``dp_size``,
+    ``micro_batch_size``, ``seq_length``, optionally ``rollouts_per_step`` and
+    ``microbatch_multiple``). A step whose sample count does not fill the last micro-batches gets
+    placeholder rows (Megatron itself would require the global batch to divide evenly). Raises
+    ValueError if a sample is longer than ``seq_length`` (Megatron would truncate it; we refuse
+    to lose tokens).
     """
-    return plan_fixed_samples(
-        SampleSet.build(lengths, rollout_ids),
-        dp_size=dp_size,
-        micro_batch_size=micro_batch_size,
-        seq_length=seq_length,
-        rollouts_per_step=rollouts_per_step,
-        microbatch_multiple=microbatch_multiple,
-    )
+    return plan_fixed_samples(SampleSet.build(lengths, rollout_ids), **shape)
 
 
 def plan_fixed_samples(

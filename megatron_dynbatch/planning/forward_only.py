@@ -14,7 +14,11 @@ while it has samples to spread. A forward-only pipeline pass of micro-batch cost
 stages takes about ``(sum(c) + (pp - 1) / vpp * max(c)) / pp`` (a proportionate flow shop: the
 order does not matter), so the candidates are the fewest count every rank packs into and, where
 the fullest rows are longer than the longest sample, counts up to where they are not; the count
-whose slowest rank is fastest wins (ties, and gains under ``min_gain``, to fewer).
+whose slowest rank is fastest wins (ties, and gains under ``min_gain``, to fewer). On a small pass
+(few samples per rank, :func:`.candidates.is_small_step`) every rank's packing at that count is
+also built the ways :mod:`.candidates` builds a small training step's (differencing, first fit in
+arrival and size order, the least rounding of variable rows on a tiny rank), each kept only where
+its rank's simulated pass gets faster and no rank's slower.
 
 Standard library only.
 """
@@ -24,9 +28,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+from .candidates import is_small_step, rank_packings
 from .cost import row_cost, sample_costs
 from .packing import best_fit_pack, feasible_pack, lpt_pack, spread_into_empty
 from .shape import variable_rows
+from .simulate import forward_only_makespan
 from .spec import PlannerConfig, ceil_div, round_up
 
 __all__ = ["ForwardOnlyPlan", "fewest_forward_only_count", "plan_forward_only"]
@@ -165,7 +171,7 @@ def fewest_forward_only_count(rank_lengths: Sequence[Sequence[int]], config: Pla
 
 
 def plan_forward_only(
-    rank_lengths: Sequence[Sequence[int]], config: PlannerConfig
+    rank_lengths: Sequence[Sequence[int]], config: PlannerConfig, *, more_candidates: bool = True
 ) -> ForwardOnlyPlan:
     """Plan the forward-only pass of every rank's samples with one micro-batch count.
 
@@ -174,6 +180,10 @@ def plan_forward_only(
         config: The planner config of one rank (``parallel.dp_size`` is not read): the budget,
             the cost model, the pipeline (``pp``, ``vpp``, the interleaving group, whose multiple
             the count keeps) and the rows (variable or uniform). A sample over the cap runs alone.
+        more_candidates: On a small pass (:func:`.candidates.is_small_step`), score the
+            constructions of :mod:`.candidates` for every rank at the chosen count, each kept
+            only where its rank's simulated pass is faster and no rank's is slower; ``False``:
+            the count search's own packing (what the tests compare against).
     """
     parallel = config.parallel
     cap, step = config.token_cap, parallel.microbatch_multiple
@@ -193,19 +203,54 @@ def plan_forward_only(
     most = fewest
     if fullest.longest and not fullest.oversize:
         most = round_up(max(fewest, ceil_div(fullest.total, fullest.longest)), step)
-    if most == fewest or parallel.pp_size == 1:
-        return _rows(packed, config)
-    best_time, best = _pass_time(packed, ranks, config), packed
-    for count in _counts(fewest, most, step)[1:]:
-        try:
-            trial = [rank.pack(count, cap, rows) for rank in ranks]
-        except _NoFit:  # pragma: no cover - more bins than the fewest always pack
-            continue
-        time = _pass_time(trial, ranks, config)
-        # More micro-batches must be faster by min_gain (as the training plans' counts).
-        if time < best_time * (1.0 - max(config.min_gain, 1e-9)):
-            best_time, best = time, trial
+    best = packed
+    if most != fewest and parallel.pp_size > 1:
+        best_time = _pass_time(packed, ranks, config)
+        for count in _counts(fewest, most, step)[1:]:
+            try:
+                trial = [rank.pack(count, cap, rows) for rank in ranks]
+            except _NoFit:  # pragma: no cover - more bins than the fewest always pack
+                continue
+            time = _pass_time(trial, ranks, config)
+            # More micro-batches must be faster by min_gain (as the training plans' counts).
+            if time < best_time * (1.0 - max(config.min_gain, 1e-9)):
+                best_time, best = time, trial
+    if more_candidates and is_small_step(sum(map(len, rank_lengths)), len(rank_lengths)):
+        best = _with_candidates(best, ranks, config)
     return _rows(best, config)
+
+
+def _with_candidates(packed, ranks: Sequence[_Rank], config: PlannerConfig):
+    """Every rank's packing replaced by a construction of :mod:`.candidates` at the same count
+    where that rank's simulated pass (:func:`.simulate.forward_only_makespan`) gets faster and
+    the slowest rank's does not get slower (uniform rows: one rank's fuller row lengthens every
+    rank's), so the pass is never predicted slower than the count search's packing."""
+    parallel, model, cap = config.parallel, config.cost, config.token_cap
+    multiple = config.variable_row_multiple if config.variable_row_lengths else None
+    count = len(packed[0][0])
+
+    def times(trial) -> List[float]:
+        return [
+            forward_only_makespan(costs, parallel.pp_size, parallel.vpp_size, parallel.group_size)
+            for costs in _rank_costs(trial, ranks, config)
+        ]
+
+    packed = list(packed)
+    current = times(packed)
+    for r, rank in enumerate(ranks):
+        if rank.oversize or not rank.order:
+            continue
+        own = rank.own(config)
+        weights = [model.token_weight * size + o for size, o in zip(rank.sizes, own, strict=True)]
+        arrival = sorted(rank.order)
+        for _name, rows in rank_packings(arrival, rank.sizes, weights, cap, count, multiple):
+            members = [sorted(mb) for mb in rows]
+            loads = [sum(map(rank.sizes.__getitem__, mb)) for mb in members]
+            trial = packed[:r] + [(members, loads)] + packed[r + 1 :]
+            trial_times = times(trial)
+            if trial_times[r] < current[r] * (1.0 - 1e-9) and max(trial_times) <= max(current):
+                packed, current = trial, trial_times
+    return packed
 
 
 def _counts(first: int, last: int, step: int) -> List[int]:
@@ -232,12 +277,11 @@ def _rows(packed, config: PlannerConfig) -> ForwardOnlyPlan:
     return ForwardOnlyPlan(micro_batches=[members for members, _ in packed], row_lengths=rows)
 
 
-def _pass_time(packed, ranks: Sequence[_Rank], config: PlannerConfig) -> float:
-    """The slowest rank's forward-only pass: ``(sum(c) + (pp - 1) / vpp * max(c)) / pp``."""
-    parallel, model = config.parallel, config.cost
-    pp, vpp = parallel.pp_size, parallel.vpp_size
+def _rank_costs(packed, ranks: Sequence[_Rank], config: PlannerConfig) -> List[List[float]]:
+    """Every rank's micro-batch costs (rows as :func:`_rows` gives them)."""
+    model = config.cost
     plan = _rows(packed, config)
-    worst = 0.0
+    result = []
     for (members, loads), rows, rank in zip(packed, plan.row_lengths, ranks, strict=True):
         own = rank.own(config)
         costs = [
@@ -246,5 +290,14 @@ def _pass_time(packed, ranks: Sequence[_Rank], config: PlannerConfig) -> float:
         ]
         if config.variable_row_lengths:
             costs = [c + model.shape_exchange_overhead for c in costs]
-        worst = max(worst, (sum(costs) + (pp - 1) / vpp * max(costs)) / pp)
-    return worst
+        result.append(costs)
+    return result
+
+
+def _pass_time(packed, ranks: Sequence[_Rank], config: PlannerConfig) -> float:
+    """The slowest rank's forward-only pass: ``(sum(c) + (pp - 1) / vpp * max(c)) / pp``."""
+    pp, vpp = config.parallel.pp_size, config.parallel.vpp_size
+    return max(
+        (sum(costs) + (pp - 1) / vpp * max(costs)) / pp
+        for costs in _rank_costs(packed, ranks, config)
+    )

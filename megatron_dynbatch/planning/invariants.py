@@ -7,10 +7,12 @@ the problems it finds, every message with the values involved.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 from collections import Counter
-from typing import Dict, List, Optional, Sequence, Set, Tuple, Union
+from operator import itemgetter
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 from megatron_dynbatch.errors import DynBatchError
 
@@ -68,6 +70,8 @@ def check_plan(
         steps = ()
         problems.append(f"scheduled_steps() refused: {error}")
     sharded = isinstance(plan, ShardedPlan)
+    # A Plan's sizes, sample sets and micro-batch tokens are gathered once for both passes.
+    facts = _Facts(plan, samples, config) if isinstance(plan, Plan) else None
     problems += _walk(
         steps,
         samples,
@@ -76,9 +80,10 @@ def check_plan(
         row_tokens=placeholder_row_tokens,
         # A Plan's rows are checked in full by _plan_only (its shapes and the planner's rounding).
         row_widths=not isinstance(plan, Plan),
+        facts=facts,
     )
-    if isinstance(plan, Plan):
-        problems += _plan_only(plan, samples, config)
+    if facts is not None:
+        problems += _plan_only(plan, samples, config, facts)
     elif sharded:
         problems += _sharded_only(plan, samples, config)
     if problems:
@@ -86,29 +91,12 @@ def check_plan(
         raise PlanInvariantError(f"{name} breaks its guarantees:\n  " + "\n  ".join(problems))
 
 
-def _plan_only(plan: Plan, samples: SampleSet, config: PlannerConfig) -> List[str]:
+def _plan_only(plan: Plan, samples: SampleSet, config: PlannerConfig, facts: "_Facts") -> List[str]:
     """What a :class:`Plan` guarantees besides :func:`_walk`: whole rollouts in order, truncation
     by the policy only, its reported counts, shapes and oversize samples, its statistics."""
-    kept = plan.kept_lengths()
-    multiple = config.parallel.sample_multiple
-    lengths = samples.lengths
-    if kept:
-        lengths = [kept.get(i, length) for i, length in enumerate(lengths)]
-    sizes = (
-        list(lengths)
-        if multiple == 1
-        else [-(-length // multiple) * multiple for length in lengths]
-    )
+    lengths, sizes, indices = facts.lengths, facts.sizes, facts.members
     longest = max(sizes, default=0)
-    # Every step's sample indices, gathered once (three checks read them).
-    indices = [_indices(step) for step in plan.steps]
-    flat = indices[0] if len(indices) == 1 else list(itertools.chain.from_iterable(indices))
-    n = len(samples)
-    # Plain ints in range (the usual case): the checks below may index ``sizes`` directly; any
-    # other index makes them take the careful way (the walk reports it).
-    in_range = not flat or (set(map(type, flat)) == {int} and min(flat) >= 0 and max(flat) < n)
-    # Every sample exactly once (n distinct indices in [0, n)); the walk reports otherwise.
-    once = in_range and len(flat) == n and len(set(flat)) == n
+    in_range, once = facts.in_range, facts.once
     problems: List[str] = []
     problems += _whole_rollouts_in_order(plan, indices, samples, config, once_each=once)
     problems += _truncation(plan, samples, config)
@@ -116,7 +104,15 @@ def _plan_only(plan: Plan, samples: SampleSet, config: PlannerConfig) -> List[st
         where = f"step {s}"
         problems += _equal_valid_counts(where, step, config)
         problems += _shape_and_cap(
-            where, step, indices[s], plan.layout, sizes, config, in_range=in_range, longest=longest
+            where,
+            step,
+            indices[s],
+            plan.layout,
+            sizes,
+            config,
+            in_range=in_range,
+            longest=longest,
+            tokens=functools.partial(facts.tokens, s) if in_range else None,
         )
         problems += _step_counts(where, step, sizes, config)
         if once:
@@ -132,9 +128,46 @@ def _plan_only(plan: Plan, samples: SampleSet, config: PlannerConfig) -> List[st
     return problems
 
 
-def _indices(step: StepPlan) -> List[int]:
-    chain = itertools.chain.from_iterable
-    return list(chain(chain(step.ranks)))
+class _Facts:
+    """What both passes over a :class:`Plan` read, derived once from the inputs: every sample's
+    kept length and padded size, every step's sample indices, whether they are all ints in range
+    and name every sample exactly once, and (cached) every micro-batch's padded tokens."""
+
+    def __init__(self, plan: Plan, samples: SampleSet, config: PlannerConfig) -> None:
+        kept = plan.kept_lengths()
+        lengths = samples.lengths
+        if kept:
+            lengths = [kept.get(i, length) for i, length in enumerate(lengths)]
+        self.lengths = lengths
+        self.sizes = _padded(lengths, config.parallel.sample_multiple)
+        chain = itertools.chain.from_iterable
+        self.members = [list(chain(chain(step.ranks))) for step in plan.steps]
+        flat = self.members[0] if len(self.members) == 1 else list(chain(self.members))
+        n = len(self.sizes)
+        # Plain ints in range (the usual case): the checks may index ``sizes`` directly; any
+        # other index makes them take the careful way (the walk reports it).
+        self.in_range = _in_range(flat, n)
+        # Every sample exactly once (n distinct indices in [0, n)); the walk reports otherwise.
+        self.once = self.in_range and len(flat) == n and len(set(flat)) == n
+        self._ranks = [step.ranks for step in plan.steps]
+        self._tokens: Dict[Tuple[int, int], List[int]] = {}
+
+    def tokens(self, s: int, r: int) -> List[int]:
+        """The padded tokens of every micro-batch of rank ``r`` in step ``s`` (indices in range:
+        the walk and the shape check both read them, summed once)."""
+        key = (s, r)
+        found = self._tokens.get(key)
+        if found is None:
+            found = self._tokens[key] = _mb_tokens(self._ranks[s][r], self.sizes)
+        return found
+
+
+def _mb_tokens(rank: Sequence[Sequence[int]], sizes: Sequence[int]) -> List[int]:
+    """Every micro-batch's padded tokens (indices in range): one C-level gather and sum a
+    micro-batch, a lone sample read directly."""
+    return [
+        sum(itemgetter(*mb)(sizes)) if len(mb) > 1 else sizes[mb[0]] if mb else 0 for mb in rank
+    ]
 
 
 def _whole_rollouts_in_order(
@@ -241,11 +274,13 @@ def _shape_and_cap(
     *,
     in_range: bool = False,
     longest: Optional[int] = None,
+    tokens: Optional[Callable[[int], List[int]]] = None,
 ) -> List[str]:
     """Every micro-batch fits the step's shape and the cap; only a lone oversize sample exceeds it.
 
     ``in_range``: every index of the plan is an int in ``[0, len(sizes))`` (the caller checked).
-    ``longest``: the largest of ``sizes``, where the caller has it.
+    ``longest``: the largest of ``sizes``, where the caller has it. ``tokens``: rank -> its
+    micro-batches' padded tokens, where the caller has them.
     """
     if longest is None:
         longest = max(sizes, default=0)
@@ -296,7 +331,9 @@ def _shape_and_cap(
         real_rows.add(shortest if shortest <= cap else min(real_rows))
     size_of = sizes.__getitem__
     if layout == "packed" and in_range and not step.packed_rows:
-        if _packed_rows_fit(step, size_of, min(s, cap), multiple, real_rows):
+        if tokens is None:
+            tokens = functools.partial(_rank_tokens, step, sizes)
+        if _packed_rows_fit(step, tokens, min(s, cap), multiple, real_rows):
             return problems  # nothing the loop below could report
     for r, rank in enumerate(step.ranks):
         for k, mb in enumerate(rank):
@@ -335,18 +372,18 @@ def _shape_and_cap(
 
 
 def _packed_rows_fit(
-    step: StepPlan, size_of, limit: int, multiple: int, real_rows: Set[int]
+    step: StepPlan,
+    tokens: Callable[[int], List[int]],
+    limit: int,
+    multiple: int,
+    real_rows: Set[int],
 ) -> bool:
     """One packed row a micro-batch, indices in range: whether every micro-batch is within
     ``limit`` (the shape's row and the cap) and every row length valid, as whole-list
-    comparisons (C loops). ``False`` says only that the per-micro-batch loop must look."""
+    comparisons (C loops). ``tokens``: rank -> its micro-batches' padded tokens. ``False`` says
+    only that the per-micro-batch loop must look."""
     for r, rank in enumerate(step.ranks):
-        # Every micro-batch's padded tokens as differences of the rank's running sum.
-        running = [0, *itertools.accumulate(map(size_of, itertools.chain.from_iterable(rank)))]
-        ends = list(itertools.accumulate(map(len, rank)))
-        footprints = list(
-            map(operator.sub, map(running.__getitem__, ends), map(running.__getitem__, [0] + ends))
-        )
+        footprints = tokens(r)
         if footprints and max(footprints) > limit:
             return False
         if not step.row_lengths:
@@ -376,6 +413,10 @@ class _Label:
 
     def __format__(self, spec: str) -> str:
         return format(f"{self.where} rank {self.r} micro-batch {self.k} {list(self.mb)[:8]}", spec)
+
+
+def _rank_tokens(step: StepPlan, sizes: Sequence[int], r: int) -> List[int]:
+    return _mb_tokens(step.ranks[r], sizes)
 
 
 def _packed_rows_shape(where: str, step: StepPlan) -> List[str]:
@@ -510,6 +551,7 @@ def _walk(
     sharded: bool,
     row_tokens: int = 0,
     row_widths: bool = True,
+    facts: Optional[_Facts] = None,
 ) -> List[str]:
     """The guarantees every plan kind makes, read through the :class:`~.schedule.Schedule` view.
 
@@ -518,13 +560,17 @@ def _walk(
     interleaving group); every micro-batch's padded samples within its row (``B`` rows of it),
     and every micro-batch within the cap, placeholder rows included (``row_tokens`` each, added
     to a sharded micro-batch below ``B`` samples), unless it holds one sample; with
-    ``row_widths``, no row wider than the cap or its step's longest sample.
+    ``row_widths``, no row wider than the cap or its step's longest sample. ``facts``: a Plan's
+    sizes, sample sets and micro-batch tokens, gathered once (:class:`_Facts`).
     """
     token_cap, multiple = config.token_cap, config.parallel.sample_multiple
     group = config.parallel.microbatch_multiple
     if sharded:
         per_rank = [_padded(lengths, multiple) for lengths in samples]
         dp = len(per_rank)
+    elif facts is not None:
+        per_rank = [facts.sizes]
+        dp = config.parallel.dp_size
     else:
         kept = {i: k for step in steps for i, k in step.kept_lengths}
         lengths = samples.lengths
@@ -532,6 +578,8 @@ def _walk(
             lengths = [kept.get(i, n) for i, n in enumerate(lengths)]
         per_rank = [_padded(lengths, multiple)]
         dp = config.parallel.dp_size
+    # A Plan known to hold every sample once (n distinct indices in range) needs no counting.
+    counted = facts is None or not facts.once
     seen: List[Counter] = [Counter() for _ in per_rank]
     problems: List[str] = []
     for s, step in enumerate(steps):
@@ -554,9 +602,15 @@ def _walk(
         if not sharded:
             # One sample set for the whole step: gathered, counted and range-checked once, not
             # once a rank (at 1M samples and dp 512 the per-rank passes cost about a second).
-            members = list(itertools.chain.from_iterable(itertools.chain.from_iterable(step.ranks)))
-            seen[0].update(members)
-            step_fast = _in_range(members, len(per_rank[0]))
+            if facts is not None and s < len(facts.members):
+                members = facts.members[s]
+                step_fast = facts.in_range
+            else:
+                chain = itertools.chain.from_iterable
+                members = list(chain(chain(step.ranks)))
+                step_fast = _in_range(members, len(per_rank[0]))
+            if counted:
+                seen[0].update(members)
         for r, rank in enumerate(step.ranks):
             q = r if sharded else 0
             if q >= len(per_rank):
@@ -570,7 +624,10 @@ def _walk(
             else:
                 fast = step_fast
             size_of = sizes.__getitem__
-            if fast and _rank_fits(step, r, rank, size_of, cap, widest, row_tokens):
+            if fast:
+                shared = facts is not None and s < len(facts.members)
+                tokens = facts.tokens(s, r) if shared else _mb_tokens(rank, sizes)
+            if fast and _rank_fits(step, r, rank, tokens, cap, widest, row_tokens):
                 continue  # nothing the loop below could report
             for k, mb in enumerate(rank):
                 if fast:
@@ -592,6 +649,8 @@ def _walk(
                     )
     for q, (sizes, counter) in enumerate(zip(per_rank, seen, strict=True)):
         n = len(sizes)
+        if not counted:
+            continue  # every sample once (the Plan's facts)
         if len(counter) == n == sum(counter.values()) and _in_range(counter, n):
             continue  # n distinct indices in [0, n), each once
         missing = [i for i in range(n) if i not in counter]
@@ -609,19 +668,31 @@ def _walk(
 
 
 def _rank_fits(
-    step: ScheduledStep, r: int, rank, size_of, cap: int, widest: int, row_tokens: int
+    step: ScheduledStep,
+    r: int,
+    rank,
+    tokens: List[int],
+    cap: int,
+    widest: int,
+    row_tokens: int,
 ) -> bool:
-    """Indices in range: whether every micro-batch of rank ``r`` fits its row, the cap (or holds
-    one sample) and ``widest``, from the rank's running sum of sizes (no per-micro-batch call).
-    ``False`` says only that the per-micro-batch loop of :func:`_walk` must look."""
+    """Indices in range: whether every micro-batch of rank ``r`` (``tokens``: their padded
+    tokens, :func:`_mb_tokens`) fits its row, the cap (or holds one sample) and ``widest``, as
+    whole-list comparisons (no per-micro-batch call). ``False`` says only that the
+    per-micro-batch loop of :func:`_walk` must look."""
     b = step.micro_batch_size
-    running = [0, *itertools.accumulate(map(size_of, itertools.chain.from_iterable(rank)))]
-    counts = list(map(len, rank))
-    ends = list(itertools.accumulate(counts))
-    tokens = [running[end] - running[end - n] for end, n in zip(ends, counts, strict=True)]
-    # Placeholder rows a sharded host adds to a micro-batch below B samples count too.
-    footprints = [t + (b - n) * row_tokens if n else t for t, n in zip(tokens, counts, strict=True)]
-    if any(f > cap and n != 1 for f, n in zip(footprints, counts, strict=True)):
+    footprints = tokens
+    if row_tokens and b > 1:
+        # Placeholder rows a sharded host adds to a micro-batch below B samples count too.
+        footprints = [
+            t + (b - n) * row_tokens if n else t
+            for t, n in zip(tokens, map(len, rank), strict=True)
+        ]
+    if (
+        footprints
+        and max(footprints) > cap
+        and any(f > cap and len(mb) != 1 for f, mb in zip(footprints, rank, strict=True))
+    ):
         return False
     if step.row_lengths:
         if r >= len(step.row_lengths) or len(step.row_lengths[r]) != len(rank):
@@ -631,7 +702,10 @@ def _rank_fits(
         rows = [step.seq_length] * len(rank)
     else:
         return True  # rows sized from the samples (a sharded plan)
-    if any(t > row * b for t, row in zip(tokens, rows, strict=True)):
+    if b == 1:
+        if not all(map(operator.le, tokens, rows)):
+            return False
+    elif any(t > row * b for t, row in zip(tokens, rows, strict=True)):
         return False
     return not (widest and max(rows, default=0) > widest)
 

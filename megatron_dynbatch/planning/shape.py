@@ -55,6 +55,7 @@ from .balance import RankBalancer, assign_bins_to_ranks, pipeline_orders
 from .candidates import TINY_STEP_SAMPLES, is_small_step, natural_count, small_step_candidates
 from .cost import row_cost, row_costs, tail_cost
 from .packing import feasible_pack, min_bins, profile_pack
+from .refine import refine_ranks
 from .simulate import BACKWARD_TO_FORWARD_RATIO, pipeline_makespan
 from .spec import CostModel, ParallelLayout, ceil_div, round_up
 
@@ -323,7 +324,59 @@ def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
     chosen = _pick(scored, problem.min_gain)
     if problem.layout == "packed" and not problem.disable_more_candidates:
         chosen = _more_candidates(problem, searches, scored, chosen)
+        chosen = _refined(problem, chosen)
     return chosen, min(s.min_per_rank for s in searches)
+
+
+def _refined(problem: StepProblem, shape: StepShape) -> StepShape:
+    """Variable rows under a pipeline, a step of at most :data:`_RAMP_LIMIT` samples: the chosen
+    shape after :func:`.refine.refine_ranks` (samples moved within a rank, micro-batches
+    reordered, while the slowest rank's pipeline gets faster); the shape itself otherwise."""
+    parallel, multiple = problem.parallel, problem.row_multiple
+    if (
+        multiple is None
+        or parallel.pp_size == 1
+        or shape.micro_batch_size != 1
+        or shape.oversize
+        or multiple > problem.cap
+        or len(problem.items) > _RAMP_LIMIT
+    ):
+        return shape
+    sizes, sample_costs, model = problem.sizes, problem.sample_costs, problem.model
+    cap, memory, extra = problem.cap, problem.memory, model.shape_exchange_overhead
+
+    def bin_cost(members: List[int], load: int) -> float:
+        row = variable_rows([load], multiple, cap, memory)[0]
+        own = sum(map(sample_costs.__getitem__, members))
+        return extra + row_cost(model, "packed", row, 1, load) + own
+
+    bins = [list(members) for members in shape.bins]
+    orders = [list(order) for order in shape.rank_orders]
+    loads = [sum(map(sizes.__getitem__, members)) for members in bins]
+    costs = [bin_cost(members, load) for members, load in zip(bins, loads, strict=True)]
+    spans = refine_ranks(
+        bins,
+        orders,
+        loads,
+        costs,
+        sizes,
+        cap,
+        bin_cost,
+        parallel,
+    )
+    if max(spans) >= shape.step_time * (1.0 - _TIE):
+        return shape
+    rows = variable_rows(loads, multiple, cap, memory)
+    return dataclasses.replace(
+        shape,
+        bins=bins,
+        rank_orders=orders,
+        bin_costs=costs,
+        step_time=max(spans),
+        row_lengths=rows,
+        seq_length=max(rows),
+        token_loads=loads,
+    )
 
 
 def _more_candidates(

@@ -22,12 +22,13 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from megatron_dynbatch.errors import DynBatchValueError
 
 __all__ = [
     "BACKWARD_TO_FORWARD_RATIO",
+    "forward_only_makespan",
     "SimEvent",
     "SimResult",
     "StepSimResult",
@@ -135,11 +136,22 @@ def one_f_one_b_order(num_microbatches: int, pp_size: int, stage: int) -> List[O
     F0 F1 | F2 B0 F3 B1 F4 B2 F5 B3 | B4 B5.
     """
     num_warmup = min(pp_size - stage - 1, num_microbatches)
-    order: List[Op] = [("F", 0, m) for m in range(num_warmup)]
-    for i in range(num_microbatches - num_warmup):
-        order.append(("F", 0, num_warmup + i))
-        order.append(("B", 0, i))
-    order.extend(("B", 0, m) for m in range(num_microbatches - num_warmup, num_microbatches))
+    return _warmup_steady_cooldown(
+        lambda m: ("F", 0, m), lambda m: ("B", 0, m), num_microbatches, num_warmup
+    )
+
+
+def _warmup_steady_cooldown(
+    forward: Callable[[int], Op], backward: Callable[[int], Op], total: int, num_warmup: int
+) -> List[Op]:
+    """Both of Megatron's orders: ``num_warmup`` forwards, then forward ``k + num_warmup`` and
+    backward ``k`` in turn, then the remaining backwards (``forward(k)`` / ``backward(k)``: the
+    ``k``-th of ``total`` steps)."""
+    order = [forward(k) for k in range(num_warmup)]
+    for k in range(total - num_warmup):
+        order.append(forward(k + num_warmup))
+        order.append(backward(k))
+    order.extend(backward(k) for k in range(total - num_warmup, total))
     return order
 
 
@@ -181,12 +193,7 @@ def interleaved_order(
         m, chunk = table[k]
         return ("B", vpp_size - 1 - chunk, m)
 
-    order = [forward(k) for k in range(num_warmup)]
-    for k in range(total - num_warmup):
-        order.append(forward(k + num_warmup))
-        order.append(backward(k))
-    order.extend(backward(k) for k in range(total - num_warmup, total))
-    return order
+    return _warmup_steady_cooldown(forward, backward, total, num_warmup)
 
 
 def _run(
@@ -412,6 +419,33 @@ def pipeline_makespan(
         # Megatron's orders never deadlock; a stall means an order builder is wrong.
         assert remaining < progressed, f"pipeline replay deadlocked at positions {position}"
     return max(free_at)
+
+
+def forward_only_makespan(
+    costs: Sequence[float], pp_size: int, vpp_size: int = 1, group: Optional[int] = None
+) -> float:
+    """A forward-only pass (log-probs, no backward) through Megatron's order: every stage runs
+    the forwards of the schedule table (:func:`_schedule_table`) in turn, each waiting for the
+    same micro-batch on the previous virtual stage. ``costs``: forward cost of every micro-batch
+    through the whole model, in schedule order; arguments trusted, as for
+    :func:`pipeline_makespan`."""
+    if pp_size == 1:
+        return float(sum(costs))
+    if vpp_size == 1:
+        group = 1
+    elif group is None:
+        group = pp_size
+    share = float(pp_size * vpp_size)
+    free = [0.0] * pp_size
+    done: Dict[Tuple[int, int], float] = {}
+    for m, chunk in _schedule_table(len(costs), vpp_size, group):
+        duration = costs[m] / share
+        ready = done.get((chunk * pp_size - 1, m), 0.0)
+        for stage in range(pp_size):
+            t = max(free[stage], ready) + duration
+            free[stage] = ready = t
+        done[(chunk * pp_size + pp_size - 1, m)] = ready
+    return max(free)
 
 
 RankCosts = Union[Sequence[float], Tuple[Sequence[float], Sequence[float]]]

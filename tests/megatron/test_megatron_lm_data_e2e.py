@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 
-from tests._support import BIN, LAUNCH, assert_same_training, parse_ok, torchrun
+from tests._support import BIN, LAUNCH, assert_same_training, parse_ok, torchrun, torchrun_chains
 
 pytestmark = pytest.mark.torchrun
 
@@ -71,12 +71,16 @@ def runs(tmp_path_factory):
         "pp2": ["--pipeline-model-parallel-size", 2],
     }
     results = {"prefixes": (wiki, code), "out": out}
-    for name, layout in layouts.items():
-        for mode, flags in (("dynamic", _DYNAMIC_THD), ("fixed", _FIXED)):
-            args = _TINY + blend + layout + flags
-            rc, log, _ = torchrun(2, LAUNCH, args, log_path=out / f"{name}-{mode}.log")
-            results[name, mode] = parse_ok(rc, log)
-            results[name, mode, "log"] = log
+    chains = {
+        (name, mode): [
+            (2, LAUNCH, _TINY + blend + layout + flags, {"log_path": out / f"{name}-{mode}.log"})
+        ]
+        for name, layout in layouts.items()
+        for mode, flags in (("dynamic", _DYNAMIC_THD), ("fixed", _FIXED))
+    }
+    for key, [(rc, log, _)] in torchrun_chains(chains).items():
+        results[key] = parse_ok(rc, log)
+        results[(*key, "log")] = log
     return results
 
 

@@ -10,10 +10,18 @@ mean of per-micro-batch means, a grouping-dependent report, and is not compared.
 """
 
 import socket
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests._support import REPO, TORCHRUN_TIMEOUT_S, assert_same_training, compare_runs, run_shell
+from tests._support import (
+    LAUNCHES_AT_ONCE,
+    REPO,
+    TORCHRUN_TIMEOUT_S,
+    assert_same_training,
+    compare_runs,
+    run_shell,
+)
 
 pytestmark = pytest.mark.torchrun
 
@@ -46,8 +54,10 @@ def _train(batching: str, log_path) -> dict:
 
 
 def test_moe_with_z_loss_trains_like_fixed_micro_batches(tmp_path):
-    dynamic = _train("dynamic", tmp_path / "dynamic.log")
-    fixed = _train("fixed", tmp_path / "fixed.log")
+    with ThreadPoolExecutor(max_workers=LAUNCHES_AT_ONCE) as pool:  # two launches side by side
+        dynamic, fixed = pool.map(
+            _train, ("dynamic", "fixed"), (tmp_path / "dynamic.log", tmp_path / "fixed.log")
+        )
     # The dynamic run packs rows (fewer computed tokens than fixed's padded ones) and pads them.
     assert any(record["computed"] > record["real"] for record in dynamic["iterations"].values())
     assert_same_training(dynamic, fixed, tolerance=1e-5)

@@ -14,11 +14,13 @@ Launches are few and tiny (hidden 32-64, 2-4 layers, seq <= 256): each costs ~10
 import re
 import shlex
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from tests._support import (
     LAUNCH,
+    LAUNCHES_AT_ONCE,
     REPO,
     TORCHRUN_TIMEOUT_S,
     assert_same_training,
@@ -28,6 +30,7 @@ from tests._support import (
     readme_block,
     run_shell,
     torchrun,
+    torchrun_chains,
 )
 
 pytestmark = pytest.mark.torchrun
@@ -112,12 +115,18 @@ def layouts(tmp_path_factory):
     # of two rows of up to 128 tokens instead of one of 256 (issue 18): still the same training.
     dynamic = {"vpp2": _DYNAMIC + ["--dynamic-batch-cost-attention-weight", "0.01"]}
     modes = {"pp2": ["fixed"], "dp2": ["dynamic"]}
+    chains = {}
     for name, (nproc, args) in cases.items():
         for mode in modes.get(name, ["dynamic", "fixed"]):
             flags = dynamic.get(name, _DYNAMIC) if mode == "dynamic" else _FIXED
-            rc, log, _ = torchrun(nproc, LAUNCH, args + flags, log_path=out / f"{name}-{mode}.log")
-            runs[name, mode] = parse_ok(rc, log)
-            runs[name, mode, "log"] = log
+            log_path = out / f"{name}-{mode}.log"
+            chains[name, mode] = [(nproc, LAUNCH, args + flags, {"log_path": log_path})]
+    # A 4-process launch beside a 2-process one where possible.
+    order = [("dp2", "dynamic"), ("pp2", "fixed"), ("tp2", "dynamic"), ("vpp2", "dynamic")]
+    chains = {key: chains[key] for key in order + [k for k in chains if k not in order]}
+    for key, [(rc, log, _)] in torchrun_chains(chains).items():
+        runs[key] = parse_ok(rc, log)
+        runs[(*key, "log")] = log
     return runs
 
 
@@ -223,21 +232,23 @@ def test_without_the_flag_it_trains_like_pretrain_gpt(tmp_path):
 def test_a_budget_below_seq_length_follows_the_oversize_policy(tmp_path):
     # Mock documents reach --seq-length 128; the budget is 64 tokens.
     args = _TINY + ["--train-iters", 2, "--eval-iters", 0, "--max-tokens-per-gpu", 64]
-    rc, log, _ = torchrun(
-        2, LAUNCH, args + ["--use-dynamic-batch-size"], log_path=tmp_path / "error.log"
+    runs = torchrun_chains(
+        {
+            name: [(2, LAUNCH, args + flags, {"log_path": tmp_path / f"{name}.log"})]
+            for name, flags in (
+                ("error", ["--use-dynamic-batch-size"]),
+                ("truncate", ["--use-dynamic-batch-size", "--oversize-samples", "truncate"]),
+            )
+        }
     )
+    [(rc, log, _)] = runs["error"]
     assert rc != 0 and " iteration        1/" not in log
     # One line naming the flag (exit 2 there; the first failing rank prints it), no traceback of
     # ours.
     expected = r"^pretrain_gpt_dynbatch\.py: error: \[rank \d\] --max-tokens-per-gpu 64 is smaller"
     assert len(re.findall(expected, log, flags=re.M)) == 1, log[-3000:]
     assert "raise ValueError" not in log, log[-3000:]
-    rc, log, _ = torchrun(
-        2,
-        LAUNCH,
-        args + ["--use-dynamic-batch-size", "--oversize-samples", "truncate"],
-        log_path=tmp_path / "truncate.log",
-    )
+    [(rc, log, _)] = runs["truncate"]
     parsed = parse_ok(rc, log)
     assert sorted(parsed["iterations"]) == [1, 2]
     rows = [int(s) for s in re.findall(r"micro-batches/rank: \d+ \[1x(\d+)\]", log)]
@@ -281,32 +292,40 @@ _RESUME_ARGS = _USER + ["--rollouts-per-step", 4]
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """Straight 5 steps in batches of 3 steps (12 rollouts of 2): the run both resumes follow."""
-    out = tmp_path_factory.mktemp("straight")
-    rc, log, _ = torchrun(
-        2, USER_SCRIPT, _RESUME_ARGS, env=_RESUME_ENV, log_path=out / "straight.log"
-    )
+def resume_runs(tmp_path_factory):
+    """The straight run (5 steps in batches of 3 steps, 12 rollouts of 2) and, per checkpoint
+    format (Megatron's default, distributed, and ``torch``), 2 steps, save, exit, then resume
+    (inside a 3-step batch): three chains of launches, side by side."""
+    chains = {}
+    for fmt in ("torch_dist", "torch"):
+        out = tmp_path_factory.mktemp(f"resume-{fmt}")
+        args = _RESUME_ARGS + ["--ckpt-format", fmt]
+        checkpoint = out / "checkpoint"
+        chains[fmt] = [
+            (2, USER_SCRIPT, args + extra, {"env": _RESUME_ENV, "log_path": out / f"{name}.log"})
+            for name, extra in (
+                ("first", ["--save", checkpoint, "--save-interval", 2, "--exit-interval", 2]),
+                ("resumed", ["--load", checkpoint]),
+            )
+        ]
+    log_path = tmp_path_factory.mktemp("straight") / "straight.log"
+    chains["straight"] = [
+        (2, USER_SCRIPT, _RESUME_ARGS, {"env": _RESUME_ENV, "log_path": log_path})
+    ]
+    return torchrun_chains(chains)
+
+
+@pytest.fixture(scope="module")
+def straight(resume_runs):
+    [(rc, log, _)] = resume_runs["straight"]
     return parse_ok(rc, log)
 
 
 @pytest.fixture(scope="module", params=["torch_dist", "torch"])
-def resumed(tmp_path_factory, request, straight):
-    """2 steps, save, exit, resume (inside a 3-step batch), beside the straight run.
-
-    Both checkpoint formats: Megatron's default (distributed) and ``torch``.
-    """
-    out = tmp_path_factory.mktemp("resume")
-    args = _RESUME_ARGS + ["--ckpt-format", request.param]
-    checkpoint = out / "checkpoint"
+def resumed(request, resume_runs, straight):
+    """2 steps, save, exit, resume (inside a 3-step batch), beside the straight run."""
     logs = {"straight": straight}
-    for name, extra in (
-        ("first", ["--save", checkpoint, "--save-interval", 2, "--exit-interval", 2]),
-        ("resumed", ["--load", checkpoint]),
-    ):
-        rc, log, _ = torchrun(
-            2, USER_SCRIPT, args + extra, env=_RESUME_ENV, log_path=out / f"{name}.log"
-        )
+    for name, (rc, log, _) in zip(("first", "resumed"), resume_runs[request.param], strict=True):
         logs[name] = parse_ok(rc, log)
         logs[name, "log"] = log
     return logs
@@ -365,17 +384,24 @@ def test_readme_megatron_lm_commands(readme_workdir):
     last = train.rstrip().splitlines()[-1]
     assert last.strip().startswith("--use-dynamic-batch-size")
     assert last.rstrip().endswith("| tee out/dynamic.log")
-    run_shell(train, readme_workdir, out / "train.log", timeout_s=TORCHRUN_TIMEOUT_S)
-
     demo_out = readme_workdir / "demo"
     env = {"OUT": str(demo_out), "DATA_DIR": str(readme_workdir / "data")}
-    demo = run_shell(
-        shlex.join(["bash", "scripts/demo.sh", *_README_SIZES]),
-        REPO,
-        out / "demo.log",
-        env=env,
-        timeout_s=2 * TORCHRUN_TIMEOUT_S,
-    )
+    # The train block and the demo (its own four trainings) side by side: they only read the
+    # corpus the data block built, and write to their own directories.
+    with ThreadPoolExecutor(max_workers=LAUNCHES_AT_ONCE) as pool:
+        trained = pool.submit(
+            run_shell, train, readme_workdir, out / "train.log", timeout_s=TORCHRUN_TIMEOUT_S
+        )
+        demo = pool.submit(
+            run_shell,
+            shlex.join(["bash", "scripts/demo.sh", *_README_SIZES]),
+            REPO,
+            out / "demo.log",
+            env=env,
+            timeout_s=2 * TORCHRUN_TIMEOUT_S,
+        )
+        trained.result()
+        demo = demo.result()
     assert "=== dynamic micro-batches" in demo and "=== fixed micro-batches" in demo
     assert "=== a quarter of the memory" in demo
     assert re.search(r"iteration +6/ +6 .*micro-batches/rank: \d+ \[\d+x\d+\]", demo)

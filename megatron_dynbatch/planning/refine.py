@@ -1,0 +1,146 @@
+"""Local search on a chosen step, one DP rank at a time: the pipeline's slowest rank gets its
+samples moved between its own micro-batches and its micro-batches reordered while its simulated
+pipeline gets faster (issue 45).
+
+The shape search packs and orders every rank by rules (a profile of loads, light-heavy-light
+with the heaviest micro-batch in its best slot); a rank holding a sample that fills a whole row
+still idles in the pipeline around it, and which neighbours fill that idle time best depends on
+pp, vpp and the interleaving group. So the slowest rank (the step waits for it) is improved by
+first improvement, one change at a time, each scored by :func:`.simulate.pipeline_makespan`:
+
+* a sample moved to another micro-batch of the rank that has room under the cap (rows of their
+  own length: the two rows change length, the rank's work barely);
+* two micro-batches of the rank swapped in its order.
+
+Then the rank slowest after that, and so on, until the slowest rank has no improving change or
+:data:`REPLAYED_STEPS` are spent. Samples never leave their rank (the DP balance stays as
+chosen), every row stays under the cap, and a change is kept only when it makes its rank
+faster, so the step is never predicted slower than the shape it starts from. Deterministic:
+changes are tried in a fixed order (ties by index), each rank's scan resuming where its last
+improvement was found (the changes before it were just tried).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence, Tuple
+
+from .simulate import pipeline_makespan
+from .spec import ParallelLayout
+
+__all__ = ["REPLAYED_STEPS", "refine_ranks"]
+
+#: Work one step may spend at most, in micro-batch steps replayed (a replay of a rank of M
+#: micro-batches on pp stages of vpp chunks replays ``M * pp * vpp`` forwards and as many
+#: backwards; 10,000 steps are about 3 ms of CPU): replays of long ranks cost more.
+REPLAYED_STEPS = 300_000
+#: Relative gain a change must bring to be kept (float noise is not a gain).
+_GAIN = 1e-9
+
+
+def refine_ranks(
+    bins: List[List[int]],
+    orders: List[List[int]],
+    loads: List[int],
+    costs: List[float],
+    sizes: Sequence[int],
+    cap: int,
+    bin_cost: Callable[[List[int], int], float],
+    parallel: ParallelLayout,
+    evaluations: Optional[int] = None,
+) -> List[float]:
+    """Improve the slowest ranks in place (``bins``, ``orders``, ``loads``, ``costs``).
+
+    Args:
+        bins: Sample indices per micro-batch (``[]``: a placeholder).
+        orders: Per DP rank, its micro-batches in schedule order.
+        loads: Padded tokens per micro-batch.
+        costs: Forward cost per micro-batch.
+        sizes: Every sample's padded size.
+        cap: The most padded tokens a micro-batch of two or more samples may hold.
+        bin_cost: ``(members, load) -> cost`` of a micro-batch.
+        parallel: The pipeline (``pp_size``, ``vpp_size``, the interleaving group).
+        evaluations: Replays to spend at most (default: :data:`REPLAYED_STEPS` over one
+            replay's steps).
+
+    Returns:
+        Every rank's simulated makespan after the search.
+    """
+
+    pp_size, vpp_size, group = parallel.pp_size, parallel.vpp_size, parallel.group_size
+
+    def span(order: Sequence[int], trial=None) -> float:
+        c = costs if trial is None else trial
+        return pipeline_makespan([c[b] for b in order], pp_size, vpp_size, group)
+
+    spans = [span(order) for order in orders]
+    per_replay = 2 * max(1, len(orders[0]) if orders else 1) * pp_size * vpp_size
+    if evaluations is None:
+        evaluations = REPLAYED_STEPS // per_replay
+    budget = [evaluations - len(orders)]
+
+    cursors = [0] * len(orders)
+
+    def changes(r: int) -> List[Tuple[int, int, int]]:
+        """The rank's changes as ``(p, sample, q)``: a sample of the micro-batch at position
+        ``p`` moved to position ``q`` (largest samples first), or, with sample ``-1``, the
+        micro-batches at ``p`` and ``q`` swapped."""
+        order = orders[r]
+        m = len(order)
+        result = []
+        for p in range(m):
+            for i in sorted(bins[order[p]], key=lambda i: (-sizes[i], i)):
+                result += [(p, i, q) for q in range(m) if q != p]
+        result += [(p, -1, q) for p in range(m) for q in range(p + 1, m)]
+        return result
+
+    def improve(r: int) -> bool:
+        """The first improving change from where the last one was found (the changes before it
+        were just tried), wrapping around once."""
+        order = orders[r]
+        current = spans[r]
+        listed = changes(r)
+        # Listing the changes costs about a replayed step each: charged to the budget, so a
+        # rank of many samples and micro-batches cannot spend more than it allows.
+        budget[0] -= len(listed) // per_replay
+        start = cursors[r] % max(1, len(listed))
+        for k in range(len(listed)):
+            p, i, q = listed[(start + k) % len(listed)]
+            a, b = order[p], order[q]
+            if i >= 0:
+                size = sizes[i]
+                if loads[b] + size > cap:
+                    continue
+            if budget[0] <= 0:
+                return False
+            budget[0] -= 1
+            if i < 0:
+                swapped = list(order)
+                swapped[p], swapped[q] = b, a
+                time = span(swapped)
+                if time < current * (1.0 - _GAIN):
+                    orders[r] = swapped
+                    spans[r] = time
+                    cursors[r] = start + k
+                    return True
+                continue
+            rest = [j for j in bins[a] if j != i]
+            trial = list(costs)
+            trial[a] = bin_cost(rest, loads[a] - size)
+            trial[b] = bin_cost(bins[b] + [i], loads[b] + size)
+            time = span(order, trial)
+            if time < current * (1.0 - _GAIN):
+                bins[a] = rest
+                bins[b] = bins[b] + [i]
+                loads[a] -= size
+                loads[b] += size
+                costs[a], costs[b] = trial[a], trial[b]
+                spans[r] = time
+                cursors[r] = start + k
+                return True
+        return False
+
+    while budget[0] > 0:
+        slowest = max(range(len(orders)), key=lambda r: (spans[r], -r))
+        if not improve(slowest):
+            break
+    return spans
