@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from megatron_dynbatch.errors import DynBatchValueError
 
 from .cost import microbatch_cost
+from .plan import plain_fields
 from .simulate import simulate_step
 from .spec import LAYOUTS, CostModel
 
@@ -145,23 +146,11 @@ class Observation:
         return cls(**dict(data))
 
     def to_dict(self) -> Dict[str, Any]:
-        """A JSON-ready dict."""
-        return {
-            "seconds": self.seconds,
-            "seq_length": self.seq_length,
-            "micro_batch_size": self.micro_batch_size,
-            "layout": self.layout,
-            "pp_size": self.pp_size,
-            "vpp_size": self.vpp_size,
-            "group": self.group,
-            "attention": self.attention,
-            "ranks": [[list(mb) for mb in rank] for rank in self.ranks],
-            **(
-                {"row_lengths": [list(rows) for rows in self.row_lengths]}
-                if self.row_lengths is not None
-                else {}
-            ),
-        }
+        """A JSON-ready dict (``row_lengths`` only for variable rows)."""
+        values = plain_fields(self)
+        if self.row_lengths is None:
+            del values["row_lengths"]
+        return values
 
 
 def _model(weights: Sequence[float], attention: Optional[str] = None) -> CostModel:
@@ -408,17 +397,7 @@ class Calibration:
 
     def to_dict(self) -> Dict[str, Any]:
         """A JSON-ready dict (round-trips through :meth:`from_dict`)."""
-        return {
-            "token_weight": self.token_weight,
-            "attention_weight": self.attention_weight,
-            "microbatch_overhead": self.microbatch_overhead,
-            "step_seconds": self.step_seconds,
-            "observations": self.observations,
-            "relative_error": self.relative_error,
-            "unidentified": list(self.unidentified),
-            "extra": dict(self.extra),
-            "form": self.form,
-        }
+        return plain_fields(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Calibration":

@@ -64,6 +64,7 @@ __all__ = [
     "UNCALIBRATED_SAFETY",
     "UNFITTED_SAFETY",
     "fit_activation_scale",
+    "fit_peak_line",
     "budget_gib",
     "gib_to_bytes",
     "predicted_step_peaks",
@@ -463,6 +464,11 @@ class MemoryLimit:
     """Per stage, the most ``(token, score)`` activation bytes (as counted, before the fitted
     factors) a shape may keep: a fitted memory model is trusted only so far beyond the steps it was
     fitted to, in either term; ``()``: no such cap."""
+    measured: Tuple[MicroShape, ...] = ()
+    """Shapes steps of this run ran within the budget on every stage, as measured (the measure
+    the budget is stated in: the fixed run an equal-memory comparison takes its budget from ran
+    its own ``[MBS x S]`` by it): a shape no larger in rows and length fits whatever the model
+    predicts, so a model that over-predicts never refuses what the run has shown to fit."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, MemoryModel):
@@ -474,6 +480,9 @@ class MemoryLimit:
 
     def fits(self, shape: MicroShape) -> bool:
         """Whether any number of micro-batches of ``shape`` keeps every stage within budget."""
+        rows, length = shape
+        if any(rows <= b and length <= s for b, s in self.measured):
+            return True
         for stage in self.model.dims.stages():
             if self.model.uniform_peak(stage, shape) > self.budget_bytes:
                 return False
@@ -535,3 +544,41 @@ def fit_activation_scale(
     k = max(0.0, sum(x * m for x, m in obs) / sum(x * x for x, _ in obs))
     error = max(abs(k * x - m) / max(m, 1.0) for x, m in obs)
     return float(k), float(error)
+
+
+#: :func:`fit_peak_line` needs steps whose counted activations differ by at least this factor
+#: (largest over smallest): steps of one shape cannot tell the intercept from the slope.
+LINE_MIN_SPREAD = 1.2
+#: ... and at least this many steps.
+LINE_MIN_STEPS = 3
+
+
+def fit_peak_line(
+    observations: Sequence[Tuple[float, float]],
+) -> Optional[Tuple[float, float, float]]:
+    """Least-squares line ``peak ~ intercept + k * counted`` through measured peaks:
+    ``(intercept, k, error)``, or ``None`` where the steps cannot place a line (fewer than
+    :data:`LINE_MIN_STEPS`, counted bytes spread less than :data:`LINE_MIN_SPREAD`, or a slope
+    that is not above 0).
+
+    Each observation is ``(counted, peak)``: a step's counted activation bytes at its peak
+    (``PeakTerms.tokens + scores``, unscaled) and its measured peak, absolute. Where what a step
+    starts with is not a fixed memory at rest (a process's resident set keeps the heap the last
+    step freed, and this step's activations reuse it), a line through the absolute peaks predicts
+    them where "at rest plus a factor" counts the reused heap twice. ``error`` is the largest
+    relative misprediction of an observed peak.
+    """
+    obs = [(float(x), float(y)) for x, y in observations if x > 0]
+    if len(obs) < LINE_MIN_STEPS:
+        return None
+    xs = [x for x, _ in obs]
+    if max(xs) < LINE_MIN_SPREAD * min(xs):
+        return None
+    mean_x = sum(xs) / len(obs)
+    mean_y = sum(y for _, y in obs) / len(obs)
+    k = sum((x - mean_x) * (y - mean_y) for x, y in obs) / sum((x - mean_x) ** 2 for x in xs)
+    if not k > 0:
+        return None
+    intercept = mean_y - k * mean_x
+    error = max(abs(intercept + k * x - y) / max(y, 1.0) for x, y in obs)
+    return float(intercept), float(k), float(error)

@@ -44,9 +44,10 @@ __all__ = [
 ]
 
 
-def forward_flops(dims: ModelDims) -> Tuple[float, float]:
-    """``(linear FLOPs per token, attention FLOPs per L**2)`` of one forward of the whole model
-    (every layer, every tensor-parallel rank together)."""
+def _layer_multiply_adds(dims: ModelDims) -> float:
+    """Multiply-adds a token goes through in one transformer layer's matrices (all TP ranks):
+    the QKV and output projections, the MLP (``fc1`` twice as wide with a gated linear unit; with
+    MoE, ``topk`` experts and the router)."""
     h = dims.hidden_size
     qkv = h * (dims.query_width + 2 * dims.kv_width)
     projection = dims.query_width * h
@@ -57,7 +58,14 @@ def forward_flops(dims: ModelDims) -> Tuple[float, float]:
     else:
         ffn = dims.ffn_hidden_size
         mlp = h * gate * ffn + ffn * h
-    linear = 2.0 * (dims.num_layers * (qkv + projection + mlp) + h * dims.vocab_size)
+    return float(qkv + projection + mlp)
+
+
+def forward_flops(dims: ModelDims) -> Tuple[float, float]:
+    """``(linear FLOPs per token, attention FLOPs per L**2)`` of one forward of the whole model
+    (every layer, every tensor-parallel rank together)."""
+    h = dims.hidden_size
+    linear = 2.0 * (dims.num_layers * _layer_multiply_adds(dims) + h * dims.vocab_size)
     attention = 2.0 * dims.num_layers * dims.query_width
     return linear, attention
 
@@ -200,16 +208,7 @@ def physical_cost(dims: ModelDims, attention: str, rates: DeviceRates) -> Physic
     h = dims.hidden_size
     tp = dims.parallel.tp_size
     pp = dims.parallel.pp_size
-    qkv = h * (dims.query_width + 2 * dims.kv_width)
-    projection = dims.query_width * h
-    gate = 2 if dims.gated_linear_unit else 1
-    if dims.num_experts:
-        ffn = dims.moe_ffn_hidden_size
-        mlp = dims.moe_router_topk * (h * gate * ffn + ffn * h) + h * dims.num_experts
-    else:
-        ffn = dims.ffn_hidden_size
-        mlp = h * gate * ffn + ffn * h
-    layer_linear = 2.0 * (qkv + projection + mlp) / tp
+    layer_linear = 2.0 * _layer_multiply_adds(dims) / tp
     layer_attention = 2.0 * dims.query_width / tp
     # Per causal L**2 unit; dense doubles it in .cost, so its score passes are halved here.
     layer_scores = (

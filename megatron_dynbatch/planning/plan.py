@@ -6,6 +6,7 @@ full-shape, loss-masked row the runtime fabricates so every rank runs the same s
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from megatron_dynbatch.errors import DynBatchValueError
 from .schedule import ScheduledStep
 from .spec import ceil_div
 
-__all__ = ["StepPlan", "PlanStats", "Plan", "imbalance"]
+__all__ = ["StepPlan", "PlanStats", "Plan", "imbalance", "plain_fields"]
 
 
 def imbalance(per_rank: Sequence[float]) -> float:
@@ -194,23 +195,7 @@ class PlanStats:
         )
 
     def to_dict(self) -> Dict[str, Any]:
-        return {
-            "num_samples": self.num_samples,
-            "num_steps": self.num_steps,
-            "num_placeholders": self.num_placeholders,
-            "num_microbatches": self.num_microbatches,
-            "num_real_microbatches": self.num_real_microbatches,
-            "lower_bound_microbatches": self.lower_bound_microbatches,
-            "fill": self.fill,
-            "dp_imbalance": self.dp_imbalance,
-            "dp_imbalance_cost": self.dp_imbalance_cost,
-            "oversize_samples": list(self.oversize_samples),
-            "max_microbatch_tokens": self.max_microbatch_tokens,
-            "truncated_samples": list(self.truncated_samples),
-            "truncated_tokens": self.truncated_tokens,
-            "dp_imbalance_computed": self.dp_imbalance_computed,
-            "idle_ranks": self.idle_ranks,
-        }
+        return plain_fields(self)
 
 
 @dataclass(frozen=True)
@@ -277,3 +262,17 @@ class Plan:
             canon.append(["packed_rows", packed])
         text = json.dumps(canon, separators=(",", ":"), default=list)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def plain_fields(record: Any) -> Dict[str, Any]:
+    """A dataclass record's fields by name, tuples (nested ones too) as lists and mappings as
+    dicts: the JSON-ready dict of a plan's statistics, a measured step or a calibration."""
+    return {f.name: _plain(getattr(record, f.name)) for f in dataclasses.fields(record)}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (tuple, list)):
+        return [_plain(item) for item in value]
+    if isinstance(value, dict):
+        return dict(value)
+    return value

@@ -63,6 +63,16 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _add_device_arg(group) -> None:
+    group.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cuda",
+        help="with --num-layers: the device the default cost model assumes (cuda: a GPU in "
+        "--bf16 / --fp16 / fp32; cpu: PyTorch eager on CPU cores); a training run reads its own",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(
         prog="megatron-dynbatch",
@@ -76,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_layout_args(plan, "plan")
     plan.add_argument("--json", action="store_true", help="print exactly one JSON object")
-    add_cli_args(add_model_args(plan), "plan", only=_MODEL_SETTINGS[:1])
+    _add_device_arg(add_cli_args(add_model_args(plan), "plan", only=_MODEL_SETTINGS[:1]))
     add_cli_args(plan, "plan", only=_MODEL_SETTINGS[1:])
     plan.add_argument(
         "--plot", default=None, metavar="FILE.png", help="draw the first step to a PNG"
@@ -125,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-attention", action="store_true", help="pin the attention weight at 0"
     )
     calibrate.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    _add_device_arg(add_model_args(calibrate))
 
     # Listed for --help only: main() hands `pretrain ...` to the Megatron-LM entry before this
     # parser runs, since the arguments are Megatron-LM's (hundreds of them, parsed by Megatron).
@@ -203,22 +214,16 @@ def _planner_config(args, *, rollouts_per_step=None, memory=None):
         values["planner"] = args.planner
     variable = None
     if getattr(args, "num_layers", None) is not None:
-        # Megatron's model flags: the first plan the Megatron-LM entry runs on a GPU, with the
-        # model's attention weight and (unless --no-variable-seq-lengths) its own rows.
+        # Megatron's model flags: the first plan the Megatron-LM entry runs (on --device), with
+        # the model's default cost model and (unless --no-variable-seq-lengths) its own rows.
         from megatron_dynbatch.integrations.megatron_lm.arguments import (
             VARIABLE_ROW_MULTIPLE,
-            attention_weight_from_args,
+            apply_default_cost,
         )
 
-        missing = [f for f in ("hidden_size", "num_attention_heads") if getattr(args, f) is None]
-        if missing:
-            named = ", ".join("--" + m.replace("_", "-") for m in missing)
-            raise DynBatchValueError(
-                f"--num-layers given without {named}; the cost model needs the model's shape."
-            )
+        _check_model_shape(args, "cost")
         args.group_query_attention = args.num_query_groups is not None
-        if values["cost_attention_weight"] is None:
-            values["cost_attention_weight"] = attention_weight_from_args(args)
+        apply_default_cost(values, _physical_cost(args, parallel, values))
         # Variable rows by default only where they can run: a padded [B, S] row has the longest
         # sample's length, as the Megatron-LM entry decides (variable_seq_lengths()).
         packed = (values["layout"] or "packed") == "packed"
@@ -242,6 +247,39 @@ def _planner_config(args, *, rollouts_per_step=None, memory=None):
     )
 
 
+def _check_model_shape(args, what: str) -> None:
+    """``--num-layers`` needs the rest of the model's shape (the ``what`` model is built of it)."""
+    missing = [f for f in ("hidden_size", "num_attention_heads") if getattr(args, f) is None]
+    if missing:
+        named = ", ".join("--" + m.replace("_", "-") for m in missing)
+        raise DynBatchValueError(
+            f"--num-layers given without {named}; the {what} model needs the model's shape."
+        )
+
+
+#: ``--device``: the default cost model's device rates (training reads the machine it runs on).
+DEVICES = ("cuda", "cpu")
+
+
+def _physical_cost(args, parallel, values):
+    """The Megatron-LM entry's default cost model of the model flags
+    (:func:`~megatron_dynbatch.planning.model_cost.physical_cost`) on ``--device``, for the
+    attention the settings in ``values`` resolve (``--dynamic-batch-cost-attention``, else by
+    layout), as training derives it."""
+    from megatron_dynbatch.integrations.megatron_lm.model_args import model_dims_from_args
+    from megatron_dynbatch.planning.model_cost import CPU_RATES, GPU_RATES, physical_cost
+    from megatron_dynbatch.planning.spec import CostModel
+
+    attention = CostModel(attention=values["cost_attention"]).attention_kind(
+        values["layout"] or "packed"
+    )
+    if getattr(args, "device", "cuda") == "cpu":
+        rates = CPU_RATES
+    else:
+        rates = GPU_RATES["bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"]
+    return physical_cost(model_dims_from_args(args, parallel), attention, rates)
+
+
 def _memory_limit(args):
     """``plan``'s memory model and budget from Megatron's model flags (``None`` without them):
     a function of the run's config and layout, which it needs to know the attention and stages.
@@ -254,12 +292,7 @@ def _memory_limit(args):
                 "--num-layers, --hidden-size, --num-attention-heads (and --vocab-size, ...)."
             )
         return None
-    missing = [f for f in ("hidden_size", "num_attention_heads") if getattr(args, f) is None]
-    if missing:
-        named = ", ".join("--" + m.replace("_", "-") for m in missing)
-        raise DynBatchValueError(
-            f"--num-layers given without {named}; the memory model needs the model's shape."
-        )
+    _check_model_shape(args, "memory")
     if args.fp16 and args.bf16:
         raise DynBatchValueError(
             "--fp16 and --bf16 both given; Megatron-LM trains in one of them: keep one."
@@ -449,9 +482,11 @@ def _cmd_calibrate(args) -> int:
     from megatron_dynbatch.planning.calibration import Observation, fit_cost_model
 
     data = _read_json(args.observations)
+    recorded = None
     if isinstance(data, dict):
         # A run's dynbatch_calibration.json holds its fit with the measured steps under "steps"
-        # (its "observations" is the count the fit used).
+        # (its "observations" is the count the fit used), and the model it fitted scales of.
+        recorded = data.get("prior")
         data = data.get("steps", data.get("observations"))
     if not isinstance(data, list) or not all(isinstance(item, dict) for item in data):
         raise DynBatchValueError(
@@ -459,9 +494,9 @@ def _cmd_calibrate(args) -> int:
             '{"observations": [...]}, or a run\'s dynbatch_calibration.json ({"steps": [...]}), '
             "one object per measured step."
         )
-    fit = fit_cost_model(
-        [Observation.from_dict(item) for item in data], fit_attention=not args.no_attention
-    )
+    observations = [Observation.from_dict(item) for item in data]
+    prior = _calibration_prior(args, recorded, observations)
+    fit = fit_cost_model(observations, prior=prior, fit_attention=not args.no_attention)
     yaml_text = fit.to_yaml()
     if args.output is not None:
         with open(args.output, "w", encoding="utf-8") as handle:
@@ -486,6 +521,34 @@ def _cmd_calibrate(args) -> int:
         if args.output is None:
             print(yaml_text, end="")
     return 0
+
+
+def _calibration_prior(args, recorded, observations):
+    """The model ``calibrate`` fits scales of, as training does: the model flags' default
+    (``--num-layers`` ...: the Megatron-LM entry's :func:`_physical_cost` on ``--device``), else
+    the one a run recorded in its ``dynbatch_calibration.json`` (``"prior"``); ``None`` (free
+    weights, one may come out 0) without either."""
+    from megatron_dynbatch.planning import ParallelLayout
+    from megatron_dynbatch.planning.spec import CostModel
+
+    if args.num_layers is not None:
+        _check_model_shape(args, "cost")
+        args.group_query_attention = args.num_query_groups is not None
+        first = observations[0] if observations else None
+        parallel = ParallelLayout(
+            pp_size=first.pp_size if first else 1, vpp_size=first.vpp_size if first else 1
+        )
+        layout = first.layout if first else "packed"
+        values = {"cost_attention": first.attention if first else None, "layout": layout}
+        return _physical_cost(args, parallel, values).cost_model()
+    if isinstance(recorded, dict):
+        try:
+            return CostModel(**recorded)
+        except TypeError as exc:
+            raise DynBatchValueError(
+                f'{args.observations!r}: its "prior" is not a cost model: {exc}'
+            ) from None
+    return None
 
 
 #: What the Megatron-LM entry calls itself in its one-line errors under this command.

@@ -578,3 +578,109 @@ def test_a_fit_whose_constant_took_the_step_is_refused(tmp_path):
     usable, why = calibrator._usable(fit, args)
     assert not usable and "per-step constant" in why
     assert calibrator._usable(dataclasses.replace(fit, step_seconds=0.5), args)[0]
+
+
+def test_a_fit_no_better_than_the_default_model_is_not_applied(tmp_path):
+    """Issue 42: under noise a fit must never replace the default with something worse. On steps
+    the default explains at its best scale (plus a per-step constant), a fit that predicts them
+    exactly is applied; one whose overhead is 10x off is refused, naming both errors."""
+    args = _args(
+        tmp_path,
+        dynamic_batch_cost_attention_weight=None,
+        dynamic_batch_cost_token_weight=None,
+        **TINY_GPT,
+    )
+    calibrator = calib.Calibrator()
+    default = calibrator._model_seconds(args)
+    assert default is not None
+    counts = (4, 6, 8, 11, 16, 5, 7, 9)
+    calibrator.observations = [
+        calib.Observation(
+            seconds=1.5 * predict_seconds(shape, default) + STEP_SECONDS,
+            seq_length=256,
+            micro_batch_size=max(1, 32 // m),
+            layout="padded",
+            attention="dense",
+            pp_size=2,
+            ranks=shape.ranks,
+        )
+        for m in counts
+        for shape in [
+            calib.Observation(
+                seconds=1.0,
+                seq_length=256,
+                micro_batch_size=max(1, 32 // m),
+                layout="padded",
+                attention="dense",
+                pp_size=2,
+                ranks=[[[256] * max(1, 32 // m)] * m],
+            )
+        ]
+    ]
+    exact = Calibration(
+        token_weight=1.5 * default[0],
+        attention_weight=1.5 * default[1],
+        microbatch_overhead=1.5 * default[2],
+        step_seconds=STEP_SECONDS,
+        observations=len(counts),
+        relative_error=0.0,
+        form="scales",
+    )
+    assert calibrator._usable(exact, args) == (True, "")
+    off = dataclasses.replace(exact, microbatch_overhead=15 * default[2], relative_error=0.01)
+    usable, why = calibrator._usable(off, args)
+    assert not usable and "no better than the default model" in why, why
+
+
+def test_the_iteration_line_names_where_the_prediction_comes_from(tmp_path, monkeypatch):
+    """Issue 42: the iteration line says whether the step time predicted comes from an applied
+    fit, the configured model (the default, in its assumed seconds) or nothing (configured relative
+    weights give no seconds), with calibration off, applied and refused alike."""
+    default = dict(
+        dynamic_batch_cost_attention_weight=None, dynamic_batch_cost_token_weight=None, **TINY_GPT
+    )
+    line = {}
+    for name, extra in (("weights", {}), ("default", default)):
+        for steps in (0, calib.DEFAULT_CALIBRATION_STEPS):
+            args = _args(
+                tmp_path / f"{name}{steps}", dynamic_batch_calibration_steps=steps, **extra
+            )
+            _, _, calibrator = _train(args, monkeypatch, 16 if steps else 3)
+            line[name, steps] = calibrator.log_string()
+            if steps:
+                assert calibrator.fit is not None
+                if calibrator.applied:
+                    assert line[name, steps].endswith(" (fit) |"), line
+                calibrator.applied, calibrator._timing = False, None  # as if refused
+                line[name, "refused"] = calibrator.log_string()
+    assert line["weights", 0] == " step time predicted: none (no fit) |"
+    assert line["weights", "refused"] == " step time predicted: none (fit refused) |"
+    assert line["default", 0].endswith(" (model) |") and "predicted/measured" in line["default", 0]
+    assert line["default", "refused"].endswith(" (model) |")
+    assert line["weights", calib.DEFAULT_CALIBRATION_STEPS].endswith(" (fit) |")
+
+
+def test_only_a_measured_overhead_lifts_the_gain_threshold(tmp_path):
+    """A fit that scales the whole model ("physical": its overhead in the default's proportion)
+    keeps the default's gain threshold: its overhead is still the estimate. A fit that measured
+    the overhead ("scales") plans without one, unless one was given."""
+    args = _args(
+        tmp_path,
+        dynamic_batch_cost_attention_weight=None,
+        dynamic_batch_cost_token_weight=None,
+        **TINY_GPT,
+    )
+    fit = Calibration(
+        token_weight=2e-5,
+        attention_weight=6e-8,
+        microbatch_overhead=2e-3,
+        step_seconds=0.0,
+        observations=8,
+        relative_error=0.1,
+        form="scales",
+    )
+    for form, lifted in (("scales", True), ("physical", False)):
+        calibrator = calib.Calibrator()
+        calibrator._apply(dataclasses.replace(fit, form=form), args)
+        planned = calibrator.calibrated_config(dynbatch_config_from_args(args))
+        assert (planned.min_gain == 0.0) == lifted, (form, planned.min_gain)

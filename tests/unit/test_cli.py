@@ -1,5 +1,6 @@
 """`megatron-dynbatch plan`: the public JSON interface, the table, errors, and planner purity."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from megatron_dynbatch.planning import (
     parse_samples_json,
     plan_samples,
 )
-from megatron_dynbatch.tools.cli import main
+from megatron_dynbatch.tools.cli import build_parser, main
 
 pytestmark = pytest.mark.unit
 
@@ -194,3 +195,88 @@ def test_a_missing_required_flag_is_one_usage_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "--max-tokens-per-gpu" in lines[0] and "megatron-dynbatch plan --help" in lines[0]
+
+
+def test_plan_with_the_model_flags_plans_with_trainings_default_cost_model(tmp_path, capsys):
+    """Issue 42: with Megatron's model flags `plan` prices micro-batches as a run's first steps do
+    (the physical default of planning/model_cost.py on --device, its estimated overhead's gain
+    threshold), not the old FLOPs ratio with an unknown overhead: the plan equals the one made
+    with those weights given explicitly, on either device's rates."""
+    from megatron_dynbatch.integrations.megatron_lm.model_args import model_dims_from_args
+    from megatron_dynbatch.planning.model_cost import (
+        CPU_RATES,
+        ESTIMATED_MIN_GAIN,
+        GPU_RATES,
+        physical_cost,
+    )
+    from megatron_dynbatch.planning.spec import ParallelLayout
+
+    samples = tmp_path / "s.json"
+    samples.write_text(json.dumps([256, 40, 60, 256, 30, 200, 256, 80] * 4))
+    model = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"]
+    base = [str(samples), "--max-tokens-per-gpu", "1024", "--pp-size", "2", "--json"]
+    base += ["--dynamic-batch-layout", "padded", "--dynamic-batch-cost-attention", "dense"]
+
+    def plan(*extra):
+        assert main(["plan", *base, *extra]) == 0
+        return json.loads(capsys.readouterr().out)["steps"]
+
+    args = build_parser().parse_args(["plan", *base, *model])
+    args.group_query_attention = False
+    dims = model_dims_from_args(args, ParallelLayout(pp_size=2))
+    for device, rates in (("cpu", CPU_RATES), ("cuda", GPU_RATES["fp32"])):
+        weights = physical_cost(dims, "dense", rates).cost_model()
+        explicit = plan(
+            "--dynamic-batch-cost-attention-weight",
+            repr(weights.attention_weight),
+            "--dynamic-batch-cost-microbatch-overhead",
+            repr(weights.microbatch_overhead),
+            "--dynamic-batch-min-gain",
+            repr(ESTIMATED_MIN_GAIN),
+        )
+        assert plan(*model, "--device", device) == explicit, device
+
+
+def test_calibrate_fits_scales_of_the_default_model_as_training_does(tmp_path, capsys):
+    """Issue 42: offline `calibrate` with the model flags (or a run's file recording its model)
+    fits scales of the default model, as training does (its ratio of attention to token work
+    kept, never a free weight of 0); without either it fits free weights as before."""
+    steps = []
+    for m, b in ((8, 4), (11, 3), (16, 2), (32, 1), (8, 4), (11, 3), (16, 2), (32, 1)):
+        # Token work only: a free fit has nothing to put into attention.
+        seconds = 0.02 + 2e-5 * 256 * b * m + 3e-3 * m
+        steps.append(
+            {
+                "seconds": seconds,
+                "seq_length": 256,
+                "micro_batch_size": b,
+                "layout": "padded",
+                "attention": "dense",
+                "pp_size": 2,
+                "ranks": [[[256] * b] * m],
+            }
+        )
+    path = tmp_path / "steps.json"
+    path.write_text(json.dumps(steps))
+    model = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"]
+
+    def calibrate(source, *extra):
+        assert main(["calibrate", str(source), "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)["calibration"]
+
+    assert calibrate(path)["form"] == "free"
+    scaled = calibrate(path, *model, "--device", "cpu")
+    assert scaled["form"] in ("scales", "physical") and scaled["attention_weight"] > 0
+    recorded = tmp_path / "run.json"
+    from megatron_dynbatch.planning.spec import CostModel
+
+    # What a run records: its model in planner units (here one of the tiny GPT's size on CPU).
+    prior = dataclasses.asdict(
+        CostModel(attention_weight=3e-3, microbatch_overhead=100.0, attention="dense")
+    )
+    recorded.write_text(json.dumps({"steps": steps, "prior": prior}))
+    again = calibrate(recorded)
+    assert again["form"] in ("scales", "physical")
+    # Scales of the recorded model: its ratio of attention to token work, kept.
+    ratio = again["attention_weight"] / again["token_weight"]
+    assert ratio == pytest.approx(prior["attention_weight"] / prior["token_weight"], rel=1e-6)

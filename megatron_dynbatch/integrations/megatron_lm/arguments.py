@@ -57,6 +57,7 @@ from megatron_dynbatch.settings import (  # noqa: F401 - re-exported for the hoo
 
 __all__ = [
     "add_dynamic_batch_args",
+    "apply_default_cost",
     "attention_weight_from_args",
     "device_rates",
     "dynbatch_config_from_args",
@@ -336,21 +337,28 @@ def dynbatch_config_from_args(args: Any) -> DynBatchConfig:
         values.get("cost_attention_weight") is None
         or values.get("cost_microbatch_overhead") is None
     ):
-        # The default: the model's own dimensions on the device, attention as it runs
-        # (docs/cost-model.md); calibration fits scales of it.
-        physical = physical_cost_from_args(args, values["cost_attention"])
-        if physical is not None:
-            model = physical.cost_model()
-            token = float(values.get("cost_token_weight") or 1.0)
-            if values.get("cost_attention_weight") is None:
-                values["cost_attention_weight"] = model.attention_weight * token
-            if values.get("cost_microbatch_overhead") is None:
-                values["cost_microbatch_overhead"] = model.microbatch_overhead * token
-                if values.get("min_gain") is None:
-                    # An estimated overhead, not a measured one: more micro-batches than the
-                    # fewest only for a clear gain (model_cost.ESTIMATED_MIN_GAIN).
-                    values["min_gain"] = ESTIMATED_MIN_GAIN
+        apply_default_cost(values, physical_cost_from_args(args, values["cost_attention"]))
     return config_from_mapping(values)
+
+
+def apply_default_cost(values: Dict[str, Any], physical: Any) -> None:
+    """Fill the cost weights ``values`` (config field -> value) leaves unset from ``physical``
+    (:class:`~megatron_dynbatch.planning.model_cost.PhysicalCost`; ``None``: nothing to fill):
+    the default of the model's own dimensions on the device, attention as it runs
+    (docs/cost-model.md), which calibration fits scales of. One place for training and
+    ``megatron-dynbatch plan``, so the command plans as a run's first steps do."""
+    if physical is None:
+        return
+    model = physical.cost_model()
+    token = float(values.get("cost_token_weight") or 1.0)
+    if values.get("cost_attention_weight") is None:
+        values["cost_attention_weight"] = model.attention_weight * token
+    if values.get("cost_microbatch_overhead") is None:
+        values["cost_microbatch_overhead"] = model.microbatch_overhead * token
+        if values.get("min_gain") is None:
+            # An estimated overhead, not a measured one: more micro-batches than the fewest
+            # only for a clear gain (model_cost.ESTIMATED_MIN_GAIN).
+            values["min_gain"] = ESTIMATED_MIN_GAIN
 
 
 def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:

@@ -17,7 +17,8 @@ collective, so plans stay identical even if floating point differed) and held by
 Megatron's ``args``): the next batch is planned with it. Rank 0 logs it and writes
 ``dynbatch_calibration.yaml`` (the ``cost_*`` keys ``--dynamic-batch-config`` loads) and
 ``dynbatch_calibration.json`` (the fit in seconds, whether it is applied, the layout, budget and
-model it was measured on, and the measured steps, which ``megatron-dynbatch calibrate`` reads) into
+model it was measured on, the model it fitted scales of (``prior``), and the measured steps, which
+``megatron-dynbatch calibrate`` reads) into
 ``--save`` (or ``--dynamic-batch-calibration-output``).
 
 The fit is of scales of the run's cost model (the physical default of
@@ -60,6 +61,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import statistics
 import time
 from typing import Any, Dict, List, Optional
 
@@ -179,16 +181,12 @@ def _agree_fit(fit: Calibration) -> Calibration:
     )
     dist.broadcast(values, src=0)
     token, attention, overhead, step = (float(v) for v in values.tolist())
-    return Calibration(
+    return dataclasses.replace(
+        fit,
         token_weight=token,
         attention_weight=attention,
         microbatch_overhead=overhead,
         step_seconds=step,
-        observations=fit.observations,
-        relative_error=fit.relative_error,
-        unidentified=fit.unidentified,
-        extra=fit.extra,
-        form=fit.form,
     )
 
 
@@ -270,6 +268,11 @@ _MODEL_ARGS = (
     "bf16",
     "fp16",
 )
+
+
+def _median_error(observations: List[Observation], predict: Any) -> float:
+    """Median relative error of ``predict`` (an observation's predicted seconds) over steps."""
+    return statistics.median([abs(predict(o) - o.seconds) / o.seconds for o in observations])
 
 
 def _flag(name: str) -> str:
@@ -425,20 +428,25 @@ class Calibrator:
             # Noisy steps (another job on the machine): measure as many again and fit on all.
             _log(f"{fit.summary()}; not used yet: {why}; measuring {_steps(args)} more steps")
             return
-        self.fit = fit
         self._restore()  # the next batch plans under the configured budget again
         self.applied = usable
         self._write(args, fit)  # also when not applied: a resumed run must not calibrate again
+        self._adopt(fit, args, why, after=f" from iteration {iteration + 1}")
+
+    def _adopt(self, fit: Calibration, args: Any, why: str, before: str = "", after: str = ""):
+        """Hold ``fit``; plan with it where :meth:`_usable` said so (``why`` empty), else keep
+        the configured model; say which, between ``before`` and ``after``."""
+        self.fit, self.applied = fit, not why
         if self.applied:
             self._apply(fit, args)
-            _log(f"{fit.summary()}; planning with it from iteration {iteration + 1}")
+            _log(f"{before}{fit.summary()}; planning with it{after}")
         else:
             # Planning with an arbitrary split of token work and overhead, or with a model that
             # misses the measured steps by more than the bound, would be a guess: keep the
             # configured weights, and still show predicted against measured time.
             _log(
-                f"{fit.summary()}; not used: {why}, so planning keeps the configured cost model "
-                f"from iteration {iteration + 1}"
+                f"{before}{fit.summary()}; not used: {why}, so planning keeps the configured "
+                f"cost model{after}"
             )
 
     def _usable(self, fit: Calibration, args: Any) -> tuple:
@@ -482,6 +490,23 @@ class Calibrator:
                 f"{100 * bound:.0f}% bound (--dynamic-batch-calibration-max-error {bound:g}; the "
                 "step times were too noisy; raise the bound or the calibration steps)"
             )
+        default = self._model_seconds(args)
+        if default is not None and self.observations:
+            # Noisy steps can fit a model that explains them worse than the default does; it
+            # would replace a good plan with a worse one (a fit's overhead also drops the gain
+            # threshold). Both are judged on every measured step, the default at its best scale
+            # (the planner's weights are relative: a scale of the default plans as it does).
+            fitted = _median_error(self.observations, fit.predict)
+            scale = statistics.median(
+                [o.seconds / predict_seconds(o, default) for o in self.observations]
+            )
+            model = _median_error(self.observations, lambda o: scale * predict_seconds(o, default))
+            if fitted >= model:
+                return False, (
+                    f"over the {len(self.observations)} measured steps it is off by "
+                    f"{100 * fitted:.1f}% (median), no better than the default model at its "
+                    f"best scale ({100 * model:.1f}%)"
+                )
         return True, ""
 
     def _model_seconds(self, args: Any) -> Optional[tuple]:
@@ -609,8 +634,12 @@ class Calibrator:
         model = fit.cost_model()
         for name in ("token_weight", "attention_weight", "microbatch_overhead"):
             self.overrides["cost_" + name] = getattr(model, name)
-        if not setting_given(args, "min_gain"):
+        if not setting_given(args, "min_gain") and fit.form != "physical":
             # A measured overhead: the model is trusted (no gain threshold), unless one was given.
+            # A "physical" fit scales the whole model, its overhead in the estimated proportion:
+            # that overhead is still an estimate, so the estimate's threshold stays (at equal
+            # memory on the CPU mix such a fit dropped it, and 16 x [2 x 256] replaced 11 x
+            # [3 x 256] for the rest of the run, at 1.2-1.4x fixed's time).
             self.overrides["min_gain"] = 0.0
 
     def _load_resumed(self, args: Any) -> None:
@@ -645,18 +674,11 @@ class Calibrator:
         if changed:
             _log(f"dynamic-batch calibration in {path} not reused: {changed}; calibrating again")
             return
-        for key in ("steps", "applied"):
+        for key in ("steps", "applied", "prior"):
             data.pop(key, None)
-        self.fit = Calibration.from_dict(data)
-        self.applied, why = self._usable(self.fit, args)
-        if self.applied:
-            self._apply(self.fit, args)
-            _log(f"dynamic-batch calibration loaded from {path}: {self.fit.summary()}")
-        else:
-            _log(
-                f"dynamic-batch calibration loaded from {path}: {self.fit.summary()}; not used: "
-                f"{why}, so planning keeps the configured cost model"
-            )
+        fit = Calibration.from_dict(data)
+        _, why = self._usable(fit, args)
+        self._adopt(fit, args, why, before=f"dynamic-batch calibration loaded from {path}: ")
 
     def _write(self, args: Any, fit: Calibration) -> None:
         directory = _output_dir(args)
@@ -673,6 +695,8 @@ class Calibrator:
             **fit.to_dict(),
             "applied": self.applied,
             "measured_on": measured_on(args, self._configured(args)),
+            # The model the fit is of scales of: `megatron-dynbatch calibrate` refits the same.
+            "prior": dataclasses.asdict(self._prior(args)),
             "steps": [o.to_dict() for o in self.observations],
         }
         with open(os.path.join(directory, CALIBRATION_JSON), "w", encoding="utf-8") as handle:

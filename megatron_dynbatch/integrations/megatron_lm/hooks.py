@@ -315,6 +315,7 @@ class DynamicBatchHooks:
                 self.memory.begin(
                     iteration + 1 if isinstance(iteration, int) else None,
                     predicted_step_peaks(self.memory.current, shapes),
+                    shapes,
                 )
         return step
 
@@ -619,6 +620,8 @@ def _step_memory(args: Any, config: DynBatchConfig) -> Optional[StepMemory]:
         budget=budget,
         row_multiple=row_multiple,
         min_row=int(getattr(args, "seq_length", None) or 1),
+        # On CPU the peak is the resident set, which keeps what the heap freed (StepMemory).
+        resident=not torch.cuda.is_available(),
     )
     if budget is not None:
         # The first step's arithmetic (its model and rows): a budget this passes trains.

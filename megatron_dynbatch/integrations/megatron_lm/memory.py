@@ -45,9 +45,11 @@ from megatron_dynbatch.planning.memory import (
     UNFITTED_SAFETY,
     MemoryLimit,
     MemoryModel,
+    MicroShape,
     PeakTerms,
     budget_gib,
     fit_activation_scale,
+    fit_peak_line,
     gib_to_bytes,
 )
 from megatron_dynbatch.planning.spec import ParallelLayout, round_up
@@ -84,6 +86,9 @@ TRUST_GROWTH = 2.0
 #: Steps whose counted activations are at least this share of the largest in the fit window
 #: bound the factor from below (their measured need is never under-predicted again).
 ENVELOPE_SHARE = 0.5
+#: A step on CPU (``StepMemory.resident``) is a point of its stage's line only where its peak is
+#: more than this share over what it started with (else the peak measured the heap kept).
+RESIDENT_GROWTH = 0.005
 #: Steps of measured peaks a fit uses (the most recent).
 FIT_WINDOW = 16
 
@@ -182,19 +187,20 @@ def check_memory_budget(limit: MemoryLimit, seq_length: Optional[int], flag: str
 
 
 def _proc_status_kib(key: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as handle:
-        for line in handle:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise DynBatchValueError(f"/proc/self/status has no {key}; cannot measure memory here.")
+    return _proc_kib("/proc/self/status", key, "cannot measure memory here")
 
 
 def _proc_meminfo_kib(key: str) -> int:
-    with open("/proc/meminfo", encoding="ascii") as handle:
+    return _proc_kib("/proc/meminfo", key, "pass --max-memory-gib in GiB")
+
+
+def _proc_kib(path: str, key: str, fix: str) -> int:
+    """The ``key:`` line of a ``/proc`` file, in KiB; refused, naming ``fix``, where it lacks it."""
+    with open(path, encoding="ascii") as handle:
         for line in handle:
             if line.startswith(key + ":"):
                 return int(line.split()[1])
-    raise DynBatchValueError(f"/proc/meminfo has no {key}; pass --max-memory-gib in GiB.")
+    raise DynBatchValueError(f"{path} has no {key}; {fix}.")
 
 
 def _reset_peak() -> float:
@@ -223,6 +229,9 @@ class _Reading:
     """Per stage."""
     rest: float
     """What this rank held when the step started (its peak was reset to it)."""
+    shape: Optional[MicroShape] = None
+    """The one shape of every micro-batch on every DP rank, where the step had one and enough
+    micro-batches for every stage to hold its most live ones; ``None`` otherwise."""
     peak: Optional[float] = None
     gathered: Optional[List[Tuple[float, float, float]]] = None
     """Per pipeline stage, ``(rest, peak, after)`` (``after``: held when the step was read):
@@ -275,6 +284,21 @@ class StepMemory:
     """Per stage, the largest counted token and score bytes of a measured step."""
     cover_floor: Dict[int, float] = field(default_factory=dict)
     """Per stage, the factor the steps that broke the budget needed (the fit stays above)."""
+    resident: bool = False
+    """The peak is the process's resident set (CPU): what a step starts with holds the heap the
+    last steps freed, which this step's activations reuse, so "at rest plus a factor" counts it
+    twice (the e2e mix at pp 2: predicted 7-11% over the measured, so at the fixed run's measured
+    peak the planner refused fixed's own [4 x 256], which measured 503-516 MiB under budgets of
+    517-533). Each stage's peak is then a line through the steps' absolute peaks
+    (:func:`~megatron_dynbatch.planning.memory.fit_peak_line`) where the steps place one."""
+    intercepts: Optional[Tuple[Optional[float], ...]] = None
+    """Per stage, the fitted line's intercept (``resident``), ``None`` where the steps place no
+    line (the memory at rest is used)."""
+    over_steps: List[Tuple[int, float, float]] = field(default_factory=list)
+    """``(stage, counted, peak)`` of every step that broke the budget: every line covers them."""
+    within: List[MicroShape] = field(default_factory=list)
+    """Shapes steps ran within the budget on every stage, as measured (the largest ones):
+    :attr:`MemoryLimit.measured`."""
 
     @property
     def pp_size(self) -> int:
@@ -285,7 +309,13 @@ class StepMemory:
         """The model the planner and the prediction use (see the class docstring)."""
         model = self.model
         if self.resting is not None:
-            model = replace(model, resting_bytes=self.resting)
+            resting = self.resting
+            if self.intercepts is not None:
+                resting = tuple(
+                    rest if line is None else line
+                    for rest, line in zip(resting, self.intercepts, strict=True)
+                )
+            model = replace(model, resting_bytes=resting)
         if self.scales is not None:
             return replace(model, stage_scales=self.scales)
         return replace(
@@ -324,10 +354,16 @@ class StepMemory:
                         flush=True,
                     )
             budget = need
+            measured: Tuple[MicroShape, ...] = ()
         else:
             caps = self._trusted(model)
+            measured = tuple(self.within)
         return MemoryLimit(
-            model=model, budget_bytes=budget, row_multiple=self.row_multiple, counted_caps=caps
+            model=model,
+            budget_bytes=budget,
+            row_multiple=self.row_multiple,
+            counted_caps=caps,
+            measured=measured,
         )
 
     def _trusted(self, model: MemoryModel) -> Tuple[Tuple[float, float], ...]:
@@ -364,9 +400,32 @@ class StepMemory:
                 for s, (now,) in enumerate(gathered)
             )
 
-    def begin(self, iteration: Optional[int], predicted: Sequence[PeakTerms]) -> None:
-        """A training step is about to run (after its plan): reset the peak."""
-        self.open = _Reading(iteration=iteration, predicted=list(predicted), rest=_reset_peak())
+    def begin(
+        self,
+        iteration: Optional[int],
+        predicted: Sequence[PeakTerms],
+        shapes: Sequence[Sequence[MicroShape]] = (),
+    ) -> None:
+        """A training step is about to run (after its plan): reset the peak. ``shapes``: every DP
+        rank's micro-batch shapes (where given, a step of one shape that stays within the budget
+        lets that shape through from then on: :attr:`within`)."""
+        self.open = _Reading(
+            iteration=iteration,
+            predicted=list(predicted),
+            rest=_reset_peak(),
+            shape=self._one_shape(shapes),
+        )
+
+    def _one_shape(self, shapes: Sequence[Sequence[MicroShape]]) -> Optional[MicroShape]:
+        """The step's one micro-batch shape, where every stage ran its most live micro-batches
+        of it (so its peak is what any step of that shape holds at most), else ``None``."""
+        flat = {shape for rank in shapes for shape in rank}
+        if len(flat) != 1 or not shapes:
+            return None
+        parallel = self.model.dims.parallel
+        if min(len(rank) for rank in shapes) < parallel.group_size * (parallel.pp_size + 1):
+            return None  # too few for the schedule's warm-up to keep its most alive
+        return next(iter(flat))
 
     def pause(self) -> None:
         """An evaluation is about to run: the open step's peak is read now, without it."""
@@ -411,10 +470,18 @@ class StepMemory:
             tok, sq = self.largest_counted.get(stage, (0.0, 0.0))
             self.largest_counted[stage] = (max(tok, terms.tokens), max(sq, terms.scores))
         over = []
+        # Planned within the budget: as predicted, or as a shape measured within it (within).
+        measured = reading.shape is not None and any(
+            reading.shape[0] <= b and reading.shape[1] <= s for b, s in self.within
+        )
         if self.budget is not None:
             for stage, (_rest, peak, _after) in enumerate(reading.gathered):
-                if peak > self.budget and reading.predicted[stage].total <= self.budget:
+                if peak > self.budget and (
+                    measured or reading.predicted[stage].total <= self.budget
+                ):
                     over.append((stage, peak, reading.predicted[stage].total))
+        if self.budget is not None and reading.shape is not None:
+            self._measured_shape(reading.shape, fits=not over and self._all_within(reading))
         if self.steps_seen > MEMORY_WARMUP_STEPS:
             for stage, (rest, peak, _after) in enumerate(reading.gathered):
                 terms = reading.predicted[stage]
@@ -436,15 +503,33 @@ class StepMemory:
             self.corrections += 1
             rank = dist.get_rank() if dist.is_initialized() else 0
             for stage, peak, predicted in over:
+                planned = f"predicted {predicted / MIB:.0f} MiB"
+                if predicted > self.budget:
+                    rows, length = reading.shape
+                    planned = f"a step of [{rows} x {length}] had measured within it ({planned})"
                 print(
                     f"[rank {rank}] dynamic batching: iteration {reading.iteration}: pipeline "
                     f"stage {stage} measured {peak / MIB:.0f} MiB at its peak, over "
                     f"--max-memory-gib {self.budget / GIB:.3f} ({self.budget / MIB:.0f} MiB), "
-                    f"although predicted {predicted / MIB:.0f} MiB; the memory model is "
-                    "refitted to cover it.",
+                    f"although {planned}; the memory model is refitted to cover it.",
                     flush=True,
                 )
             self._cover(reading)
+
+    def _all_within(self, reading: _Reading) -> bool:
+        return all(peak <= self.budget for _, peak, _ in reading.gathered)
+
+    def _measured_shape(self, shape: MicroShape, fits: bool) -> None:
+        """Keep the largest shapes measured within the budget; one measured over it takes back
+        every kept shape at least as large (the measure is noisy near the budget)."""
+        rows, length = shape
+        if fits:
+            if not any(rows <= b and length <= s for b, s in self.within):
+                self.within = [
+                    (b, s) for b, s in self.within if not (b <= rows and s <= length)
+                ] + [shape]
+        else:
+            self.within = [(b, s) for b, s in self.within if not (b >= rows and s >= length)]
 
     def _fit(self) -> None:
         """Per stage, one factor on the counted activation bytes, least squares over the recent
@@ -456,7 +541,7 @@ class StepMemory:
         a few noisy steps could not tell two factors apart.
         """
         recent = self.observations[-FIT_WINDOW * self.pp_size :]
-        scales, errors = [], []
+        scales, errors, intercepts = [], [], []
         for stage in range(self.pp_size):
             own = [o for o in recent if o[0] == stage]
             # The largest step ever measured stays in the fit: the trust cap (_trusted) lets a
@@ -470,6 +555,13 @@ class StepMemory:
             )
             if largest_ever is not None and largest_ever not in own:
                 own.append(largest_ever)
+            line = self._line(stage, own) if self.resident else None
+            intercepts.append(None if line is None else line[0])
+            if line is not None:
+                intercept, k = line
+                scales.append((k, k))
+                errors += [abs(intercept + k * (t + s) - peak) / peak for _, t, s, _, peak in own]
+                continue
             k, _ = fit_activation_scale([(t, s, peak - rest) for _, t, s, rest, peak in own])
             # The largest steps seen are never under-predicted: on CPU the factor grew with
             # the step (1.85 fitted over small steps, 2.41 needed by one of 7 x 256 tokens).
@@ -486,22 +578,56 @@ class StepMemory:
             scales.append((k, k))
             errors += [abs(rest + k * (t + s) - peak) / peak for _, t, s, rest, peak in own]
         self.scales = tuple(scales)
+        self.intercepts = tuple(intercepts) if any(i is not None for i in intercepts) else None
         self.error = max(errors) if errors else None
+
+    def _line(self, stage: int, own: Sequence[Tuple]) -> Optional[Tuple[float, float]]:
+        """``(intercept, k)`` of stage ``stage``'s peaks as a line in the counted bytes
+        (:attr:`resident`), raised to cover the steps it was fitted to, the largest steps and
+        every step that broke the budget (as :meth:`_fit` covers them); ``None`` where the steps
+        place no line."""
+        # A step whose peak is what it started with measured the heap earlier steps left, not
+        # its own need: not a point of the line (the largest steps still bound it below).
+        grew = [o for o in own if o[4] > (1.0 + RESIDENT_GROWTH) * o[3]]
+        fitted = fit_peak_line([(t + s, peak) for _, t, s, _, peak in grew])
+        if fitted is None:
+            return None
+        intercept, k, _ = fitted
+        # Raised over every step it was fitted to (the resident set of one shape varies by 2-3%
+        # from step to step: a line through the middle planned [4 x 264] at 517 MiB under a
+        # budget of 518, and it measured 529), the largest steps and every step that broke the
+        # budget.
+        largest = max(t + s for _, t, s, _, _ in own)
+        covered = [(t + s, peak) for _, t, s, _, peak in own if t + s >= ENVELOPE_SHARE * largest]
+        covered += [(t + s, peak) for _, t, s, _, peak in grew]
+        covered += [(x, peak) for s, x, peak in self.over_steps if s == stage]
+        intercept = max([intercept] + [peak - k * x for x, peak in covered])
+        return intercept, k
 
     def _cover(self, reading: _Reading) -> None:
         """A step broke the budget: from now on every stage's factor covers what it needed."""
         for stage, (rest, peak, _after) in enumerate(reading.gathered):
             terms = reading.predicted[stage]
             counted = terms.tokens + terms.scores
+            self.over_steps.append((stage, counted, peak))
             if counted > 0:
                 need = (peak - rest) / counted
                 self.cover_floor[stage] = max(self.cover_floor.get(stage, 0.0), need)
         if self.observations:
             self._fit()
         if self.scales is not None:
+            lines = self.intercepts or (None,) * len(self.scales)
+            # A stage with a line covers the step through it (_line); the others by the factor.
             self.scales = tuple(
-                (max(a, self.cover_floor.get(s, 0.0)), max(b, self.cover_floor.get(s, 0.0)))
-                for s, (a, b) in enumerate(self.scales)
+                (
+                    (a, b)
+                    if line is not None
+                    else (
+                        max(a, self.cover_floor.get(s, 0.0)),
+                        max(b, self.cover_floor.get(s, 0.0)),
+                    )
+                )
+                for s, ((a, b), line) in enumerate(zip(self.scales, lines, strict=True))
             )
 
     def log_string(self, group: Any) -> str:
