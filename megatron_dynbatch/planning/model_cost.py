@@ -24,7 +24,7 @@ sample's attention equals its linear work at ``L = 50,408``: ``attention_weight 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional, Tuple
+from typing import Tuple
 
 from megatron_dynbatch.errors import DynBatchValueError
 
@@ -38,7 +38,6 @@ __all__ = [
     "GPU_RATES",
     "OPS_PER_LAYER",
     "PhysicalCost",
-    "cost_model_from_dims",
     "forward_flops",
     "physical_cost",
 ]
@@ -68,30 +67,6 @@ def forward_flops(dims: ModelDims) -> Tuple[float, float]:
     linear = 2.0 * (dims.num_layers * _layer_multiply_adds(dims) + h * dims.vocab_size)
     attention = 2.0 * dims.num_layers * dims.query_width
     return linear, attention
-
-
-def cost_model_from_dims(
-    dims: ModelDims,
-    *,
-    microbatch_overhead: Optional[float] = None,
-    attention: Optional[str] = None,
-) -> CostModel:
-    """The planner's cost model of ``dims``: token weight 1, attention weight the FLOPs ratio.
-
-    Args:
-        dims: The model's dimensions.
-        microbatch_overhead: The fixed cost of a micro-batch in the same units (token weight 1),
-            when known; ``None`` leaves it to the planner's default (a share of a full row).
-        attention: What the attention kernel runs (``spec.ATTENTION_KINDS``); ``None`` follows
-            the layout.
-    """
-    linear, quadratic = forward_flops(dims)
-    return CostModel(
-        token_weight=1.0,
-        attention_weight=quadratic / linear,
-        microbatch_overhead=microbatch_overhead,
-        attention=attention,  # type: ignore[arg-type]
-    )
 
 
 # --- the physical default: seconds of one forward on the slowest pipeline stage -------------------

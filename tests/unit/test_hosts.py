@@ -35,7 +35,11 @@ def _budget_option(host):
 def test_every_host_names_its_own_budget_key_in_a_budget_error(name):
     host = HOSTS[name]
     option = _budget_option(host)
-    for bad, match in ((0, "must be > 0"), (2.5, "must be a whole number"), (None, "needs a token")):
+    for bad, match in (
+        (0, "must be > 0"),
+        (2.5, "must be a whole number"),
+        (None, "needs a token"),
+    ):
         with pytest.raises(DynBatchValueError, match=match) as info:
             host_config(host, {option: bad}, ParallelLayout())
         assert host.keys["max_tokens_per_gpu"] in str(info.value)

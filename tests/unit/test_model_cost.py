@@ -11,7 +11,6 @@ import pytest
 from megatron_dynbatch.integrations.megatron_lm.arguments import (
     VARIABLE_SEQ_LENGTHS_DEST,
     add_dynamic_batch_args,
-    attention_weight_from_args,
     dynbatch_config_from_args,
     variable_seq_lengths,
 )
@@ -19,7 +18,6 @@ from megatron_dynbatch.integrations.slime.schedule import _cost_model as slime_c
 from megatron_dynbatch.planning.model_cost import (
     CPU_RATES,
     ESTIMATED_MIN_GAIN,
-    cost_model_from_dims,
     forward_flops,
     physical_cost,
 )
@@ -56,9 +54,6 @@ def test_flops_of_a_small_model_by_hand():
     linear, attention = forward_flops(dims)
     assert linear == 2 * (2 * (qkv + proj + mlp) + 8 * 10)
     assert attention == 2 * 2 * 8
-    model = cost_model_from_dims(dims)
-    assert model.token_weight == 1.0
-    assert model.attention_weight == pytest.approx(attention / linear)
 
 
 def test_ratio_equals_slimes_flops_estimate():
@@ -69,8 +64,8 @@ def test_ratio_equals_slimes_flops_estimate():
         num_experts=None,
         multi_latent_attention=False,
     )
-    dims = ModelDims(**QWEN7B, gated_linear_unit=True)
-    assert cost_model_from_dims(dims).attention_weight == pytest.approx(
+    linear, attention = forward_flops(ModelDims(**QWEN7B, gated_linear_unit=True))
+    assert attention / linear == pytest.approx(
         slime_cost_model(slime_args).attention_weight, rel=1e-12
     )
 
@@ -99,8 +94,8 @@ def test_entry_first_plan_uses_the_models_ratio_unless_given():
     rates (one stage: the whole model), and a per-micro-batch overhead of the model's operators,
     with the gain threshold of an estimated overhead."""
     args = _entry_args(["--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096"], **MEGATRON_7B)
-    expected = cost_model_from_dims(ModelDims(**QWEN7B, gated_linear_unit=True)).attention_weight
-    assert attention_weight_from_args(args) == pytest.approx(expected)
+    linear, attention = forward_flops(ModelDims(**QWEN7B, gated_linear_unit=True))
+    expected = attention / linear
     config = dynbatch_config_from_args(args)
     rates = CPU_RATES  # no CUDA in the unit tests
     assert config.cost_attention == "segment"  # transformer-engine's default backend, packed
@@ -118,7 +113,6 @@ def test_entry_first_plan_uses_the_models_ratio_unless_given():
     )
     assert dynbatch_config_from_args(given).cost_attention_weight == 0.0
     bare = _entry_args(["--max-tokens-per-gpu", "4096"])
-    assert attention_weight_from_args(bare) is None
     assert dynbatch_config_from_args(bare).cost_attention_weight == 0.0
     assert dynbatch_config_from_args(bare).cost_microbatch_overhead is None
 

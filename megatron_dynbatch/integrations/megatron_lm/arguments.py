@@ -58,7 +58,6 @@ from megatron_dynbatch.settings import (  # noqa: F401 - re-exported for the hoo
 __all__ = [
     "add_dynamic_batch_args",
     "apply_default_cost",
-    "attention_weight_from_args",
     "device_rates",
     "dynbatch_config_from_args",
     "physical_cost_from_args",
@@ -243,21 +242,6 @@ def variable_seq_lengths(args: Any, backend: Optional[str], layout: str) -> bool
     return backend == "nccl" and layout == "packed"
 
 
-def attention_weight_from_args(args: Any) -> Optional[float]:
-    """The attention weight of the model Megatron's arguments describe, relative to a token's
-    linear work (:func:`megatron_dynbatch.planning.model_cost.cost_model_from_dims`: their FLOPs
-    ratio, as slime's drop-in derives it), or ``None`` without the model's dimensions."""
-    if not all(
-        getattr(args, name, None) for name in ("num_layers", "hidden_size", "num_attention_heads")
-    ):
-        return None
-    from megatron_dynbatch.planning.model_cost import cost_model_from_dims
-
-    from .model_args import model_dims_from_args
-
-    return cost_model_from_dims(model_dims_from_args(args, ParallelLayout())).attention_weight
-
-
 def device_rates(args: Any):
     """The device the run computes on, as the default cost model assumes it
     (:data:`~megatron_dynbatch.planning.model_cost.GPU_RATES` by ``--bf16`` / ``--fp16`` where
@@ -302,8 +286,8 @@ def dynbatch_config_from_args(args: Any) -> DynBatchConfig:
 
     With MoE's ``seq_aux_loss`` the layout defaults to ``padded``: the loss takes each row for one
     sequence, and a padded row holds one sample (a packed row holds several). Without an attention
-    weight the first plans use the model's own (:func:`attention_weight_from_args`); calibration
-    then refits every weight from measured iterations.
+    weight the first plans use the model's own (its physical cost model, :func:`device_rates`);
+    calibration then refits every weight from measured iterations.
     """
     values: Dict[str, Any] = {}
     config_path = getattr(args, "dynamic_batch_config", None)
