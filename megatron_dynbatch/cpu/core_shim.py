@@ -269,7 +269,7 @@ def apply_cpu_shim() -> None:
     proxy = _CpuTorchProxy()
     with _compiler_imports_deferred():  # the first import of megatron.core (jit_fuser) is here
         modules = [importlib.import_module(name) for name in _PATCHED_MODULES]
-    for module_name, module in zip(_PATCHED_MODULES, modules, strict=True):
+    for module_name, module in zip(_PATCHED_MODULES, modules):
         assert module.torch is torch or module.torch is proxy, module_name
         module.torch = proxy
     random_module = sys.modules["megatron.core.tensor_parallel.random"]
