@@ -14,7 +14,6 @@ missing).
 """
 
 import contextlib
-import functools
 import importlib
 import importlib.util
 import sys
@@ -207,51 +206,6 @@ def register_triton_stand_in() -> None:
     sys.modules[_TRITON_MODULE] = stand_in
 
 
-def _on_first_call(wrap, fn, *args, **kwargs):
-    """``fn`` behind ``wrap(fn, *args, **kwargs)``, applied when ``fn`` is first called."""
-    wrapped = []
-
-    @functools.wraps(fn)
-    def call(*a, **k):
-        if not wrapped:
-            wrapped.append(wrap(fn, *args, **kwargs))
-        return wrapped[0](*a, **k)
-
-    return call
-
-
-@contextlib.contextmanager
-def _compiler_imports_deferred():
-    """Within: ``torch.compile`` and ``torch.compiler.disable`` on functions act at first call.
-
-    Why: Megatron decorates its fused kernels with ``torch.compile`` (``megatron.core.jit``) and
-    FSDP methods with ``torch.compiler.disable`` at import time, and either imports torch's
-    compiler stack (dynamo, inductor): 1.3 s of CPU a process here, paid by every rank of every
-    launch, for kernels a CPU run never calls (the CPU support turns the fusions off). torch
-    compiles lazily anyway (at the first call); only the import moves there. Modules (``nn.Module``)
-    and decorator factories with options keep the real functions' behaviour.
-    """
-    compile_, disable = torch.compile, torch.compiler.disable
-
-    def lazy_compile(model=None, **kwargs):
-        if model is None:  # @torch.compile(mode=...)
-            return lambda fn: lazy_compile(fn, **kwargs)
-        if isinstance(model, torch.nn.Module) or not callable(model):
-            return compile_(model, **kwargs)
-        return _on_first_call(compile_, model, **kwargs)
-
-    def lazy_disable(fn=None, recursive=True, **kwargs):
-        if fn is None:  # @torch.compiler.disable(recursive=False)
-            return lambda f: lazy_disable(f, recursive, **kwargs)
-        return _on_first_call(disable, fn, recursive, **kwargs)
-
-    torch.compile, torch.compiler.disable = lazy_compile, lazy_disable
-    try:
-        yield
-    finally:
-        torch.compile, torch.compiler.disable = compile_, disable
-
-
 def apply_cpu_shim() -> None:
     """Make megatron.core run on CPU with gloo; idempotent; a no-op when CUDA is available.
 
@@ -267,9 +221,8 @@ def apply_cpu_shim() -> None:
     quiet_missing_gpu_library_warnings()
     register_triton_stand_in()
     proxy = _CpuTorchProxy()
-    with _compiler_imports_deferred():  # the first import of megatron.core (jit_fuser) is here
-        modules = [importlib.import_module(name) for name in _PATCHED_MODULES]
-    for module_name, module in zip(_PATCHED_MODULES, modules):
+    for module_name in _PATCHED_MODULES:
+        module = importlib.import_module(module_name)
         assert module.torch is torch or module.torch is proxy, module_name
         module.torch = proxy
     random_module = sys.modules["megatron.core.tensor_parallel.random"]
