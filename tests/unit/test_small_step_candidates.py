@@ -81,6 +81,14 @@ def _simulated(step, lengths, config):
     return simulate_step(ranks, parallel.pp_size, parallel.vpp_size).step_time
 
 
+def _random_step(seed, dp, per_rank, layout, cap, overhead, rows, spread):
+    """A random small step: long-tailed lengths under the cap, and its planner config."""
+    rng = random.Random(seed)
+    lengths = [min(cap, max(1, int(rng.lognormvariate(6.5, spread)))) for _ in range(dp * per_rank)]
+    pp, vpp = layout
+    return lengths, _config(cap, dp, pp, vpp, overhead, rows)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 2**30),
@@ -95,11 +103,7 @@ def _simulated(step, lengths, config):
 def test_never_slower_than_todays_planner_on_random_small_steps(
     seed, dp, per_rank, layout, cap, overhead, rows, spread
 ):
-    rng = random.Random(seed)
-    n = dp * per_rank
-    lengths = [min(cap, max(1, int(rng.lognormvariate(6.5, spread)))) for _ in range(n)]
-    pp, vpp = layout
-    config = _config(cap, dp, pp, vpp, overhead, rows)
+    lengths, config = _random_step(seed, dp, per_rank, layout, cap, overhead, rows, spread)
     new = plan_schedule(lengths, config=config)
     with todays_planner():
         old = plan_schedule(lengths, config=config)
@@ -328,11 +332,7 @@ def test_refinement_never_slower_than_the_planner_before_it(
     """Issue 45: samples moved within a rank and micro-batches reordered only where the slowest
     rank's pipeline gets faster; the step replayed by the simulator is never slower, every plan
     passes check_plan, and the plan is the same on every call (every rank derives it)."""
-    rng = random.Random(seed)
-    n = dp * per_rank
-    lengths = [min(cap, max(1, int(rng.lognormvariate(6.5, spread)))) for _ in range(n)]
-    pp, vpp = layout
-    config = _config(cap, dp, pp, vpp, overhead, rows)
+    lengths, config = _random_step(seed, dp, per_rank, layout, cap, overhead, rows, spread)
     new = plan_schedule(lengths, config=config)
     assert plan_schedule(lengths, config=config) == new
     with planner_before_refinement():
