@@ -18,6 +18,7 @@ import sys
 import time
 import types
 import typing
+from functools import partial
 
 import pytest
 import torch
@@ -296,32 +297,31 @@ def torchrun(nproc, script, args, *, env=None, log_path):
 LAUNCHES_AT_ONCE = 2
 
 
+def side_by_side(calls):
+    """Call each of ``calls`` (no arguments), :data:`LAUNCHES_AT_ONCE` at a time; results in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=LAUNCHES_AT_ONCE) as pool:
+        futures = [pool.submit(call) for call in calls]
+        return [future.result() for future in futures]
+
+
 def torchrun_chains(chains):
-    """Run chains of launches, chains side by side (:data:`LAUNCHES_AT_ONCE`), each in order.
+    """Run chains of launches side by side (:func:`side_by_side`), each chain in order.
 
     Args:
-        chains: ``{name: [launch, ...]}``; a launch is a callable taking the results so far of its
-            own chain and returning :func:`torchrun`'s ``(rc, log, seconds)`` (a later launch may
-            read an earlier one's), or a tuple of :func:`torchrun`'s arguments and keywords.
+        chains: ``{name: [launch, ...]}``; a launch is a tuple of :func:`torchrun`'s arguments
+            with its keywords last.
 
     Returns:
         ``{name: [(rc, log, seconds), ...]}`` in each chain's order.
     """
-    from concurrent.futures import ThreadPoolExecutor
 
     def run(chain):
-        done = []
-        for launch in chain:
-            if callable(launch):
-                done.append(launch(done))
-            else:
-                *args, kwargs = launch
-                done.append(torchrun(*args, **kwargs))
-        return done
+        return [torchrun(*args, **kwargs) for *args, kwargs in chain]
 
-    with ThreadPoolExecutor(max_workers=LAUNCHES_AT_ONCE) as pool:
-        futures = {name: pool.submit(run, chain) for name, chain in chains.items()}
-        return {name: future.result() for name, future in futures.items()}
+    results = side_by_side([partial(run, chain) for chain in chains.values()])
+    return dict(zip(chains, results, strict=True))
 
 
 def parse_ok(rc, log):

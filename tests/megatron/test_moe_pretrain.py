@@ -10,17 +10,17 @@ mean of per-micro-batch means, a grouping-dependent report, and is not compared.
 """
 
 import socket
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import pytest
 
 from tests._support import (
-    LAUNCHES_AT_ONCE,
     REPO,
     TORCHRUN_TIMEOUT_S,
     assert_same_training,
     compare_runs,
     run_shell,
+    side_by_side,
 )
 
 pytestmark = pytest.mark.torchrun
@@ -54,10 +54,9 @@ def _train(batching: str, log_path) -> dict:
 
 
 def test_moe_with_z_loss_trains_like_fixed_micro_batches(tmp_path):
-    with ThreadPoolExecutor(max_workers=LAUNCHES_AT_ONCE) as pool:  # two launches side by side
-        dynamic, fixed = pool.map(
-            _train, ("dynamic", "fixed"), (tmp_path / "dynamic.log", tmp_path / "fixed.log")
-        )
+    dynamic, fixed = side_by_side(  # two launches side by side
+        [partial(_train, mode, tmp_path / f"{mode}.log") for mode in ("dynamic", "fixed")]
+    )
     # The dynamic run packs rows (fewer computed tokens than fixed's padded ones) and pads them.
     assert any(record["computed"] > record["real"] for record in dynamic["iterations"].values())
     assert_same_training(dynamic, fixed, tolerance=1e-5)

@@ -14,13 +14,12 @@ Launches are few and tiny (hidden 32-64, 2-4 layers, seq <= 256): each costs ~10
 import re
 import shlex
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import pytest
 
 from tests._support import (
     LAUNCH,
-    LAUNCHES_AT_ONCE,
     REPO,
     TORCHRUN_TIMEOUT_S,
     assert_same_training,
@@ -29,6 +28,7 @@ from tests._support import (
     parse_ok,
     readme_block,
     run_shell,
+    side_by_side,
     torchrun,
     torchrun_chains,
 )
@@ -388,20 +388,21 @@ def test_readme_megatron_lm_commands(readme_workdir):
     env = {"OUT": str(demo_out), "DATA_DIR": str(readme_workdir / "data")}
     # The train block and the demo (its own four trainings) side by side: they only read the
     # corpus the data block built, and write to their own directories.
-    with ThreadPoolExecutor(max_workers=LAUNCHES_AT_ONCE) as pool:
-        trained = pool.submit(
-            run_shell, train, readme_workdir, out / "train.log", timeout_s=TORCHRUN_TIMEOUT_S
-        )
-        demo = pool.submit(
-            run_shell,
-            shlex.join(["bash", "scripts/demo.sh", *_README_SIZES]),
-            REPO,
-            out / "demo.log",
-            env=env,
-            timeout_s=2 * TORCHRUN_TIMEOUT_S,
-        )
-        trained.result()
-        demo = demo.result()
+    _, demo = side_by_side(
+        [
+            partial(
+                run_shell, train, readme_workdir, out / "train.log", timeout_s=TORCHRUN_TIMEOUT_S
+            ),
+            partial(
+                run_shell,
+                shlex.join(["bash", "scripts/demo.sh", *_README_SIZES]),
+                REPO,
+                out / "demo.log",
+                env=env,
+                timeout_s=2 * TORCHRUN_TIMEOUT_S,
+            ),
+        ]
+    )
     assert "=== dynamic micro-batches" in demo and "=== fixed micro-batches" in demo
     assert "=== a quarter of the memory" in demo
     assert re.search(r"iteration +6/ +6 .*micro-batches/rank: \d+ \[\d+x\d+\]", demo)
