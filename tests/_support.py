@@ -291,6 +291,21 @@ def torchrun(nproc, script, args, *, env=None, log_path):
     return result.returncode, result.stdout, time.monotonic() - started
 
 
+#: A Hugging Face ``config.json``'s model fields of a Qwen2-style 0.5B-class dense model, and the
+#: fields that make it a small MoE: the hosts' memory budgets at config time read them.
+QWEN2_05B_HF = {
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+}
+SMALL_MOE_HF = {"num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 512}
+
+
 #: Independent launches of one fixture run this many at a time. A launch keeps the 2 cores busy
 #: only about half its time (torchrun's agent starts alone, ranks wait on each other in the
 #: pipeline): two at once fill the gaps. Each launch still gets its own free port and log.

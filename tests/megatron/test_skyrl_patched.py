@@ -62,7 +62,14 @@ from megatron_dynbatch.tools.testing.workers import (  # noqa: E402
     Layout,
     run_on_ranks,
 )
-from tests._support import host_patches, patched_copy, relative_error, stock_copy  # noqa: E402
+from tests._support import (  # noqa: E402
+    QWEN2_05B_HF,
+    SMALL_MOE_HF,
+    host_patches,
+    patched_copy,
+    relative_error,
+    stock_copy,
+)
 
 pytestmark = pytest.mark.skyrl
 
@@ -1024,18 +1031,7 @@ def test_memory_budget_is_planned_in_validate_cfg_naming_trainer_max_memory_gib(
     import json
     import re
 
-    hf = {
-        "hidden_size": 896,
-        "intermediate_size": 4864,
-        "num_hidden_layers": 24,
-        "num_attention_heads": 14,
-        "num_key_value_heads": 2,
-        "vocab_size": 151936,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-    }
-    if moe:
-        hf.update(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=512)
+    hf = dict(QWEN2_05B_HF, **(SMALL_MOE_HF if moe else {}))
     (tmp_path / "config.json").write_text(json.dumps(hf))
     base = MEGATRON_ON + [
         f"trainer.policy.model.path={tmp_path}",

@@ -51,7 +51,13 @@ from megatron_dynbatch.tools.testing.workers import (  # noqa: E402
     Layout,
     run_on_ranks,
 )
-from tests._support import patched_copy, relative_error, stock_copy  # noqa: E402
+from tests._support import (  # noqa: E402
+    QWEN2_05B_HF,
+    SMALL_MOE_HF,
+    patched_copy,
+    relative_error,
+    stock_copy,
+)
 
 pytestmark = pytest.mark.verl
 
@@ -949,23 +955,10 @@ def test_config_refusals_happen_in_verls_own_config_parser(patched_verl):
 #: a small Qwen3-MoE-style one), for the memory budget at config time.
 DENSE_CONFIG = {
     "architectures": ["Qwen2ForCausalLM"],
-    "hidden_size": 896,
-    "intermediate_size": 4864,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 14,
-    "num_key_value_heads": 2,
-    "vocab_size": 151936,
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-6,
+    **QWEN2_05B_HF,
     "tie_word_embeddings": True,
 }
-MOE_CONFIG = dict(
-    DENSE_CONFIG,
-    architectures=["Qwen3MoeForCausalLM"],
-    num_experts=16,
-    num_experts_per_tok=4,
-    moe_intermediate_size=512,
-)
+MOE_CONFIG = dict(DENSE_CONFIG, architectures=["Qwen3MoeForCausalLM"], **SMALL_MOE_HF)
 
 
 @needs_verl
