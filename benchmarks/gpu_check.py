@@ -176,6 +176,15 @@ def free_port() -> int:
 # --------------------------------------------------------------------------- corpus
 
 
+def equal_token_documents(data_dir: pathlib.Path, tokens: int, multiple: int) -> int:
+    """Documents a step holding about ``tokens`` tokens (the corpus's mean document, its end-of-
+    document token included), a multiple of ``multiple`` (fixed's micro-batch size)."""
+    with open(data_dir / "longtail.jsonl", encoding="utf-8") as handle:
+        lengths = [len(json.loads(line)["text"].encode("utf-8")) + 1 for line in handle]
+    mean = sum(lengths) / len(lengths)
+    return max(multiple, multiple * round(tokens / mean / multiple))
+
+
 def make_corpus(data_dir: pathlib.Path, documents: int, seq_length: int, seed: int) -> str:
     """A long-tail corpus: ``documents`` lengths from a log-normal (median seq/8), text from pydoc."""
     from pydoc_data.topics import topics
@@ -269,8 +278,13 @@ def measured_peak(run: Dict) -> Optional[float]:
 
 
 #: bf16 losses of dynamic packed and fixed (same samples, other groupings and kernels) agree
-#: within this relative difference; stated, not a pass condition (bf16 sums in another order).
+#: within this relative difference over the first BF16_LOSS_ITERATIONS iterations; stated, not a
+#: pass condition (bf16 sums in another order). Later iterations are reported, not judged: the
+#: first H100 run showed two runs of the same arithmetic up to rounding (dynamic packed and
+#: padded) 0.3% apart at iteration 8 and 6% at iteration 10, as this short, loss-spiking run
+#: amplifies rounding. The exactness check is the fp32 one.
 BF16_LOSS_TOLERANCE = 2e-2
+BF16_LOSS_ITERATIONS = 3
 
 #: The arms: name -> (BATCHING of the launch script, extra flags).
 ARMS = {
@@ -303,10 +317,11 @@ def timing(run: Dict, first: int, real: Dict[int, float]) -> Dict[str, float]:
     }
 
 
-def loss_agreement(dynamic: Dict, fixed: Dict) -> float:
+def loss_agreement(dynamic: Dict, fixed: Dict, upto: Optional[int] = None) -> float:
+    """The largest relative loss difference over the iterations both ran (up to ``upto``)."""
     worst = 0.0
     d, f = dynamic["parsed"]["iterations"], fixed["parsed"]["iterations"]
-    for i in sorted(set(d) & set(f)):
+    for i in sorted(i for i in set(d) & set(f) if upto is None or i <= upto):
         a, b = d[i].get("loss"), f[i].get("loss")
         if a is not None and b is not None:
             worst = max(worst, abs(a - b) / max(abs(b), 1e-12))
@@ -346,7 +361,17 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--fp32-iters", type=int, default=None, help="fp32 runs (default 4; tiny 3)"
     )
-    parser.add_argument("--global-batch-size", type=int, default=None)
+    parser.add_argument(
+        "--global-batch-size", type=int, default=None, help="windows a step, stock arms"
+    )
+    parser.add_argument(
+        "--documents-per-step",
+        type=int,
+        default=None,
+        help="documents a step, fixed and dynamic arms (default on a GPU: as many tokens a step "
+        "as the stock arms' windows hold, from the corpus's mean document; --tiny: "
+        "--global-batch-size)",
+    )
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--documents", type=int, default=20000)
     parser.add_argument("--tolerance", type=float, default=1e-5)
@@ -385,8 +410,18 @@ def main(argv=None) -> int:
     print(f"[gpu_check] {json.dumps(machine)}", flush=True)
 
     data = make_corpus(out / "data", options.documents, seq, seed=1234)
+    docs = options.documents_per_step or (
+        gbs if options.tiny else equal_token_documents(out / "data", gbs * seq, mbs)
+    )
+    options.documents_per_step = docs
+    # A step of documents holds as many tokens as a step of stock windows (unless asked
+    # otherwise): what is fixed per optimizer step (the step itself, gradient reduction,
+    # Megatron's bookkeeping) weighs the same in every arm, as for a user who sizes a step in
+    # tokens.
+    windows = ["--global-batch-size", str(gbs)]
+    documents = ["--global-batch-size", str(docs)]
     common = [x for pair in model.items() for x in pair]
-    common += ["--pipeline-model-parallel-size", "1", "--global-batch-size", str(gbs)]
+    common += ["--pipeline-model-parallel-size", "1"]
     common += ["--micro-batch-size", str(mbs), "--eval-iters", "1", "--eval-interval", "1000"]
     # One learning-rate schedule for every arm, whatever its --train-iters: the schedule spans
     # the longest run (warm-up 10% of it), so iteration k has the same rate in every run and the
@@ -403,8 +438,10 @@ def main(argv=None) -> int:
     runs: Dict[str, Dict] = {}
     for name in [n for n in ("fixed", "stock", "stock-masked") if n in arms]:
         batching, extra = ARMS[name]
+        per_step = documents if name == "fixed" else windows
         runs[name] = launch(
-            name, batching, common + flash + extra + ["--train-iters", str(baseline_iters)],
+            name, batching,
+            common + per_step + flash + extra + ["--train-iters", str(baseline_iters)],
             data, out,
         )  # fmt: skip
     stock_peak = measured_peak(runs["stock-masked"]) if "stock-masked" in runs else None
@@ -414,7 +451,7 @@ def main(argv=None) -> int:
     for name in [n for n in ("dynamic-packed", "dynamic-padded") if n in arms]:
         _, extra = ARMS[name]
         runs[name] = _dynamic(
-            common + flash + extra + budget_args + ["--train-iters", str(iters)],
+            common + documents + flash + extra + budget_args + ["--train-iters", str(iters)],
             token_budget, data, out, name=name,
         )  # fmt: skip
     kernels = None if options.no_kernels else kernel_check(out, options.tiny)
@@ -427,12 +464,13 @@ def main(argv=None) -> int:
     elif not options.no_fp32:
         reference = ["--dynamic-batch-attention", "reference"]
         runs["fixed-fp32"] = launch(
-            "fixed-fp32", "fixed", common + reference + ["--train-iters", str(fp32_iters)],
+            "fixed-fp32", "fixed",
+            common + documents + reference + ["--train-iters", str(fp32_iters)],
             data, out,
         )  # fmt: skip
         # One --seq-length row a micro-batch: the reference is dense (a [t, t] score matrix).
         runs["dynamic-fp32"] = _dynamic(
-            common + reference + ["--train-iters", str(fp32_iters)], seq, data, out,
+            common + documents + reference + ["--train-iters", str(fp32_iters)], seq, data, out,
             name="dynamic-fp32",
         )  # fmt: skip
 
@@ -464,11 +502,13 @@ def _dynamic(
             os.environ["MAX_TOKENS_PER_GPU"] = env_budget
 
 
-def _real_and_computed(name: str, run: Dict, dynamic_real: Dict[int, float], gbs: int, seq: int):
+def _real_and_computed(
+    name: str, run: Dict, dynamic_real: Dict[int, float], gbs: int, seq: int, docs: int
+):
     """Real and computed tokens per iteration of an arm.
 
     Dynamic arms log both. ``fixed`` trains the same samples as dynamic (their real tokens) in
-    ``gbs`` rows of ``seq``. The stock arms train ``gbs`` full windows of ``seq`` document tokens.
+    ``docs`` rows of ``seq``. The stock arms train ``gbs`` full windows of ``seq`` document tokens.
     """
     iterations = run["parsed"]["iterations"]
     if name.startswith("dynamic"):
@@ -476,7 +516,7 @@ def _real_and_computed(name: str, run: Dict, dynamic_real: Dict[int, float], gbs
         computed = {i: r.get("computed") for i, r in iterations.items()}
     elif name.startswith("fixed"):
         real = {i: dynamic_real.get(i) for i in iterations}
-        computed = {i: gbs * seq for i in iterations}
+        computed = {i: docs * seq for i in iterations}
     else:
         real = {i: gbs * seq for i in iterations}
         computed = dict(real)
@@ -501,7 +541,9 @@ def render(
     for name in names:
         run = runs[name]
         start = first["dynamic" if name.startswith("dynamic") else "baseline"]
-        real, computed = _real_and_computed(name, run, dynamic_real, gbs, seq)
+        real, computed = _real_and_computed(
+            name, run, dynamic_real, gbs, seq, options.documents_per_step
+        )
         t = timing(run, start, real)
         chosen = [i for i in run["parsed"]["iterations"] if i >= start]
         predicted = [run["peaks"][i][0] for i in chosen if i in run["peaks"]]
@@ -544,8 +586,11 @@ def render(
         f"| model | GPT {model['--num-layers']} layers, hidden {model['--hidden-size']}, "
         f"{model['--num-attention-heads']} heads, seq {seq}, byte tokens |",
         f"| attention, every arm | `--dynamic-batch-attention {attention}`: {what} |",
-        f"| fixed, stock | `[{options.micro_batch_size}x{seq}]`, {gbs} samples / windows a step |",
-        f"| dynamic | --max-tokens-per-gpu {token_budget}"
+        f"| stock | `[{options.micro_batch_size}x{seq}]`, {gbs} windows a step |",
+        f"| fixed | `[{options.micro_batch_size}x{seq}]`, {options.documents_per_step} documents "
+        "a step (every one padded to the row) |",
+        f"| dynamic | {options.documents_per_step} documents a step (the same as fixed) |",
+        f"| dynamic budgets | --max-tokens-per-gpu {token_budget}"
         + (
             f", --max-memory-gib {memory_budget:.3f} (stock-masked's measured peak)"
             if memory_budget
@@ -574,14 +619,15 @@ def render(
         )
     kind = "fp32 (--tiny)" if options.tiny else "bf16"
     if {"fixed", "dynamic-packed"} <= set(runs):
-        bf16 = loss_agreement(runs["dynamic-packed"], runs["fixed"])
+        early = loss_agreement(runs["dynamic-packed"], runs["fixed"], BF16_LOSS_ITERATIONS)
+        whole = loss_agreement(runs["dynamic-packed"], runs["fixed"])
         lines += [
             "",
-            f"Loss, {kind} runs (dynamic-packed vs fixed, same samples and learning rates, "
-            f"iterations both ran): largest relative difference {bf16:.2e} (stated bf16 "
-            f"tolerance {BF16_LOSS_TOLERANCE:g}: "
-            + ("within" if bf16 <= BF16_LOSS_TOLERANCE else "**over**")
-            + ")",
+            f"Loss, {kind} runs (dynamic-packed vs fixed, same samples and learning rates): "
+            f"largest relative difference {early:.2e} over iterations 1-{BF16_LOSS_ITERATIONS} "
+            f"(stated bf16 tolerance {BF16_LOSS_TOLERANCE:g}: "
+            + ("within" if early <= BF16_LOSS_TOLERANCE else "**over**")
+            + f"), {whole:.2e} over every iteration both ran (reported, not judged)",
         ]
     else:
         lines += ["", f"Loss, {kind} runs: not compared (fixed or dynamic-packed not run)"]
