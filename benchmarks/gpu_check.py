@@ -19,9 +19,13 @@ torch's flash kernels (``--dynamic-batch-attention torch-varlen``; none pays Meg
 4. ``dynamic-packed``: dynamic batching, packed THD rows (the CUDA default), at **equal measured
    memory**: ``--max-memory-gib`` = the stock-masked run's measured peak, a token budget twice
    ``MBS x S`` (so memory binds), calibration on;
-5. ``dynamic-padded``: dynamic batching with ``--dynamic-batch-layout padded``, same budgets;
+5. ``dynamic-padded``: dynamic batching with ``--dynamic-batch-layout padded``, same budgets
+   (with ``--tiny`` by default; on a GPU only with ``--arms``: one row length a step, the
+   longest document's, made it the slowest launch of the first H100 run, docs/gpu.md);
 
-then a kernel check (``benchmarks/varlen_kernel_check.py``: the torch-varlen module against the
+stock trains ``--global-batch-size`` windows a step, fixed and dynamic as many tokens a step in
+whole documents (``--documents-per-step``), every arm on one learning-rate schedule; then a
+kernel check (``benchmarks/varlen_kernel_check.py``: the torch-varlen module against the
 reference module on random packed batches, outputs and gradients, stated bf16 / fp32
 tolerances), and the loss check: dynamic packed against fixed on the same samples in fp32 with
 the reference attention (flash kernels take bf16 / fp16 only), within ``--tolerance``.
@@ -296,6 +300,13 @@ ARMS = {
 }
 
 
+#: The arms run when --arms is not given, by --tiny.
+DEFAULT_ARMS = {
+    True: ",".join(ARMS),
+    False: ",".join(a for a in ARMS if a != "dynamic-padded"),
+}
+
+
 def timing(run: Dict, first: int, real: Dict[int, float]) -> Dict[str, float]:
     """Mean time per iteration (ms), real tokens/s and computed tokens over iterations ``first``+.
 
@@ -380,12 +391,15 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "--arms",
-        default=",".join(ARMS),
-        help="comma-separated arms to run (default: all; stock-masked sets the memory budget, "
-        "dynamic-packed the real tokens fixed trains)",
+        default=None,
+        help="comma-separated arms to run (default: all with --tiny; on a GPU all but "
+        "dynamic-padded, whose one row length a step makes it the slowest launch; stock-masked "
+        "sets the memory budget, dynamic-packed the real tokens fixed trains)",
     )
     parser.add_argument("--no-kernels", action="store_true", help="skip the kernel check")
     options = parser.parse_args(argv)
+    if options.arms is None:
+        options.arms = DEFAULT_ARMS[options.tiny]
     arms = [a for a in options.arms.split(",") if a]
     unknown = sorted(set(arms) - set(ARMS))
     if unknown or not arms:
@@ -463,14 +477,16 @@ def main(argv=None) -> int:
         runs["fixed-fp32"], runs["dynamic-fp32"] = runs["fixed"], runs["dynamic-packed"]
     elif not options.no_fp32:
         reference = ["--dynamic-batch-attention", "reference"]
+        # Exactness needs the same samples, not a large step: --global-batch-size documents (the
+        # dense fp32 reference costs seconds a step).
         runs["fixed-fp32"] = launch(
             "fixed-fp32", "fixed",
-            common + documents + reference + ["--train-iters", str(fp32_iters)],
+            common + windows + reference + ["--train-iters", str(fp32_iters)],
             data, out,
         )  # fmt: skip
         # One --seq-length row a micro-batch: the reference is dense (a [t, t] score matrix).
         runs["dynamic-fp32"] = _dynamic(
-            common + documents + reference + ["--train-iters", str(fp32_iters)], seq, data, out,
+            common + windows + reference + ["--train-iters", str(fp32_iters)], seq, data, out,
             name="dynamic-fp32",
         )  # fmt: skip
 
@@ -573,7 +589,7 @@ def render(
         "",
         "Command: `python benchmarks/gpu_check.py "
         + ("--tiny " if options.tiny else "--wheels .whl ")
-        + ("" if options.arms == ",".join(ARMS) else f"--arms {options.arms} ")
+        + ("" if options.arms == DEFAULT_ARMS[options.tiny] else f"--arms {options.arms} ")
         + ("--no-kernels " if options.no_kernels else "")
         + ("--no-fp32 " if options.no_fp32 else "")
         + "--report REPORT`",
