@@ -72,8 +72,10 @@ def packed_seq_params_from_batch(batch: dict):
             f"THD packing needs micro_batch_size 1, got a [{tokens.shape[0]}, {tokens.shape[1]}] "
             "micro-batch; use --dynamic-batch-layout packed, or the attention mask for padded rows."
         )
-    cu_seqlens = batch["cu_seqlens"].to(device=tokens.device, dtype=torch.int32)
-    max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    given = batch["cu_seqlens"]
+    # Read from the materializer's copy (host memory) before the move: no device sync.
+    max_seqlen = int((given[1:] - given[:-1]).max())
+    cu_seqlens = given.to(device=tokens.device, dtype=torch.int32)
     return thd_packed_seq_params(cu_seqlens, max_seqlen, padded=cu_seqlens)
 
 
