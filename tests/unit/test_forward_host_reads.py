@@ -13,6 +13,7 @@ from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
 
 apply_cpu_shim()  # importing megatron.core needs the triton stand-in on this machine
 
+from megatron_dynbatch.errors import DynBatchValueError  # noqa: E402
 from megatron_dynbatch.mcore.forward import _attention  # noqa: E402
 
 pytestmark = pytest.mark.unit
@@ -35,7 +36,7 @@ def test_packed_row_boundaries_are_read_from_the_host_copy():
     assert mask is None
     assert params.max_seqlen_q == params.max_seqlen_kv == 5
     assert params.cu_seqlens_q.device.type == "meta"  # the kernel gets the device copy
-    with pytest.raises(Exception):  # noqa: B017 - the meta copy cannot be read: what is shown
+    with pytest.raises(RuntimeError, match="meta tensors"):  # the moved copy cannot be read
         _attention(_on_meta(host), True)
 
 
@@ -44,5 +45,5 @@ def test_padded_rows_are_checked_on_the_host_copy():
     host["segment_ids"] = torch.tensor([[0] * 10 + [1] * 2, [0] * 12])
     assert _attention(_on_meta(host), True, host) == (None, None)
     host["segment_ids"][0, :3] = 2  # several samples in a row: refused, from the host copy
-    with pytest.raises(ValueError, match="reached THD attention"):
+    with pytest.raises(DynBatchValueError, match="reached THD attention"):
         _attention(_on_meta(host), True, host)
