@@ -180,3 +180,18 @@ def test_pipeline_makespan_is_the_simulators_on_random_costs():
         assert pipeline_makespan(fwd, pp, vpp, group) == pytest.approx(expected, rel=1e-12)
         checked += 1
     assert checked > 100
+
+
+def test_relaxed_rank_tents_and_estimate():
+    """benchmarks.gpu_regime_relaxed: its starting tents add up and keep the row's ceiling, and
+    its estimate (a schedule it replays) is never below the bound."""
+    from benchmarks import gpu_regime, gpu_regime_relaxed
+
+    loads = gpu_regime_relaxed._tent(12, 5, 0.1, 30.0, 4.0)
+    assert sum(loads) == pytest.approx(30.0)
+    assert max(loads) <= 4.0 + 1e-9 and loads[5] == pytest.approx(max(loads))
+    assert loads[0] < loads[4] and loads[-1] < loads[6]
+    assert gpu_regime_relaxed._tent(3, 1, 0.5, 30.0, 4.0) is None
+    case = next(c for c in gpu_regime.cases(0) if c.label == "7b grpo vpp1 dp16")
+    with mock.patch.object(gpu_regime_relaxed, "STEPS", 20):
+        assert gpu_regime_relaxed.relaxed_rank(case, 1) > 1.0
