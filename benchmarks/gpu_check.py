@@ -19,9 +19,13 @@ torch's flash kernels (``--dynamic-batch-attention torch-varlen``; none pays Meg
 4. ``dynamic-packed``: dynamic batching, packed THD rows (the CUDA default), at **equal measured
    memory**: ``--max-memory-gib`` = the stock-masked run's measured peak, a token budget twice
    ``MBS x S`` (so memory binds), calibration on;
-5. ``dynamic-padded``: dynamic batching with ``--dynamic-batch-layout padded``, same budgets;
+5. ``dynamic-padded``: dynamic batching with ``--dynamic-batch-layout padded``, same budgets
+   (with ``--tiny`` by default; on a GPU only with ``--arms``: one row length a step, the
+   longest document's, made it the slowest launch of the first H100 run, docs/gpu.md);
 
-then a kernel check (``benchmarks/varlen_kernel_check.py``: the torch-varlen module against the
+stock trains ``--global-batch-size`` windows a step, fixed and dynamic as many tokens a step in
+whole documents (``--documents-per-step``), every arm on one learning-rate schedule; then a
+kernel check (``benchmarks/varlen_kernel_check.py``: the torch-varlen module against the
 reference module on random packed batches, outputs and gradients, stated bf16 / fp32
 tolerances), and the loss check: dynamic packed against fixed on the same samples in fp32 with
 the reference attention (flash kernels take bf16 / fp16 only), within ``--tolerance``.
@@ -176,6 +180,15 @@ def free_port() -> int:
 # --------------------------------------------------------------------------- corpus
 
 
+def equal_token_documents(data_dir: pathlib.Path, tokens: int, multiple: int) -> int:
+    """Documents a step holding about ``tokens`` tokens (the corpus's mean document, its end-of-
+    document token included), a multiple of ``multiple`` (fixed's micro-batch size)."""
+    with open(data_dir / "longtail.jsonl", encoding="utf-8") as handle:
+        lengths = [len(json.loads(line)["text"].encode("utf-8")) + 1 for line in handle]
+    mean = sum(lengths) / len(lengths)
+    return max(multiple, multiple * round(tokens / mean / multiple))
+
+
 def make_corpus(data_dir: pathlib.Path, documents: int, seq_length: int, seed: int) -> str:
     """A long-tail corpus: ``documents`` lengths from a log-normal (median seq/8), text from pydoc."""
     from pydoc_data.topics import topics
@@ -269,8 +282,13 @@ def measured_peak(run: Dict) -> Optional[float]:
 
 
 #: bf16 losses of dynamic packed and fixed (same samples, other groupings and kernels) agree
-#: within this relative difference; stated, not a pass condition (bf16 sums in another order).
+#: within this relative difference over the first BF16_LOSS_ITERATIONS iterations; stated, not a
+#: pass condition (bf16 sums in another order). Later iterations are reported, not judged: the
+#: first H100 run showed two runs of the same arithmetic up to rounding (dynamic packed and
+#: padded) 0.3% apart at iteration 8 and 6% at iteration 10, as this short, loss-spiking run
+#: amplifies rounding. The exactness check is the fp32 one.
 BF16_LOSS_TOLERANCE = 2e-2
+BF16_LOSS_ITERATIONS = 3
 
 #: The arms: name -> (BATCHING of the launch script, extra flags).
 ARMS = {
@@ -279,6 +297,13 @@ ARMS = {
     "stock-masked": ("stock", ["--dataloader-inter-document-masking"]),
     "dynamic-packed": ("dynamic", ["--dynamic-batch-layout", "packed"]),
     "dynamic-padded": ("dynamic", ["--dynamic-batch-layout", "padded"]),
+}
+
+
+#: The arms run when --arms is not given, by --tiny.
+DEFAULT_ARMS = {
+    True: ",".join(ARMS),
+    False: ",".join(a for a in ARMS if a != "dynamic-padded"),
 }
 
 
@@ -303,10 +328,11 @@ def timing(run: Dict, first: int, real: Dict[int, float]) -> Dict[str, float]:
     }
 
 
-def loss_agreement(dynamic: Dict, fixed: Dict) -> float:
+def loss_agreement(dynamic: Dict, fixed: Dict, upto: Optional[int] = None) -> float:
+    """The largest relative loss difference over the iterations both ran (up to ``upto``)."""
     worst = 0.0
     d, f = dynamic["parsed"]["iterations"], fixed["parsed"]["iterations"]
-    for i in sorted(set(d) & set(f)):
+    for i in sorted(i for i in set(d) & set(f) if upto is None or i <= upto):
         a, b = d[i].get("loss"), f[i].get("loss")
         if a is not None and b is not None:
             worst = max(worst, abs(a - b) / max(abs(b), 1e-12))
@@ -346,14 +372,40 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--fp32-iters", type=int, default=None, help="fp32 runs (default 4; tiny 3)"
     )
-    parser.add_argument("--global-batch-size", type=int, default=None)
+    parser.add_argument(
+        "--global-batch-size", type=int, default=None, help="windows a step, stock arms"
+    )
+    parser.add_argument(
+        "--documents-per-step",
+        type=int,
+        default=None,
+        help="documents a step, fixed and dynamic arms (default on a GPU: as many tokens a step "
+        "as the stock arms' windows hold, from the corpus's mean document; --tiny: "
+        "--global-batch-size)",
+    )
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--documents", type=int, default=20000)
     parser.add_argument("--tolerance", type=float, default=1e-5)
     parser.add_argument(
         "--no-fp32", action="store_true", help="skip the fp32 loss runs (a quick smoke test)"
     )
+    parser.add_argument(
+        "--arms",
+        default=None,
+        help="comma-separated arms to run (default: all with --tiny; on a GPU all but "
+        "dynamic-padded, whose one row length a step makes it the slowest launch; stock-masked "
+        "sets the memory budget, dynamic-packed the real tokens fixed trains)",
+    )
+    parser.add_argument("--no-kernels", action="store_true", help="skip the kernel check")
     options = parser.parse_args(argv)
+    if options.arms is None:
+        options.arms = DEFAULT_ARMS[options.tiny]
+    arms = [a for a in options.arms.split(",") if a]
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown or not arms:
+        parser.error(f"--arms {options.arms!r}: choose among {', '.join(ARMS)}")
+    if "dynamic-packed" not in arms and "fixed" in arms:
+        parser.error("--arms: fixed trains dynamic-packed's samples; run dynamic-packed with it")
 
     out = options.out
     out.mkdir(parents=True, exist_ok=True)
@@ -372,9 +424,23 @@ def main(argv=None) -> int:
     print(f"[gpu_check] {json.dumps(machine)}", flush=True)
 
     data = make_corpus(out / "data", options.documents, seq, seed=1234)
+    docs = options.documents_per_step or (
+        gbs if options.tiny else equal_token_documents(out / "data", gbs * seq, mbs)
+    )
+    options.documents_per_step = docs
+    # A step of documents holds as many tokens as a step of stock windows (unless asked
+    # otherwise): what is fixed per optimizer step (the step itself, gradient reduction,
+    # Megatron's bookkeeping) weighs the same in every arm, as for a user who sizes a step in
+    # tokens.
+    windows = ["--global-batch-size", str(gbs)]
+    documents = ["--global-batch-size", str(docs)]
     common = [x for pair in model.items() for x in pair]
-    common += ["--pipeline-model-parallel-size", "1", "--global-batch-size", str(gbs)]
+    common += ["--pipeline-model-parallel-size", "1"]
     common += ["--micro-batch-size", str(mbs), "--eval-iters", "1", "--eval-interval", "1000"]
+    # One learning-rate schedule for every arm, whatever its --train-iters: the schedule spans
+    # the longest run (warm-up 10% of it), so iteration k has the same rate in every run and the
+    # bf16 losses of runs of different lengths compare.
+    common += ["--lr-decay-iters", str(max(iters, baseline_iters, fp32_iters))]
     if gpu:
         # A gentler learning rate than the CPU demo's: bf16 on the larger model must not diverge.
         common += GPU_FLAGS + ["--lr", "3e-4", "--min-lr", "3e-5"]
@@ -384,36 +450,43 @@ def main(argv=None) -> int:
     flash = precision + ["--dynamic-batch-attention", attention]
 
     runs: Dict[str, Dict] = {}
-    for name in ("fixed", "stock", "stock-masked"):
+    for name in [n for n in ("fixed", "stock", "stock-masked") if n in arms]:
         batching, extra = ARMS[name]
+        per_step = documents if name == "fixed" else windows
         runs[name] = launch(
-            name, batching, common + flash + extra + ["--train-iters", str(baseline_iters)],
+            name, batching,
+            common + per_step + flash + extra + ["--train-iters", str(baseline_iters)],
             data, out,
         )  # fmt: skip
-    stock_peak = measured_peak(runs["stock-masked"])
+    stock_peak = measured_peak(runs["stock-masked"]) if "stock-masked" in runs else None
     token_budget = 2 * mbs * seq
     memory_budget = stock_peak / 1024.0 if stock_peak else None
     budget_args = ["--max-memory-gib", f"{memory_budget:.4f}"] if memory_budget else []
-    for name in ("dynamic-packed", "dynamic-padded"):
+    for name in [n for n in ("dynamic-packed", "dynamic-padded") if n in arms]:
         _, extra = ARMS[name]
         runs[name] = _dynamic(
-            common + flash + extra + budget_args + ["--train-iters", str(iters)],
+            common + documents + flash + extra + budget_args + ["--train-iters", str(iters)],
             token_budget, data, out, name=name,
         )  # fmt: skip
-    kernels = kernel_check(out, options.tiny)
-    if not options.no_fp32 and not gpu:
+    kernels = None if options.no_kernels else kernel_check(out, options.tiny)
+    if not {"fixed", "dynamic-packed"} <= set(runs):
+        pass  # the loss check compares these two
+    elif not options.no_fp32 and not gpu:
         # Without CUDA every arm above already ran in fp32 on the reference attention: the
         # loss check reads fixed and dynamic-packed (two launches fewer in CI, same comparison).
         runs["fixed-fp32"], runs["dynamic-fp32"] = runs["fixed"], runs["dynamic-packed"]
     elif not options.no_fp32:
         reference = ["--dynamic-batch-attention", "reference"]
+        # Exactness needs the same samples, not a large step: --global-batch-size documents (the
+        # dense fp32 reference costs seconds a step).
         runs["fixed-fp32"] = launch(
-            "fixed-fp32", "fixed", common + reference + ["--train-iters", str(fp32_iters)],
+            "fixed-fp32", "fixed",
+            common + windows + reference + ["--train-iters", str(fp32_iters)],
             data, out,
         )  # fmt: skip
         # One --seq-length row a micro-batch: the reference is dense (a [t, t] score matrix).
         runs["dynamic-fp32"] = _dynamic(
-            common + reference + ["--train-iters", str(fp32_iters)], seq, data, out,
+            common + windows + reference + ["--train-iters", str(fp32_iters)], seq, data, out,
             name="dynamic-fp32",
         )  # fmt: skip
 
@@ -425,7 +498,7 @@ def main(argv=None) -> int:
     if options.report:
         options.report.parent.mkdir(parents=True, exist_ok=True)
         options.report.write_text(report, encoding="utf-8")
-    ok = kernels["passed"]
+    ok = kernels is None or kernels["passed"]
     if "dynamic-fp32" in runs:
         ok = ok and loss_agreement(runs["dynamic-fp32"], runs["fixed-fp32"]) <= options.tolerance
     return 0 if ok else 1
@@ -445,11 +518,13 @@ def _dynamic(
             os.environ["MAX_TOKENS_PER_GPU"] = env_budget
 
 
-def _real_and_computed(name: str, run: Dict, dynamic_real: Dict[int, float], gbs: int, seq: int):
+def _real_and_computed(
+    name: str, run: Dict, dynamic_real: Dict[int, float], gbs: int, seq: int, docs: int
+):
     """Real and computed tokens per iteration of an arm.
 
     Dynamic arms log both. ``fixed`` trains the same samples as dynamic (their real tokens) in
-    ``gbs`` rows of ``seq``. The stock arms train ``gbs`` full windows of ``seq`` document tokens.
+    ``docs`` rows of ``seq``. The stock arms train ``gbs`` full windows of ``seq`` document tokens.
     """
     iterations = run["parsed"]["iterations"]
     if name.startswith("dynamic"):
@@ -457,7 +532,7 @@ def _real_and_computed(name: str, run: Dict, dynamic_real: Dict[int, float], gbs
         computed = {i: r.get("computed") for i, r in iterations.items()}
     elif name.startswith("fixed"):
         real = {i: dynamic_real.get(i) for i in iterations}
-        computed = {i: gbs * seq for i in iterations}
+        computed = {i: docs * seq for i in iterations}
     else:
         real = {i: gbs * seq for i in iterations}
         computed = dict(real)
@@ -473,15 +548,18 @@ def render(
     machine, options, model, runs, memory_budget, token_budget, first, attention, kernels
 ) -> str:
     seq, gbs = int(model["--seq-length"]), options.global_batch_size or (16 if options.tiny else 64)
-    dynamic_real = {
-        i: r.get("real") for i, r in runs["dynamic-packed"]["parsed"]["iterations"].items()
-    }
+    packed = runs.get("dynamic-packed")
+    dynamic_real = (
+        {i: r.get("real") for i, r in packed["parsed"]["iterations"].items()} if packed else {}
+    )
     names = [n for n in ARMS if n in runs]
     rows = {}
     for name in names:
         run = runs[name]
         start = first["dynamic" if name.startswith("dynamic") else "baseline"]
-        real, computed = _real_and_computed(name, run, dynamic_real, gbs, seq)
+        real, computed = _real_and_computed(
+            name, run, dynamic_real, gbs, seq, options.documents_per_step
+        )
         t = timing(run, start, real)
         chosen = [i for i in run["parsed"]["iterations"] if i >= start]
         predicted = [run["peaks"][i][0] for i in chosen if i in run["peaks"]]
@@ -510,7 +588,11 @@ def render(
         "# GPU check",
         "",
         "Command: `python benchmarks/gpu_check.py "
-        + ("--tiny --report REPORT`" if options.tiny else "--wheels .whl --report REPORT`"),
+        + ("--tiny " if options.tiny else "--wheels .whl ")
+        + ("" if options.arms == DEFAULT_ARMS[options.tiny] else f"--arms {options.arms} ")
+        + ("--no-kernels " if options.no_kernels else "")
+        + ("--no-fp32 " if options.no_fp32 else "")
+        + "--report REPORT`",
         "",
         "| | |",
         "|---|---|",
@@ -520,8 +602,11 @@ def render(
         f"| model | GPT {model['--num-layers']} layers, hidden {model['--hidden-size']}, "
         f"{model['--num-attention-heads']} heads, seq {seq}, byte tokens |",
         f"| attention, every arm | `--dynamic-batch-attention {attention}`: {what} |",
-        f"| fixed, stock | `[{options.micro_batch_size}x{seq}]`, {gbs} samples / windows a step |",
-        f"| dynamic | --max-tokens-per-gpu {token_budget}"
+        f"| stock | `[{options.micro_batch_size}x{seq}]`, {gbs} windows a step |",
+        f"| fixed | `[{options.micro_batch_size}x{seq}]`, {options.documents_per_step} documents "
+        "a step (every one padded to the row) |",
+        f"| dynamic | {options.documents_per_step} documents a step (the same as fixed) |",
+        f"| dynamic budgets | --max-tokens-per-gpu {token_budget}"
         + (
             f", --max-memory-gib {memory_budget:.3f} (stock-masked's measured peak)"
             if memory_budget
@@ -548,28 +633,35 @@ def render(
             + ("-" if r["error"] is None else f"{100 * r['error']:.1f}%")
             + " |"
         )
-    bf16 = loss_agreement(runs["dynamic-packed"], runs["fixed"])
+    kind = "fp32 (--tiny)" if options.tiny else "bf16"
+    if {"fixed", "dynamic-packed"} <= set(runs):
+        early = loss_agreement(runs["dynamic-packed"], runs["fixed"], BF16_LOSS_ITERATIONS)
+        whole = loss_agreement(runs["dynamic-packed"], runs["fixed"])
+        lines += [
+            "",
+            f"Loss, {kind} runs (dynamic-packed vs fixed, same samples and learning rates): "
+            f"largest relative difference {early:.2e} over iterations 1-{BF16_LOSS_ITERATIONS} "
+            f"(stated bf16 tolerance {BF16_LOSS_TOLERANCE:g}: "
+            + ("within" if early <= BF16_LOSS_TOLERANCE else "**over**")
+            + f"), {whole:.2e} over every iteration both ran (reported, not judged)",
+        ]
+    else:
+        lines += ["", f"Loss, {kind} runs: not compared (fixed or dynamic-packed not run)"]
     lines += [
-        "",
-        f"Loss, {'fp32 (--tiny)' if options.tiny else 'bf16'} runs (dynamic-packed vs fixed, "
-        "same samples, iterations both ran): largest "
-        f"relative difference {bf16:.2e} (stated bf16 tolerance {BF16_LOSS_TOLERANCE:g}: "
-        + ("within" if bf16 <= BF16_LOSS_TOLERANCE else "**over**")
-        + ")",
         "",
         (
             f"Loss, fp32 runs (reference attention): largest relative difference "
             f"{loss_agreement(runs['dynamic-fp32'], runs['fixed-fp32']):.2e} "
             f"(tolerance {options.tolerance:g})"
             if "dynamic-fp32" in runs
-            else "Loss, fp32 runs: skipped (--no-fp32)"
+            else "Loss, fp32 runs: not run (--no-fp32, or fixed / dynamic-packed not in --arms)"
         ),
         "",
     ]
     from benchmarks.varlen_kernel_check import render as render_kernels
 
-    lines += [render_kernels(kernels), ""]
-    for name in ("dynamic-packed", "dynamic-padded"):
+    lines += [render_kernels(kernels) if kernels else "Kernel check: skipped (--no-kernels)", ""]
+    for name in [n for n in ("dynamic-packed", "dynamic-padded") if n in runs]:
         lines.append(f"Calibration, {name}: {runs[name]['calibration'] or 'no fit logged'}")
     lines.append("")
     return "\n".join(lines)

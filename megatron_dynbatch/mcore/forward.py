@@ -57,14 +57,15 @@ def build_attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     return (~(same_segment & causal)).unsqueeze(1)
 
 
-def packed_seq_params_from_batch(batch: dict):
+def packed_seq_params_from_batch(batch: dict, host: Optional[dict] = None):
     """THD ``PackedSeqParams`` of a packed micro-batch (``micro_batch_size`` 1), for TE attention.
 
     Segments are the materializer's ``cu_seqlens``: each sample rounded up to the TP/CP multiple,
     then the row's padding tail as its own segment, so ``cu_seqlens[-1]`` equals the row length S
     on every micro-batch, placeholders included (one segment of S). The rounded boundaries serve
     as both the real and the padded ones: the rounding pad sits after a sample's last token, so
-    causal attention never lets a real token see it, and its loss mask is zero.
+    causal attention never lets a real token see it, and its loss mask is zero. ``host``: the
+    same micro-batch before it moved to the device, read instead (no device sync).
     """
     tokens = batch["tokens"]
     if tokens.shape[0] != 1:
@@ -72,8 +73,9 @@ def packed_seq_params_from_batch(batch: dict):
             f"THD packing needs micro_batch_size 1, got a [{tokens.shape[0]}, {tokens.shape[1]}] "
             "micro-batch; use --dynamic-batch-layout packed, or the attention mask for padded rows."
         )
+    given = (host or batch)["cu_seqlens"]
+    max_seqlen = int((given[1:] - given[:-1]).max())
     cu_seqlens = batch["cu_seqlens"].to(device=tokens.device, dtype=torch.int32)
-    max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     return thd_packed_seq_params(cu_seqlens, max_seqlen, padded=cu_seqlens)
 
 
@@ -120,18 +122,20 @@ def _collect_logprobs(batch: dict, per_token_loss: torch.Tensor, non_loss_data: 
     return zero, torch.zeros((), dtype=torch.int, device=batch["tokens"].device), logprobs
 
 
-def _attention(batch: dict, thd: bool) -> tuple:
+def _attention(batch: dict, thd: bool, host: Optional[dict] = None) -> tuple:
     """``(attention_mask, packed_seq_params)`` of a micro-batch.
 
     Without ``thd``: the block-diagonal causal mask of ``segment_ids``. With ``thd``: THD
     ``PackedSeqParams`` for a packed row (``[1, S]`` with ``cu_seqlens``); rows of one sample each
     (padding at the end) need only the causal mask, which transformer-engine applies itself when
-    given none.
+    given none. ``host``: the micro-batch before it moved to the device; its values are read in
+    the checks, so no step waits on the device.
     """
     if not thd:
         return build_attention_mask(batch["segment_ids"]), None
     if batch["tokens"].shape[0] == 1 and "cu_seqlens" in batch:
-        return None, packed_seq_params_from_batch(batch)
+        return None, packed_seq_params_from_batch(batch, host)
+    batch = host or batch
     if "cu_seqlens" in batch and int(batch["segment_ids"].max()) > 1:
         # The planner packs B > 1 rows only for row-wise attention (dense, causal); THD costs a
         # row of B * S holding the same samples no more, so it plans one row a micro-batch.
@@ -195,12 +199,14 @@ def make_forward_step(
                 f"micro-batch is missing {missing} (has {sorted(batch)}); every micro-batch needs "
                 f"{list(MICROBATCH_KEYS)}, with segment_ids marking the samples of packed rows."
             )
+        host = None
         if to_device and torch.cuda.is_available():
             device = torch.device("cuda", torch.cuda.current_device())
+            host = batch
             batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
         if timers is not None:
             timers("batch-generator").stop()
-        attention_mask, packed_seq_params = _attention(batch, thd)
+        attention_mask, packed_seq_params = _attention(batch, thd, host)
         # MoE routers get the padding mask (padding tails, rounding pads, placeholders), so that
         # no padding token enters a load-balancing statistic, a z-loss or a token count; a dense
         # model's call stays exactly as before (nothing else in GPTModel reads the mask).

@@ -276,11 +276,17 @@ def with_thd_reference_attention(
 
     ``base_spec_fn(config, vp_stage)`` returns Megatron's local layer spec (a ``ModuleSpec`` or a
     block spec of them); every layer's ``self_attention.submodules.core_attention`` is replaced and
-    its mask type set to causal (TE's THD mask: causal within each segment).
+    its mask type set to causal (TE's THD mask: causal within each segment). THD RoPE goes
+    through :func:`~megatron_dynbatch.mcore.thd_rope.install_thd_rope` (one pass, not a loop over
+    segments), which TE's fused RoPE would otherwise do.
     """
     import dataclasses
 
     from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_dynbatch.mcore.thd_rope import install_thd_rope
+
+    install_thd_rope()
 
     core = ThdReferenceAttention if core_attention is None else core_attention
 
