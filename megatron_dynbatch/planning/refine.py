@@ -151,6 +151,8 @@ def refine_ranks(
         micro-batch of one of the :data:`_TAKERS` fastest ranks with room, leaves both ranks
         faster than ``r`` is now."""
         order = orders[r]
+        if sum(len(bins[b]) for b in order) < 2:
+            return False  # its last sample stays: no DP rank idles where each can have one
         current = spans[r]
         takers = sorted((q for q in range(len(orders)) if q != r), key=lambda q: (spans[q], q))
         for p, a in enumerate(order):

@@ -102,6 +102,7 @@ def test_never_slower_than_the_planner_before_on_random_workloads(
     with planner_before_clustering():
         old = plan_schedule(lengths, config=config)
     check_plan(new, SampleSet.build(lengths), config)
+    assert new.steps[0].idle_ranks <= old.steps[0].idle_ranks
     assert _simulated(new.steps[0], lengths, config) <= _simulated(
         old.steps[0], lengths, config
     ) * (1 + 1e-9)
