@@ -50,7 +50,7 @@ per-micro-batch rows (multiple 64: every peer as if it ran Megatron with
 fastest that keeps the budget.
 
 Run: ``.venv/bin/python -m benchmarks.gpu_regime [--weights FILE.json] [--seeds 0,1,2]
-[--markdown] [--peers] [--floor] [--json]`` (about 15 s a seed). ``--markdown`` prints ``docs/benchmarks.md``'s
+[--markdown] [--peers] [--floor] [--json]`` (about 30 s a seed). ``--markdown`` prints ``docs/benchmarks.md``'s
 tables; ``--peers`` ours (told) and every peer per case, step / bound with the bubble's share of
 the step; ``--floor`` the best ramp of each case's work made divisible (:func:`ramp_floor`: a
 reference, not a bound); other seeds draw held-out workloads of the same families.

@@ -23,6 +23,10 @@ scored too, up to one sample a micro-batch, even where a sample fills the cap
 (:func:`_finer_splits`): rows shrink with their loads, so more micro-batches shrink the bubble for
 little more work; a large step searches a proxy of :data:`_FINER_LIMIT` samples and packs one count
 more.
+On steps of at most :data:`_RAMP_LIMIT` samples under a pipeline with variable rows, two more
+constructions: ramps (:func:`_ramp_splits`) and clustered ranks (:func:`_cluster_splits`: the
+large samples a few to a rank, the ranks' pipelines balanced rather than their work); the chosen
+shape is then refined rank by rank (:mod:`.refine`).
 
 Layouts:
 
@@ -53,6 +57,8 @@ from megatron_dynbatch.errors import DynBatchValueError
 
 from .balance import RankBalancer, assign_bins_to_ranks, pipeline_orders
 from .candidates import TINY_STEP_SAMPLES, is_small_step, natural_count, small_step_candidates
+from .cluster import RAMPS as CLUSTER_RAMPS
+from .cluster import big_samples, rank_rows, split_by_targets
 from .cost import row_cost, row_costs, tail_cost
 from .packing import feasible_pack, min_bins, profile_pack
 from .refine import refine_ranks
@@ -305,10 +311,12 @@ def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
         if shape is not None and shape.step_time < fastest * (1.0 - _TIE):
             scored[(m, rows)] = shape
             fastest = shape.step_time
+    clustered: Dict[Tuple[int, int], StepShape] = {}
     if problem.row_multiple is not None and problem.layout == "packed":
         _finer_splits(problem, searches[0], scored)
         if not problem.disable_more_candidates:
             _ramp_splits(problem, searches[0], scored)
+            _cluster_splits(problem, searches[0], _pick(scored, problem.min_gain), clustered)
     best = _pick(scored, problem.min_gain)
     # The second construction is dearer: only for the winning count (and the fewest), one row.
     for search in searches:
@@ -325,6 +333,13 @@ def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
     if problem.layout == "packed" and not problem.disable_more_candidates:
         chosen = _more_candidates(problem, searches, scored, chosen)
         chosen = _refined(problem, chosen)
+        if clustered:
+            # Refined apart and kept only where faster after refinement: the step is never
+            # predicted slower than the shape search's own refined choice.
+            other = _refined(problem, _pick(clustered, problem.min_gain))
+            gain = problem.min_gain if other.per_rank > chosen.per_rank else 0.0
+            if other.step_time < chosen.step_time * (1.0 - max(gain, _TIE)):
+                chosen = other
     return chosen, min(s.min_per_rank for s in searches)
 
 
@@ -563,6 +578,137 @@ def _ramp_splits(
                 known = scored.get((m, 1))
                 if known is None or shape.step_time < known.step_time * (1.0 - _TIE):
                     scored[(m, 1)] = shape
+
+
+#: Clustered ranks (:mod:`.cluster`): a sample is large when its weight is at least this share
+#: of the heaviest's ...
+_CLUSTER_SHARES = (0.6,)
+#: ... and this many of them share a rank ...
+_CLUSTER_TOGETHER = (2, 3, 4)
+#: ... and the work is moved between ranks by their simulated pipelines this many times.
+_CLUSTER_ROUNDS = 3
+#: ... at these multiples of the fastest count so far.
+_CLUSTER_FACTORS = (1.0, 1.25)
+
+
+def _cluster_splits(
+    problem: StepProblem,
+    search: "_Search",
+    fastest_shape: StepShape,
+    scored: Dict[Tuple[int, int], StepShape],
+) -> None:
+    """Variable rows under a pipeline, a step of at most :data:`_RAMP_LIMIT` samples (issue 45):
+    the step's large samples a few to a rank, the rest split so that the ranks' pipelines, not
+    their work, come out even, every rank packed to the ramp its own pipeline runs fastest
+    (:mod:`.cluster`). The candidates go to ``scored`` (kept apart from the shape search's own:
+    :func:`_choose_shape` refines the fastest of them and keeps it only where it beats the
+    search's refined choice), at the count of ``fastest_shape`` and a quarter more."""
+    parallel = problem.parallel
+    multiple_rows = problem.row_multiple
+    if (
+        parallel.pp_size == 1
+        or multiple_rows is None
+        or not isinstance(search, _PackedSearch)
+        or search.rows != 1
+        or search.oversize
+        or not search.arrival
+        or len(problem.items) > _RAMP_LIMIT
+        or search.dp < 2
+    ):
+        return
+    dp, multiple = search.dp, search.microbatch_multiple
+    sizes, model, cap, memory = problem.sizes, search.model, search.cap, problem.memory
+    sample_costs, extra = problem.sample_costs, model.shape_exchange_overhead
+    pp, vpp, group = search.pp, search.vpp, search.group
+    weights = {i: model.token_weight * sizes[i] + sample_costs[i] for i in search.arrival}
+    total = sum(weights.values())
+    most = len(search.arrival) // dp
+    fastest = fastest_shape.per_rank
+    counts = sorted(
+        {
+            min(most, round_up(max(fastest, math.ceil(fastest * factor)), multiple))
+            for factor in _CLUSTER_FACTORS
+        }
+    )
+    counts = [m for m in counts if m >= multiple and m % multiple == 0]
+
+    def cost_of(rows: List[List[int]]) -> List[float]:
+        loads = [sum(map(sizes.__getitem__, members)) for members in rows]
+        lengths = variable_rows(loads, multiple_rows, cap, memory)
+        return [
+            extra + row_cost(model, "packed", row, 1, load) + sum(map(sample_costs.__getitem__, m))
+            for row, load, m in zip(lengths, loads, rows, strict=True)
+        ]
+
+    def best_rows(own_bigs, own_rest, m, ramps):
+        """The rank's rows under the ramp (of ``ramps``) its pipeline runs fastest, with that
+        makespan and ramp; ``None`` where no ramp fits."""
+        best = None
+        for ramp in ramps:
+            rows = rank_rows(own_bigs, own_rest, sizes, cap, m, ramp)
+            if rows is None:
+                continue
+            span = pipeline_makespan(cost_of(rows), pp, vpp, group)
+            if best is None or span < best[0]:
+                best = (span, rows, ramp)
+        return best
+
+    def schedule(big_ranks, rest_items, targets, ramps, m):
+        """Every rank's rows and makespan for one split of the rest (``None``: one does not
+        fit); ``ramps[r]`` becomes the ramp rank ``r`` ran fastest."""
+        chosen = {i for rank in big_ranks for i in rank}
+        members = split_by_targets(rest_items, weights, targets, big_ranks)
+        ranks, spans = [], []
+        for r in range(dp):
+            own_rest = [i for i in members[r] if i not in chosen]
+            found = best_rows(big_ranks[r], own_rest, m, ramps[r])
+            if found is None and len(ramps[r]) < len(CLUSTER_RAMPS):
+                found = best_rows(big_ranks[r], own_rest, m, CLUSTER_RAMPS)
+            if found is None:
+                return None
+            spans.append(found[0])
+            ranks.append(found[1])
+            ramps[r] = (found[2],)
+        return ranks, spans
+
+    for share in _CLUSTER_SHARES:
+        bigs = big_samples(search.arrival, weights, share)
+        if not bigs:
+            continue
+        for together in _CLUSTER_TOGETHER:
+            # The large samples over as few ranks as hold ``together`` each, heaviest first to
+            # the lightest of those ranks.
+            holders = min(dp, math.ceil(len(bigs) / together))
+            big_ranks: List[List[int]] = [[] for _ in range(dp)]
+            heap = [(0.0, r) for r in range(holders)]
+            for i in bigs:
+                load, r = heap[0]
+                big_ranks[r].append(i)
+                heapq.heapreplace(heap, (load + weights[i], r))
+            held = set(bigs)
+            rest_items = [i for i in search.arrival if i not in held]
+            for m in counts:
+                # Even work first; then each rank's share scaled by how much faster than the
+                # mean its pipeline ran (the step waits for the slowest pipeline, not the
+                # most loaded rank). Every ramp for each rank at first, then the one it ran
+                # fastest.
+                targets = [total / dp] * dp
+                ramps = [CLUSTER_RAMPS] * dp
+                for _round in range(_CLUSTER_ROUNDS):
+                    built = schedule(big_ranks, rest_items, targets, ramps, m)
+                    if built is None:
+                        break
+                    ranks, spans = built
+                    for shape in search.score_ranks(ranks, m, True):
+                        known = scored.get((m, 1))
+                        if known is None or shape.step_time < known.step_time * (1.0 - _TIE):
+                            scored[(m, 1)] = shape
+                    mean = sum(spans) / dp
+                    targets = [
+                        t * mean / s if s > 0 else t for t, s in zip(targets, spans, strict=True)
+                    ]
+                    scale = total / sum(targets)
+                    targets = [t * scale for t in targets]
 
 
 def _finer_search(search: "_Search", scored: Dict[Tuple[int, int], StepShape]) -> None:

@@ -390,35 +390,53 @@ def pipeline_makespan(
     share = float(pp_size * vpp_size)
     fwd = [c / share for c in fwd_costs]
     bwd = [c / share for c in bwd_costs]
-    programs = _programs(num_microbatches, pp_size, vpp_size, group)
-    done: List[Optional[float]] = [None] * (2 * pp_size * vpp_size * num_microbatches)
-    position = [0] * pp_size
+    done = [0.0] * (2 * pp_size * vpp_size * num_microbatches)
     free_at = [0.0] * pp_size
+    # One pass in an order where every step's dependency and stage predecessor come first:
+    # each step's finish is max(its stage free, its dependency done) + duration, whatever
+    # order the stages are walked in, so the floats are those of a stage-by-stage replay.
+    for stage, slot, dep, m, backward in _replay_order(num_microbatches, pp_size, vpp_size, group):
+        t = free_at[stage]
+        if dep >= 0:
+            ready = done[dep]
+            if ready > t:
+                t = ready
+        t += bwd[m] if backward else fwd[m]
+        done[slot] = t
+        free_at[stage] = t
+    return max(free_at)
+
+
+@functools.lru_cache(maxsize=256)
+def _replay_order(
+    num_microbatches: int, pp_size: int, vpp_size: int, group: int
+) -> Tuple[Tuple[int, int, int, int, bool], ...]:
+    """Every stage's program (:func:`_programs`) merged into one order that respects each
+    stage's own order and every dependency: ``(stage, slot, dependency slot or -1,
+    micro-batch, is_backward)``. Found by walking the stages in turn, each as far as its
+    dependencies are done (Megatron's orders never deadlock; a stall means a builder is wrong).
+    Cached: a planner replays many ranks of the same shape."""
+    programs = _programs(num_microbatches, pp_size, vpp_size, group)
+    done = [False] * (2 * pp_size * vpp_size * num_microbatches)
+    position = [0] * pp_size
+    merged = []
     remaining = sum(len(p) for p in programs)
     while remaining:
         progressed = remaining
         for stage in range(pp_size):
             program = programs[stage]
             p = position[stage]
-            t = free_at[stage]
-            end = len(program)
-            while p < end:
+            while p < len(program):
                 slot, dep, m, backward = program[p]
-                if dep >= 0:
-                    ready = done[dep]
-                    if ready is None:
-                        break
-                    if ready > t:
-                        t = ready
-                t += bwd[m] if backward else fwd[m]
-                done[slot] = t
+                if dep >= 0 and not done[dep]:
+                    break
+                done[slot] = True
+                merged.append((stage, slot, dep, m, backward))
                 p += 1
             remaining -= p - position[stage]
             position[stage] = p
-            free_at[stage] = t
-        # Megatron's orders never deadlock; a stall means an order builder is wrong.
         assert remaining < progressed, f"pipeline replay deadlocked at positions {position}"
-    return max(free_at)
+    return tuple(merged)
 
 
 def forward_only_makespan(
