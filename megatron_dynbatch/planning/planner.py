@@ -31,7 +31,7 @@ from .cost import check_cost_is_finite, sample_costs
 from .plan import Plan, PlanStats, StepPlan, imbalance
 from .samples import SampleSet
 from .shape import StepProblem, choose_shape
-from .spec import PlannerConfig, ceil_div, padded_note, round_up, tokens_padded
+from .spec import THOROUGH_PLANNER, PlannerConfig, ceil_div, padded_note, round_up, tokens_padded
 
 __all__ = ["plan_schedule", "plan_samples", "OversizeSampleWarning"]
 
@@ -221,6 +221,7 @@ def _plan_step(
         row_multiple=config.variable_row_multiple if config.variable_row_lengths else None,
         memory=config.memory,
         multi_row_cap=config.multi_row_cap,
+        thorough=config.planner == THOROUGH_PLANNER,
     )
     shape, fewest = choose_shape(problem)
     bins = shape.bins

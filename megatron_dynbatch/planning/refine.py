@@ -11,12 +11,13 @@ first improvement, one change at a time, each scored by :func:`.simulate.pipelin
 * a sample moved to another micro-batch of the rank that has room under the cap (rows of their
   own length: the two rows change length, the rank's work barely);
 * two micro-batches of the rank swapped in its order;
-* where neither helps, a sample of the rank moved to a micro-batch with room on one of the
-  :data:`_TAKERS` fastest ranks, kept when both pipelines then end before the slowest did
-  (ranks of equal work idle unequally: balancing their pipelines, not their work, pays).
+* where neither helps (``thorough`` only), a sample of the rank moved to a micro-batch with room
+  on one of the :data:`_TAKERS` fastest ranks, kept when both pipelines then end before the
+  slowest did (ranks of equal work idle unequally: balancing their pipelines, not their work,
+  pays).
 
 Then the rank slowest after that, and so on, until the slowest rank has no improving change or
-:data:`REPLAYED_STEPS` are spent. Every row stays under the cap, and a change is kept only when
+:data:`REPLAYED_STEPS` (``thorough``: :data:`THOROUGH_REPLAYED_STEPS`) are spent. Every row stays under the cap, and a change is kept only when
 it makes the slowest rank faster without making another as slow, so the step is never predicted
 slower than the shape it starts from. Deterministic: changes are tried in a fixed order (ties by
 index), each rank's scan resuming where its last improvement was found (the changes before it
@@ -30,14 +31,19 @@ from typing import Callable, List, Optional, Sequence, Tuple
 from .simulate import pipeline_makespan
 from .spec import ParallelLayout
 
-__all__ = ["REPLAYED_STEPS", "refine_ranks"]
+__all__ = ["REPLAYED_STEPS", "THOROUGH_REPLAYED_STEPS", "refine_ranks"]
 
 #: Work one step may spend at most, in micro-batch steps replayed (a replay of a rank of M
 #: micro-batches on pp stages of vpp chunks replays ``M * pp * vpp`` forwards and as many
 #: backwards; 10,000 steps are about 1-2 ms of CPU): replays of long ranks cost more. On the
 #: GPU-regime steps (``python -m benchmarks.gpu_regime``, seeds 0 and 1) 300,000 gave a mean
 #: of 1.136 of the bound, 1,000,000 1.133, 2,000,000 1.130 and 3,000,000 1.129.
-REPLAYED_STEPS = 2_000_000
+#: The default planner spends 300,000: counting planning on the CPU into the step (as a step that
+#: does not overlap its planning pays it), 1,000,000 and more made the sixteen steps slower, not
+#: faster (docs/benchmarks.md, "What planning costs").
+REPLAYED_STEPS = 300_000
+#: The thorough planner (``dynbatch-thorough``): the simulated step alone decides.
+THOROUGH_REPLAYED_STEPS = 2_000_000
 #: Ranks a sample of the slowest rank may move to: the fastest ones.
 _TAKERS = 3
 #: Relative gain a change must bring to be kept (float noise is not a gain).
@@ -54,6 +60,7 @@ def refine_ranks(
     bin_cost: Callable[[List[int], int], float],
     parallel: ParallelLayout,
     evaluations: Optional[int] = None,
+    thorough: bool = False,
 ) -> List[float]:
     """Improve the slowest ranks in place (``bins``, ``orders``, ``loads``, ``costs``).
 
@@ -67,7 +74,8 @@ def refine_ranks(
         bin_cost: ``(members, load) -> cost`` of a micro-batch.
         parallel: The pipeline (``pp_size``, ``vpp_size``, the interleaving group).
         evaluations: Replays to spend at most (default: :data:`REPLAYED_STEPS` over one
-            replay's steps).
+            replay's steps; ``thorough``: :data:`THOROUGH_REPLAYED_STEPS`).
+        thorough: Also move samples to the fastest ranks, on the larger budget.
 
     Returns:
         Every rank's simulated makespan after the search.
@@ -81,7 +89,7 @@ def refine_ranks(
     spans = [span(order) for order in orders]
     per_replay = 2 * max(1, len(orders[0]) if orders else 1) * pp_size * vpp_size
     if evaluations is None:
-        evaluations = REPLAYED_STEPS // per_replay
+        evaluations = (THOROUGH_REPLAYED_STEPS if thorough else REPLAYED_STEPS) // per_replay
     budget = [evaluations - len(orders)]
 
     cursors = [0] * len(orders)
@@ -190,6 +198,6 @@ def refine_ranks(
 
     while budget[0] > 0:
         slowest = max(range(len(orders)), key=lambda r: (spans[r], -r))
-        if not improve(slowest) and not give(slowest):
+        if not improve(slowest) and not (thorough and give(slowest)):
             break
     return spans

@@ -11,7 +11,9 @@ The hosts plan through :func:`run_planner`, which runs the planner the config na
 plan --dynamic-batch-planner NAME`` and the benchmarks look a planner up by the same name
 (:func:`get_planner`).
 
-Built in: ``dynbatch`` (this package's planner, :func:`.planner.plan_samples`) and ``fixed``
+Built in: ``dynbatch`` (this package's planner, :func:`.planner.plan_samples`),
+``dynbatch-thorough`` (the same, spending more planning CPU under a pipeline:
+:data:`.spec.THOROUGH_PLANNER`) and ``fixed``
 (Megatron's stock batching: a fixed ``micro_batch_size`` of padded rows, :mod:`.fixed`). Another
 scheduler registers with :func:`register_planner`; one that produces ``ranks[r][m]`` (sample
 indices per micro-batch per DP rank) for a step becomes a planner through :func:`ranks_planner`,
@@ -35,7 +37,7 @@ from .plan import Plan, PlanStats, StepPlan, imbalance
 from .planner import _apply_oversize_policy, plan_samples
 from .samples import SampleSet
 from .shape import variable_rows
-from .spec import DEFAULT_PLANNER, PlannerConfig, ceil_div, round_up
+from .spec import DEFAULT_PLANNER, THOROUGH_PLANNER, PlannerConfig, ceil_div, round_up
 
 __all__ = [
     "DEFAULT_PLANNER",
@@ -302,4 +304,6 @@ def _fixed(samples: SampleSet, config: PlannerConfig) -> Plan:
 
 
 register_planner(DEFAULT_PLANNER, plan_samples)
+# The same function: it reads PlannerConfig.planner to plan thoroughly (.spec.THOROUGH_PLANNER).
+register_planner(THOROUGH_PLANNER, plan_samples)
 register_planner("fixed", _fixed)

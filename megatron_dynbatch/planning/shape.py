@@ -141,6 +141,10 @@ class StepProblem:
     disable_more_candidates: bool = False
     """Score the shape search's own constructions only (the planner before the small-step
     candidates of :mod:`.candidates`): what the tests compare against."""
+    thorough: bool = False
+    """The thorough planner (``dynbatch-thorough``): also the clustered ranks of :mod:`.cluster`,
+    samples moved across ranks and a larger refinement budget (:mod:`.refine`): a step simulated
+    about 1% faster on the GPU-regime steps, for several times the planning CPU."""
     row_align: Optional[int] = None
     """Set by :func:`choose_shape` (from ``row_multiple``) when it scores uniform rows beside
     variable ones: shapes are exchanged, so a uniform row ``S`` of the packed layout is rounded up
@@ -316,7 +320,8 @@ def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
         _finer_splits(problem, searches[0], scored)
         if not problem.disable_more_candidates:
             _ramp_splits(problem, searches[0], scored)
-            _cluster_splits(problem, searches[0], _pick(scored, problem.min_gain), clustered)
+            if problem.thorough:
+                _cluster_splits(problem, searches[0], _pick(scored, problem.min_gain), clustered)
     best = _pick(scored, problem.min_gain)
     # The second construction is dearer: only for the winning count (and the fewest), one row.
     for search in searches:
@@ -378,6 +383,7 @@ def _refined(problem: StepProblem, shape: StepShape) -> StepShape:
         cap,
         bin_cost,
         parallel,
+        thorough=problem.thorough,
     )
     if max(spans) >= shape.step_time * (1.0 - _TIE):
         return shape

@@ -25,6 +25,8 @@ __all__ = [
     "ATTENTION_KINDS",
     "DEFAULT_MIN_GAIN",
     "DEFAULT_PLANNER",
+    "THOROUGH_PLANNER",
+    "OWN_PLANNERS",
     "DEFAULT_OVERHEAD_FRACTION",
     "LAYOUT_FLAGS",
     "LAYOUTS",
@@ -61,6 +63,12 @@ ATTENTION_CROSSOVER_7B = 24576
 #: The registered planner (:mod:`.registry`) a :class:`PlannerConfig` plans with unless told
 #: otherwise: this package's planner, :func:`.planner.plan_samples`.
 DEFAULT_PLANNER = "dynbatch"
+#: The same planner spending several times the planning CPU for a step simulated about 1% faster
+#: under a pipeline (clustered ranks, moves across ranks, a larger refinement budget: issue 45);
+#: for steps long enough, or planned off the critical path, for that to pay.
+THOROUGH_PLANNER = "dynbatch-thorough"
+#: This package's planners (forward-only passes plan the same way under either).
+OWN_PLANNERS = (DEFAULT_PLANNER, THOROUGH_PLANNER)
 
 #: The per-micro-batch overhead assumed when none is given, as a fraction of the cost of one full
 #: row at the token cap. Kernel launches, pipeline p2p latency and Python cost 1-5% of a full row

@@ -1,10 +1,10 @@
-"""The GPU-regime bubble (issue 45): the large samples a few to a rank with less of the rest
-(planning/cluster.py), samples moved from the slowest rank to the fastest ones and a larger
-refinement budget (planning/refine.py). Never slower than the planner before them on random
-workloads, replayed by the simulator; deterministic; every plan passes check_plan."""
+"""The thorough planner (``dynbatch-thorough``, issue 45): the large samples a few to a rank with
+less of the rest (planning/cluster.py), samples moved from the slowest rank to the fastest ones
+and a larger refinement budget (planning/refine.py). Never slower than the default planner on
+random workloads, replayed by the simulator; deterministic; every plan passes check_plan."""
 
+import dataclasses
 import random
-from contextlib import contextmanager
 from unittest import mock
 
 import pytest
@@ -19,8 +19,6 @@ from megatron_dynbatch.planning import (
     check_plan,
     plan_schedule,
 )
-from megatron_dynbatch.planning import refine as refine_module
-from megatron_dynbatch.planning import shape as shape_module
 from megatron_dynbatch.planning.cluster import (
     _scaled,
     big_samples,
@@ -33,20 +31,9 @@ from megatron_dynbatch.planning.simulate import (
     simulate_interleaved,
     simulate_step,
 )
+from megatron_dynbatch.planning.spec import THOROUGH_PLANNER
 
 pytestmark = pytest.mark.unit
-
-
-@contextmanager
-def planner_before_clustering():
-    """The planner at the start of this work: no clustered ranks, refinement within a rank only,
-    on its old budget."""
-    with (
-        mock.patch.object(shape_module, "_cluster_splits", lambda *args: None),
-        mock.patch.object(refine_module, "_TAKERS", 0),
-        mock.patch.object(refine_module, "REPLAYED_STEPS", 300_000),
-    ):
-        yield
 
 
 def _simulated(step, lengths, config):
@@ -78,7 +65,7 @@ def test_never_slower_than_the_planner_before_on_random_workloads(
     seed, dp, per_rank, layout, cap, overhead, attention, at_cap
 ):
     """Long-tailed lengths, some at the cap (GRPO's clipped responses), variable rows under a
-    pipeline: the replayed step is never slower than the planner's before this work."""
+    pipeline: the thorough planner's replayed step is never slower than the default's."""
     rng = random.Random(seed)
     lengths = [
         cap if rng.random() < at_cap else min(cap, max(1, int(rng.lognormvariate(7.0, 1.0))))
@@ -97,11 +84,11 @@ def test_never_slower_than_the_planner_before_on_random_workloads(
         row_multiple=64,
         oversize_samples="allow",
     )
-    new = plan_schedule(lengths, config=config)
-    assert plan_schedule(lengths, config=config) == new
-    with planner_before_clustering():
-        old = plan_schedule(lengths, config=config)
-    check_plan(new, SampleSet.build(lengths), config)
+    old = plan_schedule(lengths, config=config)
+    thorough = dataclasses.replace(config, planner=THOROUGH_PLANNER)
+    new = plan_schedule(lengths, config=thorough)
+    assert plan_schedule(lengths, config=thorough) == new
+    check_plan(new, SampleSet.build(lengths), thorough)
     assert new.steps[0].idle_ranks <= old.steps[0].idle_ranks
     assert _simulated(new.steps[0], lengths, config) <= _simulated(
         old.steps[0], lengths, config
@@ -110,15 +97,14 @@ def test_never_slower_than_the_planner_before_on_random_workloads(
 
 @pytest.mark.parametrize("label", ["7b grpo vpp1 dp16", "32b grpo vpp1 dp16"])
 def test_clustering_shrinks_the_worst_gpu_regime_steps(label):
-    """Where every rank held a sample filling a whole row (1.280 and 1.267 of the bound
-    before), the step is faster by more than 1.5%, within the cap."""
+    """Where every rank holds a sample filling a whole row (1.280 and 1.267 of the bound with
+    the default planner), the thorough one's step is faster by more than 1.5%, within the cap."""
     from benchmarks import gpu_regime
 
     case = next(c for c in gpu_regime.cases(0) if c.label == label)
     cost = gpu_regime.true_cost(case, gpu_regime.Assumptions())
-    new = gpu_regime._told(case, cost)
-    with planner_before_clustering():
-        old = gpu_regime._told(case, cost)
+    new = gpu_regime._told(case, cost, THOROUGH_PLANNER)
+    old = gpu_regime._told(case, cost)
     assert new["step"] < old["step"] * 0.985
     assert not new["over_cap"]
 

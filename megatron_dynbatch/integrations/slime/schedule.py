@@ -88,7 +88,7 @@ from megatron_dynbatch.planning.registry import run_planner
 from megatron_dynbatch.planning.samples import as_sequence
 from megatron_dynbatch.planning.schedule import ScheduledStep
 from megatron_dynbatch.planning.shape import variable_rows as micro_batch_rows
-from megatron_dynbatch.planning.spec import ATTENTION_CROSSOVER_7B, DEFAULT_PLANNER, check_int
+from megatron_dynbatch.planning.spec import ATTENTION_CROSSOVER_7B, OWN_PLANNERS, check_int
 
 __all__ = [
     "DATA_PAD_SIZE_MULTIPLIER",
@@ -747,7 +747,7 @@ def _forward_only_schedule(
     rank_lengths = [list(map(lengths.__getitem__, partition)) for partition in partitions]
     if (
         training is not None
-        and planner_config.planner == DEFAULT_PLANNER
+        and planner_config.planner in OWN_PLANNERS
         and variable
         and budget == config.max_tokens_per_gpu
         and len(training[0][0]) == fewest_forward_only_count(rank_lengths, planner_config)
@@ -756,7 +756,7 @@ def _forward_only_schedule(
             micro_batch_indices=[list(map(list, rank)) for rank in training[0]],
             row_lengths=[list(rows) for rows in training[1]],
         )
-    if planner_config.planner == DEFAULT_PLANNER:
+    if planner_config.planner in OWN_PLANNERS:
         plan = plan_forward_only(rank_lengths, planner_config)
     else:
         plan = _registered_forward_only(rank_lengths, planner_config)
