@@ -683,6 +683,44 @@ def docs_section(seed: int = 0) -> List[str]:
     return lines
 
 
+def planning_lines(
+    seeds: Sequence[int], assumed: Assumptions, weights: Optional[Dict[str, Any]] = None
+) -> List[str]:
+    """Per planner (told the true cost): the mean simulated step / bound, the planning CPU of a
+    step (``time.process_time``, one run each), that CPU over the simulated step in seconds, and
+    the mean (step + planning) / bound. The cost model is in microseconds, so the step's seconds
+    are known."""
+    import statistics
+    import time
+
+    lines = [
+        "| planner | step / bound, mean (worst) | planning CPU a step, median (max) | planning / "
+        "step, median (max) | (step + planning) / bound, mean |",
+        "|---|---|---|---|---|",
+    ]
+    for planner in (DEFAULT_PLANNER, THOROUGH_PLANNER):
+        ratios, seconds, shares, totals = [], [], [], []
+        for seed in seeds:
+            for case in cases(seed):
+                cost = true_cost(case, assumed, weights)
+                started = time.process_time()
+                scored = _told(case, cost, planner)
+                spent = time.process_time() - started
+                real = sum(cost.cost(n, 0) for n in case.samples.lengths)
+                gpus = case.parallel.dp_size * case.parallel.pp_size
+                bound_s = real * (1.0 + BACKWARD_TO_FORWARD_RATIO) / gpus / 1e6
+                ratios.append(scored["step"])
+                seconds.append(spent)
+                shares.append(spent / (scored["step"] * bound_s))
+                totals.append((scored["step"] * bound_s + spent) / bound_s)
+        lines.append(
+            f"| {planner} | {statistics.mean(ratios):.4f} ({max(ratios):.3f}) | "
+            f"{statistics.median(seconds):.3f} s ({max(seconds):.3f} s) | "
+            f"{statistics.median(shares):.1%} ({max(shares):.1%}) | {statistics.mean(totals):.4f} |"
+        )
+    return lines
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -701,8 +739,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         action="store_true",
         help="print ours (told) and every peer per case: step / bound (bubble share of the step)",
     )
+    parser.add_argument(
+        "--planning",
+        action="store_true",
+        help="only: each of our planners' simulated step, its planning CPU, and the step with "
+        "the planning counted in (a step that does not overlap its planning pays it)",
+    )
     args = parser.parse_args(argv)
     assumed, weights = _load_weights(args.weights)
+    if args.planning:
+        seeds = [int(s) for s in args.seeds.split(",")]
+        print("\n".join(planning_lines(seeds, assumed, weights)))
+        return 0
     results = []
     for seed in (int(s) for s in args.seeds.split(",")):
         for case in cases(seed):
