@@ -36,7 +36,7 @@ iteration line's ``peak memory predicted/measured (MiB)``; Megatron's ``max allo
 run has none). ``--tiny`` runs the same arms on the CPU with a 2-layer model in fp32 (gloo) and
 the reference attention in place of torch-varlen (no CUDA), so CI keeps the script working; there
 the arms already run in fp32 on the reference, so the fp32 loss check reads fixed and dynamic
-packed instead of launching them again.
+packed instead of launching them again; ``--jobs 2`` (CI) runs the launches two at a time there.
 
 The GPU machine has torch but no megatron-core and no network: ``--wheels DIR`` installs every
 wheel in DIR (``pip download --no-deps --python-version 3.12 ... megatron-core==0.19.2``, see
@@ -220,9 +220,17 @@ def make_corpus(data_dir: pathlib.Path, documents: int, seq_length: int, seed: i
 # --------------------------------------------------------------------------- runs
 
 
-def launch(name: str, batching: str, args: List[str], data: str, out: pathlib.Path) -> Dict:
+def launch(
+    name: str,
+    batching: str,
+    args: List[str],
+    data: str,
+    out: pathlib.Path,
+    extra_env: Optional[Dict[str, str]] = None,
+) -> Dict:
     """Run ``launch/train_gpt_dynbatch.sh`` on one device; its parsed log."""
     env = dict(os.environ)
+    env.update(extra_env or {})
     env.update(
         BATCHING=batching,
         DATA_PATH=data,
@@ -397,6 +405,13 @@ def main(argv=None) -> int:
         "sets the memory budget, dynamic-packed the real tokens fixed trains)",
     )
     parser.add_argument("--no-kernels", action="store_true", help="skip the kernel check")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="with --tiny: launches run this many at a time (CI's time; timings then share the "
+        "cores). On a GPU every arm runs alone.",
+    )
     options = parser.parse_args(argv)
     if options.arms is None:
         options.arms = DEFAULT_ARMS[options.tiny]
@@ -404,6 +419,8 @@ def main(argv=None) -> int:
     unknown = sorted(set(arms) - set(ARMS))
     if unknown or not arms:
         parser.error(f"--arms {options.arms!r}: choose among {', '.join(ARMS)}")
+    if options.jobs < 1 or (options.jobs > 1 and not options.tiny):
+        parser.error(f"--jobs {options.jobs}: 1, or more with --tiny only (timings on a GPU)")
     if "dynamic-packed" not in arms and "fixed" in arms:
         parser.error("--arms: fixed trains dynamic-packed's samples; run dynamic-packed with it")
 
@@ -450,24 +467,31 @@ def main(argv=None) -> int:
     flash = precision + ["--dynamic-batch-attention", attention]
 
     runs: Dict[str, Dict] = {}
-    for name in [n for n in ("fixed", "stock", "stock-masked") if n in arms]:
+    baselines = [n for n in ("fixed", "stock", "stock-masked") if n in arms]
+    launches = []
+    for name in baselines:
         batching, extra = ARMS[name]
         per_step = documents if name == "fixed" else windows
-        runs[name] = launch(
-            name, batching,
+        launches.append((
+            launch, name, batching,
             common + per_step + flash + extra + ["--train-iters", str(baseline_iters)],
             data, out,
-        )  # fmt: skip
+        ))  # fmt: skip
+    runs.update(zip(baselines, _run_all(options.jobs, launches), strict=True))
     stock_peak = measured_peak(runs["stock-masked"]) if "stock-masked" in runs else None
     token_budget = 2 * mbs * seq
     memory_budget = stock_peak / 1024.0 if stock_peak else None
     budget_args = ["--max-memory-gib", f"{memory_budget:.4f}"] if memory_budget else []
-    for name in [n for n in ("dynamic-packed", "dynamic-padded") if n in arms]:
+    dynamics = [n for n in ("dynamic-packed", "dynamic-padded") if n in arms]
+    launches = []
+    for name in dynamics:
         _, extra = ARMS[name]
-        runs[name] = _dynamic(
+        launches.append((
+            _dynamic,
             common + documents + flash + extra + budget_args + ["--train-iters", str(iters)],
-            token_budget, data, out, name=name,
-        )  # fmt: skip
+            token_budget, data, out, name,
+        ))  # fmt: skip
+    runs.update(zip(dynamics, _run_all(options.jobs, launches), strict=True))
     kernels = None if options.no_kernels else kernel_check(out, options.tiny)
     if not {"fixed", "dynamic-packed"} <= set(runs):
         pass  # the loss check compares these two
@@ -507,15 +531,23 @@ def main(argv=None) -> int:
 def _dynamic(
     args: List[str], token_budget: int, data: str, out: pathlib.Path, name="dynamic"
 ) -> Dict:
-    env_budget = os.environ.get("MAX_TOKENS_PER_GPU")
-    os.environ["MAX_TOKENS_PER_GPU"] = str(token_budget)
-    try:
-        return launch(name, "dynamic", args, data, out)
-    finally:
-        if env_budget is None:
-            os.environ.pop("MAX_TOKENS_PER_GPU", None)
-        else:
-            os.environ["MAX_TOKENS_PER_GPU"] = env_budget
+    # The launch script reads its budget from the environment; the launch's own copy carries
+    # it, so launches running side by side (--jobs) never see each other's.
+    return launch(
+        name, "dynamic", args, data, out, extra_env={"MAX_TOKENS_PER_GPU": str(token_budget)}
+    )
+
+
+def _run_all(jobs: int, launches: List[tuple]) -> List[Dict]:
+    """``launches``: ``(function, *args)``; run ``jobs`` at a time (CPU only: on a GPU every arm
+    runs alone, as its timing needs), results in the order given."""
+    if jobs <= 1:
+        return [fn(*args) for fn, *args in launches]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(fn, *args) for fn, *args in launches]
+        return [future.result() for future in futures]
 
 
 def _real_and_computed(

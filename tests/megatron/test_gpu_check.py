@@ -22,7 +22,7 @@ def test_gpu_check_runs_tiny_on_cpu(tmp_path):
     report = tmp_path / "gpu.md"
     result = subprocess.run(
         [sys.executable, "benchmarks/gpu_check.py", "--tiny", "--out", str(tmp_path / "run")]
-        + ["--documents", "600", "--train-iters", "3", "--report", str(report)],
+        + ["--documents", "600", "--train-iters", "3", "--jobs", "2", "--report", str(report)],
         cwd=REPO,
         capture_output=True,
         text=True,
