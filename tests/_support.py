@@ -46,6 +46,24 @@ WORKER_START_TIMEOUT_S = 120.0
 _NEUTRAL = {int: 0, float: 0.0, tuple: ()}
 
 
+def replayed_step_time(step, lengths, config):
+    """A planned step as it runs, replayed on its own rows by the simulator (independent of the
+    planner's scoring): the slowest DP rank's pipeline, packed rows of one sample per segment."""
+    from megatron_dynbatch.planning.cost import microbatch_cost
+    from megatron_dynbatch.planning.simulate import simulate_step
+
+    ranks = []
+    for r, rank in enumerate(step.ranks):
+        costs = []
+        for m, mb in enumerate(rank):
+            sizes = [lengths[i] for i in mb]
+            row = step.row_lengths[r][m] if step.row_lengths else step.seq_length
+            costs.append(microbatch_cost(config.cost, "packed", row, 1, sizes, [0] * len(sizes)))
+        ranks.append(costs)
+    parallel = config.parallel
+    return simulate_step(ranks, parallel.pp_size, parallel.vpp_size).step_time
+
+
 def make_step_plan(ranks, *, seq_length, micro_batch_size):
     """A StepPlan with the given schedule; the planner's statistics fields get neutral values."""
     values = dict(

@@ -25,29 +25,14 @@ from megatron_dynbatch.planning.cluster import (
     rank_rows,
     split_by_targets,
 )
-from megatron_dynbatch.planning.cost import microbatch_cost
 from megatron_dynbatch.planning.simulate import (
     pipeline_makespan,
     simulate_interleaved,
-    simulate_step,
 )
 from megatron_dynbatch.planning.spec import THOROUGH_PLANNER
+from tests._support import replayed_step_time
 
 pytestmark = pytest.mark.unit
-
-
-def _simulated(step, lengths, config):
-    """The step replayed on its own rows by the simulator: the slowest DP rank's pipeline."""
-    ranks = []
-    for r, rank in enumerate(step.ranks):
-        costs = []
-        for m, mb in enumerate(rank):
-            sizes = [lengths[i] for i in mb]
-            row = step.row_lengths[r][m] if step.row_lengths else step.seq_length
-            costs.append(microbatch_cost(config.cost, "packed", row, 1, sizes, [0] * len(sizes)))
-        ranks.append(costs)
-    parallel = config.parallel
-    return simulate_step(ranks, parallel.pp_size, parallel.vpp_size).step_time
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -90,7 +75,7 @@ def test_never_slower_than_the_planner_before_on_random_workloads(
     assert plan_schedule(lengths, config=thorough) == new
     check_plan(new, SampleSet.build(lengths), thorough)
     assert new.steps[0].idle_ranks <= old.steps[0].idle_ranks
-    assert _simulated(new.steps[0], lengths, config) <= _simulated(
+    assert replayed_step_time(new.steps[0], lengths, config) <= replayed_step_time(
         old.steps[0], lengths, config
     ) * (1 + 1e-9)
 

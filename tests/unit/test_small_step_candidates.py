@@ -33,10 +33,9 @@ from megatron_dynbatch.planning.candidates import (
     least_rounding,
     small_step_candidates,
 )
-from megatron_dynbatch.planning.cost import microbatch_cost
 from megatron_dynbatch.planning.packing import profile_pack
 from megatron_dynbatch.planning.shape import choose_shape
-from megatron_dynbatch.planning.simulate import simulate_step
+from tests._support import replayed_step_time
 
 pytestmark = pytest.mark.unit
 
@@ -64,21 +63,6 @@ def _config(cap, dp, pp, vpp, overhead, rows):
         row_multiple=rows or 64,
         oversize_samples="allow",
     )
-
-
-def _simulated(step, lengths, config):
-    """The step as it runs, replayed on its own rows by the simulator (independent of the
-    planner's scoring): the slowest DP rank's pipeline."""
-    ranks = []
-    for r, rank in enumerate(step.ranks):
-        costs = []
-        for m, mb in enumerate(rank):
-            sizes = [lengths[i] for i in mb]
-            row = step.row_lengths[r][m] if step.row_lengths else step.seq_length
-            costs.append(microbatch_cost(config.cost, "packed", row, 1, sizes, [0] * len(sizes)))
-        ranks.append(costs)
-    parallel = config.parallel
-    return simulate_step(ranks, parallel.pp_size, parallel.vpp_size).step_time
 
 
 def _random_step(seed, dp, per_rank, layout, cap, overhead, rows, spread):
@@ -113,9 +97,9 @@ def test_never_slower_than_todays_planner_on_random_small_steps(
     new_step, old_step = new.steps[0], old.steps[0]
     # ... and neither does the step replayed on its own rows (a hair of float noise aside: the
     # planner scores a uniform row at its packing's fullest bin before sample moves shorten it).
-    assert _simulated(new_step, lengths, config) <= _simulated(old_step, lengths, config) * (
-        1 + 1e-4
-    )
+    assert replayed_step_time(new_step, lengths, config) <= replayed_step_time(
+        old_step, lengths, config
+    ) * (1 + 1e-4)
 
 
 def test_the_candidates_find_a_faster_step_somewhere():
@@ -125,9 +109,11 @@ def test_the_candidates_find_a_faster_step_somewhere():
         rng = random.Random(seed)
         lengths = [rng.randint(100, 3000) for _ in range(10)]
         config = _config(8192, 2, 1, 1, 0.01, 128)
-        new = _simulated(plan_schedule(lengths, config=config).steps[0], lengths, config)
+        new = replayed_step_time(plan_schedule(lengths, config=config).steps[0], lengths, config)
         with todays_planner():
-            old = _simulated(plan_schedule(lengths, config=config).steps[0], lengths, config)
+            old = replayed_step_time(
+                plan_schedule(lengths, config=config).steps[0], lengths, config
+            )
         faster += new < old * (1 - 1e-4)
     assert faster >= 3
 
@@ -338,7 +324,7 @@ def test_refinement_never_slower_than_the_planner_before_it(
     with planner_before_refinement():
         old = plan_schedule(lengths, config=config)
     check_plan(new, SampleSet.build(lengths), config)
-    assert _simulated(new.steps[0], lengths, config) <= _simulated(
+    assert replayed_step_time(new.steps[0], lengths, config) <= replayed_step_time(
         old.steps[0], lengths, config
     ) * (1 + 1e-4)
 
