@@ -26,7 +26,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from .packing import profile_pack
 
-__all__ = ["RAMPS", "big_samples", "rank_rows", "split_by_targets"]
+__all__ = ["RAMPS", "big_samples", "ramp_profile", "rank_rows", "split_by_targets"]
 
 #: Ramps ``(first, rising, falling)`` each rank is packed to, the fastest kept per rank.
 #: ``rising`` and ``falling`` below 1 are shares of the rank's micro-batches (a tent).
@@ -71,9 +71,10 @@ def split_by_targets(
     return members
 
 
-def _ramp(count: int, first: float, rising: int, falling: int) -> List[float]:
-    """Relative loads of ``count`` micro-batches rising geometrically from ``first`` to 1 over
-    ``rising`` of them and falling back over the last ``falling``."""
+def ramp_profile(count: int, first: float, rising: int, falling: int) -> List[float]:
+    """Relative loads of ``count`` micro-batches: from ``first`` of a full one up to 1 over
+    ``rising`` micro-batches, level, and down to ``first`` over the last ``falling``
+    (geometrically). The shape search's ramps (``shape._ramp_splits``) use it too."""
     profile = [1.0] * count
     for k in range(min(rising, count)):
         profile[k] = first ** ((rising - k) / rising)
@@ -122,7 +123,7 @@ def rank_rows(
         total = float(sum(sizes[i] for i in order))
         up = min(round(rising * free) if rising < 1 else rising, free)
         down = min(round(falling * free) if falling < 1 else falling, free - up)
-        targets = _scaled(_ramp(free, first, up, down), total, cap)
+        targets = _scaled(ramp_profile(free, first, up, down), total, cap)
         packing = profile_pack(sizes, order, [targets], cap)
         if packing is None:
             return None

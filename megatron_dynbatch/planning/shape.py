@@ -58,7 +58,7 @@ from megatron_dynbatch.errors import DynBatchValueError
 from .balance import RankBalancer, assign_bins_to_ranks, pipeline_orders
 from .candidates import TINY_STEP_SAMPLES, is_small_step, natural_count, small_step_candidates
 from .cluster import RAMPS as CLUSTER_RAMPS
-from .cluster import big_samples, rank_rows, split_by_targets
+from .cluster import big_samples, ramp_profile, rank_rows, split_by_targets
 from .cost import row_cost, row_costs, tail_cost
 from .packing import feasible_pack, min_bins, profile_pack
 from .refine import refine_ranks
@@ -498,18 +498,6 @@ def _finer_splits(
             scored[(m, 1)] = shape
 
 
-def _ramp_profile(count: int, first: float, rising: int, falling: int) -> List[float]:
-    """Relative loads of ``count`` micro-batches: from ``first`` of a full one up to 1 over
-    ``rising`` micro-batches, level, and down to ``first`` over the last ``falling``
-    (geometrically)."""
-    profile = [1.0] * count
-    for k in range(min(rising, count)):
-        profile[k] = first ** ((rising - k) / rising)
-    for j in range(min(falling, count)):
-        profile[count - 1 - j] = min(profile[count - 1 - j], first ** ((falling - j) / falling))
-    return profile
-
-
 def _ramp_targets(profile: Sequence[float], total: float, cap: int) -> List[float]:
     """``profile`` scaled so its loads, each at most ``cap``, add up to ``total``."""
     low, high = 0.0, float(cap) / min(profile)
@@ -564,7 +552,7 @@ def _ramp_splits(
         for first, rising, falling in _RAMPS:
             if rising + falling > m:
                 continue
-            targets = _ramp_targets(_ramp_profile(m, first, rising, falling), total, search.cap)
+            targets = _ramp_targets(ramp_profile(m, first, rising, falling), total, search.cap)
             packing = profile_pack(problem.sizes, search.order, [targets] * dp, search.cap)
             if packing is None:
                 continue
