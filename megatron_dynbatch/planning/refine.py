@@ -107,6 +107,14 @@ def refine_ranks(
         result += [(p, -1, q) for p in range(m) for q in range(p + 1, m)]
         return result
 
+    def move(i: int, a: int, b: int, cost_a: float, cost_b: float) -> None:
+        """Sample ``i`` from micro-batch ``a`` into ``b``, at the costs just computed."""
+        bins[a] = [j for j in bins[a] if j != i]
+        bins[b] = bins[b] + [i]
+        loads[a] -= sizes[i]
+        loads[b] += sizes[i]
+        costs[a], costs[b] = cost_a, cost_b
+
     def improve(r: int) -> bool:
         """The first improving change from where the last one was found (the changes before it
         were just tried), wrapping around once."""
@@ -144,11 +152,7 @@ def refine_ranks(
             rank_costs[p], rank_costs[q] = cost_a, cost_b
             time = pipeline_makespan(rank_costs, pp_size, vpp_size, group)
             if time < current * (1.0 - _GAIN):
-                bins[a] = rest
-                bins[b] = bins[b] + [i]
-                loads[a] -= size
-                loads[b] += size
-                costs[a], costs[b] = cost_a, cost_b
+                move(i, a, b, cost_a, cost_b)
                 spans[r] = time
                 cursors[r] = start + k
                 return True
@@ -187,11 +191,7 @@ def refine_ranks(
                         other = pipeline_makespan(taker_costs, pp_size, vpp_size, group)
                         taker_costs[k] = costs[b]
                         if other < current * (1.0 - _GAIN):
-                            bins[a] = rest
-                            bins[b] = bins[b] + [i]
-                            loads[a] -= size
-                            loads[b] += size
-                            costs[a], costs[b] = given, taken
+                            move(i, a, b, given, taken)
                             spans[r], spans[q] = time, other
                             return True
         return False
