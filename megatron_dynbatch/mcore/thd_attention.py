@@ -33,6 +33,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
 from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.mcore.thd_rope import host_boundaries, install_thd_rope
 
 __all__ = [
     "ThdReferenceAttention",
@@ -53,8 +54,8 @@ def thd_boundaries(
         DynBatchValueError: Boundaries that are not increasing int sequences starting at 0, a
             real segment longer than its padded one, or padded boundaries not ending at ``total``.
     """
-    real = cu_seqlens.to(torch.int64).cpu()
-    padded = real if cu_seqlens_padded is None else cu_seqlens_padded.to(torch.int64).cpu()
+    real = host_boundaries(cu_seqlens)
+    padded = real if cu_seqlens_padded is None else host_boundaries(cu_seqlens_padded)
     if real.dim() != 1 or real.shape != padded.shape or real.numel() < 2:
         raise DynBatchValueError(
             f"cu_seqlens {real.tolist()} and cu_seqlens_padded {padded.tolist()} must be 1-D "
@@ -283,8 +284,6 @@ def with_thd_reference_attention(
     import dataclasses
 
     from megatron.core.transformer.enums import AttnMaskType
-
-    from megatron_dynbatch.mcore.thd_rope import install_thd_rope
 
     install_thd_rope()
 

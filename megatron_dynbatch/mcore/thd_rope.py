@@ -31,7 +31,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-__all__ = ["install_thd_rope", "thd_positions", "thd_rotary"]
+__all__ = ["host_boundaries", "install_thd_rope", "thd_positions", "thd_rotary"]
 
 #: Megatron's ``apply_rotary_pos_emb`` parameters the wrapper is written for (megatron-core
 #: 0.19.2); another signature is left alone.
@@ -39,6 +39,26 @@ _PARAMETERS = ("t", "freqs", "config", "cu_seqlens", "mscale", "cp_group", "mla_
 
 # The positions of the last boundaries seen (the tensor is kept, so its id cannot be reused).
 _LAST: List[Optional[Tuple[torch.Tensor, tuple, Optional[Tuple[torch.Tensor, int]]]]] = [None]
+
+
+# The host copies of the last boundary tensors read (the tensors are kept, so their ids cannot
+# be reused): real and padded boundaries, which are one tensor on our own micro-batches.
+_HOST_COPIES: List[tuple] = []
+_HOST_COPIES_KEPT = 2
+
+
+def host_boundaries(boundaries: torch.Tensor) -> torch.Tensor:
+    """``boundaries`` as an int64 CPU tensor, read from the device once per tensor: the checks of
+    every THD attention layer (``thd_attention.py``) and the RoPE of a micro-batch share one read,
+    where each would otherwise wait on the device for it."""
+    key = (boundaries.data_ptr(), boundaries._version, boundaries.device, boundaries.dtype)
+    for tensor, seen, host in _HOST_COPIES:
+        if tensor is boundaries and seen == key:
+            return host
+    host = boundaries.to(torch.int64).cpu()
+    _HOST_COPIES.insert(0, (boundaries, key, host))
+    del _HOST_COPIES[_HOST_COPIES_KEPT:]
+    return host
 
 
 def thd_positions(cu_seqlens: torch.Tensor, total: int) -> Optional[Tuple[torch.Tensor, int]]:
@@ -49,7 +69,7 @@ def thd_positions(cu_seqlens: torch.Tensor, total: int) -> Optional[Tuple[torch.
     cached = _LAST[0]
     if cached is not None and cached[0] is cu_seqlens and cached[1] == key:
         return cached[2]
-    bounds = cu_seqlens.tolist()  # the one host read per micro-batch
+    bounds = host_boundaries(cu_seqlens).tolist()  # shared with the attention's checks
     found = None
     lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     if bounds and bounds[0] == 0 and bounds[-1] == total and min(lengths, default=0) >= 0:

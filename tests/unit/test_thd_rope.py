@@ -169,3 +169,14 @@ def test_installed_wrapper_computes_megatrons_result_and_defers_what_it_does_not
         assert not isinstance(probe(t, freqs, config, cu_seqlens=cu, cp_group=_Group()), str)
     finally:
         mcore_attention.apply_rotary_pos_emb = current
+
+
+def test_boundaries_are_read_to_the_host_once_until_they_change():
+    from megatron_dynbatch.mcore.thd_rope import host_boundaries
+
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    first = host_boundaries(cu)
+    assert first.dtype == torch.int64 and first.tolist() == [0, 3, 8]
+    assert host_boundaries(cu) is first  # the attention's checks and the RoPE share one read
+    cu[2] = 9  # changed in place: read again
+    assert host_boundaries(cu).tolist() == [0, 3, 9]
