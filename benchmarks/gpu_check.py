@@ -493,13 +493,13 @@ def main(argv=None) -> int:
         ))  # fmt: skip
     runs.update(zip(dynamics, _run_all(options.jobs, launches), strict=True))
     kernels = None if options.no_kernels else kernel_check(out, options.tiny)
-    if not {"fixed", "dynamic-packed"} <= set(runs):
-        pass  # the loss check compares these two
-    elif not options.no_fp32 and not gpu:
+    # The loss check compares fixed and dynamic-packed: only where both ran.
+    loss_check = not options.no_fp32 and {"fixed", "dynamic-packed"} <= set(runs)
+    if loss_check and not gpu:
         # Without CUDA every arm above already ran in fp32 on the reference attention: the
         # loss check reads fixed and dynamic-packed (two launches fewer in CI, same comparison).
         runs["fixed-fp32"], runs["dynamic-fp32"] = runs["fixed"], runs["dynamic-packed"]
-    elif not options.no_fp32:
+    elif loss_check:
         reference = ["--dynamic-batch-attention", "reference"]
         # Exactness needs the same samples, not a large step: --global-batch-size documents (the
         # dense fp32 reference costs seconds a step).
