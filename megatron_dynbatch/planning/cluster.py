@@ -26,7 +26,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from .packing import profile_pack
 
-__all__ = ["RAMPS", "big_samples", "ramp_profile", "rank_rows", "split_by_targets"]
+__all__ = ["RAMPS", "big_samples", "ramp_profile", "rank_rows", "split_by_targets", "tent_profile"]
 
 #: Ramps ``(first, rising, falling)`` each rank is packed to, the fastest kept per rank.
 #: ``rising`` and ``falling`` below 1 are shares of the rank's micro-batches (a tent).
@@ -80,6 +80,28 @@ def ramp_profile(count: int, first: float, rising: int, falling: int) -> List[fl
         profile[k] = first ** ((rising - k) / rising)
     for j in range(min(falling, count)):
         profile[count - 1 - j] = min(profile[count - 1 - j], first ** ((falling - j) / falling))
+    return profile
+
+
+def tent_profile(count: int, first: float, peak: float, end: float, linear: bool) -> List[float]:
+    """Relative loads of ``count`` micro-batches rising from ``first`` of a full one to 1 at the
+    micro-batch ``round(peak * count)`` (geometrically, or in a straight line where ``linear``),
+    then falling in a straight line to ``end`` at the last one.
+
+    The shape the linear program of ``benchmarks.pipeline_floor`` gives a rank whose work is
+    divisible, and a local search over whole samples finds too: a short rise, the heaviest
+    micro-batches next, then a long descent. In 1F1B's steady state a stage runs the forward of
+    micro-batch ``k + pp - 1 - stage`` between the backwards of ``k - 1`` and ``k``: with later
+    micro-batches lighter, those forwards fit the backwards' gaps instead of stalling the next
+    stage, and the drain starts light.
+    """
+    top = min(count - 1, max(1, round(peak * count)))
+    profile = [1.0] * count
+    for k in range(top):
+        profile[k] = first + (1.0 - first) * k / top if linear else first ** ((top - k) / top)
+    tail = max(1, count - 1 - top)
+    for k in range(top, count):
+        profile[k] = 1.0 - (1.0 - end) * (k - top) / tail
     return profile
 
 

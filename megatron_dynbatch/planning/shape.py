@@ -49,6 +49,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import heapq
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -58,7 +59,7 @@ from megatron_dynbatch.errors import DynBatchValueError
 from .balance import RankBalancer, assign_bins_to_ranks, pipeline_orders
 from .candidates import TINY_STEP_SAMPLES, is_small_step, natural_count, small_step_candidates
 from .cluster import RAMPS as CLUSTER_RAMPS
-from .cluster import big_samples, ramp_profile, rank_rows, split_by_targets
+from .cluster import big_samples, ramp_profile, rank_rows, split_by_targets, tent_profile
 from .cost import row_cost, row_costs, tail_cost
 from .packing import feasible_pack, min_bins, profile_pack
 from .refine import refine_ranks
@@ -108,6 +109,15 @@ _RAMP_FACTORS = (1.0, 1.5)
 #: GPU-regime steps (``python -m benchmarks.gpu_regime``), these two at these two multiples
 #: found every fastest step.
 _RAMPS = ((0.25, 5, 5), (0.1, 6, 10))
+#: Tents (:func:`_tent_splits`): at these multiples of the fastest count so far (fewer too: a
+#: tent's descent lets fuller micro-batches run without the stalls of a level steady state) ...
+_TENT_FACTORS = (0.6, 0.75, 1.0)
+#: ... in these shapes: (the first micro-batch's share of the peak, where the peak is as a share
+#: of the count, the last one's share, a straight rise rather than a geometric one), and, when
+#: interleaved, each over the groups of micro-batches. The linear program's shape
+#: (``benchmarks.pipeline_floor``); of five tents at five multiples (0.5-1.5x) on the GPU-regime
+#: steps of seeds 0-2, these two at these three multiples kept all but 0.05% of the gain.
+_TENTS = ((0.1, 0.2, 0.2, False), (0.05, 0.6, 0.1, True))
 #: Rows per packed micro-batch searched besides 1, at most: every B from 2 up to 8, then spread
 #: geometrically up to ``cap // longest sample`` (fixed micro-batch sizes are small).
 _MAX_ROW_COUNTS = 8
@@ -316,10 +326,12 @@ def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
             scored[(m, rows)] = shape
             fastest = shape.step_time
     clustered: Dict[Tuple[int, int], StepShape] = {}
+    tented: Dict[Tuple[int, int], StepShape] = {}
     if problem.row_multiple is not None and problem.layout == "packed":
         _finer_splits(problem, searches[0], scored)
         if not problem.disable_more_candidates:
             _ramp_splits(problem, searches[0], scored)
+            _tent_splits(problem, searches[0], _pick(scored, problem.min_gain), tented)
             if problem.thorough:
                 _cluster_splits(problem, searches[0], _pick(scored, problem.min_gain), clustered)
     best = _pick(scored, problem.min_gain)
@@ -338,10 +350,16 @@ def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
     if problem.layout == "packed" and not problem.disable_more_candidates:
         chosen = _more_candidates(problem, searches, scored, chosen)
         chosen = _refined(problem, chosen)
-        if clustered:
-            # Refined apart and kept only where faster after refinement: the step is never
-            # predicted slower than the shape search's own refined choice.
-            other = _refined(problem, _pick(clustered, problem.min_gain))
+        # Constructions kept apart replace the shape search's refined choice only where faster,
+        # so the step is never predicted slower for them. Tents unrefined: refining costs as
+        # much as the rest of the search and gained them 0.2% (the GPU-regime steps), except
+        # for the thorough planner, where the simulated step alone decides.
+        for apart, refine in ((tented, problem.thorough), (clustered, True)):
+            if not apart:
+                continue
+            other = _pick(apart, problem.min_gain)
+            if refine:
+                other = _refined(problem, other)
             gain = problem.min_gain if other.per_rank > chosen.per_rank else 0.0
             if other.step_time < chosen.step_time * (1.0 - max(gain, _TIE)):
                 chosen = other
@@ -583,6 +601,67 @@ _CLUSTER_TOGETHER = (2, 3, 4)
 _CLUSTER_ROUNDS = 3
 #: ... at these multiples of the fastest count so far.
 _CLUSTER_FACTORS = (1.0, 1.25)
+
+
+def _tent_splits(
+    problem: StepProblem,
+    search: "_Search",
+    fastest_shape: StepShape,
+    tented: Dict[Tuple[int, int], StepShape],
+) -> None:
+    """Variable rows under a pipeline, a step of at most :data:`_RAMP_LIMIT` samples: every rank
+    packed to a tent (:func:`.cluster.tent_profile`: a short rise, the heaviest micro-batches,
+    a long straight descent) at counts around the fastest so far, fewer included, each scored in
+    the pipeline order of the search and in the tent's own. The candidates go to ``tented``,
+    apart from the search's own: :func:`choose_shape` refines the fastest and keeps it only
+    where it beats the search's refined choice, so no step is predicted slower for them."""
+    parallel = problem.parallel
+    if (
+        parallel.pp_size == 1
+        or not isinstance(search, _PackedSearch)
+        or search.rows != 1
+        or search.oversize
+        or not search.arrival
+        or len(problem.items) > _RAMP_LIMIT
+    ):
+        return
+    dp, multiple = search.dp, search.microbatch_multiple
+    most = len(search.arrival) // dp
+    fastest = fastest_shape.per_rank
+    counts = sorted(
+        {
+            min(most, round_up(max(1, math.ceil(fastest * factor)), multiple))
+            for factor in _TENT_FACTORS
+        }
+    )
+    total = float(search.total) / dp
+    for m in counts:
+        if m < max(2, multiple) or m % multiple:
+            continue
+        # Interleaved, also tents over the groups of micro-batches the schedule walks together.
+        spans = (1, multiple) if multiple > 1 and m // multiple > 2 else (1,)
+        for (first, peak, end, linear), span in itertools.product(_TENTS, spans):
+            tent = tent_profile(m // span, first, peak, end, linear)
+            targets = _ramp_targets([v for v in tent for _ in range(span)], total, search.cap)
+            packing = profile_pack(problem.sizes, search.order, [targets] * dp, search.cap)
+            if packing is None:
+                continue
+            bins, loads = packing
+            rank_bins = [list(range(r * m, (r + 1) * m)) for r in range(dp)]
+            for keep in (False, True):
+                shape = search.score(
+                    [list(members) for members in bins],
+                    loads,
+                    m,
+                    max(loads),
+                    1,
+                    [list(rank) for rank in rank_bins],
+                    token_loads=True,
+                    keep_order=keep,
+                )
+                known = tented.get((m, 1))
+                if known is None or shape.step_time < known.step_time * (1.0 - _TIE):
+                    tented[(m, 1)] = shape
 
 
 def _cluster_splits(

@@ -183,8 +183,8 @@ def _slime_args(budget, log_budget=None):
 
 
 def test_slime_reuses_the_training_micro_batches_only_when_no_pass_can_have_fewer():
-    # A step whose training plan runs the fewest count (seed 1's now runs one more: faster).
-    rng = random.Random(2)
+    # A step whose training plan runs the fewest count (seeds 1 and 2 now run more: faster).
+    rng = random.Random(3)
     lengths = [rng.randint(100, 4096) for _ in range(64)]
     train = {"dp_size": 4, "cp_size": 1, "vpp_size": 1, "microbatch_group_size_per_vp_stage": 2}
     ids = list(range(len(lengths)))
