@@ -1055,10 +1055,16 @@ class _Search:
         varies = self.varies or row_lengths is not None
         # Rows of one shape cost the same unless attention or response work varies with what they
         # hold; then balance the cost, else balance real tokens (free, and what logs show).
+        given = rank_bins is not None
         if rank_bins is None:
             rank_bins = assign_bins_to_ranks(bin_costs if varies else loads, self.dp, per_rank)
+        unbalanced = None
         # Sample moves between bins know one row a bin: not for B > 1 rows.
         if layout == "packed" and self.varies and row_lengths is None and rows == 1:
+            if given:
+                # A construction's own split is kept where the moves make its step slower: they
+                # even the ranks' work, and the construction may have split for the pipeline.
+                unbalanced = ([list(members) for members in bins], list(bin_costs))
             bin_costs = self._balance(bins, loads, own, rank_bins, seq_length, per_rank, bin_costs)
             token_loads = False  # samples may have moved between bins
         if keep_order:
@@ -1066,6 +1072,15 @@ class _Search:
         else:
             orders = self._orders(rank_bins, bins, bin_costs)
         step_time = self._step_time(orders, bin_costs)
+        if unbalanced is not None:
+            own_bins, own_costs = unbalanced
+            if keep_order:
+                own_orders = [list(rank) for rank in rank_bins]
+            else:
+                own_orders = self._orders(rank_bins, own_bins, own_costs)
+            own_time = self._step_time(own_orders, own_costs)
+            if own_time < step_time * (1.0 - _TIE):
+                bins, bin_costs, orders, step_time = own_bins, own_costs, own_orders, own_time
         if any(not any(map(bins.__getitem__, rank)) for rank in rank_bins):
             orders, step_time = self._spread(rank_bins, bins, bin_costs, orders, step_time)
         return StepShape(
