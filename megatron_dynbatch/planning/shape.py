@@ -450,6 +450,12 @@ def _more_candidates(
     if len(problem.items) <= TINY_STEP_SAMPLES:
         counts.add(search.min_per_rank)
         counts.update(search.candidates())
+    # The fewest counts too, below the global packing's fewest where the token total allows
+    # them: a rank's own split (differencing) can fit fewer micro-batches than dealing global
+    # bins does, and the fewest rows are what no pipeline wants most (few samples a rank: few
+    # counts).
+    floor = round_up(max(1, ceil_div(search.total, search.dp * search.cap)), multiple)
+    counts.update(range(floor, search.min_per_rank + 1, multiple))
     more = dict(scored)
     for m in sorted(counts):
         for _name, ranks, keep_order in small_step_candidates(
