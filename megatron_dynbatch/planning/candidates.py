@@ -15,6 +15,7 @@ never by time), so every rank derives the same plan.
 from __future__ import annotations
 
 import heapq
+import itertools
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 from .balance import deal_with_room
@@ -26,6 +27,7 @@ __all__ = [
     "SMALL_STEP_PER_RANK",
     "SMALL_STEP_SAMPLES",
     "TINY_STEP_SAMPLES",
+    "balanced_rows",
     "differenced_rows",
     "exact_split",
     "first_fit",
@@ -115,6 +117,12 @@ def small_step_candidates(
         ranks = _differenced_ranks(split, sizes, weights, cap, per_rank)
         if ranks is not None:
             yield name + "-differenced", ranks, True
+        if row_multiple is None:
+            # One row a step: every row is as long as the step's fullest, so the fullest row,
+            # not the rank's work, sets what every micro-batch costs.
+            ranks = [balanced_rows(part, sizes, cap, per_rank) for part in split]
+            if all(rank is not None for rank in ranks):
+                yield name + "-balanced-rows", ranks, False
         if (
             row_multiple is not None
             and len(items) <= TINY_STEP_SAMPLES
@@ -220,6 +228,56 @@ def _differenced_ranks(
             return None
         ranks.append(rows)
     return ranks
+
+
+def balanced_rows(
+    members: Sequence[int], sizes: Sequence[int], cap: int, per_rank: int
+) -> Optional[List[List[int]]]:
+    """One rank's samples in ``per_rank`` rows with the fullest row as short as a local search
+    finds: differencing on the sizes, then, while it shortens the fullest row, one of its
+    samples moved to another row, or one or two of them swapped against one or two of another
+    row's (the first change found, rows and samples in a fixed order). ``None`` where there are
+    fewer samples than rows or a row of several samples breaks the cap."""
+    if len(members) < per_rank:
+        return None
+    parts = karmarkar_karp([sizes[i] for i in members], per_rank, False, ties="index")
+    rows = [sorted(members[j] for j in part) for part in parts]
+    loads = [sum(sizes[i] for i in row) for row in rows]
+
+    def groups(row: List[int]) -> List[Tuple[int, List[int]]]:
+        """The row's single samples and pairs, with their sizes (and nothing: a move)."""
+        found = [(0, [])] + [(sizes[i], [i]) for i in row]
+        found += [(sizes[a] + sizes[b], [a, b]) for a, b in itertools.combinations(row, 2)]
+        return found
+
+    for _ in range(4 * len(members)):
+        full = max(range(per_rank), key=lambda k: (loads[k], -k))
+        changed = False
+        for other in sorted(range(per_rank), key=lambda k: (loads[k], k)):
+            if other == full:
+                continue
+            for out, taken in groups(rows[full]):
+                for back, given in groups(rows[other]):
+                    gain = out - back
+                    if gain <= 0 or loads[other] + gain >= loads[full]:
+                        continue
+                    if loads[other] + gain > cap and len(rows[other]) - len(given) + len(taken) > 1:
+                        continue
+                    rows[full] = sorted([i for i in rows[full] if i not in taken] + given)
+                    rows[other] = sorted([i for i in rows[other] if i not in given] + taken)
+                    loads[full] -= gain
+                    loads[other] += gain
+                    changed = True
+                    break
+                if changed:
+                    break
+            if changed:
+                break
+        if not changed:
+            break
+    if any(len(row) > 1 and load > cap for row, load in zip(rows, loads, strict=True)):
+        return None
+    return rows
 
 
 def differenced_rows(
