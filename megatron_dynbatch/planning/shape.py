@@ -1070,16 +1070,17 @@ class _Search:
             if given:
                 # A construction's own split is kept where the moves make its step slower: they
                 # even the ranks' work, and the construction may have split for the pipeline.
-                unbalanced = ([list(members) for members in bins], list(bin_costs))
+                unbalanced = ([list(members) for members in bins], list(bin_costs), seq_length)
             bin_costs = self._balance(bins, loads, own, rank_bins, seq_length, per_rank, bin_costs)
             token_loads = False  # samples may have moved between bins
+            seq_length, bin_costs = self._shortened(bins, seq_length, rows, bin_costs)
         if keep_order:
             orders = [list(rank) for rank in rank_bins]
         else:
             orders = self._orders(rank_bins, bins, bin_costs)
         step_time = self._step_time(orders, bin_costs)
         if unbalanced is not None:
-            own_bins, own_costs = unbalanced
+            own_bins, own_costs, own_length = unbalanced
             if keep_order:
                 own_orders = [list(rank) for rank in rank_bins]
             else:
@@ -1087,6 +1088,7 @@ class _Search:
             own_time = self._step_time(own_orders, own_costs)
             if own_time < step_time * (1.0 - _TIE):
                 bins, bin_costs, orders, step_time = own_bins, own_costs, own_orders, own_time
+                seq_length = own_length
         if any(not any(map(bins.__getitem__, rank)) for rank in rank_bins):
             orders, step_time = self._spread(rank_bins, bins, bin_costs, orders, step_time)
         return StepShape(
@@ -1184,6 +1186,24 @@ class _Search:
         for b in balancer.changed:
             bin_costs[b] = full_row + tail(balancer.loads[b]) + balancer.own[b]
         return bin_costs
+
+    def _shortened(
+        self, bins: List[List[int]], seq_length: int, rows: int, bin_costs: List[float]
+    ) -> Tuple[int, List[float]]:
+        """The row length after sample moves: the fullest bin now (aligned as before), and the
+        bins' costs at it where it is shorter (rows only as long as the step needs, the plan's
+        ``seq_length`` the same as the one scored)."""
+        problem = self.problem
+        sizes, costs = problem.sizes, problem.sample_costs
+        loads = [sum(map(sizes.__getitem__, members)) for members in bins]
+        fullest = max(loads, default=0)
+        align = problem.row_align
+        if align and fullest <= self.cap and round_up(fullest, align) <= self.cap:
+            fullest = round_up(fullest, align)
+        if fullest >= seq_length or fullest < 1:
+            return seq_length, bin_costs
+        own = [sum(map(costs.__getitem__, members)) for members in bins]
+        return fullest, row_costs(self.model, self.problem.layout, fullest, rows, loads, own)
 
     def _step_time(self, orders: List[List[int]], bin_costs: Sequence[float]) -> float:
         totals = [sum(map(bin_costs.__getitem__, order)) for order in orders]
