@@ -1071,9 +1071,13 @@ class _Search:
                 # A construction's own split is kept where the moves make its step slower: they
                 # even the ranks' work, and the construction may have split for the pipeline.
                 unbalanced = ([list(members) for members in bins], list(bin_costs), seq_length)
-            bin_costs = self._balance(bins, loads, own, rank_bins, seq_length, per_rank, bin_costs)
+            bin_costs, moved_loads, moved_own = self._balance(
+                bins, loads, own, rank_bins, seq_length, per_rank, bin_costs
+            )
             token_loads = False  # samples may have moved between bins
-            seq_length, bin_costs = self._shortened(bins, seq_length, rows, bin_costs)
+            seq_length, bin_costs = self._shortened(
+                seq_length, rows, bin_costs, moved_loads, moved_own
+            )
         if keep_order:
             orders = [list(rank) for rank in rank_bins]
         else:
@@ -1161,8 +1165,9 @@ class _Search:
         seq_length: int,
         per_rank: int,
         bin_costs: List[float],
-    ) -> List[float]:
-        """Sample moves between ranks (:class:`.balance.RankBalancer`); returns new bin costs."""
+    ) -> Tuple[List[float], List[int], List[float]]:
+        """Sample moves between ranks (:class:`.balance.RankBalancer`); returns the bins' new
+        costs, padded tokens and own costs."""
         problem = self.problem
         tail = tail_cost(self.model, seq_length)
         cap, sizes = problem.cap, problem.sizes
@@ -1185,25 +1190,27 @@ class _Search:
         bin_costs = list(bin_costs)
         for b in balancer.changed:
             bin_costs[b] = full_row + tail(balancer.loads[b]) + balancer.own[b]
-        return bin_costs
+        return bin_costs, balancer.loads, balancer.own
 
     def _shortened(
-        self, bins: List[List[int]], seq_length: int, rows: int, bin_costs: List[float]
+        self,
+        seq_length: int,
+        rows: int,
+        bin_costs: List[float],
+        loads: Sequence[int],
+        own: Sequence[float],
     ) -> Tuple[int, List[float]]:
-        """The row length after sample moves: the fullest bin now (aligned as before), and the
-        bins' costs at it where it is shorter (rows only as long as the step needs, the plan's
-        ``seq_length`` the same as the one scored)."""
+        """The row length after sample moves: the fullest bin now (``loads``, aligned as
+        before), and the bins' costs at it where it is shorter (rows only as long as the step
+        needs, the plan's ``seq_length`` the same as the one scored)."""
         problem = self.problem
-        sizes, costs = problem.sizes, problem.sample_costs
-        loads = [sum(map(sizes.__getitem__, members)) for members in bins]
         fullest = max(loads, default=0)
         align = problem.row_align
         if align and fullest <= self.cap and round_up(fullest, align) <= self.cap:
             fullest = round_up(fullest, align)
         if fullest >= seq_length or fullest < 1:
             return seq_length, bin_costs
-        own = [sum(map(costs.__getitem__, members)) for members in bins]
-        return fullest, row_costs(self.model, self.problem.layout, fullest, rows, loads, own)
+        return fullest, row_costs(self.model, problem.layout, fullest, rows, loads, own)
 
     def _step_time(self, orders: List[List[int]], bin_costs: Sequence[float]) -> float:
         totals = [sum(map(bin_costs.__getitem__, order)) for order in orders]
