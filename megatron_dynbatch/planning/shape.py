@@ -536,6 +536,41 @@ def _ramp_targets(profile: Sequence[float], total: float, cap: int) -> List[floa
     return [min(float(cap), high * p) for p in profile]
 
 
+def _profiles_apply(problem: StepProblem, search: "_Search") -> bool:
+    """Ramps and tents: variable rows under a pipeline (checked by the caller), one row a
+    micro-batch, no oversize sample, a step of at most :data:`_RAMP_LIMIT` samples."""
+    return (
+        problem.parallel.pp_size > 1
+        and isinstance(search, _PackedSearch)
+        and search.rows == 1
+        and not search.oversize
+        and bool(search.arrival)
+        and len(problem.items) <= _RAMP_LIMIT
+    )
+
+
+def _score_profile(
+    problem: StepProblem,
+    search: "_Search",
+    per_rank: int,
+    targets: Sequence[float],
+    scored: Dict[Tuple[int, int], StepShape],
+) -> None:
+    """Every rank packed to the loads ``targets`` (:func:`.packing.profile_pack`), scored in the
+    search's pipeline order and in the profile's own; kept in ``scored`` where faster than what
+    it holds at ``per_rank``."""
+    dp = search.dp
+    packing = profile_pack(problem.sizes, search.order, [targets] * dp, search.cap)
+    if packing is None:
+        return
+    bins = packing[0]
+    ranks = [bins[r * per_rank : (r + 1) * per_rank] for r in range(dp)]
+    for shape in search.score_ranks(ranks, per_rank, keep_order=True):
+        known = scored.get((per_rank, 1))
+        if known is None or shape.step_time < known.step_time * (1.0 - _TIE):
+            scored[(per_rank, 1)] = shape
+
+
 def _ramp_splits(
     problem: StepProblem, search: "_Search", scored: Dict[Tuple[int, int], StepShape]
 ) -> None:
@@ -550,15 +585,7 @@ def _ramp_splits(
     shapes (:data:`_RAMPS`) are packed, each scored in the pipeline order of the search and
     in the profile's own; the simulated step decides, as for every candidate.
     """
-    parallel = problem.parallel
-    if (
-        parallel.pp_size == 1
-        or not isinstance(search, _PackedSearch)
-        or search.rows != 1
-        or search.oversize
-        or not search.arrival
-        or len(problem.items) > _RAMP_LIMIT
-    ):
+    if not _profiles_apply(problem, search):
         return
     dp, multiple = search.dp, search.microbatch_multiple
     most = len(search.arrival) // dp
@@ -577,25 +604,7 @@ def _ramp_splits(
             if rising + falling > m:
                 continue
             targets = _ramp_targets(ramp_profile(m, first, rising, falling), total, search.cap)
-            packing = profile_pack(problem.sizes, search.order, [targets] * dp, search.cap)
-            if packing is None:
-                continue
-            bins, loads = packing
-            rank_bins = [list(range(r * m, (r + 1) * m)) for r in range(dp)]
-            for keep in (False, True):
-                shape = search.score(
-                    [list(members) for members in bins],
-                    loads,
-                    m,
-                    max(loads),
-                    1,
-                    [list(rank) for rank in rank_bins],
-                    token_loads=True,
-                    keep_order=keep,
-                )
-                known = scored.get((m, 1))
-                if known is None or shape.step_time < known.step_time * (1.0 - _TIE):
-                    scored[(m, 1)] = shape
+            _score_profile(problem, search, m, targets, scored)
 
 
 #: Clustered ranks (:mod:`.cluster`): a sample is large when its weight is at least this share
@@ -621,15 +630,7 @@ def _tent_splits(
     the pipeline order of the search and in the tent's own. The candidates go to ``tented``,
     apart from the search's own: :func:`choose_shape` refines the fastest and keeps it only
     where it beats the search's refined choice, so no step is predicted slower for them."""
-    parallel = problem.parallel
-    if (
-        parallel.pp_size == 1
-        or not isinstance(search, _PackedSearch)
-        or search.rows != 1
-        or search.oversize
-        or not search.arrival
-        or len(problem.items) > _RAMP_LIMIT
-    ):
+    if not _profiles_apply(problem, search):
         return
     dp, multiple = search.dp, search.microbatch_multiple
     most = len(search.arrival) // dp
@@ -649,25 +650,7 @@ def _tent_splits(
         for (first, peak, end, linear), span in itertools.product(_TENTS, spans):
             tent = tent_profile(m // span, first, peak, end, linear)
             targets = _ramp_targets([v for v in tent for _ in range(span)], total, search.cap)
-            packing = profile_pack(problem.sizes, search.order, [targets] * dp, search.cap)
-            if packing is None:
-                continue
-            bins, loads = packing
-            rank_bins = [list(range(r * m, (r + 1) * m)) for r in range(dp)]
-            for keep in (False, True):
-                shape = search.score(
-                    [list(members) for members in bins],
-                    loads,
-                    m,
-                    max(loads),
-                    1,
-                    [list(rank) for rank in rank_bins],
-                    token_loads=True,
-                    keep_order=keep,
-                )
-                known = tented.get((m, 1))
-                if known is None or shape.step_time < known.step_time * (1.0 - _TIE):
-                    tented[(m, 1)] = shape
+            _score_profile(problem, search, m, targets, tented)
 
 
 def _cluster_splits(
