@@ -234,7 +234,9 @@ def test_planner_never_plans_a_step_over_the_memory_budget(
     longest = max(lengths)
     # From just enough for the longest sample alone to room for several long rows.
     low = max(model.uniform_peak(s, (1, -(-longest // 16) * 16)) for s in dims.stages())
-    high = max(model.uniform_peak(s, (1, 8 * longest)) for s in dims.stages())
+    # (At least the low end's row: 8 x a sample of 1 token is shorter than its 16-token row.)
+    top = max(8 * longest, -(-longest // 16) * 16)
+    high = max(model.uniform_peak(s, (1, top)) for s in dims.stages())
     variable = variable and layout == "packed"
     # Variable rows are multiples of 16: so is every cap (as the Megatron-LM entry does).
     limit = MemoryLimit(
