@@ -363,7 +363,9 @@ def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
             gain = problem.min_gain if other.per_rank > chosen.per_rank else 0.0
             if other.step_time < chosen.step_time * (1.0 - max(gain, _TIE)):
                 chosen = other
-    return chosen, min(s.min_per_rank for s in searches)
+    # A construction may fit fewer micro-batches than the searches' packings did (a rank's own
+    # split): then that is the fewest found.
+    return chosen, min(chosen.per_rank, *(s.min_per_rank for s in searches))
 
 
 def _refined(problem: StepProblem, shape: StepShape) -> StepShape:
