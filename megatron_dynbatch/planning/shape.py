@@ -354,17 +354,17 @@ def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
         chosen = _more_candidates(problem, searches, scored, chosen)
         chosen = _refined(problem, chosen)
         # Constructions kept apart replace the shape search's refined choice only where faster,
-        # so the step is never predicted slower for them. Tents unrefined: refining costs as
-        # much as the rest of the search and gained them 0.2% (the GPU-regime steps), except
-        # for the thorough planner, where the simulated step alone decides, and there only
-        # where refinement could make up the difference.
-        for apart, refine in ((tented, problem.thorough), (clustered, True)):
+        # so the step is never predicted slower for them. Refined first where ``refine``, and
+        # within ``reach`` of that choice (``None``: whatever their step). Tents: not by the
+        # default planner (refining costs as much as the rest of the search and gained them
+        # 0.2% on the GPU-regime steps); by the thorough one, where the simulated step alone
+        # decides, where refinement could make up the difference.
+        kept_apart = ((tented, problem.thorough, _TENT_REACH), (clustered, True, None))
+        for apart, refine, reach in kept_apart:
             if not apart:
                 continue
             other = _pick(apart, problem.min_gain)
-            if refine and (
-                apart is not tented or other.step_time < chosen.step_time * (1.0 + _TENT_REACH)
-            ):
+            if refine and (reach is None or other.step_time < chosen.step_time * (1.0 + reach)):
                 other = _refined(problem, other)
             gain = problem.min_gain if other.per_rank > chosen.per_rank else 0.0
             if other.step_time < chosen.step_time * (1.0 - max(gain, _TIE)):
@@ -636,8 +636,9 @@ def _tent_splits(
     packed to a tent (:func:`.cluster.tent_profile`: a short rise, the heaviest micro-batches,
     a long straight descent) at counts around the fastest so far, fewer included, each scored in
     the pipeline order of the search and in the tent's own. The candidates go to ``tented``,
-    apart from the search's own: :func:`choose_shape` refines the fastest and keeps it only
-    where it beats the search's refined choice, so no step is predicted slower for them."""
+    apart from the search's own: :func:`choose_shape` keeps the fastest only where it beats the
+    search's refined choice (the thorough planner refining it first), so no step is predicted
+    slower for them."""
     if not _profiles_apply(problem, search):
         return
     dp, multiple = search.dp, search.microbatch_multiple
@@ -1042,12 +1043,8 @@ class _Search:
                 ]
             seq_length = max(row_lengths)
         else:
-            align = problem.row_align
-            if align and layout == "packed" and seq_length <= self.cap:
-                # An aligned row within this B's cap (token and memory budgets): same samples.
-                aligned = round_up(seq_length, align)
-                if aligned <= self.cap:
-                    seq_length = aligned
+            if layout == "packed":
+                seq_length = self._aligned(seq_length)
             bin_costs = row_costs(self.model, layout, seq_length, rows, loads, own)
         varies = self.varies or row_lengths is not None
         # Rows of one shape cost the same unless attention or response work varies with what they
@@ -1069,17 +1066,17 @@ class _Search:
             seq_length, bin_costs = self._shortened(
                 seq_length, rows, bin_costs, moved_loads, moved_own
             )
-        if keep_order:
-            orders = [list(rank) for rank in rank_bins]
-        else:
-            orders = self._orders(rank_bins, bins, bin_costs)
+
+        def ordered(bins: List[List[int]], bin_costs: List[float]) -> List[List[int]]:
+            if keep_order:
+                return [list(rank) for rank in rank_bins]
+            return self._orders(rank_bins, bins, bin_costs)
+
+        orders = ordered(bins, bin_costs)
         step_time = self._step_time(orders, bin_costs)
         if unbalanced is not None:
             own_bins, own_costs, own_length = unbalanced
-            if keep_order:
-                own_orders = [list(rank) for rank in rank_bins]
-            else:
-                own_orders = self._orders(rank_bins, own_bins, own_costs)
+            own_orders = ordered(own_bins, own_costs)
             own_time = self._step_time(own_orders, own_costs)
             if own_time < step_time * (1.0 - _TIE):
                 bins, bin_costs, orders, step_time = own_bins, own_costs, own_orders, own_time
@@ -1194,14 +1191,18 @@ class _Search:
         """The row length after sample moves: the fullest bin now (``loads``, aligned as
         before), and the bins' costs at it where it is shorter (rows only as long as the step
         needs, the plan's ``seq_length`` the same as the one scored)."""
-        problem = self.problem
-        fullest = max(loads, default=0)
-        align = problem.row_align
-        if align and fullest <= self.cap and round_up(fullest, align) <= self.cap:
-            fullest = round_up(fullest, align)
+        fullest = self._aligned(max(loads, default=0))
         if fullest >= seq_length or fullest < 1:
             return seq_length, bin_costs
-        return fullest, row_costs(self.model, problem.layout, fullest, rows, loads, own)
+        return fullest, row_costs(self.model, self.problem.layout, fullest, rows, loads, own)
+
+    def _aligned(self, length: int) -> int:
+        """A packed row of ``length`` rounded up to ``row_align`` where that stays within this
+        B's cap (token and memory budgets): the same samples fit."""
+        align = self.problem.row_align
+        if align and length <= self.cap and round_up(length, align) <= self.cap:
+            return round_up(length, align)
+        return length
 
     def _step_time(self, orders: List[List[int]], bin_costs: Sequence[float]) -> float:
         totals = [sum(map(bin_costs.__getitem__, order)) for order in orders]
