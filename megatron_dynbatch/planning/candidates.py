@@ -250,31 +250,34 @@ def balanced_rows(
         found += [(sizes[a] + sizes[b], [a, b]) for a, b in itertools.combinations(row, 2)]
         return found
 
-    for _ in range(4 * len(members)):
+    def first_change() -> Optional[Tuple[int, int, List[int], List[int], int]]:
+        """``(full, other, taken, given, gain)``: the first exchange that shortens the fullest
+        row without making ``other`` as full, keeping the cap; ``None`` where none does."""
         full = max(range(per_rank), key=lambda k: (loads[k], -k))
-        changed = False
+        outs = groups(rows[full])
         for other in sorted(range(per_rank), key=lambda k: (loads[k], k)):
             if other == full:
                 continue
-            for out, taken in groups(rows[full]):
-                for back, given in groups(rows[other]):
+            backs = groups(rows[other])
+            for out, taken in outs:
+                for back, given in backs:
                     gain = out - back
                     if gain <= 0 or loads[other] + gain >= loads[full]:
                         continue
                     if loads[other] + gain > cap and len(rows[other]) - len(given) + len(taken) > 1:
                         continue
-                    rows[full] = sorted([i for i in rows[full] if i not in taken] + given)
-                    rows[other] = sorted([i for i in rows[other] if i not in given] + taken)
-                    loads[full] -= gain
-                    loads[other] += gain
-                    changed = True
-                    break
-                if changed:
-                    break
-            if changed:
-                break
-        if not changed:
+                    return full, other, taken, given, gain
+        return None
+
+    for _ in range(4 * len(members)):
+        change = first_change()
+        if change is None:
             break
+        full, other, taken, given, gain = change
+        rows[full] = sorted([i for i in rows[full] if i not in taken] + given)
+        rows[other] = sorted([i for i in rows[other] if i not in given] + taken)
+        loads[full] -= gain
+        loads[other] += gain
     if any(len(row) > 1 and load > cap for row, load in zip(rows, loads, strict=True)):
         return None
     return rows
