@@ -34,6 +34,7 @@ sample.
 from __future__ import annotations
 
 import dataclasses
+from itertools import accumulate
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -277,34 +278,79 @@ def _fill_row(
             "re-plan with the same sample_multiple or pass the plan's layout and sample_multiple."
         )
     base = row * s
-    offset = 0
-    for segment, (cs, padded) in enumerate(zip(row_samples, padded_lengths, strict=True)):
-        length = cs.length
-        end = offset + length
-        batch["tokens"][row, offset:end] = cs.tokens
-        # Label j is token j + 1 of the same sample; the sample's last token has no successor here
-        # (the next column belongs to padding or to another sample), so it keeps label 0, mask 0.
-        batch["labels"][row, offset : end - 1] = cs.tokens[1:]
-        batch["loss_mask"][row, offset : end - 1] = cs.loss_mask[1:]
-        # Positions count within the THD segment, rounding pad included, so position_ids[t] is
-        # always t - cu_seqlens[segment of t].
-        batch["position_ids"][row, offset : offset + padded] = torch.arange(padded)
-        batch["segment_ids"][row, offset : offset + padded] = segment
-        batch["sample_index"][row, offset:end] = cs.index
-        for spec in schema.fields:
-            value = cs.fields[spec.name]
-            if spec.shift_to_labels:
-                batch[spec.name][row, offset : end - 1] = value[1:]
-            else:
-                # A sample field [*trailing] broadcasts over the sample's L tokens.
-                batch[spec.name][row, offset:end] = value
-        offset += padded
-        boundaries.append(base + offset)
-    if offset < s:
+    used = sum(padded_lengths)
+    k = len(row_samples)
+    if k:
+        _write_samples(batch, row, row_samples, schema, padded_lengths)
+    ends = list(accumulate(padded_lengths))
+    boundaries.extend(base + end for end in ends)
+    if used < s:
         # The padding tail is its own segment (id k) so attention never mixes it into a sample.
-        batch["position_ids"][row, offset:s] = torch.arange(s - offset)
-        batch["segment_ids"][row, offset:s] = len(row_samples)
+        batch["position_ids"][row, used:s] = torch.arange(s - used)
+        batch["segment_ids"][row, used:s] = k
         boundaries.append(base + s)
+
+
+def _write_samples(
+    batch: Dict[str, torch.Tensor],
+    row: int,
+    row_samples: Sequence[CheckedSample],
+    schema: BatchSchema,
+    padded_lengths: Sequence[int],
+) -> None:
+    """Write the samples of one row, each at the start of its padded segment.
+
+    A few whole-row tensor operations, not several per sample: a packed row holds tens of
+    documents, and on a GPU this runs before every step while the device waits (the first H200
+    run of the check spent 39-55 ms an iteration there, docs/gpu.md).
+    """
+    k = len(row_samples)
+    lengths = [cs.length for cs in row_samples]
+    used = sum(padded_lengths)
+    segments = torch.arange(k)
+    padded = torch.tensor(padded_lengths)
+    starts = torch.tensor([0, *accumulate(padded_lengths)][:k])
+    # Positions count within the THD segment, rounding pad included, so position_ids[t] is
+    # always t - cu_seqlens[segment of t].
+    segment_of = torch.repeat_interleave(segments, padded)
+    batch["segment_ids"][row, :used] = segment_of
+    batch["position_ids"][row, :used] = torch.arange(used) - starts[segment_of]
+    real = sum(lengths)
+    sample_of = torch.repeat_interleave(segments, torch.tensor(lengths))
+    # The row's columns of the samples' tokens, in sample order: contiguous unless rounding
+    # pads sit between samples.
+    if list(padded_lengths) == lengths:
+        columns: Any = slice(0, real)
+    else:
+        first = torch.tensor([0, *accumulate(lengths)][:k])
+        columns = starts[sample_of] + torch.arange(real) - first[sample_of]
+    # Label j is token j + 1 of the same sample; a sample's last token has no successor here
+    # (the next column belongs to padding or to another sample), so it keeps label 0, mask 0.
+    last = [end - 1 for end, n in zip(accumulate(lengths), lengths, strict=True) if n]
+    is_last = torch.bincount(torch.tensor(last, dtype=torch.int64), minlength=real)
+    source = torch.arange(real)[is_last == 0]
+    target = source if isinstance(columns, slice) else columns[source]
+
+    def put(name: str, values: torch.Tensor, shifted: bool) -> None:
+        out = batch[name][row]
+        values = values.to(out.dtype)
+        if shifted:
+            out[target] = values[source + 1]
+        else:
+            out[columns] = values
+
+    tokens = torch.cat([cs.tokens for cs in row_samples])
+    put("tokens", tokens, False)
+    put("labels", tokens, True)
+    put("loss_mask", torch.cat([cs.loss_mask for cs in row_samples]), True)
+    batch["sample_index"][row, columns] = torch.tensor([cs.index for cs in row_samples])[sample_of]
+    for spec in schema.fields:
+        values = [cs.fields[spec.name] for cs in row_samples]
+        if spec.kind == "token":
+            put(spec.name, torch.cat(values), spec.shift_to_labels)
+        else:
+            # A sample field [*trailing] broadcasts over the sample's L tokens.
+            put(spec.name, torch.stack(values)[sample_of], False)
 
 
 def materialize_microbatches(
