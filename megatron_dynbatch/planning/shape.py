@@ -1396,7 +1396,13 @@ class _PackedSearch(_Search):
     def alternative(self, per_rank: int) -> Optional[StepShape]:
         """Ranks-first packing where attention or response work makes ranks differ, on steps
         small enough that a second construction is cheap (where sample moves have few samples per
-        rank to work with, it matters most)."""
+        rank to work with, it matters most). Not at dp 1 with variable rows: one rank has no
+        peer to balance against and each micro-batch has its own row, so re-packing the rank's
+        samples never gave a faster step (1,000 random dp-1 steps, pp 1-4: not one), and it was
+        half the planning time of a 316-document step. With one row a step it may still find a
+        shorter row."""
+        if self.dp == 1 and self.problem.row_multiple is not None:
+            return None
         if self.varies and len(self.problem.items) <= _ALTERNATIVE_LIMIT:
             return self._ranks_first(per_rank)
         return None
