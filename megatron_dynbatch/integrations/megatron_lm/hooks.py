@@ -180,6 +180,7 @@ class _Totals:
     real_tokens: int = 0
     computed_tokens: int = 0
     truncated_tokens: int = 0
+    prepare_seconds: float = 0.0
 
 
 class DynamicBatchHooks:
@@ -260,6 +261,7 @@ class DynamicBatchHooks:
             raise DynBatchValueError(
                 f"prepare(kind={kind!r}): kind must be 'train', 'eval' or 'forward_only'."
             )
+        started = time.perf_counter()
         model_chunks = _as_chunks(model)
         dp_group, pp_group = _groups(model_chunks, pg_collection)
         if kind == "train":
@@ -317,6 +319,9 @@ class DynamicBatchHooks:
                     predicted_step_peaks(self.memory.current, shapes),
                     shapes,
                 )
+            # Host work before the step's first micro-batch (the GPU waits for it): planning,
+            # reading and building the rank's micro-batches, the agreement and the measurements.
+            self.totals.prepare_seconds += time.perf_counter() - started
         return step
 
     @property
@@ -367,7 +372,8 @@ class DynamicBatchHooks:
         line = (
             f" micro-batches/rank: {step.num_microbatches} [{step.micro_batch_size}x"
             f"{step.seq_length}] | real tokens: {totals.real_tokens} | computed tokens: "
-            f"{totals.computed_tokens} | fill: {fill:.3f} |"
+            f"{totals.computed_tokens} | fill: {fill:.3f} | host prep (ms): "
+            f"{totals.prepare_seconds / totals.steps * 1e3:.1f} |"
         )
         if totals.truncated_tokens:
             line += f" truncated tokens: {totals.truncated_tokens} |"
