@@ -101,6 +101,8 @@ _MEGATRON_PEAK = re.compile(r"max allocated: ([\d.]+)")
 _RUN_PEAK = re.compile(r"peak memory measured over training \(MiB\): ([\d.]+)")
 _CALIBRATION = re.compile(r"(dynamic-batch calibration over .*)")
 _HOST_PREP = re.compile(r"host prep \(ms\): ([\d.]+)")
+#: The calibration's last line says from which iteration the run plans without varied budgets.
+_PLANNED_FROM = re.compile(r"from iteration (\d+)")
 
 
 # launch/compare_runs.py's log parser, as the end-to-end benchmark loads it.
@@ -285,9 +287,25 @@ def launch(
         "megatron_peak": max(megatron_peak) if megatron_peak else None,
         "run_peak": max(run_peak) if run_peak else None,
         "calibration": calibration[-1] if calibration else None,
+        "planned_from": _planned_from(calibration),
         "seconds": seconds,
         "log": str(log),
     }
+
+
+def _planned_from(calibration: List[str]) -> Optional[int]:
+    """The first iteration after calibration (its varied budgets and the fit itself: the fit
+    took 1.2 s of one iteration on an H200 host), where the calibration line says it."""
+    found = _PLANNED_FROM.search(calibration[-1]) if calibration else None
+    return int(found.group(1)) if found else None
+
+
+def first_iteration(name: str, run: Dict, first: Dict[str, int]) -> int:
+    """The first iteration an arm is timed from: after start-up, and for a dynamic arm after
+    its calibration (two rounds of it when the first fit was too noisy: iteration 20)."""
+    if not name.startswith("dynamic"):
+        return first["baseline"]
+    return max(first["dynamic"], run.get("planned_from") or 0)
 
 
 def measured_peak(run: Dict) -> Optional[float]:
@@ -336,11 +354,17 @@ def timing(run: Dict, first: int, real: Dict[int, float]) -> Dict[str, float]:
     if not chosen:
         nan = float("nan")
         return {"ms": nan, "tokens_per_s": nan, "iterations": 0, "first": first}
-    ms = statistics.mean(r["ms"] for r in chosen.values())
+    times = [r["ms"] for r in chosen.values()]
+    ms = statistics.mean(times)
     counts = [real.get(i) for i in chosen]
     tokens = statistics.mean(counts) if all(v is not None for v in counts) else float("nan")
     return {
         "ms": ms,
+        # Iterations of the same shapes ranged 700-1,140 ms on the H200 hosts of 2026-11-28:
+        # the median and the range are printed beside the mean.
+        "median_ms": statistics.median(times),
+        "min_ms": min(times),
+        "max_ms": max(times),
         "tokens_per_s": tokens / (ms / 1000.0),
         "iterations": len(chosen),
         "first": first,
@@ -384,10 +408,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("/tmp/dynbatch-gpu-check"))
     parser.add_argument("--report", type=pathlib.Path, help="write the markdown report here")
     parser.add_argument(
-        "--train-iters", type=int, default=None, help="dynamic bf16 runs (default 24; tiny 4)"
+        "--train-iters", type=int, default=None, help="dynamic bf16 runs (default 32; tiny 4)"
     )
     parser.add_argument(
-        "--baseline-iters", type=int, default=None, help="fixed / stock runs (default 10; tiny 3)"
+        "--baseline-iters", type=int, default=None, help="fixed / stock runs (default 12; tiny 3)"
     )
     parser.add_argument(
         "--fp32-iters", type=int, default=None, help="fp32 runs (default 4; tiny 3)"
@@ -445,8 +469,9 @@ def main(argv=None) -> int:
     gpu = torch.cuda.is_available() and not options.tiny
     model = TINY_MODEL if options.tiny else GPU_MODEL
     seq = int(model["--seq-length"])
-    iters = options.train_iters or (4 if options.tiny else 24)
-    baseline_iters = options.baseline_iters or (3 if options.tiny else 10)
+    # 32: a second calibration round (noisy steps) ends at iteration 19; 12 timed steps after.
+    iters = options.train_iters or (4 if options.tiny else 32)
+    baseline_iters = options.baseline_iters or (3 if options.tiny else 12)
     fp32_iters = options.fp32_iters or (3 if options.tiny else 4)
     gbs = options.global_batch_size or (16 if options.tiny else 64)
     mbs = options.micro_batch_size
@@ -600,7 +625,7 @@ def render(
     rows = {}
     for name in names:
         run = runs[name]
-        start = first["dynamic" if name.startswith("dynamic") else "baseline"]
+        start = first_iteration(name, run, first)
         real, computed = _real_and_computed(
             name, run, dynamic_real, gbs, seq, options.documents_per_step
         )
@@ -659,12 +684,13 @@ def render(
         + " |",
         "",
         f"Baselines from iteration {first['baseline']} (after start-up), dynamic arms from "
-        f"iteration {first['dynamic']} (after start-up and calibration):",
+        f"iteration {first['dynamic']} or the first after calibration, whichever is later "
+        "(timed from: " + ", ".join(f"{n} {rows[n]['first']}" for n in names) + "):",
         "",
-        "| arm | time per iteration (ms) | real tokens/s | vs best stock | vs stock-masked | "
-        "computed tokens per iteration | peak measured (MiB) | peak predicted (MiB) | "
-        "predicted vs measured (median) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| arm | time per iteration (ms) | median [min-max] (ms) | real tokens/s | vs best stock "
+        "| vs stock-masked | computed tokens per iteration | peak measured (MiB) | peak predicted "
+        "(MiB) | predicted vs measured (median) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     # Stock-masked trains what dynamic trains (attention within documents): the like-for-like
     # column; stock attends across documents.
@@ -672,7 +698,9 @@ def render(
     for name in names:
         r = rows[name]
         lines.append(
-            f"| {name} | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | "
+            f"| {name} | {r['ms']:.1f} | {r.get('median_ms', float('nan')):.1f} "
+            f"[{r.get('min_ms', float('nan')):.0f}-{r.get('max_ms', float('nan')):.0f}] | "
+            f"{r['tokens_per_s']:.0f} | "
             f"{r['tokens_per_s'] / stock_best:.2f}x | {r['tokens_per_s'] / masked:.2f}x | "
             f"{r['computed']:.0f} | "
             f"{r['peak'] or float('nan'):.0f} | "
@@ -711,11 +739,12 @@ def render(
     lines += [render_kernels(kernels) if kernels else "Kernel check: skipped (--no-kernels)", ""]
     for name in [n for n in ("dynamic-packed", "dynamic-padded") if n in runs]:
         lines.append(f"Calibration, {name}: {runs[name]['calibration'] or 'no fit logged'}")
-        prep = [ms for it, ms in runs[name]["host_prep"].items() if it >= first["dynamic"]]
+        start = first_iteration(name, runs[name], first)
+        prep = [ms for it, ms in runs[name]["host_prep"].items() if it >= start]
         if prep:
             # Planning, reading and building the step's micro-batches: the GPU waits for it.
             lines.append(
-                f"Host work before each step, {name} (median from iteration {first['dynamic']}): "
+                f"Host work before each step, {name} (median from iteration {start}): "
                 f"{statistics.median(prep):.1f} ms"
             )
     lines.append("")
