@@ -30,8 +30,8 @@ reference module on random packed batches, outputs and gradients, stated bf16 / 
 tolerances), and the loss check: dynamic packed against fixed on the same samples in fp32 with
 the reference attention (flash kernels take bf16 / fp16 only), within ``--tolerance``.
 
-Per arm: time per iteration (iterations after start-up, and after calibration for the dynamic
-arms), real tokens/s, computed tokens per iteration, peak memory measured and predicted (the
+Per arm: time per iteration, mean and median [range] (iterations after start-up, and for the
+dynamic arms after the iteration their calibration line names), real tokens/s, computed tokens per iteration, peak memory measured and predicted (the
 iteration line's ``peak memory predicted/measured (MiB)``; Megatron's ``max allocated`` where a
 run has none). ``--tiny`` runs the same arms on the CPU with a 2-layer model in fp32 (gloo) and
 the reference attention in place of torch-varlen (no CUDA), so CI keeps the script working; there
