@@ -156,7 +156,7 @@ class StepProblem:
     candidates of :mod:`.candidates`): what the tests compare against."""
     thorough: bool = False
     """The thorough planner (``dynbatch-thorough``): also the clustered ranks of :mod:`.cluster`,
-    samples moved across ranks and a larger refinement budget (:mod:`.refine`): a step simulated
+    refined tents and a larger refinement budget (:mod:`.refine`): a step simulated
     about 1% faster on the GPU-regime steps, for several times the planning CPU."""
     row_align: Optional[int] = None
     """Set by :func:`choose_shape` (from ``row_multiple``) when it scores uniform rows beside
