@@ -34,6 +34,7 @@ __all__ = [
     "first_fit_bins",
     "is_small_step",
     "least_rounding",
+    "modified_first_fit",
     "natural_count",
     "rank_packings",
     "small_step_candidates",
@@ -51,6 +52,9 @@ TINY_STEP_SAMPLES = 64
 EXACT_SAMPLES = 16
 #: ... visiting at most this many nodes (the best split found so far is kept when it runs out).
 EXACT_NODES = 20000
+
+#: Steps of at most this many samples also get modified first fit (its fill pass scans the rest).
+MFFD_SAMPLES = 256
 
 #: Ranks of at most this many samples get the packing with the least rounding of their rows.
 EXACT_ROWS_SAMPLES = 6
@@ -134,8 +138,13 @@ def small_step_candidates(
     orders = [("first-fit", items)]
     if len(items) <= TINY_STEP_SAMPLES:
         orders.append(("first-fit-decreasing", sorted(items, key=lambda i: (-sizes[i], i))))
-    for name, order in orders:
-        bins = first_fit_bins(order, sizes, cap, dp_size * per_rank)
+    packings = [
+        (name, first_fit_bins(order, sizes, cap, dp_size * per_rank)) for name, order in orders
+    ]
+    if len(items) <= MFFD_SAMPLES:
+        bins = _to_count(modified_first_fit(items, sizes, cap), sizes, dp_size * per_rank)
+        packings.append(("modified-first-fit", bins))
+    for name, bins in packings:
         if bins is None:
             continue
         strided = [[bins[b] for b in range(r, len(bins), dp_size)] for r in range(dp_size)]
@@ -342,7 +351,13 @@ def first_fit_bins(
     two (largest first into the lighter half) until there are ``num_bins``; ``None`` when first
     fit needs more bins. Where every sample already has a bin of its own, placeholders (``[]``)
     fill the rest."""
-    bins = first_fit(order, sizes, cap)
+    return _to_count(first_fit(order, sizes, cap), sizes, num_bins)
+
+
+def _to_count(
+    bins: List[List[int]], sizes: Sequence[int], num_bins: int
+) -> Optional[List[List[int]]]:
+    """``bins`` split to ``num_bins`` as :func:`first_fit_bins` does; ``None`` if more."""
     if len(bins) > num_bins:
         return None
     loads = [sum(sizes[i] for i in members) for members in bins]
@@ -367,6 +382,64 @@ def first_fit_bins(
             if len(bins[k]) > 1:
                 heapq.heappush(heap, (-loads[k], k))
     return bins
+
+
+def modified_first_fit(items: Sequence[int], sizes: Sequence[int], cap: int) -> List[List[int]]:
+    """Johnson and Garey's modified first fit decreasing, in the variant NeMo-RL's shipped configs
+    pack with, so that its rows dealt round-robin are among the constructions.
+
+    By size against the cap: every sample over a half opens a bin (largest first); forwards, each
+    such bin takes the largest sample over a third that fits; backwards, each bin still without
+    one takes the smallest sample over a sixth and the largest that fits beside it, where both
+    do; forwards, each bin is filled with the largest remaining samples that fit; what is left
+    goes, largest first, into the least loaded of the extra bins, or a new one. On 64 GRPO
+    samples at dp 8 (``benchmarks.small_steps --cases 300 --seed 14``) its two rows a rank were
+    0.99% faster than any construction of ours (which ran three).
+    """
+
+    def by_size(members: List[int], descending: bool) -> List[int]:
+        key = (lambda i: (-sizes[i], i)) if descending else (lambda i: (sizes[i], i))
+        return sorted(members, key=key)
+
+    large = by_size([i for i in items if 2 * sizes[i] > cap], True)
+    medium = by_size([i for i in items if 3 * sizes[i] > cap >= 2 * sizes[i]], True)
+    small = by_size([i for i in items if 6 * sizes[i] > cap >= 3 * sizes[i]], False)
+    tiny = [i for i in items if 6 * sizes[i] <= cap]
+    bins = [[i] for i in large]
+    room = [cap - sizes[i] for i in large]
+    with_medium = [False] * len(bins)
+    for b in range(len(bins)):
+        k = next((k for k, i in enumerate(medium) if sizes[i] <= room[b]), None)
+        if k is not None:
+            i = medium.pop(k)
+            bins[b].append(i)
+            room[b] -= sizes[i]
+            with_medium[b] = True
+    for b in reversed(range(len(bins))):
+        if with_medium[b] or len(small) < 2 or sizes[small[0]] + sizes[small[1]] > room[b]:
+            continue
+        first = small.pop(0)
+        # The largest that fits beside it (the next smallest does, as just checked).
+        k = max(k for k, j in enumerate(small) if sizes[j] <= room[b] - sizes[first])
+        second = small.pop(k)
+        bins[b] += [first, second]
+        room[b] -= sizes[first] + sizes[second]
+    rest = by_size(medium + small + tiny, True)
+    for b in range(len(bins)):
+        while rest and room[b] >= sizes[rest[-1]]:
+            k = next(k for k, i in enumerate(rest) if sizes[i] <= room[b])
+            i = rest.pop(k)
+            bins[b].append(i)
+            room[b] -= sizes[i]
+    extra: List[Tuple[int, int, List[int]]] = []  # (load, order opened, members)
+    for i in rest:
+        if extra and extra[0][0] + sizes[i] <= cap:
+            load, opened, members = heapq.heappop(extra)
+        else:
+            load, opened, members = 0, len(bins) + len(extra), []
+        members.append(i)
+        heapq.heappush(extra, (load + sizes[i], opened, members))
+    return bins + [members for _, _, members in sorted(extra, key=lambda e: (e[0], e[1]))]
 
 
 def first_fit(order: Sequence[int], sizes: Sequence[int], cap: int) -> List[List[int]]:
