@@ -278,11 +278,11 @@ def _fill_row(
             "re-plan with the same sample_multiple or pass the plan's layout and sample_multiple."
         )
     base = row * s
-    used = sum(padded_lengths)
+    ends = list(accumulate(padded_lengths))
+    used = ends[-1] if ends else 0
     k = len(row_samples)
     if k:
-        _write_samples(batch, row, row_samples, schema, padded_lengths)
-    ends = list(accumulate(padded_lengths))
+        _write_samples(batch, row, row_samples, schema, padded_lengths, ends)
     boundaries.extend(base + end for end in ends)
     if used < s:
         # The padding tail is its own segment (id k) so attention never mixes it into a sample.
@@ -297,19 +297,22 @@ def _write_samples(
     row_samples: Sequence[CheckedSample],
     schema: BatchSchema,
     padded_lengths: Sequence[int],
+    ends: Sequence[int],
 ) -> None:
-    """Write the samples of one row, each at the start of its padded segment.
+    """Write the samples of one row, each at the start of its padded segment (``ends``: the
+    segments' ends, the running sum of ``padded_lengths``).
 
     A few whole-row tensor operations, not several per sample: a packed row holds tens of
-    documents, and on a GPU this runs before every step while the device waits (the first H200
-    run of the check spent 39-55 ms an iteration there, docs/gpu.md).
+    documents, and on a GPU this runs before every step while the device waits (the host work
+    before a step, this included, was 20-55 ms of a 700-1,100 ms iteration on the H200 check,
+    docs/gpu.md).
     """
     k = len(row_samples)
     lengths = [cs.length for cs in row_samples]
-    used = sum(padded_lengths)
+    used = ends[-1]
     segments = torch.arange(k)
     padded = torch.tensor(padded_lengths)
-    starts = torch.tensor([0, *accumulate(padded_lengths)][:k])
+    starts = torch.tensor([0, *ends[:-1]])
     # Positions count within the THD segment, rounding pad included, so position_ids[t] is
     # always t - cu_seqlens[segment of t].
     segment_of = torch.repeat_interleave(segments, padded)
@@ -319,14 +322,15 @@ def _write_samples(
     sample_of = torch.repeat_interleave(segments, torch.tensor(lengths))
     # The row's columns of the samples' tokens, in sample order: contiguous unless rounding
     # pads sit between samples.
+    sample_ends = list(accumulate(lengths))
     if list(padded_lengths) == lengths:
         columns: Any = slice(0, real)
     else:
-        first = torch.tensor([0, *accumulate(lengths)][:k])
+        first = torch.tensor([0, *sample_ends[:-1]])
         columns = starts[sample_of] + torch.arange(real) - first[sample_of]
     # Label j is token j + 1 of the same sample; a sample's last token has no successor here
     # (the next column belongs to padding or to another sample), so it keeps label 0, mask 0.
-    last = [end - 1 for end, n in zip(accumulate(lengths), lengths, strict=True) if n]
+    last = [end - 1 for end, n in zip(sample_ends, lengths, strict=True) if n]
     is_last = torch.bincount(torch.tensor(last, dtype=torch.int64), minlength=real)
     source = torch.arange(real)[is_last == 0]
     target = source if isinstance(columns, slice) else columns[source]
