@@ -31,9 +31,9 @@ tolerances), and the loss check: dynamic packed against fixed on the same sample
 the reference attention (flash kernels take bf16 / fp16 only), within ``--tolerance``.
 
 Per arm: time per iteration, mean and median [range] (iterations after start-up, and for the
-dynamic arms after the iteration their calibration line names), real tokens/s, computed tokens per iteration, peak memory measured and predicted (the
-iteration line's ``peak memory predicted/measured (MiB)``; Megatron's ``max allocated`` where a
-run has none). ``--tiny`` runs the same arms on the CPU with a 2-layer model in fp32 (gloo) and
+dynamic arms after the iteration their calibration line names), real tokens/s, computed tokens
+per iteration, peak memory measured and predicted (the iteration line's ``peak memory
+predicted/measured (MiB)``; Megatron's ``max allocated`` where a run has none). ``--tiny`` runs the same arms on the CPU with a 2-layer model in fp32 (gloo) and
 the reference attention in place of torch-varlen (no CUDA), so CI keeps the script working; there
 the arms already run in fp32 on the reference, so the fp32 loss check reads fixed and dynamic
 packed instead of launching them again; ``--jobs 2`` (CI) runs the launches two at a time there.
@@ -353,7 +353,11 @@ def timing(run: Dict, first: int, real: Dict[int, float]) -> Dict[str, float]:
     chosen = {i: r for i, r in run["parsed"]["iterations"].items() if i >= first}
     if not chosen:
         nan = float("nan")
-        return {"ms": nan, "tokens_per_s": nan, "iterations": 0, "first": first}
+        return {
+            **dict.fromkeys(("ms", "median_ms", "min_ms", "max_ms", "tokens_per_s"), nan),
+            "iterations": 0,
+            "first": first,
+        }
     times = [r["ms"] for r in chosen.values()]
     ms = statistics.mean(times)
     counts = [real.get(i) for i in chosen]
@@ -698,8 +702,8 @@ def render(
     for name in names:
         r = rows[name]
         lines.append(
-            f"| {name} | {r['ms']:.1f} | {r.get('median_ms', float('nan')):.1f} "
-            f"[{r.get('min_ms', float('nan')):.0f}-{r.get('max_ms', float('nan')):.0f}] | "
+            f"| {name} | {r['ms']:.1f} | {r['median_ms']:.1f} "
+            f"[{r['min_ms']:.0f}-{r['max_ms']:.0f}] | "
             f"{r['tokens_per_s']:.0f} | "
             f"{r['tokens_per_s'] / stock_best:.2f}x | {r['tokens_per_s'] / masked:.2f}x | "
             f"{r['computed']:.0f} | "
