@@ -720,6 +720,12 @@ def _fit(
         x, _ = nnls(rows, times)
         new = [sum(x[j] * basis[j][k] for j in range(len(basis))) for k in range(len(FIT_WEIGHTS))]
         new_step = x[len(basis)] if fit_step_seconds else 0.0
+        if not any(new):
+            # No work at all fits best (the per-step constant took it): the makespan's gradient
+            # is the same at any multiple of the weights, but at 0 it is undefined, so the next
+            # round would linearise at nothing and solve garbage. This piece's answer stands.
+            weights, step_seconds = new, new_step
+            break
         moved = max(
             abs(a - b) / max(abs(a), abs(b), 1e-300) for a, b in zip(new, weights, strict=True)
         )

@@ -59,7 +59,7 @@ def _args(tmp_path, **extra):
     return args
 
 
-def _train(args, monkeypatch, iterations, first=0, calibrator=None, record=None):
+def _train(args, monkeypatch, iterations, first=0, calibrator=None, record=None, clock=None):
     """Drive ``calibrator`` as ``DynamicBatchHooks.prepare`` does; the clock advances by the true
     time. Returns the budgets and plan fingerprints of the steps, and the calibrator.
 
@@ -67,7 +67,7 @@ def _train(args, monkeypatch, iterations, first=0, calibrator=None, record=None)
     Fails if anything in ``args`` but the iteration number (which Megatron's loop sets) changed.
     """
     calibrator = calib.Calibrator() if calibrator is None else calibrator
-    clock = [0.0]
+    clock = [0.0] if clock is None else clock
     monkeypatch.setattr(calib.time, "perf_counter", lambda: clock[0])
     budgets, plans = [], []
     for i in range(first, first + iterations):
@@ -358,6 +358,26 @@ def test_a_fit_over_its_error_bound_measures_more_then_is_not_used(tmp_path, mon
     _, _, calibrator = _train(loose, monkeypatch, 14)
     assert calibrator.applied and calibrator.fit.observations == steps
     assert calibrator.calibrated_config(configured) != configured
+
+
+def test_the_fits_own_time_is_no_measured_steps(tmp_path, monkeypatch, capsys):
+    """The H200 run of 2026-11-28: the first round's fit took 1.7 s inside the next step's window,
+    so the second round fitted a step 2.5x its neighbours. A fit's time is never a step's."""
+    args = _args(tmp_path, dynamic_batch_calibration_max_error=0.01)
+    _noisy_clock(monkeypatch, 5)  # the first round's fit is over the bound: a second round
+    clock = [0.0]
+    fit = calib.fit_cost_model
+
+    def slow_fit(*a, **k):
+        clock[0] += 5.0  # a fit that takes 100x a step
+        return fit(*a, **k)
+
+    monkeypatch.setattr(calib, "fit_cost_model", slow_fit)
+    _, _, calibrator = _train(args, monkeypatch, 24, clock=clock)
+    assert "not used yet" in capsys.readouterr().out
+    seconds = [o.seconds for o in calibrator.observations]
+    assert len(seconds) == 2 * calib.DEFAULT_CALIBRATION_STEPS
+    assert max(seconds) < 1.0, seconds
 
 
 @pytest.mark.parametrize(

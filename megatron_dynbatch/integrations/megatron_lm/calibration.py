@@ -423,6 +423,9 @@ class Calibrator:
         if len(self.observations) % _steps(args):
             return  # fit after every round of --dynamic-batch-calibration-steps measured steps
         fit = _agree_fit(fit_cost_model(self.observations, prior=self._prior(args)))
+        # The fit runs once, inside the next step's window: it would be measured as that step's
+        # work (a second round then fits a step seconds too slow), so the window starts after it.
+        self.last_end = time.perf_counter()
         usable, why = self._usable(fit, args)
         if not usable and len(self.observations) < MAX_CALIBRATION_ROUNDS * _steps(args):
             # Noisy steps (another job on the machine): measure as many again and fit on all.
