@@ -16,9 +16,11 @@ A micro-batch is a ``[B, S]`` tensor (``packed``: B rows of concatenated samples
     ``local`` attention): ``2 * attention_weight * S**2`` a row, twice a causal kernel;
   - ``segment`` (``packed`` only; padded rows count as ``causal``): THD segments (``cu_seqlens``). Each sample is one segment of its padded length
     ``round_up(L, sample_multiple)`` (the rounding pad sits inside the sample's segment, after its
-    last token), and the row's padding tail ``S - used`` is a segment of its own, so the tail
-    costs ``attention_weight * (S - used)**2``: small when the row is full, a whole ``S**2`` for a
-    placeholder row;
+    last token), and the row's padding tail ``T = S - used`` is cut into segments of
+    :data:`TAIL_SEGMENT_TOKENS` (the materializer lays it out so), so the tail costs
+    ``attention_weight * (q * t**2 + r**2)`` with ``T = q * t + r``: ``T**2`` for a short tail,
+    about ``t * T`` for a long one (a placeholder row pays for its linear work, not for ``S**2``
+    of attention over padding);
 
 * **response work** (log-prob gather, value head, loss) on the response tokens of its real samples:
   ``response_weight * R``;
@@ -44,6 +46,7 @@ from megatron_dynbatch.errors import DynBatchValueError
 from .spec import CostModel, round_up
 
 __all__ = [
+    "TAIL_SEGMENT_TOKENS",
     "check_cost_is_finite",
     "microbatch_cost",
     "row_cost",
@@ -51,7 +54,25 @@ __all__ = [
     "sample_costs",
     "step_microbatch_costs",
     "tail_cost",
+    "tail_units",
 ]
+
+#: The longest THD segment of a packed row's padding tail. A tail of one segment cost a whole
+#: ``S**2`` of attention on a placeholder row (flash kernels attend over padding like over tokens);
+#: cut into short segments it costs about ``TAIL_SEGMENT_TOKENS * T``. 128 is a flash-attention
+#: tile: shorter segments save no more. The materializer rounds it up to the sample multiple.
+TAIL_SEGMENT_TOKENS = 128
+_TAIL_SQUARED = float(TAIL_SEGMENT_TOKENS * TAIL_SEGMENT_TOKENS)
+
+
+def tail_units(tail: float) -> float:
+    """Attention units (squared tokens) of a padding tail of ``tail`` tokens, cut into segments of
+    :data:`TAIL_SEGMENT_TOKENS` (``tail**2`` up to one segment)."""
+    if tail <= TAIL_SEGMENT_TOKENS:
+        return tail * tail
+    q = tail // TAIL_SEGMENT_TOKENS
+    r = tail - q * TAIL_SEGMENT_TOKENS
+    return q * _TAIL_SQUARED + r * r
 
 
 def sample_costs(
@@ -79,8 +100,8 @@ def row_cost(
     """Forward cost of a micro-batch's shape and padding, without its samples' :func:`sample_costs`.
 
     ``load`` is the padded tokens its samples fill (packed: the sum of their segments). Segment
-    attention (packed): ``overhead + token_weight * S + attention_weight * (S - load)**2`` (the
-    tail segment; 0 when the row is full). Causal / dense: ``overhead + B * (token_weight * S +
+    attention (packed): ``overhead + token_weight * S + attention_weight * tail_units(S - load)``
+    (the tail's segments; 0 when the row is full). Causal / dense: ``overhead + B * (token_weight * S +
     f * attention_weight * S**2)`` with ``f`` 1 (causal) or 2 (dense), whatever the rows hold.
     """
     s = float(seq_length)
@@ -92,7 +113,7 @@ def row_cost(
         return (
             model.overhead
             + model.token_weight * micro_batch_size * s
-            + model.attention_weight * tail * tail
+            + model.attention_weight * tail_units(tail)
         )
     factor = 2.0 if kind == "dense" else 1.0
     return model.overhead + micro_batch_size * (
@@ -119,7 +140,7 @@ def row_costs(
     s = float(seq_length)
     fixed = model.overhead + model.token_weight * s
     aw = model.attention_weight
-    return [fixed + aw * (s - load) * (s - load) + o for o, load in zip(own, loads, strict=True)]
+    return [fixed + aw * tail_units(s - load) + o for o, load in zip(own, loads, strict=True)]
 
 
 def tail_cost(model: CostModel, seq_length: int) -> Callable[[int], float]:
@@ -129,7 +150,7 @@ def tail_cost(model: CostModel, seq_length: int) -> Callable[[int], float]:
     aw = model.attention_weight if model.attention_kind("packed") == "segment" else 0.0
 
     def tail(load: int) -> float:
-        return aw * (s - load) * (s - load)
+        return aw * tail_units(s - load)
 
     return tail
 

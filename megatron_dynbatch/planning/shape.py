@@ -60,7 +60,7 @@ from .balance import RankBalancer, assign_bins_to_ranks, pipeline_orders
 from .candidates import TINY_STEP_SAMPLES, is_small_step, natural_count, small_step_candidates
 from .cluster import RAMPS as CLUSTER_RAMPS
 from .cluster import big_samples, ramp_profile, rank_rows, split_by_targets, tent_profile
-from .cost import row_cost, row_costs, tail_cost
+from .cost import row_cost, row_costs, tail_cost, tail_units
 from .packing import feasible_pack, min_bins, profile_pack
 from .refine import refine_ranks
 from .simulate import BACKWARD_TO_FORWARD_RATIO, pipeline_makespan
@@ -84,8 +84,9 @@ _ALTERNATIVE_LIMIT = 8192
 #: A larger M must be faster by more than this (relative) to replace a smaller one.
 _TIE = 1e-9
 #: A swap that gives an idle DP rank a real micro-batch is kept unless the predicted step gets
-#: slower by more than this: a placeholder row costs a hair more than a real row of the same
-#: length in the model (its padding tail attends as one segment), far inside the model's error.
+#: slower by more than this: a placeholder row costs about what a real row of the same length
+#: costs in the model (the same linear work; attention over short tail segments against a short
+#: sample's), far inside the model's error.
 _SPREAD_TOLERANCE = 1e-3
 #: Variable rows: counts above the bound-ordered search's, spread over the range up to one
 #: sample a micro-batch, scored first (:func:`_finer_splits`) ...
@@ -1033,7 +1034,7 @@ class _Search:
                 # order (a function call a micro-batch is a tenth of the step's scoring at 1M).
                 ov, tw, aw = model.overhead, model.token_weight, model.attention_weight
                 bin_costs = [
-                    extra + (ov + tw * s + aw * (s - load) * (s - load)) + o
+                    extra + (ov + tw * s + aw * tail_units(s - load)) + o
                     for s, load, o in zip(map(float, row_lengths), loads, own, strict=True)
                 ]
             else:

@@ -47,7 +47,8 @@ __all__ = [
 LAYOUTS = ("packed", "padded")
 
 #: What the attention kernel computes for a row of length ``S`` (see :mod:`.cost`):
-#: ``segment``: every segment (sample, and the row's padding tail) on its own, ``sum(len**2)``:
+#: ``segment``: every segment (sample, and the row's padding tail in short segments) on its own,
+#: ``sum(len**2)``:
 #: transformer-engine THD / flash-attention varlen; ``causal``: the whole row as one causal
 #: sequence, ``S**2`` whatever it holds (a causal kernel without segment boundaries);
 #: ``dense``: the full ``S x S`` score matrix of a masked softmax (Megatron's ``local`` unfused

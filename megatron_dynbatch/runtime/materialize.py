@@ -41,6 +41,7 @@ import torch
 
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import StepPlan
+from megatron_dynbatch.planning.cost import TAIL_SEGMENT_TOKENS
 from megatron_dynbatch.planning.schedule import ScheduledStep
 from megatron_dynbatch.planning.spec import LAYOUTS, round_up
 from megatron_dynbatch.runtime.placeholders import placeholder_microbatch
@@ -259,11 +260,14 @@ def _fill_row(
     sample_multiple: int,
     boundaries: List[int],
     where: str,
+    split_tail: bool,
 ) -> None:
     """Lay ``row_samples`` out in ``batch[...][row]`` and append the row's THD segment ends.
 
     ``boundaries`` holds cu_seqlens over the row-major flattening of ``[B, S]``, so row ``r``'s
-    segments start at ``r * S``.
+    segments start at ``r * S``. ``split_tail``: cut the padding tail into segments of
+    :data:`~megatron_dynbatch.planning.cost.TAIL_SEGMENT_TOKENS` (THD rows); otherwise it is one
+    segment (padded rows and rows of ``B > 1``, whose attention runs over the whole row).
     """
     s = batch["tokens"].shape[1]
     padded_lengths = [round_up(cs.length, sample_multiple) for cs in row_samples]
@@ -285,10 +289,17 @@ def _fill_row(
         _write_samples(batch, row, row_samples, schema, padded_lengths, ends)
     boundaries.extend(base + end for end in ends)
     if used < s:
-        # The padding tail is its own segment (id k) so attention never mixes it into a sample.
-        batch["position_ids"][row, used:s] = torch.arange(s - used)
-        batch["segment_ids"][row, used:s] = k
-        boundaries.append(base + s)
+        # The padding tail is its own segments (ids k, k + 1, ...) so attention never mixes it
+        # into a sample. A THD row cuts it into segments of TAIL_SEGMENT_TOKENS (rounded up to the
+        # sample multiple, which TP and CP split evenly): flash kernels attend over padding as over
+        # tokens, so one segment made a placeholder row cost S**2 of attention (the cost model,
+        # planning.cost.tail_units, prices the same cut).
+        chunk = round_up(TAIL_SEGMENT_TOKENS, sample_multiple) if split_tail else s - used
+        starts = range(used, s, chunk)
+        offsets = torch.arange(s - used)
+        batch["position_ids"][row, used:s] = offsets % chunk
+        batch["segment_ids"][row, used:s] = k + offsets // chunk
+        boundaries.extend(base + min(start + chunk, s) for start in starts)
 
 
 def _write_samples(
@@ -443,6 +454,7 @@ def materialize_microbatches(
                 sample_multiple,
                 boundaries,
                 f"{where}, row {row}",
+                split_tail=layout == "packed" and b == 1,
             )
         batch["cu_seqlens"] = torch.tensor(boundaries, dtype=torch.int32, device=target)
         microbatches.append(batch)

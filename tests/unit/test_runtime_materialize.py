@@ -340,3 +340,44 @@ def test_rank_out_of_range_and_inconsistent_plan():
     bad = dataclasses.replace(plan, num_microbatches=2)
     with pytest.raises(DynBatchValueError, match="num_microbatches=2"):
         materialize_microbatches(bad, 0, samples, BatchSchema(), layout="packed", sample_multiple=1)
+
+
+@pytest.mark.parametrize("sample_multiple", [1, 8, 6])
+def test_a_long_padding_tail_is_cut_into_short_segments_the_cost_model_prices(sample_multiple):
+    """A placeholder row of one S-token segment cost S**2 of attention on flash kernels for
+    nothing (small_steps seed 19: SkyRL's copied dummy sample was 1.9% faster). A THD row's tail
+    is cut into segments of TAIL_SEGMENT_TOKENS (rounded up to the sample multiple), positions
+    restarting in each, and the cost model prices those segments."""
+    from megatron_dynbatch.planning.cost import TAIL_SEGMENT_TOKENS, tail_units
+
+    s = 120 * sample_multiple  # 120, 960, 720 tokens
+    samples = make_samples([37, 5, 11], random.Random(3))
+    plan = make_step_plan([[(0,), (), (1, 2)]], seq_length=s, micro_batch_size=1)
+    mbs = materialize_microbatches(
+        plan, 0, samples, SCHEMA, layout="packed", sample_multiple=sample_multiple
+    )
+    check_rank(mbs, plan, 0, samples, layout="packed", sample_multiple=sample_multiple)
+    chunk = _round_up(TAIL_SEGMENT_TOKENS, sample_multiple)
+    for batch, mb in zip(mbs, plan.rank_microbatches(0), strict=True):
+        used = sum(_round_up(samples[i]["tokens"].shape[0], sample_multiple) for i in mb)
+        cu = batch["cu_seqlens"].tolist()
+        tail = [hi - lo for lo, hi in itertools.pairwise(cu) if lo >= used]
+        assert sum(tail) == s - used and all(0 < t <= max(chunk, 1) for t in tail), tail
+        assert len(tail) == -(-(s - used) // chunk)
+        if chunk == TAIL_SEGMENT_TOKENS:  # the multiple divides the segment: priced exactly
+            assert tail_units(s - used) == sum(t * t for t in tail)
+    # The tail costs about chunk * T, not T**2: a placeholder row of 960 tokens, under 1/7 of it.
+    if sample_multiple == 8:
+        assert tail_units(960) == 7 * 128 * 128 + 64 * 64 < 960 * 960 / 7
+
+
+def test_rows_whose_attention_runs_over_the_whole_row_keep_one_tail_segment():
+    """Padded rows (one sample, a causal row) keep the tail as one segment: forward's THD-less
+    path reads segment ids 0 (the sample) and 1 (the tail)."""
+    samples = make_samples([37, 5], random.Random(3))
+    plan = make_step_plan([[(0, 1)]], seq_length=480, micro_batch_size=2)
+    (batch,) = materialize_microbatches(
+        plan, 0, samples, SCHEMA, layout="padded", sample_multiple=8
+    )
+    assert batch["cu_seqlens"].tolist() == [0, 40, 480, 488, 960]
+    assert int(batch["segment_ids"].max()) == 1
