@@ -448,6 +448,18 @@ def test_own_rows_not_behind_a_peer_at_300_cases_a_seed(seed, step, why):
     assert result["ours"] <= result["peer"][1] * 1.005, (why, result)
 
 
+def test_a_placeholder_row_is_not_behind_a_peers_copied_sample():
+    """Issue 45, small_steps ``--cases 300 --seed 19``: 3 multi-turn samples at dp 2, pp 4, one row
+    a step, 5% overhead. One rank runs a placeholder beside its sample; as one THD segment of the
+    whole row it cost ``S**2`` of attention, and SkyRL's dummy (a copy of a real sample) was 1.94%
+    faster. The row's padding tail is now cut into short segments, as the cost model prices it."""
+    from benchmarks.small_steps import compare
+
+    samples, parallel, cap, cost, rows = _small_step_case(19, 831740104)
+    result = compare(samples, parallel, cap, cost, rows)[None]
+    assert result["ours"] <= result["peer"][1] * 1.005, result
+
+
 def test_modified_first_fit_keeps_every_sample_and_the_cap():
     rng = random.Random(11)
     for _ in range(60):
