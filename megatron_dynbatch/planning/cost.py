@@ -140,7 +140,11 @@ def row_costs(
     s = float(seq_length)
     fixed = model.overhead + model.token_weight * s
     aw = model.attention_weight
-    return [fixed + aw * tail_units(s - load) + o for o, load in zip(own, loads, strict=True)]
+    short = TAIL_SEGMENT_TOKENS
+    return [
+        fixed + aw * (t * t if (t := s - load) <= short else tail_units(t)) + o
+        for o, load in zip(own, loads, strict=True)
+    ]
 
 
 def tail_cost(model: CostModel, seq_length: int) -> Callable[[int], float]:

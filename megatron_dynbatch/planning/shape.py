@@ -60,7 +60,7 @@ from .balance import RankBalancer, assign_bins_to_ranks, pipeline_orders
 from .candidates import TINY_STEP_SAMPLES, is_small_step, natural_count, small_step_candidates
 from .cluster import RAMPS as CLUSTER_RAMPS
 from .cluster import big_samples, ramp_profile, rank_rows, split_by_targets, tent_profile
-from .cost import row_cost, row_costs, tail_cost, tail_units
+from .cost import TAIL_SEGMENT_TOKENS, row_cost, row_costs, tail_cost, tail_units
 from .packing import feasible_pack, min_bins, profile_pack
 from .refine import refine_ranks
 from .simulate import BACKWARD_TO_FORWARD_RATIO, pipeline_makespan
@@ -1032,9 +1032,13 @@ class _Search:
             if model.attention_kind(layout) == "segment":
                 # row_cost(model, layout, row, 1, load) inlined, the same operations in the same
                 # order (a function call a micro-batch is a tenth of the step's scoring at 1M).
+                # A tail within one segment (every variable row's) squares in line, no call.
                 ov, tw, aw = model.overhead, model.token_weight, model.attention_weight
+                short = TAIL_SEGMENT_TOKENS
                 bin_costs = [
-                    extra + (ov + tw * s + aw * tail_units(s - load)) + o
+                    extra
+                    + (ov + tw * s + aw * (t * t if (t := s - load) <= short else tail_units(t)))
+                    + o
                     for s, load, o in zip(map(float, row_lengths), loads, own, strict=True)
                 ]
             else:
