@@ -101,8 +101,8 @@ def row_cost(
 
     ``load`` is the padded tokens its samples fill (packed: the sum of their segments). Segment
     attention (packed): ``overhead + token_weight * S + attention_weight * tail_units(S - load)``
-    (the tail's segments; 0 when the row is full). Causal / dense: ``overhead + B * (token_weight * S +
-    f * attention_weight * S**2)`` with ``f`` 1 (causal) or 2 (dense), whatever the rows hold.
+    (the tail's segments; 0 when the row is full). Causal / dense: ``overhead + B *
+    (token_weight * S + f * attention_weight * S**2)`` with ``f`` 1 (causal) or 2 (dense), whatever the rows hold.
     """
     s = float(seq_length)
     kind = model.attention_kind(layout)

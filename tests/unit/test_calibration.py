@@ -315,4 +315,6 @@ def test_a_fit_where_the_constant_takes_the_work_is_never_worse_than_the_mean(co
     mean = sum(o.seconds for o in steps) / count
     at_mean = sorted(abs(mean - o.seconds) / o.seconds for o in steps)
     assert fit.relative_error <= at_mean[count // 2] + 0.1, fit.summary()
-    assert all(0.5 < fit.predict(o) / o.seconds < 2.0 for o in steps if o.seconds < 2), fit.summary()
+    assert all(
+        0.5 < fit.predict(o) / o.seconds < 2.0 for o in steps if o.seconds < 2
+    ), fit.summary()
