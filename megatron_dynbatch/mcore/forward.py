@@ -6,7 +6,8 @@ fixed and planned document micro-batches alike) both use :func:`make_forward_ste
 A micro-batch is a dict of ``[B, S]`` tensors: ``tokens`` and ``labels`` (int64), ``position_ids``
 (int64, restarting at 0 for every sample), ``segment_ids`` (int64, ``0..k-1`` for the k samples of
 a row, ``k`` and up for the padding tail's segments) and ``loss_mask`` (float32); with
-``sample_index`` (-1 on padding and placeholders) a MoE model also gets Megatron's ``padding_mask`` (see :mod:`.moe`).
+``sample_index`` (-1 on padding and placeholders) a MoE model also gets Megatron's
+``padding_mask`` (see :mod:`.moe`).
 Attention stays inside a sample through a block-diagonal causal mask. Megatron's local ``DotProductAttention`` applies a passed
 mask as is when its ``attn_mask_type`` is ``arbitrary`` (see ``megatron_dynbatch.tools.testing.tiny_gpt.tiny_layer_spec``); with
 ``causal`` only its unfused fp32 softmax does, the fused fp16/bf16 kernel silently ignores it.
@@ -64,9 +65,10 @@ def packed_seq_params_from_batch(batch: dict, host: Optional[dict] = None):
     then the row's padding tail as segments of its own (of at most
     :data:`~megatron_dynbatch.planning.cost.TAIL_SEGMENT_TOKENS`, rounded up to the multiple), so
     ``cu_seqlens[-1]`` equals the row length S on every micro-batch, placeholders included. The
-    rounded boundaries serve as both the real and the padded ones: the rounding pad sits after a sample's last token, so
-    causal attention never lets a real token see it, and its loss mask is zero. ``host``: the
-    same micro-batch before it moved to the device, read instead (no device sync).
+    rounded boundaries serve as both the real and the padded ones: the rounding pad sits after a
+    sample's last token, so causal attention never lets a real token see it, and its loss mask is
+    zero. ``host``: the same micro-batch before it moved to the device, read instead (no device
+    sync).
     """
     tokens = batch["tokens"]
     if tokens.shape[0] != 1:
