@@ -153,8 +153,17 @@ def tail_cost(model: CostModel, seq_length: int) -> Callable[[int], float]:
     s = float(seq_length)
     aw = model.attention_weight if model.attention_kind("packed") == "segment" else 0.0
 
+    short, square = TAIL_SEGMENT_TOKENS, _TAIL_SQUARED
+
     def tail(load: int) -> float:
-        return aw * tail_units(s - load)
+        # tail_units inlined (the balancer calls this per candidate move): whole numbers in
+        # floats, so every path computes the same value exactly.
+        t = s - load
+        if t <= short:
+            return aw * (t * t)
+        q = t // short
+        r = t - q * short
+        return aw * (q * square + r * r)
 
     return tail
 
