@@ -1032,7 +1032,7 @@ class _Search:
             if model.attention_kind(layout) == "segment":
                 # row_cost(model, layout, row, 1, load) inlined, the same operations in the same
                 # order (a function call a micro-batch is a tenth of the step's scoring at 1M).
-                # A tail within one segment (every variable row's) squares in line, no call.
+                # A tail within one segment (a variable row of multiple <= 128) squares in line.
                 ov, tw, aw = model.overhead, model.token_weight, model.attention_weight
                 short = TAIL_SEGMENT_TOKENS
                 bin_costs = [
