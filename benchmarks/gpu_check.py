@@ -33,10 +33,11 @@ the reference attention (flash kernels take bf16 / fp16 only), within ``--tolera
 Per arm: time per iteration, mean and median [range] (iterations after start-up, and for the
 dynamic arms after the iteration their calibration line names), real tokens/s, computed tokens
 per iteration, peak memory measured and predicted (the iteration line's ``peak memory
-predicted/measured (MiB)``; Megatron's ``max allocated`` where a run has none). ``--tiny`` runs the same arms on the CPU with a 2-layer model in fp32 (gloo) and
-the reference attention in place of torch-varlen (no CUDA), so CI keeps the script working; there
-the arms already run in fp32 on the reference, so the fp32 loss check reads fixed and dynamic
-packed instead of launching them again; ``--jobs 2`` (CI) runs the launches two at a time there.
+predicted/measured (MiB)``; Megatron's ``max allocated`` where a run has none). ``--tiny`` runs
+the same arms on the CPU with a 2-layer model in fp32 (gloo) and the reference attention in
+place of torch-varlen (no CUDA), so CI keeps the script working; there the arms already run in
+fp32 on the reference, so the fp32 loss check reads fixed and dynamic packed instead of launching
+them again; ``--jobs 2`` (CI) runs the launches two at a time there.
 
 The GPU machine has torch but no megatron-core and no network: ``--wheels DIR`` installs every
 wheel in DIR (``pip download --no-deps --python-version 3.12 ... megatron-core==0.19.2``, see

@@ -102,7 +102,8 @@ def row_cost(
     ``load`` is the padded tokens its samples fill (packed: the sum of their segments). Segment
     attention (packed): ``overhead + token_weight * S + attention_weight * tail_units(S - load)``
     (the tail's segments; 0 when the row is full). Causal / dense: ``overhead + B *
-    (token_weight * S + f * attention_weight * S**2)`` with ``f`` 1 (causal) or 2 (dense), whatever the rows hold.
+    (token_weight * S + f * attention_weight * S**2)`` with ``f`` 1 (causal) or 2 (dense),
+    whatever the rows hold.
     """
     s = float(seq_length)
     kind = model.attention_kind(layout)
@@ -153,17 +154,12 @@ def tail_cost(model: CostModel, seq_length: int) -> Callable[[int], float]:
     s = float(seq_length)
     aw = model.attention_weight if model.attention_kind("packed") == "segment" else 0.0
 
-    short, square = TAIL_SEGMENT_TOKENS, _TAIL_SQUARED
+    short = TAIL_SEGMENT_TOKENS
 
     def tail(load: int) -> float:
-        # tail_units inlined (the balancer calls this per candidate move): whole numbers in
-        # floats, so every path computes the same value exactly.
-        t = s - load
-        if t <= short:
-            return aw * (t * t)
-        q = t // short
-        r = t - q * short
-        return aw * (q * square + r * r)
+        # As row_costs: a tail within one segment squares in line (the balancer calls this per
+        # candidate move).
+        return aw * (t * t if (t := s - load) <= short else tail_units(t))
 
     return tail
 

@@ -51,8 +51,8 @@ def microbatch_costs(
     """Forward cost of each micro-batch of one DP rank, as the planner scores it.
 
     The one cost model of :mod:`megatron_dynbatch.planning.cost` (linear work on every position of
-    the ``[B, S]`` row, attention per segment with the packed padding tail in short segments of its own,
-    response work, per-micro-batch overhead).
+    the ``[B, S]`` row, attention per segment with the packed padding tail in short segments of
+    its own, response work, per-micro-batch overhead).
     """
     return step_microbatch_costs(
         plan.steps[step_index],
