@@ -66,12 +66,11 @@ from megatron_dynbatch.planning.spec import THOROUGH_PLANNER, CostModel
 
 
 def _pipeline_rows(
-    order, count: int, share: float, cost: CostModel, starts: int, makespan: int, extra: int = 0
+    order, count: int, share: float, cost: CostModel, starts: int, makespan: int
 ) -> Tuple[List[int], List[int], List[float], List[float]]:
     """Megatron's order as ``A x <= b`` rows over ``t_m`` (column ``m``), ``a_m``
     (``count + m``), a start per step (``starts + k``) and the makespan: each step starts after
-    its stage predecessor and its dependency end, and the makespan after every stage's last.
-    ``extra`` shifts the rows (rows already written)."""
+    its stage predecessor and its dependency end, and the makespan after every stage's last."""
     tw, overhead = cost.token_weight, cost.overhead
     rows: List[int] = []
     cols: List[int] = []
@@ -81,7 +80,7 @@ def _pipeline_rows(
     def after(step: int, m: int, backward: bool, later: int) -> None:
         """``later`` starts after ``step`` (micro-batch ``m``) ends."""
         scale = (BACKWARD_TO_FORWARD_RATIO if backward else 1.0) / share
-        row = extra + len(bounds_ub)
+        row = len(bounds_ub)
         rows.extend([row] * 4)
         cols.extend([starts + step, m, count + m, later])
         values.extend([1.0, scale * tw, scale, -1.0])
@@ -150,27 +149,33 @@ def rank_floor(
     if result.status != 0:
         raise RuntimeError(f"the linear program failed: {result.message}")
     x = result.x
-    return float(result.fun), [overhead_cost(cost, x[m], x[count + m]) for m in range(count)]
+    tw, overhead = cost.token_weight, cost.overhead
+    return float(result.fun), [overhead + tw * x[m] + x[count + m] for m in range(count)]
 
 
-def overhead_cost(cost: CostModel, tokens: float, attention: float) -> float:
-    """A micro-batch's cost in the floor's terms: overhead, linear work, attention."""
-    return cost.overhead + cost.token_weight * tokens + attention
+def _mean_share(case: Case, cost: CostModel) -> Tuple[float, float, float, float, int]:
+    """The mean rank's tokens, attention and work (in ``cost``'s units), the bound (a stage's
+    share of that work, backward included) and the fewest micro-batches that hold the tokens."""
+    parallel = case.parallel
+    lengths = case.samples.lengths
+    tokens = sum(lengths) / parallel.dp_size
+    attention = sum(cost.attention_weight * n * n for n in lengths) / parallel.dp_size
+    work = cost.token_weight * tokens + attention
+    bound = (1.0 + BACKWARD_TO_FORWARD_RATIO) * work / parallel.pp_size
+    multiple = parallel.microbatch_multiple
+    first = max(multiple, -(-int(tokens // CAP + 1) // multiple) * multiple)
+    return tokens, attention, work, bound, first
 
 
 def case_floor(case: Case) -> Tuple[float, int, List[float]]:
     """The floor of ``case`` over its bound, the count that gives it and that rank's costs."""
     cost = true_cost(case, Assumptions())
     parallel = case.parallel
-    pp, vpp, dp = parallel.pp_size, parallel.vpp_size, parallel.dp_size
+    pp, vpp = parallel.pp_size, parallel.vpp_size
     lengths = case.samples.lengths
-    tokens = sum(lengths) / dp
-    attention = sum(cost.attention_weight * length * length for length in lengths) / dp
-    work = cost.token_weight * tokens + attention
+    tokens, attention, work, bound, count = _mean_share(case, cost)
     ratio = 1.0 + BACKWARD_TO_FORWARD_RATIO
-    bound = ratio * work / pp
     multiple = parallel.microbatch_multiple
-    count = max(multiple, -(-int(tokens // CAP + 1) // multiple) * multiple)
     best: Tuple[float, int, List[float]] = (float("inf"), 0, [])
     while ratio * (count * cost.overhead + work) / pp < best[0]:
         value, costs = rank_floor(
@@ -281,13 +286,10 @@ class _WholeRank:
         self.upper[self.band_at : starts] = 1.0
         self.width = width
         # The mean rank's share, scaled to about 1 a coordinate: tokens, attention, band counts.
-        dp = parallel.dp_size
-        share = [sum(lengths) / dp, sum(aw * n * n for n in lengths) / dp]
-        share += [k / dp for _, _, k in bands]
+        tokens, attention, _, self.bound, _ = _mean_share(case, cost)
+        share = [tokens, attention] + [k / parallel.dp_size for _, _, k in bands]
         self.scale = np.array([max(v, 1e-9) for v in share[:2]] + [1.0] * j)
         self.target = np.array(share) / self.scale
-        work = cost.token_weight * sum(lengths) + sum(aw * n * n for n in lengths)
-        self.bound = (1.0 + BACKWARD_TO_FORWARD_RATIO) * work / dp / pp
 
     def support(self, direction, limit: float):
         """An upper bound on ``direction . x`` over what one rank holds within ``limit`` ms
@@ -365,16 +367,24 @@ def whole_floor(case: Case, low: float, high: float, tolerance: float = 0.004) -
     count is separated (to within ``tolerance``)."""
     parallel = case.parallel
     cost = true_cost(case, Assumptions())
-    lengths = case.samples.lengths
-    dp, pp, vpp = parallel.dp_size, parallel.pp_size, parallel.vpp_size
-    tokens = sum(lengths) / dp
-    attention = sum(cost.attention_weight * n * n for n in lengths) / dp
-    work = cost.token_weight * tokens + attention
-    bound = (1.0 + BACKWARD_TO_FORWARD_RATIO) * work / pp
+    longest = max(case.samples.lengths)
+    pp, vpp = parallel.pp_size, parallel.vpp_size
+    tokens, attention, work, bound, first = _mean_share(case, cost)
     multiple = parallel.microbatch_multiple
-    first = max(multiple, -(-int(tokens // CAP + 1) // multiple) * multiple)
     ranks: dict = {}
     directions: dict = {}
+    divisible: dict = {}
+
+    def divisible_floor(count: int) -> float:
+        """The count's divisible floor (the same at every limit: solved once)."""
+        if count not in divisible:
+            try:
+                divisible[count] = rank_floor(
+                    count, pp, vpp, parallel.group_size, cost, tokens, attention, longest
+                )[0]
+            except RuntimeError:
+                divisible[count] = math.inf  # the count cannot hold the rank's share under the cap
+        return divisible[count]
 
     def beyond(limit: float) -> bool:
         """Every count separated at ``limit`` (over the bound)."""
@@ -383,13 +393,7 @@ def whole_floor(case: Case, low: float, high: float, tolerance: float = 0.004) -
         while (1.0 + BACKWARD_TO_FORWARD_RATIO) * (count * cost.overhead + work) / pp < (
             limit * bound
         ):
-            try:
-                divisible = rank_floor(
-                    count, pp, vpp, parallel.group_size, cost, tokens, attention, max(lengths)
-                )[0]
-            except RuntimeError:
-                divisible = math.inf  # the count cannot hold the rank's share under the cap
-            if divisible < limit * bound:
+            if divisible_floor(count) < limit * bound:
                 if count not in ranks:
                     ranks[count] = _WholeRank(case, count)
                 rank = ranks[count]
