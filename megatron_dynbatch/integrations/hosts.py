@@ -177,8 +177,10 @@ SLIME = Host(
         "oversize_samples": "--oversize-samples",
         # Registered by patch 0005; read by integrations/slime/memory.py (GiB, no ``auto``).
         "max_memory_gib": "--max-memory-gib",
-        # Registered by patch 0005 (Megatron-LM's spelling): the planner by name.
+        # Registered by patch 0005 (Megatron-LM's spelling): the planner by name, and one
+        # micro-batch's fixed cost (read by integrations/slime/config.py).
         "planner": "--dynamic-batch-planner",
+        "cost_microbatch_overhead": "--dynamic-batch-cost-microbatch-overhead",
     },
     planning="global",
     oversize="option",

@@ -50,6 +50,14 @@ BAD = {
     "memory-nan": ([*ON, "--max-memory-gib", "nan"], "--max-memory-gib nan must be"),
     "memory-inf": ([*ON, "--max-memory-gib", "inf"], "--max-memory-gib inf must be"),
     "planner-typo": ([*ON, "--dynamic-batch-planner", "dynbach"], "no planner named"),
+    "overhead-negative": (
+        [*ON, "--dynamic-batch-cost-microbatch-overhead", "-1"],
+        "--dynamic-batch-cost-microbatch-overhead -1.0 must be a finite number >= 0",
+    ),
+    "overhead-without-switch": (
+        ["--dynamic-batch-cost-microbatch-overhead", "330"],
+        "--dynamic-batch-cost-microbatch-overhead 330.0 is read only",
+    ),
     "memory-without-switch": (
         ["--max-memory-gib", "70"],
         "--max-memory-gib 70.0 is read only by megatron_dynbatch's dynamic batching, which is off "
@@ -67,7 +75,12 @@ BAD = {
     ),
 }
 #: name -> (extra argv, whether the hook stays on)
-GOOD = {"on": (ON, True), "way-back": (WAY_BACK, False), "off": ([], False)}
+GOOD = {
+    "on": (ON, True),
+    "on-told-overhead": ([*ON, "--dynamic-batch-cost-microbatch-overhead", "330"], True),
+    "way-back": (WAY_BACK, False),
+    "off": ([], False),
+}
 
 needs_slime = pytest.mark.skipif(not SLIME_DIR, reason="SLIME_DIR is not set")
 
@@ -150,7 +163,7 @@ def test_pristine_slime_validates_the_same_good_command_lines(stock_slime):
         1,
         _validate_body,
         stock_slime,
-        {name: argv for name, (argv, _) in GOOD.items() if name != "way-back"},
+        {name: argv for name, (argv, _) in GOOD.items() if name in ("on", "off")},
         layout=Layout(),
     )
     assert out == {"on": ("ok", "absent"), "off": ("ok", "absent")}, out

@@ -26,6 +26,7 @@ def _slime(**overrides):
         oversize_samples="allow",
         max_memory_gib=None,
         dynamic_batch_planner=None,
+        dynamic_batch_cost_microbatch_overhead=None,
     )
     values.update(overrides)
     return types.SimpleNamespace(**values)
@@ -44,6 +45,24 @@ def test_slime_refuses_a_memory_budget_that_is_not_gib(value):
         MicroBatchPlanner.validate_args(_slime(max_memory_gib=value))
 
 
+@pytest.mark.parametrize("value", [-1.0, math.nan, math.inf, True, "330"])
+def test_slime_refuses_a_microbatch_overhead_that_is_not_a_cost(value):
+    with pytest.raises(
+        DynBatchValueError, match=r"--dynamic-batch-cost-microbatch-overhead .* must be a finite"
+    ):
+        MicroBatchPlanner.validate_args(_slime(dynamic_batch_cost_microbatch_overhead=value))
+
+
+def test_slime_hands_the_microbatch_overhead_to_the_planner():
+    from megatron_dynbatch.integrations.slime.config import dynbatch_config_from_slime_args
+
+    assert dynbatch_config_from_slime_args(_slime()).cost_microbatch_overhead is None
+    for value in (0, 330.0):
+        args = _slime(dynamic_batch_cost_microbatch_overhead=value)
+        assert MicroBatchPlanner.validate_args(args) == HOOK_PATH
+        assert dynbatch_config_from_slime_args(args).cost_microbatch_overhead == value
+
+
 @pytest.mark.parametrize(
     "change, words",
     [
@@ -56,6 +75,10 @@ def test_slime_refuses_a_memory_budget_that_is_not_gib(value):
             "--use-slime-dynamic-batch-size is read only",
         ),
         (dict(dynamic_batch_planner="dynbach"), "--dynamic-batch-planner dynbach: no planner"),
+        (
+            dict(use_dynamic_batch_size=False, dynamic_batch_cost_microbatch_overhead=330.0),
+            "--dynamic-batch-cost-microbatch-overhead 330.0 is read only",
+        ),
         (dict(max_tokens_per_gpu=0), "--max-tokens-per-gpu"),
     ],
 )

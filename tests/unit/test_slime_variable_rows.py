@@ -210,3 +210,42 @@ def test_slime_is_never_faster_in_the_model_as_each_runtime_runs():
         assert result["ours_over_cap"] == 0, result
         for fraction, ratio in result.get("ratios", {}).items():
             assert ratio <= 1 + as_run.TOLERANCE, (case.label, fraction, ratio)
+        for fraction, ratio in result.get("told_ratios", {}).items():
+            assert ratio <= 1 + as_run.TOLERANCE, (case.label, "told", fraction, ratio)
+
+
+def _grpo_case(lengths, pp, vpp, tp, cap):
+    samples = as_run.LengthSet(list(lengths), None, None)
+    return as_run.SlimeCase("tiny", samples, 1, pp, vpp, tp, 1, cap)
+
+
+@pytest.mark.parametrize(
+    "lengths, pp, vpp, tp, cap, fewer_at",
+    [
+        # 4 GRPO samples at pp 2 (as_run seed 3 #48): 2 micro-batches are best at 0%, 1 at 5%.
+        ([873, 836, 538, 500], 2, 1, 2, 16384, 0.05),
+        # 8 at pp 2, vpp 2 (seed 6 #32): 6 micro-batches are best at 0%; not told, ours plans 4.
+        ([3455, 3244, 2078, 1792, 1652, 1630, 795, 682], 2, 2, 2, 4096, None),
+    ],
+)
+def test_told_the_overhead_the_slime_planner_picks_the_count_for_it(
+    lengths, pp, vpp, tp, cap, fewer_at
+):
+    """--dynamic-batch-cost-microbatch-overhead reaches the planner: on a tiny pipelined step
+    whose best count moves with the overhead, told 0 it plans more micro-batches than told 5% of a
+    row (or not told: 2% assumed, 3% gain asked), and told it is never behind slime's schedule by
+    more than 0.5%."""
+    case = _grpo_case(lengths, pp, vpp, tp, cap)
+    theirs = as_run._slime_schedule(case)
+    theirs_rows = as_run.slime_rows(theirs, case.samples.lengths, case)
+    counts = {}
+    for fraction in (0.0, 0.01, 0.05, None):
+        cost = as_run.true_cost(case, fraction or 0.0)
+        told = None if fraction is None else cost.microbatch_overhead
+        ranks, rows, _ = as_run.ours_as_run(case, told)
+        counts[fraction] = len(ranks[0])
+        if fraction is not None:
+            ours = as_run.step_time(ranks, rows, case.samples.lengths, case, cost)
+            slime = as_run.step_time(theirs, theirs_rows, case.samples.lengths, case, cost)
+            assert ours <= slime * (1 + as_run.TOLERANCE), (fraction, ours / slime)
+    assert counts[0.0] > counts[fewer_at], counts

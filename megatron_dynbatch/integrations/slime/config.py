@@ -16,6 +16,10 @@ same way. The defaults, and why each is what it is:
 * ``rollouts_per_step``: ``global_batch_size`` (slime's rollouts per optimizer step).
 * cost model: tokens only, plus slime's own attention-to-linear FLOPs ratio when
   ``--balance-data`` or ``--balance-by-flops`` asks for FLOPs balancing (computed by the caller).
+  The fixed cost of one micro-batch is ``--dynamic-batch-cost-microbatch-overhead`` (patch 0005,
+  Megatron-LM's spelling, in tokens of one GPU's linear work) when given; otherwise unknown, and
+  the planner assumes 2% of a full row and asks more micro-batches for a 3% gain. Told, the planner
+  picks the count for that overhead: on tiny pipelined steps the right count moves with it.
 * the pad multiple: ``tp_size * data_pad_size_multiplier`` (:data:`DATA_PAD_SIZE_MULTIPLIER` when
   the attribute is absent), what slime's ``get_batch`` pads a packed row to.
 
@@ -25,6 +29,9 @@ Standard library and the pure planner only: slime's rollout manager imports it w
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
+import numbers
 import warnings
 from typing import Any, Iterator, Optional
 
@@ -40,6 +47,7 @@ __all__ = [
     "RESPONSE_FLOAT_KEYS",
     "SLIME_OVERSIZE_POLICIES",
     "dynbatch_config_from_slime_args",
+    "microbatch_overhead",
     "oversize_policy",
     "planner_oversize_reported",
     "pad_size",
@@ -80,6 +88,28 @@ def oversize_policy(args: Any) -> str:
             "(--rollout-max-response-len) instead of truncating them here."
         )
     return policy
+
+
+def microbatch_overhead(args: Any) -> Optional[float]:
+    """``--dynamic-batch-cost-microbatch-overhead``: one micro-batch's fixed cost in tokens of one
+    GPU's linear work, or ``None`` (not given, or a bare namespace without it: unknown)."""
+    value = getattr(args, "dynamic_batch_cost_microbatch_overhead", None)
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        flag = SLIME.key("cost_microbatch_overhead")
+        raise DynBatchValueError(
+            f"{flag} {value!r} must be a finite number >= 0: the fixed cost of one micro-batch "
+            "(kernel launches, pipeline send/receive, Python) in tokens of one GPU's linear work, "
+            f"e.g. {flag} 330 (2% of a 16384-token row's linear work); drop it to let the planner "
+            "assume 2% of a full row."
+        )
+    return float(value)
 
 
 def routing_replay(args: Any) -> bool:
@@ -123,7 +153,8 @@ def dynbatch_config_from_slime_args(
         args: slime's parsed arguments. Read: ``max_tokens_per_gpu`` (required),
             ``log_probs_max_tokens_per_gpu``, ``oversize_samples``.
         rollouts_per_step: Rollouts per optimizer step (slime's ``global_batch_size``).
-        cost: The balancing cost model (tokens when ``None``).
+        cost: The balancing cost model (tokens when ``None``); an overhead it leaves unknown is
+            ``--dynamic-batch-cost-microbatch-overhead`` when that is given.
 
     Raises:
         DynBatchValueError: a missing or bad budget, naming slime's flag.
@@ -133,6 +164,8 @@ def dynbatch_config_from_slime_args(
     if log_probs is not None:
         log_probs = check_host_budget(SLIME, log_probs, forward_only=True)
     cost = cost or CostModel()
+    if cost.microbatch_overhead is None:
+        cost = dataclasses.replace(cost, microbatch_overhead=microbatch_overhead(args))
     return config_from_mapping(
         {
             "max_tokens_per_gpu": budget,

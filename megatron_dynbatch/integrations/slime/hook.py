@@ -31,6 +31,7 @@ OWN_OPTIONS = (
     (SLIME.key("oversize_samples"), "oversize_samples", "allow"),
     (SLIME.key("max_memory_gib"), "max_memory_gib", None),
     (SLIME.key("planner"), "dynamic_batch_planner", None),
+    (SLIME.key("cost_microbatch_overhead"), "dynamic_batch_cost_microbatch_overhead", None),
 )
 _WAY_BACK = "--use-slime-dynamic-batch-size"
 
@@ -52,8 +53,9 @@ class MicroBatchPlanner:
 
         Raises:
             DynBatchValueError: a bad budget, ``--max-memory-gib`` that is not a number of GiB > 0,
-                an unknown ``--dynamic-batch-planner``, or one of our options given while slime's
-                own batching runs (it would be silently ignored).
+                an unknown ``--dynamic-batch-planner``, a negative or non-finite
+                ``--dynamic-batch-cost-microbatch-overhead``, or one of our options given while
+                slime's own batching runs (it would be silently ignored).
         """
         path = getattr(args, "micro_batch_planner_path", None) or HOOK_PATH
         if not _ours(args):
@@ -77,7 +79,12 @@ class MicroBatchPlanner:
                 raise DynBatchValueError(
                     f"{shown} is read only by megatron_dynbatch's dynamic batching, which is off "
                     f"{where}: it would be ignored. Add --use-dynamic-batch-size"
-                    + (f" and drop {_WAY_BACK}" if flag != _WAY_BACK else "")
+                    + (
+                        f" and drop {_WAY_BACK}"
+                        if flag != _WAY_BACK
+                        and getattr(args, "use_slime_dynamic_batch_size", False)
+                        else ""
+                    )
                     + f", or drop {flag}."
                 )
             return None
@@ -91,7 +98,8 @@ class MicroBatchPlanner:
                 get_planner(name)
             except DynBatchValueError as error:
                 raise DynBatchValueError(f"{SLIME.key('planner')} {name}: {error}") from None
-        dynbatch_config_from_slime_args(args)  # budgets, --oversize-samples, the planner's name
+        # Budgets, --oversize-samples, the planner's name, the micro-batch overhead.
+        dynbatch_config_from_slime_args(args)
         return path
 
     @staticmethod
