@@ -23,10 +23,11 @@ scored too, up to one sample a micro-batch, even where a sample fills the cap
 (:func:`_finer_splits`): rows shrink with their loads, so more micro-batches shrink the bubble for
 little more work; a large step searches a proxy of :data:`_FINER_LIMIT` samples and packs one count
 more.
-On steps of at most :data:`_RAMP_LIMIT` samples under a pipeline with variable rows, two more
-constructions: ramps (:func:`_ramp_splits`) and clustered ranks (:func:`_cluster_splits`: the
-large samples a few to a rank, the ranks' pipelines balanced rather than their work); the chosen
-shape is then refined rank by rank (:mod:`.refine`).
+On steps of at most :data:`_RAMP_LIMIT` samples under a pipeline with variable rows, more
+constructions: ramps and tents (:func:`_ramp_splits`, :func:`_tent_splits`) and clustered ranks
+(:func:`_cluster_splits`: the large samples a few to a rank, the ranks' pipelines balanced rather
+than their work; the default planner only up to :data:`_CLUSTER_DEFAULT_LIMIT` samples); the
+chosen shape is then refined rank by rank (:mod:`.refine`).
 
 Layouts:
 
@@ -156,9 +157,10 @@ class StepProblem:
     """Score the shape search's own constructions only (the planner before the small-step
     candidates of :mod:`.candidates`): what the tests compare against."""
     thorough: bool = False
-    """The thorough planner (``dynbatch-thorough``): also the clustered ranks of :mod:`.cluster`,
-    refined tents and a larger refinement budget (:mod:`.refine`): a step simulated
-    about 1% faster on the GPU-regime steps, for several times the planning CPU."""
+    """The thorough planner (``dynbatch-thorough``): also the clustered ranks of :mod:`.cluster`
+    on steps of more than :data:`_CLUSTER_DEFAULT_LIMIT` samples, refined tents and a larger
+    refinement budget (:mod:`.refine`): a step simulated about 1% faster on the GPU-regime
+    steps, for several times the planning CPU."""
     row_align: Optional[int] = None
     """Set by :func:`choose_shape` (from ``row_multiple``) when it scores uniform rows beside
     variable ones: shapes are exchanged, so a uniform row ``S`` of the packed layout is rounded up
@@ -336,7 +338,7 @@ def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
         if not problem.disable_more_candidates:
             _ramp_splits(problem, searches[0], scored)
             _tent_splits(problem, searches[0], _pick(scored, problem.min_gain), tented)
-            if problem.thorough:
+            if problem.thorough or len(problem.items) <= _CLUSTER_DEFAULT_LIMIT:
                 _cluster_splits(problem, searches[0], _pick(scored, problem.min_gain), clustered)
     best = _pick(scored, problem.min_gain)
     # The second construction is dearer: only for the winning count (and the fewest), one row.
@@ -625,6 +627,14 @@ _CLUSTER_TOGETHER = (2, 3, 4)
 _CLUSTER_ROUNDS = 3
 #: ... at these multiples of the fastest count so far.
 _CLUSTER_FACTORS = (1.0, 1.25)
+#: The default planner builds clustered ranks on steps of at most this many samples (the
+#: thorough one on every step up to :data:`_RAMP_LIMIT`): a few ms of CPU there, and where one
+#: sample fills a row the rank holding it is the step, unless it holds little else. On 84
+#: long-tailed samples at dp 4, pp 2 (one of 16,384 tokens, the cap) slime's first fit was 1.3%
+#: ahead of the default planner; with clustered ranks ours is 16% ahead (``benchmarks.as_run
+#: --seed 40``, #66). On the 512-sample GPU-regime steps clustering tripled the default
+#: planner's CPU for 0.2% of step time: not there.
+_CLUSTER_DEFAULT_LIMIT = 256
 
 
 def _tent_splits(

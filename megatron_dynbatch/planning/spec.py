@@ -65,7 +65,8 @@ ATTENTION_CROSSOVER_7B = 24576
 #: otherwise: this package's planner, :func:`.planner.plan_samples`.
 DEFAULT_PLANNER = "dynbatch"
 #: The same planner spending several times the planning CPU for a step simulated about 1% faster
-#: under a pipeline (clustered ranks, moves across ranks, a larger refinement budget: issue 45);
+#: under a pipeline (clustered ranks on steps of more than 256 samples, refined tents, a larger
+#: refinement budget: issue 45);
 #: for steps long enough, or planned off the critical path, for that to pay.
 THOROUGH_PLANNER = "dynbatch-thorough"
 #: This package's planners (forward-only passes plan the same way under either).
