@@ -151,7 +151,8 @@ def dynbatch_config_from_slime_args(
 
     Args:
         args: slime's parsed arguments. Read: ``max_tokens_per_gpu`` (required),
-            ``log_probs_max_tokens_per_gpu``, ``oversize_samples``.
+            ``log_probs_max_tokens_per_gpu``, ``oversize_samples``, ``dynamic_batch_planner``,
+            ``dynamic_batch_cost_microbatch_overhead``.
         rollouts_per_step: Rollouts per optimizer step (slime's ``global_batch_size``).
         cost: The balancing cost model (tokens when ``None``); an overhead it leaves unknown is
             ``--dynamic-batch-cost-microbatch-overhead`` when that is given.
