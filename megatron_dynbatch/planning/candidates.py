@@ -36,6 +36,7 @@ __all__ = [
     "least_rounding",
     "modified_first_fit",
     "natural_count",
+    "peer_schedules",
     "rank_packings",
     "small_step_candidates",
 ]
@@ -538,6 +539,48 @@ def exact_split(items: Sequence[int], weights: Sequence[float], dp_size: int) ->
     for i, r in zip(order, best_assign, strict=True):
         split[r].append(i)
     return [sorted(part) for part in split]
+
+
+def peer_schedules(
+    items: Sequence[int],
+    sizes: Sequence[int],
+    weights: Sequence[float],
+    cap: int,
+    dp_size: int,
+    multiple: int,
+) -> List[Tuple[str, List[List[List[int]]], int]]:
+    """The trainers' own schedules of a step, as they build them, each kept within ``cap``:
+    ``(name, ranks, per_rank)``, every rank's micro-batches in the order the trainer runs them.
+
+    * ``first-fit``: first fit in arrival order, split to a multiple of ``dp * multiple`` bins
+      and dealt strided (slime's ``build_dp_schedule``; Megatron-Core's sequence packing);
+    * ``differencing``: where the sample count is a multiple of ``dp_size``, equal-count
+      differencing over the ranks, then each rank's samples by differencing into the most
+      micro-batches any rank's tokens need (``ceil(tokens / cap)``, rounded up to ``multiple``),
+      one more multiple at a time while a micro-batch of several samples breaks the cap (verl's
+      ``rearrange_micro_batches``, with the cap kept as a user would keep it).
+    """
+    items = list(items)
+    schedules: List[Tuple[str, List[List[List[int]]], int]] = []
+    if not items:
+        return schedules
+    count = ceil_div(natural_count(items, sizes, cap, dp_size), multiple) * multiple
+    bins = first_fit_bins(items, sizes, cap, dp_size * count)
+    if bins is not None:
+        strided = [[bins[b] for b in range(r, len(bins), dp_size)] for r in range(dp_size)]
+        schedules.append(("first-fit", strided, count))
+    if len(items) % dp_size == 0 and len(items) * dp_size <= KK_LIMIT:
+        parts = karmarkar_karp([weights[i] for i in items], dp_size, True, ties="index")
+        split = [[items[j] for j in part] for part in parts]
+        count = max(min(len(part), ceil_div(sum(sizes[i] for i in part), cap)) for part in split)
+        count = ceil_div(count, multiple) * multiple
+        while count <= min(map(len, split)):
+            ranks = _differenced_ranks(split, sizes, weights, cap, count)
+            if ranks is not None:
+                schedules.append(("differencing", ranks, count))
+                break
+            count += multiple
+    return schedules
 
 
 def natural_count(items: Sequence[int], sizes: Sequence[int], cap: int, dp_size: int) -> int:

@@ -31,7 +31,15 @@ from .cost import check_cost_is_finite, sample_costs
 from .plan import Plan, PlanStats, StepPlan, imbalance
 from .samples import SampleSet
 from .shape import StepProblem, choose_shape
-from .spec import THOROUGH_PLANNER, PlannerConfig, ceil_div, padded_note, round_up, tokens_padded
+from .spec import (
+    ASSUMED_OVERHEAD_CHECKS,
+    THOROUGH_PLANNER,
+    PlannerConfig,
+    ceil_div,
+    padded_note,
+    round_up,
+    tokens_padded,
+)
 
 __all__ = ["plan_schedule", "plan_samples", "OversizeSampleWarning"]
 
@@ -194,6 +202,17 @@ def _oversize_warning(
     )
 
 
+def _overhead_checks(config: PlannerConfig) -> Tuple[float, ...]:
+    """The overheads (cost units) a step's plan is checked at against the trainers' own
+    schedules (:func:`.shape._peer_guard`): where the overhead is assumed,
+    :data:`.spec.ASSUMED_OVERHEAD_CHECKS` of a full row at the cap; none where it is told or
+    calibrated."""
+    if not config.overhead_assumed:
+        return ()
+    full_row = config.cost.full_row_cost(config.token_cap, config.layout)
+    return tuple(fraction * full_row for fraction in ASSUMED_OVERHEAD_CHECKS)
+
+
 def _plan_step(
     items: List[int],
     num_rollouts: int,
@@ -222,6 +241,7 @@ def _plan_step(
         memory=config.memory,
         multi_row_cap=config.multi_row_cap,
         thorough=config.planner == THOROUGH_PLANNER,
+        overhead_checks=_overhead_checks(config),
     )
     shape, fewest = choose_shape(problem)
     bins = shape.bins

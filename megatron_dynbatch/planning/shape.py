@@ -27,7 +27,12 @@ On steps of at most :data:`_RAMP_LIMIT` samples under a pipeline with variable r
 constructions: ramps and tents (:func:`_ramp_splits`, :func:`_tent_splits`) and clustered ranks
 (:func:`_cluster_splits`: the large samples a few to a rank, the ranks' pipelines balanced rather
 than their work; the default planner only up to :data:`_CLUSTER_DEFAULT_LIMIT` samples); the
-chosen shape is then refined rank by rank (:mod:`.refine`).
+chosen shape is then refined rank by rank (:mod:`.refine`). Last, the trainers' own schedules
+(first fit as slime builds it, differencing as verl does; :func:`_peer_guard`): on a step of at
+most :data:`_MORE_COUNTS_LIMIT` samples they are candidates too; where the per-micro-batch
+overhead is assumed, the choice of a step of at most :data:`_RAMP_LIMIT` samples is checked
+against them at overheads from none to 5% of a row, and trades for a candidate within 0.5% of the
+best of them at each where it is not.
 
 Layouts:
 
@@ -58,14 +63,20 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from megatron_dynbatch.errors import DynBatchValueError
 
 from .balance import RankBalancer, assign_bins_to_ranks, pipeline_orders
-from .candidates import TINY_STEP_SAMPLES, is_small_step, natural_count, small_step_candidates
+from .candidates import (
+    TINY_STEP_SAMPLES,
+    is_small_step,
+    natural_count,
+    peer_schedules,
+    small_step_candidates,
+)
 from .cluster import RAMPS as CLUSTER_RAMPS
 from .cluster import big_samples, ramp_profile, rank_rows, split_by_targets, tent_profile
 from .cost import TAIL_SEGMENT_TOKENS, row_cost, row_costs, tail_cost, tail_units
 from .packing import feasible_pack, min_bins, profile_pack
 from .refine import refine_ranks
 from .simulate import BACKWARD_TO_FORWARD_RATIO, pipeline_makespan
-from .spec import CostModel, ParallelLayout, ceil_div, round_up
+from .spec import PEER_TOLERANCE, CostModel, ParallelLayout, ceil_div, round_up
 
 __all__ = ["StepProblem", "StepShape", "choose_shape", "variable_rows"]
 
@@ -161,6 +172,10 @@ class StepProblem:
     on steps of more than :data:`_CLUSTER_DEFAULT_LIMIT` samples, refined tents and a larger
     refinement budget (:mod:`.refine`): a step simulated about 1% faster on the GPU-regime
     steps, for several times the planning CPU."""
+    overhead_checks: Tuple[float, ...] = ()
+    """Per-micro-batch overheads (cost units) at which the plan must stay within
+    :data:`.spec.PEER_TOLERANCE` of the trainers' own schedules (:func:`_peer_guard`): set where
+    the overhead is assumed; empty: the model's overhead is trusted."""
     row_align: Optional[int] = None
     """Set by :func:`choose_shape` (from ``row_multiple``) when it scores uniform rows beside
     variable ones: shapes are exchanged, so a uniform row ``S`` of the packed layout is rounded up
@@ -372,9 +387,106 @@ def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
             gain = problem.min_gain if other.per_rank > chosen.per_rank else 0.0
             if other.step_time < chosen.step_time * (1.0 - max(gain, _TIE)):
                 chosen = other
+        chosen = _peer_guard(problem, searches, scored, chosen)
     # A construction may fit fewer micro-batches than the searches' packings did (a rank's own
     # split): then that is the fewest found.
     return chosen, min(chosen.per_rank, *(s.min_per_rank for s in searches))
+
+
+def _peer_guard(
+    problem: StepProblem,
+    searches: List["_Search"],
+    scored: Dict[Tuple[int, int], StepShape],
+    chosen: StepShape,
+) -> StepShape:
+    """Never behind the trainers' own schedules (:func:`.candidates.peer_schedules`, each as the
+    trainer builds and runs it), on a step of at most :data:`_RAMP_LIMIT` samples.
+
+    On a step of at most :data:`_MORE_COUNTS_LIMIT` samples the peers' schedules are candidates
+    like any other (scored as run and as the search would reorder and balance them), kept where
+    faster than ``chosen`` (more micro-batches by ``min_gain``). A step with more samples than
+    :func:`.candidates.is_small_step` allows gets no other construction, and verl's differencing
+    can be 2.5% ahead there (96 bimodal samples at dp 8, pp 4, vpp 2, four micro-batches each).
+
+    Where the overhead is assumed (``problem.overhead_checks`` set), also a plan never more than
+    :data:`.spec.PEER_TOLERANCE` slower than the best peer at any of those overheads. ``chosen``
+    is kept where it passes (nearly always: ahead of the peers at every overhead). Otherwise, of the candidates that pass, the fastest at the
+    assumed overhead (fewer micro-batches unless more gain ``min_gain``); where none does (one
+    peer best with no overhead, another at 5%), the one whose worst ratio to the best peer is
+    least. The candidates are ``scored`` (the fastest packing of each count), the peers'
+    schedules and, on a small step, :mod:`.candidates`' constructions at the peers' counts and
+    ``chosen``'s (every count searched on a tiny step). A plan is re-timed at another overhead
+    by moving every micro-batch's cost (placeholders included) by the difference: the overhead
+    is one term of it. Above :data:`_MORE_COUNTS_LIMIT` samples only a plan of more
+    micro-batches than the fewest is checked (building the peers' schedules of hundreds of
+    samples costs tens of milliseconds, and the fewest bet on no small overhead).
+    """
+    checks = problem.overhead_checks
+    search = next((s for s in searches if s.rows == 1), None)
+    many = len(problem.items) > _MORE_COUNTS_LIMIT
+    if (
+        not isinstance(search, _PackedSearch)
+        or search.oversize
+        or not search.arrival
+        or len(problem.items) > _RAMP_LIMIT
+        or (many and (not checks or chosen.per_rank <= search.min_per_rank))
+    ):
+        return chosen
+    sizes, cap, dp, multiple = problem.sizes, search.cap, search.dp, search.microbatch_multiple
+    model = search.model
+    weights = {i: model.token_weight * sizes[i] + problem.sample_costs[i] for i in search.arrival}
+    peers = peer_schedules(search.arrival, sizes, weights, cap, dp, multiple)
+    if not peers:
+        return chosen
+    theirs = [search.as_given(ranks, m) for _name, ranks, m in peers]
+    if not many:
+        for (_name, ranks, m), own in zip(peers, theirs, strict=True):
+            for other in (own, *search.score_ranks(ranks, m, True)):
+                gain = problem.min_gain if other.per_rank > chosen.per_rank else 0.0
+                if other.step_time < chosen.step_time * (1.0 - max(gain, _TIE)):
+                    chosen = other
+    if not checks:
+        return chosen
+    base = model.overhead
+
+    def times(shape: StepShape) -> List[float]:
+        return [
+            search._step_time(shape.rank_orders, [c - base + o for c in shape.bin_costs])
+            for o in checks
+        ]
+
+    best = [min(column) for column in zip(*map(times, theirs), strict=True)]
+
+    def worst_ratio(shape: StepShape) -> float:
+        return max(t / b for t, b in zip(times(shape), best, strict=True))
+
+    if worst_ratio(chosen) <= 1.0 + PEER_TOLERANCE:
+        return chosen
+    pool = [chosen, *scored.values(), *theirs]
+    for _name, ranks, m in peers:
+        pool += search.score_ranks(ranks, m, True)
+    if is_small_step(len(problem.items), dp):
+        counts = {chosen.per_rank, *(m for _name, _ranks, m in peers)}
+        if len(problem.items) <= TINY_STEP_SAMPLES:
+            counts.update(search.candidates())
+        for m in sorted(counts):
+            for _name, ranks, keep_order in small_step_candidates(
+                search.arrival, sizes, weights, cap, dp, m, problem.row_multiple
+            ):
+                pool += search.score_ranks(ranks, m, keep_order)
+    ratios = [(worst_ratio(shape), k) for k, shape in enumerate(pool)]
+    passing: Dict[Tuple[int, int], StepShape] = {}
+    for ratio, k in ratios:
+        shape = pool[k]
+        known = passing.get((shape.per_rank, 1))
+        if ratio <= 1.0 + PEER_TOLERANCE and (
+            known is None or shape.step_time < known.step_time * (1.0 - _TIE)
+        ):
+            passing[(shape.per_rank, 1)] = shape
+    if passing:
+        return _pick(passing, problem.min_gain)
+    # Ties to the earlier candidate: chosen, then the search's own, then the peers'.
+    return pool[min(ratios)[1]]
 
 
 def _refined(problem: StepProblem, shape: StepShape) -> StepShape:
@@ -1014,26 +1126,14 @@ class _Search:
             return self.cap
         return max(0, int((row - model.overhead) / (model.token_weight * self.rows)))
 
-    def score(
-        self,
-        bins: List[List[int]],
-        loads: Sequence[int],
-        per_rank: int,
-        seq_length: int,
-        rows: int,
-        rank_bins: Optional[List[List[int]]] = None,
-        token_loads: bool = False,
-        keep_order: bool = False,
-    ) -> StepShape:
-        """Assign bins to ranks (unless given), balance, order for the pipeline, and simulate.
-
-        ``token_loads``: ``loads`` are the bins' padded tokens (packed searches), kept on the
-        shape unless sample moves change the bins. ``keep_order``: run each rank's bins in the
-        order ``rank_bins`` gives (a construction's own order), not reordered for the pipeline."""
+    def _bin_costs(
+        self, loads: Sequence[int], own: Sequence[float], seq_length: int, rows: int
+    ) -> Tuple[List[float], Optional[List[int]], int]:
+        """Every bin's cost from its padded load and its samples' own cost: ``(bin_costs,
+        row_lengths, seq_length)`` (variable rows: every bin's own row, S the longest; else the
+        rows of ``seq_length``, aligned where the packed rows are)."""
         problem = self.problem
-        costs = problem.sample_costs
         layout = problem.layout
-        own = [sum(map(costs.__getitem__, members)) for members in bins]
         row_lengths = None
         if problem.row_multiple is not None:
             row_lengths = variable_rows(loads, problem.row_multiple, problem.cap, problem.memory)
@@ -1061,6 +1161,49 @@ class _Search:
             if layout == "packed":
                 seq_length = self._aligned(seq_length)
             bin_costs = row_costs(self.model, layout, seq_length, rows, loads, own)
+        return bin_costs, row_lengths, seq_length
+
+    def as_given(self, ranks: List[List[List[int]]], per_rank: int) -> StepShape:
+        """A trainer's own schedule (``ranks[r][m]``, one row a bin) as it runs it: its bins'
+        costs in its own order, no sample moved (S the fullest bin's row)."""
+        sizes, costs = self.problem.sizes, self.problem.sample_costs
+        bins = [list(mb) for rank in ranks for mb in rank]
+        loads = [sum(map(sizes.__getitem__, mb)) for mb in bins]
+        own = [sum(map(costs.__getitem__, mb)) for mb in bins]
+        bin_costs, row_lengths, seq_length = self._bin_costs(loads, own, max(loads), 1)
+        orders = [list(range(r * per_rank, (r + 1) * per_rank)) for r in range(len(ranks))]
+        return StepShape(
+            per_rank=per_rank,
+            seq_length=seq_length,
+            micro_batch_size=1,
+            bins=bins,
+            rank_orders=orders,
+            bin_costs=bin_costs,
+            step_time=self._step_time(orders, bin_costs),
+            row_lengths=row_lengths,
+            token_loads=loads,
+        )
+
+    def score(
+        self,
+        bins: List[List[int]],
+        loads: Sequence[int],
+        per_rank: int,
+        seq_length: int,
+        rows: int,
+        rank_bins: Optional[List[List[int]]] = None,
+        token_loads: bool = False,
+        keep_order: bool = False,
+    ) -> StepShape:
+        """Assign bins to ranks (unless given), balance, order for the pipeline, and simulate.
+
+        ``token_loads``: ``loads`` are the bins' padded tokens (packed searches), kept on the
+        shape unless sample moves change the bins. ``keep_order``: run each rank's bins in the
+        order ``rank_bins`` gives (a construction's own order), not reordered for the pipeline."""
+        problem = self.problem
+        layout = problem.layout
+        own = [sum(map(problem.sample_costs.__getitem__, members)) for members in bins]
+        bin_costs, row_lengths, seq_length = self._bin_costs(loads, own, seq_length, rows)
         varies = self.varies or row_lengths is not None
         # Rows of one shape cost the same unless attention or response work varies with what they
         # hold; then balance the cost, else balance real tokens (free, and what logs show).

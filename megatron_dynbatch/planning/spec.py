@@ -23,7 +23,9 @@ __all__ = [
     "PlannerConfig",
     "ATTENTION_CROSSOVER_7B",
     "ATTENTION_KINDS",
+    "ASSUMED_OVERHEAD_CHECKS",
     "DEFAULT_MIN_GAIN",
+    "PEER_TOLERANCE",
     "DEFAULT_PLANNER",
     "THOROUGH_PLANNER",
     "OWN_PLANNERS",
@@ -81,6 +83,18 @@ DEFAULT_OVERHEAD_FRACTION = 0.02
 #: When the overhead is assumed (not calibrated), a candidate with more micro-batches per rank must
 #: be predicted faster by at least this fraction to be chosen over one with fewer.
 DEFAULT_MIN_GAIN = 0.03
+
+#: Where the overhead is assumed, the real one may lie anywhere from none to 5% of a full row (the
+#: range above). On a step of up to 1,024 samples the plan is checked at these fractions against
+#: the trainers' own schedules (:func:`.candidates.peer_schedules`: first fit as slime runs it,
+#: differencing as verl does) and is never more than :data:`PEER_TOLERANCE` slower than the best
+#: of them at any of them: on a tiny pipelined step the best micro-batch count moves with the
+#: overhead (3 samples on one rank at pp 2: a micro-batch a sample 29% faster than one with no
+#: overhead, 4% slower at 5%), and a guess must not lose to the trainer's own plan. A told or
+#: calibrated overhead is trusted and not checked.
+ASSUMED_OVERHEAD_CHECKS = (0.0, 0.01, 0.02, 0.035, 0.05)
+#: ... within this fraction of the best peer's step at every one of them.
+PEER_TOLERANCE = 0.005
 
 #: What happens to a sample longer than the token cap: ``error`` refuses the batch, ``truncate``
 #: cuts it to the cap, ``allow`` runs it alone in its micro-batch, over the cap.
@@ -467,6 +481,10 @@ class PlannerConfig:
     """A candidate with more micro-batches per rank is chosen over one with fewer only when its
     simulated step is faster by at least this fraction. ``None``: ``DEFAULT_MIN_GAIN`` when the
     cost model's overhead is assumed, 0 when it is given (a calibrated model is trusted)."""
+    overhead_assumed: Optional[bool] = None
+    """Whether the cost model's per-micro-batch overhead is assumed (resolved here from the model
+    as given: ``None`` reads ``microbatch_overhead is None``; kept through ``replace``). Assumed,
+    steps are checked against the trainers' own schedules over :data:`ASSUMED_OVERHEAD_CHECKS`."""
     planner: str = DEFAULT_PLANNER
     """The registered planner the hosts plan with (:mod:`.registry`; looked up when planning,
     so a planner registered later is accepted here)."""
@@ -528,6 +546,13 @@ class PlannerConfig:
                     "predicted step before planning more micro-batches, 0 takes any gain."
                 )
         object.__setattr__(self, "min_gain", float(gain))
+        if self.overhead_assumed is None:
+            object.__setattr__(self, "overhead_assumed", not self.cost.overhead_known)
+        elif not isinstance(self.overhead_assumed, bool):
+            raise DynBatchValueError(
+                f"overhead_assumed={self.overhead_assumed!r} must be True, False or None (None: "
+                "whether the cost model's microbatch_overhead is unset)."
+            )
         multiple = self.parallel.sample_multiple
         if self.memory is not None and self.memory.row_cap(1) < multiple:
             raise DynBatchValueError(

@@ -18,8 +18,9 @@ same way. The defaults, and why each is what it is:
   ``--balance-data`` or ``--balance-by-flops`` asks for FLOPs balancing (computed by the caller).
   The fixed cost of one micro-batch is ``--dynamic-batch-cost-microbatch-overhead`` (patch 0005,
   Megatron-LM's spelling, in tokens of one GPU's linear work) when given; otherwise unknown, and
-  the planner assumes 2% of a full row and asks more micro-batches for a 3% gain. Told, the planner
-  picks the count for that overhead: on tiny pipelined steps the right count moves with it.
+  the planner assumes 2% of a full row, asks more micro-batches for a 3% gain, and keeps a small
+  step within 0.5% of slime's own first fit at every overhead from none to 5% of a row. Told, the
+  planner picks the count for that overhead: on tiny pipelined steps the right count moves with it.
 * the pad multiple: ``tp_size * data_pad_size_multiplier`` (:data:`DATA_PAD_SIZE_MULTIPLIER` when
   the attribute is absent), what slime's ``get_batch`` pads a packed row to.
 
