@@ -18,7 +18,10 @@ Then the growth of planning time with the sample count (4k..262k at dp 64) and w
 at 65,536 samples), and our planner against verl on the 16k/dp512 step: our re-implementation of
 verl's pipeline, and verl's real code when ``VERL_SRC`` names a checkout (``benchmarks/peers.py``).
 
-Run: ``.venv/bin/python -m benchmarks.bench_planner [--quick] [--json] [--repeats 5]``.
+``--small``: only the planning CPU of steps of 64-1,024 samples, told the per-micro-batch overhead
+and not (:func:`small_steps`).
+
+Run: ``.venv/bin/python -m benchmarks.bench_planner [--quick | --small] [--json] [--repeats 5]``.
 """
 
 from __future__ import annotations
@@ -33,9 +36,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from benchmarks import peers
 from benchmarks.baselines import verl_kk
-from benchmarks.lengths import LengthSet, grpo_lengths
+from benchmarks.lengths import LengthSet, grpo_lengths, lognormal_lengths
 from benchmarks.metrics import EVAL_COST, planner_config
-from megatron_dynbatch.planning import ParallelLayout, PlannerConfig, plan_schedule
+from megatron_dynbatch.planning import CostModel, ParallelLayout, PlannerConfig, plan_schedule
 
 __all__ = ["WORKLOADS", "measure", "speed_table"]
 
@@ -164,6 +167,57 @@ def versus_verl(repeats: int = 3) -> Dict[str, Any]:
     return result
 
 
+#: ``--small``: steps of at most 1,024 samples, where the planner also builds the trainers' own
+#: schedules (``shape._peer_guard``): (samples, dp, pp, vpp, each micro-batch its own row).
+SMALL_STEPS = (
+    (64, 1, 2, 1, True),
+    (256, 4, 2, 1, True),
+    (256, 32, 2, 2, False),
+    (512, 16, 4, 2, True),
+    (1024, 8, 2, 1, True),
+    (1024, 8, 2, 1, False),
+)
+
+
+def small_steps(repeats: int = 3) -> List[Dict[str, Any]]:
+    """Planning CPU of long-tailed steps of 64-1,024 samples (cap 16k), not told the overhead
+    (the planner assumes 2% of a row and checks its plan against the trainers' own schedules)
+    and told it (2% of a row)."""
+    rows = []
+    for n, dp, pp, vpp, own_rows in SMALL_STEPS:
+        lengths = lognormal_lengths(n, median=1024, sigma=1.2, max_len=TOKEN_CAP, seed=3)
+        for told in (False, True):
+            cost = CostModel(
+                attention_weight=EVAL_COST.attention_weight,
+                microbatch_overhead=0.02 * TOKEN_CAP if told else None,
+            )
+            config = PlannerConfig(
+                max_tokens_per_gpu=TOKEN_CAP,
+                parallel=ParallelLayout(dp_size=dp, pp_size=pp, vpp_size=vpp),
+                cost=cost,
+                variable_row_lengths=own_rows,
+                row_multiple=128 if own_rows else 1,
+            )
+            times = []
+            for _ in range(repeats):
+                start = time.process_time()
+                plan = plan_schedule(lengths, config=config)
+                times.append(time.process_time() - start)
+            rows.append(
+                {
+                    "samples": n,
+                    "dp": dp,
+                    "pp": pp,
+                    "vpp": vpp,
+                    "own_rows": own_rows,
+                    "told": told,
+                    "cpu_s_min": min(times),
+                    "M": plan.steps[0].num_microbatches,
+                }
+            )
+    return rows
+
+
 def _format_row(row: Dict[str, Any]) -> str:
     name = row.get("workload", f"{row['samples']}/dp{row['dp']}")
     goal = row.get("goal_s")
@@ -188,7 +242,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the 16k/dp512 row only")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--repeats", type=int, default=5, help="runs per figure (min reported)")
+    parser.add_argument(
+        "--small", action="store_true", help="steps of 64-1,024 samples only, told and not"
+    )
     args = parser.parse_args(argv)
+    if args.small:
+        rows = small_steps(args.repeats)
+        if args.json:
+            print(json.dumps({"small_steps": rows}, allow_nan=False))
+            return 0
+        for row in rows:
+            print(
+                f"{row['samples']:>5} samples dp {row['dp']:>2} pp {row['pp']} vpp {row['vpp']} "
+                f"{'own rows' if row['own_rows'] else 'one row '} "
+                f"{'told    ' if row['told'] else 'not told'}: {row['cpu_s_min'] * 1e3:7.1f} ms "
+                f"(min of {args.repeats}), M {row['M']}"
+            )
+        return 0
     names = ["16k/dp512"] if args.quick else None
     table = speed_table(args.repeats, names)
     result: Dict[str, Any] = {"speed": table, "cap_memory_MB": cap_memory()}
