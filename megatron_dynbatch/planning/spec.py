@@ -89,7 +89,7 @@ DEFAULT_MIN_GAIN = 0.03
 #: the trainers' own schedules (:func:`.candidates.peer_schedules`: first fit as slime runs it,
 #: differencing as verl does) and is never more than :data:`PEER_TOLERANCE` slower than the best
 #: of them at any of them: on a tiny pipelined step the best micro-batch count moves with the
-#: overhead (3 samples on one rank at pp 2: a micro-batch a sample 29% faster than one with no
+#: overhead (3 samples on one rank at pp 2: two micro-batches 26% faster than one with no
 #: overhead, 4% slower at 5%), and a guess must not lose to the trainer's own plan. A told or
 #: calibrated overhead is trusted and not checked.
 ASSUMED_OVERHEAD_CHECKS = (0.0, 0.01, 0.02, 0.035, 0.05)
