@@ -23,6 +23,7 @@ their configs on the driver, before any worker or torch work.
 
 from __future__ import annotations
 
+import math
 import numbers
 import warnings
 from dataclasses import dataclass, field
@@ -228,6 +229,9 @@ VERL = Host(
         # One dict option holds megatron_dynbatch's settings (the critic's: critic.megatron...).
         "max_memory_gib": "actor_rollout_ref.actor.megatron.dynbatch.max_memory_gib",
         "planner": "actor_rollout_ref.actor.megatron.dynbatch.planner",
+        "cost_microbatch_overhead": (
+            "actor_rollout_ref.actor.megatron.dynbatch.cost_microbatch_overhead"
+        ),
     },
     planning="sharded",
     budget_counts="real",
@@ -323,6 +327,27 @@ def check_budget(budget: Any, key: str, switch: str) -> int:
             "micro-batch (e.g. 8192)."
         )
     return budget
+
+
+def check_overhead(value: Any, setting: str, example: str) -> Optional[float]:
+    """One micro-batch's fixed cost as a host sets it (``None``: not given, the planner assumes
+    one), as a ``float``, or a ``DynBatchValueError`` quoting ``setting`` (the host's key with the
+    value, as its users type it) and ``example`` (the same key with a value that works)."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise DynBatchValueError(
+            f"{setting} must be a finite number >= 0: the fixed cost of one micro-batch (kernel "
+            "launches, pipeline send/receive, Python) in tokens of one GPU's linear work, e.g. "
+            f"{example} (2% of a 16384-token row's linear work); drop it to let the planner "
+            "assume 2% of a full row."
+        )
+    return float(value)
 
 
 def host_config(

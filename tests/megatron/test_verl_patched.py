@@ -932,6 +932,11 @@ def test_config_refusals_happen_in_verls_own_config_parser(patched_verl):
             f"{dynbatch} has unknown key(s) ['max_memory_gb']",
         ),
     ]
+    overhead = f"{dynbatch}.cost_microbatch_overhead"
+    cases += [
+        (ON + [f"+{overhead}={v}"], f"{overhead}={r} must be a finite number >= 0")
+        for v, r in (("-1", "-1"), ("nan", "nan"), ("inf", "inf"), ("lots", "'lots'"))
+    ]
     results = _validate(patched_verl, [(o, any("critic" in x for x in o)) for o, _ in cases])
     for (overrides, match), result in zip(cases, results, strict=True):
         assert result["error"] and "DynBatchValueError" in result["error"], (overrides, result)
@@ -944,6 +949,8 @@ def test_config_refusals_happen_in_verls_own_config_parser(patched_verl):
     ok = [(ON, True), (FIXED + [f"{FLAG}=false"], False), (FIXED, False)]
     # An empty (null) section reads as absent; a registered planner is accepted.
     ok += [(ON + [f"{dynbatch}=null"], True), (ON + [f"+{dynbatch}.planner=dynbatch"], True)]
+    # A per-micro-batch overhead the planner is told (tokens of linear work).
+    ok += [(ON + [f"+{overhead}=330"], True), (ON + [f"+{overhead}=0"], True)]
     # (A critic that passes our checks goes on to verl's own HFModelConfig, which needs the real
     # transformers; the critic's refusals above come first, before verl builds it.)
     results = _validate(patched_verl, [(o, any("critic" in x for x in o)) for o, _ in ok])

@@ -246,3 +246,46 @@ def test_config_checks_refuse_in_one_line_naming_verls_keys():
     assert "\n" not in str(caught.value)
     with pytest.raises(DynBatchValueError, match="critic.megatron.use_dynamic_batch_size='on'"):
         check_role_config(_role("on"), role="critic")
+
+
+def test_a_told_overhead_reaches_the_planner_and_a_bad_one_is_refused_naming_verls_key():
+    """``megatron.dynbatch.cost_microbatch_overhead``: one micro-batch's fixed cost in tokens of
+    linear work. Told, the planner trusts it (no check against the trainers' schedules); unset,
+    it assumes 2% of a full micro-batch; anything but a finite number >= 0 is refused."""
+    from megatron_dynbatch.integrations.verl.config import dynbatch_settings
+
+    assumed = _config(4096, pp=2)
+    told = verl_planner_config(
+        4096,
+        pp_size=2,
+        vpp_size=1,
+        microbatch_group_size_per_vp_stage=None,
+        tp_size=1,
+        cp_size=1,
+        packed=True,
+        microbatch_overhead=330,
+    )
+    assert assumed.overhead_assumed and not told.overhead_assumed
+    assert told.cost.microbatch_overhead == 330.0
+    role = "actor_rollout_ref.actor"
+    section = {"megatron": {"dynbatch": {"cost_microbatch_overhead": 330}}}
+    assert dynbatch_settings(section, role) == {"cost_microbatch_overhead": 330}
+    for value in (-1, float("nan"), float("inf"), "lots", True):
+        section = {"megatron": {"dynbatch": {"cost_microbatch_overhead": value}}}
+        with pytest.raises(DynBatchValueError) as caught:
+            dynbatch_settings(section, role)
+        message = str(caught.value)
+        assert f"{role}.megatron.dynbatch.cost_microbatch_overhead={value!r}" in message
+        assert f"+{role}.megatron.dynbatch.cost_microbatch_overhead=330" in message
+        assert "\n" not in message
+        with pytest.raises(DynBatchValueError, match="cost_microbatch_overhead"):
+            verl_planner_config(
+                4096,
+                pp_size=2,
+                vpp_size=1,
+                microbatch_group_size_per_vp_stage=None,
+                tp_size=1,
+                cp_size=1,
+                packed=True,
+                microbatch_overhead=value,
+            )

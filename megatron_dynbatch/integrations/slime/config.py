@@ -31,14 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
-import numbers
 import warnings
 from typing import Any, Iterator, Optional
 
 from megatron_dynbatch.config import DynBatchConfig, config_from_mapping
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.integrations.hosts import SLIME, check_host_budget
+from megatron_dynbatch.integrations.hosts import SLIME, check_host_budget, check_overhead
 from megatron_dynbatch.planning import CostModel, OversizeSampleWarning
 from megatron_dynbatch.planning.spec import check_int
 
@@ -95,22 +93,8 @@ def microbatch_overhead(args: Any) -> Optional[float]:
     """``--dynamic-batch-cost-microbatch-overhead``: one micro-batch's fixed cost in tokens of one
     GPU's linear work, or ``None`` (not given, or a bare namespace without it: unknown)."""
     value = getattr(args, "dynamic_batch_cost_microbatch_overhead", None)
-    if value is None:
-        return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not math.isfinite(value)
-        or value < 0
-    ):
-        flag = SLIME.key("cost_microbatch_overhead")
-        raise DynBatchValueError(
-            f"{flag} {value!r} must be a finite number >= 0: the fixed cost of one micro-batch "
-            "(kernel launches, pipeline send/receive, Python) in tokens of one GPU's linear work, "
-            f"e.g. {flag} 330 (2% of a 16384-token row's linear work); drop it to let the planner "
-            "assume 2% of a full row."
-        )
-    return float(value)
+    flag = SLIME.key("cost_microbatch_overhead")
+    return check_overhead(value, f"{flag} {value!r}", f"{flag} 330")
 
 
 def routing_replay(args: Any) -> bool:

@@ -32,7 +32,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.integrations.hosts import check_budget
+from megatron_dynbatch.integrations.hosts import check_budget, check_overhead
 
 __all__ = [
     "BUDGET_KEYS",
@@ -180,15 +180,16 @@ def _get(node: Any, dotted: str, default: Any = None) -> Any:
 
 
 #: What ``megatron.dynbatch`` (verl's one dict option for megatron_dynbatch's settings) may hold.
-DYNBATCH_KEYS = ("max_memory_gib", "planner")
+DYNBATCH_KEYS = ("max_memory_gib", "planner", "cost_microbatch_overhead")
 
 
 def dynbatch_settings(section: Any, role: str) -> dict:
     """``{role}.megatron.dynbatch`` as a plain dict (``null`` or absent: empty, as if not set).
 
     Raises:
-        DynBatchValueError: a key it does not know (a typo would otherwise be ignored), or a
-            planner name nothing registers, naming verl's key.
+        DynBatchValueError: a key it does not know (a typo would otherwise be ignored), a
+            planner name nothing registers, or a per-micro-batch overhead that is not a finite
+            number >= 0, naming verl's key.
     """
     raw = _get(section, "megatron.dynbatch", None)
     if raw is None:
@@ -213,6 +214,9 @@ def dynbatch_settings(section: Any, role: str) -> dict:
             get_planner(planner)
         except ValueError as error:
             raise DynBatchValueError(f"{where}.planner: {error}") from None
+    overhead = items.get("cost_microbatch_overhead")
+    key = f"{where}.cost_microbatch_overhead"
+    check_overhead(overhead, f"{key}={overhead!r}", f"+{key}=330")
     return items
 
 

@@ -56,7 +56,13 @@ from dataclasses import replace
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.integrations.hosts import VERL, Host, host_config, plan_host_step
+from megatron_dynbatch.integrations.hosts import (
+    VERL,
+    Host,
+    check_overhead,
+    host_config,
+    plan_host_step,
+)
 from megatron_dynbatch.planning import ParallelLayout, PlannerConfig
 from megatron_dynbatch.planning.sharded import ShardedPlan
 
@@ -165,9 +171,12 @@ def verl_planner_config(
     packed: bool,
     host: Optional[Host] = None,
     planner: Optional[str] = None,
+    microbatch_overhead: Optional[float] = None,
 ) -> PlannerConfig:
     """The planner config of one rank's samples under verl's budget (``max_token_len_per_gpu``);
-    ``planner``: the planner ``megatron.dynbatch.planner`` names (default ours).
+    ``planner``: the planner ``megatron.dynbatch.planner`` names (default ours);
+    ``microbatch_overhead``: ``megatron.dynbatch.cost_microbatch_overhead``, one micro-batch's
+    fixed cost in tokens of linear work (``None``: assumed, 2% of a full micro-batch).
 
     Raises:
         DynBatchValueError: when the budget is not a positive integer, naming verl's keys.
@@ -182,6 +191,9 @@ def verl_planner_config(
         tp_size=tp_size,
         cp_size=cp_size,
     )
+    # Checked at config time too (config.dynbatch_settings); here for a config built otherwise.
+    key = "megatron.dynbatch.cost_microbatch_overhead"
+    overhead = check_overhead(microbatch_overhead, f"{key}={microbatch_overhead!r}", f"{key}=330")
     return host_config(
         host or VERL,
         {"max_token_len_per_gpu": budget},
@@ -189,6 +201,7 @@ def verl_planner_config(
         fixed={
             "layout": "packed" if packed else "padded",
             **({"planner": planner} if planner else {}),
+            **({"cost_microbatch_overhead": overhead} if overhead is not None else {}),
         },
     )
 
@@ -293,6 +306,7 @@ def prepare_micro_batches(
     what = "verl forward_backward_batch"
     with step_agreement(group, what=f"{what}: checking this rank's samples"):
         check_engine(engine, data, tu)
+        settings = getattr(engine.engine_config, "dynbatch", None) or {}
         config = verl_planner_config(
             data["max_token_len_per_gpu"],
             pp_size=mpu.get_pipeline_model_parallel_world_size(),
@@ -304,8 +318,10 @@ def prepare_micro_batches(
             cp_size=engine.engine_config.context_parallel_size,
             packed=bool(engine.engine_config.use_remove_padding),
             host=host,
-            # verl's one dict option (megatron.dynbatch): the planner registered by this name.
-            planner=(getattr(engine.engine_config, "dynbatch", None) or {}).get("planner"),
+            # verl's one dict option (megatron.dynbatch): the planner registered by this name,
+            # and the per-micro-batch overhead where the user tells it.
+            planner=settings.get("planner"),
+            microbatch_overhead=settings.get("cost_microbatch_overhead"),
         )
         real = _lengths(data)
         lengths = real
