@@ -21,7 +21,7 @@ from megatron_dynbatch.planning.sharded import plan_sharded_step
 pytestmark = pytest.mark.unit
 
 
-def _config(budget=64, *, pp=1, vpp=1, group=None, tp=1, cp=1, packed=True):
+def _config(budget=64, *, pp=1, vpp=1, group=None, tp=1, cp=1, packed=True, overhead=None):
     return verl_planner_config(
         budget,
         pp_size=pp,
@@ -30,6 +30,7 @@ def _config(budget=64, *, pp=1, vpp=1, group=None, tp=1, cp=1, packed=True):
         tp_size=tp,
         cp_size=cp,
         packed=packed,
+        microbatch_overhead=overhead,
     )
 
 
@@ -255,16 +256,7 @@ def test_a_told_overhead_reaches_the_planner_and_a_bad_one_is_refused_naming_ver
     from megatron_dynbatch.integrations.verl.config import dynbatch_settings
 
     assumed = _config(4096, pp=2)
-    told = verl_planner_config(
-        4096,
-        pp_size=2,
-        vpp_size=1,
-        microbatch_group_size_per_vp_stage=None,
-        tp_size=1,
-        cp_size=1,
-        packed=True,
-        microbatch_overhead=330,
-    )
+    told = _config(4096, pp=2, overhead=330)
     assert assumed.overhead_assumed and not told.overhead_assumed
     assert told.cost.microbatch_overhead == 330.0
     role = "actor_rollout_ref.actor"
@@ -279,13 +271,4 @@ def test_a_told_overhead_reaches_the_planner_and_a_bad_one_is_refused_naming_ver
         assert f"+{role}.megatron.dynbatch.cost_microbatch_overhead=330" in message
         assert "\n" not in message
         with pytest.raises(DynBatchValueError, match="cost_microbatch_overhead"):
-            verl_planner_config(
-                4096,
-                pp_size=2,
-                vpp_size=1,
-                microbatch_group_size_per_vp_stage=None,
-                tp_size=1,
-                cp_size=1,
-                packed=True,
-                microbatch_overhead=value,
-            )
+            _config(4096, pp=2, overhead=value)
