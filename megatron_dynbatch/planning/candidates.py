@@ -21,7 +21,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 from .balance import deal_with_room
 from .karmarkar_karp import karmarkar_karp
 from .packing import feasible_pack
-from .spec import ceil_div
+from .spec import ceil_div, round_up
 
 __all__ = [
     "SMALL_STEP_PER_RANK",
@@ -564,8 +564,10 @@ def peer_schedules(
     schedules: List[Tuple[str, List[List[List[int]]], int]] = []
     if not items:
         return schedules
-    count = ceil_div(natural_count(items, sizes, cap, dp_size), multiple) * multiple
-    bins = first_fit_bins(items, sizes, cap, dp_size * count)
+    # natural_count's first fit, run once: its bins are split to the count.
+    fitted = first_fit(items, sizes, cap)
+    count = round_up(max(1, ceil_div(len(fitted), dp_size)), multiple)
+    bins = _to_count(fitted, sizes, dp_size * count)
     if bins is not None:
         strided = [[bins[b] for b in range(r, len(bins), dp_size)] for r in range(dp_size)]
         schedules.append(("first-fit", strided, count))
@@ -573,7 +575,7 @@ def peer_schedules(
         parts = karmarkar_karp([weights[i] for i in items], dp_size, True, ties="index")
         split = [[items[j] for j in part] for part in parts]
         count = max(min(len(part), ceil_div(sum(sizes[i] for i in part), cap)) for part in split)
-        count = ceil_div(count, multiple) * multiple
+        count = round_up(count, multiple)
         while count <= min(map(len, split)):
             ranks = _differenced_ranks(split, sizes, weights, cap, count)
             if ranks is not None:

@@ -393,6 +393,23 @@ def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
     return chosen, min(chosen.per_rank, *(s.min_per_rank for s in searches))
 
 
+def _arrival_search(searches: List["_Search"]) -> Optional["_PackedSearch"]:
+    """The one-row packed search, where the step's samples keep their arrival order and none is
+    over the cap: what :mod:`.candidates`' constructions (and the trainers' schedules) start
+    from; ``None`` otherwise."""
+    search = next((s for s in searches if s.rows == 1), None)
+    if not isinstance(search, _PackedSearch) or search.oversize or not search.arrival:
+        return None
+    return search
+
+
+def _own_weights(problem: StepProblem, search: "_PackedSearch") -> Dict[int, float]:
+    """Every sample's own cost in a micro-batch (its linear work and its own attention), by
+    sample: what the constructions balance."""
+    sizes, weight = problem.sizes, search.model.token_weight
+    return {i: weight * sizes[i] + problem.sample_costs[i] for i in search.arrival}
+
+
 def _peer_guard(
     problem: StepProblem,
     searches: List["_Search"],
@@ -422,32 +439,32 @@ def _peer_guard(
     samples costs tens of milliseconds, and the fewest bet on no small overhead).
     """
     checks = problem.overhead_checks
-    search = next((s for s in searches if s.rows == 1), None)
+    search = _arrival_search(searches)
     many = len(problem.items) > _MORE_COUNTS_LIMIT
     if (
-        not isinstance(search, _PackedSearch)
-        or search.oversize
-        or not search.arrival
+        search is None
         or len(problem.items) > _RAMP_LIMIT
         or (many and (not checks or chosen.per_rank <= search.min_per_rank))
     ):
         return chosen
     sizes, cap, dp, multiple = problem.sizes, search.cap, search.dp, search.microbatch_multiple
-    model = search.model
-    weights = {i: model.token_weight * sizes[i] + problem.sample_costs[i] for i in search.arrival}
+    weights = _own_weights(problem, search)
     peers = peer_schedules(search.arrival, sizes, weights, cap, dp, multiple)
     if not peers:
         return chosen
     theirs = [search.as_given(ranks, m) for _name, ranks, m in peers]
+    # Reordered and balanced by the search (built once: candidates here, the pool below).
+    rescored: List[List[StepShape]] = []
     if not many:
-        for (_name, ranks, m), own in zip(peers, theirs, strict=True):
-            for other in (own, *search.score_ranks(ranks, m, True)):
+        rescored = [search.score_ranks(ranks, m, True) for _name, ranks, m in peers]
+        for own, shapes in zip(theirs, rescored, strict=True):
+            for other in (own, *shapes):
                 gain = problem.min_gain if other.per_rank > chosen.per_rank else 0.0
                 if other.step_time < chosen.step_time * (1.0 - max(gain, _TIE)):
                     chosen = other
     if not checks:
         return chosen
-    base = model.overhead
+    base = search.model.overhead
 
     def times(shape: StepShape) -> List[float]:
         return [
@@ -462,9 +479,9 @@ def _peer_guard(
 
     if worst_ratio(chosen) <= 1.0 + PEER_TOLERANCE:
         return chosen
-    pool = [chosen, *scored.values(), *theirs]
-    for _name, ranks, m in peers:
-        pool += search.score_ranks(ranks, m, True)
+    if not rescored:
+        rescored = [search.score_ranks(ranks, m, True) for _name, ranks, m in peers]
+    pool = [chosen, *scored.values(), *theirs, *(shape for shapes in rescored for shape in shapes)]
     if is_small_step(len(problem.items), dp):
         counts = {chosen.per_rank, *(m for _name, _ranks, m in peers)}
         if len(problem.items) <= TINY_STEP_SAMPLES:
@@ -554,16 +571,11 @@ def _more_candidates(
     too, where it has one); the fastest is kept only when it beats ``chosen``, so the step is
     never predicted slower than without them.
     """
-    search = next((s for s in searches if s.rows == 1), None)
-    if (
-        not isinstance(search, _PackedSearch)
-        or search.oversize
-        or not search.arrival
-        or not is_small_step(len(problem.items), search.dp)
-    ):
+    search = _arrival_search(searches)
+    if search is None or not is_small_step(len(problem.items), search.dp):
         return chosen
-    sizes, model = problem.sizes, search.model
-    weights = {i: model.token_weight * sizes[i] + problem.sample_costs[i] for i in search.arrival}
+    sizes = problem.sizes
+    weights = _own_weights(problem, search)
     multiple = search.microbatch_multiple
     # One more micro-batch a rank gives the split more freedom where its overhead is small.
     counts = {chosen.per_rank}
