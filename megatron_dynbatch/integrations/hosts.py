@@ -204,6 +204,8 @@ SKYRL = Host(
         # Added by patches/skyrl/0001 beside the switch; checked in validate_cfg.
         "planner": "trainer.dynamic_batch_planner",
         "max_memory_gib": "trainer.max_memory_gib",
+        # One micro-batch's fixed cost (patch 0001; read by integrations/skyrl/worker.py).
+        "cost_microbatch_overhead": "trainer.dynamic_batch_cost_microbatch_overhead",
     },
     planning="sharded",
     budget_counts="real",

@@ -1002,15 +1002,23 @@ BAD_MEMORY_CASES = tuple(
     (MEGATRON_ON + ["trainer.dynamic_batch_planner=fixed"], "plans padded rows only"),
     (MEGATRON_ON + ["trainer.dynamic_batch_planner=dynbatch"], None),
 )
+#: One micro-batch's fixed cost: refused unless a finite number >= 0 (SkyRL's CLI reads ``nan``
+#: as a string), accepted as told.
+OVERHEAD = "trainer.dynamic_batch_cost_microbatch_overhead"
+OVERHEAD_CASES = tuple(
+    (MEGATRON_ON + [f"{OVERHEAD}={v}"], f"{OVERHEAD}={shown} must be a finite number >= 0")
+    for v, shown in (("-1", "-1"), ("nan", "'nan'"), ("lots", "'lots'"), ("true", "True"))
+) + ((MEGATRON_ON + [f"{OVERHEAD}=330"], None), (MEGATRON_ON + [f"{OVERHEAD}=0"], None))
 
 
 @needs_skyrl
 def test_validate_cfg_refuses_use_dynamic_batch_size_where_it_does_nothing(patched_skyrl):
     """SkyRL's own ``SkyRLTrainConfig.from_cli_overrides`` and ``validate_cfg`` (patch 0001) on
     the overrides a user typed: the flag with strategy=fsdp, without max_tokens_per_microbatch,
-    spelled yes_please, with a budget that is no whole number > 0 or a memory budget that is no
-    number of GiB is refused in one line naming SkyRL's key; the flag off or set right passes."""
-    cases = CONFIG_CASES + BAD_BUDGET_CASES + BAD_MEMORY_CASES
+    spelled yes_please, with a budget that is no whole number > 0, a memory budget that is no
+    number of GiB or a per-micro-batch overhead that is no finite number >= 0 is refused in one
+    line naming SkyRL's key; the flag off or set right passes."""
+    cases = CONFIG_CASES + BAD_BUDGET_CASES + BAD_MEMORY_CASES + OVERHEAD_CASES
     results = _validate_cfg(patched_skyrl, [c for c, _ in cases])
     for (overrides, expected), got in zip(cases, results, strict=True):
         if expected is None:

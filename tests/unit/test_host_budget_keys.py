@@ -6,6 +6,7 @@ test_skyrl_patched.py."""
 
 import json
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -145,6 +146,7 @@ def _skyrl(**over):
         max_tokens_per_microbatch=8192,
         max_memory_gib=None,
         dynamic_batch_planner=None,
+        dynamic_batch_cost_microbatch_overhead=None,
         policy=SimpleNamespace(model=SimpleNamespace(path=None), megatron_config=None),
         critic=SimpleNamespace(model=SimpleNamespace(path=None), megatron_config=None),
         placement=None,
@@ -168,3 +170,23 @@ def test_skyrl_planner_and_memory_keys():
         validate_trainer_config(_skyrl(max_memory_gib=-1))
     # The flag off: nothing else is read (SkyRL's own checks decide).
     validate_trainer_config(_skyrl(use_dynamic_batch_size=False, max_tokens_per_microbatch="8k"))
+
+
+@pytest.mark.parametrize("value", [-1, math.nan, math.inf, "lots", True])
+def test_skyrl_refuses_a_bad_overhead_at_config_time_naming_its_key(value):
+    """``trainer.dynamic_batch_cost_microbatch_overhead`` (patch 0001) is checked in
+    ``validate_cfg``, before any worker: anything but a finite number >= 0 is refused, with a
+    value that works."""
+    key = "trainer.dynamic_batch_cost_microbatch_overhead"
+    with pytest.raises(DynBatchValueError, match=re.escape(f"{key}={value!r} must be")) as caught:
+        validate_trainer_config(_skyrl(dynamic_batch_cost_microbatch_overhead=value))
+    assert f"e.g. {key}=330 " in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_skyrl_accepts_a_told_overhead_or_none():
+    for value in (None, 0, 330, 12.5):
+        validate_trainer_config(_skyrl(dynamic_batch_cost_microbatch_overhead=value))
+    # An older config without the key reads as not told.
+    trainer = _skyrl()
+    del trainer.dynamic_batch_cost_microbatch_overhead
+    validate_trainer_config(trainer)

@@ -298,3 +298,71 @@ def test_placeholders_keep_the_pre_scaled_token_mean_exact():
     assert any(b.metadata.get("is_padding_batch") for b in batches)
     _skyrl_token_mean_loss(planned_weight, data, batches).backward()
     torch.testing.assert_close(planned_weight.grad, reference_weight.grad, rtol=0, atol=1e-6)
+
+
+OVERHEAD_KEY = "trainer.dynamic_batch_cost_microbatch_overhead"
+
+
+@pytest.fixture
+def planned_configs(monkeypatch):
+    """Every ``PlannerConfig`` SkyRL's planning hands the planner, in call order."""
+    import megatron_dynbatch.integrations.skyrl.plan as plan_module
+
+    configs = []
+    plan_host_step = plan_module.plan_host_step
+
+    def spy(host, lengths, config, **options):
+        configs.append(config)
+        return plan_host_step(host, lengths, config, **options)
+
+    monkeypatch.setattr(plan_module, "plan_host_step", spy)
+    return configs
+
+
+def test_a_told_overhead_reaches_the_planner_and_a_bad_one_is_refused_naming_skyrls_key(
+    planned_configs,
+):
+    """``trainer.dynamic_batch_cost_microbatch_overhead``: one micro-batch's fixed cost in tokens
+    of linear work. Told, the planner trusts it (no guard against the trainers' schedules); unset,
+    it assumes 2% of a full micro-batch; anything but a finite number >= 0 is refused, naming
+    SkyRL's key and a value that works."""
+    import math
+    import re
+
+    lengths = [[5, 9, 3, 7], [8, 2]]
+    plan_skyrl_minibatch(lengths, 16, pp_size=2)
+    plan_skyrl_minibatch(lengths, 16, pp_size=2, microbatch_overhead=330)
+    plan_skyrl_minibatch(lengths, 16, pp_size=2, microbatch_overhead=0)
+    assumed, told, zero = planned_configs
+    assert assumed.overhead_assumed is True
+    assert told.overhead_assumed is False and told.cost.microbatch_overhead == 330.0
+    assert zero.overhead_assumed is False and zero.cost.microbatch_overhead == 0.0
+    for value in (-1, math.nan, math.inf, "lots", True):
+        with pytest.raises(DynBatchValueError, match=re.escape(f"{OVERHEAD_KEY}={value!r} ")) as e:
+            plan_skyrl_minibatch(lengths, 16, pp_size=2, microbatch_overhead=value)
+        assert f"e.g. {OVERHEAD_KEY}=330 " in str(e.value) and "\n" not in str(e.value)
+    assert len(planned_configs) == 3, "a refused overhead is never planned with"
+
+
+def test_the_worker_reads_the_overhead_beside_the_planner(planned_configs, monkeypatch):
+    """The patched worker's one entry (training and log-prob passes alike) reads the key from
+    SkyRL's trainer config and plans with it; absent (an older config), the planner assumes it."""
+    from types import SimpleNamespace
+
+    from megatron_dynbatch.cpu.core_shim import register_triton_stand_in
+    from megatron_dynbatch.integrations.skyrl.worker import microbatch_iterator
+
+    register_triton_stand_in()  # megatron.core's parallel_state, read by the worker
+    import megatron.core.parallel_state as mpu
+
+    for name, size in (("pipeline_model", 2), ("tensor_model", 1), ("context", 1)):
+        monkeypatch.setattr(mpu, f"get_{name}_parallel_world_size", lambda size=size: size)
+    monkeypatch.setattr(mpu, "get_data_parallel_group", lambda **_: None)
+    cfg = SimpleNamespace(max_tokens_per_microbatch=10, dynamic_batch_planner=None)
+    worker = SimpleNamespace(cfg=cfg, actor_module=[None])
+    microbatch_iterator(worker, _batch([5, 5, 5, 5]), what="log-probs")
+    cfg.dynamic_batch_cost_microbatch_overhead = 330
+    microbatch_iterator(worker, _batch([5, 5, 5, 5]), what="training")
+    absent, told = planned_configs
+    assert absent.overhead_assumed is True
+    assert told.overhead_assumed is False and told.cost.microbatch_overhead == 330.0

@@ -265,7 +265,7 @@ def planned_microbatch_iterator(
 
     Every rank of ``dp_group`` must call it for the same mini-batch (SkyRL's workers all run
     ``forward_backward`` / ``_forward_logprobs`` together). Only lengths cross ranks.
-    ``plan_options``: the parallel sizes and the planner, as
+    ``plan_options``: the parallel sizes, the planner and the per-micro-batch overhead, as
     :func:`~megatron_dynbatch.integrations.skyrl.plan.plan_skyrl_minibatch` takes them.
 
     Raises:

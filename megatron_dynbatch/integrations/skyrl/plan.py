@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
-from megatron_dynbatch.integrations.hosts import SKYRL, host_config, plan_host_step
+from megatron_dynbatch.integrations.hosts import SKYRL, check_overhead, host_config, plan_host_step
 from megatron_dynbatch.planning import ParallelLayout, round_up
 from megatron_dynbatch.planning.sharded import ShardedPlan
 
@@ -45,6 +45,7 @@ def plan_skyrl_minibatch(
     tp_size: int = 1,
     cp_size: int = 1,
     planner: Optional[str] = None,
+    microbatch_overhead: Optional[float] = None,
 ) -> SkyrlPlan:
     """Plan one mini-batch whose samples are already sharded over the DP ranks.
 
@@ -61,12 +62,16 @@ def plan_skyrl_minibatch(
         planner: ``trainer.dynamic_batch_planner``: the planner registered by this name plans
             each rank's samples (:func:`~megatron_dynbatch.planning.registry.run_planner`);
             ``None``: ours.
+        microbatch_overhead: ``trainer.dynamic_batch_cost_microbatch_overhead``: one
+            micro-batch's fixed cost in tokens of one GPU's linear work; ``None``: assumed (2% of
+            a full micro-batch, plans kept within 0.5% of the trainers' own schedules).
 
     Returns:
         The :class:`SkyrlPlan`, identical on every rank given the same lengths.
 
     Raises:
-        DynBatchValueError: on a non-positive budget or length, naming them and SkyRL's keys.
+        DynBatchValueError: on a non-positive budget or length, or an overhead that is not a
+            finite number >= 0, naming them and SkyRL's keys.
     """
     parallel = ParallelLayout(
         dp_size=1,
@@ -76,6 +81,9 @@ def plan_skyrl_minibatch(
         tp_size=tp_size,
         cp_size=cp_size,
     )
+    # Checked at config time too (validate.py, from validate_cfg); here for a call made otherwise.
+    key = SKYRL.key("cost_microbatch_overhead")
+    overhead = check_overhead(microbatch_overhead, f"{key}={microbatch_overhead!r}", f"{key}=330")
     with SKYRL.flags():
         config = host_config(
             SKYRL,
@@ -84,6 +92,7 @@ def plan_skyrl_minibatch(
                 "dynamic_batch_planner": planner,
             },
             parallel,
+            fixed={"cost_microbatch_overhead": overhead} if overhead is not None else None,
         )
     multiple = parallel.sample_multiple
     return plan_host_step(

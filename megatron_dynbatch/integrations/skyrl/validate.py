@@ -14,6 +14,10 @@ context-parallel size) must fit every pipeline stage, else it is refused naming 
 smallest budget that works and the largest token budget that fits
 (:mod:`megatron_dynbatch.integrations.host_memory`).
 
+``trainer.dynamic_batch_cost_microbatch_overhead`` (patch 0001, beside the planner): one
+micro-batch's fixed cost in tokens of one GPU's linear work, refused here unless a finite number
+>= 0 (the worker reads it at every step; a bad value would otherwise fail only there).
+
 Standard library only: SkyRL's config validation runs on the driver, before any worker.
 """
 
@@ -22,13 +26,14 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.integrations.hosts import SKYRL, check_host_budget
+from megatron_dynbatch.integrations.hosts import SKYRL, check_host_budget, check_overhead
 
 __all__ = ["validate_trainer_config"]
 
 SWITCH = "trainer.use_dynamic_batch_size"
 BUDGET = SKYRL.key("max_tokens_per_gpu")
 MEMORY = "trainer.max_memory_gib"
+OVERHEAD = SKYRL.key("cost_microbatch_overhead")
 
 
 def _check_planner(name: Any) -> None:
@@ -102,14 +107,16 @@ def validate_trainer_config(trainer: Any) -> None:
 
     Args:
         trainer: SkyRL's ``TrainerConfig`` (``cfg.trainer``). Read: ``use_dynamic_batch_size``,
-            ``strategy``, ``max_tokens_per_microbatch``, ``max_memory_gib``, and for the memory
+            ``strategy``, ``max_tokens_per_microbatch``, ``dynamic_batch_planner``,
+            ``dynamic_batch_cost_microbatch_overhead``, ``max_memory_gib``, and for the memory
             budget the policy's and critic's ``model.path`` and ``megatron_config`` and the
             placement's GPU counts.
 
     Raises:
         DynBatchValueError: the flag is not a boolean; it is on with a strategy other than
             ``megatron``; it is on without ``max_tokens_per_microbatch`` a whole number > 0; the
-            memory budget is not a number of GiB > 0, or too small for one micro-batch.
+            planner is not registered; the per-micro-batch overhead is not a finite number >= 0;
+            the memory budget is not a number of GiB > 0, or too small for one micro-batch.
     """
     flag = trainer.use_dynamic_batch_size
     if not isinstance(flag, bool):
@@ -124,4 +131,6 @@ def validate_trainer_config(trainer: Any) -> None:
         )
     budget = check_host_budget(SKYRL, trainer.max_tokens_per_microbatch)
     _check_planner(getattr(trainer, "dynamic_batch_planner", None))
+    overhead = getattr(trainer, "dynamic_batch_cost_microbatch_overhead", None)
+    check_overhead(overhead, f"{OVERHEAD}={overhead!r}", f"{OVERHEAD}=330")
     _check_memory(trainer, budget)

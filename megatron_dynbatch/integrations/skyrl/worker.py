@@ -32,7 +32,8 @@ def microbatch_iterator(
 ) -> PlannedBatchIterator:
     """This DP rank's planned micro-batches of ``data`` (its shard of the mini-batch).
 
-    Reads the budget from ``worker.cfg.max_tokens_per_microbatch`` and the layout from Megatron's
+    Reads the budget from ``worker.cfg.max_tokens_per_microbatch`` (the planner and the
+    per-micro-batch overhead from the keys beside it) and the layout from Megatron's
     ``parallel_state``; the number of model chunks (``len(worker.actor_module)``) is the virtual
     pipeline size. Every DP rank of the worker group must call it for the same mini-batch.
 
@@ -60,5 +61,8 @@ def _planned(worker: Any, data: Any, vpp: int, what: str) -> PlannedBatchIterato
         cp_size=mpu.get_context_parallel_world_size(),
         # trainer.dynamic_batch_planner: the planner registered by this name (default ours).
         planner=getattr(worker.cfg, "dynamic_batch_planner", None),
+        # trainer.dynamic_batch_cost_microbatch_overhead: one micro-batch's fixed cost in tokens of
+        # linear work, where the user tells it (None: the planner assumes one).
+        microbatch_overhead=getattr(worker.cfg, "dynamic_batch_cost_microbatch_overhead", None),
         what=what,
     )
