@@ -264,6 +264,8 @@ NEMO_RL = Host(
         "max_tokens_per_gpu": "policy.sequence_packing.train_mb_tokens",
         "log_probs_max_tokens_per_gpu": "policy.sequence_packing.logprob_mb_tokens",
         "planner": "policy.megatron_cfg.dynbatch.planner",
+        # Beside the planner; read by integrations/nemo_rl/plan.py (nemo_rl_planner_config).
+        "cost_microbatch_overhead": "policy.megatron_cfg.dynbatch.cost_microbatch_overhead",
     },
     planning="global",
     # The budget caps the whole packed row of samples padded to

@@ -669,6 +669,14 @@ BAD_CONFIGS = {
         {"max_memory_gib": 0.001},
         "policy.megatron_cfg.dynbatch.max_memory_gib=0.001 is too small",
     ),
+    "overhead-negative": (
+        {"cost_microbatch_overhead": -1},
+        "policy.megatron_cfg.dynbatch.cost_microbatch_overhead=-1 must be a finite number >= 0",
+    ),
+    "overhead-text": (
+        {"cost_microbatch_overhead": "lots"},
+        "policy.megatron_cfg.dynbatch.cost_microbatch_overhead='lots' must be a finite number",
+    ),
 }
 
 
@@ -817,7 +825,8 @@ def test_switch_off_refuses_as_stock_where_nemo_rl_raises(patched_nemo_rl, secti
 
 def _spy_body(root):
     """A planner registered by name and set as ``policy.megatron_cfg.dynbatch.planner``: NeMo-RL's
-    planning calls it (training and log-prob shards)."""
+    planning calls it (training and log-prob shards), with the per-micro-batch overhead set beside
+    it (``cost_microbatch_overhead``) in its cost model."""
     from megatron_dynbatch.planning import register_planner
     from megatron_dynbatch.planning.planner import plan_samples
 
@@ -825,12 +834,13 @@ def _spy_body(root):
     calls = []
 
     def spy(samples, config):
-        calls.append((len(samples), config.planner))
+        calls.append((len(samples), config.planner, config.cost.microbatch_overhead))
         return plan_samples(samples, config)
 
     register_planner("hostcfg-spy", spy, replace=True)
     cfg = _policy_cfg(2, 1, budget=48, logprob_budget=96)
     cfg["megatron_cfg"]["dynbatch"]["planner"] = "hostcfg-spy"
+    cfg["megatron_cfg"]["dynbatch"]["cost_microbatch_overhead"] = 330
     policy = _policy(cfg, 2)
     data = _batch(_samples(12, long_every=3))
     policy._shard_for_train(data, 6)
@@ -841,8 +851,10 @@ def _spy_body(root):
 @needs_nemo_rl
 def test_the_planner_key_names_the_planner_nemo_rl_plans_with(patched_nemo_rl):
     [calls] = run_on_ranks(1, _spy_body, patched_nemo_rl, layout=Layout(), timeout_s=BODY_TIMEOUT_S)
-    # Two global batches of 6 for training, then the whole batch for log-probs.
-    assert calls == [(6, "hostcfg-spy"), (6, "hostcfg-spy"), (12, "hostcfg-spy")], calls
+    # Two global batches of 6 for training, then the whole batch for log-probs; each told the
+    # overhead the config gives.
+    spy = ("hostcfg-spy", 330.0)
+    assert calls == [(6, *spy), (6, *spy), (12, *spy)], calls
 
 
 # -- NeMo-RL's own CPU tests on the patched tree ------------------------------------------------

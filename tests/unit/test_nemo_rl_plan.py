@@ -198,3 +198,36 @@ def test_the_record_reads_the_planner_beside_the_switch_and_names_it_in_errors()
         dynbatch_enabled(cfg)
     cfg["megatron_cfg"]["dynbatch"]["planner"] = "fixed"
     assert dynbatch_enabled(cfg)
+
+
+def test_a_told_overhead_reaches_the_planner_and_a_bad_one_is_refused_at_start_up():
+    """``policy.megatron_cfg.dynbatch.cost_microbatch_overhead``: one micro-batch's fixed cost in
+    tokens of linear work. Told, the planner trusts it (training and log-prob passes); unset, it
+    assumes 2% of a full micro-batch; anything but a finite number >= 0 is refused where the
+    patched Policy checks its config, naming NeMo-RL's key and a value that works."""
+    import math
+    import re
+
+    key = "policy.megatron_cfg.dynbatch.cost_microbatch_overhead"
+    assumed = nemo_rl_planner_config(_cfg(), dp_size=2, forward_only=False)
+    assert assumed.overhead_assumed is True
+    cfg = _cfg()
+    cfg["megatron_cfg"]["dynbatch"]["cost_microbatch_overhead"] = None  # YAML `null`: not told
+    assert dynbatch_enabled(cfg)
+    assert nemo_rl_planner_config(cfg, dp_size=2, forward_only=False).overhead_assumed is True
+    for value in (330, 0):
+        cfg["megatron_cfg"]["dynbatch"]["cost_microbatch_overhead"] = value
+        assert dynbatch_enabled(cfg)
+        for forward_only in (False, True):
+            told = nemo_rl_planner_config(cfg, dp_size=2, forward_only=forward_only)
+            assert told.overhead_assumed is False
+            assert told.cost.microbatch_overhead == float(value)
+    for value in (-1, math.nan, math.inf, "lots", True):
+        cfg["megatron_cfg"]["dynbatch"]["cost_microbatch_overhead"] = value
+        for check in (
+            lambda: dynbatch_enabled(cfg),
+            lambda: nemo_rl_planner_config(cfg, dp_size=2, forward_only=False),
+        ):
+            with pytest.raises(DynBatchValueError, match=re.escape(f"{key}={value!r} must")) as e:
+                check()
+            assert f"e.g. {key}=330 " in str(e.value) and "\n" not in str(e.value)

@@ -33,7 +33,12 @@ from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.integrations.hosts import NEMO_RL, check_host_budget, host_config
+from megatron_dynbatch.integrations.hosts import (
+    NEMO_RL,
+    check_host_budget,
+    check_overhead,
+    host_config,
+)
 from megatron_dynbatch.planning import (
     ParallelLayout,
     PlannerConfig,
@@ -55,8 +60,16 @@ __all__ = [
 
 _SWITCH = "policy.megatron_cfg.dynbatch.enabled"
 #: The keys of ``policy.megatron_cfg.dynbatch`` (a typo is refused, not ignored).
-SECTION_KEYS = ("enabled", "planner", "max_memory_gib")
+SECTION_KEYS = ("enabled", "planner", "max_memory_gib", "cost_microbatch_overhead")
 _PLANNER = NEMO_RL.keys["planner"]
+_OVERHEAD = NEMO_RL.keys["cost_microbatch_overhead"]
+
+
+def _overhead(section: Mapping[str, Any]) -> Optional[float]:
+    """``policy.megatron_cfg.dynbatch.cost_microbatch_overhead``: one micro-batch's fixed cost in
+    tokens of one GPU's linear work, or ``None`` (not given: the planner assumes one)."""
+    value = section.get("cost_microbatch_overhead")
+    return check_overhead(value, f"{_OVERHEAD}={value!r}", f"{_OVERHEAD}=330")
 
 
 def dynbatch_enabled(policy_cfg: Mapping[str, Any]) -> bool:
@@ -66,7 +79,8 @@ def dynbatch_enabled(policy_cfg: Mapping[str, Any]) -> bool:
         DynBatchValueError: the switch is not a boolean; it is on without the Megatron backend, or
             without ``policy.sequence_packing.enabled`` (the runtime that runs our micro-batches),
             or together with ``policy.dynamic_batching.enabled`` (ours replaces it), or with a
-            ``planner`` no planner is registered as.
+            ``planner`` no planner is registered as, or a ``cost_microbatch_overhead`` that is
+            not a finite number >= 0.
     """
     megatron_cfg = policy_cfg.get("megatron_cfg") or {}
     section = megatron_cfg.get("dynbatch") or {}  # `dynbatch:` with nothing under it: absent
@@ -99,6 +113,7 @@ def dynbatch_enabled(policy_cfg: Mapping[str, Any]) -> bool:
             get_planner(planner)
         except DynBatchValueError as error:
             raise DynBatchValueError(f"{_PLANNER}={planner!r}: {error}") from None
+    _overhead(section)  # at start-up too, not at the first train call
     if not megatron_cfg.get("enabled", False):
         raise DynBatchValueError(
             f"{_SWITCH}=true plans the Megatron policy's micro-batches, but "
@@ -148,14 +163,17 @@ def nemo_rl_planner_config(
     The parallel layout is read from ``policy.megatron_cfg``: pipeline size, virtual pipeline
     size and Megatron's interleaving group. Samples are planned at the length NeMo-RL pads them to
     (:func:`padded_lengths`), so tensor and context parallelism add nothing here. ``memory``:
-    ``policy.megatron_cfg.dynbatch.max_memory_gib`` as a limit (:mod:`.memory`), or ``None``.
+    ``policy.megatron_cfg.dynbatch.max_memory_gib`` as a limit (:mod:`.memory`), or ``None``;
+    ``policy.megatron_cfg.dynbatch.cost_microbatch_overhead``, where given, is the cost model's
+    per-micro-batch overhead (else assumed: 2% of a full micro-batch).
     """
     packing = policy_cfg.get("sequence_packing") or {}
     megatron_cfg = policy_cfg.get("megatron_cfg") or {}
+    section = megatron_cfg.get("dynbatch") or {}
     values = {
         "train_mb_tokens": packing.get("train_mb_tokens"),
         "logprob_mb_tokens": packing.get("logprob_mb_tokens"),
-        "planner": (megatron_cfg.get("dynbatch") or {}).get("planner"),
+        "planner": section.get("planner"),
     }
     if forward_only and values["logprob_mb_tokens"] is None:
         raise DynBatchValueError(
@@ -164,8 +182,16 @@ def nemo_rl_planner_config(
         )
     if forward_only:
         check_host_budget(NEMO_RL, values["logprob_mb_tokens"], forward_only=True)
+    overhead = _overhead(section)
     layout = nemo_rl_layout(policy_cfg, dp_size)
-    return host_config(NEMO_RL, values, layout, forward_only=forward_only, memory=memory)
+    return host_config(
+        NEMO_RL,
+        values,
+        layout,
+        forward_only=forward_only,
+        memory=memory,
+        fixed={"cost_microbatch_overhead": overhead} if overhead is not None else None,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
