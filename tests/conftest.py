@@ -10,6 +10,10 @@
   here, in one place, with the reason.
 * No test writes into the repository: files go to pytest's ``tmp_path`` or to the temporary
   directories below (the README commands run in a scratch working directory).
+* Under pytest-xdist (``scripts/test.sh``: ``-n 2 --dist loadfile``, a module to one worker) the
+  modules that launch processes are handed out first and the unit modules last
+  (:func:`_heaviest_first`): the many short unit modules fill the cores while launches start up,
+  and the two workers finish together instead of one waiting on a launch it picked up last.
 """
 
 import os
@@ -35,7 +39,8 @@ CHECKOUTS = {
 
 
 def pytest_collection_modifyitems(config, items):
-    """Refuse tests without a kind marker; skip a trainer's tests when its checkout is not set."""
+    """Refuse tests without a kind marker; skip a trainer's tests when its checkout is not set;
+    under pytest-xdist, hand out the modules that launch processes first."""
     unmarked = sorted({item.nodeid.split("::")[0] for item in items if not _kinds(item)})
     if unmarked:
         raise pytest.UsageError(
@@ -52,6 +57,24 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if kind in _kinds(item):
                 item.add_marker(skip)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items[:] = _heaviest_first(items)
+
+
+#: The order modules are handed to xdist workers in: the slowest kinds first (a module goes by its
+#: slowest test). Every worker sorts the same collection the same way, as xdist requires.
+_HAND_OUT_ORDER = ("torchrun", "slime", "skyrl", "verl", "nemo_rl", "gloo", "unit")
+
+
+def _heaviest_first(items):
+    """``items`` with whole modules reordered by their slowest kind; the order within a module and
+    between modules of one kind unchanged (a stable sort)."""
+    rank = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        slowest = min(_HAND_OUT_ORDER.index(kind) for kind in _kinds(item))
+        rank[module] = min(rank.get(module, slowest), slowest)
+    return sorted(items, key=lambda item: rank[item.nodeid.split("::")[0]])
 
 
 def _kinds(item) -> set:

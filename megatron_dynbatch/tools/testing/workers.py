@@ -33,7 +33,6 @@ import logging
 import os
 import pickle
 import signal
-import socket
 import sys
 import threading
 import time
@@ -129,10 +128,21 @@ def describe_exit_code(code: Optional[int]) -> str:
     return f"exit code {code}"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _rendezvous_store() -> "dist.TCPStore":
+    """The pool's rendezvous server, held by the parent on a port the kernel picks as it binds.
+
+    A port picked free here and bound later by rank 0 could be taken in between (by a torchrun
+    launch or another pool beside this one: ``EADDRINUSE``, rank 0 dead before its first case);
+    a server that already listens cannot lose it. The workers connect to it as clients.
+    """
+    return dist.TCPStore(
+        "127.0.0.1",
+        0,
+        None,
+        True,
+        timeout=timedelta(seconds=DEFAULT_TIMEOUT_S),
+        wait_for_workers=False,
+    )
 
 
 def _resolve(module_name: str, qualname: str) -> Callable:
@@ -256,13 +266,10 @@ def _worker_main(
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
     os.environ["LOCAL_RANK"] = str(rank)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=DEFAULT_TIMEOUT_S),
-    )
+    timeout = timedelta(seconds=DEFAULT_TIMEOUT_S)
+    # Every rank is a client of the parent's store (_rendezvous_store): no rank binds a port.
+    store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     layout = None
     while True:
         task = task_queue.get()
@@ -300,7 +307,8 @@ class _Pool:
         # a shared queue's write lock forever, and silence every other rank's report.
         pipes = [context.Pipe(duplex=False) for _ in range(world_size)]
         self.result_readers = [reader for reader, _ in pipes]
-        port = _free_port()
+        self.store = _rendezvous_store()  # kept for the pool's life: the workers' rendezvous
+        port = self.store.port
         use_pdeathsig = threading.current_thread() is threading.main_thread()
         self.processes = [
             context.Process(
@@ -445,6 +453,7 @@ class _Pool:
                 process.kill()
         for process in self.processes:
             process.join(timeout=10)
+        self.store = None  # the server stops with its last reference
 
 
 _POOLS: dict[int, _Pool] = {}
