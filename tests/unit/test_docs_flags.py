@@ -66,7 +66,7 @@ OTHER_TOOLS = {
     "launch/megatron_preprocess.py": {"--megatron-lm-dir"},
     # The typo the docs show being refused.
     "typos shown as errors": {"--max-token-per-gpu"},
-    "pytest": {"--durations", "--tb", "--collect-only", "--lf"},
+    "pytest": {"--durations", "--tb", "--collect-only", "--lf", "--dist", "--no-loadscope-reorder"},
     "git": {"--3way", "--ignored", "--oneline", "--check", "--stat", "--numstat"},
     "ruff/black": {"--fix", "--diff"},
     "curl/tar/shell": {"--help"},
