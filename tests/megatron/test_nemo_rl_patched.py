@@ -115,8 +115,11 @@ _ROOTS = set()
 
 def _import_nemo_rl(root):
     """Stub what NeMo-RL needs and cannot have here; put ``root`` first on ``sys.path``."""
-    from megatron_dynbatch.tools.testing.host_stubs import install_stubs
+    from megatron_dynbatch.tools.testing.host_stubs import install_stubs, unstub
 
+    # NeMo-RL's configs are pydantic models: the real pydantic, even where SkyRL's cases ran on
+    # this pool worker before and replaced it with a stand-in.
+    unstub(("pydantic",))
     stubbed = install_stubs(NEMO_RL_STUBBED, prefixes=NEMO_RL_STUBBED_PREFIXES)
     import transformers
 

@@ -19,7 +19,7 @@ import sys
 import types
 from typing import Iterable, List, Sequence
 
-__all__ = ["install_stubs"]
+__all__ = ["install_stubs", "unstub"]
 
 
 class _Anything(type):
@@ -133,3 +133,21 @@ def install_stubs(
             finder.prefixes.append(name)
     finder.stubbed = finder.roots + finder.prefixes
     return list(finder.stubbed)
+
+
+def unstub(roots: Iterable[str]) -> None:
+    """Stop answering the top-level packages ``roots`` with stand-ins, and forget the stand-ins
+    already imported, so the installed packages are imported next time.
+
+    For a trainer that needs a package another trainer's cases replaced in the same process: a
+    worker of the persistent pool that ran SkyRL's cases (pydantic replaced, see
+    :func:`install_stubs`) and then runs NeMo-RL's, whose configs are pydantic models.
+    """
+    roots = set(roots)
+    finder = next((f for f in sys.meta_path if isinstance(f, _Finder)), None)
+    if finder is not None:
+        finder.roots = [r for r in finder.roots if r not in roots]
+        finder.stubbed = finder.roots + finder.prefixes
+    for name in [n for n in sys.modules if n.split(".")[0] in roots]:
+        if getattr(sys.modules[name], "__stub__", False):
+            del sys.modules[name]
