@@ -116,9 +116,11 @@ def install_stubs(
         Every module name this process now answers with a stand-in.
     """
     replace = list(replace)
+    # isinstance, not getattr(module, "__stub__"): a real package's module-level __getattr__
+    # (pydantic's lazy imports) would import its submodules again while they are being forgotten.
     for name in [n for n in sys.modules if n.split(".")[0] in replace]:
-        if not getattr(sys.modules[name], "__stub__", False):
-            del sys.modules[name]
+        if not isinstance(sys.modules.get(name), _StubModule):
+            sys.modules.pop(name, None)
     roots = [r for r in roots if r in replace or _missing(r)]
     prefixes = [p for p in prefixes if _missing(p)]
     finder = next((f for f in sys.meta_path if isinstance(f, _Finder)), None)
@@ -149,5 +151,5 @@ def unstub(roots: Iterable[str]) -> None:
         finder.roots = [r for r in finder.roots if r not in roots]
         finder.stubbed = finder.roots + finder.prefixes
     for name in [n for n in sys.modules if n.split(".")[0] in roots]:
-        if getattr(sys.modules[name], "__stub__", False):
+        if isinstance(sys.modules.get(name), _StubModule):
             del sys.modules[name]
