@@ -14,6 +14,7 @@ missing).
 """
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import sys
@@ -26,6 +27,7 @@ from megatron_dynbatch.errors import DynBatchRuntimeError
 
 __all__ = [
     "apply_cpu_shim",
+    "compile_on_first_call",
     "cpu_torch_proxy",
     "quiet_missing_gpu_library_warnings",
     "register_triton_stand_in",
@@ -206,6 +208,44 @@ def register_triton_stand_in() -> None:
     sys.modules[_TRITON_MODULE] = stand_in
 
 
+@contextlib.contextmanager
+def compile_on_first_call():
+    """While inside, ``torch.compile`` defers its work to the decorated function's first call.
+
+    Megatron binds ``jit_fuser = torch.compile`` when ``megatron.core.jit`` is imported and
+    decorates its fused kernels with it (the MoE router also uses ``@torch.compile``). Decorating
+    imports ``torch._dynamo`` and the inductor, about 1.5 s of CPU in every process that imports
+    ``megatron.core``, for kernels a CPU run never calls (the fusions are off there). Inside this
+    context the decorator returns a function that calls the real ``torch.compile`` with the same
+    options on its first call, so whatever is called compiles as it would have (torch compiles
+    lazily at the first call too). Anything but a plain function (an ``nn.Module``) goes to the
+    real ``torch.compile`` at once. On leaving, ``torch.compile`` is the real one again.
+    """
+    real_compile = torch.compile
+
+    def deferred(model=None, **options):
+        if model is None:
+            return functools.partial(deferred, **options)
+        if not isinstance(model, types.FunctionType):
+            return real_compile(model, **options)
+        compiled = None
+
+        @functools.wraps(model)
+        def call(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = real_compile(model, **options)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    torch.compile = deferred
+    try:
+        yield
+    finally:
+        torch.compile = real_compile
+
+
 def apply_cpu_shim() -> None:
     """Make megatron.core run on CPU with gloo; idempotent; a no-op when CUDA is available.
 
@@ -213,7 +253,8 @@ def apply_cpu_shim() -> None:
     the triton kernel module has to be in ``sys.modules`` first). Afterwards GPTModel with the
     local layer spec and ``use_cpu_initialization=True``, Megatron DDP with
     ``overlap_grad_reduce=False``, ``finalize_model_grads`` and all three pipeline schedules run on
-    CPU tensors.
+    CPU tensors. Megatron's fusions imported here are decorated by
+    :func:`compile_on_first_call` (compiled when first called, never on CPU runs).
     """
     global _applied
     if _applied or torch.cuda.is_available():
@@ -222,7 +263,9 @@ def apply_cpu_shim() -> None:
     register_triton_stand_in()
     proxy = _CpuTorchProxy()
     for module_name in _PATCHED_MODULES:
-        module = importlib.import_module(module_name)
+        # The first of these imports megatron.core (its package import decorates the fusions).
+        with compile_on_first_call():
+            module = importlib.import_module(module_name)
         assert module.torch is torch or module.torch is proxy, module_name
         module.torch = proxy
     random_module = sys.modules["megatron.core.tensor_parallel.random"]
