@@ -57,7 +57,6 @@ import pathlib
 import random
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -175,12 +174,6 @@ def describe_machine() -> Dict[str, str]:
     return info
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 # --------------------------------------------------------------------------- corpus
 
 
@@ -245,9 +238,11 @@ def launch(
         BATCHING=batching,
         DATA_PATH=data,
         GPUS_PER_NODE="1",
-        MASTER_PORT=str(free_port()),
         PYTHONUNBUFFERED="1",
     )
+    # No MASTER_PORT: the launch script's --standalone rendezvous binds a port the kernel
+    # assigns (a port picked free here could be taken before torchrun binds it: --jobs 2).
+    env.pop("MASTER_PORT", None)
     log = out / f"{name}.log"
     started = time.time()
     with open(log, "w", encoding="utf-8") as handle:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -54,12 +53,6 @@ SETTINGS = {
 }  # fmt: skip
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def train(batching: str, micro_batch_size: int, flags: List, iters: int) -> Dict:
     """One run of the demo launcher; returns the parsed iteration records."""
     bin_dir = os.path.dirname(sys.executable)
@@ -70,8 +63,8 @@ def train(batching: str, micro_batch_size: int, flags: List, iters: int) -> Dict
         BATCHING=batching,
         MAX_TOKENS_PER_GPU="256",
         GPUS_PER_NODE="2",
-        MASTER_PORT=str(_free_port()),
     )
+    env.pop("MASTER_PORT", None)  # the launch script's --standalone binds a port the kernel assigns
     args = _MODEL + ["--micro-batch-size", micro_batch_size, "--train-iters", iters] + flags
     result = subprocess.run(
         ["bash", str(REPO / "launch" / "train_gpt_dynbatch.sh"), *map(str, args)],

@@ -9,7 +9,6 @@ the padding mask, so the per-token z-loss covers the same real tokens. lm loss w
 mean of per-micro-batch means, a grouping-dependent report, and is not compared.
 """
 
-import socket
 from functools import partial
 
 import pytest
@@ -35,19 +34,12 @@ _MOE = [
 ]  # fmt: skip
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _train(batching: str, log_path) -> dict:
     env = {
         "BATCHING": batching,
         "MAX_TOKENS_PER_GPU": "256",
         "GPUS_PER_NODE": "2",
-        "MASTER_PORT": str(_free_port()),
-    }
+    }  # no MASTER_PORT: the launch script's --standalone binds a port the kernel assigns
     command = "bash launch/train_gpt_dynbatch.sh " + " ".join(str(a) for a in _MOE)
     log = run_shell(command, REPO, log_path, env=env, timeout_s=TORCHRUN_TIMEOUT_S)
     return compare_runs.parse_text(log)
