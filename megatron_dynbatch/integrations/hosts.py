@@ -196,9 +196,15 @@ SKYRL = Host(
         "max_tokens_per_microbatch": "max_tokens_per_gpu",
         "dynamic_batch_planner": "planner",
     },
-    # Its padding-free forward packs a micro-batch's real tokens; a single long sample runs alone,
-    # as in SkyRL's own batching.
-    fixed={"layout": "packed", "oversize_samples": "allow"},
+    # Its padding-free forward packs a micro-batch's real tokens (``remove_microbatch_padding``,
+    # on by default, with ``variable_seq_lengths``): each micro-batch runs a row of its own
+    # length (planned so: ``plan_skyrl_minibatch`` asks for variable rows), attention per sample.
+    # A single long sample runs alone, as in SkyRL's own batching.
+    fixed={
+        "layout": "packed",
+        "oversize_samples": "allow",
+        "cost_attention_weight": 1.0 / ATTENTION_CROSSOVER_7B,
+    },
     keys={
         "max_tokens_per_gpu": "trainer.max_tokens_per_microbatch",
         # Added by patches/skyrl/0001 beside the switch; checked in validate_cfg.

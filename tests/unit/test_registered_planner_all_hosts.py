@@ -145,5 +145,6 @@ def test_a_registered_planner_is_called_on_every_hosts_planning_path(plan_on_hos
     assert plan is not None
     assert CALLS, "the planner the host's option names was never called"
     # Sharded hosts (SkyRL, verl) plan each DP rank's shard (one call a rank, together every
-    # sample); slime plans the training step and then its forward-only passes.
-    assert sum(CALLS) == len(LENGTHS) or CALLS[0] == len(LENGTHS), CALLS
+    # sample; SkyRL may plan every shard a second time, with room for its placeholder rows);
+    # slime plans the training step and then its forward-only passes.
+    assert sum(CALLS) in (len(LENGTHS), 2 * len(LENGTHS)) or CALLS[0] == len(LENGTHS), CALLS

@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from benchmarks import skyrl_as_run
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.skyrl.iterator import (
     PlannedBatchIterator,
@@ -13,6 +14,7 @@ from megatron_dynbatch.integrations.skyrl.iterator import (
     planned_microbatch_iterator,
 )
 from megatron_dynbatch.integrations.skyrl.plan import plan_skyrl_minibatch
+from megatron_dynbatch.planning.simulate import pipeline_makespan
 
 pytestmark = pytest.mark.unit
 
@@ -133,9 +135,10 @@ def test_the_count_has_no_cliff_near_the_budget():
         n: plan_skyrl_minibatch(_issue_case(n), 8192, pp_size=2).num_microbatches
         for n in (7192, 7692, 8191, 8192, 8292)
     }
-    values = [counts[n] for n in sorted(counts)]
-    assert values == sorted(values), counts  # monotone in the longest sample
-    assert max(values) <= 1.5 * counts[7192], counts
+    # The count is the planner's choice by the simulated step (each micro-batch at its own
+    # length, as SkyRL runs it), not the fewest, so it need not grow with the longest sample; no
+    # cliff: within 1.5x of each other.
+    assert max(counts.values()) <= 1.5 * min(counts.values()), counts
 
 
 def test_context_parallel_pads_samples_but_the_budget_caps_the_micro_batch():
@@ -366,3 +369,37 @@ def test_the_worker_reads_the_overhead_beside_the_planner(planned_configs, monke
     absent, told = planned_configs
     assert absent.overhead_assumed is True
     assert told.overhead_assumed is False and told.cost.microbatch_overhead == 330.0
+
+
+# --- as SkyRL runs it: each micro-batch a row of its own length --------------------------------
+
+
+def test_a_rank_is_ordered_for_the_lengths_skyrl_runs():
+    """SkyRL's padding-free forward runs each micro-batch at its own length; planned as rows
+    padded to the budget, every micro-batch looked alike and this rank ran its heaviest last:
+    25,041 against 20,575 for SkyRL's own (longest first) in 1F1B at pp 4."""
+    lengths = [2589, 3620, 4087, 4096, 2468]
+    plan = plan_skyrl_minibatch([lengths], 4096, pp_size=4, tp_size=2)
+
+    def step(order):
+        return pipeline_makespan([lengths[i] + 81.92 for i in order], 4)
+
+    ours = step([i for mb in plan.ranks[0] for i in mb])
+    assert all(len(mb) == 1 for mb in plan.ranks[0]), plan.ranks
+    assert ours <= 1.005 * step(sorted(range(5), key=lambda i: -lengths[i])), plan.ranks
+
+
+def test_never_behind_skyrls_own_as_it_runs_on_random_mini_batches():
+    """``benchmarks/skyrl_as_run.py``'s first 40 mini-batches of seed 1 (40 of 100 were more than
+    0.5% behind before each micro-batch was planned at its own length; one was 10% behind when
+    the rows ``B`` cut a rank's full micro-batches into an extra one, fixed by planning again
+    with room for the rows)."""
+    rng = random.Random(1)
+    behind = []
+    for k in range(40):
+        case = skyrl_as_run.random_case(rng, k)
+        result = skyrl_as_run.run_case(case, (0.0, 0.01), skyrl_as_run.DEFAULT_ATTENTION_CROSSOVER)
+        assert result["ours_over_cap"] == 0, case.label
+        for fraction, ratios in result["ratios"].items():
+            behind += [(r, key, fraction, case.label) for key, r in ratios.items() if r > 1.005]
+    assert not behind, behind

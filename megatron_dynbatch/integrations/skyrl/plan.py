@@ -23,11 +23,21 @@ do (at most ``(B - 1) x`` the alignment; no cliff in the micro-batch count near 
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from typing import List, Optional, Sequence, Tuple
 
 from megatron_dynbatch.integrations.hosts import SKYRL, check_overhead, host_config, plan_host_step
-from megatron_dynbatch.planning import ParallelLayout, round_up
-from megatron_dynbatch.planning.sharded import ShardedPlan
+from megatron_dynbatch.planning import (
+    OversizeSampleWarning,
+    ParallelLayout,
+    PlannerConfig,
+    check_plan,
+    round_up,
+)
+from megatron_dynbatch.planning.cost import microbatch_cost
+from megatron_dynbatch.planning.sharded import ShardedPlan, plan_rank_shards, sharded_plan
+from megatron_dynbatch.planning.simulate import pipeline_makespan
 
 __all__ = ["SkyrlPlan", "fit_placeholder_rows", "plan_skyrl_minibatch"]
 
@@ -93,17 +103,82 @@ def plan_skyrl_minibatch(
             },
             parallel,
             fixed={"cost_microbatch_overhead": overhead} if overhead is not None else None,
+            # SkyRL's padding-free forward runs each micro-batch at its own length (its samples
+            # at the THD alignment): costed at the cap, every micro-batch looked alike and a
+            # rank's order and balance went unseen (up to 24% slower than SkyRL's own,
+            # benchmarks/skyrl_as_run.py).
+            row_multiple=1,
         )
     multiple = parallel.sample_multiple
-    return plan_host_step(
+    cap = config.token_cap
+    plan = plan_host_step(
         SKYRL,
         lengths_per_rank,
         config,
-        adjust=lambda ranks, lengths: fit_placeholder_rows(
-            ranks, lengths, config.token_cap, multiple
-        ),
+        adjust=lambda ranks, lengths: fit_placeholder_rows(ranks, lengths, cap, multiple),
         placeholder_row_tokens=multiple,
     )
+    return _within_the_rows(plan, lengths_per_rank, config)
+
+
+def _within_the_rows(
+    plan: ShardedPlan, lengths_per_rank: Sequence[Sequence[int]], config: PlannerConfig
+) -> ShardedPlan:
+    """``plan``, or the plan of each rank's samples under a budget that leaves room for the
+    ``B - 1`` placeholder rows, whichever the planner's model says is faster as SkyRL runs it.
+
+    ``B`` is the fullest micro-batch of any rank, known only once every rank is planned; a rank
+    whose micro-batches were packed to the budget then has them cut (:func:`fit_placeholder_rows`)
+    into an extra, nearly empty micro-batch in the middle of its order (seen at 10% slower than
+    SkyRL's own on ``benchmarks/skyrl_as_run.py``). Planned again under the budget less
+    ``(B - 1)`` rows of the alignment, its micro-batches fit their rows as planned. Samples over
+    the budget are those of ``plan`` (the same lengths and budget).
+    """
+    multiple = config.parallel.sample_multiple
+    cap = config.token_cap
+    room = cap - (plan.rows - 1) * multiple
+    if plan.rows == 1 or room < cap // 2:
+        return plan
+    lengths = [list(map(int, ls)) for ls in lengths_per_rank]
+    roomy = dataclasses.replace(config, max_tokens_per_gpu=room // config.parallel.cp_size)
+    if roomy.token_cap >= cap:
+        return plan
+    with SKYRL.flags(), warnings.catch_warnings():
+        # Samples between the two budgets are not oversize for SkyRL: plan.oversize says which are.
+        warnings.simplefilter("ignore", OversizeSampleWarning)
+        ranks, _ = plan_rank_shards(lengths, roomy)
+    ranks = fit_placeholder_rows(ranks, lengths, cap, multiple)
+    other = sharded_plan(ranks, plan.oversize, config.parallel)
+    if _step(other, lengths, config) >= _step(plan, lengths, config):
+        return plan
+    check_plan(other, lengths, config, placeholder_row_tokens=multiple)
+    return other
+
+
+def _step(plan: ShardedPlan, lengths: Sequence[Sequence[int]], config: PlannerConfig) -> float:
+    """The planner's simulated step of ``plan`` as SkyRL runs it: every micro-batch its samples
+    and ``B - k`` one-token rows (at the alignment), a row of its own length; the slowest rank."""
+    multiple = config.parallel.sample_multiple
+    parallel = config.parallel
+    slowest = 0.0
+    for rank, mbs in enumerate(plan.ranks):
+        costs = []
+        for mb in list(mbs) + [()] * plan.placeholders(rank):
+            sizes = [round_up(lengths[rank][i], multiple) for i in mb]
+            sizes += [multiple] * (plan.rows - len(mb))
+            costs.append(
+                microbatch_cost(config.cost, "packed", sum(sizes), 1, sizes, [0] * len(sizes))
+            )
+        slowest = max(
+            slowest,
+            pipeline_makespan(
+                costs,
+                parallel.pp_size,
+                parallel.vpp_size,
+                parallel.microbatch_group_size_per_vp_stage,
+            ),
+        )
+    return slowest
 
 
 def fit_placeholder_rows(
