@@ -11,8 +11,12 @@ formula the planner optimises.
 
 from __future__ import annotations
 
+import argparse
+import json
+import random
+import statistics
 from collections import Counter
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning.cost import microbatch_cost
@@ -28,6 +32,10 @@ from megatron_dynbatch.planning.spec import (
 )
 
 __all__ = [
+    "as_run_search",
+    "as_run_main",
+    "ratio_lines",
+    "ratio_table",
     "DEFAULT_ATTENTION_CROSSOVER",
     "EVAL_COST",
     "evaluate",
@@ -255,3 +263,99 @@ def ideal_step_time(
     prompts = prompt_lengths if prompt_lengths is not None else [0] * len(lengths)
     work = sum(cost.cost(length, length - p) for length, p in zip(lengths, prompts, strict=True))
     return work * (1.0 + BACKWARD_TO_FORWARD_RATIO) / (parallel.dp_size * parallel.pp_size)
+
+
+def ratio_table(
+    cases: Sequence[Mapping[str, Any]],
+    fractions: Sequence[float],
+    keys: Sequence[str],
+    tolerance: float,
+) -> Dict[float, Dict[str, Dict[str, Any]]]:
+    """Per overhead and ratio key (ours / a host's own), over the cases holding it: how many
+    are more than ``tolerance`` slower, the worst ``(ratio, case label)``, the median and best.
+    Each case is ``{"case": label, "ratios": {fraction: {key: ratio}}}``."""
+    by_overhead: Dict[float, Dict[str, Dict[str, Any]]] = {}
+    for fraction in fractions:
+        table = {}
+        for key in keys:
+            ratios = [
+                (c["ratios"][fraction][key], c["case"])
+                for c in cases
+                if key in c["ratios"][fraction]
+            ]
+            values = [r for r, _ in ratios]
+            table[key] = {
+                "compared": len(values),
+                "theirs_faster_over_half_pct": sum(1 for r in values if r > 1 + tolerance),
+                "worst": max(ratios, default=(1.0, "")),
+                "median": statistics.median(values) if values else None,
+                "best": min(values, default=None),
+            }
+        by_overhead[fraction] = table
+    return by_overhead
+
+
+def ratio_lines(
+    by_overhead: Mapping[float, Mapping[str, Mapping[str, Any]]],
+    names: Mapping[str, str],
+    theirs: str,
+) -> List[str]:
+    """One line per overhead and key of :func:`ratio_table`, ``theirs`` naming the host."""
+    lines = []
+    for fraction, table in by_overhead.items():
+        for key, row in table.items():
+            worst, label = row["worst"]
+            lines.append(
+                f"  overhead {fraction:>4.0%} | {names[key]}: {theirs} >0.5% faster in "
+                f"{row['theirs_faster_over_half_pct']}/{row['compared']}; median "
+                f"{row['median']:.4f}, best {row['best']:.4f}, worst {worst:.4f} ({label})"
+            )
+    return lines
+
+
+def as_run_main(
+    argv: Optional[List[str]],
+    description: str,
+    search: Callable[[int, int, Sequence[float], float], Dict[str, Any]],
+    format_summary: Callable[[Dict[str, Any]], str],
+    default_cases: int,
+) -> int:
+    """The command line of an as-the-host-runs-it benchmark: ``--cases``, ``--seed``,
+    ``--overheads`` (fractions of a full row), ``--crossover``, ``--json``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--cases", type=int, default=default_cases)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--overheads", default="0,0.01,0.05")
+    parser.add_argument("--crossover", type=float, default=DEFAULT_ATTENTION_CROSSOVER)
+    parser.add_argument("--json", action="store_true")
+    options = parser.parse_args(argv)
+    overheads = [float(x) for x in options.overheads.split(",")]
+    summary = search(options.cases, options.seed, overheads, options.crossover)
+    print(json.dumps(summary, default=str) if options.json else format_summary(summary))
+    return 0
+
+
+def as_run_search(
+    random_case: Callable[[random.Random, int], Any],
+    run_case: Callable[[Any, Sequence[float], float], Dict[str, Any]],
+    num_cases: int,
+    seed: int,
+    overheads: Sequence[float],
+    crossover: float,
+    keys: Sequence[str],
+    tolerance: float,
+    describe: Callable[[List[Dict[str, Any]]], Dict[str, Any]],
+) -> Dict[str, Any]:
+    """Run ``num_cases`` cases drawn from ``seed`` and summarise them: what ``describe`` says of
+    them, the micro-batches of ours over the budget, and :func:`ratio_table` per overhead."""
+    rng = random.Random(seed)
+    cases = [run_case(random_case(rng, k), overheads, crossover) for k in range(num_cases)]
+    return {
+        "num_cases": num_cases,
+        "seed": seed,
+        "crossover": crossover,
+        **describe(cases),
+        "ours_over_cap": sum(c["ours_over_cap"] for c in cases),
+        "by_overhead": ratio_table(cases, overheads, keys, tolerance),
+        "cases": cases,
+    }

@@ -37,18 +37,15 @@ Run: ``.venv/bin/python -m benchmarks.nemo_rl_as_run [--cases 60] [--seed 1]``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import random
-import statistics
 import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 from benchmarks.as_run import FAMILIES, _lengths
 from benchmarks.baselines import BaselineFailure, nemo_rl_mffd
-from benchmarks.metrics import DEFAULT_ATTENTION_CROSSOVER
+from benchmarks.metrics import as_run_main, as_run_search, ratio_lines
 from megatron_dynbatch.integrations.nemo_rl.plan import (
     nemo_rl_planner_config,
     padded_lengths,
@@ -306,36 +303,20 @@ def run_case(case: NemoRlCase, overheads: Sequence[float], crossover: float) -> 
 
 
 def search(num_cases: int, seed: int, overheads: Sequence[float], crossover: float):
-    rng = random.Random(seed)
-    cases = [run_case(random_case(rng, k), overheads, crossover) for k in range(num_cases)]
-    summary: Dict[str, Any] = {
-        "num_cases": num_cases,
-        "seed": seed,
-        "crossover": crossover,
-        "nemo_rl_source": os.environ.get("NEMO_RL_SRC") or "stand-ins (benchmarks.baselines)",
-        "packing_failed": sum(1 for c in cases if "packing" in c),
-        "ours_over_cap": sum(c["ours_over_cap"] for c in cases),
-        "by_overhead": {},
-        "cases": cases,
-    }
-    for fraction in overheads:
-        table = {}
-        for key in NAMES:
-            ratios = [
-                (c["ratios"][fraction][key], c["case"])
-                for c in cases
-                if key in c["ratios"][fraction]
-            ]
-            values = [r for r, _ in ratios]
-            table[key] = {
-                "compared": len(values),
-                "theirs_faster_over_half_pct": sum(1 for r in values if r > 1 + TOLERANCE),
-                "worst": max(ratios, default=(1.0, "")),
-                "median": statistics.median(values) if values else None,
-                "best": min(values, default=None),
-            }
-        summary["by_overhead"][fraction] = table
-    return summary
+    return as_run_search(
+        random_case,
+        run_case,
+        num_cases,
+        seed,
+        overheads,
+        crossover,
+        list(NAMES),
+        TOLERANCE,
+        lambda cases: {
+            "nemo_rl_source": os.environ.get("NEMO_RL_SRC") or "stand-ins (benchmarks.baselines)",
+            "packing_failed": sum(1 for c in cases if "packing" in c),
+        },
+    )
 
 
 def format_summary(summary: Dict[str, Any]) -> str:
@@ -345,29 +326,12 @@ def format_summary(summary: Dict[str, Any]) -> str:
         f"packing fails in {summary['packing_failed']} (ours trains them); ours over the budget: "
         f"{summary['ours_over_cap']}"
     ]
-    for fraction, table in summary["by_overhead"].items():
-        for key, row in table.items():
-            worst, label = row["worst"]
-            lines.append(
-                f"  overhead {fraction:>4.0%} | {NAMES[key]}: theirs >0.5% faster in "
-                f"{row['theirs_faster_over_half_pct']}/{row['compared']}; median "
-                f"{row['median']:.4f}, best {row['best']:.4f}, worst {worst:.4f} ({label})"
-            )
+    lines += ratio_lines(summary["by_overhead"], NAMES, "theirs")
     return "\n".join(lines)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", type=int, default=60)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--overheads", default="0,0.01,0.05")
-    parser.add_argument("--crossover", type=float, default=DEFAULT_ATTENTION_CROSSOVER)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    overheads = [float(x) for x in args.overheads.split(",")]
-    summary = search(args.cases, args.seed, overheads, args.crossover)
-    print(json.dumps(summary, default=str) if args.json else format_summary(summary))
-    return 0
+    return as_run_main(argv, __doc__.split("\n\n")[0], search, format_summary, 60)
 
 
 if __name__ == "__main__":

@@ -28,17 +28,14 @@ Run: ``.venv/bin/python -m benchmarks.skyrl_as_run [--cases 200] [--seed 1]``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import random
-import statistics
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 from benchmarks.as_run import FAMILIES, _lengths
 from benchmarks.baselines import skyrl_balanced
-from benchmarks.metrics import DEFAULT_ATTENTION_CROSSOVER
+from benchmarks.metrics import as_run_main, as_run_search, ratio_lines
 from megatron_dynbatch.integrations.skyrl.plan import plan_skyrl_minibatch
 from megatron_dynbatch.planning import CostModel
 from megatron_dynbatch.planning.cost import microbatch_cost
@@ -175,31 +172,19 @@ def run_case(case: SkyrlCase, overheads: Sequence[float], crossover: float) -> D
 
 
 def search(num_cases: int, seed: int, overheads: Sequence[float], crossover: float):
-    rng = random.Random(seed)
-    cases = [run_case(random_case(rng, k), overheads, crossover) for k in range(num_cases)]
-    summary: Dict[str, Any] = {
-        "num_cases": num_cases,
-        "seed": seed,
-        "crossover": crossover,
-        "skyrl_source": os.environ.get("SKYRL_SRC") or "stand-in (benchmarks.baselines)",
-        "ours_over_cap": sum(c["ours_over_cap"] for c in cases),
-        "by_overhead": {},
-        "cases": cases,
-    }
-    for fraction in overheads:
-        table = {}
-        for key in NAMES:
-            ratios = [(c["ratios"][fraction][key], c["case"]) for c in cases]
-            values = [r for r, _ in ratios]
-            table[key] = {
-                "compared": len(values),
-                "theirs_faster_over_half_pct": sum(1 for r in values if r > 1 + TOLERANCE),
-                "worst": max(ratios),
-                "median": statistics.median(values),
-                "best": min(values),
-            }
-        summary["by_overhead"][fraction] = table
-    return summary
+    return as_run_search(
+        random_case,
+        run_case,
+        num_cases,
+        seed,
+        overheads,
+        crossover,
+        list(NAMES),
+        TOLERANCE,
+        lambda cases: {
+            "skyrl_source": os.environ.get("SKYRL_SRC") or "stand-in (benchmarks.baselines)"
+        },
+    )
 
 
 def format_summary(summary: Dict[str, Any]) -> str:
@@ -208,29 +193,12 @@ def format_summary(summary: Dict[str, Any]) -> str:
         f"L^2/{summary['crossover']:g}; SkyRL's packer: {summary['skyrl_source']}); ours over the "
         f"budget with more than one sample: {summary['ours_over_cap']}"
     ]
-    for fraction, table in summary["by_overhead"].items():
-        for key, row in table.items():
-            worst, label = row["worst"]
-            lines.append(
-                f"  overhead {fraction:>4.0%} | {NAMES[key]}: SkyRL >0.5% faster in "
-                f"{row['theirs_faster_over_half_pct']}/{row['compared']}; median "
-                f"{row['median']:.4f}, best {row['best']:.4f}, worst {worst:.4f} ({label})"
-            )
+    lines += ratio_lines(summary["by_overhead"], NAMES, "SkyRL")
     return "\n".join(lines)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--overheads", default="0,0.01,0.05")
-    parser.add_argument("--crossover", type=float, default=DEFAULT_ATTENTION_CROSSOVER)
-    parser.add_argument("--json", action="store_true")
-    options = parser.parse_args(argv)
-    overheads = [float(x) for x in options.overheads.split(",")]
-    summary = search(options.cases, options.seed, overheads, options.crossover)
-    print(json.dumps(summary, indent=1) if options.json else format_summary(summary))
-    return 0
+    return as_run_main(argv, __doc__.split("\n\n")[0], search, format_summary, 200)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from benchmarks import skyrl_as_run
+from benchmarks.metrics import DEFAULT_ATTENTION_CROSSOVER
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.skyrl.iterator import (
     PlannedBatchIterator,
@@ -398,7 +399,7 @@ def test_never_behind_skyrls_own_as_it_runs_on_random_mini_batches():
     behind = []
     for k in range(40):
         case = skyrl_as_run.random_case(rng, k)
-        result = skyrl_as_run.run_case(case, (0.0, 0.01), skyrl_as_run.DEFAULT_ATTENTION_CROSSOVER)
+        result = skyrl_as_run.run_case(case, (0.0, 0.01), DEFAULT_ATTENTION_CROSSOVER)
         assert result["ours_over_cap"] == 0, case.label
         for fraction, ratios in result["ratios"].items():
             behind += [(r, key, fraction, case.label) for key, r in ratios.items() if r > 1.005]
