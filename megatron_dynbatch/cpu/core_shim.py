@@ -262,12 +262,12 @@ def apply_cpu_shim() -> None:
     quiet_missing_gpu_library_warnings()
     register_triton_stand_in()
     proxy = _CpuTorchProxy()
-    for module_name in _PATCHED_MODULES:
-        # The first of these imports megatron.core (its package import decorates the fusions).
-        with compile_on_first_call():
+    # The first of these imports megatron.core (its package import decorates the fusions).
+    with compile_on_first_call():
+        for module_name in _PATCHED_MODULES:
             module = importlib.import_module(module_name)
-        assert module.torch is torch or module.torch is proxy, module_name
-        module.torch = proxy
+            assert module.torch is torch or module.torch is proxy, module_name
+            module.torch = proxy
     random_module = sys.modules["megatron.core.tensor_parallel.random"]
     random_module._set_cuda_rng_state = _set_cpu_rng_state
     sys.modules["megatron.core.transformer.moe.token_dispatcher"].maybe_move_tensor_to_cpu = (

@@ -27,7 +27,13 @@ import dataclasses
 import warnings
 from typing import List, Optional, Sequence, Tuple
 
-from megatron_dynbatch.integrations.hosts import SKYRL, check_overhead, host_config, plan_host_step
+from megatron_dynbatch.integrations.hosts import (
+    SKYRL,
+    check_host_lengths,
+    check_overhead,
+    host_config,
+    plan_host_step,
+)
 from megatron_dynbatch.planning import (
     OversizeSampleWarning,
     ParallelLayout,
@@ -139,7 +145,7 @@ def _within_the_rows(
     room = cap - (plan.rows - 1) * multiple
     if plan.rows == 1 or room < cap // 2:
         return plan
-    lengths = [list(map(int, ls)) for ls in lengths_per_rank]
+    lengths = check_host_lengths(SKYRL, lengths_per_rank)
     roomy = dataclasses.replace(config, max_tokens_per_gpu=room // config.parallel.cp_size)
     if roomy.token_cap >= cap:
         return plan
@@ -171,12 +177,7 @@ def _step(plan: ShardedPlan, lengths: Sequence[Sequence[int]], config: PlannerCo
             )
         slowest = max(
             slowest,
-            pipeline_makespan(
-                costs,
-                parallel.pp_size,
-                parallel.vpp_size,
-                parallel.microbatch_group_size_per_vp_stage,
-            ),
+            pipeline_makespan(costs, parallel.pp_size, parallel.vpp_size, parallel.group_size),
         )
     return slowest
 
