@@ -228,7 +228,9 @@ VERL = Host(
     options={"max_token_len_per_gpu": "max_tokens_per_gpu"},
     # A sample over verl's budget is refused by check_host_oversize, before planning; a sample
     # whose real tokens fit but whose alignment padding does not runs alone (stock verl accepts it).
-    fixed={"oversize_samples": "allow"},
+    # Its engine runs attention per sample (THD) or per row (BSHD), costed as a 7B-class model's:
+    # the engine plans before it could calibrate.
+    fixed={"oversize_samples": "allow", "cost_attention_weight": 1.0 / ATTENTION_CROSSOVER_7B},
     keys={
         "max_tokens_per_gpu": "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
         # The actor's log-prob pass; the reference's and the critic's keys are in
@@ -537,6 +539,7 @@ def plan_host_step(
         ]
     ] = None,
     placeholder_row_tokens: int = 0,
+    placeholder_copies_shortest: bool = False,
 ) -> ShardedPlan:
     """Plan one step of a ``sharded`` host: check its lengths and oversize samples once, plan each
     rank's shard, equalise the counts, and check the plan.
@@ -551,6 +554,8 @@ def plan_host_step(
             fits its placeholder rows), given them and the checked lengths.
         placeholder_row_tokens: Tokens of one placeholder row the host adds to a micro-batch with
             fewer samples than the plan's rows (SkyRL), for the plan checker.
+        placeholder_copies_shortest: A placeholder micro-batch is a copy of the rank's shortest
+            sample (verl), and costs as much: the count every rank runs is chosen knowing it.
 
     Returns:
         The :class:`~megatron_dynbatch.planning.sharded.ShardedPlan` every rank derives.
@@ -564,7 +569,9 @@ def plan_host_step(
     with host.flags(), warnings.catch_warnings():
         # check_host_oversize reported them in the host's words (the planner's text names ours).
         warnings.simplefilter("ignore", OversizeSampleWarning)
-        ranks, oversize = plan_rank_shards(lengths, config)
+        ranks, oversize = plan_rank_shards(
+            lengths, config, placeholder_copies_shortest=placeholder_copies_shortest
+        )
     if adjust is not None:
         ranks = adjust(ranks, lengths)
     plan = sharded_plan(ranks, oversize, config.parallel)

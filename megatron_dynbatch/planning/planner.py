@@ -242,6 +242,7 @@ def _plan_step(
         multi_row_cap=config.multi_row_cap,
         thorough=config.planner == THOROUGH_PLANNER,
         overhead_checks=_overhead_checks(config),
+        min_count=config.min_microbatches,
     )
     shape, fewest = choose_shape(problem)
     bins = shape.bins

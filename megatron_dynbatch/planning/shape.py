@@ -176,6 +176,9 @@ class StepProblem:
     """Per-micro-batch overheads (cost units) at which the plan must stay within
     :data:`.spec.PEER_TOLERANCE` of the trainers' own schedules (:func:`_peer_guard`): set where
     the overhead is assumed; empty: the model's overhead is trusted."""
+    min_count: int = 1
+    """The fewest micro-batches per rank a search starts from (``PlannerConfig.min_microbatches``):
+    a sharded step's rank that runs another rank's count anyway."""
     row_align: Optional[int] = None
     """Set by :func:`choose_shape` (from ``row_multiple``) when it scores uniform rows beside
     variable ones: shapes are exchanged, so a uniform row ``S`` of the packed layout is rounded up
@@ -355,6 +358,11 @@ def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
             _tent_splits(problem, searches[0], _pick(scored, problem.min_gain), tented)
             if problem.thorough or len(problem.items) <= _CLUSTER_DEFAULT_LIMIT:
                 _cluster_splits(problem, searches[0], _pick(scored, problem.min_gain), clustered)
+    if problem.min_count > 1:
+        # Counts under the imposed one would run placeholders up to it: not what was scored.
+        for shapes in (scored, tented, clustered):
+            for key in [key for key in shapes if key[0] < problem.min_count]:
+                del shapes[key]
     best = _pick(scored, problem.min_gain)
     # The second construction is dearer: only for the winning count (and the fewest), one row.
     for search in searches:
@@ -387,7 +395,10 @@ def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
             gain = problem.min_gain if other.per_rank > chosen.per_rank else 0.0
             if other.step_time < chosen.step_time * (1.0 - max(gain, _TIE)):
                 chosen = other
-        chosen = _peer_guard(problem, searches, scored, chosen)
+        if problem.min_count <= 1:
+            # With a count imposed (a sharded step's other rank sets it) the trainers' own
+            # schedules of fewer micro-batches are no comparison: the rank runs that many anyway.
+            chosen = _peer_guard(problem, searches, scored, chosen)
     # A construction may fit fewer micro-batches than the searches' packings did (a rank's own
     # split): then that is the fewest found.
     return chosen, min(chosen.per_rank, *(s.min_per_rank for s in searches))
@@ -589,10 +600,12 @@ def _more_candidates(
     # them: a rank's own split (differencing) can fit fewer micro-batches than dealing global
     # bins does, and the fewest rows are what no pipeline wants most (few samples a rank: few
     # counts).
-    floor = round_up(max(1, ceil_div(search.total, search.dp * search.cap)), multiple)
+    floor = round_up(
+        max(problem.min_count, ceil_div(search.total, search.dp * search.cap)), multiple
+    )
     counts.update(range(floor, search.min_per_rank + 1, multiple))
     more = dict(scored)
-    for m in sorted(counts):
+    for m in sorted(c for c in counts if c >= problem.min_count):
         for _name, ranks, keep_order in small_step_candidates(
             search.arrival, sizes, weights, search.cap, search.dp, m, problem.row_multiple
         ):
@@ -1432,13 +1445,14 @@ class _PackedSearch(_Search):
         half = cap // 2
         halves = bisect.bisect_left(self.ordered, True, key=half.__ge__)
         bound = len(self.oversize) + max(ceil_div(self.total, cap), halves)
-        per_rank = round_up(max(1, ceil_div(bound, slots)), self.microbatch_multiple)
+        floor = self.problem.min_count
+        per_rank = round_up(max(floor, ceil_div(bound, slots)), self.microbatch_multiple)
         packing = self._pack(per_rank)
         if packing is None:
             need = len(self.oversize) + min_bins(
                 self.problem.sizes, self.order, self.arrival, cap, self.ordered
             )
-            per_rank = round_up(max(1, ceil_div(need, slots)), self.microbatch_multiple)
+            per_rank = round_up(max(floor, ceil_div(need, slots)), self.microbatch_multiple)
             packing = self._pack(per_rank)
             assert packing is not None, "best fit / next fit pack into the bins they counted"
         return per_rank
@@ -1627,7 +1641,8 @@ class _PaddedSearch(_Search):
         self.order = sorted(problem.items, key=lambda i: (-key[i], i))
 
     def _per_rank_for_rows(self, rows: int) -> int:
-        return round_up(max(1, ceil_div(ceil_div(self.n, rows), self.dp)), self.microbatch_multiple)
+        per_rank = max(self.problem.min_count, ceil_div(ceil_div(self.n, rows), self.dp))
+        return round_up(per_rank, self.microbatch_multiple)
 
     def _rows(self, per_rank: int) -> int:
         return max(1, ceil_div(self.n, self.dp * per_rank))

@@ -8,7 +8,9 @@ further collective: each rank's own samples are planned by the config's planner
 rank's samples), then every rank gets the same micro-batch count
 ``M`` (the largest, rounded up to the interleaved schedule's group) and the same rows per
 micro-batch ``B`` (the fullest micro-batch of any rank). A rank with fewer real micro-batches, or
-none, runs placeholders after its real ones, so counts are equal by construction.
+none, runs placeholders after its real ones, so counts are equal by construction. Since every
+rank runs that count, it is chosen for the slowest rank, not by the rank that wants the most
+(:func:`fill_the_count`).
 
 Example: ranks with lengths ``[[900], [300, 300, 300, 300]]``, a budget of 600 tokens, pp 2 and
 vpp 2 (group 2): rank 0 needs one micro-batch, rank 1 two; ``M = 2`` and rank 0 runs one
@@ -21,14 +23,45 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
+from .balance import pipeline_order, pipeline_orders
+from .candidates import differenced_rows
+from .cost import microbatch_cost, sample_costs
 from .registry import run_planner
 from .samples import SampleSet
 from .schedule import ScheduledStep
-from .spec import ParallelLayout, PlannerConfig, round_up
+from .shape import variable_rows
+from .simulate import pipeline_makespan
+from .spec import ParallelLayout, PlannerConfig, ceil_div, round_up
 
-__all__ = ["ShardedPlan", "plan_rank_shards", "plan_sharded_step", "sharded_plan"]
+__all__ = [
+    "FULL_SEARCH_RANKS",
+    "ShardedPlan",
+    "fill_the_count",
+    "plan_rank_shards",
+    "plan_sharded_step",
+    "rank_step_time",
+    "sharded_plan",
+]
+
+#: One rank's micro-batches (local sample indices), in run order.
+MicroBatches = Tuple[Tuple[int, ...], ...]
+Ranks = List[MicroBatches]
+
+#: Ranks the planner's full search plans in a step of variable rows (the heaviest); the others
+#: are split by differencing. At dp 512 with 32 samples a rank (pp 4, vpp 2) the full search on
+#: every rank took 25 s a step.
+FULL_SEARCH_RANKS = 16
+#: Counts a differencing split of one rank tries, from the fewest, before the planner plans it.
+_DIFFERENCED_TRIES = 4
+#: Times :func:`fill_the_count` tries a lower count (each: the slowest rank's own).
+_LOWERINGS = 3
+#: Relative difference under which two simulated steps are a tie (float noise).
+_TIE = 1e-9
+#: ``min_gain`` that keeps a plan at its floor count: more micro-batches would have to be
+#: predicted nearly twice as fast.
+_ONLY_THE_FLOOR = 0.99
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,8 +97,11 @@ class ShardedPlan:
 
 
 def plan_rank_shards(
-    lengths_per_rank: Sequence[Sequence[int]], config: PlannerConfig
-) -> Tuple[List[Tuple[Tuple[int, ...], ...]], List[Tuple[int, int]]]:
+    lengths_per_rank: Sequence[Sequence[int]],
+    config: PlannerConfig,
+    *,
+    placeholder_copies_shortest: bool = False,
+) -> Tuple[Ranks, List[Tuple[int, int]]]:
     """Each rank's own real micro-batches (local indices) and the oversize ``(rank, index)``.
 
     The first half of :func:`plan_sharded_step`, for a host that adjusts the micro-batches before
@@ -75,18 +111,302 @@ def plan_rank_shards(
     if config.rollouts_per_step is not None:
         # One call plans one step; rollouts_per_step would split it into several.
         config = dataclasses.replace(config, rollouts_per_step=None)
-    ranks: List[Tuple[Tuple[int, ...], ...]] = []
+    multiple = config.parallel.sample_multiple
+    cap = config.token_cap
+
+    def placeholder(lengths: Sequence[int]) -> Optional[int]:
+        if not placeholder_copies_shortest or not lengths:
+            return None
+        return round_up(min(lengths), multiple)
+
+    # Each rank plans every rank's samples (the same plan everywhere, no further collective), so
+    # at hundreds of ranks the planner's full search on every shard costs seconds a step. The
+    # step is its slowest rank: the full search goes to the heaviest ranks, the others are split
+    # by differencing (verl's construction, a fraction of a millisecond), which only needs to
+    # keep them under the slowest.
+    full = _heaviest(lengths_per_rank, config)
+
+    def plan_at(rank: int, count: Optional[int]) -> MicroBatches:
+        lengths = lengths_per_rank[rank]
+        if rank not in full:
+            quick = _differenced(lengths, config, count)
+            if quick is not None:
+                return quick
+        return _plan_rank(lengths, config, count, placeholder=placeholder(lengths))[0]
+
+    ranks: Ranks = []
     oversize: List[Tuple[int, int]] = []
     for rank, lengths in enumerate(lengths_per_rank):
         if not lengths:
             ranks.append(())
             continue
-        [step] = run_planner(SampleSet.build(list(lengths)), config).steps
-        # dp_size=1: rank 0 of the sub-plan is this rank; drop the sub-plan's own placeholders,
-        # the count is equalised over all ranks in sharded_plan.
-        ranks.append(tuple(tuple(mb) for mb in step.ranks[0] if mb))
-        oversize.extend((rank, i) for i in step.oversize_samples)
-    return ranks, oversize
+        if rank in full:
+            mbs, over = _plan_rank(lengths, config, placeholder=placeholder(lengths))
+        else:
+            mbs = plan_at(rank, None)
+            over = tuple(i for i in range(len(lengths)) if round_up(lengths[i], multiple) > cap)
+        ranks.append(mbs)
+        oversize.extend((rank, i) for i in over)
+    fitted = fill_the_count(ranks, lengths_per_rank, config, placeholder, plan_at, set(full))
+    return fitted, oversize
+
+
+def _heaviest(lengths_per_rank: Sequence[Sequence[int]], config: PlannerConfig) -> Set[int]:
+    """The ranks the planner's full search plans (every rank, unless rows are variable and there
+    are more than :data:`FULL_SEARCH_RANKS`: then that many, the heaviest by their samples' cost).
+    """
+    ranks = [r for r, lengths in enumerate(lengths_per_rank) if lengths]
+    if not config.variable_row_lengths or len(ranks) <= FULL_SEARCH_RANKS:
+        return set(ranks)
+    multiple = config.parallel.sample_multiple
+
+    def work(rank: int) -> float:
+        sizes = [round_up(n, multiple) for n in lengths_per_rank[rank]]
+        return sum(sample_costs(config.cost, config.layout, sizes, sizes))
+
+    return set(sorted(ranks, key=lambda r: (-work(r), r))[:FULL_SEARCH_RANKS])
+
+
+def _differenced(
+    lengths: Sequence[int], config: PlannerConfig, count: Optional[int]
+) -> Optional[MicroBatches]:
+    """One rank's samples split by differencing on their cost into ``count`` micro-batches laid
+    light-heavy-light (``None``: the fewest that keep the budget, trying a few counts), or
+    ``None`` where no such split keeps the budget."""
+    multiple = config.parallel.sample_multiple
+    cap = config.token_cap
+    sizes = [round_up(n, multiple) for n in lengths]
+    weights = sample_costs(config.cost, config.layout, sizes, sizes)
+    if count is not None:
+        tries = [count]
+    else:
+        group = config.parallel.microbatch_multiple
+        halves = sum(1 for size in sizes if size > cap // 2)
+        first = round_up(max(1, ceil_div(sum(sizes), cap), halves), group)
+        tries = list(range(first, len(sizes) + 1, group))[:_DIFFERENCED_TRIES]
+    for k in tries:
+        split = differenced_rows(range(len(sizes)), sizes, weights, cap, min(k, len(sizes)))
+        if split is not None:
+            return _best_order(split, lengths, config, k)
+    return None
+
+
+def _best_order(
+    mbs: Sequence[Sequence[int]], lengths: Sequence[int], config: PlannerConfig, count: int
+) -> MicroBatches:
+    """``mbs`` in the order of the three below whose simulated step is fastest: as given, light-
+    heavy-light, and light-heavy-light with the heaviest in its best slot (:mod:`.balance`)."""
+    multiple = config.parallel.sample_multiple
+    parallel = config.parallel
+    costs = [
+        microbatch_cost(config.cost, config.layout, row, 1, sizes, sizes)
+        for sizes in ([round_up(lengths[i], multiple) for i in mb] for mb in mbs)
+        for row in [sum(sizes)]
+    ]
+    bins = list(range(len(mbs)))
+    orders = [
+        bins,
+        pipeline_order(bins, costs),
+        pipeline_orders(
+            [bins],
+            costs,
+            costs,
+            pp_size=parallel.pp_size,
+            vpp_size=parallel.vpp_size,
+            group=parallel.group_size,
+        )[0],
+    ]
+    laid = [tuple(tuple(mbs[b]) for b in order) for order in orders]
+    return min(laid, key=lambda plan: rank_step_time(plan, count, lengths, config))
+
+
+def _plan_rank(
+    lengths: Sequence[int],
+    config: PlannerConfig,
+    count: Optional[int] = None,
+    *,
+    placeholder: Optional[int] = None,
+) -> Tuple[MicroBatches, Tuple[int, ...]]:
+    """One rank's real micro-batches (placeholders dropped: :func:`sharded_plan` appends them)
+    and its oversize samples; ``count``: for exactly that many micro-batches (``None``: the count
+    the planner prefers). Fewer are returned where the samples do not fill them. ``placeholder``:
+    as :func:`rank_step_time`."""
+    if count is not None:
+        config = dataclasses.replace(
+            config, min_microbatches=min(count, len(lengths)), min_gain=_ONLY_THE_FLOOR
+        )
+    [step] = run_planner(SampleSet.build(list(lengths)), config).steps
+    # dp_size=1: rank 0 of the sub-plan is this rank.
+    mbs = tuple(tuple(mb) for mb in step.ranks[0] if mb)
+    oversize = tuple(step.oversize_samples)
+    if not config.variable_row_lengths:
+        return mbs, oversize
+    multiple = config.parallel.microbatch_multiple
+    planned = len(step.ranks[0])
+    target = planned if count is None else count
+    candidates = [mbs]
+    if count is None and len(mbs) < planned and planned - multiple >= config.min_microbatches:
+        # The sub-plan scored its placeholders where its pipeline order put them (a light one
+        # first, say); a sharded rank runs them after its real micro-batches, which can make
+        # that count slower than the next lower one (seen at 3% slower than verl's own).
+        fewer = _plan_rank(lengths, config, planned - multiple, placeholder=placeholder)
+        candidates.append(fewer[0])
+    if len(mbs) < target <= len(lengths):
+        # Every micro-batch real: the rank's samples split by differencing on their cost (as
+        # verl splits a rank), where the planner's own packing left some empty.
+        sizes = [round_up(n, config.parallel.sample_multiple) for n in lengths]
+        split = differenced_rows(
+            range(len(lengths)),
+            sizes,
+            sample_costs(config.cost, config.layout, sizes, sizes),
+            config.token_cap,
+            target,
+        )
+        if split is not None:
+            candidates.append(tuple(tuple(mb) for mb in split))
+
+    def runs(mbs: MicroBatches) -> float:
+        total = round_up(len(mbs), multiple) if count is None else count
+        return rank_step_time(mbs, total, lengths, config, placeholder)
+
+    # The fastest as the rank runs it; ties to the planner's own (the first).
+    best = min(range(len(candidates)), key=lambda k: (runs(candidates[k]), k))
+    return candidates[best], oversize
+
+
+def rank_step_time(
+    mbs: Sequence[Sequence[int]],
+    count: int,
+    lengths: Sequence[int],
+    config: PlannerConfig,
+    placeholder: Optional[int] = None,
+) -> float:
+    """The planner's simulated step of one rank running ``mbs`` then placeholders up to
+    ``count``, each micro-batch a row of its own (``config.variable_row_lengths``).
+    ``placeholder``: tokens of the one sample a placeholder copies (verl's: the rank's shortest,
+    padded), computed like a sample; ``None``: the shortest row the layout allows, no sample."""
+    multiple = config.parallel.sample_multiple
+    sizes = [[round_up(lengths[i], multiple) for i in mb] for mb in mbs]
+    filler = [] if placeholder is None else [placeholder]
+    sizes += [list(filler) for _ in range(count - len(mbs))]
+    rows = variable_rows(
+        [sum(mb) for mb in sizes], config.variable_row_multiple, config.token_cap, config.memory
+    )
+    costs = [
+        microbatch_cost(config.cost, config.layout, row, 1, mb, mb)
+        for row, mb in zip(rows, sizes, strict=True)
+    ]
+    parallel = config.parallel
+    return pipeline_makespan(costs, parallel.pp_size, parallel.vpp_size, parallel.group_size)
+
+
+def fill_the_count(
+    ranks: Sequence[MicroBatches],
+    lengths_per_rank: Sequence[Sequence[int]],
+    config: PlannerConfig,
+    placeholder: Callable[[Sequence[int]], Optional[int]] = lambda lengths: None,
+    plan_at: Optional[Callable[[int, Optional[int]], MicroBatches]] = None,
+    searched: Optional[Set[int]] = None,
+) -> Ranks:
+    """Every rank's micro-batches for one count the whole step runs, chosen for the slowest rank.
+
+    Planned alone, each rank picks the count its own step runs fastest at, and every rank then
+    runs the largest: a rank that wanted fewer pays placeholders (their fixed costs, and a
+    pipeline bubble its samples could have filled), and where that rank is the slowest, the
+    step waits for it (one rank of long samples at pp 4 running eight placeholders after its four
+    micro-batches because the others split finer: 6.7% slower than verl's own,
+    ``benchmarks/verl_as_run.py``). So, by the planner's simulated step of each rank (the
+    slowest rank is the step):
+
+    1. the count is lowered to the slowest rank's own while that makes the step faster, the
+       ranks that wanted more planned again for exactly that many;
+    2. a rank with fewer micro-batches than the count is planned again for the count
+       (``min_microbatches``) and keeps that plan where its simulated step is faster (both run
+       the same number of micro-batches, so the per-micro-batch overhead, assumed or told,
+       weighs the same on both).
+
+    Variable rows only: with one row length for the step, a rank's rows are not its own.
+    ``placeholder(lengths)``: what one placeholder of the rank holding ``lengths`` computes
+    (:func:`rank_step_time`); ``plan_at(rank, count)``: that rank's plan for ``count``
+    micro-batches (default: the planner's, :func:`_plan_rank`); ``searched``: the ranks
+    ``plan_at`` plans by the planner's full search (``None``: all); while the slowest rank is
+    another, it is planned so too (at most :data:`FULL_SEARCH_RANKS` more).
+    """
+    fitted = list(ranks)
+    if not config.variable_row_lengths:
+        return fitted
+    multiple = config.parallel.microbatch_multiple
+    exact: Dict[Tuple[int, int], Optional[MicroBatches]] = {}
+
+    def planned(rank: int, count: int) -> Optional[MicroBatches]:
+        """Rank ``rank``'s plan of exactly ``count`` micro-batches (``None``: they do not fit)."""
+        key = (rank, count)
+        if key not in exact:
+            if plan_at is None:
+                lengths = lengths_per_rank[rank]
+                other, _ = _plan_rank(lengths, config, count, placeholder=placeholder(lengths))
+            else:
+                other = plan_at(rank, count)
+            exact[key] = other if len(other) <= count else None
+        return exact[key]
+
+    def times(plan: Sequence[Tuple[Tuple[int, ...], ...]], count: int) -> List[float]:
+        return [
+            rank_step_time(mbs, count, lengths, config, placeholder(lengths)) if mbs else 0.0
+            for mbs, lengths in zip(plan, lengths_per_rank, strict=True)
+        ]
+
+    def common(plan: Sequence[Tuple[Tuple[int, ...], ...]]) -> int:
+        return round_up(max([1] + [len(mbs) for mbs in plan]), multiple)
+
+    count = common(fitted)
+    step = times(fitted, count)
+    for _ in range(_LOWERINGS):
+        slowest = max(range(len(step)), key=lambda r: (step[r], -r))
+        lower = round_up(max(1, len(fitted[slowest])), multiple)
+        if lower >= count:
+            break
+        trial = list(fitted)
+        for rank, mbs in enumerate(fitted):
+            if len(mbs) > lower:
+                other = planned(rank, lower)
+                if other is None:
+                    break
+                trial[rank] = other
+        else:
+            trial_step = times(trial, lower)
+            if max(trial_step) < max(step) * (1.0 - _TIE):
+                fitted, count, step = trial, lower, trial_step
+                continue
+        break
+    for rank, mbs in enumerate(fitted):
+        lengths = lengths_per_rank[rank]
+        if not mbs or len(mbs) >= min(count, len(lengths)):
+            continue
+        other = planned(rank, count)
+        faster = step[rank] * (1.0 - _TIE)
+        if (
+            other is not None
+            and rank_step_time(other, count, lengths, config, placeholder(lengths)) < faster
+        ):
+            fitted[rank] = other
+    if searched is None:
+        return fitted
+    # Ranks split by differencing were planned to stay under the slowest; where one is the
+    # slowest, the planner's full search plans it for the count, while the budget lasts.
+    step = times(fitted, count)
+    for _ in range(FULL_SEARCH_RANKS):
+        slowest = max(range(len(step)), key=lambda r: (step[r], -r))
+        if slowest in searched:
+            break
+        searched.add(slowest)
+        lengths = lengths_per_rank[slowest]
+        other, _ = _plan_rank(lengths, config, count, placeholder=placeholder(lengths))
+        if len(other) <= count:
+            time = rank_step_time(other, count, lengths, config, placeholder(lengths))
+            if time < step[slowest] * (1.0 - _TIE):
+                fitted[slowest], step[slowest] = other, time
+    return fitted
 
 
 def sharded_plan(

@@ -477,6 +477,10 @@ class PlannerConfig:
     row_multiple: int = 1
     """Variable rows are padded to a multiple of this and of the sample multiple (slime: 128 x
     tp)."""
+    min_microbatches: int = 1
+    """At least this many micro-batches per rank (rounded up to what the schedule accepts): a
+    sharded step plans a rank again for the count another rank sets (:mod:`.sharded`), since it
+    runs that many anyway; 1: the planner's own choice."""
     min_gain: Optional[float] = None
     """A candidate with more micro-batches per rank is chosen over one with fewer only when its
     simulated step is faster by at least this fraction. ``None``: ``DEFAULT_MIN_GAIN`` when the
@@ -531,6 +535,7 @@ class PlannerConfig:
                 "sample's length); use --dynamic-batch-layout packed or turn variable row lengths off."
             )
         _set_int(self, "row_multiple", 1, "pass a row multiple of 1 or more (slime: 128 x tp).")
+        _set_int(self, "min_microbatches", 1, "pass at least 1 micro-batch per rank.")
         if not isinstance(self.planner, str) or not self.planner:
             raise DynBatchValueError(
                 f"planner={self.planner!r} must name a registered planner, e.g. "

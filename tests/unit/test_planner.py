@@ -365,3 +365,19 @@ def test_bad_input_raises_value_error_naming_the_value(call, message):
     with pytest.raises(DynBatchValueError) as info:
         call()
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "layout, variable", [("packed", True), ("packed", False), ("padded", False)]
+)
+def test_min_microbatches_is_a_floor_on_the_count(layout, variable):
+    # A sharded step's rank runs the count another rank sets: planned for it, not below it.
+    config = PlannerConfig(max_tokens_per_gpu=100, layout=layout, variable_row_lengths=variable)
+    lengths = [10] * 8
+    assert plan_schedule(lengths, config=config).steps[0].num_microbatches == 1
+    floored = dataclasses.replace(config, min_microbatches=4)
+    [step] = plan_schedule(lengths, config=floored).steps
+    assert step.num_microbatches >= 4
+    assert sorted(i for mb in step.ranks[0] for i in mb) == list(range(8))
+    with pytest.raises(DynBatchValueError, match="min_microbatches"):
+        dataclasses.replace(config, min_microbatches=0)

@@ -199,12 +199,12 @@ def test_non_tensor_values_are_refused():
 def test_iterator_yields_uniform_microbatches_and_restores_order():
     lengths = [10, 3, 14, 2, 7, 9]
     data = _batch(lengths)
-    # Another rank with more micro-batches forces placeholders here.
-    plan = plan_skyrl_minibatch([lengths, [15] * 5], 16)
+    # Another rank with more micro-batches than this one has samples forces placeholders here.
+    plan = plan_skyrl_minibatch([lengths, [15] * 7 + [1, 1]], 16)
     iterator = PlannedBatchIterator(data, plan, 0)
     batches = list(iterator)
-    assert len(batches) == len(iterator) == plan.num_microbatches == 5
-    assert iterator.num_padding_microbatches == 5 - len(plan.ranks[0]) > 0
+    assert len(batches) == len(iterator) == plan.num_microbatches == 7
+    assert iterator.num_padding_microbatches == 7 - len(plan.ranks[0]) > 0
     for m, batch in enumerate(batches):
         assert set(batch) == set(data)
         assert batch["sequences"].shape == (plan.rows, 16)
@@ -226,7 +226,7 @@ def test_restore_rows_puts_per_row_outputs_in_sample_order_without_placeholders(
     # micro-batch, placeholder rows and placeholder micro-batches included, in schedule order.
     lengths = [10, 3, 14, 2, 7, 9]
     data = _batch(lengths)
-    plan = plan_skyrl_minibatch([lengths, [15] * 5], 16)
+    plan = plan_skyrl_minibatch([lengths, [15] * 7 + [1, 1]], 16)
     iterator = PlannedBatchIterator(data, plan, 0)
     assert iterator.num_padding_microbatches > 0
     assert any(len(mb) < plan.rows for mb in plan.ranks[0]), "the data must give placeholder rows"
