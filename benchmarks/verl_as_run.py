@@ -21,16 +21,19 @@ the slowest rank. Ours runs twice per overhead: not told (the planner assumes 2%
 told the true overhead in tokens of linear work (``megatron.dynbatch.cost_microbatch_overhead``).
 verl's budget sets its count, not a cap: cases where one of its micro-batches of several samples
 is over the budget are counted (``verl over the budget``); ours never is. Workloads: random
-held-out steps (GRPO groups, multi-turn, long tails, samples near the budget), dp 1-16, pp 1, 2 or
+held-out steps (GRPO groups, multi-turn, long tails, samples near the budget), dp 1-64, pp 1, 2 or
 4 (vpp 1 or 2), tp 1 or 2, budgets 4k-16k, 1-32 samples a rank.
 
-Run: ``.venv/bin/python -m benchmarks.verl_as_run [--cases 200] [--seed 1]``.
+Run: ``.venv/bin/python -m benchmarks.verl_as_run [--cases 200] [--seed 1]``; with
+``--planning-time``, the CPU one plan of a step takes at dp 8 to 512 instead.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -225,7 +228,41 @@ def format_summary(summary: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def planning_time() -> str:
+    """CPU of one :func:`plan_verl_batch` (what every rank computes each step) on log-normal
+    lengths (median ~1,800 tokens, budget 16,384) at a few DP sizes, pp 1 and pp 4 x vpp 2."""
+    rng = random.Random(0)
+    lines = []
+    for dp, per_rank in ((512, 32), (64, 64), (8, 256)):
+        lengths = [
+            [min(16384, max(1, int(rng.lognormvariate(7.5, 1.0)))) for _ in range(per_rank)]
+            for _ in range(dp)
+        ]
+        for pp, vpp in ((1, 1), (4, 2)):
+            config = verl_planner_config(
+                16384,
+                pp_size=pp,
+                vpp_size=vpp,
+                microbatch_group_size_per_vp_stage=pp,
+                tp_size=1,
+                cp_size=1,
+                packed=True,
+            )
+            start = time.process_time()
+            plan = plan_verl_batch(lengths, config)
+            seconds = time.process_time() - start
+            lines.append(
+                f"dp {dp} x {per_rank} samples, pp {pp} vpp {vpp}: {plan.num_microbatches} "
+                f"micro-batches a rank, planned in {seconds:.2f} s of CPU"
+            )
+    return "\n".join(lines)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--planning-time" in argv:
+        print(planning_time())
+        return 0
     return as_run_main(argv, __doc__.split("\n\n")[0], search, format_summary, 200)
 
 

@@ -37,6 +37,7 @@ from .spec import ParallelLayout, PlannerConfig, ceil_div, round_up
 
 __all__ = [
     "FULL_SEARCH_RANKS",
+    "FULL_SEARCH_SAMPLES",
     "ShardedPlan",
     "fill_the_count",
     "plan_rank_shards",
@@ -53,6 +54,9 @@ Ranks = List[MicroBatches]
 #: are split by differencing. At dp 512 with 32 samples a rank (pp 4, vpp 2) the full search on
 #: every rank took 25 s a step.
 FULL_SEARCH_RANKS = 16
+#: ... and at most this many samples in all (at least one rank): a rank of 256 samples at pp 4,
+#: vpp 2 takes the full search about 0.13 s.
+FULL_SEARCH_SAMPLES = 1024
 #: Counts a differencing split of one rank tries, from the fewest, before the planner plans it.
 _DIFFERENCED_TRIES = 4
 #: Times :func:`fill_the_count` tries a lower count (each: the slowest rank's own).
@@ -152,11 +156,14 @@ def plan_rank_shards(
 
 
 def _heaviest(lengths_per_rank: Sequence[Sequence[int]], config: PlannerConfig) -> Set[int]:
-    """The ranks the planner's full search plans (every rank, unless rows are variable and there
-    are more than :data:`FULL_SEARCH_RANKS`: then that many, the heaviest by their samples' cost).
-    """
+    """The ranks the planner's full search plans: every rank, unless rows are variable and there
+    are more than :data:`FULL_SEARCH_RANKS` or :data:`FULL_SEARCH_SAMPLES`: then the heaviest by
+    their samples' cost, within both."""
     ranks = [r for r, lengths in enumerate(lengths_per_rank) if lengths]
-    if not config.variable_row_lengths or len(ranks) <= FULL_SEARCH_RANKS:
+    samples = sum(len(lengths_per_rank[r]) for r in ranks)
+    if not config.variable_row_lengths or (
+        len(ranks) <= FULL_SEARCH_RANKS and samples <= FULL_SEARCH_SAMPLES
+    ):
         return set(ranks)
     multiple = config.parallel.sample_multiple
 
@@ -164,7 +171,14 @@ def _heaviest(lengths_per_rank: Sequence[Sequence[int]], config: PlannerConfig) 
         sizes = [round_up(n, multiple) for n in lengths_per_rank[rank]]
         return sum(sample_costs(config.cost, config.layout, sizes, sizes))
 
-    return set(sorted(ranks, key=lambda r: (-work(r), r))[:FULL_SEARCH_RANKS])
+    full: Set[int] = set()
+    searched = 0
+    for rank in sorted(ranks, key=lambda r: (-work(r), r))[:FULL_SEARCH_RANKS]:
+        searched += len(lengths_per_rank[rank])
+        if full and searched > FULL_SEARCH_SAMPLES:
+            break
+        full.add(rank)
+    return full
 
 
 def _differenced(

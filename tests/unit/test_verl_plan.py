@@ -303,8 +303,8 @@ def test_the_count_is_chosen_for_the_slowest_rank_and_placeholders_cost_a_sample
 def test_never_behind_verls_own_as_it_runs_where_verl_keeps_the_budget():
     """``benchmarks/verl_as_run.py``'s first 40 batches of seed 1, verl's stand-in
     (``benchmarks.baselines.verl_kk``): ours never more than 0.5% behind wherever verl kept every
-    micro-batch within the budget (19 of 60 were behind, by up to 27%, with micro-batches
-    costed at the cap; 4 of 60 before the count was chosen for the slowest rank)."""
+    micro-batch within the budget (behind by up to 5% with micro-batches costed at the cap, by up
+    to 1.5% before the count was chosen for the slowest rank)."""
     from benchmarks import verl_as_run
 
     rng = random.Random(1)
@@ -319,3 +319,51 @@ def test_never_behind_verls_own_as_it_runs_where_verl_keeps_the_budget():
         for fraction, ratios in result["ratios"].items():
             behind += [(r, key, fraction, case.label) for key, r in ratios.items() if r > 1.005]
     assert compared >= 20 and not behind, (compared, behind)
+
+
+@pytest.mark.parametrize("dp, per_rank", [(24, 12), (3, 400)])
+def test_beyond_the_full_search_budget_the_plan_stays_valid_and_as_fast(dp, per_rank, monkeypatch):
+    # Above FULL_SEARCH_RANKS ranks (or FULL_SEARCH_SAMPLES samples) the lighter ranks are split
+    # by differencing and only the slowest get the full search: every sample once, the cap, one
+    # count, and a step within 1% of planning every rank with the full search.
+    from megatron_dynbatch.planning import sharded
+
+    rng = random.Random(dp)
+    lengths = [
+        [min(4096, max(1, int(rng.lognormvariate(6.5, 1.0)))) for _ in range(per_rank)]
+        for _ in range(dp)
+    ]
+    config = _config(4096, pp=4, vpp=2, group=4, tp=2)
+    assert len(sharded._heaviest(lengths, config)) < dp
+    plan = plan_verl_batch(lengths, config)
+
+    def step(plan):
+        return max(
+            sharded.rank_step_time(
+                mbs, plan.num_microbatches, lengths[r], config, round_up(min(lengths[r]), 2)
+            )
+            for r, mbs in enumerate(plan.ranks)
+        )
+
+    for r, mbs in enumerate(plan.ranks):
+        assert sorted(i for mb in mbs for i in mb) == list(range(per_rank))
+        assert all(sum(round_up(lengths[r][i], 2) for i in mb) <= 4096 for mb in mbs)
+    monkeypatch.setattr(sharded, "FULL_SEARCH_RANKS", 10**6)
+    monkeypatch.setattr(sharded, "FULL_SEARCH_SAMPLES", 10**9)
+    assert step(plan) <= 1.01 * step(plan_verl_batch(lengths, config))
+
+
+def test_a_32_rank_step_split_by_differencing_is_not_behind_verls_own():
+    """``benchmarks/verl_as_run.py`` seed 2, #48 (32 ranks of 19 GRPO samples, pp 4): the 16
+    lighter ranks split by differencing were 13% slower than verl's own as differencing laid them
+    out, until they were ordered for the pipeline and the slowest given the full search."""
+    from benchmarks import verl_as_run
+
+    rng = random.Random(2)
+    for k in range(49):
+        case = verl_as_run.random_case(rng, k)
+    assert case.dp == 32 and case.pp == 4, case.label
+    result = verl_as_run.run_case(case, (0.0, 0.05), 24576.0)
+    assert result["verl_over_cap"] == 0 and result["ours_over_cap"] == 0
+    for fraction, ratios in result["ratios"].items():
+        assert max(ratios.values()) <= 1.005, (fraction, ratios)
