@@ -548,9 +548,10 @@ def _critic_body(verl_root, num, budget, long_every, agg_mode, scale):
     from megatron_dynbatch.tools.testing.tiny_gpt import named_global_grads
 
     pp = ps.get_pipeline_model_parallel_world_size()
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     config, chunks = _verl_model(value_head=True)
-    engine = _engine(ti, chunks, config, dynamic=True, pp=pp, vpp=1)
+    engine = _engine(ti, chunks, config, dynamic=True, pp=pp, vpp=vpp)
     engine.__class__ = ti.MegatronEngineWithValueHead
     # Record what the plan gave this rank in each pass (real micro-batches, count).
     from megatron_dynbatch.integrations.verl import engine as dynbatch
@@ -628,9 +629,11 @@ def _critic_reference_body(num, long_every, agg_mode, scale):
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_verl_critic_values_and_value_loss_match_per_sample_reference(patched_verl, mode):
     """The critic's passes are planned the same way: verl's ``MegatronEngineWithValueHead`` at
-    pp 2, dp 2, a rank with fewer samples than the count; the forward-only values come back in
-    sample order and the value loss's gradients equal each sample run alone."""
-    num, budget, long_every, scale = 4, 36, 2, 16.0
+    pp 2 x vpp 2, dp 2, one sample a rank (fewer than the interleaved group: placeholders); the
+    forward-only values come back in sample order and the value loss's gradients equal each
+    sample run alone. (A rank that needs fewer micro-batches than another but holds as many
+    samples now fills the count with its own samples, placeholders being copies of a sample.)"""
+    num, budget, long_every, scale = 2, 36, 2, 16.0
     results = run_on_ranks(
         4,
         _critic_body,
@@ -640,7 +643,7 @@ def test_verl_critic_values_and_value_loss_match_per_sample_reference(patched_ve
         long_every,
         mode,
         scale,
-        layout=Layout(pp=2),
+        layout=Layout(pp=2, vpp=2),
         timeout_s=BODY_TIMEOUT_S,
     )
     [reference] = run_on_ranks(
@@ -649,7 +652,7 @@ def test_verl_critic_values_and_value_loss_match_per_sample_reference(patched_ve
     for r in results:
         r["log_probs"] = r["values"]  # _check compares the forward-only outputs under this key
         r["stubbed"] = ()
-    counts = _check(results, reference, num, f"critic pp2 dp2 {mode}", output="value")
+    counts = _check(results, reference, num, f"critic pp2 vpp2 dp2 {mode}", output="value")
     assert len(counts) == 1, f"DP ranks ran different micro-batch counts: {counts}"
     # Both passes ran through the plan, and a rank ran placeholders after its real micro-batches.
     planned = [r["planned"] for r in results]
@@ -745,19 +748,19 @@ def test_an_oversize_sample_is_refused_on_every_rank_naming_verls_key(patched_ve
 @needs_verl
 def test_moe_routers_count_only_the_tokens_of_real_micro_batches(patched_verl):
     """Patch 0002: a tiny MoE (aux loss and z-loss on) through verl's forward_backward_batch at
-    pp 2, dp 2, where one DP rank runs placeholder micro-batches (its samples are short): every
-    router of every rank counts exactly its own samples' tokens (tp 1: no alignment pad), none of
-    a placeholder's; gradients stay finite."""
+    pp 2 x vpp 2, dp 2, one sample a rank, so each runs a placeholder micro-batch (the
+    interleaved group is 2): every router of every rank counts exactly its own samples' tokens
+    (tp 1: no alignment pad), none of a placeholder's; gradients stay finite."""
     results = run_on_ranks(
         4,
         _verl_body,
         patched_verl,
-        8,
+        2,
         "token-mean",
         40,
         long_every=8,
         moe=True,
-        layout=Layout(pp=2),
+        layout=Layout(pp=2, vpp=2),
         timeout_s=BODY_TIMEOUT_S,
     )
     from megatron_dynbatch.integrations.verl.engine import plan_verl_batch, verl_planner_config
@@ -766,7 +769,7 @@ def test_moe_routers_count_only_the_tokens_of_real_micro_batches(patched_verl):
     config = verl_planner_config(
         40,
         pp_size=2,
-        vpp_size=1,
+        vpp_size=2,
         microbatch_group_size_per_vp_stage=None,
         tp_size=1,
         cp_size=1,
