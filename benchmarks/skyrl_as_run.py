@@ -23,7 +23,8 @@ and told the true overhead in tokens of linear work
 random held-out steps (GRPO groups, multi-turn, long tails, samples near the budget), dp 1-16,
 pp 1, 2 or 4 (vpp 1), tp 1 or 2, budgets 4k-16k, 1-32 samples a rank.
 
-Run: ``.venv/bin/python -m benchmarks.skyrl_as_run [--cases 200] [--seed 1]``.
+Run: ``.venv/bin/python -m benchmarks.skyrl_as_run [--cases 200] [--seed 1]``; with
+``--planning-time``, the CPU one plan of a mini-batch takes at dp 8 to 512 instead.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from benchmarks.as_run import FAMILIES, _lengths
 from benchmarks.baselines import skyrl_balanced
-from benchmarks.metrics import as_run_main, as_run_search, ratio_lines
+from benchmarks.metrics import as_run_main, as_run_search, ratio_lines, sharded_planning_time
 from megatron_dynbatch.integrations.skyrl.plan import plan_skyrl_minibatch
 from megatron_dynbatch.planning import CostModel
 from megatron_dynbatch.planning.cost import microbatch_cost
@@ -197,8 +198,15 @@ def format_summary(summary: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def planning_time() -> str:
+    """CPU of one :func:`plan_skyrl_minibatch` (what every rank computes each mini-batch)."""
+    return sharded_planning_time(
+        lambda lengths, pp, vpp: plan_skyrl_minibatch(lengths, 16384, pp_size=pp, vpp_size=vpp)
+    )
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    return as_run_main(argv, __doc__.split("\n\n")[0], search, format_summary, 200)
+    return as_run_main(argv, __doc__.split("\n\n")[0], search, format_summary, 200, planning_time)
 
 
 if __name__ == "__main__":

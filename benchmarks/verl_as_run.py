@@ -32,14 +32,18 @@ from __future__ import annotations
 
 import os
 import random
-import sys
-import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 from benchmarks.as_run import FAMILIES, _lengths
 from benchmarks.baselines import BaselineFailure, verl_kk
-from benchmarks.metrics import as_run_main, as_run_search, ratio_lines, ratio_table
+from benchmarks.metrics import (
+    as_run_main,
+    as_run_search,
+    ratio_lines,
+    ratio_table,
+    sharded_planning_time,
+)
 from benchmarks.skyrl_as_run import true_cost
 from megatron_dynbatch.integrations.verl.engine import plan_verl_batch, verl_planner_config
 from megatron_dynbatch.planning import CostModel
@@ -229,41 +233,25 @@ def format_summary(summary: Dict[str, Any]) -> str:
 
 
 def planning_time() -> str:
-    """CPU of one :func:`plan_verl_batch` (what every rank computes each step) on log-normal
-    lengths (median ~1,800 tokens, budget 16,384) at a few DP sizes, pp 1 and pp 4 x vpp 2."""
-    rng = random.Random(0)
-    lines = []
-    for dp, per_rank in ((512, 32), (64, 64), (8, 256)):
-        lengths = [
-            [min(16384, max(1, int(rng.lognormvariate(7.5, 1.0)))) for _ in range(per_rank)]
-            for _ in range(dp)
-        ]
-        for pp, vpp in ((1, 1), (4, 2)):
-            config = verl_planner_config(
-                16384,
-                pp_size=pp,
-                vpp_size=vpp,
-                microbatch_group_size_per_vp_stage=pp,
-                tp_size=1,
-                cp_size=1,
-                packed=True,
-            )
-            start = time.process_time()
-            plan = plan_verl_batch(lengths, config)
-            seconds = time.process_time() - start
-            lines.append(
-                f"dp {dp} x {per_rank} samples, pp {pp} vpp {vpp}: {plan.num_microbatches} "
-                f"micro-batches a rank, planned in {seconds:.2f} s of CPU"
-            )
-    return "\n".join(lines)
+    """CPU of one :func:`plan_verl_batch` (what every rank computes each step)."""
+
+    def plan(lengths: List[List[int]], pp: int, vpp: int):
+        config = verl_planner_config(
+            16384,
+            pp_size=pp,
+            vpp_size=vpp,
+            microbatch_group_size_per_vp_stage=pp,
+            tp_size=1,
+            cp_size=1,
+            packed=True,
+        )
+        return plan_verl_batch(lengths, config)
+
+    return sharded_planning_time(plan)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--planning-time" in argv:
-        print(planning_time())
-        return 0
-    return as_run_main(argv, __doc__.split("\n\n")[0], search, format_summary, 200)
+    return as_run_main(argv, __doc__.split("\n\n")[0], search, format_summary, 200, planning_time)
 
 
 if __name__ == "__main__":
