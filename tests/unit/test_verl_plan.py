@@ -301,7 +301,7 @@ def test_the_count_is_chosen_for_the_slowest_rank_and_placeholders_cost_a_sample
 
 
 def test_never_behind_verls_own_as_it_runs_where_verl_keeps_the_budget():
-    """``benchmarks/verl_as_run.py``'s first 40 batches of seed 1, verl's stand-in
+    """``benchmarks/verl_as_run.py``'s first 24 batches of seed 1, verl's stand-in
     (``benchmarks.baselines.verl_kk``): ours never more than 0.5% behind wherever verl kept every
     micro-batch within the budget (behind by up to 5% with micro-batches costed at the cap, by up
     to 1.5% before the count was chosen for the slowest rank)."""
@@ -309,16 +309,16 @@ def test_never_behind_verls_own_as_it_runs_where_verl_keeps_the_budget():
 
     rng = random.Random(1)
     behind, compared = [], 0
-    for k in range(40):
+    for k in range(24):
         case = verl_as_run.random_case(rng, k)
-        result = verl_as_run.run_case(case, (0.0, 0.01, 0.05), 24576.0)
+        result = verl_as_run.run_case(case, (0.0, 0.05), 24576.0)
         assert result["ours_over_cap"] == 0, case.label
         if result["verl_over_cap"] or result["verl_refused"]:
             continue
         compared += 1
         for fraction, ratios in result["ratios"].items():
             behind += [(r, key, fraction, case.label) for key, r in ratios.items() if r > 1.005]
-    assert compared >= 20 and not behind, (compared, behind)
+    assert compared >= 12 and not behind, (compared, behind)
 
 
 @pytest.mark.parametrize("dp, per_rank", [(24, 12), (3, 400)])
