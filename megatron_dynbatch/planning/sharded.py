@@ -411,8 +411,8 @@ def fill_the_count(
     step = times(fitted, count)
     for _ in range(FULL_SEARCH_RANKS):
         slowest = max(range(len(step)), key=lambda r: (step[r], -r))
-        if slowest in searched:
-            break
+        if slowest in searched or not fitted[slowest]:
+            break  # searched already, or no rank holds a sample
         searched.add(slowest)
         lengths = lengths_per_rank[slowest]
         other, _ = _plan_rank(lengths, config, count, placeholder=placeholder(lengths))

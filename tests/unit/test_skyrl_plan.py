@@ -159,6 +159,11 @@ def test_fewer_samples_than_dp_ranks_gives_placeholder_only_ranks():
     plan = plan_skyrl_minibatch([[5], [], [], [7]], 16, pp_size=2)
     assert plan.num_microbatches == 1
     assert [plan.placeholders(r) for r in range(4)] == [0, 1, 1, 0]
+    # No sample on any rank: one placeholder each (the count for the slowest rank must not plan
+    # a rank without samples).
+    for pp in (1, 2):
+        plan = plan_skyrl_minibatch([[], []], 16, pp_size=pp)
+        assert plan.num_microbatches == 1 and plan.ranks == ((), ())
 
 
 @pytest.mark.parametrize(
