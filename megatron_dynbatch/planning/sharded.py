@@ -187,22 +187,29 @@ def _differenced(
     """One rank's samples split by differencing on their cost into ``count`` micro-batches laid
     light-heavy-light (``None``: the fewest that keep the budget, trying a few counts), or
     ``None`` where no such split keeps the budget."""
-    multiple = config.parallel.sample_multiple
     cap = config.token_cap
-    sizes = [round_up(n, multiple) for n in lengths]
-    weights = sample_costs(config.cost, config.layout, sizes, sizes)
     if count is not None:
         tries = [count]
     else:
+        sizes = [round_up(n, config.parallel.sample_multiple) for n in lengths]
         group = config.parallel.microbatch_multiple
         halves = sum(1 for size in sizes if size > cap // 2)
         first = round_up(max(1, ceil_div(sum(sizes), cap), halves), group)
         tries = list(range(first, len(sizes) + 1, group))[:_DIFFERENCED_TRIES]
     for k in tries:
-        split = differenced_rows(range(len(sizes)), sizes, weights, cap, min(k, len(sizes)))
+        split = _split(lengths, config, min(k, len(lengths)))
         if split is not None:
             return _best_order(split, lengths, config, k)
     return None
+
+
+def _split(lengths: Sequence[int], config: PlannerConfig, count: int) -> Optional[MicroBatches]:
+    """:func:`.candidates.differenced_rows` of one rank's samples on their cost (verl's split of
+    a rank) into ``count`` micro-batches, as it lays them; ``None`` where one breaks the cap."""
+    sizes = [round_up(n, config.parallel.sample_multiple) for n in lengths]
+    weights = sample_costs(config.cost, config.layout, sizes, sizes)
+    split = differenced_rows(range(len(sizes)), sizes, weights, config.token_cap, count)
+    return None if split is None else tuple(tuple(mb) for mb in split)
 
 
 def _best_order(
@@ -266,18 +273,10 @@ def _plan_rank(
         fewer = _plan_rank(lengths, config, planned - multiple, placeholder=placeholder)
         candidates.append(fewer[0])
     if len(mbs) < target <= len(lengths):
-        # Every micro-batch real: the rank's samples split by differencing on their cost (as
-        # verl splits a rank), where the planner's own packing left some empty.
-        sizes = [round_up(n, config.parallel.sample_multiple) for n in lengths]
-        split = differenced_rows(
-            range(len(lengths)),
-            sizes,
-            sample_costs(config.cost, config.layout, sizes, sizes),
-            config.token_cap,
-            target,
-        )
+        # Every micro-batch real, where the planner's own packing left some empty.
+        split = _split(lengths, config, target)
         if split is not None:
-            candidates.append(tuple(tuple(mb) for mb in split))
+            candidates.append(split)
 
     def runs(mbs: MicroBatches) -> float:
         total = round_up(len(mbs), multiple) if count is None else count
@@ -294,15 +293,20 @@ def rank_step_time(
     lengths: Sequence[int],
     config: PlannerConfig,
     placeholder: Optional[int] = None,
+    *,
+    rows: int = 0,
 ) -> float:
     """The planner's simulated step of one rank running ``mbs`` then placeholders up to
     ``count``, each micro-batch a row of its own (``config.variable_row_lengths``).
     ``placeholder``: tokens of the one sample a placeholder copies (verl's: the rank's shortest,
-    padded), computed like a sample; ``None``: the shortest row the layout allows, no sample."""
+    padded), computed like a sample; ``None``: the shortest row the layout allows, no sample.
+    ``rows``: every micro-batch topped up to that many samples with one-token rows, each padded
+    to the alignment (SkyRL's placeholder rows; a placeholder micro-batch is ``rows`` of them)."""
     multiple = config.parallel.sample_multiple
     sizes = [[round_up(lengths[i], multiple) for i in mb] for mb in mbs]
     filler = [] if placeholder is None else [placeholder]
     sizes += [list(filler) for _ in range(count - len(mbs))]
+    sizes = [mb + [multiple] * (rows - len(mb)) for mb in sizes]
     rows = variable_rows(
         [sum(mb) for mb in sizes], config.variable_row_multiple, config.token_cap, config.memory
     )
@@ -364,16 +368,13 @@ def fill_the_count(
             exact[key] = other if len(other) <= count else None
         return exact[key]
 
-    def times(plan: Sequence[Tuple[Tuple[int, ...], ...]], count: int) -> List[float]:
+    def times(plan: Sequence[MicroBatches], count: int) -> List[float]:
         return [
             rank_step_time(mbs, count, lengths, config, placeholder(lengths)) if mbs else 0.0
             for mbs, lengths in zip(plan, lengths_per_rank, strict=True)
         ]
 
-    def common(plan: Sequence[Tuple[Tuple[int, ...], ...]]) -> int:
-        return round_up(max([1] + [len(mbs) for mbs in plan]), multiple)
-
-    count = common(fitted)
+    count = round_up(max([1] + [len(mbs) for mbs in fitted]), multiple)
     step = times(fitted, count)
     for _ in range(_LOWERINGS):
         slowest = max(range(len(step)), key=lambda r: (step[r], -r))
@@ -424,7 +425,7 @@ def fill_the_count(
 
 
 def sharded_plan(
-    ranks: Sequence[Tuple[Tuple[int, ...], ...]],
+    ranks: Sequence[MicroBatches],
     oversize: Sequence[Tuple[int, int]],
     parallel: ParallelLayout,
 ) -> ShardedPlan:

@@ -41,9 +41,12 @@ from megatron_dynbatch.planning import (
     check_plan,
     round_up,
 )
-from megatron_dynbatch.planning.cost import microbatch_cost
-from megatron_dynbatch.planning.sharded import ShardedPlan, plan_rank_shards, sharded_plan
-from megatron_dynbatch.planning.simulate import pipeline_makespan
+from megatron_dynbatch.planning.sharded import (
+    ShardedPlan,
+    plan_rank_shards,
+    rank_step_time,
+    sharded_plan,
+)
 
 __all__ = ["SkyrlPlan", "fit_placeholder_rows", "plan_skyrl_minibatch"]
 
@@ -164,22 +167,10 @@ def _within_the_rows(
 def _step(plan: ShardedPlan, lengths: Sequence[Sequence[int]], config: PlannerConfig) -> float:
     """The planner's simulated step of ``plan`` as SkyRL runs it: every micro-batch its samples
     and ``B - k`` one-token rows (at the alignment), a row of its own length; the slowest rank."""
-    multiple = config.parallel.sample_multiple
-    parallel = config.parallel
-    slowest = 0.0
-    for rank, mbs in enumerate(plan.ranks):
-        costs = []
-        for mb in list(mbs) + [()] * plan.placeholders(rank):
-            sizes = [round_up(lengths[rank][i], multiple) for i in mb]
-            sizes += [multiple] * (plan.rows - len(mb))
-            costs.append(
-                microbatch_cost(config.cost, "packed", sum(sizes), 1, sizes, [0] * len(sizes))
-            )
-        slowest = max(
-            slowest,
-            pipeline_makespan(costs, parallel.pp_size, parallel.vpp_size, parallel.group_size),
-        )
-    return slowest
+    return max(
+        rank_step_time(mbs, plan.num_microbatches, lengths[rank], config, rows=plan.rows)
+        for rank, mbs in enumerate(plan.ranks)
+    )
 
 
 def fit_placeholder_rows(
