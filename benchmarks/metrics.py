@@ -17,7 +17,7 @@ import random
 import statistics
 import time
 from collections import Counter
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning.cost import microbatch_cost
@@ -312,6 +312,34 @@ def ratio_lines(
                 f"{row['median']:.4f}, best {row['best']:.4f}, worst {worst:.4f} ({label})"
             )
     return lines
+
+
+def packed_step(
+    ranks: Sequence[Sequence[Sequence[int]]], cost: CostModel, pp: int, vpp: int = 1
+) -> float:
+    """The slowest rank's makespan, ``ranks[r][m]`` the padded sizes of the samples of one packed
+    row (a micro-batch at its own length, attention per sample), replayed in Megatron's 1F1B or
+    interleaved order (group ``pp``)."""
+    return max(
+        pipeline_makespan(
+            [microbatch_cost(cost, "packed", sum(mb), 1, list(mb), [0] * len(mb)) for mb in rank],
+            pp,
+            vpp,
+            pp,
+        )
+        for rank in ranks
+    )
+
+
+def draw_layout(
+    rng: random.Random,
+    dp_sizes: Sequence[int],
+    pp_sizes: Sequence[int] = (1, 2, 4),
+    caps: Sequence[int] = (4096, 8192, 16384),
+) -> Tuple[int, int, int, int]:
+    """``(dp, pp, tp, cap)`` of a sharded host's random step, drawn in that order from ``rng``
+    (tp 1 or 2)."""
+    return rng.choice(dp_sizes), rng.choice(pp_sizes), rng.choice((1, 2)), rng.choice(caps)
 
 
 def sharded_planning_time(plan: Callable[[List[List[int]], int, int], Any]) -> str:

@@ -36,18 +36,21 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from benchmarks.as_run import FAMILIES, _lengths
 from benchmarks.baselines import skyrl_balanced
-from benchmarks.metrics import as_run_main, as_run_search, ratio_lines, sharded_planning_time
+from benchmarks.metrics import (
+    as_run_main,
+    as_run_search,
+    draw_layout,
+    packed_step,
+    ratio_lines,
+    sharded_planning_time,
+)
 from megatron_dynbatch.integrations.skyrl.plan import plan_skyrl_minibatch
 from megatron_dynbatch.planning import CostModel
-from megatron_dynbatch.planning.cost import microbatch_cost
-from megatron_dynbatch.planning.simulate import pipeline_makespan
 from megatron_dynbatch.planning.spec import round_up
 
 __all__ = ["SkyrlCase", "random_case", "run_case"]
 
 DP_SIZES = (1, 2, 4, 8, 16)
-PP_SIZES = (1, 2, 4)
-CAPS = (4096, 8192, 16384)
 #: Slower than SkyRL's own by more than this counts as SkyRL being faster.
 TOLERANCE = 0.005
 NAMES = {"ours": "ours / SkyRL", "told": "ours told / SkyRL"}
@@ -68,12 +71,7 @@ class SkyrlCase:
 def random_case(rng: random.Random, index: int) -> SkyrlCase:
     """The ``index``-th case drawn from ``rng`` (deterministic for a seed)."""
     family = FAMILIES[index % len(FAMILIES)]
-    dp, pp, tp, cap = (
-        rng.choice(DP_SIZES),
-        rng.choice(PP_SIZES),
-        rng.choice((1, 2)),
-        rng.choice(CAPS),
-    )
+    dp, pp, tp, cap = draw_layout(rng, DP_SIZES)
     per_rank = rng.randint(1, 32)
     seed = rng.randrange(1 << 30)
     # Not always a multiple of dp: SkyRL's dispatch pads with copies of sample 0.
@@ -88,15 +86,6 @@ def _shards(case: SkyrlCase) -> List[List[int]]:
     every = case.lengths + [case.lengths[0]] * ((-len(case.lengths)) % case.dp)
     chunk = len(every) // case.dp
     return [every[r * chunk : (r + 1) * chunk] for r in range(case.dp)]
-
-
-def _cost(cost: CostModel, sizes: Sequence[int]) -> float:
-    return microbatch_cost(cost, "packed", sum(sizes), 1, list(sizes), [0] * len(sizes))
-
-
-def _step(ranks: Sequence[Sequence[Sequence[int]]], pp: int, cost: CostModel) -> float:
-    """The slowest rank's makespan; ``ranks[r][m]``: the padded sizes of each row."""
-    return max(pipeline_makespan([_cost(cost, mb) for mb in rank], pp) for rank in ranks)
 
 
 def skyrl_rows(case: SkyrlCase) -> List[List[List[int]]]:
@@ -164,10 +153,10 @@ def run_case(case: SkyrlCase, overheads: Sequence[float], crossover: float) -> D
         cost = true_cost(case, fraction, crossover)
         told = our_rows(case, cost.microbatch_overhead / cost.token_weight)
         result["ours_over_cap"] += over_cap(case, ours) + over_cap(case, told)
-        skyrl = _step(theirs, case.pp, cost)
+        skyrl = packed_step(theirs, cost, case.pp)
         result["ratios"][fraction] = {
-            "ours": _step(ours, case.pp, cost) / skyrl,
-            "told": _step(told, case.pp, cost) / skyrl,
+            "ours": packed_step(ours, cost, case.pp) / skyrl,
+            "told": packed_step(told, cost, case.pp) / skyrl,
         }
     return result
 

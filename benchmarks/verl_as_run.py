@@ -40,22 +40,19 @@ from benchmarks.baselines import BaselineFailure, verl_kk
 from benchmarks.metrics import (
     as_run_main,
     as_run_search,
+    draw_layout,
+    packed_step,
     ratio_lines,
     ratio_table,
     sharded_planning_time,
 )
 from benchmarks.skyrl_as_run import true_cost
 from megatron_dynbatch.integrations.verl.engine import plan_verl_batch, verl_planner_config
-from megatron_dynbatch.planning import CostModel
-from megatron_dynbatch.planning.cost import microbatch_cost
-from megatron_dynbatch.planning.simulate import pipeline_makespan
 from megatron_dynbatch.planning.spec import round_up
 
 __all__ = ["VerlCase", "random_case", "run_case"]
 
 DP_SIZES = (1, 2, 4, 8, 16, 32, 64)
-PP_SIZES = (1, 2, 4)
-CAPS = (4096, 8192, 16384)
 #: Slower than verl's own by more than this counts as verl being faster.
 TOLERANCE = 0.005
 NAMES = {"ours": "ours / verl", "told": "ours told / verl"}
@@ -77,12 +74,7 @@ class VerlCase:
 def random_case(rng: random.Random, index: int) -> VerlCase:
     """The ``index``-th case drawn from ``rng`` (deterministic for a seed)."""
     family = FAMILIES[index % len(FAMILIES)]
-    dp, pp, tp, cap = (
-        rng.choice(DP_SIZES),
-        rng.choice(PP_SIZES),
-        rng.choice((1, 2)),
-        rng.choice(CAPS),
-    )
+    dp, pp, tp, cap = draw_layout(rng, DP_SIZES)
     vpp = rng.choice((1, 2)) if pp > 1 else 1
     per_rank = rng.randint(1, 32)
     seed = rng.randrange(1 << 30)
@@ -110,18 +102,6 @@ def verl_ranks(case: VerlCase) -> List[List[List[int]]]:
         case.lengths, dp_size=case.dp, token_cap=case.cap, microbatch_multiple=multiple
     )
     return [[list(mb) for mb in rank if mb] for rank in schedule]
-
-
-def _cost(cost: CostModel, sizes: Sequence[int]) -> float:
-    return microbatch_cost(cost, "packed", sum(sizes), 1, list(sizes), [0] * len(sizes))
-
-
-def _step(case: VerlCase, ranks: Sequence[Sequence[Sequence[int]]], cost: CostModel) -> float:
-    """The slowest rank's makespan; ``ranks[r][m]``: the padded sizes of each sample."""
-    return max(
-        pipeline_makespan([_cost(cost, mb) for mb in rank], case.pp, case.vpp, case.pp)
-        for rank in ranks
-    )
 
 
 def verl_rows(case: VerlCase, ranks: Sequence[Sequence[Sequence[int]]]) -> List[List[List[int]]]:
@@ -186,10 +166,10 @@ def run_case(case: VerlCase, overheads: Sequence[float], crossover: float) -> Di
         cost = true_cost(case, fraction, crossover)
         told = our_rows(case, shards, cost.microbatch_overhead / cost.token_weight)
         result["ours_over_cap"] += over_cap(case, told)
-        verl = _step(case, theirs, cost)
+        verl = packed_step(theirs, cost, case.pp, case.vpp)
         result["ratios"][fraction] = {
-            "ours": _step(case, ours, cost) / verl,
-            "told": _step(case, told, cost) / verl,
+            "ours": packed_step(ours, cost, case.pp, case.vpp) / verl,
+            "told": packed_step(told, cost, case.pp, case.vpp) / verl,
         }
     return result
 
