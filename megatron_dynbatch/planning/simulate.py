@@ -388,23 +388,39 @@ def pipeline_makespan(
     elif group is None:
         group = pp_size
     share = float(pp_size * vpp_size)
-    fwd = [c / share for c in fwd_costs]
-    bwd = [c / share for c in bwd_costs]
-    done = [0.0] * (2 * pp_size * vpp_size * num_microbatches)
-    free_at = [0.0] * pp_size
-    # One pass in an order where every step's dependency and stage predecessor come first:
-    # each step's finish is max(its stage free, its dependency done) + duration, whatever
-    # order the stages are walked in, so the floats are those of a stage-by-stage replay.
-    for stage, slot, dep, m, backward in _replay_order(num_microbatches, pp_size, vpp_size, group):
-        t = free_at[stage]
-        if dep >= 0:
-            ready = done[dep]
-            if ready > t:
-                t = ready
-        t += bwd[m] if backward else fwd[m]
-        done[slot] = t
-        free_at[stage] = t
-    return max(free_at)
+    # Forward durations at 0..M-1, backward at M..2M-1 (the same floats as c / share each).
+    durations = [c / share for c in fwd_costs] + [c / share for c in bwd_costs]
+    steps, last, size = _flat_replay(num_microbatches, pp_size, vpp_size, group)
+    done = [0.0] * size
+    # Each step starts when both its stage's previous step and its dependency are done (slot
+    # ``size - 1`` stands for "nothing", always 0.0): the floats of a stage-by-stage replay.
+    for slot, dep, previous, k in steps:
+        t = done[previous]
+        ready = done[dep]
+        if ready > t:
+            t = ready
+        done[slot] = t + durations[k]
+    return max(done[slot] for slot in last)
+
+
+@functools.lru_cache(maxsize=256)
+def _flat_replay(
+    num_microbatches: int, pp_size: int, vpp_size: int, group: int
+) -> Tuple[Tuple[Tuple[int, int, int, int], ...], Tuple[int, ...], int]:
+    """:func:`_replay_order` as :func:`pipeline_makespan` replays it: ``(slot, dependency slot,
+    the stage's previous slot, duration index)`` per step, with a sentinel slot (the last, never
+    written) for "no dependency" and "first on its stage"; every stage's last slot; the number
+    of slots. Reading the stage's previous finish from the same list saves a list and a write a
+    step (the planner replays thousands of candidates a step)."""
+    order = _replay_order(num_microbatches, pp_size, vpp_size, group)
+    sentinel = 2 * pp_size * vpp_size * num_microbatches
+    last = [sentinel] * pp_size
+    steps = []
+    for stage, slot, dep, m, backward in order:
+        k = num_microbatches + m if backward else m
+        steps.append((slot, dep if dep >= 0 else sentinel, last[stage], k))
+        last[stage] = slot
+    return tuple(steps), tuple(last), sentinel + 1
 
 
 @functools.lru_cache(maxsize=256)
