@@ -231,3 +231,36 @@ def test_a_told_overhead_reaches_the_planner_and_a_bad_one_is_refused_at_start_u
             with pytest.raises(DynBatchValueError, match=re.escape(f"{key}={value!r} must")) as e:
                 check()
             assert f"e.g. {key}=330 " in str(e.value) and "\n" not in str(e.value)
+
+
+def test_at_pp_1_rows_are_planned_at_their_own_length_as_nemo_rl_runs_them():
+    """At PP 1 NeMo-RL's packing runtime runs each micro-batch's THD row at its own length, so
+    the planner balances the ranks' tokens, not their micro-batch counts. Planned as one row
+    length for the step (as at PP > 1, where NeMo-RL pads a rank's rows to its largest pack), a
+    rank of eight GRPO samples took four while two took one: 6.5% slower than NeMo-RL's own
+    dynamic batching (``benchmarks.nemo_rl_as_run --seed 4``, case 148)."""
+    from benchmarks.nemo_rl_as_run import (
+        NemoRlCase,
+        _dynamic_costs,
+        _packed_costs,
+        _step,
+        ours,
+        true_cost,
+    )
+
+    lengths = [2870, 3474, 1456, 935, 3337, 1705, 1594, 1663]
+    case = NemoRlCase("seed 4 #148", lengths, dp=4, pad_multiple=2, train_mb_tokens=4096)
+    for fraction in (0.0, 0.05):
+        cost = true_cost(case, fraction, 24576)
+        planned = ours(case, 1)
+        assert sorted(n for rank in planned for mb in rank for n in mb if n > 2) == sorted(
+            padded_lengths(lengths, 2)
+        )
+        theirs = _step(_dynamic_costs(case, cost), 1)
+        assert _step(_packed_costs(planned, 1, cost), 1) <= theirs * 1.005
+        # The heaviest rank holds at most the mean's tokens plus its smallest sample.
+        assert max(sum(map(sum, rank)) for rank in planned) <= sum(lengths) / 4 + min(lengths) + 4
+    assert nemo_rl_planner_config(_cfg(pp=1), dp_size=4, forward_only=False).variable_row_lengths
+    assert not nemo_rl_planner_config(
+        _cfg(pp=2), dp_size=4, forward_only=False
+    ).variable_row_lengths

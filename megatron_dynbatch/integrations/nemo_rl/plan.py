@@ -191,6 +191,10 @@ def nemo_rl_planner_config(
         forward_only=forward_only,
         memory=memory,
         fixed={"cost_microbatch_overhead": overhead} if overhead is not None else None,
+        # At PP 1 NeMo-RL's runtime runs each packed row at its own length (samples are planned
+        # at their padded lengths already, so no further multiple); at PP > 1 it pads a rank's
+        # rows to its largest pack, which one row length for the step bounds from above.
+        row_multiple=1 if layout.pp_size == 1 else None,
     )
 
 
