@@ -414,6 +414,21 @@ def _arrival_search(searches: List["_Search"]) -> Optional["_PackedSearch"]:
     return search
 
 
+def _lone_oversize_search(searches: List["_Search"]) -> Optional["_PackedSearch"]:
+    """The one-row packed search of one rank (``dp`` 1) with rows of their own length where some
+    samples are over the cap (each runs alone) and others are not; ``None`` otherwise."""
+    search = next((s for s in searches if s.rows == 1), None)
+    if (
+        not isinstance(search, _PackedSearch)
+        or search.dp != 1
+        or not search.oversize
+        or not search.arrival
+        or search.problem.row_multiple is None
+    ):
+        return None
+    return search
+
+
 def _own_weights(problem: StepProblem, search: "_PackedSearch") -> Dict[int, float]:
     """Every sample's own cost in a micro-batch (its linear work and its own attention), by
     sample: what the constructions balance."""
@@ -582,9 +597,13 @@ def _more_candidates(
     too, where it has one); the fastest is kept only when it beats ``chosen``, so the step is
     never predicted slower than without them.
     """
-    search = _arrival_search(searches)
+    search = _arrival_search(searches) or _lone_oversize_search(searches)
     if search is None or not is_small_step(len(problem.items), search.dp):
         return chosen
+    # One rank's samples over the cap (a sharded rank planned under a budget with room for
+    # placeholder rows, a sample at the full budget among them) each run alone: the
+    # constructions pack the others into the micro-batches left.
+    lone = [[i] for i in search.oversize]
     sizes = problem.sizes
     weights = _own_weights(problem, search)
     multiple = search.microbatch_multiple
@@ -606,10 +625,22 @@ def _more_candidates(
     counts.update(range(floor, search.min_per_rank + 1, multiple))
     more = dict(scored)
     for m in sorted(c for c in counts if c >= problem.min_count):
+        if m <= len(lone):
+            continue
         for _name, ranks, keep_order in small_step_candidates(
-            search.arrival, sizes, weights, search.cap, search.dp, m, problem.row_multiple
+            search.arrival,
+            sizes,
+            weights,
+            search.cap,
+            search.dp,
+            m - len(lone),
+            problem.row_multiple,
         ):
+            if lone:
+                [rank] = ranks
+                ranks = [lone + rank]
             for shape in search.score_ranks(ranks, m, keep_order):
+                shape.oversize = list(search.oversize)
                 known = more.get((m, 1))
                 if known is None or shape.step_time < known.step_time * (1.0 - _TIE):
                     more[(m, 1)] = shape

@@ -409,3 +409,20 @@ def test_never_behind_skyrls_own_as_it_runs_on_random_mini_batches():
         for fraction, ratios in result["ratios"].items():
             behind += [(r, key, fraction, case.label) for key, r in ratios.items() if r > 1.005]
     assert not behind, behind
+
+
+def test_samples_at_the_budget_keep_the_constructions_when_planned_with_room_for_the_rows():
+    """A held-out mini-batch (``benchmarks/skyrl_as_run.py --seed 4``, #150: 411 long-tailed
+    samples at dp 16, pp 2, tp 1, budget 4,096). Planned again with room for the ``B - 1``
+    placeholder rows, the two samples at the full budget on the slowest rank are over the
+    smaller budget, each alone; the small-step constructions (and the trainers' orders among
+    them) were skipped on a rank with any such sample, and ours ran 0.7-1.0% behind SkyRL's own.
+    They now pack the rank's other samples into the micro-batches left."""
+    rng = random.Random(4)
+    for k in range(151):
+        case = skyrl_as_run.random_case(rng, k)
+    assert case.label.startswith("#150 long_tail n=411 dp16 pp2 tp1 cap4096")
+    result = skyrl_as_run.run_case(case, (0.0, 0.05), DEFAULT_ATTENTION_CROSSOVER)
+    assert result["ours_over_cap"] == 0
+    for fraction, ratios in result["ratios"].items():
+        assert ratios["ours"] <= 0.99, (fraction, ratios)
