@@ -169,7 +169,7 @@ def _heaviest(lengths_per_rank: Sequence[Sequence[int]], config: PlannerConfig) 
 
     def work(rank: int) -> float:
         sizes = [round_up(n, multiple) for n in lengths_per_rank[rank]]
-        return sum(sample_costs(config.cost, config.layout, sizes, sizes))
+        return sum(_own_costs(config, sizes))
 
     full: Set[int] = set()
     searched = 0
@@ -207,9 +207,19 @@ def _split(lengths: Sequence[int], config: PlannerConfig, count: int) -> Optiona
     """:func:`.candidates.differenced_rows` of one rank's samples on their cost (verl's split of
     a rank) into ``count`` micro-batches, as it lays them; ``None`` where one breaks the cap."""
     sizes = [round_up(n, config.parallel.sample_multiple) for n in lengths]
-    weights = sample_costs(config.cost, config.layout, sizes, sizes)
+    weights = _own_costs(config, sizes)
     split = differenced_rows(range(len(sizes)), sizes, weights, config.token_cap, count)
     return None if split is None else tuple(tuple(mb) for mb in split)
+
+
+def _own_costs(config: PlannerConfig, sizes: Sequence[int]) -> List[float]:
+    """Every sample's own cost in a micro-batch: its linear work and its attention (what verl's
+    workload, ``24576 * L + L**2``, stands for). :func:`.cost.sample_costs` alone is only the
+    part besides the row (the attention): balanced on it, a rank of 16 samples was split into
+    micro-batches of 4,364 to 7,429 tokens besides one of 7,937, 1% slower than verl's own."""
+    weight = config.cost.token_weight
+    own = sample_costs(config.cost, config.layout, sizes, sizes)
+    return [weight * size + cost for size, cost in zip(sizes, own, strict=True)]
 
 
 def _best_order(

@@ -367,3 +367,31 @@ def test_a_32_rank_step_split_by_differencing_is_not_behind_verls_own():
     assert result["verl_over_cap"] == 0 and result["ours_over_cap"] == 0
     for fraction, ratios in result["ratios"].items():
         assert max(ratios.values()) <= 1.005, (fraction, ratios)
+
+
+def test_a_differenced_rank_is_split_on_each_samples_whole_cost():
+    """Ranks beyond the full search are split by differencing, as verl splits a rank, on each
+    sample's own cost: its linear work and its attention (verl's ``24576 * L + L**2``). On the
+    attention alone the split of this rank (``benchmarks/verl_as_run.py --seed 5``, #89: 1,024
+    multi-turn samples at dp 64, pp 4 x vpp 2, tp 2, budget 8,192) gave micro-batches of 4,364 to
+    7,429 tokens beside one sample of 7,937, and the step ran 0.8% behind verl's own."""
+    from megatron_dynbatch.planning.sharded import _differenced, rank_step_time
+
+    lengths = [700, 5930, 4908, 1193, 7937, 4364, 1529, 3419, 1892, 2101, 2899, 964, 2805, 2497]
+    lengths += [1728, 3816]
+    config = verl_planner_config(
+        8192,
+        pp_size=4,
+        vpp_size=2,
+        microbatch_group_size_per_vp_stage=4,
+        tp_size=2,
+        cp_size=1,
+        packed=True,
+    )
+    mbs = _differenced(lengths, config, 8)
+    tokens = sorted(sum(lengths[i] for i in mb) for mb in mbs)
+    assert sorted(i for mb in mbs for i in mb) == list(range(16))
+    # verl's own split of these samples: 5,311 to 6,266 tokens and the 7,937-token sample alone.
+    assert tokens == [5311, 5544, 5608, 5893, 5930, 6193, 6266, 7937]
+    verl = [[14, 15], [5, 6], [12, 13, 11], [4], [1], [3, 9, 10], [0, 2], [7, 8]]
+    assert rank_step_time(mbs, 8, lengths, config) <= rank_step_time(verl, 8, lengths, config)
