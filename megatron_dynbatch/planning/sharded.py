@@ -33,7 +33,14 @@ from .samples import SampleSet
 from .schedule import ScheduledStep
 from .shape import variable_rows
 from .simulate import pipeline_makespan
-from .spec import ParallelLayout, PlannerConfig, ceil_div, round_up
+from .spec import (
+    ASSUMED_OVERHEAD_CHECKS,
+    PEER_TOLERANCE,
+    ParallelLayout,
+    PlannerConfig,
+    ceil_div,
+    round_up,
+)
 
 __all__ = [
     "FULL_SEARCH_RANKS",
@@ -152,7 +159,7 @@ def plan_rank_shards(
         ranks.append(mbs)
         oversize.extend((rank, i) for i in over)
     fitted = fill_the_count(ranks, lengths_per_rank, config, placeholder, plan_at, set(full))
-    return fitted, oversize
+    return _peer_guarded(fitted, lengths_per_rank, config, placeholder), oversize
 
 
 def _heaviest(lengths_per_rank: Sequence[Sequence[int]], config: PlannerConfig) -> Set[int]:
@@ -432,6 +439,70 @@ def fill_the_count(
             if time < step[slowest] * (1.0 - _TIE):
                 fitted[slowest], step[slowest] = other, time
     return fitted
+
+
+def _peer_guarded(
+    fitted: Ranks,
+    lengths_per_rank: Sequence[Sequence[int]],
+    config: PlannerConfig,
+    placeholder: Callable[[Sequence[int]], Optional[int]],
+) -> Ranks:
+    """``fitted``, or verl's own schedule of the step where the overhead is assumed and ``fitted``
+    is more than :data:`.spec.PEER_TOLERANCE` slower than it at one of the overheads a plan is
+    checked at (:data:`.spec.ASSUMED_OVERHEAD_CHECKS` of a full row), whichever is the fewer
+    percent behind the faster of the two at its worst overhead.
+
+    verl's own: every rank split by differencing into the fewest micro-batches that keep the
+    budget (the most any rank needs, rounded up to the group), laid for the pipeline. The global
+    planner keeps this promise per step (:func:`.shape._peer_guard`); a sharded step's count is
+    chosen on the assumed overhead alone, and at 5% of a row a count of seven (three of them
+    placeholders on the slowest rank) ran 3% behind verl's two (``benchmarks/verl_as_run.py``,
+    seed 5). Variable rows only, as :func:`fill_the_count`.
+    """
+    if not config.variable_row_lengths or not config.overhead_assumed or not any(fitted):
+        return fitted
+    ranks = [r for r, lengths in enumerate(lengths_per_rank) if lengths]
+    fewest = [_differenced(lengths_per_rank[r], config, None) for r in ranks]
+    if any(split is None for split in fewest):
+        return fitted
+    multiple = config.parallel.microbatch_multiple
+    count = round_up(max(len(split) for split in fewest), multiple)
+    peer: Ranks = [() for _ in lengths_per_rank]
+    for r in ranks:
+        split = _differenced(lengths_per_rank[r], config, count)
+        if split is None:
+            return fitted
+        peer[r] = split
+    full_row = config.cost.full_row_cost(config.token_cap, config.layout)
+
+    def steps(plan: Ranks) -> List[float]:
+        total = round_up(max(1, max(len(mbs) for mbs in plan)), multiple)
+        out = []
+        for fraction in ASSUMED_OVERHEAD_CHECKS:
+            cost = dataclasses.replace(config.cost, microbatch_overhead=fraction * full_row)
+            checked = dataclasses.replace(config, cost=cost)
+            out.append(
+                max(
+                    rank_step_time(
+                        plan[r],
+                        total,
+                        lengths_per_rank[r],
+                        checked,
+                        placeholder(lengths_per_rank[r]),
+                    )
+                    for r in ranks
+                )
+            )
+        return out
+
+    ours, theirs = steps(fitted), steps(peer)
+    worst = max(o / t for o, t in zip(ours, theirs, strict=True))
+    if worst <= 1.0 + PEER_TOLERANCE:
+        return fitted
+    best = [min(o, t) for o, t in zip(ours, theirs, strict=True)]
+    peer_worst = max(t / b for t, b in zip(theirs, best, strict=True))
+    ours_worst = max(o / b for o, b in zip(ours, best, strict=True))
+    return peer if peer_worst < ours_worst else fitted
 
 
 def sharded_plan(
