@@ -194,20 +194,26 @@ def _differenced(
     """One rank's samples split by differencing on their cost into ``count`` micro-batches laid
     light-heavy-light (``None``: the fewest that keep the budget, trying a few counts), or
     ``None`` where no such split keeps the budget."""
-    cap = config.token_cap
     if count is not None:
         tries = [count]
     else:
-        sizes = [round_up(n, config.parallel.sample_multiple) for n in lengths]
         group = config.parallel.microbatch_multiple
-        halves = sum(1 for size in sizes if size > cap // 2)
-        first = round_up(max(1, ceil_div(sum(sizes), cap), halves), group)
-        tries = list(range(first, len(sizes) + 1, group))[:_DIFFERENCED_TRIES]
+        first = round_up(_fewest(lengths, config), group)
+        tries = list(range(first, len(lengths) + 1, group))[:_DIFFERENCED_TRIES]
     for k in tries:
         split = _split(lengths, config, min(k, len(lengths)))
         if split is not None:
             return _best_order(split, lengths, config, k)
     return None
+
+
+def _fewest(lengths: Sequence[int], config: PlannerConfig) -> int:
+    """The fewest micro-batches one rank's samples may fit: their padded tokens over the budget,
+    and one each for the samples over half of it (no two of those share one)."""
+    cap = config.token_cap
+    sizes = [round_up(n, config.parallel.sample_multiple) for n in lengths]
+    halves = sum(1 for size in sizes if size > cap // 2)
+    return max(1, ceil_div(sum(sizes), cap), halves)
 
 
 def _split(lengths: Sequence[int], config: PlannerConfig, count: int) -> Optional[MicroBatches]:
@@ -462,11 +468,12 @@ def _peer_guarded(
     if not config.variable_row_lengths or not config.overhead_assumed or not any(fitted):
         return fitted
     ranks = [r for r, lengths in enumerate(lengths_per_rank) if lengths]
-    fewest = [_differenced(lengths_per_rank[r], config, None) for r in ranks]
-    if any(split is None for split in fewest):
-        return fitted
     multiple = config.parallel.microbatch_multiple
-    count = round_up(max(len(split) for split in fewest), multiple)
+    count = round_up(max(_fewest(lengths_per_rank[r], config) for r in ranks), multiple)
+    if count == round_up(max(1, max(len(mbs) for mbs in fitted)), multiple):
+        # The same count as verl's: the overhead weighs alike on both, and the planner's own
+        # candidates (differencing among them) already chose.
+        return fitted
     peer: Ranks = [() for _ in lengths_per_rank]
     for r in ranks:
         split = _differenced(lengths_per_rank[r], config, count)
