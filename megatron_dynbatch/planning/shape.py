@@ -404,26 +404,18 @@ def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
     return chosen, min(chosen.per_rank, *(s.min_per_rank for s in searches))
 
 
-def _arrival_search(searches: List["_Search"]) -> Optional["_PackedSearch"]:
+def _arrival_search(
+    searches: List["_Search"], *, lone_oversize: bool = False
+) -> Optional["_PackedSearch"]:
     """The one-row packed search, where the step's samples keep their arrival order and none is
     over the cap: what :mod:`.candidates`' constructions (and the trainers' schedules) start
-    from; ``None`` otherwise."""
+    from; ``None`` otherwise. ``lone_oversize``: also one rank's (``dp`` 1) with rows of their
+    own length where some samples are over the cap (each runs alone) and others are not."""
     search = next((s for s in searches if s.rows == 1), None)
-    if not isinstance(search, _PackedSearch) or search.oversize or not search.arrival:
+    if not isinstance(search, _PackedSearch) or not search.arrival:
         return None
-    return search
-
-
-def _lone_oversize_search(searches: List["_Search"]) -> Optional["_PackedSearch"]:
-    """The one-row packed search of one rank (``dp`` 1) with rows of their own length where some
-    samples are over the cap (each runs alone) and others are not; ``None`` otherwise."""
-    search = next((s for s in searches if s.rows == 1), None)
-    if (
-        not isinstance(search, _PackedSearch)
-        or search.dp != 1
-        or not search.oversize
-        or not search.arrival
-        or search.problem.row_multiple is None
+    if search.oversize and not (
+        lone_oversize and search.dp == 1 and search.problem.row_multiple is not None
     ):
         return None
     return search
@@ -597,7 +589,7 @@ def _more_candidates(
     too, where it has one); the fastest is kept only when it beats ``chosen``, so the step is
     never predicted slower than without them.
     """
-    search = _arrival_search(searches) or _lone_oversize_search(searches)
+    search = _arrival_search(searches, lone_oversize=True)
     if search is None or not is_small_step(len(problem.items), search.dp):
         return chosen
     # One rank's samples over the cap (a sharded rank planned under a budget with room for

@@ -397,7 +397,7 @@ def fill_the_count(
             for mbs, lengths in zip(plan, lengths_per_rank, strict=True)
         ]
 
-    count = round_up(max([1] + [len(mbs) for mbs in fitted]), multiple)
+    count = _step_count(fitted, multiple)
     step = times(fitted, count)
     for _ in range(_LOWERINGS):
         slowest = max(range(len(step)), key=lambda r: (step[r], -r))
@@ -470,7 +470,7 @@ def _peer_guarded(
     ranks = [r for r, lengths in enumerate(lengths_per_rank) if lengths]
     multiple = config.parallel.microbatch_multiple
     count = round_up(max(_fewest(lengths_per_rank[r], config) for r in ranks), multiple)
-    if count == round_up(max(1, max(len(mbs) for mbs in fitted)), multiple):
+    if count == _step_count(fitted, multiple):
         # The same count as verl's: the overhead weighs alike on both, and the planner's own
         # candidates (differencing among them) already chose.
         return fitted
@@ -481,13 +481,17 @@ def _peer_guarded(
             return fitted
         peer[r] = split
     full_row = config.cost.full_row_cost(config.token_cap, config.layout)
+    checks = [
+        dataclasses.replace(
+            config, cost=dataclasses.replace(config.cost, microbatch_overhead=fraction * full_row)
+        )
+        for fraction in ASSUMED_OVERHEAD_CHECKS
+    ]
 
     def steps(plan: Ranks) -> List[float]:
-        total = round_up(max(1, max(len(mbs) for mbs in plan)), multiple)
+        total = _step_count(plan, multiple)
         out = []
-        for fraction in ASSUMED_OVERHEAD_CHECKS:
-            cost = dataclasses.replace(config.cost, microbatch_overhead=fraction * full_row)
-            checked = dataclasses.replace(config, cost=cost)
+        for checked in checks:
             out.append(
                 max(
                     rank_step_time(
@@ -512,6 +516,12 @@ def _peer_guarded(
     return peer if peer_worst < ours_worst else fitted
 
 
+def _step_count(ranks: Sequence[MicroBatches], multiple: int) -> int:
+    """The micro-batches every rank runs: the most any rank has, at least one, rounded up to
+    what Megatron's schedule needs (the interleaved group)."""
+    return round_up(max([1] + [len(mbs) for mbs in ranks]), multiple)
+
+
 def sharded_plan(
     ranks: Sequence[MicroBatches],
     oversize: Sequence[Tuple[int, int]],
@@ -519,8 +529,7 @@ def sharded_plan(
 ) -> ShardedPlan:
     """Every rank's real micro-batches with the count every rank runs: the largest, rounded up to
     what Megatron's schedule needs (the interleaved group), at least one."""
-    count = max(1, max((len(mbs) for mbs in ranks), default=0))
-    count = round_up(count, parallel.microbatch_multiple)
+    count = _step_count(ranks, parallel.microbatch_multiple)
     rows = max([len(mb) for mbs in ranks for mb in mbs] or [1])
     return ShardedPlan(
         ranks=tuple(tuple(mbs) for mbs in ranks),
