@@ -34,7 +34,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 from .simulate import pipeline_makespan
 from .spec import ParallelLayout
 
-__all__ = ["REPLAYED_STEPS", "THOROUGH_REPLAYED_STEPS", "refine_ranks"]
+__all__ = ["REPLAYED_STEPS", "THOROUGH_REPLAYED_STEPS", "affordable_replays", "refine_ranks"]
 
 #: Work one step may spend at most, in micro-batch steps replayed (a replay of a rank of M
 #: micro-batches on pp stages of vpp chunks replays ``M * pp * vpp`` forwards and as many
@@ -51,6 +51,27 @@ THOROUGH_REPLAYED_STEPS = 2_000_000
 _GAIN = 1e-9
 
 
+def _replay_steps(per_rank: int, parallel: ParallelLayout) -> int:
+    """Micro-batch steps one replay of a rank replays (forwards and backwards)."""
+    return 2 * max(1, per_rank) * parallel.pp_size * parallel.vpp_size
+
+
+def affordable_replays(
+    num_ranks: int,
+    per_rank: int,
+    parallel: ParallelLayout,
+    replayed_steps: Optional[int] = None,
+    thorough: bool = False,
+) -> Optional[int]:
+    """Replays :func:`refine_ranks` may spend on changes after replaying every rank once;
+    ``None`` where that first replay of every rank would take half the budget or more (a
+    step of many ranks and micro-batches): too little is left to search, so none is spent."""
+    if replayed_steps is None:
+        replayed_steps = THOROUGH_REPLAYED_STEPS if thorough else REPLAYED_STEPS
+    replays = replayed_steps // _replay_steps(per_rank, parallel) - num_ranks
+    return replays if replays >= num_ranks else None
+
+
 def refine_ranks(
     bins: List[List[int]],
     orders: List[List[int]],
@@ -60,9 +81,9 @@ def refine_ranks(
     cap: int,
     bin_cost: Callable[[List[int], int], float],
     parallel: ParallelLayout,
-    evaluations: Optional[int] = None,
+    replayed_steps: Optional[int] = None,
     thorough: bool = False,
-) -> List[float]:
+) -> Optional[List[float]]:
     """Improve the slowest ranks in place (``bins``, ``orders``, ``loads``, ``costs``).
 
     Args:
@@ -74,12 +95,13 @@ def refine_ranks(
         cap: The most padded tokens a micro-batch of two or more samples may hold.
         bin_cost: ``(members, load) -> cost`` of a micro-batch.
         parallel: The pipeline (``pp_size``, ``vpp_size``, the interleaving group).
-        evaluations: Replays to spend at most (default: :data:`REPLAYED_STEPS` over one
-            replay's steps; ``thorough``: :data:`THOROUGH_REPLAYED_STEPS`).
-        thorough: The larger budget.
+        replayed_steps: Micro-batch steps to replay at most (default :data:`REPLAYED_STEPS`;
+            ``thorough``: :data:`THOROUGH_REPLAYED_STEPS`).
+        thorough: The larger default budget.
 
     Returns:
-        Every rank's simulated makespan after the search.
+        Every rank's simulated makespan after the search; ``None`` (nothing changed) where
+        replaying every rank once would take half the budget or more.
     """
 
     pp_size, vpp_size, group = parallel.pp_size, parallel.vpp_size, parallel.group_size
@@ -87,11 +109,14 @@ def refine_ranks(
     def span(order: Sequence[int]) -> float:
         return pipeline_makespan([costs[b] for b in order], pp_size, vpp_size, group)
 
+    replays = affordable_replays(
+        len(orders), len(orders[0]) if orders else 1, parallel, replayed_steps, thorough
+    )
+    if replays is None:
+        return None
+    per_replay = _replay_steps(len(orders[0]) if orders else 1, parallel)
+    budget = [replays]
     spans = [span(order) for order in orders]
-    per_replay = 2 * max(1, len(orders[0]) if orders else 1) * pp_size * vpp_size
-    if evaluations is None:
-        evaluations = (THOROUGH_REPLAYED_STEPS if thorough else REPLAYED_STEPS) // per_replay
-    budget = [evaluations - len(orders)]
 
     cursors = [0] * len(orders)
 

@@ -27,7 +27,8 @@ On steps of at most :data:`_RAMP_LIMIT` samples under a pipeline with variable r
 constructions: ramps and tents (:func:`_ramp_splits`, :func:`_tent_splits`) and clustered ranks
 (:func:`_cluster_splits`: the large samples a few to a rank, the ranks' pipelines balanced rather
 than their work; the default planner only up to :data:`_CLUSTER_DEFAULT_LIMIT` samples); the
-chosen shape is then refined rank by rank (:mod:`.refine`). Last, the trainers' own schedules
+chosen shape is then refined rank by rank (:mod:`.refine`; a larger step on a smaller budget,
+:data:`_LARGE_REFINE_STEPS`). Last, the trainers' own schedules
 (first fit as slime builds it, differencing as verl does; :func:`_peer_guard`): on a step of at
 most :data:`_MORE_COUNTS_LIMIT` samples they are candidates too; where the per-micro-batch
 overhead is assumed, the choice of a step of at most :data:`_RAMP_LIMIT` samples is checked
@@ -74,7 +75,7 @@ from .cluster import RAMPS as CLUSTER_RAMPS
 from .cluster import big_samples, ramp_profile, rank_rows, split_by_targets, tent_profile
 from .cost import TAIL_SEGMENT_TOKENS, row_cost, row_costs, tail_cost, tail_units
 from .packing import feasible_pack, min_bins, profile_pack
-from .refine import refine_ranks
+from .refine import affordable_replays, refine_ranks
 from .simulate import BACKWARD_TO_FORWARD_RATIO, pipeline_makespan
 from .spec import PEER_TOLERANCE, CostModel, ParallelLayout, ceil_div, round_up
 
@@ -134,6 +135,13 @@ _TENTS = ((0.1, 0.2, 0.2, False), (0.05, 0.6, 0.1, True))
 #: The thorough planner refines the fastest tent where it is at most this much slower than the
 #: refined choice: refinement took at most 1.5% off a tent on the GPU-regime steps.
 _TENT_REACH = 0.02
+#: A step of more than :data:`_RAMP_LIMIT` samples has its chosen shape refined (:mod:`.refine`)
+#: on this many replayed micro-batch steps (about 5-10 ms of CPU), not
+#: :data:`.refine.REPLAYED_STEPS`: the slowest rank of a large step often holds a sample that
+#: fills its row, and moving its neighbours is what pays (slime as it runs,
+#: ``benchmarks.as_run --seed 56`` #64, 1,408 GRPO samples at dp 64, pp 4 x vpp 2: first fit was
+#: 0.7% ahead of ours unrefined, ours refined is 4.6% ahead); the full budget cost 40-80 ms there.
+_LARGE_REFINE_STEPS = 60_000
 #: Rows per packed micro-batch searched besides 1, at most: every B from 2 up to 8, then spread
 #: geometrically up to ``cap // longest sample`` (fixed micro-batch sizes are small).
 _MAX_ROW_COUNTS = 8
@@ -525,17 +533,23 @@ def _peer_guard(
 
 
 def _refined(problem: StepProblem, shape: StepShape) -> StepShape:
-    """Variable rows under a pipeline, a step of at most :data:`_RAMP_LIMIT` samples: the chosen
-    shape after :func:`.refine.refine_ranks` (samples moved within a rank, micro-batches
-    reordered, while the slowest rank's pipeline gets faster); the shape itself otherwise."""
+    """Variable rows under a pipeline: the chosen shape after :func:`.refine.refine_ranks`
+    (samples moved within a rank and to faster ranks, micro-batches reordered, while the slowest
+    rank's pipeline gets faster); the shape itself otherwise. A step of more than
+    :data:`_RAMP_LIMIT` samples spends :data:`_LARGE_REFINE_STEPS`, none where replaying its
+    ranks once would take half of that."""
     parallel, multiple = problem.parallel, problem.row_multiple
+    budget = None if len(problem.items) <= _RAMP_LIMIT else _LARGE_REFINE_STEPS
     if (
         multiple is None
         or parallel.pp_size == 1
         or shape.micro_batch_size != 1
         or shape.oversize
         or multiple > problem.cap
-        or len(problem.items) > _RAMP_LIMIT
+        or affordable_replays(
+            len(shape.rank_orders), shape.per_rank, parallel, budget, problem.thorough
+        )
+        is None
     ):
         return shape
     sizes, sample_costs, model = problem.sizes, problem.sample_costs, problem.model
@@ -559,9 +573,10 @@ def _refined(problem: StepProblem, shape: StepShape) -> StepShape:
         cap,
         bin_cost,
         parallel,
+        replayed_steps=budget,
         thorough=problem.thorough,
     )
-    if max(spans) >= shape.step_time * (1.0 - _TIE):
+    if spans is None or max(spans) >= shape.step_time * (1.0 - _TIE):
         return shape
     rows = variable_rows(loads, multiple, cap, memory)
     return dataclasses.replace(
