@@ -21,7 +21,11 @@ verl's pipeline, and verl's real code when ``VERL_SRC`` names a checkout (``benc
 ``--small``: only the planning CPU of steps of 64-1,024 samples, told the per-micro-batch overhead
 and not (:func:`small_steps`).
 
-Run: ``.venv/bin/python -m benchmarks.bench_planner [--quick | --small] [--json] [--repeats 5]``.
+``--large``: only the planning CPU of pipelined GRPO steps of 1,408-65,536 samples with their own
+rows (:func:`large_steps`), where the chosen shape is refined on a smaller budget.
+
+Run: ``.venv/bin/python -m benchmarks.bench_planner [--quick | --small | --large] [--json]
+[--repeats 5]``.
 """
 
 from __future__ import annotations
@@ -218,6 +222,52 @@ def small_steps(repeats: int = 3) -> List[Dict[str, Any]]:
     return rows
 
 
+#: ``--large``: pipelined GRPO steps of more than 1,024 samples with their own rows (slime's
+#: default), where the chosen shape is refined on a smaller budget (``shape._LARGE_REFINE_STEPS``)
+#: or, with many ranks and micro-batches, not at all: (samples, dp, pp, vpp).
+LARGE_STEPS = (
+    (1408, 64, 4, 2),
+    (2048, 16, 4, 1),
+    (4096, 64, 4, 2),
+    (16384, 64, 2, 1),
+    (16384, 512, 4, 2),
+    (65536, 64, 4, 2),
+)
+
+
+def large_steps(repeats: int = 3) -> List[Dict[str, Any]]:
+    """Planning CPU of pipelined GRPO steps of 1,408-65,536 samples (groups of 8, cap 16k), each
+    micro-batch its own row (rounded to 128), the overhead not told."""
+    rows = []
+    for n, dp, pp, vpp in LARGE_STEPS:
+        lengths = grpo_lengths(n // GROUP_SIZE, GROUP_SIZE, max_len=TOKEN_CAP, seed=1).lengths
+        config = PlannerConfig(
+            max_tokens_per_gpu=TOKEN_CAP,
+            parallel=ParallelLayout(dp_size=dp, pp_size=pp, vpp_size=vpp),
+            cost=CostModel(attention_weight=EVAL_COST.attention_weight),
+            variable_row_lengths=True,
+            row_multiple=128,
+        )
+        times = []
+        for _ in range(repeats):
+            start = time.process_time()
+            plan = plan_schedule(lengths, config=config)
+            times.append(time.process_time() - start)
+        rows.append(
+            {
+                "samples": n,
+                "dp": dp,
+                "pp": pp,
+                "vpp": vpp,
+                "own_rows": True,
+                "told": False,
+                "cpu_s_min": min(times),
+                "M": plan.steps[0].num_microbatches,
+            }
+        )
+    return rows
+
+
 def _format_row(row: Dict[str, Any]) -> str:
     name = row.get("workload", f"{row['samples']}/dp{row['dp']}")
     goal = row.get("goal_s")
@@ -245,15 +295,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument(
         "--small", action="store_true", help="steps of 64-1,024 samples only, told and not"
     )
+    parser.add_argument(
+        "--large",
+        action="store_true",
+        help="pipelined steps of 1,408-65,536 samples with their own rows only",
+    )
     args = parser.parse_args(argv)
-    if args.small:
-        rows = small_steps(args.repeats)
+    if args.small or args.large:
+        key = "small_steps" if args.small else "large_steps"
+        rows = small_steps(args.repeats) if args.small else large_steps(args.repeats)
         if args.json:
-            print(json.dumps({"small_steps": rows}, allow_nan=False))
+            print(json.dumps({key: rows}, allow_nan=False))
             return 0
         for row in rows:
             print(
-                f"{row['samples']:>5} samples dp {row['dp']:>2} pp {row['pp']} vpp {row['vpp']} "
+                f"{row['samples']:>5} samples dp {row['dp']:>3} pp {row['pp']} vpp {row['vpp']} "
                 f"{'own rows' if row['own_rows'] else 'one row '} "
                 f"{'told    ' if row['told'] else 'not told'}: {row['cpu_s_min'] * 1e3:7.1f} ms "
                 f"(min of {args.repeats}), M {row['M']}"
