@@ -183,6 +183,41 @@ SMALL_STEPS = (
 )
 
 
+def _timed_row(
+    lengths: List[int],
+    dp: int,
+    pp: int,
+    vpp: int,
+    own_rows: bool,
+    overhead: Optional[float],
+    repeats: int,
+) -> Dict[str, Any]:
+    """The least planning CPU of ``repeats`` plans of one step (cap 16k, the benchmark's
+    attention weight; ``overhead`` None: not told), and its micro-batch count."""
+    config = PlannerConfig(
+        max_tokens_per_gpu=TOKEN_CAP,
+        parallel=ParallelLayout(dp_size=dp, pp_size=pp, vpp_size=vpp),
+        cost=CostModel(attention_weight=EVAL_COST.attention_weight, microbatch_overhead=overhead),
+        variable_row_lengths=own_rows,
+        row_multiple=128 if own_rows else 1,
+    )
+    times = []
+    for _ in range(repeats):
+        start = time.process_time()
+        plan = plan_schedule(lengths, config=config)
+        times.append(time.process_time() - start)
+    return {
+        "samples": len(lengths),
+        "dp": dp,
+        "pp": pp,
+        "vpp": vpp,
+        "own_rows": own_rows,
+        "told": overhead is not None,
+        "cpu_s_min": min(times),
+        "M": plan.steps[0].num_microbatches,
+    }
+
+
 def small_steps(repeats: int = 3) -> List[Dict[str, Any]]:
     """Planning CPU of long-tailed steps of 64-1,024 samples (cap 16k), not told the overhead
     (the planner assumes 2% of a row and checks its plan against the trainers' own schedules)
@@ -190,35 +225,8 @@ def small_steps(repeats: int = 3) -> List[Dict[str, Any]]:
     rows = []
     for n, dp, pp, vpp, own_rows in SMALL_STEPS:
         lengths = lognormal_lengths(n, median=1024, sigma=1.2, max_len=TOKEN_CAP, seed=3)
-        for told in (False, True):
-            cost = CostModel(
-                attention_weight=EVAL_COST.attention_weight,
-                microbatch_overhead=0.02 * TOKEN_CAP if told else None,
-            )
-            config = PlannerConfig(
-                max_tokens_per_gpu=TOKEN_CAP,
-                parallel=ParallelLayout(dp_size=dp, pp_size=pp, vpp_size=vpp),
-                cost=cost,
-                variable_row_lengths=own_rows,
-                row_multiple=128 if own_rows else 1,
-            )
-            times = []
-            for _ in range(repeats):
-                start = time.process_time()
-                plan = plan_schedule(lengths, config=config)
-                times.append(time.process_time() - start)
-            rows.append(
-                {
-                    "samples": n,
-                    "dp": dp,
-                    "pp": pp,
-                    "vpp": vpp,
-                    "own_rows": own_rows,
-                    "told": told,
-                    "cpu_s_min": min(times),
-                    "M": plan.steps[0].num_microbatches,
-                }
-            )
+        for overhead in (None, 0.02 * TOKEN_CAP):
+            rows.append(_timed_row(lengths, dp, pp, vpp, own_rows, overhead, repeats))
     return rows
 
 
@@ -238,34 +246,18 @@ LARGE_STEPS = (
 def large_steps(repeats: int = 3) -> List[Dict[str, Any]]:
     """Planning CPU of pipelined GRPO steps of 1,408-65,536 samples (groups of 8, cap 16k), each
     micro-batch its own row (rounded to 128), the overhead not told."""
-    rows = []
-    for n, dp, pp, vpp in LARGE_STEPS:
-        lengths = grpo_lengths(n // GROUP_SIZE, GROUP_SIZE, max_len=TOKEN_CAP, seed=1).lengths
-        config = PlannerConfig(
-            max_tokens_per_gpu=TOKEN_CAP,
-            parallel=ParallelLayout(dp_size=dp, pp_size=pp, vpp_size=vpp),
-            cost=CostModel(attention_weight=EVAL_COST.attention_weight),
-            variable_row_lengths=True,
-            row_multiple=128,
+    return [
+        _timed_row(
+            grpo_lengths(n // GROUP_SIZE, GROUP_SIZE, max_len=TOKEN_CAP, seed=1).lengths,
+            dp,
+            pp,
+            vpp,
+            True,
+            None,
+            repeats,
         )
-        times = []
-        for _ in range(repeats):
-            start = time.process_time()
-            plan = plan_schedule(lengths, config=config)
-            times.append(time.process_time() - start)
-        rows.append(
-            {
-                "samples": n,
-                "dp": dp,
-                "pp": pp,
-                "vpp": vpp,
-                "own_rows": True,
-                "told": False,
-                "cpu_s_min": min(times),
-                "M": plan.steps[0].num_microbatches,
-            }
-        )
-    return rows
+        for n, dp, pp, vpp in LARGE_STEPS
+    ]
 
 
 def _format_row(row: Dict[str, Any]) -> str:

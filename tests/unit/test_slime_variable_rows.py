@@ -259,10 +259,16 @@ def test_a_rank_holding_a_sample_that_fills_the_row_holds_little_else():
     """84 long-tailed samples at dp 4, pp 2, one of them 16,384 tokens (the cap): the rank that
     holds it is the step unless it holds little else. The default planner builds clustered
     ranks on a step this small (slime's first fit was 1.3% ahead of ours at every overhead)."""
-    rng = random.Random(40)
-    for k in range(67):
+    _assert_level_with_a_cap_filling_sample(40, 66, "#66 long_tail n=84 dp4 pp2")
+
+
+def _assert_level_with_a_cap_filling_sample(seed, index, label):
+    """``as_run``'s case ``index`` of ``seed`` (checked by ``label``) holds a sample at the cap,
+    and ours is never more than 0.5% behind slime's at 0 and 5%, told the overhead or not."""
+    rng = random.Random(seed)
+    for k in range(index + 1):
         case = as_run.random_case(rng, k)
-    assert case.label.startswith("#66 long_tail n=84 dp4 pp2"), case.label
+    assert case.label.startswith(label), case.label
     assert max(case.samples.lengths) == case.max_tokens_per_gpu
     result = as_run.run_case(case, [0.0, 0.05])
     for ratios in (result["ratios"], result["told_ratios"]):
@@ -276,12 +282,4 @@ def test_a_large_step_is_refined_around_its_cap_filling_sample():
     other samples spread over three micro-batches around it) was the step: slime's first fit was
     0.7% ahead of ours (``benchmarks.as_run --seed 56``, case 64). Refined on a smaller budget,
     the rank's neighbours move and ours is ahead at every overhead, told and not."""
-    rng = random.Random(56)
-    for k in range(65):
-        case = as_run.random_case(rng, k)
-    assert case.label.startswith("#64 grpo n=1408 dp64 pp4 vpp2"), case.label
-    assert max(case.samples.lengths) == case.max_tokens_per_gpu
-    result = as_run.run_case(case, [0.0, 0.05])
-    for ratios in (result["ratios"], result["told_ratios"]):
-        for fraction, ratio in ratios.items():
-            assert ratio <= 1 + as_run.TOLERANCE, (fraction, ratio)
+    _assert_level_with_a_cap_filling_sample(56, 64, "#64 grpo n=1408 dp64 pp4 vpp2")
