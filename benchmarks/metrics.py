@@ -345,10 +345,10 @@ def draw_layout(
 def sharded_planning_time(plan: Callable[[List[List[int]], int, int], Any]) -> str:
     """CPU of one plan of a sharded host's step (what every rank computes, each step):
     ``plan(lengths_per_rank, pp, vpp)`` on log-normal lengths (median ~1,800 tokens, budget
-    16,384) at dp 512 x 32, 64 x 64 and 8 x 256 samples, pp 1 and pp 4 x vpp 2."""
+    16,384) at dp 512 x 32, 64 x 64, 8 x 256 and 4 x 1,024 samples, pp 1 and pp 4 x vpp 2."""
     rng = random.Random(0)
     lines = []
-    for dp, per_rank in ((512, 32), (64, 64), (8, 256)):
+    for dp, per_rank in ((512, 32), (64, 64), (8, 256), (4, 1024)):
         lengths = [
             [min(16384, max(1, int(rng.lognormvariate(7.5, 1.0)))) for _ in range(per_rank)]
             for _ in range(dp)

@@ -14,7 +14,8 @@ set) ends with 17 / 13.
 Two tie-breaking rules, both deterministic:
 
 * ``ties="index"`` (the planner's): equal spreads merge in creation order; sets order by sum only.
-  Cheap: each merge sorts ``k`` numbers;
+  Cheap: with every value positive a partial carries only the sets that hold something
+  (:func:`merge_sparse`), so a merge sorts those, not all ``k``;
 * ``ties="verl"``: exactly verl's ``karmarkar_karp`` (``verl/utils/seqlen_balancing.py``, which
   slime ships): sets order by ``(sum, item count, items)`` and equal spreads by the heaviest set's
   order, so slime's ``balance_data`` and the baselines reproduce verl's and slime's partitions item
@@ -30,7 +31,7 @@ from typing import Any, List, Literal, Optional, Sequence, Tuple
 
 from megatron_dynbatch.errors import DynBatchValueError
 
-__all__ = ["karmarkar_karp", "merge_by_differencing"]
+__all__ = ["karmarkar_karp", "merge_by_differencing", "merge_sparse"]
 
 
 def merge_by_differencing(
@@ -67,6 +68,53 @@ def merge_by_differencing(
         heapq.heappush(heap, (first[-1][0] - first[0][0], counter, first))
         counter += 1
     return heap[0][2] if heap else None
+
+
+def merge_sparse(partials: List[List[list]], k: int) -> List[list]:
+    """:func:`merge_by_differencing` (``ties="index"``) on partials that list only their
+    non-empty sets, each of a positive total, fullest first (the rest of the ``k`` sets are
+    empty): the same merges and the same partition (the empty sets appended), in time that
+    grows with the sets that hold something rather than with ``k``.
+
+    A step's micro-batches split by differencing (``k`` in the hundreds on a rank of a thousand
+    samples) would otherwise carry ``k`` sets through every merge, most of them empty: 16 s
+    of CPU for one SkyRL mini-batch of 4,265 samples at dp 4.
+
+    Why it is the same: in the dense merge, set ``j`` of the first partial takes set ``k-1-j``
+    of the second, so only the last ``len(second)`` positions take anything; the stable sort by
+    total then keeps every non-empty set (positive total) ahead of the empty ones, in position
+    order among equal totals, and the spread is the fullest set's total while any set is empty.
+    """
+
+    def key(sets: List[list]) -> float:
+        """Minus the spread (the heap pops the largest first)."""
+        return (sets[-1][0] if len(sets) == k else 0) - sets[0][0]
+
+    heap = [(key(p), n, p) for n, p in enumerate(partials)]
+    heapq.heapify(heap)
+    counter = len(heap)
+    while len(heap) > 1:
+        _, _, first = heapq.heappop(heap)
+        _, _, second = heapq.heappop(heap)
+        a, b = len(first), len(second)
+        taking = k - b  # positions from here on take a set of the second
+        merged = first[: min(a, taking)]
+        for j in range(taking, k):
+            other = second[k - 1 - j]
+            if j < a:
+                entry = first[j]
+                entry[0] += other[0]
+                entry[1].extend(other[1])
+                merged.append(entry)
+            else:
+                merged.append(other)
+        merged.sort(key=lambda entry: -entry[0])
+        heapq.heappush(heap, (key(merged), counter, merged))
+        counter += 1
+    if not heap:
+        return [[0, []] for _ in range(k)]
+    sets = heap[0][2]
+    return sets + [[0, []] for _ in range(k - len(sets))]
 
 
 def _set_key(entry: list) -> Tuple[Any, int, list]:
@@ -143,6 +191,14 @@ def karmarkar_karp(
         )
     ordered = sorted((value, i) for i, value in enumerate(values))
     step = k if equal_size else 1
+    if ties == "index" and (not ordered or ordered[0][0] > 0):
+        # Only the sets that hold something (every value positive): see merge_sparse.
+        sparse = []
+        for start in range(0, len(ordered), step):
+            sets = [[value, [i]] for value, i in ordered[start : start + step]]
+            sets.sort(key=lambda entry: -entry[0])
+            sparse.append(sets)
+        return [list(entry[1]) for entry in merge_sparse(sparse, k)]
     partials = []
     for start in range(0, len(ordered), step):
         sets: List[list] = [[0, []] for _ in range(k)]
