@@ -426,3 +426,22 @@ def test_samples_at_the_budget_keep_the_constructions_when_planned_with_room_for
     assert result["ours_over_cap"] == 0
     for fraction, ratios in result["ratios"].items():
         assert ratios["ours"] <= 0.99, (fraction, ratios)
+
+
+def test_planned_with_room_for_the_rows_no_micro_batch_needs_more_rows():
+    """1,197 long-tailed samples on one rank, pp 4, tp 2, budget 16,384 (a rank of more samples
+    than ``skyrl_as_run`` draws). Planned at the budget, one micro-batch held 75 short samples,
+    so every micro-batch runs 75 rows and full ones were cut; planned again with room for 74
+    placeholder rows, another held 96 and 100 full micro-batches were cut anew: 258 micro-batches
+    against SkyRL's 158, 41% slower as SkyRL runs them. Now a micro-batch of more samples than
+    the room was left for is split by count instead."""
+    from benchmarks.as_run import _lengths
+
+    lengths = list(_lengths("long_tail", 1197, 16384, 487344227).lengths)
+    case = skyrl_as_run.SkyrlCase("one rank", lengths, 1, 4, 2, 16384)
+    result = skyrl_as_run.run_case(case, (0.0, 0.05), DEFAULT_ATTENTION_CROSSOVER)
+    assert result["ours_over_cap"] == 0
+    for fraction, ratios in result["ratios"].items():
+        assert ratios["ours"] <= 1.005, (fraction, ratios)
+    plan = plan_skyrl_minibatch([lengths], 16384, pp_size=4, tp_size=2)
+    assert plan.num_microbatches <= 162, plan.num_microbatches

@@ -156,12 +156,35 @@ def _within_the_rows(
         # Samples between the two budgets are not oversize for SkyRL: plan.oversize says which are.
         warnings.simplefilter("ignore", OversizeSampleWarning)
         ranks, _ = plan_rank_shards(lengths, roomy)
-    ranks = fit_placeholder_rows(ranks, lengths, cap, multiple)
+    # The room is for ``plan.rows`` rows: a micro-batch of more samples (short ones, packed
+    # anew) is split into pieces of at most that many, so none needs more room and no full
+    # micro-batch is cut in two (a held-out mini-batch of 1,197 samples at pp 4: the budget
+    # left for 75 rows, a micro-batch of 96 samples, and 100 full micro-batches cut: 258
+    # micro-batches against SkyRL's 158, 41% slower).
+    ranks = fit_placeholder_rows(_at_most_rows(ranks, plan.rows), lengths, cap, multiple)
     other = sharded_plan(ranks, plan.oversize, config.parallel)
     if _step(other, lengths, config) >= _step(plan, lengths, config):
         return plan
     check_plan(other, lengths, config, placeholder_row_tokens=multiple)
     return other
+
+
+def _at_most_rows(
+    ranks: Sequence[Tuple[Tuple[int, ...], ...]], rows: int
+) -> List[Tuple[Tuple[int, ...], ...]]:
+    """Every micro-batch of more than ``rows`` samples split, in order, into the fewest pieces
+    of at most ``rows`` (as even as they go), in its place."""
+    out = []
+    for mbs in ranks:
+        pieces: List[Tuple[int, ...]] = []
+        for mb in mbs:
+            if len(mb) <= rows:
+                pieces.append(tuple(mb))
+                continue
+            size = -(-len(mb) // -(-len(mb) // rows))
+            pieces.extend(tuple(mb[k : k + size]) for k in range(0, len(mb), size))
+        out.append(tuple(pieces))
+    return out
 
 
 def _step(plan: ShardedPlan, lengths: Sequence[Sequence[int]], config: PlannerConfig) -> float:
