@@ -156,17 +156,21 @@ def _within_the_rows(
         # Samples between the two budgets are not oversize for SkyRL: plan.oversize says which are.
         warnings.simplefilter("ignore", OversizeSampleWarning)
         ranks, _ = plan_rank_shards(lengths, roomy)
-    # The room is for ``plan.rows`` rows: a micro-batch of more samples (short ones, packed
-    # anew) is split into pieces of at most that many, so none needs more room and no full
-    # micro-batch is cut in two (a held-out mini-batch of 1,197 samples at pp 4: the budget
-    # left for 75 rows, a micro-batch of 96 samples, and 100 full micro-batches cut: 258
-    # micro-batches against SkyRL's 158, 41% slower).
-    ranks = fit_placeholder_rows(_at_most_rows(ranks, plan.rows), lengths, cap, multiple)
-    other = sharded_plan(ranks, plan.oversize, config.parallel)
-    if _step(other, lengths, config) >= _step(plan, lengths, config):
-        return plan
-    check_plan(other, lengths, config, placeholder_row_tokens=multiple)
-    return other
+    # The room is for ``plan.rows`` rows, and packed anew a micro-batch may hold more samples
+    # (short ones). Where the others have room, more rows cost little; where they are full,
+    # every full one is cut in two (1,197 samples on a rank at pp 4: room left for 75 rows, a
+    # micro-batch of 96, and 100 full ones cut: 258 micro-batches against SkyRL's 158, 41%
+    # slower). So that micro-batch split by count, to at most ``plan.rows``, is scored too.
+    best, best_step = plan, _step(plan, lengths, config)
+    for candidate in (ranks, _at_most_rows(ranks, plan.rows)):
+        fitted = fit_placeholder_rows(candidate, lengths, cap, multiple)
+        other = sharded_plan(fitted, plan.oversize, config.parallel)
+        step = _step(other, lengths, config)
+        if step < best_step:
+            best, best_step = other, step
+    if best is not plan:
+        check_plan(best, lengths, config, placeholder_row_tokens=multiple)
+    return best
 
 
 def _at_most_rows(
