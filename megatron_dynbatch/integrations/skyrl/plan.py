@@ -130,6 +130,11 @@ def plan_skyrl_minibatch(
     return _within_the_rows(plan, lengths_per_rank, config)
 
 
+#: Plans of a step with room for its placeholder rows, at most (:func:`_within_the_rows`): the
+#: second with room for the rows the first packed, where it packed more.
+_ROOMY_PLANS = 2
+
+
 def _within_the_rows(
     plan: ShardedPlan, lengths_per_rank: Sequence[Sequence[int]], config: PlannerConfig
 ) -> ShardedPlan:
@@ -140,34 +145,41 @@ def _within_the_rows(
     whose micro-batches were packed to the budget then has them cut (:func:`fit_placeholder_rows`)
     into an extra, nearly empty micro-batch in the middle of its order (seen at 10% slower than
     SkyRL's own on ``benchmarks/skyrl_as_run.py``). Planned again under the budget less
-    ``(B - 1)`` rows of the alignment, its micro-batches fit their rows as planned. Samples over
+    ``(B - 1)`` rows of the alignment, its micro-batches fit their rows as planned; where that
+    packs a micro-batch of more samples than ``B``, once more with room for those. Samples over
     the budget are those of ``plan`` (the same lengths and budget).
     """
     multiple = config.parallel.sample_multiple
     cap = config.token_cap
-    room = cap - (plan.rows - 1) * multiple
-    if plan.rows == 1 or room < cap // 2:
-        return plan
     lengths = check_host_lengths(SKYRL, lengths_per_rank)
-    roomy = dataclasses.replace(config, max_tokens_per_gpu=room // config.parallel.cp_size)
-    if roomy.token_cap >= cap:
-        return plan
-    with SKYRL.flags(), warnings.catch_warnings():
-        # Samples between the two budgets are not oversize for SkyRL: plan.oversize says which are.
-        warnings.simplefilter("ignore", OversizeSampleWarning)
-        ranks, _ = plan_rank_shards(lengths, roomy)
-    # The room is for ``plan.rows`` rows, and packed anew a micro-batch may hold more samples
-    # (short ones). Where the others have room, more rows cost little; where they are full,
-    # every full one is cut in two (1,197 samples on a rank at pp 4: room left for 75 rows, a
-    # micro-batch of 96, and 100 full ones cut: 258 micro-batches against SkyRL's 158, 41%
-    # slower). So that micro-batch split by count, to at most ``plan.rows``, is scored too.
     best, best_step = plan, _step(plan, lengths, config)
-    for candidate in (ranks, _at_most_rows(ranks, plan.rows)):
-        fitted = fit_placeholder_rows(candidate, lengths, cap, multiple)
-        other = sharded_plan(fitted, plan.oversize, config.parallel)
-        step = _step(other, lengths, config)
-        if step < best_step:
-            best, best_step = other, step
+    rows = plan.rows
+    for _ in range(_ROOMY_PLANS):
+        room = cap - (rows - 1) * multiple
+        roomy = dataclasses.replace(config, max_tokens_per_gpu=room // config.parallel.cp_size)
+        if rows == 1 or room < cap // 2 or roomy.token_cap >= cap:
+            break
+        with SKYRL.flags(), warnings.catch_warnings():
+            # Samples between the two budgets are not oversize for SkyRL: plan.oversize says
+            # which are.
+            warnings.simplefilter("ignore", OversizeSampleWarning)
+            ranks, _ = plan_rank_shards(lengths, roomy)
+        # The room is for ``rows`` rows, and packed anew a micro-batch may hold more samples
+        # (short ones). Where the others have room, more rows cost little; where they are full,
+        # every full one is cut in two (1,197 samples on a rank at pp 4: room left for 75 rows,
+        # a micro-batch of 96, and 100 full ones cut: 258 micro-batches against SkyRL's 158, 41%
+        # slower). So that micro-batch split by count, to at most ``rows``, is scored too, and
+        # the step planned again with room for the rows it packed.
+        for candidate in (ranks, _at_most_rows(ranks, rows)):
+            fitted = fit_placeholder_rows(candidate, lengths, cap, multiple)
+            other = sharded_plan(fitted, plan.oversize, config.parallel)
+            step = _step(other, lengths, config)
+            if step < best_step:
+                best, best_step = other, step
+        packed = max([len(mb) for mbs in ranks for mb in mbs] or [1])
+        if packed <= rows:
+            break
+        rows = packed
     if best is not plan:
         check_plan(best, lengths, config, placeholder_row_tokens=multiple)
     return best
