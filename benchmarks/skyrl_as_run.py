@@ -23,12 +23,15 @@ and told the true overhead in tokens of linear work
 random held-out steps (GRPO groups, multi-turn, long tails, samples near the budget), dp 1-16,
 pp 1, 2 or 4 (vpp 1), tp 1 or 2, budgets 4k-16k, 1-32 samples a rank.
 
-Run: ``.venv/bin/python -m benchmarks.skyrl_as_run [--cases 200] [--seed 1]``; with
+Run: ``.venv/bin/python -m benchmarks.skyrl_as_run [--cases 200] [--seed 1] [--per-rank 1,32]``;
+``--per-rank LO,HI`` draws LO-HI samples a rank instead (``--per-rank 33,400``: ranks of hundreds
+of samples, whose micro-batches pack many short ones and run many placeholder rows); with
 ``--planning-time``, the CPU one plan of a mini-batch takes at dp 8 to 512 instead.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 from dataclasses import dataclass
@@ -51,6 +54,8 @@ from megatron_dynbatch.planning.spec import round_up
 __all__ = ["SkyrlCase", "random_case", "run_case"]
 
 DP_SIZES = (1, 2, 4, 8, 16)
+#: Samples a rank, drawn uniformly from this range (``--per-rank``).
+PER_RANK = (1, 32)
 #: Slower than SkyRL's own by more than this counts as SkyRL being faster.
 TOLERANCE = 0.005
 NAMES = {"ours": "ours / SkyRL", "told": "ours told / SkyRL"}
@@ -72,7 +77,7 @@ def random_case(rng: random.Random, index: int) -> SkyrlCase:
     """The ``index``-th case drawn from ``rng`` (deterministic for a seed)."""
     family = FAMILIES[index % len(FAMILIES)]
     dp, pp, tp, cap = draw_layout(rng, DP_SIZES)
-    per_rank = rng.randint(1, 32)
+    per_rank = rng.randint(*PER_RANK)
     seed = rng.randrange(1 << 30)
     # Not always a multiple of dp: SkyRL's dispatch pads with copies of sample 0.
     count = max(1, dp * per_rank - rng.randrange(dp))
@@ -195,7 +200,14 @@ def planning_time() -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    return as_run_main(argv, __doc__.split("\n\n")[0], search, format_summary, 200, planning_time)
+    global PER_RANK
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--per-rank", default=None)
+    known, rest = parser.parse_known_args(argv)
+    if known.per_rank:
+        low, high = (int(x) for x in known.per_rank.split(","))
+        PER_RANK = (low, high)
+    return as_run_main(rest, __doc__.split("\n\n")[0], search, format_summary, 200, planning_time)
 
 
 if __name__ == "__main__":
