@@ -109,12 +109,11 @@ def refine_ranks(
     def span(order: Sequence[int]) -> float:
         return pipeline_makespan([costs[b] for b in order], pp_size, vpp_size, group)
 
-    replays = affordable_replays(
-        len(orders), len(orders[0]) if orders else 1, parallel, replayed_steps, thorough
-    )
+    per_rank = len(orders[0]) if orders else 1
+    replays = affordable_replays(len(orders), per_rank, parallel, replayed_steps, thorough)
     if replays is None:
         return None
-    per_replay = _replay_steps(len(orders[0]) if orders else 1, parallel)
+    per_replay = _replay_steps(per_rank, parallel)
     budget = [replays]
     spans = [span(order) for order in orders]
 

@@ -47,6 +47,7 @@ from megatron_dynbatch.planning.sharded import (
     rank_step_time,
     sharded_plan,
 )
+from megatron_dynbatch.planning.spec import ceil_div
 
 __all__ = ["SkyrlPlan", "fit_placeholder_rows", "plan_skyrl_minibatch"]
 
@@ -151,14 +152,23 @@ def _within_the_rows(
     """
     multiple = config.parallel.sample_multiple
     cap = config.token_cap
-    lengths = check_host_lengths(SKYRL, lengths_per_rank)
-    best, best_step = plan, _step(plan, lengths, config)
-    rows = plan.rows
-    for _ in range(_ROOMY_PLANS):
+
+    def roomy_config(rows: int) -> Optional[PlannerConfig]:
+        """The config whose budget leaves room for ``rows - 1`` placeholder rows; ``None``
+        where there is nothing to leave room for, or too little budget would be left."""
         room = cap - (rows - 1) * multiple
         roomy = dataclasses.replace(config, max_tokens_per_gpu=room // config.parallel.cp_size)
         if rows == 1 or room < cap // 2 or roomy.token_cap >= cap:
-            break
+            return None
+        return roomy
+
+    rows = plan.rows
+    roomy = roomy_config(rows)
+    if roomy is None:
+        return plan
+    lengths = check_host_lengths(SKYRL, lengths_per_rank)
+    best, best_step = plan, _step(plan, lengths, config)
+    for _ in range(_ROOMY_PLANS):
         with SKYRL.flags(), warnings.catch_warnings():
             # Samples between the two budgets are not oversize for SkyRL: plan.oversize says
             # which are.
@@ -177,7 +187,8 @@ def _within_the_rows(
             if step < best_step:
                 best, best_step = other, step
         packed = max([len(mb) for mbs in ranks for mb in mbs] or [1])
-        if packed <= rows:
+        roomy = roomy_config(packed) if packed > rows else None
+        if roomy is None:
             break
         rows = packed
     if best is not plan:
@@ -197,7 +208,7 @@ def _at_most_rows(
             if len(mb) <= rows:
                 pieces.append(tuple(mb))
                 continue
-            size = -(-len(mb) // -(-len(mb) // rows))
+            size = ceil_div(len(mb), ceil_div(len(mb), rows))
             pieces.extend(tuple(mb[k : k + size]) for k in range(0, len(mb), size))
         out.append(tuple(pieces))
     return out
