@@ -32,10 +32,11 @@ of samples, whose micro-batches pack many short ones and run many placeholder ro
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from benchmarks.as_run import FAMILIES, _lengths
 from benchmarks.baselines import skyrl_balanced
@@ -54,7 +55,7 @@ from megatron_dynbatch.planning.spec import round_up
 __all__ = ["SkyrlCase", "random_case", "run_case"]
 
 DP_SIZES = (1, 2, 4, 8, 16)
-#: Samples a rank, drawn uniformly from this range (``--per-rank``).
+#: Samples a rank, drawn uniformly from this range (``--per-rank`` draws from another).
 PER_RANK = (1, 32)
 #: Slower than SkyRL's own by more than this counts as SkyRL being faster.
 TOLERANCE = 0.005
@@ -73,11 +74,14 @@ class SkyrlCase:
     cap: int
 
 
-def random_case(rng: random.Random, index: int) -> SkyrlCase:
-    """The ``index``-th case drawn from ``rng`` (deterministic for a seed)."""
+def random_case(
+    rng: random.Random, index: int, per_rank_range: Tuple[int, int] = PER_RANK
+) -> SkyrlCase:
+    """The ``index``-th case drawn from ``rng`` (deterministic for a seed), each rank drawing
+    from ``per_rank_range`` samples."""
     family = FAMILIES[index % len(FAMILIES)]
     dp, pp, tp, cap = draw_layout(rng, DP_SIZES)
-    per_rank = rng.randint(*PER_RANK)
+    per_rank = rng.randint(*per_rank_range)
     seed = rng.randrange(1 << 30)
     # Not always a multiple of dp: SkyRL's dispatch pads with copies of sample 0.
     count = max(1, dp * per_rank - rng.randrange(dp))
@@ -166,9 +170,15 @@ def run_case(case: SkyrlCase, overheads: Sequence[float], crossover: float) -> D
     return result
 
 
-def search(num_cases: int, seed: int, overheads: Sequence[float], crossover: float):
+def search(
+    num_cases: int,
+    seed: int,
+    overheads: Sequence[float],
+    crossover: float,
+    per_rank_range: Tuple[int, int] = PER_RANK,
+):
     return as_run_search(
-        random_case,
+        functools.partial(random_case, per_rank_range=per_rank_range),
         run_case,
         num_cases,
         seed,
@@ -200,14 +210,14 @@ def planning_time() -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    global PER_RANK
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--per-rank", default=None)
     known, rest = parser.parse_known_args(argv)
+    drawn = search
     if known.per_rank:
         low, high = (int(x) for x in known.per_rank.split(","))
-        PER_RANK = (low, high)
-    return as_run_main(rest, __doc__.split("\n\n")[0], search, format_summary, 200, planning_time)
+        drawn = functools.partial(search, per_rank_range=(low, high))
+    return as_run_main(rest, __doc__.split("\n\n")[0], drawn, format_summary, 200, planning_time)
 
 
 if __name__ == "__main__":
