@@ -371,11 +371,13 @@ def as_run_main(
     format_summary: Callable[[Dict[str, Any]], str],
     default_cases: int,
     planning_time: Optional[Callable[[], str]] = None,
+    parents: Sequence[argparse.ArgumentParser] = (),
 ) -> int:
     """The command line of an as-the-host-runs-it benchmark: ``--cases``, ``--seed``,
     ``--overheads`` (fractions of a full row), ``--crossover``, ``--json``; with
-    ``planning_time``, ``--planning-time`` prints what it returns instead."""
-    parser = argparse.ArgumentParser(description=description)
+    ``planning_time``, ``--planning-time`` prints what it returns instead. ``parents``: a
+    benchmark's own options (``add_help=False``), which it read before; listed in ``--help``."""
+    parser = argparse.ArgumentParser(description=description, parents=list(parents))
     parser.add_argument("--cases", type=int, default=default_cases)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--overheads", default="0,0.01,0.05")

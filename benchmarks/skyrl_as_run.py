@@ -211,13 +211,19 @@ def planning_time() -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--per-rank", default=None)
+    parser.add_argument(
+        "--per-rank",
+        default=None,
+        metavar="LO,HI",
+        help=f"samples a rank, drawn from LO-HI (default {PER_RANK[0]},{PER_RANK[1]})",
+    )
     known, rest = parser.parse_known_args(argv)
     drawn = search
     if known.per_rank:
         low, high = (int(x) for x in known.per_rank.split(","))
         drawn = functools.partial(search, per_rank_range=(low, high))
-    return as_run_main(rest, __doc__.split("\n\n")[0], drawn, format_summary, 200, planning_time)
+    description = __doc__.split("\n\n")[0]
+    return as_run_main(rest, description, drawn, format_summary, 200, planning_time, (parser,))
 
 
 if __name__ == "__main__":
