@@ -336,7 +336,8 @@ class StepMemory:
         The probe step (the first) and any step the measured model says cannot hold one
         ``--seq-length`` row within the budget run rows of ``--seq-length`` at most: the budget
         is then what such rows are predicted to need (said once, on rank 0), never a plan that
-        refuses the run's own samples.
+        refuses the run's own samples. On CPU (:attr:`resident`) a shape no step has measured
+        is planned within the budget less :data:`RESIDENT_JITTER`.
         """
         if self.budget is None:
             return None
