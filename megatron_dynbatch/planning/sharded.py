@@ -47,6 +47,7 @@ __all__ = [
     "FULL_SEARCH_SAMPLES",
     "ShardedPlan",
     "fill_the_count",
+    "fullest",
     "plan_rank_shards",
     "plan_sharded_step",
     "rank_step_time",
@@ -522,6 +523,12 @@ def _step_count(ranks: Sequence[MicroBatches], multiple: int) -> int:
     return round_up(max([1] + [len(mbs) for mbs in ranks]), multiple)
 
 
+def fullest(ranks: Sequence[Sequence[Sequence[int]]]) -> int:
+    """The most samples any micro-batch of any rank holds, at least 1: the rows ``B`` a host
+    that runs every micro-batch at one row count (SkyRL) gives each."""
+    return max([len(mb) for mbs in ranks for mb in mbs] or [1])
+
+
 def sharded_plan(
     ranks: Sequence[MicroBatches],
     oversize: Sequence[Tuple[int, int]],
@@ -530,7 +537,7 @@ def sharded_plan(
     """Every rank's real micro-batches with the count every rank runs: the largest, rounded up to
     what Megatron's schedule needs (the interleaved group), at least one."""
     count = _step_count(ranks, parallel.microbatch_multiple)
-    rows = max([len(mb) for mbs in ranks for mb in mbs] or [1])
+    rows = fullest(ranks)
     return ShardedPlan(
         ranks=tuple(tuple(mbs) for mbs in ranks),
         num_microbatches=count,

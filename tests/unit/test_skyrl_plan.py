@@ -68,6 +68,24 @@ def _check_plan(plan, lengths_per_rank, budget):
         assert plan.rows <= budget
 
 
+def _drawn(seed, index, per_rank_range=skyrl_as_run.PER_RANK):
+    """``benchmarks/skyrl_as_run.py``'s case ``index`` of ``seed``, as its search draws it."""
+    rng = random.Random(seed)
+    for k in range(index + 1):
+        case = skyrl_as_run.random_case(rng, k, per_rank_range)
+    return case
+
+
+def _ratios_within(case, overheads, bound, keys=("ours", "told")):
+    """Ours against SkyRL's own as it runs (``run_case``): no micro-batch of several samples over
+    the budget, and ours / SkyRL at most ``bound`` for ``keys`` at every overhead."""
+    result = skyrl_as_run.run_case(case, overheads, DEFAULT_ATTENTION_CROSSOVER)
+    assert result["ours_over_cap"] == 0, case.label
+    for fraction, ratios in result["ratios"].items():
+        for key in keys:
+            assert ratios[key] <= bound, (case.label, fraction, key, ratios)
+
+
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("pp,vpp", [(1, 1), (2, 1), (2, 2), (4, 2)])
 def test_plan_covers_every_sample_with_equal_counts(seed, pp, vpp):
@@ -418,14 +436,9 @@ def test_samples_at_the_budget_keep_the_constructions_when_planned_with_room_for
     smaller budget, each alone; the small-step constructions (and the trainers' orders among
     them) were skipped on a rank with any such sample, and ours ran 0.7-1.0% behind SkyRL's own.
     They now pack the rank's other samples into the micro-batches left."""
-    rng = random.Random(4)
-    for k in range(151):
-        case = skyrl_as_run.random_case(rng, k)
+    case = _drawn(4, 150)
     assert case.label.startswith("#150 long_tail n=411 dp16 pp2 tp1 cap4096")
-    result = skyrl_as_run.run_case(case, (0.0, 0.05), DEFAULT_ATTENTION_CROSSOVER)
-    assert result["ours_over_cap"] == 0
-    for fraction, ratios in result["ratios"].items():
-        assert ratios["ours"] <= 0.99, (fraction, ratios)
+    _ratios_within(case, (0.0, 0.05), 0.99, keys=("ours",))
 
 
 def test_planned_with_room_for_the_rows_no_micro_batch_needs_more_rows():
@@ -439,10 +452,7 @@ def test_planned_with_room_for_the_rows_no_micro_batch_needs_more_rows():
 
     lengths = list(_lengths("long_tail", 1197, 16384, 487344227).lengths)
     case = skyrl_as_run.SkyrlCase("one rank", lengths, 1, 4, 2, 16384)
-    result = skyrl_as_run.run_case(case, (0.0, 0.05), DEFAULT_ATTENTION_CROSSOVER)
-    assert result["ours_over_cap"] == 0
-    for fraction, ratios in result["ratios"].items():
-        assert ratios["ours"] <= 1.005, (fraction, ratios)
+    _ratios_within(case, (0.0, 0.05), 1.005, keys=("ours",))
     plan = plan_skyrl_minibatch([lengths], 16384, pp_size=4, tp_size=2)
     assert plan.num_microbatches <= 162, plan.num_microbatches
 
@@ -452,15 +462,9 @@ def test_more_rows_with_room_to_spare_are_kept_where_faster_than_splitting():
     8,192), told an overhead of 1% of a row: planned again with room for 14 placeholder rows, a
     micro-batch held 20 samples, but every micro-batch still had room for 20 rows; split to 15
     it took a sixth micro-batch, 2.9% behind SkyRL's own. Both are scored; the faster is kept."""
-    rng = random.Random(1)
-    for k in range(183):
-        case = skyrl_as_run.random_case(rng, k)
+    case = _drawn(1, 182)
     assert case.label.startswith("#182 long_tail n=120 dp4 pp2 tp2 cap8192"), case.label
-    result = skyrl_as_run.run_case(case, (0.01,), DEFAULT_ATTENTION_CROSSOVER)
-    assert result["ours_over_cap"] == 0
-    for ratios in result["ratios"].values():
-        for key, ratio in ratios.items():
-            assert ratio <= 0.99, (key, ratio)
+    _ratios_within(case, (0.01,), 0.99)
 
 
 def test_planned_again_with_room_for_the_rows_the_roomy_plan_packed():
@@ -473,11 +477,7 @@ def test_planned_again_with_room_for_the_rows_the_roomy_plan_packed():
 
     lengths = list(_lengths("grpo", 2974, 4096, 231780618).lengths)
     case = skyrl_as_run.SkyrlCase("dp 8 x 372", lengths, 8, 4, 2, 4096)
-    result = skyrl_as_run.run_case(case, (0.01,), DEFAULT_ATTENTION_CROSSOVER)
-    assert result["ours_over_cap"] == 0
-    for ratios in result["ratios"].values():
-        for key, ratio in ratios.items():
-            assert ratio <= 1.0, (key, ratio)
+    _ratios_within(case, (0.01,), 1.0)
 
 
 def test_a_sample_moved_to_where_the_rows_leave_room_keeps_a_rank_packed_to_the_budget():
@@ -487,12 +487,6 @@ def test_a_sample_moved_to_where_the_rows_leave_room_keeps_a_rank_packed_to_the_
     placeholder rows and cut in two, and planned again with room for the rows the rank lost its
     light last micro-batch: 0.7-0.8% behind SkyRL's own at every overhead, told or not. A sample
     moved to a micro-batch with room keeps the plan."""
-    rng = random.Random(1)
-    for k in range(15):
-        case = skyrl_as_run.random_case(rng, k, (60, 150))
+    case = _drawn(1, 14, (60, 150))
     assert case.label.startswith("#14 long_tail n=997 dp8 pp2 tp1 cap8192"), case.label
-    result = skyrl_as_run.run_case(case, (0.0, 0.05), DEFAULT_ATTENTION_CROSSOVER)
-    assert result["ours_over_cap"] == 0
-    for fraction, ratios in result["ratios"].items():
-        for key, ratio in ratios.items():
-            assert ratio <= 0.995, (fraction, key, ratio)
+    _ratios_within(case, (0.0, 0.05), 0.995)

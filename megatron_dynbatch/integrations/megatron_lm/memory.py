@@ -367,7 +367,7 @@ class StepMemory:
             measured = tuple(self.within)
             if self.resident:
                 # Never below what one --seq-length row needs (checked above): rows of it plan.
-                budget = max(int(budget * (1.0 - RESIDENT_JITTER)), int(need))
+                budget = max(int(budget * (1.0 - RESIDENT_JITTER)), need)
         return MemoryLimit(
             model=model,
             budget_bytes=budget,

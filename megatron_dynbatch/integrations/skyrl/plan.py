@@ -44,6 +44,7 @@ from megatron_dynbatch.planning import (
 from megatron_dynbatch.planning.sharded import (
     Ranks,
     ShardedPlan,
+    fullest,
     plan_rank_shards,
     rank_step_time,
     sharded_plan,
@@ -163,15 +164,23 @@ def _within_the_rows(
     multiple = config.parallel.sample_multiple
     cap = config.token_cap
     lengths = check_host_lengths(SKYRL, lengths_per_rank)
+    # ``plan``'s step is simulated only once another plan is scored against it.
     best, best_step = plan, None
-    moved = _moved_into_room(planned, lengths, cap, multiple)
-    if moved != [tuple(mbs) for mbs in planned]:
-        best_step = _step(plan, lengths, config)
-        fitted = fit_placeholder_rows(moved, lengths, cap, multiple)
+
+    def consider(ranks: Sequence[Tuple[Tuple[int, ...], ...]]) -> None:
+        """Keep ``ranks``, cut to fit their rows, where the step is faster than the best."""
+        nonlocal best, best_step
+        if best_step is None:
+            best_step = _step(plan, lengths, config)
+        fitted = fit_placeholder_rows(ranks, lengths, cap, multiple)
         other = sharded_plan(fitted, plan.oversize, config.parallel)
         step = _step(other, lengths, config)
         if step < best_step:
             best, best_step = other, step
+
+    moved = _moved_into_room(planned, lengths, cap, multiple)
+    if moved != [tuple(mbs) for mbs in planned]:
+        consider(moved)
 
     def roomy_config(rows: int) -> Optional[PlannerConfig]:
         """The config whose budget leaves room for ``rows - 1`` placeholder rows; ``None``
@@ -186,8 +195,6 @@ def _within_the_rows(
     roomy = roomy_config(rows)
     if roomy is None:
         return _checked(best, plan, lengths, config)
-    if best_step is None:
-        best_step = _step(plan, lengths, config)
     for _ in range(_ROOMY_PLANS):
         with SKYRL.flags(), warnings.catch_warnings():
             # Samples between the two budgets are not oversize for SkyRL: plan.oversize says
@@ -200,13 +207,9 @@ def _within_the_rows(
         # a micro-batch of 96, and 100 full ones cut: 258 micro-batches against SkyRL's 158, 41%
         # slower). So that micro-batch split by count, to at most ``rows``, is scored too, and
         # the step planned again with room for the rows it packed.
-        for candidate in (ranks, _at_most_rows(ranks, rows)):
-            fitted = fit_placeholder_rows(candidate, lengths, cap, multiple)
-            other = sharded_plan(fitted, plan.oversize, config.parallel)
-            step = _step(other, lengths, config)
-            if step < best_step:
-                best, best_step = other, step
-        packed = max([len(mb) for mbs in ranks for mb in mbs] or [1])
+        consider(ranks)
+        consider(_at_most_rows(ranks, rows))
+        packed = fullest(ranks)
         roomy = roomy_config(packed) if packed > rows else None
         if roomy is None:
             break
@@ -237,7 +240,7 @@ def _moved_into_room(
     8,192 of 8,192 tokens, B = 11) had one micro-batch at 8,191 cut in two, and the step planned
     anew with room for the rows lost its light last micro-batch: 0.8% behind SkyRL's own.
     """
-    rows = max([len(mb) for mbs in ranks for mb in mbs] or [1])
+    rows = fullest(ranks)
     out = []
     for rank, mbs in enumerate(ranks):
         sizes = [round_up(n, multiple) for n in lengths_per_rank[rank]]
@@ -322,7 +325,7 @@ def fit_placeholder_rows(
 
     fitted = [tuple(mbs) for mbs in ranks]
     while True:
-        rows = max([len(mb) for mbs in fitted for mb in mbs] or [1])
+        rows = fullest(fitted)
         cut: List[Tuple[Tuple[int, ...], ...]] = []
         for rank, mbs in enumerate(fitted):
             pieces: List[Tuple[int, ...]] = []
@@ -339,6 +342,6 @@ def fit_placeholder_rows(
                     tokens = grown
                 pieces.append(tuple(piece))
             cut.append(tuple(pieces))
-        if max([len(mb) for mbs in cut for mb in mbs] or [1]) == rows:
+        if fullest(cut) == rows:
             return cut
         fitted = cut
