@@ -56,3 +56,5 @@ for step in range(3):
         if last:  # each micro-batch logs [loss sum, tokens]
             loss = sum(log["loss"] for log in logs)
             print(f"step {step}: {len(logs)} micro-batches, loss {float(loss[0] / loss[1]):.4f}")
+dist.barrier()  # close the groups on every rank before exit: left to exit, gloo's threads can abort one
+dist.destroy_process_group()
