@@ -27,6 +27,7 @@ from megatron_dynbatch.tools.verify import (
     run_verify,
 )
 from megatron_dynbatch.tools.verify.spec import MoESettings
+from tests._support import torchrun
 
 pytestmark = pytest.mark.gloo
 
@@ -192,6 +193,16 @@ def test_oversize_error_is_bad_input_before_any_process(tmp_path):
     )
     assert proc.returncode == 2 and "sample 7: 200 tokens" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+@pytest.mark.torchrun  # ``torchrun ... megatron-dynbatch verify``: the ranks are torchrun's own
+def test_verify_under_torchrun_passes_and_every_rank_exits_cleanly(tmp_path):
+    argv = ["megatron_dynbatch.tools.cli", "verify", "--pp-size", "2", "--json"]
+    rc, log, _ = torchrun(2, "-m", argv, log_path=tmp_path / "verify.log")
+    # A rank aborting at interpreter exit (gloo's threads, groups left open) fails torchrun too.
+    assert rc == 0 and "terminate called" not in log, log[-4000:]
+    report = json.loads(next(line for line in log.splitlines() if line.startswith("{")))
+    assert report["passed"] and report["pp_size"] == 2 and report["world_size"] == 2, report
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))

@@ -67,7 +67,8 @@ def run_under_torchrun(spec: VerifySpec) -> Optional[Dict[str, Any]]:
     parallel = spec.config.parallel
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if not dist.is_initialized():
+    ours = not dist.is_initialized()
+    if ours:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     # check_torchrun_world_size read WORLD_SIZE; the initialised world must agree with it.
     assert dist.get_world_size() == spec.world_size, (dist.get_world_size(), spec.world_size)
@@ -91,7 +92,14 @@ def run_under_torchrun(spec: VerifySpec) -> Optional[Dict[str, Any]]:
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, body(spec))
         results.append(gathered)
-    if dist.get_rank() != 0:
+    rank = dist.get_rank()
+    parallel_state.destroy_model_parallel()
+    if ours:
+        # Closed while every rank is alive: left to interpreter exit, gloo's threads can abort a
+        # rank that has finished ("terminate called without an active exception").
+        dist.barrier()
+        dist.destroy_process_group()
+    if rank != 0:
         return None
     report = compare(spec, results[0], results[1][0])
     report["elapsed_s"] = time.perf_counter() - started
