@@ -312,7 +312,9 @@ class ParallelLayout:
                 "omit it to use Megatron's default (pp_size).",
             )
             object.__setattr__(self, "microbatch_group_size_per_vp_stage", group)
-            if group < self.pp_size:
+            # Only the interleaved schedule reads the group (and refuses one below pp); without
+            # interleaving Megatron accepts any value and so do we.
+            if group < self.pp_size and self.vpp_size > 1:
                 raise DynBatchValueError(
                     f"microbatch_group_size_per_vp_stage={group} is smaller than pp_size={self.pp_size}; "
                     f"Megatron's interleaved schedule rejects that. Use a value >= {self.pp_size} or omit "

@@ -68,9 +68,12 @@ def _spec(
     oversize="allow",
     attention=None,
     attention_weight=0.0,
+    group=None,
     **kwargs,
 ):
-    parallel = ParallelLayout(dp_size=dp, pp_size=pp, vpp_size=vpp)
+    parallel = ParallelLayout(
+        dp_size=dp, pp_size=pp, vpp_size=vpp, microbatch_group_size_per_vp_stage=group
+    )
     cost = CostModel(
         microbatch_overhead=overhead, attention=attention, attention_weight=attention_weight
     )
@@ -203,6 +206,15 @@ def test_verify_under_torchrun_passes_and_every_rank_exits_cleanly(tmp_path):
     assert rc == 0 and "terminate called" not in log, log[-4000:]
     report = json.loads(next(line for line in log.splitlines() if line.startswith("{")))
     assert report["passed"] and report["pp_size"] == 2 and report["world_size"] == 2, report
+
+
+def test_the_interleaving_group_asked_for_is_the_one_megatron_runs():
+    # A count aligned to a group of 3 is refused by Megatron's default group (pp = 2: remainder
+    # 1); verify built its model with the default and failed on every rank, reporting group 3.
+    spec = _spec(1, 2, 2, cap=8, oversize="truncate", group=3, loss="sum", samples=[7, 3, 11, 1, 5])
+    report = _check(run_verify(spec))
+    assert report["microbatch_group_size_per_vp_stage"] == 3
+    assert report["num_microbatches"] % 3 == 0 and report["num_microbatches"] % 2 == 1, report
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))

@@ -367,6 +367,20 @@ def test_bad_input_raises_value_error_naming_the_value(call, message):
     assert message in str(info.value)
 
 
+def test_a_group_below_pp_without_interleaving_is_megatrons_to_ignore():
+    # Megatron reads the group only in the interleaved schedule (and refuses one below pp there);
+    # at vpp 1 it accepts any value, so the plan does too and aligns to nothing.
+    parallel = ParallelLayout(dp_size=2, pp_size=4, microbatch_group_size_per_vp_stage=2)
+    assert parallel.microbatch_multiple == 1
+    plan = plan_schedule(
+        [5, 9, 3, 7, 30], config=PlannerConfig(max_tokens_per_gpu=16, parallel=parallel)
+    )
+    [step] = plan.steps
+    assert sorted(i for r in range(2) for mb in step.rank_microbatches(r) for i in mb) == list(
+        range(5)
+    )
+
+
 @pytest.mark.parametrize(
     "layout, variable", [("packed", True), ("packed", False), ("padded", False)]
 )

@@ -56,6 +56,7 @@ def tiny_transformer_config(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: Optional[int] = None,
+    microbatch_group_size_per_vp_stage: Optional[int] = None,
     num_layers: int = 4,
     hidden_size: int = 32,
     num_attention_heads: int = 4,
@@ -73,6 +74,8 @@ def tiny_transformer_config(
             the attention heads.
         pipeline_model_parallel_size: Pipeline stages (must match the pipeline process group).
         virtual_pipeline_model_parallel_size: Model chunks per stage, or None for no interleaving.
+        microbatch_group_size_per_vp_stage: Megatron's interleaving group (micro-batches a model
+            chunk runs before the next chunk's); None: Megatron's default, the pipeline size.
         num_layers: Global number of transformer layers; must split evenly over pp * vpp.
         hidden_size: Hidden width.
         num_attention_heads: Attention heads.
@@ -107,6 +110,7 @@ def tiny_transformer_config(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
         # fp32 end to end: p2p buffers are allocated with pipeline_dtype.
         params_dtype=torch.float32,
         pipeline_dtype=torch.float32,

@@ -91,6 +91,9 @@ def dynamic_body(spec: VerifySpec) -> Dict[str, Any]:
         virtual_pipeline_model_parallel_size=(
             parallel_state.get_virtual_pipeline_model_parallel_world_size()
         ),
+        # The group the plan was aligned to: Megatron's default (pp) runs another order and
+        # refuses a count that is a multiple of the asked group only.
+        microbatch_group_size_per_vp_stage=spec.config.parallel.group_size,
         calculate_per_token_loss=True,
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
     )
