@@ -58,6 +58,7 @@ __all__ = [
     "check_host_budget",
     "check_host_lengths",
     "check_host_oversize",
+    "check_host_planner",
     "host_config",
     "plan_host_step",
     "register_host",
@@ -360,6 +361,35 @@ def check_overhead(value: Any, setting: str, example: str) -> Optional[float]:
             "assume 2% of a full row."
         )
     return float(value)
+
+
+def check_host_planner(host: Host, name: Any, layout: Optional[str]) -> None:
+    """A planner named in ``host``'s planner key, at start-up: registered, and planning the rows
+    the host runs (``layout``; ``None`` where it runs either). Without this a planner of the other
+    layout (``fixed`` plans padded rows) passed the start-up and was refused at the first step.
+
+    Raises:
+        DynBatchValueError: naming the host's key, the value and a planner that works.
+    """
+    # The planner's registry imports the whole planner: only where a planner is named.
+    from megatron_dynbatch.planning.registry import DEFAULT_PLANNER, get_planner, required_layout
+
+    key = host.key("planner")
+    setting = f"{key} {name}" if key.startswith("--") else f"{key}={name!r}"
+    if not isinstance(name, str):
+        raise DynBatchValueError(
+            f"{setting} must name a registered planner, e.g. {DEFAULT_PLANNER!r}."
+        )
+    try:
+        get_planner(name)
+    except DynBatchValueError as error:
+        raise DynBatchValueError(f"{setting}: {error}") from None
+    required = required_layout(name)
+    if layout is not None and required not in (None, layout):
+        raise DynBatchValueError(
+            f"{setting} plans {required} rows only, but {host.name} runs {layout} rows here: "
+            f"pick planner {DEFAULT_PLANNER!r} or drop {key}."
+        )
 
 
 def host_config(

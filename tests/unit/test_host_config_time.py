@@ -75,6 +75,8 @@ def test_slime_hands_the_microbatch_overhead_to_the_planner():
             "--use-slime-dynamic-batch-size is read only",
         ),
         (dict(dynamic_batch_planner="dynbach"), "--dynamic-batch-planner dynbach: no planner"),
+        # slime always packs: 'fixed' (padded rows) was refused only at the first step.
+        (dict(dynamic_batch_planner="fixed"), "fixed plans padded rows only, but slime runs"),
         (
             dict(use_dynamic_batch_size=False, dynamic_batch_cost_microbatch_overhead=330.0),
             "--dynamic-batch-cost-microbatch-overhead 330.0 is read only",

@@ -196,7 +196,12 @@ def test_the_record_reads_the_planner_beside_the_switch_and_names_it_in_errors()
     # Refused at start-up, where the patched Policy checks its config.
     with pytest.raises(DynBatchValueError, match=r"dynbatch\.planner='nope': no planner named"):
         dynbatch_enabled(cfg)
+    # 'fixed' plans padded rows; NeMo-RL's sequence packing runs packed ones: refused here, not
+    # by the planner at the first step.
     cfg["megatron_cfg"]["dynbatch"]["planner"] = "fixed"
+    with pytest.raises(DynBatchValueError, match=r"planner='fixed' plans padded rows only"):
+        dynbatch_enabled(cfg)
+    cfg["megatron_cfg"]["dynbatch"]["planner"] = "dynbatch-thorough"
     assert dynbatch_enabled(cfg)
 
 

@@ -278,6 +278,25 @@ def test_a_told_overhead_reaches_the_planner_and_a_bad_one_is_refused_naming_ver
             _config(4096, pp=2, overhead=value)
 
 
+def test_a_planner_of_the_other_rows_is_refused_at_start_up_naming_verls_key():
+    # 'fixed' plans padded rows: with use_remove_padding (verl's default) the engine packs THD
+    # rows and the planner refused the layout at the first step, after the cluster had started.
+    from megatron_dynbatch.integrations.verl.config import dynbatch_settings
+
+    role = "critic"
+    with pytest.raises(DynBatchValueError) as caught:
+        dynbatch_settings({"megatron": {"dynbatch": {"planner": "fixed"}}}, role)
+    message = str(caught.value)
+    assert "critic.megatron.dynbatch.planner='fixed' plans padded rows only" in message, message
+    assert "verl runs packed rows" in message and "pick planner 'dynbatch'" in message, message
+    padded = {"megatron": {"use_remove_padding": False, "dynbatch": {"planner": "fixed"}}}
+    assert dynbatch_settings(padded, role) == {"planner": "fixed"}
+    with pytest.raises(
+        DynBatchValueError, match=r"critic\.megatron\.dynbatch\.planner=3 must name"
+    ):
+        dynbatch_settings({"megatron": {"dynbatch": {"planner": 3}}}, role)
+
+
 def test_thd_micro_batches_are_planned_at_their_own_length_with_attention():
     # verl's THD forward (use_remove_padding, variable_seq_lengths) runs each micro-batch as one
     # row of its own samples: planned so, with attention per sample; BSHD keeps padded rows.

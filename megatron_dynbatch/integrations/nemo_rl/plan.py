@@ -36,6 +36,7 @@ from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.hosts import (
     NEMO_RL,
     check_host_budget,
+    check_host_planner,
     check_overhead,
     host_config,
 )
@@ -43,7 +44,6 @@ from megatron_dynbatch.planning import (
     ParallelLayout,
     PlannerConfig,
     SampleSet,
-    get_planner,
     round_up,
     run_planner,
 )
@@ -104,15 +104,7 @@ def dynbatch_enabled(policy_cfg: Mapping[str, Any]) -> bool:
         return False
     planner = section.get("planner")
     if planner is not None:
-        # At start-up, not at the first train call.
-        if not isinstance(planner, str):
-            raise DynBatchValueError(
-                f"{_PLANNER}={planner!r} must name a registered planner, e.g. 'dynbatch'."
-            )
-        try:
-            get_planner(planner)
-        except DynBatchValueError as error:
-            raise DynBatchValueError(f"{_PLANNER}={planner!r}: {error}") from None
+        check_host_planner(NEMO_RL, planner, NEMO_RL.fixed["layout"])  # at start-up
     _overhead(section)  # at start-up too, not at the first train call
     if not megatron_cfg.get("enabled", False):
         raise DynBatchValueError(

@@ -26,7 +26,12 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.integrations.hosts import SKYRL, check_host_budget, check_overhead
+from megatron_dynbatch.integrations.hosts import (
+    SKYRL,
+    check_host_budget,
+    check_host_planner,
+    check_overhead,
+)
 
 __all__ = ["validate_trainer_config"]
 
@@ -41,18 +46,7 @@ def _check_planner(name: Any) -> None:
     packed rows (``None``: ours)."""
     if name is None:
         return
-    from megatron_dynbatch.planning.registry import get_planner, required_layout
-
-    key = SKYRL.key("planner")
-    try:
-        get_planner(name)
-    except ValueError as error:
-        raise DynBatchValueError(f"{key}={name!r}: {error}") from None
-    if required_layout(name) not in (None, "packed"):
-        raise DynBatchValueError(
-            f"{key}={name!r} plans {required_layout(name)} rows only; SkyRL's Megatron worker "
-            f"runs packed rows: pick another planner or drop {key}."
-        )
+    check_host_planner(SKYRL, name, SKYRL.fixed["layout"])
 
 
 def _check_memory(trainer: Any, budget: int) -> None:

@@ -18,8 +18,7 @@ from __future__ import annotations
 from typing import Any, Callable, List, Optional
 
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.integrations.hosts import SLIME
-from megatron_dynbatch.planning.registry import get_planner
+from megatron_dynbatch.integrations.hosts import SLIME, check_host_planner
 
 __all__ = ["HOOK_PATH", "OWN_OPTIONS", "MicroBatchPlanner"]
 
@@ -94,10 +93,7 @@ class MicroBatchPlanner:
         slime_max_memory_gib(args)  # a number of GiB > 0: not -1, 0, nan or inf
         name = getattr(args, "dynamic_batch_planner", None)
         if name is not None:
-            try:
-                get_planner(name)
-            except DynBatchValueError as error:
-                raise DynBatchValueError(f"{SLIME.key('planner')} {name}: {error}") from None
+            check_host_planner(SLIME, name, SLIME.fixed["layout"])
         # Budgets, --oversize-samples, the planner's name, the micro-batch overhead.
         dynbatch_config_from_slime_args(args)
         return path

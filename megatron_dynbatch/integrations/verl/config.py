@@ -29,10 +29,16 @@ driver.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Optional
 
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.integrations.hosts import check_budget, check_overhead
+from megatron_dynbatch.integrations.hosts import (
+    VERL,
+    check_budget,
+    check_host_planner,
+    check_overhead,
+)
 
 __all__ = [
     "BUDGET_KEYS",
@@ -179,6 +185,9 @@ def _get(node: Any, dotted: str, default: Any = None) -> Any:
     return default if node is _ABSENT else node
 
 
+#: The rows verl's Megatron engine runs, by ``megatron.use_remove_padding``.
+_LAYOUTS = {True: "packed", False: "padded"}
+
 #: What ``megatron.dynbatch`` (verl's one dict option for megatron_dynbatch's settings) may hold.
 DYNBATCH_KEYS = ("max_memory_gib", "planner", "cost_microbatch_overhead")
 
@@ -208,12 +217,12 @@ def dynbatch_settings(section: Any, role: str) -> dict:
         )
     planner = items.get("planner")
     if planner is not None:
-        from megatron_dynbatch.planning.registry import get_planner
-
-        try:
-            get_planner(planner)
-        except ValueError as error:
-            raise DynBatchValueError(f"{where}.planner: {error}") from None
+        # verl's Megatron engine packs THD rows with use_remove_padding (its default), else pads.
+        packed = _get(section, "megatron.use_remove_padding", True)
+        host = replace(VERL, keys={**VERL.keys, "planner": f"{where}.planner"})
+        check_host_planner(
+            host, planner, _LAYOUTS.get(packed) if isinstance(packed, bool) else None
+        )
     overhead = items.get("cost_microbatch_overhead")
     key = f"{where}.cost_microbatch_overhead"
     check_overhead(overhead, f"{key}={overhead!r}", f"+{key}=330")
