@@ -440,6 +440,16 @@ def test_static_path_trims_and_asserts_as_slime_does():
         (dict(total_lengths=["6"]), r"total_lengths\[0\]='6'"),
         (dict(total_lengths=[True]), "bool"),
         (dict(total_lengths=[0]), r"total_lengths\[0\]=0 must be >= 1"),
+        # A corrupt length is refused as one, not as over the budget with a budget over the
+        # maximum as the fix (both policies).
+        (dict(total_lengths=[5, 2**41]), r"total_lengths\[1\]=2199023255552 is above the sup"),
+        (
+            dict(
+                total_lengths=[5, 2**41],
+                args=slime_args(max_tokens_per_gpu=64, oversize_samples="error"),
+            ),
+            "corrupt length",
+        ),
         (dict(total_lengths={"a": 1}), "must be a sequence"),
         (dict(global_batch_size=2.0), "global_batch_size=2.0"),
         (dict(global_batch_size=0), "global_batch_size=0 must be >= 1"),
@@ -449,6 +459,10 @@ def test_static_path_trims_and_asserts_as_slime_does():
         (dict(tp=dict(slime_tp(), dp_size="2")), "dp_size"),
         (dict(args=slime_args(max_tokens_per_gpu=None)), "--max-tokens-per-gpu"),
         (dict(args=slime_args(max_tokens_per_gpu=1.5)), "max-tokens-per-gpu=1.5"),
+        (
+            dict(args=slime_args(max_tokens_per_gpu=64, oversize_samples="Allow")),
+            "--oversize-samples 'Allow' is not a policy slime runs; use --oversize-samples allow",
+        ),
         (dict(args=slime_args(use_dynamic_batch_size="yes")), "use_dynamic_batch_size='yes'"),
     ],
 )

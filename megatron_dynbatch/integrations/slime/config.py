@@ -80,11 +80,17 @@ def oversize_policy(args: Any) -> str:
     policy = getattr(args, "oversize_samples", None)
     if policy is None:
         return "allow"
-    if policy not in SLIME_OVERSIZE_POLICIES:
+    if policy == "truncate":
         raise DynBatchValueError(
             f"args.oversize_samples={policy!r}: slime's data path trains whole samples, so use "
             "--oversize-samples allow (default) or error; cut long responses at rollout time "
             "(--rollout-max-response-len) instead of truncating them here."
+        )
+    if policy not in SLIME_OVERSIZE_POLICIES:
+        # A typo or another case ('Allow'): not a request to truncate.
+        raise DynBatchValueError(
+            f"--oversize-samples {policy!r} is not a policy slime runs; use --oversize-samples "
+            "allow (the default: a sample over --max-tokens-per-gpu runs alone) or error."
         )
     return policy
 

@@ -88,7 +88,12 @@ from megatron_dynbatch.planning.registry import run_planner
 from megatron_dynbatch.planning.samples import as_sequence
 from megatron_dynbatch.planning.schedule import ScheduledStep
 from megatron_dynbatch.planning.shape import variable_rows as micro_batch_rows
-from megatron_dynbatch.planning.spec import ATTENTION_CROSSOVER_7B, OWN_PLANNERS, check_int
+from megatron_dynbatch.planning.spec import (
+    ATTENTION_CROSSOVER_7B,
+    MAX_TOKENS,
+    OWN_PLANNERS,
+    check_int,
+)
 
 __all__ = [
     "DATA_PAD_SIZE_MULTIPLIER",
@@ -382,14 +387,22 @@ def _lengths(total_lengths: Any) -> List[int]:
     lengths = as_sequence("total_lengths", total_lengths, "per-sample token counts")
     # Plain ints >= 1 (what slime passes) need no per-sample check: 1M samples in milliseconds.
     # Anything else goes through check_int one by one, which names the first bad value.
-    if lengths and set(map(type, lengths)) == {int} and min(lengths) >= 1:
+    # The maximum first too: a corrupt length is refused as one, before any budget check offers
+    # a budget above the maximum as its fix.
+    if (
+        lengths
+        and set(map(type, lengths)) == {int}
+        and 1 <= min(lengths) <= max(lengths) <= MAX_TOKENS
+    ):
         return lengths
     for i, value in enumerate(lengths):
         lengths[i] = check_int(
             f"total_lengths[{i}]",
             value,
             1,
-            "pass every sample's token count (prompt + response) as an integer >= 1.",
+            "pass every sample's token count (prompt + response) as an integer >= 1 (a corrupt "
+            "length?).",
+            maximum=MAX_TOKENS,
         )
     if not lengths:
         raise DPScheduleError("total_lengths is empty; there is no sample to schedule.")
