@@ -216,6 +216,15 @@ def step_microbatch_costs(
     return result
 
 
+#: A value that works for each term of the cost model, as Megatron-LM's flags set it.
+_EXAMPLES = {
+    "token_weight": "--dynamic-batch-cost-token-weight 1 (a token's linear work is the unit)",
+    "attention_weight": "--dynamic-batch-cost-attention-weight 4e-5 (about 1/(6*hidden_size))",
+    "response_weight": "--dynamic-batch-cost-response-weight 0.1 (a fraction of a token's work)",
+    "microbatch_overhead": "--dynamic-batch-cost-microbatch-overhead 330 (2% of a 16k-token row)",
+}
+
+
 def check_cost_is_finite(model: CostModel, longest_row: int) -> None:
     """Refuse weights whose cost of one micro-batch overflows a float (inf, then NaN in sums).
 
@@ -237,9 +246,11 @@ def check_cost_is_finite(model: CostModel, longest_row: int) -> None:
     # A step sums thousands of micro-batches and simulates their backward passes: keep headroom.
     total = sum(worst.values()) * 1e9
     if not math.isfinite(total):
+        # Name the term that overflows (the largest), with a value that works for it.
+        name = max(worst, key=lambda term: worst[term] if math.isfinite(worst[term]) else math.inf)
         raise DynBatchValueError(
             f"the cost model overflows a float for rows of {longest_row} tokens ("
-            + ", ".join(f"{name}={getattr(model, name)!r}" for name in worst)
-            + "); the weights are relative: keep the token weight near 1 and the attention "
-            "weight near 1/(6*hidden_size), e.g. --dynamic-batch-cost-attention-weight 4e-5."
+            + ", ".join(f"{term}={getattr(model, term)!r}" for term in worst)
+            + f"); the weights are relative, and {name} is the one too large: e.g. "
+            f"{_EXAMPLES[name]}."
         )

@@ -578,6 +578,11 @@ class PlannerConfig:
         # Every consumer (planner, verify, plots) sees one concrete model: the overhead assumed
         # here, once, from the cap (the min_gain default above was read from the model as given).
         object.__setattr__(self, "cost", self.cost.resolved(self.token_cap, self.layout))
+        # At start-up, where a host builds its config, not at the first step (the planner checks
+        # again with the longest sample, which may be over the cap).
+        from megatron_dynbatch.planning.cost import check_cost_is_finite
+
+        check_cost_is_finite(self.cost, self.token_cap)
 
     @property
     def variable_row_multiple(self) -> int:

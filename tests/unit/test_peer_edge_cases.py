@@ -924,6 +924,20 @@ MEGATRON_CASES = [
         "--dynamic-batch-planner fixed plans padded rows only.*--dynamic-batch-layout padded",
     ),
     (
+        "probe",
+        "a cost term that overflows is refused at start-up, naming its own flag",
+        _CAP + ["--dynamic-batch-cost-attention-weight", "1e300"],
+        {},
+        r"attention_weight is the one too large: e\.g\. --dynamic-batch-cost-attention-weight 4e-5",
+    ),
+    (
+        "probe",
+        "an overflowing micro-batch overhead names its flag, not the attention weight",
+        _CAP + ["--dynamic-batch-cost-microbatch-overhead", "1e308"],
+        {},
+        r"microbatch_overhead is the one too large: e\.g\. --dynamic-batch-cost-microbatch-overhead",
+    ),
+    (
         "issues",
         "--dynamic-batch-planner fixed with --dynamic-batch-layout padded",
         _CAP + ["--dynamic-batch-planner", "fixed", "--dynamic-batch-layout", "padded"],
