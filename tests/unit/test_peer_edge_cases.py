@@ -925,6 +925,13 @@ MEGATRON_CASES = [
     ),
     (
         "probe",
+        "--rollouts-per-step with a global batch that does not split over DP: change both",
+        _CAP + ["--rollouts-per-step", "7"],
+        {"global_batch_size": 7, "data_parallel_size": 2},
+        r"--global-batch-size to a multiple of 2, e\.g\. 6 or 8, and --rollouts-per-step 7 to",
+    ),
+    (
+        "probe",
         "a cost term that overflows is refused at start-up, naming its own flag",
         _CAP + ["--dynamic-batch-cost-attention-weight", "1e300"],
         {},

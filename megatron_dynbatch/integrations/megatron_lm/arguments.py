@@ -546,6 +546,10 @@ def _check_unused_micro_batch_sizes(args: Any) -> None:
             lower, upper = (batch // dp) * dp, (batch // dp + 1) * dp
             sizes = f"{lower} or {upper}" if lower > 0 else f"{upper}"
             fix = f"set {batch_flag} to a multiple of {dp}, e.g. {sizes}"
+            rollouts = getattr(args, "rollouts_per_step", None)
+            if batch_flag == "--global-batch-size" and rollouts is not None:
+                # Checked equal before: changing one alone is refused by the other check.
+                fix += f", and --rollouts-per-step {rollouts} to the same"
             if micro != 1:
                 fix += f", and {micro_flag} 1"
         raise DynBatchValueError(
