@@ -607,6 +607,11 @@ def _more_candidates(
     search = _arrival_search(searches, lone_oversize=True)
     if search is None or not is_small_step(len(problem.items), search.dp):
         return chosen
+    if chosen.per_rank == 1 and chosen.micro_batch_size == 1 and max(map(len, chosen.bins)) <= 1:
+        # One micro-batch of at most one sample a rank: no plan is faster (the longest sample's
+        # rank runs it, and at least one micro-batch, in any plan). A step of a rollout or two at
+        # a large dp scored every construction for nothing (10x its planning time).
+        return chosen
     # One rank's samples over the cap (a sharded rank planned under a budget with room for
     # placeholder rows, a sample at the full budget among them) each run alone: the
     # constructions pack the others into the micro-batches left.
