@@ -38,12 +38,9 @@ overhead: ``16 + 0.1 * (16 + 64 + 16) = 25.6``; a placeholder of the step costs
 
 from __future__ import annotations
 
-import math
-from typing import Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Callable, List, Mapping, Optional, Sequence
 
-from megatron_dynbatch.errors import DynBatchValueError
-
-from .spec import CostModel, round_up
+from .spec import CostModel, check_cost_is_finite, round_up
 
 __all__ = [
     "TAIL_SEGMENT_TOKENS",
@@ -214,43 +211,3 @@ def step_microbatch_costs(
             costs.append(microbatch_cost(model, layout, s, b, sizes, responses))
         result.append(costs)
     return result
-
-
-#: A value that works for each term of the cost model, as Megatron-LM's flags set it.
-_EXAMPLES = {
-    "token_weight": "--dynamic-batch-cost-token-weight 1 (a token's linear work is the unit)",
-    "attention_weight": "--dynamic-batch-cost-attention-weight 4e-5 (about 1/(6*hidden_size))",
-    "response_weight": "--dynamic-batch-cost-response-weight 0.1 (a fraction of a token's work)",
-    "microbatch_overhead": "--dynamic-batch-cost-microbatch-overhead 330 (2% of a 16k-token row)",
-}
-
-
-def check_cost_is_finite(model: CostModel, longest_row: int) -> None:
-    """Refuse weights whose cost of one micro-batch overflows a float (inf, then NaN in sums).
-
-    Args:
-        model: The cost model.
-        longest_row: The most padded tokens a micro-batch row can hold (the longer of the cap and
-            the longest sample).
-
-    Raises:
-        ValueError: naming the weights and the row length, with the fix.
-    """
-    s = float(longest_row)
-    worst: Dict[str, float] = {
-        "token_weight": model.token_weight * s,
-        "attention_weight": 2.0 * model.attention_weight * s * s,
-        "response_weight": model.response_weight * s,
-        "microbatch_overhead": model.overhead,
-    }
-    # A step sums thousands of micro-batches and simulates their backward passes: keep headroom.
-    total = sum(worst.values()) * 1e9
-    if not math.isfinite(total):
-        # Name the term that overflows (the largest), with a value that works for it.
-        name = max(worst, key=lambda term: worst[term] if math.isfinite(worst[term]) else math.inf)
-        raise DynBatchValueError(
-            f"the cost model overflows a float for rows of {longest_row} tokens ("
-            + ", ".join(f"{term}={getattr(model, term)!r}" for term in worst)
-            + f"); the weights are relative, and {name} is the one too large: e.g. "
-            f"{_EXAMPLES[name]}."
-        )

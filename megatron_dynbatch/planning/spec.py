@@ -580,8 +580,6 @@ class PlannerConfig:
         object.__setattr__(self, "cost", self.cost.resolved(self.token_cap, self.layout))
         # At start-up, where a host builds its config, not at the first step (the planner checks
         # again with the longest sample, which may be over the cap).
-        from megatron_dynbatch.planning.cost import check_cost_is_finite
-
         check_cost_is_finite(self.cost, self.token_cap)
 
     @property
@@ -628,3 +626,43 @@ class PlannerConfig:
         times cp. A memory budget bounds such shapes by its own ``row_cap(B)``, which may allow
         more tokens than one row holds (B short rows keep less of ``S x S`` scores)."""
         return self.max_tokens_per_gpu * self.parallel.cp_size
+
+
+#: A value that works for each term of the cost model, as Megatron-LM's flags set it.
+_EXAMPLES = {
+    "token_weight": "--dynamic-batch-cost-token-weight 1 (a token's linear work is the unit)",
+    "attention_weight": "--dynamic-batch-cost-attention-weight 4e-5 (about 1/(6*hidden_size))",
+    "response_weight": "--dynamic-batch-cost-response-weight 0.1 (a fraction of a token's work)",
+    "microbatch_overhead": "--dynamic-batch-cost-microbatch-overhead 330 (2% of a 16k-token row)",
+}
+
+
+def check_cost_is_finite(model: CostModel, longest_row: int) -> None:
+    """Refuse weights whose cost of one micro-batch overflows a float (inf, then NaN in sums).
+
+    Args:
+        model: The cost model.
+        longest_row: The most padded tokens a micro-batch row can hold (the longer of the cap and
+            the longest sample).
+
+    Raises:
+        ValueError: naming the weights and the row length, with the fix.
+    """
+    s = float(longest_row)
+    worst: Dict[str, float] = {
+        "token_weight": model.token_weight * s,
+        "attention_weight": 2.0 * model.attention_weight * s * s,
+        "response_weight": model.response_weight * s,
+        "microbatch_overhead": model.overhead,
+    }
+    # A step sums thousands of micro-batches and simulates their backward passes: keep headroom.
+    total = sum(worst.values()) * 1e9
+    if not math.isfinite(total):
+        # Name the term that overflows (the largest), with a value that works for it.
+        name = max(worst, key=lambda term: worst[term] if math.isfinite(worst[term]) else math.inf)
+        raise DynBatchValueError(
+            f"the cost model overflows a float for rows of {longest_row} tokens ("
+            + ", ".join(f"{term}={getattr(model, term)!r}" for term in worst)
+            + f"); the weights are relative, and {name} is the one too large: e.g. "
+            f"{_EXAMPLES[name]}."
+        )

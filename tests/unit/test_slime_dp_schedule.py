@@ -448,7 +448,7 @@ def test_static_path_trims_and_asserts_as_slime_does():
                 total_lengths=[5, 2**41],
                 args=slime_args(max_tokens_per_gpu=64, oversize_samples="error"),
             ),
-            "corrupt length",
+            "is above the supported maximum 1099511627776",
         ),
         (dict(total_lengths={"a": 1}), "must be a sequence"),
         (dict(global_batch_size=2.0), "global_batch_size=2.0"),

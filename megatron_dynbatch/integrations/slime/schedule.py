@@ -400,8 +400,7 @@ def _lengths(total_lengths: Any) -> List[int]:
             f"total_lengths[{i}]",
             value,
             1,
-            "pass every sample's token count (prompt + response) as an integer >= 1 (a corrupt "
-            "length?).",
+            "pass every sample's token count (prompt + response) as an integer >= 1.",
             maximum=MAX_TOKENS,
         )
     if not lengths:
