@@ -929,7 +929,9 @@ def test_config_refusals_happen_in_verls_own_config_parser(patched_verl):
     cases += [(ON + [f"+{memory}={v}"], f"{memory}=") for v in ("-1", "0", "nan", "inf", "lots")]
     dynbatch = "actor_rollout_ref.actor.megatron.dynbatch"
     cases += [
-        (ON + [f"+{dynbatch}.planner=nope"], f"{dynbatch}.planner: no planner named"),
+        (ON + [f"+{dynbatch}.planner=nope"], f"{dynbatch}.planner='nope': no planner named"),
+        # verl packs THD rows (use_remove_padding, its default): 'fixed' plans padded ones.
+        (ON + [f"+{dynbatch}.planner=fixed"], f"{dynbatch}.planner='fixed' plans padded rows"),
         (
             ON + [f"+{dynbatch}.max_memory_gb=70"],
             f"{dynbatch} has unknown key(s) ['max_memory_gb']",
