@@ -13,6 +13,8 @@ keeps its own copy of a budget, length or oversize check:
   host's own words for what a sample is);
 * :func:`check_host_oversize`: a sample over the budget refused, warned about or allowed, as the
   host means it, naming the host's budget key;
+* :func:`check_host_planner`: a planner named in the host's key exists and plans the rows the
+  host runs, at start-up;
 * :func:`plan_host_step`: the three checks, the plan (every DP rank's shard for a ``sharded``
   host) and the plan checker (:func:`megatron_dynbatch.planning.check_plan`, every plan kind).
 
