@@ -208,6 +208,46 @@ def test_verify_under_torchrun_passes_and_every_rank_exits_cleanly(tmp_path):
     assert report["passed"] and report["pp_size"] == 2 and report["world_size"] == 2, report
 
 
+# One rank of a torchrun world (here a world of one) whose step fails on every rank together.
+_FAILING_RANK = """
+import os, socket
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+import torch.distributed as dist
+from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
+apply_cpu_shim()  # megatron imports on CPU only with it (run_under_torchrun applies it too)
+from megatron.core import parallel_state
+from megatron_dynbatch.mcore.agreement import StepAgreementError, step_agreement
+from megatron_dynbatch.planning import ParallelLayout, PlannerConfig
+from megatron_dynbatch.tools.verify import build_spec, launch
+
+def failing_body(spec):
+    with step_agreement(what="verify step"):
+        raise RuntimeError("sample 3 is unreadable")
+
+launch.dynamic_body = failing_body
+spec = build_spec(PlannerConfig(max_tokens_per_gpu=128, parallel=ParallelLayout()))
+try:
+    launch.run_under_torchrun(spec)
+except StepAgreementError as error:
+    print("raised:", error)
+print("still open:", dist.is_initialized(), parallel_state.model_parallel_is_initialized())
+"""
+
+
+def test_verify_under_torchrun_closes_its_groups_when_every_rank_fails():
+    # A failure every rank agreed on leaves every rank alive: the groups close as after a pass,
+    # or gloo's threads can abort the rank at exit instead of verify's own exit code.
+    proc = subprocess.run(
+        [sys.executable, "-c", _FAILING_RANK], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "raised:" in proc.stdout and "sample 3 is unreadable" in proc.stdout, proc.stdout
+    assert "still open: False False" in proc.stdout, proc.stdout
+
+
 def test_the_interleaving_group_asked_for_is_the_one_megatron_runs():
     # A count aligned to a group of 3 is refused by Megatron's default group (pp = 2: remainder
     # 1); verify built its model with the default and failed on every rank, reporting group 3.

@@ -7,6 +7,7 @@ import time
 from typing import Any, Dict, Optional
 
 from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.mcore.agreement import StepAgreementError
 from megatron_dynbatch.tools.verify.bodies import dynamic_body, reference_body
 from megatron_dynbatch.tools.verify.compare import compare
 from megatron_dynbatch.tools.verify.spec import VerifySpec
@@ -53,26 +54,11 @@ def run_verify(spec: VerifySpec) -> Dict[str, Any]:
     return report
 
 
-def run_under_torchrun(spec: VerifySpec) -> Optional[Dict[str, Any]]:
-    """Inside a torchrun world (NCCL on GPUs): run in-process; rank 0 returns the report."""
-    import torch
+def _run_bodies(spec: VerifySpec, parallel_state: Any, seed_model_parallel: Any) -> list:
+    """The dynamic run at the asked layout, then the reference at tp = pp = 1: gathered results."""
     import torch.distributed as dist
 
-    from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
-
-    apply_cpu_shim()
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
     parallel = spec.config.parallel
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    ours = not dist.is_initialized()
-    if ours:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    # check_torchrun_world_size read WORLD_SIZE; the initialised world must agree with it.
-    assert dist.get_world_size() == spec.world_size, (dist.get_world_size(), spec.world_size)
-    started = time.perf_counter()
     results = []
     ep_size = 1 if spec.moe is None else spec.moe.ep_size
     layouts = (
@@ -88,17 +74,53 @@ def run_under_torchrun(spec: VerifySpec) -> Optional[Dict[str, Any]]:
             virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
             expert_model_parallel_size=ep,
         )
-        model_parallel_cuda_manual_seed(spec.seed)
+        seed_model_parallel(spec.seed)
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, body(spec))
         results.append(gathered)
-    rank = dist.get_rank()
+    return results
+
+
+def _close(parallel_state: Any, ours: bool) -> None:
+    """Megatron's groups, then the world if this call initialised it, while every rank is alive."""
+    import torch.distributed as dist
+
     parallel_state.destroy_model_parallel()
     if ours:
-        # Closed while every rank is alive: left to interpreter exit, gloo's threads can abort a
-        # rank that has finished ("terminate called without an active exception").
+        # Left to interpreter exit, gloo's threads can abort a rank that has finished
+        # ("terminate called without an active exception").
         dist.barrier()
         dist.destroy_process_group()
+
+
+def run_under_torchrun(spec: VerifySpec) -> Optional[Dict[str, Any]]:
+    """Inside a torchrun world (NCCL on GPUs): run in-process; rank 0 returns the report."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
+
+    apply_cpu_shim()
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    ours = not dist.is_initialized()
+    if ours:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    # check_torchrun_world_size read WORLD_SIZE; the initialised world must agree with it.
+    assert dist.get_world_size() == spec.world_size, (dist.get_world_size(), spec.world_size)
+    started = time.perf_counter()
+    try:
+        results = _run_bodies(spec, parallel_state, model_parallel_cuda_manual_seed)
+    except StepAgreementError:
+        # Raised on every rank together (the agreement is a collective over the world): every
+        # rank is alive, so the groups close as after a pass, and the failure reaches the CLI.
+        _close(parallel_state, ours)
+        raise
+    rank = dist.get_rank()
+    _close(parallel_state, ours)
     if rank != 0:
         return None
     report = compare(spec, results[0], results[1][0])
