@@ -32,7 +32,7 @@ from .registry import run_planner
 from .samples import SampleSet
 from .schedule import ScheduledStep
 from .shape import variable_rows
-from .simulate import pipeline_makespan
+from .simulate import pipeline_makespan, remembered_makespans
 from .spec import (
     ASSUMED_OVERHEAD_CHECKS,
     PEER_TOLERANCE,
@@ -124,7 +124,6 @@ def plan_rank_shards(
         # One call plans one step; rollouts_per_step would split it into several.
         config = dataclasses.replace(config, rollouts_per_step=None)
     multiple = config.parallel.sample_multiple
-    cap = config.token_cap
 
     def placeholder(lengths: Sequence[int]) -> Optional[int]:
         if not placeholder_copies_shortest or not lengths:
@@ -146,6 +145,19 @@ def plan_rank_shards(
                 return quick
         return _plan_rank(lengths, config, count, placeholder=placeholder(lengths))[0]
 
+    with remembered_makespans():  # every rank's and count's plans share their replays
+        return _plan_rank_shards(lengths_per_rank, config, plan_at, placeholder, full)
+
+
+def _plan_rank_shards(
+    lengths_per_rank: Sequence[Sequence[int]],
+    config: PlannerConfig,
+    plan_at: Callable[[int, Optional[int]], MicroBatches],
+    placeholder: Callable[[Sequence[int]], Optional[int]],
+    full: Set[int],
+) -> Tuple[Ranks, List[Tuple[int, int]]]:
+    multiple = config.parallel.sample_multiple
+    cap = config.token_cap
     ranks: Ranks = []
     oversize: List[Tuple[int, int]] = []
     for rank, lengths in enumerate(lengths_per_rank):

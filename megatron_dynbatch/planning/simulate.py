@@ -19,10 +19,12 @@ Used by ``megatron-dynbatch plan --plot`` and the benchmarks to turn a schedule 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from megatron_dynbatch.errors import DynBatchValueError
 
@@ -364,6 +366,33 @@ def _programs(
     return tuple(programs)
 
 
+#: The makespans replayed so far in the current :func:`remembered_makespans` (``None``: outside).
+_REMEMBERED: contextvars.ContextVar[Optional[Dict[tuple, float]]] = contextvars.ContextVar(
+    "remembered_makespans", default=None
+)
+
+
+@contextlib.contextmanager
+def remembered_makespans() -> Iterator[None]:
+    """Within it, :func:`pipeline_makespan` replays each distinct input once.
+
+    A planner's searches score the same micro-batch costs again and again (a change tried from
+    two places, an order whose heaviest slot is where it already was, a rank planned again for
+    another count): on SkyRL's as-run mini-batches two of three replays were repeats. The memory
+    lives as long as the outermost ``with`` (one planning call: bounded by its own search
+    budgets) and is per thread / task (a context variable), so two planners never share it.
+    The same floats come back, so plans are unchanged.
+    """
+    if _REMEMBERED.get() is not None:
+        yield  # nested: the outermost call's memory serves
+        return
+    token = _REMEMBERED.set({})
+    try:
+        yield
+    finally:
+        _REMEMBERED.reset(token)
+
+
 def pipeline_makespan(
     fwd_costs: Sequence[float],
     pp_size: int,
@@ -378,15 +407,41 @@ def pipeline_makespan(
     planner only builds valid shapes); ``bwd_costs`` defaults to ``BACKWARD_TO_FORWARD_RATIO`` x
     forward. Without pipelining the makespan is the sum of the work.
     """
-    num_microbatches = len(fwd_costs)
-    if bwd_costs is None:
-        bwd_costs = [BACKWARD_TO_FORWARD_RATIO * c for c in fwd_costs]
     if pp_size == 1:
+        if bwd_costs is None:
+            bwd_costs = [BACKWARD_TO_FORWARD_RATIO * c for c in fwd_costs]
         return float(sum(fwd_costs) + sum(bwd_costs))
     if vpp_size == 1:
         group = 1
     elif group is None:
         group = pp_size
+    remembered = _REMEMBERED.get()
+    if remembered is None:
+        return _replayed(fwd_costs, bwd_costs, pp_size, vpp_size, group)
+    key = (
+        tuple(fwd_costs),
+        None if bwd_costs is None else tuple(bwd_costs),
+        pp_size,
+        vpp_size,
+        group,
+    )
+    found = remembered.get(key)
+    if found is None:
+        found = remembered[key] = _replayed(fwd_costs, bwd_costs, pp_size, vpp_size, group)
+    return found
+
+
+def _replayed(
+    fwd_costs: Sequence[float],
+    bwd_costs: Optional[Sequence[float]],
+    pp_size: int,
+    vpp_size: int,
+    group: int,
+) -> float:
+    """:func:`pipeline_makespan`'s replay of a pipeline (``pp_size`` > 1)."""
+    num_microbatches = len(fwd_costs)
+    if bwd_costs is None:
+        bwd_costs = [BACKWARD_TO_FORWARD_RATIO * c for c in fwd_costs]
     share = float(pp_size * vpp_size)
     # Forward durations at 0..M-1, backward at M..2M-1 (the same floats as c / share each).
     durations = [c / share for c in fwd_costs] + [c / share for c in bwd_costs]

@@ -244,3 +244,45 @@ def _check_replay(seed):
     assert pipeline_makespan(fwd, pp, vpp, group, bwd) == pytest.approx(expected), case
     default = simulate_interleaved(fwd, [2.0 * c for c in fwd], pp, vpp, group).makespan
     assert pipeline_makespan(fwd, pp, vpp, group) == pytest.approx(default), case
+
+
+def test_remembered_makespans_give_the_same_floats_and_end_with_the_outermost_scope():
+    """Inside :func:`remembered_makespans` a repeated input is not replayed again, the floats are
+    those of a fresh replay (so plans are unchanged), and the memory ends with the outermost
+    ``with``: a nested one shares it, and a later scope starts empty."""
+    from megatron_dynbatch.planning import simulate
+
+    rng = random.Random(7)
+    inputs = []
+    for _ in range(30):
+        pp = rng.choice([2, 4])
+        vpp = rng.choice([1, 2])
+        m = rng.choice([4, 8])
+        fwd = [rng.choice([1.0, 2.5, 3.0]) for _ in range(m)]
+        bwd = None if rng.random() < 0.5 else [2.2 * c for c in fwd]
+        inputs.append((fwd, pp, vpp, None, bwd))
+    inputs += [(list(f), p, v, g, b) for f, p, v, g, b in inputs[::3]]  # equal, not the same lists
+    fresh = [simulate.pipeline_makespan(*args) for args in inputs]
+    replays = []
+    real = simulate._replayed
+
+    def counted(*args):
+        replays.append(args)
+        return real(*args)
+
+    simulate._replayed = counted
+    try:
+        with simulate.remembered_makespans():
+            first = [simulate.pipeline_makespan(*args) for args in inputs]
+            with simulate.remembered_makespans():  # nested: the same memory
+                again = [simulate.pipeline_makespan(*args) for args in inputs]
+            distinct = len(replays)
+        assert first == fresh and again == fresh  # exactly, not approximately
+        assert distinct == len({(tuple(f), p, v, g, b and tuple(b)) for f, p, v, g, b in inputs})
+        with simulate.remembered_makespans():  # a new scope replays again
+            simulate.pipeline_makespan(*inputs[0])
+        assert len(replays) == distinct + 1
+        simulate.pipeline_makespan(*inputs[0])  # outside any scope: always replayed
+        assert len(replays) == distinct + 2
+    finally:
+        simulate._replayed = real

@@ -49,6 +49,7 @@ from megatron_dynbatch.planning.sharded import (
     rank_step_time,
     sharded_plan,
 )
+from megatron_dynbatch.planning.simulate import remembered_makespans
 from megatron_dynbatch.planning.spec import ceil_div
 
 __all__ = ["SkyrlPlan", "fit_placeholder_rows", "plan_skyrl_minibatch"]
@@ -129,10 +130,12 @@ def plan_skyrl_minibatch(
         planned.append(ranks)
         return fit_placeholder_rows(ranks, lengths, cap, multiple)
 
-    plan = plan_host_step(
-        SKYRL, lengths_per_rank, config, adjust=adjust, placeholder_row_tokens=multiple
-    )
-    return _within_the_rows(plan, planned[0], lengths_per_rank, config)
+    # Planned again with room for the rows, a rank often plans as before: one memory of replays.
+    with remembered_makespans():
+        plan = plan_host_step(
+            SKYRL, lengths_per_rank, config, adjust=adjust, placeholder_row_tokens=multiple
+        )
+        return _within_the_rows(plan, planned[0], lengths_per_rank, config)
 
 
 #: Plans of a step with room for its placeholder rows, at most (:func:`_within_the_rows`): the
