@@ -676,6 +676,10 @@ BAD_CONFIGS = {
         {"cost_microbatch_overhead": -1},
         "policy.megatron_cfg.dynbatch.cost_microbatch_overhead=-1 must be a finite number >= 0",
     ),
+    "planner-padded-only": (
+        {"planner": "fixed"},
+        "policy.megatron_cfg.dynbatch.planner='fixed' plans padded rows only",
+    ),
     "overhead-text": (
         {"cost_microbatch_overhead": "lots"},
         "policy.megatron_cfg.dynbatch.cost_microbatch_overhead='lots' must be a finite number",
