@@ -37,7 +37,6 @@ from .plan import Plan, PlanStats, StepPlan, imbalance
 from .planner import _apply_oversize_policy, plan_samples
 from .samples import SampleSet
 from .shape import variable_rows
-from .simulate import remembered_makespans
 from .spec import DEFAULT_PLANNER, THOROUGH_PLANNER, PlannerConfig, ceil_div, round_up
 
 __all__ = [
@@ -121,8 +120,7 @@ def run_planner(samples: SampleSet, config: PlannerConfig) -> Plan:
     """Plan ``samples`` with the planner ``config.planner`` names (what every host calls)."""
     if not isinstance(config, PlannerConfig):
         raise DynBatchTypeError(f"config must be a PlannerConfig, got {type(config).__name__}.")
-    with remembered_makespans():  # one planning call's searches share their replays
-        return get_planner(config.planner)(samples, config)
+    return get_planner(config.planner)(samples, config)
 
 
 # -- adapters --------------------------------------------------------------------------------------

@@ -76,7 +76,7 @@ from .cluster import big_samples, ramp_profile, rank_rows, split_by_targets, ten
 from .cost import TAIL_SEGMENT_TOKENS, row_cost, row_costs, tail_cost, tail_units
 from .packing import feasible_pack, min_bins, profile_pack
 from .refine import affordable_replays, refine_ranks
-from .simulate import BACKWARD_TO_FORWARD_RATIO, pipeline_makespan
+from .simulate import BACKWARD_TO_FORWARD_RATIO, pipeline_makespan, remembered_makespans
 from .spec import PEER_TOLERANCE, CostModel, ParallelLayout, ceil_div, round_up
 
 __all__ = ["StepProblem", "StepShape", "choose_shape", "variable_rows"]
@@ -286,6 +286,13 @@ def choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
             :func:`_check_placeholders`).
     """
     _check_placeholders(problem)
+    # The step's searches score the same micro-batch costs again and again: one memory of them.
+    with remembered_makespans():
+        return _choose_either_shape(problem)
+
+
+def _choose_either_shape(problem: StepProblem) -> Tuple[StepShape, int]:
+    """:func:`choose_shape` after its checks."""
     if problem.row_multiple is None:
         return _choose_shape(problem)
     # Uniform rows beside variable ones: shapes are exchanged, so their S is aligned the same way.
