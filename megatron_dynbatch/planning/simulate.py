@@ -379,9 +379,10 @@ def remembered_makespans() -> Iterator[None]:
     A planner's searches score the same micro-batch costs again and again (a change tried from
     two places, an order whose heaviest slot is where it already was, a rank planned again for
     another count): on SkyRL's as-run mini-batches two of three replays were repeats. The memory
-    lives as long as the outermost ``with`` (one planning call: bounded by its own search
-    budgets) and is per thread / task (a context variable), so two planners never share it.
-    The same floats come back, so plans are unchanged.
+    lives as long as the outermost ``with`` (one step's search, or a sharded host's plan of
+    every rank: bounded by their search budgets; at most about 50,000 entries, 20 MB, on
+    SkyRL's largest as-run mini-batch) and is per thread / task (a context variable), so two
+    planners never share it. The same floats come back, so plans are unchanged.
     """
     if _REMEMBERED.get() is not None:
         yield  # nested: the outermost call's memory serves
