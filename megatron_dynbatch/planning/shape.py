@@ -288,25 +288,22 @@ def choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
     _check_placeholders(problem)
     # The step's searches score the same micro-batch costs again and again: one memory of them.
     with remembered_makespans():
-        return _choose_either_shape(problem)
-
-
-def _choose_either_shape(problem: StepProblem) -> Tuple[StepShape, int]:
-    """:func:`choose_shape` after its checks."""
-    if problem.row_multiple is None:
-        return _choose_shape(problem)
-    # Uniform rows beside variable ones: shapes are exchanged, so their S is aligned the same way.
-    uniform_problem = dataclasses.replace(
-        problem, row_multiple=None, row_align=problem.row_multiple
-    )
-    if problem.model.shape_exchange_overhead <= 0 and not _row_counts(uniform_problem):
-        # Per-segment attention, free exchange: a row of its own is never slower than the longest.
-        return _choose_shape(problem)
-    uniform, fewest_uniform = _choose_shape(uniform_problem)
-    variable, fewest = _choose_shape(problem)
-    if variable.step_time < uniform.step_time * (1.0 - _TIE):
-        return variable, fewest
-    return uniform, fewest_uniform
+        if problem.row_multiple is None:
+            return _choose_shape(problem)
+        # Uniform rows beside variable ones: shapes are exchanged, so their S is aligned the same
+        # way.
+        uniform_problem = dataclasses.replace(
+            problem, row_multiple=None, row_align=problem.row_multiple
+        )
+        if problem.model.shape_exchange_overhead <= 0 and not _row_counts(uniform_problem):
+            # Per-segment attention, free exchange: a row of its own is never slower than the
+            # longest.
+            return _choose_shape(problem)
+        uniform, fewest_uniform = _choose_shape(uniform_problem)
+        variable, fewest = _choose_shape(problem)
+        if variable.step_time < uniform.step_time * (1.0 - _TIE):
+            return variable, fewest
+        return uniform, fewest_uniform
 
 
 def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:

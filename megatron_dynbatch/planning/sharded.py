@@ -124,6 +124,7 @@ def plan_rank_shards(
         # One call plans one step; rollouts_per_step would split it into several.
         config = dataclasses.replace(config, rollouts_per_step=None)
     multiple = config.parallel.sample_multiple
+    cap = config.token_cap
 
     def placeholder(lengths: Sequence[int]) -> Optional[int]:
         if not placeholder_copies_shortest or not lengths:
@@ -146,33 +147,21 @@ def plan_rank_shards(
         return _plan_rank(lengths, config, count, placeholder=placeholder(lengths))[0]
 
     with remembered_makespans():  # every rank's and count's plans share their replays
-        return _plan_rank_shards(lengths_per_rank, config, plan_at, placeholder, full)
-
-
-def _plan_rank_shards(
-    lengths_per_rank: Sequence[Sequence[int]],
-    config: PlannerConfig,
-    plan_at: Callable[[int, Optional[int]], MicroBatches],
-    placeholder: Callable[[Sequence[int]], Optional[int]],
-    full: Set[int],
-) -> Tuple[Ranks, List[Tuple[int, int]]]:
-    multiple = config.parallel.sample_multiple
-    cap = config.token_cap
-    ranks: Ranks = []
-    oversize: List[Tuple[int, int]] = []
-    for rank, lengths in enumerate(lengths_per_rank):
-        if not lengths:
-            ranks.append(())
-            continue
-        if rank in full:
-            mbs, over = _plan_rank(lengths, config, placeholder=placeholder(lengths))
-        else:
-            mbs = plan_at(rank, None)
-            over = tuple(i for i in range(len(lengths)) if round_up(lengths[i], multiple) > cap)
-        ranks.append(mbs)
-        oversize.extend((rank, i) for i in over)
-    fitted = fill_the_count(ranks, lengths_per_rank, config, placeholder, plan_at, set(full))
-    return _peer_guarded(fitted, lengths_per_rank, config, placeholder), oversize
+        ranks: Ranks = []
+        oversize: List[Tuple[int, int]] = []
+        for rank, lengths in enumerate(lengths_per_rank):
+            if not lengths:
+                ranks.append(())
+                continue
+            if rank in full:
+                mbs, over = _plan_rank(lengths, config, placeholder=placeholder(lengths))
+            else:
+                mbs = plan_at(rank, None)
+                over = tuple(i for i in range(len(lengths)) if round_up(lengths[i], multiple) > cap)
+            ranks.append(mbs)
+            oversize.extend((rank, i) for i in over)
+        fitted = fill_the_count(ranks, lengths_per_rank, config, placeholder, plan_at, set(full))
+        return _peer_guarded(fitted, lengths_per_rank, config, placeholder), oversize
 
 
 def _heaviest(lengths_per_rank: Sequence[Sequence[int]], config: PlannerConfig) -> Set[int]:

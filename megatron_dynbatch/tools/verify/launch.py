@@ -54,45 +54,6 @@ def run_verify(spec: VerifySpec) -> Dict[str, Any]:
     return report
 
 
-def _run_bodies(spec: VerifySpec, parallel_state: Any, seed_model_parallel: Any) -> list:
-    """The dynamic run at the asked layout, then the reference at tp = pp = 1: gathered results."""
-    import torch.distributed as dist
-
-    parallel = spec.config.parallel
-    results = []
-    ep_size = 1 if spec.moe is None else spec.moe.ep_size
-    layouts = (
-        (dynamic_body, parallel.tp_size, parallel.pp_size, parallel.vpp_size, ep_size),
-        (reference_body, 1, 1, 1, 1),
-    )
-    for body, tp, pp, vpp, ep in layouts:
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp,
-            pipeline_model_parallel_size=pp,
-            virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-            expert_model_parallel_size=ep,
-        )
-        seed_model_parallel(spec.seed)
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, body(spec))
-        results.append(gathered)
-    return results
-
-
-def _close(parallel_state: Any, ours: bool) -> None:
-    """Megatron's groups, then the world if this call initialised it, while every rank is alive."""
-    import torch.distributed as dist
-
-    parallel_state.destroy_model_parallel()
-    if ours:
-        # Left to interpreter exit, gloo's threads can abort a rank that has finished
-        # ("terminate called without an active exception").
-        dist.barrier()
-        dist.destroy_process_group()
-
-
 def run_under_torchrun(spec: VerifySpec) -> Optional[Dict[str, Any]]:
     """Inside a torchrun world (NCCL on GPUs): run in-process; rank 0 returns the report."""
     import torch
@@ -104,6 +65,7 @@ def run_under_torchrun(spec: VerifySpec) -> Optional[Dict[str, Any]]:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    parallel = spec.config.parallel
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     ours = not dist.is_initialized()
@@ -111,16 +73,44 @@ def run_under_torchrun(spec: VerifySpec) -> Optional[Dict[str, Any]]:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     # check_torchrun_world_size read WORLD_SIZE; the initialised world must agree with it.
     assert dist.get_world_size() == spec.world_size, (dist.get_world_size(), spec.world_size)
+
+    def close() -> None:
+        """Megatron's groups, then the world if this call initialised it (while every rank is
+        alive: left to interpreter exit, gloo's threads can abort a rank that has finished,
+        "terminate called without an active exception")."""
+        parallel_state.destroy_model_parallel()
+        if ours:
+            dist.barrier()
+            dist.destroy_process_group()
+
     started = time.perf_counter()
+    results = []
+    ep_size = 1 if spec.moe is None else spec.moe.ep_size
+    layouts = (
+        (dynamic_body, parallel.tp_size, parallel.pp_size, parallel.vpp_size, ep_size),
+        (reference_body, 1, 1, 1, 1),
+    )
     try:
-        results = _run_bodies(spec, parallel_state, model_parallel_cuda_manual_seed)
+        for body, tp, pp, vpp, ep in layouts:
+            if parallel_state.model_parallel_is_initialized():
+                parallel_state.destroy_model_parallel()
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=tp,
+                pipeline_model_parallel_size=pp,
+                virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                expert_model_parallel_size=ep,
+            )
+            model_parallel_cuda_manual_seed(spec.seed)
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, body(spec))
+            results.append(gathered)
     except StepAgreementError:
         # Raised on every rank together (the agreement is a collective over the world): every
         # rank is alive, so the groups close as after a pass, and the failure reaches the CLI.
-        _close(parallel_state, ours)
+        close()
         raise
     rank = dist.get_rank()
-    _close(parallel_state, ours)
+    close()
     if rank != 0:
         return None
     report = compare(spec, results[0], results[1][0])
