@@ -380,10 +380,10 @@ def pipeline_orders(
     if pp_size < 2 or num_microbatches < 2:
         return base
 
-    def with_heavy_at(order: List[int], slot: int) -> List[int]:
+    def heavy_apart(order: List[int]) -> Tuple[List[int], List[int]]:
+        """The heaviest micro-batch (as a list, to be put in a slot) and the rest in order."""
         heavy = max(order, key=lambda b: (sim_costs[b], -b))
-        rest = [b for b in order if b != heavy]
-        return rest[:slot] + [heavy] + rest[slot:]
+        return [heavy], [b for b in order if b != heavy]
 
     def makespan(order: List[int]) -> float:
         return pipeline_makespan([sim_costs[b] for b in order], pp_size, vpp_size, group)
@@ -392,10 +392,12 @@ def pipeline_orders(
     step = max(1, ceil_div(num_microbatches, _MAX_HEAVY_SLOTS))
     slots = sorted(set(range(0, num_microbatches, step)) | {num_microbatches - 1})
     best_slot, best_time = None, makespan(base[costliest])
+    heavy, rest = heavy_apart(base[costliest])
     for slot in slots:
-        time = makespan(with_heavy_at(base[costliest], slot))
+        time = makespan(rest[:slot] + heavy + rest[slot:])
         if time < best_time * (1 - 1e-9):
             best_slot, best_time = slot, time
     if best_slot is None:
         return base
-    return [with_heavy_at(order, best_slot) for order in base]
+    placed = [heavy_apart(order) for order in base]
+    return [others[:best_slot] + lone + others[best_slot:] for lone, others in placed]

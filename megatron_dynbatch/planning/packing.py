@@ -467,28 +467,43 @@ def profile_pack(
     bin_room = [float(t) for row in targets for t in row]
     heap = [(-room[r], r) for r in range(groups)]
     heapq.heapify(heap)
+    # Each group's bins by most room under their targets, ties by index: the bin a sample takes
+    # is the first of its group's that fits under the cap (a scan of the group's bins per sample
+    # was most of a packing's time with a rank of 40-50 micro-batches; the same choices).
+    ranked = []
+    for r in range(groups):
+        ranked.append([(-bin_room[k], k) for k in range(r * per_group, (r + 1) * per_group)])
+        heapq.heapify(ranked[r])
+    pop, push = heapq.heappop, heapq.heappush
     for i in order:
         size = sizes[i]
         skipped = []
         while heap:
-            entry = heapq.heappop(heap)
+            entry = pop(heap)
             r = entry[1]
-            base = r * per_group
+            group_bins = ranked[r]
+            held = []
             b = -1
-            for k in range(base, base + per_group):
-                if loads[k] + size <= cap and (b < 0 or bin_room[k] > bin_room[b]):
-                    b = k
+            while group_bins:
+                top = pop(group_bins)
+                if loads[top[1]] + size <= cap:
+                    b = top[1]
+                    break
+                held.append(top)
+            for top in held:
+                push(group_bins, top)
             if b < 0:
                 skipped.append(entry)
                 continue
             bins[b].append(i)
             loads[b] += size
             bin_room[b] -= size
+            push(group_bins, (-bin_room[b], b))
             room[r] -= size
-            heapq.heappush(heap, (-room[r], r))
+            push(heap, (-room[r], r))
             break
         else:
             return None
         for entry in skipped:
-            heapq.heappush(heap, entry)
+            push(heap, entry)
     return bins, loads
