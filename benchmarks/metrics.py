@@ -185,7 +185,7 @@ def evaluate(
     placeholder_row = row_multiple
     if row_multiple is not None:
         real_rows = [round_up(footprint(mb), row_multiple) for mb in all_mbs if mb]
-        # A placeholder runs one multiple, the shortest row (planning.shape.variable_rows).
+        # A placeholder runs one multiple, the shortest row (planning.step_search.variable_rows).
         placeholder_row = row_multiple
         placeholders = dp_size * num_microbatches - len(real_rows)
         computed = sum(real_rows) + placeholder_row * placeholders

@@ -14,7 +14,7 @@ slowest pipeline, not the most loaded rank) and packs every rank to a ramp (smal
 at the pipeline's fill and drain, the large ones in the middle).
 
 :func:`clustered_ranks` builds such a schedule for one grouping and one split of the work; the
-shape search (:func:`.shape._cluster_splits`) scores a few groupings, moves work between ranks
+shape search (:func:`.splits.cluster_splits`) scores a few groupings, moves work between ranks
 by their simulated pipelines and keeps a schedule only where the simulated step is faster than
 its own. Pure and deterministic: ties by sample index and rank.
 """
@@ -74,7 +74,7 @@ def split_by_targets(
 def ramp_profile(count: int, first: float, rising: int, falling: int) -> List[float]:
     """Relative loads of ``count`` micro-batches: from ``first`` of a full one up to 1 over
     ``rising`` micro-batches, level, and down to ``first`` over the last ``falling``
-    (geometrically). The shape search's ramps (``shape._ramp_splits``) use it too."""
+    (geometrically). The shape search's ramps (``splits.ramp_splits``) use it too."""
     profile = [1.0] * count
     for k in range(min(rising, count)):
         profile[k] = first ** ((rising - k) / rising)

@@ -106,7 +106,7 @@ def row_cost(
     kind = model.attention_kind(layout)
     if kind == "segment":
         # B > 1 packed rows are planned only where attention is not per segment (see
-        # .shape._row_counts); for them the B tails count as one, an upper bound.
+        # .step_search.multi_row_counts); for them the B tails count as one, an upper bound.
         tail = micro_batch_size * s - load
         return (
             model.overhead

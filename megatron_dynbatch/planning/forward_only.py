@@ -31,9 +31,9 @@ from typing import List, Optional, Sequence, Tuple
 from .candidates import is_small_step, rank_packings
 from .cost import row_cost, sample_costs
 from .packing import best_fit_pack, feasible_pack, lpt_pack, spread_into_empty
-from .shape import variable_rows
 from .simulate import forward_only_makespan
 from .spec import PlannerConfig, ceil_div, round_up
+from .step_search import variable_rows
 
 __all__ = ["ForwardOnlyPlan", "fewest_forward_only_count", "plan_forward_only"]
 

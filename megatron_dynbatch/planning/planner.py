@@ -30,7 +30,7 @@ from megatron_dynbatch.errors import DynBatchValueError
 from .cost import check_cost_is_finite, sample_costs
 from .plan import Plan, PlanStats, StepPlan, imbalance
 from .samples import SampleSet
-from .shape import StepProblem, choose_shape
+from .shape import choose_shape
 from .spec import (
     ASSUMED_OVERHEAD_CHECKS,
     THOROUGH_PLANNER,
@@ -40,6 +40,7 @@ from .spec import (
     round_up,
     tokens_padded,
 )
+from .step_search import StepProblem
 
 __all__ = ["plan_schedule", "plan_samples", "OversizeSampleWarning"]
 

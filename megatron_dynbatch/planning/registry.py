@@ -36,8 +36,8 @@ from .plan import Plan, PlanStats, StepPlan, imbalance
 # The planner's own oversize policy, so an adapted scheduler refuses or cuts exactly as ours does.
 from .planner import _apply_oversize_policy, plan_samples
 from .samples import SampleSet
-from .shape import variable_rows
 from .spec import DEFAULT_PLANNER, THOROUGH_PLANNER, PlannerConfig, ceil_div, round_up
+from .step_search import variable_rows
 
 __all__ = [
     "DEFAULT_PLANNER",
@@ -258,7 +258,8 @@ def _variable_rows(
     ranks: StepRanks, sizes: Sequence[int], config: PlannerConfig
 ) -> Tuple[int, Tuple[Tuple[int, ...], ...]]:
     """``(seq_length, row_lengths)`` of a packed step whose micro-batches run their own rows, by
-    the planner's one rule (:func:`.shape.variable_rows`); ``seq_length`` is the longest row."""
+    the planner's one rule (:func:`.step_search.variable_rows`); ``seq_length`` is the longest row.
+    """
     loads = [sum(sizes[i] for i in mb) for rank in ranks for mb in rank]
     flat = iter(variable_rows(loads, config.variable_row_multiple, config.token_cap, config.memory))
     rows = tuple(tuple(next(flat) for _ in rank) for rank in ranks)

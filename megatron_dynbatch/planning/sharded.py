@@ -31,7 +31,6 @@ from .cost import microbatch_cost, sample_costs
 from .registry import run_planner
 from .samples import SampleSet
 from .schedule import ScheduledStep
-from .shape import variable_rows
 from .simulate import pipeline_makespan, remembered_makespans
 from .spec import (
     ASSUMED_OVERHEAD_CHECKS,
@@ -41,6 +40,7 @@ from .spec import (
     ceil_div,
     round_up,
 )
+from .step_search import variable_rows
 
 __all__ = [
     "FULL_SEARCH_RANKS",

@@ -475,7 +475,7 @@ class PlannerConfig:
     ``row_multiple``) instead of the step's longest: for trainers that exchange shapes per
     micro-batch (slime always; Megatron-LM with ``--variable-seq-lengths``). ``packed`` only; a
     row is rounded only while it stays within the cap, and a placeholder runs the shortest row,
-    one ``row_multiple`` (:func:`.shape.variable_rows`)."""
+    one ``row_multiple`` (:func:`.step_search.variable_rows`)."""
     row_multiple: int = 1
     """Variable rows are padded to a multiple of this and of the sample multiple (slime: 128 x
     tp)."""

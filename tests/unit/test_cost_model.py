@@ -206,7 +206,8 @@ def test_step_time_is_the_slowest_of_every_rank():
     """A rank whose dominant micro-batch runs first can be slowest with less total work: every
     rank is replayed (with the 4 costliest only, 82 of 300 such cases were under-scored)."""
     from megatron_dynbatch.planning.cost import sample_costs
-    from megatron_dynbatch.planning.shape import StepProblem, choose_shape
+    from megatron_dynbatch.planning.shape import choose_shape
+    from megatron_dynbatch.planning.step_search import StepProblem
 
     rng = random.Random(0)
     model = CostModel(attention_weight=1.0 / ATTENTION_CROSSOVER_7B, microbatch_overhead=0.0)

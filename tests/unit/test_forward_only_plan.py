@@ -17,8 +17,9 @@ from megatron_dynbatch.planning import CostModel, ParallelLayout, PlannerConfig,
 from megatron_dynbatch.planning import planner as planner_module
 from megatron_dynbatch.planning.cost import microbatch_cost
 from megatron_dynbatch.planning.forward_only import fewest_forward_only_count, plan_forward_only
-from megatron_dynbatch.planning.shape import choose_shape, variable_rows
+from megatron_dynbatch.planning.shape import choose_shape
 from megatron_dynbatch.planning.simulate import _schedule_table
+from megatron_dynbatch.planning.step_search import variable_rows
 
 pytestmark = pytest.mark.unit
 

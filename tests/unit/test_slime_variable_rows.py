@@ -18,8 +18,8 @@ import pytest
 from benchmarks import as_run
 from megatron_dynbatch.adapters.slime import build_dp_schedule
 from megatron_dynbatch.planning import PlannerConfig, plan_schedule
-from megatron_dynbatch.planning.shape import variable_rows
 from megatron_dynbatch.planning.spec import ParallelLayout, round_up
+from megatron_dynbatch.planning.step_search import variable_rows
 from tests._support import slime_tp
 
 pytestmark = pytest.mark.unit

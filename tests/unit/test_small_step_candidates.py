@@ -301,7 +301,7 @@ def planner_before_refinement():
     from megatron_dynbatch.planning import shape as shape_module
 
     with mock.patch.object(shape_module, "_refined", lambda problem, shape: shape):
-        with mock.patch.object(shape_module, "_tent_splits", lambda *args: None):
+        with mock.patch.object(shape_module, "tent_splits", lambda *args: None):
             yield
 
 

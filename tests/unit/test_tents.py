@@ -1,5 +1,5 @@
 """Tents (issue 45): every rank packed to a short rise, its heaviest micro-batches, a long
-descent (planning/cluster.py ``tent_profile``, planning/shape.py ``_tent_splits``)."""
+descent (planning/cluster.py ``tent_profile``, planning/splits.py ``tent_splits``)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.unit
 
 @contextmanager
 def without_tents():
-    with mock.patch.object(shape_module, "_tent_splits", lambda *args: None):
+    with mock.patch.object(shape_module, "tent_splits", lambda *args: None):
         yield
 
 

@@ -87,13 +87,13 @@ from megatron_dynbatch.planning.memory import MIB, MemoryLimit
 from megatron_dynbatch.planning.registry import run_planner
 from megatron_dynbatch.planning.samples import as_sequence
 from megatron_dynbatch.planning.schedule import ScheduledStep
-from megatron_dynbatch.planning.shape import variable_rows as micro_batch_rows
 from megatron_dynbatch.planning.spec import (
     ATTENTION_CROSSOVER_7B,
     MAX_TOKENS,
     OWN_PLANNERS,
     check_int,
 )
+from megatron_dynbatch.planning.step_search import variable_rows as micro_batch_rows
 
 __all__ = [
     "DATA_PAD_SIZE_MULTIPLIER",
@@ -773,7 +773,7 @@ def _forward_only_schedule(
     else:
         plan = _registered_forward_only(rank_lengths, planner_config)
     if variable:
-        # The planner's rows: within --max-memory-gib (shape.variable_rows) where it is given.
+        # The planner's rows: within --max-memory-gib (step_search.variable_rows) where it is given.
         rows = [_gpu_rows(rank_rows, cp) for rank_rows in plan.row_lengths]
     else:
         # Uniform rows: one row length on every rank, the same shapes everywhere.
