@@ -6,13 +6,13 @@ so when M is small next to pp, more and shorter rows can be faster than the fewe
 pipelining the fewest rows usually win. So every candidate count M, from the fewest the samples
 pack into (``min_microbatches``) up to where S reaches the step's longest sample, is packed,
 balanced over the DP ranks, ordered for the pipeline and scored (:mod:`.step_search`); the fastest
-wins, ties to the smaller M. Work per step is bounded: at most ``.step_search._MAX_CANDIDATES`` counts (spread
-geometrically over a long range) and at most :data:`_MAX_EVALUATIONS` of them packed besides the
-fewest. With B > 1 rows each B adds at most two packings (its fewest count and one sample a row),
-each only when a floor on its step time (:func:`.step_search.rows_floors`) beats the fastest so
-far; the :data:`_MAX_EVALUATIONS` further counts are shared by all B. With variable rows under a
-pipeline the constructions of :mod:`.splits` are scored too (finer splits; on steps of at most
-:data:`.splits.RAMP_LIMIT` samples ramps, tents and clustered ranks, the default planner's
+wins, ties to the smaller M. Work per step is bounded: at most ``step_search._MAX_CANDIDATES``
+counts (spread geometrically over a long range) and at most :data:`_MAX_EVALUATIONS` of them packed
+besides the fewest. With B > 1 rows each B adds at most two packings (its fewest count and one
+sample a row), each only when a floor on its step time (:func:`.step_search.rows_floors`) beats the
+fastest so far; the :data:`_MAX_EVALUATIONS` further counts are shared by all B. With variable rows
+under a pipeline the constructions of :mod:`.splits` are scored too (finer splits; on steps of at
+most :data:`.splits.RAMP_LIMIT` samples ramps, tents and clustered ranks, the default planner's
 clustered ranks only up to :data:`_CLUSTER_DEFAULT_LIMIT` samples); the chosen shape is then
 refined rank by rank (:mod:`.refine`; a larger step on a smaller budget,
 :data:`_LARGE_REFINE_STEPS`). Last, the trainers' own schedules (first fit as slime builds it,
@@ -261,17 +261,17 @@ def _peer_guard(
     can be 2.5% ahead there (96 bimodal samples at dp 8, pp 4, vpp 2, four micro-batches each).
 
     Where the overhead is assumed (``problem.overhead_checks`` set), also a plan never more than
-    :data:`.spec.PEER_TOLERANCE` slower than the best peer at any of those overheads. ``chosen``
-    is kept where it passes (nearly always: ahead of the peers at every overhead). Otherwise, of the candidates that pass, the fastest at the
-    assumed overhead (fewer micro-batches unless more gain ``min_gain``); where none does (one
-    peer best with no overhead, another at 5%), the one whose worst ratio to the best peer is
-    least. The candidates are ``scored`` (the fastest packing of each count), the peers'
-    schedules and, on a small step, :mod:`.candidates`' constructions at the peers' counts and
-    ``chosen``'s (every count searched on a tiny step). A plan is re-timed at another overhead
-    by moving every micro-batch's cost (placeholders included) by the difference: the overhead
-    is one term of it. Above :data:`_MORE_COUNTS_LIMIT` samples only a plan of more
-    micro-batches than the fewest is checked (building the peers' schedules of hundreds of
-    samples costs tens of milliseconds, and the fewest bet on no small overhead).
+    :data:`.spec.PEER_TOLERANCE` slower than the best peer at any of those overheads. ``chosen`` is
+    kept where it passes (nearly always: ahead of the peers at every overhead). Otherwise, of the
+    candidates that pass, the fastest at the assumed overhead (fewer micro-batches unless more gain
+    ``min_gain``); where none does (one peer best with no overhead, another at 5%), the one whose
+    worst ratio to the best peer is least. The candidates are ``scored`` (the fastest packing of
+    each count), the peers' schedules and, on a small step, :mod:`.candidates`' constructions at the
+    peers' counts and ``chosen``'s (every count searched on a tiny step). A plan is re-timed at
+    another overhead by moving every micro-batch's cost (placeholders included) by the difference:
+    the overhead is one term of it. Above :data:`_MORE_COUNTS_LIMIT` samples only a plan of more
+    micro-batches than the fewest is checked (building the peers' schedules of hundreds of samples
+    costs tens of milliseconds, and the fewest bet on no small overhead).
     """
     checks = problem.overhead_checks
     search = _arrival_search(searches)
@@ -408,10 +408,10 @@ def _more_candidates(
 ) -> StepShape:
     """On a small step, the other constructions of :mod:`.candidates` scored beside ours.
 
-    For the chosen count (and on steps of at most :data:`_MORE_COUNTS_LIMIT` samples one more
-    and the count first fit needs, and on a tiny step every count searched), each construction is scored like the search's own candidates (its order as given
-    too, where it has one); the fastest is kept only when it beats ``chosen``, so the step is
-    never predicted slower than without them.
+    For the chosen count (and on steps of at most :data:`_MORE_COUNTS_LIMIT` samples one more and
+    the count first fit needs, and on a tiny step every count searched), each construction is scored
+    like the search's own candidates (its order as given too, where it has one); the fastest is kept
+    only when it beats ``chosen``, so the step is never predicted slower than without them.
     """
     search = _arrival_search(searches, lone_oversize=True)
     if search is None or not is_small_step(len(problem.items), search.dp):

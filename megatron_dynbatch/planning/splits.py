@@ -231,9 +231,9 @@ def tent_splits(
     packed to a tent (:func:`.cluster.tent_profile`: a short rise, the heaviest micro-batches,
     a long straight descent) at counts around the fastest so far, fewer included, each scored in
     the pipeline order of the search and in the tent's own. The candidates go to ``tented``,
-    apart from the search's own: :func:`.shape.choose_shape` keeps the fastest only where it beats the
-    search's refined choice (the thorough planner refining it first), so no step is predicted
-    slower for them."""
+    apart from the search's own: :func:`.shape.choose_shape` keeps the fastest only where it
+    beats the search's refined choice (the thorough planner refining it first), so no step is
+    predicted slower for them."""
     if not _profiles_apply(problem, search):
         return
     dp, multiple = search.dp, search.microbatch_multiple

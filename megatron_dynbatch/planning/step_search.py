@@ -117,8 +117,8 @@ class StepProblem:
     steps, for several times the planning CPU."""
     overhead_checks: Tuple[float, ...] = ()
     """Per-micro-batch overheads (cost units) at which the plan must stay within
-    :data:`.spec.PEER_TOLERANCE` of the trainers' own schedules (:func:`.shape._peer_guard`): set where
-    the overhead is assumed; empty: the model's overhead is trusted."""
+    :data:`.spec.PEER_TOLERANCE` of the trainers' own schedules (:func:`.shape._peer_guard`): set
+    where the overhead is assumed; empty: the model's overhead is trusted."""
     min_count: int = 1
     """The fewest micro-batches per rank a search starts from (``PlannerConfig.min_microbatches``):
     a sharded step's rank that runs another rank's count anyway."""
