@@ -267,6 +267,45 @@ def test_profile_pack_keeps_the_cap_every_sample_and_the_profile():
     assert profile_pack([5000], [0], [[100.0]], 4096) is None
 
 
+def _profile_pack_by_scan(sizes, order, targets, cap):
+    """profile_pack's documented rule, one sample at a time over every group and bin."""
+    per = len(targets[0])
+    bins = [[] for _ in range(len(targets) * per)]
+    loads = [0] * len(bins)
+    room = [float(sum(row)) for row in targets]
+    bin_room = [float(t) for row in targets for t in row]
+    for i in order:
+        fitting = [
+            [k for k in range(r * per, (r + 1) * per) if loads[k] + sizes[i] <= cap]
+            for r in range(len(targets))
+        ]
+        groups = [r for r in range(len(targets)) if fitting[r]]
+        if not groups:
+            return None
+        r = max(groups, key=lambda g: (room[g], -g))
+        b = max(fitting[r], key=lambda k: (bin_room[k], -k))
+        bins[b].append(i)
+        loads[b] += sizes[i]
+        bin_room[b] -= sizes[i]
+        room[r] -= sizes[i]
+    return bins, loads
+
+
+def test_profile_pack_places_every_sample_by_its_rule_when_bins_fill_to_the_cap():
+    # Near the cap the bin with most room under its target often cannot take the sample: it goes
+    # to the next bin that fits, and the bin passed over still takes later, smaller samples.
+    rng = random.Random(5)
+    for case in range(300):
+        groups, per, cap = rng.randint(1, 4), rng.randint(1, 9), rng.choice([16, 100, 4096])
+        sizes = [rng.randint(1, cap) for _ in range(rng.randint(1, 40))]
+        order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
+        if case % 3 == 0:
+            rng.shuffle(order)  # small samples first: bins fill before the large ones come
+        targets = [[rng.uniform(0, cap) for _ in range(per)] for _ in range(groups)]
+        expected = _profile_pack_by_scan(sizes, order, targets, cap)
+        assert profile_pack(sizes, order, targets, cap) == expected, (case, sizes, targets, cap)
+
+
 def test_least_rounding_is_exact_on_tiny_ranks():
     for seed in range(25):
         rng = random.Random(seed)
