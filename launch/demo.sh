@@ -4,8 +4,9 @@
 # $DATA_DIR/pydoc_text_document.{bin,idx} on first use, default data/): Megatron's fixed [4 x 256]
 # micro-batches first, then dynamic batching at the same memory in bytes (fixed's measured peak,
 # the largest rank's, is the dynamic run's --max-memory-gib; its token budget, 4096, would
-# otherwise allow far longer rows), a 256-token budget beside them, and (STOCK=1, default; empty to skip) Megatron's own packing
-# of --seq-length windows, then the comparisons
+# otherwise allow far longer rows), a 256-token budget beside them, and (STOCK=1, default; empty to
+# skip) Megatron's own packing of --seq-length windows, as many tokens a step as the dynamic run
+# trained, then the comparisons
 # (launch/compare_runs.py). Megatron's iteration lines are printed; full logs go to $OUT (default
 # out/demo/). Extra arguments go to both runs (e.g. --train-iters 6). On a GPU node the same script
 # uses every GPU nvidia-smi lists (NCCL).
@@ -62,7 +63,20 @@ fi
 STOCK=${STOCK-1}
 STOCK_ARGS=()
 if [[ -n $STOCK ]]; then
-  train stock stock "$EQUAL_BUDGET" "$@"
+  # Stock packing trains --global-batch-size windows of $SEQ_LENGTH tokens a step: as many as hold
+  # the dynamic run's mean real tokens a step (a multiple of micro-batch size x data-parallel
+  # size, from Megatron's argument dump), so what is fixed per optimizer step (the optimizer,
+  # the gradient reduction, the pipeline's fill and drain) weighs the same in both, as for a user
+  # who sizes a step in tokens (benchmarks/gpu_check.py does the same on a GPU).
+  STOCK_WINDOWS=$(awk -v seq="$SEQ_LENGTH" '
+    /^ +micro_batch_size \.+ [0-9]+$/ { mbs = $NF }
+    /^ +data_parallel_size \.+ [0-9]+$/ { dp = $NF }
+    match($0, /real tokens: [0-9]+/) { split(substr($0, RSTART, RLENGTH), f, ": "); sum += f[2]; n++ }
+    END { m = mbs * dp; w = m * int(sum / n / seq / m + 0.5); print (w < m ? m : w) }
+  ' "$OUT/dynamic.log")
+  echo
+  echo "stock packing: $STOCK_WINDOWS windows of $SEQ_LENGTH a step (the dynamic run's real tokens a step)"
+  train stock stock "$EQUAL_BUDGET" "$@" --global-batch-size "$STOCK_WINDOWS"
   STOCK_ARGS=(--stock "$OUT/stock.log")
 fi
 
