@@ -415,6 +415,14 @@ def test_readme_megatron_lm_commands(readme_workdir):
         re.M,
     )
     assert "learning rates identical: yes" in demo and "(within 1e-05)" in demo
+    # Stock packing trained as many tokens a step as the dynamic run: windows of 256 holding its
+    # mean real tokens a step, rounded to a multiple of the micro-batch size (4 windows).
+    windows = int(re.search(r"stock packing: (\d+) windows of 256 a step", demo).group(1))
+    real = [
+        int(n) for n in re.findall(r"real tokens: (\d+)", (demo_out / "dynamic.log").read_text())
+    ]
+    assert abs(windows * 256 - sum(real) / len(real)) <= 2 * 256, (windows, real)
+    assert re.search(rf"global batch size: +{windows} \|", (demo_out / "stock.log").read_text())
     # The demo found the corpus the README's data block built (it builds one only when missing).
     assert sorted(p.name for p in (readme_workdir / "data").glob("pydoc_text_document.*")) == [
         "pydoc_text_document.bin",
