@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from .simulate import pipeline_makespan
+from .simulate import TIE, pipeline_makespan
 from .spec import ParallelLayout
 
 __all__ = ["REPLAYED_STEPS", "THOROUGH_REPLAYED_STEPS", "affordable_replays", "refine_ranks"]
@@ -47,8 +47,6 @@ __all__ = ["REPLAYED_STEPS", "THOROUGH_REPLAYED_STEPS", "affordable_replays", "r
 REPLAYED_STEPS = 300_000
 #: The thorough planner (``dynbatch-thorough``): the simulated step alone decides.
 THOROUGH_REPLAYED_STEPS = 2_000_000
-#: Relative gain a change must bring to be kept (float noise is not a gain).
-_GAIN = 1e-9
 
 
 def _replay_steps(per_rank: int, parallel: ParallelLayout) -> int:
@@ -164,7 +162,7 @@ def refine_ranks(
                 swapped = list(order)
                 swapped[p], swapped[q] = b, a
                 time = span(swapped)
-                if time < current * (1.0 - _GAIN):
+                if time < current * (1.0 - TIE):
                     orders[r] = swapped
                     spans[r] = time
                     cursors[r] = start + k
@@ -176,7 +174,7 @@ def refine_ranks(
             rank_costs = [costs[c] for c in order]
             rank_costs[p], rank_costs[q] = cost_a, cost_b
             time = pipeline_makespan(rank_costs, pp_size, vpp_size, group)
-            if time < current * (1.0 - _GAIN):
+            if time < current * (1.0 - TIE):
                 move(i, a, b, cost_a, cost_b)
                 spans[r] = time
                 cursors[r] = start + k
@@ -203,10 +201,10 @@ def refine_ranks(
                 rank_costs = [costs[c] for c in order]
                 rank_costs[p] = given
                 time = pipeline_makespan(rank_costs, pp_size, vpp_size, group)
-                if time >= current * (1.0 - _GAIN):
+                if time >= current * (1.0 - TIE):
                     continue
                 for q in takers:
-                    if spans[q] >= current * (1.0 - _GAIN):
+                    if spans[q] >= current * (1.0 - TIE):
                         break  # the rest are as slow as r: taking a sample cannot end before it
                     taker_costs = [costs[c] for c in orders[q]]
                     for k, b in enumerate(orders[q]):
@@ -217,7 +215,7 @@ def refine_ranks(
                         taker_costs[k] = taken
                         other = pipeline_makespan(taker_costs, pp_size, vpp_size, group)
                         taker_costs[k] = costs[b]
-                        if other < current * (1.0 - _GAIN):
+                        if other < current * (1.0 - TIE):
                             move(i, a, b, given, taken)
                             spans[r], spans[q] = time, other
                             return True

@@ -37,11 +37,10 @@ from .candidates import (
 )
 from .cost import row_cost
 from .refine import affordable_replays, refine_ranks
-from .simulate import remembered_makespans
+from .simulate import TIE, remembered_makespans
 from .spec import PEER_TOLERANCE, ceil_div, round_up
 from .splits import RAMP_LIMIT, cluster_splits, finer_splits, ramp_splits, tent_splits
 from .step_search import (
-    TIE,
     PackedSearch,
     PaddedSearch,
     ShapeSearch,

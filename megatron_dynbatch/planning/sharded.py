@@ -31,7 +31,7 @@ from .cost import microbatch_cost, sample_costs
 from .registry import run_planner
 from .samples import SampleSet
 from .schedule import ScheduledStep
-from .simulate import pipeline_makespan, remembered_makespans
+from .simulate import TIE, pipeline_makespan, remembered_makespans
 from .spec import (
     ASSUMED_OVERHEAD_CHECKS,
     PEER_TOLERANCE,
@@ -69,8 +69,6 @@ FULL_SEARCH_SAMPLES = 1024
 _DIFFERENCED_TRIES = 4
 #: Times :func:`fill_the_count` tries a lower count (each: the slowest rank's own).
 _LOWERINGS = 3
-#: Relative difference under which two simulated steps are a tie (float noise).
-_TIE = 1e-9
 #: ``min_gain`` that keeps a plan at its floor count: more micro-batches would have to be
 #: predicted nearly twice as fast.
 _ONLY_THE_FLOOR = 0.99
@@ -415,7 +413,7 @@ def fill_the_count(
                 trial[rank] = other
         else:
             trial_step = times(trial, lower)
-            if max(trial_step) < max(step) * (1.0 - _TIE):
+            if max(trial_step) < max(step) * (1.0 - TIE):
                 fitted, count, step = trial, lower, trial_step
                 continue
         break
@@ -424,7 +422,7 @@ def fill_the_count(
         if not mbs or len(mbs) >= min(count, len(lengths)):
             continue
         other = planned(rank, count)
-        faster = step[rank] * (1.0 - _TIE)
+        faster = step[rank] * (1.0 - TIE)
         if (
             other is not None
             and rank_step_time(other, count, lengths, config, placeholder(lengths)) < faster
@@ -444,7 +442,7 @@ def fill_the_count(
         other, _ = _plan_rank(lengths, config, count, placeholder=placeholder(lengths))
         if len(other) <= count:
             time = rank_step_time(other, count, lengths, config, placeholder(lengths))
-            if time < step[slowest] * (1.0 - _TIE):
+            if time < step[slowest] * (1.0 - TIE):
                 fitted[slowest], step[slowest] = other, time
     return fitted
 

@@ -30,6 +30,7 @@ from megatron_dynbatch.errors import DynBatchValueError
 
 __all__ = [
     "BACKWARD_TO_FORWARD_RATIO",
+    "TIE",
     "forward_only_makespan",
     "SimEvent",
     "SimResult",
@@ -46,6 +47,10 @@ __all__ = [
 #: Backward cost relative to forward when only forward costs are given: the backward pass computes the
 #: gradients with respect to both the activations and the weights, each about one forward's FLOPs.
 BACKWARD_TO_FORWARD_RATIO = 2.0
+
+#: Relative difference under which two simulated steps are a tie: float noise is no gain, so a
+#: candidate replaces the one kept only when faster by more than this.
+TIE = 1e-9
 
 #: An operation in a stage's program: (kind 'F' or 'B', model chunk, micro-batch).
 Op = Tuple[str, int, int]

@@ -28,10 +28,9 @@ from .cluster import RAMPS as CLUSTER_RAMPS
 from .cluster import big_samples, ramp_profile, rank_rows, split_by_targets, tent_profile
 from .cost import row_cost
 from .packing import profile_pack
-from .simulate import pipeline_makespan
+from .simulate import TIE, pipeline_makespan
 from .spec import ceil_div, round_up
 from .step_search import (
-    TIE,
     PackedSearch,
     ShapeSearch,
     StepProblem,

@@ -42,12 +42,11 @@ from megatron_dynbatch.errors import DynBatchValueError
 from .balance import RankBalancer, assign_bins_to_ranks, pipeline_orders
 from .cost import TAIL_SEGMENT_TOKENS, row_cost, row_costs, tail_cost, tail_units
 from .packing import feasible_pack, min_bins
-from .simulate import BACKWARD_TO_FORWARD_RATIO, pipeline_makespan
+from .simulate import BACKWARD_TO_FORWARD_RATIO, TIE, pipeline_makespan
 from .spec import CostModel, ParallelLayout, ceil_div, round_up
 
 __all__ = [
     "MAX_FORCED_PLACEHOLDERS",
-    "TIE",
     "PackedSearch",
     "PaddedSearch",
     "ShapeSearch",
@@ -70,8 +69,6 @@ _SIMULATED_RANKS = 4
 _REPLAY_BUDGET = 4096
 #: Largest step (samples) that also gets the ranks-first construction (~50 ms of CPU at the limit).
 _ALTERNATIVE_LIMIT = 8192
-#: A larger M must be faster by more than this (relative) to replace a smaller one.
-TIE = 1e-9
 #: A swap that gives an idle DP rank a real micro-batch is kept unless the predicted step gets
 #: slower by more than this: a placeholder row costs about what a real row of the same length
 #: costs in the model (the same linear work; attention over short tail segments against a short
