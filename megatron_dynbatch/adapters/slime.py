@@ -7,11 +7,8 @@ name slime's, Megatron-LM's, flags, e.g. ``--microbatch-group-size-per-virtual-p
 torch through this module.
 """
 
-from megatron_dynbatch.integrations.slime.schedule import (
-    DPSchedule,
-    DPScheduleError,
-    build_dp_schedule,
-)
+from megatron_dynbatch.integrations.slime.dp_schedule import DPSchedule, DPScheduleError
+from megatron_dynbatch.integrations.slime.schedule import build_dp_schedule
 
 __all__ = [
     "DPSchedule",

@@ -2,7 +2,7 @@
 
 Used by the planner (packing rows: :func:`.packing.kk_pack`; dealing micro-batches to DP ranks:
 :func:`.balance.assign_bins_to_ranks`), by slime's static ``balance_data`` path
-(``integrations/slime/schedule.py``) and by the verl / slime baselines of ``benchmarks/``.
+(``integrations/slime/static_schedule.py``) and by the verl / slime baselines of ``benchmarks/``.
 
 The method: every item starts as a *partial partition* of ``k`` sets (the item in one set, the
 others empty; with ``equal_size``, ``k`` items at a time, one per set). The two partial partitions

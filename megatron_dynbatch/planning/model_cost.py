@@ -12,7 +12,7 @@ A forward pass over one sequence of ``L`` tokens does ``linear * L + attention *
   which changes the projection, not this term).
 
 The same sums slime's ``calculate_fwd_flops`` makes (its slime drop-in derives its ratio from it,
-:func:`megatron_dynbatch.integrations.slime.schedule._cost_model`), so both hosts start from one
+:func:`megatron_dynbatch.integrations.slime.flops.cost_model`), so both hosts start from one
 formula. The ratio is what the planner needs (its weights are relative); calibration later refits
 both weights and the per-micro-batch overhead from measured iterations. Standard library only.
 

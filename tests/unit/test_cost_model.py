@@ -139,14 +139,14 @@ def test_karmarkar_karp_partitions_every_item_once_and_beats_lpt():
 
 
 def test_slime_static_path_uses_the_shared_karmarkar_karp():
-    from megatron_dynbatch.integrations.slime.schedule import _balanced_partitions
+    from megatron_dynbatch.integrations.slime.static_schedule import balanced_partitions
 
     rng = random.Random(1)
     for _ in range(100):
         k = rng.randint(1, 5)
         weights = [rng.randint(0, 10**6) for _ in range(k * rng.randint(1, 6))]
         expected = [sorted(p) for p in karmarkar_karp(weights, k, equal_size=True)]
-        assert _balanced_partitions(weights, k) == expected
+        assert balanced_partitions(weights, k) == expected
 
 
 def test_variable_row_lengths_give_each_microbatch_its_own_row():

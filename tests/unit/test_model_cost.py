@@ -14,7 +14,7 @@ from megatron_dynbatch.integrations.megatron_lm.arguments import (
     dynbatch_config_from_args,
     variable_seq_lengths,
 )
-from megatron_dynbatch.integrations.slime.schedule import _cost_model as slime_cost_model
+from megatron_dynbatch.integrations.slime.flops import cost_model as slime_cost_model
 from megatron_dynbatch.planning.model_cost import (
     CPU_RATES,
     ESTIMATED_MIN_GAIN,

@@ -17,7 +17,7 @@ import pytest
 from megatron_dynbatch.adapters.slime import build_dp_schedule
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.hosts import SLIME
-from megatron_dynbatch.integrations.slime import schedule as S
+from megatron_dynbatch.integrations.slime import dp_schedule as S
 from megatron_dynbatch.integrations.slime.backend import data_iterators
 from megatron_dynbatch.integrations.slime.memory import slime_memory_model
 from megatron_dynbatch.integrations.slime.step_memory import STEP_PEAKS

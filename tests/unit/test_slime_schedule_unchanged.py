@@ -20,10 +20,14 @@ from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.hosts import SLIME, check_host_oversize
 from megatron_dynbatch.integrations.slime.config import (
     dynbatch_config_from_slime_args,
+    flag,
     planner_oversize_reported,
     routing_replay,
     slime_flags,
 )
+from megatron_dynbatch.integrations.slime.dp_schedule import DPSchedule, DPScheduleError
+from megatron_dynbatch.integrations.slime.flops import cost_model
+from megatron_dynbatch.integrations.slime.static_schedule import static_schedule
 from megatron_dynbatch.planning import SampleSet, check_plan
 from megatron_dynbatch.planning.registry import run_planner
 from megatron_dynbatch.planning.spec import check_int
@@ -47,7 +51,7 @@ def _ref_lengths(total_lengths):
             )
         )
     if not lengths:
-        raise S.DPScheduleError("total_lengths is empty; there is no sample to schedule.")
+        raise DPScheduleError("total_lengths is empty; there is no sample to schedule.")
     return lengths
 
 
@@ -82,10 +86,10 @@ def _ref_group(keys):
 
 
 def _ref_dynamic(args, sizes, lengths, keys, global_batch_size, pad_size):
-    S._flag(args, "balance_data")
-    S._flag(args, "balance_by_flops")
+    flag(args, "balance_data")
+    flag(args, "balance_by_flops")
     config = dynbatch_config_from_slime_args(
-        args, rollouts_per_step=global_batch_size, cost=S._cost_model(args)
+        args, rollouts_per_step=global_batch_size, cost=cost_model(args)
     )
     dp, cp = sizes["dp_size"], sizes["cp_size"]
     variable = S.variable_rows(args)
@@ -137,7 +141,7 @@ def _ref_dynamic(args, sizes, lengths, keys, global_batch_size, pad_size):
             variable,
             training=(micro_batch_indices, row_lengths),
         )
-    return S.DPSchedule(
+    return DPSchedule(
         partitions,
         micro_batch_indices,
         [step.num_microbatches for step in plan.steps],
@@ -153,7 +157,7 @@ def _ref_dynamic(args, sizes, lengths, keys, global_batch_size, pad_size):
 def _reference_schedule(args, tp, total_lengths, *, global_batch_size, rollout_indices):
     # build_dp_schedule names slime's flags in its errors (the adapter did before issue 46).
     with slime_flags():
-        use_dynamic = S._flag(args, "use_dynamic_batch_size")
+        use_dynamic = flag(args, "use_dynamic_batch_size")
         sizes = S._parallel_sizes(args, tp)
         lengths = _ref_lengths(total_lengths)
         keys = _ref_keys(rollout_indices, len(lengths))
@@ -166,7 +170,7 @@ def _reference_schedule(args, tp, total_lengths, *, global_batch_size, rollout_i
         pad = S.pad_size(args)
         if use_dynamic:
             return _ref_dynamic(args, sizes, lengths, keys, global_batch_size, pad)
-        return S._static_schedule(args, sizes, lengths, _ref_group(keys), global_batch_size, pad)
+        return static_schedule(args, sizes, lengths, _ref_group(keys), global_batch_size, pad)
 
 
 # -- random inputs ---------------------------------------------------------------------------------

@@ -34,9 +34,7 @@ import torch
 
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.slime.config import RESPONSE_FLOAT_KEYS
-from megatron_dynbatch.integrations.slime.empty_rank import add_phantom_sample
-from megatron_dynbatch.integrations.slime.placeholders import cp_local, placeholder_sample
-from megatron_dynbatch.integrations.slime.schedule import (
+from megatron_dynbatch.integrations.slime.dp_schedule import (
     LOGPROB_MICRO_BATCHES_KEY,
     LOGPROB_ROW_LENGTHS_KEY,
     MEMORY_BUDGET_KEY,
@@ -45,6 +43,8 @@ from megatron_dynbatch.integrations.slime.schedule import (
     SEQ_LENGTHS_KEY,
     uniform_row_lengths,
 )
+from megatron_dynbatch.integrations.slime.empty_rank import add_phantom_sample
+from megatron_dynbatch.integrations.slime.placeholders import cp_local, placeholder_sample
 from megatron_dynbatch.integrations.slime.step_memory import STEP_PEAKS
 from megatron_dynbatch.mcore.agreement import step_agreement
 from megatron_dynbatch.planning import round_up
@@ -280,7 +280,7 @@ def data_iterators(
     """One :class:`SlimeDataIterator` per model chunk over the training schedule of this rank.
 
     Takes the schedule's own keys (:meth:`DPSchedule.rank_fields
-    <megatron_dynbatch.integrations.slime.schedule.DPSchedule.rank_fields>`) out of
+    <megatron_dynbatch.integrations.slime.dp_schedule.DPSchedule.rank_fields>`) out of
     ``rollout_data``: slime's ``log_rollout_data`` logs every list it finds there as a rollout
     metric. A rank that holds no sample gets one fully masked phantom sample
     (:func:`add_phantom_sample`), so slime's per-sample code (advantages, KL, whitening, logging)
@@ -389,7 +389,7 @@ def forward_only_iterators(
     """Iterators and micro-batch counts of one log-prob pass over this rank's samples.
 
     The rollout side planned the pass for every DP rank at once
-    (:class:`~megatron_dynbatch.integrations.slime.schedule.ForwardOnlySchedule`: this rank's
+    (:class:`~megatron_dynbatch.integrations.slime.dp_schedule.ForwardOnlySchedule`: this rank's
     samples under ``--log-probs-max-tokens-per-gpu``, counts equal on every rank by construction,
     so an expert-parallel all-to-all never waits on a rank that has finished). Under MoE routing
     replay none was shipped: the pass runs the training micro-batches, step by step, so routing

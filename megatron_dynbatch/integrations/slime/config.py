@@ -45,7 +45,9 @@ __all__ = [
     "CP_SLICED_KEYS",
     "RESPONSE_FLOAT_KEYS",
     "SLIME_OVERSIZE_POLICIES",
+    "dash",
     "dynbatch_config_from_slime_args",
+    "flag",
     "microbatch_overhead",
     "oversize_policy",
     "planner_oversize_reported",
@@ -192,3 +194,22 @@ def slime_flags() -> Any:
     """Errors raised inside that name the parallel layout's fields also name slime's flags
     (Megatron-LM's: :data:`~megatron_dynbatch.planning.spec.LAYOUT_FLAGS`)."""
     return SLIME.flags()
+
+
+def flag(args: Any, name: str, default: bool = False) -> bool:
+    """A boolean of slime's namespace (``None`` or absent: ``default``); anything but a bool is
+    refused in slime's flag name, where a truthy string would otherwise switch a path on."""
+    value = getattr(args, name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise DynBatchValueError(
+            f"args.{name}={value!r} must be True or False (slime's --{dash(name)})."
+        )
+    return value
+
+
+def dash(name: str) -> str:
+    """An argument's attribute name as slime's flag (``use_dynamic_batch_size`` ->
+    ``use-dynamic-batch-size``)."""
+    return name.replace("_", "-")

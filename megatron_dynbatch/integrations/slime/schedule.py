@@ -12,8 +12,9 @@ DP rank trains which sample in which micro-batch of which optimizer step::
 (flattened, they are ``range(len(partitions[r]))``), ``num_microbatches[s]`` the per-rank count of
 step ``s`` and ``global_batch_sizes[s]`` the rollouts trained in step ``s`` (slime's loss
 normaliser and LR-scheduler increment). :func:`build_dp_schedule` takes the same arguments and
-returns the same four items, as a :class:`DPSchedule` (a tuple, so slime's unpacking is
-unchanged) that also carries each step's uniform row length and a per-micro-batch rollout count.
+returns the same four items, as a :class:`~.dp_schedule.DPSchedule` (a tuple, so slime's
+unpacking is unchanged) that also carries each step's uniform row length and a per-micro-batch
+rollout count.
 
 With ``use_dynamic_batch_size`` the steps come from the config's registered planner
 (:func:`megatron_dynbatch.planning.registry.run_planner`: :func:`~megatron_dynbatch.planning.plan_schedule`'s
@@ -38,7 +39,8 @@ planner by default; ``rollouts_per_step=global_batch_size``). Deliberate differe
 
 Without ``use_dynamic_batch_size`` the static path is slime's: fixed ``micro_batch_size`` chunks,
 trailing rollouts trimmed, an error when the count does not align, and a strided or (with
-``balance_data``) Karmarkar-Karp assignment by the same FLOPs estimate.
+``balance_data``) Karmarkar-Karp assignment by the same FLOPs estimate (:mod:`.static_schedule`,
+:mod:`.flops`).
 
 Standard library and the pure planner only: slime's rollout manager imports it without torch work.
 """
@@ -46,7 +48,7 @@ Standard library and the pure planner only: slime's rollout manager imports it w
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from megatron_dynbatch.config import DynBatchConfig
@@ -54,25 +56,30 @@ from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.hosts import SLIME, check_host_oversize
 from megatron_dynbatch.integrations.slime.config import (
     DATA_PAD_SIZE_MULTIPLIER,
+    dash,
     dynbatch_config_from_slime_args,
+    flag,
     oversize_policy,
     pad_size,
     planner_oversize_reported,
     routing_replay,
     slime_flags,
 )
+from megatron_dynbatch.integrations.slime.dp_schedule import (
+    DPSchedule,
+    DPScheduleError,
+    ForwardOnlySchedule,
+)
+from megatron_dynbatch.integrations.slime.flops import cost_model
 from megatron_dynbatch.integrations.slime.memory import (
-    StepPeaks,
     check_longest_sample,
     slime_max_memory_gib,
     slime_memory_limit,
     step_peaks,
 )
-from megatron_dynbatch.integrations.slime.scheduled import dp_schedule_steps
+from megatron_dynbatch.integrations.slime.static_schedule import static_schedule
 from megatron_dynbatch.planning import (
-    CostModel,
     ParallelLayout,
-    Plan,
     SampleSet,
     check_plan,
     round_up,
@@ -82,13 +89,10 @@ from megatron_dynbatch.planning.forward_only import (
     fewest_forward_only_count,
     plan_forward_only,
 )
-from megatron_dynbatch.planning.karmarkar_karp import karmarkar_karp
-from megatron_dynbatch.planning.memory import MIB, MemoryLimit
+from megatron_dynbatch.planning.memory import MemoryLimit
 from megatron_dynbatch.planning.registry import run_planner
 from megatron_dynbatch.planning.samples import as_sequence
-from megatron_dynbatch.planning.schedule import ScheduledStep
 from megatron_dynbatch.planning.spec import (
-    ATTENTION_CROSSOVER_7B,
     MAX_TOKENS,
     OWN_PLANNERS,
     check_int,
@@ -101,228 +105,7 @@ __all__ = [
     "DPScheduleError",
     "build_dp_schedule",
     "oversize_policy",
-    "uniform_row_lengths",
 ]
-
-
-class DPScheduleError(DynBatchValueError, AssertionError):
-    """A schedule cannot be built from these arguments.
-
-    A ``ValueError`` (a user error, with the value and the fix in the message) that is also an
-    ``AssertionError``, because slime's own ``build_dp_schedule`` asserts in the same cases and
-    code written against it catches ``AssertionError``.
-    """
-
-
-def _flag(args: Any, name: str, default: bool = False) -> bool:
-    value = getattr(args, name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise DynBatchValueError(
-            f"args.{name}={value!r} must be True or False (slime's --{_dash(name)})."
-        )
-    return value
-
-
-def _dash(name: str) -> str:
-    return name.replace("_", "-")
-
-
-class DPSchedule(tuple):
-    """``(partitions, micro_batch_indices, num_microbatches, global_batch_sizes)`` plus row shapes.
-
-    Unpacks into slime's four items. The extra attributes:
-
-    * ``row_lengths[r][m]``: the packed row micro-batch ``m`` of DP rank ``r`` is built with on
-      one GPU (per context-parallel rank), placeholders included: what slime's patched
-      ``get_batch`` pads it to. With variable rows (slime's default: it runs Megatron with
-      ``variable_seq_lengths``) each micro-batch has its own row, its samples rounded up to
-      ``tp_size * data_pad_size_multiplier`` where that stays within ``max_tokens_per_gpu``
-      (:func:`row_length`); with uniform rows every micro-batch of a step has the step's longest.
-      Score a schedule as it runs with these.
-    * ``seq_lengths[s]``: the longest row of step ``s`` (with uniform rows, every row's length).
-    * ``micro_batch_size``: rows per micro-batch (1: slime packs samples into one THD row).
-    * ``rollout_counts[r][m]``: rollouts whose first sample (lowest global index) is in micro-batch
-      ``m`` of rank ``r``; over a step they add up to ``global_batch_sizes[s]``, so a trainer that
-      normalises per rollout through Megatron's per-token path can count each rollout once.
-    * ``plan``: the planner's :class:`~megatron_dynbatch.planning.Plan` (``None`` on the static
-      path).
-    * ``forward_only``: the log-prob passes' :class:`ForwardOnlySchedule`, planned here from every
-      rank's lengths so that every DP rank runs the same number of forward-only micro-batches;
-      ``None`` where the log-prob passes run the training micro-batches (the static path, and
-      MoE routing replay, which records and replays routing per micro-batch).
-    * ``memory``: with ``--max-memory-gib``, every step's predicted peak per DP rank and pipeline
-      stage (:class:`~megatron_dynbatch.integrations.slime.memory.StepPeaks`), each within the
-      budget; ``None`` without it.
-    """
-
-    def __new__(
-        cls,
-        partitions: List[List[int]],
-        micro_batch_indices: List[List[List[int]]],
-        num_microbatches: List[int],
-        global_batch_sizes: List[int],
-        *,
-        seq_lengths: Sequence[int],
-        rollout_counts: Sequence[Sequence[int]],
-        plan: Optional[Plan] = None,
-        forward_only: Optional["ForwardOnlySchedule"] = None,
-        row_lengths: Optional[Sequence[Sequence[int]]] = None,
-        memory: Optional[StepPeaks] = None,
-    ) -> "DPSchedule":
-        self = super().__new__(
-            cls, (partitions, micro_batch_indices, num_microbatches, global_batch_sizes)
-        )
-        self.seq_lengths = [int(s) for s in seq_lengths]
-        if row_lengths is None:
-            uniform = uniform_row_lengths(self.seq_lengths, num_microbatches)
-            row_lengths = [list(uniform) for _ in partitions]
-        self.row_lengths = [list(map(int, rows)) for rows in row_lengths]
-        # Internal invariant: one row per micro-batch of every rank.
-        assert [len(rows) for rows in self.row_lengths] == [len(mbs) for mbs in micro_batch_indices]
-        self.micro_batch_size = 1
-        self.rollout_counts = [list(counts) for counts in rollout_counts]
-        self.plan = plan
-        self.forward_only = forward_only
-        self.memory = memory
-        return self
-
-    def __reduce__(self):
-        fields = (
-            tuple(self),
-            self.seq_lengths,
-            self.rollout_counts,
-            self.plan,
-            self.forward_only,
-            self.row_lengths,
-        )
-        # Without --max-memory-gib a schedule pickles as it did before the option existed.
-        return (_rebuild_schedule, fields if self.memory is None else fields + (self.memory,))
-
-    @property
-    def partitions(self) -> List[List[int]]:
-        return self[0]
-
-    @property
-    def micro_batch_indices(self) -> List[List[List[int]]]:
-        return self[1]
-
-    @property
-    def num_microbatches(self) -> List[int]:
-        return self[2]
-
-    @property
-    def global_batch_sizes(self) -> List[int]:
-        return self[3]
-
-    @property
-    def variable_rows(self) -> bool:
-        """Whether micro-batches of one step run rows of different lengths."""
-        return any(len(set(rows)) > 1 for rows in self._rows_per_step())
-
-    def _rows_per_step(self) -> List[List[int]]:
-        starts = [0]
-        for n in self.num_microbatches:
-            starts.append(starts[-1] + n)
-        return [
-            [row for rows in self.row_lengths for row in rows[a:b]]
-            for a, b in zip(starts[:-1], starts[1:], strict=True)
-        ]
-
-    def scheduled_steps(self) -> Tuple[ScheduledStep, ...]:
-        """Every step as the runtime reads it (:class:`~megatron_dynbatch.planning.schedule.
-        Schedule`), in global sample indices (:mod:`.scheduled`)."""
-        return dp_schedule_steps(self)
-
-    def rank_fields(self, dp_rank: int) -> Dict[str, Any]:
-        """What the patched slime ships to DP rank ``dp_rank`` besides slime's own keys.
-
-        The trainer's :func:`~megatron_dynbatch.integrations.slime.backend.data_iterators` takes
-        these keys out of the rank's rollout data again (slime would log them as metrics).
-        """
-        check_int("dp_rank", dp_rank, 0, "pass a data-parallel rank of the schedule.")
-        if dp_rank >= len(self.partitions):
-            raise DynBatchValueError(
-                f"dp_rank={dp_rank} but the schedule has {len(self.partitions)} DP ranks."
-            )
-        fields: Dict[str, Any] = {
-            SEQ_LENGTHS_KEY: list(self.seq_lengths),
-            ROW_LENGTHS_KEY: list(self.row_lengths[dp_rank]),
-        }
-        if self.forward_only is not None:
-            fields[LOGPROB_MICRO_BATCHES_KEY] = [
-                list(mb) for mb in self.forward_only.micro_batch_indices[dp_rank]
-            ]
-            fields[LOGPROB_ROW_LENGTHS_KEY] = list(self.forward_only.row_lengths[dp_rank])
-        if self.memory is not None:
-            fields[PREDICTED_PEAK_KEY] = [
-                [peak / MIB for peak in step] for step in self.memory.per_rank[dp_rank]
-            ]
-            fields[MEMORY_BUDGET_KEY] = self.memory.budget_bytes / MIB
-        return fields
-
-
-def uniform_row_lengths(seq_lengths: Sequence[int], num_microbatches: Sequence[int]) -> List[int]:
-    """Uniform rows: every micro-batch of step ``k`` has the step's row ``seq_lengths[k]``."""
-    return [int(s) for s, n in zip(seq_lengths, num_microbatches, strict=True) for _ in range(n)]
-
-
-#: The keys :meth:`DPSchedule.rank_fields` ships (the patched ``get_data_iterator`` recognises
-#: the schedule by the first).
-SEQ_LENGTHS_KEY = "dynbatch_seq_lengths"
-ROW_LENGTHS_KEY = "dynbatch_row_lengths"
-LOGPROB_MICRO_BATCHES_KEY = "dynbatch_logprob_micro_batch_indices"
-LOGPROB_ROW_LENGTHS_KEY = "dynbatch_logprob_row_lengths"
-#: With --max-memory-gib: per step, per pipeline stage, the rank's predicted peak (MiB), and the
-#: budget (MiB); the trainer logs them beside the measured peak (backend.StepPeakLog).
-PREDICTED_PEAK_KEY = "dynbatch_predicted_peak_mib"
-MEMORY_BUDGET_KEY = "dynbatch_memory_budget_mib"
-
-
-@dataclass(frozen=True, kw_only=True)
-class ForwardOnlySchedule:
-    """The log-prob passes of one rollout, for every DP rank.
-
-    Each rank's micro-batches hold only its own (training) samples, as local indices into its
-    partition; ranks with fewer micro-batches are topped up with placeholders (empty lists) so every
-    rank runs the same count: with expert parallelism the MoE all-to-all spans DP ranks, and unequal
-    counts would leave a rank waiting in it. Every micro-batch is one packed row of
-    ``row_lengths[r][m]`` tokens per GPU (one length on every rank where rows are uniform).
-    """
-
-    micro_batch_indices: List[List[List[int]]]
-    """Per DP rank, per micro-batch, local sample indices (``[]``: a placeholder)."""
-    row_lengths: List[List[int]]
-    """Per DP rank, per micro-batch, the packed row on one GPU (per CP rank)."""
-
-    def __post_init__(self) -> None:
-        counts = {len(rank) for rank in self.micro_batch_indices}
-        assert len(counts) == 1, f"forward-only micro-batch counts differ across DP ranks: {counts}"
-        assert [len(r) for r in self.row_lengths] == [len(r) for r in self.micro_batch_indices]
-
-    @property
-    def row_length(self) -> int:
-        """The longest forward-only row (every row's length when rows are uniform)."""
-        return max(max(rows) for rows in self.row_lengths)
-
-    @property
-    def num_microbatches(self) -> int:
-        return len(self.micro_batch_indices[0])
-
-
-def _rebuild_schedule(
-    items, seq_lengths, rollout_counts, plan, forward_only=None, row_lengths=None, memory=None
-) -> DPSchedule:
-    return DPSchedule(
-        *items,
-        seq_lengths=seq_lengths,
-        rollout_counts=rollout_counts,
-        plan=plan,
-        forward_only=forward_only,
-        row_lengths=row_lengths,
-        memory=memory,
-    )
 
 
 # -- inputs ---------------------------------------------------------------------------------------
@@ -371,7 +154,7 @@ def _parallel_sizes(args: Any, train_parallel_config: Any) -> Dict[str, int]:
         sizes[key] = (
             1
             if value is None
-            else check_int(f"args.{arg}", value, 1, f"pass --{_dash(arg)} 1 or more.")
+            else check_int(f"args.{arg}", value, 1, f"pass --{dash(arg)} 1 or more.")
         )
     if "microbatch_group_size_per_vp_stage" not in sizes:
         # Megatron's default group is pp_size (it only matters when interleaving).
@@ -455,207 +238,7 @@ def _rollout_heads(keys: Sequence[Any]) -> set:
     return set(dict(zip(reversed(keys), range(n - 1, -1, -1), strict=True)).values())
 
 
-# -- FLOPs and Karmarkar-Karp (slime's static balance_data) ---------------------------------------
-
-
-def _layer_flops(args: Any, s: int, ffn: int) -> float:
-    """Forward FLOPs of one transformer layer on a sequence of ``s`` tokens (slime's estimate).
-
-    The expressions keep slime's operation order so the floating-point sums, and with them the
-    balancing decisions, are identical.
-    """
-    h = args.hidden_size
-    heads = args.num_attention_heads
-    mla = bool(getattr(args, "multi_latent_attention", False))
-    if mla and args.q_lora_rank is not None:
-        q = 2 * s * args.q_lora_rank * (h + heads * (args.qk_head_dim + args.qk_pos_emb_head_dim))
-    else:
-        q_head_dim = args.qk_head_dim + args.qk_pos_emb_head_dim if mla else args.kv_channels
-        q = 2 * s * h * heads * q_head_dim
-    if mla and args.kv_lora_rank is not None:
-        kv = (
-            2
-            * s
-            * (
-                args.kv_lora_rank * (h + heads * (args.qk_head_dim + args.v_head_dim))
-                + h * args.qk_pos_emb_head_dim
-            )
-        )
-    else:
-        kv = 2 * 2 * s * h * args.num_query_groups * args.kv_channels
-    if mla:
-        attention = 2 * heads * s * s * (args.qk_head_dim + args.qk_pos_emb_head_dim) / 2
-        attention += heads * s * s * args.v_head_dim
-    else:
-        attention = 2 * heads * s * s * args.kv_channels / 2
-        attention += heads * s * s * args.kv_channels
-    return (q + kv) + attention + 2 * s * h * h + 2 * s * h * ffn * 3
-
-
-def _forward_flops(args: Any, s: int) -> float:
-    """slime's ``calculate_fwd_flops([s], args)``: every layer plus the output projection."""
-    if args.num_experts is None:
-        num_dense, num_moe, moe_ffn = args.num_layers, 0, 0
-    else:
-        shared = getattr(args, "moe_shared_expert_intermediate_size", None) or 0
-        moe_ffn = args.moe_ffn_hidden_size * args.moe_router_topk + shared
-        if hasattr(args, "moe_layer_freq"):
-            freq = args.moe_layer_freq
-            if isinstance(freq, list):
-                num_dense = sum(1 for f in freq if f == 0)
-                num_moe = sum(1 for f in freq if f > 0)
-            else:
-                num_dense = sum(1 for i in range(args.num_layers) if i % freq != 0)
-                num_moe = sum(1 for i in range(args.num_layers) if i % freq == 0)
-        else:
-            num_dense, num_moe = 0, args.num_layers
-    total = 0
-    if num_dense > 0:
-        total += _layer_flops(args, s, args.ffn_hidden_size) * num_dense
-    if num_moe > 0:
-        total += _layer_flops(args, s, moe_ffn) * num_moe
-    return total + 2 * s * args.hidden_size * args.vocab_size
-
-
-#: The model arguments slime's FLOPs estimate reads for a dense model (Megatron's names).
-_FLOPS_ARGS = (
-    "num_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "kv_channels",
-    "ffn_hidden_size",
-    "vocab_size",
-)
-
-
-def _balance_flops(args: Any, lengths: Sequence[int]) -> List[float]:
-    """``--balance-data``'s weights: slime's FLOPs estimate of every sample, or a
-    ``DynBatchValueError`` naming the model arguments it needs where ``args`` lacks them (slime's
-    own estimate would stop on an ``AttributeError``)."""
-    try:
-        return [_forward_flops(args, n) for n in lengths]
-    except (AttributeError, TypeError):
-        missing = [name for name in _FLOPS_ARGS if getattr(args, name, None) is None]
-        if not hasattr(args, "num_experts"):
-            missing.append("num_experts")
-        raise DPScheduleError(
-            "--balance-data balances ranks by slime's FLOPs estimate, which needs the model's "
-            f"Megatron arguments on args; missing or None: {', '.join(missing) or 'a MoE/MLA size'}"
-            ". Pass slime's parsed arguments, or drop --balance-data (strided assignment)."
-        ) from None
-
-
-def _balanced_partitions(weights: Sequence[Any], k: int) -> List[List[int]]:
-    """Largest differencing (Karmarkar-Karp) into ``k`` parts of equal item counts, each sorted.
-
-    The same tie-breaking as slime's ``get_seqlen_balanced_partitions(..., equal_size=True)``, so
-    the static ``balance_data`` path assigns exactly the ranks slime assigns.
-    """
-    return [sorted(part) for part in karmarkar_karp(weights, k, equal_size=True)]
-
-
-# -- the two paths --------------------------------------------------------------------------------
-
-
-def _static_schedule(
-    args: Any,
-    sizes: Dict[str, int],
-    lengths: List[int],
-    rollouts: List[List[int]],
-    global_batch_size: int,
-    pad_size: int,
-) -> DPSchedule:
-    """slime's static path: ``micro_batch_size`` chunks, trailing rollouts trimmed, strict."""
-    dp = sizes["dp_size"]
-    group = sizes["microbatch_group_size_per_vp_stage"] if sizes["vpp_size"] > 1 else 1
-    align_to = dp * group
-    micro_batch_size = check_int(
-        "args.micro_batch_size",
-        getattr(args, "micro_batch_size", None),
-        1,
-        "pass --micro-batch-size (or --use-dynamic-batch-size with --max-tokens-per-gpu).",
-    )
-    num_steps = len(rollouts) // global_batch_size
-    if num_steps < 1:
-        raise DPScheduleError(
-            f"num_rollouts ({len(rollouts)}) < global_batch_size ({global_batch_size}); the "
-            "static path needs at least one full step: lower --global-batch-size or use "
-            "--use-dynamic-batch-size (which trains a short step)."
-        )
-    balance = _flag(args, "balance_data")
-    partitions: List[List[int]] = [[] for _ in range(dp)]
-    micro_batch_indices: List[List[List[int]]] = [[] for _ in range(dp)]
-    rollout_counts: List[List[int]] = [[] for _ in range(dp)]
-    num_microbatches: List[int] = []
-    seq_lengths: List[int] = []
-    for step in range(num_steps):
-        step_rollouts = rollouts[step * global_batch_size : (step + 1) * global_batch_size]
-        samples = [i for members in step_rollouts for i in members]
-        heads = {members[0] for members in step_rollouts}
-        if len(samples) < dp:
-            raise DPScheduleError(
-                f"step {step}: {len(samples)} samples < dp_size {dp}; each step needs at least one "
-                "sample per rank on the static path (use --use-dynamic-batch-size, which fills "
-                "ranks with placeholders)."
-            )
-        chunks = [
-            list(range(i, min(i + micro_batch_size, len(samples))))
-            for i in range(0, len(samples), micro_batch_size)
-        ]
-        if len(chunks) % align_to:
-            raise DPScheduleError(
-                f"static path: num_mbs ({len(chunks)}) is not a multiple of dp_size * mb_group "
-                f"({align_to}); got step_size={len(samples)}, micro_batch_size={micro_batch_size}, "
-                f"dp_size={dp}, mb_group={group}. Adjust the config so step_size % (dp_size * "
-                "micro_batch_size * mb_group) == 0, or use --use-dynamic-batch-size."
-            )
-        per_rank = len(chunks) // dp
-        num_microbatches.append(per_rank)
-        if balance:
-            flops = _balance_flops(args, [lengths[i] for i in samples])
-            weights = [sum(flops[i] for i in chunk) for chunk in chunks]
-            rank_chunks = _balanced_partitions(weights, dp)
-        else:
-            rank_chunks = [list(range(r, len(chunks), dp)) for r in range(dp)]
-        for r in range(dp):
-            for c in rank_chunks[r]:
-                start = len(partitions[r])
-                members = [samples[i] for i in chunks[c]]
-                partitions[r].extend(members)
-                micro_batch_indices[r].append(list(range(start, start + len(members))))
-                rollout_counts[r].append(sum(1 for i in members if i in heads))
-        longest = max(sum(lengths[samples[i]] for i in chunk) for chunk in chunks)
-        seq_lengths.append(round_up(longest, pad_size))
-    return DPSchedule(
-        partitions,
-        micro_batch_indices,
-        num_microbatches,
-        [global_batch_size] * num_steps,
-        seq_lengths=seq_lengths,
-        rollout_counts=rollout_counts,
-    )
-
-
-def _cost_model(args: Any) -> CostModel:
-    """What one micro-batch costs on one GPU: linear work per position plus attention per sample.
-
-    slime's THD rows attend per sample (``cu_seqlens``), so a micro-batch of long samples costs
-    more than one of as many tokens in short samples; the planner balances and orders by that.
-    The ratio is slime's own FLOPs estimate (``calculate_fwd_flops``, what ``--balance-data``
-    and ``--balance-by-flops`` balance) from the model dimensions on ``args``, or, without them
-    (a bare namespace), a 7B-class model's (:data:`ATTENTION_CROSSOVER_7B`).
-    """
-    default = CostModel(token_weight=1.0, attention_weight=1.0 / ATTENTION_CROSSOVER_7B)
-    try:
-        # FLOPs(L) = a * L + b * L**2: b from the second difference, a from FLOPs(1).
-        quadratic = (_forward_flops(args, 2) - 2 * _forward_flops(args, 1)) / 2
-        linear = _forward_flops(args, 1) - quadratic
-    except (AttributeError, TypeError):
-        return default
-    if linear <= 0 or quadratic < 0:
-        return default
-    return CostModel(token_weight=1.0, attention_weight=quadratic / linear)
+# -- rows and the dynamic path ------------------------------------------------------------------
 
 
 def row_length(seq_length: int, cp: int, pad_size: int, max_tokens: int) -> int:
@@ -704,7 +287,7 @@ def variable_rows(args: Any) -> bool:
     micro-batch's shape before its pipeline send and a row need not be the step's longest. Only
     an explicit ``args.variable_seq_lengths=False`` keeps one row per step."""
     value = getattr(args, "variable_seq_lengths", None)
-    return True if value is None else _flag(args, "variable_seq_lengths")
+    return True if value is None else flag(args, "variable_seq_lengths")
 
 
 def _gpu_rows(rows: Sequence[int], cp: int) -> List[int]:
@@ -827,10 +410,10 @@ def _dynamic_schedule(
     pad_size: int,
 ) -> DPSchedule:
     # Read (and so checked) as on slime's static path; ours always balances by the cost model.
-    _flag(args, "balance_data")
-    _flag(args, "balance_by_flops")
+    flag(args, "balance_data")
+    flag(args, "balance_by_flops")
     config = dynbatch_config_from_slime_args(
-        args, rollouts_per_step=global_batch_size, cost=_cost_model(args)
+        args, rollouts_per_step=global_batch_size, cost=cost_model(args)
     )
     dp = sizes["dp_size"]
     cp = sizes["cp_size"]
@@ -950,7 +533,7 @@ def build_dp_schedule(
         )
     # Errors about the parallel layout name slime's (Megatron-LM's) flags.
     with slime_flags():
-        use_dynamic = _flag(args, "use_dynamic_batch_size")
+        use_dynamic = flag(args, "use_dynamic_batch_size")
         sizes = _parallel_sizes(args, train_parallel_config)
         lengths = _lengths(total_lengths)
         keys = _rollout_keys(rollout_indices, len(lengths))
@@ -969,7 +552,7 @@ def build_dp_schedule(
         try:
             if use_dynamic:
                 return _dynamic_schedule(args, sizes, lengths, keys, global_batch_size, pad)
-            return _static_schedule(
+            return static_schedule(
                 args, sizes, lengths, _group_rollouts(keys), global_batch_size, pad
             )
         finally:

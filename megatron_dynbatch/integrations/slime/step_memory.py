@@ -1,7 +1,7 @@
 """Each slime training step's peak memory: predicted by the rollout side, measured by the trainer.
 
 With ``--max-memory-gib`` the rollout side ships every step's predicted peak per pipeline stage
-(:meth:`DPSchedule.rank_fields <megatron_dynbatch.integrations.slime.schedule.DPSchedule.
+(:meth:`DPSchedule.rank_fields <megatron_dynbatch.integrations.slime.dp_schedule.DPSchedule.
 rank_fields>`). :func:`~megatron_dynbatch.integrations.slime.backend.agree_on_step` opens a step
 here: on a GPU ``torch.cuda.reset_peak_memory_stats``. slime's ``train_one_step`` has no hook at
 its end, so the step is read (``torch.cuda.max_memory_allocated``) when the next one opens, or when
