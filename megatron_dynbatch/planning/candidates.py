@@ -128,6 +128,10 @@ def small_step_candidates(
             ranks = [balanced_rows(part, sizes, cap, per_rank) for part in split]
             if all(rank is not None for rank in ranks):
                 yield name + "-balanced-rows", ranks, False
+            # Beside it, not instead: the rank's shorter fullest row need not be the step's.
+            multifit = [balanced_rows(part, sizes, cap, per_rank, multifit=True) for part in split]
+            if all(rank is not None for rank in multifit) and multifit != ranks:
+                yield name + "-multifit-rows", multifit, False
         if (
             row_multiple is not None
             and len(items) <= TINY_STEP_SAMPLES
@@ -241,14 +245,18 @@ def _differenced_ranks(
 
 
 def balanced_rows(
-    members: Sequence[int], sizes: Sequence[int], cap: int, per_rank: int
+    members: Sequence[int],
+    sizes: Sequence[int],
+    cap: int,
+    per_rank: int,
+    multifit: bool = False,
 ) -> Optional[List[List[int]]]:
     """One rank's samples in ``per_rank`` rows with the fullest row as short as a local search
-    finds: differencing on the sizes or MULTIFIT (:func:`_multifit_rows`), whichever has the
-    shorter fullest row, then, while it shortens the fullest row, one of its samples moved to
-    another row, or one or two of them swapped against one or two of another row's (the first
-    change found, rows and samples in a fixed order). ``None`` where there are fewer samples
-    than rows or a row of several samples breaks the cap."""
+    finds: differencing on the sizes (with ``multifit``: MULTIFIT, :func:`_multifit_rows`, where
+    its fullest row is shorter), then, while it shortens the fullest row, one of its samples
+    moved to another row, or one or two of them swapped against one or two of another row's (the
+    first change found, rows and samples in a fixed order). ``None`` where there are fewer
+    samples than rows or a row of several samples breaks the cap."""
     if len(members) < per_rank:
         return None
     parts = karmarkar_karp([sizes[i] for i in members], per_rank, False, ties="index")
@@ -256,9 +264,9 @@ def balanced_rows(
     loads = [sum(sizes[i] for i in row) for row in rows]
     # Differencing and the moves below can both stop short where the rows are nearly full (a
     # 16-sample rank in 10 rows: 8,170 tokens where best fit decreasing packs 7,912).
-    multifit = _multifit_rows(members, sizes, per_rank, max(loads) - 1)
-    if multifit is not None:
-        rows, loads = multifit
+    packed = _multifit_rows(members, sizes, per_rank, max(loads) - 1) if multifit else None
+    if packed is not None:
+        rows, loads = packed
 
     def groups(row: List[int]) -> List[Tuple[int, List[int]]]:
         """The row's single samples and pairs, with their sizes (and nothing: a move)."""

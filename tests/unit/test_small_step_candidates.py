@@ -433,7 +433,11 @@ def test_balanced_rows_start_from_multifit_where_differencing_stops_short():
     tokens; best fit decreasing packs the same 16 samples into 10 rows of at most 7,912."""
     lengths = [3566, 2809, 4200, 3428, 7285, 2634, 3260, 6547, 1784, 2042, 4063, 6128, 7677]
     lengths += [6406, 3861, 6308]
-    rows = balanced_rows(range(16), lengths, 8192, 10)
+    assert (
+        max(sum(lengths[i] for i in row) for row in balanced_rows(range(16), lengths, 8192, 10))
+        == 8170
+    )
+    rows = balanced_rows(range(16), lengths, 8192, 10, multifit=True)
     assert sorted(i for row in rows for i in row) == list(range(16))
     assert max(sum(lengths[i] for i in row) for row in rows) == 7912
 
@@ -443,14 +447,15 @@ def test_balanced_rows_start_from_multifit_where_differencing_stops_short():
     lengths=st.lists(st.integers(1, 4096), min_size=1, max_size=24),
     per_rank=st.integers(1, 8),
     cap=st.sampled_from([4096, 8192]),
+    multifit=st.booleans(),
 )
 def test_balanced_rows_keep_every_sample_and_the_cap_and_never_lengthen_the_fullest_row(
-    lengths, per_rank, cap
+    lengths, per_rank, cap, multifit
 ):
     from megatron_dynbatch.planning.karmarkar_karp import karmarkar_karp
 
     members = list(range(len(lengths)))
-    rows = balanced_rows(members, lengths, cap, per_rank)
+    rows = balanced_rows(members, lengths, cap, per_rank, multifit=multifit)
     if len(lengths) < per_rank:
         assert rows is None
         return
