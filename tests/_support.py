@@ -293,20 +293,61 @@ compare_runs = _load_compare()
 
 
 def torchrun(nproc, script, args, *, env=None, log_path):
-    """Run ``torchrun --standalone --nproc-per-node nproc script args``; return (rc, log, seconds)."""
+    """Run ``torchrun --standalone --nproc-per-node nproc script args``; return (rc, log, seconds).
+
+    A launch still running after :data:`TORCHRUN_TIMEOUT_S` fails the test with every process's
+    Python stacks at the end of its log (see :func:`_stacks_and_kill`): a hang shows where it hung.
+    """
     command = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(nproc), str(script)]
     started = time.monotonic()
-    result = subprocess.run(
+    with subprocess.Popen(
         command + [str(a) for a in args],
         cwd=REPO,
-        env=command_env(env),
+        # faulthandler: SIGABRT then prints each thread's Python stack before the process dies.
+        env=command_env({"PYTHONFAULTHANDLER": "1", **(env or {})}),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        timeout=TORCHRUN_TIMEOUT_S,
-    )
-    log_path.write_text(result.stdout)
-    return result.returncode, result.stdout, time.monotonic() - started
+    ) as proc:
+        try:
+            log, _ = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            log = _stacks_and_kill(proc)
+            log_path.write_text(log)
+            pytest.fail(
+                f"torchrun ran past {TORCHRUN_TIMEOUT_S} s; every process's Python stacks "
+                f"(faulthandler) end its log:\n{log[-12000:]}"
+            )
+    log_path.write_text(log)
+    return proc.returncode, log, time.monotonic() - started
+
+
+def _stacks_and_kill(proc) -> str:
+    """Abort a hung launch so that each process prints its stacks; return what it printed.
+
+    torchrun starts each rank in a session of its own, so the ranks are found as the agent's
+    descendants rather than by process group. Whatever is still alive after that is killed.
+    """
+    import psutil
+
+    agent = psutil.Process(proc.pid)
+    ranks = agent.children(recursive=True)
+    # The agent is paused meanwhile (it would stop the other ranks, silently, when the first dies),
+    # and the ranks abort one at a time so that their stacks do not interleave.
+    steps = [(agent, signal.SIGSTOP)] + [(rank, signal.SIGABRT) for rank in ranks]
+    steps += [(agent, signal.SIGCONT), (agent, signal.SIGABRT)]
+    for process, signum in steps:
+        with contextlib.suppress(psutil.Error):
+            process.send_signal(signum)
+        time.sleep(1.0)
+    try:
+        log, _ = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        for process in ranks + [agent]:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        log, _ = proc.communicate()
+    return log
 
 
 #: A Hugging Face ``config.json``'s model fields of a Qwen2-style 0.5B-class dense model, and the
