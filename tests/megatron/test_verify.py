@@ -200,10 +200,19 @@ def test_oversize_error_is_bad_input_before_any_process(tmp_path):
 
 @pytest.mark.torchrun  # ``torchrun ... megatron-dynbatch verify``: the ranks are torchrun's own
 def test_verify_under_torchrun_passes_and_every_rank_exits_cleanly(tmp_path):
-    argv = ["megatron_dynbatch.tools.cli", "verify", "--pp-size", "2", "--json"]
-    rc, log, _ = torchrun(2, "-m", argv, log_path=tmp_path / "verify.log")
-    # A rank aborting at interpreter exit (gloo's threads, groups left open) fails torchrun too.
+    # As `torchrun -m megatron_dynbatch.tools.cli verify ...` runs it, with a hook at interpreter
+    # teardown: each rank must leave without it (that teardown hung twice in full runs, both ranks
+    # in the garbage collector after the report; a rank aborting there fails torchrun too).
+    script = tmp_path / "verify_rank.py"
+    script.write_text(
+        "import atexit, runpy\n"
+        "atexit.register(print, 'interpreter teardown ran', flush=True)\n"
+        "runpy.run_module('megatron_dynbatch.tools.cli', run_name='__main__', alter_sys=True)\n"
+    )
+    argv = ["verify", "--pp-size", "2", "--json"]
+    rc, log, _ = torchrun(2, script, argv, log_path=tmp_path / "verify.log")
     assert rc == 0 and "terminate called" not in log, log[-4000:]
+    assert "interpreter teardown ran" not in log, log[-4000:]
     report = json.loads(next(line for line in log.splitlines() if line.startswith("{")))
     assert report["passed"] and report["pp_size"] == 2 and report["world_size"] == 2, report
 

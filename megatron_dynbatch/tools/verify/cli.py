@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import traceback
-from typing import Any, Dict, Iterator, Optional, Sequence
+from typing import Any, Dict, Iterator, NoReturn, Optional, Sequence
 
 from megatron_dynbatch.planning import PlannerConfig
 from megatron_dynbatch.tools.verify.compare import GRAD_REL_TOL, LOGPROB_ABS_TOL
@@ -136,9 +136,6 @@ def run_verify_cli(
     Raises:
         ValueError: On bad input, before any rank starts (the caller prints it and exits 2).
     """
-    from megatron_dynbatch.mcore.agreement import StepAgreementError
-    from megatron_dynbatch.tools.testing.workers import DistributedTestError
-
     spec = build_spec(config, loss=loss, samples=samples, moe=moe)
     if under_torchrun():
         check_torchrun_world_size(spec)
@@ -148,6 +145,33 @@ def run_verify_cli(
         # The planner's warnings (oversize samples over the cap, the default `allow`), once.
         for message in plan_warnings(spec):
             print(f"megatron-dynbatch verify: warning: {message}", file=sys.stderr, flush=True)
+    if under_torchrun():
+        _leave_rank(_verdict(spec, as_json))
+    return _verdict(spec, as_json)
+
+
+def _leave_rank(code: int) -> NoReturn:
+    """End this torchrun rank with ``code`` now, its output flushed, skipping the interpreter's
+    teardown. That teardown can hang: twice in full test runs on a 2-core machine, both ranks
+    had printed the report and closed their groups, then sat in the garbage collector at exit
+    (no Python frame: a destructor of torch's distributed objects) until the test's 400 s ran
+    out. Nothing is left to release: after a verdict or a failure every rank agreed on, the
+    groups are closed behind the last barrier; after a crash of this rank alone, torchrun stops
+    the others when this one exits."""
+    import logging
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
+def _verdict(spec, as_json: bool) -> int:
+    """Run the check (in this torchrun world, or on a pool of worker processes) and print the
+    report; the exit status."""
+    from megatron_dynbatch.mcore.agreement import StepAgreementError
+    from megatron_dynbatch.tools.testing.workers import DistributedTestError
+
     try:
         if under_torchrun():
             # torchrun owns these processes and their signals.
