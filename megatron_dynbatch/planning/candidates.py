@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .balance import deal_with_room
 from .karmarkar_karp import karmarkar_karp
@@ -29,6 +29,7 @@ __all__ = [
     "TINY_STEP_SAMPLES",
     "balanced_rows",
     "differenced_rows",
+    "exact_rows_affordable",
     "exact_split",
     "first_fit",
     "first_fit_bins",
@@ -57,8 +58,14 @@ EXACT_NODES = 20000
 #: Steps of at most this many samples also get modified first fit (its fill pass scans the rest).
 MFFD_SAMPLES = 256
 
-#: Ranks of at most this many samples get the packing with the least rounding of their rows.
+#: Ranks of at most this many samples get the packing with the least rounding of their rows ...
 EXACT_ROWS_SAMPLES = 6
+#: ... and so do ranks of up to this many where the searches of a split together visit at most
+#: :data:`EXACT_ROWS_WORK` subsets (``rows x 3**samples`` a rank; one rank of 8 samples in 8 rows is
+#: a few ms). On one rank of 8 samples in 4 own rows, differencing and first fit left 64 tokens more
+#: rounding than SkyRL's balancing (0.43% of the step, ``benchmarks.small_steps`` seed 75).
+EXACT_ROWS_MAX_SAMPLES = 8
+EXACT_ROWS_WORK = 8 * 3**8
 #: Largest ``samples x ranks`` for which the free differencing split is built (a few ms of CPU).
 KK_LIMIT = 20000
 
@@ -93,8 +100,8 @@ def small_step_candidates(
         cap: The most padded tokens a micro-batch may hold.
         dp_size: DP ranks.
         per_rank: Micro-batches every rank runs.
-        row_multiple: Rows of their own length, rounded up to this: on a tiny step, ranks of at
-            most :data:`EXACT_ROWS_SAMPLES` samples are also packed with the least rounding.
+        row_multiple: Rows of their own length, rounded up to this: on a tiny step, small ranks
+            (:func:`exact_rows_affordable`) are also packed with the least rounding.
 
     Yields:
         Constructions (see :data:`Construction`) that fit: ranks split by differencing (free and
@@ -106,6 +113,17 @@ def small_step_candidates(
         return
     splits: List[Tuple[str, List[List[int]]]] = []
     values = [weights[i] for i in items]
+    rounded: Dict[Tuple[int, ...], Optional[List[List[int]]]] = {}
+
+    def least(part: List[int]) -> Optional[List[List[int]]]:
+        """:func:`least_rounding` of a rank, once per set of samples (splits share ranks: on one
+        rank, every split is the same)."""
+        key = tuple(sorted(part))
+        if key not in rounded:
+            rounded[key] = least_rounding(part, sizes, cap, per_rank, row_multiple)
+        rows = rounded[key]
+        return None if rows is None else [list(row) for row in rows]
+
     if len(items) * dp_size <= KK_LIMIT:
         # Free differencing merges one partial of dp sets per sample: O(n * dp log dp).
         parts = karmarkar_karp(values, dp_size, False, ties="index")
@@ -135,9 +153,9 @@ def small_step_candidates(
         if (
             row_multiple is not None
             and len(items) <= TINY_STEP_SAMPLES
-            and max(map(len, split)) <= EXACT_ROWS_SAMPLES
+            and exact_rows_affordable(list(map(len, split)), per_rank)
         ):
-            ranks = [least_rounding(part, sizes, cap, per_rank, row_multiple) for part in split]
+            ranks = [least(part) for part in split]
             if all(rank is not None for rank in ranks):
                 yield name + "-least-rounding", ranks, False
     orders = [("first-fit", items)]
@@ -169,6 +187,16 @@ def _pack_ranks(
             return None
         ranks.append([list(b) for b in packing[0]])
     return ranks
+
+
+def exact_rows_affordable(rank_sizes: Sequence[int], per_rank: int) -> bool:
+    """Whether ranks of ``rank_sizes`` samples get :func:`least_rounding` (see
+    :data:`EXACT_ROWS_SAMPLES`)."""
+    if max(rank_sizes, default=0) <= EXACT_ROWS_SAMPLES:
+        return True
+    if max(rank_sizes) > EXACT_ROWS_MAX_SAMPLES:
+        return False
+    return per_rank * sum(3**n for n in rank_sizes) <= EXACT_ROWS_WORK
 
 
 def least_rounding(
@@ -361,8 +389,8 @@ def rank_packings(
     """The constructions above for one rank whose samples are given (a forward-only pass over
     the training partition): ``(name, rows)`` of ``per_rank`` micro-batches under ``cap``, each
     that fits: differencing on the weights, first fit in arrival order and by decreasing size
-    (split to the count), and with variable rows on a rank of at most
-    :data:`EXACT_ROWS_SAMPLES` samples the packing with the least rounding."""
+    (split to the count), and with variable rows on a small rank (:func:`exact_rows_affordable`)
+    the packing with the least rounding."""
     members = list(members)
     if not members:
         return
@@ -374,7 +402,11 @@ def rank_packings(
         bins = first_fit_bins(order, sizes, cap, per_rank)
         if bins is not None:
             yield name, bins
-    if row_multiple is not None and row_multiple > 1 and len(members) <= EXACT_ROWS_SAMPLES:
+    if (
+        row_multiple is not None
+        and row_multiple > 1
+        and exact_rows_affordable([len(members)], per_rank)
+    ):
         rows = least_rounding(members, sizes, cap, per_rank, row_multiple)
         if rows is not None:
             yield "least-rounding", rows
