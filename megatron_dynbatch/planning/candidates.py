@@ -116,9 +116,9 @@ def small_step_candidates(
     rounded: Dict[Tuple[int, ...], Optional[List[List[int]]]] = {}
 
     def least(part: List[int]) -> Optional[List[List[int]]]:
-        """:func:`least_rounding` of a rank, once per set of samples (splits share ranks: on one
-        rank, every split is the same)."""
-        key = tuple(sorted(part))
+        """:func:`least_rounding` of a rank, once per rank (splits share ranks: on one rank,
+        every split is the same). Keyed in the rank's order, which breaks the search's ties."""
+        key = tuple(part)
         if key not in rounded:
             rounded[key] = least_rounding(part, sizes, cap, per_rank, row_multiple)
         rows = rounded[key]
