@@ -61,11 +61,14 @@ MFFD_SAMPLES = 256
 #: Ranks of at most this many samples get the packing with the least rounding of their rows ...
 EXACT_ROWS_SAMPLES = 6
 #: ... and so do ranks of up to this many where the searches of a split together visit at most
-#: :data:`EXACT_ROWS_WORK` subsets (``rows x 3**samples`` a rank; one rank of 8 samples in 8 rows is
-#: a few ms). On one rank of 8 samples in 4 own rows, differencing and first fit left 64 tokens more
-#: rounding than SkyRL's balancing (0.43% of the step, ``benchmarks.small_steps`` seed 75).
+#: :data:`EXACT_ROWS_WORK` subsets (``rows x 3**samples`` a rank: one rank of 8 samples in 4 rows,
+#: about 1.5 ms). On one rank of 8 samples in 4 own rows, differencing and first fit left 64 tokens
+#: more rounding than SkyRL's balancing (0.43% of the step, ``benchmarks.small_steps`` seed 75).
+#: Twice this budget found 31 faster steps of 2,100 where this finds 24, for more planning CPU
+#: (60 tiny steps of 7-8 samples a rank, median: 13-16 ms without these ranks, 16-18 ms with this
+#: budget, 21-23 ms with twice it).
 EXACT_ROWS_MAX_SAMPLES = 8
-EXACT_ROWS_WORK = 8 * 3**8
+EXACT_ROWS_WORK = 4 * 3**8
 #: Largest ``samples x ranks`` for which the free differencing split is built (a few ms of CPU).
 KK_LIMIT = 20000
 

@@ -500,8 +500,9 @@ def test_own_rows_of_one_rank_of_eight_samples_round_least():
 
 def test_exact_rows_are_searched_only_where_they_are_cheap():
     assert exact_rows_affordable([6] * 64, 8)  # up to six samples a rank: always, as before
-    assert exact_rows_affordable([8], 8) and exact_rows_affordable([7, 7], 4)
-    assert not exact_rows_affordable([8, 8], 8)  # two ranks of eight in 8 rows: too many subsets
+    assert exact_rows_affordable([8], 4) and exact_rows_affordable([7, 7], 4)
+    assert not exact_rows_affordable([8], 8)  # eight samples in 8 rows: too many subsets
+    assert not exact_rows_affordable([8, 8], 4)
     assert not exact_rows_affordable([9], 1)
 
 
