@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 from .balance import deal_with_room
 from .karmarkar_karp import karmarkar_karp
@@ -116,17 +116,6 @@ def small_step_candidates(
         return
     splits: List[Tuple[str, List[List[int]]]] = []
     values = [weights[i] for i in items]
-    rounded: Dict[Tuple[int, ...], Optional[List[List[int]]]] = {}
-
-    def least(part: List[int]) -> Optional[List[List[int]]]:
-        """:func:`least_rounding` of a rank, once per rank (splits share ranks: on one rank,
-        every split is the same). Keyed in the rank's order, which breaks the search's ties."""
-        key = tuple(part)
-        if key not in rounded:
-            rounded[key] = least_rounding(part, sizes, cap, per_rank, row_multiple)
-        rows = rounded[key]
-        return None if rows is None else [list(row) for row in rows]
-
     if len(items) * dp_size <= KK_LIMIT:
         # Free differencing merges one partial of dp sets per sample: O(n * dp log dp).
         parts = karmarkar_karp(values, dp_size, False, ties="index")
@@ -136,7 +125,11 @@ def small_step_candidates(
         splits.append(("kk-equal", [[items[j] for j in part] for part in parts]))
     if len(items) <= EXACT_SAMPLES and dp_size > 1:
         splits.append(("exact", exact_split(items, weights, dp_size)))
-    for name, split in splits:
+    for k, (name, split) in enumerate(splits):
+        if any(split == earlier for _, earlier in splits[:k]):
+            # On one rank every split is the same one (and free and equal differencing often
+            # agree): its constructions would only be built and scored again.
+            continue
         ranks = _pack_ranks(split, sizes, cap, per_rank)
         if ranks is not None:
             yield name, ranks, False
@@ -158,7 +151,7 @@ def small_step_candidates(
             and len(items) <= TINY_STEP_SAMPLES
             and exact_rows_affordable(list(map(len, split)), per_rank)
         ):
-            ranks = [least(part) for part in split]
+            ranks = [least_rounding(part, sizes, cap, per_rank, row_multiple) for part in split]
             if all(rank is not None for rank in ranks):
                 yield name + "-least-rounding", ranks, False
     orders = [("first-fit", items)]
