@@ -139,11 +139,12 @@ def small_step_candidates(
         if row_multiple is None:
             # One row a step: every row is as long as the step's fullest, so the fullest row,
             # not the rank's work, sets what every micro-batch costs.
-            ranks = [balanced_rows(part, sizes, cap, per_rank) for part in split]
+            both = [balanced_rows(part, sizes, cap, per_rank) for part in split]
+            ranks = [plain for plain, _ in both]
             if all(rank is not None for rank in ranks):
                 yield name + "-balanced-rows", ranks, False
             # Beside it, not instead: the rank's shorter fullest row need not be the step's.
-            multifit = [balanced_rows(part, sizes, cap, per_rank, multifit=True) for part in split]
+            multifit = [fitted for _, fitted in both]
             if all(rank is not None for rank in multifit) and multifit != ranks:
                 yield name + "-multifit-rows", multifit, False
         if (
@@ -269,28 +270,40 @@ def _differenced_ranks(
 
 
 def balanced_rows(
-    members: Sequence[int],
-    sizes: Sequence[int],
-    cap: int,
-    per_rank: int,
-    multifit: bool = False,
-) -> Optional[List[List[int]]]:
+    members: Sequence[int], sizes: Sequence[int], cap: int, per_rank: int
+) -> Tuple[Optional[List[List[int]]], Optional[List[List[int]]]]:
     """One rank's samples in ``per_rank`` rows with the fullest row as short as a local search
-    finds: differencing on the sizes (with ``multifit``: MULTIFIT, :func:`_multifit_rows`, where
-    its fullest row is shorter), then, while it shortens the fullest row, one of its samples
-    moved to another row, or one or two of them swapped against one or two of another row's (the
-    first change found, rows and samples in a fixed order). ``None`` where there are fewer
-    samples than rows or a row of several samples breaks the cap."""
+    finds, twice: from differencing on the sizes, and from MULTIFIT (:func:`_multifit_rows`)
+    where its fullest row is shorter than differencing's (else the second is the first). The
+    search: while it shortens the fullest row, one of its samples moved to another row, or one
+    or two of them swapped against one or two of another row's (the first change found, rows and
+    samples in a fixed order). ``None`` (each) where there are fewer samples than rows or a row
+    of several samples breaks the cap."""
     if len(members) < per_rank:
-        return None
-    parts = karmarkar_karp([sizes[i] for i in members], per_rank, False, ties="index")
-    rows = [sorted(members[j] for j in part) for part in parts]
-    loads = [sum(sizes[i] for i in row) for row in rows]
+        return None, None
+    rows, loads = _differenced_rows(members, sizes, per_rank)
     # Differencing and the moves below can both stop short where the rows are nearly full (a
     # 16-sample rank in 10 rows: 8,170 tokens where best fit decreasing packs 7,912).
-    packed = _multifit_rows(members, sizes, per_rank, max(loads) - 1) if multifit else None
-    if packed is not None:
-        rows, loads = packed
+    packed = _multifit_rows(members, sizes, per_rank, max(loads) - 1)
+    plain = _shortened_rows(rows, loads, sizes, cap)
+    return plain, plain if packed is None else _shortened_rows(*packed, sizes, cap)
+
+
+def _differenced_rows(
+    members: Sequence[int], sizes: Sequence[int], per_rank: int
+) -> Tuple[List[List[int]], List[int]]:
+    """``members`` in ``per_rank`` rows by differencing on their sizes, ``(rows, loads)``."""
+    parts = karmarkar_karp([sizes[i] for i in members], per_rank, False, ties="index")
+    rows = [sorted(members[j] for j in part) for part in parts]
+    return rows, [sum(sizes[i] for i in row) for row in rows]
+
+
+def _shortened_rows(
+    rows: List[List[int]], loads: List[int], sizes: Sequence[int], cap: int
+) -> Optional[List[List[int]]]:
+    """:func:`balanced_rows`' local search from ``rows`` (``loads`` their sizes, both changed in
+    place); ``None`` where a row of several samples ends over the cap."""
+    per_rank = len(rows)
 
     def groups(row: List[int]) -> List[Tuple[int, List[int]]]:
         """The row's single samples and pairs, with their sizes (and nothing: a move)."""
@@ -317,7 +330,7 @@ def balanced_rows(
                     return full, other, taken, given, gain
         return None
 
-    for _ in range(4 * len(members)):
+    for _ in range(4 * sum(map(len, rows))):
         change = first_change()
         if change is None:
             break

@@ -424,7 +424,7 @@ def test_balanced_rows_find_the_shortest_fullest_row_of_a_tiny_rank():
     """Differencing leaves 3,139 and 2,865 tokens; the best split of these six is 3,111 / 2,893
     (two samples against one, which a swap of one against one cannot reach)."""
     lengths = [1390, 1721, 1053, 383, 365, 1092]
-    rows = balanced_rows(range(6), lengths, 4096, 2)
+    rows, _ = balanced_rows(range(6), lengths, 4096, 2)
     assert sorted(i for row in rows for i in row) == list(range(6))
     assert max(sum(lengths[i] for i in row) for row in rows) == 3111
 
@@ -435,10 +435,10 @@ def test_balanced_rows_start_from_multifit_where_differencing_stops_short():
     lengths = [3566, 2809, 4200, 3428, 7285, 2634, 3260, 6547, 1784, 2042, 4063, 6128, 7677]
     lengths += [6406, 3861, 6308]
     assert (
-        max(sum(lengths[i] for i in row) for row in balanced_rows(range(16), lengths, 8192, 10))
+        max(sum(lengths[i] for i in row) for row in balanced_rows(range(16), lengths, 8192, 10)[0])
         == 8170
     )
-    rows = balanced_rows(range(16), lengths, 8192, 10, multifit=True)
+    rows = balanced_rows(range(16), lengths, 8192, 10)[1]
     assert sorted(i for row in rows for i in row) == list(range(16))
     assert max(sum(lengths[i] for i in row) for row in rows) == 7912
 
@@ -456,7 +456,7 @@ def test_balanced_rows_keep_every_sample_and_the_cap_and_never_lengthen_the_full
     from megatron_dynbatch.planning.karmarkar_karp import karmarkar_karp
 
     members = list(range(len(lengths)))
-    rows = balanced_rows(members, lengths, cap, per_rank, multifit=multifit)
+    rows = balanced_rows(members, lengths, cap, per_rank)[multifit]
     if len(lengths) < per_rank:
         assert rows is None
         return
