@@ -25,6 +25,7 @@ to 5% of a row, and trades for a candidate within 0.5% of the best of them at ea
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Dict, List, Optional, Tuple
 
@@ -211,6 +212,7 @@ def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
             gain = problem.min_gain if other.per_rank > chosen.per_rank else 0.0
             if other.step_time < chosen.step_time * (1.0 - max(gain, TIE)):
                 chosen = other
+        chosen = _reordered(problem, searches[0], [chosen, *scored.values()])
         if problem.min_count <= 1:
             # With a count imposed (a sharded step's other rank sets it) the trainers' own
             # schedules of fewer micro-batches are no comparison: the rank runs that many anyway.
@@ -218,6 +220,56 @@ def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
     # A construction may fit fewer micro-batches than the searches' packings did (a rank's own
     # split): then that is the fewest found.
     return chosen, min(chosen.per_rank, *(s.min_per_rank for s in searches))
+
+
+#: Shapes whose step is slower than the choice by more than this are not reordered: sorting a
+#: rank gained at most 5% of the step on the steps that found it (``_reordered``).
+_REORDER_REACH = 0.1
+
+
+def _reordered(problem: StepProblem, search: "ShapeSearch", shapes: List[StepShape]) -> StepShape:
+    """``shapes[0]`` (the choice so far), or one of ``shapes`` with every rank's micro-batches
+    sorted heaviest first or lightest first, where that step is faster (a count above the
+    choice's by ``min_gain``).
+
+    The searches order a rank light-heavy-light and try its heaviest micro-batch in every slot
+    (:func:`.balance.pipeline_orders`). Where a rank holds few micro-batches for its pipeline
+    (interleaved, ``M`` near ``pp * vpp``: nearly every forward runs before the first backward)
+    a sorted order can be faster: 24 ranks of 4 rows at the cap and 2 light ones, pp 2, vpp 4,
+    run 4.9% faster heaviest first (NeMo-RL's packing, which starts with its full rows, was as
+    much ahead); a sorted order can also make a count win that the searched orders lost. Each
+    order is tried on the costliest rank first, and the whole step is replayed only where that
+    rank gets faster; the bins never change, so the step is never predicted slower.
+    """
+    chosen = best = shapes[0]
+    if problem.parallel.pp_size == 1:
+        return chosen
+    for k, shape in enumerate(shapes):
+        if shape.step_time > chosen.step_time * (1.0 + _REORDER_REACH) or any(
+            shape is earlier for earlier in shapes[:k]
+        ):
+            continue
+        costs, bins = shape.bin_costs, shape.bins
+        totals = [sum(map(costs.__getitem__, order)) for order in shape.rank_orders]
+        costliest = max(range(len(totals)), key=lambda r: (totals[r], -r))
+        current = search.rank_makespan(shape.rank_orders[costliest], costs)
+        gain = problem.min_gain if shape.per_rank > chosen.per_rank else 0.0
+
+        key = functools.partial(_order_key, costs, bins)
+        for heaviest_first in (True, False):
+            lone = sorted(shape.rank_orders[costliest], key=key, reverse=heaviest_first)
+            if search.rank_makespan(lone, costs) >= current * (1.0 - TIE):
+                continue
+            orders = [sorted(order, key=key, reverse=heaviest_first) for order in shape.rank_orders]
+            time = search._step_time(orders, costs)
+            if time < best.step_time * (1.0 - TIE) and time < chosen.step_time * (1.0 - gain):
+                best = dataclasses.replace(shape, rank_orders=orders, step_time=time)
+    return best
+
+
+def _order_key(costs: List[float], bins: List[List[int]], b: int) -> Tuple[float, int, int]:
+    """A bin's place in a sorted rank: its cost, then its samples (placeholders lightest)."""
+    return costs[b], len(bins[b]), b
 
 
 def _arrival_search(

@@ -618,6 +618,13 @@ class ShapeSearch:
             return round_up(length, align)
         return length
 
+    def rank_makespan(self, order: Sequence[int], bin_costs: Sequence[float]) -> float:
+        """One rank's pipeline makespan with its micro-batches in ``order``."""
+        costs = [bin_costs[b] for b in order]
+        if self.pp == 1:
+            return (1.0 + BACKWARD_TO_FORWARD_RATIO) * sum(costs)
+        return pipeline_makespan(costs, self.pp, self.vpp, self.group)
+
     def _step_time(self, orders: List[List[int]], bin_costs: Sequence[float]) -> float:
         totals = [sum(map(bin_costs.__getitem__, order)) for order in orders]
         if self.pp == 1:
