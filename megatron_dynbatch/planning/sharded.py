@@ -302,8 +302,13 @@ def _plan_rank(
             candidates.append(split)
 
     def runs(mbs: MicroBatches) -> float:
-        total = round_up(len(mbs), multiple) if count is None else count
-        return rank_step_time(mbs, total, lengths, config, placeholder)
+        # Samples that do not fit in ``count`` come back in more (the callers refuse that plan):
+        # score it at the count it needs, never at one under its micro-batches (at pp 4, vpp 4
+        # five micro-batches in a count of 4 are no schedule Megatron runs, and the replay hung).
+        total = round_up(len(mbs), multiple)
+        return rank_step_time(
+            mbs, total if count is None else max(count, total), lengths, config, placeholder
+        )
 
     # The fastest as the rank runs it; ties to the planner's own (the first).
     best = min(range(len(candidates)), key=lambda k: (runs(candidates[k]), k))

@@ -433,3 +433,24 @@ def test_an_assumed_overhead_keeps_the_step_within_verls_own_at_every_overhead()
     assert result["ours_over_cap"] == 0 and result["verl_over_cap"] == 0
     for fraction, ratios in result["ratios"].items():
         assert ratios["ours"] <= 1.005, (fraction, ratios)
+
+
+@pytest.mark.parametrize("pp, vpp, group", [(4, 4, None), (4, 3, None), (6, 4, 6), (8, 2, None)])
+def test_deep_interleaving_plans_every_rank_at_a_count_megatron_runs(pp, vpp, group):
+    # A rank planned again for a lower count could come back in more micro-batches (its samples
+    # did not fit), and was scored at the lower count: five micro-batches replayed as a count of
+    # four at pp 4 x vpp 4, which no Megatron schedule runs, and the replay raised ("deadlocked").
+    rng = random.Random(pp * 100 + vpp)
+    config = _config(1024, pp=pp, vpp=vpp, group=group)
+    group = group or pp
+    for case in range(40):
+        lengths = [
+            [rng.choice([1024, rng.randint(1, 512), rng.randint(1, 64)]) for _ in range(n)]
+            for n in (rng.randint(1, 14) for _ in range(rng.choice([2, 3, 4])))
+        ]
+        plan = plan_sharded_step(lengths, config)
+        count, what = plan.num_microbatches, f"case {case}: {lengths}"
+        assert count >= group and (count % group == 0 or count % group >= pp), what
+        for rank, mbs in enumerate(plan.ranks):
+            assert sorted(i for mb in mbs for i in mb) == list(range(len(lengths[rank]))), what
+            assert len(mbs) <= count, what
