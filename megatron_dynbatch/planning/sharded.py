@@ -238,8 +238,10 @@ def _own_costs(config: PlannerConfig, sizes: Sequence[int]) -> List[float]:
 def _best_order(
     mbs: Sequence[Sequence[int]], lengths: Sequence[int], config: PlannerConfig, count: int
 ) -> MicroBatches:
-    """``mbs`` in the order of the three below whose simulated step is fastest: as given, light-
-    heavy-light, and light-heavy-light with the heaviest in its best slot (:mod:`.balance`)."""
+    """``mbs`` in the order of those below whose simulated step is fastest: as given, light-
+    heavy-light, light-heavy-light with the heaviest in its best slot (:mod:`.balance`), and
+    sorted heaviest first and lightest first (few micro-batches in an interleaved pipeline:
+    ``shape._reordered``)."""
     multiple = config.parallel.sample_multiple
     parallel = config.parallel
     costs = [
@@ -259,6 +261,8 @@ def _best_order(
             vpp_size=parallel.vpp_size,
             group=parallel.group_size,
         )[0],
+        sorted(bins, key=lambda b: (costs[b], b), reverse=True),
+        sorted(bins, key=lambda b: (costs[b], b)),
     ]
     laid = [tuple(tuple(mbs[b]) for b in order) for order in orders]
     return min(laid, key=lambda plan: rank_step_time(plan, count, lengths, config))
