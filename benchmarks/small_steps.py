@@ -15,7 +15,10 @@ A peer (:mod:`benchmarks.baselines`, written from the peers' code and diffed aga
 faster than ours, the worst ratio, and ours against ``before`` (the planner with
 ``StepProblem.disable_more_candidates``: the shape search alone) on the same steps.
 
-Run: ``.venv/bin/python -m benchmarks.small_steps [--cases 150] [--seed 1]``.
+``--wide`` draws other steps (:func:`wide_steps`): pp 3 and 8, vpp 4, odd dp, up to 40 samples a
+rank, lengths all alike, full rows among tiny ones, heavy tails, two lengths.
+
+Run: ``.venv/bin/python -m benchmarks.small_steps [--cases 150] [--seed 1] [--wide]``.
 """
 
 from __future__ import annotations
@@ -30,13 +33,14 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 from unittest import mock
 
 from benchmarks.baselines import BASELINES, BaselineFailure
+from benchmarks.lengths import LengthSet
 from benchmarks.metrics import EVAL_COST, evaluate, ideal_step_time, step_time
 from benchmarks.search import FAMILIES, _family
 from megatron_dynbatch.planning import CostModel, ParallelLayout, PlannerConfig, plan_schedule
 from megatron_dynbatch.planning import planner as planner_module
 from megatron_dynbatch.planning.shape import choose_shape
 
-__all__ = ["before", "compare", "random_steps"]
+__all__ = ["before", "compare", "random_steps", "wide_steps"]
 
 #: The peers that plan packed micro-batches (fixed micro-batches are far behind on every step).
 PEERS = {
@@ -81,6 +85,57 @@ def random_steps(
         label = (
             f"{family} n={len(samples.lengths)} dp{dp} pp{pp} vpp{vpp} cap{cap} "
             f"overhead {overhead:.0%} rows {rows} seed{seed_}"
+        )
+        yield label, samples, ParallelLayout(dp_size=dp, pp_size=pp, vpp_size=vpp), cap, cost, rows
+
+
+#: ``--wide``: length families none of the others draw (every sample alike, full rows among tiny
+#: ones, a heavy tail, two lengths, all near the cap, all tiny).
+WIDE_FAMILIES = ("equal", "cap_mix", "pareto", "two_point", "near_cap", "tiny")
+
+
+def _wide_lengths(family: str, n: int, cap: int, rng: random.Random) -> List[int]:
+    if family == "equal":
+        return [max(1, min(cap, rng.choice((cap, cap // 2, cap // 3, 1000, 37))))] * n
+    if family == "cap_mix":
+        return [cap if rng.random() < 0.3 else rng.randint(1, 200) for _ in range(n)]
+    if family == "pareto":
+        return [max(1, min(cap, int(50 * rng.paretovariate(1.1)))) for _ in range(n)]
+    if family == "two_point":
+        a, b = rng.randint(1, cap), rng.randint(1, cap)
+        return [a if rng.random() < 0.5 else b for _ in range(n)]
+    if family == "near_cap":
+        return [rng.randint(int(cap * 0.45), cap) for _ in range(n)]
+    return [rng.randint(1, 16) for _ in range(n)]  # tiny
+
+
+def wide_steps(
+    seed: int, count: int
+) -> Iterator[Tuple[str, Any, ParallelLayout, int, CostModel, int]]:
+    """``--wide``: as :func:`random_steps`, from layouts and lengths the others do not draw: dp
+    of 3, 5, 6, 12 and 24 too, pp 3 and 8, vpp 4, 1-40 samples a rank (one more or fewer than
+    dp times that at times), :data:`WIDE_FAMILIES`, rollouts of 1, 4 or 8 samples, caps 1k-16k."""
+    rng = random.Random(seed)
+    for _ in range(count):
+        family = rng.choice(WIDE_FAMILIES)
+        dp = rng.choice((1, 2, 3, 5, 6, 8, 12, 16, 24, 64))
+        per_rank = rng.choice((1, 2, 3, 5, 8, 13, 24, 40))
+        pp = rng.choice((1, 2, 3, 4, 8))
+        vpp = rng.choice((1, 2, 4)) if pp > 1 else 1
+        cap = rng.choice((1024, 4096, 16384))
+        n = dp * per_rank + rng.choice((0, 0, 1, -1 if dp * per_rank > 1 else 0))
+        lengths = _wide_lengths(family, n, cap, rng)
+        group = rng.choice((1, 4, 8))
+        samples = LengthSet(lengths, [i // group for i in range(n)], None)
+        overhead = rng.choice((0.0, 0.01, 0.05))
+        cost = CostModel(
+            token_weight=EVAL_COST.token_weight,
+            attention_weight=EVAL_COST.attention_weight,
+            microbatch_overhead=overhead * EVAL_COST.full_row_cost(cap),
+        )
+        rows = rng.choice((64, 128))
+        label = (
+            f"{family} n={n} dp{dp} pp{pp} vpp{vpp} cap{cap} overhead {overhead:.0%} rows {rows}"
         )
         yield label, samples, ParallelLayout(dp_size=dp, pp_size=pp, vpp_size=vpp), cap, cost, rows
 
@@ -145,9 +200,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", type=int, default=150)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--wide",
+        action="store_true",
+        help="steps of other layouts and lengths (wide_steps: pp 3/8, vpp 4, odd dp, ...)",
+    )
     args = parser.parse_args(argv)
     losses, changes, compared = [], [], 0
-    for label, samples, parallel, cap, cost, rows in random_steps(args.seed, args.cases):
+    steps = (wide_steps if args.wide else random_steps)(args.seed, args.cases)
+    for label, samples, parallel, cap, cost, rows in steps:
         for mode, r in compare(samples, parallel, cap, cost, rows).items():
             where = f"{label}, {'one row a step' if mode is None else 'own rows'}"
             changes.append((r["ours"] / r["before"], where))
@@ -159,7 +220,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     behind_before = [loss for loss in losses if loss[3] > 1 + TOLERANCE]
     worst = max(losses)
     print(
-        f"{args.cases} random small steps (seed {args.seed}), two row modes each: {compared} "
+        f"{args.cases} random {'wide' if args.wide else 'small'} steps (seed {args.seed}), two "
+        f"row modes each: {compared} "
         f"with a peer keeping the cap. A peer more than {TOLERANCE:.1%} faster than ours: "
         f"{len(behind)} (before: {len(behind_before)}); worst ours / best peer {worst[0]:.4f} "
         f"({worst[2]}, {worst[1]}; before {worst[3]:.4f}); worst before / best peer "
