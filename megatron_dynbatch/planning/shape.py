@@ -212,6 +212,7 @@ def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
             gain = problem.min_gain if other.per_rank > chosen.per_rank else 0.0
             if other.step_time < chosen.step_time * (1.0 - max(gain, TIE)):
                 chosen = other
+        chosen = _less_rounding(problem, searches[0], chosen)
         chosen = _reordered(problem, searches[0], [chosen, *scored.values()])
         if problem.min_count <= 1:
             # With a count imposed (a sharded step's other rank sets it) the trainers' own
@@ -220,6 +221,108 @@ def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
     # A construction may fit fewer micro-batches than the searches' packings did (a rank's own
     # split): then that is the fewest found.
     return chosen, min(chosen.per_rank, *(s.min_per_rank for s in searches))
+
+
+#: Pairs of micro-batches and of samples :func:`_less_rounding` tries at most in a step (of at
+#: most :data:`.splits.RAMP_LIMIT` samples), and in one rank: about a microsecond each.
+_ROUNDING_CHECKS = 25_000
+_RANK_ROUNDING_CHECKS = 4_000
+
+
+def _less_rounding(problem: StepProblem, search: "ShapeSearch", shape: StepShape) -> StepShape:
+    """Rows of their own length: ``shape``, or ``shape`` with samples swapped between two
+    micro-batches of a rank wherever that rounds the two rows up by fewer tokens (both within
+    the cap), where the step is then faster.
+
+    The searches balance a rank's micro-batches by work and do not look at what rounding each
+    row up to the multiple costs. 640 samples of 1,841 and 1,406 tokens at dp 16, no pipeline,
+    rows of 128-token multiples: ours paired one of each, 3,247 tokens in a row of 3,328, where
+    equal pairs fill rows of 3,712 and 2,816, 81 tokens less a pair (NeMo-RL's packing was 0.95%
+    ahead at 5% overhead, ``benchmarks.small_steps --wide --seed 27``). A rank's samples and
+    order stay; only a micro-batch's members change. The ranks are taken costliest first (the
+    step waits for the slowest) until one has no such swap, within :data:`_ROUNDING_CHECKS` and
+    :data:`_RANK_ROUNDING_CHECKS` a rank; steps of more than :data:`.splits.RAMP_LIMIT` samples
+    are left as they are.
+    """
+    multiple = problem.row_multiple
+    if (
+        multiple is None
+        or multiple <= 1
+        or shape.row_lengths is None
+        or shape.micro_batch_size != 1
+        or shape.oversize
+        or multiple > problem.cap
+        or len(problem.items) > RAMP_LIMIT
+    ):
+        return shape
+    sizes, sample_costs, model = problem.sizes, problem.sample_costs, problem.model
+    cap, memory, extra = problem.cap, problem.memory, model.shape_exchange_overhead
+    rows_of: Dict[int, int] = {}
+
+    def row(load: int) -> int:
+        if load not in rows_of:
+            rows_of[load] = variable_rows([load], multiple, cap, memory)[0]
+        return rows_of[load]
+
+    bins = [list(members) for members in shape.bins]
+    loads = [sum(map(sizes.__getitem__, members)) for members in bins]
+    changed: Dict[int, None] = {}
+    budget = _ROUNDING_CHECKS
+
+    def first_swap(a: int, b: int) -> Optional[Tuple[int, int, int]]:
+        """A sample of ``a`` and one of ``b`` whose exchange rounds the two rows up less."""
+        nonlocal checks
+        checks += 1
+        waste = row(loads[a]) + row(loads[b])
+        if waste - loads[a] - loads[b] < multiple:
+            return None  # rows are multiples: nothing to save below one
+        for i in bins[a]:
+            for j in bins[b]:
+                checks += 1
+                shift = sizes[j] - sizes[i]
+                load_a, load_b = loads[a] + shift, loads[b] - shift
+                if shift and load_a <= cap and load_b <= cap and row(load_a) + row(load_b) < waste:
+                    return i, j, shift
+        return None
+
+    totals = [sum(map(shape.bin_costs.__getitem__, order)) for order in shape.rank_orders]
+    for rank in sorted(range(len(totals)), key=lambda r: (-totals[r], r)):
+        real = [b for b in shape.rank_orders[rank] if bins[b]]
+        checks, swapped = 0, False
+        for x, a in enumerate(real):
+            for b in real[x + 1 :]:
+                while checks < min(_RANK_ROUNDING_CHECKS, budget):
+                    swap = first_swap(a, b)
+                    if swap is None:
+                        break
+                    i, j, shift = swap
+                    bins[a][bins[a].index(i)], bins[b][bins[b].index(j)] = j, i
+                    loads[a] += shift
+                    loads[b] -= shift
+                    changed[a] = changed[b] = None
+                    swapped = True
+        budget -= checks
+        if not swapped or budget <= 0:
+            break  # the step is no faster than this rank
+    if not changed:
+        return shape
+    costs, rows = list(shape.bin_costs), list(shape.row_lengths)
+    for b in changed:
+        rows[b] = row(loads[b])
+        own = sum(map(sample_costs.__getitem__, bins[b]))
+        costs[b] = extra + row_cost(model, "packed", rows[b], 1, loads[b]) + own
+    time = search._step_time(shape.rank_orders, costs)
+    if time >= shape.step_time * (1.0 - TIE):
+        return shape
+    return dataclasses.replace(
+        shape,
+        bins=[sorted(members) for members in bins],
+        bin_costs=costs,
+        step_time=time,
+        row_lengths=rows,
+        seq_length=max(rows),
+        token_loads=loads,
+    )
 
 
 #: Shapes whose step is slower than the choice by more than this are not reordered: sorting a

@@ -336,13 +336,16 @@ def test_least_rounding_is_exact_on_tiny_ranks():
 
 @contextmanager
 def planner_before_refinement():
-    """The planner as it was before the per-rank refinement (planning/refine.py), and before the
-    tents that came after it (scored unrefined, they would stand in for it)."""
+    """The planner as it was before the per-rank refinement (planning/refine.py), and before what
+    came after it: tents (scored unrefined, they would stand in for it), rows rounded up less and
+    sorted orders (each applied to the choice, so to a different one without refinement)."""
     from megatron_dynbatch.planning import shape as shape_module
 
     with mock.patch.object(shape_module, "_refined", lambda problem, shape: shape):
         with mock.patch.object(shape_module, "tent_splits", lambda *args: None):
-            yield
+            with mock.patch.object(shape_module, "_less_rounding", lambda p, s, shape: shape):
+                with mock.patch.object(shape_module, "_reordered", lambda p, s, shapes: shapes[0]):
+                    yield
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
