@@ -105,6 +105,21 @@ def test_a_sorted_order_can_make_fewer_micro_batches_win():
     assert new < slime
 
 
+def test_a_small_step_tries_each_sorted_order_on_all_its_ranks():
+    """512 samples, 30% at the 1,024-token cap, at dp 64, pp 3 x vpp 4, own rows: the slowest
+    pipeline is not the costliest rank, so a sorted order screened on that rank alone was never
+    replayed; on the whole step it runs 4.8% faster."""
+    rng = random.Random(11)
+    lengths = [1024 if rng.random() < 0.3 else rng.randint(1, 200) for _ in range(512)]
+    samples = LengthSet(lengths, [i // 4 for i in range(512)], None)
+    parallel = ParallelLayout(dp_size=64, pp_size=3, vpp_size=4)
+    cost = _cost(1024, 0.01)
+    new = _ours(samples, parallel, 1024, cost, 128)
+    with mock.patch.object(shape_module, "_REORDER_WHOLE", 0):
+        old = _ours(samples, parallel, 1024, cost, 128)
+    assert new < old * 0.97
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 2**30),
