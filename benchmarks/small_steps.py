@@ -40,7 +40,7 @@ from megatron_dynbatch.planning import CostModel, ParallelLayout, PlannerConfig,
 from megatron_dynbatch.planning import planner as planner_module
 from megatron_dynbatch.planning.shape import choose_shape
 
-__all__ = ["before", "compare", "random_steps", "wide_steps"]
+__all__ = ["before", "compare", "overhead_cost", "random_steps", "wide_steps"]
 
 #: The peers that plan packed micro-batches (fixed micro-batches are far behind on every step).
 PEERS = {
@@ -61,6 +61,15 @@ def before() -> Iterator[None]:
         yield
 
 
+def overhead_cost(cap: int, overhead: float) -> CostModel:
+    """:data:`EVAL_COST` with a per-micro-batch overhead of ``overhead`` of a full row at ``cap``."""
+    return CostModel(
+        token_weight=EVAL_COST.token_weight,
+        attention_weight=EVAL_COST.attention_weight,
+        microbatch_overhead=overhead * EVAL_COST.full_row_cost(cap),
+    )
+
+
 def random_steps(
     seed: int, count: int
 ) -> Iterator[Tuple[str, Any, ParallelLayout, int, CostModel, int]]:
@@ -76,11 +85,7 @@ def random_steps(
         seed_ = rng.randrange(1 << 30)
         samples = _family(family, dp * per_rank, cap, seed_)
         overhead = rng.choice((0.0, 0.01, 0.05))
-        cost = CostModel(
-            token_weight=EVAL_COST.token_weight,
-            attention_weight=EVAL_COST.attention_weight,
-            microbatch_overhead=overhead * EVAL_COST.full_row_cost(cap),
-        )
+        cost = overhead_cost(cap, overhead)
         rows = rng.choice((64, 128))
         label = (
             f"{family} n={len(samples.lengths)} dp{dp} pp{pp} vpp{vpp} cap{cap} "
@@ -128,11 +133,7 @@ def wide_steps(
         group = rng.choice((1, 4, 8))
         samples = LengthSet(lengths, [i // group for i in range(n)], None)
         overhead = rng.choice((0.0, 0.01, 0.05))
-        cost = CostModel(
-            token_weight=EVAL_COST.token_weight,
-            attention_weight=EVAL_COST.attention_weight,
-            microbatch_overhead=overhead * EVAL_COST.full_row_cost(cap),
-        )
+        cost = overhead_cost(cap, overhead)
         rows = rng.choice((64, 128))
         label = (
             f"{family} n={n} dp{dp} pp{pp} vpp{vpp} cap{cap} overhead {overhead:.0%} rows {rows}"

@@ -14,10 +14,8 @@ from hypothesis import strategies as st
 
 from benchmarks.baselines import BASELINES
 from benchmarks.lengths import LengthSet
-from benchmarks.metrics import EVAL_COST
-from benchmarks.small_steps import _ours, _score
+from benchmarks.small_steps import _ours, _score, overhead_cost
 from megatron_dynbatch.planning import (
-    CostModel,
     ParallelLayout,
     PlannerConfig,
     SampleSet,
@@ -38,14 +36,6 @@ def rounded_as_packed():
             yield
 
 
-def _cost(cap, overhead):
-    return CostModel(
-        token_weight=EVAL_COST.token_weight,
-        attention_weight=EVAL_COST.attention_weight,
-        microbatch_overhead=overhead * EVAL_COST.full_row_cost(cap),
-    )
-
-
 def test_pairs_of_equal_lengths_round_up_less_than_mixed_pairs():
     """``small_steps --wide --seed 27``: 330 samples of 1,841 tokens and 310 of 1,406 at dp 16,
     no pipeline, rows of 128-token multiples, 5% overhead. Mixed pairs (3,247 tokens, a row of
@@ -56,7 +46,7 @@ def test_pairs_of_equal_lengths_round_up_less_than_mixed_pairs():
     rng.shuffle(lengths)
     samples = LengthSet(lengths, None, None)
     parallel = ParallelLayout(dp_size=16)
-    cost = _cost(4096, 0.05)
+    cost = overhead_cost(4096, 0.05)
     new = _ours(samples, parallel, 4096, cost, 128)
     with rounded_as_packed():
         old = _ours(samples, parallel, 4096, cost, 128)
@@ -78,7 +68,7 @@ def test_small_samples_move_between_rows_until_one_rounds_up_less():
     lengths = [rng.randint(1, 16) for _ in range(639)]
     samples = LengthSet(lengths, [i // 8 for i in range(639)], None)
     parallel = ParallelLayout(dp_size=16, pp_size=4, vpp_size=4)
-    cost = _cost(1024, 0.05)
+    cost = overhead_cost(1024, 0.05)
     new = _ours(samples, parallel, 1024, cost, 64)
     with rounded_as_packed():
         old = _ours(samples, parallel, 1024, cost, 64)
@@ -115,7 +105,7 @@ def test_rounding_less_never_slows_a_step(seed, dp, per_rank, layout, cap, multi
     config = PlannerConfig(
         max_tokens_per_gpu=cap,
         parallel=ParallelLayout(dp_size=dp, pp_size=pp, vpp_size=vpp),
-        cost=_cost(cap, 0.02),
+        cost=overhead_cost(cap, 0.02),
         variable_row_lengths=True,
         row_multiple=multiple,
     )

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from benchmarks.baselines import BASELINES
 from benchmarks.lengths import LengthSet
 from benchmarks.metrics import EVAL_COST
-from benchmarks.small_steps import _ours, _score
+from benchmarks.small_steps import _ours, _score, overhead_cost
 from megatron_dynbatch.planning import (
     CostModel,
     ParallelLayout,
@@ -33,14 +33,6 @@ pytestmark = pytest.mark.unit
 def searched_orders_only():
     with mock.patch.object(shape_module, "_reordered", lambda problem, search, shapes: shapes[0]):
         yield
-
-
-def _cost(cap, overhead):
-    return CostModel(
-        token_weight=EVAL_COST.token_weight,
-        attention_weight=EVAL_COST.attention_weight,
-        microbatch_overhead=overhead * EVAL_COST.full_row_cost(cap),
-    )
 
 
 def _ours_and_before(samples, parallel, cap, cost, rows):
@@ -72,7 +64,7 @@ def test_full_rows_run_first_where_each_rank_holds_four_at_the_cap():
     random.Random(0).shuffle(lengths)
     samples = LengthSet(lengths, [i // 4 for i in range(len(lengths))], None)
     parallel = ParallelLayout(dp_size=24, pp_size=2, vpp_size=4)
-    cost = _cost(16384, 0.01)
+    cost = overhead_cost(16384, 0.01)
     new, old = _ours_and_before(samples, parallel, 16384, cost, None)
     nemo_rl = _peer("nemo_rl_ffd", samples, parallel, 16384, cost, None)
     assert old > nemo_rl * 1.03
@@ -84,7 +76,7 @@ def test_equal_samples_in_an_interleaved_pipeline_run_level_with_next_fit():
     half rows ran 1.6% ahead of light-heavy-light."""
     samples = LengthSet([8192] * 79, None, None)
     parallel = ParallelLayout(dp_size=2, pp_size=8, vpp_size=4)
-    cost = _cost(16384, 0.0)
+    cost = overhead_cost(16384, 0.0)
     new, old = _ours_and_before(samples, parallel, 16384, cost, None)
     next_fit = _peer("next_fit", samples, parallel, 16384, cost, None)
     assert old > next_fit * 1.01
@@ -98,7 +90,7 @@ def test_a_sorted_order_can_make_fewer_micro_batches_win():
     lengths = [400 if (7 * i) % 239 < 114 else 12 for i in range(239)]
     samples = LengthSet(lengths, [i // 8 for i in range(len(lengths))], None)
     parallel = ParallelLayout(dp_size=6, pp_size=8, vpp_size=4)
-    cost = _cost(1024, 0.05)
+    cost = overhead_cost(1024, 0.05)
     new, old = _ours_and_before(samples, parallel, 1024, cost, 64)
     slime = _peer("slime_first_fit", samples, parallel, 1024, cost, 64)
     assert old > slime * 1.03
@@ -113,7 +105,7 @@ def test_a_small_step_tries_each_sorted_order_on_all_its_ranks():
     lengths = [1024 if rng.random() < 0.3 else rng.randint(1, 200) for _ in range(512)]
     samples = LengthSet(lengths, [i // 4 for i in range(512)], None)
     parallel = ParallelLayout(dp_size=64, pp_size=3, vpp_size=4)
-    cost = _cost(1024, 0.01)
+    cost = overhead_cost(1024, 0.01)
     new = _ours(samples, parallel, 1024, cost, 128)
     with mock.patch.object(shape_module, "_REORDER_WHOLE", 0):
         old = _ours(samples, parallel, 1024, cost, 128)
@@ -142,7 +134,7 @@ def test_sorted_orders_never_slow_a_step(seed, dp, per_rank, layout, cap, overhe
     config = PlannerConfig(
         max_tokens_per_gpu=cap,
         parallel=ParallelLayout(dp_size=dp, pp_size=pp, vpp_size=vpp),
-        cost=_cost(cap, overhead),
+        cost=overhead_cost(cap, overhead),
         variable_row_lengths=own_rows,
         row_multiple=64,
     )
