@@ -231,8 +231,8 @@ _RANK_ROUNDING_CHECKS = 4_000
 
 def _less_rounding(problem: StepProblem, search: "ShapeSearch", shape: StepShape) -> StepShape:
     """Rows of their own length: ``shape``, or ``shape`` with samples swapped between two
-    micro-batches of a rank wherever that rounds the two rows up by fewer tokens (both within
-    the cap), where the step is then faster.
+    micro-batches of a rank, or moved from one to the other (``concentrated``), wherever that
+    rounds the two rows up by fewer tokens (both within the cap), where the step is then faster.
 
     The searches balance a rank's micro-batches by work and do not look at what rounding each
     row up to the multiple costs. 640 samples of 1,841 and 1,406 tokens at dp 16, no pipeline,
@@ -255,8 +255,7 @@ def _less_rounding(problem: StepProblem, search: "ShapeSearch", shape: StepShape
         or len(problem.items) > RAMP_LIMIT
     ):
         return shape
-    sizes, sample_costs, model = problem.sizes, problem.sample_costs, problem.model
-    cap, memory, extra = problem.cap, problem.memory, model.shape_exchange_overhead
+    sizes, cap, memory = problem.sizes, problem.cap, problem.memory
     rows_of: Dict[int, int] = {}
 
     def row(load: int) -> int:
@@ -349,8 +348,7 @@ def _less_rounding(problem: StepProblem, search: "ShapeSearch", shape: StepShape
     costs, rows = list(shape.bin_costs), list(shape.row_lengths)
     for b in changed:
         rows[b] = row(loads[b])
-        own = sum(map(sample_costs.__getitem__, bins[b]))
-        costs[b] = extra + row_cost(model, "packed", rows[b], 1, loads[b]) + own
+        costs[b] = _own_row_cost(problem, bins[b], loads[b])
     time = search._step_time(shape.rank_orders, costs)
     if time >= shape.step_time * (1.0 - TIE):
         return shape
@@ -396,21 +394,22 @@ def _reordered(problem: StepProblem, search: "ShapeSearch", shapes: List[StepSha
             shape is earlier for earlier in shapes[:k]
         ):
             continue
-        costs, bins = shape.bin_costs, shape.bins
-        totals = [sum(map(costs.__getitem__, order)) for order in shape.rank_orders]
-        costliest = max(range(len(totals)), key=lambda r: (totals[r], -r))
-        current = search.rank_makespan(shape.rank_orders[costliest], costs)
+        costs = shape.bin_costs
         gain = problem.min_gain if shape.per_rank > chosen.per_rank else 0.0
-
-        key = functools.partial(_order_key, costs, bins)
+        key = functools.partial(_order_key, costs, shape.bins)
         # A small step is replayed whole: its slowest pipeline need not be its costliest rank
         # (ranks of three full rows and three placeholders beside ranks of two and four short
-        # micro-batches, pp 3 x vpp 4).
-        whole = len(shape.rank_orders) * shape.per_rank <= _REORDER_WHOLE
+        # micro-batches, pp 3 x vpp 4). A larger one screens each order on that rank first.
+        screened = None
+        if len(shape.rank_orders) * shape.per_rank > _REORDER_WHOLE:
+            totals = [sum(map(costs.__getitem__, order)) for order in shape.rank_orders]
+            costliest = shape.rank_orders[max(range(len(totals)), key=lambda r: (totals[r], -r))]
+            screened = costliest, search.rank_makespan(costliest, costs)
         for heaviest_first in (True, False):
-            lone = sorted(shape.rank_orders[costliest], key=key, reverse=heaviest_first)
-            if not whole and search.rank_makespan(lone, costs) >= current * (1.0 - TIE):
-                continue
+            if screened is not None:
+                lone = sorted(screened[0], key=key, reverse=heaviest_first)
+                if search.rank_makespan(lone, costs) >= screened[1] * (1.0 - TIE):
+                    continue
             orders = [sorted(order, key=key, reverse=heaviest_first) for order in shape.rank_orders]
             time = search._step_time(orders, costs)
             if time < best.step_time * (1.0 - TIE) and time < chosen.step_time * (1.0 - gain):
@@ -563,14 +562,8 @@ def _refined(problem: StepProblem, shape: StepShape) -> StepShape:
         is None
     ):
         return shape
-    sizes, sample_costs, model = problem.sizes, problem.sample_costs, problem.model
-    cap, memory, extra = problem.cap, problem.memory, model.shape_exchange_overhead
-
-    def bin_cost(members: List[int], load: int) -> float:
-        row = variable_rows([load], multiple, cap, memory)[0]
-        own = sum(map(sample_costs.__getitem__, members))
-        return extra + row_cost(model, "packed", row, 1, load) + own
-
+    sizes, cap = problem.sizes, problem.cap
+    bin_cost = functools.partial(_own_row_cost, problem)
     bins = [list(members) for members in shape.bins]
     orders = [list(order) for order in shape.rank_orders]
     loads = [sum(map(sizes.__getitem__, members)) for members in bins]
@@ -589,7 +582,7 @@ def _refined(problem: StepProblem, shape: StepShape) -> StepShape:
     )
     if spans is None or max(spans) >= shape.step_time * (1.0 - TIE):
         return shape
-    rows = variable_rows(loads, multiple, cap, memory)
+    rows = variable_rows(loads, multiple, cap, problem.memory)
     return dataclasses.replace(
         shape,
         bins=bins,
@@ -599,6 +592,17 @@ def _refined(problem: StepProblem, shape: StepShape) -> StepShape:
         row_lengths=rows,
         seq_length=max(rows),
         token_loads=loads,
+    )
+
+
+def _own_row_cost(problem: StepProblem, members: List[int], load: int) -> float:
+    """A micro-batch of ``members`` (``load`` padded tokens) in a row of its own length."""
+    row = variable_rows([load], problem.row_multiple, problem.cap, problem.memory)[0]
+    own = sum(map(problem.sample_costs.__getitem__, members))
+    return (
+        problem.model.shape_exchange_overhead
+        + row_cost(problem.model, "packed", row, 1, load)
+        + own
     )
 
 

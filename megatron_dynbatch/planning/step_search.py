@@ -619,11 +619,8 @@ class ShapeSearch:
         return length
 
     def rank_makespan(self, order: Sequence[int], bin_costs: Sequence[float]) -> float:
-        """One rank's pipeline makespan with its micro-batches in ``order``."""
-        costs = [bin_costs[b] for b in order]
-        if self.pp == 1:
-            return (1.0 + BACKWARD_TO_FORWARD_RATIO) * sum(costs)
-        return pipeline_makespan(costs, self.pp, self.vpp, self.group)
+        """One rank's pipeline makespan (``pp`` > 1) with its micro-batches in ``order``."""
+        return pipeline_makespan([bin_costs[b] for b in order], self.pp, self.vpp, self.group)
 
     def _step_time(self, orders: List[List[int]], bin_costs: Sequence[float]) -> float:
         totals = [sum(map(bin_costs.__getitem__, order)) for order in orders]
@@ -632,10 +629,7 @@ class ShapeSearch:
         per_rank = max(1, max(map(len, orders)))
         replayed = max(_SIMULATED_RANKS, _REPLAY_BUDGET // per_rank)
         costliest = sorted(range(len(orders)), key=lambda r: (-totals[r], r))[:replayed]
-        return max(
-            pipeline_makespan([bin_costs[b] for b in orders[r]], self.pp, self.vpp, self.group)
-            for r in costliest
-        )
+        return max(self.rank_makespan(orders[r], bin_costs) for r in costliest)
 
 
 class PackedSearch(ShapeSearch):
