@@ -46,6 +46,31 @@ WORKER_START_TIMEOUT_S = 120.0
 _NEUTRAL = {int: 0, float: 0.0, tuple: ()}
 
 
+#: The later steps of the planner's shape choice (planning/shape.py), each as it is when switched
+#: off: its input passes through unchanged.
+_SHAPE_STEPS_OFF = {
+    "_refined": lambda problem, shape: shape,
+    "tent_splits": lambda *args: None,
+    "_less_rounding": lambda problem, search, shape: shape,
+    "_reordered": lambda problem, search, shapes: shapes[0],
+}
+
+
+@contextlib.contextmanager
+def planner_without(*steps):
+    """The planner with ``steps`` (names of :data:`_SHAPE_STEPS_OFF`) switched off: what a test
+    compares a step of the shape choice against. A step applied to the choice after the one
+    under test is switched off too where the test says so (it would start from another choice)."""
+    from unittest import mock
+
+    from megatron_dynbatch.planning import shape
+
+    with contextlib.ExitStack() as stack:
+        for name in steps:
+            stack.enter_context(mock.patch.object(shape, name, _SHAPE_STEPS_OFF[name]))
+        yield
+
+
 def replayed_step_time(step, lengths, config):
     """A planned step as it runs, replayed on its own rows by the simulator (independent of the
     planner's scoring): the slowest DP rank's pipeline, packed rows of one sample per segment."""

@@ -5,8 +5,6 @@ of a rank where the two rows then round up by fewer tokens (planning/shape.py
 from __future__ import annotations
 
 import random
-from contextlib import contextmanager
-from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -22,18 +20,14 @@ from megatron_dynbatch.planning import (
     check_plan,
     plan_schedule,
 )
-from megatron_dynbatch.planning import shape as shape_module
-from tests._support import replayed_step_time
+from tests._support import planner_without, replayed_step_time
 
 pytestmark = pytest.mark.unit
 
 
-@contextmanager
 def rounded_as_packed():
     # And without the sorted orders that come after (applied to the choice, rounded or not).
-    with mock.patch.object(shape_module, "_less_rounding", lambda problem, search, shape: shape):
-        with mock.patch.object(shape_module, "_reordered", lambda p, s, shapes: shapes[0]):
-            yield
+    return planner_without("_less_rounding", "_reordered")
 
 
 def test_pairs_of_equal_lengths_round_up_less_than_mixed_pairs():

@@ -38,7 +38,7 @@ from megatron_dynbatch.planning.candidates import (
 )
 from megatron_dynbatch.planning.packing import profile_pack
 from megatron_dynbatch.planning.shape import choose_shape
-from tests._support import replayed_step_time
+from tests._support import planner_without, replayed_step_time
 
 pytestmark = pytest.mark.unit
 
@@ -334,18 +334,11 @@ def test_least_rounding_is_exact_on_tiny_ranks():
         assert padded(rows) == best
 
 
-@contextmanager
 def planner_before_refinement():
     """The planner as it was before the per-rank refinement (planning/refine.py), and before what
     came after it: tents (scored unrefined, they would stand in for it), rows rounded up less and
     sorted orders (each applied to the choice, so to a different one without refinement)."""
-    from megatron_dynbatch.planning import shape as shape_module
-
-    with mock.patch.object(shape_module, "_refined", lambda problem, shape: shape):
-        with mock.patch.object(shape_module, "tent_splits", lambda *args: None):
-            with mock.patch.object(shape_module, "_less_rounding", lambda p, s, shape: shape):
-                with mock.patch.object(shape_module, "_reordered", lambda p, s, shapes: shapes[0]):
-                    yield
+    return planner_without("_refined", "tent_splits", "_less_rounding", "_reordered")
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -4,7 +4,6 @@ step faster than the searched light-heavy-light orders (planning/shape.py ``_reo
 from __future__ import annotations
 
 import random
-from contextlib import contextmanager
 from unittest import mock
 
 import pytest
@@ -24,15 +23,13 @@ from megatron_dynbatch.planning import (
     plan_schedule,
 )
 from megatron_dynbatch.planning import shape as shape_module
-from tests._support import replayed_step_time
+from tests._support import planner_without, replayed_step_time
 
 pytestmark = pytest.mark.unit
 
 
-@contextmanager
 def searched_orders_only():
-    with mock.patch.object(shape_module, "_reordered", lambda problem, search, shapes: shapes[0]):
-        yield
+    return planner_without("_reordered")
 
 
 def _ours_and_before(samples, parallel, cap, cost, rows):

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import itertools
 import random
-from contextlib import contextmanager
-from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -20,20 +18,15 @@ from megatron_dynbatch.planning import (
     check_plan,
     plan_schedule,
 )
-from megatron_dynbatch.planning import shape as shape_module
 from megatron_dynbatch.planning.cluster import tent_profile
-from tests._support import replayed_step_time
+from tests._support import planner_without, replayed_step_time
 
 pytestmark = pytest.mark.unit
 
 
-@contextmanager
 def without_tents():
     # And what came after the tents (applied to the choice, so to a different one without them).
-    with mock.patch.object(shape_module, "tent_splits", lambda *args: None):
-        with mock.patch.object(shape_module, "_less_rounding", lambda p, s, shape: shape):
-            with mock.patch.object(shape_module, "_reordered", lambda p, s, shapes: shapes[0]):
-                yield
+    return planner_without("tent_splits", "_less_rounding", "_reordered")
 
 
 @pytest.mark.parametrize("linear", [False, True])
