@@ -8,7 +8,7 @@ import random
 from unittest import mock
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from megatron_dynbatch.planning import (
@@ -45,6 +45,18 @@ pytestmark = pytest.mark.unit
     overhead=st.sampled_from([0.0, 0.02, 0.05]),
     attention=st.sampled_from([0.0, 0.25, 1.0]),
     at_cap=st.sampled_from([0.0, 0.02, 0.1]),
+)
+# Drawn once (a CI-style run): the thorough planner 0.06% slower than the default, whose choice
+# sorted heaviest first was faster; the thorough planner now scores the default's plan too.
+@example(
+    seed=18208,
+    dp=16,
+    per_rank=31,
+    layout=(2, 2),
+    cap=16384,
+    overhead=0.05,
+    attention=0.0,
+    at_cap=0.02,
 )
 def test_never_slower_than_the_planner_before_on_random_workloads(
     seed, dp, per_rank, layout, cap, overhead, attention, at_cap
