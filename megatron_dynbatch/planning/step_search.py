@@ -719,14 +719,20 @@ class PackedSearch(ShapeSearch):
         if self.oversize or not self.arrival:
             return [first]  # S is the oversize sample's length whatever M is
         last = first
-        # Up to where S could reach the longest sample, and no more bins than samples.
+        # Up to where S could reach the longest sample, and no more bins than samples. With one
+        # row a step, one count more: whole samples seldom pack to the mean, so S may first
+        # reach the longest sample there (174 samples of 11,975 tokens and 138 of 3,291 at dp
+        # 24, pp 4, cap 16,384: rows of 13,164 at 9 micro-batches a rank, the longest sample at
+        # 10, 2.3% faster; verl's differencing was 1.0% ahead of ours).
+        reached = False
         while True:
             nxt = last + self.microbatch_multiple
-            bins = self._bins(nxt)
-            if bins > len(self.arrival) or ceil_div(self.total, self._bins(last)) <= (
-                self.longest_regular
-            ):
+            if self._bins(nxt) > len(self.arrival):
                 break
+            if ceil_div(self.total, self._bins(last)) <= self.longest_regular:
+                if reached or self.problem.row_multiple is not None:
+                    break
+                reached = True
             last = nxt
         return _candidate_counts(first, last, self.microbatch_multiple)
 

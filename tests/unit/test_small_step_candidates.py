@@ -180,6 +180,25 @@ def test_verl_kk_is_not_ahead_at_eight_samples_a_rank():
     assert ours <= theirs * 1.005
 
 
+def test_one_row_a_step_tries_the_count_where_rows_first_reach_the_longest_sample():
+    """174 samples of 11,975 tokens and 138 of 3,291 at dp 24, pp 4, cap 16,384, one row a step:
+    the searched counts stopped at 9 a rank, where the mean row is under the longest sample but
+    whole samples pack into rows of 13,164; verl's differencing (capped) took 10 rows of 11,975
+    and was 1.0% ahead. Count 10 is searched too, and ours is 1.3% ahead of verl."""
+    from benchmarks.lengths import LengthSet
+    from benchmarks.small_steps import _ours, _score, overhead_cost
+
+    lengths = [11975] * 174 + [3291] * 138
+    random.Random(0).shuffle(lengths)
+    samples = LengthSet(lengths, [i // 4 for i in range(len(lengths))], None)
+    parallel = ParallelLayout(dp_size=24, pp_size=4)
+    cost = overhead_cost(16384, 0.05)
+    theirs = verl_kk(lengths, dp_size=24, token_cap=16384, keep_cap=True)
+    verl, over = _score(theirs, samples, parallel, 16384, cost, None)
+    assert not over
+    assert _ours(samples, parallel, 16384, cost, None) < verl * 0.99
+
+
 def test_exact_split_is_optimal_on_tiny_inputs():
     for seed in range(40):
         rng = random.Random(seed)
