@@ -82,7 +82,9 @@ def choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
     for steps whose rows differ, as the Megatron-LM entry does with ``--variable-seq-lengths``),
     and where attention pays ``S**2`` a row (``dense``, ``causal``), since only uniform rows pack
     micro-batches of ``B > 1`` shorter rows. The step runs them when they are predicted faster
-    (ties to uniform rows, which exchange nothing).
+    (ties to uniform rows, which exchange nothing). The thorough planner (``problem.thorough``)
+    also scores the default planner's choice and keeps the faster, so it is never predicted
+    slower than the default.
 
     Raises:
         ValueError: when the layout forces more placeholder micro-batches than is sane (see
@@ -584,9 +586,10 @@ def _peer_guard(
 def _refined(problem: StepProblem, shape: StepShape, budget: Optional[int] = None) -> StepShape:
     """Variable rows under a pipeline: the chosen shape after :func:`.refine.refine_ranks`
     (samples moved within a rank and to faster ranks, micro-batches reordered, while the slowest
-    rank's pipeline gets faster); the shape itself otherwise. A step of more than
-    :data:`RAMP_LIMIT` samples spends :data:`_LARGE_REFINE_STEPS`, none where replaying its
-    ranks once would take half of that."""
+    rank's pipeline gets faster); the shape itself otherwise. ``budget``: the replayed steps to
+    spend at most; by default a step of more than :data:`RAMP_LIMIT` samples spends
+    :data:`_LARGE_REFINE_STEPS` and a smaller one the planner's budget (:mod:`.refine`), none
+    where replaying its ranks once would take half of that."""
     parallel, multiple = problem.parallel, problem.row_multiple
     if budget is None and len(problem.items) > RAMP_LIMIT:
         budget = _LARGE_REFINE_STEPS
