@@ -32,12 +32,18 @@ def searched_orders_only():
     return planner_without("_reordered")
 
 
-def _ours_and_before(samples, parallel, cap, cost, rows):
-    """The step / ideal of our plan, and of the plan without sorted orders, scored as peers are."""
+def _ours_and_before(samples, parallel, cap, cost, rows, before=searched_orders_only):
+    """The step / ideal of our plan, and of the plan under ``before()`` (by default without sorted
+    orders), scored as peers are."""
     new = _ours(samples, parallel, cap, cost, rows)
-    with searched_orders_only():
+    with before():
         old = _ours(samples, parallel, cap, cost, rows)
     return new, old
+
+
+def _patched(name, value):
+    """``before`` for :func:`_ours_and_before`: ``shape.<name>`` set to ``value``."""
+    return lambda: mock.patch.object(shape_module, name, value)
 
 
 def _peer(name, samples, parallel, cap, cost, rows):
@@ -185,9 +191,8 @@ def test_a_rank_refined_again_from_heaviest_first_passes_where_refinement_stoppe
     samples = LengthSet(lengths, [i // 8 for i in range(len(lengths))], None)
     parallel = ParallelLayout(dp_size=2, pp_size=4, vpp_size=2)
     cost = overhead_cost(1024, 0.0)
-    new = _ours(samples, parallel, 1024, cost, 64)
-    with mock.patch.object(shape_module, "_RESTART_SAMPLES_PER_RANK", 0):
-        old = _ours(samples, parallel, 1024, cost, 64)
+    before = _patched("_RESTART_SAMPLES_PER_RANK", 0)
+    new, old = _ours_and_before(samples, parallel, 1024, cost, 64, before)
     nemo_rl = _peer("nemo_rl_ffd", samples, parallel, 1024, cost, 64)
     assert old > nemo_rl * 1.01
     assert new < nemo_rl
@@ -237,9 +242,7 @@ def test_a_count_more_than_ten_percent_slower_unsorted_is_sorted_too():
     samples = LengthSet(lengths, [i // 4 for i in range(120)], None)
     parallel = ParallelLayout(dp_size=5, pp_size=8, vpp_size=2)
     cost = overhead_cost(1024, 0.05)
-    new = _ours(samples, parallel, 1024, cost, 64)
-    with mock.patch.object(shape_module, "_REORDER_REACH", 0.1):
-        old = _ours(samples, parallel, 1024, cost, 64)
+    new, old = _ours_and_before(samples, parallel, 1024, cost, 64, _patched("_REORDER_REACH", 0.1))
     nemo_rl = _peer("nemo_rl_ffd", samples, parallel, 1024, cost, 64)
     assert old > nemo_rl * 1.005
     assert new < nemo_rl
