@@ -71,6 +71,22 @@ def planner_without(*steps):
         yield
 
 
+def assert_never_slower(lengths, config, before, tolerance=1e-9):
+    """``config``'s plan of ``lengths`` (one step) is check_plan-clean and its replayed step no
+    slower, within ``tolerance``, than the plan made under ``before()`` (a context that switches
+    a step of the planner off); returns the plan."""
+    from megatron_dynbatch.planning import SampleSet, check_plan, plan_schedule
+
+    new = plan_schedule(lengths, config=config)
+    with before():
+        old = plan_schedule(lengths, config=config)
+    check_plan(new, SampleSet.build(lengths), config)
+    assert replayed_step_time(new.steps[0], lengths, config) <= replayed_step_time(
+        old.steps[0], lengths, config
+    ) * (1 + tolerance)
+    return new
+
+
 def replayed_step_time(step, lengths, config):
     """A planned step as it runs, replayed on its own rows by the simulator (independent of the
     planner's scoring): the slowest DP rank's pipeline, packed rows of one sample per segment."""

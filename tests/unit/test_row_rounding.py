@@ -5,6 +5,7 @@ of a rank where the two rows then round up by fewer tokens (planning/shape.py
 from __future__ import annotations
 
 import random
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -20,6 +21,7 @@ from megatron_dynbatch.planning import (
     check_plan,
     plan_schedule,
 )
+from megatron_dynbatch.planning import shape as shape_module
 from tests._support import planner_without, replayed_step_time
 
 pytestmark = pytest.mark.unit
@@ -119,10 +121,6 @@ def test_fewer_fuller_rows_are_rounded_too():
     four rows of about 86 tokens a rank, each rounded to 128; the two-row count, balanced by work
     into rows of about 173 (each rounded to 256), lost to it. Rounded too, two rows of about 217
     and 128 tokens (256 and 128) run 5.6% faster and win, ahead of slime's first fit."""
-    from unittest import mock
-
-    from megatron_dynbatch.planning import shape as shape_module
-
     lengths = [1 + (7 * i) % 16 for i in range(241)]
     samples = LengthSet(lengths, [i // 8 for i in range(241)], None)
     parallel = ParallelLayout(dp_size=6, pp_size=2, vpp_size=4)

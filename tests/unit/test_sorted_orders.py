@@ -18,12 +18,9 @@ from megatron_dynbatch.planning import (
     CostModel,
     ParallelLayout,
     PlannerConfig,
-    SampleSet,
-    check_plan,
-    plan_schedule,
 )
 from megatron_dynbatch.planning import shape as shape_module
-from tests._support import planner_without, replayed_step_time
+from tests._support import assert_never_slower, planner_without
 
 pytestmark = pytest.mark.unit
 
@@ -141,13 +138,7 @@ def test_sorted_orders_never_slow_a_step(seed, dp, per_rank, layout, cap, overhe
         variable_row_lengths=own_rows,
         row_multiple=64,
     )
-    new = plan_schedule(lengths, config=config)
-    with searched_orders_only():
-        old = plan_schedule(lengths, config=config)
-    check_plan(new, SampleSet.build(lengths), config)
-    assert replayed_step_time(new.steps[0], lengths, config) <= replayed_step_time(
-        old.steps[0], lengths, config
-    ) * (1 + 1e-9)
+    assert_never_slower(lengths, config, searched_orders_only)
 
 
 def test_a_sharded_rank_is_laid_out_sorted_where_that_runs_faster():
@@ -223,13 +214,7 @@ def test_refining_again_from_a_sorted_order_never_slows_a_step(
         row_multiple=64,
         planner="dynbatch-thorough" if thorough else "dynbatch",
     )
-    new = plan_schedule(lengths, config=config)
-    with mock.patch.object(shape_module, "_RESTART_SAMPLES_PER_RANK", 0):
-        old = plan_schedule(lengths, config=config)
-    check_plan(new, SampleSet.build(lengths), config)
-    assert replayed_step_time(new.steps[0], lengths, config) <= replayed_step_time(
-        old.steps[0], lengths, config
-    ) * (1 + 1e-9)
+    assert_never_slower(lengths, config, _patched("_RESTART_SAMPLES_PER_RANK", 0))
 
 
 def test_a_count_more_than_ten_percent_slower_unsorted_is_sorted_too():

@@ -14,12 +14,9 @@ from megatron_dynbatch.planning import (
     CostModel,
     ParallelLayout,
     PlannerConfig,
-    SampleSet,
-    check_plan,
-    plan_schedule,
 )
 from megatron_dynbatch.planning.cluster import tent_profile
-from tests._support import planner_without, replayed_step_time
+from tests._support import assert_never_slower, planner_without
 
 pytestmark = pytest.mark.unit
 
@@ -78,13 +75,7 @@ def test_tents_never_slow_a_step(seed, dp, per_rank, layout, cap, overhead, spre
     rng = random.Random(seed)
     lengths = [min(cap, max(1, int(rng.lognormvariate(7.0, spread)))) for _ in range(dp * per_rank)]
     config = _config(dp, *layout, cap, overhead)
-    new = plan_schedule(lengths, config=config)
-    with without_tents():
-        old = plan_schedule(lengths, config=config)
-    check_plan(new, SampleSet.build(lengths), config)
-    assert replayed_step_time(new.steps[0], lengths, config) <= replayed_step_time(
-        old.steps[0], lengths, config
-    ) * (1 + 1e-9)
+    assert_never_slower(lengths, config, without_tents)
 
 
 def test_tents_shrink_the_bubble_of_agentic_gpu_regime_steps():
