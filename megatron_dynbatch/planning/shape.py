@@ -231,7 +231,7 @@ def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
         chosen = _less_rounding(problem, searches[0], chosen)
         # Fewer, fuller rows can round up by less than the choice's, which balancing by work
         # hid (rows of 173 and 172 tokens rounded to 256 each, where 217 and 128 round to 384).
-        for shape in list(scored.values()):
+        for shape in scored.values():
             if shape.per_rank < chosen.per_rank and shape.step_time <= chosen.step_time * (
                 1.0 + _ROUNDING_REACH
             ):
