@@ -28,6 +28,7 @@ __all__ = [
     "SMALL_STEP_SAMPLES",
     "TINY_STEP_SAMPLES",
     "balanced_rows",
+    "decreasing_candidates",
     "differenced_rows",
     "exact_rows_affordable",
     "exact_split",
@@ -170,6 +171,40 @@ def small_step_candidates(
         strided = [[bins[b] for b in range(r, len(bins), dp_size)] for r in range(dp_size)]
         yield name + "-strided", strided, True
         yield name + "-balanced", _deal_by_weight(bins, weights, dp_size, per_rank), False
+
+
+def decreasing_candidates(
+    items: Sequence[int],
+    sizes: Sequence[int],
+    weights: Sequence[float],
+    cap: int,
+    dp_size: int,
+    per_rank: int,
+) -> Iterator[Construction]:
+    """Ranks split by differencing (free, and equal counts where the samples divide), each rank
+    packed by first fit in decreasing size: alike samples share a row, so rows of their own
+    length round up least (two lengths at dp 12: five rows a rank where the balanced packings
+    need six)."""
+    items = list(items)
+    values = [weights[i] for i in items]
+    splits = []
+    if len(items) * dp_size <= KK_LIMIT:
+        splits.append(karmarkar_karp(values, dp_size, False, ties="index"))
+    if len(items) % dp_size == 0:
+        splits.append(karmarkar_karp(values, dp_size, True, ties="index"))
+    seen: List[List[List[int]]] = []
+    for parts in splits:
+        ranks = []
+        for part in parts:
+            order = sorted((items[j] for j in part), key=lambda i: (-sizes[i], i))
+            bins = first_fit_bins(order, sizes, cap, per_rank)
+            if bins is None:
+                break
+            ranks.append(bins)
+        else:
+            if ranks not in seen:
+                seen.append(ranks)
+                yield "decreasing", ranks, False
 
 
 def _pack_ranks(
