@@ -37,6 +37,7 @@ __all__ = [
     "is_small_step",
     "least_rounding",
     "modified_first_fit",
+    "peeled_bins",
     "natural_count",
     "peer_schedules",
     "rank_packings",
@@ -181,10 +182,17 @@ def decreasing_candidates(
     dp_size: int,
     per_rank: int,
 ) -> Iterator[Construction]:
-    """Ranks split by differencing (free, and equal counts where the samples divide), each rank
-    packed by first fit in decreasing size: alike samples share a row, so rows of their own
+    """First fit by decreasing size, where alike samples share a row and rows of their own
     length round up least (two lengths at dp 12: five rows a rank where the balanced packings
-    need six)."""
+    need six).
+
+    Each rank of a split by differencing (free, and equal counts where the samples divide) is
+    packed alone, brought to the count by splitting its fullest rows (:func:`first_fit_bins`)
+    and, apart, by peeling its smallest samples into rows of their own (:func:`peeled_bins`),
+    which keeps the full rows whole and makes the extra micro-batches nearly empty: what an
+    interleaved pipeline's count asks for. And the whole step packed at once, peeled to the
+    count and dealt round robin in packing order, full rows first, as NeMo-RL packs.
+    """
     items = list(items)
     values = [weights[i] for i in items]
     splits = []
@@ -192,19 +200,51 @@ def decreasing_candidates(
         splits.append(karmarkar_karp(values, dp_size, False, ties="index"))
     if len(items) % dp_size == 0:
         splits.append(karmarkar_karp(values, dp_size, True, ties="index"))
-    seen: List[List[List[int]]] = []
+
+    def decreasing(members):
+        return sorted(members, key=lambda i: (-sizes[i], i))
+
+    seen: List[List[List[List[int]]]] = []
     for parts in splits:
-        ranks = []
-        for part in parts:
-            order = sorted((items[j] for j in part), key=lambda i: (-sizes[i], i))
-            bins = first_fit_bins(order, sizes, cap, per_rank)
-            if bins is None:
-                break
-            ranks.append(bins)
-        else:
+        packed = [first_fit(decreasing(items[j] for j in part), sizes, cap) for part in parts]
+        if any(len(bins) > per_rank for bins in packed):
+            continue
+        for name, to_count, keep_order in (
+            ("decreasing", _to_count, False),
+            ("decreasing-peeled", peeled_bins, True),
+        ):
+            ranks = [to_count([list(b) for b in bins], sizes, per_rank) for bins in packed]
             if ranks not in seen:
                 seen.append(ranks)
-                yield "decreasing", ranks, False
+                yield name, ranks, keep_order
+    bins = peeled_bins(first_fit(decreasing(items), sizes, cap), sizes, dp_size * per_rank)
+    if bins is not None:
+        yield "decreasing-dealt", [bins[r::dp_size] for r in range(dp_size)], True
+
+
+def peeled_bins(
+    bins: List[List[int]], sizes: Sequence[int], num_bins: int
+) -> Optional[List[List[int]]]:
+    """``bins`` brought to ``num_bins`` by moving the smallest sample of a bin of two or more
+    into a bin of its own (ties to the later bin), then placeholders; ``None`` if more."""
+    if len(bins) > num_bins:
+        return None
+    bins = [list(b) for b in bins]
+    # (size, -bin, sample) of every bin's smallest sample, for bins of two or more.
+    heap = []
+    for b, members in enumerate(bins):
+        members.sort(key=lambda i: (-sizes[i], i))
+        if len(members) > 1:
+            heap.append((sizes[members[-1]], -b, members[-1]))
+    heapq.heapify(heap)
+    while len(bins) < num_bins and heap:
+        _, negative, i = heapq.heappop(heap)
+        members = bins[-negative]
+        members.pop()
+        bins.append([i])
+        if len(members) > 1:
+            heapq.heappush(heap, (sizes[members[-1]], negative, members[-1]))
+    return bins + [[] for _ in range(num_bins - len(bins))]
 
 
 def _pack_ranks(

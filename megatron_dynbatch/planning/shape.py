@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from typing import Dict, List, Optional, Tuple
 
@@ -235,7 +236,7 @@ def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
         chosen = _less_rounding(problem, searches[0], chosen)
         # Fewer, fuller rows can round up by less than the choice's, which balancing by work
         # hid (rows of 173 and 172 tokens rounded to 256 each, where 217 and 128 round to 384).
-        for shape in scored.values():
+        for shape in scored.values() if len(problem.items) <= RAMP_LIMIT else ():
             if shape.per_rank < chosen.per_rank and shape.step_time <= chosen.step_time * (
                 1.0 + _ROUNDING_REACH
             ):
@@ -253,14 +254,15 @@ def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
     return chosen, min(chosen.per_rank, *(s.min_per_rank for s in searches))
 
 
-#: Pairs of micro-batches and of samples :func:`_less_rounding` tries at most in a step (of at
-#: most :data:`.splits.RAMP_LIMIT` samples), and in one rank: about a microsecond each.
+#: Pairs of micro-batches and of samples :func:`_less_rounding` tries at most in a step, and in
+#: one rank: about a microsecond each.
 _ROUNDING_CHECKS = 25_000
 _RANK_ROUNDING_CHECKS = 4_000
 #: Scored shapes of fewer micro-batches than the choice, at most this much slower, also get
 #: :func:`_less_rounding` and replace the choice where then faster: 241 samples of 1-16 tokens at
 #: dp 6, pp 2 x vpp 4, rows of 128 ran four rows of 128 a rank where two of 256 and 128 are 5.6%
-#: faster (slime's first fit was 5.8% ahead, ``small_steps --wide`` seed 71).
+#: faster (slime's first fit was 5.8% ahead, ``small_steps --wide`` seed 71). Only on steps of
+#: at most :data:`.splits.RAMP_LIMIT` samples: each such shape costs a rounding pass.
 _ROUNDING_REACH = 0.1
 
 
@@ -276,8 +278,9 @@ def _less_rounding(problem: StepProblem, search: "ShapeSearch", shape: StepShape
     ahead at 5% overhead, ``benchmarks.small_steps --wide --seed 27``). A rank's samples and
     order stay; only a micro-batch's members change. The ranks are taken costliest first (the
     step waits for the slowest) until one has no such swap, within :data:`_ROUNDING_CHECKS` and
-    :data:`_RANK_ROUNDING_CHECKS` a rank; steps of more than :data:`.splits.RAMP_LIMIT` samples
-    are left as they are.
+    :data:`_RANK_ROUNDING_CHECKS` a rank, on steps of any size: 2,560 samples of 341 tokens at
+    dp 64, rows of 128, ran two rows of 682 tokens a rank (768 each) where one of 1,023 and one of
+    341 round to 1,024 and 384 (next fit was 0.9% ahead, ``small_steps --wide`` seed 123).
     """
     multiple = problem.row_multiple
     if (
@@ -287,7 +290,6 @@ def _less_rounding(problem: StepProblem, search: "ShapeSearch", shape: StepShape
         or shape.micro_batch_size != 1
         or shape.oversize
         or multiple > problem.cap
-        or len(problem.items) > RAMP_LIMIT
     ):
         return shape
     sizes, cap, memory = problem.sizes, problem.cap, problem.memory
@@ -299,7 +301,10 @@ def _less_rounding(problem: StepProblem, search: "ShapeSearch", shape: StepShape
         return rows_of[load]
 
     bins = [list(members) for members in shape.bins]
-    loads = [sum(map(sizes.__getitem__, members)) for members in bins]
+    if shape.token_loads is not None:
+        loads = list(shape.token_loads)
+    else:
+        loads = [sum(map(sizes.__getitem__, members)) for members in bins]
     changed: Dict[int, None] = {}
     budget = _ROUNDING_CHECKS
 
@@ -331,7 +336,7 @@ def _less_rounding(problem: StepProblem, search: "ShapeSearch", shape: StepShape
         start = row(loads[a]) + row(loads[b])
         moved = []
         while len(bins[light]) > 1:
-            checks += 1
+            checks += len(bins[light])  # the scan below looks at each of them
             rows_now = row(loads[light]) + row(loads[heavy])
             fits = [
                 i
@@ -360,21 +365,23 @@ def _less_rounding(problem: StepProblem, search: "ShapeSearch", shape: StepShape
     for rank in sorted(range(len(totals)), key=lambda r: (-totals[r], r)):
         real = [b for b in shape.rank_orders[rank] if bins[b]]
         checks, swapped = 0, False
-        for x, a in enumerate(real):
-            for b in real[x + 1 :]:
-                while checks < min(_RANK_ROUNDING_CHECKS, budget):
-                    swap = first_swap(a, b)
-                    if swap is None:
-                        break
-                    i, j, shift = swap
-                    bins[a][bins[a].index(i)], bins[b][bins[b].index(j)] = j, i
-                    loads[a] += shift
-                    loads[b] -= shift
-                    changed[a] = changed[b] = None
-                    swapped = True
-                if checks < min(_RANK_ROUNDING_CHECKS, budget) and concentrated(a, b):
-                    changed[a] = changed[b] = None
-                    swapped = True
+        limit = min(_RANK_ROUNDING_CHECKS, budget)
+        for a, b in itertools.combinations(real, 2):
+            if checks >= limit:
+                break  # a rank of many micro-batches has many pairs: stop where the budget does
+            while checks < limit:
+                swap = first_swap(a, b)
+                if swap is None:
+                    break
+                i, j, shift = swap
+                bins[a][bins[a].index(i)], bins[b][bins[b].index(j)] = j, i
+                loads[a] += shift
+                loads[b] -= shift
+                changed[a] = changed[b] = None
+                swapped = True
+            if checks < limit and concentrated(a, b):
+                changed[a] = changed[b] = None
+                swapped = True
         budget -= checks
         if not swapped or budget <= 0:
             break  # the step is no faster than this rank
@@ -481,19 +488,25 @@ def _reordered(problem: StepProblem, search: "ShapeSearch", shapes: List[StepSha
 
 
 #: Steps with rows of their own length and at most this many samples a rank (and at most
-#: :data:`.candidates.SMALL_STEP_SAMPLES` in all) also get :func:`.candidates.decreasing_candidates`.
-_DECREASING_PER_RANK = 16
+#: :data:`.candidates.SMALL_STEP_SAMPLES` in all) also get :func:`.candidates.decreasing_candidates`
+#: (at 24 a rank: 120 samples at dp 5, pp 4 x vpp 4, ``small_steps --wide`` seed 113).
+_DECREASING_PER_RANK = 24
 
 
 def _decreasing(
     problem: StepProblem, searches: List["ShapeSearch"], chosen: StepShape
 ) -> StepShape:
-    """``chosen``, or a rank-wise first fit by decreasing size where that step is faster.
+    """``chosen``, or first fit by decreasing size (:func:`.candidates.decreasing_candidates`)
+    at a count up to the choice's, where that step is faster.
 
     Balancing by work leaves rows that round up by more than need be where a step's samples
     come in a few lengths: 80 samples of 295 tokens and 76 of 336 at dp 12 under a cap of 1,024
     (rows rounded to 64) ran six rows a rank, where three alike samples a row fit five (NeMo-RL's
-    modified first fit was 1.2% ahead, ``small_steps --wide`` seed 49). Kept apart, after every
+    modified first fit was 1.2% ahead, ``small_steps --wide`` seed 49). And where an interleaved
+    pipeline's count needs more micro-batches than full rows, the extra ones nearly empty, after
+    the full rows, beat rows balanced by work: 120 long-tailed samples at dp 5, pp 4 x vpp 4, own
+    rows, four full rows and four of one short sample a rank (NeMo-RL's first fit decreasing was
+    2.7% ahead of our twelve a rank, ``small_steps --wide`` seed 113). Kept apart, after every
     other step, and only where faster, so no step is predicted slower for it.
     """
     search = _arrival_search(searches)
