@@ -29,6 +29,11 @@ def searched_orders_only():
     return planner_without("_reordered")
 
 
+#: First fit decreasing (``shape._decreasing``) reaches some of these steps' fixes by another way
+#: (full rows first); tests of a sorted order's own fix hold it without that construction.
+without_decreasing = mock.patch.object(shape_module, "_DECREASING_PER_RANK", 0)
+
+
 def _ours_and_before(samples, parallel, cap, cost, rows, before=searched_orders_only):
     """The step / ideal of our plan, and of the plan under ``before()`` (by default without sorted
     orders), scored as peers are."""
@@ -97,6 +102,7 @@ def test_a_sorted_order_can_make_fewer_micro_batches_win():
     assert new < slime
 
 
+@without_decreasing
 def test_a_small_step_tries_each_sorted_order_on_all_its_ranks():
     """512 samples, 30% at the 1,024-token cap, at dp 64, pp 3 x vpp 4, own rows: the slowest
     pipeline is not the costliest rank, so a sorted order screened on that rank alone was never
@@ -172,6 +178,7 @@ def test_a_sharded_rank_is_laid_out_sorted_where_that_runs_faster():
     assert sorted(map(list, laid)) == sorted(mbs)
 
 
+@without_decreasing
 def test_a_rank_refined_again_from_heaviest_first_passes_where_refinement_stopped():
     """11 samples of 727 tokens and 15 of 467 at dp 2, pp 4 x vpp 2, cap 1,024, own rows:
     refinement of the light-heavy-light choice stopped where no single change helped, 1.2%
@@ -217,6 +224,7 @@ def test_refining_again_from_a_sorted_order_never_slows_a_step(
     assert_never_slower(lengths, config, _patched("_RESTART_SAMPLES_PER_RANK", 0))
 
 
+@without_decreasing
 def test_a_count_more_than_ten_percent_slower_unsorted_is_sorted_too():
     """120 samples (30% at the 1,024 cap) at dp 5, pp 8 x vpp 2, 5% overhead, own rows: 16
     micro-batches a rank, laid light-heavy-light, were over 10% slower than the 24 chosen and never
