@@ -491,6 +491,8 @@ def _reordered(problem: StepProblem, search: "ShapeSearch", shapes: List[StepSha
 #: :data:`.candidates.SMALL_STEP_SAMPLES` in all) also get :func:`.candidates.decreasing_candidates`
 #: (at 24 a rank: 120 samples at dp 5, pp 4 x vpp 4, ``small_steps --wide`` seed 113).
 _DECREASING_PER_RANK = 24
+#: ... at the choice's count and at most this many of the fewest below it.
+_DECREASING_COUNTS = 3
 
 
 def _decreasing(
@@ -523,7 +525,9 @@ def _decreasing(
         max(problem.min_count, ceil_div(search.total, search.dp * search.cap)), multiple
     )
     best = chosen
-    for m in range(floor, chosen.per_rank + 1, multiple):
+    # The fewest counts, where full rows are what first fit makes, and the choice's.
+    counts = sorted({*range(floor, floor + _DECREASING_COUNTS * multiple, multiple)})
+    for m in [m for m in counts if m < chosen.per_rank] + [chosen.per_rank]:
         for _name, ranks, keep_order in decreasing_candidates(
             search.arrival, problem.sizes, weights, search.cap, search.dp, m
         ):

@@ -117,8 +117,8 @@ def test_every_decreasing_construction_keeps_the_cap_the_count_and_every_sample(
 @given(
     seed=st.integers(0, 2**30),
     dp=st.sampled_from([1, 3, 12]),
-    per_rank=st.integers(1, 16),
-    layout=st.sampled_from([(1, 1), (2, 1), (4, 2)]),
+    per_rank=st.integers(1, 24),
+    layout=st.sampled_from([(1, 1), (2, 1), (4, 2), (4, 4)]),
     lengths_of=st.integers(1, 3),
     thorough=st.booleans(),
 )
