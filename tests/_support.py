@@ -53,6 +53,7 @@ _SHAPE_STEPS_OFF = {
     "tent_splits": lambda *args: None,
     "_less_rounding": lambda problem, search, shape: shape,
     "_reordered": lambda problem, search, shapes: shapes[0],
+    "_decreasing": lambda problem, searches, chosen: chosen,
 }
 
 

@@ -180,18 +180,19 @@ def decreasing_candidates(
     weights: Sequence[float],
     cap: int,
     dp_size: int,
-    per_rank: int,
-) -> Iterator[Construction]:
+    counts: Sequence[int],
+) -> Iterator[Tuple[int, Construction]]:
     """First fit by decreasing size, where alike samples share a row and rows of their own
     length round up least (two lengths at dp 12: five rows a rank where the balanced packings
-    need six).
+    need six), at each of ``counts`` micro-batches a rank: ``(count, construction)``.
 
     Each rank of a split by differencing (free, and equal counts where the samples divide) is
     packed alone, brought to the count by splitting its fullest rows (:func:`first_fit_bins`)
     and, apart, by peeling its smallest samples into rows of their own (:func:`peeled_bins`),
     which keeps the full rows whole and makes the extra micro-batches nearly empty: what an
     interleaved pipeline's count asks for. And the whole step packed at once, peeled to the
-    count and dealt round robin in packing order, full rows first, as NeMo-RL packs.
+    count and dealt round robin in packing order, full rows first, as NeMo-RL packs. The splits
+    and packings are made once for all counts.
     """
     items = list(items)
     values = [weights[i] for i in items]
@@ -204,22 +205,28 @@ def decreasing_candidates(
     def decreasing(members):
         return sorted(members, key=lambda i: (-sizes[i], i))
 
-    seen: List[List[List[List[int]]]] = []
+    packings = []
     for parts in splits:
         packed = [first_fit(decreasing(items[j] for j in part), sizes, cap) for part in parts]
-        if any(len(bins) > per_rank for bins in packed):
-            continue
-        for name, to_count, keep_order in (
-            ("decreasing", _to_count, False),
-            ("decreasing-peeled", peeled_bins, True),
-        ):
-            ranks = [to_count([list(b) for b in bins], sizes, per_rank) for bins in packed]
-            if ranks not in seen:
-                seen.append(ranks)
-                yield name, ranks, keep_order
-    bins = peeled_bins(first_fit(decreasing(items), sizes, cap), sizes, dp_size * per_rank)
-    if bins is not None:
-        yield "decreasing-dealt", [bins[r::dp_size] for r in range(dp_size)], True
+        if packed not in packings:
+            packings.append(packed)
+    whole = first_fit(decreasing(items), sizes, cap)
+    for per_rank in counts:
+        seen: List[List[List[List[int]]]] = []
+        for packed in packings:
+            if any(len(bins) > per_rank for bins in packed):
+                continue
+            for name, to_count, keep_order in (
+                ("decreasing", _to_count, False),
+                ("decreasing-peeled", peeled_bins, True),
+            ):
+                ranks = [to_count([list(b) for b in bins], sizes, per_rank) for bins in packed]
+                if ranks not in seen:
+                    seen.append(ranks)
+                    yield per_rank, (name, ranks, keep_order)
+        bins = peeled_bins(whole, sizes, dp_size * per_rank)
+        if bins is not None:
+            yield per_rank, ("decreasing-dealt", [bins[r::dp_size] for r in range(dp_size)], True)
 
 
 def peeled_bins(

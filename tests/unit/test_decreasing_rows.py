@@ -5,7 +5,6 @@ that share a row round up least; scored after every other step and kept only whe
 from __future__ import annotations
 
 import random
-from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -15,15 +14,14 @@ from benchmarks.baselines import BASELINES
 from benchmarks.lengths import LengthSet
 from benchmarks.small_steps import _ours, _score, overhead_cost
 from megatron_dynbatch.planning import ParallelLayout, PlannerConfig
-from megatron_dynbatch.planning import shape as shape_module
 from megatron_dynbatch.planning.candidates import decreasing_candidates, peeled_bins
-from tests._support import assert_never_slower
+from tests._support import assert_never_slower, planner_without
 
 pytestmark = pytest.mark.unit
 
 
 def _without():
-    return mock.patch.object(shape_module, "_DECREASING_PER_RANK", 0)
+    return planner_without("_decreasing")
 
 
 def test_two_lengths_fit_five_rows_a_rank_where_balancing_chose_six():
@@ -76,6 +74,26 @@ def test_an_interleaved_count_gets_nearly_empty_micro_batches_after_full_rows():
     assert new <= ffd * 1.001
 
 
+def test_equal_samples_run_full_rows_and_rows_of_one_sample():
+    """193 samples of 1,365 tokens at dp 8, pp 2 x vpp 4, cap 4,096, own rows of 128, 5% overhead
+    (more than 24 samples a rank, at most 256 in all): ours ran rows of two and three samples;
+    next fit, seven full rows of three and three of one sample a rank, was 0.5% ahead."""
+    lengths = [1365] * 193
+    samples = LengthSet(lengths, [i // 8 for i in range(193)], None)
+    parallel = ParallelLayout(dp_size=8, pp_size=2, vpp_size=4)
+    cost = overhead_cost(4096, 0.05)
+    new = _ours(samples, parallel, 4096, cost, 128)
+    with _without():
+        old = _ours(samples, parallel, 4096, cost, 128)
+    theirs = BASELINES["next_fit"](
+        lengths, dp_size=8, token_cap=4096, microbatch_multiple=parallel.microbatch_multiple
+    )
+    next_fit, over = _score(theirs, samples, parallel, 4096, cost, 128)
+    assert not over
+    assert old > next_fit * 1.004
+    assert new <= next_fit * 1.001
+
+
 def test_equal_samples_of_a_large_step_round_up_least():
     """2,560 samples of 341 tokens at dp 64, no pipeline, rows of 128, 1% overhead (more samples
     than the ramps reach): two rows of 682 tokens a rank (768 each) where 1,023 and 341 round to
@@ -104,11 +122,13 @@ def test_every_decreasing_construction_keeps_the_cap_the_count_and_every_sample(
         dp, per_rank, cap = rng.randint(1, 6), rng.randint(1, 8), rng.choice([256, 1024])
         items = list(range(rng.randint(1, 40)))
         sizes = [rng.randint(1, cap) for _ in items]
-        for _name, ranks, _keep in decreasing_candidates(
-            items, sizes, [float(s) for s in sizes], cap, dp, per_rank
+        counts = [per_rank, per_rank + 2]
+        for count, (_name, ranks, _keep) in decreasing_candidates(
+            items, sizes, [float(s) for s in sizes], cap, dp, counts
         ):
+            assert count in counts
             assert len(ranks) == dp
-            assert all(len(rank) == per_rank for rank in ranks)
+            assert all(len(rank) == count for rank in ranks)
             assert all(sum(sizes[i] for i in mb) <= cap for rank in ranks for mb in rank)
             assert sorted(i for rank in ranks for mb in rank for i in mb) == items
 

@@ -10,10 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from benchmarks.baselines import BASELINES
 from benchmarks.lengths import LengthSet
 from benchmarks.metrics import EVAL_COST
-from benchmarks.small_steps import _ours, _score, overhead_cost
+from benchmarks.small_steps import PEERS, _ours, _score, overhead_cost
 from megatron_dynbatch.planning import (
     CostModel,
     ParallelLayout,
@@ -31,7 +30,7 @@ def searched_orders_only():
 
 #: First fit decreasing (``shape._decreasing``) reaches some of these steps' fixes by another way
 #: (full rows first); tests of a sorted order's own fix hold it without that construction.
-without_decreasing = mock.patch.object(shape_module, "_DECREASING_PER_RANK", 0)
+without_decreasing = mock.patch.object(shape_module, "_decreasing", lambda p, s, chosen: chosen)
 
 
 def _ours_and_before(samples, parallel, cap, cost, rows, before=searched_orders_only):
@@ -49,7 +48,7 @@ def _patched(name, value):
 
 
 def _peer(name, samples, parallel, cap, cost, rows):
-    theirs = BASELINES[name](
+    theirs = PEERS[name](
         samples.lengths,
         dp_size=parallel.dp_size,
         token_cap=cap,
@@ -192,7 +191,7 @@ def test_a_rank_refined_again_from_heaviest_first_passes_where_refinement_stoppe
     before = _patched("_RESTART_SAMPLES_PER_RANK", 0)
     new, old = _ours_and_before(samples, parallel, 1024, cost, 64, before)
     nemo_rl = _peer("nemo_rl_ffd", samples, parallel, 1024, cost, 64)
-    assert old > nemo_rl * 1.01
+    assert old > nemo_rl * 1.005  # 1.2% before the long descent order, 0.8% with it
     assert new < nemo_rl
 
 
@@ -239,3 +238,20 @@ def test_a_count_more_than_ten_percent_slower_unsorted_is_sorted_too():
     nemo_rl = _peer("nemo_rl_ffd", samples, parallel, 1024, cost, 64)
     assert old > nemo_rl * 1.005
     assert new < nemo_rl
+
+
+def test_a_long_descent_puts_two_light_micro_batches_last():
+    """436 samples of 12,241 tokens and 396 of 6,162 at dp 64, pp 8, cap 16,384, one row a step:
+    seven full rows and three pairs a rank. Light-heavy-light laid two pairs first and one last;
+    verl's differencing, one first and two last, ran 2.1% faster (a 1F1B drain waits on
+    backwards, about twice a forward). The long descent lays them so."""
+    lengths = [12241] * 436 + [6162] * 396
+    random.Random(158).shuffle(lengths)
+    samples = LengthSet(lengths, [i // 8 for i in range(len(lengths))], None)
+    parallel = ParallelLayout(dp_size=64, pp_size=8)
+    cost = overhead_cost(16384, 0.0)
+    before = _patched("_ORDERS", ("heaviest", "lightest"))
+    new, old = _ours_and_before(samples, parallel, 16384, cost, None, before)
+    verl = _peer("verl_kk_capped", samples, parallel, 16384, cost, None)
+    assert old > verl * 1.01
+    assert new <= verl * 1.001
