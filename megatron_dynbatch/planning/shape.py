@@ -32,6 +32,7 @@ import itertools
 import math
 from typing import Dict, List, Optional, Tuple
 
+from .balance import descent_order
 from .candidates import (
     SMALL_STEP_SAMPLES,
     TINY_STEP_SAMPLES,
@@ -547,19 +548,11 @@ _ORDERS = ("heaviest", "lightest", "descent")
 
 
 def _arranged(order: List[int], key, way: str) -> List[int]:
-    """A rank's micro-batches heaviest first, lightest first, or in a long descent: lightest
-    last, then one to the front for every two to the back. A 1F1B drain waits on backwards,
-    about twice a forward, so a light micro-batch is worth more at the end than at the start:
-    832 samples of 12,241 tokens and pairs of 6,162 at dp 64, pp 8, one row a step, seven full
-    rows and three pairs a rank, ran 2.1% faster as pair, seven rows, pair, pair than in the
-    searched pair, pair, seven rows, pair (verl's differencing lays them so and was that much
-    ahead, ``small_steps --wide`` seed 158)."""
-    if way != "descent":
-        return sorted(order, key=key, reverse=way == "heaviest")
-    ranked = sorted(order, key=key)
-    front = ranked[2::3]
-    back = [b for i, b in enumerate(ranked) if i % 3 != 2]
-    return front + back[::-1]
+    """A rank's micro-batches heaviest first, lightest first, or in a long descent
+    (:func:`.balance.descent_order`)."""
+    if way == "descent":
+        return descent_order(order, key)
+    return sorted(order, key=key, reverse=way == "heaviest")
 
 
 def _order_key(costs: List[float], bins: List[List[int]], b: int) -> Tuple[float, int, int]:

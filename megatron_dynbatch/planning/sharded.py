@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from .balance import pipeline_order, pipeline_orders
+from .balance import descent_order, pipeline_order, pipeline_orders
 from .candidates import differenced_rows
 from .cost import microbatch_cost, sample_costs
 from .registry import run_planner
@@ -239,9 +239,9 @@ def _best_order(
     mbs: Sequence[Sequence[int]], lengths: Sequence[int], config: PlannerConfig, count: int
 ) -> MicroBatches:
     """``mbs`` in the order of those below whose simulated step is fastest: as given, light-
-    heavy-light, light-heavy-light with the heaviest in its best slot (:mod:`.balance`), and
-    sorted heaviest first and lightest first (few micro-batches in an interleaved pipeline:
-    ``shape._reordered``)."""
+    heavy-light, light-heavy-light with the heaviest in its best slot (:mod:`.balance`), sorted
+    heaviest first and lightest first (few micro-batches in an interleaved pipeline:
+    ``shape._reordered``), and in a long descent (:func:`.balance.descent_order`)."""
     multiple = config.parallel.sample_multiple
     parallel = config.parallel
     costs = [
@@ -263,6 +263,7 @@ def _best_order(
         )[0],
         sorted(bins, key=lambda b: (costs[b], b), reverse=True),
         sorted(bins, key=lambda b: (costs[b], b)),
+        descent_order(bins, lambda b: (costs[b], b)),
     ]
     laid = [tuple(tuple(mbs[b]) for b in order) for order in orders]
     return min(laid, key=lambda plan: rank_step_time(plan, count, lengths, config))

@@ -19,6 +19,7 @@ from megatron_dynbatch.planning import (
     PlannerConfig,
 )
 from megatron_dynbatch.planning import shape as shape_module
+from megatron_dynbatch.planning.balance import descent_order
 from tests._support import assert_never_slower, planner_without
 
 pytestmark = pytest.mark.unit
@@ -255,3 +256,10 @@ def test_a_long_descent_puts_two_light_micro_batches_last():
     verl = _peer("verl_kk_capped", samples, parallel, 16384, cost, None)
     assert old > verl * 1.01
     assert new <= verl * 1.001
+
+
+def test_the_long_descent_rises_over_a_third_and_falls_over_the_rest():
+    costs = [4.0, 1.0, 6.0, 3.0, 5.0, 2.0, 7.0]
+    order = descent_order(range(7), costs.__getitem__)
+    assert [costs[b] for b in order] == [3.0, 6.0, 7.0, 5.0, 4.0, 2.0, 1.0]
+    assert sorted(order) == list(range(7))
