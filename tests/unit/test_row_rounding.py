@@ -133,3 +133,22 @@ def test_fewer_fuller_rows_are_rounded_too():
     assert not over
     assert new < old * 0.95
     assert new < slime
+
+
+def test_a_step_over_the_ramps_gets_less_rounding_at_its_fewest_count():
+    """783 samples of 448 tokens and 753 of 382 at dp 64, pp 4 x vpp 4, cap 1,024, rows of 128,
+    1% overhead (more samples than the ramps reach): the fewest count, 12 a rank, packed mixed
+    pairs (830 tokens in rows of 896), so 24 single rows won; equal pairs (896 and 768) at 12 a
+    rank are 5% faster, as NeMo-RL's first fit decreasing packs them."""
+    lengths = [448] * 783 + [382] * 753
+    random.Random(184).shuffle(lengths)
+    samples = LengthSet(lengths, [i // 8 for i in range(len(lengths))], None)
+    parallel = ParallelLayout(dp_size=64, pp_size=4, vpp_size=4)
+    cost = overhead_cost(1024, 0.01)
+    ours = _ours(samples, parallel, 1024, cost, 128)
+    theirs = BASELINES["nemo_rl_ffd"](
+        lengths, dp_size=64, token_cap=1024, microbatch_multiple=parallel.microbatch_multiple
+    )
+    ffd, over = _score(theirs, samples, parallel, 1024, cost, 128)
+    assert not over
+    assert ours <= ffd * 1.001
