@@ -24,21 +24,34 @@ def _without():
     return planner_without("_decreasing")
 
 
+def _ours_before_and_peer(lengths, parallel, cap, overhead, rows, peer):
+    """The step / ideal of our plan, of our plan without first fit decreasing, and of ``peer``'s
+    schedule (which keeps the cap), scored as the benchmarks score peers."""
+    samples = LengthSet(lengths, [i // 4 for i in range(len(lengths))], None)
+    cost = overhead_cost(cap, overhead)
+    new = _ours(samples, parallel, cap, cost, rows)
+    with _without():
+        old = _ours(samples, parallel, cap, cost, rows)
+    theirs = BASELINES[peer](
+        lengths,
+        dp_size=parallel.dp_size,
+        token_cap=cap,
+        microbatch_multiple=parallel.microbatch_multiple,
+    )
+    step, over = _score(theirs, samples, parallel, cap, cost, rows)
+    assert not over
+    return new, old, step
+
+
 def test_two_lengths_fit_five_rows_a_rank_where_balancing_chose_six():
     """80 samples of 295 tokens and 76 of 336 at dp 12, no pipeline, cap 1,024, rows rounded to
     64 (``small_steps --wide`` seed 49): ours ran six rows a rank, 1.2% behind NeMo-RL's modified
     first fit, whose rows of three alike samples round up by 11 and 16 tokens."""
     lengths = [295] * 80 + [336] * 76
     random.Random(49).shuffle(lengths)
-    samples = LengthSet(lengths, [i // 4 for i in range(len(lengths))], None)
-    parallel = ParallelLayout(dp_size=12)
-    cost = overhead_cost(1024, 0.05)
-    new = _ours(samples, parallel, 1024, cost, 64)
-    with _without():
-        old = _ours(samples, parallel, 1024, cost, 64)
-    theirs = BASELINES["nemo_rl_mffd"](lengths, dp_size=12, token_cap=1024, microbatch_multiple=1)
-    mffd, over = _score(theirs, samples, parallel, 1024, cost, 64)
-    assert not over
+    new, old, mffd = _ours_before_and_peer(
+        lengths, ParallelLayout(dp_size=12), 1024, 0.05, 64, "nemo_rl_mffd"
+    )
     assert old > mffd * 1.005
     assert new <= mffd * 1.001
 
@@ -59,17 +72,8 @@ def test_an_interleaved_count_gets_nearly_empty_micro_batches_after_full_rows():
     of 64, 1% overhead: the count must be a multiple of 4, so 8 a rank. NeMo-RL's first fit
     decreasing runs four full rows and four of one short sample; ours balanced twelve by work,
     2.7% behind it. Peeled first fit decreasing is as fast as NeMo-RL's."""
-    samples = LengthSet(PARETO_120, [i // 4 for i in range(120)], None)
     parallel = ParallelLayout(dp_size=5, pp_size=4, vpp_size=4)
-    cost = overhead_cost(1024, 0.01)
-    new = _ours(samples, parallel, 1024, cost, 64)
-    with _without():
-        old = _ours(samples, parallel, 1024, cost, 64)
-    theirs = BASELINES["nemo_rl_ffd"](
-        PARETO_120, dp_size=5, token_cap=1024, microbatch_multiple=parallel.microbatch_multiple
-    )
-    ffd, over = _score(theirs, samples, parallel, 1024, cost, 64)
-    assert not over
+    new, old, ffd = _ours_before_and_peer(PARETO_120, parallel, 1024, 0.01, 64, "nemo_rl_ffd")
     assert old > ffd * 1.02
     assert new <= ffd * 1.001
 
@@ -78,18 +82,8 @@ def test_equal_samples_run_full_rows_and_rows_of_one_sample():
     """193 samples of 1,365 tokens at dp 8, pp 2 x vpp 4, cap 4,096, own rows of 128, 5% overhead
     (more than 24 samples a rank, at most 256 in all): ours ran rows of two and three samples;
     next fit, seven full rows of three and three of one sample a rank, was 0.5% ahead."""
-    lengths = [1365] * 193
-    samples = LengthSet(lengths, [i // 8 for i in range(193)], None)
     parallel = ParallelLayout(dp_size=8, pp_size=2, vpp_size=4)
-    cost = overhead_cost(4096, 0.05)
-    new = _ours(samples, parallel, 4096, cost, 128)
-    with _without():
-        old = _ours(samples, parallel, 4096, cost, 128)
-    theirs = BASELINES["next_fit"](
-        lengths, dp_size=8, token_cap=4096, microbatch_multiple=parallel.microbatch_multiple
-    )
-    next_fit, over = _score(theirs, samples, parallel, 4096, cost, 128)
-    assert not over
+    new, old, next_fit = _ours_before_and_peer([1365] * 193, parallel, 4096, 0.05, 128, "next_fit")
     assert old > next_fit * 1.004
     assert new <= next_fit * 1.001
 
