@@ -88,6 +88,23 @@ def assert_never_slower(lengths, config, before, tolerance=1e-9):
     return new
 
 
+def own_rows_config(dp, pp, vpp, overhead, thorough, cap=1024, multiple=64):
+    """A planner config of rows of their own length (rounded to ``multiple``) under ``cap``, the
+    benchmark's cost with a per-micro-batch overhead of ``overhead`` of a full row, and the
+    thorough planner where ``thorough``: what the never-slower properties plan."""
+    from benchmarks.small_steps import overhead_cost
+    from megatron_dynbatch.planning import ParallelLayout, PlannerConfig
+
+    return PlannerConfig(
+        max_tokens_per_gpu=cap,
+        parallel=ParallelLayout(dp_size=dp, pp_size=pp, vpp_size=vpp),
+        cost=overhead_cost(cap, overhead),
+        variable_row_lengths=True,
+        row_multiple=multiple,
+        planner="dynbatch-thorough" if thorough else "dynbatch",
+    )
+
+
 def replayed_step_time(step, lengths, config):
     """A planned step as it runs, replayed on its own rows by the simulator (independent of the
     planner's scoring): the slowest DP rank's pipeline, packed rows of one sample per segment."""

@@ -37,8 +37,8 @@ __all__ = [
     "is_small_step",
     "least_rounding",
     "modified_first_fit",
-    "peeled_bins",
     "natural_count",
+    "peeled_bins",
     "peer_schedules",
     "rank_packings",
     "small_step_candidates",
@@ -87,6 +87,24 @@ def is_small_step(num_samples: int, dp_size: int) -> bool:
     return num_samples <= SMALL_STEP_SAMPLES and num_samples <= SMALL_STEP_PER_RANK * dp_size
 
 
+def _differencing_splits(
+    items: Sequence[int], weights: Sequence[float], dp_size: int
+) -> List[Tuple[str, List[List[int]]]]:
+    """``items`` split over the ranks by differencing on their ``weights``: free (``"kk"``,
+    where :data:`KK_LIMIT` allows) and with equal counts (``"kk-equal"``, where the samples
+    divide), each as ``(name, samples of each rank)``."""
+    values = [weights[i] for i in items]
+    splits = []
+    if len(items) * dp_size <= KK_LIMIT:
+        # Free differencing merges one partial of dp sets per sample: O(n * dp log dp).
+        parts = karmarkar_karp(values, dp_size, False, ties="index")
+        splits.append(("kk", [[items[j] for j in part] for part in parts]))
+    if len(items) % dp_size == 0:
+        parts = karmarkar_karp(values, dp_size, True, ties="index")
+        splits.append(("kk-equal", [[items[j] for j in part] for part in parts]))
+    return splits
+
+
 def small_step_candidates(
     items: Sequence[int],
     sizes: Sequence[int],
@@ -116,15 +134,7 @@ def small_step_candidates(
     items = list(items)
     if not items:
         return
-    splits: List[Tuple[str, List[List[int]]]] = []
-    values = [weights[i] for i in items]
-    if len(items) * dp_size <= KK_LIMIT:
-        # Free differencing merges one partial of dp sets per sample: O(n * dp log dp).
-        parts = karmarkar_karp(values, dp_size, False, ties="index")
-        splits.append(("kk", [[items[j] for j in part] for part in parts]))
-    if len(items) % dp_size == 0:
-        parts = karmarkar_karp(values, dp_size, True, ties="index")
-        splits.append(("kk-equal", [[items[j] for j in part] for part in parts]))
+    splits = _differencing_splits(items, weights, dp_size)
     if len(items) <= EXACT_SAMPLES and dp_size > 1:
         splits.append(("exact", exact_split(items, weights, dp_size)))
     for k, (name, split) in enumerate(splits):
@@ -195,19 +205,13 @@ def decreasing_candidates(
     and packings are made once for all counts.
     """
     items = list(items)
-    values = [weights[i] for i in items]
-    splits = []
-    if len(items) * dp_size <= KK_LIMIT:
-        splits.append(karmarkar_karp(values, dp_size, False, ties="index"))
-    if len(items) % dp_size == 0:
-        splits.append(karmarkar_karp(values, dp_size, True, ties="index"))
 
     def decreasing(members):
         return sorted(members, key=lambda i: (-sizes[i], i))
 
     packings = []
-    for parts in splits:
-        packed = [first_fit(decreasing(items[j] for j in part), sizes, cap) for part in parts]
+    for _name, split in _differencing_splits(items, weights, dp_size):
+        packed = [first_fit(decreasing(part), sizes, cap) for part in split]
         if packed not in packings:
             packings.append(packed)
     whole = first_fit(decreasing(items), sizes, cap)

@@ -534,9 +534,7 @@ def _decreasing(
         return chosen
     weights = _own_weights(problem, search)
     multiple = search.microbatch_multiple
-    floor = round_up(
-        max(problem.min_count, ceil_div(search.total, search.dp * search.cap)), multiple
-    )
+    floor = _fewest_by_tokens(problem, search)
     best = chosen
     # The fewest counts, where full rows are what first fit makes, and the choice's.
     fewest = range(floor, floor + _DECREASING_COUNTS * multiple, multiple)
@@ -753,6 +751,13 @@ def _own_row_cost(problem: StepProblem, members: List[int], load: int) -> float:
     )
 
 
+def _fewest_by_tokens(problem: StepProblem, search: "PackedSearch") -> int:
+    """The fewest micro-batches a rank the step's tokens allow (its share of them in rows at the
+    cap), at least the imposed count, rounded up to the micro-batch multiple."""
+    fewest = max(problem.min_count, ceil_div(search.total, search.dp * search.cap))
+    return round_up(fewest, search.microbatch_multiple)
+
+
 def _more_candidates(
     problem: StepProblem,
     searches: List["ShapeSearch"],
@@ -793,9 +798,7 @@ def _more_candidates(
     # them: a rank's own split (differencing) can fit fewer micro-batches than dealing global
     # bins does, and the fewest rows are what no pipeline wants most (few samples a rank: few
     # counts).
-    floor = round_up(
-        max(problem.min_count, ceil_div(search.total, search.dp * search.cap)), multiple
-    )
+    floor = _fewest_by_tokens(problem, search)
     counts.update(range(floor, search.min_per_rank + 1, multiple))
     more = dict(scored)
     for m in sorted(c for c in counts if c >= problem.min_count):

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from benchmarks.baselines import BASELINES
 from benchmarks.lengths import LengthSet
 from benchmarks.small_steps import _ours, _score, overhead_cost
-from megatron_dynbatch.planning import ParallelLayout, PlannerConfig
+from megatron_dynbatch.planning import ParallelLayout
 from megatron_dynbatch.planning.candidates import decreasing_candidates, peeled_bins
-from tests._support import assert_never_slower, planner_without
+from tests._support import assert_never_slower, own_rows_config, planner_without
 
 pytestmark = pytest.mark.unit
 
@@ -145,13 +145,5 @@ def test_decreasing_rows_never_slow_a_step(seed, dp, per_rank, layout, lengths_o
         rng.choice(kinds) if rng.random() < 0.8 else rng.randint(1, 1024)
         for _ in range(dp * per_rank)
     ]
-    pp, vpp = layout
-    config = PlannerConfig(
-        max_tokens_per_gpu=1024,
-        parallel=ParallelLayout(dp_size=dp, pp_size=pp, vpp_size=vpp),
-        cost=overhead_cost(1024, rng.choice([0.0, 0.05])),
-        variable_row_lengths=True,
-        row_multiple=64,
-        planner="dynbatch-thorough" if thorough else "dynbatch",
-    )
+    config = own_rows_config(dp, *layout, rng.choice([0.0, 0.05]), thorough)
     assert_never_slower(lengths, config, _without)

@@ -20,7 +20,7 @@ from megatron_dynbatch.planning import (
 )
 from megatron_dynbatch.planning import shape as shape_module
 from megatron_dynbatch.planning.balance import descent_order
-from tests._support import assert_never_slower, planner_without
+from tests._support import assert_never_slower, own_rows_config, planner_without
 
 pytestmark = pytest.mark.unit
 
@@ -31,7 +31,7 @@ def searched_orders_only():
 
 #: First fit decreasing (``shape._decreasing``) reaches some of these steps' fixes by another way
 #: (full rows first); tests of a sorted order's own fix hold it without that construction.
-without_decreasing = mock.patch.object(shape_module, "_decreasing", lambda p, s, chosen: chosen)
+without_decreasing = planner_without("_decreasing")
 
 
 def _ours_and_before(samples, parallel, cap, cost, rows, before=searched_orders_only):
@@ -212,15 +212,7 @@ def test_refining_again_from_a_sorted_order_never_slows_a_step(
     lengths = [
         rng.choice([1024, rng.randint(1, 700), rng.randint(1, 64)]) for _ in range(dp * per_rank)
     ]
-    pp, vpp = layout
-    config = PlannerConfig(
-        max_tokens_per_gpu=1024,
-        parallel=ParallelLayout(dp_size=dp, pp_size=pp, vpp_size=vpp),
-        cost=overhead_cost(1024, rng.choice([0.0, 0.05])),
-        variable_row_lengths=True,
-        row_multiple=64,
-        planner="dynbatch-thorough" if thorough else "dynbatch",
-    )
+    config = own_rows_config(dp, *layout, rng.choice([0.0, 0.05]), thorough)
     assert_never_slower(lengths, config, _patched("_RESTART_SAMPLES_PER_RANK", 0))
 
 
