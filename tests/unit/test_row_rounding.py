@@ -8,7 +8,7 @@ import random
 from unittest import mock
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from benchmarks.baselines import BASELINES
@@ -28,8 +28,10 @@ pytestmark = pytest.mark.unit
 
 
 def rounded_as_packed():
-    # And without the sorted orders that come after (applied to the choice, rounded or not).
-    return planner_without("_less_rounding", "_reordered")
+    # And without the sorted orders and first fit decreasing that come after (applied to the
+    # choice, rounded or not: first fit decreasing tries counts up to the choice's, so a choice of
+    # fewer micro-batches can take a count it would have found away from it).
+    return planner_without("_less_rounding", "_reordered", "_decreasing")
 
 
 def test_pairs_of_equal_lengths_round_up_less_than_mixed_pairs():
@@ -91,6 +93,9 @@ def test_small_samples_move_between_rows_until_one_rounds_up_less():
     multiple=st.sampled_from([8, 64, 128]),
     kinds=st.integers(1, 3),
 )
+# First fit decreasing, left on in the plan before, found a count of 24 the rounded choice of 12
+# no longer reached (0.11% faster).
+@example(seed=2911390, dp=2, per_rank=39, layout=(4, 2), cap=1024, multiple=128, kinds=3)
 def test_rounding_less_never_slows_a_step(seed, dp, per_rank, layout, cap, multiple, kinds):
     """Samples swap only where the step gets faster: never slower, replayed, each plan
     check_plan-clean, every row within the cap."""

@@ -356,8 +356,9 @@ def test_least_rounding_is_exact_on_tiny_ranks():
 def planner_before_refinement():
     """The planner as it was before the per-rank refinement (planning/refine.py), and before what
     came after it: tents (scored unrefined, they would stand in for it), rows rounded up less and
-    sorted orders (each applied to the choice, so to a different one without refinement)."""
-    return planner_without("_refined", "tent_splits", "_less_rounding", "_reordered")
+    sorted orders and first fit decreasing (each applied to the choice, so to a different one
+    without refinement)."""
+    return planner_without("_refined", "tent_splits", "_less_rounding", "_reordered", "_decreasing")
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.unit
 
 def without_tents():
     # And what came after the tents (applied to the choice, so to a different one without them).
-    return planner_without("tent_splits", "_less_rounding", "_reordered")
+    return planner_without("tent_splits", "_less_rounding", "_reordered", "_decreasing")
 
 
 @pytest.mark.parametrize("linear", [False, True])
