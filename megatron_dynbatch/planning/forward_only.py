@@ -270,7 +270,8 @@ def _rows(packed, config: PlannerConfig) -> ForwardOnlyPlan:
     cap = config.token_cap
     if config.variable_row_lengths:
         multiple = config.variable_row_multiple
-        rows = [variable_rows(loads, multiple, cap, config.memory) for _, loads in packed]
+        floor = config.parallel.sample_multiple
+        rows = [variable_rows(loads, multiple, cap, config.memory, floor) for _, loads in packed]
     else:
         longest = max([1] + [load for _, loads in packed for load in loads])
         rows = [[longest] * len(loads) for _, loads in packed]

@@ -319,16 +319,22 @@ def _shape_and_cap(
         return problems
     # Variable rows: a placeholder reuses a real row's length or runs the shortest row the layout
     # allows, one variable-row multiple (the cheapest whole row; shapes are exchanged per
-    # micro-batch anyway).
+    # micro-batch anyway); where that multiple is over the cap, the shortest real row within it,
+    # else the cap rounded down to the sample multiple. Never over the cap.
     real_rows = {
         step.row_lengths[q][j]
         for q, other in enumerate(step.ranks)
         for j, members in enumerate(other)
         if members and step.row_lengths
     }
-    if real_rows and config.variable_row_lengths:
-        shortest = config.variable_row_multiple
-        real_rows.add(shortest if shortest <= cap else min(real_rows))
+    if real_rows:
+        within = {row for row in real_rows if row <= cap}
+        shortest = max(multiple, cap // multiple * multiple)
+        if config.variable_row_lengths and config.variable_row_multiple <= cap:
+            shortest = config.variable_row_multiple
+        elif within:
+            shortest = min(within)
+        real_rows = within | {shortest}
     size_of = sizes.__getitem__
     if layout == "packed" and in_range and not step.packed_rows:
         if tokens is None:

@@ -261,7 +261,15 @@ def _variable_rows(
     the planner's one rule (:func:`.step_search.variable_rows`); ``seq_length`` is the longest row.
     """
     loads = [sum(sizes[i] for i in mb) for rank in ranks for mb in rank]
-    flat = iter(variable_rows(loads, config.variable_row_multiple, config.token_cap, config.memory))
+    flat = iter(
+        variable_rows(
+            loads,
+            config.variable_row_multiple,
+            config.token_cap,
+            config.memory,
+            config.parallel.sample_multiple,
+        )
+    )
     rows = tuple(tuple(next(flat) for _ in rank) for rank in ranks)
     return max(row for rank in rows for row in rank), rows
 

@@ -727,7 +727,7 @@ def _refined(problem: StepProblem, shape: StepShape, budget: Optional[int] = Non
     )
     if spans is None or max(spans) >= shape.step_time * (1.0 - TIE):
         return shape
-    rows = variable_rows(loads, multiple, cap, problem.memory)
+    rows = variable_rows(loads, multiple, cap, problem.memory, problem.parallel.sample_multiple)
     return dataclasses.replace(
         shape,
         bins=bins,

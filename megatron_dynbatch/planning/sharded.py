@@ -341,7 +341,11 @@ def rank_step_time(
     sizes += [list(filler) for _ in range(count - len(mbs))]
     sizes = [mb + [multiple] * (rows - len(mb)) for mb in sizes]
     rows = variable_rows(
-        [sum(mb) for mb in sizes], config.variable_row_multiple, config.token_cap, config.memory
+        [sum(mb) for mb in sizes],
+        config.variable_row_multiple,
+        config.token_cap,
+        config.memory,
+        config.parallel.sample_multiple,
     )
     costs = [
         microbatch_cost(config.cost, config.layout, row, 1, mb, mb)

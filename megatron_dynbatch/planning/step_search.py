@@ -177,7 +177,11 @@ class StepShape:
 
 
 def variable_rows(
-    loads: Sequence[int], multiple: int, cap: int, memory: Optional[Any] = None
+    loads: Sequence[int],
+    multiple: int,
+    cap: int,
+    memory: Optional[Any] = None,
+    sample_multiple: int = 1,
 ) -> List[int]:
     """Every micro-batch's own row: its padded load rounded up to ``multiple``.
 
@@ -188,7 +192,10 @@ def variable_rows(
     padded load. A placeholder (load 0) runs the shortest row the layout allows, one
     ``multiple``: under interleaving the micro-batches added to reach a multiple of the group then
     cost as little as they can, and a row of ``multiple`` tokens is still a whole row (every key,
-    loss mask zero), never a stub.
+    loss mask zero), never a stub. Where ``multiple`` is over the cap (a tiny budget), it runs
+    the shortest real row within the cap, or, where every real row holds a lone oversize sample,
+    the cap rounded down to ``sample_multiple`` (what every row must divide by: tp, 2 x cp): a
+    placeholder is never over the cap.
     """
     real = {}
     for load in loads:
@@ -198,8 +205,14 @@ def variable_rows(
                 real[load] = row if memory is None or memory.fits((1, row)) else load
             else:
                 real[load] = row if row <= cap else load
-    # A multiple above the cap (a tiny budget): the shortest real row, which is within it.
-    placeholder = multiple if multiple <= cap or not real else min(real.values())
+    placeholder = multiple
+    if multiple > cap:
+        within = [row for row in real.values() if row <= cap]
+        placeholder = (
+            min(within)
+            if within
+            else max(sample_multiple, cap // sample_multiple * sample_multiple)
+        )
     return [real[load] if load > 0 else placeholder for load in loads]
 
 
@@ -392,7 +405,13 @@ class ShapeSearch:
         layout = problem.layout
         row_lengths = None
         if problem.row_multiple is not None:
-            row_lengths = variable_rows(loads, problem.row_multiple, problem.cap, problem.memory)
+            row_lengths = variable_rows(
+                loads,
+                problem.row_multiple,
+                problem.cap,
+                problem.memory,
+                problem.parallel.sample_multiple,
+            )
             model = self.model
             extra = model.shape_exchange_overhead
             if model.attention_kind(layout) == "segment":

@@ -187,6 +187,30 @@ def test_variable_rows_never_round_past_the_cap():
             assert row <= 1000, (mb, row)
 
 
+def test_a_placeholder_row_is_never_over_the_budget():
+    # tp 8 pads rows to 1,024 tokens, over a budget of 1,000; the step's one sample (1,500) is
+    # oversize and runs alone in a row of 2,048. The other rank's placeholder ran that row too
+    # (twice the budget, for no sample); it runs the budget rounded down to the tp size.
+    schedule = build_dp_schedule(
+        _args(max_tokens_per_gpu=1000, tensor_model_parallel_size=8),
+        slime_tp(dp_size=2),
+        [1500],
+        global_batch_size=1,
+        rollout_indices=[0],
+    )
+    for rows in (schedule.row_lengths, schedule.forward_only.row_lengths):
+        by_rank = {
+            bool(mb): row
+            for mbs, rank_rows in zip(schedule.micro_batch_indices, rows, strict=True)
+            for mb, row in zip(mbs, rank_rows, strict=True)
+        }
+        assert by_rank == {True: 2048, False: 1000}
+    # With a real row within the budget, the placeholder runs the shortest such row.
+    assert variable_rows([1500, 600, 0], 1024, 1000, sample_multiple=8) == [2048, 600, 600]
+    assert variable_rows([1500, 0], 1024, 1000, sample_multiple=8) == [2048, 1000]
+    assert variable_rows([20, 0], 128, 16) == [128, 16]
+
+
 def test_a_lone_oversize_row_is_not_aligned_past_the_memory_budget():
     class Budget:
         """A memory budget that holds rows of up to 1,350 tokens (MemoryLimit.fits' shape)."""
