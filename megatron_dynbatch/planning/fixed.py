@@ -43,9 +43,13 @@ def plan_fixed_samples(
     seq_length: int,
     rollouts_per_step: Optional[int] = None,
     microbatch_multiple: int = 1,
+    token_cap: Optional[int] = None,
+    sample_multiple: int = 1,
 ) -> Plan:
     """:func:`plan_fixed_microbatches` on an already validated :class:`SampleSet` (the ``fixed``
-    registered planner, :mod:`.registry`)."""
+    registered planner, :mod:`.registry`). ``token_cap`` and ``sample_multiple``: what the plan
+    reports (the budget's cap, the tp / cp padding the lengths were rounded to); by default the
+    shape's ``micro_batch_size * seq_length`` and 1."""
     for name, value in (
         ("dp_size", dp_size),
         ("micro_batch_size", micro_batch_size),
@@ -92,7 +96,7 @@ def plan_fixed_samples(
         steps=tuple(steps),
         stats=PlanStats.from_steps(steps, num_samples=len(samples), dp_size=dp_size),
         layout="padded",
-        sample_multiple=1,
-        token_cap=micro_batch_size * seq_length,
+        sample_multiple=sample_multiple,
+        token_cap=micro_batch_size * seq_length if token_cap is None else token_cap,
         dp_size=dp_size,
     )

@@ -298,8 +298,8 @@ def _fixed(samples: SampleSet, config: PlannerConfig) -> Plan:
         )
         raise DynBatchValueError(
             f"planner 'fixed' pads every sample to the longest ({seq_length} tokens after "
-            f"rounding), over the token cap {config.token_cap}{ignored}; raise "
-            f"--max-tokens-per-gpu or pick planner {DEFAULT_PLANNER!r} (it runs an oversize "
+            f"rounding), over the token cap {config.token_cap} ({config.cap_source}){ignored}; "
+            f"raise {config.cap_flag} or pick planner {DEFAULT_PLANNER!r} (it runs an oversize "
             "sample alone, or cuts it with --oversize-samples truncate)."
         )
     return plan_fixed_samples(
@@ -309,6 +309,8 @@ def _fixed(samples: SampleSet, config: PlannerConfig) -> Plan:
         seq_length=seq_length,
         rollouts_per_step=config.rollouts_per_step,
         microbatch_multiple=config.parallel.microbatch_multiple,
+        token_cap=config.token_cap,
+        sample_multiple=config.parallel.sample_multiple,
     )
 
 

@@ -562,11 +562,26 @@ class PlannerConfig:
             )
         multiple = self.parallel.sample_multiple
         if self.memory is not None and self.memory.row_cap(1) < multiple:
+            model = self.memory.model
+            resting = max(model.resting(s) for s in model.dims.stages())
+            if resting >= self.memory.budget_bytes:
+                # Recomputing activations cannot help where the state at rest alone is over.
+                fix = (
+                    f"the state at rest alone (weights, gradients, optimizer) is over it; raise "
+                    f"--max-memory-gib above {resting / 2**30:.3f}"
+                    + (
+                        ""
+                        if model.distributed_optimizer
+                        else ", shard the optimizer state " "(--use-distributed-optimizer)"
+                    )
+                    + ", or shard the model further (a larger tp_size or pp_size)."
+                )
+            else:
+                fix = "raise --max-memory-gib, or recompute activations (--recompute-*)."
             raise DynBatchValueError(
                 f"the memory budget ({self.memory.budget_bytes / 2**30:.3f} GiB) cannot hold one "
                 f"micro-batch of {multiple} tokens on every pipeline stage (predicted at rest: "
-                f"{max(self.memory.model.resting(s) for s in self.memory.model.dims.stages()) / 2**30:.3f}"
-                " GiB); raise --max-memory-gib, or recompute activations (--recompute-*)."
+                f"{resting / 2**30:.3f} GiB); {fix}"
             )
         if self.token_cap < multiple:
             raise DynBatchValueError(

@@ -568,10 +568,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         with layout_flags("megatron-dynbatch"):
             if args.command == "plan":
-                return _cmd_plan(args)
-            if args.command == "calibrate":
-                return _cmd_calibrate(args)
-            return _cmd_verify(args)
+                code = _cmd_plan(args)
+            elif args.command == "calibrate":
+                code = _cmd_calibrate(args)
+            else:
+                code = _cmd_verify(args)
+            sys.stdout.flush()
+            return code
+    except BrokenPipeError:
+        # The reader closed the pipe early (``plan --json | head``): stop quietly, as a shell
+        # tool does, and keep Python's exit-time flush from raising again on the closed pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except ValueError as exc:
         # calibrate's advice is for a run (the training flags); plan and verify answer in the
         # spellings their command line used.

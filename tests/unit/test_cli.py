@@ -118,6 +118,37 @@ def test_plan_errors_exit_nonzero_with_one_line_and_no_traceback(tmp_path, data,
     assert proc.stdout == ""
 
 
+def test_plan_json_stops_quietly_when_its_reader_closes_the_pipe(tmp_path):
+    # `plan --json | head -c 10`: the reader goes away after a few bytes; the command stops
+    # without a BrokenPipeError traceback (one object of 16k samples is far over a pipe's buffer).
+    path = _write(tmp_path, [100 + i % 900 for i in range(16384)])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megatron_dynbatch", "plan", path]
+        + ["--dp-size", "512", "--max-tokens-per-gpu", "4096", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout.read(10) == b'{"layout":'
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    proc.wait(timeout=120)
+    assert "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr
+    assert proc.returncode in (0, 1)
+
+
+def test_plan_json_of_the_fixed_planner_reports_the_budget_and_the_padding(tmp_path, capsys):
+    # The fixed planner reported micro_batch_size x seq_length as the cap (104 of a budget of
+    # 100 x cp 2) and a sample multiple of 1 where every sample is padded to tp x 2cp = 8.
+    path = _write(tmp_path, [11, 21, 33, 41, 55, 99, 1, 3])
+    args = ["plan", path, "--dp-size", "3", "--tp-size", "2", "--cp-size", "2"]
+    args += ["--max-tokens-per-gpu", "100", "--dynamic-batch-planner", "fixed"]
+    assert main(args + ["--dynamic-batch-layout", "padded", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["token_cap"], data["sample_multiple"]) == (200, 8)
+    [step] = data["steps"]
+    assert step["seq_length"] == 104 and step["micro_batch_size"] * 104 <= 200
+
+
 def test_plan_missing_file_and_bad_json(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("[1, 2")

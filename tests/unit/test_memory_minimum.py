@@ -11,6 +11,7 @@ budget is named with ``--max-memory-gib``.
 The same through the launch script, trained: ``tests/megatron/test_megatron_lm_entry.py``.
 """
 
+import dataclasses
 import json
 import re
 
@@ -21,6 +22,7 @@ from megatron_dynbatch.integrations.megatron_lm import memory as step_memory
 from megatron_dynbatch.planning import PlannerConfig, SampleSet, plan_samples
 from megatron_dynbatch.planning.memory import GIB, MIB, MemoryLimit, MemoryModel
 from megatron_dynbatch.planning.model_dims import ModelDims
+from megatron_dynbatch.planning.registry import run_planner
 from megatron_dynbatch.planning.spec import ParallelLayout
 from megatron_dynbatch.tools.cli import main
 
@@ -91,12 +93,36 @@ def test_a_cap_the_memory_budget_sets_is_named_with_its_flag():
         plan_samples(SampleSet.build([config.token_cap + 10, 5]), config)
     message = str(refused.value)
     assert "Raise --max-memory-gib" in message and "Raise --max-tokens-per-gpu" not in message
+    # So does the fixed planner's refusal (it told to raise --max-tokens-per-gpu, which the
+    # memory budget's cap would refuse again).
+    fixed = dataclasses.replace(config, planner="fixed", layout="padded", oversize_samples="allow")
+    with pytest.raises(DynBatchValueError) as refused:
+        run_planner(SampleSet.build([config.token_cap + 10, 5]), fixed)
+    message = str(refused.value)
+    assert "raise --max-memory-gib" in message and "--max-tokens-per-gpu or" not in message
     # The token budget's own cap keeps its name.
     plain = PlannerConfig(max_tokens_per_gpu=64, oversize_samples="error")
     assert plain.cap_flag == "--max-tokens-per-gpu"
     with pytest.raises(DynBatchValueError, match=r"\(max_tokens_per_gpu=64 x cp_size=1\).*"
                        r"Raise --max-tokens-per-gpu"):  # fmt: skip
         plan_samples(SampleSet.build([100, 5]), plain)
+
+
+def test_a_budget_under_the_state_at_rest_is_not_told_to_recompute():
+    # Recomputing activations frees none of the weights, gradients and optimizer state: where
+    # those alone are over the budget, the refusal names the minimum and what shards them.
+    dims = ModelDims(num_layers=8, hidden_size=512, num_attention_heads=8, vocab_size=257)
+    for distributed in (False, True):
+        model = MemoryModel(dims=dims, attention="dense", distributed_optimizer=distributed)
+        resting = max(model.resting(s) for s in dims.stages())
+        for gib, at_rest in ((resting * 0.9 / GIB, True), (resting * 1.0001 / GIB, False)):
+            limit = MemoryLimit(model=model, budget_bytes=int(gib * GIB), row_multiple=1)
+            with pytest.raises(DynBatchValueError) as refused:
+                PlannerConfig(max_tokens_per_gpu=4096, memory=limit)
+            message = str(refused.value)
+            assert ("recompute" not in message) == at_rest, message
+            assert (f"above {resting / GIB:.3f}" in message) == at_rest, message
+            assert ("--use-distributed-optimizer" in message) == (at_rest and not distributed)
 
 
 _MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
