@@ -54,6 +54,21 @@ def test_a_plan_too_long_for_the_cpu_is_refused_and_the_named_cap_fits():
     verify_spec.check_fits_machine(_spec(), cores=2)
 
 
+def test_many_samples_within_the_cap_are_refused_with_a_fix_that_works():
+    # Two hundred samples of 100 tokens (none over the cap of 128) were told to "raise
+    # --max-tokens-per-gpu to 100" and that a sample was over it; no cap helps: 20,000 tokens a
+    # rank at dp 1 whatever it is.
+    samples = [100] * 200
+    with pytest.raises(DynBatchValueError) as refused:
+        verify_spec.check_fits_machine(_spec(samples=samples), cores=2)
+    message = str(refused.value)
+    assert "over --max-tokens-per-gpu" not in message and "truncate" not in message, message
+    dp = int(re.search(r"\(--dp-size (\d+)\)", message).group(1))
+    verify_spec.check_fits_machine(_spec(dp=dp, samples=samples), cores=2)
+    fewer = int(re.search(r"about (\d+) tokens at --dp-size 1", message).group(1))
+    verify_spec.check_fits_machine(_spec(samples=[100] * (fewer // 100)), cores=2)
+
+
 def test_the_cli_refuses_before_any_rank_and_the_oversize_warning_is_printed(
     tmp_path, capsys, monkeypatch
 ):
@@ -76,3 +91,14 @@ def test_the_cli_refuses_before_any_rank_and_the_oversize_warning_is_printed(
         main(["verify", "--samples", str(path)])
     err = capsys.readouterr().err
     assert "megatron-dynbatch verify: warning: 1 sample(s) exceed the token cap 128" in err
+
+
+@pytest.mark.parametrize(
+    "samples",
+    [[1, 1, 1], [{"length": 40, "prompt_length": 40}, {"length": 3, "prompt_length": 3}]],
+)
+def test_samples_without_a_loss_token_are_refused_not_passed(samples):
+    # [1, 1, 1] passed with every loss and gradient difference 0.0: nothing was compared.
+    with pytest.raises(DynBatchValueError, match="no loss tokens"):
+        _spec(samples=samples)
+    _spec(samples=samples + [2])  # one target is enough

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import warnings
 from dataclasses import dataclass
 from importlib import resources
@@ -227,6 +228,20 @@ def build_spec(
             f"--moe-ep-size {moe.ep_size} must divide --dp-size {parallel.dp_size}: Megatron's "
             "expert-parallel groups are made of data-parallel ranks."
         )
+    # A sample of L tokens and prompt P has L - max(P, 1) targets (the first token predicts
+    # nothing). Where none has any, every loss and gradient is zero on both sides and a pass
+    # would compare nothing.
+    targets = sum(
+        max(0, length - max(prompt or 0, 1))
+        for length, prompt in zip(sample_set.lengths, sample_set.prompt_lengths, strict=True)
+    )
+    if targets == 0:
+        raise DynBatchValueError(
+            f"SAMPLES.json's {len(sample_set.lengths)} sample(s) have no loss tokens (a sample of "
+            "L tokens and prompt_length P trains L - max(P, 1) targets): verify would compare "
+            "zero against zero. Give at least one sample more tokens than max(prompt_length, 1) "
+            "(e.g. [64, 32])."
+        )
     spec = VerifySpec(
         moe=moe,
         config=config,
@@ -312,12 +327,25 @@ def check_fits_machine(
     if per_rank > MAX_COMPUTED_TOKENS_PER_RANK:
         worst = max(plan.steps, key=lambda step: step.seq_length)
         longest = max(spec.lengths)
-        raise DynBatchValueError(
+        ran = (
             f"the plan runs {per_rank} tokens a rank ({worst.num_microbatches} micro-batches of "
             f"[{worst.micro_batch_size}x{worst.seq_length}] in its longest step), over the "
-            f"{MAX_COMPUTED_TOKENS_PER_RANK} verify runs in minutes on CPU; a sample of "
-            f"{longest} tokens over --max-tokens-per-gpu {spec.config.max_tokens_per_gpu} makes "
-            "every micro-batch of its step that long: raise --max-tokens-per-gpu to "
-            f"{longest} (fewer micro-batches), pass --oversize-samples truncate, or leave the "
-            "longest samples out of SAMPLES.json."
+            f"{MAX_COMPUTED_TOKENS_PER_RANK} verify runs in minutes on CPU"
+        )
+        if longest > spec.config.token_cap and worst.seq_length >= longest:
+            raise DynBatchValueError(
+                f"{ran}; a sample of {longest} tokens over --max-tokens-per-gpu "
+                f"{spec.config.max_tokens_per_gpu} makes every micro-batch of its step that "
+                f"long: raise --max-tokens-per-gpu to {longest} (fewer micro-batches), pass "
+                "--oversize-samples truncate, or leave the longest samples out of SAMPLES.json."
+            )
+        # No oversize sample: the samples are simply more than a rank computes in minutes. A
+        # larger dp shares them out (this check also runs before any rank starts).
+        total = sum(spec.lengths)
+        dp = parallel.dp_size
+        wider = math.ceil(per_rank * dp / MAX_COMPUTED_TOKENS_PER_RANK) + 1
+        raise DynBatchValueError(
+            f"{ran}: SAMPLES.json holds {len(spec.lengths)} samples of {total} tokens in all; "
+            f"verify fewer of them (about {MAX_COMPUTED_TOKENS_PER_RANK * dp // 2} tokens at "
+            f"--dp-size {dp}), or share them over more ranks (--dp-size {wider})."
         )
