@@ -192,14 +192,31 @@ def _oversize_warning(
     more = f" and {len(oversize) - _LISTED} more" if len(oversize) > _LISTED else ""
     worst = max((s for s in steps if s.oversize_samples), key=lambda s: s.seq_length)
     footprint = worst.micro_batch_size * worst.seq_length
+    advice = (
+        f"Pass --oversize-samples truncate to cut them to the cap, error to refuse them, or "
+        f"raise {config.cap_flag}."
+    )
+    head = f"{len(oversize)} sample(s) exceed the token cap {cap} ({config.cap_source}): {shown}{more}."
+    # Packed rows can vary per micro-batch (where shapes are exchanged), which keeps the others
+    # within the cap; padded [B, S] rows cannot.
+    variable = (
+        " (variable rows, --variable-seq-lengths, keep the others within the cap)"
+        if config.layout == "packed"
+        else ""
+    )
+    if worst.row_lengths:
+        # Variable rows: only the oversize sample's own micro-batch runs its long row.
+        return (
+            f"{head} Each runs alone in its micro-batch, in a row of its own length over the "
+            "cap; the step's other micro-batches keep rows within it (variable rows). The "
+            f"longest such row is {worst.seq_length} tokens, {worst.seq_length / cap:.2f}x the "
+            f"budget. {advice}"
+        )
     return (
-        f"{len(oversize)} sample(s) exceed the token cap {cap} ({config.cap_source}): "
-        f"{shown}{more}. Each "
-        "runs alone in its micro-batch, over the cap, and every micro-batch of its step, "
-        f"placeholders included, gets that row length: Megatron needs one [B, S] per step for its "
-        f"pipeline buffers. The longest such step runs {footprint} tokens per micro-batch, "
-        f"{footprint / cap:.2f}x the budget, on every GPU. Pass --oversize-samples truncate to cut "
-        f"them to the cap, error to refuse them, or raise {config.cap_flag}."
+        f"{head} Each runs alone in its micro-batch, over the cap, and every micro-batch of its "
+        "step, placeholders included, gets that row length: Megatron needs one [B, S] per step "
+        f"for its pipeline buffers{variable}. The longest such step runs {footprint} tokens per "
+        f"micro-batch, {footprint / cap:.2f}x the budget, on every GPU. {advice}"
     )
 
 

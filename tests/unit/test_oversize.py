@@ -1,6 +1,7 @@
 """The oversize policy: error / truncate / allow, in the planner, the config, the CLI and the
 materializer (issue 10, item 5)."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -85,6 +86,21 @@ def test_allow_runs_alone_and_warns_with_the_memory_consequence():
     assert "placeholders included" in message and "one [B, S] per step" in message
     assert plan.steps[0].seq_length == 5000
     assert (1,) in [mb for rank in plan.steps[0].ranks for mb in rank]
+
+
+def test_allow_under_variable_rows_warns_of_the_long_row_only():
+    # With variable rows only the oversize sample's micro-batch runs its long row; the warning
+    # said every micro-batch of the step did ("5000 tokens per micro-batch ... on every GPU").
+    config = dataclasses.replace(_config("allow"), variable_row_lengths=True, row_multiple=64)
+    with pytest.warns(OversizeSampleWarning) as caught:
+        plan = plan_schedule(LENGTHS, config=config)
+    message = str(caught[0].message)
+    assert "a row of its own length" in message and "5.06x the budget" in message, message
+    assert "placeholders included" not in message
+    [step] = plan.steps
+    for rank, rows in zip(step.ranks, step.row_lengths, strict=True):
+        for mb, row in zip(rank, rows, strict=True):
+            assert row <= 1000 or mb in ((1,), (4,)), (mb, row)
 
 
 def test_materialize_cuts_a_truncated_sample_to_its_kept_length():
