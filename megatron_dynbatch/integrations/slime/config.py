@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import numbers
 import warnings
 from typing import Any, Iterator, Optional
 
@@ -154,6 +155,16 @@ def dynbatch_config_from_slime_args(
         DynBatchValueError: a missing or bad budget, naming slime's flag.
     """
     budget = check_host_budget(SLIME, getattr(args, "max_tokens_per_gpu", None))
+    margin = getattr(args, "packing_safety_margin", None)
+    if margin is not None:
+        # Newer slime packs training micro-batches to this fraction of the budget.
+        if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not 0 < margin <= 1:
+            raise DynBatchValueError(
+                f"--packing-safety-margin {margin!r} must be a number in (0, 1]: the share of "
+                "--max-tokens-per-gpu a micro-batch may fill (above 1 it would exceed the "
+                "budget); e.g. 0.9, or 1 for the whole budget."
+            )
+        budget = max(1, int(budget * margin))
     log_probs = getattr(args, "log_probs_max_tokens_per_gpu", None)
     if log_probs is not None:
         log_probs = check_host_budget(SLIME, log_probs, forward_only=True)

@@ -34,6 +34,9 @@ planner by default; ``rollouts_per_step=global_batch_size``). Deliberate differe
   ``variable_seq_lengths`` allows; ``args.variable_seq_lengths=False`` keeps one row per step.
 * A rank's micro-batches are ordered for the pipeline (light ones at warm-up and cool-down), and
   samples within a micro-batch by global index, not in first-fit order.
+* Newer slime's options (after 624b824a8): ``packing_safety_margin`` caps every micro-batch at
+  that share of the budget, as slime's; ``global_batch_tokens`` and ``multimodal_aware_packing``
+  ``separate`` / ``separate_raw`` (with a multimodal sample) are refused by name, not ignored.
 * ``--max-memory-gib`` (patch 0005; slime has no byte budget): no step or log-prob pass is planned
   whose predicted per-stage peak exceeds it (:mod:`.memory`; ``DPSchedule.memory``).
 
@@ -187,8 +190,42 @@ def _lengths(total_lengths: Any) -> List[int]:
             maximum=MAX_TOKENS,
         )
     if not lengths:
-        raise DPScheduleError("total_lengths is empty; there is no sample to schedule.")
+        raise DPScheduleError(
+            "total_lengths is empty: the rollout batch holds no sample to schedule. Check that "
+            "--rollout-batch-size is at least 1 and that no filter (--dynamic-sampling-filter-"
+            "path) drops every sample of the batch."
+        )
     return lengths
+
+
+def _check_newer_slime(
+    args: Any, sample_is_multimodal: Any, num_samples: int, use_dynamic: bool
+) -> None:
+    """Newer slime's options that this drop-in does not plan by, refused by name rather than
+    ignored (a schedule that silently differs from the one asked for)."""
+    if sample_is_multimodal is not None:
+        flags = as_sequence("sample_is_multimodal", sample_is_multimodal, "one bool per sample")
+        if len(flags) != num_samples:
+            raise DPScheduleError(
+                f"sample_is_multimodal has {len(flags)} entries for {num_samples} samples; pass "
+                "one bool per sample of total_lengths."
+            )
+        mode = getattr(args, "multimodal_aware_packing", "off")
+        if use_dynamic and mode in ("separate", "separate_raw") and any(flags):
+            raise DynBatchValueError(
+                f"--multimodal-aware-packing {mode} keeps multimodal and text-only samples in "
+                "separate micro-batches, which megatron_dynbatch's planner does not (it packs "
+                "every sample by its cost); pass --multimodal-aware-packing off, or train this "
+                "run without megatron_dynbatch's patches."
+            )
+    tokens = getattr(args, "global_batch_tokens", None)
+    if tokens is not None:
+        raise DynBatchValueError(
+            f"--global-batch-tokens {tokens}: megatron_dynbatch's schedule makes each step of "
+            "--global-batch-size rollouts (every rollout trained, none trimmed) and does not "
+            "form steps by tokens; drop --global-batch-tokens, or train this run without "
+            "megatron_dynbatch's patches."
+        )
 
 
 def _rollout_keys(rollout_indices: Any, num_samples: int) -> List[Any]:
@@ -497,6 +534,7 @@ def build_dp_schedule(
     total_lengths: Sequence[int],
     global_batch_size: int = None,  # type: ignore[assignment]
     rollout_indices: Sequence[Any] = None,  # type: ignore[assignment]
+    sample_is_multimodal: Optional[Sequence[bool]] = None,
 ) -> DPSchedule:
     """slime's ``build_dp_schedule``, same arguments and return value (see the module docstring).
 
@@ -511,6 +549,12 @@ def build_dp_schedule(
         total_lengths: Token count of every sample (global index order).
         global_batch_size: Rollouts per optimizer step (slime passes it by keyword).
         rollout_indices: One rollout id per sample; a rollout's samples stay in one step.
+        sample_is_multimodal: Newer slime's flag per sample (``--multimodal-aware-packing``).
+            Accepted and checked; ours plans every sample by its cost alike, so where slime would
+            keep multimodal and text-only samples apart (``separate``, ``separate_raw``) the call
+            is refused rather than mixing them silently. Newer slime's ``args.global_batch_tokens``
+            (steps by tokens) is refused too; its ``args.packing_safety_margin`` (a fraction of
+            the token budget per micro-batch) is kept.
 
     Returns:
         A :class:`DPSchedule`: ``(partitions, micro_batch_indices, num_microbatches,
@@ -544,6 +588,7 @@ def build_dp_schedule(
             "pass --global-batch-size as the number of rollouts per optimizer step.",
         )
         pad = pad_size(args)
+        _check_newer_slime(args, sample_is_multimodal, len(lengths), use_dynamic)
         # A schedule of 1M samples builds millions of small lists and no reference cycles; the
         # cyclic collector would re-scan them at every threshold (a fifth of the time), so it is
         # paused for the call and restored as it was (as the planner does).
