@@ -76,7 +76,7 @@ def _lengths(values: Sequence[Any]) -> List[int]:
         more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
         raise DynBatchValueError(
             f"sample lengths must be integers >= 1; got {shown}{more}. Drop empty samples before "
-            f"planning, and pass token counts, not fractions."
+            f"planning, and pass token counts as integers (1000, not 1e3, 1000.0 or a fraction)."
         )
     huge = [(i, n) for i, n in enumerate(numbers) if n > MAX_TOKENS]
     if huge:

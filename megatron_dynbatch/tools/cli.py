@@ -164,7 +164,8 @@ def _read_json(path: str):
     try:
         if path == "-":
             return json.load(sys.stdin, object_pairs_hook=_unique_keys)
-        with open(path, encoding="utf-8") as handle:
+        # utf-8-sig: a file saved with a byte-order mark (some Windows editors) reads as without.
+        with open(path, encoding="utf-8-sig") as handle:
             return json.load(handle, object_pairs_hook=_unique_keys)
     except OSError as exc:
         raise DynBatchValueError(
@@ -178,6 +179,12 @@ def _read_json(path: str):
             "{length, rollout, prompt_length} objects."
         ) from None
     except ValueError as exc:
+        if "integer string conversion" in str(exc):
+            # Python's advice (sys.set_int_max_str_digits) is for programmers, not for a length.
+            raise DynBatchValueError(
+                f"{path!r} holds an integer of thousands of digits; a sample length is a token "
+                "count, at most 2**40."
+            ) from None
         raise DynBatchValueError(f"{path!r}: {exc}") from None
 
 
@@ -383,6 +390,15 @@ def _check_plot_path(path: str) -> None:
         raise DynBatchValueError(
             f"--plot {path!r}: the folder {folder!r} does not exist; create it or pick another "
             "path."
+        )
+    if os.path.isdir(path):
+        raise DynBatchValueError(
+            f"--plot {path!r} is a folder; name the picture's file, e.g. "
+            f"{os.path.join(path, 'step.png')!r}."
+        )
+    if not os.access(folder, os.W_OK):
+        raise DynBatchValueError(
+            f"--plot {path!r}: the folder {folder!r} is not writable; pick another path."
         )
 
 

@@ -149,6 +149,24 @@ def test_plan_json_of_the_fixed_planner_reports_the_budget_and_the_padding(tmp_p
     assert step["seq_length"] == 104 and step["micro_batch_size"] * 104 <= 200
 
 
+def test_plan_reads_a_byte_order_mark_and_names_bad_files_for_a_user(tmp_path, capsys):
+    bom = tmp_path / "bom.json"
+    bom.write_bytes(b"\xef\xbb\xbf[100, 200]")
+    assert main(["plan", str(bom), "--max-tokens-per-gpu", "256", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["num_samples"] == 2
+    huge = tmp_path / "huge.json"
+    huge.write_text("[" + "9" * 5000 + "]")
+    assert main(["plan", str(huge), "--max-tokens-per-gpu", "256"]) == 2
+    err = capsys.readouterr().err
+    assert "at most 2**40" in err and "set_int_max_str_digits" not in err
+    assert main(["plan", _write(tmp_path, [1e3]), "--max-tokens-per-gpu", "256"]) == 2
+    assert "1000, not 1e3" in capsys.readouterr().err
+    # A folder as --plot is refused before the samples are read or planned.
+    assert main(["plan", str(tmp_path / "missing.json"), "--plot", str(tmp_path)]
+                + ["--max-tokens-per-gpu", "256"]) == 2  # fmt: skip
+    assert "is a folder" in capsys.readouterr().err
+
+
 def test_plan_missing_file_and_bad_json(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("[1, 2")
