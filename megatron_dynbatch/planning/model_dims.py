@@ -118,6 +118,15 @@ class ModelDims:
             raise DynBatchValueError(
                 f"num_experts={self.num_experts} is not a multiple of ep_size={self.ep_size}."
             )
+        tp = self.parallel.tp_size
+        if self.num_attention_heads % tp or self.num_query_groups % tp:
+            # Megatron splits the attention heads (and key/value groups) over the tensor-parallel
+            # ranks and refuses a remainder; a memory estimate of such a model means nothing.
+            raise DynBatchValueError(
+                f"num_attention_heads={self.num_attention_heads} and num_query_groups="
+                f"{self.num_query_groups} must be multiples of tp_size={tp} (Megatron splits "
+                "them over the tensor-parallel ranks); pass a tp_size that divides both."
+            )
         chunks = self.parallel.pp_size * self.parallel.vpp_size
         if self.num_layers < chunks:
             raise DynBatchValueError(

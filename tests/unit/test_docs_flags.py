@@ -61,6 +61,8 @@ OTHER_TOOLS = {
         "--use-rollout-routing-replay",
         "--use-routing-replay",
     },
+    # Newer slime's (after the pinned 624b824a8), which ours refuses by name (docs/slime.md).
+    "slime, newer": {"--global-batch-tokens", "--multimodal-aware-packing"},
     "Megatron-LM tools/preprocess_data.py": {"--workers", "--partitions"},
     # Read by hand before the tool's own parser (launch/megatron_preprocess.py).
     "launch/megatron_preprocess.py": {"--megatron-lm-dir"},

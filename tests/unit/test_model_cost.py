@@ -247,3 +247,18 @@ def test_a_physical_default_plan_is_never_slower_than_fixed_micro_batches_under_
                 ranks=[[[lengths[j] for j in range(i, i + 4)] for i in range(0, 32, 4)]],
             )
             assert predict_seconds(ours, seconds) <= predict_seconds(fixed, seconds) * 1.0001
+
+
+def test_heads_that_do_not_split_over_tp_are_refused():
+    # Megatron refuses 4 heads over tp 3; `plan --tp-size 3` estimated memory for it anyway.
+    from megatron_dynbatch.errors import DynBatchValueError
+    from megatron_dynbatch.planning.spec import ParallelLayout
+
+    dims = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128)
+    ModelDims(**dims, parallel=ParallelLayout(tp_size=2))
+    with pytest.raises(DynBatchValueError, match="multiples of tp_size=3"):
+        ModelDims(**dims, parallel=ParallelLayout(tp_size=3))
+    with pytest.raises(
+        DynBatchValueError, match="num_query_groups=2 must be multiples of tp_size=4"
+    ):
+        ModelDims(**dims, num_query_groups=2, parallel=ParallelLayout(tp_size=4))

@@ -107,6 +107,7 @@ def test_fixed_is_megatrons_fixed_batching_under_the_budget():
         micro_batch_size=2048 // longest,
         seq_length=longest,
         rollouts_per_step=3,
+        token_cap=2048,  # the budget's cap, as the plan reports it
     )
     assert plan == expected and plan.steps[0].micro_batch_size == 2
     with pytest.raises(DynBatchValueError, match="--dynamic-batch-layout padded"):
