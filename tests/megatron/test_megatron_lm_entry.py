@@ -115,6 +115,17 @@ _REFUSALS = {
         _BASE + _DYNAMIC + ["--dynamic-batch-config", "{tmp}/gb.yaml"],
         "--dynamic-batch-config '{tmp}/gb.yaml', key max_memory_gib: '8GB' is refused",
     ),
+    # Issue 42: torch's flash kernels need CUDA; refused in every mode, naming the option (and,
+    # since a probe, before Megatron's argument dump too).
+    "torch-varlen-without-cuda": (
+        _ONE + ["--dynamic-batch-attention", "torch-varlen"],
+        "--dynamic-batch-attention torch-varlen runs torch's flash kernels, which need CUDA, and "
+        "this machine has none; use --dynamic-batch-attention reference (or auto).",
+    ),
+    "torch-varlen-without-cuda-dynamic": (
+        _ONE + _DYNAMIC + ["--dynamic-batch-attention", "torch-varlen"],
+        "--dynamic-batch-attention torch-varlen runs torch's flash kernels, which need CUDA",
+    ),
     # Issue 29: Megatron's bare `assert args.save_interval is not None` was an empty line.
     "save-without-interval": (
         _ONE + _DYNAMIC + ["--save", "{tmp}/checkpoint"],
@@ -145,16 +156,6 @@ _LATE_REFUSALS = {
     "no-validation-split-stock": (
         _without(_ONE, "--eval-iters") + ["--split", "100,0,0", "--eval-iters", 1],
         "--split '100,0,0' leaves the validation split (its second number) without data",
-    ),
-    # Issue 42: torch's flash kernels need CUDA; refused in every mode, naming the option.
-    "torch-varlen-without-cuda": (
-        _ONE + ["--dynamic-batch-attention", "torch-varlen"],
-        "--dynamic-batch-attention torch-varlen runs torch's flash kernels, which need CUDA, and "
-        "this machine has none; use --dynamic-batch-attention reference (or auto).",
-    ),
-    "torch-varlen-without-cuda-dynamic": (
-        _ONE + _DYNAMIC + ["--dynamic-batch-attention", "torch-varlen"],
-        "--dynamic-batch-attention torch-varlen runs torch's flash kernels, which need CUDA",
     ),
     # Issue 29: --blend-weights means nothing to Megatron's GPTDataset (stock mode).
     "blend-weights-in-stock-mode": (
@@ -218,12 +219,17 @@ def _assert_torchrun_reports(log, expected):
 def _run_driver(cases, log_path):
     """Each case's ``main(argv)`` in one process (no torchrun): ``{name: (log, exit status)}``."""
     import json
+    import os
     import subprocess
     import sys
 
+    # torchrun's rendezvous address, not its ranks: a case runs to the check that refuses it
+    # (the launch without torchrun is refused before Megatron's checks; its own test is a unit
+    # test), and a model split over ranks is still started as one process (no WORLD_SIZE).
     result = subprocess.run(
         [sys.executable, "-c", _DRIVER, str(LAUNCH), json.dumps(cases)],
         cwd=REPO,
+        env={**os.environ, "MASTER_ADDR": "127.0.0.1"},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from typing import Any, Dict, Optional
 
@@ -35,6 +36,10 @@ from megatron_dynbatch.config import (
 )
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.megatron_lm.console import world_size
+from megatron_dynbatch.integrations.megatron_lm.layout_checks import (
+    check_virtual_pipeline,
+    virtual_pipeline_size,
+)
 from megatron_dynbatch.planning.model_cost import ESTIMATED_MIN_GAIN
 from megatron_dynbatch.planning.spec import (
     DEFAULT_PLANNER,
@@ -363,6 +368,7 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
             ``--calculate-per-token-loss`` off, or an incompatible Megatron feature.
     """
     _check_one_data_source(args)
+    _check_calibration_flags(args)
     given = _given(args)
     config_path = getattr(args, "dynamic_batch_config", None)
     variable = getattr(args, VARIABLE_SEQ_LENGTHS_DEST, None) is not None
@@ -435,8 +441,12 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
             f"sharing a rollout id) instead of samples; set both to the rollouts per step, or "
             "drop --rollouts-per-step to count samples."
         )
-    # The layout first: its sizes (a data-parallel size of 0) are checked there, with their flags.
-    parallel = parallel_layout_from_args(args)
+    # Interleaving Megatron accepts here but fails on when it builds the model (or words without
+    # a flag); then the layout, with the chunks per stage Megatron derives only after this check
+    # (else a group below --pipeline-model-parallel-size passed, to fail at the first step). Its
+    # sizes (a data-parallel size of 0) are checked there, with their flags.
+    check_virtual_pipeline(args)
+    parallel = parallel_layout_from_args(args, vpp_size=virtual_pipeline_size(args))
     _check_budgets_fit_seq_length(args, config)
     _check_unused_micro_batch_sizes(args)
 
@@ -475,6 +485,73 @@ def _check_one_data_source(args: Any) -> None:
         raise DynBatchValueError(
             f"{', '.join(sources)} all given, but Megatron trains on a single data source; keep "
             "one of them."
+        )
+
+
+def _check_calibration_flags(args: Any) -> None:
+    """The calibration flags' values, with the switch on or off (the flags are ours).
+
+    Read only once calibration runs, a bad value otherwise acted silently (``-1`` steps as ``0``,
+    a ``nan`` or negative bound refusing every fit after the calibration steps were spent) or
+    failed many iterations in (an output path that is a file, when the fit is written).
+    """
+    steps = getattr(args, "dynamic_batch_calibration_steps", None)
+    if steps is not None:
+        check_int(
+            "--dynamic-batch-calibration-steps",
+            steps,
+            0,
+            f"pass the measured iterations to fit (default {DEFAULT_CALIBRATION_STEPS}), or 0 to "
+            "turn calibration off.",
+        )
+    bound = getattr(args, "dynamic_batch_calibration_max_error", None)
+    finite = isinstance(bound, (int, float)) and math.isfinite(bound)
+    if bound is not None and not (finite and bound > 0):
+        # The median relative error of a fit's predicted step times: 0 or less refuses every fit,
+        # and a fit may be off by more than 100%, so any finite bound above 0 is meaningful.
+        raise DynBatchValueError(
+            f"--dynamic-batch-calibration-max-error {bound!r} is refused: it is the largest median "
+            "relative error of a calibration fit that is planned with, so it must be a finite "
+            f"number > 0 (default {DEFAULT_CALIBRATION_MAX_ERROR}, i.e. 20%); pass e.g. "
+            f"{DEFAULT_CALIBRATION_MAX_ERROR}, a larger one such as 0.5 to accept noisier fits, "
+            "or --dynamic-batch-calibration-steps 0 to turn calibration off."
+        )
+    _check_calibration_output(args)
+
+
+def _check_calibration_output(args: Any) -> None:
+    """``--dynamic-batch-calibration-output`` must be a directory, or a path one can be made at.
+
+    Calibration writes its files there on global rank 0 after its measured steps
+    (``os.makedirs(path, exist_ok=True)``, then two files): a path that is a file, lies under a
+    file, or is not writable stopped the run there with a traceback, after the steps were spent.
+    Nothing is created here (an unused path stays uncreated, as before); only rank 0 checks, as
+    only rank 0 writes (another node need not have the path).
+    """
+    path = getattr(args, "dynamic_batch_calibration_output", None)
+    if not path or int(getattr(args, "rank", 0) or 0) != 0:
+        return  # empty: calibration writes into --save instead
+    flag = f"--dynamic-batch-calibration-output {path}"
+    fix = "pass a directory (it is created if missing), or leave the flag out to write into --save"
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise DynBatchValueError(
+            f"{flag} is a file, not a directory: calibration writes {CALIBRATION_YAML} and "
+            f"{CALIBRATION_JSON} into that directory; {fix}."
+        )
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise DynBatchValueError(
+            f"{flag}: {existing} is a file, so no directory can be made under it for "
+            f"{CALIBRATION_YAML} and {CALIBRATION_JSON}; {fix}."
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "it" if existing == os.path.abspath(path) else f"{existing}, where it would be made,"
+        raise DynBatchValueError(
+            f"{flag}: {what} is not writable by this user, so calibration could not write "
+            f"{CALIBRATION_YAML} and {CALIBRATION_JSON} there; pass a directory in a writable "
+            "place (it is created if missing), or leave the flag out to write into --save."
         )
 
 

@@ -52,13 +52,14 @@ this integration layer is the only place that falls back to Megatron's global gr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Literal, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -105,6 +106,7 @@ __all__ = [
     "configure",
     "current_hooks",
     "dynamic_log_string",
+    "entry_check",
     "hooks_for",
     "last_train_step",
     "prepare",
@@ -406,6 +408,28 @@ class DynamicBatchHooks:
 _hooks: Optional[DynamicBatchHooks] = None
 """The run's state: set by :func:`configure` (argument validation), read by every hook."""
 
+_entry_check: Optional[Callable[[Any], None]] = None
+"""The parsing entry's own start-up check (:func:`entry_check`), or ``None``."""
+
+
+@contextlib.contextmanager
+def entry_check(check: Callable[[Any], None]) -> Iterator[None]:
+    """Run ``check(args)`` in :func:`configure` while the block parses Megatron's arguments.
+
+    For the checks of an entry (``launch/pretrain_gpt_dynbatch.py``'s core attention, a launch
+    without torchrun) that read only flags: :func:`configure` runs before Megatron's
+    ``validate_args`` prints every argument (patch 0001), so their refusal is one line too, not
+    one after an ~850-line argument dump. Run after our own checks and the memory model (a
+    one-process launch meets those first), before :func:`~.layout_checks.check_world_size`.
+    Other hosts that register our flags run no such check.
+    """
+    global _entry_check
+    previous, _entry_check = _entry_check, check
+    try:
+        yield
+    finally:
+        _entry_check = previous
+
 
 def configure(args: Any) -> Optional[DynamicBatchHooks]:
     """Check the dynamic-batching flags and build the run's state (patch 0001, after validation).
@@ -420,6 +444,8 @@ def configure(args: Any) -> Optional[DynamicBatchHooks]:
     check_model_layout(args)
     config = validate_dynamic_batch_args(args)
     _hooks = None if config is None else DynamicBatchHooks(args, config)
+    if _entry_check is not None:
+        _entry_check(args)
     # Last: the other refusals are found in one process too (a launch without torchrun).
     check_world_size(args)
     if _hooks is not None:

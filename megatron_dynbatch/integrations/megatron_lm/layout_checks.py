@@ -9,6 +9,12 @@ refuse exactly what Megatron would refuse, in one line naming the flags and a va
 Cases Megatron words differently (``--hybrid-layer-pattern``, ``--pipeline-model-parallel-layout``,
 uneven first / last stages) are left to Megatron.
 
+With ``--use-dynamic-batch-size`` on, :func:`check_virtual_pipeline` (from
+``validate_dynamic_batch_args``) also refuses the interleaving layouts Megatron accepts at argument
+time but fails on later (a raw assert at model build). :func:`check_torchrun` refuses a launch
+without torchrun, which Megatron meets only in ``pretrain()`` (the launch entry runs it through
+``hooks.entry_check``, with the switch on or under ``megatron-dynbatch pretrain``).
+
 Imports only the standard library: testable without megatron.
 """
 
@@ -20,7 +26,28 @@ from typing import Any, List, Optional
 
 from megatron_dynbatch.errors import DynBatchValueError
 
-__all__ = ["check_model_layout", "check_world_size", "torchrun_command"]
+__all__ = [
+    "PRETRAIN_PROGRAM",
+    "check_model_layout",
+    "check_torchrun",
+    "check_virtual_pipeline",
+    "check_world_size",
+    "torchrun_command",
+    "virtual_pipeline_size",
+]
+
+#: ``sys.argv[0]`` under ``megatron-dynbatch pretrain`` / ``python -m megatron_dynbatch pretrain``
+#: (``tools.cli.PRETRAIN_PROGRAM``, which sets it; repeated here so that this module imports only
+#: the standard library).
+PRETRAIN_PROGRAM = "megatron-dynbatch pretrain"
+
+#: Megatron's flags that describe interleaving themselves (at most one of them; Megatron refuses
+#: two, with its own message).
+_VIRTUAL_FLAGS = (
+    ("num_virtual_stages_per_pipeline_rank", "--num-virtual-stages-per-pipeline-rank"),
+    ("num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage"),
+    ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout"),
+)
 
 
 def _size(args: Any, name: str) -> int:
@@ -65,27 +92,10 @@ def _check_layers(args: Any) -> None:
     pp = _size(args, "pipeline_model_parallel_size")
     if layers is None or pp < 1:
         return
-    extra = [
-        flag
-        for name, flag in (
-            (
-                "account_for_embedding_in_pipeline_split",
-                "--account-for-embedding-in-pipeline-split",
-            ),
-            ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split"),
-        )
-        if getattr(args, name, False)
-    ]
+    extra = _extra_layers(args)
     counted = layers + len(extra)
-    counted_note = f" (+{len(extra)} for {', '.join(extra)})" if extra else ""
-    if counted % pp:
-        fix = _either([m - len(extra) for m in _nearest_multiples(counted, pp)], "--num-layers")
-        raise DynBatchValueError(
-            f"--num-layers {layers}{counted_note} is not a multiple of "
-            f"--pipeline-model-parallel-size {pp}: Megatron gives every pipeline stage the same "
-            f"number of layers; use {fix}, or a --pipeline-model-parallel-size that divides "
-            f"{counted}."
-        )
+    counted_note = _counted_note(extra)
+    _check_layers_per_stage(layers, extra, pp)
     per_vp = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
     if per_vp is None:
         return
@@ -101,6 +111,138 @@ def _check_layers(args: Any) -> None:
             f"({2 * max(per_vp, 1)} layers a stage, 2 chunks), or drop "
             "--num-layers-per-virtual-pipeline-stage (no interleaving)."
         )
+
+
+def _extra_layers(args: Any) -> List[str]:
+    """The flags that count the embedding / the loss as a layer of the pipeline split."""
+    return [
+        flag
+        for name, flag in (
+            (
+                "account_for_embedding_in_pipeline_split",
+                "--account-for-embedding-in-pipeline-split",
+            ),
+            ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split"),
+        )
+        if getattr(args, name, False)
+    ]
+
+
+def _counted_note(extra: List[str]) -> str:
+    return f" (+{len(extra)} for {', '.join(extra)})" if extra else ""
+
+
+def _check_layers_per_stage(layers: int, extra: List[str], pp: int) -> None:
+    counted = layers + len(extra)
+    if counted % pp:
+        fix = _either([m - len(extra) for m in _nearest_multiples(counted, pp)], "--num-layers")
+        raise DynBatchValueError(
+            f"--num-layers {layers}{_counted_note(extra)} is not a multiple of "
+            f"--pipeline-model-parallel-size {pp}: Megatron gives every pipeline stage the same "
+            f"number of layers; use {fix}, or a --pipeline-model-parallel-size that divides "
+            f"{counted}."
+        )
+
+
+def virtual_pipeline_size(args: Any) -> Optional[int]:
+    """Model chunks per pipeline stage, as Megatron's ``validate_args`` derives
+    ``args.virtual_pipeline_model_parallel_size`` (which it sets only after the patched
+    ``parse_and_validate_args`` has run our checks), or ``None``: no interleaving, or a layout
+    only Megatron reads (``--pipeline-model-parallel-layout``, ``--hybrid-layer-pattern``, two
+    interleaving flags at once, a split that :func:`check_model_layout` refuses).
+    """
+    derived = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    if derived is not None:  # after Megatron's validation
+        return int(derived)
+    given = [name for name, _ in _VIRTUAL_FLAGS if getattr(args, name, None) is not None]
+    if len(given) != 1 or getattr(args, "hybrid_layer_pattern", None) is not None:
+        return None
+    stages = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+    if stages is not None:
+        return int(stages)
+    per_vp = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    layers = getattr(args, "num_layers", None)
+    pp = _size(args, "pipeline_model_parallel_size")
+    if per_vp is None or layers is None or per_vp < 1 or pp < 1:
+        return None
+    counted = layers + len(_extra_layers(args))
+    if counted % pp or (counted // pp) % per_vp:
+        return None
+    return counted // pp // per_vp
+
+
+def check_virtual_pipeline(args: Any) -> None:
+    """Interleaving (``--num-virtual-stages-per-pipeline-rank``, or
+    ``--num-layers-per-virtual-pipeline-stage``) against the pipeline: run with
+    ``--use-dynamic-batch-size`` only (without it Megatron's own behaviour is kept).
+
+    Megatron 0.19 takes ``--num-virtual-stages-per-pipeline-rank`` as given at argument time and
+    asserts only when it builds the model ("num_layers_per_pipeline_rank 1 should be divisible by
+    vp_size 2", a traceback per rank); with ``--pipeline-model-parallel-size 1`` it refuses any
+    interleaving in words that name no flag. Both are refused here, before the model is built.
+
+    Raises:
+        DynBatchValueError: Naming the flags, their values and values that pass.
+    """
+    vpp = virtual_pipeline_size(args)
+    if vpp is None:
+        return
+    stages = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+    per_vp = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    flag = (
+        f"--num-layers-per-virtual-pipeline-stage {per_vp}"
+        if stages is None and per_vp is not None
+        else f"--num-virtual-stages-per-pipeline-rank {vpp if stages is None else stages}"
+    )
+    if stages is not None and stages < 1:
+        # Megatron would take 0 as the size and divide by it when it builds the model.
+        raise DynBatchValueError(
+            f"{flag}: the model chunks of each pipeline stage must be 1 or more; use "
+            "--num-virtual-stages-per-pipeline-rank 2 (or more) to interleave, or drop it."
+        )
+    pp = _size(args, "pipeline_model_parallel_size")
+    if vpp > 1 and pp < 2:
+        # Megatron's own refusal ("When interleaved schedule is used, pipeline-model-parallel size
+        # should be greater than 1") names neither flag; without p2p overlap it needs 3 stages.
+        least = 2 if getattr(args, "overlap_p2p_comm", True) else 3
+        raise DynBatchValueError(
+            f"{flag} interleaves {vpp} model chunks per pipeline stage, but "
+            f"--pipeline-model-parallel-size is {pp}: interleaving splits the layers of each "
+            f"pipeline stage, so it needs {least} stages or more; drop {flag.split()[0]} (no "
+            f"interleaving), or set --pipeline-model-parallel-size {least} or more (and launch "
+            "that many ranks per model copy)."
+        )
+    if stages is None or any(
+        getattr(args, name, None) is not None
+        for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+    ):
+        # --num-layers-per-virtual-pipeline-stage: check_model_layout checked it; uneven first /
+        # last stages: Megatron's TransformerConfig checks them with its own message.
+        return
+    layers = getattr(args, "num_layers", None)
+    if layers is None or pp < 2:
+        return
+    extra = _extra_layers(args)
+    _check_layers_per_stage(layers, extra, pp)  # Megatron asserts it at model build here too
+    per_stage = (layers + len(extra)) // pp
+    if per_stage % stages == 0:
+        return
+    divisors = [d for d in range(2, per_stage + 1) if per_stage % d == 0]
+    other = (
+        f"{_either(divisors, '--num-virtual-stages-per-pipeline-rank')} (model chunks per "
+        "stage), "
+        if divisors
+        else ""
+    )
+    # The fewest layers at or above --num-layers that split into `stages` chunks a stage.
+    chunk = -(-(layers + len(extra)) // (pp * stages))
+    raise DynBatchValueError(
+        f"{flag} does not divide the {per_stage} layers of each pipeline stage (--num-layers "
+        f"{layers}{_counted_note(extra)} / --pipeline-model-parallel-size {pp}): Megatron gives "
+        f"every model chunk of a stage the same number of layers; use {other}--num-layers "
+        f"{pp * stages * chunk - len(extra)} ({stages * chunk} layers a stage, {chunk} a chunk), "
+        "or drop --num-virtual-stages-per-pipeline-rank (no interleaving)."
+    )
 
 
 def _check_positions(args: Any) -> None:
@@ -176,4 +318,46 @@ def check_world_size(args: Any, environ: Optional[dict] = None) -> None:
         f"ranks per model copy does not divide them; launch {ranks} ranks "
         f"(e.g. torchrun --nproc-per-node {model}), or change the sizes so that their product "
         f"divides {world}."
+    )
+
+
+#: What torchrun sets for every process it starts; without any of them this is a bare process.
+_TORCHRUN_ENVIRONMENT = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
+
+
+def check_torchrun(
+    args: Any, environ: Optional[dict] = None, program: Optional[str] = None
+) -> None:
+    """A launch without torchrun is told the torchrun command: with ``--use-dynamic-batch-size``,
+    or under ``megatron-dynbatch pretrain`` (``program``, default ``sys.argv[0]``).
+
+    Megatron-LM's ``pretrain()`` joins the process group through torchrun's environment
+    (``env://``); a bare ``python launch/pretrain_gpt_dynbatch.py ...`` (as a bare ``python
+    pretrain_gpt.py ...``) stopped there in an ~890-line traceback about ``MASTER_ADDR``, after
+    the argument dump. This is the case of a model that fits one rank; a model split over more
+    ranks than were launched is :func:`check_world_size`'s to name (with the ranks it needs).
+
+    Raises:
+        DynBatchValueError: Naming the torchrun command of this launch.
+    """
+    environ = os.environ if environ is None else environ
+    if any(name in environ for name in _TORCHRUN_ENVIRONMENT):
+        return
+    program = os.path.basename(program if program is not None else sys.argv[0])
+    if not (getattr(args, "use_dynamic_batch_size", False) or program == PRETRAIN_PROGRAM):
+        return  # stock Megatron's own behaviour (the same traceback) is kept
+    model = 1
+    for name in (
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "context_parallel_size",
+    ):
+        model *= max(_size(args, name), 1)
+    if _size(args, "world_size") % model:
+        return  # check_world_size names the ranks this model needs
+    raise DynBatchValueError(
+        "started as one process, without torchrun (no RANK, WORLD_SIZE or MASTER_ADDR in the "
+        "environment), but Megatron-LM's pretrain() sets its ranks up from torchrun's "
+        f"environment; launch it under torchrun: {torchrun_command(1, program)} (the same "
+        "arguments; more processes add data-parallel ranks)."
     )

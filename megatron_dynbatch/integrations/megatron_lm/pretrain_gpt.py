@@ -63,6 +63,8 @@ from megatron_dynbatch.integrations.megatron_lm.gpt_stock import (
     stock_datasets_provider,
     stock_forward_step,
 )
+from megatron_dynbatch.integrations.megatron_lm.hooks import entry_check
+from megatron_dynbatch.integrations.megatron_lm.layout_checks import check_torchrun
 from megatron_dynbatch.integrations.megatron_lm.memory import TrainingPeak
 from megatron_dynbatch.mcore.forward import (
     make_forward_step,
@@ -425,6 +427,21 @@ def _yaml_attention(args: Any) -> Optional[str]:
     return load_yaml_config(path, overridden=set(FLAGS) - {"attention"}).get("attention")
 
 
+def _check_launch(args: Any) -> None:
+    """The entry's checks of flags alone, run with ours before Megatron's argument dump
+    (:func:`~.hooks.entry_check`): an unusable ``--dynamic-batch-attention`` was one line after
+    ~850, a launch without torchrun a traceback of ~890 in ``pretrain()``."""
+    _launch_attention(args)
+    check_torchrun(args)
+
+
+def _launch_attention(args: Any) -> str:
+    """The launch's checked core attention (:func:`attention_of_args`), from the flags alone."""
+    return attention_of_args(
+        args, document_samples=_uses_documents(args), yaml_value=_yaml_attention(args)
+    )
+
+
 def _embedding_ranks(pp_ranks: Sequence[int]) -> List[int]:
     """Ranks holding the word embeddings: first stage, and the last one when they are tied."""
     ranks = {pp_ranks[0]}
@@ -453,9 +470,10 @@ def main(
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     try:
-        args = parse_and_validate_args(
-            extra_args_provider=extra_args_provider, args_defaults=_ARGS_DEFAULTS
-        )
+        with entry_check(_check_launch):
+            args = parse_and_validate_args(
+                extra_args_provider=extra_args_provider, args_defaults=_ARGS_DEFAULTS
+            )
     except (ValueError, AssertionError) as error:
         # A bad flag: ours (refused before Megatron prints the arguments, patch 0001) or
         # Megatron's own argument checks (ValueErrors and asserts): one line naming it.
@@ -465,9 +483,7 @@ def main(
         check_stock_args(args)
         # .idx/.bin checked before the model is built (issue 19), documents' ends too (issue 37)
         validate_data_paths(args, eod=_tokenizer_eod())
-        attention = attention_of_args(
-            args, document_samples=_uses_documents(args), yaml_value=_yaml_attention(args)
-        )
+        attention = _launch_attention(args)  # checked before the dump; resolved again here
         splits = None
         if args.blend_weights is not None and (
             datasets_provider is not None or not _uses_documents(args)

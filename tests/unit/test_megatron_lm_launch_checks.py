@@ -1,0 +1,260 @@
+"""Start-up refusals of the Megatron-LM launch that used to come late (a probe of
+``launch/pretrain_gpt_dynbatch.py``): interleaving Megatron derives only after our checks (a group
+below the pipeline size, virtual stages that do not divide a stage's layers, interleaving without
+a pipeline), the calibration flags' values and output directory, a launch without torchrun, and
+the entry's attention check run before Megatron's argument dump. In-process, through the functions
+the patched ``parse_and_validate_args`` and the entry's ``main`` call; the launches themselves are
+``tests/megatron/test_megatron_lm_entry.py``'s.
+"""
+
+import math
+import re
+
+import pytest
+
+from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.integrations.megatron_lm import arguments
+from megatron_dynbatch.integrations.megatron_lm.arguments import validate_dynamic_batch_args
+from megatron_dynbatch.integrations.megatron_lm.layout_checks import (
+    PRETRAIN_PROGRAM,
+    check_torchrun,
+    virtual_pipeline_size,
+)
+from tests._support import megatron_lm_args
+
+pytestmark = pytest.mark.unit
+
+_ON = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "256"]
+
+
+def _args(argv=(), **values):
+    """The probe's tiny run (seq 256, 4 samples a step, dp 1) as parsed, before Megatron's
+    ``validate_args`` (no ``virtual_pipeline_model_parallel_size`` derived yet)."""
+    base = dict(
+        num_layers=2,
+        seq_length=256,
+        global_batch_size=4,
+        micro_batch_size=1,
+        data_parallel_size=1,
+        num_virtual_stages_per_pipeline_rank=None,
+        num_layers_per_virtual_pipeline_stage=None,
+        microbatch_group_size_per_vp_stage=None,
+    )
+    base.update(values)
+    return megatron_lm_args(list(argv), **base)
+
+
+# -- B1: the interleaving group, with the chunks per stage Megatron derives later -----------------
+
+
+@pytest.mark.parametrize(
+    "vpp_flag",
+    [
+        dict(num_virtual_stages_per_pipeline_rank=2),
+        dict(num_layers_per_virtual_pipeline_stage=1),
+    ],
+    ids=["--num-virtual-stages-per-pipeline-rank", "--num-layers-per-virtual-pipeline-stage"],
+)
+def test_a_group_below_pp_is_refused_at_start_up_from_either_interleaving_flag(vpp_flag):
+    layout = dict(num_layers=4, pipeline_model_parallel_size=2, **vpp_flag)
+    assert virtual_pipeline_size(_args(**layout)) == 2
+    with pytest.raises(DynBatchValueError) as refused:
+        validate_dynamic_batch_args(_args(_ON, microbatch_group_size_per_vp_stage=1, **layout))
+    message = str(refused.value)
+    assert "microbatch_group_size_per_vp_stage=1 is smaller than pp_size=2" in message
+    assert "--microbatch-group-size-per-virtual-pipeline-stage" in message
+    # The fixes it names pass: a group of pp, or Megatron's default.
+    validate_dynamic_batch_args(_args(_ON, microbatch_group_size_per_vp_stage=2, **layout))
+    validate_dynamic_batch_args(_args(_ON, **layout))
+
+
+def test_the_derived_chunks_follow_megatron():
+    assert virtual_pipeline_size(_args()) is None
+    # After Megatron's validation its own value is read.
+    assert virtual_pipeline_size(_args(virtual_pipeline_model_parallel_size=4)) == 4
+    # A split Megatron refuses derives nothing (check_model_layout names it); the embedding
+    # counted as a layer is counted, as Megatron does.
+    per_layer = dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1)
+    assert virtual_pipeline_size(_args(num_layers=3, **per_layer)) is None
+    embedding = dict(account_for_embedding_in_pipeline_split=True)
+    assert virtual_pipeline_size(_args(num_layers=5, **per_layer, **embedding)) == 3
+    # Two interleaving flags at once: Megatron refuses them itself.
+    both = dict(num_layers=4, num_virtual_stages_per_pipeline_rank=2, **per_layer)
+    assert virtual_pipeline_size(_args(**both)) is None
+
+
+# -- B2 / minor: virtual stages against the layers of a stage, and interleaving needs a pipeline --
+
+
+@pytest.mark.parametrize(
+    "layers, stages, per_stage, fixes",
+    [
+        (2, 2, 1, "--num-layers 4 (2 layers a stage, 1 a chunk)"),
+        (
+            4,
+            3,
+            2,
+            "--num-virtual-stages-per-pipeline-rank 2 (model chunks per stage), "
+            "--num-layers 6 (3 layers a stage, 1 a chunk)",
+        ),
+    ],
+)
+def test_virtual_stages_that_do_not_divide_a_stage_are_refused_naming_values_that_work(
+    layers, stages, per_stage, fixes
+):
+    layout = dict(pipeline_model_parallel_size=2, num_virtual_stages_per_pipeline_rank=stages)
+    with pytest.raises(DynBatchValueError) as refused:
+        validate_dynamic_batch_args(_args(_ON, num_layers=layers, **layout))
+    message = str(refused.value)
+    assert message.startswith(
+        f"--num-virtual-stages-per-pipeline-rank {stages} does not divide the {per_stage} layers "
+        f"of each pipeline stage (--num-layers {layers} / --pipeline-model-parallel-size 2)"
+    ), message
+    assert f"use {fixes}, or drop --num-virtual-stages-per-pipeline-rank" in message, message
+    for value in re.findall(r"--num-virtual-stages-per-pipeline-rank (\d+) \(", message):
+        fixed = dict(layout, num_virtual_stages_per_pipeline_rank=int(value))
+        validate_dynamic_batch_args(_args(_ON, num_layers=layers, **fixed))
+    for value in re.findall(r"--num-layers (\d+) \(", message):
+        validate_dynamic_batch_args(_args(_ON, num_layers=int(value), **layout))
+    validate_dynamic_batch_args(_args(_ON, num_layers=layers, pipeline_model_parallel_size=2))
+    # Without the switch Megatron's own behaviour is kept (its assert at model build).
+    assert validate_dynamic_batch_args(_args(num_layers=layers, **layout)) is None
+
+
+def _stages(stages):
+    return dict(pipeline_model_parallel_size=2, num_virtual_stages_per_pipeline_rank=stages)
+
+
+def test_virtual_stages_over_layers_megatron_cannot_split_name_the_layer_count():
+    with pytest.raises(
+        DynBatchValueError,
+        match=r"--num-layers 3 is not a multiple of "
+        r"--pipeline-model-parallel-size 2.*use --num-layers 2 or --num-layers 4",
+    ):
+        validate_dynamic_batch_args(_args(_ON, num_layers=3, **_stages(2)))
+    with pytest.raises(DynBatchValueError, match="must be 1 or more"):
+        validate_dynamic_batch_args(_args(_ON, num_layers=4, **_stages(0)))
+
+
+@pytest.mark.parametrize(
+    "vpp_flag, named",
+    [
+        (dict(num_virtual_stages_per_pipeline_rank=2), "--num-virtual-stages-per-pipeline-rank"),
+        (dict(num_layers_per_virtual_pipeline_stage=1), "--num-layers-per-virtual-pipeline-stage"),
+    ],
+)
+def test_interleaving_without_a_pipeline_names_the_flag_and_the_fix(vpp_flag, named):
+    named += f" {next(iter(vpp_flag.values()))}"
+    with pytest.raises(DynBatchValueError) as refused:
+        validate_dynamic_batch_args(_args(_ON, **vpp_flag))
+    message = str(refused.value)
+    assert message.startswith(f"{named} interleaves 2 model chunks per pipeline stage"), message
+    assert f"drop {named.split()[0]} (no interleaving)" in message
+    assert "set --pipeline-model-parallel-size 2 or more" in message
+    args = _args(_ON, overlap_p2p_comm=False, **vpp_flag)
+    with pytest.raises(DynBatchValueError, match="--pipeline-model-parallel-size 3 or more"):
+        validate_dynamic_batch_args(args)
+    # One chunk a stage is no interleaving: accepted, as Megatron does.
+    validate_dynamic_batch_args(_args(_ON, num_virtual_stages_per_pipeline_rank=1))
+
+
+# -- B3 / B4 / B5: the calibration flags -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("bound", [-1.0, 0.0, math.nan, math.inf])
+def test_a_calibration_error_bound_that_no_fit_can_use_is_refused(bound):
+    flags = ["--dynamic-batch-calibration-max-error", str(bound)]
+    for argv in (_ON + flags, flags):  # our flag: with the switch on or off
+        with pytest.raises(DynBatchValueError) as refused:
+            validate_dynamic_batch_args(_args(argv))
+        message = str(refused.value)
+        assert message.startswith(f"--dynamic-batch-calibration-max-error {bound!r} is refused")
+        assert "must be a finite number > 0" in message and "pass e.g. 0.2" in message
+    for good in ("0.2", "0.5", "3"):
+        validate_dynamic_batch_args(_args(_ON + ["--dynamic-batch-calibration-max-error", good]))
+
+
+def test_negative_calibration_steps_are_refused_and_0_turns_calibration_off():
+    with pytest.raises(DynBatchValueError) as refused:
+        validate_dynamic_batch_args(_args(_ON + ["--dynamic-batch-calibration-steps", "-1"]))
+    message = str(refused.value)
+    assert message.startswith("--dynamic-batch-calibration-steps=-1 must be >= 0"), message
+    assert "or 0 to turn calibration off" in message
+    validate_dynamic_batch_args(_args(_ON + ["--dynamic-batch-calibration-steps", "0"]))
+
+
+def test_a_calibration_output_that_cannot_become_a_directory_is_refused(tmp_path, monkeypatch):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    flag = "--dynamic-batch-calibration-output"
+    with pytest.raises(DynBatchValueError, match=f"{flag} {afile} is a file, not a directory"):
+        validate_dynamic_batch_args(_args(_ON + [flag, str(afile)]))
+    with pytest.raises(DynBatchValueError, match=f"{afile} is a file, so no directory can be"):
+        validate_dynamic_batch_args(_args(_ON + [flag, str(afile / "sub" / "dir")]))
+    # A missing directory under a writable one is made when calibration writes: not here.
+    missing = tmp_path / "new" / "dir"
+    validate_dynamic_batch_args(_args(_ON + [flag, str(missing)]))
+    assert not (tmp_path / "new").exists()
+    # Only global rank 0 writes the files: the other ranks do not look (another node's paths).
+    validate_dynamic_batch_args(_args(_ON + [flag, str(afile)], rank=1))
+    # A directory this user cannot write (root writes anywhere: the permission is stood in).
+    monkeypatch.setattr(arguments.os, "access", lambda path, mode: path != str(tmp_path))
+    unwritable = f"{tmp_path}, where it would be made, is not writable by this user"
+    with pytest.raises(DynBatchValueError, match=unwritable):
+        validate_dynamic_batch_args(_args(_ON + [flag, str(tmp_path / "out")]))
+
+
+# -- B6: a launch without torchrun ----------------------------------------------------------------
+
+
+def test_a_launch_without_torchrun_is_told_the_command_with_the_switch_or_our_subcommand():
+    script = "/x/launch/pretrain_gpt_dynbatch.py"
+    on, off = _args(_ON), _args()
+    with pytest.raises(DynBatchValueError) as refused:
+        check_torchrun(on, environ={}, program=script)
+    message = str(refused.value)
+    assert message.startswith("started as one process, without torchrun"), message
+    assert "torchrun --nproc-per-node 1 launch/pretrain_gpt_dynbatch.py ..." in message
+    module = r"under torchrun: torchrun --nproc-per-node 1 -m megatron_dynbatch pretrain \.\.\. \("
+    with pytest.raises(DynBatchValueError, match=module):
+        check_torchrun(off, environ={}, program=PRETRAIN_PROGRAM)
+    # Stock mode of the launch script: as stock pretrain_gpt.py (Megatron's own failure).
+    check_torchrun(off, environ={}, program=script)
+    # A model over more ranks than launched: check_world_size names the ranks it needs.
+    split = _args(_ON, pipeline_model_parallel_size=2, world_size=1)
+    check_torchrun(split, environ={}, program=script)
+    # Under torchrun (or a launcher that sets the rendezvous by hand): nothing to say.
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        check_torchrun(on, environ={name: "0"}, program=script)
+
+
+def test_the_subcommand_is_recognised_by_the_program_name_the_cli_gives_it():
+    from megatron_dynbatch.tools.cli import PRETRAIN_PROGRAM as CLI_PROGRAM
+
+    assert PRETRAIN_PROGRAM == CLI_PROGRAM
+
+
+# -- B7: the entry's attention check runs before Megatron's validation (its argument dump) ------
+
+
+def test_configure_runs_the_entry_check_before_megatron_validates():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("torch-varlen runs where CUDA is: nothing to refuse")
+    from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
+
+    apply_cpu_shim()  # the hooks import megatron.core, which needs the triton stand-in here
+    from megatron_dynbatch.integrations.megatron_lm import attention, hooks
+
+    def launch_attention(args):  # as launch/pretrain_gpt_dynbatch.py's main registers it
+        attention.attention_of_args(args, document_samples=True)
+
+    args = _args(["--dynamic-batch-attention", "torch-varlen"], transformer_impl="local")
+    try:
+        with hooks.entry_check(launch_attention):
+            with pytest.raises(DynBatchValueError, match="which need CUDA, and this machine"):
+                hooks.configure(args)
+        hooks.configure(args)  # outside the entry: not this host's check
+    finally:
+        hooks.reset_dynamic_batch_state()
