@@ -29,7 +29,19 @@ import math
 import numbers
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Tuple, Union
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    List,
+    Literal,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
 from megatron_dynbatch.config import FLAGS, config_from_mapping
 from megatron_dynbatch.errors import DynBatchValueError
@@ -122,14 +134,42 @@ class Host:
     in the step, a sharded one within their DP rank)."""
 
     def __post_init__(self) -> None:
-        assert "max_tokens_per_gpu" in self.keys, f"{self.name}: name its budget key"
-        assert set(self.options.values()) <= set(FLAGS), f"{self.name}: unknown fields"
-        assert set(self.keys) <= set(FLAGS), f"{self.name}: keys name unknown fields"
+        # A host is registered from outside the package too (docs/integrating.md): a bad record
+        # is that trainer's bad input, refused by what is wrong and what is allowed.
+        def refuse(problem: str) -> None:
+            raise DynBatchValueError(f"Host {self.name!r}: {problem}")
+
+        if "max_tokens_per_gpu" not in self.keys:
+            refuse("keys must name its budget key: keys={'max_tokens_per_gpu': '<its option>'}.")
+        for what, names in (
+            ("options' values", set(self.options.values())),
+            ("keys", set(self.keys)),
+        ):
+            unknown = sorted(names - set(FLAGS))
+            if unknown:
+                refuse(
+                    f"{what} name unknown config fields {unknown}; the fields are {sorted(FLAGS)}."
+                )
+        for what, value, allowed in (
+            ("planning", self.planning, ("global", "sharded")),
+            ("budget_counts", self.budget_counts, ("padded", "real")),
+            ("oversize", self.oversize, ("error", "allow", "warn", "option")),
+        ):
+            if value not in allowed:
+                refuse(f"{what}={value!r} is not one of {allowed}.")
         if isinstance(self.layout_flags, str):
-            assert self.layout_flags in LAYOUT_FLAGS, f"{self.name}: no LAYOUT_FLAGS entry"
+            if self.layout_flags not in LAYOUT_FLAGS:
+                refuse(
+                    f"layout_flags={self.layout_flags!r} is not one of {sorted(LAYOUT_FLAGS)}; "
+                    "or pass a mapping of dp_size / pp_size / ... to the host's option names."
+                )
         else:
             unknown = set(self.layout_flags) - set(LAYOUT_FLAGS["Megatron-LM"])
-            assert not unknown, f"{self.name}: layout_flags names unknown sizes {sorted(unknown)}"
+            if unknown:
+                refuse(
+                    f"layout_flags names unknown sizes {sorted(unknown)}; the sizes are "
+                    f"{sorted(LAYOUT_FLAGS['Megatron-LM'])}."
+                )
             object.__setattr__(
                 self, "layout_flags", {**LAYOUT_FLAGS["Megatron-LM"], **self.layout_flags}
             )
@@ -415,8 +455,11 @@ def host_config(
         DynBatchValueError: a missing or bad budget, or one that cannot hold one padded sample of
             the layout, naming the host's key.
     """
-    if host.planning == "sharded":
-        assert parallel.dp_size == 1, "a sharded host plans one rank's samples (dp_size=1)"
+    if host.planning == "sharded" and parallel.dp_size != 1:
+        raise DynBatchValueError(
+            f"{host.name} plans each DP rank's own samples: pass parallel with dp_size=1 (got "
+            f"{parallel.dp_size}); the ranks are the outer list of the lengths planned."
+        )
     budget_option = next(o for o, f in host.options.items() if f == "max_tokens_per_gpu")
     values = {**host.defaults, **{k: v for k, v in values.items() if v is not None}}
     values[budget_option] = check_host_budget(host, values.get(budget_option))
@@ -465,11 +508,17 @@ def check_host_lengths(host: Host, lengths_per_rank: Sequence[Sequence[Any]]) ->
     checked: List[List[int]] = []
     for rank, lengths in enumerate(lengths_per_rank):
         where = "" if host.planning == "global" else f"DP rank {rank} "
+        if isinstance(lengths, (str, bytes, Mapping)) or not isinstance(lengths, Iterable):
+            raise DynBatchValueError(
+                f"{host.name}: {where}lengths {repr(lengths)[:40]} are not a list of sample "
+                "lengths; pass one list per DP rank, e.g. [[120, 300], [80]]."
+            )
         row = []
         for i, length in enumerate(lengths):
             if (
                 isinstance(length, bool)
                 or not isinstance(length, numbers.Real)
+                or not math.isfinite(length)
                 or int(length) != length
                 or int(length) < 1
             ):
@@ -595,7 +644,11 @@ def plan_host_step(
     Raises:
         DynBatchValueError: bad lengths or an oversize sample the host refuses, in its words.
     """
-    assert host.planning == "sharded", f"{host.name} plans globally: use plan_schedule"
+    if host.planning != "sharded":
+        raise DynBatchValueError(
+            f"{host.name} plans the whole step globally: plan it with plan_schedule (or "
+            "plan_samples), not plan_host_step, which plans each DP rank's own samples."
+        )
     lengths = check_host_lengths(host, lengths_per_rank)
     check_host_oversize(host, lengths, config, forward_only=forward_only)
     with host.flags(), warnings.catch_warnings():

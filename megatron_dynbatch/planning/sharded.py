@@ -23,7 +23,9 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+
+from megatron_dynbatch.errors import DynBatchValueError
 
 from .balance import descent_order, pipeline_order, pipeline_orders
 from .candidates import differenced_rows
@@ -117,7 +119,7 @@ def plan_rank_shards(
     The first half of :func:`plan_sharded_step`, for a host that adjusts the micro-batches before
     the counts are equalised (SkyRL fits its placeholder rows into the budget).
     """
-    assert config.parallel.dp_size == 1, "plan each rank's own samples with dp_size=1"
+    _check_shards(lengths_per_rank, config)
     if config.rollouts_per_step is not None:
         # One call plans one step; rollouts_per_step would split it into several.
         config = dataclasses.replace(config, rollouts_per_step=None)
@@ -151,15 +153,57 @@ def plan_rank_shards(
             if not lengths:
                 ranks.append(())
                 continue
-            if rank in full:
-                mbs, over = _plan_rank(lengths, config, placeholder=placeholder(lengths))
-            else:
-                mbs = plan_at(rank, None)
-                over = tuple(i for i in range(len(lengths)) if round_up(lengths[i], multiple) > cap)
+            try:
+                if rank in full:
+                    mbs, over = _plan_rank(lengths, config, placeholder=placeholder(lengths))
+                else:
+                    mbs = plan_at(rank, None)
+                    over = tuple(
+                        i for i in range(len(lengths)) if round_up(lengths[i], multiple) > cap
+                    )
+            except DynBatchValueError as error:
+                # The planner numbers the rank's own samples: say whose (sample 0 of rank 1 is
+                # not the step's sample 0).
+                if len(error.args) == 1 and not str(error).startswith("DP rank"):
+                    error.args = (f"DP rank {rank}: {error}",)
+                raise
             ranks.append(mbs)
             oversize.extend((rank, i) for i in over)
         fitted = fill_the_count(ranks, lengths_per_rank, config, placeholder, plan_at, set(full))
         return _peer_guarded(fitted, lengths_per_rank, config, placeholder), oversize
+
+
+def _check_shards(lengths_per_rank: Any, config: PlannerConfig) -> None:
+    """What a sharded plan cannot take, refused by name (bad lengths are the planner's, per
+    rank)."""
+    if config.parallel.dp_size != 1:
+        raise DynBatchValueError(
+            f"a sharded plan plans each DP rank's own samples: pass a config with dp_size=1 (got "
+            f"{config.parallel.dp_size}); the ranks are the outer list of lengths_per_rank."
+        )
+
+    def not_a_list(value: Any) -> bool:  # lists, tuples, numpy arrays, tensors pass
+        return isinstance(value, (str, bytes, Mapping)) or not (
+            hasattr(value, "__len__") and hasattr(value, "__iter__")
+        )
+
+    if (
+        not_a_list(lengths_per_rank)
+        or not len(lengths_per_rank)
+        or any(map(not_a_list, lengths_per_rank))
+    ):
+        raise DynBatchValueError(
+            f"lengths_per_rank={repr(lengths_per_rank)[:60]} must be one list of sample lengths "
+            "per DP rank (at least one rank), e.g. [[120, 300], [80]]."
+        )
+    if config.oversize_samples == "truncate":
+        # Each rank materializes its own samples whole; a cut it never makes would train every
+        # token over the budget, reported nowhere.
+        raise DynBatchValueError(
+            "oversize_samples='truncate' cuts a sample to the cap in a global plan only; a "
+            "sharded plan trains each rank's samples whole. Pass oversize_samples='allow' (an "
+            "oversize sample runs alone, reported) or 'error', or cut the samples before planning."
+        )
 
 
 def _heaviest(lengths_per_rank: Sequence[Sequence[int]], config: PlannerConfig) -> Set[int]:

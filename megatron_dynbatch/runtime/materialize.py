@@ -157,8 +157,8 @@ def _sized(
 ) -> Any:
     """A step whose plan left ``seq_length`` to the samples (a sharded plan), with the row this
     rank's micro-batches need: packed, one row as long as its fullest micro-batch's padded
-    samples; padded, ``micro_batch_size`` rows of its longest padded sample (at least one
-    ``sample_multiple`` either way)."""
+    samples; padded, as many rows as its fullest micro-batch holds, each as long as its longest
+    padded sample (at least one ``sample_multiple`` either way)."""
     if (
         layout not in LAYOUTS
         or isinstance(sample_multiple, bool)
@@ -173,7 +173,10 @@ def _sized(
         longest = max([sum(sizes[i] for i in mb) for mb in mbs] + [sample_multiple])
         return dataclasses.replace(step, seq_length=longest, micro_batch_size=1)
     longest = max(list(sizes.values()) + [sample_multiple])
-    return dataclasses.replace(step, seq_length=longest)
+    # This rank's own fullest micro-batch, not the step's (another rank's): its rank was planned
+    # to [B, S] within the cap by its own samples, and S here is its own longest.
+    rows = max([len(mb) for mb in mbs] + [1])
+    return dataclasses.replace(step, seq_length=longest, micro_batch_size=rows)
 
 
 def _plan_row_lengths(step_plan: Any, dp_rank: int) -> Tuple[int, ...]:

@@ -1,5 +1,7 @@
 """A trainer outside the package registers its own host record; errors then use its keys."""
 
+import re
+
 import pytest
 
 from megatron_dynbatch.errors import DynBatchValueError
@@ -75,3 +77,34 @@ def test_layout_flags_not_named_keep_megatron_lm_flags():
     host = _toy()
     assert host.layout_flags["pp_size"] == "toy.pp"
     assert host.layout_flags["vpp_size"] == hosts.LAYOUT_FLAGS["Megatron-LM"]["vpp_size"]
+
+
+@pytest.mark.parametrize(
+    "changes, named",
+    [
+        (dict(keys={}), "must name its budget key"),
+        (dict(options={"tokens": "max_tokenz"}), "unknown config fields ['max_tokenz']"),
+        (dict(planning="glob"), "planning='glob' is not one of ('global', 'sharded')"),
+        (dict(oversize="drop"), "oversize='drop' is not one of"),
+        (dict(layout_flags={"pipeline": "toy.pp"}), "unknown sizes ['pipeline']"),
+    ],
+)
+def test_a_bad_host_record_is_refused_by_name_not_asserted(changes, named):
+    # These were asserts: an AssertionError (an invariant of ours) for a trainer's own record,
+    # and gone under python -O; planning="glob" and oversize="drop" were taken.
+    with pytest.raises(DynBatchValueError, match=re.escape(named)):
+        _toy(**changes)
+
+
+def test_the_host_entry_points_refuse_the_wrong_kind_of_plan_by_name():
+    from megatron_dynbatch.integrations.hosts import VERL, plan_host_step
+
+    with pytest.raises(DynBatchValueError, match="dp_size=1"):
+        host_config(VERL, {"max_token_len_per_gpu": 64}, ParallelLayout(dp_size=2))
+    config = host_config(_toy(), {"tokens_per_mb": 64}, ParallelLayout())
+    with pytest.raises(DynBatchValueError, match="plan_schedule"):
+        plan_host_step(_toy(), [[5, 6]], config)
+    verl = host_config(VERL, {"max_token_len_per_gpu": 64}, ParallelLayout())
+    for bad in ([5, 6], [[5, float("nan")]], [[5, float("inf")]]):
+        with pytest.raises(DynBatchValueError, match="verl: "):
+            plan_host_step(VERL, bad, verl)

@@ -1,0 +1,60 @@
+"""A trainer calling the sharded planner directly (the public way in, docs/integrating.md): what
+it cannot take is refused by name, errors name the DP rank, and padded rows keep the cap."""
+
+import pytest
+import torch
+
+from megatron_dynbatch import BatchSchema, PlannerConfig, materialize_microbatches
+from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.planning import ParallelLayout
+from megatron_dynbatch.planning.sharded import plan_sharded_step
+
+pytestmark = pytest.mark.unit
+
+
+def test_truncate_is_refused_not_ignored():
+    # The sample of 100 tokens was neither cut nor reported: all 100 trained over a cap of 64.
+    with pytest.raises(DynBatchValueError, match="sharded plan trains each rank's samples whole"):
+        plan_sharded_step(
+            [[100, 5]], PlannerConfig(max_tokens_per_gpu=64, oversize_samples="truncate")
+        )
+    allowed = plan_sharded_step(
+        [[100, 5]], PlannerConfig(max_tokens_per_gpu=64, oversize_samples="allow")
+    )
+    assert allowed.oversize == ((0, 0),)
+
+
+def test_errors_name_the_dp_rank_of_the_sample():
+    config = PlannerConfig(max_tokens_per_gpu=64, oversize_samples="error")
+    with pytest.raises(DynBatchValueError, match=r"^DP rank 1: .*sample 0: -6"):
+        plan_sharded_step([[5], [-6]], config)
+    with pytest.raises(DynBatchValueError, match=r"^DP rank 0: .*sample 1: 100 tokens"):
+        plan_sharded_step([[5, 100], [6]], config)
+
+
+@pytest.mark.parametrize("lengths", [[5, 6], [], "56", {0: [5]}])
+def test_lengths_that_are_not_one_list_per_rank_are_refused(lengths):
+    with pytest.raises(DynBatchValueError, match="one list of sample lengths per DP rank"):
+        plan_sharded_step(lengths, PlannerConfig(max_tokens_per_gpu=64))
+
+
+def test_a_config_of_several_ranks_is_refused_by_name():
+    config = PlannerConfig(max_tokens_per_gpu=64, parallel=ParallelLayout(dp_size=2))
+    with pytest.raises(DynBatchValueError, match="dp_size=1"):
+        plan_sharded_step([[5], [6]], config)
+
+
+def test_padded_rows_of_a_rank_are_its_own_not_the_fullest_ranks():
+    # Rank 0 packs two samples of 30 a micro-batch (rows 2); rank 1 one of 60. Rank 1 ran
+    # [2 x 60] = 120 tokens against a cap of 64, for one sample.
+    lengths = [[30, 30], [60]]
+    plan = plan_sharded_step(lengths, PlannerConfig(max_tokens_per_gpu=64, layout="padded"))
+    [step] = plan.scheduled_steps()
+    for rank, own in enumerate(lengths):
+        samples = {i: {"tokens": torch.arange(n) % 7} for i, n in enumerate(own)}
+        batches = materialize_microbatches(
+            step, rank, samples, BatchSchema(), layout="padded", sample_multiple=1
+        )
+        for batch in batches:
+            rows, length = batch["tokens"].shape
+            assert rows * length <= 64, (rank, rows, length)
