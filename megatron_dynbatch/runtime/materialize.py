@@ -43,7 +43,7 @@ from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import StepPlan
 from megatron_dynbatch.planning.cost import TAIL_SEGMENT_TOKENS
 from megatron_dynbatch.planning.schedule import ScheduledStep
-from megatron_dynbatch.planning.spec import LAYOUTS, round_up
+from megatron_dynbatch.planning.spec import LAYOUTS, as_int, round_up
 from megatron_dynbatch.runtime.placeholders import placeholder_microbatch
 from megatron_dynbatch.runtime.schema import BatchSchema, CheckedSample
 
@@ -412,6 +412,26 @@ def materialize_microbatches(
         ValueError: On a bad layout or sample_multiple, a sample the rank was not given, a sample
             failing the schema, or samples whose padded lengths do not fit ``seq_length``.
     """
+    if not hasattr(step_plan, "rank_microbatches") or not hasattr(step_plan, "seq_length"):
+        steps = "plan.steps[s]" if hasattr(step_plan, "steps") else "a step of the plan"
+        raise DynBatchValueError(
+            f"step_plan is a {type(step_plan).__name__}; pass one step, {steps} (or "
+            "plan.scheduled_steps()[s])."
+        )
+    rank = as_int(dp_rank)
+    if rank is None:  # its range is the plan's check
+        raise DynBatchValueError(
+            f"dp_rank={dp_rank!r} must be an integer in [0, {len(step_plan.ranks)}): this "
+            "process's data-parallel rank."
+        )
+    dp_rank = rank
+    if not isinstance(schema, BatchSchema):
+        raise DynBatchValueError(
+            f"schema={schema!r} must be a BatchSchema (BatchSchema() for tokens alone)."
+        )
+    multiple = as_int(sample_multiple)  # numpy / torch integers too
+    if multiple is not None:
+        sample_multiple = multiple
     if getattr(step_plan, "rows_per_cp_rank", False):
         raise DynBatchValueError(
             "the step's row lengths count one context-parallel rank's share (slime's schedule); "

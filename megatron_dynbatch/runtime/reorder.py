@@ -9,11 +9,12 @@ over when the two lists differ in length.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Dict, List, Mapping, Sequence, Union
+from typing import Any, Dict, Iterable, List, Mapping, Sequence, Union
 
 import torch
 
 from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.planning.spec import as_int
 from megatron_dynbatch.runtime.placeholders import is_placeholder
 
 __all__ = ["split_outputs", "restore_order"]
@@ -46,6 +47,11 @@ def split_outputs(
         ValueError: If ``output`` does not start with ``[B, S]`` or a sample is not one contiguous
             run of tokens (a batch that did not come from the materializer).
     """
+    if not isinstance(batch, Mapping) or "sample_index" not in batch:
+        raise DynBatchValueError(
+            "batch has no 'sample_index': pass the micro-batch dict materialize_microbatches "
+            "built (its sample_index maps every token to its sample)."
+        )
     sample_index = batch["sample_index"]
     b, s = sample_index.shape
     if tuple(output.shape[:2]) != (b, s):
@@ -97,17 +103,23 @@ def restore_order(
         ValueError: If an expected sample is missing, a sample is given more than once, a sample is
             not expected, or ``expected`` itself repeats an index.
     """
-    if isinstance(expected, int) and not isinstance(expected, bool):
-        if expected < 0:
-            raise DynBatchValueError(f"num_samples={expected} must be >= 0.")
-        order = list(range(expected))
+    count = as_int(expected)  # a count: Python, numpy or 0-d torch integer (never a bool)
+    if count is not None:
+        if count < 0:
+            raise DynBatchValueError(f"num_samples={count} must be >= 0.")
+        order = list(range(count))
     else:
-        order = [int(i) for i in expected]
+        order = _indices(expected)
         repeated = sorted(i for i, count in Counter(order).items() if count > 1)
         if repeated:
             raise DynBatchValueError(
                 f"expected indices repeat {_listed(repeated)}; list each sample once."
             )
+    if not isinstance(per_sample, Mapping) and not isinstance(per_sample, Iterable):
+        raise DynBatchValueError(
+            "per_sample must be a mapping or a sequence of mappings of sample index -> tensor, "
+            f"got {type(per_sample).__name__}."
+        )
     parts = [per_sample] if isinstance(per_sample, Mapping) else list(per_sample)
     merged: Dict[int, torch.Tensor] = {}
     duplicated: List[int] = []
@@ -118,6 +130,8 @@ def restore_order(
                 f"tensor, got an element of type {type(part).__name__}."
             )
         for index, value in part.items():
+            # A 0-d tensor or numpy index is its int (a tensor key hashes by identity).
+            index = _indices([index], "per_sample's keys")[0]
             if index in merged:
                 duplicated.append(index)
             merged[index] = value
@@ -136,3 +150,20 @@ def restore_order(
             "gathered from every rank exactly once."
         )
     return [merged[i] for i in order]
+
+
+def _indices(values: Any, what: str = "expected") -> List[int]:
+    """Sample indices as ints (Python, numpy or 0-d tensor integers), or a DynBatchValueError."""
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
+        raise DynBatchValueError(
+            f"{what}={values!r} must be the number of samples or a list of sample indices."
+        )
+    indices = []
+    for value in values:
+        index = as_int(value)
+        if index is None or index < 0:
+            raise DynBatchValueError(
+                f"{what} holds {value!r}; sample indices are integers >= 0 (the plan's)."
+            )
+        indices.append(index)
+    return indices

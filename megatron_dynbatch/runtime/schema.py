@@ -31,6 +31,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 
 from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.planning.spec import as_int
 
 __all__ = [
     "FIELD_KINDS",
@@ -231,10 +232,12 @@ class BatchSchema:
             raise DynBatchValueError(
                 f"BatchSchema declares the field(s) {duplicates} more than once."
             )
-        if isinstance(self.pad_token_id, bool) or not isinstance(self.pad_token_id, int):
+        pad = as_int(self.pad_token_id)  # numpy / torch integers too
+        if pad is None:
             raise DynBatchValueError(
                 f"pad_token_id={self.pad_token_id!r} must be an integer token id."
             )
+        object.__setattr__(self, "pad_token_id", pad)
         if self.pad_token_id < 0:
             raise DynBatchValueError(
                 f"pad_token_id={self.pad_token_id} must be >= 0 (an embedding row)."
@@ -329,6 +332,12 @@ class BatchSchema:
             raise DynBatchValueError(
                 f"sample {index}: 'tokens' is empty; every sample needs >= 1 token."
             )
+        if int(tokens.min()) < 0:
+            # Else an IndexError in the embedding, steps later and without the sample's name.
+            raise DynBatchValueError(
+                f"sample {index}: token id {int(tokens.min())} is negative; token ids must be >= 0 "
+                "(mask padding with loss_mask or prompt_length, not with -1 / -100 ids)."
+            )
         return tokens
 
     @staticmethod
@@ -364,19 +373,15 @@ class BatchSchema:
             return mask
         mask = torch.ones(length, dtype=torch.float32)
         if has_prompt:
-            prompt = sample["prompt_length"]
-            if (
-                isinstance(prompt, torch.Tensor)
-                and prompt.dim() == 0
-                and not prompt.is_floating_point()
-            ):
-                prompt = int(prompt.item())
-            if isinstance(prompt, bool) or not isinstance(prompt, int) or not 0 <= prompt <= length:
+            given = sample["prompt_length"]
+            prompt = as_int(given)  # Python, numpy or 0-d torch integers
+            if prompt is None or not 0 <= prompt <= length:
+                prompt = given
                 raise DynBatchValueError(
                     f"sample {index}: prompt_length={prompt!r} must be an integer in [0, "
                     f"L={length}]."
                 )
-            mask[:prompt] = 0.0
+            mask[: int(prompt)] = 0.0
         return mask
 
 
