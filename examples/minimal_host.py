@@ -21,7 +21,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron_dynbatch.mcore.step import configure_loss, train_microbatches
 
 # fmt: off
-TOY = register_host(Host(  # our own option names: every error of the planner names them
+TOY = register_host(Host(  # our own option names: host_config's errors name them
     name="toy", switch="toy.dynamic=true", fallback="toy.dynamic=false", planning="global",
     options={"tokens_per_mb": "max_tokens_per_gpu"}, keys={"max_tokens_per_gpu": "toy.tokens_per_mb"},
     oversize="error", layout_flags={"pp_size": "toy.pp"}))
