@@ -662,6 +662,23 @@ def test_a_launch_without_torchrun_names_the_torchrun_command(tmp_path):
         assert len(errors) == 1 and "started as one process, without torchrun" in errors[0]
         assert expected in errors[0] and "Traceback" not in result.stdout, result.stdout[-3000:]
         assert "is not divisible by total_model_size" not in result.stdout
+    # A model that fits one process runs as one rank, as the README says of the console script
+    # (it stopped in an ~890-line traceback about MASTER_ADDR), with the switch and without.
+    for name, extra in (("one-rank-dynamic", [str(a) for a in _DYNAMIC]), ("one-rank-stock", [])):
+        env = {
+            k: v
+            for k, v in command_env().items()
+            if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+        }
+        result = subprocess.run(
+            [sys.executable, "-m", "megatron_dynbatch", "pretrain", *map(str, _ONE), *extra],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            timeout=300,
+        )  # fmt: skip
+        (tmp_path / f"{name}.log").write_text(result.stdout)
+        assert result.returncode == 0, (name, result.stdout[-3000:])
+        assert "started without torchrun: running as one rank" in result.stdout
+        assert re.search(r"iteration\s+2/\s+2 \|", result.stdout), result.stdout[-3000:]
     # Its --help says so too (it stopped on a '%' in one of Megatron's help texts before).
     result = subprocess.run(
         [sys.executable, "-m", "megatron_dynbatch", "pretrain", "--help"], cwd=REPO,

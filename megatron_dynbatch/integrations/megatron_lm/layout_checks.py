@@ -11,9 +11,10 @@ uneven first / last stages) are left to Megatron.
 
 With ``--use-dynamic-batch-size`` on, :func:`check_virtual_pipeline` (from
 ``validate_dynamic_batch_args``) also refuses the interleaving layouts Megatron accepts at argument
-time but fails on later (a raw assert at model build). :func:`check_torchrun` refuses a launch
-without torchrun, which Megatron meets only in ``pretrain()`` (the launch entry runs it through
-``hooks.entry_check``, with the switch on or under ``megatron-dynbatch pretrain``).
+time but fails on later (a raw assert at model build). :func:`one_rank_without_torchrun` runs a
+launch without torchrun as one rank (Megatron met it only in ``pretrain()``, with a traceback; the
+launch entry runs it through ``hooks.entry_check``, with the switch on or under
+``megatron-dynbatch pretrain``).
 
 Imports only the standard library: testable without megatron.
 """
@@ -21,17 +22,18 @@ Imports only the standard library: testable without megatron.
 from __future__ import annotations
 
 import os
+import socket
 import sys
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from megatron_dynbatch.errors import DynBatchValueError
 
 __all__ = [
     "PRETRAIN_PROGRAM",
     "check_model_layout",
-    "check_torchrun",
     "check_virtual_pipeline",
     "check_world_size",
+    "one_rank_without_torchrun",
     "torchrun_command",
     "virtual_pipeline_size",
 ]
@@ -325,27 +327,30 @@ def check_world_size(args: Any, environ: Optional[dict] = None) -> None:
 _TORCHRUN_ENVIRONMENT = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
 
 
-def check_torchrun(
+def one_rank_without_torchrun(
     args: Any, environ: Optional[dict] = None, program: Optional[str] = None
-) -> None:
-    """A launch without torchrun is told the torchrun command: with ``--use-dynamic-batch-size``,
-    or under ``megatron-dynbatch pretrain`` (``program``, default ``sys.argv[0]``).
+) -> Optional[Dict[str, str]]:
+    """A launch without torchrun runs as one rank: with ``--use-dynamic-batch-size``, or under
+    ``megatron-dynbatch pretrain`` (``program``, default ``sys.argv[0]``), where the model fits
+    one process.
 
     Megatron-LM's ``pretrain()`` joins the process group through torchrun's environment
     (``env://``); a bare ``python launch/pretrain_gpt_dynbatch.py ...`` (as a bare ``python
     pretrain_gpt.py ...``) stopped there in an ~890-line traceback about ``MASTER_ADDR``, after
-    the argument dump. This is the case of a model that fits one rank; a model split over more
-    ranks than were launched is :func:`check_world_size`'s to name (with the ranks it needs).
+    the argument dump. Here the environment of a one-process torchrun is set instead (rank 0 of
+    1, a free local port), as the README promises the console script. A model split over more
+    ranks than were launched is :func:`check_world_size`'s to refuse (with the ranks it needs).
 
-    Raises:
-        DynBatchValueError: Naming the torchrun command of this launch.
+    Returns:
+        The variables set in ``environ`` (default ``os.environ``), or ``None`` where nothing was
+        (under torchrun, stock mode, or a model that needs more ranks).
     """
     environ = os.environ if environ is None else environ
     if any(name in environ for name in _TORCHRUN_ENVIRONMENT):
-        return
+        return None
     program = os.path.basename(program if program is not None else sys.argv[0])
     if not (getattr(args, "use_dynamic_batch_size", False) or program == PRETRAIN_PROGRAM):
-        return  # stock Megatron's own behaviour (the same traceback) is kept
+        return None  # stock Megatron's own behaviour (the same traceback) is kept
     model = 1
     for name in (
         "tensor_model_parallel_size",
@@ -353,11 +358,19 @@ def check_torchrun(
         "context_parallel_size",
     ):
         model *= max(_size(args, name), 1)
-    if _size(args, "world_size") % model:
-        return  # check_world_size names the ranks this model needs
-    raise DynBatchValueError(
-        "started as one process, without torchrun (no RANK, WORLD_SIZE or MASTER_ADDR in the "
-        "environment), but Megatron-LM's pretrain() sets its ranks up from torchrun's "
-        f"environment; launch it under torchrun: {torchrun_command(1, program)} (the same "
-        "arguments; more processes add data-parallel ranks)."
-    )
+    if model > 1:
+        return None  # check_world_size names the ranks this model needs
+    with socket.socket() as probe:  # a free port for the one-rank group's store
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    chosen = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    for name, value in chosen.items():
+        environ.setdefault(name, value)
+    return chosen

@@ -64,7 +64,7 @@ from megatron_dynbatch.integrations.megatron_lm.gpt_stock import (
     stock_forward_step,
 )
 from megatron_dynbatch.integrations.megatron_lm.hooks import entry_check
-from megatron_dynbatch.integrations.megatron_lm.layout_checks import check_torchrun
+from megatron_dynbatch.integrations.megatron_lm.layout_checks import one_rank_without_torchrun
 from megatron_dynbatch.integrations.megatron_lm.memory import TrainingPeak
 from megatron_dynbatch.mcore.forward import (
     make_forward_step,
@@ -430,9 +430,18 @@ def _yaml_attention(args: Any) -> Optional[str]:
 def _check_launch(args: Any) -> None:
     """The entry's checks of flags alone, run with ours before Megatron's argument dump
     (:func:`~.hooks.entry_check`): an unusable ``--dynamic-batch-attention`` was one line after
-    ~850, a launch without torchrun a traceback of ~890 in ``pretrain()``."""
+    ~850, a launch without torchrun a traceback of ~890 in ``pretrain()`` (now it runs as one
+    rank)."""
     _launch_attention(args)
-    check_torchrun(args)
+    alone = one_rank_without_torchrun(args)
+    if alone is not None:
+        print(
+            "megatron_dynbatch: started without torchrun: running as one rank (RANK=0, "
+            f"WORLD_SIZE=1, MASTER_ADDR=127.0.0.1, MASTER_PORT={alone['MASTER_PORT']}); for more "
+            "ranks, launch it under torchrun --nproc-per-node N.",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _launch_attention(args: Any) -> str:
