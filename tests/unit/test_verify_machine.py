@@ -69,6 +69,18 @@ def test_many_samples_within_the_cap_are_refused_with_a_fix_that_works():
     verify_spec.check_fits_machine(_spec(samples=[100] * (fewer // 100)), cores=2)
 
 
+def test_one_sample_over_what_a_rank_runs_is_told_to_go_or_be_cut():
+    # A sample of 10**6 tokens was told to use --dp-size 124: no dp splits one sample.
+    samples = [1_000_000, 50]
+    with pytest.raises(DynBatchValueError) as refused:
+        verify_spec.check_fits_machine(_spec(cap=2_000_000, samples=samples), cores=2)
+    message = str(refused.value)
+    assert "alone is more than that" in message and "--dp-size" not in message, message
+    cap = int(re.search(r"truncate with --max-tokens-per-gpu (\d+)", message).group(1))
+    config = PlannerConfig(max_tokens_per_gpu=cap, oversize_samples="truncate")
+    verify_spec.check_fits_machine(verify_spec.build_spec(config, samples=samples), cores=2)
+
+
 def test_the_cli_refuses_before_any_rank_and_the_oversize_warning_is_printed(
     tmp_path, capsys, monkeypatch
 ):

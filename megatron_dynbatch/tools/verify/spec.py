@@ -332,6 +332,14 @@ def check_fits_machine(
             f"[{worst.micro_batch_size}x{worst.seq_length}] in its longest step), over the "
             f"{MAX_COMPUTED_TOKENS_PER_RANK} verify runs in minutes on CPU"
         )
+        if longest > MAX_COMPUTED_TOKENS_PER_RANK:
+            # No cap, dp or policy but cutting it makes one sample fit what a rank runs.
+            raise DynBatchValueError(
+                f"{ran}; a sample of {longest} tokens alone is more than that: leave it out of "
+                "SAMPLES.json or shorten it, or pass --oversize-samples truncate with "
+                f"--max-tokens-per-gpu {MAX_COMPUTED_TOKENS_PER_RANK // 4} or less (verify "
+                "checks the batching, which samples of a few thousand tokens show as well)."
+            )
         if longest > spec.config.token_cap and worst.seq_length >= longest:
             raise DynBatchValueError(
                 f"{ran}; a sample of {longest} tokens over --max-tokens-per-gpu "
@@ -344,8 +352,14 @@ def check_fits_machine(
         total = sum(spec.lengths)
         dp = parallel.dp_size
         wider = math.ceil(per_rank * dp / MAX_COMPUTED_TOKENS_PER_RANK) + 1
+        others = spec.world_size // dp
+        more = (
+            f", or share them over more ranks (--dp-size {wider})"
+            if not start_ranks or wider * others <= allowed
+            else ""
+        )
         raise DynBatchValueError(
             f"{ran}: SAMPLES.json holds {len(spec.lengths)} samples of {total} tokens in all; "
             f"verify fewer of them (about {MAX_COMPUTED_TOKENS_PER_RANK * dp // 2} tokens at "
-            f"--dp-size {dp}), or share them over more ranks (--dp-size {wider})."
+            f"--dp-size {dp}){more}."
         )
