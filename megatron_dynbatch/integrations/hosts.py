@@ -659,6 +659,6 @@ def plan_host_step(
         )
     if adjust is not None:
         ranks = adjust(ranks, lengths)
-    plan = sharded_plan(ranks, oversize, config.parallel)
+    plan = sharded_plan(ranks, oversize, config.parallel, lengths)
     check_plan(plan, lengths, config, placeholder_row_tokens=placeholder_row_tokens)
     return plan

@@ -48,6 +48,11 @@ class ScheduledStep:
     rows_per_cp_rank: bool = False
     """``seq_length`` and ``row_lengths`` count one context-parallel rank's share of a row (slime
     ships them so); :meth:`whole_rows` gives the rows before the CP split."""
+    planned_lengths: Tuple[Tuple[int, ...], ...] = ()
+    """A sharded plan's ``planned_lengths[r][i]``: the tokens local sample ``i`` of rank ``r`` was
+    planned with (``()``: not given). Its rows are left to the samples (``seq_length=None``), so
+    the materializer checks each sample against it: a longer one would widen a row past the cap
+    unseen."""
 
     def __post_init__(self) -> None:
         counts = {len(rank) for rank in self.ranks}

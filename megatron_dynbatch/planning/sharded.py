@@ -88,6 +88,9 @@ class ShardedPlan:
     """Rows of the fullest micro-batch of any rank (``B`` for trainers that need uniform rows)."""
     oversize: Tuple[Tuple[int, int], ...] = ()
     """``(dp_rank, local index)`` of every sample longer than the budget (each ran alone)."""
+    lengths: Tuple[Tuple[int, ...], ...] = ()
+    """``lengths[r][i]``: the tokens each sample was planned with (``()``: not kept); the
+    materializer checks the samples against them."""
 
     def placeholders(self, dp_rank: int) -> int:
         """Placeholder micro-batches DP rank ``dp_rank`` runs after its real ones."""
@@ -100,7 +103,14 @@ class ShardedPlan:
         ranks = tuple(
             tuple(rank) + ((),) * (self.num_microbatches - len(rank)) for rank in self.ranks
         )
-        return (ScheduledStep(ranks=ranks, seq_length=None, micro_batch_size=self.rows),)
+        return (
+            ScheduledStep(
+                ranks=ranks,
+                seq_length=None,
+                micro_batch_size=self.rows,
+                planned_lengths=self.lengths,
+            ),
+        )
 
     def fingerprint(self) -> str:
         """A short hash that every rank compares before the pipeline starts."""
@@ -590,9 +600,11 @@ def sharded_plan(
     ranks: Sequence[MicroBatches],
     oversize: Sequence[Tuple[int, int]],
     parallel: ParallelLayout,
+    lengths: Optional[Sequence[Sequence[int]]] = None,
 ) -> ShardedPlan:
     """Every rank's real micro-batches with the count every rank runs: the largest, rounded up to
-    what Megatron's schedule needs (the interleaved group), at least one."""
+    what Megatron's schedule needs (the interleaved group), at least one. ``lengths``: what the
+    samples were planned with, kept for the materializer's check."""
     count = _step_count(ranks, parallel.microbatch_multiple)
     rows = fullest(ranks)
     return ShardedPlan(
@@ -600,6 +612,7 @@ def sharded_plan(
         num_microbatches=count,
         rows=rows,
         oversize=tuple(oversize),
+        lengths=() if lengths is None else tuple(tuple(map(int, rank)) for rank in lengths),
     )
 
 
@@ -618,4 +631,4 @@ def plan_sharded_step(
         The :class:`ShardedPlan`, identical on every rank given the same lengths.
     """
     ranks, oversize = plan_rank_shards(lengths_per_rank, config)
-    return sharded_plan(ranks, oversize, config.parallel)
+    return sharded_plan(ranks, oversize, config.parallel, lengths_per_rank)

@@ -166,6 +166,17 @@ def _sized(
         or sample_multiple < 1
     ):
         _check_arguments(dataclasses.replace(step, seq_length=1), dp_rank, layout, sample_multiple)
+    planned = step.planned_lengths[dp_rank] if step.planned_lengths else None
+    if planned is not None:
+        for i, cs in checked.items():
+            if 0 <= i < len(planned) and cs.length != planned[i]:
+                # The rows follow the samples here: a longer one would widen its row past the
+                # cap the plan kept, unseen.
+                raise DynBatchValueError(
+                    f"dp_rank={dp_rank}: sample {i} has {cs.length} tokens but was planned with "
+                    f"{planned[i]}; plan with the lengths of the samples materialized (after any "
+                    "cut or padding the trainer applies)."
+                )
     sizes = {i: round_up(cs.length, sample_multiple) for i, cs in checked.items()}
     mbs = step.rank_microbatches(dp_rank)
     if layout == "packed":

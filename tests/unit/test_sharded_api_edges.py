@@ -58,3 +58,18 @@ def test_padded_rows_of_a_rank_are_its_own_not_the_fullest_ranks():
         for batch in batches:
             rows, length = batch["tokens"].shape
             assert rows * length <= 64, (rank, rows, length)
+
+
+def test_a_sample_longer_than_planned_is_refused_not_widened_past_the_cap():
+    # Planned as two samples of 5 tokens, given two of 60: one packed row of 120 under a cap of
+    # 64, silently (the global path refuses the same mismatch).
+    plan = plan_sharded_step([[5, 5]], PlannerConfig(max_tokens_per_gpu=64))
+    [step] = plan.scheduled_steps()
+    given = {i: {"tokens": torch.zeros(60, dtype=torch.long)} for i in range(2)}
+    with pytest.raises(DynBatchValueError, match="sample 0 has 60 tokens but was planned with 5"):
+        materialize_microbatches(step, 0, given, BatchSchema(), layout="packed", sample_multiple=1)
+    right = {i: {"tokens": torch.zeros(5, dtype=torch.long)} for i in range(2)}
+    [batch] = materialize_microbatches(
+        step, 0, right, BatchSchema(), layout="packed", sample_multiple=1
+    )
+    assert batch["tokens"].shape == (1, 10)
