@@ -56,6 +56,7 @@ from megatron_dynbatch.planning.sharded import ShardedPlan, plan_rank_shards, sh
 from megatron_dynbatch.planning.spec import (
     ATTENTION_CROSSOVER_7B,
     LAYOUT_FLAGS,
+    MAX_TOKENS,
     layout_flags,
     setting_flags,
     tokens_padded,
@@ -380,6 +381,12 @@ def check_budget(budget: Any, key: str, switch: str) -> int:
         raise DynBatchValueError(
             f"{key}={budget} must be > 0 with {switch}; set it to the tokens of one "
             "micro-batch (e.g. 8192)."
+        )
+    if budget > MAX_TOKENS:
+        # The planner refuses it when it builds its config: at the first step, in its words.
+        raise DynBatchValueError(
+            f"{key}={budget} is above the supported maximum {MAX_TOKENS} (2**40) tokens; set it "
+            "to the tokens of one micro-batch (e.g. 8192)."
         )
     return budget
 

@@ -269,3 +269,16 @@ def test_at_pp_1_rows_are_planned_at_their_own_length_as_nemo_rl_runs_them():
     assert not nemo_rl_planner_config(
         _cfg(pp=2), dp_size=4, forward_only=False
     ).variable_row_lengths
+
+
+def test_unknown_keys_are_refused_on_and_only_warned_of_while_off():
+    # Off is stock NeMo-RL, which reads nothing of the section: an unknown key was refused there
+    # too. A misspelt switch (`enable: true`) is still said.
+    off = _cfg(enabled=False)
+    off["megatron_cfg"]["dynbatch"]["enable"] = True
+    with pytest.warns(UserWarning, match=r"unknown key\(s\) \['enable'\], ignored while"):
+        assert dynbatch_enabled(off) is False
+    on = _cfg()
+    on["megatron_cfg"]["dynbatch"]["enable"] = True
+    with pytest.raises(DynBatchValueError, match=r"unknown key\(s\) \['enable'\]"):
+        dynbatch_enabled(on)

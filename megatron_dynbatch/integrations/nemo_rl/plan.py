@@ -29,6 +29,7 @@ Standard library and :mod:`megatron_dynbatch.planning` / :mod:`megatron_dynbatch
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
@@ -90,18 +91,26 @@ def dynbatch_enabled(policy_cfg: Mapping[str, Any]) -> bool:
             "{enabled: true}; or leave it out."
         )
     unknown = sorted(set(section) - set(SECTION_KEYS))
-    if unknown:
-        raise DynBatchValueError(
-            f"policy.megatron_cfg.dynbatch has unknown key(s) {unknown}; valid: "
-            f"{list(SECTION_KEYS)}."
-        )
     flag = section.get("enabled", False)
     if flag is None:
         flag = False
     if not isinstance(flag, bool):
         raise DynBatchValueError(f"{_SWITCH}={flag!r} is not a boolean; set it to true or false.")
     if not flag:
+        # Off runs NeMo-RL as stock, which reads nothing of the section: said, not refused (a
+        # misspelt switch, `enable: true`, would otherwise pass unseen).
+        if unknown:
+            warnings.warn(
+                f"policy.megatron_cfg.dynbatch has unknown key(s) {unknown}, ignored while "
+                f"{_SWITCH} is off; valid: {list(SECTION_KEYS)}.",
+                stacklevel=2,
+            )
         return False
+    if unknown:
+        raise DynBatchValueError(
+            f"policy.megatron_cfg.dynbatch has unknown key(s) {unknown}; valid: "
+            f"{list(SECTION_KEYS)}."
+        )
     planner = section.get("planner")
     if planner is not None:
         check_host_planner(NEMO_RL, planner, NEMO_RL.fixed["layout"])  # at start-up
