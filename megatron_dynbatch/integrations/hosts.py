@@ -391,6 +391,18 @@ def check_budget(budget: Any, key: str, switch: str) -> int:
     return budget
 
 
+def host_size(value: Any, key: str, default: int = 1) -> int:
+    """A parallel size or count read from a host's config (``None`` or absent: ``default``), as
+    a plain ``int`` >= 1, or a ``DynBatchValueError`` naming ``key`` (``int("two")`` was a bare
+    ``ValueError``, and ``0 or 1`` read a size of 0 as 1)."""
+    if value is None:
+        return default
+    size = value if isinstance(value, numbers.Integral) and not isinstance(value, bool) else None
+    if size is None or int(size) < 1:
+        raise DynBatchValueError(f"{key}={value!r} must be a whole number >= 1.")
+    return int(size)
+
+
 def check_overhead(value: Any, setting: str, example: str) -> Optional[float]:
     """One micro-batch's fixed cost as a host sets it (``None``: not given, the planner assumes
     one), as a ``float``, or a ``DynBatchValueError`` quoting ``setting`` (the host's key with the

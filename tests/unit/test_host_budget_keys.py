@@ -190,3 +190,53 @@ def test_skyrl_accepts_a_told_overhead_or_none():
     trainer = _skyrl()
     del trainer.dynamic_batch_cost_microbatch_overhead
     validate_trainer_config(trainer)
+
+
+def test_verl_refuses_a_pipeline_layout_at_config_time_in_its_own_keys():
+    # vpp 2 at pp 1 (or a group below pp) passed verl's config check without a memory budget and
+    # failed at the first step, naming vpp_size / pp_size only.
+    mega = "actor_rollout_ref__actor__megatron__"
+    with pytest.raises(DynBatchValueError) as refused:
+        check_verl_config(
+            _verl(**{mega + "virtual_pipeline_model_parallel_size": 2}),
+            use_reference_policy=True,
+            use_critic=False,
+        )
+    message = str(refused.value)
+    assert "vpp_size is actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size" in (
+        message
+    )
+    with pytest.raises(
+        DynBatchValueError, match="actor.megatron.pipeline_model_parallel_size='two'"
+    ):
+        check_verl_config(
+            _verl(**{mega + "pipeline_model_parallel_size": "two"}),
+            use_reference_policy=True,
+            use_critic=False,
+        )
+    fine = {
+        mega + "pipeline_model_parallel_size": 2,
+        mega + "virtual_pipeline_model_parallel_size": 2,
+    }
+    check_verl_config(_verl(**fine), use_reference_policy=True, use_critic=False)
+
+
+def test_nemo_rl_refuses_a_pipeline_layout_at_config_time():
+    from megatron_dynbatch.integrations.nemo_rl.plan import dynbatch_enabled
+
+    policy = {
+        "sequence_packing": {"enabled": True, "train_mb_tokens": 4096},
+        "megatron_cfg": {
+            "enabled": True,
+            "pipeline_model_parallel_size": 1,
+            "virtual_pipeline_model_parallel_size": 2,
+            "dynbatch": {"enabled": True},
+        },
+    }
+    with pytest.raises(
+        DynBatchValueError, match="policy.megatron_cfg.pipeline_model_parallel_size"
+    ):
+        dynbatch_enabled(policy)
+    policy["megatron_cfg"]["pipeline_model_parallel_size"] = "two"
+    with pytest.raises(DynBatchValueError, match="pipeline_model_parallel_size='two' must be"):
+        dynbatch_enabled(policy)

@@ -40,6 +40,7 @@ from megatron_dynbatch.integrations.hosts import (
     check_host_planner,
     check_overhead,
     host_config,
+    host_size,
 )
 from megatron_dynbatch.planning import (
     ParallelLayout,
@@ -136,6 +137,8 @@ def dynbatch_enabled(policy_cfg: Mapping[str, Any]) -> bool:
     check_host_budget(NEMO_RL, packing.get("train_mb_tokens"))
     if packing.get("logprob_mb_tokens") is not None:
         check_host_budget(NEMO_RL, packing["logprob_mb_tokens"], forward_only=True)
+    # The pipeline layout at start-up too, not at the first train or log-prob call.
+    nemo_rl_layout(policy_cfg, 1)
     return True
 
 
@@ -143,8 +146,10 @@ def nemo_rl_layout(policy_cfg: Mapping[str, Any], dp_size: int) -> ParallelLayou
     """The parallel layout of ``policy.megatron_cfg`` at ``dp_size`` DP ranks (tensor and context
     parallel sizes too: the memory model divides by them; planning pads samples itself)."""
     megatron_cfg = policy_cfg.get("megatron_cfg") or {}
-    pp = int(megatron_cfg.get("pipeline_model_parallel_size", 1) or 1)
-    vpp = int(megatron_cfg.get("virtual_pipeline_model_parallel_size", 1) or 1)
+    pp, vpp = (
+        host_size(megatron_cfg.get(name), f"policy.megatron_cfg.{name}")
+        for name in ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")
+    )
     group = megatron_cfg.get("microbatch_group_size_per_vp_stage") if vpp > 1 else None
     with NEMO_RL.flags():
         return ParallelLayout(

@@ -28,6 +28,7 @@ from typing import Any, Iterator, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.integrations.hosts import host_size
 from megatron_dynbatch.integrations.nemo_rl.memory import (
     check_memory_budget,
     nemo_rl_max_memory_gib,
@@ -200,8 +201,10 @@ def planner(
 
         hf_config = get_default_hf_config(policy_cfg["model_name"])
     megatron_cfg = policy_cfg.get("megatron_cfg") or {}
-    tp = int(megatron_cfg.get("tensor_model_parallel_size", 1) or 1)
-    cp = int(megatron_cfg.get("context_parallel_size", 1) or 1)
+    tp, cp = (
+        host_size(megatron_cfg.get(name), f"policy.megatron_cfg.{name}")
+        for name in ("tensor_model_parallel_size", "context_parallel_size")
+    )
     layout = nemo_rl_layout(policy_cfg, 1)
     dp = max(1, int(world_size) // (tp * cp * layout.pp_size))
     parallel = ParallelLayout(

@@ -31,6 +31,7 @@ from megatron_dynbatch.integrations.hosts import (
     check_host_budget,
     check_host_planner,
     check_overhead,
+    host_size,
 )
 
 __all__ = ["validate_trainer_config"]
@@ -69,11 +70,19 @@ def _check_memory(trainer: Any, budget: int) -> None:
         if section is None or (role == "critic" and not path):
             continue
         megatron = getattr(section, "megatron_config", None)
-        tp = int(getattr(megatron, "tensor_model_parallel_size", 1) or 1)
-        pp = int(getattr(megatron, "pipeline_model_parallel_size", 1) or 1)
-        cp = int(getattr(megatron, "context_parallel_size", 1) or 1)
-        gpus = int(getattr(placement, f"{role}_num_gpus_per_node", 1) or 1) * int(
-            getattr(placement, f"{role}_num_nodes", 1) or 1
+        tp, pp, cp = (
+            host_size(getattr(megatron, name, None), f"trainer.{role}.megatron_config.{name}")
+            for name in (
+                "tensor_model_parallel_size",
+                "pipeline_model_parallel_size",
+                "context_parallel_size",
+            )
+        )
+        gpus = host_size(
+            getattr(placement, f"{role}_num_gpus_per_node", None),
+            f"trainer.placement.{role}_num_gpus_per_node",
+        ) * host_size(
+            getattr(placement, f"{role}_num_nodes", None), f"trainer.placement.{role}_num_nodes"
         )
         parallel = ParallelLayout(
             dp_size=max(1, gpus // (tp * pp * cp)), tp_size=tp, pp_size=pp, cp_size=cp

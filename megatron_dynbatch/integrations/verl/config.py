@@ -30,7 +30,7 @@ driver.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.hosts import (
@@ -38,7 +38,9 @@ from megatron_dynbatch.integrations.hosts import (
     check_budget,
     check_host_planner,
     check_overhead,
+    host_size,
 )
+from megatron_dynbatch.planning.spec import LAYOUT_FLAGS, ParallelLayout, setting_flags
 
 __all__ = [
     "BUDGET_KEYS",
@@ -229,6 +231,33 @@ def dynbatch_settings(section: Any, role: str) -> dict:
     return items
 
 
+def role_layout_flags(role: str) -> Dict[str, str]:
+    """verl's option names of the parallel sizes for ``role`` (``ACTOR`` or ``critic``)."""
+    prefix = f"{ACTOR}.megatron" if role == ACTOR else "critic.megatron"
+    return {
+        field: flag.replace(f"{ACTOR}.megatron", prefix)
+        for field, flag in LAYOUT_FLAGS["verl"].items()
+    }
+
+
+def _layout(role: str, section: Any) -> None:
+    """The role's pipeline layout at config time (verl's engine builds it at the first step),
+    in verl's option names: interleaving without a pipeline, a group below pp."""
+    megatron = _get(section, "megatron")
+    prefix = f"{ACTOR}.megatron" if role == ACTOR else "critic.megatron"
+    pp, vpp = (
+        host_size(_get(megatron, name), f"{prefix}.{name}")
+        for name in ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")
+    )
+    group = _get(megatron, "override_transformer_config.microbatch_group_size_per_vp_stage")
+    with setting_flags(role_layout_flags(role), tool="verl"):
+        ParallelLayout(
+            pp_size=pp,
+            vpp_size=vpp,
+            microbatch_group_size_per_vp_stage=group if vpp > 1 else None,
+        )
+
+
 def _memory(config: Any, role: str, section: Any, token_key: str, tokens: int) -> None:
     """``{role}.megatron.dynbatch.max_memory_gib``: a micro-batch at the training budget fits."""
     from megatron_dynbatch.integrations.host_memory import (
@@ -238,7 +267,6 @@ def _memory(config: Any, role: str, section: Any, token_key: str, tokens: int) -
         host_memory_limit,
         parse_gib,
     )
-    from megatron_dynbatch.planning.spec import ParallelLayout
 
     key = f"{role}.megatron.dynbatch.max_memory_gib"
     gib = parse_gib(dynbatch_settings(section, role).get("max_memory_gib"), key)
@@ -248,12 +276,18 @@ def _memory(config: Any, role: str, section: Any, token_key: str, tokens: int) -
     model_key = "actor_rollout_ref.model.path" if role == ACTOR else "critic.model.path"
     path = _get(config, model_key)
     hf = hf_model_config(path, key=key, path_key=model_key)
-    tp = int(_get(megatron, "tensor_model_parallel_size") or 1)
-    pp = int(_get(megatron, "pipeline_model_parallel_size") or 1)
-    cp = int(_get(megatron, "context_parallel_size") or 1)
-    vpp = int(_get(megatron, "virtual_pipeline_model_parallel_size") or 1)
-    gpus = int(_get(config, "trainer.n_gpus_per_node") or 1) * int(
-        _get(config, "trainer.nnodes") or 1
+    prefix = "actor_rollout_ref.actor.megatron" if role == ACTOR else "critic.megatron"
+    tp, pp, cp, vpp = (
+        host_size(_get(megatron, name), f"{prefix}.{name}")
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "virtual_pipeline_model_parallel_size",
+        )
+    )
+    gpus = host_size(_get(config, "trainer.n_gpus_per_node"), "trainer.n_gpus_per_node") * (
+        host_size(_get(config, "trainer.nnodes"), "trainer.nnodes")
     )
     parallel = ParallelLayout(
         dp_size=max(1, gpus // (tp * pp * cp)),
@@ -323,6 +357,7 @@ def check_verl_config(config: Any, *, use_reference_policy: bool, use_critic: bo
                     BUDGET_KEYS[("ref", True)],
                     switch,
                 )
+            _layout(ACTOR, actor)
             _memory(config, ACTOR, actor, key, tokens)
     critic = _get(config, "critic")
     if not use_critic or critic is None or _get(critic, "megatron") is None:
@@ -346,4 +381,5 @@ def check_verl_config(config: Any, *, use_reference_policy: bool, use_critic: bo
         key = BUDGET_KEYS[("critic", True)]
     else:
         key = "critic.ppo_max_token_len_per_gpu"
+    _layout("critic", critic)
     _memory(config, "critic", critic, key, tokens)
