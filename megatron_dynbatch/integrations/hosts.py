@@ -391,6 +391,24 @@ def check_budget(budget: Any, key: str, switch: str) -> int:
     return budget
 
 
+def check_budget_holds_a_sample(host: Host, budget: int, parallel: Any, key: str) -> None:
+    """A budget (as the host's users set it) that holds one padded sample of the layout, or a
+    ``DynBatchValueError`` naming ``key`` and the least that does: every sample is padded to
+    ``parallel.sample_multiple`` (tp, 2 x cp), and a budget under it plans nothing. Told in the
+    host's terms: a host whose budget caps the whole micro-batch (SkyRL) needs the multiple
+    itself, not the planner's per-GPU share (the planner said ``max_tokens_per_gpu=2 (x
+    cp_size=2)`` and a minimum that was refused again)."""
+    multiple = parallel.sample_multiple
+    cp = parallel.cp_size
+    least = multiple if not host.budget_times_cp else -(-multiple // cp)
+    if budget < least:
+        raise DynBatchValueError(
+            f"{key}={budget} is smaller than one padded sample: {host.name} pads every sample to "
+            f"a multiple of {multiple} (tensor parallel size {parallel.tp_size}, context parallel "
+            f"size {cp}); raise {key} to at least {least}."
+        )
+
+
 def host_size(value: Any, key: str, default: int = 1) -> int:
     """A parallel size or count read from a host's config (``None`` or absent: ``default``), as
     a plain ``int`` >= 1, or a ``DynBatchValueError`` naming ``key`` (``int("two")`` was a bare
@@ -482,6 +500,12 @@ def host_config(
     budget_option = next(o for o, f in host.options.items() if f == "max_tokens_per_gpu")
     values = {**host.defaults, **{k: v for k, v in values.items() if v is not None}}
     values[budget_option] = check_host_budget(host, values.get(budget_option))
+    check_budget_holds_a_sample(
+        host,
+        values[budget_option],
+        parallel,
+        host.key("max_tokens_per_gpu", forward_only=forward_only),
+    )
     cp = parallel.cp_size
     if not host.budget_times_cp and cp > 1:
         # The budget caps the whole micro-batch: the planner's per-GPU budget is 1/cp of it,

@@ -240,3 +240,31 @@ def test_nemo_rl_refuses_a_pipeline_layout_at_config_time():
     policy["megatron_cfg"]["pipeline_model_parallel_size"] = "two"
     with pytest.raises(DynBatchValueError, match="pipeline_model_parallel_size='two' must be"):
         dynbatch_enabled(policy)
+
+
+def test_a_budget_under_one_padded_sample_is_refused_at_config_time_with_a_minimum_that_works():
+    # SkyRL's budget caps the whole micro-batch: at tp 2 x cp 2 a sample is padded to 8, and the
+    # first step said "max_tokens_per_gpu=2 (x cp_size=2) ... at least 4", refused again at 4.
+    megatron = SimpleNamespace(tensor_model_parallel_size=2, context_parallel_size=2)
+    policy = SimpleNamespace(model=SimpleNamespace(path=None), megatron_config=megatron)
+    for budget in (4, 7):
+        with pytest.raises(DynBatchValueError) as refused:
+            validate_trainer_config(_skyrl(max_tokens_per_microbatch=budget, policy=policy))
+        message = str(refused.value)
+        assert message.startswith(f"trainer.max_tokens_per_microbatch={budget} is smaller")
+        least = int(re.search(r"at least (\d+)", message).group(1))
+        assert least == 8
+    validate_trainer_config(_skyrl(max_tokens_per_microbatch=8, policy=policy))
+    # verl: a budget under tp 8's padding, in the actor's key.
+    mega = "actor_rollout_ref__actor__megatron__"
+    with pytest.raises(DynBatchValueError, match=r"ppo_max_token_len_per_gpu=5 .* at least 8"):
+        check_verl_config(
+            _verl(
+                **{
+                    mega + "tensor_model_parallel_size": 8,
+                    "actor_rollout_ref__actor__ppo_max_token_len_per_gpu": 5,
+                }
+            ),
+            use_reference_policy=True,
+            use_critic=False,
+        )

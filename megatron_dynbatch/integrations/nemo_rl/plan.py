@@ -258,7 +258,7 @@ def _check_budget(padded: Sequence[int], config: PlannerConfig, key: str) -> Non
             f"{len(over)} sample(s) over policy.sequence_packing.{key}={config.token_cap}: "
             f"sample {worst} is {padded[worst]} tokens after padding to "
             "policy.make_sequence_length_divisible_by; raise "
-            f"{key} to at least {padded[worst]} or drop the sample."
+            f"policy.sequence_packing.{key} to at least {padded[worst]} or drop the sample."
         )
 
 

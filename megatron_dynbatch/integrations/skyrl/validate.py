@@ -28,6 +28,7 @@ from typing import Any
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.hosts import (
     SKYRL,
+    check_budget_holds_a_sample,
     check_host_budget,
     check_host_planner,
     check_overhead,
@@ -48,6 +49,23 @@ def _check_planner(name: Any) -> None:
     if name is None:
         return
     check_host_planner(SKYRL, name, SKYRL.fixed["layout"])
+
+
+def _check_padding(trainer: Any, budget: int) -> None:
+    """The budget holds one padded sample of each trained model's layout (tp, 2 x cp): at
+    config time, not at the first step."""
+    from megatron_dynbatch.planning.spec import ParallelLayout
+
+    for role in ("policy", "critic"):
+        megatron = getattr(getattr(trainer, role, None), "megatron_config", None)
+        if megatron is None:
+            continue
+        tp, cp = (
+            host_size(getattr(megatron, name, None), f"trainer.{role}.megatron_config.{name}")
+            for name in ("tensor_model_parallel_size", "context_parallel_size")
+        )
+        layout = ParallelLayout(tp_size=tp, cp_size=cp)
+        check_budget_holds_a_sample(SKYRL, budget, layout, BUDGET)
 
 
 def _check_memory(trainer: Any, budget: int) -> None:
@@ -136,4 +154,5 @@ def validate_trainer_config(trainer: Any) -> None:
     _check_planner(getattr(trainer, "dynamic_batch_planner", None))
     overhead = getattr(trainer, "dynamic_batch_cost_microbatch_overhead", None)
     check_overhead(overhead, f"{OVERHEAD}={overhead!r}", f"{OVERHEAD}=330")
+    _check_padding(trainer, budget)
     _check_memory(trainer, budget)

@@ -36,6 +36,7 @@ from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.hosts import (
     VERL,
     check_budget,
+    check_budget_holds_a_sample,
     check_host_planner,
     check_overhead,
     host_size,
@@ -132,7 +133,8 @@ def check_engine_config(config: Any, *, role: str = ACTOR) -> bool:
         raise DynBatchValueError(
             f"{role}.megatron.context_parallel_size={cp} with Megatron-Bridge turns on "
             "calculate_per_token_loss, whose token count includes placeholders; use "
-            f"context_parallel_size=1 (or vanilla_mbridge=true) {off}."
+            f"{role}.megatron.context_parallel_size=1 (or {role}.megatron.vanilla_mbridge=true) "
+            f"{off}."
         )
     return True
 
@@ -240,11 +242,17 @@ def role_layout_flags(role: str) -> Dict[str, str]:
     }
 
 
-def _layout(role: str, section: Any) -> None:
+def _layout(role: str, section: Any, budget: int, key: str) -> None:
     """The role's pipeline layout at config time (verl's engine builds it at the first step),
-    in verl's option names: interleaving without a pipeline, a group below pp."""
+    in verl's option names: interleaving without a pipeline, a group below pp; and a budget
+    ``key`` that holds one sample padded to the role's tp (and 2 x cp)."""
     megatron = _get(section, "megatron")
     prefix = f"{ACTOR}.megatron" if role == ACTOR else "critic.megatron"
+    tp, cp = (
+        host_size(_get(megatron, name), f"{prefix}.{name}")
+        for name in ("tensor_model_parallel_size", "context_parallel_size")
+    )
+    check_budget_holds_a_sample(VERL, budget, ParallelLayout(tp_size=tp, cp_size=cp), key)
     pp, vpp = (
         host_size(_get(megatron, name), f"{prefix}.{name}")
         for name in ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")
@@ -357,7 +365,7 @@ def check_verl_config(config: Any, *, use_reference_policy: bool, use_critic: bo
                     BUDGET_KEYS[("ref", True)],
                     switch,
                 )
-            _layout(ACTOR, actor)
+            _layout(ACTOR, actor, tokens, key)
             _memory(config, ACTOR, actor, key, tokens)
     critic = _get(config, "critic")
     if not use_critic or critic is None or _get(critic, "megatron") is None:
@@ -381,5 +389,5 @@ def check_verl_config(config: Any, *, use_reference_policy: bool, use_critic: bo
         key = BUDGET_KEYS[("critic", True)]
     else:
         key = "critic.ppo_max_token_len_per_gpu"
-    _layout("critic", critic)
+    _layout("critic", critic, tokens, key)
     _memory(config, "critic", critic, key, tokens)
