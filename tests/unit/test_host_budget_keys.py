@@ -268,3 +268,24 @@ def test_a_budget_under_one_padded_sample_is_refused_at_config_time_with_a_minim
             use_reference_policy=True,
             use_critic=False,
         )
+
+
+def test_heads_that_do_not_split_over_tp_name_the_roles_key_under_a_memory_budget(tmp_path):
+    # The memory model refused tp 3 for 8 heads naming `tp_size` (SkyRL) or told NeMo-RL users to
+    # "use a model whose config gives them"; tp is what needs changing.
+    (tmp_path / "config.json").write_text(json.dumps(HF))
+    megatron = SimpleNamespace(tensor_model_parallel_size=3)
+    policy = SimpleNamespace(model=SimpleNamespace(path=str(tmp_path)), megatron_config=megatron)
+    key = "trainer.policy.megatron_config.tensor_model_parallel_size"
+    with pytest.raises(DynBatchValueError, match=re.escape(f"tp_size is {key}")):
+        validate_trainer_config(
+            _skyrl(max_memory_gib=70, policy=policy, max_tokens_per_microbatch=9)
+        )
+    from megatron_dynbatch.integrations.nemo_rl.memory import nemo_rl_memory_model
+
+    policy_cfg = {"model_name": str(tmp_path), "megatron_cfg": {"tensor_model_parallel_size": 3}}
+    with pytest.raises(DynBatchValueError) as refused:
+        nemo_rl_memory_model(policy_cfg, SimpleNamespace(**HF), ParallelLayout(tp_size=3))
+    message = str(refused.value)
+    assert "policy.megatron_cfg.tensor_model_parallel_size" in message
+    assert "use a model whose config" not in message

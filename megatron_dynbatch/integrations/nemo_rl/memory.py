@@ -21,6 +21,7 @@ from typing import Any, Mapping, Optional
 from megatron_dynbatch.config import attention_from_megatron, is_gib
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.host_memory import check_row_fits
+from megatron_dynbatch.integrations.hosts import NEMO_RL
 from megatron_dynbatch.integrations.model_args import memory_model_from_flags
 from megatron_dynbatch.planning.memory import MemoryLimit, MemoryModel, gib_to_bytes
 from megatron_dynbatch.planning.spec import ParallelLayout, round_up
@@ -102,9 +103,18 @@ def nemo_rl_memory_model(
     try:
         args = _megatron_args(policy_cfg, hf_config)
         # NeMo-RL's sequence packing runs transformer-engine's THD attention: per-sample segments.
-        return memory_model_from_flags(
-            args, parallel, attention_from_megatron(None, None, "packed"), unfitted=True
-        )
+        with NEMO_RL.flags():
+            return memory_model_from_flags(
+                args, parallel, attention_from_megatron(None, None, "packed"), unfitted=True
+            )
+    except DynBatchValueError as error:
+        if "multiples of tp_size" in str(error):
+            raise  # the layout's, named by its key (the model's config is fine)
+        raise DynBatchValueError(
+            f"{KEY} needs the model's dimensions from policy.model_name="
+            f"{policy_cfg.get('model_name')!r}'s config ({error}); use a model whose config "
+            f"gives them, or drop {KEY}."
+        ) from error
     except (AttributeError, TypeError, ValueError) as error:
         raise DynBatchValueError(
             f"{KEY} needs the model's dimensions from policy.model_name="

@@ -76,7 +76,7 @@ def _check_memory(trainer: Any, budget: int) -> None:
         host_memory_limit,
         parse_gib,
     )
-    from megatron_dynbatch.planning.spec import ParallelLayout
+    from megatron_dynbatch.planning.spec import ParallelLayout, setting_flags
 
     gib = parse_gib(getattr(trainer, "max_memory_gib", None), MEMORY)
     if gib is None:
@@ -106,13 +106,17 @@ def _check_memory(trainer: Any, budget: int) -> None:
             dp_size=max(1, gpus // (tp * pp * cp)), tp_size=tp, pp_size=pp, cp_size=cp
         )
         hf = hf_model_config(path, key=MEMORY, path_key=f"trainer.{role}.model.path")
-        dims = hf_model_dims(
-            hf,
-            parallel,
-            # SkyRL turns Megatron's sequence parallelism on whenever tp > 1.
-            sequence_parallel=tp > 1,
-            ep_size=int(getattr(megatron, "expert_model_parallel_size", 1) or 1),
-        )
+        # Heads that do not split over tp are named by this role's key, not `tp_size`.
+        with setting_flags(
+            {"tp_size": f"trainer.{role}.megatron_config.tensor_model_parallel_size"}, tool="SkyRL"
+        ):
+            dims = hf_model_dims(
+                hf,
+                parallel,
+                # SkyRL turns Megatron's sequence parallelism on whenever tp > 1.
+                sequence_parallel=tp > 1,
+                ep_size=int(getattr(megatron, "expert_model_parallel_size", 1) or 1),
+            )
         kwargs = getattr(megatron, "transformer_config_kwargs", None) or {}
         limit = host_memory_limit(
             gib, dims, distributed_optimizer=True, recompute=kwargs.get("recompute_granularity")
