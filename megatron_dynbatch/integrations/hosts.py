@@ -33,7 +33,6 @@ from typing import (
     Any,
     Callable,
     Dict,
-    Iterable,
     List,
     Literal,
     Mapping,
@@ -52,11 +51,13 @@ from megatron_dynbatch.planning import (
     check_plan,
     round_up,
 )
+from megatron_dynbatch.planning.samples import as_sequence
 from megatron_dynbatch.planning.sharded import ShardedPlan, plan_rank_shards, sharded_plan
 from megatron_dynbatch.planning.spec import (
     ATTENTION_CROSSOVER_7B,
     LAYOUT_FLAGS,
     MAX_TOKENS,
+    check_int,
     layout_flags,
     setting_flags,
     tokens_padded,
@@ -411,14 +412,12 @@ def check_budget_holds_a_sample(host: Host, budget: int, parallel: Any, key: str
 
 def host_size(value: Any, key: str, default: int = 1) -> int:
     """A parallel size or count read from a host's config (``None`` or absent: ``default``), as
-    a plain ``int`` >= 1, or a ``DynBatchValueError`` naming ``key`` (``int("two")`` was a bare
-    ``ValueError``, and ``0 or 1`` read a size of 0 as 1)."""
+    a plain ``int`` >= 1 (:func:`~megatron_dynbatch.planning.spec.check_int`), or a
+    ``DynBatchValueError`` naming ``key`` (``int("two")`` was a bare ``ValueError``, and
+    ``0 or 1`` read a size of 0 as 1)."""
     if value is None:
         return default
-    size = value if isinstance(value, numbers.Integral) and not isinstance(value, bool) else None
-    if size is None or int(size) < 1:
-        raise DynBatchValueError(f"{key}={value!r} must be a whole number >= 1.")
-    return int(size)
+    return check_int(key, value, 1, f"set {key} to a whole number >= 1 (or leave it out: 1).")
 
 
 def check_overhead(value: Any, setting: str, example: str) -> Optional[float]:
@@ -551,11 +550,11 @@ def check_host_lengths(host: Host, lengths_per_rank: Sequence[Sequence[Any]]) ->
     checked: List[List[int]] = []
     for rank, lengths in enumerate(lengths_per_rank):
         where = "" if host.planning == "global" else f"DP rank {rank} "
-        if isinstance(lengths, (str, bytes, Mapping)) or not isinstance(lengths, Iterable):
-            raise DynBatchValueError(
-                f"{host.name}: {where}lengths {repr(lengths)[:40]} are not a list of sample "
-                "lengths; pass one list per DP rank, e.g. [[120, 300], [80]]."
-            )
+        lengths = as_sequence(
+            f"{host.name}: {where}lengths",
+            lengths,
+            "sample lengths (one list per DP rank, e.g. [[120, 300], [80]])",
+        )
         row = []
         for i, length in enumerate(lengths):
             if (

@@ -23,7 +23,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from megatron_dynbatch.errors import DynBatchValueError
 
@@ -31,7 +31,7 @@ from .balance import descent_order, pipeline_order, pipeline_orders
 from .candidates import differenced_rows
 from .cost import microbatch_cost, sample_costs
 from .registry import run_planner
-from .samples import SampleSet
+from .samples import SampleSet, as_sequence
 from .schedule import ScheduledStep
 from .simulate import TIE, pipeline_makespan, remembered_makespans
 from .spec import (
@@ -191,21 +191,12 @@ def _check_shards(lengths_per_rank: Any, config: PlannerConfig) -> None:
             f"a sharded plan plans each DP rank's own samples: pass a config with dp_size=1 (got "
             f"{config.parallel.dp_size}); the ranks are the outer list of lengths_per_rank."
         )
-
-    def not_a_list(value: Any) -> bool:  # lists, tuples, numpy arrays, tensors pass
-        return isinstance(value, (str, bytes, Mapping)) or not (
-            hasattr(value, "__len__") and hasattr(value, "__iter__")
-        )
-
-    if (
-        not_a_list(lengths_per_rank)
-        or not len(lengths_per_rank)
-        or any(map(not_a_list, lengths_per_rank))
-    ):
-        raise DynBatchValueError(
-            f"lengths_per_rank={repr(lengths_per_rank)[:60]} must be one list of sample lengths "
-            "per DP rank (at least one rank), e.g. [[120, 300], [80]]."
-        )
+    what = "one list of sample lengths per DP rank (at least one rank), e.g. [[120, 300], [80]]"
+    ranks = as_sequence("lengths_per_rank", lengths_per_rank, what)
+    if not ranks:
+        raise DynBatchValueError(f"lengths_per_rank is empty; pass {what}.")
+    for rank, lengths in enumerate(ranks):
+        as_sequence(f"lengths_per_rank[{rank}]", lengths, f"sample lengths: {what}")
     if config.oversize_samples == "truncate":
         # Each rank materializes its own samples whole; a cut it never makes would train every
         # token over the budget, reported nowhere.

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from megatron_dynbatch.errors import DynBatchValueError
 
@@ -283,6 +283,23 @@ def torchrun_command(ranks: int, program: Optional[str] = None) -> str:
     return f"torchrun --nproc-per-node {ranks} -m megatron_dynbatch pretrain ..."
 
 
+def _model_sizes(args: Any) -> List[Tuple[str, int]]:
+    """The sizes that split one model copy over ranks, each with its flag."""
+    return [
+        ("--tensor-model-parallel-size", _size(args, "tensor_model_parallel_size")),
+        ("--pipeline-model-parallel-size", _size(args, "pipeline_model_parallel_size")),
+        ("--context-parallel-size", _size(args, "context_parallel_size")),
+    ]
+
+
+def _model_ranks(sizes: List[Tuple[str, int]]) -> int:
+    """Ranks per model copy: the product of :func:`_model_sizes` (a size below 1 counts 1)."""
+    model = 1
+    for _, size in sizes:
+        model *= max(size, 1)
+    return model
+
+
 def check_world_size(args: Any, environ: Optional[dict] = None) -> None:
     """The ranks launched against the model-parallel sizes: a launch without torchrun (one
     process) of a model split over ranks is told the torchrun command; a world size that is not
@@ -297,14 +314,8 @@ def check_world_size(args: Any, environ: Optional[dict] = None) -> None:
     world = getattr(args, "world_size", None)
     if world is None:
         return
-    sizes = [
-        ("--tensor-model-parallel-size", _size(args, "tensor_model_parallel_size")),
-        ("--pipeline-model-parallel-size", _size(args, "pipeline_model_parallel_size")),
-        ("--context-parallel-size", _size(args, "context_parallel_size")),
-    ]
-    model = 1
-    for _, size in sizes:
-        model *= max(size, 1)
+    sizes = _model_sizes(args)
+    model = _model_ranks(sizes)
     if world % model == 0:
         return
     named = " x ".join(f"{flag} {size}" for flag, size in sizes if size != 1)
@@ -351,14 +362,7 @@ def one_rank_without_torchrun(
     program = os.path.basename(program if program is not None else sys.argv[0])
     if not (getattr(args, "use_dynamic_batch_size", False) or program == PRETRAIN_PROGRAM):
         return None  # stock Megatron's own behaviour (the same traceback) is kept
-    model = 1
-    for name in (
-        "tensor_model_parallel_size",
-        "pipeline_model_parallel_size",
-        "context_parallel_size",
-    ):
-        model *= max(_size(args, name), 1)
-    if model > 1:
+    if _model_ranks(_model_sizes(args)) > 1:
         return None  # check_world_size names the ranks this model needs
     with socket.socket() as probe:  # a free port for the one-rank group's store
         probe.bind(("127.0.0.1", 0))

@@ -23,7 +23,7 @@ Standard library only: SkyRL's config validation runs on the driver, before any 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Tuple
 
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.hosts import (
@@ -51,6 +51,20 @@ def _check_planner(name: Any) -> None:
     check_host_planner(SKYRL, name, SKYRL.fixed["layout"])
 
 
+def _role_sizes(megatron: Any, role: str) -> Tuple[int, int, int]:
+    """``(tp, pp, cp)`` of a role's ``megatron_config`` (1 where unset), each refused by its key
+    (``trainer.{role}.megatron_config.<size>``) unless a whole number >= 1."""
+    tp, pp, cp = (
+        host_size(getattr(megatron, name, None), f"trainer.{role}.megatron_config.{name}")
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+        )
+    )
+    return tp, pp, cp
+
+
 def _check_padding(trainer: Any, budget: int) -> None:
     """The budget holds one padded sample of each trained model's layout (tp, 2 x cp): at
     config time, not at the first step."""
@@ -60,10 +74,7 @@ def _check_padding(trainer: Any, budget: int) -> None:
         megatron = getattr(getattr(trainer, role, None), "megatron_config", None)
         if megatron is None:
             continue
-        tp, cp = (
-            host_size(getattr(megatron, name, None), f"trainer.{role}.megatron_config.{name}")
-            for name in ("tensor_model_parallel_size", "context_parallel_size")
-        )
+        tp, _pp, cp = _role_sizes(megatron, role)
         layout = ParallelLayout(tp_size=tp, cp_size=cp)
         check_budget_holds_a_sample(SKYRL, budget, layout, BUDGET)
 
@@ -88,14 +99,7 @@ def _check_memory(trainer: Any, budget: int) -> None:
         if section is None or (role == "critic" and not path):
             continue
         megatron = getattr(section, "megatron_config", None)
-        tp, pp, cp = (
-            host_size(getattr(megatron, name, None), f"trainer.{role}.megatron_config.{name}")
-            for name in (
-                "tensor_model_parallel_size",
-                "pipeline_model_parallel_size",
-                "context_parallel_size",
-            )
-        )
+        tp, pp, cp = _role_sizes(megatron, role)
         gpus = host_size(
             getattr(placement, f"{role}_num_gpus_per_node", None),
             f"trainer.placement.{role}_num_gpus_per_node",

@@ -233,30 +233,37 @@ def dynbatch_settings(section: Any, role: str) -> dict:
     return items
 
 
+#: The parallel sizes a role's ``megatron`` section sets, as verl names them.
+_SIZES = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+)
+
+
 def role_layout_flags(role: str) -> Dict[str, str]:
     """verl's option names of the parallel sizes for ``role`` (``ACTOR`` or ``critic``)."""
-    prefix = f"{ACTOR}.megatron" if role == ACTOR else "critic.megatron"
     return {
-        field: flag.replace(f"{ACTOR}.megatron", prefix)
+        field: flag.replace(f"{ACTOR}.megatron", f"{role}.megatron")
         for field, flag in LAYOUT_FLAGS["verl"].items()
     }
 
 
-def _layout(role: str, section: Any, budget: int, key: str) -> None:
+def _role_sizes(role: str, section: Any) -> Dict[str, int]:
+    """The role's parallel sizes (:data:`_SIZES`), each a whole number >= 1 (1 where unset),
+    refused by its key (``{role}.megatron.<size>``) otherwise."""
+    megatron = _get(section, "megatron")
+    return {name: host_size(_get(megatron, name), f"{role}.megatron.{name}") for name in _SIZES}
+
+
+def _layout(role: str, section: Any, sizes: Dict[str, int], budget: int, key: str) -> None:
     """The role's pipeline layout at config time (verl's engine builds it at the first step),
     in verl's option names: interleaving without a pipeline, a group below pp; and a budget
     ``key`` that holds one sample padded to the role's tp (and 2 x cp)."""
-    megatron = _get(section, "megatron")
-    prefix = f"{ACTOR}.megatron" if role == ACTOR else "critic.megatron"
-    tp, cp = (
-        host_size(_get(megatron, name), f"{prefix}.{name}")
-        for name in ("tensor_model_parallel_size", "context_parallel_size")
-    )
+    tp, pp, cp, vpp = (sizes[name] for name in _SIZES)
     check_budget_holds_a_sample(VERL, budget, ParallelLayout(tp_size=tp, cp_size=cp), key)
-    pp, vpp = (
-        host_size(_get(megatron, name), f"{prefix}.{name}")
-        for name in ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")
-    )
+    megatron = _get(section, "megatron")
     group = _get(megatron, "override_transformer_config.microbatch_group_size_per_vp_stage")
     with setting_flags(role_layout_flags(role), tool="verl"):
         ParallelLayout(
@@ -266,7 +273,9 @@ def _layout(role: str, section: Any, budget: int, key: str) -> None:
         )
 
 
-def _memory(config: Any, role: str, section: Any, token_key: str, tokens: int) -> None:
+def _memory(
+    config: Any, role: str, section: Any, sizes: Dict[str, int], token_key: str, tokens: int
+) -> None:
     """``{role}.megatron.dynbatch.max_memory_gib``: a micro-batch at the training budget fits."""
     from megatron_dynbatch.integrations.host_memory import (
         check_memory_budget,
@@ -284,16 +293,7 @@ def _memory(config: Any, role: str, section: Any, token_key: str, tokens: int) -
     model_key = "actor_rollout_ref.model.path" if role == ACTOR else "critic.model.path"
     path = _get(config, model_key)
     hf = hf_model_config(path, key=key, path_key=model_key)
-    prefix = "actor_rollout_ref.actor.megatron" if role == ACTOR else "critic.megatron"
-    tp, pp, cp, vpp = (
-        host_size(_get(megatron, name), f"{prefix}.{name}")
-        for name in (
-            "tensor_model_parallel_size",
-            "pipeline_model_parallel_size",
-            "context_parallel_size",
-            "virtual_pipeline_model_parallel_size",
-        )
-    )
+    tp, pp, cp, vpp = (sizes[name] for name in _SIZES)
     gpus = host_size(_get(config, "trainer.n_gpus_per_node"), "trainer.n_gpus_per_node") * (
         host_size(_get(config, "trainer.nnodes"), "trainer.nnodes")
     )
@@ -365,8 +365,9 @@ def check_verl_config(config: Any, *, use_reference_policy: bool, use_critic: bo
                     BUDGET_KEYS[("ref", True)],
                     switch,
                 )
-            _layout(ACTOR, actor, tokens, key)
-            _memory(config, ACTOR, actor, key, tokens)
+            sizes = _role_sizes(ACTOR, actor)
+            _layout(ACTOR, actor, sizes, tokens, key)
+            _memory(config, ACTOR, actor, sizes, key, tokens)
     critic = _get(config, "critic")
     if not use_critic or critic is None or _get(critic, "megatron") is None:
         return
@@ -389,5 +390,6 @@ def check_verl_config(config: Any, *, use_reference_policy: bool, use_critic: bo
         key = BUDGET_KEYS[("critic", True)]
     else:
         key = "critic.ppo_max_token_len_per_gpu"
-    _layout("critic", critic, tokens, key)
-    _memory(config, "critic", critic, key, tokens)
+    sizes = _role_sizes("critic", critic)
+    _layout("critic", critic, sizes, tokens, key)
+    _memory(config, "critic", critic, sizes, key, tokens)
