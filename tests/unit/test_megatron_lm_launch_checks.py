@@ -183,6 +183,26 @@ def test_negative_calibration_steps_are_refused_and_0_turns_calibration_off():
     validate_dynamic_batch_args(_args(_ON + ["--dynamic-batch-calibration-steps", "0"]))
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--dynamic-batch-calibration-steps", "0"],
+        ["--dynamic-batch-calibration-max-error", "0.5"],
+        ["--dynamic-batch-recalibrate"],
+        ["--dynamic-batch-calibration-output", "/tmp/somewhere"],
+    ],
+)
+def test_calibration_flags_without_the_switch_are_refused_as_stray(flags):
+    # Like every other flag of ours: without the switch they would be ignored (fixed
+    # micro-batches run, nothing calibrates), which a user would not know.
+    with pytest.raises(DynBatchValueError) as refused:
+        validate_dynamic_batch_args(_args(flags))
+    message = str(refused.value)
+    assert message.startswith(f"{flags[0]} given without --use-dynamic-batch-size"), message
+    assert "add --use-dynamic-batch-size or drop them" in message
+    validate_dynamic_batch_args(_args(_ON + flags))
+
+
 def test_a_calibration_output_that_cannot_become_a_directory_is_refused(tmp_path, monkeypatch):
     afile = tmp_path / "afile"
     afile.write_text("")
@@ -261,3 +281,45 @@ def test_configure_runs_the_entry_check_before_megatron_validates():
         hooks.configure(args)  # outside the entry: not this host's check
     finally:
         hooks.reset_dynamic_batch_state()
+
+
+# -- a validation batch of no samples ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "values, flag",
+    [
+        (dict(eval_global_batch_size=0), "--eval-global-batch-size"),
+        (dict(eval_global_batch_size=-4), "--eval-global-batch-size"),
+        (dict(eval_micro_batch_size=0), "--eval-micro-batch-size"),
+    ],
+)
+def test_a_validation_batch_size_of_0_is_refused_not_read_as_left_out(values, flag):
+    # `eval_global_batch_size or global_batch_size` read a 0 given as the default (left out).
+    with pytest.raises(DynBatchValueError) as refused:
+        validate_dynamic_batch_args(_args(_ON, **values))
+    message = str(refused.value)
+    assert message.startswith(f"{flag}="), message
+    # Left out (None) it is the training batch, as Megatron defaults it.
+    validate_dynamic_batch_args(_args(_ON, eval_global_batch_size=None, eval_micro_batch_size=None))
+
+
+# -- the baseline planner 'fixed' has no oversize policy ---------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["error", "allow", "truncate"])
+def test_the_fixed_planner_under_seq_length_is_refused_at_start_up_whatever_the_policy(policy):
+    # It was refused at the first step holding a --seq-length sample (with allow or truncate), or
+    # told to pass allow / truncate, which planner 'fixed' ignores.
+    fixed = ["--dynamic-batch-planner", "fixed", "--dynamic-batch-layout", "padded"]
+    argv = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "128", "--oversize-samples", policy]
+    with pytest.raises(DynBatchValueError) as refused:
+        validate_dynamic_batch_args(_args(argv + fixed))
+    message = str(refused.value)
+    assert message.startswith("--max-tokens-per-gpu 128 is smaller than --seq-length 256"), message
+    assert "--dynamic-batch-planner fixed pads every sample" in message
+    assert "raise --max-tokens-per-gpu to at least 256" in message
+    # Each named fix works: the budget raised, or the default planner (with a policy over error).
+    validate_dynamic_batch_args(_args(argv[:2] + ["256"] + argv[3:] + fixed))
+    if policy != "error":
+        validate_dynamic_batch_args(_args(argv))

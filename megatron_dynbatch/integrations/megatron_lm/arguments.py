@@ -379,6 +379,13 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
             stray.append("--dynamic-batch-config")
         if variable:
             stray.append("--variable-seq-lengths")
+        # Calibration flags have real defaults, so a value other than the default was given.
+        stray += [
+            row.flag
+            for row in SETTINGS
+            if row.flag in _CALIBRATION_FLAGS
+            and getattr(args, row.training_dest, row.default) != row.default
+        ]
         if stray:
             raise DynBatchValueError(
                 f"{', '.join(stray)} given without --use-dynamic-batch-size, so they would be "
@@ -562,13 +569,26 @@ def _check_budgets_fit_seq_length(args: Any, config: DynBatchConfig) -> None:
     otherwise fail only at the first such sample (for the evaluation budget, after training).
     """
     seq_length = getattr(args, "seq_length", None)
-    if seq_length is None or config.oversize_samples != "error":
+    # The baseline planner 'fixed' (Megatron's stock batching) has no oversize policy: a sample
+    # over its budget stops it whatever --oversize-samples says.
+    stock = config.planner == "fixed"
+    if seq_length is None or (config.oversize_samples != "error" and not stock):
         return
     budgets = [("--max-tokens-per-gpu", config.max_tokens_per_gpu, "training")]
     forward_only = config.log_probs_max_tokens_per_gpu
     if forward_only is not None:
         budgets.append(("--log-probs-max-tokens-per-gpu", forward_only, "validation and log-prob"))
     for flag, budget, what in budgets:
+        if budget is not None and budget < seq_length and stock:
+            raise DynBatchValueError(
+                f"{flag} {budget} is smaller than --seq-length {seq_length} (the longest "
+                f"sample), and --dynamic-batch-planner fixed pads every sample of a step to its "
+                f"longest with no oversize policy (--oversize-samples {config.oversize_samples} "
+                f"applies to planner {DEFAULT_PLANNER!r} only), so a {seq_length}-token sample "
+                f"would stop the run at its first {what} step; raise {flag} to at least "
+                f"{seq_length}, lower --seq-length, or pass --dynamic-batch-planner "
+                f"{DEFAULT_PLANNER}."
+            )
         if budget is not None and budget < seq_length:
             raise DynBatchValueError(
                 f"{flag} {budget} is smaller than --seq-length {seq_length} (the longest "
@@ -589,23 +609,29 @@ def _check_unused_micro_batch_sizes(args: Any) -> None:
     dp = _data_parallel_size(args)
     gbs = getattr(args, "global_batch_size", None)
     mbs = getattr(args, "micro_batch_size", None)
+    # Megatron defaults a validation size left out (None) to the training one; a 0 given is not
+    # left out (Megatron would validate on batches of no samples), so it is checked as given.
+    eval_gbs = getattr(args, "eval_global_batch_size", None)
+    eval_mbs = getattr(args, "eval_micro_batch_size", None)
     pairs = (
         ("--global-batch-size", gbs, "--micro-batch-size", mbs),
         (
             "--eval-global-batch-size",
-            getattr(args, "eval_global_batch_size", None) or gbs,
-            (
-                "--eval-micro-batch-size"
-                if getattr(args, "eval_micro_batch_size", None)
-                else "--micro-batch-size"
-            ),
-            getattr(args, "eval_micro_batch_size", None) or mbs,
+            gbs if eval_gbs is None else eval_gbs,
+            "--micro-batch-size" if eval_mbs is None else "--eval-micro-batch-size",
+            mbs if eval_mbs is None else eval_mbs,
         ),
     )
     for batch_flag, batch, micro_flag, micro in pairs:
         # Megatron's own checks would refuse these too, later and by assert; name them first.
         if batch is not None:
-            batch = check_int(batch_flag, batch, 1, f"set {batch_flag} to the samples of one step.")
+            fix = (
+                f"set {batch_flag} to the samples of one step."
+                if batch_flag == "--global-batch-size"
+                else f"set {batch_flag} to the samples of one validation batch, or leave it out "
+                "(the --global-batch-size)."
+            )
+            batch = check_int(batch_flag, batch, 1, fix)
         if micro is not None:
             micro = check_int(micro_flag, micro, 1, f"set {micro_flag} 1 (the planner ignores it).")
         if batch is None or micro is None or batch % (micro * dp) == 0:
