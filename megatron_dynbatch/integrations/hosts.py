@@ -57,6 +57,7 @@ from megatron_dynbatch.planning.spec import (
     ATTENTION_CROSSOVER_7B,
     LAYOUT_FLAGS,
     MAX_TOKENS,
+    as_int,
     check_int,
     layout_flags,
     setting_flags,
@@ -557,18 +558,20 @@ def check_host_lengths(host: Host, lengths_per_rank: Sequence[Sequence[Any]]) ->
         )
         row = []
         for i, length in enumerate(lengths):
-            if (
-                isinstance(length, bool)
-                or not isinstance(length, numbers.Real)
-                or not math.isfinite(length)
-                or int(length) != length
-                or int(length) < 1
-            ):
+            # A token count is an integer, as `plan` reads it: 5.0 is refused, not read as 5.
+            number = as_int(length)
+            if number is None:
+                raise DynBatchValueError(
+                    f"{host.name}: {where}{host.sample} {i} has {length!r} tokens "
+                    f"({type(length).__name__}), not an integer token count; pass the lengths "
+                    "as integers (e.g. attention_mask.sum(-1).tolist())."
+                )
+            if number < 1:
                 raise DynBatchValueError(
                     f"{host.name}: {where}{host.sample} {i} has {length!r} tokens; every sample "
                     "needs at least one (drop empty samples before training)."
                 )
-            row.append(int(length))
+            row.append(number)
         checked.append(row)
     return checked
 

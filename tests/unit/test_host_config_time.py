@@ -138,9 +138,23 @@ def test_nemo_rl_memory_budget_too_small_names_the_key_and_the_smallest_that_wor
     assert limit.fits((1, 48)) and limit.budget_bytes == int(smallest * 2**30)
     with pytest.raises(DynBatchValueError, match="too small"):
         planner(_nemo(memory=smallest - 0.002), 4, hf_config=TINY)
+    # The row is train_mb_tokens (48, under max_total_sequence_length 64): that key is named, and
+    # lowering it is the fix offered (it named max_total_sequence_length=64 for a 48-token row).
+    assert "(a sample of policy.sequence_packing.train_mb_tokens=48, padded)" in message
+    assert "or lower policy.sequence_packing.train_mb_tokens" in message
+    cfg = _nemo(memory=0.001)
+    cfg["sequence_packing"]["train_mb_tokens"] = 96
+    with pytest.raises(DynBatchValueError) as refused:
+        planner(cfg, 4, hf_config=TINY)
+    assert "(a sample of policy.max_total_sequence_length=64, padded)" in str(refused.value)
 
 
-@pytest.mark.parametrize("value", [-1, 0, math.nan, math.inf, "70"])
+@pytest.mark.parametrize("value", [-1, 0, math.nan, math.inf, "lots", "-3"])
 def test_nemo_rl_memory_budget_must_be_gib(value):
     with pytest.raises(DynBatchValueError, match=r"policy\.megatron_cfg\.dynbatch\.max_memory_gib"):
         planner(_nemo(memory=value), 4, hf_config=TINY)
+
+
+def test_nemo_rl_reads_a_memory_budget_given_as_a_string_as_verl_and_skyrl_do():
+    # "70" (a YAML string, an interpolation) was refused by NeMo-RL alone.
+    assert planner(_nemo(memory="70"), 4, hf_config=TINY).memory.budget_bytes == 70 * 2**30

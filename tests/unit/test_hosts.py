@@ -58,6 +58,12 @@ def test_lengths_are_checked_once_naming_rank_and_sample(host):
         check_host_lengths(host, [[3], [0]])
     with pytest.raises(DynBatchValueError, match="True"):
         check_host_lengths(host, [[True]])
+    # Integers only, as `plan` reads a samples file: 5.0 was read as 5.
+    for bad in (5.0, 5.5, "5"):
+        with pytest.raises(DynBatchValueError, match="not an integer token count"):
+            check_host_lengths(host, [[3], [bad]])
+    np = pytest.importorskip("numpy")
+    assert check_host_lengths(host, [np.array([3, 4], dtype=np.int32)]) == [[3, 4]]
 
 
 def test_verl_refuses_a_sample_over_its_budget_naming_verls_key():

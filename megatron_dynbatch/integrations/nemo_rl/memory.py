@@ -18,9 +18,9 @@ from __future__ import annotations
 import types
 from typing import Any, Mapping, Optional
 
-from megatron_dynbatch.config import attention_from_megatron, is_gib
+from megatron_dynbatch.config import attention_from_megatron
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.integrations.host_memory import check_row_fits
+from megatron_dynbatch.integrations.host_memory import check_row_fits, parse_gib
 from megatron_dynbatch.integrations.hosts import NEMO_RL
 from megatron_dynbatch.integrations.model_args import memory_model_from_flags
 from megatron_dynbatch.planning.memory import MemoryLimit, MemoryModel, gib_to_bytes
@@ -43,16 +43,8 @@ _GATED = ("silu", "swiglu", "swish")
 def nemo_rl_max_memory_gib(policy_cfg: Mapping[str, Any]) -> Optional[float]:
     """The budget in GiB, or ``None`` where it is not set (``null`` included)."""
     section = (policy_cfg.get("megatron_cfg") or {}).get("dynbatch") or {}
-    value = section.get("max_memory_gib")
-    if value is None:
-        return None
-    if not is_gib(value):
-        raise DynBatchValueError(
-            f"{KEY}={value!r} must be a number of GiB > 0 (what one training GPU may hold at its "
-            f"peak), e.g. {KEY}=70 on an 80 GiB GPU; or drop it to plan by "
-            "policy.sequence_packing.train_mb_tokens alone."
-        )
-    return float(value)
+    # One reading for every host: a number, or a string of one ("70" from an interpolation).
+    return parse_gib(section.get("max_memory_gib"), KEY)
 
 
 def _megatron_args(policy_cfg: Mapping[str, Any], hf_config: Any) -> Any:
@@ -147,13 +139,20 @@ def check_memory_budget(policy_cfg: Mapping[str, Any], limit: MemoryLimit) -> No
     """
     packing = policy_cfg.get("sequence_packing") or {}
     pad = int(policy_cfg.get("make_sequence_length_divisible_by", 1) or 1)
-    longest = policy_cfg.get("max_total_sequence_length") or packing.get("train_mb_tokens")
-    cap = packing.get("train_mb_tokens") or longest
-    row = round_up(min(int(longest), int(cap)), max(pad, limit.row_multiple))
-    what = (
-        f"one micro-batch of {row} tokens (a sample of policy.max_total_sequence_length="
-        f"{longest}, padded)"
-    )
+    # The key that bounds the longest sample is the one named (and the one to lower).
+    bounds = [
+        (int(value), key)
+        for key, value in (
+            ("policy.max_total_sequence_length", policy_cfg.get("max_total_sequence_length")),
+            ("policy.sequence_packing.train_mb_tokens", packing.get("train_mb_tokens")),
+        )
+        if value
+    ]
+    if not bounds:
+        return  # nothing bounds a sample here: each step's plan checks its own rows
+    longest, bound_key = min(bounds)
+    row = round_up(longest, max(pad, limit.row_multiple))
+    what = f"one micro-batch of {row} tokens (a sample of {bound_key}={longest}, padded)"
     check_row_fits(
         limit,
         row,
@@ -161,7 +160,6 @@ def check_memory_budget(policy_cfg: Mapping[str, Any], limit: MemoryLimit) -> No
         what=what,
         fix=lambda smallest: (
             f"raise {KEY} to at least {smallest:.3f}, set "
-            "policy.megatron_cfg.activation_checkpointing=true, or lower "
-            "policy.max_total_sequence_length"
+            f"policy.megatron_cfg.activation_checkpointing=true, or lower {bound_key}"
         ),
     )
