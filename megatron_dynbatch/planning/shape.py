@@ -44,7 +44,7 @@ from .candidates import (
 )
 from .cost import row_cost
 from .refine import affordable_replays, refine_ranks
-from .simulate import TIE, remembered_makespans
+from .simulate import BACKWARD_TO_FORWARD_RATIO, TIE, pipeline_makespan, remembered_makespans
 from .spec import PEER_TOLERANCE, ceil_div, round_up
 from .splits import RAMP_LIMIT, cluster_splits, finer_splits, ramp_splits, tent_splits
 from .step_search import (
@@ -197,6 +197,11 @@ def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
                 cluster_splits(
                     problem, searches[0], pick_shape(scored, problem.min_gain), clustered
                 )
+    # Every candidate is compared without the slots all its ranks spare (constructions of a
+    # count can leave bins empty on every rank), so a trimmed shape wins where it is fastest.
+    for shapes in (scored, tented, clustered):
+        for key, shape in list(shapes.items()):
+            shapes[key] = _without_spare_slots(problem, shape)
     if problem.min_count > 1:
         # Counts under the imposed one would run placeholders up to it: not what was scored.
         for shapes in (scored, tented, clustered):
@@ -254,9 +259,70 @@ def _choose_shape(problem: StepProblem) -> Tuple[StepShape, int]:
             # With a count imposed (a sharded step's other rank sets it) the trainers' own
             # schedules of fewer micro-batches are no comparison: the rank runs that many anyway.
             chosen = _peer_guard(problem, searches, scored, chosen)
+    chosen = _without_spare_slots(problem, chosen)
     # A construction may fit fewer micro-batches than the searches' packings did (a rank's own
     # split): then that is the fewest found.
     return chosen, min(chosen.per_rank, *(s.min_per_rank for s in searches))
+
+
+def _without_spare_slots(problem: StepProblem, shape: StepShape) -> StepShape:
+    """``shape`` without the placeholder slots that every DP rank has to spare, where faster.
+
+    A construction of a given count can leave bins empty on every rank (a tent of 14 slots
+    filled by 12 micro-batches at dp 1, pp 4); the count Megatron needs is only the fullest
+    rank's real micro-batches, rounded up to the micro-batch multiple (and at least an imposed
+    count). Each rank drops that many of its placeholders, from the front of its order, the back,
+    or both, whichever replays fastest. Before, such steps ran up to 1.4% slower than the same
+    micro-batches without the spare slots, by the planner's own cost model.
+    """
+    parallel = problem.parallel
+    bins, orders = shape.bins, shape.rank_orders
+    real = [sum(1 for b in order if bins[b]) for order in orders]
+    count = round_up(max(1, problem.min_count, *real), parallel.microbatch_multiple)
+    spare = shape.per_rank - count
+    if spare <= 0 or any(len(order) != shape.per_rank for order in orders):
+        return shape
+    pp, vpp, group = parallel.pp_size, parallel.vpp_size, parallel.group_size
+
+    def span(order: List[int]) -> float:
+        costs = [shape.bin_costs[b] for b in order]
+        if pp == 1:
+            return (1.0 + BACKWARD_TO_FORWARD_RATIO) * sum(costs)
+        return pipeline_makespan(costs, pp, vpp, group)
+
+    kept_orders, spans = [], []
+    for order in orders:
+        empty = [k for k, b in enumerate(order) if not bins[b]]
+        best: Optional[Tuple[float, List[int]]] = None
+        for front in range(spare + 1):
+            dropped = set(empty[:front]) | set(empty[len(empty) - (spare - front) :])
+            kept = [b for k, b in enumerate(order) if k not in dropped]
+            time = span(kept)
+            if best is None or time < best[0]:
+                best = (time, kept)
+        assert best is not None
+        spans.append(best[0])
+        kept_orders.append(best[1])
+    if max(spans) >= shape.step_time * (1.0 - TIE):
+        return shape
+    # Keep only the bins still run, renumbered in order, with everything kept per bin.
+    used = sorted({b for order in kept_orders for b in order})
+    index = {b: k for k, b in enumerate(used)}
+
+    def kept(values: Optional[List]) -> Optional[List]:
+        return None if values is None else [values[b] for b in used]
+
+    return dataclasses.replace(
+        shape,
+        per_rank=count,
+        bins=[bins[b] for b in used],
+        rank_orders=[[index[b] for b in order] for order in kept_orders],
+        bin_costs=[shape.bin_costs[b] for b in used],
+        step_time=max(spans),
+        row_lengths=kept(shape.row_lengths),
+        packed_rows=kept(shape.packed_rows),
+        token_loads=kept(shape.token_loads),
+    )
 
 
 #: Pairs of micro-batches and of samples :func:`_less_rounding` tries at most in a step, and in
@@ -728,7 +794,7 @@ def _refined(problem: StepProblem, shape: StepShape, budget: Optional[int] = Non
     if spans is None or max(spans) >= shape.step_time * (1.0 - TIE):
         return shape
     rows = variable_rows(loads, multiple, cap, problem.memory, problem.parallel.sample_multiple)
-    return dataclasses.replace(
+    refined = dataclasses.replace(
         shape,
         bins=bins,
         rank_orders=orders,
@@ -738,6 +804,8 @@ def _refined(problem: StepProblem, shape: StepShape, budget: Optional[int] = Non
         seq_length=max(rows),
         token_loads=loads,
     )
+    # Moving samples out can empty a bin on every rank: those slots go where that is faster.
+    return _without_spare_slots(problem, refined)
 
 
 def _own_row_cost(problem: StepProblem, members: List[int], load: int) -> float:

@@ -92,14 +92,15 @@ def test_equal_samples_in_an_interleaved_pipeline_run_level_with_next_fit():
 def test_a_sorted_order_can_make_fewer_micro_batches_win():
     """114 samples of 400 tokens and 125 of 12 at dp 6, pp 8, vpp 4, cap 1,024, each micro-batch
     its own row: light-heavy-light chose 24 micro-batches a rank, 5% behind slime's first fit at
-    16; sorted, 16 micro-batches win, ahead of slime."""
+    16; sorted, 16 micro-batches win, ahead of slime. (Unsorted, with the slots every rank spared
+    dropped, it is still 2% behind.)"""
     lengths = [400 if (7 * i) % 239 < 114 else 12 for i in range(239)]
     samples = LengthSet(lengths, [i // 8 for i in range(len(lengths))], None)
     parallel = ParallelLayout(dp_size=6, pp_size=8, vpp_size=4)
     cost = overhead_cost(1024, 0.05)
     new, old = _ours_and_before(samples, parallel, 1024, cost, 64)
     slime = _peer("slime_first_fit", samples, parallel, 1024, cost, 64)
-    assert old > slime * 1.03
+    assert old > slime * 1.015
     assert new < slime
 
 
