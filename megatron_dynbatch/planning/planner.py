@@ -141,6 +141,21 @@ def _plan_samples(samples: SampleSet, config: PlannerConfig) -> Plan:
         warnings.warn(
             _oversize_warning(oversize, lengths, steps, config), OversizeSampleWarning, stacklevel=3
         )
+    # A sample cut within its prompt keeps no response token: it trains nothing, unseen.
+    emptied = sorted(i for i, k in kept.items() if k <= samples.prompt_lengths[i])
+    if emptied:
+        shown = ", ".join(
+            f"{i} (prompt {samples.prompt_lengths[i]} tokens)" for i in emptied[:_LISTED]
+        )
+        more = f" and {len(emptied) - _LISTED} more" if len(emptied) > _LISTED else ""
+        warnings.warn(
+            f"--oversize-samples truncate keeps the first {max(kept.values())} tokens of "
+            f"{len(emptied)} sample(s) whose prompt is at least that long: {shown}{more}. They "
+            f"keep no response token and train nothing; raise {config.cap_flag} above their "
+            "prompts, or drop them.",
+            OversizeSampleWarning,
+            stacklevel=3,
+        )
     return Plan(
         steps=tuple(steps),
         stats=PlanStats.from_steps(steps, num_samples=len(samples), dp_size=parallel.dp_size),
@@ -180,6 +195,10 @@ def _apply_oversize_policy(samples: SampleSet, config: PlannerConfig) -> Dict[in
     return {i: keep for i in oversize}
 
 
+#: The way out an oversize warning names where rows can be each micro-batch's own (packed).
+VARIABLE_ROWS_NOTE = " (variable rows, --variable-seq-lengths, keep the others within the cap)"
+
+
 def _oversize_warning(
     oversize: List[int], lengths: Sequence[int], steps: Sequence[StepPlan], config: PlannerConfig
 ) -> str:
@@ -199,11 +218,7 @@ def _oversize_warning(
     head = f"{len(oversize)} sample(s) exceed the token cap {cap} ({config.cap_source}): {shown}{more}."
     # Packed rows can vary per micro-batch (where shapes are exchanged), which keeps the others
     # within the cap; padded [B, S] rows cannot.
-    variable = (
-        " (variable rows, --variable-seq-lengths, keep the others within the cap)"
-        if config.layout == "packed"
-        else ""
-    )
+    variable = VARIABLE_ROWS_NOTE if config.layout == "packed" else ""
     if worst.row_lengths:
         # Variable rows: only the oversize sample's own micro-batch runs its long row.
         return (

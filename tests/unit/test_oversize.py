@@ -222,3 +222,23 @@ def test_allow_keeps_rows_under_the_cap_on_random_steps():
             oversize_samples="allow",
         )
         _check_rows_under_cap(lengths, rollouts, config)
+
+
+def test_truncation_within_a_prompt_is_warned_about_naming_the_samples():
+    # A sample cut within its prompt keeps no response token and trains nothing; plan said only
+    # "truncated to the cap" (a probe of verify, which passed comparing zero with zero).
+    from megatron_dynbatch.planning import plan_samples
+
+    samples = SampleSet.build([100, 90, 30], None, [60, 60, 10])
+    config = PlannerConfig(max_tokens_per_gpu=60, oversize_samples="truncate")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan_samples(samples, config)
+    [message] = [str(w.message) for w in caught if w.category is OversizeSampleWarning]
+    assert "0 (prompt 60 tokens), 1 (prompt 60 tokens)" in message, message
+    assert "train nothing; raise --max-tokens-per-gpu above their prompts" in message
+    # Above the prompts, no such warning.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan_samples(samples, PlannerConfig(max_tokens_per_gpu=61, oversize_samples="truncate"))
+    assert not [w for w in caught if "train nothing" in str(w.message)]

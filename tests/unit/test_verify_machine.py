@@ -114,3 +114,137 @@ def test_samples_without_a_loss_token_are_refused_not_passed(samples):
     with pytest.raises(DynBatchValueError, match="no loss tokens"):
         _spec(samples=samples)
     _spec(samples=samples + [2])  # one target is enough
+
+
+# -- a probe of verify --json (seventh stop) --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "samples, cap",
+    [
+        (None, 1),  # the bundled set, every sample cut to its first token
+        ([{"length": 100, "prompt_length": 60}, {"length": 90, "prompt_length": 60}], 60),
+    ],
+)
+def test_truncation_that_leaves_no_loss_token_is_refused_not_passed(samples, cap):
+    # It passed, comparing a loss of 0.0 with 0.0: every response token was cut.
+    config = PlannerConfig(max_tokens_per_gpu=cap, oversize_samples="truncate")
+    with pytest.raises(DynBatchValueError) as refused:
+        verify_spec.build_spec(config, samples=samples)
+    message = str(refused.value)
+    assert "no sample has a loss token left" in message, message
+    need = int(re.search(r"--max-tokens-per-gpu to at least (\d+)", message).group(1))
+    fixed = PlannerConfig(max_tokens_per_gpu=need, oversize_samples="truncate")
+    verify_spec.build_spec(fixed, samples=samples)
+
+
+def test_moe_with_tensor_parallelism_is_refused_before_any_rank():
+    # Every rank failed in Megatron's words (MoE with tp needs sequence parallelism).
+    config = PlannerConfig(max_tokens_per_gpu=128, parallel=ParallelLayout(tp_size=2))
+    with pytest.raises(DynBatchValueError, match="verify --moe cannot run --tp-size 2"):
+        verify_spec.build_spec(config, moe=verify_spec.MoESettings())
+    verify_spec.build_spec(config)  # dense at tp 2
+    verify_spec.build_spec(PlannerConfig(max_tokens_per_gpu=128), moe=verify_spec.MoESettings())
+
+
+def test_a_model_copy_over_the_machine_is_not_told_a_dp_size():
+    # pp 4 x tp 4 was told to verify "the same --pp-size and --tp-size at --dp-size 1": refused
+    # again, as no dp fits.
+    config = PlannerConfig(max_tokens_per_gpu=128, parallel=ParallelLayout(pp_size=4, tp_size=4))
+    with pytest.raises(DynBatchValueError) as refused:
+        verify_spec.check_fits_machine(
+            verify_spec.build_spec(config), cores=2, available_bytes=24 * 2**30
+        )
+    message = str(refused.value)
+    assert "--pp-size 4 x --tp-size 4 alone is 16" in message, message
+    assert "at --dp-size" not in message
+
+
+def _fixes(message):
+    return message.split("tokens in all; ")[1].rstrip(".").split("; or ")
+
+
+def test_a_group_forcing_many_micro_batches_names_the_group():
+    # Told to verify fewer of 1,426 tokens (about 4,096) or --dp-size 4, both refused again.
+    parallel = ParallelLayout(pp_size=2, vpp_size=2, microbatch_group_size_per_vp_stage=200)
+    with pytest.raises(DynBatchValueError) as refused:
+        verify_spec.check_fits_machine(
+            verify_spec.build_spec(PlannerConfig(max_tokens_per_gpu=128, parallel=parallel)),
+            cores=2,
+        )
+    [fix] = _fixes(str(refused.value))
+    assert fix.startswith("lower --microbatch-group-size-per-vp-stage to 2"), fix
+    smaller = ParallelLayout(pp_size=2, vpp_size=2, microbatch_group_size_per_vp_stage=2)
+    config = PlannerConfig(max_tokens_per_gpu=128, parallel=smaller)
+    verify_spec.check_fits_machine(verify_spec.build_spec(config), cores=2)
+
+
+def test_padded_rows_of_a_long_sample_are_told_what_works():
+    # [3480, 50, 60] padded was told to raise the cap to 3480, then refused again there.
+    samples = [3480, 50, 60]
+    for cap in (128, 3480):
+        config = PlannerConfig(max_tokens_per_gpu=cap, layout="padded", oversize_samples="allow")
+        with pytest.raises(DynBatchValueError) as refused:
+            verify_spec.check_fits_machine(verify_spec.build_spec(config, samples=samples), cores=2)
+        fixes = _fixes(str(refused.value))
+        assert fixes and not any("raise --max-tokens-per-gpu" in fix for fix in fixes), fixes
+        for fix in fixes:  # each fix named, applied, passes the check
+            if "--dynamic-batch-layout packed" in fix:
+                changed = dict(layout="packed")
+            elif "truncate" in fix:
+                changed = dict(oversize_samples="truncate")
+            else:
+                dp = int(re.search(r"--dp-size (\d+)", fix).group(1))
+                changed = dict(parallel=ParallelLayout(dp_size=dp))
+            fixed = PlannerConfig(
+                **{**dict(max_tokens_per_gpu=cap, layout="padded", oversize_samples="allow"),
+                   **changed}
+            )  # fmt: skip
+            verify_spec.check_fits_machine(verify_spec.build_spec(fixed, samples=samples), cores=2)
+
+
+def test_attention_over_the_memory_is_refused_with_a_cap_that_fits():
+    # [8192] x 4 at dp 4 passed the checks and needed about 30 GB on a 24 GB machine (one 8,192-
+    # token sample peaked at 7.9 GB resident).
+    samples = [8192] * 4
+    config = PlannerConfig(max_tokens_per_gpu=8192, parallel=ParallelLayout(dp_size=4))
+    spec = verify_spec.build_spec(config, samples=samples)
+    with pytest.raises(DynBatchValueError) as refused:
+        verify_spec.check_fits_machine(spec, cores=2, available_bytes=24 * 2**30)
+    message = str(refused.value)
+    assert "its reference keeps every sample's attention scores" in message, message
+    cap = int(re.search(r"truncate --max-tokens-per-gpu (\d+)", message).group(1))
+    fixed = PlannerConfig(
+        max_tokens_per_gpu=cap, parallel=ParallelLayout(dp_size=4), oversize_samples="truncate"
+    )
+    verify_spec.check_fits_machine(
+        verify_spec.build_spec(fixed, samples=samples), cores=2, available_bytes=24 * 2**30
+    )
+    # One such sample alone fits 24 GB (7.9 GB measured).
+    one = verify_spec.build_spec(PlannerConfig(max_tokens_per_gpu=8192), samples=[8192])
+    verify_spec.check_fits_machine(one, cores=2, available_bytes=24 * 2**30)
+    # A work-check fix is named only where the memory holds it too: more ranks of 8,192 tokens
+    # (each holding its row's attention) would not.
+    two = PlannerConfig(max_tokens_per_gpu=8192, parallel=ParallelLayout(dp_size=2))
+    with pytest.raises(DynBatchValueError) as refused:
+        verify_spec.check_fits_machine(
+            verify_spec.build_spec(two, samples=samples), cores=2, available_bytes=24 * 2**30
+        )
+    fixes = _fixes(str(refused.value))
+    assert not any(fix.startswith("share the samples") for fix in fixes), fixes
+
+
+def test_the_report_echoes_the_settings_that_shape_the_plan():
+    settings = verify_spec.build_spec(PlannerConfig(max_tokens_per_gpu=128)).settings()
+    for key in ("min_gain", "cost_attention", "cost_shape_exchange_overhead"):
+        assert key in settings, key
+    # At vpp 1 the group is read by nothing: not echoed as if it ran.
+    parallel = ParallelLayout(pp_size=2, microbatch_group_size_per_vp_stage=3)
+    config = PlannerConfig(max_tokens_per_gpu=128, parallel=parallel)
+    assert verify_spec.build_spec(config).settings()["microbatch_group_size_per_vp_stage"] is None
+
+
+def test_verify_warnings_do_not_offer_a_flag_verify_lacks(tmp_path):
+    spec = _spec(samples=_with_long_sample(200))
+    [message] = verify_spec.plan_warnings(spec)
+    assert "exceed the token cap" in message and "--variable-seq-lengths" not in message

@@ -19,6 +19,8 @@ from megatron_dynbatch.planning import (
     parse_samples_json,
     plan_samples,
 )
+from megatron_dynbatch.planning.planner import VARIABLE_ROWS_NOTE
+from megatron_dynbatch.planning.spec import round_up
 from megatron_dynbatch.runtime.aggregation import check_aggregation
 from megatron_dynbatch.settings import setting
 
@@ -53,6 +55,14 @@ RANK_BYTES = 400 * 2**20
 #: cap made 25 micro-batches of [1x3480] (87,000 tokens a rank), 170 s on a quiet machine,
 #: reported as hung under load.
 MAX_COMPUTED_TOKENS_PER_RANK = 8192
+#: Resident bytes per squared token of attention a verify rank holds: Megatron's local attention
+#: keeps every layer's scores and probabilities ([heads, L, L] fp32) for the backward, and the
+#: reference keeps every sample's graph until its one backward. Measured: one sample of 8,192
+#: tokens peaked at 7.9 GB resident (99 s), [4096] x 4 at dp 2 at 5.5 GB (this says 7.9: an upper
+#: bound on the model's 4 heads at tp 1).
+ATTENTION_BYTES_PER_SQUARED_TOKEN = 112
+#: The share of the available memory the up-front check lets verify's ranks plan to use.
+MEMORY_SHARE = 0.8
 #: Attention heads of the verify model (the tiny GPT's); tp must divide it (and then also divides
 #: its hidden size 32, MLP width 128 and vocabulary 128).
 NUM_ATTENTION_HEADS = 4
@@ -152,7 +162,10 @@ class VerifySpec:
             "dp_size": parallel.dp_size,
             "pp_size": parallel.pp_size,
             "vpp_size": parallel.vpp_size,
-            "microbatch_group_size_per_vp_stage": parallel.group_size,
+            # The group exists only when interleaving (vpp > 1); at vpp 1 nothing reads it.
+            "microbatch_group_size_per_vp_stage": (
+                parallel.group_size if parallel.vpp_size > 1 else None
+            ),
             "tp_size": parallel.tp_size,
             "cp_size": parallel.cp_size,
             "sequence_parallel": False,
@@ -166,6 +179,9 @@ class VerifySpec:
             "cost_attention_weight": cost.attention_weight,
             "cost_response_weight": cost.response_weight,
             "cost_microbatch_overhead": cost.microbatch_overhead,
+            "cost_attention": cost.attention_kind(self.config.layout),
+            "cost_shape_exchange_overhead": cost.shape_exchange_overhead,
+            "min_gain": self.config.min_gain,
             "oversize_samples": self.config.oversize_samples,
             "num_samples": self.num_samples,
             "seed": self.seed,
@@ -223,6 +239,15 @@ def build_spec(
             "attention, which has no context parallelism (that needs transformer-engine). Drop "
             "--cp-size (megatron-dynbatch plan --cp-size shows the planned padding)."
         )
+    if moe is not None and parallel.tp_size > 1:
+        # Megatron refuses MoE with tensor parallelism unless sequence parallelism is on, which
+        # the verify model does not run: every rank would fail in Megatron's words.
+        raise DynBatchValueError(
+            f"verify --moe cannot run --tp-size {parallel.tp_size}: Megatron's MoE layers need "
+            "sequence parallelism with tensor parallelism, which the verify model does not run; "
+            "drop --tp-size (verify --moe at --tp-size 1), or drop --moe to verify tp "
+            f"{parallel.tp_size} on the dense model."
+        )
     if moe is not None and parallel.dp_size % moe.ep_size:
         raise DynBatchValueError(
             f"--moe-ep-size {moe.ep_size} must divide --dp-size {parallel.dp_size}: Megatron's "
@@ -252,7 +277,35 @@ def build_spec(
     )
     # Plan once here (pure, fast): a plan error (e.g. --oversize-samples error with a sample over
     # the cap) is bad input, reported before any process starts, not a rank failure.
-    spec.plan()
+    kept = spec.plan().kept_lengths()
+    if kept:
+        # Cut to the cap, a sample can keep only prompt tokens: then count what is trained.
+        targets = sum(
+            max(0, kept.get(i, length) - max(prompt or 0, 1))
+            for i, (length, prompt) in enumerate(
+                zip(sample_set.lengths, sample_set.prompt_lengths, strict=True)
+            )
+        )
+        if targets == 0:
+            keep = max(kept.values())
+            # The least cap at which some sample keeps a target (its prompt and one more token;
+            # the first token predicts nothing; verify runs no cp).
+            multiple = parallel.sample_multiple
+            need = min(
+                round_up(max(prompt or 0, 1) + 1, multiple)
+                for length, prompt in zip(
+                    sample_set.lengths, sample_set.prompt_lengths, strict=True
+                )
+                if length > max(prompt or 0, 1)
+            )
+            raise DynBatchValueError(
+                f"--oversize-samples truncate keeps the first {keep} tokens of "
+                f"{len(kept)} sample(s), and then no sample has a loss token left (a sample "
+                "of L tokens and prompt_length P trains L - max(P, 1) targets): verify would "
+                "compare zero against zero. Raise --max-tokens-per-gpu to at least "
+                f"{need}, or give samples that train tokens within "
+                "the cap."
+            )
     return spec
 
 
@@ -262,7 +315,8 @@ def plan_warnings(spec: VerifySpec) -> list:
         warnings.simplefilter("always")
         samples = SampleSet.build(spec.lengths, spec.rollouts, spec.prompts)
         plan_samples(samples, spec.config)
-    return [str(w.message) for w in caught]
+    # verify runs uniform rows only (no --variable-seq-lengths): that way out is not one here.
+    return [str(w.message).replace(VARIABLE_ROWS_NOTE, "") for w in caught]
 
 
 def _cores() -> int:
@@ -310,21 +364,31 @@ def check_fits_machine(
             allowed = min(allowed, max(1, available // RANK_BYTES))
         if spec.world_size > allowed:
             others = spec.world_size // parallel.dp_size
-            fits = max(1, allowed // others)
-            raise DynBatchValueError(
+            flags = (
                 f"--dp-size {parallel.dp_size} x --pp-size {parallel.pp_size} x --tp-size "
                 f"{parallel.tp_size} = {spec.world_size} rank processes, more than this machine "
                 f"runs in reasonable time ({cores} cores, "
                 + ("" if available is None else f"{available / 2**30:.1f} GiB available, ")
-                + f"at most {allowed} ranks); verify the same --pp-size and --tp-size at "
-                f"--dp-size {fits}, see the planned schedule of the full size with `megatron-dynbatch plan --dp-size ...`, or run verify under torchrun on "
-                "machines that hold the ranks."
+                + f"at most {allowed} ranks)"
             )
-    plan = spec.plan()
-    per_rank = sum(
-        step.num_microbatches * step.micro_batch_size * step.seq_length for step in plan.steps
-    )
+            if others > allowed:
+                # No --dp-size helps: one model copy alone is more ranks than allowed.
+                raise DynBatchValueError(
+                    f"{flags}; --pp-size {parallel.pp_size} x --tp-size {parallel.tp_size} alone "
+                    f"is {others}: lower them so that their product is at most {allowed}, see "
+                    "the planned schedule of the full size with `megatron-dynbatch plan`, or run "
+                    "verify under torchrun on machines that hold the ranks."
+                )
+            fits = max(1, allowed // others)
+            raise DynBatchValueError(
+                f"{flags}; verify the same --pp-size and --tp-size at --dp-size {fits}, see the "
+                "planned schedule of the full size with `megatron-dynbatch plan --dp-size ...`, "
+                "or run verify under torchrun on machines that hold the ranks."
+            )
+    budget = _memory_budget(start_ranks, available_bytes)
+    per_rank = _computed_per_rank(spec.config, spec)
     if per_rank > MAX_COMPUTED_TOKENS_PER_RANK:
+        plan = spec.plan()
         worst = max(plan.steps, key=lambda step: step.seq_length)
         longest = max(spec.lengths)
         ran = (
@@ -340,26 +404,141 @@ def check_fits_machine(
                 f"--max-tokens-per-gpu {MAX_COMPUTED_TOKENS_PER_RANK // 4} or less (verify "
                 "checks the batching, which samples of a few thousand tokens show as well)."
             )
-        if longest > spec.config.token_cap and worst.seq_length >= longest:
-            raise DynBatchValueError(
-                f"{ran}; a sample of {longest} tokens over --max-tokens-per-gpu "
-                f"{spec.config.max_tokens_per_gpu} makes every micro-batch of its step that "
-                f"long: raise --max-tokens-per-gpu to {longest} (fewer micro-batches), pass "
-                "--oversize-samples truncate, or leave the longest samples out of SAMPLES.json."
+        # Each fix offered is planned first: only those under the limit are named.
+        config, dp = spec.config, parallel.dp_size
+        fixes = []
+        if parallel.vpp_size > 1 and parallel.group_size > parallel.pp_size:
+            smaller = dataclasses.replace(
+                parallel, microbatch_group_size_per_vp_stage=parallel.pp_size
             )
-        # No oversize sample: the samples are simply more than a rank computes in minutes. A
-        # larger dp shares them out (this check also runs before any rank starts).
-        total = sum(spec.lengths)
-        dp = parallel.dp_size
+            if _fits(dataclasses.replace(config, parallel=smaller), spec, budget):
+                fixes.append(
+                    f"lower --microbatch-group-size-per-vp-stage to {parallel.pp_size} (a group "
+                    f"of {parallel.group_size} runs at least that many micro-batches a rank)"
+                )
+        if config.layout == "padded" and _fits(
+            dataclasses.replace(config, layout="packed"), spec, budget
+        ):
+            fixes.append(
+                "pass --dynamic-batch-layout packed (padded [B, S] rows all take the longest "
+                "sample's length)"
+            )
+        if longest > config.token_cap and _fits(
+            dataclasses.replace(config, max_tokens_per_gpu=longest), spec, budget
+        ):
+            fixes.append(
+                f"raise --max-tokens-per-gpu to {longest} (a sample over the cap makes the "
+                "micro-batches of its step that long)"
+            )
+        if longest > config.token_cap and _fits(
+            dataclasses.replace(config, oversize_samples="truncate"), spec, budget
+        ):
+            fixes.append("pass --oversize-samples truncate")
         wider = math.ceil(per_rank * dp / MAX_COMPUTED_TOKENS_PER_RANK) + 1
         others = spec.world_size // dp
-        more = (
-            f", or share them over more ranks (--dp-size {wider})"
-            if not start_ranks or wider * others <= allowed
-            else ""
-        )
+        if (not start_ranks or wider * others <= allowed) and _fits(
+            dataclasses.replace(config, parallel=dataclasses.replace(parallel, dp_size=wider)),
+            spec,
+            budget,
+        ):
+            fixes.append(f"share the samples over more ranks (--dp-size {wider})")
+        total = sum(spec.lengths)
+        about = MAX_COMPUTED_TOKENS_PER_RANK * dp // 2
+        if total > about:
+            fixes.append(f"verify fewer samples (about {about} tokens at --dp-size {dp})")
+        elif not fixes:
+            fixes.append("leave the longest samples out of SAMPLES.json")
         raise DynBatchValueError(
             f"{ran}: SAMPLES.json holds {len(spec.lengths)} samples of {total} tokens in all; "
-            f"verify fewer of them (about {MAX_COMPUTED_TOKENS_PER_RANK * dp // 2} tokens at "
-            f"--dp-size {dp}){more}."
+            + "; or ".join(fixes)
+            + "."
         )
+    # Within the work a rank runs, the attention it holds can still be more than the memory.
+    _check_attention_memory(spec, budget)
+
+
+def _computed_per_rank(config: PlannerConfig, spec: VerifySpec) -> int:
+    """Tokens one rank computes over the plan of ``spec``'s samples under ``config``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OversizeSampleWarning)
+        samples = SampleSet.build(spec.lengths, spec.rollouts, spec.prompts)
+        plan = plan_samples(samples, config)
+    return sum(
+        step.num_microbatches * step.micro_batch_size * step.seq_length for step in plan.steps
+    )
+
+
+def _fits(config: PlannerConfig, spec: VerifySpec, budget: Optional[int]) -> bool:
+    """Whether ``config`` (one fix applied) plans ``spec``'s samples within what a rank runs and,
+    where ``budget`` (bytes) is given, within the memory (:func:`_attention_bytes`)."""
+    try:
+        if _computed_per_rank(config, spec) > MAX_COMPUTED_TOKENS_PER_RANK:
+            return False
+        if budget is None:
+            return True
+        parallel = config.parallel
+        ranks = parallel.dp_size * parallel.pp_size * parallel.tp_size
+        return _attention_bytes(dataclasses.replace(spec, config=config), config, ranks) <= budget
+    except ValueError:  # the fix is refused itself (e.g. a group the count cannot reach)
+        return False
+
+
+def _memory_budget(start_ranks: bool, available_bytes: Optional[int]) -> Optional[int]:
+    """The bytes verify's ranks may plan to hold on this machine (``None``: not checked, under
+    torchrun or where the memory is unknown)."""
+    if not start_ranks:
+        return None  # under torchrun the ranks are spread as the launcher chose
+    available = _available_bytes() if available_bytes is None else available_bytes
+    return None if available is None else int(available * MEMORY_SHARE)
+
+
+def _attention_bytes(spec: VerifySpec, config: PlannerConfig, ranks: Optional[int] = None) -> int:
+    """Upper bound on the resident bytes of verify's ranks on this machine under ``config``: rank 0
+    runs the reference (every sample's attention kept until one backward) besides its share of the
+    dynamic step; the other ranks it starts each hold one micro-batch's row."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OversizeSampleWarning)
+        plan = plan_samples(SampleSet.build(spec.lengths, spec.rollouts, spec.prompts), config)
+    kept = plan.kept_lengths()
+    reference = sum(kept.get(i, length) ** 2 for i, length in enumerate(spec.lengths))
+    row = max(step.micro_batch_size * step.seq_length**2 for step in plan.steps)
+    ranks = spec.world_size if ranks is None else ranks
+    per_square = ATTENTION_BYTES_PER_SQUARED_TOKEN
+    return ranks * RANK_BYTES + per_square * (max(reference, row) + row * (ranks - 1))
+
+
+def _check_attention_memory(spec: VerifySpec, budget: Optional[int]) -> None:
+    """Refuse samples whose attention verify's ranks cannot hold in this machine's memory (the
+    kernel would kill a rank minutes in), naming a cap that fits."""
+    if budget is None:
+        return
+    need = _attention_bytes(spec, spec.config)
+    if need <= budget:
+        return
+    # The largest cap (a multiple of 64) at which truncating fits, if any.
+    config, cap = spec.config, None
+    # (No cap above what a rank runs passes the work check.)
+    highest = min(round_up(max(spec.lengths), 64) - 64, MAX_COMPUTED_TOKENS_PER_RANK)
+    for candidate in range(highest, 63, -64):
+        try:
+            trial = dataclasses.replace(
+                config, max_tokens_per_gpu=candidate, oversize_samples="truncate"
+            )
+            # Named only where the run then passes the work check too.
+            if _fits(trial, spec, budget):
+                cap = candidate
+                break
+        except ValueError:
+            continue
+    fix = (
+        f"pass --oversize-samples truncate --max-tokens-per-gpu {cap}, or verify fewer or "
+        "shorter samples"
+        if cap is not None
+        else "verify fewer or shorter samples"
+    )
+    raise DynBatchValueError(
+        f"verify would need about {need / 2**30:.1f} GiB on this machine, more than "
+        f"{budget / 2**30:.1f} GiB ({MEMORY_SHARE:.0%} of what is available): its reference keeps "
+        "every sample's attention scores (quadratic in its length) until one backward, on rank "
+        f"0 (the longest sample has {max(spec.lengths)} tokens); {fix}."
+    )
