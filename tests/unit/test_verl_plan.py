@@ -454,3 +454,22 @@ def test_deep_interleaving_plans_every_rank_at_a_count_megatron_runs(pp, vpp, gr
         for rank, mbs in enumerate(plan.ranks):
             assert sorted(i for mb in mbs for i in mb) == list(range(len(lengths[rank]))), what
             assert len(mbs) <= count, what
+
+
+@pytest.mark.parametrize(
+    "role, prefix",
+    [("actor", "actor_rollout_ref.actor"), ("critic", "critic"), ("ref", "actor_rollout_ref.ref")],
+)
+def test_a_layout_the_engine_builds_is_refused_in_its_roles_keys(role, prefix):
+    # A config built outside verl's config check met our field names (vpp_size, pp_size) at the
+    # engine's first step.
+    from megatron_dynbatch.integrations.verl.engine import verl_planner_config
+
+    with pytest.raises(DynBatchValueError) as refused:
+        verl_planner_config(
+            64, pp_size=1, vpp_size=2, microbatch_group_size_per_vp_stage=None, tp_size=1,
+            cp_size=1, packed=True, role=role,
+        )  # fmt: skip
+    assert f"vpp_size is {prefix}.megatron.virtual_pipeline_model_parallel_size" in str(
+        refused.value
+    )

@@ -65,6 +65,7 @@ from megatron_dynbatch.integrations.hosts import (
 )
 from megatron_dynbatch.planning import ParallelLayout, PlannerConfig
 from megatron_dynbatch.planning.sharded import ShardedPlan
+from megatron_dynbatch.planning.spec import setting_flags
 
 __all__ = [
     "PlannedMicroBatches",
@@ -172,6 +173,7 @@ def verl_planner_config(
     host: Optional[Host] = None,
     planner: Optional[str] = None,
     microbatch_overhead: Optional[float] = None,
+    role: str = "actor",
 ) -> PlannerConfig:
     """The planner config of one rank's samples under verl's budget (``max_token_len_per_gpu``);
     ``planner``: the planner ``megatron.dynbatch.planner`` names (default ours);
@@ -181,16 +183,23 @@ def verl_planner_config(
     Raises:
         DynBatchValueError: when the budget is not a positive integer, naming verl's keys.
     """
-    parallel = ParallelLayout(
-        dp_size=1,
-        pp_size=pp_size,
-        vpp_size=vpp_size,
-        microbatch_group_size_per_vp_stage=(
-            microbatch_group_size_per_vp_stage if vpp_size > 1 else None
-        ),
-        tp_size=tp_size,
-        cp_size=cp_size,
-    )
+    # The config check refuses a bad layout at config time; a config built otherwise is refused
+    # here, still in the option names of the engine's role (``role``: ``actor``, ``ref``,
+    # ``critic``), not in ours.
+    from megatron_dynbatch.integrations.verl.config import ACTOR, role_layout_flags
+
+    prefix = {"critic": "critic", "ref": "actor_rollout_ref.ref"}.get(role, ACTOR)
+    with setting_flags(role_layout_flags(prefix), tool="verl"):
+        parallel = ParallelLayout(
+            dp_size=1,
+            pp_size=pp_size,
+            vpp_size=vpp_size,
+            microbatch_group_size_per_vp_stage=(
+                microbatch_group_size_per_vp_stage if vpp_size > 1 else None
+            ),
+            tp_size=tp_size,
+            cp_size=cp_size,
+        )
     # Checked at config time too (config.dynbatch_settings); here for a config built otherwise.
     key = "megatron.dynbatch.cost_microbatch_overhead"
     overhead = check_overhead(microbatch_overhead, f"{key}={microbatch_overhead!r}", f"{key}=330")
@@ -307,7 +316,8 @@ def prepare_micro_batches(
     from megatron_dynbatch.mcore.agreement import gather_lengths, step_agreement
 
     vpp = vpp_size or 1
-    host = verl_host(engine_role(engine), forward_only)
+    role = engine_role(engine)
+    host = verl_host(role, forward_only)
     group = engine.get_data_parallel_group()
     what = "verl forward_backward_batch"
     with step_agreement(group, what=f"{what}: checking this rank's samples"):
@@ -328,6 +338,7 @@ def prepare_micro_batches(
             # and the per-micro-batch overhead where the user tells it.
             planner=settings.get("planner"),
             microbatch_overhead=settings.get("cost_microbatch_overhead"),
+            role=role,
         )
         real = _lengths(data)
         lengths = real
