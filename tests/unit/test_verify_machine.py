@@ -12,6 +12,7 @@ import pytest
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import ParallelLayout, PlannerConfig
 from megatron_dynbatch.tools.cli import main
+from megatron_dynbatch.tools.verify import machine as verify_machine
 from megatron_dynbatch.tools.verify import spec as verify_spec
 
 pytestmark = pytest.mark.unit
@@ -25,17 +26,17 @@ def _spec(dp=1, cap=128, samples=None):
 
 def test_more_ranks_than_the_machine_runs_are_refused_naming_a_size_that_fits():
     with pytest.raises(DynBatchValueError) as refused:
-        verify_spec.check_fits_machine(_spec(dp=64), cores=2, available_bytes=24 * 2**30)
+        verify_machine.check_fits_machine(_spec(dp=64), cores=2, available_bytes=24 * 2**30)
     message = str(refused.value)
     assert message.startswith("--dp-size 64 x --pp-size 1 x --tp-size 1 = 64 rank processes")
     assert "at most 8 ranks" in message
     fits = int(re.search(r"at --dp-size (\d+)", message).group(1))
-    verify_spec.check_fits_machine(_spec(dp=fits), cores=2, available_bytes=24 * 2**30)
+    verify_machine.check_fits_machine(_spec(dp=fits), cores=2, available_bytes=24 * 2**30)
     # Memory bounds it too: 1 GiB available holds two 400 MiB ranks.
     with pytest.raises(DynBatchValueError, match="at most 2 ranks"):
-        verify_spec.check_fits_machine(_spec(dp=4), cores=64, available_bytes=2**30)
+        verify_machine.check_fits_machine(_spec(dp=4), cores=64, available_bytes=2**30)
     # Under torchrun the processes exist already: only the work is checked.
-    verify_spec.check_fits_machine(_spec(dp=64), cores=2, start_ranks=False)
+    verify_machine.check_fits_machine(_spec(dp=64), cores=2, start_ranks=False)
 
 
 def _with_long_sample(length):
@@ -45,13 +46,13 @@ def _with_long_sample(length):
 def test_a_plan_too_long_for_the_cpu_is_refused_and_the_named_cap_fits():
     samples = _with_long_sample(3480)
     with pytest.raises(DynBatchValueError) as refused:
-        verify_spec.check_fits_machine(_spec(samples=samples), cores=2)
+        verify_machine.check_fits_machine(_spec(samples=samples), cores=2)
     message = str(refused.value)
     assert "micro-batches of [1x3480]" in message
     cap = int(re.search(r"raise --max-tokens-per-gpu to (\d+)", message).group(1))
-    verify_spec.check_fits_machine(_spec(cap=cap, samples=samples), cores=2)
+    verify_machine.check_fits_machine(_spec(cap=cap, samples=samples), cores=2)
     # The bundled set at the default cap is far within the limit.
-    verify_spec.check_fits_machine(_spec(), cores=2)
+    verify_machine.check_fits_machine(_spec(), cores=2)
 
 
 def test_many_samples_within_the_cap_are_refused_with_a_fix_that_works():
@@ -60,25 +61,25 @@ def test_many_samples_within_the_cap_are_refused_with_a_fix_that_works():
     # rank at dp 1 whatever it is.
     samples = [100] * 200
     with pytest.raises(DynBatchValueError) as refused:
-        verify_spec.check_fits_machine(_spec(samples=samples), cores=2)
+        verify_machine.check_fits_machine(_spec(samples=samples), cores=2)
     message = str(refused.value)
     assert "over --max-tokens-per-gpu" not in message and "truncate" not in message, message
     dp = int(re.search(r"\(--dp-size (\d+)\)", message).group(1))
-    verify_spec.check_fits_machine(_spec(dp=dp, samples=samples), cores=2)
+    verify_machine.check_fits_machine(_spec(dp=dp, samples=samples), cores=2)
     fewer = int(re.search(r"about (\d+) tokens at --dp-size 1", message).group(1))
-    verify_spec.check_fits_machine(_spec(samples=[100] * (fewer // 100)), cores=2)
+    verify_machine.check_fits_machine(_spec(samples=[100] * (fewer // 100)), cores=2)
 
 
 def test_one_sample_over_what_a_rank_runs_is_told_to_go_or_be_cut():
     # A sample of 10**6 tokens was told to use --dp-size 124: no dp splits one sample.
     samples = [1_000_000, 50]
     with pytest.raises(DynBatchValueError) as refused:
-        verify_spec.check_fits_machine(_spec(cap=2_000_000, samples=samples), cores=2)
+        verify_machine.check_fits_machine(_spec(cap=2_000_000, samples=samples), cores=2)
     message = str(refused.value)
     assert "alone is more than that" in message and "--dp-size" not in message, message
     cap = int(re.search(r"truncate with --max-tokens-per-gpu (\d+)", message).group(1))
     config = PlannerConfig(max_tokens_per_gpu=cap, oversize_samples="truncate")
-    verify_spec.check_fits_machine(verify_spec.build_spec(config, samples=samples), cores=2)
+    verify_machine.check_fits_machine(verify_spec.build_spec(config, samples=samples), cores=2)
 
 
 def test_the_cli_refuses_before_any_rank_and_the_oversize_warning_is_printed(
@@ -152,7 +153,7 @@ def test_a_model_copy_over_the_machine_is_not_told_a_dp_size():
     # again, as no dp fits.
     config = PlannerConfig(max_tokens_per_gpu=128, parallel=ParallelLayout(pp_size=4, tp_size=4))
     with pytest.raises(DynBatchValueError) as refused:
-        verify_spec.check_fits_machine(
+        verify_machine.check_fits_machine(
             verify_spec.build_spec(config), cores=2, available_bytes=24 * 2**30
         )
     message = str(refused.value)
@@ -168,7 +169,7 @@ def test_a_group_forcing_many_micro_batches_names_the_group():
     # Told to verify fewer of 1,426 tokens (about 4,096) or --dp-size 4, both refused again.
     parallel = ParallelLayout(pp_size=2, vpp_size=2, microbatch_group_size_per_vp_stage=200)
     with pytest.raises(DynBatchValueError) as refused:
-        verify_spec.check_fits_machine(
+        verify_machine.check_fits_machine(
             verify_spec.build_spec(PlannerConfig(max_tokens_per_gpu=128, parallel=parallel)),
             cores=2,
         )
@@ -176,7 +177,7 @@ def test_a_group_forcing_many_micro_batches_names_the_group():
     assert fix.startswith("lower --microbatch-group-size-per-vp-stage to 2"), fix
     smaller = ParallelLayout(pp_size=2, vpp_size=2, microbatch_group_size_per_vp_stage=2)
     config = PlannerConfig(max_tokens_per_gpu=128, parallel=smaller)
-    verify_spec.check_fits_machine(verify_spec.build_spec(config), cores=2)
+    verify_machine.check_fits_machine(verify_spec.build_spec(config), cores=2)
 
 
 def test_padded_rows_of_a_long_sample_are_told_what_works():
@@ -185,7 +186,9 @@ def test_padded_rows_of_a_long_sample_are_told_what_works():
     for cap in (128, 3480):
         config = PlannerConfig(max_tokens_per_gpu=cap, layout="padded", oversize_samples="allow")
         with pytest.raises(DynBatchValueError) as refused:
-            verify_spec.check_fits_machine(verify_spec.build_spec(config, samples=samples), cores=2)
+            verify_machine.check_fits_machine(
+                verify_spec.build_spec(config, samples=samples), cores=2
+            )
         fixes = _fixes(str(refused.value))
         assert fixes and not any("raise --max-tokens-per-gpu" in fix for fix in fixes), fixes
         for fix in fixes:  # each fix named, applied, passes the check
@@ -200,7 +203,9 @@ def test_padded_rows_of_a_long_sample_are_told_what_works():
                 **{**dict(max_tokens_per_gpu=cap, layout="padded", oversize_samples="allow"),
                    **changed}
             )  # fmt: skip
-            verify_spec.check_fits_machine(verify_spec.build_spec(fixed, samples=samples), cores=2)
+            verify_machine.check_fits_machine(
+                verify_spec.build_spec(fixed, samples=samples), cores=2
+            )
 
 
 def test_attention_over_the_memory_is_refused_with_a_cap_that_fits():
@@ -210,24 +215,24 @@ def test_attention_over_the_memory_is_refused_with_a_cap_that_fits():
     config = PlannerConfig(max_tokens_per_gpu=8192, parallel=ParallelLayout(dp_size=4))
     spec = verify_spec.build_spec(config, samples=samples)
     with pytest.raises(DynBatchValueError) as refused:
-        verify_spec.check_fits_machine(spec, cores=2, available_bytes=24 * 2**30)
+        verify_machine.check_fits_machine(spec, cores=2, available_bytes=24 * 2**30)
     message = str(refused.value)
     assert "its reference keeps every sample's attention scores" in message, message
     cap = int(re.search(r"truncate --max-tokens-per-gpu (\d+)", message).group(1))
     fixed = PlannerConfig(
         max_tokens_per_gpu=cap, parallel=ParallelLayout(dp_size=4), oversize_samples="truncate"
     )
-    verify_spec.check_fits_machine(
+    verify_machine.check_fits_machine(
         verify_spec.build_spec(fixed, samples=samples), cores=2, available_bytes=24 * 2**30
     )
     # One such sample alone fits 24 GB (7.9 GB measured).
     one = verify_spec.build_spec(PlannerConfig(max_tokens_per_gpu=8192), samples=[8192])
-    verify_spec.check_fits_machine(one, cores=2, available_bytes=24 * 2**30)
+    verify_machine.check_fits_machine(one, cores=2, available_bytes=24 * 2**30)
     # A work-check fix is named only where the memory holds it too: more ranks of 8,192 tokens
     # (each holding its row's attention) would not.
     two = PlannerConfig(max_tokens_per_gpu=8192, parallel=ParallelLayout(dp_size=2))
     with pytest.raises(DynBatchValueError) as refused:
-        verify_spec.check_fits_machine(
+        verify_machine.check_fits_machine(
             verify_spec.build_spec(two, samples=samples), cores=2, available_bytes=24 * 2**30
         )
     fixes = _fixes(str(refused.value))

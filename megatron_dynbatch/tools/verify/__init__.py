@@ -15,6 +15,7 @@ The per-token loss is an RL-style ``cross_entropy * advantage`` with one advanta
 declared per-sample field travels through materialization, placeholders and the pipeline.
 
 One concern per module: :mod:`.spec` (the validated request and its deterministic data),
+:mod:`.machine` (what this machine can finish, refused before any rank starts),
 :mod:`.bodies` (what every rank runs, and the reference), :mod:`.compare` (the verdict),
 :mod:`.launch` (gloo worker pool or an existing torchrun world), :mod:`.cli` (the command).
 """

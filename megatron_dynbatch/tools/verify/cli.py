@@ -25,7 +25,8 @@ from megatron_dynbatch.tools.verify.launch import (
     run_verify,
     under_torchrun,
 )
-from megatron_dynbatch.tools.verify.spec import build_spec, check_fits_machine, plan_warnings
+from megatron_dynbatch.tools.verify.machine import check_fits_machine
+from megatron_dynbatch.tools.verify.spec import build_spec, plan_warnings
 
 __all__ = [
     "EXIT_PASS",
