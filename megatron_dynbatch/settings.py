@@ -465,7 +465,7 @@ SETTINGS: Tuple[Setting, ...] = (
         "or module:name for one a module registers when imported (e.g. "
         "benchmarks.baselines:verl_kk from a checkout). An unknown name fails at start-up.",
         cli=Cli(
-            commands=("plan",),
+            commands=("plan", "verify"),
             aliases=("--planner",),
             default=DEFAULT_PLANNER,
             help=f"planner (default {DEFAULT_PLANNER}; built in: dynbatch, dynbatch-thorough, "

@@ -337,6 +337,19 @@ def test_verify_cli_json(capsys):
         assert key in report
 
 
+@pytest.mark.parametrize("planner, layout", [("dynbatch-thorough", "packed"), ("fixed", "padded")])
+def test_verify_checks_the_planner_it_is_given(planner, layout, capsys):
+    # verify had no --dynamic-batch-planner: the thorough planner and Megatron's stock batching
+    # could not be verified.
+    from megatron_dynbatch.tools.cli import main
+
+    argv = ["verify", "--dp-size", "2", "--pp-size", "2", "--json"]
+    code = main(argv + ["--dynamic-batch-planner", planner, "--dynamic-batch-layout", layout])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["passed"] is True, report
+    assert report["planner"] == planner and report["layout"] == layout
+
+
 def test_verify_refuses_a_model_it_cannot_split():
     with pytest.raises(DynBatchValueError, match="do not split"):
         _spec(pp=3)

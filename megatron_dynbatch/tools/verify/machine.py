@@ -14,7 +14,8 @@ import warnings
 from typing import Optional
 
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.planning import OversizeSampleWarning, PlannerConfig, SampleSet, plan_samples
+from megatron_dynbatch.planning import OversizeSampleWarning, PlannerConfig, SampleSet
+from megatron_dynbatch.planning.registry import run_planner
 from megatron_dynbatch.planning.spec import round_up
 from megatron_dynbatch.tools.verify.spec import VerifySpec
 
@@ -187,7 +188,7 @@ def _computed_per_rank(config: PlannerConfig, spec: VerifySpec) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", OversizeSampleWarning)
         samples = SampleSet.build(spec.lengths, spec.rollouts, spec.prompts)
-        plan = plan_samples(samples, config)
+        plan = run_planner(samples, config)
     return sum(
         step.num_microbatches * step.micro_batch_size * step.seq_length for step in plan.steps
     )
@@ -223,7 +224,7 @@ def _attention_bytes(spec: VerifySpec, config: PlannerConfig, ranks: Optional[in
     dynamic step; the other ranks it starts each hold one micro-batch's row."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", OversizeSampleWarning)
-        plan = plan_samples(SampleSet.build(spec.lengths, spec.rollouts, spec.prompts), config)
+        plan = run_planner(SampleSet.build(spec.lengths, spec.rollouts, spec.prompts), config)
     kept = plan.kept_lengths()
     reference = sum(kept.get(i, length) ** 2 for i, length in enumerate(spec.lengths))
     row = max(step.micro_batch_size * step.seq_length**2 for step in plan.steps)

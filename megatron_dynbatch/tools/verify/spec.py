@@ -16,9 +16,9 @@ from megatron_dynbatch.planning import (
     PlannerConfig,
     SampleSet,
     parse_samples_json,
-    plan_samples,
 )
 from megatron_dynbatch.planning.planner import VARIABLE_ROWS_NOTE
+from megatron_dynbatch.planning.registry import run_planner
 from megatron_dynbatch.planning.spec import round_up
 from megatron_dynbatch.runtime.aggregation import check_aggregation
 from megatron_dynbatch.settings import setting
@@ -113,7 +113,7 @@ class VerifySpec:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", OversizeSampleWarning)  # the CLI reports them
             samples = SampleSet.build(self.lengths, self.rollouts, self.prompts)
-            return plan_samples(samples, self.config)
+            return run_planner(samples, self.config)
 
     def sample(self, index: int) -> Dict[str, Any]:
         """Deterministic tokens and advantage of one sample (every rank can build any sample)."""
@@ -146,6 +146,7 @@ class VerifySpec:
             "cp_size": parallel.cp_size,
             "sequence_parallel": False,
             "world_size": self.world_size,
+            "planner": self.config.planner,
             "layout": self.config.layout,
             "sample_multiple": parallel.sample_multiple,
             "loss_mode": self.loss,
@@ -290,6 +291,6 @@ def plan_warnings(spec: VerifySpec) -> list:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         samples = SampleSet.build(spec.lengths, spec.rollouts, spec.prompts)
-        plan_samples(samples, spec.config)
+        run_planner(samples, spec.config)
     # verify runs uniform rows only (no --variable-seq-lengths): that way out is not one here.
     return [str(w.message).replace(VARIABLE_ROWS_NOTE, "") for w in caught]
