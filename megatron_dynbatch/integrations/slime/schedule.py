@@ -23,7 +23,9 @@ planner by default; ``rollouts_per_step=global_batch_size``). Deliberate differe
 * Trailing rollouts that do not fill a step are trained in a last, shorter step, never trimmed.
 * Fewer rollouts than ``global_batch_size`` train as one step instead of failing an assert.
 * A count no packing can align to ``dp_size * group`` is padded with placeholder micro-batches
-  (empty index lists), never by dropping rollouts and never by an assert (slime #2065).
+  (empty index lists), never by dropping rollouts and never by an assert (slime #2065); a rank
+  also runs placeholders where the simulated step is faster with it running fewer, fuller
+  micro-batches than the step's count, though the step has a sample for every slot.
 * A step with fewer samples than ``dp_size`` trains too; ranks without samples get placeholders.
 * ``global_batch_sizes[s]`` is the number of rollouts step ``s`` really trains.
 * DP ranks are always balanced by the step time of linear work plus per-sample attention
