@@ -13,9 +13,10 @@ from typing import Any, List, Optional, Sequence
 
 from megatron_dynbatch.errors import DynBatchValueError
 
+from .cost import microbatch_cost
 from .plan import Plan, PlanStats, StepPlan, imbalance
 from .samples import SampleSet
-from .spec import ceil_div, round_up
+from .spec import CostModel, ceil_div, round_up
 
 __all__ = ["plan_fixed_microbatches", "plan_fixed_samples"]
 
@@ -45,11 +46,14 @@ def plan_fixed_samples(
     microbatch_multiple: int = 1,
     token_cap: Optional[int] = None,
     sample_multiple: int = 1,
+    cost: Optional[CostModel] = None,
 ) -> Plan:
     """:func:`plan_fixed_microbatches` on an already validated :class:`SampleSet` (the ``fixed``
     registered planner, :mod:`.registry`). ``token_cap`` and ``sample_multiple``: what the plan
     reports (the budget's cap, the tp / cp padding the lengths were rounded to); by default the
-    shape's ``micro_batch_size * seq_length`` and 1."""
+    shape's ``micro_batch_size * seq_length`` and 1. ``cost``: the model the step's cost figures
+    (``dp_imbalance_cost``, ``dp_imbalance_computed``) are read by, as every planner reports
+    them; by default :class:`CostModel`'s defaults."""
     for name, value in (
         ("dp_size", dp_size),
         ("micro_batch_size", micro_batch_size),
@@ -64,6 +68,23 @@ def plan_fixed_samples(
             f"a sample of {longest} tokens does not fit seq_length={seq_length}; raise --seq-length "
             f"(fixed batching pads every sample to it)."
         )
+    cap = micro_batch_size * seq_length if token_cap is None else token_cap
+    model = cost if cost is not None else CostModel()
+    lengths = samples.lengths
+    sizes = [round_up(length, sample_multiple) for length in lengths]
+    responses = [max(0, n - p) for n, p in zip(lengths, samples.prompt_lengths, strict=True)]
+
+    def computed(mb: tuple) -> float:
+        # Every micro-batch runs all its micro_batch_size rows of seq_length, placeholders too.
+        return microbatch_cost(
+            model,
+            "padded",
+            seq_length,
+            micro_batch_size,
+            [sizes[i] for i in mb],
+            [responses[i] for i in mb],
+        )
+
     steps: List[StepPlan] = []
     for num_rollouts, items in samples.steps(rollouts_per_step):
         per_rank = round_up(ceil_div(len(items), dp_size * micro_batch_size), microbatch_multiple)
@@ -73,8 +94,11 @@ def plan_fixed_samples(
             window = items[m * block : (m + 1) * block]
             for r in range(dp_size):
                 ranks[r].append(tuple(window[r * micro_batch_size : (r + 1) * micro_batch_size]))
-        real = sum(samples.lengths[i] for i in items)
-        rank_tokens = [sum(samples.lengths[i] for mb in rank for i in mb) for rank in ranks]
+        real = sum(lengths[i] for i in items)
+        rank_tokens = [sum(lengths[i] for mb in rank for i in mb) for rank in ranks]
+        own = [
+            sum(model.cost(lengths[i], responses[i]) for mb in rank for i in mb) for rank in ranks
+        ]
         steps.append(
             StepPlan(
                 num_microbatches=per_rank,
@@ -86,10 +110,15 @@ def plan_fixed_samples(
                 real_tokens=real,
                 fill=real / (dp_size * per_rank * micro_batch_size * seq_length),
                 dp_imbalance=imbalance(rank_tokens),
-                dp_imbalance_cost=imbalance(rank_tokens),
+                dp_imbalance_cost=imbalance(own),
                 oversize_samples=(),
-                lower_bound_microbatches=ceil_div(len(items), micro_batch_size),
+                # The one formula of every plan (no sample is over seq_length here, so none is
+                # oversize unless the cap is under it).
+                lower_bound_microbatches=sum(1 for i in items if sizes[i] > cap)
+                + ceil_div(sum(sizes[i] for i in items if sizes[i] <= cap), cap),
                 min_microbatches=per_rank,
+                dp_imbalance_computed=imbalance([sum(map(computed, rank)) for rank in ranks]),
+                idle_ranks=sum(1 for rank in ranks if not any(rank)),
             )
         )
     return Plan(
@@ -97,6 +126,6 @@ def plan_fixed_samples(
         stats=PlanStats.from_steps(steps, num_samples=len(samples), dp_size=dp_size),
         layout="padded",
         sample_multiple=sample_multiple,
-        token_cap=micro_batch_size * seq_length if token_cap is None else token_cap,
+        token_cap=cap,
         dp_size=dp_size,
     )

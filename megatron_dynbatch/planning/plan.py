@@ -50,7 +50,8 @@ class StepPlan:
     real_tokens: int
     """Sum of the (unpadded) lengths of the step's samples."""
     fill: float
-    """real_tokens / (dp * M * B * S): the share of computed tokens that are real."""
+    """real_tokens / computed tokens: the share of computed tokens that are real. Computed tokens
+    are ``dp * M * B * S``, or with variable rows the sum of :attr:`row_lengths`."""
     dp_imbalance: float
     """max / mean over ranks of real tokens."""
     dp_imbalance_cost: float
@@ -142,9 +143,11 @@ class PlanStats:
     num_real_microbatches: int
     """Micro-batches holding at least one sample."""
     lower_bound_microbatches: int
-    """Sum over steps of: oversize samples + ceil(padded tokens of the others / cap)."""
+    """Sum over steps of: oversize samples + ceil(padded tokens of the others / cap); with a memory
+    budget the cap here is the token budget times cp, which rows of ``B > 1`` may share
+    (:attr:`.spec.PlannerConfig.multi_row_cap`)."""
     fill: float
-    """Real tokens / computed tokens (dp * M * B * S summed over steps)."""
+    """Real tokens / computed tokens (dp * M * B * S, or the row lengths, summed over steps)."""
     dp_imbalance: float
     """Worst step's max/mean real tokens over DP ranks."""
     dp_imbalance_cost: float

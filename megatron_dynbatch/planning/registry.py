@@ -240,7 +240,13 @@ def _step_plan(
         num_rollouts=len({samples.rollout_keys[i] for i in items}),
         num_placeholders=sum(1 for mb in mbs if not mb),
         real_tokens=real_tokens,
-        fill=real_tokens / (len(ranks) * num_microbatches * batch * seq_length),
+        # With variable rows a micro-batch computes its own row, as the planner's fill counts.
+        fill=real_tokens
+        / (
+            sum(map(sum, row_lengths))
+            if row_lengths
+            else len(ranks) * num_microbatches * batch * seq_length
+        ),
         dp_imbalance=imbalance(rank_tokens),
         dp_imbalance_cost=imbalance(own),
         oversize_samples=oversize,
@@ -311,6 +317,7 @@ def _fixed(samples: SampleSet, config: PlannerConfig) -> Plan:
         microbatch_multiple=config.parallel.microbatch_multiple,
         token_cap=config.token_cap,
         sample_multiple=config.parallel.sample_multiple,
+        cost=config.cost,
     )
 
 

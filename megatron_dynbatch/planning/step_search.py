@@ -325,7 +325,8 @@ def check_placeholders(problem: StepProblem) -> None:
         else:
             why = f"dp_size={parallel.dp_size} (one micro-batch per rank at least)"
         raise DynBatchValueError(
-            f"{why} needs {forced} micro-batches per step, but the step has {n} samples: "
+            f"{why} needs {forced} micro-batches per step, but the step has {n} "
+            f"sample{'s' if n != 1 else ''}: "
             f"{forced - n} would be placeholders (limit {MAX_FORCED_PLACEHOLDERS}). Check "
             "dp_size and microbatch_group_size_per_vp_stage, or put more rollouts in a step."
         )

@@ -407,7 +407,12 @@ def _cmd_plan(args) -> int:
 
     if args.plot:
         _check_plot_path(args.plot)
-    get_planner(args.planner)  # an unknown name fails before the samples are read
+    try:  # an unknown name fails before the samples are read, naming the flag as verify does
+        get_planner(args.planner)
+    except DynBatchValueError as error:
+        raise DynBatchValueError(
+            f"planner={args.planner!r} ({setting('planner').flag}): {error}"
+        ) from None
     samples = _load_samples(args.samples)
     config = _planner_config(
         args, rollouts_per_step=args.rollouts_per_step, memory=_memory_limit(args)

@@ -36,7 +36,7 @@ from megatron_dynbatch.planning import (
 from megatron_dynbatch.planning.fixed import plan_fixed_microbatches
 from megatron_dynbatch.planning.registry import plan_from_ranks, ranks_planner
 from megatron_dynbatch.planning.sharded import plan_sharded_step
-from megatron_dynbatch.planning.spec import DEFAULT_PLANNER
+from megatron_dynbatch.planning.spec import DEFAULT_PLANNER, CostModel
 from megatron_dynbatch.tools.cli import main
 from tests._support import megatron_lm_args
 
@@ -116,6 +116,55 @@ def test_fixed_is_megatrons_fixed_batching_under_the_budget():
         run_planner(samples, dataclasses.replace(config, max_tokens_per_gpu=512))
 
 
+def test_fixed_reports_its_step_as_every_planner_does():
+    """idle ranks, the cost figures and the lower bound of a fixed plan read as the same ranks
+    described by plan_from_ranks (a probe found fixed reporting no idle rank, the token ratio as
+    its cost figures and ceil(samples / micro_batch_size) as the bound)."""
+    cost = CostModel(response_weight=1.0, attention_weight=0.01)
+    config = _config(
+        layout="padded", planner="fixed", max_tokens_per_gpu=64, rollouts_per_step=None, cost=cost
+    )
+    for lengths, prompts in (([10, 60], [4, 20]), ([40, 5, 5], None), ([50, 7, 9], [40, 0, 3])):
+        samples = SampleSet.build(lengths, prompt_lengths=prompts)
+        plan = run_planner(samples, config)
+        check_plan(plan, samples, config)
+        described = plan_from_ranks(
+            [[[list(mb) for mb in rank] for rank in plan.steps[0].ranks]],
+            samples,
+            config,
+            layout="padded",
+        )
+        ours, theirs = plan.steps[0], described.steps[0]
+        assert (ours.seq_length, ours.micro_batch_size) == (
+            theirs.seq_length,
+            theirs.micro_batch_size,
+        )
+        for field in (
+            "idle_ranks",
+            "dp_imbalance",
+            "dp_imbalance_cost",
+            "dp_imbalance_computed",
+            "lower_bound_microbatches",
+            "fill",
+        ):
+            assert getattr(ours, field) == pytest.approx(getattr(theirs, field)), (lengths, field)
+    assert run_planner(SampleSet.build([10]), config).stats.idle_ranks == 1
+    assert run_planner(SampleSet.build([40, 5, 5]), config).steps[0].lower_bound_microbatches == 1
+
+
+def test_plan_from_ranks_fill_with_variable_rows_counts_the_rows_it_computes():
+    samples = SampleSet.build([1000, 10])
+    config = _config(rollouts_per_step=None, variable_row_lengths=True)
+    plan = plan_from_ranks([[[[0]], [[1]]]], samples, config)
+    rows = plan.steps[0].row_lengths
+    assert rows and sum(map(sum, rows)) < 2 * plan.steps[0].seq_length
+    assert plan.steps[0].fill == pytest.approx(1010 / sum(map(sum, rows)))
+    assert plan.steps[0].fill == pytest.approx(plan.stats.fill)
+    assert plan_schedule([1000, 10], config=config).steps[0].fill == pytest.approx(
+        plan.steps[0].fill
+    )
+
+
 @pytest.mark.parametrize("name", sorted(baselines.BASELINES))
 def test_every_baseline_is_a_planner_whose_plan_is_its_schedule(name):
     """Each step of the Plan holds exactly the baseline's ranks for that step's samples, and the
@@ -184,7 +233,8 @@ def test_plan_planner_picks_a_planner_by_name(tmp_path, capsys):
     assert main([*common, "--planner", "fixed"]) == 2
     assert "--layout padded" in capsys.readouterr().err
     assert main([*common, "--planner", "nope"]) == 2
-    assert "no planner named 'nope'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no planner named 'nope'" in err and "(--planner)" in err  # the spelling typed
 
 
 # -- a user picks the planner of a real run --------------------------------------------------------
