@@ -127,12 +127,10 @@ class ModelDims:
                 f"{self.num_query_groups} must be multiples of tp_size={tp} (Megatron splits "
                 "them over the tensor-parallel ranks); pass a tp_size that divides both."
             )
-        chunks = self.parallel.pp_size * self.parallel.vpp_size
-        if self.num_layers < chunks:
-            raise DynBatchValueError(
-                f"num_layers={self.num_layers} is fewer than pp_size x vpp_size={chunks} "
-                "model chunks; every chunk needs a layer."
-            )
+        # Fewer layers than model chunks is not refused here: Megatron checks its own split, and
+        # --account-for-embedding-in-pipeline-split (or -loss-) gives a stage the embedding (or
+        # the loss) in place of a layer, e.g. 3 layers at pp 4. Such a chunk holds no layer
+        # (chunk_layers 0); the others are estimated as an even split.
 
     # --- shapes ---------------------------------------------------------------------------------
 
@@ -157,6 +155,7 @@ class ModelDims:
         Megatron splits ``num_layers`` over ``pp_size * vpp_size`` chunks in the order chunk 0 of
         every stage, then chunk 1, ...; an uneven split gives the first chunks one layer more
         (Megatron itself asks for an even split unless first/last-stage layer counts are given).
+        With fewer layers than chunks the last chunks hold none (0).
         """
         chunks = self.parallel.pp_size * self.parallel.vpp_size
         index = chunk * self.parallel.pp_size + stage

@@ -122,3 +122,19 @@ def test_layouts_megatron_accepts_pass():
         _args(max_position_embeddings=None),
     ):
         check_model_layout(args)
+
+
+def test_a_stage_of_one_layer_names_no_empty_chunk_size():
+    """4 layers at pp 4 with 2 layers per virtual stage: no layers-per-chunk value makes two
+    chunks of a one-layer stage, and the message named an empty list ("use
+    --num-layers-per-virtual-pipeline-stage  (layers per model chunk)")."""
+    args = _args(num_layers=4, pipeline_model_parallel_size=4)
+    args.num_layers_per_virtual_pipeline_stage = 2
+    with pytest.raises(DynBatchValueError) as refused:
+        check_model_layout(args)
+    message = str(refused.value)
+    assert "does not divide the 1 layer of each" in message, message
+    assert "--num-layers-per-virtual-pipeline-stage  " not in message
+    assert "use --num-layers 16 (4 layers a stage, 2 chunks)" in message
+    check_model_layout(_args(num_layers=16, pipeline_model_parallel_size=4,
+                             num_layers_per_virtual_pipeline_stage=2))  # fmt: skip

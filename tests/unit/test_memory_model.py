@@ -330,3 +330,17 @@ def test_flash_attention_gives_longer_rows_under_the_same_budget(kind):
         flash = MemoryLimit(model=MemoryModel(dims=dims, attention=kind), budget_bytes=mib * MIB)
         assert flash.row_cap(1) > dense.row_cap(1) > 0
         assert flash.row_cap(4) > dense.row_cap(4)
+
+
+def test_fewer_layers_than_model_chunks_is_estimated_not_refused():
+    """--num-layers 3 --pipeline-model-parallel-size 4 --account-for-embedding-in-pipeline-split is
+    a layout Megatron accepts (the embedding takes a layer's place); with --max-memory-gib the
+    memory model refused it ("every chunk needs a layer") in its own field names."""
+    dims = _dims(num_layers=3, parallel=ParallelLayout(pp_size=4))
+    assert [dims.stage_layers(stage) for stage in range(4)] == [1, 1, 1, 0]
+    model = MemoryModel(dims=dims)
+    peaks = [model.stage_peak(stage, [(1, 256)] * 4) for stage in range(4)]
+    assert all(peak.total > 0 for peak in peaks)
+    # The last stage holds no layer here: its token activations are its logits alone.
+    no_logits = dataclasses.replace(dims, vocab_size=1)
+    assert MemoryModel(dims=no_logits).stage_peak(3, [(1, 256)] * 4).tokens < peaks[3].tokens

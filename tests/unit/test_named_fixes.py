@@ -193,3 +193,39 @@ def test_the_issue_case_no_longer_names_the_micro_batch_size():
     with pytest.raises(DynBatchValueError, match="e.g. 30 or 32") as refused:
         validate_dynamic_batch_args(_args(global_batch_size=31))
     assert "set --micro-batch-size" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "values, least",
+    [
+        # tp 4 pads a 1002-token sample to 1004: "at least 1002" passed here and the first
+        # 1002-token sample was refused by the planner.
+        (dict(seq_length=1002, tensor_model_parallel_size=4, max_tokens_per_gpu=512), 1004),
+        # cp 2: the planner's cap is the budget x cp, and each sample pads to tp x cp x 2.
+        (dict(seq_length=4097, context_parallel_size=2, max_tokens_per_gpu=1024), 2050),
+    ],
+)
+def test_the_budget_named_for_seq_length_plans_a_seq_length_sample(values, least):
+    from megatron_dynbatch.integrations.megatron_lm.arguments import parallel_layout_from_args
+    from megatron_dynbatch.planning import plan_schedule
+
+    with pytest.raises(DynBatchValueError) as refused:
+        validate_dynamic_batch_args(_args(**values))
+    message = str(refused.value)
+    assert f"raise --max-tokens-per-gpu to at least {least}," in message, message
+    config = validate_dynamic_batch_args(_args(**{**values, "max_tokens_per_gpu": least}))
+    args = _args(**{**values, "max_tokens_per_gpu": least})
+    planner = config.planner_config(parallel_layout_from_args(args))
+    plan = plan_schedule([values["seq_length"]], config=planner)
+    assert plan.stats.oversize_samples == ()
+    # One token less is refused here, not at a step.
+    with pytest.raises(DynBatchValueError, match=f"to at least {least},"):
+        validate_dynamic_batch_args(_args(**{**values, "max_tokens_per_gpu": least - 1}))
+
+
+def test_a_budget_that_holds_seq_length_over_context_parallel_ranks_is_accepted():
+    """--seq-length 4096 at cp 2 with --max-tokens-per-gpu 2048: the planner's cap is 4096; the
+    check compared 2048 with 4096 and refused a run that plans."""
+    validate_dynamic_batch_args(
+        _args(seq_length=4096, context_parallel_size=2, max_tokens_per_gpu=2048)
+    )

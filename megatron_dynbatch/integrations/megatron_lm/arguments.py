@@ -45,8 +45,11 @@ from megatron_dynbatch.planning.spec import (
     DEFAULT_PLANNER,
     MAX_TOKENS,
     ParallelLayout,
+    ceil_div,
     check_int,
     layout_flags,
+    round_up,
+    sample_multiple,
 )
 from megatron_dynbatch.settings import (  # noqa: F401 - re-exported for the hooks and calibration
     CALIBRATION_JSON,
@@ -578,25 +581,42 @@ def _check_budgets_fit_seq_length(args: Any, config: DynBatchConfig) -> None:
     forward_only = config.log_probs_max_tokens_per_gpu
     if forward_only is not None:
         budgets.append(("--log-probs-max-tokens-per-gpu", forward_only, "validation and log-prob"))
+    # The planner's cap is the budget times cp (CP splits each sample), and a sample takes its
+    # length rounded up to what tp / cp split (planning.spec.sample_multiple): a budget of
+    # --seq-length at tp 4 and --seq-length 1002 passed here and refused the first 1002-token
+    # sample (1004 padded), and 2048 at cp 2 was refused for --seq-length 4096, which it holds.
+    tp = _layout_size(args, "tensor_model_parallel_size")
+    cp = _layout_size(args, "context_parallel_size")
+    multiple = sample_multiple(tp, cp)
+    padded = round_up(seq_length, multiple)
+    least = ceil_div(padded, cp)
+    longest = f"--seq-length {seq_length}"
+    if padded != seq_length:
+        parallel = "--tensor-model-parallel-size" + (
+            " x --context-parallel-size x 2" if cp > 1 else ""
+        )
+        longest += f" ({padded} tokens padded to a multiple of {multiple}, {parallel})"
+    if cp > 1:
+        longest += f" split over --context-parallel-size {cp} ({least} tokens a GPU)"
     for flag, budget, what in budgets:
-        if budget is not None and budget < seq_length and stock:
+        if budget is None or budget * cp >= padded:
+            continue
+        if stock:
             raise DynBatchValueError(
-                f"{flag} {budget} is smaller than --seq-length {seq_length} (the longest "
-                f"sample), and --dynamic-batch-planner fixed pads every sample of a step to its "
-                f"longest with no oversize policy (--oversize-samples {config.oversize_samples} "
-                f"applies to planner {DEFAULT_PLANNER!r} only), so a {seq_length}-token sample "
-                f"would stop the run at its first {what} step; raise {flag} to at least "
-                f"{seq_length}, lower --seq-length, or pass --dynamic-batch-planner "
-                f"{DEFAULT_PLANNER}."
+                f"{flag} {budget} is smaller than {longest} (the longest sample), and "
+                f"--dynamic-batch-planner fixed pads every sample of a step to its longest with no "
+                f"oversize policy (--oversize-samples {config.oversize_samples} applies to planner "
+                f"{DEFAULT_PLANNER!r} only), so a {seq_length}-token sample would stop the run at "
+                f"its first {what} step; raise {flag} to at least {least}, lower --seq-length, or "
+                f"pass --dynamic-batch-planner {DEFAULT_PLANNER}."
             )
-        if budget is not None and budget < seq_length:
-            raise DynBatchValueError(
-                f"{flag} {budget} is smaller than --seq-length {seq_length} (the longest "
-                f"sample) and --oversize-samples is error, so a {seq_length}-token sample would "
-                f"stop the run at its first {what} step; raise {flag} to at least {seq_length}, "
-                "lower --seq-length, or pass --oversize-samples truncate (cut such "
-                "samples to the budget) or allow (run them alone, over it)."
-            )
+        raise DynBatchValueError(
+            f"{flag} {budget} is smaller than {longest} (the longest sample) and "
+            f"--oversize-samples is error, so a {seq_length}-token sample would stop the run at "
+            f"its first {what} step; raise {flag} to at least {least}, lower --seq-length, or "
+            "pass --oversize-samples truncate (cut such samples to the budget) or allow (run "
+            "them alone, over it)."
+        )
 
 
 def _check_unused_micro_batch_sizes(args: Any) -> None:

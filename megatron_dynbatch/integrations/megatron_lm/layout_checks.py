@@ -104,11 +104,17 @@ def _check_layers(args: Any) -> None:
     per_stage = counted // pp
     if per_vp < 1 or per_stage % per_vp:
         divisors = [d for d in range(1, per_stage) if per_stage % d == 0]
-        chunks = f"--num-layers-per-virtual-pipeline-stage {', '.join(map(str, divisors))}"
+        # A stage of one layer has no divisor that makes two chunks: name none.
+        chunks = (
+            f"--num-layers-per-virtual-pipeline-stage {', '.join(map(str, divisors))} (layers per "
+            "model chunk), "
+            if divisors
+            else ""
+        )
         raise DynBatchValueError(
             f"--num-layers-per-virtual-pipeline-stage {per_vp} does not divide the {per_stage} "
-            f"layers of each pipeline stage (--num-layers {layers}{counted_note} / "
-            f"--pipeline-model-parallel-size {pp}); use {chunks} (layers per model chunk), "
+            f"layer{'s' if per_stage != 1 else ''} of each pipeline stage (--num-layers {layers}{counted_note} / "
+            f"--pipeline-model-parallel-size {pp}); use {chunks}"
             f"--num-layers {pp * max(per_vp, 1) * 2 - len(extra)} "
             f"({2 * max(per_vp, 1)} layers a stage, 2 chunks), or drop "
             "--num-layers-per-virtual-pipeline-stage (no interleaving)."
