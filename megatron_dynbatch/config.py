@@ -201,6 +201,7 @@ class _ConfigMethods:
                 forward_only=forward_only,
                 row_multiple=row_multiple,
                 memory=memory,
+                budget_flag=budget_flag,
             )
         except ValueError as error:
             # Name the budget (training or log-prob) only where the error is about it: a memory
@@ -217,6 +218,7 @@ class _ConfigMethods:
         forward_only: bool = False,
         row_multiple: Optional[int] = None,
         memory: Optional[Any] = None,
+        budget_flag: str = FLAGS["max_tokens_per_gpu"],
     ) -> PlannerConfig:
         """The one ``PlannerConfig`` of these settings (:meth:`planner_config`; unwrapped errors
         for ``__post_init__``, which names the flags itself)."""
@@ -232,6 +234,7 @@ class _ConfigMethods:
             row_multiple=1 if row_multiple is None else row_multiple,
             memory=memory,
             planner=self.planner,
+            budget_flag=budget_flag,
         )
 
 

@@ -498,6 +498,10 @@ class PlannerConfig:
     """A :class:`.memory.MemoryLimit` (``--max-memory-gib``): no micro-batch shape is planned
     whose predicted peak on any pipeline stage exceeds it (the token cap is then also at most
     its longest one-row micro-batch); ``None``: the token cap alone."""
+    budget_flag: str = "--max-tokens-per-gpu"
+    """The option that sets :attr:`max_tokens_per_gpu`, as messages name it (a forward-only
+    pass's config is built from ``--log-probs-max-tokens-per-gpu``: its refusals told users to
+    raise the training budget, which changed nothing)."""
 
     def __post_init__(self) -> None:
         _set_int(
@@ -588,7 +592,7 @@ class PlannerConfig:
                 f"max_tokens_per_gpu={self.max_tokens_per_gpu} (x cp_size={self.parallel.cp_size}) is "
                 f"smaller than one padded sample: every sample is padded to a multiple of {multiple} "
                 f"(tp_size={self.parallel.tp_size}, cp_size={self.parallel.cp_size}); raise "
-                f"--max-tokens-per-gpu to at least {ceil_div(multiple, self.parallel.cp_size)}."
+                f"{self.budget_flag} to at least {ceil_div(multiple, self.parallel.cp_size)}."
             )
         # Every consumer (planner, verify, plots) sees one concrete model: the overhead assumed
         # here, once, from the cap (the min_gain default above was read from the model as given).
@@ -633,7 +637,7 @@ class PlannerConfig:
             and self.token_cap < self.max_tokens_per_gpu * self.parallel.cp_size
         ):
             return "--max-memory-gib"
-        return "--max-tokens-per-gpu"
+        return self.budget_flag
 
     @property
     def multi_row_cap(self) -> int:

@@ -59,3 +59,84 @@ def test_an_empty_rollout_batch_names_slimes_options():
         build_dp_schedule(
             slime_args(), slime_tp(dp_size=2), [], global_batch_size=1, rollout_indices=[]
         )
+
+
+@pytest.mark.parametrize(
+    "budget, margin, parallel, oversize, fix",
+    [
+        # Each was told to raise --max-tokens-per-gpu to the share the margin leaves (8, 2, 600),
+        # which the margin cut again: the same refusal.
+        (10, 0.5, dict(tensor_model_parallel_size=8), "allow", 16),
+        (10, 0.1, dict(cp_size=4), "allow", 20),
+        (1000, 0.5, {}, "error", 1200),
+    ],
+)
+def test_a_budget_refusal_under_the_safety_margin_names_a_budget_that_works(
+    budget, margin, parallel, oversize, fix
+):
+    cp = parallel.pop("cp_size", 1)
+    lengths = [100, 200, 300, 400, 500, 600]
+
+    def schedule(tokens):
+        args = slime_args(
+            max_tokens_per_gpu=tokens,
+            packing_safety_margin=margin,
+            oversize_samples=oversize,
+            **parallel,
+        )
+        return build_dp_schedule(
+            args,
+            slime_tp(dp_size=2, cp_size=cp),
+            lengths,
+            global_batch_size=len(lengths),
+            rollout_indices=list(range(len(lengths))),
+        )
+
+    with pytest.raises(DynBatchValueError, match=f"to at least {fix}[,. ]") as refused:
+        schedule(budget)
+    assert "--packing-safety-margin" in str(refused.value)
+    schedule(fix)  # the named budget plans
+    with pytest.raises(DynBatchValueError, match=f"to at least {fix}[,. ]"):
+        schedule(fix - 1)
+
+
+def test_a_log_prob_budget_refusal_names_the_log_prob_flag():
+    """It told users to raise --max-tokens-per-gpu (already 1000), which changed nothing."""
+    args = slime_args(max_tokens_per_gpu=1000, log_probs_max_tokens_per_gpu=1)
+    with pytest.raises(
+        DynBatchValueError, match="raise --log-probs-max-tokens-per-gpu to at least 2"
+    ):
+        build_dp_schedule(
+            args, slime_tp(dp_size=2, cp_size=4), [100, 200, 300, 400], global_batch_size=4,
+            rollout_indices=[0, 1, 2, 3],
+        )  # fmt: skip
+    args = slime_args(max_tokens_per_gpu=1000, log_probs_max_tokens_per_gpu=2)
+    build_dp_schedule(
+        args, slime_tp(dp_size=2, cp_size=4), [100, 200, 300, 400], global_batch_size=4,
+        rollout_indices=[0, 1, 2, 3],
+    )  # fmt: skip
+
+
+def test_a_moe_layer_frequency_of_zero_is_refused_by_name():
+    """slime's FLOPs estimate divides by it: a ZeroDivisionError from inside before."""
+    args = slime_args(
+        max_tokens_per_gpu=1024,
+        num_experts=8,
+        moe_ffn_hidden_size=32,
+        moe_router_topk=2,
+        moe_layer_freq=0,
+    )
+    with pytest.raises(DynBatchValueError, match="--moe-layer-freq 0 must be an integer >= 1"):
+        _schedule(args)
+
+
+def test_the_fixed_planner_is_refused_in_slimes_flags_without_slimes_argument_check():
+    """build_dp_schedule called without slime's validate_args told users to pass
+    --dynamic-batch-layout padded, which slime does not have."""
+    args = slime_args(max_tokens_per_gpu=1024, dynamic_batch_planner="fixed")
+    with pytest.raises(DynBatchValueError) as refused:
+        _schedule(args)
+    message = str(refused.value)
+    assert "--dynamic-batch-planner fixed plans padded rows only" in message, message
+    assert "--dynamic-batch-layout" not in message
+    _schedule(slime_args(max_tokens_per_gpu=1024, dynamic_batch_planner="dynbatch"))

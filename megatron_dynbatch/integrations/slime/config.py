@@ -31,13 +31,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import numbers
+import re
 import warnings
 from typing import Any, Iterator, Optional
 
 from megatron_dynbatch.config import DynBatchConfig, config_from_mapping
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.integrations.hosts import SLIME, check_host_budget, check_overhead
+from megatron_dynbatch.integrations.hosts import (
+    SLIME,
+    check_host_budget,
+    check_host_planner,
+    check_overhead,
+)
 from megatron_dynbatch.planning import CostModel, OversizeSampleWarning
 from megatron_dynbatch.planning.spec import check_int
 
@@ -168,6 +175,11 @@ def dynbatch_config_from_slime_args(
     log_probs = getattr(args, "log_probs_max_tokens_per_gpu", None)
     if log_probs is not None:
         log_probs = check_host_budget(SLIME, log_probs, forward_only=True)
+    planner = getattr(args, "dynamic_batch_planner", None)
+    if planner is not None:
+        # As slime's argument check does (hook.py): without it, planner 'fixed' (padded rows)
+        # was told to pass --dynamic-batch-layout padded, a flag slime does not have.
+        check_host_planner(SLIME, planner, SLIME.fixed["layout"])
     cost = cost or CostModel()
     if cost.microbatch_overhead is None:
         cost = dataclasses.replace(cost, microbatch_overhead=microbatch_overhead(args))
@@ -176,7 +188,7 @@ def dynbatch_config_from_slime_args(
             "max_tokens_per_gpu": budget,
             "log_probs_max_tokens_per_gpu": log_probs,
             "oversize_samples": oversize_policy(args),
-            "dynamic_batch_planner": getattr(args, "dynamic_batch_planner", None),
+            "dynamic_batch_planner": planner,
         },
         table=SLIME.options,
         fixed={
@@ -199,6 +211,55 @@ def planner_oversize_reported() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", OversizeSampleWarning)
         yield
+
+
+#: "raise --max-tokens-per-gpu to at least N" in a refusal (not the log-prob budget's flag).
+_RAISE_BUDGET = re.compile(r"([Rr]aise --max-tokens-per-gpu to at least )(\d+)")
+
+
+def budget_for_packed(packed: int, margin: float) -> int:
+    """The least ``--max-tokens-per-gpu`` whose ``--packing-safety-margin`` share (as
+    :func:`dynbatch_config_from_slime_args` takes it, ``max(1, int(budget * margin))``) is at
+    least ``packed``."""
+    budget = max(1, math.ceil(packed / margin))
+    while max(1, int(budget * margin)) < packed:  # float rounding below the exact quotient
+        budget += 1
+    while budget > 1 and max(1, int((budget - 1) * margin)) >= packed:
+        budget -= 1
+    return budget
+
+
+@contextlib.contextmanager
+def safety_margin_named(args: Any) -> Iterator[None]:
+    """A refusal raised inside that names the training budget is told in the user's
+    ``--max-tokens-per-gpu`` where newer slime's ``--packing-safety-margin`` packs to a share of
+    it: the planner sees only the share, so its "raise --max-tokens-per-gpu to at least N" named
+    the share (a fix refused again, with the same words)."""
+    margin = getattr(args, "packing_safety_margin", None)
+    try:
+        yield
+    except ValueError as error:
+        text = str(error)
+        if (
+            margin is None
+            or isinstance(margin, bool)
+            or not isinstance(margin, numbers.Real)
+            or not 0 < margin < 1
+            or len(error.args) != 1
+            or "max_tokens_per_gpu" not in text
+            and "--max-tokens-per-gpu" not in text
+        ):
+            raise
+        budget = getattr(args, "max_tokens_per_gpu", None)
+        text = _RAISE_BUDGET.sub(
+            lambda m: m.group(1) + str(budget_for_packed(int(m.group(2)), margin)), text
+        )
+        error.args = (
+            f"{text} (--packing-safety-margin {margin} packs each micro-batch to that share of "
+            f"--max-tokens-per-gpu {budget}: the token budget and cap above are the share, the "
+            "--max-tokens-per-gpu to raise is given in full.)",
+        )
+        raise
 
 
 def slime_flags() -> Any:

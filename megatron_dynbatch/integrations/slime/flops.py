@@ -8,8 +8,10 @@ balancing decisions, are slime's. Standard library and the pure planner only.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, List, Sequence
 
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.slime.dp_schedule import DPScheduleError
 from megatron_dynbatch.planning import CostModel
 from megatron_dynbatch.planning.spec import ATTENTION_CROSSOVER_7B
@@ -64,6 +66,12 @@ def forward_flops(args: Any, s: int) -> float:
                 num_dense = sum(1 for f in freq if f == 0)
                 num_moe = sum(1 for f in freq if f > 0)
             else:
+                if isinstance(freq, bool) or not isinstance(freq, numbers.Integral) or freq < 1:
+                    # slime's own estimate divides by it (ZeroDivisionError at 0).
+                    raise DynBatchValueError(
+                        f"--moe-layer-freq {freq!r} must be an integer >= 1 (every freq-th layer "
+                        "is MoE) or a list of 0/1 per layer; pass e.g. --moe-layer-freq 1."
+                    )
                 num_dense = sum(1 for i in range(args.num_layers) if i % freq != 0)
                 num_moe = sum(1 for i in range(args.num_layers) if i % freq == 0)
         else:

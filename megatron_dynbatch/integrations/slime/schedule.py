@@ -68,6 +68,7 @@ from megatron_dynbatch.integrations.slime.config import (
     pad_size,
     planner_oversize_reported,
     routing_replay,
+    safety_margin_named,
     slime_flags,
 )
 from megatron_dynbatch.integrations.slime.dp_schedule import (
@@ -598,7 +599,8 @@ def build_dp_schedule(
         gc.disable()
         try:
             if use_dynamic:
-                return _dynamic_schedule(args, sizes, lengths, keys, global_batch_size, pad)
+                with safety_margin_named(args):
+                    return _dynamic_schedule(args, sizes, lengths, keys, global_batch_size, pad)
             return static_schedule(
                 args, sizes, lengths, _group_rollouts(keys), global_batch_size, pad
             )
