@@ -38,7 +38,7 @@ overhead: ``16 + 0.1 * (16 + 64 + 16) = 25.6``; a placeholder of the step costs
 
 from __future__ import annotations
 
-from typing import Callable, List, Mapping, Optional, Sequence
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 from .spec import CostModel, check_cost_is_finite, round_up
 
@@ -46,6 +46,7 @@ __all__ = [
     "TAIL_SEGMENT_TOKENS",
     "check_cost_is_finite",
     "microbatch_cost",
+    "rank_costs",
     "row_cost",
     "row_costs",
     "sample_costs",
@@ -173,6 +174,39 @@ def microbatch_cost(
     return row_cost(model, layout, seq_length, micro_batch_size, sum(sizes)) + sum(
         sample_costs(model, layout, sizes, response_lengths)
     )
+
+
+def rank_costs(
+    model: CostModel,
+    layout: str,
+    seq_length: int,
+    micro_batch_size: int,
+    ranks: Sequence[Sequence[Sequence[int]]],
+    lengths: Sequence[int],
+    sizes: Sequence[int],
+    responses: Sequence[int],
+) -> Tuple[List[float], List[float]]:
+    """Per DP rank of ``ranks[r][m]`` (sample indices into ``lengths``, padded ``sizes`` and
+    ``responses``), in a step of uniform ``[micro_batch_size, seq_length]`` rows: its samples' own
+    cost (:meth:`CostModel.cost`) and what it computes (:func:`microbatch_cost` of every
+    micro-batch, placeholders included). A plan's ``dp_imbalance_cost`` and
+    ``dp_imbalance_computed`` are their max / mean, whichever planner built the ranks."""
+    own = [sum(model.cost(lengths[i], responses[i]) for mb in rank for i in mb) for rank in ranks]
+    computed = [
+        sum(
+            microbatch_cost(
+                model,
+                layout,
+                seq_length,
+                micro_batch_size,
+                [sizes[i] for i in mb],
+                [responses[i] for i in mb],
+            )
+            for mb in rank
+        )
+        for rank in ranks
+    ]
+    return own, computed
 
 
 def step_microbatch_costs(

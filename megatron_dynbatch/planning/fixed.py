@@ -13,7 +13,7 @@ from typing import Any, List, Optional, Sequence
 
 from megatron_dynbatch.errors import DynBatchValueError
 
-from .cost import microbatch_cost
+from .cost import rank_costs
 from .plan import Plan, PlanStats, StepPlan, imbalance
 from .samples import SampleSet
 from .spec import CostModel, ceil_div, round_up
@@ -73,18 +73,6 @@ def plan_fixed_samples(
     lengths = samples.lengths
     sizes = [round_up(length, sample_multiple) for length in lengths]
     responses = [max(0, n - p) for n, p in zip(lengths, samples.prompt_lengths, strict=True)]
-
-    def computed(mb: tuple) -> float:
-        # Every micro-batch runs all its micro_batch_size rows of seq_length, placeholders too.
-        return microbatch_cost(
-            model,
-            "padded",
-            seq_length,
-            micro_batch_size,
-            [sizes[i] for i in mb],
-            [responses[i] for i in mb],
-        )
-
     steps: List[StepPlan] = []
     for num_rollouts, items in samples.steps(rollouts_per_step):
         per_rank = round_up(ceil_div(len(items), dp_size * micro_batch_size), microbatch_multiple)
@@ -96,9 +84,10 @@ def plan_fixed_samples(
                 ranks[r].append(tuple(window[r * micro_batch_size : (r + 1) * micro_batch_size]))
         real = sum(lengths[i] for i in items)
         rank_tokens = [sum(lengths[i] for mb in rank for i in mb) for rank in ranks]
-        own = [
-            sum(model.cost(lengths[i], responses[i]) for mb in rank for i in mb) for rank in ranks
-        ]
+        # Every micro-batch runs all its micro_batch_size rows of seq_length, placeholders too.
+        own, computed = rank_costs(
+            model, "padded", seq_length, micro_batch_size, ranks, lengths, sizes, responses
+        )
         steps.append(
             StepPlan(
                 num_microbatches=per_rank,
@@ -117,7 +106,7 @@ def plan_fixed_samples(
                 lower_bound_microbatches=sum(1 for i in items if sizes[i] > cap)
                 + ceil_div(sum(sizes[i] for i in items if sizes[i] <= cap), cap),
                 min_microbatches=per_rank,
-                dp_imbalance_computed=imbalance([sum(map(computed, rank)) for rank in ranks]),
+                dp_imbalance_computed=imbalance(computed),
                 idle_ranks=sum(1 for rank in ranks if not any(rank)),
             )
         )

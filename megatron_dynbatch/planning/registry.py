@@ -29,7 +29,7 @@ from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 from megatron_dynbatch.errors import DynBatchTypeError, DynBatchValueError
 
-from .cost import microbatch_cost
+from .cost import rank_costs
 from .fixed import plan_fixed_samples
 from .plan import Plan, PlanStats, StepPlan, imbalance
 
@@ -220,13 +220,8 @@ def _step_plan(
         batch = max([len(mb) for mb in mbs] + [1])
         seq_length = max([sizes[i] for i in items] + [multiple])
 
-    def computed(mb: Tuple[int, ...]) -> float:
-        return microbatch_cost(
-            cost, layout, seq_length, batch, [sizes[i] for i in mb], [responses[i] for i in mb]
-        )
-
     rank_tokens = [sum(lengths[i] for mb in rank for i in mb) for rank in ranks]
-    own = [sum(cost.cost(lengths[i], responses[i]) for mb in rank for i in mb) for rank in ranks]
+    own, computed = rank_costs(cost, layout, seq_length, batch, ranks, lengths, sizes, responses)
     real_tokens = sum(rank_tokens)
     oversize = tuple(i for i in items if sizes[i] > cap)
     regular = sum(sizes[i] for i in items) - sum(sizes[i] for i in oversize)
@@ -254,7 +249,7 @@ def _step_plan(
         truncated_samples=truncated,
         truncated_tokens=sum(samples.lengths[i] - kept[i] for i in truncated),
         kept_lengths=tuple((i, kept[i]) for i in truncated),
-        dp_imbalance_computed=imbalance([sum(map(computed, rank)) for rank in ranks]),
+        dp_imbalance_computed=imbalance(computed),
         row_lengths=row_lengths,
         idle_ranks=sum(1 for rank in ranks if not any(rank)),
     )
