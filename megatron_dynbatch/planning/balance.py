@@ -280,21 +280,6 @@ class RankBalancer:
         bins = [b for b in self.rank_bins[rank] if b not in self.frozen]
         return sorted(bins, key=lambda b: (self.loads[b], b))[:_SHORTLIST]
 
-    def _delta(self, x: int, out: Optional[int], into: Optional[int]) -> Optional[float]:
-        """Cost change of bin ``x`` when sample ``out`` leaves it and ``into`` joins; None if the
-        bin would exceed the row length."""
-        sizes, costs = self.sizes, self.sample_costs
-        change = (sizes[into] if into is not None else 0) - (sizes[out] if out is not None else 0)
-        load = self.loads[x] + change
-        if load > self.row_length:
-            return None
-        delta = self.tail(load) - self.tail(self.loads[x])
-        if into is not None:
-            delta += costs[into]
-        if out is not None:
-            delta -= costs[out]
-        return delta
-
     def best_transfer(self, hi: int, lo: int) -> Optional[Tuple[tuple, float, float]]:
         """The shortlisted transfer that most lowers max(new hi cost, new lo cost), or None.
 
@@ -324,15 +309,39 @@ class RankBalancer:
         stride = max(1, len(lo_items) // _SWAP_PARTNERS)
         for cost_b, b, y in lo_items[::stride]:
             candidates += [(a, x, b, y) for _, a, x in near(hi_items, cost_b + target)]
+        # Each candidate's cost change of both bins, written out (tens of candidates a round,
+        # hundreds of rounds a step: a method call a bin was a fifth of planning a large step).
+        # A bin over the row length rules the candidate out; each bin's tail at its current load
+        # is computed once a call.
+        sizes, costs, loads, tail = self.sizes, self.sample_costs, self.loads, self.tail
+        limit = self.row_length
+        now: Dict[int, float] = {}
         best = None
         best_peak = hi_cost * (1.0 - 1e-12)  # a transfer must lower the current maximum
         for a, x, b, y in candidates:
-            dx = self._delta(x, a, b)
-            if dx is None:
+            change = (sizes[b] if b is not None else 0) - (sizes[a] if a is not None else 0)
+            load = loads[x] + change
+            if load > limit:
                 continue
-            dy = self._delta(y, b, a)
-            if dy is None:
+            base = now.get(x)
+            if base is None:
+                base = now[x] = tail(loads[x])
+            dx = tail(load) - base
+            if b is not None:
+                dx += costs[b]
+            if a is not None:
+                dx -= costs[a]
+            load = loads[y] - change
+            if load > limit:
                 continue
+            base = now.get(y)
+            if base is None:
+                base = now[y] = tail(loads[y])
+            dy = tail(load) - base
+            if a is not None:
+                dy += costs[a]
+            if b is not None:
+                dy -= costs[b]
             peak = max(hi_cost + dx, lo_cost + dy)
             if peak < best_peak:
                 best, best_peak = ((a, x, b, y), hi_cost + dx, lo_cost + dy), peak
