@@ -296,7 +296,7 @@ SETTINGS: Tuple[Setting, ...] = (
         "iterator may yield several steps' worth at once; null: every batch it yields is one "
         "step.",
         cli=Cli(
-            commands=("plan",),
+            commands=("plan", "verify"),
             help="rollouts (prompt groups) per optimizer step (default: all in one step)",
         ),
     ),

@@ -199,8 +199,8 @@ def _load_samples(path: str):
 CLI_FIELDS = tuple(row.name for row in cli_settings("verify") if row.name is not None)
 
 
-def _planner_config(args, *, rollouts_per_step=None, memory=None):
-    """The planner's config from the flags both subcommands share (verify plans one step).
+def _planner_config(args, *, memory=None):
+    """The planner's config from the flags both subcommands share.
 
     Built through ``config_from_mapping`` and :meth:`DynBatchConfig.planner_config`, the one place a ``PlannerConfig`` is made
     outside the planner, so the CLI plans exactly as training does.
@@ -246,7 +246,7 @@ def _planner_config(args, *, rollouts_per_step=None, memory=None):
             f"--variable-seq-lengths needs {layout} packed (padded [B, S] rows all have the "
             "longest sample's length); drop one of them."
         )
-    config = config_from_mapping(values, fixed={"rollouts_per_step": rollouts_per_step})
+    config = config_from_mapping(values)
     return config.planner_config(
         parallel,
         row_multiple=variable,
@@ -414,9 +414,7 @@ def _cmd_plan(args) -> int:
             f"planner={args.planner!r} ({setting('planner').flag}): {error}"
         ) from None
     samples = _load_samples(args.samples)
-    config = _planner_config(
-        args, rollouts_per_step=args.rollouts_per_step, memory=_memory_limit(args)
-    )
+    config = _planner_config(args, memory=_memory_limit(args))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

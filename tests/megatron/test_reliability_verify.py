@@ -117,8 +117,9 @@ def _wrong_reference(spec):
     """The real reference with one gradient scaled by 1.01: a numerical FAIL."""
     result = reference_body(spec)
     if result is not None:
-        name = next(iter(result["grads"]))
-        result["grads"][name] = result["grads"][name] * 1.01
+        grads = result["steps"][0]["grads"]
+        name = next(iter(grads))
+        grads[name] = grads[name] * 1.01
     return result
 
 

@@ -69,6 +69,7 @@ def _spec(
     attention=None,
     attention_weight=0.0,
     group=None,
+    rollouts_per_step=None,
     **kwargs,
 ):
     parallel = ParallelLayout(
@@ -83,6 +84,7 @@ def _spec(
         layout=layout,
         cost=cost,
         oversize_samples=oversize,
+        rollouts_per_step=rollouts_per_step,
     )
     return build_spec(config, **kwargs)
 
@@ -296,10 +298,39 @@ def test_compare_catches_wrong_order_and_wrong_gradients():
     assert not compare(spec, swapped, reference)["passed"]
 
     scaled = copy.deepcopy(dynamic)
-    name = next(iter(scaled[0]["grads"]))
-    scaled[0]["grads"][name] = scaled[0]["grads"][name] * 1.01
+    [step] = scaled[0]["steps"]
+    name = next(iter(step["grads"]))
+    step["grads"][name] = step["grads"][name] * 1.01
     report = compare(spec, scaled, reference)
     assert not report["passed"] and report["max_grad_rel_diff"] > GRAD_REL_TOL
+
+
+def test_every_optimizer_step_of_rollouts_per_step_matches_its_own_reference():
+    """``--rollouts-per-step``: each optimizer step's gradients and loss against a reference of
+    that step's samples alone, through 1F1B; a step holding another step's gradients fails."""
+    # The bundled set's 11 rollouts, 4 a step: three optimizer steps.
+    spec = _spec(2, 2, 1, loss="seq-mean-token-mean", rollouts_per_step=4)
+    from megatron_dynbatch.tools.verify import dynamic_body, reference_body
+
+    dynamic = run_on_ranks(spec.world_size, dynamic_body, spec, layout=Layout(pp=2))
+    [reference, *_] = run_on_ranks(spec.world_size, reference_body, spec, layout=Layout())
+    report = _check(compare(spec, dynamic, reference))
+    assert report["num_steps"] == 3 and report["rollouts_per_step"] == 4
+    assert len(report["step_losses"]) == len(report["step_shapes"]) == 3
+    # Each step's own loss, not one over every sample: they differ from step to step.
+    assert len({round(loss, 6) for loss in report["reference_step_losses"]}) == 3
+    # Step 2's gradients where step 1's belong (as if its buffers were not zeroed): caught.
+    wrong = copy.deepcopy(dynamic)
+    for result in wrong:
+        result["steps"][1]["grads"] = result["steps"][2]["grads"]
+    assert not compare(spec, wrong, reference)["passed"]
+    # A step's logged loss off (its sums halved on every rank): caught on that step.
+    halved = copy.deepcopy(dynamic)
+    for result in halved:
+        sums = result["steps"][0]["log_sums"]
+        if sums is not None:
+            sums[0] /= 2
+    assert not compare(spec, halved, reference)["passed"]
 
 
 def _mismatched_plan_body():
@@ -328,13 +359,16 @@ def test_ranks_with_different_plans_fail_loudly():
 def test_verify_cli_json(capsys):
     from megatron_dynbatch.tools.cli import main
 
-    code = main(["verify", "--dp-size", "2", "--loss", "sum", "--json"])
+    # --rollouts-per-step through the command line (verify checked one step and had no such
+    # flag): the bundled set's 11 rollouts, 6 a step, are two optimizer steps.
+    code = main(["verify", "--dp-size", "2", "--loss", "sum", "--rollouts-per-step", "6", "--json"])
     import json
 
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["passed"] is True
     for key in ("max_grad_rel_diff", "max_logprob_abs_diff", "num_placeholders", "passed"):
         assert key in report
+    assert report["rollouts_per_step"] == 6 and report["num_steps"] == 2, report
 
 
 @pytest.mark.parametrize("planner, layout", [("dynbatch-thorough", "packed"), ("fixed", "padded")])

@@ -43,7 +43,8 @@ def _model_config(spec: VerifySpec, **layout):
 
 
 def dynamic_body(spec: VerifySpec) -> Dict[str, Any]:
-    """On every rank of the layout: plan, agree, train one step, then a forward-only pass."""
+    """On every rank of the layout: plan, agree, then every optimizer step of the plan (one unless
+    ``--rollouts-per-step``) from the same weights, each followed by its forward-only pass."""
     import torch
     from megatron.core import parallel_state
 
@@ -73,17 +74,19 @@ def dynamic_body(spec: VerifySpec) -> Dict[str, Any]:
     with step_agreement(what="verify step") as agreement:
         plan = spec.plan()
         agreement.fingerprint = plan.fingerprint()
-        [step] = plan.steps
-        mine = {i: spec.sample(i) for mb in step.rank_microbatches(dp_rank) for i in mb}
-        microbatches = materialize_microbatches(
-            step,
-            dp_rank,
-            mine,
-            _schema(),
-            layout=plan.layout,
-            sample_multiple=plan.sample_multiple,
-            device=device,
-        )
+        materialized = []
+        for step in plan.steps:
+            mine = {i: spec.sample(i) for mb in step.rank_microbatches(dp_rank) for i in mb}
+            microbatches = materialize_microbatches(
+                step,
+                dp_rank,
+                mine,
+                _schema(),
+                layout=plan.layout,
+                sample_multiple=plan.sample_multiple,
+                device=device,
+            )
+            materialized.append((step, microbatches))
     config = _model_config(
         spec,
         tensor_model_parallel_size=tp_group.size(),
@@ -102,20 +105,27 @@ def dynamic_body(spec: VerifySpec) -> Dict[str, Any]:
         chunks = [chunk.to(device) for chunk in chunks]
     chunks = wrap_in_ddp(chunks)
     configure_loss(chunks, spec.loss)
-    started = time.perf_counter()
-    logs = train_microbatches(
-        chunks, step, microbatches, aggregation=spec.loss, token_loss=_advantage_loss
-    )
-    train_seconds = time.perf_counter() - started
-    grads = {
-        name: g.detach().cpu() for name, g in named_global_grads(chunks, tp_group=tp_group).items()
-    }
-    log_sums = [float(sum(float(entry["loss"][k]) for entry in logs)) for k in (0, 1)]
-    outputs = forward_only_outputs(chunks, step, microbatches)
+    steps, outputs, train_seconds = [], {}, 0.0
+    for step, microbatches in materialized:
+        started = time.perf_counter()
+        logs = train_microbatches(
+            chunks, step, microbatches, aggregation=spec.loss, token_loss=_advantage_loss
+        )
+        train_seconds += time.perf_counter() - started
+        grads = {
+            name: g.detach().cpu()
+            for name, g in named_global_grads(chunks, tp_group=tp_group).items()
+        }
+        log_sums = [float(sum(float(entry["loss"][k]) for entry in logs)) for k in (0, 1)]
+        steps.append({"grads": grads, "log_sums": log_sums if logs and reports else None})
+        outputs.update(forward_only_outputs(chunks, step, microbatches))
+        # Every step is checked from the same weights (no optimizer runs): only its own
+        # gradients may be in the buffers, as after a trainer's zero_grad.
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
     logprobs = gather_in_order(outputs if reports else {}, list(range(spec.num_samples)))
     return {
-        "grads": grads,
-        "log_sums": log_sums if logs and reports else None,
+        "steps": steps,
         "logprobs": logprobs if torch.distributed.get_rank() == 0 else None,
         # What this rank actually ran, so the report cannot claim a setting that was not used.
         "ran": {
@@ -132,16 +142,22 @@ def dynamic_body(spec: VerifySpec) -> Dict[str, Any]:
         "train_seconds": train_seconds,
         "num_placeholders": plan.stats.num_placeholders,
         "truncated_tokens": plan.stats.truncated_tokens,
-        "num_microbatches": step.num_microbatches,
-        "seq_length": step.seq_length,
-        "micro_batch_size": step.micro_batch_size,
+        "shapes": [
+            {
+                "num_microbatches": step.num_microbatches,
+                "seq_length": step.seq_length,
+                "micro_batch_size": step.micro_batch_size,
+            }
+            for step in plan.steps
+        ],
         "fingerprint": plan.fingerprint(),
     }
 
 
 def reference_body(spec: VerifySpec) -> Optional[Dict[str, Any]]:
     """On rank 0 only: every sample alone in a row, one process, plain autograd (a sample the plan
-    truncates, cut to the same kept length)."""
+    truncates, cut to the same kept length); one loss and backward per optimizer step of the
+    plan, over that step's samples."""
     import torch
 
     from megatron_dynbatch.mcore.forward import build_attention_mask
@@ -153,34 +169,38 @@ def reference_body(spec: VerifySpec) -> Optional[Dict[str, Any]]:
     [model] = build_tiny_gpt(
         _model_config(spec), max_sequence_length=spec.max_sequence_length, seed=spec.seed
     )
+    plan = spec.plan()
     # With --oversize-samples truncate the plan keeps only the first tokens of a sample over the
     # cap: the fixed-batch run it must equal trains those same tokens.
-    kept = {index: keep for step in spec.plan().steps for index, keep in step.kept_lengths}
-    losses, masks, logprobs = [], [], []
-    for index, length in enumerate(spec.lengths):
-        sample = spec.sample(index)
-        length = kept.get(index, length)
-        tokens = sample["tokens"][:length].unsqueeze(0)
-        # Next-token targets of this sample only; the last token has none.
-        labels = torch.zeros_like(tokens)
-        labels[0, :-1] = tokens[0, 1:]
-        target_mask = torch.zeros(length)
-        target_mask[: length - 1] = (torch.arange(1, length) >= sample["prompt_length"]).float()
-        positions = torch.arange(length).unsqueeze(0)
-        mask = build_attention_mask(torch.zeros_like(tokens))
-        ce = model(tokens, positions, mask, labels=labels)[0]
-        losses.append(ce * sample["advantages"])
-        masks.append(target_mask)
-        logprobs.append((-ce).detach())
-    loss = reference_loss(spec.loss, losses, masks)
-    if spec.moe is not None:
-        _scale_router_losses_as_finalize_does(spec.loss, masks)
-    loss.backward()
-    return {
-        "grads": {name: g.detach().clone() for name, g in named_global_grads([model]).items()},
-        "loss": float(loss.detach()),
-        "logprobs": logprobs,
-    }
+    kept = {index: keep for step in plan.steps for index, keep in step.kept_lengths}
+    logprobs: Dict[int, Any] = {}
+    steps = []
+    for step in plan.steps:
+        members = sorted(i for rank in step.ranks for mb in rank for i in mb)
+        losses, masks = [], []
+        for index in members:
+            sample = spec.sample(index)
+            length = kept.get(index, spec.lengths[index])
+            tokens = sample["tokens"][:length].unsqueeze(0)
+            # Next-token targets of this sample only; the last token has none.
+            labels = torch.zeros_like(tokens)
+            labels[0, :-1] = tokens[0, 1:]
+            target_mask = torch.zeros(length)
+            target_mask[: length - 1] = (torch.arange(1, length) >= sample["prompt_length"]).float()
+            positions = torch.arange(length).unsqueeze(0)
+            mask = build_attention_mask(torch.zeros_like(tokens))
+            ce = model(tokens, positions, mask, labels=labels)[0]
+            losses.append(ce * sample["advantages"])
+            masks.append(target_mask)
+            logprobs[index] = (-ce).detach()
+        loss = reference_loss(spec.loss, losses, masks)
+        if spec.moe is not None:
+            _scale_router_losses_as_finalize_does(spec.loss, masks)
+        loss.backward()
+        grads = {name: g.detach().clone() for name, g in named_global_grads([model]).items()}
+        steps.append({"grads": grads, "loss": float(loss.detach())})
+        model.zero_grad(set_to_none=True)
+    return {"steps": steps, "logprobs": [logprobs[i] for i in range(spec.num_samples)]}
 
 
 def _scale_router_losses_as_finalize_does(aggregation: str, masks) -> None:

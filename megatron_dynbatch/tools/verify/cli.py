@@ -62,11 +62,19 @@ def format_report(report: Dict[str, Any]) -> str:
         + "\n"
         f"  samples={report['num_samples']} micro-batches/rank={report['num_microbatches']} "
         f"[{report['micro_batch_size']}x{report['seq_length']}] placeholders="
-        f"{report['num_placeholders']}\n"
+        f"{report['num_placeholders']}"
+        + (
+            ""
+            if report["num_steps"] == 1
+            else f" optimizer steps={report['num_steps']} (micro-batches and shape: the first's)"
+        )
+        + "\n"
         f"  max grad rel diff   {report['max_grad_rel_diff']:.3e} (tol {GRAD_REL_TOL:g})\n"
         f"  max grad abs diff   {report['max_grad_abs_diff']:.3e}\n"
         f"  max logprob diff    {report['max_logprob_abs_diff']:.3e} (tol {LOGPROB_ABS_TOL:g})\n"
-        f"  loss {report['loss']:.8f} vs reference {report['reference_loss']:.8f}\n"
+        f"  loss {report['loss']:.8f} vs reference {report['reference_loss']:.8f}"
+        + ("" if report["num_steps"] == 1 else " (mean over steps; each step checked)")
+        + "\n"
         f"  wall {report['elapsed_s']:.1f} s"
     )
 

@@ -15,21 +15,24 @@ GRAD_REL_TOL = 1e-5
 LOGPROB_ABS_TOL = 1e-5
 
 
-def _grad_diffs(dynamic: List[Dict[str, Any]], ref_grads: Dict[str, Any]):
-    """Largest relative (per parameter, by norm) and absolute gradient differences, all ranks."""
-    seen = set()
+def _grad_diffs(dynamic: List[Dict[str, Any]], reference: Dict[str, Any]):
+    """Largest relative (per parameter, by norm) and absolute gradient differences, over every
+    rank and optimizer step."""
     max_rel, max_abs = 0.0, 0.0
-    for result in dynamic:
-        for name, grad in result["grads"].items():
-            if name not in ref_grads:
-                raise AssertionError(f"parameter {name} has no reference gradient")
-            seen.add(name)
-            ref = ref_grads[name]
-            max_abs = max(max_abs, float((grad - ref).abs().max()))
-            max_rel = max(max_rel, float((grad - ref).norm() / ref.norm().clamp_min(1e-30)))
-    missing = sorted(set(ref_grads) - seen)
-    if missing:
-        raise AssertionError(f"no rank returned gradients for {missing}")
+    for step, ref_step in enumerate(reference["steps"]):
+        ref_grads = ref_step["grads"]
+        seen = set()
+        for result in dynamic:
+            for name, grad in result["steps"][step]["grads"].items():
+                if name not in ref_grads:
+                    raise AssertionError(f"parameter {name} has no reference gradient")
+                seen.add(name)
+                ref = ref_grads[name]
+                max_abs = max(max_abs, float((grad - ref).abs().max()))
+                max_rel = max(max_rel, float((grad - ref).norm() / ref.norm().clamp_min(1e-30)))
+        missing = sorted(set(ref_grads) - seen)
+        if missing:
+            raise AssertionError(f"step {step}: no rank returned gradients for {missing}")
     return max_rel, max_abs
 
 
@@ -64,31 +67,50 @@ def compare(
         assert ran[key] == settings[key], f"asked {key}={settings[key]}, ran {ran[key]}"
     ep_size = 1 if spec.moe is None else spec.moe.ep_size
     assert ran["ep_size"] == ep_size, f"asked ep_size={ep_size}, ran {ran['ep_size']}"
-    max_rel, max_abs = _grad_diffs(dynamic, reference["grads"])
+    num_steps = len(reference["steps"])
+    assert all(len(r["steps"]) == num_steps for r in dynamic), "every rank ran every step"
+    max_rel, max_abs = _grad_diffs(dynamic, reference)
     max_lp = _logprob_diff(spec, dynamic, reference["logprobs"])
-    # Every DP rank's last stage logs its own share; pipeline stages other than the last log none.
-    numerator = sum(r["log_sums"][0] for r in dynamic if r["log_sums"] is not None)
-    denominator = sum(r["log_sums"][1] for r in dynamic if r["log_sums"] is not None)
-    loss = float(finalize_loss(spec.loss, torch.tensor(numerator), torch.tensor(denominator)))
+    losses = []
+    for step in range(num_steps):
+        # Every DP rank's last stage logs its own share; other pipeline stages log none.
+        sums = [r["steps"][step]["log_sums"] for r in dynamic]
+        numerator = sum(s[0] for s in sums if s is not None)
+        denominator = sum(s[1] for s in sums if s is not None)
+        losses.append(
+            float(finalize_loss(spec.loss, torch.tensor(numerator), torch.tensor(denominator)))
+        )
+    reference_losses = [step["loss"] for step in reference["steps"]]
     passed = (
         max_rel <= GRAD_REL_TOL
         and max_lp <= LOGPROB_ABS_TOL
-        and math.isclose(loss, reference["loss"], rel_tol=1e-5, abs_tol=1e-6)
+        and all(
+            math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-6)
+            for got, want in zip(losses, reference_losses, strict=True)
+        )
         and len({r["fingerprint"] for r in dynamic}) == 1
     )
     first = dynamic[0]
+    shapes = first["shapes"]
     return {
         "passed": passed,
         "max_grad_rel_diff": max_rel,
         "max_grad_abs_diff": max_abs,
         "max_logprob_abs_diff": max_lp,
-        "loss": loss,
-        "reference_loss": reference["loss"],
+        # One optimizer step (the default): its loss. Several (--rollouts-per-step): their mean,
+        # each step's in step_losses; every one must match its reference.
+        "loss": sum(losses) / num_steps,
+        "reference_loss": sum(reference_losses) / num_steps,
+        "num_steps": num_steps,
+        "step_losses": losses,
+        "reference_step_losses": reference_losses,
         "num_placeholders": first["num_placeholders"],
         "truncated_tokens": first["truncated_tokens"],
-        "num_microbatches": first["num_microbatches"],
-        "seq_length": first["seq_length"],
-        "micro_batch_size": first["micro_batch_size"],
+        # The first step's shape (the only one by default); every step's in step_shapes.
+        "num_microbatches": shapes[0]["num_microbatches"],
+        "seq_length": shapes[0]["seq_length"],
+        "micro_batch_size": shapes[0]["micro_batch_size"],
+        "step_shapes": shapes,
         **settings,
         "backend": ran["backend"],
         "train_seconds_max_rank": max(r["train_seconds"] for r in dynamic),
