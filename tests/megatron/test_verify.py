@@ -408,14 +408,17 @@ def test_moe_settings_refuse_what_megatron_cannot_split():
         _spec(1, samples=RAGGED, moe=MoESettings(ep_size=2))
 
 
-def test_verify_prints_its_verdict_without_gpu_library_warnings(tmp_path):
-    """Issue 37: `verify` printed 8 Transformer Engine / Apex warnings before its verdict on CPU."""
+@pytest.mark.parametrize("extra", [[], ["--moe", "--dp-size", "2", "--moe-ep-size", "2"]])
+def test_verify_prints_its_verdict_without_gpu_library_warnings(tmp_path, extra):
+    """Issue 37: `verify` printed 8 Transformer Engine / Apex warnings before its verdict on CPU;
+    with --moe at ep 2, a FutureWarning of torch's from Megatron's router on every rank."""
     from tests._support import command_env
 
     path = tmp_path / "samples.json"
     path.write_text(json.dumps([16, 24, 40]))
+    command = [sys.executable, "-m", "megatron_dynbatch.tools.cli", "verify", "--samples"]
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_dynbatch.tools.cli", "verify", "--samples", str(path)],
+        command + [str(path), *extra],
         capture_output=True,
         text=True,
         timeout=300,

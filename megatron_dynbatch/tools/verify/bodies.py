@@ -7,6 +7,7 @@ inside them, after the worker applied the CPU shim.
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Dict, Optional
 
 from megatron_dynbatch.tools.verify.spec import NUM_LAYERS, VerifySpec
@@ -49,6 +50,15 @@ def dynamic_body(spec: VerifySpec) -> Dict[str, Any]:
     from megatron.core import parallel_state
 
     from megatron_dynbatch.mcore.agreement import step_agreement
+
+    # Megatron 0.19.2's MoE router gathers over expert-parallel ranks with
+    # torch.distributed.all_gather_into_tensor, which torch 2.13 deprecates: a FutureWarning on
+    # every rank before the verdict that nobody running verify can act on.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+        category=FutureWarning,
+    )
     from megatron_dynbatch.mcore.step import (
         configure_loss,
         forward_only_outputs,
