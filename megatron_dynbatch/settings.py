@@ -177,6 +177,10 @@ class Setting:
     """argparse's destination; ``None``: the flag without dashes (Megatron-style)."""
     cli: Optional[Cli] = None
     """How ``plan`` / ``verify`` take it; ``None``: training only."""
+    derived_when_unset: bool = False
+    """The Megatron-LM entry derives it from the model when it is not set (the attention weight):
+    ``configs/dynbatch.yaml`` leaves it ``null``, since a file passed with
+    ``--dynamic-batch-config`` that wrote the default would switch that off."""
 
     def __post_init__(self) -> None:
         assert self.flag.startswith("--"), self.flag
@@ -319,6 +323,7 @@ SETTINGS: Tuple[Setting, ...] = (
         "Weight of the attention term, per causal square L**2; about 1/(6*hidden_size) of the "
         "token weight. Long-context runs set it > 0; the Megatron-LM entry derives it from the "
         "model's dimensions and the attention in use when it is not set (docs/cost-model.md).",
+        derived_when_unset=True,
         cli=Cli(
             aliases=("--cost-attention-weight",),
             help="weight of a segment's squared length (attention), per unit of a token's linear "
@@ -671,7 +676,8 @@ def reference_yaml() -> str:
         if row.yaml_heading:
             block.append(comment(row.yaml_heading))
         block.append(comment(f"{row.doc} Flag: {row.flag}."))
-        block.append(f"{row.name}: {_yaml_value(row.default)}")
+        value = None if row.derived_when_unset else row.default
+        block.append(f"{row.name}: {_yaml_value(value)}")
         parts.append("\n".join(block))
     return "\n\n".join(parts) + "\n"
 

@@ -117,6 +117,21 @@ def test_entry_first_plan_uses_the_models_ratio_unless_given():
     assert dynbatch_config_from_args(bare).cost_microbatch_overhead is None
 
 
+def test_the_shipped_yaml_keeps_the_models_own_weights():
+    """``--dynamic-batch-config configs/dynbatch.yaml`` (every setting "with its default") plans
+    as the same flags without it: the file wrote ``cost_attention_weight: 0.0``, which switched
+    off the weight the entry derives from the model (a probe: every iteration line then said
+    "step time predicted: none")."""
+    from tests._support import REPO
+
+    argv = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096"]
+    bare = dynbatch_config_from_args(_entry_args(argv, **MEGATRON_7B))
+    shipped = str(REPO / "configs" / "dynbatch.yaml")
+    with_file = _entry_args(argv + ["--dynamic-batch-config", shipped], **MEGATRON_7B)
+    assert dynbatch_config_from_args(with_file) == bare
+    assert bare.cost_attention_weight > 0
+
+
 @pytest.mark.parametrize(
     "argv, backend, layout, expected",
     [

@@ -88,7 +88,9 @@ _INCOMPATIBLE = (
         "--step-batch-size-schedule",
         "Megatron would keep the batch at one sample per step while logging and counting the "
         "schedule's sizes; give a fixed --global-batch-size (samples per step) instead, and to "
-        "grow the batch resume from a checkpoint with a larger --global-batch-size",
+        "grow the batch resume from a checkpoint with a larger --global-batch-size and "
+        "--override-opt_param-scheduler (Megatron's learning-rate schedule counts samples: "
+        "without it the resume stops on a warm-up that no longer matches)",
     ),
     (
         "rampup_batch_size",
