@@ -75,6 +75,13 @@ def _reads_body(pp_size):
         log_probs_max_tokens_per_gpu=128,
     )
     model = [torch.nn.Linear(1, 1)]
+    # Megatron's train loop, whose module the hook feeds its FLOPs count (imported by the launch
+    # script under the shim that gives Python 3.11 typing.override).
+    from megatron_dynbatch.cpu.training_shim import provide_typing_override
+
+    provide_typing_override()
+    from megatron.training.training import consume_seqlen_stats_in_iteration
+
     training_hooks.reset_dynamic_batch_state()
     loaded = []
     step = training_hooks.prepare_train_step(args, iter([_lazy_batch(loaded)]), model)
@@ -85,6 +92,10 @@ def _reads_body(pp_size):
     logprob_loaded = []
     logprobs = training_hooks.prepare_forward_only_step(args, _lazy_batch(logprob_loaded), model)
     train_state_kept = training_hooks.last_train_step() is step
+    # What Megatron's train loop reads after train_step for its FLOPs (--log-throughput, and
+    # num_floating_point_operations_so_far in checkpoints): the step's real lengths, summed over
+    # the world once per DP rank; the validation and forward-only passes add nothing.
+    flops_lengths = consume_seqlen_stats_in_iteration()
     training_hooks.reset_dynamic_batch_state()
     tokens_ok = all(
         int(mb["tokens"][mb["sample_index"] == i][0]) == 1
@@ -114,6 +125,7 @@ def _reads_body(pp_size):
         "train_state_kept": train_state_kept,
         "expected_shapes": _expected_shapes(args),
         "tokens_ok": tokens_ok,
+        "flops_lengths": flops_lengths,
     }
 
 
@@ -126,6 +138,8 @@ def test_each_dp_rank_loads_only_its_own_samples_on_first_and_last_stages():
         assert result["eval_loaded"] == result["eval_own"]
         assert result["logprob_loaded"] == result["logprob_own"] == result["eval_own"]
         assert result["logprob_shape"] == result["eval_shape"] and result["train_state_kept"]
+        # Megatron counted every sample as --seq-length tokens: a probe's TFLOP/s 1.3-2x high.
+        assert result["flops_lengths"] == (sum(LENGTHS), sum(n * n for n in LENGTHS)), result
         by_dp.setdefault(result["dp_rank"], []).append(result)
     assert sorted(by_dp) == [0, 1]
     for peers in by_dp.values():  # pipeline peers of one DP rank read the same samples

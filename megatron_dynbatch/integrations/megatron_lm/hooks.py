@@ -57,6 +57,7 @@ import dataclasses
 import logging
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Tuple
@@ -302,6 +303,7 @@ class DynamicBatchHooks:
                 _exchange_shapes(model_chunks, bool(plan.steps[step_index].row_lengths))
             step = _materialize(batch, plan, step_index, dp_group, pp_group, model_chunks, seconds)
         if kind == "train":
+            _count_real_lengths(batch, plan.steps[step_index], dist.get_rank(dp_group))
             self._record(step)
             # Outside the agreement: it may all-reduce the last step's time (every rank gets here).
             self.calibration.observe_train_step(self.args, batch, plan, step_index)
@@ -694,6 +696,35 @@ def _groups(model_chunks: List[torch.nn.Module], pg_collection: Any) -> Tuple[An
                 ProcessGroupCollection.use_mpu_process_groups(required_pgs=[name]), name
             )
     return found["dp"], found["pp"]
+
+
+def _count_real_lengths(batch: Any, step: Any, dp_rank: int) -> None:
+    """Give Megatron's FLOPs count (``--log-throughput``, ``num_floating_point_operations_so_far``
+    in checkpoints) this rank's real sample lengths of the step.
+
+    Megatron 0.19's train loop counts every sample of a step as ``--seq-length`` tokens with a
+    full ``seq_length**2`` of attention unless the step reported its real lengths through
+    ``update_seqlen_stats_from_cu_seqlens`` (its THD path does; ours had not: a probe read 1.3-2x
+    the TFLOP/s of the tokens trained, the same count whatever the step held). Every rank of a DP
+    rank's model-parallel group reports the same lengths, as that function expects (it sums over
+    the world and divides by tp x cp x pp); a rank of placeholders only reports nothing, but
+    reports, or it would skip the sum the others enter. Lengths as trained: a truncated sample's
+    kept tokens; placeholders count nothing. Only inside Megatron's train loop (its module
+    imported): a trainer of its own that calls :func:`prepare` has no such count to feed.
+    """
+    training = sys.modules.get("megatron.training.training")
+    update_seqlen_stats_from_cu_seqlens = getattr(
+        training, "update_seqlen_stats_from_cu_seqlens", None
+    )
+    if update_seqlen_stats_from_cu_seqlens is None:  # not Megatron's loop, or a Megatron without it
+        return
+    lengths = batch.lengths()
+    kept = dict(step.kept_lengths)
+    own = [kept.get(i, lengths[i]) for mb in step.rank_microbatches(dp_rank) for i in mb]
+    cumulative = [0]
+    for length in own or [0]:
+        cumulative.append(cumulative[-1] + int(length))
+    update_seqlen_stats_from_cu_seqlens(torch.tensor(cumulative, dtype=torch.int64))
 
 
 def _reads_tokens(pp_group: Any) -> bool:
