@@ -92,6 +92,39 @@ def validate_args(args):
 """
 
 
+_MEGATRON_MESSAGE_CHECK = """
+def validate_args(args):
+    if args.train_iters and not args.skip_train:
+        # If we use iteration-based training, make sure the
+        # sample-based options are off.
+        assert args.train_samples is None, \\
+            'expected iteration-based training'
+"""
+
+
+def test_a_megatron_message_that_names_no_flag_gets_the_flags_its_check_reads(tmp_path):
+    """``--train-iters 4 --train-samples 64`` printed only "expected iteration-based training"
+    (Megatron's message; a probe of the launch script)."""
+    import importlib.util
+    import types
+
+    path = tmp_path / "megatron" / "training" / "arguments.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(_MEGATRON_MESSAGE_CHECK)
+    spec = importlib.util.spec_from_file_location("fake_megatron_arguments_2", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = types.SimpleNamespace(train_iters=4, skip_train=False, train_samples=64)
+    with pytest.raises(AssertionError) as caught:
+        module.validate_args(args)
+    text = console.error_text(caught.value)
+    assert text.startswith("expected iteration-based training (Megatron's check `assert ")
+    assert text.endswith("failed; check --train-samples)"), text
+    # A message that names its flags, or an assert of ours, is left as it is.
+    assert console.error_text(AssertionError("give --seq-length")) == "give --seq-length"
+    assert console.error_text(AssertionError("an invariant")) == "an invariant"
+
+
 def test_a_bare_assert_is_quoted_with_the_flags_it_reads(tmp_path):
     import importlib.util
     import types

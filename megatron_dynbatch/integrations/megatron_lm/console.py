@@ -105,6 +105,13 @@ def error_text(error: Any) -> str:
     the command-line flags it reads.
     """
     text = " ".join(str(error).split())
+    if text and isinstance(error, AssertionError) and "--" not in text:
+        # Megatron's messages that name no flag ("expected iteration-based training", for
+        # --train-iters with --train-samples): the check is quoted with the flags it reads.
+        source = _assert_source(error)
+        flags = _flags_named(source) if source and "megatron/" in source else []
+        if flags:
+            return f"{text} (Megatron's check {source} failed; check {', '.join(flags)})"
     if text or not isinstance(error, BaseException):
         return text
     source = _assert_source(error)
