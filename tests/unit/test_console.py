@@ -102,22 +102,35 @@ def validate_args(args):
 """
 
 
-def test_a_megatron_message_that_names_no_flag_gets_the_flags_its_check_reads(tmp_path):
-    """``--train-iters 4 --train-samples 64`` printed only "expected iteration-based training"
-    (Megatron's message; a probe of the launch script)."""
+def _megatron_check_failure(tmp_path, source: str, name: str, **args) -> AssertionError:
+    """The AssertionError of ``source``'s ``validate_args(args)``, run from a file laid out as
+    Megatron's ``megatron/training/arguments.py``."""
     import importlib.util
     import types
 
     path = tmp_path / "megatron" / "training" / "arguments.py"
     path.parent.mkdir(parents=True)
-    path.write_text(_MEGATRON_MESSAGE_CHECK)
-    spec = importlib.util.spec_from_file_location("fake_megatron_arguments_2", path)
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    args = types.SimpleNamespace(train_iters=4, skip_train=False, train_samples=64)
     with pytest.raises(AssertionError) as caught:
-        module.validate_args(args)
-    text = console.error_text(caught.value)
+        module.validate_args(types.SimpleNamespace(**args))
+    return caught.value
+
+
+def test_a_megatron_message_that_names_no_flag_gets_the_flags_its_check_reads(tmp_path):
+    """``--train-iters 4 --train-samples 64`` printed only "expected iteration-based training"
+    (Megatron's message; a probe of the launch script)."""
+    error = _megatron_check_failure(
+        tmp_path,
+        _MEGATRON_MESSAGE_CHECK,
+        "fake_megatron_arguments_2",
+        train_iters=4,
+        skip_train=False,
+        train_samples=64,
+    )
+    text = console.error_text(error)
     assert text.startswith("expected iteration-based training (Megatron's check `assert ")
     assert text.endswith("failed; check --train-samples)"), text
     # A message that names its flags, or an assert of ours, is left as it is.
@@ -126,19 +139,11 @@ def test_a_megatron_message_that_names_no_flag_gets_the_flags_its_check_reads(tm
 
 
 def test_a_bare_assert_is_quoted_with_the_flags_it_reads(tmp_path):
-    import importlib.util
-    import types
-
-    path = tmp_path / "megatron" / "training" / "arguments.py"
-    path.parent.mkdir(parents=True)
-    path.write_text(_MEGATRON_CHECK)
-    spec = importlib.util.spec_from_file_location("fake_megatron_arguments", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    with pytest.raises(AssertionError) as caught:
-        module.validate_args(types.SimpleNamespace(save="ckpt", save_interval=None))
-    assert str(caught.value) == ""  # what used to print: "pretrain_gpt_dynbatch.py: error: "
-    assert console.error_text(caught.value) == (
+    error = _megatron_check_failure(
+        tmp_path, _MEGATRON_CHECK, "fake_megatron_arguments", save="ckpt", save_interval=None
+    )
+    assert str(error) == ""  # what used to print: "pretrain_gpt_dynbatch.py: error: "
+    assert console.error_text(error) == (
         "Megatron's check `assert args.save_interval is not None` (megatron/training/arguments.py, "
         "line 4) failed; check --save-interval"
     )

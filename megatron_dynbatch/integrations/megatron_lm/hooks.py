@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import math
 import os
@@ -303,7 +304,7 @@ class DynamicBatchHooks:
                 _exchange_shapes(model_chunks, bool(plan.steps[step_index].row_lengths))
             step = _materialize(batch, plan, step_index, dp_group, pp_group, model_chunks, seconds)
         if kind == "train":
-            _count_real_lengths(batch, plan.steps[step_index], dist.get_rank(dp_group))
+            _count_real_lengths(batch, plan.steps[step_index].kept_lengths, step.sample_indices)
             self._record(step)
             # Outside the agreement: it may all-reduce the last step's time (every rank gets here).
             self.calibration.observe_train_step(self.args, batch, plan, step_index)
@@ -698,9 +699,11 @@ def _groups(model_chunks: List[torch.nn.Module], pg_collection: Any) -> Tuple[An
     return found["dp"], found["pp"]
 
 
-def _count_real_lengths(batch: Any, step: Any, dp_rank: int) -> None:
+def _count_real_lengths(
+    batch: Any, kept_lengths: Tuple[Tuple[int, int], ...], own: Tuple[int, ...]
+) -> None:
     """Give Megatron's FLOPs count (``--log-throughput``, ``num_floating_point_operations_so_far``
-    in checkpoints) this rank's real sample lengths of the step.
+    in checkpoints) the real lengths of this rank's samples ``own`` of the step.
 
     Megatron 0.19's train loop counts every sample of a step as ``--seq-length`` tokens with a
     full ``seq_length**2`` of attention unless the step reported its real lengths through
@@ -718,12 +721,9 @@ def _count_real_lengths(batch: Any, step: Any, dp_rank: int) -> None:
     )
     if update_seqlen_stats_from_cu_seqlens is None:  # not Megatron's loop, or a Megatron without it
         return
-    lengths = batch.lengths()
-    kept = dict(step.kept_lengths)
-    own = [kept.get(i, lengths[i]) for mb in step.rank_microbatches(dp_rank) for i in mb]
-    cumulative = [0]
-    for length in own or [0]:
-        cumulative.append(cumulative[-1] + int(length))
+    lengths, kept = batch.lengths(), dict(kept_lengths)
+    trained = [int(kept.get(i, lengths[i])) for i in own] or [0]
+    cumulative = [0, *itertools.accumulate(trained)]
     update_seqlen_stats_from_cu_seqlens(torch.tensor(cumulative, dtype=torch.int64))
 
 

@@ -50,15 +50,6 @@ def dynamic_body(spec: VerifySpec) -> Dict[str, Any]:
     from megatron.core import parallel_state
 
     from megatron_dynbatch.mcore.agreement import step_agreement
-
-    # Megatron 0.19.2's MoE router gathers over expert-parallel ranks with
-    # torch.distributed.all_gather_into_tensor, which torch 2.13 deprecates: a FutureWarning on
-    # every rank before the verdict that nobody running verify can act on.
-    warnings.filterwarnings(
-        "ignore",
-        message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
-        category=FutureWarning,
-    )
     from megatron_dynbatch.mcore.step import (
         configure_loss,
         forward_only_outputs,
@@ -72,6 +63,14 @@ def dynamic_body(spec: VerifySpec) -> Dict[str, Any]:
         wrap_in_ddp,
     )
 
+    # Megatron 0.19.2's MoE router gathers over expert-parallel ranks with
+    # torch.distributed.all_gather_into_tensor, which torch 2.13 deprecates: a FutureWarning on
+    # every rank before the verdict that nobody running verify can act on.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+        category=FutureWarning,
+    )
     dp_rank = parallel_state.get_data_parallel_rank()
     tp_group = parallel_state.get_tensor_model_parallel_group()
     # Tensor-parallel ranks hold the same samples and compute the same losses and outputs: only
@@ -186,9 +185,8 @@ def reference_body(spec: VerifySpec) -> Optional[Dict[str, Any]]:
     logprobs: Dict[int, Any] = {}
     steps = []
     for step in plan.steps:
-        members = sorted(i for rank in step.ranks for mb in rank for i in mb)
         losses, masks = [], []
-        for index in members:
+        for index in step.sample_indices():
             sample = spec.sample(index)
             length = kept.get(index, spec.lengths[index])
             tokens = sample["tokens"][:length].unsqueeze(0)
