@@ -8,7 +8,9 @@ learning rate: ... | global batch size: ... | lm loss: ...``) and validation lin
 The dynamic run's lines also carry ``real tokens`` and ``computed tokens`` (patch 0003); the
 baseline trains the same samples (``--document-samples``), so its real tokens are the same and it
 computes ``global batch size x --seq-length`` tokens per iteration. Throughput leaves out the first
-iteration (start-up). Exit status 1 if the learning rates differ or the losses differ by more than
+logged line (start-up). Any ``--log-interval`` reads right: Megatron's line then averages time and
+loss over the interval, the dynamic run's real and computed tokens sum it, and each line is
+weighed by the iterations it covers (the gap to the line before; the first line, the next gap). Exit status 1 if the learning rates differ or the losses differ by more than
 ``--tolerance`` (relative).
 
 ``--stock LOG`` adds a column for Megatron's own packing (``BATCHING=stock``: ``GPTDataset``
@@ -20,6 +22,7 @@ only its time and throughput are shown, its losses not compared.
 from __future__ import annotations
 
 import argparse
+import itertools
 import re
 import sys
 from typing import Dict, List
@@ -40,7 +43,10 @@ _VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: 
 
 
 def parse_text(text: str) -> Dict[str, object]:
-    """Iteration records (``{iteration: {field: value}}``) and validation losses of a Megatron log."""
+    """Iteration records (``{iteration: {field: value}}``) and validation losses of a Megatron log.
+
+    Each record's ``span`` is the number of iterations its line covers (``--log-interval``).
+    """
     iterations: Dict[int, Dict[str, float]] = {}
     validation: List[tuple] = []
     for line in text.splitlines():
@@ -56,6 +62,10 @@ def parse_text(text: str) -> Dict[str, object]:
         match = _VALIDATION.search(line)
         if match:
             validation.append((int(match.group(1)), float(match.group(2))))
+    logged = sorted(iterations)
+    gaps = [b - a for a, b in itertools.pairwise(logged)]
+    for at, span in zip(logged, (gaps[:1] or [1]) + gaps, strict=False):
+        iterations[at]["span"] = float(span)
     return {"iterations": iterations, "validation": validation}
 
 
@@ -79,42 +89,54 @@ def main(argv=None) -> int:
     dynamic, fixed = parse(args.dynamic), parse(args.fixed)
     dyn_it, fix_it = dynamic["iterations"], fixed["iterations"]
     common = sorted(set(dyn_it) & set(fix_it))
-    timed = [i for i in common if i > 1] or common
+    timed = common[1:] or common
     if any("real" not in dyn_it[i] for i in common):
         raise SystemExit("error: the dynamic log has no 'real tokens' fields (patch 0003).")
+    if any(dyn_it[i]["span"] != fix_it[i]["span"] for i in common):
+        # Megatron averages the loss over the interval: lines of other spans are not comparable.
+        raise SystemExit("error: the two runs logged at different --log-interval; rerun alike.")
+
+    def spanned(records, lines, field):
+        return sum(records[i][field] * records[i]["span"] for i in lines)
 
     real = sum(dyn_it[i]["real"] for i in timed)
     totals = {
         "dynamic": {
-            "ms": sum(dyn_it[i]["ms"] for i in timed),
+            "ms": spanned(dyn_it, timed, "ms"),
             "computed": sum(dyn_it[i]["computed"] for i in common),
         },
         "fixed": {
-            "ms": sum(fix_it[i]["ms"] for i in timed),
-            "computed": sum(fix_it[i]["batch"] * args.seq_length for i in common),
+            "ms": spanned(fix_it, timed, "ms"),
+            "computed": spanned(fix_it, common, "batch") * args.seq_length,
         },
     }
+    iterations = sum(dyn_it[i]["span"] for i in common)
+    timed_iterations = sum(dyn_it[i]["span"] for i in timed)
     real_all = sum(dyn_it[i]["real"] for i in common)
     runs = ["dynamic", "fixed"]
     reals = {"dynamic": (real, real_all), "fixed": (real, real_all)}
     if args.stock is not None:
         stock = parse(args.stock)["iterations"]
         mine = sorted(stock)
-        later = [i for i in mine if i > 1] or mine
-        # Full --seq-length windows: every computed token is a real one.
-        tokens = {i: stock[i]["batch"] * args.seq_length for i in mine}
+        later = mine[1:] or mine
+        # Full --seq-length windows: every computed token is a real one. Scaled to the
+        # dynamic run's iterations (the stock run may run another number).
+        scale = timed_iterations / sum(stock[i]["span"] for i in later)
         totals["stock"] = {
-            "ms": sum(stock[i]["ms"] for i in later) * len(timed) / len(later),
-            "computed": sum(tokens.values()) * len(common) / len(mine),
+            "ms": spanned(stock, later, "ms") * scale,
+            "computed": spanned(stock, mine, "batch")
+            * args.seq_length
+            * iterations
+            / sum(stock[i]["span"] for i in mine),
         }
         reals["stock"] = (
-            sum(tokens[i] for i in later) * len(timed) / len(later),
+            spanned(stock, later, "batch") * args.seq_length * scale,
             totals["stock"]["computed"],
         )
         runs.append("stock")
     rows = [
-        ("iterations", lambda m: f"{len(common)}"),
-        ("time per iteration (ms)", lambda m: f"{totals[m]['ms'] / len(timed):.1f}"),
+        ("iterations", lambda m: f"{iterations:.0f}"),
+        ("time per iteration (ms)", lambda m: f"{totals[m]['ms'] / timed_iterations:.1f}"),
         ("tokens/s (real)", lambda m: f"{reals[m][0] / (totals[m]['ms'] / 1000.0):.0f}"),
         ("computed tokens", lambda m: f"{totals[m]['computed']:.0f}"),
         ("padded tokens", lambda m: f"{totals[m]['computed'] - reals[m][1]:.0f}"),

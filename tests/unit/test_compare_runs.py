@@ -41,3 +41,45 @@ def test_the_stock_run_is_a_third_column(tmp_path, capsys):
     # Without --stock the table has two columns, as before.
     assert compare_runs.main([str(a) for a in argv]) == 0
     assert capsys.readouterr().out.splitlines()[0].split() == ["dynamic", "fixed"]
+
+
+def _logs(tmp_path, interval, iterations=4):
+    """Per iteration: dynamic 100 ms, 600 real and 640 computed tokens; fixed 200 ms; stock 150 ms.
+    Logged every ``interval`` iterations as Megatron logs them: time and loss averaged over the
+    interval, the dynamic run's tokens summed over it."""
+    logged = range(interval, iterations + 1, interval)
+    texts = {
+        "dynamic": "".join(
+            _line(i, 100.0, 8, 5.0 - i, 600 * interval, 640 * interval) for i in logged
+        ),
+        "fixed": "".join(_line(i, 200.0, 8, 5.0 - i) for i in logged),
+        "stock": "".join(_line(i, 150.0, 8, 4.0 - i) for i in logged),
+    }
+    paths = {}
+    for name, text in texts.items():
+        paths[name] = tmp_path / f"{name}{interval}.log"
+        paths[name].write_text(text)
+    return paths
+
+
+def _table(paths, capsys):
+    argv = ["--dynamic", paths["dynamic"], "--fixed", paths["fixed"], "--seq-length", 128]
+    assert compare_runs.main([str(a) for a in argv + ["--stock", paths["stock"]]]) == 0
+    out = capsys.readouterr().out
+    return {line[:26].strip(): line[26:].split() for line in out.splitlines()[1:7]}, out
+
+
+def test_a_log_interval_over_one_reads_as_every_iteration_logged(tmp_path, capsys):
+    every, _ = _table(_logs(tmp_path, 1), capsys)
+    second, out = _table(_logs(tmp_path, 2), capsys)
+    assert every == second, (every, second)
+    assert second["iterations"] == ["4", "4", "4"]
+    assert second["tokens/s (real)"] == ["6000", "3000", "6827"], out
+    assert "dynamic / stock real tokens per second (iterations 2+): 0.88x" in out
+
+
+def test_runs_logged_at_different_intervals_are_refused(tmp_path):
+    one, two = _logs(tmp_path, 1), _logs(tmp_path, 2)
+    argv = ["--dynamic", str(one["dynamic"]), "--fixed", str(two["fixed"]), "--seq-length", "128"]
+    with pytest.raises(SystemExit, match="different --log-interval"):
+        compare_runs.main(argv)
