@@ -25,6 +25,7 @@ SIGTERM or SIGKILL of ``verify`` or of pytest leaves no orphan holding hundreds 
 """
 
 import atexit
+import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
@@ -249,7 +250,7 @@ def _worker_main(
     rank: int,
     world_size: int,
     port: int,
-    task_queue,
+    task_conn,
     result_conn,
     parent_pid: int,
     use_pdeathsig: bool,
@@ -272,7 +273,10 @@ def _worker_main(
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     layout = None
     while True:
-        task = task_queue.get()
+        try:
+            task = task_conn.recv()
+        except EOFError:  # the parent is gone (its watchdog and death signal end us too)
+            break
         if task is None:
             break
         task_id, sys_path, module_name, qualname, arguments, task_layout = task
@@ -286,7 +290,7 @@ def _worker_main(
             if task_layout is not None:
                 layout = _set_layout(task_layout, layout)
             result = _resolve(module_name, qualname)(*args, **kwargs)
-            # Plain pickle (not the queue's torch reductions): tensors travel by value, not as
+            # Plain pickle (not the pipe's torch reductions): tensors travel by value, not as
             # shared-memory handles whose lifetime is tied to this process.
             payload = (task_id, rank, True, pickle.dumps(result))
         except BaseException as exc:  # noqa: BLE001 - report everything, including assertions
@@ -302,9 +306,13 @@ class _Pool:
     def __init__(self, world_size: int):
         context = mp.get_context("spawn")
         self.world_size = world_size
-        self.task_queues = [context.Queue() for _ in range(world_size)]
-        # One result pipe per rank, not one shared queue: a rank killed while writing would keep
-        # a shared queue's write lock forever, and silence every other rank's report.
+        # Pipes, not queues, both ways. A result queue shared by the ranks would keep its write
+        # lock forever when a rank is killed while writing, and silence every other rank's
+        # report. And a queue holds named semaphores: a verify killed by a signal then left the
+        # resource tracker warning of "leaked semaphore objects" (a task pipe has one writer,
+        # this process, and one reader, an idle worker, so nothing needs a lock).
+        tasks = [context.Pipe(duplex=False) for _ in range(world_size)]
+        self.task_writers = [writer for _, writer in tasks]
         pipes = [context.Pipe(duplex=False) for _ in range(world_size)]
         self.result_readers = [reader for reader, _ in pipes]
         self.store = _rendezvous_store()  # kept for the pool's life: the workers' rendezvous
@@ -317,7 +325,7 @@ class _Pool:
                     rank,
                     world_size,
                     port,
-                    self.task_queues[rank],
+                    tasks[rank][0],
                     pipes[rank][1],
                     os.getpid(),
                     use_pdeathsig,
@@ -329,8 +337,11 @@ class _Pool:
         ]
         for process in self.processes:
             process.start()
-        for _, writer in pipes:
-            writer.close()  # the workers hold theirs; a dead worker's pipe then reads as closed
+        # The workers hold theirs: a dead worker's result pipe then reads as closed, and a
+        # worker's task pipe as closed once this process is gone.
+        for (task_reader, _), (_, writer) in zip(tasks, pipes, strict=True):
+            task_reader.close()
+            writer.close()
         self.closed_readers: set = set()
         self.next_task_id = 0
 
@@ -346,8 +357,10 @@ class _Pool:
         # Arguments travel as plain pickles too (by value), unpickled after the sys.path update.
         arguments = pickle.dumps((args, kwargs))
         task = (task_id, list(sys.path), module_name, qualname, arguments, layout)
-        for task_queue in self.task_queues:
-            task_queue.put(task)
+        for writer in self.task_writers:
+            # A dead worker's pipe refuses the task: the loop below names the dead rank.
+            with contextlib.suppress(OSError):
+                writer.send(task)
 
         results: dict[int, tuple[bool, Any]] = {}
         deadline = time.monotonic() + timeout_s
@@ -442,8 +455,9 @@ class _Pool:
 
     def shutdown(self, graceful: bool = True) -> None:
         if graceful:
-            for task_queue in self.task_queues:
-                task_queue.put(None)
+            for writer in self.task_writers:
+                with contextlib.suppress(OSError):
+                    writer.send(None)
             # One deadline for all: a worker still inside a test body never reads the None.
             deadline = time.monotonic() + _SHUTDOWN_JOIN_S
             for process in self.processes:
@@ -453,6 +467,8 @@ class _Pool:
                 process.kill()
         for process in self.processes:
             process.join(timeout=10)
+        for writer in self.task_writers:
+            writer.close()
         self.store = None  # the server stops with its last reference
 
 
