@@ -137,7 +137,8 @@ _REFUSALS = {
 _LATE_REFUSALS = {
     # Issue 29: no validation split but validation asked for: said at start-up, not after training.
     "no-validation-split": (
-        _without(_ONE, "--eval-iters") + _DYNAMIC
+        [a for a in _without(_ONE, "--eval-iters") if a != "--mock-data"] + _DYNAMIC
+        + ["--data-path", "{tmp}/three_text_document", "--vocab-size", 257]
         + ["--split", "100,0,0", "--eval-iters", 1, "--eval-interval", 2]
         + ["--tensorboard-dir", "{tmp}/tensorboard", "--data-cache-path", "{tmp}/cache"],
         "--split '100,0,0' leaves the validation split (its second number) without data, but "
@@ -153,8 +154,32 @@ _LATE_REFUSALS = {
         "without validation, or give --split a validation share of at least one document, e.g. "
         "--split 2,1,0.",
     ),
+    # A probe: in stock mode a share that rounds to no document hung rank 0 in Megatron's
+    # GPTDataset (its epoch count never ends) until the process group's timeout.
+    "validation-share-of-three-documents-stock": (
+        [a for a in _without(_ONE, "--eval-iters") if a != "--mock-data"]
+        + ["--data-path", "{tmp}/three_text_document", "--vocab-size", 257]
+        + ["--split", "98,2,0", "--eval-iters", 1],
+        "--split '98,2,0' gives the validation split a share of {tmp}/three_text_document's 3 "
+        "document(s) that rounds to none: Megatron's GPTDataset would wait forever building it; "
+        "pass --split 2,1,0, or --eval-iters 0 to train without validation.",
+    ),
+    "default-split-of-three-documents-stock": (
+        [a for a in _without(_ONE, "--eval-iters") if a != "--mock-data"]
+        + ["--data-path", "{tmp}/three_text_document", "--vocab-size", 257, "--eval-iters", 1],
+        "--split '969, 30, 1' gives the validation and test split a share of",
+    ),
+    # A probe: 'external' (the provider returns the user's own iterators) was ignored.
+    "dataloader-external-dynamic": (
+        _ONE + _DYNAMIC + ["--dataloader-type", "external"],
+        "--dataloader-type external: document samples are read in Megatron's 'single' order",
+    ),
+    # Not with --mock-data, which Megatron splits 1,1,1 whatever --split says (document
+    # samples too: test_blended_data.py).
     "no-validation-split-stock": (
-        _without(_ONE, "--eval-iters") + ["--split", "100,0,0", "--eval-iters", 1],
+        [a for a in _without(_ONE, "--eval-iters") if a != "--mock-data"]
+        + ["--data-path", "{tmp}/three_text_document", "--vocab-size", 257]
+        + ["--split", "100,0,0", "--eval-iters", 1],
         "--split '100,0,0' leaves the validation split (its second number) without data",
     ),
     # Issue 29: --blend-weights means nothing to Megatron's GPTDataset (stock mode).

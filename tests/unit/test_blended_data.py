@@ -19,9 +19,11 @@ from megatron_dynbatch.integrations.megatron_lm.data.blends import (  # noqa: E4
     blending_indices,
 )
 from megatron_dynbatch.integrations.megatron_lm.data.documents import (  # noqa: E402
+    MOCK_NUM_DOCUMENTS,
     DocumentCollection,
     SplitSamples,
     document_splits,
+    split_bookends,
 )
 
 pytestmark = pytest.mark.unit
@@ -155,3 +157,13 @@ def test_data_path_weights_blend_every_split_of_real_indexed_datasets(tmp_path, 
     train, valid, test = document_splits(args, 257, None)
     assert train.shares(400) == pytest.approx([0.25, 0.75], abs=0.01)
     assert isinstance(valid, SplitSamples) and len(valid) == 40 and test is None
+
+
+def test_mock_data_is_split_as_megatron_splits_it_whatever_split_says():
+    """Megatron's GPTDataset splits mock data 1,1,1 and ignores --split: a probe found
+    `--mock-data --split 100,0,0 --eval-iters 1` refused with the switch on (no validation
+    data) where the same command ran with it off."""
+    splits = document_splits(_args(mock_data=True, split="100,0,0"), 257, None)
+    ranges = [(int(split.document[0]), int(split.document[-1]) + 1) for split in splits]
+    assert ranges == split_bookends("1,1,1", MOCK_NUM_DOCUMENTS), ranges
+    assert all(end - begin > MOCK_NUM_DOCUMENTS // 4 for begin, end in ranges)

@@ -52,11 +52,16 @@ from megatron_dynbatch.integrations.megatron_lm.data.blends import BLEND_WEIGHTS
 from megatron_dynbatch.integrations.megatron_lm.data.conversations import conversation_tokenizer
 from megatron_dynbatch.integrations.megatron_lm.data.documents import (
     DEFAULT_SPLIT,
+    MOCK_SPLIT,
     DocumentBatchStream,
     DocumentSampleDataset,
     document_splits,
+    split_bookends,
 )
-from megatron_dynbatch.integrations.megatron_lm.data.indexed_check import validate_data_paths
+from megatron_dynbatch.integrations.megatron_lm.data.indexed_check import (
+    IndexSummary,
+    validate_data_paths,
+)
 from megatron_dynbatch.integrations.megatron_lm.gpt_stock import (
     check_stock_args,
     checked_loss,
@@ -197,10 +202,17 @@ def _check_document_args(args: Any) -> None:
             "only Megatron's GPTDataset (without --use-dynamic-batch-size / --document-samples) "
             "caches its indices there."
         )
-    if args.dataloader_type not in (None, "single", "external"):
+    if args.dataloader_type not in (None, "single"):
+        # 'external' too: it says the provider returns the user's own iterators, and
+        # Megatron stops on this script's datasets ("not an iterator") with the switch off.
         raise DynBatchValueError(
             f"--dataloader-type {args.dataloader_type}: document samples are read in Megatron's "
             "'single' order (fixed micro-batches) or by the planner (dynamic); remove the flag."
+        )
+    if args.mock_data and args.split is not None:
+        print_rank_0(
+            f"--split {args.split}: not used with --mock-data, which Megatron splits "
+            f"{MOCK_SPLIT} (document samples too)."
         )
 
 
@@ -241,14 +253,14 @@ def _check_validation_data(args: Any, splits: Optional[list]) -> None:
         missing = args.valid_data_path is None and not getattr(
             args, "per_split_data_args_path", None
         )
-    elif args.data_path is not None or args.mock_data:
+    elif args.data_path is not None:
         from megatron.core.datasets.blended_megatron_dataset_config import (
             parse_and_normalize_split,
         )
 
         missing = parse_and_normalize_split(args.split or DEFAULT_SPLIT)[1] == 0
     else:
-        return
+        return  # mock data: Megatron splits it 1,1,1 whatever --split says
     if not missing:
         return
     fix = "pass --eval-iters 0 to train without validation, or "
@@ -280,6 +292,43 @@ def _check_validation_data(args: Any, splits: Optional[list]) -> None:
         f"number) without data, but --eval-iters {args.eval_iters} asks for validation; {fix}"
         "give --split a validation share (e.g. 98,2,0) and enough documents for it."
     )
+
+
+def _check_stock_split_documents(args: Any, summaries: Sequence[IndexSummary]) -> None:
+    """Every split Megatron's ``GPTDataset`` will build from ``--split`` has a document.
+
+    Megatron cuts each ``--data-path`` dataset at ``round(share x documents)``. A split with a
+    share that rounds to no document is still built, and counting its epochs never ends (no
+    tokens an epoch): rank 0 hangs in "Build and save the GPTDataset ... indices" until the
+    process group's timeout. The training split is always built; validation and test when
+    ``--eval-iters`` > 0. ``summaries``: the checked ``.idx`` of every data prefix.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+
+    if args.data_path is None:
+        return  # per-split paths are not cut; mock data has 100,000s of samples
+    split = args.split or DEFAULT_SPLIT
+    shares = parse_and_normalize_split(split)
+    needed = [0] + ([1, 2] if args.eval_iters and args.eval_iters > 0 else [])
+    for summary in summaries:  # --data-path's datasets, each cut by --split
+        ranges = split_bookends(split, summary.num_sequences)
+        empty = [i for i in needed if shares[i] > 0 and ranges[i] is None]
+        if not empty:
+            continue
+        names = " and ".join(("training", "validation", "test")[i] for i in empty)
+        # The smallest dataset's one document for validation (a larger one gets more), no test.
+        fewest = min(other.num_sequences for other in summaries)
+        if 1 not in needed:
+            fix = "--split 1,0,0"
+        else:
+            fix = f"--split {fewest - 1},1,0" if fewest > 1 else "more documents in --data-path"
+        if 0 not in empty:
+            fix += ", or --eval-iters 0 to train without validation"
+        raise DynBatchValueError(
+            f"--split {split!r} gives the {names} split a share of {summary.prefix}'s "
+            f"{summary.num_sequences} document(s) that rounds to none: Megatron's GPTDataset "
+            f"would wait forever building it; pass {fix}."
+        )
 
 
 def _document_count(splits: Optional[list]) -> Optional[int]:
@@ -491,7 +540,7 @@ def main(
         check_cpu_args(args)
         check_stock_args(args)
         # .idx/.bin checked before the model is built (issue 19), documents' ends too (issue 37)
-        validate_data_paths(args, eod=_tokenizer_eod())
+        summaries = validate_data_paths(args, eod=_tokenizer_eod())
         attention = _launch_attention(args)  # checked before the dump; resolved again here
         splits = None
         if args.blend_weights is not None and (
@@ -508,6 +557,8 @@ def main(
             # the run in seconds, naming it (the tokenizer exists once the arguments do).
             splits = _document_splits(args)
         if datasets_provider is None:  # a provider of the user's own reads its own splits
+            if splits is None:
+                _check_stock_split_documents(args, summaries)
             _check_validation_data(args, splits)
     except (ValueError, OSError) as error:
         # OSError: a data file that is missing or unreadable (its message names the path).

@@ -70,6 +70,8 @@ DEFAULT_SPLIT = "969, 30, 1"
 # Mock documents: how many, and the log-normal length law relative to --seq-length (median a
 # fifth of it, a long tail past it so some documents are cut into several samples).
 MOCK_NUM_DOCUMENTS = 100_000
+#: The split of mock data, ``--split`` ignored, as Megatron-Core splits its own mock dataset.
+MOCK_SPLIT = "1,1,1"
 _MOCK_MEDIAN_FRACTION = 0.2
 _MOCK_SIGMA = 0.9
 _MOCK_MIN_LENGTH = 2
@@ -410,7 +412,9 @@ def document_splits(
         documents = mock_documents(
             seed=args.seed, seq_length=args.seq_length, vocab_size=tokenizer_vocab_size
         )
-        return _split(documents, split, common)
+        # As Megatron's GPTDataset splits mock data (BlendedMegatronDatasetConfig), whatever
+        # --split says: a command that runs with the switch off runs with it on.
+        return _split(documents, MOCK_SPLIT, common)
     blend, blend_per_split = blends_from_args(args)
     if blend is not None:
         paths, weights = blend
