@@ -10,8 +10,9 @@ baseline trains the same samples (``--document-samples``), so its real tokens ar
 computes ``global batch size x --seq-length`` tokens per iteration. Throughput leaves out the first
 logged line (start-up). Any ``--log-interval`` reads right: Megatron's line then averages time and
 loss over the interval, the dynamic run's real and computed tokens sum it, and each line is
-weighed by the iterations it covers (the gap to the line before; the first line, the next gap). Exit status 1 if the learning rates differ or the losses differ by more than
-``--tolerance`` (relative).
+weighed by the iterations it covers (the gap to the line before; the first line, the next gap).
+Exit status 1 if the learning rates differ or the losses differ by more than ``--tolerance``
+(relative).
 
 ``--stock LOG`` adds a column for Megatron's own packing (``BATCHING=stock``: ``GPTDataset``
 windows of ``--seq-length`` tokens cut from the concatenated documents, fixed micro-batches). It

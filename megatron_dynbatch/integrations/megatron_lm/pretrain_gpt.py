@@ -306,7 +306,7 @@ def _check_stock_split_documents(args: Any, summaries: Sequence[IndexSummary]) -
     from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
 
     if args.data_path is None:
-        return  # per-split paths are not cut; mock data has 100,000s of samples
+        return  # per-split paths are not cut; Megatron splits its mock data 1,1,1
     split = args.split or DEFAULT_SPLIT
     shares = parse_and_normalize_split(split)
     needed = [0] + ([1, 2] if args.eval_iters and args.eval_iters > 0 else [])
