@@ -20,3 +20,7 @@ if [ ! -f "$stamp" ]; then
   rm -f .venv/.installed-*
   touch "$stamp"
 fi
+# The editable package's bytecode, as pip writes it for installed packages. Where Python may not
+# write bytecode itself (PYTHONDONTWRITEBYTECODE), every rank process of every launch compiled the
+# modules it imports again (about 0.2-0.5 s of CPU each on 2 cores). Up-to-date files are skipped.
+.venv/bin/python -m compileall -q megatron_dynbatch >/dev/null || true

@@ -167,6 +167,44 @@ def test_launch_script_imports_a_patched_copy_and_leaves_the_installed_tree_alon
     assert installed.read_bytes() == before and not is_patched(installed.parent)
 
 
+def _stale_or_missing_bytecode(copy: pathlib.Path):
+    """The copy's modules without bytecode Python would load, or whose bytecode names another path."""
+    import importlib.util
+    import marshal
+
+    bad = []
+    for source in sorted(copy.rglob("*.py")):
+        cached = pathlib.Path(importlib.util.cache_from_source(str(source)))
+        if not cached.is_file():
+            bad.append(f"{source.name}: none")
+            continue
+        data = cached.read_bytes()
+        stat = source.stat()
+        # Header: magic, flags (0: checked by timestamp), source mtime, source size.
+        fresh = int.from_bytes(data[8:12], "little") == int(stat.st_mtime) & 0xFFFFFFFF
+        if not fresh or int.from_bytes(data[12:16], "little") != stat.st_size & 0xFFFFFFFF:
+            bad.append(f"{source.name}: stale")
+        elif marshal.loads(data[16:]).co_filename != str(source):
+            bad.append(f"{source.name}: names {marshal.loads(data[16:]).co_filename}")
+    return bad
+
+
+def test_the_patched_copy_holds_its_bytecode(tmp_path, monkeypatch):
+    # Where Python writes no bytecode itself, every rank of every launch compiled the copy again.
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    result = _use_patched(tmp_path)
+    assert result.returncode == 0, result.stderr
+    copy = pathlib.Path(result.stdout.strip())
+    assert _stale_or_missing_bytecode(copy) == []
+    # A copy made before copies were compiled gets its bytecode on its next use.
+    for cache in copy.rglob("__pycache__"):
+        shutil.rmtree(cache)
+    again = _use_patched(tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == result.stdout
+    assert _stale_or_missing_bytecode(copy) == []
+
+
 def test_an_already_patched_checkout_is_used_as_is(patched_tree, tmp_path):
     result = _use_patched(tmp_path, first_on_path=patched_tree)
     assert result.returncode == 0, result.stderr
