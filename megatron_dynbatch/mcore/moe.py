@@ -9,7 +9,9 @@ router, which then leaves padding out of
   ``calculate_per_token_loss``);
 * the load-balancing statistics of ``aux_loss``, ``seq_aux_loss`` and ``global_aux_loss`` (tokens
   per expert, the token counts they are divided by, and the per-token weight of the loss);
-* the expert-bias token counts (``moe_router_enable_expert_bias``).
+* the expert-bias token counts (``moe_router_enable_expert_bias``), once
+  :func:`expert_bias_takes_the_mask` has given Megatron's update a mask of the routing map's
+  shape (0.19.2's own ``[tokens]`` mask cannot broadcast against it: every step raised).
 
 It does not leave padding out of the dispatch: the routing map sent to the token dispatcher is the
 unmasked top-k, so padding tokens still travel through the all-to-all and through the experts
@@ -33,7 +35,12 @@ import torch
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.runtime.placeholders import is_placeholder
 
-__all__ = ["is_moe_model", "padding_mask_of", "placeholder_routing"]
+__all__ = [
+    "expert_bias_takes_the_mask",
+    "is_moe_model",
+    "padding_mask_of",
+    "placeholder_routing",
+]
 
 
 def is_moe_model(model: torch.nn.Module) -> bool:
@@ -55,6 +62,38 @@ def padding_mask_of(batch: Mapping[str, torch.Tensor]) -> Optional[torch.Tensor]
     if sample_index is None:
         return None
     return is_placeholder(sample_index)
+
+
+#: Marks the wrapped expert-bias update (installed once per process).
+_MASK_PER_TOKEN = "_dynbatch_mask_per_token"
+
+
+def expert_bias_takes_the_mask() -> None:
+    """Let megatron.core's expert-bias update take the padding mask it is handed.
+
+    ``TopKRouter.routing`` flattens ``padding_mask`` to ``[tokens]`` and ``_apply_expert_bias``
+    ANDs it into the ``[tokens, experts]`` routing map: the shapes do not broadcast, so every
+    training forward of a model with ``moe_router_enable_expert_bias`` raised a RuntimeError once a
+    mask was passed (stock Megatron-LM passes none; our forward steps pass one to every MoE
+    model). The wrapper hands the update a ``[tokens, 1]`` mask, which clears each padding token's
+    row of the map: the token counts that move the bias are real tokens only. A mask of the map's
+    rank (a Megatron that fixed it) goes through unchanged. Wrapped once, at the first forward
+    with a mask, and only by our paths: with dynamic batching off nothing is wrapped.
+    """
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    update = TopKRouter._apply_expert_bias
+    if getattr(update, _MASK_PER_TOKEN, False):
+        return
+
+    # Not functools.wraps: it would copy torch.compile's attributes of the fused original.
+    def apply_expert_bias(self, routing_map, padding_mask=None):
+        if padding_mask is not None and padding_mask.dim() == routing_map.dim() - 1:
+            padding_mask = padding_mask.unsqueeze(-1)
+        return update(self, routing_map, padding_mask=padding_mask)
+
+    setattr(apply_expert_bias, _MASK_PER_TOKEN, True)
+    TopKRouter._apply_expert_bias = apply_expert_bias
 
 
 # The load-balancing losses a router computes (Megatron's names) and whether each one's token count
@@ -119,6 +158,8 @@ def placeholder_routing(
     Activation recomputation of MoE layers re-runs the forward in backward, outside this context;
     it is refused for a placeholder with a load-balancing loss rather than giving NaN gradients.
     """
+    if padding_mask is not None:
+        expert_bias_takes_the_mask()
     # Without gradients (forward-only passes) Megatron computes no auxiliary loss at all.
     active = padding_mask is not None and torch.is_grad_enabled()
     routers = _routers_with_aux_loss(model) if active else []

@@ -249,3 +249,82 @@ def test_a_rank_of_placeholders_only_logs_the_same_moe_metrics_as_its_peers():
         ("global_load_balancing_loss", "load_balancing_loss", "seq_load_balancing_loss", "z_loss")
     }, names
     assert all(r[1] for r in results)
+
+
+def _expert_bias_config(pp: int, ep: int):
+    config = _config(pp, ep, aux=False)
+    config.moe_router_score_function = "sigmoid"
+    config.moe_router_enable_expert_bias = True
+    return config
+
+
+@contextlib.contextmanager
+def _observed_expert_bias_counts(chunks=None):
+    """``counts[layer]``: the tokens per expert each router's expert bias is updated from, read
+    where Megatron all-reduces them at the end of the step (``finalize_model_grads``), or, for a
+    forward without that step (``chunks`` None), from the routers afterwards."""
+    import importlib
+
+    finalize_module = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    counts: dict = {}
+    original = finalize_module._update_router_expert_bias
+
+    def read(model):
+        for chunk in model:
+            for module in chunk.modules():
+                if isinstance(module, TopKRouter):
+                    counts[module.layer_number] = module.local_tokens_per_expert.double().clone()
+
+    def update(model, config, *args, **kwargs):
+        read(model)
+        return original(model, config, *args, **kwargs)
+
+    finalize_module._update_router_expert_bias = update
+    try:
+        yield counts, read
+    finally:
+        finalize_module._update_router_expert_bias = original
+
+
+def _expert_bias_body():
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    step, microbatches = _rank_step(RANKS)
+    chunks = wrap_in_ddp(build_tiny_gpt(_expert_bias_config(pp, ep), seed=SEED))
+    configure_loss(chunks, "token-mean")
+    with _observed_expert_bias_counts() as (counts, _):
+        train_microbatches(chunks, step, microbatches, aggregation="token-mean")
+    return parallel_state.get_data_parallel_rank(), counts
+
+
+def _expert_bias_reference_body(indices):
+    [model] = build_tiny_gpt(_expert_bias_config(1, 1), seed=SEED)
+    samples = _samples()
+    with _observed_expert_bias_counts() as (counts, read):
+        for i in indices:
+            tokens = samples[i]["tokens"].unsqueeze(0)
+            positions = torch.arange(tokens.shape[1]).unsqueeze(0)
+            model(tokens, positions, build_attention_mask(torch.zeros_like(tokens)))
+        read([model])
+    return counts
+
+
+def test_the_expert_bias_is_updated_from_real_tokens_only():
+    # megatron.core 0.19.2 raised at the first step whenever the expert bias met a padding mask
+    # (a [tokens] mask against the [tokens, experts] routing map; stock Megatron passes none).
+    results = run_on_ranks(4, _expert_bias_body, layout=Layout(pp=2, ep=2))
+    for dp_rank in (0, 1):
+        indices = [i for mb in RANKS[dp_rank] for i in mb]
+        [reference] = run_on_ranks(1, _expert_bias_reference_body, indices, layout=Layout())
+        seen = {}
+        for rank, counts in results:
+            if rank == dp_rank:
+                seen.update(counts)
+        assert sorted(seen) == list(range(1, NUM_LAYERS + 1)), sorted(seen)
+        real = sum(LENGTHS[i] for i in indices)
+        for layer, count in seen.items():
+            where = f"dp rank {dp_rank}, layer {layer}"
+            assert float(count.sum()) == real * TOPK, (where, count, real)
+            assert torch.equal(count, reference[layer]), (where, count, reference[layer])
