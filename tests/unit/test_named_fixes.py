@@ -166,6 +166,17 @@ CASES = {
         r"or drop --data-path to train on --mock-data\.",
         [_set(mock_data=False), _set(data_path=None)],
     ),
+    # A probe: the refusal named only the per-token loss, and with it Megatron's DDP asserted.
+    "per-token loss off, gradients averaged in the collective": (
+        dict(calculate_per_token_loss=False, ddp_average_in_collective=True),
+        r"add --calculate-per-token-loss \(and remove --ddp-average-in-collective",
+        [_set(calculate_per_token_loss=True, ddp_average_in_collective=False)],
+    ),
+    "gradients averaged in the collective": (
+        dict(ddp_average_in_collective=True),
+        r"remove --ddp-average-in-collective",
+        [_set(ddp_average_in_collective=False)],
+    ),
     "hybrid context parallelism": (
         dict(hybrid_context_parallel=True),
         r"remove --hybrid-context-parallel",

@@ -25,7 +25,7 @@ import argparse
 import math
 import os
 import sys
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from megatron_dynbatch.config import (
     FLAGS,
@@ -68,6 +68,7 @@ __all__ = [
     "apply_default_cost",
     "device_rates",
     "dynbatch_config_from_args",
+    "grouping_dependent_moe",
     "physical_cost_from_args",
     "setting_given",
     "parallel_layout_from_args",
@@ -77,6 +78,14 @@ __all__ = [
 
 # argparse destination of every config field (the flag without its dashes, Megatron-style).
 _DESTS: Dict[str, str] = {row.name: row.training_dest for row in config_settings()}
+
+#: Why --ddp-average-in-collective goes (Megatron's DistributedDataParallel asserts on it with
+#: --calculate-per-token-loss, which dynamic batching needs, after the model is built).
+_AVERAGE_IN_COLLECTIVE = (
+    "Megatron cannot average gradients in the collective with --calculate-per-token-loss, which "
+    "dynamic batching needs (its DistributedDataParallel stops on the pair); remove "
+    "--ddp-average-in-collective (the gradients are then divided by the step's loss tokens)"
+)
 
 # Megatron features that choose the micro-batch count or the data themselves, each with the flag
 # that turns it off and why it cannot be combined with a planned schedule. Read with getattr: not
@@ -124,6 +133,12 @@ _INCOMPATIBLE = (
         "--hybrid-context-parallel",
         "it changes the CP size per micro-batch, which the token budget does not model; remove "
         "--hybrid-context-parallel",
+    ),
+    (
+        "ddp_average_in_collective",
+        bool,
+        "--ddp-average-in-collective",
+        _AVERAGE_IN_COLLECTIVE,
     ),
 )
 
@@ -239,6 +254,29 @@ def _per_row_aux_loss(args: Any) -> bool:
     kinds = getattr(args, "moe_router_load_balancing_type", None)
     kinds = [kinds] if isinstance(kinds, str) else list(kinds or ())
     return "seq_aux_loss" in kinds
+
+
+def grouping_dependent_moe(args: Any) -> List[str]:
+    """The MoE settings on whose micro-batch grouping the loss depends: a load-balancing loss
+    (statistics per micro-batch, row or step's running sum) and token dropping (capacity per
+    micro-batch)."""
+    if not getattr(args, "num_experts", None):
+        return []
+    kinds = getattr(args, "moe_router_load_balancing_type", None)
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds or ())
+    coeffs = getattr(args, "moe_aux_loss_coeff", None)
+    coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(kinds)
+    losses = [
+        kind
+        for kind, coeff in zip(kinds, coeffs, strict=False)
+        if kind in ("aux_loss", "seq_aux_loss", "global_aux_loss") and (coeff or 0) > 0
+    ]
+    found = []
+    if losses:
+        found.append(f"--moe-router-load-balancing-type {' '.join(losses)}")
+    if getattr(args, "moe_expert_capacity_factor", None) is not None:
+        found.append(f"--moe-expert-capacity-factor {args.moe_expert_capacity_factor}")
+    return found
 
 
 def variable_seq_lengths(args: Any, backend: Optional[str], layout: str) -> bool:
@@ -424,12 +462,18 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
         )
 
     if not getattr(args, "calculate_per_token_loss", False):
+        # Megatron refuses the per-token loss with --ddp-average-in-collective: name both.
+        also = (
+            " (and remove --ddp-average-in-collective, which Megatron refuses with it)"
+            if getattr(args, "ddp_average_in_collective", False)
+            else ""
+        )
         raise DynBatchValueError(
             "--use-dynamic-batch-size needs --calculate-per-token-loss: planned micro-batches hold "
             "different numbers of loss tokens (placeholders none), and without it Megatron divides "
             "every micro-batch's loss by num_microbatches, which weights tokens unequally; add "
-            "--calculate-per-token-loss and return (loss_sum, num_tokens, log) from the loss "
-            "function (megatron_dynbatch.runtime.microbatch_loss does)."
+            f"--calculate-per-token-loss{also} and return (loss_sum, num_tokens, log) from the "
+            "loss function (megatron_dynbatch.runtime.microbatch_loss does)."
         )
     for name, is_on, flag, why in _INCOMPATIBLE:
         if is_on(getattr(args, name, None)):
