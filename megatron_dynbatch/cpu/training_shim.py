@@ -171,6 +171,19 @@ def check_cpu_args(args: Any) -> None:
             "layer norm; Megatron's torch LayerNorm, the one without CUDA, refuses it); remove it "
             "for the CPU run, tensor parallelism itself runs."
         )
+    # Both stopped a CPU run (switch on or off) at the first step with torch's "Torch not
+    # compiled with CUDA enabled", which names no flag.
+    if getattr(args, "moe_grouped_gemm", False):
+        raise DynBatchValueError(
+            "--moe-grouped-gemm is not supported on CPU (Megatron's grouped GEMM experts run "
+            "CUDA kernels); remove it for the CPU run, the experts then run one by one. On GPUs "
+            "keep it: dynamic batching does not change the experts."
+        )
+    if getattr(args, "mtp_num_layers", None):
+        raise DynBatchValueError(
+            f"--mtp-num-layers {args.mtp_num_layers} is not supported on CPU (Megatron's "
+            "multi-token prediction logs its loss into CUDA tensors); remove it for the CPU run."
+        )
 
 
 def skip_helper_compilation_if_prebuilt() -> None:

@@ -46,6 +46,9 @@ def test_without_cuda_a_stock_command_line_gets_the_cpu_values():
         (["--bf16"], "remove --bf16"),
         (["--use-distributed-optimizer"], "remove it"),
         (["--tensor-model-parallel-size", "2", "--sequence-parallel"], "remove it"),
+        # A probe: both stopped the first step with torch's "not compiled with CUDA", no flag.
+        (["--num-experts", "4", "--moe-grouped-gemm"], "remove it"),
+        (["--mtp-num-layers", "1"], "remove it"),
     ],
 )
 def test_values_that_need_cuda_are_refused_with_the_flag_to_change(argv, flag):
