@@ -137,12 +137,19 @@ def _rank_step(ranks):
     return step, microbatches
 
 
-def _dynamic_body():
+def _planned_step(make_config):
+    """This rank's step of ``RANKS``, its micro-batches, and the model of ``make_config(pp, ep)``
+    ready to train them."""
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     ep = parallel_state.get_expert_model_parallel_world_size()
     step, microbatches = _rank_step(RANKS)
-    chunks = wrap_in_ddp(build_tiny_gpt(_config(pp, ep), seed=SEED))
+    chunks = wrap_in_ddp(build_tiny_gpt(make_config(pp, ep), seed=SEED))
     configure_loss(chunks, "token-mean")
+    return step, microbatches, chunks
+
+
+def _dynamic_body():
+    step, microbatches, chunks = _planned_step(_config)
     with _observed_router_statistics() as stats:
         train_microbatches(chunks, step, microbatches, aggregation="token-mean")
     grads = named_global_grads(chunks)
@@ -289,11 +296,7 @@ def _observed_expert_bias_counts(chunks=None):
 
 
 def _expert_bias_body():
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    ep = parallel_state.get_expert_model_parallel_world_size()
-    step, microbatches = _rank_step(RANKS)
-    chunks = wrap_in_ddp(build_tiny_gpt(_expert_bias_config(pp, ep), seed=SEED))
-    configure_loss(chunks, "token-mean")
+    step, microbatches, chunks = _planned_step(_expert_bias_config)
     with _observed_expert_bias_counts() as (counts, _):
         train_microbatches(chunks, step, microbatches, aggregation="token-mean")
     return parallel_state.get_data_parallel_rank(), counts
