@@ -487,6 +487,7 @@ class ShapeSearch:
         if rank_bins is None:
             rank_bins = assign_bins_to_ranks(bin_costs if varies else loads, self.dp, per_rank)
         unbalanced = None
+        final_loads = loads
         # Sample moves between bins know one row a bin: not for B > 1 rows.
         if layout == "packed" and self.varies and row_lengths is None and rows == 1:
             if given:
@@ -496,7 +497,8 @@ class ShapeSearch:
             bin_costs, moved_loads, moved_own = self._balance(
                 bins, loads, own, rank_bins, seq_length, per_rank, bin_costs
             )
-            token_loads = False  # samples may have moved between bins
+            # Samples may have moved between bins; the balancer kept each bin's padded tokens.
+            final_loads = moved_loads
             seq_length, bin_costs = self._shortened(
                 seq_length, rows, bin_costs, moved_loads, moved_own
             )
@@ -514,7 +516,7 @@ class ShapeSearch:
             own_time = self._step_time(own_orders, own_costs)
             if own_time < step_time * (1.0 - TIE):
                 bins, bin_costs, orders, step_time = own_bins, own_costs, own_orders, own_time
-                seq_length = own_length
+                seq_length, final_loads = own_length, loads
         if any(not any(map(bins.__getitem__, rank)) for rank in rank_bins):
             orders, step_time = self._spread(rank_bins, bins, bin_costs, orders, step_time)
         return StepShape(
@@ -526,7 +528,7 @@ class ShapeSearch:
             bin_costs=bin_costs,
             step_time=step_time,
             row_lengths=row_lengths,
-            token_loads=list(loads) if token_loads else None,
+            token_loads=list(final_loads) if token_loads else None,
         )
 
     def _orders(
