@@ -102,11 +102,35 @@ def configure_loss(model_chunks: Sequence[torch.nn.Module], aggregation: str) ->
         )
 
 
-def _seq_length_and_mbs(step: StepPlan, microbatches: Sequence[Mapping[str, torch.Tensor]]):
+def _data_parallel_size(pg_collection) -> Optional[int]:
+    """The data-parallel ranks of the schedule: ``pg_collection.dp``'s, else Megatron's once its
+    model parallelism is initialized, else None (unknown: not checked)."""
+    group = getattr(pg_collection, "dp", None) if pg_collection is not None else None
+    if group is not None:
+        return group.size()
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_data_parallel_world_size()
+    return None
+
+
+def _seq_length_and_mbs(
+    step: StepPlan, microbatches: Sequence[Mapping[str, torch.Tensor]], pg_collection=None
+):
     if len(microbatches) != step.num_microbatches:
         raise DynBatchValueError(
             f"{len(microbatches)} micro-batches for a step planned with num_microbatches="
             f"{step.num_microbatches}; materialize this rank's micro-batches from the same plan."
+        )
+    # A plan for more DP ranks than run would train only the first ranks' samples, silently.
+    dp = _data_parallel_size(pg_collection)
+    if dp is not None and len(step.ranks) != dp:
+        raise DynBatchValueError(
+            f"the step was planned for {len(step.ranks)} data-parallel rank(s) but "
+            f"{dp} run this schedule; plan with ParallelLayout(dp_size={dp}) (the data-parallel "
+            "size of the model's process groups), or every sample planned for a missing rank is "
+            "never trained."
         )
     return step.seq_length, step.micro_batch_size
 
@@ -121,7 +145,7 @@ def train_microbatches(
     pg_collection=None,
 ) -> list:
     """Forward and backward over this rank's micro-batches of ``step``; returns the loss logs."""
-    seq_length, micro_batch_size = _seq_length_and_mbs(step, microbatches)
+    seq_length, micro_batch_size = _seq_length_and_mbs(step, microbatches, pg_collection)
     return run_forward_backward(
         list(model_chunks),
         microbatches,
@@ -144,7 +168,7 @@ def forward_only_outputs(
     Entry ``j`` is the log-probability of token ``j + 1`` (the last entry has no target).
     Non-empty on the last pipeline stage only; placeholders give nothing.
     """
-    seq_length, micro_batch_size = _seq_length_and_mbs(step, microbatches)
+    seq_length, micro_batch_size = _seq_length_and_mbs(step, microbatches, pg_collection)
     with torch.no_grad():
         outputs = run_forward_backward(
             list(model_chunks),

@@ -60,7 +60,7 @@ def _killed_at_second_loss(batch, ce, calls=[]):  # noqa: B006 - a per-process c
     return _advantage_loss(batch, ce)
 
 
-def _step_body(fault=None, advantages=None, kill_rank=None):
+def _step_body(fault=None, advantages=None, kill_rank=None, plan_dp=None):
     """Plan, agree, materialize and train one step; return the gradients or the agreed error.
 
     Args:
@@ -69,6 +69,7 @@ def _step_body(fault=None, advantages=None, kill_rank=None):
             missing).
         advantages: Sample index -> advantage overrides (every rank).
         kill_rank: This rank SIGKILLs itself at its second loss computation, inside the schedule.
+        plan_dp: Plan for this many data-parallel ranks instead of the ranks that run.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -90,7 +91,7 @@ def _step_body(fault=None, advantages=None, kill_rank=None):
     schema = BatchSchema(fields=(FieldSpec(name="advantages", kind="sample", dtype=torch.float32),))
     config = PlannerConfig(
         max_tokens_per_gpu=CAP,
-        parallel=ParallelLayout(dp_size=parallel_state.get_data_parallel_world_size()),
+        parallel=ParallelLayout(dp_size=plan_dp or parallel_state.get_data_parallel_world_size()),
     )
     started = time.monotonic()
     try:
@@ -185,3 +186,16 @@ def test_nan_advantage_on_a_loss_bearing_sample_is_an_error_on_every_rank():
     assert len(messages) == 1, results
     [message] = messages
     assert "sample 2: field 'advantages' = inf is NaN or Inf" in message, message
+
+
+def test_a_plan_for_more_data_parallel_ranks_than_run_is_refused_on_every_rank():
+    # An integrator's probe: planned at dp 4 and run at dp 2, the step trained ranks 0 and 1's
+    # samples only (74 of 136 tokens) and said nothing.
+    with pytest.raises(DistributedTestError) as error:
+        run_on_ranks(2, _step_body, None, None, None, 4, layout=Layout())
+    message = str(error.value)
+    for rank in (0, 1):
+        assert f"rank {rank}: DynBatchValueError: the step was planned for 4 data-parallel" in (
+            message
+        ), message
+    assert "ParallelLayout(dp_size=2)" in message, message
