@@ -25,6 +25,7 @@ their configs on the driver, before any worker or torch work.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import warnings
@@ -500,12 +501,19 @@ def host_config(
     budget_option = next(o for o, f in host.options.items() if f == "max_tokens_per_gpu")
     values = {**host.defaults, **{k: v for k, v in values.items() if v is not None}}
     values[budget_option] = check_host_budget(host, values.get(budget_option))
-    check_budget_holds_a_sample(
-        host,
-        values[budget_option],
-        parallel,
-        host.key("max_tokens_per_gpu", forward_only=forward_only),
+    # The budget this pass plans with, under the key that set it: a forward-only pass's own
+    # budget where the host has one and it is given (an integrator's probe: the training
+    # budget was checked under the forward-only key, whose named fix then changed nothing).
+    checked, key = values[budget_option], host.key("max_tokens_per_gpu")
+    forward_option = next(
+        (o for o, f in host.options.items() if f == "log_probs_max_tokens_per_gpu"), None
     )
+    if forward_option is not None and values.get(forward_option) is not None:
+        forward_key = host.key("max_tokens_per_gpu", forward_only=True)
+        values[forward_option] = check_budget(values[forward_option], forward_key, host.switch)
+        if forward_only:
+            checked, key = values[forward_option], forward_key
+    check_budget_holds_a_sample(host, checked, parallel, key)
     cp = parallel.cp_size
     if not host.budget_times_cp and cp > 1:
         # The budget caps the whole micro-batch: the planner's per-GPU budget is 1/cp of it,
@@ -525,11 +533,13 @@ def host_config(
         raise DynBatchValueError(_in_host_words(host, str(cause), forward_only)) from error
     try:
         with host.flags():
-            return config.planner_config(
+            planner = config.planner_config(
                 parallel, forward_only=forward_only, row_multiple=row_multiple, memory=memory
             )
     except DynBatchValueError as error:
         raise DynBatchValueError(_in_host_words(host, str(error), forward_only)) from error
+    # The planner's own messages (an oversize sample at plan time) name the host's budget key.
+    return dataclasses.replace(planner, budget_flag=key)
 
 
 def _in_host_words(host: Host, text: str, forward_only: bool) -> str:
@@ -593,6 +603,8 @@ def check_host_oversize(
         DynBatchValueError: under the ``error`` policy, naming the samples, their lengths, the cap
             and the host's key to raise.
     """
+    # A flat list (one rank's lengths, not nested) was a bare TypeError here.
+    lengths_per_rank = check_host_lengths(host, lengths_per_rank)
     multiple = config.parallel.sample_multiple
     cap = config.token_cap
     if host.budget_counts == "real":

@@ -108,3 +108,46 @@ def test_the_host_entry_points_refuse_the_wrong_kind_of_plan_by_name():
     for bad in ([5, 6], [[5, float("nan")]], [[5, float("inf")]]):
         with pytest.raises(DynBatchValueError, match="verl: "):
             plan_host_step(VERL, bad, verl)
+
+
+def test_each_pass_checks_its_own_budget_under_its_own_key(registered):
+    # An integrator's probe: the forward-only config checked the training budget (4) under the
+    # log-prob key, and raising that key, as the message said, changed nothing.
+    layout = ParallelLayout(tp_size=4, cp_size=2)  # samples padded to multiples of 16: 8 a GPU
+    values = {"tokens_per_mb": 4, "logprob_tokens": 64}
+    config = host_config(registered, values, layout, forward_only=True)
+    assert config.max_tokens_per_gpu == 64 and config.budget_flag == "toy.logprob_tokens"
+    with pytest.raises(DynBatchValueError, match=r"raise toy\.tokens_per_mb to at least 8"):
+        host_config(registered, values, layout)
+    fixed = host_config(registered, values, ParallelLayout())
+    assert fixed.budget_flag == "toy.tokens_per_mb"
+    with pytest.raises(DynBatchValueError, match=r"raise toy\.logprob_tokens to at least 8"):
+        host_config(
+            registered, {"tokens_per_mb": 64, "logprob_tokens": 2}, layout, forward_only=True
+        )
+    # The log-prob budget's own type errors name its key, in either pass.
+    for forward_only in (False, True):
+        with pytest.raises(DynBatchValueError, match=r"^toy\.logprob_tokens=1\.5 must be a whole"):
+            host_config(
+                registered,
+                {"tokens_per_mb": 64, "logprob_tokens": 1.5},
+                layout,
+                forward_only=forward_only,
+            )
+
+
+def test_the_planners_own_messages_name_the_hosts_budget_key(registered):
+    from megatron_dynbatch.planning import plan_schedule
+
+    config = host_config(registered, {"tokens_per_mb": 64}, ParallelLayout())
+    with pytest.raises(DynBatchValueError, match=r"Raise toy\.tokens_per_mb") as error:
+        plan_schedule([10, 100], config=config)
+    assert "--max-tokens-per-gpu" not in str(error.value)
+
+
+def test_a_flat_list_of_lengths_is_refused_by_name(registered):
+    from megatron_dynbatch.integrations.hosts import check_host_oversize
+
+    config = host_config(registered, {"tokens_per_mb": 64}, ParallelLayout())
+    with pytest.raises(DynBatchValueError, match=r"one list per DP rank"):
+        check_host_oversize(registered, [40, 300], config)
