@@ -18,6 +18,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
+from megatron_dynbatch.mcore.agreement import step_agreement
 from megatron_dynbatch.mcore.step import configure_loss, train_microbatches
 
 # fmt: off
@@ -47,7 +48,9 @@ for step in range(3):
     plan = plan_schedule(lengths, config=planner)  # every rank derives the same plan
     for planned in plan.steps:  # one optimizer step each
         rows = dict(layout=plan.layout, sample_multiple=plan.sample_multiple)
-        batches = materialize_microbatches(planned, 0, samples, BatchSchema(), **rows)
+        with step_agreement(what=f"step {step}") as agreement:  # one rank's error stops all ranks
+            agreement.fingerprint = plan.fingerprint()  # and every rank planned alike
+            batches = materialize_microbatches(planned, 0, samples, BatchSchema(), **rows)
         logs = train_microbatches(model, planned, batches, aggregation="token-mean")
         with torch.no_grad():  # SGD on the gradients Megatron's DDP reduced into main_grad
             for p in gpt.parameters():

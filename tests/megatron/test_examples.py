@@ -25,7 +25,7 @@ def test_the_minimal_host_trains_three_steps_at_pp_2(tmp_path):
 
 def test_the_minimal_host_is_short_and_uses_only_the_documented_api():
     source = EXAMPLE.read_text()
-    assert len(source.splitlines()) <= 60
+    assert len(source.splitlines()) <= 65
     api = (REPO / "docs" / "api.md").read_text()
     used = [
         (node.module, alias.name)
