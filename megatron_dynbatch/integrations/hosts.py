@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import (
@@ -548,6 +549,12 @@ def _in_host_words(host: Host, text: str, forward_only: bool) -> str:
         if field_name in host.keys or field_name == "max_tokens_per_gpu":
             name = host.key(field_name, forward_only=forward_only and "max_tokens" in field_name)
             text = text.replace(flag, name)
+            continue
+        # A setting the host names by its option alone (a registered host without a key for
+        # it): the option as the host's users pass it, for our flag and our field's "name=".
+        option = next((o for o, f in host.options.items() if f == field_name), None)
+        if option is not None:
+            text = re.sub(rf"(?<![\w.-]){field_name}=", f"{option}=", text.replace(flag, option))
     return text
 
 

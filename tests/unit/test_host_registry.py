@@ -151,3 +151,15 @@ def test_a_flat_list_of_lengths_is_refused_by_name(registered):
     config = host_config(registered, {"tokens_per_mb": 64}, ParallelLayout())
     with pytest.raises(DynBatchValueError, match=r"one list per DP rank"):
         check_host_oversize(registered, [40, 300], config)
+
+
+def test_a_setting_named_by_its_option_alone_is_named_so_in_errors():
+    # An integrator's probe: "rollouts_per_step=0 must be >= 1; omit --rollouts-per-step", our
+    # field and our flag, for a host whose users set it as an option without a key.
+    options = {"tokens_per_mb": "max_tokens_per_gpu", "per_step": "rollouts_per_step"}
+    host = _toy(name="toy-options", options=options)
+    with pytest.raises(
+        DynBatchValueError, match=r"^per_step=0 must be >= 1; omit per_step "
+    ) as error:
+        host_config(host, {"tokens_per_mb": 64, "per_step": 0}, ParallelLayout())
+    assert "--rollouts-per-step" not in str(error.value)
