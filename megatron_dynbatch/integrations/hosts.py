@@ -610,8 +610,11 @@ def check_host_oversize(
         DynBatchValueError: under the ``error`` policy, naming the samples, their lengths, the cap
             and the host's key to raise.
     """
-    # A flat list (one rank's lengths, not nested) was a bare TypeError here.
-    lengths_per_rank = check_host_lengths(host, lengths_per_rank)
+    # A flat list (one rank's lengths, not nested) was a bare TypeError below: refused as
+    # check_host_lengths words it. Only the first entry is looked at: the callers have checked
+    # every length already (plan_host_step), and a second pass over 1M samples is not free.
+    if lengths_per_rank and not hasattr(lengths_per_rank[0], "__len__"):
+        check_host_lengths(host, lengths_per_rank)
     multiple = config.parallel.sample_multiple
     cap = config.token_cap
     if host.budget_counts == "real":

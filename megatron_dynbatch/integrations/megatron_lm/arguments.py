@@ -265,11 +265,18 @@ def grouping_dependent_moe(args: Any) -> List[str]:
     kinds = getattr(args, "moe_router_load_balancing_type", None)
     kinds = [kinds] if isinstance(kinds, str) else list(kinds or ())
     coeffs = getattr(args, "moe_aux_loss_coeff", None)
-    coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(kinds)
+
+    def coeff(i: int) -> float:
+        # As TopKRouter.get_aux_loss_coeff reads it: a list by the type's position, else the one
+        # value for every type (a list shorter than the types: Megatron's own IndexError).
+        if isinstance(coeffs, (list, tuple)):
+            return coeffs[i] if i < len(coeffs) else 0.0
+        return coeffs or 0.0
+
     losses = [
         kind
-        for kind, coeff in zip(kinds, coeffs, strict=False)
-        if kind in ("aux_loss", "seq_aux_loss", "global_aux_loss") and (coeff or 0) > 0
+        for i, kind in enumerate(kinds)
+        if kind in ("aux_loss", "seq_aux_loss", "global_aux_loss") and (coeff(i) or 0) > 0
     ]
     found = []
     if losses:
