@@ -101,6 +101,25 @@ def test_verl_runtime_messages_name_the_engine_and_pass_key():
     assert BUDGET_KEYS[("ref", True)].startswith("actor_rollout_ref.ref.")
 
 
+def test_verl_critic_training_key_follows_the_trainer_that_set_the_budget():
+    # verl's v1 trainer copies ppo_infer_max_token_len_per_gpu into both of the engine's budgets
+    # (trainer_base.py); the other trainer copies each key into its own (ray_trainer.py).
+    legacy = SimpleNamespace(max_token_len_per_gpu=8192, infer_max_token_len_per_gpu=32768)
+    v1_or_equal = SimpleNamespace(max_token_len_per_gpu=32768, infer_max_token_len_per_gpu=32768)
+    key = verl_host("critic", False, legacy).key("max_tokens_per_gpu")
+    assert key == "critic.ppo_max_token_len_per_gpu", key
+    both = verl_host("critic", False, v1_or_equal).key("max_tokens_per_gpu")
+    assert both == BUDGET_KEYS[("critic", False)], both
+    assert verl_host("critic", False).key("max_tokens_per_gpu") == both
+    # The forward pass and other engines read their own keys whatever the config says.
+    assert (
+        verl_host("critic", True, legacy).key("max_tokens_per_gpu") == BUDGET_KEYS[("critic", True)]
+    )
+    assert (
+        verl_host("actor", False, legacy).key("max_tokens_per_gpu") == BUDGET_KEYS[("actor", False)]
+    )
+
+
 @pytest.mark.parametrize("value", [-1, 0, float("nan"), float("inf"), "lots", True])
 def test_parse_gib_refuses_what_is_no_budget(value):
     with pytest.raises(DynBatchValueError, match="my.key="):

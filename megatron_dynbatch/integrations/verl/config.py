@@ -67,12 +67,26 @@ BUDGET_KEYS = {
     "with trainer.use_v1=true)",
     ("critic", True): "critic.ppo_infer_max_token_len_per_gpu",
 }
+#: The critic's training budget outside verl's v1 trainer.
+_CRITIC_TRAINING = "critic.ppo_max_token_len_per_gpu"
 
 
-def budget_key(engine: str, forward_only: bool) -> str:
-    """verl's budget key of ``engine`` (``actor``, ``ref``, ``critic``) for a pass."""
+def budget_key(engine: str, forward_only: bool, engine_config: Any = None) -> str:
+    """verl's budget key of ``engine`` (``actor``, ``ref``, ``critic``) for a pass.
+
+    ``engine_config``: the engine's own config, where known (at step time). verl's trainers copy
+    the critic's budgets into it (``max_token_len_per_gpu``, ``infer_max_token_len_per_gpu``);
+    the v1 trainer copies ``ppo_infer_max_token_len_per_gpu`` into both, so two different values
+    come from the other trainer, which trains the critic at ``critic.ppo_max_token_len_per_gpu``:
+    that key alone is named. Equal values leave both keys named (raising both works either way).
+    """
     if engine == "ref":
         return BUDGET_KEYS[("ref", True)]
+    if engine == "critic" and not forward_only and engine_config is not None:
+        train = getattr(engine_config, "max_token_len_per_gpu", None)
+        infer = getattr(engine_config, "infer_max_token_len_per_gpu", None)
+        if train is not None and infer is not None and train != infer:
+            return _CRITIC_TRAINING
     return BUDGET_KEYS[(engine, forward_only)]
 
 
@@ -376,9 +390,7 @@ def check_verl_config(config: Any, *, use_reference_policy: bool, use_critic: bo
     switch = "critic.megatron.use_dynamic_batch_size=true"
     check_role_config(critic, role="critic")
     dynbatch_settings(critic, "critic")
-    tokens = check_budget(
-        _get(critic, "ppo_max_token_len_per_gpu"), "critic.ppo_max_token_len_per_gpu", switch
-    )
+    tokens = check_budget(_get(critic, "ppo_max_token_len_per_gpu"), _CRITIC_TRAINING, switch)
     infer = check_budget(
         _get(critic, "ppo_infer_max_token_len_per_gpu", 32768),
         BUDGET_KEYS[("critic", True)],
@@ -389,7 +401,7 @@ def check_verl_config(config: Any, *, use_reference_policy: bool, use_critic: bo
         tokens = infer
         key = BUDGET_KEYS[("critic", True)]
     else:
-        key = "critic.ppo_max_token_len_per_gpu"
+        key = _CRITIC_TRAINING
     sizes = _role_sizes("critic", critic)
     _layout("critic", critic, sizes, tokens, key)
     _memory(config, "critic", critic, sizes, key, tokens)

@@ -220,12 +220,13 @@ def verl_planner_config(
     )
 
 
-def verl_host(engine: str = "actor", forward_only: bool = False) -> Host:
+def verl_host(engine: str = "actor", forward_only: bool = False, engine_config: Any = None) -> Host:
     """The :data:`~megatron_dynbatch.integrations.hosts.VERL` record naming the budget key of
-    ``engine`` (``actor``, ``ref``, ``critic``) for this pass (:data:`.config.BUDGET_KEYS`)."""
+    ``engine`` (``actor``, ``ref``, ``critic``) for this pass (:func:`.config.budget_key`; the
+    engine's config, where given, tells which trainer set the critic's training budget)."""
     from megatron_dynbatch.integrations.verl.config import budget_key
 
-    key = budget_key(engine, forward_only)
+    key = budget_key(engine, forward_only, engine_config)
     return replace(VERL, keys={**VERL.keys, "max_tokens_per_gpu": key})
 
 
@@ -317,7 +318,7 @@ def prepare_micro_batches(
 
     vpp = vpp_size or 1
     role = engine_role(engine)
-    host = verl_host(role, forward_only)
+    host = verl_host(role, forward_only, engine.engine_config)
     group = engine.get_data_parallel_group()
     what = "verl forward_backward_batch"
     with step_agreement(group, what=f"{what}: checking this rank's samples"):
