@@ -24,6 +24,7 @@ import sys
 import pytest
 
 from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.planning import simulate
 from megatron_dynbatch.planning.simulate import (
     BACKWARD_TO_FORWARD_RATIO,
     _schedule_table,
@@ -246,12 +247,55 @@ def _check_replay(seed):
     assert pipeline_makespan(fwd, pp, vpp, group) == pytest.approx(default), case
 
 
+def test_a_shape_replayed_often_is_compiled_and_gives_the_loops_floats():
+    """Past ``_COMPILE_AFTER`` replays a shape runs its straight-line code: exactly the loop's
+    floats (``==``, plans must not change) for 1F1B and interleaved shapes, ties and zeros
+    included, and shapes past ``_COMPILE_MAX_STEPS`` stay in the loop."""
+    rng = random.Random(3)
+    compiled = 0
+    calls = []
+    real = simulate._compiled_replay
+
+    def watched(*args):
+        calls.append(args)
+        return real(*args)
+
+    simulate._compiled_replay = watched
+    try:
+        for m, pp, vpp, group in [(1, 2, 1, 1), (5, 3, 1, 1), (12, 4, 1, 1), (8, 4, 2, 4)] + [
+            (12, 4, 2, 6),
+            (9, 3, 3, 3),
+            (40, 8, 2, 8),
+        ]:
+            shape = (m, pp, vpp, group)
+            simulate._REPLAYS_OF_SHAPE.pop(shape, None)
+            calls.clear()
+            for k in range(simulate._COMPILE_AFTER + 20):
+                fwd = [rng.choice([0.0, 1.0, 2.5, rng.random() * 9]) for _ in range(m)]
+                bwd = None if k % 2 else [rng.choice([0.0, 2.0, rng.random() * 20]) for _ in fwd]
+                share = float(pp * vpp)
+                durations = [c / share for c in fwd] + [
+                    c / share for c in (bwd or [2.0 * c for c in fwd])
+                ]
+                steps, last, _ = simulate._flat_replay(*shape)
+                done = {}
+                for slot, dep, previous, d in steps:
+                    done[slot] = max(done.get(previous, 0.0), done.get(dep, 0.0)) + durations[d]
+                got = simulate._replayed(fwd, bwd, pp, vpp, group)
+                assert got == max(done[s] for s in last), (shape, k)
+            assert len(calls) == 20, (shape, len(calls))  # the loop until then, compiled after
+            compiled += real(*shape) is not None
+    finally:
+        simulate._compiled_replay = real
+    assert compiled == 7
+    steps = simulate._COMPILE_MAX_STEPS // (2 * 8) + 1
+    assert simulate._compiled_replay(steps, 8, 1, 1) is None  # too long: the loop
+
+
 def test_remembered_makespans_give_the_same_floats_and_end_with_the_outermost_scope():
     """Inside :func:`remembered_makespans` a repeated input is not replayed again, the floats are
     those of a fresh replay (so plans are unchanged), and the memory ends with the outermost
     ``with``: a nested one shares it, and a later scope starts empty."""
-    from megatron_dynbatch.planning import simulate
-
     rng = random.Random(7)
     inputs = []
     for _ in range(30):
