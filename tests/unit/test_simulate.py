@@ -16,6 +16,7 @@ Closed forms (equal costs: forward ``f`` and backward ``b`` per micro-batch for 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 import subprocess
@@ -253,23 +254,14 @@ def test_a_shape_replayed_often_is_compiled_and_gives_the_loops_floats():
     included, and shapes past ``_COMPILE_MAX_STEPS`` stay in the loop."""
     rng = random.Random(3)
     compiled = 0
-    calls = []
-    real = simulate._compiled_replay
-
-    def watched(*args):
-        calls.append(args)
-        return real(*args)
-
-    simulate._compiled_replay = watched
-    try:
-        for m, pp, vpp, group in [(1, 2, 1, 1), (5, 3, 1, 1), (12, 4, 1, 1), (8, 4, 2, 4)] + [
-            (12, 4, 2, 6),
-            (9, 3, 3, 3),
-            (40, 8, 2, 8),
-        ]:
-            shape = (m, pp, vpp, group)
-            simulate._REPLAYS_OF_SHAPE.pop(shape, None)
-            calls.clear()
+    for m, pp, vpp, group in [(1, 2, 1, 1), (5, 3, 1, 1), (12, 4, 1, 1), (8, 4, 2, 4)] + [
+        (12, 4, 2, 6),
+        (9, 3, 3, 3),
+        (40, 8, 2, 8),
+    ]:
+        shape = (m, pp, vpp, group)
+        simulate._REPLAYS_OF_SHAPE.pop(shape, None)
+        with _calls_to("_compiled_replay") as calls:
             for k in range(simulate._COMPILE_AFTER + 20):
                 fwd = [rng.choice([0.0, 1.0, 2.5, rng.random() * 9]) for _ in range(m)]
                 bwd = None if k % 2 else [rng.choice([0.0, 2.0, rng.random() * 20]) for _ in fwd]
@@ -283,10 +275,8 @@ def test_a_shape_replayed_often_is_compiled_and_gives_the_loops_floats():
                     done[slot] = max(done.get(previous, 0.0), done.get(dep, 0.0)) + durations[d]
                 got = simulate._replayed(fwd, bwd, pp, vpp, group)
                 assert got == max(done[s] for s in last), (shape, k)
-            assert len(calls) == 20, (shape, len(calls))  # the loop until then, compiled after
-            compiled += real(*shape) is not None
-    finally:
-        simulate._compiled_replay = real
+        assert len(calls) == 20, (shape, len(calls))  # the loop until then, compiled after
+        compiled += simulate._compiled_replay(*shape) is not None
     assert compiled == 7
     steps = simulate._COMPILE_MAX_STEPS // (2 * 8) + 1
     assert simulate._compiled_replay(steps, 8, 1, 1) is None  # too long: the loop
@@ -307,15 +297,7 @@ def test_remembered_makespans_give_the_same_floats_and_end_with_the_outermost_sc
         inputs.append((fwd, pp, vpp, None, bwd))
     inputs += [(list(f), p, v, g, b) for f, p, v, g, b in inputs[::3]]  # equal, not the same lists
     fresh = [simulate.pipeline_makespan(*args) for args in inputs]
-    replays = []
-    real = simulate._replayed
-
-    def counted(*args):
-        replays.append(args)
-        return real(*args)
-
-    simulate._replayed = counted
-    try:
+    with _calls_to("_replayed") as replays:
         with simulate.remembered_makespans():
             first = [simulate.pipeline_makespan(*args) for args in inputs]
             with simulate.remembered_makespans():  # nested: the same memory
@@ -328,5 +310,20 @@ def test_remembered_makespans_give_the_same_floats_and_end_with_the_outermost_sc
         assert len(replays) == distinct + 1
         simulate.pipeline_makespan(*inputs[0])  # outside any scope: always replayed
         assert len(replays) == distinct + 2
+
+
+@contextlib.contextmanager
+def _calls_to(name):
+    """Every call of ``simulate.<name>`` within, by its arguments (the function still runs)."""
+    real = getattr(simulate, name)
+    calls = []
+
+    def counted(*args):
+        calls.append(args)
+        return real(*args)
+
+    setattr(simulate, name, counted)
+    try:
+        yield calls
     finally:
-        simulate._replayed = real
+        setattr(simulate, name, real)
