@@ -22,6 +22,7 @@ from megatron_dynbatch.integrations.megatron_lm.data.documents import (  # noqa:
     indexed_documents,
     mock_documents,
     split_bookends,
+    stream_starts,
 )
 from megatron_dynbatch.planning.fixed import plan_fixed_microbatches  # noqa: E402
 from megatron_dynbatch.runtime import BatchSchema, materialize_microbatches  # noqa: E402
@@ -118,6 +119,15 @@ def test_batch_stream_serves_consecutive_positions_from_the_consumed_counter():
     assert next(stream).lengths() == samples.lengths_at(range(9, 12))
     with pytest.raises(StopIteration):
         next(stream)  # positions 12..14 exceed num_samples=13
+
+
+def test_streams_start_where_megatrons_loaders_start():
+    # After --load: training and validation continue from their counters, the test split is
+    # scored from its start; --skip-train scores validation from its start too, as Megatron's
+    # loader (and so --document-samples) does: a checkpoint scored alone was scored elsewhere.
+    assert stream_starts(40, 16, skip_train=False) == (40, 16, 0)
+    assert stream_starts(40, 16, skip_train=True) == (40, 0, 0)
+    assert stream_starts(0, 0, skip_train=True) == (0, 0, 0)
 
 
 def test_preprocess_writes_megatrons_format_with_byte_tokens(tmp_path):

@@ -60,6 +60,7 @@ from megatron_dynbatch.integrations.megatron_lm.data.documents import (
     DocumentSampleDataset,
     document_splits,
     split_bookends,
+    stream_starts,
 )
 from megatron_dynbatch.integrations.megatron_lm.data.indexed_check import (
     IndexSummary,
@@ -432,7 +433,9 @@ def document_datasets_provider(
             for split, size in zip(splits, sizes, strict=True)
         )
     eval_batch = args.eval_global_batch_size or args.global_batch_size
-    starts = (args.consumed_train_samples, args.consumed_valid_samples, 0)
+    starts = stream_starts(
+        args.consumed_train_samples, args.consumed_valid_samples, bool(args.skip_train)
+    )
     batch_sizes = (args.global_batch_size, eval_batch, eval_batch)
     return tuple(
         None if split is None else DocumentBatchStream(split, batch, start, size)

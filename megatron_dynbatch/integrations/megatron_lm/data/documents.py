@@ -62,6 +62,7 @@ __all__ = [
     "indexed_documents",
     "mock_documents",
     "split_bookends",
+    "stream_starts",
 ]
 
 # Megatron's default --split (arguments.py uses it for --data-path without --split).
@@ -319,6 +320,21 @@ class DocumentSampleDataset(torch.utils.data.Dataset):
             step, 0, {0: sample}, BatchSchema(), layout="padded", sample_multiple=1
         )
         return {key: value[0] for key, value in row.items() if key != "cu_seqlens"}
+
+
+def stream_starts(
+    consumed_train_samples: int, consumed_valid_samples: int, skip_train: bool
+) -> Tuple[int, int, int]:
+    """Where the train / valid / test batch streams start, as Megatron's own loaders start
+    (``build_train_valid_test_data_loaders`` in ``megatron/training/training.py``): training at
+    the consumed counter; validation there too, but at its first sample under ``--skip-train``
+    (a checkpoint scored alone is scored on the split's first batches, as ``--document-samples``
+    scores it); the test split always at its first sample."""
+    return (
+        int(consumed_train_samples),
+        0 if skip_train else int(consumed_valid_samples),
+        0,
+    )
 
 
 class DocumentBatchStream(Iterator[LazyRolloutBatch]):
