@@ -4,7 +4,9 @@
         --seq-length 256
 
 Reads Megatron's iteration lines (``iteration N/ T | ... elapsed time per iteration (ms): ... |
-learning rate: ... | global batch size: ... | lm loss: ...``) and validation lines of both logs.
+learning rate: ... | global batch size: ... | lm loss: ...``) and validation lines of both logs
+(during training, and the end of the run's validation and test sets); both logs must hold the same
+iteration lines and the same validation lines.
 The dynamic run's lines also carry ``real tokens`` and ``computed tokens`` (patch 0003); the
 baseline trains the same samples (``--document-samples``), so its real tokens are the same and it
 computes ``global batch size x --seq-length`` tokens per iteration. Throughput leaves out the first
@@ -40,16 +42,24 @@ _FIELDS = {
     "grad_norm": re.compile(r"grad norm: ([\d.]+)"),
     "params_norm": re.compile(r"params norm: ([\d.]+)"),
 }
-_VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([\d.E+-]+)")
+# During training: "validation loss at iteration N | ..."; at the end of a run, "validation loss
+# at iteration N on validation set | ..." and "... on test set | ...".
+_VALIDATION = re.compile(
+    r"validation loss at iteration (\d+)(?: on (validation|test) set)? \| lm loss value: "
+    r"([\d.E+-]+)"
+)
 
 
 def parse_text(text: str) -> Dict[str, object]:
-    """Iteration records (``{iteration: {field: value}}``) and validation losses of a Megatron log.
+    """Iteration records (``{iteration: {field: value}}``), validation losses during training
+    (``validation``: ``(iteration, loss)``) and at the end of the run (``final``: ``("validation
+    set at N" or "test set at N", loss)``) of a Megatron log.
 
     Each record's ``span`` is the number of iterations its line covers (``--log-interval``).
     """
     iterations: Dict[int, Dict[str, float]] = {}
     validation: List[tuple] = []
+    final: List[tuple] = []
     for line in text.splitlines():
         match = _ITERATION.search(line)
         if match:
@@ -62,12 +72,16 @@ def parse_text(text: str) -> Dict[str, object]:
             continue
         match = _VALIDATION.search(line)
         if match:
-            validation.append((int(match.group(1)), float(match.group(2))))
+            at, value = int(match.group(1)), float(match.group(3))
+            if match.group(2):
+                final.append((f"{match.group(2)} set at {at}", value))
+            else:
+                validation.append((at, value))
     logged = sorted(iterations)
     gaps = [b - a for a, b in itertools.pairwise(logged)]
     for at, span in zip(logged, (gaps[:1] or [1]) + gaps, strict=False):
         iterations[at]["span"] = float(span)
-    return {"iterations": iterations, "validation": validation}
+    return {"iterations": iterations, "validation": validation, "final": final}
 
 
 def parse(path: str) -> Dict[str, object]:
@@ -96,6 +110,18 @@ def main(argv=None) -> int:
     if any(dyn_it[i]["span"] != fix_it[i]["span"] for i in common):
         # Megatron averages the loss over the interval: lines of other spans are not comparable.
         raise SystemExit("error: the two runs logged at different --log-interval; rerun alike.")
+    if sorted(dyn_it) != sorted(fix_it):
+        # A run cut short (or logged at other iterations) would otherwise pass on the lines both
+        # logs share.
+        only = {
+            name: sorted(set(mine) - set(other))
+            for name, mine, other in (("dynamic", dyn_it, fix_it), ("fixed", fix_it, dyn_it))
+        }
+        raise SystemExit(
+            "error: the two logs have other iteration lines (only in the dynamic log: "
+            f"{only['dynamic'][:5] or 'none'}; only in the fixed log: "
+            f"{only['fixed'][:5] or 'none'}); did a run stop early? Rerun both alike."
+        )
 
     def spanned(records, lines, field):
         return sum(records[i][field] * records[i]["span"] for i in lines)
@@ -162,12 +188,19 @@ def main(argv=None) -> int:
         worst = max(worst, diff)
         lr_equal &= d["lr"] == f["lr"]
         print(f"{i:>9}{d['lr']:>14.6E}{d['loss']:>16.6f}{f['loss']:>16.6f}{diff:>12.1e}")
-    if [i for i, _ in dynamic["validation"]] != [i for i, _ in fixed["validation"]]:
-        raise SystemExit("error: the two logs validated at different iterations.")
-    for (at, v_d), (_, v_f) in zip(dynamic["validation"], fixed["validation"], strict=True):
+    scored = {
+        name: [(f"validation at {at}", loss) for at, loss in run["validation"]] + run["final"]
+        for name, run in (("dynamic", dynamic), ("fixed", fixed))
+    }
+    if [w for w, _ in scored["dynamic"]] != [w for w, _ in scored["fixed"]]:
+        raise SystemExit(
+            "error: the two logs validated at different iterations or on other sets (dynamic: "
+            f"{[w for w, _ in scored['dynamic']]}; fixed: {[w for w, _ in scored['fixed']]})."
+        )
+    for (where, v_d), (_, v_f) in zip(scored["dynamic"], scored["fixed"], strict=True):
         diff = abs(v_d - v_f) / max(abs(v_f), 1e-12)
         worst = max(worst, diff)
-        print(f"validation at {at:>3}{'':>11}{v_d:>16.6f}{v_f:>16.6f}{diff:>12.1e}")
+        print(f"{where:<23}{v_d:>16.6f}{v_f:>16.6f}{diff:>12.1e}")
     ok = lr_equal and worst <= args.tolerance
     print(
         f"\nlearning rates identical: {'yes' if lr_equal else 'NO'}; largest relative loss "

@@ -83,3 +83,45 @@ def test_runs_logged_at_different_intervals_are_refused(tmp_path):
     argv = ["--dynamic", str(one["dynamic"]), "--fixed", str(two["fixed"]), "--seq-length", "128"]
     with pytest.raises(SystemExit, match="different --log-interval"):
         compare_runs.main(argv)
+
+
+def _pair(tmp_path, dynamic_lines, fixed_lines):
+    paths = []
+    for name, lines in (("dynamic", dynamic_lines), ("fixed", fixed_lines)):
+        paths += [f"--{name}", tmp_path / f"{name}.log"]
+        paths[-1].write_text("".join(lines))
+    return [str(a) for a in paths + ["--seq-length", 128]]
+
+
+def _end_of_run(iteration, valid, test):
+    return [
+        f" validation loss at iteration {iteration} on validation set | lm loss value: "
+        f"{valid:.6E} | lm loss PPL: 1.0E+00 | \n",
+        f" validation loss at iteration {iteration} on test set | lm loss value: {test:.6E} | "
+        "lm loss PPL: 1.0E+00 | \n",
+    ]
+
+
+def test_a_run_cut_short_is_refused_not_compared_on_what_both_logged(tmp_path):
+    fixed = [_line(i, 200.0, 8, 5.0 - i) for i in (1, 2, 3)]
+    dynamic = [_line(i, 100.0, 8, 5.0 - i, 600, 640) for i in (1, 2)]
+    with pytest.raises(SystemExit, match=r"only in the fixed log: \[3\]\); did a run stop early"):
+        compare_runs.main(_pair(tmp_path, dynamic, fixed))
+
+
+def test_the_end_of_run_validation_and_test_losses_are_compared(tmp_path, capsys):
+    fixed = [_line(i, 200.0, 8, 5.0 - i) for i in (1, 2, 3)]
+    dynamic = [_line(i, 100.0, 8, 5.0 - i, 600, 640) for i in (1, 2, 3)]
+    same = _pair(tmp_path, dynamic + _end_of_run(3, 5.5, 5.25), fixed + _end_of_run(3, 5.5, 5.25))
+    assert compare_runs.main(same) == 0
+    out = capsys.readouterr().out
+    assert "validation set at 3" in out and "test set at 3" in out, out
+    other = _pair(tmp_path, dynamic + _end_of_run(3, 5.5, 9.9), fixed + _end_of_run(3, 5.5, 5.25))
+    assert compare_runs.main(other) == 1
+    assert "OVER" in capsys.readouterr().out
+    # One log without the test set's line (its run stopped before it): refused, named.
+    cut = _pair(
+        tmp_path, dynamic + _end_of_run(3, 5.5, 5.25)[:1], fixed + _end_of_run(3, 5.5, 5.25)
+    )
+    with pytest.raises(SystemExit, match="other sets"):
+        compare_runs.main(cut)
