@@ -184,6 +184,23 @@ def check_cpu_args(args: Any) -> None:
             f"--mtp-num-layers {args.mtp_num_layers} is not supported on CPU (Megatron's "
             "multi-token prediction logs its loss into CUDA tensors); remove it for the CPU run."
         )
+    # A probe: these stopped a CPU run (switch on or off) after the model was built, with
+    # "Torch not compiled with CUDA enabled" or a KeyError of torch.cuda's memory statistics.
+    cuda_only = (
+        (
+            "check_weight_hash_across_dp_replicas_interval",
+            "--check-weight-hash-across-dp-replicas-interval",
+            "hashes the weights on the GPU",
+        ),
+        ("log_memory_to_tensorboard", "--log-memory-to-tensorboard", "reads torch.cuda's memory"),
+        ("iterations_to_skip", "--iterations-to-skip", "skips an iteration with CUDA tensors"),
+    )
+    for dest, flag, why in cuda_only:
+        value = getattr(args, dest, None)
+        if value not in (None, False, [], ()):
+            raise DynBatchValueError(
+                f"{flag} is not supported on CPU (Megatron {why}); remove it for the CPU run."
+            )
 
 
 def skip_helper_compilation_if_prebuilt() -> None:
