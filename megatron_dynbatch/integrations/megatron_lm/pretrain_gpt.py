@@ -75,6 +75,7 @@ from megatron_dynbatch.integrations.megatron_lm.gpt_stock import (
 from megatron_dynbatch.integrations.megatron_lm.hooks import entry_check
 from megatron_dynbatch.integrations.megatron_lm.layout_checks import one_rank_without_torchrun
 from megatron_dynbatch.integrations.megatron_lm.memory import TrainingPeak
+from megatron_dynbatch.integrations.megatron_lm.resume import refuse_resume_in_another_mode
 from megatron_dynbatch.mcore.forward import (
     make_forward_step,
 )
@@ -618,6 +619,12 @@ def main(
             # rows of S (megatron-core 0.19.2). Exchanging each micro-batch's shape keeps it.
             model_config.transformer.variable_seq_lengths = True
     config = pretrain_cfg_container_from_args(args, model_config)
+    if args.load:
+        from megatron.training import checkpointing
+
+        # A checkpoint of the other data unit (windows / documents) would resume at the wrong
+        # sample, silently: refused by name when Megatron reads its arguments (resume.py).
+        refuse_resume_in_another_mode(checkpointing, args)
     # The training peak of fixed micro-batches too, measured as the planned steps' (memory.py).
     peak = TrainingPeak()
     try:
