@@ -167,3 +167,28 @@ def test_mock_data_is_split_as_megatron_splits_it_whatever_split_says():
     ranges = [(int(split.document[0]), int(split.document[-1]) + 1) for split in splits]
     assert ranges == split_bookends("1,1,1", MOCK_NUM_DOCUMENTS), ranges
     assert all(end - begin > MOCK_NUM_DOCUMENTS // 4 for begin, end in ranges)
+
+
+def test_a_blend_split_empty_for_a_small_dataset_names_a_split_that_works(tmp_path):
+    """A probe: `--data-path 0.5 tiny 0.5 half --split 98,1,1` was refused for the empty test
+    share of the small dataset with "change --split" and no split named; the one named now runs."""
+    import json
+
+    from megatron_dynbatch.integrations.megatron_lm.data import preprocess
+
+    prefixes = []
+    for name, count in (("small", 3), ("large", 30)):
+        source = tmp_path / f"{name}.jsonl"
+        source.write_text("".join(json.dumps({"text": f"{name} {i}"}) + "\n" for i in range(count)))
+        prefixes.append(str(preprocess.write_indexed_dataset(source, str(tmp_path / name))))
+    args = _args(data_path=["0.5", prefixes[0], "0.5", prefixes[1]], split="98,1,1")
+    with pytest.raises(DynBatchValueError, match=r"split 1 \(validation\)") as caught:
+        document_splits(args, 257, None)
+    message = str(caught.value)
+    assert "--test-data-path" in message, message
+    working = message.split("pass --split ")[1].split(",")[:3]
+    working = ",".join(part.split(" ")[0] for part in working)
+    assert working == "1,1,1", message
+    splits = document_splits(_args(data_path=args.data_path, split=working), 257, None)
+    assert all(isinstance(split, BlendedSamples) for split in splits)
+    assert all(len(part) >= 1 for split in splits for part in split.parts)

@@ -436,11 +436,14 @@ def document_splits(
         paths, weights = blend
         if weights is None:
             return _split(collection(paths), split, common)
+        collections = [collection([path]) for path in paths]
         parts = [
-            _split(collection([path]), split, common, stream=i + 1) for i, path in enumerate(paths)
+            _split(documents, split, common, stream=i + 1)
+            for i, documents in enumerate(collections)
         ]
+        counts = [len(documents) for documents in collections]
         return [
-            _blend([part[index] for part in parts], paths, weights, index, args)
+            _blend([part[index] for part in parts], paths, weights, index, args, counts)
             for index in range(len(parts[0]))
         ]
     if blend_per_split is None or all(entry is None for entry in blend_per_split):
@@ -476,19 +479,25 @@ def _blend(
     weights: Sequence[float],
     split_index: int,
     args: Any,
+    counts: Optional[Sequence[int]] = None,
 ) -> Optional[Any]:
-    """One split of a weighted blend, its drawn shares printed once (rank 0)."""
+    """One split of a weighted blend, its drawn shares printed once (rank 0). ``counts``: each
+    dataset's documents (``--data-path``'s blend, cut by ``--split``), to name a split that
+    gives every dataset a document in every split that has a share."""
     from megatron_dynbatch.integrations.megatron_lm.data.blends import BlendedSamples
 
     if all(part is None for part in parts):
         return None
     empty = [path for path, part in zip(paths, parts, strict=True) if part is None]
     if empty:
+        split = args.split or DEFAULT_SPLIT
+        working = _split_for_every(split, counts) if counts else None
+        change = f"pass --split {working}" if working else "change --split"
         raise DynBatchValueError(
-            f"split {split_index} of the blend {list(paths)} (--split {args.split!r}) is empty "
-            f"for {empty}: too few documents for that split; give those datasets more documents, "
-            "change --split, or blend them only where they have data (--train-data-path / "
-            "--valid-data-path)."
+            f"split {split_index} ({_SPLIT_NAMES[split_index]}) of the blend {list(paths)} "
+            f"(--split {split!r}) is empty for {empty}: too few documents for that split; "
+            f"{change}, give those datasets more documents, or blend them only where they have "
+            "data (--train-data-path / --valid-data-path / --test-data-path)."
         )
     weights_are = getattr(args, "blend_weights", None) or "tokens"
     blended = BlendedSamples(
@@ -517,6 +526,29 @@ def _blend(
         f"of the first {drawn} samples"
     )
     return blended
+
+
+_SPLIT_NAMES = ("training", "validation", "test")
+
+
+def _split_for_every(split: str, counts: Sequence[int]) -> Optional[str]:
+    """A ``--split`` that gives every dataset of ``counts`` documents at least one document in
+    every split ``split`` gives a share (one each to the others, the rest to training), or
+    ``None`` where the smallest dataset has too few documents for that."""
+    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+
+    wanted = [i for i, share in enumerate(parse_and_normalize_split(split)) if share > 0]
+    fewest = min(counts)
+    others = [i for i in wanted if i != 0]
+    if fewest <= len(others):
+        return None
+    shares = [fewest - len(others) if i == 0 else int(i in others) for i in range(3)]
+    candidate = ",".join(str(share) for share in shares)
+    for count in counts:
+        ranges = split_bookends(candidate, count)
+        if any(ranges[i] is None for i in wanted):
+            return None
+    return candidate
 
 
 def _split(
