@@ -186,10 +186,11 @@ def _apply_oversize_policy(samples: SampleSet, config: PlannerConfig) -> Dict[in
             for i in oversize[:_LISTED]
         )
         more = f" (and {len(oversize) - _LISTED} more)" if len(oversize) > _LISTED else ""
+        longest = round_up(max(samples.lengths), sample_multiple)
         raise DynBatchValueError(
             f"{len(oversize)} sample(s) exceed the token cap {cap} ({config.cap_source}): "
-            f"{shown}{more}. Raise {config.cap_flag}, drop or shorten them, or pass "
-            "--oversize-samples "
+            f"{shown}{more}. R{config.raise_cap_to_hold(longest)[1:]}, drop or shorten "
+            "them, or pass --oversize-samples "
             "truncate (cut to the cap) or allow (run alone, over the cap)."
         )
     return {i: keep for i in oversize}

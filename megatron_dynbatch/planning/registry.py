@@ -292,7 +292,7 @@ def _fixed(samples: SampleSet, config: PlannerConfig) -> Plan:
         # Megatron's stock batching has no oversize policy: say so where one was asked for, or
         # the user reads the refusal as the policy not working.
         ignored = (
-            f" (--oversize-samples {config.oversize_samples} applies to planner "
+            f" (the oversize policy, here {config.oversize_samples}, applies to planner "
             f"{DEFAULT_PLANNER!r} only)"
             if config.oversize_samples != "error"
             else ""
@@ -300,8 +300,8 @@ def _fixed(samples: SampleSet, config: PlannerConfig) -> Plan:
         raise DynBatchValueError(
             f"planner 'fixed' pads every sample to the longest ({seq_length} tokens after "
             f"rounding), over the token cap {config.token_cap} ({config.cap_source}){ignored}; "
-            f"raise {config.cap_flag} or pick planner {DEFAULT_PLANNER!r} (it runs an oversize "
-            "sample alone, or cuts it with --oversize-samples truncate)."
+            f"{config.raise_cap_to_hold(seq_length)} or pick planner {DEFAULT_PLANNER!r} (it "
+            "runs an oversize sample alone, or cuts it with --oversize-samples truncate)."
         )
     return plan_fixed_samples(
         samples,

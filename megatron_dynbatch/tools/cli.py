@@ -602,9 +602,40 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ValueError as exc:
         # calibrate's advice is for a run (the training flags); plan and verify answer in the
         # spellings their command line used.
-        message = str(exc) if args.command == "calibrate" else _spoken(str(exc), args)
+        message = (
+            str(exc) if args.command == "calibrate" else _spoken(_flags_in_place(str(exc)), args)
+        )
         print(f"megatron-dynbatch {args.command}: error: {message}", file=sys.stderr)
         return 2
+
+
+#: The tail a planner message ends with, naming where each setting it names is set (the form
+#: every host shares, ``planning.spec.setting_flags``): ``(flags: [tool: ]key is flag; ...)``.
+_GLOSSARY = re.compile(r" \(flags: (?:[\w-]+: )?(?P<entries>.*)\.\)$")
+
+
+def _flags_in_place(message: str) -> str:
+    """``message`` with each setting it names by its field (``vpp_size=2 needs pp_size >= 2``)
+    named by this command's flag in place (``--vpp-size=2 needs --pp-size >= 2``), where that flag
+    is one word; the ``(flags: ...)`` tail keeps only what was not named in place. Fields are
+    replaced only as whole identifiers (not after a dot: ``PlannerConfig.cap`` stays)."""
+    from megatron_dynbatch.config import FLAGS
+    from megatron_dynbatch.planning.spec import LAYOUT_FLAGS
+
+    names = {**FLAGS, **LAYOUT_FLAGS["megatron-dynbatch"]}
+    kept: List[str] = []
+    match = _GLOSSARY.search(message)
+    body = message[: match.start()] if match else message
+    for entry in match.group("entries").split("; ") if match else ():
+        key, _, flag = entry.partition(" is ")
+        if "_" in key and re.fullmatch(r"--[\w-]+", flag):
+            names[key] = flag
+        else:
+            kept.append(entry)
+    for key, flag in names.items():
+        if "_" in key:  # identifiers only: a plain word (layout) may be prose
+            body = re.sub(rf"(?<![.\w-]){re.escape(key)}\b", flag, body)
+    return body + (f" (flags: {'; '.join(kept)}.)" if kept else "")
 
 
 def _spoken(message: str, args) -> str:

@@ -93,7 +93,7 @@ def test_plan_table_is_readable(tmp_path, capsys):
         ([{"length": 10, "prompt_length": 11}], [], "prompt_length=11"),
         ([{"len": 10}], [], "unknown key"),
         ({"lengths": [1]}, [], "JSON array"),
-        ([10], ["--dp-size", "0"], "dp_size=0"),
+        ([10], ["--dp-size", "0"], "--dp-size=0"),
     ],
 )
 def test_plan_errors_exit_nonzero_with_one_line_and_no_traceback(tmp_path, data, extra, message):

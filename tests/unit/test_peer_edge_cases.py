@@ -642,7 +642,24 @@ CLI_CASES = [
         _CAP,
         "rollout id True has type bool",
     ),
-    ("issues", "dp 0", [5], _CAP + ["--dp-size", "0"], "dp_size=0 must be >= 1"),
+    ("issues", "dp 0", [5], _CAP + ["--dp-size", "0"], "--dp-size=0 must be >= 1"),
+    # A probe of plan / verify: the refused cap named no value, and the fixed planner's
+    # refusal named a policy the user never passed.
+    (
+        "probe",
+        "an oversize refusal names the cap that holds the sample",
+        [100, 101, 20],
+        ["--tp-size", "2", "--max-tokens-per-gpu", "101", "--oversize-samples", "error"],
+        r"\(102 padded to a multiple of 2\)\. Raise --max-tokens-per-gpu to at least 102,",
+    ),
+    (
+        "probe",
+        "the fixed planner's refusal names the cap that holds the longest",
+        [40, 300],
+        _CAP + ["--dynamic-batch-planner", "fixed", "--dynamic-batch-layout", "padded"],
+        r"the oversize policy, here allow, applies to planner 'dynbatch' only\); raise "
+        r"--max-tokens-per-gpu to at least 300 or",
+    ),
     (
         "issues",
         "absurd dp forcing placeholders",
@@ -650,7 +667,13 @@ CLI_CASES = [
         _CAP + ["--dp-size", "100000"],
         "limit 65536",
     ),
-    ("issues", "vpp without pp", [5], _CAP + ["--vpp-size", "2"], "vpp_size=2 needs pp_size >= 2"),
+    (
+        "issues",
+        "vpp without pp",
+        [5],
+        _CAP + ["--vpp-size", "2"],
+        "--vpp-size=2 needs --pp-size >= 2",
+    ),
     (
         "issues",
         "padded layout with the model flags",
@@ -670,14 +693,14 @@ CLI_CASES = [
         "negative cost weight names the CLI flag",
         [5],
         _CAP + ["--cost-attention-weight", "-1"],
-        r"is --cost-attention-weight\.\)",
+        r"--cost-attention-weight=-1\.0 must be >= 0\.$",
     ),
     (
         "issues",
         "--min-gain 2 names the CLI flag",
         [5],
         _CAP + ["--min-gain", "2"],
-        r"is --min-gain\.\)",
+        r"^megatron-dynbatch plan: error: --min-gain=2",
     ),
     (
         "issues",

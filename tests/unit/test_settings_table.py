@@ -179,10 +179,12 @@ def test_old_spellings_plan_exactly_as_the_training_flags(tmp_path, capsys, old,
 
 
 def test_messages_answer_in_the_spelling_the_command_line_used(tmp_path, capsys):
+    # The setting named in place by the flag, in the spelling typed (no "(flags: ...)" tail).
     code, _, err = _plan(tmp_path, capsys, "--dynamic-batch-cost-attention-weight", "-1")
-    assert code == 2 and "is --dynamic-batch-cost-attention-weight.)" in err
+    assert code == 2 and "model --dynamic-batch-cost-attention-weight=-1.0 must be" in err, err
+    assert "(flags:" not in err and "attention_weight" not in err, err
     code, _, err = _plan(tmp_path, capsys, "--cost-attention-weight", "-1")
-    assert code == 2 and "is --cost-attention-weight.)" in err
+    assert code == 2 and "model --cost-attention-weight=-1.0 must be" in err, err
     # A setting the user did not type is named in the spelling of the rest of the command line.
     code, _, err = _plan(tmp_path, capsys, "--dynamic-batch-planner", "fixed")
     assert code == 2 and "--dynamic-batch-layout padded" in err
