@@ -62,10 +62,11 @@ def test_tensor_parallel_really_runs_and_matches_the_reference(dp, pp):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--cp-size", "2"], "verify cannot run cp_size=2"),
-        (["--tp-size", "3"], "do not split over tp_size=3"),
-        (["--max-tokens-per-gpu", "0"], "max_tokens_per_gpu=0"),
-        (["--dp-size", "0"], "dp_size=0"),
+        # Named by the command's own flags, in place.
+        (["--cp-size", "2"], "verify cannot run --cp-size=2"),
+        (["--tp-size", "3"], "do not split over --tp-size=3"),
+        (["--max-tokens-per-gpu", "0"], "--max-tokens-per-gpu=0"),
+        (["--dp-size", "0"], "--dp-size=0"),
     ],
 )
 def test_settings_verify_cannot_run_are_refused_not_ignored(flags, message, capsys):
