@@ -189,7 +189,7 @@ def _apply_oversize_policy(samples: SampleSet, config: PlannerConfig) -> Dict[in
         longest = round_up(max(samples.lengths), sample_multiple)
         raise DynBatchValueError(
             f"{len(oversize)} sample(s) exceed the token cap {cap} ({config.cap_source}): "
-            f"{shown}{more}. R{config.raise_cap_to_hold(longest)[1:]}, drop or shorten "
+            f"{shown}{more}. Raise {config.cap_to_hold(longest)}, drop or shorten "
             "them, or pass --oversize-samples "
             "truncate (cut to the cap) or allow (run alone, over the cap)."
         )

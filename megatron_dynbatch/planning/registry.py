@@ -300,7 +300,7 @@ def _fixed(samples: SampleSet, config: PlannerConfig) -> Plan:
         raise DynBatchValueError(
             f"planner 'fixed' pads every sample to the longest ({seq_length} tokens after "
             f"rounding), over the token cap {config.token_cap} ({config.cap_source}){ignored}; "
-            f"{config.raise_cap_to_hold(seq_length)} or pick planner {DEFAULT_PLANNER!r} (it "
+            f"raise {config.cap_to_hold(seq_length)} or pick planner {DEFAULT_PLANNER!r} (it "
             "runs an oversize sample alone, or cuts it with --oversize-samples truncate)."
         )
     return plan_fixed_samples(

@@ -639,17 +639,17 @@ class PlannerConfig:
             return "--max-memory-gib"
         return self.budget_flag
 
-    def raise_cap_to_hold(self, padded: int) -> str:
-        """``raise <flag> to at least N``: the fix that lets a row of ``padded`` tokens fit the
-        cap (the budget is per GPU: N is the row over cp). Under a smaller memory cap, only
-        the flag (the memory a row needs is the memory model's)."""
+    def cap_to_hold(self, padded: int) -> str:
+        """``<flag> to at least N``, what to raise so that a row of ``padded`` tokens fits the
+        cap (the budget is per GPU: N is the row over cp). Under a smaller memory cap, only the
+        flag (the memory a row needs is the memory model's)."""
         flag = self.cap_flag
         cp = self.parallel.cp_size
         if flag == "--max-memory-gib" or (cp > 1 and flag != "--max-tokens-per-gpu"):
             # A host whose budget caps the whole row (not a GPU's share) under CP has its own
             # check with its own value (integrations/hosts.py, check_host_oversize).
-            return f"raise {flag}"
-        return f"raise {flag} to at least {-(-padded // cp)}"
+            return flag
+        return f"{flag} to at least {-(-padded // cp)}"
 
     @property
     def multi_row_cap(self) -> int:

@@ -56,6 +56,7 @@ from megatron_dynbatch.integrations.megatron_lm.data.conversations import conver
 from megatron_dynbatch.integrations.megatron_lm.data.documents import (
     DEFAULT_SPLIT,
     MOCK_SPLIT,
+    SPLIT_NAMES,
     DocumentBatchStream,
     DocumentSampleDataset,
     document_splits,
@@ -75,7 +76,10 @@ from megatron_dynbatch.integrations.megatron_lm.gpt_stock import (
 from megatron_dynbatch.integrations.megatron_lm.hooks import entry_check
 from megatron_dynbatch.integrations.megatron_lm.layout_checks import one_rank_without_torchrun
 from megatron_dynbatch.integrations.megatron_lm.memory import TrainingPeak
-from megatron_dynbatch.integrations.megatron_lm.resume import refuse_resume_in_another_mode
+from megatron_dynbatch.integrations.megatron_lm.resume import (
+    data_mode,
+    refuse_resume_in_another_mode,
+)
 from megatron_dynbatch.mcore.forward import (
     make_forward_step,
 )
@@ -160,7 +164,7 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 
 def _uses_documents(args: Any) -> bool:
-    return bool(args.use_dynamic_batch_size or args.document_samples)
+    return data_mode(args) == "documents"
 
 
 def _check_document_args(args: Any) -> None:
@@ -328,7 +332,7 @@ def _check_stock_split_documents(args: Any, summaries: Sequence[IndexSummary]) -
         empty = [i for i in needed if shares[i] > 0 and ranges[i] is None]
         if not empty:
             continue
-        names = " and ".join(("training", "validation", "test")[i] for i in empty)
+        names = " and ".join(SPLIT_NAMES[i] for i in empty)
         # The smallest dataset's one document for validation (a larger one gets more), no test.
         fewest = min(other.num_sequences for other in summaries)
         if 1 not in needed:

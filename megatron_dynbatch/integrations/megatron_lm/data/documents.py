@@ -73,6 +73,8 @@ DEFAULT_SPLIT = "969, 30, 1"
 MOCK_NUM_DOCUMENTS = 100_000
 #: The split of mock data, ``--split`` ignored, as Megatron-Core splits its own mock dataset.
 MOCK_SPLIT = "1,1,1"
+#: ``--split``'s three parts, in its order, as messages name them.
+SPLIT_NAMES = ("training", "validation", "test")
 _MOCK_MEDIAN_FRACTION = 0.2
 _MOCK_SIGMA = 0.9
 _MOCK_MIN_LENGTH = 2
@@ -494,7 +496,7 @@ def _blend(
         working = _split_for_every(split, counts) if counts else None
         change = f"pass --split {working}" if working else "change --split"
         raise DynBatchValueError(
-            f"split {split_index} ({_SPLIT_NAMES[split_index]}) of the blend {list(paths)} "
+            f"split {split_index} ({SPLIT_NAMES[split_index]}) of the blend {list(paths)} "
             f"(--split {split!r}) is empty for {empty}: too few documents for that split; "
             f"{change}, give those datasets more documents, or blend them only where they have "
             "data (--train-data-path / --valid-data-path / --test-data-path)."
@@ -526,9 +528,6 @@ def _blend(
         f"of the first {drawn} samples"
     )
     return blended
-
-
-_SPLIT_NAMES = ("training", "validation", "test")
 
 
 def _split_for_every(split: str, counts: Sequence[int]) -> Optional[str]:
