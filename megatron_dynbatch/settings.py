@@ -525,6 +525,14 @@ SETTINGS: Tuple[Setting, ...] = (
         ),
     ),
     Setting(
+        flag="--dynamic-batch-plan-ahead",
+        action=argparse.BooleanOptionalAction,
+        help="Read the next training batch as soon as a step is prepared and plan it in a "
+        "background thread while the step trains; the next step uses that plan when it plans "
+        "with the same settings (calibration and the memory model may change them), else plans "
+        "again. The plans are the same either way. Default: on.",
+    ),
+    Setting(
         flag="--dynamic-batch-config",
         parse=str,
         help="YAML file of dynamic-batching settings (keys: see configs/dynbatch.yaml); flags "

@@ -462,6 +462,7 @@ def test_tensorboard_and_wandb_get_the_dynamic_batching_scalars(board):
         "dp imbalance",
         "placeholders",
         "planning seconds",
+        "planned ahead",
     ):
         assert [step for step, _ in ours.get(f"dynbatch/{tag}", [])] == [1, 2], (tag, ours)
     # The figures are the ones the iteration line prints (patch 0003), step by step.

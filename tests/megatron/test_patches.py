@@ -282,8 +282,9 @@ def test_flag_on_train_step_serves_planned_steps(train_step_results):
     on = train_step_results["patched"]["on"]
     steps = on["steps"]
     # 8 samples in 6 rollouts, 2 rollouts per step: steps of rollouts {a,b}, {c,d}, {e,f}, all
-    # from one pull of the iterator.
-    assert on["pulls"] == 1
+    # from one pull of the iterator; the next batch is read (to be planned while the step
+    # trains, --dynamic-batch-plan-ahead) only once the last of them is prepared.
+    assert [s["pulls"] for s in steps] == [1, 1, 2]
     assert [s["indices"] for s in steps] == [[0, 1, 2, 3], [4, 5], [6, 7]]
     assert [s["step_index"] for s in steps] == [0, 1, 2]
     for step in steps:
@@ -359,6 +360,74 @@ def test_a_batch_of_the_wrong_size_stops_every_rank_with_the_same_error():
     kind, message = messages[0]
     assert kind == "StepAgreementError" and "rank 1:" in message and "rank 0:" not in message
     assert "batch of 7 samples, but --global-batch-size is 6" in message
+
+
+def _plan_ahead_body(flag: str, bad_second_batch: bool):
+    import argparse
+
+    import torch
+
+    from megatron_dynbatch.integrations.megatron_lm import hooks as training_hooks
+    from megatron_dynbatch.integrations.megatron_lm.arguments import add_dynamic_batch_args
+    from megatron_dynbatch.mcore.agreement import StepAgreementError
+    from megatron_dynbatch.runtime.batches import RolloutBatch
+
+    args = add_dynamic_batch_args(argparse.ArgumentParser()).parse_args(
+        ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "16", flag]
+        + ["--dynamic-batch-calibration-steps", "0"]
+    )
+    args.data_parallel_size = torch.distributed.get_world_size()
+    args.calculate_per_token_loss = True
+    args.global_batch_size = 6
+    batches = [[3, 9, 5, 12, 7, 2], [14, 1, 6, 6, 9, 3], [2, 2, 11, 15, 4, 8]]
+    if bad_second_batch and torch.distributed.get_rank() == 1:
+        batches[1] = batches[1] + [4]  # one sample too many, on one rank only
+    reads = []
+
+    def read():
+        for lengths in batches:
+            reads.append(len(reads))
+            yield RolloutBatch(samples=[{"tokens": torch.arange(1, n + 1)} for n in lengths])
+
+    data = read()
+    training_hooks.reset_dynamic_batch_state()
+    steps = []
+    try:
+        for _ in range(3):
+            step = training_hooks.prepare_train_step(args, data, [torch.nn.Linear(1, 1)])
+            steps.append((step.plan_fingerprint, step.planned_ahead, len(reads)))
+    except StepAgreementError as error:
+        return steps, str(error)
+    finally:
+        training_hooks.reset_dynamic_batch_state()
+    return steps, None
+
+
+def test_the_next_batch_is_planned_while_a_step_trains_into_the_same_plans():
+    from megatron_dynbatch.tools.testing.workers import Layout, run_on_ranks
+
+    ahead = run_on_ranks(2, _plan_ahead_body, "--dynamic-batch-plan-ahead", False, layout=Layout())
+    now = run_on_ranks(2, _plan_ahead_body, "--no-dynamic-batch-plan-ahead", False, layout=Layout())
+    for (steps, error), (steps_now, error_now) in zip(ahead, now, strict=True):
+        assert error is None and error_now is None
+        # The same plans; the second and third batches planned ahead, each read as soon as the
+        # step before it was prepared (the third read after step 2: none after the last batch).
+        assert [s[0] for s in steps] == [s[0] for s in steps_now]
+        assert len({s[0] for s in steps}) == 3
+        assert [s[1] for s in steps] == [False, True, True]
+        assert [s[2] for s in steps] == [2, 3, 3]
+        assert [s[1:] for s in steps_now] == [(False, 1), (False, 2), (False, 3)]
+
+
+def test_a_bad_batch_read_ahead_stops_every_rank_at_the_step_that_needs_it():
+    from megatron_dynbatch.tools.testing.workers import Layout, run_on_ranks
+
+    results = run_on_ranks(2, _plan_ahead_body, "--dynamic-batch-plan-ahead", True, layout=Layout())
+    (steps0, error0), (steps1, error1) = results
+    # Read after step 1 was prepared; raised when step 2 needs it, on both ranks alike.
+    assert len(steps0) == len(steps1) == 1 and error0 == error1
+    assert "rank 1:" in error0 and "rank 0:" not in error0
+    assert "batch of 7 samples, but --global-batch-size is 6" in error0
 
 
 # --- worker: runs in a subprocess with TREE first on sys.path ------------------------------------
@@ -615,10 +684,10 @@ def _worker_flag_on():
                 "params_changed": any(
                     not before_params[k].equal(after_params[k]) for k in before_params
                 ),
+                "pulls": len(pulls),
             }
         )
     result["steps"] = steps
-    result["pulls"] = len(pulls)
     return result
 
 

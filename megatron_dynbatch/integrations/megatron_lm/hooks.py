@@ -89,6 +89,7 @@ from megatron_dynbatch.integrations.megatron_lm.memory import (
     memory_model_from_args,
     resolve_budget,
 )
+from megatron_dynbatch.integrations.megatron_lm.plan_ahead import PlanAhead
 from megatron_dynbatch.mcore.agreement import (
     step_agreement,
 )
@@ -162,7 +163,11 @@ class DynamicStep:
     dp_imbalance: float = 1.0
     """max / mean over DP ranks of the step's computed cost (1.0: balanced)."""
     planning_seconds: float = 0.0
-    """Wall time of planning the batch this step came from (0.0 for the later steps of a batch)."""
+    """Wall time this step spent planning the batch it came from (0.0 for the later steps of a
+    batch; with the plan made ahead, the time it waited for that plan)."""
+    planned_ahead: bool = False
+    """Whether the batch was planned while the step before it trained
+    (``--dynamic-batch-plan-ahead``)."""
 
 
 @dataclass
@@ -173,6 +178,7 @@ class _Cursor:
     plan: Plan
     planning_seconds: float
     next_step: int = 0
+    planned_ahead: bool = False
 
 
 @dataclass
@@ -210,6 +216,9 @@ class DynamicBatchHooks:
         self.calibration = Calibrator(config)
         self.memory = _step_memory(args, config)
         self._variable_rows: Optional[bool] = None
+        # --[no-]dynamic-batch-plan-ahead (default on): the next batch, read and being planned.
+        self._plan_ahead = getattr(args, "dynamic_batch_plan_ahead", None) is not False
+        self._ahead: Optional[PlanAhead] = None
 
     @property
     def variable_rows(self) -> bool:
@@ -286,6 +295,8 @@ class DynamicBatchHooks:
                 step_index, plan = cursor.next_step, cursor.plan
                 batch, seconds = cursor.batch, cursor.planning_seconds
             else:
+                if self._ahead is not None:
+                    self._ahead.wait()  # one planner at a time (its replay caches are shared)
                 if kind == "eval":
                     batch = _next_batch(source, "validation")
                     eval_batch = self.args.eval_global_batch_size or self.args.global_batch_size
@@ -303,6 +314,8 @@ class DynamicBatchHooks:
                 # rows where the exchange's cost made them faster (every rank planned the same).
                 _exchange_shapes(model_chunks, bool(plan.steps[step_index].row_lengths))
             step = _materialize(batch, plan, step_index, dp_group, pp_group, model_chunks, seconds)
+            if kind == "train" and self.cursor.planned_ahead:
+                step = dataclasses.replace(step, planned_ahead=True)
         if kind == "train":
             _count_real_lengths(batch, plan.steps[step_index].kept_lengths, step.sample_indices)
             self._record(step)
@@ -324,6 +337,9 @@ class DynamicBatchHooks:
                     predicted_step_peaks(self.memory.current, shapes),
                     shapes,
                 )
+            if self._plan_ahead and self.cursor.next_step >= len(self.cursor.plan.steps):
+                # The batch is served: read the next one and plan it while this step trains.
+                self._ahead = self._read_ahead(source, layout)
             # Host work before the step's first micro-batch (the GPU waits for it): planning,
             # reading and building the rank's micro-batches, the agreement and the measurements.
             self.totals.prepare_seconds += time.perf_counter() - started
@@ -343,17 +359,43 @@ class DynamicBatchHooks:
 
     def _train_cursor(self, data_iterator: Any, layout: ParallelLayout) -> _Cursor:
         if self.cursor is None or self.cursor.next_step >= len(self.cursor.plan.steps):
-            batch = _next_batch(data_iterator, "training")
-            _check_batch_size(
-                batch,
-                self.args.global_batch_size,
-                "--global-batch-size",
-                self._by_rollouts,
-                self._by_rollouts,
+            ahead, self._ahead = self._ahead, None
+            if ahead is not None:
+                # Kept only under the config this step plans with (calibration or the memory
+                # model may have changed since): the plan the line below would make.
+                batch, plan, seconds, planned_ahead = ahead.take(
+                    self.planner(layout, forward_only=False),
+                    lambda batch: self._plan(batch, layout, forward_only=False),
+                )
+            else:
+                batch = self._train_batch(data_iterator)
+                plan, seconds = self._plan(batch, layout, forward_only=False)
+                planned_ahead = False
+            self.cursor = _Cursor(
+                batch=batch, plan=plan, planning_seconds=seconds, planned_ahead=planned_ahead
             )
-            plan, seconds = self._plan(batch, layout, forward_only=False)
-            self.cursor = _Cursor(batch=batch, plan=plan, planning_seconds=seconds)
         return self.cursor
+
+    def _train_batch(self, data_iterator: Any) -> Any:
+        batch = _next_batch(data_iterator, "training")
+        _check_batch_size(
+            batch,
+            self.args.global_batch_size,
+            "--global-batch-size",
+            self._by_rollouts,
+            self._by_rollouts,
+        )
+        return batch
+
+    def _read_ahead(self, data_iterator: Any, layout: ParallelLayout) -> PlanAhead:
+        """The next training batch, being planned under this step's config; a failure to read it
+        is raised by the step that needs it (inside that step's agreement, as it was before)."""
+        try:
+            batch = self._train_batch(data_iterator)
+            config = self.planner(layout, forward_only=False)
+        except Exception as error:
+            return PlanAhead.failed(error)
+        return PlanAhead(batch, config)
 
     def _record(self, step: DynamicStep) -> None:
         self.cursor.next_step += 1
@@ -404,6 +446,7 @@ class DynamicBatchHooks:
             "dynbatch/placeholders": float(step.num_placeholders),
             "dynbatch/truncated tokens": float(step.truncated_tokens),
             "dynbatch/planning seconds": float(step.planning_seconds),
+            "dynbatch/planned ahead": float(step.planned_ahead),
             **self.calibration.scalars(),
         }
 
@@ -600,7 +643,8 @@ def write_dynamic_scalars(iteration: int, writer: Any = None, wandb_writer: Any 
     ``--tensorboard-log-interval`` iterations, on the rank that holds the writers). Tags:
     ``dynbatch/micro-batches per rank``, ``row length``, ``real tokens``, ``computed tokens``,
     ``fill``, ``dp imbalance`` (computed cost, max / mean over DP ranks), ``placeholders``,
-    ``truncated tokens`` and ``planning seconds``; after calibration also ``step time predicted
+    ``truncated tokens``, ``planning seconds`` (what the step waited for its plan) and ``planned
+    ahead`` (1 where its batch was planned while the step before it trained); after calibration also ``step time predicted
     (ms)``, ``step time measured (ms)`` (the iteration line's figures) and ``calibration error``
     (the fit's median relative error). ``peak memory
     predicted (MiB)`` and ``peak memory measured (MiB)`` (and each per pipeline stage) follow at
