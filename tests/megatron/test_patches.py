@@ -396,11 +396,12 @@ def _plan_ahead_body(flag: str, bad_second_batch: bool):
         for _ in range(3):
             step = training_hooks.prepare_train_step(args, data, [torch.nn.Linear(1, 1)])
             steps.append((step.plan_fingerprint, step.planned_ahead, len(reads)))
+        line = training_hooks.dynamic_log_string()
     except StepAgreementError as error:
         return steps, str(error)
     finally:
         training_hooks.reset_dynamic_batch_state()
-    return steps, None
+    return steps, line
 
 
 def test_the_next_batch_is_planned_while_a_step_trains_into_the_same_plans():
@@ -408,8 +409,9 @@ def test_the_next_batch_is_planned_while_a_step_trains_into_the_same_plans():
 
     ahead = run_on_ranks(2, _plan_ahead_body, "--dynamic-batch-plan-ahead", False, layout=Layout())
     now = run_on_ranks(2, _plan_ahead_body, "--no-dynamic-batch-plan-ahead", False, layout=Layout())
-    for (steps, error), (steps_now, error_now) in zip(ahead, now, strict=True):
-        assert error is None and error_now is None
+    for (steps, line), (steps_now, line_now) in zip(ahead, now, strict=True):
+        # The iteration line counts the batches planned ahead (none with the flag off).
+        assert "| planned ahead: 2/3 |" in line and "planned ahead" not in line_now
         # The same plans; the second and third batches planned ahead, each read as soon as the
         # step before it was prepared (the third read after step 2: none after the last batch).
         assert [s[0] for s in steps] == [s[0] for s in steps_now]

@@ -191,6 +191,8 @@ class _Totals:
     computed_tokens: int = 0
     truncated_tokens: int = 0
     prepare_seconds: float = 0.0
+    batches: int = 0
+    batches_planned_ahead: int = 0
 
 
 class DynamicBatchHooks:
@@ -374,6 +376,8 @@ class DynamicBatchHooks:
             self.cursor = _Cursor(
                 batch=batch, plan=plan, planning_seconds=seconds, planned_ahead=planned_ahead
             )
+            self.totals.batches += 1
+            self.totals.batches_planned_ahead += planned_ahead
         return self.cursor
 
     def _train_batch(self, data_iterator: Any) -> Any:
@@ -422,6 +426,8 @@ class DynamicBatchHooks:
             f"{totals.computed_tokens} | fill: {fill:.3f} | host prep (ms): "
             f"{totals.prepare_seconds / totals.steps * 1e3:.1f} |"
         )
+        if self._plan_ahead and totals.batches:
+            line += f" planned ahead: {totals.batches_planned_ahead}/{totals.batches} |"
         if totals.truncated_tokens:
             line += f" truncated tokens: {totals.truncated_tokens} |"
         line += self.calibration.log_string()
@@ -631,7 +637,9 @@ def dynamic_log_string() -> str:
 
     ``micro-batches`` is the last step's per-rank count and row shape ``[B x S]``; ``real`` and
     ``computed tokens`` and ``fill`` (their ratio) sum all steps since the previous line, and so
-    does ``truncated tokens`` (shown when ``--oversize-samples truncate`` cut any).
+    does ``truncated tokens`` (shown when ``--oversize-samples truncate`` cut any). ``planned
+    ahead: k/n``: of the n batches planned since the previous line, k were planned while the step
+    before them trained (``--dynamic-batch-plan-ahead``; not shown with it off).
     """
     return "" if _hooks is None else _hooks.log_string()
 
