@@ -530,7 +530,9 @@ SETTINGS: Tuple[Setting, ...] = (
         help="Read the next training batch as soon as a step is prepared and plan it in a "
         "background thread while the step trains; the next step uses that plan when it plans "
         "with the same settings (calibration and the memory model may change them), else plans "
-        "again. The plans are the same either way. Default: on.",
+        "again. The plans are the same either way. Default: on for the launch script's own data "
+        "(documents, blends, conversations); off for a host's own iterator, whose next batch may "
+        "come from the model the step trains.",
     ),
     Setting(
         flag="--dynamic-batch-config",

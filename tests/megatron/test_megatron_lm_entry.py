@@ -465,6 +465,10 @@ def test_tensorboard_and_wandb_get_the_dynamic_batching_scalars(board):
         "planned ahead",
     ):
         assert [step for step, _ in ours.get(f"dynbatch/{tag}", [])] == [1, 2], (tag, ours)
+    # The launch script's own data is read ahead: the second batch was planned while the first
+    # step trained (--dynamic-batch-plan-ahead's default), on the line and the board.
+    assert re.findall(r"\| planned ahead: (\d+)/(\d+) \|", log) == [("0", "1"), ("1", "1")]
+    assert [value for _, value in ours["dynbatch/planned ahead"]] == [0.0, 1.0]
     # The figures are the ones the iteration line prints (patch 0003), step by step.
     printed = re.findall(
         r"micro-batches/rank: (\d+) \[(\d+)x(\d+)\] \| real tokens: (\d+) \| computed tokens: (\d+)",

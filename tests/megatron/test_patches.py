@@ -282,9 +282,9 @@ def test_flag_on_train_step_serves_planned_steps(train_step_results):
     on = train_step_results["patched"]["on"]
     steps = on["steps"]
     # 8 samples in 6 rollouts, 2 rollouts per step: steps of rollouts {a,b}, {c,d}, {e,f}, all
-    # from one pull of the iterator; the next batch is read (to be planned while the step
-    # trains, --dynamic-batch-plan-ahead) only once the last of them is prepared.
-    assert [s["pulls"] for s in steps] == [1, 1, 2]
+    # from one pull of the iterator (a host's own: not read ahead without
+    # --dynamic-batch-plan-ahead, test_the_next_batch_is_planned_while_a_step_trains_...).
+    assert [s["pulls"] for s in steps] == [1, 1, 1]
     assert [s["indices"] for s in steps] == [[0, 1, 2, 3], [4, 5], [6, 7]]
     assert [s["step_index"] for s in steps] == [0, 1, 2]
     for step in steps:
@@ -373,7 +373,7 @@ def _plan_ahead_body(flag: str, bad_second_batch: bool):
     from megatron_dynbatch.runtime.batches import RolloutBatch
 
     args = add_dynamic_batch_args(argparse.ArgumentParser()).parse_args(
-        ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "16", flag]
+        ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "16", *([flag] if flag else [])]
         + ["--dynamic-batch-calibration-steps", "0"]
     )
     args.data_parallel_size = torch.distributed.get_world_size()
@@ -409,6 +409,11 @@ def test_the_next_batch_is_planned_while_a_step_trains_into_the_same_plans():
 
     ahead = run_on_ranks(2, _plan_ahead_body, "--dynamic-batch-plan-ahead", False, layout=Layout())
     now = run_on_ranks(2, _plan_ahead_body, "--no-dynamic-batch-plan-ahead", False, layout=Layout())
+    # A host's own iterator (this generator) may make its next batch from the model a step
+    # trains: read ahead only when asked.
+    default = run_on_ranks(2, _plan_ahead_body, "", False, layout=Layout())
+    for (steps, line), (steps_now, _) in zip(default, now, strict=True):
+        assert steps == steps_now and "planned ahead" not in line
     for (steps, line), (steps_now, line_now) in zip(ahead, now, strict=True):
         # The iteration line counts the batches planned ahead (none with the flag off).
         assert "| planned ahead: 2/3 |" in line and "planned ahead" not in line_now

@@ -79,6 +79,7 @@ from megatron_dynbatch.integrations.megatron_lm.arguments import (
     variable_seq_lengths,
 )
 from megatron_dynbatch.integrations.megatron_lm.calibration import Calibrator
+from megatron_dynbatch.integrations.megatron_lm.data.documents import DocumentBatchStream
 from megatron_dynbatch.integrations.megatron_lm.layout_checks import (
     check_model_layout,
     check_world_size,
@@ -218,8 +219,9 @@ class DynamicBatchHooks:
         self.calibration = Calibrator(config)
         self.memory = _step_memory(args, config)
         self._variable_rows: Optional[bool] = None
-        # --[no-]dynamic-batch-plan-ahead (default on): the next batch, read and being planned.
-        self._plan_ahead = getattr(args, "dynamic_batch_plan_ahead", None) is not False
+        # --[no-]dynamic-batch-plan-ahead (None: on for the launch script's own data only,
+        # _fixed_order): the next batch, read and being planned.
+        self._plan_ahead: Optional[bool] = getattr(args, "dynamic_batch_plan_ahead", None)
         self._ahead: Optional[PlanAhead] = None
 
     @property
@@ -339,7 +341,7 @@ class DynamicBatchHooks:
                     predicted_step_peaks(self.memory.current, shapes),
                     shapes,
                 )
-            if self._plan_ahead and self.cursor.next_step >= len(self.cursor.plan.steps):
+            if self._reads_ahead(source) and self.cursor.next_step >= len(self.cursor.plan.steps):
                 # The batch is served: read the next one and plan it while this step trains.
                 self._ahead = self._read_ahead(source, layout)
             # Host work before the step's first micro-batch (the GPU waits for it): planning,
@@ -391,6 +393,13 @@ class DynamicBatchHooks:
         )
         return batch
 
+    def _reads_ahead(self, data_iterator: Any) -> bool:
+        """``--dynamic-batch-plan-ahead`` as given, else (the default) whether the training
+        batches come from the launch script's own data (:func:`_fixed_order`)."""
+        if self._plan_ahead is None:
+            self._plan_ahead = _fixed_order(data_iterator)
+        return self._plan_ahead
+
     def _read_ahead(self, data_iterator: Any, layout: ParallelLayout) -> PlanAhead:
         """The next training batch, being planned under this step's config; a failure to read it
         is raised by the step that needs it (inside that step's agreement, as it was before)."""
@@ -426,7 +435,7 @@ class DynamicBatchHooks:
             f"{totals.computed_tokens} | fill: {fill:.3f} | host prep (ms): "
             f"{totals.prepare_seconds / totals.steps * 1e3:.1f} |"
         )
-        if self._plan_ahead and totals.batches:
+        if self._plan_ahead and totals.batches:  # None (not yet known) only before a step
             line += f" planned ahead: {totals.batches_planned_ahead}/{totals.batches} |"
         if totals.truncated_tokens:
             line += f" truncated tokens: {totals.truncated_tokens} |"
@@ -885,6 +894,22 @@ def _next_batch(data_iterator: Any, what: str) -> Any:
                 "iteration Megatron runs (--train-iters / --train-samples, --eval-iters)."
             ) from None
     return coerce_batch(batches[0])
+
+
+def _fixed_order(data_iterator: Any) -> bool:
+    """Whether every training iterator is the launch script's own document stream (documents,
+    blends, conversations), whose batches are fixed by position: reading one a step early changes
+    nothing. A host's own iterator may make its next batch from the model being trained (on-policy
+    rollouts), which must not be read before the step that trains the model runs."""
+    candidates = data_iterator if isinstance(data_iterator, (list, tuple)) else [data_iterator]
+    iterators = [iterator for iterator in candidates if iterator is not None]
+    return bool(iterators) and all(
+        isinstance(
+            iterator.iterable if isinstance(iterator, RerunDataIterator) else iterator,
+            DocumentBatchStream,
+        )
+        for iterator in iterators
+    )
 
 
 def _count_units(batch: Any, by_rollouts: bool) -> int:
