@@ -217,9 +217,14 @@ def test_variable_seq_lengths_without_the_flag_is_refused():
 
 
 def test_without_the_flag_it_trains_like_pretrain_gpt(tmp_path):
-    args = _TINY + ["--pipeline-model-parallel-size", 2, "--train-iters", 2, "--eval-iters", 0]
+    args = _TINY + ["--pipeline-model-parallel-size", 2, "--train-iters", 4, "--eval-iters", 0]
+    # Megatron's early exit under its signal handler: the ranks once hung at exit, joining data
+    # loader workers that ignore SIGTERM (run_program held the exit's traceback, and with it the
+    # loaders), until torchrun or a timeout killed them.
+    args += ["--exit-signal-handler", "--exit-interval", 2]
     rc, log, _ = torchrun(2, LAUNCH, args, log_path=tmp_path / "stock.log")
     parsed = parse_ok(rc, log)
+    assert "[exiting program at iteration 2]" in log
     assert sorted(parsed["iterations"]) == [1, 2]
     assert all("real" not in record for record in parsed["iterations"].values())
     # Stock GPTDataset windows: Megatron's mock dataset and its cache messages, not ours.

@@ -15,6 +15,7 @@ must not be imported before :func:`pretrain` has set the patched tree up.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import pathlib
 import sys
@@ -86,13 +87,18 @@ def run_program(body: Optional[Callable[[], None]] = None) -> NoReturn:
     A script that calls ``main()`` itself keeps Python's own exit. A traceback (an unexpected
     exception) is left to Python and torchrun, as without us.
     """
+    code = 0
     try:
         (body or pretrain)()
     except SystemExit as stop:  # argparse, fail(), Megatron's --exit-interval / --exit-duration
         if stop.code is not None and not isinstance(stop.code, int):
             raise  # a message to print: Python's own exit prints it
-        end_process(stop.code or 0)
-    end_process(0)
+        code = stop.code or 0
+    # Out of the handler: its traceback held pretrain()'s frames, and with them the data loaders'
+    # iterators and their worker processes. Those workers inherited Megatron's SIGTERM handler
+    # (--exit-signal-handler), so multiprocessing's atexit hook could not stop them and waited
+    # forever; released (and collected), each iterator shuts its own workers down first.
+    end_process(code)
 
 
 def end_process(code: int) -> NoReturn:
@@ -105,6 +111,7 @@ def end_process(code: int) -> NoReturn:
     Everything a run writes is closed first (process groups by ``main()``; here the
     ``atexit`` handlers, Megatron's TensorBoard writer, stdout and stderr), so nothing is lost.
     """
+    gc.collect()  # iterators in reference cycles too (see run_program)
     atexit._run_exitfuncs()
     writers = sys.modules.get("megatron.training.global_vars")
     writer = getattr(writers, "_GLOBAL_TENSORBOARD_WRITER", None)
