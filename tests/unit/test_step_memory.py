@@ -234,3 +234,25 @@ def test_on_cpu_a_shape_not_yet_measured_keeps_the_resident_sets_jitter_free(mon
         assert trusted.fits(between) is (not resident), (between, resident)
     assert budgets[False] == 600 * MIB
     assert budgets[True] == int(600 * MIB * (1.0 - step_memory.RESIDENT_JITTER))
+
+
+def test_memory_scalars_follow_the_tensorboard_log_interval(monkeypatch):
+    """Megatron writes its scalars every --tensorboard-log-interval iterations and then hands us
+    its writers (write_dynamic_scalars); the memory scalars of those iterations only follow."""
+
+    class _Writer:
+        def __init__(self):
+            self.steps = set()
+
+        def add_scalar(self, tag, value, step):
+            self.steps.add(step)
+
+    process = _Process(400 * MIB)
+    memory = _memory(monkeypatch, process, 2000)
+    writer = _Writer()
+    for iteration in range(1, 7):
+        _step(memory, process, iteration, (1, SEQ), 8, 2.0)
+        if iteration % 2 == 0:  # --tensorboard-log-interval 2
+            memory.writers = (writer, None, iteration)
+        memory.close(None)
+    assert writer.steps == {2, 4, 6}

@@ -670,7 +670,7 @@ def write_dynamic_scalars(iteration: int, writer: Any = None, wandb_writer: Any 
     if _hooks is not None and _hooks.memory is not None and (writer or wandb_writer):
         # The step's peak is read (a collective) after this, with the iteration line: its
         # scalars follow then, at this iteration.
-        _hooks.memory.writers = (writer, wandb_writer)
+        _hooks.memory.writers = (writer, wandb_writer, iteration)
     scalars = {} if _hooks is None else _hooks.scalars()
     if not scalars:
         return

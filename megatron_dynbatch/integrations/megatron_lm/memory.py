@@ -283,9 +283,11 @@ class StepMemory:
     stage_peaks: List[float] = field(default_factory=list)
     """Per pipeline stage, the largest peak measured over the run's training steps."""
     warned_small: bool = False
-    writers: Optional[Tuple[Any, Any]] = None
-    """Megatron's TensorBoard and W&B writers (on the rank that holds them), once it has written
-    a step's scalars: each step's memory scalars follow when the step is read."""
+    writers: Optional[Tuple[Any, Any, int]] = None
+    """Megatron's TensorBoard and W&B writers (on the rank that holds them) and the iteration
+    whose scalars Megatron has just written (every ``--tensorboard-log-interval``): that step's
+    memory scalars follow when the step is read, at the same iteration; other steps' are not
+    written."""
     largest_counted: Dict[int, Tuple[float, float]] = field(default_factory=dict)
     """Per stage, the largest counted token and score bytes of a measured step."""
     cover_floor: Dict[int, float] = field(default_factory=dict)
@@ -466,7 +468,9 @@ class StepMemory:
         them after Megatron's own: the step is read after its scalars are written)."""
         if self.writers is None or reading.iteration is None:
             return
-        writer, wandb_writer = self.writers
+        writer, wandb_writer, iteration = self.writers
+        if reading.iteration != iteration:
+            return
         values = self.scalars(reading)
         if writer is not None:
             for tag, value in values.items():
