@@ -9,7 +9,7 @@ after ``validate_args``, whose defaults it applies the same way), so a planner o
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 from megatron_dynbatch.planning.memory import UNFITTED_SAFETY, MemoryModel
 from megatron_dynbatch.planning.model_dims import ModelDims
@@ -85,7 +85,85 @@ def model_dims_from_args(
         moe_router_topk=int(getattr(args, "moe_router_topk", None) or 2),
         ep_size=int(getattr(args, "expert_model_parallel_size", None) or 1) if experts else 1,
         parallel=parallel,
+        stage_chunk_layers=_stage_chunk_layers(args, parallel),
     )
+
+
+def _stage_chunk_layers(
+    args: Any, parallel: ParallelLayout
+) -> Optional[Tuple[Tuple[int, ...], ...]]:
+    """Layers of each model chunk of each pipeline stage where Megatron's split is not the even
+    one, else ``None``; also ``None`` for a split Megatron refuses (its own check names it).
+
+    As Megatron-Core 0.19 splits them (``transformer_block.get_num_layers_to_build``): with
+    ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers`` the first /
+    last stage holds that many and the other stages share the rest evenly; with
+    ``--account-for-embedding-in-pipeline-split`` / ``-loss-`` the embedding / loss counts as a
+    layer in an even split and the first / last chunk builds one layer less; each stage's layers
+    are shared evenly by its virtual chunks. ``--pipeline-model-parallel-layout`` is read with
+    Megatron's own parser, where megatron is importable (only then: this module imports neither
+    torch nor megatron otherwise)."""
+    pp, vpp = parallel.pp_size, parallel.vpp_size
+    first = getattr(args, "decoder_first_pipeline_num_layers", None)
+    last = getattr(args, "decoder_last_pipeline_num_layers", None)
+    embedding = bool(getattr(args, "account_for_embedding_in_pipeline_split", False))
+    loss = bool(getattr(args, "account_for_loss_in_pipeline_split", False))
+    layout = getattr(args, "pipeline_model_parallel_layout", None)
+    if layout is not None:
+        return _layout_layers(layout, pp, vpp)
+    if first is None and last is None and not embedding and not loss:
+        return None
+    if pp == 1:
+        return None
+    layers = int(args.num_layers)
+    if first is not None or last is not None:
+        if embedding or loss:
+            return None  # Megatron refuses both
+        given = {0: first, pp - 1: last}
+        given = {stage: int(n) for stage, n in given.items() if n is not None}
+        rest_stages = pp - len(given)
+        rest = layers - sum(given.values())
+        if rest_stages and (rest < 0 or rest % rest_stages):
+            return None
+        per_stage = [
+            given.get(stage, rest // rest_stages if rest_stages else 0) for stage in range(pp)
+        ]
+    else:
+        total = layers + embedding + loss
+        if total % pp:
+            return None
+        per_stage = [total // pp] * pp
+    if any(n % vpp for n in per_stage):
+        return None
+    chunks = [[n // vpp] * vpp for n in per_stage]
+    if not (first is not None or last is not None):
+        if embedding:
+            chunks[0][0] -= 1
+        if loss:
+            chunks[pp - 1][vpp - 1] -= 1
+    if any(n < 0 for stage in chunks for n in stage):
+        return None
+    return tuple(tuple(stage) for stage in chunks)
+
+
+def _layout_layers(layout: Any, pp: int, vpp: int) -> Optional[Tuple[Tuple[int, ...], ...]]:
+    """Decoder layers per ``[stage][chunk]`` of ``--pipeline-model-parallel-layout``."""
+    try:
+        from megatron.core.transformer.enums import LayerType
+        from megatron.core.transformer.pipeline_parallel_layer_layout import (
+            PipelineParallelLayerLayout,
+        )
+    except ImportError:
+        return None
+    try:
+        if isinstance(layout, (str, list)):
+            layout = PipelineParallelLayerLayout(layout, pp)
+        return tuple(
+            tuple(layout.layout[stage][chunk].count(LayerType.decoder) for chunk in range(vpp))
+            for stage in range(pp)
+        )
+    except (AssertionError, ValueError, IndexError, TypeError, AttributeError):
+        return None  # Megatron's own check refuses this layout
 
 
 def memory_model_from_flags(

@@ -72,6 +72,12 @@ class ModelDims:
     """Expert-parallel size: each rank holds ``num_experts / ep_size`` experts."""
     parallel: ParallelLayout = field(default_factory=ParallelLayout)
     """tp / pp / cp / vpp / dp sizes (and the interleaving group)."""
+    stage_chunk_layers: Optional[Tuple[Tuple[int, ...], ...]] = None
+    """Transformer layers of each model chunk of each pipeline stage (``[stage][chunk]``), where
+    Megatron does not split ``num_layers`` evenly (``--decoder-first-pipeline-num-layers``,
+    ``--decoder-last-pipeline-num-layers``, ``--pipeline-model-parallel-layout``,
+    ``--account-for-embedding-in-pipeline-split`` / ``-loss-``: the heavier stage holds more
+    activations and sets the pipeline's pace); ``None``: the even split (:meth:`chunk_layers`)."""
 
     def __post_init__(self) -> None:
         fix = "pass the model's own Megatron arguments."
@@ -109,6 +115,19 @@ class ModelDims:
             )
         if not isinstance(self.parallel, ParallelLayout):
             raise DynBatchValueError(f"parallel={self.parallel!r} must be a ParallelLayout.")
+        if self.stage_chunk_layers is not None:
+            layers = self.stage_chunk_layers
+            pp, vpp = self.parallel.pp_size, self.parallel.vpp_size
+            if not (
+                isinstance(layers, tuple)
+                and len(layers) == pp
+                and all(isinstance(stage, tuple) and len(stage) == vpp for stage in layers)
+                and all(type(n) is int and n >= 0 for stage in layers for n in stage)
+            ):
+                raise DynBatchValueError(
+                    f"stage_chunk_layers={layers!r} must hold, for each of the {pp} pipeline "
+                    f"stages, a tuple of {vpp} layer counts (integers >= 0)."
+                )
         if self.num_attention_heads % self.num_query_groups:
             raise DynBatchValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -155,8 +174,11 @@ class ModelDims:
         Megatron splits ``num_layers`` over ``pp_size * vpp_size`` chunks in the order chunk 0 of
         every stage, then chunk 1, ...; an uneven split gives the first chunks one layer more
         (Megatron itself asks for an even split unless first/last-stage layer counts are given).
-        With fewer layers than chunks the last chunks hold none (0).
+        With fewer layers than chunks the last chunks hold none (0). :attr:`stage_chunk_layers`,
+        where given, says instead.
         """
+        if self.stage_chunk_layers is not None:
+            return self.stage_chunk_layers[stage][chunk]
         chunks = self.parallel.pp_size * self.parallel.vpp_size
         index = chunk * self.parallel.pp_size + stage
         base, extra = divmod(self.num_layers, chunks)
