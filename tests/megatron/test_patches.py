@@ -437,6 +437,52 @@ def test_a_bad_batch_read_ahead_stops_every_rank_at_the_step_that_needs_it():
     assert "batch of 7 samples, but --global-batch-size is 6" in error0
 
 
+def _timed_step_body():
+    import argparse
+
+    import torch
+
+    from megatron_dynbatch.cpu.training_shim import provide_typing_override
+    from megatron_dynbatch.integrations.megatron_lm import hooks as training_hooks
+    from megatron_dynbatch.integrations.megatron_lm.arguments import add_dynamic_batch_args
+    from megatron_dynbatch.runtime.batches import RolloutBatch
+
+    provide_typing_override()
+    import megatron.core.timers as megatron_timers
+    import megatron.training.global_vars as global_vars
+
+    from megatron_dynbatch.cpu.core_shim import cpu_torch_proxy
+
+    args = add_dynamic_batch_args(argparse.ArgumentParser()).parse_args(
+        ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "16"]
+    )
+    args.data_parallel_size = torch.distributed.get_world_size()
+    args.calculate_per_token_loss = True
+    args.global_batch_size = 6
+    batch = RolloutBatch(samples=[{"tokens": torch.arange(1, n + 1)} for n in [3, 9, 5, 12, 7, 2]])
+    saved = global_vars._GLOBAL_TIMERS, megatron_timers.torch
+    timers = megatron_timers.Timers(2, "minmax")  # --timing-log-level 2
+    global_vars._GLOBAL_TIMERS = timers
+    megatron_timers.torch = cpu_torch_proxy()  # as the launch's CPU shim gives Megatron's timers
+    training_hooks.reset_dynamic_batch_state()
+    try:
+        training_hooks.prepare_train_step(args, iter([batch]), [torch.nn.Linear(1, 1)])
+    finally:
+        global_vars._GLOBAL_TIMERS, megatron_timers.torch = saved
+        training_hooks.reset_dynamic_batch_state()
+    timer = timers._timers.get("batch-generator")
+    return None if timer is None else timer.elapsed(reset=False)
+
+
+def test_preparing_a_step_is_timed_as_megatrons_batch_generator():
+    """--timing-log-level 2: reading and building the step's micro-batches is its data time (the
+    forward steps read micro-batches already built)."""
+    from megatron_dynbatch.tools.testing.workers import Layout, run_on_ranks
+
+    for seconds in run_on_ranks(2, _timed_step_body, layout=Layout()):
+        assert seconds is not None and seconds > 0
+
+
 # --- worker: runs in a subprocess with TREE first on sys.path ------------------------------------
 
 _ARGV = [

@@ -278,6 +278,17 @@ class DynamicBatchHooks:
             raise DynBatchValueError(
                 f"prepare(kind={kind!r}): kind must be 'train', 'eval' or 'forward_only'."
             )
+        if kind != "train":
+            return self._prepare(kind, source, model, pg_collection, check_group)
+        # Reading and building the step's micro-batches is the step's data time: Megatron's
+        # ``batch-generator`` timer (--timing-log-level 2), which the forward steps, reading
+        # micro-batches already built, would otherwise show as about nothing.
+        with _megatron_timer("batch-generator", log_level=2):
+            return self._prepare(kind, source, model, pg_collection, check_group)
+
+    def _prepare(
+        self, kind: StepKind, source: Any, model: Any, pg_collection: Any, check_group: Any
+    ) -> DynamicStep:
         started = time.perf_counter()
         model_chunks = _as_chunks(model)
         dp_group, pp_group = _groups(model_chunks, pg_collection)
@@ -894,6 +905,22 @@ def _next_batch(data_iterator: Any, what: str) -> Any:
                 "iteration Megatron runs (--train-iters / --train-samples, --eval-iters)."
             ) from None
     return coerce_batch(batches[0])
+
+
+@contextlib.contextmanager
+def _megatron_timer(name: str, log_level: int) -> Iterator[None]:
+    """Megatron's timer ``name`` around the block, where Megatron's timers exist (the training
+    entry; not a loop that drives the hooks without ``initialize_megatron``)."""
+    timers = getattr(sys.modules.get("megatron.training.global_vars"), "_GLOBAL_TIMERS", None)
+    if timers is None:
+        yield
+        return
+    timer = timers(name, log_level=log_level)  # a stand-in above --timing-log-level
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.stop()
 
 
 def _fixed_order(data_iterator: Any) -> bool:
