@@ -211,6 +211,10 @@ def test_variable_seq_lengths_without_the_flag_is_refused():
     stray = r"^--variable-seq-lengths given without --use-dynamic-batch-size"
     with pytest.raises(DynBatchValueError, match=stray):
         validate_dynamic_batch_args(args)
+    for flag in ("--dynamic-batch-plan-ahead", "--no-dynamic-batch-plan-ahead"):
+        stray = r"^--dynamic-batch-plan-ahead given without --use-dynamic-batch-size"
+        with pytest.raises(DynBatchValueError, match=stray):
+            validate_dynamic_batch_args(megatron_lm_args([flag]))
 
 
 # --- the stock path: no flag ---------------------------------------------------------------------

@@ -429,6 +429,8 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
             stray.append("--dynamic-batch-config")
         if variable:
             stray.append("--variable-seq-lengths")
+        if getattr(args, "dynamic_batch_plan_ahead", None) is not None:
+            stray.append("--dynamic-batch-plan-ahead")
         # Calibration flags have real defaults, so a value other than the default was given.
         stray += [
             row.flag
