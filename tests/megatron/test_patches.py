@@ -439,19 +439,16 @@ def test_a_bad_batch_read_ahead_stops_every_rank_at_the_step_that_needs_it():
 
 def _timed_step_body():
     import argparse
+    import sys
+    import types
 
+    import megatron.core.timers as megatron_timers
     import torch
 
-    from megatron_dynbatch.cpu.training_shim import provide_typing_override
+    from megatron_dynbatch.cpu.core_shim import cpu_torch_proxy
     from megatron_dynbatch.integrations.megatron_lm import hooks as training_hooks
     from megatron_dynbatch.integrations.megatron_lm.arguments import add_dynamic_batch_args
     from megatron_dynbatch.runtime.batches import RolloutBatch
-
-    provide_typing_override()
-    import megatron.core.timers as megatron_timers
-    import megatron.training.global_vars as global_vars
-
-    from megatron_dynbatch.cpu.core_shim import cpu_torch_proxy
 
     args = add_dynamic_batch_args(argparse.ArgumentParser()).parse_args(
         ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "16"]
@@ -460,15 +457,23 @@ def _timed_step_body():
     args.calculate_per_token_loss = True
     args.global_batch_size = 6
     batch = RolloutBatch(samples=[{"tokens": torch.arange(1, n + 1)} for n in [3, 9, 5, 12, 7, 2]])
-    saved = global_vars._GLOBAL_TIMERS, megatron_timers.torch
     timers = megatron_timers.Timers(2, "minmax")  # --timing-log-level 2
+    # The hook reads Megatron's timers where initialize_megatron keeps them, in
+    # megatron.training.global_vars, only when that module is loaded (it never imports it).
+    name = "megatron.training.global_vars"
+    loaded = sys.modules.get(name)
+    global_vars = loaded or types.ModuleType(name)
+    saved = getattr(global_vars, "_GLOBAL_TIMERS", None), megatron_timers.torch
     global_vars._GLOBAL_TIMERS = timers
+    sys.modules[name] = global_vars
     megatron_timers.torch = cpu_torch_proxy()  # as the launch's CPU shim gives Megatron's timers
     training_hooks.reset_dynamic_batch_state()
     try:
         training_hooks.prepare_train_step(args, iter([batch]), [torch.nn.Linear(1, 1)])
     finally:
         global_vars._GLOBAL_TIMERS, megatron_timers.torch = saved
+        if loaded is None:
+            del sys.modules[name]
         training_hooks.reset_dynamic_batch_state()
     timer = timers._timers.get("batch-generator")
     return None if timer is None else timer.elapsed(reset=False)
