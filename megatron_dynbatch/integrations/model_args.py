@@ -111,12 +111,11 @@ def _stage_chunk_layers(
     layout = getattr(args, "pipeline_model_parallel_layout", None)
     if layout is not None:
         return _layout_layers(layout, pp, vpp)
-    if first is None and last is None and not embedding and not loss:
-        return None
-    if pp == 1:
+    uneven = first is not None or last is not None
+    if pp == 1 or not (uneven or embedding or loss):
         return None
     layers = int(args.num_layers)
-    if first is not None or last is not None:
+    if uneven:
         if embedding or loss:
             return None  # Megatron refuses both
         given = {0: first, pp - 1: last}
@@ -136,7 +135,7 @@ def _stage_chunk_layers(
     if any(n % vpp for n in per_stage):
         return None
     chunks = [[n // vpp] * vpp for n in per_stage]
-    if not (first is not None or last is not None):
+    if not uneven:
         if embedding:
             chunks[0][0] -= 1
         if loss:

@@ -300,28 +300,44 @@ def test_flag_on_train_step_serves_planned_steps(train_step_results):
 # --- the hook on 2 DP ranks ---------------------------------------------------------------------
 
 
-def _two_rank_body(mismatch: str):
+def _hook_args(*flags):
+    """Megatron's arguments of the two-rank hook tests: a 16-token budget, steps of 6 samples."""
     import argparse
 
     import torch
 
-    from megatron_dynbatch.integrations.megatron_lm import hooks as training_hooks
     from megatron_dynbatch.integrations.megatron_lm.arguments import add_dynamic_batch_args
-    from megatron_dynbatch.mcore.agreement import StepAgreementError
-    from megatron_dynbatch.runtime.batches import RolloutBatch
 
     args = add_dynamic_batch_args(argparse.ArgumentParser()).parse_args(
-        ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "16"]
+        ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "16", *flags]
     )
     args.data_parallel_size = torch.distributed.get_world_size()
     args.calculate_per_token_loss = True
     args.global_batch_size = 6
+    return args
+
+
+def _rollout_batch(lengths):
+    import torch
+
+    from megatron_dynbatch.runtime.batches import RolloutBatch
+
+    return RolloutBatch(samples=[{"tokens": torch.arange(1, n + 1)} for n in lengths])
+
+
+def _two_rank_body(mismatch: str):
+    import torch
+
+    from megatron_dynbatch.integrations.megatron_lm import hooks as training_hooks
+    from megatron_dynbatch.mcore.agreement import StepAgreementError
+
+    args = _hook_args()
     lengths = [3, 9, 5, 12, 7, 2]
     if mismatch == "lengths" and torch.distributed.get_rank() == 1:
         lengths[0] = 14  # this rank's iterator yields another batch of the same size
     if mismatch == "size" and torch.distributed.get_rank() == 1:
         lengths = lengths + [4]  # this rank's iterator yields one sample too many
-    batch = RolloutBatch(samples=[{"tokens": torch.arange(1, n + 1)} for n in lengths])
+    batch = _rollout_batch(lengths)
     training_hooks.reset_dynamic_batch_state()
     try:
         step = training_hooks.prepare_train_step(args, iter([batch]), [torch.nn.Linear(1, 1)])
@@ -363,22 +379,12 @@ def test_a_batch_of_the_wrong_size_stops_every_rank_with_the_same_error():
 
 
 def _plan_ahead_body(flag: str, bad_second_batch: bool):
-    import argparse
-
     import torch
 
     from megatron_dynbatch.integrations.megatron_lm import hooks as training_hooks
-    from megatron_dynbatch.integrations.megatron_lm.arguments import add_dynamic_batch_args
     from megatron_dynbatch.mcore.agreement import StepAgreementError
-    from megatron_dynbatch.runtime.batches import RolloutBatch
 
-    args = add_dynamic_batch_args(argparse.ArgumentParser()).parse_args(
-        ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "16", *([flag] if flag else [])]
-        + ["--dynamic-batch-calibration-steps", "0"]
-    )
-    args.data_parallel_size = torch.distributed.get_world_size()
-    args.calculate_per_token_loss = True
-    args.global_batch_size = 6
+    args = _hook_args(*([flag] if flag else []), "--dynamic-batch-calibration-steps", "0")
     batches = [[3, 9, 5, 12, 7, 2], [14, 1, 6, 6, 9, 3], [2, 2, 11, 15, 4, 8]]
     if bad_second_batch and torch.distributed.get_rank() == 1:
         batches[1] = batches[1] + [4]  # one sample too many, on one rank only
@@ -387,7 +393,7 @@ def _plan_ahead_body(flag: str, bad_second_batch: bool):
     def read():
         for lengths in batches:
             reads.append(len(reads))
-            yield RolloutBatch(samples=[{"tokens": torch.arange(1, n + 1)} for n in lengths])
+            yield _rollout_batch(lengths)
 
     data = read()
     training_hooks.reset_dynamic_batch_state()
@@ -438,7 +444,6 @@ def test_a_bad_batch_read_ahead_stops_every_rank_at_the_step_that_needs_it():
 
 
 def _timed_step_body():
-    import argparse
     import sys
     import types
 
@@ -447,16 +452,9 @@ def _timed_step_body():
 
     from megatron_dynbatch.cpu.core_shim import cpu_torch_proxy
     from megatron_dynbatch.integrations.megatron_lm import hooks as training_hooks
-    from megatron_dynbatch.integrations.megatron_lm.arguments import add_dynamic_batch_args
-    from megatron_dynbatch.runtime.batches import RolloutBatch
 
-    args = add_dynamic_batch_args(argparse.ArgumentParser()).parse_args(
-        ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "16"]
-    )
-    args.data_parallel_size = torch.distributed.get_world_size()
-    args.calculate_per_token_loss = True
-    args.global_batch_size = 6
-    batch = RolloutBatch(samples=[{"tokens": torch.arange(1, n + 1)} for n in [3, 9, 5, 12, 7, 2]])
+    args = _hook_args()
+    batch = _rollout_batch([3, 9, 5, 12, 7, 2])
     timers = megatron_timers.Timers(2, "minmax")  # --timing-log-level 2
     # The hook reads Megatron's timers where initialize_megatron keeps them, in
     # megatron.training.global_vars, only when that module is loaded (it never imports it).

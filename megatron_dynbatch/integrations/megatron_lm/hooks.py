@@ -878,13 +878,19 @@ def _parallel_layout(args: Any, model_chunks: List[torch.nn.Module], dp_group) -
     return layout
 
 
-def _next_batch(data_iterator: Any, what: str) -> Any:
+def _distinct_iterators(data_iterator: Any) -> List[Any]:
+    """The iterator, or the distinct ones of a list (one per model chunk), without ``None``."""
     candidates = data_iterator if isinstance(data_iterator, (list, tuple)) else [data_iterator]
     iterators, seen = [], set()
     for iterator in candidates:
         if iterator is not None and id(iterator) not in seen:
             seen.add(id(iterator))
             iterators.append(iterator)
+    return iterators
+
+
+def _next_batch(data_iterator: Any, what: str) -> Any:
+    iterators = _distinct_iterators(data_iterator)
     if not iterators:
         raise DynBatchValueError(
             f"this rank's {what} data iterator is None; with --use-dynamic-batch-size every rank "
@@ -928,8 +934,7 @@ def _fixed_order(data_iterator: Any) -> bool:
     blends, conversations), whose batches are fixed by position: reading one a step early changes
     nothing. A host's own iterator may make its next batch from the model being trained (on-policy
     rollouts), which must not be read before the step that trains the model runs."""
-    candidates = data_iterator if isinstance(data_iterator, (list, tuple)) else [data_iterator]
-    iterators = [iterator for iterator in candidates if iterator is not None]
+    iterators = _distinct_iterators(data_iterator)
     return bool(iterators) and all(
         isinstance(
             iterator.iterable if isinstance(iterator, RerunDataIterator) else iterator,
