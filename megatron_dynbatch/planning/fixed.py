@@ -108,6 +108,7 @@ def plan_fixed_samples(
                 min_microbatches=per_rank,
                 dp_imbalance_computed=imbalance(computed),
                 idle_ranks=sum(1 for rank in ranks if not any(rank)),
+                sample_lengths=tuple((i, lengths[i]) for i in sorted(items)),
             )
         )
     return Plan(

@@ -86,6 +86,12 @@ class StepPlan:
     """DP ranks with no real sample in this step (only placeholders). 0 whenever the step has at
     least ``dp_size`` samples, unless the cost model predicted the step faster with the idle rank
     (the planner gives every rank a real micro-batch otherwise)."""
+    sample_lengths: Tuple[Tuple[int, int], ...] = ()
+    """``(sample, tokens)`` of every sample of the step, in index order: the length it was planned
+    with (before any cut). The materializer checks each sample against it, so a sample shorter or
+    longer than its plan (another sample, or a trainer's cut after planning) is refused rather
+    than trained in a row planned for another. ``()``: not kept (a hand-built plan). Not in
+    ``plan --json``, whose reader holds the lengths it passed."""
 
     def rank_microbatches(self, dp_rank: int) -> Tuple[MicroBatch, ...]:
         """The ordered micro-batches of one DP rank."""
@@ -225,6 +231,7 @@ class Plan:
                 micro_batch_size=step.micro_batch_size,
                 kept_lengths=step.kept_lengths,
                 packed_rows=step.packed_rows,
+                sample_lengths=step.sample_lengths,
             )
             for step in self.steps
         )

@@ -332,6 +332,7 @@ def _plan_step(
         truncated_samples=truncated,
         truncated_tokens=sum(samples.lengths[i] - kept[i] for i in truncated),
         kept_lengths=tuple((i, kept[i]) for i in truncated),
+        sample_lengths=tuple((i, samples.lengths[i]) for i in sorted(items)),
         dp_imbalance_computed=imbalance(computed),
         row_lengths=row_lengths,
         packed_rows=packed_rows,

@@ -249,6 +249,7 @@ def _step_plan(
         truncated_samples=truncated,
         truncated_tokens=sum(samples.lengths[i] - kept[i] for i in truncated),
         kept_lengths=tuple((i, kept[i]) for i in truncated),
+        sample_lengths=tuple((i, samples.lengths[i]) for i in sorted(items)),
         dp_imbalance_computed=imbalance(computed),
         row_lengths=row_lengths,
         idle_ranks=sum(1 for rank in ranks if not any(rank)),

@@ -53,6 +53,9 @@ class ScheduledStep:
     planned with (``()``: not given). Its rows are left to the samples (``seq_length=None``), so
     the materializer checks each sample against it: a longer one would widen a row past the cap
     unseen."""
+    sample_lengths: Tuple[Tuple[int, int], ...] = ()
+    """A global plan's ``(sample, tokens)`` pairs: the length each sample of the step was planned
+    with (:attr:`.plan.StepPlan.sample_lengths`; ``()``: not given), checked the same way."""
 
     def __post_init__(self) -> None:
         counts = {len(rank) for rank in self.ranks}

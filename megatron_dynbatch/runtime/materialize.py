@@ -148,6 +148,27 @@ def _check_arguments(step_plan: StepPlan, dp_rank: int, layout: str, sample_mult
             )
 
 
+def _check_planned_lengths(step: Any, dp_rank: int, checked: Mapping[int, CheckedSample]) -> None:
+    """Refuse a sample whose tokens differ from the length it was planned with.
+
+    A sharded plan leaves its rows to the samples, so a longer sample would widen its row past the
+    cap the plan kept, unseen; in a global plan a longer one overflows its row, and a shorter one
+    is most likely another sample than the one planned (a trainer's indices or lengths out of
+    step with its data), which would train without an error in a row planned for another.
+    """
+    if getattr(step, "planned_lengths", ()):
+        planned = dict(enumerate(step.planned_lengths[dp_rank]))
+    else:
+        planned = dict(getattr(step, "sample_lengths", ()) or ())
+    for i, cs in checked.items():
+        if i in planned and cs.length != planned[i]:
+            raise DynBatchValueError(
+                f"dp_rank={dp_rank}: sample {i} has {cs.length} tokens but was planned with "
+                f"{planned[i]}; plan with the lengths of the samples materialized (after any "
+                "cut or padding the trainer applies)."
+            )
+
+
 def _sized(
     step: Any,
     dp_rank: int,
@@ -166,17 +187,6 @@ def _sized(
         or sample_multiple < 1
     ):
         _check_arguments(dataclasses.replace(step, seq_length=1), dp_rank, layout, sample_multiple)
-    planned = step.planned_lengths[dp_rank] if step.planned_lengths else None
-    if planned is not None:
-        for i, cs in checked.items():
-            if 0 <= i < len(planned) and cs.length != planned[i]:
-                # The rows follow the samples here: a longer one would widen its row past the
-                # cap the plan kept, unseen.
-                raise DynBatchValueError(
-                    f"dp_rank={dp_rank}: sample {i} has {cs.length} tokens but was planned with "
-                    f"{planned[i]}; plan with the lengths of the samples materialized (after any "
-                    "cut or padding the trainer applies)."
-                )
     sizes = {i: round_up(cs.length, sample_multiple) for i, cs in checked.items()}
     mbs = step.rank_microbatches(dp_rank)
     if layout == "packed":
@@ -451,11 +461,13 @@ def materialize_microbatches(
     if step_plan.seq_length is None:
         # A sharded plan leaves the row to the samples: this rank's rows fit its own samples.
         checked = _check_rank_samples(step_plan, dp_rank, samples, schema)
+        _check_planned_lengths(step_plan, dp_rank, checked)
         step_plan = _sized(step_plan, dp_rank, checked, layout, sample_multiple)
         _check_arguments(step_plan, dp_rank, layout, sample_multiple)
     else:
         _check_arguments(step_plan, dp_rank, layout, sample_multiple)
         checked = _check_rank_samples(step_plan, dp_rank, samples, schema)
+        _check_planned_lengths(step_plan, dp_rank, checked)
     checked = _truncate(checked, step_plan, schema)
     b, longest = step_plan.micro_batch_size, step_plan.seq_length
     packed_rows = _plan_packed_rows(step_plan)

@@ -296,6 +296,60 @@ def test_matches_the_real_planner():
                 )
 
 
+def test_a_sample_of_another_length_than_planned_is_refused():
+    """A global plan keeps the lengths it planned: a sample shorter than planned (most likely
+    another sample than the one planned) is refused like a longer one, in every plan kind that
+    plans from lengths; a hand-built plan without them checks nothing."""
+    from megatron_dynbatch.planning import ParallelLayout, PlannerConfig, plan_schedule
+    from megatron_dynbatch.planning.fixed import plan_fixed_microbatches
+    from megatron_dynbatch.planning.registry import ranks_planner
+    from megatron_dynbatch.planning.samples import SampleSet
+
+    lengths = [9, 3, 12, 5, 7, 2]
+    config = PlannerConfig(max_tokens_per_gpu=32, parallel=ParallelLayout(dp_size=2))
+
+    def round_robin(step_lengths, keys, config):  # another scheduler, through the adapter
+        return [[(i,) for i in range(r, len(step_lengths), 2)] for r in range(2)]
+
+    plans = {
+        "dynbatch": plan_schedule(lengths, config=config),
+        "fixed": plan_fixed_microbatches(lengths, dp_size=2, micro_batch_size=1, seq_length=16),
+        "adapted": ranks_planner(round_robin)(SampleSet.build(lengths), config),
+    }
+    for name, plan in plans.items():
+        step = plan.steps[0]
+        assert dict(step.sample_lengths) == dict(enumerate(lengths)), name
+        (sample,) = step.rank_microbatches(1)[0][:1]
+        for tokens in (lengths[sample] - 1, lengths[sample] + 1):
+            samples = {
+                i: {"tokens": torch.ones(n, dtype=torch.int64)} for i, n in enumerate(lengths)
+            }
+            samples[sample] = {"tokens": torch.ones(tokens, dtype=torch.int64)}
+            for scheduled in (step, plan.scheduled_steps()[0]):
+                with pytest.raises(
+                    DynBatchValueError,
+                    match=f"dp_rank=1: sample {sample} has {tokens} tokens but was planned with "
+                    f"{lengths[sample]}",
+                ):
+                    materialize_microbatches(
+                        scheduled,
+                        1,
+                        samples,
+                        BatchSchema(),
+                        layout=plan.layout,
+                        sample_multiple=plan.sample_multiple,
+                    )
+            # The other rank holds only its own samples, which match: it builds its rows.
+            materialize_microbatches(
+                step,
+                0,
+                samples,
+                BatchSchema(),
+                layout=plan.layout,
+                sample_multiple=plan.sample_multiple,
+            )
+
+
 def _materialize(ranks, lengths, *, layout="packed", s=8, b=1, m=1, **kwargs):
     plan = make_step_plan(ranks, seq_length=s, micro_batch_size=b)
     samples = {i: {"tokens": torch.ones(n, dtype=torch.int64)} for i, n in enumerate(lengths)}
