@@ -25,6 +25,8 @@ imports ``module`` first, e.g. ``--dynamic-batch-planner benchmarks.baselines:ve
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 from megatron_dynbatch.errors import DynBatchTypeError, DynBatchValueError
@@ -91,6 +93,25 @@ def planner_names() -> Tuple[str, ...]:
     return tuple(sorted(_PLANNERS))
 
 
+def _import_planner_module(module: str) -> None:
+    """Import ``module`` as ``python -m`` would from here: the ``megatron-dynbatch`` console
+    script, unlike ``python -m megatron_dynbatch``, does not put the working directory on the
+    import path, so ``benchmarks.baselines:verl_kk`` named from a checkout is looked up there too
+    when nothing on the path has it."""
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        top = module.split(".", 1)[0]
+        here = os.getcwd()
+        local = os.path.isdir(os.path.join(here, top)) or os.path.isfile(
+            os.path.join(here, top + ".py")
+        )
+        if exc.name != top or not local or here in sys.path or "" in sys.path:
+            raise
+        sys.path.append(here)  # last: never shadows an installed module
+        importlib.import_module(module)
+
+
 def get_planner(name: str) -> Planner:
     """The planner registered as ``name``; ``module:name`` imports ``module`` first."""
     if isinstance(name, str) and ":" in name:
@@ -101,7 +122,7 @@ def get_planner(name: str) -> Planner:
                 f"that registers the planner, and its name), or one of {list(planner_names())}."
             )
         try:
-            importlib.import_module(module)
+            _import_planner_module(module)
         except ImportError as exc:
             raise DynBatchValueError(
                 f"planner module {module!r} cannot be imported ({exc}); run from where it is "
@@ -117,10 +138,33 @@ def get_planner(name: str) -> Planner:
 
 
 def run_planner(samples: SampleSet, config: PlannerConfig) -> Plan:
-    """Plan ``samples`` with the planner ``config.planner`` names (what every host calls)."""
+    """Plan ``samples`` with the planner ``config.planner`` names (what every host calls).
+
+    A planner registered from outside this package is held to the same guarantees as ours: its
+    plan is checked (:func:`.invariants.check_plan`) before any host runs it, so a plan that
+    drops or repeats a sample, breaks the cap or the interleaving group stops here, naming the
+    planner, on every rank alike (every rank plans the same). The built-in planners are not
+    re-checked on every step: their invariants are asserted where they are made and tested.
+
+    Raises:
+        PlanInvariantError: A registered planner's plan broke a guarantee.
+    """
     if not isinstance(config, PlannerConfig):
         raise DynBatchTypeError(f"config must be a PlannerConfig, got {type(config).__name__}.")
-    return get_planner(config.planner)(samples, config)
+    planner = get_planner(config.planner)
+    plan = planner(samples, config)
+    if _BUILT_IN.get(config.planner) is not planner:
+        from .invariants import PlanInvariantError, check_plan  # invariants imports the plans
+
+        try:
+            check_plan(plan, samples, config)
+        except PlanInvariantError as error:
+            found = str(error).split("\n", 1)[-1].strip().replace("\n  ", "; ")
+            raise PlanInvariantError(
+                f"planner {config.planner!r} made a plan that breaks its guarantees: {found}; "
+                f"fix the planner, or plan with the default ({DEFAULT_PLANNER!r})."
+            ) from None
+    return plan
 
 
 # -- adapters --------------------------------------------------------------------------------------
@@ -317,7 +361,12 @@ def _fixed(samples: SampleSet, config: PlannerConfig) -> Plan:
     )
 
 
-register_planner(DEFAULT_PLANNER, plan_samples)
-# The same function: it reads PlannerConfig.planner to plan thoroughly (.spec.THOROUGH_PLANNER).
-register_planner(THOROUGH_PLANNER, plan_samples)
-register_planner("fixed", _fixed)
+#: This package's planners (run_planner checks every other one's plans).
+_BUILT_IN: Dict[str, Planner] = {
+    DEFAULT_PLANNER: plan_samples,
+    # The same function: it reads PlannerConfig.planner to plan thoroughly (.spec.THOROUGH_PLANNER).
+    THOROUGH_PLANNER: plan_samples,
+    "fixed": _fixed,
+}
+for _name, _planner in _BUILT_IN.items():
+    register_planner(_name, _planner)

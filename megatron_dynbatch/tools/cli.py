@@ -404,6 +404,7 @@ def _check_plot_path(path: str) -> None:
 
 def _cmd_plan(args) -> int:
     from megatron_dynbatch.planning import get_planner, run_planner
+    from megatron_dynbatch.planning.invariants import PlanInvariantError
 
     if args.plot:
         _check_plot_path(args.plot)
@@ -419,8 +420,9 @@ def _cmd_plan(args) -> int:
         warnings.simplefilter("always")
         try:
             plan = run_planner(samples, config)
-        except DynBatchRuntimeError as exc:
-            # A planner that cannot schedule this input (an upstream scheduler's own check).
+        except (DynBatchRuntimeError, PlanInvariantError) as exc:
+            # A planner that cannot schedule this input (an upstream scheduler's own check), or
+            # a registered planner whose plan broke a guarantee (run_planner's check).
             raise DynBatchValueError(f"{setting('planner').flag} {args.planner}: {exc}") from None
     for warning in caught:
         print(f"warning: {warning.message}", file=sys.stderr)

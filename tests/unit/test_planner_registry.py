@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import random
+import sys
 import warnings
 
 import pytest
@@ -83,6 +84,95 @@ def test_the_registry_names_the_built_in_planners_and_refuses_unknown_names():
         PlannerConfig(max_tokens_per_gpu=8, planner="")
     with pytest.raises(DynBatchTypeError, match="PlannerConfig"):
         run_planner(SampleSet.build([1]), {"max_tokens_per_gpu": 8})
+
+
+def _drops_the_first(lengths, keys, config):
+    """A broken scheduler: sample 0 is never scheduled."""
+    return _one_per_microbatch(lengths[1:], keys, config) if len(lengths) > 1 else [[[]]]
+
+
+def _all_in_one(lengths, keys, config):
+    """A broken scheduler: every sample in one micro-batch of rank 0, whatever the cap."""
+    return [[list(range(len(lengths)))]] + [[[]] for _ in range(config.parallel.dp_size - 1)]
+
+
+def _ungrouped(lengths, keys, config):
+    """A broken scheduler: one sample a micro-batch, an odd count (the interleaving group is 2)."""
+    dp = config.parallel.dp_size
+    ranks = [[[i] for i in range(r, len(lengths), dp)] for r in range(dp)]
+    count = max(map(len, ranks))
+    count += 1 - count % 2
+    return [rank + [[]] * (count - len(rank)) for rank in ranks]
+
+
+def test_a_registered_planners_plan_is_checked_before_any_host_runs_it(capsys, tmp_path):
+    """run_planner, which every host, plan and verify call, holds a planner registered from
+    outside to the guarantees ours keep (a probe found a planner's dropped sample trained by no
+    one, with every interface silent but slime's); the built-in planners pass the same check."""
+    for name, scheduler in (
+        ("test_drops_the_first", _drops_the_first),
+        ("test_all_in_one", _all_in_one),
+        ("test_ungrouped", _ungrouped),
+    ):
+        register_planner(name, ranks_planner(scheduler), replace=True)
+    samples = SampleSet.build(LENGTHS, ROLLOUTS)
+    cases = (
+        ("test_drops_the_first", _config(), r"samples never scheduled \[[\d, ]+\]"),
+        ("test_all_in_one", _config(rollouts_per_step=None), "exceed the cap 1024"),
+        (
+            "test_ungrouped",
+            _config(parallel=GROUPED, rollouts_per_step=None),
+            "not one positive multiple of 2",
+        ),
+    )
+    for name, config, found in cases:
+        config = dataclasses.replace(config, planner=name)
+        with pytest.raises(PlanInvariantError, match=f"planner '{name}' made a plan that breaks"):
+            run_planner(samples, config)
+        with pytest.raises(PlanInvariantError, match=found):
+            run_planner(samples, config)
+    # A planner that keeps them is not refused, and ours pass the same check.
+    for name in ("test_one_per_microbatch", "dynbatch", "dynbatch-thorough"):
+        config = _config(parallel=GROUPED, planner=name)
+        check_plan(run_planner(samples, config), samples, config)
+    # The command answers in one line, naming the flag (it printed the plan before).
+    path = tmp_path / "lengths.json"
+    path.write_text(json.dumps(LENGTHS))
+    code = main(
+        [
+            "plan",
+            str(path),
+            "--max-tokens-per-gpu",
+            "1024",
+            "--dp-size",
+            "2",
+            "--dynamic-batch-planner",
+            "test_drops_the_first",
+            "--json",
+        ]
+    )
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err, err
+    assert err.startswith(
+        "megatron-dynbatch plan: error: --dynamic-batch-planner test_drops_the_first: planner"
+    ), err
+
+
+def test_a_planner_module_in_the_working_directory_is_found_by_the_console_script(
+    tmp_path, monkeypatch
+):
+    """``--dynamic-batch-planner benchmarks.baselines:verl_kk`` from a checkout, as the help
+    says: the console script has no working directory on its path (``python -m`` has)."""
+    (tmp_path / "cwd_planners.py").write_text(
+        "from megatron_dynbatch.planning.registry import get_planner, register_planner\n"
+        "register_planner('cwd_default', get_planner('dynbatch'), replace=True)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert get_planner("cwd_planners:cwd_default") is get_planner("dynbatch")
+    assert sys.path[-1] == str(tmp_path)  # appended: never shadows an installed module
+    with pytest.raises(DynBatchValueError, match="'cwd_missing' cannot be imported"):
+        get_planner("cwd_missing:x")
 
 
 @pytest.mark.parametrize("parallel", [ParallelLayout(dp_size=2), GROUPED])
