@@ -360,3 +360,34 @@ def test_moe_settings_that_depend_on_the_grouping_are_named():
     ]
     for args, expected in cases:
         assert grouping_dependent_moe(args) == expected, (vars(args), expected)
+
+
+def test_a_sliding_window_is_refused_where_it_would_cross_the_samples_of_a_row():
+    """A probe's ``--window-size 256,0`` trained packed documents that attended to each other
+    (Megatron's local attention builds its window mask and drops the block-diagonal one): losses
+    6.1e-5 off --document-samples. Padded rows (one sample each) keep the window exact."""
+    window = dict(window_size=(16, 0), transformer_impl="local")
+    with pytest.raises(
+        DynBatchValueError,
+        match=r"--window-size 16,0 with packed rows \(--dynamic-batch-layout packed\): "
+        r"Megatron's local attention replaces .* pass --dynamic-batch-layout padded",
+    ):
+        validate_dynamic_batch_args(_args(_ON, **window))
+    with pytest.raises(
+        DynBatchValueError,
+        match="--window-size 16,0: --dynamic-batch-attention reference implements full causal",
+    ):
+        validate_dynamic_batch_args(
+            _args(_ON + ["--dynamic-batch-attention", "reference", "--dynamic-batch-layout",
+                         "padded"], **window)
+        )  # fmt: skip
+    assert (
+        validate_dynamic_batch_args(
+            _args(_ON + ["--dynamic-batch-layout", "padded"], **window)
+        ).layout
+        == "padded"
+    )
+    # No window; or transformer-engine's attention, which passes the window to its kernels with
+    # the THD segments (not installable here, so not run).
+    assert validate_dynamic_batch_args(_args(_ON, transformer_impl="local")) is not None
+    assert validate_dynamic_batch_args(_args(_ON, window_size=(16, 0))) is not None

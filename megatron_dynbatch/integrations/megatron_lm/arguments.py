@@ -453,6 +453,7 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
             f"a packed row holds several samples; pass {FLAGS['layout']} padded (one sample a "
             "row, the default with seq_aux_loss) or another load-balancing type."
         )
+    _check_window_attention(args, config)
     # Imported here, as config.py does: the registry imports the whole planner.
     from megatron_dynbatch.planning.registry import required_layout
 
@@ -519,6 +520,37 @@ def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
     config.planner_config(parallel)
     config.planner_config(parallel, forward_only=True)
     return config
+
+
+def _check_window_attention(args: Any, config: DynBatchConfig) -> None:
+    """Refuse sliding-window attention where it would attend across the samples of a row.
+
+    Megatron's local attention builds its sliding-window mask itself and drops the mask it is
+    given, which for packed rows is the block-diagonal mask that keeps each document to itself
+    (a probe's packed documents attended to each other: losses 6e-5 off ``--document-samples``);
+    the reference and torch-varlen attentions implement full causal attention only. Padded rows
+    hold one sample each, where the window alone is the right mask.
+    """
+    window = getattr(args, "window_size", None)
+    if window is None:
+        return
+    from .attention import lenient_attention
+
+    attention = lenient_attention(args, config.attention)
+    shown = ",".join(map(str, window)) if isinstance(window, (tuple, list)) else str(window)
+    if attention in ("reference", "torch-varlen"):
+        raise DynBatchValueError(
+            f"--window-size {shown}: {FLAGS['attention']} {attention} implements full causal "
+            "attention, without a window; drop --window-size, or run transformer-engine "
+            f"({FLAGS['attention']} transformer-engine)."
+        )
+    if attention == "local" and config.layout == "packed":
+        raise DynBatchValueError(
+            f"--window-size {shown} with packed rows ({FLAGS['layout']} packed): Megatron's local "
+            "attention replaces the mask that keeps each packed sample to itself with its "
+            "sliding-window mask, so the samples of a row would attend to each other; pass "
+            f"{FLAGS['layout']} padded (one sample a row), or drop --window-size."
+        )
 
 
 def _check_one_data_source(args: Any) -> None:
