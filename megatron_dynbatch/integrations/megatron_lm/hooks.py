@@ -899,9 +899,8 @@ def _next_batch(data_iterator: Any, what: str) -> Any:
         )
     batches = []
     for iterator in iterators:
-        if isinstance(iterator, RerunDataIterator):
-            # The rerun state machine only sees the materialized iterators, so this one's replay
-            # buffer would grow by a batch per step; drop it as Megatron does per step.
+        rerun = isinstance(iterator, RerunDataIterator)
+        if rerun:
             iterator.advance()
         try:
             batches.append(next(iterator))
@@ -910,6 +909,14 @@ def _next_batch(data_iterator: Any, what: str) -> Any:
                 f"the {what} data iterator is exhausted: it must yield a batch for every "
                 "iteration Megatron runs (--train-iters / --train-samples, --eval-iters)."
             ) from None
+        if rerun:
+            # Its replay buffer stays empty. The rerun state machine replays the step's
+            # materialized micro-batches (their own RerunDataIterators), never this one, so the
+            # buffer would only grow by a batch a step, and a rerun checkpoint (torch_dist)
+            # would pickle the batch: a lazy batch's loader is a closure over the whole split, and
+            # the probe's checkpoint failed on it. A run resumed from that checkpoint reads the
+            # same batch again from its consumed samples, as Megatron's samplers do.
+            iterator.advance()
     return coerce_batch(batches[0])
 
 
