@@ -577,6 +577,7 @@ PRETRAIN_PROGRAM = "megatron-dynbatch pretrain"
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from megatron_dynbatch.planning.invariants import PlanInvariantError
     from megatron_dynbatch.planning.spec import layout_flags
 
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -601,9 +602,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         # tool does, and keep Python's exit-time flush from raising again on the closed pipe.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except ValueError as exc:
+    except (ValueError, PlanInvariantError) as exc:
         # calibrate's advice is for a run (the training flags); plan and verify answer in the
-        # spellings their command line used.
+        # spellings their command line used. A registered planner's broken plan is refused here
+        # too (run_planner's check), before verify starts its ranks.
         message = (
             str(exc) if args.command == "calibrate" else _spoken(_flags_in_place(str(exc)), args)
         )

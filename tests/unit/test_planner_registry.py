@@ -156,6 +156,26 @@ def test_a_registered_planners_plan_is_checked_before_any_host_runs_it(capsys, t
     assert err.startswith(
         "megatron-dynbatch plan: error: --dynamic-batch-planner test_drops_the_first: planner"
     ), err
+    # verify refuses it before it starts any rank (it printed tracebacks from every rank).
+    code = main(
+        [
+            "verify",
+            "--samples",
+            str(path),
+            "--max-tokens-per-gpu",
+            "1024",
+            "--dp-size",
+            "2",
+            "--dynamic-batch-planner",
+            "test_drops_the_first",
+            "--json",
+        ]
+    )
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err, err
+    assert err.startswith(
+        "megatron-dynbatch verify: error: planner 'test_drops_the_first' made a plan that breaks"
+    ), err
 
 
 def test_a_planner_module_in_the_working_directory_is_found_by_the_console_script(
