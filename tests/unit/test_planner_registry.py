@@ -135,47 +135,18 @@ def test_a_registered_planners_plan_is_checked_before_any_host_runs_it(capsys, t
     for name in ("test_one_per_microbatch", "dynbatch", "dynbatch-thorough"):
         config = _config(parallel=GROUPED, planner=name)
         check_plan(run_planner(samples, config), samples, config)
-    # The command answers in one line, naming the flag (it printed the plan before).
+    # The commands answer in one line (plan printed the plan; verify printed every rank's
+    # traceback), verify before it starts any rank.
     path = tmp_path / "lengths.json"
     path.write_text(json.dumps(LENGTHS))
-    code = main(
-        [
-            "plan",
-            str(path),
-            "--max-tokens-per-gpu",
-            "1024",
-            "--dp-size",
-            "2",
-            "--dynamic-batch-planner",
-            "test_drops_the_first",
-            "--json",
-        ]
-    )
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and "\n" not in err, err
-    assert err.startswith(
-        "megatron-dynbatch plan: error: --dynamic-batch-planner test_drops_the_first: planner"
-    ), err
-    # verify refuses it before it starts any rank (it printed tracebacks from every rank).
-    code = main(
-        [
-            "verify",
-            "--samples",
-            str(path),
-            "--max-tokens-per-gpu",
-            "1024",
-            "--dp-size",
-            "2",
-            "--dynamic-batch-planner",
-            "test_drops_the_first",
-            "--json",
-        ]
-    )
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and "\n" not in err, err
-    assert err.startswith(
-        "megatron-dynbatch verify: error: planner 'test_drops_the_first' made a plan that breaks"
-    ), err
+    flags = ["--max-tokens-per-gpu", "1024", "--dp-size", "2", "--json"]
+    for argv, said in (
+        (["plan", str(path)], "plan: error: --dynamic-batch-planner test_drops_the_first: planner"),
+        (["verify", "--samples", str(path)], "verify: error: planner 'test_drops_the_first' made"),
+    ):
+        code = main(argv + flags + ["--dynamic-batch-planner", "test_drops_the_first"])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and "\n" not in err and err.startswith("megatron-dynbatch " + said), err
 
 
 def test_a_planner_module_in_the_working_directory_is_found_by_the_console_script(
