@@ -16,10 +16,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 from megatron_dynbatch.errors import DynBatchError
 
-from .plan import Plan, StepPlan
+from .plan import Plan, ShardedPlan, StepPlan
 from .samples import SampleSet
 from .schedule import Schedule, ScheduledStep
-from .sharded import ShardedPlan
 from .spec import PlannerConfig, ceil_div, round_up
 
 __all__ = ["PlanInvariantError", "check_plan"]

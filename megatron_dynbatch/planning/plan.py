@@ -1,4 +1,6 @@
-"""The planner's output: per optimizer step, per DP rank, an ordered list of micro-batches.
+"""The planner's output: per optimizer step, per DP rank, an ordered list of micro-batches
+(:class:`Plan`; :class:`ShardedPlan` for one step of samples already sharded over the ranks,
+which :mod:`.sharded` plans).
 
 A micro-batch is a tuple of global sample indices; an empty tuple is a placeholder micro-batch (a
 full-shape, loss-masked row the runtime fabricates so every rank runs the same schedule).
@@ -17,7 +19,7 @@ from megatron_dynbatch.errors import DynBatchValueError
 from .schedule import ScheduledStep
 from .spec import ceil_div
 
-__all__ = ["StepPlan", "PlanStats", "Plan", "imbalance", "plain_fields"]
+__all__ = ["StepPlan", "PlanStats", "Plan", "ShardedPlan", "imbalance", "plain_fields"]
 
 
 def imbalance(per_rank: Sequence[float]) -> float:
@@ -286,3 +288,45 @@ def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         return dict(value)
     return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardedPlan:
+    """Every DP rank's micro-batches of one step (local sample indices)."""
+
+    ranks: Tuple[Tuple[Tuple[int, ...], ...], ...]
+    """``ranks[r]``: DP rank ``r``'s real micro-batches, in run order; placeholders follow them."""
+    num_microbatches: int
+    """Micro-batches every rank runs (real + placeholder): what Megatron's schedule is given."""
+    rows: int
+    """Rows of the fullest micro-batch of any rank (``B`` for trainers that need uniform rows)."""
+    oversize: Tuple[Tuple[int, int], ...] = ()
+    """``(dp_rank, local index)`` of every sample longer than the budget (each ran alone)."""
+    lengths: Tuple[Tuple[int, ...], ...] = ()
+    """``lengths[r][i]``: the tokens each sample was planned with (``()``: not kept); the
+    materializer checks the samples against them."""
+
+    def placeholders(self, dp_rank: int) -> int:
+        """Placeholder micro-batches DP rank ``dp_rank`` runs after its real ones."""
+        return self.num_microbatches - len(self.ranks[dp_rank])
+
+    def scheduled_steps(self) -> Tuple[ScheduledStep, ...]:
+        """The step as the runtime reads it (:class:`~.schedule.Schedule`): each rank's real
+        micro-batches then its placeholders (``()``), local indices; rows are left to each rank's
+        own samples (``seq_length=None``: the trainer packs a micro-batch's real tokens)."""
+        ranks = tuple(
+            tuple(rank) + ((),) * (self.num_microbatches - len(rank)) for rank in self.ranks
+        )
+        return (
+            ScheduledStep(
+                ranks=ranks,
+                seq_length=None,
+                micro_batch_size=self.rows,
+                planned_lengths=self.lengths,
+            ),
+        )
+
+    def fingerprint(self) -> str:
+        """A short hash that every rank compares before the pipeline starts."""
+        text = json.dumps([self.num_microbatches, self.rows, self.ranks], separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]

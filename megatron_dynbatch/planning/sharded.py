@@ -20,9 +20,6 @@ placeholder after its sample.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from megatron_dynbatch.errors import DynBatchValueError
@@ -30,9 +27,9 @@ from megatron_dynbatch.errors import DynBatchValueError
 from .balance import descent_order, pipeline_order, pipeline_orders
 from .candidates import differenced_rows
 from .cost import microbatch_cost, sample_costs
+from .plan import ShardedPlan
 from .registry import run_planner
 from .samples import SampleSet, as_sequence
-from .schedule import ScheduledStep
 from .simulate import TIE, pipeline_makespan, remembered_makespans
 from .spec import (
     ASSUMED_OVERHEAD_CHECKS,
@@ -74,48 +71,6 @@ _LOWERINGS = 3
 #: ``min_gain`` that keeps a plan at its floor count: more micro-batches would have to be
 #: predicted nearly twice as fast.
 _ONLY_THE_FLOOR = 0.99
-
-
-@dataclass(frozen=True, kw_only=True)
-class ShardedPlan:
-    """Every DP rank's micro-batches of one step (local sample indices)."""
-
-    ranks: Tuple[Tuple[Tuple[int, ...], ...], ...]
-    """``ranks[r]``: DP rank ``r``'s real micro-batches, in run order; placeholders follow them."""
-    num_microbatches: int
-    """Micro-batches every rank runs (real + placeholder): what Megatron's schedule is given."""
-    rows: int
-    """Rows of the fullest micro-batch of any rank (``B`` for trainers that need uniform rows)."""
-    oversize: Tuple[Tuple[int, int], ...] = ()
-    """``(dp_rank, local index)`` of every sample longer than the budget (each ran alone)."""
-    lengths: Tuple[Tuple[int, ...], ...] = ()
-    """``lengths[r][i]``: the tokens each sample was planned with (``()``: not kept); the
-    materializer checks the samples against them."""
-
-    def placeholders(self, dp_rank: int) -> int:
-        """Placeholder micro-batches DP rank ``dp_rank`` runs after its real ones."""
-        return self.num_microbatches - len(self.ranks[dp_rank])
-
-    def scheduled_steps(self) -> Tuple[ScheduledStep, ...]:
-        """The step as the runtime reads it (:class:`~.schedule.Schedule`): each rank's real
-        micro-batches then its placeholders (``()``), local indices; rows are left to each rank's
-        own samples (``seq_length=None``: the trainer packs a micro-batch's real tokens)."""
-        ranks = tuple(
-            tuple(rank) + ((),) * (self.num_microbatches - len(rank)) for rank in self.ranks
-        )
-        return (
-            ScheduledStep(
-                ranks=ranks,
-                seq_length=None,
-                micro_batch_size=self.rows,
-                planned_lengths=self.lengths,
-            ),
-        )
-
-    def fingerprint(self) -> str:
-        """A short hash that every rank compares before the pipeline starts."""
-        text = json.dumps([self.num_microbatches, self.rows, self.ranks], separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def plan_rank_shards(
