@@ -138,8 +138,10 @@ class _Agreement:
                 f"ranks {differing} derived a different plan than rank 0{where} (fingerprints "
                 f"{shown}). Every rank must plan the same global sample lengths, rollout ids and "
                 "settings: every rank's data iterator must yield the same global rollout batch "
-                "(same samples and order), and every rank needs the same --max-tokens-per-gpu, "
-                "--dynamic-batch-layout, --rollouts-per-step and cost weights."
+                "(same samples and order), and every rank needs the same planner settings: "
+                "token budget, layout, rollouts per step and cost weights (in Megatron-LM "
+                "--max-tokens-per-gpu, --dynamic-batch-layout, --rollouts-per-step and the cost "
+                "flags; a host's own keys elsewhere)."
             )
         return False
 

@@ -1,6 +1,6 @@
 """Run one Megatron forward(-backward) pass over an explicit list of micro-batch dicts."""
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -12,6 +12,7 @@ from megatron_dynbatch.runtime.iterators import chunk_data_iterators
 __all__ = [
     "VARIABLE_SHAPE_KEYS",
     "check_schedule_config",
+    "check_schedule_inputs",
     "check_uniform_shapes",
     "interleaved_shape_exchange_hangs",
     "run_forward_backward",
@@ -113,6 +114,49 @@ def check_uniform_shapes(
             )
 
 
+def check_schedule_inputs(
+    model_chunks: list[torch.nn.Module],
+    microbatches: list[dict],
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    pg_collection=None,
+) -> tuple[int, Optional[int]]:
+    """What :func:`run_forward_backward` checks before it starts the schedule, on this rank alone
+    (run it inside a step agreement first, so a rank that fails does not leave its peers waiting
+    in the schedule's first p2p or all-reduce).
+
+    Returns:
+        The pipeline and virtual pipeline sizes the schedule runs.
+
+    Raises:
+        DynBatchValueError: on micro-batches of other keys or shapes than each other or than
+            ``[micro_batch_size, seq_length]``, or model chunks the schedule cannot run.
+    """
+    check_uniform_shapes(microbatches)
+    first = microbatches[0]
+    if "tokens" in first:
+        if tuple(first["tokens"].shape) != (micro_batch_size, seq_length):
+            raise DynBatchValueError(
+                f"tokens have shape {tuple(first['tokens'].shape)} but the schedule was given "
+                f"micro_batch_size={micro_batch_size}, seq_length={seq_length}; pass the step's "
+                "StepPlan.micro_batch_size and seq_length."
+            )
+    config = model_chunks[0].config
+    for chunk in model_chunks:
+        check_schedule_config(chunk.config)
+    pp_size = config.pipeline_model_parallel_size
+    if pg_collection is not None and getattr(pg_collection, "pp", None) is not None:
+        pp_size = pg_collection.pp.size()
+    vp_size = config.virtual_pipeline_model_parallel_size
+    if len(model_chunks) != (vp_size or 1):
+        raise DynBatchValueError(
+            f"{len(model_chunks)} model chunks for virtual_pipeline_model_parallel_size={vp_size}; "
+            "pass every model chunk of this rank (one per virtual stage)."
+        )
+    return pp_size, vp_size
+
+
 def run_forward_backward(
     model_chunks: list[torch.nn.Module],
     microbatches: list[dict],
@@ -145,27 +189,13 @@ def run_forward_backward(
         What the schedule returns: on the last pipeline stage one entry per micro-batch (the loss
         function's logging dict, or its data when ``collect_non_loss_data``), elsewhere ``[]``.
     """
-    check_uniform_shapes(microbatches)
-    first = microbatches[0]
-    if "tokens" in first:
-        if tuple(first["tokens"].shape) != (micro_batch_size, seq_length):
-            raise DynBatchValueError(
-                f"tokens have shape {tuple(first['tokens'].shape)} but the schedule was given "
-                f"micro_batch_size={micro_batch_size}, seq_length={seq_length}; pass the step's "
-                "StepPlan.micro_batch_size and seq_length."
-            )
-    config = model_chunks[0].config
-    for chunk in model_chunks:
-        check_schedule_config(chunk.config)
-    pp_size = config.pipeline_model_parallel_size
-    if pg_collection is not None and getattr(pg_collection, "pp", None) is not None:
-        pp_size = pg_collection.pp.size()
-    vp_size = config.virtual_pipeline_model_parallel_size
-    if len(model_chunks) != (vp_size or 1):
-        raise DynBatchValueError(
-            f"{len(model_chunks)} model chunks for virtual_pipeline_model_parallel_size={vp_size}; "
-            "pass every model chunk of this rank (one per virtual stage)."
-        )
+    pp_size, vp_size = check_schedule_inputs(
+        model_chunks,
+        microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        pg_collection=pg_collection,
+    )
     kwargs = {}
     if pg_collection is not None:
         kwargs["pg_collection"] = pg_collection

@@ -19,14 +19,15 @@ On CPU call :func:`megatron_dynbatch.cpu.core_shim.apply_cpu_shim` before import
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.mcore.agreement import step_agreement
 from megatron_dynbatch.mcore.forward import make_forward_step
-from megatron_dynbatch.mcore.schedule import run_forward_backward
+from megatron_dynbatch.mcore.schedule import check_schedule_inputs, run_forward_backward
 from megatron_dynbatch.planning import StepPlan
 from megatron_dynbatch.runtime import (
     detach_masked_positions,
@@ -118,6 +119,9 @@ def _data_parallel_size(pg_collection) -> Optional[int]:
 def _seq_length_and_mbs(
     step: StepPlan, microbatches: Sequence[Mapping[str, torch.Tensor]], pg_collection=None
 ):
+    """The step's row ``(S, B)``, checked. A sharded plan's step leaves its rows to each rank's
+    own samples (``seq_length=None``): then they are the rank's materialized rows, as
+    ``materialize_microbatches`` sized them (ranks of one pipeline share them)."""
     if len(microbatches) != step.num_microbatches:
         raise DynBatchValueError(
             f"{len(microbatches)} micro-batches for a step planned with num_microbatches="
@@ -132,7 +136,30 @@ def _seq_length_and_mbs(
             "size of the model's process groups), or every sample planned for a missing rank is "
             "never trained."
         )
+    if step.seq_length is None and microbatches and "tokens" in microbatches[0]:
+        rows, length = microbatches[0]["tokens"].shape[:2]
+        return int(length), int(rows)
     return step.seq_length, step.micro_batch_size
+
+
+def _agreed_schedule(
+    model_chunks, step, microbatches, pg_collection, check_group, what: str
+) -> Tuple[int, int]:
+    """The step's row, after every rank checked its schedule inputs and agreed: a rank whose
+    micro-batches, plan or model chunks do not fit would otherwise raise alone while its peers
+    wait in the schedule's first p2p or all-reduce (the same error on every rank instead)."""
+    if not dist.is_initialized():  # Megatron's schedules need it anyway: say so where they do
+        return _seq_length_and_mbs(step, microbatches, pg_collection)
+    with step_agreement(check_group, what=what):
+        seq_length, micro_batch_size = _seq_length_and_mbs(step, microbatches, pg_collection)
+        check_schedule_inputs(
+            list(model_chunks),
+            microbatches,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            pg_collection=pg_collection,
+        )
+    return seq_length, micro_batch_size
 
 
 def train_microbatches(
@@ -143,9 +170,17 @@ def train_microbatches(
     aggregation: str,
     token_loss: Optional[TokenLoss] = None,
     pg_collection=None,
+    check_group=None,
 ) -> list:
-    """Forward and backward over this rank's micro-batches of ``step``; returns the loss logs."""
-    seq_length, micro_batch_size = _seq_length_and_mbs(step, microbatches, pg_collection)
+    """Forward and backward over this rank's micro-batches of ``step``; returns the loss logs.
+
+    Every rank of ``check_group`` (default: the world; every rank that runs the model) calls it
+    for the step: the schedule's inputs are checked and agreed on first, so an error on one rank
+    stops every rank with the same :class:`~.agreement.StepAgreementError`.
+    """
+    seq_length, micro_batch_size = _agreed_schedule(
+        model_chunks, step, microbatches, pg_collection, check_group, "training step"
+    )
     return run_forward_backward(
         list(model_chunks),
         microbatches,
@@ -162,13 +197,17 @@ def forward_only_outputs(
     microbatches: List[Dict[str, torch.Tensor]],
     *,
     pg_collection=None,
+    check_group=None,
 ) -> Dict[int, torch.Tensor]:
     """Per-token log-probs of every real sample of this rank: ``{sample index: [L_i]}``.
 
     Entry ``j`` is the log-probability of token ``j + 1`` (the last entry has no target).
-    Non-empty on the last pipeline stage only; placeholders give nothing.
+    Non-empty on the last pipeline stage only; placeholders give nothing. Agreed first as
+    :func:`train_microbatches` is.
     """
-    seq_length, micro_batch_size = _seq_length_and_mbs(step, microbatches, pg_collection)
+    seq_length, micro_batch_size = _agreed_schedule(
+        model_chunks, step, microbatches, pg_collection, check_group, "forward-only pass"
+    )
     with torch.no_grad():
         outputs = run_forward_backward(
             list(model_chunks),

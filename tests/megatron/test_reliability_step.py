@@ -66,7 +66,8 @@ def _step_body(fault=None, advantages=None, kill_rank=None, plan_dp=None):
     Args:
         fault: Break rank 1 only: ``plan`` (a prompt longer than its sample in the planner's
             input), ``sample`` (int32 tokens), ``materialize`` (a sample the plan gives it is
-            missing).
+            missing), ``schedule`` (it hands the schedule one micro-batch fewer than planned:
+            checked by ``train_microbatches`` alone, after the agreement above).
         advantages: Sample index -> advantage overrides (every rank).
         kill_rank: This rank SIGKILLs itself at its second loss computation, inside the schedule.
         plan_dp: Plan for this many data-parallel ranks instead of the ranks that run.
@@ -124,8 +125,55 @@ def _step_body(fault=None, advantages=None, kill_rank=None, plan_dp=None):
     chunks = wrap_in_ddp(build_tiny_gpt(model_config, seed=SEED))
     configure_loss(chunks, "token-mean")
     token_loss = _killed_at_second_loss if rank == kill_rank else _advantage_loss
-    train_microbatches(chunks, step, microbatches, aggregation="token-mean", token_loss=token_loss)
+    if fault == "schedule" and rank == 1:
+        microbatches = microbatches[:-1]
+    started = time.monotonic()
+    try:
+        train_microbatches(
+            chunks, step, microbatches, aggregation="token-mean", token_loss=token_loss
+        )
+    except StepAgreementError as error:
+        return {"type": type(error).__name__, "error": str(error), "s": time.monotonic() - started}
     return {"grads": named_global_grads(chunks)}
+
+
+def _sharded_body():
+    """The samples already sharded over the two DP ranks (rank r holds every other sample from
+    r), planned by ``plan_sharded_step`` and trained through ``train_microbatches``: the step's
+    rows come from each rank's own samples."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_dynbatch.mcore.step import configure_loss, train_microbatches
+    from megatron_dynbatch.planning import ParallelLayout, PlannerConfig
+    from megatron_dynbatch.planning.sharded import plan_sharded_step
+    from megatron_dynbatch.runtime import BatchSchema, FieldSpec, materialize_microbatches
+    from megatron_dynbatch.tools.testing.tiny_gpt import (
+        build_tiny_gpt,
+        named_global_grads,
+        tiny_transformer_config,
+        wrap_in_ddp,
+    )
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp = parallel_state.get_data_parallel_world_size()
+    owned = [list(range(r, len(LENGTHS), dp)) for r in range(dp)]
+    config = PlannerConfig(max_tokens_per_gpu=CAP, parallel=ParallelLayout(dp_size=1))
+    plan = plan_sharded_step([[LENGTHS[i] for i in ids] for ids in owned], config)
+    [step] = plan.scheduled_steps()
+    schema = BatchSchema(fields=(FieldSpec(name="advantages", kind="sample", dtype=torch.float32),))
+    mine = {local: _sample(i, {}) for local, i in enumerate(owned[dp_rank])}
+    microbatches = materialize_microbatches(
+        step, dp_rank, mine, schema, layout="packed", sample_multiple=1
+    )
+    chunks = wrap_in_ddp(
+        build_tiny_gpt(tiny_transformer_config(calculate_per_token_loss=True), seed=SEED)
+    )
+    configure_loss(chunks, "token-mean")
+    train_microbatches(
+        chunks, step, microbatches, aggregation="token-mean", token_loss=_advantage_loss
+    )
+    return {"grads": named_global_grads(chunks), "rank": dist.get_rank()}
 
 
 @pytest.mark.parametrize(
@@ -134,6 +182,9 @@ def _step_body(fault=None, advantages=None, kill_rank=None, plan_dp=None):
         ("plan", "ValueError: sample 0: prompt_length=99"),
         ("sample", "'tokens' has dtype torch.int32"),
         ("materialize", "ValueError: dp_rank=1, micro-batch"),
+        # Checked in train_microbatches, after the step's agreement: rank 1 raised alone while
+        # rank 0 waited in the schedule until the process-group timeout (a probe of the host API).
+        ("schedule", "1 micro-batches for a step planned with num_microbatches=2"),
     ],
 )
 def test_one_broken_rank_stops_every_rank_with_the_same_error(fault, reason):
@@ -142,7 +193,8 @@ def test_one_broken_rank_stops_every_rank_with_the_same_error(fault, reason):
     messages = {r["error"] for r in results}
     assert len(messages) == 1, messages
     [message] = messages
-    assert "1 of 2 rank(s) failed: rank 1: " in message and "(step 0)" in message, message
+    where = "(training step)" if fault == "schedule" else "(step 0)"
+    assert "1 of 2 rank(s) failed: rank 1: " in message and where in message, message
     assert reason in message, message
     seconds = [r["s"] for r in results]
     print(f"{fault}: every rank failed after {max(seconds):.3f} s")
@@ -191,11 +243,26 @@ def test_nan_advantage_on_a_loss_bearing_sample_is_an_error_on_every_rank():
 def test_a_plan_for_more_data_parallel_ranks_than_run_is_refused_on_every_rank():
     # An integrator's probe: planned at dp 4 and run at dp 2, the step trained ranks 0 and 1's
     # samples only (74 of 136 tokens) and said nothing.
-    with pytest.raises(DistributedTestError) as error:
-        run_on_ranks(2, _step_body, None, None, None, 4, layout=Layout())
-    message = str(error.value)
+    results = run_on_ranks(2, _step_body, None, None, None, 4, layout=Layout())
+    messages = {r.get("error") for r in results}
+    assert len(messages) == 1 and {r.get("type") for r in results} == {"StepAgreementError"}
+    [message] = messages
+    assert "2 of 2 rank(s) failed" in message, message
     for rank in (0, 1):
-        assert f"rank {rank}: DynBatchValueError: the step was planned for 4 data-parallel" in (
-            message
-        ), message
+        said = f"rank {rank}: megatron_dynbatch.errors.DynBatchValueError: the step was planned"
+        assert f"{said} for 4 data-parallel" in message, message
     assert "ParallelLayout(dp_size=2)" in message, message
+
+
+def test_a_sharded_plans_step_trains_through_train_microbatches_as_the_global_plan():
+    """A probe of the host API: a step of plan_sharded_step was refused by the runner ("tokens
+    have shape (1, 60) but the schedule was given micro_batch_size=4, seq_length=None"). Now it
+    trains, and the gradients are the global plan's on the same samples (the loss is exact)."""
+    sharded = run_on_ranks(2, _sharded_body, layout=Layout())
+    whole = run_on_ranks(2, _step_body, layout=Layout())
+    for got, want in zip(sharded, whole, strict=True):
+        assert got["grads"].keys() == want["grads"].keys()
+        for name, grad in got["grads"].items():
+            scale = float(want["grads"][name].abs().max()) or 1.0
+            error = float((grad - want["grads"][name]).abs().max()) / scale
+            assert error < 1e-5, (got["rank"], name, error)
