@@ -655,13 +655,21 @@ def check_host_oversize(
         + f"): {shown}{more}."
     )
     if policy == "warn":
-        warnings.warn(
-            f"{what} Each runs alone in its micro-batch, over the budget, as stock {host.name} "
-            f"runs it; raise {key} (to at least {need if host.budget_times_cp else longest}) to "
-            f"stay within it, or set {host.key('oversize_samples')} error to stop on such samples.",
-            OversizeSampleWarning,
-            stacklevel=3,
-        )
+        fits = f"raise {key} (to at least {need if host.budget_times_cp else longest})"
+        if host.oversize == "option" and config.oversize_samples == "truncate":
+            # The plan cuts them (StepPlan.kept_lengths): say so, not that they run whole.
+            message = (
+                f"{what} Each is cut to the cap ({host.key('oversize_samples')} truncate): its "
+                f"tokens past {cap} are not trained; {fits} to train them whole, or set "
+                f"{host.key('oversize_samples')} error to stop on such samples."
+            )
+        else:
+            message = (
+                f"{what} Each runs alone in its micro-batch, over the budget, as stock "
+                f"{host.name} runs it; {fits} to stay within it, or set "
+                f"{host.key('oversize_samples')} error to stop on such samples."
+            )
+        warnings.warn(message, OversizeSampleWarning, stacklevel=3)
         return over
     fix = (
         f" or {host.key('oversize_samples')} allow (each runs alone, over the budget)"

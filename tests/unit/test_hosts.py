@@ -94,6 +94,17 @@ def test_slime_warns_or_refuses_by_its_own_option():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert check_host_oversize(SLIME, [[5, 9]], config) == []
+    # Under truncate the plan cuts the sample: the warning said it ran whole (a host-API probe).
+    config = host_config(
+        SLIME, {"max_tokens_per_gpu": 10, "oversize_samples": "truncate"}, parallel
+    )
+    with pytest.warns(OversizeSampleWarning) as caught:
+        check_host_oversize(SLIME, [[5, 11]], config)
+    [said] = [str(w.message) for w in caught]
+    assert (
+        "Each is cut to the cap (--oversize-samples truncate): its tokens past 10 are not" in (said)
+        and "runs alone" not in said
+    ), said
 
 
 def test_check_plan_checks_sharded_plans():
