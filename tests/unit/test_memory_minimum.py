@@ -146,3 +146,42 @@ def test_plan_labels_the_cap_and_warns_when_a_peak_exceeds_the_budget(tmp_path, 
     # Within the budget: no warning.
     assert main([*args, "--max-memory-gib", "4"]) == 0
     assert "predicted to exceed" not in capsys.readouterr().err
+
+
+def test_under_truncate_the_budget_is_checked_at_the_row_samples_are_cut_to(monkeypatch):
+    """A probe: ``--oversize-samples truncate --max-tokens-per-gpu 512 --max-memory-gib 0.4``
+    with ``--seq-length 2048`` was refused for one 2,048-token row, which the run never holds
+    (cut at 512, it peaked at 406 of 410 MiB once allowed); the memory model kept a 2,048 row's
+    need as its budget after the first step too."""
+    from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
+
+    apply_cpu_shim()  # the hooks import megatron.core, which needs the triton stand-in here
+    from megatron_dynbatch.integrations.megatron_lm import hooks
+    from megatron_dynbatch.integrations.megatron_lm.arguments import dynbatch_config_from_args
+    from tests._support import megatron_lm_args
+
+    probe = _memory(MIB, monkeypatch, 200 * MIB)
+    monkeypatch.setattr(hooks, "memory_model_from_args", lambda *a, **k: probe.model)
+    limit = MemoryLimit(model=probe.current, budget_bytes=MIB, row_multiple=1)
+    with pytest.raises(DynBatchValueError) as refused:
+        step_memory.check_memory_budget(limit, 2 * SEQ, "--max-memory-gib")
+    named = float(re.search(r"at least ([0-9.]+)", str(refused.value)).group(1))
+    with pytest.raises(DynBatchValueError) as refused:
+        step_memory.check_memory_budget(limit, SEQ, "--max-memory-gib")
+    enough = float(re.search(r"at least ([0-9.]+)", str(refused.value)).group(1))
+    assert enough < named
+    argv = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", str(SEQ)]
+    argv += ["--max-memory-gib", str(enough)]
+    for policy, fits in (("truncate", True), ("error", False), ("allow", False)):
+        args = megatron_lm_args(
+            argv + ["--oversize-samples", policy],
+            seq_length=2 * SEQ, num_layers=4, hidden_size=256, num_attention_heads=8,
+            data_parallel_size=1, pipeline_model_parallel_size=2,
+        )  # fmt: skip
+        config = dynbatch_config_from_args(args)
+        if fits:
+            memory = hooks._step_memory(args, config)
+            assert (memory.min_row, memory.min_row_name) == (SEQ, "--max-tokens-per-gpu")
+        else:  # a sample of --seq-length can run whole: its row is the one to fit
+            with pytest.raises(DynBatchValueError, match=f"one --seq-length {2 * SEQ} sample"):
+                hooks._step_memory(args, config)

@@ -85,6 +85,7 @@ from megatron_dynbatch.integrations.megatron_lm.layout_checks import (
     check_world_size,
 )
 from megatron_dynbatch.integrations.megatron_lm.memory import (
+    SEQ_LENGTH_ROW,
     StepMemory,
     check_memory_budget,
     memory_model_from_args,
@@ -722,18 +723,28 @@ def _step_memory(args: Any, config: DynBatchConfig) -> Optional[StepMemory]:
     # (The process group does not exist yet: Megatron's --distributed-backend says what it will be.)
     if variable_seq_lengths(args, getattr(args, "distributed_backend", None), config.layout):
         row_multiple = math.lcm(row_multiple, VARIABLE_ROW_MULTIPLE)
+    longest, name = int(getattr(args, "seq_length", None) or 1), SEQ_LENGTH_ROW
+    if config.oversize_samples == "truncate":
+        # Samples are cut to the token budget (rounded down to the sample multiple), so no row
+        # is longer: a budget is checked, and the probe step planned, at that row (a probe's
+        # --max-memory-gib was refused for --seq-length 2048 rows the run could never hold).
+        multiple = parallel.sample_multiple
+        keep = config.max_tokens_per_gpu * parallel.cp_size // multiple * multiple
+        if 0 < keep < longest:
+            longest, name = keep, FLAGS["max_tokens_per_gpu"]
     memory = StepMemory(
         model=model,
         budget=budget,
         row_multiple=row_multiple,
-        min_row=int(getattr(args, "seq_length", None) or 1),
+        min_row=longest,
+        min_row_name=name,
         # On CPU the peak is the resident set, which keeps what the heap freed (StepMemory).
         resident=not torch.cuda.is_available(),
     )
     if budget is not None:
         # The first step's arithmetic (its model and rows): a budget this passes trains.
         limit = MemoryLimit(model=memory.current, budget_bytes=budget, row_multiple=row_multiple)
-        check_memory_budget(limit, getattr(args, "seq_length", None), FLAGS["max_memory_gib"])
+        check_memory_budget(limit, longest, FLAGS["max_memory_gib"], name)
     return memory
 
 

@@ -160,8 +160,16 @@ def resolve_budget(max_memory_gib: Any) -> Tuple[int, str]:
     return gib_to_bytes(max_memory_gib), f"--max-memory-gib {max_memory_gib}"
 
 
-def check_memory_budget(limit: MemoryLimit, seq_length: Optional[int], flag: str) -> None:
-    """Refuse, before the model is built, a budget one ``--seq-length`` sample cannot fit under.
+#: How the messages name the longest row a sample can have: ``--seq-length``'s.
+SEQ_LENGTH_ROW = "--seq-length"
+
+
+def check_memory_budget(
+    limit: MemoryLimit, seq_length: Optional[int], flag: str, row: str = SEQ_LENGTH_ROW
+) -> None:
+    """Refuse, before the model is built, a budget one ``--seq-length`` sample cannot fit under
+    (``seq_length``: the longest row a sample can have; ``row`` names where it comes from, e.g.
+    the token budget samples are cut to under ``--oversize-samples truncate``).
 
     ``limit`` carries the model the first step plans with (:attr:`StepMemory.current` before any
     step: counted activations times :data:`UNFITTED_SAFETY`) and its row multiple, so the
@@ -173,8 +181,7 @@ def check_memory_budget(limit: MemoryLimit, seq_length: Optional[int], flag: str
     """
     model = limit.model
     length = int(seq_length or limit.row_multiple)
-    row = (1, round_up(length, limit.row_multiple))
-    stage, need = model.worst_stage(row)
+    stage, need = model.worst_stage((1, round_up(length, limit.row_multiple)))
     if need > limit.budget_bytes:
         rest = model.resting(stage)
         # With a margin for what the estimate misses (see STARTUP_MARGIN); rounded up, so the
@@ -182,13 +189,13 @@ def check_memory_budget(limit: MemoryLimit, seq_length: Optional[int], flag: str
         margin = STARTUP_MARGIN if torch.cuda.is_available() else CPU_STARTUP_MARGIN
         smallest = budget_gib(need, margin)
         raise DynBatchValueError(
-            f"{flag} {limit.budget_bytes / GIB:.3f} is too small for one --seq-length "
+            f"{flag} {limit.budget_bytes / GIB:.3f} is too small for one {row} "
             f"{length} sample: pipeline stage {stage} is predicted to hold "
             f"{need / GIB:.3f} GiB at its peak ({rest / GIB:.3f} GiB of weights, gradients, "
             f"optimizer state and process at rest, the rest activations of the micro-batches "
             f"its schedule keeps alive, counted x{UNFITTED_SAFETY:g} until measured); raise "
             f"{flag} to at least {smallest:.3f}, recompute activations (--recompute-granularity "
-            "selective / full), or lower --seq-length."
+            f"selective / full), or lower {row.split()[0]}."
         )
 
 
@@ -264,7 +271,10 @@ class StepMemory:
     """``--max-memory-gib`` in bytes, or ``None`` (measured and predicted, not bounded)."""
     row_multiple: int = 1
     min_row: int = 1
-    """``--seq-length``: the probe step's row, and the row any budget must leave room for."""
+    """``--seq-length`` (under ``--oversize-samples truncate`` at most the token budget samples
+    are cut to): the probe step's row, and the row any budget must leave room for."""
+    min_row_name: str = SEQ_LENGTH_ROW
+    """Where :attr:`min_row` comes from, as the messages name it."""
     scales: Optional[Tuple[Tuple[float, float], ...]] = None
     """Per stage, the fitted ``(token_scale, score_scale)``; ``None`` before a fit."""
     resting: Optional[Tuple[float, ...]] = None
@@ -355,11 +365,12 @@ class StepMemory:
                 self.warned_small = True
                 if not dist.is_initialized() or dist.get_rank() == 0:
                     print(
-                        f"dynamic batching: as measured, one --seq-length {self.min_row} row "
+                        f"dynamic batching: as measured, one {self.min_row_name} {self.min_row} row "
                         f"needs {need / MIB:.0f} MiB on some pipeline stage, over "
                         f"--max-memory-gib {self.budget / GIB:.3f} ({self.budget / MIB:.0f} "
                         "MiB): planning micro-batches of such rows at most; raise "
-                        "--max-memory-gib, recompute activations or lower --seq-length.",
+                        "--max-memory-gib, recompute activations or lower "
+                        f"{self.min_row_name.split()[0]}.",
                         flush=True,
                     )
             budget = need
