@@ -391,3 +391,30 @@ def test_a_sliding_window_is_refused_where_it_would_cross_the_samples_of_a_row()
     # the THD segments (not installable here, so not run).
     assert validate_dynamic_batch_args(_args(_ON, transformer_impl="local")) is not None
     assert validate_dynamic_batch_args(_args(_ON, window_size=(16, 0))) is not None
+
+
+def test_validation_cut_under_truncate_is_said_at_start_up():
+    """A probe: under --oversize-samples truncate validation plans under the forward-only budget
+    (by default the training one) and its documents were cut to it without a word, where
+    --document-samples validates them whole (the launch prints this note at start-up)."""
+    from types import SimpleNamespace
+
+    def note(**values):
+        base = dict(
+            use_dynamic_batch_size=True, seq_length=512, max_tokens_per_gpu=128,
+            oversize_samples="truncate", log_probs_max_tokens_per_gpu=None,
+        )  # fmt: skip
+        return arguments.validation_cut_note(SimpleNamespace(**{**base, **values}))
+
+    said = note()
+    assert said.startswith("validation documents over the forward-only budget 128 ") and (
+        said.endswith("pass --log-probs-max-tokens-per-gpu 512 to validate them whole.")
+    ), said
+    assert "budget 256" in note(log_probs_max_tokens_per_gpu=256)
+    for whole in (
+        dict(log_probs_max_tokens_per_gpu=512),
+        dict(oversize_samples="allow"),
+        dict(use_dynamic_batch_size=False),
+        dict(max_tokens_per_gpu=1024),
+    ):
+        assert note(**whole) is None, whole

@@ -553,6 +553,29 @@ def _check_window_attention(args: Any, config: DynBatchConfig) -> None:
         )
 
 
+def validation_cut_note(args: Any) -> Optional[str]:
+    """What the launch says at start-up when validation documents are cut: under
+    ``--oversize-samples truncate`` validation plans under the forward-only budget (by default the
+    training one) and cuts what is longer, where ``--document-samples`` validates documents whole
+    (a probe saw validation cut without a word); ``None`` when nothing is cut."""
+    if not getattr(args, "use_dynamic_batch_size", False):
+        return None
+    if (getattr(args, "oversize_samples", None) or "error") != "truncate":
+        return None
+    budget = getattr(args, "log_probs_max_tokens_per_gpu", None) or getattr(
+        args, "max_tokens_per_gpu", None
+    )
+    seq_length = getattr(args, "seq_length", None)
+    if budget is None or seq_length is None or budget >= seq_length:
+        return None
+    return (
+        f"validation documents over the forward-only budget {budget} "
+        f"({FLAGS['log_probs_max_tokens_per_gpu']}, default {FLAGS['max_tokens_per_gpu']}) are "
+        f"cut to it too (--oversize-samples truncate); pass {FLAGS['log_probs_max_tokens_per_gpu']} "
+        f"{seq_length} to validate them whole."
+    )
+
+
 def _check_one_data_source(args: Any) -> None:
     """Name the flags when more than one data source is given (with the flag on or off).
 

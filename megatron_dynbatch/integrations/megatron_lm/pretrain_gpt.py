@@ -44,6 +44,7 @@ from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.megatron_lm.arguments import (
     add_dynamic_batch_args,
     grouping_dependent_moe,
+    validation_cut_note,
 )
 from megatron_dynbatch.integrations.megatron_lm.attention import (
     THD_ATTENTIONS,
@@ -204,6 +205,9 @@ def _check_document_args(args: Any) -> None:
             f"--max-tokens-per-gpu {budget} < --seq-length {args.seq_length}: document samples "
             f"over the budget are handled by --oversize-samples {policy}."
         )
+    note = validation_cut_note(args)
+    if note:
+        print_rank_0(note)
     if getattr(args, "data_cache_path", None):
         print_rank_0(
             f"--data-cache-path {args.data_cache_path}: not used by document samples; their "
