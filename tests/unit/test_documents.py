@@ -214,6 +214,39 @@ def test_byte_template_trains_the_assistant_tokens_only():
     assert not mask.any()
 
 
+def test_lines_whose_answer_the_token_budget_cuts_off_are_warned_about(tmp_path, capsys):
+    """A probe: under --oversize-samples truncate dynamic batching cuts samples at the token
+    budget, below --seq-length; 20 of 40 lines then trained nothing, counted only as truncated
+    tokens. The first answers of the file's two answered lines start at tokens 54 and 41."""
+    from megatron_dynbatch.integrations.megatron_lm.data.conversations import (
+        byte_conversation_tokenizer,
+    )
+    from megatron_dynbatch.integrations.megatron_lm.data.documents import conversation_documents
+
+    path = _conversation_file(tmp_path)
+    tokenize = byte_conversation_tokenizer()
+    conversation_documents([str(path)], tokenize, seq_length=60, cut=(45, "--max-tokens-per-gpu"))
+    out = capsys.readouterr().out
+    assert "1 samples start their first answer at or after --max-tokens-per-gpu 45, where " in out
+    assert "--seq-length" not in out, out
+    conversation_documents([str(path)], tokenize, seq_length=60)  # nothing cut below 60
+    assert "first answer" not in capsys.readouterr().out
+    # What the launch passes: the cap samples are cut to, only where truncate cuts below it.
+    from types import SimpleNamespace
+
+    from megatron_dynbatch.integrations.megatron_lm.data.documents import _truncate_cut
+
+    run = dict(use_dynamic_batch_size=True, max_tokens_per_gpu=512, seq_length=1024,
+               oversize_samples="truncate", context_parallel_size=1)  # fmt: skip
+    assert _truncate_cut(SimpleNamespace(**run)) == (512, "--max-tokens-per-gpu")
+    for other in (
+        dict(oversize_samples="allow"),
+        dict(seq_length=512),
+        dict(use_dynamic_batch_size=False),
+    ):
+        assert _truncate_cut(SimpleNamespace(**{**run, **other})) is None, other
+
+
 def test_a_line_is_one_sample_truncated_as_megatrons_sft_dataset(tmp_path, capsys):
     from megatron_dynbatch.integrations.megatron_lm.data.conversations import (
         byte_conversation_tokenizer,

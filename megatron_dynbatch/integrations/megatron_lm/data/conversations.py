@@ -258,9 +258,20 @@ def _tokenize_line(
     return tokens, mask
 
 
-def sft_warning(stats: ConversationStats, seq_length: int, name: str) -> Optional[str]:
-    """The start-up warning about lines that train nothing or lose their answer, or None."""
+def sft_warning(
+    stats: ConversationStats, seq_length: int, name: str, cut: Optional[Tuple[int, str]] = None
+) -> Optional[str]:
+    """The start-up warning about lines that train nothing or lose their answer, or None.
+
+    ``cut``: ``(tokens, flag)`` where dynamic batching cuts samples shorter than ``seq_length``
+    (``--oversize-samples truncate`` at the token budget): lines whose answer starts past it
+    train nothing either (a probe saw them counted only as truncated tokens).
+    """
     truncated_to_nothing = int((stats.first_loss_token >= seq_length).sum())
+    cut_to_nothing = 0
+    if cut is not None and cut[0] < seq_length:
+        first = stats.first_loss_token
+        cut_to_nothing = int(((first >= cut[0]) & (first < seq_length)).sum())
     # Each cause with its own fix: only truncation is cured by a longer --seq-length.
     parts = []
     if stats.num_blank_lines:
@@ -275,6 +286,12 @@ def sft_warning(stats: ConversationStats, seq_length: int, name: str) -> Optiona
             f"{truncated_to_nothing} samples start their first answer at or after --seq-length "
             f"{seq_length}, so truncation leaves them without loss tokens (raise --seq-length, "
             "or shorten their prompts)"
+        )
+    if cut_to_nothing:
+        parts.append(
+            f"{cut_to_nothing} samples start their first answer at or after {cut[1]} {cut[0]}, "
+            "where --oversize-samples truncate cuts them, so they train with zero loss tokens "
+            f"(raise {cut[1]}, or shorten their prompts)"
         )
     if not parts:
         return None

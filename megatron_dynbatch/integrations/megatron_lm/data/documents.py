@@ -373,13 +373,30 @@ class DocumentBatchStream(Iterator[LazyRolloutBatch]):
         )
 
 
+def _truncate_cut(args: Any) -> Optional[Tuple[int, str]]:
+    """``(tokens, flag)`` samples are cut to under ``--oversize-samples truncate`` with a token
+    budget below ``--seq-length`` (dynamic batching), else ``None``."""
+    budget = getattr(args, "max_tokens_per_gpu", None)
+    if not getattr(args, "use_dynamic_batch_size", False) or budget is None:
+        return None
+    if (getattr(args, "oversize_samples", None) or "error") != "truncate":
+        return None
+    cap = budget * (getattr(args, "context_parallel_size", 1) or 1)
+    return (cap, "--max-tokens-per-gpu") if cap < args.seq_length else None
+
+
 def conversation_documents(
-    paths: Sequence[str], tokenize: Callable, *, seq_length: Optional[int] = None
+    paths: Sequence[str],
+    tokenize: Callable,
+    *,
+    seq_length: Optional[int] = None,
+    cut: Optional[Tuple[int, str]] = None,
 ) -> DocumentCollection:
     """SFT lines of JSONL files as documents (see ``conversations``), truncated like SFTDataset.
 
     With ``seq_length``, prints (rank 0) one warning with the counts of blank lines skipped,
-    samples without an assistant turn, and samples that truncation leaves without loss.
+    samples without an assistant turn, and samples that truncation leaves without loss (``cut``:
+    ``(tokens, flag)`` where the dynamic planner cuts them shorter, see ``sft_warning``).
     """
     from megatron_dynbatch.integrations.megatron_lm.data.conversations import (
         read_conversations,
@@ -388,7 +405,7 @@ def conversation_documents(
 
     lengths, load, name, stats = read_conversations(paths, tokenize)
     if seq_length is not None:
-        warning = sft_warning(stats, seq_length, name)
+        warning = sft_warning(stats, seq_length, name, cut)
         if warning is not None:
             print_rank_0(warning)
 
@@ -422,7 +439,9 @@ def document_splits(
 
     def collection(paths: Sequence[str]) -> DocumentCollection:
         if conversation_tokenizer is not None:
-            return conversation_documents(paths, conversation_tokenizer, seq_length=args.seq_length)
+            return conversation_documents(
+                paths, conversation_tokenizer, seq_length=args.seq_length, cut=_truncate_cut(args)
+            )
         return indexed_documents(paths, mmap=args.mmap_bin_files)
 
     split = args.split or DEFAULT_SPLIT
