@@ -185,3 +185,28 @@ def test_under_truncate_the_budget_is_checked_at_the_row_samples_are_cut_to(monk
         else:  # a sample of --seq-length can run whole: its row is the one to fit
             with pytest.raises(DynBatchValueError, match=f"one --seq-length {2 * SEQ} sample"):
                 hooks._step_memory(args, config)
+
+
+def test_the_refusal_names_only_the_fixes_that_are_left(monkeypatch):
+    """A probe at pp 2 with --recompute-granularity full and a budget below what the process
+    holds at rest was told to recompute activations or lower --seq-length."""
+    base = _memory(MIB, monkeypatch, 200 * MIB).model
+
+    def refusal(recompute, budget):
+        model = dataclasses.replace(base, recompute=recompute)
+        limit = MemoryLimit(model=model, budget_bytes=budget, row_multiple=1)
+        with pytest.raises(DynBatchValueError) as refused:
+            step_memory.check_memory_budget(limit, SEQ, "--max-memory-gib")
+        return str(refused.value)
+
+    # Over what any stage holds at rest, under the peak of one row.
+    between = int(max(base.resting(stage) for stage in base.dims.stages())) + 1
+    assert "(--recompute-granularity selective / full), or lower --seq-length." in refusal(
+        None, between
+    )
+    assert "(--recompute-granularity full), or lower --seq-length." in refusal("selective", between)
+    said = refusal("full", between)
+    assert "recompute" not in said.split("); ")[-1] and said.endswith(", or lower --seq-length.")
+    said = refusal(None, MIB)  # what is held at rest alone is over the budget
+    assert re.search(r"\); raise --max-memory-gib to at least [0-9.]+ \(what is held at rest alone "
+                     r"is over it\)\.$", said), said  # fmt: skip

@@ -188,14 +188,24 @@ def check_memory_budget(
         # named value passes this check again.
         margin = STARTUP_MARGIN if torch.cuda.is_available() else CPU_STARTUP_MARGIN
         smallest = budget_gib(need, margin)
+        # Only the fixes that are left: recomputation the run already does is no advice, and
+        # nothing but a larger budget helps when what is held at rest alone is over it.
+        fixes = [f"raise {flag} to at least {smallest:.3f}"]
+        if rest >= limit.budget_bytes:
+            fixes[0] += " (what is held at rest alone is over it)"
+        else:
+            recompute = {None: "selective / full", "selective": "full"}.get(model.recompute)
+            if recompute:
+                fixes.append(f"recompute activations (--recompute-granularity {recompute})")
+            fixes.append(f"lower {row.split()[0]}")
         raise DynBatchValueError(
             f"{flag} {limit.budget_bytes / GIB:.3f} is too small for one {row} "
             f"{length} sample: pipeline stage {stage} is predicted to hold "
             f"{need / GIB:.3f} GiB at its peak ({rest / GIB:.3f} GiB of weights, gradients, "
             f"optimizer state and process at rest, the rest activations of the micro-batches "
-            f"its schedule keeps alive, counted x{UNFITTED_SAFETY:g} until measured); raise "
-            f"{flag} to at least {smallest:.3f}, recompute activations (--recompute-granularity "
-            f"selective / full), or lower {row.split()[0]}."
+            f"its schedule keeps alive, counted x{UNFITTED_SAFETY:g} until measured); "
+            + (", ".join(fixes[:-1]) + ", or " + fixes[-1] if len(fixes) > 1 else fixes[0])
+            + "."
         )
 
 
