@@ -14,7 +14,7 @@ import math
 import numbers
 import os
 import re
-from typing import Any, Dict, Iterable, Mapping, Optional, Union
+from typing import Any, Dict, Iterable, Mapping, Optional, Tuple, Union
 
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning.spec import (
@@ -162,6 +162,32 @@ class _ConfigMethods:
     def forward_only_max_tokens_per_gpu(self) -> int:
         """Budget of forward-only passes: ``log_probs_max_tokens_per_gpu`` or the training one."""
         return self.log_probs_max_tokens_per_gpu or self.max_tokens_per_gpu
+
+    def truncation(
+        self, parallel: ParallelLayout, longest: int, *, forward_only: bool = False
+    ) -> Optional[Tuple[int, str]]:
+        """``(tokens, flag)``: what ``oversize_samples='truncate'`` cuts a sample to, where that
+        is shorter than ``longest`` (the longest sample the host can have, e.g. ``--seq-length``),
+        and the budget flag that sets it; ``None`` under another policy or where nothing is cut.
+
+        The planner's own rule (:func:`~megatron_dynbatch.planning.planner._apply_oversize_policy`):
+        the budget times cp, rounded down to the sample multiple. A memory budget's smaller cap
+        is not known before the model is measured, so it is not counted here. Every start-up
+        message and check that names the cut reads it here, from the resolved settings (flags
+        over the YAML), so none of them misses a policy or budget set in the YAML alone.
+        """
+        if self.oversize_samples != "truncate":
+            return None
+        if forward_only:
+            budget = self.forward_only_max_tokens_per_gpu
+            flag = FLAGS["log_probs_max_tokens_per_gpu"]
+            if self.log_probs_max_tokens_per_gpu is None:
+                flag = f"{flag}, default {FLAGS['max_tokens_per_gpu']}"
+        else:
+            budget, flag = self.max_tokens_per_gpu, FLAGS["max_tokens_per_gpu"]
+        multiple = parallel.sample_multiple
+        kept = budget * parallel.cp_size // multiple * multiple
+        return (kept, flag) if 0 < kept < longest else None
 
     def cost_model(self) -> CostModel:
         return CostModel(

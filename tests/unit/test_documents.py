@@ -231,20 +231,29 @@ def test_lines_whose_answer_the_token_budget_cuts_off_are_warned_about(tmp_path,
     assert "--seq-length" not in out, out
     conversation_documents([str(path)], tokenize, seq_length=60)  # nothing cut below 60
     assert "first answer" not in capsys.readouterr().out
-    # What the launch passes: the cap samples are cut to, only where truncate cuts below it.
-    from types import SimpleNamespace
+    # What the launch passes: the cap samples are cut to (the planner's: rounded down to the
+    # sample multiple), only where truncate cuts below --seq-length; YAML settings count.
+    from megatron_dynbatch.integrations.megatron_lm.arguments import truncation_from_args
+    from tests._support import megatron_lm_args
 
-    from megatron_dynbatch.integrations.megatron_lm.data.documents import _truncate_cut
+    def cut(argv, **values):
+        return truncation_from_args(megatron_lm_args(argv, **{"seq_length": 1024, **values}))
 
-    run = dict(use_dynamic_batch_size=True, max_tokens_per_gpu=512, seq_length=1024,
-               oversize_samples="truncate", context_parallel_size=1)  # fmt: skip
-    assert _truncate_cut(SimpleNamespace(**run)) == (512, "--max-tokens-per-gpu")
+    run = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "513"]
+    assert cut([*run, "--oversize-samples", "truncate"], tensor_model_parallel_size=2) == (
+        512, "--max-tokens-per-gpu",
+    )  # fmt: skip
+    yaml = tmp_path / "dyn.yaml"
+    yaml.write_text("oversize_samples: truncate\nmax_tokens_per_gpu: 300\n")
+    assert cut(["--use-dynamic-batch-size", "--dynamic-batch-config", str(yaml)]) == (
+        300, "--max-tokens-per-gpu",
+    )  # fmt: skip
     for other in (
-        dict(oversize_samples="allow"),
-        dict(seq_length=512),
-        dict(use_dynamic_batch_size=False),
+        [*run, "--oversize-samples", "allow"],
+        [*run, "--oversize-samples", "truncate", "--max-tokens-per-gpu", "1024"],
+        ["--max-tokens-per-gpu", "513", "--oversize-samples", "truncate"],
     ):
-        assert _truncate_cut(SimpleNamespace(**{**run, **other})) is None, other
+        assert cut(other) is None, other
 
 
 def test_a_line_is_one_sample_truncated_as_megatrons_sft_dataset(tmp_path, capsys):

@@ -393,28 +393,39 @@ def test_a_sliding_window_is_refused_where_it_would_cross_the_samples_of_a_row()
     assert validate_dynamic_batch_args(_args(_ON, window_size=(16, 0))) is not None
 
 
-def test_validation_cut_under_truncate_is_said_at_start_up():
+def test_validation_cut_under_truncate_is_said_at_start_up(tmp_path):
     """A probe: under --oversize-samples truncate validation plans under the forward-only budget
     (by default the training one) and its documents were cut to it without a word, where
     --document-samples validates them whole (the launch prints this note at start-up)."""
-    from types import SimpleNamespace
 
-    def note(**values):
-        base = dict(
-            use_dynamic_batch_size=True, seq_length=512, max_tokens_per_gpu=128,
-            oversize_samples="truncate", log_probs_max_tokens_per_gpu=None,
-        )  # fmt: skip
-        return arguments.validation_cut_note(SimpleNamespace(**{**base, **values}))
+    def note(argv=(), **values):
+        base = ["--use-dynamic-batch-size", "--oversize-samples", "truncate"]
+        return arguments.validation_cut_note(_args([*base, *argv], seq_length=512, **values))
 
-    said = note()
-    assert said.startswith("validation documents over the forward-only budget 128 ") and (
-        said.endswith("pass --log-probs-max-tokens-per-gpu 512 to validate them whole.")
+    said = note(["--max-tokens-per-gpu", "128"])
+    assert said.startswith("validation documents longer than 128 tokens (the forward-only "
+                           "budget, --log-probs-max-tokens-per-gpu, default --max-tokens-per-gpu)"
+                           ) and said.endswith(
+        "pass --log-probs-max-tokens-per-gpu 512 to validate them whole."
+    ), said  # fmt: skip
+    said = note(["--max-tokens-per-gpu", "128", "--log-probs-max-tokens-per-gpu", "256"])
+    assert "longer than 256 tokens (the forward-only budget, --log-probs-max-tokens-per-gpu)" in (
+        said
     ), said
-    assert "budget 256" in note(log_probs_max_tokens_per_gpu=256)
+    # Rounded down to the sample multiple, as the planner cuts (tp 2: samples pad to 2).
+    said = note(["--max-tokens-per-gpu", "129"], tensor_model_parallel_size=2)
+    assert "longer than 128 tokens" in said, said
+    # Set in the YAML alone (a review: the note read only the flags).
+    yaml = tmp_path / "dyn.yaml"
+    yaml.write_text("oversize_samples: truncate\nmax_tokens_per_gpu: 128\n")
+    said = arguments.validation_cut_note(
+        _args(["--use-dynamic-batch-size", "--dynamic-batch-config", str(yaml)], seq_length=512)
+    )
+    assert said is not None and "longer than 128 tokens" in said, said
     for whole in (
-        dict(log_probs_max_tokens_per_gpu=512),
-        dict(oversize_samples="allow"),
-        dict(use_dynamic_batch_size=False),
-        dict(max_tokens_per_gpu=1024),
+        ["--max-tokens-per-gpu", "128", "--log-probs-max-tokens-per-gpu", "512"],
+        ["--max-tokens-per-gpu", "128", "--oversize-samples", "allow"],
+        ["--max-tokens-per-gpu", "1024"],
     ):
-        assert note(**whole) is None, whole
+        assert note(whole) is None, whole
+    assert arguments.validation_cut_note(_args(["--max-tokens-per-gpu", "128"])) is None

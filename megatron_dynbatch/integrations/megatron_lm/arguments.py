@@ -25,7 +25,7 @@ import argparse
 import math
 import os
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from megatron_dynbatch.config import (
     FLAGS,
@@ -71,6 +71,7 @@ __all__ = [
     "grouping_dependent_moe",
     "physical_cost_from_args",
     "setting_given",
+    "truncation_from_args",
     "parallel_layout_from_args",
     "validate_dynamic_batch_args",
     "variable_seq_lengths",
@@ -553,26 +554,32 @@ def _check_window_attention(args: Any, config: DynBatchConfig) -> None:
         )
 
 
+def truncation_from_args(args: Any, *, forward_only: bool = False) -> Optional[Tuple[int, str]]:
+    """``(tokens, flag)`` that ``--oversize-samples truncate`` cuts a ``--seq-length`` sample to
+    (:meth:`DynBatchConfig.truncation`, from the resolved settings: flags over the YAML), else
+    ``None`` (switch off, another policy, or a budget that cuts nothing)."""
+    if not getattr(args, "use_dynamic_batch_size", False):
+        return None
+    seq_length = getattr(args, "seq_length", None)
+    if seq_length is None:
+        return None
+    config = dynbatch_config_from_args(args)
+    return config.truncation(parallel_layout_from_args(args), seq_length, forward_only=forward_only)
+
+
 def validation_cut_note(args: Any) -> Optional[str]:
     """What the launch says at start-up when validation documents are cut: under
     ``--oversize-samples truncate`` validation plans under the forward-only budget (by default the
     training one) and cuts what is longer, where ``--document-samples`` validates documents whole
     (a probe saw validation cut without a word); ``None`` when nothing is cut."""
-    if not getattr(args, "use_dynamic_batch_size", False):
+    cut = truncation_from_args(args, forward_only=True)
+    if cut is None:
         return None
-    if (getattr(args, "oversize_samples", None) or "error") != "truncate":
-        return None
-    budget = getattr(args, "log_probs_max_tokens_per_gpu", None) or getattr(
-        args, "max_tokens_per_gpu", None
-    )
-    seq_length = getattr(args, "seq_length", None)
-    if budget is None or seq_length is None or budget >= seq_length:
-        return None
+    tokens, flag = cut
     return (
-        f"validation documents over the forward-only budget {budget} "
-        f"({FLAGS['log_probs_max_tokens_per_gpu']}, default {FLAGS['max_tokens_per_gpu']}) are "
-        f"cut to it too (--oversize-samples truncate); pass {FLAGS['log_probs_max_tokens_per_gpu']} "
-        f"{seq_length} to validate them whole."
+        f"validation documents longer than {tokens} tokens (the forward-only budget, {flag}) "
+        f"are cut to it too (--oversize-samples truncate); pass "
+        f"{FLAGS['log_probs_max_tokens_per_gpu']} {args.seq_length} to validate them whole."
     )
 
 

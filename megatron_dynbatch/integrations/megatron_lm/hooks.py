@@ -724,14 +724,12 @@ def _step_memory(args: Any, config: DynBatchConfig) -> Optional[StepMemory]:
     if variable_seq_lengths(args, getattr(args, "distributed_backend", None), config.layout):
         row_multiple = math.lcm(row_multiple, VARIABLE_ROW_MULTIPLE)
     longest, name = int(getattr(args, "seq_length", None) or 1), SEQ_LENGTH_ROW
-    if config.oversize_samples == "truncate":
-        # Samples are cut to the token budget (rounded down to the sample multiple), so no row
-        # is longer: a budget is checked, and the probe step planned, at that row (a probe's
-        # --max-memory-gib was refused for --seq-length 2048 rows the run could never hold).
-        multiple = parallel.sample_multiple
-        keep = config.max_tokens_per_gpu * parallel.cp_size // multiple * multiple
-        if 0 < keep < longest:
-            longest, name = keep, FLAGS["max_tokens_per_gpu"]
+    # Under --oversize-samples truncate samples are cut to the token budget, so no row is
+    # longer: a budget is checked, and the probe step planned, at that row (a probe's
+    # --max-memory-gib was refused for --seq-length 2048 rows the run could never hold).
+    cut = config.truncation(parallel, longest)
+    if cut is not None:
+        longest, name = cut
     memory = StepMemory(
         model=model,
         budget=budget,

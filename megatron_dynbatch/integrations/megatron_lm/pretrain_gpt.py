@@ -43,7 +43,9 @@ from megatron_dynbatch.cpu.training_shim import add_cpu_defaults, check_cpu_args
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.megatron_lm.arguments import (
     add_dynamic_batch_args,
+    dynbatch_config_from_args,
     grouping_dependent_moe,
+    truncation_from_args,
     validation_cut_note,
 )
 from megatron_dynbatch.integrations.megatron_lm.attention import (
@@ -197,14 +199,16 @@ def _check_document_args(args: Any) -> None:
             "step of launch/pretrain_gpt_dynbatch.py does not split rows over context-parallel "
             "ranks yet; use --context-parallel-size 1."
         )
-    budget = getattr(args, "max_tokens_per_gpu", None)
-    policy = getattr(args, "oversize_samples", None) or "error"
-    if args.use_dynamic_batch_size and budget is not None and budget < args.seq_length:
-        # Under --oversize-samples error this was refused with the arguments (arguments.py).
-        print_rank_0(
-            f"--max-tokens-per-gpu {budget} < --seq-length {args.seq_length}: document samples "
-            f"over the budget are handled by --oversize-samples {policy}."
-        )
+    if args.use_dynamic_batch_size:
+        # The resolved settings (flags over the YAML): a budget or policy set in the YAML counts.
+        config = dynbatch_config_from_args(args)
+        if config.max_tokens_per_gpu < args.seq_length:
+            # Under --oversize-samples error this was refused with the arguments (arguments.py).
+            print_rank_0(
+                f"--max-tokens-per-gpu {config.max_tokens_per_gpu} < --seq-length "
+                f"{args.seq_length}: document samples over the budget are handled by "
+                f"--oversize-samples {config.oversize_samples}."
+            )
     note = validation_cut_note(args)
     if note:
         print_rank_0(note)
@@ -409,7 +413,7 @@ def _document_splits(args: Any) -> list:
     tokenize = None
     if getattr(args, "sft_conversations", False):
         tokenize = conversation_tokenizer(tokenizer, args.tokenizer_type)
-    return document_splits(args, tokenizer.vocab_size, eod, tokenize)
+    return document_splits(args, tokenizer.vocab_size, eod, tokenize, truncation_from_args(args))
 
 
 def document_datasets_provider(

@@ -373,18 +373,6 @@ class DocumentBatchStream(Iterator[LazyRolloutBatch]):
         )
 
 
-def _truncate_cut(args: Any) -> Optional[Tuple[int, str]]:
-    """``(tokens, flag)`` samples are cut to under ``--oversize-samples truncate`` with a token
-    budget below ``--seq-length`` (dynamic batching), else ``None``."""
-    budget = getattr(args, "max_tokens_per_gpu", None)
-    if not getattr(args, "use_dynamic_batch_size", False) or budget is None:
-        return None
-    if (getattr(args, "oversize_samples", None) or "error") != "truncate":
-        return None
-    cap = budget * (getattr(args, "context_parallel_size", 1) or 1)
-    return (cap, "--max-tokens-per-gpu") if cap < args.seq_length else None
-
-
 def conversation_documents(
     paths: Sequence[str],
     tokenize: Callable,
@@ -425,13 +413,16 @@ def document_splits(
     tokenizer_vocab_size: int,
     eod_id: Optional[int],
     conversation_tokenizer: Optional[Callable] = None,
+    cut: Optional[Tuple[int, str]] = None,
 ) -> List[Optional[Any]]:
     """Train / valid / test samples from Megatron's data arguments.
 
     Each entry is a :class:`SplitSamples`, or a :class:`~.blends.BlendedSamples` for a weighted
     blend (``--data-path 0.3 A 0.7 B``, or weights in ``--{train,valid,test}-data-path``), or
     ``None`` for a split without data. Prefixes without weights are concatenated, then split.
-    ``conversation_tokenizer`` (with ``--sft``): the data paths are JSONL conversations.
+    ``conversation_tokenizer`` (with ``--sft``): the data paths are JSONL conversations; ``cut``:
+    ``(tokens, flag)`` that ``--oversize-samples truncate`` cuts them to (its start-up warning,
+    see ``conversation_documents``; ``arguments.truncation_from_args``).
     """
     from megatron_dynbatch.integrations.megatron_lm.data.blends import blends_from_args
 
@@ -440,7 +431,7 @@ def document_splits(
     def collection(paths: Sequence[str]) -> DocumentCollection:
         if conversation_tokenizer is not None:
             return conversation_documents(
-                paths, conversation_tokenizer, seq_length=args.seq_length, cut=_truncate_cut(args)
+                paths, conversation_tokenizer, seq_length=args.seq_length, cut=cut
             )
         return indexed_documents(paths, mmap=args.mmap_bin_files)
 
