@@ -70,6 +70,33 @@ def test_order_is_seeded_per_split_and_reshuffled_every_epoch():
     assert sorted(epoch0) == sorted(epoch1) and epoch0 != epoch1
 
 
+def test_token_ids_outside_the_vocabulary_are_refused_naming_the_document():
+    """Data made with another tokenizer: stock Megatron fails in the embedding of one rank
+    (``IndexError``; on a GPU a device-side assert) while the others wait; the sample is refused
+    when it is read, inside the step's agreement (a launch at --vocab-size 100 on byte data)."""
+    documents = _collection([4, 30])  # document 1 holds 1000..1029
+    fits = SplitSamples(documents, 0, 2, max_length=8, seed=0, split_index=0, vocab_size=1030)
+    assert sum(len(fits.sample_at(p)["tokens"]) for p in range(len(fits))) == 34
+    small = SplitSamples(documents, 0, 2, max_length=8, seed=0, split_index=0, vocab_size=1020)
+    tokens = documents.read(1, 0, 30)
+    refused = []
+    for position in range(len(small)):
+        try:
+            small.sample_at(position)
+        except DynBatchValueError as error:
+            refused.append(str(error))
+    # The samples holding 1020..1029 (document 1's tokens 20..29: two of its four 8-token pieces).
+    assert len(refused) == 2 and all("document 1 holds token id 10" in m for m in refused)
+    assert any("token id 1023 (at token 23)" in m for m in refused), refused
+    assert all("outside the model's vocabulary of 1020 ids" in m for m in refused), refused
+    assert int(tokens.max()) == 1029
+    negative = DocumentCollection(
+        lengths=numpy.array([3]), read=lambda d, o, c: numpy.array([5, -1, 2])[o : o + c], name="n"
+    )
+    with pytest.raises(DynBatchValueError, match="token id -1 .at token 1."):
+        SplitSamples(negative, 0, 1, max_length=8, seed=0, split_index=0, vocab_size=9).sample_at(0)
+
+
 def test_eod_mask_loss_drops_the_prediction_after_an_end_of_document_token():
     documents = _collection([6])  # tokens 0..5; call token 3 the end of a document
     samples = SplitSamples(documents, 0, 1, max_length=8, seed=0, split_index=0, eod_id=3)

@@ -200,6 +200,8 @@ class SplitSamples:
             after it), or ``None``.
         stream: Salt of the seeded order, so the datasets of a blend are shuffled independently
             (0: the order of a lone dataset).
+        vocab_size: The model's (padded) vocabulary: a sample with a token id outside
+            ``[0, vocab_size)`` is refused when it is read (``None``: not checked).
     """
 
     def __init__(
@@ -213,6 +215,7 @@ class SplitSamples:
         split_index: int,
         eod_id: Optional[int] = None,
         stream: int = 0,
+        vocab_size: Optional[int] = None,
     ) -> None:
         if max_length < 2:
             raise DynBatchValueError(
@@ -224,6 +227,7 @@ class SplitSamples:
         self.split_index = split_index
         self.eod_id = eod_id
         self.stream = stream
+        self.vocab_size = vocab_size
         lengths = documents.lengths[begin:end]
         if documents.truncate:
             pieces = numpy.minimum(lengths, 1)  # one sample per document, cut at max_length
@@ -280,8 +284,10 @@ class SplitSamples:
         """The sample at ``position``: ``tokens`` int64 ``[L]`` (and ``loss_mask`` with EOD)."""
         piece = self._piece(position)
         where = int(self.document[piece]), int(self.offset[piece]), int(self.length[piece])
-        tokens = self.documents.read(*where)
-        sample = {"tokens": torch.as_tensor(numpy.array(tokens, dtype=numpy.int64))}
+        tokens = numpy.array(self.documents.read(*where), dtype=numpy.int64)
+        if self.vocab_size is not None and tokens.size:
+            _check_token_ids(tokens, self.vocab_size, self.documents.name, where)
+        sample = {"tokens": torch.as_tensor(tokens)}
         read_mask = self.documents.read_loss_mask
         if read_mask is not None:
             mask = numpy.array(read_mask(*where), dtype=numpy.float32)
@@ -294,6 +300,31 @@ class SplitSamples:
             keep = (~after_eod).to(torch.float32)
             sample["loss_mask"] = sample["loss_mask"] * keep if "loss_mask" in sample else keep
         return sample
+
+
+def _check_token_ids(
+    tokens: numpy.ndarray, vocab_size: int, name: str, where: Tuple[int, int, int]
+) -> None:
+    """Refuse token ids the model's embedding has no row for.
+
+    Data tokenized with another tokenizer than the run's is a classic Megatron failure: on a GPU
+    the embedding's device-side assert kills one rank and the others wait in their collectives
+    until the timeout; here the sample is refused when it is read (inside the step's agreement
+    with dynamic batching, so every rank raises this at once). A min and a max per sample.
+    """
+    low, high = int(tokens.min()), int(tokens.max())
+    if low >= 0 and high < vocab_size:
+        return
+    bad = high if high >= vocab_size else low
+    document, offset, _ = where
+    at = offset + int(numpy.flatnonzero(tokens == bad)[0])
+    raise DynBatchValueError(
+        f"{name}: document {document} holds token id {bad} (at token {at}), outside the model's "
+        f"vocabulary of {vocab_size} ids (the tokenizer's, padded by "
+        "--make-vocab-size-divisible-by); the data was made with another tokenizer: run with "
+        "the --tokenizer-type (and its files) the data was preprocessed with, or preprocess it "
+        "again with this one."
+    )
 
 
 class DocumentSampleDataset(torch.utils.data.Dataset):
@@ -426,7 +457,9 @@ def document_splits(
     """
     from megatron_dynbatch.integrations.megatron_lm.data.blends import blends_from_args
 
-    common = dict(max_length=args.seq_length, seed=args.seed, eod_id=eod_id)
+    # Megatron's padded vocabulary (set with the tokenizer); token ids at or past it are refused.
+    vocab = getattr(args, "padded_vocab_size", None)
+    common = dict(max_length=args.seq_length, seed=args.seed, eod_id=eod_id, vocab_size=vocab)
 
     def collection(paths: Sequence[str]) -> DocumentCollection:
         if conversation_tokenizer is not None:
