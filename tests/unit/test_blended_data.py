@@ -87,6 +87,13 @@ def test_positions_are_a_function_of_seed_and_split():
     assert first != [other.sample_at(p)["tokens"][0].item() for p in range(100)]
 
 
+def test_tokens_of_the_first_positions_are_the_drawn_samples_lengths():
+    """What ``--log-progress`` counts (progress.py): the consumed samples' own tokens."""
+    blend = BlendedSamples(_parts(seed=3), [0.3, 0.7], split_index=0, name="x")
+    for count in (0, 1, 17, 500):
+        assert blend.tokens_in_first(count) == sum(blend.lengths_at(range(count))), count
+
+
 def test_weights_are_token_shares_by_default_as_in_megatron():
     # Corpus 1's samples hold 4 tokens, corpus 2's 6: 0.3 / 0.7 of the samples would be
     # 1.2 / 4.2 tokens, i.e. 22% / 78% of the tokens; Megatron's weights mean 30% / 70% of them.

@@ -79,6 +79,7 @@ from megatron_dynbatch.integrations.megatron_lm.gpt_stock import (
 from megatron_dynbatch.integrations.megatron_lm.hooks import entry_check
 from megatron_dynbatch.integrations.megatron_lm.layout_checks import one_rank_without_torchrun
 from megatron_dynbatch.integrations.megatron_lm.memory import TrainingPeak
+from megatron_dynbatch.integrations.megatron_lm.progress import count_progress_tokens
 from megatron_dynbatch.integrations.megatron_lm.resume import (
     data_mode,
     refuse_resume_in_another_mode,
@@ -637,6 +638,9 @@ def main(
         # A checkpoint of the other data unit (windows / documents) would resume at the wrong
         # sample, silently: refused by name when Megatron reads its arguments (resume.py).
         refuse_resume_in_another_mode(checkpointing, args)
+    if getattr(args, "log_progress", False) and splits and splits[0] is not None:
+        # progress.txt's tokens: the document samples' own lengths, not --seq-length each.
+        count_progress_tokens(splits[0], get_args)
     # The training peak of fixed micro-batches too, measured as the planned steps' (memory.py).
     peak = TrainingPeak()
     try:

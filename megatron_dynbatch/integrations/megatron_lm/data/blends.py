@@ -208,6 +208,13 @@ class BlendedSamples:
         """Fraction of the first ``num_positions`` positions drawn from each dataset."""
         return [float(c) / max(num_positions, 1) for c in self._counts(num_positions)]
 
+    def tokens_in_first(self, count: int) -> int:
+        """Tokens of the samples at positions ``[0, count)`` (no token is read)."""
+        return sum(
+            part.tokens_in_first(int(drawn))
+            for part, drawn in zip(self.parts, self._counts(int(count)), strict=True)
+        )
+
     def token_shares(self, num_positions: int) -> List[float]:
         """Fraction of the tokens of the first ``num_positions`` positions from each dataset."""
         tokens = [
