@@ -217,6 +217,13 @@ def test_non_tensor_values_are_refused():
     data["pixel_values"] = [torch.zeros(2)]
     with pytest.raises(DynBatchValueError, match="'pixel_values' is a list"):
         placeholder_rows(data, 1)
+    # On every batch, not only where the plan needs a placeholder (a probe's VLM batch of four
+    # equal samples, a full micro-batch each, planned and trained; another stopped).
+    full = _batch([5, 5, 5, 5])
+    assert planned_microbatch_iterator(full, 5).num_padding_microbatches == 0
+    full["pixel_values"] = [torch.zeros(2)] * 4
+    with pytest.raises(DynBatchValueError, match="'pixel_values' is a list"):
+        planned_microbatch_iterator(full, 5)
 
 
 def test_iterator_yields_uniform_microbatches_and_restores_order():

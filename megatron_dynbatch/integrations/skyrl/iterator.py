@@ -68,19 +68,28 @@ def placeholder_rows(data: Any, rows: int) -> Dict[str, Optional[torch.Tensor]]:
         DynBatchValueError: for a value that is not a tensor (a ``TensorList``: VLM inputs or
             controller-side ``sub_seq_lengths``), which this iterator cannot split.
     """
+    _check_tensors(data)
     out: Dict[str, Optional[torch.Tensor]] = {}
     for key, value in data.items():
-        if value is None:
-            out[key] = None
-            continue
-        if not isinstance(value, torch.Tensor):
+        out[key] = (
+            None
+            if value is None
+            else placeholder_tensor(value, rows=rows, attend_first=key == _ATTENTION_KEY)
+        )
+    return out
+
+
+def _check_tensors(data: Any) -> None:
+    """Refuse a batch with a value that is not a tensor, on every batch: a probe's VLM batch
+    (``pixel_values`` as SkyRL's ``TensorList``) trained while no step needed a placeholder and
+    stopped at the first that did; the refusal is now the same whatever the lengths."""
+    for key, value in data.items():
+        if value is not None and not isinstance(value, torch.Tensor):
             raise DynBatchValueError(
                 f"key {key!r} is a {type(value).__name__}, not a tensor; use_dynamic_batch_size "
                 "plans padded [batch, seq] tensors only. Turn off controller-side sequence packing "
                 "and VLM inputs, or set trainer.use_dynamic_batch_size=false."
             )
-        out[key] = placeholder_tensor(value, rows=rows, attend_first=key == _ATTENTION_KEY)
-    return out
 
 
 def _real_tokens(data: Any) -> List[int]:
@@ -273,11 +282,13 @@ def planned_microbatch_iterator(
         PlanMismatchError: on every rank when the ranks derived different plans.
     """
     if not dist.is_initialized():
+        _check_tensors(data)
         plan = plan_skyrl_minibatch([_real_tokens(data)], max_tokens_per_microbatch, **plan_options)
         return PlannedBatchIterator(data, plan, 0)
     # Local checks first, agreed over the group, so a bad batch on one rank stops every rank here
     # instead of leaving the others waiting in the gather below.
     with step_agreement(dp_group, what=f"{what}: checking this rank's samples"):
+        _check_tensors(data)
         lengths = _real_tokens(data)
         check_host_lengths(SKYRL, [lengths])
         check_host_budget(SKYRL, max_tokens_per_microbatch)
