@@ -804,8 +804,14 @@ def _marker_body(verl_root):
         },
         batch_size=[3],
     )
-    engine.STRUCTURAL_KEYS = tuple(data.keys())  # this process only: a copy of the sample
-    filler = engine.placeholder_micro_batch(data, 2, tu)
+    structural = engine.STRUCTURAL_KEYS
+    engine.STRUCTURAL_KEYS = tuple(
+        data.keys()
+    )  # a copy of the sample; restored (workers are reused)
+    try:
+        filler = engine.placeholder_micro_batch(data, 2, tu)
+    finally:
+        engine.STRUCTURAL_KEYS = structural
     real = tu.index_select_tensor_dict(data, [2])
     same = all(torch.equal(filler[key], real[key]) for key in data.keys())
     return (
@@ -822,6 +828,47 @@ def test_a_placeholder_is_known_by_its_marker_not_its_content(patched_verl):
     )
     assert same, "the placeholder must carry the real sample's content for this case"
     assert not real and placeholder == [True, True]
+
+
+def _media_body(verl_root):
+    """A VLM batch as verl's Megatron VLM examples build it (``multi_modal_inputs``: a stack of
+    per-sample dicts of ``pixel_values`` / ``image_grid_thw``), read back through verl's own
+    ``extract_multi_modal_inputs``: what the forward of a placeholder gets."""
+    _import_verl(verl_root)
+    from tensordict import NonTensorStack, TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.model import extract_multi_modal_inputs
+
+    from megatron_dynbatch.integrations.verl import engine
+
+    image = 151655  # Qwen2-VL's image token
+    ids = torch.tensor([[1, image, image, 5], [1, image, image, 7]])
+    data = TensorDict(
+        {"input_ids": ids, "attention_mask": torch.ones(2, 4, dtype=torch.int64),
+         "loss_mask": torch.ones(2, 4)},
+        batch_size=[2],
+    )  # fmt: skip
+    media = [{"pixel_values": torch.randn(8, 4), "image_grid_thw": torch.tensor([[1, 2, 4]])}] * 2
+    data["multi_modal_inputs"] = NonTensorStack(*media)
+    filler = engine.placeholder_micro_batch(data, 0, tu)
+    real = tu.index_select_tensor_dict(data, [0])
+    return (
+        int((filler["input_ids"] == image).sum()),
+        sorted(extract_multi_modal_inputs(filler.get("multi_modal_inputs", []))),
+        sorted(extract_multi_modal_inputs(real.get("multi_modal_inputs", []))),
+    )
+
+
+@needs_verl
+def test_a_vlm_placeholder_carries_no_media_as_it_carries_no_image_token(patched_verl):
+    """A probe: the placeholder kept its template's pixel_values while its input_ids (image
+    tokens included) were zeroed, a mismatch VLMs refuse ("Image features and image tokens do
+    not match"); it is now a text sample, as verl reads a sample without media."""
+    [(tokens, placeholder, real)] = run_on_ranks(
+        1, _media_body, patched_verl, layout=Layout(), timeout_s=BODY_TIMEOUT_S
+    )
+    assert tokens == 0 and placeholder == [], placeholder
+    assert real == ["image_grid_thw", "pixel_values"], real
 
 
 def _config_body(verl_root, cases):

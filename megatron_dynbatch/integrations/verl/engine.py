@@ -269,11 +269,16 @@ def plan_verl_batch(
     return plan_host_step(host, lengths_per_rank, config, placeholder_copies_shortest=True)
 
 
+#: verl's per-sample media (``pixel_values``, ``image_grid_thw``, ...), a non-tensor stack of dicts.
+MULTI_MODAL_KEY = "multi_modal_inputs"
+
+
 def placeholder_micro_batch(data: Any, template_index: int, tu: Any) -> Any:
     """A one-sample micro-batch with every key of ``data``, no data and no loss weight.
 
     A copy of sample ``template_index`` (the rank's shortest: the cheapest valid structure) with
-    every tensor zeroed except :data:`STRUCTURAL_KEYS`; non-tensor entries are kept, and the
+    every tensor zeroed except :data:`STRUCTURAL_KEYS`; non-tensor entries are kept except its
+    media (:data:`MULTI_MODAL_KEY`, emptied: a text sample), and the
     non-tensor :data:`~megatron_dynbatch.runtime.placeholders.MARKER_KEY` (the placeholder marker
     as its sample index) marks it for verl's forward step (:func:`.moe.is_placeholder_batch`).
     """
@@ -291,6 +296,11 @@ def placeholder_micro_batch(data: Any, template_index: int, tu: Any) -> Any:
         if key in STRUCTURAL_KEYS or not isinstance(value, torch.Tensor):
             continue
         placeholder[key] = placeholder_tensor(value)
+    if MULTI_MODAL_KEY in placeholder.keys():
+        # Its image tokens are zeroed with input_ids, so it carries no media either (a probe:
+        # the template's pixel_values with no image token, which VLMs refuse as a mismatch of
+        # image features and tokens); verl's extract_multi_modal_inputs reads {} as a text sample.
+        tu.assign_non_tensor(placeholder, **{MULTI_MODAL_KEY: [{}]})
     # verl's forward step masks a placeholder from MoE routers (.moe.mask_placeholder_routing).
     tu.assign_non_tensor(placeholder, **{MARKER_KEY: PLACEHOLDER_INDEX})
     return placeholder
