@@ -76,6 +76,28 @@ def test_a_choice_that_cannot_run_here_is_refused_in_one_line(
     assert "--dynamic-batch-attention" in text
 
 
+@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+def test_without_transformer_engine_the_fixes_named_run_here(impl):
+    """A probe: ``--dynamic-batch-attention transformer-engine`` with the local implementation
+    was told to pass ``--transformer-impl transformer_engine``, then that transformer_engine does
+    not import; the fixes named now run where it does not."""
+    cpu = _MACHINES["cpu"]
+    resolved = attention.resolve_attention("transformer-engine", impl, thd_rows=False, **cpu)
+    with pytest.raises(DynBatchValueError) as error:
+        attention.check_attention("transformer-engine", resolved, impl, te=False, **cpu)
+    text = str(error.value)
+    assert "does not import" in text and "transformer-impl transformer_engine" not in text, text
+    assert ("with --transformer-impl local" in text) == (impl != "local"), text
+    for requested in ("auto", "reference"):
+        got = attention.resolve_attention(requested, "local", thd_rows=False, **cpu)
+        attention.check_attention(requested, got, "local", te=False, **cpu)
+    # Nor is transformer-engine offered to a local attention where it does not import.
+    with pytest.raises(DynBatchValueError) as error:
+        attention.check_attention("reference", "reference", "transformer_engine", te=False,
+                                  **cpu)  # fmt: skip
+    assert "transformer-engine" not in str(error.value).split("pass ", 1)[1], error.value
+
+
 def test_torch_varlen_on_this_cpu_machine_is_refused_by_the_launch_check():
     # The real check of the launch (attention_of_args reads the machine: no CUDA here).
     args = SimpleNamespace(

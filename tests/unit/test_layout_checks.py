@@ -138,3 +138,19 @@ def test_a_stage_of_one_layer_names_no_empty_chunk_size():
     assert "use --num-layers 16 (4 layers a stage, 2 chunks)" in message
     check_model_layout(_args(num_layers=16, pipeline_model_parallel_size=4,
                              num_layers_per_virtual_pipeline_stage=2))  # fmt: skip
+
+
+@pytest.mark.parametrize("per_vp", [0, -1])
+def test_zero_layers_a_chunk_names_fixes_that_pass(per_vp):
+    """A probe: ``--num-layers-per-virtual-pipeline-stage 0`` was told "use --num-layers 4", and
+    refused again with the same advice (no layer count makes empty chunks divide a stage)."""
+    args = _args(num_layers=2, pipeline_model_parallel_size=2)
+    args.num_layers_per_virtual_pipeline_stage = per_vp
+    with pytest.raises(DynBatchValueError) as refused:
+        check_model_layout(args)
+    message = str(refused.value)
+    assert message.startswith(f"--num-layers-per-virtual-pipeline-stage {per_vp} must be >= 1")
+    assert "--num-layers " not in message, message
+    check_model_layout(_args(num_layers=2, pipeline_model_parallel_size=2,
+                             num_layers_per_virtual_pipeline_stage=1))  # fmt: skip
+    check_model_layout(_args(num_layers=2, pipeline_model_parallel_size=2))  # dropped

@@ -641,7 +641,7 @@ def _check_calibration_flags(args: Any) -> None:
             "relative error of a calibration fit that is planned with, so it must be a finite "
             f"number > 0 (default {DEFAULT_CALIBRATION_MAX_ERROR}, i.e. 20%); pass e.g. "
             f"{DEFAULT_CALIBRATION_MAX_ERROR}, a larger one such as 0.5 to accept noisier fits, "
-            "or --dynamic-batch-calibration-steps 0 to turn calibration off."
+            "or drop the flag (it is checked with calibration off too)."
         )
     _check_calibration_output(args)
 

@@ -147,24 +147,27 @@ def check_attention(
     impl = str(transformer_impl or "transformer_engine").lower()
     asked = f"{FLAG} {requested}" + (f" (resolved to {resolved})" if requested == "auto" else "")
     if resolved == "transformer-engine":
+        # Where transformer_engine does not import, say so first: a probe was told to pass
+        # --transformer-impl transformer_engine, then told to take it back.
+        if not te:
+            local = "" if impl == "local" else " with --transformer-impl local"
+            raise DynBatchValueError(
+                f"{asked}: transformer_engine does not import on this machine; pass {FLAG} auto"
+                f"{local} (torch-varlen on CUDA, Megatron's local attention on CPU), or {FLAG} "
+                f"reference{local}."
+            )
         if impl != "transformer_engine":
             raise DynBatchValueError(
                 f"{asked} runs Megatron's transformer-engine spec, but --transformer-impl is "
                 f"{impl}; pass --transformer-impl transformer_engine, or {FLAG} torch-varlen / "
                 "reference with the local implementation."
             )
-        if not te:
-            raise DynBatchValueError(
-                f"{asked}: transformer_engine does not import on this machine; pass "
-                f"--transformer-impl local ({FLAG} auto then picks torch-varlen on CUDA, "
-                "Megatron's local attention on CPU)."
-            )
         return
     if resolved in ("torch-varlen", "reference") and impl != "local":
+        other = f", or {FLAG} transformer-engine" if te else ""
         raise DynBatchValueError(
             f"{asked} replaces the core attention of Megatron's local implementation, but "
-            f"--transformer-impl is {impl}; pass --transformer-impl local, or {FLAG} "
-            "transformer-engine."
+            f"--transformer-impl is {impl}; pass --transformer-impl local{other}."
         )
     if resolved == "torch-varlen":
         if not cuda:

@@ -102,7 +102,14 @@ def _check_layers(args: Any) -> None:
     if per_vp is None:
         return
     per_stage = counted // pp
-    if per_vp < 1 or per_stage % per_vp:
+    if per_vp < 1:
+        # No --num-layers makes 0 layers a chunk divide a stage (a probe followed the divisor
+        # message's "--num-layers 4" and was refused again, with the same advice).
+        raise DynBatchValueError(
+            f"--num-layers-per-virtual-pipeline-stage {per_vp} must be >= 1 (layers per model "
+            "chunk); pass 1 or more, or drop it (no interleaving)."
+        )
+    if per_stage % per_vp:
         divisors = [d for d in range(1, per_stage) if per_stage % d == 0]
         # A stage of one layer has no divisor that makes two chunks: name none.
         chunks = (
@@ -115,8 +122,8 @@ def _check_layers(args: Any) -> None:
             f"--num-layers-per-virtual-pipeline-stage {per_vp} does not divide the {per_stage} "
             f"layer{'s' if per_stage != 1 else ''} of each pipeline stage (--num-layers {layers}{counted_note} / "
             f"--pipeline-model-parallel-size {pp}); use {chunks}"
-            f"--num-layers {pp * max(per_vp, 1) * 2 - len(extra)} "
-            f"({2 * max(per_vp, 1)} layers a stage, 2 chunks), or drop "
+            f"--num-layers {pp * per_vp * 2 - len(extra)} "
+            f"({2 * per_vp} layers a stage, 2 chunks), or drop "
             "--num-layers-per-virtual-pipeline-stage (no interleaving)."
         )
 
