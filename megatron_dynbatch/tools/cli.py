@@ -588,15 +588,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         run_program()
     args = build_parser().parse_args(argv)
     try:
-        with layout_flags("megatron-dynbatch"):
-            if args.command == "plan":
-                code = _cmd_plan(args)
-            elif args.command == "calibrate":
-                code = _cmd_calibrate(args)
-            else:
-                code = _cmd_verify(args)
-            sys.stdout.flush()
-            return code
+        if args.command == "calibrate":
+            # Its layouts come from the observations file, whose keys (pp_size, ...) its messages
+            # name; plan's and verify's flags are not calibrate's (a probe was told --pp-size).
+            code = _cmd_calibrate(args)
+        else:
+            with layout_flags("megatron-dynbatch"):
+                code = _cmd_plan(args) if args.command == "plan" else _cmd_verify(args)
+        sys.stdout.flush()
+        return code
     except BrokenPipeError:
         # The reader closed the pipe early (``plan --json | head``): stop quietly, as a shell
         # tool does, and keep Python's exit-time flush from raising again on the closed pipe.

@@ -209,6 +209,12 @@ def test_cli_calibrate_bad_input(tmp_path, capsys):
     path.write_text(json.dumps({"seconds": 1}))
     assert main(["calibrate", str(path)]) == 2
     assert "JSON array" in capsys.readouterr().err
+    # The file's own key, not plan's --pp-size (calibrate has no such flag: a probe passed it).
+    path.write_text(json.dumps([{"seconds": 1.0, "seq_length": 100, "ranks": [[[100]]],
+                                 "pp_size": 0}]))  # fmt: skip
+    assert main(["calibrate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "pp_size=0 must be an integer >= 1" in err and "--pp-size" not in err, err
 
 
 # --- scales of a prior (issue 42): never a zero weight for a term the model has ------------------
