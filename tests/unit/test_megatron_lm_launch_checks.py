@@ -433,3 +433,37 @@ def test_validation_cut_under_truncate_is_said_at_start_up(tmp_path):
     ):
         assert note(whole) is None, whole
     assert arguments.validation_cut_note(_args(["--max-tokens-per-gpu", "128"])) is None
+
+
+@pytest.mark.parametrize(
+    "yaml, named",
+    [
+        ("max_tokens_per_gpu: 256\nrollouts_per_step: 3\n", "rollouts_per_step: 3"),
+        ("max_tokens_per_gpu: 64\n", "max_tokens_per_gpu: 64"),
+        ("max_tokens_per_gpu: 256\nplanner: fixed\n", "planner: fixed"),
+    ],
+)
+def test_a_refusal_of_a_yaml_setting_names_the_file_and_key(tmp_path, yaml, named):
+    """A probe: settings the --dynamic-batch-config YAML alone set were refused by their flags
+    ("drop --rollouts-per-step", which the user never passed and cannot drop)."""
+    path = tmp_path / "dyn.yaml"
+    path.write_text(yaml)
+    with pytest.raises(DynBatchValueError) as refused:
+        validate_dynamic_batch_args(
+            _args(["--use-dynamic-batch-size", "--dynamic-batch-config", str(path)], seq_length=128)
+        )
+    message = str(refused.value)
+    assert message.endswith(
+        f"({named} set in --dynamic-batch-config {path}: change it there, or override with the "
+        "flag.)"
+    ), message
+    # The same values as flags: the message as it was, without the note.
+    flags = [f"--{k.strip().replace('_', '-')}" for k in yaml.splitlines()[-1].split(":")[:1]]
+    value = yaml.splitlines()[-1].split(":")[1].strip()
+    flag = {"--planner": "--dynamic-batch-planner"}.get(flags[0], flags[0])
+    argv = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "256", flag, value]
+    if flag == "--max-tokens-per-gpu":
+        argv = ["--use-dynamic-batch-size", flag, value]
+    with pytest.raises(DynBatchValueError) as refused:
+        validate_dynamic_batch_args(_args(argv, seq_length=128))
+    assert "set in --dynamic-batch-config" not in str(refused.value)

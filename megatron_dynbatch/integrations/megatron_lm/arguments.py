@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -402,6 +403,44 @@ def apply_default_cost(values: Dict[str, Any], physical: Any) -> None:
 
 
 def validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
+    """Check the dynamic-batching flags against Megatron's arguments; build the run's config
+    (:func:`_validate_dynamic_batch_args`). A refusal that names the flag of a setting the
+    ``--dynamic-batch-config`` YAML alone set also names the file and its key (:func:`_from_yaml`).
+    """
+    try:
+        return _validate_dynamic_batch_args(args)
+    except DynBatchValueError as error:
+        note = _from_yaml(args, str(error))
+        if not note:
+            raise
+        raise DynBatchValueError(f"{error} {note}") from error
+
+
+def _from_yaml(args: Any, message: str) -> str:
+    """Where ``message`` names the flag of settings the YAML alone set, a sentence naming the
+    file, the keys and their values (a probe: a YAML ``rollouts_per_step: 3`` was refused with
+    "drop --rollouts-per-step", a flag it never passed and cannot drop)."""
+    path = getattr(args, "dynamic_batch_config", None)
+    if path is None or not getattr(args, "use_dynamic_batch_size", False):
+        return ""
+    try:
+        loaded = load_yaml_config(path, overridden=_given(args))
+    except ValueError:
+        return ""  # the file's own error is the message
+    named = [
+        f"{field}: {value}"
+        for field, value in loaded.items()
+        if value is not None and re.search(re.escape(FLAGS[field]) + r"(?![\w-])", message)
+    ]
+    if not named:
+        return ""
+    return (
+        f"({'; '.join(named)} set in --dynamic-batch-config {path}: change "
+        f"{'it' if len(named) == 1 else 'them'} there, or override with the flag.)"
+    )
+
+
+def _validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
     """Check the dynamic-batching flags against Megatron's arguments; build the run's config.
 
     With ``--use-dynamic-batch-size`` it merges the ``--dynamic-batch-config`` YAML under the flags
