@@ -88,13 +88,23 @@ def test_token_ids_outside_the_vocabulary_are_refused_naming_the_document():
     # The samples holding 1020..1029 (document 1's tokens 20..29: two of its four 8-token pieces).
     assert len(refused) == 2 and all("document 1 holds token id 10" in m for m in refused)
     assert any("token id 1023 (at token 23)" in m for m in refused), refused
-    assert all("outside the model's vocabulary of 1020 ids" in m for m in refused), refused
+    assert all(
+        "outside the model's vocabulary (1020 ids once padded" in m for m in refused
+    ), refused
     assert int(tokens.max()) == 1029
     negative = DocumentCollection(
         lengths=numpy.array([3]), read=lambda d, o, c: numpy.array([5, -1, 2])[o : o + c], name="n"
     )
     with pytest.raises(DynBatchValueError, match="token id -1 .at token 1."):
         SplitSamples(negative, 0, 1, max_length=8, seed=0, split_index=0, vocab_size=9).sample_at(0)
+    # NullTokenizer (ids 0..--vocab-size, its end of document the last): the value that fits.
+    assert any("token id 1029" in m and "--vocab-size 1030 or more" in m for m in refused), refused
+    # At start-up: the first samples of every split are read (the model not built yet).
+    from megatron_dynbatch.integrations.megatron_lm.data.documents import check_first_samples
+
+    check_first_samples([fits, None])
+    with pytest.raises(DynBatchValueError, match="outside the model's vocabulary"):
+        check_first_samples([fits, small])
 
 
 def test_eod_mask_loss_drops_the_prediction_after_an_end_of_document_token():

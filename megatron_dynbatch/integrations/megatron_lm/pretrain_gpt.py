@@ -62,6 +62,7 @@ from megatron_dynbatch.integrations.megatron_lm.data.documents import (
     SPLIT_NAMES,
     DocumentBatchStream,
     DocumentSampleDataset,
+    check_first_samples,
     document_splits,
     split_bookends,
     stream_starts,
@@ -414,7 +415,9 @@ def _document_splits(args: Any) -> list:
     tokenize = None
     if getattr(args, "sft_conversations", False):
         tokenize = conversation_tokenizer(tokenizer, args.tokenizer_type)
-    return document_splits(args, tokenizer.vocab_size, eod, tokenize, truncation_from_args(args))
+    splits = document_splits(args, tokenizer.vocab_size, eod, tokenize, truncation_from_args(args))
+    check_first_samples(splits)  # token ids in the vocabulary, before the model is built
+    return splits
 
 
 def document_datasets_provider(

@@ -316,15 +316,32 @@ def _check_token_ids(
     if low >= 0 and high < vocab_size:
         return
     bad = high if high >= vocab_size else low
+    # (NullTokenizer's vocabulary is --vocab-size ids, its end of document the last of them.)
     document, offset, _ = where
     at = offset + int(numpy.flatnonzero(tokens == bad)[0])
     raise DynBatchValueError(
         f"{name}: document {document} holds token id {bad} (at token {at}), outside the model's "
-        f"vocabulary of {vocab_size} ids (the tokenizer's, padded by "
-        "--make-vocab-size-divisible-by); the data was made with another tokenizer: run with "
-        "the --tokenizer-type (and its files) the data was preprocessed with, or preprocess it "
-        "again with this one."
+        f"vocabulary ({vocab_size} ids once padded to --make-vocab-size-divisible-by); the data "
+        "was made with another tokenizer or vocabulary: run with the one it was preprocessed "
+        f"with (with --tokenizer-type NullTokenizer: --vocab-size {bad + 1} or more), or "
+        "preprocess it again with this one."
     )
+
+
+#: Samples of every split read at start-up for :func:`check_first_samples` (a few milliseconds).
+FIRST_SAMPLES = 64
+
+
+def check_first_samples(splits: Sequence[Optional[Any]], count: int = FIRST_SAMPLES) -> None:
+    """Read the first ``count`` samples of every split, before the model is built: data made
+    with another tokenizer shows in any of them, and is refused at start-up, naming the document
+    (``SplitSamples.sample_at`` checks the token ids), instead of at the first step that reads
+    one (a probe: after the model was built). Later samples are still checked as they are read.
+    """
+    for split in splits:
+        if split is not None:
+            for position in range(min(count, len(split))):
+                split.sample_at(position)
 
 
 class DocumentSampleDataset(torch.utils.data.Dataset):
