@@ -467,3 +467,12 @@ def test_a_refusal_of_a_yaml_setting_names_the_file_and_key(tmp_path, yaml, name
     with pytest.raises(DynBatchValueError) as refused:
         validate_dynamic_batch_args(_args(argv, seq_length=128))
     assert "set in --dynamic-batch-config" not in str(refused.value)
+
+
+def test_a_log_prob_budget_below_seq_length_is_refused_only_where_validation_runs():
+    """A probe: with --eval-iters 0 the launch runs no forward-only pass, and a small
+    --log-probs-max-tokens-per-gpu was refused for a pass that never came."""
+    argv = _ON + ["--log-probs-max-tokens-per-gpu", "64"]
+    with pytest.raises(DynBatchValueError, match="first validation and log-prob step"):
+        validate_dynamic_batch_args(_args(argv, seq_length=128, eval_iters=1))
+    assert validate_dynamic_batch_args(_args(argv, seq_length=128, eval_iters=0)) is not None

@@ -735,7 +735,9 @@ def _check_budgets_fit_seq_length(args: Any, config: DynBatchConfig) -> None:
         return
     budgets = [("--max-tokens-per-gpu", config.max_tokens_per_gpu, "training")]
     forward_only = config.log_probs_max_tokens_per_gpu
-    if forward_only is not None:
+    # Validation is the launch's one forward-only pass: with --eval-iters 0 none runs (a probe's
+    # small log-prob budget was refused for a pass that never came).
+    if forward_only is not None and getattr(args, "eval_iters", None) != 0:
         budgets.append(("--log-probs-max-tokens-per-gpu", forward_only, "validation and log-prob"))
     # The planner's cap is the budget times cp (CP splits each sample), and a sample takes its
     # length rounded up to what tp / cp split (planning.spec.sample_multiple): a budget of
