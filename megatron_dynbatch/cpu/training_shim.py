@@ -55,6 +55,7 @@ __all__ = [
     "add_cpu_defaults",
     "apply_training_cpu_shim",
     "check_cpu_args",
+    "check_cpu_args_before_validation",
     "provide_typing_override",
     "skip_helper_compilation_if_prebuilt",
 ]
@@ -138,6 +139,24 @@ def add_cpu_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
+def check_cpu_args_before_validation(args: Any) -> None:
+    """Without CUDA, the flags Megatron's own ``validate_args`` fails on with CUDA's error,
+    refused before it runs (on the parsed flags; :func:`check_cpu_args` checks the rest after).
+
+    ``--moe-grouped-gemm``: ``validate_args`` reads ``torch.cuda.get_device_capability()``, which
+    stopped the run with "Torch not compiled with CUDA enabled" (a probe of Megatron-LM's Mixtral
+    script), before the refusal below could name the flag.
+    """
+    if not _cuda_absent():
+        return
+    if getattr(args, "moe_grouped_gemm", False):
+        raise DynBatchValueError(
+            "--moe-grouped-gemm is not supported on CPU (Megatron's grouped GEMM experts run "
+            "CUDA kernels); remove it for the CPU run, the experts then run one by one. On GPUs "
+            "keep it: dynamic batching does not change the experts."
+        )
+
+
 def check_cpu_args(args: Any) -> None:
     """Without CUDA, refuse arguments that need it, naming the flag to change.
 
@@ -173,12 +192,7 @@ def check_cpu_args(args: Any) -> None:
         )
     # Both stopped a CPU run (switch on or off) at the first step with torch's "Torch not
     # compiled with CUDA enabled", which names no flag.
-    if getattr(args, "moe_grouped_gemm", False):
-        raise DynBatchValueError(
-            "--moe-grouped-gemm is not supported on CPU (Megatron's grouped GEMM experts run "
-            "CUDA kernels); remove it for the CPU run, the experts then run one by one. On GPUs "
-            "keep it: dynamic batching does not change the experts."
-        )
+    check_cpu_args_before_validation(args)
     if getattr(args, "mtp_num_layers", None):
         raise DynBatchValueError(
             f"--mtp-num-layers {args.mtp_num_layers} is not supported on CPU (Megatron's "

@@ -62,6 +62,21 @@ def test_values_that_need_cuda_are_refused_with_the_flag_to_change(argv, flag):
     assert flag in str(error.value)
 
 
+def test_grouped_gemm_is_refused_before_megatrons_validation_reads_the_gpu():
+    """A probe (Megatron-LM's Mixtral script): Megatron's ``validate_args`` reads
+    ``torch.cuda.get_device_capability()`` for --moe-grouped-gemm, which stopped the run with
+    "Torch not compiled with CUDA enabled" before ``check_cpu_args`` ran; the launch's entry
+    check (before ``validate_args``) refuses it first, on the parsed flags."""
+    from megatron.training import arguments as megatron_arguments
+
+    args = _megatron_parser().parse_args(["--num-experts", "4", "--moe-grouped-gemm"])
+    with pytest.raises(AssertionError, match="CUDA"):
+        megatron_arguments.torch.cuda.get_device_capability()  # what validate_args would hit
+    with pytest.raises(DynBatchValueError, match="--moe-grouped-gemm is not supported on CPU"):
+        cpu_training_shim.check_cpu_args_before_validation(args)
+    cpu_training_shim.check_cpu_args_before_validation(_megatron_parser().parse_args([]))
+
+
 def test_gradient_clipping_scales_like_megatron():
     clip = cpu_training_shim._clip_grad_by_total_norm_fp32
     params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]

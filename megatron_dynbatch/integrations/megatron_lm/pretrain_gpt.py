@@ -39,7 +39,11 @@ from megatron.training import get_args, get_timers, get_tokenizer, pretrain
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
 from megatron.training.arguments import parse_and_validate_args
 
-from megatron_dynbatch.cpu.training_shim import add_cpu_defaults, check_cpu_args
+from megatron_dynbatch.cpu.training_shim import (
+    add_cpu_defaults,
+    check_cpu_args,
+    check_cpu_args_before_validation,
+)
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.megatron_lm.arguments import (
     add_dynamic_batch_args,
@@ -512,6 +516,7 @@ def _check_launch(args: Any) -> None:
     (:func:`~.hooks.entry_check`): an unusable ``--dynamic-batch-attention`` was one line after
     ~850, a launch without torchrun a traceback of ~890 in ``pretrain()`` (now it runs as one
     rank)."""
+    check_cpu_args_before_validation(args)
     _launch_attention(args)
     alone = one_rank_without_torchrun(args)
     if alone is not None:
