@@ -107,7 +107,9 @@ _INCOMPATIBLE = (
         "rampup_batch_size",
         lambda value: value is not None,
         "--rampup-batch-size",
-        "the batch-size ramp-up picks the micro-batch count itself; remove --rampup-batch-size",
+        "megatron-core 0.19 no longer ramps the batch up (it runs --global-batch-size from the "
+        "first step, the flag ignored: 'setting number of microbatches to constant'), and the "
+        "planner sizes every step; remove --rampup-batch-size",
     ),
     (
         "decrease_batch_size_if_needed",
