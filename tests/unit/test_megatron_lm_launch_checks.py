@@ -236,7 +236,8 @@ def test_a_launch_without_torchrun_runs_as_one_rank_with_the_switch_or_our_subco
     # script runs one rank unless started by torchrun.
     script = "/x/launch/pretrain_gpt_dynbatch.py"
     on, off = _args(_ON), _args()
-    for args, program in ((on, script), (off, PRETRAIN_PROGRAM)):
+    fixed = _args(document_samples=True)  # the README's fixed baseline (a probe: the traceback)
+    for args, program in ((on, script), (fixed, script), (off, PRETRAIN_PROGRAM)):
         environ = {}
         chosen = one_rank_without_torchrun(args, environ=environ, program=program)
         assert environ == chosen and environ["RANK"] == "0" and environ["WORLD_SIZE"] == "1"

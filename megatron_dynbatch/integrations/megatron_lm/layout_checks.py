@@ -354,9 +354,10 @@ _TORCHRUN_ENVIRONMENT = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
 def one_rank_without_torchrun(
     args: Any, environ: Optional[dict] = None, program: Optional[str] = None
 ) -> Optional[Dict[str, str]]:
-    """A launch without torchrun runs as one rank: with ``--use-dynamic-batch-size``, or under
-    ``megatron-dynbatch pretrain`` (``program``, default ``sys.argv[0]``), where the model fits
-    one process.
+    """A launch without torchrun runs as one rank: with ``--use-dynamic-batch-size`` or
+    ``--document-samples`` (our modes; a probe ran the README's fixed baseline without torchrun
+    into the traceback below), or under ``megatron-dynbatch pretrain`` (``program``, default
+    ``sys.argv[0]``), where the model fits one process.
 
     Megatron-LM's ``pretrain()`` joins the process group through torchrun's environment
     (``env://``); a bare ``python launch/pretrain_gpt_dynbatch.py ...`` (as a bare ``python
@@ -373,7 +374,8 @@ def one_rank_without_torchrun(
     if any(name in environ for name in _TORCHRUN_ENVIRONMENT):
         return None
     program = os.path.basename(program if program is not None else sys.argv[0])
-    if not (getattr(args, "use_dynamic_batch_size", False) or program == PRETRAIN_PROGRAM):
+    ours = getattr(args, "use_dynamic_batch_size", False) or getattr(args, "document_samples", False)
+    if not (ours or program == PRETRAIN_PROGRAM):
         return None  # stock Megatron's own behaviour (the same traceback) is kept
     if _model_ranks(_model_sizes(args)) > 1:
         return None  # check_world_size names the ranks this model needs
