@@ -86,8 +86,11 @@ def parse_text(text: str) -> Dict[str, object]:
 
 def parse(path: str) -> Dict[str, object]:
     """:func:`parse_text` of a log file; exits with an error if it has no iteration line."""
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        parsed = parse_text(handle.read())
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            parsed = parse_text(handle.read())
+    except OSError as error:  # a missing or unreadable log: one line, not a traceback
+        raise SystemExit(f"error: cannot read the log {path}: {error.strerror}.") from None
     if not parsed["iterations"]:
         raise SystemExit(f"error: no Megatron iteration lines in {path}; did the run fail?")
     return parsed

@@ -125,3 +125,11 @@ def test_the_end_of_run_validation_and_test_losses_are_compared(tmp_path, capsys
     )
     with pytest.raises(SystemExit, match="other sets"):
         compare_runs.main(cut)
+
+
+def test_a_missing_log_is_one_line(tmp_path):
+    import pytest
+
+    with pytest.raises(SystemExit, match="cannot read the log .*missing.log: No such file"):
+        compare_runs.main(["--dynamic", str(tmp_path / "missing.log"), "--fixed", "x",
+                           "--seq-length", "128"])  # fmt: skip
