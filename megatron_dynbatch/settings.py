@@ -284,7 +284,11 @@ SETTINGS: Tuple[Setting, ...] = (
         "Default: packed.",
         doc="packed: samples concatenated in one row per micro-batch (segment-aware attention / "
         "THD cu_seqlens); padded: [B, S] rows, one sample per row.",
-        cli=Cli(aliases=("--layout",), help="micro-batch layout", default="packed"),
+        cli=Cli(
+            aliases=("--layout",),
+            help="packed (samples share a row) or padded (one sample a row); default packed",
+            default="packed",
+        ),
     ),
     Setting(
         name="rollouts_per_step",
@@ -327,7 +331,7 @@ SETTINGS: Tuple[Setting, ...] = (
         cli=Cli(
             aliases=("--cost-attention-weight",),
             help="weight of a segment's squared length (attention), per unit of a token's linear "
-            "work (default: the model's FLOPs ratio with plan's model flags, else 0)",
+            "work (default: the model's FLOPs ratio where plan is given the model flags, else 0)",
         ),
     ),
     _cost_weight(

@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-attention", action="store_true", help="pin the attention weight at 0"
     )
     calibrate.add_argument("--json", action="store_true", help="print exactly one JSON object")
-    _add_device_arg(add_model_args(calibrate))
+    _add_device_arg(add_model_args(calibrate, "the default cost model whose scales are fitted"))
 
     # Listed for --help only: main() hands `pretrain ...` to the Megatron-LM entry before this
     # parser runs, since the arguments are Megatron-LM's (hundreds of them, parsed by Megatron).

@@ -374,7 +374,9 @@ def one_rank_without_torchrun(
     if any(name in environ for name in _TORCHRUN_ENVIRONMENT):
         return None
     program = os.path.basename(program if program is not None else sys.argv[0])
-    ours = getattr(args, "use_dynamic_batch_size", False) or getattr(args, "document_samples", False)
+    ours = getattr(args, "use_dynamic_batch_size", False) or getattr(
+        args, "document_samples", False
+    )
     if not (ours or program == PRETRAIN_PROGRAM):
         return None  # stock Megatron's own behaviour (the same traceback) is kept
     if _model_ranks(_model_sizes(args)) > 1:

@@ -19,11 +19,14 @@ from megatron_dynbatch.integrations.model_args import (
 __all__ = ["add_model_args", "memory_model_from_flags", "model_dims_from_args"]
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> Any:
+def add_model_args(parser: argparse.ArgumentParser, title: str = "") -> Any:
     """Megatron's model flags ``plan`` needs to predict memory (same spellings and defaults);
-    returns their argument group (``plan`` adds ``--max-memory-gib`` to it)."""
+    returns their argument group (``plan`` adds ``--max-memory-gib`` to it). ``title``: what the
+    command does with them (default ``plan``'s)."""
     group = parser.add_argument_group(
-        "model (Megatron-LM's flags; with --num-layers, plan --json predicts each stage's peak)"
+        "model (Megatron-LM's flags; "
+        + (title or "with --num-layers, plan --json predicts each stage's peak")
+        + ")"
     )
     group.add_argument("--num-layers", type=int, default=None)
     group.add_argument("--hidden-size", type=int, default=None)
