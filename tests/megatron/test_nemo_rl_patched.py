@@ -568,6 +568,88 @@ def test_nemo_rl_matches_per_sample_reference(
         assert 0 in real_rows, real_rows
 
 
+def _moe_body(root, num, gbs, budget, long_every):
+    """NeMo-RL's training pass on a tiny MoE (4 experts, top-2, aux loss and z-loss): the tokens
+    each router's statistics are handed on this rank, against its shard's real tokens."""
+    import dataclasses
+
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+
+    from megatron_dynbatch.integrations.nemo_rl.shard import placeholder_rows
+    from megatron_dynbatch.mcore.thd_attention import with_thd_reference_attention
+    from megatron_dynbatch.tools.testing.host_stubs import unstub
+    from megatron_dynbatch.tools.testing.tiny_gpt import (
+        build_tiny_gpt,
+        make_schedule_config_safe,
+        tiny_layer_spec,
+        tiny_transformer_config,
+        wrap_in_ddp,
+    )
+    from tests._support import RouterTokens
+    from tests.megatron.test_verl_patched import MOE
+
+    _import_nemo_rl(root)
+    # Megatron's expert-bias update is torch.compile'd: inductor imports triton where it can,
+    # and the stand-in of triton (not installed here) breaks that import. NeMo-RL's modules are
+    # imported by now; the pool's next NeMo-RL case stubs it again.
+    unstub(("triton",))
+    import torch._inductor.compile_fx  # noqa: F401
+
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    dp, rank = (
+        parallel_state.get_data_parallel_world_size(),
+        parallel_state.get_data_parallel_rank(),
+    )
+    cfg = _policy_cfg(pp, 1, budget=budget, logprob_budget=2 * budget)
+    policy = _policy(cfg, dp)
+    config = tiny_transformer_config(
+        pipeline_model_parallel_size=pp, calculate_per_token_loss=True, **MOE
+    )
+    config.moe_router_load_balancing_type = "aux_loss"
+    config.moe_aux_loss_coeff, config.moe_z_loss_coeff = 1e-2, 1e-3
+    config = dataclasses.replace(config, moe_token_dispatcher_type="alltoall")
+    make_schedule_config_safe(config)
+    spec = with_thd_reference_attention(
+        lambda c, vp_stage=None: tiny_layer_spec(MOE["num_moe_experts"])
+    )(None)
+    chunks = wrap_in_ddp(build_tiny_gpt(config, seed=SEED, layer_spec=spec))
+    config.finalize_model_grads_func = finalize_model_grads
+    data = _batch(_samples(num, long_every=long_every))
+    routers = RouterTokens()
+    with _cuda_on_cpu(), routers.installed():
+        shards = policy._shard_for_train(data, gbs)
+        routers.active = True
+        _, _, grads = _train_body(cfg, shards[rank], gbs, chunks)
+        routers.active = False
+    shard = shards[rank]
+    skipped = set(placeholder_rows(shard))
+    real = sum(int(n) for i, n in enumerate(shard["input_lengths"].tolist()) if i not in skipped)
+    return {
+        "routed": dict(routers.per_layer),
+        "real": real,
+        "placeholder_rows": len(skipped),
+        "finite": all(bool(torch.isfinite(g).all()) for g in grads.values()),
+    }
+
+
+@needs_nemo_rl
+def test_moe_routers_count_no_placeholder_row(patched_nemo_rl):
+    """A probe: one sample per global batch at dp 2, so rank 1 holds placeholder rows only; each
+    of its router layers counted 12 tokens (NeMo-RL passes no padding mask). Patch 0005 marks
+    them: rank 1 routes nothing into any statistic, with finite gradients (its load-balancing
+    losses are off for a micro-batch of padding); rank 0 counts its own tokens as stock NeMo-RL
+    does (its real ones plus NeMo-RL's packing pads)."""
+    first, second = run_on_ranks(
+        2, _moe_body, patched_nemo_rl, 3, 1, 48, 0, layout=Layout(), timeout_s=BODY_TIMEOUT_S
+    )
+    assert second["real"] == 0 and second["placeholder_rows"] > 0, second
+    assert second["routed"] and set(second["routed"].values()) == {0}, second
+    assert first["placeholder_rows"] == 0 and first["real"] > 0, first
+    assert all(count >= first["real"] for count in first["routed"].values()), first
+    assert first["finite"] and second["finite"]
+
+
 # -- the switch off: the patched tree is the stock one ------------------------------------------
 
 

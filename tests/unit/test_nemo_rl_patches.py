@@ -8,12 +8,14 @@ import pytest
 pytestmark = pytest.mark.unit
 
 PATCHES = pathlib.Path(__file__).resolve().parents[2] / "patches" / "nemo_rl"
-#: The guards an import of ours may sit under: the switch, or (patch 0004) a list of model chunks,
-#: which stock NeMo-RL never passes to ``megatron_forward_backward``.
+#: The guards an import of ours may sit under: the switch, (patch 0004) a list of model chunks,
+#: which stock NeMo-RL never passes to ``megatron_forward_backward``, or (patch 0005) a
+#: micro-batch carrying our marker key, which only our shards have.
 GUARDS = (
     re.compile(r'^\+\s+if \(config\.get\("megatron_cfg"\) or \{\}\)\.get\("dynbatch"\):'),
     re.compile(r'^\+\s+if getattr\(data, "dynbatch_placeholder_rows", None\):'),
     re.compile(r"^\+\s+if isinstance\(model, list\) and len\(model\) > 1"),
+    re.compile(r'^\+\s+if "dynbatch_sample_index" in data_dict:'),
 )
 #: The only reads of NeMo-RL's config in the patches: ``Policy.__init__`` reads the section once
 #: (``None`` as absent) and holds the planner; every other line reads ``self.dynbatch`` or the
@@ -36,7 +38,7 @@ def _hunks(text):
 
 def test_every_import_of_ours_is_behind_a_guard():
     patches = sorted(PATCHES.glob("*.patch"))
-    assert len(patches) == 4
+    assert len(patches) == 5
     imports = 0
     for patch in patches:
         for hunk in _hunks(patch.read_text()):
@@ -49,7 +51,7 @@ def test_every_import_of_ours_is_behind_a_guard():
                     assert guarded_at is not None, f"{patch.name}: unguarded {line.strip()}"
                     indent = len(line) - len(line.lstrip("+ "))
                     assert indent > guarded_at[1], f"{patch.name}: {line.strip()} not in the if"
-    assert imports == 4
+    assert imports == 5
 
 
 def test_the_section_is_read_once_and_none_reads_as_absent():

@@ -116,7 +116,11 @@ def _shards(data: Any, plan: NemoRlShards) -> List[Any]:
         shard.micro_batch_lengths = [list(gb) for gb in plan.micro_batch_lengths[rank]]
         shard.elem_counts_per_gb = plan.elem_counts_per_gb(rank)
         # The marker, every row's sample index (an attribute survives Ray's pickling).
-        setattr(shard, MARKER_KEY, tuple(PLACEHOLDER_INDEX if i is None else i for i in rows))
+        marker = tuple(PLACEHOLDER_INDEX if i is None else i for i in rows)
+        setattr(shard, MARKER_KEY, marker)
+        # And as a key, which NeMo-RL's micro-batch slicing keeps (it drops attributes): its
+        # forward hands MoE routers the placeholder rows as padding (patch 0005, .moe).
+        shard[MARKER_KEY] = torch.tensor(marker, dtype=torch.int64)
         # Derived from the marker, for the worker's patched lines, which read it without
         # importing this package (NeMo-RL with the switch off never does).
         setattr(shard, PLACEHOLDER_ROWS, placeholder_rows(shard))
