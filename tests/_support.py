@@ -480,6 +480,10 @@ def assert_same_training(dynamic, fixed, *, tolerance=1e-5):
 # -- MoE routers seen from inside Megatron (the slime and SkyRL MoE cases) ----------------------
 
 
+#: The tiny MoE of the trainers' router tests: 4 layers, 4 experts, top-2.
+TINY_MOE = {"num_layers": 4, "num_moe_experts": 4, "moe_router_topk": 2}
+
+
 class RouterTokens:
     """Per router layer, the tokens a training forward hands to Megatron's router statistics:
     those its ``padding_mask`` leaves in (every token when no mask reaches the router).

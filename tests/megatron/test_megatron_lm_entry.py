@@ -56,8 +56,10 @@ _REFUSALS = {
         "--max-tokens-per-gpu given without --use-dynamic-batch-size",
     ),
     # The evaluation (log-prob) budget below --seq-length: found now, not at the first evaluation.
+    # (With --eval-iters 0 no forward-only pass runs, and the budget is not refused: a probe.)
     "eval-budget": (
-        _BASE + _DYNAMIC + ["--log-probs-max-tokens-per-gpu", 64],
+        _without(_BASE, "--eval-iters") + ["--eval-iters", 1] + _DYNAMIC
+        + ["--log-probs-max-tokens-per-gpu", 64],
         "--log-probs-max-tokens-per-gpu 64 is smaller than --seq-length 128",
     ),
     # Issue 37: Megatron's "A single data source must be provided" named neither flag.

@@ -586,8 +586,8 @@ def _moe_body(root, num, gbs, budget, long_every):
         tiny_transformer_config,
         wrap_in_ddp,
     )
+    from tests._support import TINY_MOE as MOE
     from tests._support import RouterTokens
-    from tests.megatron.test_verl_patched import MOE
 
     _import_nemo_rl(root)
     # Megatron's expert-bias update is torch.compile'd: inductor imports triton where it can,

@@ -54,6 +54,7 @@ from megatron_dynbatch.tools.testing.workers import (  # noqa: E402
 from tests._support import (  # noqa: E402
     QWEN2_05B_HF,
     SMALL_MOE_HF,
+    TINY_MOE,
     patched_copy,
     relative_error,
     stock_copy,
@@ -245,7 +246,7 @@ def _engine(ti, chunks, config, *, dynamic, pp, vpp):
 
 
 #: The tiny MoE of the router-statistics case: 4 layers, 4 experts, top-2.
-MOE = {"num_layers": 4, "num_moe_experts": 4, "moe_router_topk": 2}
+MOE = TINY_MOE
 
 
 def _verl_model(*, value_head=False, moe=False):

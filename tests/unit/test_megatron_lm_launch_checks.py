@@ -172,7 +172,7 @@ def test_a_calibration_error_bound_that_no_fit_can_use_is_refused(bound):
         assert "must be a finite number > 0" in message and "pass e.g. 0.2" in message
         # A probe applied the old third fix (--dynamic-batch-calibration-steps 0): refused again.
         assert "calibration-steps" not in message and "or drop the flag" in message, message
-        with pytest.raises(DynBatchValueError):
+        with pytest.raises(DynBatchValueError, match="must be a finite number > 0"):
             validate_dynamic_batch_args(_args(argv + ["--dynamic-batch-calibration-steps", "0"]))
     for good in ("0.2", "0.5", "3"):
         validate_dynamic_batch_args(_args(_ON + ["--dynamic-batch-calibration-max-error", good]))
