@@ -595,25 +595,31 @@ def _check_window_attention(args: Any, config: DynBatchConfig) -> None:
         )
 
 
-def truncation_from_args(args: Any, *, forward_only: bool = False) -> Optional[Tuple[int, str]]:
+def truncation_from_args(
+    args: Any, config: Optional[DynBatchConfig] = None, *, forward_only: bool = False
+) -> Optional[Tuple[int, str]]:
     """``(tokens, flag)`` that ``--oversize-samples truncate`` cuts a ``--seq-length`` sample to
     (:meth:`DynBatchConfig.truncation`, from the resolved settings: flags over the YAML), else
-    ``None`` (switch off, another policy, or a budget that cuts nothing)."""
+    ``None`` (switch off, another policy, or a budget that cuts nothing). ``config``: the run's
+    resolved settings where the caller holds them (the launch: the hooks'); default: resolved
+    here from ``args``."""
     if not getattr(args, "use_dynamic_batch_size", False):
         return None
     seq_length = getattr(args, "seq_length", None)
     if seq_length is None:
         return None
-    config = dynbatch_config_from_args(args)
+    if config is None:
+        config = dynbatch_config_from_args(args)
     return config.truncation(parallel_layout_from_args(args), seq_length, forward_only=forward_only)
 
 
-def validation_cut_note(args: Any) -> Optional[str]:
+def validation_cut_note(args: Any, config: Optional[DynBatchConfig] = None) -> Optional[str]:
     """What the launch says at start-up when validation documents are cut: under
     ``--oversize-samples truncate`` validation plans under the forward-only budget (by default the
     training one) and cuts what is longer, where ``--document-samples`` validates documents whole
-    (a probe saw validation cut without a word); ``None`` when nothing is cut."""
-    cut = truncation_from_args(args, forward_only=True)
+    (a probe saw validation cut without a word); ``None`` when nothing is cut. ``config``: as
+    :func:`truncation_from_args`."""
+    cut = truncation_from_args(args, config, forward_only=True)
     if cut is None:
         return None
     tokens, flag = cut

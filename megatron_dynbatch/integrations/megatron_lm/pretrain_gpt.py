@@ -81,7 +81,7 @@ from megatron_dynbatch.integrations.megatron_lm.gpt_stock import (
     stock_datasets_provider,
     stock_forward_step,
 )
-from megatron_dynbatch.integrations.megatron_lm.hooks import entry_check
+from megatron_dynbatch.integrations.megatron_lm.hooks import current_hooks, entry_check
 from megatron_dynbatch.integrations.megatron_lm.layout_checks import one_rank_without_torchrun
 from megatron_dynbatch.integrations.megatron_lm.memory import TrainingPeak
 from megatron_dynbatch.integrations.megatron_lm.progress import count_progress_tokens
@@ -205,9 +205,9 @@ def _check_document_args(args: Any) -> None:
             "step of launch/pretrain_gpt_dynbatch.py does not split rows over context-parallel "
             "ranks yet; use --context-parallel-size 1."
         )
-    if args.use_dynamic_batch_size:
+    config = _run_config(args)
+    if config is not None:
         # The resolved settings (flags over the YAML): a budget or policy set in the YAML counts.
-        config = dynbatch_config_from_args(args)
         if config.max_tokens_per_gpu < args.seq_length:
             # Under --oversize-samples error this was refused with the arguments (arguments.py).
             print_rank_0(
@@ -215,7 +215,7 @@ def _check_document_args(args: Any) -> None:
                 f"{args.seq_length}: document samples over the budget are handled by "
                 f"--oversize-samples {config.oversize_samples}."
             )
-    note = validation_cut_note(args)
+    note = validation_cut_note(args, config)
     if note:
         print_rank_0(note)
     if getattr(args, "data_cache_path", None):
@@ -412,6 +412,16 @@ def document_forward_step(args: Any, attention: Optional[str] = None) -> Callabl
     )
 
 
+def _run_config(args: Any) -> Optional[Any]:
+    """The run's resolved dynamic-batching settings, as ``hooks.configure`` built them when
+    Megatron parsed the arguments (not resolved again; resolved here only where no hooks exist);
+    ``None`` with the switch off."""
+    if not args.use_dynamic_batch_size:
+        return None
+    state = current_hooks()
+    return dynbatch_config_from_args(args) if state is None else state.config
+
+
 def _document_splits(args: Any) -> list:
     """The train / valid / test document splits (opens, reads and checks the data files)."""
     tokenizer = get_tokenizer()
@@ -419,7 +429,8 @@ def _document_splits(args: Any) -> list:
     tokenize = None
     if getattr(args, "sft_conversations", False):
         tokenize = conversation_tokenizer(tokenizer, args.tokenizer_type)
-    splits = document_splits(args, tokenizer.vocab_size, eod, tokenize, truncation_from_args(args))
+    cut = truncation_from_args(args, _run_config(args))
+    splits = document_splits(args, tokenizer.vocab_size, eod, tokenize, cut)
     check_first_samples(splits)  # token ids in the vocabulary, before the model is built
     return splits
 
