@@ -8,8 +8,8 @@ benchmarks pick from.
 
 from .invariants import PlanInvariantError, check_plan
 from .plan import Plan, PlanStats, StepPlan
-from .planner import OversizeSampleWarning, plan_samples, plan_schedule
-from .registry import get_planner, planner_names, register_planner, run_planner
+from .planner import OversizeSampleWarning, plan_samples
+from .registry import get_planner, plan_schedule, planner_names, register_planner, run_planner
 from .samples import SampleSet, parse_samples_json
 from .spec import CostModel, ParallelLayout, PlannerConfig, round_up, sample_multiple
 

@@ -1,7 +1,7 @@
 """The global dynamic-batch planner: sample lengths in, one schedule for every step and DP rank out.
 
-Every rank calls :func:`plan_schedule` on the same global inputs and derives the same plan with no
-collective: the constraints all ranks must share (dp_size, the interleaving group) are arguments.
+Every rank calls :func:`.registry.plan_schedule` (which runs :func:`plan_samples` unless the config
+names another planner) on the same global inputs and derives the same plan with no collective: the constraints all ranks must share (dp_size, the interleaving group) are arguments.
 
 Per step the planner
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import gc
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from megatron_dynbatch.errors import DynBatchValueError
 
@@ -42,7 +42,7 @@ from .spec import (
 )
 from .step_search import StepProblem
 
-__all__ = ["plan_schedule", "plan_samples", "OversizeSampleWarning"]
+__all__ = ["plan_samples", "OversizeSampleWarning"]
 
 #: Oversize samples named in a message before the rest are counted.
 _LISTED = 10
@@ -52,37 +52,8 @@ class OversizeSampleWarning(UserWarning):
     """A sample is longer than the token cap; it runs alone in its micro-batch, over the cap."""
 
 
-def plan_schedule(
-    lengths: Sequence[int],
-    rollout_ids: Optional[Sequence[Any]] = None,
-    prompt_lengths: Optional[Sequence[Optional[int]]] = None,
-    *,
-    config: PlannerConfig,
-) -> Plan:
-    """Plan every optimizer step of a batch of samples.
-
-    Args:
-        lengths: Total token length of every sample (prompt + response).
-        rollout_ids: One id (str or int) per sample; samples sharing an id (a multi-turn trajectory,
-            a GRPO prompt group) always land in the same step. ``None``: each sample its own rollout.
-        prompt_lengths: Prompt tokens per sample, for the cost model's response term.
-        config: The parallel layout, token cap, layout, cost model and oversize policy.
-
-    Returns:
-        The :class:`Plan`; ``plan.steps[s].ranks[r][m]`` lists the global sample indices of
-        micro-batch ``m`` on DP rank ``r`` in step ``s`` (``()`` is a placeholder).
-
-    Raises:
-        ValueError: on bad lengths, mismatched ids or prompt lengths (see :class:`SampleSet`), an
-            oversize sample under ``oversize_samples="error"``, or cost weights that overflow.
-    """
-    if not isinstance(config, PlannerConfig):
-        raise DynBatchValueError(f"config must be a PlannerConfig, got {type(config).__name__}.")
-    return plan_samples(SampleSet.build(lengths, rollout_ids, prompt_lengths), config)
-
-
 def plan_samples(samples: SampleSet, config: PlannerConfig) -> Plan:
-    """:func:`plan_schedule` on an already validated :class:`SampleSet`."""
+    """This package's planner (``dynbatch``) on an already validated :class:`SampleSet`."""
     # Planning builds hundreds of thousands of small lists and tuples and no reference cycles;
     # the cyclic garbage collector would re-scan them all at every threshold (a fifth of the time
     # at 1M samples), so it is paused for the call and restored as it was.

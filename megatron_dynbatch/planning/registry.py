@@ -27,7 +27,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 from megatron_dynbatch.errors import DynBatchTypeError, DynBatchValueError
 
@@ -51,6 +51,7 @@ __all__ = [
     "required_layout",
     "run_planner",
     "planner_names",
+    "plan_schedule",
 ]
 
 #: Samples and config in, the whole schedule out.
@@ -165,6 +166,37 @@ def run_planner(samples: SampleSet, config: PlannerConfig) -> Plan:
                 f"fix the planner, or plan with the default ({DEFAULT_PLANNER!r})."
             ) from None
     return plan
+
+
+def plan_schedule(
+    lengths: Sequence[int],
+    rollout_ids: Optional[Sequence[Any]] = None,
+    prompt_lengths: Optional[Sequence[Optional[int]]] = None,
+    *,
+    config: PlannerConfig,
+) -> Plan:
+    """Plan every optimizer step of a batch of samples, with the planner ``config.planner`` names.
+
+    Args:
+        lengths: Total token length of every sample (prompt + response).
+        rollout_ids: One id (str or int) per sample; samples sharing an id (a multi-turn trajectory,
+            a GRPO prompt group) always land in the same step. ``None``: each sample its own rollout.
+        prompt_lengths: Prompt tokens per sample, for the cost model's response term.
+        config: The parallel layout, token cap, layout, cost model, oversize policy and planner
+            (``PlannerConfig.planner``, ``dynbatch`` by default: :func:`.planner.plan_samples`).
+
+    Returns:
+        The :class:`Plan`; ``plan.steps[s].ranks[r][m]`` lists the global sample indices of
+        micro-batch ``m`` on DP rank ``r`` in step ``s`` (``()`` is a placeholder).
+
+    Raises:
+        ValueError: on bad lengths, mismatched ids or prompt lengths (see :class:`SampleSet`), an
+            oversize sample under ``oversize_samples="error"``, or cost weights that overflow.
+        PlanInvariantError: a planner registered from outside made a plan that breaks a guarantee.
+    """
+    if not isinstance(config, PlannerConfig):
+        raise DynBatchValueError(f"config must be a PlannerConfig, got {type(config).__name__}.")
+    return run_planner(SampleSet.build(lengths, rollout_ids, prompt_lengths), config)
 
 
 # -- adapters --------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from megatron_dynbatch.planning import (
     SampleSet,
     check_plan,
     get_planner,
+    plan_samples,
     plan_schedule,
     planner_names,
     register_planner,
@@ -337,7 +338,9 @@ def test_megatron_lm_flag_and_yaml_choose_the_planner_the_run_plans_with(tmp_pat
     assert (config.planner, planner_config.planner) == ("fixed", "fixed")
     samples = SampleSet.build(LENGTHS)
     assert run_planner(samples, planner_config) == get_planner("fixed")(samples, planner_config)
-    assert run_planner(samples, planner_config) != plan_schedule(LENGTHS, config=planner_config)
+    # plan_schedule, the lengths-in entry, plans with the planner the config names too.
+    assert plan_schedule(LENGTHS, config=planner_config) == run_planner(samples, planner_config)
+    assert run_planner(samples, planner_config) != plan_samples(samples, planner_config)
 
     path = tmp_path / "dynbatch.yaml"
     path.write_text("planner: test_one_per_microbatch\n")
