@@ -5,7 +5,7 @@ The patched ``Policy._shard_for_train`` / ``_shard_for_logprob`` call :func:`sha
 ``policy.megatron_cfg.dynbatch.enabled`` is on. Each shard is a ``BatchedDataDict`` of the batch's
 own type with NeMo-RL's packing attributes (``micro_batch_indices``, ``micro_batch_lengths``,
 ``elem_counts_per_gb``), so the worker's stock ``get_microbatch_iterator`` runs it, and the
-placeholder marker: the attribute ``dynbatch_sample_index``
+placeholder marker: the key ``dynbatch_sample_index``
 (:data:`~megatron_dynbatch.runtime.placeholders.MARKER_KEY`), every row's sample index, the marker
 :data:`~megatron_dynbatch.runtime.placeholders.PLACEHOLDER_INDEX` on placeholder rows.
 
@@ -115,11 +115,10 @@ def _shards(data: Any, plan: NemoRlShards) -> List[Any]:
         ]
         shard.micro_batch_lengths = [list(gb) for gb in plan.micro_batch_lengths[rank]]
         shard.elem_counts_per_gb = plan.elem_counts_per_gb(rank)
-        # The marker, every row's sample index (an attribute survives Ray's pickling).
-        marker = tuple(PLACEHOLDER_INDEX if i is None else i for i in rows)
-        setattr(shard, MARKER_KEY, marker)
-        # And as a key, which NeMo-RL's micro-batch slicing keeps (it drops attributes): its
-        # forward hands MoE routers the placeholder rows as padding (patch 0005, .moe).
+        # The marker, every row's sample index, as a key: Ray's pickling and NeMo-RL's
+        # micro-batch slicing keep keys (the slicing drops attributes), so the worker's MoE
+        # forward still finds it in each micro-batch (patch 0005, .moe).
+        marker = [PLACEHOLDER_INDEX if i is None else i for i in rows]
         shard[MARKER_KEY] = torch.tensor(marker, dtype=torch.int64)
         # Derived from the marker, for the worker's patched lines, which read it without
         # importing this package (NeMo-RL with the switch off never does).
@@ -226,7 +225,10 @@ def planner(
 
 def placeholder_rows(data: Any) -> Tuple[int, ...]:
     """The positions of a shard's placeholder rows, by the marker (none without one)."""
-    return tuple(p for p, i in enumerate(getattr(data, MARKER_KEY, ())) if is_placeholder(i))
+    marker = data.get(MARKER_KEY) if hasattr(data, "get") else None
+    if marker is None:
+        return ()
+    return tuple(p for p, i in enumerate(marker.tolist()) if is_placeholder(i))
 
 
 def num_real_rows(data: Any) -> int:
