@@ -498,8 +498,9 @@ def fit_cost_model(
     obs = list(observations)
     if len(obs) < 2:
         raise _bad(
-            f"calibration needs at least 2 measured steps, got {len(obs)}; run more iterations "
-            "before fitting (--dynamic-batch-calibration-steps)."
+            f"calibration needs at least 2 measured steps, got {len(obs)}; measure more steps "
+            "before fitting (a launch measures --dynamic-batch-calibration-steps N of them, "
+            "N >= 2, into dynbatch_calibration.json)."
         )
     longest = max(o.seq_length for o in obs)
     unit = ((1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0))

@@ -159,8 +159,9 @@ def _unique_keys(pairs):
     return dict(pairs)
 
 
-def _read_json(path: str):
-    """Decoded JSON of ``path`` (``-``: stdin); unreadable or invalid files are ValueErrors."""
+def _read_json(path: str, what: str = "SAMPLES.json"):
+    """Decoded JSON of ``path`` (``-``: stdin); unreadable or invalid files are ValueErrors that
+    name the file as the command's synopsis does (``what``)."""
     try:
         if path == "-":
             return json.load(sys.stdin, object_pairs_hook=_unique_keys)
@@ -168,16 +169,16 @@ def _read_json(path: str):
         with open(path, encoding="utf-8-sig") as handle:
             return json.load(handle, object_pairs_hook=_unique_keys)
     except OSError as exc:
-        raise DynBatchValueError(
-            f"cannot read SAMPLES.json {path!r}: {exc.strerror or exc}"
-        ) from None
+        raise DynBatchValueError(f"cannot read {what} {path!r}: {exc.strerror or exc}") from None
     except json.JSONDecodeError as exc:
         raise DynBatchValueError(f"{path!r} is not valid JSON: {exc}") from None
     except RecursionError:
-        raise DynBatchValueError(
-            f"{path!r} is nested too deeply; SAMPLES.json is a flat array of lengths or "
-            "{length, rollout, prompt_length} objects."
-        ) from None
+        shape = (
+            "a flat array of lengths or {length, rollout, prompt_length} objects"
+            if what == "SAMPLES.json"
+            else "an array of {seconds, seq_length, ranks, ...} objects, one per step"
+        )
+        raise DynBatchValueError(f"{path!r} is nested too deeply; {what} is {shape}.") from None
     except ValueError as exc:
         if "integer string conversion" in str(exc):
             # Python's advice (sys.set_int_max_str_digits) is for programmers, not for a length.
@@ -502,7 +503,7 @@ def _cmd_calibrate(args) -> int:
     from megatron_dynbatch.errors import DynBatchValueError
     from megatron_dynbatch.planning.calibration import Observation, fit_cost_model
 
-    data = _read_json(args.observations)
+    data = _read_json(args.observations, "OBSERVATIONS.json")
     recorded = None
     if isinstance(data, dict):
         # A run's dynbatch_calibration.json holds its fit with the measured steps under "steps"

@@ -329,3 +329,18 @@ def test_calibrate_fits_scales_of_the_default_model_as_training_does(tmp_path, c
     # Scales of the recorded model: its ratio of attention to token work, kept.
     ratio = again["attention_weight"] / again["token_weight"]
     assert ratio == pytest.approx(prior["attention_weight"] / prior["token_weight"], rel=1e-6)
+
+
+def test_calibrate_names_its_own_file_and_plan_takes_the_kv_channels_it_names(tmp_path, capsys):
+    # A probe: calibrate's unreadable file was "SAMPLES.json", and plan's refusal of a hidden
+    # size the heads do not divide named --kv-channels, a flag plan did not take.
+    assert main(["calibrate", str(tmp_path / "missing.json")]) == 2
+    assert "cannot read OBSERVATIONS.json" in capsys.readouterr().err
+    path = tmp_path / "samples.json"
+    path.write_text("[100, 200, 300]")
+    model = ["--num-layers", "2", "--hidden-size", "65", "--num-attention-heads", "4"]
+    plan = ["plan", str(path), "--max-tokens-per-gpu", "512", "--json", *model]
+    assert main(plan) == 2
+    assert "(or its --kv-channels)" in capsys.readouterr().err
+    assert main([*plan, "--kv-channels", "16"]) == 0
+    assert json.loads(capsys.readouterr().out)["steps"]

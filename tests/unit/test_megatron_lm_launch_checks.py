@@ -187,6 +187,15 @@ def test_negative_calibration_steps_are_refused_and_0_turns_calibration_off():
     validate_dynamic_batch_args(_args(_ON + ["--dynamic-batch-calibration-steps", "0"]))
 
 
+def test_one_calibration_step_is_refused_at_start_up_and_two_run():
+    # A probe: 1 was accepted, and the fit after the first measured step needs 2 (a refusal
+    # that stopped the run iterations in).
+    with pytest.raises(DynBatchValueError, match="needs at least 2 measured steps") as refused:
+        validate_dynamic_batch_args(_args(_ON + ["--dynamic-batch-calibration-steps", "1"]))
+    assert "pass 2 or more" in str(refused.value)
+    validate_dynamic_batch_args(_args(_ON + ["--dynamic-batch-calibration-steps", "2"]))
+
+
 @pytest.mark.parametrize(
     "flags",
     [

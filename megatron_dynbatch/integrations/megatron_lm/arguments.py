@@ -678,6 +678,13 @@ def _check_calibration_flags(args: Any) -> None:
             f"pass the measured iterations to fit (default {DEFAULT_CALIBRATION_STEPS}), or 0 to "
             "turn calibration off.",
         )
+        if steps == 1:
+            # A fit needs two measured steps; one fitted after the first and stopped the run.
+            raise DynBatchValueError(
+                "--dynamic-batch-calibration-steps 1 is refused: a calibration fit needs at least "
+                f"2 measured steps; pass 2 or more (default {DEFAULT_CALIBRATION_STEPS}), or 0 "
+                "to turn calibration off."
+            )
     bound = getattr(args, "dynamic_batch_calibration_max_error", None)
     finite = isinstance(bound, (int, float)) and math.isfinite(bound)
     if bound is not None and not (finite and bound > 0):

@@ -35,6 +35,9 @@ def add_model_args(parser: argparse.ArgumentParser, title: str = "") -> Any:
     group.add_argument(
         "--num-query-groups", type=int, default=None, help="grouped-query attention's KV heads"
     )
+    group.add_argument(
+        "--kv-channels", type=int, default=None, help="channels a head (default hidden / heads)"
+    )
     group.add_argument("--vocab-size", type=int, default=None, help=f"default {DEFAULT_VOCAB_SIZE}")
     group.add_argument("--swiglu", action="store_true")
     group.add_argument("--bf16", action="store_true")
