@@ -28,7 +28,7 @@ only": zero.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Mapping, Optional
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional
 
 import torch
 
@@ -38,6 +38,7 @@ from megatron_dynbatch.runtime.placeholders import is_placeholder
 __all__ = [
     "expert_bias_takes_the_mask",
     "is_moe_model",
+    "masked_routing",
     "padding_mask_of",
     "placeholder_routing",
 ]
@@ -225,3 +226,26 @@ def _register_metrics(router, device: torch.device) -> None:
             continue
         group = router.tp_dp_cp_group if loss in _GLOBAL_LOSSES else router.tp_cp_group
         tracker.record(name, zero, layer, num_layers, reduce_group=group, needs_dp_avg=needs_dp_avg)
+
+
+@contextlib.contextmanager
+def masked_routing(
+    model: torch.nn.Module,
+    model_kwargs: Dict[str, Any],
+    mask_of: Callable[[], Optional[torch.Tensor]],
+) -> Iterator[None]:
+    """Around a host's own model call (NeMo-RL's and SkyRL's patched forwards): for a MoE model
+    whose ``model_kwargs`` hold no ``padding_mask`` yet, ``model_kwargs["padding_mask"] =
+    mask_of()`` and :func:`placeholder_routing` with it. Nothing for a dense model, for kwargs
+    that already carry the host's own mask (SkyRL's router replay), or where ``mask_of`` returns
+    None (a micro-batch the host built itself); ``mask_of`` may raise where a mask is required."""
+    if "padding_mask" in model_kwargs or not is_moe_model(model):
+        yield
+        return
+    mask = mask_of()
+    if mask is None:
+        yield
+        return
+    model_kwargs["padding_mask"] = mask
+    with placeholder_routing(model, mask):
+        yield

@@ -24,7 +24,7 @@ A micro-batch without a real token runs with its load-balancing losses off
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, Mapping
+from typing import Any, Dict, Iterator, Mapping, Optional
 
 import torch
 
@@ -82,18 +82,18 @@ def router_padding(
     the marker (a shard of NeMo-RL's own)."""
     from megatron.core import parallel_state
 
-    from megatron_dynbatch.mcore.moe import is_moe_model, placeholder_routing
+    from megatron_dynbatch.mcore.moe import masked_routing
 
-    sample_index = data_dict.get(MARKER_KEY) if hasattr(data_dict, "get") else None
-    if sample_index is None or "padding_mask" in model_kwargs or not is_moe_model(model):
-        yield
-        return
-    mask = placeholder_padding_mask(
-        sample_index,
-        input_ids,
-        packed_seq_params,
-        parallel_state.get_context_parallel_world_size(),
-    )
-    model_kwargs["padding_mask"] = mask
-    with placeholder_routing(model, mask):
+    def mask_of() -> Optional[torch.Tensor]:
+        sample_index = data_dict.get(MARKER_KEY) if hasattr(data_dict, "get") else None
+        if sample_index is None:
+            return None
+        return placeholder_padding_mask(
+            sample_index,
+            input_ids,
+            packed_seq_params,
+            parallel_state.get_context_parallel_world_size(),
+        )
+
+    with masked_routing(model, model_kwargs, mask_of):
         yield

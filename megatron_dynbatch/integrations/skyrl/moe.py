@@ -107,28 +107,25 @@ def router_padding(
     """
     from megatron.core import parallel_state
 
-    from megatron_dynbatch.mcore.moe import is_moe_model, placeholder_routing
+    from megatron_dynbatch.mcore.moe import masked_routing
 
-    if "padding_mask" in model_kwargs or not is_moe_model(model):
-        yield
-        return
-    sample_index = batch.get(MARKER_KEY)
-    if sample_index is None:
-        raise DynBatchValueError(
-            f"SkyRL's micro-batch carries no {MARKER_KEY!r}: with trainer.use_dynamic_batch_size "
-            "its micro-batches must come from megatron_dynbatch's iterator (patch 0002 marks "
-            "them); re-apply patches/skyrl or set trainer.use_dynamic_batch_size=false."
-        )
-    if new_attention_mask is not None:
-        mask = padding_mask(sample_index, new_attention_mask)
-    else:
-        mask = packed_padding_mask(
+    def mask_of() -> torch.Tensor:
+        sample_index = batch.get(MARKER_KEY)
+        if sample_index is None:
+            raise DynBatchValueError(
+                f"SkyRL's micro-batch carries no {MARKER_KEY!r}: with trainer.use_dynamic_batch_size "
+                "its micro-batches must come from megatron_dynbatch's iterator (patch 0002 marks "
+                "them); re-apply patches/skyrl or set trainer.use_dynamic_batch_size=false."
+            )
+        if new_attention_mask is not None:
+            return padding_mask(sample_index, new_attention_mask)
+        return packed_padding_mask(
             attention_mask,
             sample_index,
             packed_seq_params,
             parallel_state.get_context_parallel_rank(),
             parallel_state.get_context_parallel_world_size(),
         )
-    model_kwargs["padding_mask"] = mask
-    with placeholder_routing(model, mask):
+
+    with masked_routing(model, model_kwargs, mask_of):
         yield
