@@ -75,7 +75,6 @@ NEMO_RL_STUBBED = (
     "ray",  # the cluster and worker groups
     "transformers",  # Hugging Face models and tokenizers (downloads)
     "requests",  # downloads (multimodal inputs)
-    "triton",  # GPU kernels
     "zmq",  # IPC weight refit between GPU workers
     "pynvml",  # the NVIDIA driver
     "uvicorn",  # vLLM's HTTP server
@@ -125,12 +124,6 @@ def _import_nemo_rl(root):
 
     if not hasattr(transformers, "__file__"):  # the stub, not an installed transformers
         transformers.__version__ = STUB_TRANSFORMERS_VERSION
-    import triton
-
-    if not hasattr(triton, "__file__"):
-        # The pool's worker runs other trainers' cases after this one: megatron.core reads a
-        # triton it can import by its version, and "0.0.0" is what it assumes of a missing one.
-        triton.__version__ = "0.0.0"
     for name in [n for n in sys.modules if n == "nemo_rl" or n.startswith("nemo_rl.")]:
         del sys.modules[name]
     sys.path[:] = [p for p in sys.path if p not in _ROOTS]
@@ -578,7 +571,6 @@ def _moe_body(root, num, gbs, budget, long_every):
 
     from megatron_dynbatch.integrations.nemo_rl.shard import placeholder_rows
     from megatron_dynbatch.mcore.thd_attention import with_thd_reference_attention
-    from megatron_dynbatch.tools.testing.host_stubs import unstub
     from megatron_dynbatch.tools.testing.tiny_gpt import (
         build_tiny_gpt,
         make_schedule_config_safe,
@@ -590,11 +582,6 @@ def _moe_body(root, num, gbs, budget, long_every):
     from tests._support import RouterTokens
 
     _import_nemo_rl(root)
-    # Megatron's expert-bias update is torch.compile'd: inductor imports triton where it can,
-    # and the stand-in of triton (not installed here) breaks that import. NeMo-RL's modules are
-    # imported by now; the pool's next NeMo-RL case stubs it again.
-    unstub(("triton",))
-    import torch._inductor.compile_fx  # noqa: F401
 
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     dp, rank = (
