@@ -57,6 +57,7 @@ from megatron_dynbatch.planning.samples import as_sequence
 from megatron_dynbatch.planning.sharded import ShardedPlan, plan_rank_shards, sharded_plan
 from megatron_dynbatch.planning.spec import (
     ATTENTION_CROSSOVER_7B,
+    DEFAULT_PLANNER,
     LAYOUT_FLAGS,
     MAX_TOKENS,
     as_int,
@@ -155,6 +156,12 @@ class Host:
                 refuse(
                     f"{what} name unknown config fields {unknown}; the fields are {sorted(FLAGS)}."
                 )
+        if "max_tokens_per_gpu" not in dict(self.options).values():
+            # host_config reads the budget through this option (a probe: a bare StopIteration).
+            refuse(
+                "options must map its budget option to 'max_tokens_per_gpu', e.g. "
+                "options={'tokens_per_mb': 'max_tokens_per_gpu'}."
+            )
         for what, value, allowed in (
             ("planning", self.planning, ("global", "sharded")),
             ("budget_counts", self.budget_counts, ("padded", "real")),
@@ -539,8 +546,26 @@ def host_config(
             )
     except DynBatchValueError as error:
         raise DynBatchValueError(_in_host_words(host, str(error), forward_only)) from error
+    _check_planned_config(host, planner)
     # The planner's own messages (an oversize sample at plan time) name the host's budget key.
     return dataclasses.replace(planner, budget_flag=key)
+
+
+def _check_planned_config(host: Host, config: PlannerConfig) -> None:
+    """What the config's first step would refuse, refused where it is built, in the host's words
+    (a probe: a sharded host took ``truncate`` and a ``fixed`` planner of packed rows here, and
+    refused them at the first step, naming our flags)."""
+    policy = next((o for o, f in host.options.items() if f == "oversize_samples"), None)
+    if host.planning == "sharded" and config.oversize_samples == "truncate":
+        setting = f"{policy}='truncate'" if policy else "oversize_samples='truncate'"
+        raise DynBatchValueError(
+            f"{host.name}: {setting} is refused: {host.name} plans each DP rank's own samples "
+            "and trains them whole, so no sample is cut to the cap; use "
+            + (f"{policy}='allow' or 'error'" if policy else "'allow' or 'error'")
+            + ", or cut the samples before planning."
+        )
+    if config.planner != DEFAULT_PLANNER:
+        check_host_planner(host, config.planner, config.layout)
 
 
 def _in_host_words(host: Host, text: str, forward_only: bool) -> str:

@@ -21,9 +21,11 @@ Per step the planner
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import gc
 import warnings
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, Iterator, List, Sequence, Tuple
 
 from megatron_dynbatch.errors import DynBatchValueError
 
@@ -46,6 +48,22 @@ __all__ = ["plan_samples", "OversizeSampleWarning"]
 
 #: Oversize samples named in a message before the rest are counted.
 _LISTED = 10
+
+
+#: Whether an oversize message may offer ``truncate``: a sharded plan (:mod:`.sharded`) trains
+#: each rank's samples whole and refuses the policy, so its refusals and warnings offer
+#: ``allow`` / ``error`` only (a probe applied the offered ``truncate`` and was refused).
+_TRUNCATE_OFFERED: contextvars.ContextVar = contextvars.ContextVar("truncate_offered", default=True)
+
+
+@contextlib.contextmanager
+def without_truncation() -> Iterator[None]:
+    """Inside, oversize refusals and warnings do not offer ``--oversize-samples truncate``."""
+    token = _TRUNCATE_OFFERED.set(False)
+    try:
+        yield
+    finally:
+        _TRUNCATE_OFFERED.reset(token)
 
 
 class OversizeSampleWarning(UserWarning):
@@ -162,7 +180,11 @@ def _apply_oversize_policy(samples: SampleSet, config: PlannerConfig) -> Dict[in
             f"{len(oversize)} sample(s) exceed the token cap {cap} ({config.cap_source}): "
             f"{shown}{more}. Raise {config.cap_to_hold(longest)}, drop or shorten "
             "them, or pass --oversize-samples "
-            "truncate (cut to the cap) or allow (run alone, over the cap)."
+            + (
+                "truncate (cut to the cap) or allow (run alone, over the cap)."
+                if _TRUNCATE_OFFERED.get()
+                else "allow (run alone, over the cap)."
+            )
         )
     return {i: keep for i in oversize}
 
@@ -183,10 +205,8 @@ def _oversize_warning(
     more = f" and {len(oversize) - _LISTED} more" if len(oversize) > _LISTED else ""
     worst = max((s for s in steps if s.oversize_samples), key=lambda s: s.seq_length)
     footprint = worst.micro_batch_size * worst.seq_length
-    advice = (
-        f"Pass --oversize-samples truncate to cut them to the cap, error to refuse them, or "
-        f"raise {config.cap_flag}."
-    )
+    truncate = "truncate to cut them to the cap, " if _TRUNCATE_OFFERED.get() else ""
+    advice = f"Pass --oversize-samples {truncate}error to refuse them, or raise {config.cap_flag}."
     head = f"{len(oversize)} sample(s) exceed the token cap {cap} ({config.cap_source}): {shown}{more}."
     # Packed rows can vary per micro-batch (where shapes are exchanged), which keeps the others
     # within the cap; padded [B, S] rows cannot.

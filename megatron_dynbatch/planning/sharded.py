@@ -28,6 +28,7 @@ from .balance import descent_order, pipeline_order, pipeline_orders
 from .candidates import differenced_rows
 from .cost import microbatch_cost, sample_costs
 from .plan import ShardedPlan
+from .planner import without_truncation
 from .registry import run_planner
 from .samples import SampleSet, as_sequence
 from .simulate import TIE, pipeline_makespan, remembered_makespans
@@ -85,6 +86,15 @@ def plan_rank_shards(
     the counts are equalised (SkyRL fits its placeholder rows into the budget).
     """
     _check_shards(lengths_per_rank, config)
+    with without_truncation():  # each rank's samples train whole: no oversize message offers it
+        return _plan_rank_shards(lengths_per_rank, config, placeholder_copies_shortest)
+
+
+def _plan_rank_shards(
+    lengths_per_rank: Sequence[Sequence[int]],
+    config: PlannerConfig,
+    placeholder_copies_shortest: bool,
+) -> Tuple[Ranks, List[Tuple[int, int]]]:
     if config.rollouts_per_step is not None:
         # One call plans one step; rollouts_per_step would split it into several.
         config = dataclasses.replace(config, rollouts_per_step=None)

@@ -1,5 +1,6 @@
 """A trainer outside the package registers its own host record; errors then use its keys."""
 
+import dataclasses
 import re
 
 import pytest
@@ -7,7 +8,8 @@ import pytest
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations import hosts
 from megatron_dynbatch.integrations.hosts import HOSTS, Host, host_config, register_host
-from megatron_dynbatch.planning import ParallelLayout
+from megatron_dynbatch.planning import OversizeSampleWarning, ParallelLayout
+from megatron_dynbatch.planning.sharded import plan_sharded_step
 
 pytestmark = pytest.mark.unit
 
@@ -87,6 +89,8 @@ def test_layout_flags_not_named_keep_megatron_lm_flags():
         (dict(planning="glob"), "planning='glob' is not one of ('global', 'sharded')"),
         (dict(oversize="drop"), "oversize='drop' is not one of"),
         (dict(layout_flags={"pipeline": "toy.pp"}), "unknown sizes ['pipeline']"),
+        # A probe: a record with no option for the budget was a bare StopIteration at planning.
+        (dict(options={}), "options must map its budget option to 'max_tokens_per_gpu'"),
     ],
 )
 def test_a_bad_host_record_is_refused_by_name_not_asserted(changes, named):
@@ -163,3 +167,28 @@ def test_a_setting_named_by_its_option_alone_is_named_so_in_errors():
     ) as error:
         host_config(host, {"tokens_per_mb": 64, "per_step": 0}, ParallelLayout())
     assert "--rollouts-per-step" not in str(error.value)
+
+
+def test_a_sharded_hosts_config_refuses_what_its_first_step_would_in_its_own_words():
+    # A probe: a sharded host took oversize 'truncate' and a planner of the other layout here and
+    # refused them at the first step, naming our flags; the truncate the refusal offered was
+    # refused in turn.
+    options = {"tokens_per_mb": "max_tokens_per_gpu", "policy": "oversize_samples"}
+    shardy = _toy(name="shardy", planning="sharded", oversize="option", options=options)
+    with pytest.raises(DynBatchValueError, match=r"^shardy: policy='truncate' is refused") as no:
+        host_config(shardy, {"tokens_per_mb": 64, "policy": "truncate"}, ParallelLayout())
+    assert "policy='allow' or 'error'" in str(no.value)
+    config = host_config(shardy, {"tokens_per_mb": 64, "policy": "error"}, ParallelLayout())
+    with pytest.raises(DynBatchValueError, match="oversize-samples allow") as refused:
+        plan_sharded_step([[100], [3]], config)
+    assert "truncate" not in str(refused.value)
+    with pytest.warns(OversizeSampleWarning) as warned:
+        plan_sharded_step([[100], [3]], dataclasses.replace(config, oversize_samples="allow"))
+    assert all("truncate" not in str(w.message) for w in warned)
+    with pytest.raises(DynBatchValueError, match="plans padded rows only"):
+        host_config(
+            _toy(options={**_toy().options, "planner": "planner"}),
+            {"tokens_per_mb": 64, "planner": "fixed"},
+            ParallelLayout(),
+            fixed={"layout": "packed"},
+        )

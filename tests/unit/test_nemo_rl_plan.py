@@ -187,7 +187,9 @@ def test_the_record_reads_the_planner_beside_the_switch_and_names_it_in_errors()
     )
     cfg = _cfg()
     cfg["megatron_cfg"]["dynbatch"]["planner"] = "fixed"
-    assert nemo_rl_planner_config(cfg, dp_size=2, forward_only=True).planner == "fixed"
+    # ... and by the planner config too, for a direct caller (a probe: refused at the first step).
+    with pytest.raises(DynBatchValueError, match=r"planner='fixed' plans padded rows only"):
+        nemo_rl_planner_config(cfg, dp_size=2, forward_only=True)
     cfg["megatron_cfg"]["dynbatch"]["planner"] = "nope"
     with pytest.raises(
         DynBatchValueError, match=r"planner='nope' \(policy\.megatron_cfg\.dynbatch\.planner\)"
