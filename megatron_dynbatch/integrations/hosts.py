@@ -586,6 +586,10 @@ def _in_host_words(host: Host, text: str, forward_only: bool) -> str:
 def check_host_lengths(host: Host, lengths_per_rank: Sequence[Sequence[Any]]) -> List[List[int]]:
     """Every rank's sample lengths as plain ints, or a ``DynBatchValueError`` naming the rank and
     the sample without tokens (a ``global`` host passes one list: the whole step)."""
+    # A 2-D array or tensor is a sequence of ranks; its truth value is ambiguous (a bare error).
+    lengths_per_rank = as_sequence(
+        f"{host.name}: lengths", lengths_per_rank, "sample lengths per DP rank, e.g. [[120, 300]]"
+    )
     if not lengths_per_rank:
         raise DynBatchValueError(
             f"{host.name}: no lengths; pass one list of sample lengths per DP rank."
@@ -638,7 +642,7 @@ def check_host_oversize(
     # A flat list (one rank's lengths, not nested) was a bare TypeError below: refused as
     # check_host_lengths words it. Only the first entry is looked at: the callers have checked
     # every length already (plan_host_step), and a second pass over 1M samples is not free.
-    if lengths_per_rank and not hasattr(lengths_per_rank[0], "__len__"):
+    if len(lengths_per_rank) and not hasattr(lengths_per_rank[0], "__len__"):
         check_host_lengths(host, lengths_per_rank)
     multiple = config.parallel.sample_multiple
     cap = config.token_cap

@@ -85,7 +85,7 @@ def plan_rank_shards(
     The first half of :func:`plan_sharded_step`, for a host that adjusts the micro-batches before
     the counts are equalised (SkyRL fits its placeholder rows into the budget).
     """
-    _check_shards(lengths_per_rank, config)
+    lengths_per_rank = _check_shards(lengths_per_rank, config)
     with without_truncation():  # each rank's samples train whole: no oversize message offers it
         return _plan_rank_shards(lengths_per_rank, config, placeholder_copies_shortest)
 
@@ -148,9 +148,14 @@ def _plan_rank_shards(
         return _peer_guarded(fitted, lengths_per_rank, config, placeholder), oversize
 
 
-def _check_shards(lengths_per_rank: Any, config: PlannerConfig) -> None:
+def _check_shards(lengths_per_rank: Any, config: PlannerConfig) -> List[List[Any]]:
     """What a sharded plan cannot take, refused by name (bad lengths are the planner's, per
-    rank)."""
+    rank); the ranks' lengths as lists (a rank given as an array or tensor has an ambiguous truth
+    value: a probe's numpy ranks were a bare ValueError, torch ones a RuntimeError)."""
+    if not isinstance(config, PlannerConfig):
+        raise DynBatchValueError(
+            f"config must be a PlannerConfig (dp_size=1), got {type(config).__name__}."
+        )
     if config.parallel.dp_size != 1:
         raise DynBatchValueError(
             f"a sharded plan plans each DP rank's own samples: pass a config with dp_size=1 (got "
@@ -160,8 +165,10 @@ def _check_shards(lengths_per_rank: Any, config: PlannerConfig) -> None:
     ranks = as_sequence("lengths_per_rank", lengths_per_rank, what)
     if not ranks:
         raise DynBatchValueError(f"lengths_per_rank is empty; pass {what}.")
-    for rank, lengths in enumerate(ranks):
+    ranks = [
         as_sequence(f"lengths_per_rank[{rank}]", lengths, f"sample lengths: {what}")
+        for rank, lengths in enumerate(ranks)
+    ]
     if config.oversize_samples == "truncate":
         # Each rank materializes its own samples whole; a cut it never makes would train every
         # token over the budget, reported nowhere.
@@ -170,6 +177,7 @@ def _check_shards(lengths_per_rank: Any, config: PlannerConfig) -> None:
             "sharded plan trains each rank's samples whole. Pass oversize_samples='allow' (an "
             "oversize sample runs alone, reported) or 'error', or cut the samples before planning."
         )
+    return ranks
 
 
 def _heaviest(lengths_per_rank: Sequence[Sequence[int]], config: PlannerConfig) -> Set[int]:
@@ -586,5 +594,6 @@ def plan_sharded_step(
     Returns:
         The :class:`ShardedPlan`, identical on every rank given the same lengths.
     """
+    lengths_per_rank = _check_shards(lengths_per_rank, config)
     ranks, oversize = plan_rank_shards(lengths_per_rank, config)
     return sharded_plan(ranks, oversize, config.parallel, lengths_per_rank)

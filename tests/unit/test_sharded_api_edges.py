@@ -73,3 +73,30 @@ def test_a_sample_longer_than_planned_is_refused_not_widened_past_the_cap():
         step, 0, right, BatchSchema(), layout="packed", sample_multiple=1
     )
     assert batch["tokens"].shape == (1, 10)
+
+
+def test_ranks_given_as_arrays_or_tensors_plan_as_lists():
+    # A probe: per-rank numpy arrays and torch tensors (attention_mask.sum(-1)) were a bare
+    # "truth value of an array is ambiguous" (a RuntimeError for torch), a 2-D tensor too.
+    import numpy as np
+
+    from megatron_dynbatch.integrations.hosts import VERL, host_config, plan_host_step
+    from megatron_dynbatch.integrations.verl.engine import plan_verl_batch
+
+    config = PlannerConfig(max_tokens_per_gpu=64)
+    expected = plan_sharded_step([[10, 20], [5]], config)
+    for ranks in (
+        [np.array([10, 20]), np.array([5])],
+        [torch.tensor([10, 20]), torch.tensor([5])],
+    ):
+        assert plan_sharded_step(ranks, config) == expected
+    empty = plan_sharded_step([np.array([10, 20]), np.array([], dtype=np.int64)], config)
+    assert empty == plan_sharded_step([[10, 20], []], config)
+    square = plan_sharded_step(torch.tensor([[10, 20], [5, 6]]), config)
+    assert square == plan_sharded_step([[10, 20], [5, 6]], config)
+    verl = host_config(VERL, {"max_token_len_per_gpu": 64}, ParallelLayout())
+    tensors = [torch.tensor([10, 20]), torch.tensor([5])]
+    assert plan_verl_batch(tensors, verl).ranks == plan_verl_batch([[10, 20], [5]], verl).ranks
+    assert plan_host_step(VERL, np.array([[10, 20], [5, 6]]), verl).ranks == square.ranks
+    with pytest.raises(DynBatchValueError, match="config must be a PlannerConfig"):
+        plan_sharded_step([[10]], None)

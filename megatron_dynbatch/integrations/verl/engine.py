@@ -260,7 +260,7 @@ def plan_verl_batch(
     """
     host = host or VERL
     for rank, lengths in enumerate(lengths_per_rank):
-        if not lengths:
+        if hasattr(lengths, "__len__") and not len(lengths):  # arrays: no plain truth value
             raise DynBatchValueError(
                 f"DP rank {rank} holds no sample; verl's dispatch gives every DP rank a shard "
                 "(its batch must be divisible by the data-parallel size)."
