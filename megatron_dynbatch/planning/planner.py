@@ -72,6 +72,11 @@ class OversizeSampleWarning(UserWarning):
 
 def plan_samples(samples: SampleSet, config: PlannerConfig) -> Plan:
     """This package's planner (``dynbatch``) on an already validated :class:`SampleSet`."""
+    if not isinstance(samples, SampleSet):
+        raise DynBatchValueError(
+            f"samples must be a SampleSet, got {type(samples).__name__}; pass "
+            "SampleSet.build(lengths), or plan the lengths with plan_schedule(lengths, config=...)."
+        )
     # Planning builds hundreds of thousands of small lists and tuples and no reference cycles;
     # the cyclic garbage collector would re-scan them all at every threshold (a fifth of the time
     # at 1M samples), so it is paused for the call and restored as it was.

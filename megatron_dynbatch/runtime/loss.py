@@ -50,7 +50,7 @@ Sample-share: 0.5 * 1.0 + 0.5 * 0.0 = 0.5; token-mean: (1 + 1) / (2 + 8) = 0.2.
 
 from __future__ import annotations
 
-from typing import Dict, Mapping, Sequence, Tuple
+from typing import Any, Dict, Mapping, Sequence, Tuple
 
 import torch
 
@@ -100,6 +100,14 @@ def detach_masked_positions(
     return torch.where(mask, per_token, per_token.detach())
 
 
+def _check_batch_has(batch: Any, key: str) -> None:
+    if not hasattr(batch, "get") or batch.get(key) is None:
+        raise DynBatchValueError(
+            f"the micro-batch has no {key!r}; pass a batch materialize_microbatches built (it "
+            "carries loss_mask and sample_index), or add the key to your own."
+        )
+
+
 def microbatch_loss(
     aggregation: str,
     per_token_loss: torch.Tensor,
@@ -132,6 +140,13 @@ def microbatch_loss(
             sample (a batch that did not come from the materializer).
     """
     check_aggregation(aggregation)
+    # A probe: a batch of the caller's own and a list loss were a bare KeyError / AttributeError.
+    if not isinstance(per_token_loss, torch.Tensor):
+        raise DynBatchValueError(
+            f"per_token_loss must be a [B, S] tensor, got {type(per_token_loss).__name__}; pass "
+            "the model's per-position loss."
+        )
+    _check_batch_has(batch, "loss_mask")
     loss_mask = batch["loss_mask"]
     if tuple(per_token_loss.shape) != tuple(loss_mask.shape):
         raise DynBatchValueError(
@@ -151,6 +166,7 @@ def microbatch_loss(
         else:
             denominator = torch.zeros((), dtype=_DENOMINATOR_DTYPE, device=device)
     else:
+        _check_batch_has(batch, "sample_index")
         sample_index = batch["sample_index"].reshape(-1).to(device)
         flat_mask = mask.reshape(-1)
         real = ~is_placeholder(sample_index)

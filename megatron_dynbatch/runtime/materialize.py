@@ -231,6 +231,14 @@ def _check_rank_samples(
     step_plan: StepPlan, dp_rank: int, samples: Mapping[int, Mapping[str, Any]], schema: BatchSchema
 ) -> Dict[int, CheckedSample]:
     """Validate every sample the rank's micro-batches name, once, before building anything."""
+    if not isinstance(samples, Mapping):
+        # A list "held" no index (``in`` compares values), and the refusal then told a caller
+        # who passed every sample to pass every sample (a probe).
+        raise DynBatchValueError(
+            f"samples must map each global sample index to its sample (a dict), got "
+            f"{type(samples).__name__}; for a list of the step's samples in plan order pass "
+            "dict(enumerate(samples))."
+        )
     seen: Dict[int, int] = {}
     checked: Dict[int, CheckedSample] = {}
     for m, mb in enumerate(step_plan.rank_microbatches(dp_rank)):

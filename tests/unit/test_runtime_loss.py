@@ -252,3 +252,17 @@ def test_empty_step_and_errors():
         reference_loss("sum", [torch.zeros(2), torch.zeros(2)], [torch.zeros(2)])
     with pytest.raises(DynBatchValueError, match="sample 0: loss shape"):
         reference_loss("sum", [torch.zeros(2)], [torch.zeros(3)])
+
+
+def test_a_batch_without_the_materializers_keys_or_a_list_loss_is_refused_by_name():
+    # A probe: a bare KeyError ('loss_mask') and AttributeError (a list as the loss).
+    loss = torch.ones(1, 3)
+    with pytest.raises(DynBatchValueError, match="the micro-batch has no 'loss_mask'"):
+        microbatch_loss("token-mean", loss, {"tokens": torch.ones(1, 3)})
+    mask = {"loss_mask": torch.ones(1, 3)}
+    with pytest.raises(DynBatchValueError, match="per_token_loss must be a"):
+        microbatch_loss("token-mean", [[1.0, 1.0, 1.0]], mask)
+    with pytest.raises(DynBatchValueError, match="the micro-batch has no 'sample_index'"):
+        microbatch_loss("seq-mean-token-mean", loss, mask)
+    numerator, denominator, _ = microbatch_loss("token-mean", loss, mask)
+    assert (float(numerator), int(denominator)) == (3.0, 3)

@@ -100,3 +100,28 @@ def test_ranks_given_as_arrays_or_tensors_plan_as_lists():
     assert plan_host_step(VERL, np.array([[10, 20], [5, 6]]), verl).ranks == square.ranks
     with pytest.raises(DynBatchValueError, match="config must be a PlannerConfig"):
         plan_sharded_step([[10]], None)
+
+
+def test_samples_given_as_a_list_are_refused_with_the_fix_that_works():
+    # A probe: a list "held" no sample index, and the refusal told a caller who passed every
+    # sample to pass every sample.
+    from megatron_dynbatch.planning import plan_schedule
+
+    plan = plan_schedule([3, 4, 1], config=PlannerConfig(max_tokens_per_gpu=8))
+    samples = [{"tokens": torch.arange(1, n + 1)} for n in (3, 4, 1)]
+    kwargs = dict(layout=plan.layout, sample_multiple=plan.sample_multiple)
+    with pytest.raises(DynBatchValueError, match=r"dict\(enumerate\(samples\)\)"):
+        materialize_microbatches(plan.steps[0], 0, samples, BatchSchema(), **kwargs)
+    built = materialize_microbatches(
+        plan.steps[0], 0, dict(enumerate(samples)), BatchSchema(), **kwargs
+    )
+    assert len(built) == plan.steps[0].num_microbatches
+
+
+def test_plan_samples_given_plain_lengths_names_the_way_in():
+    from megatron_dynbatch.planning import SampleSet, plan_samples
+
+    config = PlannerConfig(max_tokens_per_gpu=64)
+    with pytest.raises(DynBatchValueError, match=r"SampleSet\.build\(lengths\)"):
+        plan_samples([3, 4], config)
+    assert plan_samples(SampleSet.build([3, 4]), config).steps
