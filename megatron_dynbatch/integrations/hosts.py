@@ -440,10 +440,14 @@ def check_overhead(value: Any, setting: str, example: str) -> Optional[float]:
         isinstance(value, bool)
         or not isinstance(value, numbers.Real)
         or not math.isfinite(value)
+        # The planner sums a step's costs with headroom (spec.check_cost_is_finite): a value it
+        # overflows passed here and was refused at the first step, in our flags' words (a probe).
+        or not math.isfinite(value * 1e9)
         or value < 0
     ):
         raise DynBatchValueError(
-            f"{setting} must be a finite number >= 0: the fixed cost of one micro-batch (kernel "
+            f"{setting} must be a finite number >= 0 (and below 1e299): the fixed cost of one "
+            "micro-batch (kernel "
             "launches, pipeline send/receive, Python) in tokens of one GPU's linear work, e.g. "
             f"{example} (2% of a 16384-token row's linear work); drop it to let the planner "
             "assume 2% of a full row."

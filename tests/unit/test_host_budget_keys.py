@@ -191,7 +191,8 @@ def test_skyrl_planner_and_memory_keys():
     validate_trainer_config(_skyrl(use_dynamic_batch_size=False, max_tokens_per_microbatch="8k"))
 
 
-@pytest.mark.parametrize("value", [-1, math.nan, math.inf, "lots", True])
+# 1e300: a probe; it passed here and the planner's overflow check refused it at the first step.
+@pytest.mark.parametrize("value", [-1, math.nan, math.inf, "lots", True, 1e300])
 def test_skyrl_refuses_a_bad_overhead_at_config_time_naming_its_key(value):
     """``trainer.dynamic_batch_cost_microbatch_overhead`` (patch 0001) is checked in
     ``validate_cfg``, before any worker: anything but a finite number >= 0 is refused, with a

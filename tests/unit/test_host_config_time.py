@@ -45,7 +45,7 @@ def test_slime_refuses_a_memory_budget_that_is_not_gib(value):
         MicroBatchPlanner.validate_args(_slime(max_memory_gib=value))
 
 
-@pytest.mark.parametrize("value", [-1.0, math.nan, math.inf, True, "330"])
+@pytest.mark.parametrize("value", [-1.0, math.nan, math.inf, True, "330", 1e300])
 def test_slime_refuses_a_microbatch_overhead_that_is_not_a_cost(value):
     with pytest.raises(
         DynBatchValueError, match=r"--dynamic-batch-cost-microbatch-overhead .* must be a finite"
