@@ -187,7 +187,10 @@ def placeholder_routing(
             f"recomputation (recompute_granularity={config.recompute_granularity!r}, "
             f"recompute_modules={config.recompute_modules}); Megatron's recomputed router would "
             "divide by its zero real tokens (NaN gradients). Turn MoE recomputation off or set "
-            "--moe-aux-loss-coeff 0."
+            "Megatron's moe_aux_loss_coeff to 0 (Megatron-LM and slime: --moe-aux-loss-coeff 0; "
+            "verl: ...megatron.override_transformer_config.moe_aux_loss_coeff=0; NeMo-RL: "
+            "policy.megatron_cfg.moe_aux_loss_coeff=0; SkyRL: "
+            "trainer.policy.megatron_config.moe_aux_loss_coeff=0)."
         )
     saved = [router.routing_type for router in routers]
     try:
