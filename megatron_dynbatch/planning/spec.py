@@ -508,7 +508,8 @@ class PlannerConfig:
             self,
             "max_tokens_per_gpu",
             1,
-            "pass --max-tokens-per-gpu with the token budget of one micro-batch.",
+            "pass --max-tokens-per-gpu (max_tokens_per_gpu=) with the token budget of one "
+            "micro-batch.",
             maximum=MAX_TOKENS,
         )
         if self.rollouts_per_step is not None:
@@ -516,12 +517,14 @@ class PlannerConfig:
                 self,
                 "rollouts_per_step",
                 1,
-                "omit --rollouts-per-step to train every rollout in one step.",
+                "omit --rollouts-per-step (rollouts_per_step=None) to train every rollout in one "
+                "step.",
             )
         if self.oversize_samples not in OVERSIZE_POLICIES:
             raise DynBatchValueError(
                 f"oversize_samples={self.oversize_samples!r} is not one of {OVERSIZE_POLICIES}; "
-                "pass --oversize-samples error, truncate or allow."
+                "pass --oversize-samples error, truncate or allow (oversize_samples='error', "
+                "'truncate' or 'allow')."
             )
         if self.layout not in LAYOUTS:
             raise DynBatchValueError(
@@ -538,7 +541,8 @@ class PlannerConfig:
         if self.variable_row_lengths and self.layout != "packed":
             raise DynBatchValueError(
                 "variable_row_lengths needs layout='packed' (padded rows have the longest "
-                "sample's length); use --dynamic-batch-layout packed or turn variable row lengths off."
+                "sample's length); use --dynamic-batch-layout packed (layout='packed') or turn "
+                "variable row lengths off (variable_row_lengths=False)."
             )
         _set_int(self, "row_multiple", 1, "pass a row multiple of 1 or more (slime: 128 x tp).")
         _set_int(self, "min_microbatches", 1, "pass at least 1 micro-batch per rank.")
