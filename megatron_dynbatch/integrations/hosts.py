@@ -65,6 +65,7 @@ from megatron_dynbatch.planning.spec import (
     layout_flags,
     setting_flags,
     tokens_padded,
+    without_field_hints,
 )
 
 __all__ = [
@@ -574,6 +575,7 @@ def _check_planned_config(host: Host, config: PlannerConfig) -> None:
 
 def _in_host_words(host: Host, text: str, forward_only: bool) -> str:
     """Our flags in a message, replaced by the host's keys for the same settings."""
+    text = without_field_hints(text)  # the host's keys name them
     for field_name, flag in FLAGS.items():
         if field_name in host.keys or field_name == "max_tokens_per_gpu":
             name = host.key(field_name, forward_only=forward_only and "max_tokens" in field_name)

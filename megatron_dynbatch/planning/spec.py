@@ -41,6 +41,7 @@ __all__ = [
     "ceil_div",
     "layout_flags",
     "setting_flags",
+    "without_field_hints",
 ]
 
 #: Micro-batch layouts. ``packed``: samples concatenated in rows of the step's uniform length, one
@@ -245,6 +246,17 @@ LAYOUT_FLAGS["verl"] = {
 }
 
 
+#: A field's Python spelling beside the flag in a refusal ("pass --max-tokens-per-gpu
+#: (max_tokens_per_gpu=) ..."), for trainers on the Python API; a tool or host that names the
+#: setting in its own words drops it (:func:`without_field_hints`).
+_FIELD_HINT = re.compile(r" \([a-z_]+=(?:|None|False|'[^']*'(?:, '[^']*')*(?: or '[^']*')?)\)")
+
+
+def without_field_hints(message: str) -> str:
+    """``message`` without the Python field hints :data:`_FIELD_HINT` matches."""
+    return _FIELD_HINT.sub("", message)
+
+
 @contextlib.contextmanager
 def layout_flags(tool: str) -> Iterator[None]:
     """A ``ValueError`` raised inside that names layout fields also names ``tool``'s flags.
@@ -271,6 +283,9 @@ def setting_flags(flags: Mapping[str, str], *, tool: Optional[str] = None) -> It
         yield
     except ValueError as error:
         text = str(error)
+        if len(error.args) == 1 and "(flags: " not in text:
+            text = without_field_hints(text)  # the tool's flags name the settings
+            error.args = (text,)
         named = [f"{k} is {v}" for k, v in flags.items() if re.search(rf"\b{k}\b", text)]
         if named and len(error.args) == 1 and "(flags: " not in text:
             where = f"{tool}: " if tool else ""

@@ -625,10 +625,11 @@ def _flags_in_place(message: str) -> str:
     is one word; the ``(flags: ...)`` tail keeps only what was not named in place. Fields are
     replaced only as whole identifiers (not after a dot: ``PlannerConfig.cap`` stays)."""
     from megatron_dynbatch.config import FLAGS
-    from megatron_dynbatch.planning.spec import LAYOUT_FLAGS
+    from megatron_dynbatch.planning.spec import LAYOUT_FLAGS, without_field_hints
 
     names = {**FLAGS, **LAYOUT_FLAGS["megatron-dynbatch"]}
     kept: List[str] = []
+    message = without_field_hints(message)  # the flags name them here
     match = _GLOSSARY.search(message)
     body = message[: match.start()] if match else message
     for entry in match.group("entries").split("; ") if match else ():

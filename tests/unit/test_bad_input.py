@@ -191,3 +191,23 @@ def test_bad_containers_and_values_name_the_problem(call, message):
 def test_a_cap_above_the_supported_maximum_is_refused():
     with pytest.raises(DynBatchValueError, match="supported maximum"):
         PlannerConfig(max_tokens_per_gpu=2**41)
+
+
+def test_config_refusals_name_the_python_field_on_the_api_and_only_the_flag_elsewhere(
+    tmp_path, capsys
+):
+    # A probe: a trainer on the Python API was told to pass --max-tokens-per-gpu.
+    from megatron_dynbatch.tools.cli import main
+
+    with pytest.raises(DynBatchValueError, match=r"\(max_tokens_per_gpu=\) with the token"):
+        PlannerConfig(max_tokens_per_gpu=0)
+    with pytest.raises(DynBatchValueError, match=r"\(rollouts_per_step=None\)"):
+        PlannerConfig(max_tokens_per_gpu=8, rollouts_per_step=0)
+    with pytest.raises(DynBatchValueError, match=r"\(layout='packed'\) or turn"):
+        PlannerConfig(max_tokens_per_gpu=8, layout="padded", variable_row_lengths=True)
+    # The command line names its own flag once, without the Python spelling.
+    samples = tmp_path / "samples.json"
+    samples.write_text("[5, 6]")
+    assert main(["plan", str(samples), "--max-tokens-per-gpu", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "pass --max-tokens-per-gpu with the token budget" in err and "=)" not in err
