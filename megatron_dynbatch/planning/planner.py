@@ -50,20 +50,21 @@ __all__ = ["plan_samples", "OversizeSampleWarning"]
 _LISTED = 10
 
 
-#: Whether an oversize message may offer ``truncate``: a sharded plan (:mod:`.sharded`) trains
-#: each rank's samples whole and refuses the policy, so its refusals and warnings offer
-#: ``allow`` / ``error`` only (a probe applied the offered ``truncate`` and was refused).
-_TRUNCATE_OFFERED: contextvars.ContextVar = contextvars.ContextVar("truncate_offered", default=True)
+#: Whether the plan is one DP rank's of a sharded step (:mod:`.sharded`): its oversize messages
+#: then offer no ``truncate`` (a sharded plan trains each rank's samples whole and refuses it; a
+#: probe applied the offered fix and was refused) and speak of that rank, not of every GPU (each
+#: rank's rows are its own).
+_SHARDED: contextvars.ContextVar = contextvars.ContextVar("sharded", default=False)
 
 
 @contextlib.contextmanager
-def without_truncation() -> Iterator[None]:
-    """Inside, oversize refusals and warnings do not offer ``--oversize-samples truncate``."""
-    token = _TRUNCATE_OFFERED.set(False)
+def sharded_wording() -> Iterator[None]:
+    """Inside, oversize refusals and warnings speak of one rank of a sharded step."""
+    token = _SHARDED.set(True)
     try:
         yield
     finally:
-        _TRUNCATE_OFFERED.reset(token)
+        _SHARDED.reset(token)
 
 
 class OversizeSampleWarning(UserWarning):
@@ -187,7 +188,7 @@ def _apply_oversize_policy(samples: SampleSet, config: PlannerConfig) -> Dict[in
             "them, or pass --oversize-samples "
             + (
                 "truncate (cut to the cap) or allow (run alone, over the cap)."
-                if _TRUNCATE_OFFERED.get()
+                if not _SHARDED.get()
                 else "allow (run alone, over the cap)."
             )
         )
@@ -210,7 +211,7 @@ def _oversize_warning(
     more = f" and {len(oversize) - _LISTED} more" if len(oversize) > _LISTED else ""
     worst = max((s for s in steps if s.oversize_samples), key=lambda s: s.seq_length)
     footprint = worst.micro_batch_size * worst.seq_length
-    truncate = "truncate to cut them to the cap, " if _TRUNCATE_OFFERED.get() else ""
+    truncate = "" if _SHARDED.get() else "truncate to cut them to the cap, "
     advice = f"Pass --oversize-samples {truncate}error to refuse them, or raise {config.cap_flag}."
     head = f"{len(oversize)} sample(s) exceed the token cap {cap} ({config.cap_source}): {shown}{more}."
     # Packed rows can vary per micro-batch (where shapes are exchanged), which keeps the others
@@ -224,11 +225,14 @@ def _oversize_warning(
             f"longest such row is {worst.seq_length} tokens, {worst.seq_length / cap:.2f}x the "
             f"budget. {advice}"
         )
+    where = (
+        ("its DP rank's step", "on that rank") if _SHARDED.get() else ("its step", "on every GPU")
+    )
     return (
-        f"{head} Each runs alone in its micro-batch, over the cap, and every micro-batch of its "
-        "step, placeholders included, gets that row length: Megatron needs one [B, S] per step "
-        f"for its pipeline buffers{variable}. The longest such step runs {footprint} tokens per "
-        f"micro-batch, {footprint / cap:.2f}x the budget, on every GPU. {advice}"
+        f"{head} Each runs alone in its micro-batch, over the cap, and every micro-batch of "
+        f"{where[0]}, placeholders included, gets that row length: Megatron needs one [B, S] per "
+        f"step for its pipeline buffers{variable}. The longest such step runs {footprint} tokens "
+        f"per micro-batch, {footprint / cap:.2f}x the budget, {where[1]}. {advice}"
     )
 
 

@@ -28,7 +28,7 @@ from .balance import descent_order, pipeline_order, pipeline_orders
 from .candidates import differenced_rows
 from .cost import microbatch_cost, sample_costs
 from .plan import ShardedPlan
-from .planner import without_truncation
+from .planner import sharded_wording
 from .registry import run_planner
 from .samples import SampleSet, as_sequence
 from .simulate import TIE, pipeline_makespan, remembered_makespans
@@ -86,7 +86,7 @@ def plan_rank_shards(
     the counts are equalised (SkyRL fits its placeholder rows into the budget).
     """
     lengths_per_rank = _check_shards(lengths_per_rank, config)
-    with without_truncation():  # each rank's samples train whole: no oversize message offers it
+    with sharded_wording():  # each rank's samples train whole, in rows of their own
         return _plan_rank_shards(lengths_per_rank, config, placeholder_copies_shortest)
 
 

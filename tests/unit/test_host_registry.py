@@ -185,6 +185,8 @@ def test_a_sharded_hosts_config_refuses_what_its_first_step_would_in_its_own_wor
     with pytest.warns(OversizeSampleWarning) as warned:
         plan_sharded_step([[100], [3]], dataclasses.replace(config, oversize_samples="allow"))
     assert all("truncate" not in str(w.message) for w in warned)
+    # Each rank plans its own rows: the long row is that rank's, not every GPU's.
+    assert all("on that rank" in str(w.message) for w in warned)
     with pytest.raises(DynBatchValueError, match="plans padded rows only"):
         host_config(
             _toy(options={**_toy().options, "planner": "planner"}),
