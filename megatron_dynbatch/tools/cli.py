@@ -24,6 +24,7 @@ from megatron_dynbatch.errors import DynBatchRuntimeError, DynBatchValueError
 from megatron_dynbatch.integrations.megatron_lm.model_args import add_model_args
 from megatron_dynbatch.runtime.aggregation import AGGREGATIONS
 from megatron_dynbatch.settings import OLD_SPELLINGS_DEST, add_cli_args, cli_settings, setting
+from megatron_dynbatch.tools.wording import flags_in_place
 
 __all__ = ["main", "build_parser"]
 
@@ -426,7 +427,7 @@ def _cmd_plan(args) -> int:
             # a registered planner whose plan broke a guarantee (run_planner's check).
             raise DynBatchValueError(f"{setting('planner').flag} {args.planner}: {exc}") from None
     for warning in caught:
-        print(f"warning: {warning.message}", file=sys.stderr)
+        print(f"warning: {_spoken(flags_in_place(str(warning.message)), args)}", file=sys.stderr)
     if args.plot:
         from megatron_dynbatch.tools.plotting import plot_step
 
@@ -608,40 +609,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         # spellings their command line used. A registered planner's broken plan is refused here
         # too (run_planner's check), before verify starts its ranks.
         message = (
-            str(exc) if args.command == "calibrate" else _spoken(_flags_in_place(str(exc)), args)
+            str(exc) if args.command == "calibrate" else _spoken(flags_in_place(str(exc)), args)
         )
         print(f"megatron-dynbatch {args.command}: error: {message}", file=sys.stderr)
         return 2
-
-
-#: The tail a planner message ends with, naming where each setting it names is set (the form
-#: every host shares, ``planning.spec.setting_flags``): ``(flags: [tool: ]key is flag; ...)``.
-_GLOSSARY = re.compile(r" \(flags: (?:[\w-]+: )?(?P<entries>.*)\.\)$")
-
-
-def _flags_in_place(message: str) -> str:
-    """``message`` with each setting it names by its field (``vpp_size=2 needs pp_size >= 2``)
-    named by this command's flag in place (``--vpp-size=2 needs --pp-size >= 2``), where that flag
-    is one word; the ``(flags: ...)`` tail keeps only what was not named in place. Fields are
-    replaced only as whole identifiers (not after a dot: ``PlannerConfig.cap`` stays)."""
-    from megatron_dynbatch.config import FLAGS
-    from megatron_dynbatch.planning.spec import LAYOUT_FLAGS, without_field_hints
-
-    names = {**FLAGS, **LAYOUT_FLAGS["megatron-dynbatch"]}
-    kept: List[str] = []
-    message = without_field_hints(message)  # the flags name them here
-    match = _GLOSSARY.search(message)
-    body = message[: match.start()] if match else message
-    for entry in match.group("entries").split("; ") if match else ():
-        key, _, flag = entry.partition(" is ")
-        if "_" in key and re.fullmatch(r"--[\w-]+", flag):
-            names[key] = flag
-        else:
-            kept.append(entry)
-    for key, flag in names.items():
-        if "_" in key:  # identifiers only: a plain word (layout) may be prose
-            body = re.sub(rf"(?<![.\w-]){re.escape(key)}\b", flag, body)
-    return body + (f" (flags: {'; '.join(kept)}.)" if kept else "")
 
 
 def _spoken(message: str, args) -> str:

@@ -344,3 +344,13 @@ def test_calibrate_names_its_own_file_and_plan_takes_the_kv_channels_it_names(tm
     assert "(or its --kv-channels)" in capsys.readouterr().err
     assert main([*plan, "--kv-channels", "16"]) == 0
     assert json.loads(capsys.readouterr().out)["steps"]
+
+
+def test_plans_oversize_warning_names_the_flags_as_its_refusal_does(tmp_path, capsys):
+    # A probe: the warning said (max_tokens_per_gpu=4 x cp_size=1), the refusal of the same
+    # input under error (--max-tokens-per-gpu=4 x --cp-size=1).
+    path = tmp_path / "samples.json"
+    path.write_text("[5, 2, 4, 1]")
+    assert main(["plan", str(path), "--max-tokens-per-gpu", "4", "--json"]) == 0
+    err = capsys.readouterr().err
+    assert "(--max-tokens-per-gpu=4 x --cp-size=1)" in err and "max_tokens_per_gpu" not in err

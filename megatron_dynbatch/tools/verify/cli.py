@@ -27,6 +27,7 @@ from megatron_dynbatch.tools.verify.launch import (
 )
 from megatron_dynbatch.tools.verify.machine import check_fits_machine
 from megatron_dynbatch.tools.verify.spec import build_spec, plan_warnings
+from megatron_dynbatch.tools.wording import flags_in_place
 
 __all__ = [
     "EXIT_PASS",
@@ -153,6 +154,7 @@ def run_verify_cli(
     if not under_torchrun() or os.environ.get("RANK", "0") == "0":
         # The planner's warnings (oversize samples over the cap, the default `allow`), once.
         for message in plan_warnings(spec):
+            message = flags_in_place(message)
             print(f"megatron-dynbatch verify: warning: {message}", file=sys.stderr, flush=True)
     if under_torchrun():
         _leave_rank(_verdict(spec, as_json))
