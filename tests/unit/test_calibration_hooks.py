@@ -704,3 +704,39 @@ def test_only_a_measured_overhead_lifts_the_gain_threshold(tmp_path):
         calibrator._apply(dataclasses.replace(fit, form=form), args)
         planned = calibrator.calibrated_config(dynbatch_config_from_args(args))
         assert (planned.min_gain == 0.0) == lifted, (form, planned.min_gain)
+
+
+def test_moe_loss_logs_divide_by_the_real_microbatches_a_rank_ran():
+    # A probe: one placeholder in two micro-batches logged every MoE loss at about half (the
+    # patched training_log divided the per-micro-batch sums by every micro-batch, placeholders
+    # included, which record no loss).
+    from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
+
+    apply_cpu_shim()  # the hooks import megatron.core, which needs the triton stand-in here
+    from megatron_dynbatch.integrations.megatron_lm.hooks import (
+        DynamicStep,
+        loss_logging_microbatches,
+    )
+
+    def step(num_microbatches, num_placeholders, dp_size):
+        return DynamicStep(
+            num_microbatches=num_microbatches,
+            seq_length=8,
+            micro_batch_size=1,
+            data_iterator=None,
+            microbatches=(),
+            sample_indices=(),
+            num_samples=1,
+            num_rollouts=1,
+            real_tokens=8,
+            computed_tokens=8,
+            step_index=0,
+            plan_fingerprint="",
+            loaded_samples=0,
+            num_placeholders=num_placeholders,
+            dp_size=dp_size,
+        )
+
+    assert loss_logging_microbatches(step(2, 1, 1)) == 1
+    assert loss_logging_microbatches(step(4, 2, 2)) == 3  # ranks ran 4 and 2 real: 3 on average
+    assert loss_logging_microbatches(step(3, 0, 4)) == 3

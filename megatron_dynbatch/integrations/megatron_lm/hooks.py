@@ -162,6 +162,8 @@ class DynamicStep:
     """Tokens cut from oversize samples (``--oversize-samples truncate``), never trained."""
     num_placeholders: int = 0
     """Placeholder micro-batches of the step over all DP ranks (no samples, zero loss weight)."""
+    dp_size: int = 1
+    """Data-parallel ranks the step was planned over."""
     dp_imbalance: float = 1.0
     """max / mean over DP ranks of the step's computed cost (1.0: balanced)."""
     planning_seconds: float = 0.0
@@ -653,6 +655,14 @@ def last_train_step() -> DynamicStep:
     return _configured().last_step
 
 
+def loss_logging_microbatches(step: DynamicStep) -> float:
+    """What Megatron's MoE, MTP and indexer loss logs divide their per-micro-batch sums by (the
+    patched ``training_log``): the real micro-batches a DP rank ran, on average over the ranks
+    (the logs are averaged over DP). A placeholder records no loss (its tokens are padding), so
+    counting it read each logged loss at about half with one placeholder in two (a probe)."""
+    return step.num_microbatches - step.num_placeholders / step.dp_size
+
+
 def dynamic_log_string() -> str:
     """The dynamic-batching part of Megatron's iteration line, over the steps since the last call.
 
@@ -867,6 +877,7 @@ def _materialize(
         loaded_samples=loaded,
         truncated_tokens=step.truncated_tokens,
         num_placeholders=step.num_placeholders,
+        dp_size=dp_size,
         dp_imbalance=step.dp_imbalance_computed,
         planning_seconds=planning_seconds,
     )
