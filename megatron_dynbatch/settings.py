@@ -178,9 +178,10 @@ class Setting:
     cli: Optional[Cli] = None
     """How ``plan`` / ``verify`` take it; ``None``: training only."""
     derived_when_unset: bool = False
-    """The Megatron-LM entry derives it from the model when it is not set (the attention weight):
-    ``configs/dynbatch.yaml`` leaves it ``null``, since a file passed with
-    ``--dynamic-batch-config`` that wrote the default would switch that off."""
+    """The Megatron-LM entry derives it from the run when it is not set (the attention weight
+    from the model; the layout, padded under ``seq_aux_loss``): ``configs/dynbatch.yaml`` leaves
+    it ``null``, since a file passed with ``--dynamic-batch-config`` that wrote the default would
+    switch that off (a probe: the shipped file was refused with ``seq_aux_loss``)."""
 
     def __post_init__(self) -> None:
         assert self.flag.startswith("--"), self.flag
@@ -280,6 +281,7 @@ SETTINGS: Tuple[Setting, ...] = (
         default="packed",
         check="layout",
         choices=LAYOUTS,
+        derived_when_unset=True,
         help="packed: one row of concatenated samples per micro-batch; padded: [B, S] rows. "
         "Default: packed.",
         doc="packed: samples concatenated in one row per micro-batch (segment-aware attention / "

@@ -86,7 +86,10 @@ def test_reference_yaml_lists_every_key_with_the_dataclass_default():
     assert set(raw) == set(DEFAULTS)
     # The one required field, and the weight the Megatron-LM entry derives where unset (a file
     # writing its default 0.0 switched that off: tests/unit/test_model_cost.py).
-    assert raw == {**DEFAULTS, "max_tokens_per_gpu": None, "cost_attention_weight": None}
+    # The layout too: the entry derives padded under seq_aux_loss (a probe: the file wrote
+    # packed, and the seq_aux_loss run was refused with it).
+    derived = {"cost_attention_weight": None, "layout": None}
+    assert raw == {**DEFAULTS, "max_tokens_per_gpu": None, **derived}
     text = (CONFIGS / "dynbatch.yaml").read_text().splitlines()
     for key in DEFAULTS:
         line = next(i for i, t in enumerate(text) if t.startswith(f"{key}:"))

@@ -371,6 +371,13 @@ def test_moe_settings_that_depend_on_the_grouping_are_named():
             moe(moe_expert_capacity_factor=1.0),
             ["--moe-expert-capacity-factor 1.0"],
         ),
+        # A later probe: Sinkhorn balancing reads no padding mask (1.9e-4 from the per-sample
+        # reference), input jitter draws per shape (9.5e-5); the note said "exactly".
+        (
+            moe(moe_router_load_balancing_type="sinkhorn"),
+            ["--moe-router-load-balancing-type sinkhorn"],
+        ),
+        (moe(moe_input_jitter_eps=0.1), ["--moe-input-jitter-eps 0.1"]),
     ]
     for args, expected in cases:
         assert grouping_dependent_moe(args) == expected, (vars(args), expected)
@@ -486,3 +493,54 @@ def test_a_log_prob_budget_below_seq_length_is_refused_only_where_validation_run
     with pytest.raises(DynBatchValueError, match="first validation and log-prob step"):
         validate_dynamic_batch_args(_args(argv, seq_length=128, eval_iters=1))
     assert validate_dynamic_batch_args(_args(argv, seq_length=128, eval_iters=0)) is not None
+
+
+# -- MoE settings the planned forward cannot run (a launch probe met them at the first step) -----
+
+_MOE = dict(num_experts=4, moe_router_topk=2)
+
+
+def test_quantile_balancing_is_refused_at_start_up_in_both_document_modes():
+    args = _args(_ON, moe_router_load_balancing_type="quantile_balancing", **_MOE)
+    for dynamic, mode in ((True, "--use-dynamic-batch-size"), (False, "--document-samples")):
+        with pytest.raises(DynBatchValueError, match=f"quantile_balancing cannot run with {mode}"):
+            arguments.check_moe_args(args, dynamic=dynamic)
+    arguments.check_moe_args(_args(_ON, moe_router_load_balancing_type="aux_loss", **_MOE), True)
+
+
+def test_a_load_balancing_loss_with_moe_recomputation_is_refused_where_placeholders_run():
+    moe = dict(_MOE, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01)
+    full = dict(moe, recompute_granularity="full", data_parallel_size=2)
+    with pytest.raises(DynBatchValueError, match="Drop --recompute-granularity full, or set"):
+        arguments.check_moe_args(_args(_ON, **full), dynamic=True)
+    selective = dict(
+        moe,
+        recompute_granularity="selective",
+        recompute_modules=["moe"],
+        virtual_pipeline_model_parallel_size=2,
+    )
+    with pytest.raises(DynBatchValueError, match="Drop moe from --recompute-modules"):
+        arguments.check_moe_args(_args(_ON, **selective), dynamic=True)
+    # Each named fix runs; so do dp 1 without interleaving (no placeholder) and --document-samples.
+    arguments.check_moe_args(_args(_ON, **dict(full, recompute_granularity=None)), dynamic=True)
+    arguments.check_moe_args(_args(_ON, **dict(full, moe_aux_loss_coeff=0.0)), dynamic=True)
+    arguments.check_moe_args(_args(_ON, **dict(full, data_parallel_size=1)), dynamic=True)
+    arguments.check_moe_args(_args(_ON, **full), dynamic=False)
+
+
+def test_seq_aux_loss_without_a_coefficient_keeps_packed_rows():
+    # Megatron computes no seq_aux_loss at coefficient 0: packed rows were refused for nothing.
+    moe = dict(_MOE, moe_router_load_balancing_type="seq_aux_loss")
+    packed = ["--dynamic-batch-layout", "packed"]
+    config = validate_dynamic_batch_args(_args(_ON + packed, moe_aux_loss_coeff=0.0, **moe))
+    assert config.layout == "packed"
+    with pytest.raises(DynBatchValueError, match="seq_aux_loss takes every row"):
+        validate_dynamic_batch_args(_args(_ON + packed, moe_aux_loss_coeff=0.01, **moe))
+
+
+def test_variable_rows_under_seq_aux_loss_name_the_fix_that_works():
+    # A probe was told to pass --dynamic-batch-layout packed, which seq_aux_loss refuses.
+    moe = dict(_MOE, moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.01)
+    with pytest.raises(DynBatchValueError, match="drop --variable-seq-lengths, or pick"):
+        validate_dynamic_batch_args(_args(_ON + ["--variable-seq-lengths"], **moe))
+    validate_dynamic_batch_args(_args(_ON, **moe))

@@ -130,6 +130,16 @@ def test_the_shipped_yaml_keeps_the_models_own_weights():
     with_file = _entry_args(argv + ["--dynamic-batch-config", shipped], **MEGATRON_7B)
     assert dynbatch_config_from_args(with_file) == bare
     assert bare.cost_attention_weight > 0
+    # seq_aux_loss: the layout the entry derives (padded), with the file as without it.
+    moe = dict(
+        MEGATRON_7B,
+        num_experts=4,
+        moe_router_load_balancing_type="seq_aux_loss",
+        moe_aux_loss_coeff=0.01,
+    )
+    bare = dynbatch_config_from_args(_entry_args(argv, **moe))
+    with_file = _entry_args(argv + ["--dynamic-batch-config", shipped], **moe)
+    assert dynbatch_config_from_args(with_file) == bare and bare.layout == "padded"
 
 
 @pytest.mark.parametrize(

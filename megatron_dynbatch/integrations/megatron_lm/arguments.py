@@ -69,6 +69,7 @@ __all__ = [
     "apply_default_cost",
     "device_rates",
     "dynbatch_config_from_args",
+    "check_moe_args",
     "grouping_dependent_moe",
     "physical_cost_from_args",
     "setting_given",
@@ -251,19 +252,9 @@ def setting_given(args: Any, field: str) -> bool:
     return config_path is not None and load_yaml_config(config_path).get(field) is not None
 
 
-def _per_row_aux_loss(args: Any) -> bool:
-    """Whether a MoE load-balancing loss computes its statistics per row (``seq_aux_loss``)."""
-    if not getattr(args, "num_experts", None):
-        return False
-    kinds = getattr(args, "moe_router_load_balancing_type", None)
-    kinds = [kinds] if isinstance(kinds, str) else list(kinds or ())
-    return "seq_aux_loss" in kinds
-
-
-def grouping_dependent_moe(args: Any) -> List[str]:
-    """The MoE settings on whose micro-batch grouping the loss depends: a load-balancing loss
-    (statistics per micro-batch, row or step's running sum) and token dropping (capacity per
-    micro-batch)."""
+def _load_balancing_losses(args: Any) -> List[str]:
+    """The MoE load-balancing losses Megatron computes: each ``--moe-router-load-balancing-type``
+    with a coefficient > 0 (Megatron's ``is_aux_loss_enabled``; none for a dense model)."""
     if not getattr(args, "num_experts", None):
         return []
     kinds = getattr(args, "moe_router_load_balancing_type", None)
@@ -277,17 +268,83 @@ def grouping_dependent_moe(args: Any) -> List[str]:
             return coeffs[i] if i < len(coeffs) else 0.0
         return coeffs or 0.0
 
-    losses = [
+    return [
         kind
         for i, kind in enumerate(kinds)
         if kind in ("aux_loss", "seq_aux_loss", "global_aux_loss") and (coeff(i) or 0) > 0
     ]
+
+
+def _per_row_aux_loss(args: Any) -> bool:
+    """Whether a MoE load-balancing loss computes its statistics per row (``seq_aux_loss`` with
+    a coefficient > 0: with 0 Megatron computes none, and packed rows are fine)."""
+    return "seq_aux_loss" in _load_balancing_losses(args)
+
+
+def grouping_dependent_moe(args: Any) -> List[str]:
+    """The MoE settings on whose micro-batch grouping the loss depends: a load-balancing loss
+    (statistics per micro-batch, row or step's running sum) and token dropping (capacity per
+    micro-batch)."""
+    if not getattr(args, "num_experts", None):
+        return []
+    losses = _load_balancing_losses(args)
     found = []
     if losses:
         found.append(f"--moe-router-load-balancing-type {' '.join(losses)}")
     if getattr(args, "moe_expert_capacity_factor", None) is not None:
         found.append(f"--moe-expert-capacity-factor {args.moe_expert_capacity_factor}")
+    kinds = getattr(args, "moe_router_load_balancing_type", None)
+    if "sinkhorn" in ([kinds] if isinstance(kinds, str) else list(kinds or ())):
+        # Megatron's Sinkhorn balancing reads no padding mask: it balances over every token of
+        # the micro-batch, padding included (a probe: 1.9e-4 from the per-sample reference).
+        found.append("--moe-router-load-balancing-type sinkhorn")
+    if getattr(args, "moe_input_jitter_eps", None):
+        # Noise drawn per micro-batch shape, as dropout is (a probe: 9.5e-5).
+        found.append(f"--moe-input-jitter-eps {args.moe_input_jitter_eps}")
     return found
+
+
+def check_moe_args(args: Any, dynamic: bool) -> None:
+    """MoE settings the planned forward cannot run, refused at start-up (a probe met both at the
+    first step, after the model was built). ``dynamic``: ``--use-dynamic-batch-size`` (else
+    ``--document-samples``, which runs no placeholder).
+
+    * ``quantile_balancing``: megatron-core 0.19.2 asserts "does not support padding masks yet",
+      and both modes hand every MoE forward its padding mask (padding invisible to the routers).
+    * a load-balancing loss with MoE recomputation, where a placeholder can occur (dp > 1 or
+      interleaving): the recomputed router would divide by the placeholder's zero real tokens
+      (:func:`megatron_dynbatch.mcore.moe.placeholder_routing` refuses it at that step).
+    """
+    if not getattr(args, "num_experts", None):
+        return
+    kinds = getattr(args, "moe_router_load_balancing_type", None)
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds or ())
+    if "quantile_balancing" in kinds:
+        mode = "--use-dynamic-batch-size" if dynamic else "--document-samples"
+        raise DynBatchValueError(
+            f"--moe-router-load-balancing-type quantile_balancing cannot run with {mode}: "
+            "megatron-core 0.19.2's quantile balancing refuses a padding mask, and every MoE "
+            "forward here gets one (so padding counts in no router statistic); pick aux_loss, "
+            "seq_aux_loss, global_aux_loss or none, or drop " + mode + "."
+        )
+    granularity = getattr(args, "recompute_granularity", None)
+    modules = getattr(args, "recompute_modules", None) or ()
+    recomputed = granularity == "full" or (granularity == "selective" and "moe" in modules)
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    placeholders = (getattr(args, "data_parallel_size", 1) or 1) > 1 or vpp > 1
+    losses = _load_balancing_losses(args)
+    if dynamic and recomputed and losses and placeholders:
+        what = (
+            "--recompute-granularity full"
+            if granularity == "full"
+            else "moe from --recompute-modules"
+        )
+        raise DynBatchValueError(
+            f"--moe-router-load-balancing-type {' '.join(losses)} with MoE recomputation ({what}) "
+            "cannot run placeholder micro-batches (padding only), which dynamic batching runs "
+            "where a rank has fewer real ones: Megatron's recomputed router would divide by "
+            f"their zero real tokens (NaN gradients). Drop {what}, or set --moe-aux-loss-coeff 0."
+        )
 
 
 def variable_seq_lengths(args: Any, backend: Optional[str], layout: str) -> bool:
@@ -506,6 +563,14 @@ def _validate_dynamic_batch_args(args: Any) -> Optional[DynBatchConfig]:
             f"{FLAGS['planner']} {config.planner} plans {required} rows only, but "
             f"{FLAGS['layout']} is {config.layout}; pass {FLAGS['layout']} {required}, or another "
             f"{FLAGS['planner']} (default {DEFAULT_PLANNER})."
+        )
+    if getattr(args, VARIABLE_SEQ_LENGTHS_DEST, None) and _per_row_aux_loss(args):
+        # The padded layout came from seq_aux_loss, which refuses packed rows (a probe was told
+        # to pass --dynamic-batch-layout packed, refused in turn).
+        raise DynBatchValueError(
+            "--variable-seq-lengths needs packed rows, and --moe-router-load-balancing-type "
+            "seq_aux_loss runs padded ones (one sample a row); drop --variable-seq-lengths, or "
+            "pick another load-balancing type."
         )
     if getattr(args, VARIABLE_SEQ_LENGTHS_DEST, None) and config.layout != "packed":
         raise DynBatchValueError(

@@ -47,6 +47,7 @@ from megatron_dynbatch.cpu.training_shim import (
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.megatron_lm.arguments import (
     add_dynamic_batch_args,
+    check_moe_args,
     dynbatch_config_from_args,
     grouping_dependent_moe,
     truncation_from_args,
@@ -586,6 +587,9 @@ def main(
     try:
         check_cpu_args(args)
         check_stock_args(args)
+        if args.use_dynamic_batch_size or _uses_documents(args):
+            # Both modes hand the MoE forward its padding mask (mcore/forward.py).
+            check_moe_args(args, dynamic=bool(args.use_dynamic_batch_size))
         # .idx/.bin checked before the model is built (issue 19), documents' ends too (issue 37)
         summaries = validate_data_paths(args, eod=_tokenizer_eod())
         attention = _launch_attention(args)  # checked before the dump; resolved again here
