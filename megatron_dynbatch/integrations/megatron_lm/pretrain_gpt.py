@@ -238,6 +238,14 @@ def _check_document_args(args: Any) -> None:
             f"--split {args.split}: not used with --mock-data, which Megatron splits "
             f"{MOCK_SPLIT} (document samples too)."
         )
+    if args.use_dynamic_batch_size and getattr(args, "document_samples", False):
+        # A probe appended --document-samples to a dynamic command for its reference run: it ran
+        # dynamic, and compare_runs.py then compared the run with itself.
+        print_rank_0(
+            "note: --document-samples is implied by --use-dynamic-batch-size: this run plans "
+            "dynamic micro-batches. For the per-sample reference (Megatron's fixed micro-batches "
+            "over the same samples) drop --use-dynamic-batch-size and its flags."
+        )
     grouped = grouping_dependent_moe(args) if args.use_dynamic_batch_size else []
     if grouped:
         print_rank_0(
