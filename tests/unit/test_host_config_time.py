@@ -158,3 +158,16 @@ def test_nemo_rl_memory_budget_must_be_gib(value):
 def test_nemo_rl_reads_a_memory_budget_given_as_a_string_as_verl_and_skyrl_do():
     # "70" (a YAML string, an interpolation) was refused by NeMo-RL alone.
     assert planner(_nemo(memory="70"), 4, hf_config=TINY).memory.budget_bytes == 70 * 2**30
+
+
+def test_slime_refuses_moe_settings_the_padded_forward_cannot_run_before_any_actor():
+    # A launch probe met Megatron's quantile-balancing assert at the first step (our MoE forward
+    # passes a padding mask); slime parses the same flags and is refused as the launch is.
+    moe = dict(num_experts=4, moe_router_load_balancing_type="quantile_balancing")
+    with pytest.raises(DynBatchValueError, match="quantile_balancing cannot run with"):
+        MicroBatchPlanner.validate_args(_slime(**moe))
+    aux = dict(moe, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01)
+    recomputed = dict(aux, recompute_granularity="full", data_parallel_size=2)
+    with pytest.raises(DynBatchValueError, match="Drop --recompute-granularity full"):
+        MicroBatchPlanner.validate_args(_slime(**recomputed))
+    assert MicroBatchPlanner.validate_args(_slime(**aux)) == HOOK_PATH

@@ -36,6 +36,7 @@ ALLOWED = {
         "mcore",
         "cpu",
         "integrations.model_args",
+        "integrations.moe_args",
     },
     "integrations.slime": {
         "errors",
@@ -45,6 +46,7 @@ ALLOWED = {
         "mcore",
         "integrations.hosts",
         "integrations.model_args",
+        "integrations.moe_args",  # Megatron's MoE flags our forward cannot run, refused alike
         "integrations.host_memory",  # the memory refusal every host words the same way
     },
     "integrations.skyrl": {
@@ -79,6 +81,8 @@ ALLOWED = {
     "integrations.hosts": {"errors", "planning", "config"},
     # Megatron's arguments -> the memory model: every host that parses Megatron's flags.
     "integrations.model_args": {"errors", "planning"},
+    # Megatron's MoE flags as our padded forward meets them: Megatron-LM's launch and slime.
+    "integrations.moe_args": {"errors"},
     # A memory budget in a host's own key, from a Hugging Face config.json (verl, SkyRL), and the
     # config-time memory refusal every host words the same way.
     "integrations.host_memory": {"errors", "planning", "config"},

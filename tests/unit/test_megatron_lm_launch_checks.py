@@ -20,6 +20,7 @@ from megatron_dynbatch.integrations.megatron_lm.layout_checks import (
     one_rank_without_torchrun,
     virtual_pipeline_size,
 )
+from megatron_dynbatch.integrations.moe_args import check_moe_args
 from tests._support import megatron_lm_args
 
 pytestmark = pytest.mark.unit
@@ -504,15 +505,15 @@ def test_quantile_balancing_is_refused_at_start_up_in_both_document_modes():
     args = _args(_ON, moe_router_load_balancing_type="quantile_balancing", **_MOE)
     for dynamic, mode in ((True, "--use-dynamic-batch-size"), (False, "--document-samples")):
         with pytest.raises(DynBatchValueError, match=f"quantile_balancing cannot run with {mode}"):
-            arguments.check_moe_args(args, dynamic=dynamic)
-    arguments.check_moe_args(_args(_ON, moe_router_load_balancing_type="aux_loss", **_MOE), True)
+            check_moe_args(args, dynamic=dynamic)
+    check_moe_args(_args(_ON, moe_router_load_balancing_type="aux_loss", **_MOE), True)
 
 
 def test_a_load_balancing_loss_with_moe_recomputation_is_refused_where_placeholders_run():
     moe = dict(_MOE, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01)
     full = dict(moe, recompute_granularity="full", data_parallel_size=2)
     with pytest.raises(DynBatchValueError, match="Drop --recompute-granularity full, or set"):
-        arguments.check_moe_args(_args(_ON, **full), dynamic=True)
+        check_moe_args(_args(_ON, **full), dynamic=True)
     selective = dict(
         moe,
         recompute_granularity="selective",
@@ -520,12 +521,12 @@ def test_a_load_balancing_loss_with_moe_recomputation_is_refused_where_placehold
         virtual_pipeline_model_parallel_size=2,
     )
     with pytest.raises(DynBatchValueError, match="Drop moe from --recompute-modules"):
-        arguments.check_moe_args(_args(_ON, **selective), dynamic=True)
+        check_moe_args(_args(_ON, **selective), dynamic=True)
     # Each named fix runs; so do dp 1 without interleaving (no placeholder) and --document-samples.
-    arguments.check_moe_args(_args(_ON, **dict(full, recompute_granularity=None)), dynamic=True)
-    arguments.check_moe_args(_args(_ON, **dict(full, moe_aux_loss_coeff=0.0)), dynamic=True)
-    arguments.check_moe_args(_args(_ON, **dict(full, data_parallel_size=1)), dynamic=True)
-    arguments.check_moe_args(_args(_ON, **full), dynamic=False)
+    check_moe_args(_args(_ON, **dict(full, recompute_granularity=None)), dynamic=True)
+    check_moe_args(_args(_ON, **dict(full, moe_aux_loss_coeff=0.0)), dynamic=True)
+    check_moe_args(_args(_ON, **dict(full, data_parallel_size=1)), dynamic=True)
+    check_moe_args(_args(_ON, **full), dynamic=False)
 
 
 def test_seq_aux_loss_without_a_coefficient_keeps_packed_rows():

@@ -47,7 +47,6 @@ from megatron_dynbatch.cpu.training_shim import (
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.megatron_lm.arguments import (
     add_dynamic_batch_args,
-    check_moe_args,
     dynbatch_config_from_args,
     grouping_dependent_moe,
     truncation_from_args,
@@ -90,6 +89,7 @@ from megatron_dynbatch.integrations.megatron_lm.resume import (
     data_mode,
     refuse_resume_in_another_mode,
 )
+from megatron_dynbatch.integrations.moe_args import check_moe_args
 from megatron_dynbatch.mcore.forward import (
     make_forward_step,
 )

@@ -96,6 +96,10 @@ class MicroBatchPlanner:
             check_host_planner(SLIME, name, SLIME.fixed["layout"])
         # Budgets, --oversize-samples, the planner's name, the micro-batch overhead.
         dynbatch_config_from_slime_args(args)
+        # MoE settings our padding mask and placeholders cannot run, before any actor.
+        from megatron_dynbatch.integrations.moe_args import check_moe_args
+
+        check_moe_args(args, dynamic=True)
         return path
 
     @staticmethod
