@@ -122,8 +122,10 @@ def _check_arguments(step_plan: StepPlan, dp_rank: int, layout: str, sample_mult
     if s % sample_multiple != 0:
         raise DynBatchValueError(
             f"seq_length={s} is not a multiple of sample_multiple={sample_multiple}: the row's "
-            "padding segment would not split evenly over TP/CP ranks; plan with seq_length "
-            f"rounded up to {round_up(s, sample_multiple)}."
+            "padding segment would not split evenly over TP/CP ranks. Pass the sample_multiple "
+            "the step was planned with (Plan.sample_multiple; a ShardedPlan's: its config's "
+            "parallel.sample_multiple), or plan with the layout (tp_size, cp_size) that needs "
+            f"{sample_multiple}."
         )
     if len(step_plan.rank_microbatches(dp_rank)) != step_plan.num_microbatches:
         raise DynBatchValueError(
