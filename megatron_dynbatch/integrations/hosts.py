@@ -195,7 +195,12 @@ class Host:
         """The host's key for a config field (the forward-only budget falls back to training's)."""
         if forward_only and field_name == "max_tokens_per_gpu":
             return self.keys.get("log_probs_max_tokens_per_gpu", self.keys[field_name])
-        return self.keys.get(field_name, FLAGS[field_name])
+        if field_name in self.keys:
+            return self.keys[field_name]
+        # A setting the host names by its option alone: the option, not our flag (a probe: a
+        # registered host's oversize refusal said "or --oversize-samples allow").
+        option = next((o for o, f in self.options.items() if f == field_name), None)
+        return option if option is not None else FLAGS[field_name]
 
     def flags(self):
         """Errors raised inside that name parallel sizes also name the host's options."""
@@ -556,6 +561,13 @@ def host_config(
     return dataclasses.replace(planner, budget_flag=key)
 
 
+def _policy(host: Host, value: str) -> str:
+    """The oversize policy ``value`` as the host's users set it: ``--oversize-samples allow``
+    for a flag, ``policy=allow`` for a config key or option."""
+    key = host.key("oversize_samples")
+    return f"{key} {value}" if key.startswith("--") else f"{key}={value}"
+
+
 def _check_planned_config(host: Host, config: PlannerConfig) -> None:
     """What the config's first step would refuse, refused where it is built, in the host's words
     (a probe: a sharded host took ``truncate`` and a ``fixed`` planner of packed rows here, and
@@ -694,20 +706,20 @@ def check_host_oversize(
         if host.oversize == "option" and config.oversize_samples == "truncate":
             # The plan cuts them (StepPlan.kept_lengths): say so, not that they run whole.
             message = (
-                f"{what} Each is cut to the cap ({host.key('oversize_samples')} truncate): its "
+                f"{what} Each is cut to the cap ({_policy(host, 'truncate')}): its "
                 f"tokens past {cap} are not trained; {fits} to train them whole, or set "
-                f"{host.key('oversize_samples')} error to stop on such samples."
+                f"{_policy(host, 'error')} to stop on such samples."
             )
         else:
             message = (
                 f"{what} Each runs alone in its micro-batch, over the budget, as stock "
                 f"{host.name} runs it; {fits} to stay within it, or set "
-                f"{host.key('oversize_samples')} error to stop on such samples."
+                f"{_policy(host, 'error')} to stop on such samples."
             )
         warnings.warn(message, OversizeSampleWarning, stacklevel=3)
         return over
     fix = (
-        f" or {host.key('oversize_samples')} allow (each runs alone, over the budget)"
+        f" or {_policy(host, 'allow')} (each runs alone, over the budget)"
         if host.oversize == "option"
         else ""
     )

@@ -194,3 +194,22 @@ def test_a_sharded_hosts_config_refuses_what_its_first_step_would_in_its_own_wor
             ParallelLayout(),
             fixed={"layout": "packed"},
         )
+
+
+def test_a_policy_named_by_its_option_alone_is_named_so_in_oversize_messages():
+    # A probe: a registered host without a key for its oversize option was told
+    # "or --oversize-samples allow", our flag.
+    from megatron_dynbatch.integrations.hosts import check_host_oversize
+
+    options = {"tokens_per_mb": "max_tokens_per_gpu", "policy": "oversize_samples"}
+    keys = {"max_tokens_per_gpu": "s.tokens_per_mb"}
+    host = _toy(
+        name="policy-option", planning="sharded", oversize="option", options=options, keys=keys
+    )
+    config = host_config(host, {"tokens_per_mb": 64, "policy": "error"}, ParallelLayout())
+    with pytest.raises(DynBatchValueError, match=r"or policy=allow \(each runs alone") as error:
+        check_host_oversize(host, [[100], [3]], config)
+    assert "--oversize-samples" not in str(error.value)
+    allowed = host_config(host, {"tokens_per_mb": 64, "policy": "allow"}, ParallelLayout())
+    with pytest.warns(OversizeSampleWarning, match=r"set policy=error to stop"):
+        check_host_oversize(host, [[100], [3]], allowed)
