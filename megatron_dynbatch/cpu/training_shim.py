@@ -190,6 +190,18 @@ def check_cpu_args(args: Any) -> None:
             "layer norm; Megatron's torch LayerNorm, the one without CUDA, refuses it); remove it "
             "for the CPU run, tensor parallelism itself runs."
         )
+    if (
+        getattr(args, "num_experts", None)
+        and (getattr(args, "tensor_model_parallel_size", 1) or 1) > 1
+    ):
+        # Megatron's MoE layer refuses tensor parallelism without sequence parallelism in
+        # training, at the first forward (a probe), and sequence parallelism cannot run here.
+        raise DynBatchValueError(
+            f"--num-experts {args.num_experts} with --tensor-model-parallel-size "
+            f"{args.tensor_model_parallel_size} is not supported on CPU (Megatron's MoE layer "
+            "trains with tensor parallelism only under --sequence-parallel, which needs a GPU); "
+            "use --tensor-model-parallel-size 1 for the CPU run (expert parallelism runs)."
+        )
     # Both stopped a CPU run (switch on or off) at the first step with torch's "Torch not
     # compiled with CUDA enabled", which names no flag.
     check_cpu_args_before_validation(args)

@@ -49,6 +49,11 @@ def test_without_cuda_a_stock_command_line_gets_the_cpu_values():
         # A probe: both stopped the first step with torch's "not compiled with CUDA", no flag.
         (["--num-experts", "4", "--moe-grouped-gemm"], "remove it"),
         (["--mtp-num-layers", "1"], "remove it"),
+        # A probe: Megatron's MoE layer refused it at the first forward (needs --sequence-parallel).
+        (
+            ["--num-experts", "4", "--tensor-model-parallel-size", "2"],
+            "--tensor-model-parallel-size 1",
+        ),
         # A probe: each stopped the run after the model was built, in every mode.
         (["--check-weight-hash-across-dp-replicas-interval", "2"], "remove it"),
         (["--log-memory-to-tensorboard"], "remove it"),
