@@ -1,7 +1,8 @@
 """The global dynamic-batch planner: sample lengths in, one schedule for every step and DP rank out.
 
 Every rank calls :func:`.registry.plan_schedule` (which runs :func:`plan_samples` unless the config
-names another planner) on the same global inputs and derives the same plan with no collective: the constraints all ranks must share (dp_size, the interleaving group) are arguments.
+names another planner) on the same global inputs and derives the same plan with no collective: the
+constraints all ranks must share (dp_size, the interleaving group) are arguments.
 
 Per step the planner
 
