@@ -113,9 +113,10 @@ def router_padding(
         sample_index = batch.get(MARKER_KEY)
         if sample_index is None:
             raise DynBatchValueError(
-                f"SkyRL's micro-batch carries no {MARKER_KEY!r}: with trainer.use_dynamic_batch_size "
-                "its micro-batches must come from megatron_dynbatch's iterator (patch 0002 marks "
-                "them); re-apply patches/skyrl or set trainer.use_dynamic_batch_size=false."
+                f"SkyRL's micro-batch carries no {MARKER_KEY!r}: with "
+                "trainer.use_dynamic_batch_size its micro-batches must come from "
+                "megatron_dynbatch's iterator (patch 0002 marks them); re-apply patches/skyrl or "
+                "set trainer.use_dynamic_batch_size=false."
             )
         if new_attention_mask is not None:
             return padding_mask(sample_index, new_attention_mask)
