@@ -9,7 +9,7 @@ from typing import Any, List
 
 from megatron_dynbatch.errors import DynBatchValueError
 
-__all__ = ["check_moe_args", "load_balancing_losses"]
+__all__ = ["check_moe_args", "load_balancing_losses", "refuse_quantile_balancing"]
 
 
 def load_balancing_losses(args: Any) -> List[str]:
@@ -75,4 +75,18 @@ def check_moe_args(args: Any, dynamic: bool) -> None:
             "cannot run placeholder micro-batches (padding only), which dynamic batching runs "
             "where a rank has fewer real ones: Megatron's recomputed router would divide by "
             f"their zero real tokens (NaN gradients). Drop {what}, or set --moe-aux-loss-coeff 0."
+        )
+
+
+def refuse_quantile_balancing(kinds: Any, setting: str, switch_off: str) -> None:
+    """Refuse Megatron's ``quantile_balancing`` router for a host whose MoE forward passes our
+    padding mask (SkyRL, NeMo-RL), at config time: megatron-core 0.19.2 asserts on any mask at
+    the first step. ``setting``: the host's key for the type; ``switch_off``: its way back."""
+    listed = [kinds] if isinstance(kinds, str) else list(kinds or ())
+    if "quantile_balancing" in listed:
+        raise DynBatchValueError(
+            f"{setting}={kinds!r} cannot run with dynamic batching: megatron-core 0.19.2's "
+            "quantile balancing refuses a padding mask, and every MoE forward here gets one (so "
+            "placeholder rows count in no router statistic); pick aux_loss, seq_aux_loss, "
+            f"global_aux_loss or none, or set {switch_off}."
         )

@@ -311,3 +311,23 @@ def test_heads_that_do_not_split_over_tp_name_the_roles_key_under_a_memory_budge
     message = str(refused.value)
     assert "policy.megatron_cfg.tensor_model_parallel_size" in message
     assert "use a model whose config" not in message
+
+
+def test_skyrl_refuses_quantile_balancing_at_config_time_naming_its_key():
+    # A launch probe met Megatron's "does not support padding masks" assert at the first step;
+    # SkyRL's patched MoE forward passes the mask too.
+    config = SimpleNamespace(moe_router_load_balancing_type="quantile_balancing")
+    policy = SimpleNamespace(model=SimpleNamespace(path=None), megatron_config=config)
+    key = "trainer.policy.megatron_config.moe_router_load_balancing_type"
+    with pytest.raises(DynBatchValueError, match=re.escape(f"{key}='quantile_balancing'")):
+        validate_trainer_config(_skyrl(policy=policy))
+    kwargs = SimpleNamespace(
+        moe_router_load_balancing_type="none",
+        transformer_config_kwargs={"moe_router_load_balancing_type": "quantile_balancing"},
+    )
+    with pytest.raises(DynBatchValueError, match="transformer_config_kwargs"):
+        validate_trainer_config(
+            _skyrl(critic=SimpleNamespace(model=SimpleNamespace(path=None), megatron_config=kwargs))
+        )
+    config.moe_router_load_balancing_type = "aux_loss"
+    validate_trainer_config(_skyrl(policy=policy))

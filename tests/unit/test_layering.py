@@ -57,6 +57,7 @@ ALLOWED = {
         "mcore",
         "integrations.hosts",
         "integrations.host_memory",
+        "integrations.moe_args",  # Megatron's MoE settings our padded forward cannot run
     },
     "integrations.verl": {
         "errors",
@@ -76,6 +77,7 @@ ALLOWED = {
         "integrations.hosts",
         "integrations.model_args",  # max_memory_gib: the HF config read in Megatron's flag names
         "integrations.host_memory",  # the memory refusal every host words the same way
+        "integrations.moe_args",  # Megatron's MoE settings our padded forward cannot run
     },
     "integrations": set(),  # the sub-package's __init__
     "integrations.hosts": {"errors", "planning", "config"},

@@ -284,3 +284,15 @@ def test_unknown_keys_are_refused_on_and_only_warned_of_while_off():
     on["megatron_cfg"]["dynbatch"]["enable"] = True
     with pytest.raises(DynBatchValueError, match=r"unknown key\(s\) \['enable'\]"):
         dynbatch_enabled(on)
+
+
+def test_quantile_balancing_is_refused_at_start_up_naming_its_key():
+    # NeMo-RL's patched MoE forward passes our padding mask, which megatron-core 0.19.2's
+    # quantile balancing asserts on at the first step.
+    cfg = _cfg()
+    cfg["megatron_cfg"]["moe_router_load_balancing_type"] = "quantile_balancing"
+    key = r"policy\.megatron_cfg\.moe_router_load_balancing_type='quantile_balancing'"
+    with pytest.raises(DynBatchValueError, match=key):
+        dynbatch_enabled(cfg)
+    cfg["megatron_cfg"]["moe_router_load_balancing_type"] = "none"
+    assert dynbatch_enabled(cfg)

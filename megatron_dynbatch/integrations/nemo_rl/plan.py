@@ -42,6 +42,7 @@ from megatron_dynbatch.integrations.hosts import (
     host_config,
     host_size,
 )
+from megatron_dynbatch.integrations.moe_args import refuse_quantile_balancing
 from megatron_dynbatch.planning import (
     ParallelLayout,
     PlannerConfig,
@@ -116,6 +117,11 @@ def dynbatch_enabled(policy_cfg: Mapping[str, Any]) -> bool:
     if planner is not None:
         check_host_planner(NEMO_RL, planner, NEMO_RL.fixed["layout"])  # at start-up
     _overhead(section)  # at start-up too, not at the first train call
+    refuse_quantile_balancing(
+        megatron_cfg.get("moe_router_load_balancing_type"),
+        "policy.megatron_cfg.moe_router_load_balancing_type",
+        f"{_SWITCH}=false",
+    )
     if not megatron_cfg.get("enabled", False):
         raise DynBatchValueError(
             f"{_SWITCH}=true plans the Megatron policy's micro-batches, but "

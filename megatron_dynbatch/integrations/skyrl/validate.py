@@ -34,6 +34,7 @@ from megatron_dynbatch.integrations.hosts import (
     check_overhead,
     host_size,
 )
+from megatron_dynbatch.integrations.moe_args import refuse_quantile_balancing
 
 __all__ = ["validate_trainer_config"]
 
@@ -164,3 +165,15 @@ def validate_trainer_config(trainer: Any) -> None:
     check_overhead(overhead, f"{OVERHEAD}={overhead!r}", f"{OVERHEAD}=330")
     _check_padding(trainer, budget)
     _check_memory(trainer, budget)
+    for role in ("policy", "critic"):
+        megatron_config = getattr(getattr(trainer, role, None), "megatron_config", None)
+        kwargs = getattr(megatron_config, "transformer_config_kwargs", None) or {}
+        for where, kinds in (
+            ("", getattr(megatron_config, "moe_router_load_balancing_type", None)),
+            ("transformer_config_kwargs.", kwargs.get("moe_router_load_balancing_type")),
+        ):
+            refuse_quantile_balancing(
+                kinds,
+                f"trainer.{role}.megatron_config.{where}moe_router_load_balancing_type",
+                f"{SWITCH}=false",
+            )
