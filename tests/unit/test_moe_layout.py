@@ -24,6 +24,8 @@ def _args(**overrides):
         seq_length=256,
         num_experts=4,
         moe_router_load_balancing_type="seq_aux_loss",
+        # Megatron computes seq_aux_loss only at a coefficient > 0 (its default is 0).
+        moe_aux_loss_coeff=0.01,
         transformer_impl="local",
     )
     values.update(overrides)
@@ -45,3 +47,8 @@ def test_other_losses_and_dense_models_keep_packed_rows():
 def test_packed_rows_with_seq_aux_loss_are_refused_naming_the_fix():
     with pytest.raises(DynBatchValueError, match="--dynamic-batch-layout padded"):
         validate_dynamic_batch_args(_args(dynamic_batch_layout="packed"))
+
+
+def test_seq_aux_loss_at_coefficient_0_keeps_packed_rows():
+    # Megatron's _apply_seq_aux_loss returns at once at coefficient 0: nothing per row to keep.
+    assert dynbatch_config_from_args(_args(moe_aux_loss_coeff=0.0)).layout == "packed"

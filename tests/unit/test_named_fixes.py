@@ -120,6 +120,7 @@ CASES = {
         dict(
             num_experts=4,
             moe_router_load_balancing_type="seq_aux_loss",
+            moe_aux_loss_coeff=0.01,
             dynamic_batch_layout="packed",
         ),
         r"pass --dynamic-batch-layout padded .* or another load-balancing type",
