@@ -80,13 +80,13 @@ def check_moe_args(args: Any, dynamic: bool) -> None:
 
 def refuse_quantile_balancing(kinds: Any, setting: str, switch_off: str) -> None:
     """Refuse Megatron's ``quantile_balancing`` router for a host whose MoE forward passes our
-    padding mask (SkyRL, NeMo-RL), at config time: megatron-core 0.19.2 asserts on any mask at
+    padding mask (SkyRL, NeMo-RL; verl for its placeholders), at config time: megatron-core 0.19.2 asserts on any mask at
     the first step. ``setting``: the host's key for the type; ``switch_off``: its way back."""
     listed = [kinds] if isinstance(kinds, str) else list(kinds or ())
     if "quantile_balancing" in listed:
         raise DynBatchValueError(
             f"{setting}={kinds!r} cannot run with dynamic batching: megatron-core 0.19.2's "
-            "quantile balancing refuses a padding mask, and every MoE forward here gets one (so "
-            "placeholder rows count in no router statistic); pick aux_loss, seq_aux_loss, "
-            f"global_aux_loss or none, or set {switch_off}."
+            "quantile balancing refuses a padding mask, and dynamic batching hands the MoE "
+            "forward one (so placeholder tokens count in no router statistic); pick aux_loss, "
+            f"seq_aux_loss, global_aux_loss or none, or set {switch_off}."
         )

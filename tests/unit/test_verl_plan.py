@@ -239,6 +239,13 @@ def test_config_checks_refuse_in_one_line_naming_verls_keys():
             "calculate_per_token_loss=true",
         ),
         (dict(context_parallel_size=2), "context_parallel_size=2 with Megatron-Bridge"),
+        # Megatron's quantile balancing asserts on the padding mask a placeholder carries.
+        (
+            dict(
+                override_transformer_config={"moe_router_load_balancing_type": "quantile_balancing"}
+            ),
+            r"override_transformer_config\.moe_router_load_balancing_type='quantile_balancing'",
+        ),
     ]
     for fields, match in engine_cases:
         flag = fields.pop("flag", True)

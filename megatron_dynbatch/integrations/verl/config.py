@@ -41,6 +41,7 @@ from megatron_dynbatch.integrations.hosts import (
     check_overhead,
     host_size,
 )
+from megatron_dynbatch.integrations.moe_args import refuse_quantile_balancing
 from megatron_dynbatch.planning.spec import LAYOUT_FLAGS, ParallelLayout, setting_flags
 
 __all__ = [
@@ -136,6 +137,11 @@ def check_engine_config(config: Any, *, role: str = ACTOR) -> bool:
         )
     _check_router_replay(config, f"{role}.megatron", key)
     overrides = getattr(config, "override_transformer_config", None) or {}
+    refuse_quantile_balancing(
+        overrides.get("moe_router_load_balancing_type"),
+        f"{role}.megatron.override_transformer_config.moe_router_load_balancing_type",
+        f"{key}=false",
+    )
     if overrides.get("calculate_per_token_loss", False):
         raise DynBatchValueError(
             f"{role}.megatron.override_transformer_config.calculate_per_token_loss=true: verl "
