@@ -9,7 +9,18 @@ from typing import Any, List
 
 from megatron_dynbatch.errors import DynBatchValueError
 
-__all__ = ["check_moe_args", "load_balancing_losses", "refuse_quantile_balancing"]
+__all__ = [
+    "balancing_types",
+    "check_moe_args",
+    "load_balancing_losses",
+    "refuse_quantile_balancing",
+]
+
+
+def balancing_types(value: Any) -> List[str]:
+    """A ``moe_router_load_balancing_type`` as a list: Megatron takes one type or a list of them
+    (``None``: none given)."""
+    return [value] if isinstance(value, str) else list(value or ())
 
 
 def load_balancing_losses(args: Any) -> List[str]:
@@ -17,8 +28,7 @@ def load_balancing_losses(args: Any) -> List[str]:
     with a coefficient > 0 (Megatron's ``is_aux_loss_enabled``; none for a dense model)."""
     if not getattr(args, "num_experts", None):
         return []
-    kinds = getattr(args, "moe_router_load_balancing_type", None)
-    kinds = [kinds] if isinstance(kinds, str) else list(kinds or ())
+    kinds = balancing_types(getattr(args, "moe_router_load_balancing_type", None))
     coeffs = getattr(args, "moe_aux_loss_coeff", None)
 
     def coeff(i: int) -> float:
@@ -48,9 +58,9 @@ def check_moe_args(args: Any, dynamic: bool) -> None:
     """
     if not getattr(args, "num_experts", None):
         return
-    kinds = getattr(args, "moe_router_load_balancing_type", None)
-    kinds = [kinds] if isinstance(kinds, str) else list(kinds or ())
-    if "quantile_balancing" in kinds:
+    if "quantile_balancing" in balancing_types(
+        getattr(args, "moe_router_load_balancing_type", None)
+    ):
         mode = "--use-dynamic-batch-size" if dynamic else "--document-samples"
         raise DynBatchValueError(
             f"--moe-router-load-balancing-type quantile_balancing cannot run with {mode}: "
@@ -80,10 +90,10 @@ def check_moe_args(args: Any, dynamic: bool) -> None:
 
 def refuse_quantile_balancing(kinds: Any, setting: str, switch_off: str) -> None:
     """Refuse Megatron's ``quantile_balancing`` router for a host whose MoE forward passes our
-    padding mask (SkyRL, NeMo-RL; verl for its placeholders), at config time: megatron-core 0.19.2 asserts on any mask at
-    the first step. ``setting``: the host's key for the type; ``switch_off``: its way back."""
-    listed = [kinds] if isinstance(kinds, str) else list(kinds or ())
-    if "quantile_balancing" in listed:
+    padding mask (SkyRL, NeMo-RL; verl for its placeholders), at config time: megatron-core
+    0.19.2 asserts on any mask at the first step. ``setting``: the host's key for the type;
+    ``switch_off``: its way back."""
+    if "quantile_balancing" in balancing_types(kinds):
         raise DynBatchValueError(
             f"{setting}={kinds!r} cannot run with dynamic batching: megatron-core 0.19.2's "
             "quantile balancing refuses a padding mask, and dynamic batching hands the MoE "

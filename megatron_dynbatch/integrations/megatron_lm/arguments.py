@@ -41,7 +41,7 @@ from megatron_dynbatch.integrations.megatron_lm.layout_checks import (
     check_virtual_pipeline,
     virtual_pipeline_size,
 )
-from megatron_dynbatch.integrations.moe_args import load_balancing_losses
+from megatron_dynbatch.integrations.moe_args import balancing_types, load_balancing_losses
 from megatron_dynbatch.planning.model_cost import ESTIMATED_MIN_GAIN
 from megatron_dynbatch.planning.spec import (
     DEFAULT_PLANNER,
@@ -270,8 +270,7 @@ def grouping_dependent_moe(args: Any) -> List[str]:
         found.append(f"--moe-router-load-balancing-type {' '.join(losses)}")
     if getattr(args, "moe_expert_capacity_factor", None) is not None:
         found.append(f"--moe-expert-capacity-factor {args.moe_expert_capacity_factor}")
-    kinds = getattr(args, "moe_router_load_balancing_type", None)
-    if "sinkhorn" in ([kinds] if isinstance(kinds, str) else list(kinds or ())):
+    if "sinkhorn" in balancing_types(getattr(args, "moe_router_load_balancing_type", None)):
         # Megatron's Sinkhorn balancing reads no padding mask: it balances over every token of
         # the micro-batch, padding included (a probe: 1.9e-4 from the per-sample reference).
         found.append("--moe-router-load-balancing-type sinkhorn")
