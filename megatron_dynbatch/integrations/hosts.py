@@ -191,6 +191,10 @@ class Host:
         object.__setattr__(self, "defaults", dict(self.defaults))
         object.__setattr__(self, "keys", dict(self.keys))
 
+    def option(self, field_name: str) -> Optional[str]:
+        """The host's option that sets config field ``field_name`` (``None``: it has none)."""
+        return next((o for o, f in self.options.items() if f == field_name), None)
+
     def key(self, field_name: str, *, forward_only: bool = False) -> str:
         """The host's key for a config field (the forward-only budget falls back to training's)."""
         if forward_only and field_name == "max_tokens_per_gpu":
@@ -199,7 +203,7 @@ class Host:
             return self.keys[field_name]
         # A setting the host names by its option alone: the option, not our flag (a probe: a
         # registered host's oversize refusal said "or --oversize-samples allow").
-        option = next((o for o, f in self.options.items() if f == field_name), None)
+        option = self.option(field_name)
         return option if option is not None else FLAGS[field_name]
 
     def flags(self):
@@ -516,16 +520,14 @@ def host_config(
             f"{host.name} plans each DP rank's own samples: pass parallel with dp_size=1 (got "
             f"{parallel.dp_size}); the ranks are the outer list of the lengths planned."
         )
-    budget_option = next(o for o, f in host.options.items() if f == "max_tokens_per_gpu")
+    budget_option = host.option("max_tokens_per_gpu")  # every record has one (Host.__post_init__)
     values = {**host.defaults, **{k: v for k, v in values.items() if v is not None}}
     values[budget_option] = check_host_budget(host, values.get(budget_option))
     # The budget this pass plans with, under the key that set it: a forward-only pass's own
     # budget where the host has one and it is given (an integrator's probe: the training
     # budget was checked under the forward-only key, whose named fix then changed nothing).
     checked, key = values[budget_option], host.key("max_tokens_per_gpu")
-    forward_option = next(
-        (o for o, f in host.options.items() if f == "log_probs_max_tokens_per_gpu"), None
-    )
+    forward_option = host.option("log_probs_max_tokens_per_gpu")
     if forward_option is not None and values.get(forward_option) is not None:
         forward_key = host.key("max_tokens_per_gpu", forward_only=True)
         values[forward_option] = check_budget(values[forward_option], forward_key, host.switch)
@@ -572,9 +574,9 @@ def _check_planned_config(host: Host, config: PlannerConfig) -> None:
     """What the config's first step would refuse, refused where it is built, in the host's words
     (a probe: a sharded host took ``truncate`` and a ``fixed`` planner of packed rows here, and
     refused them at the first step, naming our flags)."""
-    policy = next((o for o, f in host.options.items() if f == "oversize_samples"), None)
+    policy = host.option("oversize_samples")
     if host.planning == "sharded" and config.oversize_samples == "truncate":
-        setting = f"{policy}='truncate'" if policy else "oversize_samples='truncate'"
+        setting = f"{policy or 'oversize_samples'}='truncate'"
         raise DynBatchValueError(
             f"{host.name}: {setting} is refused: {host.name} plans each DP rank's own samples "
             "and trains them whole, so no sample is cut to the cap; use "
@@ -595,7 +597,7 @@ def _in_host_words(host: Host, text: str, forward_only: bool) -> str:
             continue
         # A setting the host names by its option alone (a registered host without a key for
         # it): the option as the host's users pass it, for our flag and our field's "name=".
-        option = next((o for o, f in host.options.items() if f == field_name), None)
+        option = host.option(field_name)
         if option is not None:
             text = re.sub(rf"(?<![\w.-]){field_name}=", f"{option}=", text.replace(flag, option))
     return text
