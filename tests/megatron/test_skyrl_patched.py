@@ -1009,6 +1009,20 @@ OVERHEAD_CASES = tuple(
     (MEGATRON_ON + [f"{OVERHEAD}={v}"], f"{OVERHEAD}={shown} must be a finite number >= 0")
     for v, shown in (("-1", "-1"), ("nan", "'nan'"), ("lots", "'lots'"), ("true", "True"))
 ) + ((MEGATRON_ON + [f"{OVERHEAD}=330"], None), (MEGATRON_ON + [f"{OVERHEAD}=0"], None))
+#: Our keys with the flag off (stock SkyRL refuses them as unknown keys): refused, not ignored.
+OFF_CASES = tuple(
+    (
+        ["trainer.strategy=megatron", "trainer.max_tokens_per_microbatch=8192", f"{key}={v}"]
+        + flag,
+        f"{key}={shown} is read only by megatron_dynbatch's dynamic batching, which is off",
+    )
+    for key, v, shown in (
+        ("trainer.max_memory_gib", "40", "40"),
+        ("trainer.dynamic_batch_planner", "dynbatch", "'dynbatch'"),
+        (OVERHEAD, "330", "330"),
+    )
+    for flag in ([], ["trainer.use_dynamic_batch_size=false"])
+)
 
 
 @needs_skyrl
@@ -1016,9 +1030,9 @@ def test_validate_cfg_refuses_use_dynamic_batch_size_where_it_does_nothing(patch
     """SkyRL's own ``SkyRLTrainConfig.from_cli_overrides`` and ``validate_cfg`` (patch 0001) on
     the overrides a user typed: the flag with strategy=fsdp, without max_tokens_per_microbatch,
     spelled yes_please, with a budget that is no whole number > 0, a memory budget that is no
-    number of GiB or a per-micro-batch overhead that is no finite number >= 0 is refused in one
-    line naming SkyRL's key; the flag off or set right passes."""
-    cases = CONFIG_CASES + BAD_BUDGET_CASES + BAD_MEMORY_CASES + OVERHEAD_CASES
+    number of GiB or a per-micro-batch overhead that is no finite number >= 0, and our keys with
+    the flag off, are refused in one line naming SkyRL's key; the flag off or set right passes."""
+    cases = CONFIG_CASES + BAD_BUDGET_CASES + BAD_MEMORY_CASES + OVERHEAD_CASES + OFF_CASES
     results = _validate_cfg(patched_skyrl, [c for c, _ in cases])
     for (overrides, expected), got in zip(cases, results, strict=True):
         if expected is None:

@@ -990,6 +990,19 @@ def test_config_refusals_happen_in_verls_own_config_parser(patched_verl):
         (ON + [f"+{overhead}={v}"], f"{overhead}={r} must be a finite number >= 0")
         for v, r in (("-1", "-1"), ("nan", "nan"), ("inf", "inf"), ("lots", "'lots'"))
     ]
+    # Our settings with the role's switch off were ignored unseen (patch 0001 now checks them).
+    off = "is read only by megatron_dynbatch's dynamic batching, which is off"
+    cases += [
+        (FIXED + flag + [f"+{dynbatch}.{setting}"], f"{dynbatch}={{{shown}}} {off}")
+        for flag in ([], [f"{FLAG}=false"])
+        for setting, shown in (("planner=dynbatch", "'planner': 'dynbatch'"),)
+    ]
+    cases += [
+        (
+            FIXED + ["+critic.megatron.dynbatch.max_memory_gib=40"],
+            f"critic.megatron.dynbatch={{'max_memory_gib': 40}} {off}",
+        )
+    ]
     results = _validate(patched_verl, [(o, any("critic" in x for x in o)) for o, _ in cases])
     for (overrides, match), result in zip(cases, results, strict=True):
         assert result["error"] and "DynBatchValueError" in result["error"], (overrides, result)

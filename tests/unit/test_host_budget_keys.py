@@ -91,6 +91,22 @@ def test_verl_accepts_good_budgets_and_an_empty_dynbatch_section():
     check_verl_config(config, use_reference_policy=True, use_critic=False)
 
 
+@pytest.mark.parametrize("role", ["actor_rollout_ref__actor", "critic"])
+def test_verl_refuses_dynbatch_settings_with_the_roles_switch_off(role):
+    """``megatron.dynbatch`` given with the role's switch off was ignored unseen: refused, naming
+    the switch and the section to drop; the switch on (or the section dropped) passes."""
+    off = {f"{role}__megatron": {"use_dynamic_batch_size": False, "dynbatch": {"planner": "x"}}}
+    where = role.replace("__", ".")
+    with pytest.raises(DynBatchValueError, match=rf"{where}.megatron.dynbatch=.* is read only"):
+        check_verl_config(_verl(**off), use_reference_policy=True, use_critic=True)
+    # The fix named: the section dropped.
+    dropped = {f"{role}__megatron": {"use_dynamic_batch_size": False, "dynbatch": {}}}
+    check_verl_config(_verl(**dropped), use_reference_policy=True, use_critic=True)
+    # An unused critic's section is not read.
+    if role == "critic":
+        check_verl_config(_verl(**off), use_reference_policy=True, use_critic=False)
+
+
 def test_verl_runtime_messages_name_the_engine_and_pass_key():
     assert verl_host("actor").key("max_tokens_per_gpu") == BUDGET_KEYS[("actor", False)]
     assert verl_host("actor", True).key("max_tokens_per_gpu") == BUDGET_KEYS[("actor", True)]
@@ -187,8 +203,27 @@ def test_skyrl_planner_and_memory_keys():
         validate_trainer_config(_skyrl(dynamic_batch_planner="nope"))
     with pytest.raises(DynBatchValueError, match="trainer.max_memory_gib=-1"):
         validate_trainer_config(_skyrl(max_memory_gib=-1))
-    # The flag off: nothing else is read (SkyRL's own checks decide).
+    # The flag off: SkyRL's own budget is not ours to check (SkyRL's own checks decide).
     validate_trainer_config(_skyrl(use_dynamic_batch_size=False, max_tokens_per_microbatch="8k"))
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("max_memory_gib", 40),
+        ("dynamic_batch_planner", "dynbatch"),
+        ("dynamic_batch_cost_microbatch_overhead", 330),
+    ],
+)
+def test_skyrl_refuses_our_keys_with_the_flag_off(key, value):
+    """Our keys (patch 0001) given with the flag off were ignored unseen; refused, naming the
+    switch and the key to drop (stock SkyRL refuses them as unknown)."""
+    off = _skyrl(use_dynamic_batch_size=False, **{key: value})
+    with pytest.raises(DynBatchValueError, match=rf"trainer.{key}=.* is read only by .* off"):
+        validate_trainer_config(off)
+    validate_trainer_config(_skyrl(use_dynamic_batch_size=False))  # the fix: the key dropped
+    if key != "max_memory_gib":  # (the memory budget needs the model's config.json to be on)
+        validate_trainer_config(_skyrl(**{key: value}))  # or the switch on
 
 
 # 1e300: a probe; it passed here and the planner's overflow check refused it at the first step.

@@ -42,6 +42,9 @@ SWITCH = "trainer.use_dynamic_batch_size"
 BUDGET = SKYRL.key("max_tokens_per_gpu")
 MEMORY = "trainer.max_memory_gib"
 OVERHEAD = SKYRL.key("cost_microbatch_overhead")
+#: Our keys in SkyRL's trainer config (patch 0001). Only the switch reads them: given with it off
+#: they were ignored unseen (stock SkyRL refuses them as unknown keys).
+OWN_KEYS = ("max_memory_gib", "dynamic_batch_planner", "dynamic_batch_cost_microbatch_overhead")
 
 
 def _check_planner(name: Any) -> None:
@@ -143,7 +146,8 @@ def validate_trainer_config(trainer: Any) -> None:
             placement's GPU counts.
 
     Raises:
-        DynBatchValueError: the flag is not a boolean; it is on with a strategy other than
+        DynBatchValueError: the flag is not a boolean; it is off with one of our keys given
+            (:data:`OWN_KEYS`: it would be ignored); it is on with a strategy other than
             ``megatron``; it is on without ``max_tokens_per_microbatch`` a whole number > 0; the
             planner is not registered; the per-micro-batch overhead is not a finite number >= 0;
             the memory budget is not a number of GiB > 0, or too small for one micro-batch.
@@ -152,6 +156,15 @@ def validate_trainer_config(trainer: Any) -> None:
     if not isinstance(flag, bool):
         raise DynBatchValueError(f"{SWITCH}={flag!r} is not a boolean; set it to true or false.")
     if not flag:
+        given = [(k, getattr(trainer, k, None)) for k in OWN_KEYS]
+        given = [(k, v) for k, v in given if v is not None]
+        if given:
+            key, value = given[0]
+            raise DynBatchValueError(
+                f"trainer.{key}={value!r} is read only by megatron_dynbatch's dynamic batching, "
+                f"which is off ({SWITCH}=false): it would be ignored. Set {SWITCH}=true, or drop "
+                f"trainer.{key}."
+            )
         return
     if trainer.strategy != "megatron":
         raise DynBatchValueError(

@@ -345,15 +345,34 @@ def _memory(
     )
 
 
+def _settings_need_the_switch(role: str, section: Any) -> None:
+    """Refuse ``{role}.megatron.dynbatch`` set with the role's switch off: only the switch reads
+    it, so it was ignored unseen (patch 0001 calls :func:`check_verl_config` when it is set)."""
+    settings = _get(section, "megatron.dynbatch", None)
+    if not settings or _get(section, "megatron.use_dynamic_batch_size", False) is not False:
+        return
+    shown = dict(settings.items()) if hasattr(settings, "items") else settings
+    raise DynBatchValueError(
+        f"{role}.megatron.dynbatch={shown!r} is read only by megatron_dynbatch's dynamic "
+        f"batching, which is off ({role}.megatron.use_dynamic_batch_size=false): it would be "
+        f"ignored. Set {role}.megatron.use_dynamic_batch_size=true (with {role}.use_dynamic_bsz="
+        f"true), or drop {role}.megatron.dynbatch."
+    )
+
+
 def check_verl_config(config: Any, *, use_reference_policy: bool, use_critic: bool) -> None:
     """verl's whole trainer config (``validate_config``), with the switch on in the actor or the
     critic: each role's settings (:func:`check_role_config`), each pass's budget key
-    (:data:`BUDGET_KEYS`) and the memory budget, one line naming verl's key.
+    (:data:`BUDGET_KEYS`) and the memory budget, one line naming verl's key; and a role's
+    ``megatron.dynbatch`` set with its switch off.
 
     Raises:
         DynBatchValueError: the first setting refused.
     """
     actor = _get(config, ACTOR)
+    critic = _get(config, "critic")
+    for role, section in ((ACTOR, actor), ("critic", critic if use_critic else None)):
+        _settings_need_the_switch(role, section)
     if actor is not None and _get(actor, "megatron") is not None:
         flag = _get(actor, "megatron.use_dynamic_batch_size", False)
         if flag is not False:
@@ -388,7 +407,6 @@ def check_verl_config(config: Any, *, use_reference_policy: bool, use_critic: bo
             sizes = _role_sizes(ACTOR, actor)
             _layout(ACTOR, actor, sizes, tokens, key)
             _memory(config, ACTOR, actor, sizes, key, tokens)
-    critic = _get(config, "critic")
     if not use_critic or critic is None or _get(critic, "megatron") is None:
         return
     if _get(critic, "megatron.use_dynamic_batch_size", False) is False:
