@@ -132,8 +132,9 @@ def microbatch_loss(
         ``per_token_loss`` even when it is 0, so placeholder micro-batches still back-propagate
         through every pipeline stage), an int32 0-d denominator, and ``{log_key: [numerator,
         denominator]}`` as float32, which Megatron's training loop sums over micro-batches and DP
-        and reports as their ratio (for ``sum`` the pair is ``[numerator, 1]``, so the report is
-        the mean over micro-batches of all DP ranks, not the sum).
+        and reports as their ratio (for ``sum`` the pair is ``[numerator, real samples]``, so
+        the report is the step's sum per sample, the same whatever the plan; placeholders add
+        nothing to either part).
 
     Raises:
         ValueError: On an unknown aggregation, a shape mismatch, or a loss-mask entry outside any
@@ -159,49 +160,61 @@ def microbatch_loss(
     masked = torch.where(mask, per_token_loss, torch.zeros_like(per_token_loss))
     device = per_token_loss.device
 
-    if aggregation in ("token-mean", "sum"):
+    if aggregation == "token-mean":
         numerator = masked.sum()
-        if aggregation == "token-mean":
-            denominator = mask.sum().to(_DENOMINATOR_DTYPE)
-        else:
-            denominator = torch.zeros((), dtype=_DENOMINATOR_DTYPE, device=device)
+        denominator = mask.sum().to(_DENOMINATOR_DTYPE)
+        report_denominator = denominator.to(torch.float32)
+    elif aggregation == "sum":
+        numerator = masked.sum()
+        denominator = torch.zeros((), dtype=_DENOMINATOR_DTYPE, device=device)
+        # Reported per real sample (a probe: with 1 a micro-batch, placeholders counted and the
+        # logged figure of the same samples halved at each doubling of dp): the step's sum over
+        # its samples, whatever the plan, and a placeholder adds nothing to either part.
+        report_denominator = torch.tensor(
+            _sequences(batch, mask, device)[0].numel(), dtype=torch.float32, device=device
+        )
     else:
-        _check_batch_has(batch, "sample_index")
-        sample_index = batch["sample_index"].reshape(-1).to(device)
-        flat_mask = mask.reshape(-1)
-        real = ~is_placeholder(sample_index)
-        if bool((flat_mask & ~real).any()):
-            raise DynBatchValueError(
-                "loss_mask is non-zero on a position with sample_index -1 (padding); per-sequence "
-                "aggregation needs micro-batches built by materialize_microbatches."
-            )
-        # The sequences of this micro-batch, and for each real token which of them it belongs to.
-        sequences, inverse = torch.unique(sample_index[real], return_inverse=True)
+        sequences, inverse, real = _sequences(batch, mask, device)
         num_sequences = sequences.numel()
-        token_sums = torch.zeros(
-            num_sequences, dtype=per_token_loss.dtype, device=device
-        ).index_add(0, inverse, masked.reshape(-1)[real])
+        # Sums and counts accumulate in float32 at least (a probe: in bfloat16 index_add stops
+        # counting at 256, so a 1,000-token sample's mean was twice its own). The numerator
+        # returns to the loss's dtype, as masked.sum() does for the token mean.
+        wide = torch.promote_types(per_token_loss.dtype, torch.float32)
+        token_sums = torch.zeros(num_sequences, dtype=wide, device=device).index_add(
+            0, inverse, masked.reshape(-1)[real].to(wide)
+        )
         if aggregation == "seq-mean-token-sum":
             per_sequence = token_sums
         else:
-            token_counts = torch.zeros(num_sequences, dtype=per_token_loss.dtype, device=device)
-            token_counts = token_counts.index_add(
-                0, inverse, flat_mask[real].to(per_token_loss.dtype)
-            )
+            token_counts = torch.zeros(num_sequences, dtype=torch.int64, device=device)
+            token_counts = token_counts.index_add(0, inverse, mask.reshape(-1)[real].long())
             # clamp: a sequence without loss tokens has token_sums 0 and contributes 0.
-            per_sequence = token_sums / token_counts.clamp(min=1)
+            per_sequence = token_sums / token_counts.clamp(min=1).to(wide)
         # Adding masked.sum() * 0 keeps the numerator attached to per_token_loss when the
         # micro-batch has no sequence (a placeholder), so backward still reaches every stage.
-        numerator = per_sequence.sum() + masked.sum() * 0
+        numerator = per_sequence.sum().to(per_token_loss.dtype) + masked.sum() * 0
         denominator = torch.tensor(num_sequences, dtype=_DENOMINATOR_DTYPE, device=device)
+        report_denominator = denominator.to(torch.float32)
 
-    report_denominator = (
-        torch.ones((), dtype=torch.float32, device=device)
-        if aggregation == "sum"
-        else denominator.to(torch.float32)
-    )
     log = {log_key: torch.stack([numerator.detach().to(torch.float32), report_denominator])}
     return numerator, denominator, log
+
+
+def _sequences(
+    batch: Mapping[str, torch.Tensor], mask: torch.Tensor, device: torch.device
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The micro-batch's sequences (their sample indices), each real position's place among
+    them, and which flattened positions are real (not padding)."""
+    _check_batch_has(batch, "sample_index")
+    sample_index = batch["sample_index"].reshape(-1).to(device)
+    real = ~is_placeholder(sample_index)
+    if bool((mask.reshape(-1) & ~real).any()):
+        raise DynBatchValueError(
+            "loss_mask is non-zero on a position with sample_index -1 (padding); per-sequence "
+            "aggregation needs micro-batches built by materialize_microbatches."
+        )
+    sequences, inverse = torch.unique(sample_index[real], return_inverse=True)
+    return sequences, inverse, real
 
 
 def finalize_loss(

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.planning import ParallelLayout, PlannerConfig, plan_schedule
 from megatron_dynbatch.runtime import (
     AGGREGATIONS,
     BatchSchema,
@@ -151,11 +152,55 @@ def test_microbatched_gradients_equal_reference(aggregation, layout):
     for grad, ref in zip(grads, ref_grads, strict=True):
         assert ref.norm() > 0
         assert (grad - ref).norm() <= 1e-6 * ref.norm()
-    if aggregation != "sum":
-        # Megatron's report, sum(log[0]) / sum(log[1]), is the same global value.
-        torch.testing.assert_close(
-            (log_total[0] / log_total[1]).double(), ref_value, rtol=1e-5, atol=0
+    # Megatron's report, sum(log[0]) / sum(log[1]), is the same global value; for sum, the
+    # step's sum per sample (one plan-independent figure).
+    per = len(make_samples()) if aggregation == "sum" else 1
+    torch.testing.assert_close(
+        (log_total[0] / log_total[1]).double(), ref_value / per, rtol=1e-5, atol=0
+    )
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_the_sum_report_counts_no_placeholder(dp):
+    """A probe: ``sum``'s report divided by every micro-batch, placeholders included, so the same
+    two samples logged 6.0 at dp 1, 3.0 at dp 2 and 1.5 at dp 4; now their sum per sample."""
+    samples = {0: {"tokens": torch.arange(5)}, 1: {"tokens": torch.arange(3)}}
+    config = PlannerConfig(max_tokens_per_gpu=8, parallel=ParallelLayout(dp_size=dp))
+    step = plan_schedule([5, 3], config=config).steps[0]
+    assert (step.num_placeholders > 0) == (dp == 4)
+    logs = [
+        microbatch_loss("sum", torch.ones(b["loss_mask"].shape), b)[2]["loss"]
+        for rank in range(dp)
+        for b in materialize_microbatches(
+            step, rank, samples, BatchSchema(), layout="packed", sample_multiple=1
         )
+    ]
+    total = torch.stack(logs).sum(0)
+    assert float(total[0] / total[1]) == 3.0  # 6 loss tokens of loss 1 over 2 samples
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sequence_means_count_exactly_in_half_precision(dtype):
+    """A probe: in bfloat16 the per-sequence counts stopped at 256 (fp16: 2048), so a 1,000-token
+    sample's mean read twice its value. Counts are integers and sums float32 now."""
+    samples = {
+        0: {"tokens": torch.zeros(3000, dtype=torch.int64)},
+        1: {"tokens": torch.zeros(3, dtype=torch.int64)},
+    }
+    step = plan_schedule([3000, 3], config=PlannerConfig(max_tokens_per_gpu=4096)).steps[0]
+    [batch] = materialize_microbatches(
+        step, 0, samples, BatchSchema(), layout="packed", sample_multiple=1
+    )
+    loss = torch.zeros(batch["loss_mask"].shape)
+    loss[0, :1500] = 1.0  # 1,500 of sample 0's 2,999 loss tokens
+    for aggregation, exact in (
+        ("seq-mean-token-mean", (1500 / 2999) / 2),
+        ("seq-mean-token-sum", 1500 / 2),
+    ):
+        numerator, denominator, _ = microbatch_loss(aggregation, loss.to(dtype), batch)
+        assert numerator.dtype == dtype
+        value = float(finalize_loss(aggregation, numerator, denominator))
+        assert value == pytest.approx(exact, rel=1e-2), (aggregation, value)
 
 
 def test_sample_share_weighting_is_wrong_for_token_mean():
