@@ -77,7 +77,10 @@ def check_schedule_config(config: TransformerConfig) -> None:
 
 
 def check_uniform_shapes(
-    microbatches: list[dict], *, variable_keys: tuple[str, ...] = VARIABLE_SHAPE_KEYS
+    microbatches: list[dict],
+    *,
+    variable_keys: tuple[str, ...] = VARIABLE_SHAPE_KEYS,
+    variable_rows: bool = False,
 ) -> None:
     """Check that every micro-batch has the same keys and the same shape per key.
 
@@ -87,6 +90,8 @@ def check_uniform_shapes(
     Args:
         microbatches: The step's micro-batch dicts.
         variable_keys: Keys exempt from the shape comparison (they must still be present).
+        variable_rows: Each micro-batch has a row length of its own (a plan of
+            ``variable_row_lengths``): the sequence dimension (dim 1) is not compared.
 
     Raises:
         DynBatchValueError: On an empty list or a micro-batch whose keys or shapes differ.
@@ -99,7 +104,7 @@ def check_uniform_shapes(
 
     def shapes_of(microbatch: dict) -> dict:
         return {
-            key: None if key in variable_keys else tuple(value.shape)
+            key: None if key in variable_keys else _shape(value, variable_rows)
             for key, value in microbatch.items()
         }
 
@@ -114,6 +119,48 @@ def check_uniform_shapes(
             )
 
 
+def _shape(value: torch.Tensor, variable_rows: bool) -> tuple:
+    """A tensor's shape as compared between micro-batches (``None`` for the row length)."""
+    shape = tuple(value.shape)
+    return shape[:1] + (None,) + shape[2:] if variable_rows and len(shape) > 1 else shape
+
+
+def _check_token_ids(model_chunks: list[torch.nn.Module], microbatches: list[dict]) -> None:
+    """Refuse a token or label id the model's vocabulary does not hold, before the schedule: in
+    it, the embedding (first stage) or the loss (last stage) raised a bare ``IndexError`` on
+    that stage alone, and a surviving peer waited in its p2p (a probe; a pad id over the
+    vocabulary failed only on steps with padding)."""
+    module = model_chunks[0]
+    while hasattr(module, "module"):  # DDP and Float16Module wrap the model
+        module = module.module
+    vocab = getattr(module, "vocab_size", None)
+    if not isinstance(vocab, int):
+        return
+    for index, microbatch in enumerate(microbatches):
+        for key in ("tokens", "labels"):
+            ids = microbatch.get(key)
+            if ids is None or not ids.numel() or ids.is_floating_point():
+                continue
+            largest = int(ids.max())
+            if largest < vocab:
+                continue
+            where = "padding"
+            sample_index = microbatch.get("sample_index")
+            if sample_index is not None and sample_index.shape == ids.shape:
+                owner = int(sample_index.reshape(-1)[int(ids.reshape(-1).argmax())])
+                where = f"sample {owner}" if owner >= 0 else "padding"
+            fix = (
+                f"give BatchSchema a pad_token_id below {vocab}"
+                if where == "padding"
+                else f"keep that sample's token ids below {vocab} (its tokenizer and the model's "
+                "vocab_size must agree)"
+            )
+            raise DynBatchValueError(
+                f"micro-batch {index}: {key} holds id {largest} ({where}), and the model's "
+                f"vocabulary has {vocab} ids (0 to {vocab - 1}); {fix}."
+            )
+
+
 def check_schedule_inputs(
     model_chunks: list[torch.nn.Module],
     microbatches: list[dict],
@@ -121,10 +168,15 @@ def check_schedule_inputs(
     seq_length: int,
     micro_batch_size: int,
     pg_collection=None,
+    variable_rows: bool = False,
 ) -> tuple[int, Optional[int]]:
     """What :func:`run_forward_backward` checks before it starts the schedule, on this rank alone
     (run it inside a step agreement first, so a rank that fails does not leave its peers waiting
     in the schedule's first p2p or all-reduce).
+
+    ``variable_rows``: the step's micro-batches have rows of their own lengths (a plan of
+    ``variable_row_lengths``); the schedule runs them where no stage receives a fixed shape: one
+    stage, or ``variable_seq_lengths=True`` (Megatron exchanges each micro-batch's shape).
 
     Returns:
         The pipeline and virtual pipeline sizes the schedule runs.
@@ -133,21 +185,31 @@ def check_schedule_inputs(
         DynBatchValueError: on micro-batches of other keys or shapes than each other or than
             ``[micro_batch_size, seq_length]``, or model chunks the schedule cannot run.
     """
-    check_uniform_shapes(microbatches)
+    check_uniform_shapes(microbatches, variable_rows=variable_rows)
     first = microbatches[0]
     if "tokens" in first:
-        if tuple(first["tokens"].shape) != (micro_batch_size, seq_length):
+        shape = tuple(first["tokens"].shape)
+        if shape[0] != micro_batch_size or (not variable_rows and shape[1] != seq_length):
             raise DynBatchValueError(
-                f"tokens have shape {tuple(first['tokens'].shape)} but the schedule was given "
+                f"tokens have shape {shape} but the schedule was given "
                 f"micro_batch_size={micro_batch_size}, seq_length={seq_length}; pass the step's "
                 "StepPlan.micro_batch_size and seq_length."
             )
+    _check_token_ids(model_chunks, microbatches)
     config = model_chunks[0].config
     for chunk in model_chunks:
         check_schedule_config(chunk.config)
     pp_size = config.pipeline_model_parallel_size
     if pg_collection is not None and getattr(pg_collection, "pp", None) is not None:
         pp_size = pg_collection.pp.size()
+    if variable_rows and pp_size > 1 and not config.variable_seq_lengths:
+        raise DynBatchValueError(
+            "the step's micro-batches have rows of their own lengths (planned with "
+            f"variable_row_lengths=True), and pipeline_model_parallel_size={pp_size} receives "
+            "one fixed shape a step unless Megatron exchanges them: set the model config's "
+            "variable_seq_lengths=True (--variable-seq-lengths), or plan with "
+            "variable_row_lengths=False (one row length a step)."
+        )
     vp_size = config.virtual_pipeline_model_parallel_size
     if len(model_chunks) != (vp_size or 1):
         raise DynBatchValueError(
@@ -167,6 +229,7 @@ def run_forward_backward(
     forward_only: bool = False,
     collect_non_loss_data: bool = False,
     pg_collection=None,
+    variable_rows: bool = False,
 ) -> list:
     """Run Megatron's schedule for this rank's model chunks over ``microbatches``.
 
@@ -184,6 +247,8 @@ def run_forward_backward(
         collect_non_loss_data: Let the loss function return arbitrary data (log-probs).
         pg_collection: Megatron ``ProcessGroupCollection`` for the schedule; None uses Megatron's
             default groups.
+        variable_rows: Each micro-batch has a row length of its own (see
+            :func:`check_schedule_inputs`); ``seq_length`` is then the longest.
 
     Returns:
         What the schedule returns: on the last pipeline stage one entry per micro-batch (the loss
@@ -195,6 +260,7 @@ def run_forward_backward(
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
         pg_collection=pg_collection,
+        variable_rows=variable_rows,
     )
     kwargs = {}
     if pg_collection is not None:

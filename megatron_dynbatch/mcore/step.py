@@ -122,6 +122,17 @@ def _seq_length_and_mbs(
     """The step's row ``(S, B)``, checked. A sharded plan's step leaves its rows to each rank's
     own samples (``seq_length=None``): then they are the rank's materialized rows, as
     ``materialize_microbatches`` sized them (ranks of one pipeline share them)."""
+    # A probe: the whole Plan, or a dict of micro-batches, was a bare AttributeError / TypeError.
+    if not hasattr(step, "num_microbatches") or not hasattr(step, "rank_microbatches"):
+        raise DynBatchValueError(
+            f"step is a {type(step).__name__}, not one step of a plan; pass plan.steps[s] (a "
+            "sharded plan: plan.scheduled_steps()[s])."
+        )
+    if not isinstance(microbatches, (list, tuple)):
+        raise DynBatchValueError(
+            f"microbatches is a {type(microbatches).__name__}; pass the list "
+            "materialize_microbatches returned for this rank and step."
+        )
     if len(microbatches) != step.num_microbatches:
         raise DynBatchValueError(
             f"{len(microbatches)} micro-batches for a step planned with num_microbatches="
@@ -142,6 +153,15 @@ def _seq_length_and_mbs(
     return step.seq_length, step.micro_batch_size
 
 
+def _check_chunks(model_chunks) -> None:
+    """A probe: one module for the list of chunks was "object is not iterable" in the schedule."""
+    if isinstance(model_chunks, torch.nn.Module):
+        raise DynBatchValueError(
+            f"model_chunks is one {type(model_chunks).__name__}; pass this rank's model chunks "
+            "as a list ([model], or one chunk per virtual pipeline stage)."
+        )
+
+
 def _agreed_schedule(
     model_chunks, step, microbatches, pg_collection, check_group, what: str
 ) -> Tuple[int, int]:
@@ -149,8 +169,10 @@ def _agreed_schedule(
     micro-batches, plan or model chunks do not fit would otherwise raise alone while its peers
     wait in the schedule's first p2p or all-reduce (the same error on every rank instead)."""
     if not dist.is_initialized():  # Megatron's schedules need it anyway: say so where they do
+        _check_chunks(model_chunks)
         return _seq_length_and_mbs(step, microbatches, pg_collection)
     with step_agreement(check_group, what=what):
+        _check_chunks(model_chunks)
         seq_length, micro_batch_size = _seq_length_and_mbs(step, microbatches, pg_collection)
         check_schedule_inputs(
             list(model_chunks),
@@ -158,6 +180,7 @@ def _agreed_schedule(
             seq_length=seq_length,
             micro_batch_size=micro_batch_size,
             pg_collection=pg_collection,
+            variable_rows=bool(step.row_lengths),
         )
     return seq_length, micro_batch_size
 
@@ -188,6 +211,7 @@ def train_microbatches(
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
         pg_collection=pg_collection,
+        variable_rows=bool(step.row_lengths),
     )
 
 
@@ -218,6 +242,7 @@ def forward_only_outputs(
             forward_only=True,
             collect_non_loss_data=True,
             pg_collection=pg_collection,
+            variable_rows=bool(step.row_lengths),
         )
     per_sample: Dict[int, torch.Tensor] = {}
     if not outputs:

@@ -60,17 +60,21 @@ def _killed_at_second_loss(batch, ce, calls=[]):  # noqa: B006 - a per-process c
     return _advantage_loss(batch, ce)
 
 
-def _step_body(fault=None, advantages=None, kill_rank=None, plan_dp=None):
+def _step_body(fault=None, advantages=None, kill_rank=None, plan_dp=None, rows=None):
     """Plan, agree, materialize and train one step; return the gradients or the agreed error.
 
     Args:
         fault: Break rank 1 only: ``plan`` (a prompt longer than its sample in the planner's
             input), ``sample`` (int32 tokens), ``materialize`` (a sample the plan gives it is
             missing), ``schedule`` (it hands the schedule one micro-batch fewer than planned:
-            checked by ``train_microbatches`` alone, after the agreement above).
+            checked by ``train_microbatches`` alone, after the agreement above), ``vocab`` (a
+            token id over the model's vocabulary), ``whole plan`` (the Plan for its step), ``one
+            module`` (a model chunk, not the list of them).
         advantages: Sample index -> advantage overrides (every rank).
         kill_rank: This rank SIGKILLs itself at its second loss computation, inside the schedule.
         plan_dp: Plan for this many data-parallel ranks instead of the ranks that run.
+        rows: ``exchanged`` or ``fixed``: plan rows of each micro-batch's own length
+            (``variable_row_lengths``), with the model's ``variable_seq_lengths`` on or off.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -93,6 +97,7 @@ def _step_body(fault=None, advantages=None, kill_rank=None, plan_dp=None):
     config = PlannerConfig(
         max_tokens_per_gpu=CAP,
         parallel=ParallelLayout(dp_size=plan_dp or parallel_state.get_data_parallel_world_size()),
+        variable_row_lengths=rows is not None,
     )
     started = time.monotonic()
     try:
@@ -122,19 +127,27 @@ def _step_body(fault=None, advantages=None, kill_rank=None, plan_dp=None):
     model_config = tiny_transformer_config(
         pipeline_model_parallel_size=pp_size, calculate_per_token_loss=True
     )
+    model_config.variable_seq_lengths = rows == "exchanged"
     chunks = wrap_in_ddp(build_tiny_gpt(model_config, seed=SEED))
     configure_loss(chunks, "token-mean")
     token_loss = _killed_at_second_loss if rank == kill_rank else _advantage_loss
     if fault == "schedule" and rank == 1:
         microbatches = microbatches[:-1]
+    if fault == "vocab" and rank == 1:
+        microbatches[0]["tokens"][0, 0] = 10**5
     started = time.monotonic()
     try:
         train_microbatches(
-            chunks, step, microbatches, aggregation="token-mean", token_loss=token_loss
+            chunks[0] if fault == "one module" and rank == 1 else chunks,
+            plan if fault == "whole plan" and rank == 1 else step,
+            microbatches,
+            aggregation="token-mean",
+            token_loss=token_loss,
         )
     except StepAgreementError as error:
         return {"type": type(error).__name__, "error": str(error), "s": time.monotonic() - started}
-    return {"grads": named_global_grads(chunks)}
+    rows_seen = sorted({tuple(b["tokens"].shape) for b in microbatches})
+    return {"grads": named_global_grads(chunks), "rows": rows_seen}
 
 
 def _sharded_body():
@@ -185,6 +198,11 @@ def _sharded_body():
         # Checked in train_microbatches, after the step's agreement: rank 1 raised alone while
         # rank 0 waited in the schedule until the process-group timeout (a probe of the host API).
         ("schedule", "1 micro-batches for a step planned with num_microbatches=2"),
+        # Probes of the Python API: a bare IndexError in the embedding of one stage, and a bare
+        # AttributeError, each on rank 1 alone.
+        ("vocab", "tokens holds id 100000 (sample "),
+        ("whole plan", "step is a Plan, not one step of a plan; pass plan.steps[s]"),
+        ("one module", "model_chunks is one DistributedDataParallel; pass this rank's model"),
     ],
 )
 def test_one_broken_rank_stops_every_rank_with_the_same_error(fault, reason):
@@ -193,7 +211,7 @@ def test_one_broken_rank_stops_every_rank_with_the_same_error(fault, reason):
     messages = {r["error"] for r in results}
     assert len(messages) == 1, messages
     [message] = messages
-    where = "(training step)" if fault == "schedule" else "(step 0)"
+    where = "(step 0)" if fault in ("plan", "sample", "materialize") else "(training step)"
     assert "1 of 2 rank(s) failed: rank 1: " in message and where in message, message
     assert reason in message, message
     seconds = [r["s"] for r in results]
@@ -266,3 +284,29 @@ def test_a_sharded_plans_step_trains_through_train_microbatches_as_the_global_pl
             scale = float(want["grads"][name].abs().max()) or 1.0
             error = float((grad - want["grads"][name]).abs().max()) / scale
             assert error < 1e-5, (got["rank"], name, error)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_plan_of_variable_rows_trains_through_train_microbatches_exactly(pp):
+    """A probe: a plan of ``variable_row_lengths=True`` materialized rows of their own lengths,
+    then ``train_microbatches`` refused them ("materialize them from one StepPlan", which they
+    were). They run where no stage receives a fixed shape (one stage, or the model's
+    ``variable_seq_lengths``), with the gradients of the uniform-row plan."""
+    variable = run_on_ranks(
+        2, _step_body, None, None, None, None, "exchanged", layout=Layout(pp=pp)
+    )
+    uniform = run_on_ranks(2, _step_body, layout=Layout(pp=pp))
+    assert any(len({s for _, s in r["rows"]}) > 1 for r in variable), variable[0]["rows"]
+    for got, want in zip(variable, uniform, strict=True):
+        assert got["grads"].keys() == want["grads"].keys()
+        for name, grad in got["grads"].items():
+            scale = float(want["grads"][name].abs().max()) or 1.0
+            assert float((grad - want["grads"][name]).abs().max()) / scale < 1e-5, name
+
+
+def test_variable_rows_on_fixed_pipeline_shapes_are_refused_on_every_rank_naming_the_fix():
+    results = run_on_ranks(2, _step_body, None, None, None, None, "fixed", layout=Layout(pp=2))
+    messages = {r.get("error") for r in results}
+    assert len(messages) == 1 and {r.get("type") for r in results} == {"StepAgreementError"}
+    [message] = messages
+    assert "variable_seq_lengths=True" in message and "variable_row_lengths=False" in message
