@@ -114,3 +114,15 @@ def test_a_resumed_run_plans_with_the_saved_fit(runs, tmp_path):
         # here (test_pretrain.py compares dynamic with fixed).
         for key in ("real", "computed", "lr", "consumed"):
             assert after[i][key] == straight[i][key], (i, key, saved)
+
+
+def test_resumed_in_another_sample_order_is_refused_naming_the_saved_value(runs, tmp_path):
+    """A probe: resumed with another --seed (or --split, --seq-length), the documents of the rest
+    of the epoch were drawn in another order from the same position: about half of them had been
+    trained before the stop, nothing said. Refused on loading, naming the saved value."""
+    rc, log, _ = torchrun(
+        2, LAUNCH, _TINY + ["--load", runs["checkpoint"], "--seed", 8], log_path=tmp_path / "x.log"
+    )
+    assert rc != 0
+    assert "--seed '7' (now '8')" in log and "(--seed 7)" in log and "--finetune" in log, log[-3000:]
+    assert " iteration       13/" not in log  # nothing trained

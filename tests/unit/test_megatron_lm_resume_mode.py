@@ -7,6 +7,7 @@ import pytest
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.megatron_lm.resume import (
     check_resumed_mode,
+    check_resumed_order,
     refuse_resume_in_another_mode,
 )
 
@@ -59,3 +60,48 @@ def test_megatrons_check_is_wrapped_once_and_still_runs():
     with pytest.raises(DynBatchValueError, match="Resume in the mode it was saved in"):
         wrapped(_STOCK)
     assert seen == [same]
+
+
+def _documents_run(**over):
+    values = dict(
+        vars(_DYNAMIC),
+        seed=1234,
+        split="80,20,0",
+        seq_length=256,
+        data_path=["/data/a/tiny_text_document"],
+        mock_data=False,
+        load="ckpt",
+    )
+    values.update(over)
+    return SimpleNamespace(**values)
+
+
+@pytest.mark.parametrize(
+    "change, said, fix",
+    [
+        ({"seed": 99}, "--seed '1234' (now '99')", "(--seed 1234)"),
+        ({"split": "90,10,0"}, "--split '80,20,0' (now '90,10,0')", "(--split 80,20,0)"),
+        ({"seq_length": 128}, "--seq-length '256' (now '128')", "(--seq-length 256)"),
+        ({"data_path": ["/data/b/other_document"]}, "--data-path", "/data/a/tiny_text_document"),
+        ({"mock_data": True}, "--mock-data 'False' (now 'True')", "(without --mock-data)"),
+    ],
+)
+def test_a_documents_run_resumed_in_another_order_is_refused_naming_the_saved_values(
+    change, said, fix
+):
+    """A probe: resumed with another --seed, --split or --seq-length, 9 to 17 of the epoch's
+    next 27 samples had been trained before the stop, and nothing was said."""
+    saved = _saved(_documents_run(), consumed=32)
+    with pytest.raises(DynBatchValueError, match="had read 32 samples") as caught:
+        check_resumed_order(saved, _documents_run(**change))
+    message = str(caught.value)
+    assert said in message and fix in message and "--finetune" in message, message
+    # The saved values resume; so does the same data read from another directory.
+    check_resumed_order(saved, _documents_run())
+    check_resumed_order(saved, _documents_run(data_path=["/moved/tiny_text_document"]))
+
+
+def test_the_order_is_not_checked_where_nothing_was_read_or_windows_are_read():
+    check_resumed_order(_saved(_documents_run(), consumed=0), _documents_run(seed=5))
+    windows = SimpleNamespace(**{**vars(_documents_run()), "use_dynamic_batch_size": False})
+    check_resumed_order(_saved(windows), SimpleNamespace(**{**vars(windows), "seed": 5}))

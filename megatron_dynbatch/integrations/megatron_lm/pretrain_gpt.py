@@ -666,9 +666,10 @@ def main(
     if args.load:
         from megatron.training import checkpointing
 
-        # A checkpoint of the other data unit (windows / documents) would resume at the wrong
-        # sample, silently: refused by name when Megatron reads its arguments (resume.py).
-        refuse_resume_in_another_mode(checkpointing, args)
+        # A checkpoint of the other data unit (windows / documents), or of another order of the
+        # documents read here, would resume at the wrong sample, silently: refused by name when
+        # Megatron reads its arguments (resume.py).
+        refuse_resume_in_another_mode(checkpointing, args, order=splits is not None)
     if getattr(args, "log_progress", False) and splits and splits[0] is not None:
         # progress.txt's tokens: the document samples' own lengths, not --seq-length each.
         count_progress_tokens(splits[0], get_args)
