@@ -124,5 +124,7 @@ def test_resumed_in_another_sample_order_is_refused_naming_the_saved_value(runs,
         2, LAUNCH, _TINY + ["--load", runs["checkpoint"], "--seed", 8], log_path=tmp_path / "x.log"
     )
     assert rc != 0
-    assert "--seed '7' (now '8')" in log and "(--seed 7)" in log and "--finetune" in log, log[-3000:]
+    assert "--seed '7' (now '8')" in log and "(--seed 7)" in log and "--finetune" in log, log[
+        -3000:
+    ]
     assert " iteration       13/" not in log  # nothing trained

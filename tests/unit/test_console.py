@@ -12,6 +12,7 @@ import signal
 
 import pytest
 
+from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.megatron_lm import console
 
 pytestmark = pytest.mark.unit
@@ -148,6 +149,45 @@ def test_a_bare_assert_is_quoted_with_the_flags_it_reads(tmp_path):
         "line 4) failed; check --save-interval"
     )
     assert console.error_text(ValueError("a\n  b")) == "a b"
+
+
+_MEGATRON_EVAL_CHECK = """
+def validate_args(args):
+    assert args.eval_global_batch_size % (args.eval_micro_batch_size * args.data_parallel_size) == 0, \\
+        'eval_global_batch_size must be divisible'
+"""
+
+
+def test_a_quoted_check_names_only_flags_that_exist_and_those_derived_ones_come_from(tmp_path):
+    """A probe: ``--micro-batch-size 3`` at dp 2 was told to "check --eval-global-batch-size,
+    --eval-micro-batch-size, --data-parallel-size": no parser takes the last, and the flag the
+    user gave (which ``eval_micro_batch_size`` defaults to) was not named."""
+    error = _megatron_check_failure(
+        tmp_path,
+        _MEGATRON_EVAL_CHECK,
+        "fake_megatron_arguments_3",
+        eval_global_batch_size=8,
+        eval_micro_batch_size=3,
+        data_parallel_size=2,
+    )
+    text = console.error_text(error)
+    assert "--data-parallel-size" not in text, text
+    for flag in ("--eval-micro-batch-size", "--micro-batch-size", "--tensor-model-parallel-size"):
+        assert flag in text, text
+
+
+def test_a_dataloader_workers_error_is_its_own_message_without_the_traceback():
+    """A probe (--document-samples, a token id over the vocabulary in document 150): torch's
+    "Caught ... in DataLoader worker process 1. Original Traceback ..." filled the one line."""
+    message = (
+        "Caught DynBatchValueError in DataLoader worker process 1.\nOriginal Traceback (most "
+        'recent call last):\n  File "/torch/utils/data/_utils/worker.py", line 374, in '
+        "_worker_loop\n    data = fetcher.fetch(index)\n           ^^^^^^^^^^^^^^^^^^^^\n"
+        "megatron_dynbatch.errors.DynBatchValueError: document 150 holds token id 226; pass "
+        "--vocab-size 227 or more\n"
+    )
+    text = console.error_text(DynBatchValueError(message))
+    assert text == "document 150 holds token id 226; pass --vocab-size 227 or more", text
 
 
 def test_print_rank_0_prints_on_rank_0_only_before_process_groups(monkeypatch, capsys):

@@ -75,10 +75,50 @@ def print_rank_0(message: str) -> None:
         print(message, flush=True)
 
 
+#: Arguments Megatron derives rather than parses: the flags that set them (a probe: a quoted
+#: check named ``--data-parallel-size``, which no parser takes, and not ``--micro-batch-size``,
+#: which ``eval_micro_batch_size`` defaults to).
+_DERIVED = {
+    "data_parallel_size": (
+        "--tensor-model-parallel-size",
+        "--pipeline-model-parallel-size",
+        "--context-parallel-size",
+        "torchrun's --nproc-per-node",
+    ),
+    "eval_micro_batch_size": ("--eval-micro-batch-size", "--micro-batch-size"),
+    "eval_global_batch_size": ("--eval-global-batch-size", "--global-batch-size"),
+    "world_size": ("torchrun's --nproc-per-node",),
+}
+
+
+def _parsed_flags() -> Optional[frozenset]:
+    """Every option string of Megatron's parser (the checks quoted are Megatron's, on its own
+    arguments), or ``None`` where it cannot be built here."""
+    try:
+        import argparse
+
+        from megatron.training.arguments import add_megatron_arguments
+
+        parser = argparse.ArgumentParser(add_help=False)
+        add_megatron_arguments(parser)
+        return frozenset(parser._option_string_actions)
+    except Exception:  # an error path: never let naming the flags raise another error
+        return None
+
+
 def _flags_named(source: str) -> list:
-    """``--save-interval`` for every ``args.save_interval`` an assert reads."""
+    """``--save-interval`` for every ``args.save_interval`` an assert reads: the flags that set
+    it where Megatron derives it, and only options its parser takes."""
     names = dict.fromkeys(re.findall(r"\bargs\.([A-Za-z_][A-Za-z0-9_]*)", source))
-    return ["--" + name.replace("_", "-") for name in names]
+    flags = []
+    for name in names:
+        flags += _DERIVED.get(name, ("--" + name.replace("_", "-"),))
+    known = _parsed_flags()
+    return [
+        flag
+        for flag in dict.fromkeys(flags)
+        if known is None or not flag.startswith("--") or flag in known
+    ]
 
 
 def _assert_source(error: BaseException) -> Optional[str]:
@@ -97,6 +137,24 @@ def _assert_source(error: BaseException) -> Optional[str]:
     return f"`{source}` ({where}, line {frame.lineno})"
 
 
+#: torch's DataLoader re-raises a worker's error with the worker's whole traceback as its message.
+_WORKER = re.compile(r"Caught \w+ in DataLoader worker process \d+\.\s*Original Traceback")
+
+
+def _worker_message(text: str) -> str:
+    """A DataLoader worker's error as the worker raised it: its message without the traceback
+    torch puts before it (a probe: about 2,000 characters of frames on the one line)."""
+    if not _WORKER.search(text):
+        return text
+    lines = text.split("Original Traceback (most recent call last):", 1)[1].splitlines()
+    # The frames are indented; the error is the first line after them that is not.
+    tail = [i for i, line in enumerate(lines) if line.strip() and not line.startswith(" ")]
+    if not tail:
+        return text
+    message = "\n".join(lines[tail[0] :])
+    return re.sub(r"^[\w.]+: ", "", message, count=1)
+
+
 def error_text(error: Any) -> str:
     """One line of text for ``error``: its message, or for a bare ``assert`` the assert itself.
 
@@ -104,7 +162,7 @@ def error_text(error: Any) -> str:
     not None`` after ``--save``); their text is empty, so the statement is quoted instead, with
     the command-line flags it reads.
     """
-    text = " ".join(str(error).split())
+    text = " ".join(_worker_message(str(error)).split())
     if text and isinstance(error, AssertionError) and "--" not in text:
         # Megatron's messages that name no flag ("expected iteration-based training", for
         # --train-iters with --train-samples): the check is quoted with the flags it reads.
