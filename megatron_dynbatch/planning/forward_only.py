@@ -35,7 +35,7 @@ from .simulate import forward_only_makespan
 from .spec import PlannerConfig, ceil_div, round_up
 from .step_search import variable_rows
 
-__all__ = ["ForwardOnlyPlan", "fewest_forward_only_count", "plan_forward_only"]
+__all__ = ["ForwardOnlyPlan", "plan_forward_only"]
 
 #: Counts scored, the fewest included, at most (each packs every rank once).
 _MAX_COUNTS = 8
@@ -146,28 +146,6 @@ class _Rank:
 
 class _NoFit(Exception):
     """A rank's samples do not pack into the count (internal: more micro-batches are tried)."""
-
-
-def fewest_forward_only_count(rank_lengths: Sequence[Sequence[int]], config: PlannerConfig) -> int:
-    """A lower bound on the micro-batches per rank any forward-only plan needs (every rank the
-    same count, a multiple of the interleaving group): per rank, its samples over the cap alone,
-    the rest at least ``ceil(tokens / cap)`` rows and one row for each sample over half the cap.
-    :func:`plan_forward_only` starts from it (and packs into it where it can)."""
-    multiple, cap = config.parallel.sample_multiple, config.token_cap
-    half = cap // 2
-    most = 1
-    for lengths in rank_lengths:
-        if not lengths:
-            continue
-        sizes = lengths if multiple == 1 else [-(-n // multiple) * multiple for n in lengths]
-        regular, over, halves = sum(sizes), 0, 0
-        if max(sizes) > half:
-            big = [size for size in sizes if size > half]
-            oversize = [size for size in big if size > cap]
-            over, halves = len(oversize), len(big) - len(oversize)
-            regular -= sum(oversize)
-        most = max(most, over + max(ceil_div(regular, cap), halves))
-    return round_up(most, config.parallel.microbatch_multiple)
 
 
 def plan_forward_only(

@@ -68,7 +68,6 @@ def test_an_empty_rollout_batch_names_slimes_options():
         # which the margin cut again: the same refusal.
         (10, 0.5, dict(tensor_model_parallel_size=8), "allow", 16),
         (10, 0.1, dict(cp_size=4), "allow", 20),
-        (1000, 0.5, {}, "error", 1200),
     ],
 )
 def test_a_budget_refusal_under_the_safety_margin_names_a_budget_that_works(
@@ -98,6 +97,53 @@ def test_a_budget_refusal_under_the_safety_margin_names_a_budget_that_works(
     schedule(fix)  # the named budget plans
     with pytest.raises(DynBatchValueError, match=f"to at least {fix}[,. ]"):
         schedule(fix - 1)
+
+
+def _margin_schedule(lengths, budget, margin=0.5, oversize="allow"):
+    args = slime_args(
+        max_tokens_per_gpu=budget, packing_safety_margin=margin, oversize_samples=oversize
+    )
+    return build_dp_schedule(
+        args,
+        slime_tp(dp_size=2),
+        lengths,
+        global_batch_size=len(lengths),
+        rollout_indices=list(range(len(lengths))),
+    )
+
+
+def test_a_sample_over_the_margins_share_but_within_the_budget_runs_alone_within_it():
+    """A probe: budget 100 at margin 0.5, a 90-token sample ran a 128-token row (slime's 128
+    alignment, over the budget), was warned about as over "the token cap 50
+    (--max-tokens-per-gpu=50)", a value the user never gave, and refused under ``error`` with
+    a fix of twice its length. It is within the budget: it runs alone in a row within it."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to report
+        for oversize in ("allow", "error"):
+            schedule = _margin_schedule([50, 20, 90], 100, oversize=oversize)
+            rows = {
+                schedule.partitions[r][mb[0]]: row
+                for r, rank in enumerate(schedule.micro_batch_indices)
+                for mb, row in zip(rank, schedule.row_lengths[r], strict=True)
+                if len(mb) == 1
+            }
+            assert rows[2] == 90, schedule.row_lengths
+            assert max(max(r) for r in schedule.row_lengths) <= 100
+            # The log-prob pass computes on the training micro-batches (one budget).
+            assert schedule.forward_only.row_lengths == schedule.row_lengths
+
+
+def test_a_sample_over_the_budget_under_the_margin_is_refused_naming_its_length():
+    """Over the budget itself, ``error`` refuses it naming a budget of its own length (it named
+    twice that, the margin's share applied to a sample that runs alone)."""
+    with pytest.raises(DynBatchValueError, match="to at least 600[,. ]") as refused:
+        _margin_schedule([100, 200, 600], 500, oversize="error")
+    assert "(--max-tokens-per-gpu=500)" in str(refused.value)
+    _margin_schedule([100, 200, 600], 600, oversize="error")  # the named budget plans
+    with pytest.warns(UserWarning, match=r"--max-tokens-per-gpu=500\): sample 2: 600"):
+        _margin_schedule([100, 200, 600], 500, oversize="allow")
 
 
 def test_a_log_prob_budget_refusal_names_the_log_prob_flag():

@@ -242,6 +242,7 @@ def safety_margin_named(args: Any) -> Iterator[None]:
         text = str(error)
         if (
             margin is None
+            or getattr(error, "names_full_budget", False)
             or isinstance(margin, bool)
             or not isinstance(margin, numbers.Real)
             or not 0 < margin < 1

@@ -58,7 +58,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from megatron_dynbatch.config import DynBatchConfig
 from megatron_dynbatch.errors import DynBatchValueError
-from megatron_dynbatch.integrations.hosts import SLIME, check_host_oversize
+from megatron_dynbatch.integrations.hosts import SLIME, check_host_budget, check_host_oversize
 from megatron_dynbatch.integrations.slime.config import (
     DATA_PAD_SIZE_MULTIPLIER,
     dash,
@@ -92,7 +92,6 @@ from megatron_dynbatch.planning import (
 )
 from megatron_dynbatch.planning.forward_only import (
     ForwardOnlyPlan,
-    fewest_forward_only_count,
     plan_forward_only,
 )
 from megatron_dynbatch.planning.memory import MemoryLimit
@@ -337,6 +336,36 @@ def _gpu_rows(rows: Sequence[int], cp: int) -> List[int]:
     return [row // cp for row in rows]
 
 
+def _unshared_budget(args: Any) -> Optional[int]:
+    """``--max-tokens-per-gpu`` in full where ``--packing-safety-margin`` plans to a share of it
+    (the config checked the margin), else ``None``."""
+    margin = getattr(args, "packing_safety_margin", None)
+    if margin is None or margin >= 1:
+        return None
+    return check_host_budget(SLIME, getattr(args, "max_tokens_per_gpu", None))
+
+
+def _within_budget(
+    rows: List[int],
+    rank: Sequence[Sequence[int]],
+    lengths: Sequence[int],
+    planner_config: Any,
+    budget: int,
+) -> List[int]:
+    """One GPU's rows, none rounded past the full budget where its samples fit it: a sample over
+    the packing share runs alone in a row rounded up to slime's alignment, which the share does
+    not bound (a probe: a 90-token sample ran a 128-token row under a budget of 100)."""
+    cp = planner_config.parallel.cp_size
+    multiple = planner_config.parallel.sample_multiple
+    out = []
+    for row, samples in zip(rows, rank, strict=True):
+        if row > budget:
+            load = -(-sum(round_up(lengths[i], multiple) for i in samples) // cp)
+            row = load if load <= budget else row
+        out.append(row)
+    return out
+
+
 def _check_oversize(lengths: List[int], planner_config: Any, *, forward_only: bool) -> None:
     """slime's oversize rule over the global lengths (:func:`check_host_oversize`), skipped where
     no sample is over the cap rounded down to the sample multiple: then none is over however the
@@ -361,10 +390,11 @@ def _forward_only_schedule(
     Each rank packs its own samples under ``--log-probs-max-tokens-per-gpu`` (no gradient is reduced
     over DP, so a rank needs no other rank's samples), all ranks into one count, chosen once for
     all of them (:func:`megatron_dynbatch.planning.forward_only.plan_forward_only`): a multiple of
-    the interleaving group, and every rank spreads its samples over all of it. Where the training
-    micro-batches (``training``: every rank's local micro-batches and rows, all steps) already
-    are that few under the same budget, with rows of their own, they are the log-prob passes'
-    too: no packing can do with fewer, and the rollout side packs nothing twice.
+    the interleaving group, and every rank spreads its samples over all of it. Under the
+    training budget (no larger ``--log-probs-max-tokens-per-gpu``) with rows of their own, the
+    training micro-batches (``training``: every rank's local micro-batches and rows, all steps)
+    are the log-prob passes' instead, as in stock slime: each sample's old log-probs come from
+    the packing its first training forward runs.
 
     ``memory``: the training step's budget (``--max-memory-gib``) bounds the log-prob rows too;
     a forward pass keeps no activations for a backward, so this is safe, not tight.
@@ -377,20 +407,19 @@ def _forward_only_schedule(
         memory=memory,
     )
     budget = config.forward_only_max_tokens_per_gpu
-    # Once over the global lengths, so an error names the samples by their rollout position.
-    _check_oversize(lengths, planner_config, forward_only=True)
-    rank_lengths = [list(map(lengths.__getitem__, partition)) for partition in partitions]
-    if (
-        training is not None
-        and planner_config.planner in OWN_PLANNERS
-        and variable
-        and budget == config.max_tokens_per_gpu
-        and len(training[0][0]) == fewest_forward_only_count(rank_lengths, planner_config)
-    ):
+    if training is not None and variable and budget == config.max_tokens_per_gpu:
+        # One budget for both passes (slime's default): the log-probs are computed on the
+        # training micro-batches, as stock slime computes them. A sample's logits depend on what
+        # it is packed with (the kernels' shapes), so old log-probs packed otherwise differ from
+        # the first training forward's in the last bits, and the PPO ratio starts off 1 (a
+        # probe, after SkyRL's PR #1477). A larger --log-probs-max-tokens-per-gpu packs anew.
         return ForwardOnlySchedule(
             micro_batch_indices=[list(map(list, rank)) for rank in training[0]],
             row_lengths=[list(rows) for rows in training[1]],
         )
+    # Once over the global lengths, so an error names the samples by their rollout position.
+    _check_oversize(lengths, planner_config, forward_only=True)
+    rank_lengths = [list(map(lengths.__getitem__, partition)) for partition in partitions]
     if planner_config.planner in OWN_PLANNERS:
         plan = plan_forward_only(rank_lengths, planner_config)
     else:
@@ -467,7 +496,21 @@ def _dynamic_schedule(
     planner_config = config.planner_config(
         layout, row_multiple=pad_size * cp if variable else None, memory=memory
     )
-    _check_oversize(lengths, planner_config, forward_only=False)
+    budget = _unshared_budget(args)
+    if budget is None:
+        _check_oversize(lengths, planner_config, forward_only=False)
+    else:
+        # --packing-safety-margin packs to a share of the budget: a sample over the share but
+        # within the budget runs alone, within it, and is no oversize sample (a probe: it was
+        # warned about with the share as the budget, and a fix that changed nothing).
+        try:
+            _check_oversize(
+                lengths, replace(planner_config, max_tokens_per_gpu=budget), forward_only=False
+            )
+        except DynBatchValueError as error:
+            error.names_full_budget = True  # safety_margin_named: not the share, leave it
+            raise
+        planner_config = replace(planner_config, oversize_samples="allow")
     samples = SampleSet.build(lengths, keys)
     with planner_oversize_reported():
         plan = run_planner(samples, planner_config)
@@ -482,11 +525,11 @@ def _dynamic_schedule(
     max_tokens = config.max_tokens_per_gpu
     for step in plan.steps:
         uniform = _uniform_row(step.seq_length, cp, pad_size, max_tokens, memory)
-        seq_lengths.append(
-            max(max(_gpu_rows(rows, cp)) for rows in step.row_lengths) if variable else uniform
-        )
+        first = len(row_lengths[0])
         for r, rank in enumerate(step.ranks):
             rows = _gpu_rows(step.row_lengths[r], cp) if variable else [uniform] * len(rank)
+            if budget is not None and variable:
+                rows = _within_budget(rows, rank, lengths, planner_config, budget)
             row_lengths[r].extend(rows)
             partition, local, counts = partitions[r], micro_batch_indices[r], rollout_counts[r]
             start = len(partition)
@@ -497,6 +540,7 @@ def _dynamic_schedule(
                 # A sample is in one micro-batch only (check_plan), so the overlap counts heads.
                 counts.append(len(heads.intersection(mb)))
                 start = end
+        seq_lengths.append(max(max(rows[first:]) for rows in row_lengths) if variable else uniform)
     num_microbatches = [step.num_microbatches for step in plan.steps]
     return DPSchedule(
         partitions,
