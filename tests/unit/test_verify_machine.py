@@ -82,6 +82,31 @@ def test_one_sample_over_what_a_rank_runs_is_told_to_go_or_be_cut():
     verify_machine.check_fits_machine(verify_spec.build_spec(config, samples=samples), cores=2)
 
 
+def test_one_long_sample_among_many_is_told_the_cut_and_the_ranks_that_fit_together():
+    """A probe (verl #3035's shape): 1 sample of 10,000 tokens and 199 of 100, padded, was told
+    to truncate at 2,048, which was refused again with the same words (22,528 tokens a rank);
+    the fix named now is planned with everything it needs, and fits."""
+    samples = [10_000] + [100] * 199
+    config = PlannerConfig(max_tokens_per_gpu=20_000, layout="padded", oversize_samples="allow")
+    spec = verify_spec.build_spec(config, samples=samples)
+    with pytest.raises(DynBatchValueError) as refused:
+        verify_machine.check_fits_machine(spec, cores=2, available_bytes=24 * 2**30)
+    message = str(refused.value)
+    found = re.search(
+        r"truncate with --max-tokens-per-gpu (\d+) or less, --dynamic-batch-layout packed and "
+        r"--dp-size (\d+)",
+        message,
+    )
+    assert found, message
+    cap, dp = map(int, found.groups())
+    fixed = PlannerConfig(
+        max_tokens_per_gpu=cap, parallel=ParallelLayout(dp_size=dp), oversize_samples="truncate"
+    )
+    verify_machine.check_fits_machine(
+        verify_spec.build_spec(fixed, samples=samples), cores=2, available_bytes=24 * 2**30
+    )
+
+
 def test_the_cli_refuses_before_any_rank_and_the_oversize_warning_is_printed(
     tmp_path, capsys, monkeypatch
 ):

@@ -122,16 +122,34 @@ def check_fits_machine(
             f"[{worst.micro_batch_size}x{worst.seq_length}] in its longest step), over the "
             f"{MAX_COMPUTED_TOKENS_PER_RANK} verify runs in minutes on CPU"
         )
-        if longest > MAX_COMPUTED_TOKENS_PER_RANK:
-            # No cap, dp or policy but cutting it makes one sample fit what a rank runs.
-            raise DynBatchValueError(
-                f"{ran}; a sample of {longest} tokens alone is more than that: leave it out of "
-                "SAMPLES.json or shorten it, or pass --oversize-samples truncate with "
-                f"--max-tokens-per-gpu {MAX_COMPUTED_TOKENS_PER_RANK // 4} or less (verify "
-                "checks the batching, which samples of a few thousand tokens show as well)."
-            )
         # Each fix offered is planned first: only those under the limit are named.
         config, dp = spec.config, parallel.dp_size
+        if longest > MAX_COMPUTED_TOKENS_PER_RANK:
+            # No cap, dp or policy but cutting it makes one sample fit what a rank runs; cut, the
+            # rest may still be more than a rank runs (a probe: the fix named alone was refused
+            # again, with the same words), and then more ranks share them.
+            cap = min(config.max_tokens_per_gpu, MAX_COMPUTED_TOKENS_PER_RANK // 4)
+            cut = dataclasses.replace(config, oversize_samples="truncate", max_tokens_per_gpu=cap)
+            truncate = f"pass --oversize-samples truncate with --max-tokens-per-gpu {cap} or less"
+            tries = [(cut, truncate)]
+            if config.layout == "padded":
+                packed = dataclasses.replace(cut, layout="packed")
+                tries.append((packed, f"{truncate}, --dynamic-batch-layout packed"))
+            fix = ""
+            for candidate, words in tries:
+                if _fits(candidate, spec, budget):
+                    fix = f", or {words}"
+                    break
+                ranks = allowed if start_ranks else 0
+                wider = _wider_dp(candidate, spec, budget, start_ranks, ranks)
+                if wider is not None:
+                    fix = f", or {words} and --dp-size {wider}"
+                    break
+            raise DynBatchValueError(
+                f"{ran}; a sample of {longest} tokens alone is more than that: leave it out of "
+                f"SAMPLES.json or shorten it{fix} (verify checks the batching, which samples of "
+                "a few thousand tokens show as well)."
+            )
         fixes = []
         if parallel.vpp_size > 1 and parallel.group_size > parallel.pp_size:
             smaller = dataclasses.replace(
@@ -160,13 +178,8 @@ def check_fits_machine(
             dataclasses.replace(config, oversize_samples="truncate"), spec, budget
         ):
             fixes.append("pass --oversize-samples truncate")
-        wider = math.ceil(per_rank * dp / MAX_COMPUTED_TOKENS_PER_RANK) + 1
-        others = spec.world_size // dp
-        if (not start_ranks or wider * others <= allowed) and _fits(
-            dataclasses.replace(config, parallel=dataclasses.replace(parallel, dp_size=wider)),
-            spec,
-            budget,
-        ):
+        wider = _wider_dp(config, spec, budget, start_ranks, allowed if start_ranks else 0)
+        if wider is not None:
             fixes.append(f"share the samples over more ranks (--dp-size {wider})")
         total = sum(spec.lengths)
         about = MAX_COMPUTED_TOKENS_PER_RANK * dp // 2
@@ -192,6 +205,24 @@ def _computed_per_rank(config: PlannerConfig, spec: VerifySpec) -> int:
     return sum(
         step.num_microbatches * step.micro_batch_size * step.seq_length for step in plan.steps
     )
+
+
+def _wider_dp(
+    config: PlannerConfig, spec: VerifySpec, budget: Optional[int], start_ranks: bool, allowed: int
+) -> Optional[int]:
+    """A ``--dp-size`` at which ``config`` plans ``spec``'s samples within what a rank runs (and
+    this machine starts the ranks), or ``None``."""
+    try:
+        per_rank = _computed_per_rank(config, spec)
+    except ValueError:
+        return None
+    parallel = config.parallel
+    wider = math.ceil(per_rank * parallel.dp_size / MAX_COMPUTED_TOKENS_PER_RANK) + 1
+    others = spec.world_size // parallel.dp_size
+    if start_ranks and wider * others > allowed:
+        return None
+    wide = dataclasses.replace(config, parallel=dataclasses.replace(parallel, dp_size=wider))
+    return wider if _fits(wide, spec, budget) else None
 
 
 def _fits(config: PlannerConfig, spec: VerifySpec, budget: Optional[int]) -> bool:
