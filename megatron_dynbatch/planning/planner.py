@@ -213,7 +213,11 @@ def _oversize_warning(
     worst = max((s for s in steps if s.oversize_samples), key=lambda s: s.seq_length)
     footprint = worst.micro_batch_size * worst.seq_length
     truncate = "" if _SHARDED.get() else "truncate to cut them to the cap, "
-    advice = f"Pass --oversize-samples {truncate}error to refuse them, or raise {config.cap_flag}."
+    longest = round_up(max(lengths[i] for i in oversize), multiple)
+    advice = (
+        f"Pass --oversize-samples {truncate}error to refuse them, or raise "
+        f"{config.cap_to_hold(longest)}."
+    )
     head = f"{len(oversize)} sample(s) exceed the token cap {cap} ({config.cap_source}): {shown}{more}."
     # Packed rows can vary per micro-batch (where shapes are exchanged), which keeps the others
     # within the cap; padded [B, S] rows cannot.

@@ -664,6 +664,14 @@ class PlannerConfig:
         flag (the memory a row needs is the memory model's)."""
         flag = self.cap_flag
         cp = self.parallel.cp_size
+        if flag == "--max-memory-gib" and not self.memory.counted_caps:
+            # The least budget whose one-row cap holds the row (a probe: "raise
+            # --max-memory-gib" with no value, and 0.22 still refused where 0.23 planned).
+            from megatron_dynbatch.planning.memory import budget_gib
+
+            unit = self.memory.row_multiple
+            _, peak = self.memory.model.worst_stage((1, -(-padded // unit) * unit))
+            return f"{flag} to at least {budget_gib(peak):.3f}"
         if flag == "--max-memory-gib" or (cp > 1 and flag != "--max-tokens-per-gpu"):
             # A host whose budget caps the whole row (not a GPU's share) under CP has its own
             # check with its own value (integrations/hosts.py, check_host_oversize).

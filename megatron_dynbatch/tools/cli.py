@@ -460,6 +460,8 @@ def _warn_over_budget(memory: dict, gib) -> None:
     """Say on stderr (JSON or table) when a planned step's predicted peak exceeds the budget
     (issue 44: peaks of 44 MiB against a 10 MiB budget were printed without a word): an oversize
     sample runs alone over any cap, and the memory at rest alone may exceed a small budget."""
+    from megatron_dynbatch.planning.memory import budget_gib
+
     budget = memory["budget_bytes"]
     if budget is None:
         return
@@ -477,8 +479,8 @@ def _warn_over_budget(memory: dict, gib) -> None:
         f"warning: {len({item[0] for item in over})} step(s) are predicted to exceed "
         f"--max-memory-gib {gib:g} ({budget / 2**20:.0f} MiB); the largest, step {s}, holds "
         f"{peak / 2**20:.0f} MiB on pipeline stage {stage} ({rest / 2**20:.0f} MiB of it at "
-        "rest); raise --max-memory-gib, or drop / truncate the samples over the cap "
-        "(--oversize-samples truncate).",
+        f"rest); raise --max-memory-gib to at least {budget_gib(peak):.3f}, or drop / truncate "
+        "the samples over the cap (--oversize-samples truncate).",
         file=sys.stderr,
     )
 

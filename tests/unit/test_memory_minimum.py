@@ -148,6 +148,29 @@ def test_plan_labels_the_cap_and_warns_when_a_peak_exceeds_the_budget(tmp_path, 
     assert "predicted to exceed" not in capsys.readouterr().err
 
 
+def test_each_memory_refusal_and_warning_names_a_budget_that_plans(tmp_path, capsys):
+    """A probe: under --max-memory-gib the oversize refusal said "Raise --max-memory-gib" with no
+    value (0.22 still refused, 0.23 planned), and so did the warning of a step over it."""
+    samples = tmp_path / "samples.json"
+    samples.write_text(json.dumps([100, 50, 300]))
+    args = ["plan", str(samples), "--max-tokens-per-gpu", "4096", *_MODEL, "--json"]
+    assert main([*args, "--oversize-samples", "error", "--max-memory-gib", "0.06"]) == 2
+    err = capsys.readouterr().err
+    named = re.search(r"Raise --max-memory-gib to at least (\d+\.\d+)", err)
+    assert named, err
+    gib = float(named.group(1))
+    assert main([*args, "--oversize-samples", "error", "--max-memory-gib", str(gib)]) == 0
+    capsys.readouterr()
+    assert main([*args, "--oversize-samples", "error", "--max-memory-gib", f"{gib - 0.001}"]) == 2
+    capsys.readouterr()
+    # Under allow the step runs over the budget, and the warning names the same least budget.
+    assert main([*args, "--max-memory-gib", "0.1"]) == 0
+    err = capsys.readouterr().err
+    assert f"raise --max-memory-gib to at least {gib:.3f}" in err, err
+    assert main([*args, "--max-memory-gib", str(gib)]) == 0
+    assert "predicted to exceed" not in capsys.readouterr().err
+
+
 def test_under_truncate_the_budget_is_checked_at_the_row_samples_are_cut_to(monkeypatch):
     """A probe: ``--oversize-samples truncate --max-tokens-per-gpu 512 --max-memory-gib 0.4``
     with ``--seq-length 2048`` was refused for one 2,048-token row, which the run never holds
