@@ -63,6 +63,7 @@ from megatron_dynbatch.planning.spec import (
     as_int,
     check_int,
     layout_flags,
+    require_config,
     setting_flags,
     tokens_padded,
     without_field_hints,
@@ -768,6 +769,7 @@ def plan_host_step(
     Raises:
         DynBatchValueError: bad lengths or an oversize sample the host refuses, in its words.
     """
+    require_config(config, "plan_host_step")
     if host.planning != "sharded":
         raise DynBatchValueError(
             f"{host.name} plans the whole step globally: plan it with plan_schedule (or "

@@ -14,12 +14,12 @@ from collections import Counter
 from operator import itemgetter
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
-from megatron_dynbatch.errors import DynBatchError
+from megatron_dynbatch.errors import DynBatchError, DynBatchValueError
 
 from .plan import Plan, ShardedPlan, StepPlan
 from .samples import SampleSet
 from .schedule import Schedule, ScheduledStep
-from .spec import PlannerConfig, ceil_div, round_up
+from .spec import PlannerConfig, ceil_div, require_config, round_up
 
 __all__ = ["PlanInvariantError", "check_plan"]
 
@@ -60,6 +60,12 @@ def check_plan(
     if not isinstance(plan, Schedule):
         raise PlanInvariantError(
             f"{type(plan).__name__} is not a plan: it implements no scheduled_steps()."
+        )
+    require_config(config, "check_plan")
+    if isinstance(plan, Plan) and not isinstance(samples, SampleSet):
+        raise DynBatchValueError(
+            f"check_plan: samples must be the SampleSet the Plan was planned from, got "
+            f"{type(samples).__name__}; pass SampleSet.build(lengths, rollout_ids, prompts)."
         )
     problems: List[str] = []
     try:

@@ -498,6 +498,13 @@ class MemoryLimit:
         fits (:meth:`fits`); 0 when not even one ``row_multiple`` does."""
         return _row_cap(self, rows)
 
+    def least_gib(self, row: int) -> float:
+        """The least budget in GiB (to 0.001) under which a micro-batch of one row of ``row``
+        tokens (rounded up to ``row_multiple``) fits every stage, as the model predicts it."""
+        unit = self.row_multiple
+        _, peak = self.model.worst_stage((1, -(-row // unit) * unit))
+        return budget_gib(peak)
+
     def most_rows(self, length: int, limit: int) -> int:
         """The most rows of ``length`` tokens, at most ``limit``, a micro-batch may have (>= 0)."""
         lo, hi = 0, limit

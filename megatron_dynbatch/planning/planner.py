@@ -40,6 +40,7 @@ from .spec import (
     PlannerConfig,
     ceil_div,
     padded_note,
+    require_config,
     round_up,
     tokens_padded,
 )
@@ -79,6 +80,7 @@ def plan_samples(samples: SampleSet, config: PlannerConfig) -> Plan:
             f"samples must be a SampleSet, got {type(samples).__name__}; pass "
             "SampleSet.build(lengths), or plan the lengths with plan_schedule(lengths, config=...)."
         )
+    require_config(config, "plan_samples")
     # Planning builds hundreds of thousands of small lists and tuples and no reference cycles;
     # the cyclic garbage collector would re-scan them all at every threshold (a fifth of the time
     # at 1M samples), so it is paused for the call and restored as it was.

@@ -161,8 +161,21 @@ def ceil_div(numerator: int, denominator: int) -> int:
     return -(-numerator // denominator)
 
 
+def require_config(config: Any, where: str) -> None:
+    """Refuse ``config`` that is not a :class:`PlannerConfig` where ``where`` takes one (a probe:
+    ``None`` was an AttributeError far inside)."""
+    if not isinstance(config, PlannerConfig):
+        raise DynBatchValueError(
+            f"{where}: config must be a PlannerConfig, got {type(config).__name__}; build one, "
+            "e.g. PlannerConfig(max_tokens_per_gpu=8192)."
+        )
+
+
 def round_up(value: int, multiple: int) -> int:
     """Smallest multiple of ``multiple`` that is >= ``value``."""
+    if not isinstance(multiple, numbers.Integral) or isinstance(multiple, bool) or multiple < 1:
+        # A probe of the public API: 0 was a ZeroDivisionError and -2 a value below ``value``.
+        raise DynBatchValueError(f"round_up: multiple={multiple!r} must be a whole number >= 1.")
     return ceil_div(value, multiple) * multiple
 
 
@@ -188,6 +201,12 @@ def sample_multiple(tp_size: int, cp_size: int) -> int:
     multiple of ``tp * cp * 2``; without CP only the row must split over TP, which a per-sample multiple
     of ``tp`` guarantees. Example: tp=2, cp=4 -> 16; tp=4, cp=1 -> 4; tp=1, cp=1 -> 1.
     """
+    for name, value in (("tp_size", tp_size), ("cp_size", cp_size)):
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+            raise DynBatchValueError(
+                f"sample_multiple: {name}={value!r} must be a whole number >= 1 (1: no "
+                "parallelism of that kind)."
+            )
     return tp_size * cp_size * 2 if cp_size > 1 else tp_size
 
 
@@ -549,6 +568,11 @@ class PlannerConfig:
             raise DynBatchValueError(f"parallel={self.parallel!r} must be a ParallelLayout.")
         if not isinstance(self.cost, CostModel):
             raise DynBatchValueError(f"cost={self.cost!r} must be a CostModel.")
+        if self.memory is not None and not callable(getattr(self.memory, "row_cap", None)):
+            raise DynBatchValueError(
+                f"memory={self.memory!r} must be a MemoryLimit (planning.memory) or None; a "
+                "budget in GiB is --max-memory-gib's, which a host turns into one with its model."
+            )
         if not isinstance(self.variable_row_lengths, bool):
             raise DynBatchValueError(
                 f"variable_row_lengths={self.variable_row_lengths!r} must be True or False."
@@ -667,11 +691,7 @@ class PlannerConfig:
         if flag == "--max-memory-gib" and not self.memory.counted_caps:
             # The least budget whose one-row cap holds the row (a probe: "raise
             # --max-memory-gib" with no value, and 0.22 still refused where 0.23 planned).
-            from megatron_dynbatch.planning.memory import budget_gib
-
-            unit = self.memory.row_multiple
-            _, peak = self.memory.model.worst_stage((1, -(-padded // unit) * unit))
-            return f"{flag} to at least {budget_gib(peak):.3f}"
+            return f"{flag} to at least {self.memory.least_gib(padded):.3f}"
         if flag == "--max-memory-gib" or (cp > 1 and flag != "--max-tokens-per-gpu"):
             # A host whose budget caps the whole row (not a GPU's share) under CP has its own
             # check with its own value (integrations/hosts.py, check_host_oversize).
