@@ -253,10 +253,16 @@ def _check_rank_samples(
                 )
             seen[index] = m
             if index not in samples:
+                keyed = (
+                    f"; the samples are keyed by {type(next(iter(samples))).__name__} (e.g. "
+                    f"{next(iter(samples))!r}): key them by the plan's int sample index"
+                    if samples and not any(isinstance(key, int) for key in samples)
+                    else ""
+                )
                 raise DynBatchValueError(
                     f"dp_rank={dp_rank}, micro-batch {m}: the plan names sample {index}, which "
-                    f"this rank was not given ({len(samples)} samples given); pass every sample of "
-                    f"step_plan.rank_microbatches({dp_rank})."
+                    f"this rank was not given ({len(samples)} samples given){keyed}; pass every "
+                    f"sample of step_plan.rank_microbatches({dp_rank})."
                 )
             checked[index] = schema.check_sample(index, samples[index])
     return checked

@@ -271,11 +271,29 @@ class BatchSchema:
                 f"sample {index}: expected a mapping of key -> tensor, got {type(sample)}."
             )
         declared = {f.name for f in self.fields}
-        unknown = sorted(set(sample) - declared - set(SAMPLE_INPUT_KEYS))
+        # The token ids first (a probe: a sample of "input_ids" was told to declare a FieldSpec
+        # for it, then refused for the missing "tokens").
+        if "tokens" not in sample:
+            raise DynBatchValueError(
+                f"sample {index}: no 'tokens' key (keys: {sorted(map(str, sample))}); pass the "
+                "token ids as sample['tokens'], a 1-D int64 tensor (rename input_ids to tokens)."
+            )
+        unknown = sorted(set(sample) - declared - set(SAMPLE_INPUT_KEYS), key=str)
         if unknown:
+            # A FieldSpec declares a tensor; other values (metadata) can only be dropped.
+            tensors = [k for k in unknown if isinstance(sample[k], torch.Tensor)]
+            others = [k for k in unknown if k not in tensors]
+            fix = []
+            if tensors:
+                fix.append(f"add a FieldSpec for {tensors} or drop them")
+            if others:
+                fix.append(
+                    f"drop {others} (not tensors: keep such metadata beside the samples, by "
+                    "sample index)"
+                )
             raise DynBatchValueError(
                 f"sample {index}: keys {unknown} are not declared in the schema (declared: "
-                f"{sorted(declared)}); add a FieldSpec for each or drop them from the sample."
+                f"{sorted(declared)}); {'; '.join(fix)}."
             )
         tokens = self._check_tokens(index, sample)
         length = int(tokens.shape[0])
@@ -310,9 +328,7 @@ class BatchSchema:
 
     @staticmethod
     def _check_tokens(index: int, sample: Mapping[str, Any]) -> torch.Tensor:
-        if "tokens" not in sample:
-            raise DynBatchValueError(f"sample {index}: missing key 'tokens' (int64 [L]).")
-        tokens = sample["tokens"]
+        tokens = sample["tokens"]  # present: check_sample refused a sample without it
         if not isinstance(tokens, torch.Tensor):
             raise DynBatchValueError(
                 f"sample {index}: 'tokens' must be an int64 tensor [L], got {type(tokens)}."

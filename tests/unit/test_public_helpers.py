@@ -51,3 +51,31 @@ def test_a_missing_or_wrong_config_or_sample_set_is_refused_by_name():
     check_plan(plan, samples, config)  # the fix named
     with pytest.raises(DynBatchValueError, match="memory=5 must be a MemoryLimit"):
         PlannerConfig(max_tokens_per_gpu=64, memory=5)
+
+
+def test_materialize_names_the_fix_that_works_for_keys_it_cannot_use():
+    """A probe: "input_ids" without "tokens" was told to declare a FieldSpec (then refused for
+    the missing "tokens"); string keys were "not given"; metadata was told to get a FieldSpec,
+    which holds tensors only."""
+    import torch
+
+    from megatron_dynbatch import BatchSchema, PlannerConfig, materialize_microbatches
+    from megatron_dynbatch import plan_schedule as plan_lengths
+
+    step = plan_lengths([5, 3], config=PlannerConfig(max_tokens_per_gpu=16)).steps[0]
+
+    def materialize(samples):
+        return materialize_microbatches(
+            step, 0, samples, BatchSchema(), layout="packed", sample_multiple=1
+        )
+
+    with pytest.raises(DynBatchValueError, match=r"no 'tokens' key .*rename input_ids to tokens"):
+        materialize({0: {"input_ids": torch.arange(5)}, 1: {"input_ids": torch.arange(3)}})
+    with pytest.raises(DynBatchValueError, match="keyed by str .*by the plan's int sample index"):
+        materialize({"0": {"tokens": torch.arange(5)}, "1": {"tokens": torch.arange(3)}})
+    sample = {"tokens": torch.arange(5), "meta": "x", "w": torch.ones(5)}
+    with pytest.raises(
+        DynBatchValueError, match=r"add a FieldSpec for \['w'\] or drop them; drop \['meta'\]"
+    ):
+        materialize({0: sample, 1: {"tokens": torch.arange(3)}})
+    materialize({0: {"tokens": torch.arange(5)}, 1: {"tokens": torch.arange(3)}})  # the fixes

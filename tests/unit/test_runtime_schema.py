@@ -53,7 +53,7 @@ def test_bool_loss_mask_is_accepted():
 @pytest.mark.parametrize(
     "sample, message",
     [
-        ({"advantages": torch.ones(4)}, "sample 9: missing key 'tokens'"),
+        ({"advantages": torch.ones(4)}, "sample 9: no 'tokens' key"),
         (_sample(tokens=torch.arange(4, dtype=torch.int32)), "'tokens' has dtype torch.int32"),
         (_sample(tokens=torch.zeros(2, 2, dtype=torch.int64)), r"'tokens' has shape \(2, 2\)"),
         (_sample(length=0), "'tokens' is empty"),
