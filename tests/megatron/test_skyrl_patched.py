@@ -1032,7 +1032,15 @@ def test_validate_cfg_refuses_use_dynamic_batch_size_where_it_does_nothing(patch
     spelled yes_please, with a budget that is no whole number > 0, a memory budget that is no
     number of GiB or a per-micro-batch overhead that is no finite number >= 0, and our keys with
     the flag off, are refused in one line naming SkyRL's key; the flag off or set right passes."""
+    replay = [
+        "trainer.policy.megatron_config.moe_enable_routing_replay=true",
+        "generator.inference_engine.enable_return_routed_experts=true",
+        "generator.inference_engine.distributed_executor_backend=mp",
+    ]
+    # A probe: accepted, and the placeholder rows (no recorded experts) counted in the router.
+    replay_case = ((MEGATRON_ON + replay, "moe_enable_routing_replay=true with"),)
     cases = CONFIG_CASES + BAD_BUDGET_CASES + BAD_MEMORY_CASES + OVERHEAD_CASES + OFF_CASES
+    cases += replay_case
     results = _validate_cfg(patched_skyrl, [c for c, _ in cases])
     for (overrides, expected), got in zip(cases, results, strict=True):
         if expected is None:

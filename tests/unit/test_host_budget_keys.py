@@ -207,6 +207,24 @@ def test_skyrl_planner_and_memory_keys():
     validate_trainer_config(_skyrl(use_dynamic_batch_size=False, max_tokens_per_microbatch="8k"))
 
 
+def test_skyrl_refuses_router_replay_and_checks_the_reference_models_layout():
+    """Probes: routing replay with the switch was accepted (placeholder rows have no recorded
+    experts: their tokens counted in the router's statistics), and the reference model's tp was
+    not checked against the budget (refused at its first log-prob pass)."""
+    replay = _skyrl()
+    replay.policy.megatron_config = SimpleNamespace(moe_enable_routing_replay=True)
+    with pytest.raises(DynBatchValueError, match="policy.megatron_config.moe_enable_routing_repl"):
+        validate_trainer_config(replay)
+    replay.policy.megatron_config = SimpleNamespace(moe_enable_routing_replay=False)
+    validate_trainer_config(replay)  # the fix named
+    ref = _skyrl(max_tokens_per_microbatch=4)
+    ref.ref = SimpleNamespace(megatron_config=SimpleNamespace(tensor_model_parallel_size=8))
+    with pytest.raises(DynBatchValueError, match="at least 8"):
+        validate_trainer_config(ref)
+    ref.max_tokens_per_microbatch = 8
+    validate_trainer_config(ref)
+
+
 @pytest.mark.parametrize(
     "key, value",
     [

@@ -48,11 +48,32 @@ OWN_KEYS = ("max_memory_gib", "dynamic_batch_planner", "dynamic_batch_cost_micro
 
 
 def _check_planner(name: Any) -> None:
-    """``trainer.dynamic_batch_planner``: a planner registered by that name, planning SkyRL's
-    packed rows (``None``: ours)."""
+    """``trainer.dynamic_batch_planner``: a planner registered by that name, planning the packed
+    rows SkyRL's micro-batches are planned as (``None``: ours)."""
     if name is None:
         return
     check_host_planner(SKYRL, name, SKYRL.fixed["layout"])
+
+
+#: Roles that run a Megatron model through the planned micro-batches (the reference too: its
+#: log-prob pass is planned under the same budget).
+ROLES = ("policy", "critic", "ref")
+
+
+def _refuse_routing_replay(trainer: Any) -> None:
+    """Router replay restores each micro-batch's recorded experts by position, and a placeholder
+    row has none: its tokens would count in every router statistic (a probe). Refused, as verl
+    refuses its router replay with the switch."""
+    for role in ROLES:
+        megatron = getattr(getattr(trainer, role, None), "megatron_config", None)
+        if getattr(megatron, "moe_enable_routing_replay", False) is True:
+            raise DynBatchValueError(
+                f"trainer.{role}.megatron_config.moe_enable_routing_replay=true with {SWITCH}="
+                "true: routing replay restores recorded experts per micro-batch, and the planned "
+                "placeholder rows have none, so their tokens would count in the router's "
+                f"statistics; set trainer.{role}.megatron_config.moe_enable_routing_replay=false, "
+                f"or {SWITCH}=false (SkyRL's own micro-batches)."
+            )
 
 
 def _role_sizes(megatron: Any, role: str) -> Tuple[int, int, int]:
@@ -74,7 +95,7 @@ def _check_padding(trainer: Any, budget: int) -> None:
     config time, not at the first step."""
     from megatron_dynbatch.planning.spec import ParallelLayout
 
-    for role in ("policy", "critic"):
+    for role in ROLES:
         megatron = getattr(getattr(trainer, role, None), "megatron_config", None)
         if megatron is None:
             continue
@@ -174,6 +195,7 @@ def validate_trainer_config(trainer: Any) -> None:
         )
     budget = check_host_budget(SKYRL, trainer.max_tokens_per_microbatch)
     _check_planner(getattr(trainer, "dynamic_batch_planner", None))
+    _refuse_routing_replay(trainer)
     overhead = getattr(trainer, "dynamic_batch_cost_microbatch_overhead", None)
     check_overhead(overhead, f"{OVERHEAD}={overhead!r}", f"{OVERHEAD}=330")
     _check_padding(trainer, budget)
