@@ -649,9 +649,13 @@ def check_host_oversize(
     config: PlannerConfig,
     *,
     forward_only: bool = False,
+    report_forward_only: bool = False,
 ) -> List[Tuple[int, int]]:
     """``(rank, index)`` of every sample over the host's budget, refused or warned about as the
     host means it (``config.oversize_samples`` under :attr:`Host.oversize` ``option``).
+
+    A forward-only pass warns only with ``report_forward_only``: the caller's forward-only budget
+    is smaller than its training budget, whose check named every sample over that one already.
 
     A ``real``-budget host counts a sample's real tokens here: a sample within the budget whose
     alignment padding takes it over is not oversize for the host (the planner runs it alone).
@@ -681,7 +685,7 @@ def check_host_oversize(
     policy = host.oversize
     if policy == "option":
         policy = "error" if config.oversize_samples == "error" else "warn"
-    if policy == "allow" or (policy == "warn" and forward_only):
+    if policy == "allow" or (policy == "warn" and forward_only and not report_forward_only):
         return over
     key = host.key("max_tokens_per_gpu", forward_only=forward_only)
     where = (

@@ -186,3 +186,14 @@ def test_the_fixed_planner_is_refused_in_slimes_flags_without_slimes_argument_ch
     assert "--dynamic-batch-planner fixed plans padded rows only" in message, message
     assert "--dynamic-batch-layout" not in message
     _schedule(slime_args(max_tokens_per_gpu=1024, dynamic_batch_planner="dynbatch"))
+
+
+def test_a_sample_over_a_smaller_log_prob_budget_is_reported_in_its_flag():
+    """A probe: under ``allow`` a 40-token sample ran its log-prob pass alone in a row of 128
+    against --log-probs-max-tokens-per-gpu 16, with no word (training's budget held it)."""
+    args = slime_args(max_tokens_per_gpu=64, log_probs_max_tokens_per_gpu=16)
+    with pytest.warns(UserWarning, match=r"\(--log-probs-max-tokens-per-gpu=16\): sample 0: 40"):
+        build_dp_schedule(
+            args, slime_tp(dp_size=2), [40, 10, 10, 10], global_batch_size=4,
+            rollout_indices=[0, 1, 2, 3],
+        )  # fmt: skip

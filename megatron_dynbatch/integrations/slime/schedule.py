@@ -366,13 +366,22 @@ def _within_budget(
     return out
 
 
-def _check_oversize(lengths: List[int], planner_config: Any, *, forward_only: bool) -> None:
+def _check_oversize(
+    lengths: List[int], planner_config: Any, *, forward_only: bool, report: bool = False
+) -> None:
     """slime's oversize rule over the global lengths (:func:`check_host_oversize`), skipped where
     no sample is over the cap rounded down to the sample multiple: then none is over however the
-    host counts its budget (two passes over 1M samples saved)."""
+    host counts its budget (two passes over 1M samples saved). ``report``: a forward-only pass
+    warns too (its budget is smaller than training's)."""
     multiple, cap = planner_config.parallel.sample_multiple, planner_config.token_cap
     if max(lengths) > (cap // multiple) * multiple:
-        check_host_oversize(SLIME, [lengths], planner_config, forward_only=forward_only)
+        check_host_oversize(
+            SLIME,
+            [lengths],
+            planner_config,
+            forward_only=forward_only,
+            report_forward_only=report,
+        )
 
 
 def _forward_only_schedule(
@@ -417,8 +426,12 @@ def _forward_only_schedule(
             micro_batch_indices=[list(map(list, rank)) for rank in training[0]],
             row_lengths=[list(rows) for rows in training[1]],
         )
-    # Once over the global lengths, so an error names the samples by their rollout position.
-    _check_oversize(lengths, planner_config, forward_only=True)
+    # Once over the global lengths, so an error names the samples by their rollout position; a
+    # log-prob budget under the training one is warned about in its own key (a probe: samples
+    # over it ran alone in rows of 128 against 16, unreported).
+    _check_oversize(
+        lengths, planner_config, forward_only=True, report=budget < config.max_tokens_per_gpu
+    )
     rank_lengths = [list(map(lengths.__getitem__, partition)) for partition in partitions]
     if planner_config.planner in OWN_PLANNERS:
         plan = plan_forward_only(rank_lengths, planner_config)
