@@ -997,6 +997,28 @@ def test_config_refusals_happen_in_verls_own_config_parser(patched_verl):
         for flag in ([], [f"{FLAG}=false"])
         for setting, shown in (("planner=dynbatch", "'planner': 'dynbatch'"),)
     ]
+    # The engine's rows are the model config's use_remove_padding (verl's worker copies it), not
+    # megatron.use_remove_padding (a probe: the check read that one).
+    fixed_planner = f"+{dynbatch}.planner=fixed"
+    cases += [
+        (
+            ON + ["actor_rollout_ref.actor.megatron.use_remove_padding=false", fixed_planner],
+            f"{dynbatch}.planner='fixed' plans padded rows",
+        )
+    ]
+    # The reference model's own keys follow the actor's (a probe: set otherwise, unchecked).
+    ref = "actor_rollout_ref.ref"
+    cases += [
+        (
+            FIXED
+            + [
+                f"{ref}.megatron.use_dynamic_batch_size=true",
+                f"{ref}.log_prob_use_dynamic_bsz=true",
+                f"{ref}.log_prob_max_token_len_per_gpu=0",
+            ],
+            f"{ref}.megatron.use_dynamic_batch_size=True differs from {FLAG}=False",
+        )
+    ]
     cases += [
         (
             FIXED + ["+critic.megatron.dynbatch.max_memory_gib=40"],
@@ -1017,6 +1039,7 @@ def test_config_refusals_happen_in_verls_own_config_parser(patched_verl):
     ok += [(ON + [f"{dynbatch}=null"], True), (ON + [f"+{dynbatch}.planner=dynbatch"], True)]
     # A per-micro-batch overhead the planner is told (tokens of linear work).
     ok += [(ON + [f"+{overhead}=330"], True), (ON + [f"+{overhead}=0"], True)]
+    ok += [(ON + ["actor_rollout_ref.model.use_remove_padding=false", fixed_planner], True)]
     # (A critic that passes our checks goes on to verl's own HFModelConfig, which needs the real
     # transformers; the critic's refusals above come first, before verl builds it.)
     results = _validate(patched_verl, [(o, any("critic" in x for x in o)) for o, _ in ok])

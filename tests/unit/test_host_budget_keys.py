@@ -107,6 +107,18 @@ def test_verl_refuses_dynbatch_settings_with_the_roles_switch_off(role):
         check_verl_config(_verl(**off), use_reference_policy=True, use_critic=False)
 
 
+def test_verl_refuses_reference_settings_that_differ_from_the_actors():
+    """A probe: the reference model's own switch or settings were never checked at config time
+    (they failed at its first log-prob pass, on the workers); they follow the actor's."""
+    mismatched = _verl(actor_rollout_ref__ref__megatron={"use_dynamic_batch_size": False})
+    with pytest.raises(DynBatchValueError, match=r"ref.megatron.use_dynamic_batch_size=False diff"):
+        check_verl_config(mismatched, use_reference_policy=True, use_critic=False)
+    check_verl_config(mismatched, use_reference_policy=False, use_critic=False)  # no reference
+    same = _verl(actor_rollout_ref__ref__megatron={"use_dynamic_batch_size": True})
+    check_verl_config(same, use_reference_policy=True, use_critic=False)
+    check_verl_config(_verl(), use_reference_policy=True, use_critic=False)  # not set: follows
+
+
 def test_verl_runtime_messages_name_the_engine_and_pass_key():
     assert verl_host("actor").key("max_tokens_per_gpu") == BUDGET_KEYS[("actor", False)]
     assert verl_host("actor", True).key("max_tokens_per_gpu") == BUDGET_KEYS[("actor", True)]

@@ -272,11 +272,11 @@ def test_a_told_overhead_reaches_the_planner_and_a_bad_one_is_refused_naming_ver
     assert told.cost.microbatch_overhead == 330.0
     role = "actor_rollout_ref.actor"
     section = {"megatron": {"dynbatch": {"cost_microbatch_overhead": 330}}}
-    assert dynbatch_settings(section, role) == {"cost_microbatch_overhead": 330}
+    assert dynbatch_settings(section, role, True) == {"cost_microbatch_overhead": 330}
     for value in (-1, float("nan"), float("inf"), "lots", True):
         section = {"megatron": {"dynbatch": {"cost_microbatch_overhead": value}}}
         with pytest.raises(DynBatchValueError) as caught:
-            dynbatch_settings(section, role)
+            dynbatch_settings(section, role, True)
         message = str(caught.value)
         assert f"{role}.megatron.dynbatch.cost_microbatch_overhead={value!r}" in message
         assert f"+{role}.megatron.dynbatch.cost_microbatch_overhead=330" in message
@@ -288,20 +288,32 @@ def test_a_told_overhead_reaches_the_planner_and_a_bad_one_is_refused_naming_ver
 def test_a_planner_of_the_other_rows_is_refused_at_start_up_naming_verls_key():
     # 'fixed' plans padded rows: with use_remove_padding (verl's default) the engine packs THD
     # rows and the planner refused the layout at the first step, after the cluster had started.
-    from megatron_dynbatch.integrations.verl.config import dynbatch_settings
+    # The rows are the model config's use_remove_padding, which verl's worker copies into the
+    # engine's (a probe: the check read megatron.use_remove_padding, which the worker overwrites).
+    from megatron_dynbatch.integrations.verl.config import _packed, dynbatch_settings
 
     role = "critic"
+    section = {
+        "megatron": {"dynbatch": {"planner": "fixed"}},
+        "model": {"use_remove_padding": True},
+    }
     with pytest.raises(DynBatchValueError) as caught:
-        dynbatch_settings({"megatron": {"dynbatch": {"planner": "fixed"}}}, role)
+        dynbatch_settings(section, role, _packed({"critic": section}, role, section))
     message = str(caught.value)
     assert "critic.megatron.dynbatch.planner='fixed' plans padded rows only" in message, message
     assert "verl runs packed rows" in message and "pick planner 'dynbatch'" in message, message
-    padded = {"megatron": {"use_remove_padding": False, "dynbatch": {"planner": "fixed"}}}
-    assert dynbatch_settings(padded, role) == {"planner": "fixed"}
+    padded = {
+        "megatron": {"use_remove_padding": True, "dynbatch": {"planner": "fixed"}},
+        "model": {"use_remove_padding": False},
+    }
+    assert dynbatch_settings(padded, role, _packed({}, role, padded)) == {"planner": "fixed"}
+    actor = "actor_rollout_ref.actor"
+    config = {"actor_rollout_ref": {"model": {"use_remove_padding": False}}}
+    assert _packed(config, actor, {"megatron": {"use_remove_padding": True}}) is False
     with pytest.raises(
         DynBatchValueError, match=r"critic\.megatron\.dynbatch\.planner=3 must name"
     ):
-        dynbatch_settings({"megatron": {"dynbatch": {"planner": 3}}}, role)
+        dynbatch_settings({"megatron": {"dynbatch": {"planner": 3}}}, role, True)
 
 
 def test_thd_micro_batches_are_planned_at_their_own_length_with_attention():

@@ -209,15 +209,25 @@ def _get(node: Any, dotted: str, default: Any = None) -> Any:
     return default if node is _ABSENT else node
 
 
-#: The rows verl's Megatron engine runs, by ``megatron.use_remove_padding``.
+#: The rows verl's Megatron engine runs, by the model's ``use_remove_padding``.
 _LAYOUTS = {True: "packed", False: "padded"}
 
 #: What ``megatron.dynbatch`` (verl's one dict option for megatron_dynbatch's settings) may hold.
 DYNBATCH_KEYS = ("max_memory_gib", "planner", "cost_microbatch_overhead")
 
 
-def dynbatch_settings(section: Any, role: str) -> dict:
-    """``{role}.megatron.dynbatch`` as a plain dict (``null`` or absent: empty, as if not set).
+def _packed(config: Any, role: str, section: Any) -> Any:
+    """Whether verl's Megatron engine runs the role's rows packed (THD): its worker sets the
+    engine's ``use_remove_padding`` from the role's model config ("we use the one defined in
+    model"), not from ``megatron.use_remove_padding`` (a probe: the check read that one)."""
+    if role == ACTOR:
+        return _get(config, "actor_rollout_ref.model.use_remove_padding", False)
+    return _get(section, "model.use_remove_padding", False)
+
+
+def dynbatch_settings(section: Any, role: str, packed: Any) -> dict:
+    """``{role}.megatron.dynbatch`` as a plain dict (``null`` or absent: empty, as if not set);
+    ``packed``: the role's rows (:func:`_packed`), which a named planner must plan.
 
     Raises:
         DynBatchValueError: a key it does not know (a typo would otherwise be ignored), a
@@ -241,8 +251,6 @@ def dynbatch_settings(section: Any, role: str) -> dict:
         )
     planner = items.get("planner")
     if planner is not None:
-        # verl's Megatron engine packs THD rows with use_remove_padding (its default), else pads.
-        packed = _get(section, "megatron.use_remove_padding", True)
         host = replace(VERL, keys={**VERL.keys, "planner": f"{where}.planner"})
         check_host_planner(
             host, planner, _LAYOUTS.get(packed) if isinstance(packed, bool) else None
@@ -306,7 +314,8 @@ def _memory(
     )
 
     key = f"{role}.megatron.dynbatch.max_memory_gib"
-    gib = parse_gib(dynbatch_settings(section, role).get("max_memory_gib"), key)
+    settings = dynbatch_settings(section, role, _packed(config, role, section))
+    gib = parse_gib(settings.get("max_memory_gib"), key)
     if gib is None:
         return
     megatron = _get(section, "megatron")
@@ -345,6 +354,28 @@ def _memory(
     )
 
 
+def _ref_follows_the_actor(actor: Any, ref: Any) -> None:
+    """The reference model's ``megatron.use_dynamic_batch_size`` and ``megatron.dynbatch`` follow
+    the actor's (patch 0001's YAML interpolates them): set otherwise, they were never checked
+    here and failed at the reference's first log-prob pass, on the workers (a probe)."""
+    where = "actor_rollout_ref.ref.megatron"
+    for key, default in (("use_dynamic_batch_size", False), ("dynbatch", None)):
+        mine = _get(ref, f"megatron.{key}", _ABSENT)
+        if mine is _ABSENT:  # a config without the key: the reference runs verl's own batching
+            continue
+        theirs = _get(actor, f"megatron.{key}", default)
+        if hasattr(mine, "items"):
+            mine = dict(mine.items())
+        if hasattr(theirs, "items"):
+            theirs = dict(theirs.items())
+        if (mine or default) != (theirs or default):
+            raise DynBatchValueError(
+                f"{where}.{key}={mine!r} differs from {ACTOR}.megatron.{key}={theirs!r}: the "
+                "reference model's log-prob pass is planned as the actor's, whose setting it "
+                f"follows; drop the {where}.{key} override and set {ACTOR}.megatron.{key}."
+            )
+
+
 def _settings_need_the_switch(role: str, section: Any) -> None:
     """Refuse ``{role}.megatron.dynbatch`` set with the role's switch off: only the switch reads
     it, so it was ignored unseen (patch 0001 calls :func:`check_verl_config` when it is set)."""
@@ -373,12 +404,14 @@ def check_verl_config(config: Any, *, use_reference_policy: bool, use_critic: bo
     critic = _get(config, "critic")
     for role, section in ((ACTOR, actor), ("critic", critic if use_critic else None)):
         _settings_need_the_switch(role, section)
+    if use_reference_policy:
+        _ref_follows_the_actor(actor, _get(config, "actor_rollout_ref.ref"))
     if actor is not None and _get(actor, "megatron") is not None:
         flag = _get(actor, "megatron.use_dynamic_batch_size", False)
         if flag is not False:
             switch = f"{ACTOR}.megatron.use_dynamic_batch_size=true"
             check_role_config(actor, role=ACTOR)
-            dynbatch_settings(actor, ACTOR)
+            dynbatch_settings(actor, ACTOR, _packed(config, ACTOR, actor))
             key = BUDGET_KEYS[("actor", False)]
             tokens = check_budget(_get(actor, "ppo_max_token_len_per_gpu"), key, switch)
             rollout = "actor_rollout_ref.rollout"
@@ -413,7 +446,7 @@ def check_verl_config(config: Any, *, use_reference_policy: bool, use_critic: bo
         return
     switch = "critic.megatron.use_dynamic_batch_size=true"
     check_role_config(critic, role="critic")
-    dynbatch_settings(critic, "critic")
+    dynbatch_settings(critic, "critic", _packed(config, "critic", critic))
     tokens = check_budget(_get(critic, "ppo_max_token_len_per_gpu"), _CRITIC_TRAINING, switch)
     infer = check_budget(
         _get(critic, "ppo_infer_max_token_len_per_gpu", 32768),
