@@ -166,6 +166,23 @@ def test_budget_errors_name_nemo_rl_keys():
         nemo_rl_planner_config(cfg, dp_size=1, forward_only=True)
 
 
+def test_a_budget_under_one_padded_sample_and_both_switch_fixes_are_named_at_config_time():
+    """Probes: a budget under make_sequence_length_divisible_by passed the config check and every
+    batch was refused at its first pass; dynamic batching on with packing off named one fix,
+    then refused the next."""
+    for key, over in (("train_mb_tokens", {"budget": 2}), ("logprob_mb_tokens", {"logprob": 3})):
+        with pytest.raises(
+            DynBatchValueError, match=rf"sequence_packing\.{key}=\d holds no sample.*at least 4"
+        ):
+            dynbatch_enabled(_cfg(**over))
+    assert dynbatch_enabled(_cfg(budget=4, logprob=4)) is True  # the named fix
+    with pytest.raises(DynBatchValueError) as refused:
+        dynbatch_enabled(_cfg(dynamic=True, packing=False))
+    message = str(refused.value)
+    assert "dynamic_batching.enabled=false and policy.sequence_packing.enabled=true" in message
+    assert dynbatch_enabled(_cfg()) is True  # both fixes applied
+
+
 def test_layout_errors_name_nemo_rl_keys():
     cfg = _cfg(pp=2, vpp=2, group=1)
     with pytest.raises(

@@ -128,21 +128,43 @@ def dynbatch_enabled(policy_cfg: Mapping[str, Any]) -> bool:
             "policy.megatron_cfg.enabled is false; enable the Megatron backend or set "
             f"{_SWITCH}=false."
         )
+    packing_on = (policy_cfg.get("sequence_packing") or {}).get("enabled", False)
     if (policy_cfg.get("dynamic_batching") or {}).get("enabled", False):
+        # Both fixes at once where both are needed (a probe: the second came as a second refusal).
+        also = (
+            ""
+            if packing_on
+            else " and policy.sequence_packing.enabled=true (with "
+            "policy.sequence_packing.train_mb_tokens: its runtime runs our micro-batches)"
+        )
         raise DynBatchValueError(
             f"{_SWITCH}=true replaces policy.dynamic_batching (which needs pipeline size 1); set "
-            "policy.dynamic_batching.enabled=false."
+            f"policy.dynamic_batching.enabled=false{also}."
         )
-    if not (policy_cfg.get("sequence_packing") or {}).get("enabled", False):
+    if not packing_on:
         raise DynBatchValueError(
             f"{_SWITCH}=true runs its micro-batches through NeMo-RL's sequence packing; set "
             "policy.sequence_packing.enabled=true with policy.sequence_packing.train_mb_tokens "
             "(and logprob_mb_tokens for log-prob passes)."
         )
     packing = policy_cfg.get("sequence_packing") or {}
-    check_host_budget(NEMO_RL, packing.get("train_mb_tokens"))
-    if packing.get("logprob_mb_tokens") is not None:
-        check_host_budget(NEMO_RL, packing["logprob_mb_tokens"], forward_only=True)
+    multiple = host_size(
+        policy_cfg.get("make_sequence_length_divisible_by"),
+        "policy.make_sequence_length_divisible_by",
+    )
+    for key, forward_only in (("train_mb_tokens", False), ("logprob_mb_tokens", True)):
+        if forward_only and packing.get(key) is None:
+            continue
+        budget = check_host_budget(NEMO_RL, packing.get(key), forward_only=forward_only)
+        if budget < multiple:
+            # Every sample pads to at least one multiple: each batch would be refused at its
+            # first pass, after a rollout (a probe).
+            raise DynBatchValueError(
+                f"policy.sequence_packing.{key}={budget} holds no sample: NeMo-RL pads each to a "
+                f"multiple of policy.make_sequence_length_divisible_by={multiple}; raise "
+                f"policy.sequence_packing.{key} to at least {multiple} (a budget of several "
+                "samples is usual)."
+            )
     # The pipeline layout at start-up too, not at the first train or log-prob call.
     nemo_rl_layout(policy_cfg, 1)
     return True
