@@ -25,6 +25,7 @@ imports ``module`` first, e.g. ``--dynamic-batch-planner benchmarks.baselines:ve
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import sys
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
@@ -211,6 +212,21 @@ def ranks_planner(scheduler: RanksScheduler, *, layout: Optional[str] = None) ->
     the result with :func:`plan_from_ranks`. ``layout`` overrides the config's (a scheduler of
     padded ``[B, S]`` rows says ``padded``).
     """
+
+    if not callable(scheduler):
+        raise DynBatchValueError(
+            f"ranks_planner: scheduler={scheduler!r} must be callable as scheduler(lengths, "
+            "rollout_keys, config) -> ranks[r][m] (indices local to the step)."
+        )
+    try:  # a probe: a two-argument scheduler was a bare TypeError at the first plan
+        inspect.signature(scheduler).bind(None, None, None)
+    except TypeError as error:
+        raise DynBatchValueError(
+            f"ranks_planner: {getattr(scheduler, '__name__', scheduler)!r} cannot be called as "
+            f"scheduler(lengths, rollout_keys, config) ({error}); take the three arguments."
+        ) from None
+    except ValueError:  # no signature to read (a builtin): called as it is
+        pass
 
     def planner(samples: SampleSet, config: PlannerConfig) -> Plan:
         kept = _apply_oversize_policy(samples, config)

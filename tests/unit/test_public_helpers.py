@@ -79,3 +79,16 @@ def test_materialize_names_the_fix_that_works_for_keys_it_cannot_use():
     ):
         materialize({0: sample, 1: {"tokens": torch.arange(3)}})
     materialize({0: {"tokens": torch.arange(5)}, 1: {"tokens": torch.arange(3)}})  # the fixes
+
+
+def test_ranks_planner_refuses_a_scheduler_it_cannot_call():
+    """A probe: a two-argument scheduler was a bare TypeError at the first plan."""
+    from megatron_dynbatch.planning.registry import ranks_planner
+
+    with pytest.raises(
+        DynBatchValueError, match=r"cannot be called as scheduler\(lengths, rollout"
+    ):
+        ranks_planner(lambda lengths, config: [[list(range(len(lengths)))]])
+    with pytest.raises(DynBatchValueError, match="must be callable"):
+        ranks_planner(3)
+    ranks_planner(lambda lengths, keys, config: [[list(range(len(lengths)))]])
