@@ -232,11 +232,19 @@ def _planner_config(args, *, memory=None):
 
         _check_model_shape(args, "cost")
         args.group_query_attention = args.num_query_groups is not None
+        cpu = getattr(args, "device", "cuda") == "cpu"
+        if cpu and values.get("cost_attention") is None:
+            # The entry on CPU runs Megatron's local attention: a masked softmax over the whole
+            # row (a probe: plan --device cpu priced packed rows per segment, as on GPUs).
+            values["cost_attention"] = "dense"
         apply_default_cost(values, _physical_cost(args, parallel, values))
-        # Variable rows by default only where they can run: a padded [B, S] row has the longest
-        # sample's length, as the Megatron-LM entry decides (variable_seq_lengths()).
+        # Variable rows by default only where they can run and pay: a padded [B, S] row has the
+        # longest sample's length, and on CPU (gloo) the entry keeps one row a step, as it
+        # decides (variable_seq_lengths(): NCCL only).
         packed = (values["layout"] or "packed") == "packed"
-        wanted = args.variable_seq_lengths or (args.variable_seq_lengths is None and packed)
+        wanted = args.variable_seq_lengths or (
+            args.variable_seq_lengths is None and packed and not cpu
+        )
         variable = VARIABLE_ROW_MULTIPLE if wanted else None
     elif getattr(args, "variable_seq_lengths", None):
         from megatron_dynbatch.integrations.megatron_lm.arguments import VARIABLE_ROW_MULTIPLE

@@ -354,3 +354,27 @@ def test_plans_oversize_warning_names_the_flags_as_its_refusal_does(tmp_path, ca
     assert main(["plan", str(path), "--max-tokens-per-gpu", "4", "--json"]) == 0
     err = capsys.readouterr().err
     assert "(--max-tokens-per-gpu=4 x --cp-size=1)" in err and "max_tokens_per_gpu" not in err
+
+
+def test_plan_on_cpu_shows_the_plan_a_cpu_run_makes(tmp_path, capsys):
+    """A docs probe: ``plan --device cpu`` priced packed rows per segment and gave every
+    micro-batch its own row, as on GPUs; a CPU run (gloo, Megatron's local attention) keeps one
+    row a step and pays attention over the whole row. Now it plans as that run does."""
+    import random
+
+    rng = random.Random(5)
+    samples = tmp_path / "samples.json"
+    samples.write_text(json.dumps([rng.randint(30, 256) for _ in range(16)]))
+    model = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"]
+    base = ["plan", str(samples), "--max-tokens-per-gpu", "1024", "--pp-size", "2", *model]
+    steps = {}
+    for device in ("cpu", "cuda"):
+        assert main([*base, "--vocab-size", "257", "--device", device, "--json"]) == 0
+        steps[device] = json.loads(capsys.readouterr().out)["steps"][0]
+    assert steps["cpu"]["row_lengths"] == [] and steps["cpu"]["micro_batch_size"] > 1
+    assert steps["cuda"]["row_lengths"] and steps["cuda"]["micro_batch_size"] == 1
+    # Told otherwise, it plans so on CPU too.
+    explicit = [*base, "--device", "cpu", "--variable-seq-lengths", "--json"]
+    explicit += ["--dynamic-batch-cost-attention", "segment"]
+    assert main(explicit) == 0
+    assert json.loads(capsys.readouterr().out)["steps"][0]["row_lengths"]
