@@ -257,8 +257,8 @@ SETTINGS: Tuple[Setting, ...] = (
         "it here or on the command line. With context parallelism a micro-batch holds cp_size "
         "times this many tokens, split over the CP ranks.",
         cli=Cli(
-            help="hard token cap of one micro-batch on one GPU",
-            required=("plan",),
+            help="hard token cap of one micro-batch on one GPU (plan: required unless "
+            "--max-memory-gib gives the budget, as in training)",
             default={"verify": 128},
         ),
     ),

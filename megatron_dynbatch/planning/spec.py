@@ -669,6 +669,9 @@ class PlannerConfig:
             and self.token_cap < self.max_tokens_per_gpu * self.parallel.cp_size
         ):
             gib = self.memory.budget_bytes / 2**30
+            if self.max_tokens_per_gpu * self.parallel.cp_size > MAX_TOKENS - self.parallel.cp_size:
+                # Only a memory budget was given (the token budget stands at its most).
+                return f"the longest row --max-memory-gib {gib:.3f} allows; no token budget is set"
             return f"the longest row --max-memory-gib {gib:.3f} allows; {budget} is more"
         return budget
 

@@ -219,6 +219,17 @@ def _planner_config(args, *, memory=None):
         cp_size=args.cp_size,
     )
     values = {field: getattr(args, field) for field in CLI_FIELDS}
+    if values.get("max_tokens_per_gpu") is None:
+        if getattr(args, "max_memory_gib", None) is None:
+            raise DynBatchValueError(
+                "pass --max-tokens-per-gpu (the token budget of one micro-batch), or "
+                "--max-memory-gib with the model flags (--num-layers, --hidden-size, ...)."
+            )
+        # Only a memory budget: no token cap of its own, as in training (arguments.py); the cap
+        # is the longest row the memory budget allows (a docs probe: plan required the flag).
+        from megatron_dynbatch.planning.spec import MAX_TOKENS
+
+        values["max_tokens_per_gpu"] = MAX_TOKENS // args.cp_size
     if getattr(args, "planner", None) is not None:
         values["planner"] = args.planner
     variable = None

@@ -243,7 +243,17 @@ def test_a_missing_required_flag_is_one_usage_line(tmp_path):
     )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert "--max-tokens-per-gpu" in lines[0] and "megatron-dynbatch plan --help" in lines[0]
+    # Either budget will do (a docs probe: --max-memory-gib alone was refused, as training
+    # takes it).
+    assert "pass --max-tokens-per-gpu" in lines[0] and "or --max-memory-gib" in lines[0]
+
+
+def test_plan_takes_a_memory_budget_alone_as_training_does(tmp_path, capsys):
+    path = _write(tmp_path, SAMPLES)
+    model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+    assert main(["plan", path, "--max-memory-gib", "0.1", *model]) == 0
+    out = capsys.readouterr().out
+    assert "(the longest row --max-memory-gib 0.100 allows; no token budget is set)" in out, out
 
 
 def test_plan_with_the_model_flags_plans_with_trainings_default_cost_model(tmp_path, capsys):
