@@ -154,3 +154,30 @@ def test_zero_layers_a_chunk_names_fixes_that_pass(per_vp):
     check_model_layout(_args(num_layers=2, pipeline_model_parallel_size=2,
                              num_layers_per_virtual_pipeline_stage=1))  # fmt: skip
     check_model_layout(_args(num_layers=2, pipeline_model_parallel_size=2))  # dropped
+
+
+def test_document_samples_fixed_counts_are_whole_interleaving_groups():
+    """A probe: --document-samples (Megatron's fixed micro-batches) with virtual stages and a
+    count that is not a multiple of the pipeline size failed in Megatron's interleaved schedule at
+    the first step, after the model was built; refused at start-up naming a batch that works."""
+    from types import SimpleNamespace
+
+    from megatron_dynbatch.integrations.megatron_lm.layout_checks import (
+        check_fixed_interleaved_counts,
+    )
+
+    def args(gbs, eval_iters=0, **over):
+        values = dict(
+            virtual_pipeline_model_parallel_size=2, pipeline_model_parallel_size=2,
+            data_parallel_size=1, global_batch_size=gbs, micro_batch_size=1,
+            eval_iters=eval_iters, eval_global_batch_size=None, eval_micro_batch_size=None,
+        )  # fmt: skip
+        values.update(over)
+        return SimpleNamespace(**values)
+
+    with pytest.raises(DynBatchValueError, match="fixed 3 micro-batches .* --global-batch-size 4"):
+        check_fixed_interleaved_counts(args(3))
+    check_fixed_interleaved_counts(args(4))  # the named fix
+    check_fixed_interleaved_counts(args(3, virtual_pipeline_model_parallel_size=None))
+    with pytest.raises(DynBatchValueError, match="--eval-global-batch-size 6"):
+        check_fixed_interleaved_counts(args(4, eval_iters=1, eval_global_batch_size=5))

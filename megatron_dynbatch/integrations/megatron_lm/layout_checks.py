@@ -30,6 +30,7 @@ from megatron_dynbatch.errors import DynBatchValueError
 
 __all__ = [
     "PRETRAIN_PROGRAM",
+    "check_fixed_interleaved_counts",
     "check_model_layout",
     "check_virtual_pipeline",
     "check_world_size",
@@ -258,6 +259,40 @@ def check_virtual_pipeline(args: Any) -> None:
         f"{pp * stages * chunk - len(extra)} ({stages * chunk} layers a stage, {chunk} a chunk), "
         "or drop --num-virtual-stages-per-pipeline-rank (no interleaving)."
     )
+
+
+def check_fixed_interleaved_counts(args: Any) -> None:
+    """``--document-samples`` runs Megatron's fixed micro-batch count, which its interleaved
+    schedule needs in whole groups of ``--pipeline-model-parallel-size`` (one group at least): a
+    count that is not failed in the schedule at the first step, after the model was built (a
+    probe). Refused here, naming the global batch size that works."""
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    if vpp <= 1:
+        return
+    pp, dp = args.pipeline_model_parallel_size, args.data_parallel_size
+    passes = [
+        ("--global-batch-size", args.global_batch_size, "--micro-batch-size", args.micro_batch_size)
+    ]
+    if (getattr(args, "eval_iters", 0) or 0) > 0:
+        passes.append(
+            (
+                "--eval-global-batch-size",
+                getattr(args, "eval_global_batch_size", None) or args.global_batch_size,
+                "--eval-micro-batch-size",
+                getattr(args, "eval_micro_batch_size", None) or args.micro_batch_size,
+            )
+        )
+    for batch_flag, batch, micro_flag, micro in passes:
+        count = batch // (micro * dp)
+        if count % pp:
+            works = -(-count // pp) * pp * micro * dp
+            raise DynBatchValueError(
+                f"--document-samples runs Megatron's fixed {count} micro-batches a step "
+                f"({batch_flag} {batch} / ({micro_flag} {micro} x {dp} data-parallel ranks)), and "
+                "its interleaved schedule needs a multiple of --pipeline-model-parallel-size "
+                f"{pp}: pass {batch_flag} {works}, or drop the virtual pipeline stages "
+                "(--use-dynamic-batch-size aligns its counts itself)."
+            )
 
 
 def _check_positions(args: Any) -> None:

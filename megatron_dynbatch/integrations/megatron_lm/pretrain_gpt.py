@@ -82,7 +82,10 @@ from megatron_dynbatch.integrations.megatron_lm.gpt_stock import (
     stock_forward_step,
 )
 from megatron_dynbatch.integrations.megatron_lm.hooks import current_hooks, entry_check
-from megatron_dynbatch.integrations.megatron_lm.layout_checks import one_rank_without_torchrun
+from megatron_dynbatch.integrations.megatron_lm.layout_checks import (
+    check_fixed_interleaved_counts,
+    one_rank_without_torchrun,
+)
 from megatron_dynbatch.integrations.megatron_lm.memory import TrainingPeak
 from megatron_dynbatch.integrations.megatron_lm.progress import count_progress_tokens
 from megatron_dynbatch.integrations.megatron_lm.resume import (
@@ -200,6 +203,8 @@ def _check_document_args(args: Any) -> None:
         # placeholders, so validation keeps the token mean over the whole batch instead.
         args.sft = False
         args.sft_conversations = True
+    if not args.use_dynamic_batch_size:
+        check_fixed_interleaved_counts(args)
     if args.context_parallel_size > 1:
         raise DynBatchValueError(
             f"--context-parallel-size {args.context_parallel_size}: the document-sample forward "
