@@ -197,3 +197,47 @@ def test_a_sample_over_a_smaller_log_prob_budget_is_reported_in_its_flag():
             args, slime_tp(dp_size=2), [40, 10, 10, 10], global_batch_size=4,
             rollout_indices=[0, 1, 2, 3],
         )  # fmt: skip
+
+
+def test_under_the_margin_one_budget_is_still_one_budget_for_both_passes():
+    """Re-probes: slime's validate_args sets the log-prob budget to --max-tokens-per-gpu in full,
+    which is not the margin's share, so the log-prob pass repacked; with one row a step the rows
+    were rounded up within the share (128 for a 90-token sample at budget 100)."""
+    lengths = [30, 20, 25, 40, 10, 35, 15, 45]
+    for log_probs in (None, 100):
+        args = slime_args(
+            max_tokens_per_gpu=100,
+            packing_safety_margin=0.5,
+            log_probs_max_tokens_per_gpu=log_probs,
+        )
+        schedule = build_dp_schedule(
+            args, slime_tp(dp_size=2), lengths, global_batch_size=8,
+            rollout_indices=list(range(8)),
+        )  # fmt: skip
+        assert schedule.forward_only.micro_batch_indices == schedule.micro_batch_indices
+    uniform = slime_args(
+        max_tokens_per_gpu=100, packing_safety_margin=0.5, variable_seq_lengths=False
+    )
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        schedule = build_dp_schedule(
+            uniform, slime_tp(dp_size=2), [50, 20, 90], global_batch_size=3,
+            rollout_indices=[0, 1, 2],
+        )  # fmt: skip
+    assert max(max(rows) for rows in schedule.row_lengths) <= 100, schedule.row_lengths
+
+
+def test_routing_replay_says_a_smaller_log_prob_budget_cannot_bind():
+    """A re-probe: under routing replay the log-prob pass runs the training micro-batches, and a
+    smaller --log-probs-max-tokens-per-gpu was ignored without a word."""
+    args = slime_args(
+        max_tokens_per_gpu=64, log_probs_max_tokens_per_gpu=16, use_routing_replay=True
+    )
+    with pytest.warns(UserWarning, match=r"--log-probs-max-tokens-per-gpu 16 is below .* routing"):
+        schedule = build_dp_schedule(
+            args, slime_tp(dp_size=2), [40, 10, 10, 10], global_batch_size=4,
+            rollout_indices=[0, 1, 2, 3],
+        )  # fmt: skip
+    assert schedule.forward_only is None

@@ -162,6 +162,7 @@ def dynbatch_config_from_slime_args(
         DynBatchValueError: a missing or bad budget, naming slime's flag.
     """
     budget = check_host_budget(SLIME, getattr(args, "max_tokens_per_gpu", None))
+    full = budget
     margin = getattr(args, "packing_safety_margin", None)
     if margin is not None:
         # Newer slime packs training micro-batches to this fraction of the budget.
@@ -175,6 +176,10 @@ def dynbatch_config_from_slime_args(
     log_probs = getattr(args, "log_probs_max_tokens_per_gpu", None)
     if log_probs is not None:
         log_probs = check_host_budget(SLIME, log_probs, forward_only=True)
+    elif budget != full:
+        # As slime's validate_args sets it: the log-prob budget is --max-tokens-per-gpu in full,
+        # not the margin's share of it (a probe: a 90-token sample was over "the token cap 50").
+        log_probs = full
     planner = getattr(args, "dynamic_batch_planner", None)
     if planner is not None:
         # As slime's argument check does (hook.py): without it, planner 'fixed' (padded rows)

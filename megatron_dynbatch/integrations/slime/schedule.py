@@ -53,6 +53,7 @@ Standard library and the pure planner only: slime's rollout manager imports it w
 from __future__ import annotations
 
 import gc
+import warnings
 from dataclasses import replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -85,6 +86,7 @@ from megatron_dynbatch.integrations.slime.memory import (
 )
 from megatron_dynbatch.integrations.slime.static_schedule import static_schedule
 from megatron_dynbatch.planning import (
+    OversizeSampleWarning,
     ParallelLayout,
     SampleSet,
     check_plan,
@@ -336,6 +338,26 @@ def _gpu_rows(rows: Sequence[int], cp: int) -> List[int]:
     return [row // cp for row in rows]
 
 
+def _replayed_log_probs(config: DynBatchConfig, lengths: List[int], budget: Optional[int]) -> None:
+    """Routing replay runs the log-prob pass on the training micro-batches (``None``: no schedule
+    of its own); a smaller ``--log-probs-max-tokens-per-gpu`` then cannot bind, which is said
+    once, naming the samples over it (a probe: it was ignored without a word)."""
+    forward = config.forward_only_max_tokens_per_gpu
+    training = budget or config.max_tokens_per_gpu
+    over = [i for i, n in enumerate(lengths) if n > forward]
+    if forward < training and over:
+        warnings.warn(
+            f"--log-probs-max-tokens-per-gpu {forward} is below --max-tokens-per-gpu {training}, "
+            "but routing replay (--use-routing-replay / --use-rollout-routing-replay) runs the "
+            "log-prob pass on the training micro-batches: samples over it (e.g. sample "
+            f"{over[0]}, {lengths[over[0]]} tokens) run in the training rows. Drop "
+            "--log-probs-max-tokens-per-gpu or raise it to --max-tokens-per-gpu.",
+            OversizeSampleWarning,
+            stacklevel=4,
+        )
+    return None
+
+
 def _unshared_budget(args: Any) -> Optional[int]:
     """``--max-tokens-per-gpu`` in full where ``--packing-safety-margin`` plans to a share of it
     (the config checked the margin), else ``None``."""
@@ -393,6 +415,7 @@ def _forward_only_schedule(
     variable: bool,
     training: Optional[Tuple[List[List[List[int]]], List[List[int]]]] = None,
     memory: Optional[MemoryLimit] = None,
+    training_budget: Optional[int] = None,
 ) -> ForwardOnlySchedule:
     """The log-prob passes, planned here from every rank's lengths (see :class:`ForwardOnlySchedule`).
 
@@ -407,6 +430,9 @@ def _forward_only_schedule(
 
     ``memory``: the training step's budget (``--max-memory-gib``) bounds the log-prob rows too;
     a forward pass keeps no activations for a backward, so this is safe, not tight.
+    ``training_budget``: ``--max-tokens-per-gpu`` in full where ``packing_safety_margin`` packs
+    training to a share of it (slime then sets the log-prob budget to the full one: the same
+    budget, given once).
     """
     cp = sizes["cp_size"]
     planner_config = config.planner_config(
@@ -416,7 +442,8 @@ def _forward_only_schedule(
         memory=memory,
     )
     budget = config.forward_only_max_tokens_per_gpu
-    if training is not None and variable and budget == config.max_tokens_per_gpu:
+    one_budget = budget in (config.max_tokens_per_gpu, training_budget)
+    if training is not None and variable and one_budget:
         # One budget for both passes (slime's default): the log-probs are computed on the
         # training micro-batches, as stock slime computes them. A sample's logits depend on what
         # it is packed with (the kernels' shapes), so old log-probs packed otherwise differ from
@@ -430,7 +457,10 @@ def _forward_only_schedule(
     # log-prob budget under the training one is warned about in its own key (a probe: samples
     # over it ran alone in rows of 128 against 16, unreported).
     _check_oversize(
-        lengths, planner_config, forward_only=True, report=budget < config.max_tokens_per_gpu
+        lengths,
+        planner_config,
+        forward_only=True,
+        report=budget < (training_budget or config.max_tokens_per_gpu),
     )
     rank_lengths = [list(map(lengths.__getitem__, partition)) for partition in partitions]
     if planner_config.planner in OWN_PLANNERS:
@@ -535,7 +565,9 @@ def _dynamic_schedule(
     rollout_counts: List[List[int]] = [[] for _ in range(dp)]
     row_lengths: List[List[int]] = [[] for _ in range(dp)]
     seq_lengths: List[int] = []
-    max_tokens = config.max_tokens_per_gpu
+    # Uniform rows are rounded up within the full budget, not the margin's share (a probe: a
+    # 90-token sample's step ran rows of 128 against a budget of 100).
+    max_tokens = budget or config.max_tokens_per_gpu
     for step in plan.steps:
         uniform = _uniform_row(step.seq_length, cp, pad_size, max_tokens, memory)
         first = len(row_lengths[0])
@@ -566,7 +598,7 @@ def _dynamic_schedule(
         # Routing replay records routing per micro-batch in the log-prob pass and replays it, in
         # order, in training: both passes must run the same micro-batches.
         forward_only=(
-            None
+            _replayed_log_probs(config, lengths, budget)
             if routing_replay(args)
             else _forward_only_schedule(
                 config,
@@ -577,6 +609,7 @@ def _dynamic_schedule(
                 variable,
                 training=(micro_batch_indices, row_lengths),
                 memory=memory,
+                training_budget=budget,
             )
         ),
         row_lengths=row_lengths,
