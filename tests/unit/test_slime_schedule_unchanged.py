@@ -120,7 +120,8 @@ def _ref_dynamic(args, sizes, lengths, keys, global_batch_size, pad_size):
                 micro_batch_indices[r].append(list(range(start, start + len(mb))))
                 rollout_counts[r].append(sum(1 for i in mb if i in heads))
     if routing_replay(args):
-        forward_only = None
+        # The live note of a log-prob budget routing replay cannot bind (as the planner is live).
+        forward_only = S._replayed_log_probs(config, lengths, None)
     else:
         check_host_oversize(
             SLIME,
