@@ -278,3 +278,26 @@ def test_verify_warnings_do_not_offer_a_flag_verify_lacks(tmp_path):
     spec = _spec(samples=_with_long_sample(200))
     [message] = verify_spec.plan_warnings(spec)
     assert "exceed the token cap" in message and "--variable-seq-lengths" not in message
+
+
+def test_a_cut_sample_is_not_blamed_and_the_rest_is_named_when_it_is_too_much():
+    """A re-probe: 30,000 + 399 x 300 tokens; truncated to 2,048 it was still told to leave the
+    (cut) long sample out, and dropping it led to a second refusal for the rest."""
+    samples = [30_000] + [300] * 399
+    for config, said in (
+        (
+            PlannerConfig(max_tokens_per_gpu=40_000, oversize_samples="allow"),
+            "the other samples (119700 tokens) are more than a rank runs too: verify fewer",
+        ),
+        (
+            PlannerConfig(max_tokens_per_gpu=2048, oversize_samples="truncate"),
+            "verify fewer samples (about 4096 tokens at --dp-size 1)",
+        ),
+    ):
+        spec = verify_spec.build_spec(config, samples=samples)
+        with pytest.raises(DynBatchValueError) as refused:
+            verify_machine.check_fits_machine(spec, cores=2, available_bytes=24 * 2**30)
+        message = str(refused.value)
+        assert said in message, message
+        if config.oversize_samples == "truncate":
+            assert "alone is more than that" not in message, message

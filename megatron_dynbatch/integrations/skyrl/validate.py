@@ -71,8 +71,9 @@ def _refuse_routing_replay(trainer: Any) -> None:
                 f"trainer.{role}.megatron_config.moe_enable_routing_replay=true with {SWITCH}="
                 "true: routing replay restores recorded experts per micro-batch, and the planned "
                 "placeholder rows have none, so their tokens would count in the router's "
-                f"statistics; set trainer.{role}.megatron_config.moe_enable_routing_replay=false, "
-                f"or {SWITCH}=false (SkyRL's own micro-batches)."
+                f"statistics; set trainer.{role}.megatron_config.moe_enable_routing_replay=false "
+                "(with generator.inference_engine.enable_return_routed_experts=false, which SkyRL "
+                f"requires with it), or {SWITCH}=false (SkyRL's own micro-batches)."
             )
 
 

@@ -117,6 +117,11 @@ def check_fits_machine(
         plan = spec.plan()
         worst = max(plan.steps, key=lambda step: step.seq_length)
         longest = max(spec.lengths)
+        if spec.config.oversize_samples == "truncate":
+            # Cut to the cap, the longest sample is no longer than it (a re-probe: a cut sample
+            # was still told to be left out, and the fix for the rest was never named).
+            multiple = parallel.sample_multiple
+            longest = min(longest, (spec.config.token_cap // multiple) * multiple)
         ran = (
             f"the plan runs {per_rank} tokens a rank ({worst.num_microbatches} micro-batches of "
             f"[{worst.micro_batch_size}x{worst.seq_length}] in its longest step), over the "
@@ -145,6 +150,13 @@ def check_fits_machine(
                 if wider is not None:
                     fix = f", or {words} and --dp-size {wider}"
                     break
+            rest = sum(spec.lengths) - longest
+            about = MAX_COMPUTED_TOKENS_PER_RANK * dp // 2
+            if not fix and rest > about:
+                fix = (
+                    f"; the other samples ({rest} tokens) are more than a rank runs too: verify "
+                    f"fewer samples (about {about} tokens at --dp-size {dp})"
+                )
             raise DynBatchValueError(
                 f"{ran}; a sample of {longest} tokens alone is more than that: leave it out of "
                 f"SAMPLES.json or shorten it{fix} (verify checks the batching, which samples of "
