@@ -304,12 +304,27 @@ def setting_flags(flags: Mapping[str, str], *, tool: Optional[str] = None) -> It
         text = str(error)
         if len(error.args) == 1 and "(flags: " not in text:
             text = without_field_hints(text)  # the tool's flags name the settings
+            # A host's config key stands in the setting's place (a probe: verl's and NeMo-RL's
+            # refusals led with "vpp_size=2 needs pp_size >= 2" and a glossary after it);
+            # command-line flags and descriptions keep the glossary.
+            in_place = {k: v for k, v in flags.items() if _CONFIG_KEY.fullmatch(v)}
+            for setting, key in in_place.items():
+                text = re.sub(rf"\b{setting}\b", key, text)
             error.args = (text,)
-        named = [f"{k} is {v}" for k, v in flags.items() if re.search(rf"\b{k}\b", text)]
+        named = [
+            f"{k} is {v}"
+            for k, v in flags.items()
+            if not _CONFIG_KEY.fullmatch(v) and re.search(rf"\b{k}\b", text)
+        ]
         if named and len(error.args) == 1 and "(flags: " not in text:
             where = f"{tool}: " if tool else ""
             error.args = (f"{text} (flags: {where}{'; '.join(named)}.)",)
         raise
+
+
+#: A host's dotted config key (``policy.megatron_cfg.pipeline_model_parallel_size``), which
+#: :func:`setting_flags` puts in its setting's place.
+_CONFIG_KEY = re.compile(r"[A-Za-z_]\w*(?:\.\w+)+")
 
 
 @dataclass(frozen=True, kw_only=True)

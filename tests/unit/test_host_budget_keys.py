@@ -288,9 +288,10 @@ def test_verl_refuses_a_pipeline_layout_at_config_time_in_its_own_keys():
             use_critic=False,
         )
     message = str(refused.value)
-    assert "vpp_size is actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size" in (
-        message
-    )
+    assert message.startswith(
+        "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2 needs "
+        "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size >= 2"
+    ), message
     with pytest.raises(
         DynBatchValueError, match="actor.megatron.pipeline_model_parallel_size='two'"
     ):
@@ -364,7 +365,7 @@ def test_heads_that_do_not_split_over_tp_name_the_roles_key_under_a_memory_budge
     megatron = SimpleNamespace(tensor_model_parallel_size=3)
     policy = SimpleNamespace(model=SimpleNamespace(path=str(tmp_path)), megatron_config=megatron)
     key = "trainer.policy.megatron_config.tensor_model_parallel_size"
-    with pytest.raises(DynBatchValueError, match=re.escape(f"tp_size is {key}")):
+    with pytest.raises(DynBatchValueError, match=re.escape(f"must be multiples of {key}=3")):
         validate_trainer_config(
             _skyrl(max_memory_gib=70, policy=policy, max_tokens_per_microbatch=9)
         )

@@ -187,7 +187,7 @@ def test_layout_errors_name_nemo_rl_keys():
     cfg = _cfg(pp=2, vpp=2, group=1)
     with pytest.raises(
         DynBatchValueError,
-        match=r"pp_size is policy\.megatron_cfg\.pipeline_model_parallel_size",
+        match=r"smaller than policy\.megatron_cfg\.pipeline_model_parallel_size=2",
     ):
         nemo_rl_planner_config(cfg, dp_size=1, forward_only=False)
 

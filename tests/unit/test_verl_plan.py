@@ -489,6 +489,7 @@ def test_a_layout_the_engine_builds_is_refused_in_its_roles_keys(role, prefix):
             64, pp_size=1, vpp_size=2, microbatch_group_size_per_vp_stage=None, tp_size=1,
             cp_size=1, packed=True, role=role,
         )  # fmt: skip
-    assert f"vpp_size is {prefix}.megatron.virtual_pipeline_model_parallel_size" in str(
-        refused.value
-    )
+    assert str(refused.value).startswith(
+        f"{prefix}.megatron.virtual_pipeline_model_parallel_size=2 needs "
+        f"{prefix}.megatron.pipeline_model_parallel_size >= 2"
+    ), str(refused.value)

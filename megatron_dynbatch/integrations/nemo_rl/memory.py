@@ -24,7 +24,7 @@ from megatron_dynbatch.integrations.host_memory import check_row_fits, parse_gib
 from megatron_dynbatch.integrations.hosts import NEMO_RL
 from megatron_dynbatch.integrations.model_args import memory_model_from_flags
 from megatron_dynbatch.planning.memory import MemoryLimit, MemoryModel, gib_to_bytes
-from megatron_dynbatch.planning.spec import ParallelLayout, round_up
+from megatron_dynbatch.planning.spec import LAYOUT_FLAGS, ParallelLayout, round_up
 
 __all__ = [
     "KEY",
@@ -100,7 +100,7 @@ def nemo_rl_memory_model(
                 args, parallel, attention_from_megatron(None, None, "packed"), unfitted=True
             )
     except DynBatchValueError as error:
-        if "multiples of tp_size" in str(error):
+        if f"multiples of {LAYOUT_FLAGS['NeMo-RL']['tp_size']}" in str(error):
             raise  # the layout's, named by its key (the model's config is fine)
         raise DynBatchValueError(
             f"{KEY} needs the model's dimensions from policy.model_name="
