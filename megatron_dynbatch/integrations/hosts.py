@@ -676,7 +676,7 @@ def check_host_oversize(
             (r, i) for r, ls in enumerate(lengths_per_rank) for i, n in enumerate(ls) if n > cap
         ]
     else:
-        keep = (cap // multiple) * multiple
+        keep = config.longest_fitting
         over = [
             (r, i) for r, ls in enumerate(lengths_per_rank) for i, n in enumerate(ls) if n > keep
         ]

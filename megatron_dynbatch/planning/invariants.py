@@ -240,7 +240,7 @@ def _truncation(plan: Plan, samples: SampleSet, config: PlannerConfig) -> List[s
             f"{config.oversize_samples!r}"
         ]
     multiple = config.parallel.sample_multiple
-    keep = (config.token_cap // multiple) * multiple
+    keep = config.longest_fitting
     return [
         f"sample {i}: kept {k} of {samples.lengths[i]} tokens, expected {keep} (the cap "
         f"{config.token_cap} rounded down to {multiple}) and only for a sample over it"

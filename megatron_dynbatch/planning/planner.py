@@ -173,8 +173,7 @@ def _apply_oversize_policy(samples: SampleSet, config: PlannerConfig) -> Dict[in
     """
     sample_multiple = config.parallel.sample_multiple
     cap = config.token_cap
-    # round_up(L, sample_multiple) > cap exactly when L > the cap rounded down to the multiple.
-    keep = (cap // sample_multiple) * sample_multiple
+    keep = config.longest_fitting
     if config.oversize_samples == "allow" or max(samples.lengths) <= keep:
         return {}
     oversize = [i for i, length in enumerate(samples.lengths) if length > keep]

@@ -674,6 +674,14 @@ class PlannerConfig:
         return cap
 
     @property
+    def longest_fitting(self) -> int:
+        """The longest sample whose padded length fits :attr:`token_cap`: the cap rounded down
+        to the sample multiple (``round_up(L, m) > cap`` exactly when ``L`` is over it), what
+        ``truncate`` keeps of a longer one."""
+        multiple = self.parallel.sample_multiple
+        return (self.token_cap // multiple) * multiple
+
+    @property
     def cap_source(self) -> str:
         """Where :attr:`token_cap` comes from, for messages that name it: the token budget, or
         the memory budget when that is smaller (issue 44: a cap set by ``--max-memory-gib`` was

@@ -395,8 +395,7 @@ def _check_oversize(
     no sample is over the cap rounded down to the sample multiple: then none is over however the
     host counts its budget (two passes over 1M samples saved). ``report``: a forward-only pass
     warns too (its budget is smaller than training's)."""
-    multiple, cap = planner_config.parallel.sample_multiple, planner_config.token_cap
-    if max(lengths) > (cap // multiple) * multiple:
+    if max(lengths) > planner_config.longest_fitting:
         check_host_oversize(
             SLIME,
             [lengths],

@@ -120,8 +120,7 @@ def check_fits_machine(
         if spec.config.oversize_samples == "truncate":
             # Cut to the cap, the longest sample is no longer than it (a re-probe: a cut sample
             # was still told to be left out, and the fix for the rest was never named).
-            multiple = parallel.sample_multiple
-            longest = min(longest, (spec.config.token_cap // multiple) * multiple)
+            longest = min(longest, spec.config.longest_fitting)
         ran = (
             f"the plan runs {per_rank} tokens a rank ({worst.num_microbatches} micro-batches of "
             f"[{worst.micro_batch_size}x{worst.seq_length}] in its longest step), over the "
