@@ -106,6 +106,13 @@ OVERSIZE_POLICIES = ("error", "truncate", "allow")
 MAX_TOKENS = 1 << 40
 
 
+def memory_only_budget(cp_size: int) -> int:
+    """``max_tokens_per_gpu`` of a run given only a memory budget: no token cap of its own, the
+    planner's cap is the longest row the memory budget allows (:attr:`PlannerConfig.token_cap`).
+    The one value training and ``plan`` set, and :attr:`PlannerConfig.cap_source` recognises."""
+    return MAX_TOKENS // cp_size
+
+
 def as_int(value: Any) -> Optional[int]:
     """``value`` as a plain int if it is an integer (numpy / torch integers included), else None.
 
@@ -692,8 +699,7 @@ class PlannerConfig:
             and self.token_cap < self.max_tokens_per_gpu * self.parallel.cp_size
         ):
             gib = self.memory.budget_bytes / 2**30
-            if self.max_tokens_per_gpu * self.parallel.cp_size > MAX_TOKENS - self.parallel.cp_size:
-                # Only a memory budget was given (the token budget stands at its most).
+            if self.max_tokens_per_gpu == memory_only_budget(self.parallel.cp_size):
                 return f"the longest row --max-memory-gib {gib:.3f} allows; no token budget is set"
             return f"the longest row --max-memory-gib {gib:.3f} allows; {budget} is more"
         return budget

@@ -225,11 +225,10 @@ def _planner_config(args, *, memory=None):
                 "pass --max-tokens-per-gpu (the token budget of one micro-batch), or "
                 "--max-memory-gib with the model flags (--num-layers, --hidden-size, ...)."
             )
-        # Only a memory budget: no token cap of its own, as in training (arguments.py); the cap
-        # is the longest row the memory budget allows (a docs probe: plan required the flag).
-        from megatron_dynbatch.planning.spec import MAX_TOKENS
+        # Only a memory budget, as in training (a docs probe: plan required the flag).
+        from megatron_dynbatch.planning.spec import memory_only_budget
 
-        values["max_tokens_per_gpu"] = MAX_TOKENS // args.cp_size
+        values["max_tokens_per_gpu"] = memory_only_budget(args.cp_size)
     if getattr(args, "planner", None) is not None:
         values["planner"] = args.planner
     variable = None

@@ -45,11 +45,11 @@ from megatron_dynbatch.integrations.moe_args import balancing_types, load_balanc
 from megatron_dynbatch.planning.model_cost import ESTIMATED_MIN_GAIN
 from megatron_dynbatch.planning.spec import (
     DEFAULT_PLANNER,
-    MAX_TOKENS,
     ParallelLayout,
     ceil_div,
     check_int,
     layout_flags,
+    memory_only_budget,
     round_up,
     sample_multiple,
 )
@@ -353,7 +353,9 @@ def dynbatch_config_from_args(args: Any) -> DynBatchConfig:
     if values.get("max_tokens_per_gpu") is None and values.get("max_memory_gib") is not None:
         # Only a memory budget: no token cap of its own; the planner's cap is the longest row
         # the memory budget allows (PlannerConfig.token_cap), re-derived as calibration refits.
-        values["max_tokens_per_gpu"] = MAX_TOKENS // _layout_size(args, "context_parallel_size")
+        values["max_tokens_per_gpu"] = memory_only_budget(
+            _layout_size(args, "context_parallel_size")
+        )
     if values.get("layout") is None and _per_row_aux_loss(args):
         values["layout"] = "padded"
     if values.get("cost_attention") is None:
