@@ -244,9 +244,13 @@ def _planner_config(args, *, memory=None):
         args.group_query_attention = args.num_query_groups is not None
         cpu = getattr(args, "device", "cuda") == "cpu"
         if cpu and values.get("cost_attention") is None:
-            # The entry on CPU runs Megatron's local attention: a masked softmax over the whole
-            # row (a probe: plan --device cpu priced packed rows per segment, as on GPUs).
-            values["cost_attention"] = "dense"
+            # The entry on CPU runs Megatron's local implementation, resolved as training
+            # resolves it (a probe: plan --device cpu priced packed rows per segment, as on GPUs).
+            from megatron_dynbatch.config import attention_from_megatron
+
+            values["cost_attention"] = attention_from_megatron(
+                "local", None, values["layout"] or "packed"
+            )
         apply_default_cost(values, _physical_cost(args, parallel, values))
         # Variable rows by default only where they can run and pay: a padded [B, S] row has the
         # longest sample's length, and on CPU (gloo) the entry keeps one row a step, as it
