@@ -216,6 +216,11 @@ _LAYOUTS = {True: "packed", False: "padded"}
 DYNBATCH_KEYS = ("max_memory_gib", "planner", "cost_microbatch_overhead")
 
 
+def _plain(value: Any) -> Any:
+    """An OmegaConf mapping (or any mapping) as a plain dict, to compare and show; else as is."""
+    return dict(value.items()) if hasattr(value, "items") else value
+
+
 def _packed(config: Any, role: str, section: Any) -> Any:
     """Whether verl's Megatron engine runs the role's rows packed (THD): its worker sets the
     engine's ``use_remove_padding`` from the role's model config ("we use the one defined in
@@ -237,9 +242,9 @@ def dynbatch_settings(section: Any, role: str, packed: Any) -> dict:
     raw = _get(section, "megatron.dynbatch", None)
     if raw is None:
         return {}
-    items = dict(raw.items()) if hasattr(raw, "items") else None
+    items = _plain(raw)
     where = f"{role}.megatron.dynbatch"
-    if items is None:
+    if not isinstance(items, dict):
         raise DynBatchValueError(
             f"{where}={raw!r} must be a mapping of {', '.join(DYNBATCH_KEYS)}, e.g. "
             f"+{where}.max_memory_gib=70."
@@ -364,10 +369,7 @@ def _ref_follows_the_actor(actor: Any, ref: Any) -> None:
         if mine is _ABSENT:  # a config without the key: the reference runs verl's own batching
             continue
         theirs = _get(actor, f"megatron.{key}", default)
-        if hasattr(mine, "items"):
-            mine = dict(mine.items())
-        if hasattr(theirs, "items"):
-            theirs = dict(theirs.items())
+        mine, theirs = _plain(mine), _plain(theirs)
         if (mine or default) != (theirs or default):
             raise DynBatchValueError(
                 f"{where}.{key}={mine!r} differs from {ACTOR}.megatron.{key}={theirs!r}: the "
@@ -382,9 +384,8 @@ def _settings_need_the_switch(role: str, section: Any) -> None:
     settings = _get(section, "megatron.dynbatch", None)
     if not settings or _get(section, "megatron.use_dynamic_batch_size", False) is not False:
         return
-    shown = dict(settings.items()) if hasattr(settings, "items") else settings
     raise DynBatchValueError(
-        f"{role}.megatron.dynbatch={shown!r} is read only by megatron_dynbatch's dynamic "
+        f"{role}.megatron.dynbatch={_plain(settings)!r} is read only by megatron_dynbatch's dynamic "
         f"batching, which is off ({role}.megatron.use_dynamic_batch_size=false): it would be "
         f"ignored. Set {role}.megatron.use_dynamic_batch_size=true (with {role}.use_dynamic_bsz="
         f"true), or drop {role}.megatron.dynbatch."
