@@ -136,29 +136,37 @@ def _check_token_ids(model_chunks: list[torch.nn.Module], microbatches: list[dic
     vocab = getattr(module, "vocab_size", None)
     if not isinstance(vocab, int):
         return
-    for index, microbatch in enumerate(microbatches):
-        for key in ("tokens", "labels"):
-            ids = microbatch.get(key)
-            if ids is None or not ids.numel() or ids.is_floating_point():
-                continue
-            largest = int(ids.max())
-            if largest < vocab:
-                continue
-            where = "padding"
-            sample_index = microbatch.get("sample_index")
-            if sample_index is not None and sample_index.shape == ids.shape:
-                owner = int(sample_index.reshape(-1)[int(ids.reshape(-1).argmax())])
-                where = f"sample {owner}" if owner >= 0 else "padding"
-            fix = (
-                f"give BatchSchema a pad_token_id below {vocab}"
-                if where == "padding"
-                else f"keep that sample's token ids below {vocab} (its tokenizer and the model's "
-                "vocab_size must agree)"
-            )
-            raise DynBatchValueError(
-                f"micro-batch {index}: {key} holds id {largest} ({where}), and the model's "
-                f"vocabulary has {vocab} ids (0 to {vocab - 1}); {fix}."
-            )
+    checked = [
+        (index, key, microbatch[key])
+        for index, microbatch in enumerate(microbatches)
+        for key in ("tokens", "labels")
+        if microbatch.get(key) is not None
+        and microbatch[key].numel()
+        and not microbatch[key].is_floating_point()
+    ]
+    if not checked:
+        return
+    # One device-to-host copy for the step's maxima, not one a micro-batch.
+    maxima = torch.stack([ids.max().to(torch.int64) for _, _, ids in checked]).tolist()
+    for (index, key, ids), largest in zip(checked, maxima, strict=True):
+        if largest < vocab:
+            continue
+        microbatch = microbatches[index]
+        where = "padding"
+        sample_index = microbatch.get("sample_index")
+        if sample_index is not None and sample_index.shape == ids.shape:
+            owner = int(sample_index.reshape(-1)[int(ids.reshape(-1).argmax())])
+            where = f"sample {owner}" if owner >= 0 else "padding"
+        fix = (
+            f"give BatchSchema a pad_token_id below {vocab}"
+            if where == "padding"
+            else f"keep that sample's token ids below {vocab} (its tokenizer and the model's "
+            "vocab_size must agree)"
+        )
+        raise DynBatchValueError(
+            f"micro-batch {index}: {key} holds id {largest} ({where}), and the model's "
+            f"vocabulary has {vocab} ids (0 to {vocab - 1}); {fix}."
+        )
 
 
 def check_schedule_inputs(
