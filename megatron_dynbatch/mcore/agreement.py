@@ -106,10 +106,13 @@ def _require_initialized() -> None:
 class _Agreement:
     """What the body of :func:`step_agreement` reports: the fingerprint of the plan it made."""
 
-    def __init__(self, group, what: str):
+    def __init__(self, group, what: str, inside_schedule: Optional[str] = None):
         self.group = group
         self.what = what
+        self.inside_schedule = inside_schedule
         self.fingerprint: Optional[str] = None
+        #: Where in the step this rank's failure happened (leads its reason).
+        self.where = ""
 
     def __enter__(self) -> "_Agreement":
         _require_initialized()
@@ -121,14 +124,21 @@ class _Agreement:
         reason = ""
         if exc is not None:
             reason = "".join(traceback.format_exception_only(exc_type, exc)).strip()
+            if self.where:
+                reason = f"{self.where}: {reason}"
         results = _gather(_encode(exc is None, self.fingerprint, reason), self.group)
         failed = [(rank, reason) for rank, (ok, _, reason) in enumerate(results) if not ok]
         where = f" ({self.what})" if self.what else ""
         if failed:
             listed = "; ".join(f"rank {rank}: {reason}" for rank, reason in failed)
+            when = "before any pipeline communication"
+            after = ""
+            if self.inside_schedule is not None:
+                when = "inside Megatron's schedule, which ran to its end on zero stand-ins,"
+                after = f"; {self.inside_schedule}"
             raise StepAgreementError(
-                f"dynamic batching stopped on every rank{where} before any pipeline communication "
-                f"because {len(failed)} of {len(results)} rank(s) failed: {listed}"
+                f"dynamic batching stopped on every rank{where} {when} because {len(failed)} of "
+                f"{len(results)} rank(s) failed: {listed}{after}"
             ) from exc
         fingerprints = [fingerprint for _, fingerprint, _ in results]
         if len(set(fingerprints)) > 1:
@@ -146,17 +156,21 @@ class _Agreement:
         return False
 
 
-def step_agreement(group=None, *, what: str = "") -> _Agreement:
+def step_agreement(
+    group=None, *, what: str = "", inside_schedule: Optional[str] = None
+) -> _Agreement:
     """Context manager: run a step's local work, then agree on it over ``group`` (default: world).
 
     Every rank of ``group`` must enter it. Inside, set ``agreement.fingerprint`` to the plan's
     :meth:`~megatron_dynbatch.planning.Plan.fingerprint` so ranks also check they planned alike.
+    ``inside_schedule``: the failures agreed on happened in a schedule that ran to its end
+    (:mod:`.contained`); the error says so, then this (what of the step is not valid).
 
     Raises:
         StepAgreementError: on every rank, when any rank's body raised (naming ranks and reasons).
         PlanMismatchError: on every rank, when the fingerprints differ.
     """
-    return _Agreement(group, what)
+    return _Agreement(group, what, inside_schedule)
 
 
 def check_plan_agreement(plan, group=None, *, what: str = "") -> None:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.mcore.agreement import step_agreement
+from megatron_dynbatch.mcore.contained import contained_schedule
 from megatron_dynbatch.mcore.forward import make_forward_step
 from megatron_dynbatch.mcore.schedule import check_schedule_inputs, run_forward_backward
 from megatron_dynbatch.planning import StepPlan
@@ -185,6 +186,28 @@ def _agreed_schedule(
     return seq_length, micro_batch_size
 
 
+def _schedule(
+    model_chunks, forward_step, check_group, what: str, consequence: str, **kwargs
+) -> list:
+    """Megatron's schedule over this rank's chunks; with a process group, a failure inside it on
+    one rank is contained and agreed on (:mod:`.contained`), so no peer waits in its p2p."""
+    chunks = list(model_chunks)
+
+    def run(step_func):
+        return run_forward_backward(chunks, forward_step=step_func, **kwargs)
+
+    if not dist.is_initialized():
+        return run(forward_step)
+    return contained_schedule(
+        run,
+        forward_step,
+        check_group=check_group,
+        what=what,
+        consequence=consequence,
+        first_model=chunks[0],
+    )
+
+
 def train_microbatches(
     model_chunks: Sequence[torch.nn.Module],
     step: StepPlan,
@@ -199,15 +222,22 @@ def train_microbatches(
 
     Every rank of ``check_group`` (default: the world; every rank that runs the model) calls it
     for the step: the schedule's inputs are checked and agreed on first, so an error on one rank
-    stops every rank with the same :class:`~.agreement.StepAgreementError`.
+    stops every rank with the same :class:`~.agreement.StepAgreementError`. So does an error
+    inside the schedule (the caller's ``token_loss``, the model's forward or backward on one
+    stage): the schedule runs to its end on zero stand-ins first, and the step's gradients are
+    then not valid (do not step the optimizer).
     """
     seq_length, micro_batch_size = _agreed_schedule(
         model_chunks, step, microbatches, pg_collection, check_group, "training step"
     )
-    return run_forward_backward(
-        list(model_chunks),
-        microbatches,
-        forward_step=make_forward_step(make_loss_func(aggregation, token_loss)),
+    return _schedule(
+        model_chunks,
+        make_forward_step(make_loss_func(aggregation, token_loss)),
+        check_group,
+        "training step",
+        "this step's gradients are not valid: do not step the optimizer (zero the gradient "
+        "buffers before the next step)",
+        microbatches=microbatches,
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
         pg_collection=pg_collection,
@@ -233,10 +263,13 @@ def forward_only_outputs(
         model_chunks, step, microbatches, pg_collection, check_group, "forward-only pass"
     )
     with torch.no_grad():
-        outputs = run_forward_backward(
-            list(model_chunks),
-            microbatches,
-            forward_step=make_forward_step(collect_logprobs=True),
+        outputs = _schedule(
+            model_chunks,
+            make_forward_step(collect_logprobs=True),
+            check_group,
+            "forward-only pass",
+            "no output of this pass is returned",
+            microbatches=microbatches,
             seq_length=seq_length,
             micro_batch_size=micro_batch_size,
             forward_only=True,

@@ -60,7 +60,55 @@ def _killed_at_second_loss(batch, ce, calls=[]):  # noqa: B006 - a per-process c
     return _advantage_loss(batch, ce)
 
 
-def _step_body(fault=None, advantages=None, kill_rank=None, plan_dp=None, rows=None):
+class _RaisesInBackward(torch.autograd.Function):
+    """Identity forward; its backward raises (an autograd error of a caller's own loss)."""
+
+    @staticmethod
+    def forward(ctx, ce):
+        return ce.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("a backward of the caller's own loss failed")
+
+
+def _in_schedule_fault(fault, chunks, token_loss):
+    """This rank's token loss (or model) with ``fault`` planted at its second micro-batch:
+    ``loss raises``, ``backward raises`` or ``forward raises``."""
+    calls = []
+
+    def faulty_loss(batch, ce):
+        calls.append(1)
+        if len(calls) == 2 and fault == "loss raises":
+            raise ValueError("the caller's token loss failed at its second call")
+        if len(calls) == 2 and fault == "backward raises":
+            ce = _RaisesInBackward.apply(ce)
+        return token_loss(batch, ce)
+
+    if fault == "forward raises":
+        model = chunks[0].module
+        forward = model.forward
+
+        def failing_forward(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise IndexError("the model's forward failed at its second micro-batch")
+            return forward(*args, **kwargs)
+
+        model.forward = failing_forward
+    return faulty_loss
+
+
+def _step_body(
+    fault=None,
+    advantages=None,
+    kill_rank=None,
+    plan_dp=None,
+    rows=None,
+    fault_rank=1,
+    vpp=None,
+    forward_only=False,
+):
     """Plan, agree, materialize and train one step; return the gradients or the agreed error.
 
     Args:
@@ -75,12 +123,20 @@ def _step_body(fault=None, advantages=None, kill_rank=None, plan_dp=None, rows=N
         plan_dp: Plan for this many data-parallel ranks instead of the ranks that run.
         rows: ``exchanged`` or ``fixed``: plan rows of each micro-batch's own length
             (``variable_row_lengths``), with the model's ``variable_seq_lengths`` on or off.
+        fault_rank: The rank of an in-schedule fault (``loss raises``, ``backward raises``,
+            ``forward raises``: see :func:`_in_schedule_fault`); its process lives on.
+        vpp: Virtual pipeline stages (the plan aligned to them).
+        forward_only: Gather the log-probs (``forward_only_outputs``) instead of training.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     from megatron_dynbatch.mcore.agreement import StepAgreementError, step_agreement
-    from megatron_dynbatch.mcore.step import configure_loss, train_microbatches
+    from megatron_dynbatch.mcore.step import (
+        configure_loss,
+        forward_only_outputs,
+        train_microbatches,
+    )
     from megatron_dynbatch.planning import ParallelLayout, PlannerConfig, plan_schedule
     from megatron_dynbatch.runtime import BatchSchema, FieldSpec, materialize_microbatches
     from megatron_dynbatch.tools.testing.tiny_gpt import (
@@ -96,7 +152,12 @@ def _step_body(fault=None, advantages=None, kill_rank=None, plan_dp=None, rows=N
     schema = BatchSchema(fields=(FieldSpec(name="advantages", kind="sample", dtype=torch.float32),))
     config = PlannerConfig(
         max_tokens_per_gpu=CAP,
-        parallel=ParallelLayout(dp_size=plan_dp or parallel_state.get_data_parallel_world_size()),
+        parallel=ParallelLayout(
+            dp_size=plan_dp or parallel_state.get_data_parallel_world_size(),
+            # Interleaving needs whole pipeline groups of micro-batches.
+            pp_size=pp_size if vpp else 1,
+            vpp_size=vpp or 1,
+        ),
         variable_row_lengths=rows is not None,
     )
     started = time.monotonic()
@@ -125,18 +186,24 @@ def _step_body(fault=None, advantages=None, kill_rank=None, plan_dp=None, rows=N
     except StepAgreementError as error:
         return {"type": type(error).__name__, "error": str(error), "s": time.monotonic() - started}
     model_config = tiny_transformer_config(
-        pipeline_model_parallel_size=pp_size, calculate_per_token_loss=True
+        pipeline_model_parallel_size=pp_size,
+        virtual_pipeline_model_parallel_size=vpp,
+        calculate_per_token_loss=True,
     )
     model_config.variable_seq_lengths = rows == "exchanged"
     chunks = wrap_in_ddp(build_tiny_gpt(model_config, seed=SEED))
     configure_loss(chunks, "token-mean")
     token_loss = _killed_at_second_loss if rank == kill_rank else _advantage_loss
+    if fault in ("loss raises", "backward raises", "forward raises") and rank == fault_rank:
+        token_loss = _in_schedule_fault(fault, chunks, token_loss)
     if fault == "schedule" and rank == 1:
         microbatches = microbatches[:-1]
     if fault == "vocab" and rank == 1:
         microbatches[0]["tokens"][0, 0] = 10**5
     started = time.monotonic()
     try:
+        if forward_only:
+            return {"logprobs": forward_only_outputs(chunks, step, microbatches)}
         train_microbatches(
             chunks[0] if fault == "one module" and rank == 1 else chunks,
             plan if fault == "whole plan" and rank == 1 else step,
@@ -233,6 +300,57 @@ def test_a_rank_killed_inside_the_pipeline_schedule_fails_the_run_fast():
     assert "rank 1 died (exit code -9, SIGKILL)" in str(error)
     # The survivor's pending receive fails when gloo sees the closed connection.
     assert error.errors[0][0] == "RuntimeError" and "Connection" in error.errors[0][1], error
+
+
+@pytest.mark.parametrize(
+    "layout, fault, fault_rank, where",
+    [
+        (Layout(pp=2), "loss raises", 1, "micro-batch 1, loss: ValueError: the caller's token"),
+        (Layout(pp=2), "backward raises", 1, "a backward step: RuntimeError: a backward of"),
+        (Layout(pp=2), "forward raises", 0, "micro-batch 1, forward: IndexError: the model's"),
+        (Layout(), "loss raises", 0, "micro-batch 1, loss: ValueError: the caller's token"),
+        (Layout(pp=2, vpp=2), "loss raises", 1, "loss: ValueError: the caller's token loss"),
+        (Layout(pp=2, vpp=2), "forward raises", 0, "forward: IndexError: the model's forward"),
+    ],
+    ids=["1f1b-loss", "1f1b-backward", "1f1b-forward", "dp2-loss", "vpp-loss", "vpp-forward"],
+)
+def test_an_error_inside_the_schedule_on_a_living_rank_stops_every_rank_with_it(
+    layout, fault, fault_rank, where
+):
+    """The failing process lives on (the worker pool's, as a Ray actor's would): its peers
+    waited in their p2p (pipeline) or gradient all-reduce (data parallel) until the process-group
+    timeout. Now its schedule ends on stand-ins and every rank raises the same error."""
+    results = run_on_ranks(
+        2, _step_body, fault, fault_rank=fault_rank, vpp=layout.vpp, layout=layout
+    )
+    assert {r.get("type") for r in results} == {"StepAgreementError"}, results
+    messages = {r["error"] for r in results}
+    assert len(messages) == 1, messages
+    [message] = messages
+    assert f"1 of 2 rank(s) failed: rank {fault_rank}: " in message, message
+    assert where in message and "inside Megatron's schedule" in message, message
+    assert message.endswith(
+        "do not step the optimizer (zero the gradient buffers before the next step)"
+    )
+    assert max(r["s"] for r in results) < FAIL_WITHIN_S
+    # The same workers train the next step as if nothing had happened.
+    for result in run_on_ranks(2, _step_body, vpp=layout.vpp, layout=layout):
+        _assert_finite(result["grads"])
+
+
+def test_an_error_in_a_forward_only_pass_on_a_living_rank_stops_every_rank_with_it():
+    """pp = 2, forward-only (log-probs): the first stage's forward fails at its second
+    micro-batch while the last stage waits for its activation."""
+    results = run_on_ranks(
+        2, _step_body, "forward raises", fault_rank=0, forward_only=True, layout=Layout(pp=2)
+    )
+    messages = {r.get("error") for r in results}
+    assert len(messages) == 1 and None not in messages, results
+    [message] = messages
+    assert "(forward-only pass) inside Megatron's schedule" in message, message
+    assert "rank 0: micro-batch 1, forward: IndexError: the model's forward" in message, message
+    assert message.endswith("; no output of this pass is returned"), message
+    assert max(r["s"] for r in results) < FAIL_WITHIN_S
 
 
 def _assert_finite(grads):
