@@ -20,7 +20,7 @@ are not valid then: do not step the optimizer (the error says so).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -35,7 +35,6 @@ class _Failure:
     def __init__(self) -> None:
         self.error: Optional[BaseException] = None
         self.where = ""
-        self.forwards = 0
 
     def record(self, error: BaseException, where: str) -> None:
         if self.error is None:
@@ -69,23 +68,24 @@ def _anchor(model: torch.nn.Module) -> Optional[torch.Tensor]:
     return torch.stack([t.float() for t in terms]).sum() * 0 if terms else None
 
 
-def _stand_in(model: torch.nn.Module, batch: Optional[dict]) -> torch.Tensor:
+def _stand_in(model: torch.nn.Module, rows: Optional[tuple]) -> Optional[torch.Tensor]:
     """A zero output of the shape this stage sends: the received activation's on a later stage
-    (a transformer stage keeps it), ``[S / cp (/ tp under sequence parallelism), B, hidden]``
-    on a first stage."""
+    (a transformer stage keeps it), ``[S (/ tp under sequence parallelism), B, hidden]`` of the
+    micro-batch's ``rows = (B, S)`` on a first stage; None where neither is known."""
     _, received = _received(model)
+    if received is None and rows is None:
+        return None
     anchor = _anchor(model) if torch.is_grad_enabled() else None
     if received is not None:
         output = received * 0
     else:
         config = _unwrapped(model).config
-        rows, length = batch["tokens"].shape[:2]
-        length //= max(1, getattr(config, "context_parallel_size", 1) or 1)
+        batch, length = rows
         if getattr(config, "sequence_parallel", False):
             length //= max(1, config.tensor_model_parallel_size)
         dtype = getattr(config, "pipeline_dtype", None) or config.params_dtype
         device = next(model.parameters()).device
-        output = torch.zeros(length, rows, config.hidden_size, dtype=dtype, device=device)
+        output = torch.zeros(length, batch, config.hidden_size, dtype=dtype, device=device)
     if anchor is not None:
         output = output + anchor.to(output.dtype)
     return output
@@ -100,31 +100,40 @@ def _stand_in_loss(output: torch.Tensor, non_loss_data: bool = False):
 
 
 def _contained_forward(forward_step: Callable, failure: _Failure) -> Callable:
-    def forward(data_iterator: Iterator[dict], model: torch.nn.Module):
-        index = failure.forwards
-        failure.forwards += 1
-        batch = next(data_iterator)
+    def forward(data_iterator, model: torch.nn.Module, *args, **kwargs):
+        # Where the chunk's iterator stands (MicroBatchIterator, slime's SlimeDataIterator):
+        # the micro-batch's index and rows, read before its forward may consume it.
+        position = getattr(data_iterator, "offset", None)
         if failure.error is None:
             try:
-                output, loss_func = forward_step(iter([batch]), model)
+                output, loss_func = forward_step(data_iterator, model, *args, **kwargs)
             except (
                 Exception
             ) as error:  # noqa: BLE001 - every failure is agreed on after the schedule
-                failure.record(error, f"micro-batch {index}, forward")
+                where = "" if position is None else f"micro-batch {position}, "
+                failure.record(error, f"{where}forward")
             else:
-                return output, _contained_loss(loss_func, failure, index)
-        return _stand_in(model, batch), _stand_in_loss
+                return output, _contained_loss(loss_func, failure, position)
+        rows = None
+        if position is not None and hasattr(data_iterator, "row_shape"):
+            data_iterator.offset = position + 1  # past the micro-batch it stands in for
+            rows = data_iterator.row_shape(position)
+        output = _stand_in(model, rows)
+        if output is None:  # a first stage whose rows are unknown: as uncontained
+            raise failure.error
+        return output, _stand_in_loss
 
     return forward
 
 
-def _contained_loss(loss_func: Callable, failure: _Failure, index: int) -> Callable:
+def _contained_loss(loss_func: Callable, failure: _Failure, index: Optional[int]) -> Callable:
     def loss(output, *args, **kwargs):
         if failure.error is None:
             try:
                 return loss_func(output, *args, **kwargs)
             except Exception as error:  # noqa: BLE001
-                failure.record(error, f"micro-batch {index}, loss")
+                where = "" if index is None else f"micro-batch {index}, "
+                failure.record(error, f"{where}loss")
         return _stand_in_loss(output, kwargs.get("non_loss_data", False))
 
     return loss

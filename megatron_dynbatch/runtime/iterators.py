@@ -11,7 +11,29 @@ from typing import Any, Callable, Iterator, List, Sequence, Union
 
 from megatron_dynbatch.errors import DynBatchValueError
 
-__all__ = ["chunk_data_iterators"]
+__all__ = ["MicroBatchIterator", "chunk_data_iterators"]
+
+
+class MicroBatchIterator:
+    """An iterator over a step's micro-batches that also says where it stands: ``offset`` (the
+    next micro-batch's index) and ``row_shape(k)`` (micro-batch ``k``'s ``(rows, length)``), the
+    two things :mod:`megatron_dynbatch.mcore.contained` reads to stand in for a micro-batch."""
+
+    def __init__(self, microbatches: Sequence[Any]) -> None:
+        self.microbatches = microbatches
+        self.offset = 0
+
+    def __iter__(self) -> "MicroBatchIterator":
+        return self
+
+    def __next__(self) -> Any:
+        if self.offset >= len(self.microbatches):
+            raise StopIteration
+        self.offset += 1
+        return self.microbatches[self.offset - 1]
+
+    def row_shape(self, index: int) -> tuple:
+        return tuple(self.microbatches[index]["tokens"].shape[:2])
 
 
 def chunk_data_iterators(
@@ -33,5 +55,5 @@ def chunk_data_iterators(
             f"num_model_chunks={num_model_chunks} must be >= 1 (one per model chunk)."
         )
     if num_model_chunks == 1:
-        return wrap(iter(microbatches))
-    return [wrap(iter(microbatches)) for _ in range(num_model_chunks)]
+        return wrap(MicroBatchIterator(microbatches))
+    return [wrap(MicroBatchIterator(microbatches)) for _ in range(num_model_chunks)]

@@ -625,12 +625,15 @@ def _slime_body(
     replay=None,
     attention=True,
     slimes_own=False,
+    loss_fault=False,
 ):
     """slime's forward_only and train_one_step on this rank; ``dynamic=False``: with the flag off
     and slime's own schedule (to compare a patched tree with the stock one); ``slimes_own``: with
     the flag on and ``--use-slime-dynamic-batch-size``, slime's own dynamic batching. ``replay``: None for
     the dense GPT; ``"r2"`` / ``"r3"``: the tiny MoE with ``--use-routing-replay`` /
-    ``--use-rollout-routing-replay``, run in the order of slime's ``train_actor``."""
+    ``--use-rollout-routing-replay``, run in the order of slime's ``train_actor``.
+    ``loss_fault``: slime's loss raises at its second call in training on the last stage of DP
+    rank 1, whose process lives on (as its Ray actor would)."""
     import dataclasses
 
     import torch.distributed as dist
@@ -755,6 +758,9 @@ def _slime_body(
         recorder = _Recorder(ddp_chunks)
         for it in iterators:
             it.reset()
+        if loss_fault and ps.is_pipeline_last_stage(ignore_virtual=True) and dp_rank == 1:
+            stack.callback(setattr, slime_model, "loss_function", slime_model.loss_function)
+            slime_model.loss_function = _fails_at_second_call(slime_model.loss_function)
         router_tokens.active = True
         for step_id, (m, step_gbs) in enumerate(
             zip(rollout_data["num_microbatches"], rollout_data["global_batch_sizes"], strict=True)
@@ -767,7 +773,7 @@ def _slime_body(
         router_tokens.active = False
         replays = _replay_counts() if replay else None
     except Exception as error:  # the fault case: every rank must fail the same way, quickly
-        if bad_rank is None:
+        if bad_rank is None and not loss_fault:
             raise
         return {"error": f"{type(error).__name__}: {error}", "seconds": time.monotonic() - started}
     finally:
@@ -805,6 +811,18 @@ def _slime_body(
         "actor": actor,
         "replays": replays,
     }
+
+
+def _fails_at_second_call(loss_function):
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("slime's loss failed at its second call")
+        return loss_function(*args, **kwargs)
+
+    return failing
 
 
 def _whole_responses(local, rollout_data):
@@ -1226,6 +1244,25 @@ def test_bad_sample_on_one_rank_stops_every_rank_quickly(patched_slime):
     assert len(messages) == 1, messages
     [message] = messages
     assert "StepAgreementError" in message and "is not finite" in message
+    assert max(r["seconds"] for r in results) < FAIL_FAST_S
+
+
+@needs_slime
+def test_a_loss_error_inside_the_schedule_on_a_living_rank_stops_every_rank_with_it(patched_slime):
+    """pp 2 x dp 2: slime's loss raises on one last stage; its pipeline peer waited for a
+    gradient and the other pipeline in DDP's all-reduce until the process-group timeout."""
+    results = run_on_ranks(
+        4, _slime_body, patched_slime, 7, 7, 64, True, loss_fault=True, layout=Layout(pp=2)
+    )
+    messages = {r.get("error") for r in results}
+    assert len(messages) == 1 and None not in messages, results
+    [message] = messages
+    assert message.startswith(
+        "StepAgreementError: dynamic batching stopped on every rank (slime "
+        "training step 0) inside Megatron's schedule"
+    ), message
+    assert "1 of 4 rank(s) failed: rank 3: micro-batch 1, loss: ValueError: slime's loss" in message
+    assert message.endswith("; slime stops the step before its optimizer step"), message
     assert max(r["seconds"] for r in results) < FAIL_FAST_S
 
 

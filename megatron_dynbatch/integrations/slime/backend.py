@@ -128,6 +128,11 @@ class SlimeDataIterator:
         self.row_length = None
         return self
 
+    def row_shape(self, index: int) -> Tuple[int, int]:
+        """Micro-batch ``index``'s packed row as the first stage holds it: ``(1, row length)``
+        (what :mod:`megatron_dynbatch.mcore.contained` stands in for)."""
+        return 1, self.row_lengths[index]
+
     def routed_experts_for_row(
         self,
         rollout_routed_experts: Sequence[torch.Tensor],
@@ -449,6 +454,31 @@ def restore_rollout_order(
         if not placeholder:
             per_sample.update(zip(indices, values, strict=True))
     return restore_order(per_sample, len(iterator.rollout_data["total_lengths"]))
+
+
+def contained_schedule(forward_backward_func: Callable[..., Any], what: str) -> Callable[..., Any]:
+    """slime's ``forward_backward_func``, called as slime calls it, with a failure inside the
+    schedule on one rank (slime's loss, the model's forward or backward) contained: that rank
+    finishes the schedule on zero stand-ins and every rank raises the same error after it
+    (:mod:`megatron_dynbatch.mcore.contained`), instead of its peers waiting in their p2p until
+    the process-group timeout while the Ray actor that failed lives on."""
+    from megatron_dynbatch.mcore.contained import contained_schedule as contain
+
+    def run(*, forward_step_func: Callable[..., Any], model: Any, **kwargs: Any) -> Any:
+        chunks = model if isinstance(model, (list, tuple)) else [model]
+        return contain(
+            lambda step: forward_backward_func(forward_step_func=step, model=model, **kwargs),
+            forward_step_func,
+            what=what,
+            consequence=(
+                "no output of this pass is kept"
+                if kwargs.get("forward_only")
+                else "slime stops the step before its optimizer step"
+            ),
+            first_model=chunks[0],
+        )
+
+    return run
 
 
 # -- the loss -------------------------------------------------------------------------------------

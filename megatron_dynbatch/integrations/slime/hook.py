@@ -129,6 +129,12 @@ class MicroBatchPlanner:
         agree_on_step(args, data_iterator, num_microbatches, step_id)
 
     @staticmethod
+    def contained_schedule(forward_backward_func: Callable[..., Any], what: str) -> Any:
+        from megatron_dynbatch.integrations.slime.backend import contained_schedule
+
+        return contained_schedule(forward_backward_func, what)
+
+    @staticmethod
     def wrap_loss_function(loss_function: Callable[..., Any]) -> Callable[..., Any]:
         from megatron_dynbatch.integrations.slime.backend import wrap_loss_function
 
