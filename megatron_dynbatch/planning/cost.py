@@ -185,26 +185,28 @@ def rank_costs(
     lengths: Sequence[int],
     sizes: Sequence[int],
     responses: Sequence[int],
+    row_lengths: Sequence[Sequence[int]] = (),
 ) -> Tuple[List[float], List[float]]:
     """Per DP rank of ``ranks[r][m]`` (sample indices into ``lengths``, padded ``sizes`` and
-    ``responses``), in a step of uniform ``[micro_batch_size, seq_length]`` rows: its samples' own
-    cost (:meth:`CostModel.cost`) and what it computes (:func:`microbatch_cost` of every
-    micro-batch, placeholders included). A plan's ``dp_imbalance_cost`` and
-    ``dp_imbalance_computed`` are their max / mean, whichever planner built the ranks."""
+    ``responses``), in a step of uniform ``[micro_batch_size, seq_length]`` rows, or of
+    ``row_lengths[r][m]`` where given (each micro-batch its own row): its samples' own cost
+    (:meth:`CostModel.cost`) and what it computes (:func:`microbatch_cost` of every micro-batch,
+    placeholders included). A plan's ``dp_imbalance_cost`` and ``dp_imbalance_computed`` are
+    their max / mean, whichever planner built the ranks."""
     own = [sum(model.cost(lengths[i], responses[i]) for mb in rank for i in mb) for rank in ranks]
     computed = [
         sum(
             microbatch_cost(
                 model,
                 layout,
-                seq_length,
+                row_lengths[r][m] if row_lengths else seq_length,
                 micro_batch_size,
                 [sizes[i] for i in mb],
                 [responses[i] for i in mb],
             )
-            for mb in rank
+            for m, mb in enumerate(rank)
         )
-        for rank in ranks
+        for r, rank in enumerate(ranks)
     ]
     return own, computed
 

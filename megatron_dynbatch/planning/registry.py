@@ -313,7 +313,11 @@ def _step_plan(
         seq_length = max([sizes[i] for i in items] + [multiple])
 
     rank_tokens = [sum(lengths[i] for mb in rank for i in mb) for rank in ranks]
-    own, computed = rank_costs(cost, layout, seq_length, batch, ranks, lengths, sizes, responses)
+    # Each micro-batch computes its own row where rows vary (a probe: the longest row made
+    # every rank of a peer's plan look equal, dp_imbalance_computed 1.0 for 300 against 192).
+    own, computed = rank_costs(
+        cost, layout, seq_length, batch, ranks, lengths, sizes, responses, row_lengths
+    )
     real_tokens = sum(rank_tokens)
     oversize = tuple(i for i in items if sizes[i] > cap)
     regular = sum(sizes[i] for i in items) - sum(sizes[i] for i in oversize)

@@ -247,6 +247,24 @@ def test_plan_from_ranks_fill_with_variable_rows_counts_the_rows_it_computes():
     )
 
 
+def test_plan_from_ranks_computed_imbalance_with_variable_rows_prices_each_row():
+    """A probe: the longest row priced every micro-batch, so a rank of one 1,000-token row and a
+    rank of one 10-token row reported dp_imbalance_computed 1.0."""
+    from megatron_dynbatch.planning.cost import microbatch_cost
+
+    samples = SampleSet.build([1000, 10])
+    config = _config(rollouts_per_step=None, variable_row_lengths=True)
+    step = plan_from_ranks([[[[0]], [[1]]]], samples, config).steps[0]
+    costs = [
+        microbatch_cost(config.cost, "packed", row, 1, [size], [0])
+        for row, size in zip(
+            (step.row_lengths[0][0], step.row_lengths[1][0]), (1000, 10), strict=True
+        )
+    ]
+    assert step.dp_imbalance_computed == pytest.approx(max(costs) / (sum(costs) / 2))
+    assert step.dp_imbalance_computed > 1.5
+
+
 @pytest.mark.parametrize("name", sorted(baselines.BASELINES))
 def test_every_baseline_is_a_planner_whose_plan_is_its_schedule(name):
     """Each step of the Plan holds exactly the baseline's ranks for that step's samples, and the
