@@ -654,7 +654,7 @@ class PlannerConfig:
             )
         if self.token_cap < multiple:
             raise DynBatchValueError(
-                f"max_tokens_per_gpu={self.max_tokens_per_gpu} (x cp_size={self.parallel.cp_size}) is "
+                f"{self.budget_flag}={self.max_tokens_per_gpu} (x cp_size={self.parallel.cp_size}) is "
                 f"smaller than one padded sample: every sample is padded to a multiple of {multiple} "
                 f"(tp_size={self.parallel.tp_size}, cp_size={self.parallel.cp_size}); raise "
                 f"{self.budget_flag} to at least {ceil_div(multiple, self.parallel.cp_size)}."

@@ -68,7 +68,7 @@ def test_planner_config_names_the_budget_flag():
     layout = ParallelLayout(tp_size=4)
     assert config.planner_config(layout).max_tokens_per_gpu == 4
     with pytest.raises(
-        DynBatchValueError, match="^--log-probs-max-tokens-per-gpu: .*smaller than one"
+        DynBatchValueError, match="^--log-probs-max-tokens-per-gpu=2 .*smaller than one"
     ):
         config.planner_config(layout, forward_only=True)
 
@@ -202,7 +202,7 @@ def test_flag_off_returns_none_and_rejects_stray_flags():
         (
             ["--max-tokens-per-gpu", "3"],
             {"tensor_model_parallel_size": 2, "context_parallel_size": 2},
-            "^--max-tokens-per-gpu: .*raise --max-tokens-per-gpu to at least 4",
+            "^--max-tokens-per-gpu=3 .*raise --max-tokens-per-gpu to at least 4",
         ),
         (
             ["--max-tokens-per-gpu", "64", "--log-probs-max-tokens-per-gpu", "1"],
