@@ -635,9 +635,16 @@ class PlannerConfig:
             resting = max(model.resting(s) for s in model.dims.stages())
             if resting >= self.memory.budget_bytes:
                 # Recomputing activations cannot help where the state at rest alone is over.
+                # The least budget named holds one padded sample, not only the state at rest (a
+                # probe: "above 0.024" was refused again at 0.026).
+                least = (
+                    f"to at least {self.memory.least_gib(multiple):.3f}"
+                    if not self.memory.counted_caps
+                    else f"above {resting / 2**30:.3f}"
+                )
                 fix = (
                     f"the state at rest alone (weights, gradients, optimizer) is over it; raise "
-                    f"--max-memory-gib above {resting / 2**30:.3f}"
+                    f"--max-memory-gib {least}"
                     + (
                         ""
                         if model.distributed_optimizer
@@ -722,8 +729,14 @@ class PlannerConfig:
         cp = self.parallel.cp_size
         if flag == "--max-memory-gib" and not self.memory.counted_caps:
             # The least budget whose one-row cap holds the row (a probe: "raise
-            # --max-memory-gib" with no value, and 0.22 still refused where 0.23 planned).
-            return f"{flag} to at least {self.memory.least_gib(padded):.3f}"
+            # --max-memory-gib" with no value, and 0.22 still refused where 0.23 planned),
+            # and the token budget too where it is also short of the row (a probe: the second
+            # try was refused for it).
+            least = f"{flag} to at least {self.memory.least_gib(padded):.3f}"
+            budget = self.max_tokens_per_gpu * cp
+            if budget < padded and self.max_tokens_per_gpu != memory_only_budget(cp):
+                least += f" and {self.budget_flag} to at least {-(-padded // cp)}"
+            return least
         if flag == "--max-memory-gib" or (cp > 1 and flag != "--max-tokens-per-gpu"):
             # A host whose budget caps the whole row (not a GPU's share) under CP has its own
             # check with its own value (integrations/hosts.py, check_host_oversize).

@@ -121,8 +121,15 @@ def test_a_budget_under_the_state_at_rest_is_not_told_to_recompute():
                 PlannerConfig(max_tokens_per_gpu=4096, memory=limit)
             message = str(refused.value)
             assert ("recompute" not in message) == at_rest, message
-            assert (f"above {resting / GIB:.3f}" in message) == at_rest, message
+            # The least budget that holds one padded sample, not only the state at rest: a
+            # probe's "above 0.024" was refused again at 0.026.
+            least = limit.least_gib(1)
+            assert least > resting / GIB
+            assert (f"--max-memory-gib to at least {least:.3f}," in message) == at_rest, message
             assert ("--use-distributed-optimizer" in message) == (at_rest and not distributed)
+            if at_rest:
+                fixed = MemoryLimit(model=model, budget_bytes=int(least * GIB), row_multiple=1)
+                assert PlannerConfig(max_tokens_per_gpu=4096, memory=fixed).token_cap >= 1
 
 
 _MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
@@ -146,6 +153,26 @@ def test_plan_labels_the_cap_and_warns_when_a_peak_exceeds_the_budget(tmp_path, 
     # Within the budget: no warning.
     assert main([*args, "--max-memory-gib", "4"]) == 0
     assert "predicted to exceed" not in capsys.readouterr().err
+
+
+def test_a_refusal_under_both_budgets_names_both_values_that_plan(tmp_path, capsys):
+    """A probe: the refusal named --max-memory-gib alone; at that value the token budget, also
+    short of the longest sample, was refused next."""
+    samples = tmp_path / "samples.json"
+    samples.write_text(json.dumps([10, 94, 101]))
+    args = ["plan", str(samples), *_MODEL, "--dp-size", "4", "--tp-size", "2", "--json"]
+    args += ["--oversize-samples", "error"]
+    assert main([*args, "--max-tokens-per-gpu", "100", "--max-memory-gib", "0.05"]) == 2
+    err = capsys.readouterr().err
+    named = re.search(
+        r"Raise --max-memory-gib to at least (\d+\.\d+) and --max-tokens-per-gpu to at least "
+        r"(\d+),",
+        err,
+    )
+    assert named, err
+    gib, tokens = named.groups()
+    assert main([*args, "--max-tokens-per-gpu", tokens, "--max-memory-gib", gib]) == 0
+    capsys.readouterr()
 
 
 def test_each_memory_refusal_and_warning_names_a_budget_that_plans(tmp_path, capsys):
