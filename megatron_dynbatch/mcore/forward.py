@@ -166,6 +166,7 @@ def make_forward_step(
     thd: bool = False,
     to_device: bool = False,
     timers: Optional[Callable] = None,
+    on_batch: Optional[Callable[[dict, torch.nn.Module], None]] = None,
 ) -> Callable[[Iterator[dict], torch.nn.Module], tuple]:
     """Build a Megatron ``forward_step_func`` for micro-batch dicts.
 
@@ -183,6 +184,8 @@ def make_forward_step(
             whose data stays on the CPU until its step); the library path materializes in place.
         timers: Megatron's ``get_timers()``: times reading the micro-batch as ``batch-generator``,
             as ``pretrain_gpt.py`` does.
+        on_batch: Called with every micro-batch as read (before it moves to the device) and the
+            model chunk, before the forward (the launch's fixed rows report their real lengths).
 
     Returns:
         ``forward_step(data_iterator, model) -> (output_tensor, loss_func)``. Every stage reads the
@@ -202,6 +205,8 @@ def make_forward_step(
                 f"micro-batch is missing {missing} (has {sorted(batch)}); every micro-batch needs "
                 f"{list(MICROBATCH_KEYS)}, with segment_ids marking the samples of packed rows."
             )
+        if on_batch is not None:
+            on_batch(batch, model)
         host = None
         if to_device and torch.cuda.is_available():
             device = torch.device("cuda", torch.cuda.current_device())

@@ -161,3 +161,35 @@ def test_middle_pipeline_stages_read_no_sample():
         # Validation is planned forward-only under --log-probs-max-tokens-per-gpu (128, not 64).
         assert [result["shape"], result["eval_shape"]] == result["expected_shapes"]
         assert result["shape"][2] <= 64 and result["eval_shape"][2] <= 128
+
+
+def _fixed_rows_flops_body():
+    import torch
+
+    from megatron_dynbatch.cpu.training_shim import provide_typing_override
+
+    provide_typing_override()
+    from megatron.training.training import consume_seqlen_stats_in_iteration
+
+    from megatron_dynbatch.integrations.megatron_lm.pretrain_gpt import count_fixed_row_lengths
+
+    # Two fixed rows of 4 tokens: a 3-token and a 2-token document, padding -1.
+    batch = {"sample_index": torch.tensor([[0, 0, 0, -1], [1, 1, -1, -1]])}
+    model = torch.nn.Linear(1, 1)
+    count_fixed_row_lengths(batch, model)
+    trained = consume_seqlen_stats_in_iteration()
+    model.vp_stage = 1  # a later model chunk of the same micro-batch: counted once, by chunk 0
+    count_fixed_row_lengths(batch, model)
+    model.vp_stage = 0
+    model.eval()  # evaluation: not a training iteration's FLOPs
+    count_fixed_row_lengths(batch, model)
+    return {"trained": trained, "later": consume_seqlen_stats_in_iteration()}
+
+
+def test_fixed_document_rows_give_megatrons_flops_count_their_real_tokens():
+    """--document-samples: Megatron counted each padded row as --seq-length tokens (a probe: the
+    fixed run's FLOPs 3.7x the dynamic run's for the same samples, its TFLOP/s twice the dynamic
+    run's where it ran half as fast)."""
+    [result] = run_on_ranks(1, _fixed_rows_flops_body, layout=Layout())
+    assert result["trained"] == (5, 3 * 3 + 2 * 2), result
+    assert result["later"] == (None, None), result
