@@ -700,7 +700,12 @@ class PlannerConfig:
         """Where :attr:`token_cap` comes from, for messages that name it: the token budget, or
         the memory budget when that is smaller (issue 44: a cap set by ``--max-memory-gib`` was
         reported as ``max_tokens_per_gpu=...`` with advice to raise that flag)."""
-        budget = f"max_tokens_per_gpu={self.max_tokens_per_gpu} x cp_size={self.parallel.cp_size}"
+        # The budget by its own flag or key (a probe: the launch's oversize warning named the
+        # field, max_tokens_per_gpu=128 x cp_size=1); cp only where it multiplies it.
+        cp = self.parallel.cp_size
+        budget = f"{self.budget_flag}={self.max_tokens_per_gpu}" + (
+            f" x cp_size={cp}" if cp > 1 else ""
+        )
         if (
             self.memory is not None
             and self.token_cap < self.max_tokens_per_gpu * self.parallel.cp_size

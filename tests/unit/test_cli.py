@@ -363,7 +363,12 @@ def test_plans_oversize_warning_names_the_flags_as_its_refusal_does(tmp_path, ca
     path.write_text("[5, 2, 4, 1]")
     assert main(["plan", str(path), "--max-tokens-per-gpu", "4", "--json"]) == 0
     err = capsys.readouterr().err
-    assert "(--max-tokens-per-gpu=4 x --cp-size=1)" in err and "max_tokens_per_gpu" not in err
+    assert "(--max-tokens-per-gpu=4)" in err and "max_tokens_per_gpu" not in err
+    # The planner names the budget by its flag itself (the Megatron-LM launch prints the
+    # warning as raised: it read max_tokens_per_gpu=128 x cp_size=1), cp only where it
+    # multiplies the budget.
+    assert main(["plan", str(path), "--max-tokens-per-gpu", "2", "--cp-size", "2", "--json"]) == 0
+    assert "(--max-tokens-per-gpu=2 x --cp-size=2)" in capsys.readouterr().err
 
 
 def test_plan_on_cpu_shows_the_plan_a_cpu_run_makes(tmp_path, capsys):

@@ -103,7 +103,7 @@ def test_a_cap_the_memory_budget_sets_is_named_with_its_flag():
     # The token budget's own cap keeps its name.
     plain = PlannerConfig(max_tokens_per_gpu=64, oversize_samples="error")
     assert plain.cap_flag == "--max-tokens-per-gpu"
-    with pytest.raises(DynBatchValueError, match=r"\(max_tokens_per_gpu=64 x cp_size=1\).*"
+    with pytest.raises(DynBatchValueError, match=r"\(--max-tokens-per-gpu=64\).*"
                        r"Raise --max-tokens-per-gpu"):  # fmt: skip
         plan_samples(SampleSet.build([100, 5]), plain)
 
@@ -141,7 +141,7 @@ def test_plan_labels_the_cap_and_warns_when_a_peak_exceeds_the_budget(tmp_path, 
     args = ["plan", str(samples), "--max-tokens-per-gpu", "4096", *_MODEL]
     assert main([*args, "--max-memory-gib", "0.1"]) == 0
     out = capsys.readouterr()
-    assert "(the longest row --max-memory-gib 0.100 allows; max_tokens_per_gpu=4096" in out.out
+    assert "(the longest row --max-memory-gib 0.100 allows; --max-tokens-per-gpu=4096" in out.out
     warning = re.search(r"warning: 1 step\(s\) are predicted to exceed --max-memory-gib 0.1 "
                         r"\(102 MiB\); the largest, step 0, holds (\d+) MiB", out.err)  # fmt: skip
     assert warning and int(warning.group(1)) > 102, out.err
