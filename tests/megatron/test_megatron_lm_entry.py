@@ -137,6 +137,19 @@ _REFUSALS = {
 }  # fmt: skip
 # Refused after Megatron parsed (and printed) its arguments, where its TensorBoard writer exists.
 _LATE_REFUSALS = {
+    # A probe: Megatron's TransformerConfig checks were a traceback on every rank (and left an
+    # empty TensorBoard file); now one line, with the flags of the fields they name.
+    "model-config-recompute": (
+        _ONE + _DYNAMIC
+        + ["--recompute-granularity", "full", "--tensorboard-dir", "{tmp}/tensorboard"],
+        "Megatron's model config refused these arguments: Using recompute_granularity: full so "
+        'recompute_method must be "block" or "uniform"; check --recompute-granularity, '
+        "--recompute-method",
+    ),
+    "model-config-stock": (
+        _ONE + ["--moe-ffn-hidden-size", 128],
+        "moe_ffn_hidden_size is set but num_moe_experts is None",
+    ),
     # Issue 29: no validation split but validation asked for: said at start-up, not after training.
     "no-validation-split": (
         [a for a in _without(_ONE, "--eval-iters") if a != "--mock-data"] + _DYNAMIC

@@ -181,3 +181,34 @@ def test_document_samples_fixed_counts_are_whole_interleaving_groups():
     check_fixed_interleaved_counts(args(3, virtual_pipeline_model_parallel_size=None))
     with pytest.raises(DynBatchValueError, match="--eval-global-batch-size 6"):
         check_fixed_interleaved_counts(args(4, eval_iters=1, eval_global_batch_size=5))
+
+
+def test_both_uneven_stages_interleaved_at_two_stages_name_the_one_that_builds():
+    """A probe: Megatron accepted them and divided by zero middle stages at model build."""
+    uneven = dict(
+        pipeline_model_parallel_size=2,
+        num_virtual_stages_per_pipeline_rank=2,
+        decoder_first_pipeline_num_layers=2,
+    )
+    with pytest.raises(DynBatchValueError) as refused:
+        check_model_layout(_args(**uneven, decoder_last_pipeline_num_layers=2))
+    message = str(refused.value)
+    assert "give one of them (--decoder-first-pipeline-num-layers 2 alone" in message, message
+    check_model_layout(_args(**uneven))  # the fix (it trained in the probe)
+    both = {**uneven, "pipeline_model_parallel_size": 3, "num_layers": 6}
+    check_model_layout(_args(**both, decoder_last_pipeline_num_layers=2))
+
+
+def test_query_groups_that_do_not_divide_the_heads_name_the_counts_that_do():
+    """A probe: the first forward failed on a reshape, after the model was built."""
+    gqa = dict(group_query_attention=True, num_attention_heads=4, tensor_model_parallel_size=2)
+    with pytest.raises(DynBatchValueError) as refused:
+        check_model_layout(_args(**gqa, num_query_groups=3))
+    message = str(refused.value)
+    assert "--num-query-groups 3 does not divide --num-attention-heads 4" in message, message
+    fixes = [int(n) for n in re.findall(r"--num-query-groups (\d+)", message.split("use ", 1)[1])]
+    assert fixes == [1, 2, 4]
+    for groups in fixes:
+        check_model_layout(_args(**gqa, num_query_groups=groups))
+    # Without --group-query-attention Megatron ignores --num-query-groups.
+    check_model_layout(_args(**{**gqa, "group_query_attention": False}, num_query_groups=3))

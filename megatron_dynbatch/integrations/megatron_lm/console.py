@@ -40,7 +40,7 @@ import time
 import traceback
 from typing import Any, NoReturn, Optional
 
-__all__ = ["error_text", "fail", "print_rank_0", "world_size"]
+__all__ = ["error_text", "fail", "model_config_error", "print_rank_0", "world_size"]
 
 #: Name prefix of the files that mark a message as printed in torchrun's attempt directory.
 _CLAIM_PREFIX = "megatron_dynbatch_error_"
@@ -119,6 +119,34 @@ def _flags_named(source: str) -> list:
         for flag in dict.fromkeys(flags)
         if known is None or not flag.startswith("--") or flag in known
     ]
+
+
+#: TransformerConfig fields a flag of another name sets (the others: ``--`` and the name).
+_CONFIG_FIELDS = {
+    "num_layers_in_first_pipeline_stage": ("--decoder-first-pipeline-num-layers",),
+    "num_layers_in_last_pipeline_stage": ("--decoder-last-pipeline-num-layers",),
+    "num_moe_experts": ("--num-experts",),
+    "virtual_pipeline_model_parallel_size": (
+        "--num-virtual-stages-per-pipeline-rank",
+        "--num-layers-per-virtual-pipeline-stage",
+    ),
+}
+
+
+def model_config_error(error: BaseException) -> str:
+    """One line for a refusal of Megatron's model config (``TransformerConfig.__post_init__``,
+    about a hundred ``ValueError`` checks that name config fields, raised when the launch builds
+    the config after the arguments passed): its text, and the flags of the fields it names (a
+    probe: a traceback on every rank, and an empty TensorBoard file)."""
+    text = error_text(error)
+    names = dict.fromkeys(re.findall(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b", text))
+    flags: list = []
+    for name in names:
+        flags += _CONFIG_FIELDS.get(name, ("--" + name.replace("_", "-"),))
+    known = _parsed_flags()
+    flags = [flag for flag in dict.fromkeys(flags) if known is None or flag in known]
+    hint = f"; check {', '.join(flags)}" if flags else ""
+    return f"Megatron's model config refused these arguments: {text}{hint}"
 
 
 def _assert_source(error: BaseException) -> Optional[str]:

@@ -76,7 +76,50 @@ def check_model_layout(args: Any) -> None:
         DynBatchValueError: Naming the flags, their values and values that pass.
     """
     _check_layers(args)
+    _check_uneven_interleaved_pair(args)
+    _check_query_groups(args)
     _check_positions(args)
+
+
+def _check_uneven_interleaved_pair(args: Any) -> None:
+    """Both uneven stage sizes with interleaving at two stages: Megatron 0.19 accepts them and
+    divides by the middle stages (none at pp 2) when it builds the model (a probe: a bare
+    ``ZeroDivisionError`` on one rank, "Connection closed by peer" on the other)."""
+    first = getattr(args, "decoder_first_pipeline_num_layers", None)
+    last = getattr(args, "decoder_last_pipeline_num_layers", None)
+    stages = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+    pp = _size(args, "pipeline_model_parallel_size")
+    if first is None or last is None or stages is None or stages < 2 or pp != 2:
+        return
+    raise DynBatchValueError(
+        f"--decoder-first-pipeline-num-layers {first} and --decoder-last-pipeline-num-layers "
+        f"{last} with --num-virtual-stages-per-pipeline-rank {stages} at "
+        "--pipeline-model-parallel-size 2: Megatron spreads the other layers over the middle "
+        "stages, and two stages have none (it divides by zero when it builds the model); give "
+        f"one of them (--decoder-first-pipeline-num-layers {first} alone: the last stage takes "
+        "the other layers), or use --pipeline-model-parallel-size 3 or more."
+    )
+
+
+def _check_query_groups(args: Any) -> None:
+    """``--num-query-groups`` must divide ``--num-attention-heads``: Megatron checks it only
+    against the tensor-parallel size, and the first forward failed on a reshape (a probe:
+    "shape '[259, 1, 3, 48]' is invalid", the peer's connection closed)."""
+    if not getattr(args, "group_query_attention", False):
+        return
+    groups = getattr(args, "num_query_groups", None)
+    heads = getattr(args, "num_attention_heads", None)
+    if not isinstance(groups, int) or not isinstance(heads, int) or groups < 1 or heads < 1:
+        return
+    if heads % groups == 0:
+        return
+    tp = _size(args, "tensor_model_parallel_size")
+    fits = [d for d in range(1, heads + 1) if heads % d == 0 and (d % tp == 0 or tp % d == 0)]
+    raise DynBatchValueError(
+        f"--num-query-groups {groups} does not divide --num-attention-heads {heads}: each query "
+        "group shares one key/value head among the same number of query heads; use "
+        f"{_either(fits, '--num-query-groups')}."
+    )
 
 
 def _check_layers(args: Any) -> None:

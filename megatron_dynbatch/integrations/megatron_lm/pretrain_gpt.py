@@ -57,7 +57,11 @@ from megatron_dynbatch.integrations.megatron_lm.attention import (
     attention_of_args,
     stock_rows_are_thd,
 )
-from megatron_dynbatch.integrations.megatron_lm.console import fail, print_rank_0
+from megatron_dynbatch.integrations.megatron_lm.console import (
+    fail,
+    model_config_error,
+    print_rank_0,
+)
 from megatron_dynbatch.integrations.megatron_lm.data.blends import BLEND_WEIGHTS
 from megatron_dynbatch.integrations.megatron_lm.data.conversations import conversation_tokenizer
 from megatron_dynbatch.integrations.megatron_lm.data.documents import (
@@ -657,8 +661,14 @@ def main(
         args.eval_interval = args.train_iters or max(
             1, (args.train_samples or 0) // args.global_batch_size
         )
+    try:
+        model_config = gpt_config_from_args(args)
+    except (ValueError, AssertionError) as error:
+        # Megatron's TransformerConfig checks what its argument checks left (a probe: a
+        # traceback on every rank): one line, with the flags of the fields it names.
+        _discard_tensorboard_file(args)
+        fail(model_config_error(error))
     print_rank_0(f"> core attention: {attention} ({_ATTENTION_WHAT[attention]})")
-    model_config = gpt_config_from_args(args)
     core = _core_attention(attention)
     if _uses_documents(args) or datasets_provider is not None:
         if args.use_dynamic_batch_size:
