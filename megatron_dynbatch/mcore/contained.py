@@ -60,6 +60,25 @@ def _received(model: torch.nn.Module) -> tuple[bool, Optional[torch.Tensor]]:
     return True, received
 
 
+def _only_pipeline_and_data_parallel(model: torch.nn.Module) -> bool:
+    """Whether no collective runs inside a stage's forward or backward: no tensor, context or
+    expert parallelism. There a stage that fails on one rank of the group (an out-of-memory
+    error) leaves its group peers inside a layer's collective that stand-ins never enter: the
+    failing process would then wait too, where uncontained it exits and its peers' connections
+    close. So such models run uncontained, as before."""
+    config = _unwrapped(model).config
+    sizes = (
+        getattr(config, name, 1) or 1
+        for name in (
+            "tensor_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+            "expert_tensor_parallel_size",
+        )
+    )
+    return all(size == 1 for size in sizes)
+
+
 def _anchor(model: torch.nn.Module) -> Optional[torch.Tensor]:
     """Zero, tied to one element of every trainable parameter: a stand-in's backward then gives
     each a zero gradient, so DDP's per-parameter hooks (overlapped gradient reduction) fire as
@@ -182,13 +201,14 @@ def contained_schedule(
 
     ``consequence``: what of the step is not valid after a failure (the error ends with it).
     ``first_model``: a model chunk of this rank; a model whose stage input cannot be read (no
-    GPT-like ``decoder``) runs uncontained, as before.
+    GPT-like ``decoder``), or with tensor, context or expert parallelism (collectives inside a
+    stage), runs uncontained, as before.
 
     Raises:
         StepAgreementError: on every rank of ``check_group`` when any rank failed in the schedule.
     """
     known, _ = _received(first_model)
-    if not known:
+    if not known or not _only_pipeline_and_data_parallel(first_model):
         return run(forward_step)
     failure = _Failure()
     with _backward_steps_through(lambda original: _contained_backward(original, failure)):
