@@ -108,6 +108,7 @@ def _step_body(
     fault_rank=1,
     vpp=None,
     forward_only=False,
+    overlap=False,
 ):
     """Plan, agree, materialize and train one step; return the gradients or the agreed error.
 
@@ -127,6 +128,8 @@ def _step_body(
             ``forward raises``: see :func:`_in_schedule_fault`); its process lives on.
         vpp: Virtual pipeline stages (the plan aligned to them).
         forward_only: Gather the log-probs (``forward_only_outputs``) instead of training.
+        overlap: DDP reduces gradients in small buckets during the last micro-batch's backward
+            (``overlap_grad_reduce``), in the order their parameters become ready.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -191,7 +194,8 @@ def _step_body(
         calculate_per_token_loss=True,
     )
     model_config.variable_seq_lengths = rows == "exchanged"
-    chunks = wrap_in_ddp(build_tiny_gpt(model_config, seed=SEED))
+    chunks = build_tiny_gpt(model_config, seed=SEED)
+    chunks = _overlapped_ddp(chunks) if overlap else wrap_in_ddp(chunks)
     configure_loss(chunks, "token-mean")
     token_loss = _killed_at_second_loss if rank == kill_rank else _advantage_loss
     if fault in ("loss raises", "backward raises", "forward raises") and rank == fault_rank:
@@ -214,7 +218,23 @@ def _step_body(
     except StepAgreementError as error:
         return {"type": type(error).__name__, "error": str(error), "s": time.monotonic() - started}
     rows_seen = sorted({tuple(b["tokens"].shape) for b in microbatches})
-    return {"grads": named_global_grads(chunks), "rows": rows_seen}
+    return {"grads": named_global_grads(chunks), "rows": rows_seen, "count": len(microbatches)}
+
+
+def _overlapped_ddp(chunks):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    return [
+        DistributedDataParallel(
+            config=chunk.config,
+            # Buckets of about 2,000 parameters: several all-reduces, issued as they fill.
+            ddp_config=DistributedDataParallelConfig(
+                overlap_grad_reduce=True, use_distributed_optimizer=False, bucket_size=2000
+            ),
+            module=chunk,
+        )
+        for chunk in chunks
+    ]
 
 
 def _sharded_body():
@@ -428,3 +448,25 @@ def test_variable_rows_on_fixed_pipeline_shapes_are_refused_on_every_rank_naming
     assert len(messages) == 1 and {r.get("type") for r in results} == {"StepAgreementError"}
     [message] = messages
     assert "variable_seq_lengths=True" in message and "variable_row_lengths=False" in message
+
+
+@pytest.mark.parametrize("fault_rank", [0, 1])
+def test_an_error_in_the_last_micro_batch_with_overlapped_gradient_buckets_stops_every_rank(
+    fault_rank,
+):
+    """dp 2 with overlap_grad_reduce and small buckets: the last micro-batch's backward issues
+    the bucket all-reduces as their parameters become ready; the failing rank's stand-in must
+    ready them in an order its peer's real backward pairs with."""
+    clean = run_on_ranks(2, _step_body, overlap=True, layout=Layout())
+    assert {r["count"] for r in clean} == {2}  # the fault at the second call: the last one
+    results = run_on_ranks(
+        2, _step_body, "loss raises", fault_rank=fault_rank, overlap=True, layout=Layout()
+    )
+    messages = {r.get("error") for r in results}
+    assert len(messages) == 1 and None not in messages, results
+    assert f"rank {fault_rank}: micro-batch 1, loss: ValueError" in messages.pop()
+    assert max(r["s"] for r in results) < FAIL_WITHIN_S
+    after = run_on_ranks(2, _step_body, overlap=True, layout=Layout())
+    for before, now in zip(clean, after, strict=True):
+        assert before["grads"].keys() == now["grads"].keys()
+        assert all(torch.equal(before["grads"][k], now["grads"][k]) for k in now["grads"])
