@@ -9,9 +9,9 @@ does not wake a peer's pending receive (tried on torch 2.13).
 
 So :func:`contained_schedule` keeps the failing stage in the schedule: from its first failure on,
 its forward steps, loss calls and backward steps hand Megatron zero stand-ins of the shapes its
-peers expect (the received activation times zero, or zeros of the stage's output shape, tied to
-every trainable parameter so each gradient hook still fires), so every send meets its receive and
-the schedule ends on every rank. Then one agreement over the check group raises the first
+peers expect (the received activation times zero, or zeros of the stage's output shape; zero
+gradients back), so every send meets its receive and the schedule ends on every rank (models
+whose collectives stand-ins cannot pair run uncontained: :func:`_containable`). Then one agreement over the check group raises the first
 failure, with its micro-batch and phase, as the same
 :class:`~megatron_dynbatch.mcore.agreement.StepAgreementError` everywhere. The step's gradients
 are not valid then: do not step the optimizer (the error says so).
@@ -20,11 +20,11 @@ are not valid then: do not step the optimizer (the error says so).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
-from megatron_dynbatch.mcore.agreement import step_agreement
+from megatron_dynbatch.mcore.agreement import StepAgreementError, step_agreement
 
 __all__ = ["contained_schedule"]
 
@@ -60,54 +60,76 @@ def _received(model: torch.nn.Module) -> tuple[bool, Optional[torch.Tensor]]:
     return True, received
 
 
-def _only_pipeline_and_data_parallel(model: torch.nn.Module) -> bool:
-    """Whether no collective runs inside a stage's forward or backward: no tensor, context or
-    expert parallelism. There a stage that fails on one rank of the group (an out-of-memory
-    error) leaves its group peers inside a layer's collective that stand-ins never enter: the
-    failing process would then wait too, where uncontained it exits and its peers' connections
-    close. So such models run uncontained, as before."""
-    config = _unwrapped(model).config
-    sizes = (
-        getattr(config, name, 1) or 1
+def _containable(models: Sequence[torch.nn.Module]) -> bool:
+    """Whether stand-ins keep every collective of the step paired: none may run inside a stage's
+    forward or backward, and the gradient reduction must not depend on the backward's order.
+
+    * Tensor, context or expert parallelism, and a router's ``global_aux_loss`` (token counts
+      all-reduced over data-parallel ranks in the forward, a probe's hang): a rank failing alone
+      leaves its group inside a collective that stand-ins never enter, and the failing process
+      would wait too, where uncontained it exits and its peers' connections close.
+    * DDP's ``overlap_grad_reduce``: each rank issues its bucket all-reduces as the backward
+      readies them, an order stand-ins do not reproduce (a probe: a hang, and silently wrong
+      gradients in the next step).
+
+    Such models run uncontained, as before."""
+    from megatron_dynbatch.mcore.moe import global_aux_loss_in
+
+    for model in models:
+        config = _unwrapped(model).config
         for name in (
             "tensor_model_parallel_size",
             "context_parallel_size",
             "expert_model_parallel_size",
             "expert_tensor_parallel_size",
-        )
-    )
-    return all(size == 1 for size in sizes)
+        ):
+            if (getattr(config, name, 1) or 1) != 1:
+                return False
+        ddp_config = getattr(model, "ddp_config", None)
+        if getattr(ddp_config, "overlap_grad_reduce", False):
+            return False
+        if getattr(config, "num_moe_experts", None) and global_aux_loss_in(model):
+            return False
+    return True
 
 
-def _anchor(model: torch.nn.Module) -> Optional[torch.Tensor]:
-    """Zero, tied to one element of every trainable parameter: a stand-in's backward then gives
-    each a zero gradient, so DDP's per-parameter hooks (overlapped gradient reduction) fire as
-    in a real micro-batch."""
-    terms = [p.reshape(-1)[:1].sum() for p in model.parameters() if p.requires_grad and p.numel()]
-    return torch.stack([t.float() for t in terms]).sum() * 0 if terms else None
+@contextlib.contextmanager
+def _model_state_kept(models: Sequence[torch.nn.Module]):
+    """The routers' expert biases as they were when the step failed: Megatron updates them in
+    ``finalize_model_grads`` at the schedule's end, from the step's token counts (a probe: a
+    failed step moved them, and the next clean step trained on them)."""
+    biases = [
+        (module.expert_bias, module.expert_bias.detach().clone())
+        for model in models
+        for module in model.modules()
+        if isinstance(getattr(module, "expert_bias", None), torch.Tensor)
+    ]
+    try:
+        yield
+    except StepAgreementError:
+        with torch.no_grad():
+            for bias, kept in biases:
+                bias.copy_(kept)
+        raise
 
 
 def _stand_in(model: torch.nn.Module, rows: Optional[tuple]) -> Optional[torch.Tensor]:
     """A zero output of the shape this stage sends: the received activation's on a later stage
     (a transformer stage keeps it), ``[S (/ tp under sequence parallelism), B, hidden]`` of the
-    micro-batch's ``rows = (B, S)`` on a first stage; None where neither is known."""
+    micro-batch's ``rows = (B, S)`` on a first stage; None where neither is known. Its backward
+    never runs (:func:`_contained_backward` answers with zeros)."""
     _, received = _received(model)
-    if received is None and rows is None:
-        return None
-    anchor = _anchor(model) if torch.is_grad_enabled() else None
     if received is not None:
-        output = received * 0
-    else:
-        config = _unwrapped(model).config
-        batch, length = rows
-        if getattr(config, "sequence_parallel", False):
-            length //= max(1, config.tensor_model_parallel_size)
-        dtype = getattr(config, "pipeline_dtype", None) or config.params_dtype
-        device = next(model.parameters()).device
-        output = torch.zeros(length, batch, config.hidden_size, dtype=dtype, device=device)
-    if anchor is not None:
-        output = output + anchor.to(output.dtype)
-    return output
+        return received.detach() * 0
+    if rows is None:
+        return None
+    config = _unwrapped(model).config
+    batch, length = rows
+    if getattr(config, "sequence_parallel", False):
+        length //= max(1, config.tensor_model_parallel_size)
+    dtype = getattr(config, "pipeline_dtype", None) or config.params_dtype
+    device = next(model.parameters()).device
+    return torch.zeros(length, batch, config.hidden_size, dtype=dtype, device=device)
 
 
 def _stand_in_loss(output: torch.Tensor, non_loss_data: bool = False):
@@ -194,27 +216,28 @@ def contained_schedule(
     check_group=None,
     what: str,
     consequence: str,
-    first_model: torch.nn.Module,
+    models: Sequence[torch.nn.Module],
 ) -> list:
     """Run ``run(forward_step)`` (one call of Megatron's schedule) with failures contained, then
     agree on them over ``check_group``.
 
     ``consequence``: what of the step is not valid after a failure (the error ends with it).
-    ``first_model``: a model chunk of this rank; a model whose stage input cannot be read (no
-    GPT-like ``decoder``), or with tensor, context or expert parallelism (collectives inside a
-    stage), runs uncontained, as before.
+    ``models``: this rank's model chunks; a model whose stage input cannot be read (no GPT-like
+    ``decoder``), or one :func:`_containable` refuses, runs uncontained, as before. After a
+    failure the routers' expert biases are restored (:func:`_model_state_kept`).
 
     Raises:
         StepAgreementError: on every rank of ``check_group`` when any rank failed in the schedule.
     """
-    known, _ = _received(first_model)
-    if not known or not _only_pipeline_and_data_parallel(first_model):
+    known, _ = _received(models[0])
+    if not known or not _containable(models):
         return run(forward_step)
     failure = _Failure()
-    with _backward_steps_through(lambda original: _contained_backward(original, failure)):
-        outputs = run(_contained_forward(forward_step, failure))
-    with step_agreement(check_group, what=what, inside_schedule=consequence) as agreement:
-        if failure.error is not None:
-            agreement.where = failure.where
-            raise failure.error
+    with _model_state_kept(models):
+        with _backward_steps_through(lambda original: _contained_backward(original, failure)):
+            outputs = run(_contained_forward(forward_step, failure))
+        with step_agreement(check_group, what=what, inside_schedule=consequence) as agreement:
+            if failure.error is not None:
+                agreement.where = failure.where
+                raise failure.error
     return outputs

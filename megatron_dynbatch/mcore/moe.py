@@ -37,6 +37,7 @@ from megatron_dynbatch.runtime.placeholders import is_placeholder
 
 __all__ = [
     "expert_bias_takes_the_mask",
+    "global_aux_loss_in",
     "is_moe_model",
     "masked_routing",
     "padding_mask_of",
@@ -124,6 +125,15 @@ def _routers_with_aux_loss(model: torch.nn.Module) -> list:
     ]
 
 
+def global_aux_loss_in(model: torch.nn.Module) -> bool:
+    """Whether a router of ``model`` computes ``global_aux_loss``: its forward then reduces token
+    counts over the data-parallel ranks (Megatron's loss, and :func:`placeholder_routing`'s
+    check of a placeholder's group)."""
+    return any(
+        router.get_aux_loss_coeff("global_aux_loss") > 0 for router in _routers_with_aux_loss(model)
+    )
+
+
 def _any_real(has_real: torch.Tensor, group) -> torch.Tensor:
     if torch.distributed.get_world_size(group) > 1:
         has_real = has_real.clone()
@@ -171,7 +181,7 @@ def placeholder_routing(
     _register_metrics(first, padding_mask.device)
     local = _any_real((~padding_mask).any().to(torch.int32).reshape(1), first.tp_cp_group)
     off: tuple = () if int(local.item()) else _LOCAL_LOSSES
-    if any(router.get_aux_loss_coeff("global_aux_loss") > 0 for router in routers):
+    if global_aux_loss_in(model):
         if not int(_any_real(local, first.tp_dp_cp_group).item()):
             off += _GLOBAL_LOSSES
     if not off:

@@ -204,7 +204,7 @@ def _schedule(
         check_group=check_group,
         what=what,
         consequence=consequence,
-        first_model=chunks[0],
+        models=chunks,
     )
 
 

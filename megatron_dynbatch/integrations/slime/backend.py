@@ -475,7 +475,7 @@ def contained_schedule(forward_backward_func: Callable[..., Any], what: str) -> 
                 if kwargs.get("forward_only")
                 else "slime stops the step before its optimizer step"
             ),
-            first_model=chunks[0],
+            models=chunks,
         )
 
     return run
