@@ -60,7 +60,9 @@ def _received(model: torch.nn.Module) -> tuple[bool, Optional[torch.Tensor]]:
     return True, received
 
 
-def _containable(models: Sequence[torch.nn.Module]) -> bool:
+def _containable(
+    models: Sequence[torch.nn.Module], *, forward_only: bool, dp_size: Optional[int]
+) -> bool:
     """Whether stand-ins keep every collective of the step paired: none may run inside a stage's
     forward or backward, and the gradient reduction must not depend on the backward's order.
 
@@ -72,7 +74,10 @@ def _containable(models: Sequence[torch.nn.Module]) -> bool:
       readies them, an order stand-ins do not reproduce (a probe: a hang, and silently wrong
       gradients in the next step).
 
-    Such models run uncontained, as before."""
+    Such models run uncontained, as before; the last two in training only (a forward-only pass
+    has no backward and no load-balancing loss), ``global_aux_loss`` only with more than one
+    data-parallel rank (``dp_size``; None: unknown, taken as more). Overlapped buckets also at
+    dp 1: a later step's ``finish_grad_sync`` asserts that the skipped backward issued them."""
     from megatron_dynbatch.mcore.moe import global_aux_loss_in
 
     for model in models:
@@ -85,10 +90,13 @@ def _containable(models: Sequence[torch.nn.Module]) -> bool:
         ):
             if (getattr(config, name, 1) or 1) != 1:
                 return False
+        if forward_only:
+            continue
         ddp_config = getattr(model, "ddp_config", None)
         if getattr(ddp_config, "overlap_grad_reduce", False):
             return False
-        if getattr(config, "num_moe_experts", None) and global_aux_loss_in(model):
+        moe = getattr(config, "num_moe_experts", None)
+        if moe and dp_size != 1 and global_aux_loss_in(model):
             return False
     return True
 
@@ -217,20 +225,24 @@ def contained_schedule(
     what: str,
     consequence: str,
     models: Sequence[torch.nn.Module],
+    forward_only: bool,
+    dp_size: Optional[int],
 ) -> list:
     """Run ``run(forward_step)`` (one call of Megatron's schedule) with failures contained, then
     agree on them over ``check_group``.
 
     ``consequence``: what of the step is not valid after a failure (the error ends with it).
     ``models``: this rank's model chunks; a model whose stage input cannot be read (no GPT-like
-    ``decoder``), or one :func:`_containable` refuses, runs uncontained, as before. After a
+    ``decoder``), or one :func:`_containable` refuses (``forward_only``: the schedule has no
+    backward; ``dp_size``: its data-parallel ranks, None if unknown), runs uncontained, as
+    before. After a
     failure the routers' expert biases are restored (:func:`_model_state_kept`).
 
     Raises:
         StepAgreementError: on every rank of ``check_group`` when any rank failed in the schedule.
     """
     known, _ = _received(models[0])
-    if not known or not _containable(models):
+    if not known or not _containable(models, forward_only=forward_only, dp_size=dp_size):
         return run(forward_step)
     failure = _Failure()
     with _model_state_kept(models):

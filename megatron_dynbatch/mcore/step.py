@@ -205,6 +205,8 @@ def _schedule(
         what=what,
         consequence=consequence,
         models=chunks,
+        forward_only=bool(kwargs.get("forward_only")),
+        dp_size=_data_parallel_size(kwargs.get("pg_collection")),
     )
 
 

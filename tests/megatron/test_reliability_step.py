@@ -474,7 +474,9 @@ def _containable_body(moe):
     )
     config.moe_router_load_balancing_type = moe
     config.moe_aux_loss_coeff = 0.01
-    return _containable(wrap_in_ddp(build_tiny_gpt(config, seed=SEED)))
+    return _containable(
+        wrap_in_ddp(build_tiny_gpt(config, seed=SEED)), forward_only=False, dp_size=2
+    )
 
 
 def test_a_router_that_reduces_over_data_parallel_ranks_in_its_forward_runs_uncontained():

@@ -37,7 +37,22 @@ def _model(overlap=False, **sizes):
 def test_models_whose_collectives_stand_ins_cannot_pair_run_uncontained(settings, contained):
     # A rank that fails alone inside a layer's collective leaves its group waiting there; the
     # stand-ins never enter it, so the failing process would wait too instead of exiting.
-    assert _containable([_model(), _model(**settings)]) is contained
+    models = [_model(), _model(**settings)]
+    assert _containable(models, forward_only=False, dp_size=2) is contained
+    assert _containable(models, forward_only=False, dp_size=None) is contained
+
+
+def test_overlapped_buckets_pair_no_rank_in_a_forward_only_pass():
+    """A re-probe: forward-only passes of overlapped models were contained (and right) before
+    overlapped models were excluded everywhere. Training stays uncontained at dp 1 too: a later
+    step's finish_grad_sync asserts that the skipped backward issued its buckets."""
+    models = [_model(overlap=True)]
+    assert _containable(models, forward_only=True, dp_size=4)
+    assert not _containable(models, forward_only=False, dp_size=1)
+    assert not _containable(models, forward_only=False, dp_size=2)
+    # Tensor parallelism pairs ranks inside every forward: never contained.
+    tp = [_model(tensor_model_parallel_size=2)]
+    assert not _containable(tp, forward_only=True, dp_size=1)
 
 
 def test_stand_ins_have_the_shape_the_next_stage_receives():

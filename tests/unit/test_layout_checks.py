@@ -188,13 +188,14 @@ def test_both_uneven_stages_interleaved_at_two_stages_name_the_one_that_builds()
     uneven = dict(
         pipeline_model_parallel_size=2,
         num_virtual_stages_per_pipeline_rank=2,
-        decoder_first_pipeline_num_layers=2,
+        decoder_first_pipeline_num_layers=1,
     )
     with pytest.raises(DynBatchValueError) as refused:
-        check_model_layout(_args(**uneven, decoder_last_pipeline_num_layers=2))
+        check_model_layout(_args(**uneven, decoder_last_pipeline_num_layers=1))
     message = str(refused.value)
-    assert "give one of them (--decoder-first-pipeline-num-layers 2 alone" in message, message
-    check_model_layout(_args(**uneven))  # the fix (it trained in the probe)
+    # Not 1 alone (a re-probe: Megatron refused a first stage of 1 layer in 2 chunks next).
+    assert "give --decoder-first-pipeline-num-layers 2 alone (the last stage takes" in message
+    check_model_layout(_args(**{**uneven, "decoder_first_pipeline_num_layers": 2}))  # trained
     both = {**uneven, "pipeline_model_parallel_size": 3, "num_layers": 6}
     check_model_layout(_args(**both, decoder_last_pipeline_num_layers=2))
 

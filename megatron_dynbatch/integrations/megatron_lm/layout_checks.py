@@ -91,13 +91,23 @@ def _check_uneven_interleaved_pair(args: Any) -> None:
     pp = _size(args, "pipeline_model_parallel_size")
     if first is None or last is None or stages is None or stages < 2 or pp != 2:
         return
+    # A first stage that builds alone: its layers and the last stage's split into `stages`
+    # chunks each (a re-probe: the value given, 1 of 4 layers, was refused next for that).
+    layers = getattr(args, "num_layers", None) or 0
+    builds = [n for n in range(stages, layers, stages) if (layers - n) % stages == 0]
+    alone = min(builds, key=lambda n: (abs(n - first), n)) if builds else None
+    one = (
+        f"give --decoder-first-pipeline-num-layers {alone} alone (the last stage takes the other "
+        f"{layers - alone}; each a multiple of {stages}), or "
+        if alone is not None
+        else ""
+    )
     raise DynBatchValueError(
         f"--decoder-first-pipeline-num-layers {first} and --decoder-last-pipeline-num-layers "
         f"{last} with --num-virtual-stages-per-pipeline-rank {stages} at "
         "--pipeline-model-parallel-size 2: Megatron spreads the other layers over the middle "
-        "stages, and two stages have none (it divides by zero when it builds the model); give "
-        f"one of them (--decoder-first-pipeline-num-layers {first} alone: the last stage takes "
-        "the other layers), or use --pipeline-model-parallel-size 3 or more."
+        "stages, and two stages have none (it divides by zero when it builds the model); "
+        f"{one}use --pipeline-model-parallel-size 3 or more."
     )
 
 
