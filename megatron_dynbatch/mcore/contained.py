@@ -11,10 +11,10 @@ So :func:`contained_schedule` keeps the failing stage in the schedule: from its 
 its forward steps, loss calls and backward steps hand Megatron zero stand-ins of the shapes its
 peers expect (the received activation times zero, or zeros of the stage's output shape; zero
 gradients back), so every send meets its receive and the schedule ends on every rank (models
-whose collectives stand-ins cannot pair run uncontained: :func:`_containable`). Then one agreement over the check group raises the first
-failure, with its micro-batch and phase, as the same
-:class:`~megatron_dynbatch.mcore.agreement.StepAgreementError` everywhere. The step's gradients
-are not valid then: do not step the optimizer (the error says so).
+whose collectives stand-ins cannot pair run uncontained: :func:`_containable`). Then one
+agreement over the check group raises the first failure, with its micro-batch and phase, as the
+same :class:`~megatron_dynbatch.mcore.agreement.StepAgreementError` everywhere. The step's
+gradients are not valid then: do not step the optimizer (the error says so).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from megatron_dynbatch.mcore.agreement import StepAgreementError, step_agreement
+from megatron_dynbatch.mcore.schedule import data_parallel_size, unwrapped_model
 
 __all__ = ["contained_schedule"]
 
@@ -41,16 +42,10 @@ class _Failure:
             self.error, self.where = error, where
 
 
-def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module"):  # DDP and Float16Module wrap the model
-        model = model.module
-    return model
-
-
 def _received(model: torch.nn.Module) -> tuple[bool, Optional[torch.Tensor]]:
     """``(known, activation)``: what the schedule handed this stage through ``set_input_tensor``
     (None on a first stage). Not known for a model without a GPT-like ``decoder``."""
-    inner = _unwrapped(model)
+    inner = unwrapped_model(model)
     holder = getattr(inner, "decoder", None)
     if holder is None or not hasattr(holder, "input_tensor"):
         return False, None
@@ -81,7 +76,7 @@ def _containable(
     from megatron_dynbatch.mcore.moe import global_aux_loss_in
 
     for model in models:
-        config = _unwrapped(model).config
+        config = unwrapped_model(model).config
         for name in (
             "tensor_model_parallel_size",
             "context_parallel_size",
@@ -131,7 +126,7 @@ def _stand_in(model: torch.nn.Module, rows: Optional[tuple]) -> Optional[torch.T
         return received.detach() * 0
     if rows is None:
         return None
-    config = _unwrapped(model).config
+    config = unwrapped_model(model).config
     batch, length = rows
     if getattr(config, "sequence_parallel", False):
         length //= max(1, config.tensor_model_parallel_size)
@@ -156,9 +151,8 @@ def _contained_forward(forward_step: Callable, failure: _Failure) -> Callable:
         if failure.error is None:
             try:
                 output, loss_func = forward_step(data_iterator, model, *args, **kwargs)
-            except (
-                Exception
-            ) as error:  # noqa: BLE001 - every failure is agreed on after the schedule
+            # Any failure: every one is agreed on after the schedule.
+            except Exception as error:  # noqa: BLE001
                 where = "" if position is None else f"micro-batch {position}, "
                 failure.record(error, f"{where}forward")
             else:
@@ -226,7 +220,7 @@ def contained_schedule(
     consequence: str,
     models: Sequence[torch.nn.Module],
     forward_only: bool,
-    dp_size: Optional[int],
+    pg_collection=None,
 ) -> list:
     """Run ``run(forward_step)`` (one call of Megatron's schedule) with failures contained, then
     agree on them over ``check_group``.
@@ -234,14 +228,15 @@ def contained_schedule(
     ``consequence``: what of the step is not valid after a failure (the error ends with it).
     ``models``: this rank's model chunks; a model whose stage input cannot be read (no GPT-like
     ``decoder``), or one :func:`_containable` refuses (``forward_only``: the schedule has no
-    backward; ``dp_size``: its data-parallel ranks, None if unknown), runs uncontained, as
-    before. After a
-    failure the routers' expert biases are restored (:func:`_model_state_kept`).
+    backward; ``pg_collection``: the schedule's groups, None for Megatron's), runs uncontained,
+    as before. After a failure the routers' expert biases are restored
+    (:func:`_model_state_kept`).
 
     Raises:
         StepAgreementError: on every rank of ``check_group`` when any rank failed in the schedule.
     """
     known, _ = _received(models[0])
+    dp_size = data_parallel_size(pg_collection)
     if not known or not _containable(models, forward_only=forward_only, dp_size=dp_size):
         return run(forward_step)
     failure = _Failure()

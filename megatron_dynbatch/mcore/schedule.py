@@ -14,8 +14,10 @@ __all__ = [
     "check_schedule_config",
     "check_schedule_inputs",
     "check_uniform_shapes",
+    "data_parallel_size",
     "interleaved_shape_exchange_hangs",
     "run_forward_backward",
+    "unwrapped_model",
 ]
 
 # Keys whose length legitimately differs between micro-batches: ``cu_seqlens`` has one entry per
@@ -125,15 +127,33 @@ def _shape(value: torch.Tensor, variable_rows: bool) -> tuple:
     return shape[:1] + (None,) + shape[2:] if variable_rows and len(shape) > 1 else shape
 
 
+def unwrapped_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside its wrappers (Megatron's DDP, Float16Module, a host's own): each keeps
+    the one it wraps in ``.module``."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def data_parallel_size(pg_collection=None) -> Optional[int]:
+    """The data-parallel ranks of the schedule: ``pg_collection.dp``'s, else Megatron's once its
+    model parallelism is initialized, else None (unknown)."""
+    group = getattr(pg_collection, "dp", None) if pg_collection is not None else None
+    if group is not None:
+        return group.size()
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_data_parallel_world_size()
+    return None
+
+
 def _check_token_ids(model_chunks: list[torch.nn.Module], microbatches: list[dict]) -> None:
     """Refuse a token or label id the model's vocabulary does not hold, before the schedule: in
     it, the embedding (first stage) or the loss (last stage) raised a bare ``IndexError`` on
     that stage alone, and a surviving peer waited in its p2p (a probe; a pad id over the
     vocabulary failed only on steps with padding)."""
-    module = model_chunks[0]
-    while hasattr(module, "module"):  # DDP and Float16Module wrap the model
-        module = module.module
-    vocab = getattr(module, "vocab_size", None)
+    vocab = getattr(unwrapped_model(model_chunks[0]), "vocab_size", None)
     if not isinstance(vocab, int):
         return
     checked = [

@@ -28,7 +28,11 @@ from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.mcore.agreement import step_agreement
 from megatron_dynbatch.mcore.contained import contained_schedule
 from megatron_dynbatch.mcore.forward import make_forward_step
-from megatron_dynbatch.mcore.schedule import check_schedule_inputs, run_forward_backward
+from megatron_dynbatch.mcore.schedule import (
+    check_schedule_inputs,
+    data_parallel_size,
+    run_forward_backward,
+)
 from megatron_dynbatch.planning import StepPlan
 from megatron_dynbatch.runtime import (
     detach_masked_positions,
@@ -104,19 +108,6 @@ def configure_loss(model_chunks: Sequence[torch.nn.Module], aggregation: str) ->
         )
 
 
-def _data_parallel_size(pg_collection) -> Optional[int]:
-    """The data-parallel ranks of the schedule: ``pg_collection.dp``'s, else Megatron's once its
-    model parallelism is initialized, else None (unknown: not checked)."""
-    group = getattr(pg_collection, "dp", None) if pg_collection is not None else None
-    if group is not None:
-        return group.size()
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_data_parallel_world_size()
-    return None
-
-
 def _seq_length_and_mbs(
     step: StepPlan, microbatches: Sequence[Mapping[str, torch.Tensor]], pg_collection=None
 ):
@@ -140,7 +131,7 @@ def _seq_length_and_mbs(
             f"{step.num_microbatches}; materialize this rank's micro-batches from the same plan."
         )
     # A plan for more DP ranks than run would train only the first ranks' samples, silently.
-    dp = _data_parallel_size(pg_collection)
+    dp = data_parallel_size(pg_collection)
     if dp is not None and len(step.ranks) != dp:
         raise DynBatchValueError(
             f"the step was planned for {len(step.ranks)} data-parallel rank(s) but "
@@ -206,7 +197,7 @@ def _schedule(
         consequence=consequence,
         models=chunks,
         forward_only=bool(kwargs.get("forward_only")),
-        dp_size=_data_parallel_size(kwargs.get("pg_collection")),
+        pg_collection=kwargs.get("pg_collection"),
     )
 
 

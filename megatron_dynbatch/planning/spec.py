@@ -740,7 +740,7 @@ class PlannerConfig:
             least = f"{flag} to at least {self.memory.least_gib(padded):.3f}"
             budget = self.max_tokens_per_gpu * cp
             if budget < padded and self.max_tokens_per_gpu != memory_only_budget(cp):
-                least += f" and {self.budget_flag} to at least {-(-padded // cp)}"
+                least += f" and {self.budget_flag} to at least {ceil_div(padded, cp)}"
             return least
         if flag == "--max-memory-gib" or (cp > 1 and flag != "--max-tokens-per-gpu"):
             # A host whose budget caps the whole row (not a GPU's share) under CP has its own

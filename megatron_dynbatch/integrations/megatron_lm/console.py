@@ -109,10 +109,15 @@ def _parsed_flags() -> Optional[frozenset]:
 def _flags_named(source: str) -> list:
     """``--save-interval`` for every ``args.save_interval`` an assert reads: the flags that set
     it where Megatron derives it, and only options its parser takes."""
-    names = dict.fromkeys(re.findall(r"\bargs\.([A-Za-z_][A-Za-z0-9_]*)", source))
-    flags = []
-    for name in names:
-        flags += _DERIVED.get(name, ("--" + name.replace("_", "-"),))
+    return _flags_of(re.findall(r"\bargs\.([A-Za-z_][A-Za-z0-9_]*)", source), _DERIVED)
+
+
+def _flags_of(names: list, other: dict) -> list:
+    """The flags that set ``names`` (``--`` and the name, or ``other``'s where a flag of another
+    name sets it), once each, and only options Megatron's parser takes."""
+    flags: list = []
+    for name in dict.fromkeys(names):
+        flags += other.get(name, ("--" + name.replace("_", "-"),))
     known = _parsed_flags()
     return [
         flag
@@ -139,12 +144,7 @@ def model_config_error(error: BaseException) -> str:
     the config after the arguments passed): its text, and the flags of the fields it names (a
     probe: a traceback on every rank, and an empty TensorBoard file)."""
     text = error_text(error)
-    names = dict.fromkeys(re.findall(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b", text))
-    flags: list = []
-    for name in names:
-        flags += _CONFIG_FIELDS.get(name, ("--" + name.replace("_", "-"),))
-    known = _parsed_flags()
-    flags = [flag for flag in dict.fromkeys(flags) if known is None or flag in known]
+    flags = _flags_of(re.findall(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b", text), _CONFIG_FIELDS)
     hint = f"; check {', '.join(flags)}" if flags else ""
     return f"Megatron's model config refused these arguments: {text}{hint}"
 

@@ -100,6 +100,7 @@ from megatron_dynbatch.integrations.moe_args import check_moe_args
 from megatron_dynbatch.mcore.forward import (
     make_forward_step,
 )
+from megatron_dynbatch.mcore.schedule import unwrapped_model
 from megatron_dynbatch.mcore.thd_attention import (
     ThdReferenceAttention,
     with_self_attention,
@@ -441,10 +442,7 @@ def count_fixed_row_lengths(batch: dict, model: Any) -> None:
     half as fast. Once a micro-batch on every rank (the first model chunk), in training only."""
     if not model.training:  # evaluation: Megatron counts the training iterations' FLOPs
         return
-    inner = model
-    while hasattr(inner, "module"):  # DDP and Float16Module wrap the model
-        inner = inner.module
-    if getattr(inner, "vp_stage", None) not in (None, 0):
+    if getattr(unwrapped_model(model), "vp_stage", None) not in (None, 0):
         return
     training = sys.modules.get("megatron.training.training")
     update = getattr(training, "update_seqlen_stats_from_cu_seqlens", None)

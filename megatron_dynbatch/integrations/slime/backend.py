@@ -456,15 +456,6 @@ def restore_rollout_order(
     return restore_order(per_sample, len(iterator.rollout_data["total_lengths"]))
 
 
-def _data_parallel_size() -> Optional[int]:
-    """slime's data-parallel ranks (Megatron's groups, which slime initializes), or None."""
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return None
-    return parallel_state.get_data_parallel_world_size()
-
-
 def contained_schedule(forward_backward_func: Callable[..., Any], what: str) -> Callable[..., Any]:
     """slime's ``forward_backward_func``, called as slime calls it, with a failure inside the
     schedule on one rank (slime's loss, the model's forward or backward) contained: that rank
@@ -486,7 +477,6 @@ def contained_schedule(forward_backward_func: Callable[..., Any], what: str) -> 
             ),
             models=chunks,
             forward_only=bool(kwargs.get("forward_only")),
-            dp_size=_data_parallel_size(),
         )
 
     return run
