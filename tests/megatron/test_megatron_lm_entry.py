@@ -128,6 +128,13 @@ _REFUSALS = {
         _ONE + _DYNAMIC + ["--dynamic-batch-attention", "torch-varlen"],
         "--dynamic-batch-attention torch-varlen runs torch's flash kernels, which need CUDA",
     ),
+    # A probe: Megatron's model config asked for --recompute-method, then (given it) refused
+    # again for --recompute-num-layers; both are named at once, before the argument dump.
+    "recompute-full-alone": (
+        _ONE + _DYNAMIC + ["--recompute-granularity", "full"],
+        "--recompute-granularity full recomputes whole layers and needs --recompute-method and "
+        "--recompute-num-layers: add --recompute-method uniform --recompute-num-layers 1",
+    ),
     # Issue 29: Megatron's bare `assert args.save_interval is not None` was an empty line.
     "save-without-interval": (
         _ONE + _DYNAMIC + ["--save", "{tmp}/checkpoint"],
@@ -139,12 +146,12 @@ _REFUSALS = {
 _LATE_REFUSALS = {
     # A probe: Megatron's TransformerConfig checks were a traceback on every rank (and left an
     # empty TensorBoard file); now one line, with the flags of the fields they name.
-    "model-config-recompute": (
+    "model-config-dynamic": (
         _ONE + _DYNAMIC
-        + ["--recompute-granularity", "full", "--tensorboard-dir", "{tmp}/tensorboard"],
-        "Megatron's model config refused these arguments: Using recompute_granularity: full so "
-        'recompute_method must be "block" or "uniform"; check --recompute-granularity, '
-        "--recompute-method",
+        + ["--moe-ffn-hidden-size", 128, "--tensorboard-dir", "{tmp}/tensorboard"],
+        "Megatron's model config refused these arguments: moe_ffn_hidden_size is set but "
+        "num_moe_experts is None. Please set num_moe_experts or remove moe_ffn_hidden_size.; "
+        "check --moe-ffn-hidden-size, --num-experts",
     ),
     "model-config-stock": (
         _ONE + ["--moe-ffn-hidden-size", 128],

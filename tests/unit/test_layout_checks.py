@@ -213,3 +213,21 @@ def test_query_groups_that_do_not_divide_the_heads_name_the_counts_that_do():
         check_model_layout(_args(**gqa, num_query_groups=groups))
     # Without --group-query-attention Megatron ignores --num-query-groups.
     check_model_layout(_args(**{**gqa, "group_query_attention": False}, num_query_groups=3))
+
+
+def test_full_recompute_alone_names_the_method_and_the_layer_count_at_once():
+    """A probe: Megatron's model config asked for --recompute-method, then, given it, refused
+    again for --recompute-num-layers (after the argument dump); the named pair trains (a
+    two-rank launch at pp 2 with it ran two iterations)."""
+    with pytest.raises(DynBatchValueError) as refused:
+        check_model_layout(_args(recompute_granularity="full"))
+    message = str(refused.value)
+    assert "add --recompute-method uniform --recompute-num-layers 1" in message, message
+    with pytest.raises(DynBatchValueError, match=r"needs --recompute-num-layers: add --recompute"):
+        check_model_layout(_args(recompute_granularity="full", recompute_method="block"))
+    with pytest.raises(DynBatchValueError, match=r"needs --recompute-method: add --recompute-m"):
+        check_model_layout(_args(recompute_granularity="full", recompute_num_layers=2))
+    fixed = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    check_model_layout(_args(**fixed))
+    check_model_layout(_args(recompute_granularity="selective"))
+    check_model_layout(_args())

@@ -78,6 +78,7 @@ def check_model_layout(args: Any) -> None:
     _check_layers(args)
     _check_uneven_interleaved_pair(args)
     _check_query_groups(args)
+    _check_full_recompute(args)
     _check_positions(args)
 
 
@@ -129,6 +130,29 @@ def _check_query_groups(args: Any) -> None:
         f"--num-query-groups {groups} does not divide --num-attention-heads {heads}: each query "
         "group shares one key/value head among the same number of query heads; use "
         f"{_either(fits, '--num-query-groups')}."
+    )
+
+
+def _check_full_recompute(args: Any) -> None:
+    """``--recompute-granularity full`` needs ``--recompute-method`` and ``--recompute-num-layers``:
+    Megatron's model config asks for them one at a time (a probe: the method named alone, then
+    refused again for the count), after the arguments were dumped."""
+    if getattr(args, "recompute_granularity", None) != "full":
+        return
+    method = getattr(args, "recompute_method", None)
+    count = getattr(args, "recompute_num_layers", None)
+    if method is not None and count is not None:
+        return
+    missing = []
+    if method is None:
+        missing.append("--recompute-method uniform")
+    if count is None:
+        # One layer a recompute unit is valid for either method and any stage size.
+        missing.append("--recompute-num-layers 1")
+    raise DynBatchValueError(
+        "--recompute-granularity full recomputes whole layers and needs "
+        f"{' and '.join(m.split()[0] for m in missing)}: add {' '.join(missing)} (one layer a "
+        "unit, uniform over the stage's layers), or use --recompute-granularity selective."
     )
 
 
