@@ -660,8 +660,10 @@ class PlannerConfig:
                 f"{resting / 2**30:.3f} GiB); {fix}"
             )
         if self.token_cap < multiple:
+            # cp only where it multiplies the budget, as cap_source names it.
+            times = f" (x cp_size={self.parallel.cp_size})" if self.parallel.cp_size > 1 else ""
             raise DynBatchValueError(
-                f"{self.budget_flag}={self.max_tokens_per_gpu} (x cp_size={self.parallel.cp_size}) is "
+                f"{self.budget_flag}={self.max_tokens_per_gpu}{times} is "
                 f"smaller than one padded sample: every sample is padded to a multiple of {multiple} "
                 f"(tp_size={self.parallel.tp_size}, cp_size={self.parallel.cp_size}); raise "
                 f"{self.budget_flag} to at least {ceil_div(multiple, self.parallel.cp_size)}."

@@ -426,6 +426,33 @@ def _check_plot_path(path: str) -> None:
         )
 
 
+def _check_budget_holds_longest(args, lengths) -> None:
+    """A token budget under one padded sample, under ``--oversize-samples error``: the config
+    names the least budget for any sample, and the plan then refused it for the longest (a probe:
+    "at least 16", then "at least 1504"). With the lengths in hand, name the one that plans."""
+    from megatron_dynbatch.planning.spec import ceil_div, sample_multiple
+
+    budget, cp = args.max_tokens_per_gpu, args.cp_size
+    if args.oversize_samples != "error" or not isinstance(budget, int) or not isinstance(cp, int):
+        return
+    if cp < 1 or not isinstance(args.tp_size, int) or args.tp_size < 1:
+        return  # the config refuses the layout by name
+    multiple = sample_multiple(args.tp_size, cp)
+    if budget * cp >= multiple:
+        return  # the planner names what the longest sample needs, if more
+    longest = max(lengths)
+    padded = ceil_div(longest, multiple) * multiple
+    flag = setting("max_tokens_per_gpu").flag
+    times = f" (x --cp-size={cp})" if cp > 1 else ""
+    raise DynBatchValueError(
+        f"{flag}={budget}{times} is smaller than one padded sample (a multiple of {multiple}: "
+        f"--tp-size={args.tp_size}, --cp-size={cp}), and under --oversize-samples error the "
+        f"longest sample ({longest} tokens, {padded} padded) must fit it; raise {flag} to at "
+        f"least {ceil_div(padded, cp)}, or pass --oversize-samples truncate or allow with {flag} "
+        f"at least {ceil_div(multiple, cp)}."
+    )
+
+
 def _cmd_plan(args) -> int:
     from megatron_dynbatch.planning import get_planner, run_planner
     from megatron_dynbatch.planning.invariants import PlanInvariantError
@@ -439,6 +466,7 @@ def _cmd_plan(args) -> int:
             f"planner={args.planner!r} ({setting('planner').flag}): {error}"
         ) from None
     samples = _load_samples(args.samples)
+    _check_budget_holds_longest(args, samples.lengths)
     config = _planner_config(args, memory=_memory_limit(args))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -512,6 +540,15 @@ def _cmd_verify(args) -> int:
     from megatron_dynbatch.tools.verify.spec import MoESettings
 
     samples = None if args.samples is None else _read_json(args.samples)
+    if samples is not None:
+        from megatron_dynbatch.planning import parse_samples_json
+
+        try:
+            lengths = parse_samples_json(samples).lengths
+        except DynBatchValueError:
+            lengths = None  # verify names what is wrong with the file, in its words
+        if lengths:
+            _check_budget_holds_longest(args, lengths)
     moe = None
     if args.moe:
         moe = MoESettings(ep_size=args.moe_ep_size, z_loss_coeff=args.moe_z_loss_coeff)

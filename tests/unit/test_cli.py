@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -369,6 +370,28 @@ def test_plans_oversize_warning_names_the_flags_as_its_refusal_does(tmp_path, ca
     # multiplies the budget.
     assert main(["plan", str(path), "--max-tokens-per-gpu", "2", "--cp-size", "2", "--json"]) == 0
     assert "(--max-tokens-per-gpu=2 x --cp-size=2)" in capsys.readouterr().err
+
+
+def test_a_budget_under_one_padded_sample_under_error_names_what_the_longest_needs(
+    tmp_path, capsys
+):
+    """A probe: "raise --max-tokens-per-gpu to at least 16" (one padded sample), then, at 16,
+    refused again for the longest sample ("at least 1504"). Both values it names now plan."""
+    path = tmp_path / "samples.json"
+    path.write_text("[100, 500, 3000]")
+    layout = ["--tp-size", "8", "--cp-size", "2"]
+    refused = ["plan", str(path), "--max-tokens-per-gpu", "3", *layout]
+    assert main([*refused, "--oversize-samples", "error"]) == 2
+    err = capsys.readouterr().err
+    assert "the longest sample (3000 tokens, 3008 padded) must fit it" in err, err
+    least, other = (int(n) for n in re.findall(r"at least (\d+)", err))
+    assert (least, other) == (1504, 16), err
+    plan = ["plan", str(path), *layout, "--json"]
+    assert main([*plan, "--max-tokens-per-gpu", str(least), "--oversize-samples", "error"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_cap"] == 3008
+    for policy in ("truncate", "allow"):
+        assert main([*plan, "--max-tokens-per-gpu", str(other), "--oversize-samples", policy]) == 0
+        assert json.loads(capsys.readouterr().out)["token_cap"] == 32
 
 
 def test_plan_on_cpu_shows_the_plan_a_cpu_run_makes(tmp_path, capsys):
