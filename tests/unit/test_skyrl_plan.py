@@ -2,6 +2,8 @@
 once, the budget, placeholders with every key, sample order restored, exact pre-scaled loss."""
 
 import random
+import re
+import warnings
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from megatron_dynbatch.integrations.skyrl.iterator import (
     planned_microbatch_iterator,
 )
 from megatron_dynbatch.integrations.skyrl.plan import plan_skyrl_minibatch
+from megatron_dynbatch.planning import OversizeSampleWarning
 from megatron_dynbatch.planning.simulate import pipeline_makespan
 
 pytestmark = pytest.mark.unit
@@ -158,6 +161,29 @@ def test_the_count_has_no_cliff_near_the_budget():
     # length, as SkyRL runs it), not the fewest, so it need not grow with the longest sample; no
     # cliff: within 1.5x of each other.
     assert max(counts.values()) <= 1.5 * min(counts.values()), counts
+
+
+def test_a_sample_at_the_budget_topped_up_with_placeholder_rows_is_reported_with_a_fix():
+    """A probe: a sample at the budget ran with its B - 1 one-token placeholder rows over the
+    budget, unreported. Now warned about, naming a budget that keeps it within whatever rows the
+    next plan picks (the rows of this plan alone did not: 8,208 was over again, at 18 rows)."""
+    with pytest.warns(OversizeSampleWarning, match="placeholder row") as caught:
+        plan = plan_skyrl_minibatch(_issue_case(8192), 8192, pp_size=2)
+    assert plan.rows > 1 and not plan.oversize
+    message = str(caught[0].message)
+    assert "rank 0 sample 0: 8192 tokens" in message, message
+    safe = int(re.search(r"to at least (\d+) \(a row", message).group(1))
+    assert safe == 8192 + max(len(rank) for rank in _issue_case(8192)) - 1, message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OversizeSampleWarning)
+        plan = plan_skyrl_minibatch(_issue_case(8192), safe, pp_size=2)
+        # Nothing over the budget once topped up, and nothing reported.
+        case = _issue_case(8192)
+        for rank, mbs in enumerate(plan.ranks):
+            for mb in mbs:
+                assert sum(case[rank][i] for i in mb) + plan.rows - len(mb) <= safe, mb
+        # Under the budget by more than the rows: nothing to report.
+        plan_skyrl_minibatch(_issue_case(7192), 8192, pp_size=2)
 
 
 def test_context_parallel_pads_samples_but_the_budget_caps_the_micro_batch():

@@ -135,7 +135,48 @@ def plan_skyrl_minibatch(
         plan = plan_host_step(
             SKYRL, lengths_per_rank, config, adjust=adjust, placeholder_row_tokens=multiple
         )
-        return _within_the_rows(plan, planned[0], lengths_per_rank, config)
+        plan = _within_the_rows(plan, planned[0], lengths_per_rank, config)
+    _report_topped_up_over_the_budget(plan, lengths_per_rank, config)
+    return plan
+
+
+def _report_topped_up_over_the_budget(
+    plan: ShardedPlan, lengths_per_rank: Sequence[Sequence[int]], config: PlannerConfig
+) -> None:
+    """Warn about each sample within the budget that runs alone with its ``B - 1`` one-token
+    placeholder rows over it (:func:`fit_placeholder_rows` never cuts a sample): the budget is
+    a hard cap but for a longer sample, reported; these were over it unreported (a probe)."""
+    multiple = config.parallel.sample_multiple
+    cap = config.token_cap
+    over = [
+        (rank, mb[0], round_up(lengths_per_rank[rank][mb[0]], multiple))
+        for rank, mbs in enumerate(plan.ranks)
+        for mb in mbs
+        if len(mb) == 1 and (rank, mb[0]) not in plan.oversize
+    ]
+    topped = (plan.rows - 1) * multiple
+    over = [(rank, i, size) for rank, i, size in over if size + topped > cap]
+    if not over:
+        return
+    key = SKYRL.key("max_tokens_per_gpu")
+    shown = ", ".join(f"rank {r} sample {i}: {size} tokens" for r, i, size in over[:8])
+    more = f" (and {len(over) - 8} more)" if len(over) > 8 else ""
+    most = max(size for _, _, size in over) + topped
+    # Within it for any rows the plan may then pick: B is at most the fullest rank's samples, and
+    # no sample is longer than the longest (raising it by the rows of this plan alone let the
+    # next plan pick more rows: 8,208 of a sample at 8,192 and 17 rows was over again at 18).
+    longest = max(round_up(n, multiple) for lengths in lengths_per_rank for n in lengths)
+    safe = longest + (max(len(lengths) for lengths in lengths_per_rank) - 1) * multiple
+    warnings.warn(
+        f"{len(over)} sample(s) within {key}={cap} run alone in their micro-batch with "
+        f"{plan.rows - 1} one-token placeholder row(s) of {multiple} token(s) each (every "
+        f"micro-batch of this mini-batch has {plan.rows} rows), up to {most} tokens, over the "
+        f"budget, as SkyRL's own padding rows would take them: {shown}{more}. Raise {key} to "
+        f"at least {safe} (a row for every sample of the fullest rank beside the longest) to "
+        "stay within it, or shorten those samples.",
+        OversizeSampleWarning,
+        stacklevel=2,
+    )
 
 
 #: Plans of a step with room for its placeholder rows, at most (:func:`_within_the_rows`): the
