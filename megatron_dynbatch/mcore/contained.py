@@ -96,23 +96,54 @@ def _containable(
     return True
 
 
+def _logged_metrics() -> list:
+    """Megatron's global trackers the forward adds to, to be logged after the step: the MoE
+    metrics (load-balancing and z-losses per layer) and the multi-token-prediction losses, their
+    tensors. Empty where this Megatron has neither."""
+    found: list = []
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+        metrics = getattr(get_moe_metrics_tracker(), "metrics", {})
+        found += [entry.values for entry in metrics.values()]
+    except ImportError:
+        pass
+    try:
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+        tracker = MTPLossLoggingHelper.tracker
+        found += [value for value in tracker.values() if isinstance(value, torch.Tensor)]
+    except ImportError:
+        pass
+    return found
+
+
 @contextlib.contextmanager
 def _model_state_kept(models: Sequence[torch.nn.Module]):
-    """The routers' expert biases as they were when the step failed: Megatron updates them in
-    ``finalize_model_grads`` at the schedule's end, from the step's token counts (a probe: a
-    failed step moved them, and the next clean step trained on them)."""
+    """The routers' expert biases, and the metrics Megatron logs after the step, as they were
+    before the step that failed: Megatron updates the biases in ``finalize_model_grads`` at the
+    schedule's end, from the step's token counts (a probe: a failed step moved them, and the
+    next clean step trained on them), and the forward adds to the MoE and MTP trackers, which
+    the next logged step would have reported with the failed step's values in them."""
     biases = [
         (module.expert_bias, module.expert_bias.detach().clone())
         for model in models
         for module in model.modules()
         if isinstance(getattr(module, "expert_bias", None), torch.Tensor)
     ]
+    metrics = [(tensor, tensor.detach().clone()) for tensor in _logged_metrics()]
     try:
         yield
     except StepAgreementError:
         with torch.no_grad():
-            for bias, kept in biases:
-                bias.copy_(kept)
+            for bias, value in biases:
+                bias.copy_(value)
+            for tensor in _logged_metrics():
+                before = next((value for held, value in metrics if held is tensor), None)
+                if before is not None and before.shape == tensor.shape:
+                    tensor.copy_(before)
+                else:  # first made in the failed step
+                    tensor.zero_()
         raise
 
 

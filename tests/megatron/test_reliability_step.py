@@ -201,12 +201,17 @@ def _step_body(
         model_config.moe_router_score_function = "sigmoid"
         model_config.moe_router_bias_update_rate = 0.1
         model_config.moe_router_load_balancing_type = "none"
+    if moe == "aux loss":
+        model_config.moe_router_load_balancing_type = "aux_loss"
+        model_config.moe_aux_loss_coeff = 0.01
+        model_config.moe_z_loss_coeff = 0.001
     if moe == "global aux loss":
         model_config.moe_router_load_balancing_type = "global_aux_loss"
         model_config.moe_aux_loss_coeff = 0.01
     chunks = wrap_in_ddp(build_tiny_gpt(model_config, seed=SEED))
     biases = [b for c in chunks for name, b in c.named_buffers() if "expert_bias" in name]
     kept = [b.clone() for b in biases]
+    metrics = _moe_metrics()
     configure_loss(chunks, "token-mean")
     token_loss = _killed_at_second_loss if rank == kill_rank else _advantage_loss
     if fault in ("loss raises", "backward raises", "forward raises") and rank == fault_rank:
@@ -232,9 +237,21 @@ def _step_body(
             "error": str(error),
             "s": time.monotonic() - started,
             "biases kept": bool(biases) and all(map(torch.equal, biases, kept)),
+            # As before the step, or zeros where the failed step made the entry.
+            "metrics kept": {
+                name: torch.equal(values, metrics.get(name, torch.zeros_like(values)))
+                for name, values in _moe_metrics().items()
+            },
         }
     rows_seen = sorted({tuple(b["tokens"].shape) for b in microbatches})
     return {"grads": named_global_grads(chunks), "rows": rows_seen}
+
+
+def _moe_metrics():
+    """Megatron's MoE metrics tracker (what a trainer logs after the step), copied."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    return {name: e.values.clone() for name, e in get_moe_metrics_tracker().metrics.items()}
 
 
 def _sharded_body():
@@ -456,6 +473,16 @@ def test_an_error_inside_the_schedule_leaves_the_routers_expert_bias_as_it_was()
     results = run_on_ranks(2, _step_body, "loss raises", moe="expert bias", layout=Layout())
     assert {r.get("type") for r in results} == {"StepAgreementError"}, results
     assert all(r["biases kept"] for r in results), results
+
+
+def test_an_error_inside_the_schedule_leaves_megatrons_moe_metrics_as_they_were():
+    """A probe: the failed step's load-balancing and z-losses stayed in Megatron's MoE metrics
+    tracker, and the next logged step reported them with its own."""
+    failed = run_on_ranks(2, _step_body, "loss raises", moe="aux loss", layout=Layout(pp=2))
+    assert {r.get("type") for r in failed} == {"StepAgreementError"}, failed
+    # The failing step did add to the tracker on some rank (else the check could not fail).
+    assert any(r["metrics kept"] for r in failed), failed
+    assert all(all(r["metrics kept"].values()) for r in failed), failed
 
 
 def _containable_body(moe):
