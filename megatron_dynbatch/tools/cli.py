@@ -311,10 +311,12 @@ def _physical_cost(args, parallel, values):
     return physical_cost(model_dims_from_args(args, parallel), attention, rates)
 
 
-def _memory_limit(args):
+def _memory_limit(args, longest: Optional[int] = None):
     """``plan``'s memory model and budget from Megatron's model flags (``None`` without them):
     a function of the run's config and layout, which it needs to know the attention and stages.
-    The model lands in ``args.memory_model`` for the report."""
+    The model lands in ``args.memory_model`` for the report. ``longest``: the longest sample, for
+    a budget under one padded sample under ``--oversize-samples error``, which then names what
+    that sample needs (a probe: "at least 0.170", then refused at it for "at least 1.434")."""
     args.memory_model = None
     if args.num_layers is None:
         if args.max_memory_gib is not None:
@@ -344,11 +346,25 @@ def _memory_limit(args):
         args.memory_model = memory_model_from_flags(args, parallel, attention)
         if args.max_memory_gib is None:
             return None
-        return MemoryLimit(
+        limit = MemoryLimit(
             model=args.memory_model,
             budget_bytes=gib_to_bytes(args.max_memory_gib),
             row_multiple=parallel.sample_multiple,
         )
+        multiple = parallel.sample_multiple
+        if longest and args.oversize_samples == "error" and limit.row_cap(1) < multiple:
+            need = limit.least_gib(longest)
+            model = limit.model
+            resting = max(model.resting(stage) for stage in model.dims.stages()) / 2**30
+            raise DynBatchValueError(
+                f"--max-memory-gib {gib} cannot hold one micro-batch of {multiple} token(s) on "
+                f"every pipeline stage (predicted at rest: {resting:.3f} GiB; a larger --tp-size "
+                "or --pp-size shards it), and under --oversize-samples error the longest sample "
+                f"({longest} tokens) must fit one; raise --max-memory-gib to at least "
+                f"{need:.3f}, or pass --oversize-samples truncate or allow with --max-memory-gib "
+                f"at least {limit.least_gib(multiple):.3f}."
+            )
+        return limit
 
     return build
 
@@ -467,7 +483,7 @@ def _cmd_plan(args) -> int:
         ) from None
     samples = _load_samples(args.samples)
     _check_budget_holds_longest(args, samples.lengths)
-    config = _planner_config(args, memory=_memory_limit(args))
+    config = _planner_config(args, memory=_memory_limit(args, longest=max(samples.lengths)))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

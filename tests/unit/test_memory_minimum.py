@@ -260,3 +260,24 @@ def test_the_refusal_names_only_the_fixes_that_are_left(monkeypatch):
     said = refusal(None, MIB)  # what is held at rest alone is over the budget
     assert re.search(r"\); raise --max-memory-gib to at least [0-9.]+ \(what is held at rest alone "
                      r"is over it\)\.$", said), said  # fmt: skip
+
+
+def test_a_memory_budget_under_one_sample_under_error_names_what_the_longest_needs(
+    tmp_path, capsys
+):
+    """A probe: "raise --max-memory-gib to at least 0.170" (one token's micro-batch), then, at
+    0.170, refused for the longest sample ("at least 1.434"). Both values it names now plan."""
+    samples = tmp_path / "samples.json"
+    samples.write_text(json.dumps([100, 500, 3000]))
+    args = ["plan", str(samples), *_MODEL, "--vocab-size", "32000", "--json"]
+    assert main([*args, "--oversize-samples", "error", "--max-memory-gib", "0.001"]) == 2
+    err = capsys.readouterr().err
+    assert "the longest sample (3000 tokens) must fit one" in err, err
+    found = re.findall(r"--max-memory-gib (?:to )?at least (\d+\.\d+)", err)
+    least, other = (float(g) for g in found)
+    assert least > other, err
+    assert main([*args, "--oversize-samples", "error", "--max-memory-gib", str(least)]) == 0
+    assert json.loads(capsys.readouterr().out)["token_cap"] >= 3000
+    for policy in ("truncate", "allow"):
+        assert main([*args, "--oversize-samples", policy, "--max-memory-gib", str(other)]) == 0
+        capsys.readouterr()
