@@ -9,6 +9,7 @@ import dataclasses
 import inspect
 import json
 import random
+import re
 import sys
 
 import pytest
@@ -294,6 +295,38 @@ def test_a_budget_under_four_seq_lengths_skips_calibration_at_once(
     assert f"--max-tokens-per-gpu {budget} is less than 4 x --seq-length 256" in out
     # No fit and configured weights (no seconds): the line says there is no prediction.
     assert calibrator.log_string() == " step time predicted: none (no fit) |"
+
+
+def test_a_run_too_short_to_fit_skips_calibration_and_names_a_count_that_fits(
+    tmp_path, monkeypatch, capsys
+):
+    """A probe: a run (or each piece of one resumed every few iterations) shorter than the
+    warm-up and the measured steps planned at calibration's varied budgets, fitted nothing and
+    said nothing. Now it plans with the configured budget, says why, and the count it names
+    calibrates within the run."""
+    args = _args(tmp_path, train_iters=9)
+    budgets, _, calibrator = _train(args, monkeypatch, 9)
+    assert set(budgets) == {1024} and calibrator.observations == [], budgets
+    assert calibrator.fit is None and calibrator.overrides == {}, calibrator.overrides
+    out = capsys.readouterr().out
+    assert out.count("dynamic-batch calibration skipped") == 1, out
+    assert "this run has 9 iteration(s) left (from iteration 0, --train-iters 9)" in out, out
+    named = re.search(r"--dynamic-batch-calibration-steps (\d+) fits in it", out)
+    assert named, out
+    args = _args(tmp_path / "fits", train_iters=9)
+    args.dynamic_batch_calibration_steps = int(named.group(1))
+    _, _, calibrator = _train(args, monkeypatch, 9)
+    assert calibrator.fit is not None and calibrator.applied, calibrator.skipped
+    assert "calibration skipped" not in capsys.readouterr().out
+    # Resumed in pieces of --exit-interval 6: each piece is too short, and says so.
+    args = _args(tmp_path / "pieces", exit_interval=6)
+    _, _, calibrator = _train(args, monkeypatch, 4, first=12)
+    assert calibrator.observations == [] and calibrator.skipped, calibrator.skipped
+    assert "6 iteration(s) left (from iteration 12, --exit-interval 6)" in calibrator.skipped
+    # Long enough: calibrates as before.
+    args = _args(tmp_path / "long", train_iters=40)
+    _, _, calibrator = _train(args, monkeypatch, 14)
+    assert calibrator.skipped is None and calibrator.fit is not None
 
 
 def test_rollouts_per_step_skips_calibration_at_once(tmp_path, monkeypatch, capsys):

@@ -153,6 +153,35 @@ def _interrupted(args: Any, iteration: int) -> bool:
     return False
 
 
+def _too_short_to_calibrate(args: Any, start: int) -> Optional[str]:
+    """Why a run starting after ``start`` iterations cannot complete a calibration fit, or None:
+    the iterations left before ``--train-iters`` or the next ``--exit-interval`` exit are fewer
+    than the warm-up, the first step (timed by the next) and ``--dynamic-batch-calibration-steps``
+    measured ones. Such a run (each piece of one stopped and resumed that often) planned its
+    steps at calibration's varied budgets, fitted nothing, and said nothing (a probe); it now
+    plans with the configured budget and weights, and says so."""
+    ends = []
+    total = getattr(args, "train_iters", None)
+    if isinstance(total, int) and total > 0:
+        ends.append((total - start, f"--train-iters {total}"))
+    interval = getattr(args, "exit_interval", None)
+    if isinstance(interval, int) and interval > 0:
+        ends.append((interval - start % interval, f"--exit-interval {interval}"))
+    if not ends:
+        return None
+    left, why = min(ends)
+    need = WARMUP_STEPS + 1 + _steps(args)
+    if left >= need:
+        return None
+    room = left - WARMUP_STEPS - 1
+    fits = f"--dynamic-batch-calibration-steps {room} fits in it, " if room >= 2 else ""
+    return (
+        f"this run has {left} iteration(s) left (from iteration {start}, {why}) and a fit needs "
+        f"{need} ({WARMUP_STEPS} warm-up, one timed by the next, {_steps(args)} measured: "
+        f"--dynamic-batch-calibration-steps); {fits}a longer run calibrates"
+    )
+
+
 def _output_dir(args: Any) -> Optional[str]:
     return getattr(args, "dynamic_batch_calibration_output", None) or getattr(args, "save", None)
 
@@ -377,6 +406,9 @@ class Calibrator:
             self._load_resumed(args)
             if self.fit is None and _steps(args) > 0:
                 self.skipped = why_not_calibrate(args, self._configured(args))
+                if self.skipped is None:
+                    start = int(getattr(args, "curr_iteration", 0) or 0)
+                    self.skipped = _too_short_to_calibrate(args, start)
             if self.skipped is not None:
                 _log(
                     f"dynamic-batch calibration skipped: {self.skipped}; planning keeps the "
