@@ -734,16 +734,19 @@ class PlannerConfig:
         flag (the memory a row needs is the memory model's)."""
         flag = self.cap_flag
         cp = self.parallel.cp_size
-        if flag == "--max-memory-gib" and not self.memory.counted_caps:
+        if self.memory is not None and not self.memory.counted_caps:
             # The least budget whose one-row cap holds the row (a probe: "raise
             # --max-memory-gib" with no value, and 0.22 still refused where 0.23 planned),
-            # and the token budget too where it is also short of the row (a probe: the second
-            # try was refused for it).
-            least = f"{flag} to at least {self.memory.least_gib(padded):.3f}"
+            # and the other budget too where it is also short of the row, whichever binds
+            # first (probes: the second try was refused for it, in both directions).
+            parts = []
+            if self.memory.row_cap(1) < padded:
+                parts.append(f"--max-memory-gib to at least {self.memory.least_gib(padded):.3f}")
             budget = self.max_tokens_per_gpu * cp
             if budget < padded and self.max_tokens_per_gpu != memory_only_budget(cp):
-                least += f" and {self.budget_flag} to at least {ceil_div(padded, cp)}"
-            return least
+                parts.append(f"{self.budget_flag} to at least {ceil_div(padded, cp)}")
+            if len(parts) == 2 or flag == "--max-memory-gib":
+                return " and ".join(parts) or flag
         if flag == "--max-memory-gib" or (cp > 1 and flag != "--max-tokens-per-gpu"):
             # A host whose budget caps the whole row (not a GPU's share) under CP has its own
             # check with its own value (integrations/hosts.py, check_host_oversize).

@@ -353,15 +353,21 @@ def _memory_limit(args, longest: Optional[int] = None):
         )
         multiple = parallel.sample_multiple
         if longest and args.oversize_samples == "error" and limit.row_cap(1) < multiple:
-            need = limit.least_gib(longest)
+            need = f"--max-memory-gib to at least {limit.least_gib(longest):.3f}"
+            padded = -(-longest // multiple) * multiple
+            tokens = config.max_tokens_per_gpu
+            if args.max_tokens_per_gpu is not None and tokens * parallel.cp_size < padded:
+                # Both budgets short of it: both named (a probe: the token budget was refused
+                # next).
+                need += f" and --max-tokens-per-gpu to at least {-(-padded // parallel.cp_size)}"
             model = limit.model
             resting = max(model.resting(stage) for stage in model.dims.stages()) / 2**30
             raise DynBatchValueError(
                 f"--max-memory-gib {gib} cannot hold one micro-batch of {multiple} token(s) on "
                 f"every pipeline stage (predicted at rest: {resting:.3f} GiB; a larger --tp-size "
                 "or --pp-size shards it), and under --oversize-samples error the longest sample "
-                f"({longest} tokens) must fit one; raise --max-memory-gib to at least "
-                f"{need:.3f}, or pass --oversize-samples truncate or allow with --max-memory-gib "
+                f"({longest} tokens) must fit one; raise {need}, or pass --oversize-samples "
+                "truncate or allow with --max-memory-gib "
                 f"at least {limit.least_gib(multiple):.3f}."
             )
         return limit

@@ -281,3 +281,23 @@ def test_a_memory_budget_under_one_sample_under_error_names_what_the_longest_nee
     for policy in ("truncate", "allow"):
         assert main([*args, "--oversize-samples", policy, "--max-memory-gib", str(other)]) == 0
         capsys.readouterr()
+
+
+def test_whichever_budget_binds_first_both_short_budgets_are_named(tmp_path, capsys):
+    """Probes: with the token budget binding first (64 against a 4,820-token sample) the
+    refusal named it alone, and the memory budget was refused next; with a memory budget under
+    one micro-batch, the token budget likewise. Both are named, and both together plan."""
+    samples = tmp_path / "samples.json"
+    samples.write_text(json.dumps([4820]))
+    model = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "8"]
+    args = ["plan", str(samples), *model, "--vocab-size", "1000", "--dp-size", "2"]
+    args += ["--tp-size", "2", "--device", "cuda", "--oversize-samples", "error", "--json"]
+    pattern = r"--max-memory-gib to at least (\d+\.\d+) and --max-tokens-per-gpu to at least (\d+)"
+    for gib, tokens in (("0.05", "64"), ("0.05", "4096"), ("0.001", "64")):
+        assert main([*args, "--max-memory-gib", gib, "--max-tokens-per-gpu", tokens]) == 2
+        err = capsys.readouterr().err
+        named = re.search(pattern, err)
+        assert named, (gib, tokens, err)
+        fixed = ["--max-memory-gib", named.group(1), "--max-tokens-per-gpu", named.group(2)]
+        assert main([*args, *fixed]) == 0, (gib, tokens)
+        assert json.loads(capsys.readouterr().out)["token_cap"] >= 4820

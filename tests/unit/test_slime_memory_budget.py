@@ -11,6 +11,7 @@ and its pickle are what they were; the trainer side logs predicted against measu
 
 import pickle
 import random
+import re
 
 import pytest
 
@@ -153,6 +154,29 @@ def test_a_budget_too_small_for_the_longest_sample_names_the_smallest_that_works
     with pytest.raises(DynBatchValueError, match=r"--max-memory-gib .* is too small"):
         _build(args, slime_tp(2), lengths, ids, 2)
     assert SLIME.key("max_memory_gib") == FLAG  # errors from the shared checks name slime's flag
+
+
+def test_under_error_a_token_budget_also_short_of_the_longest_is_named_beside_the_memory():
+    """A probe: the memory refusal named --max-memory-gib alone; at that value the token
+    budget, also short of the sample, was refused next. Both now, and both together plan."""
+    args = slime_args(max_memory_gib=0.001, max_tokens_per_gpu=64, pipeline_model_parallel_size=2)
+    args.oversize_samples = "error"
+    lengths, ids = [100, 3000, 40, 200], [0, 0, 1, 2]
+    with pytest.raises(DynBatchValueError, match=r"--max-memory-gib 0\.001 is too small") as error:
+        _build(args, slime_tp(2), lengths, ids, 2)
+    message = str(error.value)
+    named = re.search(
+        r"--max-memory-gib to at least (\d+\.\d+) and --max-tokens-per-gpu to at least (\d+),",
+        message,
+    )
+    assert named, message
+    args.max_memory_gib, args.max_tokens_per_gpu = float(named.group(1)), int(named.group(2))
+    _build(args, slime_tp(2), lengths, ids, 2)
+    # Under allow the longer sample runs alone: the token budget is not named.
+    args = slime_args(max_memory_gib=0.001, max_tokens_per_gpu=64, pipeline_model_parallel_size=2)
+    with pytest.raises(DynBatchValueError) as error:
+        _build(args, slime_tp(2), lengths, ids, 2)
+    assert "--max-tokens-per-gpu to at least" not in str(error.value), str(error.value)
 
 
 @pytest.mark.parametrize(

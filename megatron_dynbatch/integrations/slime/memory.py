@@ -102,14 +102,18 @@ def slime_memory_limit(args: Any, parallel: ParallelLayout) -> Optional[MemoryLi
     )
 
 
-def check_longest_sample(limit: MemoryLimit, lengths: Sequence[int], gib: float) -> None:
+def check_longest_sample(
+    limit: MemoryLimit, lengths: Sequence[int], gib: float, token_budget: Optional[str] = None
+) -> None:
     """Refuse, before planning, a budget under which the longest sample cannot run alone.
 
     A packed row of that sample alone is the smallest micro-batch that holds it: if even that
     breaks the budget on some stage, no plan exists (and an oversize sample must not run over the
     memory budget as it may over the token budget).
 
-    ``gib``: the budget as the user gave it (named in the message).
+    ``gib``: the budget as the user gave it (named in the message). ``token_budget``:
+    ``"<flag> to at least N"`` where the token budget is short of that sample too and an oversize
+    sample is refused, named beside the memory budget (a probe: refused next for it).
 
     Raises:
         DynBatchValueError: naming ``--max-memory-gib``, its value, the stage, and the smallest
@@ -128,7 +132,9 @@ def check_longest_sample(limit: MemoryLimit, lengths: Sequence[int], gib: float)
         setting=f"{FLAG} {gib:g}",
         what=what,
         fix=lambda smallest: (
-            f"raise {FLAG} to at least {smallest:.3f}, recompute activations "
+            f"raise {FLAG} to at least {smallest:.3f}"
+            + (f" and {token_budget}" if token_budget else "")
+            + ", recompute activations "
             "(--recompute-granularity selective / full), or cut long samples at rollout time "
             "(--rollout-max-response-len)"
         ),

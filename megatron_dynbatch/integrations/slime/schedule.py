@@ -512,6 +512,20 @@ def _registered_forward_only(rank_lengths: List[List[int]], planner_config: Any)
     return ForwardOnlyPlan(micro_batches=members, row_lengths=rows)
 
 
+def _token_budget_short(
+    config: DynBatchConfig, layout: ParallelLayout, lengths: Sequence[int]
+) -> Optional[str]:
+    """``"<budget flag> to at least N"`` where an oversize sample is refused and the token budget
+    cannot hold the longest sample, padded as the planner pads it; else None (a probe: the
+    memory refusal named its budget alone, and the token budget was refused next)."""
+    if config.oversize_samples != "error":
+        return None
+    padded = round_up(max(lengths), layout.sample_multiple)
+    if config.max_tokens_per_gpu * layout.cp_size >= padded:
+        return None
+    return f"{SLIME.key('max_tokens_per_gpu')} to at least {-(-padded // layout.cp_size)}"
+
+
 def _dynamic_schedule(
     args: Any,
     sizes: Dict[str, int],
@@ -533,7 +547,12 @@ def _dynamic_schedule(
     # --max-memory-gib: no shape is planned whose predicted peak breaks it, on any stage.
     memory = slime_memory_limit(args, layout)
     if memory is not None:
-        check_longest_sample(memory, lengths, slime_max_memory_gib(args))
+        check_longest_sample(
+            memory,
+            lengths,
+            slime_max_memory_gib(args),
+            _token_budget_short(config, layout, lengths),
+        )
     # Variable rows: a row of every CP rank's tokens is a multiple of pad_size per CP rank.
     planner_config = config.planner_config(
         layout, row_multiple=pad_size * cp if variable else None, memory=memory
