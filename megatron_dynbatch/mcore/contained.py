@@ -20,7 +20,7 @@ gradients are not valid then: do not step the optimizer (the error says so).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -28,6 +28,13 @@ from megatron_dynbatch.mcore.agreement import StepAgreementError, step_agreement
 from megatron_dynbatch.mcore.schedule import data_parallel_size, unwrapped_model
 
 __all__ = ["contained_schedule"]
+
+
+#: What a stage contains: any failure but a generator's close (Python's own protocol). A
+#: KeyboardInterrupt or SystemExit inside the schedule of a process that lives on (a cancelled
+#: Ray task) left its peers in p2p until the process-group timeout (a probe); contained, the
+#: peers get the agreed error and this rank its own interrupt back, after the schedule.
+_CONTAINED = (Exception, KeyboardInterrupt, SystemExit)
 
 
 class _Failure:
@@ -73,8 +80,6 @@ def _containable(
     has no backward and no load-balancing loss), ``global_aux_loss`` only with more than one
     data-parallel rank (``dp_size``; None: unknown, taken as more). Overlapped buckets also at
     dp 1: a later step's ``finish_grad_sync`` asserts that the skipped backward issued them."""
-    from megatron_dynbatch.mcore.moe import global_aux_loss_in
-
     for model in models:
         config = unwrapped_model(model).config
         for name in (
@@ -91,9 +96,19 @@ def _containable(
         if getattr(ddp_config, "overlap_grad_reduce", False):
             return False
         moe = getattr(config, "num_moe_experts", None)
-        if moe and dp_size != 1 and global_aux_loss_in(model):
+        if moe and dp_size != 1 and _global_aux_loss_configured(config):
             return False
     return True
+
+
+def _global_aux_loss_configured(config) -> bool:
+    """Whether the model's config asks for ``global_aux_loss``: read from the config, which
+    every stage shares, not from this stage's routers (a probe: with ``moe_layer_freq`` leaving
+    the first stage without experts, that stage ran contained and waited in the agreement while
+    the other ran uncontained: a hang on a clean step)."""
+    kind = getattr(config, "moe_router_load_balancing_type", None)
+    kinds = [kind] if isinstance(kind, str) else list(kind or ())
+    return "global_aux_loss" in kinds
 
 
 def _logged_metrics() -> list:
@@ -134,7 +149,7 @@ def _model_state_kept(models: Sequence[torch.nn.Module]):
     metrics = [(tensor, tensor.detach().clone()) for tensor in _logged_metrics()]
     try:
         yield
-    except StepAgreementError:
+    except (StepAgreementError, KeyboardInterrupt, SystemExit):  # a contained failure
         with torch.no_grad():
             for bias, value in biases:
                 bias.copy_(value)
@@ -174,7 +189,23 @@ def _stand_in_loss(output: torch.Tensor, non_loss_data: bool = False):
     return output.float().sum() * 0, torch.zeros((), dtype=torch.int, device=output.device), {}
 
 
+def _rows_of(data_iterator: Any, position: int) -> Optional[tuple]:
+    """Micro-batch ``position``'s ``(rows, length)`` from the chunk's iterator, else another
+    micro-batch's (one shape for the whole step unless rows vary, and with varying rows Megatron
+    sends each shape first), else None. Reading it may fail as the micro-batch itself did (a
+    lazily built one: a probe's failure escaped the stand-in, and its peer hung)."""
+    others = range(len(getattr(data_iterator, "microbatches", ())) or position + 2)
+    for index in [position, *(k for k in others if k != position)]:
+        try:
+            return tuple(data_iterator.row_shape(index))
+        except BaseException:  # noqa: BLE001 - any unreadable micro-batch: try another
+            continue
+    return None
+
+
 def _contained_forward(forward_step: Callable, failure: _Failure) -> Callable:
+    sent: dict = {}  # per chunk: the rows of the last micro-batch it ran
+
     def forward(data_iterator, model: torch.nn.Module, *args, **kwargs):
         # Where the chunk's iterator stands (MicroBatchIterator, slime's SlimeDataIterator):
         # the micro-batch's index and rows, read before its forward may consume it.
@@ -182,16 +213,20 @@ def _contained_forward(forward_step: Callable, failure: _Failure) -> Callable:
         if failure.error is None:
             try:
                 output, loss_func = forward_step(data_iterator, model, *args, **kwargs)
-            # Any failure: every one is agreed on after the schedule.
-            except Exception as error:  # noqa: BLE001
+            # Any failure, KeyboardInterrupt too (a task cancelled in a process that lives on):
+            # every one is agreed on after the schedule.
+            except _CONTAINED as error:
                 where = "" if position is None else f"micro-batch {position}, "
                 failure.record(error, f"{where}forward")
             else:
+                if isinstance(output, torch.Tensor) and output.dim() == 3:
+                    sent[id(model)] = (output.shape[1], output.shape[0])
                 return output, _contained_loss(loss_func, failure, position)
         rows = None
         if position is not None and hasattr(data_iterator, "row_shape"):
             data_iterator.offset = position + 1  # past the micro-batch it stands in for
-            rows = data_iterator.row_shape(position)
+            if _received(model)[1] is None:  # a later stage stands in from what it received
+                rows = _rows_of(data_iterator, position) or sent.get(id(model))
         output = _stand_in(model, rows)
         if output is None:  # a first stage whose rows are unknown: as uncontained
             raise failure.error
@@ -205,7 +240,7 @@ def _contained_loss(loss_func: Callable, failure: _Failure, index: Optional[int]
         if failure.error is None:
             try:
                 return loss_func(output, *args, **kwargs)
-            except Exception as error:  # noqa: BLE001
+            except _CONTAINED as error:
                 where = "" if index is None else f"micro-batch {index}, "
                 failure.record(error, f"{where}loss")
         return _stand_in_loss(output, kwargs.get("non_loss_data", False))
@@ -218,7 +253,7 @@ def _contained_backward(backward_step: Callable, failure: _Failure) -> Callable:
         if failure.error is None:
             try:
                 return backward_step(input_tensor, output_tensor, output_tensor_grad, config)
-            except Exception as error:  # noqa: BLE001
+            except _CONTAINED as error:
                 failure.record(error, "a backward step")
         # The gradient the previous stage waits for: zeros of what it sent.
         if isinstance(input_tensor, list):
@@ -274,8 +309,18 @@ def contained_schedule(
     with _model_state_kept(models):
         with _backward_steps_through(lambda original: _contained_backward(original, failure)):
             outputs = run(_contained_forward(forward_step, failure))
-        with step_agreement(check_group, what=what, inside_schedule=consequence) as agreement:
-            if failure.error is not None:
-                agreement.where = failure.where
-                raise failure.error
+        error = failure.error
+        try:
+            with step_agreement(check_group, what=what, inside_schedule=consequence) as agreement:
+                if error is not None:
+                    agreement.where = failure.where
+                    if not isinstance(error, Exception):
+                        # Agreed on as an Exception (the agreement lets a bare interrupt out
+                        # without collecting), then handed back to this rank as it was.
+                        raise RuntimeError(f"{type(error).__name__}: {error}") from error
+                    raise error
+        except StepAgreementError as agreed:
+            if error is not None and not isinstance(error, Exception):
+                raise error from agreed
+            raise
     return outputs

@@ -81,6 +81,8 @@ def _in_schedule_fault(fault, chunks, token_loss):
         calls.append(1)
         if len(calls) == 2 and fault == "loss raises":
             raise ValueError("the caller's token loss failed at its second call")
+        if len(calls) == 2 and fault == "loss interrupted":
+            raise KeyboardInterrupt("a cancelled task, at the second loss call")
         if len(calls) == 2 and fault == "backward raises":
             ce = _RaisesInBackward.apply(ce)
         return token_loss(batch, ce)
@@ -97,6 +99,19 @@ def _in_schedule_fault(fault, chunks, token_loss):
 
         model.forward = failing_forward
     return faulty_loss
+
+
+_IN_SCHEDULE = ("loss raises", "loss interrupted", "backward raises", "forward raises")
+
+
+class _Lazy(list):
+    """Micro-batches built when read (a trainer's lazy list): the second fails every time it is
+    read, the schedule's read and the stand-in's alike."""
+
+    def __getitem__(self, index):
+        if index == 1:
+            raise OSError("micro-batch 1 could not be built")
+        return super().__getitem__(index)
 
 
 def _step_body(
@@ -214,8 +229,10 @@ def _step_body(
     metrics = _moe_metrics()
     configure_loss(chunks, "token-mean")
     token_loss = _killed_at_second_loss if rank == kill_rank else _advantage_loss
-    if fault in ("loss raises", "backward raises", "forward raises") and rank == fault_rank:
+    if fault in _IN_SCHEDULE and rank == fault_rank:
         token_loss = _in_schedule_fault(fault, chunks, token_loss)
+    if fault == "lazy micro-batch" and rank == fault_rank:
+        microbatches = _Lazy(microbatches)
     if fault == "schedule" and rank == 1:
         microbatches = microbatches[:-1]
     if fault == "vocab" and rank == 1:
@@ -231,7 +248,7 @@ def _step_body(
             aggregation="token-mean",
             token_loss=token_loss,
         )
-    except StepAgreementError as error:
+    except (StepAgreementError, KeyboardInterrupt) as error:
         return {
             "type": type(error).__name__,
             "error": str(error),
@@ -348,8 +365,23 @@ def test_a_rank_killed_inside_the_pipeline_schedule_fails_the_run_fast():
         (Layout(), "loss raises", 0, "micro-batch 1, loss: ValueError: the caller's token"),
         (Layout(pp=2, vpp=2), "loss raises", 1, "loss: ValueError: the caller's token loss"),
         (Layout(pp=2, vpp=2), "forward raises", 0, "forward: IndexError: the model's forward"),
+        # Probes: a micro-batch that fails again when the stand-in reads its rows escaped the
+        # containment on either stage (its peer hung), and so did a KeyboardInterrupt.
+        (Layout(pp=2), "lazy micro-batch", 0, "micro-batch 1, forward: OSError: micro-batch 1"),
+        (Layout(pp=2), "lazy micro-batch", 1, "micro-batch 1, forward: OSError: micro-batch 1"),
+        (Layout(pp=2), "loss interrupted", 1, "loss: RuntimeError: KeyboardInterrupt: a cancel"),
     ],
-    ids=["1f1b-loss", "1f1b-backward", "1f1b-forward", "dp2-loss", "vpp-loss", "vpp-forward"],
+    ids=[
+        "1f1b-loss",
+        "1f1b-backward",
+        "1f1b-forward",
+        "dp2-loss",
+        "vpp-loss",
+        "vpp-forward",
+        "1f1b-lazy-first-stage",
+        "1f1b-lazy-last-stage",
+        "1f1b-interrupt",
+    ],
 )
 def test_an_error_inside_the_schedule_on_a_living_rank_stops_every_rank_with_it(
     layout, fault, fault_rank, where
@@ -360,6 +392,11 @@ def test_an_error_inside_the_schedule_on_a_living_rank_stops_every_rank_with_it(
     results = run_on_ranks(
         2, _step_body, fault, fault_rank=fault_rank, vpp=layout.vpp, layout=layout
     )
+    if fault == "loss interrupted":
+        # The interrupted rank gets its own interrupt back, after its peers were told.
+        interrupted = results.pop(fault_rank)
+        assert interrupted["type"] == "KeyboardInterrupt", interrupted
+        assert max(r["s"] for r in [*results, interrupted]) < FAIL_WITHIN_S
     assert {r.get("type") for r in results} == {"StepAgreementError"}, results
     messages = {r["error"] for r in results}
     assert len(messages) == 1, messages
@@ -504,6 +541,30 @@ def _containable_body(moe):
     return _containable(
         wrap_in_ddp(build_tiny_gpt(config, seed=SEED)), forward_only=False, dp_size=2
     )
+
+
+def _stage_without_experts_body():
+    """A stage of a model whose config asks for global_aux_loss but whose own layers are dense
+    (``moe_layer_freq`` putting the experts on later stages)."""
+    from megatron_dynbatch.mcore.contained import _containable
+    from megatron_dynbatch.tools.testing.tiny_gpt import (
+        build_tiny_gpt,
+        tiny_transformer_config,
+        wrap_in_ddp,
+    )
+
+    chunks = wrap_in_ddp(build_tiny_gpt(tiny_transformer_config(), seed=SEED))
+    config = chunks[0].module.config
+    config.num_moe_experts = 4
+    config.moe_router_load_balancing_type = ["global_aux_loss"]
+    return _containable(chunks, forward_only=False, dp_size=2)
+
+
+def test_a_stage_without_routers_decides_as_the_stages_with_them():
+    """A probe: with the first layers dense, the first stage (no router) ran contained and
+    waited in the agreement while the MoE stage ran uncontained: a clean step hung. Decided
+    from the config, which every stage shares."""
+    assert run_on_ranks(2, _stage_without_experts_body, layout=Layout()) == [False] * 2
 
 
 def test_a_router_that_reduces_over_data_parallel_ranks_in_its_forward_runs_uncontained():
