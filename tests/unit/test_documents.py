@@ -145,6 +145,18 @@ def test_fixed_rows_are_the_dynamic_paths_padded_rows():
     assert row["loss_mask"].sum() == len(sample["tokens"]) - 1
 
 
+def test_fixed_rows_of_validation_and_test_load_at_megatrons_eval_micro_batch_size():
+    """A probe: Megatron's loader reads a dataset's ``split`` to use --eval-micro-batch-size for
+    validation and test; without it the fixed baseline ran them at --micro-batch-size (pp 2: a
+    stage sent a shape its peer did not expect; dp 2: twice the samples an iteration)."""
+    from megatron.core.datasets.utils import Split
+
+    documents = _collection([7, 12, 5])
+    for index, split in enumerate((Split.train, Split.valid, Split.test)):
+        samples = SplitSamples(documents, 0, 3, max_length=16, seed=0, split_index=index)
+        assert DocumentSampleDataset(samples, num_samples=3, seq_length=16).split == split
+
+
 def test_batch_stream_serves_consecutive_positions_from_the_consumed_counter():
     documents = _collection([4, 9, 2, 14, 6, 5, 8, 3, 11, 7])
     samples = SplitSamples(documents, 0, 10, max_length=8, seed=2, split_index=0)

@@ -357,6 +357,16 @@ class DocumentSampleDataset(torch.utils.data.Dataset):
         self.num_samples = int(num_samples)
         self.seq_length = seq_length
 
+    @property
+    def split(self) -> Any:
+        """Megatron's ``Split`` of these samples: its ``build_pretraining_data_loader`` reads it
+        to load validation and test with ``--eval-micro-batch-size`` (a probe: without it they
+        ran at ``--micro-batch-size``; a pipeline stage then sent a shape its peer did not
+        expect, and at dp 2 each validation iteration read twice the samples)."""
+        from megatron.core.datasets.utils import Split
+
+        return (Split.train, Split.valid, Split.test)[self.samples.split_index]
+
     def __len__(self) -> int:
         return self.num_samples
 
