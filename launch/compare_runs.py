@@ -10,9 +10,11 @@ iteration lines and the same validation lines.
 The dynamic run's lines also carry ``real tokens`` and ``computed tokens`` (patch 0003); the
 baseline trains the same samples (``--document-samples``), so its real tokens are the same and it
 computes ``global batch size x --seq-length`` tokens per iteration. Throughput leaves out the first
-logged line (start-up). Any ``--log-interval`` reads right: Megatron's line then averages time and
-loss over the interval, the dynamic run's real and computed tokens sum it, and each line is
-weighed by the iterations it covers (the gap to the line before; the first line, the next gap).
+iteration (start-up). Any ``--log-interval`` reads right: Megatron's line then averages time and
+loss over the iterations it covers and each line is weighed by that count; the dynamic run's real
+and computed tokens sum the iterations since the line before. Megatron logs the run's first
+iteration on a line of its own and keeps its sums there, so its second line's time and loss are
+averages from the first iteration on; the totals count that iteration once.
 Exit status 1 if the learning rates differ or the losses differ by more than ``--tolerance``
 (relative).
 
@@ -55,7 +57,9 @@ def parse_text(text: str) -> Dict[str, object]:
     (``validation``: ``(iteration, loss)``) and at the end of the run (``final``: ``("validation
     set at N" or "test set at N", loss)``) of a Megatron log.
 
-    Each record's ``span`` is the number of iterations its line covers (``--log-interval``).
+    Each record's ``span`` is the number of iterations its line covers: one for the run's first
+    line, from the first iteration on for the second (Megatron keeps its sums at the first line),
+    the gap to the line before for the others.
     """
     iterations: Dict[int, Dict[str, float]] = {}
     validation: List[tuple] = []
@@ -79,7 +83,8 @@ def parse_text(text: str) -> Dict[str, object]:
                 validation.append((at, value))
     logged = sorted(iterations)
     gaps = [b - a for a, b in itertools.pairwise(logged)]
-    for at, span in zip(logged, (gaps[:1] or [1]) + gaps, strict=False):
+    spans = [1] + ([gaps[0] + 1] + gaps[1:] if gaps else [])
+    for at, span in zip(logged, spans, strict=True):
         iterations[at]["span"] = float(span)
     return {"iterations": iterations, "validation": validation, "final": final}
 
@@ -107,7 +112,6 @@ def main(argv=None) -> int:
     dynamic, fixed = parse(args.dynamic), parse(args.fixed)
     dyn_it, fix_it = dynamic["iterations"], fixed["iterations"]
     common = sorted(set(dyn_it) & set(fix_it))
-    timed = common[1:] or common
     if any("real" not in dyn_it[i] for i in common):
         raise SystemExit("error: the dynamic log has no 'real tokens' fields (patch 0003).")
     if any(dyn_it[i]["span"] != fix_it[i]["span"] for i in common):
@@ -126,41 +130,54 @@ def main(argv=None) -> int:
             f"{only['fixed'][:5] or 'none'}); did a run stop early? Rerun both alike."
         )
 
-    def spanned(records, lines, field):
-        return sum(records[i][field] * records[i]["span"] for i in lines)
+    def total(records, field, *, timed):
+        """A field Megatron averages over a line's span, summed over the iterations the lines
+        cover, each once; ``timed``: without the first iteration (start-up), unless it is all
+        the log holds."""
+        lines = sorted(records)
+        values = [records[i][field] * records[i]["span"] for i in lines]
+        if len(values) == 1:
+            return values[0]
+        # The second line's window holds the first line's iteration (the first line covers it
+        # alone, so its value is that iteration's).
+        return sum(values[1:]) - (values[0] if timed else 0.0)
 
-    real = sum(dyn_it[i]["real"] for i in timed)
+    def covered(records, *, timed):
+        lines = sorted(records)
+        count = lines[-1] - lines[0] + 1
+        return count - 1 if timed and count > 1 else count
+
+    # Our tokens sum the iterations since the line before (each iteration once).
+    real = sum(dyn_it[i]["real"] for i in common[1:] or common)
     totals = {
         "dynamic": {
-            "ms": spanned(dyn_it, timed, "ms"),
+            "ms": total(dyn_it, "ms", timed=True),
             "computed": sum(dyn_it[i]["computed"] for i in common),
         },
         "fixed": {
-            "ms": spanned(fix_it, timed, "ms"),
-            "computed": spanned(fix_it, common, "batch") * args.seq_length,
+            "ms": total(fix_it, "ms", timed=True),
+            "computed": total(fix_it, "batch", timed=False) * args.seq_length,
         },
     }
-    iterations = sum(dyn_it[i]["span"] for i in common)
-    timed_iterations = sum(dyn_it[i]["span"] for i in timed)
+    iterations = covered(dyn_it, timed=False)
+    timed_iterations = covered(dyn_it, timed=True)
     real_all = sum(dyn_it[i]["real"] for i in common)
     runs = ["dynamic", "fixed"]
     reals = {"dynamic": (real, real_all), "fixed": (real, real_all)}
     if args.stock is not None:
         stock = parse(args.stock)["iterations"]
-        mine = sorted(stock)
-        later = mine[1:] or mine
         # Full --seq-length windows: every computed token is a real one. Scaled to the
         # dynamic run's iterations (the stock run may run another number).
-        scale = timed_iterations / sum(stock[i]["span"] for i in later)
+        scale = timed_iterations / covered(stock, timed=True)
         totals["stock"] = {
-            "ms": spanned(stock, later, "ms") * scale,
-            "computed": spanned(stock, mine, "batch")
+            "ms": total(stock, "ms", timed=True) * scale,
+            "computed": total(stock, "batch", timed=False)
             * args.seq_length
             * iterations
-            / sum(stock[i]["span"] for i in mine),
+            / covered(stock, timed=False),
         }
         reals["stock"] = (
-            spanned(stock, later, "batch") * args.seq_length * scale,
+            total(stock, "batch", timed=True) * args.seq_length * scale,
             totals["stock"]["computed"],
         )
         runs.append("stock")

@@ -19,10 +19,24 @@ def _line(i, ms, batch, loss, real=None, computed=None):
     return text + f"lm loss: {loss:.6E} |\n"
 
 
+def _megatron_log(iterations, interval, ms, batch, loss, real=None, computed=None):
+    """Lines as Megatron 0.19 logs them: the first iteration on a line of its own, whose sums it
+    keeps, so the second line averages time and loss from the first iteration on; then every
+    ``interval`` iterations. The dynamic run's tokens sum the iterations since the line before."""
+    logged = sorted({1, *range(interval, iterations + 1, interval)})
+    text, since = "", 1
+    for i in logged:
+        count = i - since + 1
+        tokens = {} if real is None else {"real": real * count, "computed": computed * count}
+        text += _line(i, ms, batch, loss - i, **tokens)
+        since = i + 1
+    return text
+
+
 def test_the_stock_run_is_a_third_column(tmp_path, capsys):
-    dynamic = "".join(_line(i, 100.0, 8, 5.0 - i, 600, 640) for i in (1, 2, 3))
-    fixed = "".join(_line(i, 200.0, 8, 5.0 - i) for i in (1, 2, 3))
-    stock = "".join(_line(i, 150.0, 8, 4.0 - i) for i in (1, 2, 3))
+    dynamic = _megatron_log(3, 1, 100.0, 8, 5.0, 600, 640)
+    fixed = _megatron_log(3, 1, 200.0, 8, 5.0)
+    stock = _megatron_log(3, 1, 150.0, 8, 4.0)
     paths = {}
     for name, text in (("dynamic", dynamic), ("fixed", fixed), ("stock", stock)):
         paths[name] = tmp_path / f"{name}.log"
@@ -47,13 +61,10 @@ def _logs(tmp_path, interval, iterations=4):
     """Per iteration: dynamic 100 ms, 600 real and 640 computed tokens; fixed 200 ms; stock 150 ms.
     Logged every ``interval`` iterations as Megatron logs them: time and loss averaged over the
     interval, the dynamic run's tokens summed over it."""
-    logged = range(interval, iterations + 1, interval)
     texts = {
-        "dynamic": "".join(
-            _line(i, 100.0, 8, 5.0 - i, 600 * interval, 640 * interval) for i in logged
-        ),
-        "fixed": "".join(_line(i, 200.0, 8, 5.0 - i) for i in logged),
-        "stock": "".join(_line(i, 150.0, 8, 4.0 - i) for i in logged),
+        "dynamic": _megatron_log(iterations, interval, 100.0, 8, 5.0, 600, 640),
+        "fixed": _megatron_log(iterations, interval, 200.0, 8, 5.0),
+        "stock": _megatron_log(iterations, interval, 150.0, 8, 4.0),
     }
     paths = {}
     for name, text in texts.items():
@@ -76,6 +87,13 @@ def test_a_log_interval_over_one_reads_as_every_iteration_logged(tmp_path, capsy
     assert second["iterations"] == ["4", "4", "4"]
     assert second["tokens/s (real)"] == ["6000", "3000", "6827"], out
     assert "dynamic / stock real tokens per second (iterations 2+): 0.88x" in out
+    # A probe: at --log-interval 3 the second line (covering iterations 1-3, as Megatron keeps
+    # its sums at the first line) was read as two iterations: 4 in all for 3, fill 0.59 for 0.79.
+    every, _ = _table(_logs(tmp_path, 1, iterations=6), capsys)
+    for interval in (2, 3, 6):
+        other, out = _table(_logs(tmp_path, interval, iterations=6), capsys)
+        assert other == every, (interval, other, every)
+        assert other["iterations"] == ["6", "6", "6"], out
 
 
 def test_runs_logged_at_different_intervals_are_refused(tmp_path):
@@ -133,3 +151,30 @@ def test_a_missing_log_is_one_line(tmp_path):
     with pytest.raises(SystemExit, match="cannot read the log .*missing.log: No such file"):
         compare_runs.main(["--dynamic", str(tmp_path / "missing.log"), "--fixed", "x",
                            "--seq-length", "128"])  # fmt: skip
+
+
+def test_the_first_iterations_start_up_stays_out_of_the_time_at_any_interval(tmp_path, capsys):
+    """Megatron's second line averages from the first iteration (it keeps its sums at the first
+    line): a 1,000 ms first iteration and 100 ms after it read 220 ms an iteration at
+    --log-interval 3 (the second line's window taken as two iterations), not 100."""
+    for interval in (1, 2, 3):
+        logged = sorted({1, *range(interval, 7, interval)})
+        texts = {"dynamic": "", "fixed": ""}
+        since = 1
+        for i in logged:
+            window = range(1 if i != 1 and since == 2 else since, i + 1)  # Megatron's window
+            ms = sum(1000.0 if k == 1 else 100.0 for k in window) / len(window)
+            count = i - since + 1
+            texts["dynamic"] += _line(i, ms, 8, 5.0 - i, 600 * count, 640 * count)
+            texts["fixed"] += _line(i, 2 * ms, 8, 5.0 - i)
+            since = i + 1
+        paths = {}
+        for name, text in texts.items():
+            paths[name] = tmp_path / f"{name}-startup-{interval}.log"
+            paths[name].write_text(text)
+        argv = ["--dynamic", paths["dynamic"], "--fixed", paths["fixed"], "--seq-length", 128]
+        assert compare_runs.main([str(a) for a in argv]) == 0
+        out = capsys.readouterr().out
+        rows = {line[:26].strip(): line[26:].split() for line in out.splitlines()[1:7]}
+        assert rows["time per iteration (ms)"] == ["100.0", "200.0"], (interval, out)
+        assert rows["iterations"] == ["6", "6"] and rows["tokens/s (real)"] == ["6000", "3000"]
