@@ -83,7 +83,7 @@ def parse_text(text: str) -> Dict[str, object]:
                 validation.append((at, value))
     logged = sorted(iterations)
     gaps = [b - a for a, b in itertools.pairwise(logged)]
-    spans = [1] + ([gaps[0] + 1] + gaps[1:] if gaps else [])
+    spans = ([1] if logged else []) + ([gaps[0] + 1] + gaps[1:] if gaps else [])
     for at, span in zip(logged, spans, strict=True):
         iterations[at]["span"] = float(span)
     return {"iterations": iterations, "validation": validation, "final": final}
@@ -96,7 +96,8 @@ def parse(path: str) -> Dict[str, object]:
             parsed = parse_text(handle.read())
     except OSError as error:  # a missing or unreadable log: one line, not a traceback
         raise SystemExit(f"error: cannot read the log {path}: {error.strerror}.") from None
-    if not parsed["iterations"]:
+    if not parsed["iterations"] and not parsed["final"]:
+        # A --skip-train run logs no iteration line, only its validation and test losses.
         raise SystemExit(f"error: no Megatron iteration lines in {path}; did the run fail?")
     return parsed
 
@@ -111,6 +112,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     dynamic, fixed = parse(args.dynamic), parse(args.fixed)
     dyn_it, fix_it = dynamic["iterations"], fixed["iterations"]
+    if not dyn_it and not fix_it:
+        # Both evaluated only (--skip-train): their losses are all there is to compare.
+        return _compare_losses(dynamic, fixed, [], args.tolerance)
+    if not dyn_it or not fix_it:
+        empty = args.dynamic if not dyn_it else args.fixed
+        raise SystemExit(
+            f"error: no Megatron iteration lines in {empty} (the other log trained); did the "
+            "run fail, or was only one run given --skip-train? Rerun both alike."
+        )
     common = sorted(set(dyn_it) & set(fix_it))
     if any("real" not in dyn_it[i] for i in common):
         raise SystemExit("error: the dynamic log has no 'real tokens' fields (patch 0003).")
@@ -200,6 +210,13 @@ def main(argv=None) -> int:
         print(f"dynamic / stock real tokens per second (iterations 2+): {speed:.2f}x")
     print()
 
+    return _compare_losses(dynamic, fixed, common, args.tolerance)
+
+
+def _compare_losses(dynamic, fixed, common, tolerance: float) -> int:
+    """The loss table: each common iteration line, then the validation and test losses; 0
+    when the learning rates are identical and every loss within ``tolerance`` (relative)."""
+    dyn_it, fix_it = dynamic["iterations"], fixed["iterations"]
     print(f"{'iteration':>9}{'lr':>14}{'dynamic loss':>16}{'fixed loss':>16}{'rel. diff':>12}")
     worst, lr_equal = 0.0, True
     for i in common:
@@ -221,11 +238,11 @@ def main(argv=None) -> int:
         diff = abs(v_d - v_f) / max(abs(v_f), 1e-12)
         worst = max(worst, diff)
         print(f"{where:<23}{v_d:>16.6f}{v_f:>16.6f}{diff:>12.1e}")
-    ok = lr_equal and worst <= args.tolerance
+    ok = lr_equal and worst <= tolerance
     print(
         f"\nlearning rates identical: {'yes' if lr_equal else 'NO'}; largest relative loss "
-        f"difference: {worst:.1e} ({'within' if worst <= args.tolerance else 'OVER'} "
-        f"{args.tolerance:g})"
+        f"difference: {worst:.1e} ({'within' if worst <= tolerance else 'OVER'} "
+        f"{tolerance:g})"
     )
     return 0 if ok else 1
 

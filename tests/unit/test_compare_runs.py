@@ -178,3 +178,30 @@ def test_the_first_iterations_start_up_stays_out_of_the_time_at_any_interval(tmp
         rows = {line[:26].strip(): line[26:].split() for line in out.splitlines()[1:7]}
         assert rows["time per iteration (ms)"] == ["100.0", "200.0"], (interval, out)
         assert rows["iterations"] == ["6", "6"] and rows["tokens/s (real)"] == ["6000", "3000"]
+
+
+def test_two_evaluation_only_runs_compare_their_losses(tmp_path, capsys):
+    """A probe: two --skip-train runs (no iteration line, only the end-of-run validation and
+    test losses) were refused as failed runs."""
+    losses = {"validation": 5.714590, "test": 5.788437}
+
+    def log(shift=0.0):
+        return "".join(
+            f" validation loss at iteration 0 on {name} set | lm loss value: {value + shift:.6E} "
+            "| lm loss PPL: 3.0E+02 |\n"
+            for name, value in losses.items()
+        )
+
+    paths = {}
+    for name, text in (("dynamic", log()), ("fixed", log()), ("other", log(0.01))):
+        paths[name] = tmp_path / f"{name}.log"
+        paths[name].write_text(text)
+    argv = ["--fixed", str(paths["fixed"]), "--seq-length", "128"]
+    assert compare_runs.main(["--dynamic", str(paths["dynamic"]), *argv]) == 0
+    assert "test set at 0" in capsys.readouterr().out
+    assert compare_runs.main(["--dynamic", str(paths["other"]), *argv]) == 1
+    # One trained and one did not: refused, naming the log without iteration lines.
+    paths["trained"] = tmp_path / "trained.log"
+    paths["trained"].write_text(_megatron_log(2, 1, 100.0, 8, 5.0, 600, 640))
+    with pytest.raises(SystemExit, match="no Megatron iteration lines in .*fixed.log"):
+        compare_runs.main(["--dynamic", str(paths["trained"]), *argv])
