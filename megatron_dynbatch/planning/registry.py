@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import numbers
 import os
 import sys
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
@@ -234,13 +235,47 @@ def ranks_planner(scheduler: RanksScheduler, *, layout: Optional[str] = None) ->
         for _, items in samples.steps(config.rollouts_per_step):
             lengths = [kept.get(i, samples.lengths[i]) for i in items]
             keys = [samples.rollout_keys[i] for i in items]
-            local = scheduler(lengths, keys, config)
+            local = _checked_ranks(scheduler(lengths, keys, config), len(items), config.planner)
             steps.append([[[items[j] for j in mb] for mb in rank] for rank in local])
         return plan_from_ranks(steps, samples, config, layout=layout, kept=kept)
 
     planner.__name__ = getattr(scheduler, "__name__", "ranks_planner")
     planner.__doc__ = scheduler.__doc__
     return planner
+
+
+def _checked_ranks(local: Any, count: int, name: str) -> List[List[List[int]]]:
+    """A scheduler's ``ranks[r][m]`` of one step's ``count`` samples, as lists of their local
+    indices: whole numbers in ``range(count)`` (not bools, not negative), at least one
+    micro-batch where there are samples. Anything else is a broken plan, named (a probe: an index
+    out of range or a string was a bare ``IndexError`` / ``TypeError`` traceback, no micro-batch
+    a ``ZeroDivisionError``, ``-1`` and ``True`` silently read as samples)."""
+    from .invariants import PlanInvariantError  # invariants imports the plans
+
+    def broken(what: str) -> PlanInvariantError:
+        return PlanInvariantError(
+            f"planner {name!r}: its scheduler returned {what}; it must return ranks[r][m], "
+            f"lists of sample indices 0..{count - 1} local to the step, each sample once; fix "
+            f"the planner, or plan with the default ({DEFAULT_PLANNER!r})."
+        )
+
+    if not isinstance(local, (list, tuple)) or not all(
+        isinstance(rank, (list, tuple)) and all(isinstance(mb, (list, tuple)) for mb in rank)
+        for rank in local
+    ):
+        raise broken(f"{type(local).__name__} {str(local)[:80]!r}, not ranks of micro-batches")
+    bad = [
+        j
+        for rank in local
+        for mb in rank
+        for j in mb
+        if isinstance(j, bool) or not isinstance(j, numbers.Integral) or not 0 <= j < count
+    ]
+    if bad:
+        raise broken(f"{len(bad)} index(es) that are no sample of the step ({bad[:5]!r})")
+    if count and not any(rank for rank in local):
+        raise broken(f"no micro-batch for its {count} sample(s)")
+    return [[[int(j) for j in mb] for mb in rank] for rank in local]
 
 
 def plan_from_ranks(
@@ -378,13 +413,23 @@ def _variable_rows(
 def _fixed(samples: SampleSet, config: PlannerConfig) -> Plan:
     """Megatron's stock batching under the same budget: every sample padded to the longest (rounded
     to the sample multiple), ``micro_batch_size = cap // seq_length`` rows, arrival order."""
+    seq_length = round_up(max(samples.lengths), config.parallel.sample_multiple)
     if config.layout != required_layout("fixed"):
+        # Every change it needs at once (probes: the layout named, then variable rows refused
+        # with it; or then the cap refused).
+        fixes = ["pass --dynamic-batch-layout padded"]
+        if config.variable_row_lengths:
+            fixes.append("drop --variable-seq-lengths (its rows are all seq_length)")
+        if seq_length > config.token_cap:
+            fixes.append(
+                f"raise {config.cap_to_hold(seq_length)} (it pads every sample to the longest, "
+                f"{seq_length} tokens)"
+            )
         raise DynBatchValueError(
             f"planner 'fixed' is Megatron's padded [micro_batch_size, seq_length] batching, but "
-            f"layout={config.layout!r}; pass --dynamic-batch-layout padded (or pick planner "
+            f"layout={config.layout!r}; {' and '.join(fixes)} (or pick planner "
             f"{DEFAULT_PLANNER!r})."
         )
-    seq_length = round_up(max(samples.lengths), config.parallel.sample_multiple)
     if seq_length > config.token_cap:
         # Megatron's stock batching has no oversize policy: say so where one was asked for, or
         # the user reads the refusal as the policy not working.
@@ -397,8 +442,15 @@ def _fixed(samples: SampleSet, config: PlannerConfig) -> Plan:
         raise DynBatchValueError(
             f"planner 'fixed' pads every sample to the longest ({seq_length} tokens after "
             f"rounding), over the token cap {config.token_cap} ({config.cap_source}){ignored}; "
-            f"raise {config.cap_to_hold(seq_length)} or pick planner {DEFAULT_PLANNER!r} (it "
-            "runs an oversize sample alone, or cuts it with --oversize-samples truncate)."
+            f"raise {config.cap_to_hold(seq_length)} or pick planner {DEFAULT_PLANNER!r}"
+            + (
+                # Under error it refuses the sample too (a probe: the named fix was refused).
+                " with --oversize-samples allow (it runs an oversize sample alone) or truncate "
+                "(it cuts it to the cap)."
+                if config.oversize_samples == "error"
+                else " (it runs an oversize sample alone, or cuts it with --oversize-samples "
+                "truncate)."
+            )
         )
     return plan_fixed_samples(
         samples,

@@ -106,6 +106,35 @@ def _ungrouped(lengths, keys, config):
     return [rank + [[]] * (count - len(rank)) for rank in ranks]
 
 
+def test_a_schedulers_indices_that_are_no_samples_are_a_broken_plan_not_a_traceback():
+    """A probe: an index out of range or a string was a bare IndexError / TypeError, no
+    micro-batch at all a ZeroDivisionError, and -1 or True were silently read as samples."""
+    samples = SampleSet.build(LENGTHS, ROLLOUTS)
+
+    def returning(ranks_of):
+        def scheduler(lengths, keys, config):
+            return ranks_of(len(lengths))
+
+        return scheduler
+
+    cases = {
+        "test_out_of_range": (lambda n: [[[i] for i in range(n + 1)]], r"\[\d+\]"),
+        "test_negative": (lambda n: [[[-1]] + [[i] for i in range(1, n)]], r"\[-1\]"),
+        "test_bool": (lambda n: [[[True]] + [[i] for i in range(2, n)]], r"\[True\]"),
+        "test_string": (lambda n: [[["0"]] + [[i] for i in range(1, n)]], r"\['0'\]"),
+        "test_float": (lambda n: [[[float(i)] for i in range(n)]], r"\[0\.0, "),
+        "test_nothing": (lambda n: [[]], "no micro-batch for its"),
+        "test_not_ranks": (lambda n: None, "NoneType 'None', not ranks of micro-batches"),
+    }
+    for name, (ranks_of, found) in cases.items():
+        register_planner(name, ranks_planner(returning(ranks_of)), replace=True)
+        config = _config(rollouts_per_step=None, planner=name)
+        with pytest.raises(PlanInvariantError, match=f"planner '{name}': its scheduler returned"):
+            run_planner(samples, config)
+        with pytest.raises(PlanInvariantError, match=found):
+            run_planner(samples, config)
+
+
 def test_a_registered_planners_plan_is_checked_before_any_host_runs_it(capsys, tmp_path):
     """run_planner, which every host, plan and verify call, holds a planner registered from
     outside to the guarantees ours keep (a probe found a planner's dropped sample trained by no
@@ -335,6 +364,29 @@ def test_plan_planner_picks_a_planner_by_name(tmp_path, capsys):
     assert main([*common, "--planner", "nope"]) == 2
     err = capsys.readouterr().err
     assert "no planner named 'nope'" in err and "(--planner)" in err  # the spelling typed
+
+
+def test_the_fixed_planners_refusals_name_every_change_it_needs_at_once(tmp_path, capsys):
+    """Probes: with --variable-seq-lengths the layout refusal named padded, which the variable
+    rows then refused (and back); with a sample over the cap, the layout then the cap, one at a
+    time; under --oversize-samples error it named 'dynbatch', which refused the sample too."""
+    path = tmp_path / "samples.json"
+    path.write_text("[10, 20, 70]")
+    plan = ["plan", str(path), "--max-tokens-per-gpu", "64", "--json"]
+    fixed = [*plan, "--dynamic-batch-planner", "fixed"]
+    assert main([*fixed, "--variable-seq-lengths"]) == 2
+    err = capsys.readouterr().err
+    assert "padded and drop --variable-seq-lengths" in err, err
+    assert "and raise --max-tokens-per-gpu to at least 70" in err, err
+    padded = [*fixed, "--dynamic-batch-layout", "padded"]
+    assert main([*padded, "--max-tokens-per-gpu", "70"]) == 0  # both named fixes: plans
+    capsys.readouterr()
+    assert main([*padded, "--oversize-samples", "error"]) == 2
+    err = capsys.readouterr().err
+    assert "pick planner 'dynbatch' with --oversize-samples allow" in err, err
+    for policy in ("allow", "truncate"):
+        assert main([*plan, "--oversize-samples", policy]) == 0
+        capsys.readouterr()
 
 
 # -- a user picks the planner of a real run --------------------------------------------------------
