@@ -718,8 +718,17 @@ def check_host_oversize(
                 f"{_policy(host, 'error')} to stop on such samples."
             )
         else:
+            # One [B, S] a step (no variable rows): every micro-batch of its step, placeholders
+            # included, runs that row length (a probe: the warning said only the sample ran
+            # over; three micro-batches of 20-60 real tokens ran 71-token rows too).
+            uniform = (
+                f", and every micro-batch of its step, placeholders included, gets that row "
+                f"length (one [B, S] a step without variable rows)"
+                if host.planning == "global" and not config.variable_row_lengths
+                else ""
+            )
             message = (
-                f"{what} Each runs alone in its micro-batch, over the budget, as stock "
+                f"{what} Each runs alone in its micro-batch, over the budget{uniform}, as stock "
                 f"{host.name} runs it; {fits} to stay within it, or set "
                 f"{_policy(host, 'error')} to stop on such samples."
             )

@@ -191,6 +191,29 @@ def test_oversize_sample_runs_alone(policy):
     assert [local] in mbi[rank]
 
 
+def test_the_oversize_warning_says_every_micro_batch_gets_its_row_without_variable_rows():
+    """A probe: with variable_seq_lengths off the warning said the sample ran alone over the
+    budget; its step's other micro-batches (20-60 real tokens) ran its 71-token rows too."""
+    lengths = [71, 30, 30, 30, 30, 20]
+    for variable in (False, True):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            schedule = build_dp_schedule(
+                slime_args(max_tokens_per_gpu=64, variable_seq_lengths=variable),
+                slime_tp(dp_size=2),
+                lengths,
+                global_batch_size=6,
+                rollout_indices=list(range(6)),
+            )
+        [warning] = [w for w in caught if issubclass(w.category, OversizeSampleWarning)]
+        said = "every micro-batch of its step, placeholders included, gets that row" in str(
+            warning.message
+        )
+        assert said == (not variable), (variable, str(warning.message))
+        if not variable:  # every row is the oversize sample's (slime pads it to 128)
+            assert {row for rows in schedule.row_lengths for row in rows} == {128}
+
+
 def test_oversize_samples_error_stops_before_any_model_work():
     """With --oversize-samples error (opt-in) an oversize sample is refused."""
     lengths = [15, 3, 3, 3]
