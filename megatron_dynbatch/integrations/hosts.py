@@ -722,8 +722,8 @@ def check_host_oversize(
             # included, runs that row length (a probe: the warning said only the sample ran
             # over; three micro-batches of 20-60 real tokens ran 71-token rows too).
             uniform = (
-                f", and every micro-batch of its step, placeholders included, gets that row "
-                f"length (one [B, S] a step without variable rows)"
+                ", and every micro-batch of its step, placeholders included, gets that row "
+                "length (one [B, S] a step without variable rows)"
                 if host.planning == "global" and not config.variable_row_lengths
                 else ""
             )

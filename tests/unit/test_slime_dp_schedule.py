@@ -524,3 +524,27 @@ def test_a_partial_or_attribute_parallel_config_means_the_features_are_off():
     assert all(count % 2 == 0 for count in interleaved[2])  # a multiple of the default group 2
     with pytest.raises(DynBatchValueError, match="dp_size"):
         build_dp_schedule(args, {"cp_size": 1}, lengths, 5, list(range(5)))
+
+
+def test_both_budgets_under_one_padded_sample_are_named_at_once():
+    """A probe: the training budget was named, then, raised, the log-prob budget."""
+    for extra, training in (({}, 8), ({"packing_safety_margin": 0.5}, 16)):
+        args = slime_args(
+            max_tokens_per_gpu=4,
+            log_probs_max_tokens_per_gpu=4,
+            tensor_model_parallel_size=8,
+            **extra,
+        )
+        build = dict(global_batch_size=2, rollout_indices=[0, 1])
+        with pytest.raises(DynBatchValueError) as refused:
+            build_dp_schedule(args, slime_tp(dp_size=2), [5, 3], **build)
+        message = str(refused.value)
+        named = (
+            f"raise --max-tokens-per-gpu to at least {training} and "
+            "--log-probs-max-tokens-per-gpu to at least 8."
+        )
+        assert named in message, message
+        args.max_tokens_per_gpu, args.log_probs_max_tokens_per_gpu = training, 8
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", OversizeSampleWarning)
+            build_dp_schedule(args, slime_tp(dp_size=2), [5, 3], **build)

@@ -512,6 +512,27 @@ def _registered_forward_only(rank_lengths: List[List[int]], planner_config: Any)
     return ForwardOnlyPlan(micro_batches=members, row_lengths=rows)
 
 
+def _check_both_budgets_hold_a_sample(
+    args: Any, config: DynBatchConfig, layout: ParallelLayout
+) -> None:
+    """Both budgets under one padded sample: both named at once (a probe: the training budget
+    was named, then, raised, the log-prob budget). One alone is left to the planner's refusal."""
+    least = -(-layout.sample_multiple // layout.cp_size)
+    log_probs = config.log_probs_max_tokens_per_gpu
+    if config.max_tokens_per_gpu >= least or log_probs is None or log_probs >= least:
+        return
+    # The training value as the planner's share: safety_margin_named gives it in full.
+    training = least
+    raise DynBatchValueError(
+        f"{SLIME.key('max_tokens_per_gpu')}={getattr(args, 'max_tokens_per_gpu', None)} and "
+        f"{SLIME.key('max_tokens_per_gpu', forward_only=True)}={log_probs} are smaller than one "
+        f"padded sample: slime pads every sample to a multiple of {layout.sample_multiple} "
+        f"(--tensor-model-parallel-size {layout.tp_size}, --context-parallel-size "
+        f"{layout.cp_size}); raise {SLIME.key('max_tokens_per_gpu')} to at least {training} and "
+        f"{SLIME.key('max_tokens_per_gpu', forward_only=True)} to at least {least}."
+    )
+
+
 def _token_budget_short(
     config: DynBatchConfig, layout: ParallelLayout, lengths: Sequence[int]
 ) -> Optional[str]:
@@ -544,6 +565,7 @@ def _dynamic_schedule(
     cp = sizes["cp_size"]
     variable = variable_rows(args)
     layout = _layout(sizes, dp)
+    _check_both_budgets_hold_a_sample(args, config, layout)
     # --max-memory-gib: no shape is planned whose predicted peak breaks it, on any stage.
     memory = slime_memory_limit(args, layout)
     if memory is not None:
