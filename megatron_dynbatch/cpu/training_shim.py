@@ -149,11 +149,33 @@ def check_cpu_args_before_validation(args: Any) -> None:
     """
     if not _cuda_absent():
         return
+    # Before Megatron prints its ~780-line argument dump (a probe: after it).
+    _refuse_cpu_unsupported_parallelism(args, validated=False)
     if getattr(args, "moe_grouped_gemm", False):
         raise DynBatchValueError(
             "--moe-grouped-gemm is not supported on CPU (Megatron's grouped GEMM experts run "
             "CUDA kernels); remove it for the CPU run, the experts then run one by one. On GPUs "
             "keep it: dynamic batching does not change the experts."
+        )
+
+
+def _refuse_cpu_unsupported_parallelism(args: Any, *, validated: bool) -> None:
+    """``--use-distributed-optimizer`` and ``--sequence-parallel``, which need CUDA. Before
+    Megatron's ``validate_args`` (``validated`` False) sequence parallelism is refused only with
+    tensor parallelism: Megatron turns it off at tp 1 itself."""
+    if getattr(args, "use_distributed_optimizer", False):
+        raise DynBatchValueError(
+            "--use-distributed-optimizer is not supported on CPU (megatron-core's "
+            "DistributedOptimizer accepts only torch.cuda tensors); remove it, and "
+            "--overlap-param-gather with it, for the CPU run. On GPUs keep it: dynamic batching "
+            "does not change the optimizer."
+        )
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    if getattr(args, "sequence_parallel", False) and (validated or tp > 1):
+        raise DynBatchValueError(
+            "--sequence-parallel is not supported on CPU (it needs transformer-engine's or apex's "
+            "layer norm; Megatron's torch LayerNorm, the one without CUDA, refuses it); remove it "
+            "for the CPU run, tensor parallelism itself runs."
         )
 
 
@@ -177,19 +199,7 @@ def check_cpu_args(args: Any) -> None:
                 f"{flag} is not supported on CPU (Megatron's mixed-precision optimizer and loss "
                 f"scaler are CUDA-only); remove {flag} to train in fp32."
             )
-    if getattr(args, "use_distributed_optimizer", False):
-        raise DynBatchValueError(
-            "--use-distributed-optimizer is not supported on CPU (megatron-core's "
-            "DistributedOptimizer accepts only torch.cuda tensors); remove it, and "
-            "--overlap-param-gather with it, for the CPU run. On GPUs keep it: dynamic batching "
-            "does not change the optimizer."
-        )
-    if getattr(args, "sequence_parallel", False):
-        raise DynBatchValueError(
-            "--sequence-parallel is not supported on CPU (it needs transformer-engine's or apex's "
-            "layer norm; Megatron's torch LayerNorm, the one without CUDA, refuses it); remove it "
-            "for the CPU run, tensor parallelism itself runs."
-        )
+    _refuse_cpu_unsupported_parallelism(args, validated=True)
     if (
         getattr(args, "num_experts", None)
         and (getattr(args, "tensor_model_parallel_size", 1) or 1) > 1

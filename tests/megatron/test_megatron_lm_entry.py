@@ -135,6 +135,15 @@ _REFUSALS = {
         "--recompute-granularity full recomputes whole layers and needs --recompute-method and "
         "--recompute-num-layers: add --recompute-method uniform --recompute-num-layers 1",
     ),
+    # A probe: refused after Megatron's argument dump; now before it, in either mode.
+    "distributed-optimizer-on-cpu": (
+        _ONE + _DYNAMIC + ["--use-distributed-optimizer"],
+        "--use-distributed-optimizer is not supported on CPU",
+    ),
+    "sequence-parallel-on-cpu-stock": (
+        _ONE + ["--sequence-parallel", "--tensor-model-parallel-size", 2],
+        "--sequence-parallel is not supported on CPU",
+    ),
     # Issue 29: Megatron's bare `assert args.save_interval is not None` was an empty line.
     "save-without-interval": (
         _ONE + _DYNAMIC + ["--save", "{tmp}/checkpoint"],
