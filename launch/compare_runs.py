@@ -221,9 +221,20 @@ def _compare_losses(dynamic, fixed, common, tolerance: float) -> int:
     worst, lr_equal = 0.0, True
     for i in common:
         d, f = dyn_it[i], fix_it[i]
+        lr_equal &= d["lr"] == f["lr"]
+        if "loss" not in d or "loss" not in f:
+            # Megatron leaves the loss out of a line whose iterations were all skipped (an fp16
+            # overflow): both runs must have skipped them (a probe: a KeyError traceback).
+            same = ("loss" in d) == ("loss" in f)
+            worst = worst if same else float("inf")
+            shown = {
+                n: f"{r['loss']:>16.6f}" if "loss" in r else f"{'skipped':>16}"
+                for n, r in (("d", d), ("f", f))
+            }
+            print(f"{i:>9}{d['lr']:>14.6E}{shown['d']}{shown['f']}{'' if same else 'DIFFERS':>12}")
+            continue
         diff = abs(d["loss"] - f["loss"]) / max(abs(f["loss"]), 1e-12)
         worst = max(worst, diff)
-        lr_equal &= d["lr"] == f["lr"]
         print(f"{i:>9}{d['lr']:>14.6E}{d['loss']:>16.6f}{f['loss']:>16.6f}{diff:>12.1e}")
     scored = {
         name: [(f"validation at {at}", loss) for at, loss in run["validation"]] + run["final"]

@@ -410,6 +410,17 @@ def _variable_rows(
 # -- the built-in planners -------------------------------------------------------------------------
 
 
+def _oversize_alternative(config: PlannerConfig, seq_length: int) -> str:
+    """What the default planner needs besides, where the longest sample is over the cap under
+    ``error`` (it refuses the sample too: a probe's named fix was refused)."""
+    if config.oversize_samples != "error" or seq_length <= config.token_cap:
+        return ""
+    return (
+        " with --oversize-samples allow (it runs an oversize sample alone) or truncate (it cuts "
+        "it to the cap)"
+    )
+
+
 def _fixed(samples: SampleSet, config: PlannerConfig) -> Plan:
     """Megatron's stock batching under the same budget: every sample padded to the longest (rounded
     to the sample multiple), ``micro_batch_size = cap // seq_length`` rows, arrival order."""
@@ -428,7 +439,7 @@ def _fixed(samples: SampleSet, config: PlannerConfig) -> Plan:
         raise DynBatchValueError(
             f"planner 'fixed' is Megatron's padded [micro_batch_size, seq_length] batching, but "
             f"layout={config.layout!r}; {' and '.join(fixes)} (or pick planner "
-            f"{DEFAULT_PLANNER!r})."
+            f"{DEFAULT_PLANNER!r}{_oversize_alternative(config, seq_length)})."
         )
     if seq_length > config.token_cap:
         # Megatron's stock batching has no oversize policy: say so where one was asked for, or
@@ -444,9 +455,7 @@ def _fixed(samples: SampleSet, config: PlannerConfig) -> Plan:
             f"rounding), over the token cap {config.token_cap} ({config.cap_source}){ignored}; "
             f"raise {config.cap_to_hold(seq_length)} or pick planner {DEFAULT_PLANNER!r}"
             + (
-                # Under error it refuses the sample too (a probe: the named fix was refused).
-                " with --oversize-samples allow (it runs an oversize sample alone) or truncate "
-                "(it cuts it to the cap)."
+                _oversize_alternative(config, seq_length) + "."
                 if config.oversize_samples == "error"
                 else " (it runs an oversize sample alone, or cuts it with --oversize-samples "
                 "truncate)."

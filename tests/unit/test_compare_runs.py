@@ -205,3 +205,26 @@ def test_two_evaluation_only_runs_compare_their_losses(tmp_path, capsys):
     paths["trained"].write_text(_megatron_log(2, 1, 100.0, 8, 5.0, 600, 640))
     with pytest.raises(SystemExit, match="no Megatron iteration lines in .*fixed.log"):
         compare_runs.main(["--dynamic", str(paths["trained"]), *argv])
+
+
+def test_lines_whose_iterations_were_all_skipped_have_no_loss_and_compare_as_skipped(
+    tmp_path, capsys
+):
+    """A re-probe: Megatron leaves the loss out of a line whose iterations were all skipped (an
+    fp16 overflow); the table was a KeyError traceback. Skipped in both: equal; in one: differs."""
+    with_loss = _megatron_log(3, 1, 100.0, 8, 5.0, 600, 640)
+    skipped = with_loss.replace("lm loss: 3.000000E+00 |", "")  # iteration 2's loss left out
+    fixed = _megatron_log(3, 1, 200.0, 8, 5.0)
+    paths = {}
+    for name, text in (
+        ("dynamic", skipped),
+        ("fixed", fixed.replace("lm loss: 3.000000E+00 |", "")),
+        ("fixed_all", fixed),
+    ):
+        paths[name] = tmp_path / f"{name}.log"
+        paths[name].write_text(text)
+    argv = ["--dynamic", str(paths["dynamic"]), "--seq-length", "128"]
+    assert compare_runs.main([*argv, "--fixed", str(paths["fixed"])]) == 0
+    assert "skipped" in capsys.readouterr().out
+    assert compare_runs.main([*argv, "--fixed", str(paths["fixed_all"])]) == 1
+    assert "DIFFERS" in capsys.readouterr().out

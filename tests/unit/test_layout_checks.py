@@ -231,3 +231,29 @@ def test_full_recompute_alone_names_the_method_and_the_layer_count_at_once():
     check_model_layout(_args(**fixed))
     check_model_layout(_args(recompute_granularity="selective"))
     check_model_layout(_args())
+    # Every way out it names, applied to what was given, is what Megatron's model config takes
+    # (a re-probe: selective was named beside a --recompute-num-layers Megatron refuses with it).
+    from megatron_dynbatch.cpu.core_shim import apply_cpu_shim
+
+    apply_cpu_shim()
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    for method, count in ((None, None), ("block", None), (None, 2)):
+        given = dict(
+            recompute_granularity="full", recompute_method=method, recompute_num_layers=count
+        )
+        with pytest.raises(DynBatchValueError) as refused:
+            check_model_layout(_args(**given))
+        message = str(refused.value)
+        added = dict(
+            re.findall(r"--recompute-(method|num-layers) (\w+)", message.split(", or ")[0])
+        )
+        first = {**given, "recompute_method": added.get("method", method)}
+        first["recompute_num_layers"] = int(added.get("num-layers", count or 0)) or count
+        second = dict(given, recompute_granularity="selective")
+        for flag, field in (("method", "recompute_method"), ("num-layers", "recompute_num_layers")):
+            if f"drop --recompute-{flag}" in message:
+                second[field] = None
+        for fields in (first, second):
+            check_model_layout(_args(**fields))
+            TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=4, **fields)

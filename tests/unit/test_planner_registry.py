@@ -381,9 +381,10 @@ def test_the_fixed_planners_refusals_name_every_change_it_needs_at_once(tmp_path
     padded = [*fixed, "--dynamic-batch-layout", "padded"]
     assert main([*padded, "--max-tokens-per-gpu", "70"]) == 0  # both named fixes: plans
     capsys.readouterr()
-    assert main([*padded, "--oversize-samples", "error"]) == 2
-    err = capsys.readouterr().err
-    assert "pick planner 'dynbatch' with --oversize-samples allow" in err, err
+    for layout in ([], ["--dynamic-batch-layout", "padded"]):  # a re-probe: packed too
+        assert main([*fixed, *layout, "--oversize-samples", "error"]) == 2
+        err = capsys.readouterr().err
+        assert "pick planner 'dynbatch' with --oversize-samples allow" in err, err
     for policy in ("allow", "truncate"):
         assert main([*plan, "--oversize-samples", policy]) == 0
         capsys.readouterr()

@@ -136,7 +136,9 @@ def _check_query_groups(args: Any) -> None:
 def _check_full_recompute(args: Any) -> None:
     """``--recompute-granularity full`` needs ``--recompute-method`` and ``--recompute-num-layers``:
     Megatron's model config asks for them one at a time (a probe: the method named alone, then
-    refused again for the count), after the arguments were dumped."""
+    refused again for the count), after the arguments were dumped. The other way out, selective
+    recompute, takes neither (Megatron refuses a method or a count with it), so it is named
+    with the flags to drop (a re-probe)."""
     if getattr(args, "recompute_granularity", None) != "full":
         return
     method = getattr(args, "recompute_method", None)
@@ -145,14 +147,20 @@ def _check_full_recompute(args: Any) -> None:
         return
     missing = []
     if method is None:
-        missing.append("--recompute-method uniform")
+        missing.append(("--recompute-method", "uniform"))
     if count is None:
-        # One layer a recompute unit is valid for either method and any stage size.
-        missing.append("--recompute-num-layers 1")
+        # One layer a recompute unit (uniform) or recomputed (block) is valid for any stage.
+        missing.append(("--recompute-num-layers", "1"))
+    given = [
+        flag
+        for flag, value in (("--recompute-method", method), ("--recompute-num-layers", count))
+        if value is not None
+    ]
+    selective = "use --recompute-granularity selective" + (f" and drop {given[0]}" if given else "")
     raise DynBatchValueError(
         "--recompute-granularity full recomputes whole layers and needs "
-        f"{' and '.join(m.split()[0] for m in missing)}: add {' '.join(missing)} (one layer a "
-        "unit, uniform over the stage's layers), or use --recompute-granularity selective."
+        f"{' and '.join(flag for flag, _ in missing)}: add "
+        f"{' '.join(f'{flag} {value}' for flag, value in missing)}, or {selective}."
     )
 
 
