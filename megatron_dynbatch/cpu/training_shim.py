@@ -43,7 +43,7 @@ import importlib
 import importlib.resources
 import sys
 import types
-from typing import Any
+from typing import Any, List
 
 import torch
 
@@ -140,31 +140,58 @@ def add_cpu_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 
 def check_cpu_args_before_validation(args: Any) -> None:
-    """Without CUDA, the flags Megatron's own ``validate_args`` fails on with CUDA's error,
-    refused before it runs (on the parsed flags; :func:`check_cpu_args` checks the rest after).
+    """Without CUDA, the flags that need it, refused before Megatron's own ``validate_args``
+    runs and prints its ~780-line argument dump (on the parsed flags; :func:`check_cpu_args`
+    checks again after it, where Megatron may have set more).
 
     ``--moe-grouped-gemm``: ``validate_args`` reads ``torch.cuda.get_device_capability()``, which
     stopped the run with "Torch not compiled with CUDA enabled" (a probe of Megatron-LM's Mixtral
-    script), before the refusal below could name the flag.
+    script), before the refusal could name the flag.
     """
-    if not _cuda_absent():
-        return
-    # Before Megatron prints its ~780-line argument dump (a probe: after it).
-    _refuse_cpu_unsupported_parallelism(args, validated=False)
-    if getattr(args, "moe_grouped_gemm", False):
+    _refuse(_cpu_problems(args, validated=False))
+
+
+def check_cpu_args(args: Any) -> None:
+    """Without CUDA, refuse arguments that need it, naming every flag to change at once (a
+    probe: three such flags were refused one at a time).
+
+    Raises:
+        ValueError: e.g. ``--transformer-impl transformer_engine`` or ``--fp16`` on a CPU machine.
+    """
+    _refuse(_cpu_problems(args, validated=True))
+
+
+def _refuse(problems: List[str]) -> None:
+    if len(problems) == 1:
+        raise DynBatchValueError(problems[0])
+    if problems:
         raise DynBatchValueError(
-            "--moe-grouped-gemm is not supported on CPU (Megatron's grouped GEMM experts run "
-            "CUDA kernels); remove it for the CPU run, the experts then run one by one. On GPUs "
-            "keep it: dynamic batching does not change the experts."
+            f"{len(problems)} settings need CUDA, which this machine lacks: "
+            + " ".join(f"({k}) {text}" for k, text in enumerate(problems, start=1))
         )
 
 
-def _refuse_cpu_unsupported_parallelism(args: Any, *, validated: bool) -> None:
-    """``--use-distributed-optimizer`` and ``--sequence-parallel``, which need CUDA. Before
-    Megatron's ``validate_args`` (``validated`` False) sequence parallelism is refused only with
-    tensor parallelism: Megatron turns it off at tp 1 itself."""
+def _cpu_problems(args: Any, *, validated: bool) -> List[str]:
+    """Each flag of ``args`` a CPU run cannot take, with its fix. Before Megatron's
+    ``validate_args`` (``validated`` False) sequence parallelism counts only with tensor
+    parallelism: Megatron turns it off at tp 1 itself."""
+    if not _cuda_absent():
+        return []
+    problems = []
+    for dest, (value, flag, why) in CPU_DEFAULTS.items():
+        if hasattr(args, dest) and getattr(args, dest) != value:
+            problems.append(
+                f"this machine has no CUDA, and {dest}={getattr(args, dest)!r} needs it ({why}); "
+                f"pass {flag} or leave the flag out (it is the default without CUDA)."
+            )
+    for dest, flag in (("fp16", "--fp16"), ("bf16", "--bf16")):
+        if getattr(args, dest, False):
+            problems.append(
+                f"{flag} is not supported on CPU (Megatron's mixed-precision optimizer and loss "
+                f"scaler are CUDA-only); remove {flag} to train in fp32."
+            )
     if getattr(args, "use_distributed_optimizer", False):
-        raise DynBatchValueError(
+        problems.append(
             "--use-distributed-optimizer is not supported on CPU (megatron-core's "
             "DistributedOptimizer accepts only torch.cuda tensors); remove it, and "
             "--overlap-param-gather with it, for the CPU run. On GPUs keep it: dynamic batching "
@@ -172,51 +199,30 @@ def _refuse_cpu_unsupported_parallelism(args: Any, *, validated: bool) -> None:
         )
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1
     if getattr(args, "sequence_parallel", False) and (validated or tp > 1):
-        raise DynBatchValueError(
+        problems.append(
             "--sequence-parallel is not supported on CPU (it needs transformer-engine's or apex's "
             "layer norm; Megatron's torch LayerNorm, the one without CUDA, refuses it); remove it "
             "for the CPU run, tensor parallelism itself runs."
         )
-
-
-def check_cpu_args(args: Any) -> None:
-    """Without CUDA, refuse arguments that need it, naming the flag to change.
-
-    Raises:
-        ValueError: e.g. ``--transformer-impl transformer_engine`` or ``--fp16`` on a CPU machine.
-    """
-    if not _cuda_absent():
-        return
-    for dest, (value, flag, why) in CPU_DEFAULTS.items():
-        if hasattr(args, dest) and getattr(args, dest) != value:
-            raise DynBatchValueError(
-                f"this machine has no CUDA, and {dest}={getattr(args, dest)!r} needs it ({why}); "
-                f"pass {flag} or leave the flag out (it is the default without CUDA)."
-            )
-    for dest, flag in (("fp16", "--fp16"), ("bf16", "--bf16")):
-        if getattr(args, dest, False):
-            raise DynBatchValueError(
-                f"{flag} is not supported on CPU (Megatron's mixed-precision optimizer and loss "
-                f"scaler are CUDA-only); remove {flag} to train in fp32."
-            )
-    _refuse_cpu_unsupported_parallelism(args, validated=True)
-    if (
-        getattr(args, "num_experts", None)
-        and (getattr(args, "tensor_model_parallel_size", 1) or 1) > 1
-    ):
+    if getattr(args, "num_experts", None) and tp > 1:
         # Megatron's MoE layer refuses tensor parallelism without sequence parallelism in
         # training, at the first forward (a probe), and sequence parallelism cannot run here.
-        raise DynBatchValueError(
+        problems.append(
             f"--num-experts {args.num_experts} with --tensor-model-parallel-size "
             f"{args.tensor_model_parallel_size} is not supported on CPU (Megatron's MoE layer "
             "trains with tensor parallelism only under --sequence-parallel, which needs a GPU); "
             "use --tensor-model-parallel-size 1 for the CPU run (expert parallelism runs)."
         )
-    # Both stopped a CPU run (switch on or off) at the first step with torch's "Torch not
+    # These stopped a CPU run (switch on or off) at the first step with torch's "Torch not
     # compiled with CUDA enabled", which names no flag.
-    check_cpu_args_before_validation(args)
+    if getattr(args, "moe_grouped_gemm", False):
+        problems.append(
+            "--moe-grouped-gemm is not supported on CPU (Megatron's grouped GEMM experts run "
+            "CUDA kernels); remove it for the CPU run, the experts then run one by one. On GPUs "
+            "keep it: dynamic batching does not change the experts."
+        )
     if getattr(args, "mtp_num_layers", None):
-        raise DynBatchValueError(
+        problems.append(
             f"--mtp-num-layers {args.mtp_num_layers} is not supported on CPU (Megatron's "
             "multi-token prediction logs its loss into CUDA tensors); remove it for the CPU run."
         )
@@ -234,9 +240,10 @@ def check_cpu_args(args: Any) -> None:
     for dest, flag, why in cuda_only:
         value = getattr(args, dest, None)
         if value not in (None, False, [], ()):
-            raise DynBatchValueError(
+            problems.append(
                 f"{flag} is not supported on CPU (Megatron {why}); remove it for the CPU run."
             )
+    return problems
 
 
 def skip_helper_compilation_if_prebuilt() -> None:

@@ -95,3 +95,23 @@ def test_gradient_clipping_scales_like_megatron():
     half.grad = torch.zeros(2, dtype=torch.float16)
     with pytest.raises(AssertionError, match="fp32"):
         clip([half], max_norm=1.0, total_norm=5.0)
+
+
+def test_every_flag_that_needs_cuda_is_named_at_once_before_megatrons_validation():
+    """A re-probe: --use-distributed-optimizer, --sequence-parallel (tp 2) and --bf16 were
+    refused one at a time, --bf16 after Megatron's argument dump."""
+    argv = ["--use-distributed-optimizer", "--bf16"]
+    argv += ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    args = _megatron_parser().parse_args(argv)
+    for check in (
+        cpu_training_shim.check_cpu_args_before_validation,
+        cpu_training_shim.check_cpu_args,
+    ):
+        with pytest.raises(DynBatchValueError, match="3 settings need CUDA") as error:
+            check(args)
+        message = str(error.value)
+        for flag in ("--use-distributed-optimizer", "--bf16", "--sequence-parallel"):
+            assert f"{flag} is not supported on CPU" in message, (flag, message)
+    # At tp 1 Megatron turns --sequence-parallel off itself: not refused before it does.
+    alone = _megatron_parser().parse_args(["--sequence-parallel"])
+    cpu_training_shim.check_cpu_args_before_validation(alone)
