@@ -201,16 +201,11 @@ def _load_samples(path: str):
 CLI_FIELDS = tuple(row.name for row in cli_settings("verify") if row.name is not None)
 
 
-def _planner_config(args, *, memory=None):
-    """The planner's config from the flags both subcommands share.
-
-    Built through ``config_from_mapping`` and :meth:`DynBatchConfig.planner_config`, the one place a ``PlannerConfig`` is made
-    outside the planner, so the CLI plans exactly as training does.
-    """
-    from megatron_dynbatch.config import config_from_mapping
+def _parallel_layout(args):
+    """The layout the flags both subcommands share describe."""
     from megatron_dynbatch.planning import ParallelLayout
 
-    parallel = ParallelLayout(
+    return ParallelLayout(
         dp_size=args.dp_size,
         pp_size=args.pp_size,
         vpp_size=args.vpp_size,
@@ -218,6 +213,17 @@ def _planner_config(args, *, memory=None):
         tp_size=args.tp_size,
         cp_size=args.cp_size,
     )
+
+
+def _planner_config(args, *, memory=None):
+    """The planner's config from the flags both subcommands share.
+
+    Built through ``config_from_mapping`` and :meth:`DynBatchConfig.planner_config`, the one place a ``PlannerConfig`` is made
+    outside the planner, so the CLI plans exactly as training does.
+    """
+    from megatron_dynbatch.config import config_from_mapping
+
+    parallel = _parallel_layout(args)
     values = {field: getattr(args, field) for field in CLI_FIELDS}
     if values.get("max_tokens_per_gpu") is None:
         if getattr(args, "max_memory_gib", None) is None:
@@ -351,25 +357,8 @@ def _memory_limit(args, longest: Optional[int] = None):
             budget_bytes=gib_to_bytes(args.max_memory_gib),
             row_multiple=parallel.sample_multiple,
         )
-        multiple = parallel.sample_multiple
-        if longest and args.oversize_samples == "error" and limit.row_cap(1) < multiple:
-            need = f"--max-memory-gib to at least {limit.least_gib(longest):.3f}"
-            padded = -(-longest // multiple) * multiple
-            tokens = config.max_tokens_per_gpu
-            if args.max_tokens_per_gpu is not None and tokens * parallel.cp_size < padded:
-                # Both budgets short of it: both named (a probe: the token budget was refused
-                # next).
-                need += f" and --max-tokens-per-gpu to at least {-(-padded // parallel.cp_size)}"
-            model = limit.model
-            resting = max(model.resting(stage) for stage in model.dims.stages()) / 2**30
-            raise DynBatchValueError(
-                f"--max-memory-gib {gib} cannot hold one micro-batch of {multiple} token(s) on "
-                f"every pipeline stage (predicted at rest: {resting:.3f} GiB; a larger --tp-size "
-                "or --pp-size shards it), and under --oversize-samples error the longest sample "
-                f"({longest} tokens) must fit one; raise {need}, or pass --oversize-samples "
-                "truncate or allow with --max-memory-gib "
-                f"at least {limit.least_gib(multiple):.3f}."
-            )
+        if longest and args.oversize_samples == "error":
+            _check_budgets_hold_longest(args, limit, config, parallel, longest)
         return limit
 
     return build
@@ -448,6 +437,44 @@ def _check_plot_path(path: str) -> None:
         )
 
 
+def _check_budgets_hold_longest(args, limit, config, parallel, longest: int) -> None:
+    """Under ``--oversize-samples error``, where the config would refuse a budget under one
+    padded sample (memory under one micro-batch, or tokens under the sample multiple): every
+    budget short of the longest sample named at once, at what it needs (probes: "at least
+    0.170", then "at least 1.434"; the token budget named, then the memory budget)."""
+    multiple, cp = parallel.sample_multiple, parallel.cp_size
+    tokens = config.max_tokens_per_gpu if args.max_tokens_per_gpu is not None else None
+    memory_short = limit.row_cap(1) < multiple
+    if not memory_short and (tokens is None or tokens * cp >= multiple):
+        return  # the planner names what the longest sample needs (cap_to_hold), both budgets
+    padded = -(-longest // multiple) * multiple
+    needs, least = [], []
+    if limit.row_cap(1) < padded:
+        needs.append(f"--max-memory-gib to at least {limit.least_gib(padded):.3f}")
+    if memory_short:
+        least.append(f"--max-memory-gib at least {limit.least_gib(multiple):.3f}")
+    if tokens is not None and tokens * cp < padded:
+        needs.append(f"--max-tokens-per-gpu to at least {-(-padded // cp)}")
+    if tokens is not None and tokens * cp < multiple:
+        least.append(f"--max-tokens-per-gpu at least {-(-multiple // cp)}")
+    short = []
+    if memory_short:
+        model = limit.model
+        resting = max(model.resting(stage) for stage in model.dims.stages()) / 2**30
+        short.append(
+            f"--max-memory-gib {args.max_memory_gib} (predicted at rest: {resting:.3f} GiB; a "
+            "larger --tp-size or --pp-size shards it)"
+        )
+    if tokens is not None and tokens * cp < multiple:
+        short.append(f"--max-tokens-per-gpu {args.max_tokens_per_gpu}")
+    raise DynBatchValueError(
+        f"{' and '.join(short)} cannot hold one micro-batch of {multiple} token(s), and under "
+        f"--oversize-samples error the longest sample ({longest} tokens) must fit one; raise "
+        f"{' and '.join(needs)}, or pass --oversize-samples truncate or allow with "
+        f"{' and '.join(least)}."
+    )
+
+
 def _check_budget_holds_longest(args, lengths) -> None:
     """A token budget under one padded sample, under ``--oversize-samples error``: the config
     names the least budget for any sample, and the plan then refused it for the longest (a probe:
@@ -488,7 +515,8 @@ def _cmd_plan(args) -> int:
             f"planner={args.planner!r} ({setting('planner').flag}): {error}"
         ) from None
     samples = _load_samples(args.samples)
-    _check_budget_holds_longest(args, samples.lengths)
+    if args.max_memory_gib is None:  # with it, the memory limit names both (_memory_limit)
+        _check_budget_holds_longest(args, samples.lengths)
     config = _planner_config(args, memory=_memory_limit(args, longest=max(samples.lengths)))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -562,15 +590,6 @@ def _cmd_verify(args) -> int:
     from megatron_dynbatch.tools.verify.spec import MoESettings
 
     samples = None if args.samples is None else _read_json(args.samples)
-    if samples is not None:
-        from megatron_dynbatch.planning import parse_samples_json
-
-        try:
-            lengths = parse_samples_json(samples).lengths
-        except DynBatchValueError:
-            lengths = None  # verify names what is wrong with the file, in its words
-        if lengths:
-            _check_budget_holds_longest(args, lengths)
     moe = None
     if args.moe:
         moe = MoESettings(ep_size=args.moe_ep_size, z_loss_coeff=args.moe_z_loss_coeff)
@@ -578,6 +597,19 @@ def _cmd_verify(args) -> int:
         raise DynBatchValueError(
             f"--moe-ep-size {args.moe_ep_size} needs --moe (a dense model has no experts)."
         )
+    if samples is not None:
+        from megatron_dynbatch.planning import parse_samples_json
+        from megatron_dynbatch.tools.verify.spec import check_verify_layout
+
+        try:
+            lengths = parse_samples_json(samples).lengths
+        except DynBatchValueError:
+            lengths = None  # verify names what is wrong with the file, in its words
+        if lengths:
+            # verify's own layout refusals first: a budget named for a layout it then refused
+            # was no fix (a re-probe).
+            check_verify_layout(_parallel_layout(args), moe)
+            _check_budget_holds_longest(args, lengths)
     return run_verify_cli(
         _planner_config(args), loss=args.loss, samples=samples, as_json=args.json, moe=moe
     )

@@ -394,6 +394,19 @@ def test_a_budget_under_one_padded_sample_under_error_names_what_the_longest_nee
         assert json.loads(capsys.readouterr().out)["token_cap"] == 32
 
 
+def test_verify_refuses_a_layout_it_cannot_run_before_naming_a_budget(tmp_path, capsys):
+    """A re-probe: the budget named for --tp-size 8 under error was then refused by verify's own
+    layout check ("4 attention heads do not split over --tp-size=8")."""
+    path = tmp_path / "samples.json"
+    path.write_text("[100, 500, 3000]")
+    verify = ["verify", "--samples", str(path), "--max-tokens-per-gpu", "1"]
+    verify += ["--oversize-samples", "error"]
+    for layout, said in ((["--tp-size", "8"], "do not split over"), (["--cp-size", "2"], "cp")):
+        assert main([*verify, *layout]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "longest sample" not in err, err
+
+
 def test_plan_on_cpu_shows_the_plan_a_cpu_run_makes(tmp_path, capsys):
     """A docs probe: ``plan --device cpu`` priced packed rows per segment and gave every
     micro-batch its own row, as on GPUs; a CPU run (gloo, Megatron's local attention) keeps one

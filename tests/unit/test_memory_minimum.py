@@ -293,7 +293,9 @@ def test_whichever_budget_binds_first_both_short_budgets_are_named(tmp_path, cap
     args = ["plan", str(samples), *model, "--vocab-size", "1000", "--dp-size", "2"]
     args += ["--tp-size", "2", "--device", "cuda", "--oversize-samples", "error", "--json"]
     pattern = r"--max-memory-gib to at least (\d+\.\d+) and --max-tokens-per-gpu to at least (\d+)"
-    for gib, tokens in (("0.05", "64"), ("0.05", "4096"), ("0.001", "64")):
+    # The last: a token budget under one padded sample (tp 2: 2 tokens) beside a memory budget
+    # short of the sample (a re-probe: the token budget was named alone, then the memory's).
+    for gib, tokens in (("0.05", "64"), ("0.05", "4096"), ("0.001", "64"), ("0.05", "1")):
         assert main([*args, "--max-memory-gib", gib, "--max-tokens-per-gpu", tokens]) == 2
         err = capsys.readouterr().err
         named = re.search(pattern, err)

@@ -172,32 +172,14 @@ def bundled_samples() -> list:
     return json.loads(text)
 
 
-def build_spec(
-    config: PlannerConfig,
-    *,
-    loss: str = "token-mean",
-    samples: Optional[Sequence[Any]] = None,
-    moe: Optional[MoESettings] = None,
-) -> VerifySpec:
-    """Validate a verify request (before any process starts) and return its description.
-
-    Args:
-        config: The planner configuration to verify (its parallel layout is the one launched).
-        loss: The loss aggregation.
-        samples: The decoded ``SAMPLES.json`` array; ``None`` uses the bundled set.
-        moe: A mixture-of-experts verify model (``verify --moe``), or None for the dense one.
+def check_verify_layout(parallel: Any, moe: Optional[Any] = None) -> None:
+    """The layouts the verify model cannot run, refused by their flags (before anything else
+    about the budget: a budget named for a layout verify then refused was no fix, a probe).
 
     Raises:
-        ValueError: On an unknown loss, bad samples, or a layout verify cannot run as asked
-            (never silently another one: a report must state what ran).
+        DynBatchValueError: layers or heads that do not split, context parallelism, MoE with
+            tensor parallelism.
     """
-    if not isinstance(config, PlannerConfig):
-        raise DynBatchValueError(f"config must be a PlannerConfig, got {type(config).__name__}.")
-    check_aggregation(loss)
-    if samples is not None and not isinstance(samples, (str, bytes, Mapping)):
-        samples = list(samples)  # a tuple or another sequence; a JSON object or string is refused
-    sample_set = parse_samples_json(bundled_samples() if samples is None else samples)
-    parallel = config.parallel
     if NUM_LAYERS % (parallel.pp_size * parallel.vpp_size):
         raise DynBatchValueError(
             f"the verify model has {NUM_LAYERS} layers, which do not split over pp_size="
@@ -225,6 +207,35 @@ def build_spec(
             "drop --tp-size (verify --moe at --tp-size 1), or drop --moe to verify tp "
             f"{parallel.tp_size} on the dense model."
         )
+
+
+def build_spec(
+    config: PlannerConfig,
+    *,
+    loss: str = "token-mean",
+    samples: Optional[Sequence[Any]] = None,
+    moe: Optional[MoESettings] = None,
+) -> VerifySpec:
+    """Validate a verify request (before any process starts) and return its description.
+
+    Args:
+        config: The planner configuration to verify (its parallel layout is the one launched).
+        loss: The loss aggregation.
+        samples: The decoded ``SAMPLES.json`` array; ``None`` uses the bundled set.
+        moe: A mixture-of-experts verify model (``verify --moe``), or None for the dense one.
+
+    Raises:
+        ValueError: On an unknown loss, bad samples, or a layout verify cannot run as asked
+            (never silently another one: a report must state what ran).
+    """
+    if not isinstance(config, PlannerConfig):
+        raise DynBatchValueError(f"config must be a PlannerConfig, got {type(config).__name__}.")
+    check_aggregation(loss)
+    if samples is not None and not isinstance(samples, (str, bytes, Mapping)):
+        samples = list(samples)  # a tuple or another sequence; a JSON object or string is refused
+    sample_set = parse_samples_json(bundled_samples() if samples is None else samples)
+    parallel = config.parallel
+    check_verify_layout(parallel, moe)
     if moe is not None and parallel.dp_size % moe.ep_size:
         raise DynBatchValueError(
             f"--moe-ep-size {moe.ep_size} must divide --dp-size {parallel.dp_size}: Megatron's "
