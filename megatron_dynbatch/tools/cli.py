@@ -215,7 +215,7 @@ def _parallel_layout(args):
     )
 
 
-def _planner_config(args, *, memory=None):
+def _planner_config(args, *, memory=None, longest=None):
     """The planner's config from the flags both subcommands share.
 
     Built through ``config_from_mapping`` and :meth:`DynBatchConfig.planner_config`, the one place a ``PlannerConfig`` is made
@@ -272,9 +272,24 @@ def _planner_config(args, *, memory=None):
         variable = VARIABLE_ROW_MULTIPLE
     if getattr(args, "variable_seq_lengths", None) and values["layout"] == "padded":
         layout = setting("layout").flag
+        # Planner 'fixed' plans padded rows only: dropping the layout was refused next for it.
+        which = "drop one of them"
+        if getattr(args, "planner", None) == "fixed":
+            which = "drop --variable-seq-lengths (planner 'fixed' plans padded rows only)"
+            if longest is not None:
+                # It pads every sample to the longest: the cap too, at once (a re-probe).
+                multiple = parallel.sample_multiple
+                row = -(-longest // multiple) * multiple
+                if (
+                    args.max_tokens_per_gpu is not None
+                    and args.max_tokens_per_gpu * args.cp_size < row
+                ):
+                    which += (
+                        f" and raise --max-tokens-per-gpu to at least {-(-row // args.cp_size)}"
+                    )
         raise DynBatchValueError(
             f"--variable-seq-lengths needs {layout} packed (padded [B, S] rows all have the "
-            "longest sample's length); drop one of them."
+            f"longest sample's length); {which}."
         )
     config = config_from_mapping(values)
     return config.planner_config(
@@ -517,7 +532,8 @@ def _cmd_plan(args) -> int:
     samples = _load_samples(args.samples)
     if args.max_memory_gib is None:  # with it, the memory limit names both (_memory_limit)
         _check_budget_holds_longest(args, samples.lengths)
-    config = _planner_config(args, memory=_memory_limit(args, longest=max(samples.lengths)))
+    longest = max(samples.lengths)
+    config = _planner_config(args, memory=_memory_limit(args, longest=longest), longest=longest)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

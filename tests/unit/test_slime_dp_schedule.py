@@ -10,6 +10,8 @@ tests/megatron/test_slime_dp_schedule_vs_slime.py.
 """
 
 import pickle
+import random
+import re
 import types
 import warnings
 
@@ -548,3 +550,54 @@ def test_both_budgets_under_one_padded_sample_are_named_at_once():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", OversizeSampleWarning)
             build_dp_schedule(args, slime_tp(dp_size=2), [5, 3], **build)
+
+
+def _build_quietly(values, cp, lengths):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OversizeSampleWarning)
+        return build_dp_schedule(
+            slime_args(**values), slime_tp(dp_size=1, cp_size=cp), lengths,
+            global_batch_size=1, rollout_indices=[0] * len(lengths),
+        )  # fmt: skip
+
+
+def test_every_short_budget_is_named_in_one_refusal_whose_values_plan():
+    """A re-probe: four chains (a training budget under one padded sample under error, then the
+    longest sample; both token budgets, one then the other; memory and both token budgets;
+    memory and a token budget under one padded sample at the default policy), each named fix
+    refused next for another budget. Random cases now plan after one refusal's values."""
+    fields = {
+        "--max-tokens-per-gpu": "max_tokens_per_gpu",
+        "--log-probs-max-tokens-per-gpu": "log_probs_max_tokens_per_gpu",
+        "--max-memory-gib": "max_memory_gib",
+    }
+    model = dict(num_attention_heads=8, num_query_groups=8, hidden_size=128, kv_channels=16)
+    refused = 0
+    for seed in range(120):
+        rng = random.Random(seed)
+        values = dict(model, pipeline_model_parallel_size=rng.choice([1, 2]))
+        values["tensor_model_parallel_size"] = rng.choice([1, 2, 8])
+        values["max_tokens_per_gpu"] = rng.choice([1, 4, 8, 64, 600, 4096])
+        if rng.random() < 0.5:
+            values["oversize_samples"] = "error"
+        if rng.random() < 0.5:
+            values["log_probs_max_tokens_per_gpu"] = rng.choice([1, 4, 8, 64, 600])
+        if rng.random() < 0.5:
+            values["max_memory_gib"] = rng.choice([0.0001, 0.002, 0.05])
+        if rng.random() < 0.3:
+            values["packing_safety_margin"] = rng.choice([0.5, 0.9])
+        cp = rng.choice([1, 1, 2])
+        lengths = [rng.randint(5, 600) for _ in range(rng.randint(1, 6))]
+
+        try:
+            _build_quietly(values, cp, lengths)
+            continue
+        except DynBatchValueError as error:
+            message = str(error)
+        refused += 1
+        named = re.findall(r"(--[\w-]+) to at least (\d+(?:\.\d+)?)", message.split(", or ")[0])
+        assert named, (seed, message)
+        for flag, value in named:
+            values[fields[flag]] = float(value) if "." in value else int(value)
+        _build_quietly(values, cp, lengths)  # one refusal's values plan (else: the next one)
+    assert refused > 30, refused

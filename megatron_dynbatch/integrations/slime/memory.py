@@ -102,18 +102,14 @@ def slime_memory_limit(args: Any, parallel: ParallelLayout) -> Optional[MemoryLi
     )
 
 
-def check_longest_sample(
-    limit: MemoryLimit, lengths: Sequence[int], gib: float, token_budget: Optional[str] = None
-) -> None:
+def check_longest_sample(limit: MemoryLimit, lengths: Sequence[int], gib: float) -> None:
     """Refuse, before planning, a budget under which the longest sample cannot run alone.
 
     A packed row of that sample alone is the smallest micro-batch that holds it: if even that
     breaks the budget on some stage, no plan exists (and an oversize sample must not run over the
     memory budget as it may over the token budget).
 
-    ``gib``: the budget as the user gave it (named in the message). ``token_budget``:
-    ``"<flag> to at least N"`` where the token budget is short of that sample too and an oversize
-    sample is refused, named beside the memory budget (a probe: refused next for it).
+    ``gib``: the budget as the user gave it (named in the message).
 
     Raises:
         DynBatchValueError: naming ``--max-memory-gib``, its value, the stage, and the smallest
@@ -132,9 +128,7 @@ def check_longest_sample(
         setting=f"{FLAG} {gib:g}",
         what=what,
         fix=lambda smallest: (
-            f"raise {FLAG} to at least {smallest:.3f}"
-            + (f" and {token_budget}" if token_budget else "")
-            + ", recompute activations "
+            f"raise {FLAG} to at least {smallest:.3f}, recompute activations "
             "(--recompute-granularity selective / full), or cut long samples at rollout time "
             "(--rollout-max-response-len)"
         ),

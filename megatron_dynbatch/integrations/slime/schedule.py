@@ -53,6 +53,7 @@ Standard library and the pure planner only: slime's rollout manager imports it w
 from __future__ import annotations
 
 import gc
+import numbers
 import warnings
 from dataclasses import replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -62,6 +63,7 @@ from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.hosts import SLIME, check_host_budget, check_host_oversize
 from megatron_dynbatch.integrations.slime.config import (
     DATA_PAD_SIZE_MULTIPLIER,
+    budget_for_packed,
     dash,
     dynbatch_config_from_slime_args,
     flag,
@@ -512,39 +514,82 @@ def _registered_forward_only(rank_lengths: List[List[int]], planner_config: Any)
     return ForwardOnlyPlan(micro_batches=members, row_lengths=rows)
 
 
-def _check_both_budgets_hold_a_sample(
-    args: Any, config: DynBatchConfig, layout: ParallelLayout
+def _check_budgets_at_once(
+    args: Any,
+    config: DynBatchConfig,
+    layout: ParallelLayout,
+    lengths: Sequence[int],
+    memory: Optional[MemoryLimit],
 ) -> None:
-    """Both budgets under one padded sample: both named at once (a probe: the training budget
-    was named, then, raised, the log-prob budget). One alone is left to the planner's refusal."""
-    least = -(-layout.sample_multiple // layout.cp_size)
-    log_probs = config.log_probs_max_tokens_per_gpu
-    if config.max_tokens_per_gpu >= least or log_probs is None or log_probs >= least:
+    """Every budget short of what this rollout needs, named at once: the token budgets under
+    one padded sample (and, under ``--oversize-samples error``, short of the longest sample,
+    which must fit them), the memory budget short of the longest sample alone in a row (which
+    it must hold under any policy). The checks after this name one budget each, one at a time
+    (probes: four such chains, each fix refused next for another budget); they still name a
+    budget that is short alone, where that is all that is wrong.
+    """
+    multiple, cp = layout.sample_multiple, layout.cp_size
+    least = -(-multiple // cp)
+    error = config.oversize_samples == "error"
+    longest = max(lengths)
+    padded = round_up(longest, multiple)
+    fits_longest = -(-padded // cp)
+    margin = getattr(args, "packing_safety_margin", None)
+    if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not 0 < margin < 1:
+        margin = None
+    full = getattr(args, "max_tokens_per_gpu", None)
+    needs: List[Tuple[str, Any, str]] = []  # (flag, given, least value that works)
+    under_one = False
+    # The training budget: its margin's share holds one padded sample; in full (the oversize
+    # rule's budget under a margin) the longest sample, under error.
+    training = []
+    if config.max_tokens_per_gpu < least:
+        under_one = True
+        training.append(least if margin is None else budget_for_packed(least, margin))
+    if error and full * cp < padded:
+        training.append(fits_longest)
+    if training:
+        needs.append((SLIME.key("max_tokens_per_gpu"), full, str(max(training))))
+    # Only as given: without it, the log-prob budget follows --max-tokens-per-gpu.
+    log_probs = getattr(args, "log_probs_max_tokens_per_gpu", None)
+    if log_probs is not None:
+        log_probs = config.log_probs_max_tokens_per_gpu
+        wanted = []
+        if log_probs < least:
+            under_one = True
+            wanted.append(least)
+        if error and log_probs * cp < padded:
+            wanted.append(fits_longest)
+        if wanted:
+            needs.append(
+                (SLIME.key("max_tokens_per_gpu", forward_only=True), log_probs, str(max(wanted)))
+            )
+    if memory is not None and not memory.fits((1, round_up(longest, memory.row_multiple))):
+        needs.append(
+            (
+                SLIME.key("max_memory_gib"),
+                slime_max_memory_gib(args),
+                f"{memory.least_gib(longest):.3f}",
+            )
+        )
+    if len(needs) < 2 and not (needs and under_one and error):
         return
-    # The training value as the planner's share: safety_margin_named gives it in full.
-    training = least
-    raise DynBatchValueError(
-        f"{SLIME.key('max_tokens_per_gpu')}={getattr(args, 'max_tokens_per_gpu', None)} and "
-        f"{SLIME.key('max_tokens_per_gpu', forward_only=True)}={log_probs} are smaller than one "
-        f"padded sample: slime pads every sample to a multiple of {layout.sample_multiple} "
-        f"(--tensor-model-parallel-size {layout.tp_size}, --context-parallel-size "
-        f"{layout.cp_size}); raise {SLIME.key('max_tokens_per_gpu')} to at least {training} and "
-        f"{SLIME.key('max_tokens_per_gpu', forward_only=True)} to at least {least}."
+    given = " and ".join(f"{flag} {value}" for flag, value, _ in needs)
+    wanted_all = " and ".join(f"{flag} to at least {value}" for flag, _, value in needs)
+    reason = (
+        f"under --oversize-samples error every sample must fit them, and the longest has "
+        f"{longest} tokens ({padded} padded to a multiple of {multiple})"
+        if error
+        else f"every sample is padded to a multiple of {multiple}, and the longest ({longest} "
+        "tokens) must fit the memory budget alone"
     )
-
-
-def _token_budget_short(
-    config: DynBatchConfig, layout: ParallelLayout, lengths: Sequence[int]
-) -> Optional[str]:
-    """``"<budget flag> to at least N"`` where an oversize sample is refused and the token budget
-    cannot hold the longest sample, padded as the planner pads it; else None (a probe: the
-    memory refusal named its budget alone, and the token budget was refused next)."""
-    if config.oversize_samples != "error":
-        return None
-    padded = round_up(max(lengths), layout.sample_multiple)
-    if config.max_tokens_per_gpu * layout.cp_size >= padded:
-        return None
-    return f"{SLIME.key('max_tokens_per_gpu')} to at least {-(-padded // layout.cp_size)}"
+    refusal = DynBatchValueError(
+        f"{given} {'are' if len(needs) > 1 else 'is'} too small for this rollout: {reason} "
+        f"(--tensor-model-parallel-size {layout.tp_size}, --context-parallel-size {cp}); raise "
+        f"{wanted_all}."
+    )
+    refusal.names_full_budget = True  # safety_margin_named: the values are in full
+    raise refusal
 
 
 def _dynamic_schedule(
@@ -565,16 +610,11 @@ def _dynamic_schedule(
     cp = sizes["cp_size"]
     variable = variable_rows(args)
     layout = _layout(sizes, dp)
-    _check_both_budgets_hold_a_sample(args, config, layout)
     # --max-memory-gib: no shape is planned whose predicted peak breaks it, on any stage.
     memory = slime_memory_limit(args, layout)
+    _check_budgets_at_once(args, config, layout, lengths, memory)
     if memory is not None:
-        check_longest_sample(
-            memory,
-            lengths,
-            slime_max_memory_gib(args),
-            _token_budget_short(config, layout, lengths),
-        )
+        check_longest_sample(memory, lengths, slime_max_memory_gib(args))
     # Variable rows: a row of every CP rank's tokens is a multiple of pad_size per CP rank.
     planner_config = config.planner_config(
         layout, row_multiple=pad_size * cp if variable else None, memory=memory
