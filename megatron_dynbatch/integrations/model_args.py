@@ -179,10 +179,20 @@ def memory_model_from_flags(
     x :data:`~megatron_dynbatch.planning.memory.UNFITTED_SAFETY`."""
     recompute = getattr(args, "recompute_granularity", None)
     scale = UNFITTED_SAFETY if unfitted else 1.0
+    block = getattr(args, "recompute_num_layers", None)
+    block = (
+        block
+        if recompute == "full"
+        and getattr(args, "recompute_method", None) == "block"
+        and isinstance(block, int)
+        and not isinstance(block, bool)
+        else None
+    )
     return MemoryModel(
         dims=model_dims_from_args(args, parallel, vocab_size=vocab_size),
         attention=attention,
         recompute=recompute if recompute in ("selective", "full") else None,
+        recompute_block_layers=block,
         distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
         base_bytes=base_bytes,
         token_scale=scale,
