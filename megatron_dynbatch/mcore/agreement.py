@@ -113,6 +113,9 @@ class _Agreement:
         self.fingerprint: Optional[str] = None
         #: Where in the step this rank's failure happened (leads its reason).
         self.where = ""
+        #: The failure as told, where the exception raised only stands in for it (an interrupt
+        #: inside the schedule, which the agreement itself lets through: .contained).
+        self.reason = ""
 
     def __enter__(self) -> "_Agreement":
         _require_initialized()
@@ -123,7 +126,7 @@ class _Agreement:
             return False  # KeyboardInterrupt / SystemExit: leave at once, do not collect
         reason = ""
         if exc is not None:
-            reason = "".join(traceback.format_exception_only(exc_type, exc)).strip()
+            reason = self.reason or "".join(traceback.format_exception_only(exc_type, exc)).strip()
             if self.where:
                 reason = f"{self.where}: {reason}"
         results = _gather(_encode(exc is None, self.fingerprint, reason), self.group)

@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from megatron_dynbatch.errors import DynBatchRuntimeError
 from megatron_dynbatch.mcore.agreement import StepAgreementError, step_agreement
 from megatron_dynbatch.mcore.schedule import data_parallel_size, unwrapped_model
 
@@ -317,7 +318,8 @@ def contained_schedule(
                     if not isinstance(error, Exception):
                         # Agreed on as an Exception (the agreement lets a bare interrupt out
                         # without collecting), then handed back to this rank as it was.
-                        raise RuntimeError(f"{type(error).__name__}: {error}") from error
+                        agreement.reason = f"{type(error).__name__}: {error}"
+                        raise DynBatchRuntimeError(agreement.reason) from error
                     raise error
         except StepAgreementError as agreed:
             if error is not None and not isinstance(error, Exception):
