@@ -158,12 +158,27 @@ def host_memory_limit(
     *,
     distributed_optimizer: bool = True,
     recompute: Optional[str] = None,
+    transformer_config: Optional[Any] = None,
 ) -> MemoryLimit:
-    """The budget of ``gib`` GiB over the uncalibrated per-stage model of ``dims``."""
+    """The budget of ``gib`` GiB over the uncalibrated per-stage model of ``dims``.
+    ``transformer_config``: the host's TransformerConfig overrides, whose ``recompute_*`` keys
+    say what is recomputed (``recompute`` is their ``recompute_granularity``)."""
+    overrides = transformer_config or {}
+    if recompute is None:
+        recompute = overrides.get("recompute_granularity")
+    block = overrides.get("recompute_num_layers")
+    if not (
+        recompute == "full"
+        and overrides.get("recompute_method") == "block"
+        and isinstance(block, int)
+        and not isinstance(block, bool)
+    ):
+        block = None  # every layer recomputed (uniform), or none
     model = MemoryModel(
         dims=dims,
         attention="causal",
         recompute=recompute if recompute in ("selective", "full") else None,
+        recompute_block_layers=block,
         distributed_optimizer=distributed_optimizer,
     )
     model = replace(model, token_scale=UNFITTED_SAFETY, score_scale=UNFITTED_SAFETY)

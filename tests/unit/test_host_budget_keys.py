@@ -186,6 +186,25 @@ def test_too_small_a_memory_budget_names_the_smallest_that_works():
     assert math.isfinite(need) and need > 0.05
 
 
+def test_a_hosts_block_recompute_keeps_the_layers_it_does_not_recompute():
+    """A re-probe: SkyRL's and verl's memory budgets read only recompute_granularity, so block
+    recompute of one layer was predicted as every layer recomputed (the budget could plan
+    over it)."""
+    dims = hf_model_dims(HF, ParallelLayout(pp_size=2))
+    full = {
+        "recompute_granularity": "full",
+        "recompute_method": "uniform",
+        "recompute_num_layers": 1,
+    }
+    block = dict(full, recompute_method="block")
+    peaks = {
+        name: host_memory_limit(4, dims, transformer_config=given).model.uniform_peak(0, (1, 4096))
+        for name, given in (("none", {}), ("full", full), ("block", block))
+    }
+    assert peaks["full"] < peaks["block"] <= peaks["none"], peaks
+    assert host_memory_limit(4, dims, transformer_config=block).model.recompute_block_layers == 1
+
+
 def _skyrl(**over):
     trainer = SimpleNamespace(
         use_dynamic_batch_size=True,

@@ -148,9 +148,7 @@ def _check_memory(trainer: Any, budget: int) -> None:
                 ep_size=int(getattr(megatron, "expert_model_parallel_size", 1) or 1),
             )
         kwargs = getattr(megatron, "transformer_config_kwargs", None) or {}
-        limit = host_memory_limit(
-            gib, dims, distributed_optimizer=True, recompute=kwargs.get("recompute_granularity")
-        )
+        limit = host_memory_limit(gib, dims, distributed_optimizer=True, transformer_config=kwargs)
         check_memory_budget(
             limit, budget, key=MEMORY, gib=gib, token_key=BUDGET, token_value=budget
         )

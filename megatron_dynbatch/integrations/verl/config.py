@@ -351,7 +351,7 @@ def _memory(
         gib,
         dims,
         distributed_optimizer=bool(_get(megatron, "use_distributed_optimizer", True)),
-        recompute=overrides.get("recompute_granularity"),
+        transformer_config=overrides,
     )
     # verl's micro-batch holds cp x the per-GPU budget, split over the CP ranks.
     check_memory_budget(
