@@ -46,6 +46,9 @@ _FIELDS = {
 }
 # During training: "validation loss at iteration N | ..."; at the end of a run, "validation loss
 # at iteration N on validation set | ..." and "... on test set | ...".
+#: MoE load-balancing losses Megatron logs; each is computed per micro-batch, per row or over
+#: the step's micro-batches, so it moves with how samples are grouped (docs/moe.md).
+_BALANCING = re.compile(r"\b((?:seq_|global_)?load_balancing_loss): ([\d.E+-]+)")
 _VALIDATION = re.compile(
     r"validation loss at iteration (\d+)(?: on (validation|test) set)? \| lm loss value: "
     r"([\d.E+-]+)"
@@ -86,7 +89,13 @@ def parse_text(text: str) -> Dict[str, object]:
     spans = ([1] if logged else []) + ([gaps[0] + 1] + gaps[1:] if gaps else [])
     for at, span in zip(logged, spans, strict=True):
         iterations[at]["span"] = float(span)
-    return {"iterations": iterations, "validation": validation, "final": final}
+    balancing = sorted({name for name, value in _BALANCING.findall(text) if float(value) != 0.0})
+    return {
+        "iterations": iterations,
+        "validation": validation,
+        "final": final,
+        "balancing": balancing,
+    }
 
 
 def parse(path: str) -> Dict[str, object]:
@@ -255,6 +264,17 @@ def _compare_losses(dynamic, fixed, common, tolerance: float) -> int:
         f"difference: {worst:.1e} ({'within' if worst <= tolerance else 'OVER'} "
         f"{tolerance:g})"
     )
+    balancing = dynamic.get("balancing") or fixed.get("balancing")
+    if worst > tolerance and balancing:
+        # A probe: a seq_aux_loss pair 3.1e-5 apart failed with no word of why.
+        print(
+            f"note: these runs train MoE load-balancing losses ({', '.join(balancing)}), which "
+            "Megatron computes per micro-batch, per row or over the step's micro-batches: they "
+            "move with how samples are grouped (about 1e-5 to 1e-4 of the loss on the tiny "
+            f"model, docs/moe.md), so the losses are not expected to match within {tolerance:g}; "
+            "compare "
+            "with --tolerance 2e-4, or with their coefficients at 0 for an exact check."
+        )
     return 0 if ok else 1
 
 
