@@ -323,6 +323,12 @@ def test_a_run_too_short_to_fit_skips_calibration_and_names_a_count_that_fits(
     _, _, calibrator = _train(args, monkeypatch, 4, first=12)
     assert calibrator.observations == [] and calibrator.skipped, calibrator.skipped
     assert "6 iteration(s) left (from iteration 12, --exit-interval 6)" in calibrator.skipped
+    # Megatron exits at a phase transition too.
+    args = _args(tmp_path / "phases", phase_transition_iterations=[5, 40])
+    _, _, calibrator = _train(args, monkeypatch, 4)
+    assert "5 iteration(s) left (from iteration 0, --phase-transition-iterations 5)" in (
+        calibrator.skipped or ""
+    ), calibrator.skipped
     # Long enough: calibrates as before.
     args = _args(tmp_path / "long", train_iters=40)
     _, _, calibrator = _train(args, monkeypatch, 14)

@@ -155,7 +155,8 @@ def _interrupted(args: Any, iteration: int) -> bool:
 
 def _too_short_to_calibrate(args: Any, start: int) -> Optional[str]:
     """Why a run starting after ``start`` iterations cannot complete a calibration fit, or None:
-    the iterations left before ``--train-iters`` or the next ``--exit-interval`` exit are fewer
+    the iterations left before ``--train-iters`` or the next ``--exit-interval`` or
+    ``--phase-transition-iterations`` exit are fewer
     than the warm-up, the first step (timed by the next) and ``--dynamic-batch-calibration-steps``
     measured ones. Such a run (each piece of one stopped and resumed that often) planned its
     steps at calibration's varied budgets, fitted nothing, and said nothing (a probe); it now
@@ -167,6 +168,14 @@ def _too_short_to_calibrate(args: Any, start: int) -> Optional[str]:
     interval = getattr(args, "exit_interval", None)
     if isinstance(interval, int) and interval > 0:
         ends.append((interval - start % interval, f"--exit-interval {interval}"))
+    # Megatron exits at each of these too (a re-probe: calibration started and never fitted).
+    phases = [
+        p
+        for p in getattr(args, "phase_transition_iterations", None) or ()
+        if isinstance(p, int) and p > start
+    ]
+    if phases:
+        ends.append((min(phases) - start, f"--phase-transition-iterations {min(phases)}"))
     if not ends:
         return None
     left, why = min(ends)
