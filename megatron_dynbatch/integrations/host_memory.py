@@ -36,6 +36,7 @@ from megatron_dynbatch.planning.memory import (
     UNFITTED_SAFETY,
     MemoryLimit,
     MemoryModel,
+    block_recompute_layers,
     budget_gib,
     gib_to_bytes,
 )
@@ -166,19 +167,13 @@ def host_memory_limit(
     overrides = transformer_config or {}
     if recompute is None:
         recompute = overrides.get("recompute_granularity")
-    block = overrides.get("recompute_num_layers")
-    if not (
-        recompute == "full"
-        and overrides.get("recompute_method") == "block"
-        and isinstance(block, int)
-        and not isinstance(block, bool)
-    ):
-        block = None  # every layer recomputed (uniform), or none
     model = MemoryModel(
         dims=dims,
         attention="causal",
         recompute=recompute if recompute in ("selective", "full") else None,
-        recompute_block_layers=block,
+        recompute_block_layers=block_recompute_layers(
+            recompute, overrides.get("recompute_method"), overrides.get("recompute_num_layers")
+        ),
         distributed_optimizer=distributed_optimizer,
     )
     model = replace(model, token_scale=UNFITTED_SAFETY, score_scale=UNFITTED_SAFETY)

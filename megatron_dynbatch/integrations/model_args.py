@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
-from megatron_dynbatch.planning.memory import UNFITTED_SAFETY, MemoryModel
+from megatron_dynbatch.planning.memory import UNFITTED_SAFETY, MemoryModel, block_recompute_layers
 from megatron_dynbatch.planning.model_dims import ModelDims
 from megatron_dynbatch.planning.spec import ParallelLayout, round_up
 
@@ -179,14 +179,10 @@ def memory_model_from_flags(
     x :data:`~megatron_dynbatch.planning.memory.UNFITTED_SAFETY`."""
     recompute = getattr(args, "recompute_granularity", None)
     scale = UNFITTED_SAFETY if unfitted else 1.0
-    block = getattr(args, "recompute_num_layers", None)
-    block = (
-        block
-        if recompute == "full"
-        and getattr(args, "recompute_method", None) == "block"
-        and isinstance(block, int)
-        and not isinstance(block, bool)
-        else None
+    block = block_recompute_layers(
+        recompute,
+        getattr(args, "recompute_method", None),
+        getattr(args, "recompute_num_layers", None),
     )
     return MemoryModel(
         dims=model_dims_from_args(args, parallel, vocab_size=vocab_size),

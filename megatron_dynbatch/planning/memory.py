@@ -63,6 +63,7 @@ __all__ = [
     "PeakTerms",
     "UNCALIBRATED_SAFETY",
     "UNFITTED_SAFETY",
+    "block_recompute_layers",
     "fit_activation_scale",
     "fit_peak_line",
     "budget_gib",
@@ -151,6 +152,15 @@ class PeakTerms:
     """Attention scores proportional to ``S**2`` a row, before ``score_scale``."""
     total: float
     """``static + token_scale * tokens + score_scale * scores``."""
+
+
+def block_recompute_layers(granularity: object, method: object, count: object) -> Optional[int]:
+    """:attr:`MemoryModel.recompute_block_layers` of Megatron's ``recompute_granularity``,
+    ``recompute_method`` and ``recompute_num_layers`` (flags or TransformerConfig keys): the
+    count under ``full`` / ``block``, else ``None`` (every layer recomputed, or none)."""
+    if granularity != "full" or method != "block":
+        return None
+    return count if isinstance(count, int) and not isinstance(count, bool) else None
 
 
 @dataclass(frozen=True, kw_only=True)
