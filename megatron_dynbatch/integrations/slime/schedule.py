@@ -53,7 +53,6 @@ Standard library and the pure planner only: slime's rollout manager imports it w
 from __future__ import annotations
 
 import gc
-import numbers
 import warnings
 from dataclasses import replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -104,6 +103,7 @@ from megatron_dynbatch.planning.samples import as_sequence
 from megatron_dynbatch.planning.spec import (
     MAX_TOKENS,
     OWN_PLANNERS,
+    ceil_div,
     check_int,
 )
 from megatron_dynbatch.planning.step_search import variable_rows as micro_batch_rows
@@ -529,14 +529,13 @@ def _check_budgets_at_once(
     budget that is short alone, where that is all that is wrong.
     """
     multiple, cp = layout.sample_multiple, layout.cp_size
-    least = -(-multiple // cp)
+    least = ceil_div(multiple, cp)
     error = config.oversize_samples == "error"
     longest = max(lengths)
     padded = round_up(longest, multiple)
-    fits_longest = -(-padded // cp)
+    fits_longest = ceil_div(padded, cp)
+    # Checked by dynbatch_config_from_slime_args, which built ``config``: in (0, 1] or None.
     margin = getattr(args, "packing_safety_margin", None)
-    if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not 0 < margin < 1:
-        margin = None
     full = getattr(args, "max_tokens_per_gpu", None)
     needs: List[Tuple[str, Any, str]] = []  # (flag, given, least value that works)
     under_one = False
