@@ -22,6 +22,7 @@ from typing import List, Optional
 
 from megatron_dynbatch.errors import DynBatchRuntimeError, DynBatchValueError
 from megatron_dynbatch.integrations.megatron_lm.model_args import add_model_args
+from megatron_dynbatch.planning.spec import ceil_div, round_up
 from megatron_dynbatch.runtime.aggregation import AGGREGATIONS
 from megatron_dynbatch.settings import OLD_SPELLINGS_DEST, add_cli_args, cli_settings, setting
 from megatron_dynbatch.tools.wording import flags_in_place
@@ -278,15 +279,11 @@ def _planner_config(args, *, memory=None, longest=None):
             which = "drop --variable-seq-lengths (planner 'fixed' plans padded rows only)"
             if longest is not None:
                 # It pads every sample to the longest: the cap too, at once (a re-probe).
-                multiple = parallel.sample_multiple
-                row = -(-longest // multiple) * multiple
-                if (
-                    args.max_tokens_per_gpu is not None
-                    and args.max_tokens_per_gpu * args.cp_size < row
-                ):
-                    which += (
-                        f" and raise --max-tokens-per-gpu to at least {-(-row // args.cp_size)}"
-                    )
+                row = round_up(longest, parallel.sample_multiple)
+                budget = args.max_tokens_per_gpu
+                if budget is not None and budget * parallel.cp_size < row:
+                    least = ceil_div(row, parallel.cp_size)
+                    which += f" and raise --max-tokens-per-gpu to at least {least}"
         raise DynBatchValueError(
             f"--variable-seq-lengths needs {layout} packed (padded [B, S] rows all have the "
             f"longest sample's length); {which}."
@@ -458,20 +455,23 @@ def _check_budgets_hold_longest(args, limit, config, parallel, longest: int) -> 
     budget short of the longest sample named at once, at what it needs (probes: "at least
     0.170", then "at least 1.434"; the token budget named, then the memory budget)."""
     multiple, cp = parallel.sample_multiple, parallel.cp_size
-    tokens = config.max_tokens_per_gpu if args.max_tokens_per_gpu is not None else None
-    memory_short = limit.row_cap(1) < multiple
-    if not memory_short and (tokens is None or tokens * cp >= multiple):
+    # The token budget as given (a memory-only run has none), in tokens of a whole row.
+    row_tokens = None if args.max_tokens_per_gpu is None else config.max_tokens_per_gpu * cp
+    one_row = limit.row_cap(1)
+    memory_short = one_row < multiple
+    tokens_short = row_tokens is not None and row_tokens < multiple
+    if not memory_short and not tokens_short:
         return  # the planner names what the longest sample needs (cap_to_hold), both budgets
-    padded = -(-longest // multiple) * multiple
+    padded = round_up(longest, multiple)
     needs, least = [], []
-    if limit.row_cap(1) < padded:
+    if one_row < padded:
         needs.append(f"--max-memory-gib to at least {limit.least_gib(padded):.3f}")
     if memory_short:
         least.append(f"--max-memory-gib at least {limit.least_gib(multiple):.3f}")
-    if tokens is not None and tokens * cp < padded:
-        needs.append(f"--max-tokens-per-gpu to at least {-(-padded // cp)}")
-    if tokens is not None and tokens * cp < multiple:
-        least.append(f"--max-tokens-per-gpu at least {-(-multiple // cp)}")
+    if row_tokens is not None and row_tokens < padded:
+        needs.append(f"--max-tokens-per-gpu to at least {ceil_div(padded, cp)}")
+    if tokens_short:
+        least.append(f"--max-tokens-per-gpu at least {ceil_div(multiple, cp)}")
     short = []
     if memory_short:
         model = limit.model
@@ -480,7 +480,7 @@ def _check_budgets_hold_longest(args, limit, config, parallel, longest: int) -> 
             f"--max-memory-gib {args.max_memory_gib} (predicted at rest: {resting:.3f} GiB; a "
             "larger --tp-size or --pp-size shards it)"
         )
-    if tokens is not None and tokens * cp < multiple:
+    if tokens_short:
         short.append(f"--max-tokens-per-gpu {args.max_tokens_per_gpu}")
     raise DynBatchValueError(
         f"{' and '.join(short)} cannot hold one micro-batch of {multiple} token(s), and under "
@@ -494,7 +494,7 @@ def _check_budget_holds_longest(args, lengths) -> None:
     """A token budget under one padded sample, under ``--oversize-samples error``: the config
     names the least budget for any sample, and the plan then refused it for the longest (a probe:
     "at least 16", then "at least 1504"). With the lengths in hand, name the one that plans."""
-    from megatron_dynbatch.planning.spec import ceil_div, sample_multiple
+    from megatron_dynbatch.planning.spec import sample_multiple
 
     budget, cp = args.max_tokens_per_gpu, args.cp_size
     if args.oversize_samples != "error" or not isinstance(budget, int) or not isinstance(cp, int):
@@ -505,7 +505,7 @@ def _check_budget_holds_longest(args, lengths) -> None:
     if budget * cp >= multiple:
         return  # the planner names what the longest sample needs, if more
     longest = max(lengths)
-    padded = ceil_div(longest, multiple) * multiple
+    padded = round_up(longest, multiple)
     flag = setting("max_tokens_per_gpu").flag
     times = f" (x --cp-size={cp})" if cp > 1 else ""
     raise DynBatchValueError(
