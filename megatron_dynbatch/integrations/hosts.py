@@ -187,8 +187,21 @@ class Host:
             object.__setattr__(
                 self, "layout_flags", {**LAYOUT_FLAGS["Megatron-LM"], **self.layout_flags}
             )
+        fixed = dict(self.fixed)
+        if self.oversize in ("allow", "warn"):
+            # check_host_oversize accepts (or warns about) a sample over the budget; the planner
+            # must then run it alone, not refuse it (a probe: a registered host's record said
+            # "allow", and plan_schedule refused the sample, naming our --oversize-samples).
+            policy = fixed.setdefault("oversize_samples", "allow")
+            if policy != "allow":
+                refuse(
+                    f"oversize={self.oversize!r} runs a sample over the budget alone, but "
+                    f"fixed={{'oversize_samples': {policy!r}}} has the planner "
+                    + ("refuse" if policy == "error" else "cut")
+                    + " it; drop that entry (or set oversize='error' to refuse such samples)."
+                )
         object.__setattr__(self, "options", dict(self.options))
-        object.__setattr__(self, "fixed", dict(self.fixed))
+        object.__setattr__(self, "fixed", fixed)
         object.__setattr__(self, "defaults", dict(self.defaults))
         object.__setattr__(self, "keys", dict(self.keys))
 
@@ -561,7 +574,10 @@ def host_config(
         raise DynBatchValueError(_in_host_words(host, str(error), forward_only)) from error
     _check_planned_config(host, planner)
     # The planner's own messages (an oversize sample at plan time) name the host's budget key.
-    return dataclasses.replace(planner, budget_flag=key)
+    # ... and the host's oversize option, where it has one: a record that decides the policy
+    # itself names no option of ours as a way out.
+    oversize = host.key("oversize_samples") if host.oversize == "option" else None
+    return dataclasses.replace(planner, budget_flag=key, oversize_flag=oversize)
 
 
 def _policy(host: Host, value: str) -> str:
@@ -727,10 +743,16 @@ def check_host_oversize(
                 if host.planning == "global" and not config.variable_row_lengths
                 else ""
             )
+            # Only a host with an oversize option can be told to stop on them (a probe: a
+            # registered "warn" host was told to set our --oversize-samples).
+            stop = (
+                f", or set {_policy(host, 'error')} to stop on such samples"
+                if host.oversize == "option"
+                else ""
+            )
             message = (
                 f"{what} Each runs alone in its micro-batch, over the budget{uniform}, as stock "
-                f"{host.name} runs it; {fits} to stay within it, or set "
-                f"{_policy(host, 'error')} to stop on such samples."
+                f"{host.name} runs it; {fits} to stay within it{stop}."
             )
         warnings.warn(message, OversizeSampleWarning, stacklevel=3)
         return over

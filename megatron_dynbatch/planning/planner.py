@@ -186,13 +186,13 @@ def _apply_oversize_policy(samples: SampleSet, config: PlannerConfig) -> Dict[in
         longest = round_up(max(samples.lengths), sample_multiple)
         raise DynBatchValueError(
             f"{len(oversize)} sample(s) exceed the token cap {cap} ({config.cap_source}): "
-            f"{shown}{more}. Raise {config.cap_to_hold(longest)}, drop or shorten "
-            "them, or pass --oversize-samples "
-            + (
-                "truncate (cut to the cap) or allow (run alone, over the cap)."
-                if not _SHARDED.get()
-                else "allow (run alone, over the cap)."
+            f"{shown}{more}. Raise {config.cap_to_hold(longest)}, "
+            + ("drop or shorten them" if config.oversize_flag else "or drop or shorten them")
+            + config.oversize_way(
+                *(() if _SHARDED.get() else (("truncate", "cut to the cap"),)),
+                ("allow", "run alone, over the cap"),
             )
+            + "."
         )
     return {i: keep for i in oversize}
 
@@ -213,12 +213,19 @@ def _oversize_warning(
     more = f" and {len(oversize) - _LISTED} more" if len(oversize) > _LISTED else ""
     worst = max((s for s in steps if s.oversize_samples), key=lambda s: s.seq_length)
     footprint = worst.micro_batch_size * worst.seq_length
-    truncate = "" if _SHARDED.get() else "truncate to cut them to the cap, "
     longest = round_up(max(lengths[i] for i in oversize), multiple)
-    advice = (
-        f"Pass --oversize-samples {truncate}error to refuse them, or raise "
-        f"{config.cap_to_hold(longest)}."
+    policies = (() if _SHARDED.get() else (("truncate", "cut them to the cap"),)) + (
+        ("error", "refuse them"),
     )
+    flag = config.oversize_flag
+    if flag is None:  # the host decides its policy: only the budget is a way out
+        advice = f"Raise {config.cap_to_hold(longest)} to keep them within it."
+    elif flag.startswith("-"):
+        ways = ", ".join(f"{value} to {what}" for value, what in policies)
+        advice = f"Pass {flag} {ways}, or raise {config.cap_to_hold(longest)}."
+    else:
+        ways = ", ".join(f"{flag}={value!r} to {what}" for value, what in policies)
+        advice = f"Set {ways}, or raise {config.cap_to_hold(longest)}."
     head = f"{len(oversize)} sample(s) exceed the token cap {cap} ({config.cap_source}): {shown}{more}."
     # Packed rows can vary per micro-batch (where shapes are exchanged), which keeps the others
     # within the cap; padded [B, S] rows cannot.

@@ -415,10 +415,11 @@ def _oversize_alternative(config: PlannerConfig, seq_length: int) -> str:
     ``error`` (it refuses the sample too: a probe's named fix was refused)."""
     if config.oversize_samples != "error" or seq_length <= config.token_cap:
         return ""
-    return (
-        " with --oversize-samples allow (it runs an oversize sample alone) or truncate (it cuts "
-        "it to the cap)"
+    way = config.oversize_way(
+        ("allow", "it runs an oversize sample alone"), ("truncate", "it cuts it to the cap")
     )
+    # ", or pass --oversize-samples allow (...)" read as " with --oversize-samples allow (...)".
+    return way.replace(", or pass ", " with ", 1).replace(", or set ", " with ", 1)
 
 
 def _fixed(samples: SampleSet, config: PlannerConfig) -> Plan:

@@ -13,7 +13,7 @@ import numbers
 import operator
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, Literal, Mapping, Optional
+from typing import Any, Dict, Iterator, Literal, Mapping, Optional, Tuple
 
 from megatron_dynbatch.errors import DynBatchValueError
 
@@ -558,6 +558,10 @@ class PlannerConfig:
     """The option that sets :attr:`max_tokens_per_gpu`, as messages name it (a forward-only
     pass's config is built from ``--log-probs-max-tokens-per-gpu``: its refusals told users to
     raise the training budget, which changed nothing)."""
+    oversize_flag: Optional[str] = "--oversize-samples"
+    """The option that sets :attr:`oversize_samples`, as messages name it (a flag, or a config
+    key); ``None``: the host decides the policy itself, so a refusal names no way through it (a
+    probe: a registered host's refusals told its users to pass our flag, which it does not have)."""
 
     def __post_init__(self) -> None:
         _set_int(
@@ -727,6 +731,17 @@ class PlannerConfig:
         ):
             return "--max-memory-gib"
         return self.budget_flag
+
+    def oversize_way(self, *choices: Tuple[str, str]) -> str:
+        """``", or pass --oversize-samples truncate (cut ...) or allow (...)"``: the policies
+        ``choices`` (``(value, what it does)``) as a way out of an oversize refusal, in the
+        option's own form (``key='allow'`` for a config key); ``""`` where the host decides it."""
+        flag = self.oversize_flag
+        if flag is None:
+            return ""
+        if flag.startswith("-"):
+            return ", or pass " + flag + " " + " or ".join(f"{v} ({what})" for v, what in choices)
+        return ", or set " + " or ".join(f"{flag}={v!r} ({what})" for v, what in choices)
 
     def cap_to_hold(self, padded: int) -> str:
         """``<flag> to at least N``, what to raise so that a row of ``padded`` tokens fits the

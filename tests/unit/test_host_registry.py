@@ -2,6 +2,7 @@
 
 import dataclasses
 import re
+import warnings
 
 import pytest
 
@@ -179,9 +180,9 @@ def test_a_sharded_hosts_config_refuses_what_its_first_step_would_in_its_own_wor
         host_config(shardy, {"tokens_per_mb": 64, "policy": "truncate"}, ParallelLayout())
     assert "policy='allow' or 'error'" in str(no.value)
     config = host_config(shardy, {"tokens_per_mb": 64, "policy": "error"}, ParallelLayout())
-    with pytest.raises(DynBatchValueError, match="oversize-samples allow") as refused:
+    with pytest.raises(DynBatchValueError, match=r"or set policy='allow' \(run alone") as refused:
         plan_sharded_step([[100], [3]], config)
-    assert "truncate" not in str(refused.value)
+    assert "truncate" not in str(refused.value) and "--oversize-samples" not in str(refused.value)
     with pytest.warns(OversizeSampleWarning) as warned:
         plan_sharded_step([[100], [3]], dataclasses.replace(config, oversize_samples="allow"))
     assert all("truncate" not in str(w.message) for w in warned)
@@ -213,3 +214,64 @@ def test_a_policy_named_by_its_option_alone_is_named_so_in_oversize_messages():
     allowed = host_config(host, {"tokens_per_mb": 64, "policy": "allow"}, ParallelLayout())
     with pytest.warns(OversizeSampleWarning, match=r"set policy=error to stop"):
         check_host_oversize(host, [[100], [3]], allowed)
+
+
+@pytest.mark.parametrize("planning", ["global", "sharded"])
+@pytest.mark.parametrize("policy", ["allow", "warn"])
+def test_a_records_oversize_policy_is_the_planners_and_no_message_names_our_flag(planning, policy):
+    # A probe (docs/integrating.md followed as written): a record with oversize="allow" had its
+    # sample over the budget accepted by check_host_oversize, then refused by the planner and by
+    # plan_host_step, naming --oversize-samples, which that trainer does not have.
+    from megatron_dynbatch.integrations.hosts import check_host_oversize, plan_host_step
+    from megatron_dynbatch.planning import plan_schedule
+
+    host = _toy(name=f"toy-{policy}-{planning}", planning=planning, oversize=policy)
+    config = host_config(host, {"tokens_per_mb": 64}, ParallelLayout(pp_size=2))
+    assert config.oversize_samples == "allow" and config.oversize_flag is None
+    with pytest.warns(OversizeSampleWarning) if policy == "warn" else _no_warning() as said:
+        assert check_host_oversize(host, [[100, 10]], config) == [(0, 0)]
+    with host.flags(), warnings.catch_warnings(record=True) as planned:
+        warnings.simplefilter("always")
+        if planning == "global":
+            plan = plan_schedule([100, 10], config=config)
+            assert plan.stats.oversize_samples == (0,)
+        else:
+            # plan_host_step leaves the words to check_host_oversize (silent for "allow"); the
+            # plan reports the sample.
+            plan = plan_host_step(host, [[100, 10], [5]], config)
+            assert sorted(i for mb in plan.ranks[0] for i in mb) == [0, 1]
+            assert plan.oversize == ((0, 0),)
+    texts = [str(w.message) for w in [*(said or []), *planned]]
+    assert texts or (planning, policy) == ("sharded", "allow")
+    assert all("toy.tokens_per_mb" in t for t in texts if "exceed" in t)
+    assert not any("oversize-samples" in t or "oversize_samples" in t for t in texts), texts
+
+
+class _no_warning:
+    """A context that records nothing (the "allow" record is silent in check_host_oversize)."""
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_an_error_records_refusal_names_only_its_budget_key():
+    from megatron_dynbatch.planning import plan_schedule
+
+    host = _toy(name="toy-error-words")
+    config = host_config(host, {"tokens_per_mb": 64}, ParallelLayout())
+    assert config.oversize_samples == "error" and config.oversize_flag is None
+    with pytest.raises(
+        DynBatchValueError, match=r"Raise toy.tokens_per_mb to at least 100, or drop"
+    ):
+        plan_schedule([100, 10], config=config)
+    config = host_config(host, {"tokens_per_mb": 100}, ParallelLayout())
+    assert plan_schedule([100, 10], config=config).stats.oversize_samples == ()
+
+
+@pytest.mark.parametrize("policy", ["error", "truncate"])
+def test_a_record_that_allows_oversize_samples_but_fixes_another_planner_policy_is_refused(policy):
+    with pytest.raises(DynBatchValueError, match=r"oversize='allow' runs a sample .* drop that"):
+        _toy(name="toy-contradicts", oversize="allow", fixed={"oversize_samples": policy})
