@@ -416,3 +416,67 @@ def test_skyrl_refuses_quantile_balancing_at_config_time_naming_its_key():
         )
     config.moe_router_load_balancing_type = "aux_loss"
     validate_trainer_config(_skyrl(policy=policy))
+
+
+_ON = {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 4096}
+
+
+@pytest.mark.parametrize(
+    "over, key, least",
+    [
+        (  # the actor's log-prob pass runs on the actor's engine, at its tp
+            {"actor_rollout_ref__actor__megatron__tensor_model_parallel_size": 8},
+            BUDGET_KEYS[("actor", True)],
+            8,
+        ),
+        (  # the reference's, at its own tp where set (verl interpolates the actor's)
+            {"actor_rollout_ref__ref__megatron": {"tensor_model_parallel_size": 8}},
+            BUDGET_KEYS[("ref", True)],
+            8,
+        ),
+        (  # ... and at the actor's where not
+            {"actor_rollout_ref__actor__megatron__tensor_model_parallel_size": 4},
+            BUDGET_KEYS[("ref", True)],
+            4,
+        ),
+        (  # the critic's values pass, at the critic's tp and 2 x cp
+            {
+                "critic": {
+                    **_ON,
+                    "megatron": {
+                        "use_dynamic_batch_size": True,
+                        "tensor_model_parallel_size": 2,
+                        "context_parallel_size": 2,
+                    },
+                }
+            },
+            BUDGET_KEYS[("critic", True)],
+            4,
+        ),
+    ],
+)
+def test_verl_refuses_a_log_prob_budget_under_one_padded_sample_at_config_time(over, key, least):
+    # A probe: log_prob_max_token_len_per_gpu=3 at tp 8 passed validate_config and was refused at
+    # the first log-prob pass, on the workers, after the rollout.
+    where = {
+        BUDGET_KEYS[("actor", True)]: "actor_rollout_ref__rollout__log_prob_max_token_len_per_gpu",
+        BUDGET_KEYS[("ref", True)]: "actor_rollout_ref__ref__log_prob_max_token_len_per_gpu",
+        BUDGET_KEYS[("critic", True)]: "critic__ppo_infer_max_token_len_per_gpu",
+    }[key]
+    critic = "critic" in over
+
+    def config(budget):
+        made = _verl(**over)
+        node = made
+        *parents, last = where.split("__")
+        for part in parents:
+            node = node[part]
+        node[last] = budget
+        return made
+
+    with pytest.raises(DynBatchValueError) as caught:
+        check_verl_config(config(least - 1), use_reference_policy=True, use_critic=critic)
+    message = str(caught.value)
+    assert message.startswith(f"{key}={least - 1} is smaller than one padded sample"), message
+    assert message.endswith(f"raise {key} to at least {least}."), message
+    check_verl_config(config(least), use_reference_policy=True, use_critic=critic)  # the fix

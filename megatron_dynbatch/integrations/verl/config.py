@@ -359,6 +359,26 @@ def _memory(
     )
 
 
+def _holds_a_sample(budget: int, sizes: Dict[str, int], key: str) -> None:
+    """``key``'s budget holds one sample padded to the engine's tp (and 2 x cp)."""
+    parallel = ParallelLayout(
+        tp_size=sizes["tensor_model_parallel_size"], cp_size=sizes["context_parallel_size"]
+    )
+    check_budget_holds_a_sample(VERL, budget, parallel, key)
+
+
+def _ref_sizes(config: Any, actor_sizes: Dict[str, int]) -> Dict[str, int]:
+    """The reference engine's parallel sizes: its own ``ref.megatron.<size>`` where set (verl's
+    YAML interpolates the actor's), else the actor's."""
+    megatron = _get(config, "actor_rollout_ref.ref.megatron")
+    sizes = dict(actor_sizes)
+    for name in _SIZES:
+        value = _get(megatron, name)
+        if value is not None:
+            sizes[name] = host_size(value, f"actor_rollout_ref.ref.megatron.{name}")
+    return sizes
+
+
 def _ref_follows_the_actor(actor: Any, ref: Any) -> None:
     """The reference model's ``megatron.use_dynamic_batch_size`` and ``megatron.dynbatch`` follow
     the actor's (patch 0001's YAML interpolates them): set otherwise, they were never checked
@@ -426,20 +446,29 @@ def check_verl_config(config: Any, *, use_reference_policy: bool, use_critic: bo
                     f"verl's worker requires them equal; set {rollout}.log_prob_use_dynamic_bsz="
                     f"true (with {BUDGET_KEYS[('actor', True)]})."
                 )
-            check_budget(
+            log_probs = check_budget(
                 _get(config, f"{rollout}.log_prob_max_token_len_per_gpu"),
                 BUDGET_KEYS[("actor", True)],
                 switch,
             )
             ref = "actor_rollout_ref.ref"
+            ref_log_probs = None
             if use_reference_policy and _get(config, f"{ref}.log_prob_use_dynamic_bsz", False):
-                check_budget(
+                ref_log_probs = check_budget(
                     _get(config, f"{ref}.log_prob_max_token_len_per_gpu"),
                     BUDGET_KEYS[("ref", True)],
                     switch,
                 )
             sizes = _role_sizes(ACTOR, actor)
             _layout(ACTOR, actor, sizes, tokens, key)
+            # The log-prob passes' budgets hold one padded sample of their engine's layout (a
+            # probe: a budget of 3 at tp 8 passed here and was refused at the first log-prob
+            # pass, on the workers, after the rollout).
+            _holds_a_sample(log_probs, sizes, BUDGET_KEYS[("actor", True)])
+            if ref_log_probs is not None:
+                _holds_a_sample(
+                    ref_log_probs, _ref_sizes(config, sizes), BUDGET_KEYS[("ref", True)]
+                )
             _memory(config, ACTOR, actor, sizes, key, tokens)
     if not use_critic or critic is None or _get(critic, "megatron") is None:
         return
@@ -462,4 +491,5 @@ def check_verl_config(config: Any, *, use_reference_policy: bool, use_critic: bo
         key = _CRITIC_TRAINING
     sizes = _role_sizes("critic", critic)
     _layout("critic", critic, sizes, tokens, key)
+    _holds_a_sample(infer, sizes, BUDGET_KEYS[("critic", True)])
     _memory(config, "critic", critic, sizes, key, tokens)
