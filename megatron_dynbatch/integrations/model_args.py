@@ -9,13 +9,20 @@ after ``validate_args``, whose defaults it applies the same way), so a planner o
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from megatron_dynbatch.planning.memory import UNFITTED_SAFETY, MemoryModel, block_recompute_layers
 from megatron_dynbatch.planning.model_dims import ModelDims
 from megatron_dynbatch.planning.spec import ParallelLayout, round_up
 
-__all__ = ["DEFAULT_VOCAB_SIZE", "memory_model_from_flags", "model_dims_from_args"]
+__all__ = [
+    "DEFAULT_VOCAB_SIZE",
+    "VIRTUAL_FLAGS",
+    "extra_pipeline_layers",
+    "memory_model_from_flags",
+    "model_dims_from_args",
+    "virtual_pipeline_size",
+]
 
 #: Vocabulary assumed when neither the arguments nor a tokenizer give one (GPT-2's).
 DEFAULT_VOCAB_SIZE = 50257
@@ -194,3 +201,56 @@ def memory_model_from_flags(
         token_scale=scale,
         score_scale=scale,
     )
+
+
+#: Megatron's flags that describe interleaving themselves (at most one of them; Megatron refuses
+#: two, with its own message).
+VIRTUAL_FLAGS = (
+    ("num_virtual_stages_per_pipeline_rank", "--num-virtual-stages-per-pipeline-rank"),
+    ("num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage"),
+    ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout"),
+)
+
+
+def extra_pipeline_layers(args: Any) -> List[str]:
+    """The flags that count the embedding / the loss as a layer of the pipeline split."""
+    return [
+        flag
+        for name, flag in (
+            (
+                "account_for_embedding_in_pipeline_split",
+                "--account-for-embedding-in-pipeline-split",
+            ),
+            ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split"),
+        )
+        if getattr(args, name, False)
+    ]
+
+
+def virtual_pipeline_size(args: Any) -> Optional[int]:
+    """Model chunks per pipeline stage, as Megatron's ``validate_args`` derives
+    ``args.virtual_pipeline_model_parallel_size`` (which it sets only after the patched
+    ``parse_and_validate_args`` has run our checks), or ``None``: no interleaving, or a layout
+    only Megatron reads (``--pipeline-model-parallel-layout``, ``--hybrid-layer-pattern``, two
+    interleaving flags at once, a split that Megatron-LM's ``layout_checks.check_model_layout``
+    refuses).
+    """
+    derived = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    if derived is not None:  # after Megatron's validation
+        return int(derived)
+    given = [name for name, _ in VIRTUAL_FLAGS if getattr(args, name, None) is not None]
+    if len(given) != 1 or getattr(args, "hybrid_layer_pattern", None) is not None:
+        return None
+    stages = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+    if stages is not None:
+        return int(stages)
+    per_vp = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    layers = getattr(args, "num_layers", None)
+    pp = getattr(args, "pipeline_model_parallel_size", None)
+    pp = 1 if pp is None else int(pp)
+    if per_vp is None or layers is None or per_vp < 1 or pp < 1:
+        return None
+    counted = layers + len(extra_pipeline_layers(args))
+    if counted % pp or (counted // pp) % per_vp:
+        return None
+    return counted // pp // per_vp

@@ -171,3 +171,52 @@ def test_slime_refuses_moe_settings_the_padded_forward_cannot_run_before_any_act
     with pytest.raises(DynBatchValueError, match="Drop --recompute-granularity full"):
         MicroBatchPlanner.validate_args(_slime(**recomputed))
     assert MicroBatchPlanner.validate_args(_slime(**aux)) == HOOK_PATH
+
+
+def test_slime_refuses_a_budget_under_one_padded_sample_at_argument_validation():
+    # A probe: each of these passed slime's validation and was refused only by the first
+    # schedule, after the first rollout; now at slime_validate_args, both budgets at once.
+    with pytest.raises(DynBatchValueError, match="--max-tokens-per-gpu to at least 2"):
+        MicroBatchPlanner.validate_args(_slime(tensor_model_parallel_size=2, max_tokens_per_gpu=1))
+    lp = dict(tensor_model_parallel_size=4, log_probs_max_tokens_per_gpu=1)
+    with pytest.raises(DynBatchValueError, match="--log-probs-max-tokens-per-gpu to at least 4"):
+        MicroBatchPlanner.validate_args(_slime(**lp))
+    both = dict(lp, max_tokens_per_gpu=3)
+    with pytest.raises(DynBatchValueError) as caught:
+        MicroBatchPlanner.validate_args(_slime(**both))
+    assert "--max-tokens-per-gpu to at least 4" in str(caught.value)
+    assert "--log-probs-max-tokens-per-gpu to at least 4" in str(caught.value)
+    # Under newer slime's safety margin the fix named is the full --max-tokens-per-gpu.
+    margin = dict(tensor_model_parallel_size=4, max_tokens_per_gpu=6, packing_safety_margin=0.5)
+    with pytest.raises(DynBatchValueError, match="--max-tokens-per-gpu to at least 8"):
+        MicroBatchPlanner.validate_args(_slime(**margin))
+    # The fixes named pass.
+    fixed = dict(tensor_model_parallel_size=4, max_tokens_per_gpu=4, log_probs_max_tokens_per_gpu=4)
+    assert MicroBatchPlanner.validate_args(_slime(**fixed)) == HOOK_PATH
+    assert (
+        MicroBatchPlanner.validate_args(_slime(**dict(margin, max_tokens_per_gpu=8))) == HOOK_PATH
+    )
+    # Without a log-prob budget slime uses the training one: one refusal.
+    no_lp = dict(
+        tensor_model_parallel_size=2, max_tokens_per_gpu=1, log_probs_max_tokens_per_gpu=None
+    )
+    with pytest.raises(DynBatchValueError) as caught:
+        MicroBatchPlanner.validate_args(_slime(**no_lp))
+    assert "log-probs" not in str(caught.value)
+
+
+def test_slime_refuses_an_interleaving_group_under_the_pipeline_at_argument_validation():
+    interleaved = dict(
+        pipeline_model_parallel_size=2, num_virtual_stages_per_pipeline_rank=2, num_layers=4
+    )
+    with pytest.raises(DynBatchValueError, match="--microbatch-group-size-per-virtual-pipeline"):
+        MicroBatchPlanner.validate_args(_slime(**interleaved, microbatch_group_size_per_vp_stage=1))
+    # Derived from --num-layers-per-virtual-pipeline-stage as Megatron derives it.
+    per_stage = dict(
+        pipeline_model_parallel_size=4, num_layers_per_virtual_pipeline_stage=1, num_layers=8
+    )
+    with pytest.raises(DynBatchValueError, match="smaller than pp_size=4"):
+        MicroBatchPlanner.validate_args(_slime(**per_stage, microbatch_group_size_per_vp_stage=3))
+    assert MicroBatchPlanner.validate_args(_slime(**interleaved)) == HOOK_PATH
+    ok = dict(interleaved, microbatch_group_size_per_vp_stage=2)
+    assert MicroBatchPlanner.validate_args(_slime(**ok)) == HOOK_PATH

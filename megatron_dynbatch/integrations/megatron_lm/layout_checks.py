@@ -16,7 +16,8 @@ launch without torchrun as one rank (Megatron met it only in ``pretrain()``, wit
 launch entry runs it through ``hooks.entry_check``, with the switch on or under
 ``megatron-dynbatch pretrain``).
 
-Imports only the standard library: testable without megatron.
+Imports only the standard library and :mod:`megatron_dynbatch.integrations.model_args` (no torch,
+no megatron): testable without megatron.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 from megatron_dynbatch.errors import DynBatchValueError
+from megatron_dynbatch.integrations.model_args import (
+    extra_pipeline_layers,
+    virtual_pipeline_size,
+)
 
 __all__ = [
     "PRETRAIN_PROGRAM",
@@ -43,14 +48,6 @@ __all__ = [
 #: (``tools.cli.PRETRAIN_PROGRAM``, which sets it; repeated here so that this module imports only
 #: the standard library).
 PRETRAIN_PROGRAM = "megatron-dynbatch pretrain"
-
-#: Megatron's flags that describe interleaving themselves (at most one of them; Megatron refuses
-#: two, with its own message).
-_VIRTUAL_FLAGS = (
-    ("num_virtual_stages_per_pipeline_rank", "--num-virtual-stages-per-pipeline-rank"),
-    ("num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage"),
-    ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout"),
-)
 
 
 def _size(args: Any, name: str) -> int:
@@ -180,7 +177,7 @@ def _check_layers(args: Any) -> None:
     pp = _size(args, "pipeline_model_parallel_size")
     if layers is None or pp < 1:
         return
-    extra = _extra_layers(args)
+    extra = extra_pipeline_layers(args)
     counted = layers + len(extra)
     counted_note = _counted_note(extra)
     _check_layers_per_stage(layers, extra, pp)
@@ -214,21 +211,6 @@ def _check_layers(args: Any) -> None:
         )
 
 
-def _extra_layers(args: Any) -> List[str]:
-    """The flags that count the embedding / the loss as a layer of the pipeline split."""
-    return [
-        flag
-        for name, flag in (
-            (
-                "account_for_embedding_in_pipeline_split",
-                "--account-for-embedding-in-pipeline-split",
-            ),
-            ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split"),
-        )
-        if getattr(args, name, False)
-    ]
-
-
 def _counted_note(extra: List[str]) -> str:
     return f" (+{len(extra)} for {', '.join(extra)})" if extra else ""
 
@@ -243,33 +225,6 @@ def _check_layers_per_stage(layers: int, extra: List[str], pp: int) -> None:
             f"number of layers; use {fix}, or a --pipeline-model-parallel-size that divides "
             f"{counted}."
         )
-
-
-def virtual_pipeline_size(args: Any) -> Optional[int]:
-    """Model chunks per pipeline stage, as Megatron's ``validate_args`` derives
-    ``args.virtual_pipeline_model_parallel_size`` (which it sets only after the patched
-    ``parse_and_validate_args`` has run our checks), or ``None``: no interleaving, or a layout
-    only Megatron reads (``--pipeline-model-parallel-layout``, ``--hybrid-layer-pattern``, two
-    interleaving flags at once, a split that :func:`check_model_layout` refuses).
-    """
-    derived = getattr(args, "virtual_pipeline_model_parallel_size", None)
-    if derived is not None:  # after Megatron's validation
-        return int(derived)
-    given = [name for name, _ in _VIRTUAL_FLAGS if getattr(args, name, None) is not None]
-    if len(given) != 1 or getattr(args, "hybrid_layer_pattern", None) is not None:
-        return None
-    stages = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
-    if stages is not None:
-        return int(stages)
-    per_vp = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
-    layers = getattr(args, "num_layers", None)
-    pp = _size(args, "pipeline_model_parallel_size")
-    if per_vp is None or layers is None or per_vp < 1 or pp < 1:
-        return None
-    counted = layers + len(_extra_layers(args))
-    if counted % pp or (counted // pp) % per_vp:
-        return None
-    return counted // pp // per_vp
 
 
 def check_virtual_pipeline(args: Any) -> None:
@@ -323,7 +278,7 @@ def check_virtual_pipeline(args: Any) -> None:
     layers = getattr(args, "num_layers", None)
     if layers is None or pp < 2:
         return
-    extra = _extra_layers(args)
+    extra = extra_pipeline_layers(args)
     _check_layers_per_stage(layers, extra, pp)  # Megatron asserts it at model build here too
     per_stage = (layers + len(extra)) // pp
     if per_stage % stages == 0:

@@ -94,8 +94,12 @@ class MicroBatchPlanner:
         name = getattr(args, "dynamic_batch_planner", None)
         if name is not None:
             check_host_planner(SLIME, name, SLIME.fixed["layout"])
-        # Budgets, --oversize-samples, the planner's name, the micro-batch overhead.
+        # Budgets, --oversize-samples, the planner's name, the micro-batch overhead; then what
+        # the first schedule would refuse of the layout and budgets alone.
         dynbatch_config_from_slime_args(args)
+        from megatron_dynbatch.integrations.slime.schedule import check_validated_layout
+
+        check_validated_layout(args)
         # MoE settings our padding mask and placeholders cannot run, before any actor.
         from megatron_dynbatch.integrations.moe_args import check_moe_args
 

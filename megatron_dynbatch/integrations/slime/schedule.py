@@ -113,6 +113,7 @@ __all__ = [
     "DPSchedule",
     "DPScheduleError",
     "build_dp_schedule",
+    "check_validated_layout",
     "oversize_policy",
 ]
 
@@ -589,6 +590,45 @@ def _check_budgets_at_once(
     )
     refusal.names_full_budget = True  # safety_margin_named: the values are in full
     raise refusal
+
+
+def check_validated_layout(args: Any) -> None:
+    """At slime's argument validation (before any Ray actor or rollout), what the first
+    :func:`build_dp_schedule` would refuse of the layout and the token budgets alone: a budget
+    under one padded sample (training, and the log-prob passes' where given), both named at once,
+    and an interleaving group under the pipeline size. A probe: each passed validation and was
+    refused on the rollout side, after the first rollout. Megatron's own validation runs after
+    slime's, so the virtual pipeline size is read from its flags (as the Megatron-LM entry does).
+    """
+    from megatron_dynbatch.integrations.model_args import virtual_pipeline_size
+
+    reported = {
+        "dp_size": 1,  # the checks below do not depend on it
+        "cp_size": getattr(args, "context_parallel_size", None) or 1,
+        "vpp_size": virtual_pipeline_size(args) or 1,
+    }
+    group = getattr(args, "microbatch_group_size_per_vp_stage", None)
+    if group is not None:
+        reported["microbatch_group_size_per_vp_stage"] = group
+    with slime_flags(), safety_margin_named(args):
+        sizes = _parallel_sizes(args, reported)
+        config = dynbatch_config_from_slime_args(args)
+        layout = _layout(sizes, 1)
+        passes = [False]
+        if getattr(args, "log_probs_max_tokens_per_gpu", None) is not None:
+            passes.append(True)
+        refused = []
+        for forward_only in passes:
+            try:
+                config.planner_config(layout, forward_only=forward_only)
+            except DynBatchValueError as error:
+                if not forward_only and "padded sample" not in str(error):
+                    raise  # the layout itself (the group): one refusal, the same for both
+                refused.append(str(error))
+        if len(refused) == 1:
+            raise DynBatchValueError(refused[0])
+        if refused:  # both budgets short of one padded sample: named at once
+            raise DynBatchValueError(" ".join(refused))
 
 
 def _dynamic_schedule(
