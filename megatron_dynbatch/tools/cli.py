@@ -491,13 +491,19 @@ def _check_budgets_hold_longest(args, limit, config, parallel, longest: int) -> 
 
 
 def _check_budget_holds_longest(args, lengths) -> None:
-    """A token budget under one padded sample, under ``--oversize-samples error``: the config
+    """A token budget under one padded sample, under ``--oversize-samples error`` or planner
+    ``fixed``: the config
     names the least budget for any sample, and the plan then refused it for the longest (a probe:
     "at least 16", then "at least 1504"). With the lengths in hand, name the one that plans."""
     from megatron_dynbatch.planning.spec import sample_multiple
 
     budget, cp = args.max_tokens_per_gpu, args.cp_size
-    if args.oversize_samples != "error" or not isinstance(budget, int) or not isinstance(cp, int):
+    # Planner 'fixed' pads every sample to the longest whatever the oversize policy (a probe:
+    # "at least 16", then "at least 48" from the planner).
+    fixed = getattr(args, "planner", None) == "fixed"
+    if args.oversize_samples != "error" and not fixed:
+        return
+    if not isinstance(budget, int) or not isinstance(cp, int):
         return
     if cp < 1 or not isinstance(args.tp_size, int) or args.tp_size < 1:
         return  # the config refuses the layout by name
@@ -508,6 +514,21 @@ def _check_budget_holds_longest(args, lengths) -> None:
     padded = round_up(longest, multiple)
     flag = setting("max_tokens_per_gpu").flag
     times = f" (x --cp-size={cp})" if cp > 1 else ""
+    if fixed:
+        # Every change it needs at once: its padded layout too (the planner names it next).
+        layout = setting("layout").flag
+        padded_rows = "" if args.layout == "padded" else f"pass {layout} padded and "
+        policy = (
+            " and --oversize-samples allow or truncate" if args.oversize_samples == "error" else ""
+        )
+        raise DynBatchValueError(
+            f"{flag}={budget}{times} is smaller than one padded sample (a multiple of "
+            f"{multiple}: --tp-size={args.tp_size}, --cp-size={cp}), and planner 'fixed' pads "
+            f"every sample to the longest ({longest} tokens, {padded} padded); {padded_rows}"
+            f"raise {flag} to at least {ceil_div(padded, cp)}, or pick planner 'dynbatch' with "
+            f"{flag} at least {ceil_div(multiple, cp)}{policy} (it runs an oversize sample "
+            "alone, or cuts it with --oversize-samples truncate)."
+        )
     raise DynBatchValueError(
         f"{flag}={budget}{times} is smaller than one padded sample (a multiple of {multiple}: "
         f"--tp-size={args.tp_size}, --cp-size={cp}), and under --oversize-samples error the "

@@ -394,6 +394,33 @@ def test_a_budget_under_one_padded_sample_under_error_names_what_the_longest_nee
         assert json.loads(capsys.readouterr().out)["token_cap"] == 32
 
 
+@pytest.mark.parametrize("policy", ["allow", "error"])
+def test_planner_fixed_under_one_padded_sample_names_what_the_longest_needs_at_once(
+    tmp_path, capsys, policy
+):
+    """A probe: planner 'fixed' at --max-tokens-per-gpu 4 named "at least 16" (one padded
+    sample), then at 16 "at least 48" (it pads every sample to the longest, whatever the oversize
+    policy), then its padded layout. Every value and flag it names now plans, in one round."""
+    path = tmp_path / "samples.json"
+    path.write_text("[19, 80, 80, 15, 58]")
+    base = ["plan", str(path), "--tp-size", "8", "--cp-size", "2", "--oversize-samples", policy]
+    assert main([*base, "--dynamic-batch-planner", "fixed", "--max-tokens-per-gpu", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "pass --dynamic-batch-layout padded and" in err, err
+    least, other = (int(n) for n in re.findall(r"at least (\d+)", err))
+    assert (least, other) == (48, 16), err
+    fixed = [*base, "--dynamic-batch-planner", "fixed", "--dynamic-batch-layout", "padded"]
+    assert main([*fixed, "--max-tokens-per-gpu", str(least), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_cap"] == 96
+    # The other way named: planner 'dynbatch' (under error, with the policy it names).
+    dynbatch = [*base, "--dynamic-batch-planner", "dynbatch", "--max-tokens-per-gpu", str(other)]
+    if policy == "error":
+        assert "--oversize-samples allow or truncate" in err, err
+        dynbatch[dynbatch.index("error")] = "allow"
+    assert main([*dynbatch, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_cap"] == 32
+
+
 def test_verify_refuses_a_layout_it_cannot_run_before_naming_a_budget(tmp_path, capsys):
     """A re-probe: the budget named for --tp-size 8 under error was then refused by verify's own
     layout check ("4 attention heads do not split over --tp-size=8")."""
