@@ -256,6 +256,38 @@ def test_skyrl_refuses_router_replay_and_checks_the_reference_models_layout():
     validate_trainer_config(ref)
 
 
+def test_skyrl_refuses_an_interleaving_group_under_the_pipeline_at_config_time():
+    """A probe: ``microbatch_group_size_per_vp_stage`` 1 at pp 2, vpp 2 (SkyRL hands
+    ``transformer_config_kwargs`` to Megatron's provider as they are) passed ``validate_cfg`` and
+    was refused at the first step; now refused here in SkyRL's keys, for each role."""
+    for role in ("policy", "ref"):
+        kwargs = dict(virtual_pipeline_model_parallel_size=2, microbatch_group_size_per_vp_stage=1)
+        trainer = _skyrl()
+        setattr(
+            trainer,
+            role,
+            SimpleNamespace(
+                megatron_config=SimpleNamespace(
+                    pipeline_model_parallel_size=2, transformer_config_kwargs=kwargs
+                )
+            ),
+        )
+        with pytest.raises(DynBatchValueError) as caught:
+            validate_trainer_config(trainer)
+        said = str(caught.value)
+        key = f"trainer.{role}.megatron_config.transformer_config_kwargs.microbatch_group_size"
+        assert key in said and "is smaller than" in said and "pp_size" not in said, said
+        kwargs["microbatch_group_size_per_vp_stage"] = 2  # the fix named
+        validate_trainer_config(trainer)
+        del kwargs["microbatch_group_size_per_vp_stage"]  # or Megatron's default (pp)
+        validate_trainer_config(trainer)
+        # Without interleaving Megatron reads no group, and neither do we.
+        kwargs.update(
+            virtual_pipeline_model_parallel_size=None, microbatch_group_size_per_vp_stage=1
+        )
+        validate_trainer_config(trainer)
+
+
 @pytest.mark.parametrize(
     "key, value",
     [

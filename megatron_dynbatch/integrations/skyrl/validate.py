@@ -105,6 +105,40 @@ def _check_padding(trainer: Any, budget: int) -> None:
         check_budget_holds_a_sample(SKYRL, budget, layout, BUDGET)
 
 
+def _check_interleaving(trainer: Any) -> None:
+    """Each role's interleaving (``transformer_config_kwargs``' ``virtual_pipeline_model_parallel_size``
+    and ``microbatch_group_size_per_vp_stage``, which SkyRL hands Megatron's provider as they
+    are) as the first step's plan reads it: a group under the pipeline size passed SkyRL's
+    ``validate_cfg`` and was refused at the first step (a probe)."""
+    from megatron_dynbatch.planning.spec import ParallelLayout, setting_flags
+
+    for role in ROLES:
+        megatron = getattr(getattr(trainer, role, None), "megatron_config", None)
+        if megatron is None:
+            continue
+        _tp, pp, _cp = _role_sizes(megatron, role)
+        kwargs = getattr(megatron, "transformer_config_kwargs", None) or {}
+        vpp, group = (
+            kwargs.get(name) if hasattr(kwargs, "get") else None
+            for name in (
+                "virtual_pipeline_model_parallel_size",
+                "microbatch_group_size_per_vp_stage",
+            )
+        )
+        if vpp is None or vpp == 1:
+            continue  # only the interleaved schedule reads the group
+        section = f"trainer.{role}.megatron_config"
+        keys = {
+            "pp_size": f"{section}.pipeline_model_parallel_size",
+            "vpp_size": f"{section}.transformer_config_kwargs.virtual_pipeline_model_parallel_size",
+            "microbatch_group_size_per_vp_stage": (
+                f"{section}.transformer_config_kwargs.microbatch_group_size_per_vp_stage"
+            ),
+        }
+        with setting_flags(keys, tool="SkyRL"):
+            ParallelLayout(pp_size=pp, vpp_size=vpp, microbatch_group_size_per_vp_stage=group)
+
+
 def _check_memory(trainer: Any, budget: int) -> None:
     from megatron_dynbatch.integrations.host_memory import (
         check_memory_budget,
@@ -198,6 +232,7 @@ def validate_trainer_config(trainer: Any) -> None:
     overhead = getattr(trainer, "dynamic_batch_cost_microbatch_overhead", None)
     check_overhead(overhead, f"{OVERHEAD}={overhead!r}", f"{OVERHEAD}=330")
     _check_padding(trainer, budget)
+    _check_interleaving(trainer)
     _check_memory(trainer, budget)
     for role in ("policy", "critic"):
         megatron_config = getattr(getattr(trainer, role, None), "megatron_config", None)
