@@ -608,7 +608,14 @@ def check_validated_layout(args: Any) -> None:
         "vpp_size": virtual_pipeline_size(args) or 1,
     }
     group = getattr(args, "microbatch_group_size_per_vp_stage", None)
-    if group is not None:
+    if group is not None and reported["vpp_size"] > 1:  # only interleaving reads it
+        if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+            flag = "--microbatch-group-size-per-virtual-pipeline-stage"
+            raise DynBatchValueError(
+                f"{flag} {group!r} must be a whole number >= 1 (micro-batches per interleaving "
+                f"group); omit it to use Megatron's default (--pipeline-model-parallel-size), or "
+                f"pass {flag} {getattr(args, 'pipeline_model_parallel_size', None) or 1}."
+            )
         reported["microbatch_group_size_per_vp_stage"] = group
     with slime_flags(), safety_margin_named(args):
         sizes = _parallel_sizes(args, reported)
