@@ -736,10 +736,12 @@ def check_host_oversize(
         else:
             # One [B, S] a step (no variable rows): every micro-batch of its step, placeholders
             # included, runs that row length (a probe: the warning said only the sample ran
-            # over; three micro-batches of 20-60 real tokens ran 71-token rows too).
+            # over; three micro-batches of 20-60 real tokens ran its rows too, which slime
+            # rounds up to 128: "at least", a probe read "that row length" as 71).
             uniform = (
-                ", and every micro-batch of its step, placeholders included, gets that row "
-                "length (one [B, S] a step without variable rows)"
+                ", and every micro-batch of its step, placeholders included, gets a row at "
+                "least that long (one [B, S] a step without variable rows; the host may round "
+                "it up further)"
                 if host.planning == "global" and not config.variable_row_lengths
                 else ""
             )

@@ -208,7 +208,7 @@ def test_the_oversize_warning_says_every_micro_batch_gets_its_row_without_variab
                 rollout_indices=list(range(6)),
             )
         [warning] = [w for w in caught if issubclass(w.category, OversizeSampleWarning)]
-        said = "every micro-batch of its step, placeholders included, gets that row" in str(
+        said = "every micro-batch of its step, placeholders included, gets a row at" in str(
             warning.message
         )
         assert said == (not variable), (variable, str(warning.message))
