@@ -204,7 +204,8 @@ def validate_trainer_config(trainer: Any) -> None:
             (:data:`OWN_KEYS`: it would be ignored); it is on with a strategy other than
             ``megatron``; it is on without ``max_tokens_per_microbatch`` a whole number > 0; the
             planner is not registered; the per-micro-batch overhead is not a finite number >= 0;
-            the memory budget is not a number of GiB > 0, or too small for one micro-batch.
+            the memory budget is not a number of GiB > 0, or too small for one micro-batch; a
+            role's interleaving group is under its pipeline size.
     """
     flag = trainer.use_dynamic_batch_size
     if not isinstance(flag, bool):
