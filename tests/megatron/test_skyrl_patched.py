@@ -1039,6 +1039,19 @@ def test_validate_cfg_refuses_use_dynamic_batch_size_where_it_does_nothing(patch
     ]
     # A probe: accepted, and the placeholder rows (no recorded experts) counted in the router.
     replay_case = ((MEGATRON_ON + replay, "moe_enable_routing_replay=true with"),)
+    # A probe: an interleaving group under the pipeline passed, refused at the first step.
+    kwargs = "trainer.policy.megatron_config.transformer_config_kwargs"
+    interleaved = MEGATRON_ON + [
+        "trainer.placement.policy_num_gpus_per_node=2",
+        "trainer.placement.colocate_all=false",
+        "trainer.placement.ref_num_gpus_per_node=2",
+        "trainer.policy.megatron_config.pipeline_model_parallel_size=2",
+        f"{kwargs}.virtual_pipeline_model_parallel_size=2",
+    ]
+    replay_case += (
+        (interleaved + [f"{kwargs}.microbatch_group_size_per_vp_stage=1"], "stage=1 is smaller"),
+        (interleaved + [f"{kwargs}.microbatch_group_size_per_vp_stage=2"], None),
+    )
     cases = CONFIG_CASES + BAD_BUDGET_CASES + BAD_MEMORY_CASES + OVERHEAD_CASES + OFF_CASES
     cases += replay_case
     results = _validate_cfg(patched_skyrl, [c for c, _ in cases])
@@ -1066,7 +1079,10 @@ def test_memory_budget_is_planned_in_validate_cfg_naming_trainer_max_memory_gib(
     base = MEGATRON_ON + [
         f"trainer.policy.model.path={tmp_path}",
         "trainer.placement.colocate_all=false",
+        "trainer.placement.ref_num_gpus_per_node=2",
         "trainer.placement.policy_num_gpus_per_node=2",
+        "trainer.placement.colocate_all=false",
+        "trainer.placement.ref_num_gpus_per_node=2",
         "trainer.placement.ref_num_gpus_per_node=2",
         "trainer.policy.megatron_config.pipeline_model_parallel_size=2",
     ]
