@@ -75,6 +75,19 @@ BAD = {
         ["--use-slime-dynamic-batch-size"],
         "--use-slime-dynamic-batch-size is read only",
     ),
+    # Probes: each passed slime's validation and was refused by the first schedule, after the
+    # first rollout.
+    "budgets-under-a-sample": (
+        [*ON, "--tensor-model-parallel-size", "4", "--max-tokens-per-gpu", "2"]
+        + ["--log-probs-max-tokens-per-gpu", "3"],
+        "--max-tokens-per-gpu to at least 4. --log-probs-max-tokens-per-gpu=3 is smaller",
+    ),
+    "group-under-pipeline": (
+        [*ON, "--num-layers", "4", "--pipeline-model-parallel-size", "2"]
+        + ["--num-virtual-stages-per-pipeline-rank", "2"]
+        + ["--microbatch-group-size-per-virtual-pipeline-stage", "1"],
+        "microbatch_group_size_per_vp_stage is --microbatch-group-size-per-virtual-pipeline",
+    ),
 }
 #: name -> (extra argv, whether the hook stays on)
 GOOD = {
