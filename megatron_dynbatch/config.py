@@ -99,13 +99,23 @@ def attention_from_megatron(
     return "segment" if layout == "packed" else "causal"
 
 
+#: The memory budgets (GiB) taken: one byte or more (a budget under it became 0 bytes, refused in
+#: internal words, a probe), and at most 1e12 GiB (a larger finite one overflowed the byte count
+#: into a traceback, a probe); any real GPU lies far inside.
+MIN_GIB = 1e-9
+MAX_GIB = 1e12
+#: How a refusal words that range.
+GIB_RANGE = f"from {MIN_GIB:g}, one byte, to {MAX_GIB:g}"
+
+
 def is_gib(value: Any) -> bool:
-    """Whether ``value`` is a memory budget in GiB: a finite real number > 0 (not a bool)."""
+    """Whether ``value`` is a memory budget in GiB: a finite real number from :data:`MIN_GIB` to
+    :data:`MAX_GIB` (not a bool)."""
     return (
         not isinstance(value, bool)
         and isinstance(value, numbers.Real)
         and math.isfinite(value)
-        and value > 0
+        and MIN_GIB <= value <= MAX_GIB
     )
 
 
@@ -137,7 +147,8 @@ class _ConfigMethods:
         if memory is not None and memory != "auto":
             if not is_gib(memory):
                 raise DynBatchValueError(
-                    f"max_memory_gib={memory!r} must be a number of GiB > 0 or 'auto'; fix "
+                    f"max_memory_gib={memory!r} must be a number of GiB > 0 ({GIB_RANGE}) or "
+                    f"'auto'; fix "
                     f"{FLAGS['max_memory_gib']}."
                 )
             object.__setattr__(self, "max_memory_gib", float(memory))

@@ -29,7 +29,7 @@ import os
 from dataclasses import replace
 from typing import Any, Callable, Mapping, Optional
 
-from megatron_dynbatch.config import is_gib
+from megatron_dynbatch.config import GIB_RANGE, is_gib
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning.memory import (
     GIB,
@@ -69,14 +69,14 @@ def parse_gib(value: Any, key: str) -> Optional[float]:
             number = None
         if number is None or not is_gib(number):
             raise DynBatchValueError(
-                f"{key}={value!r} must be a number of GiB > 0 (what one training GPU may hold at "
-                f"its peak), e.g. {key}=70 on an 80 GiB GPU."
+                f"{key}={value!r} must be a number of GiB > 0 ({GIB_RANGE}: what one training GPU "
+                f"may hold at its peak), e.g. {key}=70 on an 80 GiB GPU."
             )
         value = number
     if not is_gib(value):
         raise DynBatchValueError(
-            f"{key}={value!r} must be a finite number of GiB > 0 (what one training GPU may hold "
-            f"at its peak), e.g. {key}=70 on an 80 GiB GPU."
+            f"{key}={value!r} must be a finite number of GiB > 0 ({GIB_RANGE}: what one training "
+            f"GPU may hold at its peak), e.g. {key}=70 on an 80 GiB GPU."
         )
     return float(value)
 

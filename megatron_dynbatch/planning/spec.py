@@ -659,7 +659,7 @@ class PlannerConfig:
             else:
                 fix = "raise --max-memory-gib, or recompute activations (--recompute-*)."
             raise DynBatchValueError(
-                f"the memory budget ({self.memory.budget_bytes / 2**30:.3f} GiB) cannot hold one "
+                f"the memory budget ({self.memory.budget_bytes / 2**30:.4g} GiB) cannot hold one "
                 f"micro-batch of {multiple} tokens on every pipeline stage (predicted at rest: "
                 f"{resting / 2**30:.3f} GiB); {fix}"
             )

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import sys
@@ -348,11 +347,13 @@ def _memory_limit(args, longest: Optional[int] = None):
         raise DynBatchValueError(
             "--fp16 and --bf16 both given; Megatron-LM trains in one of them: keep one."
         )
+    from megatron_dynbatch.config import GIB_RANGE, is_gib
+
     gib = args.max_memory_gib
-    if gib is not None and not (math.isfinite(gib) and gib > 0):
+    if gib is not None and not is_gib(gib):
         raise DynBatchValueError(
-            f"--max-memory-gib {gib} must be a number of GiB > 0 (one GPU's memory budget, e.g. "
-            "80), or leave it out to plan by --max-tokens-per-gpu alone."
+            f"--max-memory-gib {gib} must be a number of GiB > 0 ({GIB_RANGE}: one GPU's memory "
+            "budget, e.g. 80), or leave it out to plan by --max-tokens-per-gpu alone."
         )
 
     def build(config, parallel):

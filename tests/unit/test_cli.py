@@ -456,3 +456,17 @@ def test_plan_on_cpu_shows_the_plan_a_cpu_run_makes(tmp_path, capsys):
     explicit += ["--dynamic-batch-cost-attention", "segment"]
     assert main(explicit) == 0
     assert json.loads(capsys.readouterr().out)["steps"][0]["row_lengths"]
+
+
+@pytest.mark.parametrize("gib", ["2e299", "1e-10"])
+def test_plan_refuses_a_memory_budget_out_of_range_by_its_flag(tmp_path, capsys, gib):
+    """Probes: 2e299 GiB overflowed the byte count into a traceback; 1e-10 became 0 bytes,
+    refused as "budget_bytes=0 must be > 0" (no flag, no value, no fix)."""
+    path = tmp_path / "samples.json"
+    path.write_text("[5, 6]")
+    model = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2"]
+    plan = ["plan", str(path), "--json", "--max-tokens-per-gpu", "100", *model]
+    assert main([*plan, "--max-memory-gib", gib]) == 2
+    err = capsys.readouterr().err
+    assert f"--max-memory-gib {float(gib)} must be a number of GiB > 0 (from 1e-09" in err, err
+    assert main([*plan, "--max-memory-gib", "80"]) == 0

@@ -39,7 +39,9 @@ def test_slime_keeps_the_hook_only_while_ours_runs():
     assert MicroBatchPlanner.validate_args(_slime(max_memory_gib=70.0)) == HOOK_PATH
 
 
-@pytest.mark.parametrize("value", [-1.0, 0.0, math.nan, math.inf])
+# 1e300 and 1e-10: probes; the first overflowed the byte count into a traceback at the first
+# schedule, the second became 0 bytes, refused as "budget_bytes=0".
+@pytest.mark.parametrize("value", [-1.0, 0.0, math.nan, math.inf, 1e300, 1e-10])
 def test_slime_refuses_a_memory_budget_that_is_not_gib(value):
     with pytest.raises(DynBatchValueError, match=r"--max-memory-gib .* must be a number of GiB"):
         MicroBatchPlanner.validate_args(_slime(max_memory_gib=value))
@@ -149,7 +151,7 @@ def test_nemo_rl_memory_budget_too_small_names_the_key_and_the_smallest_that_wor
     assert "(a sample of policy.max_total_sequence_length=64, padded)" in str(refused.value)
 
 
-@pytest.mark.parametrize("value", [-1, 0, math.nan, math.inf, "lots", "-3"])
+@pytest.mark.parametrize("value", [-1, 0, math.nan, math.inf, "lots", "-3", 1e300, "1e-10"])
 def test_nemo_rl_memory_budget_must_be_gib(value):
     with pytest.raises(DynBatchValueError, match=r"policy\.megatron_cfg\.dynbatch\.max_memory_gib"):
         planner(_nemo(memory=value), 4, hf_config=TINY)

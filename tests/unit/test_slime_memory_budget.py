@@ -184,6 +184,8 @@ def test_under_error_a_token_budget_also_short_of_the_longest_is_named_beside_th
         (0.0, r"--max-memory-gib 0\.0 must be a number of GiB > 0"),
         (float("nan"), r"--max-memory-gib nan must be a number of GiB > 0"),
         (True, r"--max-memory-gib True must be a number of GiB > 0"),
+        (1e300, r"--max-memory-gib 1e\+300 must be a number of GiB > 0 \(from 1e-09"),
+        (1e-10, r"--max-memory-gib 1e-10 must be a number of GiB > 0 \(from 1e-09"),
     ],
 )
 def test_bad_budgets_are_refused_in_slimes_words(value, match):

@@ -77,9 +77,27 @@ def test_one_sample_over_what_a_rank_runs_is_told_to_go_or_be_cut():
         verify_machine.check_fits_machine(_spec(cap=2_000_000, samples=samples), cores=2)
     message = str(refused.value)
     assert "alone is more than that" in message and "--dp-size" not in message, message
-    cap = int(re.search(r"truncate with --max-tokens-per-gpu (\d+)", message).group(1))
+    cap = int(re.search(r"truncate with --max-tokens-per-gpu from 2 to (\d+)", message).group(1))
     config = PlannerConfig(max_tokens_per_gpu=cap, oversize_samples="truncate")
     verify_machine.check_fits_machine(verify_spec.build_spec(config, samples=samples), cores=2)
+
+
+def test_the_cut_named_for_a_long_sample_leaves_its_prompt_a_target():
+    """A probe: a 9,000-token sample with a 500-token prompt was told to truncate "with
+    --max-tokens-per-gpu 128 or less", which then left no loss token and was refused again."""
+    samples = [{"length": 9000, "prompt_length": 500}]
+    spec = verify_spec.build_spec(PlannerConfig(max_tokens_per_gpu=128), samples=samples)
+    with pytest.raises(DynBatchValueError) as refused:
+        verify_machine.check_fits_machine(spec, cores=2)
+    message = str(refused.value)
+    cap = int(re.search(r"truncate with --max-tokens-per-gpu (\d+) ", message).group(1))
+    assert cap == 501, message
+    cut = PlannerConfig(max_tokens_per_gpu=cap, oversize_samples="truncate")
+    verify_machine.check_fits_machine(verify_spec.build_spec(cut, samples=samples), cores=2)
+    # Without prompts the cut may go as low as two tokens (one target).
+    spec = verify_spec.build_spec(PlannerConfig(max_tokens_per_gpu=128), samples=[9000])
+    with pytest.raises(DynBatchValueError, match="--max-tokens-per-gpu from 2 to 128 "):
+        verify_machine.check_fits_machine(spec, cores=2)
 
 
 def test_one_long_sample_among_many_is_told_the_cut_and_the_ranks_that_fit_together():
@@ -93,7 +111,7 @@ def test_one_long_sample_among_many_is_told_the_cut_and_the_ranks_that_fit_toget
         verify_machine.check_fits_machine(spec, cores=2, available_bytes=24 * 2**30)
     message = str(refused.value)
     found = re.search(
-        r"truncate with --max-tokens-per-gpu (\d+) or less, --dynamic-batch-layout packed and "
+        r"truncate with --max-tokens-per-gpu from \d+ to (\d+), --dynamic-batch-layout packed and "
         r"--dp-size (\d+)",
         message,
     )

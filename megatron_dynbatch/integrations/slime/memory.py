@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence
 
-from megatron_dynbatch.config import attention_from_megatron, is_gib
+from megatron_dynbatch.config import GIB_RANGE, attention_from_megatron, is_gib
 from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.integrations.host_memory import check_row_fits
 from megatron_dynbatch.integrations.hosts import SLIME
@@ -63,8 +63,8 @@ def slime_max_memory_gib(args: Any) -> Optional[float]:
         )
     if not is_gib(value):
         raise DynBatchValueError(
-            f"{FLAG} {value!r} must be a number of GiB > 0 (what one training GPU may hold at its "
-            f"peak), e.g. {FLAG} 70."
+            f"{FLAG} {value!r} must be a number of GiB > 0 ({GIB_RANGE}: what one training GPU "
+            f"may hold at its peak), e.g. {FLAG} 70."
         )
     return float(value)
 

@@ -17,7 +17,7 @@ from megatron_dynbatch.errors import DynBatchValueError
 from megatron_dynbatch.planning import OversizeSampleWarning, PlannerConfig, SampleSet
 from megatron_dynbatch.planning.registry import run_planner
 from megatron_dynbatch.planning.spec import round_up
-from megatron_dynbatch.tools.verify.spec import VerifySpec
+from megatron_dynbatch.tools.verify.spec import VerifySpec, least_training_cap
 
 __all__ = ["check_fits_machine"]
 
@@ -133,11 +133,20 @@ def check_fits_machine(
             # rest may still be more than a rank runs (a probe: the fix named alone was refused
             # again, with the same words), and then more ranks share them.
             cap = min(config.max_tokens_per_gpu, MAX_COMPUTED_TOKENS_PER_RANK // 4)
-            cut = dataclasses.replace(config, oversize_samples="truncate", max_tokens_per_gpu=cap)
-            truncate = f"pass --oversize-samples truncate with --max-tokens-per-gpu {cap} or less"
-            tries = [(cut, truncate)]
-            if config.layout == "padded":
-                packed = dataclasses.replace(cut, layout="packed")
+            # A cut that leaves no sample a loss token is refused next (a probe: "128 or less"
+            # for a 500-token prompt): the cap keeps some sample's prompt and a target.
+            need = least_training_cap(spec.lengths, spec.prompts, parallel.sample_multiple)
+            tries = []
+            if need is not None:
+                cap = max(cap, need)
+                cut = dataclasses.replace(
+                    config, oversize_samples="truncate", max_tokens_per_gpu=cap
+                )
+                span = f"from {need} to {cap}" if need < cap else f"{cap}"
+                truncate = f"pass --oversize-samples truncate with --max-tokens-per-gpu {span}"
+                tries.append((cut, truncate))
+            if tries and config.layout == "padded":
+                packed = dataclasses.replace(tries[0][0], layout="packed")
                 tries.append((packed, f"{truncate}, --dynamic-batch-layout packed"))
             fix = ""
             for candidate, words in tries:

@@ -29,6 +29,7 @@ __all__ = [
     "MoESettings",
     "VerifySpec",
     "build_spec",
+    "least_training_cap",
     "plan_warnings",
 ]
 
@@ -276,15 +277,8 @@ def build_spec(
         )
         if targets == 0:
             keep = max(kept.values())
-            # The least cap at which some sample keeps a target (its prompt and one more token;
-            # the first token predicts nothing; verify runs no cp).
-            multiple = parallel.sample_multiple
-            need = min(
-                round_up(max(prompt or 0, 1) + 1, multiple)
-                for length, prompt in zip(
-                    sample_set.lengths, sample_set.prompt_lengths, strict=True
-                )
-                if length > max(prompt or 0, 1)
+            need = least_training_cap(
+                sample_set.lengths, sample_set.prompt_lengths, parallel.sample_multiple
             )
             raise DynBatchValueError(
                 f"--oversize-samples truncate keeps the first {keep} tokens of "
@@ -295,6 +289,20 @@ def build_spec(
                 "the cap."
             )
     return spec
+
+
+def least_training_cap(
+    lengths: Sequence[int], prompts: Sequence[Optional[int]], multiple: int
+) -> Optional[int]:
+    """The least token cap at which a cut (``--oversize-samples truncate``) leaves some sample a
+    loss token: its prompt and one more token (the first token predicts nothing; verify runs no
+    cp), padded to ``multiple``; ``None`` where no sample trains a token even whole."""
+    needs = [
+        round_up(max(prompt or 0, 1) + 1, multiple)
+        for length, prompt in zip(lengths, prompts, strict=True)
+        if length > max(prompt or 0, 1)
+    ]
+    return min(needs) if needs else None
 
 
 def plan_warnings(spec: VerifySpec) -> list:
