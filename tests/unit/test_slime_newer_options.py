@@ -29,6 +29,20 @@ def test_sample_is_multimodal_is_accepted_where_slime_would_not_separate():
         _schedule(slime_args(max_tokens_per_gpu=1024), sample_is_multimodal=[True])
 
 
+@pytest.mark.parametrize("bad", ["no", None, 2, 0.5])
+def test_sample_is_multimodal_entries_must_be_bools(bad):
+    """A probe: "no" was read as multimodal (a non-empty string) and None as text-only."""
+    args = slime_args(max_tokens_per_gpu=1024, multimodal_aware_packing="separate")
+    flags = [False] * 7 + [bad]
+    with pytest.raises(DPScheduleError, match=rf"sample_is_multimodal\[7\]={bad!r} is not a bool"):
+        _schedule(args, sample_is_multimodal=flags)
+    # numpy's bools and 0 / 1 are bools to slime too.
+    import numpy as np
+
+    for ok in ([0, 1] * 4, list(np.zeros(8, dtype=bool))):
+        _schedule(slime_args(max_tokens_per_gpu=1024), sample_is_multimodal=ok)
+
+
 @pytest.mark.parametrize("mode", ["separate", "separate_raw"])
 def test_separating_multimodal_samples_is_refused_by_name(mode):
     args = slime_args(max_tokens_per_gpu=1024, multimodal_aware_packing=mode)

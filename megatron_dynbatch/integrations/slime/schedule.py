@@ -53,6 +53,7 @@ Standard library and the pure planner only: slime's rollout manager imports it w
 from __future__ import annotations
 
 import gc
+import numbers
 import warnings
 from dataclasses import replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -205,6 +206,16 @@ def _lengths(total_lengths: Any) -> List[int]:
     return lengths
 
 
+def _is_flag(value: Any) -> bool:
+    """A bool, numpy's or torch's one-element bool, or the integers 0 and 1."""
+    if isinstance(value, bool) or type(value).__name__ in ("bool_", "bool"):  # numpy 1, 2
+        return True
+    if isinstance(value, numbers.Integral):
+        return value in (0, 1)
+    dtype = getattr(value, "dtype", None)
+    return str(dtype) == "torch.bool" and getattr(value, "numel", lambda: 0)() == 1
+
+
 def _check_newer_slime(
     args: Any, sample_is_multimodal: Any, num_samples: int, use_dynamic: bool
 ) -> None:
@@ -217,6 +228,13 @@ def _check_newer_slime(
                 f"sample_is_multimodal has {len(flags)} entries for {num_samples} samples; pass "
                 "one bool per sample of total_lengths."
             )
+        # Read by truth value, "no" was multimodal and None text-only (a probe): bools only.
+        for i, flag in enumerate(flags):
+            if not _is_flag(flag):
+                raise DPScheduleError(
+                    f"sample_is_multimodal[{i}]={flag!r} is not a bool; pass one True or False "
+                    "per sample of total_lengths."
+                )
         mode = getattr(args, "multimodal_aware_packing", "off")
         if use_dynamic and mode in ("separate", "separate_raw") and any(flags):
             raise DynBatchValueError(
