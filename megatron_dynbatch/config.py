@@ -33,6 +33,7 @@ __all__ = [
     "attention_from_megatron",
     "config_from_mapping",
     "load_yaml_config",
+    "megatron_setting_flags",
 ]
 
 #: The config settings, one row each (:mod:`megatron_dynbatch.settings`: add a setting there).
@@ -56,6 +57,14 @@ _COST_FIELDS = tuple(
 #: The planner's setting -> the flag that sets it (for :func:`setting_flags`); the fields checked
 #: here rather than by the planner (``max_memory_gib``) have no planner name.
 _SETTING_FLAGS = {_PLANNER_NAMES[name]: FLAGS[name] for name in _PLANNER_NAMES}
+
+
+def megatron_setting_flags():
+    """A context in which the planner's refusals name its settings by these Megatron flags, for
+    what the planner checks only with the samples in hand (the cost model against the longest
+    sample's row: a probe saw ``attention_weight=1e+290`` where the config's own check, for the
+    cap's row, names ``--dynamic-batch-cost-attention-weight``)."""
+    return setting_flags(_SETTING_FLAGS)
 
 
 def attention_from_megatron(

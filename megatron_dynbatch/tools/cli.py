@@ -540,6 +540,7 @@ def _check_budget_holds_longest(args, lengths) -> None:
 
 
 def _cmd_plan(args) -> int:
+    from megatron_dynbatch.config import megatron_setting_flags
     from megatron_dynbatch.planning import get_planner, run_planner
     from megatron_dynbatch.planning.invariants import PlanInvariantError
 
@@ -559,7 +560,8 @@ def _cmd_plan(args) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            plan = run_planner(samples, config)
+            with megatron_setting_flags():
+                plan = run_planner(samples, config)
         except (DynBatchRuntimeError, PlanInvariantError) as exc:
             # A planner that cannot schedule this input (an upstream scheduler's own check), or
             # a registered planner whose plan broke a guarantee (run_planner's check).
@@ -648,9 +650,11 @@ def _cmd_verify(args) -> int:
             # was no fix (a re-probe).
             check_verify_layout(_parallel_layout(args), moe)
             _check_budget_holds_longest(args, lengths)
-    return run_verify_cli(
-        _planner_config(args), loss=args.loss, samples=samples, as_json=args.json, moe=moe
-    )
+    from megatron_dynbatch.config import megatron_setting_flags
+
+    config = _planner_config(args)
+    with megatron_setting_flags():
+        return run_verify_cli(config, loss=args.loss, samples=samples, as_json=args.json, moe=moe)
 
 
 def _cmd_calibrate(args) -> int:

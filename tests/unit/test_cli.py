@@ -470,3 +470,16 @@ def test_plan_refuses_a_memory_budget_out_of_range_by_its_flag(tmp_path, capsys,
     err = capsys.readouterr().err
     assert f"--max-memory-gib {float(gib)} must be a number of GiB > 0 (from 1e-09" in err, err
     assert main([*plan, "--max-memory-gib", "80"]) == 0
+
+
+@pytest.mark.parametrize(
+    "flag", ["--dynamic-batch-cost-attention-weight", "--cost-attention-weight"]
+)
+def test_a_cost_overflow_on_the_longest_sample_names_the_flag(tmp_path, capsys, flag):
+    """A probe: the overflow caught on an oversize sample's row (100,000 tokens, not the cap's)
+    named the weight by the cost model's field (``attention_weight=1e+290``)."""
+    path = tmp_path / "samples.json"
+    path.write_text("[100000, 5]")
+    assert main(["plan", str(path), "--json", "--max-tokens-per-gpu", "4096", flag, "1e290"]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag}=1e+290" in err and "attention_weight" not in err, err
