@@ -493,9 +493,9 @@ def _check_budgets_hold_longest(args, limit, config, parallel, longest: int) -> 
 
 def _check_budget_holds_longest(args, lengths) -> None:
     """A token budget under one padded sample, under ``--oversize-samples error`` or planner
-    ``fixed``: the config
-    names the least budget for any sample, and the plan then refused it for the longest (a probe:
-    "at least 16", then "at least 1504"). With the lengths in hand, name the one that plans."""
+    ``fixed``: the config names the least budget for any sample, and the plan then refused it for
+    the longest (a probe: "at least 16", then "at least 1504"). With the lengths in hand, name
+    the one that plans."""
     from megatron_dynbatch.planning.spec import sample_multiple
 
     budget, cp = args.max_tokens_per_gpu, args.cp_size

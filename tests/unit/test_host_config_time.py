@@ -219,8 +219,12 @@ def test_slime_refuses_an_interleaving_group_under_the_pipeline_at_argument_vali
     )
     with pytest.raises(DynBatchValueError, match="smaller than pp_size=4"):
         MicroBatchPlanner.validate_args(_slime(**per_stage, microbatch_group_size_per_vp_stage=3))
-    with pytest.raises(DynBatchValueError, match="stage 0 must be a whole number >= 1"):
+    with pytest.raises(DynBatchValueError) as caught:
         MicroBatchPlanner.validate_args(_slime(**interleaved, microbatch_group_size_per_vp_stage=0))
+    said = str(caught.value)
+    assert "microbatch_group_size_per_vp_stage=0 must be >= 1" in said, said
+    assert "is --microbatch-group-size-per-virtual-pipeline-stage" in said, said
+    assert "train_parallel_config" not in said, said
     assert MicroBatchPlanner.validate_args(_slime(**interleaved)) == HOOK_PATH
     # Without interleaving Megatron reads no group, and neither do we.
     flat = dict(pipeline_model_parallel_size=2, microbatch_group_size_per_vp_stage=1)

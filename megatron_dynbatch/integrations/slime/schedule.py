@@ -625,20 +625,17 @@ def check_validated_layout(args: Any) -> None:
         "cp_size": getattr(args, "context_parallel_size", None) or 1,
         "vpp_size": virtual_pipeline_size(args) or 1,
     }
-    group = getattr(args, "microbatch_group_size_per_vp_stage", None)
-    if group is not None and reported["vpp_size"] > 1:  # only interleaving reads it
-        if isinstance(group, bool) or not isinstance(group, int) or group < 1:
-            flag = "--microbatch-group-size-per-virtual-pipeline-stage"
-            raise DynBatchValueError(
-                f"{flag} {group!r} must be a whole number >= 1 (micro-batches per interleaving "
-                f"group); omit it to use Megatron's default (--pipeline-model-parallel-size), or "
-                f"pass {flag} {getattr(args, 'pipeline_model_parallel_size', None) or 1}."
-            )
-        reported["microbatch_group_size_per_vp_stage"] = group
     with slime_flags(), safety_margin_named(args):
         sizes = _parallel_sizes(args, reported)
         config = dynbatch_config_from_slime_args(args)
-        layout = _layout(sizes, 1)
+        # The group as slime's flag gives it, checked by the layout itself (only interleaving
+        # reads it): not through train_parallel_config's check, whose words name the actor's
+        # report.
+        group = getattr(args, "microbatch_group_size_per_vp_stage", None)
+        layout = replace(
+            _layout(sizes, 1),
+            microbatch_group_size_per_vp_stage=group if sizes["vpp_size"] > 1 else None,
+        )
         passes = [False]
         if getattr(args, "log_probs_max_tokens_per_gpu", None) is not None:
             passes.append(True)
@@ -648,7 +645,7 @@ def check_validated_layout(args: Any) -> None:
                 config.planner_config(layout, forward_only=forward_only)
             except DynBatchValueError as error:
                 if not forward_only and "padded sample" not in str(error):
-                    raise  # the layout itself (the group): one refusal, the same for both
+                    raise  # not a budget short of one padded sample: one refusal, as raised
                 refused.append(str(error))
         if len(refused) == 1:
             raise DynBatchValueError(refused[0])
